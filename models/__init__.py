@@ -1,0 +1,1 @@
+"""The model hub, installed as ``nxdt.models`` (one module + one config per model)."""
