@@ -1,0 +1,157 @@
+"""Atomic directory checkpoints: ``checkpoints/step-<N>/`` written under a temporary name, completed
+with a ``done`` marker, made visible by one rename, and ``latest`` updated last.
+
+A crash at any moment leaves either the previous complete checkpoint or the new one, never a half
+written directory that a resume could pick up: readers only accept directories holding ``done``.
+
+Layout of one checkpoint directory::
+
+    step-12/
+      model.safetensors      model state (tensors only: safe to load, no pickle)
+      trainer_state.pt       everything else Lightning keeps (optimizer, loops, schedulers, callbacks),
+                             saved with torch.save and loaded with ``weights_only=True``
+      meta.json              step, layout, format version
+      done                   written last, before the rename
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FORMAT_VERSION = 1
+DONE_MARKER = "done"
+LATEST_FILE = "latest"
+_TMP_PREFIX = ".tmp-"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read or written; the message names the path and the fix."""
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    return (Path(path) / DONE_MARKER).is_file()
+
+
+def _step_of(path: Path) -> int:
+    try:
+        return int(path.name.rsplit("-", 1)[1])
+    except (IndexError, ValueError):
+        return -1
+
+
+def list_complete(checkpoint_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints under ``checkpoint_dir``, oldest first (by step)."""
+    root = Path(checkpoint_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(_TMP_PREFIX) and is_complete(p)]
+    return sorted(found, key=_step_of)
+
+
+def latest_complete(checkpoint_dir: str | os.PathLike) -> Path | None:
+    found = list_complete(checkpoint_dir)
+    return found[-1] if found else None
+
+
+def remove_incomplete(checkpoint_dir: str | os.PathLike) -> list[Path]:
+    """Delete leftovers of interrupted saves (temporary directories, directories without ``done``)."""
+    root = Path(checkpoint_dir)
+    removed = []
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.is_dir() and (p.name.startswith(_TMP_PREFIX) or not is_complete(p)):
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+    return removed
+
+
+def _split_state(checkpoint: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    state = dict(checkpoint)
+    model_state = state.pop("state_dict", {})
+    # Hyper-parameters may hold arbitrary user objects; they are re-created from the config, not the
+    # checkpoint, so they are not stored (keeps trainer_state.pt loadable with weights_only=True).
+    for key in ("hyper_parameters", "hparams_name", "datamodule_hyper_parameters", "hparams_type"):
+        state.pop(key, None)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in model_state.items()}
+    return tensors, state
+
+
+def save(checkpoint: dict[str, Any], path: str | os.PathLike, meta: dict[str, Any] | None = None) -> Path:
+    """Write ``checkpoint`` (a Lightning checkpoint dict) atomically to the directory ``path``."""
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f"{_TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+    tensors, rest = _split_state(checkpoint)
+    try:
+        tmp.mkdir()
+        # safetensors refuses tensors that share storage (tied embeddings): store each once.
+        save_file(_dedupe_shared(tensors), str(tmp / "model.safetensors"))
+        torch.save(rest, tmp / "trainer_state.pt")
+        info = {"format_version": FORMAT_VERSION, "step": rest.get("global_step"), **(meta or {})}
+        (tmp / "meta.json").write_text(json.dumps(info, indent=2))
+        _fsync_dir_files(tmp)
+        (tmp / DONE_MARKER).write_text("ok\n")
+        if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_latest(final)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"could not write checkpoint {final}: {exc.strerror or exc}; the previous checkpoint is intact "
+            f"— free disk space or point exp_manager.exp_dir elsewhere"
+        ) from exc
+    return final
+
+
+def _dedupe_shared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    seen: dict[tuple[int, int, tuple], str] = {}
+    out = {}
+    for name, t in tensors.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key in seen:
+            out[name] = t.clone()  # an alias: a separate copy keeps the format simple and safe
+        else:
+            seen[key] = name
+            out[name] = t
+    return out
+
+
+def _fsync_dir_files(directory: Path) -> None:
+    for f in directory.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+
+
+def _write_latest(final: Path) -> None:
+    latest = final.parent / LATEST_FILE
+    tmp = final.parent / f"{_TMP_PREFIX}{LATEST_FILE}-{uuid.uuid4().hex[:8]}"
+    tmp.write_text(final.name + "\n")
+    os.replace(tmp, latest)
+
+
+def load(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a complete checkpoint directory back into a Lightning checkpoint dict (no arbitrary unpickling)."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint {root} does not exist or is not a directory — pass a checkpoints/step-<N> directory")
+    if not is_complete(root):
+        raise CheckpointError(f"checkpoint {root} is incomplete (no '{DONE_MARKER}' marker: the save was interrupted) — resume from an earlier one")
+    try:
+        state = torch.load(root / "trainer_state.pt", map_location="cpu", weights_only=True)
+        state["state_dict"] = load_file(str(root / "model.safetensors"), device="cpu")
+    except Exception as exc:  # corrupted or truncated files: one message, no deep traceback
+        raise CheckpointError(f"checkpoint {root} is unreadable ({type(exc).__name__}: {exc}) — delete it or resume from an earlier one") from exc
+    return state
+
+
+def remove(path: str | os.PathLike) -> None:
+    shutil.rmtree(path, ignore_errors=True)

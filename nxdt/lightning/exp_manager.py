@@ -1,0 +1,104 @@
+"""Experiment manager: what a run leaves in its directory.
+
+``metrics.csv`` (one row per logged step, flushed as written so a crash loses nothing already
+logged), TensorBoard event files, ``checkpoints/step-<N>/`` (atomic, ``keep_last_k``), the newest
+complete checkpoint for ``resume_if_exists``, and a rich progress bar on rank 0.
+"""
+
+from __future__ import annotations
+
+import csv
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, RichProgressBar
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from nxdt.lightning import checkpoint as ckpt_io
+
+METRIC_COLUMNS = ("step", "loss", "lr", "step_time_s", "tokens_per_s")
+
+
+class StepMetricsLogger(Callback):
+    """Writes ``metrics.csv`` (and TensorBoard scalars) from the module's ``step_metrics``, on rank 0."""
+
+    def __init__(self, path: Path, tokens_per_step: int, every_n_steps: int = 1) -> None:
+        self.path = Path(path)
+        self.tokens_per_step = tokens_per_step
+        self.every_n_steps = max(1, every_n_steps)
+        self._last_time: float | None = None
+        self._last_step = -1
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_time = time.perf_counter()
+        self._last_step = trainer.global_step
+        if trainer.is_global_zero:
+            self._truncate_after(trainer.global_step)
+
+    def _truncate_after(self, step: int) -> None:
+        """On resume, drop rows a crashed attempt logged past the checkpoint: they are re-run now."""
+        if not self.path.exists():
+            return
+        with open(self.path, newline="") as fh:
+            rows = [r for r in csv.DictReader(fh) if int(r["step"]) <= step]
+        with open(self.path, "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=METRIC_COLUMNS)
+            writer.writeheader()
+            writer.writerows(rows)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        metrics = getattr(pl_module, "step_metrics", None)
+        if not metrics or metrics["step"] == self._last_step:
+            return  # mid-accumulation: no optimizer step happened
+        now = time.perf_counter()
+        step_time = (now - self._last_time) / max(1, metrics["step"] - self._last_step)
+        self._last_time, self._last_step = now, metrics["step"]
+        if not trainer.is_global_zero or metrics["step"] % self.every_n_steps:
+            return
+        row = {**metrics, "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time if step_time > 0 else 0.0}
+        new_file = not self.path.exists()
+        with open(self.path, "a", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=METRIC_COLUMNS, extrasaction="ignore")
+            if new_file:
+                writer.writeheader()
+            writer.writerow(row)
+        for logger in trainer.loggers:
+            logger.log_metrics({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+
+
+class DirectoryCheckpoint(ModelCheckpoint):
+    """Lightning's checkpoint scheduling (every N steps, keep the newest k) writing ``step-<N>`` directories."""
+
+    FILE_EXTENSION = ""
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def resume_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of the run; leftovers of an interrupted save are removed first."""
+    ckpt_io.remove_incomplete(checkpoint_dir(run_dir))
+    return ckpt_io.latest_complete(checkpoint_dir(run_dir))
+
+
+def build_callbacks(cfg: Any, run_dir: Path, tokens_per_step: int, *, show_progress: bool) -> list[Callback]:
+    callbacks: list[Callback] = [StepMetricsLogger(run_dir / "metrics.csv", tokens_per_step, cfg.trainer.log_every_n_steps)]
+    every = cfg.exp_manager.checkpoint_every_n_steps
+    if every:
+        callbacks.append(DirectoryCheckpoint(
+            dirpath=checkpoint_dir(run_dir), filename="step-{step}", auto_insert_metric_name=False,
+            every_n_train_steps=every, save_top_k=cfg.exp_manager.keep_last_k, monitor="step", mode="max",
+            save_last=False, save_on_train_epoch_end=False,
+        ))
+    if show_progress:
+        callbacks.append(RichProgressBar(leave=True))
+    return callbacks
+
+
+def build_loggers(cfg: Any, run_dir: Path) -> list[Any]:
+    if not cfg.exp_manager.create_tensorboard_logger:
+        return []
+    return [TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version="", default_hp_metric=False)]

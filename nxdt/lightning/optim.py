@@ -1,0 +1,58 @@
+"""Optimizer and learning-rate schedule from ``model.optim`` (NxDT/NeMo names)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+# NxDT's optimizer names; all are AdamW here (fp32 optimizer state is what nxdt always keeps).
+_ADAMW_NAMES = ("adamw", "adamw_fp32OptState")
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """No weight decay on norms, biases and other 1-D parameters (the usual LLM recipe)."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, optim_cfg: Any) -> torch.optim.Optimizer:
+    if optim_cfg.name not in _ADAMW_NAMES:
+        raise ValueError(f"model.optim.name={optim_cfg.name!r} is not supported; use one of {list(_ADAMW_NAMES)}")
+    return torch.optim.AdamW(
+        parameter_groups(model, optim_cfg.weight_decay),
+        lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
+        # foreach kernels allocate extra temporaries; per-parameter loops are as fast for small CPU models
+        foreach=False,
+    )
+
+
+def lr_lambda(sched_cfg: Any, base_lr: float) -> Callable[[int], float]:
+    """Multiplier of the base lr at optimizer step ``step`` (linear warm-up, then the named decay)."""
+    warmup, total = max(0, sched_cfg.warmup_steps), max(1, sched_cfg.max_steps)
+    floor = sched_cfg.min_lr / base_lr if base_lr > 0 else 0.0
+    name = sched_cfg.name
+
+    def multiplier(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if name == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if name == "CosineAnnealing":
+            return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        if name == "LinearAnnealingWithWarmUp":
+            return floor + (1.0 - floor) * (1.0 - progress)
+        raise ValueError(f"model.optim.sched.name={name!r} is not supported; use CosineAnnealing, LinearAnnealingWithWarmUp or constant")
+
+    return multiplier
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, sched_cfg: Any) -> torch.optim.lr_scheduler.LambdaLR:
+    base_lr = optimizer.param_groups[0]["lr"]
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(sched_cfg, base_lr))

@@ -1,0 +1,40 @@
+"""Learning-rate schedules of ``model.optim.sched`` (NxDT names)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nxdt.lightning.optim import build_optimizer, build_scheduler, lr_lambda
+
+
+def _sched(name, warmup=4, total=20, min_lr=0.0):
+    return SimpleNamespace(name=name, warmup_steps=warmup, max_steps=total, min_lr=min_lr)
+
+
+def test_warmup_then_cosine_reaches_min_lr():
+    f = lr_lambda(_sched("CosineAnnealing", min_lr=1e-4), base_lr=1e-3)
+    assert [f(s) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert f(4) == pytest.approx(1.0)
+    assert f(12) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert f(20) == pytest.approx(0.1) and f(100) == pytest.approx(0.1)
+
+
+def test_linear_annealing_and_constant():
+    lin = lr_lambda(_sched("LinearAnnealingWithWarmUp", warmup=0, total=10), base_lr=1.0)
+    assert [lin(s) for s in (0, 5, 10)] == pytest.approx([1.0, 0.5, 0.0])
+    assert lr_lambda(_sched("constant", warmup=0), 1.0)(7) == 1.0
+    with pytest.raises(ValueError, match="sched.name='Nope'"):
+        lr_lambda(_sched("Nope", warmup=0), 1.0)(3)
+
+
+def test_no_weight_decay_on_vectors_and_scheduler_steps():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    optim_cfg = SimpleNamespace(name="adamw", lr=1e-2, weight_decay=0.1, betas=[0.9, 0.95], eps=1e-8, sched=_sched("constant", warmup=2))
+    opt = build_optimizer(model, optim_cfg)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert [len(g["params"]) for g in opt.param_groups] == [1, 3]
+    sched = build_scheduler(opt, optim_cfg.sched)
+    assert opt.param_groups[0]["lr"] == pytest.approx(5e-3)
+    opt.step(); sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2)
