@@ -1,1 +1,129 @@
+"""Composing, validating, saving and loading configs (pure data: no torch.distributed, no processes).
 
+``compose_config(overrides)`` is what ``nxdt train`` and ``nxdt plan`` use; workers read the resolved
+``config.yaml`` the launcher wrote with ``load_run_config`` and never re-enter Hydra.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException, MissingConfigException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from nxdt.config.schema import Config, field_docs, register_schemas
+from nxdt.config.validate import ConfigError, validate
+
+__all__ = ["Config", "ConfigError", "compose_config", "load_run_config", "save_run_config", "to_config", "validate", "field_docs",
+           "CONFIG_MODULE", "config_error_from_hydra", "available_options"]
+
+CONFIG_MODULE = "nxdt.conf"
+
+
+def available_options(group: str) -> list[str]:
+    root = Path(__import__(CONFIG_MODULE, fromlist=["_"]).__file__).parent / group
+    return sorted(p.stem for p in root.glob("*.yaml"))
+
+
+def _closest(name: str, candidates: list[str]) -> str:
+    match = difflib.get_close_matches(name, candidates, n=1)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _keys_of(section: str) -> list[str]:
+    prefix = f"{section}." if section else ""
+    return [k for k, _, _ in field_docs() if k.startswith(prefix)]
+
+
+def config_error_from_hydra(exc: BaseException) -> ConfigError:
+    """Turn Hydra/OmegaConf composition errors into one line naming the key, the value and the fix."""
+    text = str(exc)
+    cause = str(exc.__cause__) if exc.__cause__ else ""
+    both = text + "\n" + cause
+    m = re.search(r"Could not find '([^/']+)/([^']+)'", both)
+    if m:
+        group, option = m.groups()
+        opts = available_options(group)
+        return ConfigError(group, option, f"unknown {group}{_closest(option, opts)}; available: {', '.join(opts)}")
+    m = re.search(r"full_key: (\S+)", cause)
+    key = m.group(1) if m else None
+    m = re.search(r"Value '([^']*)' of type '\w+' could not be converted to (\w+)", cause)
+    if m and key:
+        return ConfigError(key, m.group(1), f"must be of type {m.group(2).lower()}")
+    if re.search(r"Key '[^']+' not in '\w+'", cause) and key:
+        all_keys = [k for k, _, _ in field_docs()]
+        prefix_len = key.count(".") + 1
+        candidates = sorted({".".join(k.split(".")[:prefix_len]) for k in all_keys if k.count(".") + 1 >= prefix_len})
+        return ConfigError(key, "", f"unknown key{_closest(key, candidates)}; `nxdt train --help` lists every key")
+    first = next((line for line in (cause or text).splitlines() if line.strip()), type(exc).__name__)
+    return ConfigError(key or "config", "", first.strip())
+
+
+def _reject_unknown_keys(cfg: DictConfig) -> None:
+    known = {k for k, _, _ in field_docs()}
+    sections = {k.rsplit(".", 1)[0] for k in known if "." in k}
+    for key in _leaf_keys(cfg):
+        if key not in known and key not in sections:
+            depth = key.count(".") + 1
+            candidates = sorted({".".join(k.split(".")[:depth]) for k in known if k.count(".") + 1 >= depth})
+            raise ConfigError(key, "", f"unknown key{_closest(key, candidates)}; `nxdt train --help` lists every key")
+
+
+def _leaf_keys(node: Any, prefix: str = "") -> list[str]:
+    if not isinstance(node, DictConfig):
+        return [prefix[:-1]]
+    keys = []
+    for k in node.keys():
+        keys.extend(_leaf_keys(node._get_node(k), f"{prefix}{k}."))
+    return keys
+
+
+def to_config(cfg: DictConfig) -> Config:
+    """Resolve interpolations and turn the DictConfig into typed dataclass instances."""
+    _reject_unknown_keys(cfg)
+    try:
+        OmegaConf.resolve(cfg)
+        return OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", "") or "config"
+        raise ConfigError(key, "", str(exc).splitlines()[0]) from None
+
+
+def compose_config(overrides: list[str] | tuple[str, ...] = (), config_name: str = "config", *, check: bool = True) -> Config:
+    register_schemas()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+            cfg = compose(config_name=config_name, overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise config_error_from_hydra(exc) from None
+    finally:
+        GlobalHydra.instance().clear()
+    OmegaConf.set_struct(cfg, False)
+    cfg.pop("hydra", None)
+    config = to_config(cfg)
+    if check:
+        validate(config)
+    return config
+
+
+def save_run_config(config: Config, path: str | Path) -> None:
+    Path(path).write_text(OmegaConf.to_yaml(OmegaConf.structured(config)))
+
+
+def load_run_config(path: str | Path) -> Config:
+    """Read a resolved ``config.yaml`` back into the typed schema (unknown keys and bad types fail)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(str(path), "", "no such run config; pass a run directory written by `nxdt train`")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(getattr(exc, "full_key", "") or str(path), "", str(exc).splitlines()[0]) from None
+    return to_config(merged)

@@ -68,6 +68,21 @@ class StepMetricsLogger(Callback):
             logger.log_metrics({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
 
+class InjectedFault(RuntimeError):
+    """Raised on purpose by :class:`FaultInjection` (reliability drills and tests)."""
+
+
+class FaultInjection(Callback):
+    """Raise on ``rank`` when optimizer step ``step`` starts: rehearses a worker crash for real."""
+
+    def __init__(self, step: int, rank: int | None) -> None:
+        self.step, self.rank = step, rank
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step + 1 == self.step and self.rank in (None, trainer.global_rank):
+            raise InjectedFault(f"injected fault at step {self.step} on rank {trainer.global_rank} (exp_manager.fault_injection)")
+
+
 class DirectoryCheckpoint(ModelCheckpoint):
     """Lightning's checkpoint scheduling (every N steps, keep the newest k) writing ``step-<N>`` directories."""
 
@@ -93,6 +108,9 @@ def build_callbacks(cfg: Any, run_dir: Path, tokens_per_step: int, *, show_progr
             every_n_train_steps=every, save_top_k=cfg.exp_manager.keep_last_k, monitor="step", mode="max",
             save_last=False, save_on_train_epoch_end=False,
         ))
+    fault = cfg.exp_manager.fault_injection
+    if fault.step is not None:
+        callbacks.append(FaultInjection(fault.step, fault.rank))
     if show_progress:
         callbacks.append(RichProgressBar(leave=True))
     return callbacks

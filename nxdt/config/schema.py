@@ -1,0 +1,180 @@
+"""Typed config schemas (dataclasses in Hydra's ConfigStore), one-line doc per field.
+
+Top-level keys follow NxDT (``name, seed, trainer, exp_manager, distributed_strategy, data, model,
+precision``) plus nxdt's own ``instance`` and ``comm``. Pure data: no torch, no processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+def doc(default: Any, help: str, **kwargs: Any) -> Any:
+    """A dataclass field with its one-line documentation (shown by ``nxdt train --help``)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help}, **kwargs)
+    if is_dataclass(default):
+        return field(default_factory=type(default), metadata={"help": help}, **kwargs)
+    return field(default=default, metadata={"help": help}, **kwargs)
+
+
+@dataclass
+class TrainerConfig:
+    devices: int = doc(2, "worker processes (ranks) per node")
+    num_nodes: int = doc(1, "number of nodes")
+    max_steps: int = doc(50, "optimizer steps to train (one step = one global batch)")
+    max_epochs: int = doc(-1, "epoch limit; -1 = bounded by max_steps only")
+    log_every_n_steps: int = doc(1, "write a metrics.csv row every N steps")
+    gradient_clip_val: Optional[float] = doc(1.0, "clip the global gradient norm to this value; null = no clipping")
+    lnc: Optional[int] = doc(None, "logical NeuronCore size (Trainium); null = the instance default")
+
+
+@dataclass
+class FaultInjectionConfig:
+    step: Optional[int] = doc(None, "raise an error when this optimizer step starts (reliability drills); null = off")
+    rank: Optional[int] = doc(None, "rank that fails; null = every rank")
+
+
+@dataclass
+class ExpManagerConfig:
+    exp_dir: str = doc("outputs", "root of run directories: <exp_dir>/<name>/<timestamp>/")
+    explicit_log_dir: Optional[str] = doc(None, "use exactly this run directory instead")
+    resume_if_exists: bool = doc(False, "resume from the newest complete checkpoint of the newest run of this name")
+    checkpoint_every_n_steps: Optional[int] = doc(None, "save checkpoints/step-<N>/ every N steps; null = never")
+    keep_last_k: int = doc(2, "keep only the newest k checkpoints")
+    create_tensorboard_logger: bool = doc(True, "write TensorBoard event files under tensorboard/")
+    fault_injection: FaultInjectionConfig = doc(FaultInjectionConfig(), "deliberate worker failure, for testing recovery")
+
+
+@dataclass
+class FSDPConfig:
+    enabled: bool = doc(False, "shard parameters, gradients and optimizer state across data-parallel ranks")
+    prefetch: str = doc("token_threaded", "all-gather policy: none | eager | token_threaded")
+    prefetch_distance: int = doc(1, "units gathered ahead of compute")
+    reduce_scatter_delay: int = doc(1, "units a gradient reduce-scatter is chained late")
+    reshard_after_forward: bool = doc(True, "free gathered parameters after each unit's forward")
+
+
+@dataclass
+class DistributedStrategyConfig:
+    tensor_model_parallel_size: int = doc(1, "TP degree")
+    pipeline_model_parallel_size: int = doc(1, "PP degree")
+    virtual_pipeline_model_parallel_size: int = doc(1, "model chunks per pipeline stage (interleaved schedule)")
+    context_parallel_size: int = doc(1, "CP degree")
+    expert_model_parallel_size: int = doc(1, "EP degree (subdivides data parallelism)")
+    sequence_parallel: bool = doc(False, "shard activations along the sequence between TP regions")
+    zero1: bool = doc(False, "shard optimizer state across data-parallel ranks")
+    kv_replicator: int = doc(1, "replicate KV heads this many times so TP can exceed the KV head count")
+    placement_order: str = doc("tp-cp-ep-dp-pp", "rank order of the dimensions, fastest-varying first")
+    fsdp: FSDPConfig = doc(FSDPConfig(), "fully sharded data parallelism")
+
+
+@dataclass
+class DataConfig:
+    source: str = doc("text", "synthetic | text")
+    micro_batch_size: int = doc(4, "samples per forward/backward on one rank")
+    global_batch_size: int = doc(8, "samples per optimizer step over all data-parallel ranks")
+    seq_length: int = doc(128, "tokens per sample")
+    train_dir: Optional[str] = doc(None, "text source: a UTF-8 text file; null = the sample text shipped with nxdt")
+    tokenizer: Optional[str] = doc(None, "path to a Hugging Face tokenizer.json; null = byte-level (256 ids)")
+    num_samples: int = doc(4096, "synthetic source: number of distinct samples")
+
+
+@dataclass
+class SchedConfig:
+    name: str = doc("CosineAnnealing", "CosineAnnealing | LinearAnnealingWithWarmUp | constant")
+    warmup_steps: int = doc(10, "linear warm-up steps")
+    max_steps: int = doc(MISSING, "steps over which the rate decays (defaults to trainer.max_steps)")
+    min_lr: float = doc(0.0, "final learning rate")
+
+
+@dataclass
+class OptimConfig:
+    name: str = doc("adamw", "adamw | adamw_fp32OptState")
+    lr: float = doc(3e-4, "peak learning rate")
+    weight_decay: float = doc(0.01, "decoupled weight decay (not applied to norms and biases)")
+    betas: List[float] = doc([0.9, 0.95], "Adam betas")
+    eps: float = doc(1e-8, "Adam epsilon")
+    sched: SchedConfig = doc(SchedConfig(), "learning-rate schedule")
+
+
+@dataclass
+class ModelConfig:
+    architecture: str = doc("nxdt.models.llama.LlamaForCausalLM", "model class import path (only nxdt.models.* allowed)")
+    vocab_size: int = doc(MISSING, "vocabulary size")
+    hidden_size: int = doc(MISSING, "model width")
+    num_layers: int = doc(MISSING, "decoder layers")
+    num_attention_heads: int = doc(MISSING, "query heads")
+    num_kv_heads: Optional[int] = doc(None, "key/value heads (grouped-query attention); null = num_attention_heads")
+    ffn_hidden_size: int = doc(MISSING, "SwiGLU inner width")
+    max_position_embeddings: int = doc(MISSING, "longest sequence the model supports")
+    rope_theta: float = doc(10000.0, "RoPE base")
+    norm_eps: float = doc(1e-5, "RMSNorm epsilon")
+    tie_word_embeddings: bool = doc(False, "share input embedding and output head")
+    init_method_std: float = doc(0.02, "std of the normal weight init")
+    activations_checkpoint_granularity: Optional[str] = doc(None, "full | selective | null")
+    optim: OptimConfig = doc(OptimConfig(), "optimizer")
+
+
+@dataclass
+class PrecisionConfig:
+    type: str = doc("fp32", "fp32 | bf16 | mixed_precision")
+
+
+@dataclass
+class InstanceConfig:
+    name: str = doc("cpu", "instance type (cpu = worker processes on this host)")
+    devices: Optional[int] = doc(None, "accelerator devices per node; null = any (cpu)")
+    multi_node: bool = doc(True, "whether several nodes of this instance can form one job")
+
+
+@dataclass
+class CommConfig:
+    timeout_s: float = doc(120.0, "deadline of every collective wait; a rank that does not arrive is named")
+    transport: str = doc("auto", "auto | shm | p2p")
+    algorithm: str = doc("auto", "collective algorithm, or auto (chosen by size and group shape)")
+    emulate: Optional[str] = doc(None, "emulate the links of this instance on CPU; null = off")
+
+
+@dataclass
+class Config:
+    name: str = doc("llama_tiny", "run name (directory under exp_manager.exp_dir)")
+    seed: int = doc(1234, "global seed")
+    model_source: str = doc("nxdt", "nxdt | hf (NxDT key)")
+    trainer: TrainerConfig = doc(TrainerConfig(), "training loop")
+    exp_manager: ExpManagerConfig = doc(ExpManagerConfig(), "run directory, checkpoints, logging")
+    distributed_strategy: DistributedStrategyConfig = doc(DistributedStrategyConfig(), "parallel degrees")
+    data: DataConfig = doc(DataConfig(), "data source and batch sizes")
+    model: ModelConfig = doc(ModelConfig(), "model shape and optimizer")
+    precision: PrecisionConfig = doc(PrecisionConfig(), "numeric precision")
+    instance: InstanceConfig = doc(InstanceConfig(), "hardware the plan targets")
+    comm: CommConfig = doc(CommConfig(), "collectives")
+
+
+# group name → schema for the group files under conf/<group>/
+GROUP_SCHEMAS = {"model": ModelConfig, "data": DataConfig, "instance": InstanceConfig}
+
+
+def register_schemas() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    for group, schema in GROUP_SCHEMAS.items():
+        cs.store(group=group, name=f"{group}_schema", node=schema)
+
+
+def field_docs(schema: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, help) for every leaf field, for ``--help``."""
+    rows = []
+    for f in fields(schema):
+        key = f"{prefix}{f.name}"
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if is_dataclass(default):
+            rows.extend(field_docs(type(default), key + "."))
+        else:
+            rows.append((key, "???" if default is MISSING else repr(default), f.metadata.get("help", "")))
+    return rows

@@ -1,0 +1,112 @@
+"""Cross-field validation: everything that can be checked before a worker starts is checked here,
+and each failure is one line naming the key, the value and the fix."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+ALLOWED_MODEL_PREFIX = "nxdt.models."
+
+CHOICES = {
+    "data.source": ("synthetic", "text"),
+    "precision.type": ("fp32", "bf16", "mixed_precision"),
+    "model.optim.name": ("adamw", "adamw_fp32OptState"),
+    "model.optim.sched.name": ("CosineAnnealing", "LinearAnnealingWithWarmUp", "constant"),
+    "model.activations_checkpoint_granularity": (None, "full", "selective"),
+    "distributed_strategy.fsdp.prefetch": ("none", "eager", "token_threaded"),
+    "comm.transport": ("auto", "shm", "p2p"),
+}
+DIMENSIONS = ("tp", "cp", "ep", "dp", "pp")
+
+
+class ConfigError(ValueError):
+    """A config a user can fix: ``str()`` is one line with the key, the value and the fix."""
+
+    def __init__(self, key: str, value: Any, fix: str) -> None:
+        self.key, self.value, self.fix = key, value, fix
+        shown = f"={value!r}" if value not in ("", None) else ""
+        super().__init__(f"config error: {key}{shown}: {fix}")
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _positive(cfg: Any, keys: tuple[str, ...]) -> None:
+    for key in keys:
+        value = _get(cfg, key)
+        if value is not None and value < 1:
+            raise ConfigError(key, value, "must be >= 1")
+
+
+def validate(cfg: Any) -> None:
+    for key, allowed in CHOICES.items():
+        value = _get(cfg, key)
+        if value not in allowed:
+            raise ConfigError(key, value, f"must be one of {', '.join(str(a) for a in allowed)}")
+    ds, data, model, trainer = cfg.distributed_strategy, cfg.data, cfg.model, cfg.trainer
+    _positive(cfg, ("trainer.devices", "trainer.num_nodes", "trainer.max_steps", "trainer.log_every_n_steps",
+                    "data.micro_batch_size", "data.global_batch_size", "data.seq_length", "data.num_samples",
+                    "distributed_strategy.tensor_model_parallel_size", "distributed_strategy.pipeline_model_parallel_size",
+                    "distributed_strategy.virtual_pipeline_model_parallel_size", "distributed_strategy.context_parallel_size",
+                    "distributed_strategy.expert_model_parallel_size", "distributed_strategy.kv_replicator",
+                    "exp_manager.keep_last_k", "exp_manager.checkpoint_every_n_steps", "comm.timeout_s",
+                    "model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_attention_heads",
+                    "model.num_kv_heads", "model.ffn_hidden_size", "model.max_position_embeddings"))
+    order = ds.placement_order.split("-")
+    if sorted(order) != sorted(DIMENSIONS):
+        raise ConfigError("distributed_strategy.placement_order", ds.placement_order, f"must order each of {', '.join(DIMENSIONS)} once, e.g. tp-cp-ep-dp-pp")
+
+    world = trainer.num_nodes * trainer.devices
+    if cfg.instance.devices is not None and trainer.devices > cfg.instance.devices:
+        raise ConfigError("trainer.devices", trainer.devices, f"instance {cfg.instance.name} has {cfg.instance.devices} devices per node")
+    if trainer.num_nodes > 1 and not cfg.instance.multi_node:
+        raise ConfigError("trainer.num_nodes", trainer.num_nodes, f"instance {cfg.instance.name} cannot run multi-node; use 1")
+    tp, pp, cp, ep = (ds.tensor_model_parallel_size, ds.pipeline_model_parallel_size, ds.context_parallel_size, ds.expert_model_parallel_size)
+    if world % (tp * pp * cp):
+        raise ConfigError("distributed_strategy", f"TP{tp}×PP{pp}×CP{cp}", f"TP·PP·CP={tp * pp * cp} must divide the world size {world} "
+                          f"(trainer.num_nodes={trainer.num_nodes} × trainer.devices={trainer.devices})")
+    dp = world // (tp * pp * cp)
+    if dp % ep:
+        raise ConfigError("distributed_strategy.expert_model_parallel_size", ep, f"must divide the data-parallel degree {dp}")
+
+    heads, kv = model.num_attention_heads, model.num_kv_heads or model.num_attention_heads
+    if model.hidden_size % heads:
+        raise ConfigError("model.num_attention_heads", heads, f"must divide model.hidden_size={model.hidden_size}")
+    if heads % kv:
+        raise ConfigError("model.num_kv_heads", kv, f"must divide model.num_attention_heads={heads}")
+    if heads % tp:
+        raise ConfigError("distributed_strategy.tensor_model_parallel_size", tp, f"must divide model.num_attention_heads={heads}")
+    if (kv * ds.kv_replicator) % tp:
+        raise ConfigError("distributed_strategy.tensor_model_parallel_size", tp,
+                          f"must divide model.num_kv_heads × kv_replicator = {kv}×{ds.kv_replicator}; raise distributed_strategy.kv_replicator")
+    if model.num_layers < pp:
+        raise ConfigError("distributed_strategy.pipeline_model_parallel_size", pp, f"cannot exceed model.num_layers={model.num_layers}")
+
+    if data.global_batch_size % (data.micro_batch_size * dp):
+        raise ConfigError("data.global_batch_size", data.global_batch_size,
+                          f"must be divisible by micro_batch_size × DP = {data.micro_batch_size}×{dp} = {data.micro_batch_size * dp}")
+    if data.seq_length > model.max_position_embeddings:
+        raise ConfigError("data.seq_length", data.seq_length, f"exceeds model.max_position_embeddings={model.max_position_embeddings}")
+    for key in ("data.train_dir", "data.tokenizer"):
+        path = _get(cfg, key)
+        if path is not None and not Path(path).expanduser().exists():
+            raise ConfigError(key, path, "no such file; give an existing path (or null for the default)")
+    if data.source == "text" and data.tokenizer is None and model.vocab_size < 256:
+        raise ConfigError("model.vocab_size", model.vocab_size, "byte-level text needs >= 256 ids; set data.tokenizer or a larger vocab")
+
+    arch = model.architecture
+    module, _, cls = arch.rpartition(".")
+    if not arch.startswith(ALLOWED_MODEL_PREFIX) or not module:
+        raise ConfigError("model.architecture", arch, f"only model classes under {ALLOWED_MODEL_PREFIX} may be named (a config is not a way to run code)")
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError("model.architecture", arch, f"module {module} does not exist in the model hub")
+    if cfg.model.optim.sched.warmup_steps < 0:
+        raise ConfigError("model.optim.sched.warmup_steps", cfg.model.optim.sched.warmup_steps, "must be >= 0")
+    fi = cfg.exp_manager.fault_injection
+    if fi.rank is not None and not 0 <= fi.rank < world:
+        raise ConfigError("exp_manager.fault_injection.rank", fi.rank, f"must be a rank in 0..{world - 1}")
