@@ -1,1 +1,16 @@
+"""nxdt's own collective-communication library.
 
+Communicators over groups of ranks with all-reduce, all-gather, reduce-scatter, all-to-all (uneven
+splits), broadcast, reduce, send/recv and barrier; blocking or async on named streams with
+``after=`` ordering; a shared-memory transport on one host and torch.distributed point-to-point
+across hosts. Every wait has a deadline and names the ranks that did not arrive. Knows nothing of
+the planner: it is given ranks and names.
+"""
+
+from nxdt.comm.errors import CommError, CommMismatchError, CommTimeoutError, PeerDiedError
+from nxdt.comm.shm import cleanup_run, remove_stale_segments
+from nxdt.comm.stream import Work
+from nxdt.comm.world import Communicator, World, host_identity, init_from_env, init_process
+
+__all__ = ["CommError", "CommMismatchError", "CommTimeoutError", "PeerDiedError", "Communicator", "World", "Work",
+           "cleanup_run", "remove_stale_segments", "host_identity", "init_from_env", "init_process"]

@@ -1,0 +1,97 @@
+"""``run_local``: run a function in N fresh processes joined into one nxdt World.
+
+Used by the tests, the benchmark and anyone who wants a quick multi-rank run without a launcher.
+A rank that raises makes ``run_local`` raise an error naming that rank and its exception; ranks
+still running are killed; the run's shared-memory segments are removed in every case.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import socket
+import time
+import traceback
+import uuid
+from typing import Any, Callable
+
+from nxdt.comm.errors import CommError
+from nxdt.comm.shm import cleanup_run
+
+
+class RankFailed(CommError):
+    def __init__(self, rank: int, message: str, details: str = "") -> None:
+        self.rank, self.message, self.details = rank, message, details
+        super().__init__(f"rank {rank} failed: {message}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world_size, port, run_id, host_id, timeout_s, results, args, kwargs) -> None:
+    import torch
+
+    from nxdt.comm.world import init_process
+
+    torch.set_num_threads(1)  # ranks share the cores: one intra-op thread each
+    world = None
+    try:
+        world = init_process(rank, world_size, "127.0.0.1", port, timeout_s=timeout_s, run_id=run_id,
+                             store_is_server=rank == 0, host_id=host_id)
+        value = fn(world, *args, **kwargs)
+        results.put((rank, True, value, ""))
+    except BaseException as exc:  # reported to the parent with the rank
+        results.put((rank, False, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+    finally:
+        if world is not None:
+            try:
+                world.close()
+            except Exception:
+                pass
+
+
+def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60.0, comm_timeout_s: float | None = None,
+              host_ids: list[str] | None = None, **kwargs: Any) -> list[Any]:
+    """Call ``fn(world, *args, **kwargs)`` in ``world_size`` processes; return the per-rank results."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port, run_id = free_port(), f"t{uuid.uuid4().hex[:10]}"
+    comm_timeout_s = comm_timeout_s or timeout_s
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, run_id, host_ids[r] if host_ids else None,
+                                              comm_timeout_s, results, args, kwargs), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    values: dict[int, Any] = {}
+    failure: RankFailed | None = None
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(values) < world_size and failure is None:
+            try:
+                rank, ok, value, details = results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in values]
+                if dead:
+                    failure = RankFailed(dead[0], f"process exited with code {procs[dead[0]].exitcode}")
+                elif time.monotonic() > deadline:
+                    missing = [r for r in range(world_size) if r not in values]
+                    failure = RankFailed(missing[0], f"no result within {timeout_s}s (ranks {missing} still running)")
+                continue
+            if ok:
+                values[rank] = value
+            else:
+                failure = RankFailed(rank, value, details)
+    finally:
+        grace = time.monotonic() + (2.0 if failure else 10.0)
+        for p in procs:
+            p.join(timeout=max(0.0, grace - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join()
+        cleanup_run(run_id)
+    if failure is not None:
+        raise failure
+    return [values[r] for r in range(world_size)]

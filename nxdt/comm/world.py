@@ -1,0 +1,314 @@
+"""``World`` and ``Communicator``: bootstrap, locality, transport choice and the public operators.
+
+Bootstrap uses a torch.distributed ``TCPStore`` (hosted by torch's elastic agent under ``nxdt
+train``/torchrun, or by rank 0 otherwise) only to exchange host identities; collectives never go
+through it. A communicator whose members share a host uses the ``shm`` transport; one spanning
+hosts uses ``p2p`` (torch.distributed point-to-point over gloo), hierarchically where a host holds
+several members. Locality is decided per group from the members' host identities (hostname, boot
+id, network namespace), never from LOCAL_WORLD_SIZE-style variables, which lie for groups that
+span hosts unevenly.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import uuid
+import zlib
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from nxdt.comm import p2p, shm_algorithms as algo
+from nxdt.comm.errors import CommError, CommTimeoutError
+from nxdt.comm.shm import ShmChannel, remove_stale_segments
+from nxdt.comm.stream import Stream, Work
+
+_ALL_REDUCE_ALGORITHMS = ("auto", "direct", "slice", "ring", "hierarchical")
+
+
+def host_identity() -> str:
+    """hostname + boot id + network-namespace inode: two network namespaces on one machine are two hosts."""
+    try:
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+    except OSError:
+        boot = "noboot"
+    try:
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        netns = 0
+    return f"{socket.gethostname()}/{boot}/{netns}"
+
+
+def _flat(t: torch.Tensor, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{what} is on {t.device}; nxdt.comm works on CPU tensors")
+    if not t.is_contiguous():
+        raise ValueError(f"{what} must be contiguous (call .contiguous() first)")
+    return t.view(-1)
+
+
+class Communicator:
+    """Collectives over one group of ranks. ``root`` and ``peer`` are group-local ranks."""
+
+    def __init__(self, world: "World", name: str, ranks: list[int]) -> None:
+        self.world, self.name, self.ranks = world, name, list(ranks)
+        self.rank = self.ranks.index(world.rank)
+        self.size = len(self.ranks)
+        hosts = [world.host_ids[r] for r in self.ranks]
+        self.transport = "shm" if len(set(hosts)) == 1 else "p2p"
+        self.hosts = hosts
+        self._channels: dict[Any, ShmChannel] = {}
+        self._broken: BaseException | None = None
+
+    def __repr__(self) -> str:
+        return f"Communicator({self.name!r}, ranks={self.ranks}, transport={self.transport})"
+
+    # ------------------------------------------------------------------------------ plumbing
+    def _channel(self, stream: str, members: Sequence[int] | None = None) -> ShmChannel:
+        key = (stream, tuple(members) if members else None)
+        ch = self._channels.get(key)
+        if ch is None:
+            ranks = [self.ranks[i] for i in members] if members else self.ranks
+            stream_id = stream if not members else f"{stream}.p{members[0]}-{members[1]}"
+            ch = ShmChannel(self.world.run_id, self.name, stream_id, ranks, ranks.index(self.world.rank), self.world.timeout_s)
+            self._channels[key] = ch
+        return ch
+
+    def _submit(self, fn: Callable[[], None], desc: str, stream: str, async_op: bool, after: Any) -> Work | None:
+        if self._broken is not None:
+            raise CommError(f"nxdt.comm: group '{self.name}' is unusable after an earlier failure: {self._broken}")
+        if after is None:
+            after = ()
+        elif isinstance(after, Work):
+            after = (after,)
+
+        def guarded() -> None:
+            try:
+                fn()
+            except CommError as exc:
+                self._broken = exc
+                raise
+
+        return self.world.stream(stream).submit(guarded, f"group '{self.name}' {desc}", async_op=async_op, after=after)
+
+    def _pick(self, shm_fn: Callable[[], None], p2p_fn: Callable[[], None]) -> Callable[[], None]:
+        return shm_fn if self.transport == "shm" else p2p_fn
+
+    def _tag(self, stream: str) -> int:
+        return self.world.stream_tag(self.name, stream)
+
+    # ------------------------------------------------------------------------------ operators
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, algorithm: str = "auto", stream: str = "default",
+                   async_op: bool = False, after: Any = None) -> Work | None:
+        t = _flat(tensor, "all_reduce tensor")
+        if algorithm not in _ALL_REDUCE_ALGORITHMS:
+            raise ValueError(f"all_reduce algorithm {algorithm!r} unknown; use one of {_ALL_REDUCE_ALGORITHMS}")
+        if self.size == 1:
+            return self._submit(lambda: algo.reduce_into(t, [t.clone()], op, 1) if op == "avg" else None, "all_reduce", stream, async_op, after)
+        fn = self._pick(lambda: algo.all_reduce(self._channel(stream), t, op, algorithm if algorithm in ("direct", "slice") else "auto"),
+                        lambda: p2p.all_reduce(self, t, op, stream))
+        return self._submit(fn, f"all_reduce({op})", stream, async_op, after)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, algorithm: str = "auto", stream: str = "default",
+                   async_op: bool = False, after: Any = None) -> Work | None:
+        out, inp = _flat(output, "all_gather output"), _flat(input, "all_gather input")
+        if out.numel() != self.size * inp.numel() or out.dtype != inp.dtype:
+            raise ValueError(f"all_gather on group '{self.name}' (size {self.size}): output must hold size × input elements "
+                             f"of the same dtype; got output {out.numel()} {out.dtype}, input {inp.numel()} {inp.dtype}")
+        fn = self._pick(lambda: algo.all_gather(self._channel(stream), out, inp), lambda: p2p.all_gather(self, out, inp, stream))
+        return self._submit(fn, "all_gather", stream, async_op, after)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *, algorithm: str = "auto",
+                       stream: str = "default", async_op: bool = False, after: Any = None) -> Work | None:
+        out, inp = _flat(output, "reduce_scatter output"), _flat(input, "reduce_scatter input")
+        if inp.numel() != self.size * out.numel() or out.dtype != inp.dtype:
+            raise ValueError(f"reduce_scatter on group '{self.name}' (size {self.size}): input must hold size × output elements "
+                             f"of the same dtype; got input {inp.numel()} {inp.dtype}, output {out.numel()} {out.dtype}")
+        fn = self._pick(lambda: algo.reduce_scatter(self._channel(stream), out, inp, op), lambda: p2p.reduce_scatter(self, out, inp, op, stream))
+        return self._submit(fn, f"reduce_scatter({op})", stream, async_op, after)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int] | None = None,
+                   input_split_sizes: Sequence[int] | None = None, *, algorithm: str = "auto", stream: str = "default",
+                   async_op: bool = False, after: Any = None) -> Work | None:
+        """Splits are numbers of rows (dim 0), as in torch's all_to_all_single; None = equal splits."""
+        row = max(1, input[0].numel()) if input.dim() > 1 and input.shape[0] else (max(1, output[0].numel()) if output.dim() > 1 and output.shape[0] else 1)
+        out, inp = _flat(output, "all_to_all output"), _flat(input, "all_to_all input")
+        in_splits = self._splits(input_split_sizes, inp.numel(), row, "input")
+        out_splits = self._splits(output_split_sizes, out.numel(), row, "output")
+        fn = self._pick(lambda: algo.all_to_all(self._channel(stream), out, inp, out_splits, in_splits),
+                        lambda: p2p.all_to_all(self, out, inp, out_splits, in_splits, stream))
+        return self._submit(fn, "all_to_all", stream, async_op, after)
+
+    def _splits(self, splits: Sequence[int] | None, numel: int, row: int, which: str) -> list[int]:
+        if splits is None:
+            if numel % self.size:
+                raise ValueError(f"all_to_all on group '{self.name}': {which} has {numel} elements, not divisible by the group "
+                                 f"size {self.size}; pass {which}_split_sizes for uneven splits")
+            return [numel // self.size] * self.size
+        splits = [int(s) * row for s in splits]
+        if len(splits) != self.size or sum(splits) != numel or min(splits) < 0:
+            raise ValueError(f"all_to_all on group '{self.name}': {which}_split_sizes must be {self.size} non-negative row counts "
+                             f"summing to the {which}'s rows")
+        return splits
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0, *, algorithm: str = "auto", stream: str = "default",
+                  async_op: bool = False, after: Any = None) -> Work | None:
+        t = _flat(tensor, "broadcast tensor")
+        self._check_rank(root, "root")
+        fn = self._pick(lambda: algo.broadcast(self._channel(stream), t, root), lambda: p2p.broadcast(self, t, root, stream))
+        return self._submit(fn, f"broadcast(root={root})", stream, async_op, after)
+
+    def reduce(self, tensor: torch.Tensor, root: int = 0, op: str = "sum", *, algorithm: str = "auto", stream: str = "default",
+               async_op: bool = False, after: Any = None) -> Work | None:
+        t = _flat(tensor, "reduce tensor")
+        self._check_rank(root, "root")
+        fn = self._pick(lambda: algo.reduce(self._channel(stream), t, root, op), lambda: p2p.reduce(self, t, root, op, stream))
+        return self._submit(fn, f"reduce({op}, root={root})", stream, async_op, after)
+
+    def send(self, tensor: torch.Tensor, peer: int, *, stream: str = "default", async_op: bool = False, after: Any = None) -> Work | None:
+        return self._send_recv(_flat(tensor, "send tensor"), peer, sending=True, stream=stream, async_op=async_op, after=after)
+
+    def recv(self, tensor: torch.Tensor, peer: int, *, stream: str = "default", async_op: bool = False, after: Any = None) -> Work | None:
+        return self._send_recv(_flat(tensor, "recv tensor"), peer, sending=False, stream=stream, async_op=async_op, after=after)
+
+    def _send_recv(self, t: torch.Tensor, peer: int, *, sending: bool, stream: str, async_op: bool, after: Any) -> Work | None:
+        self._check_rank(peer, "peer")
+        if peer == self.rank:
+            raise ValueError(f"group '{self.name}': rank {self.rank} cannot send to or receive from itself")
+        pair = sorted((self.rank, peer))
+        sender = pair.index(self.rank if sending else peer)
+        same_host = self.hosts[self.rank] == self.hosts[peer]
+        fn = (lambda: algo.send_recv(self._channel(stream, pair), t, sender)) if same_host else \
+             (lambda: p2p.send_recv(self, t, peer, sending, stream))
+        return self._submit(fn, "send" if sending else "recv", stream, async_op, after)
+
+    def barrier(self, *, stream: str = "default", timeout_s: float | None = None) -> None:
+        fn = self._pick(lambda: algo.barrier(self._channel(stream)), lambda: p2p.barrier(self, stream))
+        self._submit(fn, "barrier", stream, False, None)
+
+    def _check_rank(self, r: int, what: str) -> None:
+        if not isinstance(r, int) or not 0 <= r < self.size:
+            raise ValueError(f"group '{self.name}': {what}={r!r} is not a group rank in 0..{self.size - 1}")
+
+    # ------------------------------------------------------------------------------ objects (framework-internal, trusted)
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        if self.rank == root:
+            payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            length = torch.tensor([payload.numel()], dtype=torch.int64)
+        else:
+            length = torch.zeros(1, dtype=torch.int64)
+        self.broadcast(length, root)
+        if self.rank != root:
+            payload = torch.empty(int(length), dtype=torch.uint8)
+        self.broadcast(payload, root)
+        return obj if self.rank == root else pickle.loads(payload.numpy().tobytes())
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        data = pickle.dumps(obj)
+        lengths = torch.zeros(self.size, dtype=torch.int64)
+        self.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64))
+        width = int(lengths.max())
+        mine = torch.zeros(width, dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+        everyone = torch.empty(self.size * width, dtype=torch.uint8)
+        self.all_gather(everyone, mine)
+        return [pickle.loads(everyone[i * width:i * width + int(lengths[i])].numpy().tobytes()) for i in range(self.size)]
+
+    def close(self) -> None:
+        for ch in self._channels.values():
+            ch.close()
+        self._channels.clear()
+
+
+class World:
+    """All ranks of a job: host identities, streams, and the communicators."""
+
+    def __init__(self, rank: int, world_size: int, store: dist.Store, run_id: str, timeout_s: float, host_ids: list[str]) -> None:
+        self.rank, self.world_size, self.store, self.run_id = rank, world_size, store, run_id
+        self.timeout_s, self.host_ids = timeout_s, host_ids
+        self._streams: dict[str, Stream] = {}
+        self._names: set[str] = set()
+        self._communicators: list[Communicator] = []
+        self._tags: dict[tuple[str, str], int] = {}
+        self.multi_host = len(set(host_ids)) > 1
+        if self.multi_host:
+            dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=timeout_s))
+        self.world = self.new_communicator(list(range(world_size)), "world")
+
+    def stream(self, name: str) -> Stream:
+        s = self._streams.get(name)
+        if s is None:
+            s = self._streams[name] = Stream(name)
+        return s
+
+    def stream_tag(self, comm: str, stream: str) -> int:
+        """A gloo message tag per (communicator, stream), so concurrent streams never take each other's messages."""
+        key = (comm, stream)
+        if key not in self._tags:
+            self._tags[key] = (zlib.crc32(f"{comm}/{stream}".encode()) & 0x3FFFFF) + 1  # same on every rank
+        return self._tags[key]
+
+    def new_communicator(self, ranks: Sequence[int], name: str) -> Communicator | None:
+        """Called by every rank with the same arguments in the same order; None on non-members."""
+        if name in self._names:
+            raise ValueError(f"a communicator named '{name}' exists already")
+        ranks = [int(r) for r in ranks]
+        if len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
+            raise ValueError(f"communicator '{name}': ranks {ranks} must be distinct ranks of the world (0..{self.world_size - 1})")
+        self._names.add(name)
+        if self.rank not in ranks:
+            return None
+        comm = Communicator(self, name, ranks)
+        self._communicators.append(comm)
+        return comm
+
+    def close(self) -> None:
+        for s in self._streams.values():
+            s.close()
+        for c in self._communicators:
+            c.close()
+        self._communicators.clear()
+        if self.multi_host and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_process(rank: int, world_size: int, master_addr: str, master_port: int, *, timeout_s: float = 120.0,
+                 run_id: str | None = None, store_is_server: bool = False, host_id: str | None = None) -> World:
+    """Join the job: connect to (or host) the store, agree on a run id, exchange host identities."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
+    try:
+        store = dist.TCPStore(master_addr, int(master_port), world_size, is_master=store_is_server,
+                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    except Exception as exc:
+        raise CommTimeoutError(f"nxdt.comm: rank {rank} could not reach the rendezvous store at {master_addr}:{master_port} ({exc})") from exc
+    namespace = f"nxdt/{run_id or 'run'}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    store = dist.PrefixStore(namespace, store)
+    if rank == 0:
+        remove_stale_segments()
+        store.set("run_nonce", uuid.uuid4().hex[:8])
+    nonce = store.get("run_nonce").decode()
+    # short: segment names must stay well below NAME_MAX
+    full_run_id = f"{(run_id or 'run')[:24]}.{nonce}"
+    store.set(f"host/{rank}", host_id or host_identity())
+    host_ids = [store.get(f"host/{r}").decode() for r in range(world_size)]
+    return World(rank, world_size, store, full_run_id, timeout_s, host_ids)
+
+
+def init_from_env(*, timeout_s: float = 120.0, run_id: str | None = None) -> World:
+    """``init_process`` from RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (torchrun / elastic agent / Slurm wrappers)."""
+    env = os.environ
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
+    if missing:
+        raise CommError(f"nxdt.comm.init_from_env: environment variables {missing} are not set — start the workers with nxdt train or torchrun")
+    rank = int(env["RANK"])
+    return init_process(rank, int(env["WORLD_SIZE"]), env["MASTER_ADDR"], int(env["MASTER_PORT"]), timeout_s=timeout_s,
+                        run_id=run_id or env.get("TORCHELASTIC_RUN_ID"),
+                        store_is_server=rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True")
