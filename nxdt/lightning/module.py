@@ -40,7 +40,6 @@ class CausalLMModule(pl.LightningModule):
         self.step_metrics: dict[str, float] = {}
         self._loss_sum = torch.zeros((), dtype=torch.float64)
         self._micro_batches = 0
-        self._step_lr = 0.0
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
@@ -50,20 +49,19 @@ class CausalLMModule(pl.LightningModule):
         loss = self.model.loss_fn(logits, batch["labels"])
         self._loss_sum += loss.detach().double()
         self._micro_batches += 1
+        if self._micro_batches == self.trainer.accumulate_grad_batches:
+            self._finish_step()
         return loss
 
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self._micro_batches < self.trainer.accumulate_grad_batches:
-            return
+    def _finish_step(self) -> None:
+        """Last micro-batch of the global batch: publish the step's loss (mean over all of it) and lr."""
         local_mean = (self._loss_sum / self._micro_batches).float()
         step_loss = self.trainer.strategy.reduce(local_mean, reduce_op="mean")
         self._loss_sum.zero_()
         self._micro_batches = 0
-        self.step_metrics = {"step": self.trainer.global_step, "loss": float(step_loss), "lr": self._step_lr}
+        lr = self.optimizers().param_groups[0]["lr"]  # the rate this step applies (the schedule steps after it)
+        self.step_metrics = {"step": self.trainer.global_step + 1, "loss": float(step_loss), "lr": lr}
         self.log("loss", step_loss, prog_bar=True, logger=False)
-
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self._step_lr = optimizer.param_groups[0]["lr"]  # the rate this step applies
 
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer = build_optimizer(self.model, self.model_cfg.optim)

@@ -1,0 +1,62 @@
+"""Local launch: this host's workers under torch's elastic agent (the machinery behind torchrun).
+
+The agent hosts the rendezvous store, starts one worker per rank, watches them, and stops all of
+them when one fails or on Ctrl-C. We turn its outcome into one line naming the failed rank, its
+error and its log file, and remove the run's shared-memory segments whatever happened.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from nxdt.planner import Plan
+
+
+class LaunchFailed(RuntimeError):
+    """A worker failed; ``str()`` is the one line shown to the user."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _failure_line(exc: Any, run_dir: Path) -> str:
+    rank, failure = exc.get_first_failure()
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", message)
+    text = str(message).strip().splitlines()
+    # the error file holds "ExceptionType: message" as its first line when @record captured it
+    summary = next((line for line in reversed(text) if line.strip() and not line.startswith(" ")), f"exit code {failure.exitcode}") if text else f"exit code {failure.exitcode}"
+    if summary.startswith("<N/A>") or not summary:
+        summary = f"exit code {failure.exitcode}"
+    return f"nxdt: rank {rank} failed: {summary} — see {run_dir / 'logs' / f'rank{rank}.log'}"
+
+
+def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool) -> None:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from nxdt.comm import cleanup_run
+
+    run_id = f"x{uuid.uuid4().hex[:12]}"
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=plan.ranks_per_node, run_id=run_id,
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", rdzv_configs={"is_host": True},
+        max_restarts=0, monitor_interval=0.2, start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "agent")),
+    )
+    args = ["-m", "nxdt.launch.worker", str(run_dir)] + (["--console-tty"] if console_tty else [])
+    try:
+        elastic_launch(config, entrypoint=sys.executable)(*args)
+    except ChildFailedError as exc:
+        raise LaunchFailed(_failure_line(exc, run_dir)) from None
+    finally:
+        cleanup_run(run_id)

@@ -1,0 +1,74 @@
+"""``nxdt sweep-report DIR``: one row per job of a multirun (overrides, final loss, tokens/s, step
+time) and a PNG of loss against step for every job."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+
+class SweepReportError(ValueError):
+    pass
+
+
+def _job_rows(sweep_dir: Path) -> list[dict]:
+    rows = []
+    for job in sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)):
+        metrics = job / "metrics.csv"
+        overrides = (job / "overrides.txt").read_text().split() if (job / "overrides.txt").exists() else []
+        steps: list[dict] = []
+        if metrics.exists():
+            with open(metrics, newline="") as fh:
+                steps = [{k: float(v) for k, v in r.items()} for r in csv.DictReader(fh)]
+        rows.append({"job": job.name, "overrides": overrides, "steps": steps})
+    return rows
+
+
+def _sweep_keys(rows: list[dict]) -> set[str]:
+    """Overrides that differ between jobs: the swept ones."""
+    seen = [set(r["overrides"]) for r in rows]
+    return set.union(*seen) - set.intersection(*seen) if seen else set()
+
+
+def report(sweep_dir: Path) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    if not sweep_dir.is_dir():
+        raise SweepReportError(f"nxdt sweep-report: {sweep_dir} is not a directory — pass outputs/multirun/<name>/<timestamp>")
+    rows = _job_rows(sweep_dir)
+    if not rows:
+        raise SweepReportError(f"nxdt sweep-report: {sweep_dir} holds no job directories (0/, 1/, ...) — pass a multirun directory")
+    swept = _sweep_keys(rows)
+    table = Table(title=f"sweep {sweep_dir}")
+    for col in ("job", "overrides", "steps", "final loss", "tokens/s", "step time (s)"):
+        table.add_column(col)
+    for r in rows:
+        shown = " ".join(o for o in r["overrides"] if o in swept) or " ".join(r["overrides"])
+        if r["steps"]:
+            tail = r["steps"][len(r["steps"]) // 2:] or r["steps"]  # steady state: skip warm-up steps
+            tps = sum(s["tokens_per_s"] for s in tail) / len(tail)
+            st = sum(s["step_time_s"] for s in tail) / len(tail)
+            table.add_row(r["job"], shown, str(len(r["steps"])), f"{r['steps'][-1]['loss']:.4f}", f"{tps:,.0f}", f"{st:.4f}")
+        else:
+            table.add_row(r["job"], shown, "0", "failed", "-", "-")
+    Console(width=160).print(table)
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        if r["steps"]:
+            label = " ".join(o for o in r["overrides"] if o in swept) or f"job {r['job']}"
+            ax.plot([s["step"] for s in r["steps"]], [s["loss"] for s in r["steps"]], label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(sweep_dir.name)
+    ax.legend()
+    fig.tight_layout()
+    out = sweep_dir / "sweep_loss.png"
+    fig.savefig(out, dpi=110)
+    print(f"plot: {out}")
+    return 0

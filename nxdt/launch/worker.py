@@ -1,0 +1,81 @@
+"""Worker entry point: ``python -m nxdt.launch.worker RUN_DIR`` (started by the elastic agent).
+
+Reads the resolved config and the plan from the run directory (never re-enters Hydra), sends this
+rank's output to ``logs/rank<k>.log`` (rank 0 also to the console), then trains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import os
+import sys
+import threading
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+
+def _redirect_output(log_path: Path, tee_to_console: bool) -> None:
+    """Point fds 1 and 2 at the rank's log file (through a tee thread for rank 0), so output of
+    C++ code and subprocesses is captured too, not only Python's."""
+    log = open(log_path, "ab", buffering=0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if not tee_to_console:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        return
+    console = os.dup(1)
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 1)
+    os.dup2(write_end, 2)
+    os.close(write_end)
+
+    def pump() -> None:
+        while chunk := os.read(read_end, 65536):
+            log.write(chunk)
+            os.write(console, chunk)
+
+    thread = threading.Thread(target=pump, name="nxdt-tee", daemon=True)
+    thread.start()
+
+    def drain() -> None:  # at exit: close our ends of the pipe so the pump sees EOF and flushes
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.close(1)
+        os.close(2)
+        thread.join(timeout=2)
+
+    atexit.register(drain)
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="nxdt.launch.worker")
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--console-tty", action="store_true", help="the launcher's console is a terminal (live progress bar)")
+    args = parser.parse_args(argv)
+    rank = int(os.environ["RANK"])
+    _redirect_output(args.run_dir / "logs" / f"rank{rank}.log", tee_to_console=rank == 0)
+    if args.console_tty and rank == 0:
+        os.environ["FORCE_COLOR"] = "1"  # rich: the console at the end of the tee is a terminal
+        os.environ["TTY_INTERACTIVE"] = "1"
+
+    import torch
+
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))  # ranks share this host's cores
+
+    from nxdt.config import load_run_config
+    from nxdt.lightning.train import run_training
+    from nxdt.launch.rundir import CONFIG_FILE, PLAN_FILE
+    from nxdt.planner import Plan
+
+    cfg = load_run_config(args.run_dir / CONFIG_FILE)
+    plan = Plan.load(args.run_dir / PLAN_FILE)
+    run_training(cfg, plan, args.run_dir)
+
+
+if __name__ == "__main__":
+    main()
