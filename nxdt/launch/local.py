@@ -7,6 +7,7 @@ error and its log file, and remove the run's shared-memory segments whatever hap
 
 from __future__ import annotations
 
+import logging
 import socket
 import sys
 import uuid
@@ -46,6 +47,8 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool) -> None:
 
     from nxdt.comm import cleanup_run
 
+    # the agent logs every worker exit at WARNING/ERROR; we report the failure ourselves in one line
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     run_id = f"x{uuid.uuid4().hex[:12]}"
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=plan.ranks_per_node, run_id=run_id,

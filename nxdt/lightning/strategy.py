@@ -162,6 +162,10 @@ class NxDStrategy(ParallelStrategy):
                 f"the plan is for {self._plan.world_size} ranks but Lightning started {world_size} "
                 f"(devices={self.num_processes}, num_nodes={self.num_nodes}); make trainer.devices × num_nodes match the plan"
             )
+        if any(self._plan.degrees[d] != 1 for d in ("tp", "pp", "cp", "ep")):
+            raise NotImplementedError(
+                f"NxDStrategy: degrees {self._plan.degrees} — tensor/pipeline/context/expert parallel training is not "
+                f"implemented yet in this version; use data parallelism (all sizes 1)")
         env = self.cluster_environment
         agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         self.world = nxdt.comm.init_process(
