@@ -83,26 +83,23 @@ class Segment:
             pass
 
 
-def _open_when_ready(path: str, slot_bytes: int, deadline: float, describe: str) -> Segment:
-    while True:
-        try:
-            if os.path.getsize(path) >= HEADER_BYTES + 2 * slot_bytes:
-                seg = Segment(path, slot_bytes, create=False)
-                if seg.header[W_MAGIC] == MAGIC:
-                    return seg
-                seg.close()
-        except FileNotFoundError:
-            pass
-        if time.monotonic() > deadline:
-            raise CommTimeoutError(f"{describe}: peer segment {path} did not appear before the deadline")
-        time.sleep(0.0005)
+def _try_open(path: str, slot_bytes: int) -> Segment | None:
+    try:
+        if os.path.getsize(path) >= HEADER_BYTES + 2 * slot_bytes:
+            seg = Segment(path, slot_bytes, create=False)
+            if seg.header[W_MAGIC] == MAGIC:
+                return seg
+            seg.close()
+    except FileNotFoundError:
+        pass
+    return None
 
 
 class ShmChannel:
     """Steps of one group on one stream over shared memory (see the module docstring)."""
 
     def __init__(self, run_id: str, group: str, stream: str, ranks: Sequence[int], my_index: int,
-                 timeout_s: float, slot_bytes: int = DEFAULT_SLOT_BYTES) -> None:
+                 timeout_s: float, slot_bytes: int = DEFAULT_SLOT_BYTES, first_op: str = "a collective") -> None:
         self.group, self.stream, self.ranks, self.me = group, stream, list(ranks), my_index
         self.timeout_s = timeout_s
         self.slot_bytes = slot_bytes
@@ -110,13 +107,26 @@ class ShmChannel:
         self.op_desc = "setup"
         deadline = time.monotonic() + timeout_s
         self.own = Segment(segment_path(run_id, group, stream, self.ranks[my_index]), slot_bytes, create=True)
-        self.segments: list[Segment] = []
-        for i, rank in enumerate(self.ranks):
-            if i == my_index:
-                self.segments.append(self.own)
-            else:
-                self.segments.append(_open_when_ready(segment_path(run_id, group, stream, rank), slot_bytes, deadline,
-                                                      f"group '{group}' stream '{stream}'"))
+        # Peers create their segments when they first use this group on this stream.
+        opened: dict[int, Segment] = {my_index: self.own}
+        while len(opened) < len(self.ranks):
+            for i, rank in enumerate(self.ranks):
+                if i not in opened:
+                    seg = _try_open(segment_path(run_id, group, stream, rank), slot_bytes)
+                    if seg is not None:
+                        opened[i] = seg
+            if len(opened) < len(self.ranks):
+                if time.monotonic() > deadline:
+                    missing = [r for i, r in enumerate(self.ranks) if i not in opened]
+                    for i, seg in opened.items():
+                        if i != my_index:
+                            seg.close()
+                    self.close_own()
+                    raise CommTimeoutError(
+                        f"nxdt.comm: group '{group}' {first_op} (first use of stream '{stream}') timed out after {timeout_s:g}s "
+                        f"waiting for rank(s) {missing} to join — they crashed, hung, or called a different collective")
+                time.sleep(0.0005)
+        self.segments = [opened[i] for i in range(len(self.ranks))]
         self.peers = [i for i in range(len(self.ranks)) if i != my_index]
 
     @property
@@ -195,7 +205,12 @@ class ShmChannel:
 
     def close(self) -> None:
         for seg in self.segments:
-            seg.close()
+            if seg is not self.own:
+                seg.close()
+        self.close_own()
+
+    def close_own(self) -> None:
+        self.own.close()
         try:
             os.unlink(self.own.path)
         except FileNotFoundError:

@@ -70,13 +70,14 @@ class Communicator:
         return f"Communicator({self.name!r}, ranks={self.ranks}, transport={self.transport})"
 
     # ------------------------------------------------------------------------------ plumbing
-    def _channel(self, stream: str, members: Sequence[int] | None = None) -> ShmChannel:
+    def _channel(self, stream: str, members: Sequence[int] | None = None, op: str = "a collective") -> ShmChannel:
         key = (stream, tuple(members) if members else None)
         ch = self._channels.get(key)
         if ch is None:
             ranks = [self.ranks[i] for i in members] if members else self.ranks
             stream_id = stream if not members else f"{stream}.p{members[0]}-{members[1]}"
-            ch = ShmChannel(self.world.run_id, self.name, stream_id, ranks, ranks.index(self.world.rank), self.world.timeout_s)
+            ch = ShmChannel(self.world.run_id, self.name, stream_id, ranks, ranks.index(self.world.rank), self.world.timeout_s,
+                            first_op=op)
             self._channels[key] = ch
         return ch
 
@@ -111,7 +112,7 @@ class Communicator:
             raise ValueError(f"all_reduce algorithm {algorithm!r} unknown; use one of {_ALL_REDUCE_ALGORITHMS}")
         if self.size == 1:
             return self._submit(lambda: algo.reduce_into(t, [t.clone()], op, 1) if op == "avg" else None, "all_reduce", stream, async_op, after)
-        fn = self._pick(lambda: algo.all_reduce(self._channel(stream), t, op, algorithm if algorithm in ("direct", "slice") else "auto"),
+        fn = self._pick(lambda: algo.all_reduce(self._channel(stream, op="all_reduce"), t, op, algorithm if algorithm in ("direct", "slice") else "auto"),
                         lambda: p2p.all_reduce(self, t, op, stream))
         return self._submit(fn, f"all_reduce({op})", stream, async_op, after)
 
@@ -121,7 +122,7 @@ class Communicator:
         if out.numel() != self.size * inp.numel() or out.dtype != inp.dtype:
             raise ValueError(f"all_gather on group '{self.name}' (size {self.size}): output must hold size × input elements "
                              f"of the same dtype; got output {out.numel()} {out.dtype}, input {inp.numel()} {inp.dtype}")
-        fn = self._pick(lambda: algo.all_gather(self._channel(stream), out, inp), lambda: p2p.all_gather(self, out, inp, stream))
+        fn = self._pick(lambda: algo.all_gather(self._channel(stream, op="all_gather"), out, inp), lambda: p2p.all_gather(self, out, inp, stream))
         return self._submit(fn, "all_gather", stream, async_op, after)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *, algorithm: str = "auto",
@@ -130,7 +131,7 @@ class Communicator:
         if inp.numel() != self.size * out.numel() or out.dtype != inp.dtype:
             raise ValueError(f"reduce_scatter on group '{self.name}' (size {self.size}): input must hold size × output elements "
                              f"of the same dtype; got input {inp.numel()} {inp.dtype}, output {out.numel()} {out.dtype}")
-        fn = self._pick(lambda: algo.reduce_scatter(self._channel(stream), out, inp, op), lambda: p2p.reduce_scatter(self, out, inp, op, stream))
+        fn = self._pick(lambda: algo.reduce_scatter(self._channel(stream, op="reduce_scatter"), out, inp, op), lambda: p2p.reduce_scatter(self, out, inp, op, stream))
         return self._submit(fn, f"reduce_scatter({op})", stream, async_op, after)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int] | None = None,
@@ -141,7 +142,7 @@ class Communicator:
         out, inp = _flat(output, "all_to_all output"), _flat(input, "all_to_all input")
         in_splits = self._splits(input_split_sizes, inp.numel(), row, "input")
         out_splits = self._splits(output_split_sizes, out.numel(), row, "output")
-        fn = self._pick(lambda: algo.all_to_all(self._channel(stream), out, inp, out_splits, in_splits),
+        fn = self._pick(lambda: algo.all_to_all(self._channel(stream, op="all_to_all"), out, inp, out_splits, in_splits),
                         lambda: p2p.all_to_all(self, out, inp, out_splits, in_splits, stream))
         return self._submit(fn, "all_to_all", stream, async_op, after)
 
@@ -161,14 +162,14 @@ class Communicator:
                   async_op: bool = False, after: Any = None) -> Work | None:
         t = _flat(tensor, "broadcast tensor")
         self._check_rank(root, "root")
-        fn = self._pick(lambda: algo.broadcast(self._channel(stream), t, root), lambda: p2p.broadcast(self, t, root, stream))
+        fn = self._pick(lambda: algo.broadcast(self._channel(stream, op="broadcast"), t, root), lambda: p2p.broadcast(self, t, root, stream))
         return self._submit(fn, f"broadcast(root={root})", stream, async_op, after)
 
     def reduce(self, tensor: torch.Tensor, root: int = 0, op: str = "sum", *, algorithm: str = "auto", stream: str = "default",
                async_op: bool = False, after: Any = None) -> Work | None:
         t = _flat(tensor, "reduce tensor")
         self._check_rank(root, "root")
-        fn = self._pick(lambda: algo.reduce(self._channel(stream), t, root, op), lambda: p2p.reduce(self, t, root, op, stream))
+        fn = self._pick(lambda: algo.reduce(self._channel(stream, op="reduce"), t, root, op), lambda: p2p.reduce(self, t, root, op, stream))
         return self._submit(fn, f"reduce({op}, root={root})", stream, async_op, after)
 
     def send(self, tensor: torch.Tensor, peer: int, *, stream: str = "default", async_op: bool = False, after: Any = None) -> Work | None:
@@ -184,12 +185,12 @@ class Communicator:
         pair = sorted((self.rank, peer))
         sender = pair.index(self.rank if sending else peer)
         same_host = self.hosts[self.rank] == self.hosts[peer]
-        fn = (lambda: algo.send_recv(self._channel(stream, pair), t, sender)) if same_host else \
+        fn = (lambda: algo.send_recv(self._channel(stream, pair, op="send/recv"), t, sender)) if same_host else \
              (lambda: p2p.send_recv(self, t, peer, sending, stream))
         return self._submit(fn, "send" if sending else "recv", stream, async_op, after)
 
     def barrier(self, *, stream: str = "default", timeout_s: float | None = None) -> None:
-        fn = self._pick(lambda: algo.barrier(self._channel(stream)), lambda: p2p.barrier(self, stream))
+        fn = self._pick(lambda: algo.barrier(self._channel(stream, op="barrier")), lambda: p2p.barrier(self, stream))
         self._submit(fn, "barrier", stream, False, None)
 
     def _check_rank(self, r: int, what: str) -> None:
