@@ -29,6 +29,11 @@ def _bytes_view(slot: torch.Tensor, dtype: torch.dtype, count: int) -> torch.Ten
     return slot[:count * dtype.itemsize].view(dtype)
 
 
+def _mine(ch: ShmChannel, fp: tuple, desc: str, dtype: torch.dtype, count: int) -> torch.Tensor:
+    ch.begin(fp, desc)
+    return ch.typed(ch.me, dtype)[:count]
+
+
 def _slice(count: int, parts: int, index: int) -> tuple[int, int]:
     per = -(-count // parts) if count else 0
     return min(count, index * per), min(count, (index + 1) * per)
@@ -49,21 +54,23 @@ def all_reduce(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str = "auto"
     fp = (OP_ALL_REDUCE + 100 * red, dtype_code(t.dtype), t.numel(), 0)
     for c0, c1 in _chunks(t.numel(), ch.slot_bytes // elem):
         k = c1 - c0
-        mine = _bytes_view(ch.begin(fp, f"all_reduce({op})"), t.dtype, k)
-        mine.copy_(t[c0:c1])
+        whole = c0 == 0 and c1 == t.numel()
+        dst = t if whole else t[c0:c1]
+        mine = _mine(ch, fp, f"all_reduce({op})", t.dtype, k)
+        mine.copy_(dst)
         ch.publish()
         ch.wait_published()
-        direct = algorithm == "direct" or (algorithm == "auto" and k * elem <= DIRECT_ALL_REDUCE_MAX_BYTES)
+        direct = algorithm == "direct" or (algorithm == "auto" and (k * elem <= DIRECT_ALL_REDUCE_MAX_BYTES or n == 2))
         if direct:
-            reduce_into(t[c0:c1], [_bytes_view(ch.slot_of(i), t.dtype, k) for i in range(n)], op, n)
+            reduce_into(dst, [ch.typed(i, t.dtype)[:k] for i in range(n)], op, n)
         else:
             lo, hi = _slice(k, n, me)
-            reduce_into(mine[lo:hi], [_bytes_view(ch.slot_of(i), t.dtype, k)[lo:hi] for i in range(n)], op, n)
+            reduce_into(mine[lo:hi], [ch.typed(i, t.dtype)[lo:hi] for i in range(n)], op, n)
             ch.mark_reduced()
             ch.wait_reduced()
             for i in range(n):
                 lo, hi = _slice(k, n, i)
-                t[c0 + lo:c0 + hi].copy_(_bytes_view(ch.slot_of(i), t.dtype, k)[lo:hi])
+                dst[lo:hi].copy_(ch.typed(i, t.dtype)[lo:hi])
         ch.finish()
 
 

@@ -78,14 +78,22 @@ class Stream:
         if self._closed:
             raise CommError(f"nxdt.comm: stream '{self.name}' is closed")
         after = list(after)
+        if not async_op and not after:
+            with self._pending_lock:
+                idle = self._pending == 0
+                if idle:
+                    self._pending += 1
+            if idle:  # the common synchronous path: run here, no hand-off, no work handle
+                try:
+                    with self._lock:
+                        fn()
+                finally:
+                    with self._pending_lock:
+                        self._pending -= 1
+                return None
         work = Work(description)
         with self._pending_lock:
-            idle = self._pending == 0
             self._pending += 1
-        if idle and not async_op and not after:
-            self._run(fn, work, ())
-            work.wait()
-            return None
         self._ensure_thread()
         self._queue.put((fn, work, after))
         if async_op:

@@ -1,0 +1,274 @@
+"""``nxdt comm-test``: an nccom-test / nccl-tests style benchmark of nxdt's collectives.
+
+    nxdt comm-test -r 2 -b 1kb -e 64mb -f 4 --check --baseline gloo allr allg
+
+For each op and size it prints ``size(B) count(elems) type time(us) algbw(GB/s) busbw(GB/s)``, with
+nccl-tests' bus-bandwidth factors, the single-thread memcpy bandwidth of this host at that size (the
+physical reference) and, with ``--baseline gloo``, torch.distributed's gloo collective on the same
+sizes in the same processes and the speed-up. Sizes follow nccl-tests: the total buffer (all-gather:
+the output; reduce-scatter: the input).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from typing import Any
+
+import torch
+
+OPS = ("allr", "allg", "redsct", "alltoall", "bcast", "reduce", "sendrecv")
+OP_TITLES = {"allr": "all_reduce", "allg": "all_gather", "redsct": "reduce_scatter", "alltoall": "all_to_all",
+             "bcast": "broadcast", "reduce": "reduce", "sendrecv": "send_recv"}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int32": torch.int32,
+          "int64": torch.int64, "uint8": torch.uint8}
+_UNITS = {"": 1, "b": 1, "kb": 1 << 10, "k": 1 << 10, "mb": 1 << 20, "m": 1 << 20, "gb": 1 << 30, "g": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?b?)\s*", text.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"size {text!r}: use a number with an optional unit, e.g. 1024, 1kb, 64mb")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def bus_factor(op: str, n: int) -> float:
+    if op == "allr":
+        return 2 * (n - 1) / n
+    if op in ("allg", "redsct", "alltoall"):
+        return (n - 1) / n
+    return 1.0
+
+
+def sizes(minbytes: int, maxbytes: int, factor: float) -> list[int]:
+    out, s = [], max(1, minbytes)
+    while s <= maxbytes:
+        out.append(s)
+        s = int(s * factor) if factor > 1 else s + max(1, int(-factor or 1))
+    return out
+
+
+class _Runner:
+    """Buffers and one call of an op, for nxdt or gloo."""
+
+    def __init__(self, op: str, nbytes: int, dtype: torch.dtype, n: int, rank: int) -> None:
+        elem = dtype.itemsize
+        total = max(n, nbytes // elem // n * n)  # divisible by the group size, as nccl-tests rounds
+        self.op, self.n, self.rank, self.dtype = op, n, rank, dtype
+        self.count = total
+        per = total // n
+        if op == "allr" or op in ("bcast", "reduce", "sendrecv"):
+            self.a = torch.ones(total, dtype=dtype)
+            self.b = None
+        elif op == "allg":
+            self.a, self.b = torch.ones(per, dtype=dtype), torch.empty(total, dtype=dtype)
+        elif op == "redsct":
+            self.a, self.b = torch.ones(total, dtype=dtype), torch.empty(per, dtype=dtype)
+        else:  # alltoall
+            self.a, self.b = torch.ones(total, dtype=dtype), torch.empty(total, dtype=dtype)
+        self.bytes = total * elem
+
+    def nxdt(self, comm, algorithm: str) -> None:
+        op, a, b = self.op, self.a, self.b
+        if op == "allr":
+            comm.all_reduce(a, algorithm=algorithm)
+        elif op == "allg":
+            comm.all_gather(b, a)
+        elif op == "redsct":
+            comm.reduce_scatter(b, a)
+        elif op == "alltoall":
+            comm.all_to_all(b, a)
+        elif op == "bcast":
+            comm.broadcast(a, 0)
+        elif op == "reduce":
+            comm.reduce(a, 0)
+        else:
+            self._pairs(lambda t, p: comm.send(t, p), lambda t, p: comm.recv(t, p))
+
+    def gloo(self, dist) -> None:
+        op, a, b = self.op, self.a, self.b
+        if op == "allr":
+            dist.all_reduce(a)
+        elif op == "allg":
+            dist.all_gather_into_tensor(b, a)
+        elif op == "redsct":
+            dist.reduce_scatter_tensor(b, a)
+        elif op == "alltoall":
+            dist.all_to_all_single(b, a)
+        elif op == "bcast":
+            dist.broadcast(a, 0)
+        elif op == "reduce":
+            dist.reduce(a, 0)
+        else:
+            self._pairs(lambda t, p: dist.send(t, p), lambda t, p: dist.recv(t, p))
+
+    def _pairs(self, send, recv) -> None:
+        # ranks pair up 0↔1, 2↔3, …; an odd last rank idles (nccom-test's sendrecv is a ring permute)
+        peer = self.rank ^ 1
+        if peer >= self.n:
+            return
+        if self.rank % 2 == 0:
+            send(self.a, peer)
+        else:
+            recv(self.a, peer)
+
+    def check(self, comm) -> int:
+        """Exact check with integer-valued inputs; returns the number of wrong elements."""
+        r, n = self.rank, self.n
+        fill = float(r + 1)
+        if self.op == "allr":
+            t = torch.full_like(self.a, fill)
+            comm.all_reduce(t)
+            want = torch.full_like(t, n * (n + 1) / 2)
+        elif self.op == "allg":
+            comm.all_gather(self.b, torch.full_like(self.a, fill))
+            t, want = self.b, torch.arange(1, n + 1, dtype=self.dtype).repeat_interleave(self.a.numel())
+        elif self.op == "redsct":
+            comm.reduce_scatter(self.b, torch.full_like(self.a, fill))
+            t, want = self.b, torch.full_like(self.b, n * (n + 1) / 2)
+        elif self.op == "alltoall":
+            comm.all_to_all(self.b, torch.full_like(self.a, fill))
+            t, want = self.b, torch.arange(1, n + 1, dtype=self.dtype).repeat_interleave(self.a.numel() // n)
+        elif self.op == "bcast":
+            t = torch.full_like(self.a, fill)
+            comm.broadcast(t, 0)
+            want = torch.ones_like(t)
+        elif self.op == "reduce":
+            t = torch.full_like(self.a, fill)
+            comm.reduce(t, 0)
+            want = torch.full_like(t, n * (n + 1) / 2) if r == 0 else t
+        else:
+            t = torch.full_like(self.a, fill)
+            self._pairs(lambda x, p: comm.send(x, p), lambda x, p: comm.recv(x, p))
+            self._pairs(lambda x, p: comm.send(t, p), lambda x, p: comm.recv(t, p))
+            want = torch.full_like(t, float((r ^ 1) + 1)) if r % 2 == 1 and (r ^ 1) < n else t
+        return int((t != want).sum())
+
+
+def _time(fn, iters: int, warmup: int, sync) -> float:
+    for _ in range(warmup):
+        fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - start) / max(1, iters)
+
+
+def memcpy_gbps(nbytes: int, iters: int = 20) -> float:
+    src = torch.ones(max(1, nbytes // 4))
+    dst = torch.empty_like(src)
+    elapsed = _time(lambda: dst.copy_(src), iters, 3, lambda: None)
+    return src.numel() * 4 / elapsed / 1e9
+
+
+def _body(world, args: dict) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    comm, n, rank = world.world, world.world_size, world.rank
+    dtype = DTYPES[args["datatype"]]
+    gloo = None
+    if args["baseline"] == "gloo":
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.PrefixStore("bench-gloo", world.store), rank=rank, world_size=n)
+        gloo = dist
+    out: dict[str, Any] = {"results": [], "baseline": [], "memcpy": {}}
+    slowest = torch.zeros(1, dtype=torch.float64)
+    for op in args["ops"]:
+        for nbytes in sizes(args["minbytes"], args["maxbytes"], args["stepfactor"]):
+            run = _Runner(op, nbytes, dtype, n, rank)
+            iters = args["iters"] if run.bytes < (16 << 20) else max(2, args["iters"] // 4)
+            for name, fn in (("results", lambda: run.nxdt(comm, args["algorithm"])), ("baseline", (lambda: run.gloo(gloo)) if gloo else None)):
+                if fn is None:
+                    continue
+                elapsed = _time(fn, iters, args["warmup_iters"], comm.barrier)
+                slowest.fill_(elapsed)
+                comm.all_reduce(slowest, "max")  # a collective takes as long as its slowest rank
+                t = float(slowest)
+                algbw = run.bytes / t / 1e9
+                row = {"op": op, "size(B)": run.bytes, "count(elems)": run.count, "type": args["datatype"], "time:avg(us)": t * 1e6,
+                       "algbw(GB/s)": algbw, "busbw(GB/s)": algbw * bus_factor(op, n)}
+                if name == "results" and args["check"]:
+                    row["#wrong"] = run.check(comm)
+                out[name].append(row)
+            if rank == 0 and run.bytes not in out["memcpy"]:
+                out["memcpy"][run.bytes] = memcpy_gbps(run.bytes)
+    return out if rank == 0 else {}
+
+
+def _print_table(report: dict, n: int, transport: str) -> None:
+    base = {(r["op"], r["size(B)"]): r for r in report["baseline"]}
+    for op in dict.fromkeys(r["op"] for r in report["results"]):
+        rows = [r for r in report["results"] if r["op"] == op]
+        print(f"\n# nxdt {OP_TITLES[op]}: {n} ranks, transport {transport}")
+        header = f"#{'size(B)':>12} {'count(elems)':>13} {'type':>6} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'memcpy(GB/s)':>13} {'bus/memcpy':>11}"
+        if base:
+            header += f" {'gloo(us)':>10} {'gloo busbw':>11} {'speed-up':>9}"
+        if "#wrong" in rows[0]:
+            header += f" {'#wrong':>7}"
+        print(header)
+        for r in rows:
+            mc = report["memcpy"].get(r["size(B)"]) or report["memcpy"].get(str(r["size(B)"]), 0.0)
+            line = (f" {r['size(B)']:>12} {r['count(elems)']:>13} {r['type']:>6} {r['time:avg(us)']:>10.1f} {r['algbw(GB/s)']:>12.3f} "
+                    f"{r['busbw(GB/s)']:>12.3f} {mc:>13.2f} {r['busbw(GB/s)'] / mc if mc else 0:>11.2f}")
+            g = base.get((op, r["size(B)"]))
+            if g:
+                line += f" {g['time:avg(us)']:>10.1f} {g['busbw(GB/s)']:>11.3f} {g['time:avg(us)'] / r['time:avg(us)']:>8.1f}x"
+            if "#wrong" in r:
+                line += f" {r['#wrong']:>7}"
+            print(line)
+        print(f"# Avg bus bandwidth    : {sum(r['busbw(GB/s)'] for r in rows) / len(rows):.3f}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nxdt comm-test", description="Benchmark nxdt's collectives (nccom-test style).")
+    p.add_argument("ops", nargs="*", default=["allr"], help=f"operations: {' '.join(OPS)} (default allr)")
+    p.add_argument("-r", "--nworkers", type=int, default=2, help="ranks (processes) on this host")
+    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("1kb"), help="smallest size, e.g. 1kb")
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64mb"), help="largest size, e.g. 64mb")
+    p.add_argument("-f", "--stepfactor", type=float, default=4.0, help="multiply the size by this between rows")
+    p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size")
+    p.add_argument("-w", "--warmup_iters", type=int, default=5, help="untimed iterations per size")
+    p.add_argument("-d", "--datatype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("-c", "--check", action="store_true", help="verify results exactly after timing (adds a #wrong column)")
+    p.add_argument("--algorithm", default="auto", help="all-reduce algorithm: auto, direct, slice")
+    p.add_argument("--transport", choices=("shm", "p2p"), default="shm", help="p2p: pretend every rank is on its own host")
+    p.add_argument("--baseline", choices=("gloo",), help="also time torch.distributed's gloo on the same sizes, same run")
+    p.add_argument("--report-to-json-file", metavar="F", help="write the results as JSON (nccom-test's layout)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    bad = [op for op in args.ops if op not in OPS]
+    if bad:
+        print(f"nxdt comm-test: unknown operation(s) {bad}; choose from {' '.join(OPS)}", file=sys.stderr)
+        return 2
+    if args.nworkers < 2 or args.minbytes > args.maxbytes or args.stepfactor <= 1:
+        print("nxdt comm-test: need --nworkers >= 2, --minbytes <= --maxbytes and --stepfactor > 1", file=sys.stderr)
+        return 2
+    from nxdt.comm.spawn import RankFailed, run_local
+
+    host_ids = [f"host{r}" for r in range(args.nworkers)] if args.transport == "p2p" else None
+    opts = {k: getattr(args, k) for k in ("ops", "minbytes", "maxbytes", "stepfactor", "iters", "warmup_iters", "datatype",
+                                          "check", "algorithm", "baseline")}
+    try:
+        report = run_local(_body, args.nworkers, opts, timeout_s=3600, comm_timeout_s=300, host_ids=host_ids)[0]
+    except RankFailed as exc:
+        print(f"nxdt comm-test: {exc}", file=sys.stderr)
+        return 1
+    _print_table(report, args.nworkers, args.transport)
+    if args.report_to_json_file:
+        report["memcpy"] = {str(k): v for k, v in report["memcpy"].items()}
+        with open(args.report_to_json_file, "w") as fh:
+            json.dump({"nworkers": args.nworkers, "transport": args.transport, **report}, fh, indent=1)
+    wrong = sum(r.get("#wrong", 0) for r in report["results"])
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
