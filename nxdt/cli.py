@@ -74,7 +74,7 @@ def cmd_train(argv: list[str]) -> int:
     from nxdt.config import ConfigError, compose_config
     from nxdt.launch.local import LaunchFailed, launch_local
     from nxdt.launch.rundir import choose_run_dir, write_run_dir
-    from nxdt.lightning.train import NotYetSupported, check_trainable
+    from nxdt.config.validate import check_trainable
     from nxdt.planner import plan
 
     try:
@@ -82,7 +82,7 @@ def cmd_train(argv: list[str]) -> int:
         configs = [compose_config(job) for job in jobs]  # every job is validated before the first starts
         for cfg in configs:
             check_trainable(cfg)
-    except (ConfigError, NotYetSupported) as exc:
+    except ConfigError as exc:
         return _fail(str(exc))
     except Exception as exc:  # Hydra's override grammar errors
         return _fail(f"config error: {str(exc).splitlines()[0]}")

@@ -92,10 +92,10 @@ class _Runner:
         op, a, b = self.op, self.a, self.b
         if op == "allr":
             dist.all_reduce(a)
-        elif op == "allg":
-            dist.all_gather_into_tensor(b, a)
+        elif op == "allg":  # torch 2.13 renamed these (the old names warn); use whichever this torch has
+            getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(b, a)
         elif op == "redsct":
-            dist.reduce_scatter_tensor(b, a)
+            getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(b, a)
         elif op == "alltoall":
             dist.all_to_all_single(b, a)
         elif op == "bcast":

@@ -146,6 +146,23 @@ def send_recv(ch: ShmChannel, t: torch.Tensor, sender: int) -> None:
         ch.finish()
 
 
+def all_to_all_equal(ch: ShmChannel, out: torch.Tensor, inp: torch.Tensor) -> None:
+    """Equal splits: one step per chunk of every destination's block, no split exchange (the
+    fingerprint already checks that every rank sends the same count)."""
+    n, me = ch.size, ch.me
+    per = inp.numel() // n
+    blocks_in, blocks_out = inp.view(n, per), out.view(n, per)
+    fp = (OP_ALL_TO_ALL, dtype_code(inp.dtype), inp.numel(), 1)
+    for c0, c1 in _chunks(per, max(1, ch.slot_bytes // (inp.element_size() * n))):
+        k = c1 - c0
+        _mine(ch, fp, "all_to_all", inp.dtype, n * k).view(n, k).copy_(blocks_in[:, c0:c1])
+        ch.publish()
+        ch.wait_published()
+        for s in range(n):
+            blocks_out[s, c0:c1].copy_(ch.typed(s, inp.dtype)[me * k:(me + 1) * k])
+        ch.finish()
+
+
 def all_to_all(ch: ShmChannel, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:
     """Uneven all-to-all (splits in elements). Split vectors are exchanged and checked first, so a
     send count that does not match its receiver's count is a clear error on every rank."""

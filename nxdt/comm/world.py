@@ -142,7 +142,13 @@ class Communicator:
         out, inp = _flat(output, "all_to_all output"), _flat(input, "all_to_all input")
         in_splits = self._splits(input_split_sizes, inp.numel(), row, "input")
         out_splits = self._splits(output_split_sizes, out.numel(), row, "output")
-        fn = self._pick(lambda: algo.all_to_all(self._channel(stream, op="all_to_all"), out, inp, out_splits, in_splits),
+        equal = input_split_sizes is None and output_split_sizes is None
+        if equal and out.numel() != inp.numel():
+            raise ValueError(f"all_to_all on group '{self.name}': equal splits need output and input of the same size "
+                             f"({out.numel()} vs {inp.numel()}); pass split sizes for uneven exchanges")
+        shm_fn = (lambda: algo.all_to_all_equal(self._channel(stream, op="all_to_all"), out, inp)) if equal else \
+                 (lambda: algo.all_to_all(self._channel(stream, op="all_to_all"), out, inp, out_splits, in_splits))
+        fn = self._pick(shm_fn,
                         lambda: p2p.all_to_all(self, out, inp, out_splits, in_splits, stream))
         return self._submit(fn, "all_to_all", stream, async_op, after)
 

@@ -68,7 +68,8 @@ def validate(cfg: Any) -> None:
         raise ConfigError("trainer.num_nodes", trainer.num_nodes, f"instance {cfg.instance.name} cannot run multi-node; use 1")
     tp, pp, cp, ep = (ds.tensor_model_parallel_size, ds.pipeline_model_parallel_size, ds.context_parallel_size, ds.expert_model_parallel_size)
     if world % (tp * pp * cp):
-        raise ConfigError("distributed_strategy", f"TP{tp}×PP{pp}×CP{cp}", f"TP·PP·CP={tp * pp * cp} must divide the world size {world} "
+        key = "distributed_strategy.tensor_model_parallel_size" if pp * cp == 1 else "distributed_strategy"
+        raise ConfigError(key, f"TP{tp}×PP{pp}×CP{cp}", f"TP·PP·CP={tp * pp * cp} must divide the world size {world} "
                           f"(trainer.num_nodes={trainer.num_nodes} × trainer.devices={trainer.devices})")
     dp = world // (tp * pp * cp)
     if dp % ep:
@@ -110,3 +111,25 @@ def validate(cfg: Any) -> None:
     fi = cfg.exp_manager.fault_injection
     if fi.rank is not None and not 0 <= fi.rank < world:
         raise ConfigError("exp_manager.fault_injection.rank", fi.rank, f"must be a rank in 0..{world - 1}")
+
+
+class NotYetSupported(ConfigError):
+    """A valid config asking for a feature this version cannot train with yet (it can still be planned)."""
+
+
+def check_trainable(cfg: Any) -> None:
+    """Refuse, before any worker starts, what would otherwise train silently wrong."""
+    ds = cfg.distributed_strategy
+    unsupported = [(key, value) for key, value in (
+        ("tensor_model_parallel_size", ds.tensor_model_parallel_size), ("pipeline_model_parallel_size", ds.pipeline_model_parallel_size),
+        ("context_parallel_size", ds.context_parallel_size), ("expert_model_parallel_size", ds.expert_model_parallel_size),
+        ("virtual_pipeline_model_parallel_size", ds.virtual_pipeline_model_parallel_size)) if value != 1]
+    unsupported += [(key, True) for key, value in (("sequence_parallel", ds.sequence_parallel), ("zero1", ds.zero1),
+                                                   ("fsdp.enabled", ds.fsdp.enabled)) if value]
+    if cfg.comm.emulate is not None:
+        unsupported.append(("comm.emulate", cfg.comm.emulate))
+    if unsupported:
+        key, value = unsupported[0]
+        shown = key if key.startswith("comm.") else f"distributed_strategy.{key}"
+        raise NotYetSupported(shown, value, "training with it is not implemented yet in this version "
+                              "(`nxdt plan` accepts it); use data parallelism (the default) to train now")

@@ -12,6 +12,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from nxdt.config.validate import check_trainable
 from nxdt.lightning.datamodule import NxDDataModule
 from nxdt.lightning.exp_manager import build_callbacks, build_loggers, resume_checkpoint
 from nxdt.lightning.module import CausalLMModule
@@ -24,28 +25,6 @@ log = logging.getLogger(__name__)
 # precision.type (NxDT names) → Lightning precision: bf16 = pure bf16 weights and compute;
 # mixed_precision = bf16 compute under autocast with fp32 master weights and fp32 gradient reduction.
 PRECISION = {"fp32": "32-true", "bf16": "bf16-true", "mixed_precision": "bf16-mixed"}
-
-
-class NotYetSupported(ValueError):
-    """A valid config asking for a feature this version cannot train with yet (it can still be planned)."""
-
-
-def check_trainable(cfg: Any) -> None:
-    """Refuse, before any worker starts, what would otherwise train silently wrong."""
-    ds = cfg.distributed_strategy
-    unsupported = [(key, value) for key, value in (
-        ("tensor_model_parallel_size", ds.tensor_model_parallel_size), ("pipeline_model_parallel_size", ds.pipeline_model_parallel_size),
-        ("context_parallel_size", ds.context_parallel_size), ("expert_model_parallel_size", ds.expert_model_parallel_size),
-        ("virtual_pipeline_model_parallel_size", ds.virtual_pipeline_model_parallel_size)) if value != 1]
-    unsupported += [(key, True) for key, value in (("sequence_parallel", ds.sequence_parallel), ("zero1", ds.zero1),
-                                                   ("fsdp.enabled", ds.fsdp.enabled)) if value]
-    if cfg.comm.emulate is not None:
-        unsupported.append(("comm.emulate", cfg.comm.emulate))
-    if unsupported:
-        key, value = unsupported[0]
-        shown = key if key.startswith("comm.") else f"distributed_strategy.{key}"
-        raise NotYetSupported(f"config error: {shown}={value!r}: training with it is not implemented yet in this version "
-                              f"(`nxdt plan` accepts it); use data parallelism (the default) to train now")
 
 
 def build_trainer(cfg: Any, plan: Plan, run_dir: Path, tokens_per_step: int, *, show_progress: bool = True) -> pl.Trainer:

@@ -1,0 +1,87 @@
+"""Configs: every shipped option composes and validates; bad input from the command line is one line on
+stderr with exit code 2 and starts nothing; the run config round-trips; --help documents every key."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from nxdt.config import ConfigError, available_options, compose_config, field_docs, load_run_config, save_run_config
+from nxdt.planner import Plan
+
+
+@pytest.mark.parametrize("group", ["model", "data", "instance"])
+def test_every_shipped_option_composes_and_validates(group):
+    options = available_options(group)
+    assert options
+    for option in options:
+        cfg = compose_config([f"{group}={option}"])
+        assert cfg.trainer.devices >= 1
+
+
+def test_defaults_follow_nxdt_names_and_interpolate():
+    cfg = compose_config(["trainer.max_steps=17"])
+    assert cfg.model.optim.sched.max_steps == 17  # ${trainer.max_steps}
+    assert cfg.data.source == "text" and cfg.model.vocab_size == 256 and cfg.instance.name == "cpu"
+
+
+def test_run_config_round_trip(tmp_path):
+    cfg = compose_config(["data=synthetic", "trainer.devices=4", "data.global_batch_size=16", "model.optim.lr=0.01"])
+    save_run_config(cfg, tmp_path / "config.yaml")
+    assert load_run_config(tmp_path / "config.yaml") == cfg
+
+
+def test_load_run_config_rejects_unknown_keys(tmp_path):
+    (tmp_path / "config.yaml").write_text("trainer:\n  devicez: 2\n")
+    with pytest.raises(ConfigError, match="devicez"):
+        load_run_config(tmp_path / "config.yaml")
+
+
+BAD = [
+    (["trainer.max_step=3"], "trainer.max_steps"),                       # typo: suggests the key
+    (["trainer.devices=two"], "trainer.devices"),                        # wrong type
+    (["model=llama_huge"], "llama_tiny"),                                # unknown group option lists the valid ones
+    (["instance=trn9"], "instance"),
+    (["+bogus=1"], "bogus"),                                             # unknown top-level key
+    (["trainer.devices=3"], "data.global_batch_size"),                   # batch 8 not divisible by mbs 4 × DP 3
+    (["trainer.devices=4", "distributed_strategy.tensor_model_parallel_size=3"], "tensor_model_parallel_size"),
+    (["trainer.devices=4", "distributed_strategy.tensor_model_parallel_size=4"], "num_kv_heads"),
+    (["data.global_batch_size=6"], "data.global_batch_size"),
+    (["data.train_dir=/does/not/exist.txt"], "data.train_dir"),
+    (["model.architecture=subprocess.Popen"], "model.architecture"),
+    (["precision.type=fp8"], "precision.type"),
+    (["data.seq_length=4096"], "data.seq_length"),
+    (["trainer.num_nodes=0"], "trainer.num_nodes"),
+    (["distributed_strategy.fsdp.prefetch=sometimes"], "prefetch"),
+    (["distributed_strategy.zero1=true"], "zero1"),                     # valid, not trainable yet: refused before launch
+    (["notakeyvalue"], "key=value"),
+]
+
+
+@pytest.mark.parametrize("overrides,needle", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_bad_input_is_one_line_exit_2_and_starts_nothing(tmp_path, overrides, needle):
+    result = subprocess.run([sys.executable, "-m", "nxdt.cli", "train", *overrides], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and needle in lines[0], lines
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_train_help_documents_every_key():
+    result = subprocess.run([sys.executable, "-m", "nxdt.cli", "train", "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    for key, _, doc in field_docs():
+        assert key in result.stdout and doc
+    assert "llama3_70b" in result.stdout
+
+
+def test_plan_command_prints_a_loadable_plan():
+    result = subprocess.run([sys.executable, "-m", "nxdt.cli", "plan", "--json", "trainer.devices=8", "data.global_batch_size=64",
+                             "distributed_strategy.tensor_model_parallel_size=2", "model=llama3_8b"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    plan = Plan.from_json(result.stdout)
+    assert plan.degrees["dp"] == 4 and plan.groups["tp"][0] == [0, 1]
