@@ -44,3 +44,12 @@ def test_readme_lightning_example_runs_under_torchrun(tmp_path):
     result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=170, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"final loss [0-9.]+ on 2 workers", result.stdout), result.stdout[-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_readme_collectives_example(tmp_path):
+    script = tmp_path / "comm_example.py"
+    script.write_text(readme_example("comm"))
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=110)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[6.0, 6.0, 6.0, 6.0]"
