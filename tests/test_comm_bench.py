@@ -30,7 +30,7 @@ def test_small_checked_run_with_baseline_writes_nccom_style_json(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Avg bus bandwidth" in result.stdout and "speed-up" in result.stdout
     data = json.loads(report.read_text())
-    assert len(data["results"]) == 7 * 2 and len(data["baseline"]) == 7 * 2
+    assert len(data["results"]) == 7 * 3 and len(data["baseline"]) == 7 * 3  # 1 KB, 8 KB, 64 KB
     for row in data["results"]:
         assert {"size(B)", "count(elems)", "type", "time:avg(us)", "algbw(GB/s)", "busbw(GB/s)"} <= set(row)
         assert row["#wrong"] == 0
