@@ -1,1 +1,7 @@
-"""The model hub, installed as ``nxdt.models`` (one module + one config per model)."""
+"""The model hub, installed as ``nxdt.models`` (one module + one config per model).
+
+A config names its class by import path (``model.architecture``); nothing dispatches on names.
+
+    llama.py   LlamaForCausalLM — Llama 2/3: RMSNorm, RoPE (HF layout), SwiGLU, grouped-query attention,
+               full/selective activation checkpointing; conf/model/llama_tiny.yaml, llama3_8b.yaml, llama3_70b.yaml
+"""

@@ -1,8 +1,19 @@
 """Llama (2/3 family): RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query attention.
 
 Attribute names mirror Hugging Face's ``LlamaForCausalLM`` (``embed_tokens``, ``layers.N.self_attn.q_proj``,
-``mlp.gate_proj``, ``norm``, ``lm_head``) so checkpoints map by name. ``layers`` is the list pipeline
-stages and FSDP units are cut from. The config is any object with the ``model`` schema's attributes.
+``mlp.gate_proj``, ``norm``, ``lm_head``) so checkpoints map by name, and RoPE uses HF's rotate-half
+layout so HF weights need no permutation. ``layers`` is the list pipeline stages and FSDP units are cut
+from; every projection is a plain named ``nn.Linear`` that tensor parallelism can swap for a parallel one.
+
+The config is any object with the ``model`` schema's attributes (``vocab_size``, ``hidden_size``,
+``num_layers``, ``num_attention_heads``, ``num_kv_heads``, ``ffn_hidden_size``,
+``max_position_embeddings``, ``rope_theta``, ``norm_eps``, ``tie_word_embeddings``, ``init_method_std``,
+``activations_checkpoint_granularity``); the optional ones fall back to the schema's defaults.
+
+Activation checkpointing (``activations_checkpoint_granularity``): ``"full"`` recomputes each decoder
+layer in backward, ``"selective"`` only the attention core (softmax(QKᵀ)V: the S² part of the
+activations, cheap to recompute), as in NxDT/Megatron. Both use non-reentrant ``torch.utils.checkpoint``
+and give bit-identical loss and gradients to no checkpointing.
 """
 
 from __future__ import annotations
@@ -15,6 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+CHECKPOINT_GRANULARITIES = (None, "full", "selective")
+
+
+def _opt(cfg: Any, name: str, default: Any) -> Any:
+    """An optional config attribute (plain namespaces in tests need not carry every schema key)."""
+    return getattr(cfg, name, default)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -23,30 +41,31 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in fp32 for stability under bf16 compute
+        # normalise in fp32 for stability under bf16 compute (as HF does)
         x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 def rope_tables(head_dim: int, max_positions: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_positions, head_dim] in HF's rotate-half layout (frequencies repeated twice)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)  # HF's rotate-half layout
+    angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float(), angles.sin().float()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, dim=-1)
     return torch.cat([-b, a], dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [B, H, S, D]; cos/sin: [S, D]."""
-    return x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype)
+    return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
 
 
 class CoreAttention(nn.Module):
-    """Softmax(QKᵀ)V with a causal mask: the part ``selective`` activation checkpointing recomputes."""
+    """Causal softmax(QKᵀ/√d)V: the part ``selective`` activation checkpointing recomputes."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -56,25 +75,26 @@ class Attention(nn.Module):
     def __init__(self, cfg: Any) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_kv_heads or cfg.num_attention_heads
+        self.num_kv_heads = _opt(cfg, "num_kv_heads", None) or cfg.num_attention_heads
         self.head_dim = cfg.hidden_size // self.num_heads
         self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.core = CoreAttention()
-        self.checkpoint_core = cfg.activations_checkpoint_granularity == "selective"
+        self.checkpoint_core = _opt(cfg, "activations_checkpoint_granularity", None) == "selective"
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # head counts come from the projections' sizes, so a tensor-parallel swap (fewer local heads) keeps working
+        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.num_kv_heads != self.num_heads:  # grouped-query attention: each KV head serves a group of queries
-            repeat = self.num_heads // self.num_kv_heads
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        if self.checkpoint_core and self.training:
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: KV head j serves query heads [j·g, (j+1)·g)
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        if self.checkpoint_core and torch.is_grad_enabled():
             out = checkpoint(self.core, q, k, v, use_reentrant=False)
         else:
             out = self.core(q, k, v)
@@ -82,6 +102,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) · up(x))."""
+
     def __init__(self, cfg: Any) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
@@ -93,11 +115,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."""
+
     def __init__(self, cfg: Any) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        eps = _opt(cfg, "norm_eps", 1e-5)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -105,28 +130,51 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def check_config(cfg: Any) -> None:
+    """Shape rules the model needs; one clear message naming the key instead of a reshape error later."""
+    heads, kv = cfg.num_attention_heads, _opt(cfg, "num_kv_heads", None) or cfg.num_attention_heads
+    if cfg.hidden_size % heads:
+        raise ValueError(f"model.hidden_size={cfg.hidden_size} must be divisible by model.num_attention_heads={heads}")
+    if (cfg.hidden_size // heads) % 2:
+        raise ValueError(f"head dim hidden_size/num_attention_heads={cfg.hidden_size // heads} must be even for rotary embeddings")
+    if heads % kv:
+        raise ValueError(f"model.num_kv_heads={kv} must divide model.num_attention_heads={heads} (grouped-query attention)")
+    granularity = _opt(cfg, "activations_checkpoint_granularity", None)
+    if granularity not in CHECKPOINT_GRANULARITIES:
+        raise ValueError(f"model.activations_checkpoint_granularity={granularity!r}: use one of full, selective, null")
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: Any) -> None:
         super().__init__()
+        check_config(cfg)
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, _opt(cfg, "norm_eps", 1e-5))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        cos, sin = rope_tables(cfg.hidden_size // cfg.num_attention_heads, cfg.max_position_embeddings, cfg.rope_theta)
+        if _opt(cfg, "tie_word_embeddings", False):
+            self.lm_head.weight = self.embed_tokens.weight  # one Parameter, two users
+        cos, sin = rope_tables(cfg.hidden_size // cfg.num_attention_heads, cfg.max_position_embeddings,
+                               _opt(cfg, "rope_theta", 10000.0))
+        # not persistent: derived from the config, so checkpoints hold weights only (as HF's)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.checkpoint_layers = cfg.activations_checkpoint_granularity == "full"
+        self.checkpoint_layers = _opt(cfg, "activations_checkpoint_granularity", None) == "full"
         self.reset_parameters()
+
+    @property
+    def tied(self) -> bool:
+        return self.lm_head.weight is self.embed_tokens.weight
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        std = self.cfg.init_method_std
-        # residual-branch outputs scaled down with depth (GPT-2 style) so activations stay O(1)
+        """normal(0, std) from torch's global RNG, in parameter order, so equal seeds give equal weights
+        in every process; residual-branch outputs (o_proj, down_proj) get std/√(2·layers) (GPT-2 style)
+        so the residual stream's scale does not grow with depth; norms start at 1."""
+        std = _opt(self.cfg, "init_method_std", 0.02)
         out_std = std / math.sqrt(2 * self.cfg.num_layers)
-        for name, p in self.named_parameters():
+        for name, p in self.named_parameters():  # a tied weight is listed (and drawn) once
             if p.ndim == 1:
                 p.fill_(1.0)
             elif name.endswith(("o_proj.weight", "down_proj.weight")):
@@ -135,11 +183,14 @@ class LlamaForCausalLM(nn.Module):
                 p.normal_(0.0, std)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, S] → logits [B, S, vocab]."""
         s = input_ids.shape[1]
+        if s > self.rope_cos.shape[0]:
+            raise ValueError(f"sequence length {s} exceeds model.max_position_embeddings={self.rope_cos.shape[0]}")
         cos, sin = self.rope_cos[:s], self.rope_sin[:s]
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            if self.checkpoint_layers and self.training:
+            if self.checkpoint_layers and torch.is_grad_enabled():
                 x = checkpoint(layer, x, cos, sin, use_reentrant=False)
             else:
                 x = layer(x, cos, sin)
@@ -147,13 +198,24 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Next-token cross-entropy (labels are already shifted), fp32, mean over tokens."""
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        """Next-token cross-entropy in fp32, mean over tokens. Labels are already shifted by the data
+        pipeline (labels[t] is the token after input_ids[t]); positions labelled -100 are ignored."""
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Distinct parameters (a tied embedding counts once). ``exclude_embeddings`` drops the input
+        embedding table unless it is tied, i.e. keeps exactly the weights used in matmuls."""
+        total = sum(p.numel() for p in self.parameters())  # parameters() already de-duplicates
+        if exclude_embeddings and not self.tied:
+            total -= self.embed_tokens.weight.numel()
+        return total
 
     def flops_per_token(self, seq_length: int) -> float:
-        """Training FLOPs per token: 6·N for the weights plus the attention score/value matmuls."""
+        """Training FLOPs per token (forward + backward), the numerator of MFU.
+
+        6·N for the weight matmuls (2 forward, 4 backward per weight; N excludes the input embedding
+        lookup, which is no matmul, but includes the output head) plus 12·layers·hidden·seq for the
+        attention scores QKᵀ and the weighted sum with V, counted over the full S×S square as in the
+        Megatron/PaLM MFU convention (the causal mask is not discounted)."""
         c = self.cfg
-        return 6.0 * self.num_parameters() + 12.0 * c.num_layers * c.hidden_size * seq_length
+        return 6.0 * self.num_parameters(exclude_embeddings=True) + 12.0 * c.num_layers * c.hidden_size * seq_length

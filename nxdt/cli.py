@@ -72,7 +72,7 @@ def cmd_train(argv: list[str]) -> int:
         return 0
     flags, overrides = _split_flags(argv, {"-m", "--multirun"})
     from nxdt.config import ConfigError, compose_config
-    from nxdt.launch.local import LaunchFailed, launch_local
+    from nxdt.launch.local import LaunchFailed, LaunchInterrupted, launch_local
     from nxdt.launch.rundir import choose_run_dir, write_run_dir
     from nxdt.config.validate import check_trainable
     from nxdt.planner import plan
@@ -107,8 +107,8 @@ def cmd_train(argv: list[str]) -> int:
             status = 1
             if sweep_dir is None:
                 break
-        except KeyboardInterrupt:
-            print("nxdt: interrupted; all workers stopped", file=sys.stderr)
+        except LaunchInterrupted as exc:
+            print(str(exc), file=sys.stderr)
             return 130
     return status
 

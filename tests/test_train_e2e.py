@@ -105,3 +105,21 @@ def test_sweep_runs_one_world_per_job_and_reports(tmp_path):
     assert_ok(report)
     assert "trainer.devices=1" in report.stdout and "trainer.devices=2" in report.stdout
     assert list(sweep_dir.glob("*.png"))
+
+
+def test_ctrl_c_stops_every_worker_with_one_line(tmp_path):
+    import signal
+
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "nxdt.cli", "train", *TINY, "data=synthetic", "trainer.max_steps=100000",
+                             f"exp_manager.explicit_log_dir={run}"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (run / "metrics.csv").exists():  # training has started
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert "interrupted" in err and "Traceback" not in err, err[-2000:]
+    leftover = subprocess.run(["pgrep", "-f", f"nxdt.launch.worker {run}"], capture_output=True, text=True)
+    assert leftover.stdout.strip() == ""

@@ -1,6 +1,27 @@
-"""Data: tokenizers, datasets (synthetic, packed text), and the resumable global-batch sampler.
-Pure torch/python: no Lightning here (the DataModule lives in nxdt.lightning.datamodule)."""
+"""Data: tokenizers, datasets (synthetic, packed text) and the resumable global-batch sampler.
+
+Pure torch/python — no Lightning here (the DataModule lives in ``nxdt.lightning.datamodule``)::
+
+    tokenizers.py  ByteTokenizer, HFTokenizer (tokenizer.json), build_tokenizer
+    datasets.py    SyntheticTokens (learnable Markov chain), PackedText (a text file cut into windows)
+    sampler.py     GlobalBatchSampler (seeded epochs, DP slices of each global batch, resumable)
+    samples/       the default training text (public domain; see samples/README.md)
+"""
 
 from pathlib import Path
 
-SAMPLE_TEXT = Path(__file__).parent / "samples" / "kjv_genesis_exodus_proverbs.txt"
+SAMPLE_TEXT = Path(__file__).parent / "samples" / "austen_pride_and_prejudice.txt"
+"""The default training text (``data.train_dir=null``): Jane Austen's *Pride and Prejudice*."""
+
+
+def mix_seed(*values: int) -> int:
+    """One 63-bit generator seed from several integers (splitmix64 finaliser per value).
+
+    Plain sums like ``seed + epoch`` collide across runs (seed 0 epoch 1 = seed 1 epoch 0); this does not
+    in practice, and is a pure function of its inputs, so every process derives the same seed."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = (h ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        h = (h ^ (h >> 31)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 29
+    return h & 0x7FFFFFFFFFFFFFFF

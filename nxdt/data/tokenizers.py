@@ -1,39 +1,64 @@
-"""Tokenizers: byte-level by default (no files needed), or a Hugging Face ``tokenizer.json``."""
+"""Tokenizers: byte-level by default (no files, vocabulary 256), or a Hugging Face ``tokenizer.json``.
+
+Both expose ``vocab_size``, ``encode(str) -> list[int]``, ``decode(ids) -> str`` and ``cache_key`` (what
+identifies the token stream a text produces, so a tokenized file can be reused in memory).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterable, Union
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as ids 0..255."""
+    """UTF-8 bytes as ids 0..255: any text, no vocabulary file, nothing unknown."""
 
     vocab_size = 256
+    cache_key = ("byte",)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: list[int]) -> str:
-        return bytes(ids).decode("utf-8", errors="replace")
+    def decode(self, ids: Iterable[int]) -> str:
+        # a window may start or end inside a multi-byte character: show it, do not fail
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 
 class HFTokenizer:
-    """A Hugging Face ``tokenizer.json`` through the ``tokenizers`` package (optional dependency)."""
+    """A Hugging Face ``tokenizer.json`` (a file, or a model directory holding one) through the optional
+    ``tokenizers`` package. ``encode`` adds no special tokens: text is packed into windows, where a BOS
+    inserted per encoded chunk would land mid-document."""
 
     def __init__(self, path: str | Path) -> None:
+        file = Path(path)
+        if file.is_dir():
+            file = file / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"data.tokenizer={path}: no tokenizer.json there — give the path of a Hugging Face "
+                                    f"tokenizer.json (or its directory), or null for the byte-level tokenizer")
         try:
-            from tokenizers import Tokenizer
+            from tokenizers import Tokenizer  # optional: only needed for this tokenizer
         except ImportError as exc:
-            raise RuntimeError(f"data.tokenizer={path}: reading tokenizer.json needs the 'tokenizers' package — pip install tokenizers") from exc
-        self._tok = Tokenizer.from_file(str(path))
-        self.vocab_size = self._tok.get_vocab_size()
+            raise RuntimeError(f"data.tokenizer={path}: reading tokenizer.json needs the 'tokenizers' package — "
+                               f"pip install tokenizers") from exc
+        try:
+            self._tok = Tokenizer.from_file(str(file))
+        except Exception as exc:  # the package's own errors are terse and path-less
+            raise ValueError(f"data.tokenizer={path}: {file} is not a valid tokenizer.json ({exc})") from exc
+        self.path = file
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.cache_key = ("hf", str(file.resolve()), file.stat().st_mtime_ns)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+        return self._tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids)
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids])
 
 
-def build_tokenizer(path: str | Path | None) -> ByteTokenizer | HFTokenizer:
+Tokenizer = Union[ByteTokenizer, HFTokenizer]
+
+
+def build_tokenizer(path: str | Path | None) -> Tokenizer:
+    """``None`` → byte-level; otherwise a ``tokenizer.json`` (or a directory holding one)."""
     return ByteTokenizer() if path is None else HFTokenizer(path)

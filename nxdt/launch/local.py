@@ -21,6 +21,10 @@ class LaunchFailed(RuntimeError):
     """A worker failed; ``str()`` is the one line shown to the user."""
 
 
+class LaunchInterrupted(RuntimeError):
+    """Ctrl-C or SIGTERM reached the launcher; the agent has stopped every worker."""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -42,6 +46,7 @@ def _failure_line(exc: Any, run_dir: Path) -> str:
 
 def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool) -> None:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -61,5 +66,8 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool) -> None:
         elastic_launch(config, entrypoint=sys.executable)(*args)
     except ChildFailedError as exc:
         raise LaunchFailed(_failure_line(exc, run_dir)) from None
+    except (SignalException, KeyboardInterrupt) as exc:  # the agent turns SIGINT/SIGTERM into SignalException
+        raise LaunchInterrupted(f"nxdt: interrupted ({getattr(exc, 'sigval', 'SIGINT')}); all workers stopped — "
+                                f"resume with exp_manager.resume_if_exists=true") from None
     finally:
         cleanup_run(run_id)

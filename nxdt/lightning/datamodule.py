@@ -1,12 +1,23 @@
-"""``NxDDataModule``: the configured dataset behind the global-batch sampler, sharded by the
-strategy's data-parallel rank and resumed at ``global_step × global_batch_size`` samples."""
+"""``NxDDataModule``: the configured dataset behind the global-batch sampler, sharded by the strategy's
+data-parallel rank and resumed where the checkpointed step left the sample stream.
+
+One Lightning batch is one micro-batch (a dict of ``input_ids``/``labels`` [micro_batch_size, S]);
+Lightning accumulates ``global_batch / (micro_batch · DP)`` of them per optimizer step, so optimizer
+step ``k`` consumes exactly stream positions ``[k·B, (k+1)·B)`` (see :mod:`nxdt.data.sampler`).
+
+Resume: Lightning restores the datamodule state and ``trainer.global_step`` before it builds the train
+dataloader, so :meth:`train_dataloader` starts the stream at the samples consumed by the restored step.
+The state holds ``consumed_samples`` and the step it belongs to, so the position stays right even if a
+later run changes ``data.global_batch_size``.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 import lightning.pytorch as pl
-from torch.utils.data import DataLoader
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import DataLoader, Dataset
 
 from nxdt.data import SAMPLE_TEXT
 from nxdt.data.datasets import PackedText, SyntheticTokens
@@ -15,29 +26,84 @@ from nxdt.data.tokenizers import build_tokenizer
 
 
 class NxDDataModule(pl.LightningDataModule):
+    """``data_cfg`` has ``source`` ("synthetic" | "text"), ``micro_batch_size``, ``global_batch_size``,
+    ``seq_length``, ``train_dir`` (None → the shipped sample text), ``tokenizer`` (None → byte-level) and
+    ``num_samples`` (synthetic). ``vocab_size`` is the model's: synthetic tokens are drawn below it and
+    a tokenizer must fit in it."""
+
     def __init__(self, data_cfg: Any, seed: int, vocab_size: int) -> None:
         super().__init__()
         self.cfg, self.seed, self.vocab_size = data_cfg, seed, vocab_size
-        self.dataset = None
+        self.dataset: Dataset | None = None
+        self.dp_rank, self.dp_size = 0, 1
+        # The stream position is anchored at a (global_step, consumed_samples) pair: (0, 0) for a fresh run,
+        # the checkpoint's pair after a resume; from there each step consumes one global batch.
+        self._anchor_step, self._anchor_consumed = 0, 0
 
-    def setup(self, stage: str | None = None) -> None:
+    # --- dataset -------------------------------------------------------------------------------------
+    def build_dataset(self) -> Dataset:
         cfg = self.cfg
         if cfg.source == "synthetic":
-            self.dataset = SyntheticTokens(cfg.num_samples, cfg.seq_length, self.vocab_size, self.seed)
-        else:
+            return SyntheticTokens(cfg.num_samples, cfg.seq_length, self.vocab_size, self.seed)
+        if cfg.source == "text":
             tokenizer = build_tokenizer(cfg.tokenizer)
             if tokenizer.vocab_size > self.vocab_size:
-                raise ValueError(f"data.tokenizer has {tokenizer.vocab_size} ids but model.vocab_size={self.vocab_size} — use a model with a larger vocabulary")
-            self.dataset = PackedText(cfg.train_dir or SAMPLE_TEXT, tokenizer, cfg.seq_length)
+                raise ValueError(f"data.tokenizer={cfg.tokenizer} has {tokenizer.vocab_size} token ids but "
+                                 f"model.vocab_size={self.vocab_size} — use a model whose vocab_size is at least "
+                                 f"{tokenizer.vocab_size}, or another tokenizer")
+            return PackedText(cfg.train_dir or SAMPLE_TEXT, tokenizer, cfg.seq_length)
+        raise ValueError(f"data.source={cfg.source!r}: use synthetic or text")
 
-    def _dp(self) -> tuple[int, int]:
-        trainer = getattr(self, "trainer", None)
-        kwargs = trainer.strategy.distributed_sampler_kwargs if trainer is not None else None
-        return (kwargs["rank"], kwargs["num_replicas"]) if kwargs else (0, 1)
+    def setup(self, stage: str | None = None) -> None:
+        self.dp_rank, self.dp_size = self._data_parallel()
+        if self.dataset is None:  # setup() may run again (another fit); the data does not change
+            self.dataset = self.build_dataset()
+            rank_zero_info(f"data: {type(self.dataset).__name__}, {len(self.dataset)} samples of "
+                           f"{self.cfg.seq_length} tokens, data-parallel {self.dp_size}")
 
+    def _data_parallel(self) -> tuple[int, int]:
+        """(rank, size) of this process's data-parallel group, from the strategy (1 process: (0, 1))."""
+        trainer = self.trainer
+        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer is not None else None
+        if not kwargs:
+            return 0, 1
+        return int(kwargs["rank"]), int(kwargs["num_replicas"])
+
+    # --- resume position -----------------------------------------------------------------------------
+    def _global_step(self) -> int | None:
+        return self.trainer.global_step if self.trainer is not None else None
+
+    @property
+    def consumed_samples(self) -> int:
+        """Samples of the stream used by the optimizer steps done so far (all data-parallel ranks)."""
+        step = self._global_step()
+        if step is None:
+            return self._anchor_consumed
+        return self._anchor_consumed + (step - self._anchor_step) * self.cfg.global_batch_size
+
+    def state_dict(self) -> dict[str, int]:
+        step = self._global_step()
+        return {"consumed_samples": self.consumed_samples,
+                "global_step": self._anchor_step if step is None else step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        consumed = int(state_dict["consumed_samples"])
+        # a state without the step (hand-made) means: consumed at the current batch size
+        step = int(state_dict.get("global_step", consumed // self.cfg.global_batch_size))
+        self._anchor_step, self._anchor_consumed = step, consumed
+
+    # --- loader --------------------------------------------------------------------------------------
     def train_dataloader(self) -> DataLoader:
-        rank, size = self._dp()
-        consumed = self.trainer.global_step * self.cfg.global_batch_size if getattr(self, "trainer", None) else 0
+        if self.dataset is None:  # used without a Trainer
+            self.setup("fit")
         sampler = GlobalBatchSampler(len(self.dataset), self.cfg.global_batch_size, self.cfg.micro_batch_size,
-                                     dp_rank=rank, dp_size=size, consumed_samples=consumed, seed=self.seed)
+                                     dp_rank=self.dp_rank, dp_size=self.dp_size,
+                                     consumed_samples=self.consumed_samples, seed=self.seed)
+        trainer = self.trainer
+        if trainer is not None and trainer.accumulate_grad_batches != sampler.micro_batches_per_step:
+            # otherwise optimizer steps and global batches drift apart: DP ≠ single process, resume skips data
+            raise ValueError(f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) must equal "
+                             f"global_batch_size / (micro_batch_size × DP) = {self.cfg.global_batch_size} / "
+                             f"({self.cfg.micro_batch_size} × {self.dp_size}) = {sampler.micro_batches_per_step}")
+        # workers=0: samples are cheap and in memory; worker processes would only add start-up time
         return DataLoader(self.dataset, batch_sampler=sampler, num_workers=0)
