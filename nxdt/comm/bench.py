@@ -235,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-w", "--warmup_iters", type=int, default=5, help="untimed iterations per size")
     p.add_argument("-d", "--datatype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("-c", "--check", action="store_true", help="verify results exactly after timing (adds a #wrong column)")
-    p.add_argument("--algorithm", default="auto", help="all-reduce algorithm: auto, direct, slice")
+    p.add_argument("--algorithm", default="auto", help="all-reduce algorithm: auto, direct, slice, ring, rhd, torus[:RxC], hierarchical")
     p.add_argument("--transport", choices=("shm", "p2p"), default="shm", help="p2p: pretend every rank is on its own host")
     p.add_argument("--baseline", choices=("gloo",), help="also time torch.distributed's gloo on the same sizes, same run")
     p.add_argument("--report-to-json-file", metavar="F", help="write the results as JSON (nccom-test's layout)")

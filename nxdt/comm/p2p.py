@@ -1,154 +1,227 @@
-"""The ``p2p`` transport: collectives for groups spanning hosts, over torch.distributed point-to-point
-(gloo on CPU). Ring all-reduce (reduce-scatter + all-gather), ring all-gather and reduce-scatter,
-binomial-tree broadcast and reduce, pairwise all-to-all. fp16/bf16 are reduced in fp32 and rounded
-once; every element is reduced by exactly one chain, so all ranks hold identical bits.
+"""Point-to-point links: the small interface the generic algorithms (:mod:`nxdt.comm.algorithms`) run on.
+
+``Links.exchange(sends, recvs)`` moves a set of messages to and from group-local peers at once (so a
+ring step can send right while receiving from the left without deadlock). Each peer is reached by
+the cheapest path:
+
+* ``shm`` mailbox for a peer on the same host: a segment per directed pair owned by the sender,
+  two slots, a ``sent`` counter the sender bumps and an ``acked`` counter the receiver bumps
+  (futex-woken both ways). Sends complete without the receiver while a slot is free, messages
+  between a pair on a stream are FIFO, and each chunk carries a fingerprint (dtype, count) the
+  receiver checks;
+* ``p2p`` for a peer on another host: torch.distributed ``isend``/``irecv`` (gloo on CPU) with a tag
+  per (communicator, stream), so concurrent streams never take each other's messages.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import os
+import time
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.distributed as dist
 
-from nxdt.comm.errors import CommMismatchError, CommTimeoutError
-from nxdt.comm.reduce import check_op, reduce_into
+from nxdt.comm.errors import CommMismatchError, CommTimeoutError, PeerDiedError
+from nxdt.comm.reduce import dtype_code
+from nxdt.comm.shm import FP_WORDS, W_FINGERPRINT, W_FP_DIGEST, Segment, describe_fingerprint, open_peers, segment_path
+from nxdt.comm.waiting import SpinBudget, fence, pid_alive, wait_until, wait_word, wake
 
 if TYPE_CHECKING:
     from nxdt.comm.world import Communicator
 
-
-def _wait_all(comm: "Communicator", works: list, what: str) -> None:
-    try:
-        for w in works:
-            w.wait()
-    except RuntimeError as exc:
-        raise CommTimeoutError(f"nxdt.comm: group '{comm.name}' {what} over p2p failed: {str(exc).splitlines()[0]}") from exc
+MAILBOX_SLOT_BYTES = 512 << 10
+W_SENT, W_ACKED, W_RECEIVER_PID = 6, 7, 8
+OP_P2P = 7
 
 
-def _exchange(comm: "Communicator", send: torch.Tensor | None, to: int, recv: torch.Tensor | None, frm: int, tag: int, what: str) -> None:
-    works = []
-    if recv is not None and recv.numel():
-        works.append(dist.irecv(recv, comm.ranks[frm], tag=tag))
-    if send is not None and send.numel():
-        works.append(dist.isend(send.contiguous(), comm.ranks[to], tag=tag))
-    _wait_all(comm, works, what)
+class _Transfer:
+    __slots__ = ("peer", "flat", "bytes", "pos", "count", "fp")
+
+    def __init__(self, peer: int, t: torch.Tensor) -> None:
+        self.peer = peer
+        self.flat = t.view(-1).view(torch.uint8)  # callers pass contiguous tensors: we must write into them
+        self.bytes = self.flat.numel()
+        self.pos = 0
+        self.count = 0  # chunks moved
+        self.fp = (OP_P2P, dtype_code(t.dtype), t.numel(), 0)
+
+    def chunks(self) -> int:
+        return max(1, -(-self.bytes // MAILBOX_SLOT_BYTES))
 
 
-def _bounds(count: int, n: int, i: int) -> tuple[int, int]:
-    per = -(-count // n) if count else 0
-    return min(count, i * per), min(count, (i + 1) * per)
+class Links:
+    """Point-to-point messaging of one communicator on one stream (see the module docstring)."""
 
+    def __init__(self, comm: "Communicator", stream: str) -> None:
+        self.comm, self.stream = comm, stream
+        self.world = comm.world
+        self.tag = self.world.stream_tag(comm.name, stream)
+        self._out: dict[int, Segment] = {}
+        self._in: dict[int, Segment] = {}
+        self._sent: dict[int, int] = {}
+        self._recvd: dict[int, int] = {}
+        self.desc = "send/recv"
+        self.spin = SpinBudget()
 
-def _combine(op: str):
-    return {"sum": torch.add, "avg": torch.add, "min": torch.minimum, "max": torch.maximum, "prod": torch.mul}[op]
+    # -------------------------------------------------------------------------------- shm mailboxes
+    def _path(self, src: int, dst: int) -> str:
+        return segment_path(self.world.run_id, self.comm.name, f"{self.stream}.mb", f"{self.comm.ranks[src]}to{self.comm.ranks[dst]}")
 
+    def _deadline(self) -> float:
+        return time.monotonic() + self.world.timeout_s
 
-def all_reduce(comm: "Communicator", t: torch.Tensor, op: str, stream: str) -> None:
-    check_op(op, t.dtype)
-    n, r, tag = comm.size, comm.rank, comm._tag(stream)
-    work = t.float() if t.dtype in (torch.float16, torch.bfloat16) else t.clone()
-    fn = _combine(op)
-    right, left = (r + 1) % n, (r - 1) % n
-    for k in range(n - 1):  # reduce-scatter: after n-1 steps chunk (r+1)%n is complete here
-        s0, s1 = _bounds(work.numel(), n, (r - k) % n)
-        d0, d1 = _bounds(work.numel(), n, (r - k - 1) % n)
-        incoming = torch.empty(d1 - d0, dtype=work.dtype)
-        _exchange(comm, work[s0:s1], right, incoming, left, tag, "all_reduce")
-        work[d0:d1] = fn(work[d0:d1], incoming)
-    if op == "avg":
-        work.div_(n)
-    for k in range(n - 1):  # all-gather of the completed chunks
-        s0, s1 = _bounds(work.numel(), n, (r + 1 - k) % n)
-        d0, d1 = _bounds(work.numel(), n, (r - k) % n)
-        _exchange(comm, work[s0:s1].clone(), right, work[d0:d1], left, tag, "all_reduce")
-    t.copy_(work)
+    def _outbox(self, peer: int) -> Segment:
+        seg = self._out.get(peer)
+        if seg is None:
+            seg = self._out[peer] = Segment(self._path(self.comm.rank, peer), MAILBOX_SLOT_BYTES, create=True)
+            self._sent[peer] = 0
+        return seg
 
+    def _inbox(self, peer: int) -> Segment:
+        seg = self._in.get(peer)
+        if seg is None:
+            def timeout(_missing) -> Exception:
+                return CommTimeoutError(f"nxdt.comm: group '{self.comm.name}' {self.desc} (stream '{self.stream}') timed out after "
+                                        f"{self.world.timeout_s:g}s waiting for rank(s) [{self.comm.ranks[peer]}] to send")
+            seg = open_peers({peer: self._path(peer, self.comm.rank)}, MAILBOX_SLOT_BYTES, self._deadline(), timeout)[peer]
+            seg.header[W_RECEIVER_PID] = os.getpid()
+            self._in[peer] = seg
+            self._recvd[peer] = 0
+        return seg
 
-def all_gather(comm: "Communicator", out: torch.Tensor, inp: torch.Tensor, stream: str) -> None:
-    n, r, m, tag = comm.size, comm.rank, inp.numel(), comm._tag(stream)
-    out[r * m:(r + 1) * m].copy_(inp)
-    for k in range(n - 1):
-        s, d = (r - k) % n, (r - k - 1) % n
-        _exchange(comm, out[s * m:(s + 1) * m].clone(), (r + 1) % n, out[d * m:(d + 1) * m], (r - 1) % n, tag, "all_gather")
+    def _try_send(self, x: _Transfer) -> bool:
+        seg = self._outbox(x.peer)
+        h = seg.header
+        n = self._sent[x.peer]
+        if n - h[W_ACKED] >= 2:
+            return False
+        size = min(MAILBOX_SLOT_BYTES, x.bytes - x.pos)
+        slot = seg.slot(n)
+        if size:
+            slot[:size].copy_(x.flat[x.pos:x.pos + size])
+        parity = n & 1
+        base = W_FINGERPRINT + parity * FP_WORDS
+        h[base:base + 4] = x.fp
+        h[W_FP_DIGEST + parity] = hash(x.fp) & 0x3FFFFFFFFFFF
+        x.pos += size
+        x.count += 1
+        self._sent[x.peer] = n + 1
+        fence()
+        h[W_SENT] = n + 1
+        wake(seg.word_address(W_SENT))
+        return True
 
+    def _try_recv(self, x: _Transfer) -> bool:
+        seg = self._inbox(x.peer)
+        h = seg.header
+        n = self._recvd[x.peer]
+        if h[W_SENT] <= n:
+            return False
+        parity = n & 1
+        if h[W_FP_DIGEST + parity] != hash(x.fp) & 0x3FFFFFFFFFFF:
+            base = W_FINGERPRINT + parity * FP_WORDS
+            theirs = tuple(int(v) for v in h[base:base + 4])
+            raise CommMismatchError(
+                f"nxdt.comm: group '{self.comm.name}' {self.desc}: rank {self.comm.ranks[x.peer]} sent {describe_fingerprint(theirs)} but "
+                f"rank {self.comm.ranks[self.comm.rank]} expected {describe_fingerprint(x.fp)} — sends and receives must match in dtype and count")
+        size = min(MAILBOX_SLOT_BYTES, x.bytes - x.pos)
+        if size:
+            x.flat[x.pos:x.pos + size].copy_(seg.slot(n)[:size])
+        x.pos += size
+        x.count += 1
+        self._recvd[x.peer] = n + 1
+        fence()
+        h[W_ACKED] = n + 1
+        wake(seg.word_address(W_ACKED))
+        return True
 
-def reduce_scatter(comm: "Communicator", out: torch.Tensor, inp: torch.Tensor, op: str, stream: str) -> None:
-    check_op(op, inp.dtype)
-    n, r, m, tag = comm.size, comm.rank, out.numel(), comm._tag(stream)
-    acc = (inp.float() if inp.dtype in (torch.float16, torch.bfloat16) else inp.clone()).view(n, m)
-    fn = _combine(op)
-    for k in range(n - 1):
-        s, d = (r - k - 1) % n, (r - k - 2) % n
-        incoming = torch.empty(m, dtype=acc.dtype)
-        _exchange(comm, acc[s], (r + 1) % n, incoming, (r - 1) % n, tag, "reduce_scatter")
-        acc[d] = fn(acc[d], incoming)
-    result = acc[r] / n if op == "avg" else acc[r]
-    out.copy_(result)
+    def _shm_exchange(self, sends: list[_Transfer], recvs: list[_Transfer]) -> None:
+        pending = [(x, True) for x in sends] + [(x, False) for x in recvs]
+        deadline = self._deadline()
+        while pending:
+            progressed, still = False, []
+            for x, sending in pending:
+                while x.count < x.chunks() and (self._try_send(x) if sending else self._try_recv(x)):
+                    progressed = True
+                if x.count < x.chunks():
+                    still.append((x, sending))
+            pending = still
+            if not pending or progressed:
+                if progressed:
+                    deadline = self._deadline()
+                continue
+            self._block(pending, deadline)
 
+    def _block(self, pending, deadline: float) -> None:
+        def timeout() -> Exception:
+            who = sorted({self.comm.ranks[x.peer] for x, _ in pending})
+            return CommTimeoutError(f"nxdt.comm: group '{self.comm.name}' {self.desc} (stream '{self.stream}') timed out after "
+                                    f"{self.world.timeout_s:g}s waiting for rank(s) {who} to {'receive' if pending[0][1] else 'send'}")
 
-def broadcast(comm: "Communicator", t: torch.Tensor, root: int, stream: str) -> None:
-    n, tag = comm.size, comm._tag(stream)
-    rel = (comm.rank - root) % n
-    mask = 1
-    while mask < n:  # receive from the parent
-        if rel & mask:
-            _exchange(comm, None, 0, t, (comm.rank - mask) % n, tag, "broadcast")
-            break
-        mask <<= 1
-    mask >>= 1
-    while mask > 0:  # send to the children
-        if rel + mask < n:
-            _exchange(comm, t, (comm.rank + mask) % n, None, 0, tag, "broadcast")
-        mask >>= 1
+        def health() -> None:
+            for x, sending in pending:
+                seg = self._out[x.peer] if sending else self._in[x.peer]
+                pid = int(seg.header[W_RECEIVER_PID] if sending else seg.header[1])
+                if pid and not pid_alive(pid):
+                    raise PeerDiedError(f"nxdt.comm: group '{self.comm.name}' {self.desc}: rank {self.comm.ranks[x.peer]} (pid {pid}) "
+                                        f"exited while rank {self.comm.ranks[self.comm.rank]} waited for it")
 
+        if len(pending) == 1:  # one word to watch: sleep on it
+            x, sending = pending[0]
+            if sending:
+                seg = self._out[x.peer]
+                wait_word(seg.header, W_ACKED, self._sent[x.peer] - 1, seg.word_address(W_ACKED), deadline, timeout, health, self.spin)
+            else:
+                seg = self._in[x.peer]
+                wait_word(seg.header, W_SENT, self._recvd[x.peer] + 1, seg.word_address(W_SENT), deadline, timeout, health, self.spin)
+            return
 
-def reduce(comm: "Communicator", t: torch.Tensor, root: int, op: str, stream: str) -> None:
-    check_op(op, t.dtype)
-    n, tag = comm.size, comm._tag(stream)
-    rel = (comm.rank - root) % n
-    acc = t.float() if t.dtype in (torch.float16, torch.bfloat16) else t.clone()
-    fn = _combine(op)
-    mask = 1
-    while mask < n:
-        if rel & mask:
-            _exchange(comm, acc, (comm.rank - mask) % n, None, 0, tag, "reduce")
-            break
-        if rel + mask < n:
-            incoming = torch.empty_like(acc)
-            _exchange(comm, None, 0, incoming, (comm.rank + mask) % n, tag, "reduce")
-            acc = fn(acc, incoming)
-        mask <<= 1
-    if comm.rank == root:
-        t.copy_(acc / n if op == "avg" else acc)
+        def ready() -> bool:
+            for x, sending in pending:
+                if sending and self._sent[x.peer] - self._out[x.peer].header[W_ACKED] < 2:
+                    return True
+                if not sending and self._in[x.peer].header[W_SENT] > self._recvd[x.peer]:
+                    return True
+            return False
 
+        wait_until(ready, deadline, timeout, health)
 
-def all_to_all(comm: "Communicator", out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], stream: str) -> None:
-    n, r, tag = comm.size, comm.rank, comm._tag(stream)
-    table = torch.zeros(n * 2 * n, dtype=torch.int64)
-    all_gather(comm, table, torch.tensor(in_splits + out_splits, dtype=torch.int64), stream)
-    rows = table.view(n, 2 * n)
-    for s in range(n):
-        for d in range(n):
-            if rows[s, d] != rows[d, n + s]:
-                raise CommMismatchError(f"nxdt.comm: group '{comm.name}' all_to_all: rank {comm.ranks[s]} sends {int(rows[s, d])} elements "
-                                        f"to rank {comm.ranks[d]}, which expects {int(rows[d, n + s])}")
-    in_off = [sum(in_splits[:i]) for i in range(n)]
-    out_off = [sum(out_splits[:i]) for i in range(n)]
-    out[out_off[r]:out_off[r] + out_splits[r]].copy_(inp[in_off[r]:in_off[r] + in_splits[r]])
-    for k in range(1, n):
-        to, frm = (r + k) % n, (r - k) % n
-        _exchange(comm, inp[in_off[to]:in_off[to] + in_splits[to]], to, out[out_off[frm]:out_off[frm] + out_splits[frm]], frm, tag, "all_to_all")
+    # -------------------------------------------------------------------------------- public
+    def exchange(self, sends: Sequence[tuple[int, torch.Tensor]] = (), recvs: Sequence[tuple[int, torch.Tensor]] = (),
+                 desc: str | None = None) -> None:
+        """Send and receive these messages (group-local peers; tensors contiguous). Returns when all moved."""
+        if desc:
+            self.desc = desc
+        hosts, me = self.comm.hosts, self.comm.rank
+        works = []
+        try:
+            for peer, t in recvs:
+                if hosts[peer] != hosts[me] and t.numel():
+                    works.append(dist.irecv(t, self.comm.ranks[peer], tag=self.tag))
+            for peer, t in sends:
+                if hosts[peer] != hosts[me] and t.numel():
+                    works.append(dist.isend(t.contiguous(), self.comm.ranks[peer], tag=self.tag))
+            local_sends = [_Transfer(p, t) for p, t in sends if hosts[p] == hosts[me]]
+            local_recvs = [_Transfer(p, t) for p, t in recvs if hosts[p] == hosts[me]]
+            if local_sends or local_recvs:
+                self._shm_exchange(local_sends, local_recvs)
+            for w in works:
+                w.wait()
+        except RuntimeError as exc:
+            if isinstance(exc, (CommTimeoutError, CommMismatchError, PeerDiedError)):
+                raise
+            raise CommTimeoutError(f"nxdt.comm: group '{self.comm.name}' {self.desc} (stream '{self.stream}') over p2p failed: "
+                                   f"{str(exc).splitlines()[0]}") from exc
 
-
-def send_recv(comm: "Communicator", t: torch.Tensor, peer: int, sending: bool, stream: str) -> None:
-    tag = comm._tag(stream)
-    if sending:
-        _exchange(comm, t, peer, None, 0, tag, "send")
-    else:
-        _exchange(comm, None, 0, t, peer, tag, "recv")
-
-
-def barrier(comm: "Communicator", stream: str) -> None:
-    token = torch.zeros(1, dtype=torch.int32)
-    all_reduce(comm, token, "sum", stream)
+    def close(self) -> None:
+        for seg in self._in.values():
+            seg.close()
+        for seg in self._out.values():
+            seg.close()
+            try:
+                os.unlink(seg.path)
+            except FileNotFoundError:
+                pass
+        self._in.clear()
+        self._out.clear()

@@ -1,5 +1,6 @@
-"""Reduction kernels: fixed member order (so every rank gets bitwise-identical results) and fp32
-accumulation for fp16/bf16 (rounded once at the end, unlike gloo which rounds at every hop)."""
+"""Reduction kernels: fixed member order (so every rank computing the same element gets the same
+bits) and fp32 accumulation for fp16/bf16 (rounded once at the end, unlike gloo which rounds at
+every hop)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8, torch.float64)
 REDUCE_OPS = ("sum", "avg", "min", "max", "prod")
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -24,36 +25,49 @@ def check_op(op: str, dtype: torch.dtype) -> int:
         raise ValueError(f"reduce op {op!r} is not supported; use one of {REDUCE_OPS}")
     if op == "avg" and not dtype.is_floating_point:
         raise TypeError(f"reduce op 'avg' needs a floating-point tensor, got {dtype}; use 'sum' and divide")
+    dtype_code(dtype)
     return REDUCE_OPS.index(op) + 1
 
 
+def _combine_(acc: torch.Tensor, other: torch.Tensor, op: str) -> None:
+    if op in ("sum", "avg"):
+        acc.add_(other)
+    elif op == "min":
+        torch.minimum(acc, other, out=acc)
+    elif op == "max":
+        torch.maximum(acc, other, out=acc)
+    else:
+        acc.mul_(other)
+
+
+_BINARY = {"sum": torch.add, "avg": torch.add, "min": torch.minimum, "max": torch.maximum, "prod": torch.mul}
+
+
 def reduce_into(out: torch.Tensor, parts: Sequence[torch.Tensor], op: str, divisor: int) -> None:
-    """out = op(parts[0], parts[1], ...), accumulated in fp32 for half types, in member order."""
+    """out = op(parts[0], parts[1], ...) in member order; ``out`` may be one of ``parts`` (then that part
+    is the first operand: each element is still reduced by one fixed sequence on the rank that owns it).
+    Half types accumulate in fp32 (in-place ops promote without a temporary per part)."""
     if out.numel() == 0:
         return
-    low = out.dtype in _LOW_PRECISION
-    if op in ("sum", "avg"):
-        if low:
-            acc = parts[0].float()
-            for p in parts[1:]:
-                acc.add_(p.float())
-        elif len(parts) >= 2:
-            acc = torch.add(parts[0], parts[1], out=out) if not _aliases(out, parts[2:]) else parts[0] + parts[1]
-            for p in parts[2:]:
-                acc.add_(p)
-        else:
-            acc = parts[0].clone()
+    if out.dtype in LOW_PRECISION:
+        acc = parts[0].float()
+        for p in parts[1:]:
+            _combine_(acc, p, op)
         if op == "avg":
             acc.div_(divisor)
-        if acc.data_ptr() != out.data_ptr():
-            out.copy_(acc)
+        out.copy_(acc)
         return
-    acc = parts[0].float() if low else parts[0].clone()
-    fn = {"min": torch.minimum, "max": torch.maximum, "prod": torch.mul}[op]
-    for p in parts[1:]:
-        acc = fn(acc, p.float() if low else p)
-    out.copy_(acc)
-
-
-def _aliases(out: torch.Tensor, others: Sequence[torch.Tensor]) -> bool:
-    return any(o.data_ptr() == out.data_ptr() for o in others)
+    ptr = out.data_ptr()
+    alias = next((i for i, p in enumerate(parts) if p.data_ptr() == ptr), -1)
+    if alias >= 0:
+        rest = [p for i, p in enumerate(parts) if i != alias]
+    elif len(parts) >= 2:
+        _BINARY[op](parts[0], parts[1], out=out)
+        rest = parts[2:]
+    else:
+        out.copy_(parts[0])
+        rest = []
+    for p in rest:
+        _combine_(out, p, op)
+    if op == "avg":
+        out.div_(divisor)

@@ -5,15 +5,15 @@ A channel connects the members of a group on one stream. Each member owns one se
 creation race) holding a header of flags and two data slots (double buffering).
 
 Every collective is a sequence of *steps* (one chunk each) numbered ``s`` per channel. A step has
-three milestones a member announces in its ``progress`` word, ``3s+1`` published (my slot holds my
-data), ``3s+2`` reduced (my slot holds my reduced slice; only two-phase all-reduce uses it) and
+three milestones a member announces in its ``progress`` word: ``3s+1`` published (my slot holds my
+data), ``3s+2`` reduced (my slot holds my reduced slice; only the slice all-reduce uses it) and
 ``3s+3`` done (I finished reading everybody's slot). A member writes slot ``s % 2`` only after every
-peer is done with step ``s-2``, so no trailing barrier is needed. Each step's fingerprint
-(op, dtype, count, root) is written next to the data and compared by every member, so calls that
+peer is done with step ``s-2``, so no trailing barrier is needed. Each step's fingerprint digest
+(op, dtype, count, root) is written next to the flags and compared by every member, so calls that
 differ across ranks fail on every rank with the same clear error instead of hanging or corrupting.
 
-On x86 (TSO) a store of the progress word cannot overtake the data stores before it, so readers
-that see the flag also see the data.
+Waiting is spin → yield → futex on the progress word (see :mod:`nxdt.comm.waiting`); every store of
+a progress word is preceded by a fence and followed by a futex wake.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import glob
 import mmap
 import os
+import re
 import time
 from typing import Sequence
 
@@ -28,27 +29,32 @@ import numpy as np
 import torch
 
 from nxdt.comm.errors import CommMismatchError, CommTimeoutError, PeerDiedError
-from nxdt.comm.waiting import pid_alive, wait_until
+from nxdt.comm.waiting import SpinBudget, fence, pid_alive, wait_word, wake
 
 SHM_DIR = "/dev/shm"
 PREFIX = "nxdt-"
 HEADER_BYTES = 4096
 MAGIC = 0x6E786474  # "nxdt"
-DEFAULT_SLOT_BYTES = 1 << 20
+DEFAULT_SLOT_BYTES = int(os.environ.get("NXDT_COMM_SLOT_BYTES", 2 << 20))  # measured: 2 MB beat 0.5 and 1 MB at 1-64 MB
 
-# header words (int64)
+# header words (int64). Words 0 and 1 (magic, creator pid) are what remove_stale_segments reads.
 W_MAGIC, W_PID, W_PROGRESS, W_SLOT_BYTES = 0, 1, 2, 3
-W_FP_WORD = 4  # two words: a digest of each slot's fingerprint, compared on the hot path
-W_FINGERPRINT = 8  # two fingerprints (one per slot) of FP_WORDS words each, for error messages
+W_FP_DIGEST = 4     # two words: digest of each slot parity's fingerprint, compared on the hot path
+W_SENT, W_ACKED = 6, 7  # mailbox counters (see nxdt.comm.mailbox); spaced from PROGRESS on purpose
+W_FINGERPRINT = 16  # two fingerprints (one per slot parity) of FP_WORDS words, for error messages
 FP_WORDS = 6
 
 
-def segment_path(run_id: str, group: str, stream: str, rank: int) -> str:
-    return os.path.join(SHM_DIR, f"{PREFIX}{run_id}-{group}-{stream}-r{rank}")
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.]", "_", name)
+
+
+def segment_path(run_id: str, group: str, stream: str, rank: int | str) -> str:
+    return os.path.join(SHM_DIR, f"{PREFIX}{_safe(run_id)}-{_safe(group)}-{_safe(stream)}-r{rank}")
 
 
 class Segment:
-    """One member's mapped segment: header words and a byte view of the two slots."""
+    """One mapped segment: header words (numpy int64), their address (for futex) and the two slots."""
 
     def __init__(self, path: str, slot_bytes: int, create: bool) -> None:
         self.path = path
@@ -63,13 +69,18 @@ class Segment:
         finally:
             os.close(fd)
         self.header = np.frombuffer(self.mm, dtype=np.int64, count=HEADER_BYTES // 8)
+        self.address = self.header.ctypes.data
         self.data = torch.frombuffer(self.mm, dtype=torch.uint8, offset=HEADER_BYTES, count=2 * slot_bytes)
         self.slot_bytes = slot_bytes
         if create:
             self.header[W_PID] = os.getpid()
             self.header[W_SLOT_BYTES] = slot_bytes
             self.header[W_PROGRESS] = 0
+            fence()
             self.header[W_MAGIC] = MAGIC  # last: a peer opening us waits for it
+
+    def word_address(self, index: int) -> int:
+        return self.address + 8 * index
 
     def slot(self, step: int) -> torch.Tensor:
         start = (step % 2) * self.slot_bytes
@@ -84,7 +95,7 @@ class Segment:
             pass
 
 
-def _try_open(path: str, slot_bytes: int) -> Segment | None:
+def try_open(path: str, slot_bytes: int) -> Segment | None:
     try:
         if os.path.getsize(path) >= HEADER_BYTES + 2 * slot_bytes:
             seg = Segment(path, slot_bytes, create=False)
@@ -94,6 +105,33 @@ def _try_open(path: str, slot_bytes: int) -> Segment | None:
     except FileNotFoundError:
         pass
     return None
+
+
+def open_peers(paths: dict[int, str], slot_bytes: int, deadline: float, on_timeout) -> dict[int, Segment]:
+    """Open the segments peers create when they first use a channel; ``on_timeout(missing_keys)``."""
+    opened: dict[int, Segment] = {}
+    pause = 1e-4
+    while len(opened) < len(paths):
+        for key, path in paths.items():
+            if key not in opened:
+                seg = try_open(path, slot_bytes)
+                if seg is not None:
+                    opened[key] = seg
+        if len(opened) < len(paths):
+            if time.monotonic() > deadline:
+                for seg in opened.values():
+                    seg.close()
+                raise on_timeout([k for k in paths if k not in opened])
+            time.sleep(pause)
+            pause = min(2 * pause, 2e-3)
+    return opened
+
+
+def _digest(fingerprint: tuple[int, ...]) -> int:
+    d = 0
+    for x in fingerprint:
+        d = (d * 1_000_003 + int(x) + 1) & 0x3FFFFFFFFFFF
+    return d
 
 
 class ShmChannel:
@@ -108,30 +146,25 @@ class ShmChannel:
         self.op_desc = "setup"
         deadline = time.monotonic() + timeout_s
         self.own = Segment(segment_path(run_id, group, stream, self.ranks[my_index]), slot_bytes, create=True)
-        # Peers create their segments when they first use this group on this stream.
-        opened: dict[int, Segment] = {my_index: self.own}
-        while len(opened) < len(self.ranks):
-            for i, rank in enumerate(self.ranks):
-                if i not in opened:
-                    seg = _try_open(segment_path(run_id, group, stream, rank), slot_bytes)
-                    if seg is not None:
-                        opened[i] = seg
-            if len(opened) < len(self.ranks):
-                if time.monotonic() > deadline:
-                    missing = [r for i, r in enumerate(self.ranks) if i not in opened]
-                    for i, seg in opened.items():
-                        if i != my_index:
-                            seg.close()
-                    self.close_own()
-                    raise CommTimeoutError(
-                        f"nxdt.comm: group '{group}' {first_op} (first use of stream '{stream}') timed out after {timeout_s:g}s "
-                        f"waiting for rank(s) {missing} to join — they crashed, hung, or called a different collective")
-                time.sleep(0.0005)
+
+        def timeout(missing_idx: list[int]) -> Exception:
+            self.close_own()
+            return CommTimeoutError(
+                f"nxdt.comm: group '{group}' {first_op} (first use of stream '{stream}') timed out after {timeout_s:g}s "
+                f"waiting for rank(s) {[self.ranks[i] for i in missing_idx]} to join — they crashed, hung, or called a different collective")
+
+        paths = {i: segment_path(run_id, group, stream, r) for i, r in enumerate(self.ranks) if i != my_index}
+        opened = open_peers(paths, slot_bytes, deadline, timeout)
+        opened[my_index] = self.own
         self.segments = [opened[i] for i in range(len(self.ranks))]
+        self.headers = [s.header for s in self.segments]
+        self.progress_addr = [s.word_address(W_PROGRESS) for s in self.segments]
         self.peers = [i for i in range(len(self.ranks)) if i != my_index]
         self._typed: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         self._fp: tuple | None = None
         self._fp_digest = 0
+        self._fp_written: list[tuple | None] = [None, None]
+        self.spin = SpinBudget()
 
     @property
     def size(self) -> int:
@@ -139,91 +172,101 @@ class ShmChannel:
 
     # -------------------------------------------------------------------------------- waiting
     def _wait(self, members: Sequence[int], milestone: int, what: str) -> None:
-        headers = [self.segments[i].header for i in members]
+        headers = self.headers
+        deadline = 0.0
+        for i in members:
+            if headers[i][W_PROGRESS] >= milestone:
+                continue
+            if not deadline:
+                deadline = time.monotonic() + self.timeout_s
+            wait_word(headers[i], W_PROGRESS, milestone, self.progress_addr[i], deadline,
+                      lambda: self._timeout_error(members, milestone, what), lambda: self._check_health(members, milestone), self.spin)
 
-        def ready() -> bool:
-            for h in headers:
-                if h[W_PROGRESS] < milestone:
-                    return False
-            return True
+    def _missing(self, members: Sequence[int], milestone: int) -> list[int]:
+        return [i for i in members if self.headers[i][W_PROGRESS] < milestone]
 
-        def missing() -> list[int]:
-            return [self.ranks[i] for i, h in zip(members, headers) if h[W_PROGRESS] < milestone]
+    def _timeout_error(self, members: Sequence[int], milestone: int, what: str) -> Exception:
+        missing = [self.ranks[i] for i in self._missing(members, milestone)]
+        return CommTimeoutError(
+            f"nxdt.comm: group '{self.group}' {self.op_desc} (seq/step {self.step}, stream '{self.stream}') timed out after "
+            f"{self.timeout_s:g}s waiting for {what} of rank(s) {missing} — they crashed, hung, or called a different collective")
 
-        def timeout() -> Exception:
-            return CommTimeoutError(
-                f"nxdt.comm: group '{self.group}' {self.op_desc} (step {self.step}, stream '{self.stream}') timed out after "
-                f"{self.timeout_s:g}s waiting for {what} of rank(s) {missing()} — they crashed, hung, or called a different collective")
+    def _check_health(self, members: Sequence[int], milestone: int) -> None:
+        for i in self._missing(members, milestone):
+            pid = int(self.headers[i][W_PID])
+            if pid and not pid_alive(pid):
+                raise PeerDiedError(f"nxdt.comm: group '{self.group}' {self.op_desc} (seq/step {self.step}): rank {self.ranks[i]} "
+                                    f"(pid {pid}) exited while the others waited for it")
 
-        def health() -> None:
-            for rank, i in zip(missing(), [i for i, h in zip(members, headers) if h[W_PROGRESS] < milestone]):
-                pid = int(self.segments[i].header[W_PID])
-                if pid and not pid_alive(pid):
-                    raise PeerDiedError(f"nxdt.comm: group '{self.group}' {self.op_desc} (step {self.step}): rank {rank} "
-                                        f"(pid {pid}) exited while the others waited for it")
-
-        wait_until(ready, time.monotonic() + self.timeout_s, timeout, health)
+    def _set_progress(self, value: int) -> None:
+        fence()
+        self.own.header[W_PROGRESS] = value
+        wake(self.progress_addr[self.me])
 
     # -------------------------------------------------------------------------------- one step
-    def begin(self, fingerprint: tuple[int, ...], op_desc: str) -> torch.Tensor:
-        """Start step ``self.step``: wait until my slot is free, record my fingerprint, return my slot."""
+    def begin(self, fingerprint: tuple[int, ...], op_desc: str) -> None:
+        """Start step ``self.step``: wait until my slot is free, record my fingerprint."""
         self.op_desc = op_desc
         s = self.step
         if s >= 2:
             self._wait(self.peers, 3 * (s - 2) + 3, "completion of an earlier step")
         if fingerprint != self._fp:  # consecutive chunks of one op share it: compute the digest once
             self._fp = fingerprint
-            digest = 0
-            for x in fingerprint:
-                digest = (digest * 1_000_003 + int(x) + 1) & 0x3FFFFFFFFFFFFFFF
-            self._fp_digest = digest
-        base = W_FINGERPRINT + (s % 2) * FP_WORDS
-        self.own.header[base:base + FP_WORDS] = (s, *fingerprint, *([0] * (FP_WORDS - 1 - len(fingerprint))))
-        self.own.header[W_FP_WORD + s % 2] = (self._fp_digest + s) & 0x3FFFFFFFFFFFFFFF
-        return self.own.slot(s)
+            self._fp_digest = _digest(fingerprint)
+        parity = s & 1
+        h = self.own.header
+        if self._fp_written[parity] != fingerprint:
+            base = W_FINGERPRINT + parity * FP_WORDS
+            h[base:base + FP_WORDS] = (*fingerprint, *([0] * (FP_WORDS - len(fingerprint))))[:FP_WORDS]
+            self._fp_written[parity] = fingerprint
+        h[W_FP_DIGEST + parity] = self._fp_digest  # a peer cannot be at step s±2 while we compare (slot protocol)
 
-    def typed(self, member: int, dtype: torch.dtype) -> torch.Tensor:
-        """The current step's slot of ``member`` as a flat tensor of ``dtype`` (views cached: they are hot)."""
-        key = (member, self.step % 2, dtype)
+    def typed(self, member: int, dtype: torch.dtype, count: int | None = None) -> torch.Tensor:
+        """The current step's slot of ``member`` as a flat tensor of ``dtype`` (the first ``count``
+        elements if given). Views are cached: making a tensor view costs microseconds, the hot path
+        of a small collective is a handful of them."""
+        key = (member, self.step & 1, dtype, count)
         view = self._typed.get(key)
         if view is None:
-            view = self._typed[key] = self.segments[member].slot(self.step).view(dtype)
+            if len(self._typed) > 512:  # many distinct counts: start over rather than grow
+                self._typed.clear()
+            view = self.segments[member].slot(self.step).view(dtype)
+            if count is not None:
+                view = view[:count]
+            self._typed[key] = view
         return view
 
     def publish(self) -> None:
-        self.own.header[W_PROGRESS] = 3 * self.step + 1
+        self._set_progress(3 * self.step + 1)
 
     def wait_published(self, members: Sequence[int] | None = None) -> None:
         members = self.peers if members is None else members
         self._wait(members, 3 * self.step + 1, "the data")
-        self._check_fingerprints(members)
-
-    def _check_fingerprints(self, members: Sequence[int]) -> None:
-        word = W_FP_WORD + self.step % 2
+        word = W_FP_DIGEST + (self.step & 1)
         mine = self.own.header[word]
         for i in members:
-            if self.segments[i].header[word] != mine:
+            if self.headers[i][word] != mine:
                 self._raise_mismatch(members)
 
     def _raise_mismatch(self, members: Sequence[int]) -> None:
-        base = W_FINGERPRINT + (self.step % 2) * FP_WORDS
+        base = W_FINGERPRINT + (self.step & 1) * FP_WORDS
         mine = tuple(int(x) for x in self.own.header[base:base + FP_WORDS])
         for i in members:
-            theirs = tuple(int(x) for x in self.segments[i].header[base:base + FP_WORDS])
-            if theirs != mine:
+            theirs = tuple(int(x) for x in self.headers[i][base:base + FP_WORDS])
+            if theirs != mine or self.headers[i][W_FP_DIGEST + (self.step & 1)] != self.own.header[W_FP_DIGEST + (self.step & 1)]:
                 raise CommMismatchError(
-                    f"nxdt.comm: group '{self.group}' step {self.step}: rank {self.ranks[self.me]} called {self.op_desc} "
+                    f"nxdt.comm: group '{self.group}' seq/step {self.step}: rank {self.ranks[self.me]} called {self.op_desc} "
                     f"{describe_fingerprint(mine)} but rank {self.ranks[i]} called {describe_fingerprint(theirs)} — "
                     f"every member must issue the same collectives with the same op, dtype, count and root, in the same order")
 
     def mark_reduced(self) -> None:
-        self.own.header[W_PROGRESS] = 3 * self.step + 2
+        self._set_progress(3 * self.step + 2)
 
-    def wait_reduced(self) -> None:
-        self._wait(self.peers, 3 * self.step + 2, "the reduced slice")
+    def wait_reduced(self, members: Sequence[int] | None = None) -> None:
+        self._wait(self.peers if members is None else members, 3 * self.step + 2, "the reduced slice")
 
     def finish(self) -> None:
-        self.own.header[W_PROGRESS] = 3 * self.step + 3
+        self._set_progress(3 * self.step + 3)
         self.step += 1
 
     def slot_of(self, member: int) -> torch.Tensor:
@@ -244,11 +287,12 @@ class ShmChannel:
             pass
 
 
-OP_NAMES = ["?", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "send_recv", "barrier", "all_to_all_sizes"]
+OP_NAMES = ["?", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "send_recv", "barrier",
+            "all_to_all_sizes"]
 
 
 def describe_fingerprint(fp: tuple[int, ...]) -> str:
-    _, op, dtype, count, root, _ = (tuple(fp) + (0,) * 6)[:6]
+    op, dtype, count, root = (tuple(fp) + (0,) * 4)[:4]
     from nxdt.comm.reduce import DTYPES, REDUCE_OPS  # local: avoids an import cycle at module load
 
     dtype_name = str(DTYPES[dtype - 1]).replace("torch.", "") if 0 < dtype <= len(DTYPES) else "?"
@@ -269,8 +313,10 @@ def remove_segments(pattern: str) -> int:
 
 
 def cleanup_run(run_id: str) -> int:
-    """Remove every segment of a run (the launcher calls this after its workers exit)."""
-    return remove_segments(f"{PREFIX}{run_id[:24]}.*")
+    """Remove every segment of a run (the launcher calls this after its workers exit). ``run_id`` is
+    the id given to ``init_process`` (segments carry it plus a per-start nonce) or ``World.run_id``."""
+    short = _safe(run_id[:24])
+    return remove_segments(f"{PREFIX}{short}.*") + remove_segments(f"{PREFIX}{_safe(run_id)}-*")
 
 
 def remove_stale_segments() -> int:

@@ -1,13 +1,17 @@
-"""Collectives over a :class:`~nxdt.comm.shm.ShmChannel`, chunk by chunk (one step per chunk).
+"""Direct fast paths over a :class:`~nxdt.comm.shm.ShmChannel`, chunk by chunk (one step per chunk).
 
-All-reduce has two algorithms, chosen per chunk by size (same choice on every rank):
+On one host every member can read every other member's slot, so the fastest algorithms are direct:
 
-* ``direct``: every member reduces the whole chunk from all slots (one synchronisation; best for
-  small chunks where latency dominates);
-* ``slice``: every member reduces only its slice, publishes it, and copies the others' reduced
-  slices out (two synchronisations, each byte reduced once: best for large chunks).
+* all-reduce ``direct`` (small messages): everyone copies its chunk in, then every member reduces the
+  whole chunk from all slots in member order — one synchronisation, identical bits everywhere;
+* all-reduce ``slice`` (large messages): member ``i`` copies in only the slices *others* reduce,
+  reduces its own slice ``i`` straight into its tensor (reading the others' slots), publishes the
+  result and copies the others' reduced slices out — each byte reduced once, the least memory
+  traffic, two synchronisations;
+* all-gather / reduce-scatter / all-to-all / broadcast / reduce: publish, then each member takes
+  what it needs from each peer's slot as soon as that peer has published.
 
-Other ops are one step per chunk: publish, wait for the members, copy out.
+Every member checks every peer's fingerprint on every step, so a mismatched call fails everywhere.
 """
 
 from __future__ import annotations
@@ -20,108 +24,144 @@ from nxdt.comm.errors import CommMismatchError
 from nxdt.comm.reduce import check_op, dtype_code, reduce_into
 from nxdt.comm.shm import ShmChannel
 
-DIRECT_ALL_REDUCE_MAX_BYTES = 128 << 10
+DIRECT_ALL_REDUCE_MAX_BYTES = 64 << 10
 
 OP_ALL_REDUCE, OP_ALL_GATHER, OP_REDUCE_SCATTER, OP_ALL_TO_ALL, OP_BROADCAST, OP_REDUCE, OP_SEND_RECV, OP_BARRIER, OP_A2A_SIZES = range(1, 10)
-
-
-def _bytes_view(slot: torch.Tensor, dtype: torch.dtype, count: int) -> torch.Tensor:
-    return slot[:count * dtype.itemsize].view(dtype)
-
-
-def _mine(ch: ShmChannel, fp: tuple, desc: str, dtype: torch.dtype, count: int) -> torch.Tensor:
-    ch.begin(fp, desc)
-    return ch.typed(ch.me, dtype)[:count]
-
-
-def _slice(count: int, parts: int, index: int) -> tuple[int, int]:
-    per = -(-count // parts) if count else 0
-    return min(count, index * per), min(count, (index + 1) * per)
 
 
 def _chunks(count: int, chunk: int):
     if count == 0:
         yield 0, 0
         return
+    chunk = max(1, chunk)
     for start in range(0, count, chunk):
         yield start, min(count, start + chunk)
 
 
+PIPELINE_MIN_BYTES = 128 << 10
+
+
+def _pipelined(ch: ShmChannel, count: int, elem: int, per_step_units: int = 1) -> int:
+    """Chunk length (elements) for pure data movement: about a quarter of the message (at least
+    128 KB, at most a slot), so one member's copy into its slot overlaps the others' copies out of
+    the previous chunk instead of the two running back to back."""
+    cap = ch.slot_bytes // (elem * per_step_units)
+    want = max(PIPELINE_MIN_BYTES // (elem * per_step_units), -(-count // 4))
+    return max(1, min(cap, want))
+
+
+def _bounds(count: int, parts: int) -> list[tuple[int, int]]:
+    per = -(-count // parts) if count else 0
+    return [(min(count, i * per), min(count, (i + 1) * per)) for i in range(parts)]
+
+
 def all_reduce(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str = "auto") -> None:
     red = check_op(op, t.dtype)
-    n, me = ch.size, ch.me
-    elem = t.element_size()
-    fp = (OP_ALL_REDUCE + 100 * red, dtype_code(t.dtype), t.numel(), 0)
-    for c0, c1 in _chunks(t.numel(), ch.slot_bytes // elem):
+    n, me, dtype = ch.size, ch.me, t.dtype
+    total = t.numel()
+    fp = (OP_ALL_REDUCE + 100 * red, dtype_code(dtype), total, 0)
+    desc = f"all_reduce({op})"
+    # decided per call from the (fingerprinted) count, so every member takes the same path
+    sliced = algorithm == "slice" or (algorithm != "direct" and total * t.element_size() > DIRECT_ALL_REDUCE_MAX_BYTES)
+    peers = ch.peers
+    fast_pair = n == 2 and op == "sum" and dtype not in (torch.float16, torch.bfloat16)
+    for c0, c1 in _chunks(total, ch.slot_bytes // t.element_size()):
         k = c1 - c0
-        whole = c0 == 0 and c1 == t.numel()
-        dst = t if whole else t[c0:c1]
-        mine = _mine(ch, fp, f"all_reduce({op})", t.dtype, k)
-        mine.copy_(dst)
+        dst = t if k == total else t[c0:c1]
+        ch.begin(fp, desc)
+        mine = ch.typed(me, dtype)
+        if not sliced:
+            ch.typed(me, dtype, k).copy_(dst)
+            ch.publish()
+            ch.wait_published()
+            if fast_pair:  # the common small case in one kernel call
+                torch.add(ch.typed(0, dtype, k), ch.typed(1, dtype, k), out=dst)
+            else:
+                reduce_into(dst, [ch.typed(i, dtype, k) for i in range(n)], op, n)
+            ch.finish()
+            continue
+        bounds = _bounds(k, n)
+        for j in peers:
+            lo, hi = bounds[j]
+            mine[lo:hi].copy_(dst[lo:hi])
         ch.publish()
         ch.wait_published()
-        direct = algorithm == "direct" or (algorithm == "auto" and (k * elem <= DIRECT_ALL_REDUCE_MAX_BYTES or n == 2))
-        if direct:
-            reduce_into(dst, [ch.typed(i, t.dtype)[:k] for i in range(n)], op, n)
-        else:
-            lo, hi = _slice(k, n, me)
-            reduce_into(mine[lo:hi], [ch.typed(i, t.dtype)[lo:hi] for i in range(n)], op, n)
-            ch.mark_reduced()
-            ch.wait_reduced()
-            for i in range(n):
-                lo, hi = _slice(k, n, i)
-                dst[lo:hi].copy_(ch.typed(i, t.dtype)[lo:hi])
+        lo, hi = bounds[me]
+        own = dst[lo:hi]
+        reduce_into(own, [own if i == me else ch.typed(i, dtype)[lo:hi] for i in range(n)], op, n)
+        mine[lo:hi].copy_(own)
+        ch.mark_reduced()
+        for j in peers:  # take each peer's slice as soon as it is ready
+            ch.wait_reduced((j,))
+            lo, hi = bounds[j]
+            dst[lo:hi].copy_(ch.typed(j, dtype)[lo:hi])
         ch.finish()
 
 
 def all_gather(ch: ShmChannel, out: torch.Tensor, inp: torch.Tensor) -> None:
-    count = inp.numel()
-    fp = (OP_ALL_GATHER, dtype_code(inp.dtype), count, 0)
-    for c0, c1 in _chunks(count, ch.slot_bytes // inp.element_size()):
-        _bytes_view(ch.begin(fp, "all_gather"), inp.dtype, c1 - c0).copy_(inp[c0:c1])
+    m, me, dtype = inp.numel(), ch.me, inp.dtype
+    fp = (OP_ALL_GATHER, dtype_code(dtype), m, 0)
+    in_place = out.data_ptr() + me * m * inp.element_size() == inp.data_ptr()
+    for c0, c1 in _chunks(m, _pipelined(ch, m, inp.element_size())):
+        k = c1 - c0
+        ch.begin(fp, "all_gather")
+        ch.typed(me, dtype, k).copy_(inp[c0:c1])
         ch.publish()
-        ch.wait_published()
-        for i in range(ch.size):
-            out[i * count + c0:i * count + c1].copy_(_bytes_view(ch.slot_of(i), inp.dtype, c1 - c0))
+        if not in_place:
+            out[me * m + c0:me * m + c1].copy_(inp[c0:c1])
+        for j in ch.peers:
+            ch.wait_published((j,))
+            out[j * m + c0:j * m + c1].copy_(ch.typed(j, dtype, k))
         ch.finish()
 
 
 def reduce_scatter(ch: ShmChannel, out: torch.Tensor, inp: torch.Tensor, op: str) -> None:
     red = check_op(op, inp.dtype)
-    n, m = ch.size, out.numel()
+    n, m, me, dtype = ch.size, out.numel(), ch.me, inp.dtype
     rows = inp.view(n, m)
-    fp = (OP_REDUCE_SCATTER + 100 * red, dtype_code(inp.dtype), m, 0)
-    for c0, c1 in _chunks(m, max(1, ch.slot_bytes // (inp.element_size() * n))):
+    fp = (OP_REDUCE_SCATTER + 100 * red, dtype_code(dtype), m, 0)
+    desc = f"reduce_scatter({op})"
+    for c0, c1 in _chunks(m, ch.slot_bytes // (inp.element_size() * n)):
         k = c1 - c0
-        _bytes_view(ch.begin(fp, f"reduce_scatter({op})"), inp.dtype, n * k).view(n, k).copy_(rows[:, c0:c1])
+        ch.begin(fp, desc)
+        mine = ch.typed(me, dtype)[:n * k].view(n, k)
+        for j in ch.peers:
+            mine[j].copy_(rows[j, c0:c1])
         ch.publish()
         ch.wait_published()
-        reduce_into(out[c0:c1], [_bytes_view(ch.slot_of(i), inp.dtype, n * k).view(n, k)[ch.me] for i in range(n)], op, n)
+        reduce_into(out[c0:c1], [rows[me, c0:c1] if i == me else ch.typed(i, dtype)[:n * k].view(n, k)[me] for i in range(n)], op, n)
         ch.finish()
 
 
 def broadcast(ch: ShmChannel, t: torch.Tensor, root: int) -> None:
     fp = (OP_BROADCAST, dtype_code(t.dtype), t.numel(), root)
-    for c0, c1 in _chunks(t.numel(), ch.slot_bytes // t.element_size()):
-        slot = ch.begin(fp, f"broadcast(root={root})")
+    desc = f"broadcast(root={root})"
+    for c0, c1 in _chunks(t.numel(), _pipelined(ch, t.numel(), t.element_size())):
+        ch.begin(fp, desc)
         if ch.me == root:
-            _bytes_view(slot, t.dtype, c1 - c0).copy_(t[c0:c1])
+            ch.typed(root, t.dtype, c1 - c0).copy_(t[c0:c1])
         ch.publish()
         ch.wait_published()
         if ch.me != root:
-            t[c0:c1].copy_(_bytes_view(ch.slot_of(root), t.dtype, c1 - c0))
+            t[c0:c1].copy_(ch.typed(root, t.dtype, c1 - c0))
         ch.finish()
 
 
 def reduce(ch: ShmChannel, t: torch.Tensor, root: int, op: str) -> None:
     red = check_op(op, t.dtype)
+    n, me = ch.size, ch.me
     fp = (OP_REDUCE + 100 * red, dtype_code(t.dtype), t.numel(), root)
+    desc = f"reduce({op}, root={root})"
     for c0, c1 in _chunks(t.numel(), ch.slot_bytes // t.element_size()):
-        _bytes_view(ch.begin(fp, f"reduce({op}, root={root})"), t.dtype, c1 - c0).copy_(t[c0:c1])
+        k = c1 - c0
+        ch.begin(fp, desc)
+        if me != root:
+            ch.typed(me, t.dtype, k).copy_(t[c0:c1])
         ch.publish()
         ch.wait_published()
-        if ch.me == root:
-            reduce_into(t[c0:c1], [_bytes_view(ch.slot_of(i), t.dtype, c1 - c0) for i in range(ch.size)], op, ch.size)
+        if me == root:
+            own = t[c0:c1]
+            reduce_into(own, [own if i == me else ch.typed(i, t.dtype, k) for i in range(n)], op, n)
         ch.finish()
 
 
@@ -132,34 +172,28 @@ def barrier(ch: ShmChannel) -> None:
     ch.finish()
 
 
-def send_recv(ch: ShmChannel, t: torch.Tensor, sender: int) -> None:
-    """Two-member channel: member ``sender`` sends ``t``, the other receives into ``t``."""
-    fp = (OP_SEND_RECV, dtype_code(t.dtype), t.numel(), sender)
-    for c0, c1 in _chunks(t.numel(), ch.slot_bytes // t.element_size()):
-        slot = ch.begin(fp, "send/recv")
-        if ch.me == sender:
-            _bytes_view(slot, t.dtype, c1 - c0).copy_(t[c0:c1])
-        ch.publish()
-        ch.wait_published()
-        if ch.me != sender:
-            t[c0:c1].copy_(_bytes_view(ch.slot_of(sender), t.dtype, c1 - c0))
-        ch.finish()
-
-
 def all_to_all_equal(ch: ShmChannel, out: torch.Tensor, inp: torch.Tensor) -> None:
-    """Equal splits: one step per chunk of every destination's block, no split exchange (the
+    """Equal splits: one step per chunk of every destination's block; no split exchange (the
     fingerprint already checks that every rank sends the same count)."""
-    n, me = ch.size, ch.me
+    n, me, dtype = ch.size, ch.me, inp.dtype
     per = inp.numel() // n
     blocks_in, blocks_out = inp.view(n, per), out.view(n, per)
-    fp = (OP_ALL_TO_ALL, dtype_code(inp.dtype), inp.numel(), 1)
-    for c0, c1 in _chunks(per, max(1, ch.slot_bytes // (inp.element_size() * n))):
+    fp = (OP_ALL_TO_ALL, dtype_code(dtype), inp.numel(), 1)
+    same = out.data_ptr() == inp.data_ptr()
+    for c0, c1 in _chunks(per, _pipelined(ch, per, inp.element_size(), n)):
         k = c1 - c0
-        _mine(ch, fp, "all_to_all", inp.dtype, n * k).view(n, k).copy_(blocks_in[:, c0:c1])
+        ch.begin(fp, "all_to_all")
+        mine = ch.typed(me, dtype)[:n * k].view(n, k)
+        for j in ch.peers:
+            mine[j].copy_(blocks_in[j, c0:c1])
         ch.publish()
-        ch.wait_published()
-        for s in range(n):
-            blocks_out[s, c0:c1].copy_(ch.typed(s, inp.dtype)[me * k:(me + 1) * k])
+        if not same:
+            blocks_out[me, c0:c1].copy_(blocks_in[me, c0:c1])
+        if same:  # in place: our own input blocks must be safe in the slot before we overwrite them
+            ch.wait_published()
+        for j in ch.peers:
+            ch.wait_published((j,))
+            blocks_out[j, c0:c1].copy_(ch.typed(j, dtype)[:n * k].view(n, k)[me])
         ch.finish()
 
 
@@ -167,12 +201,12 @@ def all_to_all(ch: ShmChannel, out: torch.Tensor, inp: torch.Tensor, out_splits:
     """Uneven all-to-all (splits in elements). Split vectors are exchanged and checked first, so a
     send count that does not match its receiver's count is a clear error on every rank."""
     n, me = ch.size, ch.me
-    sizes = _bytes_view(ch.begin((OP_A2A_SIZES, dtype_code(inp.dtype), n, 0), "all_to_all(sizes)"), torch.int64, 2 * n)
-    sizes.copy_(torch.tensor(list(in_splits) + list(out_splits), dtype=torch.int64))
+    ch.begin((OP_A2A_SIZES, dtype_code(inp.dtype), n, 0), "all_to_all(sizes)")
+    ch.typed(me, torch.int64)[:2 * n].copy_(torch.tensor(list(in_splits) + list(out_splits), dtype=torch.int64))
     ch.publish()
     ch.wait_published()
-    all_in = [_bytes_view(ch.slot_of(i), torch.int64, 2 * n)[:n].tolist() for i in range(n)]
-    all_out = [_bytes_view(ch.slot_of(i), torch.int64, 2 * n)[n:].tolist() for i in range(n)]
+    all_in = [ch.typed(i, torch.int64)[:n].tolist() for i in range(n)]
+    all_out = [ch.typed(i, torch.int64)[n:2 * n].tolist() for i in range(n)]
     ch.finish()
     for s in range(n):
         for r in range(n):
@@ -188,15 +222,14 @@ def all_to_all(ch: ShmChannel, out: torch.Tensor, inp: torch.Tensor, out_splits:
     for r in range(rounds):
         w0 = r * window
         w1 = min(inp.numel(), w0 + window)
-        slot = _bytes_view(ch.begin(fp, "all_to_all"), inp.dtype, max(0, w1 - w0))
+        ch.begin(fp, "all_to_all")
         if w1 > w0:
-            slot.copy_(inp[w0:w1])
+            ch.typed(me, inp.dtype)[:w1 - w0].copy_(inp[w0:w1])
         ch.publish()
         ch.wait_published()
         for s in range(n):
             lo = max(w0, src_offset[s])
             hi = min(w0 + window, src_offset[s] + all_in[s][me])
             if hi > lo:
-                src = _bytes_view(ch.slot_of(s), inp.dtype, window)[lo - w0:hi - w0]
-                out[dst_offset[s] + lo - src_offset[s]:dst_offset[s] + hi - src_offset[s]].copy_(src)
+                out[dst_offset[s] + lo - src_offset[s]:dst_offset[s] + hi - src_offset[s]].copy_(ch.typed(s, inp.dtype)[lo - w0:hi - w0])
         ch.finish()

@@ -22,12 +22,17 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from nxdt.comm import p2p, shm_algorithms as algo
-from nxdt.comm.errors import CommError, CommTimeoutError
+from nxdt.comm import algorithms as generic, shm_algorithms as algo
+from nxdt.comm.errors import CommError, CommMismatchError, CommTimeoutError
+from nxdt.comm.p2p import Links
+from nxdt.comm.reduce import LOW_PRECISION, check_op, dtype_code
 from nxdt.comm.shm import ShmChannel, remove_stale_segments
 from nxdt.comm.stream import Stream, Work
 
-_ALL_REDUCE_ALGORITHMS = ("auto", "direct", "slice", "ring", "hierarchical")
+# Algorithm names a planner can hand over (plain strings). "torus:RxC" gives the grid explicitly.
+ALL_REDUCE_ALGORITHMS = ("auto", "direct", "slice", "ring", "rhd", "torus", "hierarchical")
+ALGORITHMS = ALL_REDUCE_ALGORITHMS + ("tree", "pairwise")
+RHD_MAX_BYTES = 256 << 10  # across hosts: fewer, latency-bound steps below this, ring above
 
 
 def host_identity() -> str:
@@ -50,7 +55,21 @@ def _flat(t: torch.Tensor, what: str) -> torch.Tensor:
         raise ValueError(f"{what} is on {t.device}; nxdt.comm works on CPU tensors")
     if not t.is_contiguous():
         raise ValueError(f"{what} must be contiguous (call .contiguous() first)")
+    dtype_code(t.dtype)
     return t.view(-1)
+
+
+def _parse_algorithm(algorithm: str, allowed: Sequence[str]) -> tuple[str, tuple[int, int] | None]:
+    name, _, grid = str(algorithm).partition(":")
+    if name not in allowed:
+        raise ValueError(f"algorithm {algorithm!r} unknown here; use one of {tuple(allowed)}")
+    if grid:
+        try:
+            rows, cols = (int(v) for v in grid.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"algorithm {algorithm!r}: write the torus grid as 'torus:RxC', e.g. 'torus:2x2'") from None
+        return name, (rows, cols)
+    return name, None
 
 
 class Communicator:
@@ -60,10 +79,14 @@ class Communicator:
         self.world, self.name, self.ranks = world, name, list(ranks)
         self.rank = self.ranks.index(world.rank)
         self.size = len(self.ranks)
-        hosts = [world.host_ids[r] for r in self.ranks]
-        self.transport = "shm" if len(set(hosts)) == 1 else "p2p"
-        self.hosts = hosts
+        self.hosts = [world.host_ids[r] for r in self.ranks]
+        self.transport = "shm" if len(set(self.hosts)) == 1 else "p2p"
+        by_host: dict[str, list[int]] = {}
+        for i, h in enumerate(self.hosts):
+            by_host.setdefault(h, []).append(i)
+        self.host_groups = list(by_host.values())  # group-local ranks per host, leader first
         self._channels: dict[Any, ShmChannel] = {}
+        self._links: dict[str, Links] = {}
         self._broken: BaseException | None = None
 
     def __repr__(self) -> str:
@@ -75,11 +98,18 @@ class Communicator:
         ch = self._channels.get(key)
         if ch is None:
             ranks = [self.ranks[i] for i in members] if members else self.ranks
-            stream_id = stream if not members else f"{stream}.p{members[0]}-{members[1]}"
+            stream_id = stream if not members else f"{stream}.m{'-'.join(str(m) for m in members)}"
             ch = ShmChannel(self.world.run_id, self.name, stream_id, ranks, ranks.index(self.world.rank), self.world.timeout_s,
                             first_op=op)
             self._channels[key] = ch
         return ch
+
+    def _link(self, stream: str, desc: str) -> Links:
+        links = self._links.get(stream)
+        if links is None:
+            links = self._links[stream] = Links(self, stream)
+        links.desc = desc
+        return links
 
     def _submit(self, fn: Callable[[], None], desc: str, stream: str, async_op: bool, after: Any) -> Work | None:
         if self._broken is not None:
@@ -98,46 +128,117 @@ class Communicator:
 
         return self.world.stream(stream).submit(guarded, f"group '{self.name}' {desc}", async_op=async_op, after=after)
 
-    def _pick(self, shm_fn: Callable[[], None], p2p_fn: Callable[[], None]) -> Callable[[], None]:
-        return shm_fn if self.transport == "shm" else p2p_fn
+    def _generic(self, name: str) -> bool:
+        """Run the generic (Links-based) algorithm instead of the shm direct fast path?"""
+        return self.transport != "shm" or name not in ("auto", "direct", "slice", "hierarchical")
 
-    def _tag(self, stream: str) -> int:
+    def stream_tag(self, stream: str) -> int:
         return self.world.stream_tag(self.name, stream)
 
-    # ------------------------------------------------------------------------------ operators
+    # ------------------------------------------------------------------------------ all-reduce
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, algorithm: str = "auto", stream: str = "default",
                    async_op: bool = False, after: Any = None) -> Work | None:
+        """In place. ``algorithm``: auto | direct | slice (shm) | ring | rhd | torus[:RxC] | hierarchical."""
         t = _flat(tensor, "all_reduce tensor")
-        if algorithm not in _ALL_REDUCE_ALGORITHMS:
-            raise ValueError(f"all_reduce algorithm {algorithm!r} unknown; use one of {_ALL_REDUCE_ALGORITHMS}")
+        check_op(op, t.dtype)
+        name, grid = _parse_algorithm(algorithm, ALL_REDUCE_ALGORITHMS)
         if self.size == 1:
-            return self._submit(lambda: algo.reduce_into(t, [t.clone()], op, 1) if op == "avg" else None, "all_reduce", stream, async_op, after)
-        fn = self._pick(lambda: algo.all_reduce(self._channel(stream, op="all_reduce"), t, op, algorithm if algorithm in ("direct", "slice") else "auto"),
-                        lambda: p2p.all_reduce(self, t, op, stream))
+            return self._submit(lambda: None, "all_reduce", stream, async_op, after)
+        if not self._generic(name):
+            fn = lambda: algo.all_reduce(self._channel(stream, op="all_reduce"), t, op, name if name in ("direct", "slice") else "auto")
+        else:
+            if name in ("auto", "direct", "slice"):
+                multi = any(len(g) > 1 for g in self.host_groups)
+                name = "hierarchical" if multi else ("rhd" if t.numel() * t.element_size() <= RHD_MAX_BYTES else "ring")
+            fn = lambda: self._generic_all_reduce(t, op, name, grid, stream)
         return self._submit(fn, f"all_reduce({op})", stream, async_op, after)
 
+    def _generic_all_reduce(self, t: torch.Tensor, op: str, name: str, grid: tuple[int, int] | None, stream: str) -> None:
+        low = t.dtype in LOW_PRECISION
+        work = t.float() if low else t  # fp32 accumulation, rounded once at the end
+        if name == "hierarchical":
+            self._hierarchical_all_reduce(work, op, stream)
+        else:
+            members = list(range(self.size))
+            links = self._link(stream, f"all_reduce({op}, {name})")
+            if name == "ring":
+                generic.ring_all_reduce(links, members, self.rank, work, op, self.size)
+            elif name == "rhd":
+                generic.rhd_all_reduce(links, members, self.rank, work, op, self.size)
+            else:
+                generic.torus_all_reduce(links, members, self.rank, work, op, self.size, grid or generic.default_grid(self.size))
+        if low:
+            t.copy_(work)
+
+    def _hierarchical_all_reduce(self, work: torch.Tensor, op: str, stream: str) -> None:
+        """Reduce to each host's leader over shm, all-reduce among leaders (p2p), broadcast back over shm."""
+        mine = next(g for g in self.host_groups if self.rank in g)
+        red = "sum" if op == "avg" else op
+        if len(mine) > 1:
+            algo.reduce(self._channel(stream, mine, op="all_reduce(hierarchical)"), work, 0, red)
+        if self.rank == mine[0]:
+            leaders = [g[0] for g in self.host_groups]
+            if len(leaders) > 1:
+                links = self._link(stream, f"all_reduce({op}, hierarchical)")
+                fn = generic.rhd_all_reduce if work.numel() * work.element_size() <= RHD_MAX_BYTES else generic.ring_all_reduce
+                fn(links, leaders, leaders.index(self.rank), work, red, 1)
+            if op == "avg":
+                work.div_(self.size)
+        if len(mine) > 1:
+            algo.broadcast(self._channel(stream, mine, op="all_reduce(hierarchical)"), work, 0)
+
+    # ------------------------------------------------------------------------------ gather / scatter
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, algorithm: str = "auto", stream: str = "default",
                    async_op: bool = False, after: Any = None) -> Work | None:
+        """``output`` holds every member's ``input`` in group-rank order. ``algorithm``: auto | direct | ring."""
         out, inp = _flat(output, "all_gather output"), _flat(input, "all_gather input")
         if out.numel() != self.size * inp.numel() or out.dtype != inp.dtype:
             raise ValueError(f"all_gather on group '{self.name}' (size {self.size}): output must hold size × input elements "
                              f"of the same dtype; got output {out.numel()} {out.dtype}, input {inp.numel()} {inp.dtype}")
-        fn = self._pick(lambda: algo.all_gather(self._channel(stream, op="all_gather"), out, inp), lambda: p2p.all_gather(self, out, inp, stream))
+        name, _ = _parse_algorithm(algorithm, ("auto", "direct", "ring"))
+        if not self._generic(name):
+            fn = lambda: algo.all_gather(self._channel(stream, op="all_gather"), out, inp)
+        else:
+            fn = lambda: self._ring_all_gather(out, inp, stream)
         return self._submit(fn, "all_gather", stream, async_op, after)
+
+    def _ring_all_gather(self, out: torch.Tensor, inp: torch.Tensor, stream: str) -> None:
+        m = inp.numel()
+        out[self.rank * m:(self.rank + 1) * m].copy_(inp)
+        bl = [(j * m, (j + 1) * m) for j in range(self.size)]
+        generic.ring_all_gather_blocks(self._link(stream, "all_gather(ring)"), list(range(self.size)), self.rank, out, bl)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *, algorithm: str = "auto",
                        stream: str = "default", async_op: bool = False, after: Any = None) -> Work | None:
+        """``output`` gets block ``rank`` of the reduction of every member's ``input``. ``algorithm``: auto | direct | ring."""
         out, inp = _flat(output, "reduce_scatter output"), _flat(input, "reduce_scatter input")
         if inp.numel() != self.size * out.numel() or out.dtype != inp.dtype:
             raise ValueError(f"reduce_scatter on group '{self.name}' (size {self.size}): input must hold size × output elements "
                              f"of the same dtype; got input {inp.numel()} {inp.dtype}, output {out.numel()} {out.dtype}")
-        fn = self._pick(lambda: algo.reduce_scatter(self._channel(stream, op="reduce_scatter"), out, inp, op), lambda: p2p.reduce_scatter(self, out, inp, op, stream))
+        check_op(op, inp.dtype)
+        name, _ = _parse_algorithm(algorithm, ("auto", "direct", "ring"))
+        if not self._generic(name):
+            fn = lambda: algo.reduce_scatter(self._channel(stream, op="reduce_scatter"), out, inp, op)
+        else:
+            fn = lambda: self._ring_reduce_scatter(out, inp, op, stream)
         return self._submit(fn, f"reduce_scatter({op})", stream, async_op, after)
+
+    def _ring_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str, stream: str) -> None:
+        m = out.numel()
+        work = inp.float() if inp.dtype in LOW_PRECISION else inp.clone()
+        bl = [(j * m, (j + 1) * m) for j in range(self.size)]
+        generic.ring_reduce_scatter_blocks(self._link(stream, f"reduce_scatter({op}, ring)"), list(range(self.size)), self.rank,
+                                           work, bl, "sum" if op == "avg" else op)
+        mine = work[self.rank * m:(self.rank + 1) * m]
+        if op == "avg":
+            mine.div_(self.size)
+        out.copy_(mine)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int] | None = None,
                    input_split_sizes: Sequence[int] | None = None, *, algorithm: str = "auto", stream: str = "default",
                    async_op: bool = False, after: Any = None) -> Work | None:
-        """Splits are numbers of rows (dim 0), as in torch's all_to_all_single; None = equal splits."""
+        """Splits are numbers of rows (dim 0), as in torch's all_to_all_single; None = equal splits.
+        ``algorithm``: auto | direct | pairwise."""
         row = max(1, input[0].numel()) if input.dim() > 1 and input.shape[0] else (max(1, output[0].numel()) if output.dim() > 1 and output.shape[0] else 1)
         out, inp = _flat(output, "all_to_all output"), _flat(input, "all_to_all input")
         in_splits = self._splits(input_split_sizes, inp.numel(), row, "input")
@@ -146,11 +247,28 @@ class Communicator:
         if equal and out.numel() != inp.numel():
             raise ValueError(f"all_to_all on group '{self.name}': equal splits need output and input of the same size "
                              f"({out.numel()} vs {inp.numel()}); pass split sizes for uneven exchanges")
-        shm_fn = (lambda: algo.all_to_all_equal(self._channel(stream, op="all_to_all"), out, inp)) if equal else \
-                 (lambda: algo.all_to_all(self._channel(stream, op="all_to_all"), out, inp, out_splits, in_splits))
-        fn = self._pick(shm_fn,
-                        lambda: p2p.all_to_all(self, out, inp, out_splits, in_splits, stream))
+        name, _ = _parse_algorithm(algorithm, ("auto", "direct", "pairwise"))
+        aliased = out.numel() and inp.numel() and out.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr()
+        if not self._generic(name):
+            if equal:
+                fn = lambda: algo.all_to_all_equal(self._channel(stream, op="all_to_all"), out, inp)
+            else:
+                fn = lambda: algo.all_to_all(self._channel(stream, op="all_to_all"), out, inp.clone() if aliased else inp, out_splits, in_splits)
+        else:
+            fn = lambda: self._pairwise_all_to_all(out, inp.clone() if aliased else inp, out_splits, in_splits, stream)
         return self._submit(fn, "all_to_all", stream, async_op, after)
+
+    def _pairwise_all_to_all(self, out, inp, out_splits, in_splits, stream) -> None:
+        n = self.size
+        table = torch.zeros(n * 2 * n, dtype=torch.int64)
+        self._ring_all_gather(table, torch.tensor(list(in_splits) + list(out_splits), dtype=torch.int64), stream)
+        rows = table.view(n, 2 * n).tolist()
+        for s in range(n):
+            for d in range(n):
+                if rows[s][d] != rows[d][n + s]:
+                    raise CommMismatchError(f"nxdt.comm: group '{self.name}' all_to_all: rank {self.ranks[s]} sends {rows[s][d]} elements "
+                                            f"to rank {self.ranks[d]}, which expects {rows[d][n + s]} — input and output split sizes must agree")
+        generic.pairwise_all_to_all(self._link(stream, "all_to_all(pairwise)"), list(range(n)), self.rank, out, inp, out_splits, in_splits)
 
     def _splits(self, splits: Sequence[int] | None, numel: int, row: int, which: str) -> list[int]:
         if splits is None:
@@ -164,44 +282,81 @@ class Communicator:
                              f"summing to the {which}'s rows")
         return splits
 
+    # ------------------------------------------------------------------------------ rooted
     def broadcast(self, tensor: torch.Tensor, root: int = 0, *, algorithm: str = "auto", stream: str = "default",
                   async_op: bool = False, after: Any = None) -> Work | None:
+        """``algorithm``: auto | direct | tree."""
         t = _flat(tensor, "broadcast tensor")
         self._check_rank(root, "root")
-        fn = self._pick(lambda: algo.broadcast(self._channel(stream, op="broadcast"), t, root), lambda: p2p.broadcast(self, t, root, stream))
+        name, _ = _parse_algorithm(algorithm, ("auto", "direct", "tree"))
+        if not self._generic(name):
+            fn = lambda: algo.broadcast(self._channel(stream, op="broadcast"), t, root)
+        else:
+            fn = lambda: generic.tree_broadcast(self._link(stream, f"broadcast(root={root}, tree)"), list(range(self.size)), self.rank, t, root)
         return self._submit(fn, f"broadcast(root={root})", stream, async_op, after)
 
     def reduce(self, tensor: torch.Tensor, root: int = 0, op: str = "sum", *, algorithm: str = "auto", stream: str = "default",
                async_op: bool = False, after: Any = None) -> Work | None:
+        """Result on ``root`` only (other members' tensors are left unchanged). ``algorithm``: auto | direct | tree."""
         t = _flat(tensor, "reduce tensor")
         self._check_rank(root, "root")
-        fn = self._pick(lambda: algo.reduce(self._channel(stream, op="reduce"), t, root, op), lambda: p2p.reduce(self, t, root, op, stream))
+        check_op(op, t.dtype)
+        name, _ = _parse_algorithm(algorithm, ("auto", "direct", "tree"))
+        if not self._generic(name):
+            fn = lambda: algo.reduce(self._channel(stream, op="reduce"), t, root, op)
+        else:
+            fn = lambda: self._tree_reduce(t, root, op, stream)
         return self._submit(fn, f"reduce({op}, root={root})", stream, async_op, after)
 
+    def _tree_reduce(self, t: torch.Tensor, root: int, op: str, stream: str) -> None:
+        work = t.float() if t.dtype in LOW_PRECISION else t.clone()
+        links = self._link(stream, f"reduce({op}, root={root}, tree)")
+        if generic.tree_reduce(links, list(range(self.size)), self.rank, work, root, "sum" if op == "avg" else op):
+            if op == "avg":
+                work.div_(self.size)
+            t.copy_(work)
+
+    # ------------------------------------------------------------------------------ point to point
     def send(self, tensor: torch.Tensor, peer: int, *, stream: str = "default", async_op: bool = False, after: Any = None) -> Work | None:
-        return self._send_recv(_flat(tensor, "send tensor"), peer, sending=True, stream=stream, async_op=async_op, after=after)
+        """Returns once the data is in the peer's mailbox (same host) or handed to gloo; FIFO per peer and stream."""
+        t = _flat(tensor, "send tensor")
+        self._check_peer(peer)
+        return self._submit(lambda: self._link(stream, f"send to rank {self.ranks[peer]}").exchange([(peer, t)], []),
+                            "send", stream, async_op, after)
 
     def recv(self, tensor: torch.Tensor, peer: int, *, stream: str = "default", async_op: bool = False, after: Any = None) -> Work | None:
-        return self._send_recv(_flat(tensor, "recv tensor"), peer, sending=False, stream=stream, async_op=async_op, after=after)
+        t = _flat(tensor, "recv tensor")
+        self._check_peer(peer)
+        return self._submit(lambda: self._link(stream, f"recv from rank {self.ranks[peer]}").exchange([], [(peer, t)]),
+                            "recv", stream, async_op, after)
 
-    def _send_recv(self, t: torch.Tensor, peer: int, *, sending: bool, stream: str, async_op: bool, after: Any) -> Work | None:
-        self._check_rank(peer, "peer")
-        if peer == self.rank:
-            raise ValueError(f"group '{self.name}': rank {self.rank} cannot send to or receive from itself")
-        pair = sorted((self.rank, peer))
-        sender = pair.index(self.rank if sending else peer)
-        same_host = self.hosts[self.rank] == self.hosts[peer]
-        fn = (lambda: algo.send_recv(self._channel(stream, pair, op="send/recv"), t, sender)) if same_host else \
-             (lambda: p2p.send_recv(self, t, peer, sending, stream))
-        return self._submit(fn, "send" if sending else "recv", stream, async_op, after)
+    def send_recv(self, send_tensor: torch.Tensor, send_peer: int, recv_tensor: torch.Tensor, recv_peer: int, *,
+                  stream: str = "default", async_op: bool = False, after: Any = None) -> Work | None:
+        """Send and receive at once (a pipeline or ring step) without ordering deadlocks."""
+        s, r = _flat(send_tensor, "send tensor"), _flat(recv_tensor, "recv tensor")
+        self._check_peer(send_peer)
+        self._check_peer(recv_peer)
+        return self._submit(lambda: self._link(stream, "send_recv").exchange([(send_peer, s)], [(recv_peer, r)]),
+                            "send_recv", stream, async_op, after)
 
     def barrier(self, *, stream: str = "default", timeout_s: float | None = None) -> None:
-        fn = self._pick(lambda: algo.barrier(self._channel(stream, op="barrier")), lambda: p2p.barrier(self, stream))
+        if self.size == 1:
+            return
+        if self.transport == "shm":
+            fn = lambda: algo.barrier(self._channel(stream, op="barrier"))
+        else:
+            fn = lambda: generic.rhd_all_reduce(self._link(stream, "barrier"), list(range(self.size)), self.rank,
+                                                torch.zeros(1, dtype=torch.int32), "sum", 1)
         self._submit(fn, "barrier", stream, False, None)
 
     def _check_rank(self, r: int, what: str) -> None:
         if not isinstance(r, int) or not 0 <= r < self.size:
             raise ValueError(f"group '{self.name}': {what}={r!r} is not a group rank in 0..{self.size - 1}")
+
+    def _check_peer(self, peer: int) -> None:
+        self._check_rank(peer, "peer")
+        if peer == self.rank:
+            raise ValueError(f"group '{self.name}': rank {self.rank} cannot send to or receive from itself")
 
     # ------------------------------------------------------------------------------ objects (framework-internal, trusted)
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
@@ -222,7 +377,8 @@ class Communicator:
         self.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64))
         width = int(lengths.max())
         mine = torch.zeros(width, dtype=torch.uint8)
-        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+        if data:
+            mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         everyone = torch.empty(self.size * width, dtype=torch.uint8)
         self.all_gather(everyone, mine)
         return [pickle.loads(everyone[i * width:i * width + int(lengths[i])].numpy().tobytes()) for i in range(self.size)]
@@ -231,6 +387,9 @@ class Communicator:
         for ch in self._channels.values():
             ch.close()
         self._channels.clear()
+        for links in self._links.values():
+            links.close()
+        self._links.clear()
 
 
 class World:
