@@ -2,7 +2,7 @@
 
     python experiments/collectives-cpu/waiting.py > experiments/collectives-cpu/waiting.txt
 
-Strategies (environment variables read by nxdt.comm.waiting at import, so each run spawns fresh ranks):
+Strategies (``init_process(wait_policy=...)``, each in a fresh set of ranks):
 * default: adaptive spin (300 checks, doubling/halving) → 4 × sched_yield → futex sleep on the flag word
 * spin-only: 10^8 spin checks (never yields or sleeps within a wait)
 * poll-sleep: no futex — after the spin and yields, sleep 20 µs doubling to 1 ms between checks
@@ -17,10 +17,10 @@ import subprocess
 import sys
 import time
 
-STRATEGIES = {
+STRATEGIES = {  # name -> WaitPolicy fields
     "default (spin→yield→futex)": {},
-    "spin-only": {"NXDT_COMM_SPIN_CHECKS": "100000000", "NXDT_COMM_YIELDS": "0"},
-    "poll-sleep (no futex)": {"NXDT_COMM_FUTEX": "0"},
+    "spin-only": {"spin_checks": 100_000_000, "yields": 0},
+    "poll-sleep (no futex)": {"futex": False},
 }
 
 
@@ -49,22 +49,23 @@ def _body(world) -> dict:
     return out
 
 
-def _child(n: int) -> None:
+def _child(n: int, strategy: str) -> None:
     from nxdt.comm.spawn import run_local
+    from nxdt.comm.waiting import WaitPolicy
 
-    print(json.dumps({str(k): v for k, v in run_local(_body, n, timeout_s=600)[0].items()}))
+    policy = WaitPolicy(**STRATEGIES[strategy])
+    print(json.dumps({str(k): v for k, v in run_local(_body, n, timeout_s=600, init_options={"wait_policy": policy})[0].items()}))
 
 
 def main() -> None:
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        _child(int(sys.argv[2]))
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        _child(int(sys.argv[2]), sys.argv[3])
         return
     print(f"# host: {os.cpu_count()} cores; load average at start {os.getloadavg()}")
     print(f"# {'strategy':<28} {'ranks':>5} {'1KB us':>9} {'1KB cpu/op':>10} {'1MB us':>9} {'1MB cpu/op':>10} {'4MB us':>9} {'4MB cpu/op':>10}")
     for n in (2, 4):
-        for name, env in STRATEGIES.items():
-            res = subprocess.run([sys.executable, __file__, "--child", str(n)], env={**os.environ, **env},
-                                 capture_output=True, text=True, timeout=900)
+        for name in STRATEGIES:
+            res = subprocess.run([sys.executable, __file__, "--child", str(n), name], capture_output=True, text=True, timeout=900)
             if res.returncode:
                 print(f"  {name:<28} {n:>5} failed: {res.stderr.strip().splitlines()[-1:]}")
                 continue

@@ -62,7 +62,7 @@ class Links:
         self._sent: dict[int, int] = {}
         self._recvd: dict[int, int] = {}
         self.desc = "send/recv"
-        self.spin = SpinBudget()
+        self.spin = SpinBudget(comm.world.wait_policy)
 
     # -------------------------------------------------------------------------------- shm mailboxes
     def _path(self, src: int, dst: int) -> str:
@@ -185,7 +185,7 @@ class Links:
                     return True
             return False
 
-        wait_until(ready, deadline, timeout, health)
+        wait_until(ready, deadline, timeout, health, self.spin.policy)
 
     # -------------------------------------------------------------------------------- public
     def exchange(self, sends: Sequence[tuple[int, torch.Tensor]] = (), recvs: Sequence[tuple[int, torch.Tensor]] = (),

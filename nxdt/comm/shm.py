@@ -29,13 +29,13 @@ import numpy as np
 import torch
 
 from nxdt.comm.errors import CommMismatchError, CommTimeoutError, PeerDiedError
-from nxdt.comm.waiting import SpinBudget, fence, pid_alive, wait_word, wake
+from nxdt.comm.waiting import DEFAULT_WAIT, SpinBudget, WaitPolicy, fence, pid_alive, wait_word, wake
 
 SHM_DIR = "/dev/shm"
 PREFIX = "nxdt-"
 HEADER_BYTES = 4096
 MAGIC = 0x6E786474  # "nxdt"
-DEFAULT_SLOT_BYTES = int(os.environ.get("NXDT_COMM_SLOT_BYTES", 2 << 20))  # measured: 2 MB beat 0.5 and 1 MB at 1-64 MB
+DEFAULT_SLOT_BYTES = 2 << 20  # measured: 2 MB beat 0.5 and 1 MB at 1-64 MB
 
 # header words (int64). Words 0 and 1 (magic, creator pid) are what remove_stale_segments reads.
 W_MAGIC, W_PID, W_PROGRESS, W_SLOT_BYTES = 0, 1, 2, 3
@@ -138,7 +138,8 @@ class ShmChannel:
     """Steps of one group on one stream over shared memory (see the module docstring)."""
 
     def __init__(self, run_id: str, group: str, stream: str, ranks: Sequence[int], my_index: int,
-                 timeout_s: float, slot_bytes: int = DEFAULT_SLOT_BYTES, first_op: str = "a collective") -> None:
+                 timeout_s: float, slot_bytes: int = DEFAULT_SLOT_BYTES, first_op: str = "a collective",
+                 wait: WaitPolicy = DEFAULT_WAIT) -> None:
         self.group, self.stream, self.ranks, self.me = group, stream, list(ranks), my_index
         self.timeout_s = timeout_s
         self.slot_bytes = slot_bytes
@@ -164,7 +165,7 @@ class ShmChannel:
         self._fp: tuple | None = None
         self._fp_digest = 0
         self._fp_written: list[tuple | None] = [None, None]
-        self.spin = SpinBudget()
+        self.spin = SpinBudget(wait)
 
     @property
     def size(self) -> int:

@@ -26,10 +26,9 @@ import os
 import platform
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
-SPIN_CHECKS = int(os.environ.get("NXDT_COMM_SPIN_CHECKS", 300))
-YIELDS = int(os.environ.get("NXDT_COMM_YIELDS", 4))
 SLICE_S = 0.005
 
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
@@ -40,9 +39,24 @@ try:
     _syscall.restype = ctypes.c_long
 except (OSError, AttributeError):  # pragma: no cover - non-glibc platforms
     _syscall = None
-# NXDT_COMM_FUTEX=0 falls back to polling with sleeps (for the waiting-strategy measurement)
-HAVE_FUTEX = (_syscall is not None and _SYS_FUTEX is not None and os.name == "posix"
-              and os.environ.get("NXDT_COMM_FUTEX", "1") != "0")
+HAVE_FUTEX = _syscall is not None and _SYS_FUTEX is not None and os.name == "posix"
+
+
+@dataclass(frozen=True)
+class WaitPolicy:
+    """How a wait spends its time before the deadline (``init_process(wait_policy=...)``).
+
+    spin_checks: flag checks before yielding (adapts between 16 and 4× this while running);
+    yields: ``sched_yield`` calls before sleeping; futex: sleep in the kernel on the flag word
+    (False: poll with growing sleeps — kept for comparison, see experiments/collectives-cpu/waiting.py).
+    """
+
+    spin_checks: int = 300
+    yields: int = 4
+    futex: bool = True
+
+
+DEFAULT_WAIT = WaitPolicy()
 
 
 class _Timespec(ctypes.Structure):
@@ -84,31 +98,31 @@ class SpinBudget:
     """Adaptive spin length: doubles while spinning pays off (a free core), halves while it does not
     (more runnable processes than cores, where every spin steals the peer's time)."""
 
-    __slots__ = ("checks",)
-    MIN, MAX = 16, 4 * SPIN_CHECKS
+    __slots__ = ("checks", "policy")
+    MIN = 16
 
-    def __init__(self) -> None:
-        self.checks = SPIN_CHECKS
+    def __init__(self, policy: WaitPolicy = DEFAULT_WAIT) -> None:
+        self.policy = policy
+        self.checks = policy.spin_checks
 
     def hit(self) -> None:
-        self.checks = min(self.MAX, self.checks * 2)
+        self.checks = min(4 * self.policy.spin_checks, self.checks * 2)
 
     def miss(self) -> None:
         self.checks = max(self.MIN, self.checks // 2)
 
 
 def wait_word(words, index: int, target: int, address: int, deadline: float, on_timeout: Callable[[], Exception],
-              check_health: Callable[[], None] | None = None, budget: SpinBudget | None = None) -> None:
+              check_health: Callable[[], None] | None, budget: SpinBudget) -> None:
     """Return when ``words[index] >= target`` (an int64 numpy view of shared memory whose element
     ``index`` lives at ``address``); raise ``on_timeout()`` after ``deadline`` (time.monotonic)."""
-    for _ in range(budget.checks if budget is not None else SPIN_CHECKS):
+    for _ in range(budget.checks):
         if words[index] >= target:
-            if budget is not None:
-                budget.hit()
+            budget.hit()
             return
-    if budget is not None:
-        budget.miss()
-    for _ in range(YIELDS):
+    budget.miss()
+    policy = budget.policy
+    for _ in range(policy.yields):
         os.sched_yield()
         if words[index] >= target:
             return
@@ -124,7 +138,7 @@ def wait_word(words, index: int, target: int, address: int, deadline: float, on_
         slices += 1
         if check_health is not None and slices % 8 == 0:
             check_health()
-        if HAVE_FUTEX:
+        if HAVE_FUTEX and policy.futex:
             _futex_wait(address, value, min(SLICE_S, max(1e-4, deadline - now)))
         else:
             time.sleep(sleep)
@@ -132,16 +146,16 @@ def wait_word(words, index: int, target: int, address: int, deadline: float, on_
 
 
 def wait_until(ready: Callable[[], bool], deadline: float, on_timeout: Callable[[], Exception],
-               check_health: Callable[[], None] | None = None) -> None:
+               check_health: Callable[[], None] | None = None, policy: WaitPolicy = DEFAULT_WAIT) -> None:
     """Polling wait for conditions that are not one word (e.g. either of two mailboxes)."""
-    for _ in range(SPIN_CHECKS // 4):
+    for _ in range(policy.spin_checks // 4):
         if ready():
             return
     sleep = 10e-6
     checks = 0
     while not ready():
         checks += 1
-        if checks < YIELDS:
+        if checks < policy.yields:
             os.sched_yield()
             continue
         if time.monotonic() > deadline:

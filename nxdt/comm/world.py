@@ -26,8 +26,9 @@ from nxdt.comm import algorithms as generic, shm_algorithms as algo
 from nxdt.comm.errors import CommError, CommMismatchError, CommTimeoutError
 from nxdt.comm.p2p import Links
 from nxdt.comm.reduce import LOW_PRECISION, check_op, dtype_code
-from nxdt.comm.shm import ShmChannel, remove_stale_segments
+from nxdt.comm.shm import DEFAULT_SLOT_BYTES, ShmChannel, remove_stale_segments
 from nxdt.comm.stream import Stream, Work
+from nxdt.comm.waiting import DEFAULT_WAIT, WaitPolicy
 
 # Algorithm names a planner can hand over (plain strings). "torus:RxC" gives the grid explicitly.
 ALL_REDUCE_ALGORITHMS = ("auto", "direct", "slice", "ring", "rhd", "torus", "hierarchical")
@@ -100,7 +101,7 @@ class Communicator:
             ranks = [self.ranks[i] for i in members] if members else self.ranks
             stream_id = stream if not members else f"{stream}.m{'-'.join(str(m) for m in members)}"
             ch = ShmChannel(self.world.run_id, self.name, stream_id, ranks, ranks.index(self.world.rank), self.world.timeout_s,
-                            first_op=op)
+                            slot_bytes=self.world.slot_bytes, first_op=op, wait=self.world.wait_policy)
             self._channels[key] = ch
         return ch
 
@@ -395,9 +396,11 @@ class Communicator:
 class World:
     """All ranks of a job: host identities, streams, and the communicators."""
 
-    def __init__(self, rank: int, world_size: int, store: dist.Store, run_id: str, timeout_s: float, host_ids: list[str]) -> None:
+    def __init__(self, rank: int, world_size: int, store: dist.Store, run_id: str, timeout_s: float, host_ids: list[str],
+                 slot_bytes: int = DEFAULT_SLOT_BYTES, wait_policy: WaitPolicy = DEFAULT_WAIT) -> None:
         self.rank, self.world_size, self.store, self.run_id = rank, world_size, store, run_id
         self.timeout_s, self.host_ids = timeout_s, host_ids
+        self.slot_bytes, self.wait_policy = slot_bytes, wait_policy
         self._streams: dict[str, Stream] = {}
         self._names: set[str] = set()
         self._communicators: list[Communicator] = []
@@ -446,8 +449,12 @@ class World:
 
 
 def init_process(rank: int, world_size: int, master_addr: str, master_port: int, *, timeout_s: float = 120.0,
-                 run_id: str | None = None, store_is_server: bool = False, host_id: str | None = None) -> World:
-    """Join the job: connect to (or host) the store, agree on a run id, exchange host identities."""
+                 run_id: str | None = None, store_is_server: bool = False, host_id: str | None = None,
+                 slot_bytes: int = DEFAULT_SLOT_BYTES, wait_policy: WaitPolicy | None = None) -> World:
+    """Join the job: connect to (or host) the store, agree on a run id, exchange host identities.
+
+    ``slot_bytes`` (shm chunk size, every rank must agree) and ``wait_policy`` tune the shared-memory
+    transport; the defaults are what experiments/collectives-cpu measured best on a 2-core host."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
     try:
@@ -465,7 +472,7 @@ def init_process(rank: int, world_size: int, master_addr: str, master_port: int,
     full_run_id = f"{(run_id or 'run')[:24]}.{nonce}"
     store.set(f"host/{rank}", host_id or host_identity())
     host_ids = [store.get(f"host/{r}").decode() for r in range(world_size)]
-    return World(rank, world_size, store, full_run_id, timeout_s, host_ids)
+    return World(rank, world_size, store, full_run_id, timeout_s, host_ids, slot_bytes, wait_policy or DEFAULT_WAIT)
 
 
 def init_from_env(*, timeout_s: float = 120.0, run_id: str | None = None) -> World:
