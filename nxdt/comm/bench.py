@@ -51,6 +51,37 @@ def sizes(minbytes: int, maxbytes: int, factor: float) -> list[int]:
     return out
 
 
+class GlooAdapter:
+    """torch.distributed's gloo collectives under nxdt's method names, so one call site times both."""
+
+    def __init__(self, dist) -> None:
+        self.dist = dist
+
+    def all_reduce(self, t, algorithm: str = "auto") -> None:
+        self.dist.all_reduce(t)
+
+    def all_gather(self, out, inp) -> None:  # torch 2.13 renamed these (the old names warn)
+        getattr(self.dist, "all_gather_single", self.dist.all_gather_into_tensor)(out, inp)
+
+    def reduce_scatter(self, out, inp) -> None:
+        getattr(self.dist, "reduce_scatter_single", self.dist.reduce_scatter_tensor)(out, inp)
+
+    def all_to_all(self, out, inp) -> None:
+        self.dist.all_to_all_single(out, inp)
+
+    def broadcast(self, t, root: int) -> None:
+        self.dist.broadcast(t, root)
+
+    def reduce(self, t, root: int) -> None:
+        self.dist.reduce(t, root)
+
+    def send(self, t, peer: int) -> None:
+        self.dist.send(t, peer)
+
+    def recv(self, t, peer: int) -> None:
+        self.dist.recv(t, peer)
+
+
 class _Runner:
     """Buffers and one call of an op, for nxdt or gloo."""
 
@@ -71,7 +102,8 @@ class _Runner:
             self.a, self.b = torch.ones(total, dtype=dtype), torch.empty(total, dtype=dtype)
         self.bytes = total * elem
 
-    def nxdt(self, comm, algorithm: str) -> None:
+    def run(self, comm, algorithm: str = "auto") -> None:
+        """One call of the op on ``comm``: an nxdt Communicator or a :class:`GlooAdapter`."""
         op, a, b = self.op, self.a, self.b
         if op == "allr":
             comm.all_reduce(a, algorithm=algorithm)
@@ -87,23 +119,6 @@ class _Runner:
             comm.reduce(a, 0)
         else:
             self._pairs(lambda t, p: comm.send(t, p), lambda t, p: comm.recv(t, p))
-
-    def gloo(self, dist) -> None:
-        op, a, b = self.op, self.a, self.b
-        if op == "allr":
-            dist.all_reduce(a)
-        elif op == "allg":  # torch 2.13 renamed these (the old names warn); use whichever this torch has
-            getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(b, a)
-        elif op == "redsct":
-            getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(b, a)
-        elif op == "alltoall":
-            dist.all_to_all_single(b, a)
-        elif op == "bcast":
-            dist.broadcast(a, 0)
-        elif op == "reduce":
-            dist.reduce(a, 0)
-        else:
-            self._pairs(lambda t, p: dist.send(t, p), lambda t, p: dist.recv(t, p))
 
     def _pairs(self, send, recv) -> None:
         # ranks pair up 0↔1, 2↔3, …; an odd last rank idles (nccom-test's sendrecv is a ring permute)
@@ -175,14 +190,14 @@ def _body(world, args: dict) -> dict[str, Any]:
 
         if not dist.is_initialized():
             dist.init_process_group("gloo", store=dist.PrefixStore("bench-gloo", world.store), rank=rank, world_size=n)
-        gloo = dist
+        gloo = GlooAdapter(dist)
     out: dict[str, Any] = {"results": [], "baseline": [], "memcpy": {}}
     slowest = torch.zeros(1, dtype=torch.float64)
     for op in args["ops"]:
         for nbytes in sizes(args["minbytes"], args["maxbytes"], args["stepfactor"]):
             run = _Runner(op, nbytes, dtype, n, rank)
             iters = args["iters"] if run.bytes < (16 << 20) else max(2, args["iters"] // 4)
-            for name, fn in (("results", lambda: run.nxdt(comm, args["algorithm"])), ("baseline", (lambda: run.gloo(gloo)) if gloo else None)):
+            for name, fn in (("results", lambda: run.run(comm, args["algorithm"])), ("baseline", (lambda: run.run(gloo)) if gloo else None)):
                 if fn is None:
                     continue
                 elapsed = _time(fn, iters, args["warmup_iters"], comm.barrier)
