@@ -36,11 +36,6 @@ def _closest(name: str, candidates: list[str]) -> str:
     return f" (did you mean '{match[0]}'?)" if match else ""
 
 
-def _keys_of(section: str) -> list[str]:
-    prefix = f"{section}." if section else ""
-    return [k for k, _, _ in field_docs() if k.startswith(prefix)]
-
-
 def config_error_from_hydra(exc: BaseException) -> ConfigError:
     """Turn Hydra/OmegaConf composition errors into one line naming the key, the value and the fix."""
     text = str(exc)

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 import lightning.pytorch as pl
 
+from nxdt.config.validate import ALLOWED_MODEL_PREFIX
 from nxdt.lightning.optim import build_optimizer, build_scheduler
 
-ALLOWED_MODEL_PREFIX = "nxdt.models."
 
 
 def import_architecture(path: str) -> type:
