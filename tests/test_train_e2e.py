@@ -48,7 +48,8 @@ def test_default_run_learns_on_the_sample_text_and_fills_the_run_dir(tmp_path):
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     with open(run / "metrics.csv", newline="") as fh:
         row = next(csv.DictReader(fh))
-    assert {"step", "loss", "lr", "step_time_s", "tokens_per_s"} <= set(row) and float(row["tokens_per_s"]) > 0
+    assert {"step", "loss", "lr", "step_time_s", "tokens_per_s", "peak_rss_mb"} <= set(row) and float(row["tokens_per_s"]) > 0
+    assert 50 < float(row["peak_rss_mb"]) < 20_000
 
 
 def test_data_parallel_losses_equal_single_process(tmp_path):

@@ -8,6 +8,7 @@ complete checkpoint for ``resume_if_exists``, and a rich progress bar on rank 0.
 from __future__ import annotations
 
 import csv
+import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from nxdt.lightning import checkpoint as ckpt_io
 
-METRIC_COLUMNS = ("step", "loss", "lr", "step_time_s", "tokens_per_s")
+METRIC_COLUMNS = ("step", "loss", "lr", "step_time_s", "tokens_per_s", "peak_rss_mb")
 
 
 class StepMetricsLogger(Callback):
@@ -57,7 +58,8 @@ class StepMetricsLogger(Callback):
         self._last_time, self._last_step = now, metrics["step"]
         if not trainer.is_global_zero or metrics["step"] % self.every_n_steps:
             return
-        row = {**metrics, "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time if step_time > 0 else 0.0}
+        row = {**metrics, "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time if step_time > 0 else 0.0,
+               "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # rank 0's high-water mark (Linux: KiB)
         new_file = not self.path.exists()
         with open(self.path, "a", newline="") as fh:
             writer = csv.DictWriter(fh, fieldnames=METRIC_COLUMNS, extrasaction="ignore")
