@@ -53,3 +53,12 @@ def test_readme_collectives_example(tmp_path):
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=110)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "[6.0, 6.0, 6.0, 6.0]"
+
+
+def test_strategy_is_registered_by_name():
+    import lightning.pytorch as pl
+
+    from nxdt.lightning import NxDStrategy
+
+    trainer = pl.Trainer(strategy="nxdt", accelerator="cpu", devices=2, logger=False, enable_checkpointing=False)
+    assert isinstance(trainer.strategy, NxDStrategy) and trainer.strategy.num_processes == 2
