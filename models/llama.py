@@ -182,19 +182,32 @@ class LlamaForCausalLM(nn.Module):
             else:
                 p.normal_(0.0, std)
 
+    # The forward pass in three public pieces, so pipeline stages and FSDP units can run a slice of the
+    # model without re-implementing it: embed → run_layer for each owned layer → head.
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, S] → hidden states [B, S, hidden]."""
+        if input_ids.shape[1] > self.rope_cos.shape[0]:
+            raise ValueError(f"sequence length {input_ids.shape[1]} exceeds model.max_position_embeddings={self.rope_cos.shape[0]}")
+        return self.embed_tokens(input_ids)
+
+    def run_layer(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """One decoder layer (with full activation checkpointing if configured); x [B, S, hidden]."""
+        s = x.shape[1]
+        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+        if self.checkpoint_layers and torch.is_grad_enabled():
+            return checkpoint(layer, x, cos, sin, use_reentrant=False)
+        return layer(x, cos, sin)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and output projection: hidden [B, S, hidden] → logits [B, S, vocab]."""
+        return self.lm_head(self.norm(x))
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [B, S] → logits [B, S, vocab]."""
-        s = input_ids.shape[1]
-        if s > self.rope_cos.shape[0]:
-            raise ValueError(f"sequence length {s} exceeds model.max_position_embeddings={self.rope_cos.shape[0]}")
-        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         for layer in self.layers:
-            if self.checkpoint_layers and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin)
-        return self.lm_head(self.norm(x))
+            x = self.run_layer(layer, x)
+        return self.head(x)
 
     @staticmethod
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
