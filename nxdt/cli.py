@@ -5,8 +5,10 @@ Bad input is one line on stderr with exit code 2, before any worker starts.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from typing import Any
 from pathlib import Path
 
 USAGE = """usage: nxdt <command> [args]
@@ -14,8 +16,15 @@ USAGE = """usage: nxdt <command> [args]
 commands:
   train [-m] [overrides...]   compose + validate the config, plan, launch the workers, train
                               (-m / --multirun: one complete run per combination of key=a,b,... values)
-  plan [--json] [overrides]   print the plan (rank layout and groups) without starting anything
-  comm-test [options] OPS     nccom-test-style benchmark of nxdt's collectives (see nxdt comm-test --help)
+  plan [--json] [-m] [overrides]
+                              print the plan without starting anything: placement, groups, collectives with
+                              their algorithms and estimated times, step time and memory per device
+                              (distributed_strategy=auto ranks every valid TP/PP/DP layout)
+  topo NAME [--lnc N] [--json]
+                              device table and graph of an instance type, like neuron-ls --topology
+  comm-test [options] OPS     nccom-test-style benchmark of nxdt's collectives (see nxdt comm-test --help);
+                              --estimate --instance NAME predicts the table for an instance, --calibrate
+                              measures this host for the cpu instance's plans
   sweep-report DIR            table and loss plot of a multirun directory
 
 `nxdt train --help` lists every config group and key with its documentation.
@@ -113,23 +122,179 @@ def cmd_train(argv: list[str]) -> int:
     return status
 
 
-def cmd_plan(argv: list[str]) -> int:
-    flags, overrides = _split_flags(argv, {"--json"})
-    from nxdt.config import ConfigError, compose_config
-    from nxdt.planner import plan
+def _plan_one(overrides: list[str], calibration_file: str | None) -> "tuple[Any, Any]":
+    from nxdt.config import compose_config
+    from nxdt.planner import node_topology, plan
+    from nxdt.planner.calibration import load_calibration
 
+    cfg = compose_config(overrides)
+    topo = node_topology(cfg)
+    calibration = load_calibration(calibration_file) if topo.graph == "host" else None
+    return plan(cfg, calibration), topo
+
+
+def cmd_plan(argv: list[str]) -> int:
+    calibration_file = None
+    if "--calibration" in argv:
+        i = argv.index("--calibration")
+        if i + 1 >= len(argv):
+            raise UsageError("nxdt plan: --calibration needs a file (written by `nxdt comm-test --calibrate`)")
+        calibration_file = argv[i + 1]
+        argv = argv[:i] + argv[i + 2:]
+    flags, overrides = _split_flags(argv, {"--json", "-m", "--multirun"})
+    from nxdt.config import ConfigError
+    from nxdt.planner.report import render_plan
+
+    auto = "distributed_strategy=auto" in overrides
+    overrides = [o for o in overrides if o != "distributed_strategy=auto"]
     try:
-        the_plan = plan(compose_config(overrides))
+        if auto:
+            from nxdt.planner.auto import auto_layouts, render_ranking
+
+            ranking = auto_layouts(overrides)
+            print(json.dumps(ranking, indent=1) if "--json" in flags else render_ranking(ranking))
+            return 0 if ranking["layouts"] else 1
+        jobs = expand_sweep(overrides) if flags & {"-m", "--multirun"} else [overrides]
+        plans = [_plan_one(job, calibration_file) for job in jobs]
     except ConfigError as exc:
         return _fail(str(exc))
-    print(the_plan.to_json() if flags else the_plan.summary())
+    except Exception as exc:  # Hydra's override grammar errors
+        return _fail(f"config error: {str(exc).splitlines()[0]}")
+    for job, (the_plan, topo) in zip(jobs, plans):
+        if len(jobs) > 1:
+            print(f"\n### {' '.join(job)}")
+        grid = topo.grid if topo.graph in ("torus2d", "torus3d") else None
+        print(the_plan.to_json() if "--json" in flags else render_plan(the_plan, grid))
+    return 0
+
+
+def cmd_topo(argv: list[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="nxdt topo", description="Device table and graph of an instance type (like neuron-ls --topology).")
+    parser.add_argument("name", help="instance type, e.g. trn1.32xlarge (see `nxdt train --help` for the catalogue)")
+    parser.add_argument("--lnc", type=int, default=None, help="logical NeuronCore size (Trn2/Trn3)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table and picture")
+    args = parser.parse_args(argv)
+    from nxdt.config import ConfigError, compose_config
+    from nxdt.topology import TopologyError, topology_of
+    from nxdt.topology.render import device_table, picture, topo_json
+
+    try:
+        instance = compose_config([f"instance={args.name}"], check=False).instance
+        topo = topology_of(instance, args.lnc)
+    except ConfigError as exc:
+        return _fail(str(exc))
+    except TopologyError as exc:
+        return _fail(f"config error: --lnc={args.lnc}: {exc}")
+    if args.json:
+        print(topo_json(topo, instance))
+        return 0
+    print(f"instance-type: {instance.name} — {instance.description}")
+    print(device_table(topo, instance))
+    print()
+    print(picture(topo))
+    guesses = sorted(k for k, v in instance.provenance.items() if v.guess)
+    if guesses:
+        print(f"\nguessed values (tunable defaults, no source states them): {', '.join(guesses)}")
     return 0
 
 
 def cmd_comm_test(argv: list[str]) -> int:
+    if "--estimate" in argv:
+        return _comm_test_estimate([a for a in argv if a != "--estimate"])
+    if "--calibrate" in argv:
+        return _comm_test_calibrate([a for a in argv if a != "--calibrate"])
     from nxdt.comm.bench import main as bench_main
 
     return bench_main(argv)
+
+
+def _comm_test_estimate(argv: list[str]) -> int:
+    """The nccom-test table the cost model predicts for an instance (nothing runs)."""
+    import argparse
+
+    from nxdt.comm.bench import DTYPES, OP_TITLES, OPS, parse_size, sizes
+    from nxdt.config import ConfigError, compose_config
+    from nxdt.config.validate import fill_instance_defaults, validate
+    from nxdt.planner import node_topology
+    from nxdt.planner.calibration import BENCH_OPS, estimate_table, load_calibration
+
+    p = argparse.ArgumentParser(prog="nxdt comm-test --estimate", description="Predict an nccom-test table with the cost model.")
+    p.add_argument("ops", nargs="*", default=["allr"], help=f"operations: {' '.join(BENCH_OPS)}")
+    p.add_argument("--instance", required=True, help="instance type, e.g. trn1.32xlarge")
+    p.add_argument("-r", "--nworkers", type=int, default=None, help="ranks per node (default: every core of the node)")
+    p.add_argument("-N", "--nodes", type=int, default=1, help="nodes")
+    p.add_argument("--lnc", type=int, default=None, help="logical NeuronCore size (Trn2/Trn3)")
+    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("1kb"))
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64mb"))
+    p.add_argument("-f", "--stepfactor", type=float, default=4.0)
+    p.add_argument("-d", "--datatype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--calibration", default=None, help="calibration file for the cpu instance")
+    args = p.parse_args(argv)
+    bad = [op for op in args.ops if op not in BENCH_OPS]
+    if bad:
+        return _fail(f"nxdt comm-test: --estimate covers {' '.join(BENCH_OPS)}; not {bad}")
+    overrides = [f"instance={args.instance}", f"trainer.num_nodes={args.nodes}"]
+    overrides += [f"trainer.devices={args.nworkers}"] if args.nworkers else []
+    overrides += [f"trainer.lnc={args.lnc}"] if args.lnc else []
+    try:
+        cfg = compose_config(overrides, check=False)
+        fill_instance_defaults(cfg)
+        cfg.data.micro_batch_size, cfg.data.global_batch_size = 1, cfg.trainer.devices * args.nodes  # no training here
+        validate(cfg)
+        topo = node_topology(cfg)
+        calibration = load_calibration(args.calibration) if topo.graph == "host" else None
+    except ConfigError as exc:
+        return _fail(str(exc))
+    rpn = cfg.trainer.devices
+    group = list(range(rpn * args.nodes))
+    element = torch_element_size(DTYPES[args.datatype])
+    for op in args.ops:
+        rows = estimate_table(BENCH_OPS[op], sizes(args.minbytes, args.maxbytes, args.stepfactor), group, topo, cfg.instance, rpn,
+                              element, calibration)
+        print(f"\n# estimated {OP_TITLES[op]} on {args.nodes} × {cfg.instance.name} ({len(group)} ranks) — cost model, nothing ran")
+        print(f"#{'size(B)':>12} {'count(elems)':>13} {'type':>6} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}  algorithm")
+        for r in rows:
+            print(f" {r['size(B)']:>12} {r['count(elems)']:>13} {args.datatype:>6} {r['time:avg(us)']:>10.2f} {r['algbw(GB/s)']:>12.2f} "
+                  f"{r['busbw(GB/s)']:>12.2f}  {r['algorithm']}")
+        print(f"# Avg bus bandwidth    : {sum(r['busbw(GB/s)'] for r in rows) / len(rows):.3f}")
+    return 0
+
+
+def torch_element_size(dtype: Any) -> int:
+    return dtype.itemsize
+
+
+def _comm_test_calibrate(argv: list[str]) -> int:
+    import argparse
+
+    from nxdt.comm.bench import parse_size
+    from nxdt.planner.calibration import fit_calibration, save_calibration
+
+    p = argparse.ArgumentParser(prog="nxdt comm-test --calibrate", description="Measure this host for plans on the cpu instance.")
+    p.add_argument("-r", "--nworkers", type=int, default=2, help="ranks to measure with (as in training)")
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64mb"))
+    p.add_argument("-o", "--output", default=None, help="calibration file (default: the per-host cache file)")
+    args = p.parse_args(argv)
+    if args.nworkers < 2:
+        return _fail("nxdt comm-test --calibrate: need --nworkers >= 2")
+    from nxdt.comm.spawn import RankFailed
+    from nxdt.launch.calibrate import measure
+
+    print(f"nxdt: calibrating collectives and compute with {args.nworkers} ranks (about a minute)…", flush=True)
+    try:
+        raw = measure(args.nworkers, args.maxbytes)
+    except RankFailed as exc:
+        return _fail(f"nxdt comm-test --calibrate: {exc}")
+    data = fit_calibration(raw["reports"], raw["flops_per_s"])
+    path = save_calibration(data, args.output)
+    for op, fits in data["ops"].items():
+        for n, (a, b) in fits.items():
+            print(f"  {op:<15} n={n}: {a * 1e6:8.1f} µs + {b * 1e9:.3f} ns/byte ({1 / b / 1e9 if b else 0:.2f} GB/s)")
+    print(f"  compute: {data['flops_per_s'] / 1e9:.2f} GFLOP/s per rank (small Llama forward+backward)")
+    print(f"nxdt: wrote {path}; `nxdt plan` on instance=cpu now uses it")
+    return 0
 
 
 def cmd_sweep_report(argv: list[str]) -> int:
@@ -143,7 +308,7 @@ def cmd_sweep_report(argv: list[str]) -> int:
         return _fail(str(exc))
 
 
-COMMANDS = {"train": cmd_train, "plan": cmd_plan, "comm-test": cmd_comm_test, "sweep-report": cmd_sweep_report}
+COMMANDS = {"train": cmd_train, "plan": cmd_plan, "topo": cmd_topo, "comm-test": cmd_comm_test, "sweep-report": cmd_sweep_report}
 
 
 def main(argv: list[str] | None = None) -> int:

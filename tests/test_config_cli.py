@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from nxdt.planner import plan
+
 from nxdt.config import ConfigError, available_options, compose_config, field_docs, load_run_config, save_run_config
 from nxdt.planner import Plan
 
@@ -17,9 +19,12 @@ from nxdt.planner import Plan
 def test_every_shipped_option_composes_and_validates(group):
     options = available_options(group)
     assert options
+    # a batch every instance's full-node data parallelism divides (1536 = 2^9·3)
+    batch = ["data.micro_batch_size=1", "data.global_batch_size=1536"] if group == "instance" else []
     for option in options:
-        cfg = compose_config([f"{group}={option}"])
+        cfg = compose_config([f"{group}={option}", *batch])
         assert cfg.trainer.devices >= 1
+        assert plan(cfg).world_size == cfg.trainer.devices
 
 
 def test_defaults_follow_nxdt_names_and_interpolate():

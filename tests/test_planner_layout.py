@@ -45,7 +45,7 @@ def test_invalid_layouts_name_the_problem(kw, needle):
 def test_json_round_trip_and_plan_from_config(tmp_path):
     p = plan(compose_config(["trainer.devices=4", "trainer.num_nodes=2", "distributed_strategy.pipeline_model_parallel_size=2",
                              "data.global_batch_size=16"]))
-    assert p.world_size == 8 and p.num_nodes == 2 and p.placement[5] == {"rank": 5, "node": 1, "local_rank": 1}
+    assert p.world_size == 8 and p.num_nodes == 2 and p.place(5) == {"rank": 5, "node": 1, "device": 1, "core": 1}
     p.save(tmp_path / "plan.json")
     assert Plan.load(tmp_path / "plan.json") == p
 

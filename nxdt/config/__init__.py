@@ -61,10 +61,12 @@ def config_error_from_hydra(exc: BaseException) -> ConfigError:
 
 
 def _reject_unknown_keys(cfg: DictConfig) -> None:
-    known = {k for k, _, _ in field_docs()}
+    docs = field_docs()
+    known = {k for k, _, _ in docs}
     sections = {k.rsplit(".", 1)[0] for k in known if "." in k}
+    mappings = tuple(k + "." for k, default, _ in docs if default == "{}")  # free-form keys below (typed values)
     for key in _leaf_keys(cfg):
-        if key not in known and key not in sections:
+        if key not in known and key not in sections and not key.startswith(mappings):
             depth = key.count(".") + 1
             candidates = sorted({".".join(k.split(".")[:depth]) for k in known if k.count(".") + 1 >= depth})
             raise ConfigError(key, "", f"unknown key{_closest(key, candidates)}; `nxdt train --help` lists every key")

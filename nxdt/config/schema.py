@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -18,6 +18,8 @@ def doc(default: Any, help: str, **kwargs: Any) -> Any:
     """A dataclass field with its one-line documentation (shown by ``nxdt train --help``)."""
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"help": help}, **kwargs)
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata={"help": help}, **kwargs)
     if is_dataclass(default):
         return field(default_factory=type(default), metadata={"help": help}, **kwargs)
     return field(default=default, metadata={"help": help}, **kwargs)
@@ -25,13 +27,13 @@ def doc(default: Any, help: str, **kwargs: Any) -> Any:
 
 @dataclass
 class TrainerConfig:
-    devices: int = doc(2, "worker processes (ranks) per node")
+    devices: Optional[int] = doc(None, "ranks per node; null = one per (logical) core of the instance (cpu: instance.devices)")
     num_nodes: int = doc(1, "number of nodes")
     max_steps: int = doc(50, "optimizer steps to train (one step = one global batch)")
     max_epochs: int = doc(-1, "epoch limit; -1 = bounded by max_steps only")
     log_every_n_steps: int = doc(1, "write a metrics.csv row every N steps")
     gradient_clip_val: Optional[float] = doc(1.0, "clip the global gradient norm to this value; null = no clipping")
-    lnc: Optional[int] = doc(None, "logical NeuronCore size (Trainium); null = the instance default")
+    lnc: Optional[int] = doc(None, "logical NeuronCore size: physical cores per rank (Trn2/Trn3); null = the instance default")
 
 
 @dataclass
@@ -127,10 +129,45 @@ class PrecisionConfig:
 
 
 @dataclass
+class LinkConfig:
+    bandwidth_GBps: float = doc(0.0, "per direction, per link (GB/s, decimal)")
+    latency_us: float = doc(0.0, "one hop, one message (µs)")
+
+
+@dataclass
+class ProvenanceConfig:
+    source: str = doc("", "where the value comes from (document, section, measurement)")
+    guess: bool = doc(False, "true when no source states the value: a tunable default, not a fact")
+
+
+@dataclass
 class InstanceConfig:
+    """One instance type of the catalogue (conf/instance/<name>.yaml); reference/topology.md §1."""
+
     name: str = doc("cpu", "instance type (cpu = worker processes on this host)")
-    devices: Optional[int] = doc(None, "accelerator devices per node; null = any (cpu)")
+    description: str = doc("", "one line shown by `nxdt topo`")
+    devices: int = doc(2, "accelerator devices per node (cpu: default worker processes per node)")
+    cores_per_device: int = doc(1, "physical cores per device (NeuronCores; GPUs: 1)")
+    lnc_options: List[int] = doc([], "logical-NeuronCore sizes the instance accepts; [] = no LNC")
+    lnc_default: int = doc(1, "physical cores per rank unless trainer.lnc says otherwise")
+    memory_GiB: float = doc(0.0, "device memory (GiB); 0 = unlimited (cpu)")
+    peak_tflops_bf16: float = doc(0.0, "dense bf16 peak per device (TFLOP/s)")
+    peak_tflops_fp32: float = doc(0.0, "fp32 peak per device (TFLOP/s)")
+    compute_efficiency: float = doc(0.4, "achieved fraction of peak in a training step (cost model)")
+    graph: str = doc("host", "intra-node graph: host | single | chain | ring | torus2d | torus3d | switch | nvswitch")
+    shape: List[int] = doc([], "graph shape, e.g. [4, 4] for a 4x4 torus ([rows, cols], row-major device ids)")
+    links_per_device: int = doc(0, "scale-up links per device")
+    intra_device: LinkConfig = doc(LinkConfig(), "between ranks on one device (shared memory on cpu)")
+    device_link: LinkConfig = doc(LinkConfig(), "one scale-up link between neighbouring devices (switch graphs: a device's whole port into the switch)")
+    domain_nodes: int = doc(1, "nodes joined by scale-up links into one domain (UltraServer, NVL72)")
+    domain_link: LinkConfig = doc(LinkConfig(), "scale-up link between nodes of one domain (per device)")
+    inter_node: LinkConfig = doc(LinkConfig(), "scale-out network per node (all NICs together)")
+    link_efficiency: float = doc(0.8, "achieved fraction of link bandwidth (cost model)")
+    group_sizes: List[int] = doc([], "ranks a group may hold within one node at lnc_default; [] = any")
     multi_node: bool = doc(True, "whether several nodes of this instance can form one job")
+    max_nodes: Optional[int] = doc(None, "largest number of nodes; null = unbounded")
+    tp_device_orders: Dict[str, str] = doc({}, "TP degree → device order (column_rings | row_pairs) the runtime expects")
+    provenance: Dict[str, ProvenanceConfig] = doc({}, "field → source of its value (and whether it is a guess)")
 
 
 @dataclass

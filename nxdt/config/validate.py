@@ -7,6 +7,8 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
+from nxdt.topology import TopologyError, check_lnc, ranks_per_device
+
 ALLOWED_MODEL_PREFIX = "nxdt.models."
 
 CHOICES = {
@@ -43,7 +45,21 @@ def _positive(cfg: Any, keys: tuple[str, ...]) -> None:
             raise ConfigError(key, value, "must be >= 1")
 
 
+def fill_instance_defaults(cfg: Any) -> None:
+    """``trainer.devices: null`` means one rank per (logical) core of the instance's node."""
+    inst, trainer = cfg.instance, cfg.trainer
+    if trainer.devices is None:
+        if inst.graph == "host":
+            trainer.devices = inst.devices
+        else:
+            try:
+                trainer.devices = inst.devices * ranks_per_device(inst, check_lnc(inst, trainer.lnc))
+            except TopologyError as exc:
+                raise ConfigError("trainer.lnc", trainer.lnc, str(exc)) from None
+
+
 def validate(cfg: Any) -> None:
+    fill_instance_defaults(cfg)
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
         if value not in allowed:
@@ -61,11 +77,21 @@ def validate(cfg: Any) -> None:
     if sorted(order) != sorted(DIMENSIONS):
         raise ConfigError("distributed_strategy.placement_order", ds.placement_order, f"must order each of {', '.join(DIMENSIONS)} once, e.g. tp-cp-ep-dp-pp")
 
+    inst = cfg.instance
+    try:
+        lnc = check_lnc(inst, trainer.lnc)
+    except TopologyError as exc:
+        raise ConfigError("trainer.lnc", trainer.lnc, str(exc)) from None
+    if inst.graph != "host":
+        per_node = inst.devices * ranks_per_device(inst, lnc)
+        if trainer.devices > per_node:
+            raise ConfigError("trainer.devices", trainer.devices, f"a {inst.name} node runs at most {per_node} ranks "
+                              f"({inst.devices} devices × {inst.cores_per_device // lnc} cores at LNC {lnc})")
+    if trainer.num_nodes > 1 and not inst.multi_node:
+        raise ConfigError("trainer.num_nodes", trainer.num_nodes, f"instance {inst.name} cannot run multi-node; use 1")
+    if inst.max_nodes is not None and trainer.num_nodes > inst.max_nodes:
+        raise ConfigError("trainer.num_nodes", trainer.num_nodes, f"instance {inst.name} joins at most {inst.max_nodes} nodes")
     world = trainer.num_nodes * trainer.devices
-    if cfg.instance.devices is not None and trainer.devices > cfg.instance.devices:
-        raise ConfigError("trainer.devices", trainer.devices, f"instance {cfg.instance.name} has {cfg.instance.devices} devices per node")
-    if trainer.num_nodes > 1 and not cfg.instance.multi_node:
-        raise ConfigError("trainer.num_nodes", trainer.num_nodes, f"instance {cfg.instance.name} cannot run multi-node; use 1")
     tp, pp, cp, ep = (ds.tensor_model_parallel_size, ds.pipeline_model_parallel_size, ds.context_parallel_size, ds.expert_model_parallel_size)
     if world % (tp * pp * cp):
         key = "distributed_strategy.tensor_model_parallel_size" if pp * cp == 1 else "distributed_strategy"

@@ -1,7 +1,8 @@
 """The planner: ``plan(config) -> Plan``, pure (no processes, no torch.distributed).
 
-This first version lays ranks out and plans the communicator groups; the topology-aware placement,
-algorithm choice and the cost/memory model plug in behind the same ``plan`` interface.
+It lays ranks out on the instance topology (nxdt.topology), plans the communicator groups, checks
+them against the hardware's rules (``placement``), picks a collective algorithm per group by an
+alpha-beta cost model (``cost``) and estimates step time and memory (``estimate``).
 
 Rank layout (NxD Core / Megatron style): reshape ``arange(world)`` to the dimensions of
 ``placement_order`` with the first-named dimension varying fastest, then slice. A group of dimension
@@ -17,18 +18,31 @@ Worked example, 8 ranks, TP=2, PP=2 (so DP=2), order ``tp-cp-ep-dp-pp``::
 
 Expert parallelism subdivides data parallelism: with DP=4 and EP=2 the ``dp`` axis is viewed as
 ``ep × (dp/ep)``, ep fastest, so ep groups are pairs of consecutive DP ranks.
+
+On a torus the grid is laid over *positions* and a device order maps positions to cores (see
+``placement``): trn1.32xlarge TP=4 gives TP groups [0,8,16,24], [1,9,17,25], ... (torus columns).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from nxdt.config.validate import ConfigError
+from nxdt.planner.placement import CHECKED_DIMENSIONS, accepted_sizes, candidate_orders, group_violation, local_order
+from nxdt.topology import Topology, TopologyError, check_lnc, topology_of
+
 DIMENSIONS = ("tp", "cp", "ep", "dp", "pp")
+DEGREE_KEYS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size", "cp": "context_parallel_size",
+               "ep": "expert_model_parallel_size"}
+
+
+class PlacementError(ConfigError):
+    """A layout the instance's topology cannot run (names the rule and the degrees that would work)."""
 
 
 @dataclass
@@ -39,7 +53,13 @@ class Plan:
     order: str
     degrees: dict[str, int]
     groups: dict[str, list[list[int]]]
-    placement: list[dict[str, int]]
+    instance: str = "cpu"
+    lnc: int = 1
+    ranks_per_device: int = 1
+    device_order: str = "identity"
+    algorithms: dict[str, dict[str, str]] = field(default_factory=dict)  # dim → op → algorithm for comm
+    collectives: list[dict[str, Any]] = field(default_factory=list)  # one row per collective kind of a step
+    estimate: dict[str, Any] = field(default_factory=dict)  # step time, tokens/s, MFU, memory per device
     warnings: list[str] = field(default_factory=list)
 
     def group_of(self, dim: str, rank: int) -> list[int]:
@@ -52,8 +72,14 @@ class Plan:
         """Index of ``rank`` within each of its groups (its tp rank, dp rank, ...)."""
         return {dim: self.group_of(dim, rank).index(rank) for dim in self.groups}
 
+    def place(self, rank: int) -> dict[str, int]:
+        """Where a rank runs: node, device on the node, logical core on the node."""
+        node, core = divmod(rank, self.ranks_per_node)
+        return {"rank": rank, "node": node, "device": core // self.ranks_per_device, "core": core}
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
+        data = {f.name: getattr(self, f.name) for f in fields(self)}  # shallow: asdict would deep-copy every group
+        return json.dumps(data, indent=1 if self.world_size <= 4096 else None)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -67,56 +93,142 @@ class Plan:
         return cls.from_json(Path(path).read_text())
 
     def summary(self) -> str:
-        d = self.degrees
-        lines = [f"world {self.world_size} = {self.num_nodes} node(s) × {self.ranks_per_node} ranks; "
-                 f"TP{d['tp']} PP{d['pp']} CP{d['cp']} EP{d['ep']} DP{d['dp']} (order {self.order})"]
-        for dim in ("tp", "cp", "ep", "dp", "pp", "mp"):
-            groups = self.groups[dim]
-            shown = " ".join(str(g) for g in groups[:8]) + (f" … ({len(groups)} groups)" if len(groups) > 8 else "")
-            lines.append(f"  {dim:>2} groups: {shown}")
-        lines += [f"  warning: {w}" for w in self.warnings]
-        return "\n".join(lines)
+        from nxdt.planner.report import render_plan
+
+        return render_plan(self)
 
 
-def _groups_along(grid: np.ndarray, axis: int) -> list[list[int]]:
+def _groups_along(grid: np.ndarray, axis: int) -> np.ndarray:
     moved = np.moveaxis(grid, axis, -1)
-    return moved.reshape(-1, moved.shape[-1]).tolist()
+    return moved.reshape(-1, moved.shape[-1])
 
 
-def plan_layout(world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-                order: str = "tp-cp-ep-dp-pp", ranks_per_node: int | None = None) -> Plan:
-    """Lay out ``world_size`` ranks; raises ValueError naming the degree that does not fit."""
-    if world_size % (tp * pp * cp):
-        raise ValueError(f"TP·PP·CP = {tp}·{pp}·{cp} = {tp * pp * cp} does not divide the world size {world_size}")
-    dp = world_size // (tp * pp * cp)
-    if dp % ep:
-        raise ValueError(f"EP={ep} does not divide the data-parallel degree {dp}")
+def _position_groups(world_size: int, degrees: dict[str, int], order: str) -> dict[str, np.ndarray]:
+    """Groups over grid positions (before the device order maps positions to ranks)."""
     names = order.split("-")
-    if sorted(names) != sorted(DIMENSIONS):
-        raise ValueError(f"placement order {order!r} must name each of {', '.join(DIMENSIONS)} once")
-    ranks_per_node = ranks_per_node or world_size
     # EP is a sub-axis of DP: the "dp" axis of the grid holds only dp/ep (replicas across expert groups).
-    sizes = {"tp": tp, "cp": cp, "ep": ep, "dp": dp // ep, "pp": pp}
+    sizes = {"tp": degrees["tp"], "cp": degrees["cp"], "ep": degrees["ep"], "dp": degrees["dp"] // degrees["ep"], "pp": degrees["pp"]}
     # numpy reshape is row-major (last axis fastest), so reverse the fastest-first order.
     grid = np.arange(world_size).reshape([sizes[n] for n in reversed(names)])
     axis = {n: len(names) - 1 - i for i, n in enumerate(names)}
     groups = {n: _groups_along(grid, axis[n]) for n in ("tp", "cp", "ep", "pp")}
     # data-parallel groups span both the ep and the remaining dp axes
-    dp_grid = np.moveaxis(grid, [axis["ep"], axis["dp"]], [-1, -2])
-    groups["dp"] = dp_grid.reshape(-1, dp).tolist()
-    mp_grid = np.moveaxis(grid, [axis["tp"], axis["pp"]], [-1, -2])
-    groups["mp"] = mp_grid.reshape(-1, tp * pp).tolist()
-    groups["world"] = [list(range(world_size))]
-    for g in groups.values():
-        g.sort()
-    placement = [{"rank": r, "node": r // ranks_per_node, "local_rank": r % ranks_per_node} for r in range(world_size)]
+    groups["dp"] = np.moveaxis(grid, [axis["ep"], axis["dp"]], [-1, -2]).reshape(-1, degrees["dp"])
+    groups["mp"] = np.moveaxis(grid, [axis["tp"], axis["pp"]], [-1, -2]).reshape(-1, degrees["tp"] * degrees["pp"])
+    groups["world"] = np.arange(world_size).reshape(1, -1)
+    return groups
+
+
+def _degrees(world_size: int, tp: int, pp: int, cp: int, ep: int, order: str) -> dict[str, int]:
+    if world_size % (tp * pp * cp):
+        raise ValueError(f"TP·PP·CP = {tp}·{pp}·{cp} = {tp * pp * cp} does not divide the world size {world_size}")
+    dp = world_size // (tp * pp * cp)
+    if dp % ep:
+        raise ValueError(f"EP={ep} does not divide the data-parallel degree {dp}")
+    if sorted(order.split("-")) != sorted(DIMENSIONS):
+        raise ValueError(f"placement order {order!r} must name each of {', '.join(DIMENSIONS)} once")
+    return {"tp": tp, "cp": cp, "ep": ep, "dp": dp, "pp": pp}
+
+
+def plan_layout(world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, order: str = "tp-cp-ep-dp-pp",
+                ranks_per_node: int | None = None, topo: Topology | None = None, instance: Any = None,
+                lnc: int = 1) -> Plan:
+    """Lay out ``world_size`` ranks and plan their groups.
+
+    Without a topology every layout that divides is accepted (a CPU host). With one, the first device
+    order under which every group obeys the topology rules is used; ValueError names the degree that
+    does not divide, PlacementError the rule a group breaks."""
+    degrees = _degrees(world_size, tp, pp, cp, ep, order)
+    ranks_per_node = ranks_per_node or world_size
+    positions = _position_groups(world_size, degrees, order)
+    full_node = topo is not None and ranks_per_node == topo.ranks_per_node
+    orders = candidate_orders(instance, topo, tp, lnc) if topo is not None and instance is not None and full_node else ["identity"]
+    first_violation = None
+    for name in orders:
+        core_of_position = local_order(name, topo) if full_node else np.arange(ranks_per_node)
+        pos = np.arange(world_size)
+        rank_of_position = (pos // ranks_per_node) * ranks_per_node + core_of_position[pos % ranks_per_node]
+        groups = {dim: rank_of_position[g] for dim, g in positions.items()}
+        violation = _first_violation(groups, degrees, topo, instance, lnc, ranks_per_node)
+        if violation is None:
+            break
+        first_violation = first_violation or violation
+    else:
+        dim, (reason, example) = first_violation
+        key = f"distributed_strategy.{DEGREE_KEYS[dim]}" if dim != "dp" else "distributed_strategy"
+        value = degrees[dim] if dim != "dp" else "TP{tp}×PP{pp}×CP{cp} (DP{dp})".format(**degrees)
+        raise PlacementError(key, value, f"{topo.name}: {dim.upper()} group {_short(example)} breaks a topology rule: {reason}")
+    as_lists = {dim: sorted(g.tolist()) for dim, g in groups.items()}
     return Plan(world_size=world_size, num_nodes=-(-world_size // ranks_per_node), ranks_per_node=ranks_per_node, order=order,
-                degrees={"tp": tp, "cp": cp, "ep": ep, "dp": dp, "pp": pp}, groups=groups, placement=placement)
+                degrees=degrees, groups=as_lists, instance=getattr(instance, "name", "cpu"), lnc=lnc,
+                ranks_per_device=topo.ranks_per_device if topo is not None and topo.graph != "host" else 1, device_order=name)
 
 
-def plan(cfg: Any) -> Plan:
-    """The Plan of a validated config."""
-    ds = cfg.distributed_strategy
-    return plan_layout(cfg.trainer.num_nodes * cfg.trainer.devices, tp=ds.tensor_model_parallel_size,
-                       pp=ds.pipeline_model_parallel_size, cp=ds.context_parallel_size, ep=ds.expert_model_parallel_size,
-                       order=ds.placement_order, ranks_per_node=cfg.trainer.devices)
+def _short(group: list[int]) -> str:
+    return str(group) if len(group) <= 8 else f"[{', '.join(map(str, group[:6]))}, … {group[-1]}]"
+
+
+def _first_violation(groups: dict[str, np.ndarray], degrees: dict[str, int], topo: Topology | None, instance: Any, lnc: int,
+                     ranks_per_node: int) -> tuple[str, tuple[str, list[int]]] | None:
+    if topo is None or instance is None or topo.graph == "host":
+        return None
+    sizes = accepted_sizes(instance, lnc)
+    for dim in CHECKED_DIMENSIONS:
+        if degrees[dim] > 1:
+            v = group_violation(groups[dim], topo, sizes, ranks_per_node)
+            if v:
+                return dim, v
+    return None
+
+
+def workable_tp_degrees(world_size: int, *, pp: int, cp: int, ep: int, order: str, ranks_per_node: int, topo: Topology,
+                        instance: Any, lnc: int) -> list[int]:
+    """TP degrees that give a valid layout with the other degrees unchanged (for error messages)."""
+    good = []
+    for tp in range(1, world_size + 1):
+        if world_size % (tp * pp * cp) or (world_size // (tp * pp * cp)) % ep:
+            continue
+        try:
+            plan_layout(world_size, tp=tp, pp=pp, cp=cp, ep=ep, order=order, ranks_per_node=ranks_per_node, topo=topo,
+                        instance=instance, lnc=lnc)
+        except PlacementError:
+            continue
+        good.append(tp)
+    return good
+
+
+def node_topology(cfg: Any) -> Topology:
+    """The topology a config runs on (LNC and ranks per node checked); raises ConfigError."""
+    inst, trainer = cfg.instance, cfg.trainer
+    try:
+        lnc = check_lnc(inst, trainer.lnc)
+        topo = topology_of(inst, lnc, ranks_per_node=trainer.devices)
+    except TopologyError as exc:
+        raise ConfigError("trainer.lnc" if "LNC" in str(exc) else "instance", "", str(exc)) from None
+    if trainer.devices is not None and trainer.devices > topo.ranks_per_node:
+        raise ConfigError("trainer.devices", trainer.devices, f"a {inst.name} node has {topo.ranks_per_node} ranks at LNC {lnc}")
+    return topo
+
+
+def plan(cfg: Any, calibration: dict[str, Any] | None = None, *, estimate: bool = True) -> Plan:
+    """The Plan of a validated config: layout, groups, algorithms, cost and memory estimates.
+    ``calibration`` (``nxdt comm-test --calibrate``) replaces the ``cpu`` instance's default link figures."""
+    ds, trainer, inst = cfg.distributed_strategy, cfg.trainer, cfg.instance
+    topo = node_topology(cfg)
+    lnc = check_lnc(inst, trainer.lnc)
+    world = trainer.num_nodes * trainer.devices
+    kwargs = dict(pp=ds.pipeline_model_parallel_size, cp=ds.context_parallel_size, ep=ds.expert_model_parallel_size,
+                  order=ds.placement_order, ranks_per_node=trainer.devices, topo=topo, instance=inst, lnc=lnc)
+    try:
+        layout = plan_layout(world, tp=ds.tensor_model_parallel_size, **kwargs)
+    except PlacementError as exc:
+        good = workable_tp_degrees(world, **kwargs)
+        hint = f"; TP degrees that work here: {', '.join(map(str, good))}" if good else "; no TP degree works with these PP/CP/EP degrees"
+        raise PlacementError(exc.key, exc.value, exc.fix + hint) from None
+    except ValueError as exc:
+        raise ConfigError("distributed_strategy", "", str(exc)) from None
+    if estimate:
+        from nxdt.planner.estimate import estimate_plan
+
+        estimate_plan(layout, cfg, topo, calibration)
+    return layout

@@ -1,0 +1,93 @@
+"""Host calibration for the ``cpu`` instance, and cost-model tables in nccom-test's layout.
+
+``nxdt comm-test --calibrate`` measures this host's collectives (and a small transformer's achieved
+FLOP/s); ``fit_calibration`` turns the measurements into ``T(op, n, S) = a + S·b`` per op and group
+size, stored as JSON (default ``$XDG_CACHE_HOME/nxdt/calibration-<host>.json``). ``nxdt plan`` on the
+``cpu`` instance then predicts with measured figures instead of the catalogue's placeholders.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nxdt.config.validate import ConfigError
+from nxdt.planner.cost import bus_bandwidth, estimate_collective
+from nxdt.topology import Topology
+
+BENCH_OPS = {"allr": "all_reduce", "allg": "all_gather", "redsct": "reduce_scatter", "alltoall": "all_to_all", "bcast": "broadcast",
+             "sendrecv": "send_recv"}
+
+
+def default_path() -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "nxdt" / f"calibration-{socket.gethostname()}.json"
+
+
+def load_calibration(path: str | Path | None = None) -> dict[str, Any] | None:
+    """The calibration at ``path`` (must exist) or at the default path (None when absent)."""
+    target = Path(path).expanduser() if path else default_path()
+    if not target.is_file():
+        if path:
+            raise ConfigError("--calibration", str(path), "no such file; write one with `nxdt comm-test --calibrate`")
+        return None
+    try:
+        data = json.loads(target.read_text())
+        assert isinstance(data.get("ops"), dict)
+    except (ValueError, AssertionError):
+        raise ConfigError("--calibration", str(target), "not a calibration file; rewrite it with `nxdt comm-test --calibrate`") from None
+    return data
+
+
+def fit_line(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
+    """``T = a + S·b`` minimising the relative error (each point weighted by 1/T), a, b ≥ 0."""
+    s, t = np.asarray(sizes, dtype=float), np.asarray(seconds, dtype=float)
+    design = np.stack([np.ones_like(s), s], axis=1) / t[:, None]
+    (a, b), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
+    if a < 0 or b < 0:  # fall back to the two ends of the sweep
+        b = max((t[-1] - t[0]) / max(s[-1] - s[0], 1.0), 0.0)
+        a = max(t[0] - s[0] * b, 0.0)
+    return float(a), float(b)
+
+
+def fit_calibration(reports: dict[int, dict[str, Any]], flops_per_s: float | None = None) -> dict[str, Any]:
+    """Calibration JSON from ``nxdt comm-test`` reports keyed by group size."""
+    ops: dict[str, dict[str, list[float]]] = {}
+    for n, report in reports.items():
+        for op in dict.fromkeys(r["op"] for r in report["results"]):
+            rows = [r for r in report["results"] if r["op"] == op]
+            a, b = fit_line([r["size(B)"] for r in rows], [r["time:avg(us)"] * 1e-6 for r in rows])
+            ops.setdefault(BENCH_OPS[op], {})[str(n)] = [a, b]
+    ar = ops.get("all_reduce", {})
+    a, b = ar[min(ar, key=int)] if ar else (1e-5, 2.5e-10)
+    n = int(min(ar, key=int)) if ar else 2
+    # effective alpha/bw of a 2-step ring with these end points (used for ops without their own fit)
+    return {"host": socket.gethostname(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "latency_s": a / 2,
+            "bandwidth_Bps": (2 * (n - 1) / n) / b if b else 1e12, "ops": ops, "flops_per_s": flops_per_s}
+
+
+def save_calibration(data: dict[str, Any], path: str | Path | None = None) -> Path:
+    target = Path(path).expanduser() if path else default_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(target)
+    return target
+
+
+def estimate_table(op: str, sizes: list[int], group: list[int], topo: Topology, instance: Any, ranks_per_node: int,
+                   element_bytes: int, calibration: dict | None = None) -> list[dict[str, Any]]:
+    """Rows of an nccom-test table predicted by the cost model (``nxdt comm-test --estimate``)."""
+    rows = []
+    for nbytes in sizes:
+        algorithm, seconds, _ = estimate_collective(op, group, nbytes, topo, instance, ranks_per_node, calibration)
+        rows.append({"size(B)": nbytes, "count(elems)": nbytes // element_bytes, "time:avg(us)": seconds * 1e6,
+                     "algbw(GB/s)": nbytes / seconds / 1e9 if seconds else 0.0,
+                     "busbw(GB/s)": bus_bandwidth(op, len(group), nbytes, seconds) / 1e9, "algorithm": algorithm})
+    return rows

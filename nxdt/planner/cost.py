@@ -1,0 +1,189 @@
+"""Alpha-beta cost model of collectives on a planned group (reference/collectives.md §3, topology.md §5).
+
+Each group gets effective link figures — latency ``alpha`` per step and bandwidth ``bw`` per rank and
+direction — from the slowest link class it spans, the channels the topology offers (a full 4x4 torus
+node builds 4 rings, a sub-ring 2 [S42]) and how many groups of the same dimension share those links.
+Every algorithm that can run on the group is estimated and the cheapest is chosen.
+
+With n ranks, S bytes (the full buffer: all-reduce input, all-gather output, reduce-scatter input):
+
+    ring all-reduce       2(n-1)·α + 2(n-1)/n · S/bw
+    rhd (n = 2^k)         2·log2(n)·α + 2(n-1)/n · S/bw · h      h = mean hops of non-neighbour partners
+    direct (one-shot)     2·α + 2(n-1)/n · S/bw · h
+    torus2d (a×b grid)    ring along a, ring along b on 1/a of the data (two link sets)
+    hierarchical          intra-node reduce-scatter → inter-node all-reduce of S/m → intra all-gather
+    all-gather / reduce-scatter: half the all-reduce terms; all-to-all (pairwise): (n-1)·α + (n-1)/n·S/bw·h
+    broadcast: binomial tree ⌈log2 n⌉·(α + S/bw) or a pipelined ring; send/recv: α + S/bw
+
+On the ``cpu`` instance a calibration (``nxdt comm-test --calibrate``) replaces the formulas by the
+measured per-op fit ``T = a + S·b`` of nxdt's shared-memory algorithms on this host.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from nxdt.topology import Topology
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+
+
+@dataclass(frozen=True)
+class Link:
+    alpha: float  # seconds per step
+    bw: float  # bytes per second per rank and direction
+    hops: float = 1.0  # mean hop count of all-pairs traffic (contention factor of direct/mesh algorithms)
+    rhd_hops: float = 1.0  # the same for recursive halving-doubling partners (a 4x4 torus is a 4-cube: neighbours)
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    size: int
+    nodes: int  # nodes the group spans
+    per_node: int  # members on each node
+    devices: int  # devices the per-node part spans
+    sharing: int  # groups of the same dimension sharing those devices' links
+    domain: bool  # all nodes in one scale-up domain
+    grid: tuple[int, int] | None  # torus rows × cols covered, when the per-node part is a full grid
+
+
+def shape_of(group: list[int], topo: Topology, ranks_per_node: int) -> GroupShape:
+    nodes = sorted({r // ranks_per_node for r in group})
+    first = [r % ranks_per_node for r in group if r // ranks_per_node == nodes[0]]
+    devs = sorted({topo.device_of(c) for c in first})
+    per_device = len(first) // max(len(devs), 1)
+    sharing = max(1, topo.ranks_per_device // max(per_device, 1)) if topo.graph != "host" else 1
+    domain = topo.domain_nodes > 1 and len({n // topo.domain_nodes for n in nodes}) == 1
+    grid = None
+    if topo.graph in ("torus2d", "torus3d") and len(devs) > 4:
+        rows, cols = topo.grid
+        used_rows = len({d // cols for d in devs})
+        grid = (used_rows, len(devs) // used_rows)
+    return GroupShape(len(group), len(nodes), len(first), len(devs), sharing, domain, grid)
+
+
+def intra_link(shape: GroupShape, topo: Topology, instance: Any, calibration: dict | None) -> Link:
+    """Figures of the per-node part of a group."""
+    eff = instance.link_efficiency
+    if shape.devices <= 1 or topo.graph == "host":
+        link = instance.intra_device
+        if topo.graph == "host" and calibration:
+            return Link(calibration["latency_s"], calibration["bandwidth_Bps"])
+        return Link(link.latency_us * 1e-6, link.bandwidth_GBps * 1e9 * eff)
+    link = instance.device_link
+    rhd_hops = 1.0
+    if topo.graph in ("torus2d", "torus3d"):
+        channels = 4 if shape.devices == topo.devices else 2  # 2 Hamiltonian cycles × 2 directions on a full node [S35,S42]
+        hops = 1.0 if shape.devices <= 4 else topo.mean_distance
+        rhd_hops = 1.1  # "partial over-subscription" [S35]
+    elif topo.graph == "ring":
+        channels, hops = (2 if shape.devices == topo.devices else 1), max(1.0, shape.devices / 4)
+        rhd_hops = hops
+    elif topo.graph == "chain":
+        channels, hops = 1, max(1.0, shape.devices / 3)
+        rhd_hops = hops
+    else:  # switch / nvswitch: device_link is the device's whole port into the switch
+        channels, hops = 1, 1.0
+    return Link(link.latency_us * 1e-6, channels * link.bandwidth_GBps * 1e9 * eff / shape.sharing, hops, max(rhd_hops, 1.0))
+
+
+def inter_link(shape: GroupShape, topo: Topology, instance: Any, ranks_per_node: int) -> Link:
+    """Figures between nodes: domain links, or the node's NICs shared by all its ranks."""
+    eff = instance.link_efficiency
+    if shape.domain:
+        link = instance.domain_link
+        return Link(link.latency_us * 1e-6, link.bandwidth_GBps * 1e9 * eff / max(1, topo.ranks_per_device))
+    link = instance.inter_node
+    return Link(link.latency_us * 1e-6, link.bandwidth_GBps * 1e9 * eff / ranks_per_node)
+
+
+def _log2(n: int) -> int:
+    return max(1, math.ceil(math.log2(n)))
+
+
+def _pow2(n: int) -> bool:
+    return n & (n - 1) == 0
+
+
+def flat_estimates(op: str, n: int, nbytes: float, link: Link) -> dict[str, float]:
+    """Seconds per algorithm for one flat (single link class) group."""
+    a, bw, h, hr = link.alpha, link.bw, link.hops, link.rhd_hops
+    if n <= 1 or nbytes <= 0:
+        return {"none": 0.0}
+    frac = (n - 1) / n
+    if op == "all_reduce":
+        est = {"ring": 2 * (n - 1) * a + 2 * frac * nbytes / bw, "direct": 2 * a + 2 * frac * nbytes / bw * h}
+        if _pow2(n):
+            est["rhd"] = 2 * _log2(n) * a + 2 * frac * nbytes / bw * hr
+        return est
+    if op in ("all_gather", "reduce_scatter"):
+        est = {"ring": (n - 1) * a + frac * nbytes / bw, "direct": a + frac * nbytes / bw * h}
+        if _pow2(n):
+            est["rhd"] = _log2(n) * a + frac * nbytes / bw * hr
+        return est
+    if op == "all_to_all":
+        return {"pairwise": (n - 1) * a + frac * nbytes / bw * h}
+    if op == "broadcast":
+        chunks = 8
+        return {"tree": _log2(n) * (a + nbytes / bw), "ring": (n - 2 + chunks) * (a + nbytes / chunks / bw)}
+    if op == "send_recv":
+        return {"p2p": a + nbytes / bw}
+    raise ValueError(f"unknown collective {op!r}")
+
+
+def _calibrated(op: str, n: int, nbytes: float, calibration: dict) -> float | None:
+    fits = calibration.get("ops", {}).get(op)
+    if not fits:
+        return None
+    sizes = sorted(int(k) for k in fits)
+    near = min(sizes, key=lambda s: abs(s - n))  # closest measured group size, scaled by the (n-1)/n traffic
+    a, b = fits[str(near)]
+    scale = ((n - 1) / n) / ((near - 1) / near) if near > 1 and n > 1 else 1.0
+    return a + nbytes * b * scale
+
+
+def estimate_collective(op: str, group: list[int], nbytes: float, topo: Topology, instance: Any, ranks_per_node: int,
+                        calibration: dict | None = None) -> tuple[str, float, dict[str, float]]:
+    """(best algorithm, its seconds, every candidate's seconds) for one collective on one group."""
+    n = len(group)
+    if n <= 1 or nbytes <= 0:
+        return "none", 0.0, {"none": 0.0}
+    shape = shape_of(group, topo, ranks_per_node)
+    intra = intra_link(shape, topo, instance, calibration)
+    if shape.nodes == 1:
+        if topo.graph == "host" and calibration:
+            t = _calibrated(op, n, nbytes, calibration)
+            if t is not None:
+                return "auto", t, {"auto": t}
+        est = flat_estimates(op, n, nbytes, intra)
+        if shape.grid and op in ("all_reduce", "all_gather", "reduce_scatter"):
+            rows, cols = shape.grid
+            line = Link(intra.alpha, intra.bw / 2)  # each dimension's ring uses half the channels
+            first = flat_estimates(op, cols, nbytes, line)["ring"]
+            est[f"torus:{rows}x{cols}"] = first + flat_estimates(op, rows, nbytes / cols, line)["ring"]
+    else:
+        inter = inter_link(shape, topo, instance, ranks_per_node)
+        m, k = shape.per_node, shape.nodes
+        est = flat_estimates(op, n, nbytes, inter)  # flat across hosts: every step at network speed
+        est.pop("direct", None)
+        if m > 1 and op in ("all_reduce", "all_gather", "reduce_scatter"):
+            local = lambda o, s: min(flat_estimates(o, m, s, intra).values())
+            if op == "all_reduce":
+                t = local("reduce_scatter", nbytes) + min(flat_estimates("all_reduce", k, nbytes / m, inter).values()) \
+                    + local("all_gather", nbytes)
+            else:
+                t = local(op, nbytes) + min(flat_estimates(op, k, nbytes / m, inter).values())
+            est["hierarchical"] = t
+    best = min(est, key=est.get)
+    return best, est[best], est
+
+
+def bus_bandwidth(op: str, n: int, nbytes: float, seconds: float) -> float:
+    """nccom-test / nccl-tests bus bandwidth (bytes/s) for a measured or estimated time."""
+    if seconds <= 0 or n <= 1:
+        return 0.0
+    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
+              "all_to_all": (n - 1) / n}.get(op, 1.0)
+    return nbytes / seconds * factor
