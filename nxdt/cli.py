@@ -26,6 +26,7 @@ commands:
                               --estimate --instance NAME predicts the table for an instance, --calibrate
                               measures this host for the cpu instance's plans
   sweep-report DIR            table and loss plot of a multirun directory
+  checkpoint inspect DIR      step, layout, model and tensors of a checkpoint (checks it is whole)
 
 `nxdt train --help` lists every config group and key with its documentation.
 """
@@ -75,6 +76,21 @@ def expand_sweep(overrides: list[str]) -> list[list[str]]:
     return [list(job) for batch in batches for job in batch]
 
 
+def check_resume_checkpoint(cfg: Any) -> None:
+    """A checkpoint named by the user must be whole and of this model — checked before any worker starts."""
+    path = cfg.exp_manager.resume_from_checkpoint
+    if path is None:
+        return
+    from nxdt.config import ConfigError
+    from nxdt.config.validate import MODEL_SHAPE_FIELDS
+    from nxdt.lightning.checkpoint import CheckpointError, verify
+
+    try:
+        verify(path, {k: getattr(cfg.model, k) for k in MODEL_SHAPE_FIELDS})
+    except CheckpointError as exc:
+        raise ConfigError("exp_manager.resume_from_checkpoint", path, str(exc)) from None
+
+
 def cmd_train(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(train_help())
@@ -91,6 +107,7 @@ def cmd_train(argv: list[str]) -> int:
         configs = [compose_config(job) for job in jobs]  # every job is validated before the first starts
         for cfg in configs:
             check_trainable(cfg)
+            check_resume_checkpoint(cfg)
     except ConfigError as exc:
         return _fail(str(exc))
     except Exception as exc:  # Hydra's override grammar errors
@@ -110,7 +127,7 @@ def cmd_train(argv: list[str]) -> int:
         label = f"[job {num}: {' '.join(job)}] " if sweep_dir is not None else ""
         print(f"nxdt: {label}run directory {run_dir} ({the_plan.world_size} ranks)", flush=True)
         try:
-            launch_local(run_dir, the_plan, console_tty=sys.stdout.isatty())
+            launch_local(run_dir, the_plan, console_tty=sys.stdout.isatty(), max_restarts=cfg.exp_manager.max_restarts)
         except LaunchFailed as exc:
             print(str(exc), file=sys.stderr)
             status = 1
@@ -308,7 +325,19 @@ def cmd_sweep_report(argv: list[str]) -> int:
         return _fail(str(exc))
 
 
-COMMANDS = {"train": cmd_train, "plan": cmd_plan, "topo": cmd_topo, "comm-test": cmd_comm_test, "sweep-report": cmd_sweep_report}
+def cmd_checkpoint(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] != "inspect":
+        raise UsageError("usage: nxdt checkpoint inspect DIR   (a checkpoints/step-<N> directory)")
+    from nxdt.lightning.checkpoint import CheckpointError, describe
+
+    try:
+        print(describe(argv[1]))
+    except CheckpointError as exc:
+        return _fail(f"nxdt checkpoint: {exc}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "checkpoint": cmd_checkpoint, "plan": cmd_plan, "topo": cmd_topo, "comm-test": cmd_comm_test, "sweep-report": cmd_sweep_report}
 
 
 def main(argv: list[str] | None = None) -> int:

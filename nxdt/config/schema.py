@@ -38,8 +38,10 @@ class TrainerConfig:
 
 @dataclass
 class FaultInjectionConfig:
-    step: Optional[int] = doc(None, "raise an error when this optimizer step starts (reliability drills); null = off")
+    step: Optional[int] = doc(None, "fail when this optimizer step starts (reliability drills); null = off")
     rank: Optional[int] = doc(None, "rank that fails; null = every rank")
+    kind: str = doc("raise", "raise (an exception) | sigkill (the process dies) | sigkill_during_save (dies mid-checkpoint)")
+    attempt: int = doc(0, "only in this launch attempt (0 = the first; restarts then run clean)")
 
 
 @dataclass
@@ -47,6 +49,8 @@ class ExpManagerConfig:
     exp_dir: str = doc("outputs", "root of run directories: <exp_dir>/<name>/<timestamp>/")
     explicit_log_dir: Optional[str] = doc(None, "use exactly this run directory instead")
     resume_if_exists: bool = doc(False, "resume from the newest complete checkpoint of the newest run of this name")
+    resume_from_checkpoint: Optional[str] = doc(None, "resume from exactly this checkpoints/step-<N> directory")
+    max_restarts: int = doc(0, "restart all workers this many times after a worker dies; each restart resumes from the newest complete checkpoint")
     checkpoint_every_n_steps: Optional[int] = doc(None, "save checkpoints/step-<N>/ every N steps; null = never")
     keep_last_k: int = doc(2, "keep only the newest k checkpoints")
     create_tensorboard_logger: bool = doc(True, "write TensorBoard event files under tensorboard/")

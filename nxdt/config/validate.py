@@ -10,6 +10,8 @@ from typing import Any
 from nxdt.topology import TopologyError, check_lnc, ranks_per_device
 
 ALLOWED_MODEL_PREFIX = "nxdt.models."
+# what makes two checkpoints of "the same model" (stored in meta.json, compared before resuming)
+MODEL_SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "ffn_hidden_size")
 
 CHOICES = {
     "data.source": ("synthetic", "text"),
@@ -19,6 +21,7 @@ CHOICES = {
     "model.activations_checkpoint_granularity": (None, "full", "selective"),
     "distributed_strategy.fsdp.prefetch": ("none", "eager", "token_threaded"),
     "comm.transport": ("auto", "shm", "p2p"),
+    "exp_manager.fault_injection.kind": ("raise", "sigkill", "sigkill_during_save"),
 }
 DIMENSIONS = ("tp", "cp", "ep", "dp", "pp")
 
@@ -134,6 +137,8 @@ def validate(cfg: Any) -> None:
         raise ConfigError("model.architecture", arch, f"module {module} does not exist in the model hub")
     if cfg.model.optim.sched.warmup_steps < 0:
         raise ConfigError("model.optim.sched.warmup_steps", cfg.model.optim.sched.warmup_steps, "must be >= 0")
+    if cfg.exp_manager.max_restarts < 0:
+        raise ConfigError("exp_manager.max_restarts", cfg.exp_manager.max_restarts, "must be >= 0")
     fi = cfg.exp_manager.fault_injection
     if fi.rank is not None and not 0 <= fi.rank < world:
         raise ConfigError("exp_manager.fault_injection.rank", fi.rank, f"must be a rank in 0..{world - 1}")
@@ -159,3 +164,4 @@ def check_trainable(cfg: Any) -> None:
         shown = key if key.startswith("comm.") else f"distributed_strategy.{key}"
         raise NotYetSupported(shown, value, "training with it is not implemented yet in this version "
                               "(`nxdt plan` accepts it); use data parallelism (the default) to train now")
+

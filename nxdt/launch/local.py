@@ -44,7 +44,9 @@ def _failure_line(exc: Any, run_dir: Path) -> str:
     return f"nxdt: rank {rank} failed: {summary} — see {run_dir / 'logs' / f'rank{rank}.log'}"
 
 
-def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool) -> None:
+def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: int = 0) -> None:
+    """Run the plan's ranks on this host; with ``max_restarts`` the agent restarts every worker after a
+    failure and the workers resume from the newest complete checkpoint."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -58,7 +60,7 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool) -> None:
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=plan.ranks_per_node, run_id=run_id,
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", rdzv_configs={"is_host": True},
-        max_restarts=0, monitor_interval=0.2, start_method="spawn",
+        max_restarts=max_restarts, monitor_interval=0.2, start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "agent")),
     )
     args = ["-m", "nxdt.launch.worker", str(run_dir)] + (["--console-tty"] if console_tty else [])

@@ -20,8 +20,9 @@ import json
 import os
 import shutil
 import uuid
+import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -84,8 +85,10 @@ def _split_state(checkpoint: dict[str, Any]) -> tuple[dict[str, torch.Tensor], d
     return tensors, state
 
 
-def save(checkpoint: dict[str, Any], path: str | os.PathLike, meta: dict[str, Any] | None = None) -> Path:
-    """Write ``checkpoint`` (a Lightning checkpoint dict) atomically to the directory ``path``."""
+def save(checkpoint: dict[str, Any], path: str | os.PathLike, meta: dict[str, Any] | None = None,
+         before_commit: Callable[[Path], None] | None = None) -> Path:
+    """Write ``checkpoint`` (a Lightning checkpoint dict) atomically to the directory ``path``.
+    ``before_commit(tmp_dir)`` runs when every file is written but before the ``done`` marker (fault drills)."""
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f"{_TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
@@ -98,6 +101,8 @@ def save(checkpoint: dict[str, Any], path: str | os.PathLike, meta: dict[str, An
         info = {"format_version": FORMAT_VERSION, "step": rest.get("global_step"), **(meta or {})}
         (tmp / "meta.json").write_text(json.dumps(info, indent=2))
         _fsync_dir_files(tmp)
+        if before_commit is not None:
+            before_commit(tmp)
         (tmp / DONE_MARKER).write_text("ok\n")
         if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
             shutil.rmtree(final)
@@ -138,13 +143,92 @@ def _write_latest(final: Path) -> None:
     os.replace(tmp, latest)
 
 
-def load(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a complete checkpoint directory back into a Lightning checkpoint dict (no arbitrary unpickling)."""
+def verify(path: str | os.PathLike, expect_model: dict[str, Any] | None = None) -> None:
+    """Everything that can be checked without loading tensors: the directory, the ``done`` marker,
+    meta.json, the model it belongs to, and that every file is whole (a safetensors file's header
+    states its exact length; trainer_state.pt is a zip archive with checksums). Raises CheckpointError."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint {root} does not exist or is not a directory — pass a checkpoints/step-<N> directory")
+    if not is_complete(root):
+        raise CheckpointError(f"checkpoint {root} is incomplete (no '{DONE_MARKER}' marker: its save was interrupted) — use an earlier one")
+    _check_model(root, expect_model)
+    for tensors in root.glob("*.safetensors"):
+        _check_safetensors_length(tensors)
+    state = root / "trainer_state.pt"
+    try:
+        with zipfile.ZipFile(state) as archive:
+            bad = archive.testzip()
+    except (OSError, zipfile.BadZipFile) as exc:
+        raise CheckpointError(f"checkpoint file {state} is damaged ({exc}) — use an earlier checkpoint") from None
+    if bad is not None:
+        raise CheckpointError(f"checkpoint file {state} is damaged (member {bad} fails its checksum) — use an earlier checkpoint")
+
+
+def _check_safetensors_length(file: Path) -> None:
+    size = file.stat().st_size
+    try:
+        with open(file, "rb") as fh:
+            header_len = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(header_len)) if 0 < header_len <= size else None
+    except (OSError, ValueError):
+        header = None
+    if header is None:
+        raise CheckpointError(f"checkpoint file {file} is damaged (unreadable safetensors header) — use an earlier checkpoint")
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + header_len + end != size:
+        raise CheckpointError(f"checkpoint file {file} is truncated ({size} bytes, its header promises {8 + header_len + end}) "
+                              "— use an earlier checkpoint")
+
+
+def _check_model(root: Path, expect_model: dict[str, Any] | None) -> None:
+    saved = read_meta(root).get("model") or {}
+    for key, want in (expect_model or {}).items():
+        if key in saved and saved[key] != want:
+            raise CheckpointError(f"checkpoint {root} is from another model (model.{key}={saved[key]}, this run has {want}) — "
+                                  "resume from a checkpoint of this model")
+
+
+def describe(path: str | os.PathLike) -> str:
+    """``nxdt checkpoint inspect``: step, layout, model shape and every tensor (read from headers only)."""
+    from safetensors import safe_open
+
+    root = Path(path)
+    verify(root)
+    meta = read_meta(root)
+    lines = [f"checkpoint {root}: step {meta.get('step')}, format {meta.get('format_version')}, world {meta.get('world_size')}, "
+             f"degrees {meta.get('degrees')}", f"model: {meta.get('model')}"]
+    total = 0
+    for file in sorted(root.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as fh:
+            for name in fh.keys():
+                t = fh.get_slice(name)
+                shape, dtype = t.get_shape(), t.get_dtype()
+                count = 1
+                for d in shape:
+                    count *= d
+                total += count
+                lines.append(f"  {file.name}:{name:<48} {str(list(shape)):<16} {dtype}")
+    lines.append(f"{total:,} parameters")
+    return "\n".join(lines)
+
+
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    try:
+        return json.loads((Path(path) / "meta.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path}: meta.json is missing or unreadable ({exc}) — this is not a complete nxdt checkpoint") from None
+
+
+def load(path: str | os.PathLike, expect_model: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Read a complete checkpoint directory back into a Lightning checkpoint dict (no arbitrary unpickling).
+    ``expect_model``: model shape fields the checkpoint must have been saved with."""
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"checkpoint {root} does not exist or is not a directory — pass a checkpoints/step-<N> directory")
     if not is_complete(root):
         raise CheckpointError(f"checkpoint {root} is incomplete (no '{DONE_MARKER}' marker: the save was interrupted) — resume from an earlier one")
+    _check_model(root, expect_model)
     try:
         state = torch.load(root / "trainer_state.pt", map_location="cpu", weights_only=True)
         state["state_dict"] = load_file(str(root / "model.safetensors"), device="cpu")

@@ -8,7 +8,9 @@ complete checkpoint for ``resume_if_exists``, and a rich progress bar on rank 0.
 from __future__ import annotations
 
 import csv
+import os
 import resource
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -75,14 +77,36 @@ class InjectedFault(RuntimeError):
 
 
 class FaultInjection(Callback):
-    """Raise on ``rank`` when optimizer step ``step`` starts: rehearses a worker crash for real."""
+    """Fail on ``rank`` when optimizer step ``step`` starts, in launch attempt ``attempt`` only: rehearses
+    a crash for real. ``raise``: an exception; ``sigkill``: the process vanishes (no cleanup, as after an
+    OOM kill); ``sigkill_during_save``: the process vanishes in the middle of the next checkpoint write,
+    after its files are written and before it is committed."""
 
-    def __init__(self, step: int, rank: int | None) -> None:
-        self.step, self.rank = step, rank
+    def __init__(self, step: int, rank: int | None, kind: str = "raise", attempt: int = 0) -> None:
+        self.step, self.rank, self.kind, self.attempt = step, rank, kind, attempt
+
+    def _armed(self, trainer: pl.Trainer) -> bool:
+        return self.rank in (None, trainer.global_rank) and launch_attempt() == self.attempt
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.kind == "sigkill_during_save" and self._armed(trainer) and hasattr(trainer.strategy, "before_checkpoint_commit"):
+            def die_if_due(tmp_dir: Any) -> None:
+                if trainer.global_step >= self.step:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            trainer.strategy.before_checkpoint_commit = die_if_due
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        if trainer.global_step + 1 == self.step and self.rank in (None, trainer.global_rank):
-            raise InjectedFault(f"injected fault at step {self.step} on rank {trainer.global_rank} (exp_manager.fault_injection)")
+        if self.kind == "sigkill_during_save" or trainer.global_step + 1 != self.step or not self._armed(trainer):
+            return
+        if self.kind == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise InjectedFault(f"injected fault at step {self.step} on rank {trainer.global_rank} (exp_manager.fault_injection)")
+
+
+def launch_attempt() -> int:
+    """0 for the first start of the workers, k after the k-th restart by the elastic agent."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 class DirectoryCheckpoint(ModelCheckpoint):
@@ -101,6 +125,35 @@ def resume_checkpoint(run_dir: str | Path) -> Path | None:
     return ckpt_io.latest_complete(checkpoint_dir(run_dir))
 
 
+def agreed_resume_checkpoint(cfg: Any, run_dir: str | Path) -> Path | None:
+    """The checkpoint every rank resumes from: the one named in the config; otherwise, when resuming
+    (``resume_if_exists`` or a restart after a crash), the newest complete one — decided by rank 0 and
+    published through the launcher's rendezvous store, so ranks never disagree (a file system listing
+    can differ between ranks while a save is being committed)."""
+    em = cfg.exp_manager
+    if em.resume_from_checkpoint:
+        return Path(em.resume_from_checkpoint).expanduser()
+    attempt = launch_attempt()
+    if not (em.resume_if_exists or attempt > 0):
+        return None
+    env = os.environ
+    if int(env.get("WORLD_SIZE", "1")) == 1 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return resume_checkpoint(run_dir)
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=cfg.comm.timeout_s))
+    key = f"nxdt/resume/{env.get('TORCHELASTIC_RUN_ID', 'run')}/{attempt}"
+    if int(env["RANK"]) == 0:
+        chosen = resume_checkpoint(run_dir)
+        store.set(key, str(chosen or ""))
+    else:
+        chosen = store.get(key).decode() or None
+    return Path(chosen) if chosen else None
+
+
 def build_callbacks(cfg: Any, run_dir: Path, tokens_per_step: int, *, show_progress: bool) -> list[Callback]:
     callbacks: list[Callback] = [StepMetricsLogger(run_dir / "metrics.csv", tokens_per_step, cfg.trainer.log_every_n_steps)]
     every = cfg.exp_manager.checkpoint_every_n_steps
@@ -112,7 +165,7 @@ def build_callbacks(cfg: Any, run_dir: Path, tokens_per_step: int, *, show_progr
         ))
     fault = cfg.exp_manager.fault_injection
     if fault.step is not None:
-        callbacks.append(FaultInjection(fault.step, fault.rank))
+        callbacks.append(FaultInjection(fault.step, fault.rank, fault.kind, fault.attempt))
     if show_progress:
         callbacks.append(RichProgressBar(leave=True))
     return callbacks

@@ -77,6 +77,7 @@ class NxDStrategy(ParallelStrategy):
         plan: Plan | None = None,
         timeout_s: float = 120.0,
         placement_order: str = "tp-cp-ep-dp-pp",
+        checkpoint_meta: dict[str, Any] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -102,6 +103,11 @@ class NxDStrategy(ParallelStrategy):
         self.world: nxdt.comm.World | None = None
         self.communicators: dict[str, nxdt.comm.Communicator] = {}
         self._grad_buffer: Tensor | None = None
+        # stored in every checkpoint's meta.json (e.g. the model shape, checked again on load)
+        self.checkpoint_meta = dict(checkpoint_meta or {})
+        # called with the temporary directory after a checkpoint's files are written, before it is
+        # committed (fault drills kill the process here to prove an interrupted save is harmless)
+        self.before_checkpoint_commit: Callable[[Any], None] | None = None
 
     # ----------------------------------------------------------------------------- topology
     @property
@@ -284,10 +290,11 @@ class NxDStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         # Data-parallel replicas hold identical state: rank 0 writes (sharded writes come with model parallelism).
         if self.is_global_zero:
-            ckpt_io.save(checkpoint, filepath, meta={"degrees": dict(self.plan.degrees), "world_size": self.plan.world_size})
+            meta = {"degrees": dict(self.plan.degrees), "world_size": self.plan.world_size, **self.checkpoint_meta}
+            ckpt_io.save(checkpoint, filepath, meta=meta, before_commit=self.before_checkpoint_commit)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        return ckpt_io.load(checkpoint_path)
+        return ckpt_io.load(checkpoint_path, expect_model=self.checkpoint_meta.get("model"))
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:

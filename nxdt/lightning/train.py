@@ -12,9 +12,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from nxdt.config.validate import check_trainable
+from nxdt.config.validate import MODEL_SHAPE_FIELDS, check_trainable
 from nxdt.lightning.datamodule import NxDDataModule
-from nxdt.lightning.exp_manager import build_callbacks, build_loggers, resume_checkpoint
+from nxdt.lightning.exp_manager import agreed_resume_checkpoint, build_callbacks, build_loggers
 from nxdt.lightning.module import CausalLMModule
 from nxdt.lightning.strategy import NxDStrategy
 from nxdt.planner import Plan
@@ -30,7 +30,8 @@ PRECISION = {"fp32": "32-true", "bf16": "bf16-true", "mixed_precision": "bf16-mi
 def build_trainer(cfg: Any, plan: Plan, run_dir: Path, tokens_per_step: int, *, show_progress: bool = True) -> pl.Trainer:
     dp = plan.degrees["dp"]
     accumulate = cfg.data.global_batch_size // (cfg.data.micro_batch_size * dp)
-    strategy = NxDStrategy(plan=plan, timeout_s=cfg.comm.timeout_s)
+    model_shape = {k: getattr(cfg.model, k) for k in MODEL_SHAPE_FIELDS}
+    strategy = NxDStrategy(plan=plan, timeout_s=cfg.comm.timeout_s, checkpoint_meta={"model": model_shape})
     return pl.Trainer(
         accelerator="cpu",
         precision=PRECISION[cfg.precision.type],
@@ -61,7 +62,7 @@ def run_training(cfg: Any, plan: Plan, run_dir: str | Path) -> None:
     module = CausalLMModule(cfg.model, cfg.data.global_batch_size, cfg.data.seq_length)
     datamodule = NxDDataModule(cfg.data, seed=cfg.seed, vocab_size=cfg.model.vocab_size)
     trainer = build_trainer(cfg, plan, run_dir, module.tokens_per_step)
-    ckpt_path = resume_checkpoint(run_dir) if cfg.exp_manager.resume_if_exists else None
+    ckpt_path = agreed_resume_checkpoint(cfg, run_dir)
     if ckpt_path is not None and trainer.is_global_zero:
         log.info("resuming from %s", ckpt_path)
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)
