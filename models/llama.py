@@ -18,8 +18,9 @@ and give bit-identical loss and gradients to no checkpointing.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -85,11 +86,14 @@ class Attention(nn.Module):
         self.checkpoint_core = _opt(cfg, "activations_checkpoint_granularity", None) == "selective"
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        # head counts come from the projections' sizes, so a tensor-parallel swap (fewer local heads) keeps working
-        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        # head counts come from the projections' sizes, so a tensor-parallel swap (fewer local heads) keeps working;
+        # so does the sequence length: under sequence parallelism x is a sequence shard and q/k/v the full sequence
+        q = self.q_proj(x)
+        b, s, _ = q.shape
+        q = q.view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        cos, sin = cos[:s], sin[:s]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if k.shape[1] != q.shape[1]:  # grouped-query attention: KV head j serves query heads [j·g, (j+1)·g)
             group = q.shape[1] // k.shape[1]
@@ -144,6 +148,17 @@ def check_config(cfg: Any) -> None:
         raise ValueError(f"model.activations_checkpoint_granularity={granularity!r}: use one of full, selective, null")
 
 
+class _instance_or_static:
+    """A method that also works called on the class: ``Model.loss_fn(logits, labels)`` gets ``self=None``."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        functools.update_wrapper(self, fn)
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Callable[..., Any]:
+        return functools.partial(self.fn, obj)
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: Any) -> None:
         super().__init__()
@@ -191,9 +206,9 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens(input_ids)
 
     def run_layer(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """One decoder layer (with full activation checkpointing if configured); x [B, S, hidden]."""
-        s = x.shape[1]
-        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+        """One decoder layer (with full activation checkpointing if configured); x [B, S, hidden] (or
+        [B, S/tp, hidden] under sequence parallelism: attention takes the RoPE rows its full sequence needs)."""
+        cos, sin = self.rope_cos, self.rope_sin
         if self.checkpoint_layers and torch.is_grad_enabled():
             return checkpoint(layer, x, cos, sin, use_reentrant=False)
         return layer(x, cos, sin)
@@ -209,11 +224,34 @@ class LlamaForCausalLM(nn.Module):
             x = self.run_layer(layer, x)
         return self.head(x)
 
-    @staticmethod
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    @_instance_or_static
+    def loss_fn(self: "LlamaForCausalLM | None", logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Next-token cross-entropy in fp32, mean over tokens. Labels are already shifted by the data
-        pipeline (labels[t] is the token after input_ids[t]); positions labelled -100 are ignored."""
+        pipeline (labels[t] is the token after input_ids[t]); positions labelled -100 are ignored.
+
+        On a model whose head shards the vocabulary (tensor parallelism) the logits are [..., vocab/tp] and
+        the head computes the loss across the group; called on the class, the plain unsharded loss."""
+        head = self.lm_head if self is not None else None
+        if getattr(head, "shards_vocab", False):
+            return head.cross_entropy(logits, labels, ignore_index=-100)
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        """Submodule name patterns → tensor-parallel styles (see nxdt.parallel.tensor_parallel): attention and
+        MLP as column→row pairs cut in whole heads, KV heads replicated when fewer than the ranks, embedding
+        and head split along the vocabulary (a tied table stays one shard)."""
+        head_dim = self.cfg.hidden_size // self.cfg.num_attention_heads
+        return {
+            "embed_tokens": "vocab_embedding",
+            "layers.*.self_attn.q_proj": f"colwise:{head_dim}",
+            "layers.*.self_attn.k_proj": f"colwise_kv:{head_dim}",
+            "layers.*.self_attn.v_proj": f"colwise_kv:{head_dim}",
+            "layers.*.self_attn.o_proj": f"rowwise:{head_dim}",
+            "layers.*.mlp.gate_proj": "colwise",
+            "layers.*.mlp.up_proj": "colwise",
+            "layers.*.mlp.down_proj": "rowwise",
+            "lm_head": "vocab_head",
+        }
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Distinct parameters (a tied embedding counts once). ``exclude_embeddings`` drops the input

@@ -76,17 +76,19 @@ def expand_sweep(overrides: list[str]) -> list[list[str]]:
     return [list(job) for batch in batches for job in batch]
 
 
-def check_resume_checkpoint(cfg: Any) -> None:
-    """A checkpoint named by the user must be whole and of this model — checked before any worker starts."""
+def check_resume_checkpoint(cfg: Any, the_plan: Any) -> None:
+    """A checkpoint named by the user must be whole, of this model and of this layout — checked before any
+    worker starts."""
     path = cfg.exp_manager.resume_from_checkpoint
     if path is None:
         return
     from nxdt.config import ConfigError
     from nxdt.config.validate import MODEL_SHAPE_FIELDS
-    from nxdt.lightning.checkpoint import CheckpointError, verify
+    from nxdt.lightning.checkpoint import CheckpointError, check_layout, verify
 
     try:
         verify(path, {k: getattr(cfg.model, k) for k in MODEL_SHAPE_FIELDS})
+        check_layout(path, the_plan.degrees, cfg.distributed_strategy.zero1)
     except CheckpointError as exc:
         raise ConfigError("exp_manager.resume_from_checkpoint", path, str(exc)) from None
 
@@ -105,9 +107,11 @@ def cmd_train(argv: list[str]) -> int:
     try:
         jobs = expand_sweep(overrides) if flags else [overrides]
         configs = [compose_config(job) for job in jobs]  # every job is validated before the first starts
+        plans = []
         for cfg in configs:
             check_trainable(cfg)
-            check_resume_checkpoint(cfg)
+            plans.append(plan(cfg))
+            check_resume_checkpoint(cfg, plans[-1])
     except ConfigError as exc:
         return _fail(str(exc))
     except Exception as exc:  # Hydra's override grammar errors
@@ -117,11 +121,10 @@ def cmd_train(argv: list[str]) -> int:
         first = configs[0]
         sweep_dir = Path(first.exp_manager.exp_dir).expanduser().resolve() / "multirun" / first.name / time.strftime("%Y-%m-%d_%H-%M-%S")
     status = 0
-    for num, (job, cfg) in enumerate(zip(jobs, configs)):
+    for num, (job, cfg, the_plan) in enumerate(zip(jobs, configs, plans)):
         if sweep_dir is not None:
             cfg.exp_manager.explicit_log_dir = str(sweep_dir / str(num))
         run_dir = choose_run_dir(cfg)
-        the_plan = plan(cfg)
         write_run_dir(run_dir, cfg, the_plan)
         (run_dir / "overrides.txt").write_text("\n".join(job) + "\n")
         label = f"[job {num}: {' '.join(job)}] " if sweep_dir is not None else ""

@@ -128,7 +128,7 @@ def test_two_member_groups_must_be_neighbours_or_another_order_is_found():
 
 @pytest.mark.parametrize("overrides,needle", [
     (["instance=inf2.48xlarge", "distributed_strategy.tensor_model_parallel_size=3", "model.num_attention_heads=24", "model.num_kv_heads=24",
-      "model.hidden_size=3072", *BATCH], "even number of ranks"),
+      "model.hidden_size=3072", "model.vocab_size=264", *BATCH], "even number of ranks"),
     (["instance=inf2.48xlarge", "distributed_strategy.tensor_model_parallel_size=4", *LLAMA8B], "not consecutive"),
 ])
 def test_rejected_layouts_name_the_rule_and_the_degrees_that_work(overrides, needle):
@@ -145,7 +145,7 @@ def test_rejected_layouts_name_the_rule_and_the_degrees_that_work(overrides, nee
     (["plan", "instance=trn1.32xlarge", "trainer.lnc=2"], "no logical-NeuronCore setting"),
     (["plan", "instance=trn2.48xlarge", "trainer.lnc=4"], "accepts LNC 1, 2"),
     (["plan", "instance=inf2.48xlarge", "distributed_strategy.tensor_model_parallel_size=3", "model.num_attention_heads=24",
-      "model.num_kv_heads=24", "model.hidden_size=3072", *BATCH], "topology rule"),
+      "model.num_kv_heads=24", "model.hidden_size=3072", "model.vocab_size=264", *BATCH], "topology rule"),
     (["topo", "trn9.huge"], "unknown instance"),
     (["topo", "trn1.32xlarge", "--lnc", "2"], "no logical-NeuronCore setting"),
 ])

@@ -110,6 +110,15 @@ class OptimConfig:
 
 
 @dataclass
+class MoEConfig:
+    """Mixture of experts (Mixtral); dense architectures ignore it."""
+
+    num_experts: int = doc(0, "experts per MoE layer (0 = no experts: a dense model)")
+    top_k: int = doc(2, "experts each token is routed to (their router weights renormalised to sum 1)")
+    router_aux_loss_coef: float = doc(0.02, "weight of the load-balancing auxiliary loss added to the LM loss")
+
+
+@dataclass
 class ModelConfig:
     architecture: str = doc("nxdt.models.llama.LlamaForCausalLM", "model class import path (only nxdt.models.* allowed)")
     vocab_size: int = doc(MISSING, "vocabulary size")
@@ -124,6 +133,7 @@ class ModelConfig:
     tie_word_embeddings: bool = doc(False, "share input embedding and output head")
     init_method_std: float = doc(0.02, "std of the normal weight init")
     activations_checkpoint_granularity: Optional[str] = doc(None, "full | selective | null")
+    moe: MoEConfig = doc(MoEConfig(), "mixture of experts (Mixtral); ignored by dense models")
     optim: OptimConfig = doc(OptimConfig(), "optimizer")
 
 

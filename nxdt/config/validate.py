@@ -116,10 +116,31 @@ def validate(cfg: Any) -> None:
                           f"must divide model.num_kv_heads × kv_replicator = {kv}×{ds.kv_replicator}; raise distributed_strategy.kv_replicator")
     if model.num_layers < pp:
         raise ConfigError("distributed_strategy.pipeline_model_parallel_size", pp, f"cannot exceed model.num_layers={model.num_layers}")
+    vpp = ds.virtual_pipeline_model_parallel_size
+    if vpp > 1 and model.num_layers < pp * vpp:
+        raise ConfigError("distributed_strategy.virtual_pipeline_model_parallel_size", vpp,
+                          f"PP×virtual = {pp}×{vpp} model chunks need at least that many layers (model.num_layers={model.num_layers})")
+    experts = model.moe.num_experts
+    if ep > 1 and (experts == 0 or experts % ep):
+        raise ConfigError("distributed_strategy.expert_model_parallel_size", ep,
+                          f"must divide model.moe.num_experts={experts} (each EP rank holds an equal share of the experts)")
+    if ds.sequence_parallel and tp > 1 and data.seq_length % tp:
+        raise ConfigError("data.seq_length", data.seq_length, f"must be divisible by TP={tp} with sequence_parallel (activations are split along it)")
+    if tp > 1 and model.vocab_size % tp:
+        raise ConfigError("model.vocab_size", model.vocab_size, f"must be divisible by TP={tp} (the embedding and head are split along it)")
+    if pp > 1 and model.tie_word_embeddings:
+        raise ConfigError("model.tie_word_embeddings", True, "is not supported with pipeline parallelism (the embedding and the "
+                          "head live on different stages); set it to false or use PP=1")
+    if vpp > 1 and pp == 1:
+        raise ConfigError("distributed_strategy.virtual_pipeline_model_parallel_size", vpp, "needs pipeline_model_parallel_size > 1")
 
     if data.global_batch_size % (data.micro_batch_size * dp):
         raise ConfigError("data.global_batch_size", data.global_batch_size,
                           f"must be divisible by micro_batch_size × DP = {data.micro_batch_size}×{dp} = {data.micro_batch_size * dp}")
+    microbatches = data.global_batch_size // (data.micro_batch_size * dp)
+    if vpp > 1 and microbatches % pp:
+        raise ConfigError("data.global_batch_size", data.global_batch_size,
+                          f"the interleaved schedule needs micro-batches per step ({microbatches} = global / (micro × DP)) divisible by PP={pp}")
     if data.seq_length > model.max_position_embeddings:
         raise ConfigError("data.seq_length", data.seq_length, f"exceeds model.max_position_embeddings={model.max_position_embeddings}")
     for key in ("data.train_dir", "data.tokenizer"):
@@ -151,17 +172,16 @@ class NotYetSupported(ConfigError):
 def check_trainable(cfg: Any) -> None:
     """Refuse, before any worker starts, what would otherwise train silently wrong."""
     ds = cfg.distributed_strategy
-    unsupported = [(key, value) for key, value in (
-        ("tensor_model_parallel_size", ds.tensor_model_parallel_size), ("pipeline_model_parallel_size", ds.pipeline_model_parallel_size),
-        ("context_parallel_size", ds.context_parallel_size), ("expert_model_parallel_size", ds.expert_model_parallel_size),
-        ("virtual_pipeline_model_parallel_size", ds.virtual_pipeline_model_parallel_size)) if value != 1]
-    unsupported += [(key, True) for key, value in (("sequence_parallel", ds.sequence_parallel), ("zero1", ds.zero1),
-                                                   ("fsdp.enabled", ds.fsdp.enabled)) if value]
+    unsupported = [(key, value) for key, value in (("context_parallel_size", ds.context_parallel_size),) if value != 1]
+    unsupported += [(key, True) for key, value in (("fsdp.enabled", ds.fsdp.enabled),) if value]
+    if ds.expert_model_parallel_size > 1 and (ds.tensor_model_parallel_size > 1 or ds.pipeline_model_parallel_size > 1 or ds.zero1):
+        unsupported.append(("expert_model_parallel_size", ds.expert_model_parallel_size))
     if cfg.comm.emulate is not None:
         unsupported.append(("comm.emulate", cfg.comm.emulate))
     if unsupported:
         key, value = unsupported[0]
         shown = key if key.startswith("comm.") else f"distributed_strategy.{key}"
-        raise NotYetSupported(shown, value, "training with it is not implemented yet in this version "
-                              "(`nxdt plan` accepts it); use data parallelism (the default) to train now")
+        combined = " together with TP, PP or zero1" if key == "expert_model_parallel_size" else ""
+        raise NotYetSupported(shown, value, f"training with it{combined} is not implemented yet in this version "
+                              "(`nxdt plan` accepts it); data, tensor, pipeline, expert parallelism and ZeRO-1 train now")
 

@@ -11,6 +11,7 @@ import atexit
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     rank = int(os.environ["RANK"])
     _redirect_output(args.run_dir / "logs" / f"rank{rank}.log", tee_to_console=rank == 0)
+    print(f"nxdt: rank {rank} attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} started (t={time.time():.3f})", flush=True)
     if args.console_tty and rank == 0:
         os.environ["FORCE_COLOR"] = "1"  # rich: the console at the end of the tee is a terminal
         os.environ["TTY_INTERACTIVE"] = "1"

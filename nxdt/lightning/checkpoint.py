@@ -117,6 +117,53 @@ def save(checkpoint: dict[str, Any], path: str | os.PathLike, meta: dict[str, An
     return final
 
 
+def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike, *, model_file: str | None, state_file: str | None, comm: Any,
+                 meta: dict[str, Any] | None = None, before_commit: Callable[[Path], None] | None = None) -> Path:
+    """Every rank of ``comm`` calls this; each writes the files it is given (its model shard
+    ``model_file``, its trainer/optimizer state ``state_file``; None = nothing) into one temporary
+    directory; rank 0 commits it (meta, ``done``, rename, ``latest``) once every rank reported success —
+    a failure anywhere aborts the whole save with one error on every rank and leaves the previous
+    checkpoint intact."""
+    final = Path(path)
+    tmp = final.parent / f"{_TMP_PREFIX}{final.name}"
+    if comm.rank == 0:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a leftover of an interrupted save of the same step
+        tmp.mkdir()
+    comm.barrier()
+    error = ""
+    tensors, rest = _split_state(checkpoint)
+    try:
+        if model_file:
+            save_file(_dedupe_shared(tensors), str(tmp / model_file))
+        if state_file:
+            torch.save(rest, tmp / state_file)
+    except OSError as exc:
+        error = exc.strerror or str(exc)
+    errors = [e for e in comm.all_gather_object(error) if e]
+    try:
+        if errors:
+            raise OSError(errors[0])
+        if comm.rank == 0:
+            step = checkpoint.get("global_step")
+            (tmp / "meta.json").write_text(json.dumps({"format_version": FORMAT_VERSION, "step": step, **(meta or {})}, indent=2))
+            _fsync_dir_files(tmp)
+            if before_commit is not None:
+                before_commit(tmp)
+            (tmp / DONE_MARKER).write_text("ok\n")
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _write_latest(final)
+    except OSError as exc:
+        if comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"could not write checkpoint {final}: {exc.strerror or exc}; the previous checkpoint is intact "
+                              f"— free disk space or point exp_manager.exp_dir elsewhere") from exc
+    comm.barrier()
+    return final
+
+
 def _dedupe_shared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     seen: dict[tuple[int, int, tuple], str] = {}
     out = {}
@@ -155,14 +202,17 @@ def verify(path: str | os.PathLike, expect_model: dict[str, Any] | None = None) 
     _check_model(root, expect_model)
     for tensors in root.glob("*.safetensors"):
         _check_safetensors_length(tensors)
-    state = root / "trainer_state.pt"
-    try:
-        with zipfile.ZipFile(state) as archive:
-            bad = archive.testzip()
-    except (OSError, zipfile.BadZipFile) as exc:
-        raise CheckpointError(f"checkpoint file {state} is damaged ({exc}) — use an earlier checkpoint") from None
-    if bad is not None:
-        raise CheckpointError(f"checkpoint file {state} is damaged (member {bad} fails its checksum) — use an earlier checkpoint")
+    states = sorted(root.glob("trainer_state*.pt"))
+    if not states:
+        raise CheckpointError(f"checkpoint {root} has no trainer_state*.pt — it is damaged; use an earlier checkpoint")
+    for state in states:
+        try:
+            with zipfile.ZipFile(state) as archive:
+                bad = archive.testzip()
+        except (OSError, zipfile.BadZipFile) as exc:
+            raise CheckpointError(f"checkpoint file {state} is damaged ({exc}) — use an earlier checkpoint") from None
+        if bad is not None:
+            raise CheckpointError(f"checkpoint file {state} is damaged (member {bad} fails its checksum) — use an earlier checkpoint")
 
 
 def _check_safetensors_length(file: Path) -> None:
@@ -213,6 +263,23 @@ def describe(path: str | os.PathLike) -> str:
     return "\n".join(lines)
 
 
+def check_layout(path: str | os.PathLike, degrees: dict[str, int], zero1: bool) -> None:
+    """Refuse, with one line, a checkpoint whose shards do not fit this run's layout: the model-parallel
+    degrees (TP, PP, EP) must match; the data-parallel degree may change unless ZeRO-1 sharded the
+    optimizer state over it."""
+    meta = read_meta(path)
+    saved = meta.get("degrees", {})
+    if any(saved.get(d, 1) != degrees[d] for d in ("tp", "pp", "ep")):
+        raise CheckpointError(
+            f"checkpoint {path} was saved at TP{saved.get('tp', 1)}×PP{saved.get('pp', 1)}×EP{saved.get('ep', 1)}; this run is "
+            f"TP{degrees['tp']}×PP{degrees['pp']}×EP{degrees['ep']} — resuming on another tensor/pipeline/expert layout is not "
+            "supported yet (the data-parallel degree may change)")
+    if bool(meta.get("zero1")) != zero1 or (zero1 and saved.get("dp") != degrees["dp"]):
+        raise CheckpointError(
+            f"checkpoint {path} holds optimizer state for zero1={bool(meta.get('zero1'))} at DP{saved.get('dp')}; this run is "
+            f"zero1={zero1} at DP{degrees['dp']} — resume with the same ZeRO-1 setting and data-parallel degree")
+
+
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     try:
         return json.loads((Path(path) / "meta.json").read_text())
@@ -220,9 +287,11 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: meta.json is missing or unreadable ({exc}) — this is not a complete nxdt checkpoint") from None
 
 
-def load(path: str | os.PathLike, expect_model: dict[str, Any] | None = None) -> dict[str, Any]:
+def load(path: str | os.PathLike, expect_model: dict[str, Any] | None = None, model_file: str = "model.safetensors",
+         state_file: str = "trainer_state.pt") -> dict[str, Any]:
     """Read a complete checkpoint directory back into a Lightning checkpoint dict (no arbitrary unpickling).
-    ``expect_model``: model shape fields the checkpoint must have been saved with."""
+    ``expect_model``: model shape fields the checkpoint must have been saved with; ``model_file`` /
+    ``state_file``: this rank's shard files (see ``NxDStrategy``)."""
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"checkpoint {root} does not exist or is not a directory — pass a checkpoints/step-<N> directory")
@@ -230,8 +299,8 @@ def load(path: str | os.PathLike, expect_model: dict[str, Any] | None = None) ->
         raise CheckpointError(f"checkpoint {root} is incomplete (no '{DONE_MARKER}' marker: the save was interrupted) — resume from an earlier one")
     _check_model(root, expect_model)
     try:
-        state = torch.load(root / "trainer_state.pt", map_location="cpu", weights_only=True)
-        state["state_dict"] = load_file(str(root / "model.safetensors"), device="cpu")
+        state = torch.load(root / state_file, map_location="cpu", weights_only=True)
+        state["state_dict"] = load_file(str(root / model_file), device="cpu")
     except Exception as exc:  # corrupted or truncated files: one message, no deep traceback
         raise CheckpointError(f"checkpoint {root} is unreadable ({type(exc).__name__}: {exc}) — delete it or resume from an earlier one") from exc
     return state

@@ -31,9 +31,12 @@ class NxDDataModule(pl.LightningDataModule):
     ``num_samples`` (synthetic). ``vocab_size`` is the model's: synthetic tokens are drawn below it and
     a tokenizer must fit in it."""
 
-    def __init__(self, data_cfg: Any, seed: int, vocab_size: int) -> None:
+    def __init__(self, data_cfg: Any, seed: int, vocab_size: int, *, step_batches: bool = False) -> None:
         super().__init__()
         self.cfg, self.seed, self.vocab_size = data_cfg, seed, vocab_size
+        # step_batches: one Lightning batch = this rank's whole share of a global batch (the module splits
+        # it into micro-batches itself, e.g. for a pipeline schedule); otherwise one batch = one micro-batch
+        self.step_batches = step_batches
         self.dataset: Dataset | None = None
         self.dp_rank, self.dp_size = 0, 1
         # The stream position is anchored at a (global_step, consumed_samples) pair: (0, 0) for a fresh run,
@@ -96,7 +99,11 @@ class NxDDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         if self.dataset is None:  # used without a Trainer
             self.setup("fit")
-        sampler = GlobalBatchSampler(len(self.dataset), self.cfg.global_batch_size, self.cfg.micro_batch_size,
+        if self.cfg.global_batch_size % (self.cfg.micro_batch_size * self.dp_size):
+            raise ValueError(f"data.global_batch_size={self.cfg.global_batch_size} must be divisible by micro_batch_size × DP = "
+                             f"{self.cfg.micro_batch_size}×{self.dp_size}")
+        per_batch = self.cfg.global_batch_size // self.dp_size if self.step_batches else self.cfg.micro_batch_size
+        sampler = GlobalBatchSampler(len(self.dataset), self.cfg.global_batch_size, per_batch,
                                      dp_rank=self.dp_rank, dp_size=self.dp_size,
                                      consumed_samples=self.consumed_samples, seed=self.seed)
         trainer = self.trainer

@@ -21,7 +21,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from nxdt.lightning import checkpoint as ckpt_io
 
-METRIC_COLUMNS = ("step", "loss", "lr", "step_time_s", "tokens_per_s", "peak_rss_mb")
+METRIC_COLUMNS = ("step", "loss", "lr", "step_time_s", "tokens_per_s", "peak_rss_mb", "wall_time")
 
 
 class StepMetricsLogger(Callback):
@@ -60,7 +60,7 @@ class StepMetricsLogger(Callback):
         self._last_time, self._last_step = now, metrics["step"]
         if not trainer.is_global_zero or metrics["step"] % self.every_n_steps:
             return
-        row = {**metrics, "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time if step_time > 0 else 0.0,
+        row = {**metrics, "step_time_s": step_time, "wall_time": round(time.time(), 3), "tokens_per_s": self.tokens_per_step / step_time if step_time > 0 else 0.0,
                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # rank 0's high-water mark (Linux: KiB)
         new_file = not self.path.exists()
         with open(self.path, "a", newline="") as fh:
@@ -100,6 +100,7 @@ class FaultInjection(Callback):
         if self.kind == "sigkill_during_save" or trainer.global_step + 1 != self.step or not self._armed(trainer):
             return
         if self.kind == "sigkill":
+            print(f"nxdt: fault injection: SIGKILL on rank {trainer.global_rank} at step {self.step} (t={time.time():.3f})", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         raise InjectedFault(f"injected fault at step {self.step} on rank {trainer.global_rank} (exp_manager.fault_injection)")
 

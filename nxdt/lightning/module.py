@@ -1,10 +1,9 @@
 """``CausalLMModule``: the LightningModule ``nxdt train`` drives — a model-hub model, next-token loss,
 optimizer and schedule from ``model.optim``.
 
-Each Lightning batch is one micro-batch; Lightning accumulates ``global_batch / (micro_batch · DP)``
-of them per optimizer step, so one Lightning step is one global batch, as in NxDT. The step's loss
-(mean over every micro-batch of every data-parallel rank) is published in ``step_metrics`` for the
-experiment manager.
+One Lightning step is one global batch, as in NxDT: the batch is this rank's share of it, split into
+``micro_batch_size`` pieces inside the step. The step's loss (mean over every micro-batch of every
+data-parallel rank) is published in ``step_metrics`` for the experiment manager.
 """
 
 from __future__ import annotations
@@ -32,38 +31,60 @@ def import_architecture(path: str) -> type:
 
 
 class CausalLMModule(pl.LightningModule):
-    def __init__(self, model_cfg: Any, global_batch_size: int, seq_length: int) -> None:
+    """Next-token training of a model-hub model with manual optimization: each Lightning batch is this
+    rank's share of one global batch; the step splits it into micro-batches, lets the strategy run
+    forward and backward over them (a plain loop, or a pipeline schedule under PP), finishes the
+    gradients (data-parallel reduction, clipping by the global norm), and steps the optimizer once."""
+
+    def __init__(self, model_cfg: Any, global_batch_size: int, seq_length: int, micro_batch_size: int,
+                 gradient_clip_val: float | None = None) -> None:
         super().__init__()
+        self.automatic_optimization = False  # one optimizer step per global batch, whatever the schedule
         self.model_cfg = model_cfg
         self.model = import_architecture(model_cfg.architecture)(model_cfg)
         self.tokens_per_step = global_batch_size * seq_length
+        self.micro_batch_size = micro_batch_size
+        self.gradient_clip_val = gradient_clip_val
         self.step_metrics: dict[str, float] = {}
-        self._loss_sum = torch.zeros((), dtype=torch.float64)
-        self._micro_batches = 0
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        logits = self.model(batch["input_ids"])
-        loss = self.model.loss_fn(logits, batch["labels"])
-        self._loss_sum += loss.detach().double()
-        self._micro_batches += 1
-        if self._micro_batches == self.trainer.accumulate_grad_batches:
-            self._finish_step()
-        return loss
-
-    def _finish_step(self) -> None:
-        """Last micro-batch of the global batch: publish the step's loss (mean over all of it) and lr."""
-        local_mean = (self._loss_sum / self._micro_batches).float()
-        step_loss = self.trainer.strategy.reduce(local_mean, reduce_op="mean")
-        self._loss_sum.zero_()
-        self._micro_batches = 0
-        lr = self.optimizers().param_groups[0]["lr"]  # the rate this step applies (the schedule steps after it)
-        self.step_metrics = {"step": self.trainer.global_step + 1, "loss": float(step_loss), "lr": lr}
+        strategy = self.trainer.strategy
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        micro_batches = list(zip(batch["input_ids"].split(self.micro_batch_size), batch["labels"].split(self.micro_batch_size)))
+        optimizer.zero_grad()
+        run = getattr(strategy, "forward_backward", None)
+        loss = run(self, micro_batches) if run else self._forward_backward(micro_batches)
+        finish = getattr(strategy, "finish_gradients", None)
+        if finish:
+            finish()
+        if self.gradient_clip_val:
+            clip = getattr(strategy, "clip_grad_norm", None)
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            clip(self.gradient_clip_val) if clip else torch.nn.utils.clip_grad_norm_(params, self.gradient_clip_val)
+        lr = optimizer.param_groups[0]["lr"]  # the rate this step applies (the schedule steps after it)
+        optimizer.step()
+        scheduler.step()
+        step_loss = strategy.reduce(loss.detach().float(), reduce_op="mean")
+        self.step_metrics = {"step": self.trainer.global_step, "loss": float(step_loss), "lr": lr}
         self.log("loss", step_loss, prog_bar=True, logger=False)
+        return step_loss
+
+    def _forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Gradient of the mean loss over the micro-batches (one process, no model parallelism)."""
+        total = torch.zeros((), dtype=torch.float64)
+        for ids, labels in micro_batches:
+            loss = self.model.loss_fn(self.model(ids), labels) / len(micro_batches)
+            self.manual_backward(loss)
+            total += loss.detach().double()
+        return total
 
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer = build_optimizer(self.model, self.model_cfg.optim)
+        shard = getattr(self.trainer.strategy, "shard_optimizer", None) if self._trainer is not None else None
+        if shard:
+            optimizer = shard(optimizer)  # ZeRO-1: each data-parallel rank keeps only its part of the state
         scheduler = build_scheduler(optimizer, self.model_cfg.optim.sched)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

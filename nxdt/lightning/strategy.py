@@ -15,6 +15,7 @@ Launch modes, all without forking Lightning:
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from contextlib import contextmanager
@@ -35,6 +36,10 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 
 import nxdt.comm
 from nxdt.lightning import checkpoint as ckpt_io
+from nxdt.parallel.expert_parallel import apply_expert_parallel, is_expert_parameter, reduce_expert_gradients
+from nxdt.parallel.pipeline import PipelineExecutor, build_chunks, interleaved_one_f_one_b, one_f_one_b
+from nxdt.parallel.tensor_parallel import apply_tensor_parallel, norm_weights, sync_replicated_grads
+from nxdt.parallel.zero1 import Zero1Optimizer
 from nxdt.planner import Plan, plan_layout
 
 log = logging.getLogger(__name__)
@@ -51,6 +56,19 @@ def _op_name(reduce_op: Any) -> str:
         return _REDUCE_OP_NAMES[name]
     except KeyError:
         raise ValueError(f"reduce_op {reduce_op!r} is not supported by nxdt; use one of {sorted(_REDUCE_OP_NAMES)}") from None
+
+
+@torch.no_grad()
+def _broadcast_flat(tensors: list[Tensor], comm: nxdt.comm.Communicator) -> None:
+    """Broadcast tensors from the group's rank 0, one flat buffer per dtype."""
+    for dtype in sorted({t.dtype for t in tensors}, key=str):
+        group = [t for t in tensors if t.dtype == dtype]
+        flat = torch.cat([t.reshape(-1) for t in group])
+        comm.broadcast(flat, root=0)
+        offset = 0
+        for t in group:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
 
 
 class NxDStrategy(ParallelStrategy):
@@ -78,6 +96,9 @@ class NxDStrategy(ParallelStrategy):
         timeout_s: float = 120.0,
         placement_order: str = "tp-cp-ep-dp-pp",
         checkpoint_meta: dict[str, Any] | None = None,
+        virtual_pipeline_size: int = 1,
+        sequence_parallel: bool = False,
+        zero1: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -99,6 +120,12 @@ class NxDStrategy(ParallelStrategy):
         self._plan = plan
         self._timeout_s = float(timeout_s)
         self._placement_order = placement_order
+        self._virtual = virtual_pipeline_size
+        self._sequence_parallel = sequence_parallel
+        self._zero1 = zero1
+        self._zero1_optimizer: Zero1Optimizer | None = None
+        self._norm_weights: dict[str, float] | None = None  # TP: how each parameter's gradient enters the global norm
+        self._pipeline: PipelineExecutor | None = None  # set in setup() when PP > 1
         self._num_nodes = 1
         self.world: nxdt.comm.World | None = None
         self.communicators: dict[str, nxdt.comm.Communicator] = {}
@@ -168,10 +195,10 @@ class NxDStrategy(ParallelStrategy):
                 f"the plan is for {self._plan.world_size} ranks but Lightning started {world_size} "
                 f"(devices={self.num_processes}, num_nodes={self.num_nodes}); make trainer.devices × num_nodes match the plan"
             )
-        if any(self._plan.degrees[d] != 1 for d in ("tp", "pp", "cp", "ep")):
+        if self._plan.degrees["cp"] != 1:
             raise NotImplementedError(
-                f"NxDStrategy: degrees {self._plan.degrees} — tensor/pipeline/context/expert parallel training is not "
-                f"implemented yet in this version; use data parallelism (all sizes 1)")
+                f"NxDStrategy: degrees {self._plan.degrees} — context parallel training is not "
+                f"implemented yet in this version; use data, tensor, pipeline and expert parallelism")
         env = self.cluster_environment
         agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         self.world = nxdt.comm.init_process(
@@ -180,7 +207,8 @@ class NxDStrategy(ParallelStrategy):
             store_is_server=(self.global_rank == 0 and not agent_hosts_store),
         )
         self.communicators = {"world": self.world.world}
-        for dim in ("tp", "cp", "ep", "dp", "pp"):
+        dims = ("tp", "cp", "ep", "dp", "pp") + (("edp",) if self._plan.degrees["ep"] > 1 else ())
+        for dim in dims:
             for index, ranks in enumerate(self._plan.groups[dim]):
                 comm = self.world.new_communicator(list(ranks), name=f"{dim}{index}")
                 if comm is not None:
@@ -197,10 +225,100 @@ class NxDStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        self._parallelize()
         self._broadcast_parameters()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+
+    def _parallelize(self) -> None:
+        """Shard the module's ``model`` (a model-hub model): experts over EP, layers over TP, then cut this
+        rank's pipeline stage."""
+        tp, pp, ep = self.plan.degrees["tp"], self.plan.degrees["pp"], self.plan.degrees["ep"]
+        if tp == 1 and pp == 1 and ep == 1:
+            return
+        model = getattr(self.lightning_module, "model", None)
+        if model is None or not hasattr(model, "run_layer"):
+            raise ValueError("NxDStrategy: tensor/pipeline/expert parallelism needs a LightningModule whose `model` is a "
+                             "model-hub model (embed / run_layer / head), e.g. nxdt.lightning.CausalLMModule")
+        if ep > 1:
+            apply_expert_parallel(model, self.communicators["ep"])
+        if tp > 1:
+            apply_tensor_parallel(model, self.communicators["tp"], sequence_parallel=self._sequence_parallel)
+            self._norm_weights = norm_weights(model, tp)
+        if pp > 1:
+            pp_comm = self.communicators["pp"]
+            chunks = build_chunks(model, pp_comm.rank, pp, virtual=self._virtual)
+            self._pipeline = PipelineExecutor(chunks, pp_comm, model.loss_fn, seq_shards=tp if self._sequence_parallel else 1)
+        restored = getattr(self, "_restored_keys", None)
+        if restored is not None and restored != set(self.lightning_module.state_dict()):
+            raise ckpt_io.CheckpointError("checkpoint shard does not match this rank's tensor/pipeline shard "
+                                          f"(missing {sorted(set(self.lightning_module.state_dict()) - restored)[:3]})")
+
+    def forward_backward(self, module: pl.LightningModule, micro_batches: list[tuple[Tensor, Tensor]]) -> Tensor:
+        """Run forward and backward over one global batch's micro-batches; parameter gradients hold the
+        gradient of the mean loss afterwards; returns the mean loss (on every pipeline stage)."""
+        if self._pipeline is None:
+            return module._forward_backward(micro_batches)
+        pp, m = self.communicators["pp"], len(micro_batches)
+        schedule = (interleaved_one_f_one_b(pp.size, pp.rank, m, self._virtual) if self._virtual > 1
+                    else one_f_one_b(pp.size, pp.rank, m))
+        return torch.as_tensor(self._pipeline.run(schedule, micro_batches), dtype=torch.float64)
+
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """With ZeRO-1, the same optimizer with its state sharded over data parallelism."""
+        if not self._zero1:
+            return optimizer
+        model = self.lightning_module.model
+        groups = [dict(g) for g in optimizer.param_groups]
+        accepted = inspect.signature(type(optimizer).__init__).parameters  # defaults may hold derived flags
+        kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        self._zero1_optimizer = Zero1Optimizer(groups, type(optimizer), self.communicators["dp"], model=model, **kwargs)
+        return self._zero1_optimizer
+
+    def finish_gradients(self) -> None:
+        """After the last backward of a step: sum sequence-parallel replicas' gradients over TP, then
+        average over data parallelism (ZeRO-1: reduce-scatter into each rank's shard)."""
+        if self.plan.degrees["tp"] > 1:
+            sync_replicated_grads(self.lightning_module.model, self.communicators["tp"])
+        if self._zero1_optimizer is not None:
+            self._zero1_optimizer.reduce_gradients()
+        else:
+            self.sync_gradients()
+        if self.plan.degrees["ep"] > 1:
+            edp = self.communicators.get("edp")
+            reduce_expert_gradients(self.lightning_module.model, self.plan.degrees["dp"], edp if edp is not None and edp.size > 1 else None)
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float) -> Tensor:
+        """Clip every gradient by the norm of the whole model's gradient (all TP shards, all PP stages)."""
+        weights = self._norm_weights or {}
+        if self._zero1_optimizer is not None:  # the reduced gradients live in the optimizer's shards
+            by_param = {id(p): weights.get(n, 1.0) for n, p in self.lightning_module.model.named_parameters()}
+            extra = [self.communicators[d] for d in ("tp", "pp") if self.plan.degrees[d] > 1]
+            return self._zero1_optimizer.clip_grad_norm_(max_norm, extra, weight=lambda p: by_param.get(id(p), 1.0))
+        named = [(n, p.grad) for n, p in self.lightning_module.named_parameters() if p.requires_grad and p.grad is not None]
+        prefix = "model."
+        squares = torch.zeros(2, dtype=torch.float64)  # [dense, experts]
+        experts = {id(p) for p in self.lightning_module.parameters() if is_expert_parameter(p)}
+        grads_of = dict(self.lightning_module.named_parameters())
+        for name, g in named:
+            w = weights.get(name[len(prefix):] if name.startswith(prefix) else name, 1.0)
+            squares[int(id(grads_of[name]) in experts)] += w * g.detach().double().pow(2).sum()
+        if self.plan.degrees["ep"] > 1:  # each EP rank holds different experts: add their parts
+            expert_part = squares[1:].clone()
+            self.communicators["ep"].all_reduce(expert_part, op="sum")
+            squares[1] = expert_part[0]
+        squares = squares.sum().reshape(1)
+        for dim in ("tp", "pp"):  # shards of one replica live on these groups: add their parts
+            if self.plan.degrees[dim] > 1:
+                self.communicators[dim].all_reduce(squares, op="sum")
+        norm = squares.sqrt().reshape(()).float()
+        scale = max_norm / (float(norm) + 1e-6)
+        if scale < 1:
+            for _, g in named:
+                g.mul_(scale)
+        return norm
 
     @torch.no_grad()
     def _broadcast_parameters(self) -> None:
@@ -208,18 +326,16 @@ class NxDStrategy(ParallelStrategy):
         if self.plan.degrees["dp"] == 1:
             return
         tensors = [t for t in list(self.model.parameters()) + list(self.model.buffers()) if t.numel()]
-        for dtype in sorted({t.dtype for t in tensors}, key=str):
-            group = [t for t in tensors if t.dtype == dtype]
-            flat = torch.cat([t.reshape(-1) for t in group])
-            self.dp_comm.broadcast(flat, root=0)
-            offset = 0
-            for t in group:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+        experts = [t for t in tensors if is_expert_parameter(t)]  # different experts on each EP rank: not over DP
+        dense = [t for t in tensors if not is_expert_parameter(t)]
+        for comm, group in ((self.dp_comm, dense), (self.communicators.get("edp"), experts)):
+            if comm is not None and group:
+                _broadcast_flat(group, comm)
 
     # ----------------------------------------------------------------------------- gradients
     def _trainable(self) -> list[Tensor]:
-        return [p for p in self.model.parameters() if p.requires_grad]
+        """Parameters averaged over data parallelism (expert parameters are reduced over their own group)."""
+        return [p for p in self.model.parameters() if p.requires_grad and not is_expert_parameter(p)]
 
     @torch.no_grad()
     def sync_gradients(self) -> None:
@@ -246,6 +362,9 @@ class NxDStrategy(ParallelStrategy):
             offset += p.numel()
 
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
+        if not self.lightning_module.automatic_optimization:  # the module finished the gradients itself
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
         # The closure runs the last micro-batch's backward; gradients are averaged right after it and
         # before Lightning clips them, so clipping sees the global gradient.
         def closure_then_sync() -> Any:
@@ -287,14 +406,44 @@ class NxDStrategy(ParallelStrategy):
         return out
 
     # ----------------------------------------------------------------------------- checkpoints
+    def _shard_files(self) -> tuple[str, str, bool, bool]:
+        """(model file, state file, writes model?, writes state?) of this rank. Data-parallel replicas hold
+        identical weights, so DP rank 0 of each model-parallel position (TP × PP shard) writes them; the
+        trainer/optimizer state is per model-parallel shard too, and per DP rank under ZeRO-1."""
+        coords = self.plan.coords(self.global_rank)
+        mp = "" if self.plan.degrees["tp"] * self.plan.degrees["pp"] == 1 else f"-mp{coords['mp']}"
+        mp += f"-ep{coords['ep']}" if self.plan.degrees["ep"] > 1 else ""  # each EP rank holds its own experts
+        dp = f"-dp{coords['dp']}" if self._zero1 and self.plan.degrees["dp"] > 1 else ""
+        first = coords["dp"] < self.plan.degrees["ep"]  # the first replica of each EP position
+        return f"model{mp}.safetensors", f"trainer_state{mp}{dp}.pt", first, first or bool(dp)
+
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        # Data-parallel replicas hold identical state: rank 0 writes (sharded writes come with model parallelism).
-        if self.is_global_zero:
-            meta = {"degrees": dict(self.plan.degrees), "world_size": self.plan.world_size, **self.checkpoint_meta}
-            ckpt_io.save(checkpoint, filepath, meta=meta, before_commit=self.before_checkpoint_commit)
+        model_file, state_file, writes_model, writes_state = self._shard_files()
+        meta = {"degrees": dict(self.plan.degrees), "world_size": self.plan.world_size, "zero1": self._zero1, **self.checkpoint_meta}
+        if self.world_size == 1 or (model_file, state_file) == ("model.safetensors", "trainer_state.pt"):
+            if self.is_global_zero:  # one copy of everything: the classic single-writer save
+                ckpt_io.save(checkpoint, filepath, meta=meta, before_commit=self.before_checkpoint_commit)
+            return
+        ckpt_io.save_sharded(checkpoint, filepath, model_file=model_file if writes_model else None,
+                             state_file=state_file if writes_state else None, comm=self.world.world, meta=meta,
+                             before_commit=self.before_checkpoint_commit)
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        # Lightning restores weights before setup() cuts the model into stages, so under model parallelism
+        # the (whole) module receives only this rank's shard; _parallelize() then checks the shard is
+        # exactly what the stage owns.
+        if self.plan.degrees["tp"] * self.plan.degrees["pp"] * self.plan.degrees["ep"] == 1:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        state = checkpoint["state_dict"]
+        result = self.lightning_module.load_state_dict(state, strict=False)
+        if result.unexpected_keys:
+            raise ckpt_io.CheckpointError(f"checkpoint shard holds tensors this model lacks: {result.unexpected_keys[:4]}")
+        self._restored_keys = set(state)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        return ckpt_io.load(checkpoint_path, expect_model=self.checkpoint_meta.get("model"))
+        ckpt_io.check_layout(checkpoint_path, self.plan.degrees, self._zero1)
+        model_file, state_file, _, _ = self._shard_files()
+        return ckpt_io.load(checkpoint_path, expect_model=self.checkpoint_meta.get("model"), model_file=model_file, state_file=state_file)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:

@@ -28,10 +28,10 @@ PRECISION = {"fp32": "32-true", "bf16": "bf16-true", "mixed_precision": "bf16-mi
 
 
 def build_trainer(cfg: Any, plan: Plan, run_dir: Path, tokens_per_step: int, *, show_progress: bool = True) -> pl.Trainer:
-    dp = plan.degrees["dp"]
-    accumulate = cfg.data.global_batch_size // (cfg.data.micro_batch_size * dp)
     model_shape = {k: getattr(cfg.model, k) for k in MODEL_SHAPE_FIELDS}
-    strategy = NxDStrategy(plan=plan, timeout_s=cfg.comm.timeout_s, checkpoint_meta={"model": model_shape})
+    strategy = NxDStrategy(plan=plan, timeout_s=cfg.comm.timeout_s, checkpoint_meta={"model": model_shape},
+                           virtual_pipeline_size=cfg.distributed_strategy.virtual_pipeline_model_parallel_size,
+                           sequence_parallel=cfg.distributed_strategy.sequence_parallel, zero1=cfg.distributed_strategy.zero1)
     return pl.Trainer(
         accelerator="cpu",
         precision=PRECISION[cfg.precision.type],
@@ -40,8 +40,8 @@ def build_trainer(cfg: Any, plan: Plan, run_dir: Path, tokens_per_step: int, *, 
         strategy=strategy,
         max_steps=cfg.trainer.max_steps,
         max_epochs=cfg.trainer.max_epochs,
-        accumulate_grad_batches=accumulate,
-        gradient_clip_val=cfg.trainer.gradient_clip_val,
+        # one Lightning batch = one global batch; the module splits micro-batches, clips and steps itself
+        accumulate_grad_batches=1,
         log_every_n_steps=cfg.trainer.log_every_n_steps,
         use_distributed_sampler=False,  # the global-batch sampler shards by data-parallel rank itself
         limit_val_batches=0,
@@ -59,8 +59,9 @@ def run_training(cfg: Any, plan: Plan, run_dir: str | Path) -> None:
     check_trainable(cfg)
     run_dir = Path(run_dir)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    module = CausalLMModule(cfg.model, cfg.data.global_batch_size, cfg.data.seq_length)
-    datamodule = NxDDataModule(cfg.data, seed=cfg.seed, vocab_size=cfg.model.vocab_size)
+    module = CausalLMModule(cfg.model, cfg.data.global_batch_size, cfg.data.seq_length, cfg.data.micro_batch_size,
+                            cfg.trainer.gradient_clip_val)
+    datamodule = NxDDataModule(cfg.data, seed=cfg.seed, vocab_size=cfg.model.vocab_size, step_batches=True)
     trainer = build_trainer(cfg, plan, run_dir, module.tokens_per_step)
     ckpt_path = agreed_resume_checkpoint(cfg, run_dir)
     if ckpt_path is not None and trainer.is_global_zero:

@@ -391,8 +391,9 @@ class PipelineExecutor:
     :func:`simulate` verifies) and a pending send never holds up a receive."""
 
     def __init__(self, chunks: Sequence[nn.Module], pp_comm: Any, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 *, hidden_size: int | None = None, dtype: torch.dtype | None = None) -> None:
+                 *, hidden_size: int | None = None, dtype: torch.dtype | None = None, seq_shards: int = 1) -> None:
         self.chunks = list(chunks)
+        self.seq_shards = seq_shards  # sequence parallelism: activations between stages hold S / TP positions
         self.comm = pp_comm
         self.loss_fn = loss_fn
         self.num_stages = pp_comm.size if pp_comm is not None else 1
@@ -433,8 +434,8 @@ class PipelineExecutor:
         return f"pp.{kind}.{src}to{dst}"
 
     def _shape(self, mb: int) -> tuple[int, ...]:
-        ids = self.microbatches[mb][0]
-        return (*ids.shape[:2], self.hidden_size)
+        b, s = self.microbatches[mb][0].shape[:2]
+        return (b, s // self.seq_shards, self.hidden_size)
 
     def run(self, schedule: Iterable[Task], microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Execute ``schedule`` over ``microbatches`` (a list of (input_ids, labels), the same on every

@@ -17,7 +17,8 @@ Worked example, 8 ranks, TP=2, PP=2 (so DP=2), order ``tp-cp-ep-dp-pp``::
     mp (tp×pp, the model-parallel replica): [0,1,4,5] [2,3,6,7]
 
 Expert parallelism subdivides data parallelism: with DP=4 and EP=2 the ``dp`` axis is viewed as
-``ep × (dp/ep)``, ep fastest, so ep groups are pairs of consecutive DP ranks.
+``ep × (dp/ep)``, ep fastest, so ep groups are pairs of consecutive DP ranks; ``edp`` groups (expert
+data parallelism) join the ranks that hold the same experts: dp [0,1,2,3] → ep [0,1] [2,3], edp [0,2] [1,3].
 
 On a torus the grid is laid over *positions* and a device order maps positions to cores (see
 ``placement``): trn1.32xlarge TP=4 gives TP groups [0,8,16,24], [1,9,17,25], ... (torus columns).
@@ -114,6 +115,8 @@ def _position_groups(world_size: int, degrees: dict[str, int], order: str) -> di
     groups = {n: _groups_along(grid, axis[n]) for n in ("tp", "cp", "ep", "pp")}
     # data-parallel groups span both the ep and the remaining dp axes
     groups["dp"] = np.moveaxis(grid, [axis["ep"], axis["dp"]], [-1, -2]).reshape(-1, degrees["dp"])
+    # expert-data-parallel: the ranks holding the same experts (same ep coordinate, different ep groups)
+    groups["edp"] = np.moveaxis(grid, axis["dp"], -1).reshape(-1, degrees["dp"] // degrees["ep"])
     groups["mp"] = np.moveaxis(grid, [axis["tp"], axis["pp"]], [-1, -2]).reshape(-1, degrees["tp"] * degrees["pp"])
     groups["world"] = np.arange(world_size).reshape(1, -1)
     return groups

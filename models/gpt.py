@@ -1,0 +1,161 @@
+"""GPT (GPT-2 style): learned absolute position embeddings, pre-LayerNorm blocks, GELU MLP, biases everywhere
+except the output head, tied input/output embeddings when ``tie_word_embeddings`` (GPT-2's choice).
+
+Positions are *learned* (GPT-2), not rotary: ``embed_positions`` is a [max_position_embeddings, hidden]
+table added to the token embeddings. GELU is GPT-2's tanh approximation. Names follow the rest of the
+hub (``embed_tokens``, ``layers.N.self_attn.{q,k,v,o}_proj``, ``layers.N.mlp.{fc_in,fc_out}``,
+``layers.N.{input,post_attention}_layernorm``, ``norm``, ``lm_head``) with separate q/k/v projections so a
+tensor-parallel plan can be added later; there is none yet.
+
+Block: x + o(attn(ln1(x))), then + fc_out(gelu(fc_in(ln2(x)))). The public forward pieces are Llama's:
+``embed(ids)`` (token + position embeddings), ``run_layer(layer, x)``, ``head(x)``, ``loss_fn(logits, labels)``.
+
+Parameter count (V vocab, P positions, h hidden, f ffn, L layers)::
+
+    V·h + P·h + L·(4h² + 4h  +  2hf + f + h  +  4h) + 2h  [+ V·h if untied]
+       tokens, positions; attention w+b; MLP w+b; two LayerNorms; final LayerNorm; head
+
+Config: the ``model`` schema's ``vocab_size, hidden_size, num_layers, num_attention_heads, ffn_hidden_size,
+max_position_embeddings, norm_eps (LayerNorm eps), tie_word_embeddings, init_method_std,
+activations_checkpoint_granularity`` (``full`` or null; ``selective`` is rejected). ``num_kv_heads`` and
+``rope_theta`` are ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from nxdt.models.llama import _instance_or_static, _opt
+
+
+class GPTAttention(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.head_dim = h // cfg.num_attention_heads
+        self.q_proj = nn.Linear(h, h)
+        self.k_proj = nn.Linear(h, h)
+        self.v_proj = nn.Linear(h, h)
+        self.o_proj = nn.Linear(h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class GPTMLP(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.fc_in = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size)
+        self.fc_out = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc_out(F.gelu(self.fc_in(x), approximate="tanh"))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        eps = _opt(cfg, "norm_eps", 1e-5)
+        self.input_layernorm = nn.LayerNorm(cfg.hidden_size, eps=eps)
+        self.self_attn = GPTAttention(cfg)
+        self.post_attention_layernorm = nn.LayerNorm(cfg.hidden_size, eps=eps)
+        self.mlp = GPTMLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def check_gpt_config(cfg: Any) -> None:
+    if cfg.hidden_size % cfg.num_attention_heads:
+        raise ValueError(f"model.hidden_size={cfg.hidden_size} must be divisible by model.num_attention_heads={cfg.num_attention_heads}")
+    granularity = _opt(cfg, "activations_checkpoint_granularity", None)
+    if granularity not in (None, "full"):
+        raise ValueError(f"model.activations_checkpoint_granularity={granularity!r}: GPTForCausalLM supports full or null")
+
+
+class GPTForCausalLM(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        check_gpt_config(cfg)
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_positions = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.layers = nn.ModuleList(GPTBlock(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.LayerNorm(cfg.hidden_size, eps=_opt(cfg, "norm_eps", 1e-5))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if _opt(cfg, "tie_word_embeddings", False):
+            self.lm_head.weight = self.embed_tokens.weight
+        self.checkpoint_layers = _opt(cfg, "activations_checkpoint_granularity", None) == "full"
+        self.reset_parameters()
+
+    @property
+    def tied(self) -> bool:
+        return self.lm_head.weight is self.embed_tokens.weight
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-2's init from torch's global RNG, in parameter order: weights normal(0, std), residual outputs
+        (o_proj, fc_out) std/√(2·layers), biases 0, LayerNorm weights 1."""
+        std = _opt(self.cfg, "init_method_std", 0.02)
+        out_std = std / math.sqrt(2 * self.cfg.num_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif p.ndim == 1:
+                p.fill_(1.0)
+            elif name.endswith(("o_proj.weight", "fc_out.weight")):
+                p.normal_(0.0, out_std)
+            else:
+                p.normal_(0.0, std)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, S] → token + position embeddings [B, S, hidden]."""
+        s = input_ids.shape[1]
+        if s > self.embed_positions.num_embeddings:
+            raise ValueError(f"sequence length {s} exceeds model.max_position_embeddings={self.embed_positions.num_embeddings}")
+        return self.embed_tokens(input_ids) + self.embed_positions(torch.arange(s, device=input_ids.device))
+
+    def run_layer(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint_layers and torch.is_grad_enabled():
+            return checkpoint(layer, x, use_reentrant=False)
+        return layer(x)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(x))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, S] → logits [B, S, vocab]."""
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = self.run_layer(layer, x)
+        return self.head(x)
+
+    @_instance_or_static
+    def loss_fn(self: "GPTForCausalLM | None", logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Next-token cross-entropy in fp32, mean over tokens; labels already shifted, -100 ignored."""
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Distinct parameters (a tied embedding counts once). ``exclude_embeddings`` drops the lookup
+        tables (token table unless tied, and the position table): the weights used in matmuls remain."""
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            total -= self.embed_positions.weight.numel()
+            if not self.tied:
+                total -= self.embed_tokens.weight.numel()
+        return total
+
+    def flops_per_token(self, seq_length: int) -> float:
+        """6·N (N without lookup tables, head included) + 12·layers·hidden·seq for attention (as Llama)."""
+        c = self.cfg
+        return 6.0 * self.num_parameters(exclude_embeddings=True) + 12.0 * c.num_layers * c.hidden_size * seq_length

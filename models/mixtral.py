@@ -1,0 +1,316 @@
+"""Mixtral: a Llama decoder whose MLP is a sparse mixture of SwiGLU experts with top-k routing.
+
+Attention, RMSNorm and RoPE are Llama's (imported from ``nxdt.models.llama``). The MLP of every layer is
+``block_sparse_moe`` with Hugging Face's (original checkpoint) names, so Mixtral weights map by name::
+
+    layers.N.block_sparse_moe.gate.weight            router, [num_experts, hidden]
+    layers.N.block_sparse_moe.experts.E.w1.weight    gate projection of expert E  (HF w1)
+    layers.N.block_sparse_moe.experts.E.w3.weight    up projection                (HF w3)
+    layers.N.block_sparse_moe.experts.E.w2.weight    down projection              (HF w2)
+
+(``transformers`` ≥ 5 keeps the experts fused in memory, ``mlp.experts.gate_up_proj[E] = cat(w1, w3)``,
+``mlp.experts.down_proj[E] = w2``, and converts from these names when loading a checkpoint.)
+
+Routing, per token x (as HF)::
+
+    p = softmax(gate(x))                      # in fp32, over all experts
+    w, idx = topk(p, k);  w = w / sum(w)       # k = moe.top_k, renormalised over the chosen experts
+    y = Σ_j w_j · expert_idx_j(x),   expert(x) = w2(silu(w1 x) · w3 x)
+
+Load-balancing auxiliary loss (HF's ``load_balancing_loss_func``, the Switch-Transformer loss): with the
+router logits of *all* layers stacked as rows (T = tokens × layers rows, E experts)::
+
+    f_e = (number of top-k slots of rows routed to e) / T      # Σ_e f_e = k
+    P_e = mean over rows of softmax(logits)_e
+    aux = E · Σ_e f_e · P_e                                     # = k when perfectly balanced
+
+**Where the aux loss goes:** ``loss_fn(logits, labels)`` called on the model returns
+``cross_entropy + moe.router_aux_loss_coef · aux``, where ``aux`` comes from the router logits recorded by
+this model's most recent forward (the training step calls ``model.loss_fn(model(ids), labels)``, so they
+belong to the same micro-batch). ``aux_loss()`` returns the bare aux term (for logging).
+``MixtralForCausalLM.loss_fn(logits, labels)`` on the class is the plain cross-entropy. Under pipeline
+parallelism the last stage sees only its own layers' router logits; the aux term then covers those layers
+only (a documented limitation).
+
+Config: the ``model`` schema's keys (as Llama; ``ffn_hidden_size`` is one expert's inner width) plus a
+``moe`` sub-config: ``num_experts`` (8), ``top_k`` (2), ``router_aux_loss_coef`` (0.02; HF's MixtralConfig
+defaults to 0.001, Mistral's released config.json uses 0.02). Missing keys fall back to those defaults.
+
+Expert parallelism (``nxdt.parallel.expert_parallel.apply_expert_parallel``) keeps a slice of
+``experts`` on each rank and replaces the block's ``dispatcher``; the model code itself is unchanged.
+
+Example::
+
+    cfg = SimpleNamespace(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2,
+                          ffn_hidden_size=48, max_position_embeddings=64,
+                          moe=SimpleNamespace(num_experts=4, top_k=2, router_aux_loss_coef=0.02))
+    model = MixtralForCausalLM(cfg)
+    loss = model.loss_fn(model(ids), labels)      # cross-entropy + 0.02 · aux
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from nxdt.models.llama import Attention, RMSNorm, _instance_or_static, _opt, check_config, rope_tables
+
+MOE_DEFAULTS = {"num_experts": 8, "top_k": 2, "router_aux_loss_coef": 0.02}
+
+
+def moe_option(cfg: Any, name: str) -> Any:
+    """``cfg.moe.<name>`` (a dataclass, namespace or dict), else the default in MOE_DEFAULTS."""
+    moe = _opt(cfg, "moe", None)
+    if isinstance(moe, dict):
+        value = moe.get(name)
+    else:
+        value = getattr(moe, name, None)
+    return MOE_DEFAULTS[name] if value is None else value
+
+
+class Expert(nn.Module):
+    """One SwiGLU expert with Mixtral's names: w2(silu(w1 x) · w3 x)."""
+
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, ffn, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """router logits [T, E] → (weights [T, k] renormalised to sum 1, expert ids [T, k]); softmax in fp32."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    return weights / weights.sum(dim=-1, keepdim=True), experts
+
+
+def load_balancing_loss(router_logits: list[torch.Tensor] | torch.Tensor, num_experts: int, top_k: int) -> torch.Tensor:
+    """HF's Switch-Transformer auxiliary loss over the rows of all layers' router logits (module docstring)."""
+    if isinstance(router_logits, (list, tuple)):
+        router_logits = torch.cat([r.reshape(-1, num_experts) for r in router_logits])
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    chosen = torch.topk(probs, top_k, dim=-1).indices
+    # integer counts are not differentiable (as in HF): only P carries gradient, into the router
+    fraction = torch.bincount(chosen.reshape(-1), minlength=num_experts).to(probs.dtype) / probs.shape[0]
+    return num_experts * torch.sum(fraction * probs.mean(dim=0))
+
+
+class _Transient:
+    """Holds the last forward's router logits. Copies and pickles empty: a tensor inside an autograd graph
+    cannot be deep-copied, and a copied model must not carry another model's activations."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: torch.Tensor | None = None
+
+    def __deepcopy__(self, memo: dict) -> "_Transient":
+        return _Transient()
+
+    def __reduce__(self) -> tuple:
+        return (_Transient, ())
+
+
+def local_dispatch(block: "SparseMoeBlock", rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """All experts live here: ``rows`` [N, hidden] are sorted by global expert id, ``counts`` [E] per expert."""
+    return block.run_experts(rows, counts.tolist(), block.expert_ids)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts (top-k, renormalised weights). ``experts`` is a ModuleDict keyed by the *global*
+    expert id, so names stay ``experts.<E>.w1`` when expert parallelism keeps only some of them.
+
+    ``dispatcher(block, rows, counts) -> outputs``: runs the experts on rows sorted by expert id
+    (``counts[e]`` rows for global expert e) and returns their outputs in the same order; the default runs
+    them here, expert parallelism swaps in an all-to-all exchange."""
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.num_experts = int(moe_option(cfg, "num_experts"))
+        self.top_k = int(moe_option(cfg, "top_k"))
+        self.gate = nn.Linear(cfg.hidden_size, self.num_experts, bias=False)
+        self.experts = nn.ModuleDict({str(e): Expert(cfg.hidden_size, cfg.ffn_hidden_size) for e in range(self.num_experts)})
+        self.dispatcher: Callable[["SparseMoeBlock", torch.Tensor, torch.Tensor], torch.Tensor] = local_dispatch
+        self._last_router_logits = _Transient()
+
+    @property
+    def router_logits(self) -> torch.Tensor | None:
+        """[tokens, experts] of the last forward (for the aux loss); None before any forward."""
+        return self._last_router_logits.value
+
+    @router_logits.setter
+    def router_logits(self, value: torch.Tensor | None) -> None:
+        self._last_router_logits.value = value
+
+    @property
+    def expert_ids(self) -> list[int]:
+        """Global ids of the experts held by this module, ascending."""
+        return sorted(int(k) for k in self.experts.keys())
+
+    def run_experts(self, rows: torch.Tensor, counts: list[int], expert_ids: list[int]) -> torch.Tensor:
+        """rows grouped by expert (``counts[i]`` rows for ``expert_ids[i]``) → expert outputs, same order."""
+        outs = [self.experts[str(e)](chunk) for e, chunk in zip(expert_ids, rows.split(counts)) if chunk.shape[0]]
+        return torch.cat(outs) if outs else rows[:0] * 0.0  # keep rows in the graph even when nothing came
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        logits = self.gate(flat)
+        self.router_logits = logits
+        weights, experts = route(logits, self.top_k)
+        # one row per (token, slot), sorted by expert id (stable: tokens keep their order within an expert)
+        slot_expert = experts.reshape(-1)
+        order = torch.argsort(slot_expert, stable=True)
+        token_of_row = order // self.top_k
+        counts = torch.bincount(slot_expert, minlength=self.num_experts)
+        out_rows = self.dispatcher(self, flat[token_of_row], counts)
+        out_rows = out_rows * weights.reshape(-1)[order].unsqueeze(-1).to(out_rows.dtype)
+        out = torch.zeros_like(flat).index_add(0, token_of_row, out_rows.to(flat.dtype))
+        return out.reshape(shape)
+
+
+class MixtralDecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + moe(norm(x))."""
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        eps = _opt(cfg, "norm_eps", 1e-5)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.block_sparse_moe = SparseMoeBlock(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.block_sparse_moe(self.post_attention_layernorm(x))
+
+
+def check_moe_config(cfg: Any) -> None:
+    check_config(cfg)
+    experts, top_k = moe_option(cfg, "num_experts"), moe_option(cfg, "top_k")
+    if experts < 1:
+        raise ValueError(f"model.moe.num_experts={experts} must be at least 1")
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"model.moe.top_k={top_k} must be between 1 and model.moe.num_experts={experts}")
+    if moe_option(cfg, "router_aux_loss_coef") < 0:
+        raise ValueError(f"model.moe.router_aux_loss_coef={moe_option(cfg, 'router_aux_loss_coef')} must be >= 0")
+
+
+class MixtralForCausalLM(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        check_moe_config(cfg)
+        self.cfg = cfg
+        self.num_experts = int(moe_option(cfg, "num_experts"))
+        self.top_k = int(moe_option(cfg, "top_k"))
+        self.router_aux_loss_coef = float(moe_option(cfg, "router_aux_loss_coef"))
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(MixtralDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, _opt(cfg, "norm_eps", 1e-5))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if _opt(cfg, "tie_word_embeddings", False):
+            self.lm_head.weight = self.embed_tokens.weight
+        cos, sin = rope_tables(cfg.hidden_size // cfg.num_attention_heads, cfg.max_position_embeddings,
+                               _opt(cfg, "rope_theta", 10000.0))
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.checkpoint_layers = _opt(cfg, "activations_checkpoint_granularity", None) == "full"
+        self.reset_parameters()
+
+    @property
+    def tied(self) -> bool:
+        return self.lm_head.weight is self.embed_tokens.weight
+
+    def moe_blocks(self) -> list[SparseMoeBlock]:
+        return [m for m in self.modules() if isinstance(m, SparseMoeBlock)]
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """As Llama's: normal(0, std) from the global RNG in parameter order (every expert of the full model
+        is drawn, so expert parallelism can slice a model built with the same seed); residual outputs
+        (o_proj, experts' w2) get std/√(2·layers); norms start at 1."""
+        std = _opt(self.cfg, "init_method_std", 0.02)
+        out_std = std / math.sqrt(2 * self.cfg.num_layers)
+        for name, p in self.named_parameters():
+            if p.ndim == 1:
+                p.fill_(1.0)
+            elif name.endswith(("o_proj.weight", "w2.weight")):
+                p.normal_(0.0, out_std)
+            else:
+                p.normal_(0.0, std)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, S] → hidden states [B, S, hidden]."""
+        if input_ids.shape[1] > self.rope_cos.shape[0]:
+            raise ValueError(f"sequence length {input_ids.shape[1]} exceeds model.max_position_embeddings={self.rope_cos.shape[0]}")
+        return self.embed_tokens(input_ids)
+
+    def run_layer(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """One decoder layer (full activation checkpointing if configured); records its router logits."""
+        if self.checkpoint_layers and torch.is_grad_enabled():
+            return checkpoint(layer, x, self.rope_cos, self.rope_sin, use_reentrant=False)
+        return layer(x, self.rope_cos, self.rope_sin)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and output projection: hidden [B, S, hidden] → logits [B, S, vocab]."""
+        return self.lm_head(self.norm(x))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, S] → logits [B, S, vocab] (router logits kept on each block for the aux loss)."""
+        for block in self.moe_blocks():
+            block.router_logits = None  # a layer that does not run (another pipeline stage) adds nothing
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = self.run_layer(layer, x)
+        return self.head(x)
+
+    def router_logits(self) -> list[torch.Tensor]:
+        """Router logits [tokens, experts] of every layer that ran in the last forward, in layer order."""
+        return [b.router_logits for b in self.moe_blocks() if b.router_logits is not None]
+
+    def aux_loss(self) -> torch.Tensor:
+        """HF's load-balancing loss over the last forward's router logits (0 if none were recorded)."""
+        logits = self.router_logits()
+        if not logits:
+            return torch.zeros(())
+        return load_balancing_loss(logits, self.num_experts, self.top_k)
+
+    @_instance_or_static
+    def loss_fn(self: "MixtralForCausalLM | None", logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Next-token cross-entropy (fp32, mean over tokens, -100 ignored); on an instance plus
+        ``router_aux_loss_coef · aux_loss()`` of the forward that produced ``logits``."""
+        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+        if self is None or self.router_aux_loss_coef == 0 or not self.router_logits():
+            return ce
+        return ce + self.router_aux_loss_coef * self.aux_loss()
+
+    def _expert_numel(self) -> int:
+        return 3 * self.cfg.hidden_size * self.cfg.ffn_hidden_size
+
+    def num_parameters(self, exclude_embeddings: bool = False, active_only: bool = False) -> int:
+        """Distinct parameters of the full model (a tied embedding counts once). Every layer counts all
+        ``num_experts`` experts even when expert parallelism holds only a slice here; ``active_only``
+        counts ``top_k`` experts per layer instead (the weights one token uses). ``exclude_embeddings``
+        drops the input embedding table unless it is tied."""
+        expert_params = {id(p) for b in self.moe_blocks() for p in b.experts.parameters()}
+        total = sum(p.numel() for p in self.parameters() if id(p) not in expert_params)
+        total += self.cfg.num_layers * (self.top_k if active_only else self.num_experts) * self._expert_numel()
+        if exclude_embeddings and not self.tied:
+            total -= self.embed_tokens.weight.numel()
+        return total
+
+    def flops_per_token(self, seq_length: int) -> float:
+        """Training FLOPs per token: 6 × the weights a token multiplies (attention, router, top_k experts,
+        output head; Llama's convention) + 12·layers·hidden·seq for attention scores."""
+        c = self.cfg
+        return (6.0 * self.num_parameters(exclude_embeddings=True, active_only=True)
+                + 12.0 * c.num_layers * c.hidden_size * seq_length)

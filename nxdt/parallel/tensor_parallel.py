@@ -1,0 +1,577 @@
+"""Megatron-style tensor parallelism (TP) and sequence parallelism (SP) over an ``nxdt.comm`` Communicator.
+
+A linear layer ``y = x Wᵀ`` is split over the ``tp`` ranks of a group in one of two ways:
+
+* column-parallel: every rank holds a block of W's *rows* (output features) and computes its slice of y
+  from the full x. Backward sums the partial input gradients of all ranks (copy-to-region).
+* row-parallel: every rank holds a block of W's *columns* (input features), gets the matching slice of x
+  (the output of a column-parallel layer) and produces a partial y; an all-reduce sums the parts
+  (reduce-from-region).
+
+A column layer followed by a row layer (attention q/k/v → o, MLP gate/up → down) costs one all-reduce
+forward and one backward. With sequence parallelism the activations *between* those pairs (norms,
+residual adds) are split along the sequence instead of replicated: the all-reduce becomes a
+reduce-scatter along the sequence after the row layer and an all-gather before the next column layer,
+the same bytes on the wire but 1/tp of the activation memory outside the attention/MLP cores.
+
+The embedding and the output head are split along the vocabulary; the loss is computed on vocab-sharded
+logits without ever gathering them (:func:`vocab_parallel_cross_entropy`).
+
+Every collective runs on the communicator's stream named ``"tp"``.
+
+Which module becomes what is declared by the model, not guessed here: ``model.tensor_parallel_plan()``
+maps submodule names (``fnmatch`` patterns) to styles::
+
+    {"embed_tokens": "vocab_embedding",
+     "layers.*.self_attn.q_proj": "colwise:8",      # whole heads of 8 rows
+     "layers.*.self_attn.k_proj": "colwise_kv:8",   # KV heads; replicated when fewer heads than ranks
+     "layers.*.self_attn.o_proj": "rowwise:8",
+     "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.down_proj": "rowwise",
+     "lm_head": "vocab_head"}
+
+Worked example (two ranks, same seed everywhere, so every rank slices the same full weights)::
+
+    torch.manual_seed(0)
+    model = apply_tensor_parallel(LlamaForCausalLM(cfg), tp_comm, sequence_parallel=True)
+    loss = model.loss_fn(model(ids), labels)        # the vocab-parallel head computes the loss
+    loss.backward()
+    sync_replicated_grads(model, tp_comm)           # norm weights under SP: sum the sequence shards' grads
+    optimizer.step()
+    full = gather_full_state_dict(model, tp_comm)   # unsharded weights, e.g. for export
+
+Gradient synchronisation, in short:
+
+* KV projections replicated over several ranks (grouped-query attention with fewer KV heads than ranks)
+  sum their replicas' weight gradients *inside the autograd graph*: each replica sees only the query heads
+  of its own rank, and the single-process gradient is the sum over all of them.
+* Parameters that are not sharded (norm weights, row-parallel biases) get identical gradients on every rank
+  without SP; with SP each rank saw only its sequence shard, so :func:`sync_replicated_grads` must be
+  called after backward (it is a no-op for models parallelised without SP).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+TP_STREAM = "tp"
+SEQ_DIM = 1  # activations are [batch, sequence, hidden]
+
+
+# ---------------------------------------------------------------------------------------------- raw collectives
+def _all_reduce(x: torch.Tensor, comm: Any, op: str = "sum") -> torch.Tensor:
+    out = x.clone(memory_format=torch.contiguous_format)  # never reduce in place into a tensor autograd saved
+    comm.all_reduce(out, op, stream=TP_STREAM)
+    return out
+
+
+def _all_gather(x: torch.Tensor, comm: Any, dim: int) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (comm gathers along the flat dim 0, so move ``dim`` first)."""
+    front = x.movedim(dim, 0).contiguous()
+    out = front.new_empty((comm.size * front.shape[0],) + tuple(front.shape[1:]))
+    comm.all_gather(out, front, stream=TP_STREAM)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, comm: Any, dim: int) -> torch.Tensor:
+    """Sum over ranks, keep block ``rank`` of ``dim``."""
+    if x.shape[dim] % comm.size:
+        raise ValueError(f"sequence parallelism splits dim {dim} (length {x.shape[dim]}) over {comm.size} tensor-parallel "
+                         f"ranks: make the sequence length a multiple of the tensor-parallel size")
+    front = x.movedim(dim, 0).contiguous()
+    out = front.new_empty((front.shape[0] // comm.size,) + tuple(front.shape[1:]))
+    comm.reduce_scatter(out, front, stream=TP_STREAM)
+    return out.movedim(0, dim)
+
+
+def _split(x: torch.Tensor, comm: Any, dim: int) -> torch.Tensor:
+    if x.shape[dim] % comm.size:
+        raise ValueError(f"cannot split dim {dim} of length {x.shape[dim]} over {comm.size} tensor-parallel ranks")
+    return x.chunk(comm.size, dim)[comm.rank].contiguous()
+
+
+# ---------------------------------------------------------------------------------------------- autograd regions
+class _CopyToRegion(torch.autograd.Function):
+    """Identity forward; backward sums the input gradients of all ranks (each saw only its weight shard)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.comm), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """All-reduce forward (sum of the row-parallel partial outputs); identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        return _all_reduce(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    """All-gather along the sequence forward; reduce-scatter backward (the ranks' partial gradients of the
+    full sequence are summed, each keeps its own shard)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _all_gather(x, comm, SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.comm, SEQ_DIM), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    """Reduce-scatter along the sequence forward; all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _reduce_scatter(x, comm, SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.comm, SEQ_DIM), None
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """All-gather along the feature dim forward; backward keeps this rank's slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _all_gather(x, comm, x.ndim - 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, ctx.comm, grad.ndim - 1), None
+
+
+class _SumOverReplicas(torch.autograd.Function):
+    """Identity on a weight shard held by several ranks; backward sums the gradients of the ranks that hold
+    the same shard (each computed it from its own query heads only) so every replica gets the full gradient."""
+
+    @staticmethod
+    def forward(ctx, weight, spec, comm):
+        ctx.spec, ctx.comm = spec, comm
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        spec, comm = ctx.spec, ctx.comm
+        # one slot per distinct shard; the replicas of a shard add into the same slot
+        slots = grad.new_zeros((comm.size // spec.replicas,) + tuple(grad.shape))
+        slots[spec.group(comm.rank)] = grad
+        comm.all_reduce(slots, stream=TP_STREAM)
+        return slots[spec.group(comm.rank)].clone(), None, None
+
+
+def copy_to_tensor_parallel_region(x: torch.Tensor, comm: Any) -> torch.Tensor:
+    return _CopyToRegion.apply(x, comm)
+
+
+def reduce_from_tensor_parallel_region(x: torch.Tensor, comm: Any) -> torch.Tensor:
+    return _ReduceFromRegion.apply(x, comm)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, comm: Any) -> torch.Tensor:
+    """[B, S/tp, H] → [B, S, H]."""
+    return _GatherFromSequence.apply(x, comm)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, comm: Any) -> torch.Tensor:
+    """[B, S, H] partial sums → [B, S/tp, H] summed."""
+    return _ReduceScatterToSequence.apply(x, comm)
+
+
+def gather_from_tensor_parallel_region(x: torch.Tensor, comm: Any) -> torch.Tensor:
+    """[..., F/tp] → [..., F] (e.g. vocab-sharded logits → full logits)."""
+    return _GatherLastDim.apply(x, comm)
+
+
+# ---------------------------------------------------------------------------------------------- sharding layout
+class ShardSpec:
+    """How a full tensor's ``dim`` (length ``full``) is cut into blocks of ``block`` rows and dealt to ``size``
+    ranks: evenly when the blocks divide among the ranks; with ``replicate=True`` and fewer blocks than ranks
+    (``size`` a multiple of the block count), each block is held by ``replicas`` consecutive ranks."""
+
+    def __init__(self, dim: int, full: int, size: int, *, block: int = 1, replicate: bool = False, what: str = "tensor") -> None:
+        if block < 1 or full % block:
+            raise ValueError(f"{what}: dimension of length {full} is not made of whole blocks of {block}")
+        blocks = full // block
+        if blocks % size == 0:
+            per_rank, self.replicas = blocks // size, 1
+        elif replicate and size % blocks == 0:
+            per_rank, self.replicas = 1, size // blocks
+        else:
+            how = "divide, or the tensor-parallel size must be a multiple of" if replicate else "divide"
+            raise ValueError(f"{what}: {blocks} block(s) of {block} along dim {dim} cannot be split over {size} tensor-parallel "
+                             f"ranks (the block count must {how} the tensor-parallel size); choose a tensor-parallel size "
+                             f"that fits")
+        self.dim, self.full, self.size, self.local = dim, full, size, per_rank * block
+
+    def group(self, rank: int) -> int:
+        """Index of the shard ``rank`` holds (ranks that replicate one shard share the index)."""
+        return rank // self.replicas
+
+    def slice(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        start = self.group(rank) * self.local
+        return full.narrow(self.dim, start, self.local).detach().clone().contiguous()
+
+    def gather(self, local: torch.Tensor, comm: Any) -> torch.Tensor:
+        """Reassemble the full tensor on every rank (one copy of each replicated shard)."""
+        every = _all_gather(local.detach(), comm, self.dim)
+        shards = every.chunk(comm.size, self.dim)[:: self.replicas]
+        return torch.cat(shards, self.dim).contiguous()
+
+
+def _check_comm(comm: Any) -> None:
+    if comm is None or not hasattr(comm, "size") or not hasattr(comm, "rank"):
+        raise TypeError(f"expected the tensor-parallel Communicator, got {comm!r} (None means this rank is not a member)")
+
+
+class TensorParallelModule(nn.Module):
+    """Base of the parallel layers: ``shard_specs`` names each sharded parameter's layout (parameters not
+    listed are replicated over the TP group)."""
+
+    shard_specs: dict[str, ShardSpec]
+    sequence_parallel: bool
+
+
+# ---------------------------------------------------------------------------------------------- layers
+class ColumnParallelLinear(TensorParallelModule):
+    """``y = x Wᵀ + b`` with W's output rows split over the group: the output is this rank's feature slice
+    (or the full features with ``gather_output``). With ``sequence_parallel`` the input is a sequence shard
+    [B, S/tp, in] and is all-gathered first. ``block`` keeps whole heads together; ``replicate`` allows fewer
+    blocks than ranks (KV heads of grouped-query attention), whose gradients are summed over the replicas."""
+
+    def __init__(self, in_features: int, out_features: int, comm: Any, *, bias: bool = False, sequence_parallel: bool = False,
+                 gather_output: bool = False, block: int = 1, replicate: bool = False, dtype: torch.dtype | None = None,
+                 what: str = "ColumnParallelLinear") -> None:
+        super().__init__()
+        _check_comm(comm)
+        self.comm, self.in_features, self.out_features = comm, in_features, out_features
+        self.sequence_parallel, self.gather_output = sequence_parallel, gather_output
+        spec = ShardSpec(0, out_features, comm.size, block=block, replicate=replicate, what=what)
+        if gather_output and spec.replicas > 1:
+            raise ValueError(f"{what}: gather_output needs an even split, not replicated shards")
+        self.weight = nn.Parameter(torch.empty(spec.local, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(spec.local, dtype=dtype)) if bias else None
+        self.shard_specs = {"weight": spec, **({"bias": spec} if bias else {})}
+
+    @classmethod
+    def from_full(cls, linear: nn.Linear, comm: Any, **kwargs: Any) -> "ColumnParallelLinear":
+        """This rank's slice of a full ``nn.Linear`` (same seed on every rank → the shards tile it exactly)."""
+        mod = cls(linear.in_features, linear.out_features, comm, bias=linear.bias is not None, dtype=linear.weight.dtype, **kwargs)
+        _load_slices(mod, linear, comm.rank)
+        return mod
+
+    def extra_repr(self) -> str:
+        spec = self.shard_specs["weight"]
+        return (f"in={self.in_features}, out={self.out_features} (local {spec.local}, replicas {spec.replicas}), "
+                f"tp={self.comm.size}, sequence_parallel={self.sequence_parallel}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = gather_from_sequence_parallel_region(x, self.comm) if self.sequence_parallel else copy_to_tensor_parallel_region(x, self.comm)
+        spec = self.shard_specs["weight"]
+        weight = _SumOverReplicas.apply(self.weight, spec, self.comm) if spec.replicas > 1 else self.weight
+        bias = self.bias
+        if bias is not None and spec.replicas > 1:
+            bias = _SumOverReplicas.apply(bias, spec, self.comm)
+        y = F.linear(x, weight, bias)
+        return gather_from_tensor_parallel_region(y, self.comm) if self.gather_output else y
+
+
+class RowParallelLinear(TensorParallelModule):
+    """``y = x Wᵀ + b`` with W's input columns split over the group; ``x`` is this rank's feature slice (the
+    output of a column-parallel layer). The partial outputs are all-reduced, or with ``sequence_parallel``
+    reduce-scattered along the sequence ([B, S, out] partial → [B, S/tp, out]). The bias is replicated and
+    added once, after the reduction."""
+
+    def __init__(self, in_features: int, out_features: int, comm: Any, *, bias: bool = False, sequence_parallel: bool = False,
+                 block: int = 1, dtype: torch.dtype | None = None, what: str = "RowParallelLinear") -> None:
+        super().__init__()
+        _check_comm(comm)
+        self.comm, self.in_features, self.out_features = comm, in_features, out_features
+        self.sequence_parallel = sequence_parallel
+        spec = ShardSpec(1, in_features, comm.size, block=block, what=what)
+        self.weight = nn.Parameter(torch.empty(out_features, spec.local, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+        self.shard_specs = {"weight": spec}
+
+    @classmethod
+    def from_full(cls, linear: nn.Linear, comm: Any, **kwargs: Any) -> "RowParallelLinear":
+        mod = cls(linear.in_features, linear.out_features, comm, bias=linear.bias is not None, dtype=linear.weight.dtype, **kwargs)
+        _load_slices(mod, linear, comm.rank)
+        return mod
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features} (local {self.shard_specs['weight'].local}), out={self.out_features}, "
+                f"tp={self.comm.size}, sequence_parallel={self.sequence_parallel}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(partial, self.comm)
+        else:
+            y = reduce_from_tensor_parallel_region(partial, self.comm)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(TensorParallelModule):
+    """Embedding table split along the vocabulary: each rank looks up the ids in its range, zeros the others,
+    and the ranks' rows are summed (all-reduce, or reduce-scatter to sequence shards with SP)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, comm: Any, *, sequence_parallel: bool = False,
+                 dtype: torch.dtype | None = None, what: str = "VocabParallelEmbedding") -> None:
+        super().__init__()
+        _check_comm(comm)
+        self.comm, self.num_embeddings, self.embedding_dim = comm, num_embeddings, embedding_dim
+        self.sequence_parallel = sequence_parallel
+        spec = ShardSpec(0, num_embeddings, comm.size, what=f"{what} (vocab size {num_embeddings})")
+        self.vocab_start = comm.rank * spec.local
+        self.weight = nn.Parameter(torch.empty(spec.local, embedding_dim, dtype=dtype))
+        self.shard_specs = {"weight": spec}
+
+    @classmethod
+    def from_full(cls, embedding: nn.Embedding, comm: Any, **kwargs: Any) -> "VocabParallelEmbedding":
+        if embedding.padding_idx is not None or embedding.max_norm is not None:
+            raise ValueError("VocabParallelEmbedding.from_full: padding_idx / max_norm are not supported")
+        mod = cls(embedding.num_embeddings, embedding.embedding_dim, comm, dtype=embedding.weight.dtype, **kwargs)
+        _load_slices(mod, embedding, comm.rank)
+        return mod
+
+    def extra_repr(self) -> str:
+        local = self.shard_specs["weight"].local
+        return (f"vocab={self.num_embeddings} (rows {self.vocab_start}..{self.vocab_start + local - 1}), dim={self.embedding_dim}, "
+                f"tp={self.comm.size}, sequence_parallel={self.sequence_parallel}")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        rows = F.embedding(torch.where(mine, local, 0), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(rows, self.comm)
+        return reduce_from_tensor_parallel_region(rows, self.comm)
+
+
+class VocabParallelHead(ColumnParallelLinear):
+    """Output projection hidden → vocab split along the vocabulary. Its logits stay vocab-sharded
+    ([..., V/tp]); the model computes the loss through :meth:`cross_entropy`."""
+
+    shards_vocab = True  # the model's loss asks this before choosing the loss
+
+    def __init__(self, in_features: int, out_features: int, comm: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("what", f"VocabParallelHead (vocab size {out_features})")
+        super().__init__(in_features, out_features, comm, **kwargs)
+
+    def cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, labels, self.comm, ignore_index=ignore_index)
+
+
+def _load_slices(mod: TensorParallelModule, full: nn.Module, rank: int) -> None:
+    with torch.no_grad():
+        for name, param in mod.named_parameters(recurse=False):
+            source = getattr(full, name)
+            spec = mod.shard_specs.get(name)
+            param.copy_(spec.slice(source, rank) if spec is not None else source.detach())
+
+
+# ---------------------------------------------------------------------------------------------- loss
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token -log softmax(logits)[label] over logits split along the vocab: the max, the sum of exps and
+    the target logit are all-reduced, so nothing of size vocab crosses the wire."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, comm, ignore_index):
+        local_vocab = logits.shape[-1]
+        start = comm.rank * local_vocab
+        row_max = logits.max(dim=-1).values
+        comm.all_reduce(row_max, "max", stream=TP_STREAM)  # the same shift on every rank
+        shifted = logits - row_max.unsqueeze(-1)
+        local_label = labels - start
+        mine = (local_label >= 0) & (local_label < local_vocab)
+        local_label = torch.where(mine, local_label, 0)
+        target = shifted.gather(-1, local_label.unsqueeze(-1)).squeeze(-1) * mine
+        exp = shifted.exp()
+        sums = torch.stack([exp.sum(-1), target])  # one all-reduce for both
+        comm.all_reduce(sums, stream=TP_STREAM)
+        sum_exp, target = sums[0], sums[1]
+        valid = labels != ignore_index
+        loss = torch.where(valid, sum_exp.log() - target, 0.0)
+        exp.div_(sum_exp.unsqueeze(-1))  # softmax, reused in place for the gradient
+        ctx.save_for_backward(exp, local_label, mine & valid, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_label, hit, valid = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(-1, local_label.unsqueeze(-1), -hit.to(grad.dtype).unsqueeze(-1))
+        grad.mul_((grad_loss * valid).unsqueeze(-1))
+        return grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, comm: Any, *, ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy over tokens whose label is not ``ignore_index``, in fp32, from logits [..., V/tp]
+    holding this rank's contiguous vocab block (rank r: ids r·V/tp .. (r+1)·V/tp - 1); labels [...] are full
+    vocab ids, the same on every rank. Equal to ``F.cross_entropy(full_logits, labels, ignore_index=...)``
+    (NaN when every label is ignored, as there)."""
+    _check_comm(comm)
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"vocab_parallel_cross_entropy: logits {tuple(logits.shape)} and labels {tuple(labels.shape)} "
+                         f"must agree on every dim but the last (vocab)")
+    flat_logits = logits.float().reshape(-1, logits.shape[-1])
+    flat_labels = labels.reshape(-1)
+    per_token = _VocabParallelCrossEntropy.apply(flat_logits, flat_labels, comm, ignore_index)
+    return per_token.sum() / (flat_labels != ignore_index).sum()
+
+
+# ---------------------------------------------------------------------------------------------- applying a plan
+def _parse_style(style: str) -> tuple[str, int]:
+    name, _, block = style.partition(":")
+    if name not in STYLES:
+        raise ValueError(f"tensor-parallel style {style!r} unknown; use one of {sorted(STYLES)} (colwise/rowwise/colwise_kv "
+                         f"take an optional ':<block rows>', e.g. 'colwise:64' for heads of 64)")
+    try:
+        return name, int(block) if block else 1
+    except ValueError:
+        raise ValueError(f"tensor-parallel style {style!r}: the block after ':' must be an integer") from None
+
+
+def _build(style: str, module: nn.Module, comm: Any, sequence_parallel: bool, what: str) -> TensorParallelModule:
+    name, block = _parse_style(style)
+    expected = nn.Embedding if name == "vocab_embedding" else nn.Linear
+    if not isinstance(module, expected):
+        raise TypeError(f"tensor-parallel plan: {what} is a {type(module).__name__}; style {style!r} needs a torch.nn.{expected.__name__} "
+                        f"(was the model already parallelised?)")
+    what = f"{what} ({style})"
+    if name == "vocab_embedding":
+        return VocabParallelEmbedding.from_full(module, comm, sequence_parallel=sequence_parallel, what=what)
+    if name == "vocab_head":
+        return VocabParallelHead.from_full(module, comm, sequence_parallel=sequence_parallel, what=what)
+    if name == "rowwise":
+        return RowParallelLinear.from_full(module, comm, sequence_parallel=sequence_parallel, block=block, what=what)
+    return ColumnParallelLinear.from_full(module, comm, sequence_parallel=sequence_parallel, block=block,
+                                          replicate=name == "colwise_kv", what=what)
+
+
+STYLES = {
+    "colwise": "output features split (whole blocks of ':<n>' rows, e.g. attention heads)",
+    "colwise_kv": "key/value heads of grouped-query attention: split like colwise, or replicated when the tensor-parallel "
+                  "size is a multiple of the head count",
+    "rowwise": "input features split; outputs all-reduced (reduce-scattered along the sequence with SP)",
+    "vocab_embedding": "embedding table split along the vocabulary",
+    "vocab_head": "output head split along the vocabulary; the loss runs on vocab-sharded logits",
+}
+
+
+def apply_tensor_parallel(model: nn.Module, tp_comm: Any, *, sequence_parallel: bool = False) -> nn.Module:
+    """Swap ``model``'s modules for tensor-parallel ones as ``model.tensor_parallel_plan()`` declares and return
+    it. Every rank must hold the same full weights (same seed): each keeps its slice. Modules outside the plan
+    stay replicated. Weights shared by two planned modules (tied embeddings) stay shared when both are cut
+    the same way. With ``sequence_parallel`` everything between a row-parallel and the next column-parallel
+    module runs on [B, S/tp, H]; call :func:`sync_replicated_grads` after each backward."""
+    _check_comm(tp_comm)
+    plan_fn = getattr(model, "tensor_parallel_plan", None)
+    if plan_fn is None:
+        raise TypeError(f"{type(model).__name__} declares no tensor_parallel_plan(); add one mapping submodule names to "
+                        f"styles {sorted(STYLES)}")
+    plan: dict[str, str] = plan_fn()
+    for style in plan.values():
+        _parse_style(style)
+    matched = {pattern: 0 for pattern in plan}
+    shared: dict[tuple[int, str], nn.Parameter] = {}  # (id of a full weight, how it is cut) → the shard built from it
+    for name, module in list(model.named_modules()):
+        patterns = [p for p in plan if fnmatch.fnmatchcase(name, p)]
+        if not patterns:
+            continue
+        if len(patterns) > 1:
+            raise ValueError(f"tensor-parallel plan: module {name!r} matches several entries {patterns}; make them disjoint")
+        style = plan[patterns[0]]
+        matched[patterns[0]] += 1
+        parallel = _build(style, module, tp_comm, sequence_parallel, name)
+        full_weight = module.weight
+        key = (id(full_weight), "vocab" if style in ("vocab_embedding", "vocab_head") else style)
+        if key in shared:
+            parallel.weight = shared[key]  # tied weights: one shard, two users
+        else:
+            shared[key] = parallel.weight
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, parallel)
+    unused = [p for p, n in matched.items() if n == 0]
+    if unused:
+        raise ValueError(f"tensor-parallel plan entries {unused} match no module of {type(model).__name__}")
+    return model
+
+
+# ---------------------------------------------------------------------------------------------- gradients, export
+def _owner_spec(model: nn.Module, name: str) -> ShardSpec | None:
+    path, _, attr = name.rpartition(".")
+    owner = model.get_submodule(path)
+    return owner.shard_specs.get(attr) if isinstance(owner, TensorParallelModule) else None
+
+
+def uses_sequence_parallel(model: nn.Module) -> bool:
+    return any(isinstance(m, TensorParallelModule) and m.sequence_parallel for m in model.modules())
+
+
+def sync_replicated_grads(model: nn.Module, tp_comm: Any) -> int:
+    """After backward: sum over the TP group the gradients of parameters that are replicated (not sharded)
+    when the model runs sequence-parallel — each rank saw only its sequence shard. Without sequence
+    parallelism these gradients are already identical and nothing is sent. Returns the number of tensors
+    synchronised (the same on every rank). One all-reduce per dtype."""
+    if not uses_sequence_parallel(model):
+        return 0
+    replicated = [p for name, p in model.named_parameters() if p.grad is not None and _owner_spec(model, name) is None]
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in replicated:
+        by_dtype.setdefault(p.grad.dtype, []).append(p)
+    for params in by_dtype.values():
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        tp_comm.all_reduce(flat, stream=TP_STREAM)
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset:offset + p.grad.numel()].view_as(p.grad))
+            offset += p.grad.numel()
+    return len(replicated)
+
+
+def norm_weights(model: nn.Module, tp_size: int) -> dict[str, float]:
+    """Per parameter, the factor that makes ``Σ_ranks Σ_params weight·‖grad‖²`` over the TP group the squared
+    norm of the full model's gradient: 1 for a shard held once, 1/replicas for a shard several ranks hold,
+    1/tp for a parameter every rank holds."""
+    weights = {}
+    for name, _ in model.named_parameters():
+        spec = _owner_spec(model, name)
+        weights[name] = 1.0 / (spec.replicas if spec is not None else tp_size)
+    return weights
+
+
+def _full(model: nn.Module, name: str, tensor: torch.Tensor, tp_comm: Any) -> torch.Tensor:
+    spec = _owner_spec(model, name)
+    return spec.gather(tensor, tp_comm) if spec is not None else tensor.detach().clone()
+
+
+def gather_full_state_dict(model: nn.Module, tp_comm: Any) -> dict[str, torch.Tensor]:
+    """The unsharded state dict (same keys as the model before :func:`apply_tensor_parallel`) on every rank.
+    Collective: every rank of the TP group calls it."""
+    return {name: _full(model, name, value, tp_comm) for name, value in model.state_dict().items()}
+
+
+def gather_full_grads(model: nn.Module, tp_comm: Any) -> dict[str, torch.Tensor]:
+    """Unsharded gradients by parameter name, on every rank (call after :func:`sync_replicated_grads`)."""
+    return {name: _full(model, name, p.grad, tp_comm) for name, p in model.named_parameters() if p.grad is not None}

@@ -1,0 +1,466 @@
+"""ZeRO-1: optimizer state sharded over data parallelism, with optional fp32 master weights.
+
+Every trainable parameter of a param group is placed in one contiguous *bucket* (one per param group ×
+dtype × device); the model's parameters become views of that buffer. The bucket is padded to a multiple
+of the data-parallel size ``DP`` and cut into ``DP`` equal shards; rank ``r`` owns shard ``r`` and keeps
+the inner optimizer (AdamW in practice) and its state for that shard only — optimizer memory drops
+from ``S`` to ``S / DP`` per rank. One ``step()``::
+
+    grads of the bucket ──reduce-scatter(avg, stream "dp")──▶ owned grad shard (fp32 with master weights)
+    [clip_grad_norm_: ‖g‖² of each shard, all-reduced over DP (and TP/PP groups) → one global norm]
+    inner optimizer updates the owned shard (the fp32 master copy with ``master_weights=True``)
+    owned shard (cast to the parameter dtype) ──all-gather(stream "dp")──▶ the bucket = the parameters
+
+Worked example (inside a spawned world, DP = all ranks)::
+
+    dp = world.world
+    decay = [p for n, p in model.named_parameters() if p.dim() > 1]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() <= 1]
+    opt = Zero1Optimizer([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                         torch.optim.AdamW, dp, model=model, lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))   # edits opt.param_groups
+    loss_fn(model(x_local), y_local).backward()       # x_local: this rank's part of the global batch
+    opt.clip_grad_norm_(1.0)                          # same value as clip_grad_norm_ on one process
+    opt.step(); sched.step(); opt.zero_grad()
+
+Semantics worth knowing:
+
+* Gradients are averaged over DP (each rank's loss must be the mean over its equal share of the batch).
+* A trainable parameter whose ``.grad`` is None counts as a zero gradient (its moments and weight decay
+  still advance) — flat shards cannot skip single tensors. Frozen parameters (``requires_grad=False``)
+  are not placed in buckets and never change, as with torch's optimizers.
+* ``clip_grad_norm_`` clips the reduced shard gradients that ``step`` uses; the model's ``.grad``
+  tensors keep the local, unreduced values.
+* ``state_dict()`` is per rank (its shard, its master weights and the layout); ``load_state_dict``
+  needs the same layout and DP size, or accepts a consolidated (torch-format) state dict, which
+  reshards onto any DP size. ``consolidated_state_dict()`` returns what an unsharded optimizer of the
+  same class would return from ``state_dict()`` after the same training.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from nxdt.comm.world import Communicator
+
+__all__ = ["Zero1Optimizer", "STATE_FORMAT"]
+
+STATE_FORMAT = "nxdt.zero1/v1"
+DP_STREAM = "dp"
+
+
+@dataclass
+class _Bucket:
+    """One contiguous buffer: the trainable params of one group with one dtype on one device."""
+
+    group_index: int
+    params: list[nn.Parameter]
+    indices: list[int]  # each param's index in a torch-format state dict
+    offsets: list[int]  # each param's first element in ``flat``
+    numel: int  # elements without padding
+    shard_size: int
+    flat: torch.Tensor  # the parameters' storage, padded to shard_size × DP
+    shard: nn.Parameter  # the owned slice, the tensor the inner optimizer updates (fp32 with master weights)
+    grad_buffers: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def padded(self) -> int:
+        return self.flat.numel()
+
+    def owned_segments(self, dp_rank: int) -> list[tuple[int, int, int]]:
+        """(param position in bucket, first, end) of every param's part inside the owned shard, shard-relative."""
+        lo, hi = dp_rank * self.shard_size, (dp_rank + 1) * self.shard_size
+        segs = []
+        for i, (p, off) in enumerate(zip(self.params, self.offsets)):
+            a, b = max(lo, off), min(hi, off + p.numel())
+            if a < b:
+                segs.append((i, a - lo, b - lo))
+        return segs
+
+
+class Zero1Optimizer(torch.optim.Optimizer):
+    """A torch optimizer whose state is sharded over the data-parallel communicator ``dp_comm``.
+
+    ``params``: tensors or param-group dicts, as for any torch optimizer (e.g. decay / no-decay groups).
+    ``optimizer_class`` + ``optimizer_kwargs``: the inner optimizer (applied to flat shards, so it must
+    be element-wise, like SGD/Adam/AdamW — not one that needs whole tensors such as LBFGS).
+    ``dp_comm``: an ``nxdt.comm.Communicator`` over the data-parallel ranks; None (or a group of size 1)
+    means no sharding — still useful for ``master_weights``.
+    ``model``: optional; when given, every parameter must belong to it (catches a stale parameter list).
+    ``master_weights``: keep an fp32 copy of the owned shard (the parameters stay in their compute dtype,
+    e.g. bf16); gradients are reduced in fp32, the fp32 shard is updated and cast when gathered back.
+    """
+
+    def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+                 dp_comm: Communicator | None = None, *, model: nn.Module | None = None, master_weights: bool = False,
+                 master_dtype: torch.dtype = torch.float32, **optimizer_kwargs: Any) -> None:
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise TypeError(f"Zero1Optimizer: optimizer_class must be a torch.optim.Optimizer subclass such as "
+                            f"torch.optim.AdamW (the class, not an instance); got {optimizer_class!r}")
+        if optimizer_class is Zero1Optimizer:
+            raise TypeError("Zero1Optimizer: optimizer_class cannot be Zero1Optimizer itself")
+        if dp_comm is not None and not isinstance(dp_comm, Communicator):
+            hint = " (a World: pass world.world or a communicator from world.new_communicator)" \
+                if hasattr(dp_comm, "new_communicator") else ""
+            raise TypeError(f"Zero1Optimizer: dp_comm must be an nxdt.comm.Communicator over the data-parallel ranks, "
+                            f"or None for no sharding; got {type(dp_comm).__module__}.{type(dp_comm).__name__}{hint}")
+        self.dp_comm = dp_comm
+        self.dp_size = dp_comm.size if dp_comm is not None else 1
+        self.dp_rank = dp_comm.rank if dp_comm is not None else 0
+        self.master_weights = bool(master_weights)
+        self.master_dtype = master_dtype
+
+        groups = self._normalise_groups(params, model)
+        self._buckets = self._build_buckets(groups)
+        if not self._buckets:
+            raise ValueError("Zero1Optimizer: no trainable parameters (every parameter has requires_grad=False)")
+        self._check_same_layout_on_every_rank()
+
+        inner_groups = [{**{k: v for k, v in groups[b.group_index].items() if k != "params"}, "params": [b.shard]}
+                        for b in self._buckets]
+        try:
+            self.inner = optimizer_class(inner_groups, **optimizer_kwargs)
+        except TypeError as exc:
+            raise TypeError(f"Zero1Optimizer: could not build {optimizer_class.__name__} with {optimizer_kwargs}: {exc}") from exc
+
+        # The outer param groups hold the model's parameters and the hyper-parameters a user (or an LR
+        # scheduler) edits; they are copied into the inner groups before every step.
+        self._building = True
+        super().__init__(groups, dict(self.inner.defaults))
+        self._building = False
+        self._grads_reduced = False
+
+    # ------------------------------------------------------------------------------ construction
+    def _normalise_groups(self, params: Iterable[Any], model: nn.Module | None) -> list[dict[str, Any]]:
+        if isinstance(params, torch.Tensor):
+            raise TypeError("Zero1Optimizer: params must be an iterable of tensors or of param-group dicts, not one tensor")
+        groups = list(params)
+        if not groups:
+            raise ValueError("Zero1Optimizer: got an empty parameter list")
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        names = {id(p): n for n, p in model.named_parameters()} if model is not None else None
+        seen: dict[int, tuple[int, int]] = {}
+        out = []
+        for gi, g in enumerate(groups):
+            if not isinstance(g, dict) or "params" not in g:
+                raise TypeError(f"Zero1Optimizer: param group {gi} must be a dict with a 'params' key; got {type(g).__name__}")
+            ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+            for pi, p in enumerate(ps):
+                where = f"param {pi} of group {gi} (shape {tuple(p.shape) if isinstance(p, torch.Tensor) else '?'})"
+                if not isinstance(p, torch.Tensor):
+                    raise TypeError(f"Zero1Optimizer: {where} is a {type(p).__name__}, not a tensor")
+                if not p.is_leaf:
+                    raise ValueError(f"Zero1Optimizer: {where} is not a leaf tensor; pass the model's parameters")
+                if names is not None and id(p) not in names:
+                    raise ValueError(f"Zero1Optimizer: {where} is not a parameter of the given model; build the groups "
+                                     f"from model.named_parameters() of the model being trained")
+                if id(p) in seen:
+                    raise ValueError(f"Zero1Optimizer: {where} appears twice (first as param {seen[id(p)][1]} of group "
+                                     f"{seen[id(p)][0]}); each parameter may belong to one group only")
+                if p.requires_grad and not p.dtype.is_floating_point:
+                    raise TypeError(f"Zero1Optimizer: {where} has dtype {p.dtype}; trainable parameters must be floating point")
+                seen[id(p)] = (gi, pi)
+            out.append({**g, "params": ps})
+        return out
+
+    def _build_buckets(self, groups: list[dict[str, Any]]) -> list[_Bucket]:
+        buckets: list[_Bucket] = []
+        index = 0
+        for gi, g in enumerate(groups):
+            by_kind: dict[tuple[torch.dtype, torch.device], list[tuple[int, nn.Parameter]]] = {}
+            for p in g["params"]:
+                if p.requires_grad:
+                    by_kind.setdefault((p.dtype, p.device), []).append((index, p))
+                index += 1
+            for (dtype, device), members in by_kind.items():
+                offsets, total = [], 0
+                for _, p in members:
+                    offsets.append(total)
+                    total += p.numel()
+                shard_size = max(1, math.ceil(total / self.dp_size))
+                flat = torch.zeros(shard_size * self.dp_size, dtype=dtype, device=device)
+                with torch.no_grad():
+                    for (_, p), off in zip(members, offsets):
+                        flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
+                        p.data = flat[off:off + p.numel()].view_as(p)  # the parameter now lives in the bucket
+                lo = self.dp_rank * shard_size
+                shard_dtype = self.master_dtype if self.master_weights else dtype
+                shard = nn.Parameter(flat[lo:lo + shard_size].detach().to(shard_dtype).clone())
+                buckets.append(_Bucket(gi, [p for _, p in members], [i for i, _ in members], offsets, total, shard_size,
+                                       flat, shard))
+        self._num_indices = index
+        return buckets
+
+    def _layout(self) -> list[tuple[Any, ...]]:
+        return [(b.group_index, str(b.flat.dtype), tuple(b.indices), tuple(tuple(p.shape) for p in b.params), b.shard_size)
+                for b in self._buckets]
+
+    def _check_same_layout_on_every_rank(self) -> None:
+        if self.dp_size == 1:
+            return
+        layouts = self.dp_comm.all_gather_object(self._layout())
+        bad = [r for r, lay in enumerate(layouts) if lay != layouts[0]]
+        if bad:
+            raise ValueError(f"Zero1Optimizer: the parameters differ across the data-parallel group '{self.dp_comm.name}': "
+                             f"group-ranks {bad} have a different set of param groups/shapes/dtypes than group-rank 0 "
+                             f"(every DP rank must hold the same model replica)")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not getattr(self, "_building", False):
+            raise NotImplementedError("Zero1Optimizer: parameters are fixed when the shards are built; create a new "
+                                      "Zero1Optimizer with all param groups instead of add_param_group")
+        super().add_param_group(param_group)
+
+    # ------------------------------------------------------------------------------ gradients
+    def reduce_gradients(self) -> None:
+        """Reduce-scatter (average over DP) every bucket's gradient into its owned shard; idempotent until
+        the next ``step``/``zero_grad``. Called by ``clip_grad_norm_`` and ``step``."""
+        if self._grads_reduced:
+            return
+        works = []
+        for b in self._buckets:
+            dtype = b.shard.dtype  # fp32 with master weights: reduce in fp32, never round to bf16 on the way
+            flat_grad = torch.zeros(b.padded, dtype=dtype, device=b.flat.device)
+            for p, off in zip(b.params, b.offsets):
+                if p.grad is not None:
+                    flat_grad[off:off + p.numel()].copy_(p.grad.reshape(-1))
+            if self.dp_size == 1:
+                b.shard.grad = flat_grad
+                continue
+            out = torch.empty(b.shard_size, dtype=dtype, device=b.flat.device)
+            works.append(self.dp_comm.reduce_scatter(out, flat_grad, op="avg", stream=DP_STREAM, async_op=True))
+            b.grad_buffers = [flat_grad]  # keep the input alive until the collective is done
+            b.shard.grad = out
+        for w in works:
+            w.wait()
+        for b in self._buckets:
+            b.grad_buffers = []
+        self._grads_reduced = True
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, extra_comms: Sequence[Communicator] = (), *, norm_type: float = 2.0,
+                        replicated: Callable[[torch.Tensor], bool] | None = None,
+                        weight: Callable[[torch.Tensor], float] | None = None) -> torch.Tensor:
+        """Clip the DP-averaged gradient by its global norm; return that norm (before clipping).
+
+        Equals ``torch.nn.utils.clip_grad_norm_`` on the single-process model. ``extra_comms``: groups over
+        which this rank's parameters are different pieces of the model (TP shards, PP stages); their squared
+        norms are summed there too. ``replicated(param) -> True`` marks parameters that are identical copies
+        across ``extra_comms`` (e.g. layer norms under TP): they are counted once (on rank 0 of each).
+        ``weight(param)`` (2-norm only) scales each parameter's squared norm instead, e.g. 1/TP for a copy
+        every TP rank holds (see ``nxdt.parallel.tensor_parallel.norm_weights``). ``norm_type``: 2.0 or inf.
+        """
+        if norm_type not in (2.0, math.inf):
+            raise ValueError(f"Zero1Optimizer.clip_grad_norm_: norm_type must be 2.0 or inf, got {norm_type}")
+        for c in extra_comms:
+            if not isinstance(c, Communicator):
+                raise TypeError(f"Zero1Optimizer.clip_grad_norm_: extra_comms must be nxdt.comm.Communicator objects; "
+                                f"got {type(c).__name__}")
+        self.reduce_gradients()
+        count_replicated = all(c.rank == 0 for c in extra_comms)
+        local = torch.zeros((), dtype=torch.float64)
+        for b in self._buckets:
+            g = b.shard.grad
+            for i, a, e in b.owned_segments(self.dp_rank):
+                if replicated is not None and not count_replicated and replicated(b.params[i]):
+                    continue
+                part = g[a:e].double()
+                if norm_type == math.inf:
+                    local = torch.maximum(local, part.abs().max())
+                else:
+                    local = local + part.square().sum() * (weight(b.params[i]) if weight is not None else 1.0)
+        total = local.float().reshape(1)
+        op = "max" if norm_type == math.inf else "sum"
+        for c in ([self.dp_comm] if self.dp_size > 1 else []) + list(extra_comms):
+            c.all_reduce(total, op)
+        norm = total[0] if norm_type == math.inf else total[0].sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # the same coefficient torch computes
+        for b in self._buckets:
+            b.shard.grad.mul_(coef.to(b.shard.grad.dtype))
+        return norm
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for b in self._buckets:
+            b.shard.grad = None
+        self._grads_reduced = False
+
+    # ------------------------------------------------------------------------------ step
+    def _sync_hyperparameters(self) -> None:
+        for b, inner in zip(self._buckets, self.inner.param_groups):
+            for k, v in self.param_groups[b.group_index].items():
+                if k != "params":
+                    inner[k] = v
+
+    def _gather_parameters(self) -> None:
+        works = []
+        for b in self._buckets:
+            src = b.shard.detach()
+            if src.dtype != b.flat.dtype:
+                src = src.to(b.flat.dtype)  # master fp32 → compute dtype, once per element
+            if self.dp_size == 1:
+                b.flat.copy_(src)
+            else:
+                works.append((self.dp_comm.all_gather(b.flat, src, stream=DP_STREAM, async_op=True), src))
+        for w, _ in works:
+            w.wait()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.reduce_gradients()
+        self._sync_hyperparameters()
+        self.inner.step()
+        self._gather_parameters()
+        for b in self._buckets:
+            b.shard.grad = None
+        self._grads_reduced = False
+        return loss
+
+    # ------------------------------------------------------------------------------ introspection
+    def state_nbytes(self) -> int:
+        """Bytes of inner-optimizer state held by this rank (moments, step counters)."""
+        return sum(v.numel() * v.element_size() for s in self.inner.state.values() for v in s.values()
+                   if isinstance(v, torch.Tensor))
+
+    def master_nbytes(self) -> int:
+        """Bytes of the owned master shards (a separate fp32 copy only with master_weights)."""
+        return sum(b.shard.numel() * b.shard.element_size() for b in self._buckets)
+
+    def _hyperparameters(self) -> list[dict[str, Any]]:
+        start, out = 0, []
+        for g in self.param_groups:
+            out.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(start, start + len(g["params"])))})
+            start += len(g["params"])
+        return out
+
+    def _all_gather_flat(self, shard: torch.Tensor, b: _Bucket) -> torch.Tensor:
+        full = torch.empty(b.padded, dtype=shard.dtype, device=shard.device)
+        if self.dp_size == 1:
+            full.copy_(shard)
+        else:
+            self.dp_comm.all_gather(full, shard.contiguous(), stream=DP_STREAM)
+        return full
+
+    @torch.no_grad()
+    def consolidated_master_weights(self, root: int | None = 0) -> dict[int, torch.Tensor] | None:
+        """{state-dict index: full tensor} of the weights the optimizer updates (the fp32 masters with
+        master_weights). Collective over DP; the result on ``root`` (every rank when None)."""
+        out = {}
+        for b in self._buckets:
+            full = self._all_gather_flat(b.shard.detach(), b)
+            for p, idx, off in zip(b.params, b.indices, b.offsets):
+                out[idx] = full[off:off + p.numel()].view(p.shape).clone()
+        return out if root is None or self.dp_rank == root else None
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard: inner optimizer state, master shards and the layout they belong to."""
+        return {"format": STATE_FORMAT, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
+                "master_weights": self.master_weights, "layout": self._layout(), "param_groups": self._hyperparameters(),
+                "inner": self.inner.state_dict(), "shards": [b.shard.detach().clone() for b in self._buckets]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a shard saved by ``state_dict`` (same layout and DP size), or a consolidated torch-format
+        state dict (any DP size). Collective over DP: the loaded weights are gathered into the parameters."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"Zero1Optimizer.load_state_dict: expected a dict, got {type(state_dict).__name__}")
+        if state_dict.get("format") != STATE_FORMAT:
+            if "state" in state_dict and "param_groups" in state_dict:
+                self.load_consolidated_state_dict(state_dict)
+                return
+            raise ValueError(f"Zero1Optimizer.load_state_dict: not a '{STATE_FORMAT}' shard nor a torch optimizer state dict "
+                             f"(keys {sorted(state_dict)[:6]})")
+        if state_dict["dp_size"] != self.dp_size or state_dict["dp_rank"] != self.dp_rank:
+            raise ValueError(f"Zero1Optimizer.load_state_dict: the shard was saved by DP rank {state_dict['dp_rank']} of "
+                             f"{state_dict['dp_size']}, this is DP rank {self.dp_rank} of {self.dp_size}; load the matching "
+                             f"shard, or a consolidated_state_dict() to change the data-parallel size")
+        if list(map(tuple, state_dict["layout"])) != self._layout():
+            raise ValueError("Zero1Optimizer.load_state_dict: the saved layout (param groups, shapes, dtypes) does not match "
+                             "this optimizer's parameters; was the model or its param groups changed?")
+        if bool(state_dict["master_weights"]) != self.master_weights:
+            raise ValueError(f"Zero1Optimizer.load_state_dict: saved with master_weights={state_dict['master_weights']}, "
+                             f"this optimizer has master_weights={self.master_weights}")
+        self._load_hyperparameters(state_dict["param_groups"])
+        self.inner.load_state_dict(state_dict["inner"])
+        for b, saved in zip(self._buckets, state_dict["shards"]):
+            b.shard.copy_(saved)
+        self._sync_hyperparameters()
+        self._gather_parameters()
+
+    def _load_hyperparameters(self, saved_groups: list[dict[str, Any]]) -> None:
+        if len(saved_groups) != len(self.param_groups) or any(
+                len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)):
+            raise ValueError(f"Zero1Optimizer.load_state_dict: saved param groups have sizes "
+                             f"{[len(s['params']) for s in saved_groups]}, this optimizer "
+                             f"{[len(g['params']) for g in self.param_groups]}")
+        for s, g in zip(saved_groups, self.param_groups):
+            g.update({k: v for k, v in s.items() if k != "params"})
+
+    @torch.no_grad()
+    def consolidated_state_dict(self, root: int | None = 0) -> dict[str, Any] | None:
+        """The full state, in the format (and with the values) of an unsharded ``optimizer_class.state_dict()``.
+        Collective over DP; returned on group-rank ``root`` (on every rank when None), None elsewhere."""
+        state: dict[int, dict[str, Any]] = {}
+        for b in self._buckets:
+            per_param: list[dict[str, Any]] = [{} for _ in b.params]
+            for key, val in self.inner.state.get(b.shard, {}).items():
+                if isinstance(val, torch.Tensor) and val.shape == b.shard.shape:
+                    full = self._all_gather_flat(val, b)
+                    for i, (p, off) in enumerate(zip(b.params, b.offsets)):
+                        per_param[i][key] = full[off:off + p.numel()].view(p.shape).clone()
+                else:  # step counters and other per-tensor scalars: the same for every param of the bucket
+                    for d in per_param:
+                        d[key] = val.clone() if isinstance(val, torch.Tensor) else val
+            for idx, d in zip(b.indices, per_param):
+                if d:
+                    state[idx] = d
+        if root is not None and self.dp_rank != root:
+            return None
+        return {"state": dict(sorted(state.items())), "param_groups": self._hyperparameters()}
+
+    @torch.no_grad()
+    def load_consolidated_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a torch-format (unsharded) state dict on any DP size: each rank keeps its slice. The master
+        shards are taken from the current parameters (restore the model's weights first). Collective over DP."""
+        self._load_hyperparameters(state_dict["param_groups"])
+        saved = state_dict["state"]
+        shapes = {idx: tuple(p.shape) for b in self._buckets for idx, p in zip(b.indices, b.params)}
+        for idx, s in saved.items():
+            for key, val in s.items():
+                if isinstance(val, torch.Tensor) and val.dim() > 0 and idx in shapes and tuple(val.shape) != shapes[idx]:
+                    raise ValueError(f"Zero1Optimizer.load_consolidated_state_dict: state '{key}' of parameter {idx} has "
+                                     f"shape {tuple(val.shape)}, the parameter {shapes[idx]}")
+        self.inner.state.clear()
+        lo = self.dp_rank
+        for b in self._buckets:
+            lo = self.dp_rank * b.shard_size
+            present = [saved[i] for i in b.indices if i in saved]
+            if not present:
+                continue
+            new: dict[str, Any] = {}
+            for key, val in present[0].items():
+                if isinstance(val, torch.Tensor) and val.dim() > 0:
+                    full = torch.zeros(b.padded, dtype=b.shard.dtype, device=b.flat.device)
+                    for p, idx, off in zip(b.params, b.indices, b.offsets):
+                        if idx in saved:
+                            full[off:off + p.numel()].copy_(saved[idx][key].reshape(-1))
+                    new[key] = full[lo:lo + b.shard_size].clone()
+                else:
+                    new[key] = val.clone() if isinstance(val, torch.Tensor) else val
+            self.inner.state[b.shard] = new
+        for b in self._buckets:
+            lo = self.dp_rank * b.shard_size
+            b.shard.copy_(b.flat[lo:lo + b.shard_size])
+        self._sync_hyperparameters()

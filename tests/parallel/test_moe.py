@@ -1,0 +1,243 @@
+"""nxdt.parallel.expert_parallel: Mixtral with experts split over EP = 2 ranks, each rank with its own tokens,
+equals the single-process model applied to each rank's tokens — logits, losses (with the aux loss), dense
+gradients, expert gradients (owner holds the sum over the ranks' per-batch gradients), the documented
+reduction (dense avg + ``reduce_expert_gradients``) = the gradient of the mean loss, and 5 AdamW steps;
+full activation checkpointing (bit-identical gradients); the raw dispatcher with crafted uneven splits (a
+rank sending nothing to a peer, an expert with no rows). On 4 ranks (EP 2 × expert-DP 2) the reduction
+with an expert-data-parallel group gives the gradient of the 4-rank mean loss. Bad input: one clear message.
+
+Every rank runs the single-process reference itself (same seed), so one spawned world checks everything.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+
+from nxdt.comm.spawn import run_local
+from nxdt.models.mixtral import MixtralForCausalLM, SparseMoeBlock, local_dispatch
+from nxdt.parallel.expert_parallel import (apply_expert_parallel, is_expert_parameter, reduce_expert_gradients,
+                                           split_expert_parameters)
+
+MOE = types.SimpleNamespace(num_experts=4, top_k=2, router_aux_loss_coef=0.05)
+CFG = types.SimpleNamespace(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2,
+                            ffn_hidden_size=48, max_position_embeddings=64, rope_theta=10000.0, norm_eps=1e-5,
+                            tie_word_embeddings=False, init_method_std=0.02, activations_checkpoint_granularity=None,
+                            moe=MOE)
+EP, BATCH, SEQ, STEPS, LR = 2, 2, 8, 5, 3e-3
+
+
+def _model() -> MixtralForCausalLM:
+    torch.manual_seed(0)
+    return MixtralForCausalLM(CFG)
+
+
+def _tokens(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s own micro-batch at ``step`` (different on every rank: EP subdivides DP)."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    ids = torch.randint(0, CFG.vocab_size, (BATCH, SEQ + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+
+
+def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max()) if a.numel() else 0.0
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> bool:
+    return bool(torch.allclose(a, b, rtol=rtol, atol=atol))
+
+
+def _ep_worker(world) -> dict:
+    rank = world.rank
+    ep = world.new_communicator(list(range(world.world_size)), "ep")
+    report: dict = {}
+
+    # ---- single-process reference: the full model on each rank's tokens, one backward per rank's batch
+    reference = _model()
+    ref_logits, ref_loss, ref_grads = [], [], []
+    for r in range(EP):
+        reference.zero_grad(set_to_none=True)
+        ids, labels = _tokens(r, 0)
+        logits = reference(ids)
+        loss = reference.loss_fn(logits, labels)
+        loss.backward()
+        ref_logits.append(logits.detach())
+        ref_loss.append(loss.item())
+        ref_grads.append(_grads(reference))
+
+    # ---- expert parallel: experts sliced from the same-seed full model
+    model = apply_expert_parallel(_model(), ep)
+    names = dict(model.named_parameters())
+    report["experts"] = [b.expert_ids for b in model.modules() if isinstance(b, SparseMoeBlock)]
+    report["expert_names_kept"] = all(n in dict(reference.named_parameters()) for n in names)
+    report["flagged"] = sorted(n for n, p in names.items() if is_expert_parameter(p)) == \
+        sorted(n for n in names if ".experts." in n)
+    ids, labels = _tokens(rank, 0)
+    logits = model(ids)
+    loss = model.loss_fn(logits, labels)
+    loss.backward()
+    report["logits_diff"] = _maxdiff(logits.detach(), ref_logits[rank])
+    report["loss"], report["ref_loss"] = loss.item(), ref_loss[rank]
+    grads = _grads(model)
+    bad = []
+    for n, g in grads.items():
+        want = sum(rg[n] for rg in ref_grads) if ".experts." in n else ref_grads[rank][n]
+        if not _close(g, want, 1e-5, 1e-7):
+            bad.append((n, _maxdiff(g, want)))
+    report["local_grad_mismatch"] = bad
+
+    # full activation checkpointing re-runs the exchanges during backward, in the same order on every rank
+    ckpt = apply_expert_parallel(_model(), ep)
+    ckpt.checkpoint_layers = True
+    ckpt.loss_fn(ckpt(ids), labels).backward()
+    report["checkpointed_grad_diff"] = max(_maxdiff(g, grads[n]) for n, g in _grads(ckpt).items())
+
+    # ---- the documented reduction: dense avg over DP (= the EP group here) + expert sum/DP → grad of mean loss
+    dense, experts = split_expert_parameters(model)
+    for p in dense:
+        ep.all_reduce(p.grad, "avg")
+    reduce_expert_gradients(model, data_parallel_size=EP)
+    bad = []
+    for n, p in model.named_parameters():
+        want = sum(rg[n] for rg in ref_grads) / EP
+        if not _close(p.grad, want, 1e-5, 1e-7):
+            bad.append((n, _maxdiff(p.grad, want)))
+    report["reduced_grad_mismatch"] = bad
+
+    # ---- 5 AdamW steps: EP (each rank its tokens) vs one process on the mean of the ranks' losses
+    model, reference = apply_expert_parallel(_model(), ep), _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
+    losses, ref_losses = [], []
+    for step in range(1, STEPS + 1):
+        opt.zero_grad(set_to_none=True)
+        ids, labels = _tokens(rank, step)
+        loss = model.loss_fn(model(ids), labels)
+        loss.backward()
+        dense, _ = split_expert_parameters(model)
+        for p in dense:
+            ep.all_reduce(p.grad, "avg")
+        reduce_expert_gradients(model, data_parallel_size=EP)
+        opt.step()
+        mean = loss.detach().clone()
+        ep.all_reduce(mean, "avg")
+        losses.append(float(mean))
+
+        ref_opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for r in range(EP):
+            ids_r, labels_r = _tokens(r, step)
+            ref_loss_r = reference.loss_fn(reference(ids_r), labels_r) / EP
+            ref_loss_r.backward()
+            total += ref_loss_r.item()
+        ref_opt.step()
+        ref_losses.append(total)
+    ref_params = dict(reference.named_parameters())
+    report["train_losses"], report["ref_train_losses"] = losses, ref_losses
+    report["train_param_mismatch"] = [(n, _maxdiff(p.detach(), ref_params[n].detach()))
+                                      for n, p in model.named_parameters()
+                                      if not _close(p.detach(), ref_params[n].detach(), 1e-4, 1e-6)]
+
+    # ---- the raw dispatcher, crafted uneven splits: rank 0 sends nothing to rank 1, expert 2 gets no rows
+    torch.manual_seed(1)
+    full_block = SparseMoeBlock(CFG)
+    holder = torch.nn.Module()
+    holder.block = copy.deepcopy(full_block)
+    apply_expert_parallel(holder, ep)
+    counts = torch.tensor([3, 1, 0, 0]) if rank == 0 else torch.tensor([0, 2, 0, 3])
+    g = torch.Generator().manual_seed(50 + rank)
+    rows = torch.randn(int(counts.sum()), CFG.hidden_size, generator=g)
+    upstream = torch.randn(rows.shape, generator=g)
+    rows_ep, rows_ref = rows.clone().requires_grad_(), rows.clone().requires_grad_()
+    out_ep = holder.block.dispatcher(holder.block, rows_ep, counts)
+    (out_ep * upstream).sum().backward()
+    out_ref = local_dispatch(full_block, rows_ref, counts)
+    (out_ref * upstream).sum().backward()
+    report["dispatch_out_diff"] = _maxdiff(out_ep.detach(), out_ref.detach())
+    report["dispatch_row_grad_diff"] = _maxdiff(rows_ep.grad, rows_ref.grad)
+    # owner's expert grads = sum over both ranks' reference grads: gather the reference grads of every rank
+    ref_expert = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel())
+                            for p in full_block.experts.parameters()])
+    ep.all_reduce(ref_expert, "sum")
+    offsets, off = {}, 0
+    for n, p in full_block.experts.named_parameters():
+        offsets[n] = (off, p.numel())
+        off += p.numel()
+    diffs = []
+    for n, p in holder.block.experts.named_parameters():
+        o, k = offsets[n]
+        got = p.grad.reshape(-1) if p.grad is not None else torch.zeros(k)
+        diffs.append(_maxdiff(got, ref_expert[o:o + k]))
+    report["dispatch_expert_grad_diff"] = max(diffs)
+    return report
+
+
+@pytest.mark.timeout(120)
+def test_expert_parallel_matches_single_process():
+    reports = run_local(_ep_worker, EP, timeout_s=110)
+    for rank, rep in enumerate(reports):
+        assert rep["experts"] == [[2 * rank, 2 * rank + 1]] * CFG.num_layers, rep["experts"]
+        assert rep["expert_names_kept"] and rep["flagged"]
+        assert rep["logits_diff"] < 1e-5, rep["logits_diff"]
+        assert rep["loss"] == pytest.approx(rep["ref_loss"], rel=1e-5)
+        assert not rep["local_grad_mismatch"], rep["local_grad_mismatch"]
+        assert rep["checkpointed_grad_diff"] == 0.0, rep["checkpointed_grad_diff"]
+        assert not rep["reduced_grad_mismatch"], rep["reduced_grad_mismatch"]
+        assert rep["train_losses"] == pytest.approx(rep["ref_train_losses"], rel=1e-4)
+        assert not rep["train_param_mismatch"], rep["train_param_mismatch"]
+        assert rep["dispatch_out_diff"] < 1e-6 and rep["dispatch_row_grad_diff"] < 1e-6
+        assert rep["dispatch_expert_grad_diff"] < 1e-6
+    assert reports[0]["loss"] != reports[1]["loss"]  # the ranks really had different tokens
+    assert reports[0]["train_losses"] == pytest.approx(reports[1]["train_losses"], rel=1e-6)
+
+
+def _ep_dp_worker(world) -> list:
+    """DP = 4 = EP 2 × expert-DP 2: EP groups {0,1}, {2,3}; expert-DP groups {0,2}, {1,3}."""
+    rank, size = world.rank, world.world_size
+    dp = world.new_communicator(list(range(size)), "dp")
+    eps = [world.new_communicator([0, 1], "ep0"), world.new_communicator([2, 3], "ep1")]
+    edps = [world.new_communicator([0, 2], "edp0"), world.new_communicator([1, 3], "edp1")]
+    ep, edp = eps[rank // 2], edps[rank % 2]
+    reference = _model()
+    for r in range(size):  # gradient of the mean of the four ranks' losses
+        ids_r, labels_r = _tokens(r, 7)
+        (reference.loss_fn(reference(ids_r), labels_r) / size).backward()
+    model = apply_expert_parallel(_model(), ep)
+    ids, labels = _tokens(rank, 7)
+    model.loss_fn(model(ids), labels).backward()
+    dense, _ = split_expert_parameters(model)
+    for p in dense:
+        dp.all_reduce(p.grad, "avg")
+    reduce_expert_gradients(model, data_parallel_size=dp.size, expert_dp_comm=edp)
+    want = dict(reference.named_parameters())
+    return [(n, _maxdiff(p.grad, want[n].grad)) for n, p in model.named_parameters()
+            if not _close(p.grad, want[n].grad, 1e-5, 1e-7)]
+
+
+@pytest.mark.timeout(120)
+def test_expert_gradients_with_expert_data_parallel_replicas():
+    assert run_local(_ep_dp_worker, 4, timeout_s=110) == [[], [], [], []]
+
+
+def test_expert_parallel_bad_input():
+    fake = types.SimpleNamespace(size=3, rank=0)
+    with pytest.raises(ValueError, match="num_experts=4 is not divisible by expert_model_parallel_size=3"):
+        apply_expert_parallel(_model(), fake)
+    with pytest.raises(ValueError, match="no MoE block"):
+        apply_expert_parallel(torch.nn.Linear(2, 2), types.SimpleNamespace(size=2, rank=0))
+    model = apply_expert_parallel(_model(), types.SimpleNamespace(size=2, rank=1))  # slicing needs no communication
+    assert [b.expert_ids for b in model.moe_blocks()] == [[2, 3]] * CFG.num_layers
+    with pytest.raises(ValueError, match="apply it once"):
+        apply_expert_parallel(model, types.SimpleNamespace(size=2, rank=1))
+    assert apply_expert_parallel(_model(), None).moe_blocks()[0].expert_ids == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        reduce_expert_gradients(model, 0)
+    # the full model's parameter count does not change when it holds a slice of the experts
+    assert model.num_parameters() == _model().num_parameters()

@@ -1,0 +1,286 @@
+"""nxdt.parallel.tensor_parallel against a single-process model of the same seed.
+
+Every spawned rank builds the reference model and the tensor-parallel one from the same seed, runs both on
+the same batch and checks: logits (vocab shards gathered), loss, every parameter gradient gathered to full
+shape, the gathered state dict, and 5 AdamW steps (same losses, same final full parameters). Cases: TP2
+(KV heads sharded), TP2 + sequence parallelism, TP2 with one KV head replicated and tied embeddings, TP4
+with 2 KV heads (each replicated on two ranks), with and without SP. The vocab-parallel cross-entropy is
+checked alone against F.cross_entropy, ignore_index included. Bad layouts fail with messages naming the
+module and the sizes, checked without processes.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nxdt.comm.spawn import run_local
+from nxdt.models.llama import LlamaForCausalLM
+from nxdt.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead,
+                                           apply_tensor_parallel, gather_from_tensor_parallel_region, gather_full_grads,
+                                           gather_full_state_dict, sync_replicated_grads, vocab_parallel_cross_entropy)
+
+BATCH, SEQ = 2, 8
+
+
+def config(**overrides) -> SimpleNamespace:
+    base = dict(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=64,
+                max_position_embeddings=64, rope_theta=10000.0, norm_eps=1e-5, tie_word_embeddings=False,
+                init_method_std=0.02, activations_checkpoint_granularity=None)
+    return SimpleNamespace(**{**base, **overrides})
+
+
+def batch(step: int, vocab: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
+    labels[0, :3] = -100  # ignored positions must not count in the mean
+    return ids, labels
+
+
+def build(cfg: SimpleNamespace) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # norms start at 1: perturb them so a wrong norm gradient or slicing cannot hide
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+    return model
+
+
+def close(actual, expected, what, rtol=1e-5, atol=1e-6):
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def _check_case(comm, overrides: dict, sequence_parallel: bool, steps: int) -> dict:
+    cfg = config(**overrides)
+    ref = build(cfg)
+    model = apply_tensor_parallel(build(cfg), comm, sequence_parallel=sequence_parallel)
+    tag = f"tp{comm.size} sp={sequence_parallel} {overrides}"
+
+    # the layout: what each rank holds
+    attn = model.layers[0].self_attn
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    kv_local = max(cfg.num_kv_heads // comm.size, 1) * head_dim
+    assert isinstance(attn.q_proj, ColumnParallelLinear) and isinstance(attn.o_proj, RowParallelLinear)
+    assert isinstance(model.embed_tokens, VocabParallelEmbedding) and isinstance(model.lm_head, VocabParallelHead)
+    assert attn.q_proj.weight.shape == (cfg.hidden_size // comm.size, cfg.hidden_size)
+    assert attn.k_proj.weight.shape == (kv_local, cfg.hidden_size), (tag, attn.k_proj.weight.shape)
+    assert model.lm_head.weight.shape == (cfg.vocab_size // comm.size, cfg.hidden_size)
+    assert model.tied == cfg.tie_word_embeddings
+    replicated_kv = comm.size > cfg.num_kv_heads
+    kv_rows = slice(None)
+    if replicated_kv:  # rank r holds the KV head its query heads use
+        kv_head = comm.rank // (comm.size // cfg.num_kv_heads)
+        kv_rows = slice(kv_head * head_dim, (kv_head + 1) * head_dim)
+        close(attn.k_proj.weight, ref.layers[0].self_attn.k_proj.weight[kv_rows], tag)
+    full = gather_full_state_dict(model, comm)
+    assert full.keys() == ref.state_dict().keys()
+    for name, value in ref.state_dict().items():
+        assert torch.equal(full[name], value), (tag, name)
+
+    # lr 1e-3: Adam normalises each update, so a weight whose gradient is ~0 turns fp32 rounding noise into an
+    # update of up to ~lr; at 1e-3 that stays inside atol 1e-6 while 5 steps still move every weight visibly
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    initial = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    losses = []
+    for step in range(max(steps, 1)):
+        ids, labels = batch(step, cfg.vocab_size)
+        opt_ref.zero_grad()
+        opt.zero_grad()
+        ref_logits = ref(ids)
+        ref_loss = ref.loss_fn(ref_logits, labels)
+        ref_loss.backward()
+        logits = model(ids)
+        assert logits.shape == (BATCH, SEQ, cfg.vocab_size // comm.size)
+        loss = model.loss_fn(logits, labels)
+        loss.backward()
+        synced = sync_replicated_grads(model, comm)
+        assert (synced > 0) == sequence_parallel, (tag, synced)
+        tol = dict(rtol=1e-5, atol=1e-6) if step == 0 else dict(rtol=1e-4, atol=1e-5)
+        close(loss, ref_loss, f"{tag} loss step {step}", **tol)
+        if step == 0:
+            close(gather_from_tensor_parallel_region(logits.detach(), comm), ref_logits.detach(), f"{tag} logits")
+            grads = gather_full_grads(model, comm)
+            ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+            assert grads.keys() == ref_grads.keys(), (tag, sorted(grads), sorted(ref_grads))
+            for name, g in ref_grads.items():
+                close(grads[name], g, f"{tag} grad {name}", atol=1e-7)
+            if replicated_kv:  # gathering keeps one replica per head: check this rank's own copy too
+                close(attn.v_proj.weight.grad, ref.layers[0].self_attn.v_proj.weight.grad[kv_rows], f"{tag} local KV grad", atol=1e-7)
+        losses.append(loss.item())
+        if steps:
+            opt_ref.step()
+            opt.step()
+    if steps:
+        full = gather_full_state_dict(model, comm)
+        for name, p in ref.named_parameters():
+            assert (p.detach() - initial[name]).abs().max() > 1e-3, (tag, name)  # the steps moved every weight
+        for name, value in ref.state_dict().items():
+            close(full[name], value, f"{tag} parameter {name} after {steps} AdamW steps", rtol=1e-4, atol=1e-6)
+        if replicated_kv:
+            close(attn.v_proj.weight, ref.layers[0].self_attn.v_proj.weight[kv_rows], f"{tag} local KV weight", rtol=1e-4)
+    return {"case": tag, "losses": losses}
+
+
+def _cross_entropy_alone(comm) -> None:
+    g = torch.Generator().manual_seed(7)
+    full = (torch.randn(3, 5, 64, generator=g) * 3).requires_grad_()
+    labels = torch.randint(0, 64, (3, 5), generator=g)
+    labels[1, 1:4] = -100
+    labels[2, 0] = 63  # the last id: lives on the last rank
+    ref = F.cross_entropy(full.reshape(-1, 64), labels.reshape(-1), ignore_index=-100)
+    ref.backward()
+    shard = full.detach().chunk(comm.size, -1)[comm.rank].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(shard, labels, comm)
+    loss.backward()
+    close(loss, ref, "vocab-parallel cross-entropy")
+    close(shard.grad, full.grad.chunk(comm.size, -1)[comm.rank], "vocab-parallel cross-entropy gradient")
+    # bf16 logits are reduced in fp32 as the model's loss does
+    loss16 = vocab_parallel_cross_entropy(shard.detach().bfloat16(), labels, comm)
+    close(loss16, F.cross_entropy(full.detach().bfloat16().float().reshape(-1, 64), labels.reshape(-1)), "bf16 logits")
+    every_ignored = torch.full((2, 3), -100)
+    assert torch.isnan(vocab_parallel_cross_entropy(shard[:2, :3].detach(), every_ignored, comm))
+    with pytest.raises(ValueError, match="must agree"):
+        vocab_parallel_cross_entropy(shard, labels[:, :4], comm)
+
+
+def _sequence_length_must_divide(comm) -> None:
+    model = apply_tensor_parallel(build(config()), comm, sequence_parallel=True)
+    with pytest.raises(ValueError, match="multiple of the tensor-parallel size"):
+        model(torch.zeros(1, 2 * comm.size + 1, dtype=torch.long))
+
+
+def _biased_mlp(comm) -> None:
+    """Column → row with biases (Llama has none): the column bias is sharded, the row bias replicated and,
+    under SP, summed over the sequence shards by sync_replicated_grads; input gradients too."""
+    for sequence_parallel in (False, True):
+        torch.manual_seed(1)
+        ref = _Toy({"up": "colwise", "down": "rowwise"})
+        torch.manual_seed(1)
+        toy = apply_tensor_parallel(_Toy({"up": "colwise", "down": "rowwise"}), comm, sequence_parallel=sequence_parallel)
+        x = torch.randn(2, 4 * comm.size, 4, generator=torch.Generator().manual_seed(5), requires_grad=True)
+        expected = ref(x)
+        (expected ** 2).sum().backward()
+        mine = x.detach().chunk(comm.size, 1)[comm.rank].clone() if sequence_parallel else x.detach().clone()
+        mine.requires_grad_()
+        out = toy(mine)
+        (out ** 2).sum().backward()
+        sync_replicated_grads(toy, comm)
+        tag = f"biased MLP sp={sequence_parallel}"
+        if sequence_parallel:
+            close(out, expected.detach().chunk(comm.size, 1)[comm.rank], tag)
+            close(mine.grad, x.grad.chunk(comm.size, 1)[comm.rank], f"{tag} input grad")
+        else:
+            close(out, expected.detach(), tag)
+            close(mine.grad, x.grad, f"{tag} input grad")
+        grads = gather_full_grads(toy, comm)
+        for name, p in ref.named_parameters():
+            close(grads[name], p.grad, f"{tag} grad {name}")
+    # gather_output: the full features on every rank, gradient flowing back to this rank's slice only
+    torch.manual_seed(1)
+    up = nn.Linear(4, 8)
+    col = ColumnParallelLinear.from_full(up, comm, gather_output=True)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(6))
+    close(col(x), up(x), "gather_output")
+    col(x).sum().backward()
+    up(x).sum().backward()
+    close(col.weight.grad, up.weight.grad.chunk(comm.size)[comm.rank], "gather_output weight grad")
+
+
+def _world(world, cases: list[tuple[dict, bool, int]], extras: bool) -> list[dict]:
+    comm = world.new_communicator(list(range(world.world_size)), "tp")
+    if extras:
+        _cross_entropy_alone(comm)
+        _sequence_length_must_divide(comm)
+        _biased_mlp(comm)
+    return [_check_case(comm, *case) for case in cases]
+
+
+@pytest.mark.timeout(120)
+def test_tp2_matches_single_process():
+    cases = [
+        ({}, False, 5),                                                  # KV heads sharded (2 heads, 2 ranks)
+        ({}, True, 5),                                                   # + sequence parallelism
+        ({"num_kv_heads": 1, "tie_word_embeddings": True}, True, 0),    # one KV head on both ranks; tied table
+        ({"activations_checkpoint_granularity": "full"}, True, 0),       # recompute in backward: same collectives
+    ]
+    results = run_local(_world, 2, cases, True, timeout_s=110)
+    assert [r["losses"] for r in results[0]] == [r["losses"] for r in results[1]]  # every rank computes the same loss
+
+
+@pytest.mark.timeout(120)
+def test_tp4_replicated_kv_heads_match_single_process():
+    # process start-up dominates (4 ranks on 2 cores); the cases themselves cost ~1 s
+    cases = [({"num_kv_heads": 2}, False, 0), ({"num_kv_heads": 2}, True, 5)]
+    results = run_local(_world, 4, cases, False, timeout_s=110)
+    assert len({tuple(r[0]["losses"]) for r in results}) == 1
+
+
+# ---------------------------------------------------------------------------------------------- no processes
+def fake_comm(size: int, rank: int = 0) -> SimpleNamespace:
+    """Building shards needs only the group's size and rank: layout errors are checked without a world."""
+    return SimpleNamespace(size=size, rank=rank)
+
+
+def test_shards_tile_the_full_weights():
+    cfg = config(num_kv_heads=1)
+    ref = build(cfg)
+    shards = [apply_tensor_parallel(build(cfg), fake_comm(2, r)) for r in range(2)]
+    q = torch.cat([s.layers[1].self_attn.q_proj.weight for s in shards])
+    o = torch.cat([s.layers[1].self_attn.o_proj.weight for s in shards], dim=1)
+    emb = torch.cat([s.embed_tokens.weight for s in shards])
+    assert torch.equal(q, ref.layers[1].self_attn.q_proj.weight)
+    assert torch.equal(o, ref.layers[1].self_attn.o_proj.weight)
+    assert torch.equal(emb, ref.embed_tokens.weight)
+    for s in shards:  # the single KV head is held whole by both ranks
+        assert torch.equal(s.layers[1].self_attn.v_proj.weight, ref.layers[1].self_attn.v_proj.weight)
+        assert torch.equal(s.norm.weight, ref.norm.weight)
+
+
+def test_layouts_that_cannot_be_split_fail_clearly():
+    with pytest.raises(ValueError, match=r"embed_tokens \(vocab_embedding\).*vocab size 64.*64 block\(s\) of 1.*3 tensor-parallel"):
+        apply_tensor_parallel(build(config()), fake_comm(3))
+    # 6 query heads split over 3 ranks, but 2 KV heads neither divide nor are divided by 3
+    cfg = config(vocab_size=66, hidden_size=36, num_attention_heads=6, num_kv_heads=2, ffn_hidden_size=48)
+    with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.k_proj \(colwise_kv:6\): 2 block\(s\) of 6.*multiple of"):
+        apply_tensor_parallel(build(cfg), fake_comm(3))
+    with pytest.raises(ValueError, match=r"q_proj \(colwise:8\): 4 block\(s\) of 8 along dim 0 cannot be split over 8"):
+        apply_tensor_parallel(build(config(vocab_size=64, ffn_hidden_size=64)), fake_comm(8))
+    with pytest.raises(TypeError, match="not a member"):
+        apply_tensor_parallel(build(config()), None)
+
+
+class _Toy(nn.Module):
+    def __init__(self, plan: dict[str, str]) -> None:
+        super().__init__()
+        self.up, self.down, self.plan = nn.Linear(4, 8), nn.Linear(8, 4), plan
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.up(x)))
+
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        return self.plan
+
+
+def test_bad_plans_fail_clearly():
+    with pytest.raises(TypeError, match="declares no tensor_parallel_plan"):
+        apply_tensor_parallel(nn.Linear(4, 4), fake_comm(2))
+    with pytest.raises(ValueError, match="style 'diagonal' unknown"):
+        apply_tensor_parallel(_Toy({"up": "diagonal"}), fake_comm(2))
+    with pytest.raises(ValueError, match=r"\['mlp\.\*'\] match no module"):
+        apply_tensor_parallel(_Toy({"up": "colwise", "mlp.*": "rowwise"}), fake_comm(2))
+    with pytest.raises(TypeError, match="style 'vocab_embedding' needs a torch.nn.Embedding"):
+        apply_tensor_parallel(_Toy({"up": "vocab_embedding"}), fake_comm(2))
+    with pytest.raises(ValueError, match="matches several entries"):
+        apply_tensor_parallel(_Toy({"up": "colwise", "u*": "colwise"}), fake_comm(2))
+    toy = apply_tensor_parallel(_Toy({"up": "colwise", "down": "rowwise"}), fake_comm(2, 1))
+    assert toy.up.weight.shape == (4, 4) and toy.up.bias.shape == (4,) and toy.down.weight.shape == (4, 4)
+    assert toy.down.bias.shape == (4,)  # row-parallel bias is replicated, added once after the reduction
+    with pytest.raises(TypeError, match="already parallelised"):
+        apply_tensor_parallel(toy, fake_comm(2, 1))
