@@ -119,7 +119,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(x)). Subclasses swap the feed-forward block
+    (``ffn_name`` keeps Hugging Face's attribute name, e.g. Mixtral's ``block_sparse_moe``)."""
+
+    ffn_name = "mlp"
 
     def __init__(self, cfg: Any) -> None:
         super().__init__()
@@ -127,11 +130,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.mlp = MLP(cfg)
+        self.add_module(self.ffn_name, self.make_ffn(cfg))
+
+    def make_ffn(self, cfg: Any) -> nn.Module:
+        return MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + getattr(self, self.ffn_name)(self.post_attention_layernorm(x))
 
 
 def check_config(cfg: Any) -> None:

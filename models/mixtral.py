@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from nxdt.models.llama import Attention, RMSNorm, _instance_or_static, _opt, check_config, rope_tables
+from nxdt.models.llama import DecoderLayer, RMSNorm, _instance_or_static, _opt, check_config, rope_tables
 
 MOE_DEFAULTS = {"num_experts": 8, "top_k": 2, "router_aux_loss_coef": 0.02}
 
@@ -178,20 +178,13 @@ class SparseMoeBlock(nn.Module):
         return out.reshape(shape)
 
 
-class MixtralDecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + moe(norm(x))."""
+class MixtralDecoderLayer(DecoderLayer):
+    """Llama's pre-norm block with the sparse MoE block as its feed-forward: x + attn(norm(x)), then + moe(norm(x))."""
 
-    def __init__(self, cfg: Any) -> None:
-        super().__init__()
-        eps = _opt(cfg, "norm_eps", 1e-5)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.block_sparse_moe = SparseMoeBlock(cfg)
+    ffn_name = "block_sparse_moe"
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.block_sparse_moe(self.post_attention_layernorm(x))
+    def make_ffn(self, cfg: Any) -> nn.Module:
+        return SparseMoeBlock(cfg)
 
 
 def check_moe_config(cfg: Any) -> None:
