@@ -194,12 +194,7 @@ def verify(path: str | os.PathLike, expect_model: dict[str, Any] | None = None) 
     """Everything that can be checked without loading tensors: the directory, the ``done`` marker,
     meta.json, the model it belongs to, and that every file is whole (a safetensors file's header
     states its exact length; trainer_state.pt is a zip archive with checksums). Raises CheckpointError."""
-    root = Path(path)
-    if not root.is_dir():
-        raise CheckpointError(f"checkpoint {root} does not exist or is not a directory — pass a checkpoints/step-<N> directory")
-    if not is_complete(root):
-        raise CheckpointError(f"checkpoint {root} is incomplete (no '{DONE_MARKER}' marker: its save was interrupted) — use an earlier one")
-    _check_model(root, expect_model)
+    root = _complete_dir(path, expect_model)
     for tensors in root.glob("*.safetensors"):
         _check_safetensors_length(tensors)
     states = sorted(root.glob("trainer_state*.pt"))
@@ -213,6 +208,17 @@ def verify(path: str | os.PathLike, expect_model: dict[str, Any] | None = None) 
             raise CheckpointError(f"checkpoint file {state} is damaged ({exc}) — use an earlier checkpoint") from None
         if bad is not None:
             raise CheckpointError(f"checkpoint file {state} is damaged (member {bad} fails its checksum) — use an earlier checkpoint")
+
+
+def _complete_dir(path: str | os.PathLike, expect_model: dict[str, Any] | None) -> Path:
+    """The checkpoint directory, if it exists, is committed (``done``) and belongs to the expected model."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint {root} does not exist or is not a directory — pass a checkpoints/step-<N> directory")
+    if not is_complete(root):
+        raise CheckpointError(f"checkpoint {root} is incomplete (no '{DONE_MARKER}' marker: its save was interrupted) — use an earlier one")
+    _check_model(root, expect_model)
+    return root
 
 
 def _check_safetensors_length(file: Path) -> None:
@@ -292,12 +298,7 @@ def load(path: str | os.PathLike, expect_model: dict[str, Any] | None = None, mo
     """Read a complete checkpoint directory back into a Lightning checkpoint dict (no arbitrary unpickling).
     ``expect_model``: model shape fields the checkpoint must have been saved with; ``model_file`` /
     ``state_file``: this rank's shard files (see ``NxDStrategy``)."""
-    root = Path(path)
-    if not root.is_dir():
-        raise CheckpointError(f"checkpoint {root} does not exist or is not a directory — pass a checkpoints/step-<N> directory")
-    if not is_complete(root):
-        raise CheckpointError(f"checkpoint {root} is incomplete (no '{DONE_MARKER}' marker: the save was interrupted) — resume from an earlier one")
-    _check_model(root, expect_model)
+    root = _complete_dir(path, expect_model)
     try:
         state = torch.load(root / state_file, map_location="cpu", weights_only=True)
         state["state_dict"] = load_file(str(root / model_file), device="cpu")
