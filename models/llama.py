@@ -165,13 +165,26 @@ class _instance_or_static:
         return functools.partial(self.fn, obj)
 
 
+def next_token_loss(head: nn.Module | None, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy in fp32, mean over tokens, -100 ignored; a vocabulary-sharding head (tensor
+    parallelism) computes it across its group."""
+    if getattr(head, "shards_vocab", False):
+        return head.cross_entropy(logits, labels, ignore_index=-100)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+
+
 class LlamaForCausalLM(nn.Module):
+    # what a family member (Mixtral) changes: its block, its config rules, its residual-branch outputs
+    layer_class: type[nn.Module] = DecoderLayer
+    check_config = staticmethod(check_config)
+    residual_outputs: tuple[str, ...] = ("o_proj.weight", "down_proj.weight")
+
     def __init__(self, cfg: Any) -> None:
         super().__init__()
-        check_config(cfg)
+        self.check_config(cfg)
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, _opt(cfg, "norm_eps", 1e-5))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if _opt(cfg, "tie_word_embeddings", False):
@@ -191,14 +204,14 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """normal(0, std) from torch's global RNG, in parameter order, so equal seeds give equal weights
-        in every process; residual-branch outputs (o_proj, down_proj) get std/√(2·layers) (GPT-2 style)
-        so the residual stream's scale does not grow with depth; norms start at 1."""
+        in every process; residual-branch outputs (``residual_outputs``: o_proj, down_proj) get
+        std/√(2·layers) (GPT-2 style) so the residual stream's scale does not grow with depth; norms start at 1."""
         std = _opt(self.cfg, "init_method_std", 0.02)
         out_std = std / math.sqrt(2 * self.cfg.num_layers)
         for name, p in self.named_parameters():  # a tied weight is listed (and drawn) once
             if p.ndim == 1:
                 p.fill_(1.0)
-            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            elif name.endswith(self.residual_outputs):
                 p.normal_(0.0, out_std)
             else:
                 p.normal_(0.0, std)
@@ -237,10 +250,7 @@ class LlamaForCausalLM(nn.Module):
 
         On a model whose head shards the vocabulary (tensor parallelism) the logits are [..., vocab/tp] and
         the head computes the loss across the group; called on the class, the plain unsharded loss."""
-        head = self.lm_head if self is not None else None
-        if getattr(head, "shards_vocab", False):
-            return head.cross_entropy(logits, labels, ignore_index=-100)
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+        return next_token_loss(self.lm_head if self is not None else None, logits, labels)
 
     def tensor_parallel_plan(self) -> dict[str, str]:
         """Submodule name patterns → tensor-parallel styles (see nxdt.parallel.tensor_parallel): attention and

@@ -50,15 +50,13 @@ Example::
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from nxdt.models.llama import DecoderLayer, RMSNorm, _instance_or_static, _opt, check_config, rope_tables
+from nxdt.models.llama import DecoderLayer, LlamaForCausalLM, _instance_or_static, _opt, check_config, next_token_loss
 
 MOE_DEFAULTS = {"num_experts": 8, "top_k": 2, "router_aux_loss_coef": 0.02}
 
@@ -198,73 +196,27 @@ def check_moe_config(cfg: Any) -> None:
         raise ValueError(f"model.moe.router_aux_loss_coef={moe_option(cfg, 'router_aux_loss_coef')} must be >= 0")
 
 
-class MixtralForCausalLM(nn.Module):
+class MixtralForCausalLM(LlamaForCausalLM):
+    """Llama with a sparse MoE block in every layer; the forward pieces (embed, run_layer, head) are Llama's."""
+
+    layer_class = MixtralDecoderLayer
+    check_config = staticmethod(check_moe_config)
+    residual_outputs = ("o_proj.weight", "w2.weight")  # every expert of the full model is drawn, so EP can slice it
+
     def __init__(self, cfg: Any) -> None:
-        super().__init__()
-        check_moe_config(cfg)
-        self.cfg = cfg
+        super().__init__(cfg)
         self.num_experts = int(moe_option(cfg, "num_experts"))
         self.top_k = int(moe_option(cfg, "top_k"))
         self.router_aux_loss_coef = float(moe_option(cfg, "router_aux_loss_coef"))
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(MixtralDecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, _opt(cfg, "norm_eps", 1e-5))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if _opt(cfg, "tie_word_embeddings", False):
-            self.lm_head.weight = self.embed_tokens.weight
-        cos, sin = rope_tables(cfg.hidden_size // cfg.num_attention_heads, cfg.max_position_embeddings,
-                               _opt(cfg, "rope_theta", 10000.0))
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        self.checkpoint_layers = _opt(cfg, "activations_checkpoint_granularity", None) == "full"
-        self.reset_parameters()
-
-    @property
-    def tied(self) -> bool:
-        return self.lm_head.weight is self.embed_tokens.weight
 
     def moe_blocks(self) -> list[SparseMoeBlock]:
         return [m for m in self.modules() if isinstance(m, SparseMoeBlock)]
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """As Llama's: normal(0, std) from the global RNG in parameter order (every expert of the full model
-        is drawn, so expert parallelism can slice a model built with the same seed); residual outputs
-        (o_proj, experts' w2) get std/√(2·layers); norms start at 1."""
-        std = _opt(self.cfg, "init_method_std", 0.02)
-        out_std = std / math.sqrt(2 * self.cfg.num_layers)
-        for name, p in self.named_parameters():
-            if p.ndim == 1:
-                p.fill_(1.0)
-            elif name.endswith(("o_proj.weight", "w2.weight")):
-                p.normal_(0.0, out_std)
-            else:
-                p.normal_(0.0, std)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [B, S] → hidden states [B, S, hidden]."""
-        if input_ids.shape[1] > self.rope_cos.shape[0]:
-            raise ValueError(f"sequence length {input_ids.shape[1]} exceeds model.max_position_embeddings={self.rope_cos.shape[0]}")
-        return self.embed_tokens(input_ids)
-
-    def run_layer(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """One decoder layer (full activation checkpointing if configured); records its router logits."""
-        if self.checkpoint_layers and torch.is_grad_enabled():
-            return checkpoint(layer, x, self.rope_cos, self.rope_sin, use_reentrant=False)
-        return layer(x, self.rope_cos, self.rope_sin)
-
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        """Final norm and output projection: hidden [B, S, hidden] → logits [B, S, vocab]."""
-        return self.lm_head(self.norm(x))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [B, S] → logits [B, S, vocab] (router logits kept on each block for the aux loss)."""
         for block in self.moe_blocks():
             block.router_logits = None  # a layer that does not run (another pipeline stage) adds nothing
-        x = self.embed(input_ids)
-        for layer in self.layers:
-            x = self.run_layer(layer, x)
-        return self.head(x)
+        return super().forward(input_ids)
 
     def router_logits(self) -> list[torch.Tensor]:
         """Router logits [tokens, experts] of every layer that ran in the last forward, in layer order."""
@@ -281,7 +233,7 @@ class MixtralForCausalLM(nn.Module):
     def loss_fn(self: "MixtralForCausalLM | None", logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Next-token cross-entropy (fp32, mean over tokens, -100 ignored); on an instance plus
         ``router_aux_loss_coef · aux_loss()`` of the forward that produced ``logits``."""
-        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+        ce = next_token_loss(self.lm_head if self is not None else None, logits, labels)
         if self is None or self.router_aux_loss_coef == 0 or not self.router_logits():
             return ce
         return ce + self.router_aux_loss_coef * self.aux_loss()
