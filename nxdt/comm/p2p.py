@@ -217,11 +217,16 @@ class Links:
     def close(self) -> None:
         for seg in self._in.values():
             seg.close()
-        for seg in self._out.values():
+        for peer, seg in self._out.items():
+            # A send completes once its data sits in the mailbox, so the receiver may not have read it yet
+            # (the sender can even exit first). Unlink only a drained mailbox; an unread one stays for the
+            # receiver and is removed with the run's other segments (cleanup_run / the next start).
+            drained = int(seg.header[W_ACKED]) >= self._sent.get(peer, 0)
             seg.close()
-            try:
-                os.unlink(seg.path)
-            except FileNotFoundError:
-                pass
+            if drained:
+                try:
+                    os.unlink(seg.path)
+                except FileNotFoundError:
+                    pass
         self._in.clear()
         self._out.clear()

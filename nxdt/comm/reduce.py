@@ -71,3 +71,25 @@ def reduce_into(out: torch.Tensor, parts: Sequence[torch.Tensor], op: str, divis
         _combine_(out, p, op)
     if op == "avg":
         out.div_(divisor)
+
+
+def reduce_own_into(out: torch.Tensor, parts: Sequence[torch.Tensor], own: int, op: str, divisor: int) -> None:
+    """Like ``reduce_into(out, parts, ...)`` where ``out`` already holds ``parts[own]``'s values (the
+    caller's tensor, whose copy sits in its shm slot): reads ``out`` instead of that part where the
+    member order allows, so members 0 and 1 reduce in place (two memory streams per operand, not
+    three). Every element still gets the same operation sequence in member order, so the bits equal
+    ``reduce_into``'s on every member (elementwise ops do not reassociate)."""
+    if out.numel() == 0:
+        return
+    if out.dtype in LOW_PRECISION or len(parts) < 2 or own > 1:
+        reduce_into(out, parts, op, divisor)
+        return
+    if own == 0:
+        rest = parts[1:]
+    else:
+        _BINARY[op](parts[0], out, out=out)
+        rest = parts[2:]
+    for p in rest:
+        _combine_(out, p, op)
+    if op == "avg":
+        out.div_(divisor)

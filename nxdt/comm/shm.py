@@ -13,7 +13,9 @@ peer is done with step ``s-2``, so no trailing barrier is needed. Each step's fi
 differ across ranks fail on every rank with the same clear error instead of hanging or corrupting.
 
 Waiting is spin → yield → futex on the progress word (see :mod:`nxdt.comm.waiting`); every store of
-a progress word is preceded by a fence and followed by a futex wake.
+a progress word is preceded by a fence. A member about to block in the futex says so in its
+``sleep`` word first, and a writer issues the wake syscall only when a peer's ``sleep`` word names
+it (fence between the progress store and that read): an uncontended step makes no syscall.
 """
 
 from __future__ import annotations
@@ -35,12 +37,13 @@ SHM_DIR = "/dev/shm"
 PREFIX = "nxdt-"
 HEADER_BYTES = 4096
 MAGIC = 0x6E786474  # "nxdt"
-DEFAULT_SLOT_BYTES = 2 << 20  # measured: 2 MB beat 0.5 and 1 MB at 1-64 MB
+DEFAULT_SLOT_BYTES = 4 << 20  # a 4 MB message in one step (one synchronisation); pages are committed only when touched
 
 # header words (int64). Words 0 and 1 (magic, creator pid) are what remove_stale_segments reads.
 W_MAGIC, W_PID, W_PROGRESS, W_SLOT_BYTES = 0, 1, 2, 3
 W_FP_DIGEST = 4     # two words: digest of each slot parity's fingerprint, compared on the hot path
 W_SENT, W_ACKED = 6, 7  # mailbox counters (see nxdt.comm.mailbox); spaced from PROGRESS on purpose
+W_SLEEP = 10        # 1 + index of the member whose progress word I block on in the kernel, else 0
 W_FINGERPRINT = 16  # two fingerprints (one per slot parity) of FP_WORDS words, for error messages
 FP_WORDS = 6
 
@@ -161,6 +164,7 @@ class ShmChannel:
         self.headers = [s.header for s in self.segments]
         self.progress_addr = [s.word_address(W_PROGRESS) for s in self.segments]
         self.peers = [i for i in range(len(self.ranks)) if i != my_index]
+        self._peer_headers = [self.headers[i] for i in self.peers]
         self._typed: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         self._fp: tuple | None = None
         self._fp_digest = 0
@@ -181,7 +185,8 @@ class ShmChannel:
             if not deadline:
                 deadline = time.monotonic() + self.timeout_s
             wait_word(headers[i], W_PROGRESS, milestone, self.progress_addr[i], deadline,
-                      lambda: self._timeout_error(members, milestone, what), lambda: self._check_health(members, milestone), self.spin)
+                      lambda: self._timeout_error(members, milestone, what), lambda: self._check_health(members, milestone), self.spin,
+                      (self.own.header, W_SLEEP, i + 1))
 
     def _missing(self, members: Sequence[int], milestone: int) -> list[int]:
         return [i for i in members if self.headers[i][W_PROGRESS] < milestone]
@@ -202,7 +207,12 @@ class ShmChannel:
     def _set_progress(self, value: int) -> None:
         fence()
         self.own.header[W_PROGRESS] = value
-        wake(self.progress_addr[self.me])
+        fence()  # the store before reading the sleep flags (pairs with the fence in wait_word)
+        mark = self.me + 1
+        for h in self._peer_headers:
+            if h[W_SLEEP] == mark:  # a futex wake is a syscall: only when a peer blocks on my word
+                wake(self.progress_addr[self.me])
+                return
 
     # -------------------------------------------------------------------------------- one step
     def begin(self, fingerprint: tuple[int, ...], op_desc: str) -> None:
@@ -237,6 +247,16 @@ class ShmChannel:
             self._typed[key] = view
         return view
 
+    def rows(self, member: int, dtype: torch.dtype, n: int, k: int) -> torch.Tensor:
+        """The first ``n * k`` elements of ``member``'s current slot as an ``(n, k)`` matrix (cached
+        like :meth:`typed`: all-to-all and reduce-scatter address one row per member)."""
+        key = (member, self.step & 1, dtype, -n, k)  # negative n: never equal to a typed() key
+        view = self._typed.get(key)
+        if view is None:
+            view = self.typed(member, dtype)[:n * k].view(n, k)
+            self._typed[key] = view
+        return view
+
     def publish(self) -> None:
         self._set_progress(3 * self.step + 1)
 
@@ -259,6 +279,22 @@ class ShmChannel:
                     f"nxdt.comm: group '{self.group}' seq/step {self.step}: rank {self.ranks[self.me]} called {self.op_desc} "
                     f"{describe_fingerprint(mine)} but rank {self.ranks[i]} called {describe_fingerprint(theirs)} — "
                     f"every member must issue the same collectives with the same op, dtype, count and root, in the same order")
+
+    def each_ready(self, members: Sequence[int], reduced: bool = False):
+        """Yield ``members`` once each has published (``reduced``: has its reduced slice), those
+        already there first: blocking on a slow member while a faster one's data sits ready would
+        waste the wait (matters when ranks outnumber cores and arrive in any order)."""
+        pending = list(members)
+        target = 3 * self.step + (2 if reduced else 1)
+        headers = self.headers
+        while pending:
+            i = next((j for j in pending if headers[j][W_PROGRESS] >= target), pending[0])
+            if reduced:
+                self.wait_reduced((i,))
+            else:
+                self.wait_published((i,))
+            pending.remove(i)
+            yield i
 
     def mark_reduced(self) -> None:
         self._set_progress(3 * self.step + 2)

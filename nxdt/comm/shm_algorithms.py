@@ -2,14 +2,19 @@
 
 On one host every member can read every other member's slot, so the fastest algorithms are direct:
 
-* all-reduce ``direct`` (small messages): everyone copies its chunk in, then every member reduces the
-  whole chunk from all slots in member order — one synchronisation, identical bits everywhere;
-* all-reduce ``slice`` (large messages): member ``i`` copies in only the slices *others* reduce,
-  reduces its own slice ``i`` straight into its tensor (reading the others' slots), publishes the
-  result and copies the others' reduced slices out — each byte reduced once, the least memory
-  traffic, two synchronisations;
-* all-gather / reduce-scatter / all-to-all / broadcast / reduce: publish, then each member takes
-  what it needs from each peer's slot as soon as that peer has published.
+* all-reduce ``direct`` (2 members at every size; 3+ members below 64 KB): everyone copies its chunk
+  in, then every member reduces the chunk from all slots in member order — one synchronisation,
+  identical bits everywhere. Members 0 and 1 reduce into their own tensor in place (it still holds
+  their contribution), which saves a memory stream per operand;
+* all-reduce ``slice`` (3+ members, large messages): member ``i`` copies in only the slices *others*
+  reduce, reduces its own slice ``i`` straight into its tensor (each peer's part as soon as that peer
+  has published), publishes the result and copies the others' reduced slices out as they become
+  ready — each byte reduced once, the least CPU when ranks share cores, two synchronisations;
+* all-gather / reduce-scatter / all-to-all / broadcast / reduce: each member writes what others
+  need into its slot once, in one step per slot-full, and every peer copies its part straight out.
+
+Why so few steps: on a 2-core host shared with other work, every synchronisation can cost a context
+switch (≈0.1 ms), more than copying a megabyte; see experiments/collectives-cpu/README.md.
 
 Every member checks every peer's fingerprint on every step, so a mismatched call fails everywhere.
 """
@@ -21,10 +26,14 @@ import math
 import torch
 
 from nxdt.comm.errors import CommMismatchError
-from nxdt.comm.reduce import check_op, dtype_code, reduce_into
+from nxdt.comm.reduce import LOW_PRECISION, _combine_ as combine_, check_op, dtype_code, reduce_into, reduce_own_into
 from nxdt.comm.shm import ShmChannel
 
-DIRECT_ALL_REDUCE_MAX_BYTES = 64 << 10
+DIRECT_ALL_REDUCE_MAX_BYTES = 64 << 10  # 3+ members: direct below, slice above
+# Direct all-reduce step size: the tensor chunk is read twice (copy-in, then the in-place reduce),
+# so it should still be in cache the second time. Measured at 4 MB, 2 ranks: 2 MB steps 575 µs,
+# 1 MB 618 µs, 4 MB 721 µs (one step, but the re-read misses L2).
+DIRECT_CHUNK_BYTES = 2 << 20
 
 OP_ALL_REDUCE, OP_ALL_GATHER, OP_REDUCE_SCATTER, OP_ALL_TO_ALL, OP_BROADCAST, OP_REDUCE, OP_SEND_RECV, OP_BARRIER, OP_A2A_SIZES = range(1, 10)
 
@@ -38,16 +47,13 @@ def _chunks(count: int, chunk: int):
         yield start, min(count, start + chunk)
 
 
-PIPELINE_MIN_BYTES = 128 << 10
-
-
 def _pipelined(ch: ShmChannel, count: int, elem: int, per_step_units: int = 1) -> int:
-    """Chunk length (elements) for pure data movement: about a quarter of the message (at least
-    128 KB, at most a slot), so one member's copy into its slot overlaps the others' copies out of
-    the previous chunk instead of the two running back to back."""
-    cap = ch.slot_bytes // (elem * per_step_units)
-    want = max(PIPELINE_MIN_BYTES // (elem * per_step_units), -(-count // 4))
-    return max(1, min(cap, want))
+    """Chunk length (elements) for pure data movement: as much as a slot holds. Splitting a message
+    that fits into smaller steps to overlap one member's copy-in with another's copy-out measured
+    1.5-2.5x slower at 1 MB on a shared 2-core host: each extra step is another synchronisation
+    (a possible context switch) and Python round trip, which costs more than the overlap buys.
+    Messages larger than a slot still pipeline across consecutive steps (double buffering)."""
+    return max(1, min(ch.slot_bytes // (elem * per_step_units), count))
 
 
 def _bounds(count: int, parts: int) -> list[tuple[int, int]]:
@@ -61,11 +67,14 @@ def all_reduce(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str = "auto"
     total = t.numel()
     fp = (OP_ALL_REDUCE + 100 * red, dtype_code(dtype), total, 0)
     desc = f"all_reduce({op})"
-    # decided per call from the (fingerprinted) count, so every member takes the same path
-    sliced = algorithm == "slice" or (algorithm != "direct" and total * t.element_size() > DIRECT_ALL_REDUCE_MAX_BYTES)
+    # decided per call from the (fingerprinted) count, so every member takes the same path. Two
+    # members: always direct — it moves about the same bytes as slice but synchronises once per
+    # step instead of twice, and on a loaded host every synchronisation can cost a context switch.
+    sliced = algorithm == "slice" or (algorithm != "direct" and n > 2 and total * t.element_size() > DIRECT_ALL_REDUCE_MAX_BYTES)
     peers = ch.peers
-    fast_pair = n == 2 and op == "sum" and dtype not in (torch.float16, torch.bfloat16)
-    for c0, c1 in _chunks(total, ch.slot_bytes // t.element_size()):
+    low = dtype in LOW_PRECISION  # fp32 accumulation needs every operand at once
+    chunk = ch.slot_bytes if sliced else min(ch.slot_bytes, DIRECT_CHUNK_BYTES)
+    for c0, c1 in _chunks(total, chunk // t.element_size()):
         k = c1 - c0
         dst = t if k == total else t[c0:c1]
         ch.begin(fp, desc)
@@ -74,10 +83,8 @@ def all_reduce(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str = "auto"
             ch.typed(me, dtype, k).copy_(dst)
             ch.publish()
             ch.wait_published()
-            if fast_pair:  # the common small case in one kernel call
-                torch.add(ch.typed(0, dtype, k), ch.typed(1, dtype, k), out=dst)
-            else:
-                reduce_into(dst, [ch.typed(i, dtype, k) for i in range(n)], op, n)
+            # dst still holds my contribution: members 0 and 1 reduce into it in place
+            reduce_own_into(dst, [ch.typed(i, dtype, k) for i in range(n)], me, op, n)
             ch.finish()
             continue
         bounds = _bounds(k, n)
@@ -85,14 +92,20 @@ def all_reduce(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str = "auto"
             lo, hi = bounds[j]
             mine[lo:hi].copy_(dst[lo:hi])
         ch.publish()
-        ch.wait_published()
         lo, hi = bounds[me]
         own = dst[lo:hi]
-        reduce_into(own, [own if i == me else ch.typed(i, dtype)[lo:hi] for i in range(n)], op, n)
+        if low:
+            ch.wait_published()
+            reduce_into(own, [own if i == me else ch.typed(i, dtype)[lo:hi] for i in range(n)], op, n)
+        else:  # reduce_into's order (own first, then the peers in member order), each peer as soon as it is there
+            for j in peers:
+                ch.wait_published((j,))
+                combine_(own, ch.typed(j, dtype)[lo:hi], op)
+            if op == "avg":
+                own.div_(n)
         mine[lo:hi].copy_(own)
         ch.mark_reduced()
-        for j in peers:  # take each peer's slice as soon as it is ready
-            ch.wait_reduced((j,))
+        for j in ch.each_ready(peers, reduced=True):  # take each peer's slice as soon as it is ready
             lo, hi = bounds[j]
             dst[lo:hi].copy_(ch.typed(j, dtype)[lo:hi])
         ch.finish()
@@ -102,16 +115,18 @@ def all_gather(ch: ShmChannel, out: torch.Tensor, inp: torch.Tensor) -> None:
     m, me, dtype = inp.numel(), ch.me, inp.dtype
     fp = (OP_ALL_GATHER, dtype_code(dtype), m, 0)
     in_place = out.data_ptr() + me * m * inp.element_size() == inp.data_ptr()
+    rows = out.view(ch.size, m) if m else None
     for c0, c1 in _chunks(m, _pipelined(ch, m, inp.element_size())):
         k = c1 - c0
+        whole = k == m and m > 0
+        src = inp if whole else inp[c0:c1]
         ch.begin(fp, "all_gather")
-        ch.typed(me, dtype, k).copy_(inp[c0:c1])
+        ch.typed(me, dtype, k).copy_(src)
         ch.publish()
-        if not in_place:
-            out[me * m + c0:me * m + c1].copy_(inp[c0:c1])
-        for j in ch.peers:
-            ch.wait_published((j,))
-            out[j * m + c0:j * m + c1].copy_(ch.typed(j, dtype, k))
+        if not in_place:  # our own block while the peers catch up
+            (rows[me] if whole else out[me * m + c0:me * m + c1]).copy_(src)
+        for j in ch.each_ready(ch.peers):
+            (rows[j] if whole else out[j * m + c0:j * m + c1]).copy_(ch.typed(j, dtype, k))
         ch.finish()
 
 
@@ -124,12 +139,14 @@ def reduce_scatter(ch: ShmChannel, out: torch.Tensor, inp: torch.Tensor, op: str
     for c0, c1 in _chunks(m, ch.slot_bytes // (inp.element_size() * n)):
         k = c1 - c0
         ch.begin(fp, desc)
-        mine = ch.typed(me, dtype)[:n * k].view(n, k)
+        whole = k == m
+        src = rows if whole else rows[:, c0:c1]
+        mine = ch.rows(me, dtype, n, k)
         for j in ch.peers:
-            mine[j].copy_(rows[j, c0:c1])
+            mine[j].copy_(src[j])
         ch.publish()
         ch.wait_published()
-        reduce_into(out[c0:c1], [rows[me, c0:c1] if i == me else ch.typed(i, dtype)[:n * k].view(n, k)[me] for i in range(n)], op, n)
+        reduce_into(out if whole else out[c0:c1], [src[me] if i == me else ch.rows(i, dtype, n, k)[me] for i in range(n)], op, n)
         ch.finish()
 
 
@@ -174,26 +191,30 @@ def barrier(ch: ShmChannel) -> None:
 
 def all_to_all_equal(ch: ShmChannel, out: torch.Tensor, inp: torch.Tensor) -> None:
     """Equal splits: one step per chunk of every destination's block; no split exchange (the
-    fingerprint already checks that every rank sends the same count)."""
+    fingerprint already checks that every rank sends the same count). Each member writes its
+    outgoing blocks once; every peer copies its own block straight out of that slot."""
     n, me, dtype = ch.size, ch.me, inp.dtype
     per = inp.numel() // n
     blocks_in, blocks_out = inp.view(n, per), out.view(n, per)
     fp = (OP_ALL_TO_ALL, dtype_code(dtype), inp.numel(), 1)
     same = out.data_ptr() == inp.data_ptr()
+    peers = ch.peers
     for c0, c1 in _chunks(per, _pipelined(ch, per, inp.element_size(), n)):
         k = c1 - c0
+        whole = k == per  # the common case: no per-row slicing (each view op costs ~1 µs of Python)
+        src = blocks_in if whole else blocks_in[:, c0:c1]
+        dst = blocks_out if whole else blocks_out[:, c0:c1]
         ch.begin(fp, "all_to_all")
-        mine = ch.typed(me, dtype)[:n * k].view(n, k)
-        for j in ch.peers:
-            mine[j].copy_(blocks_in[j, c0:c1])
+        mine = ch.rows(me, dtype, n, k)
+        for j in peers:
+            mine[j].copy_(src[j])
         ch.publish()
-        if not same:
-            blocks_out[me, c0:c1].copy_(blocks_in[me, c0:c1])
         if same:  # in place: our own input blocks must be safe in the slot before we overwrite them
             ch.wait_published()
-        for j in ch.peers:
-            ch.wait_published((j,))
-            blocks_out[j, c0:c1].copy_(ch.typed(j, dtype)[:n * k].view(n, k)[me])
+        else:  # our own block while the peers catch up
+            dst[me].copy_(src[me])
+        for j in ch.each_ready(peers):
+            dst[j].copy_(ch.rows(j, dtype, n, k)[me])
         ch.finish()
 
 

@@ -113,9 +113,14 @@ class SpinBudget:
 
 
 def wait_word(words, index: int, target: int, address: int, deadline: float, on_timeout: Callable[[], Exception],
-              check_health: Callable[[], None] | None, budget: SpinBudget) -> None:
+              check_health: Callable[[], None] | None, budget: SpinBudget, sleep_flag=None) -> None:
     """Return when ``words[index] >= target`` (an int64 numpy view of shared memory whose element
-    ``index`` lives at ``address``); raise ``on_timeout()`` after ``deadline`` (time.monotonic)."""
+    ``index`` lives at ``address``); raise ``on_timeout()`` after ``deadline`` (time.monotonic).
+
+    ``sleep_flag = (flags, i, value)``: store ``value`` in ``flags[i]`` (shared memory the writer
+    reads) while blocked in the futex and 0 after, so writers can skip the wake syscall when
+    nobody sleeps (see :func:`should_wake`). Store flag, fence, re-read the word — against the
+    writer's store word, fence, read flag — means one of the two always sees the other."""
     for _ in range(budget.checks):
         if words[index] >= target:
             budget.hit()
@@ -128,21 +133,34 @@ def wait_word(words, index: int, target: int, address: int, deadline: float, on_
             return
     sleep = 20e-6
     slices = 0
-    while True:
-        value = int(words[index])
-        if value >= target:
-            return
-        now = time.monotonic()
-        if now > deadline:
-            raise on_timeout()
-        slices += 1
-        if check_health is not None and slices % 8 == 0:
-            check_health()
-        if HAVE_FUTEX and policy.futex:
-            _futex_wait(address, value, min(SLICE_S, max(1e-4, deadline - now)))
-        else:
-            time.sleep(sleep)
-            sleep = min(sleep * 2, 1e-3)
+    use_futex = HAVE_FUTEX and policy.futex
+    flagged = False
+    try:
+        while True:
+            value = int(words[index])
+            if value >= target:
+                return
+            now = time.monotonic()
+            if now > deadline:
+                raise on_timeout()
+            slices += 1
+            if check_health is not None and slices % 8 == 0:
+                check_health()
+            if use_futex:
+                if sleep_flag is not None and not flagged:
+                    sleep_flag[0][sleep_flag[1]] = sleep_flag[2]
+                    flagged = True
+                    fence()
+                    value = int(words[index])  # re-read after announcing (see the docstring)
+                    if value >= target:
+                        return
+                _futex_wait(address, value, min(SLICE_S, max(1e-4, deadline - now)))
+            else:
+                time.sleep(sleep)
+                sleep = min(sleep * 2, 1e-3)
+    finally:
+        if flagged:
+            sleep_flag[0][sleep_flag[1]] = 0
 
 
 def wait_until(ready: Callable[[], bool], deadline: float, on_timeout: Callable[[], Exception],

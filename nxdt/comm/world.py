@@ -240,16 +240,19 @@ class Communicator:
                    async_op: bool = False, after: Any = None) -> Work | None:
         """Splits are numbers of rows (dim 0), as in torch's all_to_all_single; None = equal splits.
         ``algorithm``: auto | direct | pairwise."""
-        row = max(1, input[0].numel()) if input.dim() > 1 and input.shape[0] else (max(1, output[0].numel()) if output.dim() > 1 and output.shape[0] else 1)
         out, inp = _flat(output, "all_to_all output"), _flat(input, "all_to_all input")
+        equal = input_split_sizes is None and output_split_sizes is None
+        # elements per row: only split sizes (rows) need it; equal splits skip the view ops
+        row = 1 if equal else (max(1, input[0].numel()) if input.dim() > 1 and input.shape[0] else
+                               (max(1, output[0].numel()) if output.dim() > 1 and output.shape[0] else 1))
         in_splits = self._splits(input_split_sizes, inp.numel(), row, "input")
         out_splits = self._splits(output_split_sizes, out.numel(), row, "output")
-        equal = input_split_sizes is None and output_split_sizes is None
         if equal and out.numel() != inp.numel():
             raise ValueError(f"all_to_all on group '{self.name}': equal splits need output and input of the same size "
                              f"({out.numel()} vs {inp.numel()}); pass split sizes for uneven exchanges")
         name, _ = _parse_algorithm(algorithm, ("auto", "direct", "pairwise"))
-        aliased = out.numel() and inp.numel() and out.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr()
+        aliased = (not equal or self._generic(name)) and out.numel() and inp.numel() and \
+            out.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr()  # only the split paths clone
         if not self._generic(name):
             if equal:
                 fn = lambda: algo.all_to_all_equal(self._channel(stream, op="all_to_all"), out, inp)

@@ -114,6 +114,19 @@ def _matrix(world) -> str:
     a2a_out = torch.empty_like(a2a)
     comm.all_to_all(a2a_out, a2a)
     assert torch.equal(a2a_out, torch.arange(n, dtype=torch.float32).repeat_interleave(BIG // n))
+    # above the direct threshold: the slice all-reduce (3+ ranks; reduces each peer as it arrives)
+    # and the in-place direct one (members 0/1 reduce into their own tensor), forced both ways
+    mid = 40_000  # 80-320 KB: one slot, past DIRECT_ALL_REDUCE_MAX_BYTES
+    for dtype in (torch.float32, torch.bfloat16, torch.int32):
+        for op in OPS:
+            if op == "avg" and not dtype.is_floating_point:
+                continue
+            exp = _expected(mid, n, op, dtype)
+            for algorithm in ("auto", "slice", "direct"):
+                t = _pattern(mid, r, op, dtype)
+                comm.all_reduce(t, op, algorithm=algorithm)
+                assert torch.equal(t, exp), ("all_reduce", algorithm, dtype, op)
+                results.append(t)
     # send/recv around a ring, bf16 and int64
     for dtype in (torch.bfloat16, torch.int64):
         msg = torch.arange(1000).to(dtype) + r
