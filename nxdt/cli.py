@@ -27,6 +27,8 @@ commands:
                               measures this host for the cpu instance's plans
   sweep-report DIR            table and loss plot of a multirun directory
   checkpoint inspect DIR      step, layout, model and tensors of a checkpoint (checks it is whole)
+  checkpoint export-hf DIR OUT
+                              full Hugging Face safetensors from a (sharded) checkpoint; import with model.hf_checkpoint=DIR
 
 `nxdt train --help` lists every config group and key with its documentation.
 """
@@ -328,13 +330,21 @@ def cmd_sweep_report(argv: list[str]) -> int:
         return _fail(str(exc))
 
 
+CHECKPOINT_USAGE = ("usage: nxdt checkpoint inspect DIR | nxdt checkpoint export-hf DIR OUT   "
+                    "(DIR: a checkpoints/step-<N> directory; OUT: a Hugging Face model directory to write)")
+
+
 def cmd_checkpoint(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] != "inspect":
-        raise UsageError("usage: nxdt checkpoint inspect DIR   (a checkpoints/step-<N> directory)")
+    if not ((len(argv) == 2 and argv[0] == "inspect") or (len(argv) == 3 and argv[0] == "export-hf")):
+        raise UsageError(CHECKPOINT_USAGE)
     from nxdt.lightning.checkpoint import CheckpointError, describe
+    from nxdt.lightning.hf import export_hf
 
     try:
-        print(describe(argv[1]))
+        if argv[0] == "inspect":
+            print(describe(argv[1]))
+        else:
+            print(f"nxdt: wrote {export_hf(argv[1], argv[2])}")
     except CheckpointError as exc:
         return _fail(f"nxdt checkpoint: {exc}")
     return 0

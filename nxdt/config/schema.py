@@ -133,6 +133,7 @@ class ModelConfig:
     tie_word_embeddings: bool = doc(False, "share input embedding and output head")
     init_method_std: float = doc(0.02, "std of the normal weight init")
     activations_checkpoint_granularity: Optional[str] = doc(None, "full | selective | null")
+    hf_checkpoint: Optional[str] = doc(None, "initialise the weights from a Hugging Face checkpoint directory (*.safetensors, HF names)")
     moe: MoEConfig = doc(MoEConfig(), "mixture of experts (Mixtral); ignored by dense models")
     optim: OptimConfig = doc(OptimConfig(), "optimizer")
 

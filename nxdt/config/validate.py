@@ -143,6 +143,10 @@ def validate(cfg: Any) -> None:
                           f"the interleaved schedule needs micro-batches per step ({microbatches} = global / (micro × DP)) divisible by PP={pp}")
     if data.seq_length > model.max_position_embeddings:
         raise ConfigError("data.seq_length", data.seq_length, f"exceeds model.max_position_embeddings={model.max_position_embeddings}")
+    hf = model.hf_checkpoint
+    if hf is not None and not list(Path(hf).expanduser().glob("*.safetensors")):
+        raise ConfigError("model.hf_checkpoint", hf, "no *.safetensors files there; give a Hugging Face model directory saved "
+                          "with safetensors (save_pretrained(..., safe_serialization=True))")
     for key in ("data.train_dir", "data.tokenizer"):
         path = _get(cfg, key)
         if path is not None and not Path(path).expanduser().exists():

@@ -15,6 +15,7 @@ import torch
 import lightning.pytorch as pl
 
 from nxdt.config.validate import ALLOWED_MODEL_PREFIX
+from nxdt.lightning.hf import load_hf_weights
 from nxdt.lightning.optim import build_optimizer, build_scheduler
 
 
@@ -42,6 +43,8 @@ class CausalLMModule(pl.LightningModule):
         self.automatic_optimization = False  # one optimizer step per global batch, whatever the schedule
         self.model_cfg = model_cfg
         self.model = import_architecture(model_cfg.architecture)(model_cfg)
+        if getattr(model_cfg, "hf_checkpoint", None):  # every rank loads the full weights; parallelism slices them later
+            load_hf_weights(self.model, model_cfg.hf_checkpoint)
         self.tokens_per_step = global_batch_size * seq_length
         self.micro_batch_size = micro_batch_size
         self.gradient_clip_val = gradient_clip_val

@@ -38,7 +38,7 @@ import nxdt.comm
 from nxdt.lightning import checkpoint as ckpt_io
 from nxdt.parallel.expert_parallel import apply_expert_parallel, is_expert_parameter, reduce_expert_gradients
 from nxdt.parallel.pipeline import PipelineExecutor, build_chunks, interleaved_one_f_one_b, one_f_one_b
-from nxdt.parallel.tensor_parallel import apply_tensor_parallel, norm_weights, sync_replicated_grads
+from nxdt.parallel.tensor_parallel import apply_tensor_parallel, norm_weights, shard_layout, sync_replicated_grads
 from nxdt.parallel.zero1 import Zero1Optimizer
 from nxdt.planner import Plan, plan_layout
 
@@ -420,6 +420,9 @@ class NxDStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         model_file, state_file, writes_model, writes_state = self._shard_files()
         meta = {"degrees": dict(self.plan.degrees), "world_size": self.plan.world_size, "zero1": self._zero1, **self.checkpoint_meta}
+        if self.plan.degrees["tp"] > 1:  # how to reassemble full tensors from the TP shards (export, resharding)
+            layouts = self.world.world.all_gather_object(shard_layout(self.lightning_module.model))  # every stage's tensors
+            meta["tensor_parallel"] = {name: spec for layout in layouts for name, spec in layout.items()}
         if self.world_size == 1 or (model_file, state_file) == ("model.safetensors", "trainer_state.pt"):
             if self.is_global_zero:  # one copy of everything: the classic single-writer save
                 ckpt_io.save(checkpoint, filepath, meta=meta, before_commit=self.before_checkpoint_commit)

@@ -550,6 +550,18 @@ def sync_replicated_grads(model: nn.Module, tp_comm: Any) -> int:
     return len(replicated)
 
 
+def shard_layout(model: nn.Module) -> dict[str, list[int]]:
+    """``{parameter name: [dim, replicas]}`` for every tensor-parallel-sharded parameter (what a checkpoint
+    needs to reassemble full tensors from the TP ranks' files: concatenate along ``dim``, one copy per
+    ``replicas`` consecutive ranks)."""
+    layout = {}
+    for name, _ in model.named_parameters():
+        spec = _owner_spec(model, name)
+        if spec is not None:
+            layout[name] = [spec.dim, spec.replicas]
+    return layout
+
+
 def norm_weights(model: nn.Module, tp_size: int) -> dict[str, float]:
     """Per parameter, the factor that makes ``Σ_ranks Σ_params weight·‖grad‖²`` over the TP group the squared
     norm of the full model's gradient: 1 for a shard held once, 1/replicas for a shard several ranks hold,

@@ -1,0 +1,102 @@
+"""Hugging Face checkpoint interop for the model hub's Llama-family models.
+
+Our parameter names are Hugging Face's without its ``model.`` prefix (``lm_head`` has none), so:
+
+* import: ``model.hf_checkpoint=DIR`` loads ``DIR/*.safetensors`` into the full model on every rank before
+  tensor/pipeline parallelism slices it — any layout starts from the same weights;
+* export: ``nxdt checkpoint export-hf CKPT OUT`` reassembles a (TP × PP sharded) nxdt checkpoint into full
+  tensors — TP shards concatenated along the dimension recorded in ``meta.json``'s ``tensor_parallel``
+  layout, PP stages merged by name — and writes ``OUT/model.safetensors`` with HF names plus a
+  ``config.json``. Importing, training zero effective steps and exporting returns the original bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from nxdt.lightning.checkpoint import CheckpointError, read_meta, verify
+
+MODULE_PREFIX = "model."  # CausalLMModule holds the hub model as `model`
+
+
+def hf_name(name: str) -> str:
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def our_name(name: str) -> str:
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, directory: str | Path) -> None:
+    """Copy every tensor of a HF safetensors checkpoint into ``model`` (names and shapes must match exactly)."""
+    files = sorted(Path(directory).expanduser().glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model.hf_checkpoint={directory}: no *.safetensors files")
+    params = dict(model.named_parameters())
+    seen = set()
+    for file in files:
+        with safe_open(str(file), "pt") as fh:
+            for key in fh.keys():
+                name = our_name(key)
+                if name not in params:
+                    raise ValueError(f"model.hf_checkpoint={directory}: tensor {key} has no counterpart in {type(model).__name__}")
+                tensor = fh.get_tensor(key)
+                if tuple(tensor.shape) != tuple(params[name].shape):
+                    raise ValueError(f"model.hf_checkpoint={directory}: {key} has shape {list(tensor.shape)}, the configured model "
+                                     f"expects {list(params[name].shape)} — make the model config match the checkpoint's config.json")
+                params[name].copy_(tensor)
+                seen.add(name)
+    missing = sorted(set(params) - seen - {"lm_head.weight"} if getattr(model, "tied", False) else set(params) - seen)
+    if missing:
+        raise ValueError(f"model.hf_checkpoint={directory}: missing tensors {missing[:4]}{' …' if len(missing) > 4 else ''}")
+
+
+def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
+    """Write a full HF-named ``model.safetensors`` (+ ``config.json``) from an nxdt checkpoint directory."""
+    root = Path(checkpoint)
+    verify(root)
+    meta = read_meta(root)
+    degrees = meta.get("degrees", {})
+    tp, pp = degrees.get("tp", 1), degrees.get("pp", 1)
+    if degrees.get("ep", 1) > 1:
+        raise CheckpointError(f"checkpoint {root}: export-hf does not handle expert-parallel shards yet")
+    layout = meta.get("tensor_parallel", {})
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    for k in range(tp * pp):
+        file = root / ("model.safetensors" if tp * pp == 1 else f"model-mp{k}.safetensors")
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {root}: shard {file.name} is missing")
+        for name, tensor in load_file(str(file)).items():
+            pieces.setdefault(name, {})[k % tp] = tensor  # mp rank k = tp rank + TP · pp stage
+    full = {}
+    for name, by_tp in pieces.items():
+        short = name[len(MODULE_PREFIX):] if name.startswith(MODULE_PREFIX) else name
+        if short in layout:
+            dim, replicas = layout[short]
+            if len(by_tp) != tp:
+                raise CheckpointError(f"checkpoint {root}: {name} has {len(by_tp)} of {tp} tensor-parallel shards")
+            tensor = torch.cat([by_tp[r] for r in range(0, tp, replicas)], dim=dim)
+        else:
+            tensor = by_tp[min(by_tp)]
+        full[hf_name(short)] = tensor.contiguous()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(full, str(out / "model.safetensors"), metadata={"format": "pt"})
+    model = meta.get("model", {})
+    (out / "config.json").write_text(json.dumps(_hf_config(model), indent=2))
+    return out / "model.safetensors"
+
+
+def _hf_config(model: dict[str, Any]) -> dict[str, Any]:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": model.get("vocab_size"),
+            "hidden_size": model.get("hidden_size"), "num_hidden_layers": model.get("num_layers"),
+            "num_attention_heads": model.get("num_attention_heads"), "num_key_value_heads": model.get("num_kv_heads"),
+            "intermediate_size": model.get("ffn_hidden_size"), "torch_dtype": "float32"}
