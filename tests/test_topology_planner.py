@@ -233,3 +233,10 @@ def test_auto_ranks_valid_layouts_that_fit(capsys):
     assert main(["plan", "distributed_strategy=auto", "instance=trn1.32xlarge", "model=llama3_8b", "data.micro_batch_size=1",
                  "data.global_batch_size=64", "precision.type=mixed_precision", "distributed_strategy.zero1=true"]) == 0
     assert "run the best with" in capsys.readouterr().out
+
+
+def test_plan_sweeps_several_layouts(capsys):
+    assert main(["plan", "-m", "instance=trn1.32xlarge", "model=llama3_8b", "distributed_strategy.kv_replicator=4",
+                 "distributed_strategy.tensor_model_parallel_size=8,32", *BATCH]) == 0
+    out = capsys.readouterr().out
+    assert out.count("### ") == 2 and "TP8 PP1 CP1 EP1 DP4" in out and "TP32 PP1 CP1 EP1 DP1" in out
