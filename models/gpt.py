@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from nxdt.models.llama import _instance_or_static, _opt
+from nxdt.models.llama import DecoderOnlyLM, _opt
 
 
 class GPTAttention(nn.Module):
@@ -83,7 +83,7 @@ def check_gpt_config(cfg: Any) -> None:
         raise ValueError(f"model.activations_checkpoint_granularity={granularity!r}: GPTForCausalLM supports full or null")
 
 
-class GPTForCausalLM(nn.Module):
+class GPTForCausalLM(DecoderOnlyLM):
     def __init__(self, cfg: Any) -> None:
         super().__init__()
         check_gpt_config(cfg)
@@ -97,10 +97,6 @@ class GPTForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.checkpoint_layers = _opt(cfg, "activations_checkpoint_granularity", None) == "full"
         self.reset_parameters()
-
-    @property
-    def tied(self) -> bool:
-        return self.lm_head.weight is self.embed_tokens.weight
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -129,21 +125,6 @@ class GPTForCausalLM(nn.Module):
         if self.checkpoint_layers and torch.is_grad_enabled():
             return checkpoint(layer, x, use_reentrant=False)
         return layer(x)
-
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(x))
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [B, S] → logits [B, S, vocab]."""
-        x = self.embed(input_ids)
-        for layer in self.layers:
-            x = self.run_layer(layer, x)
-        return self.head(x)
-
-    @_instance_or_static
-    def loss_fn(self: "GPTForCausalLM | None", logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Next-token cross-entropy in fp32, mean over tokens; labels already shifted, -100 ignored."""
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Distinct parameters (a tied embedding counts once). ``exclude_embeddings`` drops the lookup

@@ -173,7 +173,36 @@ def next_token_loss(head: nn.Module | None, logits: torch.Tensor, labels: torch.
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
 
-class LlamaForCausalLM(nn.Module):
+class DecoderOnlyLM(nn.Module):
+    """What every hub model shares: the forward as embed → run_layer per layer → head, and the loss.
+    Subclasses provide ``embed_tokens``, ``layers``, ``norm``, ``lm_head``, ``embed`` and ``run_layer``."""
+
+    @property
+    def tied(self) -> bool:
+        return self.lm_head.weight is self.embed_tokens.weight
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and output projection: hidden [B, S, hidden] → logits [B, S, vocab]."""
+        return self.lm_head(self.norm(x))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, S] → logits [B, S, vocab]."""
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = self.run_layer(layer, x)
+        return self.head(x)
+
+    @_instance_or_static
+    def loss_fn(self: "DecoderOnlyLM | None", logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Next-token cross-entropy in fp32, mean over tokens. Labels are already shifted by the data
+        pipeline (labels[t] is the token after input_ids[t]); positions labelled -100 are ignored.
+
+        On a model whose head shards the vocabulary (tensor parallelism) the logits are [..., vocab/tp] and
+        the head computes the loss across the group; called on the class, the plain unsharded loss."""
+        return next_token_loss(self.lm_head if self is not None else None, logits, labels)
+
+
+class LlamaForCausalLM(DecoderOnlyLM):
     # what a family member (Mixtral) changes: its block, its config rules, its residual-branch outputs
     layer_class: type[nn.Module] = DecoderLayer
     check_config = staticmethod(check_config)
@@ -196,10 +225,6 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.checkpoint_layers = _opt(cfg, "activations_checkpoint_granularity", None) == "full"
         self.reset_parameters()
-
-    @property
-    def tied(self) -> bool:
-        return self.lm_head.weight is self.embed_tokens.weight
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -231,26 +256,6 @@ class LlamaForCausalLM(nn.Module):
         if self.checkpoint_layers and torch.is_grad_enabled():
             return checkpoint(layer, x, cos, sin, use_reentrant=False)
         return layer(x, cos, sin)
-
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        """Final norm and output projection: hidden [B, S, hidden] → logits [B, S, vocab]."""
-        return self.lm_head(self.norm(x))
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [B, S] → logits [B, S, vocab]."""
-        x = self.embed(input_ids)
-        for layer in self.layers:
-            x = self.run_layer(layer, x)
-        return self.head(x)
-
-    @_instance_or_static
-    def loss_fn(self: "LlamaForCausalLM | None", logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Next-token cross-entropy in fp32, mean over tokens. Labels are already shifted by the data
-        pipeline (labels[t] is the token after input_ids[t]); positions labelled -100 are ignored.
-
-        On a model whose head shards the vocabulary (tensor parallelism) the logits are [..., vocab/tp] and
-        the head computes the loss across the group; called on the class, the plain unsharded loss."""
-        return next_token_loss(self.lm_head if self is not None else None, logits, labels)
 
     def tensor_parallel_plan(self) -> dict[str, str]:
         """Submodule name patterns → tensor-parallel styles (see nxdt.parallel.tensor_parallel): attention and
