@@ -56,23 +56,33 @@ def _checkpoint_copy(reference: Path, tmp_path: Path) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("damage,needle", [
+DAMAGES = [
     (lambda d: (d / "done").unlink(), "incomplete"),
     (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-100]), "truncated"),
     (lambda d: (d / "trainer_state.pt").write_bytes(b"garbage"), "damaged"),
     (lambda d: (d / "meta.json").write_text(json.dumps({**json.loads((d / "meta.json").read_text()),
                                                         "model": {"hidden_size": 999}})), "another model"),
     (lambda d: shutil.rmtree(d), "does not exist"),
-])
-def test_bad_checkpoints_are_one_line_before_any_worker(tmp_path, reference, damage, needle):
-    ckpt = _checkpoint_copy(reference, tmp_path)
-    damage(ckpt)
-    result = nxdt("train", *COMMON, f"exp_manager.resume_from_checkpoint={ckpt}", f"exp_manager.explicit_log_dir={tmp_path / 'r'}",
-                  cwd=tmp_path, timeout=60)
-    assert result.returncode == 2, result.stderr
-    err = result.stderr.strip()
-    assert needle in err and len(err.splitlines()) == 1 and "exp_manager.resume_from_checkpoint" in err
-    assert not (tmp_path / "r").exists()  # no run directory, no worker
+]
+
+
+def test_bad_checkpoints_are_one_line_before_any_worker(tmp_path, reference, capsys):
+    """Damaged copies of a real trained checkpoint, each refused in the launcher (in-process: the check
+    runs before any worker, so a subprocess per case would only add interpreter start-up time)."""
+    from nxdt.cli import main
+
+    failures = []
+    for i, (damage, needle) in enumerate(DAMAGES):
+        ckpt = shutil.copytree(reference / "checkpoints/step-5", tmp_path / f"step-5-{i}")
+        damage(ckpt)
+        run_dir = tmp_path / f"r{i}"
+        code = main(["train", *COMMON, f"exp_manager.resume_from_checkpoint={ckpt}", f"exp_manager.explicit_log_dir={run_dir}"])
+        err = capsys.readouterr().err.strip()
+        if code != 2 or needle not in err or len(err.splitlines()) != 1 or "exp_manager.resume_from_checkpoint" not in err:
+            failures.append(f"{needle}: exit {code}, stderr {err!r}")
+        if run_dir.exists():  # no run directory, no worker
+            failures.append(f"{needle}: {run_dir} was created")
+    assert not failures, "\n".join(failures)
 
 
 def test_resume_from_a_named_checkpoint_continues_exactly(tmp_path, reference):
