@@ -268,11 +268,13 @@ class LlamaForCausalLM(DecoderOnlyLM):
             "layers.*.self_attn.k_proj": f"colwise_kv:{head_dim}",
             "layers.*.self_attn.v_proj": f"colwise_kv:{head_dim}",
             "layers.*.self_attn.o_proj": f"rowwise:{head_dim}",
-            "layers.*.mlp.gate_proj": "colwise",
-            "layers.*.mlp.up_proj": "colwise",
-            "layers.*.mlp.down_proj": "rowwise",
+            **self.ffn_tensor_parallel_plan(),
             "lm_head": "vocab_head",
         }
+
+    def ffn_tensor_parallel_plan(self) -> dict[str, str]:
+        """The feed-forward block's part of the plan (a family member with another block overrides it)."""
+        return {"layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Distinct parameters (a tied embedding counts once). ``exclude_embeddings`` drops the input

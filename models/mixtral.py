@@ -138,6 +138,9 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, self.num_experts, bias=False)
         self.experts = nn.ModuleDict({str(e): Expert(cfg.hidden_size, cfg.ffn_hidden_size) for e in range(self.num_experts)})
         self.dispatcher: Callable[["SparseMoeBlock", torch.Tensor, torch.Tensor], torch.Tensor] = local_dispatch
+        # set by tensor parallelism (nxdt.parallel.tensor_parallel.TokenRegion): where the block's token rows
+        # enter and leave the sharded experts; None runs everything here
+        self.tensor_parallel_region: Any = None
         self._last_router_logits = _Transient()
 
     @property
@@ -163,8 +166,11 @@ class SparseMoeBlock(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         logits = self.gate(flat)
-        self.router_logits = logits
+        region = self.tensor_parallel_region
+        self.router_logits = region.replicated(logits) if region is not None else logits
         weights, experts = route(logits, self.top_k)
+        if region is not None:  # the router stays outside: experts see every token, their outputs are partial sums
+            flat, weights, experts = region.enter(flat), region.enter(weights), region.gather_ids(experts)
         # one row per (token, slot), sorted by expert id (stable: tokens keep their order within an expert)
         slot_expert = experts.reshape(-1)
         order = torch.argsort(slot_expert, stable=True)
@@ -173,6 +179,8 @@ class SparseMoeBlock(nn.Module):
         out_rows = self.dispatcher(self, flat[token_of_row], counts)
         out_rows = out_rows * weights.reshape(-1)[order].unsqueeze(-1).to(out_rows.dtype)
         out = torch.zeros_like(flat).index_add(0, token_of_row, out_rows.to(flat.dtype))
+        if region is not None:
+            out = region.exit(out)
         return out.reshape(shape)
 
 
@@ -208,6 +216,16 @@ class MixtralForCausalLM(LlamaForCausalLM):
         self.num_experts = int(moe_option(cfg, "num_experts"))
         self.top_k = int(moe_option(cfg, "top_k"))
         self.router_aux_loss_coef = float(moe_option(cfg, "router_aux_loss_coef"))
+
+    def ffn_tensor_parallel_plan(self) -> dict[str, str]:
+        """Experts as column (w1, w3) → row (w2) pairs inside one token region per block (one reduction per
+        block, not per expert); the router stays replicated."""
+        return {
+            "layers.*.block_sparse_moe": "token_region",
+            "layers.*.block_sparse_moe.experts.*.w1": "colwise_in_region",
+            "layers.*.block_sparse_moe.experts.*.w3": "colwise_in_region",
+            "layers.*.block_sparse_moe.experts.*.w2": "rowwise_partial",
+        }
 
     def moe_blocks(self) -> list[SparseMoeBlock]:
         return [m for m in self.modules() if isinstance(m, SparseMoeBlock)]

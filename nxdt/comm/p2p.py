@@ -63,6 +63,7 @@ class Links:
         self._recvd: dict[int, int] = {}
         self.desc = "send/recv"
         self.spin = SpinBudget(comm.world.wait_policy)
+        self.pacer = None  # nxdt.comm.emulate.Pacer: each exchange is one step
 
     # -------------------------------------------------------------------------------- shm mailboxes
     def _path(self, src: int, dst: int) -> str:
@@ -208,6 +209,9 @@ class Links:
                 self._shm_exchange(local_sends, local_recvs)
             for w in works:
                 w.wait()
+            if self.pacer is not None:  # full duplex: a step costs the larger direction
+                self.pacer.step(max(sum(t.numel() * t.element_size() for _, t in sends),
+                                    sum(t.numel() * t.element_size() for _, t in recvs)))
         except RuntimeError as exc:
             if isinstance(exc, (CommTimeoutError, CommMismatchError, PeerDiedError)):
                 raise

@@ -170,6 +170,7 @@ class ShmChannel:
         self._fp_digest = 0
         self._fp_written: list[tuple | None] = [None, None]
         self.spin = SpinBudget(wait)
+        self.pacer = None  # nxdt.comm.emulate.Pacer: link emulation / stream priority after each step, if any
 
     @property
     def size(self) -> int:
@@ -302,9 +303,12 @@ class ShmChannel:
     def wait_reduced(self, members: Sequence[int] | None = None) -> None:
         self._wait(self.peers if members is None else members, 3 * self.step + 2, "the reduced slice")
 
-    def finish(self) -> None:
+    def finish(self, wire_bytes: int = 0, hops: int = 1) -> None:
+        """End the step; ``wire_bytes``/``hops``: what the step moves in the cost model (for a pacer)."""
         self._set_progress(3 * self.step + 3)
         self.step += 1
+        if self.pacer is not None:  # a chunk boundary: emulated wire time, then the priority rule
+            self.pacer.step(wire_bytes, hops)
 
     def slot_of(self, member: int) -> torch.Tensor:
         return self.segments[member].slot(self.step)

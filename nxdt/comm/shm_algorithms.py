@@ -17,6 +17,8 @@ Why so few steps: on a 2-core host shared with other work, every synchronisation
 switch (≈0.1 ms), more than copying a megabyte; see experiments/collectives-cpu/README.md.
 
 Every member checks every peer's fingerprint on every step, so a mismatched call fails everywhere.
+Each step ends with ``ch.finish(bytes, hops)``, the step's traffic in the cost model: a channel with
+a pacer (emulated link, stream priority; :mod:`nxdt.comm.emulate`) waits or yields there.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def all_reduce(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str = "auto"
             ch.wait_published()
             # dst still holds my contribution: members 0 and 1 reduce into it in place
             reduce_own_into(dst, [ch.typed(i, dtype, k) for i in range(n)], me, op, n)
-            ch.finish()
+            ch.finish(2 * (n - 1) * k * t.element_size() // n, 2)  # cost model: reduce-scatter + all-gather terms
             continue
         bounds = _bounds(k, n)
         for j in peers:
@@ -108,7 +110,7 @@ def all_reduce(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str = "auto"
         for j in ch.each_ready(peers, reduced=True):  # take each peer's slice as soon as it is ready
             lo, hi = bounds[j]
             dst[lo:hi].copy_(ch.typed(j, dtype)[lo:hi])
-        ch.finish()
+        ch.finish(2 * (n - 1) * k * t.element_size() // n, 2)
 
 
 def all_gather(ch: ShmChannel, out: torch.Tensor, inp: torch.Tensor) -> None:
@@ -127,7 +129,7 @@ def all_gather(ch: ShmChannel, out: torch.Tensor, inp: torch.Tensor) -> None:
             (rows[me] if whole else out[me * m + c0:me * m + c1]).copy_(src)
         for j in ch.each_ready(ch.peers):
             (rows[j] if whole else out[j * m + c0:j * m + c1]).copy_(ch.typed(j, dtype, k))
-        ch.finish()
+        ch.finish((ch.size - 1) * k * inp.element_size())
 
 
 def reduce_scatter(ch: ShmChannel, out: torch.Tensor, inp: torch.Tensor, op: str) -> None:
@@ -147,7 +149,7 @@ def reduce_scatter(ch: ShmChannel, out: torch.Tensor, inp: torch.Tensor, op: str
         ch.publish()
         ch.wait_published()
         reduce_into(out if whole else out[c0:c1], [src[me] if i == me else ch.rows(i, dtype, n, k)[me] for i in range(n)], op, n)
-        ch.finish()
+        ch.finish((n - 1) * k * inp.element_size())
 
 
 def broadcast(ch: ShmChannel, t: torch.Tensor, root: int) -> None:
@@ -161,7 +163,7 @@ def broadcast(ch: ShmChannel, t: torch.Tensor, root: int) -> None:
         ch.wait_published()
         if ch.me != root:
             t[c0:c1].copy_(ch.typed(root, t.dtype, c1 - c0))
-        ch.finish()
+        ch.finish((c1 - c0) * t.element_size())
 
 
 def reduce(ch: ShmChannel, t: torch.Tensor, root: int, op: str) -> None:
@@ -179,7 +181,7 @@ def reduce(ch: ShmChannel, t: torch.Tensor, root: int, op: str) -> None:
         if me == root:
             own = t[c0:c1]
             reduce_into(own, [own if i == me else ch.typed(i, t.dtype, k) for i in range(n)], op, n)
-        ch.finish()
+        ch.finish(k * t.element_size())
 
 
 def barrier(ch: ShmChannel) -> None:
@@ -215,7 +217,7 @@ def all_to_all_equal(ch: ShmChannel, out: torch.Tensor, inp: torch.Tensor) -> No
             dst[me].copy_(src[me])
         for j in ch.each_ready(peers):
             dst[j].copy_(ch.rows(j, dtype, n, k)[me])
-        ch.finish()
+        ch.finish((n - 1) * k * inp.element_size())
 
 
 def all_to_all(ch: ShmChannel, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:
@@ -253,4 +255,4 @@ def all_to_all(ch: ShmChannel, out: torch.Tensor, inp: torch.Tensor, out_splits:
             hi = min(w0 + window, src_offset[s] + all_in[s][me])
             if hi > lo:
                 out[dst_offset[s] + lo - src_offset[s]:dst_offset[s] + hi - src_offset[s]].copy_(ch.typed(s, inp.dtype)[lo - w0:hi - w0])
-        ch.finish()
+        ch.finish((w1 - w0) * inp.element_size())

@@ -1,25 +1,55 @@
-"""Streams and work handles.
+"""Streams, work handles and stream priority.
 
 A stream is a FIFO of collectives with its own thread, so ops on different streams progress
 concurrently (torch kernels and waits release the GIL). A blocking op on a stream with nothing
 queued runs inline in the caller's thread: the common synchronous path pays no thread hand-off.
 ``after=`` makes an op wait for other ops' completion first: the token chain FSDP prefetch uses.
+Every :class:`Work` has a unique integer ``id`` (per process), the token a trace shows.
+
+Stream priority (``World.high_priority_streams``, default ``{"tp"}``; ``World.yielding_streams``,
+default ``{"fsdp"}``). While an op of a high-priority stream of this rank runs, an op of a yielding
+stream pauses at its next chunk boundary (between shm steps, between point-to-point exchanges, and
+before it starts) and resumes when no high-priority op runs. Streams in neither set never pause
+and pay nothing.
+
+The no-deadlock rule. Ranks yield independently, so a pause can sit in a cycle: rank 0's TP op waits
+for rank 1, which computes and waits for an FSDP gather whose peer, rank 3, pauses for its own TP op
+with rank 2, which waits for the gather rank 0 paused. So a pause never waits for the high-priority
+op to *finish*, only while it *makes progress*: a high-priority op counts as progressing for
+``World.yield_stall_s`` (default 5 ms) after it started and after each of its steps (an emulated
+link's wire time included). An op that waits for a peer longer than that is stalled, and every
+paused stream of that rank resumes and keeps running until the op moves again. A high-priority op
+only progresses when its peers take part in it, which they do finitely often before they need
+something else, so every pause ends within ``yield_stall_s`` of the last progress anywhere in the
+cycle, and a pause never waits for a transfer that needs the paused one. Waits sleep on a condition
+variable (no spinning).
 """
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
+import time
 from typing import Callable, Iterable
 
 from nxdt.comm.errors import CommError, CommTimeoutError
 
 
-class Work:
-    """Handle of an issued collective."""
+_work_ids = itertools.count(1)
 
-    def __init__(self, description: str) -> None:
+
+def next_work_id() -> int:
+    """A process-unique id (for ops that run inline and have no Work object)."""
+    return next(_work_ids)
+
+
+class Work:
+    """Handle of an issued collective; ``id`` is unique within the process."""
+
+    def __init__(self, description: str, work_id: int | None = None) -> None:
         self.description = description
+        self.id = next(_work_ids) if work_id is None else work_id
         self._done = threading.Event()
         self._error: BaseException | None = None
 
@@ -37,9 +67,58 @@ class Work:
             raise self._error
 
 
+class PriorityState:
+    """Which high-priority ops of this rank run, and until when they count as progressing (see the
+    module docstring). Yielding streams wait on it."""
+
+    def __init__(self, stall_s: float) -> None:
+        self.stall_s = stall_s
+        self._cond = threading.Condition(threading.Lock())
+        self._running = 0
+        self._fresh_until = 0.0  # perf_counter time; a running op stalled beyond it releases the pausers
+        self._waiters = 0
+
+    def begin(self) -> None:
+        with self._cond:
+            self._running += 1
+            self._fresh_until = max(self._fresh_until, time.perf_counter() + self.stall_s)
+
+    def end(self) -> None:
+        with self._cond:
+            self._running -= 1
+            if self._waiters:
+                self._cond.notify_all()
+
+    def progress(self, busy_s: float = 0.0) -> None:
+        """A running high-priority op moved (and stays busy on the wire ``busy_s`` more)."""
+        until = time.perf_counter() + busy_s + self.stall_s
+        if until > self._fresh_until:  # unlocked: a racing store shortens or extends one pause by < stall_s
+            self._fresh_until = until
+
+    def pause(self) -> tuple[float, float] | None:
+        """Wait while a high-priority op runs and progresses; (start, end) of the pause, None if none."""
+        if not self._running:
+            return None
+        start = time.perf_counter()
+        if start >= self._fresh_until:
+            return None
+        with self._cond:
+            self._waiters += 1
+            try:
+                while self._running:
+                    left = self._fresh_until - time.perf_counter()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+            finally:
+                self._waiters -= 1
+        return start, time.perf_counter()
+
+
 class Stream:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, role: str | None = None) -> None:
         self.name = name
+        self.role = role  # "high" | "yield" | None, fixed when the stream is first used
         self._lock = threading.Lock()       # held while an op of this stream runs
         self._queue: queue.Queue = queue.Queue()
         self._pending = 0
@@ -74,7 +153,8 @@ class Stream:
             with self._pending_lock:
                 self._pending -= 1
 
-    def submit(self, fn: Callable[[], None], description: str, *, async_op: bool, after: Iterable[Work] = ()) -> Work | None:
+    def submit(self, fn: Callable[[], None], description: str, *, async_op: bool, after: Iterable[Work] = (),
+               work_id: int | None = None) -> Work | None:
         if self._closed:
             raise CommError(f"nxdt.comm: stream '{self.name}' is closed")
         after = list(after)
@@ -91,7 +171,7 @@ class Stream:
                     with self._pending_lock:
                         self._pending -= 1
                 return None
-        work = Work(description)
+        work = Work(description, work_id)
         with self._pending_lock:
             self._pending += 1
         self._ensure_thread()

@@ -7,6 +7,11 @@ hosts uses ``p2p`` (torch.distributed point-to-point over gloo), hierarchically 
 several members. Locality is decided per group from the members' host identities (hostname, boot
 id, network namespace), never from LOCAL_WORLD_SIZE-style variables, which lie for groups that
 span hosts unevenly.
+
+A communicator may be given an :class:`~nxdt.comm.emulate.EmulatedLink` (``new_communicator(...,
+link=)``): its transfers then also take the modelled time (see :mod:`nxdt.comm.emulate`). Streams
+named in ``World.high_priority_streams`` / ``World.yielding_streams`` get the priority rule of
+:mod:`nxdt.comm.stream`; ``World.set_tracer`` records every collective as a Chrome-trace event.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import time
 import uuid
 import zlib
 from datetime import timedelta
@@ -27,7 +33,9 @@ from nxdt.comm.errors import CommError, CommMismatchError, CommTimeoutError
 from nxdt.comm.p2p import Links
 from nxdt.comm.reduce import LOW_PRECISION, check_op, dtype_code
 from nxdt.comm.shm import DEFAULT_SLOT_BYTES, ShmChannel, remove_stale_segments
-from nxdt.comm.stream import Stream, Work
+from nxdt.comm.emulate import EmulatedLink, Pacer
+from nxdt.comm.stream import PriorityState, Stream, Work, next_work_id
+from nxdt.comm.trace import Tracer
 from nxdt.comm.waiting import DEFAULT_WAIT, WaitPolicy
 
 # Algorithm names a planner can hand over (plain strings). "torus:RxC" gives the grid explicitly.
@@ -76,8 +84,10 @@ def _parse_algorithm(algorithm: str, allowed: Sequence[str]) -> tuple[str, tuple
 class Communicator:
     """Collectives over one group of ranks. ``root`` and ``peer`` are group-local ranks."""
 
-    def __init__(self, world: "World", name: str, ranks: list[int]) -> None:
+    def __init__(self, world: "World", name: str, ranks: list[int], link: EmulatedLink | None = None) -> None:
         self.world, self.name, self.ranks = world, name, list(ranks)
+        self.link = link
+        self._seq: dict[str, int] = {}  # ops issued per stream (counted while a tracer is set)
         self.rank = self.ranks.index(world.rank)
         self.size = len(self.ranks)
         self.hosts = [world.host_ids[r] for r in self.ranks]
@@ -102,6 +112,7 @@ class Communicator:
             stream_id = stream if not members else f"{stream}.m{'-'.join(str(m) for m in members)}"
             ch = ShmChannel(self.world.run_id, self.name, stream_id, ranks, ranks.index(self.world.rank), self.world.timeout_s,
                             slot_bytes=self.world.slot_bytes, first_op=op, wait=self.world.wait_policy)
+            ch.pacer = self._pacer(stream)
             self._channels[key] = ch
         return ch
 
@@ -109,16 +120,26 @@ class Communicator:
         links = self._links.get(stream)
         if links is None:
             links = self._links[stream] = Links(self, stream)
+            links.pacer = self._pacer(stream)
         links.desc = desc
         return links
 
-    def _submit(self, fn: Callable[[], None], desc: str, stream: str, async_op: bool, after: Any) -> Work | None:
+    def _pacer(self, stream: str) -> Pacer | None:
+        """What runs after each step on ``stream``: nothing for an ordinary stream of an unemulated group."""
+        s = self.world.stream(stream)
+        return None if self.link is None and s.role is None else Pacer(self.link, s, self.world)
+
+    def _submit(self, fn: Callable[[], None], desc: str, stream: str, async_op: bool, after: Any, nbytes: int = 0,
+                algorithm: str = "") -> Work | None:
         if self._broken is not None:
             raise CommError(f"nxdt.comm: group '{self.name}' is unusable after an earlier failure: {self._broken}")
         if after is None:
             after = ()
         elif isinstance(after, Work):
             after = (after,)
+        s = self.world.stream(stream)
+        if s.role is not None or self.world.tracer is not None:
+            return self._submit_instrumented(fn, desc, s, async_op, tuple(after), nbytes, algorithm)
 
         def guarded() -> None:
             try:
@@ -127,7 +148,39 @@ class Communicator:
                 self._broken = exc
                 raise
 
-        return self.world.stream(stream).submit(guarded, f"group '{self.name}' {desc}", async_op=async_op, after=after)
+        return s.submit(guarded, f"group '{self.name}' {desc}", async_op=async_op, after=after)
+
+    def _submit_instrumented(self, fn: Callable[[], None], desc: str, s: Stream, async_op: bool, after: tuple[Work, ...],
+                             nbytes: int, algorithm: str) -> Work | None:
+        """``_submit`` for a prioritised stream or while tracing: pause (yielding stream) or mark the op
+        running (high-priority stream), and record the op from when it starts (its ``after=`` done)."""
+        world, tracer, role = self.world, self.world.tracer, s.role
+        work_id = seq = None
+        deps: list[int] = []
+        if tracer is not None:
+            work_id = next_work_id()
+            seq = self._seq[s.name] = self._seq.get(s.name, -1) + 1
+            deps = [w.id for w in after]
+
+        def instrumented() -> None:
+            if role == "yield":
+                world.yield_point(s.name)
+            elif role == "high":
+                world.priority.begin()
+            start = time.perf_counter()
+            try:
+                fn()
+            except CommError as exc:
+                self._broken = exc
+                raise
+            finally:
+                if role == "high":
+                    world.priority.end()
+                if tracer is not None:
+                    tracer.add(desc.partition("(")[0], s.name, start, time.perf_counter(), group=self.name, seq=seq, bytes=nbytes,
+                               token=work_id, after=deps, algorithm=algorithm)
+
+        return s.submit(instrumented, f"group '{self.name}' {desc}", async_op=async_op, after=after, work_id=work_id)
 
     def _generic(self, name: str) -> bool:
         """Run the generic (Links-based) algorithm instead of the shm direct fast path?"""
@@ -144,7 +197,7 @@ class Communicator:
         check_op(op, t.dtype)
         name, grid = _parse_algorithm(algorithm, ALL_REDUCE_ALGORITHMS)
         if self.size == 1:
-            return self._submit(lambda: None, "all_reduce", stream, async_op, after)
+            return self._submit(lambda: None, "all_reduce", stream, async_op, after, 0, "none")
         if not self._generic(name):
             fn = lambda: algo.all_reduce(self._channel(stream, op="all_reduce"), t, op, name if name in ("direct", "slice") else "auto")
         else:
@@ -152,7 +205,7 @@ class Communicator:
                 multi = any(len(g) > 1 for g in self.host_groups)
                 name = "hierarchical" if multi else ("rhd" if t.numel() * t.element_size() <= RHD_MAX_BYTES else "ring")
             fn = lambda: self._generic_all_reduce(t, op, name, grid, stream)
-        return self._submit(fn, f"all_reduce({op})", stream, async_op, after)
+        return self._submit(fn, f"all_reduce({op})", stream, async_op, after, t.numel() * t.element_size(), name)
 
     def _generic_all_reduce(self, t: torch.Tensor, op: str, name: str, grid: tuple[int, int] | None, stream: str) -> None:
         low = t.dtype in LOW_PRECISION
@@ -201,7 +254,7 @@ class Communicator:
             fn = lambda: algo.all_gather(self._channel(stream, op="all_gather"), out, inp)
         else:
             fn = lambda: self._ring_all_gather(out, inp, stream)
-        return self._submit(fn, "all_gather", stream, async_op, after)
+        return self._submit(fn, "all_gather", stream, async_op, after, out.numel() * out.element_size(), name)
 
     def _ring_all_gather(self, out: torch.Tensor, inp: torch.Tensor, stream: str) -> None:
         m = inp.numel()
@@ -222,7 +275,7 @@ class Communicator:
             fn = lambda: algo.reduce_scatter(self._channel(stream, op="reduce_scatter"), out, inp, op)
         else:
             fn = lambda: self._ring_reduce_scatter(out, inp, op, stream)
-        return self._submit(fn, f"reduce_scatter({op})", stream, async_op, after)
+        return self._submit(fn, f"reduce_scatter({op})", stream, async_op, after, inp.numel() * inp.element_size(), name)
 
     def _ring_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str, stream: str) -> None:
         m = out.numel()
@@ -260,7 +313,7 @@ class Communicator:
                 fn = lambda: algo.all_to_all(self._channel(stream, op="all_to_all"), out, inp.clone() if aliased else inp, out_splits, in_splits)
         else:
             fn = lambda: self._pairwise_all_to_all(out, inp.clone() if aliased else inp, out_splits, in_splits, stream)
-        return self._submit(fn, "all_to_all", stream, async_op, after)
+        return self._submit(fn, "all_to_all", stream, async_op, after, inp.numel() * inp.element_size(), name)
 
     def _pairwise_all_to_all(self, out, inp, out_splits, in_splits, stream) -> None:
         n = self.size
@@ -297,7 +350,7 @@ class Communicator:
             fn = lambda: algo.broadcast(self._channel(stream, op="broadcast"), t, root)
         else:
             fn = lambda: generic.tree_broadcast(self._link(stream, f"broadcast(root={root}, tree)"), list(range(self.size)), self.rank, t, root)
-        return self._submit(fn, f"broadcast(root={root})", stream, async_op, after)
+        return self._submit(fn, f"broadcast(root={root})", stream, async_op, after, t.numel() * t.element_size(), name)
 
     def reduce(self, tensor: torch.Tensor, root: int = 0, op: str = "sum", *, algorithm: str = "auto", stream: str = "default",
                async_op: bool = False, after: Any = None) -> Work | None:
@@ -310,7 +363,7 @@ class Communicator:
             fn = lambda: algo.reduce(self._channel(stream, op="reduce"), t, root, op)
         else:
             fn = lambda: self._tree_reduce(t, root, op, stream)
-        return self._submit(fn, f"reduce({op}, root={root})", stream, async_op, after)
+        return self._submit(fn, f"reduce({op}, root={root})", stream, async_op, after, t.numel() * t.element_size(), name)
 
     def _tree_reduce(self, t: torch.Tensor, root: int, op: str, stream: str) -> None:
         work = t.float() if t.dtype in LOW_PRECISION else t.clone()
@@ -326,13 +379,13 @@ class Communicator:
         t = _flat(tensor, "send tensor")
         self._check_peer(peer)
         return self._submit(lambda: self._link(stream, f"send to rank {self.ranks[peer]}").exchange([(peer, t)], []),
-                            "send", stream, async_op, after)
+                            "send", stream, async_op, after, t.numel() * t.element_size(), "p2p")
 
     def recv(self, tensor: torch.Tensor, peer: int, *, stream: str = "default", async_op: bool = False, after: Any = None) -> Work | None:
         t = _flat(tensor, "recv tensor")
         self._check_peer(peer)
         return self._submit(lambda: self._link(stream, f"recv from rank {self.ranks[peer]}").exchange([], [(peer, t)]),
-                            "recv", stream, async_op, after)
+                            "recv", stream, async_op, after, t.numel() * t.element_size(), "p2p")
 
     def send_recv(self, send_tensor: torch.Tensor, send_peer: int, recv_tensor: torch.Tensor, recv_peer: int, *,
                   stream: str = "default", async_op: bool = False, after: Any = None) -> Work | None:
@@ -341,7 +394,7 @@ class Communicator:
         self._check_peer(send_peer)
         self._check_peer(recv_peer)
         return self._submit(lambda: self._link(stream, "send_recv").exchange([(send_peer, s)], [(recv_peer, r)]),
-                            "send_recv", stream, async_op, after)
+                            "send_recv", stream, async_op, after, s.numel() * s.element_size(), "p2p")
 
     def barrier(self, *, stream: str = "default", timeout_s: float | None = None) -> None:
         if self.size == 1:
@@ -351,7 +404,7 @@ class Communicator:
         else:
             fn = lambda: generic.rhd_all_reduce(self._link(stream, "barrier"), list(range(self.size)), self.rank,
                                                 torch.zeros(1, dtype=torch.int32), "sum", 1)
-        self._submit(fn, "barrier", stream, False, None)
+        self._submit(fn, "barrier", stream, False, None, 0, self.transport)
 
     def _check_rank(self, r: int, what: str) -> None:
         if not isinstance(r, int) or not 0 <= r < self.size:
@@ -405,6 +458,11 @@ class World:
         self.timeout_s, self.host_ids = timeout_s, host_ids
         self.slot_bytes, self.wait_policy = slot_bytes, wait_policy
         self._streams: dict[str, Stream] = {}
+        # stream priority (nxdt.comm.stream): decided per stream when it is first used
+        self.high_priority_streams: set[str] = {"tp"}
+        self.yielding_streams: set[str] = {"fsdp"}
+        self.priority = PriorityState(stall_s=0.005)
+        self.tracer: Tracer | None = None
         self._names: set[str] = set()
         self._communicators: list[Communicator] = []
         self._tags: dict[tuple[str, str], int] = {}
@@ -417,8 +475,28 @@ class World:
     def stream(self, name: str) -> Stream:
         s = self._streams.get(name)
         if s is None:
-            s = self._streams[name] = Stream(name)
+            role = "high" if name in self.high_priority_streams else "yield" if name in self.yielding_streams else None
+            s = self._streams[name] = Stream(name, role)
         return s
+
+    @property
+    def yield_stall_s(self) -> float:
+        """How long a high-priority op without progress keeps yielding streams paused (the no-deadlock bound)."""
+        return self.priority.stall_s
+
+    @yield_stall_s.setter
+    def yield_stall_s(self, seconds: float) -> None:
+        self.priority.stall_s = float(seconds)
+
+    def yield_point(self, stream: str) -> None:
+        """A chunk boundary of an op on yielding ``stream``: pause per the priority rule (traced)."""
+        span = self.priority.pause()
+        if span is not None and self.tracer is not None:
+            self.tracer.add("yield", stream, span[0], span[1], reason="high-priority op running")
+
+    def set_tracer(self, tracer: Tracer | None) -> None:
+        """Record every collective issued from now on in ``tracer`` (None: stop recording)."""
+        self.tracer = tracer
 
     def stream_tag(self, comm: str, stream: str) -> int:
         """A gloo message tag per (communicator, stream), so concurrent streams never take each other's messages."""
@@ -427,8 +505,11 @@ class World:
             self._tags[key] = (zlib.crc32(f"{comm}/{stream}".encode()) & 0x3FFFFF) + 1  # same on every rank
         return self._tags[key]
 
-    def new_communicator(self, ranks: Sequence[int], name: str) -> Communicator | None:
-        """Called by every rank with the same arguments in the same order; None on non-members."""
+    def new_communicator(self, ranks: Sequence[int], name: str, link: EmulatedLink | None = None) -> Communicator | None:
+        """Called by every rank with the same arguments in the same order; None on non-members.
+        ``link``: emulate this link's latency and bandwidth on every transfer of the communicator."""
+        if link is not None and not isinstance(link, EmulatedLink):
+            raise TypeError(f"communicator '{name}': link must be an nxdt.comm.EmulatedLink, got {type(link).__name__}")
         if name in self._names:
             raise ValueError(f"a communicator named '{name}' exists already")
         ranks = [int(r) for r in ranks]
@@ -437,7 +518,7 @@ class World:
         self._names.add(name)
         if self.rank not in ranks:
             return None
-        comm = Communicator(self, name, ranks)
+        comm = Communicator(self, name, ranks, link)
         self._communicators.append(comm)
         return comm
 

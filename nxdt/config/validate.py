@@ -164,9 +164,17 @@ def validate(cfg: Any) -> None:
         raise ConfigError("model.optim.sched.warmup_steps", cfg.model.optim.sched.warmup_steps, "must be >= 0")
     if cfg.exp_manager.max_restarts < 0:
         raise ConfigError("exp_manager.max_restarts", cfg.exp_manager.max_restarts, "must be >= 0")
+    if cfg.comm.emulate is not None and cfg.comm.emulate not in _instance_names():
+        raise ConfigError("comm.emulate", cfg.comm.emulate, f"unknown instance; choose one of {', '.join(_instance_names())}")
     fi = cfg.exp_manager.fault_injection
     if fi.rank is not None and not 0 <= fi.rank < world:
         raise ConfigError("exp_manager.fault_injection.rank", fi.rank, f"must be a rank in 0..{world - 1}")
+
+
+def _instance_names() -> list[str]:
+    from nxdt.config import available_options  # the package imports this module
+
+    return available_options("instance")
 
 
 class NotYetSupported(ConfigError):
@@ -178,14 +186,12 @@ def check_trainable(cfg: Any) -> None:
     ds = cfg.distributed_strategy
     unsupported = [(key, value) for key, value in (("context_parallel_size", ds.context_parallel_size),) if value != 1]
     unsupported += [(key, True) for key, value in (("fsdp.enabled", ds.fsdp.enabled),) if value]
-    if ds.expert_model_parallel_size > 1 and (ds.tensor_model_parallel_size > 1 or ds.pipeline_model_parallel_size > 1 or ds.zero1):
+    if ds.expert_model_parallel_size > 1 and (ds.pipeline_model_parallel_size > 1 or ds.zero1):
         unsupported.append(("expert_model_parallel_size", ds.expert_model_parallel_size))
-    if cfg.comm.emulate is not None:
-        unsupported.append(("comm.emulate", cfg.comm.emulate))
     if unsupported:
         key, value = unsupported[0]
         shown = key if key.startswith("comm.") else f"distributed_strategy.{key}"
-        combined = " together with TP, PP or zero1" if key == "expert_model_parallel_size" else ""
+        combined = " together with PP or zero1" if key == "expert_model_parallel_size" else ""
         raise NotYetSupported(shown, value, f"training with it{combined} is not implemented yet in this version "
                               "(`nxdt plan` accepts it); data, tensor, pipeline, expert parallelism and ZeRO-1 train now")
 

@@ -81,6 +81,8 @@ class NxDStrategy(ParallelStrategy):
             degrees above are taken from it.
         timeout_s: deadline of every collective wait; a rank that does not arrive is named in the error.
         placement_order: rank order of the dimensions, fastest first.
+        emulated_links: ``{dim: (latency_s, bytes_per_s)}`` — every communicator of that dimension emulates
+            the link (``comm.emulate``; ``nxdt.planner.links.emulated_links_for(cfg)`` computes it).
     """
 
     strategy_name = "nxdt"
@@ -99,6 +101,7 @@ class NxDStrategy(ParallelStrategy):
         virtual_pipeline_size: int = 1,
         sequence_parallel: bool = False,
         zero1: bool = False,
+        emulated_links: dict[str, tuple[float, float]] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -123,6 +126,7 @@ class NxDStrategy(ParallelStrategy):
         self._virtual = virtual_pipeline_size
         self._sequence_parallel = sequence_parallel
         self._zero1 = zero1
+        self._emulated_links = {dim: nxdt.comm.EmulatedLink(*figures) for dim, figures in (emulated_links or {}).items()}
         self._zero1_optimizer: Zero1Optimizer | None = None
         self._norm_weights: dict[str, float] | None = None  # TP: how each parameter's gradient enters the global norm
         self._pipeline: PipelineExecutor | None = None  # set in setup() when PP > 1
@@ -210,7 +214,7 @@ class NxDStrategy(ParallelStrategy):
         dims = ("tp", "cp", "ep", "dp", "pp") + (("edp",) if self._plan.degrees["ep"] > 1 else ())
         for dim in dims:
             for index, ranks in enumerate(self._plan.groups[dim]):
-                comm = self.world.new_communicator(list(ranks), name=f"{dim}{index}")
+                comm = self.world.new_communicator(list(ranks), name=f"{dim}{index}", link=self._emulated_links.get(dim))
                 if comm is not None:
                     self.communicators[dim] = comm
         log.info("rank %d: communicators %s", self.global_rank, {k: c.ranks for k, c in self.communicators.items()})
@@ -232,7 +236,7 @@ class NxDStrategy(ParallelStrategy):
         self.setup_precision_plugin()
 
     def _parallelize(self) -> None:
-        """Shard the module's ``model`` (a model-hub model): experts over EP, layers over TP, then cut this
+        """Shard the module's ``model`` (a model-hub model): layers over TP, experts over EP, then cut this
         rank's pipeline stage."""
         tp, pp, ep = self.plan.degrees["tp"], self.plan.degrees["pp"], self.plan.degrees["ep"]
         if tp == 1 and pp == 1 and ep == 1:
@@ -241,11 +245,11 @@ class NxDStrategy(ParallelStrategy):
         if model is None or not hasattr(model, "run_layer"):
             raise ValueError("NxDStrategy: tensor/pipeline/expert parallelism needs a LightningModule whose `model` is a "
                              "model-hub model (embed / run_layer / head), e.g. nxdt.lightning.CausalLMModule")
-        if ep > 1:
-            apply_expert_parallel(model, self.communicators["ep"])
         if tp > 1:
             apply_tensor_parallel(model, self.communicators["tp"], sequence_parallel=self._sequence_parallel)
             self._norm_weights = norm_weights(model, tp)
+        if ep > 1:  # after TP: it flags the (TP-sharded) expert parameters it keeps
+            apply_expert_parallel(model, self.communicators["ep"])
         if pp > 1:
             pp_comm = self.communicators["pp"]
             chunks = build_chunks(model, pp_comm.rank, pp, virtual=self._virtual)

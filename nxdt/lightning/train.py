@@ -18,6 +18,7 @@ from nxdt.lightning.exp_manager import agreed_resume_checkpoint, build_callbacks
 from nxdt.lightning.module import CausalLMModule
 from nxdt.lightning.strategy import NxDStrategy
 from nxdt.planner import Plan
+from nxdt.planner.links import emulated_links_for
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,8 @@ def build_trainer(cfg: Any, plan: Plan, run_dir: Path, tokens_per_step: int, *, 
     model_shape = {k: getattr(cfg.model, k) for k in MODEL_SHAPE_FIELDS}
     strategy = NxDStrategy(plan=plan, timeout_s=cfg.comm.timeout_s, checkpoint_meta={"model": model_shape},
                            virtual_pipeline_size=cfg.distributed_strategy.virtual_pipeline_model_parallel_size,
-                           sequence_parallel=cfg.distributed_strategy.sequence_parallel, zero1=cfg.distributed_strategy.zero1)
+                           sequence_parallel=cfg.distributed_strategy.sequence_parallel, zero1=cfg.distributed_strategy.zero1,
+                           emulated_links=emulated_links_for(cfg))
     return pl.Trainer(
         accelerator="cpu",
         precision=PRECISION[cfg.precision.type],

@@ -202,6 +202,81 @@ def gather_from_tensor_parallel_region(x: torch.Tensor, comm: Any) -> torch.Tens
     return _GatherLastDim.apply(x, comm)
 
 
+class _GatherTokens(torch.autograd.Function):
+    """Rows [T/tp, ...] of every rank → [T, ...]; backward reduce-scatters (the ranks' partial gradients)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _all_gather(x, comm, 0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.comm, 0), None
+
+
+class _ReduceScatterTokens(torch.autograd.Function):
+    """Partial sums [T, ...] → this rank's rows [T/tp, ...] summed; backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _reduce_scatter(x, comm, 0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.comm, 0), None
+
+
+class _GatherTokensForReplicated(torch.autograd.Function):
+    """Rows of every rank → [T, ...] for a computation every rank repeats identically; backward keeps
+    this rank's rows of the (identical) gradient."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _all_gather(x, comm, 0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, ctx.comm, 0), None
+
+
+class TokenRegion:
+    """The tensor-parallel region of a block that runs *several* sharded layers on token rows [T, hidden]
+    (a mixture-of-experts block: router → experts with column-parallel w1/w3 and partial-output row-parallel
+    w2 → weighted sum). The block calls, in order::
+
+        logits_for_loss = region.replicated(router_logits)   # all tokens on every rank (aux loss)
+        x, w = region.enter(x), region.enter(weights)         # copy-to (SP: all-gather the ranks' tokens)
+        ids = region.gather_ids(expert_ids)                    # the routing of those tokens (no gradient)
+        ... experts on x, outputs weighted by w and summed per token: partial sums over the TP ranks
+        y = region.exit(out)                                   # all-reduce (SP: reduce-scatter back to own rows)
+
+    so the whole block costs one reduction forward, instead of one per expert. Entering *after* the router
+    keeps the router outside the region: its input gradient is the same on every rank (no double count),
+    while the partial gradients of the expert inputs and of the routing weights are summed by ``enter``'s
+    backward. Without SP the router sees every token on every rank; with SP each rank routes its own
+    sequence shard (the router weight is then a replicated parameter whose gradients
+    :func:`sync_replicated_grads` sums)."""
+
+    def __init__(self, comm: Any, sequence_parallel: bool) -> None:
+        _check_comm(comm)
+        self.comm, self.sequence_parallel = comm, sequence_parallel
+
+    def replicated(self, rows: torch.Tensor) -> torch.Tensor:
+        return _GatherTokensForReplicated.apply(rows, self.comm) if self.sequence_parallel else rows
+
+    def enter(self, rows: torch.Tensor) -> torch.Tensor:
+        return _GatherTokens.apply(rows, self.comm) if self.sequence_parallel else copy_to_tensor_parallel_region(rows, self.comm)
+
+    def gather_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return _all_gather(ids.contiguous(), self.comm, 0) if self.sequence_parallel else ids
+
+    def exit(self, partial: torch.Tensor) -> torch.Tensor:
+        return _ReduceScatterTokens.apply(partial, self.comm) if self.sequence_parallel else reduce_from_tensor_parallel_region(partial, self.comm)
+
+
 # ---------------------------------------------------------------------------------------------- sharding layout
 class ShardSpec:
     """How a full tensor's ``dim`` (length ``full``) is cut into blocks of ``block`` rows and dealt to ``size``
@@ -260,11 +335,13 @@ class ColumnParallelLinear(TensorParallelModule):
 
     def __init__(self, in_features: int, out_features: int, comm: Any, *, bias: bool = False, sequence_parallel: bool = False,
                  gather_output: bool = False, block: int = 1, replicate: bool = False, dtype: torch.dtype | None = None,
-                 what: str = "ColumnParallelLinear") -> None:
+                 what: str = "ColumnParallelLinear", input_in_region: bool = False) -> None:
         super().__init__()
         _check_comm(comm)
         self.comm, self.in_features, self.out_features = comm, in_features, out_features
         self.sequence_parallel, self.gather_output = sequence_parallel, gather_output
+        # the caller already entered the TP region (a TokenRegion: several experts share one entry)
+        self.input_in_region = input_in_region
         spec = ShardSpec(0, out_features, comm.size, block=block, replicate=replicate, what=what)
         if gather_output and spec.replicas > 1:
             raise ValueError(f"{what}: gather_output needs an even split, not replicated shards")
@@ -285,7 +362,8 @@ class ColumnParallelLinear(TensorParallelModule):
                 f"tp={self.comm.size}, sequence_parallel={self.sequence_parallel}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = gather_from_sequence_parallel_region(x, self.comm) if self.sequence_parallel else copy_to_tensor_parallel_region(x, self.comm)
+        if not self.input_in_region:
+            x = gather_from_sequence_parallel_region(x, self.comm) if self.sequence_parallel else copy_to_tensor_parallel_region(x, self.comm)
         spec = self.shard_specs["weight"]
         weight = _SumOverReplicas.apply(self.weight, spec, self.comm) if spec.replicas > 1 else self.weight
         bias = self.bias
@@ -302,11 +380,15 @@ class RowParallelLinear(TensorParallelModule):
     added once, after the reduction."""
 
     def __init__(self, in_features: int, out_features: int, comm: Any, *, bias: bool = False, sequence_parallel: bool = False,
-                 block: int = 1, dtype: torch.dtype | None = None, what: str = "RowParallelLinear") -> None:
+                 block: int = 1, dtype: torch.dtype | None = None, what: str = "RowParallelLinear", reduce_output: bool = True) -> None:
         super().__init__()
         _check_comm(comm)
         self.comm, self.in_features, self.out_features = comm, in_features, out_features
         self.sequence_parallel = sequence_parallel
+        # False: return this rank's partial sum; the caller reduces once for several layers (a TokenRegion)
+        self.reduce_output = reduce_output
+        if bias and not reduce_output:
+            raise ValueError(f"{what}: a bias needs the reduced output (it is added once, after the reduction)")
         spec = ShardSpec(1, in_features, comm.size, block=block, what=what)
         self.weight = nn.Parameter(torch.empty(out_features, spec.local, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
@@ -324,6 +406,8 @@ class RowParallelLinear(TensorParallelModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = F.linear(x, self.weight)
+        if not self.reduce_output:
+            return partial
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial, self.comm)
         else:
@@ -454,6 +538,12 @@ def _parse_style(style: str) -> tuple[str, int]:
 
 def _build(style: str, module: nn.Module, comm: Any, sequence_parallel: bool, what: str) -> TensorParallelModule:
     name, block = _parse_style(style)
+    if name in ("colwise_in_region", "rowwise_partial"):  # inside a TokenRegion: it does the collectives
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"tensor-parallel plan: {what} is a {type(module).__name__}; style {style!r} needs a torch.nn.Linear")
+        if name == "rowwise_partial":
+            return RowParallelLinear.from_full(module, comm, block=block, reduce_output=False, what=f"{what} ({style})")
+        return ColumnParallelLinear.from_full(module, comm, block=block, input_in_region=True, what=f"{what} ({style})")
     expected = nn.Embedding if name == "vocab_embedding" else nn.Linear
     if not isinstance(module, expected):
         raise TypeError(f"tensor-parallel plan: {what} is a {type(module).__name__}; style {style!r} needs a torch.nn.{expected.__name__} "
@@ -476,6 +566,10 @@ STYLES = {
     "rowwise": "input features split; outputs all-reduced (reduce-scattered along the sequence with SP)",
     "vocab_embedding": "embedding table split along the vocabulary",
     "vocab_head": "output head split along the vocabulary; the loss runs on vocab-sharded logits",
+    "token_region": "a block running sharded layers on token rows (mixture of experts): the module keeps its class and "
+                    "gets a TokenRegion in its `tensor_parallel_region` attribute",
+    "colwise_in_region": "colwise inside a token_region block (no collective of its own)",
+    "rowwise_partial": "rowwise inside a token_region block: returns partial sums, the region reduces them once",
 }
 
 
@@ -503,6 +597,12 @@ def apply_tensor_parallel(model: nn.Module, tp_comm: Any, *, sequence_parallel: 
             raise ValueError(f"tensor-parallel plan: module {name!r} matches several entries {patterns}; make them disjoint")
         style = plan[patterns[0]]
         matched[patterns[0]] += 1
+        if style == "token_region":
+            if not hasattr(module, "tensor_parallel_region"):
+                raise TypeError(f"tensor-parallel plan: {name} ({type(module).__name__}) has no `tensor_parallel_region` "
+                                f"attribute; style 'token_region' is for blocks that call a TokenRegion")
+            module.tensor_parallel_region = TokenRegion(tp_comm, sequence_parallel)
+            continue
         parallel = _build(style, module, tp_comm, sequence_parallel, name)
         full_weight = module.weight
         key = (id(full_weight), "vocab" if style in ("vocab_embedding", "vocab_head") else style)

@@ -143,7 +143,9 @@ def _ep_worker(world) -> dict:
     report["train_losses"], report["ref_train_losses"] = losses, ref_losses
     report["train_param_mismatch"] = [(n, _maxdiff(p.detach(), ref_params[n].detach()))
                                       for n, p in model.named_parameters()
-                                      if not _close(p.detach(), ref_params[n].detach(), 1e-4, 1e-6)]
+                                      # atol 1e-5 ≪ one AdamW step (lr 3e-3): Adam's normalisation turns the
+                                      # rounding of near-zero expert gradients into ~1e-5 weight differences
+                                      if not _close(p.detach(), ref_params[n].detach(), 1e-4, 1e-5)]
 
     # ---- the raw dispatcher, crafted uneven splits: rank 0 sends nothing to rank 1, expert 2 gets no rows
     torch.manual_seed(1)
@@ -241,3 +243,66 @@ def test_expert_parallel_bad_input():
         reduce_expert_gradients(model, 0)
     # the full model's parameter count does not change when it holds a slice of the experts
     assert model.num_parameters() == _model().num_parameters()
+
+
+def _ep_tp_worker(world) -> dict:
+    """EP 2 × TP 2 on 4 ranks (TP fastest): TP groups {0,1}, {2,3}; EP = data-parallel groups {0,2}, {1,3}.
+    Experts are sliced over EP, then each expert's w1/w3 column- and w2 row-parallel over TP; a TP pair shares
+    its tokens, the two pairs have their own. 5 AdamW steps (reduced as NxDStrategy does) = one process on the
+    mean of both pairs' losses; with and without sequence parallelism."""
+    from nxdt.parallel.tensor_parallel import apply_tensor_parallel, gather_full_state_dict, sync_replicated_grads
+
+    rank = world.rank
+    tp = [world.new_communicator([0, 1], "tp0"), world.new_communicator([2, 3], "tp1")][rank // 2]
+    ep = [world.new_communicator([0, 2], "ep0"), world.new_communicator([1, 3], "ep1")][rank % 2]
+    dp_rank, dp = rank // 2, 2
+    report = {}
+    for sequence_parallel in (False, True):
+        model = apply_expert_parallel(apply_tensor_parallel(_model(), tp, sequence_parallel=sequence_parallel), ep)
+        reference = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
+        losses, ref_losses = [], []
+        for step in range(1, STEPS + 1):
+            opt.zero_grad(set_to_none=True)
+            ids, labels = _tokens(dp_rank, step)
+            loss = model.loss_fn(model(ids), labels)
+            loss.backward()
+            sync_replicated_grads(model, tp)
+            dense, _ = split_expert_parameters(model)
+            for p in dense:
+                ep.all_reduce(p.grad, "avg")  # the EP group is the whole data-parallel group here
+            reduce_expert_gradients(model, data_parallel_size=dp)
+            opt.step()
+            mean = loss.detach().clone()
+            ep.all_reduce(mean, "avg")
+            losses.append(float(mean))
+
+            ref_opt.zero_grad(set_to_none=True)
+            total = 0.0
+            for r in range(dp):
+                ids_r, labels_r = _tokens(r, step)
+                ref_loss = reference.loss_fn(reference(ids_r), labels_r) / dp
+                ref_loss.backward()
+                total += ref_loss.item()
+            ref_opt.step()
+            ref_losses.append(total)
+        full, want = gather_full_state_dict(model, tp), reference.state_dict()
+        report[sequence_parallel] = {
+            "experts": [b.expert_ids for b in model.moe_blocks()],
+            "losses": losses, "ref_losses": ref_losses,
+            # atol 1e-5 (≪ one AdamW step, lr 3e-3): TP sums partial products in another order, and Adam's
+            # normalisation turns that rounding of near-zero gradients into ~1e-6 weight differences
+            "param_mismatch": [(n, _maxdiff(t, want[n])) for n, t in full.items() if not _close(t, want[n], 1e-4, 1e-5)],
+        }
+    return report
+
+
+@pytest.mark.timeout(120)
+def test_expert_parallel_with_tensor_parallel_matches_single_process():
+    for rank, report in enumerate(run_local(_ep_tp_worker, 4, timeout_s=110)):
+        for sequence_parallel, rep in report.items():
+            where = f"rank {rank}, EP2×TP2, sequence_parallel={sequence_parallel}"
+            assert rep["experts"] == [[2 * (rank // 2), 2 * (rank // 2) + 1]] * CFG.num_layers, where  # EP rank = pair
+            assert rep["losses"] == pytest.approx(rep["ref_losses"], rel=1e-4), where
+            assert not rep["param_mismatch"], (where, rep["param_mismatch"])
