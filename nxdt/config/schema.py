@@ -54,6 +54,8 @@ class ExpManagerConfig:
     checkpoint_every_n_steps: Optional[int] = doc(None, "save checkpoints/step-<N>/ every N steps; null = never")
     keep_last_k: int = doc(2, "keep only the newest k checkpoints")
     create_tensorboard_logger: bool = doc(True, "write TensorBoard event files under tensorboard/")
+    trace: bool = doc(False, "write a Chrome trace per rank to trace/rank<k>.json (compute per FSDP unit, every collective "
+                             "with its stream and token); open it in Perfetto")
     fault_injection: FaultInjectionConfig = doc(FaultInjectionConfig(), "deliberate worker failure, for testing recovery")
 
 
