@@ -193,6 +193,8 @@ class CommConfig:
     transport: str = doc("auto", "auto | shm | p2p")
     algorithm: str = doc("auto", "collective algorithm, or auto (chosen by size and group shape)")
     emulate: Optional[str] = doc(None, "emulate the links of this instance on CPU; null = off")
+    emulate_slowdown: float = doc(1.0, "emulated links take this many times longer (latency × s, bandwidth / s), so "
+                                       "communication is comparable to the CPU's compute in overlap studies")
 
 
 @dataclass

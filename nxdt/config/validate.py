@@ -164,6 +164,8 @@ def validate(cfg: Any) -> None:
         raise ConfigError("model.optim.sched.warmup_steps", cfg.model.optim.sched.warmup_steps, "must be >= 0")
     if cfg.exp_manager.max_restarts < 0:
         raise ConfigError("exp_manager.max_restarts", cfg.exp_manager.max_restarts, "must be >= 0")
+    if not cfg.comm.emulate_slowdown > 0:
+        raise ConfigError("comm.emulate_slowdown", cfg.comm.emulate_slowdown, "must be > 0 (1 = the instance's own links)")
     if cfg.comm.emulate is not None and cfg.comm.emulate not in _instance_names():
         raise ConfigError("comm.emulate", cfg.comm.emulate, f"unknown instance; choose one of {', '.join(_instance_names())}")
     fi = cfg.exp_manager.fault_injection
