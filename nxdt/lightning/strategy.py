@@ -35,7 +35,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 import nxdt.comm
-from nxdt.lightning import checkpoint as ckpt_io
+from nxdt.lightning import checkpoint as ckpt_io, reshard
 from nxdt.parallel.expert_parallel import apply_expert_parallel, is_expert_parameter, reduce_expert_gradients
 from nxdt.parallel.pipeline import PipelineExecutor, build_chunks, interleaved_one_f_one_b, one_f_one_b
 from nxdt.parallel.tensor_parallel import apply_tensor_parallel, norm_weights, shard_layout, sync_replicated_grads
@@ -83,6 +83,7 @@ class NxDStrategy(ParallelStrategy):
         placement_order: rank order of the dimensions, fastest first.
         emulated_links: ``{dim: (latency_s, bytes_per_s)}`` — every communicator of that dimension emulates
             the link (``comm.emulate``; ``nxdt.planner.links.emulated_links_for(cfg)`` computes it).
+        async_checkpointing: write checkpoints in a background thread (a snapshot; training continues).
     """
 
     strategy_name = "nxdt"
@@ -102,6 +103,7 @@ class NxDStrategy(ParallelStrategy):
         sequence_parallel: bool = False,
         zero1: bool = False,
         emulated_links: dict[str, tuple[float, float]] | None = None,
+        async_checkpointing: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -139,6 +141,8 @@ class NxDStrategy(ParallelStrategy):
         # called with the temporary directory after a checkpoint's files are written, before it is
         # committed (fault drills kill the process here to prove an interrupted save is harmless)
         self.before_checkpoint_commit: Callable[[Any], None] | None = None
+        self._async_checkpointing = async_checkpointing
+        self._async_writer: ckpt_io.AsyncWriter | None = None  # started by the first asynchronous save
 
     # ----------------------------------------------------------------------------- topology
     @property
@@ -423,22 +427,38 @@ class NxDStrategy(ParallelStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         model_file, state_file, writes_model, writes_state = self._shard_files()
-        meta = {"degrees": dict(self.plan.degrees), "world_size": self.plan.world_size, "zero1": self._zero1, **self.checkpoint_meta}
+        meta = {"degrees": dict(self.plan.degrees), "world_size": self.plan.world_size, "zero1": self._zero1,
+                "virtual_pipeline": self._virtual, **self.checkpoint_meta}
         if self.plan.degrees["tp"] > 1:  # how to reassemble full tensors from the TP shards (export, resharding)
             layouts = self.world.world.all_gather_object(shard_layout(self.lightning_module.model))  # every stage's tensors
             meta["tensor_parallel"] = {name: spec for layout in layouts for name, spec in layout.items()}
-        if self.world_size == 1 or (model_file, state_file) == ("model.safetensors", "trainer_state.pt"):
-            if self.is_global_zero:  # one copy of everything: the classic single-writer save
-                ckpt_io.save(checkpoint, filepath, meta=meta, before_commit=self.before_checkpoint_commit)
-            return
-        ckpt_io.save_sharded(checkpoint, filepath, model_file=model_file if writes_model else None,
-                             state_file=state_file if writes_state else None, comm=self.world.world, meta=meta,
-                             before_commit=self.before_checkpoint_commit)
+        checkpoint = reshard.with_param_names(checkpoint, self.optimizers, self.lightning_module)  # lets any layout load it
+        rng = {ckpt_io.rng_file(self.global_rank): ckpt_io.rng_tensors()}  # every rank's own generators
+        if self._async_checkpointing:  # copy what this rank writes now; training changes the originals meanwhile
+            checkpoint = ckpt_io.snapshot({k: v for k, v in checkpoint.items()
+                                           if (writes_model if k == "state_dict" else writes_state or k == "global_step")})
+        stream = ckpt_io.ASYNC_STREAM if self._async_checkpointing else "default"
+        if self.world_size == 1:
+            def write() -> None:
+                ckpt_io.save(checkpoint, filepath, meta=meta, before_commit=self.before_checkpoint_commit, extra_files=rng)
+        else:
+            def write() -> None:
+                ckpt_io.save_sharded(checkpoint, filepath, model_file=model_file if writes_model else None,
+                                     state_file=state_file if writes_state else None, comm=self.world.world, meta=meta,
+                                     before_commit=self.before_checkpoint_commit, extra_files=rng, stream=stream)
+        if not self._async_checkpointing:
+            return write()
+        if self._async_writer is None:
+            self._async_writer = ckpt_io.AsyncWriter()
+        self._async_writer.submit(write)
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         # Lightning restores weights before setup() cuts the model into stages, so under model parallelism
         # the (whole) module receives only this rank's shard; _parallelize() then checks the shard is
         # exactly what the stage owns.
+        if checkpoint.get(reshard.RESHARDED_KEY):  # full weights of another layout: parallelism slices them in setup()
+            self._restored_keys = None
+            return super().load_model_state_dict(checkpoint, strict=True)
         if self.plan.degrees["tp"] * self.plan.degrees["pp"] * self.plan.degrees["ep"] == 1:
             return super().load_model_state_dict(checkpoint, strict=strict)
         state = checkpoint["state_dict"]
@@ -448,16 +468,38 @@ class NxDStrategy(ParallelStrategy):
         self._restored_keys = set(state)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        ckpt_io.check_layout(checkpoint_path, self.plan.degrees, self._zero1)
-        model_file, state_file, _, _ = self._shard_files()
-        return ckpt_io.load(checkpoint_path, expect_model=self.checkpoint_meta.get("model"), model_file=model_file, state_file=state_file)
+        expect = self.checkpoint_meta.get("model")
+        if ckpt_io.check_layout(checkpoint_path, self.plan.degrees, self._zero1, self._virtual):
+            log.info("rank %d: resharding %s for this layout %s", self.global_rank, checkpoint_path, self.plan.degrees)
+            checkpoint = reshard.load_resharded(checkpoint_path, expect_model=expect)
+        else:
+            model_file, state_file, _, _ = self._shard_files()
+            checkpoint = ckpt_io.load(checkpoint_path, expect_model=expect, model_file=model_file, state_file=state_file)
+        ckpt_io.restore_rng(checkpoint_path, self.global_rank,
+                            same_layout=ckpt_io.same_world(checkpoint_path, self.plan.degrees, self.world_size))
+        return checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        # by parameter name where the checkpoint's layout or order differs from this rank's optimizer
+        states = reshard.optimizer_states_for(checkpoint, self.optimizers, self.lightning_module, self.plan.coords(self.global_rank)["tp"])
+        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            ckpt_io.remove(filepath)
+            if self._async_writer is not None:  # only once the newer checkpoint is committed
+                self._async_writer.after_success(lambda: ckpt_io.remove(filepath))
+            else:
+                ckpt_io.remove(filepath)
+
+    def on_train_end(self) -> None:
+        if self._async_writer is not None:  # the last checkpoint is committed (or its error ends the run) before fit returns
+            self._async_writer.wait()
 
     # ----------------------------------------------------------------------------- lifecycle
     def teardown(self) -> None:
+        if self._async_writer is not None:  # its collectives need the communicators: finish before closing them
+            self._async_writer.close(raise_errors=False)
+            self._async_writer = None
         super().teardown()
         if self.world is not None:
             self.world.close()

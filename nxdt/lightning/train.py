@@ -33,7 +33,7 @@ def build_trainer(cfg: Any, plan: Plan, run_dir: Path, tokens_per_step: int, *, 
     strategy = NxDStrategy(plan=plan, timeout_s=cfg.comm.timeout_s, checkpoint_meta={"model": model_shape},
                            virtual_pipeline_size=cfg.distributed_strategy.virtual_pipeline_model_parallel_size,
                            sequence_parallel=cfg.distributed_strategy.sequence_parallel, zero1=cfg.distributed_strategy.zero1,
-                           emulated_links=emulated_links_for(cfg))
+                           emulated_links=emulated_links_for(cfg), async_checkpointing=cfg.exp_manager.async_checkpointing)
     return pl.Trainer(
         accelerator="cpu",
         precision=PRECISION[cfg.precision.type],
