@@ -1,9 +1,9 @@
 """Resume on another layout: a checkpoint's shards ⇄ one full state ⇄ another layout's shards.
 
 In-process: the resharding core round-trips a real Llama's TP shards (tied embeddings, replicated KV
-heads) and AdamW state bit for bit. End to end: a TP2×DP2 run's checkpoint resumed as DP4 with ZeRO-1
-(written asynchronously), whose ZeRO-1 checkpoint is resumed as TP1×PP2 and, consolidated, by one rank —
-every continuation has the uninterrupted run's losses (1e-5 relative)."""
+heads) and AdamW state bit for bit, and one rank loads the consolidated result directly. End to end: a
+TP2×DP2 run's checkpoint resumed as DP4 with ZeRO-1 (written asynchronously), whose ZeRO-1 checkpoint,
+consolidated, is resumed as TP1×PP2 — every continuation has the uninterrupted run's losses (1e-5 relative)."""
 
 from __future__ import annotations
 
@@ -79,15 +79,19 @@ def test_tp_shards_round_trip_through_the_full_state_bitwise(tmp_path):
         assert all(torch.equal(opt_state["state"][name][k], v) for k, v in entry.items()), name
     assert got.trainer["global_step"] == 1
 
-    # one rank loads the consolidated checkpoint directly; its optimizer order is restored by name
+    # one rank loads the consolidated checkpoint directly (no resharding); an optimizer that holds its
+    # parameters in another order gets each parameter's own state, matched by name
     out = reshard.consolidate(root, tmp_path / "full")
     assert ckpt_io.read_meta(out)["degrees"]["tp"] == 1 and not (tmp_path / "latest").exists()
+    assert not ckpt_io.check_layout(out, {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "dp": 1}, False)
     loaded = ckpt_io.load(out)
-    fresh, fresh_opt = _full_module_and_optimizer()
+    fresh = copy.deepcopy(full)
+    fresh_opt = torch.optim.AdamW([{**g, "params": g["params"][::-1]} for g in parameter_groups(fresh.model, 0.1)], lr=1e-2)
     [state] = reshard.optimizer_states_for(loaded, [fresh_opt], fresh, tp_rank=0)
     fresh_opt.load_state_dict(state)
-    for p, q in zip(fresh_opt.param_groups[0]["params"], full_opt.param_groups[0]["params"]):
-        assert torch.equal(fresh_opt.state[p]["exp_avg_sq"], full_opt.state[q]["exp_avg_sq"])
+    want_by_name = {n: full_opt.state[p] for n, p in full.named_parameters()}
+    for n, p in fresh.named_parameters():
+        assert all(torch.equal(fresh_opt.state[p][k], v) for k, v in want_by_name[n].items()), n
 
 
 def test_an_unsupported_reshard_is_one_line_naming_it(tmp_path):
@@ -100,3 +104,44 @@ def test_an_unsupported_reshard_is_one_line_naming_it(tmp_path):
         ckpt_io.check_layout(tmp_path, {"tp": 2, "pp": 1, "cp": 1, "ep": 1, "dp": 1}, False)
     # the data-parallel degree alone may change without resharding (each rank reads its own shard files)
     assert not ckpt_io.check_layout(tmp_path, {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "dp": 4}, False)
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+E2E = ["model=llama_tiny", "trainer.log_every_n_steps=1", "exp_manager.create_tensorboard_logger=false", "data=synthetic",
+       "trainer.max_steps=9", "model.optim.sched.max_steps=9", "data.global_batch_size=8", "data.micro_batch_size=2",
+       "trainer.gradient_clip_val=0.5", "exp_manager.checkpoint_every_n_steps=3", "exp_manager.keep_last_k=5"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tp2_dp2_resumes_as_dp4_zero1_then_consolidated_as_tp1_pp2_with_the_uninterrupted_losses(tmp_path, capsys):
+    from test_train_e2e import assert_ok, losses, nxdt
+    from nxdt.cli import main
+
+    ref, dp4, pp2 = tmp_path / "tp2-dp2", tmp_path / "dp4-zero1", tmp_path / "pp2"
+    assert_ok(nxdt("train", *E2E, "trainer.devices=4", "distributed_strategy.tensor_model_parallel_size=2",
+                   f"exp_manager.explicit_log_dir={ref}", cwd=tmp_path))
+    want = losses(ref)
+
+    def assert_continues(run: Path, first: int) -> None:
+        got = losses(run)
+        assert sorted(got) == list(range(first, 10)), got
+        for step, loss in got.items():
+            assert loss == pytest.approx(want[step], rel=1e-5), (run.name, step, got, want)
+
+    # TP2×DP2 → DP4 with ZeRO-1 (TP shards joined, moments sliced over 4 DP ranks), saved asynchronously
+    result = nxdt("train", *E2E, "trainer.devices=4", "distributed_strategy.zero1=true", "exp_manager.async_checkpointing=true",
+                  f"exp_manager.resume_from_checkpoint={ref / 'checkpoints/step-3'}", f"exp_manager.explicit_log_dir={dp4}", cwd=tmp_path)
+    assert_ok(result)
+    assert "reshards it" in result.stdout
+    assert_continues(dp4, 4)
+    assert {"trainer_state-dp3.pt", "rng-rank3.safetensors"} <= {p.name for p in (dp4 / "checkpoints/step-6").iterdir()}
+
+    # its ZeRO-1 DP4 shards consolidated into one full-state checkpoint (the reader resharding uses), resumed as
+    # TP1×PP2 without ZeRO-1 (one rank loads it directly: test_tp_shards_round_trip_through_the_full_state_bitwise)
+    full = tmp_path / "full"
+    assert main(["checkpoint", "consolidate", str(dp4 / "checkpoints/step-6"), str(full)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert_ok(nxdt("train", *E2E, "trainer.devices=2", "distributed_strategy.pipeline_model_parallel_size=2",
+                   f"exp_manager.resume_from_checkpoint={full}", f"exp_manager.explicit_log_dir={pp2}", cwd=tmp_path))
+    assert_continues(pp2, 7)
