@@ -303,17 +303,26 @@ def describe(path: str | os.PathLike) -> str:
     return "\n".join(lines)
 
 
-def check_layout(path: str | os.PathLike, degrees: dict[str, int], zero1: bool, virtual: int | None = None) -> bool:
+def dp_format(meta: dict[str, Any]) -> str:
+    """How a checkpoint's state is stored over data parallelism: ``replicated`` (DP rank 0 wrote it), ``zero1``
+    (optimizer state in flat shards per DP rank), or what meta.json's ``dp_format`` names (FSDP)."""
+    return meta.get("dp_format") or ("zero1" if meta.get("zero1") else "replicated")
+
+
+def check_layout(path: str | os.PathLike, degrees: dict[str, int], zero1: bool, virtual: int | None = None,
+                 data_parallel_format: str | None = None) -> bool:
     """Whether the checkpoint must be resharded to load into this layout (False: each rank reads its own
-    shard files: same TP/PP/EP shards and the same optimizer sharding; plain data parallelism may change).
+    shard files: same TP/PP/EP shards and the same DP format — and DP degree, unless replicated).
+    ``data_parallel_format``: this run's (default: ``zero1`` or ``replicated`` from ``zero1``).
     A change that cannot be supported raises CheckpointError — one line naming it."""
     meta = read_meta(path)
     saved = meta.get("degrees", {})
     same_shards = all(saved.get(d, 1) == degrees[d] for d in ("tp", "pp", "ep"))
     # virtual pipeline chunks decide which layers a stage's file holds (recorded since format 2)
     same_chunks = virtual is None or meta.get("virtual_pipeline", virtual) == virtual
-    same_optimizer = bool(meta.get("zero1")) == zero1 and (not zero1 or saved.get("dp") == degrees["dp"])
-    if same_shards and same_chunks and same_optimizer:
+    here = data_parallel_format or ("zero1" if zero1 else "replicated")
+    same_dp = dp_format(meta) == here and (here == "replicated" or saved.get("dp") == degrees["dp"])
+    if same_shards and same_chunks and same_dp:
         return False
     from nxdt.lightning.reshard import check_reshardable  # reshard builds on this module
 

@@ -38,7 +38,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from nxdt.lightning.checkpoint import (CheckpointError, read_meta, rng_file, save, verify)
+from nxdt.lightning.checkpoint import CheckpointError, dp_format, read_meta, rng_file, save, verify
 from nxdt.parallel.tensor_parallel import shard_spec
 from nxdt.parallel.zero1 import STATE_FORMAT as ZERO1_FORMAT, consolidate_shard_states
 
@@ -174,10 +174,6 @@ def _read_zero1(root: Path, meta: dict[str, Any], mp: int, optimizer: bool) -> P
 # How the state of one model-parallel position is stored over data parallelism → its reader.
 DP_FORMATS: dict[str, Callable[[Path, dict[str, Any], int, bool], PositionShard]] = {
     "replicated": _read_replicated, "zero1": _read_zero1}
-
-
-def dp_format(meta: dict[str, Any]) -> str:
-    return meta.get("dp_format") or ("zero1" if meta.get("zero1") else "replicated")
 
 
 def _layout_name(meta: dict[str, Any]) -> str:

@@ -492,6 +492,7 @@ class NxDStrategy(ParallelStrategy):
                 ckpt_io.remove(filepath)
 
     def on_train_end(self) -> None:
+        super().on_train_end()
         if self._async_writer is not None:  # the last checkpoint is committed (or its error ends the run) before fit returns
             self._async_writer.wait()
 
