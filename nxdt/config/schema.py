@@ -53,6 +53,8 @@ class ExpManagerConfig:
     max_restarts: int = doc(0, "restart all workers this many times after a worker dies; each restart resumes from the newest complete checkpoint")
     checkpoint_every_n_steps: Optional[int] = doc(None, "save checkpoints/step-<N>/ every N steps; null = never")
     keep_last_k: int = doc(2, "keep only the newest k checkpoints")
+    async_checkpointing: bool = doc(False, "write checkpoints in a background thread: training continues while a snapshot "
+                                           "(tensors copied first) is persisted; older checkpoints are removed only once it is committed")
     create_tensorboard_logger: bool = doc(True, "write TensorBoard event files under tensorboard/")
     trace: bool = doc(False, "write a Chrome trace per rank to trace/rank<k>.json (compute per FSDP unit, every collective "
                              "with its stream and token); open it in Perfetto")
