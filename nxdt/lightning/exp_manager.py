@@ -80,7 +80,8 @@ class FaultInjection(Callback):
     """Fail on ``rank`` when optimizer step ``step`` starts, in launch attempt ``attempt`` only: rehearses
     a crash for real. ``raise``: an exception; ``sigkill``: the process vanishes (no cleanup, as after an
     OOM kill); ``sigkill_during_save``: the process vanishes in the middle of the next checkpoint write,
-    after its files are written and before it is committed."""
+    after its files are written and before it is committed; ``hang``: the process stops responding (a stuck
+    rank or host: the others wait until their collective timeout, or until the host is killed)."""
 
     def __init__(self, step: int, rank: int | None, kind: str = "raise", attempt: int = 0) -> None:
         self.step, self.rank, self.kind, self.attempt = step, rank, kind, attempt
@@ -102,6 +103,10 @@ class FaultInjection(Callback):
         if self.kind == "sigkill":
             print(f"nxdt: fault injection: SIGKILL on rank {trainer.global_rank} at step {self.step} (t={time.time():.3f})", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "hang":
+            print(f"nxdt: fault injection: rank {trainer.global_rank} hangs at step {self.step} (t={time.time():.3f})", flush=True)
+            while True:
+                signal.pause()
         raise InjectedFault(f"injected fault at step {self.step} on rank {trainer.global_rank} (exp_manager.fault_injection)")
 
 
