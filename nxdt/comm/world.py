@@ -552,7 +552,9 @@ def init_process(rank: int, world_size: int, master_addr: str, master_port: int,
                               timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
     except Exception as exc:
         raise CommTimeoutError(f"nxdt.comm: rank {rank} could not reach the rendezvous store at {master_addr}:{master_port} ({exc})") from exc
-    namespace = f"nxdt/{run_id or 'run'}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    # NXDT_ATTEMPT (multi-node: the rendezvous round) is the same on every node; agents' restart counts need not be
+    attempt = os.environ.get("NXDT_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    namespace = f"nxdt/{run_id or 'run'}/{attempt}/"
     store = dist.PrefixStore(namespace, store)
     if rank == 0:
         remove_stale_segments()

@@ -294,6 +294,7 @@ def settle_node(node_key: list[Any] | None, digest: str, source: str, timeout_s:
     except Exception as exc:  # the store's own timeout: a node died between the rendezvous and here
         raise NodeOrderError(f"nxdt: nodes did not publish their order within {timeout_s:g}s ({str(exc).splitlines()[0]})") from None
     node = node_order(records)[group]
+    env["NXDT_ATTEMPT"] = str(round_)  # the store namespace and resume key of this round, the same on every node
     env["GROUP_RANK"] = str(node)
     env["RANK"] = env["ROLE_RANK"] = str(node * lws + local)
     return node

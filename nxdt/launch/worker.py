@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         settle_node(json.loads(args.node_key), args.plan_digest, args.node_key_source, timeout_s=120.0)
     rank = int(os.environ["RANK"])
     _redirect_output(args.run_dir / "logs" / f"rank{rank}.log", tee_to_console=rank == 0)
-    print(f"nxdt: rank {rank} attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} started (t={time.time():.3f})", flush=True)
+    print(f"nxdt: rank {rank} attempt {os.environ.get('NXDT_ATTEMPT') or os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} started (t={time.time():.3f})", flush=True)
     if args.plan_digest is not None:
         from nxdt.comm.world import host_identity
 

@@ -111,8 +111,10 @@ class FaultInjection(Callback):
 
 
 def launch_attempt() -> int:
-    """0 for the first start of the workers, k after the k-th restart by the elastic agent."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    """0 for the first start of the workers, k after the k-th restart by the elastic agent (several nodes: the
+    k-th rendezvous round, which every node agrees on; an agent restarted by another node's failure does not
+    count that restart in TORCHELASTIC_RESTART_COUNT)."""
+    return int(os.environ.get("NXDT_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 class DirectoryCheckpoint(ModelCheckpoint):
