@@ -188,7 +188,7 @@ def memcpy_gbps(nbytes: int, iters: int = 20) -> float:
     return src.numel() * 4 / elapsed / 1e9
 
 
-def algorithms_ran(comm, ops: list[str], dtype: torch.dtype, nbytes: int) -> dict[str, str]:
+def algorithms_ran(comm, ops: list[str], dtype: torch.dtype, nbytes: int, algorithm: str = "auto") -> dict[str, str]:
     """Which algorithm each op runs on ``comm`` at ``nbytes``, as recorded by a Tracer around one call."""
     from nxdt.comm.trace import Tracer
 
@@ -198,7 +198,7 @@ def algorithms_ran(comm, ops: list[str], dtype: torch.dtype, nbytes: int) -> dic
         tracer = Tracer(rank)
         comm.world.set_tracer(tracer)
         try:
-            _Runner(op, nbytes, dtype, n, rank).run(comm)
+            _Runner(op, nbytes, dtype, n, rank).run(comm, algorithm)
         finally:
             comm.world.set_tracer(None)
         names = [e["args"].get("algorithm", "") for e in tracer.events() if e.get("ph") == "X"]
@@ -227,7 +227,7 @@ def _body(world, args: dict) -> dict[str, Any]:
     out: dict[str, Any] = {"results": [], "baseline": [], "memcpy": {}, "transport": comm.transport,
                            "hosts": len(set(world.host_ids)), "layout": _layout(world)}
     if args.get("show_algorithm"):
-        out["algorithms"] = {nbytes: algorithms_ran(comm, args["ops"], dtype, nbytes)
+        out["algorithms"] = {nbytes: algorithms_ran(comm, args["ops"], dtype, nbytes, args["algorithm"])
                              for nbytes in sizes(args["minbytes"], args["maxbytes"], args["stepfactor"])}
     slowest = torch.zeros(1, dtype=torch.float64)
     for op in args["ops"]:
