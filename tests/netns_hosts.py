@@ -146,6 +146,7 @@ class Slurm:
             "AccountingStorageType=accounting_storage/none", "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
             "SchedulerType=sched/builtin", "MpiDefault=none", "ReturnToService=2", "SlurmdParameters=config_overrides",
             "InactiveLimit=0", "KillWait=5",
+            "MinJobAge=4",  # sbatch --wait then polls every 2 s (it backs off to 32 s when records live long)
             f"NodeName=n0 NodeAddr={self.hosts.addr[0]} CPUs=2 State=UNKNOWN",
             f"NodeName=n1 NodeAddr={self.hosts.addr[1]} CPUs=2 State=UNKNOWN",
             "PartitionName=debug Nodes=n0,n1 Default=YES MaxTime=INFINITE State=UP", ""]))

@@ -23,7 +23,7 @@ from test_train_e2e import TINY, assert_ok, losses, nxdt
 
 from nxdt.cli import main as cli_main
 from nxdt.config import ConfigError
-from nxdt.launch.multinode import NodeOrderError, node_order, resolve_node, split_endpoint
+from nxdt.launch.multinode import NodeOrderError, node_order, resolve_node, split_endpoint, topology_key
 
 GOLDEN = Path(__file__).parent / "golden"
 COMMON = [*TINY, "data=synthetic", "trainer.max_steps=6", "model.optim.sched.max_steps=6", "data.global_batch_size=8",
@@ -76,6 +76,13 @@ def test_node_settings_come_from_config_first_then_the_environment():
     assert (config.rdzv_backend, config.min_nodes, config.max_nodes, config.nproc_per_node) == ("c10d", 2, 2, 2)
 
 
+def test_ultraserver_position_is_read_from_the_neuron_sysfs_files(tmp_path):
+    (tmp_path / "server_id_0").write_text("4\n")
+    (tmp_path / "node_id_0").write_text("3\n")
+    assert topology_key({}, sysfs=tmp_path) == ["topo", "4", "3"]
+    assert topology_key({}, sysfs=tmp_path / "absent") is None
+
+
 @pytest.mark.parametrize("launcher,env,key", [
     (_launcher(), {}, "launcher.rdzv_endpoint"),
     (_launcher(rdzv_endpoint="host:port"), {}, "launcher.rdzv_endpoint"),
@@ -119,6 +126,14 @@ def test_torchrun_dry_run_shows_the_agent_and_starts_nothing(tmp_path, monkeypat
     assert ("torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29512 --rdzv-id=job7 "
             "--rdzv-conf=is_host=1,join_timeout=90 --local-addr=127.0.0.1") in out
     assert "-m nxdt.launch.worker" in out and "WORLD_SIZE=4" in out
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_local_dry_run_prints_the_worker_command_and_starts_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["train", "launcher.dry_run=true"]) == 0
+    out = capsys.readouterr().out
+    assert "2 workers" in out and f"{sys.executable} -m nxdt.launch.worker" in out
     assert not (tmp_path / "outputs").exists()
 
 
