@@ -61,7 +61,7 @@ BAD = [
     (["data.seq_length=4096"], "data.seq_length"),
     (["trainer.num_nodes=0"], "trainer.num_nodes"),
     (["distributed_strategy.fsdp.prefetch=sometimes"], "prefetch"),
-    (["distributed_strategy.fsdp.enabled=true"], "fsdp"),               # valid, not trainable yet: refused before launch
+    (["distributed_strategy.fsdp.enabled=true", "distributed_strategy.zero1=true"], "zero1"),  # FSDP shards the optimizer already
     (["notakeyvalue"], "key=value"),
 ]
 

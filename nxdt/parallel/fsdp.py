@@ -357,7 +357,8 @@ class FullyShardedDataParallel:
                 if t.requires_grad:
                     t.register_hook(lambda g, u=unit: self._pre_backward(u))
                     break
-        if self.reshard_after_forward and not unit.resident:
+        # the last unit's backward comes next: keep it (as torch's FSDP keeps the root) instead of re-gathering
+        if self.reshard_after_forward and not unit.resident and unit.index != len(self.units) - 1:
             self._free(unit)
         return out
 
@@ -394,7 +395,8 @@ class FullyShardedDataParallel:
         if unit.grads_pending == 0:
             if self.tracer is not None:
                 self.tracer.add("backward", "compute", self._unit_start, time.perf_counter(), unit=unit.index, module=unit.name)
-            if self.policy != "eager":
+            # the first unit is the next micro-batch's first need: kept until finish_gradients
+            if self.policy != "eager" and unit.index != 0:
                 self._free(unit)
         if self.policy == "none":
             self._issue_reduce_scatters()

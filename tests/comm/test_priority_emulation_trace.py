@@ -134,9 +134,16 @@ def _emulation_and_trace(world) -> dict:
         prev = fsdp.all_gather(dst, shard, stream="fsdp", async_op=True, after=prev)
         works.append(prev)
     x = torch.full((8,), float(r + 1))
+    # deterministic on a loaded host: the gathers are under way, the TP pair arrives together, and a late peer
+    # (a stall) may hold the FSDP stream back up to 100 ms instead of the default 5 ms
+    world.yield_stall_s = 0.1
+    while works[0].start_s is None:
+        time.sleep(1e-3)
+    tp.barrier()
     tp.all_reduce(x, stream="tp")
     for w in works:
         w.wait()
+    world.yield_stall_s = 0.005
     world.set_tracer(None)
     assert torch.equal(x, torch.full((8,), 2.0 * low + 3))
     for i, dst in enumerate(full):
