@@ -322,6 +322,14 @@ NXDT_DEFAULTS = {
 }
 
 
+def check_keys(nxdt: Mapping[str, Any]) -> None:
+    """Every key is NxDT's or nxdt's; the first that is neither fails, naming the closest known key. Run on the
+    unresolved config too, so a misspelt key is reported rather than the interpolation it breaks."""
+    for key in flatten(nxdt):
+        if key != "instance" and rule_for(key) is None and not is_our_key(key):
+            raise unknown_key_error(key)
+
+
 def translate(nxdt: Mapping[str, Any], hf_config: Mapping[str, Any] | None = None) -> Translation:
     """The nxdt config (nested dict) for an NxDT config; ``hf_config``: the parsed ``model.model_config``."""
     leaves = flatten(nxdt)
@@ -351,22 +359,35 @@ def translate(nxdt: Mapping[str, Any], hf_config: Mapping[str, Any] | None = Non
     if "name" in leaves and "exp_manager.name" in leaves:
         mapped["name"] = leaves["exp_manager.name"]
 
+    checkpointing, data = _checkpointing(leaves), _data(leaves, ours)
     out = {k: v for k, v in NXDT_DEFAULTS.items()}
     out.update(_model(leaves, hf_config, notes))
     out.update(mapped)
     out.update(_precision(leaves, notes))
     out.update(_optimizer(leaves, notes))
-    out.update(_checkpointing(leaves))
-    out.update(_data(leaves, ours))
+    out.update(checkpointing)
+    out.update(data)
     vpp = leaves.get("distributed_strategy.virtual_pipeline_model_parallel_size")
     out["distributed_strategy.virtual_pipeline_model_parallel_size"] = 1 if vpp is None else vpp  # NxDT: None means 1
 
-    for key, value in ours.items():  # nxdt's own keys in the file: they must not contradict an NxDT key
-        if key in mapped and mapped[key] != value:
-            source = next(k for k, r in ((k, rule_for(k)) for k in leaves) if r is not None and (r.to or k) == key)
-            raise ConfigError(key, value, f"contradicts the NxDT key {source}={mapped[key]!r}; keep one of them")
+    # nxdt's own keys in the file win over config.json, but must not contradict an NxDT key of the same file
+    from_file = {**mapped, **checkpointing, **data}
+    for key, value in ours.items():
+        if key in from_file and from_file[key] != value:
+            sources = [k for k in leaves if (rule_for(k) is not None and rule_for(k).to == key) or k in COUNTERPARTS.get(key, (key,))]
+            raise ConfigError(key, value, f"contradicts the NxDT key {sources[0] if sources else key}={from_file[key]!r} in the same "
+                              "config; keep one of them")
         out[key] = value
     return Translation(config=unflatten(out), ignored=ignored, notes=notes, instance=instance)
+
+
+# nxdt keys set by NxDT keys of another name (besides MAP rules' `to`), for naming a contradiction
+COUNTERPARTS = {
+    "exp_manager.checkpoint_every_n_steps": ("exp_manager.checkpoint_callback_params.every_n_train_steps",
+                                             "exp_manager.create_checkpoint_callback"),
+    "exp_manager.keep_last_k": ("exp_manager.checkpoint_callback_params.save_top_k",),
+    "data.seq_length": ("data.seq_length", "model.encoder_seq_length"),
+}
 
 
 def _model(leaves: Mapping[str, Any], hf: Mapping[str, Any] | None, notes: list[str]) -> dict[str, Any]:
@@ -519,3 +540,7 @@ def mapping_table() -> str:
 
 def _yaml(value: Any) -> str:
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+if __name__ == "__main__":  # regenerate the table in docs/migrating-from-nxdt.md
+    print(mapping_table())

@@ -24,7 +24,7 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from nxdt.config.nxdt_compat import infer_instance, is_our_key, rule_for, translate, unknown_key_error
+from nxdt.config.nxdt_compat import check_keys, infer_instance, is_our_key, rule_for, translate, unknown_key_error
 from nxdt.config.schema import Config, register_schemas
 from nxdt.config.validate import ConfigError, validate
 
@@ -45,6 +45,7 @@ def compose(config_path: str | Path, config_name: str, overrides: list[str] | tu
     raw = _load_file(config_dir, config_name)
     for ov in nxdt_overrides:
         _apply(raw, ov)
+    check_keys(OmegaConf.to_container(raw, resolve=False))
     try:
         nxdt = OmegaConf.to_container(raw, resolve=True)
     except OmegaConfBaseException as exc:
