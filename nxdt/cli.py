@@ -49,7 +49,9 @@ def _fail(message: str) -> int:
 def train_help() -> str:
     from nxdt.config import available_options, field_docs
 
-    lines = ["usage: nxdt train [-m] [group=option ...] [key=value ...]", "", "config groups:"]
+    lines = ["usage: nxdt train [-m] [group=option ...] [key=value ...]",
+             "       nxdt train --config-path DIR --config-name NAME [instance=NAME] [key=value ...]   (an NxDT config file; "
+             "docs/migrating-from-nxdt.md)", "", "config groups:"]
     for group in ("model", "data", "instance"):
         lines.append(f"  {group}: {', '.join(available_options(group))}")
     lines += ["", "keys (default) — description:"]

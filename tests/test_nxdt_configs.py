@@ -31,7 +31,8 @@ DOC = Path(__file__).parents[1] / "docs" / "migrating-from-nxdt.md"
 LLAMA_HF = json.loads((CONFIGS / "llama3_8B_config.json").read_text())
 MIXTRAL_HF = json.loads((CONFIGS / "mixtral_8x7B_config.json").read_text())
 NEURON_ONLY = ("compiler_flags", "compiler_cache_url", "aync_exec_max_inflight_requests", "bucket_size_collectives",
-               "neuron_rt_exec_timeout", "neuron_experimental_compress_rg")
+               "neuron_rt_exec_timeout", "neuron_experimental_compress_rg", "precision.xla_use_bf16", "precision.xla_downcast_bf16",
+               "precision.neuron_rt_stochastic_rounding_en", "exp_manager.save_xser")
 
 
 def nxdt_config(name: str, *overrides: str):

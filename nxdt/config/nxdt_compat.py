@@ -209,9 +209,10 @@ RULES: dict[str, Rule] = {
                               "Stochastic rounding (SR) is a Trainium feature, not available on CPU (noted)"),
     "precision.master_weights": _custom("read only with type: manual (as in NxDT): true + bf16 → mixed_precision"),
     "precision.fp32_grad_acc": _derived("read only with type: manual; nxdt accumulates gradients in the parameters' dtype"),
-    "precision.xla_use_bf16": _custom("XLA flag: read only with type: manual ('1' = bf16 compute); otherwise ignored"),
-    "precision.xla_downcast_bf16": _custom("XLA flag: read only with type: manual ('1' = bf16 compute); otherwise ignored"),
-    "precision.neuron_rt_stochastic_rounding_en": _custom("Neuron runtime flag: with type: manual '1' is noted (no SR on CPU)"),
+    "precision.xla_use_bf16": _custom("XLA flag: with type: manual, '1' = bf16 compute; otherwise named in the one warning"),
+    "precision.xla_downcast_bf16": _custom("XLA flag: with type: manual, '1' = bf16 compute; otherwise named in the one warning"),
+    "precision.neuron_rt_stochastic_rounding_en": _custom("Neuron runtime flag: with type: manual, '1' is noted (no SR on CPU); "
+                                                          "otherwise named in the one warning"),
     "precision.parallel_layers_reduce_dtype": _ignored("dtype of NxD's TP reductions"),
     "precision.fp32_grads_cc": _derived("never read by NxDT"),
 }
@@ -363,7 +364,7 @@ def translate(nxdt: Mapping[str, Any], hf_config: Mapping[str, Any] | None = Non
     out = {k: v for k, v in NXDT_DEFAULTS.items()}
     out.update(_model(leaves, hf_config, notes))
     out.update(mapped)
-    out.update(_precision(leaves, notes))
+    out.update(_precision(leaves, notes, ignored))
     out.update(_optimizer(leaves, notes))
     out.update(checkpointing)
     out.update(data)
@@ -423,7 +424,7 @@ def is_complete_model(leaves: Mapping[str, Any]) -> bool:
     return all(f"model.{k}" in leaves for k in required)
 
 
-def _precision(leaves: Mapping[str, Any], notes: list[str]) -> dict[str, Any]:
+def _precision(leaves: Mapping[str, Any], notes: list[str], ignored: list[str]) -> dict[str, Any]:
     kind = leaves.get("precision.type", "fp32")
     flags = ("precision.xla_use_bf16", "precision.xla_downcast_bf16", "precision.neuron_rt_stochastic_rounding_en")
     if kind == "manual":
@@ -434,6 +435,7 @@ def _precision(leaves: Mapping[str, Any], notes: list[str]) -> dict[str, Any]:
         return {"precision.type": ours}
     if kind not in PRECISION:
         raise ConfigError("precision.type", kind, f"must be one of {', '.join([*PRECISION, 'manual'])}")
+    ignored.extend(k for k in flags if k in leaves)  # XLA/runtime flags, read by NxDT only for type: manual
     if kind.endswith("SR"):
         notes.append(f"precision.type={kind}: {SR_NOTE}")
     return {"precision.type": PRECISION[kind]}
