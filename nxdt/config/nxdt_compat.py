@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
@@ -271,10 +272,11 @@ def rule_for(key: str) -> Rule | None:
     return None
 
 
-def _our_keys() -> tuple[set[str], tuple[str, ...]]:
+@functools.lru_cache(maxsize=1)
+def _our_keys() -> tuple[frozenset[str], tuple[str, ...]]:
     docs = field_docs()
     free_form = tuple(k + "." for k, default, _ in docs if default == "{}")  # dict-valued fields take any sub-key
-    return {k for k, _, _ in docs}, free_form
+    return frozenset(k for k, _, _ in docs), free_form
 
 
 def is_our_key(key: str) -> bool:
@@ -333,6 +335,7 @@ def check_keys(nxdt: Mapping[str, Any]) -> None:
 
 def translate(nxdt: Mapping[str, Any], hf_config: Mapping[str, Any] | None = None) -> Translation:
     """The nxdt config (nested dict) for an NxDT config; ``hf_config``: the parsed ``model.model_config``."""
+    check_keys(nxdt)
     leaves = flatten(nxdt)
     instance = leaves.pop("instance", None)
     if instance is not None and not isinstance(instance, str):
@@ -343,9 +346,7 @@ def translate(nxdt: Mapping[str, Any], hf_config: Mapping[str, Any] | None = Non
     notes: list[str] = []
     for key, value in leaves.items():
         rule = rule_for(key)
-        if rule is None:
-            if not is_our_key(key):
-                raise unknown_key_error(key)
+        if rule is None:  # nxdt's own key (check_keys refused the rest)
             ours[key] = value
         elif rule.kind == MAP:
             mapped[rule.to or key] = value
