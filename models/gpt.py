@@ -114,6 +114,9 @@ class GPTForCausalLM(DecoderOnlyLM):
             else:
                 p.normal_(0.0, std)
 
+    def embedding_modules(self) -> list[nn.Module]:
+        return [self.embed_tokens, self.embed_positions]
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [B, S] → token + position embeddings [B, S, hidden]."""
         s = input_ids.shape[1]

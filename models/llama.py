@@ -192,6 +192,14 @@ class DecoderOnlyLM(nn.Module):
             x = self.run_layer(layer, x)
         return self.head(x)
 
+    def embedding_modules(self) -> list[nn.Module]:
+        """The modules ``embed`` runs, in call order."""
+        return [self.embed_tokens]
+
+    def fsdp_units(self) -> list[list[nn.Module]]:
+        """FSDP units in forward order: the embedding, each layer, the final norm with the head."""
+        return [self.embedding_modules(), *[[layer] for layer in self.layers], [self.norm, self.lm_head]]
+
     @_instance_or_static
     def loss_fn(self: "DecoderOnlyLM | None", logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Next-token cross-entropy in fp32, mean over tokens. Labels are already shifted by the data

@@ -137,7 +137,7 @@ def check_resume_checkpoint(cfg: Any, the_plan: Any) -> None:
 
     try:
         verify(path, {k: getattr(cfg.model, k) for k in MODEL_SHAPE_FIELDS})
-        check_layout(path, the_plan.degrees, cfg.distributed_strategy.zero1)
+        check_layout(path, the_plan.degrees, cfg.distributed_strategy.zero1, cfg.distributed_strategy.fsdp.enabled)
     except CheckpointError as exc:
         raise ConfigError("exp_manager.resume_from_checkpoint", path, str(exc)) from None
 

@@ -6,6 +6,9 @@ runs prove parity, sharded checkpoint files, automatic restart and exact resume 
 
 from __future__ import annotations
 
+import csv
+import json
+
 import pytest
 
 from test_train_e2e import TINY, assert_ok, losses, nxdt
@@ -37,7 +40,10 @@ def _assert_same_losses(got: dict[int, float], want: dict[int, float]) -> None:
      {"model-mp0.safetensors", "model-mp1.safetensors", "trainer_state-mp1.pt"}),
     (["trainer.devices=2", "distributed_strategy.zero1=true", *KILL_AT_STEP_5],
      {"model.safetensors", "trainer_state-dp0.pt", "trainer_state-dp1.pt"}),
-], ids=["tp2-sp-x-pp2-interleaved", "pp2-killed-and-restarted", "zero1-dp2-killed-and-restarted"])
+    (["trainer.devices=4", "distributed_strategy.tensor_model_parallel_size=2", "distributed_strategy.sequence_parallel=true",
+      "distributed_strategy.fsdp.enabled=true", "exp_manager.trace=true", *KILL_AT_STEP_5],
+     {"model-mp0.safetensors", "model-mp1.safetensors", "trainer_state-mp0-dp0.pt", "trainer_state-mp1-dp1.pt"}),
+], ids=["tp2-sp-x-pp2-interleaved", "pp2-killed-and-restarted", "zero1-dp2-killed-and-restarted", "tp2-sp-x-fsdp2-killed-and-restarted"])
 @pytest.mark.timeout(300)
 def test_parallel_losses_equal_single_process(tmp_path, single, layout, files):
     run = tmp_path / "run"
@@ -45,6 +51,12 @@ def test_parallel_losses_equal_single_process(tmp_path, single, layout, files):
     assert_ok(result)
     _assert_same_losses(losses(run), single)
     assert files | {"done", "meta.json"} <= {p.name for p in (run / "checkpoints/step-6").iterdir()}
+    if "distributed_strategy.fsdp.enabled=true" in layout:  # per-step FSDP figures and a Perfetto trace per rank
+        rows = list(csv.DictReader(open(run / "metrics.csv", newline="")))
+        assert all(float(r["peak_gathered_bytes"]) > 0 and 0 <= float(r["overlap_pct"]) <= 100 for r in rows)
+        trace = json.loads((run / "trace/rank0.json").read_text())["traceEvents"]
+        assert {"forward", "backward", "all_gather", "reduce_scatter"} <= {e["name"] for e in trace}
+        assert {"fsdp", "tp", "compute"} <= {e.get("cat") for e in trace}
     if "exp_manager.max_restarts=1" in layout:  # the kill happened, the job restarted from step 3 by itself
         out = result.stdout + result.stderr
         assert "SIGKILL on rank 1 at step 5" in (run / "logs/rank1.log").read_text() and "checkpoints/step-3" in out

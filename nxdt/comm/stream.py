@@ -33,6 +33,8 @@ import threading
 import time
 from typing import Callable, Iterable
 
+import torch
+
 from nxdt.comm.errors import CommError, CommTimeoutError
 
 
@@ -52,6 +54,9 @@ class Work:
         self.id = next(_work_ids) if work_id is None else work_id
         self._done = threading.Event()
         self._error: BaseException | None = None
+        # perf_counter seconds when the op began (its ``after=`` done) and ended: what overlap accounting reads
+        self.start_s: float | None = None
+        self.end_s: float | None = None
 
     def _finish(self, error: BaseException | None = None) -> None:
         self._error = error
@@ -143,11 +148,14 @@ class Stream:
         try:
             for dep in after:
                 dep.wait()
-            with self._lock:
+            with self._lock, torch.no_grad():  # collectives are not differentiated; a thread starts in grad mode
+                work.start_s = time.perf_counter()
                 fn()
         except BaseException as exc:  # delivered to whoever waits on the work
+            work.end_s = time.perf_counter()
             work._finish(exc if isinstance(exc, CommError) else exc)
         else:
+            work.end_s = time.perf_counter()
             work._finish()
         finally:
             with self._pending_lock:
@@ -165,7 +173,7 @@ class Stream:
                     self._pending += 1
             if idle:  # the common synchronous path: run here, no hand-off, no work handle
                 try:
-                    with self._lock:
+                    with self._lock, torch.no_grad():
                         fn()
                 finally:
                     with self._pending_lock:

@@ -56,6 +56,8 @@ class ExpManagerConfig:
     create_tensorboard_logger: bool = doc(True, "write TensorBoard event files under tensorboard/")
     log_parameter_norm: bool = doc(False, "add the global parameter norm (all shards) to metrics.csv as param_norm")
     log_gradient_norm: bool = doc(False, "add the global gradient norm (before clipping) to metrics.csv as grad_norm")
+    trace: bool = doc(False, "write a Chrome trace per rank to trace/rank<k>.json (compute per FSDP unit, every collective "
+                             "with its stream and token); open it in Perfetto")
     fault_injection: FaultInjectionConfig = doc(FaultInjectionConfig(), "deliberate worker failure, for testing recovery")
 
 
@@ -196,6 +198,8 @@ class CommConfig:
     transport: str = doc("auto", "auto | shm | p2p")
     algorithm: str = doc("auto", "collective algorithm, or auto (chosen by size and group shape)")
     emulate: Optional[str] = doc(None, "emulate the links of this instance on CPU; null = off")
+    emulate_slowdown: float = doc(1.0, "emulated links take this many times longer (latency × s, bandwidth / s), so "
+                                       "communication is comparable to the CPU's compute in overlap studies")
 
 
 @dataclass

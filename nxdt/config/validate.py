@@ -161,6 +161,8 @@ def validate(cfg: Any, *, paths: bool = True) -> None:
         raise ConfigError("model.optim.sched.warmup_steps", cfg.model.optim.sched.warmup_steps, "must be >= 0")
     if cfg.exp_manager.max_restarts < 0:
         raise ConfigError("exp_manager.max_restarts", cfg.exp_manager.max_restarts, "must be >= 0")
+    if not cfg.comm.emulate_slowdown > 0:
+        raise ConfigError("comm.emulate_slowdown", cfg.comm.emulate_slowdown, "must be > 0 (1 = the instance's own links)")
     if cfg.comm.emulate is not None and cfg.comm.emulate not in _instance_names():
         raise ConfigError("comm.emulate", cfg.comm.emulate, f"unknown instance; choose one of {', '.join(_instance_names())}")
     fi = cfg.exp_manager.fault_injection
@@ -196,13 +198,18 @@ def check_trainable(cfg: Any) -> None:
     """Refuse, before any worker starts, what would otherwise train silently wrong."""
     ds = cfg.distributed_strategy
     unsupported = [(key, value) for key, value in (("context_parallel_size", ds.context_parallel_size),) if value != 1]
-    unsupported += [(key, True) for key, value in (("fsdp.enabled", ds.fsdp.enabled),) if value]
-    if ds.expert_model_parallel_size > 1 and (ds.pipeline_model_parallel_size > 1 or ds.zero1):
+    if ds.expert_model_parallel_size > 1 and (ds.pipeline_model_parallel_size > 1 or ds.zero1 or ds.fsdp.enabled):
         unsupported.append(("expert_model_parallel_size", ds.expert_model_parallel_size))
+    if ds.fsdp.enabled and ds.pipeline_model_parallel_size > 1:
+        unsupported.append(("fsdp.enabled", True))
     if unsupported:
         key, value = unsupported[0]
         shown = key if key.startswith("comm.") else f"distributed_strategy.{key}"
-        combined = " together with PP or zero1" if key == "expert_model_parallel_size" else ""
+        combined = {"expert_model_parallel_size": " together with PP, zero1 or FSDP",
+                    "fsdp.enabled": " together with pipeline parallelism"}.get(key, "")
         raise NotYetSupported(shown, value, f"training with it{combined} is not implemented yet in this version "
-                              "(`nxdt plan` accepts it); data, tensor, pipeline, expert parallelism and ZeRO-1 train now")
+                              "(`nxdt plan` accepts it); data, tensor, pipeline, expert parallelism, ZeRO-1 and FSDP train now")
+    if ds.fsdp.enabled and ds.zero1:
+        raise ConfigError("distributed_strategy.zero1", True, "FSDP already shards the optimizer state; set zero1=false "
+                          "(or fsdp.enabled=false)")
 

@@ -269,9 +269,9 @@ def describe(path: str | os.PathLike) -> str:
     return "\n".join(lines)
 
 
-def check_layout(path: str | os.PathLike, degrees: dict[str, int], zero1: bool) -> None:
+def check_layout(path: str | os.PathLike, degrees: dict[str, int], zero1: bool, fsdp: bool = False) -> None:
     """Refuse, with one line, a checkpoint whose shards do not fit this run's layout: the model-parallel
-    degrees (TP, PP, EP) must match; the data-parallel degree may change unless ZeRO-1 sharded the
+    degrees (TP, PP, EP) must match; the data-parallel degree may change unless ZeRO-1 or FSDP sharded the
     optimizer state over it."""
     meta = read_meta(path)
     saved = meta.get("degrees", {})
@@ -280,10 +280,11 @@ def check_layout(path: str | os.PathLike, degrees: dict[str, int], zero1: bool) 
             f"checkpoint {path} was saved at TP{saved.get('tp', 1)}×PP{saved.get('pp', 1)}×EP{saved.get('ep', 1)}; this run is "
             f"TP{degrees['tp']}×PP{degrees['pp']}×EP{degrees['ep']} — resuming on another tensor/pipeline/expert layout is not "
             "supported yet (the data-parallel degree may change)")
-    if bool(meta.get("zero1")) != zero1 or (zero1 and saved.get("dp") != degrees["dp"]):
-        raise CheckpointError(
-            f"checkpoint {path} holds optimizer state for zero1={bool(meta.get('zero1'))} at DP{saved.get('dp')}; this run is "
-            f"zero1={zero1} at DP{degrees['dp']} — resume with the same ZeRO-1 setting and data-parallel degree")
+    for key, shown, here in (("zero1", "ZeRO-1", zero1), ("fsdp", "FSDP", fsdp)):
+        if bool(meta.get(key)) != here or (here and saved.get("dp") != degrees["dp"]):
+            raise CheckpointError(
+                f"checkpoint {path} holds optimizer state for {key}={bool(meta.get(key))} at DP{saved.get('dp')}; this run is "
+                f"{key}={here} at DP{degrees['dp']} — resume with the same {shown} setting and data-parallel degree")
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:

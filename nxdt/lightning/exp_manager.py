@@ -21,7 +21,10 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from nxdt.lightning import checkpoint as ckpt_io
 
-METRIC_COLUMNS = ("step", "loss", "lr", "step_time_s", "tokens_per_s", "peak_rss_mb", "wall_time")
+# the last three are filled under FSDP: time compute waited for its communication, the share of that
+# communication hidden behind compute, and the most gathered-parameter bytes held at once
+METRIC_COLUMNS = ("step", "loss", "lr", "step_time_s", "tokens_per_s", "peak_rss_mb", "wall_time",
+                  "exposed_comm_s", "overlap_pct", "peak_gathered_bytes")
 
 
 class StepMetricsLogger(Callback):

@@ -82,7 +82,9 @@ class CausalLMModule(pl.LightningModule):
         optimizer.step()
         scheduler.step()
         step_loss = strategy.reduce(loss.detach().float(), reduce_op="mean")
-        self.step_metrics = {"step": self.trainer.global_step, "loss": float(step_loss), "lr": lr, **extra}
+        stats = getattr(strategy, "step_stats", None)  # e.g. FSDP's exposed communication and gathered memory
+        self.step_metrics = {"step": self.trainer.global_step, "loss": float(step_loss), "lr": lr, **extra,
+                             **(stats() if stats else {})}
         self.log("loss", step_loss, prog_bar=True, logger=False)
         return step_loss
 

@@ -37,6 +37,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 import nxdt.comm
 from nxdt.lightning import checkpoint as ckpt_io
 from nxdt.parallel.expert_parallel import apply_expert_parallel, is_expert_parameter, reduce_expert_gradients
+from nxdt.parallel.fsdp import FullyShardedDataParallel, apply_fsdp
 from nxdt.parallel.pipeline import PipelineExecutor, build_chunks, interleaved_one_f_one_b, one_f_one_b
 from nxdt.parallel.tensor_parallel import apply_tensor_parallel, norm_weights, shard_layout, sync_replicated_grads
 from nxdt.parallel.zero1 import Zero1Optimizer
@@ -83,6 +84,11 @@ class NxDStrategy(ParallelStrategy):
         placement_order: rank order of the dimensions, fastest first.
         emulated_links: ``{dim: (latency_s, bytes_per_s)}`` — every communicator of that dimension emulates
             the link (``comm.emulate``; ``nxdt.planner.links.emulated_links_for(cfg)`` computes it).
+        fsdp: shard parameters, gradients and optimizer state over data parallelism (``True``, or a dict of
+            :func:`nxdt.parallel.fsdp.apply_fsdp` options: ``prefetch`` none | eager | token_threaded,
+            ``prefetch_distance``, ``reduce_scatter_delay``, ``reshard_after_forward``, ``param_dtype``).
+        trace_dir: write a Chrome trace per rank there (``rank<k>.json``: compute per FSDP unit, every
+            collective with its stream and token); opens in Perfetto.
     """
 
     strategy_name = "nxdt"
@@ -102,6 +108,8 @@ class NxDStrategy(ParallelStrategy):
         sequence_parallel: bool = False,
         zero1: bool = False,
         emulated_links: dict[str, tuple[float, float]] | None = None,
+        fsdp: bool | dict[str, Any] = False,
+        trace_dir: str | os.PathLike | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -128,6 +136,13 @@ class NxDStrategy(ParallelStrategy):
         self._zero1 = zero1
         self._emulated_links = {dim: nxdt.comm.EmulatedLink(*figures) for dim, figures in (emulated_links or {}).items()}
         self._zero1_optimizer: Zero1Optimizer | None = None
+        self._fsdp_options: dict[str, Any] | None = (dict(fsdp) if isinstance(fsdp, dict) else {}) if fsdp else None
+        if self._fsdp_options is not None and zero1:
+            raise ValueError("NxDStrategy(fsdp=..., zero1=True): FSDP shards the optimizer state already; choose one")
+        self.fsdp: FullyShardedDataParallel | None = None  # set in setup() when fsdp is on
+        self._trace_dir = trace_dir
+        self._tracer: nxdt.comm.Tracer | None = None
+        self._tp_layout: dict[str, list[int]] | None = None  # recorded before FSDP flattens the TP shards
         self._norm_weights: dict[str, float] | None = None  # TP: how each parameter's gradient enters the global norm
         self._pipeline: PipelineExecutor | None = None  # set in setup() when PP > 1
         self._num_nodes = 1
@@ -217,6 +232,9 @@ class NxDStrategy(ParallelStrategy):
                 comm = self.world.new_communicator(list(ranks), name=f"{dim}{index}", link=self._emulated_links.get(dim))
                 if comm is not None:
                     self.communicators[dim] = comm
+        if self._trace_dir is not None:
+            self._tracer = nxdt.comm.Tracer(self.global_rank)
+            self.world.set_tracer(self._tracer)
         log.info("rank %d: communicators %s", self.global_rank, {k: c.ranks for k, c in self.communicators.items()})
 
     # ----------------------------------------------------------------------------- model
@@ -233,7 +251,37 @@ class NxDStrategy(ParallelStrategy):
         self._broadcast_parameters()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            if self._fsdp_options is not None:
+                self._shard_fully()
         self.setup_precision_plugin()
+
+    def _fsdp_units_owner(self) -> torch.nn.Module:
+        """The module FSDP cuts into units: a hub model (its ``fsdp_units``) or the LightningModule itself."""
+        model = getattr(self.lightning_module, "model", None)
+        return model if hasattr(model, "fsdp_units") else self.lightning_module
+
+    def _shard_fully(self) -> None:
+        """FSDP over the data-parallel group, after the optimizers exist (their param groups decide the flat
+        buffers, and are pointed at the shards)."""
+        if self.plan.degrees["pp"] > 1 or self.plan.degrees["ep"] > 1:
+            raise NotImplementedError("NxDStrategy: FSDP together with pipeline or expert parallelism is not implemented yet; "
+                                      "use FSDP with data and tensor parallelism")
+        owner = self._fsdp_units_owner()
+        units = owner.fsdp_units() if hasattr(owner, "fsdp_units") else None
+        if units is None:  # a user's LightningModule: each child with parameters is a unit
+            if any(True for _ in owner.parameters(recurse=False)):
+                raise ValueError("NxDStrategy(fsdp=...): the LightningModule holds parameters directly; put them in child "
+                                 "modules (each child becomes one FSDP unit) or define fsdp_units()")
+            units = [[child] for child in owner.children() if any(True for _ in child.parameters())]
+        if self.plan.degrees["tp"] > 1:
+            self._tp_layout = shard_layout(self.lightning_module.model)
+        options = dict(self._fsdp_options)
+        if self.precision_plugin.precision == "bf16-mixed":  # gather bf16 copies of the fp32 shards
+            options.setdefault("param_dtype", torch.bfloat16)
+        self.fsdp = apply_fsdp(owner, self.dp_comm, self.optimizers, units=units, tracer=self._tracer, **options)
+        # FSDP names parameters relative to ``owner``; checkpoints name them from the LightningModule
+        self._fsdp_prefix = "" if owner is self.lightning_module else \
+            next(name for name, m in self.lightning_module.named_modules() if m is owner) + "."
 
     def _parallelize(self) -> None:
         """Shard the module's ``model`` (a model-hub model): layers over TP, experts over EP, then cut this
@@ -254,10 +302,6 @@ class NxDStrategy(ParallelStrategy):
             pp_comm = self.communicators["pp"]
             chunks = build_chunks(model, pp_comm.rank, pp, virtual=self._virtual)
             self._pipeline = PipelineExecutor(chunks, pp_comm, model.loss_fn, seq_shards=tp if self._sequence_parallel else 1)
-        restored = getattr(self, "_restored_keys", None)
-        if restored is not None and restored != set(self.lightning_module.state_dict()):
-            raise ckpt_io.CheckpointError("checkpoint shard does not match this rank's tensor/pipeline shard "
-                                          f"(missing {sorted(set(self.lightning_module.state_dict()) - restored)[:3]})")
 
     def forward_backward(self, module: pl.LightningModule, micro_batches: list[tuple[Tensor, Tensor]]) -> Tensor:
         """Run forward and backward over one global batch's micro-batches; parameter gradients hold the
@@ -282,7 +326,13 @@ class NxDStrategy(ParallelStrategy):
 
     def finish_gradients(self) -> None:
         """After the last backward of a step: sum sequence-parallel replicas' gradients over TP, then
-        average over data parallelism (ZeRO-1: reduce-scatter into each rank's shard)."""
+        average over data parallelism (ZeRO-1: reduce-scatter into each rank's shard; FSDP: the last
+        reduce-scatters into the shards)."""
+        if self.fsdp is not None:
+            self.fsdp.finish_gradients()
+            if self.plan.degrees["tp"] > 1 and self._sequence_parallel:
+                self.fsdp.sum_replicated_grads(self.communicators["tp"], lambda name: name in self._tp_layout)
+            return
         if self.plan.degrees["tp"] > 1:
             sync_replicated_grads(self.lightning_module.model, self.communicators["tp"])
         if self._zero1_optimizer is not None:
@@ -293,10 +343,17 @@ class NxDStrategy(ParallelStrategy):
             edp = self.communicators.get("edp")
             reduce_expert_gradients(self.lightning_module.model, self.plan.degrees["dp"], edp if edp is not None and edp.size > 1 else None)
 
+    def step_stats(self) -> dict[str, float]:
+        """Per-step communication figures for the metrics (FSDP: exposed_comm_s, comm_s, overlap_pct,
+        peak_gathered_bytes); empty without FSDP."""
+        return self.fsdp.step_stats() if self.fsdp is not None else {}
+
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> Tensor:
         """Clip every gradient by the norm of the whole model's gradient (all TP shards, all PP stages)."""
         weights = self._norm_weights or {}
+        if self.fsdp is not None:  # each DP rank holds a different part of every gradient
+            return self.fsdp.clip_grad_norm_(max_norm, [self.communicators["tp"]] if self.plan.degrees["tp"] > 1 else [], weights)
         if self._zero1_optimizer is not None:  # the reduced gradients live in the optimizer's shards
             by_param = {id(p): weights.get(n, 1.0) for n, p in self.lightning_module.model.named_parameters()}
             extra = [self.communicators[d] for d in ("tp", "pp") if self.plan.degrees[d] > 1]
@@ -311,8 +368,18 @@ class NxDStrategy(ParallelStrategy):
 
     @torch.no_grad()
     def parameter_norm(self) -> Tensor:
-        """2-norm of the whole model's parameters (all TP shards, EP experts and PP stages); collective."""
-        return self._global_norm([(n, p) for n, p in self.lightning_module.named_parameters() if p.requires_grad])
+        """2-norm of the whole model's parameters (all TP shards, EP experts, PP stages, FSDP shards); collective."""
+        if self.fsdp is None:
+            return self._global_norm([(n, p) for n, p in self.lightning_module.named_parameters() if p.requires_grad])
+        weights = self._norm_weights or {}  # FSDP: each DP rank holds a different slice of every flat unit
+        squares = torch.zeros(1, dtype=torch.float64)
+        for flat in self.fsdp.flats():
+            for entry, a, b in flat.segments(self.fsdp.dp_rank):
+                squares += weights.get(entry.name, 1.0) * flat.shard[a:b].detach().double().pow(2).sum()
+        for comm in (self.fsdp.comm, self.communicators["tp"] if self.plan.degrees["tp"] > 1 else None):
+            if comm is not None and comm.size > 1:
+                comm.all_reduce(squares, op="sum")
+        return squares.sqrt().reshape(()).float()
 
     def _global_norm(self, named: list[tuple[str, Tensor]]) -> Tensor:
         """2-norm of one model replica's tensors (parameters or their gradients, by parameter name), which
@@ -383,7 +450,10 @@ class NxDStrategy(ParallelStrategy):
         # before Lightning clips them, so clipping sees the global gradient.
         def closure_then_sync() -> Any:
             result = closure()
-            self.sync_gradients()
+            if self.fsdp is not None:
+                self.fsdp.finish_gradients()
+            else:
+                self.sync_gradients()
             return result
 
         return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
@@ -427,15 +497,18 @@ class NxDStrategy(ParallelStrategy):
         coords = self.plan.coords(self.global_rank)
         mp = "" if self.plan.degrees["tp"] * self.plan.degrees["pp"] == 1 else f"-mp{coords['mp']}"
         mp += f"-ep{coords['ep']}" if self.plan.degrees["ep"] > 1 else ""  # each EP rank holds its own experts
-        dp = f"-dp{coords['dp']}" if self._zero1 and self.plan.degrees["dp"] > 1 else ""
+        sharded_state = self._zero1 or self._fsdp_options is not None
+        dp = f"-dp{coords['dp']}" if sharded_state and self.plan.degrees["dp"] > 1 else ""
         first = coords["dp"] < self.plan.degrees["ep"]  # the first replica of each EP position
         return f"model{mp}.safetensors", f"trainer_state{mp}{dp}.pt", first, first or bool(dp)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         model_file, state_file, writes_model, writes_state = self._shard_files()
-        meta = {"degrees": dict(self.plan.degrees), "world_size": self.plan.world_size, "zero1": self._zero1, **self.checkpoint_meta}
+        meta = {"degrees": dict(self.plan.degrees), "world_size": self.plan.world_size, "zero1": self._zero1,
+                "fsdp": self._fsdp_options is not None, **self.checkpoint_meta}
         if self.plan.degrees["tp"] > 1:  # how to reassemble full tensors from the TP shards (export, resharding)
-            layouts = self.world.world.all_gather_object(shard_layout(self.lightning_module.model))  # every stage's tensors
+            layout = self._tp_layout if self._tp_layout is not None else shard_layout(self.lightning_module.model)
+            layouts = self.world.world.all_gather_object(layout)  # every stage's tensors
             meta["tensor_parallel"] = {name: spec for layout in layouts for name, spec in layout.items()}
         if self.world_size == 1 or (model_file, state_file) == ("model.safetensors", "trainer_state.pt"):
             if self.is_global_zero:  # one copy of everything: the classic single-writer save
@@ -445,20 +518,35 @@ class NxDStrategy(ParallelStrategy):
                              state_file=state_file if writes_state else None, comm=self.world.world, meta=meta,
                              before_commit=self.before_checkpoint_commit)
 
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Under FSDP, the unsharded weights by their original names (gathered over DP one unit at a time; a
+        collective every rank joins), so the model file is the same as without FSDP."""
+        if self.fsdp is None:
+            return super().lightning_module_state_dict()
+        state = {k: v for k, v in self.lightning_module.state_dict().items() if ".fsdp_shard_" not in k and not k.startswith("fsdp_shard_")}
+        state.update(self.fsdp.full_state_dict(prefix=self._fsdp_prefix))
+        return state
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # restore into the parallelised model: it then holds exactly this rank's TP/PP/EP shard (the shapes
+        # of the shard files), and FSDP's flat shards exist to receive their slices
+        return True
+
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        # Lightning restores weights before setup() cuts the model into stages, so under model parallelism
-        # the (whole) module receives only this rank's shard; _parallelize() then checks the shard is
-        # exactly what the stage owns.
-        if self.plan.degrees["tp"] * self.plan.degrees["pp"] * self.plan.degrees["ep"] == 1:
-            return super().load_model_state_dict(checkpoint, strict=strict)
         state = checkpoint["state_dict"]
-        result = self.lightning_module.load_state_dict(state, strict=False)
-        if result.unexpected_keys:
-            raise ckpt_io.CheckpointError(f"checkpoint shard holds tensors this model lacks: {result.unexpected_keys[:4]}")
-        self._restored_keys = set(state)
+        try:
+            rest = self.fsdp.load_full_state_dict(state, prefix=self._fsdp_prefix) if self.fsdp is not None else state
+        except (KeyError, ValueError) as exc:
+            raise ckpt_io.CheckpointError(f"checkpoint does not fit this model: {exc.args[0]}") from None
+        result = self.lightning_module.load_state_dict(rest, strict=False)
+        missing = [k for k in result.missing_keys if "fsdp_shard_" not in k]
+        if result.unexpected_keys or missing:
+            raise ckpt_io.CheckpointError("checkpoint shard does not match this rank's tensor/pipeline/expert shard "
+                                          f"(unexpected {result.unexpected_keys[:3]}, missing {missing[:3]})")
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        ckpt_io.check_layout(checkpoint_path, self.plan.degrees, self._zero1)
+        ckpt_io.check_layout(checkpoint_path, self.plan.degrees, self._zero1, self._fsdp_options is not None)
         model_file, state_file, _, _ = self._shard_files()
         return ckpt_io.load(checkpoint_path, expect_model=self.checkpoint_meta.get("model"), model_file=model_file, state_file=state_file)
 
@@ -469,6 +557,10 @@ class NxDStrategy(ParallelStrategy):
     # ----------------------------------------------------------------------------- lifecycle
     def teardown(self) -> None:
         super().teardown()
+        if self._tracer is not None:
+            os.makedirs(self._trace_dir, exist_ok=True)
+            self._tracer.write(os.path.join(self._trace_dir, f"rank{self.global_rank}.json"))
+            self._tracer = None
         if self.world is not None:
             self.world.close()
             self.world = None

@@ -30,9 +30,14 @@ PRECISION = {"fp32": "32-true", "bf16": "bf16-true", "mixed_precision": "bf16-mi
 
 def build_trainer(cfg: Any, plan: Plan, run_dir: Path, tokens_per_step: int, *, show_progress: bool = True) -> pl.Trainer:
     model_shape = {k: getattr(cfg.model, k) for k in MODEL_SHAPE_FIELDS}
+    ds = cfg.distributed_strategy
+    fsdp = {"prefetch": ds.fsdp.prefetch, "prefetch_distance": ds.fsdp.prefetch_distance,
+            "reduce_scatter_delay": ds.fsdp.reduce_scatter_delay, "reshard_after_forward": ds.fsdp.reshard_after_forward}
     strategy = NxDStrategy(plan=plan, timeout_s=cfg.comm.timeout_s, checkpoint_meta={"model": model_shape},
-                           virtual_pipeline_size=cfg.distributed_strategy.virtual_pipeline_model_parallel_size,
-                           sequence_parallel=cfg.distributed_strategy.sequence_parallel, zero1=cfg.distributed_strategy.zero1,
+                           virtual_pipeline_size=ds.virtual_pipeline_model_parallel_size,
+                           sequence_parallel=ds.sequence_parallel, zero1=ds.zero1,
+                           fsdp=fsdp if ds.fsdp.enabled else False,
+                           trace_dir=str(run_dir / "trace") if cfg.exp_manager.trace else None,
                            emulated_links=emulated_links_for(cfg))
     return pl.Trainer(
         accelerator="cpu",

@@ -129,11 +129,19 @@ def step_collectives(cfg: Any, plan: Any) -> list[dict[str, Any]]:
         params = dense / (d["tp"] * d["pp"])
         grad_bytes = 4 if cfg.precision.type in ("fp32", "mixed_precision") else 2
         if ds.fsdp.enabled:
-            unit = n["per_layer"] / d["tp"]
-            rows += [dict(dim="dp", op="all_gather", bytes=unit * act, count=2 * layers, what="FSDP parameter gathers (forward, backward)",
-                          overlap=ds.fsdp.prefetch != "none"),
-                     dict(dim="dp", op="reduce_scatter", bytes=unit * grad_bytes, count=layers, what="FSDP gradient reduce-scatter",
-                          overlap=ds.fsdp.prefetch != "none")]
+            # units: the embedding, each layer, the head (merged with the embedding when tied); every micro-batch
+            # gathers each unit for forward and again for backward (eager: once per step, all held) and
+            # reduce-scatters its gradient. Behind compute except the first gather of each pass (nothing to hide it)
+            units = layers + (1 if model.tie_word_embeddings else 2)
+            unit = params / units
+            policy = ds.fsdp.prefetch
+            passes = 1 if policy == "eager" else 2 * microbatches
+            hidden = policy != "none"
+            rows.append(dict(dim="dp", op="all_gather", bytes=unit * act, count=passes, what="FSDP first gather of a pass"))
+            rows += [dict(dim="dp", op="all_gather", bytes=unit * act, count=passes * (units - 1) if policy != "eager" else units - 1,
+                          what="FSDP parameter gathers (prefetched)" if hidden else "FSDP parameter gathers", overlap=hidden),
+                     dict(dim="dp", op="reduce_scatter", bytes=unit * grad_bytes, count=units * microbatches,
+                          what="FSDP gradient reduce-scatter", overlap=hidden)]
         elif ds.zero1:
             rows += [dict(dim="dp", op="reduce_scatter", bytes=params * grad_bytes, count=1, what="ZeRO-1 gradients"),
                      dict(dim="dp", op="all_gather", bytes=params * act, count=1, what="ZeRO-1 updated parameters")]
@@ -142,14 +150,37 @@ def step_collectives(cfg: Any, plan: Any) -> list[dict[str, Any]]:
     return rows
 
 
+def _emulated_links(cfg: Any) -> dict[str, tuple[float, float]]:
+    if getattr(cfg, "comm", None) is None or cfg.comm.emulate is None:
+        return {}
+    from nxdt.planner.links import emulated_links_for  # (links plans the emulated instance with this package)
+
+    return emulated_links_for(cfg)
+
+
+def emulated_seconds(op: str, n: int, nbytes: float, link: tuple[float, float]) -> float:
+    """What nxdt.comm's link emulation adds to one collective of ``nbytes`` (the full buffer) on ``n`` ranks:
+    latency once per shared-memory step (one step below the slot size) and the bytes each rank receives over
+    the link's bandwidth — the one-shot (direct) formula of the cost model."""
+    latency, bandwidth = link
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    hops = 2 if op == "all_reduce" else 1
+    moved = {"all_reduce": 2 * (n - 1) / n, "broadcast": 1.0, "send_recv": 1.0}.get(op, (n - 1) / n) * nbytes
+    return hops * latency + moved / bandwidth
+
+
 def estimate_plan(plan: Any, cfg: Any, topo: Topology, calibration: dict[str, Any] | None = None) -> None:
     """Fill ``plan.algorithms``, ``plan.collectives``, ``plan.estimate`` and memory warnings in place."""
     inst, data = cfg.instance, cfg.data
     d = plan.degrees
     rows = []
+    emulated = _emulated_links(cfg)
     for row in step_collectives(cfg, plan):
         group = plan.groups[row["dim"]][0]
         algorithm, seconds, _ = estimate_collective(row["op"], group, row["bytes"], topo, inst, plan.ranks_per_node, calibration)
+        if row["dim"] in emulated:  # comm.emulate: every transfer also sleeps the emulated link's time
+            seconds += emulated_seconds(row["op"], len(group), row["bytes"], emulated[row["dim"]])
         plan.algorithms.setdefault(row["dim"], {})[row["op"]] = algorithm
         rows.append({**row, "group_size": len(group), "algorithm": algorithm, "seconds": seconds,
                      "busbw_GBps": bus_bandwidth(row["op"], len(group), row["bytes"], seconds) / 1e9,

@@ -85,4 +85,5 @@ def emulated_links_for(cfg: Any) -> dict[str, tuple[float, float]]:
     if cfg.comm.emulate is None:
         return {}
     layout, topo, instance = emulation_plan(cfg)
-    return emulated_links(layout, topo, instance)
+    slow = float(getattr(cfg.comm, "emulate_slowdown", 1.0))
+    return {dim: (latency * slow, bandwidth / slow) for dim, (latency, bandwidth) in emulated_links(layout, topo, instance).items()}

@@ -1,0 +1,576 @@
+"""FSDP: parameters, gradients and optimizer state sharded over data parallelism, with token-threaded
+all-gather prefetch.
+
+A model is cut into *units* (``model.fsdp_units()``: the embedding, each transformer block, the final
+norm + head; one unit for a module without that method). Each unit's trainable parameters are
+flattened into one buffer per optimizer param group and dtype (a :class:`FlatShard`), padded to a
+multiple of DP and cut into DP equal shards; rank ``r`` keeps shard ``r`` as the ``nn.Parameter`` the
+optimizer updates. The original parameters disappear from the modules; while a unit is *gathered*
+they are views of one full buffer, filled by an all-gather of every rank's shard::
+
+    unit i forward:  wait gather(i) ─▶ params = views of full(i) ─▶ compute ─▶ free full(i)  (reshard_after_forward)
+    unit i backward: wait gather(i) again ─▶ compute ─▶ grad of full(i) ─reduce-scatter(avg)─▶ shard(i).grad
+
+Parameters tied across units (a tied embedding and head) put those units in one *resident* unit that
+stays gathered from its first use in forward to the end of backward, as torch's FSDP does with the
+root module.
+
+Prefetch policies (``prefetch``):
+
+* ``none``: gather(i) is issued when unit i starts and waited for at once; reduce-scatters are waited
+  for at once too. No overlap: the reference point.
+* ``eager``: every gather of the step is issued at its start, on the tensor-parallel stream ``"tp"`` (what
+  a naive scheduler does): tensor-parallel collectives queue behind them and every unit stays resident
+  until the step ends.
+* ``token_threaded``: when unit i starts, gather(i+d) is issued on the ``"fsdp"`` stream with
+  ``after=`` the completion token of gather(i+d-1) (``d = prefetch_distance``) — a daisy chain, so
+  layer i+1's parameters arrive while layer i computes and at most d+1 units are gathered at once.
+  Backward mirrors it (gather(i-d) issued when unit i's backward starts) and issues unit i's
+  reduce-scatter ``reduce_scatter_delay`` units late, behind the next prefetch, so a gradient never
+  delays parameters compute needs sooner. The ``"fsdp"`` stream yields at chunk boundaries while a
+  ``"tp"`` collective of the same rank runs (:mod:`nxdt.comm.stream`).
+
+Worked example (inside a spawned world of 2 ranks, DP = both)::
+
+    model = LlamaForCausalLM(cfg)                       # identical weights on both ranks
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fsdp = apply_fsdp(model, world.world, [opt], prefetch="token_threaded")
+    loss_fn(model(x_local), y_local).backward()         # gathers, prefetches, reduce-scatters
+    fsdp.finish_gradients()                             # every reduce-scatter landed in the shards' .grad
+    opt.step()                                          # AdamW on this rank's shards only
+    full = fsdp.full_state_dict()                       # collective: the unsharded weights by name
+
+Each step records ``exposed_comm_s`` (time compute waited for FSDP communication), ``comm_s`` (time
+the FSDP collectives ran), ``overlap_pct`` and ``peak_gathered_bytes`` (:meth:`step_stats`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from nxdt.comm.stream import Work
+
+__all__ = ["FSDP_STREAM", "POLICIES", "FlatShard", "FSDPUnit", "FullyShardedDataParallel", "apply_fsdp"]
+
+FSDP_STREAM = "fsdp"
+TP_STREAM = "tp"
+POLICIES = ("none", "eager", "token_threaded")
+
+
+@dataclass
+class _Entry:
+    """One original parameter inside a flat buffer; ``owners``: every (module, attribute) it was reachable by,
+    ``names``: their qualified names (a tied weight has several)."""
+
+    name: str
+    owners: list[tuple[nn.Module, str]]
+    names: list[str]
+    shape: torch.Size
+    offset: int
+    numel: int
+
+
+@dataclass
+class FlatShard:
+    """The parameters of one unit in one optimizer param group (one dtype), flattened and sharded."""
+
+    unit: int
+    group: tuple[int, int]  # (optimizer index, param-group index)
+    entries: list[_Entry]
+    numel: int  # without padding
+    shard_size: int
+    shard: nn.Parameter  # this rank's slice: what the optimizer updates
+    full: torch.Tensor  # the gathered buffer; its storage is freed while the unit is resharded
+    leaf: torch.Tensor | None = None  # the autograd leaf of the current gather (its .grad = full gradient)
+    send: torch.Tensor | None = None  # the shard cast to the gather dtype (mixed precision)
+
+    def segments(self, dp_rank: int) -> Iterable[tuple[_Entry, int, int]]:
+        """(entry, first, end) of every parameter's part inside shard ``dp_rank``, shard-relative."""
+        lo, hi = dp_rank * self.shard_size, (dp_rank + 1) * self.shard_size
+        for e in self.entries:
+            a, b = max(lo, e.offset), min(hi, e.offset + e.numel)
+            if a < b:
+                yield e, a - lo, b - lo
+
+
+@dataclass
+class FSDPUnit:
+    index: int
+    name: str
+    modules: list[nn.Module]
+    flats: list[FlatShard] = field(default_factory=list)
+    resident: bool = False  # tied across units: gathered from first use to the end of backward
+    gather_work: Work | None = None
+    gathered: bool = False  # storage allocated and the gather issued (complete once gather_work is done)
+    grads_pending: int = 0  # flats whose gradient has not arrived in this backward
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.full.numel() * f.full.element_size() for f in self.flats)
+
+
+def _module_names(model: nn.Module) -> dict[int, str]:
+    return {id(m): name for name, m in model.named_modules()}
+
+
+class FullyShardedDataParallel:
+    """The runtime of FSDP on one model (see the module docstring). Built by :func:`apply_fsdp`."""
+
+    def __init__(self, model: nn.Module, dp_comm: Any, units: Sequence[Sequence[nn.Module]],
+                 optimizers: Sequence[torch.optim.Optimizer], *, prefetch: str = "token_threaded", prefetch_distance: int = 1,
+                 reduce_scatter_delay: int = 1, reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype = torch.float32, tracer: Any = None) -> None:
+        if prefetch not in POLICIES:
+            raise ValueError(f"FSDP prefetch={prefetch!r}: choose one of {', '.join(POLICIES)}")
+        if not isinstance(prefetch_distance, int) or prefetch_distance < 1:
+            raise ValueError(f"FSDP prefetch_distance={prefetch_distance!r}: must be an integer >= 1")
+        if not isinstance(reduce_scatter_delay, int) or reduce_scatter_delay < 0:
+            raise ValueError(f"FSDP reduce_scatter_delay={reduce_scatter_delay!r}: must be an integer >= 0")
+        self.model, self.comm = model, dp_comm
+        self.dp_size, self.dp_rank = dp_comm.size, dp_comm.rank
+        self.policy, self.distance, self.delay = prefetch, prefetch_distance, reduce_scatter_delay
+        self.reshard_after_forward = reshard_after_forward and prefetch != "eager"
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.tracer = tracer
+        self.stream = TP_STREAM if prefetch == "eager" else FSDP_STREAM
+        self.units = self._build_units(model, units, optimizers)
+        self._rewire_optimizers(optimizers)
+        self._install_hooks()
+        self._in_backward = False
+        self._grads_expected = 0
+        self._last_gather: Work | None = None  # the token the next gather chains after
+        self._exit_order: list[int] = []  # units in the order their forward ended: backward runs it in reverse
+        self._backward_started = 0  # units whose backward has started in this backward pass
+        self._rs_queue: list[tuple[int, FlatShard, torch.Tensor]] = []  # (ready at, flat, gradient) to reduce-scatter
+        self._rs_inflight: list[tuple[FlatShard, torch.Tensor, Work | None]] = []
+        self._eager_issued = False
+        self._step_comm_works: list[Work] = []
+        self.reset_stats()
+
+    # ------------------------------------------------------------------------------------ construction
+    def _build_units(self, model: nn.Module, unit_modules: Sequence[Sequence[nn.Module]],
+                     optimizers: Sequence[torch.optim.Optimizer]) -> list[FSDPUnit]:
+        names = _module_names(model)
+        group_of: dict[int, tuple[int, int]] = {}
+        for oi, opt in enumerate(optimizers):
+            for gi, group in enumerate(opt.param_groups):
+                for p in group["params"]:
+                    if id(p) in group_of:
+                        raise ValueError("FSDP: a parameter appears in two optimizer param groups")
+                    group_of[id(p)] = (oi, gi)
+        # which units reach each trainable parameter (a tied weight reaches two)
+        units_of: dict[int, list[int]] = {}
+        for ui, mods in enumerate(unit_modules):
+            for m in mods:
+                for p in m.parameters():
+                    if id(p) in group_of and ui not in units_of.setdefault(id(p), []):
+                        units_of[id(p)].append(ui)
+        # merge units that share a parameter into one resident unit (union-find over unit indices)
+        parent = list(range(len(unit_modules)))
+
+        def root(i: int) -> int:
+            while parent[i] != i:
+                i = parent[i]
+            return i
+
+        for us in units_of.values():
+            for u in us[1:]:
+                parent[root(u)] = root(us[0])
+        merged: dict[int, list[int]] = {}
+        for ui in range(len(unit_modules)):
+            merged.setdefault(root(ui), []).append(ui)
+        missing = set(group_of) - set(units_of)
+        if missing:
+            raise ValueError(f"FSDP: {len(missing)} optimized parameter(s) belong to no unit; the units must cover every "
+                             "module with trainable parameters")
+        units: list[FSDPUnit] = []
+        for members in sorted(merged.values(), key=min):  # forward order of their first member
+            mods = [m for ui in members for m in unit_modules[ui]]
+            unit = FSDPUnit(len(units), "+".join(names.get(id(m), type(m).__name__) or "model" for m in mods), mods,
+                            resident=len(members) > 1)
+            unit.flats = self._flatten(unit, mods, group_of)
+            units.append(unit)
+        return units
+
+    @torch.no_grad()
+    def _flatten(self, unit: FSDPUnit, modules: list[nn.Module], group_of: dict[int, tuple[int, int]]) -> list[FlatShard]:
+        names = _module_names(self.model)
+        by_key: dict[tuple, list[tuple[nn.Parameter, list[tuple[nn.Module, str]], list[str]]]] = {}
+        seen: dict[int, tuple[list[tuple[nn.Module, str]], list[str]]] = {}
+        for top in modules:
+            for m in top.modules():
+                for attr, p in list(m._parameters.items()):
+                    if p is None or id(p) not in group_of:
+                        continue
+                    qual = f"{names[id(m)]}.{attr}" if names.get(id(m)) else attr
+                    if id(p) in seen:  # tied: one entry, several owners
+                        seen[id(p)][0].append((m, attr))
+                        seen[id(p)][1].append(qual)
+                        continue
+                    owners, quals = seen[id(p)] = ([(m, attr)], [qual])
+                    by_key.setdefault((group_of[id(p)], p.dtype), []).append((p, owners, quals))
+        flats = []
+        gather_dtype = self.param_dtype
+        for (group, dtype), params in by_key.items():
+            numel = sum(p.numel() for p, _, _ in params)
+            shard_size = -(-numel // self.dp_size)
+            flat = torch.zeros(shard_size * self.dp_size, dtype=dtype)
+            entries, offset = [], 0
+            for p, owners, quals in params:
+                flat[offset:offset + p.numel()].copy_(p.reshape(-1))
+                entries.append(_Entry(quals[0], owners, quals, p.shape, offset, p.numel()))
+                offset += p.numel()
+            lo = self.dp_rank * shard_size
+            shard = nn.Parameter(flat[lo:lo + shard_size].clone())
+            full = torch.empty(flat.numel(), dtype=gather_dtype or dtype)
+            full.untyped_storage().resize_(0)  # resharded until first gathered
+            flats.append(FlatShard(unit.index, group, entries, numel, shard_size, shard, full))
+        for f in flats:  # the modules lose their parameters: the shard is what they own now
+            for e in f.entries:
+                for m, attr in e.owners:
+                    del m._parameters[attr]
+        for k, f in enumerate(flats):
+            modules[0].register_parameter(f"fsdp_shard_{k}", f.shard)
+        return flats
+
+    def _rewire_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Each param group now updates the shards of its parameters (same group dicts: schedulers that
+        edit ``lr`` keep working)."""
+        for oi, opt in enumerate(optimizers):
+            if opt.state:
+                raise ValueError("FSDP must be applied before the optimizer's first step (its state is not empty)")
+            for gi, group in enumerate(opt.param_groups):
+                group["params"] = [f.shard for u in self.units for f in u.flats if f.group == (oi, gi)]
+
+    def _install_hooks(self) -> None:
+        for unit in self.units:
+            unit.modules[0].register_forward_pre_hook(lambda m, args, u=unit: self._pre_forward(u))
+            unit.modules[-1].register_forward_hook(lambda m, args, out, u=unit: self._post_forward(u, out))
+
+    # ------------------------------------------------------------------------------------ gathering
+    def _gather(self, unit: FSDPUnit) -> None:
+        """Issue unit's all-gathers (async, chained after the previous gather's token)."""
+        if unit.gathered:
+            return
+        tokens = []
+        for f in unit.flats:
+            f.full.untyped_storage().resize_(f.full.numel() * f.full.element_size())
+            src = f.shard.detach()
+            if f.full.dtype != src.dtype:
+                f.send = src.to(f.full.dtype)
+                src = f.send
+            after = self._last_gather if self.policy == "token_threaded" and self._last_gather is not None else None
+            work = self.comm.all_gather(f.full, src, stream=self.stream, async_op=True, after=after)
+            self._last_gather = unit.gather_work = work
+            self._step_comm_works.append(work)
+            tokens.append(work.id)
+        unit.gathered = True
+        if self.tracer is not None and unit.gather_work is not None:  # which collective carries which unit
+            now = time.perf_counter()
+            self.tracer.add("issue gather", "fsdp schedule", now, now, unit=unit.index, tokens=tokens, backward=self._in_backward)
+        self._gathered_bytes += unit.nbytes
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._gathered_bytes)
+
+    def _wait_gathered(self, unit: FSDPUnit) -> None:
+        """Make unit's parameters usable: issue its gather if nobody has, wait for it (exposed time)."""
+        self._gather(unit)
+        work = unit.gather_work
+        if work is not None:
+            if not work.is_completed():
+                start = time.perf_counter()
+                work.wait()
+                end = time.perf_counter()
+                self.exposed_comm_s += end - start
+                if self.tracer is not None:
+                    self.tracer.add("wait gather", "compute", start, end, unit=unit.index)
+            else:
+                work.wait()  # raises the gather's error, if any
+            unit.gather_work = None
+            for f in unit.flats:
+                f.send = None
+
+    def _free(self, unit: FSDPUnit) -> None:
+        if not unit.gathered:
+            return
+        for f in unit.flats:
+            f.full.untyped_storage().resize_(0)
+        unit.gathered = False
+        self._gathered_bytes -= unit.nbytes
+
+    def _set_views(self, unit: FSDPUnit, need_grad: bool) -> None:
+        """A fresh autograd leaf over each gathered buffer, and the modules' parameters as views of it. A leaf
+        that will receive a gradient is kept until its gradient arrives (and counted as expected)."""
+        for f in unit.flats:
+            # a separate tensor over the same storage: re-gathering into ``full`` for backward must not bump the
+            # version counter of the tensors autograd saved from the leaf's views
+            leaf = torch.empty(0, dtype=f.full.dtype).set_(f.full.untyped_storage(), 0, (f.full.numel(),))
+            if need_grad:
+                leaf.requires_grad_(True)
+                leaf.register_post_accumulate_grad_hook(lambda t, u=unit, fl=f: self._on_grad(u, fl))
+                f.leaf = leaf
+                unit.grads_pending += 1
+                self._grads_expected += 1
+            for e in f.entries:
+                view = leaf[e.offset:e.offset + e.numel].view(e.shape)
+                for m, attr in e.owners:
+                    setattr(m, attr, view)
+
+    # ------------------------------------------------------------------------------------ hooks
+    def _prefetch_forward(self, unit: FSDPUnit) -> None:
+        if self.policy == "eager" and not self._eager_issued:
+            self._eager_issued = True
+            for u in self.units:
+                self._gather(u)
+        elif self.policy == "token_threaded":
+            for j in range(unit.index + 1, min(len(self.units), unit.index + 1 + self.distance)):
+                self._gather(self.units[j])
+
+    def _pre_forward(self, unit: FSDPUnit) -> None:
+        if self._in_backward:  # activation-checkpoint recompute: the views exist, the storage must be filled
+            self._wait_gathered(unit)
+            return
+        if unit.index == 0:  # a new forward pass: the previous backward's reduce-scatters have had their time
+            self._exit_order = []
+            self._drain_reduce_scatters()
+        self._gather(unit)
+        self._prefetch_forward(unit)
+        self._wait_gathered(unit)
+        if all(f.leaf is None for f in unit.flats):  # (a resident unit keeps its leaves across the pass)
+            self._set_views(unit, need_grad=torch.is_grad_enabled())
+        if self.tracer is not None:
+            self._unit_start = time.perf_counter()
+
+    def _post_forward(self, unit: FSDPUnit, out: Any) -> Any:
+        if self._in_backward:
+            return out
+        if self.tracer is not None:
+            self.tracer.add("forward", "compute", self._unit_start, time.perf_counter(), unit=unit.index, module=unit.name)
+        self._exit_order.append(unit.index)
+        if torch.is_grad_enabled():
+            tensors = [out] if isinstance(out, torch.Tensor) else [t for t in (out if isinstance(out, (tuple, list)) else ()) if isinstance(t, torch.Tensor)]
+            for t in tensors:
+                if t.requires_grad:
+                    t.register_hook(lambda g, u=unit: self._pre_backward(u))
+                    break
+        if self.reshard_after_forward and not unit.resident:
+            self._free(unit)
+        return out
+
+    def _prefetch_backward(self, unit: FSDPUnit) -> None:
+        if self.policy == "token_threaded":
+            order = self._exit_order[::-1]  # backward order
+            if unit.index in order:
+                k = order.index(unit.index)
+                for j in order[k + 1:k + 1 + self.distance]:
+                    self._gather(self.units[j])
+
+    def _pre_backward(self, unit: FSDPUnit) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            self._last_gather = None
+            self._backward_started = 0
+        self._backward_started += 1
+        self._gather(unit)
+        self._prefetch_backward(unit)
+        # behind the prefetch: gradients that have waited reduce_scatter_delay units
+        self._issue_reduce_scatters(min_age=self.delay if self.policy == "token_threaded" else 0)
+        self._wait_gathered(unit)
+        if self.tracer is not None:
+            self._unit_start = time.perf_counter()
+
+    def _on_grad(self, unit: FSDPUnit, flat: FlatShard) -> None:
+        grad = flat.leaf.grad
+        flat.leaf.grad = None
+        flat.leaf = None
+        if grad is not None:
+            self._rs_queue.append((self._backward_started, flat, grad))
+        unit.grads_pending -= 1
+        self._grads_expected -= 1
+        if unit.grads_pending == 0:
+            if self.tracer is not None:
+                self.tracer.add("backward", "compute", self._unit_start, time.perf_counter(), unit=unit.index, module=unit.name)
+            if self.policy != "eager":
+                self._free(unit)
+        if self.policy == "none":
+            self._issue_reduce_scatters()
+            self._drain_reduce_scatters()
+        elif self._grads_expected == 0 or (self.policy == "token_threaded" and self.delay == 0):
+            self._issue_reduce_scatters()  # the last gradient of this backward: nothing comes later to wait behind
+        if self._grads_expected == 0:
+            self._in_backward = False
+            self._last_gather = None
+
+    # ------------------------------------------------------------------------------------ gradients
+    def _issue_reduce_scatters(self, min_age: int = 0) -> None:
+        """Issue queued reduce-scatters whose gradient arrived at least ``min_age`` unit-backwards ago."""
+        if not self._rs_queue:
+            return
+        ready = [item for item in self._rs_queue if self._backward_started - item[0] >= min_age]
+        self._rs_queue = [item for item in self._rs_queue if self._backward_started - item[0] < min_age]
+        for _, flat, grad in ready:
+            grad = grad.to(self.reduce_dtype) if grad.dtype != self.reduce_dtype else grad
+            out = torch.empty(flat.shard_size, dtype=self.reduce_dtype)
+            work = self.comm.reduce_scatter(out, grad, "avg", stream=self.stream, async_op=True)
+            self._step_comm_works.append(work)
+            self._rs_inflight.append((flat, out, work))
+
+    def _drain_reduce_scatters(self) -> None:
+        """Wait for issued reduce-scatters and add them into the shards' gradients (exposed time)."""
+        if not self._rs_inflight:
+            return
+        start = time.perf_counter()
+        for flat, out, work in self._rs_inflight:
+            work.wait()
+            shard = flat.shard
+            g = out.to(shard.dtype) if out.dtype != shard.dtype else out
+            if shard.grad is None:
+                shard.grad = g
+            else:
+                shard.grad.add_(g)
+        self._rs_inflight = []
+        end = time.perf_counter()
+        self.exposed_comm_s += end - start
+        if self.tracer is not None:
+            self.tracer.add("wait reduce_scatter", "compute", start, end)
+
+    def finish_gradients(self) -> None:
+        """After the last backward of a step: every gradient reduced into its shard, every unit resharded."""
+        self._issue_reduce_scatters()
+        self._drain_reduce_scatters()
+        for unit in self.units:
+            self._free(unit)
+            unit.grads_pending = 0
+            for f in unit.flats:
+                f.leaf = None
+        self._in_backward = False
+        self._grads_expected = 0
+        self._last_gather = None
+        self._eager_issued = False
+
+    # ------------------------------------------------------------------------------------ stats
+    def reset_stats(self) -> None:
+        self.exposed_comm_s = 0.0
+        self.peak_gathered_bytes = getattr(self, "_gathered_bytes", 0)
+        self._gathered_bytes = getattr(self, "_gathered_bytes", 0)
+        self._step_comm_works = []
+
+    def step_stats(self) -> dict[str, float]:
+        """This step's exposed communication, total FSDP communication time, overlap and peak gathered bytes
+        (call after :meth:`finish_gradients`); resets the counters."""
+        spans = sorted((w.start_s, w.end_s) for w in self._step_comm_works if w.start_s is not None and w.end_s is not None)
+        busy, cur_start, cur_end = 0.0, None, None  # union of the collectives' running intervals
+        for a, b in spans:
+            if cur_end is None or a > cur_end:
+                if cur_end is not None:
+                    busy += cur_end - cur_start
+                cur_start, cur_end = a, b
+            else:
+                cur_end = max(cur_end, b)
+        if cur_end is not None:
+            busy += cur_end - cur_start
+        stats = {"exposed_comm_s": self.exposed_comm_s, "comm_s": busy,
+                 "overlap_pct": 100.0 * max(0.0, 1.0 - self.exposed_comm_s / busy) if busy > 0 else 0.0,
+                 "peak_gathered_bytes": float(self.peak_gathered_bytes)}
+        self.reset_stats()
+        return stats
+
+    # ------------------------------------------------------------------------------------ state
+    def flats(self) -> list[FlatShard]:
+        return [f for u in self.units for f in u.flats]
+
+    @torch.no_grad()
+    def full_state_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        """Every sharded parameter unsharded, by its original name (a collective over the DP group; all
+        ranks get it). Units are gathered one at a time, so only one unit's buffer is extra."""
+        out: dict[str, torch.Tensor] = {}
+        for f in self.flats():
+            full = torch.empty(f.shard_size * self.dp_size, dtype=f.shard.dtype)
+            self.comm.all_gather(full, f.shard.detach(), stream=FSDP_STREAM)
+            for e in f.entries:
+                value = full[e.offset:e.offset + e.numel].view(e.shape).clone()
+                for name in e.names:  # a tied weight under each of its names, one tensor (as state_dict() has it)
+                    out[prefix + name] = value
+        return out
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
+        """Copy this rank's part of every sharded parameter from unsharded tensors (``full_state_dict``'s
+        format); returns the entries it did not use (buffers, unsharded parameters). Raises KeyError /
+        ValueError naming a missing or misshapen tensor."""
+        used: set[str] = set()
+        for f in self.flats():
+            lo = self.dp_rank * f.shard_size
+            for e, a, b in f.segments(self.dp_rank):
+                key = prefix + e.name
+                if key not in state:
+                    raise KeyError(f"FSDP: the state dict has no tensor {key!r}")
+                value = state[key]
+                if tuple(value.shape) != tuple(e.shape):
+                    raise ValueError(f"FSDP: tensor {key!r} has shape {tuple(value.shape)}, the model has {tuple(e.shape)}")
+                start = lo + a - e.offset
+                f.shard.data[a:b].copy_(value.reshape(-1)[start:start + b - a])
+            for e in f.entries:
+                used.update(prefix + n for n in e.names)
+        return {k: v for k, v in state.items() if k not in used}
+
+    def grad_norm_squared(self, weights: dict[str, float] | None = None) -> torch.Tensor:
+        """Σ weight·g² over this rank's shard gradients (float64); ``weights`` by parameter name (default 1)."""
+        total = torch.zeros((), dtype=torch.float64)
+        for f in self.flats():
+            g = f.shard.grad
+            if g is None:
+                continue
+            if not weights:
+                total += g.double().pow(2).sum()
+                continue
+            for e, a, b in f.segments(self.dp_rank):
+                total += weights.get(e.name, 1.0) * g[a:b].double().pow(2).sum()
+        return total
+
+    def shard_gradients(self) -> list[torch.Tensor]:
+        return [f.shard.grad for f in self.flats() if f.shard.grad is not None]
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, comms: Sequence[Any] = (), weights: dict[str, float] | None = None) -> torch.Tensor:
+        """Clip the shard gradients by the norm of the whole model's gradient: this rank's Σ weight·g², summed
+        over the DP group and ``comms`` (e.g. TP, whose ranks hold other parts; ``weights``: 1/replicas for
+        parameters several of them hold). Returns the norm (the same on every rank)."""
+        squares = self.grad_norm_squared(weights).reshape(1)
+        for comm in (self.comm, *comms):
+            if comm is not None and comm.size > 1:
+                comm.all_reduce(squares, op="sum")
+        norm = squares.sqrt().reshape(()).float()
+        scale = max_norm / (float(norm) + 1e-6)
+        if scale < 1:
+            for g in self.shard_gradients():
+                g.mul_(scale)
+        return norm
+
+    @torch.no_grad()
+    def sum_replicated_grads(self, tp_comm: Any, is_tp_sharded: Any) -> int:
+        """FSDP × sequence parallelism: parameters every TP rank holds (norms; ``is_tp_sharded(name)`` False)
+        saw only their rank's sequence shard — sum their parts of the shard gradients over TP, in one
+        all-reduce (the TP ranks' flat layouts are identical). Returns how many segments were summed."""
+        parts = [f.shard.grad[a:b] for f in self.flats() if f.shard.grad is not None
+                 for e, a, b in f.segments(self.dp_rank) if not is_tp_sharded(e.name)]
+        if parts:
+            summed = torch.cat(parts)
+            tp_comm.all_reduce(summed, stream=TP_STREAM)
+            for part, value in zip(parts, summed.split([p.numel() for p in parts])):
+                part.copy_(value)
+        return len(parts)
+
+
+def apply_fsdp(model: nn.Module, dp_comm: Any, optimizers: Sequence[torch.optim.Optimizer], *,
+               units: Sequence[Sequence[nn.Module]] | None = None, **options: Any) -> FullyShardedDataParallel:
+    """Shard ``model``'s optimized parameters over ``dp_comm`` (every member calls it, with identical weights)
+    and point ``optimizers`` at the shards. ``units`` default to ``model.fsdp_units()``, or the whole model as
+    one unit. ``options``: see :class:`FullyShardedDataParallel`. Returns the runtime (stats, state)."""
+    if units is None:
+        units = model.fsdp_units() if hasattr(model, "fsdp_units") else [[model]]
+    return FullyShardedDataParallel(model, dp_comm, units, optimizers, **options)
