@@ -32,6 +32,9 @@ commands:
   checkpoint inspect DIR      step, layout, model and tensors of a checkpoint (checks it is whole)
   checkpoint export-hf DIR OUT
                               full Hugging Face safetensors from a (sharded) checkpoint; import with model.hf_checkpoint=DIR
+  checkpoint consolidate DIR OUT
+                              one full-state checkpoint (model, optimizer, trainer state) from a sharded one: a one-rank
+                              run resumes it directly, any other layout reshards it (exp_manager.resume_from_checkpoint=OUT)
 
 `nxdt train --help` lists every config group and key with its documentation.
 """
@@ -135,9 +138,13 @@ def check_resume_checkpoint(cfg: Any, the_plan: Any) -> None:
     from nxdt.config.validate import MODEL_SHAPE_FIELDS
     from nxdt.lightning.checkpoint import CheckpointError, check_layout, verify
 
+    ds = cfg.distributed_strategy
     try:
         verify(path, {k: getattr(cfg.model, k) for k in MODEL_SHAPE_FIELDS})
-        check_layout(path, the_plan.degrees, cfg.distributed_strategy.zero1, cfg.distributed_strategy.fsdp.enabled)
+        dp_format = "fsdp" if ds.fsdp.enabled else ("zero1" if ds.zero1 else "replicated")
+        if check_layout(path, the_plan.degrees, ds.zero1, ds.virtual_pipeline_model_parallel_size, data_parallel_format=dp_format):
+            print(f"nxdt: {path} was saved on another layout; every rank reshards it for {the_plan.degrees}"
+                  f"{' with ZeRO-1' if ds.zero1 else ''}{' with FSDP' if ds.fsdp.enabled else ''}", flush=True)
     except CheckpointError as exc:
         raise ConfigError("exp_manager.resume_from_checkpoint", path, str(exc)) from None
 
@@ -394,19 +401,22 @@ def cmd_sweep_report(argv: list[str]) -> int:
         return _fail(str(exc))
 
 
-CHECKPOINT_USAGE = ("usage: nxdt checkpoint inspect DIR | nxdt checkpoint export-hf DIR OUT   "
-                    "(DIR: a checkpoints/step-<N> directory; OUT: a Hugging Face model directory to write)")
+CHECKPOINT_USAGE = ("usage: nxdt checkpoint inspect DIR | nxdt checkpoint export-hf DIR OUT | nxdt checkpoint consolidate DIR OUT   "
+                    "(DIR: a checkpoints/step-<N> directory; OUT: a new directory to write)")
 
 
 def cmd_checkpoint(argv: list[str]) -> int:
-    if not ((len(argv) == 2 and argv[0] == "inspect") or (len(argv) == 3 and argv[0] == "export-hf")):
+    if not ((len(argv) == 2 and argv[0] == "inspect") or (len(argv) == 3 and argv[0] in ("export-hf", "consolidate"))):
         raise UsageError(CHECKPOINT_USAGE)
     from nxdt.lightning.checkpoint import CheckpointError, describe
     from nxdt.lightning.hf import export_hf
+    from nxdt.lightning.reshard import consolidate
 
     try:
         if argv[0] == "inspect":
             print(describe(argv[1]))
+        elif argv[0] == "consolidate":
+            print(f"nxdt: wrote {consolidate(argv[1], argv[2])} (one rank; resume it on any layout)")
         else:
             print(f"nxdt: wrote {export_hf(argv[1], argv[2])}")
     except CheckpointError as exc:

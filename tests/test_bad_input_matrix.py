@@ -19,11 +19,11 @@ LLAMA_TINY_SHAPE = {"vocab_size": 256, "hidden_size": 128, "num_layers": 4, "num
                     "ffn_hidden_size": 344}
 
 
-def _checkpoint(root: Path, name: str, damage: str | None = None, model: dict | None = None) -> Path:
+def _checkpoint(root: Path, name: str, damage: str | None = None, model: dict | None = None, **layout) -> Path:
     path = root / name
     state = {"state_dict": {"model.w": torch.ones(4)}, "global_step": 3, "optimizer_states": []}
-    meta = {"degrees": {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "dp": 2}, "world_size": 2, "zero1": False,
-            "model": model or LLAMA_TINY_SHAPE}
+    meta = {"degrees": {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "dp": 2, **layout.pop("degrees", {})}, "world_size": 2, "zero1": False,
+            "model": model or LLAMA_TINY_SHAPE, **layout}
     ckpt_io.save(state, path, meta=meta)
     if damage == "no-done":
         (path / "done").unlink()
@@ -81,6 +81,13 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["train", f"exp_manager.resume_from_checkpoint={_checkpoint(tmp, 'd', model={'hidden_size': 64})}"], "another model"),
         (["train", f"exp_manager.resume_from_checkpoint={text}"], "not a directory"),
         (["checkpoint", "inspect", str(tmp / "nowhere")], "does not exist"),
+        # resuming on another layout where resharding cannot help
+        (["train", f"exp_manager.resume_from_checkpoint={_checkpoint(tmp, 'e', degrees={'ep': 2})}"], "resharding expert-parallel"),
+        (["train", f"exp_manager.resume_from_checkpoint={_checkpoint(tmp, 'f', degrees={'tp': 2, 'dp': 1}, format_version=1)}"],
+         "older nxdt"),
+        (["checkpoint", "consolidate", str(tmp / "a")], "usage"),
+        (["checkpoint", "consolidate", str(_checkpoint(tmp, "g")), str(tmp)], "not an empty directory"),
+        (["checkpoint", "consolidate", str(_checkpoint(tmp, "h", degrees={"ep": 2})), str(tmp / "out")], "expert-parallel"),
     ]
 
 

@@ -1,6 +1,7 @@
 """Atomic directory checkpoints: complete ones load exactly, interrupted or damaged ones never do."""
 
 import os
+import threading
 
 import pytest
 import torch
@@ -70,3 +71,36 @@ def test_failed_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
         ckpt_io.save(_checkpoint(2), root / "step-2")
     assert [p.name for p in ckpt_io.list_complete(root)] == ["step-1"]
     assert not [p for p in os.listdir(root) if p.startswith(".tmp-")]
+
+
+def test_async_writer_persists_a_snapshot_while_training_goes_on_and_removes_only_after_commit(tmp_path):
+    root = tmp_path / "checkpoints"
+    ckpt_io.save(_checkpoint(1), root / "step-1")
+    live = _checkpoint(2)
+    weight = live["state_dict"]["norm.weight"]
+    writing, release = threading.Event(), threading.Event()
+
+    def hold(tmp_dir):  # the writer is mid-save (files written, not committed) until the test lets it go on
+        writing.set()
+        assert release.wait(30)
+
+    writer = ckpt_io.AsyncWriter()
+    snap = ckpt_io.snapshot(live)
+    writer.submit(lambda: ckpt_io.save(snap, root / "step-2", before_commit=hold))
+    writer.after_success(lambda: ckpt_io.remove(root / "step-1"))
+    assert writing.wait(30)
+    weight.add_(1.0)  # "training" changes the live tensors while the save is in flight
+    assert [p.name for p in ckpt_io.list_complete(root)] == ["step-1"]  # not committed yet, nothing removed
+    release.set()
+    writer.wait()
+    assert [p.name for p in ckpt_io.list_complete(root)] == ["step-2"]
+    assert torch.equal(ckpt_io.load(root / "step-2")["state_dict"]["norm.weight"], torch.ones(4))  # the snapshot's values
+
+    def disk_full(tmp_dir):
+        raise OSError(28, "No space left on device")
+
+    writer.submit(lambda: ckpt_io.save(_checkpoint(3), root / "step-3", before_commit=disk_full))
+    writer.after_success(lambda: ckpt_io.remove(root / "step-2"))  # must not run: step-3 failed
+    with pytest.raises(ckpt_io.CheckpointError, match="No space left"):
+        writer.close()
+    assert [p.name for p in ckpt_io.list_complete(root)] == ["step-2"]

@@ -1,6 +1,6 @@
 """Nothing lost: a worker killed with SIGKILL is restarted by the elastic agent and the run resumes from
-the newest complete checkpoint, bitwise equal to an uninterrupted run; a kill in the middle of a
-checkpoint write leaves the previous checkpoint usable; bad checkpoints are one clear line."""
+the newest complete checkpoint, bitwise equal to an uninterrupted run; a kill in the middle of an
+(asynchronous) checkpoint write leaves the previous checkpoint usable; bad checkpoints are one clear line."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from test_train_e2e import TINY, assert_ok, losses, nxdt
@@ -38,16 +39,22 @@ def test_sigkill_mid_run_restarts_and_matches_the_uninterrupted_run(tmp_path, re
 
 
 @pytest.mark.timeout(240)
-def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(tmp_path, reference):
+def test_sigkill_during_an_async_checkpoint_write_resumes_from_the_previous_one(tmp_path, reference):
+    """The save is asynchronous (a background writer commits while training goes on) and only one checkpoint
+    is kept: Lightning asks to remove step-5 as soon as step-10's save is handed over, but the removal waits
+    for step-10's commit, which never happens — so step-5 is still there to resume from."""
     run = tmp_path / "run"
-    result = nxdt("train", *COMMON, "exp_manager.max_restarts=1", "exp_manager.fault_injection.step=10",
+    result = nxdt("train", *COMMON, "exp_manager.keep_last_k=1", "exp_manager.async_checkpointing=true",
+                  "exp_manager.max_restarts=1", "exp_manager.fault_injection.step=10",
                   "exp_manager.fault_injection.kind=sigkill_during_save", "exp_manager.fault_injection.rank=0",
                   f"exp_manager.explicit_log_dir={run}", cwd=tmp_path)
     assert_ok(result)
     out = result.stdout + result.stderr
-    assert "checkpoints/step-5" in out  # the half-written step-10 was ignored
-    assert not list((run / "checkpoints").glob(".tmp-*"))  # and its leftovers removed
-    assert losses(run) == losses(reference)
+    assert "checkpoints/step-5" in out  # kept until step-10 committed, so the restart resumed from it
+    assert not list((run / "checkpoints").glob(".tmp-*"))  # the half-written step-10 was removed
+    assert losses(run) == losses(reference)  # bitwise, though the snapshots were written while training went on
+    got, want = load_file(run / "checkpoints/step-10/model.safetensors"), load_file(reference / "checkpoints/step-10/model.safetensors")
+    assert all(torch.equal(got[k], want[k]) for k in want)  # the snapshot of step 10, not of a later step
 
 
 def _checkpoint_copy(reference: Path, tmp_path: Path) -> Path:

@@ -428,16 +428,16 @@ class Communicator:
         self.broadcast(payload, root)
         return obj if self.rank == root else pickle.loads(payload.numpy().tobytes())
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
+    def all_gather_object(self, obj: Any, *, stream: str = "default") -> list[Any]:
         data = pickle.dumps(obj)
         lengths = torch.zeros(self.size, dtype=torch.int64)
-        self.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64))
+        self.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64), stream=stream)
         width = int(lengths.max())
         mine = torch.zeros(width, dtype=torch.uint8)
         if data:
             mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         everyone = torch.empty(self.size * width, dtype=torch.uint8)
-        self.all_gather(everyone, mine)
+        self.all_gather(everyone, mine, stream=stream)
         return [pickle.loads(everyone[i * width:i * width + int(lengths[i])].numpy().tobytes()) for i in range(self.size)]
 
     def close(self) -> None:

@@ -53,6 +53,8 @@ class ExpManagerConfig:
     max_restarts: int = doc(0, "restart all workers this many times after a worker dies; each restart resumes from the newest complete checkpoint")
     checkpoint_every_n_steps: Optional[int] = doc(None, "save checkpoints/step-<N>/ every N steps; null = never")
     keep_last_k: int = doc(2, "keep only the newest k checkpoints")
+    async_checkpointing: bool = doc(False, "write checkpoints in a background thread: training continues while a snapshot "
+                                           "(tensors copied first) is persisted; older checkpoints are removed only once it is committed")
     create_tensorboard_logger: bool = doc(True, "write TensorBoard event files under tensorboard/")
     log_parameter_norm: bool = doc(False, "add the global parameter norm (all shards) to metrics.csv as param_norm")
     log_gradient_norm: bool = doc(False, "add the global gradient norm (before clipping) to metrics.csv as grad_norm")

@@ -18,10 +18,9 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
-from nxdt.lightning.checkpoint import CheckpointError, read_meta, verify
 
 MODULE_PREFIX = "model."  # CausalLMModule holds the hub model as `model`
 
@@ -60,33 +59,14 @@ def load_hf_weights(model: nn.Module, directory: str | Path) -> None:
 
 
 def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
-    """Write a full HF-named ``model.safetensors`` (+ ``config.json``) from an nxdt checkpoint directory."""
-    root = Path(checkpoint)
-    verify(root)
-    meta = read_meta(root)
-    degrees = meta.get("degrees", {})
-    tp, pp = degrees.get("tp", 1), degrees.get("pp", 1)
-    if degrees.get("ep", 1) > 1:
-        raise CheckpointError(f"checkpoint {root}: export-hf does not handle expert-parallel shards yet")
-    layout = meta.get("tensor_parallel", {})
-    pieces: dict[str, dict[int, torch.Tensor]] = {}
-    for k in range(tp * pp):
-        file = root / ("model.safetensors" if tp * pp == 1 else f"model-mp{k}.safetensors")
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint {root}: shard {file.name} is missing")
-        for name, tensor in load_file(str(file)).items():
-            pieces.setdefault(name, {})[k % tp] = tensor  # mp rank k = tp rank + TP · pp stage
-    full = {}
-    for name, by_tp in pieces.items():
-        short = name[len(MODULE_PREFIX):] if name.startswith(MODULE_PREFIX) else name
-        if short in layout:
-            dim, replicas = layout[short]
-            if len(by_tp) != tp:
-                raise CheckpointError(f"checkpoint {root}: {name} has {len(by_tp)} of {tp} tensor-parallel shards")
-            tensor = torch.cat([by_tp[r] for r in range(0, tp, replicas)], dim=dim)
-        else:
-            tensor = by_tp[min(by_tp)]
-        full[hf_name(short)] = tensor.contiguous()
+    """Write a full HF-named ``model.safetensors`` (+ ``config.json``) from an nxdt checkpoint directory (the model
+    part of the consolidated full state, :func:`nxdt.lightning.reshard.read_full_state`)."""
+    from nxdt.lightning.reshard import read_full_state  # reshard builds on this package's checkpoint module
+
+    state = read_full_state(checkpoint, optimizer=False)
+    meta = state.meta
+    full = {hf_name(name[len(MODULE_PREFIX):] if name.startswith(MODULE_PREFIX) else name): t.contiguous()
+            for name, t in state.model.items()}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file(full, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -35,11 +35,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 import nxdt.comm
-from nxdt.lightning import checkpoint as ckpt_io
+from nxdt.lightning import checkpoint as ckpt_io, reshard
 from nxdt.parallel.expert_parallel import apply_expert_parallel, is_expert_parameter, reduce_expert_gradients
 from nxdt.parallel.fsdp import FullyShardedDataParallel, apply_fsdp
 from nxdt.parallel.pipeline import PipelineExecutor, build_chunks, interleaved_one_f_one_b, one_f_one_b
-from nxdt.parallel.tensor_parallel import apply_tensor_parallel, norm_weights, shard_layout, sync_replicated_grads
+from nxdt.parallel.tensor_parallel import apply_tensor_parallel, norm_weights, shard_layout, shard_spec, sync_replicated_grads
 from nxdt.parallel.zero1 import Zero1Optimizer
 from nxdt.planner import Plan, plan_layout
 
@@ -89,6 +89,7 @@ class NxDStrategy(ParallelStrategy):
             ``prefetch_distance``, ``reduce_scatter_delay``, ``reshard_after_forward``, ``param_dtype``).
         trace_dir: write a Chrome trace per rank there (``rank<k>.json``: compute per FSDP unit, every
             collective with its stream and token); opens in Perfetto.
+        async_checkpointing: write checkpoints in a background thread (a snapshot; training continues).
     """
 
     strategy_name = "nxdt"
@@ -110,6 +111,7 @@ class NxDStrategy(ParallelStrategy):
         emulated_links: dict[str, tuple[float, float]] | None = None,
         fsdp: bool | dict[str, Any] = False,
         trace_dir: str | os.PathLike | None = None,
+        async_checkpointing: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -154,6 +156,8 @@ class NxDStrategy(ParallelStrategy):
         # called with the temporary directory after a checkpoint's files are written, before it is
         # committed (fault drills kill the process here to prove an interrupted save is harmless)
         self.before_checkpoint_commit: Callable[[Any], None] | None = None
+        self._async_checkpointing = async_checkpointing
+        self._async_writer: ckpt_io.AsyncWriter | None = None  # started by the first asynchronous save
 
     # ----------------------------------------------------------------------------- topology
     @property
@@ -279,6 +283,7 @@ class NxDStrategy(ParallelStrategy):
         if self.precision_plugin.precision == "bf16-mixed":  # gather bf16 copies of the fp32 shards
             options.setdefault("param_dtype", torch.bfloat16)
         self.fsdp = apply_fsdp(owner, self.dp_comm, self.optimizers, units=units, tracer=self._tracer, **options)
+        self._fsdp_owner = owner
         # FSDP names parameters relative to ``owner``; checkpoints name them from the LightningModule
         self._fsdp_prefix = "" if owner is self.lightning_module else \
             next(name for name, m in self.lightning_module.named_modules() if m is owner) + "."
@@ -505,18 +510,34 @@ class NxDStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         model_file, state_file, writes_model, writes_state = self._shard_files()
         meta = {"degrees": dict(self.plan.degrees), "world_size": self.plan.world_size, "zero1": self._zero1,
-                "fsdp": self._fsdp_options is not None, **self.checkpoint_meta}
+                "fsdp": self._fsdp_options is not None, "virtual_pipeline": self._virtual,
+                "dp_format": "fsdp" if self._fsdp_options is not None else ("zero1" if self._zero1 else "replicated"),
+                **self.checkpoint_meta}
         if self.plan.degrees["tp"] > 1:  # how to reassemble full tensors from the TP shards (export, resharding)
             layout = self._tp_layout if self._tp_layout is not None else shard_layout(self.lightning_module.model)
             layouts = self.world.world.all_gather_object(layout)  # every stage's tensors
             meta["tensor_parallel"] = {name: spec for layout in layouts for name, spec in layout.items()}
-        if self.world_size == 1 or (model_file, state_file) == ("model.safetensors", "trainer_state.pt"):
-            if self.is_global_zero:  # one copy of everything: the classic single-writer save
-                ckpt_io.save(checkpoint, filepath, meta=meta, before_commit=self.before_checkpoint_commit)
-            return
-        ckpt_io.save_sharded(checkpoint, filepath, model_file=model_file if writes_model else None,
-                             state_file=state_file if writes_state else None, comm=self.world.world, meta=meta,
-                             before_commit=self.before_checkpoint_commit)
+        checkpoint = reshard.with_param_names(checkpoint, self.optimizers, self.lightning_module)  # lets any layout load it
+        if self.fsdp is not None:  # which parameters each optimizer flat shard holds (to unflatten on another layout)
+            checkpoint[reshard.FSDP_LAYOUT_KEY] = self.fsdp.flat_layout(self.optimizers, self._fsdp_prefix)
+        rng = {ckpt_io.rng_file(self.global_rank): ckpt_io.rng_tensors()}  # every rank's own generators
+        if self._async_checkpointing:  # copy what this rank writes now; training changes the originals meanwhile
+            checkpoint = ckpt_io.snapshot({k: v for k, v in checkpoint.items()
+                                           if (writes_model if k == "state_dict" else writes_state or k == "global_step")})
+        stream = ckpt_io.ASYNC_STREAM if self._async_checkpointing else "default"
+        if self.world_size == 1:
+            def write() -> None:
+                ckpt_io.save(checkpoint, filepath, meta=meta, before_commit=self.before_checkpoint_commit, extra_files=rng)
+        else:
+            def write() -> None:
+                ckpt_io.save_sharded(checkpoint, filepath, model_file=model_file if writes_model else None,
+                                     state_file=state_file if writes_state else None, comm=self.world.world, meta=meta,
+                                     before_commit=self.before_checkpoint_commit, extra_files=rng, stream=stream)
+        if not self._async_checkpointing:
+            return write()
+        if self._async_writer is None:
+            self._async_writer = ckpt_io.AsyncWriter()
+        self._async_writer.submit(write)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Under FSDP, the unsharded weights by their original names (gathered over DP one unit at a time; a
@@ -533,8 +554,23 @@ class NxDStrategy(ParallelStrategy):
         # of the shard files), and FSDP's flat shards exist to receive their slices
         return True
 
+    @property
+    def _dp_format(self) -> str:
+        """How this run stores state over data parallelism (a checkpoint's ``dp_format``)."""
+        return "fsdp" if self._fsdp_options is not None else ("zero1" if self._zero1 else "replicated")
+
+    def _model_state_keys(self) -> list[str]:
+        """The state-dict names this rank's module holds (its stage; FSDP's parameters under their own names)."""
+        keys = [k for k in self.lightning_module.state_dict() if "fsdp_shard_" not in k]
+        if self.fsdp is not None:
+            keys += [self._fsdp_prefix + n for f in self.fsdp.flats() for e in f.entries for n in e.names]
+        return keys
+
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         state = checkpoint["state_dict"]
+        if checkpoint.get(reshard.RESHARDED_KEY):  # the full model of another layout: this rank's stage and TP part of it
+            state = reshard.local_model_state(state, self._model_state_keys(), self.lightning_module,
+                                              self.plan.coords(self.global_rank)["tp"])
         try:
             rest = self.fsdp.load_full_state_dict(state, prefix=self._fsdp_prefix) if self.fsdp is not None else state
         except (KeyError, ValueError) as exc:
@@ -546,16 +582,51 @@ class NxDStrategy(ParallelStrategy):
                                           f"(unexpected {result.unexpected_keys[:3]}, missing {missing[:3]})")
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        ckpt_io.check_layout(checkpoint_path, self.plan.degrees, self._zero1, self._fsdp_options is not None)
-        model_file, state_file, _, _ = self._shard_files()
-        return ckpt_io.load(checkpoint_path, expect_model=self.checkpoint_meta.get("model"), model_file=model_file, state_file=state_file)
+        expect = self.checkpoint_meta.get("model")
+        if ckpt_io.check_layout(checkpoint_path, self.plan.degrees, self._zero1, self._virtual, data_parallel_format=self._dp_format):
+            log.info("rank %d: resharding %s for this layout %s", self.global_rank, checkpoint_path, self.plan.degrees)
+            checkpoint = reshard.load_resharded(checkpoint_path, expect_model=expect)
+        else:
+            model_file, state_file, _, _ = self._shard_files()
+            checkpoint = ckpt_io.load(checkpoint_path, expect_model=expect, model_file=model_file, state_file=state_file)
+        ckpt_io.restore_rng(checkpoint_path, self.global_rank,
+                            same_layout=ckpt_io.same_world(checkpoint_path, self.plan.degrees, self.world_size))
+        return checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        tp_rank = self.plan.coords(self.global_rank)["tp"]
+        if self.fsdp is not None:  # flat shards: this run's own shards load as they are, full states are cut into them
+            states = checkpoint["optimizer_states"]
+            if checkpoint.get(reshard.RESHARDED_KEY):
+                def localize(name: str, t: Tensor) -> Tensor:
+                    spec = shard_spec(self.lightning_module, name)
+                    return spec.slice(t, tp_rank) if spec is not None else t
+                try:
+                    states = [self.fsdp.optimizer_state_from_named(s, o, self._fsdp_prefix, localize)
+                              for s, o in zip(states, self.optimizers)]
+                except ValueError as exc:
+                    raise ckpt_io.CheckpointError(f"checkpoint optimizer state does not fit this model: {exc}") from None
+        else:  # by parameter name where the checkpoint's layout or order differs from this rank's optimizer
+            states = reshard.optimizer_states_for(checkpoint, self.optimizers, self.lightning_module, tp_rank)
+        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            ckpt_io.remove(filepath)
+            if self._async_writer is not None:  # only once the newer checkpoint is committed
+                self._async_writer.after_success(lambda: ckpt_io.remove(filepath))
+            else:
+                ckpt_io.remove(filepath)
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self._async_writer is not None:  # the last checkpoint is committed (or its error ends the run) before fit returns
+            self._async_writer.wait()
 
     # ----------------------------------------------------------------------------- lifecycle
     def teardown(self) -> None:
+        if self._async_writer is not None:  # its collectives need the communicators: finish before closing them
+            self._async_writer.close(raise_errors=False)
+            self._async_writer = None
         super().teardown()
         if self._tracer is not None:
             os.makedirs(self._trace_dir, exist_ok=True)

@@ -518,6 +518,57 @@ class FullyShardedDataParallel:
                 used.update(prefix + n for n in e.names)
         return {k: v for k, v in state.items() if k not in used}
 
+    def flat_layout(self, optimizers: Sequence[torch.optim.Optimizer], prefix: str = "") -> list[list[dict[str, Any]]]:
+        """Per optimizer, per state index (its flat shards in param-group order): which parameters the flat buffer
+        holds where — what a checkpoint records so its per-DP-rank optimizer shards can be unflattened by name."""
+        owner = {id(f.shard): f for f in self.flats()}
+        return [[{"shard_size": owner[id(p)].shard_size, "dp": self.dp_size,
+                  "entries": [[prefix + e.names[0], e.offset, e.numel, list(e.shape)] for e in owner[id(p)].entries]}
+                 for g in opt.param_groups for p in g["params"]] for opt in optimizers]
+
+    def optimizer_state_from_named(self, saved: dict[str, Any], optimizer: torch.optim.Optimizer, prefix: str = "",
+                                   localize: Any = None) -> dict[str, Any]:
+        """A by-name, unsharded optimizer state (``{"state": {name: {...}}, "param_groups": [{..., "params": [names]}]}``,
+        e.g. from a checkpoint of another layout) → torch format for ``optimizer`` over this rank's flat shards:
+        each parameter's moments (``localize(name, tensor)`` cuts its TP part) laid out as in the flat buffer, then
+        this rank's slice. Raises ValueError naming a parameter the saved state lacks."""
+        owner = {id(f.shard): f for f in self.flats()}
+        if len(saved["param_groups"]) != len(optimizer.param_groups):
+            raise ValueError(f"the saved optimizer has {len(saved['param_groups'])} param groups, this one {len(optimizer.param_groups)}")
+        state, groups, index = {}, [], 0
+        for g, group in enumerate(optimizer.param_groups):
+            indices = []
+            for p in group["params"]:
+                f = owner[id(p)]
+                lo = self.dp_rank * f.shard_size
+                entry_states = []
+                for e in f.entries:
+                    name = prefix + e.names[0]
+                    if name not in saved["state"]:
+                        if any(name in sg["params"] for sg in saved["param_groups"]):
+                            continue  # a parameter without state yet (never stepped)
+                        raise ValueError(f"the saved optimizer has no parameter {name!r}")
+                    entry_states.append((e, saved["state"][name]))
+                if entry_states:
+                    out: dict[str, Any] = {}
+                    for key, value in entry_states[0][1].items():
+                        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                            out[key] = value  # the step counter: the same for every parameter of a group
+                            continue
+                        full = torch.zeros(f.shard_size * self.dp_size, dtype=value.dtype)
+                        for e, st in entry_states:
+                            t = localize(prefix + e.names[0], st[key]) if localize is not None else st[key]
+                            if tuple(t.shape) != tuple(e.shape):
+                                raise ValueError(f"optimizer state {key!r} of {prefix + e.names[0]} has shape {tuple(t.shape)}, "
+                                                 f"the parameter {tuple(e.shape)}")
+                            full[e.offset:e.offset + e.numel].copy_(t.reshape(-1))
+                        out[key] = full[lo:lo + f.shard_size].clone()
+                    state[index] = out
+                indices.append(index)
+                index += 1
+            groups.append({**{k: v for k, v in saved["param_groups"][g].items() if k != "params"}, "params": indices})
+        return {"state": state, "param_groups": groups}
+
     def grad_norm_squared(self, weights: dict[str, float] | None = None) -> torch.Tensor:
         """Σ weight·g² over this rank's shard gradients (float64); ``weights`` by parameter name (default 1)."""
         total = torch.zeros((), dtype=torch.float64)

@@ -625,6 +625,12 @@ def _owner_spec(model: nn.Module, name: str) -> ShardSpec | None:
     return owner.shard_specs.get(attr) if isinstance(owner, TensorParallelModule) else None
 
 
+def shard_spec(model: nn.Module, name: str) -> ShardSpec | None:
+    """The ShardSpec of parameter ``name`` of ``model`` (any module containing the parallel layers; names
+    relative to it), None when the parameter is replicated over the TP group."""
+    return _owner_spec(model, name)
+
+
 def uses_sequence_parallel(model: nn.Module) -> bool:
     return any(isinstance(m, TensorParallelModule) and m.sequence_parallel for m in model.modules())
 
@@ -655,7 +661,7 @@ def shard_layout(model: nn.Module) -> dict[str, list[int]]:
     needs to reassemble full tensors from the TP ranks' files: concatenate along ``dim``, one copy per
     ``replicas`` consecutive ranks)."""
     layout = {}
-    for name, _ in model.named_parameters():
+    for name, _ in model.named_parameters(remove_duplicate=False):  # tied weights: every name that holds a shard
         spec = _owner_spec(model, name)
         if spec is not None:
             layout[name] = [spec.dim, spec.replicas]

@@ -34,7 +34,8 @@ Semantics worth knowing:
 * ``state_dict()`` is per rank (its shard, its master weights and the layout); ``load_state_dict``
   needs the same layout and DP size, or accepts a consolidated (torch-format) state dict, which
   reshards onto any DP size. ``consolidated_state_dict()`` returns what an unsharded optimizer of the
-  same class would return from ``state_dict()`` after the same training.
+  same class would return from ``state_dict()`` after the same training; ``consolidate_shard_states``
+  computes the same from the saved shards of every DP rank, without processes (checkpoint tools).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from torch import nn
 
 from nxdt.comm.world import Communicator
 
-__all__ = ["Zero1Optimizer", "STATE_FORMAT"]
+__all__ = ["Zero1Optimizer", "STATE_FORMAT", "consolidate_shard_states"]
 
 STATE_FORMAT = "nxdt.zero1/v1"
 DP_STREAM = "dp"
@@ -464,3 +465,34 @@ class Zero1Optimizer(torch.optim.Optimizer):
             lo = self.dp_rank * b.shard_size
             b.shard.copy_(b.flat[lo:lo + b.shard_size])
         self._sync_hyperparameters()
+
+
+def consolidate_shard_states(shards: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The torch-format (unsharded) state dict from the ``state_dict()`` of every DP rank (any order), without
+    collectives — what ``consolidated_state_dict`` returns in the live world. ValueError when the set is not
+    one complete, consistent DP group."""
+    if not shards or any(not isinstance(s, dict) or s.get("format") != STATE_FORMAT for s in shards):
+        raise ValueError(f"consolidate_shard_states: expected '{STATE_FORMAT}' shards (Zero1Optimizer.state_dict())")
+    by_rank = {int(s["dp_rank"]): s for s in shards}
+    size = int(shards[0]["dp_size"])
+    if sorted(by_rank) != list(range(size)) or any(int(s["dp_size"]) != size for s in shards):
+        raise ValueError(f"consolidate_shard_states: shards of DP ranks {sorted(by_rank)} do not make one DP group of {size}")
+    first = by_rank[0]
+    layout = [tuple(b) for b in first["layout"]]
+    if any([tuple(b) for b in s["layout"]] != layout for s in shards):
+        raise ValueError("consolidate_shard_states: the shards were saved with different layouts (param groups, shapes)")
+    state: dict[int, dict[str, Any]] = {}
+    for b, (_, _, indices, shapes, shard_size) in enumerate(layout):
+        inner = [by_rank[r]["inner"]["state"].get(b, {}) for r in range(size)]
+        for key, val in inner[0].items():
+            if isinstance(val, torch.Tensor) and val.dim() == 1 and val.numel() == shard_size:
+                full = torch.cat([inner[r][key] for r in range(size)])
+                offset = 0
+                for idx, shape in zip(indices, shapes):
+                    n = math.prod(shape)
+                    state.setdefault(idx, {})[key] = full[offset:offset + n].view(shape).clone()
+                    offset += n
+            else:  # the step counter: one per bucket, the same for each of its parameters
+                for idx in indices:
+                    state.setdefault(idx, {})[key] = val.clone() if isinstance(val, torch.Tensor) else val
+    return {"state": dict(sorted(state.items())), "param_groups": [dict(g) for g in first["param_groups"]]}

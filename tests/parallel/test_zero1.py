@@ -21,7 +21,7 @@ import torch
 
 from nxdt.comm.spawn import run_local
 from nxdt.models.llama import LlamaForCausalLM
-from nxdt.parallel.zero1 import STATE_FORMAT, Zero1Optimizer
+from nxdt.parallel.zero1 import STATE_FORMAT, Zero1Optimizer, consolidate_shard_states
 
 CFG = types.SimpleNamespace(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2,
                             ffn_hidden_size=64, max_position_embeddings=64, rope_theta=10000.0, norm_eps=1e-5,
@@ -215,6 +215,10 @@ def _round_trip(world) -> dict:
     _zero1_steps(model, opt, dp, 0, 2)
     saved = copy.deepcopy(opt.state_dict())
     consolidated = opt.consolidated_state_dict(root=None)
+    # the checkpoint tools' way: the same state from the saved shards alone, no collectives
+    offline = consolidate_shard_states(dp.all_gather_object(saved)[::-1])
+    offline_equal = offline["param_groups"] == consolidated["param_groups"] and offline["state"].keys() == consolidated["state"].keys() \
+        and all(torch.equal(offline["state"][i][k], v) for i, s in consolidated["state"].items() for k, v in s.items())
     same, worst = True, 0.0
     if dp.rank == 0:
         _, ref_opt, _, _ = _reference(2, scheduler=False)
@@ -229,7 +233,7 @@ def _round_trip(world) -> dict:
     _zero1_steps(fresh, fresh_opt, dp, 2, 2)
     exact = all(torch.equal(p, q) for p, q in zip(fresh.parameters(), expected))
 
-    return {"same": same, "worst": worst, "exact": exact, "saved_format": saved["format"],
+    return {"same": same, "worst": worst, "exact": exact, "saved_format": saved["format"], "offline_equal": offline_equal,
             "saved_shard_numel": sum(t.numel() for t in saved["shards"]),
             "total_numel": sum(p.numel() for p in model.parameters()),
             # resharding onto one process (no collectives: rank 0 alone)
@@ -262,6 +266,7 @@ def test_state_dict_round_trip_and_consolidation(two_ranks):
     for res in results:
         assert res["same"] and res["worst"] < 1e-4, (res["same"], res["worst"])
         assert res["exact"], "a fresh optimizer loading the saved shard must continue bit-identically"
+        assert res["offline_equal"], "consolidate_shard_states(saved shards) must equal consolidated_state_dict()"
         assert res["saved_format"] == STATE_FORMAT
         assert res["saved_shard_numel"] <= res["total_numel"] / 2 + 2  # each rank saves its half (+ padding)
     assert results[0]["resharded_close"], "DP2 consolidated state loaded on one process must continue the same training"
