@@ -55,13 +55,15 @@ def train_help() -> str:
     lines = ["usage: nxdt train [-m] [group=option ...] [key=value ...]",
              "       nxdt train --config-path DIR --config-name NAME [instance=NAME] [key=value ...]   (an NxDT config file; "
              "docs/migrating-from-nxdt.md)", "", "config groups:"]
-    for group in ("model", "data", "instance"):
+    for group in ("model", "data", "instance", "launcher"):
         lines.append(f"  {group}: {', '.join(available_options(group))}")
     lines += ["", "keys (default) — description:"]
     for key, default, doc in field_docs():
         lines.append(f"  {key} ({default}) — {doc}")
     lines += ["", "examples:", "  nxdt train model=llama_tiny data=synthetic trainer.devices=4",
-              "  nxdt train -m trainer.devices=1,2 trainer.max_steps=20"]
+              "  nxdt train -m trainer.devices=1,2 trainer.max_steps=20",
+              "  nxdt train launcher=torchrun trainer.num_nodes=2 launcher.rdzv_endpoint=HOST:29500 launcher.rdzv_id=run1   (on every node)",
+              "  nxdt train launcher=slurm trainer.num_nodes=2 launcher.dry_run=true"]
     return "\n".join(lines)
 
 
@@ -170,6 +172,7 @@ def cmd_train(argv: list[str]) -> int:
     flags, overrides = _split_flags(argv, {"-m", "--multirun"})
     from nxdt.config import ConfigError
     from nxdt.launch.local import LaunchFailed, LaunchInterrupted, launch_local
+    from nxdt.launch.multinode import check_launcher
     from nxdt.launch.rundir import choose_run_dir, write_run_dir
     from nxdt.config.validate import check_trainable
     from nxdt.planner import plan
@@ -182,6 +185,7 @@ def cmd_train(argv: list[str]) -> int:
         for cfg in configs:
             check_trainable(cfg)
             check_data(cfg)
+            check_launcher(cfg, multirun=bool(flags))
             plans.append(plan(cfg))
             check_resume_checkpoint(cfg, plans[-1])
     except ConfigError as exc:
@@ -192,6 +196,10 @@ def cmd_train(argv: list[str]) -> int:
     if flags:
         first = configs[0]
         sweep_dir = Path(first.exp_manager.exp_dir).expanduser().resolve() / "multirun" / first.name / time.strftime("%Y-%m-%d_%H-%M-%S")
+    if configs[0].launcher.name != "local" or configs[0].launcher.dry_run:  # beyond this host, or only show what would run
+        from nxdt.launch.cluster import launch
+
+        return launch(configs[0], plans[0], jobs[0], sys.stdout.isatty())
     status = 0
     for num, (job, cfg, the_plan) in enumerate(zip(jobs, configs, plans)):
         if sweep_dir is not None:

@@ -56,7 +56,8 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["train", "model=mixtral_tiny", "trainer.devices=4", "distributed_strategy.expert_model_parallel_size=4",
           "model.moe.num_experts=6", "data.global_batch_size=8", "data.micro_batch_size=2"], "num_experts"),
         (["train", "data.global_batch_size=6"], "data.global_batch_size"),
-        (["train", "distributed_strategy.fsdp.enabled=true"], "fsdp"),
+        (["train", "trainer.devices=2", "distributed_strategy.fsdp.enabled=true", "distributed_strategy.pipeline_model_parallel_size=2"], "fsdp"),
+        (["train", "distributed_strategy.fsdp.enabled=true", "distributed_strategy.zero1=true"], "zero1"),
         (["train", "distributed_strategy.context_parallel_size=2"], "context_parallel_size"),
         # data
         (["train", "data.train_dir=/no/such/corpus.txt"], "data.train_dir"),

@@ -340,3 +340,12 @@ def test_the_same_config_shrunk_trains_on_cpu(name, tmp_path):
     cfg, _ = compose_nxdt_config(CONFIGS, name, overrides)
     # the norm gathered over TP shards / PP stages / EP experts equals the single-process model's
     assert float(rows[0]["param_norm"]) == pytest.approx(initial_parameter_norm(cfg), rel=1e-5)
+
+
+def test_nxdt_groups_and_keys_on_the_command_line_apply_to_an_nxdt_config():
+    cfg, _ = nxdt_config("hf_llama3_8B_config", "instance=trn1.32xlarge", "launcher=slurm", "launcher.partition=trn",
+                         "data.source=synthetic", "comm.timeout_s=30")
+    assert (cfg.launcher.name, cfg.launcher.partition, cfg.comm.timeout_s) == ("slurm", "trn", 30.0)
+    assert (cfg.data.source, cfg.data.train_dir) == ("synthetic", None)  # NxDT's train_dir is not read then
+    cfg, _ = nxdt_config("hf_llama3_8B_config", "instance=trn1.32xlarge", "exp_manager.checkpoint_every_n_steps=5")
+    assert cfg.exp_manager.checkpoint_every_n_steps == 5  # the command line wins over the file's every_n_train_steps

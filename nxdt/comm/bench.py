@@ -120,12 +120,19 @@ class _Runner:
         else:
             self._pairs(lambda t, p: comm.send(t, p), lambda t, p: comm.recv(t, p))
 
+    def _peer(self) -> int | None:
+        # rank r of the first half sends to r + n/2 (on another host when hosts hold consecutive ranks);
+        # an odd last rank idles (nccom-test's sendrecv is a ring permute)
+        half = self.n // 2
+        if self.rank >= 2 * half:
+            return None
+        return self.rank + half if self.rank < half else self.rank - half
+
     def _pairs(self, send, recv) -> None:
-        # ranks pair up 0↔1, 2↔3, …; an odd last rank idles (nccom-test's sendrecv is a ring permute)
-        peer = self.rank ^ 1
-        if peer >= self.n:
+        peer = self._peer()
+        if peer is None:
             return
-        if self.rank % 2 == 0:
+        if self.rank < peer:
             send(self.a, peer)
         else:
             recv(self.a, peer)
@@ -159,7 +166,8 @@ class _Runner:
             t = torch.full_like(self.a, fill)
             self._pairs(lambda x, p: comm.send(x, p), lambda x, p: comm.recv(x, p))
             self._pairs(lambda x, p: comm.send(t, p), lambda x, p: comm.recv(t, p))
-            want = torch.full_like(t, float((r ^ 1) + 1)) if r % 2 == 1 and (r ^ 1) < n else t
+            peer = self._peer()
+            want = torch.full_like(t, float(peer + 1)) if peer is not None and peer < r else t
         return int((t != want).sum())
 
 
@@ -180,6 +188,31 @@ def memcpy_gbps(nbytes: int, iters: int = 20) -> float:
     return src.numel() * 4 / elapsed / 1e9
 
 
+def algorithms_ran(comm, ops: list[str], dtype: torch.dtype, nbytes: int, algorithm: str = "auto") -> dict[str, str]:
+    """Which algorithm each op runs on ``comm`` at ``nbytes``, as recorded by a Tracer around one call."""
+    from nxdt.comm.trace import Tracer
+
+    n, rank = comm.size, comm.rank
+    out = {}
+    for op in ops:
+        tracer = Tracer(rank)
+        comm.world.set_tracer(tracer)
+        try:
+            _Runner(op, nbytes, dtype, n, rank).run(comm, algorithm)
+        finally:
+            comm.world.set_tracer(None)
+        names = [e["args"].get("algorithm", "") for e in tracer.events() if e.get("ph") == "X"]
+        out[op] = "+".join(dict.fromkeys(names)) or "none"
+    return out
+
+
+def _layout(world) -> str:
+    hosts: dict[str, list[int]] = {}
+    for r, h in enumerate(world.host_ids):
+        hosts.setdefault(h, []).append(r)
+    return " | ".join(f"host {i}: ranks {g}" for i, g in enumerate(hosts.values()))
+
+
 def _body(world, args: dict) -> dict[str, Any]:
     torch.set_num_threads(1)
     comm, n, rank = world.world, world.world_size, world.rank
@@ -191,7 +224,11 @@ def _body(world, args: dict) -> dict[str, Any]:
         if not dist.is_initialized():
             dist.init_process_group("gloo", store=dist.PrefixStore("bench-gloo", world.store), rank=rank, world_size=n)
         gloo = GlooAdapter(dist)
-    out: dict[str, Any] = {"results": [], "baseline": [], "memcpy": {}}
+    out: dict[str, Any] = {"results": [], "baseline": [], "memcpy": {}, "transport": comm.transport,
+                           "hosts": len(set(world.host_ids)), "layout": _layout(world)}
+    if args.get("show_algorithm"):
+        out["algorithms"] = {nbytes: algorithms_ran(comm, args["ops"], dtype, nbytes, args["algorithm"])
+                             for nbytes in sizes(args["minbytes"], args["maxbytes"], args["stepfactor"])}
     slowest = torch.zeros(1, dtype=torch.float64)
     for op in args["ops"]:
         for nbytes in sizes(args["minbytes"], args["maxbytes"], args["stepfactor"]):
@@ -208,7 +245,9 @@ def _body(world, args: dict) -> dict[str, Any]:
                 row = {"op": op, "size(B)": run.bytes, "count(elems)": run.count, "type": args["datatype"], "time:avg(us)": t * 1e6,
                        "algbw(GB/s)": algbw, "busbw(GB/s)": algbw * bus_factor(op, n)}
                 if name == "results" and args["check"]:
-                    row["#wrong"] = run.check(comm)
+                    wrong = torch.tensor([run.check(comm)], dtype=torch.int64)
+                    comm.all_reduce(wrong)  # every rank's result counts, not only rank 0's
+                    row["#wrong"] = int(wrong)
                 out[name].append(row)
             if rank == 0 and run.bytes not in out["memcpy"]:
                 out["memcpy"][run.bytes] = memcpy_gbps(run.bytes)
@@ -217,9 +256,18 @@ def _body(world, args: dict) -> dict[str, Any]:
 
 def _print_table(report: dict, n: int, transport: str) -> None:
     base = {(r["op"], r["size(B)"]): r for r in report["baseline"]}
+    if report.get("hosts", 1) > 1:
+        print(f"# {report['hosts']} hosts: {report['layout']}")
     for op in dict.fromkeys(r["op"] for r in report["results"]):
         rows = [r for r in report["results"] if r["op"] == op]
         print(f"\n# nxdt {OP_TITLES[op]}: {n} ranks, transport {transport}")
+        if "algorithms" in report:
+            by_size = {int(k): v[op] for k, v in report["algorithms"].items()}
+            bands = {}
+            for size, name in sorted(by_size.items()):
+                bands.setdefault(name, []).append(size)
+            print("# algorithm: " + "; ".join(f"{name} ({_size_text(min(s))}–{_size_text(max(s))})" if len(s) > 1 else
+                                                 f"{name} ({_size_text(s[0])})" for name, s in bands.items()))
         header = f"#{'size(B)':>12} {'count(elems)':>13} {'type':>6} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'memcpy(GB/s)':>13} {'bus/memcpy':>11}"
         if base:
             header += f" {'gloo(us)':>10} {'gloo busbw':>11} {'speed-up':>9}"
@@ -239,6 +287,13 @@ def _print_table(report: dict, n: int, transport: str) -> None:
         print(f"# Avg bus bandwidth    : {sum(r['busbw(GB/s)'] for r in rows) / len(rows):.3f}")
 
 
+def _size_text(nbytes: int) -> str:
+    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g}{unit}"
+    return f"{nbytes}B"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nxdt comm-test", description="Benchmark nxdt's collectives (nccom-test style).")
     p.add_argument("ops", nargs="*", default=["allr"], help=f"operations: {' '.join(OPS)} (default allr)")
@@ -254,6 +309,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", choices=("shm", "p2p"), default="shm", help="p2p: pretend every rank is on its own host")
     p.add_argument("--baseline", choices=("gloo",), help="also time torch.distributed's gloo on the same sizes, same run")
     p.add_argument("--report-to-json-file", metavar="F", help="write the results as JSON (nccom-test's layout)")
+    p.add_argument("--show-algorithm", action="store_true", help="print which algorithm each op ran (per size band)")
+    multi = p.add_argument_group("several nodes (run the same command on every node; torch elastic c10d rendezvous)")
+    multi.add_argument("-N", "--nodes", type=int, default=1, help="nodes; -r is then the ranks per node")
+    multi.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous, the same on every node (default $MASTER_ADDR:$MASTER_PORT)")
+    multi.add_argument("--rdzv-id", help="job id, the same on every node (default nxdt-comm-test)")
+    multi.add_argument("--node-rank", type=int, help="this node's rank (default $NODE_RANK / $SLURM_NODEID, else rendezvous order)")
+    multi.add_argument("--local-addr", help="this node's address (default: the one routing to the rendezvous)")
+    multi.add_argument("--join-timeout", type=float, default=300.0, help="seconds to wait for every node to join")
     return p
 
 
@@ -263,26 +326,93 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"nxdt comm-test: unknown operation(s) {bad}; choose from {' '.join(OPS)}", file=sys.stderr)
         return 2
-    if args.nworkers < 2 or args.minbytes > args.maxbytes or args.stepfactor <= 1:
-        print("nxdt comm-test: need --nworkers >= 2, --minbytes <= --maxbytes and --stepfactor > 1", file=sys.stderr)
+    if args.nworkers * args.nodes < 2 or args.nodes < 1 or args.minbytes > args.maxbytes or args.stepfactor <= 1:
+        print("nxdt comm-test: need --nworkers × --nodes >= 2, --minbytes <= --maxbytes and --stepfactor > 1", file=sys.stderr)
         return 2
     from nxdt.comm.spawn import RankFailed, run_local
 
     host_ids = [f"host{r}" for r in range(args.nworkers)] if args.transport == "p2p" else None
     opts = {k: getattr(args, k) for k in ("ops", "minbytes", "maxbytes", "stepfactor", "iters", "warmup_iters", "datatype",
-                                          "check", "algorithm", "baseline")}
+                                          "check", "algorithm", "baseline", "show_algorithm")}
+    if args.nodes > 1:
+        return _main_multinode(args, opts)
     try:
         report = run_local(_body, args.nworkers, opts, timeout_s=3600, comm_timeout_s=300, host_ids=host_ids)[0]
     except RankFailed as exc:
         print(f"nxdt comm-test: {exc}", file=sys.stderr)
         return 1
-    _print_table(report, args.nworkers, args.transport)
+    return _finish(report, args)
+
+
+def _finish(report: dict, args: argparse.Namespace) -> int:
+    n = args.nworkers * args.nodes
+    _print_table(report, n, report.get("transport", args.transport))
     if args.report_to_json_file:
         report["memcpy"] = {str(k): v for k, v in report["memcpy"].items()}
+        if "algorithms" in report:
+            report["algorithms"] = {str(k): v for k, v in report["algorithms"].items()}
         with open(args.report_to_json_file, "w") as fh:
-            json.dump({"nworkers": args.nworkers, "transport": args.transport, **report}, fh, indent=1)
+            json.dump({"nworkers": n, "nodes": args.nodes, "transport": report.get("transport", args.transport), **report}, fh, indent=1)
     wrong = sum(r.get("#wrong", 0) for r in report["results"])
     return 1 if wrong else 0
+
+
+def _node_worker(opts: dict, node_key: Any, source: str, digest: str, timeout_s: float) -> dict[str, Any]:
+    """One rank of a multi-node comm-test (started by this node's elastic agent)."""
+    import os
+
+    from nxdt.comm.world import init_from_env
+    from nxdt.launch.multinode import settle_node
+    from nxdt.launch.worker import die_with_agent
+
+    die_with_agent()
+    settle_node(node_key, digest, source, timeout_s)
+    world = init_from_env(timeout_s=timeout_s, run_id=os.environ.get("TORCHELASTIC_RUN_ID"))
+    try:
+        report = _body(world, opts)
+        return {"rank": world.rank, "report": report}
+    finally:
+        world.close()
+
+
+def _main_multinode(args: argparse.Namespace, opts: dict) -> int:
+    """Every node runs this; the node holding rank 0 prints the table."""
+    import hashlib
+    import shutil
+    import tempfile
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from nxdt.config.validate import ConfigError
+    from nxdt.launch.local import LaunchFailed, LaunchInterrupted
+    from nxdt.launch.multinode import launch_node, resolve_node
+
+    launcher = SimpleNamespace(rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id or "nxdt-comm-test", node_rank=args.node_rank,
+                               local_addr=args.local_addr, port=29500, join_timeout_s=args.join_timeout)
+    try:
+        spec = resolve_node(launcher, args.nodes, args.nworkers)
+    except ConfigError as exc:
+        print(f"nxdt comm-test: {exc}", file=sys.stderr)
+        return 2
+    digest = hashlib.sha256(json.dumps({**opts, "nodes": args.nodes, "r": args.nworkers}, sort_keys=True).encode()).hexdigest()[:16]
+    print(f"nxdt comm-test: node {spec.known_node_rank if spec.known_node_rank is not None else '?'} of {args.nodes} "
+          f"({args.nworkers} ranks, address {spec.local_addr}); c10d rendezvous {spec.rdzv_endpoint}", flush=True)
+    scratch = Path(tempfile.mkdtemp(prefix="nxdt-comm-test-"))
+    try:
+        results = launch_node(scratch, spec, (opts, spec.node_key, spec.node_key_source, digest, 300.0), entrypoint=_node_worker)
+    except LaunchFailed as exc:
+        print(f"nxdt comm-test: {exc}", file=sys.stderr)
+        return 1
+    except LaunchInterrupted as exc:
+        print(str(exc), file=sys.stderr)
+        return 130
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    first = next((r for r in results.values() if r and r["rank"] == 0), None)
+    if first is None:
+        print("nxdt comm-test: done; the node holding rank 0 prints the table", flush=True)
+        return 0
+    return _finish(first["report"], args)
 
 
 if __name__ == "__main__":

@@ -215,6 +215,13 @@ class Links:
         except RuntimeError as exc:
             if isinstance(exc, (CommTimeoutError, CommMismatchError, PeerDiedError)):
                 raise
+            gloo = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if any(s in gloo for s in ("Connection closed", "Connection reset", "Broken pipe", "Connection refused")):
+                remote = sorted({self.comm.ranks[p] for p, _ in (*sends, *recvs) if hosts[p] != hosts[me]})
+                gloo = gloo.split("] ", 1)[-1].split(". This is typically")[0]  # drop gloo's source path and advice
+                raise PeerDiedError(f"nxdt.comm: group '{self.comm.name}' {self.desc} (stream '{self.stream}'): lost the connection "
+                                    f"to rank(s) {remote} on another host ({gloo}) — that host's worker or agent died; see its "
+                                    "logs") from exc
             raise CommTimeoutError(f"nxdt.comm: group '{self.comm.name}' {self.desc} (stream '{self.stream}') over p2p failed: "
                                    f"{str(exc).splitlines()[0]}") from exc
 

@@ -186,6 +186,12 @@ class Communicator:
         """Run the generic (Links-based) algorithm instead of the shm direct fast path?"""
         return self.transport != "shm" or name not in ("auto", "direct", "slice", "hierarchical")
 
+    def _ran(self, name: str, generic_name: str) -> str:
+        """The algorithm an op runs (traces, ``comm-test --show-algorithm``): ``auto`` resolved."""
+        if name != "auto" or self.size == 1:
+            return name
+        return generic_name if self._generic(name) else "shm"
+
     def stream_tag(self, stream: str) -> int:
         return self.world.stream_tag(self.name, stream)
 
@@ -205,7 +211,7 @@ class Communicator:
                 multi = any(len(g) > 1 for g in self.host_groups)
                 name = "hierarchical" if multi else ("rhd" if t.numel() * t.element_size() <= RHD_MAX_BYTES else "ring")
             fn = lambda: self._generic_all_reduce(t, op, name, grid, stream)
-        return self._submit(fn, f"all_reduce({op})", stream, async_op, after, t.numel() * t.element_size(), name)
+        return self._submit(fn, f"all_reduce({op})", stream, async_op, after, t.numel() * t.element_size(), self._ran(name, name))
 
     def _generic_all_reduce(self, t: torch.Tensor, op: str, name: str, grid: tuple[int, int] | None, stream: str) -> None:
         low = t.dtype in LOW_PRECISION
@@ -254,7 +260,7 @@ class Communicator:
             fn = lambda: algo.all_gather(self._channel(stream, op="all_gather"), out, inp)
         else:
             fn = lambda: self._ring_all_gather(out, inp, stream)
-        return self._submit(fn, "all_gather", stream, async_op, after, out.numel() * out.element_size(), name)
+        return self._submit(fn, "all_gather", stream, async_op, after, out.numel() * out.element_size(), self._ran(name, "ring"))
 
     def _ring_all_gather(self, out: torch.Tensor, inp: torch.Tensor, stream: str) -> None:
         m = inp.numel()
@@ -275,7 +281,7 @@ class Communicator:
             fn = lambda: algo.reduce_scatter(self._channel(stream, op="reduce_scatter"), out, inp, op)
         else:
             fn = lambda: self._ring_reduce_scatter(out, inp, op, stream)
-        return self._submit(fn, f"reduce_scatter({op})", stream, async_op, after, inp.numel() * inp.element_size(), name)
+        return self._submit(fn, f"reduce_scatter({op})", stream, async_op, after, inp.numel() * inp.element_size(), self._ran(name, "ring"))
 
     def _ring_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str, stream: str) -> None:
         m = out.numel()
@@ -313,7 +319,7 @@ class Communicator:
                 fn = lambda: algo.all_to_all(self._channel(stream, op="all_to_all"), out, inp.clone() if aliased else inp, out_splits, in_splits)
         else:
             fn = lambda: self._pairwise_all_to_all(out, inp.clone() if aliased else inp, out_splits, in_splits, stream)
-        return self._submit(fn, "all_to_all", stream, async_op, after, inp.numel() * inp.element_size(), name)
+        return self._submit(fn, "all_to_all", stream, async_op, after, inp.numel() * inp.element_size(), self._ran(name, "pairwise"))
 
     def _pairwise_all_to_all(self, out, inp, out_splits, in_splits, stream) -> None:
         n = self.size
@@ -350,7 +356,7 @@ class Communicator:
             fn = lambda: algo.broadcast(self._channel(stream, op="broadcast"), t, root)
         else:
             fn = lambda: generic.tree_broadcast(self._link(stream, f"broadcast(root={root}, tree)"), list(range(self.size)), self.rank, t, root)
-        return self._submit(fn, f"broadcast(root={root})", stream, async_op, after, t.numel() * t.element_size(), name)
+        return self._submit(fn, f"broadcast(root={root})", stream, async_op, after, t.numel() * t.element_size(), self._ran(name, "tree"))
 
     def reduce(self, tensor: torch.Tensor, root: int = 0, op: str = "sum", *, algorithm: str = "auto", stream: str = "default",
                async_op: bool = False, after: Any = None) -> Work | None:
@@ -363,7 +369,7 @@ class Communicator:
             fn = lambda: algo.reduce(self._channel(stream, op="reduce"), t, root, op)
         else:
             fn = lambda: self._tree_reduce(t, root, op, stream)
-        return self._submit(fn, f"reduce({op}, root={root})", stream, async_op, after, t.numel() * t.element_size(), name)
+        return self._submit(fn, f"reduce({op}, root={root})", stream, async_op, after, t.numel() * t.element_size(), self._ran(name, "tree"))
 
     def _tree_reduce(self, t: torch.Tensor, root: int, op: str, stream: str) -> None:
         work = t.float() if t.dtype in LOW_PRECISION else t.clone()
@@ -546,7 +552,9 @@ def init_process(rank: int, world_size: int, master_addr: str, master_port: int,
                               timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
     except Exception as exc:
         raise CommTimeoutError(f"nxdt.comm: rank {rank} could not reach the rendezvous store at {master_addr}:{master_port} ({exc})") from exc
-    namespace = f"nxdt/{run_id or 'run'}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    # NXDT_ATTEMPT (multi-node: the rendezvous round) is the same on every node; agents' restart counts need not be
+    attempt = os.environ.get("NXDT_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    namespace = f"nxdt/{run_id or 'run'}/{attempt}/"
     store = dist.PrefixStore(namespace, store)
     if rank == 0:
         remove_stale_segments()

@@ -32,8 +32,11 @@ from nxdt.config.validate import ConfigError, validate
 if not OmegaConf.has_resolver("multiply"):
     OmegaConf.register_new_resolver("multiply", lambda x, y: x * y)
 
-# files an NxDT config names, resolved like model.model_config (see _local_path)
+# files an NxDT config names, resolved like model.model_config (see _resolve_path)
 PATH_KEYS = ("model.model_config", "data.train_dir")
+# nxdt's config groups with no NxDT counterpart: chosen (`launcher=slurm`) and overridden (`instance.devices=8`)
+# on nxdt's own config tree, then taken from it whole
+OWN_GROUPS = ("instance", "launcher")
 
 
 def compose(config_path: str | Path, config_name: str, overrides: list[str] | tuple[str, ...] = (), *,
@@ -41,7 +44,7 @@ def compose(config_path: str | Path, config_name: str, overrides: list[str] | tu
     from nxdt.config import compose_config, to_config
 
     config_dir = Path(config_path).expanduser().resolve()
-    instance, instance_overrides, nxdt_overrides, our_overrides = _sort_overrides(overrides)
+    instance, group_overrides, nxdt_overrides, our_overrides = _sort_overrides(overrides)
     raw = _load_file(config_dir, config_name)
     for ov in nxdt_overrides:
         _apply(raw, ov)
@@ -59,15 +62,18 @@ def compose(config_path: str | Path, config_name: str, overrides: list[str] | tu
     if name is None:
         trainer = translation.config.get("trainer", {})
         name = infer_instance(trainer.get("devices"), trainer.get("lnc"), trainium_catalogue())
-    inst = compose_config([f"instance={name}", *instance_overrides], check=False).instance
+    own = compose_config([f"instance={name}", *group_overrides], check=False)
 
     register_schemas()
     cfg = OmegaConf.structured(Config)
     try:
-        cfg.instance = OmegaConf.structured(inst)
+        for group in OWN_GROUPS:
+            setattr(cfg, group, OmegaConf.structured(getattr(own, group)))
         cfg.merge_with(translation.config)
         for ov in our_overrides:
             _apply(cfg, ov)
+        if cfg.data.source == "synthetic":  # `data.source=synthetic` on the command line: NxDT's train_dir is not read
+            cfg.data.train_dir = None
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", "") or "config"
         raise ConfigError(key, "", str(exc).splitlines()[0]) from None
@@ -78,23 +84,23 @@ def compose(config_path: str | Path, config_name: str, overrides: list[str] | tu
 
 
 def _sort_overrides(overrides: list[str] | tuple[str, ...]) -> tuple[str | None, list[str], list[Override], list[Override]]:
-    """(instance name, instance.* overrides as text, NxDT-key overrides, nxdt-key overrides)."""
-    instance, instance_overrides, nxdt, ours = None, [], [], []
+    """(instance name, other overrides of OWN_GROUPS as text, NxDT-key overrides, nxdt-key overrides)."""
+    instance, group_overrides, nxdt, ours = None, [], [], []
     for text, ov in zip(overrides, OverridesParser.create().parse_overrides(list(overrides))):
         key = ov.key_or_group
         if ov.is_sweep_override():
             raise ConfigError(key, "", "several values sweep: run with -m (multirun)")
         if key == "instance":
             instance = ov.value()
-        elif key.startswith("instance."):
-            instance_overrides.append(text)
+        elif key.split(".")[0] in OWN_GROUPS:
+            group_overrides.append(text)
         elif rule_for(key) is not None or _under_rule(key):
             nxdt.append(ov)
         elif is_our_key(key):
             ours.append(ov)
         else:
             raise unknown_key_error(key)
-    return instance, instance_overrides, nxdt, ours
+    return instance, group_overrides, nxdt, ours
 
 
 def _under_rule(key: str) -> bool:

@@ -40,7 +40,7 @@ class TrainerConfig:
 class FaultInjectionConfig:
     step: Optional[int] = doc(None, "fail when this optimizer step starts (reliability drills); null = off")
     rank: Optional[int] = doc(None, "rank that fails; null = every rank")
-    kind: str = doc("raise", "raise (an exception) | sigkill (the process dies) | sigkill_during_save (dies mid-checkpoint)")
+    kind: str = doc("raise", "raise (an exception) | sigkill (the process dies) | sigkill_during_save (dies mid-checkpoint) | hang (stops responding)")
     attempt: int = doc(0, "only in this launch attempt (0 = the first; restarts then run clean)")
 
 
@@ -205,6 +205,29 @@ class CommConfig:
 
 
 @dataclass
+class LauncherConfig:
+    """How the workers start (conf/launcher/<name>.yaml); README "Running on a cluster"."""
+
+    name: str = doc("local", "local: this host | torchrun: run the same `nxdt train` on every node (c10d rendezvous) | "
+                    "slurm: submit a job that runs one agent per node")
+    dry_run: bool = doc(False, "print exactly what would run (commands, environment, job script) and start nothing")
+    rdzv_endpoint: Optional[str] = doc(None, "torchrun: HOST[:PORT] of the c10d rendezvous, the same on every node; "
+                                       "null = $PET_RDZV_ENDPOINT, else $MASTER_ADDR:$MASTER_PORT")
+    rdzv_id: Optional[str] = doc(None, "torchrun: job id, the same on every node (also names the run directory); "
+                                 "null = $PET_RDZV_ID, else $SLURM_JOB_ID")
+    node_rank: Optional[int] = doc(None, "torchrun: this node's place in the plan; null = $PET_NODE_RANK / $NODE_RANK / "
+                                   "$SLURM_NODEID, else the UltraServer (server_id, node_id) order, else rendezvous order")
+    local_addr: Optional[str] = doc(None, "address the other nodes reach this node at; null = the one that routes to the rendezvous")
+    port: int = doc(29500, "rendezvous port (slurm: on the job's first node; torchrun: when rdzv_endpoint names none)")
+    join_timeout_s: float = doc(600.0, "how long a node waits for every node to join the rendezvous")
+    partition: Optional[str] = doc(None, "slurm: sbatch --partition")
+    account: Optional[str] = doc(None, "slurm: sbatch --account")
+    time_limit: str = doc("01:00:00", "slurm: sbatch --time")
+    sbatch_args: List[str] = doc([], "slurm: more #SBATCH options, e.g. ['--exclusive', '--constraint=trn1']")
+    wait: bool = doc(False, "slurm: wait until the job ends (sbatch --wait) and exit with its status")
+
+
+@dataclass
 class Config:
     name: str = doc("llama_tiny", "run name (directory under exp_manager.exp_dir)")
     seed: int = doc(1234, "global seed")
@@ -217,10 +240,11 @@ class Config:
     precision: PrecisionConfig = doc(PrecisionConfig(), "numeric precision")
     instance: InstanceConfig = doc(InstanceConfig(), "hardware the plan targets")
     comm: CommConfig = doc(CommConfig(), "collectives")
+    launcher: LauncherConfig = doc(LauncherConfig(), "how the workers start: local, torchrun (every node), slurm")
 
 
 # group name → schema for the group files under conf/<group>/
-GROUP_SCHEMAS = {"model": ModelConfig, "data": DataConfig, "instance": InstanceConfig}
+GROUP_SCHEMAS = {"model": ModelConfig, "data": DataConfig, "instance": InstanceConfig, "launcher": LauncherConfig}
 
 
 def register_schemas() -> None:

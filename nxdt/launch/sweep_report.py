@@ -19,7 +19,7 @@ def _job_rows(sweep_dir: Path) -> list[dict]:
         steps: list[dict] = []
         if metrics.exists():
             with open(metrics, newline="") as fh:
-                steps = [{k: float(v) for k, v in r.items()} for r in csv.DictReader(fh)]
+                steps = [{k: float(v) for k, v in r.items() if v != ""} for r in csv.DictReader(fh)]  # FSDP columns blank otherwise
         rows.append({"job": job.name, "overrides": overrides, "steps": steps})
     return rows
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import ctypes
+import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -51,15 +54,39 @@ def _redirect_output(log_path: Path, tee_to_console: bool) -> None:
     atexit.register(drain)
 
 
+def die_with_agent() -> None:
+    """A worker never outlives its agent: if the agent is killed (a host going down), its workers go too,
+    so the other hosts see the peer vanish instead of a half-alive job."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the agent died before the call took effect
+        os._exit(1)
+
+
 @record
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="nxdt.launch.worker")
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--console-tty", action="store_true", help="the launcher's console is a terminal (live progress bar)")
+    parser.add_argument("--node-key", default=None, help="multi-node: this node's order key (JSON), see nxdt.launch.multinode")
+    parser.add_argument("--node-key-source", default="rendezvous order")
+    parser.add_argument("--plan-digest", default=None, help="multi-node: digest of the plan this node's launcher computed")
     args = parser.parse_args(argv)
+    die_with_agent()
+    if args.plan_digest is not None:  # several nodes: take this node's place in the Plan before anything names a rank
+        from nxdt.launch.multinode import settle_node
+
+        settle_node(json.loads(args.node_key), args.plan_digest, args.node_key_source, timeout_s=120.0)
     rank = int(os.environ["RANK"])
     _redirect_output(args.run_dir / "logs" / f"rank{rank}.log", tee_to_console=rank == 0)
-    print(f"nxdt: rank {rank} attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} started (t={time.time():.3f})", flush=True)
+    print(f"nxdt: rank {rank} attempt {os.environ.get('NXDT_ATTEMPT') or os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} started (t={time.time():.3f})", flush=True)
+    if args.plan_digest is not None:
+        from nxdt.comm.world import host_identity
+
+        print(f"nxdt: rank {rank} is on node {os.environ['GROUP_RANK']} (node order: {args.node_key_source}), "
+              f"host {host_identity()}, address {os.environ.get('NXDT_LOCAL_ADDR', '?')}", flush=True)
     if args.console_tty and rank == 0:
         os.environ["FORCE_COLOR"] = "1"  # rich: the console at the end of the tee is a terminal
         os.environ["TTY_INTERACTIVE"] = "1"

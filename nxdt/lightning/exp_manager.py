@@ -84,7 +84,8 @@ class FaultInjection(Callback):
     """Fail on ``rank`` when optimizer step ``step`` starts, in launch attempt ``attempt`` only: rehearses
     a crash for real. ``raise``: an exception; ``sigkill``: the process vanishes (no cleanup, as after an
     OOM kill); ``sigkill_during_save``: the process vanishes in the middle of the next checkpoint write,
-    after its files are written and before it is committed."""
+    after its files are written and before it is committed; ``hang``: the process stops responding (a stuck
+    rank or host: the others wait until their collective timeout, or until the host is killed)."""
 
     def __init__(self, step: int, rank: int | None, kind: str = "raise", attempt: int = 0) -> None:
         self.step, self.rank, self.kind, self.attempt = step, rank, kind, attempt
@@ -106,12 +107,18 @@ class FaultInjection(Callback):
         if self.kind == "sigkill":
             print(f"nxdt: fault injection: SIGKILL on rank {trainer.global_rank} at step {self.step} (t={time.time():.3f})", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "hang":
+            print(f"nxdt: fault injection: rank {trainer.global_rank} hangs at step {self.step} (t={time.time():.3f})", flush=True)
+            while True:
+                signal.pause()
         raise InjectedFault(f"injected fault at step {self.step} on rank {trainer.global_rank} (exp_manager.fault_injection)")
 
 
 def launch_attempt() -> int:
-    """0 for the first start of the workers, k after the k-th restart by the elastic agent."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    """0 for the first start of the workers, k after the k-th restart by the elastic agent (several nodes: the
+    k-th rendezvous round, which every node agrees on; an agent restarted by another node's failure does not
+    count that restart in TORCHELASTIC_RESTART_COUNT)."""
+    return int(os.environ.get("NXDT_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 class DirectoryCheckpoint(ModelCheckpoint):

@@ -1,0 +1,87 @@
+"""``nxdt train`` with ``launcher=torchrun`` or ``launcher=slurm``, and ``launcher.dry_run=true`` for any
+launcher: from a validated config and its Plan to the agents (or to what they would be)."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from nxdt.config.validate import ConfigError
+
+
+def multinode_run_dir(cfg: Any, rdzv_id: str) -> Path:
+    """The same directory on every node without talking to the others: explicit_log_dir, else
+    ``<exp_dir>/<name>/<rdzv_id>`` (restart with the same id and resume_if_exists=true to continue)."""
+    em = cfg.exp_manager
+    if em.explicit_log_dir:
+        return Path(em.explicit_log_dir).expanduser().resolve()
+    return Path(em.exp_dir).expanduser().resolve() / cfg.name / rdzv_id
+
+
+def run_torchrun(cfg: Any, plan: Any, overrides: list[str], console_tty: bool) -> int:
+    from nxdt.launch.multinode import resolve_node, write_atomically
+    from nxdt.launch.node import run_node
+    from nxdt.launch.rundir import CONFIG_FILE, PLAN_FILE
+
+    try:
+        spec = resolve_node(cfg.launcher, plan.num_nodes, plan.ranks_per_node, cfg.exp_manager.max_restarts)
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    run_dir = multinode_run_dir(cfg, spec.rdzv_id)
+    if not cfg.launcher.dry_run:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        write_atomically(run_dir / CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        write_atomically(run_dir / PLAN_FILE, plan.to_json())
+        write_atomically(run_dir / "overrides.txt", "\n".join(overrides) + "\n")
+        print(f"nxdt: run directory {run_dir} ({plan.world_size} ranks on {plan.num_nodes} nodes)", flush=True)
+    return run_node(run_dir, cfg, plan, dry_run=cfg.launcher.dry_run, console_tty=console_tty)
+
+
+def run_slurm(cfg: Any, plan: Any, overrides: list[str]) -> int:
+    from nxdt.launch.rundir import choose_run_dir, write_run_dir
+    from nxdt.launch.slurm import sbatch_command, sbatch_script, submit
+
+    run_dir = choose_run_dir(cfg)
+    if cfg.launcher.dry_run:
+        script = run_dir / "job.sbatch"
+        print(f"nxdt: dry run — nothing submitted; run directory {run_dir} (config.yaml, plan.json, job.sbatch)")
+        print(f"command: {shlex.join(sbatch_command(script, cfg.launcher.wait))}")
+        print(f"--- {script}")
+        print(sbatch_script(cfg, plan, run_dir), end="")
+        print("---")
+        return 0
+    write_run_dir(run_dir, cfg, plan)
+    (run_dir / "overrides.txt").write_text("\n".join(overrides) + "\n")
+    print(f"nxdt: run directory {run_dir} ({plan.world_size} ranks on {plan.num_nodes} nodes)", flush=True)
+    return submit(cfg, plan, run_dir)
+
+
+def describe_local(cfg: Any, plan: Any, console_tty: bool) -> str:
+    from nxdt.launch.rundir import choose_run_dir
+
+    run_dir = choose_run_dir(cfg)
+    args = [sys.executable, "-m", "nxdt.launch.worker", str(run_dir)] + (["--console-tty"] if console_tty else [])
+    return "\n".join([
+        f"nxdt: dry run — nothing started; run directory {run_dir} (config.yaml, plan.json)",
+        f"agent: torch elastic_launch on this host, {plan.ranks_per_node} workers, c10d rendezvous on 127.0.0.1 (a free port), "
+        f"max_restarts={cfg.exp_manager.max_restarts}",
+        f"worker command: {shlex.join(args)}",
+        f"worker environment (set by the agent): RANK LOCAL_RANK WORLD_SIZE={plan.world_size} LOCAL_WORLD_SIZE={plan.ranks_per_node} "
+        "MASTER_ADDR MASTER_PORT TORCHELASTIC_RUN_ID",
+    ])
+
+
+def launch(cfg: Any, plan: Any, overrides: list[str], console_tty: bool) -> int:
+    """Dispatch on ``launcher.name`` for everything but a real local run (the caller does that)."""
+    name = cfg.launcher.name
+    if name == "torchrun":
+        return run_torchrun(cfg, plan, overrides, console_tty)
+    if name == "slurm":
+        return run_slurm(cfg, plan, overrides)
+    print(describe_local(cfg, plan, console_tty))
+    return 0
