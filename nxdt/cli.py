@@ -16,6 +16,9 @@ USAGE = """usage: nxdt <command> [args]
 commands:
   train [-m] [overrides...]   compose + validate the config, plan, launch the workers, train
                               (-m / --multirun: one complete run per combination of key=a,b,... values)
+  train|plan --config-path DIR --config-name NAME [overrides]
+                              a config written for NxD Training, as it is (docs/migrating-from-nxdt.md);
+                              instance=<name> names the instance NxDT configs leave out
   plan [--json] [-m] [overrides]
                               print the plan without starting anything: placement, groups, collectives with
                               their algorithms and estimated times, step time and memory per device
@@ -49,7 +52,9 @@ def _fail(message: str) -> int:
 def train_help() -> str:
     from nxdt.config import available_options, field_docs
 
-    lines = ["usage: nxdt train [-m] [group=option ...] [key=value ...]", "", "config groups:"]
+    lines = ["usage: nxdt train [-m] [group=option ...] [key=value ...]",
+             "       nxdt train --config-path DIR --config-name NAME [instance=NAME] [key=value ...]   (an NxDT config file; "
+             "docs/migrating-from-nxdt.md)", "", "config groups:"]
     for group in ("model", "data", "instance", "launcher"):
         lines.append(f"  {group}: {', '.join(available_options(group))}")
     lines += ["", "keys (default) — description:"]
@@ -60,6 +65,48 @@ def train_help() -> str:
               "  nxdt train launcher=torchrun trainer.num_nodes=2 launcher.rdzv_endpoint=HOST:29500 launcher.rdzv_id=run1   (on every node)",
               "  nxdt train launcher=slurm trainer.num_nodes=2 launcher.dry_run=true"]
     return "\n".join(lines)
+
+
+CONFIG_SOURCE_FLAGS = {"--config-path": "path", "-cp": "path", "--config-name": "name", "-cn": "name"}
+
+
+def _config_source(argv: list[str]) -> tuple[tuple[str, str] | None, list[str]]:
+    """``--config-path DIR --config-name NAME`` (Hydra's flags, as NxDT's train.sh passes them): an NxDT config."""
+    found, rest, args = {}, [], iter(argv)
+    for a in args:
+        flag, eq, value = a.partition("=")
+        if flag not in CONFIG_SOURCE_FLAGS:
+            rest.append(a)
+            continue
+        if not eq:
+            value = next(args, None)
+            if value is None:
+                raise UsageError(f"nxdt: {flag} needs a value")
+        found[CONFIG_SOURCE_FLAGS[flag]] = value
+    if not found:
+        return None, rest
+    if len(found) != 2:
+        raise UsageError("nxdt: --config-path DIR and --config-name NAME go together (an NxDT config file DIR/NAME.yaml)")
+    return (found["path"], found["name"]), rest
+
+
+def _composer(source: tuple[str, str] | None, *, paths: bool = True) -> Any:
+    """overrides → validated Config, from nxdt's config tree or an NxDT file; NxDT warnings printed once."""
+    from nxdt.config import compose_config, compose_nxdt_config
+
+    if source is None:
+        return lambda overrides: compose_config(overrides, paths=paths)
+    shown: set[str] = set()
+
+    def compose(overrides: list[str]) -> Any:
+        cfg, warnings = compose_nxdt_config(*source, overrides, paths=paths)
+        for line in warnings:
+            if line not in shown:
+                shown.add(line)
+                print(line, file=sys.stderr)
+        return cfg
+
+    return compose
 
 
 def _split_flags(argv: list[str], flags: set[str]) -> tuple[set[str], list[str]]:
@@ -104,12 +151,26 @@ def check_resume_checkpoint(cfg: Any, the_plan: Any) -> None:
         raise ConfigError("exp_manager.resume_from_checkpoint", path, str(exc)) from None
 
 
+def check_data(cfg: Any) -> None:
+    """A Hugging Face dataset directory is opened before any worker starts (layout, row length, vocabulary)."""
+    if cfg.data.source != "hf_dataset":
+        return
+    from nxdt.config import ConfigError
+    from nxdt.data.hf_dataset import DatasetDirError, SavedHFDataset
+
+    try:
+        SavedHFDataset(cfg.data.train_dir, cfg.data.seq_length, cfg.model.vocab_size)
+    except DatasetDirError as exc:
+        raise ConfigError("data.train_dir", cfg.data.train_dir, exc.fix) from None
+
+
 def cmd_train(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(train_help())
         return 0
+    source, argv = _config_source(argv)
     flags, overrides = _split_flags(argv, {"-m", "--multirun"})
-    from nxdt.config import ConfigError, compose_config
+    from nxdt.config import ConfigError
     from nxdt.launch.local import LaunchFailed, LaunchInterrupted, launch_local
     from nxdt.launch.multinode import check_launcher
     from nxdt.launch.rundir import choose_run_dir, write_run_dir
@@ -118,10 +179,12 @@ def cmd_train(argv: list[str]) -> int:
 
     try:
         jobs = expand_sweep(overrides) if flags else [overrides]
-        configs = [compose_config(job) for job in jobs]  # every job is validated before the first starts
+        compose = _composer(source)
+        configs = [compose(job) for job in jobs]  # every job is validated before the first starts
         plans = []
         for cfg in configs:
             check_trainable(cfg)
+            check_data(cfg)
             check_launcher(cfg, multirun=bool(flags))
             plans.append(plan(cfg))
             check_resume_checkpoint(cfg, plans[-1])
@@ -159,12 +222,11 @@ def cmd_train(argv: list[str]) -> int:
     return status
 
 
-def _plan_one(overrides: list[str], calibration_file: str | None) -> "tuple[Any, Any]":
-    from nxdt.config import compose_config
+def _plan_one(compose: Any, overrides: list[str], calibration_file: str | None) -> "tuple[Any, Any]":
     from nxdt.planner import node_topology, plan
     from nxdt.planner.calibration import load_calibration
 
-    cfg = compose_config(overrides)
+    cfg = compose(overrides)
     topo = node_topology(cfg)
     calibration = load_calibration(calibration_file) if topo.graph == "host" else None
     return plan(cfg, calibration), topo
@@ -178,21 +240,23 @@ def cmd_plan(argv: list[str]) -> int:
             raise UsageError("nxdt plan: --calibration needs a file (written by `nxdt comm-test --calibrate`)")
         calibration_file = argv[i + 1]
         argv = argv[:i] + argv[i + 2:]
+    source, argv = _config_source(argv)
     flags, overrides = _split_flags(argv, {"--json", "-m", "--multirun"})
     from nxdt.config import ConfigError
     from nxdt.planner.report import render_plan
 
+    compose = _composer(source, paths=False)  # a plan needs no data or weight files here
     auto = "distributed_strategy=auto" in overrides
     overrides = [o for o in overrides if o != "distributed_strategy=auto"]
     try:
         if auto:
             from nxdt.planner.auto import auto_layouts, render_ranking
 
-            ranking = auto_layouts(overrides)
+            ranking = auto_layouts(overrides, compose=compose)
             print(json.dumps(ranking, indent=1) if "--json" in flags else render_ranking(ranking))
             return 0 if ranking["layouts"] else 1
         jobs = expand_sweep(overrides) if flags & {"-m", "--multirun"} else [overrides]
-        plans = [_plan_one(job, calibration_file) for job in jobs]
+        plans = [_plan_one(compose, job, calibration_file) for job in jobs]
     except ConfigError as exc:
         return _fail(str(exc))
     except Exception as exc:  # Hydra's override grammar errors

@@ -38,3 +38,17 @@ def test_no_weight_decay_on_vectors_and_scheduler_steps():
     assert opt.param_groups[0]["lr"] == pytest.approx(5e-3)
     opt.step(); sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-2)
+
+
+def test_constant_steps_hold_min_lr_at_the_end():
+    sched = SimpleNamespace(name="CosineAnnealing", warmup_steps=0, max_steps=20, min_lr=0.1, constant_steps=10)
+    f = lr_lambda(sched, base_lr=1.0)
+    assert f(0) == pytest.approx(1.0) and f(5) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert [f(s) for s in (10, 15, 20)] == pytest.approx([0.1, 0.1, 0.1])  # decayed over 10 steps, then held
+
+
+def test_decay_norms_and_biases_puts_every_parameter_under_weight_decay():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    optim_cfg = SimpleNamespace(name="adamw", lr=1e-2, weight_decay=0.1, betas=[0.9, 0.95], eps=1e-8, decay_norms_and_biases=True)
+    opt = build_optimizer(model, optim_cfg)
+    assert [(g["weight_decay"], len(g["params"])) for g in opt.param_groups] == [(0.1, 4)]

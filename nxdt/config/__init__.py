@@ -20,8 +20,8 @@ from omegaconf.errors import OmegaConfBaseException
 from nxdt.config.schema import Config, field_docs, register_schemas
 from nxdt.config.validate import ConfigError, validate
 
-__all__ = ["Config", "ConfigError", "compose_config", "load_run_config", "save_run_config", "to_config", "validate", "field_docs",
-           "CONFIG_MODULE", "config_error_from_hydra", "available_options"]
+__all__ = ["Config", "ConfigError", "compose_config", "compose_nxdt_config", "load_run_config", "save_run_config", "to_config",
+           "validate", "field_docs", "CONFIG_MODULE", "config_error_from_hydra", "available_options"]
 
 CONFIG_MODULE = "nxdt.conf"
 
@@ -92,7 +92,10 @@ def to_config(cfg: DictConfig) -> Config:
         raise ConfigError(key, "", str(exc).splitlines()[0]) from None
 
 
-def compose_config(overrides: list[str] | tuple[str, ...] = (), config_name: str = "config", *, check: bool = True) -> Config:
+def compose_config(overrides: list[str] | tuple[str, ...] = (), config_name: str = "config", *, check: bool = True,
+                   paths: bool = True) -> Config:
+    """nxdt's own config tree with Hydra overrides; ``paths=False`` (planning) does not require data and
+    weight files to exist here."""
     register_schemas()
     GlobalHydra.instance().clear()
     try:
@@ -106,8 +109,21 @@ def compose_config(overrides: list[str] | tuple[str, ...] = (), config_name: str
     cfg.pop("hydra", None)
     config = to_config(cfg)
     if check:
-        validate(config)
+        validate(config, paths=paths)
     return config
+
+
+def compose_nxdt_config(config_path: str | Path, config_name: str, overrides: list[str] | tuple[str, ...] = (), *,
+                        check: bool = True, paths: bool = True) -> tuple[Config, list[str]]:
+    """A config written for NxD Training (``--config-path DIR --config-name NAME``, as NxDT's own launcher passes
+    them) as a validated nxdt Config, plus the warnings to show the user once.
+
+    Overrides use NxDT's keys or nxdt's (``instance=<name>`` picks the instance; NxDT configs name none).
+    The file is composed by Hydra (interpolations such as NxDT's ``${multiply:...}`` resolve), overridden,
+    translated by :func:`nxdt.config.nxdt_compat.translate` and merged onto nxdt's typed schema."""
+    from nxdt.config import nxdt_loader
+
+    return nxdt_loader.compose(config_path, config_name, overrides, check=check, paths=paths)
 
 
 def save_run_config(config: Config, path: str | Path) -> None:

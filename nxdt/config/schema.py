@@ -56,6 +56,8 @@ class ExpManagerConfig:
     async_checkpointing: bool = doc(False, "write checkpoints in a background thread: training continues while a snapshot "
                                            "(tensors copied first) is persisted; older checkpoints are removed only once it is committed")
     create_tensorboard_logger: bool = doc(True, "write TensorBoard event files under tensorboard/")
+    log_parameter_norm: bool = doc(False, "add the global parameter norm (all shards) to metrics.csv as param_norm")
+    log_gradient_norm: bool = doc(False, "add the global gradient norm (before clipping) to metrics.csv as grad_norm")
     trace: bool = doc(False, "write a Chrome trace per rank to trace/rank<k>.json (compute per FSDP unit, every collective "
                              "with its stream and token); open it in Perfetto")
     fault_injection: FaultInjectionConfig = doc(FaultInjectionConfig(), "deliberate worker failure, for testing recovery")
@@ -86,11 +88,12 @@ class DistributedStrategyConfig:
 
 @dataclass
 class DataConfig:
-    source: str = doc("text", "synthetic | text")
+    source: str = doc("text", "synthetic | text | hf_dataset (a tokenized Hugging Face dataset saved with save_to_disk)")
     micro_batch_size: int = doc(4, "samples per forward/backward on one rank")
     global_batch_size: int = doc(8, "samples per optimizer step over all data-parallel ranks")
     seq_length: int = doc(128, "tokens per sample")
-    train_dir: Optional[str] = doc(None, "text source: a UTF-8 text file; null = the sample text shipped with nxdt")
+    train_dir: Optional[str] = doc(None, "text: a UTF-8 text file or directory of *.txt (null = the shipped sample text); "
+                                         "hf_dataset: the save_to_disk directory (input_ids, optional labels; needs pyarrow)")
     tokenizer: Optional[str] = doc(None, "path to a Hugging Face tokenizer.json; null = byte-level (256 ids)")
     num_samples: int = doc(4096, "synthetic source: number of distinct samples")
 
@@ -101,13 +104,15 @@ class SchedConfig:
     warmup_steps: int = doc(10, "linear warm-up steps")
     max_steps: int = doc(MISSING, "steps over which the rate decays (defaults to trainer.max_steps)")
     min_lr: float = doc(0.0, "final learning rate")
+    constant_steps: int = doc(0, "steps held at min_lr at the end (the decay ends constant_steps before max_steps)")
 
 
 @dataclass
 class OptimConfig:
     name: str = doc("adamw", "adamw | adamw_fp32OptState")
     lr: float = doc(3e-4, "peak learning rate")
-    weight_decay: float = doc(0.01, "decoupled weight decay (not applied to norms and biases)")
+    weight_decay: float = doc(0.01, "decoupled weight decay (not applied to norms and biases unless decay_norms_and_biases)")
+    decay_norms_and_biases: bool = doc(False, "apply weight decay to every parameter, norm weights and biases included")
     betas: List[float] = doc([0.9, 0.95], "Adam betas")
     eps: float = doc(1e-8, "Adam epsilon")
     sched: SchedConfig = doc(SchedConfig(), "learning-rate schedule")

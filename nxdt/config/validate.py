@@ -14,7 +14,7 @@ ALLOWED_MODEL_PREFIX = "nxdt.models."
 MODEL_SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "ffn_hidden_size")
 
 CHOICES = {
-    "data.source": ("synthetic", "text"),
+    "data.source": ("synthetic", "text", "hf_dataset"),
     "precision.type": ("fp32", "bf16", "mixed_precision"),
     "model.optim.name": ("adamw", "adamw_fp32OptState"),
     "model.optim.sched.name": ("CosineAnnealing", "LinearAnnealingWithWarmUp", "constant"),
@@ -61,7 +61,8 @@ def fill_instance_defaults(cfg: Any) -> None:
                 raise ConfigError("trainer.lnc", trainer.lnc, str(exc)) from None
 
 
-def validate(cfg: Any) -> None:
+def validate(cfg: Any, *, paths: bool = True) -> None:
+    """``paths=False`` (``nxdt plan``): do not require the files the run would read to exist here."""
     fill_instance_defaults(cfg)
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
@@ -143,14 +144,10 @@ def validate(cfg: Any) -> None:
                           f"the interleaved schedule needs micro-batches per step ({microbatches} = global / (micro × DP)) divisible by PP={pp}")
     if data.seq_length > model.max_position_embeddings:
         raise ConfigError("data.seq_length", data.seq_length, f"exceeds model.max_position_embeddings={model.max_position_embeddings}")
-    hf = model.hf_checkpoint
-    if hf is not None and not list(Path(hf).expanduser().glob("*.safetensors")):
-        raise ConfigError("model.hf_checkpoint", hf, "no *.safetensors files there; give a Hugging Face model directory saved "
-                          "with safetensors (save_pretrained(..., safe_serialization=True))")
-    for key in ("data.train_dir", "data.tokenizer"):
-        path = _get(cfg, key)
-        if path is not None and not Path(path).expanduser().exists():
-            raise ConfigError(key, path, "no such file; give an existing path (or null for the default)")
+    if paths:
+        _check_paths(cfg)
+    if data.source == "hf_dataset" and data.train_dir is None:
+        raise ConfigError("data.train_dir", None, "data.source=hf_dataset reads a directory written by datasets' save_to_disk; name it here")
     if data.source == "text" and data.tokenizer is None and model.vocab_size < 256:
         raise ConfigError("model.vocab_size", model.vocab_size, "byte-level text needs >= 256 ids; set data.tokenizer or a larger vocab")
 
@@ -171,6 +168,20 @@ def validate(cfg: Any) -> None:
     fi = cfg.exp_manager.fault_injection
     if fi.rank is not None and not 0 <= fi.rank < world:
         raise ConfigError("exp_manager.fault_injection.rank", fi.rank, f"must be a rank in 0..{world - 1}")
+
+
+def _check_paths(cfg: Any) -> None:
+    """Files the run reads. ``nxdt plan`` skips this: a plan for a cluster needs none of them here."""
+    hf = cfg.model.hf_checkpoint
+    if hf is not None and not list(Path(hf).expanduser().glob("*.safetensors")):
+        raise ConfigError("model.hf_checkpoint", hf, "no *.safetensors files there; give a Hugging Face model directory saved "
+                          "with safetensors (save_pretrained(..., safe_serialization=True))")
+    for key in ("data.train_dir", "data.tokenizer"):
+        path = _get(cfg, key)
+        if path is not None and not Path(path).expanduser().exists():
+            raise ConfigError(key, path, "no such file; give an existing path (or null for the default)")
+    if cfg.data.source == "hf_dataset" and importlib.util.find_spec("pyarrow") is None:
+        raise ConfigError("data.source", "hf_dataset", "reading a save_to_disk directory needs pyarrow: pip install 'nxdt[hf]'")
 
 
 def _instance_names() -> list[str]:

@@ -21,12 +21,13 @@ from torch.utils.data import DataLoader, Dataset
 
 from nxdt.data import SAMPLE_TEXT
 from nxdt.data.datasets import PackedText, SyntheticTokens
+from nxdt.data.hf_dataset import SavedHFDataset
 from nxdt.data.sampler import GlobalBatchSampler
 from nxdt.data.tokenizers import build_tokenizer
 
 
 class NxDDataModule(pl.LightningDataModule):
-    """``data_cfg`` has ``source`` ("synthetic" | "text"), ``micro_batch_size``, ``global_batch_size``,
+    """``data_cfg`` has ``source`` ("synthetic" | "text" | "hf_dataset"), ``micro_batch_size``, ``global_batch_size``,
     ``seq_length``, ``train_dir`` (None → the shipped sample text), ``tokenizer`` (None → byte-level) and
     ``num_samples`` (synthetic). ``vocab_size`` is the model's: synthetic tokens are drawn below it and
     a tokenizer must fit in it."""
@@ -55,7 +56,9 @@ class NxDDataModule(pl.LightningDataModule):
                                  f"model.vocab_size={self.vocab_size} — use a model whose vocab_size is at least "
                                  f"{tokenizer.vocab_size}, or another tokenizer")
             return PackedText(cfg.train_dir or SAMPLE_TEXT, tokenizer, cfg.seq_length)
-        raise ValueError(f"data.source={cfg.source!r}: use synthetic or text")
+        if cfg.source == "hf_dataset":
+            return SavedHFDataset(cfg.train_dir, cfg.seq_length, self.vocab_size)
+        raise ValueError(f"data.source={cfg.source!r}: use synthetic, text or hf_dataset")
 
     def setup(self, stage: str | None = None) -> None:
         self.dp_rank, self.dp_size = self._data_parallel()

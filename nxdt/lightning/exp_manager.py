@@ -30,8 +30,9 @@ METRIC_COLUMNS = ("step", "loss", "lr", "step_time_s", "tokens_per_s", "peak_rss
 class StepMetricsLogger(Callback):
     """Writes ``metrics.csv`` (and TensorBoard scalars) from the module's ``step_metrics``, on rank 0."""
 
-    def __init__(self, path: Path, tokens_per_step: int, every_n_steps: int = 1) -> None:
+    def __init__(self, path: Path, tokens_per_step: int, every_n_steps: int = 1, extra_columns: tuple[str, ...] = ()) -> None:
         self.path = Path(path)
+        self.columns = METRIC_COLUMNS + tuple(extra_columns)  # e.g. grad_norm, param_norm (exp_manager.log_*_norm)
         self.tokens_per_step = tokens_per_step
         self.every_n_steps = max(1, every_n_steps)
         self._last_time: float | None = None
@@ -50,7 +51,7 @@ class StepMetricsLogger(Callback):
         with open(self.path, newline="") as fh:
             rows = [r for r in csv.DictReader(fh) if int(r["step"]) <= step]
         with open(self.path, "w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=METRIC_COLUMNS)
+            writer = csv.DictWriter(fh, fieldnames=self.columns, extrasaction="ignore")
             writer.writeheader()
             writer.writerows(rows)
 
@@ -67,7 +68,7 @@ class StepMetricsLogger(Callback):
                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # rank 0's high-water mark (Linux: KiB)
         new_file = not self.path.exists()
         with open(self.path, "a", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=METRIC_COLUMNS, extrasaction="ignore")
+            writer = csv.DictWriter(fh, fieldnames=self.columns, extrasaction="ignore")
             if new_file:
                 writer.writeheader()
             writer.writerow(row)
@@ -166,7 +167,9 @@ def agreed_resume_checkpoint(cfg: Any, run_dir: str | Path) -> Path | None:
 
 
 def build_callbacks(cfg: Any, run_dir: Path, tokens_per_step: int, *, show_progress: bool) -> list[Callback]:
-    callbacks: list[Callback] = [StepMetricsLogger(run_dir / "metrics.csv", tokens_per_step, cfg.trainer.log_every_n_steps)]
+    em = cfg.exp_manager
+    norms = tuple(c for c, on in (("grad_norm", em.log_gradient_norm), ("param_norm", em.log_parameter_norm)) if on)
+    callbacks: list[Callback] = [StepMetricsLogger(run_dir / "metrics.csv", tokens_per_step, cfg.trainer.log_every_n_steps, norms)]
     every = cfg.exp_manager.checkpoint_every_n_steps
     if every:
         callbacks.append(DirectoryCheckpoint(

@@ -9,6 +9,7 @@ data-parallel rank) is published in ``step_metrics`` for the experiment manager.
 from __future__ import annotations
 
 import importlib
+import math
 from typing import Any
 
 import torch
@@ -38,7 +39,8 @@ class CausalLMModule(pl.LightningModule):
     gradients (data-parallel reduction, clipping by the global norm), and steps the optimizer once."""
 
     def __init__(self, model_cfg: Any, global_batch_size: int, seq_length: int, micro_batch_size: int,
-                 gradient_clip_val: float | None = None) -> None:
+                 gradient_clip_val: float | None = None, *, log_gradient_norm: bool = False,
+                 log_parameter_norm: bool = False) -> None:
         super().__init__()
         self.automatic_optimization = False  # one optimizer step per global batch, whatever the schedule
         self.model_cfg = model_cfg
@@ -48,6 +50,7 @@ class CausalLMModule(pl.LightningModule):
         self.tokens_per_step = global_batch_size * seq_length
         self.micro_batch_size = micro_batch_size
         self.gradient_clip_val = gradient_clip_val
+        self.log_gradient_norm, self.log_parameter_norm = log_gradient_norm, log_parameter_norm
         self.step_metrics: dict[str, float] = {}
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -63,16 +66,25 @@ class CausalLMModule(pl.LightningModule):
         finish = getattr(strategy, "finish_gradients", None)
         if finish:
             finish()
-        if self.gradient_clip_val:
+        extra: dict[str, float] = {}
+        if self.gradient_clip_val or self.log_gradient_norm:
             clip = getattr(strategy, "clip_grad_norm", None)
             params = [p for p in self.model.parameters() if p.grad is not None]
-            clip(self.gradient_clip_val) if clip else torch.nn.utils.clip_grad_norm_(params, self.gradient_clip_val)
+            limit = self.gradient_clip_val or math.inf  # inf: measure the norm, clip nothing
+            grad_norm = clip(limit) if clip else torch.nn.utils.clip_grad_norm_(params, limit)
+            if self.log_gradient_norm:
+                extra["grad_norm"] = float(grad_norm)
+        if self.log_parameter_norm:
+            norm = getattr(strategy, "parameter_norm", None)
+            extra["param_norm"] = float(norm() if norm else torch.linalg.vector_norm(
+                torch.stack([p.detach().double().norm() for p in self.model.parameters()])))
         lr = optimizer.param_groups[0]["lr"]  # the rate this step applies (the schedule steps after it)
         optimizer.step()
         scheduler.step()
         step_loss = strategy.reduce(loss.detach().float(), reduce_op="mean")
         stats = getattr(strategy, "step_stats", None)  # e.g. FSDP's exposed communication and gathered memory
-        self.step_metrics = {"step": self.trainer.global_step, "loss": float(step_loss), "lr": lr, **(stats() if stats else {})}
+        self.step_metrics = {"step": self.trainer.global_step, "loss": float(step_loss), "lr": lr, **extra,
+                             **(stats() if stats else {})}
         self.log("loss", step_loss, prog_bar=True, logger=False)
         return step_loss
 

@@ -12,20 +12,22 @@ from torch import nn
 _ADAMW_NAMES = ("adamw", "adamw_fp32OptState")
 
 
-def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """No weight decay on norms, biases and other 1-D parameters (the usual LLM recipe)."""
+def parameter_groups(model: nn.Module, weight_decay: float, decay_everything: bool = False) -> list[dict[str, Any]]:
+    """No weight decay on norms, biases and other 1-D parameters (the usual LLM recipe), unless
+    ``decay_everything`` (NxDT's ``do_layer_norm_weight_decay``)."""
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            (decay if p.ndim >= 2 or decay_everything else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 def build_optimizer(model: nn.Module, optim_cfg: Any) -> torch.optim.Optimizer:
     if optim_cfg.name not in _ADAMW_NAMES:
         raise ValueError(f"model.optim.name={optim_cfg.name!r} is not supported; use one of {list(_ADAMW_NAMES)}")
     return torch.optim.AdamW(
-        parameter_groups(model, optim_cfg.weight_decay),
+        parameter_groups(model, optim_cfg.weight_decay, getattr(optim_cfg, "decay_norms_and_biases", False)),
         lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
         # foreach kernels allocate extra temporaries; per-parameter loops are as fast for small CPU models
         foreach=False,
@@ -33,8 +35,10 @@ def build_optimizer(model: nn.Module, optim_cfg: Any) -> torch.optim.Optimizer:
 
 
 def lr_lambda(sched_cfg: Any, base_lr: float) -> Callable[[int], float]:
-    """Multiplier of the base lr at optimizer step ``step`` (linear warm-up, then the named decay)."""
-    warmup, total = max(0, sched_cfg.warmup_steps), max(1, sched_cfg.max_steps)
+    """Multiplier of the base lr at optimizer step ``step`` (linear warm-up, then the named decay, ending
+    ``constant_steps`` before ``max_steps`` at ``min_lr``)."""
+    warmup = max(0, sched_cfg.warmup_steps)
+    total = max(1, sched_cfg.max_steps - max(0, getattr(sched_cfg, "constant_steps", 0)))
     floor = sched_cfg.min_lr / base_lr if base_lr > 0 else 0.0
     name = sched_cfg.name
 

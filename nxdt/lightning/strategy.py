@@ -364,13 +364,38 @@ class NxDStrategy(ParallelStrategy):
             extra = [self.communicators[d] for d in ("tp", "pp") if self.plan.degrees[d] > 1]
             return self._zero1_optimizer.clip_grad_norm_(max_norm, extra, weight=lambda p: by_param.get(id(p), 1.0))
         named = [(n, p.grad) for n, p in self.lightning_module.named_parameters() if p.requires_grad and p.grad is not None]
+        norm = self._global_norm(named)
+        scale = max_norm / (float(norm) + 1e-6)
+        if scale < 1:
+            for _, g in named:
+                g.mul_(scale)
+        return norm
+
+    @torch.no_grad()
+    def parameter_norm(self) -> Tensor:
+        """2-norm of the whole model's parameters (all TP shards, EP experts, PP stages, FSDP shards); collective."""
+        if self.fsdp is None:
+            return self._global_norm([(n, p) for n, p in self.lightning_module.named_parameters() if p.requires_grad])
+        weights = self._norm_weights or {}  # FSDP: each DP rank holds a different slice of every flat unit
+        squares = torch.zeros(1, dtype=torch.float64)
+        for flat in self.fsdp.flats():
+            for entry, a, b in flat.segments(self.fsdp.dp_rank):
+                squares += weights.get(entry.name, 1.0) * flat.shard[a:b].detach().double().pow(2).sum()
+        for comm in (self.fsdp.comm, self.communicators["tp"] if self.plan.degrees["tp"] > 1 else None):
+            if comm is not None and comm.size > 1:
+                comm.all_reduce(squares, op="sum")
+        return squares.sqrt().reshape(()).float()
+
+    def _global_norm(self, named: list[tuple[str, Tensor]]) -> Tensor:
+        """2-norm of one model replica's tensors (parameters or their gradients, by parameter name), which
+        this rank holds a TP shard / EP slice / PP stage of; each parameter weighted as in ``norm_weights``."""
+        weights = self._norm_weights or {}
         prefix = "model."
         squares = torch.zeros(2, dtype=torch.float64)  # [dense, experts]
-        experts = {id(p) for p in self.lightning_module.parameters() if is_expert_parameter(p)}
-        grads_of = dict(self.lightning_module.named_parameters())
-        for name, g in named:
+        experts = {n for n, p in self.lightning_module.named_parameters() if is_expert_parameter(p)}
+        for name, t in named:
             w = weights.get(name[len(prefix):] if name.startswith(prefix) else name, 1.0)
-            squares[int(id(grads_of[name]) in experts)] += w * g.detach().double().pow(2).sum()
+            squares[int(name in experts)] += w * t.detach().double().pow(2).sum()
         if self.plan.degrees["ep"] > 1:  # each EP rank holds different experts: add their parts
             expert_part = squares[1:].clone()
             self.communicators["ep"].all_reduce(expert_part, op="sum")
@@ -379,12 +404,7 @@ class NxDStrategy(ParallelStrategy):
         for dim in ("tp", "pp"):  # shards of one replica live on these groups: add their parts
             if self.plan.degrees[dim] > 1:
                 self.communicators[dim].all_reduce(squares, op="sum")
-        norm = squares.sqrt().reshape(()).float()
-        scale = max_norm / (float(norm) + 1e-6)
-        if scale < 1:
-            for _, g in named:
-                g.mul_(scale)
-        return norm
+        return squares.sqrt().reshape(()).float()
 
     @torch.no_grad()
     def _broadcast_parameters(self) -> None:

@@ -67,7 +67,8 @@ def run_training(cfg: Any, plan: Plan, run_dir: str | Path) -> None:
     run_dir = Path(run_dir)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     module = CausalLMModule(cfg.model, cfg.data.global_batch_size, cfg.data.seq_length, cfg.data.micro_batch_size,
-                            cfg.trainer.gradient_clip_val)
+                            cfg.trainer.gradient_clip_val, log_gradient_norm=cfg.exp_manager.log_gradient_norm,
+                            log_parameter_norm=cfg.exp_manager.log_parameter_norm)
     datamodule = NxDDataModule(cfg.data, seed=cfg.seed, vocab_size=cfg.model.vocab_size, step_batches=True)
     trainer = build_trainer(cfg, plan, run_dir, module.tokens_per_step)
     ckpt_path = agreed_resume_checkpoint(cfg, run_dir)

@@ -61,6 +61,7 @@ class Plan:
     algorithms: dict[str, dict[str, str]] = field(default_factory=dict)  # dim → op → algorithm for comm
     collectives: list[dict[str, Any]] = field(default_factory=list)  # one row per collective kind of a step
     estimate: dict[str, Any] = field(default_factory=dict)  # step time, tokens/s, MFU, memory per device
+    batch: dict[str, int] = field(default_factory=dict)  # global, micro, micro_batches (per DP rank and step), seq_length
     warnings: list[str] = field(default_factory=list)
 
     def group_of(self, dim: str, rank: int) -> list[int]:
@@ -230,6 +231,9 @@ def plan(cfg: Any, calibration: dict[str, Any] | None = None, *, estimate: bool 
         raise PlacementError(exc.key, exc.value, exc.fix + hint) from None
     except ValueError as exc:
         raise ConfigError("distributed_strategy", "", str(exc)) from None
+    data = cfg.data
+    layout.batch = {"global": data.global_batch_size, "micro": data.micro_batch_size, "seq_length": data.seq_length,
+                    "micro_batches": data.global_batch_size // (data.micro_batch_size * layout.degrees["dp"])}
     if estimate:
         from nxdt.planner.estimate import estimate_plan
 

@@ -9,7 +9,7 @@ user would) and sequence parallelism comes with TP > 1, as NxDT configs do; ever
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Callable
 
 from nxdt.config import ConfigError, compose_config
 from nxdt.config.validate import validate
@@ -20,8 +20,9 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def auto_layouts(overrides: list[str], top: int = 10) -> dict[str, Any]:
-    base = compose_config(overrides)
+def auto_layouts(overrides: list[str], top: int = 10, compose: Callable[[list[str]], Any] | None = None) -> dict[str, Any]:
+    """``compose``: overrides → Config (default: nxdt's config tree; ``nxdt plan --config-path`` passes NxDT's)."""
+    base = (compose or (lambda o: compose_config(o, paths=False)))(overrides)
     world = base.trainer.devices * base.trainer.num_nodes
     model = base.model
     kv = model.num_kv_heads or model.num_attention_heads
@@ -39,7 +40,7 @@ def auto_layouts(overrides: list[str], top: int = 10) -> dict[str, Any]:
             ds.sequence_parallel = tp > 1  # NxDT pairs TP with SP: activations outside TP regions are sharded too
             label = f"TP{tp} PP{pp} DP{world // (tp * pp)}"
             try:
-                validate(cfg)
+                validate(cfg, paths=False)  # a plan needs no data or weight files
                 p = plan(cfg)
             except ConfigError as exc:
                 rejected[label] = exc.fix

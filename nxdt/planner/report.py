@@ -59,6 +59,10 @@ def render_plan(plan: Any, grid: tuple[int, int] | None = None) -> str:
     lnc = f", LNC {plan.lnc}" if plan.instance != "cpu" else ""
     lines = [f"{plan.instance}: world {plan.world_size} = {plan.num_nodes} node(s) × {plan.ranks_per_node} ranks{lnc}; "
              f"TP{d['tp']} PP{d['pp']} CP{d['cp']} EP{d['ep']} DP{d['dp']} (order {plan.order})"]
+    b = plan.batch
+    if b:
+        lines.append(f"batch: global {b['global']} = micro {b['micro']} × DP {d['dp']} × {b['micro_batches']} micro-batches per step, "
+                     f"sequence {b['seq_length']} ({_si(b['global'] * b['seq_length'], 'tokens')} per step)")
     e = plan.estimate
     if e:
         mem = f"{e['memory_per_device_GiB']:.2f} GiB per device"

@@ -1,0 +1,549 @@
+"""NxDT configs as they are: an NxD Training YAML (as a plain dict) in, an nxdt config dict out.
+
+Pure: no files, no Hydra, no processes. :func:`translate` takes the NxDT config (already composed and
+resolved) and, for ``model.model_config``, the parsed Hugging Face ``config.json``; it returns the nxdt
+config as a nested dict plus what the user should hear about. The loader around it
+(``nxdt.config.compose_nxdt_config``) reads the files and merges the result onto nxdt's typed schema.
+
+Every key NxDT documents or its example configs use has exactly one rule in :data:`RULES`:
+
+* ``map``      — sets an nxdt key (the same name when NxDT and nxdt agree);
+* ``custom``   — read together with related keys by a section function below (precision, optimizer,
+  schedule, model shape, MoE, checkpointing);
+* ``agree``    — nxdt always behaves like one value of it (e.g. ``monitor: step``); that value is
+  accepted silently, any other is reported (a note, or an error when the model itself would differ);
+* ``ignored``  — a Neuron compiler / runtime / XLA setting or an NxDT internal with nothing to act on
+  here; all of them are listed in ONE warning;
+* ``derived``  — NxDT itself computes or never reads it (e.g. ``model_parallel_size``): accepted silently.
+
+Keys of nxdt's own schema may appear in an NxDT config too (``data.source: synthetic``,
+``exp_manager.max_restarts``, ``model.vocab_size``, ...) and win over what the translation derived.
+Anything else is an error naming the key and the closest known key. ``docs/migrating-from-nxdt.md``
+holds the table this module renders with :func:`mapping_table`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from nxdt.config.hf_model import HFConfigError, model_fields
+from nxdt.config.schema import field_docs
+from nxdt.config.validate import ConfigError
+
+MAP, CUSTOM, AGREE, IGNORED, DERIVED = "map", "custom", "agree", "ignored", "derived"
+
+
+@dataclass(frozen=True)
+class Rule:
+    kind: str
+    doc: str
+    to: str | None = None  # MAP: the nxdt key (None = the same name)
+    agree: tuple = ()  # AGREE: values nxdt behaves as
+    error: bool = False  # AGREE: another value is an error (the model or data would differ), not a note
+
+
+def _map(doc: str = "", to: str | None = None) -> Rule:
+    return Rule(MAP, doc, to=to)
+
+
+def _custom(doc: str) -> Rule:
+    return Rule(CUSTOM, doc)
+
+
+def _agree(doc: str, *values: Any, error: bool = False) -> Rule:
+    return Rule(AGREE, doc, agree=values, error=error)
+
+
+def _ignored(doc: str) -> Rule:
+    return Rule(IGNORED, doc)
+
+
+def _derived(doc: str) -> Rule:
+    return Rule(DERIVED, doc)
+
+
+VALIDATION = "nxdt runs no validation loop"
+MEGATRON_MODEL = "Megatron-model key; an hf model's shape comes from model.model_config (NxDT ignores it there too)"
+
+# NxDT key → rule. Order is the order of the migration guide's table.
+RULES: dict[str, Rule] = {
+    # --- top level ---
+    "name": _map("run name: outputs/<name>/<timestamp>/ (exp_manager.name wins when both are set)"),
+    "model_source": _agree("Megatron-style models are not supported; use model_source: hf (the model from model.model_config)",
+                           "hf", error=True),
+    "seed": _map(),
+    "compiler_flags": _ignored("Neuron compiler flags"),
+    "compiler_cache_url": _ignored("Neuron compile cache"),
+    "aync_exec_max_inflight_requests": _ignored("Neuron runtime queue depth (NxDT's spelling)"),
+    "bucket_size_collectives": _ignored("XLA collective bucketing; nxdt's collectives chunk by size themselves"),
+    "neuron_rt_exec_timeout": _ignored("Neuron runtime timeout; nxdt's is comm.timeout_s"),
+    "neuron_experimental_compress_rg": _ignored("Neuron replica-group compression"),
+    "xla_*": _ignored("XLA environment settings"),
+    "model_alignment_strategy.*": _agree("fine-tuning recipes (SFT, DPO, ORPO, LoRA) are not supported yet", error=True),
+    # --- trainer ---
+    "trainer.devices": _map("ranks per node (one per logical NeuronCore on Trainium)"),
+    "trainer.num_nodes": _map(),
+    "trainer.max_steps": _map("optimizer steps; the LR schedule spans it, as in NxDT"),
+    "trainer.max_epochs": _map(),
+    "trainer.log_every_n_steps": _map("a metrics.csv row every N steps"),
+    "trainer.gradient_clip_val": _map("global-norm clipping; absent = no clipping (Lightning's default, as in NxDT)"),
+    "trainer.lnc": _map("logical NeuronCore size; also picks the instance when `instance=` is not given"),
+    "trainer.sequential_move_factor": _ignored("NxDT weight-initialisation pacing for PP on device"),
+    "trainer.accelerator": _ignored("Lightning accelerator (NxDT: tpu/XLA); nxdt runs on CPU ranks"),
+    "trainer.accumulate_grad_batches": _agree("gradient accumulation comes from global_batch_size/(micro_batch_size·DP); NxDT rejects other values too",
+                                                1, error=True),
+    "trainer.limit_val_batches": _agree(VALIDATION, 0, 0.0),
+    "trainer.num_sanity_val_steps": _agree(VALIDATION, 0),
+    "trainer.limit_test_batches": _agree("nxdt runs no test loop", 0, 0.0),
+    "trainer.val_check_interval": _derived(VALIDATION + " (matters only with limit_val_batches > 0)"),
+    "trainer.check_val_every_n_epoch": _derived(VALIDATION + " (matters only with limit_val_batches > 0)"),
+    # --- exp_manager ---
+    "exp_manager.name": _map("run directory name", to="name"),
+    "exp_manager.exp_dir": _custom("exp_manager.exp_dir, the root of run directories; null = outputs/"),
+    "exp_manager.explicit_log_dir": _map("exactly this run directory"),
+    "exp_manager.create_tensorboard_logger": _map("TensorBoard event files under tensorboard/"),
+    "exp_manager.resume_if_exists": _map("resume from the newest complete checkpoint of the newest run of this name"),
+    "exp_manager.resume_from_checkpoint": _map("an nxdt checkpoints/step-<N> directory (NxDT's own checkpoints do not load)"),
+    "exp_manager.resume_ignore_no_checkpoint": _agree("with nothing to resume nxdt starts fresh", True),
+    "exp_manager.create_checkpoint_callback": _custom("false = no checkpoints (exp_manager.checkpoint_every_n_steps: null)"),
+    "exp_manager.checkpoint_callback_params.every_n_train_steps": _custom("exp_manager.checkpoint_every_n_steps"),
+    "exp_manager.checkpoint_callback_params.save_top_k": _custom("exp_manager.keep_last_k (0 = no checkpoints; -1 is refused)"),
+    "exp_manager.checkpoint_callback_params.monitor": _agree("nxdt keeps the newest checkpoints", "step"),
+    "exp_manager.checkpoint_callback_params.mode": _agree("nxdt keeps the newest checkpoints", "max"),
+    "exp_manager.checkpoint_callback_params.save_last": _agree("the newest checkpoint is kept anyway", False),
+    "exp_manager.checkpoint_callback_params.filename": _ignored("checkpoint file pattern; nxdt writes checkpoints/step-<N>/"),
+    "exp_manager.checkpoint_callback_params.model_parallel_size": _derived("TP×PP, computed from the degrees"),
+    "exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt": _agree("checkpoints hold the training parameters", False),
+    "exp_manager.checkpoint_callback_params.every_n_epochs": _agree("checkpoints are step-based", None),
+    "exp_manager.checkpoint_callback_params.train_time_interval": _agree("checkpoints are step-based", None),
+    "exp_manager.checkpoint_callback_params.save_last_n_optim_states": _agree("every checkpoint holds its optimizer state", None),
+    "exp_manager.checkpoint_callback_params.enable_version_counter": _derived("nxdt names checkpoints by step"),
+    "exp_manager.log_parameter_norm": _map("param_norm column in metrics.csv"),
+    "exp_manager.log_gradient_norm": _map("grad_norm column in metrics.csv (before clipping)"),
+    "exp_manager.log_local_rank_0_only": _ignored("nxdt writes logs/rank<k>.log per rank; the console shows rank 0"),
+    "exp_manager.enable_recovery_time_instrumentation": _agree("no recovery-time instrumentation", False),
+    "exp_manager.save_xser": _ignored("torch-xla serialization; nxdt saves safetensors"),
+    "exp_manager.load_xser": _ignored("torch-xla serialization; nxdt saves safetensors"),
+    "exp_manager.save_bf16": _derived("never read by NxDT"),
+    "exp_manager.async_checkpointing": _agree("nxdt saves checkpoints synchronously", False),
+    "exp_manager.ckpt_ptl_version": _ignored("NxDT checkpoint-format version"),
+    # --- distributed_strategy ---
+    "distributed_strategy.tensor_model_parallel_size": _map(),
+    "distributed_strategy.pipeline_model_parallel_size": _map(),
+    "distributed_strategy.virtual_pipeline_model_parallel_size": _custom("same key; null = 1"),
+    "distributed_strategy.context_parallel_size": _map(),
+    "distributed_strategy.expert_model_parallel_size": _map("EP degree, a subdivision of data parallelism"),
+    "distributed_strategy.zero1": _map("ZeRO-1; absent = true, NxDT's default"),
+    "distributed_strategy.sequence_parallel": _map(),
+    "distributed_strategy.kv_replicator": _map("KV-head replication so TP can exceed the KV heads"),
+    "distributed_strategy.token_shuffle_group_size": _agree("no MoE token shuffling", 1),
+    "distributed_strategy.pipeline_model_parallel_split_rank": _agree("no encoder/decoder pipeline split", 0, None),
+    # --- data ---
+    "data.micro_batch_size": _map(),
+    "data.global_batch_size": _map("gradient accumulation = global/(micro·DP), as in NxDT"),
+    "data.seq_length": _custom("data.seq_length (must agree with model.encoder_seq_length when both are set)"),
+    "data.train_dir": _custom("data.train_dir with data.source=hf_dataset (a datasets.save_to_disk directory); "
+                              "set data.source=text for text files"),
+    "data.val_dir": _derived(VALIDATION),
+    "data.test_dir": _derived("nxdt runs no test loop"),
+    "data.num_workers": _ignored("data is read in the rank process"),
+    # --- model (HF style) ---
+    "model.model_config": _custom("a Hugging Face config.json (or its directory): architecture and every shape field; "
+                                  "relative paths: from the working directory, else from the config file's directory"),
+    "model.encoder_seq_length": _custom("data.seq_length"),
+    "model.max_position_embeddings": _custom("max(config.json's, this), as in NxDT"),
+    "model.num_layers": _custom("overrides config.json's num_hidden_layers (-1 = keep)"),
+    "model.hidden_size": _custom("overrides config.json's hidden_size (-1 = keep)"),
+    "model.rope_theta": _custom("overrides config.json's rope_theta (-1 = keep)"),
+    "model.qkv_linear": _ignored("NxD's fused GQA QKV module; kv_replicator applies without it"),
+    "model.fuse_qkv": _ignored("NxD's fused QKV weight layout"),
+    "model.transpose_nki_inputs": _ignored("NKI kernel layout"),
+    "model.use_cpu_initialization": _ignored("nxdt always initialises on CPU"),
+    "model.weight_init_only": _agree("to start from weights only, use model.hf_checkpoint", False, error=True),
+    "model.pipeline_cuts": _agree("nxdt cuts pipeline stages into equal layer counts", None),
+    "model.activations_checkpoint_granularity": _map("full | selective (recomputes core attention) | null"),
+    "model.activations_checkpoint_recompute": _ignored("NxDT module class names; selective recomputes core attention"),
+    "model.activations_checkpoint_recompute_mlp": _agree("selective recomputation covers core attention only", False),
+    "model.fusions.softmax": _ignored("Neuron fused-softmax kernel"),
+    "model.fusions.flash_attention": _derived("nxdt always uses torch's fused scaled-dot-product attention"),
+    "model.fusions.ring_attention": _derived("context parallelism is ring attention in nxdt's plan"),
+    "model.do_layer_norm_weight_decay": _map("model.optim.decay_norms_and_biases", to="model.optim.decay_norms_and_biases"),
+    "model.save_logits": _agree("logits are not saved", False),
+    "model.optim.name": _custom("adamw | adamw_fp32OptState (both AdamW with fp32 state here); others are refused"),
+    "model.optim.lr": _map(),
+    "model.optim.weight_decay": _map("absent = 0, NeMo's default"),
+    "model.optim.betas": _map("absent = [0.9, 0.999], NeMo's default"),
+    "model.optim.eps": _map(),
+    "model.optim.amsgrad": _agree("AMSGrad is not implemented", False, error=True),
+    "model.optim.capturable": _ignored("CUDA-graph/XLA optimizer flag"),
+    "model.optim.sched.name": _custom("LinearAnnealingWithWarmUp | CosineAnnealing | WarmupPolicy, WarmupHoldPolicy (= constant "
+                                      "after warm-up); absent sched = constant"),
+    "model.optim.sched.warmup_steps": _map("absent = 0"),
+    "model.optim.sched.warmup_ratio": _custom("warmup_steps = ratio × trainer.max_steps"),
+    "model.optim.sched.max_steps": _custom("NxDT replaces it by trainer.max_steps; so does nxdt (a different value is noted)"),
+    "model.optim.sched.min_lr": _map(),
+    "model.optim.sched.constant_steps": _map("steps held at min_lr at the end of the schedule"),
+    "model.optim.sched.hold_steps": _derived("WarmupHoldPolicy holds the peak after warm-up; constant either way"),
+    "model.optim.sched.last_epoch": _agree("schedules start at step 0 (a resume restores them)", -1),
+    "model.moe.num_experts": _map("overrides config.json's num_local_experts"),
+    "model.moe.top_k": _map("overrides config.json's num_experts_per_tok"),
+    "model.moe.router_aux_loss_coef": _map(),
+    "model.moe.output_router_logits": _custom("false = no load-balancing loss (router_aux_loss_coef 0), as in HF"),
+    "model.moe.frequency": _agree("every layer of nxdt's Mixtral is a MoE layer", 1, error=True),
+    "model.moe.routing_algorithm": _agree("routing is top-k", "top_k", error=True),
+    "model.moe.normalize_top_k_affinities": _agree("the chosen experts' weights are always renormalised", True, error=True),
+    "model.moe.dropout": _agree("nxdt has no dropout", 0, 0.0),
+    "model.moe.capacity_factor": _custom("nxdt's MoE is dropless; a capacity factor without dropless: true is noted"),
+    "model.moe.dropless": _derived("nxdt's MoE is always dropless"),
+    # Megatron-model keys (model_source: megatron) that nxdt's schema does not share
+    **{f"model.{k}": _ignored(MEGATRON_MODEL) for k in (
+        "hidden_dropout", "attention_dropout", "ffn_dropout", "apply_query_key_layer_scaling", "normalization",
+        "layernorm_epsilon", "make_vocab_size_divisible_by", "persist_layer_norm", "share_embeddings_and_output_weights",
+        "position_embedding_type", "rotary_percentage", "activation", "has_bias")},
+    # --- precision ---
+    "precision.type": _custom("fp32 → fp32; bf16SR → bf16; autocast, mixed_precision → mixed_precision (bf16 compute, "
+                              "fp32 weights); mixed_precisionSR → mixed_precision; manual → from the flags below. "
+                              "Stochastic rounding (SR) is a Trainium feature, not available on CPU (noted)"),
+    "precision.master_weights": _custom("read only with type: manual (as in NxDT): true + bf16 → mixed_precision"),
+    "precision.fp32_grad_acc": _derived("read only with type: manual; nxdt accumulates gradients in the parameters' dtype"),
+    "precision.xla_use_bf16": _custom("XLA flag: with type: manual, '1' = bf16 compute; otherwise named in the one warning"),
+    "precision.xla_downcast_bf16": _custom("XLA flag: with type: manual, '1' = bf16 compute; otherwise named in the one warning"),
+    "precision.neuron_rt_stochastic_rounding_en": _custom("Neuron runtime flag: with type: manual, '1' is noted (no SR on CPU); "
+                                                          "otherwise named in the one warning"),
+    "precision.parallel_layers_reduce_dtype": _ignored("dtype of NxD's TP reductions"),
+    "precision.fp32_grads_cc": _derived("never read by NxDT"),
+}
+
+SR_NOTE = "stochastic rounding is a Trainium hardware feature, not available on CPU: nxdt rounds to nearest"
+
+
+@dataclass
+class Translation:
+    config: dict[str, Any]  # nested, nxdt's schema
+    ignored: list[str] = field(default_factory=list)  # NxDT keys with no effect here (one warning)
+    notes: list[str] = field(default_factory=list)  # differences worth a line each
+    instance: str | None = None  # an `instance: <name>` line in the file (nxdt's key)
+
+    def warnings(self) -> list[str]:
+        lines = []
+        if self.ignored:
+            lines.append(f"nxdt: {len(self.ignored)} NxDT keys have no effect here (Neuron compiler/runtime/XLA settings "
+                         f"and NxDT internals): {', '.join(self.ignored)}")
+        return lines + [f"nxdt: note: {n}" for n in self.notes]
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+
+def flatten(node: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Dotted leaf keys; lists and scalars are leaves, empty mappings vanish."""
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten(value, dotted + "."))
+        else:
+            out[dotted] = value
+    return out
+
+
+def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for dotted, value in flat.items():
+        node = out
+        *parents, last = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return out
+
+
+def rule_for(key: str) -> Rule | None:
+    rule = RULES.get(key)
+    if rule is not None:
+        return rule
+    for pattern, rule in RULES.items():
+        if "*" in pattern and fnmatch.fnmatchcase(key, pattern):
+            return rule
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _our_keys() -> tuple[frozenset[str], tuple[str, ...]]:
+    docs = field_docs()
+    free_form = tuple(k + "." for k, default, _ in docs if default == "{}")  # dict-valued fields take any sub-key
+    return frozenset(k for k, _, _ in docs), free_form
+
+
+def is_our_key(key: str) -> bool:
+    known, free_form = _our_keys()
+    return key in known or key.startswith(free_form)
+
+
+def closest_key(key: str) -> str | None:
+    """The known key (NxDT's or nxdt's) nearest to a misspelt one, compared among keys of the same depth."""
+    known, _ = _our_keys()
+    candidates = {k for k in RULES if "*" not in k} | known
+    depth = key.count(".")
+    same_depth = sorted(k for k in candidates if k.count(".") == depth)
+    match = difflib.get_close_matches(key, same_depth, n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def unknown_key_error(key: str) -> ConfigError:
+    match = closest_key(key)
+    hint = f" (did you mean '{match}'?)" if match else ""
+    return ConfigError(key, "", f"unknown key{hint}: neither an NxDT key nor nxdt's; see docs/migrating-from-nxdt.md")
+
+
+def _is(value: Any, allowed: Iterable[Any]) -> bool:
+    # 0 == False and 1 == True in Python; compare types too so `monitor: 1` is not `True`
+    return any(value == a and (type(value) is type(a) or {type(value), type(a)} <= {int, float}) for a in allowed)
+
+
+# ------------------------------------------------------------------------------------------------
+# translation
+
+PRECISION = {"fp32": "fp32", "bf16": "bf16", "bf16SR": "bf16", "autocast": "mixed_precision", "mixed_precision": "mixed_precision",
+             "mixed_precisionSR": "mixed_precision"}
+OPTIMIZERS = {"adamw": "adamw", "adamw_fp32OptState": "adamw_fp32OptState"}
+SCHEDULES = {"LinearAnnealingWithWarmUp": "LinearAnnealingWithWarmUp", "CosineAnnealing": "CosineAnnealing",
+             "WarmupPolicy": "constant", "WarmupHoldPolicy": "constant", "constant": "constant"}
+# what NxDT (or NeMo / Lightning underneath it) does when a key is absent, where nxdt's default differs
+NXDT_DEFAULTS = {
+    "distributed_strategy.zero1": True,
+    "trainer.gradient_clip_val": None,
+    "model.optim.weight_decay": 0.0,
+    "model.optim.betas": [0.9, 0.999],
+    "model.optim.sched.name": "constant",
+    "model.optim.sched.warmup_steps": 0,
+    "model.optim.sched.min_lr": 0.0,
+}
+
+
+def check_keys(nxdt: Mapping[str, Any]) -> None:
+    """Every key is NxDT's or nxdt's; the first that is neither fails, naming the closest known key. Run on the
+    unresolved config too, so a misspelt key is reported rather than the interpolation it breaks."""
+    for key in flatten(nxdt):
+        if key != "instance" and rule_for(key) is None and not is_our_key(key):
+            raise unknown_key_error(key)
+
+
+def translate(nxdt: Mapping[str, Any], hf_config: Mapping[str, Any] | None = None) -> Translation:
+    """The nxdt config (nested dict) for an NxDT config; ``hf_config``: the parsed ``model.model_config``."""
+    check_keys(nxdt)
+    leaves = flatten(nxdt)
+    instance = leaves.pop("instance", None)
+    if instance is not None and not isinstance(instance, str):
+        raise ConfigError("instance", instance, "name an instance type, e.g. instance: trn1.32xlarge")
+    mapped: dict[str, Any] = {}
+    ours: dict[str, Any] = {}
+    ignored: list[str] = []
+    notes: list[str] = []
+    for key, value in leaves.items():
+        rule = rule_for(key)
+        if rule is None:  # nxdt's own key (check_keys refused the rest)
+            ours[key] = value
+        elif rule.kind == MAP:
+            mapped[rule.to or key] = value
+        elif rule.kind == IGNORED:
+            ignored.append(key)
+        elif rule.kind == AGREE and not _is(value, rule.agree):
+            if rule.error:
+                raise ConfigError(key, value, f"not supported here: {rule.doc}")
+            notes.append(f"{key}={value!r} has no effect: {rule.doc}")
+    if leaves.get("exp_manager.exp_dir") is not None:
+        mapped["exp_manager.exp_dir"] = leaves["exp_manager.exp_dir"]
+    if "name" in leaves and "exp_manager.name" in leaves:
+        mapped["name"] = leaves["exp_manager.name"]
+
+    checkpointing, data = _checkpointing(leaves), _data(leaves, ours)
+    out = {k: v for k, v in NXDT_DEFAULTS.items()}
+    out.update(_model(leaves, hf_config, notes))
+    out.update(mapped)
+    out.update(_precision(leaves, notes, ignored))
+    out.update(_optimizer(leaves, notes))
+    out.update(checkpointing)
+    out.update(data)
+    vpp = leaves.get("distributed_strategy.virtual_pipeline_model_parallel_size")
+    out["distributed_strategy.virtual_pipeline_model_parallel_size"] = 1 if vpp is None else vpp  # NxDT: None means 1
+
+    # nxdt's own keys in the file win over config.json, but must not contradict an NxDT key of the same file
+    from_file = {**mapped, **checkpointing, **data}
+    for key, value in ours.items():
+        if key in from_file and from_file[key] != value:
+            sources = [k for k in leaves if (rule_for(k) is not None and rule_for(k).to == key) or k in COUNTERPARTS.get(key, (key,))]
+            raise ConfigError(key, value, f"contradicts the NxDT key {sources[0] if sources else key}={from_file[key]!r} in the same "
+                              "config; keep one of them")
+        out[key] = value
+    return Translation(config=unflatten(out), ignored=ignored, notes=notes, instance=instance)
+
+
+# nxdt keys set by NxDT keys of another name (besides MAP rules' `to`), for naming a contradiction
+COUNTERPARTS = {
+    "exp_manager.checkpoint_every_n_steps": ("exp_manager.checkpoint_callback_params.every_n_train_steps",
+                                             "exp_manager.create_checkpoint_callback"),
+    "exp_manager.keep_last_k": ("exp_manager.checkpoint_callback_params.save_top_k",),
+    "data.seq_length": ("data.seq_length", "model.encoder_seq_length"),
+}
+
+
+def _model(leaves: Mapping[str, Any], hf: Mapping[str, Any] | None, notes: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if "model.model_config" in leaves:
+        if hf is None:
+            raise ConfigError("model.model_config", leaves["model.model_config"], "the Hugging Face config.json could not be read")
+        try:
+            fields, hf_notes = model_fields(hf)
+        except HFConfigError as exc:
+            raise ConfigError("model.model_config", leaves["model.model_config"], str(exc)) from None
+        out.update({f"model.{k}": v for k, v in fields.items()})
+        notes.extend(hf_notes)
+    elif not is_complete_model(leaves):
+        raise ConfigError("model.model_config", "", "missing: an NxDT hf config names its Hugging Face config.json here "
+                          "(or give nxdt's model keys: model.architecture, vocab_size, hidden_size, ...)")
+    for key in ("model.num_layers", "model.hidden_size", "model.rope_theta"):
+        value = leaves.get(key, -1)
+        if value is not None and value != -1:  # NxDT: -1 (or absent) keeps config.json's value
+            out[key] = value
+    if leaves.get("model.max_position_embeddings") is not None:
+        out["model.max_position_embeddings"] = max(out.get("model.max_position_embeddings", 0), leaves["model.max_position_embeddings"])
+    if leaves.get("model.moe.output_router_logits") is False:
+        out["model.moe.router_aux_loss_coef"] = 0.0
+    capacity = leaves.get("model.moe.capacity_factor")
+    if capacity not in (None, 0, 0.0) and not leaves.get("model.moe.dropless", False):
+        notes.append(f"model.moe.capacity_factor={capacity!r}: nxdt's MoE is dropless (every token reaches its top-k experts)")
+    return out
+
+
+def is_complete_model(leaves: Mapping[str, Any]) -> bool:
+    required = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings")
+    return all(f"model.{k}" in leaves for k in required)
+
+
+def _precision(leaves: Mapping[str, Any], notes: list[str], ignored: list[str]) -> dict[str, Any]:
+    kind = leaves.get("precision.type", "fp32")
+    flags = ("precision.xla_use_bf16", "precision.xla_downcast_bf16", "precision.neuron_rt_stochastic_rounding_en")
+    if kind == "manual":
+        bf16 = any(str(leaves.get(k, "0")) == "1" for k in flags[:2])
+        ours = ("mixed_precision" if leaves.get("precision.master_weights", False) else "bf16") if bf16 else "fp32"
+        if str(leaves.get(flags[2], "0")) == "1":
+            notes.append(f"precision.neuron_rt_stochastic_rounding_en='1': {SR_NOTE}")
+        return {"precision.type": ours}
+    if kind not in PRECISION:
+        raise ConfigError("precision.type", kind, f"must be one of {', '.join([*PRECISION, 'manual'])}")
+    ignored.extend(k for k in flags if k in leaves)  # XLA/runtime flags, read by NxDT only for type: manual
+    if kind.endswith("SR"):
+        notes.append(f"precision.type={kind}: {SR_NOTE}")
+    return {"precision.type": PRECISION[kind]}
+
+
+def _optimizer(leaves: Mapping[str, Any], notes: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    name = leaves.get("model.optim.name", "adamw")
+    if name not in OPTIMIZERS:
+        raise ConfigError("model.optim.name", name, f"not supported; nxdt trains with {' or '.join(OPTIMIZERS)}")
+    out["model.optim.name"] = OPTIMIZERS[name]
+    sched = leaves.get("model.optim.sched.name")
+    if sched is not None:
+        if sched not in SCHEDULES:
+            raise ConfigError("model.optim.sched.name", sched, f"not supported; nxdt has {', '.join(SCHEDULES)}")
+        out["model.optim.sched.name"] = SCHEDULES[sched]
+    # NxDT sets the schedule's length to trainer.max_steps, whatever sched.max_steps says
+    out["model.optim.sched.max_steps"] = "${trainer.max_steps}"
+    max_steps = leaves.get("trainer.max_steps")
+    if max_steps is not None:
+        given = leaves.get("model.optim.sched.max_steps")
+        if given is not None and given != max_steps:
+            notes.append(f"model.optim.sched.max_steps={given} is replaced by trainer.max_steps={max_steps}, as NxDT does")
+        ratio = leaves.get("model.optim.sched.warmup_ratio")
+        if ratio is not None:
+            out["model.optim.sched.warmup_steps"] = int(ratio * max_steps)
+    return out
+
+
+def _checkpointing(leaves: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    params = "exp_manager.checkpoint_callback_params."
+    every = leaves.get(params + "every_n_train_steps")
+    top_k = leaves.get(params + "save_top_k")
+    if top_k is not None:
+        if top_k < 0:
+            raise ConfigError(params + "save_top_k", top_k, "keeping every checkpoint is not supported; give how many to keep")
+        if top_k > 0:
+            out["exp_manager.keep_last_k"] = top_k
+    if leaves.get("exp_manager.create_checkpoint_callback", True) is False or top_k == 0:
+        every = None
+    if every is not None or params + "every_n_train_steps" in leaves or "exp_manager.create_checkpoint_callback" in leaves:
+        out["exp_manager.checkpoint_every_n_steps"] = every
+    return out
+
+
+def _data(leaves: Mapping[str, Any], ours: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    seq, enc = leaves.get("data.seq_length"), leaves.get("model.encoder_seq_length")
+    if seq is not None and enc is not None and seq != enc:
+        raise ConfigError("data.seq_length", seq, f"differs from model.encoder_seq_length={enc}; NxDT's HF models train at "
+                          "encoder_seq_length: make them equal")
+    if seq is not None or enc is not None:
+        out["data.seq_length"] = seq if seq is not None else enc
+    if leaves.get("data.train_dir") is not None:
+        source = ours.get("data.source", "hf_dataset")
+        out["data.source"] = source
+        if source != "synthetic":  # synthetic tokens read no files
+            out["data.train_dir"] = leaves["data.train_dir"]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# instance
+
+def infer_instance(devices: int | None, lnc: int | None, catalogue: Mapping[str, Mapping[int, int]]) -> str:
+    """The Trainium instance whose node runs ``devices`` ranks at ``lnc`` — NxDT configs name no instance.
+
+    ``catalogue``: instance name → {lnc: ranks per node} (the lnc values it accepts, its default under
+    key 0). Ambiguity is an error asking for ``instance=<name>``: trn1/trn1n and trn2/trn2u nodes look
+    the same to a config, but not to the plan (their networks differ)."""
+    if devices is None:
+        raise ConfigError("instance", "", "NxDT configs name no instance and trainer.devices is not set; add instance=<name> "
+                          "(e.g. instance=trn1.32xlarge, or instance=cpu to run here)")
+    fits = sorted(name for name, per_lnc in catalogue.items() if per_lnc.get(lnc if lnc is not None else 0) == devices)
+    if len(fits) == 1:
+        return fits[0]
+    where = f"trainer.devices={devices}" + (f", trainer.lnc={lnc}" if lnc is not None else "")
+    if fits:
+        raise ConfigError("instance", "", f"{where} fits {' and '.join(fits)}; NxDT configs name no instance: add "
+                          f"instance={fits[0]} (or another) to the command")
+    raise ConfigError("instance", "", f"no Trainium node runs {where}; NxDT configs name no instance: add instance=<name> "
+                      "(instance=cpu runs on this host)")
+
+
+# ------------------------------------------------------------------------------------------------
+# the migration guide's table
+
+def mapping_table() -> str:
+    """The Markdown table of every NxDT key (docs/migrating-from-nxdt.md includes it verbatim)."""
+    rows = ["| NxDT key | in nxdt | notes |", "|---|---|---|"]
+    for key, rule in RULES.items():
+        if rule.kind == MAP:
+            what = f"`{rule.to or key}`"
+        elif rule.kind == AGREE and rule.agree:
+            shown = " or ".join(f"`{_yaml(v)}`" for v in rule.agree)
+            what = f"accepted as {shown}; other values " + ("are an error" if rule.error else "noted")
+        else:
+            what = {CUSTOM: "translated (see notes)", AGREE: "error", IGNORED: "no effect: named in the one warning",
+                    DERIVED: "accepted, nothing to do"}[rule.kind]
+        rows.append(f"| `{key}` | {what} | {rule.doc} |")
+    return "\n".join(rows)
+
+
+def _yaml(value: Any) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+if __name__ == "__main__":  # regenerate the table in docs/migrating-from-nxdt.md
+    print(mapping_table())

@@ -1,0 +1,192 @@
+"""Reading an NxDT config from disk: the I/O around the pure translation in :mod:`nxdt.config.nxdt_compat`.
+
+1. Hydra composes ``DIR/NAME.yaml`` as NxDT's own launcher does (``--config-path``/``--config-name``).
+2. Command-line overrides are sorted: NxDT's keys change the NxDT config before translation (so
+   ``model.num_layers=2`` overrides config.json as in NxDT); nxdt's own keys (``data.source=synthetic``,
+   ``comm.timeout_s=30``) change the translated config afterwards; ``instance=<name>`` picks the instance.
+3. ``model.model_config`` is read; the translation runs; the instance is taken from the command line, the
+   file, or inferred from ``trainer.devices``/``trainer.lnc``.
+4. The result is merged onto nxdt's typed schema and validated like any nxdt config.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override, OverrideType
+from hydra.errors import HydraException, MissingConfigException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from nxdt.config.nxdt_compat import check_keys, infer_instance, is_our_key, rule_for, translate, unknown_key_error
+from nxdt.config.schema import Config, register_schemas
+from nxdt.config.validate import ConfigError, validate
+
+# NxDT registers this resolver for `model_parallel_size: ${multiply:${...tensor...}, ${...pipeline...}}`
+if not OmegaConf.has_resolver("multiply"):
+    OmegaConf.register_new_resolver("multiply", lambda x, y: x * y)
+
+# files an NxDT config names, resolved like model.model_config (see _resolve_path)
+PATH_KEYS = ("model.model_config", "data.train_dir")
+# nxdt's config groups with no NxDT counterpart: chosen (`launcher=slurm`) and overridden (`instance.devices=8`)
+# on nxdt's own config tree, then taken from it whole
+OWN_GROUPS = ("instance", "launcher")
+
+
+def compose(config_path: str | Path, config_name: str, overrides: list[str] | tuple[str, ...] = (), *,
+            check: bool = True, paths: bool = True) -> tuple[Config, list[str]]:
+    from nxdt.config import compose_config, to_config
+
+    config_dir = Path(config_path).expanduser().resolve()
+    instance, group_overrides, nxdt_overrides, our_overrides = _sort_overrides(overrides)
+    raw = _load_file(config_dir, config_name)
+    for ov in nxdt_overrides:
+        _apply(raw, ov)
+    check_keys(OmegaConf.to_container(raw, resolve=False))
+    try:
+        nxdt = OmegaConf.to_container(raw, resolve=True)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(getattr(exc, "full_key", "") or config_name, "", str(exc).splitlines()[0]) from None
+    for key in PATH_KEYS:
+        _resolve_path(nxdt, key, config_dir)
+    hf = _read_hf_config(nxdt)
+    translation = translate(nxdt, hf)
+
+    name = instance or translation.instance
+    if name is None:
+        trainer = translation.config.get("trainer", {})
+        name = infer_instance(trainer.get("devices"), trainer.get("lnc"), trainium_catalogue())
+    own = compose_config([f"instance={name}", *group_overrides], check=False)
+
+    register_schemas()
+    cfg = OmegaConf.structured(Config)
+    try:
+        for group in OWN_GROUPS:
+            setattr(cfg, group, OmegaConf.structured(getattr(own, group)))
+        cfg.merge_with(translation.config)
+        for ov in our_overrides:
+            _apply(cfg, ov)
+        if cfg.data.source == "synthetic":  # `data.source=synthetic` on the command line: NxDT's train_dir is not read
+            cfg.data.train_dir = None
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", "") or "config"
+        raise ConfigError(key, "", str(exc).splitlines()[0]) from None
+    config = to_config(cfg)
+    if check:
+        validate(config, paths=paths)
+    return config, translation.warnings()
+
+
+def _sort_overrides(overrides: list[str] | tuple[str, ...]) -> tuple[str | None, list[str], list[Override], list[Override]]:
+    """(instance name, other overrides of OWN_GROUPS as text, NxDT-key overrides, nxdt-key overrides)."""
+    instance, group_overrides, nxdt, ours = None, [], [], []
+    for text, ov in zip(overrides, OverridesParser.create().parse_overrides(list(overrides))):
+        key = ov.key_or_group
+        if ov.is_sweep_override():
+            raise ConfigError(key, "", "several values sweep: run with -m (multirun)")
+        if key == "instance":
+            instance = ov.value()
+        elif key.split(".")[0] in OWN_GROUPS:
+            group_overrides.append(text)
+        elif rule_for(key) is not None or _under_rule(key):
+            nxdt.append(ov)
+        elif is_our_key(key):
+            ours.append(ov)
+        else:
+            raise unknown_key_error(key)
+    return instance, group_overrides, nxdt, ours
+
+
+def _under_rule(key: str) -> bool:
+    """A whole NxDT section given at once, e.g. ``model.moe={num_experts: 8, top_k: 2}``."""
+    from nxdt.config.nxdt_compat import RULES
+
+    return any(k.startswith(key + ".") for k in RULES)
+
+
+def _apply(cfg: DictConfig, ov: Override) -> None:
+    key = ov.key_or_group
+    if ov.type == OverrideType.DEL:
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        if isinstance(node, DictConfig) and leaf in node:
+            node.pop(leaf)
+        return
+    OmegaConf.update(cfg, key, ov.value(), merge=True, force_add=True)
+
+
+def _load_file(config_dir: Path, config_name: str) -> DictConfig:
+    if not config_dir.is_dir():
+        raise ConfigError("--config-path", str(config_dir), "no such directory; give the directory holding the NxDT YAML file")
+    name = config_name[:-5] if config_name.endswith(".yaml") else config_name
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+            cfg = hydra_compose(config_name=name)
+    except MissingConfigException:
+        available = sorted(p.stem for p in config_dir.glob("*.yaml"))
+        raise ConfigError("--config-name", config_name, f"no {name}.yaml in {config_dir}; available: {', '.join(available) or 'none'}") from None
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+        first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise ConfigError("--config-name", config_name, f"cannot read {config_dir / (name + '.yaml')}: {first.strip()}") from None
+    finally:
+        GlobalHydra.instance().clear()
+    OmegaConf.set_struct(cfg, False)
+    cfg.pop("hydra", None)
+    return cfg
+
+
+def _resolve_path(nxdt: dict[str, Any], dotted: str, config_dir: Path) -> None:
+    """A relative path is taken from the working directory when it exists there, else from the config
+    file's directory (so a config directory can carry its config.json); absolute in the result."""
+    *parents, leaf = dotted.split(".")
+    node: Any = nxdt
+    for p in parents:
+        node = node.get(p) if isinstance(node, Mapping) else None
+    if not isinstance(node, dict) or not isinstance(node.get(leaf), str):
+        return
+    path = Path(node[leaf]).expanduser()
+    if not path.is_absolute():
+        path = path.resolve() if path.exists() or not (config_dir / path).exists() else config_dir / path
+    node[leaf] = str(path)
+
+
+def _read_hf_config(nxdt: Mapping[str, Any]) -> dict[str, Any] | None:
+    value = (nxdt.get("model") or {}).get("model_config")
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError("model.model_config", value, "no such file; give a Hugging Face config.json (NxDT configs often "
+                          "name /home/ubuntu/config.json: override it with model.model_config=PATH)")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError("model.model_config", value, f"not a readable JSON file ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError("model.model_config", value, "not a Hugging Face config (a JSON object)")
+    return data
+
+
+def trainium_catalogue() -> dict[str, dict[int, int]]:
+    """Trainium instance → {lnc: ranks per node} (key 0: at the instance's default lnc), for inference."""
+    from nxdt.config import available_options, compose_config
+    from nxdt.topology import ranks_per_device
+
+    catalogue = {}
+    for name in available_options("instance"):
+        if not name.startswith("trn"):
+            continue  # NxDT trains on Trainium
+        inst = compose_config([f"instance={name}"], check=False).instance
+        per_lnc = {lnc: inst.devices * ranks_per_device(inst, lnc) for lnc in (inst.lnc_options or [inst.lnc_default])}
+        per_lnc[0] = inst.devices * ranks_per_device(inst, inst.lnc_default)
+        catalogue[name] = per_lnc
+    return catalogue
