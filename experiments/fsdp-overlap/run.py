@@ -38,8 +38,8 @@ SLOWDOWN = 400
 EMULATE = ["comm.emulate=trn1.32xlarge", f"comm.emulate_slowdown={SLOWDOWN}"]
 POLICIES = ("none", "eager", "token_threaded")
 LAYOUTS = {  # name → (ranks, overrides)
-    "FSDP2": (2, ["data.global_batch_size=8", "data.micro_batch_size=2"]),
-    "TP2xFSDP2": (4, ["data.global_batch_size=8", "data.micro_batch_size=2", "distributed_strategy.tensor_model_parallel_size=2"]),
+    "FSDP2": (2, ["data.global_batch_size=8", "data.micro_batch_size=4"]),
+    "TP2xFSDP2": (4, ["data.global_batch_size=8", "data.micro_batch_size=4", "distributed_strategy.tensor_model_parallel_size=2"]),
 }
 
 
