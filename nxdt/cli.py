@@ -388,7 +388,7 @@ def _comm_test_calibrate(argv: list[str]) -> int:
         raw = measure(args.nworkers, args.maxbytes)
     except RankFailed as exc:
         return _fail(f"nxdt comm-test --calibrate: {exc}")
-    data = fit_calibration(raw["reports"], raw["flops_per_s"])
+    data = fit_calibration(raw["reports"], raw["flops_per_s"], flops_ranks=args.nworkers)
     path = save_calibration(data, args.output)
     for op, fits in data["ops"].items():
         for n, (a, b) in fits.items():

@@ -357,8 +357,10 @@ class FullyShardedDataParallel:
                 if t.requires_grad:
                     t.register_hook(lambda g, u=unit: self._pre_backward(u))
                     break
-        # the last unit's backward comes next: keep it (as torch's FSDP keeps the root) instead of re-gathering
-        if self.reshard_after_forward and not unit.resident and unit.index != len(self.units) - 1:
+        # backward starts with the last units: keep the last one (token_threaded: the last d+1, the ones backward
+        # would prefetch first) instead of freeing and re-gathering them — still at most d+1 units held
+        keep = self.distance if self.policy == "token_threaded" else 0
+        if self.reshard_after_forward and not unit.resident and unit.index < len(self.units) - 1 - keep:
             self._free(unit)
         return out
 

@@ -56,8 +56,9 @@ def fit_line(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
     return float(a), float(b)
 
 
-def fit_calibration(reports: dict[int, dict[str, Any]], flops_per_s: float | None = None) -> dict[str, Any]:
-    """Calibration JSON from ``nxdt comm-test`` reports keyed by group size."""
+def fit_calibration(reports: dict[int, dict[str, Any]], flops_per_s: float | None = None, flops_ranks: int = 2) -> dict[str, Any]:
+    """Calibration JSON from ``nxdt comm-test`` reports keyed by group size; ``flops_per_s``: one rank's rate
+    while ``flops_ranks`` ranks computed at once on this host's ``cpus`` cores."""
     ops: dict[str, dict[str, list[float]]] = {}
     for n, report in reports.items():
         for op in dict.fromkeys(r["op"] for r in report["results"]):
@@ -69,7 +70,8 @@ def fit_calibration(reports: dict[int, dict[str, Any]], flops_per_s: float | Non
     n = int(min(ar, key=int)) if ar else 2
     # effective alpha/bw of a 2-step ring with these end points (used for ops without their own fit)
     return {"host": socket.gethostname(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "latency_s": a / 2,
-            "bandwidth_Bps": (2 * (n - 1) / n) / b if b else 1e12, "ops": ops, "flops_per_s": flops_per_s}
+            "bandwidth_Bps": (2 * (n - 1) / n) / b if b else 1e12, "ops": ops, "flops_per_s": flops_per_s,
+            "flops_ranks": flops_ranks, "cpus": os.cpu_count() or 1}
 
 
 def save_calibration(data: dict[str, Any], path: str | Path | None = None) -> Path:

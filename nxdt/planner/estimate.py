@@ -191,6 +191,10 @@ def estimate_plan(plan: Any, cfg: Any, topo: Topology, calibration: dict[str, An
     peak = (inst.peak_tflops_fp32 if precision == "fp32" else inst.peak_tflops_bf16) * 1e12
     if calibration and topo.graph == "host" and calibration.get("flops_per_s"):
         peak = calibration["flops_per_s"] / inst.compute_efficiency  # measured rate is already the achieved one
+        # ranks outnumbering the host's cores share them: scale from the calibration's ranks to this plan's
+        cpus = calibration.get("cpus") or 1
+        share = lambda ranks: min(1.0, cpus / max(1, ranks))
+        peak *= share(plan.ranks_per_node) / share(calibration.get("flops_ranks", 2))
     per_rank_peak = peak / plan.ranks_per_device if topo.graph != "host" else peak
     tokens = data.global_batch_size * data.seq_length
     fpt = flops_per_token(cfg.model, data.seq_length)
