@@ -69,7 +69,8 @@ def _reference(cfg) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _train_fsdp(world, cfg, policy: str, tracer: Tracer | None = None, tp=None, dp=None, sequence_parallel=False):
+def _train_fsdp(world, cfg, policy: str, tracer: Tracer | None = None, tp=None, dp=None, sequence_parallel=False,
+                param_dtype=None):
     """``tp``/``dp``: TP×FSDP on these groups (TP first, as NxDStrategy does); default FSDP over the world."""
     model = _model(cfg)
     weights, layout = None, {}
@@ -78,7 +79,7 @@ def _train_fsdp(world, cfg, policy: str, tracer: Tracer | None = None, tp=None, 
         weights, layout = norm_weights(model, tp.size), shard_layout(model)
     dp = dp if dp is not None else world.world
     opt = _optimizer(model)
-    fsdp = apply_fsdp(model, dp, [opt], prefetch=policy, tracer=tracer)
+    fsdp = apply_fsdp(model, dp, [opt], prefetch=policy, tracer=tracer, param_dtype=param_dtype)
     rank, per = dp.rank, GLOBAL_BATCH // dp.size
     losses, stats = [], []
     for step in range(STEPS):
@@ -88,7 +89,9 @@ def _train_fsdp(world, cfg, policy: str, tracer: Tracer | None = None, tp=None, 
         total = torch.zeros(1, dtype=torch.float64)
         n = per // MICRO
         for i in range(n):
-            loss = model.loss_fn(model(ids[i * MICRO:(i + 1) * MICRO]), labels[i * MICRO:(i + 1) * MICRO]) / n
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=param_dtype is not None):
+                logits = model(ids[i * MICRO:(i + 1) * MICRO])
+            loss = model.loss_fn(logits, labels[i * MICRO:(i + 1) * MICRO]) / n
             loss.backward()
             total += loss.item()
         fsdp.finish_gradients()
@@ -133,6 +136,13 @@ def _worker(world) -> dict:
                 "shard_numel": sum(p.numel() for p in opt_params(fsdp)),
                 "events": [e for e in tracer.events() if e["ph"] == "X"] if tracer is not None else None,
             }
+    # mixed precision: bf16 gathers of fp32 shards (autocast compute), gradients reduced in fp32
+    cfg = _cfg()
+    ref_losses, _ = _reference(cfg)
+    losses, state, stats, fsdp = _train_fsdp(world, cfg, "token_threaded", param_dtype=torch.bfloat16)
+    report["mixed"] = {"losses": losses, "ref_losses": ref_losses, "peak": max(s["peak_gathered_bytes"] for s in stats),
+                       "shard_dtypes": sorted({str(f.shard.dtype) for f in fsdp.flats()}),
+                       "grad_dtypes": sorted({str(f.shard.grad.dtype) for f in fsdp.flats() if f.shard.grad is not None})}
     # TP2 × FSDP2: TP groups {0,1}, {2,3} (TP fastest), FSDP over {0,2}, {1,3}
     rank = world.rank
     tp = [world.new_communicator([0, 1], "tp0"), world.new_communicator([2, 3], "tp1")][rank // 2]
@@ -179,6 +189,15 @@ def test_tp2_x_fsdp2_matches_single_process(reports, sequence_parallel, policy):
         assert rep["losses"] == pytest.approx(rep["ref_losses"], rel=1e-4), (rank, rep["losses"], rep["ref_losses"])
         assert not rep["mismatch"], (rank, rep["mismatch"])
         assert not rep["missing"], rep["missing"]
+
+
+@pytest.mark.timeout(200)
+def test_mixed_precision_gathers_bf16_and_keeps_fp32_shards(reports):
+    for rank, report in enumerate(reports):
+        rep = report["mixed"]
+        assert rep["shard_dtypes"] == ["torch.float32"] and rep["grad_dtypes"] == ["torch.float32"]
+        assert rep["peak"] * 2 == report[(False, "token_threaded")]["peak"]  # the gathered copies are bf16
+        assert rep["losses"] == pytest.approx(rep["ref_losses"], rel=2e-2), (rank, rep["losses"], rep["ref_losses"])
 
 
 @pytest.mark.timeout(200)
