@@ -36,7 +36,6 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 
 import nxdt.comm
 from nxdt.lightning import checkpoint as ckpt_io, reshard
-from nxdt.parallel.data_parallel import GradientBuckets
 from nxdt.parallel.expert_parallel import apply_expert_parallel, is_expert_parameter, reduce_expert_gradients
 from nxdt.parallel.fsdp import FullyShardedDataParallel, apply_fsdp
 from nxdt.parallel.pipeline import PipelineExecutor, build_chunks, interleaved_one_f_one_b, one_f_one_b
@@ -152,7 +151,6 @@ class NxDStrategy(ParallelStrategy):
         self.world: nxdt.comm.World | None = None
         self.communicators: dict[str, nxdt.comm.Communicator] = {}
         self._grad_buffer: Tensor | None = None
-        self._grad_buckets: GradientBuckets | None = None  # DP averaging overlapped with the last backward
         # stored in every checkpoint's meta.json (e.g. the model shape, checked again on load)
         self.checkpoint_meta = dict(checkpoint_meta or {})
         # called with the temporary directory after a checkpoint's files are written, before it is
@@ -259,9 +257,6 @@ class NxDStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
             if self._fsdp_options is not None:
                 self._shard_fully()
-            elif (self.plan.degrees["dp"] > 1 and not self._zero1 and self._pipeline is None
-                  and not self.lightning_module.automatic_optimization):
-                self._grad_buckets = GradientBuckets(self._trainable(), self.dp_comm)
         self.setup_precision_plugin()
 
     def _fsdp_units_owner(self) -> torch.nn.Module:
@@ -317,8 +312,6 @@ class NxDStrategy(ParallelStrategy):
         """Run forward and backward over one global batch's micro-batches; parameter gradients hold the
         gradient of the mean loss afterwards; returns the mean loss (on every pipeline stage)."""
         if self._pipeline is None:
-            if self._grad_buckets is not None:  # average while the last micro-batch's backward runs
-                self._grad_buckets.arm(skip_backwards=len(micro_batches) - 1)
             return module._forward_backward(micro_batches)
         pp, m = self.communicators["pp"], len(micro_batches)
         schedule = (interleaved_one_f_one_b(pp.size, pp.rank, m, self._virtual) if self._virtual > 1
@@ -349,8 +342,6 @@ class NxDStrategy(ParallelStrategy):
             sync_replicated_grads(self.lightning_module.model, self.communicators["tp"])
         if self._zero1_optimizer is not None:
             self._zero1_optimizer.reduce_gradients()
-        elif self._grad_buckets is not None:
-            self._grad_buckets.finish()
         else:
             self.sync_gradients()
         if self.plan.degrees["ep"] > 1:
