@@ -271,19 +271,12 @@ class NxDStrategy(ParallelStrategy):
             raise NotImplementedError("NxDStrategy: FSDP together with pipeline or expert parallelism is not implemented yet; "
                                       "use FSDP with data and tensor parallelism")
         owner = self._fsdp_units_owner()
-        units = owner.fsdp_units() if hasattr(owner, "fsdp_units") else None
-        if units is None:  # a user's LightningModule: each child with parameters is a unit
-            if any(True for _ in owner.parameters(recurse=False)):
-                raise ValueError("NxDStrategy(fsdp=...): the LightningModule holds parameters directly; put them in child "
-                                 "modules (each child becomes one FSDP unit) or define fsdp_units()")
-            units = [[child] for child in owner.children() if any(True for _ in child.parameters())]
         if self.plan.degrees["tp"] > 1:
             self._tp_layout = shard_layout(self.lightning_module.model)
         options = dict(self._fsdp_options)
         if self.precision_plugin.precision == "bf16-mixed":  # gather bf16 copies of the fp32 shards
             options.setdefault("param_dtype", torch.bfloat16)
-        self.fsdp = apply_fsdp(owner, self.dp_comm, self.optimizers, units=units, tracer=self._tracer, **options)
-        self._fsdp_owner = owner
+        self.fsdp = apply_fsdp(owner, self.dp_comm, self.optimizers, tracer=self._tracer, **options)
         # FSDP names parameters relative to ``owner``; checkpoints name them from the LightningModule
         self._fsdp_prefix = "" if owner is self.lightning_module else \
             next(name for name, m in self.lightning_module.named_modules() if m is owner) + "."
@@ -544,7 +537,7 @@ class NxDStrategy(ParallelStrategy):
         collective every rank joins), so the model file is the same as without FSDP."""
         if self.fsdp is None:
             return super().lightning_module_state_dict()
-        state = {k: v for k, v in self.lightning_module.state_dict().items() if ".fsdp_shard_" not in k and not k.startswith("fsdp_shard_")}
+        state = {k: v for k, v in self.lightning_module.state_dict().items() if "fsdp_shard_" not in k}
         state.update(self.fsdp.full_state_dict(prefix=self._fsdp_prefix))
         return state
 

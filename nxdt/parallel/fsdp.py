@@ -149,7 +149,7 @@ class FullyShardedDataParallel:
         self._rs_queue: list[tuple[int, FlatShard, torch.Tensor]] = []  # (ready at, flat, gradient) to reduce-scatter
         self._rs_inflight: list[tuple[FlatShard, torch.Tensor, Work | None]] = []
         self._eager_issued = False
-        self._step_comm_works: list[Work] = []
+        self._gathered_bytes = 0  # bytes of the gathered buffers allocated right now
         self.reset_stats()
 
     # ------------------------------------------------------------------------------------ construction
@@ -459,9 +459,8 @@ class FullyShardedDataParallel:
     # ------------------------------------------------------------------------------------ stats
     def reset_stats(self) -> None:
         self.exposed_comm_s = 0.0
-        self.peak_gathered_bytes = getattr(self, "_gathered_bytes", 0)
-        self._gathered_bytes = getattr(self, "_gathered_bytes", 0)
-        self._step_comm_works = []
+        self.peak_gathered_bytes = self._gathered_bytes
+        self._step_comm_works: list[Work] = []
 
     def step_stats(self) -> dict[str, float]:
         """This step's exposed communication, total FSDP communication time, overlap and peak gathered bytes
@@ -621,11 +620,20 @@ class FullyShardedDataParallel:
         return len(parts)
 
 
+def default_units(model: nn.Module) -> list[list[nn.Module]]:
+    """``model.fsdp_units()`` (the model hub's: embedding, layers, head), else each child module that holds
+    parameters (a user's module; parameters held by ``model`` itself could not be gathered before use)."""
+    if hasattr(model, "fsdp_units"):
+        return model.fsdp_units()
+    if any(True for _ in model.parameters(recurse=False)):
+        raise ValueError(f"FSDP: {type(model).__name__} holds parameters directly; put them in child modules (each child "
+                         "becomes one FSDP unit) or define fsdp_units()")
+    return [[child] for child in model.children() if any(True for _ in child.parameters())]
+
+
 def apply_fsdp(model: nn.Module, dp_comm: Any, optimizers: Sequence[torch.optim.Optimizer], *,
                units: Sequence[Sequence[nn.Module]] | None = None, **options: Any) -> FullyShardedDataParallel:
     """Shard ``model``'s optimized parameters over ``dp_comm`` (every member calls it, with identical weights)
-    and point ``optimizers`` at the shards. ``units`` default to ``model.fsdp_units()``, or the whole model as
-    one unit. ``options``: see :class:`FullyShardedDataParallel`. Returns the runtime (stats, state)."""
-    if units is None:
-        units = model.fsdp_units() if hasattr(model, "fsdp_units") else [[model]]
-    return FullyShardedDataParallel(model, dp_comm, units, optimizers, **options)
+    and point ``optimizers`` at the shards. ``units`` default to :func:`default_units`. ``options``: see
+    :class:`FullyShardedDataParallel`. Returns the runtime (stats, state)."""
+    return FullyShardedDataParallel(model, dp_comm, default_units(model) if units is None else units, optimizers, **options)

@@ -290,3 +290,19 @@ def test_bad_options_are_one_clear_line():
     assert len(errors) == 3
     assert "prefetch='lazy'" in errors[0] and "token_threaded" in errors[0]
     assert "prefetch_distance=0" in errors[1] and "reduce_scatter_delay=-1" in errors[2]
+
+
+def test_default_units_of_a_users_module():
+    from nxdt.parallel.fsdp import default_units
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder, self.act, self.head = torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1)
+
+    net = Net()
+    assert default_units(net) == [[net.encoder], [net.head]]  # children with parameters, in order
+    assert len(default_units(_model(_cfg()))) == CFG["num_layers"] + 2  # the hub model's own units
+    net.scale = torch.nn.Parameter(torch.ones(1))
+    with pytest.raises(ValueError, match="holds parameters directly.*child modules"):
+        default_units(net)
