@@ -125,21 +125,23 @@ def _emulation_and_trace(world) -> dict:
     # 2. chained async FSDP gathers while a (slow) TP all-reduce runs: trace order and a yield
     tracer = Tracer(r)
     world.set_tracer(tracer)
-    fsdp = _pair_comm(world, "fsdp_pair", EmulatedLink(0.0, 32e6))  # 2 ms per chunk, 16 chunks per gather
+    fsdp = _pair_comm(world, "fsdp_pair", EmulatedLink(0.0, 8e6))  # 8 ms per chunk, 16 chunks per gather
     tp = _pair_comm(world, "tp_pair", EmulatedLink(0.02, 1e9))  # ≥ 40 ms per all-reduce
     shards = [torch.full((m,), float(10 * i + r)) for i in range(3)]
     full = [torch.empty(2 * m) for _ in shards]
+    x = torch.full((8,), float(r + 1))
+    # deterministic on a loaded host: the pair meets first, so the ~380 ms of chained gathers are surely
+    # under way when the TP op starts right after; a late peer (a stall) may hold the FSDP stream back up
+    # to 100 ms instead of the default 5 ms
+    world.yield_stall_s = 0.1
+    tp.barrier()
     works, prev = [], None
     for shard, dst in zip(shards, full):
         prev = fsdp.all_gather(dst, shard, stream="fsdp", async_op=True, after=prev)
         works.append(prev)
-    x = torch.full((8,), float(r + 1))
-    # deterministic on a loaded host: the gathers are under way, the TP pair arrives together, and a late peer
-    # (a stall) may hold the FSDP stream back up to 100 ms instead of the default 5 ms
-    world.yield_stall_s = 0.1
     while works[0].start_s is None:
         time.sleep(1e-3)
-    tp.barrier()
+    out["tp_overlapped"] = not works[-1].is_completed()
     tp.all_reduce(x, stream="tp")
     for w in works:
         w.wait()
@@ -170,6 +172,7 @@ def _check_emulation_and_trace(res: dict) -> None:
     assert len(tp_ops) == 1 and tp_ops[0]["name"] == "all_reduce" and isinstance(tp_ops[0]["args"]["token"], int)
     assert tp_ops[0]["args"]["token"] not in res["ids"]  # inline ops get their own ids
     yields = [e for e in events if e["name"] == "yield"]
+    assert res["tp_overlapped"], "the TP op started after every gather had finished: nothing to yield to"
     assert yields and all(e["cat"] == "fsdp" for e in yields)
     tp_start, tp_end = tp_ops[0]["ts"], tp_ops[0]["ts"] + tp_ops[0]["dur"]
     assert any(tp_start - 1e3 <= y["ts"] <= tp_end for y in yields)  # paused while the TP op ran
