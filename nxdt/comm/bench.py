@@ -85,22 +85,24 @@ class GlooAdapter:
 class _Runner:
     """Buffers and one call of an op, for nxdt or gloo."""
 
-    def __init__(self, op: str, nbytes: int, dtype: torch.dtype, n: int, rank: int) -> None:
+    def __init__(self, op: str, nbytes: int, dtype: torch.dtype, n: int, rank: int, arena: torch.Tensor | None = None) -> None:
+        """``arena``: a shared tensor (``World.shared_empty``) to carve the input buffer from, as a
+        training job keeps its communicated buffers there; None: ordinary tensors."""
         elem = dtype.itemsize
         total = max(n, nbytes // elem // n * n)  # divisible by the group size, as nccl-tests rounds
         self.op, self.n, self.rank, self.dtype = op, n, rank, dtype
         self.count = total
         per = total // n
-        if op == "allr" or op in ("bcast", "reduce", "sendrecv"):
-            self.a = torch.ones(total, dtype=dtype)
-            self.b = None
-        elif op == "allg":
-            self.a, self.b = torch.ones(per, dtype=dtype), torch.empty(total, dtype=dtype)
-        elif op == "redsct":
-            self.a, self.b = torch.ones(total, dtype=dtype), torch.empty(per, dtype=dtype)
-        else:  # alltoall
-            self.a, self.b = torch.ones(total, dtype=dtype), torch.empty(total, dtype=dtype)
+        a_count = per if op == "allg" else total
+        self.a = torch.ones(a_count, dtype=dtype) if arena is None else arena[:a_count * elem].view(dtype).fill_(1)
+        self.b = {"allg": total, "redsct": per, "alltoall": total}.get(op)
+        if self.b is not None:
+            self.b = torch.empty(self.b, dtype=dtype)
         self.bytes = total * elem
+
+    @staticmethod
+    def arena_bytes(maxbytes: int, dtype: torch.dtype, n: int) -> int:
+        return max(n, maxbytes // dtype.itemsize // n * n) * dtype.itemsize
 
     def run(self, comm, algorithm: str = "auto") -> None:
         """One call of the op on ``comm``: an nxdt Communicator or a :class:`GlooAdapter`."""
@@ -141,29 +143,26 @@ class _Runner:
         """Exact check with integer-valued inputs; returns the number of wrong elements."""
         r, n = self.rank, self.n
         fill = float(r + 1)
+        t = self.a.fill_(fill)  # the timed buffers themselves (shared or not)
         if self.op == "allr":
-            t = torch.full_like(self.a, fill)
             comm.all_reduce(t)
             want = torch.full_like(t, n * (n + 1) / 2)
         elif self.op == "allg":
-            comm.all_gather(self.b, torch.full_like(self.a, fill))
+            comm.all_gather(self.b, t)
             t, want = self.b, torch.arange(1, n + 1, dtype=self.dtype).repeat_interleave(self.a.numel())
         elif self.op == "redsct":
-            comm.reduce_scatter(self.b, torch.full_like(self.a, fill))
+            comm.reduce_scatter(self.b, t)
             t, want = self.b, torch.full_like(self.b, n * (n + 1) / 2)
         elif self.op == "alltoall":
-            comm.all_to_all(self.b, torch.full_like(self.a, fill))
+            comm.all_to_all(self.b, t)
             t, want = self.b, torch.arange(1, n + 1, dtype=self.dtype).repeat_interleave(self.a.numel() // n)
         elif self.op == "bcast":
-            t = torch.full_like(self.a, fill)
             comm.broadcast(t, 0)
             want = torch.ones_like(t)
         elif self.op == "reduce":
-            t = torch.full_like(self.a, fill)
             comm.reduce(t, 0)
-            want = torch.full_like(t, n * (n + 1) / 2) if r == 0 else t
+            want = torch.full_like(t, n * (n + 1) / 2) if r == 0 else t.clone()
         else:
-            t = torch.full_like(self.a, fill)
             self._pairs(lambda x, p: comm.send(x, p), lambda x, p: comm.recv(x, p))
             self._pairs(lambda x, p: comm.send(t, p), lambda x, p: comm.recv(t, p))
             peer = self._peer()
@@ -230,9 +229,13 @@ def _body(world, args: dict) -> dict[str, Any]:
         out["algorithms"] = {nbytes: algorithms_ran(comm, args["ops"], dtype, nbytes, args["algorithm"])
                              for nbytes in sizes(args["minbytes"], args["maxbytes"], args["stepfactor"])}
     slowest = torch.zeros(1, dtype=torch.float64)
+    arena = None
+    if args.get("buffers", "shared") == "shared":
+        arena = world.shared_empty(_Runner.arena_bytes(args["maxbytes"], dtype, n), torch.uint8)
+    out["buffers"] = "shared" if arena is not None else "plain"
     for op in args["ops"]:
         for nbytes in sizes(args["minbytes"], args["maxbytes"], args["stepfactor"]):
-            run = _Runner(op, nbytes, dtype, n, rank)
+            run = _Runner(op, nbytes, dtype, n, rank, arena)
             iters = args["iters"] if run.bytes < (16 << 20) else max(2, args["iters"] // 4)
             for name, fn in (("results", lambda: run.run(comm, args["algorithm"])), ("baseline", (lambda: run.run(gloo)) if gloo else None)):
                 if fn is None:
@@ -260,7 +263,7 @@ def _print_table(report: dict, n: int, transport: str) -> None:
         print(f"# {report['hosts']} hosts: {report['layout']}")
     for op in dict.fromkeys(r["op"] for r in report["results"]):
         rows = [r for r in report["results"] if r["op"] == op]
-        print(f"\n# nxdt {OP_TITLES[op]}: {n} ranks, transport {transport}")
+        print(f"\n# nxdt {OP_TITLES[op]}: {n} ranks, transport {transport}, {report.get('buffers', 'plain')} buffers")
         if "algorithms" in report:
             by_size = {int(k): v[op] for k, v in report["algorithms"].items()}
             bands = {}
@@ -307,6 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--check", action="store_true", help="verify results exactly after timing (adds a #wrong column)")
     p.add_argument("--algorithm", default="auto", help="all-reduce algorithm: auto, direct, slice, ring, rhd, torus[:RxC], hierarchical")
     p.add_argument("--transport", choices=("shm", "p2p"), default="shm", help="p2p: pretend every rank is on its own host")
+    p.add_argument("--buffers", choices=("shared", "plain"), default="shared",
+                   help="shared: input buffers in nxdt shared memory (World.shared_empty; peers on this host read them in "
+                        "place, as FSDP's shards are kept); plain: ordinary tensors (copied through the slot)")
     p.add_argument("--baseline", choices=("gloo",), help="also time torch.distributed's gloo on the same sizes, same run")
     p.add_argument("--report-to-json-file", metavar="F", help="write the results as JSON (nccom-test's layout)")
     p.add_argument("--show-algorithm", action="store_true", help="print which algorithm each op ran (per size band)")
@@ -333,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
 
     host_ids = [f"host{r}" for r in range(args.nworkers)] if args.transport == "p2p" else None
     opts = {k: getattr(args, k) for k in ("ops", "minbytes", "maxbytes", "stepfactor", "iters", "warmup_iters", "datatype",
-                                          "check", "algorithm", "baseline", "show_algorithm")}
+                                          "check", "algorithm", "baseline", "show_algorithm", "buffers")}
     if args.nodes > 1:
         return _main_multinode(args, opts)
     try:

@@ -46,6 +46,8 @@ W_SENT, W_ACKED = 6, 7  # mailbox counters (see nxdt.comm.mailbox); spaced from 
 W_SLEEP = 10        # 1 + index of the member whose progress word I block on in the kernel, else 0
 W_FINGERPRINT = 16  # two fingerprints (one per slot parity) of FP_WORDS words, for error messages
 FP_WORDS = 6
+W_SOURCE = 32       # per slot parity, two words: where my step's data lies — (0, 0): my slot; (block, byte offset): my
+                    # shared tensor (nxdt.comm.heap), which peers read in place
 
 
 def _safe(name: str) -> str:
@@ -171,6 +173,7 @@ class ShmChannel:
         self._fp_written: list[tuple | None] = [None, None]
         self.spin = SpinBudget(wait)
         self.pacer = None  # nxdt.comm.emulate.Pacer: link emulation / stream priority after each step, if any
+        self.heap = None   # nxdt.comm.heap.Heap of this rank: zero-copy sources (see set_source)
 
     @property
     def size(self) -> int:
@@ -232,6 +235,40 @@ class ShmChannel:
             h[base:base + FP_WORDS] = (*fingerprint, *([0] * (FP_WORDS - len(fingerprint))))[:FP_WORDS]
             self._fp_written[parity] = fingerprint
         h[W_FP_DIGEST + parity] = self._fp_digest  # a peer cannot be at step s±2 while we compare (slot protocol)
+        h[W_SOURCE + 2 * parity] = 0  # my data is in my slot unless set_source says otherwise
+
+    # -------------------------------------------------------------------------------- zero-copy sources
+    def locate(self, t: torch.Tensor) -> tuple[int, int] | None:
+        """Where ``t`` lies in this rank's shared blocks, or None (then it has to be copied into the slot)."""
+        return None if self.heap is None else self.heap.locate(t)
+
+    def set_source(self, where: tuple[int, int]) -> None:
+        """This step's data is my shared tensor at ``where`` (before :meth:`publish`). The caller must
+        :meth:`wait_readers` after :meth:`finish` before the tensor may change again."""
+        base = W_SOURCE + 2 * (self.step & 1)
+        self.own.header[base + 1] = where[1]
+        self.own.header[base] = where[0]
+
+    def in_slot(self, member: int) -> bool:
+        """Is ``member``'s data of this step in its slot (else in its shared tensor)? After it published."""
+        return self.headers[member][W_SOURCE + 2 * (self.step & 1)] == 0
+
+    def any_shared(self, members: Sequence[int] | None = None) -> bool:
+        word = W_SOURCE + 2 * (self.step & 1)
+        return any(self.headers[i][word] != 0 for i in (range(self.size) if members is None else members))
+
+    def source(self, member: int, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of ``member``'s published data: from its slot or, zero-copy, its shared tensor."""
+        base = W_SOURCE + 2 * (self.step & 1)
+        h = self.headers[member]
+        block = int(h[base])
+        if block == 0:
+            return self.typed(member, dtype)[start:stop]
+        return self.heap.peer_view(self.ranks[member], block, int(h[base + 1]), dtype, start, stop)
+
+    def wait_readers(self) -> None:
+        """After :meth:`finish`: wait until every peer finished the step just ended (it read my shared tensor)."""
+        self._wait(self.peers, 3 * self.step, "completion (reading this rank's shared tensor)")
 
     def typed(self, member: int, dtype: torch.dtype, count: int | None = None) -> torch.Tensor:
         """The current step's slot of ``member`` as a flat tensor of ``dtype`` (the first ``count``

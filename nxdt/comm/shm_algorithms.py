@@ -70,8 +70,8 @@ def all_reduce(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str = "auto"
     fp = (OP_ALL_REDUCE + 100 * red, dtype_code(dtype), total, 0)
     desc = f"all_reduce({op})"
     # decided per call from the (fingerprinted) count, so every member takes the same path. Two
-    # members: always direct — it moves about the same bytes as slice but synchronises once per
-    # step instead of twice, and on a loaded host every synchronisation can cost a context switch.
+    # members: direct — it moves about the same bytes as slice but synchronises once per step
+    # instead of twice, and on a loaded host every synchronisation can cost a context switch.
     sliced = algorithm == "slice" or (algorithm != "direct" and n > 2 and total * t.element_size() > DIRECT_ALL_REDUCE_MAX_BYTES)
     peers = ch.peers
     low = dtype in LOW_PRECISION  # fp32 accumulation needs every operand at once
@@ -81,36 +81,45 @@ def all_reduce(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str = "auto"
         dst = t if k == total else t[c0:c1]
         ch.begin(fp, desc)
         mine = ch.typed(me, dtype)
-        if not sliced:
-            ch.typed(me, dtype, k).copy_(dst)
-            ch.publish()
-            ch.wait_published()
-            # dst still holds my contribution: members 0 and 1 reduce into it in place
-            reduce_own_into(dst, [ch.typed(i, dtype, k) for i in range(n)], me, op, n)
-            ch.finish(2 * (n - 1) * k * t.element_size() // n, 2)  # cost model: reduce-scatter + all-gather terms
-            continue
         bounds = _bounds(k, n)
-        for j in peers:
-            lo, hi = bounds[j]
-            mine[lo:hi].copy_(dst[lo:hi])
+        shared = ch.locate(dst)
+        if shared is not None:  # zero-copy: peers read my slices of dst in place
+            ch.set_source(shared)
+        elif sliced:  # only the slices others reduce
+            for j in peers:
+                lo, hi = bounds[j]
+                mine[lo:hi].copy_(dst[lo:hi])
+        else:
+            mine[:k].copy_(dst)
         ch.publish()
+        if not sliced:
+            ch.wait_published()
+            if not ch.any_shared():
+                # dst still holds my contribution: members 0 and 1 reduce into it in place
+                reduce_own_into(dst, [ch.typed(i, dtype, k) for i in range(n)], me, op, n)
+                ch.finish(2 * (n - 1) * k * t.element_size() // n, 2)  # cost model: reduce-scatter + all-gather terms
+                continue
+            # some member's data is its own tensor, which it is about to change in place: reduce by slices
         lo, hi = bounds[me]
         own = dst[lo:hi]
         if low:
             ch.wait_published()
-            reduce_into(own, [own if i == me else ch.typed(i, dtype)[lo:hi] for i in range(n)], op, n)
+            reduce_into(own, [own if i == me else ch.source(i, dtype, lo, hi) for i in range(n)], op, n)
         else:  # reduce_into's order (own first, then the peers in member order), each peer as soon as it is there
             for j in peers:
                 ch.wait_published((j,))
-                combine_(own, ch.typed(j, dtype)[lo:hi], op)
+                combine_(own, ch.source(j, dtype, lo, hi), op)
             if op == "avg":
                 own.div_(n)
-        mine[lo:hi].copy_(own)
+        if shared is None:
+            mine[lo:hi].copy_(own)  # where peers read my result
         ch.mark_reduced()
         for j in ch.each_ready(peers, reduced=True):  # take each peer's slice as soon as it is ready
             lo, hi = bounds[j]
-            dst[lo:hi].copy_(ch.typed(j, dtype)[lo:hi])
+            dst[lo:hi].copy_(ch.source(j, dtype, lo, hi))
         ch.finish(2 * (n - 1) * k * t.element_size() // n, 2)
+        if shared is not None:
+            ch.wait_readers()
 
 
 def all_gather(ch: ShmChannel, out: torch.Tensor, inp: torch.Tensor) -> None:
@@ -123,13 +132,28 @@ def all_gather(ch: ShmChannel, out: torch.Tensor, inp: torch.Tensor) -> None:
         whole = k == m and m > 0
         src = inp if whole else inp[c0:c1]
         ch.begin(fp, "all_gather")
-        ch.typed(me, dtype, k).copy_(src)
+        shared = ch.locate(src)
+        if shared is not None:
+            ch.set_source(shared)
+        else:
+            ch.typed(me, dtype, k).copy_(src)
         ch.publish()
         if not in_place:  # our own block while the peers catch up
             (rows[me] if whole else out[me * m + c0:me * m + c1]).copy_(src)
         for j in ch.each_ready(ch.peers):
-            (rows[j] if whole else out[j * m + c0:j * m + c1]).copy_(ch.typed(j, dtype, k))
+            (rows[j] if whole else out[j * m + c0:j * m + c1]).copy_(ch.source(j, dtype, 0, k))
         ch.finish((ch.size - 1) * k * inp.element_size())
+        if shared is not None:
+            ch.wait_readers()
+
+
+def _row_of(ch: ShmChannel, member: int, dtype: torch.dtype, row: int, c0: int, c1: int, stride: int) -> torch.Tensor:
+    """Columns [c0, c1) of row ``row`` of ``member``'s published (rows × ``stride``) input: its slot holds
+    the step's (rows × (c1-c0)) block, its shared tensor the whole matrix."""
+    k = c1 - c0
+    if ch.in_slot(member):
+        return ch.typed(member, dtype)[row * k:(row + 1) * k]
+    return ch.source(member, dtype, row * stride + c0, row * stride + c1)
 
 
 def reduce_scatter(ch: ShmChannel, out: torch.Tensor, inp: torch.Tensor, op: str) -> None:
@@ -138,18 +162,24 @@ def reduce_scatter(ch: ShmChannel, out: torch.Tensor, inp: torch.Tensor, op: str
     rows = inp.view(n, m)
     fp = (OP_REDUCE_SCATTER + 100 * red, dtype_code(dtype), m, 0)
     desc = f"reduce_scatter({op})"
+    shared = ch.locate(inp)  # peers read their rows of my whole input in place
     for c0, c1 in _chunks(m, ch.slot_bytes // (inp.element_size() * n)):
         k = c1 - c0
         ch.begin(fp, desc)
         whole = k == m
         src = rows if whole else rows[:, c0:c1]
-        mine = ch.rows(me, dtype, n, k)
-        for j in ch.peers:
-            mine[j].copy_(src[j])
+        if shared is not None:
+            ch.set_source(shared)
+        else:
+            mine = ch.rows(me, dtype, n, k)
+            for j in ch.peers:
+                mine[j].copy_(src[j])
         ch.publish()
         ch.wait_published()
-        reduce_into(out if whole else out[c0:c1], [src[me] if i == me else ch.rows(i, dtype, n, k)[me] for i in range(n)], op, n)
+        reduce_into(out if whole else out[c0:c1], [src[me] if i == me else _row_of(ch, i, dtype, me, c0, c1, m) for i in range(n)], op, n)
         ch.finish((n - 1) * k * inp.element_size())
+        if shared is not None:
+            ch.wait_readers()
 
 
 def broadcast(ch: ShmChannel, t: torch.Tensor, root: int) -> None:
@@ -157,13 +187,20 @@ def broadcast(ch: ShmChannel, t: torch.Tensor, root: int) -> None:
     desc = f"broadcast(root={root})"
     for c0, c1 in _chunks(t.numel(), _pipelined(ch, t.numel(), t.element_size())):
         ch.begin(fp, desc)
+        shared = None
         if ch.me == root:
-            ch.typed(root, t.dtype, c1 - c0).copy_(t[c0:c1])
+            shared = ch.locate(t[c0:c1])
+            if shared is not None:
+                ch.set_source(shared)
+            else:
+                ch.typed(root, t.dtype, c1 - c0).copy_(t[c0:c1])
         ch.publish()
         ch.wait_published()
         if ch.me != root:
-            t[c0:c1].copy_(ch.typed(root, t.dtype, c1 - c0))
+            t[c0:c1].copy_(ch.source(root, t.dtype, 0, c1 - c0))
         ch.finish((c1 - c0) * t.element_size())
+        if shared is not None:
+            ch.wait_readers()
 
 
 def reduce(ch: ShmChannel, t: torch.Tensor, root: int, op: str) -> None:
@@ -174,14 +211,21 @@ def reduce(ch: ShmChannel, t: torch.Tensor, root: int, op: str) -> None:
     for c0, c1 in _chunks(t.numel(), ch.slot_bytes // t.element_size()):
         k = c1 - c0
         ch.begin(fp, desc)
+        shared = None
         if me != root:
-            ch.typed(me, t.dtype, k).copy_(t[c0:c1])
+            shared = ch.locate(t[c0:c1])
+            if shared is not None:
+                ch.set_source(shared)
+            else:
+                ch.typed(me, t.dtype, k).copy_(t[c0:c1])
         ch.publish()
         ch.wait_published()
         if me == root:
             own = t[c0:c1]
-            reduce_into(own, [own if i == me else ch.typed(i, t.dtype, k) for i in range(n)], op, n)
+            reduce_into(own, [own if i == me else ch.source(i, t.dtype, 0, k) for i in range(n)], op, n)
         ch.finish(k * t.element_size())
+        if shared is not None:
+            ch.wait_readers()
 
 
 def barrier(ch: ShmChannel) -> None:
@@ -200,6 +244,7 @@ def all_to_all_equal(ch: ShmChannel, out: torch.Tensor, inp: torch.Tensor) -> No
     blocks_in, blocks_out = inp.view(n, per), out.view(n, per)
     fp = (OP_ALL_TO_ALL, dtype_code(dtype), inp.numel(), 1)
     same = out.data_ptr() == inp.data_ptr()
+    shared = None if same else ch.locate(inp)  # in place, peers could read blocks we already overwrote
     peers = ch.peers
     for c0, c1 in _chunks(per, _pipelined(ch, per, inp.element_size(), n)):
         k = c1 - c0
@@ -207,17 +252,22 @@ def all_to_all_equal(ch: ShmChannel, out: torch.Tensor, inp: torch.Tensor) -> No
         src = blocks_in if whole else blocks_in[:, c0:c1]
         dst = blocks_out if whole else blocks_out[:, c0:c1]
         ch.begin(fp, "all_to_all")
-        mine = ch.rows(me, dtype, n, k)
-        for j in peers:
-            mine[j].copy_(src[j])
+        if shared is not None:
+            ch.set_source(shared)
+        else:
+            mine = ch.rows(me, dtype, n, k)
+            for j in peers:
+                mine[j].copy_(src[j])
         ch.publish()
         if same:  # in place: our own input blocks must be safe in the slot before we overwrite them
             ch.wait_published()
         else:  # our own block while the peers catch up
             dst[me].copy_(src[me])
         for j in ch.each_ready(peers):
-            dst[j].copy_(ch.rows(j, dtype, n, k)[me])
+            dst[j].copy_(_row_of(ch, j, dtype, me, c0, c1, per))
         ch.finish((n - 1) * k * inp.element_size())
+        if shared is not None:
+            ch.wait_readers()
 
 
 def all_to_all(ch: ShmChannel, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:

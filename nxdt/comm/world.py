@@ -34,6 +34,7 @@ from nxdt.comm.p2p import Links
 from nxdt.comm.reduce import LOW_PRECISION, check_op, dtype_code
 from nxdt.comm.shm import DEFAULT_SLOT_BYTES, ShmChannel, remove_stale_segments
 from nxdt.comm.emulate import EmulatedLink, Pacer
+from nxdt.comm.heap import Heap
 from nxdt.comm.stream import PriorityState, Stream, Work, next_work_id
 from nxdt.comm.trace import Tracer
 from nxdt.comm.waiting import DEFAULT_WAIT, WaitPolicy
@@ -113,6 +114,7 @@ class Communicator:
             ch = ShmChannel(self.world.run_id, self.name, stream_id, ranks, ranks.index(self.world.rank), self.world.timeout_s,
                             slot_bytes=self.world.slot_bytes, first_op=op, wait=self.world.wait_policy)
             ch.pacer = self._pacer(stream)
+            ch.heap = self.world.heap
             self._channels[key] = ch
         return ch
 
@@ -472,6 +474,7 @@ class World:
         self._names: set[str] = set()
         self._communicators: list[Communicator] = []
         self._tags: dict[tuple[str, str], int] = {}
+        self.heap = Heap(run_id, rank)
         self.multi_host = len(set(host_ids)) > 1
         if self.multi_host:
             dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=world_size,
@@ -528,12 +531,19 @@ class World:
         self._communicators.append(comm)
         return comm
 
+    def shared_empty(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """An uninitialised tensor in this rank's shared memory: collectives on the ``shm`` transport read it
+        in place instead of copying it into their slot (see :mod:`nxdt.comm.heap`). For buffers communicated
+        every step; the memory is released when the world closes."""
+        return self.heap.empty(shape, dtype)
+
     def close(self) -> None:
         for s in self._streams.values():
             s.close()
         for c in self._communicators:
             c.close()
         self._communicators.clear()
+        self.heap.close()
         if self.multi_host and dist.is_initialized():
             dist.destroy_process_group()
 

@@ -226,7 +226,7 @@ class FullyShardedDataParallel:
                 entries.append(_Entry(quals[0], owners, quals, p.shape, offset, p.numel()))
                 offset += p.numel()
             lo = self.dp_rank * shard_size
-            shard = nn.Parameter(flat[lo:lo + shard_size].clone())
+            shard = nn.Parameter(self._shard_buffer(flat[lo:lo + shard_size]))
             full = torch.empty(flat.numel(), dtype=gather_dtype or dtype)
             full.untyped_storage().resize_(0)  # resharded until first gathered
             flats.append(FlatShard(unit.index, group, entries, numel, shard_size, shard, full))
@@ -237,6 +237,14 @@ class FullyShardedDataParallel:
         for k, f in enumerate(flats):
             modules[0].register_parameter(f"fsdp_shard_{k}", f.shard)
         return flats
+
+    def _shard_buffer(self, values: torch.Tensor) -> torch.Tensor:
+        """A copy of ``values`` to own as a shard: in shared memory when the DP group shares a host, so peers
+        read it in place when gathering (zero-copy, nxdt.comm.heap); the optimizer updates it in place."""
+        if self.comm.transport != "shm":
+            return values.clone()
+        buf = self.comm.world.shared_empty(values.shape, values.dtype)
+        return buf.copy_(values)
 
     def _rewire_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Each param group now updates the shards of its parameters (same group dicts: schedulers that
