@@ -111,14 +111,23 @@ def all_reduce(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str = "auto"
                 combine_(own, ch.source(j, dtype, lo, hi), op)
             if op == "avg":
                 own.div_(n)
-        if shared is None:
-            mine[lo:hi].copy_(own)  # where peers read my result
+        # hand my result on: pushed into every peer whose tensor is shared (its lines are in my cache, I just
+        # read them; nobody else touches that slice of it), left in my slot or tensor for the others to pull
+        pullers = [j for j in peers if ch.in_slot(j)]
+        for j in peers:
+            if not ch.in_slot(j):
+                ch.source(j, dtype, lo, hi).copy_(own)
+        if shared is None and pullers:
+            mine[lo:hi].copy_(own)
         ch.mark_reduced()
-        for j in ch.each_ready(peers, reduced=True):  # take each peer's slice as soon as it is ready
-            lo, hi = bounds[j]
-            dst[lo:hi].copy_(ch.source(j, dtype, lo, hi))
+        if shared is None:  # my tensor is private: pull every peer's slice as soon as it is ready
+            for j in ch.each_ready(peers, reduced=True):
+                lo, hi = bounds[j]
+                dst[lo:hi].copy_(ch.source(j, dtype, lo, hi))
+        else:  # peers pushed theirs into my tensor before they marked reduced
+            ch.wait_reduced()
         ch.finish(2 * (n - 1) * k * t.element_size() // n, 2)
-        if shared is not None:
+        if shared is not None and pullers:
             ch.wait_readers()
 
 

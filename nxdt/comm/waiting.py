@@ -47,16 +47,35 @@ class WaitPolicy:
     """How a wait spends its time before the deadline (``init_process(wait_policy=...)``).
 
     spin_checks: flag checks before yielding (adapts between 16 and 4× this while running);
+    spin_s: then keep checking for up to this long — for ranks that have a core each (see
+    :func:`policy_for`), where a peer's wake-up from the futex costs far more than spinning;
     yields: ``sched_yield`` calls before sleeping; futex: sleep in the kernel on the flag word
     (False: poll with growing sleeps — kept for comparison, see experiments/collectives-cpu/waiting.py).
     """
 
     spin_checks: int = 300
+    spin_s: float = 0.0
     yields: int = 4
     futex: bool = True
 
 
 DEFAULT_WAIT = WaitPolicy()
+# A rank with a core to itself spins this long before sleeping. A peer sleeping in the futex
+# costs a wake syscall plus the scheduler's wake-up latency (≈50-150 µs on the 2-core VM), more
+# than copying a megabyte; a millisecond covers the copy of a 4 MB step, and is wasted only when
+# a peer is genuinely late (a straggler), where the core would be idle anyway. Only the main
+# thread spins that long: a stream thread spinning holds the GIL the computing main thread needs.
+OWN_CORE_SPIN_S = 1e-3
+_MAIN = threading.main_thread()
+
+
+def policy_for(local_ranks: int) -> WaitPolicy:
+    """The default policy for ``local_ranks`` ranks on this host: spin long only when each has a core."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        cores = os.cpu_count() or 1
+    return WaitPolicy(spin_s=OWN_CORE_SPIN_S) if local_ranks <= cores else DEFAULT_WAIT
 
 
 class _Timespec(ctypes.Structure):
@@ -127,6 +146,12 @@ def wait_word(words, index: int, target: int, address: int, deadline: float, on_
             return
     budget.miss()
     policy = budget.policy
+    if policy.spin_s and threading.current_thread() is _MAIN:
+        until = time.perf_counter() + policy.spin_s
+        while time.perf_counter() < until:
+            for _ in range(32):
+                if words[index] >= target:
+                    return
     for _ in range(policy.yields):
         os.sched_yield()
         if words[index] >= target:

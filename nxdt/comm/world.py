@@ -37,7 +37,7 @@ from nxdt.comm.emulate import EmulatedLink, Pacer
 from nxdt.comm.heap import Heap
 from nxdt.comm.stream import PriorityState, Stream, Work, next_work_id
 from nxdt.comm.trace import Tracer
-from nxdt.comm.waiting import DEFAULT_WAIT, WaitPolicy
+from nxdt.comm.waiting import DEFAULT_WAIT, WaitPolicy, policy_for
 
 # Algorithm names a planner can hand over (plain strings). "torus:RxC" gives the grid explicitly.
 ALL_REDUCE_ALGORITHMS = ("auto", "direct", "slice", "ring", "rhd", "torus", "hierarchical")
@@ -574,7 +574,8 @@ def init_process(rank: int, world_size: int, master_addr: str, master_port: int,
     full_run_id = f"{(run_id or 'run')[:24]}.{nonce}"
     store.set(f"host/{rank}", host_id or host_identity())
     host_ids = [store.get(f"host/{r}").decode() for r in range(world_size)]
-    return World(rank, world_size, store, full_run_id, timeout_s, host_ids, slot_bytes, wait_policy or DEFAULT_WAIT)
+    local_ranks = host_ids.count(host_ids[rank])
+    return World(rank, world_size, store, full_run_id, timeout_s, host_ids, slot_bytes, wait_policy or policy_for(local_ranks))
 
 
 def init_from_env(*, timeout_s: float = 120.0, run_id: str | None = None) -> World:

@@ -58,7 +58,7 @@ def _shared_matrix(world) -> dict:
                     if size > 50_000 and dtype != torch.float32:
                         continue
                     for op in ("sum", "avg", "max", "prod"):
-                        if op == "avg" and not dtype.is_floating_point:
+                        if op == "avg" and not dtype.is_floating_point or size > 50_000 and op != "sum":
                             continue
                         exp = _expected(size, comm.ranks, op, dtype)
                         algorithms = ("auto", "slice", "direct") if size == 40_000 else ("auto",)
@@ -137,3 +137,10 @@ def test_shared_empty_allocates_located_blocks():
     shape, dtype, same_block, offset, plain, empty = run_local(_located, 1, timeout_s=60)[0]
     assert shape == (4, 3) and dtype == torch.float32 and same_block and offset == 2 * 3 * 4
     assert plain is None and empty is None
+
+
+def test_only_ranks_with_a_core_each_spin_long():
+    from nxdt.comm.waiting import DEFAULT_WAIT, policy_for
+
+    assert policy_for(1).spin_s > 0  # a rank alone on this host has a core to itself
+    assert policy_for(10_000) == DEFAULT_WAIT  # oversubscribed: short spins, then the futex
