@@ -18,6 +18,8 @@ steps the total equals the model; a final debt below ``MIN_SLEEP_S`` is dropped.
 :class:`Pacer` is what a shm channel or a point-to-point link of one communicator on one stream
 calls after every step: the emulated wait, then the stream-priority rule of :mod:`nxdt.comm.stream`
 (a high-priority stream notes its progress, a yielding stream pauses while such an op is pending).
+While tracing, each shm step of a yielding stream is recorded as a ``chunk`` event (begin to end,
+emulated wire time included): the unit a pause waits for, so a trace shows what ran during a TP op.
 A channel of an ordinary stream on an unemulated communicator has no pacer at all.
 """
 
@@ -56,11 +58,12 @@ class EmulatedLink:
 class Pacer:
     """Runs after every step of one communicator on one stream (see the module docstring)."""
 
-    __slots__ = ("link", "stream", "world", "_owed")
+    __slots__ = ("link", "stream", "world", "_owed", "started")
 
     def __init__(self, link: EmulatedLink | None, stream: "Stream", world: "World") -> None:
         self.link, self.stream, self.world = link, stream, world
         self._owed = 0.0
+        self.started: float | None = None  # when the current shm step began (traced as a "chunk" on yielding streams)
 
     def step(self, nbytes: float = 0, hops: int = 1) -> None:
         role = self.stream.role
@@ -75,4 +78,8 @@ class Pacer:
         if role == "high":
             self.world.priority.progress()
         elif role == "yield":
+            tracer = self.world.tracer
+            if tracer is not None and self.started is not None:  # what a pause must not interrupt
+                tracer.add("chunk", self.stream.name, self.started, time.perf_counter(), bytes=int(nbytes))
+            self.started = None
             self.world.yield_point(self.stream.name)

@@ -222,6 +222,8 @@ class ShmChannel:
     def begin(self, fingerprint: tuple[int, ...], op_desc: str) -> None:
         """Start step ``self.step``: wait until my slot is free, record my fingerprint."""
         self.op_desc = op_desc
+        if self.pacer is not None:
+            self.pacer.started = time.perf_counter()
         s = self.step
         if s >= 2:
             self._wait(self.peers, 3 * (s - 2) + 3, "completion of an earlier step")

@@ -3,7 +3,7 @@
 Pure checks run in-process (Tracer, EmulatedLink, the planner's emulated-link figures, the config
 key). One 4-rank world (spawning is the expensive part) proves that independent yields cannot
 deadlock, then each pair {0,1}, {2,3} checks emulation (modelled time slept, not spun), the token
-chain in the trace and a recorded yield.
+chain in the trace, a recorded yield and that no FSDP chunk starts while a TP op runs.
 """
 
 from __future__ import annotations
@@ -176,6 +176,13 @@ def _check_emulation_and_trace(res: dict) -> None:
     assert yields and all(e["cat"] == "fsdp" for e in yields)
     tp_start, tp_end = tp_ops[0]["ts"], tp_ops[0]["ts"] + tp_ops[0]["dur"]
     assert any(tp_start - 1e3 <= y["ts"] <= tp_end for y in yields)  # paused while the TP op ran
+    # no FSDP transfer runs once the TP op has waited longer than one chunk: the chunk in flight when it
+    # started may finish, the next one starts only after it (1 ms slack: the TP op is recorded after it ends)
+    chunks = [e for e in events if e["name"] == "chunk" and e["cat"] == "fsdp"]
+    assert len(chunks) >= 3 * 16, len(chunks)  # every step of the three 1 MB gathers (64 KB slots)
+    one_chunk = max(c["dur"] for c in chunks)
+    late = [c for c in chunks if tp_start + one_chunk < c["ts"] < tp_end - 1e3]
+    assert not late, (tp_start, tp_end, one_chunk, late)
 
 
 def _skewed_tp_and_fsdp(world) -> int:
