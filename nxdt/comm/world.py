@@ -197,6 +197,14 @@ class Communicator:
     def stream_tag(self, stream: str) -> int:
         return self.world.stream_tag(self.name, stream)
 
+    def empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A flat buffer to communicate over this group every step: in shared memory when the group shares a
+        host, so peers read it in place (``World.shared_empty``), else an ordinary tensor. Keep it; don't
+        allocate one per call."""
+        if self.transport == "shm" and self.size > 1:
+            return self.world.shared_empty((numel,), dtype)
+        return torch.empty(numel, dtype=dtype)
+
     # ------------------------------------------------------------------------------ all-reduce
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, algorithm: str = "auto", stream: str = "default",
                    async_op: bool = False, after: Any = None) -> Work | None:

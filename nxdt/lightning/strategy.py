@@ -424,7 +424,7 @@ class NxDStrategy(ParallelStrategy):
         params = self._trainable()
         numel = sum(p.numel() for p in params)
         if self._grad_buffer is None or self._grad_buffer.numel() != numel:
-            self._grad_buffer = torch.empty(numel, dtype=torch.float32)
+            self._grad_buffer = self.dp_comm.empty(numel, torch.float32)  # kept: peers read it in place
         flat, offset = self._grad_buffer, 0
         for p in params:  # a parameter without a gradient on this rank contributes zeros, consistently
             view = flat[offset:offset + p.numel()]

@@ -239,12 +239,9 @@ class FullyShardedDataParallel:
         return flats
 
     def _shard_buffer(self, values: torch.Tensor) -> torch.Tensor:
-        """A copy of ``values`` to own as a shard: in shared memory when the DP group shares a host, so peers
-        read it in place when gathering (zero-copy, nxdt.comm.heap); the optimizer updates it in place."""
-        if self.comm.transport != "shm":
-            return values.clone()
-        buf = self.comm.world.shared_empty(values.shape, values.dtype)
-        return buf.copy_(values)
+        """A copy of ``values`` to own as a shard, kept where peers read it in place when gathering
+        (``Communicator.empty``); the optimizer updates it in place."""
+        return self.comm.empty(values.numel(), values.dtype).copy_(values)
 
     def _rewire_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Each param group now updates the shards of its parameters (same group dicts: schedulers that

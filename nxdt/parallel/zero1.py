@@ -68,7 +68,7 @@ class _Bucket:
     shard_size: int
     flat: torch.Tensor  # the parameters' storage, padded to shard_size × DP
     shard: nn.Parameter  # the owned slice, the tensor the inner optimizer updates (fp32 with master weights)
-    grad_buffers: list[torch.Tensor] = field(default_factory=list)
+    grad_flat: torch.Tensor | None = None  # the gradients, flattened for the reduce-scatter (kept across steps)
 
     @property
     def padded(self) -> int:
@@ -193,11 +193,17 @@ class Zero1Optimizer(torch.optim.Optimizer):
                         p.data = flat[off:off + p.numel()].view_as(p)  # the parameter now lives in the bucket
                 lo = self.dp_rank * shard_size
                 shard_dtype = self.master_dtype if self.master_weights else dtype
-                shard = nn.Parameter(flat[lo:lo + shard_size].detach().to(shard_dtype).clone())
+                shard = nn.Parameter(self._buffer(shard_size, shard_dtype, device).copy_(flat[lo:lo + shard_size]))
                 buckets.append(_Bucket(gi, [p for _, p in members], [i for i, _ in members], offsets, total, shard_size,
                                        flat, shard))
         self._num_indices = index
         return buckets
+
+    def _buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat buffer communicated every step: where DP peers read it in place (``Communicator.empty``)."""
+        if self.dp_comm is not None and self.dp_size > 1 and device.type == "cpu":
+            return self.dp_comm.empty(numel, dtype)
+        return torch.empty(numel, dtype=dtype, device=device)
 
     def _layout(self) -> list[tuple[Any, ...]]:
         return [(b.group_index, str(b.flat.dtype), tuple(b.indices), tuple(tuple(p.shape) for p in b.params), b.shard_size)
@@ -228,7 +234,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
         works = []
         for b in self._buckets:
             dtype = b.shard.dtype  # fp32 with master weights: reduce in fp32, never round to bf16 on the way
-            flat_grad = torch.zeros(b.padded, dtype=dtype, device=b.flat.device)
+            if b.grad_flat is None or b.grad_flat.dtype != dtype:
+                b.grad_flat = self._buffer(b.padded, dtype, b.flat.device)
+            flat_grad = b.grad_flat.zero_()
             for p, off in zip(b.params, b.offsets):
                 if p.grad is not None:
                     flat_grad[off:off + p.numel()].copy_(p.grad.reshape(-1))
@@ -237,12 +245,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 continue
             out = torch.empty(b.shard_size, dtype=dtype, device=b.flat.device)
             works.append(self.dp_comm.reduce_scatter(out, flat_grad, op="avg", stream=DP_STREAM, async_op=True))
-            b.grad_buffers = [flat_grad]  # keep the input alive until the collective is done
             b.shard.grad = out
         for w in works:
             w.wait()
-        for b in self._buckets:
-            b.grad_buffers = []
         self._grads_reduced = True
 
     @torch.no_grad()
