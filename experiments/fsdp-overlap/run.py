@@ -135,9 +135,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--torch-worker", action="store_true")
     parser.add_argument("--out")
+    parser.add_argument("--sweep", action="store_true", help="only the FSDP2 link-speed sweep (sweep.json, sweep.png)")
     args = parser.parse_args()
     if args.torch_worker:
         return torch_fsdp_worker(args.steps, args.out)
+    if args.sweep:
+        return sweep(args.steps)
     steps, warmup = (6, 2) if args.quick else (args.steps, 5)
     started = time.time()
     results: dict = {"slowdown": {k: v[2] for k, v in LAYOUTS.items()}, "emulate": "trn1.32xlarge", "model": MODEL, "steps": steps, "warmup": warmup,
@@ -176,6 +179,47 @@ def main() -> None:
         print(f"{k:55s} {v:6.3f}")
     (HERE / ("results-quick.json" if args.quick else "results.json")).write_text(json.dumps(results, indent=1))
     plot(results, HERE / ("plot-quick.png" if args.quick else "plot.png"))
+
+
+SWEEP_SLOWDOWNS = (100, 200, 300, 400, 600)
+
+
+def sweep(steps: int, warmup: int = 5) -> None:
+    """FSDP2's three policies at several link speeds: where each policy wins depends on how the FSDP traffic
+    of one unit compares with that unit's compute (token_threaded moves each unit's parameters twice — it
+    gathers again for backward — where eager holds all of them)."""
+    ranks, overrides, _ = LAYOUTS["FSDP2"]
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for slowdown in SWEEP_SLOWDOWNS:
+            got = {}
+            for policy in POLICIES:
+                cfg = [*overrides, "distributed_strategy.fsdp.enabled=true", f"distributed_strategy.fsdp.prefetch={policy}",
+                       *emulate(slowdown)]
+                got[policy] = train(cfg, ranks, steps, warmup, work, f"sweep-{slowdown}-{policy}")
+            t, n, g = (got[p]["step_time_s"] for p in ("token_threaded", "none", "eager"))
+            rows[slowdown] = {"measured": got, "token/none": t / n, "token/eager": t / g}
+            print(f"slowdown {slowdown:4d}: none {n * 1e3:6.1f} ms, eager {g * 1e3:6.1f} ms, token_threaded {t * 1e3:6.1f} ms; "
+                  f"token/none {t / n:.3f}, token/eager {t / g:.3f}", flush=True)
+    (HERE / "sweep.json").write_text(json.dumps(rows, indent=1))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    xs = list(rows)
+    ax.plot(xs, [rows[x]["token/none"] for x in xs], "o-", label="token_threaded / none")
+    ax.plot(xs, [rows[x]["token/eager"] for x in xs], "s-", label="token_threaded / eager")
+    ax.axhline(0.75, ls=":", c="C0")
+    ax.axhline(1.05, ls=":", c="C1")
+    ax.set_xlabel("emulated trn1.32xlarge links, × slower")
+    ax.set_ylabel("step-time ratio")
+    ax.set_title("FSDP over 2 ranks: prefetch policies vs link speed", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(HERE / "sweep.png", dpi=110)
 
 
 def plot(results: dict, path: Path) -> None:

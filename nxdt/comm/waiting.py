@@ -66,6 +66,7 @@ DEFAULT_WAIT = WaitPolicy()
 # a peer is genuinely late (a straggler), where the core would be idle anyway. Only the main
 # thread spins that long: a stream thread spinning holds the GIL the computing main thread needs.
 OWN_CORE_SPIN_S = 1e-3
+STREAM_THREAD_CHECKS = 16
 _MAIN = threading.main_thread()
 
 
@@ -140,13 +141,18 @@ def wait_word(words, index: int, target: int, address: int, deadline: float, on_
     reads) while blocked in the futex and 0 after, so writers can skip the wake syscall when
     nobody sleeps (see :func:`should_wake`). Store flag, fence, re-read the word — against the
     writer's store word, fence, read flag — means one of the two always sees the other."""
-    for _ in range(budget.checks):
+    main = threading.current_thread() is _MAIN
+    # a stream thread spinning in Python holds the GIL the main thread's compute needs between kernels:
+    # it checks a few times, then yields and sleeps (its ops are asynchronous; compute hides their latency)
+    for _ in range(budget.checks if main else STREAM_THREAD_CHECKS):
         if words[index] >= target:
-            budget.hit()
+            if main:
+                budget.hit()
             return
-    budget.miss()
+    if main:
+        budget.miss()
     policy = budget.policy
-    if policy.spin_s and threading.current_thread() is _MAIN:
+    if policy.spin_s and main:
         until = time.perf_counter() + policy.spin_s
         while time.perf_counter() < until:
             for _ in range(32):
