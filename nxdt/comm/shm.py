@@ -37,6 +37,7 @@ SHM_DIR = "/dev/shm"
 PREFIX = "nxdt-"
 HEADER_BYTES = 4096
 MAGIC = 0x6E786474  # "nxdt"
+ZERO_COPY_MIN_BYTES = 64 << 10  # 2 ranks, 1 KB all-reduce: 43 µs copied, 61 µs zero-copy (experiments/collectives-cpu)
 DEFAULT_SLOT_BYTES = 4 << 20  # a 4 MB message in one step (one synchronisation); pages are committed only when touched
 
 # header words (int64). Words 0 and 1 (magic, creator pid) are what remove_stale_segments reads.
@@ -241,8 +242,11 @@ class ShmChannel:
 
     # -------------------------------------------------------------------------------- zero-copy sources
     def locate(self, t: torch.Tensor) -> tuple[int, int] | None:
-        """Where ``t`` lies in this rank's shared blocks, or None (then it has to be copied into the slot)."""
-        return None if self.heap is None else self.heap.locate(t)
+        """Where ``t`` lies in this rank's shared blocks, or None (then it has to be copied into the slot).
+        Messages below ZERO_COPY_MIN_BYTES are always copied: that costs less than the extra wait for readers."""
+        if self.heap is None or t.numel() * t.element_size() < ZERO_COPY_MIN_BYTES:
+            return None
+        return self.heap.locate(t)
 
     def set_source(self, where: tuple[int, int]) -> None:
         """This step's data is my shared tensor at ``where`` (before :meth:`publish`). The caller must
