@@ -42,6 +42,9 @@ VARIANTS: dict[str, dict] = {
     "DDP DP4": dict(strategy="ddp", ranks=4, gbs=GLOBAL_4, mbs=4),
     # data-parallel scaling: the same per-rank batch (4 sequences) on 1 rank and on 2
     "nxdt 1 rank": dict(strategy="nxdt", ranks=1, gbs=4, mbs=4),
+    # the ceiling of DP2 on this host: two independent 1-rank runs at once, no communication at all — what
+    # sharing the memory system and the cores' package costs by itself
+    "nxdt 1 rank, twin running": dict(strategy="nxdt", ranks=1, gbs=4, mbs=4, concurrent=2),
     "nxdt DP2": dict(strategy="nxdt", ranks=2, gbs=8, mbs=4),
     "DDP DP2": dict(strategy="ddp", ranks=2, gbs=8, mbs=4),
 }
@@ -132,14 +135,17 @@ def measure(names: list[str], reps: int, steps: int) -> dict[str, list[list[floa
     for rep in range(reps):
         order = names[rep % len(names):] + names[:rep % len(names)]
         for name in order:
-            out = HERE / f".run-{os.getpid()}.json"
+            outs = [HERE / f".run-{os.getpid()}-{k}.json" for k in range(VARIANTS[name].get("concurrent", 1))]
             start = time.perf_counter()
-            proc = subprocess.run([sys.executable, __file__, "--run", name, "--steps", str(steps), "--out", str(out)],
-                                  env=env, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"variant {name!r} failed:\n{proc.stderr[-3000:]}")
-            result = json.loads(out.read_text())
-            out.unlink()
+            procs = [subprocess.Popen([sys.executable, __file__, "--run", name, "--steps", str(steps), "--out", str(out)],
+                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for out in outs]
+            for proc in procs:
+                _, err = proc.communicate()
+                if proc.returncode != 0:
+                    raise RuntimeError(f"variant {name!r} failed:\n{err[-3000:]}")
+            result = json.loads(outs[0].read_text())
+            for out in outs:
+                out.unlink()
             times[name].append(result["step_times"])
             losses[name] = result["losses"]
             print(f"  round {rep + 1}/{reps} {name:<18} {time.perf_counter() - start:5.1f} s wall, "
@@ -168,6 +174,10 @@ def ratios(rows: dict[str, dict]) -> dict[str, float]:
         out.update({f"{n} / DDP DP4": tps[n] / tps["DDP DP4"] for n in tps if rows[n]["ranks"] == 4})
     if {"nxdt DP2", "nxdt 1 rank"} <= set(tps):
         out["DP scaling efficiency = nxdt DP2 / (2 × 1 rank)"] = tps["nxdt DP2"] / (2 * tps["nxdt 1 rank"])
+    if {"nxdt 1 rank, twin running", "nxdt 1 rank"} <= set(tps):
+        out["ceiling: 1 rank with a twin running / 1 rank alone"] = tps["nxdt 1 rank, twin running"] / tps["nxdt 1 rank"]
+    if {"nxdt DP2", "nxdt 1 rank, twin running"} <= set(tps):
+        out["nxdt DP2 / (2 × 1 rank with a twin running)"] = tps["nxdt DP2"] / (2 * tps["nxdt 1 rank, twin running"])
     if {"DDP DP2", "nxdt 1 rank"} <= set(tps):
         out["DDP scaling efficiency = DDP DP2 / (2 × 1 rank)"] = tps["DDP DP2"] / (2 * tps["nxdt 1 rank"])
     if {"nxdt DP2", "DDP DP2"} <= set(tps):
