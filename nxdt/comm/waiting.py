@@ -105,13 +105,22 @@ def _futex_wait(address: int, expected: int, seconds: float) -> None:
 
 
 def pid_alive(pid: int) -> bool:
+    """Is ``pid`` a running process? A zombie (exited, not yet reaped by its parent) is not: the elastic
+    agent reaps a failed job's workers one by one, and a peer waiting for an exited but unreaped rank
+    would otherwise wait until the agent's 30 s SIGKILL."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:  # no procfs (or it just went away): the signal probe answered
+        return True
+    state = stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3]  # the field after "(comm)", which may hold spaces
+    return state not in (b"Z", b"X")
 
 
 class SpinBudget:

@@ -287,3 +287,18 @@ def test_stale_segments_of_dead_processes_are_removed(tmp_path):
         for p in (path, live):
             if os.path.exists(p):
                 os.unlink(p)
+
+
+def test_an_exited_but_unreaped_peer_counts_as_dead():
+    """The elastic agent reaps a failed job's workers one at a time; a rank waiting for a zombie peer must
+    fail at once, not when the agent's 30 s SIGKILL reaches it (a restart then took 33 s instead of 4)."""
+    import subprocess
+
+    from nxdt.comm.waiting import pid_alive
+
+    child = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 10
+    while pid_alive(child.pid) and time.monotonic() < deadline:  # exits almost at once; stays a zombie until wait()
+        time.sleep(0.01)
+    assert not pid_alive(child.pid) and child.poll() == 0  # dead before it was reaped
+    assert pid_alive(os.getpid())
