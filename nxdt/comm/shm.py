@@ -259,9 +259,20 @@ class ShmChannel:
         """Is ``member``'s data of this step in its slot (else in its shared tensor)? After it published."""
         return self.headers[member][W_SOURCE + 2 * (self.step & 1)] == 0
 
-    def any_shared(self, members: Sequence[int] | None = None) -> bool:
+    def any_shared(self) -> bool:
+        """Does any member's data of this step lie in its shared tensor? After every member published."""
         word = W_SOURCE + 2 * (self.step & 1)
-        return any(self.headers[i][word] != 0 for i in (range(self.size) if members is None else members))
+        return any(h[word] != 0 for h in self.headers)
+
+    def put(self, src: torch.Tensor) -> bool:
+        """Offer ``src`` as my data of this step: in place when it is a shared tensor (returns True; then
+        :meth:`wait_readers` after :meth:`finish`), else copied to the start of my slot (returns False)."""
+        where = self.locate(src)
+        if where is None:
+            self.typed(self.me, src.dtype, src.numel()).copy_(src)
+            return False
+        self.set_source(where)
+        return True
 
     def source(self, member: int, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
         """Elements [start, stop) of ``member``'s published data: from its slot or, zero-copy, its shared tensor."""

@@ -141,18 +141,14 @@ def all_gather(ch: ShmChannel, out: torch.Tensor, inp: torch.Tensor) -> None:
         whole = k == m and m > 0
         src = inp if whole else inp[c0:c1]
         ch.begin(fp, "all_gather")
-        shared = ch.locate(src)
-        if shared is not None:
-            ch.set_source(shared)
-        else:
-            ch.typed(me, dtype, k).copy_(src)
+        shared = ch.put(src)
         ch.publish()
         if not in_place:  # our own block while the peers catch up
             (rows[me] if whole else out[me * m + c0:me * m + c1]).copy_(src)
         for j in ch.each_ready(ch.peers):
             (rows[j] if whole else out[j * m + c0:j * m + c1]).copy_(ch.source(j, dtype, 0, k))
         ch.finish((ch.size - 1) * k * inp.element_size())
-        if shared is not None:
+        if shared:
             ch.wait_readers()
 
 
@@ -196,19 +192,13 @@ def broadcast(ch: ShmChannel, t: torch.Tensor, root: int) -> None:
     desc = f"broadcast(root={root})"
     for c0, c1 in _chunks(t.numel(), _pipelined(ch, t.numel(), t.element_size())):
         ch.begin(fp, desc)
-        shared = None
-        if ch.me == root:
-            shared = ch.locate(t[c0:c1])
-            if shared is not None:
-                ch.set_source(shared)
-            else:
-                ch.typed(root, t.dtype, c1 - c0).copy_(t[c0:c1])
+        shared = ch.me == root and ch.put(t[c0:c1])
         ch.publish()
         ch.wait_published()
         if ch.me != root:
             t[c0:c1].copy_(ch.source(root, t.dtype, 0, c1 - c0))
         ch.finish((c1 - c0) * t.element_size())
-        if shared is not None:
+        if shared:
             ch.wait_readers()
 
 
@@ -220,20 +210,14 @@ def reduce(ch: ShmChannel, t: torch.Tensor, root: int, op: str) -> None:
     for c0, c1 in _chunks(t.numel(), ch.slot_bytes // t.element_size()):
         k = c1 - c0
         ch.begin(fp, desc)
-        shared = None
-        if me != root:
-            shared = ch.locate(t[c0:c1])
-            if shared is not None:
-                ch.set_source(shared)
-            else:
-                ch.typed(me, t.dtype, k).copy_(t[c0:c1])
+        shared = me != root and ch.put(t[c0:c1])
         ch.publish()
         ch.wait_published()
         if me == root:
             own = t[c0:c1]
             reduce_into(own, [own if i == me else ch.source(i, t.dtype, 0, k) for i in range(n)], op, n)
         ch.finish(k * t.element_size())
-        if shared is not None:
+        if shared:
             ch.wait_readers()
 
 

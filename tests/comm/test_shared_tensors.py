@@ -17,21 +17,9 @@ import pytest
 import torch
 
 from nxdt.comm.spawn import run_local
+from test_algorithms import _expected, _pattern  # the same exact-sum inputs
 
 SIZES = [0, 1, 7, 1001, 40_000, (5 << 20) // 4]  # empty … more than one 4 MB slot (chunked steps)
-
-
-def _pattern(n: int, rank: int, op: str, dtype: torch.dtype) -> torch.Tensor:
-    base = torch.arange(n, dtype=torch.int64)
-    values = (base % 2) + 1 if op == "prod" else (base % 7) + rank + 1
-    return values.to(dtype)
-
-
-def _expected(n: int, ranks: list[int], op: str, dtype: torch.dtype) -> torch.Tensor:
-    stack = torch.stack([_pattern(n, r, op, torch.float64) for r in ranks])
-    ref = {"sum": stack.sum(0), "avg": stack.sum(0) / len(ranks), "min": stack.min(0).values, "max": stack.max(0).values,
-           "prod": stack.prod(0)}[op]
-    return ref.to(dtype)
 
 
 def _shared_matrix(world) -> dict:
