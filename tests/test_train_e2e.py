@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import subprocess
 import sys
 import time
@@ -29,6 +30,25 @@ def nxdt(*args: str, cwd: Path, timeout: float = 200) -> subprocess.CompletedPro
 def losses(run_dir: Path) -> dict[int, float]:
     with open(run_dir / "metrics.csv", newline="") as fh:
         return {int(row["step"]): float(row["loss"]) for row in csv.DictReader(fh)}
+
+
+def assert_no_process_left(run_dir: Path) -> None:
+    """Every worker the run started, and the fork server they came from, has exited (zombies count as gone)."""
+    started = re.findall(r"started \(t=[0-9.]+, pid (\d+), parent (\d+)\)", "".join(
+        path.read_text() for path in (run_dir / "logs").glob("rank*.log")))
+    assert started, "no worker logged its start"
+    pids = {int(pid) for pair in started for pid in pair}
+    deadline = time.monotonic() + 10
+    while (alive := [pid for pid in pids if _running(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive, f"processes left behind: {alive}"
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
 
 
 def assert_ok(result: subprocess.CompletedProcess) -> None:
@@ -91,8 +111,7 @@ def test_failing_worker_is_named_and_nothing_is_left_running(tmp_path):
     assert "rank 1" in result.stderr and "rank1.log" in result.stderr, result.stderr[-2000:]
     assert "injected fault" in (run / "logs" / "rank1.log").read_text()
     assert elapsed < 120
-    leftover = subprocess.run(["pgrep", "-f", f"nxdt.launch.worker {run}"], capture_output=True, text=True)
-    assert leftover.stdout.strip() == ""
+    assert_no_process_left(run)
 
 
 def test_sweep_runs_one_world_per_job_and_reports(tmp_path):
@@ -122,5 +141,4 @@ def test_ctrl_c_stops_every_worker_with_one_line(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130
     assert "interrupted" in err and "Traceback" not in err, err[-2000:]
-    leftover = subprocess.run(["pgrep", "-f", f"nxdt.launch.worker {run}"], capture_output=True, text=True)
-    assert leftover.stdout.strip() == ""
+    assert_no_process_left(run)

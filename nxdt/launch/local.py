@@ -7,9 +7,9 @@ error and its log file, and remove the run's shared-memory segments whatever hap
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -31,16 +31,41 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _failure_line(exc: Any, run_dir: Path) -> str:
-    rank, failure = exc.get_first_failure()
-    message = failure.message
+def _summary(message: Any, exitcode: int) -> str:
+    """The last unindented line of a recorded error ("ExceptionType: message"), else the exit code."""
     if isinstance(message, dict):
         message = message.get("message", message)
-    text = str(message).strip().splitlines()
-    # the error file holds "ExceptionType: message" as its first line when @record captured it
-    summary = next((line for line in reversed(text) if line.strip() and not line.startswith(" ")), f"exit code {failure.exitcode}") if text else f"exit code {failure.exitcode}"
-    if summary.startswith("<N/A>") or not summary:
-        summary = f"exit code {failure.exitcode}"
+    text = [line for line in str(message).strip().splitlines() if line.strip() and not line.startswith(" ")]
+    summary = text[-1] if text else ""
+    return f"exit code {exitcode}" if not summary or summary.startswith("<N/A>") else summary
+
+
+def root_failure(exc: Any) -> tuple[int, int | None, str]:
+    """(local rank, pid if known, one-line summary) of the worker whose failure caused the others.
+
+    A worker that dies makes its peers fail with ``PeerDiedError``, often within the same second, and
+    the agent may report whichever exit it saw first (only that one, for forked workers); every
+    worker's error file lies beside the reported one, so a failure that is not a peer's death is
+    looked for there."""
+    failures = {rank: (f.pid, _summary(f.message, f.exitcode)) for rank, f in exc.failures.items()}
+    for failure in exc.failures.values():
+        if not failure.error_file:
+            continue
+        for path in Path(failure.error_file).parent.parent.glob("*/error.json"):
+            rank = int(path.parent.name)
+            if rank not in failures:
+                try:
+                    recorded = json.loads(path.read_text())["message"]
+                except (OSError, ValueError, KeyError):
+                    continue
+                failures[rank] = (None, _summary(recorded, 1))
+    causes = [rank for rank, (_, summary) in sorted(failures.items()) if not summary.startswith("PeerDiedError")]
+    rank = causes[0] if causes else min(failures)
+    return rank, failures[rank][0], failures[rank][1]
+
+
+def _failure_line(exc: Any, run_dir: Path) -> str:
+    rank, _, summary = root_failure(exc)
     return f"nxdt: rank {rank} failed: {summary} — see {run_dir / 'logs' / f'rank{rank}.log'}"
 
 
@@ -53,6 +78,7 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from nxdt.comm import cleanup_run
+    from nxdt.launch import worker
 
     # the agent logs every worker exit at WARNING/ERROR; we report the failure ourselves in one line
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
@@ -60,12 +86,13 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=plan.ranks_per_node, run_id=run_id,
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", rdzv_configs={"is_host": True},
-        max_restarts=max_restarts, monitor_interval=0.2, start_method="spawn",
+        max_restarts=max_restarts, monitor_interval=0.2, start_method=worker.START_METHOD,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "agent")),
     )
-    args = ["-m", "nxdt.launch.worker", str(run_dir)] + (["--console-tty"] if console_tty else [])
+    argv = [str(run_dir)] + (["--console-tty"] if console_tty else [])
     try:
-        elastic_launch(config, entrypoint=sys.executable)(*args)
+        worker.start_fork_server()
+        elastic_launch(config, entrypoint=worker.main)(argv)
     except ChildFailedError as exc:
         raise LaunchFailed(_failure_line(exc, run_dir)) from None
     except (SignalException, KeyboardInterrupt) as exc:  # the agent turns SIGINT/SIGTERM into SignalException

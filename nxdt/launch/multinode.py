@@ -37,6 +37,7 @@ from typing import Any, Mapping, Sequence
 
 from nxdt.config.validate import ConfigError
 
+WORKER_MODULE = ["-m", "nxdt.launch.worker"]  # the worker as a command, for torchrun and dry runs
 NODE_RANK_ENV = ("PET_NODE_RANK", "NODE_RANK", "SLURM_NODEID")
 RDZV_ID_ENV = ("PET_RDZV_ID", "SLURM_JOB_ID")
 # the Neuron runtime's UltraServer position (set by the EKS/ParallelCluster init scripts)
@@ -68,7 +69,7 @@ class NodeSpec:
     def known_node_rank(self) -> int | None:
         return self.node_key[1] if self.node_key and self.node_key[0] == "rank" else None
 
-    def launch_config(self, log_dir: Path) -> Any:
+    def launch_config(self, log_dir: Path, start_method: str = "spawn") -> Any:
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
         from torch.distributed.launcher.api import LaunchConfig
 
@@ -76,7 +77,7 @@ class NodeSpec:
             min_nodes=self.nnodes, max_nodes=self.nnodes, nproc_per_node=self.nproc_per_node, run_id=self.rdzv_id,
             rdzv_backend="c10d", rdzv_endpoint=self.rdzv_endpoint,
             rdzv_configs={"is_host": self.is_host, "join_timeout": int(self.join_timeout_s)},
-            local_addr=self.local_addr, max_restarts=self.max_restarts, monitor_interval=0.2, start_method="spawn",
+            local_addr=self.local_addr, max_restarts=self.max_restarts, monitor_interval=0.2, start_method=start_method,
             logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
         )
 
@@ -302,8 +303,9 @@ def settle_node(node_key: list[Any] | None, digest: str, source: str, timeout_s:
 
 # ------------------------------------------------------------------------------------- launching
 def worker_args(run_dir: Path, spec: NodeSpec, digest: str, console_tty: bool) -> list[str]:
-    args = ["-m", "nxdt.launch.worker", str(run_dir), "--node-key", json.dumps(spec.node_key), "--node-key-source",
-            spec.node_key_source, "--plan-digest", digest]
+    """The worker's argv (``nxdt.launch.worker.main``; after ``python -m nxdt.launch.worker`` under torchrun)."""
+    args = [str(run_dir), "--node-key", json.dumps(spec.node_key), "--node-key-source", spec.node_key_source,
+            "--plan-digest", digest]
     return args + (["--console-tty"] if console_tty else [])
 
 
@@ -318,8 +320,9 @@ def describe_node(spec: NodeSpec, run_dir: Path, args: Sequence[str]) -> str:
         f"rendezvous: c10d at {spec.rdzv_endpoint}, id {spec.rdzv_id}, "
         f"{'hosted by this node' if spec.is_host else 'hosted by another node'}, join timeout {spec.join_timeout_s:g}s",
         "agent: torch.distributed.launcher.api.elastic_launch, the same agent as:",
-        "  " + shlex.join(spec.torchrun_command(args)),
-        f"worker command: {shlex.join([sys.executable, *args])}",
+        "  " + shlex.join(spec.torchrun_command(WORKER_MODULE + list(args))),
+        f"worker command: {shlex.join([sys.executable, *WORKER_MODULE, *args])} (nxdt's agent forks it from a server "
+        "that has imported torch and Lightning once)",
         "worker environment (set by the agent): RANK LOCAL_RANK GROUP_RANK WORLD_SIZE=" + str(spec.nnodes * spec.nproc_per_node)
         + f" LOCAL_WORLD_SIZE={spec.nproc_per_node} MASTER_ADDR MASTER_PORT TORCHELASTIC_RUN_ID={spec.rdzv_id}",
     ]
@@ -328,25 +331,32 @@ def describe_node(spec: NodeSpec, run_dir: Path, args: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def launch_node(run_dir: Path, spec: NodeSpec, args: Sequence[str], entrypoint: Any = None) -> Any:
-    """Run this node's agent until the job ends. ``entrypoint``: sys.executable (``args`` = its argv) or a
-    picklable function (``args`` = its arguments; returns {local rank: value})."""
+def launch_node(run_dir: Path, spec: NodeSpec, args: Sequence[Any], entrypoint: Any = None) -> Any:
+    """Run this node's agent until the job ends. Without ``entrypoint`` the workers train (``args``: the
+    worker's argv, see ``worker_args``) and are forked from a pre-imported server; otherwise
+    ``entrypoint`` is a picklable function started fresh (``args``: its arguments; returns {local rank: value})."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
     from torch.distributed.launcher.api import elastic_launch
 
-    from nxdt.launch.local import LaunchFailed, LaunchInterrupted
+    from nxdt.launch.local import LaunchFailed, LaunchInterrupted, root_failure
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.update(spec.env)
     os.environ["NXDT_LOCAL_ADDR"] = spec.local_addr  # for messages naming a node
     where = f"node at {spec.local_addr}"
+    log_dir = run_dir / "logs" / "agent"
     try:
-        return elastic_launch(spec.launch_config(run_dir / "logs" / "agent"), entrypoint=entrypoint or sys.executable)(*args)
+        if entrypoint is None:
+            from nxdt.launch import worker
+
+            worker.start_fork_server()  # after the environment above is set: the workers inherit the server's
+            return elastic_launch(spec.launch_config(log_dir, worker.START_METHOD), entrypoint=worker.main)(list(args))
+        return elastic_launch(spec.launch_config(log_dir), entrypoint=entrypoint)(*args)
     except ChildFailedError as exc:
-        local_rank, failure = min(exc.failures.items())
-        raise LaunchFailed(f"nxdt: {where}: worker {local_rank} (pid {failure.pid}) failed: {_summary(failure)} — "
+        local_rank, pid, summary = root_failure(exc)
+        raise LaunchFailed(f"nxdt: {where}: worker {local_rank}{f' (pid {pid})' if pid else ''} failed: {summary} — "
                            f"logs in {run_dir / 'logs'}") from None
     except RendezvousTimeoutError:
         raise LaunchFailed(f"nxdt: {where}: the c10d rendezvous at {spec.rdzv_endpoint} (id {spec.rdzv_id}) did not gather "
@@ -358,17 +368,6 @@ def launch_node(run_dir: Path, spec: NodeSpec, args: Sequence[str], entrypoint: 
     except (SignalException, KeyboardInterrupt) as exc:
         raise LaunchInterrupted(f"nxdt: interrupted ({getattr(exc, 'sigval', 'SIGINT')}); this node's workers stopped — "
                                 "restart every node with exp_manager.resume_if_exists=true") from None
-
-
-def _summary(failure: Any) -> str:
-    message = failure.message
-    if isinstance(message, dict):
-        message = message.get("message", message)
-    text = [line for line in str(message).strip().splitlines() if line.strip() and not line.startswith(" ")]
-    summary = text[-1] if text else ""
-    if not summary or summary.startswith("<N/A>"):
-        summary = f"exit code {failure.exitcode}"
-    return summary
 
 
 def write_atomically(path: Path, text: str) -> None:

@@ -1,35 +1,56 @@
-"""Worker entry point: ``python -m nxdt.launch.worker RUN_DIR`` (started by the elastic agent).
+"""Worker entry point: ``main([RUN_DIR, ...])``, started by the elastic agent (or ``python -m
+nxdt.launch.worker RUN_DIR`` under a plain torchrun).
 
 Reads the resolved config and the plan from the run directory (never re-enters Hydra), sends this
 rank's output to ``logs/rank<k>.log`` (rank 0 also to the console), then trains.
+
+nxdt's agents fork workers from a multiprocessing fork server that has already imported torch and
+Lightning (``start_fork_server``): those imports cost about 6 s of CPU per process, which ranks
+sharing a host's cores pay one after another, and a restart after a failure would pay them again.
 """
 
 from __future__ import annotations
 
 import argparse
-import atexit
 import ctypes
 import json
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
+from typing import Callable
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
 
-def _redirect_output(log_path: Path, tee_to_console: bool) -> None:
+START_METHOD = "forkserver"
+PRELOAD = ["nxdt.launch.fork_server"]  # what every worker imports before it trains
+
+
+def start_fork_server() -> None:
+    """Start the fork server the agent's workers come from, importing ``PRELOAD`` once. Called before
+    the agent's rendezvous so the imports overlap it; the server is single-threaded (it only imports),
+    so forking it is safe, and it exits with the agent."""
+    multiprocessing.get_context(START_METHOD).set_forkserver_preload(PRELOAD)
+    multiprocessing.forkserver.ensure_running()
+
+
+def _redirect_output(log_path: Path, tee_to_console: bool) -> Callable[[], None]:
     """Point fds 1 and 2 at the rank's log file (through a tee thread for rank 0), so output of
-    C++ code and subprocesses is captured too, not only Python's."""
+    C++ code and subprocesses is captured too, not only Python's. Returns the function that ends the
+    tee: it flushes, lets the tee drain, and leaves fds 1 and 2 on the log file alone."""
     log = open(log_path, "ab", buffering=0)
     sys.stdout.flush()
     sys.stderr.flush()
     if not tee_to_console:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
-        return
+        return lambda: (sys.stdout.flush(), sys.stderr.flush())
     console = os.dup(1)
     read_end, write_end = os.pipe()
     os.dup2(write_end, 1)
@@ -44,14 +65,14 @@ def _redirect_output(log_path: Path, tee_to_console: bool) -> None:
     thread = threading.Thread(target=pump, name="nxdt-tee", daemon=True)
     thread.start()
 
-    def drain() -> None:  # at exit: close our ends of the pipe so the pump sees EOF and flushes
+    def drain() -> None:  # the pipe's last write ends are fds 1 and 2: moving them to the log ends the pump
         sys.stdout.flush()
         sys.stderr.flush()
-        os.close(1)
-        os.close(2)
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
         thread.join(timeout=2)
 
-    atexit.register(drain)
+    return drain
 
 
 def die_with_agent() -> None:
@@ -80,8 +101,19 @@ def main(argv: list[str] | None = None) -> None:
 
         settle_node(json.loads(args.node_key), args.plan_digest, args.node_key_source, timeout_s=120.0)
     rank = int(os.environ["RANK"])
-    _redirect_output(args.run_dir / "logs" / f"rank{rank}.log", tee_to_console=rank == 0)
-    print(f"nxdt: rank {rank} attempt {os.environ.get('NXDT_ATTEMPT') or os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} started (t={time.time():.3f})", flush=True)
+    end_output = _redirect_output(args.run_dir / "logs" / f"rank{rank}.log", tee_to_console=rank == 0)
+    attempt = os.environ.get("NXDT_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    print(f"nxdt: rank {rank} attempt {attempt} started (t={time.time():.3f}, pid {os.getpid()}, parent {os.getppid()})", flush=True)
+    try:
+        _train(args, rank)
+    except Exception:
+        traceback.print_exc()  # while rank 0's tee still reaches the console
+        raise
+    finally:
+        end_output()  # a forked worker ends without atexit handlers: the tee is drained here
+
+
+def _train(args: argparse.Namespace, rank: int) -> None:
     if args.plan_digest is not None:
         from nxdt.comm.world import host_identity
 
@@ -107,4 +139,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
