@@ -47,6 +47,10 @@ def test_a_mismatched_hf_checkpoint_is_one_line(tmp_path):
     _hf_llama_tiny(tmp_path / "hf")
     result = nxdt("train", *TINY, "data=synthetic", f"model.hf_checkpoint={tmp_path / 'hf'}", "model.hidden_size=64",
                   "trainer.devices=1", "trainer.max_steps=1", f"exp_manager.explicit_log_dir={tmp_path / 'run'}", cwd=tmp_path)
-    assert result.returncode != 0 and "make the model config match the checkpoint's config.json" in result.stderr
+    # found before any worker starts: one line naming the key, both values and the fix
+    assert result.returncode == 2 and not (tmp_path / "run" / "logs").exists(), result.stderr[-2000:]
+    assert "model.hidden_size=64" in result.stderr and "has 128" in result.stderr, result.stderr[-2000:]
+    assert "make the model config match the checkpoint's config.json" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
     empty = nxdt("train", *TINY, f"model.hf_checkpoint={tmp_path}", cwd=tmp_path, timeout=60)
     assert empty.returncode == 2 and "no *.safetensors" in empty.stderr and len(empty.stderr.strip().splitlines()) == 1

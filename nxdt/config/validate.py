@@ -173,15 +173,47 @@ def validate(cfg: Any, *, paths: bool = True) -> None:
 def _check_paths(cfg: Any) -> None:
     """Files the run reads. ``nxdt plan`` skips this: a plan for a cluster needs none of them here."""
     hf = cfg.model.hf_checkpoint
-    if hf is not None and not list(Path(hf).expanduser().glob("*.safetensors")):
-        raise ConfigError("model.hf_checkpoint", hf, "no *.safetensors files there; give a Hugging Face model directory saved "
-                          "with safetensors (save_pretrained(..., safe_serialization=True))")
+    if hf is not None:
+        if not list(Path(hf).expanduser().glob("*.safetensors")):
+            raise ConfigError("model.hf_checkpoint", hf, "no *.safetensors files there; give a Hugging Face model directory saved "
+                              "with safetensors (save_pretrained(..., safe_serialization=True))")
+        _check_hf_shape(cfg, Path(hf).expanduser() / "config.json")
     for key in ("data.train_dir", "data.tokenizer"):
         path = _get(cfg, key)
         if path is not None and not Path(path).expanduser().exists():
             raise ConfigError(key, path, "no such file; give an existing path (or null for the default)")
     if cfg.data.source == "hf_dataset" and importlib.util.find_spec("pyarrow") is None:
         raise ConfigError("data.source", "hf_dataset", "reading a save_to_disk directory needs pyarrow: pip install 'nxdt[hf]'")
+
+
+# config.json fields that decide the tensors' shapes (nxdt model field names, see hf_model.FIELDS)
+_HF_SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "ffn_hidden_size",
+                    "tie_word_embeddings", "moe.num_experts")
+
+
+def _check_hf_shape(cfg: Any, config_json: Path) -> None:
+    """A checkpoint whose config.json describes another shape fails here, in one line, rather than in
+    every worker's weight loading (which still checks each tensor, for directories without config.json)."""
+    import json
+
+    from nxdt.config.hf_model import HFConfigError, model_fields
+
+    try:
+        fields, _ = model_fields(json.loads(config_json.read_text()))
+    except (OSError, ValueError, HFConfigError):
+        return  # no readable config.json: the workers compare the tensors themselves
+    for name in _HF_SHAPE_FIELDS:
+        theirs = fields.get(name)
+        if name == "num_kv_heads" and theirs is None:
+            theirs = fields.get("num_attention_heads")
+        if theirs is None:
+            continue
+        ours = _get(cfg.model, name)
+        if name == "num_kv_heads" and ours is None:
+            ours = cfg.model.num_attention_heads
+        if ours is not None and ours != theirs:
+            raise ConfigError(f"model.{name}", ours, f"the checkpoint's config.json ({config_json}) has {theirs}; make the model "
+                              "config match the checkpoint's config.json")
 
 
 def _instance_names() -> list[str]:
