@@ -214,6 +214,7 @@ def _layout(world) -> str:
 
 def _body(world, args: dict) -> dict[str, Any]:
     torch.set_num_threads(1)
+    torch.set_grad_enabled(False)  # a communication benchmark, like nccom-test: no autograd anywhere (both libraries alike)
     comm, n, rank = world.world, world.world_size, world.rank
     dtype = DTYPES[args["datatype"]]
     gloo = None

@@ -80,17 +80,17 @@ def all_reduce(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str = "auto"
         k = c1 - c0
         dst = t if k == total else t[c0:c1]
         ch.begin(fp, desc)
-        mine = ch.typed(me, dtype)
         bounds = _bounds(k, n)
         shared = ch.locate(dst)
         if shared is not None:  # zero-copy: peers read my slices of dst in place
             ch.set_source(shared)
         elif sliced:  # only the slices others reduce
+            mine = ch.typed(me, dtype)
             for j in peers:
                 lo, hi = bounds[j]
                 mine[lo:hi].copy_(dst[lo:hi])
         else:
-            mine[:k].copy_(dst)
+            ch.typed(me, dtype, k).copy_(dst)  # a cached view: slicing a fresh one costs as much as a small copy
         ch.publish()
         if not sliced:
             ch.wait_published()
@@ -118,7 +118,7 @@ def all_reduce(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str = "auto"
             if not ch.in_slot(j):
                 ch.source(j, dtype, lo, hi).copy_(own)
         if shared is None and pullers:
-            mine[lo:hi].copy_(own)
+            ch.typed(me, dtype)[lo:hi].copy_(own)
         ch.mark_reduced()
         if shared is None:  # my tensor is private: pull every peer's slice as soon as it is ready
             for j in ch.each_ready(peers, reduced=True):

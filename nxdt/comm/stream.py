@@ -173,8 +173,12 @@ class Stream:
                     self._pending += 1
             if idle:  # the common synchronous path: run here, no hand-off, no work handle
                 try:
-                    with self._lock, torch.no_grad():
-                        fn()
+                    with self._lock:
+                        if torch.is_grad_enabled():  # entering no_grad costs more than a small collective's copy
+                            with torch.no_grad():
+                                fn()
+                        else:
+                            fn()
                 finally:
                     with self._pending_lock:
                         self._pending -= 1
