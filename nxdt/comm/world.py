@@ -471,8 +471,9 @@ class World:
     """All ranks of a job: host identities, streams, and the communicators."""
 
     def __init__(self, rank: int, world_size: int, store: dist.Store, run_id: str, timeout_s: float, host_ids: list[str],
-                 slot_bytes: int = DEFAULT_SLOT_BYTES, wait_policy: WaitPolicy = DEFAULT_WAIT) -> None:
+                 slot_bytes: int = DEFAULT_SLOT_BYTES, wait_policy: WaitPolicy = DEFAULT_WAIT, hosts_store: bool = False) -> None:
         self.rank, self.world_size, self.store, self.run_id = rank, world_size, store, run_id
+        self.hosts_store = hosts_store  # this process serves the store: it must outlive every other rank's use of it
         self.timeout_s, self.host_ids = timeout_s, host_ids
         self.slot_bytes, self.wait_policy = slot_bytes, wait_policy
         self._streams: dict[str, Stream] = {}
@@ -556,6 +557,20 @@ class World:
         self.heap.close()
         if self.multi_host and dist.is_initialized():
             dist.destroy_process_group()
+        self._leave_store()
+
+    def _leave_store(self) -> None:
+        """The rank serving the store stops it only after every other rank has left (bounded): a rank still
+        reading from it — the end of its own init, a gloo handshake — would otherwise see its connection reset."""
+        try:
+            if not self.hosts_store:
+                self.store.add("left", 1)
+                return
+            deadline = time.monotonic() + min(self.timeout_s, 30.0)
+            while self.store.add("left", 0) < self.world_size - 1 and time.monotonic() < deadline:
+                time.sleep(0.002)
+        except Exception:  # the store or its server is gone already: nothing left to protect
+            pass
 
 
 def init_process(rank: int, world_size: int, master_addr: str, master_port: int, *, timeout_s: float = 120.0,
@@ -585,7 +600,8 @@ def init_process(rank: int, world_size: int, master_addr: str, master_port: int,
     store.set(f"host/{rank}", host_id or host_identity())
     host_ids = [store.get(f"host/{r}").decode() for r in range(world_size)]
     local_ranks = host_ids.count(host_ids[rank])
-    return World(rank, world_size, store, full_run_id, timeout_s, host_ids, slot_bytes, wait_policy or policy_for(local_ranks))
+    return World(rank, world_size, store, full_run_id, timeout_s, host_ids, slot_bytes, wait_policy or policy_for(local_ranks),
+                 hosts_store=store_is_server)
 
 
 def init_from_env(*, timeout_s: float = 120.0, run_id: str | None = None) -> World:
