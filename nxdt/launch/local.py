@@ -41,27 +41,28 @@ def _summary(message: Any, exitcode: int) -> str:
 
 
 def root_failure(exc: Any) -> tuple[int, int | None, str]:
-    """(local rank, pid if known, one-line summary) of the worker whose failure caused the others.
+    """(local rank, pid if known, one-line summary) of the worker that failed first.
 
-    A worker that dies makes its peers fail with ``PeerDiedError``, often within the same second, and
-    the agent may report whichever exit it saw first (only that one, for forked workers); every
-    worker's error file lies beside the reported one, so a failure that is not a peer's death is
-    looked for there."""
-    failures = {rank: (f.pid, _summary(f.message, f.exitcode)) for rank, f in exc.failures.items()}
-    for failure in exc.failures.values():
+    One failure brings down the rest: peers waiting for a dead rank raise ``PeerDiedError`` and the
+    agent stops the others (SIGTERM), each recording an error of its own, often within the same second.
+    The agent may report whichever exit it saw first (only that one, for forked workers), so every
+    worker's error file, which lies beside the reported one, is read and the first written wins: a
+    rank's error is written before it exits, and its peers notice the exit only after that."""
+    first: dict[int, tuple[float, int | None, str]] = {}
+    for rank, failure in exc.failures.items():
+        first[rank] = (float("inf"), failure.pid, _summary(failure.message, failure.exitcode))
         if not failure.error_file:
             continue
         for path in Path(failure.error_file).parent.parent.glob("*/error.json"):
-            rank = int(path.parent.name)
-            if rank not in failures:
-                try:
-                    recorded = json.loads(path.read_text())["message"]
-                except (OSError, ValueError, KeyError):
-                    continue
-                failures[rank] = (None, _summary(recorded, 1))
-    causes = [rank for rank, (_, summary) in sorted(failures.items()) if not summary.startswith("PeerDiedError")]
-    rank = causes[0] if causes else min(failures)
-    return rank, failures[rank][0], failures[rank][1]
+            other = int(path.parent.name)
+            try:
+                written, recorded = path.stat().st_mtime_ns / 1e9, json.loads(path.read_text())["message"]
+            except (OSError, ValueError, KeyError):
+                continue
+            pid = first[other][1] if other in first else None
+            first[other] = (written, pid, _summary(recorded, 1))
+    rank = min(first, key=lambda r: (first[r][0], r))
+    return rank, first[rank][1], first[rank][2]
 
 
 def _failure_line(exc: Any, run_dir: Path) -> str:
