@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 from nxdt.config.validate import ALLOWED_MODEL_PREFIX
 from nxdt.lightning.hf import load_hf_weights
 from nxdt.lightning.optim import build_optimizer, build_scheduler
+from nxdt.parallel import squared_norm
 
 
 
@@ -76,8 +77,7 @@ class CausalLMModule(pl.LightningModule):
                 extra["grad_norm"] = float(grad_norm)
         if self.log_parameter_norm:
             norm = getattr(strategy, "parameter_norm", None)
-            extra["param_norm"] = float(norm() if norm else torch.linalg.vector_norm(
-                torch.stack([p.detach().double().norm() for p in self.model.parameters()])))
+            extra["param_norm"] = float(norm() if norm else torch.stack([squared_norm(p) for p in self.model.parameters()]).sum().sqrt())
         lr = optimizer.param_groups[0]["lr"]  # the rate this step applies (the schedule steps after it)
         optimizer.step()
         scheduler.step()

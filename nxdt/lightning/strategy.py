@@ -36,6 +36,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 
 import nxdt.comm
 from nxdt.lightning import checkpoint as ckpt_io, reshard
+from nxdt.parallel import squared_norm
 from nxdt.parallel.expert_parallel import apply_expert_parallel, is_expert_parameter, reduce_expert_gradients
 from nxdt.parallel.fsdp import FullyShardedDataParallel, apply_fsdp
 from nxdt.parallel.pipeline import PipelineExecutor, build_chunks, interleaved_one_f_one_b, one_f_one_b
@@ -373,7 +374,7 @@ class NxDStrategy(ParallelStrategy):
         squares = torch.zeros(1, dtype=torch.float64)
         for flat in self.fsdp.flats():
             for entry, a, b in flat.segments(self.fsdp.dp_rank):
-                squares += weights.get(entry.name, 1.0) * flat.shard[a:b].detach().double().pow(2).sum()
+                squares += weights.get(entry.name, 1.0) * squared_norm(flat.shard[a:b])
         for comm in (self.fsdp.comm, self.communicators["tp"] if self.plan.degrees["tp"] > 1 else None):
             if comm is not None and comm.size > 1:
                 comm.all_reduce(squares, op="sum")
@@ -388,7 +389,7 @@ class NxDStrategy(ParallelStrategy):
         experts = {n for n, p in self.lightning_module.named_parameters() if is_expert_parameter(p)}
         for name, t in named:
             w = weights.get(name[len(prefix):] if name.startswith(prefix) else name, 1.0)
-            squares[int(name in experts)] += w * t.detach().double().pow(2).sum()
+            squares[int(name in experts)] += w * squared_norm(t)
         if self.plan.degrees["ep"] > 1:  # each EP rank holds different experts: add their parts
             expert_part = squares[1:].clone()
             self.communicators["ep"].all_reduce(expert_part, op="sum")

@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from nxdt.comm.stream import Work
+from nxdt.parallel import squared_norm
 
 __all__ = ["FSDP_STREAM", "POLICIES", "FlatShard", "FSDPUnit", "FullyShardedDataParallel", "apply_fsdp"]
 
@@ -585,10 +586,10 @@ class FullyShardedDataParallel:
             if g is None:
                 continue
             if not weights:
-                total += g.double().pow(2).sum()
+                total += squared_norm(g)
                 continue
             for e, a, b in f.segments(self.dp_rank):
-                total += weights.get(e.name, 1.0) * g[a:b].double().pow(2).sum()
+                total += weights.get(e.name, 1.0) * squared_norm(g[a:b])
         return total
 
     def shard_gradients(self) -> list[torch.Tensor]:

@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from nxdt.comm.world import Communicator
+from nxdt.parallel import squared_norm
 
 __all__ = ["Zero1Optimizer", "STATE_FORMAT", "consolidate_shard_states"]
 
@@ -277,11 +278,10 @@ class Zero1Optimizer(torch.optim.Optimizer):
             for i, a, e in b.owned_segments(self.dp_rank):
                 if replicated is not None and not count_replicated and replicated(b.params[i]):
                     continue
-                part = g[a:e].double()
                 if norm_type == math.inf:
-                    local = torch.maximum(local, part.abs().max())
+                    local = torch.maximum(local, g[a:e].abs().max().double())
                 else:
-                    local = local + part.square().sum() * (weight(b.params[i]) if weight is not None else 1.0)
+                    local = local + squared_norm(g[a:e]) * (weight(b.params[i]) if weight is not None else 1.0)
         total = local.float().reshape(1)
         op = "max" if norm_type == math.inf else "sum"
         for c in ([self.dp_comm] if self.dp_size > 1 else []) + list(extra_comms):
