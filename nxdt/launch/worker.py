@@ -139,4 +139,7 @@ def _train(args: argparse.Namespace, rank: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except Exception:  # printed and recorded by main already: exit 1 without a second traceback
+        sys.exit(1)
