@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import socket
 import uuid
 from pathlib import Path
@@ -47,20 +49,26 @@ def root_failure(exc: Any) -> tuple[int, int | None, str]:
     agent stops the others (SIGTERM), each recording an error of its own, often within the same second.
     The agent may report whichever exit it saw first (only that one, for forked workers), so every
     worker's error file, which lies beside the reported one, is read and the first written wins: a
-    rank's error is written before it exits, and its peers notice the exit only after that."""
+    rank's error is written before it exits, and its peers notice the exit only after that. A worker
+    killed by a signal writes no file: it counts as first (it died before anyone could notice), unless the
+    signal was SIGTERM, the agent's way of stopping the others."""
     first: dict[int, tuple[float, int | None, str]] = {}
     for rank, failure in exc.failures.items():
-        first[rank] = (float("inf"), failure.pid, _summary(failure.message, failure.exitcode))
-        if not failure.error_file:
+        recorded = os.path.isfile(failure.error_file)
+        when = float("inf") if recorded or failure.exitcode == -signal.SIGTERM else float("-inf")
+        first[rank] = (when, failure.pid, _summary(failure.message, failure.exitcode))
+        if not recorded:
             continue
         for path in Path(failure.error_file).parent.parent.glob("*/error.json"):
             other = int(path.parent.name)
             try:
-                written, recorded = path.stat().st_mtime_ns / 1e9, json.loads(path.read_text())["message"]
+                written, message = path.stat().st_mtime_ns / 1e9, json.loads(path.read_text())["message"]
             except (OSError, ValueError, KeyError):
                 continue
+            if other in first and first[other][0] == float("-inf"):
+                continue
             pid = first[other][1] if other in first else None
-            first[other] = (written, pid, _summary(recorded, 1))
+            first[other] = (written, pid, _summary(message, 1))
     rank = min(first, key=lambda r: (first[r][0], r))
     return rank, first[rank][1], first[rank][2]
 

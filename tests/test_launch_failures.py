@@ -1,0 +1,73 @@
+"""Which worker the launcher names when a job fails: the one whose failure came first.
+
+One failing rank brings the others down within the same second (its peers raise PeerDiedError, the
+agent SIGTERMs the rest, each records an error of its own), and the agent may report any one of them.
+These build the agent's real failure objects over error files whose write times are set explicitly,
+so the ordering is asserted without racing real processes (the e2e tests cover the real thing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from nxdt.launch.local import root_failure
+
+T0 = 1_800_000_000.0
+
+
+def _error_file(attempt: Path, local_rank: int, message: str, written: float) -> str:
+    """An error file as torch elastic's @record writes it, last modified at ``written``."""
+    path = attempt / str(local_rank) / "error.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"message": {"message": message, "extraInfo": {"py_callstack": "Traceback ...",
+                                                                              "timestamp": str(int(written))}}}))
+    os.utime(path, (written, written))
+    return str(path)
+
+
+def _reported(attempt: Path, local_rank: int, pid: int, exitcode: int) -> ChildFailedError:
+    """What the agent raises when it saw only ``local_rank`` exit (forked workers: one failure)."""
+    failure = ProcessFailure(local_rank=local_rank, pid=pid, exitcode=exitcode, error_file=str(attempt / str(local_rank) / "error.json"))
+    return ChildFailedError("worker", {local_rank: failure})
+
+
+def test_the_rank_that_failed_first_is_named_even_when_the_agent_reports_a_peer(tmp_path):
+    _error_file(tmp_path, 1, "InjectedFault: injected fault at step 3 on rank 1", T0)
+    _error_file(tmp_path, 0, "PeerDiedError: rank 1 (pid 42) exited while the others waited for it", T0 + 0.004)
+    rank, pid, summary = root_failure(_reported(tmp_path, 0, pid=41, exitcode=1))
+    assert (rank, summary) == (1, "InjectedFault: injected fault at step 3 on rank 1")
+    assert pid is None  # the agent did not report that process: no pid is made up
+
+
+def test_a_peer_stopped_by_the_agent_after_the_first_failure_is_not_named(tmp_path):
+    # rank 0 lost its peer on another host; rank 1 then got the agent's SIGTERM and failed in a signal handler
+    _error_file(tmp_path, 0, "PeerDiedError: lost the connection to rank(s) [2] on another host", T0)
+    _error_file(tmp_path, 1, "RuntimeError: Connection closed by peer", T0 + 0.2)
+    rank, pid, summary = root_failure(_reported(tmp_path, 1, pid=52, exitcode=1))
+    assert rank == 0 and summary.startswith("PeerDiedError: lost the connection to rank(s) [2]")
+
+
+def test_a_worker_killed_by_a_signal_is_named_before_the_peer_that_saw_it_die(tmp_path):
+    # SIGKILL (or a crash) leaves no error file; the peer's PeerDiedError was written after the death
+    peer = ProcessFailure(local_rank=0, pid=61, exitcode=1,
+                          error_file=_error_file(tmp_path, 0, "PeerDiedError: rank 1 (pid 62) exited while the others waited", T0))
+    killed = ProcessFailure(local_rank=1, pid=62, exitcode=-9, error_file=str(tmp_path / "1" / "error.json"))
+    rank, pid, summary = root_failure(ChildFailedError("worker", {0: peer, 1: killed}))
+    assert (rank, pid) == (1, 62) and "Signal 9" in summary and "SIGKILL" in summary
+
+
+def test_a_worker_the_agent_stopped_with_sigterm_is_not_named(tmp_path):
+    _error_file(tmp_path, 0, "ValueError: loss is nan at step 12", T0)
+    stopped = ProcessFailure(local_rank=1, pid=72, exitcode=-15, error_file=str(tmp_path / "1" / "error.json"))
+    first = ProcessFailure(local_rank=0, pid=71, exitcode=1, error_file=str(tmp_path / "0" / "error.json"))
+    rank, _, summary = root_failure(ChildFailedError("worker", {1: stopped, 0: first}))
+    assert (rank, summary) == (0, "ValueError: loss is nan at step 12")
+
+
+def test_the_reported_failure_alone_keeps_its_pid_and_exit_code(tmp_path):
+    rank, pid, summary = root_failure(_reported(tmp_path, 3, pid=73, exitcode=-9))
+    assert (rank, pid) == (3, 73) and "Signal 9" in summary
