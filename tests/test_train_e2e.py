@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from nxdt.comm.waiting import pid_alive  # zombies count as gone
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 TINY = ["model=llama_tiny", "trainer.log_every_n_steps=1", "exp_manager.create_tensorboard_logger=false"]
@@ -39,16 +41,9 @@ def assert_no_process_left(run_dir: Path) -> None:
     assert started, "no worker logged its start"
     pids = {int(pid) for pair in started for pid in pair}
     deadline = time.monotonic() + 10
-    while (alive := [pid for pid in pids if _running(pid)]) and time.monotonic() < deadline:
+    while (alive := [pid for pid in pids if pid_alive(pid)]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive, f"processes left behind: {alive}"
-
-
-def _running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
 
 
 def assert_ok(result: subprocess.CompletedProcess) -> None:
