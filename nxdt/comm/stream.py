@@ -1,7 +1,9 @@
 """Streams, work handles and stream priority.
 
 A stream is a FIFO of collectives with its own thread, so ops on different streams progress
-concurrently (torch kernels and waits release the GIL). A blocking op on a stream with nothing
+concurrently (torch kernels and waits release the GIL). The thread asks the kernel for a short
+scheduling slice (:func:`nxdt.comm.waiting.request_short_slice`): it mostly sleeps, and each wake-up
+gates every op queued behind it, so it should not wait for the core its rank's compute holds. A blocking op on a stream with nothing
 queued runs inline in the caller's thread: the common synchronous path pays no thread hand-off.
 ``after=`` makes an op wait for other ops' completion first: the token chain FSDP prefetch uses.
 Every :class:`Work` has a unique integer ``id`` (per process), the token a trace shows.
@@ -36,6 +38,7 @@ from typing import Callable, Iterable
 import torch
 
 from nxdt.comm.errors import CommError, CommTimeoutError
+from nxdt.comm.waiting import request_short_slice
 
 
 _work_ids = itertools.count(1)
@@ -137,6 +140,7 @@ class Stream:
             self._thread.start()
 
     def _loop(self) -> None:
+        request_short_slice()  # wake-ups of this thread gate every queued collective: let them preempt compute
         while True:
             item = self._queue.get()
             if item is None:
