@@ -272,6 +272,7 @@ class LlamaForCausalLM(DecoderOnlyLM):
         head_dim = self.cfg.hidden_size // self.cfg.num_attention_heads
         return {
             "embed_tokens": "vocab_embedding",
+            "layers.*.self_attn": "input_region",  # q, k, v: one entry, one input-gradient all-reduce
             "layers.*.self_attn.q_proj": f"colwise:{head_dim}",
             "layers.*.self_attn.k_proj": f"colwise_kv:{head_dim}",
             "layers.*.self_attn.v_proj": f"colwise_kv:{head_dim}",
@@ -282,7 +283,8 @@ class LlamaForCausalLM(DecoderOnlyLM):
 
     def ffn_tensor_parallel_plan(self) -> dict[str, str]:
         """The feed-forward block's part of the plan (a family member with another block overrides it)."""
-        return {"layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}
+        return {"layers.*.mlp": "input_region", "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
+                "layers.*.mlp.down_proj": "rowwise"}
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Distinct parameters (a tied embedding counts once). ``exclude_embeddings`` drops the input

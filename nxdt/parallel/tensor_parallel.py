@@ -9,7 +9,10 @@ A linear layer ``y = x Wᵀ`` is split over the ``tp`` ranks of a group in one o
   (reduce-from-region).
 
 A column layer followed by a row layer (attention q/k/v → o, MLP gate/up → down) costs one all-reduce
-forward and one backward. With sequence parallelism the activations *between* those pairs (norms,
+forward and one backward, provided the column layers that read the same input enter the region once:
+a block declared ``input_region`` enters it with its first input, and its column-parallel layers do
+not enter it again (otherwise q, k and v would each all-reduce their input gradient, five all-reduces
+backward per Llama layer instead of two; with SP, five all-gathers forward). With sequence parallelism the activations *between* those pairs (norms,
 residual adds) are split along the sequence instead of replicated: the all-reduce becomes a
 reduce-scatter along the sequence after the row layer and an all-gather before the next column layer,
 the same bytes on the wire but 1/tp of the activation memory outside the attention/MLP cores.
@@ -23,6 +26,7 @@ Which module becomes what is declared by the model, not guessed here: ``model.te
 maps submodule names (``fnmatch`` patterns) to styles::
 
     {"embed_tokens": "vocab_embedding",
+     "layers.*.self_attn": "input_region",          # q, k and v share one entry (one input-gradient all-reduce)
      "layers.*.self_attn.q_proj": "colwise:8",      # whole heads of 8 rows
      "layers.*.self_attn.k_proj": "colwise_kv:8",   # KV heads; replicated when fewer heads than ranks
      "layers.*.self_attn.o_proj": "rowwise:8",
@@ -275,6 +279,22 @@ class TokenRegion:
 
     def exit(self, partial: torch.Tensor) -> torch.Tensor:
         return _ReduceScatterTokens.apply(partial, self.comm) if self.sequence_parallel else reduce_from_tensor_parallel_region(partial, self.comm)
+
+
+class _EnterRegionHook:
+    """Forward pre-hook of an ``input_region`` block: its first positional input enters the TP region
+    (copy-to; SP: all-gather along the sequence) once, for every column-parallel layer inside."""
+
+    def __init__(self, comm: Any, sequence_parallel: bool, what: str) -> None:
+        self.comm, self.sequence_parallel, self.what = comm, sequence_parallel, what
+
+    def __call__(self, module: nn.Module, args: tuple) -> tuple:
+        if not args or not isinstance(args[0], torch.Tensor):
+            raise TypeError(f"tensor-parallel plan: {self.what} is an 'input_region' block, so its input must be its first "
+                            f"positional argument (a tensor); it was called with {len(args)} positional argument(s)")
+        x = args[0]
+        x = gather_from_sequence_parallel_region(x, self.comm) if self.sequence_parallel else copy_to_tensor_parallel_region(x, self.comm)
+        return (x, *args[1:])
 
 
 # ---------------------------------------------------------------------------------------------- sharding layout
@@ -568,6 +588,8 @@ STYLES = {
     "vocab_head": "output head split along the vocabulary; the loss runs on vocab-sharded logits",
     "token_region": "a block running sharded layers on token rows (mixture of experts): the module keeps its class and "
                     "gets a TokenRegion in its `tensor_parallel_region` attribute",
+    "input_region": "a block whose column-parallel layers all read its first input (attention q/k/v, MLP gate/up): the "
+                    "input enters the region once for all of them",
     "colwise_in_region": "colwise inside a token_region block (no collective of its own)",
     "rowwise_partial": "rowwise inside a token_region block: returns partial sums, the region reduces them once",
 }
@@ -589,6 +611,7 @@ def apply_tensor_parallel(model: nn.Module, tp_comm: Any, *, sequence_parallel: 
         _parse_style(style)
     matched = {pattern: 0 for pattern in plan}
     shared: dict[tuple[int, str], nn.Parameter] = {}  # (id of a full weight, how it is cut) → the shard built from it
+    regions: list[str] = []  # input_region blocks: their column-parallel layers must not enter again
     for name, module in list(model.named_modules()):
         patterns = [p for p in plan if fnmatch.fnmatchcase(name, p)]
         if not patterns:
@@ -597,6 +620,10 @@ def apply_tensor_parallel(model: nn.Module, tp_comm: Any, *, sequence_parallel: 
             raise ValueError(f"tensor-parallel plan: module {name!r} matches several entries {patterns}; make them disjoint")
         style = plan[patterns[0]]
         matched[patterns[0]] += 1
+        if style == "input_region":
+            module.register_forward_pre_hook(_EnterRegionHook(tp_comm, sequence_parallel, name))
+            regions.append(name)
+            continue
         if style == "token_region":
             if not hasattr(module, "tensor_parallel_region"):
                 raise TypeError(f"tensor-parallel plan: {name} ({type(module).__name__}) has no `tensor_parallel_region` "
@@ -615,6 +642,13 @@ def apply_tensor_parallel(model: nn.Module, tp_comm: Any, *, sequence_parallel: 
     unused = [p for p, n in matched.items() if n == 0]
     if unused:
         raise ValueError(f"tensor-parallel plan entries {unused} match no module of {type(model).__name__}")
+    for name in regions:
+        columns = [m for m in model.get_submodule(name).modules() if isinstance(m, ColumnParallelLinear)]
+        if not columns:
+            raise ValueError(f"tensor-parallel plan: {name} is an 'input_region' block but holds no column-parallel layer; "
+                             f"declare its layers colwise or drop the entry")
+        for m in columns:
+            m.input_in_region = True
     return model
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nxdt.comm import Tracer
 from nxdt.comm.spawn import run_local
 from nxdt.models.llama import LlamaForCausalLM
 from nxdt.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead,
@@ -54,6 +55,28 @@ def build(cfg: SimpleNamespace) -> LlamaForCausalLM:
 
 def close(actual, expected, what, rtol=1e-5, atol=1e-6):
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def _check_activation_collectives(comm, cfg, sequence_parallel: bool, tag: str) -> None:
+    """One forward + backward moves activations over TP exactly as often as Megatron's layout does: per layer
+    one reduction after attention and one after the MLP (forward), one input-gradient reduction for q/k/v
+    together and one for gate/up together (backward), plus the embedding's and the head's. Without SP these
+    are all-reduces of [B, S, H]; with SP, all-gathers and reduce-scatters of its sequence shards."""
+    tracer, _ = comm.world.tracer, comm.world.set_tracer(None)
+    if cfg.activations_checkpoint_granularity == "full":
+        return  # recomputation repeats (part of) the forward's collectives, as many as torch's checkpoint needs
+    activation = BATCH * SEQ * cfg.hidden_size * 4
+    names = [e["name"] for e in tracer.events() if e.get("ph") == "X" and e["cat"] == "tp" and e["args"].get("bytes") == activation]
+    expected = 4 * cfg.num_layers + 2
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    if comm.size > cfg.num_kv_heads and cfg.num_kv_heads * head_dim * cfg.hidden_size * 4 == activation:
+        expected_kv_sums = 2 * cfg.num_layers  # k and v weight gradients summed over replicas: the same size here
+    else:
+        expected_kv_sums = 0
+    if sequence_parallel:
+        assert (names.count("all_gather"), names.count("reduce_scatter")) == (expected, expected), (tag, names)
+    else:
+        assert names.count("all_reduce") == expected + expected_kv_sums, (tag, names)
 
 
 def _check_case(comm, overrides: dict, sequence_parallel: bool, steps: int) -> dict:
@@ -96,10 +119,14 @@ def _check_case(comm, overrides: dict, sequence_parallel: bool, steps: int) -> d
         ref_logits = ref(ids)
         ref_loss = ref.loss_fn(ref_logits, labels)
         ref_loss.backward()
+        if step == 0:
+            comm.world.set_tracer(Tracer(comm.rank))
         logits = model(ids)
         assert logits.shape == (BATCH, SEQ, cfg.vocab_size // comm.size)
         loss = model.loss_fn(logits, labels)
         loss.backward()
+        if step == 0:
+            _check_activation_collectives(comm, cfg, sequence_parallel, tag)
         synced = sync_replicated_grads(model, comm)
         assert (synced > 0) == sequence_parallel, (tag, synced)
         tol = dict(rtol=1e-5, atol=1e-6) if step == 0 else dict(rtol=1e-4, atol=1e-5)
@@ -284,3 +311,9 @@ def test_bad_plans_fail_clearly():
     assert toy.down.bias.shape == (4,)  # row-parallel bias is replicated, added once after the reduction
     with pytest.raises(TypeError, match="already parallelised"):
         apply_tensor_parallel(toy, fake_comm(2, 1))
+    with pytest.raises(ValueError, match="'input_region' block but holds no column-parallel layer"):
+        apply_tensor_parallel(_Toy({"": "input_region", "down": "rowwise"}), fake_comm(2))
+    region = apply_tensor_parallel(_Toy({"": "input_region", "up": "colwise", "down": "rowwise"}), fake_comm(2))
+    assert region.up.input_in_region  # the block enters the region; its column layer does not enter again
+    with pytest.raises(TypeError, match="its input must be its first positional argument"):
+        region(x=torch.zeros(1, 4))
