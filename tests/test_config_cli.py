@@ -61,6 +61,7 @@ BAD = [
     (["data.seq_length=4096"], "data.seq_length"),
     (["trainer.num_nodes=0"], "trainer.num_nodes"),
     (["distributed_strategy.fsdp.prefetch=sometimes"], "prefetch"),
+    (["distributed_strategy.fsdp.param_persistence_threshold=-1"], "param_persistence_threshold"),
     (["distributed_strategy.fsdp.enabled=true", "distributed_strategy.zero1=true"], "zero1"),  # FSDP shards the optimizer already
     (["notakeyvalue"], "key=value"),
 ]

@@ -70,6 +70,9 @@ class FSDPConfig:
     prefetch_distance: int = doc(1, "units gathered ahead of compute")
     reduce_scatter_delay: int = doc(1, "units a gradient reduce-scatter is chained late")
     reshard_after_forward: bool = doc(True, "free gathered parameters after each unit's forward")
+    param_persistence_threshold: int = doc(32768, "a unit's smaller flats (other param groups, e.g. no-decay norm weights) "
+                                                  "under this many elements stay whole on every rank, so a unit costs one "
+                                                  "gather and one reduce-scatter per pass; 0 shards everything")
 
 
 @dataclass

@@ -75,6 +75,7 @@ def validate(cfg: Any, *, paths: bool = True) -> None:
                     "distributed_strategy.virtual_pipeline_model_parallel_size", "distributed_strategy.context_parallel_size",
                     "distributed_strategy.expert_model_parallel_size", "distributed_strategy.kv_replicator",
                     "exp_manager.keep_last_k", "exp_manager.checkpoint_every_n_steps", "comm.timeout_s",
+                    "distributed_strategy.fsdp.prefetch_distance",
                     "model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_attention_heads",
                     "model.num_kv_heads", "model.ffn_hidden_size", "model.max_position_embeddings"))
     order = ds.placement_order.split("-")
@@ -159,8 +160,10 @@ def validate(cfg: Any, *, paths: bool = True) -> None:
         raise ConfigError("model.architecture", arch, f"module {module} does not exist in the model hub")
     if cfg.model.optim.sched.warmup_steps < 0:
         raise ConfigError("model.optim.sched.warmup_steps", cfg.model.optim.sched.warmup_steps, "must be >= 0")
-    if cfg.exp_manager.max_restarts < 0:
-        raise ConfigError("exp_manager.max_restarts", cfg.exp_manager.max_restarts, "must be >= 0")
+    for key in ("exp_manager.max_restarts", "distributed_strategy.fsdp.reduce_scatter_delay",
+                "distributed_strategy.fsdp.param_persistence_threshold"):
+        if _get(cfg, key) < 0:
+            raise ConfigError(key, _get(cfg, key), "must be >= 0")
     if not cfg.comm.emulate_slowdown > 0:
         raise ConfigError("comm.emulate_slowdown", cfg.comm.emulate_slowdown, "must be > 0 (1 = the instance's own links)")
     if cfg.comm.emulate is not None and cfg.comm.emulate not in _instance_names():

@@ -193,7 +193,7 @@ def _read_fsdp(root: Path, meta: dict[str, Any], mp: int, optimizer: bool) -> Po
         shards = [s["optimizer_states"][i] for s in states]
         named: dict[str, Any] = {}
         for j, flat in enumerate(flats):
-            entries = [sh["state"].get(j) for sh in shards]
+            entries = [sh["state"].get(j) for sh in shards][:flat.get("dp", dp)]  # a replicated flat: every rank holds all of it
             if any(e is None for e in entries):
                 continue  # never stepped
             for key, value in entries[0].items():

@@ -87,7 +87,8 @@ class NxDStrategy(ParallelStrategy):
             the link (``comm.emulate``; ``nxdt.planner.links.emulated_links_for(cfg)`` computes it).
         fsdp: shard parameters, gradients and optimizer state over data parallelism (``True``, or a dict of
             :func:`nxdt.parallel.fsdp.apply_fsdp` options: ``prefetch`` none | eager | token_threaded,
-            ``prefetch_distance``, ``reduce_scatter_delay``, ``reshard_after_forward``, ``param_dtype``).
+            ``prefetch_distance``, ``reduce_scatter_delay``, ``reshard_after_forward``, ``param_dtype``,
+            ``param_persistence_threshold``).
         trace_dir: write a Chrome trace per rank there (``rank<k>.json``: compute per FSDP unit, every
             collective with its stream and token); opens in Perfetto.
         async_checkpointing: write checkpoints in a background thread (a snapshot; training continues).
@@ -373,7 +374,7 @@ class NxDStrategy(ParallelStrategy):
         weights = self._norm_weights or {}  # FSDP: each DP rank holds a different slice of every flat unit
         squares = torch.zeros(1, dtype=torch.float64)
         for flat in self.fsdp.flats():
-            for entry, a, b in flat.segments(self.fsdp.dp_rank):
+            for entry, a, b in flat.counted_segments(self.fsdp.dp_rank):
                 squares += weights.get(entry.name, 1.0) * squared_norm(flat.shard[a:b])
         for comm in (self.fsdp.comm, self.communicators["tp"] if self.plan.degrees["tp"] > 1 else None):
             if comm is not None and comm.size > 1:

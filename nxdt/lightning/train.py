@@ -32,7 +32,8 @@ def build_trainer(cfg: Any, plan: Plan, run_dir: Path, tokens_per_step: int, *, 
     model_shape = {k: getattr(cfg.model, k) for k in MODEL_SHAPE_FIELDS}
     ds = cfg.distributed_strategy
     fsdp = {"prefetch": ds.fsdp.prefetch, "prefetch_distance": ds.fsdp.prefetch_distance,
-            "reduce_scatter_delay": ds.fsdp.reduce_scatter_delay, "reshard_after_forward": ds.fsdp.reshard_after_forward}
+            "reduce_scatter_delay": ds.fsdp.reduce_scatter_delay, "reshard_after_forward": ds.fsdp.reshard_after_forward,
+            "param_persistence_threshold": ds.fsdp.param_persistence_threshold}
     strategy = NxDStrategy(plan=plan, timeout_s=cfg.comm.timeout_s, checkpoint_meta={"model": model_shape},
                            virtual_pipeline_size=ds.virtual_pipeline_model_parallel_size,
                            sequence_parallel=ds.sequence_parallel, zero1=ds.zero1,

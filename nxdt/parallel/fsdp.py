@@ -15,6 +15,14 @@ Parameters tied across units (a tied embedding and head) put those units in one 
 stays gathered from its first use in forward to the end of backward, as torch's FSDP does with the
 root module.
 
+A unit is gathered with one collective per pass: its largest flat is sharded, and its other flats
+(other param groups, e.g. the norm weights of a no-weight-decay group) that hold fewer than
+``param_persistence_threshold`` elements are kept whole on every rank (DeepSpeed ZeRO-3's
+*persistence threshold*, applied to the flats that ride along a sharded one). Their gradients are
+summed locally over the micro-batches and averaged over DP in one all-reduce per step
+(:meth:`FullyShardedDataParallel.finish_gradients`) instead of one reduce-scatter per unit and
+micro-batch. They are not counted as gathered bytes.
+
 Prefetch policies (``prefetch``):
 
 * ``none``: gather(i) is issued when unit i starts and waited for at once; reduce-scatters are waited
@@ -89,14 +97,25 @@ class FlatShard:
     full: torch.Tensor  # the gathered buffer; its storage is freed while the unit is resharded
     leaf: torch.Tensor | None = None  # the autograd leaf of the current gather (its .grad = full gradient)
     send: torch.Tensor | None = None  # the shard cast to the gather dtype (mixed precision)
+    replicated: bool = False  # kept whole on every rank (below the persistence threshold): never gathered or freed
+    local_grad: torch.Tensor | None = None  # replicated: this rank's gradient summed over the step's micro-batches
+
+    def offset(self, dp_rank: int) -> int:
+        """Where shard ``dp_rank`` starts in the flat buffer (a replicated flat's "shard" is all of it)."""
+        return 0 if self.replicated else dp_rank * self.shard_size
 
     def segments(self, dp_rank: int) -> Iterable[tuple[_Entry, int, int]]:
         """(entry, first, end) of every parameter's part inside shard ``dp_rank``, shard-relative."""
-        lo, hi = dp_rank * self.shard_size, (dp_rank + 1) * self.shard_size
+        lo = self.offset(dp_rank)
+        hi = lo + self.shard_size
         for e in self.entries:
             a, b = max(lo, e.offset), min(hi, e.offset + e.numel)
             if a < b:
                 yield e, a - lo, b - lo
+
+    def counted_segments(self, dp_rank: int) -> Iterable[tuple[_Entry, int, int]]:
+        """The segments rank ``dp_rank`` counts in a sum over the DP group (a norm): a replicated flat once, on rank 0."""
+        return self.segments(dp_rank) if not self.replicated or dp_rank == 0 else ()
 
 
 @dataclass
@@ -112,7 +131,8 @@ class FSDPUnit:
 
     @property
     def nbytes(self) -> int:
-        return sum(f.full.numel() * f.full.element_size() for f in self.flats)
+        """Bytes gathered for this unit (its replicated flats are held all the time and not counted)."""
+        return sum(f.full.numel() * f.full.element_size() for f in self.flats if not f.replicated)
 
 
 def _module_names(model: nn.Module) -> dict[int, str]:
@@ -125,13 +145,17 @@ class FullyShardedDataParallel:
     def __init__(self, model: nn.Module, dp_comm: Any, units: Sequence[Sequence[nn.Module]],
                  optimizers: Sequence[torch.optim.Optimizer], *, prefetch: str = "token_threaded", prefetch_distance: int = 1,
                  reduce_scatter_delay: int = 1, reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype = torch.float32, tracer: Any = None) -> None:
+                 reduce_dtype: torch.dtype = torch.float32, param_persistence_threshold: int = 32768, tracer: Any = None) -> None:
         if prefetch not in POLICIES:
             raise ValueError(f"FSDP prefetch={prefetch!r}: choose one of {', '.join(POLICIES)}")
         if not isinstance(prefetch_distance, int) or prefetch_distance < 1:
             raise ValueError(f"FSDP prefetch_distance={prefetch_distance!r}: must be an integer >= 1")
         if not isinstance(reduce_scatter_delay, int) or reduce_scatter_delay < 0:
             raise ValueError(f"FSDP reduce_scatter_delay={reduce_scatter_delay!r}: must be an integer >= 0")
+        if not isinstance(param_persistence_threshold, int) or param_persistence_threshold < 0:
+            raise ValueError(f"FSDP param_persistence_threshold={param_persistence_threshold!r}: must be an integer >= 0 "
+                             "(elements; 0 shards every flat)")
+        self.persistence_threshold = param_persistence_threshold
         self.model, self.comm = model, dp_comm
         self.dp_size, self.dp_rank = dp_comm.size, dp_comm.rank
         self.policy, self.distance, self.delay = prefetch, prefetch_distance, reduce_scatter_delay
@@ -217,20 +241,25 @@ class FullyShardedDataParallel:
                     by_key.setdefault((group_of[id(p)], p.dtype), []).append((p, owners, quals))
         flats = []
         gather_dtype = self.param_dtype
+        sizes = {key: sum(p.numel() for p, _, _ in params) for key, params in by_key.items()}
+        largest = max(sizes, key=sizes.get) if sizes else None
         for (group, dtype), params in by_key.items():
-            numel = sum(p.numel() for p, _, _ in params)
-            shard_size = -(-numel // self.dp_size)
-            flat = torch.zeros(shard_size * self.dp_size, dtype=dtype)
+            numel = sizes[(group, dtype)]
+            # small flats riding along the unit's sharded one: kept whole, so the unit costs one collective per pass
+            replicated = self.dp_size > 1 and (group, dtype) != largest and numel < self.persistence_threshold
+            shard_size = numel if replicated else -(-numel // self.dp_size)
+            flat = torch.zeros(shard_size * (1 if replicated else self.dp_size), dtype=dtype)
             entries, offset = [], 0
             for p, owners, quals in params:
                 flat[offset:offset + p.numel()].copy_(p.reshape(-1))
                 entries.append(_Entry(quals[0], owners, quals, p.shape, offset, p.numel()))
                 offset += p.numel()
-            lo = self.dp_rank * shard_size
+            lo = 0 if replicated else self.dp_rank * shard_size
             shard = nn.Parameter(self._shard_buffer(flat[lo:lo + shard_size]))
             full = torch.empty(flat.numel(), dtype=gather_dtype or dtype)
-            full.untyped_storage().resize_(0)  # resharded until first gathered
-            flats.append(FlatShard(unit.index, group, entries, numel, shard_size, shard, full))
+            if not replicated:
+                full.untyped_storage().resize_(0)  # resharded until first gathered
+            flats.append(FlatShard(unit.index, group, entries, numel, shard_size, shard, full, replicated=replicated))
         for f in flats:  # the modules lose their parameters: the shard is what they own now
             for e in f.entries:
                 for m, attr in e.owners:
@@ -265,6 +294,9 @@ class FullyShardedDataParallel:
             return
         tokens = []
         for f in unit.flats:
+            if f.replicated:  # held whole: this pass's values are the (possibly just updated) shard itself
+                f.full.copy_(f.shard.detach())
+                continue
             f.full.untyped_storage().resize_(f.full.numel() * f.full.element_size())
             src = f.shard.detach()
             if f.full.dtype != src.dtype:
@@ -304,7 +336,8 @@ class FullyShardedDataParallel:
         if not unit.gathered:
             return
         for f in unit.flats:
-            f.full.untyped_storage().resize_(0)
+            if not f.replicated:
+                f.full.untyped_storage().resize_(0)
         unit.gathered = False
         self._gathered_bytes -= unit.nbytes
 
@@ -396,7 +429,12 @@ class FullyShardedDataParallel:
         grad = flat.leaf.grad
         flat.leaf.grad = None
         flat.leaf = None
-        if grad is not None:
+        if grad is not None and flat.replicated:  # summed here over micro-batches, averaged over DP once per step
+            if flat.local_grad is None:
+                flat.local_grad = grad.to(self.reduce_dtype, copy=True)
+            else:
+                flat.local_grad.add_(grad)
+        elif grad is not None:
             self._rs_queue.append((self._backward_started, flat, grad))
         unit.grads_pending -= 1
         self._grads_expected -= 1
@@ -448,15 +486,47 @@ class FullyShardedDataParallel:
         if self.tracer is not None:
             self.tracer.add("wait reduce_scatter", "compute", start, end)
 
+    def _reduce_replicated(self) -> None:
+        """Average the replicated flats' summed gradients over DP: one all-reduce per dtype (exposed time)."""
+        replicated = [f for f in self.flats() if f.replicated]
+        if not any(f.local_grad is not None for f in replicated):
+            return
+        for f in replicated:  # every rank sends the same flats (a parameter without gradient contributes zeros)
+            if f.local_grad is None:
+                f.local_grad = torch.zeros(f.numel, dtype=self.reduce_dtype)
+        pending = replicated
+        start = time.perf_counter()
+        by_dtype: dict[torch.dtype, list[FlatShard]] = {}
+        for f in pending:
+            by_dtype.setdefault(f.local_grad.dtype, []).append(f)
+        for flats in by_dtype.values():
+            summed = torch.cat([f.local_grad for f in flats])
+            work = self.comm.all_reduce(summed, "avg", stream=self.stream, async_op=True)
+            self._step_comm_works.append(work)
+            work.wait()
+            for f, g in zip(flats, summed.split([f.numel for f in flats])):
+                g = g.to(f.shard.dtype) if g.dtype != f.shard.dtype else g
+                if f.shard.grad is None:
+                    f.shard.grad = g.clone()
+                else:
+                    f.shard.grad.add_(g)
+                f.local_grad = None
+        end = time.perf_counter()
+        self.exposed_comm_s += end - start
+        if self.tracer is not None:
+            self.tracer.add("wait all_reduce", "compute", start, end, what="replicated flats")
+
     def finish_gradients(self) -> None:
         """After the last backward of a step: every gradient reduced into its shard, every unit resharded."""
         self._issue_reduce_scatters()
         self._drain_reduce_scatters()
+        self._reduce_replicated()
         for unit in self.units:
             self._free(unit)
             unit.grads_pending = 0
             for f in unit.flats:
                 f.leaf = None
+                f.local_grad = None
         self._in_backward = False
         self._grads_expected = 0
         self._last_gather = None
@@ -498,8 +568,11 @@ class FullyShardedDataParallel:
         ranks get it). Units are gathered one at a time, so only one unit's buffer is extra."""
         out: dict[str, torch.Tensor] = {}
         for f in self.flats():
-            full = torch.empty(f.shard_size * self.dp_size, dtype=f.shard.dtype)
-            self.comm.all_gather(full, f.shard.detach(), stream=FSDP_STREAM)
+            if f.replicated:
+                full = f.shard.detach()
+            else:
+                full = torch.empty(f.shard_size * self.dp_size, dtype=f.shard.dtype)
+                self.comm.all_gather(full, f.shard.detach(), stream=FSDP_STREAM)
             for e in f.entries:
                 value = full[e.offset:e.offset + e.numel].view(e.shape).clone()
                 for name in e.names:  # a tied weight under each of its names, one tensor (as state_dict() has it)
@@ -513,7 +586,7 @@ class FullyShardedDataParallel:
         ValueError naming a missing or misshapen tensor."""
         used: set[str] = set()
         for f in self.flats():
-            lo = self.dp_rank * f.shard_size
+            lo = f.offset(self.dp_rank)
             for e, a, b in f.segments(self.dp_rank):
                 key = prefix + e.name
                 if key not in state:
@@ -531,7 +604,7 @@ class FullyShardedDataParallel:
         """Per optimizer, per state index (its flat shards in param-group order): which parameters the flat buffer
         holds where — what a checkpoint records so its per-DP-rank optimizer shards can be unflattened by name."""
         owner = {id(f.shard): f for f in self.flats()}
-        return [[{"shard_size": owner[id(p)].shard_size, "dp": self.dp_size,
+        return [[{"shard_size": owner[id(p)].shard_size, "dp": 1 if owner[id(p)].replicated else self.dp_size,
                   "entries": [[prefix + e.names[0], e.offset, e.numel, list(e.shape)] for e in owner[id(p)].entries]}
                  for g in opt.param_groups for p in g["params"]] for opt in optimizers]
 
@@ -549,7 +622,7 @@ class FullyShardedDataParallel:
             indices = []
             for p in group["params"]:
                 f = owner[id(p)]
-                lo = self.dp_rank * f.shard_size
+                lo = f.offset(self.dp_rank)
                 entry_states = []
                 for e in f.entries:
                     name = prefix + e.names[0]
@@ -564,7 +637,7 @@ class FullyShardedDataParallel:
                         if not isinstance(value, torch.Tensor) or value.dim() == 0:
                             out[key] = value  # the step counter: the same for every parameter of a group
                             continue
-                        full = torch.zeros(f.shard_size * self.dp_size, dtype=value.dtype)
+                        full = torch.zeros(f.shard_size * (1 if f.replicated else self.dp_size), dtype=value.dtype)
                         for e, st in entry_states:
                             t = localize(prefix + e.names[0], st[key]) if localize is not None else st[key]
                             if tuple(t.shape) != tuple(e.shape):
@@ -583,7 +656,7 @@ class FullyShardedDataParallel:
         total = torch.zeros((), dtype=torch.float64)
         for f in self.flats():
             g = f.shard.grad
-            if g is None:
+            if g is None or (f.replicated and self.dp_rank != 0):  # a replicated flat counts once over DP
                 continue
             if not weights:
                 total += squared_norm(g)

@@ -142,6 +142,9 @@ def step_collectives(cfg: Any, plan: Any) -> list[dict[str, Any]]:
                           what="FSDP parameter gathers (prefetched)" if hidden else "FSDP parameter gathers", overlap=hidden),
                      dict(dim="dp", op="reduce_scatter", bytes=unit * grad_bytes, count=units * microbatches,
                           what="FSDP gradient reduce-scatter", overlap=hidden)]
+            if 2 * h < ds.fsdp.param_persistence_threshold:  # norm weights ride along their unit, kept whole
+                rows.append(dict(dim="dp", op="all_reduce", bytes=(2 * layers + 1) * h * grad_bytes, count=1,
+                                 what="FSDP norm weights kept whole: gradients averaged once per step"))
         elif ds.zero1:
             rows += [dict(dim="dp", op="reduce_scatter", bytes=params * grad_bytes, count=1, what="ZeRO-1 gradients"),
                      dict(dim="dp", op="all_gather", bytes=params * act, count=1, what="ZeRO-1 updated parameters")]

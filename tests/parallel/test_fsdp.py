@@ -134,6 +134,7 @@ def _worker(world) -> dict:
                 "units": [u.name for u in fsdp.units], "resident": [u.resident for u in fsdp.units],
                 "unit_bytes": unit_bytes, "peak": max(s["peak_gathered_bytes"] for s in stats),
                 "shard_numel": sum(p.numel() for p in opt_params(fsdp)),
+                "replicated": [[f.numel for f in u.flats if f.replicated] for u in fsdp.units],
                 "events": [e for e in tracer.events() if e["ph"] == "X"] if tracer is not None else None,
             }
     # mixed precision: bf16 gathers of fp32 shards (autocast compute), gradients reduced in fp32
@@ -207,9 +208,28 @@ def test_units_and_sharded_memory(reports):
     assert not any(rep["resident"])
     tied = reports[0][(True, "none")]  # the tied embedding and head share a weight: one resident unit
     assert tied["units"][0] == "embed_tokens+norm+lm_head" and tied["resident"] == [True, False, False, False, False]
-    # each rank holds 1/DP of the parameters (up to padding)
+    # the no-weight-decay flats (norm weights) ride along each unit's sharded flat, kept whole on every rank
+    hidden = CFG["hidden_size"]
+    assert rep["replicated"] == [[]] + [[2 * hidden]] * CFG["num_layers"] + [[hidden]]
+    # each rank holds 1/DP of the gathered parameters (up to padding) plus those small replicated flats
     total = sum(rep["unit_bytes"]) // 4
-    assert rep["shard_numel"] <= total // DP + len(rep["units"]) * 2 * DP
+    replicated = sum(map(sum, rep["replicated"]))
+    assert rep["shard_numel"] <= total // DP + len(rep["units"]) * 2 * DP + replicated
+
+
+def _flats_by_threshold(world) -> dict:
+    got = {}
+    for threshold in (0, 32768):
+        model = _model(_cfg())
+        fsdp = apply_fsdp(model, world.world, [_optimizer(model)], param_persistence_threshold=threshold)
+        got[threshold] = [f.replicated for f in fsdp.flats()]
+    return got
+
+
+@pytest.mark.timeout(60)
+def test_persistence_threshold_zero_shards_every_flat():
+    got = run_local(_flats_by_threshold, 2, timeout_s=50)[0]
+    assert not any(got[0]) and sum(got[32768]) == CFG["num_layers"] + 1  # each layer's norms, the final norm
 
 
 @pytest.mark.timeout(200)
@@ -276,7 +296,7 @@ def _bad_input(world) -> list[str]:
     model = _model(_cfg())
     opt = _optimizer(model)
     errors = []
-    for kwargs in ({"prefetch": "lazy"}, {"prefetch_distance": 0}, {"reduce_scatter_delay": -1}):
+    for kwargs in ({"prefetch": "lazy"}, {"prefetch_distance": 0}, {"reduce_scatter_delay": -1}, {"param_persistence_threshold": -2}):
         try:
             apply_fsdp(model, world.world, [opt], **kwargs)
         except ValueError as exc:
@@ -287,7 +307,7 @@ def _bad_input(world) -> list[str]:
 @pytest.mark.timeout(60)
 def test_bad_options_are_one_clear_line():
     errors = run_local(_bad_input, 1, timeout_s=50)[0]
-    assert len(errors) == 3
+    assert len(errors) == 4 and "param_persistence_threshold=-2" in errors[3]
     assert "prefetch='lazy'" in errors[0] and "token_threaded" in errors[0]
     assert "prefetch_distance=0" in errors[1] and "reduce_scatter_delay=-1" in errors[2]
 
