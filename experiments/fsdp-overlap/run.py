@@ -143,9 +143,10 @@ def calibrate_slowdown(layout: str, slowdown: int, steps: int, warmup: int, work
     none = train(cfg(slowdown), ranks, steps, warmup, work, f"{layout}-none-k{slowdown}")
     ratio = none["exposed_comm_s"] / (none["step_time_s"] - none["exposed_comm_s"])
     scaled = int(round(slowdown * TARGET_EXPOSED_RATIO / ratio, -1))
-    print(f"{layout:10s} calibration: none at {slowdown}x: exposed/rest {ratio:.2f} -> slowdown {scaled}x", flush=True)
     if abs(scaled - slowdown) <= 0.1 * slowdown:
+        print(f"{layout:10s} calibration: none at {slowdown}x: exposed/rest {ratio:.2f}, within 10 %: kept {slowdown}x", flush=True)
         return slowdown, none
+    print(f"{layout:10s} calibration: none at {slowdown}x: exposed/rest {ratio:.2f} -> slowdown {scaled}x", flush=True)
     return scaled, train(cfg(scaled), ranks, steps, warmup, work, f"{layout}-none-k{scaled}")
 
 
