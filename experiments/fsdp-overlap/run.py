@@ -62,9 +62,23 @@ def train(overrides: list[str], ranks: int, steps: int, warmup: int, work: Path,
     nxdt("train", *MODEL, *overrides, f"trainer.devices={ranks}", f"trainer.max_steps={steps}", "trainer.log_every_n_steps=1",
          "exp_manager.create_tensorboard_logger=false", f"exp_manager.explicit_log_dir={run}", cwd=work)
     rows = [r for r in csv.DictReader(open(run / "metrics.csv", newline="")) if int(r["step"]) > warmup]
+    return summarise([rows])
+
+
+FIGURES = ("step_time_s", "exposed_comm_s", "peak_gathered_bytes")
+
+
+def summarise(runs: list[list[dict]]) -> dict:
+    """Medians over the post-warm-up steps of one or more runs of a variant (pooled)."""
+    rows = [{k: r[k] for k in (*FIGURES, "step", "loss") if k in r} for run in runs for r in run]
     med = lambda key: statistics.median(float(r[key]) for r in rows) if rows and rows[0].get(key) else None
-    return {"step_time_s": med("step_time_s"), "exposed_comm_s": med("exposed_comm_s"),
-            "peak_gathered_bytes": med("peak_gathered_bytes"), "losses": [float(r["loss"]) for r in rows]}
+    return {**{k: med(k) for k in FIGURES}, "runs": len(runs), "losses": [float(r["loss"]) for r in runs[0]] if runs else [],
+            "rows": rows}
+
+
+def pooled(measurements: list[dict]) -> dict:
+    """One variant measured in several rounds: medians over all their steps."""
+    return summarise([m["rows"] for m in measurements])
 
 
 def predict(overrides: list[str], ranks: int, calibration: Path, work: Path) -> dict:
@@ -159,6 +173,7 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--sweep", action="store_true", help="only the FSDP2 link-speed sweep (sweep.json, sweep.png)")
     parser.add_argument("--fixed-slowdown", action="store_true", help="use LAYOUTS' slowdowns as they are (no per-run calibration)")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each policy, interleaved; medians over all their steps")
     args = parser.parse_args()
     if args.torch_worker:
         return torch_fsdp_worker(args.steps, args.out)
@@ -175,11 +190,19 @@ def main() -> None:
         for layout, (ranks, overrides, slowdown) in LAYOUTS.items():
             slowdown, first_none = (slowdown, None) if args.fixed_slowdown else calibrate_slowdown(layout, slowdown, steps, warmup, work)
             results["slowdown"][layout] = slowdown
+            cfgs = {policy: [*overrides, "distributed_strategy.fsdp.enabled=true", f"distributed_strategy.fsdp.prefetch={policy}",
+                             *emulate(slowdown)] for policy in POLICIES}
+            # the policies alternate, round after round: the VM's speed drifts by several % within minutes, and a
+            # ratio of two runs taken minutes apart would carry that drift
+            runs: dict[str, list[dict]] = {policy: [] for policy in POLICIES}
+            if first_none is not None:
+                runs["none"].append(first_none)
+            for r in range(args.rounds):
+                for policy in POLICIES:
+                    if len(runs[policy]) <= r:
+                        runs[policy].append(train(cfgs[policy], ranks, steps, warmup, work, f"{layout}-{policy}-r{r}"))
             for policy in POLICIES:
-                fsdp = ["distributed_strategy.fsdp.enabled=true", f"distributed_strategy.fsdp.prefetch={policy}"]
-                cfg = [*overrides, *fsdp, *emulate(slowdown)]
-                measured = first_none if policy == "none" and first_none is not None else train(cfg, ranks, steps, warmup, work, f"{layout}-{policy}")
-                predicted = predict(cfg, ranks, calibration, work)
+                measured, predicted = pooled(runs[policy]), predict(cfgs[policy], ranks, calibration, work)
                 results["emulated"][f"{layout} {policy}"] = {"measured": measured, "predicted": predicted}
                 print(f"{layout:10s} {policy:15s} step {measured['step_time_s'] * 1e3:7.1f} ms (plan {predicted['step_time_s'] * 1e3:7.1f})"
                       f"  exposed {measured['exposed_comm_s'] * 1e3:6.1f} ms  peak gathered {measured['peak_gathered_bytes'] / 2**20:6.2f} MiB",
