@@ -98,6 +98,7 @@ class FlatShard:
     leaf: torch.Tensor | None = None  # the autograd leaf of the current gather (its .grad = full gradient)
     send: torch.Tensor | None = None  # the shard cast to the gather dtype (mixed precision)
     replicated: bool = False  # kept whole on every rank (below the persistence threshold): never gathered or freed
+    parts: int = 1  # shards the flat buffer is cut into: the DP size, 1 when replicated
     local_grad: torch.Tensor | None = None  # replicated: this rank's gradient summed over the step's micro-batches
 
     def offset(self, dp_rank: int) -> int:
@@ -247,8 +248,9 @@ class FullyShardedDataParallel:
             numel = sizes[(group, dtype)]
             # small flats riding along the unit's sharded one: kept whole, so the unit costs one collective per pass
             replicated = self.dp_size > 1 and (group, dtype) != largest and numel < self.persistence_threshold
-            shard_size = numel if replicated else -(-numel // self.dp_size)
-            flat = torch.zeros(shard_size * (1 if replicated else self.dp_size), dtype=dtype)
+            parts = 1 if replicated else self.dp_size
+            shard_size = -(-numel // parts)
+            flat = torch.zeros(shard_size * parts, dtype=dtype)
             entries, offset = [], 0
             for p, owners, quals in params:
                 flat[offset:offset + p.numel()].copy_(p.reshape(-1))
@@ -259,7 +261,7 @@ class FullyShardedDataParallel:
             full = torch.empty(flat.numel(), dtype=gather_dtype or dtype)
             if not replicated:
                 full.untyped_storage().resize_(0)  # resharded until first gathered
-            flats.append(FlatShard(unit.index, group, entries, numel, shard_size, shard, full, replicated=replicated))
+            flats.append(FlatShard(unit.index, group, entries, numel, shard_size, shard, full, replicated=replicated, parts=parts))
         for f in flats:  # the modules lose their parameters: the shard is what they own now
             for e in f.entries:
                 for m, attr in e.owners:
@@ -494,10 +496,9 @@ class FullyShardedDataParallel:
         for f in replicated:  # every rank sends the same flats (a parameter without gradient contributes zeros)
             if f.local_grad is None:
                 f.local_grad = torch.zeros(f.numel, dtype=self.reduce_dtype)
-        pending = replicated
         start = time.perf_counter()
         by_dtype: dict[torch.dtype, list[FlatShard]] = {}
-        for f in pending:
+        for f in replicated:
             by_dtype.setdefault(f.local_grad.dtype, []).append(f)
         for flats in by_dtype.values():
             summed = torch.cat([f.local_grad for f in flats])
@@ -604,7 +605,7 @@ class FullyShardedDataParallel:
         """Per optimizer, per state index (its flat shards in param-group order): which parameters the flat buffer
         holds where — what a checkpoint records so its per-DP-rank optimizer shards can be unflattened by name."""
         owner = {id(f.shard): f for f in self.flats()}
-        return [[{"shard_size": owner[id(p)].shard_size, "dp": 1 if owner[id(p)].replicated else self.dp_size,
+        return [[{"shard_size": owner[id(p)].shard_size, "dp": owner[id(p)].parts,
                   "entries": [[prefix + e.names[0], e.offset, e.numel, list(e.shape)] for e in owner[id(p)].entries]}
                  for g in opt.param_groups for p in g["params"]] for opt in optimizers]
 
@@ -637,7 +638,7 @@ class FullyShardedDataParallel:
                         if not isinstance(value, torch.Tensor) or value.dim() == 0:
                             out[key] = value  # the step counter: the same for every parameter of a group
                             continue
-                        full = torch.zeros(f.shard_size * (1 if f.replicated else self.dp_size), dtype=value.dtype)
+                        full = torch.zeros(f.shard_size * f.parts, dtype=value.dtype)
                         for e, st in entry_states:
                             t = localize(prefix + e.names[0], st[key]) if localize is not None else st[key]
                             if tuple(t.shape) != tuple(e.shape):
