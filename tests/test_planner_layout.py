@@ -53,3 +53,23 @@ def test_json_round_trip_and_plan_from_config(tmp_path):
 def test_65536_ranks():
     p = plan_layout(65536, tp=8, pp=8, ep=4, ranks_per_node=64)
     assert p.degrees["dp"] == 1024 and len(p.groups["tp"]) == 8192 and p.num_nodes == 1024
+
+
+def test_token_threaded_prefetch_hides_behind_compute_and_tp_collectives_eager_only_behind_compute():
+    """TP2×FSDP2 with emulated links slow enough that the prefetched FSDP traffic exceeds compute: token_threaded's
+    own stream on the DP links also overlaps the blocking TP collectives; eager's gathers queue on the TP stream."""
+    common = ["trainer.devices=4", "distributed_strategy.tensor_model_parallel_size=2", "distributed_strategy.fsdp.enabled=true",
+              "comm.emulate=trn1.32xlarge", "comm.emulate_slowdown=1000", "model.num_layers=8", "model.hidden_size=256"]
+    est = {pol: plan(compose_config([*common, f"distributed_strategy.fsdp.prefetch={pol}"])) for pol in ("token_threaded", "eager")}
+    rows = est["token_threaded"].collectives
+    compute = est["token_threaded"].estimate["compute_s"]
+    blocking = sum(r["total_s"] for r in rows if not r["overlap"])
+    other_dims = sum(r["total_s"] for r in rows if not r["overlap"] and r["dim"] != "dp")
+    overlappable = sum(r["total_s"] for r in rows if r["overlap"])
+    assert overlappable > compute  # the regime this checks: compute alone cannot hide the prefetches
+    token = est["token_threaded"].estimate["exposed_comm_s"]
+    assert token == pytest.approx(blocking + max(0.0, overlappable - compute - other_dims))
+    eager = est["eager"].collectives
+    eager_blocking = sum(r["total_s"] for r in eager if not r["overlap"])
+    eager_overlappable = sum(r["total_s"] for r in eager if r["overlap"])
+    assert est["eager"].estimate["exposed_comm_s"] == pytest.approx(eager_blocking + max(0.0, eager_overlappable - compute))

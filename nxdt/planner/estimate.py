@@ -209,7 +209,13 @@ def estimate_plan(plan: Any, cfg: Any, topo: Topology, calibration: dict[str, An
     bubble = compute * (d["pp"] - 1) / (v * microbatches) if d["pp"] > 1 else 0.0
     comm = sum(r["total_s"] for r in rows)
     overlappable = sum(r["total_s"] for r in rows if r["overlap"])
-    exposed = comm - overlappable + max(0.0, overlappable - compute)
+    # what prefetched FSDP traffic can hide behind: compute, and with token_threaded (its own stream, on the DP
+    # links) also the blocking collectives of the other dimensions (TP, ...); eager's gathers queue on the TP stream
+    cover = compute
+    fsdp = cfg.distributed_strategy.fsdp
+    if fsdp.enabled and fsdp.prefetch == "token_threaded":
+        cover += sum(r["total_s"] for r in rows if not r["overlap"] and r["dim"] != "dp")
+    exposed = comm - overlappable + max(0.0, overlappable - cover)
     step = compute + bubble + exposed
     mem = memory_per_rank(cfg, d)
     per_rank = sum(mem.values())
