@@ -3,8 +3,8 @@
 A stream is a FIFO of collectives with its own thread, so ops on different streams progress
 concurrently (torch kernels and waits release the GIL). The thread asks the kernel for a short
 scheduling slice (:func:`nxdt.comm.waiting.request_short_slice`): it mostly sleeps, and each wake-up
-gates every op queued behind it, so it should not wait for the core its rank's compute holds. A blocking op on a stream with nothing
-queued runs inline in the caller's thread: the common synchronous path pays no thread hand-off.
+gates every op queued behind it, so it should not wait for the core its rank's compute holds.
+A blocking op on a stream with nothing queued runs inline in the caller's thread: the common synchronous path pays no thread hand-off.
 ``after=`` makes an op wait for other ops' completion first: the token chain FSDP prefetch uses.
 Every :class:`Work` has a unique integer ``id`` (per process), the token a trace shows.
 

@@ -12,10 +12,12 @@ A column layer followed by a row layer (attention q/k/v → o, MLP gate/up → d
 forward and one backward, provided the column layers that read the same input enter the region once:
 a block declared ``input_region`` enters it with its first input, and its column-parallel layers do
 not enter it again (otherwise q, k and v would each all-reduce their input gradient, five all-reduces
-backward per Llama layer instead of two; with SP, five all-gathers forward). With sequence parallelism the activations *between* those pairs (norms,
-residual adds) are split along the sequence instead of replicated: the all-reduce becomes a
-reduce-scatter along the sequence after the row layer and an all-gather before the next column layer,
-the same bytes on the wire but 1/tp of the activation memory outside the attention/MLP cores.
+backward per Llama layer instead of two; with SP, five all-gathers forward).
+
+With sequence parallelism the activations *between* those pairs (norms, residual adds) are split along
+the sequence instead of replicated: the all-reduce becomes a reduce-scatter along the sequence after the
+row layer and an all-gather before the next column layer, the same bytes on the wire but 1/tp of the
+activation memory outside the attention/MLP cores.
 
 The embedding and the output head are split along the vocabulary; the loss is computed on vocab-sharded
 logits without ever gathering them (:func:`vocab_parallel_cross_entropy`).
@@ -201,6 +203,11 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, comm: Any) -> to
     return _ReduceScatterToSequence.apply(x, comm)
 
 
+def enter_region(x: torch.Tensor, comm: Any, sequence_parallel: bool) -> torch.Tensor:
+    """The input of column-parallel layers: copy-to-region, or with SP the all-gather of the sequence shards."""
+    return gather_from_sequence_parallel_region(x, comm) if sequence_parallel else copy_to_tensor_parallel_region(x, comm)
+
+
 def gather_from_tensor_parallel_region(x: torch.Tensor, comm: Any) -> torch.Tensor:
     """[..., F/tp] → [..., F] (e.g. vocab-sharded logits → full logits)."""
     return _GatherLastDim.apply(x, comm)
@@ -292,9 +299,7 @@ class _EnterRegionHook:
         if not args or not isinstance(args[0], torch.Tensor):
             raise TypeError(f"tensor-parallel plan: {self.what} is an 'input_region' block, so its input must be its first "
                             f"positional argument (a tensor); it was called with {len(args)} positional argument(s)")
-        x = args[0]
-        x = gather_from_sequence_parallel_region(x, self.comm) if self.sequence_parallel else copy_to_tensor_parallel_region(x, self.comm)
-        return (x, *args[1:])
+        return (enter_region(args[0], self.comm, self.sequence_parallel), *args[1:])
 
 
 # ---------------------------------------------------------------------------------------------- sharding layout
@@ -383,7 +388,7 @@ class ColumnParallelLinear(TensorParallelModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_in_region:
-            x = gather_from_sequence_parallel_region(x, self.comm) if self.sequence_parallel else copy_to_tensor_parallel_region(x, self.comm)
+            x = enter_region(x, self.comm, self.sequence_parallel)
         spec = self.shard_specs["weight"]
         weight = _SumOverReplicas.apply(self.weight, spec, self.comm) if spec.replicas > 1 else self.weight
         bias = self.bias
