@@ -17,7 +17,6 @@ named in ``World.high_priority_streams`` / ``World.yielding_streams`` get the pr
 from __future__ import annotations
 
 import os
-import pickle
 import socket
 import time
 import uuid
@@ -28,13 +27,14 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from nxdt.comm import algorithms as generic, shm_algorithms as algo
+from nxdt.comm import algorithms as generic, objects, shm_algorithms as algo
 from nxdt.comm.errors import CommError, CommMismatchError, CommTimeoutError
 from nxdt.comm.p2p import Links
 from nxdt.comm.reduce import LOW_PRECISION, check_op, dtype_code
 from nxdt.comm.shm import DEFAULT_SLOT_BYTES, ShmChannel, remove_stale_segments
 from nxdt.comm.emulate import EmulatedLink, Pacer
 from nxdt.comm.heap import Heap
+from nxdt.comm.store import serve_store
 from nxdt.comm.stream import PriorityState, Stream, Work, next_work_id
 from nxdt.comm.trace import Tracer
 from nxdt.comm.waiting import DEFAULT_WAIT, WaitPolicy, policy_for
@@ -433,10 +433,10 @@ class Communicator:
         if peer == self.rank:
             raise ValueError(f"group '{self.name}': rank {self.rank} cannot send to or receive from itself")
 
-    # ------------------------------------------------------------------------------ objects (framework-internal, trusted)
+    # ------------------------------------------------------------------------------ objects (plain data and tensors, no pickle)
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         if self.rank == root:
-            payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            payload = torch.frombuffer(bytearray(objects.encode(obj)), dtype=torch.uint8)
             length = torch.tensor([payload.numel()], dtype=torch.int64)
         else:
             length = torch.zeros(1, dtype=torch.int64)
@@ -444,10 +444,10 @@ class Communicator:
         if self.rank != root:
             payload = torch.empty(int(length), dtype=torch.uint8)
         self.broadcast(payload, root)
-        return obj if self.rank == root else pickle.loads(payload.numpy().tobytes())
+        return obj if self.rank == root else objects.decode(payload.numpy().tobytes())
 
     def all_gather_object(self, obj: Any, *, stream: str = "default") -> list[Any]:
-        data = pickle.dumps(obj)
+        data = objects.encode(obj)
         lengths = torch.zeros(self.size, dtype=torch.int64)
         self.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64), stream=stream)
         width = int(lengths.max())
@@ -456,7 +456,7 @@ class Communicator:
             mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         everyone = torch.empty(self.size * width, dtype=torch.uint8)
         self.all_gather(everyone, mine, stream=stream)
-        return [pickle.loads(everyone[i * width:i * width + int(lengths[i])].numpy().tobytes()) for i in range(self.size)]
+        return [objects.decode(everyone[i * width:i * width + int(lengths[i])].numpy().tobytes()) for i in range(self.size)]
 
     def close(self) -> None:
         for ch in self._channels.values():
@@ -583,8 +583,11 @@ def init_process(rank: int, world_size: int, master_addr: str, master_port: int,
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
     try:
-        store = dist.TCPStore(master_addr, int(master_port), world_size, is_master=store_is_server,
-                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        if store_is_server:  # listening on master_addr's interface only, not on every interface of the host
+            store = serve_store(master_addr, int(master_port), world_size, timedelta(seconds=timeout_s))
+        else:
+            store = dist.TCPStore(master_addr, int(master_port), world_size, is_master=False,
+                                  timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
     except Exception as exc:
         raise CommTimeoutError(f"nxdt.comm: rank {rank} could not reach the rendezvous store at {master_addr}:{master_port} ({exc})") from exc
     # NXDT_ATTEMPT (multi-node: the rendezvous round) is the same on every node; agents' restart counts need not be

@@ -1,7 +1,8 @@
 """Local launch: this host's workers under torch's elastic agent (the machinery behind torchrun).
 
-The agent hosts the rendezvous store, starts one worker per rank, watches them, and stops all of
-them when one fails or on Ctrl-C. We turn its outcome into one line naming the failed rank, its
+The agent hosts the rendezvous store (``nxdt-local``: on 127.0.0.1 only, see
+``nxdt.launch.rendezvous``), starts one worker per rank, watches them, and stops all of them when one
+fails or on Ctrl-C. We turn its outcome into one line naming the failed rank, its
 error and its log file, and remove the run's shared-memory segments whatever happened.
 """
 
@@ -11,7 +12,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import uuid
 from pathlib import Path
 from typing import Any
@@ -25,12 +25,6 @@ class LaunchFailed(RuntimeError):
 
 class LaunchInterrupted(RuntimeError):
     """Ctrl-C or SIGTERM reached the launcher; the agent has stopped every worker."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _summary(message: Any, exitcode: int) -> str:
@@ -87,18 +81,19 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from nxdt.comm import cleanup_run
-    from nxdt.launch import worker
+    from nxdt.launch import rendezvous, worker
 
     # the agent logs every worker exit at WARNING/ERROR; we report the failure ourselves in one line
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     run_id = f"x{uuid.uuid4().hex[:12]}"
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=plan.ranks_per_node, run_id=run_id,
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", rdzv_configs={"is_host": True},
+        rdzv_backend=rendezvous.BACKEND, rdzv_endpoint="",  # one store, on 127.0.0.1 only, no pickled state
         max_restarts=max_restarts, monitor_interval=0.2, start_method=worker.START_METHOD,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "agent")),
     )
     argv = [str(run_dir)] + (["--console-tty"] if console_tty else [])
+    rendezvous.register()
     try:
         worker.start_fork_server()
         elastic_launch(config, entrypoint=worker.main)(argv)

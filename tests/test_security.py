@@ -1,0 +1,141 @@
+"""Secure by default: a local run listens on loopback only, and bytes from another process are never
+unpickled (objects between ranks travel as JSON + raw tensor bytes, see ``nxdt.comm.objects``)."""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from nxdt.comm.objects import ObjectCodecError, decode, encode
+
+
+# ----------------------------------------------------------------------------- the object codec
+def test_objects_round_trip_exactly():
+    obj = {"path": Path("/tmp/x"), 3: [1.5, float("inf"), (True, None)], "big": 2 ** 80, "raw": b"\x00\xff",
+           "nan": float("nan"), "dtype": torch.bfloat16,
+           "tensors": [torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.tensor([1.25, -2.0], dtype=torch.bfloat16),
+                       torch.empty(0, 4, dtype=torch.int64), torch.tensor(True)]}
+    back = decode(encode(obj))
+    assert back["path"] == Path("/tmp/x") and back[3][:2] == [1.5, float("inf")] and back[3][2] == (True, None)
+    assert back["big"] == 2 ** 80 and back["raw"] == b"\x00\xff" and math.isnan(back["nan"]) and back["dtype"] is torch.bfloat16
+    for got, want in zip(back["tensors"], obj["tensors"]):
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+
+
+def test_objects_refuse_what_is_not_plain_data_by_name():
+    class Custom:
+        pass
+
+    with pytest.raises(ObjectCodecError, match="type .*Custom cannot be sent between ranks"):
+        encode({"a": [Custom()]})
+
+
+class _RunsCode:
+    """Unpickling this runs ``touch MARKER``: what a forged payload on a socket or in a segment would do."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_pickled_payload_is_rejected_without_running_it(tmp_path):
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(_RunsCode(str(marker)))
+    for forged in (payload, b"\x10\x00\x00\x00\x00\x00\x00\x00" + payload, encode("ok")[:5]):
+        with pytest.raises(ObjectCodecError):
+            decode(forged)
+    assert not marker.exists()
+
+
+def _exchange_objects(world) -> list:
+    sent = {"step": 7, "w": torch.full((3,), float(world.rank))}
+    got = world.world.broadcast_object(sent if world.rank == 1 else None, root=1)
+    gathered = world.world.all_gather_object(world.rank * 10)
+    return [got["step"], got["w"].tolist(), gathered]
+
+
+def test_broadcast_object_between_ranks_uses_the_codec():
+    from nxdt.comm.spawn import run_local
+
+    for result in run_local(_exchange_objects, 2, timeout_s=60):
+        assert result == [7, [1.0, 1.0, 1.0], [0, 10]]
+
+
+# ----------------------------------------------------------------------------- what a local run listens on
+def _process_tree(root: int) -> set[int]:
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    tree, grew = {root}, True
+    while grew:
+        grew = False
+        for pid, parent in parents.items():
+            if parent in tree and pid not in tree:
+                tree.add(pid)
+                grew = True
+    return tree
+
+
+def _listening_addresses(pids: set[int]) -> list[tuple[str, int]]:
+    """(address, port) of every listening TCP socket (IPv4 and IPv6) that one of ``pids`` holds."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    found = []
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            hex_addr, hex_port = fields[1].split(":")
+            raw = bytes.fromhex(hex_addr)
+            # /proc prints the address as host-order 32-bit words
+            packed = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
+            found.append((str(ipaddress.ip_address(packed)), int(hex_port, 16)))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_local_run_listens_on_loopback_only(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "nxdt.cli", "train", "model=llama_tiny", "data=synthetic",
+                             "trainer.max_steps=100000", "exp_manager.create_tensorboard_logger=false",
+                             f"exp_manager.explicit_log_dir={run}"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "metrics.csv").exists():  # every worker has joined and trains
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() is not None else "timeout"
+            time.sleep(0.2)
+        tree = _process_tree(proc.pid)
+        assert len(tree) >= 3, tree  # the launcher, its fork server and the workers
+        listening = _listening_addresses(tree)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+    assert listening, "the run's store was not found: the check would pass vacuously"
+    exposed = [(addr, port) for addr, port in listening if not ipaddress.ip_address(addr).is_loopback]
+    assert not exposed, f"listening beyond loopback: {exposed} (all: {listening})"
