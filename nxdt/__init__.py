@@ -1,3 +1,3 @@
-"""nxdt: an open distributed-training launcher (see DESIGN.md / README.md)."""
+"""nxdt: an open distributed-training launcher (see README.md and docs/architecture.md)."""
 
 __version__ = "0.1.0"

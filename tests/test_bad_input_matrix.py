@@ -46,6 +46,7 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["train", "model=llama_huge"], "unknown model"),
         (["train", "data=parquet"], "unknown data"),
         (["train", "precision.type=fp8"], "precision.type"),
+        (["train", "exp_manager.nan_policy=ignore"], "exp_manager.nan_policy"),
         (["train", "model.optim.name=sgd"], "model.optim.name"),
         (["train", "model.architecture=os.system"], "model.architecture"),
         (["train", "distributed_strategy.placement_order=tp-dp"], "placement_order"),
@@ -89,7 +90,132 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["checkpoint", "consolidate", str(tmp / "a")], "usage"),
         (["checkpoint", "consolidate", str(_checkpoint(tmp, "g")), str(tmp)], "not an empty directory"),
         (["checkpoint", "consolidate", str(_checkpoint(tmp, "h", degrees={"ep": 2})), str(tmp / "out")], "expert-parallel"),
+        *((["train", override], needle) for override, needle in RANGE_CASES),
+        *((["train", *overrides], needle) for overrides, needle in RANGE_COMBINED),
     ]
+
+
+# Range checks: every numeric key refused outside what its consumer accepts (NaN, inf, negative, absurd sizes), and a
+# run name that would leave exp_manager.exp_dir; (override, text the one line must hold: the key and the value shown).
+RANGE_CASES = [
+    # optimizer
+    ("model.optim.lr=inf", "model.optim.lr=inf"),
+    ("model.optim.lr=nan", "model.optim.lr=nan"),
+    ("model.optim.lr=-0.001", "model.optim.lr=-0.001"),
+    ("model.optim.lr=1e400", "model.optim.lr=inf"),
+    ("model.optim.weight_decay=nan", "model.optim.weight_decay=nan"),
+    ("model.optim.weight_decay=inf", "model.optim.weight_decay=inf"),
+    ("model.optim.weight_decay=-0.1", "model.optim.weight_decay=-0.1"),
+    ("model.optim.eps=0", "model.optim.eps=0.0"),
+    ("model.optim.eps=-1e-8", "model.optim.eps=-1e-08"),
+    ("model.optim.eps=nan", "model.optim.eps=nan"),
+    ("model.optim.eps=inf", "model.optim.eps=inf"),
+    ("model.optim.betas=[1.0,0.95]", "model.optim.betas[0]=1.0"),
+    ("model.optim.betas=[0.9,1.0]", "model.optim.betas[1]=1.0"),
+    ("model.optim.betas=[-0.1,0.95]", "model.optim.betas[0]=-0.1"),
+    ("model.optim.betas=[0.9,-0.5]", "model.optim.betas[1]=-0.5"),
+    ("model.optim.betas=[0.9,nan]", "model.optim.betas[1]=nan"),
+    ("model.optim.betas=[0.9]", "model.optim.betas=[0.9]"),
+    ("model.optim.betas=[0.9,0.95,0.99]", "model.optim.betas"),
+    # learning-rate schedule
+    ("model.optim.sched.warmup_steps=-1", "model.optim.sched.warmup_steps=-1"),
+    ("model.optim.sched.max_steps=0", "model.optim.sched.max_steps=0"),
+    ("model.optim.sched.max_steps=-5", "model.optim.sched.max_steps=-5"),
+    ("model.optim.sched.constant_steps=-1", "model.optim.sched.constant_steps=-1"),
+    ("model.optim.sched.min_lr=-1e-5", "model.optim.sched.min_lr=-1e-05"),
+    ("model.optim.sched.min_lr=nan", "model.optim.sched.min_lr=nan"),
+    ("model.optim.sched.min_lr=inf", "model.optim.sched.min_lr=inf"),
+    ("model.optim.sched.min_lr=0.5", "model.optim.sched.min_lr=0.5"),  # above the peak lr
+    # trainer
+    ("trainer.gradient_clip_val=-1", "trainer.gradient_clip_val=-1.0"),
+    ("trainer.gradient_clip_val=nan", "trainer.gradient_clip_val=nan"),
+    ("trainer.gradient_clip_val=inf", "trainer.gradient_clip_val=inf"),
+    ("trainer.devices=100000", "trainer.devices=100000"),
+    ("trainer.devices=5000", "trainer.devices=5000"),
+    ("trainer.devices=0", "trainer.devices=0"),
+    ("trainer.num_nodes=0", "trainer.num_nodes=0"),
+    ("trainer.num_nodes=10000000", "trainer.num_nodes=10000000"),
+    ("trainer.max_steps=1e23", "trainer.max_steps"),
+    ("trainer.max_steps=1.5", "trainer.max_steps"),
+    ("trainer.max_steps=100000000000000000000000", "trainer.max_steps=100000000000000000000000"),
+    ("trainer.max_steps=4611686018427387905", "trainer.max_steps=4611686018427387905"),
+    ("trainer.max_steps=0", "trainer.max_steps=0"),
+    ("trainer.max_epochs=0", "trainer.max_epochs=0"),
+    ("trainer.max_epochs=-2", "trainer.max_epochs=-2"),
+    ("trainer.log_every_n_steps=0", "trainer.log_every_n_steps=0"),
+    # model
+    ("model.norm_eps=0", "model.norm_eps=0.0"),
+    ("model.norm_eps=-1e-5", "model.norm_eps=-1e-05"),
+    ("model.norm_eps=nan", "model.norm_eps=nan"),
+    ("model.norm_eps=inf", "model.norm_eps=inf"),
+    ("model.rope_theta=0", "model.rope_theta=0.0"),
+    ("model.rope_theta=-10000", "model.rope_theta=-10000.0"),
+    ("model.rope_theta=nan", "model.rope_theta=nan"),
+    ("model.rope_theta=inf", "model.rope_theta=inf"),
+    ("model.init_method_std=-0.02", "model.init_method_std=-0.02"),
+    ("model.init_method_std=nan", "model.init_method_std=nan"),
+    ("model.init_method_std=inf", "model.init_method_std=inf"),
+    ("model.hidden_size=0", "model.hidden_size=0"),
+    ("model.moe.num_experts=-1", "model.moe.num_experts=-1"),
+    ("model.moe.router_aux_loss_coef=-0.1", "model.moe.router_aux_loss_coef=-0.1"),
+    ("model.moe.router_aux_loss_coef=nan", "model.moe.router_aux_loss_coef=nan"),
+    # seed: what numpy and torch accept
+    ("seed=-1", "seed=-1"),
+    ("seed=4294967296", "seed=4294967296"),
+    ("seed=18446744073709551616", "seed=18446744073709551616"),
+    # collectives and launcher
+    ("comm.timeout_s=nan", "comm.timeout_s=nan"),
+    ("comm.timeout_s=inf", "comm.timeout_s=inf"),
+    ("comm.timeout_s=0", "comm.timeout_s=0.0"),
+    ("comm.timeout_s=-5", "comm.timeout_s=-5.0"),
+    ("comm.emulate_slowdown=inf", "comm.emulate_slowdown=inf"),
+    ("comm.emulate_slowdown=nan", "comm.emulate_slowdown=nan"),
+    ("launcher.join_timeout_s=nan", "launcher.join_timeout_s=nan"),
+    # run name: one directory under exp_manager.exp_dir, after interpolation
+    ("name=", "name: is empty"),
+    ("name=' '", "name=' '"),
+    ("name=a/b", "name='a/b'"),
+    ("name=/etc", "name='/etc'"),
+    ("name=..", "name='..'"),
+    ("name=.", "name='.'"),
+    ("name='a/../../escape'", "name='a/../../escape'"),
+    ("name=a\\b", "name='a\\\\b'"),
+    ("name=a\tb", "name='a\\tb'"),
+    ("name='a\x1bb'", "name='a\\x1bb'"),
+    ("name=${oc.env:HOME}", f"name={os.environ.get('HOME', '/')!r}"),
+    ("name=${oc.env:NXDT_TEST_RUN_NAME}", "control character"),  # the test sets it to a name with a newline
+    ("name=" + "x" * 300, "300 bytes"),
+    # data
+    ("data.micro_batch_size=0", "data.micro_batch_size=0"),
+    ("data.global_batch_size=-8", "data.global_batch_size=-8"),
+    ("data.seq_length=0", "data.seq_length=0"),
+    ("data.num_samples=0", "data.num_samples=0"),
+    # exp_manager
+    ("exp_manager.keep_last_k=0", "exp_manager.keep_last_k=0"),
+    ("exp_manager.checkpoint_every_n_steps=0", "exp_manager.checkpoint_every_n_steps=0"),
+    ("exp_manager.max_restarts=-1", "exp_manager.max_restarts=-1"),
+    ("exp_manager.fault_injection.step=0", "exp_manager.fault_injection.step=0"),
+    ("exp_manager.fault_injection.step=51", "exp_manager.fault_injection.step=51"),  # beyond trainer.max_steps=50
+    ("exp_manager.fault_injection.attempt=-1", "exp_manager.fault_injection.attempt=-1"),
+    # instance (the catalogue's values can be overridden too)
+    ("instance.devices=0", "instance.devices=0"),
+    ("instance.cores_per_device=0", "instance.cores_per_device=0"),
+    ("instance.compute_efficiency=0", "instance.compute_efficiency=0.0"),
+    ("instance.compute_efficiency=1.5", "instance.compute_efficiency=1.5"),
+    ("instance.link_efficiency=nan", "instance.link_efficiency=nan"),
+    ("instance.memory_GiB=-1", "instance.memory_GiB=-1.0"),
+    ("instance.peak_tflops_fp32=inf", "instance.peak_tflops_fp32=inf"),
+    ("instance.intra_device.bandwidth_GBps=-1", "instance.intra_device.bandwidth_GBps=-1.0"),
+    ("instance.inter_node.latency_us=nan", "instance.inter_node.latency_us=nan"),
+    ("distributed_strategy.kv_replicator=0", "distributed_strategy.kv_replicator=0"),
+]
+# cases that need more than one override
+RANGE_COMBINED = [
+    (["model=mixtral_tiny", "model.moe.top_k=0"], "model.moe.top_k=0"),
+    (["model=mixtral_tiny", "model.moe.top_k=5"], "model.moe.top_k=5"),  # more than its 4 experts
+    (["exp_manager.fault_injection.step=5", "exp_manager.fault_injection.attempt=1"], "exp_manager.fault_injection.attempt=1"),
+    (["launcher=torchrun", "launcher.join_timeout_s=inf"], "launcher.join_timeout_s=inf"),
+]
 
 
 def _children() -> set[int]:
@@ -99,11 +225,47 @@ def _children() -> set[int]:
     return pids
 
 
+def _ancestors(pid: int) -> set[int]:
+    seen = set()
+    while pid > 1 and pid not in seen:
+        seen.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return seen
+
+
+def _creator(path: str) -> int | None:
+    try:
+        with open(path, "rb") as f:
+            return int.from_bytes(f.read(16)[8:16], "little", signed=True)  # header word 1: the creator's pid
+    except OSError:
+        return None  # already removed
+
+
+def _left_behind(before: set[str]) -> set[str]:
+    """New segments this test could have left: not those of another job running on this host at the same time (a
+    run whose segments include one with a live creator outside this process tree, or one still being created)."""
+    runs: dict[str, list[str]] = {}
+    for path in glob.glob("/dev/shm/nxdt-*"):
+        runs.setdefault(os.path.basename(path)[len("nxdt-"):].split("-")[0], []).append(path)
+    left = set()
+    for paths in runs.values():
+        creators = [_creator(p) for p in paths]
+        foreign = any(c is not None and (c <= 0 or (Path(f"/proc/{c}").exists() and os.getpid() not in _ancestors(c)))
+                      for c in creators)
+        if not foreign:
+            left |= {p for p, c in zip(paths, creators) if c is not None and p not in before}
+    return left
+
+
 def test_every_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("NXDT_TEST_RUN_NAME", "run\n1")
     (tmp_path / "inputs").mkdir()
     cases = _cases(tmp_path / "inputs")
-    assert len(cases) >= 25
+    assert len(cases) >= 100
     segments, children = set(glob.glob("/dev/shm/nxdt-*")), _children()
     failures = []
     for argv, needle in cases:
@@ -114,4 +276,4 @@ def test_every_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, capsys,
             failures.append(f"{argv}: exit {code}, stderr {lines}")
     assert not failures, "\n".join(failures)
     assert not (tmp_path / "outputs").exists()  # no run directory: nothing was launched
-    assert set(glob.glob("/dev/shm/nxdt-*")) <= segments and _children() <= children
+    assert not _left_behind(segments) and _children() <= children

@@ -29,10 +29,12 @@ def test_readme_lightning_example_trains_with_two_workers(tmp_path):
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=170,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
-    match = re.search(r"final loss ([0-9.]+) on (\d+) workers", result.stdout)
+    match = re.search(r"final loss ([0-9.]+) on (\d+) workers; first epoch: (\d+) samples on this worker, (\d+) in all",
+                      result.stdout)
     assert match, result.stdout[-2000:]
     assert float(match.group(1)) < 1.0  # y = x·[1..8] has variance 204: only a run that learnt gets near 0
     assert match.group(2) == "2"
+    assert (match.group(3), match.group(4)) == ("256", "512")  # the data was split, not seen twice
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """Topology catalogue, placement rules, cost and memory model, `nxdt topo` / `nxdt plan` / `comm-test --estimate`
-(all pure: no processes). Golden values come from reference/topology.md and the nccom-test table in
-shared/seeds (trn1.2xlarge, 2-rank all-reduce)."""
+(all pure: no processes). Golden values come from the catalogue's sources (docs/sources.md) and the nccom-test
+table of AWS's Trn1 launch material (trn1.2xlarge, 2-rank all-reduce)."""
 
 from __future__ import annotations
 

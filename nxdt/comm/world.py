@@ -16,6 +16,7 @@ named in ``World.high_priority_streams`` / ``World.yielding_streams`` get the pr
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import time
@@ -573,6 +574,9 @@ class World:
             pass
 
 
+_JOINS = itertools.count(1)  # numbers this process's init_process calls
+
+
 def init_process(rank: int, world_size: int, master_addr: str, master_port: int, *, timeout_s: float = 120.0,
                  run_id: str | None = None, store_is_server: bool = False, host_id: str | None = None,
                  slot_bytes: int = DEFAULT_SLOT_BYTES, wait_policy: WaitPolicy | None = None) -> World:
@@ -592,7 +596,9 @@ def init_process(rank: int, world_size: int, master_addr: str, master_port: int,
         raise CommTimeoutError(f"nxdt.comm: rank {rank} could not reach the rendezvous store at {master_addr}:{master_port} ({exc})") from exc
     # NXDT_ATTEMPT (multi-node: the rendezvous round) is the same on every node; agents' restart counts need not be
     attempt = os.environ.get("NXDT_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    namespace = f"nxdt/{run_id or 'run'}/{attempt}/"
+    # one process may join several times (a script's fit, then test: each sets up its strategy anew); every
+    # rank runs the same sequence, so the count agrees, and no join reads the keys an earlier one left
+    namespace = f"nxdt/{run_id or 'run'}/{attempt}/{next(_JOINS)}/"
     store = dist.PrefixStore(namespace, store)
     if rank == 0:
         remove_stale_segments()

@@ -32,7 +32,7 @@ class TrainerConfig:
     max_steps: int = doc(50, "optimizer steps to train (one step = one global batch)")
     max_epochs: int = doc(-1, "epoch limit; -1 = bounded by max_steps only")
     log_every_n_steps: int = doc(1, "write a metrics.csv row every N steps")
-    gradient_clip_val: Optional[float] = doc(1.0, "clip the global gradient norm to this value; null = no clipping")
+    gradient_clip_val: Optional[float] = doc(1.0, "clip the global gradient norm to this value; null or 0 = no clipping")
     lnc: Optional[int] = doc(None, "logical NeuronCore size: physical cores per rank (Trn2/Trn3); null = the instance default")
 
 
@@ -58,6 +58,9 @@ class ExpManagerConfig:
     create_tensorboard_logger: bool = doc(True, "write TensorBoard event files under tensorboard/")
     log_parameter_norm: bool = doc(False, "add the global parameter norm (all shards) to metrics.csv as param_norm")
     log_gradient_norm: bool = doc(False, "add the global gradient norm (before clipping) to metrics.csv as grad_norm")
+    nan_policy: str = doc("stop", "a NaN/inf loss or gradient norm: stop (one line naming the step and the ranks; no "
+                                  "checkpoint with non-finite weights is ever written) | skip_step (drop that update; the "
+                                  "run stops after 10 consecutive skips)")
     trace: bool = doc(False, "write a Chrome trace per rank to trace/rank<k>.json (compute per FSDP unit, every collective "
                              "with its stream and token); open it in Perfetto")
     fault_injection: FaultInjectionConfig = doc(FaultInjectionConfig(), "deliberate worker failure, for testing recovery")
@@ -169,7 +172,7 @@ class ProvenanceConfig:
 
 @dataclass
 class InstanceConfig:
-    """One instance type of the catalogue (conf/instance/<name>.yaml); reference/topology.md §1."""
+    """One instance type of the catalogue (conf/instance/<name>.yaml); value sources: docs/sources.md."""
 
     name: str = doc("cpu", "instance type (cpu = worker processes on this host)")
     description: str = doc("", "one line shown by `nxdt topo`")
@@ -232,8 +235,8 @@ class LauncherConfig:
 
 @dataclass
 class Config:
-    name: str = doc("llama_tiny", "run name (directory under exp_manager.exp_dir)")
-    seed: int = doc(1234, "global seed")
+    name: str = doc("llama_tiny", "run name: one directory under exp_manager.exp_dir (no '/', '..' or control characters)")
+    seed: int = doc(1234, "global seed, 0..2**32-1")
     model_source: str = doc("nxdt", "nxdt | hf (NxDT key)")
     trainer: TrainerConfig = doc(TrainerConfig(), "training loop")
     exp_manager: ExpManagerConfig = doc(ExpManagerConfig(), "run directory, checkpoints, logging")

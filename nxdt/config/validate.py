@@ -3,7 +3,9 @@ and each failure is one line naming the key, the value and the fix."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import math
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +24,14 @@ CHOICES = {
     "distributed_strategy.fsdp.prefetch": ("none", "eager", "token_threaded"),
     "comm.transport": ("auto", "shm", "p2p"),
     "exp_manager.fault_injection.kind": ("raise", "sigkill", "sigkill_during_save", "hang"),
+    "exp_manager.nan_policy": ("stop", "skip_step"),
 }
 DIMENSIONS = ("tp", "cp", "ep", "dp", "pp")
+MAX_INT = 2**62  # any integer key (steps, sizes, counts): beyond it the value is a typo, and int64 arithmetic overflows
+MAX_SEED = 2**32 - 1  # numpy (and so Lightning's seed_everything) takes seeds in 0..2**32-1
+MAX_LOCAL_RANKS = 4096  # worker processes one host (instance graph "host", e.g. cpu) runs per node
+MAX_WORLD_SIZE = 2**20  # ranks in one job, over all nodes
+NAME_MAX_BYTES = 255  # the run name is one directory name
 
 
 class ConfigError(ValueError):
@@ -44,13 +52,148 @@ def _get(cfg: Any, dotted: str) -> Any:
 def _positive(cfg: Any, keys: tuple[str, ...]) -> None:
     for key in keys:
         value = _get(cfg, key)
-        if value is not None and value < 1:
-            raise ConfigError(key, value, "must be >= 1")
+        if value is not None and not 1 <= value <= MAX_INT:
+            raise ConfigError(key, value, "must be >= 1" if value < 1 else "must be an integer in 1..2**62")
+
+
+def _integer(key: str, value: Any, lo: int, hi: int = MAX_INT, what: str = "") -> None:
+    """``value`` an int in lo..hi (None is left to the caller); ``what`` says what the key means, for the fix."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        too_big = isinstance(value, int) and value > hi
+        allowed = f"in {lo}..{hi}" if hi != MAX_INT else f"in {lo}..2**62" if too_big else f">= {lo}"
+        raise ConfigError(key, value, f"must be an integer {allowed}{what}")
+
+
+def _number(key: str, value: Any, lo: float = -math.inf, hi: float = math.inf, *, lo_open: bool = False,
+            hi_open: bool = False, what: str = "") -> None:
+    """``value`` a finite number in the interval (``lo_open``/``hi_open``: bounds excluded)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)
+    if not ok:
+        parts = []
+        if lo != -math.inf:
+            parts.append(f"{'>' if lo_open else '>='} {lo:g}")
+        if hi != math.inf:
+            parts.append(f"{'<' if hi_open else '<='} {hi:g}")
+        raise ConfigError(key, value, f"must be a finite number{' ' + ' and '.join(parts) if parts else ''}{what}")
+
+
+def check_run_name(name: Any) -> None:
+    """The run name is one directory under exp_manager.exp_dir (after interpolation, e.g. ``${oc.env:HOME}``)."""
+    fix = "give a plain directory name (it is created under exp_manager.exp_dir), e.g. name=llama_tiny"
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError("name", name, f"is empty; {fix}")
+    if not name.isprintable():
+        raise ConfigError("name", name, f"contains a control character (newline, tab, ...); {fix}")
+    if "/" in name or "\\" in name:
+        raise ConfigError("name", name, f"contains a path separator (an absolute path or a subdirectory); {fix}")
+    if name in (".", ".."):
+        raise ConfigError("name", name, f"names no directory of its own; {fix}")
+    if len(name.encode()) > NAME_MAX_BYTES:
+        raise ConfigError("name", name[:40] + "...", f"is {len(name.encode())} bytes long, a directory name holds at most "
+                          f"{NAME_MAX_BYTES}; give a shorter name")
+
+
+def check_ranges(cfg: Any) -> None:
+    """Every numeric key within the range its consumer accepts (finite floats, bounded integers)."""
+    check_run_name(cfg.name)
+    _integer("seed", cfg.seed, 0, MAX_SEED, " (numpy and torch seeds are unsigned 32-bit)")
+    trainer, em, model = cfg.trainer, cfg.exp_manager, cfg.model
+    _integer("exp_manager.max_restarts", em.max_restarts, 0, what=" (0 = no restart)")
+    if trainer.max_epochs != -1:
+        _integer("trainer.max_epochs", trainer.max_epochs, 1, what=", or -1 for no epoch limit (trainer.max_steps bounds the run)")
+    if trainer.gradient_clip_val is not None:
+        _number("trainer.gradient_clip_val", trainer.gradient_clip_val, 0,
+                what=" (the largest global gradient norm; 0 or null = no clipping)")
+    if em.fault_injection.step is not None:
+        fi = em.fault_injection
+        _integer("exp_manager.fault_injection.step", fi.step, 1, trainer.max_steps,
+                 f" (an optimizer step of this run: trainer.max_steps={trainer.max_steps}), or null for no fault")
+        _integer("exp_manager.fault_injection.attempt", fi.attempt, 0, em.max_restarts,
+                 f" (launch attempts are 0..exp_manager.max_restarts={em.max_restarts}; raise max_restarts to reach a later one)")
+    else:
+        _integer("exp_manager.fault_injection.attempt", em.fault_injection.attempt, 0)
+
+    optim = model.optim
+    _number("model.optim.lr", optim.lr, 0, what=" (the peak learning rate, e.g. 3e-4; 0 freezes the weights)")
+    _number("model.optim.weight_decay", optim.weight_decay, 0, what=" (e.g. 0.01; 0 = no weight decay)")
+    _number("model.optim.eps", optim.eps, 0, lo_open=True, what=" (Adam's epsilon, e.g. 1e-8)")
+    betas = list(optim.betas)
+    if len(betas) != 2:
+        raise ConfigError("model.optim.betas", betas, "must be two numbers [beta1, beta2], e.g. [0.9, 0.95]")
+    for i, beta in enumerate(betas):
+        _number(f"model.optim.betas[{i}]", beta, 0, 1, hi_open=True, what=" (Adam's decay rates, e.g. [0.9, 0.95])")
+    sched = optim.sched
+    _integer("model.optim.sched.warmup_steps", sched.warmup_steps, 0, what=" (0 = no warm-up)")
+    _integer("model.optim.sched.max_steps", sched.max_steps, 1, what=" (the schedule's length; by default trainer.max_steps)")
+    _integer("model.optim.sched.constant_steps", sched.constant_steps, 0)
+    _number("model.optim.sched.min_lr", sched.min_lr, 0, what=" (the rate the schedule decays to)")
+    if sched.name != "constant" and optim.lr > 0 and sched.min_lr > optim.lr:
+        raise ConfigError("model.optim.sched.min_lr", sched.min_lr, f"must be <= model.optim.lr={optim.lr!r} (the schedule decays "
+                          "from lr to min_lr); lower min_lr or raise lr")
+
+    _number("model.norm_eps", model.norm_eps, 0, lo_open=True, what=" (RMSNorm's epsilon, e.g. 1e-5)")
+    _number("model.rope_theta", model.rope_theta, 0, lo_open=True, what=" (RoPE's base, e.g. 10000 or 500000)")
+    _number("model.init_method_std", model.init_method_std, 0, what=" (std of the normal weight init, e.g. 0.02)")
+    moe = model.moe
+    _integer("model.moe.num_experts", moe.num_experts, 0, what=" (0 = a dense model)")
+    if moe.num_experts > 0:
+        _integer("model.moe.top_k", moe.top_k, 1, moe.num_experts, f" (experts per token, at most model.moe.num_experts={moe.num_experts})")
+    _number("model.moe.router_aux_loss_coef", moe.router_aux_loss_coef, 0, what=" (0 = no load-balancing loss)")
+
+    _number("comm.timeout_s", cfg.comm.timeout_s, 1, what=" (seconds a collective waits for every rank)")
+    _number("comm.emulate_slowdown", cfg.comm.emulate_slowdown, 0, lo_open=True, what=" (1 = the instance's own links)")
+    _number("launcher.join_timeout_s", cfg.launcher.join_timeout_s, 0, lo_open=True, what=" (seconds a node waits for the others)")
+
+    inst = cfg.instance
+    for key in ("lnc_default", "domain_nodes"):
+        _integer(f"instance.{key}", getattr(inst, key), 1)
+    _integer("instance.links_per_device", inst.links_per_device, 0)
+    if inst.max_nodes is not None:
+        _integer("instance.max_nodes", inst.max_nodes, 1, what=", or null for no limit")
+    for key in ("shape", "group_sizes", "lnc_options"):
+        for i, value in enumerate(getattr(inst, key)):
+            _integer(f"instance.{key}[{i}]", value, 1)
+    for key in ("memory_GiB", "peak_tflops_bf16", "peak_tflops_fp32"):
+        _number(f"instance.{key}", getattr(inst, key), 0)
+    for key in ("compute_efficiency", "link_efficiency"):
+        _number(f"instance.{key}", getattr(inst, key), 0, 1, lo_open=True, what=" (an achieved fraction of the peak)")
+    for link in ("intra_device", "device_link", "domain_link", "inter_node"):
+        _number(f"instance.{link}.bandwidth_GBps", getattr(inst, link).bandwidth_GBps, 0)
+        _number(f"instance.{link}.latency_us", getattr(inst, link).latency_us, 0)
+
+    if inst.graph == "host" and trainer.devices > MAX_LOCAL_RANKS:
+        raise ConfigError("trainer.devices", trainer.devices, f"{inst.name} runs at most {MAX_LOCAL_RANKS} worker processes per "
+                          "node (one per rank); use fewer ranks per node, or more nodes")
+    if trainer.num_nodes * trainer.devices > MAX_WORLD_SIZE:
+        raise ConfigError("trainer.num_nodes", trainer.num_nodes, f"{trainer.num_nodes} nodes × trainer.devices={trainer.devices} "
+                          f"= {trainer.num_nodes * trainer.devices} ranks; one job holds at most {MAX_WORLD_SIZE}")
+    _check_leaves(cfg, "")
+
+
+def _check_leaves(node: Any, prefix: str) -> None:
+    """What no rule above names: every float finite, every integer within ±MAX_INT."""
+    if dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            _check_leaves(getattr(node, f.name), f"{prefix}{f.name}.")
+    elif isinstance(node, (list, tuple)):
+        for i, value in enumerate(node):
+            _check_leaves(value, f"{prefix[:-1]}[{i}].")
+    elif isinstance(node, dict):
+        for k, value in node.items():
+            _check_leaves(value, f"{prefix}{k}.")
+    elif isinstance(node, float) and not math.isfinite(node):
+        raise ConfigError(prefix[:-1], node, "must be a finite number")
+    elif isinstance(node, int) and not isinstance(node, bool) and abs(node) > MAX_INT:
+        raise ConfigError(prefix[:-1], node, "must be an integer in -2**62..2**62")
 
 
 def fill_instance_defaults(cfg: Any) -> None:
     """``trainer.devices: null`` means one rank per (logical) core of the instance's node."""
     inst, trainer = cfg.instance, cfg.trainer
+    for key in ("devices", "cores_per_device"):
+        _integer(f"instance.{key}", getattr(inst, key), 1, what=" (per node of the instance)")
     if trainer.devices is None:
         if inst.graph == "host":
             trainer.devices = inst.devices
@@ -74,13 +217,14 @@ def validate(cfg: Any, *, paths: bool = True) -> None:
                     "distributed_strategy.tensor_model_parallel_size", "distributed_strategy.pipeline_model_parallel_size",
                     "distributed_strategy.virtual_pipeline_model_parallel_size", "distributed_strategy.context_parallel_size",
                     "distributed_strategy.expert_model_parallel_size", "distributed_strategy.kv_replicator",
-                    "exp_manager.keep_last_k", "exp_manager.checkpoint_every_n_steps", "comm.timeout_s",
+                    "exp_manager.keep_last_k", "exp_manager.checkpoint_every_n_steps",
                     "distributed_strategy.fsdp.prefetch_distance",
                     "model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_attention_heads",
                     "model.num_kv_heads", "model.ffn_hidden_size", "model.max_position_embeddings"))
     order = ds.placement_order.split("-")
     if sorted(order) != sorted(DIMENSIONS):
         raise ConfigError("distributed_strategy.placement_order", ds.placement_order, f"must order each of {', '.join(DIMENSIONS)} once, e.g. tp-cp-ep-dp-pp")
+    check_ranges(cfg)
 
     inst = cfg.instance
     try:
@@ -158,9 +302,7 @@ def validate(cfg: Any, *, paths: bool = True) -> None:
         raise ConfigError("model.architecture", arch, f"only model classes under {ALLOWED_MODEL_PREFIX} may be named (a config is not a way to run code)")
     if importlib.util.find_spec(module) is None:
         raise ConfigError("model.architecture", arch, f"module {module} does not exist in the model hub")
-    if cfg.model.optim.sched.warmup_steps < 0:
-        raise ConfigError("model.optim.sched.warmup_steps", cfg.model.optim.sched.warmup_steps, "must be >= 0")
-    for key in ("exp_manager.max_restarts", "distributed_strategy.fsdp.reduce_scatter_delay",
+    for key in ("distributed_strategy.fsdp.reduce_scatter_delay",
                 "distributed_strategy.fsdp.param_persistence_threshold"):
         if _get(cfg, key) < 0:
             raise ConfigError(key, _get(cfg, key), "must be >= 0")

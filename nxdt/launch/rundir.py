@@ -3,11 +3,12 @@ the workers read, and ``logs/``."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
 
-from nxdt.config import save_run_config
+from nxdt.config import ConfigError, save_run_config
 from nxdt.planner import Plan
 
 CONFIG_FILE, PLAN_FILE = "config.yaml", "plan.json"
@@ -23,7 +24,12 @@ def choose_run_dir(cfg: Any) -> Path:
     em = cfg.exp_manager
     if em.explicit_log_dir:
         return Path(em.explicit_log_dir).expanduser().resolve()
-    root = Path(em.exp_dir).expanduser().resolve() / cfg.name
+    exp_root = Path(em.exp_dir).expanduser().resolve()
+    root = exp_root / cfg.name
+    normal = Path(os.path.normpath(root))
+    if not cfg.name or normal == exp_root or normal.parent != exp_root:  # validate() refuses such names first
+        raise ConfigError("name", cfg.name, f"the run directory {normal} would not be a directory of its own under "
+                          f"exp_manager.exp_dir={exp_root}; give a plain directory name (no '/', '..' or absolute path)")
     if em.resume_if_exists and root.is_dir():
         candidates = sorted((p for p in root.iterdir() if p.is_dir() and _resumable(p)), key=lambda p: p.name)
         if candidates:

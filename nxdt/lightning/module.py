@@ -33,6 +33,14 @@ def import_architecture(path: str) -> type:
         raise ValueError(f"model.architecture={path!r} cannot be imported ({exc})") from exc
 
 
+NAN_POLICIES = ("stop", "skip_step")
+MAX_CONSECUTIVE_SKIPS = 10  # skip_step: a run whose every update is non-finite stops instead of spinning forever
+
+
+class NonFiniteLossError(RuntimeError):
+    """The step's loss or gradient norm is NaN/inf and ``exp_manager.nan_policy`` says stop (or too many skips)."""
+
+
 class CausalLMModule(pl.LightningModule):
     """Next-token training of a model-hub model with manual optimization: each Lightning batch is this
     rank's share of one global batch; the step splits it into micro-batches, lets the strategy run
@@ -41,7 +49,7 @@ class CausalLMModule(pl.LightningModule):
 
     def __init__(self, model_cfg: Any, global_batch_size: int, seq_length: int, micro_batch_size: int,
                  gradient_clip_val: float | None = None, *, log_gradient_norm: bool = False,
-                 log_parameter_norm: bool = False) -> None:
+                 log_parameter_norm: bool = False, nan_policy: str = "stop") -> None:
         super().__init__()
         self.automatic_optimization = False  # one optimizer step per global batch, whatever the schedule
         self.model_cfg = model_cfg
@@ -52,6 +60,10 @@ class CausalLMModule(pl.LightningModule):
         self.micro_batch_size = micro_batch_size
         self.gradient_clip_val = gradient_clip_val
         self.log_gradient_norm, self.log_parameter_norm = log_gradient_norm, log_parameter_norm
+        if nan_policy not in NAN_POLICIES:
+            raise ValueError(f"nan_policy={nan_policy!r}: use one of {NAN_POLICIES}")
+        self.nan_policy = nan_policy
+        self.skipped_steps = 0  # consecutive updates skipped for a non-finite loss or gradient norm
         self.step_metrics: dict[str, float] = {}
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -68,6 +80,7 @@ class CausalLMModule(pl.LightningModule):
         if finish:
             finish()
         extra: dict[str, float] = {}
+        grad_norm = None
         if self.gradient_clip_val or self.log_gradient_norm:
             clip = getattr(strategy, "clip_grad_norm", None)
             params = [p for p in self.model.parameters() if p.grad is not None]
@@ -78,15 +91,46 @@ class CausalLMModule(pl.LightningModule):
         if self.log_parameter_norm:
             norm = getattr(strategy, "parameter_norm", None)
             extra["param_norm"] = float(norm() if norm else torch.stack([squared_norm(p) for p in self.model.parameters()]).sum().sqrt())
+        # the mean over every rank: NaN anywhere is NaN everywhere, so all ranks take the same branch below
+        step_loss = strategy.reduce(loss.detach().float(), reduce_op="mean")
+        if not self._finite_step(step_loss, grad_norm, loss):
+            optimizer.zero_grad()
+            return step_loss
         lr = optimizer.param_groups[0]["lr"]  # the rate this step applies (the schedule steps after it)
         optimizer.step()
         scheduler.step()
-        step_loss = strategy.reduce(loss.detach().float(), reduce_op="mean")
         stats = getattr(strategy, "step_stats", None)  # e.g. FSDP's exposed communication and gathered memory
         self.step_metrics = {"step": self.trainer.global_step, "loss": float(step_loss), "lr": lr, **extra,
                              **(stats() if stats else {})}
         self.log("loss", step_loss, prog_bar=True, logger=False)
         return step_loss
+
+    def _finite_step(self, step_loss: torch.Tensor, grad_norm: torch.Tensor | None, local_loss: torch.Tensor) -> bool:
+        """Whether this step's update may be applied (``exp_manager.nan_policy``): a NaN/inf loss or global
+        gradient norm stops the run (``stop``) or skips the update (``skip_step``, at most
+        ``MAX_CONSECUTIVE_SKIPS`` in a row). Both values are global, so every rank decides alike."""
+        bad = [name for name, value in (("loss", step_loss), ("gradient norm", grad_norm))
+               if value is not None and not math.isfinite(float(value))]
+        if not bad:
+            self.skipped_steps = 0
+            return True
+        step = self.trainer.global_step + 1
+        # which ranks' own losses went non-finite (every rank is in this branch: the gather is collective)
+        flags = self.trainer.strategy.all_gather(torch.isfinite(local_loss.detach().float()).reshape(1))
+        sources = [r for r, ok in enumerate(flags.reshape(-1).tolist()) if not ok]
+        where = f"rank{'s' if len(sources) > 1 else ''} {', '.join(map(str, sources))}" if sources else "the gradients"
+        what = " and ".join(f"{name} {float(value)}" for name, value in (("loss", step_loss), ("gradient norm", grad_norm))
+                            if name in bad)
+        self.skipped_steps += 1
+        if self.nan_policy == "skip_step" and self.skipped_steps <= MAX_CONSECUTIVE_SKIPS:
+            if self.trainer.is_global_zero:
+                print(f"nxdt: step {step}: {what} (from {where}) — update skipped (exp_manager.nan_policy=skip_step)", flush=True)
+            return False
+        reason = (f"{MAX_CONSECUTIVE_SKIPS} consecutive steps were skipped" if self.nan_policy == "skip_step"
+                  else "exp_manager.nan_policy=stop")
+        raise NonFiniteLossError(f"non-finite {what} at step {step} (from {where}; {reason}); the newest "
+                                 "checkpoint holds the last finite state — lower model.optim.lr, set "
+                                 "trainer.gradient_clip_val, or use exp_manager.nan_policy=skip_step")
 
     def _forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Gradient of the mean loss over the micro-batches (one process, no model parallelism)."""

@@ -15,8 +15,10 @@ Launch modes, all without forking Lightning:
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import logging
+import math
 import os
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -36,6 +38,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 
 import nxdt.comm
 from nxdt.lightning import checkpoint as ckpt_io, reshard
+from nxdt.lightning.precision import with_strategy_clipping
 from nxdt.parallel import squared_norm
 from nxdt.parallel.expert_parallel import apply_expert_parallel, is_expert_parameter, reduce_expert_gradients
 from nxdt.parallel.fsdp import FullyShardedDataParallel, apply_fsdp
@@ -149,10 +152,12 @@ class NxDStrategy(ParallelStrategy):
         self._tp_layout: dict[str, list[int]] | None = None  # recorded before FSDP flattens the TP shards
         self._norm_weights: dict[str, float] | None = None  # TP: how each parameter's gradient enters the global norm
         self._pipeline: PipelineExecutor | None = None  # set in setup() when PP > 1
+        self._parallelized: torch.nn.Module | None = None  # the hub model _parallelize sharded (once)
         self._num_nodes = 1
         self.world: nxdt.comm.World | None = None
         self.communicators: dict[str, nxdt.comm.Communicator] = {}
         self._grad_buffer: Tensor | None = None
+        self._gradients_finished = True  # until a backward produces new local gradients
         # stored in every checkpoint's meta.json (e.g. the model shape, checked again on load)
         self.checkpoint_meta = dict(checkpoint_meta or {})
         # called with the temporary directory after a checkpoint's files are written, before it is
@@ -162,6 +167,17 @@ class NxDStrategy(ParallelStrategy):
         self._async_writer: ckpt_io.AsyncWriter | None = None  # started by the first asynchronous save
 
     # ----------------------------------------------------------------------------- topology
+    @property
+    def precision_plugin(self) -> Precision:
+        if self._precision_plugin is None:
+            self._precision_plugin = with_strategy_clipping(Precision(), self)
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # clipping must see the whole model's gradient, not this rank's part of it
+        self._precision_plugin = None if plugin is None else with_strategy_clipping(plugin, self)
+
     @property
     def root_device(self) -> torch.device:
         return torch.device("cpu")
@@ -189,7 +205,15 @@ class NxDStrategy(ParallelStrategy):
         return self.communicators["dp"]
 
     @property
+    def is_distributed(self) -> bool:
+        # Lightning injects a DistributedSampler (with ``distributed_sampler_kwargs``) into every dataloader of
+        # a strategy that says it is distributed, exactly as for DDPStrategy; ``use_distributed_sampler=False``
+        # and a user's own DistributedSampler are respected by Lightning itself
+        return True
+
+    @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Shard data over the data-parallel ranks only: ranks of one TP/PP/CP group see the same samples."""
         plan = self.plan
         return {"num_replicas": plan.degrees["dp"], "rank": plan.coords(self.global_rank)["dp"]}
 
@@ -224,7 +248,16 @@ class NxDStrategy(ParallelStrategy):
             raise NotImplementedError(
                 f"NxDStrategy: degrees {self._plan.degrees} — context parallel training is not "
                 f"implemented yet in this version; use data, tensor, pipeline and expert parallelism")
-        env = self.cluster_environment
+        if self.world is None:
+            self._connect()
+        if self._trace_dir is not None:
+            self._tracer = nxdt.comm.Tracer(self.global_rank)
+            self.world.set_tracer(self._tracer)
+
+    def _connect(self) -> None:
+        """Join the world and open one communicator per planned group (once per strategy: later entry points of
+        the same Trainer reuse them)."""
+        env, world_size = self.cluster_environment, self.world_size
         agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         self.world = nxdt.comm.init_process(
             self.global_rank, world_size, env.main_address, env.main_port,
@@ -238,9 +271,7 @@ class NxDStrategy(ParallelStrategy):
                 comm = self.world.new_communicator(list(ranks), name=f"{dim}{index}", link=self._emulated_links.get(dim))
                 if comm is not None:
                     self.communicators[dim] = comm
-        if self._trace_dir is not None:
-            self._tracer = nxdt.comm.Tracer(self.global_rank)
-            self.world.set_tracer(self._tracer)
+        atexit.register(self.close)  # a forked nxdt worker skips atexit handlers: run_training closes explicitly
         log.info("rank %d: communicators %s", self.global_rank, {k: c.ranks for k, c in self.communicators.items()})
 
     # ----------------------------------------------------------------------------- model
@@ -260,6 +291,24 @@ class NxDStrategy(ParallelStrategy):
             if self._fsdp_options is not None:
                 self._shard_fully()
         self.setup_precision_plugin()
+
+    def _optimized_model(self) -> torch.nn.Module:
+        """The module whose parameter names the parallel layers use: a hub model (``.model``) or the LightningModule."""
+        model = getattr(self.lightning_module, "model", None)
+        return model if isinstance(model, torch.nn.Module) else self.lightning_module
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """The module's optimizers; with ZeRO-1 each becomes a :class:`Zero1Optimizer` (CausalLMModule shards its
+        own before building its schedule), and the LR schedulers are pointed at the sharded optimizer."""
+        super().setup_optimizers(trainer)
+        if not self._zero1:
+            return
+        sharded = [self.shard_optimizer(o) for o in self.optimizers]
+        for old, new in zip(self.optimizers, sharded):
+            for config in self.lr_scheduler_configs:
+                if getattr(config.scheduler, "optimizer", None) is old and new is not old:
+                    config.scheduler.optimizer = new  # schedulers edit param_groups; the sharded one's hold the lr
+        self.optimizers = sharded
 
     def _fsdp_units_owner(self) -> torch.nn.Module:
         """The module FSDP cuts into units: a hub model (its ``fsdp_units``) or the LightningModule itself."""
@@ -290,6 +339,8 @@ class NxDStrategy(ParallelStrategy):
         if tp == 1 and pp == 1 and ep == 1:
             return
         model = getattr(self.lightning_module, "model", None)
+        if model is not None and model is self._parallelized:  # fit, then test/predict: sharded already
+            return
         if model is None or not hasattr(model, "run_layer"):
             raise ValueError("NxDStrategy: tensor/pipeline/expert parallelism needs a LightningModule whose `model` is a "
                              "model-hub model (embed / run_layer / head), e.g. nxdt.lightning.CausalLMModule")
@@ -302,6 +353,7 @@ class NxDStrategy(ParallelStrategy):
             pp_comm = self.communicators["pp"]
             chunks = build_chunks(model, pp_comm.rank, pp, virtual=self._virtual)
             self._pipeline = PipelineExecutor(chunks, pp_comm, model.loss_fn, seq_shards=tp if self._sequence_parallel else 1)
+        self._parallelized = model
 
     def forward_backward(self, module: pl.LightningModule, micro_batches: list[tuple[Tensor, Tensor]]) -> Tensor:
         """Run forward and backward over one global batch's micro-batches; parameter gradients hold the
@@ -315,9 +367,9 @@ class NxDStrategy(ParallelStrategy):
 
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """With ZeRO-1, the same optimizer with its state sharded over data parallelism."""
-        if not self._zero1:
+        if not self._zero1 or isinstance(optimizer, Zero1Optimizer):
             return optimizer
-        model = self.lightning_module.model
+        model = self._optimized_model()
         groups = [dict(g) for g in optimizer.param_groups]
         accepted = inspect.signature(type(optimizer).__init__).parameters  # defaults may hold derived flags
         kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
@@ -328,6 +380,7 @@ class NxDStrategy(ParallelStrategy):
         """After the last backward of a step: sum sequence-parallel replicas' gradients over TP, then
         average over data parallelism (ZeRO-1: reduce-scatter into each rank's shard; FSDP: the last
         reduce-scatters into the shards)."""
+        self._gradients_finished = True
         if self.fsdp is not None:
             self.fsdp.finish_gradients()
             if self.plan.degrees["tp"] > 1 and self._sequence_parallel:
@@ -350,21 +403,38 @@ class NxDStrategy(ParallelStrategy):
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> Tensor:
-        """Clip every gradient by the norm of the whole model's gradient (all TP shards, all PP stages)."""
+        """Clip every gradient by the norm of the whole model's gradient (all TP shards, all PP stages, all
+        DP shards), after finishing the gradients if a backward has run since; returns the norm."""
+        if not self._gradients_finished:
+            self.finish_gradients()
         weights = self._norm_weights or {}
         if self.fsdp is not None:  # each DP rank holds a different part of every gradient
             return self.fsdp.clip_grad_norm_(max_norm, [self.communicators["tp"]] if self.plan.degrees["tp"] > 1 else [], weights)
         if self._zero1_optimizer is not None:  # the reduced gradients live in the optimizer's shards
-            by_param = {id(p): weights.get(n, 1.0) for n, p in self.lightning_module.model.named_parameters()}
+            by_param = {id(p): weights.get(n, 1.0) for n, p in self._optimized_model().named_parameters()}
             extra = [self.communicators[d] for d in ("tp", "pp") if self.plan.degrees[d] > 1]
             return self._zero1_optimizer.clip_grad_norm_(max_norm, extra, weight=lambda p: by_param.get(id(p), 1.0))
         named = [(n, p.grad) for n, p in self.lightning_module.named_parameters() if p.requires_grad and p.grad is not None]
         norm = self._global_norm(named)
-        scale = max_norm / (float(norm) + 1e-6)
-        if scale < 1:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # fp32, as torch.nn.utils.clip_grad_norm_ computes it
+        if coef < 1:
             for _, g in named:
-                g.mul_(scale)
+                g.mul_(coef.to(g.dtype))
         return norm
+
+    @torch.no_grad()
+    def clip_grad_value(self, limit: float) -> None:
+        """Clamp every element of the finished gradient (where the optimizer reads it: shards under ZeRO-1/FSDP)."""
+        if not self._gradients_finished:
+            self.finish_gradients()
+        if self.fsdp is not None:
+            grads = self.fsdp.shard_gradients()
+        elif self._zero1_optimizer is not None:
+            grads = self._zero1_optimizer.shard_gradients()
+        else:
+            grads = [p.grad for p in self.lightning_module.parameters() if p.grad is not None]
+        for g in grads:
+            g.clamp_(-limit, limit)
 
     @torch.no_grad()
     def parameter_norm(self) -> Tensor:
@@ -442,21 +512,29 @@ class NxDStrategy(ParallelStrategy):
                 p.grad.copy_(view)
             offset += p.numel()
 
+    def post_backward(self, closure_loss: Tensor) -> None:
+        super().post_backward(closure_loss)
+        self._gradients_finished = False  # new local gradients: the next optimizer step must reduce them
+
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
-        if not self.lightning_module.automatic_optimization:  # the module finished the gradients itself
+        """One gradient path for automatic and manual optimisation: the gradients are finished
+        (:meth:`finish_gradients`: TP/SP sums, the data-parallel average or ZeRO-1/FSDP reduce-scatter,
+        expert reduction) once, after the step's last backward and before the optimizer uses them."""
+        if not self.lightning_module.automatic_optimization:
+            # a module that finished them itself (CausalLMModule, to clip first) is not reduced twice
+            if not self._gradients_finished:
+                self.finish_gradients()
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
-        # The closure runs the last micro-batch's backward; gradients are averaged right after it and
-        # before Lightning clips them, so clipping sees the global gradient.
-        def closure_then_sync() -> Any:
+        # The closure runs the last backward of the step; gradients are finished right after it, before
+        # Lightning's on_before_optimizer_step hooks and its clipping (which the precision plugin hands back to
+        # clip_grad_norm / clip_grad_value here: see nxdt.lightning.precision).
+        def closure_then_finish() -> Any:
             result = closure()
-            if self.fsdp is not None:
-                self.fsdp.finish_gradients()
-            else:
-                self.sync_gradients()
+            self.finish_gradients()
             return result
 
-        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        return super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
 
     @contextmanager
     def block_backward_sync(self) -> Iterator[None]:
@@ -503,6 +581,11 @@ class NxDStrategy(ParallelStrategy):
         return f"model{mp}.safetensors", f"trainer_state{mp}{dp}.pt", first, first or bool(dp)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        # never write non-finite weights: keep_last_k would then delete the last good checkpoint in their favour
+        norm = float(self.parameter_norm())  # collective over the groups holding other parts of the model
+        if not math.isfinite(norm):
+            raise ckpt_io.CheckpointError(f"not writing {filepath}: the parameters are not finite (norm {norm}); the "
+                                          "previous checkpoints are kept — lower model.optim.lr or enable gradient clipping")
         model_file, state_file, writes_model, writes_state = self._shard_files()
         meta = {"degrees": dict(self.plan.degrees), "world_size": self.plan.world_size, "zero1": self._zero1,
                 "fsdp": self._fsdp_options is not None, "virtual_pipeline": self._virtual,
@@ -627,6 +710,13 @@ class NxDStrategy(ParallelStrategy):
             os.makedirs(self._trace_dir, exist_ok=True)
             self._tracer.write(os.path.join(self._trace_dir, f"rank{self.global_rank}.json"))
             self._tracer = None
+            self.world.set_tracer(None)
+        # The communicators stay open, as DDP's process group does: ``trainer.save_checkpoint`` after ``fit`` and
+        # the next entry point of the same Trainer (``test``, ``predict``) use them. ``close()`` ends them.
+
+    def close(self) -> None:
+        """Close the communicators (shared memory released, store left); every rank calls it. ``nxdt train``
+        calls it after ``fit``; in a user's script it runs at interpreter exit unless called earlier."""
         if self.world is not None:
             self.world.close()
             self.world = None

@@ -69,10 +69,11 @@ def run_training(cfg: Any, plan: Plan, run_dir: str | Path) -> None:
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     module = CausalLMModule(cfg.model, cfg.data.global_batch_size, cfg.data.seq_length, cfg.data.micro_batch_size,
                             cfg.trainer.gradient_clip_val, log_gradient_norm=cfg.exp_manager.log_gradient_norm,
-                            log_parameter_norm=cfg.exp_manager.log_parameter_norm)
+                            log_parameter_norm=cfg.exp_manager.log_parameter_norm, nan_policy=cfg.exp_manager.nan_policy)
     datamodule = NxDDataModule(cfg.data, seed=cfg.seed, vocab_size=cfg.model.vocab_size, step_batches=True)
     trainer = build_trainer(cfg, plan, run_dir, module.tokens_per_step)
     ckpt_path = agreed_resume_checkpoint(cfg, run_dir)
     if ckpt_path is not None and trainer.is_global_zero:
         log.info("resuming from %s", ckpt_path)
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)
+    trainer.strategy.close()  # the worker is forked: no atexit handler would do it

@@ -679,10 +679,10 @@ class FullyShardedDataParallel:
             if comm is not None and comm.size > 1:
                 comm.all_reduce(squares, op="sum")
         norm = squares.sqrt().reshape(()).float()
-        scale = max_norm / (float(norm) + 1e-6)
-        if scale < 1:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # fp32, as torch.nn.utils.clip_grad_norm_ computes it
+        if coef < 1:
             for g in self.shard_gradients():
-                g.mul_(scale)
+                g.mul_(coef.to(g.dtype))
         return norm
 
     @torch.no_grad()

@@ -292,6 +292,11 @@ class Zero1Optimizer(torch.optim.Optimizer):
             b.shard.grad.mul_(coef.to(b.shard.grad.dtype))
         return norm
 
+    def shard_gradients(self) -> list[torch.Tensor]:
+        """The reduced gradients ``step`` will use (this rank's shard of each bucket), reduced first if needed."""
+        self.reduce_gradients()
+        return [b.shard.grad for b in self._buckets if b.shard.grad is not None]
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         for b in self._buckets:

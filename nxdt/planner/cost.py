@@ -1,4 +1,4 @@
-"""Alpha-beta cost model of collectives on a planned group (reference/collectives.md §3, topology.md §5).
+"""Alpha-beta cost model of collectives on a planned group.
 
 Each group gets effective link figures — latency ``alpha`` per step and bandwidth ``bw`` per rank and
 direction — from the slowest link class it spans, the channels the topology offers (a full 4x4 torus

@@ -1,5 +1,5 @@
 """Placement rules: which device orders a node may use and whether every communicator group of a
-layout is one the hardware can run (reference/topology.md §3-4). Pure numpy; no processes.
+layout is one the hardware can run. Pure numpy; no processes.
 
 Ranks are cores: rank r runs on logical core ``r % ranks_per_node`` of node ``r // ranks_per_node``
 (as Neuron and torchrun number them). What the planner chooses is which ranks form a group: the grid
