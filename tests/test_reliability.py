@@ -106,3 +106,48 @@ def test_checkpoint_inspect(reference, capsys):
     assert main(["checkpoint", "inspect", str(reference / "checkpoints/step-10")]) == 0
     out = capsys.readouterr().out
     assert "step 10" in out and "model.embed_tokens.weight" in out and "parameters" in out
+
+
+# ----------------------------------------------------------------------------- the NaN drill (exp_manager.nan_policy)
+def _all_finite(checkpoint: Path) -> bool:
+    return all(torch.isfinite(t).all() for f in checkpoint.glob("model*.safetensors") for t in load_file(f).values())
+
+
+@pytest.mark.timeout(240)
+def test_a_nan_loss_stops_the_run_with_one_line_and_the_checkpoints_stay_finite(tmp_path):
+    run = tmp_path / "run"
+    result = nxdt("train", *COMMON, "exp_manager.fault_injection.step=7", "exp_manager.fault_injection.rank=1",
+                  "exp_manager.fault_injection.kind=nan", f"exp_manager.explicit_log_dir={run}", cwd=tmp_path)
+    assert result.returncode == 1
+    headline = result.stderr.strip().splitlines()[-1]
+    assert "non-finite loss nan at step 7 (from rank 1; exp_manager.nan_policy=stop)" in headline, headline
+    assert sorted(losses(run)) == list(range(1, 7))  # nothing logged for the NaN step
+    kept = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
+    assert kept == ["step-5"] and _all_finite(run / "checkpoints" / "step-5")
+
+
+@pytest.mark.timeout(240)
+def test_skip_step_drops_the_nan_update_and_the_run_finishes(tmp_path, reference):
+    run = tmp_path / "run"
+    result = nxdt("train", *COMMON, "exp_manager.nan_policy=skip_step", "exp_manager.fault_injection.step=7",
+                  "exp_manager.fault_injection.rank=1", "exp_manager.fault_injection.kind=nan",
+                  f"exp_manager.explicit_log_dir={run}", cwd=tmp_path)
+    assert_ok(result)
+    assert "step 7: loss nan (from rank 1) — update skipped" in result.stdout + result.stderr
+    got, want = losses(run), losses(reference)
+    assert sorted(got) == list(range(1, 13))  # 12 updates made: the skipped batch did not count as a step
+    assert all(got[s] == want[s] for s in range(1, 7))  # identical until the skipped batch
+    assert got[7] != want[7]  # step 7 trains on the batch after the skipped one
+    assert all(_all_finite(p) for p in (run / "checkpoints").glob("step-*"))
+
+
+@pytest.mark.timeout(240)
+def test_a_diverging_run_stops_at_the_first_non_finite_gradient(tmp_path):
+    """The case from the hardening issue: lr=30 goes NaN within a few steps; it used to exit 0 with only NaN
+    checkpoints left."""
+    run = tmp_path / "run"
+    result = nxdt("train", *TINY, "data=synthetic", "trainer.max_steps=20", "model.optim.lr=30",
+                  "exp_manager.checkpoint_every_n_steps=2", f"exp_manager.explicit_log_dir={run}", cwd=tmp_path)
+    assert result.returncode == 1 and "non-finite" in result.stderr.strip().splitlines()[-1]
+    kept = list((run / "checkpoints").glob("step-*"))
+    assert kept and all(_all_finite(p) for p in kept)

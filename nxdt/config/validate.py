@@ -23,7 +23,7 @@ CHOICES = {
     "model.activations_checkpoint_granularity": (None, "full", "selective"),
     "distributed_strategy.fsdp.prefetch": ("none", "eager", "token_threaded"),
     "comm.transport": ("auto", "shm", "p2p"),
-    "exp_manager.fault_injection.kind": ("raise", "sigkill", "sigkill_during_save", "hang"),
+    "exp_manager.fault_injection.kind": ("raise", "sigkill", "sigkill_during_save", "hang", "nan"),
     "exp_manager.nan_policy": ("stop", "skip_step"),
 }
 DIMENSIONS = ("tp", "cp", "ep", "dp", "pp")

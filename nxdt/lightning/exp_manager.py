@@ -85,10 +85,12 @@ class FaultInjection(Callback):
     a crash for real. ``raise``: an exception; ``sigkill``: the process vanishes (no cleanup, as after an
     OOM kill); ``sigkill_during_save``: the process vanishes in the middle of the next checkpoint write,
     after its files are written and before it is committed; ``hang``: the process stops responding (a stuck
-    rank or host: the others wait until their collective timeout, or until the host is killed)."""
+    rank or host: the others wait until their collective timeout, or until the host is killed); ``nan``: the
+    rank's loss of that step is NaN (the module's ``inject_nan``), as after an overflow."""
 
     def __init__(self, step: int, rank: int | None, kind: str = "raise", attempt: int = 0) -> None:
         self.step, self.rank, self.kind, self.attempt = step, rank, kind, attempt
+        self._nan_injected = False
 
     def _armed(self, trainer: pl.Trainer) -> bool:
         return self.rank in (None, trainer.global_rank) and launch_attempt() == self.attempt
@@ -107,6 +109,9 @@ class FaultInjection(Callback):
         if self.kind == "sigkill":
             print(f"nxdt: fault injection: SIGKILL on rank {trainer.global_rank} at step {self.step} (t={time.time():.3f})", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "nan":  # once: a skipped step starts again with the same step number
+            pl_module.inject_nan, self._nan_injected = not self._nan_injected, True
+            return
         if self.kind == "hang":
             print(f"nxdt: fault injection: rank {trainer.global_rank} hangs at step {self.step} (t={time.time():.3f})", flush=True)
             while True:

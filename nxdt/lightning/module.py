@@ -64,6 +64,7 @@ class CausalLMModule(pl.LightningModule):
             raise ValueError(f"nan_policy={nan_policy!r}: use one of {NAN_POLICIES}")
         self.nan_policy = nan_policy
         self.skipped_steps = 0  # consecutive updates skipped for a non-finite loss or gradient norm
+        self.inject_nan = False  # set by exp_manager.fault_injection.kind=nan: this step's loss becomes NaN
         self.step_metrics: dict[str, float] = {}
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -76,6 +77,8 @@ class CausalLMModule(pl.LightningModule):
         optimizer.zero_grad()
         run = getattr(strategy, "forward_backward", None)
         loss = run(self, micro_batches) if run else self._forward_backward(micro_batches)
+        if self.inject_nan:  # a drill: this rank's loss overflowed
+            loss, self.inject_nan = torch.full_like(loss, math.nan), False
         finish = getattr(strategy, "finish_gradients", None)
         if finish:
             finish()

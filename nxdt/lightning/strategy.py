@@ -563,9 +563,10 @@ class NxDStrategy(ParallelStrategy):
             return tensor.unsqueeze(0)
         comm = group if isinstance(group, nxdt.comm.Communicator) else self.world.world
         src = tensor.detach().contiguous()
-        out = torch.empty((comm.size, *src.shape), dtype=src.dtype)
-        comm.all_gather(out.reshape(-1), src.reshape(-1))
-        return out
+        wire = src.to(torch.uint8) if src.dtype == torch.bool else src  # nxdt.comm moves numbers, not bools
+        out = torch.empty((comm.size, *wire.shape), dtype=wire.dtype)
+        comm.all_gather(out.reshape(-1), wire.reshape(-1))
+        return out.to(torch.bool) if src.dtype == torch.bool else out
 
     # ----------------------------------------------------------------------------- checkpoints
     def _shard_files(self) -> tuple[str, str, bool, bool]:
