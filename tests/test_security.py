@@ -139,3 +139,22 @@ def test_a_local_run_listens_on_loopback_only(tmp_path):
     assert listening, "the run's store was not found: the check would pass vacuously"
     exposed = [(addr, port) for addr, port in listening if not ipaddress.ip_address(addr).is_loopback]
     assert not exposed, f"listening beyond loopback: {exposed} (all: {listening})"
+
+
+# ----------------------------------------------------------------------------- writing exports
+def test_export_hf_refuses_a_non_empty_target_and_never_writes_through_a_link(tmp_path):
+    from nxdt.lightning.checkpoint import CheckpointError
+    from nxdt.lightning.hf import export_hf
+
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "mine.txt").write_text("keep")
+    with pytest.raises(CheckpointError, match="not an empty directory"):
+        export_hf(tmp_path / "no-checkpoint-needed", occupied)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(elsewhere)
+    with pytest.raises(CheckpointError, match="symbolic link"):
+        export_hf(tmp_path / "no-checkpoint-needed", link)
+    assert list(elsewhere.iterdir()) == [] and (occupied / "mine.txt").read_text() == "keep"

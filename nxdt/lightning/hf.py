@@ -13,6 +13,9 @@ Our parameter names are Hugging Face's without its ``model.`` prefix (``lm_head`
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -63,15 +66,29 @@ def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
     part of the consolidated full state, :func:`nxdt.lightning.reshard.read_full_state`)."""
     from nxdt.lightning.reshard import read_full_state  # reshard builds on this package's checkpoint module
 
+    from nxdt.lightning.checkpoint import CheckpointError
+
+    out = Path(out)
+    if out.is_symlink():
+        raise CheckpointError(f"{out} is a symbolic link; export-hf never writes through links — name a new directory")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"{out} exists and is not an empty directory — name a new directory to export to")
     state = read_full_state(checkpoint, optimizer=False)
-    meta = state.meta
     full = {hf_name(name[len(MODULE_PREFIX):] if name.startswith(MODULE_PREFIX) else name): t.contiguous()
             for name, t in state.model.items()}
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(full, str(out / "model.safetensors"), metadata={"format": "pt"})
-    model = meta.get("model", {})
-    (out / "config.json").write_text(json.dumps(_hf_config(model), indent=2))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # written into a fresh private directory beside the target, then renamed into place: nothing is written
+    # through a link planted in the target meanwhile, and a crash leaves no half export under the target's name
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        save_file(full, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        (staging / "config.json").write_text(json.dumps(_hf_config(state.meta.get("model", {})), indent=2))
+        if out.is_dir() and not out.is_symlink():
+            out.rmdir()  # empty (checked above); rename will not replace a directory on every platform
+        os.rename(staging, out)
+    except OSError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(f"could not export to {out}: {exc.strerror or exc}") from None
     return out / "model.safetensors"
 
 
