@@ -6,6 +6,7 @@ Bad input is one line on stderr with exit code 2, before any worker starts.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -30,6 +31,8 @@ commands:
                               measures this host for the cpu instance's plans
   sweep-report DIR            table and loss plot of a multirun directory
   checkpoint inspect DIR      step, layout, model and tensors of a checkpoint (checks it is whole)
+  checkpoint verify DIR       every file's size and SHA-256 against the checkpoint's checksums.json: one line per
+                              problem and a summary; exit 0 if good, 1 if damaged
   checkpoint export-hf DIR OUT
                               full Hugging Face safetensors from a (sharded) checkpoint; import with model.hf_checkpoint=DIR
   checkpoint consolidate DIR OUT
@@ -171,9 +174,7 @@ def cmd_train(argv: list[str]) -> int:
     source, argv = _config_source(argv)
     flags, overrides = _split_flags(argv, {"-m", "--multirun"})
     from nxdt.config import ConfigError
-    from nxdt.launch.local import LaunchFailed, LaunchInterrupted, launch_local
     from nxdt.launch.multinode import check_launcher
-    from nxdt.launch.rundir import choose_run_dir, write_run_dir
     from nxdt.config.validate import check_trainable
     from nxdt.planner import plan
 
@@ -196,17 +197,53 @@ def cmd_train(argv: list[str]) -> int:
     if flags:
         first = configs[0]
         sweep_dir = Path(first.exp_manager.exp_dir).expanduser().resolve() / "multirun" / first.name / time.strftime("%Y-%m-%d_%H-%M-%S")
-    if configs[0].launcher.name != "local" or configs[0].launcher.dry_run:  # beyond this host, or only show what would run
-        from nxdt.launch.cluster import launch
+    # run files are private to their user: config, plan, logs, metrics, checkpoints (workers inherit the mask)
+    previous_umask = os.umask(0o077)
+    try:
+        if configs[0].launcher.name != "local" or configs[0].launcher.dry_run:  # beyond this host, or only show what would run
+            from nxdt.launch.cluster import launch
 
-        return launch(configs[0], plans[0], jobs[0], sys.stdout.isatty())
+            return launch(configs[0], plans[0], jobs[0], sys.stdout.isatty())
+        return _train_locally(jobs, configs, plans, sweep_dir)
+    finally:
+        os.umask(previous_umask)
+
+
+def _train_locally(jobs: list[list[str]], configs: list[Any], plans: list[Any], sweep_dir: Path | None) -> int:
+    from nxdt.config import ConfigError
+    from nxdt.launch.local import LaunchFailed, LaunchInterrupted, launch_local
+    from nxdt.comm.shm import remove_stale_segments
+    from nxdt.launch.rundir import RunDirBusy, check_resume, check_same_run, choose_run_dir, lock_run_dir, write_run_dir
+
+    remove_stale_segments()  # shared memory left by a run whose processes were all killed (its launcher too)
     status = 0
     for num, (job, cfg, the_plan) in enumerate(zip(jobs, configs, plans)):
         if sweep_dir is not None:
             cfg.exp_manager.explicit_log_dir = str(sweep_dir / str(num))
-        run_dir = choose_run_dir(cfg)
-        write_run_dir(run_dir, cfg, the_plan)
-        (run_dir / "overrides.txt").write_text("\n".join(job) + "\n")
+        try:
+            run_dir = choose_run_dir(cfg)
+            lock = lock_run_dir(run_dir)  # held until this job ends: one writer per run directory
+        except ConfigError as exc:
+            return _fail(str(exc))
+        except RunDirBusy as exc:
+            return _fail(str(exc))
+        except OSError as exc:
+            return _fail(f"nxdt: cannot create the run directory {exc.filename or ''}: {exc.strerror or exc} — "
+                         "check exp_manager.exp_dir / exp_manager.explicit_log_dir")
+        try:
+            check_same_run(cfg, run_dir)  # before config.yaml is overwritten
+            notes = check_resume(cfg, run_dir)  # the newest checkpoint's checksums, before any worker starts
+            for line in notes:
+                print(line, flush=True)
+            write_run_dir(run_dir, cfg, the_plan)
+            (run_dir / "overrides.txt").write_text("\n".join(job) + "\n")
+        except ConfigError as exc:
+            lock.close()
+            return _fail(str(exc))
+        except OSError as exc:
+            lock.close()
+            return _fail(f"nxdt: cannot write the run directory {run_dir}: {exc.strerror or exc} — check its permissions "
+                         "and free space, or point exp_manager.exp_dir elsewhere")
         label = f"[job {num}: {' '.join(job)}] " if sweep_dir is not None else ""
         print(f"nxdt: {label}run directory {run_dir} ({the_plan.world_size} ranks)", flush=True)
         try:
@@ -219,6 +256,8 @@ def cmd_train(argv: list[str]) -> int:
         except LaunchInterrupted as exc:
             print(str(exc), file=sys.stderr)
             return 130
+        finally:
+            lock.close()
     return status
 
 
@@ -409,11 +448,47 @@ def cmd_sweep_report(argv: list[str]) -> int:
         return _fail(str(exc))
 
 
-CHECKPOINT_USAGE = ("usage: nxdt checkpoint inspect DIR | nxdt checkpoint export-hf DIR OUT | nxdt checkpoint consolidate DIR OUT   "
-                    "(DIR: a checkpoints/step-<N> directory; OUT: a new directory to write)")
+CHECKPOINT_USAGE = ("usage: nxdt checkpoint inspect DIR | nxdt checkpoint verify DIR | nxdt checkpoint export-hf DIR OUT | "
+                    "nxdt checkpoint consolidate DIR OUT   (DIR: a checkpoints/step-<N> directory; OUT: a new directory to write)")
+
+
+def _size(n: float) -> str:
+    unit = "B"
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            break
+        n /= 1024
+    return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
+
+
+def checkpoint_verify(path: str) -> int:
+    """``nxdt checkpoint verify DIR``: one line per problem, then a summary; 0 good, 1 damaged, 2 not a directory."""
+    from nxdt.lightning.checkpoint import CHECKSUMS_FILE, DONE_MARKER, check
+
+    root = Path(path)
+    if not root.is_dir():
+        return _fail(f"nxdt checkpoint: checkpoint {path} does not exist or is not a directory — pass a checkpoints/step-<N> directory")
+    if not any((root / name).exists() for name in (DONE_MARKER, "meta.json", CHECKSUMS_FILE)):
+        return _fail(f"nxdt checkpoint: {path} is not a checkpoint directory (no {DONE_MARKER}, meta.json or {CHECKSUMS_FILE}) — "
+                     "pass a checkpoints/step-<N> directory")
+    result = check(path)
+    for problem in result.problems:
+        print(f"{path}: {problem}")
+    if result.problems:
+        print(f"nxdt: checkpoint {path} is damaged: {len(result.problems)} problem{'s' if len(result.problems) > 1 else ''} — "
+              "resume from an earlier checkpoint")
+        return 1
+    if result.checksummed:
+        print(f"nxdt: checkpoint {path} is good: {result.files} files ({_size(result.size)}) match their SHA-256")
+    else:
+        print(f"nxdt: checkpoint {path} is unverified: written by an older nxdt without checksums; its structure is whole "
+              f"({result.files} files, {_size(result.size)})")
+    return 0
 
 
 def cmd_checkpoint(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "verify":
+        return checkpoint_verify(argv[1])
     if not ((len(argv) == 2 and argv[0] == "inspect") or (len(argv) == 3 and argv[0] in ("export-hf", "consolidate"))):
         raise UsageError(CHECKPOINT_USAGE)
     from nxdt.lightning.checkpoint import CheckpointError, describe

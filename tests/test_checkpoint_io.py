@@ -55,7 +55,7 @@ def test_truncated_file_is_reported_not_unpickled(tmp_path):
     path = ckpt_io.save(_checkpoint(1), tmp_path / "step-1")
     data = (path / "model.safetensors").read_bytes()
     (path / "model.safetensors").write_bytes(data[: len(data) // 2])
-    with pytest.raises(ckpt_io.CheckpointError, match="unreadable"):
+    with pytest.raises(ckpt_io.CheckpointError, match=r"damaged \(truncated: model.safetensors \(\d+ of \d+ bytes\)\)"):
         ckpt_io.load(path)
 
 
@@ -95,6 +95,8 @@ def test_async_writer_persists_a_snapshot_while_training_goes_on_and_removes_onl
     writer.wait()
     assert [p.name for p in ckpt_io.list_complete(root)] == ["step-2"]
     assert torch.equal(ckpt_io.load(root / "step-2")["state_dict"]["norm.weight"], torch.ones(4))  # the snapshot's values
+    verified = ckpt_io.check(root / "step-2")  # checksums are written by the background save too, before its commit
+    assert verified.checksummed and verified.ok and verified.files == 3
 
     def disk_full(tmp_dir):
         raise OSError(28, "No space left on device")

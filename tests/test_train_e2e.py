@@ -36,7 +36,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def assert_no_process_left(run_dir: Path) -> None:
     """Every worker the run started, and the fork server they came from, has exited (zombies count as gone)."""
-    started = re.findall(r"started \(t=[0-9.]+, pid (\d+), parent (\d+)\)", "".join(
+    started = re.findall(r"started [0-9-]+ [0-9:.]+ \(pid (\d+), parent (\d+)\)", "".join(
         path.read_text() for path in (run_dir / "logs").glob("rank*.log")))
     assert started, "no worker logged its start"
     pids = {int(pid) for pair in started for pid in pair}
@@ -65,6 +65,10 @@ def test_default_run_learns_on_the_sample_text_and_fills_the_run_dir(tmp_path):
         row = next(csv.DictReader(fh))
     assert {"step", "loss", "lr", "step_time_s", "tokens_per_s", "peak_rss_mb"} <= set(row) and float(row["tokens_per_s"]) > 0
     assert 50 < float(row["peak_rss_mb"]) < 20_000
+    # private to their user: every directory 0700, every file 0600 (config, optimizer state, logs, metrics)
+    for path in [run, *run.rglob("*")]:
+        mode = path.stat().st_mode & 0o777
+        assert mode == (0o700 if path.is_dir() else 0o600), (path, oct(mode))
 
 
 def test_data_parallel_losses_equal_single_process(tmp_path):

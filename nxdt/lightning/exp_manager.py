@@ -2,12 +2,14 @@
 
 ``metrics.csv`` (one row per logged step, flushed as written so a crash loses nothing already
 logged), TensorBoard event files, ``checkpoints/step-<N>/`` (atomic, ``keep_last_k``), the newest
-complete checkpoint for ``resume_if_exists``, and a rich progress bar on rank 0.
+complete checkpoint for ``resume_if_exists``; on rank 0's console one line per logged step
+(:class:`StepConsole`), each checkpoint announced, and on a terminal a rich progress bar counting steps.
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import os
 import resource
 import signal
@@ -27,10 +29,63 @@ METRIC_COLUMNS = ("step", "loss", "lr", "step_time_s", "tokens_per_s", "peak_rss
                   "exposed_comm_s", "overlap_pct", "peak_gathered_bytes")
 
 
-class StepMetricsLogger(Callback):
-    """Writes ``metrics.csv`` (and TensorBoard scalars) from the module's ``step_metrics``, on rank 0."""
+def console_mode() -> str:
+    """quiet | normal | verbose: ``nxdt train -q/-v``, handed to the workers by the launcher (``nxdt.launch.console``)."""
+    value = os.environ.get("NXDT_CONSOLE", "normal")
+    return value if value in ("quiet", "normal", "verbose") else "normal"
 
-    def __init__(self, path: Path, tokens_per_step: int, every_n_steps: int = 1, extra_columns: tuple[str, ...] = ()) -> None:
+
+class StepConsole:
+    """One console line per logged step, on rank 0: step, loss, learning rate, tokens/s, MFU (when the instance's
+    peak FLOP/s is known, not a placeholder), peak memory and, under FSDP, the communication compute waited for.
+
+    MFU is the plan's own estimate scaled by measured over predicted throughput: the plan's FLOPs per token and
+    peak (``nxdt.planner.estimate``) are used as they are, no formula is repeated here."""
+
+    def __init__(self, max_steps: int, estimate: dict[str, Any] | None = None, peak_known: bool = False) -> None:
+        self.max_steps = max_steps
+        est = estimate or {}
+        predicted, mfu = est.get("tokens_per_s") or 0.0, est.get("mfu") or 0.0
+        self.mfu_per_token_per_s = mfu / predicted if peak_known and predicted > 0 and mfu > 0 else None
+
+    @classmethod
+    def for_run(cls, cfg: Any, run_dir: Path) -> "StepConsole":
+        try:
+            estimate = json.loads((Path(run_dir) / "plan.json").read_text()).get("estimate") or {}
+        except (OSError, ValueError):
+            estimate = {}
+        key = "peak_tflops_fp32" if cfg.precision.type == "fp32" else "peak_tflops_bf16"
+        provenance = getattr(cfg.instance, "provenance", None) or {}
+        entry = provenance.get(key) if hasattr(provenance, "get") else None
+        guessed = bool(getattr(entry, "guess", False) if not isinstance(entry, dict) else entry.get("guess"))
+        return cls(cfg.trainer.max_steps, estimate, peak_known=bool(estimate.get("calibrated")) or not guessed)
+
+    def line(self, row: dict[str, Any]) -> str:
+        width = len(str(self.max_steps)) if self.max_steps and self.max_steps > 0 else 1
+        total = f"/{self.max_steps}" if self.max_steps and self.max_steps > 0 else ""
+        parts = [f"step {int(row['step']):>{width}}{total}", f"loss {row['loss']:.4f}", f"lr {row['lr']:.2e}",
+                 f"{row['tokens_per_s']:,.0f} tokens/s"]
+        if self.mfu_per_token_per_s is not None:
+            parts.append(f"MFU {100 * self.mfu_per_token_per_s * row['tokens_per_s']:.1f}%")
+        parts.append(f"peak mem {row['peak_rss_mb']:,.0f} MB")
+        if row.get("grad_norm") is not None:
+            parts.append(f"grad norm {row['grad_norm']:.3f}")
+        if row.get("exposed_comm_s") is not None:
+            overlap = f" (overlap {row['overlap_pct']:.0f}%)" if row.get("overlap_pct") is not None else ""
+            parts.append(f"exposed comm {1000 * row['exposed_comm_s']:.1f} ms{overlap}")
+        return "  ".join(parts)
+
+    def show(self, row: dict[str, Any]) -> None:
+        print(self.line(row), flush=True)
+
+
+class StepMetricsLogger(Callback):
+    """Writes ``metrics.csv`` (and TensorBoard scalars: every value of the row, the same names) from the module's
+    ``step_metrics``, on rank 0, and shows the row on the console (``console``)."""
+
+    def __init__(self, path: Path, tokens_per_step: int, every_n_steps: int = 1, extra_columns: tuple[str, ...] = (),
+                 console: StepConsole | None = None) -> None:
+        self.console = console
         self.path = Path(path)
         self.columns = METRIC_COLUMNS + tuple(extra_columns)  # e.g. grad_norm, param_norm (exp_manager.log_*_norm)
         self.tokens_per_step = tokens_per_step
@@ -74,6 +129,8 @@ class StepMetricsLogger(Callback):
             writer.writerow(row)
         for logger in trainer.loggers:
             logger.log_metrics({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+        if self.console is not None:
+            self.console.show(row)
 
 
 class InjectedFault(RuntimeError):
@@ -127,19 +184,73 @@ def launch_attempt() -> int:
 
 
 class DirectoryCheckpoint(ModelCheckpoint):
-    """Lightning's checkpoint scheduling (every N steps, keep the newest k) writing ``step-<N>`` directories."""
+    """Lightning's checkpoint scheduling (every N steps, keep the newest k) writing ``step-<N>`` directories;
+    rank 0 announces each one (``background``: handed to the asynchronous writer, committed later)."""
 
     FILE_EXTENSION = ""
+
+    def __init__(self, *args: Any, background: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.background = background
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        before = self.best_model_path  # monitor="step", mode="max": the best is the newest
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self.best_model_path and self.best_model_path != before and trainer.is_global_zero:
+            path = Path(self.best_model_path)
+            how = "being written in the background" if self.background else "saved"
+            print(f"nxdt: checkpoint {path.name} {how} ({path})", flush=True)
+
+
+class StepProgressBar(RichProgressBar):
+    """Rich's progress bar for step-bounded runs: one bar for the whole run counting optimizer steps to
+    ``trainer.max_steps`` (resumed runs start where they left off), across epochs — not the batches of the
+    current epoch under ``Epoch 0/-2``. Runs bounded by epochs keep Lightning's per-epoch bar."""
+
+    def __init__(self) -> None:
+        super().__init__(leave=True)
+
+    def _step_bounded(self) -> bool:
+        return self.trainer.max_steps is not None and self.trainer.max_steps > 0
+
+    @property
+    def total_train_batches(self) -> int | float:
+        return self.trainer.max_steps if self._step_bounded() else super().total_train_batches
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._step_bounded():
+            return super().on_train_epoch_start(trainer, pl_module)
+        if self.is_disabled or self.progress is None:
+            return
+        if self.train_progress_bar_id is None:
+            self.train_progress_bar_id = self._add_task(self.total_train_batches, "steps")
+        self.progress.update(self.train_progress_bar_id, completed=trainer.global_step, visible=True)
+        self.refresh()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # the bar's position is the optimizer step (one Lightning batch is one global batch), not the batch index
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, trainer.global_step - 1 if self._step_bounded() else batch_idx)
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def resume_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint of the run; leftovers of an interrupted save are removed first."""
-    ckpt_io.remove_incomplete(checkpoint_dir(run_dir))
-    return ckpt_io.latest_complete(checkpoint_dir(run_dir))
+def resume_checkpoint(run_dir: str | Path, *, set_aside_damaged: bool = True) -> Path | None:
+    """The newest complete checkpoint of the run whose files match their checksums; leftovers of an interrupted
+    save are removed first, and damaged checkpoints newer than it are moved aside (``step-N.damaged``), saying so.
+    The launcher runs the same check before the first start (``rundir.check_resume``); this catches damage on a
+    restart after a crash. ``set_aside_damaged``: only one process of a job renames."""
+    root = checkpoint_dir(run_dir)
+    if set_aside_damaged:
+        ckpt_io.remove_incomplete(root)
+    good, skipped = ckpt_io.newest_verified(root)
+    for path, reason in skipped:
+        fallback = f"resuming from {good.name}" if good else "no good checkpoint left: starting from step 0"
+        if set_aside_damaged:
+            moved = ckpt_io.set_aside(path)
+            print(f"nxdt: checkpoint {path.name} is damaged ({reason}); {fallback} (moved it to {moved.name})", flush=True)
+    return good
 
 
 def agreed_resume_checkpoint(cfg: Any, run_dir: str | Path) -> Path | None:
@@ -155,7 +266,8 @@ def agreed_resume_checkpoint(cfg: Any, run_dir: str | Path) -> Path | None:
         return None
     env = os.environ
     if int(env.get("WORLD_SIZE", "1")) == 1 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return resume_checkpoint(run_dir)
+        # every rank decides alike (the same files, the same checks); only rank 0 renames damaged ones
+        return resume_checkpoint(run_dir, set_aside_damaged=int(env.get("RANK", "0")) == 0)
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -174,19 +286,25 @@ def agreed_resume_checkpoint(cfg: Any, run_dir: str | Path) -> Path | None:
 def build_callbacks(cfg: Any, run_dir: Path, tokens_per_step: int, *, show_progress: bool) -> list[Callback]:
     em = cfg.exp_manager
     norms = tuple(c for c, on in (("grad_norm", em.log_gradient_norm), ("param_norm", em.log_parameter_norm)) if on)
-    callbacks: list[Callback] = [StepMetricsLogger(run_dir / "metrics.csv", tokens_per_step, cfg.trainer.log_every_n_steps, norms)]
+    callbacks: list[Callback] = [StepMetricsLogger(run_dir / "metrics.csv", tokens_per_step, cfg.trainer.log_every_n_steps, norms,
+                                                   console=StepConsole.for_run(cfg, run_dir))]
     every = cfg.exp_manager.checkpoint_every_n_steps
     if every:
         callbacks.append(DirectoryCheckpoint(
             dirpath=checkpoint_dir(run_dir), filename="step-{step}", auto_insert_metric_name=False,
             every_n_train_steps=every, save_top_k=cfg.exp_manager.keep_last_k, monitor="step", mode="max",
-            save_last=False, save_on_train_epoch_end=False,
+            save_last=False, save_on_train_epoch_end=False, background=cfg.exp_manager.async_checkpointing,
         ))
     fault = cfg.exp_manager.fault_injection
     if fault.step is not None:
         callbacks.append(FaultInjection(fault.step, fault.rank, fault.kind, fault.attempt))
     if show_progress:
-        callbacks.append(RichProgressBar(leave=True))
+        # a live bar only on a terminal (the worker sets NXDT_CONSOLE_TTY): elsewhere its one final frame would
+        # only repeat the step lines; disabled rather than left out, or Lightning would add its default bar
+        bar = StepProgressBar()
+        if console_mode() == "quiet" or os.environ.get("NXDT_CONSOLE_TTY") != "1":
+            bar.disable()
+        callbacks.append(bar)
     return callbacks
 
 
