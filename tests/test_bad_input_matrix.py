@@ -9,7 +9,6 @@ import glob
 import os
 from pathlib import Path
 
-import pytest
 import torch
 
 from nxdt.cli import main

@@ -3,7 +3,6 @@ stderr with exit code 2 and starts nothing; the run config round-trips; --help d
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 

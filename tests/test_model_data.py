@@ -1,6 +1,5 @@
 """The Llama model and the data pipeline (pure, no processes)."""
 
-from types import SimpleNamespace
 
 import pytest
 import torch

@@ -10,7 +10,7 @@ from dataclasses import fields
 import pytest
 
 from nxdt.cli import main
-from nxdt.config import ConfigError, available_options, compose_config
+from nxdt.config import available_options, compose_config
 from nxdt.config.schema import InstanceConfig, LinkConfig
 from nxdt.planner import Plan, PlacementError, plan
 from nxdt.planner.cost import bus_bandwidth, estimate_collective

@@ -29,7 +29,7 @@ def one_run(hosts: Hosts, algorithm: str, port: int, out: Path) -> dict:
             "--report-to-json-file", str(out.with_suffix(".json")), "allr"]
     b = hosts.nxdt(1, [*args, "--node-rank", "1"])
     a = hosts.nxdt(0, [*args, "--node-rank", "0"])
-    (a_out, a_err), (b_out, b_err) = a.communicate(timeout=1800), b.communicate(timeout=1800)
+    (a_out, a_err), (_, b_err) = a.communicate(timeout=1800), b.communicate(timeout=1800)
     if a.returncode or b.returncode:
         raise SystemExit(f"comm-test failed: {a_err[-2000:]}\n{b_err[-2000:]}")
     out.write_text(a_out)

@@ -49,7 +49,7 @@ def _split_dir(path: Path) -> Path:
             raise DatasetDirError(path, f"a DatasetDict without a 'train' split (has {splits}); "
                                   "point data.train_dir at the split's directory")
         return path / "train"
-    raise DatasetDirError(path, f"not a Hugging Face datasets directory (no state.json or dataset_dict.json, "
+    raise DatasetDirError(path, "not a Hugging Face datasets directory (no state.json or dataset_dict.json, "
                           "written by save_to_disk); for a text file or directory set data.source=text")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -61,7 +62,7 @@ def input_ids() -> torch.Tensor:
     return torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(3))
 
 
-def _tp_logits(world, state: dict[str, torch.Tensor], ids: torch.Tensor) -> dict[bool, "numpy.ndarray"]:
+def _tp_logits(world, state: dict[str, torch.Tensor], ids: torch.Tensor) -> dict[bool, Any]:
     comm = world.new_communicator(list(range(world.world_size)), "tp")
     out = {}
     for sequence_parallel in (False, True):
