@@ -2,8 +2,11 @@
 
 A config names its class by import path (``model.architecture``); nothing dispatches on names.
 
-    llama.py   LlamaForCausalLM — Llama 2/3: RMSNorm, RoPE (HF layout), SwiGLU, grouped-query attention,
-               full/selective activation checkpointing; conf/model/llama_tiny.yaml, llama3_8b.yaml, llama3_70b.yaml
+    attention.py core_attention — the one attention function of every model: sdpa | blockwise | naive
+               (``model.core_attention``), grouped-query heads without K/V copies
+    llama.py   LlamaForCausalLM — Llama 2/3/3.1: RMSNorm, RoPE (HF layout; ``rope_scaling`` llama3), SwiGLU,
+               grouped-query attention, full/selective activation checkpointing; conf/model/llama_tiny.yaml,
+               llama3_8b.yaml, llama3_70b.yaml
     mixtral.py MixtralForCausalLM — Llama attention + top-k routed mixture of experts with the load-balancing
                loss (HF names); expert parallelism in nxdt.parallel.expert_parallel; mixtral_tiny.yaml, mixtral_8x7b.yaml
     gpt.py     GPTForCausalLM — GPT-2 style: learned positions, LayerNorm, GELU MLP, biases; gpt_tiny.yaml

@@ -17,8 +17,9 @@ Parameter count (V vocab, P positions, h hidden, f ffn, L layers)::
 
 Config: the ``model`` schema's ``vocab_size, hidden_size, num_layers, num_attention_heads, ffn_hidden_size,
 max_position_embeddings, norm_eps (LayerNorm eps), tie_word_embeddings, init_method_std,
-activations_checkpoint_granularity`` (``full`` or null; ``selective`` is rejected). ``num_kv_heads`` and
-``rope_theta`` are ignored.
+activations_checkpoint_granularity`` (``full`` or null; ``selective`` is rejected), ``core_attention`` (sdpa |
+blockwise | naive: :func:`nxdt.models.attention.core_attention`). ``num_kv_heads``, ``rope_theta`` and
+``rope_scaling`` are ignored.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from nxdt.models.attention import DEFAULT_IMPL, check_impl, core_attention
 from nxdt.models.llama import DecoderOnlyLM, _opt
 
 
@@ -43,11 +45,12 @@ class GPTAttention(nn.Module):
         self.k_proj = nn.Linear(h, h)
         self.v_proj = nn.Linear(h, h)
         self.o_proj = nn.Linear(h, h)
+        self.impl = check_impl(_opt(cfg, "core_attention", None) or DEFAULT_IMPL)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = core_attention(q, k, v, causal=True, impl=self.impl)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -81,6 +84,7 @@ def check_gpt_config(cfg: Any) -> None:
     granularity = _opt(cfg, "activations_checkpoint_granularity", None)
     if granularity not in (None, "full"):
         raise ValueError(f"model.activations_checkpoint_granularity={granularity!r}: GPTForCausalLM supports full or null")
+    check_impl(_opt(cfg, "core_attention", None) or DEFAULT_IMPL)
 
 
 class GPTForCausalLM(DecoderOnlyLM):

@@ -7,32 +7,52 @@ from; every projection is a plain named ``nn.Linear`` that tensor parallelism ca
 
 The config is any object with the ``model`` schema's attributes (``vocab_size``, ``hidden_size``,
 ``num_layers``, ``num_attention_heads``, ``num_kv_heads``, ``ffn_hidden_size``,
-``max_position_embeddings``, ``rope_theta``, ``norm_eps``, ``tie_word_embeddings``, ``init_method_std``,
-``activations_checkpoint_granularity``); the optional ones fall back to the schema's defaults.
+``max_position_embeddings``, ``rope_theta``, ``rope_scaling``, ``norm_eps``, ``tie_word_embeddings``,
+``init_method_std``, ``activations_checkpoint_granularity``, ``core_attention``); the optional ones fall back to
+the schema's defaults.
+
+RoPE scaling (``rope_scaling``, Hugging Face's ``config.json`` field): ``rope_type: llama3`` is Llama 3.1's
+frequency-dependent scaling (see :func:`llama3_inv_freq`); null or ``default`` is plain RoPE; other types
+(linear, dynamic, yarn, longrope, ...) are refused by name.
+
+Core attention (``core_attention``: sdpa | blockwise | naive) is :func:`nxdt.models.attention.core_attention`,
+the one attention function of every hub model.
 
 Activation checkpointing (``activations_checkpoint_granularity``): ``"full"`` recomputes each decoder
-layer in backward, ``"selective"`` only the attention core (softmax(QKᵀ)V: the S² part of the
-activations, cheap to recompute), as in NxDT/Megatron. Both use non-reentrant ``torch.utils.checkpoint``
-and give bit-identical loss and gradients to no checkpointing.
+layer in backward, ``"selective"`` only the attention core (softmax(QKᵀ)V: with ``core_attention: naive``
+the S² part of the activations, cheap to recompute; sdpa and blockwise keep no S² tensor anyway), as in
+NxDT/Megatron. Both use non-reentrant ``torch.utils.checkpoint`` and give bit-identical loss and gradients
+to no checkpointing.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from nxdt.models.attention import DEFAULT_IMPL, check_impl, core_attention
+
 CHECKPOINT_GRANULARITIES = (None, "full", "selective")
+ROPE_TYPES = (None, "default", "llama3")  # rope_scaling.rope_type values the hub implements (None/default: plain RoPE)
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def _opt(cfg: Any, name: str, default: Any) -> Any:
     """An optional config attribute (plain namespaces in tests need not carry every schema key)."""
     return getattr(cfg, name, default)
+
+
+def _field(node: Any, name: str, default: Any = None) -> Any:
+    """``name`` of a config node that may be a mapping (dict, DictConfig) or an object (dataclass, namespace)."""
+    if isinstance(node, Mapping):
+        return node.get(name, default)
+    return getattr(node, name, default)
 
 
 class RMSNorm(nn.Module):
@@ -47,9 +67,56 @@ class RMSNorm(nn.Module):
         return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
-def rope_tables(head_dim: int, max_positions: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_positions, head_dim] in HF's rotate-half layout (frequencies repeated twice)."""
+def rope_scaling_params(rope_scaling: Any) -> dict[str, float] | None:
+    """The llama3 parameters of a ``rope_scaling`` node (mapping or object), or None for plain RoPE
+    (null, or ``rope_type`` null/``default``). Any other type is refused by name."""
+    if rope_scaling is None:
+        return None
+    kind = _field(rope_scaling, "rope_type") or _field(rope_scaling, "type")  # HF's older spelling: "type"
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"model.rope_scaling.rope_type={kind!r} is not implemented; nxdt implements llama3 (Llama 3.1) "
+                         "and default (plain RoPE)")
+    if kind != "llama3":
+        return None
+    params = {key: _field(rope_scaling, key) for key in LLAMA3_ROPE_KEYS}
+    missing = [key for key, value in params.items() if value is None]
+    if missing:
+        raise ValueError(f"model.rope_scaling: rope_type llama3 needs {', '.join(missing)}")
+    if not 0 < params["low_freq_factor"] < params["high_freq_factor"]:
+        raise ValueError(f"model.rope_scaling: llama3 needs 0 < low_freq_factor < high_freq_factor, got "
+                         f"{params['low_freq_factor']} and {params['high_freq_factor']}")
+    if not params["factor"] > 0 or not params["original_max_position_embeddings"] > 0:
+        raise ValueError("model.rope_scaling: llama3 needs factor > 0 and original_max_position_embeddings > 0")
+    return params
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                    original_max_position_embeddings: int) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling of the inverse frequencies (Meta's ``apply_scaling``, HF's ``llama3`` rope type).
+
+    With L = original_max_position_embeddings, a frequency whose wavelength 2π/f is shorter than
+    L/high_freq_factor is kept (it already turns many times within the pretraining context); one longer than
+    L/low_freq_factor is divided by ``factor`` (position interpolation); in between, the two are blended
+    linearly in L/wavelength: f·((1-t)/factor + t) with t = (L/wavelength - low_freq_factor)/(high_freq_factor -
+    low_freq_factor), which is 0 at the low boundary and 1 at the high one (the band's edges included)."""
+    wavelength = 2 * math.pi / inv_freq
+    context = float(original_max_position_embeddings)
+    t = (context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = inv_freq * ((1 - t) / factor + t)
+    scaled = torch.where(wavelength > context / low_freq_factor, inv_freq / factor, blended)
+    return torch.where(wavelength < context / high_freq_factor, inv_freq, scaled)
+
+
+def rope_inv_freq(head_dim: int, theta: float, rope_scaling: Any = None) -> torch.Tensor:
+    """RoPE's inverse frequencies theta^(-2i/head_dim), i < head_dim/2 (fp64), scaled by ``rope_scaling``."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    params = rope_scaling_params(rope_scaling)
+    return inv_freq if params is None else llama3_inv_freq(inv_freq, **params)
+
+
+def rope_tables(head_dim: int, max_positions: int, theta: float, rope_scaling: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_positions, head_dim] in HF's rotate-half layout (frequencies repeated twice)."""
+    inv_freq = rope_inv_freq(head_dim, theta, rope_scaling)
     angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float(), angles.sin().float()
@@ -66,10 +133,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class CoreAttention(nn.Module):
-    """Causal softmax(QKᵀ/√d)V: the part ``selective`` activation checkpointing recomputes."""
+    """Causal softmax(QKᵀ/√d)V (:func:`nxdt.models.attention.core_attention`, implementation ``impl``): the part
+    ``selective`` activation checkpointing recomputes. k/v may have fewer heads than q (grouped-query attention)."""
+
+    def __init__(self, impl: str = DEFAULT_IMPL) -> None:
+        super().__init__()
+        self.impl = check_impl(impl)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return core_attention(q, k, v, causal=True, impl=self.impl)
+
+    def extra_repr(self) -> str:
+        return f"impl={self.impl}"
 
 
 class Attention(nn.Module):
@@ -82,7 +157,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.core = CoreAttention()
+        self.core = CoreAttention(_opt(cfg, "core_attention", None) or DEFAULT_IMPL)
         self.checkpoint_core = _opt(cfg, "activations_checkpoint_granularity", None) == "selective"
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -95,9 +170,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         cos, sin = cos[:s], sin[:s]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: KV head j serves query heads [j·g, (j+1)·g)
-            group = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        # grouped-query attention (fewer KV heads: KV head j serves query heads [j·g, (j+1)·g)) is core attention's
         if self.checkpoint_core and torch.is_grad_enabled():
             out = checkpoint(self.core, q, k, v, use_reentrant=False)
         else:
@@ -152,6 +225,8 @@ def check_config(cfg: Any) -> None:
     granularity = _opt(cfg, "activations_checkpoint_granularity", None)
     if granularity not in CHECKPOINT_GRANULARITIES:
         raise ValueError(f"model.activations_checkpoint_granularity={granularity!r}: use one of full, selective, null")
+    check_impl(_opt(cfg, "core_attention", None) or DEFAULT_IMPL)
+    rope_scaling_params(_opt(cfg, "rope_scaling", None))
 
 
 class _instance_or_static:
@@ -227,7 +302,7 @@ class LlamaForCausalLM(DecoderOnlyLM):
         if _opt(cfg, "tie_word_embeddings", False):
             self.lm_head.weight = self.embed_tokens.weight  # one Parameter, two users
         cos, sin = rope_tables(cfg.hidden_size // cfg.num_attention_heads, cfg.max_position_embeddings,
-                               _opt(cfg, "rope_theta", 10000.0))
+                               _opt(cfg, "rope_theta", 10000.0), _opt(cfg, "rope_scaling", None))
         # not persistent: derived from the config, so checkpoints hold weights only (as HF's)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

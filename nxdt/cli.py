@@ -15,8 +15,10 @@ from pathlib import Path
 USAGE = """usage: nxdt <command> [args]
 
 commands:
-  train [-m] [overrides...]   compose + validate the config, plan, launch the workers, train
-                              (-m / --multirun: one complete run per combination of key=a,b,... values)
+  train [-m] [-q|-v] [overrides...]
+                              compose + validate the config, plan, launch the workers, train
+                              (-m / --multirun: one complete run per combination of key=a,b,... values;
+                              -q: banner and summary only; -v: every line, third-party ones included)
   train|plan --config-path DIR --config-name NAME [overrides]
                               a config written for NxD Training, as it is (docs/migrating-from-nxdt.md);
                               instance=<name> names the instance NxDT configs leave out
@@ -29,6 +31,10 @@ commands:
   comm-test [options] OPS     nccom-test-style benchmark of nxdt's collectives (see nxdt comm-test --help);
                               --estimate --instance NAME predicts the table for an instance, --calibrate
                               measures this host for the cpu instance's plans
+  runs [DIR] [--json]         the runs under DIR (default outputs/): status, layout, steps, loss, tokens/s, checkpoint
+  report RUN [RUN ...] [-o DIR]
+                              loss, lr, tokens/s (and val_loss, exposed comm) against step, every run overlaid, one PNG
+                              per figure, and a text summary
   sweep-report DIR            table and loss plot of a multirun directory
   checkpoint inspect DIR      step, layout, model and tensors of a checkpoint (checks it is whole)
   checkpoint verify DIR       every file's size and SHA-256 against the checkpoint's checksums.json: one line per
@@ -55,7 +61,7 @@ def _fail(message: str) -> int:
 def train_help() -> str:
     from nxdt.config import available_options, field_docs
 
-    lines = ["usage: nxdt train [-m] [group=option ...] [key=value ...]",
+    lines = ["usage: nxdt train [-m] [-q|-v] [group=option ...] [key=value ...]",
              "       nxdt train --config-path DIR --config-name NAME [instance=NAME] [key=value ...]   (an NxDT config file; "
              "docs/migrating-from-nxdt.md)", "", "config groups:"]
     for group in ("model", "data", "instance", "launcher"):
@@ -172,7 +178,15 @@ def cmd_train(argv: list[str]) -> int:
         print(train_help())
         return 0
     source, argv = _config_source(argv)
-    flags, overrides = _split_flags(argv, {"-m", "--multirun"})
+    from nxdt.launch.console import MODE_FLAGS, set_mode
+
+    flags, overrides = _split_flags(argv, {"-m", "--multirun", *MODE_FLAGS})
+    modes = {MODE_FLAGS[f] for f in flags if f in MODE_FLAGS}
+    if len(modes) > 1:
+        raise UsageError("nxdt train: -q (quiet) and -v (verbose) exclude each other")
+    set_mode(modes.pop() if modes else None)  # the workers inherit it (nxdt.launch.console)
+    flags -= set(MODE_FLAGS)
+    source_args = ["--config-path", source[0], "--config-name", source[1]] if source else []
     from nxdt.config import ConfigError
     from nxdt.launch.multinode import check_launcher
     from nxdt.config.validate import check_trainable
@@ -204,13 +218,15 @@ def cmd_train(argv: list[str]) -> int:
             from nxdt.launch.cluster import launch
 
             return launch(configs[0], plans[0], jobs[0], sys.stdout.isatty())
-        return _train_locally(jobs, configs, plans, sweep_dir)
+        return _train_locally(jobs, configs, plans, sweep_dir, source_args)
     finally:
         os.umask(previous_umask)
 
 
-def _train_locally(jobs: list[list[str]], configs: list[Any], plans: list[Any], sweep_dir: Path | None) -> int:
+def _train_locally(jobs: list[list[str]], configs: list[Any], plans: list[Any], sweep_dir: Path | None,
+                   source_args: list[str] = ()) -> int:
     from nxdt.config import ConfigError
+    from nxdt.launch import console
     from nxdt.launch.local import LaunchFailed, LaunchInterrupted, launch_local
     from nxdt.comm.shm import remove_stale_segments
     from nxdt.launch.rundir import RunDirBusy, check_resume, check_same_run, choose_run_dir, lock_run_dir, write_run_dir
@@ -245,18 +261,26 @@ def _train_locally(jobs: list[list[str]], configs: list[Any], plans: list[Any], 
             return _fail(f"nxdt: cannot write the run directory {run_dir}: {exc.strerror or exc} — check its permissions "
                          "and free space, or point exp_manager.exp_dir elsewhere")
         label = f"[job {num}: {' '.join(job)}] " if sweep_dir is not None else ""
-        print(f"nxdt: {label}run directory {run_dir} ({the_plan.world_size} ranks)", flush=True)
+        launched_at = console.job_started(run_dir, the_plan, cfg, label, job, list(source_args))  # banner, status.json
+        outcome, reason, code = "failed", "the launcher stopped", 1
         try:
             launch_local(run_dir, the_plan, console_tty=sys.stdout.isatty(), max_restarts=cfg.exp_manager.max_restarts)
+            outcome, reason, code = "finished", "", 0
         except LaunchFailed as exc:
+            outcome, reason = "failed", str(exc)
             print(str(exc), file=sys.stderr)
             status = 1
             if sweep_dir is None:
                 break
         except LaunchInterrupted as exc:
+            outcome, reason, code = "interrupted", str(exc), 130
             print(str(exc), file=sys.stderr)
             return 130
+        except KeyboardInterrupt:
+            outcome, reason, code = "interrupted", "Ctrl-C", 130
+            raise
         finally:
+            console.job_ended(run_dir, outcome, reason, launched_at, job, list(source_args), code)  # status.json, summary
             lock.close()
     return status
 
@@ -351,10 +375,11 @@ def cmd_comm_test(argv: list[str]) -> int:
 
 
 def _comm_test_estimate(argv: list[str]) -> int:
-    """The nccom-test table the cost model predicts for an instance (nothing runs)."""
+    """The nccom-test table the cost model predicts for an instance (nothing runs). The flags mean what they mean
+    for a measured run and for nccom-test (-r total ranks, -N nodes); the table and the JSON have the same layout."""
     import argparse
 
-    from nxdt.comm.bench import DTYPES, OP_TITLES, OPS, parse_size, sizes
+    from nxdt.comm.bench import DTYPES, OP_TITLES, algorithm_bands, layout_text, parse_size, ranks_per_node, sizes, write_json
     from nxdt.config import ConfigError, compose_config
     from nxdt.config.validate import fill_instance_defaults, validate
     from nxdt.planner import node_topology
@@ -363,42 +388,80 @@ def _comm_test_estimate(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="nxdt comm-test --estimate", description="Predict an nccom-test table with the cost model.")
     p.add_argument("ops", nargs="*", default=["allr"], help=f"operations: {' '.join(BENCH_OPS)}")
     p.add_argument("--instance", required=True, help="instance type, e.g. trn1.32xlarge")
-    p.add_argument("-r", "--nworkers", type=int, default=None, help="ranks per node (default: every core of the node)")
-    p.add_argument("-N", "--nodes", type=int, default=1, help="nodes")
+    p.add_argument("-r", "--nworkers", type=int, default=None,
+                   help="total number of ranks over all nodes, as nccom-test's -r; each node runs r / N (default: every core of every node)")
+    p.add_argument("-N", "--nodes", "--nnodes", dest="nodes", type=int, default=1,
+                   help="nodes, as nccom-test's -N: the -r ranks are divided equally across them (-r 64 -N 2: 32 per node)")
     p.add_argument("--lnc", type=int, default=None, help="logical NeuronCore size (Trn2/Trn3)")
     p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("1kb"))
     p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64mb"))
     p.add_argument("-f", "--stepfactor", type=float, default=4.0)
+    p.add_argument("-n", "--iters", type=int, default=20, help="accepted as in a measured run (nothing runs)")
+    p.add_argument("-w", "--warmup_iters", type=int, default=5, help="accepted as in a measured run (nothing runs)")
     p.add_argument("-d", "--datatype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("-c", "--check", action="store_true", help="refused: an estimate has nothing to check")
+    p.add_argument("--report-to-json-file", metavar="F", help="write the predicted rows as JSON, in a measured run's layout")
+    p.add_argument("--show-algorithm", action="store_true", help="print the algorithm the cost model picks (per size band and row)")
     p.add_argument("--calibration", default=None, help="calibration file for the cpu instance")
     args = p.parse_args(argv)
+    if args.check:
+        return _fail("nxdt comm-test --estimate: --check: an estimate has nothing to check (nothing runs); drop --check, "
+                     "or drop --estimate to measure")
     bad = [op for op in args.ops if op not in BENCH_OPS]
     if bad:
         return _fail(f"nxdt comm-test: --estimate covers {' '.join(BENCH_OPS)}; not {bad}")
+    if args.minbytes > args.maxbytes or args.stepfactor <= 1:
+        return _fail("nxdt comm-test: need --minbytes <= --maxbytes and --stepfactor > 1")
+    try:
+        rpn = ranks_per_node(args.nworkers, args.nodes) if args.nworkers is not None else None
+    except ValueError as exc:
+        return _fail(f"nxdt comm-test: {exc}")
     overrides = [f"instance={args.instance}", f"trainer.num_nodes={args.nodes}"]
-    overrides += [f"trainer.devices={args.nworkers}"] if args.nworkers else []
+    overrides += [f"trainer.devices={rpn}"] if rpn else []
     overrides += [f"trainer.lnc={args.lnc}"] if args.lnc else []
     try:
         cfg = compose_config(overrides, check=False)
         fill_instance_defaults(cfg)
-        cfg.data.micro_batch_size, cfg.data.global_batch_size = 1, cfg.trainer.devices * args.nodes  # no training here
-        validate(cfg)
+        cfg.data.micro_batch_size, cfg.data.global_batch_size = 1, None  # one micro-batch per rank: no training here
+        validate(cfg, paths=False)
         topo = node_topology(cfg)
         calibration = load_calibration(args.calibration) if topo.graph == "host" else None
     except ConfigError as exc:
+        if rpn and exc.key == "trainer.devices":  # the user typed -r, not trainer.devices
+            return _fail(f"nxdt comm-test: -r {args.nworkers} over -N {args.nodes} nodes is {rpn} ranks per node: {exc.fix}")
         return _fail(str(exc))
     rpn = cfg.trainer.devices
     group = list(range(rpn * args.nodes))
     element = torch_element_size(DTYPES[args.datatype])
+    results: list[dict[str, Any]] = []
+    algorithms: dict[int, dict[str, str]] = {}
     for op in args.ops:
         rows = estimate_table(BENCH_OPS[op], sizes(args.minbytes, args.maxbytes, args.stepfactor), group, topo, cfg.instance, rpn,
                               element, calibration)
-        print(f"\n# estimated {OP_TITLES[op]} on {args.nodes} × {cfg.instance.name} ({len(group)} ranks) — cost model, nothing ran")
-        print(f"#{'size(B)':>12} {'count(elems)':>13} {'type':>6} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}  algorithm")
+        print(f"\n# estimated {OP_TITLES[op]} on {args.nodes} × {cfg.instance.name} ({len(group)} ranks, {rpn} per node) "
+              "— cost model, nothing ran")
+        if args.show_algorithm:
+            print("# algorithm: " + algorithm_bands({r["size(B)"]: r["algorithm"] for r in rows}))
+        print(f"#{'size(B)':>12} {'count(elems)':>13} {'type':>6} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"
+              + ("  algorithm" if args.show_algorithm else ""))
         for r in rows:
             print(f" {r['size(B)']:>12} {r['count(elems)']:>13} {args.datatype:>6} {r['time:avg(us)']:>10.2f} {r['algbw(GB/s)']:>12.2f} "
-                  f"{r['busbw(GB/s)']:>12.2f}  {r['algorithm']}")
+                  f"{r['busbw(GB/s)']:>12.2f}" + (f"  {r['algorithm']}" if args.show_algorithm else ""))
+            results.append({"op": op, "size(B)": r["size(B)"], "count(elems)": r["count(elems)"], "type": args.datatype,
+                            "time:avg(us)": r["time:avg(us)"], "algbw(GB/s)": r["algbw(GB/s)"], "busbw(GB/s)": r["busbw(GB/s)"]})
+            algorithms.setdefault(r["size(B)"], {})[op] = r["algorithm"]
         print(f"# Avg bus bandwidth    : {sum(r['busbw(GB/s)'] for r in rows) / len(rows):.3f}")
+    if args.report_to_json_file:  # a measured run's layout; nothing was allocated, timed or copied
+        report: dict[str, Any] = {"results": results, "baseline": [], "memcpy": {}, "transport": "estimate", "hosts": args.nodes,
+                                  "layout": layout_text([r // rpn for r in group]), "buffers": None,
+                                  "estimate": {"instance": cfg.instance.name, "lnc": cfg.trainer.lnc, "ranks_per_node": rpn,
+                                               "calibration": args.calibration, "source": "nxdt cost model; nothing ran"}}
+        if args.show_algorithm:
+            report["algorithms"] = algorithms
+        try:
+            write_json(args.report_to_json_file, report, len(group), args.nodes, "estimate")
+        except OSError as exc:
+            return _fail(f"nxdt comm-test: --report-to-json-file {args.report_to_json_file}: {exc.strerror or exc}")
     return 0
 
 
@@ -507,7 +570,20 @@ def cmd_checkpoint(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "checkpoint": cmd_checkpoint, "plan": cmd_plan, "topo": cmd_topo, "comm-test": cmd_comm_test, "sweep-report": cmd_sweep_report}
+def cmd_runs(argv: list[str]) -> int:
+    from nxdt.launch.runs import cmd_runs as runs
+
+    return runs(argv)
+
+
+def cmd_report(argv: list[str]) -> int:
+    from nxdt.launch.report import cmd_report as report
+
+    return report(argv)
+
+
+COMMANDS = {"train": cmd_train, "checkpoint": cmd_checkpoint, "plan": cmd_plan, "topo": cmd_topo, "comm-test": cmd_comm_test,
+            "sweep-report": cmd_sweep_report, "runs": cmd_runs, "report": cmd_report}
 
 
 def main(argv: list[str] | None = None) -> int:

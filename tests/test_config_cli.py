@@ -50,7 +50,7 @@ BAD = [
     (["model=llama_huge"], "llama_tiny"),                                # unknown group option lists the valid ones
     (["instance=trn9"], "instance"),
     (["+bogus=1"], "bogus"),                                             # unknown top-level key
-    (["trainer.devices=3"], "data.global_batch_size"),                   # batch 8 not divisible by mbs 4 × DP 3
+    (["trainer.devices=3", "data.global_batch_size=8"], "data.global_batch_size"),  # 8 not divisible by mbs 4 × DP 3
     (["trainer.devices=4", "distributed_strategy.tensor_model_parallel_size=3"], "tensor_model_parallel_size"),
     (["trainer.devices=4", "distributed_strategy.tensor_model_parallel_size=4"], "num_kv_heads"),
     (["data.global_batch_size=6"], "data.global_batch_size"),

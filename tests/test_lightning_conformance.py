@@ -87,3 +87,22 @@ def test_model_checkpoint_callback_writes_the_best_checkpoint(reports):
 def test_resume_from_save_checkpoint_continues_with_the_same_losses(reports):
     for rep in reports:
         assert _close(rep["nxdt_resumed"]["losses"], rep["nxdt"]["losses"])
+
+
+@pytest.mark.timeout(60)
+def test_the_sampler_shards_over_data_parallel_ranks_only():
+    """TP2 × DP2 on 4 ranks (TP fastest): ranks 0, 1 form one TP group and must see the same samples (DP rank 0),
+    ranks 2, 3 the other half (DP rank 1) — Lightning builds its DistributedSampler from these arguments."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from nxdt.lightning import NxDStrategy
+    from nxdt.planner import plan_layout
+
+    kwargs = []
+    for rank in range(4):
+        env = LightningEnvironment()
+        env.set_global_rank(rank)
+        strategy = NxDStrategy(plan=plan_layout(4, tp=2), cluster_environment=env)
+        assert strategy.is_distributed  # what makes Lightning inject the sampler, as for DDPStrategy
+        kwargs.append(strategy.distributed_sampler_kwargs)
+    assert kwargs == [{"num_replicas": 2, "rank": 0}] * 2 + [{"num_replicas": 2, "rank": 1}] * 2

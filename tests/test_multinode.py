@@ -249,7 +249,7 @@ def test_tp2_dp2_on_two_hosts_equals_one_host(hosts, one_host, tmp_path):
 
 @pytest.mark.timeout(200)
 def test_comm_test_every_op_across_two_hosts_is_correct_and_hierarchical(hosts):
-    args = ["comm-test", "-N", "2", "-r", "2", "--rdzv-endpoint", f"{hosts.addr[0]}:29523", "--show-algorithm", "--check",
+    args = ["comm-test", "-N", "2", "-r", "4", "--rdzv-endpoint", f"{hosts.addr[0]}:29523", "--show-algorithm", "--check",
             "-b", "4kb", "-e", "1mb", "-f", "16", "-n", "2", "-w", "1", "allr", "allg", "redsct", "alltoall", "bcast", "reduce", "sendrecv"]
     b = hosts.nxdt(1, [*args, "--node-rank", "1"])
     a = hosts.nxdt(0, [*args, "--node-rank", "0"])

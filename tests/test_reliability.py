@@ -33,6 +33,7 @@ def test_sigkill_mid_run_restarts_and_matches_the_uninterrupted_run(tmp_path, re
                   f"exp_manager.explicit_log_dir={run}", cwd=tmp_path)
     assert_ok(result)
     assert "Restoring states from the checkpoint path at" in result.stdout + result.stderr and "step-5" in result.stdout + result.stderr
+    assert "nxdt: restart 1 of 1 after a worker failed (see logs/agent); resuming from step-5" in result.stdout
     assert losses(run) == losses(reference)  # bitwise: the restarted attempt replays steps 6-7 exactly
     got, want = load_file(run / "checkpoints/step-10/model.safetensors"), load_file(reference / "checkpoints/step-10/model.safetensors")
     assert got.keys() == want.keys() and all((got[k] == want[k]).all() for k in got)

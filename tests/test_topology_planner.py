@@ -190,6 +190,45 @@ def test_comm_test_estimate_prints_an_nccom_test_table(capsys):
     assert abs(float(rows[0][5]) / 56.30 - 1) < 0.25
 
 
+def test_comm_test_estimate_takes_nccom_tests_flags_and_a_measured_runs_outputs(tmp_path, capsys):
+    # nccom-test's documented two-instance example: -r is the total (64 = 2 × 32), -N the nodes
+    report = tmp_path / "f.json"
+    assert main(["comm-test", "--estimate", "--instance", "trn1.32xlarge", "-N", "2", "-r", "64", "-b", "8", "-e", "1gb", "-f", "2",
+                 "-d", "fp32", "-n", "50", "-w", "5", "--report-to-json-file", str(report), "allr"]) == 0
+    out = capsys.readouterr().out
+    assert "on 2 × trn1.32xlarge (64 ranks, 32 per node)" in out and "# algorithm" not in out
+    data = json.loads(report.read_text())
+    assert (data["nworkers"], data["nodes"], data["hosts"]) == (64, 2, 2) and "algorithms" not in data
+    assert [r["size(B)"] for r in data["results"]] == [1 << k for k in range(3, 31)]
+    assert all(r["op"] == "allr" and r["type"] == "fp32" and r["count(elems)"] == r["size(B)"] // 4 for r in data["results"])
+    assert data["layout"] == f"host 0: ranks {list(range(32))} | host 1: ranks {list(range(32, 64))}"
+    assert data["estimate"]["instance"] == "trn1.32xlarge" and data["estimate"]["ranks_per_node"] == 32
+
+    assert main(["comm-test", "--estimate", "--instance", "trn1.32xlarge", "-N", "2", "-r", "64", "-b", "1mb", "-e", "4mb",
+                 "--show-algorithm", "--report-to-json-file", str(report), "allr"]) == 0
+    out = capsys.readouterr().out
+    assert "# algorithm: hierarchical (1MB–4MB)" in out and out.count("hierarchical") == 1 + 2  # the band, then each row
+    assert json.loads(report.read_text())["algorithms"] == {"1048576": {"allr": "hierarchical"}, "4194304": {"allr": "hierarchical"}}
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["-c"], "--check: an estimate has nothing to check"),
+    (["--check"], "--check: an estimate has nothing to check"),
+    (["-N", "2", "-r", "128"], "-r 128 over -N 2 nodes is 64 ranks per node: a trn1.32xlarge node runs at most 32 ranks"),
+    (["-N", "2", "-r", "3"], "-r 3 ranks do not divide equally over -N 2 nodes"),
+])
+def test_comm_test_estimate_refusals_are_one_line(argv, needle, capsys):
+    assert main(["comm-test", "--estimate", "--instance", "trn1.32xlarge", *argv, "allr"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+
+
+def test_plan_of_the_first_natural_command_exits_0(capsys):
+    # the default global batch (null = micro × DP) fits any layout: here 4 × DP 8 = 32
+    assert main(["plan", "instance=trn1.32xlarge", "model=llama3_8b", "distributed_strategy.tensor_model_parallel_size=4"]) == 0
+    assert "global 32 = micro 4 × DP 8" in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------ step and memory estimates
 def test_memory_model_shards_with_zero1_and_tp():
     base = _plan("instance=trn1.32xlarge", "distributed_strategy.tensor_model_parallel_size=8", *LLAMA8B)

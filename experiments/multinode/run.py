@@ -1,7 +1,7 @@
 """All-reduce across two hosts: nxdt (hierarchical) vs torch.distributed gloo over the same hosts.
 
 Two network namespaces joined by a veth pair are the two hosts (as in the tests); each runs
-``nxdt comm-test -N 2 -r 2`` with its own torch elastic agent, so 4 ranks = 2 hosts × 2 ranks. Every
+``nxdt comm-test -N 2 -r 4`` with its own torch elastic agent, so 4 ranks = 2 hosts × 2 ranks. Every
 run times nxdt and gloo back to back on the same buffers (``--baseline gloo``) and checks nxdt's
 result exactly (``--check``). Run as root from the repository root:
 
@@ -24,7 +24,7 @@ from netns_hosts import Hosts  # noqa: E402  (the tests' two-host setup, reused)
 
 
 def one_run(hosts: Hosts, algorithm: str, port: int, out: Path) -> dict:
-    args = ["comm-test", "-N", "2", "-r", "2", "--rdzv-endpoint", f"{hosts.addr[0]}:{port}", "-b", "1mb", "-e", "64mb", "-f", "2",
+    args = ["comm-test", "-N", "2", "-r", "4", "--rdzv-endpoint", f"{hosts.addr[0]}:{port}", "-b", "1mb", "-e", "64mb", "-f", "2",
             "-n", "10", "-w", "3", "--check", "--baseline", "gloo", "--show-algorithm", "--algorithm", algorithm,
             "--report-to-json-file", str(out.with_suffix(".json")), "allr"]
     b = hosts.nxdt(1, [*args, "--node-rank", "1"])

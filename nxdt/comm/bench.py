@@ -1,6 +1,10 @@
 """``nxdt comm-test``: an nccom-test / nccl-tests style benchmark of nxdt's collectives.
 
     nxdt comm-test -r 2 -b 1kb -e 64mb -f 4 --check --baseline gloo allr allg
+    nxdt comm-test -N 2 -r 4 --rdzv-endpoint HOST:PORT allr      # on each of 2 nodes: 4 ranks in all, 2 per node
+
+The flags mean what they mean for nccom-test: ``-r`` is the total number of ranks and ``-N`` the number
+of nodes, the ranks divided equally across them (``-r 64 -N 2``: 32 on each node).
 
 For each op and size it prints ``size(B) count(elems) type time(us) algbw(GB/s) busbw(GB/s)``, with
 nccl-tests' bus-bandwidth factors, the single-thread memcpy bandwidth of this host at that size (the
@@ -205,11 +209,38 @@ def algorithms_ran(comm, ops: list[str], dtype: torch.dtype, nbytes: int, algori
     return out
 
 
-def _layout(world) -> str:
-    hosts: dict[str, list[int]] = {}
-    for r, h in enumerate(world.host_ids):
+def ranks_per_node(nworkers: int, nodes: int) -> int:
+    """nccom-test's split: ``-r`` ranks in all, divided equally over ``-N`` nodes. ValueError (one line) otherwise."""
+    if nodes < 1:
+        raise ValueError(f"-N {nodes}: need at least one node")
+    if nworkers < 2:
+        raise ValueError(f"-r {nworkers}: need at least 2 ranks (-r is the total number of ranks over all nodes)")
+    if nworkers % nodes:
+        per = max(1, round(nworkers / nodes))
+        raise ValueError(f"-r {nworkers} ranks do not divide equally over -N {nodes} nodes: -r is the total number of ranks, "
+                         f"as in nccom-test (e.g. -r {per * nodes} -N {nodes} runs {per} on each node)")
+    return nworkers // nodes
+
+
+def layout_text(host_ids: list[Any]) -> str:
+    """``host 0: ranks [0, 1] | host 1: ranks [2, 3]`` from the host of each rank."""
+    hosts: dict[Any, list[int]] = {}
+    for r, h in enumerate(host_ids):
         hosts.setdefault(h, []).append(r)
     return " | ".join(f"host {i}: ranks {g}" for i, g in enumerate(hosts.values()))
+
+
+def _layout(world) -> str:
+    return layout_text(world.host_ids)
+
+
+def algorithm_bands(by_size: dict[int, str]) -> str:
+    """``ring (1KB–64KB); rhd (256KB)``: the algorithm of each size, as runs of sizes."""
+    bands: dict[str, list[int]] = {}
+    for size, name in sorted(by_size.items()):
+        bands.setdefault(name, []).append(size)
+    return "; ".join(f"{name} ({_size_text(min(s))}–{_size_text(max(s))})" if len(s) > 1 else f"{name} ({_size_text(s[0])})"
+                     for name, s in bands.items())
 
 
 def _body(world, args: dict) -> dict[str, Any]:
@@ -266,12 +297,7 @@ def _print_table(report: dict, n: int, transport: str) -> None:
         rows = [r for r in report["results"] if r["op"] == op]
         print(f"\n# nxdt {OP_TITLES[op]}: {n} ranks, transport {transport}, {report.get('buffers', 'plain')} buffers")
         if "algorithms" in report:
-            by_size = {int(k): v[op] for k, v in report["algorithms"].items()}
-            bands = {}
-            for size, name in sorted(by_size.items()):
-                bands.setdefault(name, []).append(size)
-            print("# algorithm: " + "; ".join(f"{name} ({_size_text(min(s))}–{_size_text(max(s))})" if len(s) > 1 else
-                                                 f"{name} ({_size_text(s[0])})" for name, s in bands.items()))
+            print("# algorithm: " + algorithm_bands({int(k): v[op] for k, v in report["algorithms"].items()}))
         header = f"#{'size(B)':>12} {'count(elems)':>13} {'type':>6} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'memcpy(GB/s)':>13} {'bus/memcpy':>11}"
         if base:
             header += f" {'gloo(us)':>10} {'gloo busbw':>11} {'speed-up':>9}"
@@ -301,7 +327,8 @@ def _size_text(nbytes: int) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nxdt comm-test", description="Benchmark nxdt's collectives (nccom-test style).")
     p.add_argument("ops", nargs="*", default=["allr"], help=f"operations: {' '.join(OPS)} (default allr)")
-    p.add_argument("-r", "--nworkers", type=int, default=2, help="ranks (processes) on this host")
+    p.add_argument("-r", "--nworkers", type=int, default=2,
+                   help="total number of ranks (processes) over all nodes, as nccom-test's -r; each node runs r / N (default 2)")
     p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("1kb"), help="smallest size, e.g. 1kb")
     p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64mb"), help="largest size, e.g. 64mb")
     p.add_argument("-f", "--stepfactor", type=float, default=4.0, help="multiply the size by this between rows")
@@ -318,7 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report-to-json-file", metavar="F", help="write the results as JSON (nccom-test's layout)")
     p.add_argument("--show-algorithm", action="store_true", help="print which algorithm each op ran (per size band)")
     multi = p.add_argument_group("several nodes (run the same command on every node; torch elastic c10d rendezvous)")
-    multi.add_argument("-N", "--nodes", type=int, default=1, help="nodes; -r is then the ranks per node")
+    multi.add_argument("-N", "--nodes", "--nnodes", dest="nodes", type=int, default=1,
+                       help="nodes, as nccom-test's -N: the -r ranks are divided equally across them (-r 64 -N 2: 32 per node)")
     multi.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous, the same on every node (default $MASTER_ADDR:$MASTER_PORT)")
     multi.add_argument("--rdzv-id", help="job id, the same on every node (default nxdt-comm-test)")
     multi.add_argument("--node-rank", type=int, help="this node's rank (default $NODE_RANK / $SLURM_NODEID, else rendezvous order)")
@@ -333,8 +361,13 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"nxdt comm-test: unknown operation(s) {bad}; choose from {' '.join(OPS)}", file=sys.stderr)
         return 2
-    if args.nworkers * args.nodes < 2 or args.nodes < 1 or args.minbytes > args.maxbytes or args.stepfactor <= 1:
-        print("nxdt comm-test: need --nworkers × --nodes >= 2, --minbytes <= --maxbytes and --stepfactor > 1", file=sys.stderr)
+    try:
+        ranks_per_node(args.nworkers, args.nodes)
+    except ValueError as exc:
+        print(f"nxdt comm-test: {exc}", file=sys.stderr)
+        return 2
+    if args.minbytes > args.maxbytes or args.stepfactor <= 1:
+        print("nxdt comm-test: need --minbytes <= --maxbytes and --stepfactor > 1", file=sys.stderr)
         return 2
     from nxdt.comm.spawn import RankFailed, run_local
 
@@ -351,15 +384,25 @@ def main(argv: list[str] | None = None) -> int:
     return _finish(report, args)
 
 
+def write_json(path: str, report: dict, nworkers: int, nodes: int, transport: str) -> None:
+    """``--report-to-json-file``: the run's settings and rows (measured, or predicted by ``--estimate``), one layout."""
+    report = {"nworkers": nworkers, "nodes": nodes, "transport": transport, **report}
+    report["memcpy"] = {str(k): v for k, v in report.get("memcpy", {}).items()}
+    if "algorithms" in report:
+        report["algorithms"] = {str(k): v for k, v in report["algorithms"].items()}
+    with open(path, "w") as fh:
+        json.dump(report, fh, indent=1)
+
+
 def _finish(report: dict, args: argparse.Namespace) -> int:
-    n = args.nworkers * args.nodes
+    n = args.nworkers  # the total, as nccom-test counts it
     _print_table(report, n, report.get("transport", args.transport))
     if args.report_to_json_file:
-        report["memcpy"] = {str(k): v for k, v in report["memcpy"].items()}
-        if "algorithms" in report:
-            report["algorithms"] = {str(k): v for k, v in report["algorithms"].items()}
-        with open(args.report_to_json_file, "w") as fh:
-            json.dump({"nworkers": n, "nodes": args.nodes, "transport": report.get("transport", args.transport), **report}, fh, indent=1)
+        try:
+            write_json(args.report_to_json_file, report, n, args.nodes, report.get("transport", args.transport))
+        except OSError as exc:
+            print(f"nxdt comm-test: --report-to-json-file {args.report_to_json_file}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     wrong = sum(r.get("#wrong", 0) for r in report["results"])
     return 1 if wrong else 0
 
@@ -397,13 +440,14 @@ def _main_multinode(args: argparse.Namespace, opts: dict) -> int:
     launcher = SimpleNamespace(rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id or "nxdt-comm-test", node_rank=args.node_rank,
                                local_addr=args.local_addr, port=29500, join_timeout_s=args.join_timeout)
     try:
-        spec = resolve_node(launcher, args.nodes, args.nworkers)
+        spec = resolve_node(launcher, args.nodes, ranks_per_node(args.nworkers, args.nodes))
     except ConfigError as exc:
         print(f"nxdt comm-test: {exc}", file=sys.stderr)
         return 2
     digest = hashlib.sha256(json.dumps({**opts, "nodes": args.nodes, "r": args.nworkers}, sort_keys=True).encode()).hexdigest()[:16]
     print(f"nxdt comm-test: node {spec.known_node_rank if spec.known_node_rank is not None else '?'} of {args.nodes} "
-          f"({args.nworkers} ranks, address {spec.local_addr}); c10d rendezvous {spec.rdzv_endpoint}", flush=True)
+          f"({args.nworkers // args.nodes} of {args.nworkers} ranks, address {spec.local_addr}); c10d rendezvous {spec.rdzv_endpoint}",
+          flush=True)
     scratch = Path(tempfile.mkdtemp(prefix="nxdt-comm-test-"))
     try:
         results = launch_node(scratch, spec, (opts, spec.node_key, spec.node_key_source, digest, 300.0), entrypoint=_node_worker)

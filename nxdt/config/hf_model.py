@@ -3,7 +3,8 @@
 NxDT's HF-style configs name the model by ``model.model_config`` (a ``config.json``); nxdt reads the
 shape from it once, at compose time, so the resolved run config holds every field and workers never
 read the file again. Only Llama-family decoders the model hub implements are accepted; fields that
-would change the math in a way the hub does not implement are refused by name rather than ignored.
+would change the math in a way the hub does not implement are refused by name rather than ignored
+(RoPE scaling: ``llama3`` is implemented, every other ``rope_type`` is refused).
 """
 
 from __future__ import annotations
@@ -63,9 +64,38 @@ def model_fields(hf: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if head_dim is not None and hidden and heads and head_dim != hidden // heads:
         raise HFConfigError(f"head_dim={head_dim} differs from hidden_size/num_attention_heads = {hidden}/{heads}; "
                             "the model hub derives the head size from them")
-    notes = []
-    if hf.get("rope_scaling"):
-        kind = hf["rope_scaling"].get("rope_type", hf["rope_scaling"].get("type", "?")) if isinstance(hf["rope_scaling"], Mapping) else "?"
-        notes.append(f"model.model_config: rope_scaling ({kind}) is not implemented; nxdt uses plain RoPE with rope_theta")
-    return out, notes
+    out.update(rope_fields(hf))
+    return out, []
+
+
+# rope_scaling types the hub implements (null and "default" are plain RoPE); transformers also has linear,
+# dynamic, yarn, longrope, proportional: each changes the math, so each is refused by name
+ROPE_TYPES = ("default", "llama3")
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def rope_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """``rope_scaling.*`` (and ``rope_theta``) from config.json: Llama 3.1's ``rope_scaling`` (transformers 4
+    files) or ``rope_parameters`` (transformers 5 files, which carry rope_theta inside)."""
+    field = "rope_parameters" if hf.get("rope_parameters") is not None else "rope_scaling"
+    rope = hf.get(field)
+    if rope is not None and not isinstance(rope, Mapping):
+        raise HFConfigError(f"{field}={rope!r}: expected an object with rope_type and its parameters")
+    rope = rope or {}
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise HFConfigError(f"partial_rotary_factor={partial}: the model hub rotates the whole head")
+    out: dict[str, Any] = {}
+    if hf.get("rope_theta") is None and rope.get("rope_theta") is not None:
+        out["rope_theta"] = rope["rope_theta"]
+    kind = rope.get("rope_type", rope.get("type"))  # "type": older config.json files
+    if kind not in (None, *ROPE_TYPES):
+        raise HFConfigError(f"{field}.rope_type={kind!r} is not implemented; nxdt implements llama3 (Llama 3.1) and default")
+    if kind == "llama3":
+        missing = [k for k in LLAMA3_KEYS if rope.get(k) is None]
+        if missing:
+            raise HFConfigError(f"{field}: rope_type llama3 needs {', '.join(missing)}")
+        out["rope_scaling.rope_type"] = "llama3"
+        out.update({f"rope_scaling.{k}": rope[k] for k in LLAMA3_KEYS})
+    return out
 

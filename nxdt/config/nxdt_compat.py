@@ -129,7 +129,7 @@ RULES: dict[str, Rule] = {
     "exp_manager.save_xser": _ignored("torch-xla serialization; nxdt saves safetensors"),
     "exp_manager.load_xser": _ignored("torch-xla serialization; nxdt saves safetensors"),
     "exp_manager.save_bf16": _derived("never read by NxDT"),
-    "exp_manager.async_checkpointing": _agree("nxdt saves checkpoints synchronously", False),
+    "exp_manager.async_checkpointing": _map("write checkpoints in a background thread from a snapshot"),
     "exp_manager.ckpt_ptl_version": _ignored("NxDT checkpoint-format version"),
     # --- distributed_strategy ---
     "distributed_strategy.tensor_model_parallel_size": _map(),
@@ -169,7 +169,9 @@ RULES: dict[str, Rule] = {
     "model.activations_checkpoint_recompute": _ignored("NxDT module class names; selective recomputes core attention"),
     "model.activations_checkpoint_recompute_mlp": _agree("selective recomputation covers core attention only", False),
     "model.fusions.softmax": _ignored("Neuron fused-softmax kernel"),
-    "model.fusions.flash_attention": _derived("nxdt always uses torch's fused scaled-dot-product attention"),
+    "model.fusions.flash_attention": _custom("true (NxDT: its flash-attention kernel) = model.core_attention sdpa, nxdt's "
+                                             "default (or blockwise, if the file says so); false = model.core_attention "
+                                             "naive, the S×S attention scores materialised as NxDT's non-flash path does"),
     "model.fusions.ring_attention": _derived("context parallelism is ring attention in nxdt's plan"),
     "model.do_layer_norm_weight_decay": _map("model.optim.decay_norms_and_biases", to="model.optim.decay_norms_and_biases"),
     "model.save_logits": _agree("logits are not saved", False),
@@ -205,20 +207,26 @@ RULES: dict[str, Rule] = {
         "layernorm_epsilon", "make_vocab_size_divisible_by", "persist_layer_norm", "share_embeddings_and_output_weights",
         "position_embedding_type", "rotary_percentage", "activation", "has_bias")},
     # --- precision ---
-    "precision.type": _custom("fp32 → fp32; bf16SR → bf16; autocast, mixed_precision → mixed_precision (bf16 compute, "
-                              "fp32 weights); mixed_precisionSR → mixed_precision; manual → from the flags below. "
-                              "Stochastic rounding (SR) is a Trainium feature, not available on CPU (noted)"),
-    "precision.master_weights": _custom("read only with type: manual (as in NxDT): true + bf16 → mixed_precision"),
+    "precision.type": _custom("fp32 → fp32; bf16SR → bf16SR (optimizer updates rounded stochastically, noted); autocast, "
+                              "mixed_precision → mixed_precision (bf16 compute, fp32 weights); mixed_precisionSR → "
+                              "mixed_precisionSR (trains as mixed_precision, noted); manual → from the flags below"),
+    "precision.master_weights": _custom("read only with type: manual (as in NxDT): true + bf16 → mixed_precision "
+                                        "(mixed_precisionSR with the SR flag)"),
     "precision.fp32_grad_acc": _derived("read only with type: manual; nxdt accumulates gradients in the parameters' dtype"),
     "precision.xla_use_bf16": _custom("XLA flag: with type: manual, '1' = bf16 compute; otherwise named in the one warning"),
     "precision.xla_downcast_bf16": _custom("XLA flag: with type: manual, '1' = bf16 compute; otherwise named in the one warning"),
-    "precision.neuron_rt_stochastic_rounding_en": _custom("Neuron runtime flag: with type: manual, '1' is noted (no SR on CPU); "
-                                                          "otherwise named in the one warning"),
+    "precision.neuron_rt_stochastic_rounding_en": _custom("Neuron runtime flag: with type: manual, '1' + bf16 → bf16SR (or "
+                                                          "mixed_precisionSR), '1' with fp32 is an error; otherwise named in "
+                                                          "the one warning"),
     "precision.parallel_layers_reduce_dtype": _ignored("dtype of NxD's TP reductions"),
     "precision.fp32_grads_cc": _derived("never read by NxDT"),
 }
 
-SR_NOTE = "stochastic rounding is a Trainium hardware feature, not available on CPU: nxdt rounds to nearest"
+# what nxdt's stochastic rounding covers, against the Neuron runtime's (every fp32 → bf16 cast on the device)
+SR_NOTES = {"bf16SR": "nxdt rounds the optimizer's weight and moment updates stochastically to bf16; activations and "
+                      "gradients are rounded to nearest (the Neuron runtime rounds those stochastically too)",
+            "mixed_precisionSR": "nxdt's mixed precision keeps fp32 weights and moments and rounds no update to bf16, "
+                                 "so there is nothing to round stochastically: it trains exactly as mixed_precision"}
 
 
 @dataclass
@@ -308,8 +316,8 @@ def _is(value: Any, allowed: Iterable[Any]) -> bool:
 # ------------------------------------------------------------------------------------------------
 # translation
 
-PRECISION = {"fp32": "fp32", "bf16": "bf16", "bf16SR": "bf16", "autocast": "mixed_precision", "mixed_precision": "mixed_precision",
-             "mixed_precisionSR": "mixed_precision"}
+PRECISION = {"fp32": "fp32", "bf16": "bf16", "bf16SR": "bf16SR", "autocast": "mixed_precision", "mixed_precision": "mixed_precision",
+             "mixed_precisionSR": "mixed_precisionSR"}
 OPTIMIZERS = {"adamw": "adamw", "adamw_fp32OptState": "adamw_fp32OptState"}
 SCHEDULES = {"LinearAnnealingWithWarmUp": "LinearAnnealingWithWarmUp", "CosineAnnealing": "CosineAnnealing",
              "WarmupPolicy": "constant", "WarmupHoldPolicy": "constant", "constant": "constant"}
@@ -412,6 +420,14 @@ def _model(leaves: Mapping[str, Any], hf: Mapping[str, Any] | None, notes: list[
             out[key] = value
     if leaves.get("model.max_position_embeddings") is not None:
         out["model.max_position_embeddings"] = max(out.get("model.max_position_embeddings", 0), leaves["model.max_position_embeddings"])
+    flash = leaves.get("model.fusions.flash_attention")
+    if flash is not None:
+        ours = leaves.get("model.core_attention")  # nxdt's own key in the same file: must agree
+        if ours is not None and (ours == "naive") == bool(flash):
+            raise ConfigError("model.core_attention", ours, f"contradicts the NxDT key model.fusions.flash_attention={flash!r} in the "
+                              "same config (flash attention: sdpa or blockwise; without: naive); keep one of them")
+        if not flash:
+            out["model.core_attention"] = "naive"
     if leaves.get("model.moe.output_router_logits") is False:
         out["model.moe.router_aux_loss_coef"] = 0.0
     capacity = leaves.get("model.moe.capacity_factor")
@@ -432,13 +448,18 @@ def _precision(leaves: Mapping[str, Any], notes: list[str], ignored: list[str]) 
         bf16 = any(str(leaves.get(k, "0")) == "1" for k in flags[:2])
         ours = ("mixed_precision" if leaves.get("precision.master_weights", False) else "bf16") if bf16 else "fp32"
         if str(leaves.get(flags[2], "0")) == "1":
-            notes.append(f"precision.neuron_rt_stochastic_rounding_en='1': {SR_NOTE}")
+            if not bf16:
+                raise ConfigError(flags[2], "1", "stochastic rounding rounds to bf16, and with xla_use_bf16 and "
+                                  "xla_downcast_bf16 '0' training is fp32, nothing to round; set one of them to '1' "
+                                  "(bf16SR; with master_weights: true, mixed_precisionSR) or this flag to '0'")
+            ours += "SR"
+            notes.append(f"precision.neuron_rt_stochastic_rounding_en='1' (precision.type {ours}): {SR_NOTES[ours]}")
         return {"precision.type": ours}
     if kind not in PRECISION:
         raise ConfigError("precision.type", kind, f"must be one of {', '.join([*PRECISION, 'manual'])}")
     ignored.extend(k for k in flags if k in leaves)  # XLA/runtime flags, read by NxDT only for type: manual
-    if kind.endswith("SR"):
-        notes.append(f"precision.type={kind}: {SR_NOTE}")
+    if kind in SR_NOTES:
+        notes.append(f"precision.type={kind}: {SR_NOTES[kind]}")
     return {"precision.type": PRECISION[kind]}
 
 

@@ -97,7 +97,8 @@ class DistributedStrategyConfig:
 class DataConfig:
     source: str = doc("text", "synthetic | text | hf_dataset (a tokenized Hugging Face dataset saved with save_to_disk)")
     micro_batch_size: int = doc(4, "samples per forward/backward on one rank")
-    global_batch_size: int = doc(8, "samples per optimizer step over all data-parallel ranks")
+    global_batch_size: Optional[int] = doc(None, "samples per optimizer step over all data-parallel ranks; null = "
+                                                 "micro_batch_size × DP (one micro-batch per rank per step)")
     seq_length: int = doc(128, "tokens per sample")
     train_dir: Optional[str] = doc(None, "text: a UTF-8 text file or directory of *.txt (null = the shipped sample text); "
                                          "hf_dataset: the save_to_disk directory (input_ids, optional labels; needs pyarrow)")
@@ -135,6 +136,17 @@ class MoEConfig:
 
 
 @dataclass
+class RopeScalingConfig:
+    """RoPE scaling (Hugging Face's config.json ``rope_scaling``; read from it with model.model_config)."""
+
+    rope_type: Optional[str] = doc(None, "null or default = plain RoPE | llama3 = Llama 3.1's scaling (other HF types are refused)")
+    factor: float = doc(8.0, "llama3: frequencies with wavelength > original_max_position_embeddings/low_freq_factor are divided by it")
+    low_freq_factor: float = doc(1.0, "llama3: the long-wavelength boundary is original_max_position_embeddings/low_freq_factor")
+    high_freq_factor: float = doc(4.0, "llama3: wavelengths below original_max_position_embeddings/high_freq_factor stay unscaled")
+    original_max_position_embeddings: int = doc(8192, "llama3: the context length of pretraining")
+
+
+@dataclass
 class ModelConfig:
     architecture: str = doc("nxdt.models.llama.LlamaForCausalLM", "model class import path (only nxdt.models.* allowed)")
     vocab_size: int = doc(MISSING, "vocabulary size")
@@ -145,10 +157,14 @@ class ModelConfig:
     ffn_hidden_size: int = doc(MISSING, "SwiGLU inner width")
     max_position_embeddings: int = doc(MISSING, "longest sequence the model supports")
     rope_theta: float = doc(10000.0, "RoPE base")
+    rope_scaling: RopeScalingConfig = doc(RopeScalingConfig(), "RoPE scaling (Llama 3.1: rope_type llama3); off by default")
     norm_eps: float = doc(1e-5, "RMSNorm epsilon")
     tie_word_embeddings: bool = doc(False, "share input embedding and output head")
     init_method_std: float = doc(0.02, "std of the normal weight init")
     activations_checkpoint_granularity: Optional[str] = doc(None, "full | selective | null")
+    core_attention: str = doc("sdpa", "sdpa (torch's scaled_dot_product_attention: its fused flash kernel on CPU, no S×S tensor) "
+                                      "| blockwise (query×key blocks, online softmax, in torch) | naive (the S×S scores "
+                                      "materialised); NxDT's model.fusions.flash_attention: false = naive")
     hf_checkpoint: Optional[str] = doc(None, "initialise the weights from a Hugging Face checkpoint directory (*.safetensors, HF names)")
     moe: MoEConfig = doc(MoEConfig(), "mixture of experts (Mixtral); ignored by dense models")
     optim: OptimConfig = doc(OptimConfig(), "optimizer")
@@ -156,7 +172,22 @@ class ModelConfig:
 
 @dataclass
 class PrecisionConfig:
-    type: str = doc("fp32", "fp32 | bf16 | mixed_precision")
+    """Numeric formats (NxDT's names). fp32: everything fp32. bf16: bf16 weights, gradients, moments and compute;
+    AdamW in bf16 arithmetic, results rounded to nearest (updates below half a bf16 ulp of a weight are lost).
+    bf16SR: as bf16 (bf16 weights, gradients, compute), but AdamW computes in fp32 from the bf16 weights,
+    gradients and moments and writes weights and moments back rounded stochastically to bf16 (unbiased:
+    x between bf16 neighbours a < b becomes b with probability (x-a)/(b-a)), so small updates accumulate in
+    expectation; moments in bf16, or fp32 with model.optim.name=adamw_fp32OptState. The random bits are a
+    function of (seed, optimizer step, parameter index): runs repeat bitwise, resumes continue bitwise, and
+    data-parallel replicas stay identical. Activations and gradients are rounded to nearest (on Trainium
+    the runtime rounds those stochastically too). mixed_precision: fp32 weights (the master copy), fp32
+    gradients and moments, bf16 compute under autocast. mixed_precisionSR: NxDT's mixed_precision with
+    stochastic rounding where fp32 is cast to bf16; nxdt's fp32 weights are updated in fp32 and never
+    rounded to bf16 between steps, and the bf16 compute copies autocast makes are rebuilt from them every
+    step (rounding there is forward noise, never accumulated), so it trains exactly as mixed_precision."""
+
+    type: str = doc("fp32", "fp32 | bf16 | bf16SR (bf16 with stochastically rounded updates) | mixed_precision | "
+                            "mixed_precisionSR (= mixed_precision: fp32 weights, nothing to round)")
 
 
 @dataclass

@@ -17,10 +17,11 @@ MODEL_SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_
 
 CHOICES = {
     "data.source": ("synthetic", "text", "hf_dataset"),
-    "precision.type": ("fp32", "bf16", "mixed_precision"),
+    "precision.type": ("fp32", "bf16", "bf16SR", "mixed_precision", "mixed_precisionSR"),
     "model.optim.name": ("adamw", "adamw_fp32OptState"),
     "model.optim.sched.name": ("CosineAnnealing", "LinearAnnealingWithWarmUp", "constant"),
     "model.activations_checkpoint_granularity": (None, "full", "selective"),
+    "model.core_attention": ("sdpa", "blockwise", "naive"),
     "distributed_strategy.fsdp.prefetch": ("none", "eager", "token_threaded"),
     "comm.transport": ("auto", "shm", "p2p"),
     "exp_manager.fault_injection.kind": ("raise", "sigkill", "sigkill_during_save", "hang", "nan"),
@@ -135,6 +136,17 @@ def check_ranges(cfg: Any) -> None:
 
     _number("model.norm_eps", model.norm_eps, 0, lo_open=True, what=" (RMSNorm's epsilon, e.g. 1e-5)")
     _number("model.rope_theta", model.rope_theta, 0, lo_open=True, what=" (RoPE's base, e.g. 10000 or 500000)")
+    rope = model.rope_scaling
+    if rope.rope_type not in (None, "default", "llama3"):
+        raise ConfigError("model.rope_scaling.rope_type", rope.rope_type, "is not implemented; nxdt implements llama3 (Llama 3.1) "
+                          "and default (= null: plain RoPE)")
+    if rope.rope_type == "llama3":
+        _number("model.rope_scaling.factor", rope.factor, 0, lo_open=True, what=" (Llama 3.1: 8)")
+        _number("model.rope_scaling.low_freq_factor", rope.low_freq_factor, 0, lo_open=True, what=" (Llama 3.1: 1)")
+        _number("model.rope_scaling.high_freq_factor", rope.high_freq_factor, rope.low_freq_factor, lo_open=True,
+                what=" (above model.rope_scaling.low_freq_factor; Llama 3.1: 4)")
+        _integer("model.rope_scaling.original_max_position_embeddings", rope.original_max_position_embeddings, 1,
+                 what=" (the pretraining context; Llama 3.1: 8192)")
     _number("model.init_method_std", model.init_method_std, 0, what=" (std of the normal weight init, e.g. 0.02)")
     moe = model.moe
     _integer("model.moe.num_experts", moe.num_experts, 0, what=" (0 = a dense model)")
@@ -204,9 +216,18 @@ def fill_instance_defaults(cfg: Any) -> None:
                 raise ConfigError("trainer.lnc", trainer.lnc, str(exc)) from None
 
 
+def global_batch(data: Any, dp: int) -> int:
+    """``data.global_batch_size``, or micro_batch_size × DP when it is null (one micro-batch per rank per step)."""
+    return data.micro_batch_size * dp if data.global_batch_size is None else data.global_batch_size
+
+
 def validate(cfg: Any, *, paths: bool = True) -> None:
     """``paths=False`` (``nxdt plan``): do not require the files the run would read to exist here."""
     fill_instance_defaults(cfg)
+    kind = cfg.precision.type
+    if isinstance(kind, str) and kind.endswith("SR") and kind not in CHOICES["precision.type"]:
+        raise ConfigError("precision.type", kind, "stochastic rounding (SR) rounds to bf16, and fp32 training rounds "
+                          "nothing to bf16; use fp32, or one of the SR types bf16SR, mixed_precisionSR")
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
         if value not in allowed:
@@ -280,13 +301,19 @@ def validate(cfg: Any, *, paths: bool = True) -> None:
     if vpp > 1 and pp == 1:
         raise ConfigError("distributed_strategy.virtual_pipeline_model_parallel_size", vpp, "needs pipeline_model_parallel_size > 1")
 
+    given = data.global_batch_size
+    if given is None:  # resolved here, so the plan, the workers and the run's config.yaml all see the number
+        data.global_batch_size = global_batch(data, dp)
     if data.global_batch_size % (data.micro_batch_size * dp):
         raise ConfigError("data.global_batch_size", data.global_batch_size,
                           f"must be divisible by micro_batch_size × DP = {data.micro_batch_size}×{dp} = {data.micro_batch_size * dp}")
     microbatches = data.global_batch_size // (data.micro_batch_size * dp)
     if vpp > 1 and microbatches % pp:
-        raise ConfigError("data.global_batch_size", data.global_batch_size,
-                          f"the interleaved schedule needs micro-batches per step ({microbatches} = global / (micro × DP)) divisible by PP={pp}")
+        fix = f"the interleaved schedule needs micro-batches per step ({microbatches} = global / (micro × DP)) divisible by PP={pp}"
+        if given is None:
+            fix += (f"; null means one micro-batch per rank per step (micro_batch_size × DP = {data.global_batch_size}): "
+                    f"set a multiple of {data.global_batch_size * pp}")
+        raise ConfigError("data.global_batch_size", given, fix)
     if data.seq_length > model.max_position_embeddings:
         raise ConfigError("data.seq_length", data.seq_length, f"exceeds model.max_position_embeddings={model.max_position_embeddings}")
     if paths:

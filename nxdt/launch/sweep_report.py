@@ -1,5 +1,5 @@
 """``nxdt sweep-report DIR``: one row per job of a multirun (overrides, final loss, tokens/s, step
-time) and a PNG of loss against step for every job."""
+time) and PNGs of loss and tokens/s against step for every job (drawn by ``nxdt.launch.report.plot_metric``)."""
 
 from __future__ import annotations
 
@@ -54,21 +54,11 @@ def report(sweep_dir: Path) -> int:
             table.add_row(r["job"], shown, "0", "failed", "-", "-")
     Console(width=160).print(table)
 
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from nxdt.launch.report import plot_metric
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in rows:
-        if r["steps"]:
-            label = " ".join(o for o in r["overrides"] if o in swept) or f"job {r['job']}"
-            ax.plot([s["step"] for s in r["steps"]], [s["loss"] for s in r["steps"]], label=label)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title(sweep_dir.name)
-    ax.legend()
-    fig.tight_layout()
-    out = sweep_dir / "sweep_loss.png"
-    fig.savefig(out, dpi=110)
-    print(f"plot: {out}")
+    series = [(" ".join(o for o in r["overrides"] if o in swept) or f"job {r['job']}", r["steps"]) for r in rows if r["steps"]]
+    for key, ylabel, name in (("loss", "loss", "sweep_loss.png"), ("tokens_per_s", "tokens/s", "sweep_tokens_per_s.png")):
+        out = plot_metric(series, key, ylabel, sweep_dir / name, sweep_dir.name)
+        if out is not None:
+            print(f"plot: {out}")
     return 0

@@ -2,7 +2,8 @@
 nxdt.launch.worker RUN_DIR`` under a plain torchrun).
 
 Reads the resolved config and the plan from the run directory (never re-enters Hydra), sends this
-rank's output to ``logs/rank<k>.log`` (rank 0 also to the console), then trains.
+rank's output to ``logs/rank<k>.log`` (rank 0 also to the console, unless ``nxdt train -q``; third-party
+banners and deprecation warnings reach its log only, see ``nxdt.launch.console``), then trains.
 
 nxdt's agents fork workers from a multiprocessing fork server that has already imported torch and
 Lightning (``start_fork_server``): those imports cost about 6 s of CPU per process, which ranks
@@ -100,14 +101,24 @@ def main(argv: list[str] | None = None) -> None:
         from nxdt.launch.multinode import settle_node
 
         settle_node(json.loads(args.node_key), args.plan_digest, args.node_key_source, timeout_s=120.0)
+    from nxdt.launch import console
+
     rank = int(os.environ["RANK"])
-    end_output = _redirect_output(args.run_dir / "logs" / f"rank{rank}.log", tee_to_console=rank == 0)
+    log_path = args.run_dir / "logs" / f"rank{rank}.log"
+    on_console = rank == 0 and console.mode() != "quiet"
+    end_output = _redirect_output(log_path, tee_to_console=on_console)
+    log_only = console.worker_output(log_path, console=on_console)
     attempt = os.environ.get("NXDT_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    print(f"nxdt: rank {rank} attempt {attempt} started (t={time.time():.3f}, pid {os.getpid()}, parent {os.getppid()})", flush=True)
+    now = time.time()
+    print(f"nxdt: rank {rank} attempt {attempt} started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(now))}"
+          f".{int(now % 1 * 1000):03d} (pid {os.getpid()}, parent {os.getppid()})", file=log_only, flush=True)
     try:
         _train(args, rank)
     except Exception:
-        traceback.print_exc()  # while rank 0's tee still reaches the console
+        # into the rank's log (verbose: also on the console, while rank 0's tee still reaches it); the launcher names
+        # the rank that failed first, its error and its log in one line
+        traceback.print_exc(file=log_only)
+        log_only.flush()
         raise
     finally:
         end_output()  # a forked worker ends without atexit handlers: the tee is drained here
@@ -122,6 +133,7 @@ def _train(args: argparse.Namespace, rank: int) -> None:
     if args.console_tty and rank == 0:
         os.environ["FORCE_COLOR"] = "1"  # rich: the console at the end of the tee is a terminal
         os.environ["TTY_INTERACTIVE"] = "1"
+        os.environ["NXDT_CONSOLE_TTY"] = "1"  # exp_manager: a live progress bar
 
     import torch
 

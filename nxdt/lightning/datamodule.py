@@ -27,9 +27,9 @@ from nxdt.data.tokenizers import build_tokenizer
 
 
 class NxDDataModule(pl.LightningDataModule):
-    """``data_cfg`` has ``source`` ("synthetic" | "text" | "hf_dataset"), ``micro_batch_size``, ``global_batch_size``,
-    ``seq_length``, ``train_dir`` (None → the shipped sample text), ``tokenizer`` (None → byte-level) and
-    ``num_samples`` (synthetic). ``vocab_size`` is the model's: synthetic tokens are drawn below it and
+    """``data_cfg`` has ``source`` ("synthetic" | "text" | "hf_dataset"), ``micro_batch_size``, ``global_batch_size``
+    (None → micro_batch_size × DP), ``seq_length``, ``train_dir`` (None → the shipped sample text), ``tokenizer``
+    (None → byte-level) and ``num_samples`` (synthetic). ``vocab_size`` is the model's: synthetic tokens are drawn below it and
     a tokenizer must fit in it."""
 
     def __init__(self, data_cfg: Any, seed: int, vocab_size: int, *, step_batches: bool = False) -> None:
@@ -75,6 +75,12 @@ class NxDDataModule(pl.LightningDataModule):
             return 0, 1
         return int(kwargs["rank"]), int(kwargs["num_replicas"])
 
+    @property
+    def global_batch_size(self) -> int:
+        """``data.global_batch_size``; null: micro_batch_size × DP (one micro-batch per rank per step)."""
+        batch = self.cfg.global_batch_size
+        return self.cfg.micro_batch_size * self.dp_size if batch is None else batch
+
     # --- resume position -----------------------------------------------------------------------------
     def _global_step(self) -> int | None:
         return self.trainer.global_step if self.trainer is not None else None
@@ -85,7 +91,7 @@ class NxDDataModule(pl.LightningDataModule):
         step = self._global_step()
         if step is None:
             return self._anchor_consumed
-        return self._anchor_consumed + (step - self._anchor_step) * self.cfg.global_batch_size
+        return self._anchor_consumed + (step - self._anchor_step) * self.global_batch_size
 
     def state_dict(self) -> dict[str, int]:
         step = self._global_step()
@@ -95,25 +101,26 @@ class NxDDataModule(pl.LightningDataModule):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         consumed = int(state_dict["consumed_samples"])
         # a state without the step (hand-made) means: consumed at the current batch size
-        step = int(state_dict.get("global_step", consumed // self.cfg.global_batch_size))
+        step = int(state_dict.get("global_step", consumed // self.global_batch_size))
         self._anchor_step, self._anchor_consumed = step, consumed
 
     # --- loader --------------------------------------------------------------------------------------
     def train_dataloader(self) -> DataLoader:
         if self.dataset is None:  # used without a Trainer
             self.setup("fit")
-        if self.cfg.global_batch_size % (self.cfg.micro_batch_size * self.dp_size):
-            raise ValueError(f"data.global_batch_size={self.cfg.global_batch_size} must be divisible by micro_batch_size × DP = "
+        batch = self.global_batch_size
+        if batch % (self.cfg.micro_batch_size * self.dp_size):
+            raise ValueError(f"data.global_batch_size={batch} must be divisible by micro_batch_size × DP = "
                              f"{self.cfg.micro_batch_size}×{self.dp_size}")
-        per_batch = self.cfg.global_batch_size // self.dp_size if self.step_batches else self.cfg.micro_batch_size
-        sampler = GlobalBatchSampler(len(self.dataset), self.cfg.global_batch_size, per_batch,
+        per_batch = batch // self.dp_size if self.step_batches else self.cfg.micro_batch_size
+        sampler = GlobalBatchSampler(len(self.dataset), batch, per_batch,
                                      dp_rank=self.dp_rank, dp_size=self.dp_size,
                                      consumed_samples=self.consumed_samples, seed=self.seed)
         trainer = self.trainer
         if trainer is not None and trainer.accumulate_grad_batches != sampler.micro_batches_per_step:
             # otherwise optimizer steps and global batches drift apart: DP ≠ single process, resume skips data
             raise ValueError(f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) must equal "
-                             f"global_batch_size / (micro_batch_size × DP) = {self.cfg.global_batch_size} / "
+                             f"global_batch_size / (micro_batch_size × DP) = {batch} / "
                              f"({self.cfg.micro_batch_size} × {self.dp_size}) = {sampler.micro_batches_per_step}")
         # workers=0: samples are cheap and in memory; worker processes would only add start-up time
         return DataLoader(self.dataset, batch_sampler=sampler, num_workers=0)

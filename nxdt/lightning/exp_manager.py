@@ -199,7 +199,7 @@ class DirectoryCheckpoint(ModelCheckpoint):
         if self.best_model_path and self.best_model_path != before and trainer.is_global_zero:
             path = Path(self.best_model_path)
             how = "being written in the background" if self.background else "saved"
-            print(f"nxdt: checkpoint {path.name} {how} ({path})", flush=True)
+            print(f"nxdt: checkpoint {path.parent.name}/{path.name} {how}", flush=True)
 
 
 class StepProgressBar(RichProgressBar):

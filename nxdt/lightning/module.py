@@ -49,7 +49,7 @@ class CausalLMModule(pl.LightningModule):
 
     def __init__(self, model_cfg: Any, global_batch_size: int, seq_length: int, micro_batch_size: int,
                  gradient_clip_val: float | None = None, *, log_gradient_norm: bool = False,
-                 log_parameter_norm: bool = False, nan_policy: str = "stop") -> None:
+                 log_parameter_norm: bool = False, nan_policy: str = "stop", precision: str = "fp32", seed: int = 0) -> None:
         super().__init__()
         self.automatic_optimization = False  # one optimizer step per global batch, whatever the schedule
         self.model_cfg = model_cfg
@@ -63,6 +63,7 @@ class CausalLMModule(pl.LightningModule):
         if nan_policy not in NAN_POLICIES:
             raise ValueError(f"nan_policy={nan_policy!r}: use one of {NAN_POLICIES}")
         self.nan_policy = nan_policy
+        self.precision_type, self.seed = precision, seed  # the optimizer's kind (bf16SR: stochastic rounding) and its key
         self.skipped_steps = 0  # consecutive updates skipped for a non-finite loss or gradient norm
         self.inject_nan = False  # set by exp_manager.fault_injection.kind=nan: this step's loss becomes NaN
         self.step_metrics: dict[str, float] = {}
@@ -145,7 +146,7 @@ class CausalLMModule(pl.LightningModule):
         return total
 
     def configure_optimizers(self) -> dict[str, Any]:
-        optimizer = build_optimizer(self.model, self.model_cfg.optim)
+        optimizer = build_optimizer(self.model, self.model_cfg.optim, precision=self.precision_type, seed=self.seed)
         shard = getattr(self.trainer.strategy, "shard_optimizer", None) if self._trainer is not None else None
         if shard:
             optimizer = shard(optimizer)  # ZeRO-1: each data-parallel rank keeps only its part of the state

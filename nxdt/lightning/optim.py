@@ -8,8 +8,14 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-# NxDT's optimizer names; all are AdamW here (fp32 optimizer state is what nxdt always keeps).
+from nxdt.parallel.stochastic_rounding import StochasticRoundingAdamW
+
+# NxDT's optimizer names; both are AdamW here. The moments have the parameters' dtype (fp32 with fp32 and
+# mixed_precision; bf16 with bf16, whichever name), except with bf16SR, where adamw_fp32OptState keeps them in fp32.
 _ADAMW_NAMES = ("adamw", "adamw_fp32OptState")
+
+# precision.type whose optimizer step is not torch's AdamW: bf16SR rounds the fp32 update stochastically to bf16
+STOCHASTIC_ROUNDING_TYPES = ("bf16SR",)
 
 
 def parameter_groups(model: nn.Module, weight_decay: float, decay_everything: bool = False) -> list[dict[str, Any]]:
@@ -23,11 +29,18 @@ def parameter_groups(model: nn.Module, weight_decay: float, decay_everything: bo
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model: nn.Module, optim_cfg: Any) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, optim_cfg: Any, *, precision: str = "fp32", seed: int = 0) -> torch.optim.Optimizer:
+    """AdamW over :func:`parameter_groups`. ``precision`` (a ``precision.type``): bf16SR gives
+    :class:`StochasticRoundingAdamW` (fp32 math, bf16 results rounded stochastically, keyed by ``seed``; moments in
+    fp32 with adamw_fp32OptState), every other type torch's AdamW."""
     if optim_cfg.name not in _ADAMW_NAMES:
         raise ValueError(f"model.optim.name={optim_cfg.name!r} is not supported; use one of {list(_ADAMW_NAMES)}")
+    groups = parameter_groups(model, optim_cfg.weight_decay, getattr(optim_cfg, "decay_norms_and_biases", False))
+    if precision in STOCHASTIC_ROUNDING_TYPES:
+        return StochasticRoundingAdamW(groups, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
+                                       seed=seed, fp32_state=optim_cfg.name == "adamw_fp32OptState")
     return torch.optim.AdamW(
-        parameter_groups(model, optim_cfg.weight_decay, getattr(optim_cfg, "decay_norms_and_biases", False)),
+        groups,
         lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
         # foreach kernels allocate extra temporaries; per-parameter loops are as fast for small CPU models
         foreach=False,

@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 
 from nxdt.config.validate import MODEL_SHAPE_FIELDS, check_trainable
 from nxdt.lightning.datamodule import NxDDataModule
-from nxdt.lightning.exp_manager import agreed_resume_checkpoint, build_callbacks, build_loggers
+from nxdt.lightning.exp_manager import agreed_resume_checkpoint, build_callbacks, build_loggers, launch_attempt
 from nxdt.lightning.module import CausalLMModule
 from nxdt.lightning.strategy import NxDStrategy
 from nxdt.planner import Plan
@@ -25,7 +25,11 @@ log = logging.getLogger(__name__)
 
 # precision.type (NxDT names) → Lightning precision: bf16 = pure bf16 weights and compute;
 # mixed_precision = bf16 compute under autocast with fp32 master weights and fp32 gradient reduction.
-PRECISION = {"fp32": "32-true", "bf16": "bf16-true", "mixed_precision": "bf16-mixed"}
+# The SR types add stochastic rounding where an update is rounded to bf16 (build_optimizer, given the type by
+# CausalLMModule): bf16SR rounds every weight and moment update; mixed_precisionSR has fp32 weights and
+# moments, nothing to round between steps, so it trains exactly as mixed_precision (see the schema's precision.type).
+PRECISION = {"fp32": "32-true", "bf16": "bf16-true", "bf16SR": "bf16-true", "mixed_precision": "bf16-mixed",
+             "mixed_precisionSR": "bf16-mixed"}
 
 
 def build_trainer(cfg: Any, plan: Plan, run_dir: Path, tokens_per_step: int, *, show_progress: bool = True) -> pl.Trainer:
@@ -69,11 +73,17 @@ def run_training(cfg: Any, plan: Plan, run_dir: str | Path) -> None:
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     module = CausalLMModule(cfg.model, cfg.data.global_batch_size, cfg.data.seq_length, cfg.data.micro_batch_size,
                             cfg.trainer.gradient_clip_val, log_gradient_norm=cfg.exp_manager.log_gradient_norm,
-                            log_parameter_norm=cfg.exp_manager.log_parameter_norm, nan_policy=cfg.exp_manager.nan_policy)
+                            log_parameter_norm=cfg.exp_manager.log_parameter_norm, nan_policy=cfg.exp_manager.nan_policy,
+                            precision=cfg.precision.type, seed=cfg.seed)
     datamodule = NxDDataModule(cfg.data, seed=cfg.seed, vocab_size=cfg.model.vocab_size, step_batches=True)
     trainer = build_trainer(cfg, plan, run_dir, module.tokens_per_step)
     ckpt_path = agreed_resume_checkpoint(cfg, run_dir)
-    if ckpt_path is not None and trainer.is_global_zero:
+    attempt = launch_attempt()
+    if attempt > 0 and trainer.is_global_zero:  # the agent restarted every worker after a failure: say so
+        print(f"nxdt: restart {attempt} of {cfg.exp_manager.max_restarts} after a worker failed (see logs/agent); "
+              f"{f'resuming from {Path(ckpt_path).name}' if ckpt_path else 'no checkpoint yet: starting from step 0'}",
+              flush=True)
+    elif ckpt_path is not None and trainer.is_global_zero:
         log.info("resuming from %s", ckpt_path)
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)
     trainer.strategy.close()  # the worker is forked: no atexit handler would do it

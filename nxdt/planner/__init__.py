@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from nxdt.config.validate import ConfigError
+from nxdt.config.validate import ConfigError, global_batch
 from nxdt.planner.placement import CHECKED_DIMENSIONS, accepted_sizes, candidate_orders, group_violation, local_order
 from nxdt.topology import Topology, TopologyError, check_lnc, topology_of
 
@@ -232,8 +232,14 @@ def plan(cfg: Any, calibration: dict[str, Any] | None = None, *, estimate: bool 
     except ValueError as exc:
         raise ConfigError("distributed_strategy", "", str(exc)) from None
     data = cfg.data
-    layout.batch = {"global": data.global_batch_size, "micro": data.micro_batch_size, "seq_length": data.seq_length,
-                    "micro_batches": data.global_batch_size // (data.micro_batch_size * layout.degrees["dp"])}
+    batch = global_batch(data, layout.degrees["dp"])  # null: micro × DP (validate() has resolved it already)
+    if data.global_batch_size is None:  # an unvalidated config: the estimates read the number from a copy
+        import copy
+
+        cfg, data = copy.copy(cfg), copy.copy(data)
+        data.global_batch_size, cfg.data = batch, data
+    layout.batch = {"global": batch, "micro": data.micro_batch_size, "seq_length": data.seq_length,
+                    "micro_batches": batch // (data.micro_batch_size * layout.degrees["dp"])}
     if estimate:
         from nxdt.planner.estimate import estimate_plan
 

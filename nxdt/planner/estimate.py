@@ -9,6 +9,9 @@ Recomputation in Large Transformer Models"), for 16-bit activations of a GPT blo
 ``s·b·h·(34 + 5·a·s/h)`` bytes, with TP ``s·b·h·(10 + 24/t + 5·a·s/(h·t))``, with TP+SP
 ``s·b·h·(34 + 5·a·s/h)/t``; selective recomputation drops the ``5·a·s/h`` term, full recomputation
 keeps only the layer input ``2·s·b·h``. It is an approximation for SwiGLU blocks (noted in the plan).
+The ``5·a·s/h`` term is the S×S attention scores (QKᵀ, softmax, dropout mask): it is counted only with
+``model.core_attention: naive``; ``sdpa`` (a fused flash kernel) and ``blockwise`` keep no S×S tensor, only
+a logsumexp per query row (4·a·s·b bytes, negligible, not counted).
 """
 
 from __future__ import annotations
@@ -49,6 +52,11 @@ def flops_per_token(model: Any, seq_length: int) -> float:
     return 6.0 * n["matmul_active"] + 12.0 * model.num_layers * model.hidden_size * seq_length
 
 
+def _kind(cfg: Any) -> str:
+    """precision.type as the memory model sees it: the SR types store what their base types store."""
+    return cfg.precision.type.removesuffix("SR")
+
+
 def _bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
@@ -60,7 +68,7 @@ def memory_per_rank(cfg: Any, degrees: dict[str, int]) -> dict[str, float]:
     n = model_numbers(model)
     dense = n["total"] - n["expert_params"]
     params = dense / (tp * pp) + n["expert_params"] / (tp * pp * ep)
-    precision = cfg.precision.type
+    precision = _kind(cfg)
     p_bytes = _bytes(precision)
     g_bytes = 4 if precision in ("fp32", "mixed_precision") else 2
     state_bytes = 8 if (precision != "bf16" or model.optim.name == "adamw_fp32OptState") else 4
@@ -74,7 +82,8 @@ def memory_per_rank(cfg: Any, degrees: dict[str, int]) -> dict[str, float]:
         mem["gathered_parameters"] = held * n["per_layer"] / tp * p_bytes
     s, b, h, a = data.seq_length, data.micro_batch_size, model.hidden_size, model.num_attention_heads
     s_local = s / degrees["cp"]
-    attention_quadratic = 5 * a * s_local / h
+    # the S×S scores exist only when core attention materialises them (naive); sdpa and blockwise work in tiles
+    attention_quadratic = 5 * a * s_local / h if getattr(model, "core_attention", "sdpa") == "naive" else 0.0
     granularity = model.activations_checkpoint_granularity
     if granularity == "full":
         per_layer = 2 * s_local * b * h
@@ -99,7 +108,7 @@ def step_collectives(cfg: Any, plan: Any) -> list[dict[str, Any]]:
     """(dim, op, bytes, count per step, exposed?) for each kind of collective one optimizer step issues."""
     model, ds, data = cfg.model, cfg.distributed_strategy, cfg.data
     d = plan.degrees
-    act = _bytes(cfg.precision.type)
+    act = _bytes(_kind(cfg))
     n = model_numbers(model)
     b, s, h = data.micro_batch_size, data.seq_length // d["cp"], model.hidden_size
     microbatches = data.global_batch_size // (data.micro_batch_size * d["dp"])
@@ -127,7 +136,7 @@ def step_collectives(cfg: Any, plan: Any) -> list[dict[str, Any]]:
     if d["dp"] > 1:
         dense = n["total"] - n["expert_params"]
         params = dense / (d["tp"] * d["pp"])
-        grad_bytes = 4 if cfg.precision.type in ("fp32", "mixed_precision") else 2
+        grad_bytes = 4 if _kind(cfg) in ("fp32", "mixed_precision") else 2
         if ds.fsdp.enabled:
             # units: the embedding, each layer, the head (merged with the embedding when tied); every micro-batch
             # gathers each unit for forward and again for backward (eager: once per step, all held) and
@@ -190,7 +199,7 @@ def estimate_plan(plan: Any, cfg: Any, topo: Topology, calibration: dict[str, An
                      "total_s": seconds * row["count"], "overlap": row.get("overlap", False)})
     plan.collectives = rows
 
-    precision = cfg.precision.type
+    precision = _kind(cfg)
     peak = (inst.peak_tflops_fp32 if precision == "fp32" else inst.peak_tflops_bf16) * 1e12
     if calibration and topo.graph == "host" and calibration.get("flops_per_s"):
         peak = calibration["flops_per_s"] / inst.compute_efficiency  # measured rate is already the achieved one

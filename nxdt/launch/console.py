@@ -1,0 +1,254 @@
+"""What ``nxdt train`` shows on the console: nxdt's own lines first.
+
+* the launcher prints a banner (run directory, the layout in one line, the plan's predicted step time) and,
+  when the job ends, a summary (steps, time, first → last loss, median tokens/s, newest checkpoint, the
+  command to resume and the one to look at the run);
+* rank 0 prints one line per ``trainer.log_every_n_steps`` (``nxdt.lightning.exp_manager.StepConsole``),
+  restarts and checkpoints;
+* third-party banners, tips and deprecation warnings (Lightning's "GPU available" / "TPU available" lines
+  and "Tip" adverts, FutureWarning/DeprecationWarning) go to the rank's log file only, through the logging
+  configuration of the loggers that emit them — the per-rank logs keep everything.
+
+``-q`` (``quiet``): banner and summary only (rank 0's output goes to its log file alone). ``-v``
+(``verbose``): everything, third-party lines included. The launcher passes the mode to its workers in
+``$NXDT_CONSOLE``; the lightning layer reads the same variable (``exp_manager.console_mode``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shlex
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import IO, Any
+
+MODE_ENV = "NXDT_CONSOLE"
+MODES = ("quiet", "normal", "verbose")
+MODE_FLAGS = {"-q": "quiet", "--quiet": "quiet", "-v": "verbose", "--verbose": "verbose"}
+
+# Lightning's info lines that are not about this run: device banners, advertisements, its own stop notice
+# (nxdt's summary says why training stopped). Everything else Lightning logs (e.g. "Restoring states from the
+# checkpoint path at ...") stays on the console.
+THIRD_PARTY_NOISE = re.compile(r"^(GPU available|TPU available|HPU available|IPU available|💡 Tip|LOCAL_RANK: \d|"
+                               r"`Trainer\.fit` stopped)")
+# warnings that concern library authors, not the person training: deprecations of APIs nxdt's dependencies use,
+# Lightning's advice on manual optimization with ModelCheckpoint (nxdt's module steps its optimizer itself and
+# its checkpoints are meant to hold the state after the step), and its note that a resumed run's checkpoint directory is not empty (it is the run's own)
+WARNING_NOISE = re.compile(r"deprecat|FutureWarning|DeprecationWarning|Using ModelCheckpoint with manual optimization|"
+                           r"Checkpoint directory .* exists and is not empty", re.IGNORECASE)
+THIRD_PARTY_LOGGERS = ("lightning.pytorch", "lightning.fabric")
+
+
+def mode() -> str:
+    value = os.environ.get(MODE_ENV, "normal")
+    return value if value in MODES else "normal"
+
+
+def set_mode(value: str | None) -> str:
+    """The launcher's console mode, handed on to its workers (they inherit the environment); deprecation
+    warnings of the launcher's own imports are silenced unless verbose."""
+    if value is not None:
+        os.environ[MODE_ENV] = value
+    chosen = mode()
+    if chosen != "verbose":
+        for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):
+            warnings.filterwarnings("ignore", category=category)
+    return chosen
+
+
+# ---------------------------------------------------------------- worker side
+
+
+class _Noise(logging.Filter):
+    """Passes third-party noise only (``keep=False``: passes everything else)."""
+
+    def __init__(self, pattern: re.Pattern, keep: bool) -> None:
+        super().__init__()
+        self.pattern, self.keep = pattern, keep
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return bool(self.pattern.search(record.getMessage())) == self.keep
+
+
+class _OneLine(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return super().format(record).rstrip("\n")  # a formatted warning ends in a newline of its own
+
+
+def _route(logger: logging.Logger, pattern: re.Pattern, log_only: IO[str]) -> None:
+    """Records matching ``pattern`` to the log file only, the rest to stderr (the console tee, which logs too)."""
+    console = logging.StreamHandler(sys.stderr)
+    console.addFilter(_Noise(pattern, keep=False))
+    to_log = logging.StreamHandler(log_only)
+    to_log.addFilter(_Noise(pattern, keep=True))
+    for handler in (console, to_log):
+        handler.setFormatter(_OneLine("%(message)s"))
+    logger.handlers = [console, to_log]
+    logger.propagate = False
+
+
+def worker_output(log_path: Path, *, console: bool) -> IO[str]:
+    """Set up a worker's third-party output; returns the stream for lines meant for the rank's log file only.
+
+    ``console``: this worker's stdout/stderr reach the console (rank 0, not quiet). Then, unless verbose,
+    Lightning's banner and tip lines and deprecation warnings go to the log file only. Other workers write
+    everything to their log already."""
+    if not console or mode() == "verbose":
+        return sys.stdout
+    log_only = open(log_path, "a", buffering=1)  # O_APPEND beside the tee's writes to the same file
+    import lightning.pytorch  # noqa: F401  (its logger's handlers exist before they are configured; preloaded anyway)
+
+    for name in THIRD_PARTY_LOGGERS:
+        _route(logging.getLogger(name), THIRD_PARTY_NOISE, log_only)
+    logging.captureWarnings(True)  # warnings become records of "py.warnings", routed like the rest
+    _route(logging.getLogger("py.warnings"), WARNING_NOISE, log_only)
+    return log_only
+
+
+# ---------------------------------------------------------------- launcher side
+
+
+def banner(run_dir: Path, plan: Any, cfg: Any, label: str = "") -> list[str]:
+    """Run directory, the layout in one line, and what the plan predicts."""
+    from nxdt.launch.runs import get, layout_line
+
+    est = getattr(plan, "estimate", None) or {}
+    lines = [f"nxdt: {label}run directory {run_dir} ({plan.world_size} ranks)",
+             f"nxdt: layout: {layout_line(plan, cfg)}"]
+    batch = getattr(plan, "batch", None) or {}
+    what = (f"{get(cfg, 'name')}: {get(cfg, 'trainer.max_steps')} steps × {batch.get('global', '?')} sequences of "
+            f"{batch.get('seq_length', '?')} tokens (micro-batch {batch.get('micro', '?')})")
+    if est.get("step_time_s"):
+        guessed = "" if est.get("calibrated") or not _peak_is_guess(cfg) else f" ({get(cfg, 'instance.name')}: placeholder figures)"
+        what += f" · plan: {est['step_time_s']:.3f} s/step, {est['tokens_per_s']:,.0f} tokens/s{guessed}"
+    lines.append(f"nxdt: {what}")
+    return lines
+
+
+def _peak_is_guess(cfg: Any) -> bool:
+    from nxdt.launch.runs import get
+
+    provenance = get(cfg, "instance.provenance", {}) or {}
+    key = "peak_tflops_fp32" if get(cfg, "precision.type") == "fp32" else "peak_tflops_bf16"
+    entry = provenance.get(key) if isinstance(provenance, dict) else getattr(provenance, key, None)
+    return bool(get(entry, "guess", False))
+
+
+def _seconds(s: float) -> str:
+    if s < 120:
+        return f"{s:.1f} s"
+    m, s = divmod(int(s), 60)
+    return f"{m} min {s:02d} s" if m < 60 else f"{m // 60} h {m % 60:02d} min"
+
+
+def command_line(source_args: list[str], overrides: list[str], extra: list[str]) -> str:
+    """``nxdt train ...`` with ``extra`` overriding the same keys of the original command."""
+    keys = {e.split("=", 1)[0] for e in extra}
+    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in keys]
+    return shlex.join(["nxdt", "train", *source_args, *kept, *extra])
+
+
+def summary(run_dir: Path, status: str, launched_at: float, overrides: list[str], source_args: list[str] = ()) -> list[str]:
+    """The lines printed when a job ends: how far it got, how fast, where its checkpoint is, what to type next."""
+    from nxdt.launch.runs import get, load_run, median
+
+    run = load_run(run_dir)
+    elapsed = time.time() - launched_at
+    rows = run.rows
+    this_launch = [r for r in rows if r.get("wall_time", launched_at) >= launched_at]
+    verb = {"finished": "finished", "failed": "failed", "interrupted": "interrupted"}.get(status, status)
+    if rows:
+        first_at = f" (first step logged after {_seconds(this_launch[0]['wall_time'] - launched_at)})" if this_launch and "wall_time" in this_launch[0] else ""
+        head = f"nxdt: {verb} at step {run.last_step} of {run.max_steps} in {_seconds(elapsed)}{first_at}"
+        figures = [f"loss {run.first_loss:.4f} → {run.last_loss:.4f}"]
+        tps = median(this_launch or rows, "tokens_per_s")
+        if tps is not None:
+            figures.append(f"{tps:,.0f} tokens/s (median)")
+        peak = max((r["peak_rss_mb"] for r in rows if "peak_rss_mb" in r), default=None)
+        if peak is not None:
+            figures.append(f"peak memory {peak:,.0f} MB (rank 0)")
+        lines = [head, "nxdt: " + " · ".join(figures)]
+    else:
+        lines = [f"nxdt: {verb} after {_seconds(elapsed)}, before any step was logged"]
+    if run.checkpoint is not None:
+        lines.append(f"nxdt: newest checkpoint: {run.checkpoint}")
+        resume = command_line(list(source_args), overrides, [f"exp_manager.explicit_log_dir={run_dir}", "exp_manager.resume_if_exists=true"])
+        lines.append(f"nxdt: resume{' (with a larger trainer.max_steps)' if status == 'finished' else ''}: {resume}")
+    else:
+        every = get(run.config, "exp_manager.checkpoint_every_n_steps")
+        lines.append("nxdt: newest checkpoint: none" + ("" if every else " (exp_manager.checkpoint_every_n_steps=N saves one every N steps)"))
+    look = f"nxdt report {shlex.quote(str(run_dir))}"
+    if get(run.config, "exp_manager.create_tensorboard_logger", False):
+        look += f"   ·   tensorboard --logdir {shlex.quote(str(run_dir / 'tensorboard'))}"
+    lines.append(f"nxdt: look at it: {look}")
+    return lines
+
+
+def print_lines(lines: list[str], stream: IO[str] | None = None) -> None:
+    for line in lines:
+        print(line, file=stream or sys.stdout, flush=True)
+
+
+# ---------------------------------------------------------------- the launcher's hooks around one job
+
+
+# the launcher's torch loggers: the agent's notes on stopping workers ("Received 2 death signal, shutting down
+# workers", "Terminating process N via signal SIGTERM") repeat what nxdt's own failure/interruption line says
+LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
+
+
+def launcher_log(run_dir: Path | None) -> None:
+    """Unless verbose, the launcher's torch records go to ``logs/launcher.log`` of the job's run directory and only
+    errors to the console; ``None`` detaches the file when the job ends."""
+    if mode() == "verbose":
+        return
+    for name in LAUNCHER_LOGGERS:
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            if getattr(handler, "_nxdt", False):
+                logger.removeHandler(handler)
+                handler.close()
+        if run_dir is None:
+            continue
+        console = logging.StreamHandler(sys.stderr)
+        console.setLevel(logging.ERROR)
+        to_file = logging.FileHandler(Path(run_dir) / "logs" / "launcher.log", delay=True)
+        for handler in (console, to_file):
+            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+            handler._nxdt = True
+            logger.addHandler(handler)
+        logger.propagate = False
+
+
+def job_started(run_dir: Path, plan: Any, cfg: Any, label: str, overrides: list[str], source_args: list[str]) -> float:
+    """Banner, ``status.json`` saying running (best effort: a run is never refused for it), the launcher's log.
+    Returns the start time."""
+    from nxdt.launch.runs import write_status
+
+    print_lines(banner(run_dir, plan, cfg, label))
+    launcher_log(run_dir)
+    try:
+        write_status(run_dir, "running", command=command_line(source_args, overrides, []))
+    except OSError:
+        pass
+    return time.time()
+
+
+def job_ended(run_dir: Path, outcome: str, reason: str, launched_at: float, overrides: list[str], source_args: list[str],
+              exit_code: int) -> None:
+    """``status.json`` completed, and the summary printed."""
+    from nxdt.launch.runs import write_status
+
+    launcher_log(None)
+    try:
+        write_status(run_dir, outcome, reason=reason.removeprefix("nxdt: "), exit_code=exit_code)
+    except OSError:
+        pass
+    try:
+        print_lines(summary(run_dir, outcome, launched_at, overrides, source_args))
+    except Exception as exc:  # the summary must never hide how the job ended
+        print(f"nxdt: no summary ({type(exc).__name__}: {exc}); see nxdt report {run_dir}", flush=True)

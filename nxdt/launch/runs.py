@@ -1,0 +1,371 @@
+"""What a run directory tells about its run, read from its files alone: ``nxdt runs``, the launcher's summary
+and ``nxdt report`` share it.
+
+The launcher writes ``status.json`` when a job starts (``running``, its pid, the command) and when it ends
+(``finished``, ``failed`` or ``interrupted`` with the reason). A run whose status still says ``running`` is
+running only while that launcher lives and holds the run's ``.lock``; if the launcher was killed (SIGKILL,
+a host going down) the run is shown ``interrupted``. Directories without ``status.json`` (another launcher,
+an older nxdt) are ``finished`` when ``metrics.csv`` reached ``trainer.max_steps``, else ``unknown``.
+
+Pure Python (csv, json, yaml): listing runs imports neither torch nor Lightning.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import socket
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+STATUS_FILE, METRICS_FILE, LOCK_FILE = "status.json", "metrics.csv", ".lock"
+STATES = ("running", "finished", "failed", "interrupted", "unknown")
+# sub-directories of a run directory that never hold runs (not walked when listing)
+_RUN_PARTS = {"checkpoints", "logs", "tensorboard", "trace", "report"}
+
+
+def get(cfg: Any, dotted: str, default: Any = None) -> Any:
+    """``cfg.a.b`` of a Config object or of the mapping loaded from config.yaml."""
+    for part in dotted.split("."):
+        if cfg is None:
+            return default
+        cfg = cfg.get(part) if isinstance(cfg, dict) else getattr(cfg, part, None)
+    return default if cfg is None else cfg
+
+
+# ---------------------------------------------------------------- status.json
+
+
+def write_status(run_dir: Path, status: str, **fields: Any) -> None:
+    """Record the job's state in ``status.json`` (atomically: a reader never sees half a file). ``running``
+    starts a new record (this launcher's pid, start time); the other states complete it."""
+    run_dir = Path(run_dir)
+    path = run_dir / STATUS_FILE
+    record: dict[str, Any] = {}
+    if status != "running":
+        record = read_status(run_dir) or {}
+    else:
+        record = {"started": _iso(time.time()), "started_at": round(time.time(), 3), "pid": os.getpid(), "host": socket.gethostname()}
+    record.update(status=status, **fields)
+    if status != "running":
+        record["ended"] = _iso(time.time())
+        record["ended_at"] = round(time.time(), 3)
+    tmp = path.with_name(f".{STATUS_FILE}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def read_status(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        record = json.loads((Path(run_dir) / STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t))
+
+
+def pid_alive(pid: int) -> bool:
+    """A running process (a zombie, exited but not reaped, is not). nxdt.comm.waiting has the same check;
+    it is repeated here so that listing runs does not import torch."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return True
+    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] not in (b"Z", b"X")
+
+
+def lock_held(run_dir: Path) -> bool | None:
+    """Whether some process holds the run's ``.lock`` (``/proc/locks``); None when that cannot be told."""
+    try:
+        inode = (Path(run_dir) / LOCK_FILE).stat().st_ino
+        locks = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    for line in locks.splitlines():
+        parts = line.split()
+        if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5].rsplit(":", 1)[-1] == str(inode):
+            return True
+    return False
+
+
+def run_state(run_dir: Path, record: dict[str, Any] | None, last_step: int | None, max_steps: int | None) -> tuple[str, str]:
+    """(status, detail) of a run: see the module doc."""
+    if record and record.get("status") in STATES:
+        state = record["status"]
+        if state != "running":
+            return state, str(record.get("reason") or "")
+        pid = record.get("pid")
+        alive = isinstance(pid, int) and record.get("host", socket.gethostname()) == socket.gethostname() and pid_alive(pid)
+        if alive and lock_held(run_dir) is not False:
+            return "running", f"launcher pid {pid}"
+        if record.get("host") not in (None, socket.gethostname()):
+            return "unknown", f"launched on {record['host']}"
+        return "interrupted", f"the launcher (pid {pid}) is gone without recording an end: killed?"
+    if last_step is not None and max_steps and last_step >= max_steps:
+        return "finished", "no status.json: metrics.csv reached trainer.max_steps"
+    return "unknown", "no status.json"
+
+
+# ---------------------------------------------------------------- metrics, checkpoints, layout
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, float]]:
+    """metrics.csv as numbers; blank cells (FSDP columns of other runs) are left out, and a torn last line (a
+    crash mid-write) is skipped."""
+    path = Path(run_dir) / METRICS_FILE
+    rows: list[dict[str, float]] = []
+    try:
+        with open(path, newline="") as fh:
+            for raw in csv.DictReader(fh):
+                try:
+                    rows.append({k: float(v) for k, v in raw.items() if k and v not in ("", None)})
+                except (TypeError, ValueError):
+                    continue
+    except OSError:
+        return []
+    return [r for r in rows if "step" in r]
+
+
+def newest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete ``checkpoints/step-<N>`` (``done`` marker; damaged ones moved aside and temporary
+    directories are none)."""
+    found = []
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return None
+    for p in root.iterdir():
+        if p.name.startswith("step-") and ".damaged" not in p.name and (p / "done").is_file():
+            try:
+                found.append((int(p.name.split("-", 1)[1]), p))
+            except ValueError:
+                continue
+    return max(found)[1] if found else None
+
+
+def load_yaml(path: Path) -> dict[str, Any]:
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def load_plan(run_dir: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((Path(run_dir) / "plan.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def fsdp_text(cfg: Any) -> str:
+    if not get(cfg, "distributed_strategy.fsdp.enabled", False):
+        return "FSDP off"
+    return f"FSDP {get(cfg, 'distributed_strategy.fsdp.prefetch', '?')}"
+
+
+def layout_line(plan: Any, cfg: Any) -> str:
+    """The whole layout in one line: world, every degree, FSDP policy, ZeRO-1, instance, precision."""
+    d = get(plan, "degrees", {}) or {}
+    world, nodes = get(plan, "world_size", "?"), get(plan, "num_nodes", 1)
+    where = f"{nodes} × {get(plan, 'instance', '?')}" if nodes != 1 else f"{get(plan, 'instance', '?')}"
+    degrees = " ".join(f"{k.upper()}{d.get(k, 1)}" for k in ("tp", "pp", "dp", "cp", "ep"))
+    extras = [fsdp_text(cfg)]
+    if get(cfg, "distributed_strategy.zero1", False):
+        extras.append("ZeRO-1")
+    if get(cfg, "distributed_strategy.sequence_parallel", False) and d.get("tp", 1) > 1:
+        extras.append("SP")
+    precision = get(cfg, "precision.type")
+    return " · ".join([f"{world} ranks on {where}", degrees, *extras, *([precision] if precision else [])])
+
+
+def layout_short(plan: Any, cfg: Any) -> str:
+    """The layout for a table cell: world × instance and the degrees above 1 (``2×cpu DP2``)."""
+    d = get(plan, "degrees", {}) or {}
+    if not d:
+        return "?"
+    parts = [f"{get(plan, 'world_size', '?')}×{get(plan, 'instance', '?')}"]
+    parts += [f"{k.upper()}{d[k]}" for k in ("tp", "pp", "dp", "cp", "ep") if d.get(k, 1) > 1]
+    if get(cfg, "distributed_strategy.fsdp.enabled", False):
+        parts.append("FSDP")
+    elif get(cfg, "distributed_strategy.zero1", False):
+        parts.append("ZeRO-1")
+    return " ".join(parts)
+
+
+def median(rows: list[dict[str, float]], key: str) -> float | None:
+    values = [r[key] for r in rows if key in r]
+    return statistics.median(values) if values else None
+
+
+# ---------------------------------------------------------------- one run, and all runs under a directory
+
+
+@dataclass
+class Run:
+    path: Path
+    name: str
+    config: dict[str, Any]
+    plan: dict[str, Any]
+    rows: list[dict[str, float]]
+    record: dict[str, Any] | None
+    status: str = "unknown"
+    detail: str = ""
+    checkpoint: Path | None = None
+    overrides: list[str] = field(default_factory=list)
+
+    @property
+    def max_steps(self) -> int | None:
+        return get(self.config, "trainer.max_steps")
+
+    @property
+    def last_step(self) -> int | None:
+        return int(self.rows[-1]["step"]) if self.rows else None
+
+    @property
+    def last_loss(self) -> float | None:
+        return self.rows[-1].get("loss") if self.rows else None
+
+    @property
+    def first_loss(self) -> float | None:
+        return self.rows[0].get("loss") if self.rows else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return median(self.rows, "tokens_per_s")
+
+    @property
+    def started(self) -> str:
+        if self.record and self.record.get("started"):
+            return str(self.record["started"]).replace("T", " ")[:16]
+        try:  # the run directory's timestamp name, else when its config was written
+            return time.strftime("%Y-%m-%d %H:%M", time.strptime(self.path.name[:19], "%Y-%m-%d_%H-%M-%S"))
+        except ValueError:
+            pass
+        try:
+            return time.strftime("%Y-%m-%d %H:%M", time.localtime((self.path / "config.yaml").stat().st_mtime))
+        except OSError:
+            return "?"
+
+    @property
+    def layout(self) -> str:
+        return layout_short(self.plan, self.config)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"run": str(self.path), "name": self.name, "started": self.started, "status": self.status, "detail": self.detail,
+                "layout": self.layout, "last_step": self.last_step, "max_steps": self.max_steps, "last_loss": self.last_loss,
+                "tokens_per_s": self.tokens_per_s, "checkpoint": str(self.checkpoint) if self.checkpoint else None}
+
+
+def is_run_dir(path: Path) -> bool:
+    return (path / "config.yaml").is_file() and (path / "plan.json").is_file()
+
+
+def load_run(path: Path, root: Path | None = None) -> Run:
+    path = Path(path)
+    if root is not None and path != root and path.is_relative_to(root):
+        name = str(path.relative_to(root))
+    else:  # <name>/<timestamp>, as runs are laid out under exp_dir
+        name = "/".join(path.parts[-2:])
+    config, plan, rows, record = load_yaml(path / "config.yaml"), load_plan(path), read_metrics(path), read_status(path)
+    run = Run(path=path, name=name, config=config, plan=plan, rows=rows, record=record, checkpoint=newest_checkpoint(path))
+    try:
+        run.overrides = (path / "overrides.txt").read_text().split()
+    except OSError:
+        pass
+    run.status, run.detail = run_state(path, record, run.last_step, run.max_steps)
+    return run
+
+
+def find_run_dirs(root: Path, max_depth: int = 6) -> Iterator[Path]:
+    """Run directories at or below ``root`` (``<exp_dir>/<name>/<timestamp>``, sweeps' ``multirun/.../<n>``,
+    explicit_log_dir anywhere), not looking inside a run's own sub-directories."""
+    root = Path(root)
+    if is_run_dir(root):
+        yield root
+        return
+    if max_depth <= 0:
+        return
+    try:
+        children = sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink())
+    except OSError:
+        return
+    for child in children:
+        if child.name not in _RUN_PARTS and not child.name.startswith("."):
+            yield from find_run_dirs(child, max_depth - 1)
+
+
+def list_runs(root: Path) -> list[Run]:
+    root = Path(root).resolve()
+    runs = [load_run(p, root) for p in find_run_dirs(root)]
+    return sorted(runs, key=lambda r: (r.started, r.name))
+
+
+# ---------------------------------------------------------------- nxdt runs
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+STATUS_STYLE = {"running": "bold cyan", "finished": "green", "failed": "bold red", "interrupted": "yellow", "unknown": "dim"}
+
+
+def runs_table(runs: list[Run], title: str) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for col, justify in (("run", "left"), ("started", "left"), ("status", "left"), ("layout", "left"), ("steps", "right"),
+                         ("last loss", "right"), ("tokens/s", "right"), ("newest checkpoint", "left")):
+        table.add_column(col, justify=justify, no_wrap=col != "run")
+    for r in runs:
+        steps = "-" if r.last_step is None else f"{r.last_step}/{r.max_steps}" if r.max_steps else str(r.last_step)
+        table.add_row(r.name, r.started, f"[{STATUS_STYLE[r.status]}]{r.status}[/]", r.layout, steps, _fmt(r.last_loss, ".4f"),
+                      _fmt(r.tokens_per_s, ",.0f"), r.checkpoint.name if r.checkpoint else "-")
+    return table
+
+
+def cmd_runs(argv: list[str]) -> int:
+    """``nxdt runs [DIR] [--json]``: every run under DIR (default: exp_manager.exp_dir's default, ``outputs``)."""
+    import sys
+
+    as_json = "--json" in argv
+    args = [a for a in argv if a != "--json"]
+    if len(args) > 1 or any(a.startswith("-") for a in args):
+        print("usage: nxdt runs [DIR] [--json]   (DIR: an exp_dir such as outputs/, or one run directory)", file=sys.stderr)
+        return 2
+    root = Path(args[0] if args else "outputs")
+    if not root.is_dir():
+        print(f"nxdt runs: {root} is not a directory — pass the exp_dir your runs are in (default outputs/, "
+              "exp_manager.exp_dir)", file=sys.stderr)
+        return 2
+    runs = list_runs(root)
+    if as_json:
+        print(json.dumps([r.as_dict() for r in runs], indent=1))
+        return 0
+    if not runs:
+        print(f"nxdt runs: no run directories under {root} (a run directory holds config.yaml and plan.json)")
+        return 0
+    from rich.console import Console
+
+    console = Console(width=None if sys.stdout.isatty() else 200, highlight=False)
+    console.print(runs_table(runs, f"runs under {root.resolve()}"))
+    for r in runs:
+        if r.status in ("failed", "interrupted") and r.detail:
+            console.print(f"[dim]{r.name}: {r.status}: {r.detail}[/]", soft_wrap=True)
+    return 0

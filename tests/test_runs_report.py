@@ -1,0 +1,244 @@
+"""``nxdt runs`` and ``nxdt report``, and the console of real runs.
+
+Units first (status.json and the liveness of its launcher, finding run directories, figures from hand-written
+metrics), then three launches shared by every end-to-end assertion (module-scoped): the default ``nxdt train``
+(finished), a run whose rank 1 raises (failed, ``-q``) and one stopped with SIGINT (interrupted)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nxdt.config import compose_config
+from nxdt.launch.report import report, run_labels
+from nxdt.launch.rundir import lock_run_dir, write_run_dir
+from nxdt.launch.runs import find_run_dirs, list_runs, load_run, read_status, write_status
+from nxdt.lightning.exp_manager import METRIC_COLUMNS
+from nxdt.planner import plan
+from test_train_e2e import assert_ok, nxdt
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def make_run(path: Path, steps: int, *overrides: str, extra: dict | None = None, max_steps: int = 4) -> Path:
+    cfg = compose_config([f"exp_manager.explicit_log_dir={path}", f"trainer.max_steps={max_steps}", *overrides])
+    write_run_dir(path, cfg, plan(cfg))
+    (path / "overrides.txt").write_text("\n".join(overrides) + "\n")
+    columns = METRIC_COLUMNS + tuple(extra or {})
+    with open(path / "metrics.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=columns)
+        writer.writeheader()
+        for s in range(1, steps + 1):
+            row = {"step": s, "loss": 5 - s * 0.5, "lr": 1e-3 * s, "step_time_s": 0.1, "tokens_per_s": 900 + s,
+                   "peak_rss_mb": 400, "wall_time": 1e9 + s}
+            row.update({k: f(s) for k, f in (extra or {}).items()})
+            writer.writerow(row)
+    return path
+
+
+def assert_png(path: Path) -> None:
+    import matplotlib.image
+
+    data = path.read_bytes()
+    assert data.startswith(PNG_SIGNATURE) and len(data) > 10_000, path
+    pixels = matplotlib.image.imread(path)
+    assert pixels.shape[0] > 300 and pixels.shape[1] > 500 and pixels.std() > 0.01, (path, pixels.shape)  # drawn, not blank
+
+
+# ---------------------------------------------------------------- units
+
+
+def test_status_running_needs_a_live_launcher_holding_the_lock(tmp_path):
+    run = make_run(tmp_path / "run", 2)
+    lock = lock_run_dir(run)  # this process is the launcher
+    write_status(run, "running", command="nxdt train")
+    assert load_run(run).status == "running"
+    lock.close()  # the launcher's lock is gone (a pid still alive is not enough: pids are reused)
+    assert load_run(run).status == "interrupted"
+    record = read_status(run)
+    record["pid"] = 2**22 + 12345  # a launcher killed with SIGKILL: no such process
+    (run / "status.json").write_text(json.dumps(record))
+    got = load_run(run)
+    assert got.status == "interrupted" and "gone" in got.detail
+    write_status(run, "failed", reason="rank 1 failed: boom", exit_code=1)
+    got = load_run(run)
+    assert (got.status, got.detail) == ("failed", "rank 1 failed: boom")
+    assert read_status(run)["started"] and read_status(run)["ended"] and oct((run / "status.json").stat().st_mode)[-3:] in ("600", "644")
+
+
+def test_without_status_a_run_is_finished_only_if_it_reached_max_steps(tmp_path):
+    assert load_run(make_run(tmp_path / "done", 4)).status == "finished"
+    assert load_run(make_run(tmp_path / "partial", 2)).status == "unknown"
+
+
+def test_run_directories_are_found_at_any_depth_but_not_inside_a_run(tmp_path):
+    a = make_run(tmp_path / "llama_tiny" / "2026-01-01_00-00-00", 3)
+    b = make_run(tmp_path / "multirun" / "llama_tiny" / "2026-01-02_00-00-00" / "1", 1)
+    (a / "checkpoints" / "step-2").mkdir(parents=True)
+    (a / "checkpoints" / "step-2" / "done").write_text("")
+    (a / "checkpoints" / "step-3").mkdir()  # interrupted save: no done marker
+    assert sorted(find_run_dirs(tmp_path)) == sorted([a, b])
+    runs = list_runs(tmp_path)
+    assert [r.name for r in runs] == ["llama_tiny/2026-01-01_00-00-00", "multirun/llama_tiny/2026-01-02_00-00-00/1"]
+    assert runs[0].checkpoint == a / "checkpoints" / "step-2" and runs[0].layout == "2×cpu DP2"
+    assert runs[0].started == "2026-01-01 00:00"  # from the directory name when there is no status.json
+
+
+def test_runs_command_lists_and_refuses(tmp_path, capsys):
+    from nxdt.cli import main
+
+    make_run(tmp_path / "one", 4)
+    assert main(["runs", str(tmp_path), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [(r["name"], r["status"], r["last_step"], r["last_loss"]) for r in listed] == [("one", "finished", 4, 3.0)]
+    assert main(["runs", str(tmp_path / "missing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["runs", str(tmp_path / "empty")]) == 0 and "no run directories" in capsys.readouterr().out
+
+
+def test_report_overlays_runs_adds_val_loss_and_exposed_comm_when_present(tmp_path):
+    one = make_run(tmp_path / "a", 4, "trainer.devices=1")
+    two = make_run(tmp_path / "b", 3, "trainer.devices=2", extra={"val_loss": lambda s: 4.0 - s * 0.1, "exposed_comm_s": lambda s: 0.01})
+    assert run_labels([load_run(one), load_run(two)]) == ["trainer.devices=1", "trainer.devices=2"]
+    text, written, out = report([one, two], tmp_path / "figs")
+    assert sorted(p.name for p in written) == ["exposed_comm.png", "loss.png", "lr.png", "tokens_per_s.png", "val_loss.png"]
+    for png in written:
+        assert_png(png)
+    assert "3.0000" in text and "trainer.devices=2" in text and (out / "summary.txt").read_text() == text
+    text, written, out = report([one])  # one run: into its own report/ directory, no val_loss figure
+    assert out == one / "report" and sorted(p.name for p in written) == ["loss.png", "lr.png", "tokens_per_s.png"]
+
+
+def test_report_refuses_what_is_not_a_run(tmp_path, capsys):
+    from nxdt.cli import main
+
+    assert main(["report", str(tmp_path)]) == 2
+    assert "not a run directory" in capsys.readouterr().err
+    assert main(["report"]) == 2 and "usage: nxdt report" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- three real runs
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """The default run (finished), a failing one (-q) and one interrupted by SIGINT, all under one exp_dir."""
+    root = tmp_path_factory.mktemp("everyday")
+    t0 = time.time()
+    default = nxdt("train", "trainer.max_steps=6", cwd=root)
+    failing = nxdt("train", "-q", "name=failing", "data=synthetic", "trainer.max_steps=20", "exp_manager.fault_injection.step=3",
+                   "exp_manager.fault_injection.rank=1", cwd=root)
+    proc = subprocess.Popen([sys.executable, "-m", "nxdt.cli", "train", "name=stopped", "data=synthetic", "trainer.max_steps=100000",
+                             "exp_manager.checkpoint_every_n_steps=2", "exp_manager.keep_last_k=1"], cwd=root,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(root.glob("outputs/stopped/*/checkpoints/step-*/done")):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=90)
+    stopped = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    runs = {name: next(root.glob(f"outputs/{name}/*")) for name in ("llama_tiny", "failing", "stopped")}
+    return {"root": root, "t0": t0, "default": default, "failing": failing, "stopped": stopped, "runs": runs}
+
+
+def _rows(run: Path) -> list[dict]:
+    with open(run / "metrics.csv", newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_default_console_is_nxdts_own_banner_steps_and_summary(launched):
+    result, run = launched["default"], launched["runs"]["llama_tiny"]
+    assert_ok(result)
+    console = result.stdout + result.stderr
+    for noise in ("GPU available", "TPU available", "Tip", "deprecated", "litlogger", "Epoch", "Trainer.fit"):
+        assert noise not in console, (noise, console)
+    assert not re.search(r"t=\d{9,}|\b1\d{9}\.\d+", console), console  # no raw epoch timestamps
+    lines = console.splitlines()
+    assert lines[0] == f"nxdt: run directory {run} (2 ranks)"
+    assert lines[1] == "nxdt: layout: 2 ranks on cpu · TP1 PP1 DP2 CP1 EP1 · FSDP off · fp32"
+    assert re.match(r"nxdt: llama_tiny: 6 steps × 8 sequences of 128 tokens .* plan: [0-9.]+ s/step", lines[2]), lines[2]
+    steps = [line for line in lines if line.startswith("step ")]
+    rows = _rows(run)
+    assert [int(re.match(r"step (\d+)/6  loss ", line).group(1)) for line in steps] == [1, 2, 3, 4, 5, 6]
+    assert all(f"loss {float(r['loss']):.4f}" in line for r, line in zip(rows, steps))
+    last, first = float(rows[-1]["loss"]), float(rows[0]["loss"])
+    assert "nxdt: finished at step 6 of 6 in " in console
+    assert f"nxdt: loss {first:.4f} → {last:.4f} · " in console  # the final loss is metrics.csv's last row
+    assert f"nxdt: look at it: nxdt report {run}" in console and "newest checkpoint: none" in console
+    # the per-rank log keeps what the console leaves out
+    log = (run / "logs" / "rank0.log").read_text()
+    assert "GPU available" in log and "deprecated" in log and re.search(r"rank 0 attempt 0 started \S+ \S+ \(pid \d+", log)
+    # command → first step is a performance figure (measured in the closing note, not asserted: shared machine)
+    assert json.loads((run / "status.json").read_text())["status"] == "finished"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tensorboard_receives_every_metrics_column(launched):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = launched["runs"]["llama_tiny"]
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    filled = {k for row in _rows(run) for k, v in row.items() if v != ""} - {"step"}
+    assert filled <= set(events.Tags()["scalars"]), (filled, events.Tags()["scalars"])
+    assert len(events.Scalars("loss")) == 6
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_quiet_failure_and_interruption(launched):
+    failing, stopped = launched["failing"], launched["stopped"]
+    assert failing.returncode == 1 and "rank 1 failed: InjectedFault" in failing.stderr
+    assert all(line.startswith("nxdt:") for line in failing.stdout.splitlines()), failing.stdout  # -q: banner + summary only
+    assert "nxdt: failed at step" in failing.stdout and not re.search(r"^step ", failing.stdout, re.M)
+    assert stopped.returncode == 130 and "Traceback" not in stopped.stderr
+    run = launched["runs"]["stopped"]
+    assert "death signal" not in stopped.stderr  # torch's agent notes go to the launcher's log
+    assert "death signal" in (run / "logs" / "launcher.log").read_text()
+    assert "nxdt: interrupted at step" in stopped.stdout and "nxdt: checkpoint checkpoints/step-2 saved" in stopped.stdout
+    assert (f"nxdt: resume: nxdt train name=stopped data=synthetic trainer.max_steps=100000 exp_manager.checkpoint_every_n_steps=2 "
+            f"exp_manager.keep_last_k=1 exp_manager.explicit_log_dir={run} exp_manager.resume_if_exists=true") in stopped.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_runs_lists_finished_failed_and_interrupted(launched):
+    root = launched["root"]
+    listed = nxdt("runs", "--json", cwd=root)  # default DIR: outputs/
+    assert_ok(listed)
+    got = {Path(r["run"]).parent.name: r for r in json.loads(listed.stdout)}
+    assert {name: r["status"] for name, r in got.items()} == {"llama_tiny": "finished", "failing": "failed", "stopped": "interrupted"}
+    assert got["llama_tiny"]["last_step"] == 6 and got["llama_tiny"]["layout"] == "2×cpu DP2"
+    assert got["llama_tiny"]["last_loss"] == pytest.approx(float(_rows(launched["runs"]["llama_tiny"])[-1]["loss"]))
+    assert got["stopped"]["checkpoint"] and Path(got["stopped"]["checkpoint"]).name.startswith("step-")
+    table = nxdt("runs", cwd=root)
+    assert_ok(table)
+    for word in ("finished", "failed", "interrupted", "llama_tiny/", "failing/", "stopped/", "2×cpu DP2"):
+        assert word in table.stdout, table.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_report_draws_the_real_runs(launched):
+    runs = launched["runs"]
+    result = nxdt("report", str(runs["llama_tiny"]), str(runs["stopped"]), "-o", str(launched["root"] / "cmp"), cwd=launched["root"])
+    assert_ok(result)
+    pngs = sorted((launched["root"] / "cmp").glob("*.png"))
+    assert [p.name for p in pngs] == ["loss.png", "lr.png", "tokens_per_s.png"]
+    for png in pngs:
+        assert_png(png)
+    assert "finished" in result.stdout and "interrupted" in result.stdout
