@@ -1,9 +1,10 @@
 """``NxDStrategy``: a Lightning ``ParallelStrategy`` whose every collective is an nxdt collective.
 
-It builds (or receives) the Plan, creates one nxdt communicator per planned group, keeps the
-data-parallel replicas in step (parameters broadcast once, gradients averaged once per optimizer
-step, in one flat bucket), answers Lightning's ``reduce / barrier / broadcast / all_gather`` and
-writes atomic directory checkpoints.
+It builds (or receives) the Plan, creates one nxdt communicator per planned group, applies tensor,
+expert and pipeline parallelism, keeps the data-parallel replicas in step through one data-parallel
+runtime (replicated, ZeRO-1 or FSDP: :mod:`nxdt.parallel.data_parallel`; gradients finished once per
+optimizer step), answers Lightning's ``reduce / barrier / broadcast / all_gather`` and writes atomic
+directory checkpoints.
 
 Launch modes, all without forking Lightning:
 
@@ -16,7 +17,6 @@ Launch modes, all without forking Lightning:
 from __future__ import annotations
 
 import atexit
-import inspect
 import logging
 import math
 import os
@@ -39,12 +39,10 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 import nxdt.comm
 from nxdt.lightning import checkpoint as ckpt_io, reshard
 from nxdt.lightning.precision import with_strategy_clipping
-from nxdt.parallel import squared_norm
-from nxdt.parallel.expert_parallel import apply_expert_parallel, is_expert_parameter, reduce_expert_gradients
-from nxdt.parallel.fsdp import FullyShardedDataParallel, apply_fsdp
+from nxdt.parallel.data_parallel import FSDP_SHARD_MARK, DataParallelRuntime, ModelParallel, data_parallel_runtime
+from nxdt.parallel.expert_parallel import apply_expert_parallel
 from nxdt.parallel.pipeline import PipelineExecutor, build_chunks, interleaved_one_f_one_b, one_f_one_b
-from nxdt.parallel.tensor_parallel import apply_tensor_parallel, norm_weights, shard_layout, shard_spec, sync_replicated_grads
-from nxdt.parallel.zero1 import Zero1Optimizer
+from nxdt.parallel.tensor_parallel import apply_tensor_parallel, norm_weights, shard_layout
 from nxdt.planner import Plan, plan_layout
 
 log = logging.getLogger(__name__)
@@ -61,19 +59,6 @@ def _op_name(reduce_op: Any) -> str:
         return _REDUCE_OP_NAMES[name]
     except KeyError:
         raise ValueError(f"reduce_op {reduce_op!r} is not supported by nxdt; use one of {sorted(_REDUCE_OP_NAMES)}") from None
-
-
-@torch.no_grad()
-def _broadcast_flat(tensors: list[Tensor], comm: nxdt.comm.Communicator) -> None:
-    """Broadcast tensors from the group's rank 0, one flat buffer per dtype."""
-    for dtype in sorted({t.dtype for t in tensors}, key=str):
-        group = [t for t in tensors if t.dtype == dtype]
-        flat = torch.cat([t.reshape(-1) for t in group])
-        comm.broadcast(flat, root=0)
-        offset = 0
-        for t in group:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
 
 
 class NxDStrategy(ParallelStrategy):
@@ -140,23 +125,18 @@ class NxDStrategy(ParallelStrategy):
         self._placement_order = placement_order
         self._virtual = virtual_pipeline_size
         self._sequence_parallel = sequence_parallel
-        self._zero1 = zero1
         self._emulated_links = {dim: nxdt.comm.EmulatedLink(*figures) for dim, figures in (emulated_links or {}).items()}
-        self._zero1_optimizer: Zero1Optimizer | None = None
-        self._fsdp_options: dict[str, Any] | None = (dict(fsdp) if isinstance(fsdp, dict) else {}) if fsdp else None
-        if self._fsdp_options is not None and zero1:
-            raise ValueError("NxDStrategy(fsdp=..., zero1=True): FSDP shards the optimizer state already; choose one")
-        self.fsdp: FullyShardedDataParallel | None = None  # set in setup() when fsdp is on
+        # replicated, ZeRO-1 or FSDP: chosen once here, bound to the groups in setup(), then used without asking
+        self._dp: DataParallelRuntime = data_parallel_runtime(zero1=zero1, fsdp=fsdp)
         self._trace_dir = trace_dir
         self._tracer: nxdt.comm.Tracer | None = None
         self._tp_layout: dict[str, list[int]] | None = None  # recorded before FSDP flattens the TP shards
-        self._norm_weights: dict[str, float] | None = None  # TP: how each parameter's gradient enters the global norm
+        self._norm_weights: dict[str, float] = {}  # TP: how each parameter's gradient enters the global norm
         self._pipeline: PipelineExecutor | None = None  # set in setup() when PP > 1
         self._parallelized: torch.nn.Module | None = None  # the hub model _parallelize sharded (once)
         self._num_nodes = 1
         self.world: nxdt.comm.World | None = None
         self.communicators: dict[str, nxdt.comm.Communicator] = {}
-        self._grad_buffer: Tensor | None = None
         self._gradients_finished = True  # until a backward produces new local gradients
         # stored in every checkpoint's meta.json (e.g. the model shape, checked again on load)
         self.checkpoint_meta = dict(checkpoint_meta or {})
@@ -285,52 +265,32 @@ class NxDStrategy(ParallelStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._parallelize()
-        self._broadcast_parameters()
+        self._dp.bind(self._model_parallel())
+        self._dp.broadcast_parameters(self.lightning_module)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            if self._fsdp_options is not None:
-                self._shard_fully()
+            # after the optimizers exist: FSDP's param groups decide its flat buffers and are pointed at the shards
+            self._dp.shard_model(self.lightning_module, self.optimizers, precision=self.precision_plugin.precision,
+                                 tracer=self._tracer)
         self.setup_precision_plugin()
 
-    def _optimized_model(self) -> torch.nn.Module:
-        """The module whose parameter names the parallel layers use: a hub model (``.model``) or the LightningModule."""
-        model = getattr(self.lightning_module, "model", None)
-        return model if isinstance(model, torch.nn.Module) else self.lightning_module
+    def _model_parallel(self) -> ModelParallel:
+        """This rank's groups as the data-parallel runtime composes with them (TP/PP/EP only where the degree > 1)."""
+        degrees, comms = self.plan.degrees, self.communicators
+        split = {dim: comms[dim] if degrees[dim] > 1 else None for dim in ("tp", "pp", "ep")}
+        return ModelParallel(dp=comms["dp"], dp_size=degrees["dp"], edp=comms.get("edp"), **split,
+                             sequence_parallel=self._sequence_parallel, norm_weights=self._norm_weights, tp_layout=self._tp_layout)
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        """The module's optimizers; with ZeRO-1 each becomes a :class:`Zero1Optimizer` (CausalLMModule shards its
-        own before building its schedule), and the LR schedulers are pointed at the sharded optimizer."""
+        """The module's optimizers, each through :meth:`shard_optimizer` (ZeRO-1 shards them; CausalLMModule shards
+        its own before building its schedule); the LR schedulers are pointed at the sharded optimizer."""
         super().setup_optimizers(trainer)
-        if not self._zero1:
-            return
         sharded = [self.shard_optimizer(o) for o in self.optimizers]
         for old, new in zip(self.optimizers, sharded):
             for config in self.lr_scheduler_configs:
                 if getattr(config.scheduler, "optimizer", None) is old and new is not old:
                     config.scheduler.optimizer = new  # schedulers edit param_groups; the sharded one's hold the lr
         self.optimizers = sharded
-
-    def _fsdp_units_owner(self) -> torch.nn.Module:
-        """The module FSDP cuts into units: a hub model (its ``fsdp_units``) or the LightningModule itself."""
-        model = getattr(self.lightning_module, "model", None)
-        return model if hasattr(model, "fsdp_units") else self.lightning_module
-
-    def _shard_fully(self) -> None:
-        """FSDP over the data-parallel group, after the optimizers exist (their param groups decide the flat
-        buffers, and are pointed at the shards)."""
-        if self.plan.degrees["pp"] > 1 or self.plan.degrees["ep"] > 1:
-            raise NotImplementedError("NxDStrategy: FSDP together with pipeline or expert parallelism is not implemented yet; "
-                                      "use FSDP with data and tensor parallelism")
-        owner = self._fsdp_units_owner()
-        if self.plan.degrees["tp"] > 1:
-            self._tp_layout = shard_layout(self.lightning_module.model)
-        options = dict(self._fsdp_options)
-        if self.precision_plugin.precision == "bf16-mixed":  # gather bf16 copies of the fp32 shards
-            options.setdefault("param_dtype", torch.bfloat16)
-        self.fsdp = apply_fsdp(owner, self.dp_comm, self.optimizers, tracer=self._tracer, **options)
-        # FSDP names parameters relative to ``owner``; checkpoints name them from the LightningModule
-        self._fsdp_prefix = "" if owner is self.lightning_module else \
-            next(name for name, m in self.lightning_module.named_modules() if m is owner) + "."
 
     def _parallelize(self) -> None:
         """Shard the module's ``model`` (a model-hub model): layers over TP, experts over EP, then cut this
@@ -353,6 +313,8 @@ class NxDStrategy(ParallelStrategy):
             pp_comm = self.communicators["pp"]
             chunks = build_chunks(model, pp_comm.rank, pp, virtual=self._virtual)
             self._pipeline = PipelineExecutor(chunks, pp_comm, model.loss_fn, seq_shards=tp if self._sequence_parallel else 1)
+        if tp > 1:  # this stage's TP-sharded parameters, recorded before FSDP could flatten them
+            self._tp_layout = shard_layout(model)
         self._parallelized = model
 
     def forward_backward(self, module: pl.LightningModule, micro_batches: list[tuple[Tensor, Tensor]]) -> Tensor:
@@ -366,40 +328,19 @@ class NxDStrategy(ParallelStrategy):
         return torch.as_tensor(self._pipeline.run(schedule, micro_batches), dtype=torch.float64)
 
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """With ZeRO-1, the same optimizer with its state sharded over data parallelism."""
-        if not self._zero1 or isinstance(optimizer, Zero1Optimizer):
-            return optimizer
-        model = self._optimized_model()
-        groups = [dict(g) for g in optimizer.param_groups]
-        accepted = inspect.signature(type(optimizer).__init__).parameters  # defaults may hold derived flags
-        kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-        self._zero1_optimizer = Zero1Optimizer(groups, type(optimizer), self.communicators["dp"], model=model, **kwargs)
-        return self._zero1_optimizer
+        """The optimizer the step uses: with ZeRO-1 the same optimizer with its state sharded over data parallelism."""
+        return self._dp.shard_optimizer(optimizer, self.lightning_module)
 
     def finish_gradients(self) -> None:
-        """After the last backward of a step: sum sequence-parallel replicas' gradients over TP, then
-        average over data parallelism (ZeRO-1: reduce-scatter into each rank's shard; FSDP: the last
-        reduce-scatters into the shards)."""
+        """After the last backward of a step: the data-parallel runtime's reduction, composed with the TP sums of
+        sequence-parallel replicas and the expert reduction (see :mod:`nxdt.parallel.data_parallel`)."""
         self._gradients_finished = True
-        if self.fsdp is not None:
-            self.fsdp.finish_gradients()
-            if self.plan.degrees["tp"] > 1 and self._sequence_parallel:
-                self.fsdp.sum_replicated_grads(self.communicators["tp"], lambda name: name in self._tp_layout)
-            return
-        if self.plan.degrees["tp"] > 1:
-            sync_replicated_grads(self.lightning_module.model, self.communicators["tp"])
-        if self._zero1_optimizer is not None:
-            self._zero1_optimizer.reduce_gradients()
-        else:
-            self.sync_gradients()
-        if self.plan.degrees["ep"] > 1:
-            edp = self.communicators.get("edp")
-            reduce_expert_gradients(self.lightning_module.model, self.plan.degrees["dp"], edp if edp is not None and edp.size > 1 else None)
+        self._dp.finish_gradients(self.lightning_module)
 
     def step_stats(self) -> dict[str, float]:
         """Per-step communication figures for the metrics (FSDP: exposed_comm_s, comm_s, overlap_pct,
         peak_gathered_bytes); empty without FSDP."""
-        return self.fsdp.step_stats() if self.fsdp is not None else {}
+        return self._dp.step_stats()
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> Tensor:
@@ -407,110 +348,20 @@ class NxDStrategy(ParallelStrategy):
         DP shards), after finishing the gradients if a backward has run since; returns the norm."""
         if not self._gradients_finished:
             self.finish_gradients()
-        weights = self._norm_weights or {}
-        if self.fsdp is not None:  # each DP rank holds a different part of every gradient
-            return self.fsdp.clip_grad_norm_(max_norm, [self.communicators["tp"]] if self.plan.degrees["tp"] > 1 else [], weights)
-        if self._zero1_optimizer is not None:  # the reduced gradients live in the optimizer's shards
-            by_param = {id(p): weights.get(n, 1.0) for n, p in self._optimized_model().named_parameters()}
-            extra = [self.communicators[d] for d in ("tp", "pp") if self.plan.degrees[d] > 1]
-            return self._zero1_optimizer.clip_grad_norm_(max_norm, extra, weight=lambda p: by_param.get(id(p), 1.0))
-        named = [(n, p.grad) for n, p in self.lightning_module.named_parameters() if p.requires_grad and p.grad is not None]
-        norm = self._global_norm(named)
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # fp32, as torch.nn.utils.clip_grad_norm_ computes it
-        if coef < 1:
-            for _, g in named:
-                g.mul_(coef.to(g.dtype))
-        return norm
+        return self._dp.clip_grad_norm_(self.lightning_module, max_norm)
 
     @torch.no_grad()
     def clip_grad_value(self, limit: float) -> None:
         """Clamp every element of the finished gradient (where the optimizer reads it: shards under ZeRO-1/FSDP)."""
         if not self._gradients_finished:
             self.finish_gradients()
-        if self.fsdp is not None:
-            grads = self.fsdp.shard_gradients()
-        elif self._zero1_optimizer is not None:
-            grads = self._zero1_optimizer.shard_gradients()
-        else:
-            grads = [p.grad for p in self.lightning_module.parameters() if p.grad is not None]
-        for g in grads:
+        for g in self._dp.shard_gradients(self.lightning_module):
             g.clamp_(-limit, limit)
 
     @torch.no_grad()
     def parameter_norm(self) -> Tensor:
         """2-norm of the whole model's parameters (all TP shards, EP experts, PP stages, FSDP shards); collective."""
-        if self.fsdp is None:
-            return self._global_norm([(n, p) for n, p in self.lightning_module.named_parameters() if p.requires_grad])
-        weights = self._norm_weights or {}  # FSDP: each DP rank holds a different slice of every flat unit
-        squares = torch.zeros(1, dtype=torch.float64)
-        for flat in self.fsdp.flats():
-            for entry, a, b in flat.counted_segments(self.fsdp.dp_rank):
-                squares += weights.get(entry.name, 1.0) * squared_norm(flat.shard[a:b])
-        for comm in (self.fsdp.comm, self.communicators["tp"] if self.plan.degrees["tp"] > 1 else None):
-            if comm is not None and comm.size > 1:
-                comm.all_reduce(squares, op="sum")
-        return squares.sqrt().reshape(()).float()
-
-    def _global_norm(self, named: list[tuple[str, Tensor]]) -> Tensor:
-        """2-norm of one model replica's tensors (parameters or their gradients, by parameter name), which
-        this rank holds a TP shard / EP slice / PP stage of; each parameter weighted as in ``norm_weights``."""
-        weights = self._norm_weights or {}
-        prefix = "model."
-        squares = torch.zeros(2, dtype=torch.float64)  # [dense, experts]
-        experts = {n for n, p in self.lightning_module.named_parameters() if is_expert_parameter(p)}
-        for name, t in named:
-            w = weights.get(name[len(prefix):] if name.startswith(prefix) else name, 1.0)
-            squares[int(name in experts)] += w * squared_norm(t)
-        if self.plan.degrees["ep"] > 1:  # each EP rank holds different experts: add their parts
-            expert_part = squares[1:].clone()
-            self.communicators["ep"].all_reduce(expert_part, op="sum")
-            squares[1] = expert_part[0]
-        squares = squares.sum().reshape(1)
-        for dim in ("tp", "pp"):  # shards of one replica live on these groups: add their parts
-            if self.plan.degrees[dim] > 1:
-                self.communicators[dim].all_reduce(squares, op="sum")
-        return squares.sqrt().reshape(()).float()
-
-    @torch.no_grad()
-    def _broadcast_parameters(self) -> None:
-        """Make every data-parallel replica start from DP-rank 0's weights, whatever each process seeded."""
-        if self.plan.degrees["dp"] == 1:
-            return
-        tensors = [t for t in list(self.model.parameters()) + list(self.model.buffers()) if t.numel()]
-        experts = [t for t in tensors if is_expert_parameter(t)]  # different experts on each EP rank: not over DP
-        dense = [t for t in tensors if not is_expert_parameter(t)]
-        for comm, group in ((self.dp_comm, dense), (self.communicators.get("edp"), experts)):
-            if comm is not None and group:
-                _broadcast_flat(group, comm)
-
-    # ----------------------------------------------------------------------------- gradients
-    def _trainable(self) -> list[Tensor]:
-        """Parameters averaged over data parallelism (expert parameters are reduced over their own group)."""
-        return [p for p in self.model.parameters() if p.requires_grad and not is_expert_parameter(p)]
-
-    @torch.no_grad()
-    def sync_gradients(self) -> None:
-        """Average gradients over the data-parallel group: one flat fp32 bucket, one all-reduce."""
-        if self.plan.degrees["dp"] == 1:
-            return
-        params = self._trainable()
-        numel = sum(p.numel() for p in params)
-        if self._grad_buffer is None or self._grad_buffer.numel() != numel:
-            self._grad_buffer = self.dp_comm.empty(numel, torch.float32)  # kept: peers read it in place
-        flat, offset = self._grad_buffer, 0
-        for p in params:  # a parameter without a gradient on this rank contributes zeros, consistently
-            view = flat[offset:offset + p.numel()]
-            view.copy_(p.grad.reshape(-1)) if p.grad is not None else view.zero_()
-            offset += p.numel()
-        self.dp_comm.all_reduce(flat, op="avg")
-        offset = 0
-        for p in params:
-            view = flat[offset:offset + p.numel()].view_as(p)
-            if p.grad is None:
-                p.grad = view.to(p.dtype).clone()
-            else:
-                p.grad.copy_(view)
-            offset += p.numel()
+        return self._dp.parameter_norm(self.lightning_module)
 
     def post_backward(self, closure_loss: Tensor) -> None:
         super().post_backward(closure_loss)
@@ -572,12 +423,12 @@ class NxDStrategy(ParallelStrategy):
     def _shard_files(self) -> tuple[str, str, bool, bool]:
         """(model file, state file, writes model?, writes state?) of this rank. Data-parallel replicas hold
         identical weights, so DP rank 0 of each model-parallel position (TP × PP shard) writes them; the
-        trainer/optimizer state is per model-parallel shard too, and per DP rank under ZeRO-1."""
+        trainer/optimizer state is per model-parallel shard too, and per DP rank when the data-parallel runtime
+        shards it (ZeRO-1, FSDP)."""
         coords = self.plan.coords(self.global_rank)
         mp = "" if self.plan.degrees["tp"] * self.plan.degrees["pp"] == 1 else f"-mp{coords['mp']}"
         mp += f"-ep{coords['ep']}" if self.plan.degrees["ep"] > 1 else ""  # each EP rank holds its own experts
-        sharded_state = self._zero1 or self._fsdp_options is not None
-        dp = f"-dp{coords['dp']}" if sharded_state and self.plan.degrees["dp"] > 1 else ""
+        dp = f"-dp{coords['dp']}" if self._dp.shards_optimizer_state and self.plan.degrees["dp"] > 1 else ""
         first = coords["dp"] < self.plan.degrees["ep"]  # the first replica of each EP position
         return f"model{mp}.safetensors", f"trainer_state{mp}{dp}.pt", first, first or bool(dp)
 
@@ -588,17 +439,16 @@ class NxDStrategy(ParallelStrategy):
             raise ckpt_io.CheckpointError(f"not writing {filepath}: the parameters are not finite (norm {norm}); the "
                                           "previous checkpoints are kept — lower model.optim.lr or enable gradient clipping")
         model_file, state_file, writes_model, writes_state = self._shard_files()
-        meta = {"degrees": dict(self.plan.degrees), "world_size": self.plan.world_size, "zero1": self._zero1,
-                "fsdp": self._fsdp_options is not None, "virtual_pipeline": self._virtual,
-                "dp_format": "fsdp" if self._fsdp_options is not None else ("zero1" if self._zero1 else "replicated"),
-                **self.checkpoint_meta}
+        meta = {"degrees": dict(self.plan.degrees), "world_size": self.plan.world_size, **self._dp.checkpoint_flags(),
+                "virtual_pipeline": self._virtual, "dp_format": self._dp.dp_format, **self.checkpoint_meta}
         if self.plan.degrees["tp"] > 1:  # how to reassemble full tensors from the TP shards (export, resharding)
             layout = self._tp_layout if self._tp_layout is not None else shard_layout(self.lightning_module.model)
             layouts = self.world.world.all_gather_object(layout)  # every stage's tensors
             meta["tensor_parallel"] = {name: spec for layout in layouts for name, spec in layout.items()}
         checkpoint = reshard.with_param_names(checkpoint, self.optimizers, self.lightning_module)  # lets any layout load it
-        if self.fsdp is not None:  # which parameters each optimizer flat shard holds (to unflatten on another layout)
-            checkpoint[reshard.FSDP_LAYOUT_KEY] = self.fsdp.flat_layout(self.optimizers, self._fsdp_prefix)
+        flat_layout = self._dp.optimizer_layout(self.optimizers, self.lightning_module)
+        if flat_layout is not None:  # FSDP: which parameters each optimizer flat shard holds (to unflatten elsewhere)
+            checkpoint[reshard.FSDP_LAYOUT_KEY] = flat_layout
         rng = {ckpt_io.rng_file(self.global_rank): ckpt_io.rng_tensors()}  # every rank's own generators
         if self._async_checkpointing:  # copy what this rank writes now; training changes the originals meanwhile
             checkpoint = ckpt_io.snapshot({k: v for k, v in checkpoint.items()
@@ -619,13 +469,9 @@ class NxDStrategy(ParallelStrategy):
         self._async_writer.submit(write)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Under FSDP, the unsharded weights by their original names (gathered over DP one unit at a time; a
-        collective every rank joins), so the model file is the same as without FSDP."""
-        if self.fsdp is None:
-            return super().lightning_module_state_dict()
-        state = {k: v for k, v in self.lightning_module.state_dict().items() if "fsdp_shard_" not in k}
-        state.update(self.fsdp.full_state_dict(prefix=self._fsdp_prefix))
-        return state
+        """The model file's weights by their original names (under FSDP gathered over DP one unit at a time; a
+        collective every rank joins), so the model file is the same for every data-parallel format."""
+        return self._dp.model_state_dict(self.lightning_module)
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -633,36 +479,24 @@ class NxDStrategy(ParallelStrategy):
         # of the shard files), and FSDP's flat shards exist to receive their slices
         return True
 
-    @property
-    def _dp_format(self) -> str:
-        """How this run stores state over data parallelism (a checkpoint's ``dp_format``)."""
-        return "fsdp" if self._fsdp_options is not None else ("zero1" if self._zero1 else "replicated")
-
-    def _model_state_keys(self) -> list[str]:
-        """The state-dict names this rank's module holds (its stage; FSDP's parameters under their own names)."""
-        keys = [k for k in self.lightning_module.state_dict() if "fsdp_shard_" not in k]
-        if self.fsdp is not None:
-            keys += [self._fsdp_prefix + n for f in self.fsdp.flats() for e in f.entries for n in e.names]
-        return keys
-
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         state = checkpoint["state_dict"]
         if checkpoint.get(reshard.RESHARDED_KEY):  # the full model of another layout: this rank's stage and TP part of it
-            state = reshard.local_model_state(state, self._model_state_keys(), self.lightning_module,
+            state = reshard.local_model_state(state, self._dp.model_state_keys(self.lightning_module), self.lightning_module,
                                               self.plan.coords(self.global_rank)["tp"])
         try:
-            rest = self.fsdp.load_full_state_dict(state, prefix=self._fsdp_prefix) if self.fsdp is not None else state
+            rest = self._dp.load_model_state(self.lightning_module, state)
         except (KeyError, ValueError) as exc:
             raise ckpt_io.CheckpointError(f"checkpoint does not fit this model: {exc.args[0]}") from None
         result = self.lightning_module.load_state_dict(rest, strict=False)
-        missing = [k for k in result.missing_keys if "fsdp_shard_" not in k]
+        missing = [k for k in result.missing_keys if FSDP_SHARD_MARK not in k]
         if result.unexpected_keys or missing:
             raise ckpt_io.CheckpointError("checkpoint shard does not match this rank's tensor/pipeline/expert shard "
                                           f"(unexpected {result.unexpected_keys[:3]}, missing {missing[:3]})")
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        expect = self.checkpoint_meta.get("model")
-        if ckpt_io.check_layout(checkpoint_path, self.plan.degrees, self._zero1, self._virtual, data_parallel_format=self._dp_format):
+        expect, zero1 = self.checkpoint_meta.get("model"), self._dp.checkpoint_flags()["zero1"]
+        if ckpt_io.check_layout(checkpoint_path, self.plan.degrees, zero1, self._virtual, data_parallel_format=self._dp.dp_format):
             log.info("rank %d: resharding %s for this layout %s", self.global_rank, checkpoint_path, self.plan.degrees)
             checkpoint = reshard.load_resharded(checkpoint_path, expect_model=expect)
         else:
@@ -673,20 +507,13 @@ class NxDStrategy(ParallelStrategy):
         return checkpoint
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        tp_rank = self.plan.coords(self.global_rank)["tp"]
-        if self.fsdp is not None:  # flat shards: this run's own shards load as they are, full states are cut into them
-            states = checkpoint["optimizer_states"]
-            if checkpoint.get(reshard.RESHARDED_KEY):
-                def localize(name: str, t: Tensor) -> Tensor:
-                    spec = shard_spec(self.lightning_module, name)
-                    return spec.slice(t, tp_rank) if spec is not None else t
-                try:
-                    states = [self.fsdp.optimizer_state_from_named(s, o, self._fsdp_prefix, localize)
-                              for s, o in zip(states, self.optimizers)]
-                except ValueError as exc:
-                    raise ckpt_io.CheckpointError(f"checkpoint optimizer state does not fit this model: {exc}") from None
-        else:  # by parameter name where the checkpoint's layout or order differs from this rank's optimizer
-            states = reshard.optimizer_states_for(checkpoint, self.optimizers, self.lightning_module, tp_rank)
+        tp_rank, module = self.plan.coords(self.global_rank)["tp"], self.lightning_module
+        try:  # by parameter name where the checkpoint's layout or order differs; FSDP cuts full states into its shards
+            states = self._dp.optimizer_states(
+                checkpoint["optimizer_states"], self.optimizers, module, resharded=bool(checkpoint.get(reshard.RESHARDED_KEY)),
+                tp_rank=tp_rank, by_name=lambda: reshard.optimizer_states_for(checkpoint, self.optimizers, module, tp_rank))
+        except ValueError as exc:
+            raise ckpt_io.CheckpointError(f"checkpoint optimizer state does not fit this model: {exc}") from None
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
 
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -1,7 +1,15 @@
 """Model parallelism: tensor/sequence (``tensor_parallel``), pipeline (``pipeline``), ZeRO-1 (``zero1``),
-FSDP (``fsdp``) and expert parallelism (``expert_parallel``)."""
+FSDP (``fsdp``) and expert parallelism (``expert_parallel``); the data-parallel runtime protocol that plain
+replication, ZeRO-1 and FSDP implement (``data_parallel``)."""
+
+from typing import Any
 
 import torch
+
+# exported lazily: ``import nxdt.parallel`` stays light, and data_parallel (which imports squared_norm) loads on use
+_DATA_PARALLEL = ("DataParallelRuntime", "ModelParallel", "ReplicatedRuntime", "Zero1Runtime", "FSDPRuntime",
+                  "data_parallel_runtime")
+__all__ = ["squared_norm", *_DATA_PARALLEL]
 
 
 def squared_norm(t: torch.Tensor) -> torch.Tensor:
@@ -9,3 +17,11 @@ def squared_norm(t: torch.Tensor) -> torch.Tensor:
     across shards. ``vector_norm`` with a float64 dtype reduces without materialising a float64 copy and its
     square (≈ 6× faster than ``t.double().pow(2).sum()`` on a 3 M-element model, equal to ~1e-15)."""
     return torch.linalg.vector_norm(t.detach(), dtype=torch.float64).square()
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DATA_PARALLEL:
+        from nxdt.parallel import data_parallel
+
+        return getattr(data_parallel, name)
+    raise AttributeError(f"module 'nxdt.parallel' has no attribute {name!r}")

@@ -1,0 +1,421 @@
+"""The data-parallel runtime protocol: what a training strategy asks of data parallelism, answered by plain
+replication, ZeRO-1 and FSDP alike.
+
+A strategy picks one runtime once (:func:`data_parallel_runtime`, from its options), binds it to the
+rank's groups (:meth:`DataParallelRuntime.bind`, a :class:`ModelParallel`) and then calls it without
+asking which one it has:
+
+===================  ==============================  ===============================  ===============================
+                     :class:`ReplicatedRuntime`      :class:`Zero1Runtime`            :class:`FSDPRuntime`
+===================  ==============================  ===============================  ===============================
+finish_gradients     one flat fp32 all-reduce (avg)  reduce-scatter into the shards   the last reduce-scatters
+clip / shard grads   every ``p.grad``                the optimizer's shard gradients  the flat shards' gradients
+parameter_norm       the replica's parameters        the replica's parameters         the flat shards (over DP)
+model state          ``module.state_dict()``         ``module.state_dict()``          full weights gathered over DP
+optimizer state      one per replica                 one shard per DP rank            one flat shard per DP rank
+``dp_format``        ``replicated``                  ``zero1``                        ``fsdp``
+===================  ==============================  ===============================  ===============================
+
+Tensor, pipeline and expert parallelism compose with each of them through :class:`ModelParallel`: the
+TP sum of sequence-parallel replicas' gradients, the expert reduction over the expert-data-parallel
+group and the per-parameter norm weights that make a sum over TP/PP/EP shards the whole model's norm.
+A runtime holds no checkpoint-format code: checkpoint names and by-name resharding stay with the caller
+(``nxdt.lightning``), which hands them in where a runtime needs them.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+from nxdt.comm.world import Communicator
+from nxdt.parallel import squared_norm
+from nxdt.parallel.expert_parallel import is_expert_parameter, reduce_expert_gradients
+from nxdt.parallel.fsdp import FullyShardedDataParallel, apply_fsdp
+from nxdt.parallel.tensor_parallel import shard_spec, sync_replicated_grads
+from nxdt.parallel.zero1 import Zero1Optimizer
+
+FSDP_SHARD_MARK = "fsdp_shard_"  # state-dict names of FSDP's flat shards (never part of a checkpoint's model)
+
+
+@dataclass
+class ModelParallel:
+    """One rank's groups and how a model replica is split over TP / PP / EP — what every DP runtime composes with.
+
+    ``tp``, ``pp``, ``ep``, ``edp`` are None when that degree is 1; ``dp`` is always the rank's DP group."""
+
+    dp: Communicator
+    dp_size: int = 1
+    tp: Communicator | None = None
+    pp: Communicator | None = None
+    ep: Communicator | None = None
+    edp: Communicator | None = None  # the replicas of the same experts (EP > 1)
+    sequence_parallel: bool = False
+    norm_weights: dict[str, float] = field(default_factory=dict)  # TP: how each parameter enters a global norm
+    tp_layout: dict[str, list[int]] | None = None  # TP-sharded parameters, recorded before FSDP flattens them
+
+    def sync_replicated_grads(self, module: nn.Module) -> None:
+        """TP × sequence parallelism: sum the replicated parameters' gradients over TP (full gradients)."""
+        if self.tp is not None:
+            sync_replicated_grads(module.model, self.tp)
+
+    def reduce_expert_grads(self, module: nn.Module) -> None:
+        """EP: expert gradients → the DP-mean loss's, over the expert-data-parallel group."""
+        if self.ep is not None:
+            edp = self.edp if self.edp is not None and self.edp.size > 1 else None
+            reduce_expert_gradients(module.model, self.dp_size, edp)
+
+    def global_norm(self, module: nn.Module, named: Sequence[tuple[str, Tensor]]) -> Tensor:
+        """2-norm of one model replica's tensors (parameters or their gradients, by the module's parameter
+        names), which this rank holds a TP shard / EP slice / PP stage of; each weighted as in ``norm_weights``."""
+        prefix = "model."
+        squares = torch.zeros(2, dtype=torch.float64)  # [dense, experts]
+        experts = {n for n, p in module.named_parameters() if is_expert_parameter(p)}
+        for name, t in named:
+            w = self.norm_weights.get(name[len(prefix):] if name.startswith(prefix) else name, 1.0)
+            squares[int(name in experts)] += w * squared_norm(t)
+        if self.ep is not None:  # each EP rank holds different experts: add their parts
+            expert_part = squares[1:].clone()
+            self.ep.all_reduce(expert_part, op="sum")
+            squares[1] = expert_part[0]
+        squares = squares.sum().reshape(1)
+        for comm in (self.tp, self.pp):  # shards of one replica live on these groups: add their parts
+            if comm is not None:
+                comm.all_reduce(squares, op="sum")
+        return squares.sqrt().reshape(()).float()
+
+
+@runtime_checkable
+class DataParallelRuntime(Protocol):
+    """What a strategy asks of data parallelism. ``module`` is the LightningModule (or any module whose
+    ``model`` attribute, when present, is the parallelised hub model)."""
+
+    dp_format: str  # a checkpoint's meta "dp_format": "replicated" | "zero1" | "fsdp"
+    shards_optimizer_state: bool  # each DP rank writes its own trainer-state file
+
+    def bind(self, mp: ModelParallel) -> None:
+        """Attach the rank's groups (after TP/EP/PP have been applied)."""
+
+    def broadcast_parameters(self, module: nn.Module) -> None:
+        """Make every DP replica start from DP rank 0's weights (before any sharding)."""
+
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> torch.optim.Optimizer:
+        """The optimizer the step uses (ZeRO-1: the same optimizer over state shards; otherwise unchanged)."""
+
+    def shard_model(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], *, precision: str = "32-true",
+                    tracer: Any = None) -> None:
+        """After the optimizers exist (FSDP: flatten and shard the parameters, point the optimizers at the shards)."""
+
+    def finish_gradients(self, module: nn.Module) -> None:
+        """After the step's last backward: every gradient reduced over DP (and TP/EP) where the optimizer reads it."""
+
+    def clip_grad_norm_(self, module: nn.Module, max_norm: float) -> Tensor:
+        """Clip by the norm of the whole model's gradient (finished gradients); returns the norm."""
+
+    def shard_gradients(self, module: nn.Module) -> list[Tensor]:
+        """The finished gradients as the optimizer reads them (element-wise clipping targets)."""
+
+    def parameter_norm(self, module: nn.Module) -> Tensor:
+        """2-norm of the whole model's parameters (a collective over the groups holding other parts)."""
+
+    def step_stats(self) -> dict[str, float]:
+        """Per-step communication figures for the metrics (empty when there are none)."""
+
+    def checkpoint_flags(self) -> dict[str, bool]:
+        """The meta.json flags ``zero1`` and ``fsdp`` (older readers' view of ``dp_format``)."""
+
+    def optimizer_layout(self, optimizers: Sequence[torch.optim.Optimizer], module: nn.Module) -> Any | None:
+        """What a checkpoint records to unflatten this rank's optimizer state by name (FSDP), else None."""
+
+    def model_state_dict(self, module: nn.Module) -> dict[str, Tensor]:
+        """The model file's tensors: unsharded weights by their original names (a collective under FSDP)."""
+
+    def model_state_keys(self, module: nn.Module) -> list[str]:
+        """The state-dict names this rank's module holds (its stage; FSDP's parameters by their own names)."""
+
+    def load_model_state(self, module: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Load the part of ``state`` the runtime owns (FSDP: its slices of every sharded parameter); returns the
+        rest for ``module.load_state_dict``. Raises KeyError / ValueError for a tensor that does not fit."""
+
+    def optimizer_states(self, states: list[dict[str, Any]], optimizers: Sequence[torch.optim.Optimizer], module: nn.Module,
+                         *, resharded: bool, tp_rank: int, by_name: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+        """What each optimizer's ``load_state_dict`` gets from a checkpoint's ``states`` (``resharded``: by-name full
+        states of another layout). ``by_name()`` is the caller's mapping of replicated/ZeRO-1 states by
+        parameter name. Raises ValueError for a state that does not fit."""
+
+
+def _hub(module: nn.Module) -> nn.Module:
+    """The module whose parameter names the parallel layers use: a hub model (``.model``) or ``module`` itself."""
+    model = getattr(module, "model", None)
+    return model if isinstance(model, nn.Module) else module
+
+
+@torch.no_grad()
+def broadcast_flat(tensors: list[Tensor], comm: Communicator) -> None:
+    """Broadcast tensors from the group's rank 0, one flat buffer per dtype."""
+    for dtype in sorted({t.dtype for t in tensors}, key=str):
+        group = [t for t in tensors if t.dtype == dtype]
+        flat = torch.cat([t.reshape(-1) for t in group])
+        comm.broadcast(flat, root=0)
+        offset = 0
+        for t in group:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+class ReplicatedRuntime:
+    """Plain data parallelism: every DP rank holds the whole replica; gradients averaged in one flat all-reduce."""
+
+    dp_format = "replicated"
+    shards_optimizer_state = False
+
+    def __init__(self) -> None:
+        self.mp: ModelParallel | None = None
+        self._grad_buffer: Tensor | None = None
+
+    def bind(self, mp: ModelParallel) -> None:
+        self.mp = mp
+
+    @torch.no_grad()
+    def broadcast_parameters(self, module: nn.Module) -> None:
+        if self.mp.dp_size == 1:
+            return
+        tensors = [t for t in list(module.parameters()) + list(module.buffers()) if t.numel()]
+        experts = [t for t in tensors if is_expert_parameter(t)]  # different experts on each EP rank: not over DP
+        dense = [t for t in tensors if not is_expert_parameter(t)]
+        for comm, group in ((self.mp.dp, dense), (self.mp.edp, experts)):
+            if comm is not None and group:
+                broadcast_flat(group, comm)
+
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> torch.optim.Optimizer:
+        return optimizer
+
+    def shard_model(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], *, precision: str = "32-true",
+                    tracer: Any = None) -> None:
+        pass
+
+    # ------------------------------------------------------------------------------------ gradients
+    def finish_gradients(self, module: nn.Module) -> None:
+        self.mp.sync_replicated_grads(module)
+        self.reduce_gradients(module)
+        self.mp.reduce_expert_grads(module)
+
+    def reduce_gradients(self, module: nn.Module) -> None:
+        """The data-parallel reduction proper (after the TP sums, before the expert reduction)."""
+        self.sync_gradients(module)
+
+    @torch.no_grad()
+    def sync_gradients(self, module: nn.Module) -> None:
+        """Average gradients over the data-parallel group: one flat fp32 bucket, one all-reduce (expert parameters
+        are reduced over their own group)."""
+        if self.mp.dp_size == 1:
+            return
+        params = [p for p in module.parameters() if p.requires_grad and not is_expert_parameter(p)]
+        numel = sum(p.numel() for p in params)
+        if self._grad_buffer is None or self._grad_buffer.numel() != numel:
+            self._grad_buffer = self.mp.dp.empty(numel, torch.float32)  # kept: peers read it in place
+        flat, offset = self._grad_buffer, 0
+        for p in params:  # a parameter without a gradient on this rank contributes zeros, consistently
+            view = flat[offset:offset + p.numel()]
+            view.copy_(p.grad.reshape(-1)) if p.grad is not None else view.zero_()
+            offset += p.numel()
+        self.mp.dp.all_reduce(flat, op="avg")
+        offset = 0
+        for p in params:
+            view = flat[offset:offset + p.numel()].view_as(p)
+            if p.grad is None:
+                p.grad = view.to(p.dtype).clone()
+            else:
+                p.grad.copy_(view)
+            offset += p.numel()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, module: nn.Module, max_norm: float) -> Tensor:
+        named = [(n, p.grad) for n, p in module.named_parameters() if p.requires_grad and p.grad is not None]
+        norm = self.mp.global_norm(module, named)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # fp32, as torch.nn.utils.clip_grad_norm_ computes it
+        if coef < 1:
+            for _, g in named:
+                g.mul_(coef.to(g.dtype))
+        return norm
+
+    def shard_gradients(self, module: nn.Module) -> list[Tensor]:
+        return [p.grad for p in module.parameters() if p.grad is not None]
+
+    @torch.no_grad()
+    def parameter_norm(self, module: nn.Module) -> Tensor:
+        return self.mp.global_norm(module, [(n, p) for n, p in module.named_parameters() if p.requires_grad])
+
+    def step_stats(self) -> dict[str, float]:
+        return {}
+
+    # ------------------------------------------------------------------------------------ checkpoints
+    def checkpoint_flags(self) -> dict[str, bool]:
+        return {"zero1": self.dp_format == "zero1", "fsdp": self.dp_format == "fsdp"}
+
+    def optimizer_layout(self, optimizers: Sequence[torch.optim.Optimizer], module: nn.Module) -> Any | None:
+        return None
+
+    def model_state_dict(self, module: nn.Module) -> dict[str, Tensor]:
+        return module.state_dict()
+
+    def model_state_keys(self, module: nn.Module) -> list[str]:
+        return [k for k in module.state_dict() if FSDP_SHARD_MARK not in k]
+
+    def load_model_state(self, module: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        return state
+
+    def optimizer_states(self, states: list[dict[str, Any]], optimizers: Sequence[torch.optim.Optimizer], module: nn.Module,
+                         *, resharded: bool, tp_rank: int, by_name: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+        return by_name()
+
+
+class Zero1Runtime(ReplicatedRuntime):
+    """ZeRO-1: replicated weights, optimizer state (and the reduced gradients) sharded over DP by
+    :class:`~nxdt.parallel.zero1.Zero1Optimizer`. Until an optimizer is sharded it behaves as replicated."""
+
+    dp_format = "zero1"
+    shards_optimizer_state = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.optimizer: Zero1Optimizer | None = None  # the (last) sharded optimizer: it owns the gradient shards
+
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> torch.optim.Optimizer:
+        if isinstance(optimizer, Zero1Optimizer):
+            return optimizer
+        groups = [dict(g) for g in optimizer.param_groups]
+        accepted = inspect.signature(type(optimizer).__init__).parameters  # defaults may hold derived flags
+        kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        self.optimizer = Zero1Optimizer(groups, type(optimizer), self.mp.dp, model=_hub(module), **kwargs)
+        return self.optimizer
+
+    def reduce_gradients(self, module: nn.Module) -> None:
+        if self.optimizer is None:
+            return super().reduce_gradients(module)
+        self.optimizer.reduce_gradients()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, module: nn.Module, max_norm: float) -> Tensor:
+        if self.optimizer is None:
+            return super().clip_grad_norm_(module, max_norm)
+        weights = self.mp.norm_weights  # the reduced gradients live in the optimizer's shards
+        by_param = {id(p): weights.get(n, 1.0) for n, p in _hub(module).named_parameters()}
+        extra = [c for c in (self.mp.tp, self.mp.pp) if c is not None]
+        return self.optimizer.clip_grad_norm_(max_norm, extra, weight=lambda p: by_param.get(id(p), 1.0))
+
+    def shard_gradients(self, module: nn.Module) -> list[Tensor]:
+        return super().shard_gradients(module) if self.optimizer is None else self.optimizer.shard_gradients()
+
+
+class FSDPRuntime(ReplicatedRuntime):
+    """FSDP: parameters, gradients and optimizer state sharded over DP in flat units
+    (:class:`~nxdt.parallel.fsdp.FullyShardedDataParallel`, built by :meth:`shard_model`); ``options`` are
+    :func:`~nxdt.parallel.fsdp.apply_fsdp`'s. Until the model is sharded it behaves as replicated."""
+
+    dp_format = "fsdp"
+    shards_optimizer_state = True
+
+    def __init__(self, options: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.options = dict(options or {})
+        self.fsdp: FullyShardedDataParallel | None = None
+        self.prefix = ""  # FSDP names parameters relative to the units' owner; checkpoints from the module
+
+    def shard_model(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], *, precision: str = "32-true",
+                    tracer: Any = None) -> None:
+        if self.mp.pp is not None or self.mp.ep is not None:
+            raise NotImplementedError("NxDStrategy: FSDP together with pipeline or expert parallelism is not implemented yet; "
+                                      "use FSDP with data and tensor parallelism")
+        model = getattr(module, "model", None)
+        owner = model if hasattr(model, "fsdp_units") else module  # a hub model (its fsdp_units) or the module itself
+        options = dict(self.options)
+        if precision == "bf16-mixed":  # gather bf16 copies of the fp32 shards
+            options.setdefault("param_dtype", torch.bfloat16)
+        self.fsdp = apply_fsdp(owner, self.mp.dp, optimizers, tracer=tracer, **options)
+        self.prefix = "" if owner is module else next(name for name, m in module.named_modules() if m is owner) + "."
+
+    # ------------------------------------------------------------------------------------ gradients
+    def finish_gradients(self, module: nn.Module) -> None:
+        if self.fsdp is None:
+            return super().finish_gradients(module)
+        self.fsdp.finish_gradients()
+        if self.mp.tp is not None and self.mp.sequence_parallel:  # TP sums on the shards: the full gradients are gone
+            layout = self.mp.tp_layout or {}
+            self.fsdp.sum_replicated_grads(self.mp.tp, lambda name: name in layout)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, module: nn.Module, max_norm: float) -> Tensor:
+        if self.fsdp is None:
+            return super().clip_grad_norm_(module, max_norm)
+        # each DP rank holds a different part of every gradient
+        return self.fsdp.clip_grad_norm_(max_norm, [self.mp.tp] if self.mp.tp is not None else [], self.mp.norm_weights)
+
+    def shard_gradients(self, module: nn.Module) -> list[Tensor]:
+        return super().shard_gradients(module) if self.fsdp is None else self.fsdp.shard_gradients()
+
+    @torch.no_grad()
+    def parameter_norm(self, module: nn.Module) -> Tensor:
+        if self.fsdp is None:
+            return super().parameter_norm(module)
+        weights = self.mp.norm_weights  # each DP rank holds a different slice of every flat unit
+        squares = torch.zeros(1, dtype=torch.float64)
+        for flat in self.fsdp.flats():
+            for entry, a, b in flat.counted_segments(self.fsdp.dp_rank):
+                squares += weights.get(entry.name, 1.0) * squared_norm(flat.shard[a:b])
+        for comm in (self.fsdp.comm, self.mp.tp):
+            if comm is not None and comm.size > 1:
+                comm.all_reduce(squares, op="sum")
+        return squares.sqrt().reshape(()).float()
+
+    def step_stats(self) -> dict[str, float]:
+        return self.fsdp.step_stats() if self.fsdp is not None else {}
+
+    # ------------------------------------------------------------------------------------ checkpoints
+    def optimizer_layout(self, optimizers: Sequence[torch.optim.Optimizer], module: nn.Module) -> Any | None:
+        return self.fsdp.flat_layout(optimizers, self.prefix) if self.fsdp is not None else None
+
+    def model_state_dict(self, module: nn.Module) -> dict[str, Tensor]:
+        """The unsharded weights by their original names (gathered over DP one unit at a time; a collective every
+        rank joins), so the model file is the same as without FSDP."""
+        if self.fsdp is None:
+            return super().model_state_dict(module)
+        state = {k: v for k, v in module.state_dict().items() if FSDP_SHARD_MARK not in k}
+        state.update(self.fsdp.full_state_dict(prefix=self.prefix))
+        return state
+
+    def model_state_keys(self, module: nn.Module) -> list[str]:
+        keys = super().model_state_keys(module)
+        if self.fsdp is not None:
+            keys += [self.prefix + n for f in self.fsdp.flats() for e in f.entries for n in e.names]
+        return keys
+
+    def load_model_state(self, module: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        return self.fsdp.load_full_state_dict(state, prefix=self.prefix) if self.fsdp is not None else state
+
+    def optimizer_states(self, states: list[dict[str, Any]], optimizers: Sequence[torch.optim.Optimizer], module: nn.Module,
+                         *, resharded: bool, tp_rank: int, by_name: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+        """Flat shards: this run's own shards load as they are, full states (``resharded``) are cut into them."""
+        if self.fsdp is None:
+            return super().optimizer_states(states, optimizers, module, resharded=resharded, tp_rank=tp_rank, by_name=by_name)
+        if not resharded:
+            return states
+
+        def localize(name: str, t: Tensor) -> Tensor:
+            spec = shard_spec(module, name)
+            return spec.slice(t, tp_rank) if spec is not None else t
+        return [self.fsdp.optimizer_state_from_named(s, o, self.prefix, localize) for s, o in zip(states, optimizers)]
+
+
+def data_parallel_runtime(*, zero1: bool = False, fsdp: bool | dict[str, Any] = False) -> DataParallelRuntime:
+    """The runtime for a strategy's options: ``fsdp`` (True or :func:`~nxdt.parallel.fsdp.apply_fsdp` options),
+    ``zero1``, else plain replication."""
+    if fsdp and zero1:
+        raise ValueError("NxDStrategy(fsdp=..., zero1=True): FSDP shards the optimizer state already; choose one")
+    if fsdp:
+        return FSDPRuntime(fsdp if isinstance(fsdp, dict) else {})
+    return Zero1Runtime() if zero1 else ReplicatedRuntime()

@@ -1,0 +1,107 @@
+"""nxdt.parallel.data_parallel: the replicated, ZeRO-1 and FSDP runtimes answer the same protocol alike.
+
+Two ranks, a tiny MLP, two clipped SGD steps per runtime in one spawned world: replicas start equal
+(``broadcast_parameters``), ``finish_gradients`` averages over DP (the replicated runtime's gradients equal
+the whole batch's), the clipped norm, ``parameter_norm`` and the weights after every step equal a
+single-process reference, and the model state dict has the reference's names and values (FSDP gathers it).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from nxdt.comm.spawn import run_local
+from nxdt.parallel.data_parallel import (DataParallelRuntime, FSDPRuntime, ModelParallel, ReplicatedRuntime, Zero1Runtime,
+                                         data_parallel_runtime)
+
+KINDS = {"replicated": {}, "zero1": {"zero1": True}, "fsdp": {"fsdp": {"param_persistence_threshold": 0}}}
+BATCH, STEPS, LR, MAX_NORM = 8, 2, 0.1, 0.05  # the MLP's gradient norm is ~1.3: clipping is active
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, 4, generator=g), torch.randn(BATCH, 3, generator=g)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6)
+
+
+def _worker(world) -> dict:
+    rank, size = world.rank, world.world_size
+    out = {}
+    for kind, options in KINDS.items():
+        ref = _model(0)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+        model = _model(rank)  # replicas seeded apart: broadcast_parameters makes them rank 0's
+        rt = data_parallel_runtime(**options)
+        rt.bind(ModelParallel(dp=world.world, dp_size=size))
+        rt.broadcast_parameters(model)
+        checks = {"protocol": isinstance(rt, DataParallelRuntime), "format": rt.dp_format,
+                  "broadcast": all(_close(p, q) for p, q in zip(model.parameters(), ref.parameters()))}
+        opt = rt.shard_optimizer(torch.optim.SGD(model.parameters(), lr=LR), model)
+        rt.shard_model(model, [opt])
+        grads_ok, norms_ok, weights_ok, pnorm_ok = True, True, True, True
+        for step in range(STEPS):
+            x, y = _batch(step)
+            nn.functional.mse_loss(ref(x), y).backward()
+            per = BATCH // size
+            nn.functional.mse_loss(model(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
+            rt.finish_gradients(model)
+            if kind == "replicated":  # the average of the two halves' gradients is the whole batch's
+                grads_ok &= all(_close(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+            norms_ok &= bool(torch.isclose(rt.clip_grad_norm_(model, MAX_NORM), ref_norm, rtol=1e-5))
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            state = rt.model_state_dict(model)
+            weights_ok &= set(state) == set(ref.state_dict()) and all(_close(state[k], v) for k, v in ref.state_dict().items())
+            ref_pnorm = torch.linalg.vector_norm(torch.cat([p.detach().reshape(-1) for p in ref.parameters()]))
+            pnorm_ok &= bool(torch.isclose(rt.parameter_norm(model), ref_pnorm, rtol=1e-5))
+        checks.update(grads=grads_ok, norms=norms_ok, weights=weights_ok, param_norm=pnorm_ok,
+                      stats=sorted(rt.step_stats()))
+        out[kind] = checks
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_local(_worker, 2, timeout_s=120)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_runtimes_train_like_one_process(results, kind):
+    for rank, per_rank in enumerate(results):
+        got = per_rank[kind]
+        assert got["protocol"] and got["format"] == kind, (rank, got)
+        assert got["broadcast"], f"rank {rank}: replicas did not start from rank 0's weights"
+        assert got["grads"], f"rank {rank}: finish_gradients did not average over DP"
+        assert got["norms"], f"rank {rank}: the clipped norm differs from torch's on the whole batch"
+        assert got["weights"], f"rank {rank}: weights after the step differ from the single-process reference"
+        assert got["param_norm"], f"rank {rank}: parameter_norm differs from the reference's"
+    stats = results[0][kind]["stats"]
+    assert ("exposed_comm_s" in stats) == (kind == "fsdp")
+
+
+def test_choice_and_checkpoint_format():
+    assert type(data_parallel_runtime()) is ReplicatedRuntime
+    assert type(data_parallel_runtime(zero1=True)) is Zero1Runtime
+    assert type(data_parallel_runtime(fsdp=True)) is FSDPRuntime
+    assert type(data_parallel_runtime(fsdp={})) is ReplicatedRuntime  # an empty options dict is "off", as before
+    assert data_parallel_runtime(fsdp={"prefetch": "eager"}).options == {"prefetch": "eager"}
+    with pytest.raises(ValueError, match="choose one"):
+        data_parallel_runtime(zero1=True, fsdp=True)
+    for kind, options in KINDS.items():
+        rt = data_parallel_runtime(**options)
+        assert rt.dp_format == kind
+        assert rt.checkpoint_flags() == {"zero1": kind == "zero1", "fsdp": kind == "fsdp"}
+        assert rt.shards_optimizer_state == (kind != "replicated")
