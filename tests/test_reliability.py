@@ -152,3 +152,18 @@ def test_a_diverging_run_stops_at_the_first_non_finite_gradient(tmp_path):
     assert result.returncode == 1 and "non-finite" in result.stderr.strip().splitlines()[-1]
     kept = list((run / "checkpoints").glob("step-*"))
     assert kept and all(_all_finite(p) for p in kept)
+
+
+@pytest.mark.timeout(240)
+def test_a_hung_rank_is_named_and_the_job_ends_without_the_agents_kill_grace(tmp_path):
+    """Rank 1 stops responding: rank 0 names it at comm.timeout_s, and the agent's SIGTERM ends rank 1 at once
+    (without nxdt's handler Lightning only notes SIGTERM, and the agent waits 30 s before SIGKILL)."""
+    run = tmp_path / "run"
+    result = nxdt("train", *COMMON, "comm.timeout_s=5", "exp_manager.fault_injection.step=3",
+                  "exp_manager.fault_injection.rank=1", "exp_manager.fault_injection.kind=hang",
+                  f"exp_manager.explicit_log_dir={run}", cwd=tmp_path)
+    assert result.returncode == 1
+    headline = [line for line in result.stderr.splitlines() if line.startswith("nxdt: rank ")][-1]
+    assert "rank 0 failed: CommTimeoutError" in headline and "timed out after 5s" in headline and "rank(s) [1]" in headline
+    launcher = (run / "logs" / "launcher.log").read_text()
+    assert "via signal SIGTERM" in launcher and "SIGKILL" not in launcher, launcher[-2000:]

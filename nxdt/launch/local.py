@@ -19,6 +19,12 @@ from typing import Any
 from nxdt.planner import Plan
 
 
+# Seconds the agent gives the workers, after passing on a Ctrl-C or SIGTERM the launcher received, before it
+# kills them (torch's default is 30). Checkpoints are atomic, so cutting a save short loses nothing committed.
+# (Workers stopped because a peer failed end at once on the agent's SIGTERM: worker.die_on_sigterm.)
+SHUTDOWN_GRACE_S = 5
+
+
 class LaunchFailed(RuntimeError):
     """A worker failed; ``str()`` is the one line shown to the user."""
 
@@ -91,6 +97,7 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
         rdzv_backend=rendezvous.BACKEND, rdzv_endpoint="",  # one store, on 127.0.0.1 only, no pickled state
         max_restarts=max_restarts, monitor_interval=0.2, start_method=worker.START_METHOD,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "agent")),
+        shutdown_timeout=SHUTDOWN_GRACE_S,
     )
     argv = [str(run_dir)] + (["--console-tty"] if console_tty else [])
     rendezvous.register()

@@ -73,12 +73,14 @@ class NodeSpec:
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
         from torch.distributed.launcher.api import LaunchConfig
 
+        from nxdt.launch.local import SHUTDOWN_GRACE_S
+
         return LaunchConfig(
             min_nodes=self.nnodes, max_nodes=self.nnodes, nproc_per_node=self.nproc_per_node, run_id=self.rdzv_id,
             rdzv_backend="c10d", rdzv_endpoint=self.rdzv_endpoint,
             rdzv_configs={"is_host": self.is_host, "join_timeout": int(self.join_timeout_s)},
             local_addr=self.local_addr, max_restarts=self.max_restarts, monitor_interval=0.2, start_method=start_method,
-            logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
+            logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)), shutdown_timeout=SHUTDOWN_GRACE_S,
         )
 
     def torchrun_command(self, module_args: Sequence[str]) -> list[str]:

@@ -87,6 +87,18 @@ def die_with_agent() -> None:
         os._exit(1)
 
 
+def die_on_sigterm() -> None:
+    """SIGTERM ends the worker at once, as the signal's default would. The agent sends it to stop the workers
+    that outlive a failed peer — those are stuck in a collective or hung — and Lightning's own handler only
+    notes it for the next step, so the agent would wait its full 30 s before SIGKILL. Lightning keeps a handler
+    that was there before it and calls it after its own."""
+    def die(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, die)
+
+
 @record
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="nxdt.launch.worker")
@@ -97,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plan-digest", default=None, help="multi-node: digest of the plan this node's launcher computed")
     args = parser.parse_args(argv)
     die_with_agent()
+    die_on_sigterm()
     if args.plan_digest is not None:  # several nodes: take this node's place in the Plan before anything names a rank
         from nxdt.launch.multinode import settle_node
 
