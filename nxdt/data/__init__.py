@@ -5,13 +5,23 @@ Pure torch/python — no Lightning here (the DataModule lives in ``nxdt.lightnin
     tokenizers.py  ByteTokenizer, HFTokenizer (tokenizer.json), build_tokenizer
     datasets.py    SyntheticTokens (learnable Markov chain), PackedText (a text file cut into windows)
     sampler.py     GlobalBatchSampler (seeded epochs, DP slices of each global batch, resumable)
-    samples/       the default training text (public domain; see samples/README.md)
+    instructions.py SFT records (input/output, messages), chat templates as HF renders them, prompt masking,
+                   packing (position_ids/segment_ids per record) or padding, counted truncation
+    preferences.py DPO/ORPO records (prompt/chosen/rejected): chosen rows then rejected rows, TRL truncation
+    samples/       the default training text (public domain; see samples/README.md), and tiny synthetic
+                   instruction and preference sets
 """
 
 from pathlib import Path
 
 SAMPLE_TEXT = Path(__file__).parent / "samples" / "austen_pride_and_prejudice.txt"
 """The default training text (``data.train_dir=null``): Jane Austen's *Pride and Prejudice*."""
+
+SAMPLE_INSTRUCTIONS = Path(__file__).parent / "samples" / "instructions.jsonl"
+"""200 synthetic instruction records (``instructions.make_instruction_samples()``): add, reverse, capitals."""
+
+SAMPLE_PREFERENCES = Path(__file__).parent / "samples" / "preferences.jsonl"
+"""200 synthetic preference triples (``preferences.make_preference_samples()``): chosen right, rejected wrong."""
 
 
 def mix_seed(*values: int) -> int:

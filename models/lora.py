@@ -1,0 +1,222 @@
+"""LoRA (low-rank adaptation) as a model converter: ``apply_lora(model, ...) -> model``.
+
+Each targeted ``nn.Linear`` becomes a :class:`LoRALinear` — the original layer, frozen, as ``base_layer`` plus
+two small trainable linears, ``lora_A`` [r, in] and ``lora_B`` [out, r]::
+
+    y = base_layer(x) + scaling · lora_B(lora_A(dropout(x))),   scaling = alpha / r
+
+``lora_A`` starts like PEFT's (kaiming-uniform, a=√5: torch's own ``nn.Linear`` init) and ``lora_B`` at zero,
+so a fresh adapter leaves the model's outputs unchanged. Every other parameter of the model is frozen
+(``requires_grad=False``); an optimizer built from the trainable parameters (``nxdt.lightning.optim``,
+ZeRO-1, FSDP all skip frozen ones) holds the adapters only.
+
+Module names follow PEFT's (``q_proj.base_layer``, ``q_proj.lora_A``, ``q_proj.lora_B``), so an adapter
+parameter's name is PEFT's key without the adapter name and the export is a prefix away
+(``nxdt.lightning.peft_export``). The base weights' names gain ``.base_layer``; load base checkpoints
+(``model.hf_checkpoint``) *before* applying LoRA, or map names with :func:`base_state_dict`.
+
+Targets (``target_modules``) use NxD Training's names — ``qkv_proj``, ``o_proj``, ``gate_up_proj``,
+``down_proj`` — or Hugging Face's (``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj``, ``up_proj``, ``o_proj``,
+``down_proj``). The hub's Llama keeps q/k/v and gate/up as separate projections (HF's layout), so
+``qkv_proj`` adapts q_proj, k_proj and v_proj with one adapter each (as NxDT's LoRA on its fused layer
+is exported for HF: one A/B pair per projection).
+
+Tensor parallelism (to be wired in ``nxdt.parallel.tensor_parallel``; today ``apply_tensor_parallel``
+refuses a LoRA model loudly because a ``LoRALinear`` is not an ``nn.Linear`` — adapters are never dropped
+silently). The three parts are separate ``nn.Linear`` submodules so TP can swap each for a parallel one,
+following the base layer's split:
+
+* column-parallel base (q/k/v, gate/up: output rows split): ``lora_B`` is split like the base by output
+  rows (same head blocks; KV replicas as the base), ``lora_A`` is replicated. ``lora_A``'s gradient is then a
+  partial sum over the TP ranks (each sees only its rows of B) and must be all-reduced — entering ``lora_B``
+  through the TP region (copy forward, all-reduce backward) does it — and must then *not* be summed again
+  by the sequence-parallel sync of replicated gradients.
+* row-parallel base (o_proj, down_proj: input columns split): ``lora_A`` is split like the base by input
+  columns and its [.., r] partial output reduced (all-reduce, or reduce-scatter along the sequence with SP),
+  ``lora_B`` is replicated (under SP its gradient is a sequence shard's, summed like any replicated one).
+
+The adapters are small (r·(in+out) per layer), so the only new communication is an r-wide reduction per
+row-parallel layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+# NxD Training's target names → the hub's (Hugging Face's) projection names
+NXDT_TARGETS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+HF_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+VALID_TARGETS: tuple[str, ...] = tuple(dict.fromkeys((*NXDT_TARGETS, *HF_TARGETS)))
+DEFAULT_TARGETS: tuple[str, ...] = ("qkv_proj",)
+BIAS_MODES: tuple[str, ...] = ("none", "all", "lora_only")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """What :func:`apply_lora` was called with; ``hf_target_modules`` are the resolved projection names."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    bias: str
+    target_modules: tuple[str, ...]
+    hf_target_modules: tuple[str, ...]
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+class LoRALinear(nn.Module):
+    """``base_layer(x) + scaling · lora_B(lora_A(dropout(x)))`` around a frozen ``nn.Linear`` (see the module
+    docstring for how tensor parallelism splits it: column-parallel base → B by output rows, A replicated;
+    row-parallel base → A by input columns, B replicated)."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0) -> None:
+        super().__init__()
+        if not isinstance(base, nn.Linear):
+            raise TypeError(f"LoRALinear wraps a torch.nn.Linear, got {type(base).__name__}")
+        self.base_layer = base
+        factory = {"dtype": base.weight.dtype, "device": base.weight.device}
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False, **factory)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False, **factory)
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.rank, self.alpha, self.scaling = rank, alpha, alpha / rank
+        self.reset_lora_parameters()
+
+    @property
+    def in_features(self) -> int:
+        return self.base_layer.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base_layer.out_features
+
+    @torch.no_grad()
+    def reset_lora_parameters(self) -> None:
+        """PEFT's default init: A kaiming-uniform (a=√5), B zero — the adapter starts as the identity change."""
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+
+    def delta_weight(self) -> torch.Tensor:
+        """scaling · B·A, [out, in] (computed in fp32, returned in the base weight's dtype)."""
+        delta = self.lora_B.weight.float() @ self.lora_A.weight.float()
+        return (delta * self.scaling).to(self.base_layer.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+    def extra_repr(self) -> str:
+        return f"rank={self.rank}, alpha={self.alpha}, scaling={self.scaling:g}"
+
+
+def _check_args(rank: object, alpha: object, dropout: object, bias: object, target_modules: Iterable[str] | str) -> tuple[str, ...]:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+        raise ValueError(f"LoRA rank={rank!r}: must be a positive integer")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
+        raise ValueError(f"LoRA alpha={alpha!r}: must be a positive number")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"LoRA dropout={dropout!r}: must be in [0, 1)")
+    if bias not in BIAS_MODES:
+        raise ValueError(f"LoRA bias={bias!r}: use one of {', '.join(BIAS_MODES)}")
+    targets = (target_modules,) if isinstance(target_modules, str) else tuple(target_modules)
+    if not targets:
+        raise ValueError(f"LoRA target_modules is empty; name some of {', '.join(VALID_TARGETS)}")
+    unknown = [t for t in targets if t not in VALID_TARGETS]
+    if unknown:
+        raise ValueError(f"LoRA target_modules {unknown}: unknown; valid targets are {', '.join(VALID_TARGETS)} "
+                         f"(NxD Training's qkv_proj/o_proj/gate_up_proj/down_proj or Hugging Face's projection names)")
+    return targets
+
+
+def resolve_targets(target_modules: Iterable[str] | str) -> tuple[str, ...]:
+    """The hub's projection names (HF's) that ``target_modules`` (NxDT or HF names) adapt, in canonical order."""
+    targets = _check_args(1, 1, 0.0, "none", target_modules)
+    wanted = {leaf for t in targets for leaf in NXDT_TARGETS.get(t, (t,))}
+    return tuple(name for name in HF_TARGETS if name in wanted)
+
+
+def has_lora(model: nn.Module) -> bool:
+    return any(isinstance(m, LoRALinear) for m in model.modules())
+
+
+def apply_lora(model: nn.Module, *, rank: int, alpha: float, dropout: float = 0.0, bias: str = "none",
+               target_modules: Iterable[str] | str = DEFAULT_TARGETS) -> nn.Module:
+    """Replace ``model``'s targeted ``nn.Linear`` layers by :class:`LoRALinear` in place, freeze every other
+    parameter, and return ``model`` (with ``model.lora_config``). ``bias``: ``none`` (all biases frozen),
+    ``lora_only`` (the adapted layers' biases trainable), ``all`` (every bias trainable), as PEFT.
+    Adapters are initialised from torch's global RNG (equal seeds → equal adapters on every rank)."""
+    targets = _check_args(rank, alpha, dropout, bias, target_modules)
+    if has_lora(model):
+        raise ValueError(f"{type(model).__name__} already has LoRA adapters; merge_lora it first")
+    leaves = resolve_targets(targets)
+    found = [(name, module) for name, module in model.named_modules()
+             if isinstance(module, nn.Linear) and name.rpartition(".")[2] in leaves]
+    missing = [leaf for leaf in leaves if not any(name.rpartition(".")[2] == leaf for name, _ in found)]
+    if missing:
+        raise ValueError(f"LoRA target_modules {list(targets)}: {type(model).__name__} has no nn.Linear named {missing}")
+    model.requires_grad_(False)
+    for name, linear in found:
+        parent_name, _, child = name.rpartition(".")
+        layer = LoRALinear(linear, rank, float(alpha), float(dropout))
+        setattr(model.get_submodule(parent_name), child, layer)
+        if bias == "lora_only" and linear.bias is not None:
+            linear.bias.requires_grad_(True)
+    if bias == "all":
+        for pname, p in model.named_parameters():
+            if pname.rpartition(".")[2] == "bias":
+                p.requires_grad_(True)
+    model.lora_config = LoRAConfig(rank, float(alpha), float(dropout), bias, targets, leaves)
+    return model
+
+
+def lora_layers(model: nn.Module) -> list[tuple[str, LoRALinear]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+def _trainable_bias_names(model: nn.Module) -> list[str]:
+    return [name for name, p in model.named_parameters() if p.requires_grad and name.rpartition(".")[2] == "bias"]
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter tensors only (``…lora_A.weight``, ``…lora_B.weight``, and the trainable biases when
+    ``bias`` is not ``none``), detached, by their names in ``model``."""
+    if not has_lora(model):
+        raise ValueError(f"{type(model).__name__} has no LoRA adapters (apply_lora first)")
+    names = {f"{prefix}.{part}.weight" for prefix, _ in lora_layers(model) for part in ("lora_A", "lora_B")}
+    names.update(_trainable_bias_names(model))
+    return {name: t.detach() for name, t in model.state_dict(keep_vars=True).items() if name in names}
+
+
+def base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The base model's weights under the names of the model without adapters (``.base_layer`` dropped,
+    adapter tensors left out): what ``save_lora_base`` or an HF export of the frozen base writes."""
+    adapters = set(lora_state_dict(model)) - set(_trainable_bias_names(model))
+    return {name.replace(".base_layer.", "."): t.detach() for name, t in model.state_dict().items() if name not in adapters}
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold scaling·B·A into each adapted base weight and put the plain ``nn.Linear`` back; returns ``model``.
+    Parameters keep their ``requires_grad`` (frozen) — ``model.requires_grad_(True)`` to train them all."""
+    layers = lora_layers(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no LoRA adapters to merge")
+    for name, layer in layers:
+        base = layer.base_layer
+        base.weight.add_(layer.delta_weight())
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, base)
+    if hasattr(model, "lora_config"):
+        del model.lora_config
+    return model

@@ -1,0 +1,159 @@
+"""Training objectives as small pure functions: causal LM (SFT) cross-entropy with masked labels, DPO and ORPO.
+
+Conventions shared with the hub models' ``loss_fn`` and ``nxdt.data``:
+
+* **Labels are already shifted by the data pipeline**: ``labels[b, t]`` is the token that should follow
+  ``input_ids[b, t]``, so ``logits[b, t]`` is scored against ``labels[b, t]`` with no shifting here.
+* Positions labelled ``ignore_index`` (-100) — SFT prompt tokens, padding — contribute nothing.
+* Everything is computed in fp32 whatever the logits' dtype. These functions take full-vocabulary logits;
+  a vocabulary-sharded (tensor-parallel) head needs its own distributed log-softmax for
+  :func:`token_log_probs` (its ``cross_entropy`` already covers :func:`causal_lm_loss`).
+
+Preference objectives take per-sequence log-probabilities (from :func:`sequence_log_probs`) so that the
+reference model's values can be precomputed once and fed in as plain tensors.
+
+Imports only torch (the model-hub layer rule of docs/architecture.md §2).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+__all__ = ["IGNORE_INDEX", "token_log_probs", "sequence_log_probs", "causal_lm_loss", "dpo_loss", "orpo_loss",
+           "log1mexp", "DPO_LOSS_TYPES"]
+
+
+def _check_shapes(logits: torch.Tensor, labels: torch.Tensor) -> None:
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree: logits must be "
+                         f"labels' shape + [vocab] (labels are already shifted: labels[t] follows input_ids[t])")
+
+
+def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Per-token log-probability of the label: ``out[b, t] = log softmax(logits[b, t])[labels[b, t]]``.
+
+    Formula: log p(y_t | x_<=t) = z_{t, y_t} − log Σ_v exp(z_{t, v}), in fp32. Labels are aligned with the
+    logits (already shifted). Positions whose label is ``ignore_index`` get 0 (not a probability of anything),
+    so sums over a row are sums over the scored tokens only. Shape: ``labels.shape``.
+    """
+    _check_shapes(logits, labels)
+    mask = labels != ignore_index
+    safe = torch.where(mask, labels, torch.zeros_like(labels))  # any valid index; masked out below
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    return torch.where(mask, logp, torch.zeros_like(logp))
+
+
+def sequence_log_probs(logits: torch.Tensor, labels: torch.Tensor,
+                       ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence sum of label log-probabilities over the non-masked tokens, and how many tokens that is.
+
+    Formula: log π(y | x) = Σ_{t: labels[t] ≠ ignore} log p(labels[t] | x_<=t) (the sequence log-likelihood of
+    the response given the prompt, prompt tokens being masked). Returns ``(sums, counts)``, both
+    ``labels.shape[:-1]`` (``counts`` in the sums' dtype); the length-normalised (mean per-token) log-prob
+    ORPO uses is ``sums / counts``.
+    """
+    mask = labels != ignore_index
+    return token_log_probs(logits, labels, ignore_index).sum(-1), mask.sum(-1).to(torch.float32)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Mean next-token cross-entropy over the non-masked tokens of the whole batch (the SFT loss).
+
+    Formula: L = −(1/N) Σ_{(b,t): labels[b,t] ≠ ignore} log softmax(logits[b,t])[labels[b,t]], N the number of
+    such tokens (a token mean over the batch, not a mean of per-sequence means — as ``F.cross_entropy`` with
+    ``ignore_index`` and the hub models' ``loss_fn``, which this equals when nothing is masked). Labels are
+    already shifted. A batch with every label masked gives 0 (with zero gradient) rather than NaN.
+    """
+    logp = token_log_probs(logits, labels, ignore_index)
+    count = (labels != ignore_index).sum()
+    return -logp.sum() / count.clamp(min=1).to(logp.dtype)
+
+
+DPO_LOSS_TYPES = ("sigmoid",)
+
+
+def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
+             ref_rejected_logps: torch.Tensor, beta: float,
+             loss_type: str = "sigmoid") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Direct Preference Optimization (Rafailov et al. 2023, "Direct Preference Optimization: Your Language
+    Model is Secretly a Reward Model", eq. 7), ``loss_type="sigmoid"``:
+
+        L = −mean_pairs log σ( β [ (log π(y_c|x) − log π_ref(y_c|x)) − (log π(y_r|x) − log π_ref(y_r|x)) ] )
+
+    Inputs are per-pair *summed* sequence log-probs (:func:`sequence_log_probs`), shape [B]; ``beta`` is
+    NxDT's ``dpo.kl_beta``. Returns ``(loss, metrics)``; metrics (detached, means over the B pairs), as TRL
+    names them:
+
+    * ``rewards/chosen``   = β (log π(y_c|x) − log π_ref(y_c|x))
+    * ``rewards/rejected`` = β (log π(y_r|x) − log π_ref(y_r|x))
+    * ``rewards/accuracies`` = fraction of pairs with rewards/chosen > rewards/rejected
+    * ``rewards/margins``  = rewards/chosen − rewards/rejected
+
+    Only ``"sigmoid"`` (the paper's loss) is implemented; any other ``loss_type`` (TRL's hinge, ipo, …) is
+    refused by name.
+    """
+    if loss_type not in DPO_LOSS_TYPES:
+        raise ValueError(f"dpo.loss_type={loss_type!r} is not supported: only 'sigmoid' (Rafailov et al. 2023) is "
+                         f"implemented")
+    chosen = policy_chosen_logps.float() - ref_chosen_logps.float()
+    rejected = policy_rejected_logps.float() - ref_rejected_logps.float()
+    losses = -F.logsigmoid(beta * (chosen - rejected))
+    chosen_rewards, rejected_rewards = (beta * chosen).detach(), (beta * rejected).detach()
+    metrics = {
+        "rewards/chosen": chosen_rewards.mean(),
+        "rewards/rejected": rejected_rewards.mean(),
+        "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+        "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+    }
+    return losses.mean(), metrics
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 − exp(x)) for x < 0, stable at both ends (Mächler 2012): log(−expm1(x)) for x > −log 2, else
+    log1p(−exp(x)). x = 0 (probability 1) is nudged to the smallest negative number so the result is
+    finite (≈ −87 in fp32) instead of −inf."""
+    x = x.clamp(max=-torch.finfo(x.dtype).tiny)
+    near_zero = x > -0.6931471805599453
+    # each branch gets only inputs where it is finite, so torch.where's backward sees no inf·0 = NaN
+    safe = torch.full_like(x, -1.0)
+    return torch.where(near_zero, torch.log(-torch.expm1(torch.where(near_zero, x, safe))),
+                       torch.log1p(-torch.exp(torch.where(near_zero, safe, x))))
+
+
+def orpo_loss(chosen_logps_mean: torch.Tensor, rejected_logps_mean: torch.Tensor, chosen_nll: torch.Tensor,
+              beta: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Odds Ratio Preference Optimization (Hong et al. 2024, "ORPO: Monolithic Preference Optimization without
+    Reference Model", eqs. 4–7), with β the paper's λ (NxDT's ``orpo.beta``, TRL's ``beta``):
+
+        odds(y|x) = P(y|x) / (1 − P(y|x)),  log P(y|x) = (1/|y|) Σ_t log p(y_t | x, y_<t)
+        L_OR  = −log σ( log odds(y_c|x) − log odds(y_r|x) )
+        L     = L_SFT + β · mean_pairs L_OR
+
+    ``chosen_logps_mean`` / ``rejected_logps_mean`` [B] are the **length-normalised** sequence log-probs —
+    the mean per-token log-prob over each response's non-masked tokens (``sums / counts`` of
+    :func:`sequence_log_probs`), as in the paper and TRL — so P(y|x) is a geometric-mean token probability.
+    ``chosen_nll`` is L_SFT: the causal-LM loss on the chosen responses only (:func:`causal_lm_loss` over the
+    chosen rows; a token mean). log odds is computed stably as ``logp − log1mexp(logp)``.
+
+    Returns ``(loss, metrics)``; metrics (detached, means over pairs): ``rewards/chosen`` = β·log P(y_c|x),
+    ``rewards/rejected`` = β·log P(y_r|x), ``rewards/accuracies``, ``rewards/margins`` (as TRL's ORPO), plus
+    ``log_odds_ratio`` (mean log σ(·)), ``log_odds_chosen`` (mean log-odds difference) and ``nll_loss``.
+    """
+    chosen, rejected = chosen_logps_mean.float(), rejected_logps_mean.float()
+    log_odds = (chosen - log1mexp(chosen)) - (rejected - log1mexp(rejected))
+    ratio = F.logsigmoid(log_odds)
+    loss = chosen_nll.float() - beta * ratio.mean()
+    chosen_rewards, rejected_rewards = (beta * chosen).detach(), (beta * rejected).detach()
+    metrics = {
+        "rewards/chosen": chosen_rewards.mean(),
+        "rewards/rejected": rejected_rewards.mean(),
+        "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+        "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+        "log_odds_ratio": ratio.detach().mean(),
+        "log_odds_chosen": log_odds.detach().mean(),
+        "nll_loss": chosen_nll.detach().float(),
+    }
+    return loss, metrics

@@ -1,0 +1,560 @@
+"""Instruction (SFT) data as NxD Training reads it: records, chat templates, masking, packing, truncation.
+
+**Records** (one JSON object per line of a ``.jsonl`` file, or any iterable of dicts):
+
+* ``{"input": str, "output": str}`` with an optional ``"instruction": str``;
+* ``{"messages": [{"role": str, "content": str}, ...]}`` chat records (at least one ``assistant`` message).
+
+**Rendering.** When the tokenizer has a chat template (``chat_template`` in a Hugging Face
+``tokenizer_config.json``) it is rendered as Hugging Face's ``apply_chat_template`` does (:func:`render_chat_template`:
+a sandboxed Jinja environment with ``trim_blocks``/``lstrip_blocks``, the globals ``raise_exception``,
+``strftime_now``, ``namespace``, the ``tojson`` filter, and ``messages``, ``add_generation_prompt`` and the special
+tokens ``bos_token``, ``eos_token``, … as variables). An ``input``/``output`` record then becomes the chat
+``[user: instruction + "\\n\\n" + input, assistant: output]`` (just ``input`` without an instruction). Without a
+template (the byte-level tokenizer, or ``use_chat_template=False``) the **plain template** is used:
+
+* ``input``/``output``: prompt ``"{instruction}\\n{input}\\n"`` (``"{input}\\n"`` without an instruction), response
+  ``"{output}"``; the tokenizer's BOS (if it has one) is prepended;
+* ``messages``: each message as ``"{role}: {content}\\n"``, a generation prompt being ``"assistant: "``.
+
+**Masking.** A record becomes a token list and a per-token "trained" flag: prompt text (everything that is not
+an assistant reply: system and user turns, the template's role headers, the generation prompt) is not trained,
+assistant replies are, and EOS is appended (trained) unless the text already ends with it. Chat records are cut
+at the message boundaries — ``render(messages[:i], add_generation_prompt=True)`` and ``render(messages[:i+1])`` for
+each assistant message i — and every piece is tokenized on its own, so no token straddles a prompt/response
+boundary (a template whose renderings are not prefixes of each other is refused). Every assistant turn is
+trained, not only the last.
+
+**Shift convention** (the same as every nxdt dataset and the hub models' ``loss_fn``): a record of N tokens
+gives N − 1 positions, ``input_ids = tokens[:-1]`` and ``labels[t] = tokens[t+1]`` if that token is trained, else
+-100. Pad positions have label -100. A record *fits* ``seq_length`` when N − 1 ≤ seq_length.
+
+**Truncation** (``truncation=``), applied to a record that does not fit, always counted in :class:`BuildStats`:
+
+* ``"truncate"`` (default): the leading prompt (the untrained tokens before the first trained one) is cut from
+  the **left**, but never below ``min(its length, (seq_length + 1) // 2)`` tokens; if the record still does not
+  fit, it is cut from the **right** (the end of the response, with its EOS, is lost). A record left with no
+  trained label is dropped (counted as dropped).
+* ``"drop"``: the record is dropped.
+
+**Batches** (:func:`build_sft_examples`) are dicts of LongTensors [n, seq_length]:
+
+* ``input_ids``; ``labels`` (already shifted, -100 = no loss);
+* ``position_ids``: 0, 1, 2, … restarting at every record (pad positions: 0);
+* ``segment_ids``: the record's number within its row, 1, 2, …; 0 for padding. Attention that stays within a
+  record is ``block_causal_mask(segment_ids)`` (query t sees key s iff s ≤ t and both are in the same segment).
+
+``packing=True`` appends whole records, in order, into rows of ``seq_length`` positions (a record never spans
+two rows; a row is closed when the next record does not fit) and pads the tail; ``packing=False`` puts one record
+per row, padded with the pad id. Both give every record exactly the same tokens, labels and positions.
+
+Imports nothing of nxdt beyond ``nxdt.data``; ``jinja2`` (which torch brings) only when a template is rendered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import random
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from .tokenizers import ByteTokenizer, HFTokenizer
+
+IGNORE_INDEX = -100
+TRUNCATION_MODES = ("truncate", "drop")
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+# ------------------------------------------------------------------------------------------------ tokenizer
+
+
+@dataclass
+class ChatTokenizer:
+    """What building examples needs of a tokenizer: ``encode(text) -> ids`` (no special tokens added), the EOS id,
+    and optionally a pad id (default: EOS — pad positions are never trained), a BOS id (prepended by the plain
+    template only; chat templates write their own), a Jinja ``chat_template`` and the special-token strings the
+    template sees (``bos_token``, ``eos_token``, …)."""
+
+    encode: Callable[[str], list[int]]
+    eos_id: int
+    pad_id: int | None = None
+    bos_id: int | None = None
+    chat_template: str | None = None
+    special_tokens: Mapping[str, str] = field(default_factory=dict)
+    decode: Callable[[Sequence[int]], str] | None = None
+    vocab_size: int | None = None
+
+    @property
+    def pad(self) -> int:
+        return self.eos_id if self.pad_id is None else self.pad_id
+
+
+BYTE_EOS = 0
+"""The byte-level tokenizer's EOS (and pad): the NUL byte, which text never contains."""
+
+
+def byte_chat_tokenizer() -> ChatTokenizer:
+    """The byte-level tokenizer (``nxdt.data.tokenizers.ByteTokenizer``) with EOS = pad = 0 (NUL), no BOS, no chat
+    template (so the plain template applies)."""
+    tok = ByteTokenizer()
+    return ChatTokenizer(encode=tok.encode, eos_id=BYTE_EOS, pad_id=BYTE_EOS, decode=tok.decode,
+                         vocab_size=tok.vocab_size, special_tokens={"eos_token": "\x00"})
+
+
+def _token_text(value: Any) -> str | None:
+    """A tokenizer_config.json special token: a string, or an AddedToken dict {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def load_chat_tokenizer(path: str | Path) -> ChatTokenizer:
+    """A Hugging Face tokenizer directory (``data.tokenizer.type``): ``tokenizer.json`` + ``tokenizer_config.json``
+    (special tokens, ``chat_template``; a ``chat_template.jinja`` file next to them is used when the config has
+    none, as recent ``transformers`` saves it). EOS is required; pad defaults to EOS."""
+    directory = Path(path)
+    hf = HFTokenizer(directory)  # checks tokenizer.json, needs the `tokenizers` package
+    config_file = directory / "tokenizer_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+    template = config.get("chat_template")
+    if isinstance(template, list):  # the named-templates form: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is None and (directory / "chat_template.jinja").is_file():
+        template = (directory / "chat_template.jinja").read_text(encoding="utf-8")
+    special = {key: text for key in SPECIAL_TOKEN_KEYS if (text := _token_text(config.get(key))) is not None}
+    extra = config.get("additional_special_tokens")
+    if isinstance(extra, list):
+        special["additional_special_tokens"] = [t for t in map(_token_text, extra) if t is not None]
+    inner = hf._tok  # tokenizers.Tokenizer
+
+    def token_id(key: str) -> int | None:
+        text = special.get(key)
+        if text is None:
+            return None
+        tid = inner.token_to_id(text)
+        if tid is None:
+            raise ValueError(f"{config_file}: {key}={text!r} is not a token of {hf.path}")
+        return tid
+
+    eos = token_id("eos_token")
+    if eos is None:
+        raise ValueError(f"{directory}: tokenizer_config.json names no eos_token — fine-tuning data needs one to end "
+                         f"each response")
+    return ChatTokenizer(encode=hf.encode, eos_id=eos, pad_id=token_id("pad_token"), bos_id=token_id("bos_token"),
+                         chat_template=template, special_tokens=special, decode=hf.decode, vocab_size=hf.vocab_size)
+
+
+def build_chat_tokenizer(path: str | Path | None) -> ChatTokenizer:
+    """``None`` → byte-level (:func:`byte_chat_tokenizer`); otherwise a Hugging Face tokenizer directory."""
+    return byte_chat_tokenizer() if path is None else load_chat_tokenizer(path)
+
+
+# ------------------------------------------------------------------------------------------------ chat templates
+
+
+def _compile_template(template: str) -> Any:
+    try:
+        return _compile_cached(template)
+    except Exception as exc:
+        import jinja2
+        if isinstance(exc, jinja2.exceptions.TemplateError):
+            raise ValueError(f"chat template does not compile: {exc}") from None
+        raise
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_cached(template: str) -> Any:
+    try:
+        import jinja2
+        from jinja2.ext import Extension, loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as exc:  # pragma: no cover - torch brings jinja2
+        raise RuntimeError("rendering a chat template needs the 'jinja2' package — pip install jinja2") from exc
+    if tuple(int(p) for p in jinja2.__version__.split(".")[:3] if p.isdigit()) < (3, 1, 6):
+        # as transformers: older versions have known sandbox escapes, and templates are untrusted input
+        raise RuntimeError(f"rendering a chat template needs jinja2>=3.1.6 (found {jinja2.__version__})")
+
+    class GenerationTag(Extension):
+        """``{% generation %}…{% endgeneration %}`` (HF's assistant-mask marker): renders its body."""
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    class Namespace(jinja2.utils.Namespace):
+        """Jinja's namespace, refusing underscore-prefixed names (as transformers does)."""
+
+        def __init__(*args: Any, **kwargs: Any) -> None:
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                Namespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            Namespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name: Any) -> None:
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"chat template: namespace attribute {name!r} is not allowed")
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals["namespace"] = Namespace
+    return env.from_string(template)
+
+
+def render_chat_template(template: str, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False,
+                         special_tokens: Mapping[str, Any] | None = None, **kwargs: Any) -> str:
+    """Render a Hugging Face chat template exactly as ``tokenizer.apply_chat_template(messages, tokenize=False)``
+    does: variables ``messages``, ``tools=None``, ``documents=None``, ``add_generation_prompt`` and the special
+    tokens (``bos_token``, ``eos_token``, …; ``kwargs`` override them). A template error (a syntax error,
+    ``raise_exception(...)``, a sandbox violation) becomes a ``ValueError`` carrying its message."""
+    variables = {**(special_tokens or {}), **kwargs}
+    compiled = _compile_template(template)
+    import jinja2  # loaded by _compile_template
+    try:
+        return compiled.render(messages=[dict(m) for m in messages], tools=None, documents=None,
+                               add_generation_prompt=add_generation_prompt, **variables)
+    except jinja2.exceptions.TemplateError as exc:
+        raise ValueError(f"chat template: {exc}") from None
+
+
+def render_plain_chat(messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False) -> str:
+    """The plain chat template (no tokenizer template): ``"{role}: {content}\\n"`` per message, then
+    ``"assistant: "`` when a generation prompt is asked for."""
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+    return text + ("assistant: " if add_generation_prompt else "")
+
+
+# ------------------------------------------------------------------------------------------------ records
+
+
+def read_jsonl(path: str | Path, limit: int | None = None) -> list[dict[str, Any]]:
+    """The JSON objects of a ``.jsonl`` file (blank lines skipped), the first ``limit`` only if given
+    (NxDT's ``data.dev_choose_samples``). A line that is not a JSON object fails naming the file and line."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if limit is not None and len(records) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{lineno}: a record must be a JSON object, got {type(record).__name__}")
+            records.append(record)
+    return records
+
+
+def _is_text(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def check_instruction_record(record: Mapping[str, Any], where: str = "record") -> str:
+    """The record's kind, ``"io"`` (input/output) or ``"messages"``; one clear ``ValueError`` otherwise."""
+    if not isinstance(record, Mapping):
+        raise ValueError(f"{where}: a record must be an object, got {type(record).__name__}")
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise ValueError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping) or not _is_text(m.get("role")) or not _is_text(m.get("content")):
+                raise ValueError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise ValueError(f"{where}: 'messages' has no 'assistant' message — nothing to train on")
+        return "messages"
+    if "input" in record or "output" in record:
+        for key in ("input", "output"):
+            if not _is_text(record.get(key)):
+                raise ValueError(f"{where}: needs string '{key}' (an instruction record has 'input' and 'output', and "
+                                 f"optionally 'instruction')")
+        if "instruction" in record and not _is_text(record["instruction"]):
+            raise ValueError(f"{where}: 'instruction' must be a string")
+        if not record["output"]:
+            raise ValueError(f"{where}: 'output' is empty — nothing to train on")
+        return "io"
+    raise ValueError(f"{where}: needs 'input' and 'output' (and optionally 'instruction'), or 'messages'; it has "
+                     f"{sorted(record)}")
+
+
+def io_user_text(record: Mapping[str, Any]) -> str:
+    """The user turn of an ``input``/``output`` record under a chat template: instruction + blank line + input."""
+    instruction = record.get("instruction")
+    return f"{instruction}\n\n{record['input']}" if instruction else record["input"]
+
+
+def plain_prompt(record: Mapping[str, Any]) -> str:
+    """The plain template's prompt of an ``input``/``output`` record: ``"{instruction}\\n{input}\\n"``."""
+    instruction = record.get("instruction")
+    return (f"{instruction}\n" if instruction else "") + f"{record['input']}\n"
+
+
+def chat_segments(messages: Sequence[Mapping[str, Any]], render: Callable[..., str]) -> list[tuple[str, bool]]:
+    """Cut a conversation's rendering into ``(text, trained)`` pieces at the assistant messages' boundaries.
+
+    ``render(messages, add_generation_prompt=...)`` is the template. For each assistant message i the text up to
+    ``render(messages[:i], add_generation_prompt=True)`` is prompt, up to ``render(messages[:i+1])`` is its reply
+    (trained); what follows the last reply is prompt again. Each rendering must extend the previous one."""
+    pieces: list[tuple[str, bool]] = []
+    done = ""
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = render(messages[:i], add_generation_prompt=True)
+        through = render(messages[:i + 1], add_generation_prompt=False)
+        if not before.startswith(done) or not through.startswith(before):
+            raise ValueError(f"chat template: the rendering up to message {i} does not extend the previous one, so the "
+                             f"assistant reply cannot be told from the prompt (the template must render a conversation "
+                             f"prefix as a prefix of the full rendering)")
+        pieces += [(before[len(done):], False), (through[len(before):], True)]
+        done = through
+    full = render(messages, add_generation_prompt=False)
+    if not full.startswith(done):
+        raise ValueError("chat template: the full rendering does not extend the rendering up to the last assistant reply")
+    pieces.append((full[len(done):], False))
+    return [(text, trained) for text, trained in pieces if text]
+
+
+def tokenize_record(record: Mapping[str, Any], tok: ChatTokenizer, *,
+                    use_chat_template: bool | None = None, where: str = "record") -> tuple[list[int], list[bool]]:
+    """``(tokens, trained)`` of one instruction record (see the module docstring for the rendering and masking
+    rules). ``use_chat_template``: None = when the tokenizer has one, True = required, False = plain template.
+    Errors name the record as ``where``."""
+    kind = check_instruction_record(record, where)
+    if use_chat_template and tok.chat_template is None:
+        raise ValueError("use_chat_template=True but the tokenizer has no chat_template")
+    templated = tok.chat_template is not None and use_chat_template is not False
+    if templated:
+        def render(msgs: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
+            return render_chat_template(tok.chat_template, msgs, add_generation_prompt=add_generation_prompt,
+                                        special_tokens=tok.special_tokens)
+    else:
+        render = render_plain_chat
+    if kind == "messages" or templated:
+        messages = record["messages"] if kind == "messages" else [
+            {"role": "user", "content": io_user_text(record)}, {"role": "assistant", "content": record["output"]}]
+        try:
+            pieces = chat_segments(messages, render)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+    else:
+        pieces = [(plain_prompt(record), False), (record["output"], True)]
+    tokens: list[int] = []
+    trained: list[bool] = []
+    if not templated and tok.bos_id is not None:
+        tokens.append(tok.bos_id)
+        trained.append(False)
+    for text, is_trained in pieces:
+        ids = tok.encode(text)
+        tokens += ids
+        trained += [is_trained] * len(ids)
+    if not tokens or tokens[-1] != tok.eos_id:
+        tokens.append(tok.eos_id)
+        trained.append(True)
+    return tokens, trained
+
+
+# ------------------------------------------------------------------------------------------------ examples
+
+
+@dataclass
+class BuildStats:
+    """What building did to the records — nothing is dropped or cut without being counted here."""
+
+    records: int = 0          # records read
+    examples: int = 0         # records kept (each is one example)
+    truncated: int = 0        # kept records that were cut to fit
+    prompt_truncated: int = 0   # … of which the prompt was cut from the left
+    response_truncated: int = 0  # … of which the response was cut from the right
+    dropped: int = 0          # records not kept (too long under "drop", or no trained token left)
+    sequences: int = 0        # rows of the batch
+    tokens: int = 0           # non-pad positions
+    label_tokens: int = 0     # positions with a label (contributing to the loss)
+    pad_tokens: int = 0       # pad positions
+
+    def summary(self) -> str:
+        return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+
+def fit_record(tokens: list[int], trained: list[bool], seq_length: int, truncation: str,
+               stats: BuildStats | None = None) -> tuple[list[int], list[bool]] | None:
+    """Apply the truncation rule (module docstring) to one tokenized record: the record, cut if needed, or None
+    when it is dropped. ``stats`` counts truncated / prompt_truncated / response_truncated / dropped."""
+    if truncation not in TRUNCATION_MODES:
+        raise ValueError(f"truncation={truncation!r}: expected one of {TRUNCATION_MODES}")
+    stats = stats if stats is not None else BuildStats()
+    budget = seq_length + 1  # N tokens give N - 1 positions
+    cut_prompt = cut_response = False
+    if len(tokens) > budget:
+        if truncation == "drop":
+            stats.dropped += 1
+            return None
+        prompt = next((i for i, t in enumerate(trained) if t), len(trained))
+        cut = min(len(tokens) - budget, max(0, prompt - min(prompt, budget // 2)))
+        if cut:
+            tokens, trained, cut_prompt = tokens[cut:], trained[cut:], True
+        if len(tokens) > budget:
+            tokens, trained, cut_response = tokens[:budget], trained[:budget], True
+    if len(tokens) < 2 or not any(trained[1:]):  # no label left (trained[0] is never a label)
+        stats.dropped += 1
+        return None
+    if cut_prompt or cut_response:
+        stats.truncated += 1
+        stats.prompt_truncated += cut_prompt
+        stats.response_truncated += cut_response
+    return tokens, trained
+
+
+def record_example(tokens: Sequence[int], trained: Sequence[bool]) -> tuple[list[int], list[int]]:
+    """``(input_ids, labels)`` of one record in nxdt's shift convention: ``input_ids = tokens[:-1]``,
+    ``labels[t] = tokens[t+1]`` if trained else -100."""
+    return list(tokens[:-1]), [t if m else IGNORE_INDEX for t, m in zip(tokens[1:], trained[1:])]
+
+
+def pack_examples(examples: Sequence[tuple[Sequence[int], Sequence[int]]], seq_length: int, pad_id: int, *,
+                  packing: bool) -> dict[str, torch.Tensor]:
+    """Lay ``(input_ids, labels)`` examples (each at most ``seq_length`` long) into rows: see the module
+    docstring for ``packing`` and the four tensors."""
+    rows: list[list[tuple[Sequence[int], Sequence[int]]]] = []
+    used = seq_length  # forces a new row for the first example
+    for ids, labels in examples:
+        if len(ids) > seq_length:
+            raise ValueError(f"an example of {len(ids)} positions does not fit seq_length={seq_length}")
+        if not packing or used + len(ids) > seq_length:
+            rows.append([])
+            used = 0
+        rows[-1].append((ids, labels))
+        used += len(ids)
+    n = len(rows)
+    out = {"input_ids": torch.full((n, seq_length), pad_id, dtype=torch.long),
+           "labels": torch.full((n, seq_length), IGNORE_INDEX, dtype=torch.long),
+           "position_ids": torch.zeros((n, seq_length), dtype=torch.long),
+           "segment_ids": torch.zeros((n, seq_length), dtype=torch.long)}
+    for r, row in enumerate(rows):
+        start = 0
+        for segment, (ids, labels) in enumerate(row, 1):
+            end = start + len(ids)
+            out["input_ids"][r, start:end] = torch.tensor(ids, dtype=torch.long)
+            out["labels"][r, start:end] = torch.tensor(labels, dtype=torch.long)
+            out["position_ids"][r, start:end] = torch.arange(len(ids))
+            out["segment_ids"][r, start:end] = segment
+            start = end
+    return out
+
+
+def build_sft_examples(records: Iterable[Mapping[str, Any]], tok: ChatTokenizer, seq_length: int, *, packing: bool,
+                       truncation: str = "truncate",
+                       use_chat_template: bool | None = None) -> tuple[dict[str, torch.Tensor], BuildStats]:
+    """Instruction records → a batch of SFT sequences and the :class:`BuildStats` of what happened.
+
+    Each record is tokenized (:func:`tokenize_record`), fitted to ``seq_length`` (:func:`fit_record`), turned into
+    shifted ``(input_ids, labels)`` (:func:`record_example`) and laid out by :func:`pack_examples`. A malformed
+    record fails with its index."""
+    if seq_length < 1:
+        raise ValueError(f"seq_length={seq_length}: must be positive")
+    if truncation not in TRUNCATION_MODES:
+        raise ValueError(f"truncation={truncation!r}: expected one of {TRUNCATION_MODES}")
+    stats = BuildStats()
+    examples = []
+    for index, record in enumerate(records):
+        stats.records += 1
+        tokens, trained = tokenize_record(record, tok, use_chat_template=use_chat_template, where=f"record {index}")
+        fitted = fit_record(tokens, trained, seq_length, truncation, stats)
+        if fitted is not None:
+            examples.append(record_example(*fitted))
+    stats.examples = len(examples)
+    batch = pack_examples(examples, seq_length, tok.pad, packing=packing)
+    stats.sequences = batch["input_ids"].shape[0]
+    stats.tokens = int((batch["segment_ids"] > 0).sum())
+    stats.label_tokens = int((batch["labels"] != IGNORE_INDEX).sum())
+    stats.pad_tokens = stats.sequences * seq_length - stats.tokens
+    return batch, stats
+
+
+def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean attention mask [..., S, S] (True = may attend) keeping attention inside each record: query t sees
+    key s iff s ≤ t and ``segment_ids[s] == segment_ids[t]`` (padding, segment 0, sees only padding)."""
+    s = segment_ids.shape[-1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=segment_ids.device).tril()
+    return causal & (segment_ids.unsqueeze(-1) == segment_ids.unsqueeze(-2))
+
+
+def split_segments(batch: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """The records of a batch, in order, each as ``{input_ids, labels, position_ids}`` (1-D): what packed and
+    unpacked layouts of the same records must agree on."""
+    out = []
+    for r in range(batch["segment_ids"].shape[0]):
+        seg = batch["segment_ids"][r]
+        for s in range(1, int(seg.max()) + 1 if seg.numel() else 1):
+            where = seg == s
+            out.append({k: batch[k][r][where] for k in ("input_ids", "labels", "position_ids")})
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ shipped samples
+
+TASKS = ("add", "reverse", "upper")
+
+
+def _task(rng: random.Random, kind: str) -> tuple[str, str, str, str]:
+    """(instruction, input, correct output, a wrong output) of one synthetic task."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    if kind == "add":
+        a, b = rng.randint(0, 49), rng.randint(0, 49)
+        offset = rng.choice([-10, -2, -1, 1, 2, 10])
+        wrong = a + b + offset if a + b + offset >= 0 else a + b - offset
+        return "Add the numbers.", f"{a}+{b}", str(a + b), str(wrong)
+    word = "".join(rng.choice(letters) for _ in range(rng.randint(3, 6)))
+    if kind == "reverse":
+        wrong = word if word != word[::-1] else word + word[0]
+        return "Reverse the letters.", word, word[::-1], wrong
+    upper = word.upper()
+    return "Write it in capitals.", word, upper, upper[:-1] + word[-1]
+
+
+def make_instruction_samples(n: int = 200, seed: int = 0) -> list[dict[str, str]]:
+    """The shipped ``samples/instructions.jsonl``: ``n`` synthetic ``instruction``/``input``/``output`` records,
+    deterministic in ``seed``, cycling three tasks a tiny byte-level model can learn — add two numbers 0–49
+    (``"Add the numbers."``, ``"17+25"`` → ``"42"``), reverse 3–6 lowercase letters (``"Reverse the letters."``),
+    and upper-case them (``"Write it in capitals."``). Regenerate with
+    ``write_jsonl(SAMPLE_INSTRUCTIONS, make_instruction_samples())``."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        instruction, text, output, _ = _task(rng, TASKS[i % len(TASKS)])
+        out.append({"instruction": instruction, "input": text, "output": output})
+    return out
+
+
+def write_jsonl(path: str | Path, records: Iterable[Mapping[str, Any]]) -> None:
+    """One JSON object per line (UTF-8, keys in the record's order)."""
+    with open(path, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
