@@ -161,16 +161,118 @@ def check_resume_checkpoint(cfg: Any, the_plan: Any) -> None:
 
 
 def check_data(cfg: Any) -> None:
-    """A Hugging Face dataset directory is opened before any worker starts (layout, row length, vocabulary)."""
-    if cfg.data.source != "hf_dataset":
+    """What the workers would otherwise find wrong only after they start, checked cheaply in the launcher: the model
+    class and an ``hf_checkpoint``'s headers (:func:`_check_model`), the tokenizer, the training files (a sample of
+    each text file; a Hugging Face dataset's layout and Arrow schema, then its rows: length, vocabulary) and, for
+    a local run on this host, the plan's memory estimate against the host's available memory."""
+    from nxdt.config import ConfigError
+
+    _check_model(cfg)
+    data = cfg.data
+    if data.source == "text":
+        from nxdt.data import SAMPLE_TEXT
+        from nxdt.data.datasets import TextSourceError, check_text_files
+        from nxdt.data.tokenizers import TokenizerFileError, check_tokenizer
+
+        if data.tokenizer is not None:
+            try:
+                check_tokenizer(data.tokenizer, cfg.model.vocab_size)
+            except TokenizerFileError as exc:
+                raise ConfigError("data.tokenizer", data.tokenizer, exc.fix) from None
+        try:
+            check_text_files(data.train_dir or SAMPLE_TEXT, data.seq_length, byte_level=data.tokenizer is None)
+        except TextSourceError as exc:
+            raise ConfigError("data.train_dir", data.train_dir, exc.fix) from None
+    elif data.source == "hf_dataset":
+        from nxdt.data.hf_dataset import DatasetDirError, SavedHFDataset, check_saved_dataset
+
+        try:
+            check_saved_dataset(data.train_dir)  # JSON files and Arrow schemas only
+            SavedHFDataset(data.train_dir, data.seq_length, cfg.model.vocab_size)
+        except DatasetDirError as exc:
+            raise ConfigError("data.train_dir", data.train_dir, exc.fix) from None
+    _check_host_memory(cfg)
+
+
+def _check_model(cfg: Any) -> None:
+    """``model.architecture`` names a hub model class (an ``nn.Module`` with the hooks nxdt drives) that accepts the
+    config — built on the ``meta`` device, no memory — and an ``hf_checkpoint``'s safetensors headers match its
+    parameters (names, shapes, dtypes), read without the tensor data."""
+    import importlib
+
+    import torch  # the launcher has it already (nxdt.comm); nxdt.lightning (Lightning: seconds) is not imported here
+
+    from nxdt.config import ConfigError
+    from nxdt.config.validate import ALLOWED_MODEL_PREFIX
+
+    model_cfg, arch = cfg.model, cfg.model.architecture
+    module_name, _, class_name = arch.rpartition(".")
+    if not arch.startswith(ALLOWED_MODEL_PREFIX) or not module_name:  # validate() says so too: never import other code
+        raise ConfigError("model.architecture", arch, f"only model classes under {ALLOWED_MODEL_PREFIX} may be named")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError("model.architecture", arch, f"cannot be imported ({str(exc).splitlines()[0]}); name a model class, "
+                          "e.g. nxdt.models.llama.LlamaForCausalLM") from None
+    if not isinstance(cls, type) or not issubclass(cls, torch.nn.Module):
+        kind = "a class" if isinstance(cls, type) else f"a {type(cls).__name__}"
+        raise ConfigError("model.architecture", arch, f"is {kind}, not a torch.nn.Module model class; name a hub model "
+                          "class, e.g. nxdt.models.llama.LlamaForCausalLM")
+    hooks = [h for h in ("embed", "run_layer", "head", "loss_fn") if not callable(getattr(cls, h, None))]
+    if hooks:
+        raise ConfigError("model.architecture", arch, f"is a torch module but not a causal language model of the hub "
+                          f"(no {', '.join(hooks)}); name a hub model class, e.g. nxdt.models.llama.LlamaForCausalLM")
+    try:
+        with torch.device("meta"):  # shapes only: no parameter memory, no initialisation cost
+            model = cls(model_cfg)
+    except (ValueError, TypeError, KeyError) as exc:  # the class's own config rules
+        raise ConfigError("model.architecture", arch, f"refuses this model config: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    except Exception:  # e.g. an operation meta tensors do not support: the workers build it for real
+        return
+    if model_cfg.hf_checkpoint is not None:
+        from nxdt.lightning.hf import HFCheckpointError, check_hf_checkpoint
+
+        expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        try:
+            check_hf_checkpoint(model_cfg.hf_checkpoint, expected, tied=bool(getattr(model, "tied", False)))
+        except HFCheckpointError as exc:
+            raise ConfigError("model.hf_checkpoint", model_cfg.hf_checkpoint, exc.fix) from None
+
+
+HOST_MEMORY_FRACTION = 0.9  # a local CPU run whose estimate exceeds this share of MemAvailable is refused
+
+
+def host_available_bytes() -> int | None:
+    """``MemAvailable`` of /proc/meminfo in bytes (None where there is none: not Linux, a restricted container)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_host_memory(cfg: Any) -> None:
+    """A run of worker processes on this host (instance graph ``host``, local launcher) whose planned memory —
+    per rank × ranks on the node — clearly exceeds the host's available memory would be killed by the OOM killer
+    mid-run; refused here, naming both figures and the fix."""
+    if cfg.instance.graph != "host" or cfg.launcher.name != "local":
+        return
+    available = host_available_bytes()
+    if not available:
         return
     from nxdt.config import ConfigError
-    from nxdt.data.hf_dataset import DatasetDirError, SavedHFDataset
+    from nxdt.planner import plan
 
-    try:
-        SavedHFDataset(cfg.data.train_dir, cfg.data.seq_length, cfg.model.vocab_size)
-    except DatasetDirError as exc:
-        raise ConfigError("data.train_dir", cfg.data.train_dir, exc.fix) from None
+    the_plan = plan(cfg)
+    per_rank = sum(the_plan.estimate.get("memory_per_rank_bytes", {}).values())
+    needed = per_rank * the_plan.ranks_per_node
+    if needed > HOST_MEMORY_FRACTION * available:
+        raise ConfigError("trainer.devices", cfg.trainer.devices, f"the plan estimates {_size(per_rank)} per rank × "
+                          f"{the_plan.ranks_per_node} ranks = {_size(needed)}, this host has {_size(available)} available "
+                          "(MemAvailable); use fewer trainer.devices, a smaller model, a smaller data.micro_batch_size "
+                          "or data.seq_length, or zero1 / fsdp")
 
 
 def cmd_train(argv: list[str]) -> int:

@@ -91,6 +91,101 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["checkpoint", "consolidate", str(_checkpoint(tmp, "h", degrees={"ep": 2})), str(tmp / "out")], "expert-parallel"),
         *((["train", override], needle) for override, needle in RANGE_CASES),
         *((["train", *overrides], needle) for overrides, needle in RANGE_COMBINED),
+        *((["train", *overrides], needle) for overrides, needle in _launch_cases(tmp / "launch")),
+    ]
+
+
+def _launch_cases(tmp: Path) -> list[tuple[list[str], str]]:
+    """What only the workers used to find (with tracebacks): training files, tokenizer, hf_checkpoint headers, the
+    model class, host memory — each checked cheaply in the launcher (tests/test_launch_checks.py has the details)."""
+    import pyarrow as pa
+    import pyarrow.ipc  # noqa: F401
+    import tokenizers
+    from safetensors.torch import save_file
+
+    tmp.mkdir()
+    for name in ("empty_dir", "empty_file", "not_utf8", "saved", "no_input_ids", "not_arrow", "bad_state"):
+        (tmp / name).mkdir()
+    (tmp / "empty_file" / "a.txt").write_bytes(b"")
+    (tmp / "not_utf8" / "a.txt").write_bytes(bytes(range(128, 256)) * 4)
+    (tmp / "nul.txt").write_bytes(b"\x7fELF\x02\x01\x01\x00" * 64)
+    (tmp / "short.txt").write_text("too short")
+    (tmp / "saved" / "state.json").write_text('{"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}')
+    (tmp / "no_input_ids" / "state.json").write_text('{"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}')
+    table = pa.table({"text": ["a", "b"]})
+    with pa.ipc.new_stream(str(tmp / "no_input_ids" / "data-00000-of-00001.arrow"), table.schema) as writer:
+        writer.write_table(table)
+    (tmp / "not_arrow" / "state.json").write_text('{"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}')
+    (tmp / "not_arrow" / "data-00000-of-00001.arrow").write_bytes(b"PAR1" * 100)
+    (tmp / "bad_state" / "state.json").write_text('{"_data_files": [')
+    (tmp / "tokenizer_garbage.json").write_bytes(b"\x00\x01 not json")
+    wide = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(1000)}, unk_token="w0"))
+    wide.save(str(tmp / "tokenizer_1000.json"))
+
+    # llama_tiny's parameters (HF names), then damaged copies; no config.json, so only the headers can tell
+    shapes = {"model.embed_tokens.weight": (256, 128), "model.norm.weight": (128,), "lm_head.weight": (256, 128)}
+    for i in range(4):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (128,), p + "post_attention_layernorm.weight": (128,),
+                       p + "self_attn.q_proj.weight": (128, 128), p + "self_attn.k_proj.weight": (64, 128),
+                       p + "self_attn.v_proj.weight": (64, 128), p + "self_attn.o_proj.weight": (128, 128),
+                       p + "mlp.gate_proj.weight": (344, 128), p + "mlp.up_proj.weight": (344, 128),
+                       p + "mlp.down_proj.weight": (128, 344)})
+
+    def checkpoint(name: str, **changes: torch.Tensor | None) -> Path:
+        tensors = {k: torch.zeros(v) for k, v in shapes.items()}
+        for key, value in changes.items():
+            key = key.replace("__", ".")
+            if value is None:
+                del tensors[key]
+            else:
+                tensors[key] = value
+        (tmp / name).mkdir()
+        save_file(tensors, str(tmp / name / "model.safetensors"))
+        return tmp / name
+
+    truncated = checkpoint("hf_truncated") / "model.safetensors"
+    truncated.write_bytes(truncated.read_bytes()[:-1000])
+    corrupt = checkpoint("hf_corrupt_header") / "model.safetensors"
+    data = bytearray(corrupt.read_bytes())
+    data[8:24] = b"\xff" * 16
+    corrupt.write_bytes(bytes(data))
+    wrong_length = checkpoint("hf_wrong_length") / "model.safetensors"
+    wrong_length.write_bytes((1 << 40).to_bytes(8, "little") + wrong_length.read_bytes()[8:])
+    wrong_shape = checkpoint("hf_wrong_shape", model__embed_tokens__weight=torch.zeros(512, 128))
+    wrong_dtype = checkpoint("hf_wrong_dtype", lm_head__weight=torch.zeros(256, 128, dtype=torch.int8))
+    missing = checkpoint("hf_missing", model__norm__weight=None)
+    return [
+        # data.train_dir (text): sampled, first KB of each file
+        ([f"data.train_dir={tmp / 'empty_dir'}"], "holds no *.txt file"),
+        ([f"data.train_dir={tmp / 'empty_file'}"], "a.txt is empty"),
+        ([f"data.train_dir={tmp / 'not_utf8'}"], "a.txt is not UTF-8 text"),
+        ([f"data.train_dir={tmp / 'nul.txt'}"], "is binary"),
+        ([f"data.train_dir={tmp / 'short.txt'}"], "too few for one sample of data.seq_length=128"),
+        ([f"data.train_dir={tmp / 'saved'}"], "set data.source=hf_dataset"),
+        # data.train_dir (hf_dataset): JSON files and Arrow schema, no rows
+        (["data.source=hf_dataset", f"data.train_dir={tmp / 'empty_dir'}"], "not a Hugging Face datasets directory"),
+        (["data.source=hf_dataset", f"data.train_dir={tmp / 'bad_state'}"], "not what save_to_disk writes"),
+        (["data.source=hf_dataset", f"data.train_dir={tmp / 'no_input_ids'}"], "has no input_ids column (has text)"),
+        (["data.source=hf_dataset", f"data.train_dir={tmp / 'not_arrow'}"], "is not an Arrow stream"),
+        (["data.source=hf_dataset", f"data.train_dir={tmp / 'short.txt'}"], "is a file"),
+        # data.tokenizer
+        ([f"data.tokenizer={tmp / 'tokenizer_garbage.json'}"], "not a valid tokenizer.json"),
+        ([f"data.tokenizer={tmp / 'tokenizer_1000.json'}"], "has 1000 token ids, model.vocab_size=256"),
+        # model.hf_checkpoint: safetensors headers against the configured model's parameters
+        ([f"model.hf_checkpoint={truncated.parent}"], "truncated"),
+        ([f"model.hf_checkpoint={corrupt.parent}"], "header is not JSON"),
+        ([f"model.hf_checkpoint={wrong_length.parent}"], "does not start with a safetensors header"),
+        ([f"model.hf_checkpoint={wrong_shape}"], "has shape [512, 128], the configured model expects [256, 128]"),
+        ([f"model.hf_checkpoint={wrong_dtype}"], "lm_head.weight is I8, not floating-point weights"),
+        ([f"model.hf_checkpoint={missing}"], "missing tensors model.norm.weight"),
+        # model.architecture: a hub model class, not any attribute of a hub module
+        (["model.architecture=nxdt.models.llama.rope_tables"], "is a function, not a torch.nn.Module model class"),
+        (["model.architecture=nxdt.models.llama.math"], "is a module, not a torch.nn.Module model class"),
+        (["model.architecture=nxdt.models.llama.RMSNorm"], "not a causal language model"),
+        (["model.architecture=nxdt.models.llama.DEFAULT_IMPL"], "is a str"),
+        # host memory: the plan's estimate × ranks on this host against MemAvailable
+        (["model=llama3_70b", "trainer.devices=8", "data.global_batch_size=32"], "available (MemAvailable)"),
     ]
 
 

@@ -181,3 +181,52 @@ class PackedText(Dataset):
         start = index * self.seq_length
         window = self.tokens[start:start + self.seq_length + 1].long()
         return {"input_ids": window[:-1], "labels": window[1:]}
+
+
+SAMPLE_BYTES = 1024  # what the launcher reads of each training text file before any worker starts
+
+
+class TextSourceError(ValueError):
+    """A training text the workers could not read: ``fix`` is the one-line reason and remedy."""
+
+    def __init__(self, fix: str) -> None:
+        self.fix = fix
+        super().__init__(fix)
+
+
+def check_text_files(path: str | Path, seq_length: int, *, byte_level: bool) -> None:
+    """The launcher's cheap check of ``data.source=text`` input: some ``*.txt`` files, none empty, the first
+    ``SAMPLE_BYTES`` of each UTF-8 text (no NUL byte), and — byte-level, where a byte is a token — enough bytes
+    for one sample. Reads at most ``SAMPLE_BYTES`` per file. Raises :class:`TextSourceError`."""
+    path = Path(path)  # as the workers open it (no ~ expansion)
+    if path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
+        raise TextSourceError("is a Hugging Face save_to_disk dataset, not text; set data.source=hf_dataset")
+    try:
+        files = text_files(path)
+    except FileNotFoundError:
+        raise TextSourceError("holds no *.txt file; put UTF-8 text files there or point data.train_dir at a text "
+                              "file (null = the shipped sample text)") from None
+    total = 0
+    for file in files:
+        shown = str(file.relative_to(path)) if file != path else "the file"
+        try:
+            size = file.stat().st_size
+            with open(file, "rb") as fh:
+                head = fh.read(SAMPLE_BYTES)
+        except OSError as exc:
+            raise TextSourceError(f"cannot read {shown}: {exc.strerror or exc}; check its permissions") from None
+        if size == 0:
+            raise TextSourceError(f"{shown} is empty; remove it or give non-empty UTF-8 text")
+        try:  # final=False: the sample may end inside a multi-byte character
+            codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+            binary = b"\x00" in head
+        except UnicodeDecodeError as exc:
+            raise TextSourceError(f"{shown} is not UTF-8 text (invalid byte at offset {exc.start}); convert it, "
+                                  "e.g. iconv -t UTF-8, or leave binary files out") from None
+        if binary:
+            raise TextSourceError(f"{shown} is binary (a NUL byte in its first {SAMPLE_BYTES} bytes), not UTF-8 text; "
+                                  "leave binary files out of data.train_dir")
+        total += size
+    if byte_level and total - 1 < seq_length:
+        raise TextSourceError(f"holds {total} bytes (tokens, byte-level), too few for one sample of data.seq_length="
+                              f"{seq_length} (+1 for the shifted label); use a longer text or a shorter seq_length")

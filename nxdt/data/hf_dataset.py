@@ -138,3 +138,44 @@ class SavedHFDataset(Dataset):
         labels = torch.full((s,), IGNORE, dtype=torch.long)
         labels[:len(targets)] = torch.from_numpy(targets)
         return {"input_ids": ids, "labels": labels}
+
+
+def check_saved_dataset(path: str | Path) -> None:
+    """The launcher's cheap check of a ``save_to_disk`` directory: its JSON files, its shards listed and present,
+    and each shard's Arrow *schema* (an ``input_ids`` column of integer lists) — no row is read.
+    Raises :class:`DatasetDirError`."""
+    root = Path(path).expanduser()
+    if root.is_file():
+        raise DatasetDirError(root, "is a file; data.source=hf_dataset reads a directory written by datasets' save_to_disk "
+                              "(for a text file set data.source=text)")
+    try:
+        split = _split_dir(root)
+        state = json.loads((split / "state.json").read_text())
+        names = [f["filename"] for f in state.get("_data_files", [])]
+    except DatasetDirError:
+        raise
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError, TypeError, KeyError) as exc:
+        raise DatasetDirError(root, f"state.json / dataset_dict.json is not what save_to_disk writes ({type(exc).__name__}); "
+                              "write the dataset again with Dataset.save_to_disk") from None
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise DatasetDirError(root, "state.json lists no data files; write the dataset again with Dataset.save_to_disk")
+    pa = _pyarrow()
+    for name in names:
+        file = split / name
+        if not file.is_file():
+            raise DatasetDirError(root, f"shard {name} listed in state.json is missing")
+        try:
+            with pa.memory_map(str(file)) as source:
+                schema = pa.ipc.open_stream(source).schema  # the stream's first message only
+        except (pa.ArrowException, OSError) as exc:
+            raise DatasetDirError(root, f"{name} is not an Arrow stream ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
+                                  "write the dataset again with Dataset.save_to_disk") from None
+        if "input_ids" not in schema.names:
+            raise DatasetDirError(root, f"{name} has no input_ids column (has {', '.join(schema.names) or 'none'}); "
+                                  "give a tokenized dataset")
+        for column in ("input_ids", "labels"):
+            if column not in schema.names:
+                continue
+            kind = schema.field(column).type
+            if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_integer(kind.value_type):
+                raise DatasetDirError(root, f"{name}: column {column} is {kind}, not a list of token ids; give a tokenized dataset")

@@ -62,3 +62,40 @@ Tokenizer = Union[ByteTokenizer, HFTokenizer]
 def build_tokenizer(path: str | Path | None) -> Tokenizer:
     """``None`` → byte-level; otherwise a ``tokenizer.json`` (or a directory holding one)."""
     return ByteTokenizer() if path is None else HFTokenizer(path)
+
+
+MAX_TOKENIZER_BYTES = 1 << 30  # the largest tokenizer.json the launcher parses (real ones are a few MB)
+
+
+class TokenizerFileError(ValueError):
+    """A ``data.tokenizer`` the workers could not use: ``fix`` is the one-line reason and remedy."""
+
+    def __init__(self, fix: str) -> None:
+        self.fix = fix
+        super().__init__(fix)
+
+
+def check_tokenizer(path: str | Path, vocab_size: int) -> int:
+    """The launcher's check of ``data.tokenizer``: loadable by ``tokenizers.Tokenizer.from_file`` and with every
+    id below ``model.vocab_size``. Returns its vocabulary size; raises :class:`TokenizerFileError`."""
+    file = Path(path)  # as the workers open it (no ~ expansion)
+    file = file / "tokenizer.json" if file.is_dir() else file
+    if file.is_file() and file.stat().st_size > MAX_TOKENIZER_BYTES:
+        raise TokenizerFileError(f"{file.name} is {file.stat().st_size / 2**30:.1f} GiB, no tokenizer.json is that large; "
+                                 "give the tokenizer.json saved with the model")
+    try:
+        tokenizer = HFTokenizer(path)
+    except FileNotFoundError:
+        raise TokenizerFileError("no tokenizer.json there; give a Hugging Face tokenizer.json (or its directory), "
+                                 "or null for the byte-level tokenizer") from None
+    except RuntimeError:
+        raise TokenizerFileError("reading tokenizer.json needs the 'tokenizers' package: pip install 'nxdt[hf]'") from None
+    except (ValueError, OSError) as exc:
+        reason = str(exc.__cause__ or exc).splitlines()[0][:160] if str(exc.__cause__ or exc) else type(exc).__name__
+        raise TokenizerFileError(f"not a valid tokenizer.json ({reason}); give the tokenizer.json saved with the "
+                                 "model (tokenizer.save_pretrained)") from None
+    if tokenizer.vocab_size > vocab_size:
+        raise TokenizerFileError(f"has {tokenizer.vocab_size} token ids, model.vocab_size={vocab_size} has room for "
+                                 f"fewer (ids would index past the embedding); set model.vocab_size >= "
+                                 f"{tokenizer.vocab_size}, or use the model's own tokenizer")
+    return tokenizer.vocab_size
