@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -158,3 +159,46 @@ def test_export_hf_refuses_a_non_empty_target_and_never_writes_through_a_link(tm
     with pytest.raises(CheckpointError, match="symbolic link"):
         export_hf(tmp_path / "no-checkpoint-needed", link)
     assert list(elsewhere.iterdir()) == [] and (occupied / "mine.txt").read_text() == "keep"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_hostile_payloads_in_every_store_key_run_no_code(tmp_path):
+    """A local user who finds the run's store port (127.0.0.1) and its run id (the workers' environment) writes
+    a pickled command into every key nxdt and torch's agent read — before and during their use. Nothing is
+    unpickled, so the command never runs; the job ends cleanly (finished, or one line naming what was wrong)."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    run, marker = tmp_path / "run", tmp_path / "pwned"
+    payload = pickle.dumps(_RunsCode(str(marker)))
+    proc = subprocess.Popen([sys.executable, "-m", "nxdt.cli", "train", "model=llama_tiny", "data=synthetic",
+                             "trainer.max_steps=40", "exp_manager.create_tensorboard_logger=false",
+                             f"exp_manager.explicit_log_dir={run}"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "metrics.csv").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "the run did not start"
+            time.sleep(0.2)
+        tree = _process_tree(proc.pid)
+        (port,) = {p for _, p in _listening_addresses(tree)}
+        # the run id, as anyone can read it from the names of the run's shared-memory segments (this run's: their
+        # header names a creator in the run's process tree)
+        run_id = next(p.name[len("nxdt-"):].split(".")[0] for p in Path("/dev/shm").glob("nxdt-x*")
+                      if np.frombuffer(p.read_bytes()[:16], dtype=np.int64)[1] in tree)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+        keys = [f"nxdt/{run_id}/0/1/{k}" for k in ("run_nonce", "host/0", "host/1", "left")]
+        keys += [f"nxdt/resume/{run_id}/0", f"nxdt/resume/{run_id}/1", "MASTER_ADDR", "MASTER_PORT"]
+        keys += [f"{run_id}/torchelastic/{k}" for k in ("role_info/0", "assigned_ranks/0", "agent/terminal_state/num_members",
+                                                         "agent/terminal_state/last_member")]
+        for key in keys:
+            store.set(key, payload)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not marker.exists(), "a pickled payload from the store was executed"
+    assert "Traceback" not in err, err[-3000:]  # torch's agent logs its broken exit barrier to logs/launcher.log
+    assert proc.returncode == 0 or err.strip().splitlines()[-1].startswith("nxdt:"), err[-2000:]
+

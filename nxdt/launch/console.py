@@ -202,8 +202,9 @@ LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 
 
 def launcher_log(run_dir: Path | None) -> None:
-    """Unless verbose, the launcher's torch records go to ``logs/launcher.log`` of the job's run directory and only
-    errors to the console; ``None`` detaches the file when the job ends."""
+    """Unless verbose, the launcher's torch records go to ``logs/launcher.log`` of the job's run directory only: nxdt
+    names a failure itself in one line, and the agent's own errors (e.g. an exit barrier broken by a garbled store
+    key after the workers finished) are its bookkeeping, not the run's outcome. ``None`` detaches the file."""
     if mode() == "verbose":
         return
     for name in LAUNCHER_LOGGERS:
@@ -214,13 +215,10 @@ def launcher_log(run_dir: Path | None) -> None:
                 handler.close()
         if run_dir is None:
             continue
-        console = logging.StreamHandler(sys.stderr)
-        console.setLevel(logging.ERROR)
         to_file = logging.FileHandler(Path(run_dir) / "logs" / "launcher.log", delay=True)
-        for handler in (console, to_file):
-            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-            handler._nxdt = True
-            logger.addHandler(handler)
+        to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        to_file._nxdt = True
+        logger.addHandler(to_file)
         logger.propagate = False
 
 
