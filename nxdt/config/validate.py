@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,25 @@ CHOICES = {
     "exp_manager.fault_injection.kind": ("raise", "sigkill", "sigkill_during_save", "hang", "nan"),
     "exp_manager.nan_policy": ("stop", "skip_step"),
 }
-DIMENSIONS = ("tp", "cp", "ep", "dp", "pp")
+
+
+class Dim(str, Enum):
+    """A parallel dimension. The values are the keys of ``Plan.degrees``/``Plan.groups`` and of plan.json and
+    checkpoint meta.json (a ``str`` enum: ``Dim.TP == "tp"``, it hashes and serialises as ``"tp"``)."""
+
+    TP = "tp"
+    CP = "cp"
+    EP = "ep"
+    DP = "dp"
+    PP = "pp"
+    EDP = "edp"  # expert data parallelism: the DP ranks holding the same experts (derived: DP / EP)
+    MP = "mp"  # the model-parallel replica, TP × PP (derived)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+DIMENSIONS = (Dim.TP, Dim.CP, Dim.EP, Dim.DP, Dim.PP)  # the degrees a layout sets (placement_order names each once)
 MAX_INT = 2**62  # any integer key (steps, sizes, counts): beyond it the value is a typo, and int64 arithmetic overflows
 MAX_SEED = 2**32 - 1  # numpy (and so Lightning's seed_everything) takes seeds in 0..2**32-1
 MAX_LOCAL_RANKS = 4096  # worker processes one host (instance graph "host", e.g. cpu) runs per node
@@ -221,6 +240,14 @@ def global_batch(data: Any, dp: int) -> int:
     return data.micro_batch_size * dp if data.global_batch_size is None else data.global_batch_size
 
 
+def batch_plan(data: Any, dp: int) -> dict[str, int]:
+    """``Plan.batch``: global and micro-batch size, sequence length and micro-batches per DP rank and step (the
+    gradient accumulation count). The one place that count is derived; everything else reads ``Plan.batch``."""
+    batch = global_batch(data, dp)
+    return {"global": batch, "micro": data.micro_batch_size, "seq_length": data.seq_length,
+            "micro_batches": batch // (data.micro_batch_size * dp)}
+
+
 def validate(cfg: Any, *, paths: bool = True) -> None:
     """``paths=False`` (``nxdt plan``): do not require the files the run would read to exist here."""
     fill_instance_defaults(cfg)
@@ -307,7 +334,7 @@ def validate(cfg: Any, *, paths: bool = True) -> None:
     if data.global_batch_size % (data.micro_batch_size * dp):
         raise ConfigError("data.global_batch_size", data.global_batch_size,
                           f"must be divisible by micro_batch_size × DP = {data.micro_batch_size}×{dp} = {data.micro_batch_size * dp}")
-    microbatches = data.global_batch_size // (data.micro_batch_size * dp)
+    microbatches = batch_plan(data, dp)["micro_batches"]
     if vpp > 1 and microbatches % pp:
         fix = f"the interleaved schedule needs micro-batches per step ({microbatches} = global / (micro × DP)) divisible by PP={pp}"
         if given is None:

@@ -59,6 +59,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from nxdt.config.validate import Dim
+
 log = logging.getLogger(__name__)
 
 # 2: trainer states record optimizer parameter names, rng-rank<R> files, meta has virtual_pipeline
@@ -553,11 +555,11 @@ def check_layout(path: str | os.PathLike, degrees: dict[str, int], zero1: bool, 
     A change that cannot be supported raises CheckpointError — one line naming it."""
     meta = read_meta(path)
     saved = meta.get("degrees", {})
-    same_shards = all(saved.get(d, 1) == degrees[d] for d in ("tp", "pp", "ep"))
+    same_shards = all(saved.get(d, 1) == degrees[d] for d in (Dim.TP, Dim.PP, Dim.EP))
     # virtual pipeline chunks decide which layers a stage's file holds (recorded since format 2)
     same_chunks = virtual is None or meta.get("virtual_pipeline", virtual) == virtual
     here = data_parallel_format or ("zero1" if zero1 else "replicated")
-    same_dp = dp_format(meta) == here and (here == "replicated" or saved.get("dp") == degrees["dp"])
+    same_dp = dp_format(meta) == here and (here == "replicated" or saved.get(Dim.DP) == degrees[Dim.DP])
     if same_shards and same_chunks and same_dp:
         return False
     from nxdt.lightning.reshard import check_reshardable  # reshard builds on this module

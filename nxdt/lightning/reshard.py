@@ -40,6 +40,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from nxdt.config.validate import Dim
 from nxdt.lightning.checkpoint import CheckpointError, dp_format, read_meta, rng_file, save, verify
 from nxdt.parallel.tensor_parallel import shard_spec
 from nxdt.parallel.zero1 import STATE_FORMAT as ZERO1_FORMAT, consolidate_shard_states
@@ -109,8 +110,8 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
 def _files(meta: dict[str, Any], mp: int) -> tuple[str, Callable[[int], str]]:
     """(model file, DP rank → trainer-state file) of model-parallel position ``mp`` (see NxDStrategy._shard_files)."""
     deg = meta.get("degrees", {})
-    suffix = "" if deg.get("tp", 1) * deg.get("pp", 1) == 1 else f"-mp{mp}"
-    sharded_state = dp_format(meta) in ("zero1", "fsdp") and deg.get("dp", 1) > 1
+    suffix = "" if deg.get(Dim.TP, 1) * deg.get(Dim.PP, 1) == 1 else f"-mp{mp}"
+    sharded_state = dp_format(meta) in ("zero1", "fsdp") and deg.get(Dim.DP, 1) > 1
     return f"model{suffix}.safetensors", lambda dp: f"trainer_state{suffix}{f'-dp{dp}' if sharded_state else ''}.pt"
 
 
@@ -156,7 +157,7 @@ def _read_zero1(root: Path, meta: dict[str, Any], mp: int, optimizer: bool) -> P
     model = _tensors(root / model_file)
     if not optimizer:
         return PositionShard(model, [], {})
-    states = [_state(root / state_file(d)) for d in range(meta["degrees"].get("dp", 1))]
+    states = [_state(root / state_file(d)) for d in range(meta["degrees"].get(Dim.DP, 1))]
     names = _take_names(states[0], root / state_file(0))
     opts = []
     for i, n in enumerate(names):
@@ -183,7 +184,7 @@ def _read_fsdp(root: Path, meta: dict[str, Any], mp: int, optimizer: bool) -> Po
     model = _tensors(root / model_file)
     if not optimizer:
         return PositionShard(model, [], {})
-    dp = meta["degrees"].get("dp", 1)
+    dp = meta["degrees"].get(Dim.DP, 1)
     states = [_state(root / state_file(d)) for d in range(dp)]
     layouts = states[0].get(FSDP_LAYOUT_KEY)
     if layouts is None:
@@ -229,10 +230,10 @@ def check_reshardable(path: str | os.PathLike, meta: dict[str, Any], degrees: di
     saved = meta.get("degrees", {})
     here = _layout_name(meta)
     there = _layout_name({"degrees": degrees, "zero1": zero1})
-    if saved.get("ep", 1) > 1 or degrees.get("ep", 1) > 1:
+    if saved.get(Dim.EP, 1) > 1 or degrees.get(Dim.EP, 1) > 1:
         raise CheckpointError(
             f"checkpoint {path} was saved at {here}, this run is {there} — resharding expert-parallel checkpoints is not "
-            f"supported: resume with TP{saved.get('tp', 1)}, PP{saved.get('pp', 1)}, EP{saved.get('ep', 1)} and the same ZeRO-1 "
+            f"supported: resume with TP{saved.get(Dim.TP, 1)}, PP{saved.get(Dim.PP, 1)}, EP{saved.get(Dim.EP, 1)} and the same ZeRO-1 "
             "setting (without ZeRO-1 the data-parallel degree may change)")
     if meta.get("format_version", 1) < 2:
         raise CheckpointError(
@@ -241,7 +242,7 @@ def check_reshardable(path: str | os.PathLike, meta: dict[str, Any], degrees: di
     if dp_format(meta) not in DP_FORMATS:
         raise CheckpointError(f"checkpoint {path} holds {dp_format(meta)} shards, which cannot be resharded yet "
                               f"(supported: {', '.join(DP_FORMATS)}) — resume it on its original layout {here}")
-    if saved.get("tp", 1) > 1 and not meta.get("tensor_parallel"):
+    if saved.get(Dim.TP, 1) > 1 and not meta.get("tensor_parallel"):
         raise CheckpointError(f"checkpoint {path}: meta.json records no tensor-parallel layout — resume it on its original layout {here}")
 
 
@@ -267,9 +268,9 @@ def read_full_state(path: str | os.PathLike, *, optimizer: bool = True, expect_m
     verify(root, expect_model)
     meta = read_meta(root)
     deg = meta.get("degrees", {})
-    tp, pp = deg.get("tp", 1), deg.get("pp", 1)
-    if deg.get("ep", 1) > 1:
-        raise CheckpointError(f"checkpoint {root} is expert-parallel (EP{deg['ep']}): consolidating expert-parallel shards "
+    tp, pp = deg.get(Dim.TP, 1), deg.get(Dim.PP, 1)
+    if deg.get(Dim.EP, 1) > 1:
+        raise CheckpointError(f"checkpoint {root} is expert-parallel (EP{deg[Dim.EP]}): consolidating expert-parallel shards "
                               "is not supported yet")
     reader = DP_FORMATS.get(dp_format(meta))
     if reader is None:

@@ -43,7 +43,7 @@ from nxdt.parallel.data_parallel import FSDP_SHARD_MARK, DataParallelRuntime, Mo
 from nxdt.parallel.expert_parallel import apply_expert_parallel
 from nxdt.parallel.pipeline import PipelineExecutor, build_chunks, interleaved_one_f_one_b, one_f_one_b
 from nxdt.parallel.tensor_parallel import apply_tensor_parallel, norm_weights, shard_layout
-from nxdt.planner import Plan, plan_layout
+from nxdt.planner import DIMENSIONS, Dim, Plan, plan_layout
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,8 @@ class NxDStrategy(ParallelStrategy):
                            ("context_parallel_size", context_parallel_size), ("expert_parallel_size", expert_parallel_size)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"NxDStrategy({key}={value!r}): must be an integer >= 1")
-        self._degrees = {"tp": tensor_parallel_size, "pp": pipeline_parallel_size, "cp": context_parallel_size, "ep": expert_parallel_size}
+        self._degrees = {Dim.TP: tensor_parallel_size, Dim.PP: pipeline_parallel_size, Dim.CP: context_parallel_size,
+                         Dim.EP: expert_parallel_size}
         self._plan = plan
         self._timeout_s = float(timeout_s)
         self._placement_order = placement_order
@@ -182,7 +183,7 @@ class NxDStrategy(ParallelStrategy):
 
     @property
     def dp_comm(self) -> nxdt.comm.Communicator:
-        return self.communicators["dp"]
+        return self.communicators[Dim.DP]
 
     @property
     def is_distributed(self) -> bool:
@@ -195,7 +196,7 @@ class NxDStrategy(ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Shard data over the data-parallel ranks only: ranks of one TP/PP/CP group see the same samples."""
         plan = self.plan
-        return {"num_replicas": plan.degrees["dp"], "rank": plan.coords(self.global_rank)["dp"]}
+        return {"num_replicas": plan.dp, "rank": plan.coords(self.global_rank).dp}
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -216,7 +217,7 @@ class NxDStrategy(ParallelStrategy):
         if self._plan is None:
             self._plan = plan_layout(
                 world_size,
-                tp=self._degrees["tp"], pp=self._degrees["pp"], cp=self._degrees["cp"], ep=self._degrees["ep"],
+                tp=self._degrees[Dim.TP], pp=self._degrees[Dim.PP], cp=self._degrees[Dim.CP], ep=self._degrees[Dim.EP],
                 order=self._placement_order, ranks_per_node=self.num_processes,
             )
         elif self._plan.world_size != world_size:
@@ -224,7 +225,7 @@ class NxDStrategy(ParallelStrategy):
                 f"the plan is for {self._plan.world_size} ranks but Lightning started {world_size} "
                 f"(devices={self.num_processes}, num_nodes={self.num_nodes}); make trainer.devices × num_nodes match the plan"
             )
-        if self._plan.degrees["cp"] != 1:
+        if self._plan.cp != 1:
             raise NotImplementedError(
                 f"NxDStrategy: degrees {self._plan.degrees} — context parallel training is not "
                 f"implemented yet in this version; use data, tensor, pipeline and expert parallelism")
@@ -245,12 +246,12 @@ class NxDStrategy(ParallelStrategy):
             store_is_server=(self.global_rank == 0 and not agent_hosts_store),
         )
         self.communicators = {"world": self.world.world}
-        dims = ("tp", "cp", "ep", "dp", "pp") + (("edp",) if self._plan.degrees["ep"] > 1 else ())
+        dims = DIMENSIONS + ((Dim.EDP,) if self._plan.ep > 1 else ())
         for dim in dims:
             for index, ranks in enumerate(self._plan.groups[dim]):
-                comm = self.world.new_communicator(list(ranks), name=f"{dim}{index}", link=self._emulated_links.get(dim))
+                comm = self.world.new_communicator(list(ranks), name=f"{dim.value}{index}", link=self._emulated_links.get(dim))
                 if comm is not None:
-                    self.communicators[dim] = comm
+                    self.communicators[dim.value] = comm
         atexit.register(self.close)  # a forked nxdt worker skips atexit handlers: run_training closes explicitly
         log.info("rank %d: communicators %s", self.global_rank, {k: c.ranks for k, c in self.communicators.items()})
 
@@ -276,9 +277,9 @@ class NxDStrategy(ParallelStrategy):
 
     def _model_parallel(self) -> ModelParallel:
         """This rank's groups as the data-parallel runtime composes with them (TP/PP/EP only where the degree > 1)."""
-        degrees, comms = self.plan.degrees, self.communicators
-        split = {dim: comms[dim] if degrees[dim] > 1 else None for dim in ("tp", "pp", "ep")}
-        return ModelParallel(dp=comms["dp"], dp_size=degrees["dp"], edp=comms.get("edp"), **split,
+        plan, comms = self.plan, self.communicators
+        split = {dim.value: comms[dim] if plan.degree(dim) > 1 else None for dim in (Dim.TP, Dim.PP, Dim.EP)}
+        return ModelParallel(dp=comms[Dim.DP], dp_size=plan.dp, edp=comms.get(Dim.EDP), **split,
                              sequence_parallel=self._sequence_parallel, norm_weights=self._norm_weights, tp_layout=self._tp_layout)
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -295,7 +296,7 @@ class NxDStrategy(ParallelStrategy):
     def _parallelize(self) -> None:
         """Shard the module's ``model`` (a model-hub model): layers over TP, experts over EP, then cut this
         rank's pipeline stage."""
-        tp, pp, ep = self.plan.degrees["tp"], self.plan.degrees["pp"], self.plan.degrees["ep"]
+        tp, pp, ep = self.plan.tp, self.plan.pp, self.plan.ep
         if tp == 1 and pp == 1 and ep == 1:
             return
         model = getattr(self.lightning_module, "model", None)
@@ -305,12 +306,12 @@ class NxDStrategy(ParallelStrategy):
             raise ValueError("NxDStrategy: tensor/pipeline/expert parallelism needs a LightningModule whose `model` is a "
                              "model-hub model (embed / run_layer / head), e.g. nxdt.lightning.CausalLMModule")
         if tp > 1:
-            apply_tensor_parallel(model, self.communicators["tp"], sequence_parallel=self._sequence_parallel)
+            apply_tensor_parallel(model, self.communicators[Dim.TP], sequence_parallel=self._sequence_parallel)
             self._norm_weights = norm_weights(model, tp)
         if ep > 1:  # after TP: it flags the (TP-sharded) expert parameters it keeps
-            apply_expert_parallel(model, self.communicators["ep"])
+            apply_expert_parallel(model, self.communicators[Dim.EP])
         if pp > 1:
-            pp_comm = self.communicators["pp"]
+            pp_comm = self.communicators[Dim.PP]
             chunks = build_chunks(model, pp_comm.rank, pp, virtual=self._virtual)
             self._pipeline = PipelineExecutor(chunks, pp_comm, model.loss_fn, seq_shards=tp if self._sequence_parallel else 1)
         if tp > 1:  # this stage's TP-sharded parameters, recorded before FSDP could flatten them
@@ -322,7 +323,7 @@ class NxDStrategy(ParallelStrategy):
         gradient of the mean loss afterwards; returns the mean loss (on every pipeline stage)."""
         if self._pipeline is None:
             return module._forward_backward(micro_batches)
-        pp, m = self.communicators["pp"], len(micro_batches)
+        pp, m = self.communicators[Dim.PP], len(micro_batches)
         schedule = (interleaved_one_f_one_b(pp.size, pp.rank, m, self._virtual) if self._virtual > 1
                     else one_f_one_b(pp.size, pp.rank, m))
         return torch.as_tensor(self._pipeline.run(schedule, micro_batches), dtype=torch.float64)
@@ -425,11 +426,11 @@ class NxDStrategy(ParallelStrategy):
         identical weights, so DP rank 0 of each model-parallel position (TP × PP shard) writes them; the
         trainer/optimizer state is per model-parallel shard too, and per DP rank when the data-parallel runtime
         shards it (ZeRO-1, FSDP)."""
-        coords = self.plan.coords(self.global_rank)
-        mp = "" if self.plan.degrees["tp"] * self.plan.degrees["pp"] == 1 else f"-mp{coords['mp']}"
-        mp += f"-ep{coords['ep']}" if self.plan.degrees["ep"] > 1 else ""  # each EP rank holds its own experts
-        dp = f"-dp{coords['dp']}" if self._dp.shards_optimizer_state and self.plan.degrees["dp"] > 1 else ""
-        first = coords["dp"] < self.plan.degrees["ep"]  # the first replica of each EP position
+        plan, coords = self.plan, self.plan.coords(self.global_rank)
+        mp = "" if plan.mp == 1 else f"-mp{coords.mp}"
+        mp += f"-ep{coords.ep}" if plan.ep > 1 else ""  # each EP rank holds its own experts
+        dp = f"-dp{coords.dp}" if self._dp.shards_optimizer_state and plan.dp > 1 else ""
+        first = coords.dp < plan.ep  # the first replica of each EP position
         return f"model{mp}.safetensors", f"trainer_state{mp}{dp}.pt", first, first or bool(dp)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -441,7 +442,7 @@ class NxDStrategy(ParallelStrategy):
         model_file, state_file, writes_model, writes_state = self._shard_files()
         meta = {"degrees": dict(self.plan.degrees), "world_size": self.plan.world_size, **self._dp.checkpoint_flags(),
                 "virtual_pipeline": self._virtual, "dp_format": self._dp.dp_format, **self.checkpoint_meta}
-        if self.plan.degrees["tp"] > 1:  # how to reassemble full tensors from the TP shards (export, resharding)
+        if self.plan.tp > 1:  # how to reassemble full tensors from the TP shards (export, resharding)
             layout = self._tp_layout if self._tp_layout is not None else shard_layout(self.lightning_module.model)
             layouts = self.world.world.all_gather_object(layout)  # every stage's tensors
             meta["tensor_parallel"] = {name: spec for layout in layouts for name, spec in layout.items()}
@@ -483,7 +484,7 @@ class NxDStrategy(ParallelStrategy):
         state = checkpoint["state_dict"]
         if checkpoint.get(reshard.RESHARDED_KEY):  # the full model of another layout: this rank's stage and TP part of it
             state = reshard.local_model_state(state, self._dp.model_state_keys(self.lightning_module), self.lightning_module,
-                                              self.plan.coords(self.global_rank)["tp"])
+                                              self.plan.coords(self.global_rank).tp)
         try:
             rest = self._dp.load_model_state(self.lightning_module, state)
         except (KeyError, ValueError) as exc:
@@ -507,7 +508,7 @@ class NxDStrategy(ParallelStrategy):
         return checkpoint
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        tp_rank, module = self.plan.coords(self.global_rank)["tp"], self.lightning_module
+        tp_rank, module = self.plan.coords(self.global_rank).tp, self.lightning_module
         try:  # by parameter name where the checkpoint's layout or order differs; FSDP cuts full states into its shards
             states = self._dp.optimizer_states(
                 checkpoint["optimizer_states"], self.optimizers, module, resharded=bool(checkpoint.get(reshard.RESHARDED_KEY)),

@@ -29,17 +29,37 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from nxdt.config.validate import ConfigError, global_batch
+from nxdt.config.validate import DIMENSIONS, ConfigError, Dim, batch_plan
 from nxdt.planner.placement import CHECKED_DIMENSIONS, accepted_sizes, candidate_orders, group_violation, local_order
 from nxdt.topology import Topology, TopologyError, check_lnc, topology_of
 
-DIMENSIONS = ("tp", "cp", "ep", "dp", "pp")
-DEGREE_KEYS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size", "cp": "context_parallel_size",
-               "ep": "expert_model_parallel_size"}
+__all__ = ["DIMENSIONS", "Coords", "Dim", "Plan", "PlacementError", "plan", "plan_layout", "workable_tp_degrees"]
+DEGREE_KEYS = {Dim.TP: "tensor_model_parallel_size", Dim.PP: "pipeline_model_parallel_size", Dim.CP: "context_parallel_size",
+               Dim.EP: "expert_model_parallel_size"}
+
+
+class Coords(NamedTuple):
+    """A rank's index within each of its groups (its tp rank, dp rank, ...); ``coords[Dim.TP]`` and ``coords["tp"]``
+    read the same field as ``coords.tp``."""
+
+    tp: int
+    cp: int
+    ep: int
+    dp: int
+    edp: int
+    pp: int
+    mp: int
+    world: int
+
+    def __getitem__(self, key: Any) -> int:  # type: ignore[override]
+        return getattr(self, str(key)) if isinstance(key, str) else tuple.__getitem__(self, key)
+
+    def as_dict(self) -> dict[str, int]:
+        return self._asdict()
 
 
 class PlacementError(ConfigError):
@@ -70,9 +90,39 @@ class Plan:
                 return group
         raise KeyError(f"rank {rank} is in no {dim} group")
 
-    def coords(self, rank: int) -> dict[str, int]:
-        """Index of ``rank`` within each of its groups (its tp rank, dp rank, ...)."""
-        return {dim: self.group_of(dim, rank).index(rank) for dim in self.groups}
+    def degree(self, dim: Dim | str) -> int:
+        """The size of dimension ``dim`` (EDP = DP / EP; MP = TP × PP)."""
+        if dim == Dim.EDP:
+            return self.degrees[Dim.DP] // self.degrees[Dim.EP]
+        if dim == Dim.MP:
+            return self.degrees[Dim.TP] * self.degrees[Dim.PP]
+        return self.degrees[Dim(dim)]
+
+    tp = property(lambda self: self.degree(Dim.TP), doc="tensor-parallel degree")
+    cp = property(lambda self: self.degree(Dim.CP), doc="context-parallel degree")
+    ep = property(lambda self: self.degree(Dim.EP), doc="expert-parallel degree (a sub-axis of DP)")
+    dp = property(lambda self: self.degree(Dim.DP), doc="data-parallel degree")
+    pp = property(lambda self: self.degree(Dim.PP), doc="pipeline-parallel degree")
+    edp = property(lambda self: self.degree(Dim.EDP), doc="expert-data-parallel degree, DP / EP")
+    mp = property(lambda self: self.degree(Dim.MP), doc="model-parallel replica size, TP × PP")
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per DP rank and optimizer step (gradient accumulation), from ``batch``."""
+        return self.batch["micro_batches"]
+
+    def coords(self, rank: int) -> Coords:
+        """Index of ``rank`` within each of its groups (its tp rank, dp rank, ...), computed once per plan."""
+        cache = self.__dict__.get("_coords")
+        if cache is None:  # one pass over the groups: rank → index, per dimension (not a dataclass field: not in plan.json)
+            cache = self.__dict__["_coords"] = {}
+            for dim, groups in self.groups.items():
+                for group in groups:
+                    for i, r in enumerate(group):
+                        cache.setdefault(r, {})[dim] = i
+        if rank not in cache:
+            raise KeyError(f"rank {rank} is in no group of this plan (world size {self.world_size})")
+        return Coords(**cache[rank])
 
     def place(self, rank: int) -> dict[str, int]:
         """Where a rank runs: node, device on the node, logical core on the node."""
@@ -109,16 +159,16 @@ def _position_groups(world_size: int, degrees: dict[str, int], order: str) -> di
     """Groups over grid positions (before the device order maps positions to ranks)."""
     names = order.split("-")
     # EP is a sub-axis of DP: the "dp" axis of the grid holds only dp/ep (replicas across expert groups).
-    sizes = {"tp": degrees["tp"], "cp": degrees["cp"], "ep": degrees["ep"], "dp": degrees["dp"] // degrees["ep"], "pp": degrees["pp"]}
+    sizes = {**degrees, Dim.DP: degrees[Dim.DP] // degrees[Dim.EP]}
     # numpy reshape is row-major (last axis fastest), so reverse the fastest-first order.
     grid = np.arange(world_size).reshape([sizes[n] for n in reversed(names)])
     axis = {n: len(names) - 1 - i for i, n in enumerate(names)}
-    groups = {n: _groups_along(grid, axis[n]) for n in ("tp", "cp", "ep", "pp")}
+    groups = {n.value: _groups_along(grid, axis[n]) for n in (Dim.TP, Dim.CP, Dim.EP, Dim.PP)}
     # data-parallel groups span both the ep and the remaining dp axes
-    groups["dp"] = np.moveaxis(grid, [axis["ep"], axis["dp"]], [-1, -2]).reshape(-1, degrees["dp"])
+    groups["dp"] = np.moveaxis(grid, [axis[Dim.EP], axis[Dim.DP]], [-1, -2]).reshape(-1, degrees[Dim.DP])
     # expert-data-parallel: the ranks holding the same experts (same ep coordinate, different ep groups)
-    groups["edp"] = np.moveaxis(grid, axis["dp"], -1).reshape(-1, degrees["dp"] // degrees["ep"])
-    groups["mp"] = np.moveaxis(grid, [axis["tp"], axis["pp"]], [-1, -2]).reshape(-1, degrees["tp"] * degrees["pp"])
+    groups["edp"] = np.moveaxis(grid, axis[Dim.DP], -1).reshape(-1, degrees[Dim.DP] // degrees[Dim.EP])
+    groups["mp"] = np.moveaxis(grid, [axis[Dim.TP], axis[Dim.PP]], [-1, -2]).reshape(-1, degrees[Dim.TP] * degrees[Dim.PP])
     groups["world"] = np.arange(world_size).reshape(1, -1)
     return groups
 
@@ -232,14 +282,13 @@ def plan(cfg: Any, calibration: dict[str, Any] | None = None, *, estimate: bool 
     except ValueError as exc:
         raise ConfigError("distributed_strategy", "", str(exc)) from None
     data = cfg.data
-    batch = global_batch(data, layout.degrees["dp"])  # null: micro × DP (validate() has resolved it already)
+    layout.batch = batch_plan(data, layout.dp)  # global null: micro × DP (validate() has resolved it already)
+    batch = layout.batch["global"]
     if data.global_batch_size is None:  # an unvalidated config: the estimates read the number from a copy
         import copy
 
         cfg, data = copy.copy(cfg), copy.copy(data)
         data.global_batch_size, cfg.data = batch, data
-    layout.batch = {"global": batch, "micro": data.micro_batch_size, "seq_length": data.seq_length,
-                    "micro_batches": batch // (data.micro_batch_size * layout.degrees["dp"])}
     if estimate:
         from nxdt.planner.estimate import estimate_plan
 

@@ -49,7 +49,7 @@ def auto_layouts(overrides: list[str], top: int = 10, compose: Callable[[list[st
                 rejected[label] = f"does not fit ({p.estimate['memory_per_device_GiB']:.0f} GiB per device)"
                 continue
             e = p.estimate
-            ranked.append({"tp": tp, "pp": pp, "dp": p.degrees["dp"], "tokens_per_s": e["tokens_per_s"], "step_time_s": e["step_time_s"],
+            ranked.append({"tp": tp, "pp": pp, "dp": p.dp, "tokens_per_s": e["tokens_per_s"], "step_time_s": e["step_time_s"],
                            "mfu": e["mfu"], "memory_per_device_GiB": e["memory_per_device_GiB"], "device_order": p.device_order,
                            "overrides": [f"distributed_strategy.tensor_model_parallel_size={tp}",
                                          f"distributed_strategy.pipeline_model_parallel_size={pp}"]

@@ -8,7 +8,10 @@ Activation memory per layer and micro-batch follows Korthikanti et al. 2022 ("Re
 Recomputation in Large Transformer Models"), for 16-bit activations of a GPT block:
 ``s·b·h·(34 + 5·a·s/h)`` bytes, with TP ``s·b·h·(10 + 24/t + 5·a·s/(h·t))``, with TP+SP
 ``s·b·h·(34 + 5·a·s/h)/t``; selective recomputation drops the ``5·a·s/h`` term, full recomputation
-keeps only the layer input ``2·s·b·h``. It is an approximation for SwiGLU blocks (noted in the plan).
+keeps only the layer input ``2·s·b·h`` (``/t`` with SP: the layer boundary is in the sequence-parallel layout)
+plus one layer's full activations while it is recomputed. Pipeline stages hold the activations of the
+micro-batches in flight (:func:`in_flight_microbatches`: PP for 1F1B, ``PP·(1 + (PP-1)/(PP·V))`` interleaved).
+It is an approximation for SwiGLU blocks (noted in the plan). Bytes per parameter: :func:`bytes_per_parameter`.
 The ``5·a·s/h`` term is the S×S attention scores (QKᵀ, softmax, dropout mask): it is counted only with
 ``model.core_attention: naive``; ``sdpa`` (a fused flash kernel) and ``blockwise`` keep no S×S tensor, only
 a logsumexp per query row (4·a·s·b bytes, negligible, not counted).
@@ -16,6 +19,7 @@ a logsumexp per query row (4·a·s·b bytes, negligible, not counted).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from nxdt.planner.cost import bus_bandwidth, estimate_collective
@@ -46,10 +50,48 @@ def model_numbers(model: Any) -> dict[str, float]:
             "matmul_active": matmul_active, "experts": experts, "top_k": top_k}
 
 
-def flops_per_token(model: Any, seq_length: int) -> float:
-    """Training FLOPs per token (6·N_active + 12·L·h·s, the Megatron/PaLM MFU convention)."""
-    n = model_numbers(model)
-    return 6.0 * n["matmul_active"] + 12.0 * model.num_layers * model.hidden_size * seq_length
+# MLP weight matrices per architecture module (``model.architecture``'s module): GPT's GELU MLP has two
+# (up, down); Llama's and Mixtral's SwiGLU experts three (gate, up, down) — the default.
+MLP_MATRICES = {"gpt": 2}
+
+
+def mlp_matrices(model: Any) -> int:
+    """Weight matrices of one MLP (or one expert) of ``model``'s architecture."""
+    module = str(getattr(model, "architecture", "") or "").rsplit(".", 2)
+    return MLP_MATRICES.get(module[-2] if len(module) >= 2 else "", 3)
+
+
+def forward_flops_per_token(model: Any, seq_length: int, *, causal: bool = False) -> float:
+    """Forward FLOPs per token of a decoder-only transformer config, 2 per multiply-add, counted from the config:
+
+    - attention projections: q and o (h × heads·head_dim each), k and v (h × kv_heads·head_dim each: grouped-query
+      attention shrinks these two only);
+    - attention scores: QKᵀ and the weighted sum with V, 2·2·seq·heads·head_dim per layer and token, over the full
+      S×S square (the Megatron/PaLM MFU convention) — ``causal=True`` halves it (the work a causal kernel needs);
+    - MLP: ``mlp_matrices`` matrices of h × ffn_hidden_size (SwiGLU 3, GELU 2); with ``moe.num_experts`` the router
+      (h × experts) and ``moe.top_k`` experts per token;
+    - the output head (vocab × h) whether or not it is tied to the input embedding (a tied table is still one matmul);
+      embedding look-ups (tokens, GPT's learned positions) are no matmuls and cost nothing.
+    Norms, biases, activations, softmax and the residual adds are element-wise (O(h) per token) and not counted."""
+    h, layers = model.hidden_size, model.num_layers
+    heads = model.num_attention_heads
+    kv = getattr(model, "num_kv_heads", None) or heads
+    head_dim = h // heads
+    projections = 2 * h * head_dim * (2 * heads + 2 * kv)
+    moe = getattr(model, "moe", None)
+    experts = getattr(moe, "num_experts", 0) or 0
+    mlp = 2 * mlp_matrices(model) * h * model.ffn_hidden_size
+    if experts:
+        mlp = mlp * (getattr(moe, "top_k", 0) or 0) + 2 * h * experts
+    scores = 4 * seq_length * heads * head_dim * (0.5 if causal else 1.0)
+    return float(layers * (projections + mlp + scores) + 2 * model.vocab_size * h)
+
+
+def flops_per_token(model: Any, seq_length: int, *, causal: bool = False) -> float:
+    """Training FLOPs per token, the numerator of MFU: 3 × ``forward_flops_per_token`` (the backward pass costs two
+    forwards: gradients of the activations and of the weights). Without recomputation; for a dense SwiGLU model it
+    is the familiar 6·N_matmul + 12·layers·hidden·seq. The one FLOPs count of nxdt: planner, metrics, benchmarks."""
+    return 3.0 * forward_flops_per_token(model, seq_length, causal=causal)
 
 
 def _kind(cfg: Any) -> str:
@@ -61,45 +103,123 @@ def _bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
+# Bytes per parameter one rank stores for each precision.type (``_kind``: bf16SR as bf16, mixed_precisionSR as
+# mixed_precision), NxD Training's storage on Trainium:
+#   kind             parameters  gradients  moments (m, v)                     fp32 master   sum (no sharding)
+#   fp32             4           4          4+4                                -             16
+#   bf16             2           2          2+2 (adamw) / 4+4 (fp32OptState)   -             8 / 12
+#   mixed_precision  2 (bf16)    4 (fp32)   4+4                                4             18
+# mixed_precision is NxD's "standard mixed precision" (bf16 weights, fp32 gradient accumulation, fp32 master
+# weights and optimizer state held by the ZeRO-1 optimizer; awsdocs-neuron standard_mixed_precision).
+# adamw_fp32OptState is NxD's AdamW_FP32OptimParams: the moments in fp32 (zeros_like(p, dtype=double), downcast
+# to fp32 under XLA_DOWNCAST_BF16), the weights stay in the parameters' dtype: it adds no master copy; fp32
+# master weights come with mixed_precision only. With fp32 and mixed_precision the moments are fp32 whichever name.
+def bytes_per_parameter(cfg: Any) -> dict[str, int]:
+    """``params``, ``grads``, ``moments``, ``master`` bytes per parameter for ``cfg``'s precision and optimizer."""
+    kind = _kind(cfg)
+    if kind == "fp32":
+        return {"params": 4, "grads": 4, "moments": 8, "master": 0}
+    if kind == "mixed_precision":
+        return {"params": 2, "grads": 4, "moments": 8, "master": 4}
+    return {"params": 2, "grads": 2, "moments": 8 if cfg.model.optim.name == "adamw_fp32OptState" else 4, "master": 0}
+
+
+def in_flight_microbatches(pp: int, microbatches: int, virtual: int = 1) -> float:
+    """Micro-batches whose activations the first pipeline stage holds at once, in units of the stage's whole
+    share of layers (its V chunks together).
+
+    1F1B (PipeDream-flush): PP - 1 warm-up forwards plus the one in steady state, so ``min(PP, m)``.
+    Interleaved 1F1B with V chunks per stage: Megatron's schedule runs 2·(PP-1) + (V-1)·PP warm-up forwards of a
+    chunk (L/(PP·V) layers) before its first backward, so 2·(PP-1) + (V-1)·PP + 1 chunk activations are held:
+    ``PP·(1 + (PP-1)/(PP·V))`` stage shares — Korthikanti et al. 2022, §4.2.3 ("the first stage has to store
+    activations for L·(1 + (p-1)/(p·m)) layers", m = interleaving stages); capped at m micro-batches (all of them
+    are then in flight, as when m = PP)."""
+    if pp <= 1:
+        return 1.0
+    held = pp if virtual <= 1 else pp * (1 + (pp - 1) / (pp * virtual))
+    return float(min(held, microbatches))
+
+
+def layer_activation_bytes(s: float, b: int, h: int, tp: int, sequence_parallel: bool, quadratic: float, selective: bool,
+                           activation_bytes: int) -> float:
+    """One transformer layer's activations for one micro-batch without recomputation (Korthikanti et al. 2022,
+    Table 2, written for 2-byte activations; ``activation_bytes`` / 2 scales it): ``s·b·h·(34 + q)/t`` with TP+SP,
+    ``s·b·h·(10 + 24/t + q/t)`` with TP alone, where ``q`` is the S×S term ``5·a·s/h`` (0 with selective
+    recomputation or a flash kernel)."""
+    q = 0.0 if selective else quadratic
+    per = (34 + q) / tp if sequence_parallel else 10 + 24 / tp + q / tp
+    return s * b * h * per * activation_bytes / 2
+
+
+def _fsdp_gathered(cfg: Any, n: dict[str, float], tp: int, pp: int, gather_bytes: int) -> float:
+    """Bytes of gathered (unsharded) FSDP units one rank holds at the peak: ``prefetch_distance + 1`` consecutive
+    units (the running one and the prefetched ones), the largest such window of the stage's unit sequence
+    (embedding, layers, final norm + head); ``eager`` or ``reshard_after_forward: false`` keep every unit of the
+    stage gathered; a tied embedding/head is one resident unit that stays gathered for the whole step."""
+    model, fsdp = cfg.model, cfg.distributed_strategy.fsdp
+    layers = math.ceil(model.num_layers / pp)
+    layer = n["per_layer"]
+    if model.tie_word_embeddings:
+        resident, ends = n["embedding"] + model.hidden_size, (0.0, 0.0)
+    else:
+        resident, ends = 0.0, (n["embedding"], n["head"] + model.hidden_size)
+    # the fullest stage: the first (embedding + layers) or the last (layers + head); with PP 1 both ends
+    stages = [[ends[0], *[layer] * layers, ends[1]]] if pp == 1 else [[ends[0], *[layer] * layers], [*[layer] * layers, ends[1]]]
+    if fsdp.prefetch == "eager" or not fsdp.reshard_after_forward:
+        held = max(sum(units) for units in stages)
+    else:
+        window = 1 + fsdp.prefetch_distance
+        held = max(sum(units[i:i + window]) for units in stages for i in range(max(1, len(units) - window + 1)))
+    return (held + resident) / tp * gather_bytes
+
+
 def memory_per_rank(cfg: Any, degrees: dict[str, int]) -> dict[str, float]:
-    """Bytes one rank holds: parameters, gradients, optimizer state, activations."""
+    """Bytes one rank holds: parameters, gradients, optimizer state (fp32 master weights included), activations,
+    logits, and with FSDP the gathered units.
+
+    Sharding over data parallelism: ZeRO-1 shards the optimizer state (moments and fp32 master weights) over DP
+    and keeps whole parameters and gradients; FSDP shards parameters, gradients and optimizer state over DP (its
+    parameter shard *is* the master copy with mixed_precision: an fp32 shard, 4 + 4 + 8 bytes / DP, gathered in
+    bf16 for compute) plus the gathered units (:func:`_fsdp_gathered`). Expert parameters are replicated over
+    DP / EP ranks only (EP subdivides DP), so that is what their state is sharded over."""
     model, ds, data = cfg.model, cfg.distributed_strategy, cfg.data
     tp, pp, dp, ep = degrees["tp"], degrees["pp"], degrees["dp"], degrees["ep"]
     n = model_numbers(model)
-    dense = n["total"] - n["expert_params"]
-    params = dense / (tp * pp) + n["expert_params"] / (tp * pp * ep)
-    precision = _kind(cfg)
-    p_bytes = _bytes(precision)
-    g_bytes = 4 if precision in ("fp32", "mixed_precision") else 2
-    state_bytes = 8 if (precision != "bf16" or model.optim.name == "adamw_fp32OptState") else 4
-    master = 4 if precision == "mixed_precision" else 0
+    dense = (n["total"] - n["expert_params"]) / (tp * pp)  # per rank, before any DP sharding
+    experts = n["expert_params"] / (tp * pp * ep)
+    edp = max(1, dp // ep)  # ranks holding the same experts
+    per = bytes_per_parameter(cfg)
     fsdp = ds.fsdp.enabled
-    shard = dp if fsdp else 1
-    mem = {"parameters": params * p_bytes / shard, "gradients": params * g_bytes / shard,
-           "optimizer": params * (state_bytes + master) / (dp if (ds.zero1 or fsdp) else 1)}
-    if fsdp:  # gathered units held at once: the running one plus the prefetched ones (eager: all of them)
-        held = model.num_layers / pp if ds.fsdp.prefetch == "eager" else 1 + ds.fsdp.prefetch_distance
-        mem["gathered_parameters"] = held * n["per_layer"] / tp * p_bytes
+    if fsdp:  # everything sharded; the fp32 shard of mixed_precision is the master copy (no separate one)
+        p_bytes = 4 if _kind(cfg) == "mixed_precision" else per["params"]
+        state = per["moments"]
+        mem = {"parameters": (dense / dp + experts / edp) * p_bytes, "gradients": (dense / dp + experts / edp) * per["grads"],
+               "optimizer": (dense / dp + experts / edp) * state,
+               "gathered_parameters": _fsdp_gathered(cfg, n, tp, pp, per["params"])}
+    else:
+        state = per["moments"] + per["master"]
+        sharded = (dense / dp + experts / edp) if ds.zero1 else dense + experts
+        mem = {"parameters": (dense + experts) * per["params"], "gradients": (dense + experts) * per["grads"],
+               "optimizer": sharded * state}
     s, b, h, a = data.seq_length, data.micro_batch_size, model.hidden_size, model.num_attention_heads
     s_local = s / degrees["cp"]
+    act_bytes = _bytes(_kind(cfg))  # activations: fp32 with fp32, bf16 otherwise (mixed_precision computes in bf16)
     # the S×S scores exist only when core attention materialises them (naive); sdpa and blockwise work in tiles
-    attention_quadratic = 5 * a * s_local / h if getattr(model, "core_attention", "sdpa") == "naive" else 0.0
+    quadratic = 5 * a * s_local / h if getattr(model, "core_attention", "sdpa") == "naive" else 0.0
     granularity = model.activations_checkpoint_granularity
+    sp = bool(ds.sequence_parallel) and tp > 1
     if granularity == "full":
-        per_layer = 2 * s_local * b * h
+        # only each layer's input is kept: s·b·h elements (Korthikanti et al. 2022, Table 2: 2·s·b·h bytes), in
+        # the sequence-parallel layout with SP (each TP rank holds s/t rows: 2·s·b·h/t)
+        per_layer = s_local * b * h * act_bytes / (tp if sp else 1)
     else:
-        quad = 0 if granularity == "selective" else attention_quadratic
-        if ds.sequence_parallel:
-            per_layer = s_local * b * h * (34 + quad) / tp
-        else:
-            per_layer = s_local * b * h * (10 + 24 / tp + quad / tp)
-    per_layer *= 2 if precision == "fp32" else 1
+        per_layer = layer_activation_bytes(s_local, b, h, tp, sp, quadratic, granularity == "selective", act_bytes)
     microbatches = data.global_batch_size // (data.micro_batch_size * dp)
-    in_flight = min(pp, microbatches) if pp > 1 else 1
-    layers_here = model.num_layers / pp
+    in_flight = in_flight_microbatches(pp, microbatches, ds.virtual_pipeline_model_parallel_size)
+    layers_here = math.ceil(model.num_layers / pp)  # the fullest stage
     mem["activations"] = per_layer * layers_here * in_flight
-    if granularity == "full":  # one layer's full activations exist during its recomputation
-        mem["activations"] += s_local * b * h * (34 + attention_quadratic) / tp * (2 if precision == "fp32" else 1)
+    if granularity == "full":  # one layer's full activations exist while it is recomputed in backward
+        mem["activations"] += layer_activation_bytes(s_local, b, h, tp, sp, quadratic, False, act_bytes)
     mem["logits"] = s_local * b * model.vocab_size / tp * 4 * 2  # fp32 logits and their gradient on the last stage
     return mem
 
@@ -107,35 +227,34 @@ def memory_per_rank(cfg: Any, degrees: dict[str, int]) -> dict[str, float]:
 def step_collectives(cfg: Any, plan: Any) -> list[dict[str, Any]]:
     """(dim, op, bytes, count per step, exposed?) for each kind of collective one optimizer step issues."""
     model, ds, data = cfg.model, cfg.distributed_strategy, cfg.data
-    d = plan.degrees
     act = _bytes(_kind(cfg))
     n = model_numbers(model)
-    b, s, h = data.micro_batch_size, data.seq_length // d["cp"], model.hidden_size
-    microbatches = data.global_batch_size // (data.micro_batch_size * d["dp"])
-    layers = model.num_layers // d["pp"]
+    b, s, h = data.micro_batch_size, data.seq_length // plan.cp, model.hidden_size
+    microbatches = plan.micro_batches
+    layers = model.num_layers // plan.pp
     recompute = 1.5 if model.activations_checkpoint_granularity == "full" else 1.0
     rows = []
     activation = b * s * h * act
-    if d["tp"] > 1:
+    if plan.tp > 1:
         per = int(4 * layers * microbatches * recompute)
         if ds.sequence_parallel:
             rows += [dict(dim="tp", op="all_gather", bytes=activation, count=per, what="SP gather before attention/MLP"),
                      dict(dim="tp", op="reduce_scatter", bytes=activation, count=per, what="SP scatter after attention/MLP")]
         else:
             rows.append(dict(dim="tp", op="all_reduce", bytes=activation, count=per, what="row-parallel outputs and column-parallel input grads"))
-    if d["cp"] > 1:
+    if plan.cp > 1:
         kv = model.num_kv_heads or model.num_attention_heads
-        kv_bytes = 2 * b * data.seq_length * kv * (h // model.num_attention_heads) * act / d["tp"]
+        kv_bytes = 2 * b * data.seq_length * kv * (h // model.num_attention_heads) * act / plan.tp
         rows += [dict(dim="cp", op="all_gather", bytes=kv_bytes, count=layers * microbatches, what="K/V of the whole sequence"),
                  dict(dim="cp", op="reduce_scatter", bytes=kv_bytes, count=layers * microbatches, what="K/V gradients")]
-    if d["ep"] > 1 and n["experts"]:
+    if plan.ep > 1 and n["experts"]:
         rows.append(dict(dim="ep", op="all_to_all", bytes=activation * n["top_k"], count=4 * layers * microbatches,
                          what="token dispatch and combine, forward and backward"))
-    if d["pp"] > 1:
+    if plan.pp > 1:
         rows.append(dict(dim="pp", op="send_recv", bytes=activation, count=2 * microbatches, what="activations forward, gradients backward"))
-    if d["dp"] > 1:
+    if plan.dp > 1:
         dense = n["total"] - n["expert_params"]
-        params = dense / (d["tp"] * d["pp"])
+        params = dense / (plan.tp * plan.pp)
         grad_bytes = 4 if _kind(cfg) in ("fp32", "mixed_precision") else 2
         if ds.fsdp.enabled:
             # units: the embedding, each layer, the head (merged with the embedding when tied); every micro-batch
@@ -213,9 +332,9 @@ def estimate_plan(plan: Any, cfg: Any, topo: Topology, calibration: dict[str, An
     recompute = 4 / 3 if cfg.model.activations_checkpoint_granularity == "full" else 1.0
     flops_rank = fpt * tokens * recompute / plan.world_size
     compute = flops_rank / (per_rank_peak * inst.compute_efficiency) if per_rank_peak else 0.0
-    microbatches = data.global_batch_size // (data.micro_batch_size * d["dp"])
+    microbatches = plan.micro_batches
     v = cfg.distributed_strategy.virtual_pipeline_model_parallel_size
-    bubble = compute * (d["pp"] - 1) / (v * microbatches) if d["pp"] > 1 else 0.0
+    bubble = compute * (plan.pp - 1) / (v * microbatches) if plan.pp > 1 else 0.0
     comm = sum(r["total_s"] for r in rows)
     overlappable = sum(r["total_s"] for r in rows if r["overlap"])
     # what prefetched FSDP traffic can hide behind: compute, and with token_threaded (its own stream, on the DP

@@ -5,6 +5,8 @@ from __future__ import annotations
 import string
 from typing import Any
 
+from nxdt.config.validate import DIMENSIONS, Dim
+
 GROUP_LINES = 8  # groups listed per dimension before eliding
 
 
@@ -35,7 +37,7 @@ def placement_picture(plan: Any, grid: tuple[int, int] | None) -> list[str]:
     rpn, rpd = plan.ranks_per_node, plan.ranks_per_device
     labels = string.ascii_lowercase + string.ascii_uppercase
     group_label = {}
-    for i, g in enumerate(plan.groups["tp"]):
+    for i, g in enumerate(plan.groups[Dim.TP]):
         for r in g:
             if r < rpn:
                 group_label[r] = labels[i % len(labels)]
@@ -55,13 +57,12 @@ def placement_picture(plan: Any, grid: tuple[int, int] | None) -> list[str]:
 
 
 def render_plan(plan: Any, grid: tuple[int, int] | None = None) -> str:
-    d = plan.degrees
     lnc = f", LNC {plan.lnc}" if plan.instance != "cpu" else ""
     lines = [f"{plan.instance}: world {plan.world_size} = {plan.num_nodes} node(s) × {plan.ranks_per_node} ranks{lnc}; "
-             f"TP{d['tp']} PP{d['pp']} CP{d['cp']} EP{d['ep']} DP{d['dp']} (order {plan.order})"]
+             f"TP{plan.tp} PP{plan.pp} CP{plan.cp} EP{plan.ep} DP{plan.dp} (order {plan.order})"]
     b = plan.batch
     if b:
-        lines.append(f"batch: global {b['global']} = micro {b['micro']} × DP {d['dp']} × {b['micro_batches']} micro-batches per step, "
+        lines.append(f"batch: global {b['global']} = micro {b['micro']} × DP {plan.dp} × {plan.micro_batches} micro-batches per step, "
                      f"sequence {b['seq_length']} ({_si(b['global'] * b['seq_length'], 'tokens')} per step)")
     e = plan.estimate
     if e:
@@ -76,13 +77,13 @@ def render_plan(plan: Any, grid: tuple[int, int] | None = None) -> str:
     if plan.ranks_per_device > 1 or grid:
         lines += placement_picture(plan, grid)
     lines.append("groups:")
-    for dim in ("tp", "cp", "ep", "dp", "pp"):
+    for dim in DIMENSIONS:
         groups = plan.groups[dim]
         if len(groups[0]) == 1:
             continue
         shown = " ".join(str(g) if len(g) <= 16 else f"[{g[0]}, {g[1]}, … {g[-1]}]" for g in groups[:GROUP_LINES])
         more = f" … ({len(groups)} groups)" if len(groups) > GROUP_LINES else ""
-        lines.append(f"  {dim}: {shown}{more}")
+        lines.append(f"  {dim.value}: {shown}{more}")
     if len(lines) and lines[-1] == "groups:":
         lines[-1] = "groups: every dimension has size 1 except data parallelism over one rank"
     if plan.collectives:

@@ -1,0 +1,82 @@
+"""The one FLOPs count (``nxdt.planner.estimate.flops_per_token``): by hand for llama_tiny and gpt_tiny, and against
+torch's FlopCounterMode over a real forward and backward pass of the model hub's models."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from nxdt.config import compose_config
+from nxdt.planner import plan
+from nxdt.planner.estimate import flops_per_token, forward_flops_per_token, mlp_matrices
+
+
+def model_cfg(name: str, *over: str):
+    return compose_config([f"model={name}", *over], check=False).model
+
+
+def build(cfg):
+    module, cls = cfg.architecture.rsplit(".", 1)
+    torch.manual_seed(0)
+    return getattr(importlib.import_module(module), cls)(cfg)
+
+
+def test_llama_tiny_by_hand():
+    # h 128, 4 layers, 4 heads of 32, 2 KV heads (GQA), SwiGLU 344, vocab 256, untied head
+    m, s = model_cfg("llama_tiny"), 128
+    attn = 2 * (128 * 128 + 128 * 128 + 128 * 64 + 128 * 64)  # q, o full width; k, v at 2 heads × 32
+    mlp = 2 * 3 * 128 * 344  # gate, up, down
+    scores = 2 * 2 * s * 128  # QKᵀ and ·V over the full S×S square
+    forward = 4 * (attn + mlp + scores) + 2 * 256 * 128  # + output head; the embedding lookup is free
+    assert mlp_matrices(m) == 3
+    assert forward_flops_per_token(m, s) == forward
+    assert flops_per_token(m, s) == 3 * forward == 5_332_992
+    assert flops_per_token(m, s, causal=True) == 3 * (forward - 4 * scores // 2)
+
+
+def test_gpt_tiny_by_hand():
+    # h 128, 4 layers, 4 heads (no GQA), GELU MLP 512 (two matrices, not SwiGLU's three), vocab 256, tied head
+    m, s = model_cfg("gpt_tiny"), 128
+    attn = 2 * 4 * 128 * 128
+    mlp = 2 * 2 * 128 * 512  # up, down
+    scores = 2 * 2 * s * 128
+    forward = 4 * (attn + mlp + scores) + 2 * 256 * 128  # the tied table is still the head's matmul
+    assert mlp_matrices(m) == 2
+    assert flops_per_token(m, s) == 3 * forward == 5_701_632  # the SwiGLU formula said 7_274_496 (+28 %)
+
+
+def test_planner_uses_it():
+    cfg = compose_config(["model=gpt_tiny"])
+    assert plan(cfg).estimate["flops_per_token"] == flops_per_token(cfg.model, cfg.data.seq_length)
+
+
+@pytest.mark.parametrize("name", ["llama_tiny", "gpt_tiny", "mixtral_tiny"])
+def test_matches_flop_counter(name):
+    """FlopCounterMode counts matmuls (mm, addmm, bmm) and nothing element-wise — exactly what the formula counts —
+    so forward FLOPs agree exactly (tolerance 1e-9, float rounding only) when the attention scores are matmuls
+    (``core_attention: naive``, the full S×S square the formula's convention counts; torch's CPU flash kernel for
+    sdpa is not counted by FlopCounterMode). Backward: every matmul's two gradient matmuls cost twice its forward and
+    the embedding's gradient is a scatter-add (no matmul), so forward + backward is exactly 3 × forward. Mixtral routes
+    every token to exactly top_k experts (no capacity drop), so its count is exact too."""
+    cfg = model_cfg(name, "model.core_attention=naive")
+    model = build(cfg)
+    b, s = 2, 32
+    ids = torch.randint(0, cfg.vocab_size, (b, s))
+    with FlopCounterMode(display=False) as forward:
+        with torch.no_grad():
+            model(ids)
+    assert forward.get_total_flops() / (b * s) == pytest.approx(forward_flops_per_token(cfg, s), rel=1e-9)
+    with FlopCounterMode(display=False) as training:
+        model.loss_fn(model(ids), ids).backward()
+    assert training.get_total_flops() / (b * s) == pytest.approx(flops_per_token(cfg, s), rel=1e-9)
+
+
+@pytest.mark.parametrize("name", ["llama_tiny", "gpt_tiny", "mixtral_tiny"])
+def test_model_hub_methods_agree(name):
+    """The hub models' own ``flops_per_token`` (used by ``nxdt comm-test --calibrate``) follows the same convention
+    but counts 6 × every non-lookup parameter, norms and biases included (O(hidden) per layer): within 1 %."""
+    cfg = model_cfg(name)
+    assert build(cfg).flops_per_token(64) == pytest.approx(flops_per_token(cfg, 64), rel=1e-2)
