@@ -75,6 +75,18 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
 DPO_LOSS_TYPES = ("sigmoid",)
 
 
+def reward_metrics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The preference metrics TRL reports (batch means, detached): rewards of the chosen and rejected answers,
+    how often the chosen one wins, and the mean margin."""
+    chosen_rewards, rejected_rewards = chosen_rewards.detach(), rejected_rewards.detach()
+    return {
+        "rewards/chosen": chosen_rewards.mean(),
+        "rewards/rejected": rejected_rewards.mean(),
+        "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+        "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+    }
+
+
 def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
              ref_rejected_logps: torch.Tensor, beta: float,
              loss_type: str = "sigmoid") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -101,14 +113,7 @@ def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Ten
     chosen = policy_chosen_logps.float() - ref_chosen_logps.float()
     rejected = policy_rejected_logps.float() - ref_rejected_logps.float()
     losses = -F.logsigmoid(beta * (chosen - rejected))
-    chosen_rewards, rejected_rewards = (beta * chosen).detach(), (beta * rejected).detach()
-    metrics = {
-        "rewards/chosen": chosen_rewards.mean(),
-        "rewards/rejected": rejected_rewards.mean(),
-        "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
-        "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
-    }
-    return losses.mean(), metrics
+    return losses.mean(), reward_metrics(beta * chosen, beta * rejected)
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -146,12 +151,8 @@ def orpo_loss(chosen_logps_mean: torch.Tensor, rejected_logps_mean: torch.Tensor
     log_odds = (chosen - log1mexp(chosen)) - (rejected - log1mexp(rejected))
     ratio = F.logsigmoid(log_odds)
     loss = chosen_nll.float() - beta * ratio.mean()
-    chosen_rewards, rejected_rewards = (beta * chosen).detach(), (beta * rejected).detach()
     metrics = {
-        "rewards/chosen": chosen_rewards.mean(),
-        "rewards/rejected": rejected_rewards.mean(),
-        "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
-        "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+        **reward_metrics(beta * chosen, beta * rejected),
         "log_odds_ratio": ratio.detach().mean(),
         "log_odds_chosen": log_odds.detach().mean(),
         "nll_loss": chosen_nll.detach().float(),

@@ -5,7 +5,6 @@ Llama with the same base weights gives the same logits."""
 
 from __future__ import annotations
 
-import inspect
 import json
 from types import SimpleNamespace
 
@@ -18,6 +17,7 @@ from nxdt.lightning.hf import hf_name
 from nxdt.lightning.peft_export import export_peft_adapter
 from nxdt.models.llama import LlamaForCausalLM
 from nxdt.models.lora import LoRALinear, apply_lora, base_state_dict, lora_state_dict, merge_lora
+from hf_reference import llama_config
 
 TINY = dict(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=64,
             max_position_embeddings=64, rope_theta=10000.0, norm_eps=1e-5, tie_word_embeddings=False,
@@ -179,17 +179,7 @@ def test_tensor_parallelism_refuses_a_lora_model_loudly():
 
 def _hf_llama(transformers, model: LlamaForCausalLM):
     """A transformers Llama with ``model``'s weights, mapped by nxdt.lightning.hf's names."""
-    c = SimpleNamespace(**TINY)
-    if "rope_parameters" in inspect.signature(transformers.LlamaConfig.__init__).parameters:  # transformers 5
-        rope = {"rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta}}
-    else:
-        rope = {"rope_theta": c.rope_theta}
-    config = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_kv_heads,
-        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.norm_eps, tie_word_embeddings=False,
-        attention_bias=False, mlp_bias=False, **rope)
-    config._attn_implementation = "eager"
+    config = llama_config(transformers, TINY)
     hf = transformers.LlamaForCausalLM(config).eval()
     hf.load_state_dict({hf_name(n): t for n, t in model.state_dict().items()}, strict=True)
     return hf

@@ -9,7 +9,6 @@ import transformers: the parent passes them the mapped weights and compares the 
 
 from __future__ import annotations
 
-import inspect
 from types import SimpleNamespace
 from typing import Any
 
@@ -19,6 +18,7 @@ import torch
 from nxdt.comm.spawn import run_local
 from nxdt.models.llama import LlamaForCausalLM
 from nxdt.parallel.tensor_parallel import apply_tensor_parallel, gather_from_tensor_parallel_region
+from hf_reference import llama_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,18 +28,7 @@ TINY = dict(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, 
 
 
 def hf_model() -> "transformers.LlamaForCausalLM":
-    c = SimpleNamespace(**TINY)
-    # transformers 5 moved rope_theta into rope_parameters; 4.x takes it directly
-    if "rope_parameters" in inspect.signature(transformers.LlamaConfig.__init__).parameters:
-        rope = {"rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta}}
-    else:
-        rope = {"rope_theta": c.rope_theta}
-    config = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_kv_heads,
-        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.norm_eps, tie_word_embeddings=False,
-        attention_bias=False, mlp_bias=False, **rope)
-    config._attn_implementation = "eager"
+    config = llama_config(transformers, TINY)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():  # HF starts norms at 1 and weights at std 0.02: widen both so a mix-up shows
