@@ -472,8 +472,9 @@ def cmd_comm_test(argv: list[str]) -> int:
     if "--calibrate" in argv:
         return _comm_test_calibrate([a for a in argv if a != "--calibrate"])
     from nxdt.comm.bench import main as bench_main
+    from nxdt.launch.comm_test import main_multinode
 
-    return bench_main(argv)
+    return bench_main(argv, multinode=main_multinode)
 
 
 def _comm_test_estimate(argv: list[str]) -> int:

@@ -18,12 +18,7 @@ LAYERS = [("config", "topology"), ("planner",), ("comm",), ("parallel", "models"
 LEVEL = {part: level for level, parts in enumerate(LAYERS) for part in parts}
 
 # Known upward imports, each with its reason. Keep this list short; an entry here is a debt.
-ALLOWED = {
-    # `nxdt comm-test -N nodes` (multi-node mode) reuses the launcher's node workers and the config validation;
-    # the imports are lazy, inside _node_worker / _main_multinode, so `import nxdt.comm` never loads them.
-    # (It also imports nxdt.config there, which is a lower layer and needs no entry.)
-    ("nxdt.comm.bench", "nxdt.launch"),
-}
+ALLOWED: set[tuple[str, str]] = set()
 
 
 def _modules() -> dict[str, Path]:

@@ -20,7 +20,7 @@ import json
 import re
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -246,7 +246,9 @@ def algorithm_bands(by_size: dict[int, str]) -> str:
 def _body(world, args: dict) -> dict[str, Any]:
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)  # a communication benchmark, like nccom-test: no autograd anywhere (both libraries alike)
-    comm, n, rank = world.world, world.world_size, world.rank
+    n, rank = world.world_size, world.rank
+    transport = args.get("transport", "auto")
+    comm = world.world if transport == "auto" else world.new_communicator(list(range(n)), f"bench-{transport}", transport=transport)
     dtype = DTYPES[args["datatype"]]
     gloo = None
     if args["baseline"] == "gloo":
@@ -337,7 +339,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-d", "--datatype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("-c", "--check", action="store_true", help="verify results exactly after timing (adds a #wrong column)")
     p.add_argument("--algorithm", default="auto", help="all-reduce algorithm: auto, direct, slice, ring, rhd, torus[:RxC], hierarchical")
-    p.add_argument("--transport", choices=("shm", "p2p"), default="shm", help="p2p: pretend every rank is on its own host")
+    p.add_argument("--transport", choices=("auto", "shm", "p2p", "gloo"), default="auto",
+                   help="the benchmarked communicator's transport (auto: shm on one host, p2p across hosts; gloo: "
+                        "torch.distributed's collectives)")
+    p.add_argument("--separate-hosts", action="store_true",
+                   help="pretend every rank is on its own host (so p2p crosses hosts over gloo point-to-point)")
     p.add_argument("--buffers", choices=("shared", "plain"), default="shared",
                    help="shared: input buffers in nxdt shared memory (World.shared_empty; peers on this host read them in "
                         "place, as FSDP's shards are kept); plain: ordinary tensors (copied through the slot)")
@@ -355,7 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, multinode: Callable[[argparse.Namespace, dict], int] | None = None) -> int:
+    """``multinode(args, opts)``: runs a ``-N > 1`` benchmark (``nxdt.launch.comm_test.main_multinode``)."""
     args = build_parser().parse_args(argv)
     bad = [op for op in args.ops if op not in OPS]
     if bad:
@@ -371,17 +378,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from nxdt.comm.spawn import RankFailed, run_local
 
-    host_ids = [f"host{r}" for r in range(args.nworkers)] if args.transport == "p2p" else None
+    host_ids = [f"host{r}" for r in range(args.nworkers)] if args.separate_hosts else None
     opts = {k: getattr(args, k) for k in ("ops", "minbytes", "maxbytes", "stepfactor", "iters", "warmup_iters", "datatype",
-                                          "check", "algorithm", "baseline", "show_algorithm", "buffers")}
+                                          "check", "algorithm", "baseline", "show_algorithm", "buffers", "transport")}
     if args.nodes > 1:
-        return _main_multinode(args, opts)
+        if multinode is None:  # the node agents are the launcher's (a higher layer): `nxdt comm-test` hands them in
+            print("nxdt comm-test: -N > 1 runs through the launcher: use `nxdt comm-test -N ...`", file=sys.stderr)
+            return 2
+        return multinode(args, opts)
     try:
         report = run_local(_body, args.nworkers, opts, timeout_s=3600, comm_timeout_s=300, host_ids=host_ids)[0]
     except RankFailed as exc:
         print(f"nxdt comm-test: {exc}", file=sys.stderr)
         return 1
-    return _finish(report, args)
+    return finish(report, args)
 
 
 def write_json(path: str, report: dict, nworkers: int, nodes: int, transport: str) -> None:
@@ -394,7 +404,7 @@ def write_json(path: str, report: dict, nworkers: int, nodes: int, transport: st
         json.dump(report, fh, indent=1)
 
 
-def _finish(report: dict, args: argparse.Namespace) -> int:
+def finish(report: dict, args: argparse.Namespace) -> int:
     n = args.nworkers  # the total, as nccom-test counts it
     _print_table(report, n, report.get("transport", args.transport))
     if args.report_to_json_file:
@@ -405,65 +415,6 @@ def _finish(report: dict, args: argparse.Namespace) -> int:
             return 2
     wrong = sum(r.get("#wrong", 0) for r in report["results"])
     return 1 if wrong else 0
-
-
-def _node_worker(opts: dict, node_key: Any, source: str, digest: str, timeout_s: float) -> dict[str, Any]:
-    """One rank of a multi-node comm-test (started by this node's elastic agent)."""
-    import os
-
-    from nxdt.comm.world import init_from_env
-    from nxdt.launch.multinode import settle_node
-    from nxdt.launch.worker import die_with_agent
-
-    die_with_agent()
-    settle_node(node_key, digest, source, timeout_s)
-    world = init_from_env(timeout_s=timeout_s, run_id=os.environ.get("TORCHELASTIC_RUN_ID"))
-    try:
-        report = _body(world, opts)
-        return {"rank": world.rank, "report": report}
-    finally:
-        world.close()
-
-
-def _main_multinode(args: argparse.Namespace, opts: dict) -> int:
-    """Every node runs this; the node holding rank 0 prints the table."""
-    import hashlib
-    import shutil
-    import tempfile
-    from pathlib import Path
-    from types import SimpleNamespace
-
-    from nxdt.config.validate import ConfigError
-    from nxdt.launch.local import LaunchFailed, LaunchInterrupted
-    from nxdt.launch.multinode import launch_node, resolve_node
-
-    launcher = SimpleNamespace(rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id or "nxdt-comm-test", node_rank=args.node_rank,
-                               local_addr=args.local_addr, port=29500, join_timeout_s=args.join_timeout)
-    try:
-        spec = resolve_node(launcher, args.nodes, ranks_per_node(args.nworkers, args.nodes))
-    except ConfigError as exc:
-        print(f"nxdt comm-test: {exc}", file=sys.stderr)
-        return 2
-    digest = hashlib.sha256(json.dumps({**opts, "nodes": args.nodes, "r": args.nworkers}, sort_keys=True).encode()).hexdigest()[:16]
-    print(f"nxdt comm-test: node {spec.known_node_rank if spec.known_node_rank is not None else '?'} of {args.nodes} "
-          f"({args.nworkers // args.nodes} of {args.nworkers} ranks, address {spec.local_addr}); c10d rendezvous {spec.rdzv_endpoint}",
-          flush=True)
-    scratch = Path(tempfile.mkdtemp(prefix="nxdt-comm-test-"))
-    try:
-        results = launch_node(scratch, spec, (opts, spec.node_key, spec.node_key_source, digest, 300.0), entrypoint=_node_worker)
-    except LaunchFailed as exc:
-        print(f"nxdt comm-test: {exc}", file=sys.stderr)
-        return 1
-    except LaunchInterrupted as exc:
-        print(str(exc), file=sys.stderr)
-        return 130
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    first = next((r for r in results.values() if r and r["rank"] == 0), None)
-    if first is None:
-        print("nxdt comm-test: done; the node holding rank 0 prints the table", flush=True)
-        return 0
-    return _finish(first["report"], args)
 
 
 if __name__ == "__main__":

@@ -23,28 +23,22 @@ import time
 import uuid
 import zlib
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-from nxdt.comm import algorithms as generic, objects, shm_algorithms as algo
-from nxdt.comm.errors import CommError, CommMismatchError, CommTimeoutError
-from nxdt.comm.p2p import Links
-from nxdt.comm.reduce import LOW_PRECISION, check_op, dtype_code
-from nxdt.comm.shm import DEFAULT_SLOT_BYTES, ShmChannel, remove_stale_segments
-from nxdt.comm.emulate import EmulatedLink, Pacer
+from nxdt.comm import objects
+from nxdt.comm.errors import CommError, CommTimeoutError
+from nxdt.comm.reduce import check_op, dtype_code
+from nxdt.comm.shm import DEFAULT_SLOT_BYTES, remove_stale_segments
+from nxdt.comm.emulate import EmulatedLink
 from nxdt.comm.heap import Heap
 from nxdt.comm.store import serve_store
 from nxdt.comm.stream import PriorityState, Stream, Work, next_work_id
 from nxdt.comm.trace import Tracer
+from nxdt.comm.transport import ALGORITHM_NAMES, ALGORITHMS, Transport, parse_algorithm, transport_class
 from nxdt.comm.waiting import DEFAULT_WAIT, WaitPolicy, policy_for
-
-# Algorithm names a planner can hand over (plain strings). "torus:RxC" gives the grid explicitly.
-ALL_REDUCE_ALGORITHMS = ("auto", "direct", "slice", "ring", "rhd", "torus", "hierarchical")
-ALGORITHMS = ALL_REDUCE_ALGORITHMS + ("tree", "pairwise")
-RHD_MAX_BYTES = 256 << 10  # across hosts: fewer, latency-bound steps below this, ring above
-
 
 def host_identity() -> str:
     """hostname + boot id + network-namespace inode: two network namespaces on one machine are two hosts."""
@@ -70,69 +64,65 @@ def _flat(t: torch.Tensor, what: str) -> torch.Tensor:
     return t if t.dim() == 1 else t.view(-1)  # making a view costs about a microsecond: not for a flat tensor
 
 
-def _parse_algorithm(algorithm: str, allowed: Sequence[str]) -> tuple[str, tuple[int, int] | None]:
-    if algorithm == "auto":
-        return "auto", None
-    name, _, grid = str(algorithm).partition(":")
-    if name not in allowed:
-        raise ValueError(f"algorithm {algorithm!r} unknown here; use one of {tuple(allowed)}")
-    if grid:
-        try:
-            rows, cols = (int(v) for v in grid.lower().split("x"))
-        except ValueError:
-            raise ValueError(f"algorithm {algorithm!r}: write the torus grid as 'torus:RxC', e.g. 'torus:2x2'") from None
-        return name, (rows, cols)
-    return name, None
-
-
 class Communicator:
-    """Collectives over one group of ranks. ``root`` and ``peer`` are group-local ranks."""
+    """Collectives over one group of ranks. ``root`` and ``peer`` are group-local ranks.
 
-    def __init__(self, world: "World", name: str, ranks: list[int], link: EmulatedLink | None = None) -> None:
+    Each op checks its arguments, picks its algorithm (the call's ``algorithm=``; for ``auto``, this
+    communicator's default for the op: see :mod:`nxdt.comm.transport`) and runs on its transport, on the
+    named stream. ``transport`` is the transport's name; ``algorithms`` the per-op defaults."""
+
+    def __init__(self, world: "World", name: str, ranks: list[int], link: EmulatedLink | None = None, transport: str = "auto",
+                 algorithm: str = "auto", planned: Mapping[str, str] | None = None) -> None:
         self.world, self.name, self.ranks = world, name, list(ranks)
         self.link = link
         self._seq: dict[str, int] = {}  # ops issued per stream (counted while a tracer is set)
         self.rank = self.ranks.index(world.rank)
         self.size = len(self.ranks)
         self.hosts = [world.host_ids[r] for r in self.ranks]
-        self.transport = "shm" if len(set(self.hosts)) == 1 else "p2p"
         by_host: dict[str, list[int]] = {}
         for i, h in enumerate(self.hosts):
             by_host.setdefault(h, []).append(i)
         self.host_groups = list(by_host.values())  # group-local ranks per host, leader first
-        self._channels: dict[Any, ShmChannel] = {}
-        self._links: dict[str, Links] = {}
+        self._transport: Transport = transport_class(transport, self.hosts, name)(self)
+        self.transport = self._transport.name
+        self.algorithms = self._defaults(algorithm, planned or {})
         self._broken: BaseException | None = None
+
+    def _defaults(self, override: str, planned: Mapping[str, str]) -> dict[str, str]:
+        """Per op, what ``algorithm="auto"`` in a call runs: the override if the op has an algorithm of that
+        name, else the planner's choice if this transport runs it, else the transport's own auto."""
+        if override != "auto":
+            parse_algorithm(override, ALGORITHM_NAMES)  # a misspelt name fails here, not at the first op
+        out = {}
+        for op, allowed in ALGORITHMS.items():
+            if override != "auto" and override.partition(":")[0] in allowed:
+                self._transport.resolve(op, parse_algorithm(override, allowed)[0], 0)  # a transport that cannot run it says so now
+                out[op] = override
+            elif op in planned:
+                mapped = self._transport.planned(op, str(planned[op]))
+                if mapped is not None:
+                    out[op] = mapped
+        return out
 
     def __repr__(self) -> str:
         return f"Communicator({self.name!r}, ranks={self.ranks}, transport={self.transport})"
 
+    def algorithm_for(self, op: str, nbytes: int, algorithm: str = "auto") -> str:
+        """The algorithm ``op`` runs on a message of ``nbytes`` for the call's ``algorithm`` (what traces record)."""
+        if op not in ALGORITHMS:
+            raise ValueError(f"op {op!r} unknown; use one of {tuple(ALGORITHMS)}")
+        if self.size == 1 and op == "all_reduce":
+            return "none"
+        name, _ = self._algorithm(op, algorithm)
+        return self._transport.resolve(op, name, nbytes)
+
     # ------------------------------------------------------------------------------ plumbing
-    def _channel(self, stream: str, members: Sequence[int] | None = None, op: str = "a collective") -> ShmChannel:
-        key = (stream, tuple(members) if members else None)
-        ch = self._channels.get(key)
-        if ch is None:
-            ranks = [self.ranks[i] for i in members] if members else self.ranks
-            stream_id = stream if not members else f"{stream}.m{'-'.join(str(m) for m in members)}"
-            ch = ShmChannel(self.world.run_id, self.name, stream_id, ranks, ranks.index(self.world.rank), self.world.timeout_s,
-                            slot_bytes=self.world.slot_bytes, first_op=op, wait=self.world.wait_policy)
-            ch.pacer = self._pacer(stream)
-            ch.heap = self.world.heap
-            self._channels[key] = ch
-        return ch
-
-    def _link(self, stream: str, desc: str) -> Links:
-        links = self._links.get(stream)
-        if links is None:
-            links = self._links[stream] = Links(self, stream)
-            links.pacer = self._pacer(stream)
-        links.desc = desc
-        return links
-
-    def _pacer(self, stream: str) -> Pacer | None:
-        """What runs after each step on ``stream``: nothing for an ordinary stream of an unemulated group."""
-        s = self.world.stream(stream)
-        return None if self.link is None and s.role is None else Pacer(self.link, s, self.world)
+    def _algorithm(self, op: str, algorithm: str) -> tuple[str, tuple[int, int] | None]:
+        if algorithm == "auto":
+            algorithm = self.algorithms.get(op, "auto")
+            if algorithm == "auto":
+                return "auto", None
+        return parse_algorithm(algorithm, ALGORITHMS[op])
 
     def _submit(self, fn: Callable[[], None], desc: str, stream: str, async_op: bool, after: Any, nbytes: int = 0,
                 algorithm: str = "") -> Work | None:
@@ -183,30 +173,18 @@ class Communicator:
                     world.priority.end()
                 if tracer is not None:
                     tracer.add(desc.partition("(")[0], s.name, start, time.perf_counter(), group=self.name, seq=seq, bytes=nbytes,
-                               token=work_id, after=deps, algorithm=algorithm)
+                               token=work_id, after=deps, algorithm=algorithm, transport=self.transport)
 
         return s.submit(instrumented, f"group '{self.name}' {desc}", async_op=async_op, after=after, work_id=work_id)
-
-    def _generic(self, name: str) -> bool:
-        """Run the generic (Links-based) algorithm instead of the shm direct fast path?"""
-        return self.transport != "shm" or name not in ("auto", "direct", "slice", "hierarchical")
-
-    def _ran(self, name: str, generic_name: str) -> str:
-        """The algorithm an op runs (traces, ``comm-test --show-algorithm``): ``auto`` resolved."""
-        if name != "auto" or self.size == 1:
-            return name
-        return generic_name if self._generic(name) else "shm"
 
     def stream_tag(self, stream: str) -> int:
         return self.world.stream_tag(self.name, stream)
 
     def empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """A flat buffer to communicate over this group every step: in shared memory when the group shares a
-        host, so peers read it in place (``World.shared_empty``), else an ordinary tensor. Keep it; don't
+        """A flat buffer to communicate over this group every step: in shared memory when the transport reads
+        peers' memory in place (``shm``: ``World.shared_empty``), else an ordinary tensor. Keep it; don't
         allocate one per call."""
-        if self.transport == "shm" and self.size > 1:
-            return self.world.shared_empty((numel,), dtype)
-        return torch.empty(numel, dtype=dtype)
+        return self._transport.empty(numel, dtype)
 
     # ------------------------------------------------------------------------------ all-reduce
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, algorithm: str = "auto", stream: str = "default",
@@ -214,51 +192,12 @@ class Communicator:
         """In place. ``algorithm``: auto | direct | slice (shm) | ring | rhd | torus[:RxC] | hierarchical."""
         t = _flat(tensor, "all_reduce tensor")
         check_op(op, t.dtype)
-        name, grid = _parse_algorithm(algorithm, ALL_REDUCE_ALGORITHMS)
         if self.size == 1:
             return self._submit(lambda: None, "all_reduce", stream, async_op, after, 0, "none")
-        if not self._generic(name):
-            fn = lambda: algo.all_reduce(self._channel(stream, op="all_reduce"), t, op, name if name in ("direct", "slice") else "auto")
-        else:
-            if name in ("auto", "direct", "slice"):
-                multi = any(len(g) > 1 for g in self.host_groups)
-                name = "hierarchical" if multi else ("rhd" if t.numel() * t.element_size() <= RHD_MAX_BYTES else "ring")
-            fn = lambda: self._generic_all_reduce(t, op, name, grid, stream)
-        return self._submit(fn, f"all_reduce({op})", stream, async_op, after, t.numel() * t.element_size(), self._ran(name, name))
-
-    def _generic_all_reduce(self, t: torch.Tensor, op: str, name: str, grid: tuple[int, int] | None, stream: str) -> None:
-        low = t.dtype in LOW_PRECISION
-        work = t.float() if low else t  # fp32 accumulation, rounded once at the end
-        if name == "hierarchical":
-            self._hierarchical_all_reduce(work, op, stream)
-        else:
-            members = list(range(self.size))
-            links = self._link(stream, f"all_reduce({op}, {name})")
-            if name == "ring":
-                generic.ring_all_reduce(links, members, self.rank, work, op, self.size)
-            elif name == "rhd":
-                generic.rhd_all_reduce(links, members, self.rank, work, op, self.size)
-            else:
-                generic.torus_all_reduce(links, members, self.rank, work, op, self.size, grid or generic.default_grid(self.size))
-        if low:
-            t.copy_(work)
-
-    def _hierarchical_all_reduce(self, work: torch.Tensor, op: str, stream: str) -> None:
-        """Reduce to each host's leader over shm, all-reduce among leaders (p2p), broadcast back over shm."""
-        mine = next(g for g in self.host_groups if self.rank in g)
-        red = "sum" if op == "avg" else op
-        if len(mine) > 1:
-            algo.reduce(self._channel(stream, mine, op="all_reduce(hierarchical)"), work, 0, red)
-        if self.rank == mine[0]:
-            leaders = [g[0] for g in self.host_groups]
-            if len(leaders) > 1:
-                links = self._link(stream, f"all_reduce({op}, hierarchical)")
-                fn = generic.rhd_all_reduce if work.numel() * work.element_size() <= RHD_MAX_BYTES else generic.ring_all_reduce
-                fn(links, leaders, leaders.index(self.rank), work, red, 1)
-            if op == "avg":
-                work.div_(self.size)
-        if len(mine) > 1:
-            algo.broadcast(self._channel(stream, mine, op="all_reduce(hierarchical)"), work, 0)
+        name, grid = self._algorithm("all_reduce", algorithm)
+        nbytes = t.numel() * t.element_size()
+        ran, tr = self._transport.resolve("all_reduce", name, nbytes), self._transport
+        return self._submit(lambda: tr.all_reduce(t, op, ran, grid, stream), f"all_reduce({op})", stream, async_op, after, nbytes, ran)
 
     # ------------------------------------------------------------------------------ gather / scatter
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, algorithm: str = "auto", stream: str = "default",
@@ -268,18 +207,10 @@ class Communicator:
         if out.numel() != self.size * inp.numel() or out.dtype != inp.dtype:
             raise ValueError(f"all_gather on group '{self.name}' (size {self.size}): output must hold size × input elements "
                              f"of the same dtype; got output {out.numel()} {out.dtype}, input {inp.numel()} {inp.dtype}")
-        name, _ = _parse_algorithm(algorithm, ("auto", "direct", "ring"))
-        if not self._generic(name):
-            fn = lambda: algo.all_gather(self._channel(stream, op="all_gather"), out, inp)
-        else:
-            fn = lambda: self._ring_all_gather(out, inp, stream)
-        return self._submit(fn, "all_gather", stream, async_op, after, out.numel() * out.element_size(), self._ran(name, "ring"))
-
-    def _ring_all_gather(self, out: torch.Tensor, inp: torch.Tensor, stream: str) -> None:
-        m = inp.numel()
-        out[self.rank * m:(self.rank + 1) * m].copy_(inp)
-        bl = [(j * m, (j + 1) * m) for j in range(self.size)]
-        generic.ring_all_gather_blocks(self._link(stream, "all_gather(ring)"), list(range(self.size)), self.rank, out, bl)
+        name, _ = self._algorithm("all_gather", algorithm)
+        nbytes = out.numel() * out.element_size()
+        ran, tr = self._transport.resolve("all_gather", name, nbytes), self._transport
+        return self._submit(lambda: tr.all_gather(out, inp, ran, stream), "all_gather", stream, async_op, after, nbytes, ran)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *, algorithm: str = "auto",
                        stream: str = "default", async_op: bool = False, after: Any = None) -> Work | None:
@@ -289,23 +220,11 @@ class Communicator:
             raise ValueError(f"reduce_scatter on group '{self.name}' (size {self.size}): input must hold size × output elements "
                              f"of the same dtype; got input {inp.numel()} {inp.dtype}, output {out.numel()} {out.dtype}")
         check_op(op, inp.dtype)
-        name, _ = _parse_algorithm(algorithm, ("auto", "direct", "ring"))
-        if not self._generic(name):
-            fn = lambda: algo.reduce_scatter(self._channel(stream, op="reduce_scatter"), out, inp, op)
-        else:
-            fn = lambda: self._ring_reduce_scatter(out, inp, op, stream)
-        return self._submit(fn, f"reduce_scatter({op})", stream, async_op, after, inp.numel() * inp.element_size(), self._ran(name, "ring"))
-
-    def _ring_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str, stream: str) -> None:
-        m = out.numel()
-        work = inp.float() if inp.dtype in LOW_PRECISION else inp.clone()
-        bl = [(j * m, (j + 1) * m) for j in range(self.size)]
-        generic.ring_reduce_scatter_blocks(self._link(stream, f"reduce_scatter({op}, ring)"), list(range(self.size)), self.rank,
-                                           work, bl, "sum" if op == "avg" else op)
-        mine = work[self.rank * m:(self.rank + 1) * m]
-        if op == "avg":
-            mine.div_(self.size)
-        out.copy_(mine)
+        name, _ = self._algorithm("reduce_scatter", algorithm)
+        nbytes = inp.numel() * inp.element_size()
+        ran, tr = self._transport.resolve("reduce_scatter", name, nbytes), self._transport
+        return self._submit(lambda: tr.reduce_scatter(out, inp, op, ran, stream), f"reduce_scatter({op})", stream, async_op, after,
+                            nbytes, ran)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int] | None = None,
                    input_split_sizes: Sequence[int] | None = None, *, algorithm: str = "auto", stream: str = "default",
@@ -322,29 +241,11 @@ class Communicator:
         if equal and out.numel() != inp.numel():
             raise ValueError(f"all_to_all on group '{self.name}': equal splits need output and input of the same size "
                              f"({out.numel()} vs {inp.numel()}); pass split sizes for uneven exchanges")
-        name, _ = _parse_algorithm(algorithm, ("auto", "direct", "pairwise"))
-        aliased = (not equal or self._generic(name)) and out.numel() and inp.numel() and \
-            out.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr()  # only the split paths clone
-        if not self._generic(name):
-            if equal:
-                fn = lambda: algo.all_to_all_equal(self._channel(stream, op="all_to_all"), out, inp)
-            else:
-                fn = lambda: algo.all_to_all(self._channel(stream, op="all_to_all"), out, inp.clone() if aliased else inp, out_splits, in_splits)
-        else:
-            fn = lambda: self._pairwise_all_to_all(out, inp.clone() if aliased else inp, out_splits, in_splits, stream)
-        return self._submit(fn, "all_to_all", stream, async_op, after, inp.numel() * inp.element_size(), self._ran(name, "pairwise"))
-
-    def _pairwise_all_to_all(self, out, inp, out_splits, in_splits, stream) -> None:
-        n = self.size
-        table = torch.zeros(n * 2 * n, dtype=torch.int64)
-        self._ring_all_gather(table, torch.tensor(list(in_splits) + list(out_splits), dtype=torch.int64), stream)
-        rows = table.view(n, 2 * n).tolist()
-        for s in range(n):
-            for d in range(n):
-                if rows[s][d] != rows[d][n + s]:
-                    raise CommMismatchError(f"nxdt.comm: group '{self.name}' all_to_all: rank {self.ranks[s]} sends {rows[s][d]} elements "
-                                            f"to rank {self.ranks[d]}, which expects {rows[d][n + s]} — input and output split sizes must agree")
-        generic.pairwise_all_to_all(self._link(stream, "all_to_all(pairwise)"), list(range(n)), self.rank, out, inp, out_splits, in_splits)
+        name, _ = self._algorithm("all_to_all", algorithm)
+        nbytes = inp.numel() * inp.element_size()
+        ran, tr = self._transport.resolve("all_to_all", name, nbytes), self._transport
+        return self._submit(lambda: tr.all_to_all(out, inp, out_splits, in_splits, equal, ran, stream), "all_to_all", stream,
+                            async_op, after, nbytes, ran)
 
     def _splits(self, splits: Sequence[int] | None, numel: int, row: int, which: str) -> list[int]:
         if splits is None:
@@ -364,12 +265,10 @@ class Communicator:
         """``algorithm``: auto | direct | tree."""
         t = _flat(tensor, "broadcast tensor")
         self._check_rank(root, "root")
-        name, _ = _parse_algorithm(algorithm, ("auto", "direct", "tree"))
-        if not self._generic(name):
-            fn = lambda: algo.broadcast(self._channel(stream, op="broadcast"), t, root)
-        else:
-            fn = lambda: generic.tree_broadcast(self._link(stream, f"broadcast(root={root}, tree)"), list(range(self.size)), self.rank, t, root)
-        return self._submit(fn, f"broadcast(root={root})", stream, async_op, after, t.numel() * t.element_size(), self._ran(name, "tree"))
+        name, _ = self._algorithm("broadcast", algorithm)
+        nbytes = t.numel() * t.element_size()
+        ran, tr = self._transport.resolve("broadcast", name, nbytes), self._transport
+        return self._submit(lambda: tr.broadcast(t, root, ran, stream), f"broadcast(root={root})", stream, async_op, after, nbytes, ran)
 
     def reduce(self, tensor: torch.Tensor, root: int = 0, op: str = "sum", *, algorithm: str = "auto", stream: str = "default",
                async_op: bool = False, after: Any = None) -> Work | None:
@@ -377,33 +276,25 @@ class Communicator:
         t = _flat(tensor, "reduce tensor")
         self._check_rank(root, "root")
         check_op(op, t.dtype)
-        name, _ = _parse_algorithm(algorithm, ("auto", "direct", "tree"))
-        if not self._generic(name):
-            fn = lambda: algo.reduce(self._channel(stream, op="reduce"), t, root, op)
-        else:
-            fn = lambda: self._tree_reduce(t, root, op, stream)
-        return self._submit(fn, f"reduce({op}, root={root})", stream, async_op, after, t.numel() * t.element_size(), self._ran(name, "tree"))
-
-    def _tree_reduce(self, t: torch.Tensor, root: int, op: str, stream: str) -> None:
-        work = t.float() if t.dtype in LOW_PRECISION else t.clone()
-        links = self._link(stream, f"reduce({op}, root={root}, tree)")
-        if generic.tree_reduce(links, list(range(self.size)), self.rank, work, root, "sum" if op == "avg" else op):
-            if op == "avg":
-                work.div_(self.size)
-            t.copy_(work)
+        name, _ = self._algorithm("reduce", algorithm)
+        nbytes = t.numel() * t.element_size()
+        ran, tr = self._transport.resolve("reduce", name, nbytes), self._transport
+        return self._submit(lambda: tr.reduce(t, root, op, ran, stream), f"reduce({op}, root={root})", stream, async_op, after, nbytes, ran)
 
     # ------------------------------------------------------------------------------ point to point
     def send(self, tensor: torch.Tensor, peer: int, *, stream: str = "default", async_op: bool = False, after: Any = None) -> Work | None:
         """Returns once the data is in the peer's mailbox (same host) or handed to gloo; FIFO per peer and stream."""
         t = _flat(tensor, "send tensor")
         self._check_peer(peer)
-        return self._submit(lambda: self._link(stream, f"send to rank {self.ranks[peer]}").exchange([(peer, t)], []),
+        tr = self._transport
+        return self._submit(lambda: tr.exchange([(peer, t)], [], stream, f"send to rank {self.ranks[peer]}"),
                             "send", stream, async_op, after, t.numel() * t.element_size(), "p2p")
 
     def recv(self, tensor: torch.Tensor, peer: int, *, stream: str = "default", async_op: bool = False, after: Any = None) -> Work | None:
         t = _flat(tensor, "recv tensor")
         self._check_peer(peer)
-        return self._submit(lambda: self._link(stream, f"recv from rank {self.ranks[peer]}").exchange([], [(peer, t)]),
+        tr = self._transport
+        return self._submit(lambda: tr.exchange([], [(peer, t)], stream, f"recv from rank {self.ranks[peer]}"),
                             "recv", stream, async_op, after, t.numel() * t.element_size(), "p2p")
 
     def send_recv(self, send_tensor: torch.Tensor, send_peer: int, recv_tensor: torch.Tensor, recv_peer: int, *,
@@ -412,18 +303,15 @@ class Communicator:
         s, r = _flat(send_tensor, "send tensor"), _flat(recv_tensor, "recv tensor")
         self._check_peer(send_peer)
         self._check_peer(recv_peer)
-        return self._submit(lambda: self._link(stream, "send_recv").exchange([(send_peer, s)], [(recv_peer, r)]),
+        tr = self._transport
+        return self._submit(lambda: tr.exchange([(send_peer, s)], [(recv_peer, r)], stream, "send_recv"),
                             "send_recv", stream, async_op, after, s.numel() * s.element_size(), "p2p")
 
     def barrier(self, *, stream: str = "default", timeout_s: float | None = None) -> None:
         if self.size == 1:
             return
-        if self.transport == "shm":
-            fn = lambda: algo.barrier(self._channel(stream, op="barrier"))
-        else:
-            fn = lambda: generic.rhd_all_reduce(self._link(stream, "barrier"), list(range(self.size)), self.rank,
-                                                torch.zeros(1, dtype=torch.int32), "sum", 1)
-        self._submit(fn, "barrier", stream, False, None, 0, self.transport)
+        tr = self._transport
+        self._submit(lambda: tr.barrier(stream), "barrier", stream, False, None, 0, self.transport)
 
     def _check_rank(self, r: int, what: str) -> None:
         if not isinstance(r, int) or not 0 <= r < self.size:
@@ -460,12 +348,7 @@ class Communicator:
         return [objects.decode(everyone[i * width:i * width + int(lengths[i])].numpy().tobytes()) for i in range(self.size)]
 
     def close(self) -> None:
-        for ch in self._channels.values():
-            ch.close()
-        self._channels.clear()
-        for links in self._links.values():
-            links.close()
-        self._links.clear()
+        self._transport.close()
 
 
 class World:
@@ -526,9 +409,14 @@ class World:
             self._tags[key] = (zlib.crc32(f"{comm}/{stream}".encode()) & 0x3FFFFF) + 1  # same on every rank
         return self._tags[key]
 
-    def new_communicator(self, ranks: Sequence[int], name: str, link: EmulatedLink | None = None) -> Communicator | None:
+    def new_communicator(self, ranks: Sequence[int], name: str, link: EmulatedLink | None = None, *, transport: str = "auto",
+                         algorithm: str = "auto", planned: Mapping[str, str] | None = None) -> Communicator | None:
         """Called by every rank with the same arguments in the same order; None on non-members.
-        ``link``: emulate this link's latency and bandwidth on every transfer of the communicator."""
+
+        ``link``: emulate this link's latency and bandwidth on every transfer of the communicator.
+        ``transport``: auto (by locality: one host → shm, else p2p) | shm | p2p | gloo (:mod:`nxdt.comm.transport`).
+        ``algorithm``: run this algorithm for every op that has one of that name (``comm.algorithm``); ``auto``:
+        ``planned`` (op → algorithm, e.g. ``Plan.algorithms[dim]``) where the transport runs it, else its own choice."""
         if link is not None and not isinstance(link, EmulatedLink):
             raise TypeError(f"communicator '{name}': link must be an nxdt.comm.EmulatedLink, got {type(link).__name__}")
         if name in self._names:
@@ -539,7 +427,7 @@ class World:
         self._names.add(name)
         if self.rank not in ranks:
             return None
-        comm = Communicator(self, name, ranks, link)
+        comm = Communicator(self, name, ranks, link, transport, algorithm, planned)
         self._communicators.append(comm)
         return comm
 

@@ -235,8 +235,11 @@ class InstanceConfig:
 @dataclass
 class CommConfig:
     timeout_s: float = doc(120.0, "deadline of every collective wait; a rank that does not arrive is named")
-    transport: str = doc("auto", "auto | shm | p2p")
-    algorithm: str = doc("auto", "collective algorithm, or auto (chosen by size and group shape)")
+    transport: str = doc("auto", "transport of every group's communicator: auto (shm when the group is on one host, else p2p) | "
+                                 "shm | p2p (point-to-point links: shm mailboxes on a host, gloo across) | gloo (torch.distributed's)")
+    algorithm: str = doc("auto", "run this algorithm for every collective that has one of that name: direct | slice | ring | rhd | "
+                                 "torus[:RxC] | hierarchical | tree | pairwise; auto = the plan's choice where the transport "
+                                 "runs it, else the transport's own (by size and group shape)")
     emulate: Optional[str] = doc(None, "emulate the links of this instance on CPU; null = off")
     emulate_slowdown: float = doc(1.0, "emulated links take this many times longer (latency × s, bandwidth / s), so "
                                        "communication is comparable to the CPU's compute in overlap studies")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import re
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -24,10 +25,14 @@ CHOICES = {
     "model.activations_checkpoint_granularity": (None, "full", "selective"),
     "model.core_attention": ("sdpa", "blockwise", "naive"),
     "distributed_strategy.fsdp.prefetch": ("none", "eager", "token_threaded"),
-    "comm.transport": ("auto", "shm", "p2p"),
+    "comm.transport": ("auto", "shm", "p2p", "gloo"),
     "exp_manager.fault_injection.kind": ("raise", "sigkill", "sigkill_during_save", "hang", "nan"),
     "exp_manager.nan_policy": ("stop", "skip_step"),
 }
+
+
+# nxdt.comm.transport.ALGORITHM_NAMES (config sits below comm; tests/comm/test_transport.py keeps the two equal)
+COMM_ALGORITHMS = ("auto", "direct", "slice", "ring", "rhd", "torus", "hierarchical", "tree", "pairwise")
 
 
 class Dim(str, Enum):
@@ -248,6 +253,20 @@ def batch_plan(data: Any, dp: int) -> dict[str, int]:
             "micro_batches": batch // (data.micro_batch_size * dp)}
 
 
+def _check_comm_choice(cfg: Any) -> None:
+    """comm.algorithm names an algorithm nxdt.comm has (torus may carry its grid); the transport can run it."""
+    algorithm, transport = str(cfg.comm.algorithm), cfg.comm.transport
+    name, _, grid = algorithm.partition(":")
+    if name not in COMM_ALGORITHMS or (grid and (name != "torus" or not re.fullmatch(r"[1-9]\d*x[1-9]\d*", grid.lower()))):
+        raise ConfigError("comm.algorithm", algorithm, f"use one of {', '.join(COMM_ALGORITHMS)} (torus may give its grid: torus:RxC)")
+    if transport == "gloo" and algorithm != "auto":
+        raise ConfigError("comm.algorithm", algorithm, "comm.transport=gloo runs gloo's own algorithms: use comm.algorithm=auto, "
+                          "or comm.transport=shm/p2p")
+    if transport == "shm" and cfg.trainer.num_nodes > 1:
+        raise ConfigError("comm.transport", transport, f"shm needs every rank on one host, but trainer.num_nodes={cfg.trainer.num_nodes}; "
+                          "use auto (shm within a host, p2p across) or p2p")
+
+
 def validate(cfg: Any, *, paths: bool = True) -> None:
     """``paths=False`` (``nxdt plan``): do not require the files the run would read to exist here."""
     fill_instance_defaults(cfg)
@@ -364,6 +383,7 @@ def validate(cfg: Any, *, paths: bool = True) -> None:
         raise ConfigError("comm.emulate_slowdown", cfg.comm.emulate_slowdown, "must be > 0 (1 = the instance's own links)")
     if cfg.comm.emulate is not None and cfg.comm.emulate not in _instance_names():
         raise ConfigError("comm.emulate", cfg.comm.emulate, f"unknown instance; choose one of {', '.join(_instance_names())}")
+    _check_comm_choice(cfg)
     fi = cfg.exp_manager.fault_injection
     if fi.rank is not None and not 0 <= fi.rank < world:
         raise ConfigError("exp_manager.fault_injection.rank", fi.rank, f"must be a rank in 0..{world - 1}")

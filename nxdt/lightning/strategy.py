@@ -80,6 +80,8 @@ class NxDStrategy(ParallelStrategy):
         trace_dir: write a Chrome trace per rank there (``rank<k>.json``: compute per FSDP unit, every
             collective with its stream and token); opens in Perfetto.
         async_checkpointing: write checkpoints in a background thread (a snapshot; training continues).
+        comm_transport, comm_algorithm: ``comm.transport`` / ``comm.algorithm`` for every group's communicator
+            (:meth:`nxdt.comm.World.new_communicator`); with ``comm_algorithm="auto"`` the plan's algorithms apply.
     """
 
     strategy_name = "nxdt"
@@ -102,6 +104,8 @@ class NxDStrategy(ParallelStrategy):
         fsdp: bool | dict[str, Any] = False,
         trace_dir: str | os.PathLike | None = None,
         async_checkpointing: bool = False,
+        comm_transport: str = "auto",
+        comm_algorithm: str = "auto",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -126,6 +130,7 @@ class NxDStrategy(ParallelStrategy):
         self._placement_order = placement_order
         self._virtual = virtual_pipeline_size
         self._sequence_parallel = sequence_parallel
+        self._comm_choice = {"transport": comm_transport, "algorithm": comm_algorithm}
         self._emulated_links = {dim: nxdt.comm.EmulatedLink(*figures) for dim, figures in (emulated_links or {}).items()}
         # replicated, ZeRO-1 or FSDP: chosen once here, bound to the groups in setup(), then used without asking
         self._dp: DataParallelRuntime = data_parallel_runtime(zero1=zero1, fsdp=fsdp)
@@ -249,7 +254,8 @@ class NxDStrategy(ParallelStrategy):
         dims = DIMENSIONS + ((Dim.EDP,) if self._plan.ep > 1 else ())
         for dim in dims:
             for index, ranks in enumerate(self._plan.groups[dim]):
-                comm = self.world.new_communicator(list(ranks), name=f"{dim.value}{index}", link=self._emulated_links.get(dim))
+                comm = self.world.new_communicator(list(ranks), name=f"{dim.value}{index}", link=self._emulated_links.get(dim),
+                                                   planned=self._plan.algorithms.get(dim.value), **self._comm_choice)
                 if comm is not None:
                     self.communicators[dim.value] = comm
         atexit.register(self.close)  # a forked nxdt worker skips atexit handlers: run_training closes explicitly

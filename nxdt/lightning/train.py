@@ -43,7 +43,8 @@ def build_trainer(cfg: Any, plan: Plan, run_dir: Path, tokens_per_step: int, *, 
                            sequence_parallel=ds.sequence_parallel, zero1=ds.zero1,
                            fsdp=fsdp if ds.fsdp.enabled else False,
                            trace_dir=str(run_dir / "trace") if cfg.exp_manager.trace else None,
-                           emulated_links=emulated_links_for(cfg), async_checkpointing=cfg.exp_manager.async_checkpointing)
+                           emulated_links=emulated_links_for(cfg), async_checkpointing=cfg.exp_manager.async_checkpointing,
+                           comm_transport=cfg.comm.transport, comm_algorithm=cfg.comm.algorithm)
     return pl.Trainer(
         accelerator="cpu",
         precision=PRECISION[cfg.precision.type],
