@@ -4,7 +4,9 @@
 dividing H (grouped-query attention: KV head j serves query heads [j·H/Hkv, (j+1)·H/Hkv)), and returns
 [B, H, S, D]. It sees only the heads it is given, so under tensor parallelism it runs on a rank's local
 heads unchanged. ``causal`` masks key j > query i (top-left aligned, as ``scaled_dot_product_attention``'s
-``is_causal``). Three implementations, equal up to floating-point rounding:
+``is_causal``). ``segment_ids`` [B, S] (packed sequences: the document each token belongs to) additionally
+masks every key of another document, so attention never crosses a record boundary; it needs q and k of one
+length (self-attention). Three implementations, equal up to floating-point rounding:
 
 ``naive``     QKᵀ as one [B, H, S, S] matrix, masked, softmax (fp32), times V: the reference; autograd keeps
               the S×S probabilities for backward (the ``5·a·s/h`` term of the planner's activation memory).
@@ -12,7 +14,9 @@ heads unchanged. ``causal`` masks key j > query i (top-left aligned, as ``scaled
               CPU, torch 2.x dispatches these inputs (4-D, dense, causal, no mask/dropout) to its fused flash
               kernel ``_scaled_dot_product_flash_attention_for_cpu``, which works in blocks and saves only the
               output and a logsumexp for backward; its ``math`` fallback (taken e.g. with an explicit mask) would
-              materialise S×S, so tests/test_rope_attention.py checks the dispatch. The default.
+              materialise S×S, so tests/test_rope_attention.py checks the dispatch. The default. With
+              ``segment_ids`` it is given an explicit [B, 1, S, S] boolean mask, which torch runs on that ``math``
+              path (S×S held): for packed batches of long sequences prefer ``blockwise``.
 ``blockwise`` written here in torch: query blocks × key blocks with an online softmax (running max and sum),
               backward recomputing each block's probabilities from the saved logsumexp (FlashAttention-2's
               scheme). Never holds more than one block×block score tile per head, on any backend; blocks
@@ -30,6 +34,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from dataclasses import dataclass
+
 IMPLEMENTATIONS = ("naive", "sdpa", "blockwise")
 DEFAULT_IMPL = "sdpa"
 BLOCK_SIZE = 128  # blockwise: rows of a query block and of a key block
@@ -41,22 +47,67 @@ def check_impl(impl: str) -> str:
     return impl
 
 
+@dataclass(frozen=True)
+class SequenceLayout:
+    """Where each token of a batch sits: its position (what RoPE or a position embedding sees) and its document.
+
+    ``position_ids`` [B, S] (None: 0..S-1 in every row) — packed records restart at 0, a context-parallel rank's
+    tokens carry their places in the full sequence. ``segment_ids`` [B, S] (None: one document per row) — tokens
+    attend only within their own segment (packed SFT records). The hub models take it as ``layout=`` in
+    ``embed`` and ``run_layer`` and build it from ``forward(input_ids, position_ids=, segment_ids=)``."""
+
+    position_ids: torch.Tensor | None = None
+    segment_ids: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None) -> "SequenceLayout | None":
+        """The layout of these ids, or None when both are absent (the plain 0..S-1, one-document case)."""
+        if position_ids is None and segment_ids is None:
+            return None
+        return cls(position_ids, segment_ids)
+
+
+def layout_fields(layout: SequenceLayout | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(position_ids, segment_ids) of a layout that may be None."""
+    return (None, None) if layout is None else (layout.position_ids, layout.segment_ids)
+
+
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, impl: str = DEFAULT_IMPL,
-                   block_size: int = BLOCK_SIZE) -> torch.Tensor:
-    """softmax(QKᵀ/√d [+ causal mask])V; q [B, H, S, D], k/v [B, Hkv, S, D] → [B, H, S, D]."""
+                   block_size: int = BLOCK_SIZE, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(QKᵀ/√d [+ causal mask] [+ segment mask])V; q [B, H, S, D], k/v [B, Hkv, S, D] → [B, H, S, D]."""
     check_impl(impl)
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{k.shape[1]} key/value heads must divide {q.shape[1]} query heads")
+    if segment_ids is not None and (q.shape[2] != k.shape[2] or tuple(segment_ids.shape) != (q.shape[0], q.shape[2])):
+        raise ValueError(f"segment_ids {tuple(segment_ids.shape)} must be [batch, seq] = {(q.shape[0], q.shape[2])} "
+                         f"with queries and keys of one length (got {q.shape[2]} and {k.shape[2]})")
     if impl == "sdpa":
         gqa = k.shape[1] != q.shape[1]
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+        if segment_ids is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+        allowed = ~_mask(q.shape[2], k.shape[2], causal, segment_ids, segment_ids, q.device)  # True = attend
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.unsqueeze(1), enable_gqa=gqa)
     if impl == "blockwise":
         if block_size < 1:
             raise ValueError(f"block_size={block_size} must be >= 1")
         # its own precision (fp32 tiles for 16-bit inputs) in forward and backward alike: autocast off inside
         with torch.autocast(q.device.type, enabled=False):
-            return _BlockwiseAttention.apply(q, k, v, causal, block_size)
-    return naive_attention(q, k, v, causal=causal)
+            return _BlockwiseAttention.apply(q, k, v, causal, block_size, segment_ids)
+    return naive_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+
+
+def _mask(s_q: int, s_k: int, causal: bool, seg_q: torch.Tensor | None, seg_k: torch.Tensor | None,
+          device: torch.device, q0: int = 0, k0: int = 0) -> torch.Tensor:
+    """True where query row q0+i may NOT see key k0+j: above the causal diagonal, or another segment.
+    [s_q, s_k] without segments, [B, s_q, s_k] with them (seg_q [B, s_q], seg_k [B, s_k])."""
+    masked = torch.zeros(s_q, s_k, dtype=torch.bool, device=device)
+    if causal:
+        rows = torch.arange(q0, q0 + s_q, device=device)[:, None]
+        cols = torch.arange(k0, k0 + s_k, device=device)[None, :]
+        masked = cols > rows
+    if seg_q is not None:
+        masked = masked | (seg_q[:, :, None] != seg_k[:, None, :])
+    return masked
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -69,36 +120,40 @@ def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return q.reshape(b, kv_heads, h // kv_heads, s, d)
 
 
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True) -> torch.Tensor:
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                    segment_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The whole [B, H, S, S] score matrix at once (K/V broadcast over their query-head group, not copied)."""
     kv = k.shape[1]
     dtype = _compute_dtype(q.dtype)
     qg = _grouped(q, kv).to(dtype)
     scores = (qg @ k.unsqueeze(2).to(dtype).transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
-    if causal:
-        s_q, s_k = q.shape[2], k.shape[2]
-        above = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(above, float("-inf"))
+    if causal or segment_ids is not None:
+        masked = _mask(q.shape[2], k.shape[2], causal, segment_ids, segment_ids, q.device)
+        if masked.dim() == 3:  # [B, S, S] → [B, 1, 1, S, S] over the grouped heads
+            masked = masked[:, None, None]
+        scores = scores.masked_fill(masked, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = probs @ v.unsqueeze(2).to(dtype)
     return out.reshape(q.shape).to(q.dtype)
 
 
-def _tile_mask(i0: int, i1: int, j0: int, j1: int, device: torch.device) -> torch.Tensor | None:
-    """Causal mask of the score tile rows i0:i1 × columns j0:j1 (True = masked), or None when the tile is
-    wholly on or below the diagonal."""
-    if j1 - 1 <= i0:
-        return None
-    rows = torch.arange(i0, i1, device=device)[:, None]
-    cols = torch.arange(j0, j1, device=device)[None, :]
-    return cols > rows
+def _tile_mask(i0: int, i1: int, j0: int, j1: int, device: torch.device, causal: bool = True,
+               segment_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Mask of the score tile rows i0:i1 × columns j0:j1 (True = masked; [B, 1, 1, rows, cols] with segments), or
+    None when nothing in it is masked (wholly on or below the diagonal, one segment)."""
+    if segment_ids is None:
+        if not causal or j1 - 1 <= i0:
+            return None
+        return _mask(i1 - i0, j1 - j0, True, None, None, device, i0, j0)
+    return _mask(i1 - i0, j1 - j0, causal and j1 - 1 > i0, segment_ids[:, i0:i1], segment_ids[:, j0:j1],
+                 device, i0, j0)[:, None, None]
 
 
 class _BlockwiseAttention(torch.autograd.Function):
     """Forward and backward over block×block score tiles; saves q, k, v, the output and the logsumexp."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, block):
+    def forward(ctx, q, k, v, causal, block, segment_ids):
         b, h, s_q, d = q.shape
         kv, s_k = k.shape[1], k.shape[2]
         dtype = _compute_dtype(q.dtype)
@@ -116,12 +171,14 @@ class _BlockwiseAttention(torch.autograd.Function):
             for j0 in range(0, min(i1, s_k) if causal else s_k, block):
                 j1 = min(j0 + block, s_k)
                 s = qi @ k5[..., j0:j1, :].to(dtype).transpose(-1, -2)  # the only score tile held
-                mask = _tile_mask(i0, i1, j0, j1, q.device) if causal else None
+                mask = _tile_mask(i0, i1, j0, j1, q.device, causal, segment_ids)
                 if mask is not None:
                     s = s.masked_fill(mask, float("-inf"))
                 m_new = torch.maximum(m, s.amax(dim=-1))
-                p = torch.exp(s - m_new[..., None])
-                alpha = torch.exp(m - m_new)  # rescales what earlier key blocks summed (0 on the first)
+                # a row may see no key of this block yet (another segment): keep exp() away from -inf - -inf
+                m_use = m_new.masked_fill(m_new == float("-inf"), 0.0)
+                p = torch.exp(s - m_use[..., None])
+                alpha = torch.exp(m - m_use)  # rescales what earlier key blocks summed (0 on the first)
                 l = l * alpha + p.sum(dim=-1)
                 acc = acc * alpha[..., None] + p @ v5[..., j0:j1, :].to(dtype)
                 m = m_new
@@ -129,7 +186,7 @@ class _BlockwiseAttention(torch.autograd.Function):
             lse[..., i0:i1] = m + torch.log(l)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.block = causal, block
+        ctx.causal, ctx.block, ctx.segment_ids = causal, block, segment_ids
         return out.reshape(b, h, s_q, d)
 
     @staticmethod
@@ -140,7 +197,7 @@ class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        causal, block = ctx.causal, ctx.block
+        causal, block, segment_ids = ctx.causal, ctx.block, ctx.segment_ids
         b, h, s_q, d = q.shape
         kv, s_k = k.shape[1], k.shape[2]
         dtype = _compute_dtype(q.dtype)
@@ -162,7 +219,7 @@ class _BlockwiseAttention(torch.autograd.Function):
                 qi = qg[..., i0:i1, :].to(dtype)
                 s = (qi * scale) @ kj.transpose(-1, -2)
                 p = torch.exp(s - lse[..., i0:i1, None])  # the forward's probabilities, recomputed
-                mask = _tile_mask(i0, i1, j0, j1, q.device) if causal else None
+                mask = _tile_mask(i0, i1, j0, j1, q.device, causal, segment_ids)
                 if mask is not None:
                     p = p.masked_fill(mask, 0.0)
                 doi = do[..., i0:i1, :]
@@ -172,4 +229,4 @@ class _BlockwiseAttention(torch.autograd.Function):
                 dkj += (ds.transpose(-1, -2) @ qi).sum(dim=2, keepdim=True) * scale
             dk[..., j0:j1, :] = dkj
             dv[..., j0:j1, :] = dvj
-        return (dq.reshape(b, h, s_q, d).to(q.dtype), dk.squeeze(2).to(k.dtype), dv.squeeze(2).to(v.dtype), None, None)
+        return (dq.reshape(b, h, s_q, d).to(q.dtype), dk.squeeze(2).to(k.dtype), dv.squeeze(2).to(v.dtype), None, None, None)

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from nxdt.models.attention import DEFAULT_IMPL, check_impl, core_attention
-from nxdt.models.llama import DecoderOnlyLM, _opt
+from nxdt.models.attention import DEFAULT_IMPL, SequenceLayout, check_impl, core_attention, layout_fields
+from nxdt.models.llama import DecoderOnlyLM, _opt, check_positions
 
 
 class GPTAttention(nn.Module):
@@ -47,10 +47,10 @@ class GPTAttention(nn.Module):
         self.o_proj = nn.Linear(h, h)
         self.impl = check_impl(_opt(cfg, "core_attention", None) or DEFAULT_IMPL)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        out = core_attention(q, k, v, causal=True, impl=self.impl)
+        out = core_attention(q, k, v, causal=True, impl=self.impl, segment_ids=segment_ids)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -73,8 +73,8 @@ class GPTBlock(nn.Module):
         self.post_attention_layernorm = nn.LayerNorm(cfg.hidden_size, eps=eps)
         self.mlp = GPTMLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
+    def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), segment_ids)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -121,17 +121,19 @@ class GPTForCausalLM(DecoderOnlyLM):
     def embedding_modules(self) -> list[nn.Module]:
         return [self.embed_tokens, self.embed_positions]
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [B, S] → token + position embeddings [B, S, hidden]."""
-        s = input_ids.shape[1]
-        if s > self.embed_positions.num_embeddings:
-            raise ValueError(f"sequence length {s} exceeds model.max_position_embeddings={self.embed_positions.num_embeddings}")
-        return self.embed_tokens(input_ids) + self.embed_positions(torch.arange(s, device=input_ids.device))
+    def embed(self, input_ids: torch.Tensor, layout: SequenceLayout | None = None) -> torch.Tensor:
+        """input_ids [B, S] → token + position embeddings [B, S, hidden] (positions 0..S-1 or ``layout``'s)."""
+        check_positions(input_ids, layout, self.embed_positions.num_embeddings)
+        positions = layout_fields(layout)[0]
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        return self.embed_tokens(input_ids) + self.embed_positions(positions)
 
-    def run_layer(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def run_layer(self, layer: nn.Module, x: torch.Tensor, layout: SequenceLayout | None = None) -> torch.Tensor:
+        segments = layout_fields(layout)[1]
         if self.checkpoint_layers and torch.is_grad_enabled():
-            return checkpoint(layer, x, use_reentrant=False)
-        return layer(x)
+            return checkpoint(layer, x, segments, use_reentrant=False)
+        return layer(x, segments)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Distinct parameters (a tied embedding counts once). ``exclude_embeddings`` drops the lookup

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from nxdt.models.attention import DEFAULT_IMPL, check_impl, core_attention
+from nxdt.models.attention import DEFAULT_IMPL, SequenceLayout, check_impl, core_attention, layout_fields
 
 CHECKPOINT_GRANULARITIES = (None, "full", "selective")
 ROPE_TYPES = (None, "default", "llama3")  # rope_scaling.rope_type values the hub implements (None/default: plain RoPE)
@@ -128,7 +128,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, H, S, D]; cos/sin: [S, D]."""
+    """x: [B, H, S, D]; cos/sin: [S, D] (positions 0..S-1) or [B, S, D] (each token's own position)."""
+    if cos.dim() == 3:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
 
 
@@ -140,8 +142,8 @@ class CoreAttention(nn.Module):
         super().__init__()
         self.impl = check_impl(impl)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return core_attention(q, k, v, causal=True, impl=self.impl)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return core_attention(q, k, v, causal=True, impl=self.impl, segment_ids=segment_ids)
 
     def extra_repr(self) -> str:
         return f"impl={self.impl}"
@@ -160,21 +162,23 @@ class Attention(nn.Module):
         self.core = CoreAttention(_opt(cfg, "core_attention", None) or DEFAULT_IMPL)
         self.checkpoint_core = _opt(cfg, "activations_checkpoint_granularity", None) == "selective"
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         # head counts come from the projections' sizes, so a tensor-parallel swap (fewer local heads) keeps working;
         # so does the sequence length: under sequence parallelism x is a sequence shard and q/k/v the full sequence
+        # (cos/sin are the table [max_positions, D], cut to S here, or already one row per token [B, S, D])
         q = self.q_proj(x)
         b, s, _ = q.shape
         q = q.view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        cos, sin = cos[:s], sin[:s]
+        if cos.dim() == 2:
+            cos, sin = cos[:s], sin[:s]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # grouped-query attention (fewer KV heads: KV head j serves query heads [j·g, (j+1)·g)) is core attention's
         if self.checkpoint_core and torch.is_grad_enabled():
-            out = checkpoint(self.core, q, k, v, use_reentrant=False)
+            out = checkpoint(self.core, q, k, v, segment_ids, use_reentrant=False)
         else:
-            out = self.core(q, k, v)
+            out = self.core(q, k, v, segment_ids)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -208,8 +212,8 @@ class DecoderLayer(nn.Module):
     def make_ffn(self, cfg: Any) -> nn.Module:
         return MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segment_ids)
         return x + getattr(self, self.ffn_name)(self.post_attention_layernorm(x))
 
 
@@ -227,6 +231,20 @@ def check_config(cfg: Any) -> None:
         raise ValueError(f"model.activations_checkpoint_granularity={granularity!r}: use one of full, selective, null")
     check_impl(_opt(cfg, "core_attention", None) or DEFAULT_IMPL)
     rope_scaling_params(_opt(cfg, "rope_scaling", None))
+
+
+def check_positions(input_ids: torch.Tensor, layout: SequenceLayout | None, max_positions: int) -> None:
+    """A clear error for tokens past the model's position table (instead of an index error in a layer)."""
+    positions, segments = layout_fields(layout)
+    for name, ids in (("position_ids", positions), ("segment_ids", segments)):
+        if ids is not None and ids.shape != input_ids.shape:
+            raise ValueError(f"{name} {tuple(ids.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
+    if positions is None:
+        if input_ids.shape[1] > max_positions:
+            raise ValueError(f"sequence length {input_ids.shape[1]} exceeds model.max_position_embeddings={max_positions}")
+    elif positions.numel() and (int(positions.max()) >= max_positions or int(positions.min()) < 0):
+        raise ValueError(f"position ids {int(positions.min())}..{int(positions.max())} fall outside "
+                         f"model.max_position_embeddings={max_positions}")
 
 
 class _instance_or_static:
@@ -260,11 +278,14 @@ class DecoderOnlyLM(nn.Module):
         """Final norm and output projection: hidden [B, S, hidden] → logits [B, S, vocab]."""
         return self.lm_head(self.norm(x))
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [B, S] → logits [B, S, vocab]."""
-        x = self.embed(input_ids)
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, S] → logits [B, S, vocab]; ``position_ids`` / ``segment_ids`` [B, S] as
+        :class:`~nxdt.models.attention.SequenceLayout` (packed records, context-parallel shards)."""
+        layout = SequenceLayout.of(position_ids, segment_ids)
+        x = self.embed(input_ids, layout)
         for layer in self.layers:
-            x = self.run_layer(layer, x)
+            x = self.run_layer(layer, x, layout)
         return self.head(x)
 
     def embedding_modules(self) -> list[nn.Module]:
@@ -326,19 +347,26 @@ class LlamaForCausalLM(DecoderOnlyLM):
 
     # The forward pass in three public pieces, so pipeline stages and FSDP units can run a slice of the
     # model without re-implementing it: embed → run_layer for each owned layer → head.
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [B, S] → hidden states [B, S, hidden]."""
-        if input_ids.shape[1] > self.rope_cos.shape[0]:
-            raise ValueError(f"sequence length {input_ids.shape[1]} exceeds model.max_position_embeddings={self.rope_cos.shape[0]}")
+    def embed(self, input_ids: torch.Tensor, layout: SequenceLayout | None = None) -> torch.Tensor:
+        """input_ids [B, S] → hidden states [B, S, hidden] (positions are RoPE's, applied in each layer)."""
+        check_positions(input_ids, layout, self.rope_cos.shape[0])
         return self.embed_tokens(input_ids)
 
-    def run_layer(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def rope(self, layout: SequenceLayout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary cos/sin: the whole [max_positions, D] table, or [B, S, D] rows at ``layout.position_ids``."""
+        positions, _ = layout_fields(layout)
+        if positions is None:
+            return self.rope_cos, self.rope_sin
+        return self.rope_cos[positions], self.rope_sin[positions]
+
+    def run_layer(self, layer: nn.Module, x: torch.Tensor, layout: SequenceLayout | None = None) -> torch.Tensor:
         """One decoder layer (with full activation checkpointing if configured); x [B, S, hidden] (or
         [B, S/tp, hidden] under sequence parallelism: attention takes the RoPE rows its full sequence needs)."""
-        cos, sin = self.rope_cos, self.rope_sin
+        cos, sin = self.rope(layout)
+        segments = layout_fields(layout)[1]
         if self.checkpoint_layers and torch.is_grad_enabled():
-            return checkpoint(layer, x, cos, sin, use_reentrant=False)
-        return layer(x, cos, sin)
+            return checkpoint(layer, x, cos, sin, segments, use_reentrant=False)
+        return layer(x, cos, sin, segments)
 
     def tensor_parallel_plan(self) -> dict[str, str]:
         """Submodule name patterns → tensor-parallel styles (see nxdt.parallel.tensor_parallel): attention and

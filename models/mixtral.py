@@ -230,11 +230,12 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def moe_blocks(self) -> list[SparseMoeBlock]:
         return [m for m in self.modules() if isinstance(m, SparseMoeBlock)]
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, S] → logits [B, S, vocab] (router logits kept on each block for the aux loss)."""
         for block in self.moe_blocks():
             block.router_logits = None  # a layer that does not run (another pipeline stage) adds nothing
-        return super().forward(input_ids)
+        return super().forward(input_ids, position_ids, segment_ids)
 
     def router_logits(self) -> list[torch.Tensor]:
         """Router logits [tokens, experts] of every layer that ran in the last forward, in layer order."""

@@ -33,6 +33,14 @@ def import_architecture(path: str) -> type:
         raise ValueError(f"model.architecture={path!r} cannot be imported ({exc})") from exc
 
 
+def split_micro_batches(batch: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
+    """This rank's share of a global batch cut into micro-batches of ``size`` rows, every tensor field alike
+    (``input_ids``, ``labels`` and whatever else the data carries: ``position_ids``, ``segment_ids``, ...)."""
+    fields = {name: value.split(size) for name, value in batch.items() if isinstance(value, torch.Tensor)}
+    count = len(fields["input_ids"])
+    return [{name: parts[i] for name, parts in fields.items()} for i in range(count)]
+
+
 NAN_POLICIES = ("stop", "skip_step")
 MAX_CONSECUTIVE_SKIPS = 10  # skip_step: a run whose every update is non-finite stops instead of spinning forever
 
@@ -74,7 +82,7 @@ class CausalLMModule(pl.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         strategy = self.trainer.strategy
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-        micro_batches = list(zip(batch["input_ids"].split(self.micro_batch_size), batch["labels"].split(self.micro_batch_size)))
+        micro_batches = split_micro_batches(batch, self.micro_batch_size)
         optimizer.zero_grad()
         run = getattr(strategy, "forward_backward", None)
         loss = run(self, micro_batches) if run else self._forward_backward(micro_batches)
@@ -136,11 +144,12 @@ class CausalLMModule(pl.LightningModule):
                                  "checkpoint holds the last finite state — lower model.optim.lr, set "
                                  "trainer.gradient_clip_val, or use exp_manager.nan_policy=skip_step")
 
-    def _forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def _forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Gradient of the mean loss over the micro-batches (one process, no model parallelism)."""
         total = torch.zeros((), dtype=torch.float64)
-        for ids, labels in micro_batches:
-            loss = self.model.loss_fn(self.model(ids), labels) / len(micro_batches)
+        for mb in micro_batches:
+            logits = self.model(mb["input_ids"], mb.get("position_ids"), mb.get("segment_ids"))
+            loss = self.model.loss_fn(logits, mb["labels"]) / len(micro_batches)
             self.manual_backward(loss)
             total += loss.detach().double()
         return total

@@ -324,7 +324,7 @@ class NxDStrategy(ParallelStrategy):
             self._tp_layout = shard_layout(model)
         self._parallelized = model
 
-    def forward_backward(self, module: pl.LightningModule, micro_batches: list[tuple[Tensor, Tensor]]) -> Tensor:
+    def forward_backward(self, module: pl.LightningModule, micro_batches: list[dict[str, Tensor]]) -> Tensor:
         """Run forward and backward over one global batch's micro-batches; parameter gradients hold the
         gradient of the mean loss afterwards; returns the mean loss (on every pipeline stage)."""
         if self._pipeline is None:

@@ -39,10 +39,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
+
+from nxdt.models.attention import SequenceLayout  # the hub's layout type (models sit on parallel's layer)
 
 __all__ = [
     "split_layers", "PipelineChunk", "build_chunks", "chunk_parameters",
@@ -104,12 +106,13 @@ class PipelineChunk(nn.Module):
         if is_last:
             self.norm, self.lm_head = model.norm, model.lm_head
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids [B, S] (first chunk) or hidden states [B, S, H] → hidden states, or logits (last chunk)."""
+    def forward(self, x: torch.Tensor, layout: Any = None) -> torch.Tensor:
+        """Token ids [B, S] (first chunk) or hidden states [B, S, H] → hidden states, or logits (last chunk);
+        ``layout``: the micro-batch's positions and segments (the model's ``SequenceLayout``), on every stage."""
         if self.is_first:
-            x = self.model.embed(x)
+            x = self.model.embed(x, layout)
         for i in self.layer_indices:
-            x = self.model.run_layer(self.layers[str(i)], x)
+            x = self.model.run_layer(self.layers[str(i)], x, layout)
         return self.model.head(x) if self.is_last else x
 
     def extra_repr(self) -> str:
@@ -381,6 +384,16 @@ def simulate(schedules: Sequence[Iterable[Task]], num_chunks: int = 1, send_capa
 
 
 # ---------------------------------------------------------------------------------------------- executor
+def unpack_microbatch(mb: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """(input_ids, labels, layout) of a micro-batch given as (ids, labels) or as a mapping with ``input_ids``,
+    ``labels`` and optional ``position_ids`` / ``segment_ids`` (layout None when it has neither)."""
+    if isinstance(mb, Mapping):
+        positions, segments = mb.get("position_ids"), mb.get("segment_ids")
+        return mb["input_ids"], mb["labels"], SequenceLayout.of(positions, segments)
+    ids, labels = mb
+    return ids, labels, None
+
+
 class PipelineExecutor:
     """Runs one stage's task stream over all micro-batches of a global batch.
 
@@ -434,12 +447,13 @@ class PipelineExecutor:
         return f"pp.{kind}.{src}to{dst}"
 
     def _shape(self, mb: int) -> tuple[int, ...]:
-        b, s = self.microbatches[mb][0].shape[:2]
+        b, s = unpack_microbatch(self.microbatches[mb])[0].shape[:2]
         return (b, s // self.seq_shards, self.hidden_size)
 
-    def run(self, schedule: Iterable[Task], microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Execute ``schedule`` over ``microbatches`` (a list of (input_ids, labels), the same on every
-        stage: the first chunk reads the ids, the last the labels). Gradients accumulate into ``.grad``
+    def run(self, schedule: Iterable[Task], microbatches: Sequence[Any]) -> float:
+        """Execute ``schedule`` over ``microbatches`` (a list of (input_ids, labels), or of mappings with
+        ``input_ids``, ``labels`` and optional ``position_ids`` / ``segment_ids``; the same on every stage: the
+        first chunk reads the ids, every chunk the layout, the last the labels). Gradients accumulate into ``.grad``
         (zero them before); each micro-batch's loss is scaled by 1/len(microbatches), so they equal the
         single-process mean-loss gradients. Returns the mean loss, on every stage."""
         self._reset(microbatches)
@@ -467,9 +481,9 @@ class PipelineExecutor:
     def _forward(self, t: Forward) -> None:
         key = (t.microbatch, t.chunk)
         chunk = self.chunks[t.chunk]
-        ids, labels = self.microbatches[t.microbatch]
+        ids, labels, layout = unpack_microbatch(self.microbatches[t.microbatch])
         x = ids if self._global(t.chunk) == 0 else self.inputs[key]
-        out = chunk(x)
+        out = chunk(x, layout)
         if getattr(chunk, "is_last", False):
             loss = self.loss_fn(out, labels)
             self.loss_sum += loss.detach().double()
