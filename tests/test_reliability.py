@@ -5,7 +5,9 @@ the newest complete checkpoint, bitwise equal to an uninterrupted run; a kill in
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -155,15 +157,27 @@ def test_a_diverging_run_stops_at_the_first_non_finite_gradient(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_a_hung_rank_is_named_and_the_job_ends_without_the_agents_kill_grace(tmp_path):
-    """Rank 1 stops responding: rank 0 names it at comm.timeout_s, and the agent's SIGTERM ends rank 1 at once
-    (without nxdt's handler Lightning only notes SIGTERM, and the agent waits 30 s before SIGKILL)."""
+@pytest.mark.parametrize("kind", ["hang", "sigstop"])
+def test_a_stuck_rank_is_named_and_the_job_ends_without_the_agents_kill_grace(tmp_path, kind):
+    """Rank 1 stops responding: rank 0 times out at comm.timeout_s and the headline names rank 1. The agent would
+    wait 30 s before SIGKILL for a worker that ignores its SIGTERM: a hung rank dies on the SIGTERM at once (without
+    nxdt's handler Lightning only notes it), a SIGSTOPped one cannot run any handler and is killed by rank 0."""
     run = tmp_path / "run"
     result = nxdt("train", *COMMON, "comm.timeout_s=5", "exp_manager.fault_injection.step=3",
-                  "exp_manager.fault_injection.rank=1", "exp_manager.fault_injection.kind=hang",
+                  "exp_manager.fault_injection.rank=1", f"exp_manager.fault_injection.kind={kind}",
                   f"exp_manager.explicit_log_dir={run}", cwd=tmp_path)
+    ended = time.time()
     assert result.returncode == 1
     headline = [line for line in result.stderr.splitlines() if line.startswith("nxdt: rank ")][-1]
-    assert "rank 0 failed: CommTimeoutError" in headline and "timed out after 5s" in headline and "rank(s) [1]" in headline
-    launcher = (run / "logs" / "launcher.log").read_text()
-    assert "via signal SIGTERM" in launcher and "SIGKILL" not in launcher, launcher[-2000:]
+    assert headline.startswith("nxdt: rank 1 failed: stopped responding (rank 0: CommTimeoutError") and "rank1.log" in headline
+    assert "timed out after 5s" in headline and "rank(s) [1]" in headline
+    launcher_log = run / "logs" / "launcher.log"  # torch's agent records, if it logged any
+    launcher = launcher_log.read_text() if launcher_log.exists() else ""
+    assert "Unable to shutdown process" not in launcher, launcher[-2000:]  # the agent never had to wait out its grace
+    if kind == "hang":
+        assert "via signal SIGTERM" in launcher and "SIGKILL" not in launcher, launcher[-2000:]
+    else:
+        assert "rank 1 (pid " in (run / "logs" / "rank0.log").read_text() and "killed it (SIGKILL)" in (run / "logs" / "rank0.log").read_text()
+    # a loose bound on top of the mechanism: the agent's grace alone would end the job ≥ 30 s after the timeout
+    injected = float(re.search(r"fault injection: .* \(t=([0-9.]+)\)", (run / "logs" / "rank1.log").read_text()).group(1))
+    assert ended - injected < 5 + 20, ended - injected

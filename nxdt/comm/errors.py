@@ -1,12 +1,21 @@
 """Errors raised by nxdt collectives: every one names the group, the op and its sequence number."""
 
+from __future__ import annotations
+
 
 class CommError(RuntimeError):
     """A collective failed; the communicator that raised it is unusable afterwards."""
 
 
 class CommTimeoutError(CommError):
-    """A wait passed its deadline (``comm.timeout_s``); the message names the ranks that did not arrive."""
+    """A wait passed its deadline (``comm.timeout_s``); the message names the ranks that did not arrive.
+
+    ``stuck_pids``: rank -> process id of those ranks where the transport knows it (members on this host,
+    from their shared-memory headers), so a launcher can deal with a peer that cannot stop by itself."""
+
+    def __init__(self, message: str, stuck_pids: dict[int, int] | None = None) -> None:
+        super().__init__(message)
+        self.stuck_pids = {rank: pid for rank, pid in (stuck_pids or {}).items() if pid > 0}
 
 
 class CommMismatchError(CommError):

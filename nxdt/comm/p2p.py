@@ -156,14 +156,18 @@ class Links:
 
     def _block(self, pending, deadline: float) -> None:
         def timeout() -> Exception:
-            who = sorted({self.comm.ranks[x.peer] for x, _ in pending})
+            who = {self.comm.ranks[x.peer]: peer_pid(x, sending) for x, sending in pending}
             return CommTimeoutError(f"nxdt.comm: group '{self.comm.name}' {self.desc} (stream '{self.stream}') timed out after "
-                                    f"{self.world.timeout_s:g}s waiting for rank(s) {who} to {'receive' if pending[0][1] else 'send'}")
+                                    f"{self.world.timeout_s:g}s waiting for rank(s) {sorted(who)} to {'receive' if pending[0][1] else 'send'}",
+                                    stuck_pids=who)
+
+        def peer_pid(x, sending: bool) -> int:  # the mailbox's other end: its receiver, or its creator (the sender)
+            seg = self._out[x.peer] if sending else self._in[x.peer]
+            return int(seg.header[W_RECEIVER_PID] if sending else seg.header[1])
 
         def health() -> None:
             for x, sending in pending:
-                seg = self._out[x.peer] if sending else self._in[x.peer]
-                pid = int(seg.header[W_RECEIVER_PID] if sending else seg.header[1])
+                pid = peer_pid(x, sending)
                 if pid and not pid_alive(pid):
                     raise PeerDiedError(f"nxdt.comm: group '{self.comm.name}' {self.desc}: rank {self.comm.ranks[x.peer]} (pid {pid}) "
                                         f"exited while rank {self.comm.ranks[self.comm.rank]} waited for it")

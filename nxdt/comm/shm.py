@@ -197,10 +197,11 @@ class ShmChannel:
         return [i for i in members if self.headers[i][W_PROGRESS] < milestone]
 
     def _timeout_error(self, members: Sequence[int], milestone: int, what: str) -> Exception:
-        missing = [self.ranks[i] for i in self._missing(members, milestone)]
+        missing = self._missing(members, milestone)
         return CommTimeoutError(
             f"nxdt.comm: group '{self.group}' {self.op_desc} (seq/step {self.step}, stream '{self.stream}') timed out after "
-            f"{self.timeout_s:g}s waiting for {what} of rank(s) {missing} — they crashed, hung, or called a different collective")
+            f"{self.timeout_s:g}s waiting for {what} of rank(s) {[self.ranks[i] for i in missing]} — they crashed, hung, or called "
+            f"a different collective", stuck_pids={self.ranks[i]: int(self.headers[i][W_PID]) for i in missing})
 
     def _check_health(self, members: Sequence[int], milestone: int) -> None:
         for i in self._missing(members, milestone):

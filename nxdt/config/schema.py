@@ -41,7 +41,7 @@ class FaultInjectionConfig:
     step: Optional[int] = doc(None, "fail when this optimizer step starts (reliability drills); null = off")
     rank: Optional[int] = doc(None, "rank that fails; null = every rank")
     kind: str = doc("raise", "raise (an exception) | sigkill (the process dies) | sigkill_during_save (dies mid-checkpoint) | hang (stops responding) "
-                                 "| nan (the rank's loss at that step is NaN: exercises exp_manager.nan_policy)")
+                                 "| sigstop (the process is stopped: cannot even act on SIGTERM) | nan (the rank's loss at that step is NaN: exercises exp_manager.nan_policy)")
     attempt: int = doc(0, "only in this launch attempt (0 = the first; restarts then run clean)")
 
 

@@ -26,7 +26,7 @@ CHOICES = {
     "model.core_attention": ("sdpa", "blockwise", "naive"),
     "distributed_strategy.fsdp.prefetch": ("none", "eager", "token_threaded"),
     "comm.transport": ("auto", "shm", "p2p", "gloo"),
-    "exp_manager.fault_injection.kind": ("raise", "sigkill", "sigkill_during_save", "hang", "nan"),
+    "exp_manager.fault_injection.kind": ("raise", "sigkill", "sigkill_during_save", "hang", "sigstop", "nan"),
     "exp_manager.nan_policy": ("stop", "skip_step"),
 }
 

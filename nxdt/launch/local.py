@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from nxdt.planner import Plan
 
@@ -42,39 +43,96 @@ def _summary(message: Any, exitcode: int) -> str:
     return f"exit code {exitcode}" if not summary or summary.startswith("<N/A>") else summary
 
 
-def root_failure(exc: Any) -> tuple[int, int | None, str]:
-    """(local rank, pid if known, one-line summary) of the worker that failed first.
+class _Record(NamedTuple):
+    when: float          # error file's write time; -inf: died by a signal (first), inf: stopped by the agent
+    pid: int | None
+    summary: str
+    recorded: bool       # the worker wrote an error of its own (an exception), not only an exit status
 
-    One failure brings down the rest: peers waiting for a dead rank raise ``PeerDiedError`` and the
-    agent stops the others (SIGTERM), each recording an error of its own, often within the same second.
-    The agent may report whichever exit it saw first (only that one, for forked workers), so every
-    worker's error file, which lies beside the reported one, is read and the first written wins: a
-    rank's error is written before it exits, and its peers notice the exit only after that. A worker
-    killed by a signal writes no file: it counts as first (it died before anyone could notice), unless the
-    signal was SIGTERM, the agent's way of stopping the others."""
-    first: dict[int, tuple[float, int | None, str]] = {}
+
+# ranks an error names as its cause: nxdt.comm's PeerDiedError ("rank 1 (pid 42) exited ...", "lost the connection to
+# rank(s) [2] ...") and CommTimeoutError ("... waiting for ... rank(s) [1, 3] ...")
+_CONSEQUENCE = ("PeerDiedError:", "CommTimeoutError:")
+_NAMED_RANKS = re.compile(r"rank\(s\) \[([0-9, ]*)\]|rank (\d+) \(pid \d+\)")
+
+
+def blamed_ranks(summary: str) -> list[int]:
+    """The ranks a failure was waiting for when it failed, if it is the consequence of theirs (else [])."""
+    if not summary.startswith(_CONSEQUENCE):
+        return []
+    match = _NAMED_RANKS.search(summary)
+    if match is None:
+        return []
+    return [int(r) for r in match.group(1).split(",") if r.strip()] if match.group(1) is not None else [int(match.group(2))]
+
+
+def _records(exc: Any) -> dict[int, _Record]:
+    """Every worker's failure: those the agent reported and every error file beside theirs. The agent may report
+    whichever exit it saw first (only that one, for forked workers). A worker killed by a signal writes no file:
+    it counts as first (it died before anyone could notice), unless the signal was SIGTERM, the agent's way of
+    stopping the others."""
+    found: dict[int, _Record] = {}
+    attempts = set()
     for rank, failure in exc.failures.items():
         recorded = os.path.isfile(failure.error_file)
         when = float("inf") if recorded or failure.exitcode == -signal.SIGTERM else float("-inf")
-        first[rank] = (when, failure.pid, _summary(failure.message, failure.exitcode))
-        if not recorded:
+        found[rank] = _Record(when, failure.pid, _summary(failure.message, failure.exitcode), False)
+        attempts.add(Path(failure.error_file).parent.parent)  # <attempt>/<local rank>/error.json
+    for path in sorted(p for attempt in attempts for p in attempt.glob("*/error.json")):
+        other = int(path.parent.name)
+        try:
+            written, message = path.stat().st_mtime_ns / 1e9, json.loads(path.read_text())["message"]
+        except (OSError, ValueError, KeyError):
             continue
-        for path in Path(failure.error_file).parent.parent.glob("*/error.json"):
-            other = int(path.parent.name)
-            try:
-                written, message = path.stat().st_mtime_ns / 1e9, json.loads(path.read_text())["message"]
-            except (OSError, ValueError, KeyError):
-                continue
-            if other in first and first[other][0] == float("-inf"):
-                continue
-            pid = first[other][1] if other in first else None
-            first[other] = (written, pid, _summary(message, 1))
-    rank = min(first, key=lambda r: (first[r][0], r))
-    return rank, first[rank][1], first[rank][2]
+        if other in found and found[other].when == float("-inf"):
+            continue
+        pid = found[other].pid if other in found else None
+        found[other] = _Record(written, pid, _summary(message, 1), True)
+    return found
+
+
+def root_failure(exc: Any, *, single_host: bool) -> tuple[int, int | None, str]:
+    """(local rank, pid if known, one-line summary) of the failure that brought the job down.
+
+    One failure brings down the rest: peers waiting for a dead rank raise ``PeerDiedError``, peers waiting for a
+    stuck one ``CommTimeoutError`` at ``comm.timeout_s``, and the agent stops the others (SIGTERM), each
+    recording an error of its own, often within the same clock tick. So the earliest failure is only the
+    starting point: while it names the rank(s) it was waiting for, the blame moves to them (a rank's error is
+    written before it exits, its peers notice only after, but file times are as coarse as the kernel's tick).
+    A rank blamed by a timeout that recorded no error of its own stopped responding: the headline says so and
+    quotes the rank that noticed. ``single_host``: every rank of the job runs on this host, so the ranks messages
+    name are the local ranks of the error files; otherwise the blame is not followed (they may be on other nodes)."""
+    found = _records(exc)
+    first = min(found, key=lambda r: (found[r].when, r))
+    rank, witness, seen = first, None, {first}
+    while single_host:
+        suspects = [b for b in blamed_ranks(found[rank].summary) if b not in seen]
+        if not suspects:
+            break
+        witness = rank
+        rank = min(suspects, key=lambda b: (found[b].when if b in found else float("inf"), b))
+        seen.add(rank)
+        if rank not in found:
+            break
+    own = found.get(rank)
+    if own is not None and own.recorded and blamed_ranks(own.summary) and rank != first:
+        rank, own, witness = first, found[first], None  # a cycle of ranks waiting for each other: the earliest wins
+    if witness is None:  # the rank blamed by no one else's wait: is a timeout blaming it?
+        witness = next((r for r in sorted(found, key=lambda r: found[r].when) if rank in blamed_ranks(found[r].summary)), None)
+    if own is not None and own.recorded:
+        return rank, own.pid, own.summary
+    pid = own.pid if own is not None else None
+    if witness is not None and found[witness].summary.startswith("CommTimeoutError:"):
+        return rank, pid, f"stopped responding (rank {witness}: {found[witness].summary})"
+    if own is not None and own.when == float("-inf"):
+        return rank, pid, own.summary
+    if witness is not None:
+        return rank, pid, f"exited without recording an error (rank {witness}: {found[witness].summary})"
+    return rank, pid, own.summary if own is not None else "exited without recording an error"
 
 
 def _failure_line(exc: Any, run_dir: Path) -> str:
-    rank, _, summary = root_failure(exc)
+    rank, _, summary = root_failure(exc, single_host=True)
     return f"nxdt: rank {rank} failed: {summary} — see {run_dir / 'logs' / f'rank{rank}.log'}"
 
 

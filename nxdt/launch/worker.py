@@ -99,8 +99,76 @@ def die_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, die)
 
 
-@record
+def _comm_timeout(exc: BaseException | None) -> BaseException | None:
+    """The ``CommTimeoutError`` behind ``exc`` (itself, or in its chain of causes), if any."""
+    from nxdt.comm import CommTimeoutError
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, CommTimeoutError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _stopped_sibling(pid: int) -> int | None:
+    """A pidfd of ``pid`` if it is a stopped (SIGSTOP, state T) worker of this job: a child of our own parent
+    (the agent's fork server, or the agent) with our user id. The pidfd is opened before the checks and the
+    signal goes through it, so the process checked is the process signalled even if ``pid`` is reused."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (OSError, AttributeError):  # gone already, or no pidfd on this platform
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+        fields = stat[stat.rfind(b")") + 2:].split()  # after "(comm)", which may hold spaces: state, ppid, ...
+        same_user = os.stat(f"/proc/{pid}").st_uid == os.getuid()
+        if fields[0] == b"T" and int(fields[1]) == os.getppid() != 1 and same_user:
+            return fd
+    except (OSError, IndexError, ValueError):
+        pass
+    os.close(fd)
+    return None
+
+
+def kill_stopped_peers(exc: BaseException, rank: int) -> list[int]:
+    """After a collective timed out: SIGKILL the ranks it waited for that are stopped worker processes of this
+    job on this host. A stopped process cannot act on the agent's SIGTERM, so the agent would wait its 30 s
+    shutdown grace before killing it; killing it now ends the job at ``comm.timeout_s``. Peers that are alive
+    but stuck are left to the agent's SIGTERM (they die at once, ``die_on_sigterm``), keeping their own error
+    if they get to write one. Returns the ranks killed."""
+    timeout = _comm_timeout(exc)
+    killed = []
+    for peer, pid in sorted(getattr(timeout, "stuck_pids", {}).items()):
+        fd = _stopped_sibling(pid)
+        if fd is None:
+            continue
+        try:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+            killed.append(peer)
+            print(f"nxdt: rank {rank}: rank {peer} (pid {pid}) is stopped (SIGSTOP) and cannot act on the agent's SIGTERM; "
+                  f"killed it (SIGKILL) so the job ends now", flush=True)  # fds 1 and 2: the rank's log by now
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return killed
+
+
 def main(argv: list[str] | None = None) -> None:
+    """The agent's entry point: train (``_main``, whose error record is written on the way out), then, if a
+    collective timed out because of a stopped peer, kill that peer — after this rank's error is on record,
+    so the launcher's headline can say why the peer died."""
+    try:
+        _main(argv)
+    except Exception as exc:
+        kill_stopped_peers(exc, int(os.environ.get("RANK", "-1")))
+        raise
+
+
+@record
+def _main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="nxdt.launch.worker")
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--console-tty", action="store_true", help="the launcher's console is a terminal (live progress bar)")

@@ -142,7 +142,8 @@ class FaultInjection(Callback):
     a crash for real. ``raise``: an exception; ``sigkill``: the process vanishes (no cleanup, as after an
     OOM kill); ``sigkill_during_save``: the process vanishes in the middle of the next checkpoint write,
     after its files are written and before it is committed; ``hang``: the process stops responding (a stuck
-    rank or host: the others wait until their collective timeout, or until the host is killed); ``nan``: the
+    rank or host: the others wait until their collective timeout, or until the host is killed); ``sigstop``: the
+    process is stopped by SIGSTOP (it cannot even run a signal handler; see ``worker.kill_stopped_peers``); ``nan``: the
     rank's loss of that step is NaN (the module's ``inject_nan``), as after an overflow."""
 
     def __init__(self, step: int, rank: int | None, kind: str = "raise", attempt: int = 0) -> None:
@@ -169,6 +170,9 @@ class FaultInjection(Callback):
         if self.kind == "nan":  # once: a skipped step starts again with the same step number
             pl_module.inject_nan, self._nan_injected = not self._nan_injected, True
             return
+        if self.kind == "sigstop":
+            print(f"nxdt: fault injection: SIGSTOP on rank {trainer.global_rank} at step {self.step} (t={time.time():.3f})", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
         if self.kind == "hang":
             print(f"nxdt: fault injection: rank {trainer.global_rank} hangs at step {self.step} (t={time.time():.3f})", flush=True)
             while True:
