@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from nxdt.lightning.checkpoint import verify as verify_checkpoint
 
 from test_train_e2e import TINY, assert_ok, losses, nxdt
 
@@ -181,3 +184,27 @@ def test_a_stuck_rank_is_named_and_the_job_ends_without_the_agents_kill_grace(tm
     # a loose bound on top of the mechanism: the agent's grace alone would end the job ≥ 30 s after the timeout
     injected = float(re.search(r"fault injection: .* \(t=([0-9.]+)\)", (run / "logs" / "rank1.log").read_text()).group(1))
     assert ended - injected < 5 + 20, ended - injected
+
+
+@pytest.mark.timeout(240)
+def test_a_full_disk_during_a_save_is_one_line_and_the_previous_checkpoint_survives(tmp_path):
+    """checkpoints/ is a 14 MB tmpfs: llama_tiny's checkpoint at DP=2 (9.6 MB) fits once, the second runs out of space."""
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=14m,mode=0700", "tmpfs", str(checkpoints)], capture_output=True, text=True)
+    except OSError as exc:
+        pytest.skip(f"cannot mount a tmpfs: {exc}")
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
+    try:
+        result = nxdt("train", *TINY, "data=synthetic", "trainer.max_steps=4", "exp_manager.checkpoint_every_n_steps=2",
+                      "data.global_batch_size=4", "data.micro_batch_size=2", f"exp_manager.explicit_log_dir={checkpoints.parent}", cwd=tmp_path)
+        assert result.returncode == 1 and "Traceback" not in result.stdout + result.stderr, result.stderr[-3000:]
+        headline = [line for line in result.stderr.splitlines() if line.startswith("nxdt: rank ")]
+        assert len(headline) == 1 and f"could not write checkpoint {checkpoints / 'step-4'}: No space left on device" in headline[0]
+        assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step-2"]  # no temporary directory left behind
+        assert (checkpoints / "latest").read_text().strip() == "step-2"
+        verify_checkpoint(checkpoints / "step-2")  # every file's checksum
+    finally:
+        subprocess.run(["umount", "-l", str(checkpoints)], capture_output=True)

@@ -46,6 +46,7 @@ import logging
 import os
 import queue
 import random
+import re
 import shutil
 import threading
 import uuid
@@ -57,6 +58,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from nxdt.config.validate import Dim
@@ -144,10 +146,10 @@ def save(checkpoint: dict[str, Any], path: str | os.PathLike, meta: dict[str, An
     try:
         tmp.mkdir()
         # safetensors refuses tensors that share storage (tied embeddings): store each once.
-        save_file(_dedupe_shared(tensors), str(tmp / "model.safetensors"))
-        torch.save(rest, tmp / "trainer_state.pt")
+        _save_safetensors(_dedupe_shared(tensors), tmp / "model.safetensors")
+        _torch_save(rest, tmp / "trainer_state.pt")
         for name, extra in (extra_files or {}).items():
-            save_file(extra, str(tmp / name))
+            _save_safetensors(extra, tmp / name)
         info = {"format_version": FORMAT_VERSION, "step": rest.get("global_step"), **(meta or {})}
         (tmp / "meta.json").write_text(json.dumps(info, indent=2))
         _write_checksums(tmp, _digest_files(tmp, sorted(p.name for p in tmp.iterdir())))  # fsyncs every file
@@ -179,25 +181,32 @@ def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike, *, model_f
     stream of the save's collectives (``ASYNC_STREAM`` from a background writer)."""
     final = Path(path)
     tmp = final.parent / f"{_TMP_PREFIX}{final.name}"
-    if comm.rank == 0:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # a leftover of an interrupted save of the same step
-        tmp.mkdir()
-    comm.barrier(stream=stream)
     error, digests = "", {}
+    if comm.rank == 0:
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # a leftover of an interrupted save of the same step
+            tmp.mkdir()
+        except OSError as exc:  # reported with the others' below (theirs then fail on the missing directory)
+            error = exc.strerror or str(exc)
+    comm.barrier(stream=stream)
     tensors, rest = _split_state(checkpoint)
-    try:
+
+    def write_mine() -> dict[str, dict[str, Any]]:
         written = []
         if model_file:
-            save_file(_dedupe_shared(tensors), str(tmp / model_file))
+            _save_safetensors(_dedupe_shared(tensors), tmp / model_file)
             written.append(model_file)
         if state_file:
-            torch.save(rest, tmp / state_file)
+            _torch_save(rest, tmp / state_file)
             written.append(state_file)
         for name, extra in (extra_files or {}).items():
-            save_file(extra, str(tmp / name))
+            _save_safetensors(extra, tmp / name)
             written.append(name)
-        digests = _digest_files(tmp, written)  # this rank's files, hashed and fsynced where they were written
+        return _digest_files(tmp, written)  # this rank's files, hashed and fsynced where they were written
+
+    try:
+        digests = {} if error else write_mine()
     except OSError as exc:
         error = exc.strerror or str(exc)
     # one collective reports every rank's errors and hands rank 0 every rank's digests (plain data)
@@ -230,6 +239,47 @@ def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike, *, model_f
                               f"— free disk space or point exp_manager.exp_dir elsewhere") from exc
     comm.barrier(stream=stream)
     return final
+
+
+class _WriteErrors:
+    """A file for torch.save that keeps the first OSError of a write: torch reports a failed write only as
+    "unexpected pos", so a full disk would not say so."""
+
+    def __init__(self, fh: Any) -> None:
+        self.fh, self.error = fh, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.fh.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def _torch_save(obj: Any, path: Path) -> None:
+    """torch.save into ``path``; a failed write raises its OSError (ENOSPC: "No space left on device")."""
+    with open(path, "wb") as fh:  # buffered: every write is whole or raises (torch ignores short counts)
+        sink = _WriteErrors(fh)
+        try:
+            torch.save(obj, sink)
+        except RuntimeError as exc:
+            if sink.error is None:
+                raise
+            raise sink.error from exc
+
+
+def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file; a failed write raises an OSError (safetensors reports it as "os error <errno>")."""
+    try:
+        save_file(tensors, str(path))
+    except SafetensorError as exc:
+        errno = re.search(r"os error (\d+)", str(exc))
+        if errno is None:
+            raise
+        raise OSError(int(errno.group(1)), os.strerror(int(errno.group(1))), str(path)) from exc
 
 
 def _dedupe_shared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -479,8 +529,12 @@ def set_aside(path: str | os.PathLike) -> Path:
 def _write_latest(final: Path) -> None:
     latest = final.parent / LATEST_FILE
     tmp = final.parent / f"{_TMP_PREFIX}{LATEST_FILE}-{uuid.uuid4().hex[:8]}"
-    tmp.write_text(final.name + "\n")
-    os.replace(tmp, latest)
+    try:
+        tmp.write_text(final.name + "\n")
+        os.replace(tmp, latest)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _complete_dir(path: str | os.PathLike, expect_model: dict[str, Any] | None) -> Path:
