@@ -218,7 +218,6 @@ class InstanceConfig:
     compute_efficiency: float = doc(0.4, "achieved fraction of peak in a training step (cost model)")
     graph: str = doc("host", "intra-node graph: host | single | chain | ring | torus2d | torus3d | switch | nvswitch")
     shape: List[int] = doc([], "graph shape, e.g. [4, 4] for a 4x4 torus ([rows, cols], row-major device ids)")
-    links_per_device: int = doc(0, "scale-up links per device")
     intra_device: LinkConfig = doc(LinkConfig(), "between ranks on one device (shared memory on cpu)")
     device_link: LinkConfig = doc(LinkConfig(), "one scale-up link between neighbouring devices (switch graphs: a device's whole port into the switch)")
     domain_nodes: int = doc(1, "nodes joined by scale-up links into one domain (UltraServer, NVL72)")
@@ -272,7 +271,6 @@ class LauncherConfig:
 class Config:
     name: str = doc("llama_tiny", "run name: one directory under exp_manager.exp_dir (no '/', '..' or control characters)")
     seed: int = doc(1234, "global seed, 0..2**32-1")
-    model_source: str = doc("nxdt", "nxdt | hf (NxDT key)")
     trainer: TrainerConfig = doc(TrainerConfig(), "training loop")
     exp_manager: ExpManagerConfig = doc(ExpManagerConfig(), "run directory, checkpoints, logging")
     distributed_strategy: DistributedStrategyConfig = doc(DistributedStrategyConfig(), "parallel degrees")

@@ -185,7 +185,6 @@ def check_ranges(cfg: Any) -> None:
     inst = cfg.instance
     for key in ("lnc_default", "domain_nodes"):
         _integer(f"instance.{key}", getattr(inst, key), 1)
-    _integer("instance.links_per_device", inst.links_per_device, 0)
     if inst.max_nodes is not None:
         _integer("instance.max_nodes", inst.max_nodes, 1, what=", or null for no limit")
     for key in ("shape", "group_sizes", "lnc_options"):
