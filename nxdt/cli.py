@@ -9,7 +9,7 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 from pathlib import Path
 
 USAGE = """usage: nxdt <command> [args]
@@ -88,9 +88,10 @@ def _config_source(argv: list[str]) -> tuple[tuple[str, str] | None, list[str]]:
             rest.append(a)
             continue
         if not eq:
-            value = next(args, None)
-            if value is None:
+            following = next(args, None)
+            if following is None:
                 raise UsageError(f"nxdt: {flag} needs a value")
+            value = following
         found[CONFIG_SOURCE_FLAGS[flag]] = value
     if not found:
         return None, rest
@@ -326,7 +327,7 @@ def cmd_train(argv: list[str]) -> int:
 
 
 def _train_locally(jobs: list[list[str]], configs: list[Any], plans: list[Any], sweep_dir: Path | None,
-                   source_args: list[str] = ()) -> int:
+                   source_args: Sequence[str] = ()) -> int:
     from nxdt.config import ConfigError
     from nxdt.launch import console
     from nxdt.launch.local import LaunchFailed, LaunchInterrupted, launch_local
@@ -484,7 +485,7 @@ def _comm_test_estimate(argv: list[str]) -> int:
 
     from nxdt.comm.bench import DTYPES, OP_TITLES, algorithm_bands, layout_text, parse_size, ranks_per_node, sizes, write_json
     from nxdt.config import ConfigError, compose_config
-    from nxdt.config.validate import fill_instance_defaults, validate
+    from nxdt.config.validate import devices_per_node, fill_instance_defaults, validate
     from nxdt.planner import node_topology
     from nxdt.planner.calibration import BENCH_OPS, estimate_table, load_calibration
 
@@ -533,7 +534,7 @@ def _comm_test_estimate(argv: list[str]) -> int:
         if rpn and exc.key == "trainer.devices":  # the user typed -r, not trainer.devices
             return _fail(f"nxdt comm-test: -r {args.nworkers} over -N {args.nodes} nodes is {rpn} ranks per node: {exc.fix}")
         return _fail(str(exc))
-    rpn = cfg.trainer.devices
+    rpn = devices_per_node(cfg)
     group = list(range(rpn * args.nodes))
     element = torch_element_size(DTYPES[args.datatype])
     results: list[dict[str, Any]] = []

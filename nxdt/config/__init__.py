@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import difflib
+import importlib
 import re
 from pathlib import Path
 from typing import Any
@@ -26,9 +27,13 @@ __all__ = ["Config", "ConfigError", "compose_config", "compose_nxdt_config", "lo
 CONFIG_MODULE = "nxdt.conf"
 
 
+def conf_dir() -> Path:
+    """The directory of the config tree (the installed ``nxdt.conf`` package)."""
+    return Path(importlib.import_module(CONFIG_MODULE).__path__[0])
+
+
 def available_options(group: str) -> list[str]:
-    root = Path(__import__(CONFIG_MODULE, fromlist=["_"]).__file__).parent / group
-    return sorted(p.stem for p in root.glob("*.yaml"))
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
 
 
 def _closest(name: str, candidates: list[str]) -> str:

@@ -384,7 +384,7 @@ def translate(nxdt: Mapping[str, Any], hf_config: Mapping[str, Any] | None = Non
     from_file = {**mapped, **checkpointing, **data}
     for key, value in ours.items():
         if key in from_file and from_file[key] != value:
-            sources = [k for k in leaves if (rule_for(k) is not None and rule_for(k).to == key) or k in COUNTERPARTS.get(key, (key,))]
+            sources = [k for k in leaves if getattr(rule_for(k), "to", None) == key or k in COUNTERPARTS.get(key, (key,))]
             raise ConfigError(key, value, f"contradicts the NxDT key {sources[0] if sources else key}={from_file[key]!r} in the same "
                               "config; keep one of them")
         out[key] = value

@@ -224,6 +224,14 @@ def _check_leaves(node: Any, prefix: str) -> None:
         raise ConfigError(prefix[:-1], node, "must be an integer in -2**62..2**62")
 
 
+def devices_per_node(cfg: Any) -> int:
+    """``trainer.devices`` of a composed config (``fill_instance_defaults`` has replaced null by the instance's)."""
+    devices = cfg.trainer.devices
+    if devices is None:
+        raise ValueError("trainer.devices is null: compose the config with nxdt.config.compose_config, which fills it in")
+    return devices
+
+
 def fill_instance_defaults(cfg: Any) -> None:
     """``trainer.devices: null`` means one rank per (logical) core of the instance's node."""
     inst, trainer = cfg.instance, cfg.trainer

@@ -134,7 +134,7 @@ class SavedHFDataset(Dataset):
             raise IndexError(f"sample {index} outside 0..{len(self) - 1}")
         s = self.seq_length
         ids = torch.from_numpy(self._row(self._ids, index, s).astype(np.int64))
-        targets = self._row(self._labels if self._labels is not None else self._ids, index, s + 1)[1:].astype(np.int64)
+        targets: np.ndarray = self._row(self._labels if self._labels is not None else self._ids, index, s + 1)[1:].astype(np.int64)
         labels = torch.full((s,), IGNORE, dtype=torch.long)
         labels[:len(targets)] = torch.from_numpy(targets)
         return {"input_ids": ids, "labels": labels}

@@ -24,7 +24,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Sequence
 
 MODE_ENV = "NXDT_CONSOLE"
 MODES = ("quiet", "normal", "verbose")
@@ -152,7 +152,7 @@ def command_line(source_args: list[str], overrides: list[str], extra: list[str])
     return shlex.join(["nxdt", "train", *source_args, *kept, *extra])
 
 
-def summary(run_dir: Path, status: str, launched_at: float, overrides: list[str], source_args: list[str] = ()) -> list[str]:
+def summary(run_dir: Path, status: str, launched_at: float, overrides: list[str], source_args: Sequence[str] = ()) -> list[str]:
     """The lines printed when a job ends: how far it got, how fast, where its checkpoint is, what to type next."""
     from nxdt.launch.runs import get, load_run, median
 
@@ -201,6 +201,10 @@ def print_lines(lines: list[str], stream: IO[str] | None = None) -> None:
 LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 
 
+class _LauncherLogFile(logging.FileHandler):
+    """The handler ``launcher_log`` installs (and removes before installing the next job's)."""
+
+
 def launcher_log(run_dir: Path | None) -> None:
     """Unless verbose, the launcher's torch records go to ``logs/launcher.log`` of the job's run directory only: nxdt
     names a failure itself in one line, and the agent's own errors (e.g. an exit barrier broken by a garbled store
@@ -210,14 +214,13 @@ def launcher_log(run_dir: Path | None) -> None:
     for name in LAUNCHER_LOGGERS:
         logger = logging.getLogger(name)
         for handler in list(logger.handlers):
-            if getattr(handler, "_nxdt", False):
+            if isinstance(handler, _LauncherLogFile):
                 logger.removeHandler(handler)
                 handler.close()
         if run_dir is None:
             continue
-        to_file = logging.FileHandler(Path(run_dir) / "logs" / "launcher.log", delay=True)
+        to_file = _LauncherLogFile(Path(run_dir) / "logs" / "launcher.log", delay=True)
         to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        to_file._nxdt = True
         logger.addHandler(to_file)
         logger.propagate = False
 

@@ -33,7 +33,7 @@ import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, MutableMapping, Sequence
 
 from nxdt.config.validate import ConfigError
 
@@ -275,21 +275,21 @@ def node_order(records: list[dict[str, Any]]) -> list[int]:
     return position
 
 
-def settle_node(node_key: list[Any] | None, digest: str, source: str, timeout_s: float, env: dict[str, str] | None = None) -> int:
+def settle_node(node_key: list[Any] | None, digest: str, source: str, timeout_s: float, env: MutableMapping[str, str] | None = None) -> int:
     """In a worker, once the rendezvous is complete: agree on the node order and the plan through the
     agent's store, then set RANK/GROUP_RANK to this node's place in the Plan. Returns the node index."""
     import torch.distributed as dist
 
-    env = os.environ if env is None else env
-    lws, local, group = int(env["LOCAL_WORLD_SIZE"]), int(env["LOCAL_RANK"]), int(env["GROUP_RANK"])
-    nnodes = int(env["WORLD_SIZE"]) // lws
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=timeout_s))
-    prefix = f"nxdt/nodes/{env.get('TORCHELASTIC_RUN_ID', 'run')}"
-    mine = f"{prefix}/g{group}/attempt{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    environ: MutableMapping[str, str] = os.environ if env is None else env
+    lws, local, group = int(environ["LOCAL_WORLD_SIZE"]), int(environ["LOCAL_RANK"]), int(environ["GROUP_RANK"])
+    nnodes = int(environ["WORLD_SIZE"]) // lws
+    store = dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=timeout_s))
+    prefix = f"nxdt/nodes/{environ.get('TORCHELASTIC_RUN_ID', 'run')}"
+    mine = f"{prefix}/g{group}/attempt{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     if local == 0:  # one record per node and rendezvous round (rounds counted, as restart counts may differ by node)
         round_ = (store.add(f"{prefix}/joined", 1) - 1) // nnodes
         store.set(f"{prefix}/r{round_}/{group}", json.dumps({"key": node_key, "digest": digest, "source": source,
-                                                             "addr": env.get("NXDT_LOCAL_ADDR", "?")}))
+                                                             "addr": environ.get("NXDT_LOCAL_ADDR", "?")}))
         store.set(mine, str(round_))
     try:
         round_ = int(store.get(mine).decode())
@@ -297,9 +297,9 @@ def settle_node(node_key: list[Any] | None, digest: str, source: str, timeout_s:
     except Exception as exc:  # the store's own timeout: a node died between the rendezvous and here
         raise NodeOrderError(f"nxdt: nodes did not publish their order within {timeout_s:g}s ({str(exc).splitlines()[0]})") from None
     node = node_order(records)[group]
-    env["NXDT_ATTEMPT"] = str(round_)  # the store namespace and resume key of this round, the same on every node
-    env["GROUP_RANK"] = str(node)
-    env["RANK"] = env["ROLE_RANK"] = str(node * lws + local)
+    environ["NXDT_ATTEMPT"] = str(round_)  # the store namespace and resume key of this round, the same on every node
+    environ["GROUP_RANK"] = str(node)
+    environ["RANK"] = environ["ROLE_RANK"] = str(node * lws + local)
     return node
 
 

@@ -55,7 +55,7 @@ def run_labels(runs: list[Run]) -> list[str]:
     if len(runs) == 1:
         return [runs[0].name]
     seen = [set(r.overrides) for r in runs]
-    differing = set.union(*seen) - set.intersection(*seen)
+    differing = set().union(*seen) - seen[0].intersection(*seen[1:])
     if differing and all(set(r.overrides) & differing for r in runs):
         return [" ".join(o for o in r.overrides if o in differing) for r in runs]
     parts = [r.path.parts for r in runs]

@@ -51,7 +51,12 @@ def _redirect_output(log_path: Path, tee_to_console: bool) -> Callable[[], None]
     if not tee_to_console:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
-        return lambda: (sys.stdout.flush(), sys.stderr.flush())
+
+        def flush() -> None:
+            sys.stdout.flush()
+            sys.stderr.flush()
+
+        return flush
     console = os.dup(1)
     read_end, write_end = os.pipe()
     os.dup2(write_end, 1)

@@ -246,7 +246,8 @@ class _WriteErrors:
     "unexpected pos", so a full disk would not say so."""
 
     def __init__(self, fh: Any) -> None:
-        self.fh, self.error = fh, None
+        self.fh = fh
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         try:
@@ -553,7 +554,9 @@ def _safetensors_problem(file: Path) -> str | None:
     try:
         with open(file, "rb") as fh:
             header_len = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(header_len)) if 0 < header_len <= size else None
+            if not 0 < header_len <= size:
+                raise ValueError(f"header length {header_len}")
+            header = json.loads(fh.read(header_len))
         end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
         return f"unreadable: {file.name} (its safetensors header is damaged)"
@@ -635,7 +638,9 @@ def rng_file(rank: int) -> str:
 def rng_tensors() -> dict[str, torch.Tensor]:
     """This process's torch, Python and NumPy generator states as tensors (stored with safetensors: no pickle)."""
     version, mt, gauss = random.getstate()
-    _, keys, pos, has_gauss, cached = np.random.get_state()
+    state = np.random.get_state(legacy=True)
+    assert isinstance(state, tuple)  # legacy=True: the MT19937 tuple
+    _, keys, pos, has_gauss, cached = state
     return {"torch": torch.get_rng_state(),
             "python": torch.tensor([version, *mt], dtype=torch.int64),
             "python_gauss": torch.tensor([float("nan") if gauss is None else gauss], dtype=torch.float64),

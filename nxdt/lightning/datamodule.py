@@ -108,6 +108,7 @@ class NxDDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         if self.dataset is None:  # used without a Trainer
             self.setup("fit")
+        assert self.dataset is not None  # setup built it
         batch = self.global_batch_size
         if batch % (self.cfg.micro_batch_size * self.dp_size):
             raise ValueError(f"data.global_batch_size={batch} must be divisible by micro_batch_size × DP = "

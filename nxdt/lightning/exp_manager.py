@@ -90,7 +90,7 @@ class StepMetricsLogger(Callback):
         self.columns = METRIC_COLUMNS + tuple(extra_columns)  # e.g. grad_norm, param_norm (exp_manager.log_*_norm)
         self.tokens_per_step = tokens_per_step
         self.every_n_steps = max(1, every_n_steps)
-        self._last_time: float | None = None
+        self._last_time = time.perf_counter()  # reset when training starts
         self._last_step = -1
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -210,6 +210,8 @@ class StepProgressBar(RichProgressBar):
     """Rich's progress bar for step-bounded runs: one bar for the whole run counting optimizer steps to
     ``trainer.max_steps`` (resumed runs start where they left off), across epochs — not the batches of the
     current epoch under ``Epoch 0/-2``. Runs bounded by epochs keep Lightning's per-epoch bar."""
+
+    train_progress_bar_id: Any  # RichProgressBar's task id (a rich TaskID, or None before the bar exists)
 
     def __init__(self) -> None:
         super().__init__(leave=True)

@@ -121,8 +121,8 @@ class CausalLMModule(pl.LightningModule):
         """Whether this step's update may be applied (``exp_manager.nan_policy``): a NaN/inf loss or global
         gradient norm stops the run (``stop``) or skips the update (``skip_step``, at most
         ``MAX_CONSECUTIVE_SKIPS`` in a row). Both values are global, so every rank decides alike."""
-        bad = [name for name, value in (("loss", step_loss), ("gradient norm", grad_norm))
-               if value is not None and not math.isfinite(float(value))]
+        bad = {name: float(value) for name, value in (("loss", step_loss), ("gradient norm", grad_norm))
+               if value is not None and not math.isfinite(float(value))}
         if not bad:
             self.skipped_steps = 0
             return True
@@ -131,8 +131,7 @@ class CausalLMModule(pl.LightningModule):
         flags = self.trainer.strategy.all_gather(torch.isfinite(local_loss.detach().float()).reshape(1))
         sources = [r for r, ok in enumerate(flags.reshape(-1).tolist()) if not ok]
         where = f"rank{'s' if len(sources) > 1 else ''} {', '.join(map(str, sources))}" if sources else "the gradients"
-        what = " and ".join(f"{name} {float(value)}" for name, value in (("loss", step_loss), ("gradient norm", grad_norm))
-                            if name in bad)
+        what = " and ".join(f"{name} {value}" for name, value in bad.items())
         self.skipped_steps += 1
         if self.nan_policy == "skip_step" and self.skipped_steps <= MAX_CONSECUTIVE_SKIPS:
             if self.trainer.is_global_zero:

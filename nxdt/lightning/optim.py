@@ -21,7 +21,8 @@ STOCHASTIC_ROUNDING_TYPES = ("bf16SR",)
 def parameter_groups(model: nn.Module, weight_decay: float, decay_everything: bool = False) -> list[dict[str, Any]]:
     """No weight decay on norms, biases and other 1-D parameters (the usual LLM recipe), unless
     ``decay_everything`` (NxDT's ``do_layer_norm_weight_decay``)."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for _, p in model.named_parameters():
         if p.requires_grad:
             (decay if p.ndim >= 2 or decay_everything else no_decay).append(p)

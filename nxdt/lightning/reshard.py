@@ -71,10 +71,10 @@ class PositionShard:
 def param_names(optimizer: torch.optim.Optimizer, module: nn.Module) -> list[str]:
     """The parameter name behind each index of ``optimizer.state_dict()`` (param groups flattened in order)."""
     by_id = {id(p): n for n, p in module.named_parameters()}
-    names = [by_id.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
-    if None in names:
-        raise ValueError("the optimizer holds a tensor that is not a parameter of the module; build it from module.parameters()")
-    return names
+    try:
+        return [by_id[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    except KeyError:
+        raise ValueError("the optimizer holds a tensor that is not a parameter of the module; build it from module.parameters()") from None
 
 
 def with_param_names(checkpoint: dict[str, Any], optimizers: list[torch.optim.Optimizer], module: nn.Module) -> dict[str, Any]:
@@ -400,7 +400,7 @@ def _local(name: str, key: str, value: Any, param: torch.Tensor, module: nn.Modu
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return value  # step counters
     spec = shard_spec(module, name) if tp_rank is not None else None
-    if spec is not None:
+    if spec is not None and tp_rank is not None:
         value = spec.slice(value, tp_rank)
     if tuple(value.shape) != tuple(param.shape):
         raise CheckpointError(f"optimizer state '{key}' of {name} has shape {list(value.shape)} here, the parameter "

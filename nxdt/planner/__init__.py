@@ -38,7 +38,7 @@ from nxdt.planner.placement import CHECKED_DIMENSIONS, accepted_sizes, candidate
 from nxdt.topology import Topology, TopologyError, check_lnc, topology_of
 
 __all__ = ["DIMENSIONS", "Coords", "Dim", "Plan", "PlacementError", "plan", "plan_layout", "workable_tp_degrees"]
-DEGREE_KEYS = {Dim.TP: "tensor_model_parallel_size", Dim.PP: "pipeline_model_parallel_size", Dim.CP: "context_parallel_size",
+DEGREE_KEYS: dict[str, str] = {Dim.TP: "tensor_model_parallel_size", Dim.PP: "pipeline_model_parallel_size", Dim.CP: "context_parallel_size",
                Dim.EP: "expert_model_parallel_size"}
 
 
@@ -199,7 +199,7 @@ def plan_layout(world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: i
     orders = candidate_orders(instance, topo, tp, lnc) if topo is not None and instance is not None and full_node else ["identity"]
     first_violation = None
     for name in orders:
-        core_of_position = local_order(name, topo) if full_node else np.arange(ranks_per_node)
+        core_of_position = local_order(name, topo) if topo is not None and full_node else np.arange(ranks_per_node)
         pos = np.arange(world_size)
         rank_of_position = (pos // ranks_per_node) * ranks_per_node + core_of_position[pos % ranks_per_node]
         groups = {dim: rank_of_position[g] for dim, g in positions.items()}
@@ -208,6 +208,7 @@ def plan_layout(world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: i
             break
         first_violation = first_violation or violation
     else:
+        assert first_violation is not None and topo is not None  # every order broke a rule: a topology was given
         dim, (reason, example) = first_violation
         key = f"distributed_strategy.{DEGREE_KEYS[dim]}" if dim != "dp" else "distributed_strategy"
         value = degrees[dim] if dim != "dp" else "TP{tp}×PP{pp}×CP{cp} (DP{dp})".format(**degrees)

@@ -12,7 +12,7 @@ import copy
 from typing import Any, Callable
 
 from nxdt.config import ConfigError, compose_config
-from nxdt.config.validate import validate
+from nxdt.config.validate import devices_per_node, validate
 from nxdt.planner import plan
 
 
@@ -23,11 +23,12 @@ def _divisors(n: int) -> list[int]:
 def auto_layouts(overrides: list[str], top: int = 10, compose: Callable[[list[str]], Any] | None = None) -> dict[str, Any]:
     """``compose``: overrides → Config (default: nxdt's config tree; ``nxdt plan --config-path`` passes NxDT's)."""
     base = (compose or (lambda o: compose_config(o, paths=False)))(overrides)
-    world = base.trainer.devices * base.trainer.num_nodes
+    devices = devices_per_node(base)
+    world = devices * base.trainer.num_nodes
     model = base.model
     kv = model.num_kv_heads or model.num_attention_heads
     ranked, rejected = [], {}
-    for tp in _divisors(base.trainer.devices):
+    for tp in _divisors(devices):
         if model.num_attention_heads % tp:
             continue
         for pp in _divisors(model.num_layers):

@@ -176,7 +176,7 @@ def estimate_collective(op: str, group: list[int], nbytes: float, topo: Topology
             else:
                 t = local(op, nbytes) + min(flat_estimates(op, k, nbytes / m, inter).values())
             est["hierarchical"] = t
-    best = min(est, key=est.get)
+    best = min(est, key=lambda name: est[name])
     return best, est[best], est
 
 

@@ -9,7 +9,6 @@ the intra-device link, a DP pair across devices the NeuronLink, a group across n
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -24,13 +23,13 @@ from nxdt.topology import Topology, TopologyError, check_lnc, topology_of
 def load_instance(name: str) -> Any:
     """The catalogue entry ``conf/instance/<name>.yaml`` as a typed InstanceConfig (no Hydra compose:
     workers call this too)."""
-    from nxdt.config import available_options
+    from nxdt.config import available_options, conf_dir
     from nxdt.config.schema import InstanceConfig
 
     choices = available_options("instance")
     if name not in choices:
         raise ConfigError("comm.emulate", name, f"unknown instance; choose one of {', '.join(choices)}")
-    path = Path(__import__("nxdt.conf", fromlist=["_"]).__file__).parent / "instance" / f"{name}.yaml"
+    path = conf_dir() / "instance" / f"{name}.yaml"
     raw = OmegaConf.load(path)
     raw.pop("defaults", None)
     try:
