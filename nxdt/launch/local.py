@@ -103,32 +103,37 @@ def root_failure(exc: Any, *, single_host: bool) -> tuple[int, int | None, str]:
     quotes the rank that noticed. ``single_host``: every rank of the job runs on this host, so the ranks messages
     name are the local ranks of the error files; otherwise the blame is not followed (they may be on other nodes)."""
     found = _records(exc)
-    first = min(found, key=lambda r: (found[r].when, r))
-    rank, witness, seen = first, None, {first}
-    while single_host:
-        suspects = [b for b in blamed_ranks(found[rank].summary) if b not in seen]
-        if not suspects:
-            break
-        witness = rank
-        rank = min(suspects, key=lambda b: (found[b].when if b in found else float("inf"), b))
-        seen.add(rank)
-        if rank not in found:
-            break
+    rank, witness = _originating_rank(found, single_host)
     own = found.get(rank)
-    if own is not None and own.recorded and blamed_ranks(own.summary) and rank != first:
-        rank, own, witness = first, found[first], None  # a cycle of ranks waiting for each other: the earliest wins
-    if witness is None:  # the rank blamed by no one else's wait: is a timeout blaming it?
-        witness = next((r for r in sorted(found, key=lambda r: found[r].when) if rank in blamed_ranks(found[r].summary)), None)
     if own is not None and own.recorded:
         return rank, own.pid, own.summary
     pid = own.pid if own is not None else None
     if witness is not None and found[witness].summary.startswith("CommTimeoutError:"):
         return rank, pid, f"stopped responding (rank {witness}: {found[witness].summary})"
-    if own is not None and own.when == float("-inf"):
+    if own is not None and own.when == float("-inf"):  # died by a signal, which the waiting peers only noticed
         return rank, pid, own.summary
     if witness is not None:
         return rank, pid, f"exited without recording an error (rank {witness}: {found[witness].summary})"
     return rank, pid, own.summary if own is not None else "exited without recording an error"
+
+
+def _originating_rank(found: dict[int, _Record], single_host: bool) -> tuple[int, int | None]:
+    """(the rank where the failure began, the rank whose error names it as the one it waited for, if any)."""
+    first = min(found, key=lambda r: (found[r].when, r))
+    if not single_host:
+        return first, None
+    rank, witness, seen = first, None, {first}
+    while rank in found:
+        suspects = [b for b in blamed_ranks(found[rank].summary) if b not in seen]
+        if not suspects:
+            break
+        witness, rank = rank, min(suspects, key=lambda b: (found[b].when if b in found else float("inf"), b))
+        seen.add(rank)
+    if rank in found and found[rank].recorded and blamed_ranks(found[rank].summary) and rank != first:
+        return first, None  # a cycle of ranks waiting for each other (mismatched calls): the earliest failure
+    if witness is None:  # nobody's wait led here: does a later error name this rank?
+        witness = next((r for r in sorted(found, key=lambda r: found[r].when) if rank in blamed_ranks(found[r].summary)), None)
+    return rank, witness
 
 
 def _failure_line(exc: Any, run_dir: Path) -> str:
