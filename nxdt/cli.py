@@ -26,6 +26,9 @@ commands:
                               print the plan without starting anything: placement, groups, collectives with
                               their algorithms and estimated times, step time and memory per device
                               (distributed_strategy=auto ranks every valid TP/PP/DP layout)
+  plan --against RUN_DIR [--json] [--warmup N] [--calibration F]
+                              the plan of a finished run's config beside what it measured: step time
+                              (metrics.csv) and each collective (its trace, exp_manager.trace=true), with ratios
   topo NAME [--lnc N] [--json]
                               device table and graph of an instance type, like neuron-ls --topology
   comm-test [options] OPS     nccom-test-style benchmark of nxdt's collectives (see nxdt comm-test --help);
@@ -397,14 +400,45 @@ def _plan_one(compose: Any, overrides: list[str], calibration_file: str | None) 
     return plan(cfg, calibration), topo
 
 
+def _take_value(argv: list[str], flag: str, what: str) -> tuple[str | None, list[str]]:
+    """``flag VALUE`` removed from argv: (VALUE, the rest); (None, argv) when absent."""
+    if flag not in argv:
+        return None, argv
+    i = argv.index(flag)
+    if i + 1 >= len(argv):
+        raise UsageError(f"nxdt plan: {flag} needs {what}")
+    return argv[i + 1], argv[:i] + argv[i + 2:]
+
+
+def _plan_against(run_dir: str, calibration_file: str | None, warmup: str | None, rest: list[str]) -> int:
+    """``nxdt plan --against RUN_DIR``: the plan of the run's own config beside what the run measured."""
+    from nxdt.config import ConfigError
+    from nxdt.launch.against import compare, render
+    from nxdt.planner.calibration import load_calibration
+
+    flags, overrides = _split_flags(rest, {"--json"})
+    if overrides:
+        return _fail(f"nxdt plan --against: {overrides[0]}: the run's own config.yaml is planned; drop the overrides")
+    try:
+        steps = int(warmup) if warmup is not None else 1
+    except ValueError:
+        return _fail(f"nxdt plan --against: --warmup {warmup}: a number of steps, e.g. --warmup 2")
+    try:
+        report = compare(run_dir, load_calibration(calibration_file), warmup=steps)
+    except ConfigError as exc:
+        return _fail(str(exc))
+    print(json.dumps(report, indent=1) if "--json" in flags else render(report))
+    return 0
+
+
 def cmd_plan(argv: list[str]) -> int:
-    calibration_file = None
-    if "--calibration" in argv:
-        i = argv.index("--calibration")
-        if i + 1 >= len(argv):
-            raise UsageError("nxdt plan: --calibration needs a file (written by `nxdt comm-test --calibrate`)")
-        calibration_file = argv[i + 1]
-        argv = argv[:i] + argv[i + 2:]
+    calibration_file, argv = _take_value(argv, "--calibration", "a file (written by `nxdt comm-test --calibrate`)")
+    against, argv = _take_value(argv, "--against", "a run directory (written by `nxdt train`)")
+    warmup, argv = _take_value(argv, "--warmup", "a number of steps")
+    if against is not None:
+        return _plan_against(against, calibration_file, warmup, argv)
+    if warmup is not None:
+        raise UsageError("nxdt plan: --warmup goes with --against RUN_DIR")
     source, argv = _config_source(argv)
     flags, overrides = _split_flags(argv, {"--json", "-m", "--multirun"})
     from nxdt.config import ConfigError

@@ -194,6 +194,10 @@ class PrecisionConfig:
 class LinkConfig:
     bandwidth_GBps: float = doc(0.0, "per direction, per link (GB/s, decimal)")
     latency_us: float = doc(0.0, "one hop, one message (µs)")
+    efficiency: Optional[float] = doc(None, "achieved fraction of bandwidth_GBps on this link; null = instance.link_efficiency")
+    ramp_us: float = doc(0.0, "extra time of a collective crossing this link that grows with the message and saturates "
+                              "(protocol switch, channels ramping up): ramp_us · S / (S + ramp_bytes); 0 = none (µs)")
+    ramp_bytes: float = doc(0.0, "message size (bytes) at which the ramp reaches half of ramp_us")
 
 
 @dataclass
@@ -215,7 +219,10 @@ class InstanceConfig:
     memory_GiB: float = doc(0.0, "device memory (GiB); 0 = unlimited (cpu)")
     peak_tflops_bf16: float = doc(0.0, "dense bf16 peak per device (TFLOP/s)")
     peak_tflops_fp32: float = doc(0.0, "fp32 peak per device (TFLOP/s)")
-    compute_efficiency: float = doc(0.4, "achieved fraction of peak in a training step (cost model)")
+    compute_efficiency: float = doc(0.4, "achieved fraction of peak in a training step, for large GEMMs (cost model)")
+    compute_half_size: float = doc(0.0, "per-rank GEMM width (hidden_size / TP) at which the achieved fraction is half of "
+                                        "compute_efficiency: efficiency = compute_efficiency · g / (g + compute_half_size); 0 = constant")
+    collective_overhead_us: float = doc(0.0, "fixed software cost of every collective (launch, synchronisation), µs")
     graph: str = doc("host", "intra-node graph: host | single | chain | ring | torus2d | torus3d | switch | nvswitch")
     shape: List[int] = doc([], "graph shape, e.g. [4, 4] for a 4x4 torus ([rows, cols], row-major device ids)")
     links_per_device: int = doc(0, "scale-up links per device")

@@ -191,13 +191,18 @@ def check_ranges(cfg: Any) -> None:
     for key in ("shape", "group_sizes", "lnc_options"):
         for i, value in enumerate(getattr(inst, key)):
             _integer(f"instance.{key}[{i}]", value, 1)
-    for key in ("memory_GiB", "peak_tflops_bf16", "peak_tflops_fp32"):
+    for key in ("memory_GiB", "peak_tflops_bf16", "peak_tflops_fp32", "compute_half_size", "collective_overhead_us"):
         _number(f"instance.{key}", getattr(inst, key), 0)
     for key in ("compute_efficiency", "link_efficiency"):
         _number(f"instance.{key}", getattr(inst, key), 0, 1, lo_open=True, what=" (an achieved fraction of the peak)")
     for link in ("intra_device", "device_link", "domain_link", "inter_node"):
         _number(f"instance.{link}.bandwidth_GBps", getattr(inst, link).bandwidth_GBps, 0)
         _number(f"instance.{link}.latency_us", getattr(inst, link).latency_us, 0)
+        for key in ("ramp_us", "ramp_bytes"):
+            _number(f"instance.{link}.{key}", getattr(getattr(inst, link), key), 0)
+        if getattr(inst, link).efficiency is not None:
+            _number(f"instance.{link}.efficiency", getattr(inst, link).efficiency, 0, 1, lo_open=True,
+                    what=" (an achieved fraction of the link's bandwidth), or null for instance.link_efficiency")
 
     if inst.graph == "host" and trainer.devices > MAX_LOCAL_RANKS:
         raise ConfigError("trainer.devices", trainer.devices, f"{inst.name} runs at most {MAX_LOCAL_RANKS} worker processes per "
