@@ -223,6 +223,8 @@ class InstanceConfig:
     compute_half_size: float = doc(0.0, "per-rank GEMM width (hidden_size / TP) at which the achieved fraction is half of "
                                         "compute_efficiency: efficiency = compute_efficiency · g / (g + compute_half_size); 0 = constant")
     collective_overhead_us: float = doc(0.0, "fixed software cost of every collective (launch, synchronisation), µs")
+    collective_overhead_per_rank_us: float = doc(0.0, "software cost per further rank of a collective (synchronising with "
+                                                      "each peer), µs: n ranks add (n - 1) times this")
     graph: str = doc("host", "intra-node graph: host | single | chain | ring | torus2d | torus3d | switch | nvswitch")
     shape: List[int] = doc([], "graph shape, e.g. [4, 4] for a 4x4 torus ([rows, cols], row-major device ids)")
     links_per_device: int = doc(0, "scale-up links per device")

@@ -191,7 +191,8 @@ def check_ranges(cfg: Any) -> None:
     for key in ("shape", "group_sizes", "lnc_options"):
         for i, value in enumerate(getattr(inst, key)):
             _integer(f"instance.{key}[{i}]", value, 1)
-    for key in ("memory_GiB", "peak_tflops_bf16", "peak_tflops_fp32", "compute_half_size", "collective_overhead_us"):
+    for key in ("memory_GiB", "peak_tflops_bf16", "peak_tflops_fp32", "compute_half_size", "collective_overhead_us",
+                "collective_overhead_per_rank_us"):
         _number(f"instance.{key}", getattr(inst, key), 0)
     for key in ("compute_efficiency", "link_efficiency"):
         _number(f"instance.{key}", getattr(inst, key), 0, 1, lo_open=True, what=" (an achieved fraction of the peak)")

@@ -15,7 +15,8 @@ With n ranks, S bytes (the full buffer: all-reduce input, all-gather output, red
     all-gather / reduce-scatter: half the all-reduce terms; all-to-all (pairwise): (n-1)·α + (n-1)/n·S/bw·h
     broadcast: binomial tree ⌈log2 n⌉·(α + S/bw) or a pipelined ring; send/recv: α + S/bw
 
-Every estimate adds the instance's ``collective_overhead_us`` (the runtime's fixed cost per collective), and a
+Every estimate adds the runtime's software cost per collective, ``collective_overhead_us`` plus
+``collective_overhead_per_rank_us`` for each further rank (launch and synchronisation: paid whatever the algorithm), and a
 collective that crosses nodes the network's ramp ``ramp_us · S/(S + ramp_bytes)`` (small messages travel eagerly,
 larger ones pay a handshake / channel ramp-up that saturates). Each link's ``efficiency`` (default the instance's
 ``link_efficiency``) scales its bandwidth. Where these values are fitted to published measurements
@@ -195,7 +196,7 @@ def estimate_collective(op: str, group: list[int], nbytes: float, topo: Topology
             est["hierarchical"] = sum(s[0] for s in stages) + transfer
         ramp = inter.ramp * nbytes / (nbytes + inter.ramp_bytes) if inter.ramp else 0.0
         est = {name: t + ramp for name, t in est.items()}
-    overhead = getattr(instance, "collective_overhead_us", 0.0) * 1e-6
+    overhead = (getattr(instance, "collective_overhead_us", 0.0) + getattr(instance, "collective_overhead_per_rank_us", 0.0) * (n - 1)) * 1e-6
     est = {name: t + overhead for name, t in est.items()}
     best = min(est, key=est.get)
     return best, est[best], est

@@ -25,20 +25,23 @@ from nxdt.planner.cost import estimate_collective
 
 # Which parameters each kind of figure can determine, per instance (the rest keep their catalogue values).
 COLLECTIVE_PARAMS = {
-    # nccom-test on one chip (2 ranks), one node (32 ranks) and two nodes (64 ranks): the per-collective overhead
-    # and the intra-device bandwidth from the 2-rank sweep, the NeuronLink step latency from the 32-rank one, the
-    # network's latency, efficiency and ramp from the two-node one. The intra-device step latency is confounded
-    # with the overhead and the NeuronLink efficiency with the network's in these sweeps: they keep their values.
-    "trn1.32xlarge": ["collective_overhead_us", "intra_device.efficiency", "device_link.latency_us", "inter_node.latency_us",
+    # nccom-test on one chip (2 ranks), one node (32 ranks) and two nodes (64 ranks): the software overhead per
+    # collective and per rank from the 2- and 32-rank sweeps (at 1-64 KB, 58 and 150 µs: flat in size, so software,
+    # not link steps), the intra-device bandwidth from the 2-rank sweep, the network's latency, efficiency and ramp
+    # from the two-node one. The link step latencies are confounded with the overheads and the NeuronLink efficiency
+    # with the network's in these sweeps: they keep their catalogue values.
+    "trn1.32xlarge": ["collective_overhead_us", "collective_overhead_per_rank_us", "intra_device.efficiency", "inter_node.latency_us",
                       "inter_node.efficiency", "inter_node.ramp_us", "inter_node.ramp_bytes"],
     # nccl-tests all_reduce on 2 nodes x 8 GPUs only: every latency adds into one constant (fitted as the network's
     # step latency) and the NVSwitch bandwidth is hidden behind the slower network stage (pipelined)
     "p4d.24xlarge": ["inter_node.latency_us", "inter_node.efficiency", "inter_node.ramp_us", "inter_node.ramp_bytes"],
     "p5.48xlarge": ["inter_node.latency_us", "inter_node.efficiency", "inter_node.ramp_us", "inter_node.ramp_bytes"],
 }
+# Training throughputs: the compute efficiency curve over GEMM widths. (Fitting the NeuronLink efficiency with it
+# too is degenerate on these 5 figures: the fit then explains them by communication alone, with no compute time.)
 STEP_PARAMS = ["compute_efficiency", "compute_half_size"]
 # Where every fit starts (fixed, so that a fit never depends on values an earlier fit wrote into the catalogue).
-START = {"collective_overhead_us": 10.0, "intra_device.efficiency": 0.8, "device_link.latency_us": 1.5, "inter_node.latency_us": 15.0,
+START = {"collective_overhead_us": 10.0, "collective_overhead_per_rank_us": 1.0, "intra_device.efficiency": 0.8, "device_link.latency_us": 1.5, "inter_node.latency_us": 15.0,
          "inter_node.efficiency": 0.8, "inter_node.ramp_us": 100.0, "inter_node.ramp_bytes": 65536.0, "compute_efficiency": 0.4,
          "compute_half_size": 128.0}
 
@@ -92,9 +95,11 @@ class CollectiveFigure:
 class StepFigure:
     """One published training throughput (sequences per second) of the configuration ``overrides`` compose.
 
-    ``bind`` plans it once with compute efficiency 1 (and the instance's collective parameters): compute and the
-    pipeline bubble scale as 1 / efficiency, the exposed communication does not depend on it (no FSDP overlap in
-    these layouts; checked), so the step time for any compute parameters is ``work / efficiency + exposed``."""
+    ``bind`` plans it with compute efficiency 1 (and the instance's collective parameters): compute and the pipeline
+    bubble scale as 1 / efficiency, the exposed communication does not depend on it (no FSDP overlap in these
+    layouts; checked). Each collective of the step costs, for every algorithm the cost model considers,
+    ``latency + transfer / η`` with η the NeuronLink efficiency, and the cheapest algorithm is taken, as the planner
+    does. So the step time is ``work / efficiency + Σ calls · min over algorithms (latency + transfer / η)``."""
 
     id: str
     instance: str
@@ -102,7 +107,7 @@ class StepFigure:
     seq_per_s: float
     global_batch: int = 0
     work_s: float = 0.0  # compute + bubble at efficiency 1
-    exposed_s: float = 0.0
+    collectives: list = field(default_factory=list, repr=False)  # (calls, {algorithm: (latency_s, transfer_s at η=1)})
     width: float = 0.0  # hidden_size / TP
     cfg: Any = field(default=None, repr=False)  # the composed configuration (from ``bind_step``)
 
@@ -113,7 +118,11 @@ class StepFigure:
     def predict(self, instance: Any) -> float:
         half = instance.compute_half_size
         eff = instance.compute_efficiency * (self.width / (self.width + half) if half else 1.0)
-        return self.work_s / eff + self.exposed_s
+        return self.work_s / eff + self.exposed(effective(instance, "device_link.efficiency"))
+
+    def exposed(self, link_efficiency: float) -> float:
+        return sum(calls * min(lat + transfer / link_efficiency for lat, transfer in algorithms.values())
+                   for calls, algorithms in self.collectives)
 
 
 @functools.lru_cache(maxsize=None)
@@ -155,16 +164,26 @@ def bind_step(fig: StepFigure, instance: Any) -> StepFigure:
     """Plan the figure's configuration once on ``instance`` (collective parameters as given) at efficiency 1."""
     from nxdt.planner import plan
 
-    fig.cfg = cfg = compose_step(fig)
-    cfg = copy.deepcopy(cfg)
-    cfg.instance = with_params(instance, {"compute_efficiency": 1.0, "compute_half_size": 0.0})
+    from nxdt.planner import node_topology
+
+    fig.cfg = cfg = copy.deepcopy(compose_step(fig))
+    if getattr(cfg, "comm", None) is not None and cfg.comm.emulate is not None:
+        raise ValueError(f"{fig.id}: comm.emulate adds emulated link time the fit does not model")
+    at = {eta: with_params(instance, {"compute_efficiency": 1.0, "compute_half_size": 0.0, "device_link.efficiency": eta}) for eta in (1.0, 0.5)}
+    cfg.instance = at[1.0]
     planned = plan(cfg)
     if any(row["overlap"] for row in planned.collectives):
         raise ValueError(f"{fig.id}: overlapped collectives make the step time non-linear in the compute efficiency")
-    est = planned.estimate
+    topo = node_topology(cfg)
+    fig.collectives = []
+    for row in planned.collectives:
+        group = planned.groups[row["dim"]][0]
+        one, half = (estimate_collective(row["op"], group, row["bytes"], topo, at[eta], planned.ranks_per_node)[2] for eta in (1.0, 0.5))
+        fig.collectives.append((row["count"], {name: (2 * one[name] - half[name], half[name] - one[name]) for name in one}))
+    if not math.isclose(fig.exposed(1.0), planned.estimate["exposed_comm_s"], rel_tol=1e-9):
+        raise ValueError(f"{fig.id}: the step's collectives do not add up to the plan's exposed communication")
     fig.global_batch = cfg.data.global_batch_size
-    fig.work_s = est["compute_s"] + est["bubble_s"]
-    fig.exposed_s = est["exposed_comm_s"]
+    fig.work_s = planned.estimate["compute_s"] + planned.estimate["bubble_s"]
     fig.width = cfg.model.hidden_size / planned.tp
     return fig
 
@@ -179,7 +198,10 @@ def plan_step_time(fig: StepFigure, instance: Any) -> float:
 
 
 def _residuals(figures: list, instance: Any, paths: list[str], logs: np.ndarray) -> np.ndarray:
-    inst = with_params(instance, dict(zip(paths, np.exp(logs))))
+    values = np.exp(logs)
+    if not np.all(np.isfinite(values) & (values > 0)):  # a trial step out of range: reject it
+        return np.full(len(figures), 1e3)
+    inst = with_params(instance, dict(zip(paths, values)))
     return np.array([math.log(f.predict(inst) / f.seconds) for f in figures])
 
 
