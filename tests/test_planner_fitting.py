@@ -49,8 +49,7 @@ def test_step_fit_recovers_known_compute_efficiency():
     truth = with_params(instance, {"compute_efficiency": 0.55, "compute_half_size": 90.0})
     figures = []
     for i, width in enumerate([128, 256, 512, 1024]):
-        exposed = {"ring": (2.0 - 0.3 * i, 0.5), "direct": (0.4, 4.0)}  # (latency, transfer) seconds: ring is the cheaper
-        f = StepFigure(f"synthetic-{width}", instance.name, [], 1.0, global_batch=1024, work_s=5.0 + i, collectives=[(1, exposed)], width=width)
+        f = StepFigure(f"synthetic-{width}", instance.name, [], 1.0, global_batch=1024, work_s=5.0 + i, exposed_s=2.0 - 0.3 * i, width=width)
         f.seq_per_s = f.global_batch / f.predict(truth)
         figures.append(f)
     values = fit(figures, instance, STEP_PARAMS)

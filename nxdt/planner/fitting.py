@@ -38,12 +38,12 @@ COLLECTIVE_PARAMS = {
     "p5.48xlarge": ["inter_node.latency_us", "inter_node.efficiency", "inter_node.ramp_us", "inter_node.ramp_bytes"],
 }
 # Training throughputs: the compute efficiency curve over GEMM widths. (Fitting the NeuronLink efficiency with it
-# too is degenerate on these 5 figures: the fit then explains them by communication alone, with no compute time.)
+# too was tried and is degenerate on these 5 figures: the fit then explains them by communication alone.)
 STEP_PARAMS = ["compute_efficiency", "compute_half_size"]
 # Where every fit starts (fixed, so that a fit never depends on values an earlier fit wrote into the catalogue).
-START = {"collective_overhead_us": 10.0, "collective_overhead_per_rank_us": 1.0, "intra_device.efficiency": 0.8, "device_link.latency_us": 1.5, "inter_node.latency_us": 15.0,
-         "inter_node.efficiency": 0.8, "inter_node.ramp_us": 100.0, "inter_node.ramp_bytes": 65536.0, "compute_efficiency": 0.4,
-         "compute_half_size": 128.0}
+START = {"collective_overhead_us": 10.0, "collective_overhead_per_rank_us": 1.0, "intra_device.efficiency": 0.8,
+         "inter_node.latency_us": 15.0, "inter_node.efficiency": 0.8, "inter_node.ramp_us": 100.0, "inter_node.ramp_bytes": 65536.0,
+         "compute_efficiency": 0.4, "compute_half_size": 128.0}
 
 
 def get_param(instance: Any, path: str) -> float:
@@ -95,11 +95,9 @@ class CollectiveFigure:
 class StepFigure:
     """One published training throughput (sequences per second) of the configuration ``overrides`` compose.
 
-    ``bind`` plans it with compute efficiency 1 (and the instance's collective parameters): compute and the pipeline
-    bubble scale as 1 / efficiency, the exposed communication does not depend on it (no FSDP overlap in these
-    layouts; checked). Each collective of the step costs, for every algorithm the cost model considers,
-    ``latency + transfer / η`` with η the NeuronLink efficiency, and the cheapest algorithm is taken, as the planner
-    does. So the step time is ``work / efficiency + Σ calls · min over algorithms (latency + transfer / η)``."""
+    ``bind_step`` plans it once with compute efficiency 1 (and the instance's collective parameters): compute and the
+    pipeline bubble scale as 1 / efficiency, the exposed communication does not depend on it (no FSDP overlap in
+    these layouts; checked), so the step time for any compute parameters is ``work / efficiency + exposed``."""
 
     id: str
     instance: str
@@ -107,7 +105,7 @@ class StepFigure:
     seq_per_s: float
     global_batch: int = 0
     work_s: float = 0.0  # compute + bubble at efficiency 1
-    collectives: list = field(default_factory=list, repr=False)  # (calls, {algorithm: (latency_s, transfer_s at η=1)})
+    exposed_s: float = 0.0  # exposed communication per step
     width: float = 0.0  # hidden_size / TP
     cfg: Any = field(default=None, repr=False)  # the composed configuration (from ``bind_step``)
 
@@ -118,11 +116,7 @@ class StepFigure:
     def predict(self, instance: Any) -> float:
         half = instance.compute_half_size
         eff = instance.compute_efficiency * (self.width / (self.width + half) if half else 1.0)
-        return self.work_s / eff + self.exposed(effective(instance, "device_link.efficiency"))
-
-    def exposed(self, link_efficiency: float) -> float:
-        return sum(calls * min(lat + transfer / link_efficiency for lat, transfer in algorithms.values())
-                   for calls, algorithms in self.collectives)
+        return self.work_s / eff + self.exposed_s
 
 
 @functools.lru_cache(maxsize=None)
@@ -164,24 +158,13 @@ def bind_step(fig: StepFigure, instance: Any) -> StepFigure:
     """Plan the figure's configuration once on ``instance`` (collective parameters as given) at efficiency 1."""
     from nxdt.planner import plan
 
-    from nxdt.planner import node_topology
-
-    fig.cfg = cfg = copy.deepcopy(compose_step(fig))
-    if getattr(cfg, "comm", None) is not None and cfg.comm.emulate is not None:
-        raise ValueError(f"{fig.id}: comm.emulate adds emulated link time the fit does not model")
-    at = {eta: with_params(instance, {"compute_efficiency": 1.0, "compute_half_size": 0.0, "device_link.efficiency": eta}) for eta in (1.0, 0.5)}
-    cfg.instance = at[1.0]
+    fig.cfg = compose_step(fig)
+    cfg = copy.deepcopy(fig.cfg)
+    cfg.instance = with_params(instance, {"compute_efficiency": 1.0, "compute_half_size": 0.0})
     planned = plan(cfg)
     if any(row["overlap"] for row in planned.collectives):
         raise ValueError(f"{fig.id}: overlapped collectives make the step time non-linear in the compute efficiency")
-    topo = node_topology(cfg)
-    fig.collectives = []
-    for row in planned.collectives:
-        group = planned.groups[row["dim"]][0]
-        one, half = (estimate_collective(row["op"], group, row["bytes"], topo, at[eta], planned.ranks_per_node)[2] for eta in (1.0, 0.5))
-        fig.collectives.append((row["count"], {name: (2 * one[name] - half[name], half[name] - one[name]) for name in one}))
-    if not math.isclose(fig.exposed(1.0), planned.estimate["exposed_comm_s"], rel_tol=1e-9):
-        raise ValueError(f"{fig.id}: the step's collectives do not add up to the plan's exposed communication")
+    fig.exposed_s = planned.estimate["exposed_comm_s"]
     fig.global_batch = cfg.data.global_batch_size
     fig.work_s = planned.estimate["compute_s"] + planned.estimate["bubble_s"]
     fig.width = cfg.model.hidden_size / planned.tp
