@@ -287,3 +287,17 @@ def test_plan_sweeps_several_layouts(capsys):
                  "distributed_strategy.tensor_model_parallel_size=8,32", *BATCH]) == 0
     out = capsys.readouterr().out
     assert out.count("### ") == 2 and "TP8 PP1 CP1 EP1 DP4" in out and "TP32 PP1 CP1 EP1 DP1" in out
+
+
+def test_workers_read_every_instance_as_hydra_composes_it():
+    """Workers load the emulated instance without Hydra (``links.load_instance``); an entry that inherits
+    (trn1n from trn1, p5 and gb200 from their parents) must come out equal to the composed config, or link
+    emulation prices a link with the parent's figures missing."""
+    from omegaconf import OmegaConf
+
+    from nxdt.planner.links import load_instance
+
+    for name in available_options("instance"):
+        composed = compose_config([f"instance={name}"]).instance
+        composed = OmegaConf.to_object(composed) if OmegaConf.is_config(composed) else composed
+        assert load_instance(name) == composed, name
