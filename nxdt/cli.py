@@ -45,6 +45,9 @@ commands:
                               one full-state checkpoint (model, optimizer, trainer state) from a sharded one: a one-rank
                               run resumes it directly, any other layout reshards it (exp_manager.resume_from_checkpoint=OUT)
 
+  data convert-megatron INPUT... --output-prefix PREFIX [--tokenizer PATH]
+                              Megatron's indexed dataset (PREFIX.bin/.idx, what data.data_prefix names) from JSONL or text
+
 `nxdt train --help` lists every config group and key with its documentation.
 """
 
@@ -685,8 +688,17 @@ def cmd_report(argv: list[str]) -> int:
     return report(argv)
 
 
+def cmd_data(argv: list[str]) -> int:
+    if not argv or argv[0] != "convert-megatron":
+        raise UsageError("usage: nxdt data convert-megatron INPUT... --output-prefix PREFIX [--tokenizer PATH] [--json-key KEY] [--eod-id N]")
+    from nxdt.data.megatron import main as convert_megatron
+
+    return convert_megatron(argv[1:])
+
+
 COMMANDS = {"train": cmd_train, "checkpoint": cmd_checkpoint, "plan": cmd_plan, "topo": cmd_topo, "comm-test": cmd_comm_test,
-            "sweep-report": cmd_sweep_report, "runs": cmd_runs, "report": cmd_report}
+            "sweep-report": cmd_sweep_report, "runs": cmd_runs, "report": cmd_report,
+            "data": cmd_data}
 
 
 def main(argv: list[str] | None = None) -> int:
