@@ -194,7 +194,20 @@ def check_data(cfg: Any) -> None:
             SavedHFDataset(data.train_dir, data.seq_length, cfg.model.vocab_size)
         except DatasetDirError as exc:
             raise ConfigError("data.train_dir", data.train_dir, exc.fix) from None
+    elif data.source == "megatron":
+        from nxdt.data.megatron import IndexedDataError, check_data_prefix
+
+        try:
+            check_data_prefix(data.data_prefix, cfg.model.vocab_size)
+        except IndexedDataError as exc:
+            raise ConfigError("data.data_prefix", _plain(data.data_prefix), exc.fix) from None
     _check_host_memory(cfg)
+
+
+def _plain(value: Any) -> Any:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
 
 
 def _check_model(cfg: Any) -> None:

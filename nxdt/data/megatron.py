@@ -42,7 +42,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -181,13 +181,13 @@ def parse_data_prefix(value: Any) -> list[tuple[float, str]]:
     """NxDT's ``data.data_prefix``: ``[w1, p1, w2, p2, ...]``, one path (weight 1) as a string or a one-item list,
     or a dict whose ``train`` entry is one of those. Returns (weight, prefix) pairs, weights normalised to sum 1;
     raises :class:`IndexedDataError` naming what is wrong."""
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):  # plain containers or OmegaConf's
         if "train" not in value:
             raise IndexedDataError("as a dict it needs a train entry: {train: [1.0, /path/prefix]}")
         value = value["train"]
     if isinstance(value, str):
         value = [value]
-    if not isinstance(value, (list, tuple)) or not value:
+    if not isinstance(value, Sequence) or not value:
         raise IndexedDataError("give [weight, prefix, weight, prefix, ...] (or one prefix)")
     if len(value) == 1:
         if not isinstance(value[0], str):
