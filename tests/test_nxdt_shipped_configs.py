@@ -133,12 +133,36 @@ def test_a_megatron_vocabulary_comes_from_the_tokenizer_padded(tmp_path):
            "llama_tokenizer), not readable here" in str(info.value)
 
 
-def test_a_sigmoid_router_is_planned_but_not_trained():
-    from nxdt.config.validate import NotYetSupported, check_trainable
+def test_the_sigmoid_router_of_nxdts_megatron_mixtral_routes_by_sigmoid_affinities():
+    """NxD's RouterTopK with act_fn sigmoid: affinities sigmoid(logits), the top-k experts by logit, their affinities
+    renormalised to sum 1; computed here token by token in float64 against the block's batched fp32 forward (both
+    sum k ≤ 2 expert outputs of O(1) size: float32 rounding, ~1e-7 relative, is far inside rtol 1e-5)."""
+    import types
 
-    cfg, _ = shipped("megatron_mixtral_8x7b_config")
-    with pytest.raises(NotYetSupported, match="model.moe.router_activation='sigmoid': training with a sigmoid router"):
-        check_trainable(cfg)
+    import torch
+
+    from nxdt.config.validate import check_trainable
+    from nxdt.models.mixtral import SparseMoeBlock
+
+    cfg, _ = shipped("megatron_mixtral_8x7b_dropless_config")
+    assert cfg.model.moe.router_activation == "sigmoid"
+    check_trainable(cfg)  # trains as it plans
+    torch.manual_seed(0)
+    small = types.SimpleNamespace(hidden_size=8, ffn_hidden_size=12,
+                                  moe=types.SimpleNamespace(num_experts=4, top_k=2, router_aux_loss_coef=0.0, router_activation="sigmoid"))
+    block = SparseMoeBlock(small)
+    x = torch.randn(2, 5, 8)
+    got = block(x).reshape(-1, 8).double()
+    for t, token in enumerate(x.reshape(-1, 8).double()):
+        logits = token @ block.gate.weight.double().T
+        chosen = torch.topk(logits, 2).indices
+        weights = torch.sigmoid(logits[chosen]) / torch.sigmoid(logits[chosen]).sum()
+        expert = [block.experts[str(int(e))] for e in chosen]
+        want = sum(w * (e.w2.weight.double() @ (torch.nn.functional.silu(e.w1.weight.double() @ token) * (e.w3.weight.double() @ token)))
+                   for w, e in zip(weights, expert))
+        torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-6)
+    block.router_activation = "softmax"
+    assert not torch.allclose(block(x).reshape(-1, 8).double(), got)  # the activation matters
 
 
 # ---------------------------------------------------------------------------------------------- shrunk, trained

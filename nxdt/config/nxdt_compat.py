@@ -228,7 +228,8 @@ RULES: dict[str, Rule] = {
     "model.moe.dropout": _agree("nxdt has no dropout", 0, 0.0),
     "model.moe.capacity_factor": _custom("nxdt's MoE is dropless; a capacity factor without dropless: true is noted"),
     "model.moe.dropless": _derived("nxdt's MoE is always dropless"),
-    "model.moe.router_activation": _map("softmax or sigmoid (planned; nxdt train refuses it: the hub's Mixtral routes with softmax)"),
+    "model.moe.router_activation": _map("softmax or sigmoid affinities; absent with model_source: megatron = sigmoid, NxDT's "
+                                        "Megatron default"),
     "model.moe.sinkhorn_iterations": _derived("read only with routing_algorithm: sinkhorn"),
     "model.moe.sinkhorn_tol": _derived("read only with routing_algorithm: sinkhorn"),
     # Megatron-model keys (model_source: megatron); an hf model's shape comes from model.model_config
@@ -507,6 +508,8 @@ def _megatron_model(leaves: Mapping[str, Any]) -> dict[str, Any]:
     arch = {"gpt": "nxdt.models.gpt.GPTForCausalLM", "llama": "nxdt.models.mixtral.MixtralForCausalLM" if experts else
             "nxdt.models.llama.LlamaForCausalLM"}[family]
     out: dict[str, Any] = {"model.architecture": arch}
+    if experts and "model.moe.router_activation" not in leaves:
+        out["model.moe.router_activation"] = "sigmoid"  # NxDT's Megatron MoE default (HF Mixtral's router is softmax)
     if leaves.get("model.layernorm_epsilon") is not None:
         out["model.norm_eps"] = leaves["model.layernorm_epsilon"]
     if leaves.get("model.share_embeddings_and_output_weights") is not None:

@@ -140,8 +140,8 @@ class MoEConfig:
     num_experts: int = doc(0, "experts per MoE layer (0 = no experts: a dense model)")
     top_k: int = doc(2, "experts each token is routed to (their router weights renormalised to sum 1)")
     router_aux_loss_coef: float = doc(0.02, "weight of the load-balancing auxiliary loss added to the LM loss")
-    router_activation: str = doc("softmax", "softmax (Mixtral's router) | sigmoid (NxDT's Megatron MoE option: planned, "
-                                            "refused by nxdt train)")
+    router_activation: str = doc("softmax", "softmax (Mixtral's router) | sigmoid (NxD's sigmoid affinities, NxDT's Megatron "
+                                            "MoE default); the chosen experts' weights are renormalised either way")
 
 
 @dataclass

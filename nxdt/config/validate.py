@@ -464,9 +464,6 @@ def check_trainable(cfg: Any) -> None:
                     "fsdp.enabled": " together with pipeline parallelism"}.get(key, "")
         raise NotYetSupported(shown, value, f"training with it{combined} is not implemented yet in this version "
                               "(`nxdt plan` accepts it); data, tensor, pipeline, expert parallelism, ZeRO-1 and FSDP train now")
-    if cfg.model.moe.num_experts and cfg.model.moe.router_activation != "softmax":
-        raise NotYetSupported("model.moe.router_activation", cfg.model.moe.router_activation, "training with a sigmoid "
-                              "router is not implemented yet (`nxdt plan` accepts it); the hub's Mixtral routes with softmax")
     if ds.fsdp.enabled and ds.zero1:
         raise ConfigError("distributed_strategy.zero1", True, "FSDP already shards the optimizer state; set zero1=false "
                           "(or fsdp.enabled=false)")
