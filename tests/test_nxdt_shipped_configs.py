@@ -191,7 +191,8 @@ def test_a_megatron_config_shrunk_trains_on_blended_indexed_data(tmp_path):
               "model.hidden_size=64", "model.num_attention_heads=4", "model.num_kv_heads=2", "model.ffn_hidden_size=96",
               "model.vocab_size=256", "model.encoder_seq_length=32", "data.global_batch_size=4",
               "distributed_strategy.tensor_model_parallel_size=1", f"data.data_prefix=[0.3,{a},0.7,{b}]",
-              f"data.index_mapping_dir={index_dir}", "model.optim.lr=3e-3", "model.optim.sched.warmup_steps=0",
+              f"data.index_mapping_dir={index_dir}", "data.tokenizer.type=null",  # the data is converted byte-level
+              "model.optim.lr=3e-3", "model.optim.sched.warmup_steps=0",
               "exp_manager.create_tensorboard_logger=false", "comm.timeout_s=60", f"exp_manager.explicit_log_dir={run}"]
     result = subprocess.run([sys.executable, "-m", "nxdt.cli", "train", "--config-path", str(SHIPPED), "--config-name",
                              "megatron_llama_7B_config", *shrink], cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"},

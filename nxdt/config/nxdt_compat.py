@@ -67,7 +67,7 @@ def _derived(doc: str) -> Rule:
 
 
 VALIDATION = "nxdt runs no validation loop"
-MEGATRON_MODEL = "with model_source: megatron it picks the hub model (an hf model's shape comes from model.model_config)"
+MEGATRON_MODEL = "Megatron-model key; an hf model's shape comes from model.model_config (NxDT ignores it there too)"
 
 # NxDT key → rule. Order is the order of the migration guide's table.
 RULES: dict[str, Rule] = {
@@ -155,7 +155,7 @@ RULES: dict[str, Rule] = {
     "data.data_prefix": _custom("data.source=megatron with data.data_prefix: [weight, prefix, ...] of PREFIX.bin/.idx "
                                 "(nxdt data convert-megatron writes them), blended by weight"),
     "data.data_prefix.train": _custom("the dict form of data.data_prefix: its train entry is read"),
-    "data.data_prefix.validation": _derived(VALIDATION),
+    "data.data_prefix.validation": _derived("the validation entry is not read (validation data is data.val_dir)"),
     "data.data_prefix.test": _derived("nxdt runs no test loop"),
     "data.index_mapping_dir": _map("where the sample index .npy files are cached; null = beside each .idx"),
     "data.splits_string": _map("training reads each dataset's leading train share of documents, as Megatron's split"),
@@ -166,10 +166,10 @@ RULES: dict[str, Rule] = {
     "data.reset_attention_mask": _agree("attention crosses document boundaries inside a sample", False, error=True),
     "data.eod_mask_loss": _agree("end-of-document tokens are trained on", False, error=True),
     "data.no_seqlen_plus_one_input_tokens": _agree("samples are seq_length + 1 tokens", False, error=True),
-    "data.validation_drop_last": _derived(VALIDATION),
+    "data.validation_drop_last": _derived("the validation split of data_prefix is not read"),
     "data.pad_samples_to_global_batch_size": _derived("the sample stream never ends in a partial global batch"),
-    "data.tokenizer.type": _custom("megatron: a Hugging Face tokenizer directory (or GPT2BPETokenizer) whose vocabulary, "
-                                   "padded, sizes the model; the data is already tokenized"),
+    "data.tokenizer.type": _map("a Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json: EOS, chat "
+                                "template)", to="data.tokenizer"),
     "data.tokenizer.library": _agree("tokenizers are read as Hugging Face's (megatron's GPT2BPETokenizer by its vocabulary)",
                                      "huggingface", "megatron"),
     "data.tokenizer.vocab_file": _custom("GPT2BPETokenizer's vocab.json: its size is the vocabulary"),
@@ -607,15 +607,15 @@ def _data(leaves: Mapping[str, Any], ours: Mapping[str, Any]) -> dict[str, Any]:
                           "encoder_seq_length: make them equal")
     if seq is not None or enc is not None:
         out["data.seq_length"] = seq if seq is not None else enc
-    prefix = leaves.get("data.data_prefix", leaves.get("data.data_prefix.train"))  # a list, or a dict's train entry
-    if prefix is not None:
-        out["data.source"] = ours.get("data.source", "megatron")
-        out["data.data_prefix"] = prefix
     if leaves.get("data.train_dir") is not None:
         source = ours.get("data.source", "hf_dataset")
         out["data.source"] = source
         if source != "synthetic":  # synthetic tokens read no files
             out["data.train_dir"] = leaves["data.train_dir"]
+    prefix = leaves.get("data.data_prefix", leaves.get("data.data_prefix.train"))  # a list, or a dict's train entry
+    if prefix is not None:  # Megatron indexed data
+        out["data.source"] = ours.get("data.source", "megatron")
+        out["data.data_prefix"] = prefix
     return out
 
 
