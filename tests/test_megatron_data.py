@@ -189,3 +189,38 @@ def test_convert_megatron_writes_jsonl_documents_readable_back(tmp_path, capsys)
     bad.write_text('{"body": "x"}\n')
     assert main(["data", "convert-megatron", str(bad), "--output-prefix", str(tmp_path / "o2")]) == 2
     assert "bad.jsonl:1: no string field 'text'" in capsys.readouterr().err
+
+
+def test_the_data_module_reads_megatron_data_in_index_order_sliced_by_data_parallel_rank(tmp_path):
+    """data.source=megatron through NxDDataModule: trainer.max_steps × global batch samples, read in the order of the
+    (already shuffled) sample index — no second shuffle — and DP rank r takes its contiguous slice of every global
+    batch, so the ranks' micro-batches, concatenated, are the one-rank stream."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from nxdt.lightning.datamodule import NxDDataModule
+
+    write_indexed(tmp_path / "d", [list(range(i, i + 37)) for i in range(0, 150, 10)], np.uint16)
+    cfg = SimpleNamespace(source="megatron", micro_batch_size=2, global_batch_size=8, seq_length=16,
+                          data_prefix=[1.0, str(tmp_path / "d")], splits_string=None, index_mapping_dir=str(tmp_path / "c"))
+
+    def module(rank: int, dp: int) -> NxDDataModule:
+        dm = NxDDataModule(cfg, seed=5, vocab_size=256)
+        dm.trainer = SimpleNamespace(strategy=SimpleNamespace(distributed_sampler_kwargs={"num_replicas": dp, "rank": rank}),
+                                     global_step=0, accumulate_grad_batches=4 // dp, max_steps=3)
+        dm.setup("fit")
+        return dm
+
+    single = module(0, 1)
+    assert len(single.dataset) == 3 * 8
+    it = iter(single.train_dataloader())
+    stream = [next(it)["input_ids"] for _ in range(12)]  # three global batches of 4 micro-batches
+    assert torch.equal(torch.cat(stream), torch.stack([single.dataset[i]["input_ids"] for i in range(24)]))
+    for step in range(3):
+        got = []
+        for rank in range(2):
+            it = iter(module(rank, 2).train_dataloader())
+            batches = [next(it)["input_ids"] for _ in range(2 * (step + 1))]
+            got += batches[2 * step:]
+        assert torch.equal(torch.cat(got), torch.cat(stream[4 * step:4 * step + 4]))
