@@ -38,8 +38,9 @@ HF_CONFIG = {"hf_llama3.1_405B_trn1_config": "llama3.1_405B", "hf_llama3.1_70B_c
 MEGATRON = {"megatron_gpt_config": [], "megatron_llama_7B_config": ["model.vocab_size=32000"],
             "megatron_llama_70b_config": ["model.vocab_size=32000"], "megatron_mistral_config": ["model.vocab_size=32000"],
             "megatron_mixtral_8x7b_config": ["model.vocab_size=32000"],
-            "megatron_mixtral_8x7b_dropless_config": ["model.vocab_size=32000"]}
-INSTANCE = {name: "trn1.32xlarge" for name in [*HF_CONFIG, *MEGATRON, "megatron_llama2_7B_SFT_config"]}
+            "megatron_mixtral_8x7b_dropless_config": ["model.vocab_size=32000"],
+            "megatron_llama2_7B_SFT_config": ["model.vocab_size=32000"]}
+INSTANCE = {name: "trn1.32xlarge" for name in [*HF_CONFIG, *MEGATRON]}
 INSTANCE.update({"hf_llama3_70B_trn2_config": "trn2.48xlarge", "hf_llama3_8B_trn2_config": "trn2.48xlarge"})
 # fine-tuning configs: their keys (model_alignment_strategy, data.dev_choose_samples, model.weight_init_only, and for
 # the Megatron one data.packing, data.use_sft_style_data_module) come with the SFT work on its own branch
@@ -80,10 +81,20 @@ def test_every_example_config_plans_as_shipped_and_fits(name):
     assert p.world_size == cfg.trainer.devices * cfg.trainer.num_nodes
 
 
-@pytest.mark.parametrize("name", FINE_TUNING)
-@pytest.mark.xfail(strict=True, reason="fine-tuning keys land with the SFT branch; remove this mark when it merges")
+@pytest.mark.parametrize("name", FINE_TUNING[:4])
 def test_fine_tuning_configs_plan_as_shipped(name):
+    from nxdt.config.nxdt_compat import rule_for
+
+    if rule_for("data.dev_choose_samples") is None:  # runs for real once the SFT branch (its keys) is merged
+        pytest.xfail("fine-tuning keys land with the SFT branch")
     cfg, warnings = shipped(name)
+    assert not [w for w in plan(cfg).warnings if "does not fit" in w]
+
+
+@pytest.mark.xfail(strict=True, reason="needs rules for data.use_sft_style_data_module and data.packing (Megatron's SFT "
+                                       "data keys) on top of the SFT branch's model_alignment_strategy.sft")
+def test_the_megatron_sft_config_plans_as_shipped():
+    cfg, _ = shipped("megatron_llama2_7B_SFT_config")
     assert not [w for w in plan(cfg).warnings if "does not fit" in w]
 
 
