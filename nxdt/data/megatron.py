@@ -289,10 +289,13 @@ def cached_sample_index(data: IndexedDataset, split_end: int, num_samples: int, 
     if arrays is not None:
         return arrays
     arrays = build_sample_index(data.document_lengths()[:split_end], num_samples, seq_length, seed)
-    where.mkdir(parents=True, exist_ok=True)
-    for kind, arr in zip(KINDS, arrays):
-        _atomic_write(Path(f"{stem}_{kind}.npy"), lambda fh, a=arr: np.save(fh, a, allow_pickle=False))
-    _atomic_write(Path(f"{stem}_desc.json"), lambda fh: fh.write(text.encode()))  # last: marks the set complete
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        for kind, arr in zip(KINDS, arrays):
+            _atomic_write(Path(f"{stem}_{kind}.npy"), lambda fh, a=arr: np.save(fh, a, allow_pickle=False))
+        _atomic_write(Path(f"{stem}_desc.json"), lambda fh: fh.write(text.encode()))  # last: marks the set complete
+    except OSError:  # e.g. a read-only dataset directory: train from the arrays just built, uncached
+        pass
     return arrays
 
 
