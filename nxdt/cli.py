@@ -48,6 +48,9 @@ commands:
                               one full-state checkpoint (model, optimizer, trainer state) from a sharded one: a one-rank
                               run resumes it directly, any other layout reshards it (exp_manager.resume_from_checkpoint=OUT)
 
+  data convert-megatron INPUT... --output-prefix PREFIX [--tokenizer PATH]
+                              Megatron's indexed dataset (PREFIX.bin/.idx, what data.data_prefix names) from JSONL or text
+
 `nxdt train --help` lists every config group and key with its documentation.
 """
 
@@ -194,7 +197,20 @@ def check_data(cfg: Any) -> None:
             SavedHFDataset(data.train_dir, data.seq_length, cfg.model.vocab_size)
         except DatasetDirError as exc:
             raise ConfigError("data.train_dir", data.train_dir, exc.fix) from None
+    elif data.source == "megatron":
+        from nxdt.data.megatron import IndexedDataError, check_data_prefix
+
+        try:
+            check_data_prefix(data.data_prefix, cfg.model.vocab_size)
+        except IndexedDataError as exc:
+            raise ConfigError("data.data_prefix", _plain(data.data_prefix), exc.fix) from None
     _check_host_memory(cfg)
+
+
+def _plain(value: Any) -> Any:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
 
 
 def _check_model(cfg: Any) -> None:
@@ -719,8 +735,17 @@ def cmd_report(argv: list[str]) -> int:
     return report(argv)
 
 
+def cmd_data(argv: list[str]) -> int:
+    if not argv or argv[0] != "convert-megatron":
+        raise UsageError("usage: nxdt data convert-megatron INPUT... --output-prefix PREFIX [--tokenizer PATH] [--json-key KEY] [--eod-id N]")
+    from nxdt.data.megatron import main as convert_megatron
+
+    return convert_megatron(argv[1:])
+
+
 COMMANDS = {"train": cmd_train, "checkpoint": cmd_checkpoint, "plan": cmd_plan, "topo": cmd_topo, "comm-test": cmd_comm_test,
-            "sweep-report": cmd_sweep_report, "runs": cmd_runs, "report": cmd_report}
+            "sweep-report": cmd_sweep_report, "runs": cmd_runs, "report": cmd_report,
+            "data": cmd_data}
 
 
 def main(argv: list[str] | None = None) -> int:

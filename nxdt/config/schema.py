@@ -95,7 +95,8 @@ class DistributedStrategyConfig:
 
 @dataclass
 class DataConfig:
-    source: str = doc("text", "synthetic | text | hf_dataset (a tokenized Hugging Face dataset saved with save_to_disk)")
+    source: str = doc("text", "synthetic | text | hf_dataset (a tokenized Hugging Face dataset saved with save_to_disk) | "
+                              "megatron (Megatron's indexed .bin/.idx datasets named by data_prefix)")
     micro_batch_size: int = doc(4, "samples per forward/backward on one rank")
     global_batch_size: Optional[int] = doc(None, "samples per optimizer step over all data-parallel ranks; null = "
                                                  "micro_batch_size × DP (one micro-batch per rank per step)")
@@ -104,6 +105,12 @@ class DataConfig:
                                          "hf_dataset: the save_to_disk directory (input_ids, optional labels; needs pyarrow)")
     tokenizer: Optional[str] = doc(None, "path to a Hugging Face tokenizer.json; null = byte-level (256 ids)")
     num_samples: int = doc(4096, "synthetic source: number of distinct samples")
+    # Megatron's indexed datasets (source: megatron; NxDT's megatron_* configs)
+    data_prefix: Optional[Any] = doc(None, "megatron: [weight, prefix, weight, prefix, ...] of PREFIX.bin/.idx datasets "
+                                           "(nxdt data convert-megatron writes them), blended by weight")
+    index_mapping_dir: Optional[str] = doc(None, "megatron: directory caching the sample index (.npy); null = beside each .idx")
+    splits_string: Optional[str] = doc(None, "megatron: train,validation,test shares of each dataset's documents (e.g. "
+                                             "980,10,10); training reads the leading train share; null = every document")
 
 
 @dataclass
@@ -133,6 +140,8 @@ class MoEConfig:
     num_experts: int = doc(0, "experts per MoE layer (0 = no experts: a dense model)")
     top_k: int = doc(2, "experts each token is routed to (their router weights renormalised to sum 1)")
     router_aux_loss_coef: float = doc(0.02, "weight of the load-balancing auxiliary loss added to the LM loss")
+    router_activation: str = doc("softmax", "softmax (Mixtral's router) | sigmoid (NxD's sigmoid affinities, NxDT's Megatron "
+                                            "MoE default); the chosen experts' weights are renormalised either way")
 
 
 @dataclass

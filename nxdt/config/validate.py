@@ -18,12 +18,13 @@ ALLOWED_MODEL_PREFIX = "nxdt.models."
 MODEL_SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "ffn_hidden_size")
 
 CHOICES = {
-    "data.source": ("synthetic", "text", "hf_dataset"),
+    "data.source": ("synthetic", "text", "hf_dataset", "megatron"),
     "precision.type": ("fp32", "bf16", "bf16SR", "mixed_precision", "mixed_precisionSR"),
     "model.optim.name": ("adamw", "adamw_fp32OptState"),
     "model.optim.sched.name": ("CosineAnnealing", "LinearAnnealingWithWarmUp", "constant"),
     "model.activations_checkpoint_granularity": (None, "full", "selective"),
     "model.core_attention": ("sdpa", "blockwise", "naive"),
+    "model.moe.router_activation": ("softmax", "sigmoid"),
     "distributed_strategy.fsdp.prefetch": ("none", "eager", "token_threaded"),
     "comm.transport": ("auto", "shm", "p2p", "gloo"),
     "exp_manager.fault_injection.kind": ("raise", "sigkill", "sigkill_during_save", "hang", "nan"),
@@ -372,6 +373,9 @@ def validate(cfg: Any, *, paths: bool = True) -> None:
         _check_paths(cfg)
     if data.source == "hf_dataset" and data.train_dir is None:
         raise ConfigError("data.train_dir", None, "data.source=hf_dataset reads a directory written by datasets' save_to_disk; name it here")
+    if data.source == "megatron" and data.data_prefix is None:
+        raise ConfigError("data.data_prefix", None, "data.source=megatron reads Megatron indexed datasets: give [weight, prefix, ...] "
+                          "(nxdt data convert-megatron writes PREFIX.bin/.idx from text)")
     if data.source == "text" and data.tokenizer is None and model.vocab_size < 256:
         raise ConfigError("model.vocab_size", model.vocab_size, "byte-level text needs >= 256 ids; set data.tokenizer or a larger vocab")
 
