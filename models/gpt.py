@@ -17,7 +17,8 @@ Parameter count (V vocab, P positions, h hidden, f ffn, L layers)::
 
 Config: the ``model`` schema's ``vocab_size, hidden_size, num_layers, num_attention_heads, ffn_hidden_size,
 max_position_embeddings, norm_eps (LayerNorm eps), tie_word_embeddings, init_method_std,
-activations_checkpoint_granularity`` (``full`` or null; ``selective`` is rejected), ``core_attention`` (sdpa |
+activations_checkpoint_granularity`` (``full``: each block recomputed in backward; ``selective``: only the attention
+core, as Llama and NxDT's Megatron GPT; null), ``core_attention`` (sdpa |
 blockwise | naive: :func:`nxdt.models.attention.core_attention`). ``num_kv_heads``, ``rope_theta`` and
 ``rope_scaling`` are ignored.
 """
@@ -32,8 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from nxdt.models.attention import DEFAULT_IMPL, SequenceLayout, check_impl, core_attention, layout_fields
-from nxdt.models.llama import DecoderOnlyLM, _opt, check_positions
+from nxdt.models.attention import DEFAULT_IMPL, SequenceLayout, check_impl, layout_fields
+from nxdt.models.llama import CHECKPOINT_GRANULARITIES, CoreAttention, DecoderOnlyLM, _opt, check_positions
 
 
 class GPTAttention(nn.Module):
@@ -45,12 +46,16 @@ class GPTAttention(nn.Module):
         self.k_proj = nn.Linear(h, h)
         self.v_proj = nn.Linear(h, h)
         self.o_proj = nn.Linear(h, h)
-        self.impl = check_impl(_opt(cfg, "core_attention", None) or DEFAULT_IMPL)
+        self.core = CoreAttention(_opt(cfg, "core_attention", None) or DEFAULT_IMPL)
+        self.checkpoint_core = _opt(cfg, "activations_checkpoint_granularity", None) == "selective"
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        out = core_attention(q, k, v, causal=True, impl=self.impl, segment_ids=segment_ids)
+        if self.checkpoint_core and torch.is_grad_enabled():  # selective: recompute softmax(QKᵀ)V in backward
+            out = checkpoint(self.core, q, k, v, segment_ids, use_reentrant=False)
+        else:
+            out = self.core(q, k, v, segment_ids)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -82,8 +87,8 @@ def check_gpt_config(cfg: Any) -> None:
     if cfg.hidden_size % cfg.num_attention_heads:
         raise ValueError(f"model.hidden_size={cfg.hidden_size} must be divisible by model.num_attention_heads={cfg.num_attention_heads}")
     granularity = _opt(cfg, "activations_checkpoint_granularity", None)
-    if granularity not in (None, "full"):
-        raise ValueError(f"model.activations_checkpoint_granularity={granularity!r}: GPTForCausalLM supports full or null")
+    if granularity not in CHECKPOINT_GRANULARITIES:
+        raise ValueError(f"model.activations_checkpoint_granularity={granularity!r}: use one of full, selective, null")
     check_impl(_opt(cfg, "core_attention", None) or DEFAULT_IMPL)
 
 

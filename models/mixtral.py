@@ -17,6 +17,11 @@ Routing, per token x (as HF)::
     w, idx = topk(p, k);  w = w / sum(w)       # k = moe.top_k, renormalised over the chosen experts
     y = Σ_j w_j · expert_idx_j(x),   expert(x) = w2(silu(w1 x) · w3 x)
 
+``moe.router_activation: sigmoid`` (NxD's RouterTopK with ``act_fn="sigmoid"``, the default of NxDT's Megatron
+MoE) takes ``p = sigmoid(gate(x))`` per expert instead; the top-k choice is the same (both are monotonic in the
+logits) and the chosen affinities are renormalised alike. The auxiliary loss below uses the softmax either way,
+as NxD's ``load_balancing_loss_func`` does.
+
 Load-balancing auxiliary loss (HF's ``load_balancing_loss_func``, the Switch-Transformer loss): with the
 router logits of *all* layers stacked as rows (T = tokens × layers rows, E experts)::
 
@@ -58,7 +63,8 @@ from torch import nn
 
 from nxdt.models.llama import DecoderLayer, LlamaForCausalLM, _instance_or_static, _opt, check_config, next_token_loss
 
-MOE_DEFAULTS = {"num_experts": 8, "top_k": 2, "router_aux_loss_coef": 0.02}
+MOE_DEFAULTS = {"num_experts": 8, "top_k": 2, "router_aux_loss_coef": 0.02, "router_activation": "softmax"}
+ROUTER_ACTIVATIONS = {"softmax": lambda logits: torch.softmax(logits, dim=-1), "sigmoid": torch.sigmoid}
 
 
 def moe_option(cfg: Any, name: str) -> Any:
@@ -84,9 +90,10 @@ class Expert(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """router logits [T, E] → (weights [T, k] renormalised to sum 1, expert ids [T, k]); softmax in fp32."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
+def route(router_logits: torch.Tensor, top_k: int, activation: str = "softmax") -> tuple[torch.Tensor, torch.Tensor]:
+    """router logits [T, E] → (weights [T, k] renormalised to sum 1, expert ids [T, k]); the activation (softmax or
+    sigmoid) in fp32."""
+    probs = ROUTER_ACTIVATIONS[activation](router_logits.float())
     weights, experts = torch.topk(probs, top_k, dim=-1)
     return weights / weights.sum(dim=-1, keepdim=True), experts
 
@@ -135,6 +142,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.num_experts = int(moe_option(cfg, "num_experts"))
         self.top_k = int(moe_option(cfg, "top_k"))
+        self.router_activation = str(moe_option(cfg, "router_activation"))
         self.gate = nn.Linear(cfg.hidden_size, self.num_experts, bias=False)
         self.experts = nn.ModuleDict({str(e): Expert(cfg.hidden_size, cfg.ffn_hidden_size) for e in range(self.num_experts)})
         self.dispatcher: Callable[["SparseMoeBlock", torch.Tensor, torch.Tensor], torch.Tensor] = local_dispatch
@@ -168,7 +176,7 @@ class SparseMoeBlock(nn.Module):
         logits = self.gate(flat)
         region = self.tensor_parallel_region
         self.router_logits = region.replicated(logits) if region is not None else logits
-        weights, experts = route(logits, self.top_k)
+        weights, experts = route(logits, self.top_k, self.router_activation)
         if region is not None:  # the router stays outside: experts see every token, their outputs are partial sums
             flat, weights, experts = region.enter(flat), region.enter(weights), region.gather_ids(experts)
         # one row per (token, slot), sorted by expert id (stable: tokens keep their order within an expert)
@@ -200,6 +208,8 @@ def check_moe_config(cfg: Any) -> None:
         raise ValueError(f"model.moe.num_experts={experts} must be at least 1")
     if not 1 <= top_k <= experts:
         raise ValueError(f"model.moe.top_k={top_k} must be between 1 and model.moe.num_experts={experts}")
+    if moe_option(cfg, "router_activation") not in ROUTER_ACTIVATIONS:
+        raise ValueError(f"model.moe.router_activation={moe_option(cfg, 'router_activation')!r}: use softmax or sigmoid")
     if moe_option(cfg, "router_aux_loss_coef") < 0:
         raise ValueError(f"model.moe.router_aux_loss_coef={moe_option(cfg, 'router_aux_loss_coef')} must be >= 0")
 

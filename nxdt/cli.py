@@ -26,6 +26,9 @@ commands:
                               print the plan without starting anything: placement, groups, collectives with
                               their algorithms and estimated times, step time and memory per device
                               (distributed_strategy=auto ranks every valid TP/PP/DP layout)
+  plan --against RUN_DIR [--json] [--warmup N] [--calibration F]
+                              the plan of a finished run's config beside what it measured: step time
+                              (metrics.csv) and each collective (its trace, exp_manager.trace=true), with ratios
   topo NAME [--lnc N] [--json]
                               device table and graph of an instance type, like neuron-ls --topology
   comm-test [options] OPS     nccom-test-style benchmark of nxdt's collectives (see nxdt comm-test --help);
@@ -44,6 +47,9 @@ commands:
   checkpoint consolidate DIR OUT
                               one full-state checkpoint (model, optimizer, trainer state) from a sharded one: a one-rank
                               run resumes it directly, any other layout reshards it (exp_manager.resume_from_checkpoint=OUT)
+
+  data convert-megatron INPUT... --output-prefix PREFIX [--tokenizer PATH]
+                              Megatron's indexed dataset (PREFIX.bin/.idx, what data.data_prefix names) from JSONL or text
 
 `nxdt train --help` lists every config group and key with its documentation.
 """
@@ -192,7 +198,20 @@ def check_data(cfg: Any) -> None:
             SavedHFDataset(data.train_dir, data.seq_length, cfg.model.vocab_size)
         except DatasetDirError as exc:
             raise ConfigError("data.train_dir", data.train_dir, exc.fix) from None
+    elif data.source == "megatron":
+        from nxdt.data.megatron import IndexedDataError, check_data_prefix
+
+        try:
+            check_data_prefix(data.data_prefix, cfg.model.vocab_size)
+        except IndexedDataError as exc:
+            raise ConfigError("data.data_prefix", _plain(data.data_prefix), exc.fix) from None
     _check_host_memory(cfg)
+
+
+def _plain(value: Any) -> Any:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
 
 
 def _check_model(cfg: Any) -> None:
@@ -398,14 +417,45 @@ def _plan_one(compose: Any, overrides: list[str], calibration_file: str | None) 
     return plan(cfg, calibration), topo
 
 
+def _take_value(argv: list[str], flag: str, what: str) -> tuple[str | None, list[str]]:
+    """``flag VALUE`` removed from argv: (VALUE, the rest); (None, argv) when absent."""
+    if flag not in argv:
+        return None, argv
+    i = argv.index(flag)
+    if i + 1 >= len(argv):
+        raise UsageError(f"nxdt plan: {flag} needs {what}")
+    return argv[i + 1], argv[:i] + argv[i + 2:]
+
+
+def _plan_against(run_dir: str, calibration_file: str | None, warmup: str | None, rest: list[str]) -> int:
+    """``nxdt plan --against RUN_DIR``: the plan of the run's own config beside what the run measured."""
+    from nxdt.config import ConfigError
+    from nxdt.launch.against import compare, render
+    from nxdt.planner.calibration import load_calibration
+
+    flags, overrides = _split_flags(rest, {"--json"})
+    if overrides:
+        return _fail(f"nxdt plan --against: {overrides[0]}: the run's own config.yaml is planned; drop the overrides")
+    try:
+        steps = int(warmup) if warmup is not None else 1
+    except ValueError:
+        return _fail(f"nxdt plan --against: --warmup {warmup}: a number of steps, e.g. --warmup 2")
+    try:
+        report = compare(run_dir, load_calibration(calibration_file), warmup=steps)
+    except ConfigError as exc:
+        return _fail(str(exc))
+    print(json.dumps(report, indent=1) if "--json" in flags else render(report))
+    return 0
+
+
 def cmd_plan(argv: list[str]) -> int:
-    calibration_file = None
-    if "--calibration" in argv:
-        i = argv.index("--calibration")
-        if i + 1 >= len(argv):
-            raise UsageError("nxdt plan: --calibration needs a file (written by `nxdt comm-test --calibrate`)")
-        calibration_file = argv[i + 1]
-        argv = argv[:i] + argv[i + 2:]
+    calibration_file, argv = _take_value(argv, "--calibration", "a file (written by `nxdt comm-test --calibrate`)")
+    against, argv = _take_value(argv, "--against", "a run directory (written by `nxdt train`)")
+    warmup, argv = _take_value(argv, "--warmup", "a number of steps")
+    if against is not None:
+        return _plan_against(against, calibration_file, warmup, argv)
+    if warmup is not None:
+        raise UsageError("nxdt plan: --warmup goes with --against RUN_DIR")
     source, argv = _config_source(argv)
     flags, overrides = _split_flags(argv, {"--json", "-m", "--multirun"})
     from nxdt.config import ConfigError
@@ -686,8 +736,17 @@ def cmd_report(argv: list[str]) -> int:
     return report(argv)
 
 
+def cmd_data(argv: list[str]) -> int:
+    if not argv or argv[0] != "convert-megatron":
+        raise UsageError("usage: nxdt data convert-megatron INPUT... --output-prefix PREFIX [--tokenizer PATH] [--json-key KEY] [--eod-id N]")
+    from nxdt.data.megatron import main as convert_megatron
+
+    return convert_megatron(argv[1:])
+
+
 COMMANDS = {"train": cmd_train, "checkpoint": cmd_checkpoint, "plan": cmd_plan, "topo": cmd_topo, "comm-test": cmd_comm_test,
-            "sweep-report": cmd_sweep_report, "runs": cmd_runs, "report": cmd_report}
+            "sweep-report": cmd_sweep_report, "runs": cmd_runs, "report": cmd_report,
+            "data": cmd_data}
 
 
 def main(argv: list[str] | None = None) -> int:

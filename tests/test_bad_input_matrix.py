@@ -9,6 +9,7 @@ import glob
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from nxdt.cli import main
@@ -119,6 +120,11 @@ def _launch_cases(tmp: Path) -> list[tuple[list[str], str]]:
     (tmp / "not_arrow" / "data-00000-of-00001.arrow").write_bytes(b"PAR1" * 100)
     (tmp / "bad_state" / "state.json").write_text('{"_data_files": [')
     (tmp / "tokenizer_garbage.json").write_bytes(b"\x00\x01 not json")
+    from nxdt.data.megatron import write_indexed
+
+    write_indexed(tmp / "corpus", [list(range(200))] * 4, np.uint16)  # a valid indexed dataset, byte-level ids
+    write_indexed(tmp / "wide_corpus", [[300] * 200], np.uint16)  # ids beyond llama_tiny's 256
+    (tmp / "no_idx.bin").write_bytes(b"")
     wide = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(1000)}, unk_token="w0"))
     wide.save(str(tmp / "tokenizer_1000.json"))
 
@@ -169,6 +175,12 @@ def _launch_cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["data.source=hf_dataset", f"data.train_dir={tmp / 'no_input_ids'}"], "has no input_ids column (has text)"),
         (["data.source=hf_dataset", f"data.train_dir={tmp / 'not_arrow'}"], "is not an Arrow stream"),
         (["data.source=hf_dataset", f"data.train_dir={tmp / 'short.txt'}"], "is a file"),
+        # data.data_prefix (megatron): weights and prefixes, the .idx/.bin pair, token ids
+        (["data.source=megatron", f"data.data_prefix=[1.0,{tmp / 'corpus'},2.0]"], "has 3 entries; give pairs"),
+        (["data.source=megatron", f"data.data_prefix=[heavy,{tmp / 'corpus'}]"], "weight 'heavy'"),
+        (["data.source=megatron", f"data.data_prefix=[1.0,{tmp / 'no_idx'}]"], "no no_idx.idx beside it"),
+        (["data.source=megatron", f"data.data_prefix=[1.0,{tmp / 'wide_corpus'}]"], "token id 300 is outside model.vocab_size=256"),
+        (["data.source=megatron"], "data.data_prefix: data.source=megatron reads Megatron indexed datasets"),
         # data.tokenizer
         ([f"data.tokenizer={tmp / 'tokenizer_garbage.json'}"], "not a valid tokenizer.json"),
         ([f"data.tokenizer={tmp / 'tokenizer_1000.json'}"], "has 1000 token ids, model.vocab_size=256"),

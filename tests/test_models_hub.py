@@ -262,8 +262,8 @@ def test_gpt_shapes_and_parameter_count():
         model(torch.zeros(1, 33, dtype=torch.long))
     with pytest.raises(ValueError, match="divisible"):
         GPTForCausalLM(gpt_cfg(hidden_size=30))
-    with pytest.raises(ValueError, match="full or null"):
-        GPTForCausalLM(gpt_cfg(activations_checkpoint_granularity="selective"))
+    with pytest.raises(ValueError, match="use one of full, selective, null"):
+        GPTForCausalLM(gpt_cfg(activations_checkpoint_granularity="partial"))
 
 
 def test_gpt_causal_and_checkpointing_identical():
@@ -282,6 +282,12 @@ def test_gpt_causal_and_checkpointing_identical():
     lb.backward()
     assert torch.equal(la, lb)
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ckpt.parameters()))
+    # selective (NxDT's Megatron GPT default): only the attention core is recomputed, the same ops again: identical
+    selective = GPTForCausalLM(gpt_cfg(activations_checkpoint_granularity="selective"))
+    selective.load_state_dict(model.state_dict())
+    ls = selective.loss_fn(selective(ids), labels)
+    ls.backward()
+    assert torch.equal(ls, la) and all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), selective.parameters()))
 
 
 def test_gpt_loss_decreases_on_a_repeated_batch():

@@ -145,7 +145,7 @@ def test_a_misspelled_key_in_the_file_fails_with_one_line_naming_the_spelling(tm
     (["model.optim.name=sgd"], "model.optim.name='sgd': not supported; nxdt trains with adamw or adamw_fp32OptState"),
     (["model.optim.sched.name=NoamAnnealing"], "model.optim.sched.name='NoamAnnealing': not supported"),
     (["precision.type=bf17"], "precision.type='bf17': must be one of fp32, bf16, bf16SR"),
-    (["model_source=megatron"], "model_source='megatron': not supported here: Megatron-style models"),
+    (["model_source=nemo"], "model_source='nemo': must be hf (model.model_config) or megatron (Megatron model keys)"),
     (["model.moe.frequency=2"], "model.moe.frequency=2: not supported here"),
     (["model.model_config=/no/such/config.json"], "model.model_config='/no/such/config.json': no such file"),
     (["data.seq_length=4096"], "differs from model.encoder_seq_length=8192"),

@@ -1,13 +1,15 @@
 """Topology catalogue, placement rules, cost and memory model, `nxdt topo` / `nxdt plan` / `comm-test --estimate`
-(all pure: no processes). Golden values come from the catalogue's sources (docs/sources.md) and the nccom-test
-table of AWS's Trn1 launch material (trn1.2xlarge, 2-rank all-reduce)."""
+(all pure: no processes). Golden values come from the catalogue's sources (docs/sources.md) and the published
+nccom-test tables of experiments/planner-accuracy/published.yaml (the NCCOM-TEST guide's 2-rank all-reduce)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
+import yaml
 
 from nxdt.cli import main
 from nxdt.config import available_options, compose_config
@@ -156,20 +158,24 @@ def test_bad_input_is_one_line_exit_2(argv, needle, capsys):
 
 
 # ------------------------------------------------------------------ cost model
-SEED_TABLE = {1024: 2.1, 4096: 2.1, 16384: 2.1, 65536: 3.5, 262144: 7.03, 1048576: 18.62, 4194304: 65.83, 16777216: 295.75,
-              67108864: 1170.67, 268435456: 4705.88, 1073741824: 18891.33}  # µs, nccom-test -r 2 allr bf16 on trn1.2xlarge
+def _published_sweep(sweep_id: str) -> list[list[float]]:
+    """[size(B), time(us)] of one published nccom-test sweep (experiments/planner-accuracy/published.yaml)."""
+    data = yaml.safe_load((Path(__file__).resolve().parents[1] / "experiments/planner-accuracy/published.yaml").read_text())
+    return next(e["points"] for e in data["collectives"] if e["id"] == sweep_id)
 
 
-def test_estimate_reproduces_the_trn1_2xlarge_nccom_test_table():
+def test_estimate_reproduces_the_published_two_core_nccom_test_table():
+    """nccom-test -r 2 allr fp32 of the NCCOM-TEST guide (two NeuronCores of one Trainium) from trn1.2xlarge's
+    entry, which takes trn1.32xlarge's fitted chip figures: within 35 % at >= 1 MB (busbw), within 2x below."""
     inst = _instance("trn1.2xlarge")
     topo = topology_of(inst)
-    for nbytes, measured_us in SEED_TABLE.items():
+    for nbytes, measured_us in _published_sweep("trn1-allr-r2"):
         _, seconds, _ = estimate_collective("all_reduce", [0, 1], nbytes, topo, inst, 2)
         if nbytes >= 1 << 20:
             predicted, real = bus_bandwidth("all_reduce", 2, nbytes, seconds), bus_bandwidth("all_reduce", 2, nbytes, measured_us * 1e-6)
-            assert abs(predicted / real - 1) <= 0.25, nbytes
-        if nbytes == 1024:
-            assert 0.5 <= seconds * 1e6 / measured_us <= 2.0
+            assert abs(predicted / real - 1) <= 0.35, nbytes
+        else:
+            assert 0.5 <= seconds * 1e6 / measured_us <= 2.0, nbytes
 
 
 def test_algorithm_choice_follows_size_and_span():
@@ -187,7 +193,9 @@ def test_comm_test_estimate_prints_an_nccom_test_table(capsys):
     assert main(["comm-test", "--estimate", "--instance", "trn1.2xlarge", "-b", "1mb", "-e", "4mb", "-d", "bf16", "allr"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip() and line.split()[0].isdigit()]
     assert [int(r[0]) for r in rows] == [1 << 20, 4 << 20] and all(r[2] == "bf16" for r in rows)
-    assert abs(float(rows[0][5]) / 56.30 - 1) < 0.25
+    published = dict(_published_sweep("trn1-allr-r2"))  # busbw = algbw for 2 ranks; the guide's GB/s are GiB/s
+    for row in rows:
+        assert abs(float(row[5]) / (int(row[0]) / (published[int(row[0])] * 1e-6) / 1e9) - 1) < 0.35
 
 
 def test_comm_test_estimate_takes_nccom_tests_flags_and_a_measured_runs_outputs(tmp_path, capsys):
@@ -279,3 +287,17 @@ def test_plan_sweeps_several_layouts(capsys):
                  "distributed_strategy.tensor_model_parallel_size=8,32", *BATCH]) == 0
     out = capsys.readouterr().out
     assert out.count("### ") == 2 and "TP8 PP1 CP1 EP1 DP4" in out and "TP32 PP1 CP1 EP1 DP1" in out
+
+
+def test_workers_read_every_instance_as_hydra_composes_it():
+    """Workers load the emulated instance without Hydra (``links.load_instance``); an entry that inherits
+    (trn1n from trn1, p5 and gb200 from their parents) must come out equal to the composed config, or link
+    emulation prices a link with the parent's figures missing."""
+    from omegaconf import OmegaConf
+
+    from nxdt.planner.links import load_instance
+
+    for name in available_options("instance"):
+        composed = compose_config([f"instance={name}"]).instance
+        composed = OmegaConf.to_object(composed) if OmegaConf.is_config(composed) else composed
+        assert load_instance(name) == composed, name

@@ -73,8 +73,8 @@ MEGATRON_MODEL = "Megatron-model key; an hf model's shape comes from model.model
 RULES: dict[str, Rule] = {
     # --- top level ---
     "name": _map("run name: outputs/<name>/<timestamp>/ (exp_manager.name wins when both are set)"),
-    "model_source": _agree("Megatron-style models are not supported; use model_source: hf (the model from model.model_config)",
-                           "hf", error=True),
+    "model_source": _custom("hf: the model from model.model_config; megatron: from the Megatron model keys below (Llama, "
+                            "Mixtral or GPT by normalization, activation, position_embedding_type, has_bias)"),
     "seed": _map(),
     "compiler_flags": _ignored("Neuron compiler flags"),
     "compiler_cache_url": _ignored("Neuron compile cache"),
@@ -151,6 +151,33 @@ RULES: dict[str, Rule] = {
     "data.val_dir": _derived(VALIDATION),
     "data.test_dir": _derived("nxdt runs no test loop"),
     "data.num_workers": _ignored("data is read in the rank process"),
+    # Megatron indexed data (model_source: megatron)
+    "data.data_prefix": _custom("data.source=megatron with data.data_prefix: [weight, prefix, ...] of PREFIX.bin/.idx "
+                                "(nxdt data convert-megatron writes them), blended by weight"),
+    "data.data_prefix.train": _custom("the dict form of data.data_prefix: its train entry is read"),
+    "data.data_prefix.validation": _derived("the validation entry is not read (validation data is data.val_dir)"),
+    "data.data_prefix.test": _derived("nxdt runs no test loop"),
+    "data.index_mapping_dir": _map("where the sample index .npy files are cached; null = beside each .idx"),
+    "data.splits_string": _map("training reads each dataset's leading train share of documents, as Megatron's split"),
+    "data.data_impl": _agree("the mmap indexed format is read", "mmap", error=True),
+    "data.skip_warmup": _ignored("Megatron's mmap page warm-up"),
+    "data.dataloader_type": _agree("samples are read in order of the shuffled sample index (Megatron's single)", "single"),
+    "data.reset_position_ids": _agree("positions run through a sample across documents", False, error=True),
+    "data.reset_attention_mask": _agree("attention crosses document boundaries inside a sample", False, error=True),
+    "data.eod_mask_loss": _agree("end-of-document tokens are trained on", False, error=True),
+    "data.no_seqlen_plus_one_input_tokens": _agree("samples are seq_length + 1 tokens", False, error=True),
+    "data.validation_drop_last": _derived("the validation split of data_prefix is not read"),
+    "data.pad_samples_to_global_batch_size": _derived("the sample stream never ends in a partial global batch"),
+    "data.tokenizer.type": _map("a Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json: EOS, chat "
+                                "template)", to="data.tokenizer"),
+    "data.tokenizer.library": _agree("tokenizers are read as Hugging Face's (megatron's GPT2BPETokenizer by its vocabulary)",
+                                     "huggingface", "megatron"),
+    "data.tokenizer.vocab_file": _custom("GPT2BPETokenizer's vocab.json: its size is the vocabulary"),
+    "data.tokenizer.merge_file": _derived("BPE merges: the data is already tokenized"),
+    "data.tokenizer.model": _derived("sentencepiece model file: the data is already tokenized"),
+    "data.tokenizer.delimiter": _derived("tabular tokenizer only"),
+    "data.tokenizer.sentencepiece_legacy": _derived("sentencepiece only"),
+    "data.tokenizer.use_fast": _derived("tokenizer implementation choice: the data is already tokenized"),
     # --- model (HF style) ---
     "model.model_config": _custom("a Hugging Face config.json (or its directory): architecture and every shape field; "
                                   "relative paths: from the working directory, else from the config file's directory"),
@@ -201,11 +228,31 @@ RULES: dict[str, Rule] = {
     "model.moe.dropout": _agree("nxdt has no dropout", 0, 0.0),
     "model.moe.capacity_factor": _custom("nxdt's MoE is dropless; a capacity factor without dropless: true is noted"),
     "model.moe.dropless": _derived("nxdt's MoE is always dropless"),
-    # Megatron-model keys (model_source: megatron) that nxdt's schema does not share
-    **{f"model.{k}": _ignored(MEGATRON_MODEL) for k in (
-        "hidden_dropout", "attention_dropout", "ffn_dropout", "apply_query_key_layer_scaling", "normalization",
-        "layernorm_epsilon", "make_vocab_size_divisible_by", "persist_layer_norm", "share_embeddings_and_output_weights",
-        "position_embedding_type", "rotary_percentage", "activation", "has_bias")},
+    "model.moe.router_activation": _map("softmax or sigmoid affinities; absent with model_source: megatron = sigmoid, NxDT's "
+                                        "Megatron default"),
+    "model.moe.sinkhorn_iterations": _derived("read only with routing_algorithm: sinkhorn"),
+    "model.moe.sinkhorn_tol": _derived("read only with routing_algorithm: sinkhorn"),
+    # Megatron-model keys (model_source: megatron); an hf model's shape comes from model.model_config
+    "model.normalization": _custom(MEGATRON_MODEL + ": rmsnorm (Llama, Mixtral) or layernorm (GPT)"),
+    "model.activation": _custom(MEGATRON_MODEL + ": swiglu (Llama, Mixtral) or gelu (GPT)"),
+    "model.position_embedding_type": _custom(MEGATRON_MODEL + ": rope (Llama, Mixtral) or learned_absolute (GPT)"),
+    "model.has_bias": _custom(MEGATRON_MODEL + ": false (Llama, Mixtral) or true (GPT)"),
+    "model.share_embeddings_and_output_weights": _custom("megatron: model.tie_word_embeddings"),
+    "model.layernorm_epsilon": _custom("megatron: model.norm_eps"),
+    "model.make_vocab_size_divisible_by": _custom("megatron: the tokenizer's vocabulary is padded to a multiple of this × TP, as "
+                                                  "Megatron does (an explicit model.vocab_size is kept)"),
+    "model.kv_channels": _agree("the head dimension is hidden_size / num_attention_heads", None, error=True),
+    "model.rotary_percentage": _agree("RoPE rotates every head dimension", 1, 1.0, error=True),
+    "model.transformer_block_type": _agree("pre-norm blocks", "pre_ln", error=True),
+    "model.use_scaled_init_method": _agree("output projections start at init_method_std/√(2·num_layers)", True, error=True),
+    "model.apply_query_key_layer_scaling": _derived("Megatron divides QKᵀ by the layer number and multiplies it back inside "
+                                                    "the fp32 softmax: the same attention"),
+    "model.hidden_dropout": _agree("nxdt has no dropout", 0, 0.0),
+    "model.attention_dropout": _agree("nxdt has no dropout", 0, 0.0),
+    "model.ffn_dropout": _agree("nxdt has no dropout", 0, 0.0),
+    "model.persist_layer_norm": _ignored("Megatron's persistent layer-norm kernel"),
+    "model.sliding_window_size": _custom("sliding-window attention: accepted when the window covers data.seq_length (then it "
+                                         "is full causal attention), otherwise refused"),
     # --- precision ---
     "precision.type": _custom("fp32 → fp32; bf16SR → bf16SR (optimizer updates rounded stochastically, noted); autocast, "
                               "mixed_precision → mixed_precision (bf16 compute, fp32 weights); mixed_precisionSR → "
@@ -371,6 +418,8 @@ def translate(nxdt: Mapping[str, Any], hf_config: Mapping[str, Any] | None = Non
 
     checkpointing, data = _checkpointing(leaves), _data(leaves, ours)
     out = {k: v for k, v in NXDT_DEFAULTS.items()}
+    if leaves.get("model_source", "hf") not in ("hf", "megatron"):
+        raise ConfigError("model_source", leaves["model_source"], "must be hf (model.model_config) or megatron (Megatron model keys)")
     out.update(_model(leaves, hf_config, notes))
     out.update(mapped)
     out.update(_precision(leaves, notes, ignored))
@@ -411,6 +460,8 @@ def _model(leaves: Mapping[str, Any], hf: Mapping[str, Any] | None, notes: list[
             raise ConfigError("model.model_config", leaves["model.model_config"], str(exc)) from None
         out.update({f"model.{k}": v for k, v in fields.items()})
         notes.extend(hf_notes)
+    elif leaves.get("model_source", "hf") == "megatron":
+        out.update(_megatron_model(leaves))
     elif not is_complete_model(leaves):
         raise ConfigError("model.model_config", "", "missing: an NxDT hf config names its Hugging Face config.json here "
                           "(or give nxdt's model keys: model.architecture, vocab_size, hidden_size, ...)")
@@ -434,6 +485,50 @@ def _model(leaves: Mapping[str, Any], hf: Mapping[str, Any] | None, notes: list[
     if capacity not in (None, 0, 0.0) and not leaves.get("model.moe.dropless", False):
         notes.append(f"model.moe.capacity_factor={capacity!r}: nxdt's MoE is dropless (every token reaches its top-k experts)")
     return out
+
+
+# (normalization, activation, position_embedding_type, has_bias) → hub family; Megatron's defaults are GPT's
+MEGATRON_FAMILIES = {("rmsnorm", "swiglu", "rope", False): "llama", ("layernorm", "gelu", "learned_absolute", True): "gpt"}
+MEGATRON_SHAPE_KEYS = (("normalization", "layernorm"), ("activation", "gelu"), ("position_embedding_type", "learned_absolute"),
+                       ("has_bias", True))
+
+
+def _megatron_model(leaves: Mapping[str, Any]) -> dict[str, Any]:
+    """model_source: megatron — the hub model from Megatron's model keys (the vocabulary comes from the tokenizer:
+    :func:`megatron_vocab_size`, applied by the loader)."""
+    shape = tuple(leaves.get(f"model.{k}", default) for k, default in MEGATRON_SHAPE_KEYS)
+    family = MEGATRON_FAMILIES.get(shape)
+    if family is None:
+        given = ", ".join(f"{k}={v!r}" for (k, _), v in zip(MEGATRON_SHAPE_KEYS, shape))
+        raise ConfigError("model.activation", shape[1], f"no hub model has {given}; nxdt has Llama/Mixtral (rmsnorm, swiglu, "
+                          "rope, has_bias false) and GPT (layernorm, gelu, learned_absolute, has_bias true)")
+    experts = leaves.get("model.moe.num_experts") or 0
+    if family == "gpt" and experts:
+        raise ConfigError("model.moe.num_experts", experts, "the hub's mixture of experts is Mixtral's (rmsnorm, swiglu, rope)")
+    arch = {"gpt": "nxdt.models.gpt.GPTForCausalLM", "llama": "nxdt.models.mixtral.MixtralForCausalLM" if experts else
+            "nxdt.models.llama.LlamaForCausalLM"}[family]
+    out: dict[str, Any] = {"model.architecture": arch}
+    if experts and "model.moe.router_activation" not in leaves:
+        out["model.moe.router_activation"] = "sigmoid"  # NxDT's Megatron MoE default (HF Mixtral's router is softmax)
+    if leaves.get("model.layernorm_epsilon") is not None:
+        out["model.norm_eps"] = leaves["model.layernorm_epsilon"]
+    if leaves.get("model.share_embeddings_and_output_weights") is not None:
+        out["model.tie_word_embeddings"] = bool(leaves["model.share_embeddings_and_output_weights"])
+    window = leaves.get("model.sliding_window_size")
+    seq = leaves.get("data.seq_length", leaves.get("model.encoder_seq_length"))
+    if window is not None and seq is not None and window < seq:
+        raise ConfigError("model.sliding_window_size", window, f"sliding-window attention is not implemented; a window of at "
+                          f"least data.seq_length={seq} is plain causal attention")
+    return out
+
+
+GPT2_BPE_VOCAB = 50257  # Megatron's GPT2BPETokenizer is GPT-2's byte-level BPE: 50257 ids (Hugging Face gpt2 config.json)
+
+
+def megatron_vocab_size(tokenizer_ids: int, leaves: Mapping[str, Any]) -> int:
+    """Megatron's padded vocabulary: the tokenizer's ids rounded up to a multiple of make_vocab_size_divisible_by × TP."""
+    multiple = int(leaves.get("model.make_vocab_size_divisible_by", 128)) * int(leaves.get("distributed_strategy.tensor_model_parallel_size", 1))
+    return -(-tokenizer_ids // multiple) * multiple
 
 
 def is_complete_model(leaves: Mapping[str, Any]) -> bool:
@@ -517,6 +612,10 @@ def _data(leaves: Mapping[str, Any], ours: Mapping[str, Any]) -> dict[str, Any]:
         out["data.source"] = source
         if source != "synthetic":  # synthetic tokens read no files
             out["data.train_dir"] = leaves["data.train_dir"]
+    prefix = leaves.get("data.data_prefix", leaves.get("data.data_prefix.train"))  # a list, or a dict's train entry
+    if prefix is not None:  # Megatron indexed data
+        out["data.source"] = ours.get("data.source", "megatron")
+        out["data.data_prefix"] = prefix
     return out
 
 

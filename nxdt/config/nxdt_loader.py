@@ -24,7 +24,8 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from nxdt.config.nxdt_compat import check_keys, infer_instance, is_our_key, rule_for, translate, unknown_key_error
+from nxdt.config.nxdt_compat import (GPT2_BPE_VOCAB, check_keys, flatten, infer_instance, is_our_key, megatron_vocab_size,
+                                     rule_for, translate, unknown_key_error)
 from nxdt.config.schema import Config, register_schemas
 from nxdt.config.validate import ConfigError, validate
 
@@ -72,6 +73,8 @@ def compose(config_path: str | Path, config_name: str, overrides: list[str] | tu
         cfg.merge_with(translation.config)
         for ov in our_overrides:
             _apply(cfg, ov)
+        if OmegaConf.is_missing(cfg.model, "vocab_size") and nxdt.get("model_source") == "megatron":
+            cfg.model.vocab_size = _megatron_vocab(nxdt)
         if cfg.data.source == "synthetic":  # `data.source=synthetic` on the command line: NxDT's train_dir is not read
             cfg.data.train_dir = None
     except OmegaConfBaseException as exc:
@@ -174,6 +177,40 @@ def _read_hf_config(nxdt: Mapping[str, Any]) -> dict[str, Any] | None:
     if not isinstance(data, dict):
         raise ConfigError("model.model_config", value, "not a Hugging Face config (a JSON object)")
     return data
+
+
+def _megatron_vocab(nxdt: Mapping[str, Any]) -> int:
+    """A Megatron model's vocabulary: its tokenizer's ids (a tokenizer.json, GPT2BPETokenizer's vocab.json), padded."""
+    tok = (nxdt.get("data") or {}).get("tokenizer") or {}
+    kind, ids = tok.get("type"), None
+    if kind == "GPT2BPETokenizer":
+        ids = _json_size(tok.get("vocab_file"), lambda d: len(d) if isinstance(d, dict) else None) or GPT2_BPE_VOCAB
+    elif isinstance(kind, str):
+        path = Path(kind).expanduser()
+        ids = _json_size(path / "tokenizer.json" if path.is_dir() else path, _tokenizer_ids)
+    if ids is None:
+        raise ConfigError("model.vocab_size", "", f"the Megatron model's vocabulary comes from its tokenizer (data.tokenizer.type="
+                          f"{kind}), not readable here: give data.tokenizer.type=DIR (a Hugging Face tokenizer directory) or "
+                          "model.vocab_size=N")
+    return megatron_vocab_size(ids, flatten(nxdt))
+
+
+def _json_size(path: Any, size) -> int | None:
+    try:
+        return size(json.loads(Path(path).read_text())) if path is not None and Path(path).is_file() else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+
+
+def _tokenizer_ids(tokenizer_json: Any) -> int | None:
+    """Highest id + 1 of a tokenizer.json: its model's vocabulary (a dict for BPE/WordPiece, a list for Unigram) and
+    added tokens."""
+    if not isinstance(tokenizer_json, dict):
+        return None
+    vocab = (tokenizer_json.get("model") or {}).get("vocab")
+    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab))) if isinstance(vocab, list) else []
+    ids += [t["id"] for t in tokenizer_json.get("added_tokens") or [] if isinstance(t, dict) and isinstance(t.get("id"), int)]
+    return max(ids) + 1 if ids else None
 
 
 def trainium_catalogue() -> dict[str, dict[int, int]]:

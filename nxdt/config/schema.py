@@ -95,7 +95,8 @@ class DistributedStrategyConfig:
 
 @dataclass
 class DataConfig:
-    source: str = doc("text", "synthetic | text | hf_dataset (a tokenized Hugging Face dataset saved with save_to_disk)")
+    source: str = doc("text", "synthetic | text | hf_dataset (a tokenized Hugging Face dataset saved with save_to_disk) | "
+                              "megatron (Megatron's indexed .bin/.idx datasets named by data_prefix)")
     micro_batch_size: int = doc(4, "samples per forward/backward on one rank")
     global_batch_size: Optional[int] = doc(None, "samples per optimizer step over all data-parallel ranks; null = "
                                                  "micro_batch_size × DP (one micro-batch per rank per step)")
@@ -104,6 +105,12 @@ class DataConfig:
                                          "hf_dataset: the save_to_disk directory (input_ids, optional labels; needs pyarrow)")
     tokenizer: Optional[str] = doc(None, "path to a Hugging Face tokenizer.json; null = byte-level (256 ids)")
     num_samples: int = doc(4096, "synthetic source: number of distinct samples")
+    # Megatron's indexed datasets (source: megatron; NxDT's megatron_* configs)
+    data_prefix: Optional[Any] = doc(None, "megatron: [weight, prefix, weight, prefix, ...] of PREFIX.bin/.idx datasets "
+                                           "(nxdt data convert-megatron writes them), blended by weight")
+    index_mapping_dir: Optional[str] = doc(None, "megatron: directory caching the sample index (.npy); null = beside each .idx")
+    splits_string: Optional[str] = doc(None, "megatron: train,validation,test shares of each dataset's documents (e.g. "
+                                             "980,10,10); training reads the leading train share; null = every document")
 
 
 @dataclass
@@ -133,6 +140,8 @@ class MoEConfig:
     num_experts: int = doc(0, "experts per MoE layer (0 = no experts: a dense model)")
     top_k: int = doc(2, "experts each token is routed to (their router weights renormalised to sum 1)")
     router_aux_loss_coef: float = doc(0.02, "weight of the load-balancing auxiliary loss added to the LM loss")
+    router_activation: str = doc("softmax", "softmax (Mixtral's router) | sigmoid (NxD's sigmoid affinities, NxDT's Megatron "
+                                            "MoE default); the chosen experts' weights are renormalised either way")
 
 
 @dataclass
@@ -194,6 +203,10 @@ class PrecisionConfig:
 class LinkConfig:
     bandwidth_GBps: float = doc(0.0, "per direction, per link (GB/s, decimal)")
     latency_us: float = doc(0.0, "one hop, one message (µs)")
+    efficiency: Optional[float] = doc(None, "achieved fraction of bandwidth_GBps on this link; null = instance.link_efficiency")
+    ramp_us: float = doc(0.0, "extra time of a collective crossing this link that grows with the message and saturates "
+                              "(protocol switch, channels ramping up): ramp_us · S / (S + ramp_bytes); 0 = none (µs)")
+    ramp_bytes: float = doc(0.0, "message size (bytes) at which the ramp reaches half of ramp_us")
 
 
 @dataclass
@@ -215,7 +228,12 @@ class InstanceConfig:
     memory_GiB: float = doc(0.0, "device memory (GiB); 0 = unlimited (cpu)")
     peak_tflops_bf16: float = doc(0.0, "dense bf16 peak per device (TFLOP/s)")
     peak_tflops_fp32: float = doc(0.0, "fp32 peak per device (TFLOP/s)")
-    compute_efficiency: float = doc(0.4, "achieved fraction of peak in a training step (cost model)")
+    compute_efficiency: float = doc(0.4, "achieved fraction of peak in a training step, for large GEMMs (cost model)")
+    compute_half_size: float = doc(0.0, "per-rank GEMM width (hidden_size / TP) at which the achieved fraction is half of "
+                                        "compute_efficiency: efficiency = compute_efficiency · g / (g + compute_half_size); 0 = constant")
+    collective_overhead_us: float = doc(0.0, "fixed software cost of every collective (launch, synchronisation), µs")
+    collective_overhead_per_rank_us: float = doc(0.0, "software cost per further rank of a collective (synchronising with "
+                                                      "each peer), µs: n ranks add (n - 1) times this")
     graph: str = doc("host", "intra-node graph: host | single | chain | ring | torus2d | torus3d | switch | nvswitch")
     shape: List[int] = doc([], "graph shape, e.g. [4, 4] for a 4x4 torus ([rows, cols], row-major device ids)")
     intra_device: LinkConfig = doc(LinkConfig(), "between ranks on one device (shared memory on cpu)")

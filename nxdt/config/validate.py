@@ -18,12 +18,13 @@ ALLOWED_MODEL_PREFIX = "nxdt.models."
 MODEL_SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "ffn_hidden_size")
 
 CHOICES = {
-    "data.source": ("synthetic", "text", "hf_dataset"),
+    "data.source": ("synthetic", "text", "hf_dataset", "megatron"),
     "precision.type": ("fp32", "bf16", "bf16SR", "mixed_precision", "mixed_precisionSR"),
     "model.optim.name": ("adamw", "adamw_fp32OptState"),
     "model.optim.sched.name": ("CosineAnnealing", "LinearAnnealingWithWarmUp", "constant"),
     "model.activations_checkpoint_granularity": (None, "full", "selective"),
     "model.core_attention": ("sdpa", "blockwise", "naive"),
+    "model.moe.router_activation": ("softmax", "sigmoid"),
     "distributed_strategy.fsdp.prefetch": ("none", "eager", "token_threaded"),
     "comm.transport": ("auto", "shm", "p2p", "gloo"),
     "exp_manager.fault_injection.kind": ("raise", "sigkill", "sigkill_during_save", "hang", "sigstop", "nan"),
@@ -190,13 +191,19 @@ def check_ranges(cfg: Any) -> None:
     for key in ("shape", "group_sizes", "lnc_options"):
         for i, value in enumerate(getattr(inst, key)):
             _integer(f"instance.{key}[{i}]", value, 1)
-    for key in ("memory_GiB", "peak_tflops_bf16", "peak_tflops_fp32"):
+    for key in ("memory_GiB", "peak_tflops_bf16", "peak_tflops_fp32", "compute_half_size", "collective_overhead_us",
+                "collective_overhead_per_rank_us"):
         _number(f"instance.{key}", getattr(inst, key), 0)
     for key in ("compute_efficiency", "link_efficiency"):
         _number(f"instance.{key}", getattr(inst, key), 0, 1, lo_open=True, what=" (an achieved fraction of the peak)")
     for link in ("intra_device", "device_link", "domain_link", "inter_node"):
         _number(f"instance.{link}.bandwidth_GBps", getattr(inst, link).bandwidth_GBps, 0)
         _number(f"instance.{link}.latency_us", getattr(inst, link).latency_us, 0)
+        for key in ("ramp_us", "ramp_bytes"):
+            _number(f"instance.{link}.{key}", getattr(getattr(inst, link), key), 0)
+        if getattr(inst, link).efficiency is not None:
+            _number(f"instance.{link}.efficiency", getattr(inst, link).efficiency, 0, 1, lo_open=True,
+                    what=" (an achieved fraction of the link's bandwidth), or null for instance.link_efficiency")
 
     if inst.graph == "host" and trainer.devices > MAX_LOCAL_RANKS:
         raise ConfigError("trainer.devices", trainer.devices, f"{inst.name} runs at most {MAX_LOCAL_RANKS} worker processes per "
@@ -373,6 +380,9 @@ def validate(cfg: Any, *, paths: bool = True) -> None:
         _check_paths(cfg)
     if data.source == "hf_dataset" and data.train_dir is None:
         raise ConfigError("data.train_dir", None, "data.source=hf_dataset reads a directory written by datasets' save_to_disk; name it here")
+    if data.source == "megatron" and data.data_prefix is None:
+        raise ConfigError("data.data_prefix", None, "data.source=megatron reads Megatron indexed datasets: give [weight, prefix, ...] "
+                          "(nxdt data convert-megatron writes PREFIX.bin/.idx from text)")
     if data.source == "text" and data.tokenizer is None and model.vocab_size < 256:
         raise ConfigError("model.vocab_size", model.vocab_size, "byte-level text needs >= 256 ids; set data.tokenizer or a larger vocab")
 

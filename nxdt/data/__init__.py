@@ -4,6 +4,7 @@ Pure torch/python — no Lightning here (the DataModule lives in ``nxdt.lightnin
 
     tokenizers.py  ByteTokenizer, HFTokenizer (tokenizer.json), build_tokenizer
     datasets.py    SyntheticTokens (learnable Markov chain), PackedText (a text file cut into windows)
+    megatron.py    Megatron's indexed .bin/.idx datasets: reader, writer (convert-megatron), GPT samples, blending
     sampler.py     GlobalBatchSampler (seeded epochs, DP slices of each global batch, resumable)
     instructions.py SFT records (input/output, messages), chat templates as HF renders them, prompt masking,
                    packing (position_ids/segment_ids per record) or padding, counted truncation

@@ -22,12 +22,14 @@ from torch.utils.data import DataLoader, Dataset
 from nxdt.data import SAMPLE_TEXT
 from nxdt.data.datasets import PackedText, SyntheticTokens
 from nxdt.data.hf_dataset import SavedHFDataset
+from nxdt.data.megatron import BlendedMegatronData
 from nxdt.data.sampler import GlobalBatchSampler
 from nxdt.data.tokenizers import build_tokenizer
 
 
 class NxDDataModule(pl.LightningDataModule):
-    """``data_cfg`` has ``source`` ("synthetic" | "text" | "hf_dataset"), ``micro_batch_size``, ``global_batch_size``
+    """``data_cfg`` has ``source`` ("synthetic" | "text" | "hf_dataset" | "megatron": ``data_prefix``, ``splits_string``,
+    ``index_mapping_dir``), ``micro_batch_size``, ``global_batch_size``
     (None → micro_batch_size × DP), ``seq_length``, ``train_dir`` (None → the shipped sample text), ``tokenizer``
     (None → byte-level) and ``num_samples`` (synthetic). ``vocab_size`` is the model's: synthetic tokens are drawn below it and
     a tokenizer must fit in it."""
@@ -58,7 +60,18 @@ class NxDDataModule(pl.LightningDataModule):
             return PackedText(cfg.train_dir or SAMPLE_TEXT, tokenizer, cfg.seq_length)
         if cfg.source == "hf_dataset":
             return SavedHFDataset(cfg.train_dir, cfg.seq_length, self.vocab_size)
-        raise ValueError(f"data.source={cfg.source!r}: use synthetic, text or hf_dataset")
+        if cfg.source == "megatron":
+            return BlendedMegatronData(cfg.data_prefix, self._megatron_samples(), cfg.seq_length, self.seed,
+                                       vocab_size=self.vocab_size, splits_string=cfg.splits_string,
+                                       index_mapping_dir=cfg.index_mapping_dir)
+        raise ValueError(f"data.source={cfg.source!r}: use synthetic, text, hf_dataset or megatron")
+
+    def _megatron_samples(self) -> int:
+        """Megatron's training sample count: trainer.max_steps global batches (the sample index is built for it)."""
+        steps = getattr(self.trainer, "max_steps", -1) if self.trainer is not None else -1
+        if steps is None or steps < 1:
+            raise ValueError("data.source=megatron builds its sample index for trainer.max_steps global batches; set trainer.max_steps")
+        return steps * self.global_batch_size
 
     def setup(self, stage: str | None = None) -> None:
         self.dp_rank, self.dp_size = self._data_parallel()
@@ -116,7 +129,8 @@ class NxDDataModule(pl.LightningDataModule):
         per_batch = batch // self.dp_size if self.step_batches else self.cfg.micro_batch_size
         sampler = GlobalBatchSampler(len(self.dataset), batch, per_batch,
                                      dp_rank=self.dp_rank, dp_size=self.dp_size,
-                                     consumed_samples=self.consumed_samples, seed=self.seed)
+                                     consumed_samples=self.consumed_samples, seed=self.seed,
+                                     shuffle=self.cfg.source != "megatron")  # Megatron's sample index is shuffled already
         trainer = self.trainer
         if trainer is not None and trainer.accumulate_grad_batches != sampler.micro_batches_per_step:
             # otherwise optimizer steps and global batches drift apart: DP ≠ single process, resume skips data

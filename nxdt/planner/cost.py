@@ -15,6 +15,17 @@ With n ranks, S bytes (the full buffer: all-reduce input, all-gather output, red
     all-gather / reduce-scatter: half the all-reduce terms; all-to-all (pairwise): (n-1)·α + (n-1)/n·S/bw·h
     broadcast: binomial tree ⌈log2 n⌉·(α + S/bw) or a pipelined ring; send/recv: α + S/bw
 
+Every estimate adds the runtime's software cost per collective, ``collective_overhead_us`` plus
+``collective_overhead_per_rank_us`` for each further rank (launch and synchronisation: paid whatever the algorithm), and a
+collective that crosses nodes the network's ramp ``ramp_us · S/(S + ramp_bytes)`` (small messages travel eagerly,
+larger ones pay a handshake / channel ramp-up that saturates). Each link's ``efficiency`` (default the instance's
+``link_efficiency``) scales its bandwidth. Where these values are fitted to published measurements
+(experiments/planner-accuracy), the catalogue says so in its provenance.
+
+On switched GPU nodes (``switch``/``nvswitch``) the hierarchical algorithm is pipelined, as NCCL's trees and rings
+across nodes are: chunks flow through the intra- and inter-node stages at once, so the slower stage's transfer sets
+the pace (the latencies still add).
+
 On the ``cpu`` instance a calibration (``nxdt comm-test --calibrate``) replaces the formulas by the
 measured per-op fit ``T = a + S·b`` of nxdt's shared-memory algorithms on this host.
 """
@@ -36,6 +47,8 @@ class Link:
     bw: float  # bytes per second per rank and direction
     hops: float = 1.0  # mean hop count of all-pairs traffic (contention factor of direct/mesh algorithms)
     rhd_hops: float = 1.0  # the same for recursive halving-doubling partners (a 4x4 torus is a 4-cube: neighbours)
+    ramp: float = 0.0  # seconds a collective crossing this link adds at most (see the module docstring)
+    ramp_bytes: float = 0.0  # message size at which the ramp is half its maximum
 
 
 @dataclass(frozen=True)
@@ -64,15 +77,21 @@ def shape_of(group: list[int], topo: Topology, ranks_per_node: int) -> GroupShap
     return GroupShape(len(group), len(nodes), len(first), len(devs), sharing, domain, grid)
 
 
+def efficiency(link: Any, instance: Any) -> float:
+    """Achieved fraction of ``link``'s bandwidth: its own ``efficiency``, else the instance's ``link_efficiency``."""
+    own = getattr(link, "efficiency", None)
+    return instance.link_efficiency if own is None else own
+
+
 def intra_link(shape: GroupShape, topo: Topology, instance: Any, calibration: dict | None) -> Link:
     """Figures of the per-node part of a group."""
-    eff = instance.link_efficiency
     if shape.devices <= 1 or topo.graph == "host":
         link = instance.intra_device
         if topo.graph == "host" and calibration:
             return Link(calibration["latency_s"], calibration["bandwidth_Bps"])
-        return Link(link.latency_us * 1e-6, link.bandwidth_GBps * 1e9 * eff)
+        return Link(link.latency_us * 1e-6, link.bandwidth_GBps * 1e9 * efficiency(link, instance))
     link = instance.device_link
+    eff = efficiency(link, instance)
     rhd_hops = 1.0
     if topo.graph in ("torus2d", "torus3d"):
         channels = 4 if shape.devices == topo.devices else 2  # 2 Hamiltonian cycles × 2 directions on a full node [S35,S42]
@@ -91,12 +110,14 @@ def intra_link(shape: GroupShape, topo: Topology, instance: Any, calibration: di
 
 def inter_link(shape: GroupShape, topo: Topology, instance: Any, ranks_per_node: int) -> Link:
     """Figures between nodes: domain links, or the node's NICs shared by all its ranks."""
-    eff = instance.link_efficiency
     if shape.domain:
         link = instance.domain_link
-        return Link(link.latency_us * 1e-6, link.bandwidth_GBps * 1e9 * eff / max(1, topo.ranks_per_device))
-    link = instance.inter_node
-    return Link(link.latency_us * 1e-6, link.bandwidth_GBps * 1e9 * eff / ranks_per_node)
+        per = max(1, topo.ranks_per_device)
+    else:
+        link = instance.inter_node
+        per = ranks_per_node
+    return Link(link.latency_us * 1e-6, link.bandwidth_GBps * 1e9 * efficiency(link, instance) / per,
+                ramp=getattr(link, "ramp_us", 0.0) * 1e-6, ramp_bytes=getattr(link, "ramp_bytes", 0.0))
 
 
 def _log2(n: int) -> int:
@@ -169,15 +190,32 @@ def estimate_collective(op: str, group: list[int], nbytes: float, topo: Topology
         est = flat_estimates(op, n, nbytes, inter)  # flat across hosts: every step at network speed
         est.pop("direct", None)
         if m > 1 and op in ("all_reduce", "all_gather", "reduce_scatter"):
-            local = lambda o, s: min(flat_estimates(o, m, s, intra).values())
-            if op == "all_reduce":
-                t = local("reduce_scatter", nbytes) + min(flat_estimates("all_reduce", k, nbytes / m, inter).values()) \
-                    + local("all_gather", nbytes)
-            else:
-                t = local(op, nbytes) + min(flat_estimates(op, k, nbytes / m, inter).values())
-            est["hierarchical"] = t
+            stages = [_split(o, size, nbytes_, link) for o, size, nbytes_, link in _hierarchical_stages(op, m, k, nbytes, intra, inter)]
+            pipelined = topo.graph in ("switch", "nvswitch")
+            transfer = max(s[1] for s in stages) if pipelined else sum(s[1] for s in stages)
+            est["hierarchical"] = sum(s[0] for s in stages) + transfer
+        ramp = inter.ramp * nbytes / (nbytes + inter.ramp_bytes) if inter.ramp else 0.0
+        est = {name: t + ramp for name, t in est.items()}
+    overhead = (getattr(instance, "collective_overhead_us", 0.0) + getattr(instance, "collective_overhead_per_rank_us", 0.0) * (n - 1)) * 1e-6
+    est = {name: t + overhead for name, t in est.items()}
     best = min(est, key=lambda name: est[name])
     return best, est[best], est
+
+
+def _hierarchical_stages(op: str, m: int, k: int, nbytes: float, intra: Link, inter: Link) -> list[tuple[str, int, float, Link]]:
+    """(op, ranks, bytes, link) of each stage: all-reduce = intra reduce-scatter, inter all-reduce of S/m, intra
+    all-gather; all-gather / reduce-scatter = the intra stage and the inter stage of S/m."""
+    if op == "all_reduce":
+        return [("reduce_scatter", m, nbytes, intra), ("all_reduce", k, nbytes / m, inter), ("all_gather", m, nbytes, intra)]
+    return [(op, m, nbytes, intra), (op, k, nbytes / m, inter)]
+
+
+def _split(op: str, n: int, nbytes: float, link: Link) -> tuple[float, float]:
+    """(latency, transfer) seconds of the cheapest flat algorithm for one stage."""
+    est = flat_estimates(op, n, nbytes, link)
+    best = min(est, key=lambda name: est[name])
+    latency = flat_estimates(op, n, nbytes, Link(link.alpha, math.inf, link.hops, link.rhd_hops))[best]
+    return latency, est[best] - latency
 
 
 def bus_bandwidth(op: str, n: int, nbytes: float, seconds: float) -> float:

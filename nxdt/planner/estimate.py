@@ -301,6 +301,17 @@ def emulated_seconds(op: str, n: int, nbytes: float, link: tuple[float, float]) 
     return hops * latency + moved / bandwidth
 
 
+def compute_efficiency(instance: Any, model: Any, tp: int) -> float:
+    """Achieved fraction of peak FLOP/s: ``compute_efficiency · g / (g + compute_half_size)`` with ``g`` the per-rank
+    GEMM width ``hidden_size / TP`` (the narrowest dimension of the tensor-parallel matmuls: narrow GEMMs keep a
+    systolic array or tensor cores less busy and spend relatively more time moving operands)."""
+    half = getattr(instance, "compute_half_size", 0.0)
+    if not half:
+        return instance.compute_efficiency
+    width = model.hidden_size / max(1, tp)
+    return instance.compute_efficiency * width / (width + half)
+
+
 def estimate_plan(plan: Any, cfg: Any, topo: Topology, calibration: dict[str, Any] | None = None) -> None:
     """Fill ``plan.algorithms``, ``plan.collectives``, ``plan.estimate`` and memory warnings in place."""
     inst, data = cfg.instance, cfg.data
@@ -331,7 +342,7 @@ def estimate_plan(plan: Any, cfg: Any, topo: Topology, calibration: dict[str, An
     fpt = flops_per_token(cfg.model, data.seq_length)
     recompute = 4 / 3 if cfg.model.activations_checkpoint_granularity == "full" else 1.0
     flops_rank = fpt * tokens * recompute / plan.world_size
-    compute = flops_rank / (per_rank_peak * inst.compute_efficiency) if per_rank_peak else 0.0
+    compute = flops_rank / (per_rank_peak * compute_efficiency(inst, cfg.model, plan.tp)) if per_rank_peak else 0.0
     microbatches = plan.micro_batches
     v = cfg.distributed_strategy.virtual_pipeline_model_parallel_size
     bubble = compute * (plan.pp - 1) / (v * microbatches) if plan.pp > 1 else 0.0

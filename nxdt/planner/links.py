@@ -22,20 +22,37 @@ from nxdt.topology import Topology, TopologyError, check_lnc, topology_of
 
 def load_instance(name: str) -> Any:
     """The catalogue entry ``conf/instance/<name>.yaml`` as a typed InstanceConfig (no Hydra compose:
-    workers call this too)."""
-    from nxdt.config import available_options, conf_dir
+    workers call this too), with the entries it inherits through its ``defaults`` list merged in
+    Hydra's order (``_self_`` last unless placed)."""
+    from nxdt.config import available_options
     from nxdt.config.schema import InstanceConfig
 
     choices = available_options("instance")
     if name not in choices:
         raise ConfigError("comm.emulate", name, f"unknown instance; choose one of {', '.join(choices)}")
-    path = conf_dir() / "instance" / f"{name}.yaml"
-    raw = OmegaConf.load(path)
-    raw.pop("defaults", None)
     try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(InstanceConfig), raw))
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(InstanceConfig), _instance_entry(name, ())))
     except OmegaConfBaseException as exc:
         raise ConfigError(f"instance/{name}.yaml", "", str(exc).splitlines()[0]) from None
+
+
+def _instance_entry(name: str, seen: tuple[str, ...]) -> Any:
+    """One catalogue file merged over the files its ``defaults`` list names (recursively)."""
+    if name in seen:
+        raise ConfigError(f"instance/{name}.yaml", "defaults", f"inherits from itself through {' -> '.join(seen)}")
+    from nxdt.config import conf_dir
+
+    path = conf_dir() / "instance" / f"{name}.yaml"
+    raw = OmegaConf.load(path)
+    defaults = list(raw.pop("defaults", None) or [])
+    if "_self_" not in defaults:
+        defaults.append("_self_")
+    merged = OmegaConf.create()
+    for entry in defaults:
+        if entry != "_self_" and not (path.parent / f"{entry}.yaml").is_file():
+            continue  # the structured schema (ConfigStore), merged by load_instance itself
+        merged = OmegaConf.merge(merged, raw if entry == "_self_" else _instance_entry(str(entry), seen + (name,)))
+    return merged
 
 
 def group_link(group: list[int], topology: Topology, instance: Any, ranks_per_node: int) -> Link:

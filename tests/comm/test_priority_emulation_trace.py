@@ -86,6 +86,7 @@ def test_emulated_link_model_and_validation():
 
 def test_emulated_links_of_a_trn1_plan_use_its_link_classes():
     from nxdt.planner import plan_layout
+    from nxdt.planner.cost import efficiency
     from nxdt.planner.links import emulated_links, load_instance
     from nxdt.topology import topology_of
 
@@ -102,7 +103,7 @@ def test_emulated_links_of_a_trn1_plan_use_its_link_classes():
     # TP=2: both cores of one device — the intra-device link; DP then crosses devices
     pairs = plan_layout(4, tp=2, ranks_per_node=4, topo=topo, instance=trn1, lnc=1)
     links = emulated_links(pairs, topo)  # instance loaded by the plan's name
-    assert links["tp"] == pytest.approx((core.latency_us * 1e-6, core.bandwidth_GBps * 1e9 * eff))
+    assert links["tp"] == pytest.approx((core.latency_us * 1e-6, core.bandwidth_GBps * 1e9 * efficiency(core, trn1)))
     assert links["dp"][0] == pytest.approx(dev.latency_us * 1e-6)
     assert "pp" not in links  # single-rank groups move nothing
 
