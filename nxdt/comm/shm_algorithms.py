@@ -76,30 +76,37 @@ def all_reduce(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str = "auto"
     peers = ch.peers
     low = dtype in LOW_PRECISION  # fp32 accumulation needs every operand at once
     chunk = ch.slot_bytes if sliced else min(ch.slot_bytes, DIRECT_CHUNK_BYTES)
+    native = not sliced and ch.native is not None and ch.pacer is None  # one C call per step (ShmChannel.all_reduce_step)
     for c0, c1 in _chunks(total, chunk // t.element_size()):
         k = c1 - c0
         dst = t if k == total else t[c0:c1]
-        ch.begin(fp, desc)
-        bounds = _bounds(k, n)
         shared = ch.locate(dst)
-        if shared is not None:  # zero-copy: peers read my slices of dst in place
-            ch.set_source(shared)
-        elif sliced:  # only the slices others reduce
-            mine = ch.typed(me, dtype)
-            for j in peers:
-                lo, hi = bounds[j]
-                mine[lo:hi].copy_(dst[lo:hi])
-        else:
-            ch.typed(me, dtype, k).copy_(dst)  # a cached view: slicing a fresh one costs as much as a small copy
-        ch.publish()
-        if not sliced:
-            ch.wait_published()
-            if not ch.any_shared():
-                # dst still holds my contribution: members 0 and 1 reduce into it in place
-                reduce_own_into(dst, [ch.typed(i, dtype, k) for i in range(n)], me, op, n)
-                ch.finish(2 * (n - 1) * k * t.element_size() // n, 2)  # cost model: reduce-scatter + all-gather terms
+        if native and shared is None:
+            if ch.all_reduce_step(dst, fp, desc):
                 continue
-            # some member's data is its own tensor, which it is about to change in place: reduce by slices
+            # published; a peer's data is its own tensor, which it is about to change in place: reduce by slices
+            bounds = _bounds(k, n)
+        else:
+            ch.begin(fp, desc)
+            bounds = _bounds(k, n)
+            if shared is not None:  # zero-copy: peers read my slices of dst in place
+                ch.set_source(shared)
+            elif sliced:  # only the slices others reduce
+                mine = ch.typed(me, dtype)
+                for j in peers:
+                    lo, hi = bounds[j]
+                    mine[lo:hi].copy_(dst[lo:hi])
+            else:
+                ch.typed(me, dtype, k).copy_(dst)  # a cached view: slicing a fresh one costs as much as a small copy
+            ch.publish()
+            if not sliced:
+                ch.wait_published()
+                if not ch.any_shared():
+                    # dst still holds my contribution: members 0 and 1 reduce into it in place
+                    reduce_own_into(dst, [ch.typed(i, dtype, k) for i in range(n)], me, op, n)
+                    ch.finish(2 * (n - 1) * k * t.element_size() // n, 2)  # cost model: reduce-scatter + all-gather terms
+                    continue
+                # some member's data is its own tensor, which it is about to change in place: reduce by slices
         lo, hi = bounds[me]
         own = dst[lo:hi]
         if low:
