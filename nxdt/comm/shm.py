@@ -182,6 +182,7 @@ class ShmChannel:
         self.spin = SpinBudget(wait)
         self.pacer = None  # nxdt.comm.emulate.Pacer: link emulation / stream priority after each step, if any
         self.heap = None   # nxdt.comm.heap.Heap of this rank: zero-copy sources (see set_source)
+        self.plans: dict[tuple, tuple] = {}  # per-call decisions of an algorithm, by (op, dtype, count, ...)
         self.native = native.lib if self.size <= native.MAX_MEMBERS else None
         if self.native is not None:
             self._ctx = native.context(self.size, my_index, slot_bytes, [s.address for s in self.segments],

@@ -128,11 +128,19 @@ class Communicator:
                 algorithm: str = "") -> Work | None:
         if self._broken is not None:
             raise CommError(f"nxdt.comm: group '{self.name}' is unusable after an earlier failure: {self._broken}")
+        s = self.world.stream(stream)
+        if s.role is None and self.world.tracer is None and after is None and not async_op:
+            # the common blocking call: an error reaches this thread whether the op runs inline or queued
+            # behind others (Work.wait re-raises it), so no wrapper closure per call (experiments/collectives-cpu)
+            try:
+                return s.submit(fn, lambda: f"group '{self.name}' {desc}", async_op=False)
+            except CommError as exc:
+                self._broken = exc
+                raise
         if after is None:
             after = ()
         elif isinstance(after, Work):
             after = (after,)
-        s = self.world.stream(stream)
         if s.role is not None or self.world.tracer is not None:
             return self._submit_instrumented(fn, desc, s, async_op, tuple(after), nbytes, algorithm)
 
