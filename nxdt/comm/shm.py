@@ -275,9 +275,9 @@ class ShmChannel:
         h[W_SOURCE + 2 * parity] = 0  # my data is in my slot unless set_source says otherwise
 
     def all_reduce_step(self, dst: torch.Tensor, fingerprint: tuple[int, int, int, int], op_desc: str) -> bool:
-        """One whole step of the direct all-reduce in one native call (``self.native`` must be set; ``dst``
-        private, not shared): begin, copy in, publish, wait for every peer, check fingerprints, reduce in member
-        order into ``dst``, finish. False: every member published but some peer's data lies in its shared
+        """One whole step of the direct all-reduce in one native call (``self.native`` must be set; ``dst`` is
+        copied into my slot even when it is a shared tensor): begin, copy in, publish, wait for every peer, check
+        fingerprints, reduce in member order into ``dst``, finish. False: every member published but some peer's data lies in its shared
         tensor — the step is still open and the caller reduces it by slices."""
         lib, step = self.native, self.step
         self._fp_written[step & 1] = None  # the C side writes this parity's fingerprint words
