@@ -5,8 +5,9 @@
  *   reduce()          out = op(parts[0], parts[1], ...) in the given order, element by element; fp16/bf16
  *                     are accumulated in fp32 and rounded once, so the bits equal nxdt.comm.reduce's torch path;
  *   wait() / set_progress()
- *                     the channel's progress words: spin briefly, sched_yield, then futex, announcing the
- *                     sleep in the W_SLEEP word so writers wake only when somebody sleeps (nxdt/comm/shm.py);
+ *                     the channel's progress words: spin briefly (adaptive, ≤ 120 µs), poll with sched_yield
+ *                     (up to WaitPolicy.spin_s on a rank that has a core), then futex, announcing the sleep in
+ *                     the W_SLEEP word so writers wake only when somebody sleeps (nxdt/comm/shm.py);
  *   all_reduce_step() one step of the direct all-reduce: slot free? fingerprint, copy in, publish, wait for
  *                     every peer, compare fingerprints, reduce in member order, done.
  * A wait never blocks longer than BLOCK_NS: it returns "pending" and the Python layer checks its deadline
@@ -221,7 +222,7 @@ static void futex_wait(int64_t *word, int64_t seen, int64_t ns) {
 static int wait_members(int64_t *ctx, uint64_t mask, int64_t target, int main) {
     if (first_missing(ctx, mask, target) < 0) return 0;
     int64_t start = now_ns();
-    int64_t spin = main ? ctx[C_SPIN_NS] + ctx[C_SPIN_EXTRA_NS] : STREAM_SPIN_NS;
+    int64_t spin = main ? ctx[C_SPIN_NS] : STREAM_SPIN_NS;
     for (unsigned k = 1;; k++) {
         CPU_RELAX();
         if (first_missing(ctx, mask, target) < 0) {
@@ -237,7 +238,11 @@ static int wait_members(int64_t *ctx, uint64_t mask, int64_t target, int main) {
         int64_t less = ctx[C_SPIN_NS] / 2, floor = ctx[C_SPIN_BASE_NS] / 16;
         ctx[C_SPIN_NS] = less > floor ? less : floor;
     }
-    for (int64_t y = 0; y < ctx[C_YIELDS]; y++) {
+    /* a main thread whose rank should have a core of its own keeps polling up to C_SPIN_EXTRA_NS, but yields
+     * between polls: when other work shares the host a peer may be queued behind us on this very core, and a
+     * pure spin would hold it off for a whole time slice (3-4 ms per call measured on a loaded 2-core host) */
+    int64_t extra = main ? ctx[C_SPIN_EXTRA_NS] : 0;
+    for (int64_t y = 0; y < ctx[C_YIELDS] || now_ns() - start < spin + extra; y++) {
         sched_yield();
         if (first_missing(ctx, mask, target) < 0) return 0;
     }
