@@ -75,7 +75,7 @@ def _all_reduce_plan(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str) -
     chunk = (ch.slot_bytes if sliced else min(ch.slot_bytes, DIRECT_CHUNK_BYTES)) // t.element_size()
     # up to 64 KB in one step: the whole call is one native step, copied even from a shared tensor — a 64 KB
     # copy costs a few µs, the zero-copy path's second synchronisation and Python tail tens (2 ranks: 23 vs
-    # 73 µs, 4 ranks on 2 cores: 0.55 vs 1.8 ms; experiments/collectives-cpu/deepspeed_2ranks.txt, _4ranks.txt)
+    # 73 µs, 4 ranks on 2 cores: 0.55 vs 1.8 ms; experiments/collectives-cpu/deepspeed_{2,4}ranks_round1.txt)
     quick = not sliced and ch.native is not None and ch.pacer is None and nbytes <= DIRECT_ALL_REDUCE_MAX_BYTES and total <= chunk
     return fp, f"all_reduce({op})", sliced, chunk, quick
 
