@@ -28,7 +28,7 @@ _noticed = False
 
 # channel context words (the C_* enum of _native.c)
 C_N, C_ME, C_SLOT_BYTES, C_SPIN_NS, C_SPIN_BASE_NS, C_YIELDS, C_SPIN_EXTRA_NS, C_FUTEX, C_HEADERS = range(9)
-MAX_MEMBERS = 64
+MAX_MEMBERS = 63  # members as bits of one signed 64-bit mask (and the C side holds up to 64 operands)
 SPIN_NS_PER_CHECK = 100  # a WaitPolicy's spin_checks, as time: what that many flag checks cost in Python
 # step statuses of all_reduce_step
 DONE, PENDING_SLOT, PENDING_DATA, PEER_SHARED, MISMATCH = 0, 1, 2, 3, -1
