@@ -1,12 +1,15 @@
 """Reduction kernels: fixed member order (so every rank computing the same element gets the same
 bits) and fp32 accumulation for fp16/bf16 (rounded once at the end, unlike gloo which rounds at
-every hop)."""
+every hop). The native kernels (:mod:`nxdt.comm.native`) do the same in one vectorised pass over all
+operands; the torch code below is their fallback and reference (bit-identical)."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
 import torch
+
+from nxdt.comm import native
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8, torch.float64)
 REDUCE_OPS = ("sum", "avg", "min", "max", "prod")
@@ -43,12 +46,34 @@ def _combine_(acc: torch.Tensor, other: torch.Tensor, op: str) -> None:
 _BINARY = {"sum": torch.add, "avg": torch.add, "min": torch.minimum, "max": torch.maximum, "prod": torch.mul}
 
 
+def _native_reduce(out: torch.Tensor, parts: Sequence[torch.Tensor], op: str, divisor: int) -> bool:
+    """out = op(parts...) in exactly this order by the native kernel; False when it cannot run here."""
+    lib = native.lib
+    if lib is None or len(parts) > native.MAX_MEMBERS or not out.is_contiguous():
+        return False
+    dtype, count = out.dtype, out.numel()
+    for p in parts:
+        if p.dtype != dtype or p.numel() != count or not p.is_contiguous():
+            return False
+    lib.reduce(out.data_ptr(), tuple(p.data_ptr() for p in parts), count, DTYPES.index(dtype) + 1, REDUCE_OPS.index(op) + 1, divisor)
+    return True
+
+
 def reduce_into(out: torch.Tensor, parts: Sequence[torch.Tensor], op: str, divisor: int) -> None:
     """out = op(parts[0], parts[1], ...) in member order; ``out`` may be one of ``parts`` (then that part
     is the first operand: each element is still reduced by one fixed sequence on the rank that owns it).
     Half types accumulate in fp32 (in-place ops promote without a temporary per part)."""
     if out.numel() == 0:
         return
+    if native.lib is not None:
+        ordered = parts
+        if out.dtype not in LOW_PRECISION:  # the torch path's order: an aliased part first, then the others
+            ptr = out.data_ptr()
+            alias = next((i for i, p in enumerate(parts) if p.data_ptr() == ptr), -1)
+            if alias > 0:
+                ordered = [parts[alias]] + [p for i, p in enumerate(parts) if i != alias]
+        if _native_reduce(out, ordered, op, divisor):
+            return
     if out.dtype in LOW_PRECISION:
         acc = parts[0].float()
         for p in parts[1:]:
@@ -81,6 +106,8 @@ def reduce_own_into(out: torch.Tensor, parts: Sequence[torch.Tensor], own: int, 
     ``reduce_into``'s on every member (elementwise ops do not reassociate)."""
     if out.numel() == 0:
         return
+    if native.lib is not None and _native_reduce(out, [out if i == own else p for i, p in enumerate(parts)], op, divisor):
+        return  # member order, reading out instead of parts[own]: the same bits (elementwise ops, one order)
     if out.dtype in LOW_PRECISION or len(parts) < 2 or own > 1:
         reduce_into(out, parts, op, divisor)
         return

@@ -13,7 +13,9 @@ peer is done with step ``s-2``, so no trailing barrier is needed. Each step's fi
 differ across ranks fail on every rank with the same clear error instead of hanging or corrupting.
 
 Waiting is spin → yield → futex on the progress word (see :mod:`nxdt.comm.waiting`); every store of
-a progress word is preceded by a fence. A member about to block in the futex says so in its
+a progress word is preceded by a fence. With the native extension (:mod:`nxdt.comm.native`) the waits,
+the progress stores and a whole direct all-reduce step run in C; the protocol, its words and the errors
+are the same, so a native and a torch-fallback rank interoperate. A member about to block in the futex says so in its
 ``sleep`` word first, and a writer issues the wake syscall only when a peer's ``sleep`` word names
 it (fence between the progress store and that read): an uncontended step makes no syscall.
 """
@@ -24,12 +26,14 @@ import glob
 import mmap
 import os
 import re
+import threading
 import time
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from nxdt.comm import native
 from nxdt.comm.errors import CommMismatchError, CommTimeoutError, PeerDiedError
 from nxdt.comm.waiting import DEFAULT_WAIT, SpinBudget, WaitPolicy, fence, pid_alive, wait_word, wake
 
@@ -49,6 +53,9 @@ W_FINGERPRINT = 16  # two fingerprints (one per slot parity) of FP_WORDS words, 
 FP_WORDS = 6
 W_SOURCE = 32       # per slot parity, two words: where my step's data lies — (0, 0): my slot; (block, byte offset): my
                     # shared tensor (nxdt.comm.heap), which peers read in place
+
+
+_MAIN = threading.main_thread()  # may spin longer than a stream thread (nxdt.comm.waiting.policy_for)
 
 
 def _safe(name: str) -> str:
@@ -175,6 +182,13 @@ class ShmChannel:
         self.spin = SpinBudget(wait)
         self.pacer = None  # nxdt.comm.emulate.Pacer: link emulation / stream priority after each step, if any
         self.heap = None   # nxdt.comm.heap.Heap of this rank: zero-copy sources (see set_source)
+        self.plans: dict[tuple, tuple] = {}  # per-call decisions of an algorithm, by (op, dtype, count, ...)
+        self.native = native.lib if self.size <= native.MAX_MEMBERS else None
+        if self.native is not None:
+            self._ctx = native.context(self.size, my_index, slot_bytes, [s.address for s in self.segments],
+                                       [s.data.data_ptr() for s in self.segments], wait)
+            self.ctx_address = self._ctx.ctypes.data
+            self._peer_mask = native.mask(self.peers)
 
     @property
     def size(self) -> int:
@@ -182,6 +196,12 @@ class ShmChannel:
 
     # -------------------------------------------------------------------------------- waiting
     def _wait(self, members: Sequence[int], milestone: int, what: str) -> None:
+        lib = self.native
+        if lib is not None:
+            mask = self._peer_mask if members is self.peers else native.mask(members)
+            if lib.wait(self.ctx_address, mask, milestone, threading.current_thread() is _MAIN):
+                self._wait_native(members, mask, milestone, what)
+            return
         headers = self.headers
         deadline = 0.0
         for i in members:
@@ -192,6 +212,17 @@ class ShmChannel:
             wait_word(headers[i], W_PROGRESS, milestone, self.progress_addr[i], deadline,
                       lambda: self._timeout_error(members, milestone, what), lambda: self._check_health(members, milestone), self.spin,
                       (self.own.header, W_SLEEP, i + 1))
+
+    def _wait_native(self, members: Sequence[int], mask: int, milestone: int, what: str) -> None:
+        """A native wait came back still waiting (it does every 20 ms): the deadline, the peers' health, again."""
+        deadline = time.monotonic() + self.timeout_s
+        main = threading.current_thread() is _MAIN
+        while True:
+            if time.monotonic() > deadline:
+                raise self._timeout_error(members, milestone, what)
+            self._check_health(members, milestone)
+            if not self.native.wait(self.ctx_address, mask, milestone, main):
+                return
 
     def _missing(self, members: Sequence[int], milestone: int) -> list[int]:
         return [i for i in members if self.headers[i][W_PROGRESS] < milestone]
@@ -211,6 +242,9 @@ class ShmChannel:
                                     f"(pid {pid}) exited while the others waited for it")
 
     def _set_progress(self, value: int) -> None:
+        if self.native is not None:
+            self.native.set_progress(self.ctx_address, value)
+            return
         fence()
         self.own.header[W_PROGRESS] = value
         fence()  # the store before reading the sleep flags (pairs with the fence in wait_word)
@@ -240,6 +274,35 @@ class ShmChannel:
             self._fp_written[parity] = fingerprint
         h[W_FP_DIGEST + parity] = self._fp_digest  # a peer cannot be at step s±2 while we compare (slot protocol)
         h[W_SOURCE + 2 * parity] = 0  # my data is in my slot unless set_source says otherwise
+
+    def all_reduce_step(self, dst: torch.Tensor, fingerprint: tuple[int, int, int, int], op_desc: str) -> bool:
+        """One whole step of the direct all-reduce in one native call (``self.native`` must be set; ``dst`` is
+        copied into my slot even when it is a shared tensor): begin, copy in, publish, wait for every peer, check
+        fingerprints, reduce in member order into ``dst``, finish. False: every member published but some peer's data lies in its shared
+        tensor — the step is still open and the caller reduces it by slices."""
+        lib, step = self.native, self.step
+        self._fp_written[step & 1] = None  # the C side writes this parity's fingerprint words
+        op, dtype, count, _ = fingerprint
+        main = threading.current_thread() is _MAIN
+        phase, deadline = 0, 0.0
+        while True:
+            status = lib.all_reduce_step(self.ctx_address, step, dst.data_ptr(), dst.numel(), dtype, op // 100, op, count, phase, main)
+            if status == native.DONE:
+                self.step = step + 1
+                return True
+            self.op_desc = op_desc
+            if status == native.PEER_SHARED:
+                return False
+            if status == native.MISMATCH:
+                self._raise_mismatch(self.peers)
+            slot_wait = status == native.PENDING_SLOT
+            milestone, what = (3 * step - 3, "completion of an earlier step") if slot_wait else (3 * step + 1, "the data")
+            phase = 0 if slot_wait else 1
+            now = time.monotonic()
+            deadline = deadline or now + self.timeout_s
+            if now > deadline:
+                raise self._timeout_error(self.peers, milestone, what)
+            self._check_health(self.peers, milestone)
 
     # -------------------------------------------------------------------------------- zero-copy sources
     def locate(self, t: torch.Tensor) -> tuple[int, int] | None:

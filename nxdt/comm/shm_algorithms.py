@@ -63,25 +63,51 @@ def _bounds(count: int, parts: int) -> list[tuple[int, int]]:
     return [(min(count, i * per), min(count, (i + 1) * per)) for i in range(parts)]
 
 
-def all_reduce(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str = "auto") -> None:
+def _all_reduce_plan(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str) -> tuple:
+    """What every call of this (op, dtype, count, algorithm) on ``ch`` does: (fingerprint, description, sliced,
+    chunk elements, one native step). Decided from the fingerprinted count, so every member takes the same path.
+    Two members: direct — it moves about the same bytes as slice but synchronises once per step instead of
+    twice, and on a loaded host every synchronisation can cost a context switch."""
     red = check_op(op, t.dtype)
+    total, nbytes = t.numel(), t.numel() * t.element_size()
+    fp = (OP_ALL_REDUCE + 100 * red, dtype_code(t.dtype), total, 0)
+    sliced = algorithm == "slice" or (algorithm != "direct" and ch.size > 2 and nbytes > DIRECT_ALL_REDUCE_MAX_BYTES)
+    chunk = (ch.slot_bytes if sliced else min(ch.slot_bytes, DIRECT_CHUNK_BYTES)) // t.element_size()
+    # up to 64 KB in one step: the whole call is one native step, copied even from a shared tensor — a 64 KB
+    # copy costs a few µs, the zero-copy path's second synchronisation and Python tail tens (2 ranks: 23 vs
+    # 73 µs, 4 ranks on 2 cores: 0.55 vs 1.8 ms; experiments/collectives-cpu/deepspeed_{2,4}ranks_round1.txt)
+    quick = not sliced and ch.native is not None and ch.pacer is None and nbytes <= DIRECT_ALL_REDUCE_MAX_BYTES and total <= chunk
+    return fp, f"all_reduce({op})", sliced, chunk, quick
+
+
+def all_reduce(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str = "auto") -> None:
+    key = (op, t.dtype, t.numel(), algorithm)
+    plan = ch.plans.get(key)
+    if plan is None:
+        if len(ch.plans) > 256:
+            ch.plans.clear()
+        check_op(op, t.dtype)
+        plan = ch.plans[key] = _all_reduce_plan(ch, t, op, algorithm)
+    fp, desc, sliced, chunk, quick = plan
+    if quick:
+        if not ch.all_reduce_step(t, fp, desc):
+            _reduce_by_slices(ch, t, op, _bounds(t.numel(), ch.size), None)
+        return
     n, me, dtype = ch.size, ch.me, t.dtype
     total = t.numel()
-    fp = (OP_ALL_REDUCE + 100 * red, dtype_code(dtype), total, 0)
-    desc = f"all_reduce({op})"
-    # decided per call from the (fingerprinted) count, so every member takes the same path. Two
-    # members: direct — it moves about the same bytes as slice but synchronises once per step
-    # instead of twice, and on a loaded host every synchronisation can cost a context switch.
-    sliced = algorithm == "slice" or (algorithm != "direct" and n > 2 and total * t.element_size() > DIRECT_ALL_REDUCE_MAX_BYTES)
     peers = ch.peers
-    low = dtype in LOW_PRECISION  # fp32 accumulation needs every operand at once
-    chunk = ch.slot_bytes if sliced else min(ch.slot_bytes, DIRECT_CHUNK_BYTES)
-    for c0, c1 in _chunks(total, chunk // t.element_size()):
+    native = not sliced and ch.native is not None and ch.pacer is None  # one C call per step (ShmChannel.all_reduce_step)
+    for c0, c1 in _chunks(total, chunk):
         k = c1 - c0
         dst = t if k == total else t[c0:c1]
+        shared = ch.locate(dst)
+        if native and shared is None:
+            if not ch.all_reduce_step(dst, fp, desc):
+                # published; a peer's data is its own tensor, which it is about to change in place: reduce by slices
+                _reduce_by_slices(ch, dst, op, _bounds(k, n), None)
+            continue
         ch.begin(fp, desc)
         bounds = _bounds(k, n)
-        shared = ch.locate(dst)
         if shared is not None:  # zero-copy: peers read my slices of dst in place
             ch.set_source(shared)
         elif sliced:  # only the slices others reduce
@@ -100,35 +126,44 @@ def all_reduce(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str = "auto"
                 ch.finish(2 * (n - 1) * k * t.element_size() // n, 2)  # cost model: reduce-scatter + all-gather terms
                 continue
             # some member's data is its own tensor, which it is about to change in place: reduce by slices
-        lo, hi = bounds[me]
-        own = dst[lo:hi]
-        if low:
-            ch.wait_published()
-            reduce_into(own, [own if i == me else ch.source(i, dtype, lo, hi) for i in range(n)], op, n)
-        else:  # reduce_into's order (own first, then the peers in member order), each peer as soon as it is there
-            for j in peers:
-                ch.wait_published((j,))
-                combine_(own, ch.source(j, dtype, lo, hi), op)
-            if op == "avg":
-                own.div_(n)
-        # hand my result on: pushed into every peer whose tensor is shared (its lines are in my cache, I just
-        # read them; nobody else touches that slice of it), left in my slot or tensor for the others to pull
-        pullers = [j for j in peers if ch.in_slot(j)]
+        _reduce_by_slices(ch, dst, op, bounds, shared)
+
+
+def _reduce_by_slices(ch: ShmChannel, dst: torch.Tensor, op: str, bounds: list[tuple[int, int]], shared) -> None:
+    """The rest of an all-reduce step every member has published: member ``i`` reduces slice ``i`` of ``dst``
+    and hands it on, then collects the others' slices; ends the step. ``shared``: where ``dst`` lies in my
+    shared memory (peers read it in place), or None."""
+    n, me, dtype, peers = ch.size, ch.me, dst.dtype, ch.peers
+    k = dst.numel()
+    lo, hi = bounds[me]
+    own = dst[lo:hi]
+    if dtype in LOW_PRECISION:  # fp32 accumulation needs every operand at once
+        ch.wait_published()
+        reduce_into(own, [own if i == me else ch.source(i, dtype, lo, hi) for i in range(n)], op, n)
+    else:  # reduce_into's order (own first, then the peers in member order), each peer as soon as it is there
         for j in peers:
-            if not ch.in_slot(j):
-                ch.source(j, dtype, lo, hi).copy_(own)
-        if shared is None and pullers:
-            ch.typed(me, dtype)[lo:hi].copy_(own)
-        ch.mark_reduced()
-        if shared is None:  # my tensor is private: pull every peer's slice as soon as it is ready
-            for j in ch.each_ready(peers, reduced=True):
-                lo, hi = bounds[j]
-                dst[lo:hi].copy_(ch.source(j, dtype, lo, hi))
-        else:  # peers pushed theirs into my tensor before they marked reduced
-            ch.wait_reduced()
-        ch.finish(2 * (n - 1) * k * t.element_size() // n, 2)
-        if shared is not None and pullers:
-            ch.wait_readers()
+            ch.wait_published((j,))
+            combine_(own, ch.source(j, dtype, lo, hi), op)
+        if op == "avg":
+            own.div_(n)
+    # hand my result on: pushed into every peer whose tensor is shared (its lines are in my cache, I just
+    # read them; nobody else touches that slice of it), left in my slot or tensor for the others to pull
+    pullers = [j for j in peers if ch.in_slot(j)]
+    for j in peers:
+        if not ch.in_slot(j):
+            ch.source(j, dtype, lo, hi).copy_(own)
+    if shared is None and pullers:
+        ch.typed(me, dtype)[lo:hi].copy_(own)
+    ch.mark_reduced()
+    if shared is None:  # my tensor is private: pull every peer's slice as soon as it is ready
+        for j in ch.each_ready(peers, reduced=True):
+            lo, hi = bounds[j]
+            dst[lo:hi].copy_(ch.source(j, dtype, lo, hi))
+    else:  # peers pushed theirs into my tensor before they marked reduced
+        ch.wait_reduced()
+    ch.finish(2 * (n - 1) * k * dst.element_size() // n, 2)
+    if shared is not None and pullers:
+        ch.wait_readers()
 
 
 def all_gather(ch: ShmChannel, out: torch.Tensor, inp: torch.Tensor) -> None:

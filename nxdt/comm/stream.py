@@ -165,29 +165,29 @@ class Stream:
             with self._pending_lock:
                 self._pending -= 1
 
-    def submit(self, fn: Callable[[], None], description: str, *, async_op: bool, after: Iterable[Work] = (),
+    def submit(self, fn: Callable[[], None], description: str | Callable[[], str], *, async_op: bool, after: Iterable[Work] = (),
                work_id: int | None = None) -> Work | None:
+        """Run ``fn`` on this stream. ``description`` (or a function making it: only ops that get a Work need one)."""
         if self._closed:
             raise CommError(f"nxdt.comm: stream '{self.name}' is closed")
-        after = list(after)
+        after = list(after) if after else ()
         if not async_op and not after:
             with self._pending_lock:
                 idle = self._pending == 0
                 if idle:
                     self._pending += 1
             if idle:  # the common synchronous path: run here, no hand-off, no work handle
-                try:
-                    with self._lock:
-                        if torch.is_grad_enabled():  # entering no_grad costs more than a small collective's copy
-                            with torch.no_grad():
-                                fn()
-                        else:
+                try:  # no self._lock: nothing else runs while _pending counts this op (threads, inline callers queue)
+                    if torch.is_grad_enabled():  # entering no_grad costs more than a small collective's copy
+                        with torch.no_grad():
                             fn()
+                    else:
+                        fn()
                 finally:
                     with self._pending_lock:
                         self._pending -= 1
                 return None
-        work = Work(description, work_id)
+        work = Work(description if isinstance(description, str) else description(), work_id)
         with self._pending_lock:
             self._pending += 1
         self._ensure_thread()

@@ -193,6 +193,7 @@ def wait_word(words, index: int, target: int, address: int, deadline: float, on_
             for _ in range(32):
                 if words[index] >= target:
                     return
+            os.sched_yield()  # a peer queued behind us on this core (a loaded host) runs now, not after our slice
     for _ in range(policy.yields):
         os.sched_yield()
         if words[index] >= target:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from nxdt.comm import objects
+from nxdt.comm import native as native_path, objects
 from nxdt.comm.errors import CommError, CommTimeoutError
 from nxdt.comm.reduce import check_op, dtype_code
 from nxdt.comm.shm import DEFAULT_SLOT_BYTES, remove_stale_segments
@@ -128,11 +128,19 @@ class Communicator:
                 algorithm: str = "") -> Work | None:
         if self._broken is not None:
             raise CommError(f"nxdt.comm: group '{self.name}' is unusable after an earlier failure: {self._broken}")
+        s = self.world.stream(stream)
+        if s.role is None and self.world.tracer is None and after is None and not async_op:
+            # the common blocking call: an error reaches this thread whether the op runs inline or queued
+            # behind others (Work.wait re-raises it), so no wrapper closure per call (experiments/collectives-cpu)
+            try:
+                return s.submit(fn, lambda: f"group '{self.name}' {desc}", async_op=False)
+            except CommError as exc:
+                self._broken = exc
+                raise
         if after is None:
             after = ()
         elif isinstance(after, Work):
             after = (after,)
-        s = self.world.stream(stream)
         if s.role is not None or self.world.tracer is not None:
             return self._submit_instrumented(fn, desc, s, async_op, tuple(after), nbytes, algorithm)
 
@@ -355,7 +363,9 @@ class World:
     """All ranks of a job: host identities, streams, and the communicators."""
 
     def __init__(self, rank: int, world_size: int, store: dist.Store, run_id: str, timeout_s: float, host_ids: list[str],
-                 slot_bytes: int = DEFAULT_SLOT_BYTES, wait_policy: WaitPolicy = DEFAULT_WAIT, hosts_store: bool = False) -> None:
+                 slot_bytes: int = DEFAULT_SLOT_BYTES, wait_policy: WaitPolicy = DEFAULT_WAIT, hosts_store: bool = False,
+                 native: bool | None = None) -> None:
+        native_path.use(native)  # before any channel exists: channels and kernels read it
         self.rank, self.world_size, self.store, self.run_id = rank, world_size, store, run_id
         self.hosts_store = hosts_store  # this process serves the store: it must outlive every other rank's use of it
         self.timeout_s, self.host_ids = timeout_s, host_ids
@@ -467,11 +477,13 @@ _JOINS = itertools.count(1)  # numbers this process's init_process calls
 
 def init_process(rank: int, world_size: int, master_addr: str, master_port: int, *, timeout_s: float = 120.0,
                  run_id: str | None = None, store_is_server: bool = False, host_id: str | None = None,
-                 slot_bytes: int = DEFAULT_SLOT_BYTES, wait_policy: WaitPolicy | None = None) -> World:
+                 slot_bytes: int = DEFAULT_SLOT_BYTES, wait_policy: WaitPolicy | None = None, native: bool | None = None) -> World:
     """Join the job: connect to (or host) the store, agree on a run id, exchange host identities.
 
     ``slot_bytes`` (shm chunk size, every rank must agree) and ``wait_policy`` tune the shared-memory
-    transport; the defaults are what experiments/collectives-cpu measured best on a 2-core host."""
+    transport; the defaults are what experiments/collectives-cpu measured best on a 2-core host.
+    ``native=False`` runs the shm transport on its torch fallback instead of the C extension (a test and
+    debugging knob, process-wide; the results are bit-identical, :mod:`nxdt.comm.native`)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
     try:
@@ -498,7 +510,7 @@ def init_process(rank: int, world_size: int, master_addr: str, master_port: int,
     host_ids = [store.get(f"host/{r}").decode() for r in range(world_size)]
     local_ranks = host_ids.count(host_ids[rank])
     return World(rank, world_size, store, full_run_id, timeout_s, host_ids, slot_bytes, wait_policy or policy_for(local_ranks),
-                 hosts_store=store_is_server)
+                 hosts_store=store_is_server, native=native)
 
 
 def init_from_env(*, timeout_s: float = 120.0, run_id: str | None = None) -> World:
