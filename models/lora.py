@@ -21,22 +21,21 @@ Targets (``target_modules``) use NxD Training's names — ``qkv_proj``, ``o_proj
 ``qkv_proj`` adapts q_proj, k_proj and v_proj with one adapter each (as NxDT's LoRA on its fused layer
 is exported for HF: one A/B pair per projection).
 
-Tensor parallelism (to be wired in ``nxdt.parallel.tensor_parallel``; today ``apply_tensor_parallel``
-refuses a LoRA model loudly because a ``LoRALinear`` is not an ``nn.Linear`` — adapters are never dropped
-silently). The three parts are separate ``nn.Linear`` submodules so TP can swap each for a parallel one,
-following the base layer's split:
+Tensor parallelism (``nxdt.parallel.tensor_parallel.LoRAParallelLinear``): ``apply_tensor_parallel`` finds
+the adapter at the base layer's ``tensor_parallel_plan()`` entry and splits it by the base's style, keeping
+the submodule names (so checkpoints, :func:`lora_state_dict` and the export see the same names):
 
 * column-parallel base (q/k/v, gate/up: output rows split): ``lora_B`` is split like the base by output
-  rows (same head blocks; KV replicas as the base), ``lora_A`` is replicated. ``lora_A``'s gradient is then a
-  partial sum over the TP ranks (each sees only its rows of B) and must be all-reduced — entering ``lora_B``
-  through the TP region (copy forward, all-reduce backward) does it — and must then *not* be summed again
-  by the sequence-parallel sync of replicated gradients.
+  rows (same head blocks; KV replicas as the base), ``lora_A`` is replicated; A's gradient is a partial sum
+  over the TP ranks (each sees only its rows of B), summed after backward with the sequence-parallel ones.
 * row-parallel base (o_proj, down_proj: input columns split): ``lora_A`` is split like the base by input
-  columns and its [.., r] partial output reduced (all-reduce, or reduce-scatter along the sequence with SP),
-  ``lora_B`` is replicated (under SP its gradient is a sequence shard's, summed like any replicated one).
+  columns, ``lora_B`` is replicated; the adapter's partial output joins the base's before its one reduction
+  (B is linear), and B's gradient is the partial sum summed after backward.
 
-The adapters are small (r·(in+out) per layer), so the only new communication is an r-wide reduction per
-row-parallel layer.
+The adapters are small (r·(in+out) per layer); the only new communication is one all-reduce per step of
+their replicated halves' gradients over TP. Any module with ``base_layer``, ``lora_A``, ``lora_B`` and
+``delta_weight()`` is an adapter here (:func:`lora_layers`), the tensor-parallel one included: merging and
+the adapter state work on this rank's shards.
 """
 
 from __future__ import annotations
@@ -146,8 +145,14 @@ def resolve_targets(target_modules: Iterable[str] | str) -> tuple[str, ...]:
     return tuple(name for name in HF_TARGETS if name in wanted)
 
 
+def is_adapter(module: nn.Module) -> bool:
+    """A LoRA adapter by the protocol :class:`LoRALinear` (and its tensor-parallel form) declares."""
+    return all(isinstance(getattr(module, part, None), nn.Module) for part in ("base_layer", "lora_A", "lora_B")) \
+        and callable(getattr(module, "delta_weight", None))
+
+
 def has_lora(model: nn.Module) -> bool:
-    return any(isinstance(m, LoRALinear) for m in model.modules())
+    return any(is_adapter(m) for m in model.modules())
 
 
 def apply_lora(model: nn.Module, *, rank: int, alpha: float, dropout: float = 0.0, bias: str = "none",
@@ -180,8 +185,9 @@ def apply_lora(model: nn.Module, *, rank: int, alpha: float, dropout: float = 0.
     return model
 
 
-def lora_layers(model: nn.Module) -> list[tuple[str, LoRALinear]]:
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+def lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every adapter of ``model`` (:class:`LoRALinear`, or its tensor-parallel form) by module name."""
+    return [(name, m) for name, m in model.named_modules() if is_adapter(m)]
 
 
 def _trainable_bias_names(model: nn.Module) -> list[str]:
@@ -214,7 +220,9 @@ def merge_lora(model: nn.Module) -> nn.Module:
         raise ValueError(f"{type(model).__name__} has no LoRA adapters to merge")
     for name, layer in layers:
         base = layer.base_layer
-        base.weight.add_(layer.delta_weight())
+        base.weight.add_(layer.delta_weight())  # tensor-parallel: this rank's rows / columns of B·A, as the base's
+        if hasattr(layer, "input_in_region"):  # a column-parallel base enters the TP region as its adapter did
+            base.input_in_region = layer.input_in_region
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, base)
     if hasattr(model, "lora_config"):

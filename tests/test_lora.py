@@ -167,14 +167,35 @@ def test_a_target_the_model_lacks_and_a_second_apply_are_refused():
         apply_lora(model, rank=2, alpha=2)
 
 
-def test_tensor_parallelism_refuses_a_lora_model_loudly():
-    """Until tensor_parallel.py shards adapters with their base layer, a LoRA layer must not be swapped for a
-    plain parallel linear (which would drop the adapter)."""
-    from nxdt.parallel.tensor_parallel import apply_tensor_parallel
+def test_tensor_parallel_plan_splits_adapters_with_their_base_layer():
+    """Without processes (only the group's size and rank are needed to cut shards): each adapter follows its
+    base's plan entry — column bases split B by rows, row bases split A by columns — and a style that cannot
+    carry an adapter is refused by name."""
+    from nxdt.parallel.tensor_parallel import LoRAParallelLinear, apply_tensor_parallel, shard_layout
 
-    model = apply_lora(llama(), rank=2, alpha=2)
-    with pytest.raises(TypeError, match="LoRALinear"):
-        apply_tensor_parallel(model, SimpleNamespace(size=2, rank=0))
+    model = apply_tensor_parallel(apply_lora(llama(), rank=2, alpha=2, target_modules=ALL), SimpleNamespace(size=2, rank=1))
+    layout = shard_layout(model)
+    attn = model.layers[0].self_attn
+    assert isinstance(attn.q_proj, LoRAParallelLinear) and isinstance(model.layers[1].mlp.down_proj, LoRAParallelLinear)
+    assert layout["layers.0.self_attn.q_proj.lora_B.weight"] == [0, 1] and "layers.0.self_attn.q_proj.lora_A.weight" not in layout
+    assert layout["layers.0.self_attn.o_proj.lora_A.weight"] == [1, 1] and "layers.0.self_attn.o_proj.lora_B.weight" not in layout
+    assert not any(p.requires_grad for n, p in model.named_parameters() if ".lora_" not in n)  # slicing kept them frozen
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = nn.Linear(4, 8)
+
+        def tensor_parallel_plan(self):
+            return {"lm_head": "vocab_head"}
+
+    with pytest.raises(TypeError, match="lm_head is a LoRA adapter; style 'vocab_head' cannot split one"):
+        apply_tensor_parallel(_adapted_head(Head()), SimpleNamespace(size=2, rank=0))
+
+
+def _adapted_head(module: nn.Module) -> nn.Module:
+    module.lm_head = LoRALinear(module.lm_head, rank=2, alpha=2)
+    return module
 
 
 def _hf_llama(transformers, model: LlamaForCausalLM):

@@ -42,7 +42,7 @@ from nxdt.lightning.precision import with_strategy_clipping
 from nxdt.parallel.data_parallel import FSDP_SHARD_MARK, DataParallelRuntime, ModelParallel, data_parallel_runtime
 from nxdt.parallel.expert_parallel import apply_expert_parallel
 from nxdt.parallel.pipeline import PipelineExecutor, build_chunks, interleaved_one_f_one_b, one_f_one_b
-from nxdt.parallel.tensor_parallel import apply_tensor_parallel, norm_weights, shard_layout
+from nxdt.parallel.tensor_parallel import apply_tensor_parallel, norm_weights, partial_grad_names, shard_layout
 from nxdt.planner import DIMENSIONS, Dim, Plan, plan_layout
 
 log = logging.getLogger(__name__)
@@ -137,6 +137,7 @@ class NxDStrategy(ParallelStrategy):
         self._trace_dir = trace_dir
         self._tracer: nxdt.comm.Tracer | None = None
         self._tp_layout: dict[str, list[int]] | None = None  # recorded before FSDP flattens the TP shards
+        self._tp_partial_grads: set[str] | None = None  # likewise: gradients that are partial sums over TP
         self._norm_weights: dict[str, float] = {}  # TP: how each parameter's gradient enters the global norm
         self._pipeline: PipelineExecutor | None = None  # set in setup() when PP > 1
         self._parallelized: torch.nn.Module | None = None  # the hub model _parallelize sharded (once)
@@ -286,7 +287,8 @@ class NxDStrategy(ParallelStrategy):
         plan, comms = self.plan, self.communicators
         split = {dim.value: comms[dim] if plan.degree(dim) > 1 else None for dim in (Dim.TP, Dim.PP, Dim.EP)}
         return ModelParallel(dp=comms[Dim.DP], dp_size=plan.dp, edp=comms.get(Dim.EDP), **split,
-                             sequence_parallel=self._sequence_parallel, norm_weights=self._norm_weights, tp_layout=self._tp_layout)
+                             sequence_parallel=self._sequence_parallel, norm_weights=self._norm_weights, tp_layout=self._tp_layout,
+                             tp_partial_grads=self._tp_partial_grads)
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         """The module's optimizers, each through :meth:`shard_optimizer` (ZeRO-1 shards them; CausalLMModule shards
@@ -322,6 +324,7 @@ class NxDStrategy(ParallelStrategy):
             self._pipeline = PipelineExecutor(chunks, pp_comm, model.loss_fn, seq_shards=tp if self._sequence_parallel else 1)
         if tp > 1:  # this stage's TP-sharded parameters, recorded before FSDP could flatten them
             self._tp_layout = shard_layout(model)
+            self._tp_partial_grads = partial_grad_names(model)
         self._parallelized = model
 
     def forward_backward(self, module: pl.LightningModule, micro_batches: list[dict[str, Tensor]]) -> Tensor:
