@@ -41,8 +41,8 @@ the adapter state work on this rank's shards.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Iterable
+from dataclasses import dataclass, fields
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -225,6 +225,76 @@ def merge_lora(model: nn.Module) -> nn.Module:
             base.input_in_region = layer.input_in_region
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, base)
-    if hasattr(model, "lora_config"):
-        del model.lora_config
+    for attr in ("lora_config", "peft_config"):
+        if hasattr(model, attr):
+            delattr(model, attr)
+    return model
+
+
+@torch.no_grad()
+def merge_lora_state(state: Mapping[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+    """:func:`merge_lora` on full (unsharded) tensors by name — e.g. gathered from a tensor-parallel / FSDP run or
+    read from a consolidated checkpoint: each ``X.base_layer.weight`` becomes ``X.weight`` + scaling·B·A (fp32
+    product, the base's dtype), the adapter tensors are dropped and ``.base_layer.`` leaves every other name, so
+    the result loads into the model without adapters."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if ".lora_A." in name or ".lora_B." in name:
+            continue
+        prefix, sep, rest = name.partition(".base_layer.")
+        if not sep:
+            out[name] = tensor
+            continue
+        if rest == "weight":
+            a, b = state.get(f"{prefix}.lora_A.weight"), state.get(f"{prefix}.lora_B.weight")
+            if a is None or b is None:
+                raise ValueError(f"merge_lora_state: {name} has no lora_A / lora_B tensors beside it")
+            tensor = tensor + ((b.float() @ a.float()) * scaling).to(tensor.dtype)
+        out[f"{prefix}.{rest}"] = tensor
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- NxDT's peft keys
+@dataclass(frozen=True)
+class PeftConfig:
+    """NxD Training's ``model_alignment_strategy.peft`` keys that shape the model and its checkpoints (NxDT's
+    defaults). ``save_lora_base``: checkpoints hold the base weights too (False: the adapters alone; resuming
+    takes the base from the model as built, e.g. ``model.hf_checkpoint``)."""
+
+    lora_rank: int = 16
+    lora_alpha: float = 32
+    lora_dropout: float = 0.05
+    lora_bias: str = "none"
+    target_modules: tuple[str, ...] = DEFAULT_TARGETS
+    save_lora_base: bool = False
+
+    @classmethod
+    def of(cls, config: "PeftConfig | Mapping[str, Any] | Any") -> "PeftConfig":
+        """From a PeftConfig, a mapping (a YAML block, OmegaConf included) or any object with these attributes;
+        keys it does not know are refused by name."""
+        if isinstance(config, cls):
+            return config
+        known = {f.name for f in fields(cls)}
+        if isinstance(config, Mapping) or hasattr(config, "items"):
+            values = dict(config.items())
+        else:
+            values = {k: getattr(config, k) for k in known if hasattr(config, k)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"peft: unknown key(s) {unknown}; known keys are {sorted(known)}")
+        if "target_modules" in values:
+            targets = values["target_modules"]
+            values["target_modules"] = (targets,) if isinstance(targets, str) else tuple(targets)
+        return cls(**values)
+
+
+def apply_peft(model: nn.Module, peft_config: "PeftConfig | Mapping[str, Any] | Any") -> nn.Module:
+    """The one entry point a training module calls right after building ``model`` (and loading its base weights),
+    before any parallelism: LoRA on NxDT's ``target_modules`` with NxDT's keys (:class:`PeftConfig`), every other
+    parameter frozen. Returns ``model`` with ``model.peft_config`` set (checkpoints read ``save_lora_base`` from it).
+    Bad input — an unknown key, a bad value, a target module the model does not have — is a ValueError naming it."""
+    config = PeftConfig.of(peft_config)
+    apply_lora(model, rank=config.lora_rank, alpha=config.lora_alpha, dropout=config.lora_dropout, bias=config.lora_bias,
+               target_modules=config.target_modules)
+    model.peft_config = config
     return model

@@ -666,8 +666,8 @@ class FullyShardedDataParallel:
                 if entry_states:
                     out: dict[str, Any] = {}
                     for key, value in entry_states[0][1].items():
-                        if not isinstance(value, torch.Tensor) or value.dim() == 0:
-                            out[key] = value  # the step counter: the same for every parameter of a group
+                        if not isinstance(value, torch.Tensor) or value.dim() == 0:  # the step counter: the same for every
+                            out[key] = value.clone() if isinstance(value, torch.Tensor) else value  # parameter; one copy each
                             continue
                         full = torch.zeros(f.shard_size * f.parts, dtype=value.dtype)
                         for e, st in entry_states:

@@ -333,9 +333,15 @@ class ShardSpec:
 
     def gather(self, local: torch.Tensor, comm: Any) -> torch.Tensor:
         """Reassemble the full tensor on every rank (one copy of each replicated shard)."""
-        every = _all_gather(local.detach(), comm, self.dim)
-        shards = every.chunk(comm.size, self.dim)[:: self.replicas]
-        return torch.cat(shards, self.dim).contiguous()
+        return gather_shards(local, comm, self.dim, self.replicas)
+
+
+def gather_shards(local: torch.Tensor, comm: Any, dim: int, replicas: int = 1) -> torch.Tensor:
+    """The full tensor from every TP rank's shard along ``dim`` (``replicas`` consecutive ranks hold each shard:
+    a checkpoint's ``tensor_parallel`` layout entry); a collective, every rank gets it."""
+    every = _all_gather(local.detach(), comm, dim)
+    shards = every.chunk(comm.size, dim)[::replicas]
+    return torch.cat(shards, dim).contiguous()
 
 
 def _check_comm(comm: Any) -> None:
