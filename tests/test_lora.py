@@ -263,3 +263,54 @@ def test_dropout_acts_on_the_adapter_path_only():
     torch.manual_seed(1)
     mask = nn.functional.dropout(torch.ones_like(x), 0.5, training=True)
     torch.testing.assert_close(noisy, base(x) + layer.scaling * layer.lora_B(layer.lora_A(x * mask)))
+
+
+# ---------------------------------------------------------------------------------------------- apply_peft (NxDT's keys)
+def test_apply_peft_takes_nxdt_keys_from_a_mapping_and_records_them():
+    from nxdt.models.lora import PeftConfig, apply_peft
+
+    model = apply_peft(llama(), {"lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["qkv_proj", "down_proj"]})
+    assert model.peft_config == PeftConfig(lora_rank=4, lora_alpha=8, lora_dropout=0.0, target_modules=("qkv_proj", "down_proj"))
+    assert model.lora_config.hf_target_modules == ("q_proj", "k_proj", "v_proj", "down_proj") and model.lora_config.scaling == 2
+    assert PeftConfig.of({}) == PeftConfig(16, 32, 0.05, "none", ("qkv_proj",), False)  # NxD Training's defaults
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == adapter_names(model)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"lora_rank": 4, "target_modules": ["qkv_proj", "attn_proj"]}, "unknown; valid targets are qkv_proj, o_proj"),
+    ({"lora_rank": 4, "lora_rnak": 8}, "peft: unknown key(s) ['lora_rnak']"),
+    ({"lora_rank": 0}, "rank=0: must be a positive integer"),
+])
+def test_apply_peft_bad_input_is_one_clear_error(config, message):
+    from nxdt.models.lora import apply_peft
+
+    with pytest.raises(ValueError) as err:
+        apply_peft(llama(), config)
+    assert message in str(err.value)
+
+
+def test_lora_on_a_model_without_the_target_names_it():
+    """Mixtral's feed-forward layers are experts (w1/w3/w2), not gate_proj/up_proj: gate_up_proj is refused by name."""
+    from nxdt.config import compose_config
+    from nxdt.lightning.module import import_architecture
+    from nxdt.models.lora import apply_peft
+
+    cfg = compose_config(["model=mixtral_tiny"]).model
+    with pytest.raises(ValueError, match=r"MixtralForCausalLM has no nn.Linear named \['gate_proj', 'up_proj'\]"):
+        apply_peft(import_architecture(cfg.architecture)(cfg), {"target_modules": ["gate_up_proj"]})
+
+
+def test_merge_lora_state_equals_merge_lora_on_the_model():
+    """The by-name merge of full tensors (what a TP/FSDP run gathers) equals merging the module: base + scaling·B·A."""
+    from nxdt.models.lora import merge_lora_state
+
+    model = apply_lora(llama(), rank=4, alpha=8, target_modules=ALL)
+    randomise_b(model)
+    merged = merge_lora_state(model.state_dict(), model.lora_config.scaling)
+    q = model.layers[0].self_attn.q_proj
+    expected_q = q.base_layer.weight + 2.0 * q.lora_B.weight @ q.lora_A.weight
+    merge_lora(model)
+    assert merged.keys() == model.state_dict().keys()
+    for name, value in model.state_dict().items():
+        assert torch.equal(merged[name], value), name
+    torch.testing.assert_close(merged["layers.0.self_attn.q_proj.weight"], expected_q, rtol=1e-6, atol=1e-7)
