@@ -16,8 +16,12 @@ optimizer state      one per replica                 one shard per DP rank      
 ``dp_format``        ``replicated``                  ``zero1``                        ``fsdp``
 ===================  ==============================  ===============================  ===============================
 
+Frozen parameters (``requires_grad=False``: a LoRA model's base) are held by no optimizer and reduced by no runtime:
+the replicated runtime's all-reduce and ZeRO-1's buckets take the trainable ones only, FSDP shards the frozen ones
+in flats of their own (no gradient, no reduce-scatter, no optimizer state), and norms count the trainable ones.
+
 Tensor, pipeline and expert parallelism compose with each of them through :class:`ModelParallel`: the
-TP sum of sequence-parallel replicas' gradients, the expert reduction over the expert-data-parallel
+TP sum of partial gradients (sequence-parallel replicas', LoRA's replicated halves'), the expert reduction over the expert-data-parallel
 group and the per-parameter norm weights that make a sum over TP/PP/EP shards the whole model's norm.
 A runtime holds no checkpoint-format code: checkpoint names and by-name resharding stay with the caller
 (``nxdt.lightning``), which hands them in where a runtime needs them.

@@ -718,9 +718,10 @@ class FullyShardedDataParallel:
 
     @torch.no_grad()
     def sum_replicated_grads(self, tp_comm: Any, is_tp_sharded: Any) -> int:
-        """FSDP × sequence parallelism: parameters every TP rank holds (norms; ``is_tp_sharded(name)`` False)
-        saw only their rank's sequence shard — sum their parts of the shard gradients over TP, in one
-        all-reduce (the TP ranks' flat layouts are identical). Returns how many segments were summed."""
+        """FSDP × TP: parameters whose gradients are partial sums over TP (``is_tp_sharded(name)`` False: under
+        sequence parallelism every replicated one, each rank saw its sequence shard; LoRA's replicated halves) —
+        sum their parts of the shard gradients over TP, in one all-reduce (the TP ranks' flat layouts are
+        identical). Returns how many segments were summed."""
         parts = [f.shard.grad[a:b] for f in self.flats() if f.shard.grad is not None
                  for e, a, b in f.segments(self.dp_rank) if not is_tp_sharded(e.name)]
         if parts:
