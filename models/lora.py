@@ -165,11 +165,7 @@ def apply_lora(model: nn.Module, *, rank: int, alpha: float, dropout: float = 0.
     if has_lora(model):
         raise ValueError(f"{type(model).__name__} already has LoRA adapters; merge_lora it first")
     leaves = resolve_targets(targets)
-    found = [(name, module) for name, module in model.named_modules()
-             if isinstance(module, nn.Linear) and name.rpartition(".")[2] in leaves]
-    missing = [leaf for leaf in leaves if not any(name.rpartition(".")[2] == leaf for name, _ in found)]
-    if missing:
-        raise ValueError(f"LoRA target_modules {list(targets)}: {type(model).__name__} has no nn.Linear named {missing}")
+    found = _targeted_linears(model, targets, leaves)
     model.requires_grad_(False)
     for name, linear in found:
         parent_name, _, child = name.rpartition(".")
@@ -183,6 +179,15 @@ def apply_lora(model: nn.Module, *, rank: int, alpha: float, dropout: float = 0.
                 p.requires_grad_(True)
     model.lora_config = LoRAConfig(rank, float(alpha), float(dropout), bias, targets, leaves)
     return model
+
+
+def _targeted_linears(model: nn.Module, targets: tuple[str, ...], leaves: tuple[str, ...]) -> list[tuple[str, nn.Linear]]:
+    found = [(name, module) for name, module in model.named_modules()
+             if isinstance(module, nn.Linear) and name.rpartition(".")[2] in leaves]
+    missing = [leaf for leaf in leaves if not any(name.rpartition(".")[2] == leaf for name, _ in found)]
+    if missing:
+        raise ValueError(f"LoRA target_modules {list(targets)}: {type(model).__name__} has no nn.Linear named {missing}")
+    return found
 
 
 def lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -286,6 +291,15 @@ class PeftConfig:
             targets = values["target_modules"]
             values["target_modules"] = (targets,) if isinstance(targets, str) else tuple(targets)
         return cls(**values)
+
+
+def check_peft(model: nn.Module, peft_config: "PeftConfig | Mapping[str, Any] | Any") -> PeftConfig:
+    """Everything :func:`apply_peft` would refuse, without changing ``model`` — for validation before workers start
+    (build the model on ``torch.device("meta")``: no memory, same module names). Returns the parsed config."""
+    config = PeftConfig.of(peft_config)
+    targets = _check_args(config.lora_rank, config.lora_alpha, config.lora_dropout, config.lora_bias, config.target_modules)
+    _targeted_linears(model, targets, resolve_targets(targets))
+    return config
 
 
 def apply_peft(model: nn.Module, peft_config: "PeftConfig | Mapping[str, Any] | Any") -> nn.Module:

@@ -314,3 +314,15 @@ def test_merge_lora_state_equals_merge_lora_on_the_model():
     for name, value in model.state_dict().items():
         assert torch.equal(merged[name], value), name
     torch.testing.assert_close(merged["layers.0.self_attn.q_proj.weight"], expected_q, rtol=1e-6, atol=1e-7)
+
+
+def test_check_peft_validates_on_a_meta_model_without_changing_it():
+    from nxdt.models.lora import check_peft
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(SimpleNamespace(**TINY))
+    assert check_peft(model, {"target_modules": ["o_proj"]}).lora_rank == 16 and not any(isinstance(m, LoRALinear) for m in model.modules())
+    with pytest.raises(ValueError, match="Block has no nn.Linear named"):
+        check_peft(Block(), {"target_modules": ["gate_up_proj"]})
+    with pytest.raises(ValueError, match="alpha=0: must be a positive number"):
+        check_peft(model, {"lora_alpha": 0})

@@ -288,3 +288,54 @@ def _frozen_first_unit(world) -> None:
 @pytest.mark.timeout(60)
 def test_fsdp_keeps_frozen_weights_until_the_units_backward_ends():
     run_local(_frozen_first_unit, 2, timeout_s=50)
+
+
+def _tp_fsdp_world(world) -> list[float]:
+    """TP2 (+SP) × FSDP DP2 on 4 ranks: LoRA's partial gradients are summed over TP on FSDP's shards, the frozen
+    base is sharded over DP; losses and the gathered adapters equal the single-process run's."""
+    from nxdt.parallel.tensor_parallel import gather_shards, norm_weights, partial_grad_names, shard_layout
+
+    rank = world.rank
+    tp_ranks, dp_ranks = [rank - rank % 2, rank - rank % 2 + 1], [rank % 2, rank % 2 + 2]
+    tp = world.new_communicator(tp_ranks, f"tp{rank // 2}")
+    dp = world.new_communicator(dp_ranks, f"dp{rank % 2}")
+    cfg = config()
+    ref = lora_llama(cfg)
+    model = apply_tensor_parallel(lora_llama(cfg), tp, sequence_parallel=True)
+    layout = shard_layout(model)
+    holder = Holder(model)
+    rt = data_parallel_runtime(fsdp={"param_persistence_threshold": 0})
+    rt.bind(ModelParallel(dp=dp, dp_size=2, tp=tp, sequence_parallel=True, norm_weights=norm_weights(model, 2),
+                          tp_layout=layout, tp_partial_grads=partial_grad_names(model)))
+    rt.broadcast_parameters(holder)
+    opt_ref = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
+    rt.shard_model(holder, [opt])
+    losses = []
+    for step in range(3):
+        ids, labels = batch(step, cfg.vocab_size)
+        opt_ref.zero_grad()
+        ref_loss = ref.loss_fn(ref(ids), labels)
+        ref_loss.backward()
+        opt_ref.step()
+        opt.zero_grad()
+        mine = slice(dp.rank, dp.rank + 1)  # each DP rank one of the 2 rows
+        loss = model.loss_fn(model(ids[mine]), labels[mine])
+        loss.backward()
+        rt.finish_gradients(holder)
+        opt.step()
+        mean = loss.detach().clone()
+        dp.all_reduce(mean, op="avg")
+        close(mean, ref_loss, f"tp2+sp x fsdp2 loss step {step}", rtol=1e-4 if step else 1e-5)
+        losses.append(mean.item())
+    state = {k[len("model."):]: v for k, v in rt.model_state_dict(holder).items()}
+    for name, value in ref.state_dict().items():
+        full = gather_shards(state[name], tp, *layout[name]) if name in layout else state[name]
+        close(full, value, f"tp2+sp x fsdp2 {name} after 3 steps", rtol=1e-4, atol=1e-6)
+    return losses
+
+
+@pytest.mark.timeout(120)
+def test_tp2_x_fsdp2_lora_matches_single_process():
+    results = run_local(_tp_fsdp_world, 4, timeout_s=110)
+    assert len({tuple(r) for r in results}) == 1
