@@ -122,16 +122,27 @@ def _tp_case(comm, overrides: dict, sequence_parallel: bool, steps: int = 4) -> 
     return losses
 
 
-def _tp_world(world, cases):
+TP_CASES = [({}, False), ({}, True), ({"num_kv_heads": 1}, True)]  # KV heads sharded; + SP; the one KV head replicated
+
+
+def _two_rank_world(world, tp_cases, dp_cases) -> dict:
+    """Every 2-rank check in one launch (process start-up dominates on 2 cores)."""
+    _frozen_first_unit(world)
     comm = world.new_communicator(list(range(world.world_size)), "tp")
-    return [_tp_case(comm, *case) for case in cases]
+    return {"tp": [_tp_case(comm, *case) for case in tp_cases], "dp": [_dp_case(world, *case) for case in dp_cases]}
+
+
+@pytest.fixture(scope="module")
+def two_rank_results() -> list[dict]:
+    dp_cases = [(kind, {}) for kind in DP_KINDS] + [("fsdp", {"activations_checkpoint_granularity": "full"})]
+    return run_local(_two_rank_world, 2, TP_CASES, dp_cases, timeout_s=110)
 
 
 @pytest.mark.timeout(120)
-def test_tp2_lora_matches_single_process():
-    cases = [({}, False), ({}, True), ({"num_kv_heads": 1}, True)]
-    results = run_local(_tp_world, 2, cases, timeout_s=110)
-    assert results[0] == results[1]  # every rank computes the same losses
+def test_tp2_lora_matches_single_process(two_rank_results):
+    """Asserted in the workers (_tp_case); here: every rank computed the same losses."""
+    assert len(two_rank_results[0]["tp"]) == len(TP_CASES)
+    assert two_rank_results[0]["tp"] == two_rank_results[1]["tp"]
 
 
 # ---------------------------------------------------------------------------------------------- data parallelism
@@ -214,23 +225,13 @@ def _dp_case(world, kind: str, overrides: dict, steps: int = 3) -> dict:
     return out
 
 
-def _dp_world(world, cases):
-    return [_dp_case(world, *case) for case in cases]
-
-
-@pytest.fixture(scope="module")
-def dp_results() -> list[list[dict]]:
-    cases = [(kind, {}) for kind in DP_KINDS] + [("fsdp", {"activations_checkpoint_granularity": "full"})]
-    return run_local(_dp_world, 2, cases, timeout_s=110)
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("index, kind", list(enumerate([*DP_KINDS, "fsdp+recompute"])))
-def test_dp2_lora_matches_single_process(dp_results, index, kind):
+def test_dp2_lora_matches_single_process(two_rank_results, index, kind):
     """Losses equal the single-process run's (asserted in the workers), base weights unchanged, and the optimizer
     holds state for the adapters only: all of them per replica (replicated; FSDP with the adapters' small flats
     kept whole), half of them per rank (ZeRO-1; FSDP with every flat sharded)."""
-    r0, r1 = dp_results[0][index], dp_results[1][index]
+    r0, r1 = two_rank_results[0]["dp"][index], two_rank_results[1]["dp"][index]
     assert r0["losses"] == r1["losses"]
     adapters, frozen = r0["adapters"], r0["frozen"]
     assert 0 < adapters < frozen
@@ -285,9 +286,9 @@ def _frozen_first_unit(world) -> None:
     assert all(f.full.untyped_storage().nbytes() == 0 for f in fsdp.flats()), "every unit resharded after the step"
 
 
-@pytest.mark.timeout(60)
-def test_fsdp_keeps_frozen_weights_until_the_units_backward_ends():
-    run_local(_frozen_first_unit, 2, timeout_s=50)
+def test_fsdp_keeps_frozen_weights_until_the_units_backward_ends(two_rank_results):
+    """Asserted in the workers (_frozen_first_unit, first thing in the 2-rank launch)."""
+    assert two_rank_results[0]["tp"] is not None
 
 
 def _tp_fsdp_world(world) -> list[float]:
