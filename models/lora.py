@@ -21,29 +21,28 @@ Targets (``target_modules``) use NxD Training's names — ``qkv_proj``, ``o_proj
 ``qkv_proj`` adapts q_proj, k_proj and v_proj with one adapter each (as NxDT's LoRA on its fused layer
 is exported for HF: one A/B pair per projection).
 
-Tensor parallelism (to be wired in ``nxdt.parallel.tensor_parallel``; today ``apply_tensor_parallel``
-refuses a LoRA model loudly because a ``LoRALinear`` is not an ``nn.Linear`` — adapters are never dropped
-silently). The three parts are separate ``nn.Linear`` submodules so TP can swap each for a parallel one,
-following the base layer's split:
+Tensor parallelism (``nxdt.parallel.tensor_parallel.LoRAParallelLinear``): ``apply_tensor_parallel`` finds
+the adapter at the base layer's ``tensor_parallel_plan()`` entry and splits it by the base's style, keeping
+the submodule names (so checkpoints, :func:`lora_state_dict` and the export see the same names):
 
 * column-parallel base (q/k/v, gate/up: output rows split): ``lora_B`` is split like the base by output
-  rows (same head blocks; KV replicas as the base), ``lora_A`` is replicated. ``lora_A``'s gradient is then a
-  partial sum over the TP ranks (each sees only its rows of B) and must be all-reduced — entering ``lora_B``
-  through the TP region (copy forward, all-reduce backward) does it — and must then *not* be summed again
-  by the sequence-parallel sync of replicated gradients.
+  rows (same head blocks; KV replicas as the base), ``lora_A`` is replicated; A's gradient is a partial sum
+  over the TP ranks (each sees only its rows of B), summed after backward with the sequence-parallel ones.
 * row-parallel base (o_proj, down_proj: input columns split): ``lora_A`` is split like the base by input
-  columns and its [.., r] partial output reduced (all-reduce, or reduce-scatter along the sequence with SP),
-  ``lora_B`` is replicated (under SP its gradient is a sequence shard's, summed like any replicated one).
+  columns, ``lora_B`` is replicated; the adapter's partial output joins the base's before its one reduction
+  (B is linear), and B's gradient is the partial sum summed after backward.
 
-The adapters are small (r·(in+out) per layer), so the only new communication is an r-wide reduction per
-row-parallel layer.
+The adapters are small (r·(in+out) per layer); the only new communication is one all-reduce per step of
+their replicated halves' gradients over TP. Any module with ``base_layer``, ``lora_A``, ``lora_B`` and
+``delta_weight()`` is an adapter here (:func:`lora_layers`), the tensor-parallel one included: merging and
+the adapter state work on this rank's shards.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Iterable
+from dataclasses import dataclass, fields
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -146,8 +145,14 @@ def resolve_targets(target_modules: Iterable[str] | str) -> tuple[str, ...]:
     return tuple(name for name in HF_TARGETS if name in wanted)
 
 
+def is_adapter(module: nn.Module) -> bool:
+    """A LoRA adapter by the protocol :class:`LoRALinear` (and its tensor-parallel form) declares."""
+    return all(isinstance(getattr(module, part, None), nn.Module) for part in ("base_layer", "lora_A", "lora_B")) \
+        and callable(getattr(module, "delta_weight", None))
+
+
 def has_lora(model: nn.Module) -> bool:
-    return any(isinstance(m, LoRALinear) for m in model.modules())
+    return any(is_adapter(m) for m in model.modules())
 
 
 def apply_lora(model: nn.Module, *, rank: int, alpha: float, dropout: float = 0.0, bias: str = "none",
@@ -160,11 +165,7 @@ def apply_lora(model: nn.Module, *, rank: int, alpha: float, dropout: float = 0.
     if has_lora(model):
         raise ValueError(f"{type(model).__name__} already has LoRA adapters; merge_lora it first")
     leaves = resolve_targets(targets)
-    found = [(name, module) for name, module in model.named_modules()
-             if isinstance(module, nn.Linear) and name.rpartition(".")[2] in leaves]
-    missing = [leaf for leaf in leaves if not any(name.rpartition(".")[2] == leaf for name, _ in found)]
-    if missing:
-        raise ValueError(f"LoRA target_modules {list(targets)}: {type(model).__name__} has no nn.Linear named {missing}")
+    found = _targeted_linears(model, targets, leaves)
     model.requires_grad_(False)
     for name, linear in found:
         parent_name, _, child = name.rpartition(".")
@@ -180,8 +181,18 @@ def apply_lora(model: nn.Module, *, rank: int, alpha: float, dropout: float = 0.
     return model
 
 
-def lora_layers(model: nn.Module) -> list[tuple[str, LoRALinear]]:
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+def _targeted_linears(model: nn.Module, targets: tuple[str, ...], leaves: tuple[str, ...]) -> list[tuple[str, nn.Linear]]:
+    found = [(name, module) for name, module in model.named_modules()
+             if isinstance(module, nn.Linear) and name.rpartition(".")[2] in leaves]
+    missing = [leaf for leaf in leaves if not any(name.rpartition(".")[2] == leaf for name, _ in found)]
+    if missing:
+        raise ValueError(f"LoRA target_modules {list(targets)}: {type(model).__name__} has no nn.Linear named {missing}")
+    return found
+
+
+def lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every adapter of ``model`` (:class:`LoRALinear`, or its tensor-parallel form) by module name."""
+    return [(name, m) for name, m in model.named_modules() if is_adapter(m)]
 
 
 def _trainable_bias_names(model: nn.Module) -> list[str]:
@@ -214,9 +225,90 @@ def merge_lora(model: nn.Module) -> nn.Module:
         raise ValueError(f"{type(model).__name__} has no LoRA adapters to merge")
     for name, layer in layers:
         base = layer.base_layer
-        base.weight.add_(layer.delta_weight())
+        base.weight.add_(layer.delta_weight())  # tensor-parallel: this rank's rows / columns of B·A, as the base's
+        if hasattr(layer, "input_in_region"):  # a column-parallel base enters the TP region as its adapter did
+            base.input_in_region = layer.input_in_region
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, base)
-    if hasattr(model, "lora_config"):
-        del model.lora_config
+    for attr in ("lora_config", "peft_config"):
+        if hasattr(model, attr):
+            delattr(model, attr)
+    return model
+
+
+@torch.no_grad()
+def merge_lora_state(state: Mapping[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+    """:func:`merge_lora` on full (unsharded) tensors by name — e.g. gathered from a tensor-parallel / FSDP run or
+    read from a consolidated checkpoint: each ``X.base_layer.weight`` becomes ``X.weight`` + scaling·B·A (fp32
+    product, the base's dtype), the adapter tensors are dropped and ``.base_layer.`` leaves every other name, so
+    the result loads into the model without adapters."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if ".lora_A." in name or ".lora_B." in name:
+            continue
+        prefix, sep, rest = name.partition(".base_layer.")
+        if not sep:
+            out[name] = tensor
+            continue
+        if rest == "weight":
+            a, b = state.get(f"{prefix}.lora_A.weight"), state.get(f"{prefix}.lora_B.weight")
+            if a is None or b is None:
+                raise ValueError(f"merge_lora_state: {name} has no lora_A / lora_B tensors beside it")
+            tensor = tensor + ((b.float() @ a.float()) * scaling).to(tensor.dtype)
+        out[f"{prefix}.{rest}"] = tensor
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- NxDT's peft keys
+@dataclass(frozen=True)
+class PeftConfig:
+    """NxD Training's ``model_alignment_strategy.peft`` keys that shape the model and its checkpoints (NxDT's
+    defaults). ``save_lora_base``: checkpoints hold the base weights too (False: the adapters alone; resuming
+    takes the base from the model as built, e.g. ``model.hf_checkpoint``)."""
+
+    lora_rank: int = 16
+    lora_alpha: float = 32
+    lora_dropout: float = 0.05
+    lora_bias: str = "none"
+    target_modules: tuple[str, ...] = DEFAULT_TARGETS
+    save_lora_base: bool = False
+
+    @classmethod
+    def of(cls, config: "PeftConfig | Mapping[str, Any] | Any") -> "PeftConfig":
+        """From a PeftConfig, a mapping (a YAML block, OmegaConf included) or any object with these attributes;
+        keys it does not know are refused by name."""
+        if isinstance(config, cls):
+            return config
+        known = {f.name for f in fields(cls)}
+        if isinstance(config, Mapping) or hasattr(config, "items"):
+            values = dict(config.items())
+        else:
+            values = {k: getattr(config, k) for k in known if hasattr(config, k)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"peft: unknown key(s) {unknown}; known keys are {sorted(known)}")
+        if "target_modules" in values:
+            targets = values["target_modules"]
+            values["target_modules"] = (targets,) if isinstance(targets, str) else tuple(targets)
+        return cls(**values)
+
+
+def check_peft(model: nn.Module, peft_config: "PeftConfig | Mapping[str, Any] | Any") -> PeftConfig:
+    """Everything :func:`apply_peft` would refuse, without changing ``model`` — for validation before workers start
+    (build the model on ``torch.device("meta")``: no memory, same module names). Returns the parsed config."""
+    config = PeftConfig.of(peft_config)
+    targets = _check_args(config.lora_rank, config.lora_alpha, config.lora_dropout, config.lora_bias, config.target_modules)
+    _targeted_linears(model, targets, resolve_targets(targets))
+    return config
+
+
+def apply_peft(model: nn.Module, peft_config: "PeftConfig | Mapping[str, Any] | Any") -> nn.Module:
+    """The one entry point a training module calls right after building ``model`` (and loading its base weights),
+    before any parallelism: LoRA on NxDT's ``target_modules`` with NxDT's keys (:class:`PeftConfig`), every other
+    parameter frozen. Returns ``model`` with ``model.peft_config`` set (checkpoints read ``save_lora_base`` from it).
+    Bad input — an unknown key, a bad value, a target module the model does not have — is a ValueError naming it."""
+    config = PeftConfig.of(peft_config)
+    apply_lora(model, rank=config.lora_rank, alpha=config.lora_alpha, dropout=config.lora_dropout, bias=config.lora_bias,
+               target_modules=config.target_modules)
+    model.peft_config = config
     return model

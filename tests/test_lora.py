@@ -167,14 +167,35 @@ def test_a_target_the_model_lacks_and_a_second_apply_are_refused():
         apply_lora(model, rank=2, alpha=2)
 
 
-def test_tensor_parallelism_refuses_a_lora_model_loudly():
-    """Until tensor_parallel.py shards adapters with their base layer, a LoRA layer must not be swapped for a
-    plain parallel linear (which would drop the adapter)."""
-    from nxdt.parallel.tensor_parallel import apply_tensor_parallel
+def test_tensor_parallel_plan_splits_adapters_with_their_base_layer():
+    """Without processes (only the group's size and rank are needed to cut shards): each adapter follows its
+    base's plan entry — column bases split B by rows, row bases split A by columns — and a style that cannot
+    carry an adapter is refused by name."""
+    from nxdt.parallel.tensor_parallel import LoRAParallelLinear, apply_tensor_parallel, shard_layout
 
-    model = apply_lora(llama(), rank=2, alpha=2)
-    with pytest.raises(TypeError, match="LoRALinear"):
-        apply_tensor_parallel(model, SimpleNamespace(size=2, rank=0))
+    model = apply_tensor_parallel(apply_lora(llama(), rank=2, alpha=2, target_modules=ALL), SimpleNamespace(size=2, rank=1))
+    layout = shard_layout(model)
+    attn = model.layers[0].self_attn
+    assert isinstance(attn.q_proj, LoRAParallelLinear) and isinstance(model.layers[1].mlp.down_proj, LoRAParallelLinear)
+    assert layout["layers.0.self_attn.q_proj.lora_B.weight"] == [0, 1] and "layers.0.self_attn.q_proj.lora_A.weight" not in layout
+    assert layout["layers.0.self_attn.o_proj.lora_A.weight"] == [1, 1] and "layers.0.self_attn.o_proj.lora_B.weight" not in layout
+    assert not any(p.requires_grad for n, p in model.named_parameters() if ".lora_" not in n)  # slicing kept them frozen
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = nn.Linear(4, 8)
+
+        def tensor_parallel_plan(self):
+            return {"lm_head": "vocab_head"}
+
+    with pytest.raises(TypeError, match="lm_head is a LoRA adapter; style 'vocab_head' cannot split one"):
+        apply_tensor_parallel(_adapted_head(Head()), SimpleNamespace(size=2, rank=0))
+
+
+def _adapted_head(module: nn.Module) -> nn.Module:
+    module.lm_head = LoRALinear(module.lm_head, rank=2, alpha=2)
+    return module
 
 
 def _hf_llama(transformers, model: LlamaForCausalLM):
@@ -242,3 +263,66 @@ def test_dropout_acts_on_the_adapter_path_only():
     torch.manual_seed(1)
     mask = nn.functional.dropout(torch.ones_like(x), 0.5, training=True)
     torch.testing.assert_close(noisy, base(x) + layer.scaling * layer.lora_B(layer.lora_A(x * mask)))
+
+
+# ---------------------------------------------------------------------------------------------- apply_peft (NxDT's keys)
+def test_apply_peft_takes_nxdt_keys_from_a_mapping_and_records_them():
+    from nxdt.models.lora import PeftConfig, apply_peft
+
+    model = apply_peft(llama(), {"lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["qkv_proj", "down_proj"]})
+    assert model.peft_config == PeftConfig(lora_rank=4, lora_alpha=8, lora_dropout=0.0, target_modules=("qkv_proj", "down_proj"))
+    assert model.lora_config.hf_target_modules == ("q_proj", "k_proj", "v_proj", "down_proj") and model.lora_config.scaling == 2
+    assert PeftConfig.of({}) == PeftConfig(16, 32, 0.05, "none", ("qkv_proj",), False)  # NxD Training's defaults
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == adapter_names(model)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"lora_rank": 4, "target_modules": ["qkv_proj", "attn_proj"]}, "unknown; valid targets are qkv_proj, o_proj"),
+    ({"lora_rank": 4, "lora_rnak": 8}, "peft: unknown key(s) ['lora_rnak']"),
+    ({"lora_rank": 0}, "rank=0: must be a positive integer"),
+])
+def test_apply_peft_bad_input_is_one_clear_error(config, message):
+    from nxdt.models.lora import apply_peft
+
+    with pytest.raises(ValueError) as err:
+        apply_peft(llama(), config)
+    assert message in str(err.value)
+
+
+def test_lora_on_a_model_without_the_target_names_it():
+    """Mixtral's feed-forward layers are experts (w1/w3/w2), not gate_proj/up_proj: gate_up_proj is refused by name."""
+    from nxdt.config import compose_config
+    from nxdt.lightning.module import import_architecture
+    from nxdt.models.lora import apply_peft
+
+    cfg = compose_config(["model=mixtral_tiny"]).model
+    with pytest.raises(ValueError, match=r"MixtralForCausalLM has no nn.Linear named \['gate_proj', 'up_proj'\]"):
+        apply_peft(import_architecture(cfg.architecture)(cfg), {"target_modules": ["gate_up_proj"]})
+
+
+def test_merge_lora_state_equals_merge_lora_on_the_model():
+    """The by-name merge of full tensors (what a TP/FSDP run gathers) equals merging the module: base + scaling·B·A."""
+    from nxdt.models.lora import merge_lora_state
+
+    model = apply_lora(llama(), rank=4, alpha=8, target_modules=ALL)
+    randomise_b(model)
+    merged = merge_lora_state(model.state_dict(), model.lora_config.scaling)
+    q = model.layers[0].self_attn.q_proj
+    expected_q = q.base_layer.weight + 2.0 * q.lora_B.weight @ q.lora_A.weight
+    merge_lora(model)
+    assert merged.keys() == model.state_dict().keys()
+    for name, value in model.state_dict().items():
+        assert torch.equal(merged[name], value), name
+    torch.testing.assert_close(merged["layers.0.self_attn.q_proj.weight"], expected_q, rtol=1e-6, atol=1e-7)
+
+
+def test_check_peft_validates_on_a_meta_model_without_changing_it():
+    from nxdt.models.lora import check_peft
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(SimpleNamespace(**TINY))
+    assert check_peft(model, {"target_modules": ["o_proj"]}).lora_rank == 16 and not any(isinstance(m, LoRALinear) for m in model.modules())
+    with pytest.raises(ValueError, match="Block has no nn.Linear named"):
+        check_peft(Block(), {"target_modules": ["gate_up_proj"]})
+    with pytest.raises(ValueError, match="alpha=0: must be a positive number"):
+        check_peft(model, {"lora_alpha": 0})

@@ -161,3 +161,20 @@ def test_tp2_dp2_resumes_as_dp4_zero1_then_as_tp1_pp2_and_fsdp4_with_the_uninter
     assert sorted(moments) == sorted(want_state.optimizers[0]["state"])
     for name, m in moments.items():
         assert torch.allclose(m, want_state.optimizers[0]["state"][name]["exp_avg"], rtol=1e-3, atol=1e-6), name
+
+
+def test_step_counters_are_never_shared_between_parameters():
+    """A by-name optimizer state (an FSDP flat's is one step counter for all its parameters) loads into torch's
+    AdamW with one counter per parameter: AdamW increments them in place, so a shared one would advance once per
+    parameter per step and skew the bias correction of all of them."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2, bias=False), torch.nn.Linear(2, 2, bias=False))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    step = torch.tensor(2.0)
+    moments = {"exp_avg": torch.full((2, 2), 0.1), "exp_avg_sq": torch.full((2, 2), 0.01)}
+    saved = {"state": {name: {"step": step, **{k: v.clone() for k, v in moments.items()}} for name in ("0.weight", "1.weight")},
+             "param_groups": [{**opt.param_groups[0], "params": ["0.weight", "1.weight"]}]}
+    opt.load_state_dict(reshard.optimizer_state_for(saved, opt, model, None))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert [float(opt.state[p]["step"]) for p in model.parameters()] == [3.0, 3.0] and float(step) == 2.0

@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 from nxdt.config.validate import ALLOWED_MODEL_PREFIX
 from nxdt.lightning.hf import load_hf_weights
 from nxdt.lightning.optim import build_optimizer, build_scheduler
+from nxdt.models.lora import apply_peft
 from nxdt.parallel import squared_norm
 
 
@@ -57,13 +58,16 @@ class CausalLMModule(pl.LightningModule):
 
     def __init__(self, model_cfg: Any, global_batch_size: int, seq_length: int, micro_batch_size: int,
                  gradient_clip_val: float | None = None, *, log_gradient_norm: bool = False,
-                 log_parameter_norm: bool = False, nan_policy: str = "stop", precision: str = "fp32", seed: int = 0) -> None:
+                 log_parameter_norm: bool = False, nan_policy: str = "stop", precision: str = "fp32", seed: int = 0,
+                 peft: Any = None) -> None:
         super().__init__()
         self.automatic_optimization = False  # one optimizer step per global batch, whatever the schedule
         self.model_cfg = model_cfg
         self.model = import_architecture(model_cfg.architecture)(model_cfg)
         if getattr(model_cfg, "hf_checkpoint", None):  # every rank loads the full weights; parallelism slices them later
             load_hf_weights(self.model, model_cfg.hf_checkpoint)
+        if peft is not None:  # LoRA (NxDT's peft keys: nxdt.models.lora.PeftConfig) on the full model, before any parallelism
+            apply_peft(self.model, peft)
         self.tokens_per_step = global_batch_size * seq_length
         self.micro_batch_size = micro_batch_size
         self.gradient_clip_val = gradient_clip_val

@@ -202,9 +202,9 @@ def _read_fsdp(root: Path, meta: dict[str, Any], mp: int, optimizer: bool) -> Po
                     full = torch.cat([e[key] for e in entries])
                     for name, offset, numel, shape in flat["entries"]:
                         named.setdefault(name, {})[key] = full[offset:offset + numel].view(shape).clone()
-                else:
+                else:  # the flat's step counter: one copy per parameter (torch's Adam increments it in place)
                     for name, *_ in flat["entries"]:
-                        named.setdefault(name, {})[key] = value
+                        named.setdefault(name, {})[key] = value.clone() if isinstance(value, torch.Tensor) else value
         groups = [{**_hyper(g), "params": [name for j in g["params"] for name, *_ in flats[j]["entries"]]}
                   for g in shards[0]["param_groups"]]
         opts.append({"state": named, "param_groups": groups})
@@ -397,8 +397,8 @@ def optimizer_state_for(saved: dict[str, Any], optimizer: torch.optim.Optimizer,
 
 
 def _local(name: str, key: str, value: Any, param: torch.Tensor, module: nn.Module, tp_rank: int | None) -> Any:
-    if not isinstance(value, torch.Tensor) or value.dim() == 0:
-        return value  # step counters
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:  # step counters: never shared between parameters, since
+        return value.clone() if isinstance(value, torch.Tensor) else value  # torch's Adam increments them in place
     spec = shard_spec(module, name) if tp_rank is not None else None
     if spec is not None and tp_rank is not None:
         value = spec.slice(value, tp_rank)

@@ -42,12 +42,16 @@ from nxdt.lightning.precision import with_strategy_clipping
 from nxdt.parallel.data_parallel import FSDP_SHARD_MARK, DataParallelRuntime, ModelParallel, data_parallel_runtime
 from nxdt.parallel.expert_parallel import apply_expert_parallel
 from nxdt.parallel.pipeline import PipelineExecutor, build_chunks, interleaved_one_f_one_b, one_f_one_b
-from nxdt.parallel.tensor_parallel import apply_tensor_parallel, norm_weights, shard_layout
+from nxdt.parallel.tensor_parallel import apply_tensor_parallel, gather_shards, norm_weights, partial_grad_names, shard_layout
 from nxdt.planner import DIMENSIONS, Dim, Plan, plan_layout
 
 log = logging.getLogger(__name__)
 
 # Lightning passes reduce ops as strings or torch ReduceOp members; nxdt.comm takes plain names.
+# a checkpoint whose model file holds the trainable tensors only (LoRA with save_lora_base false): the frozen base
+# weights come from the model as built when it is resumed
+ADAPTERS_ONLY_KEY = "nxdt_adapters_only"
+
 _REDUCE_OP_NAMES = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min", "prod": "prod", "product": "prod"}
 
 
@@ -137,6 +141,8 @@ class NxDStrategy(ParallelStrategy):
         self._trace_dir = trace_dir
         self._tracer: nxdt.comm.Tracer | None = None
         self._tp_layout: dict[str, list[int]] | None = None  # recorded before FSDP flattens the TP shards
+        self._tp_partial_grads: set[str] | None = None  # likewise: gradients that are partial sums over TP
+        self._trainable_names: set[str] = set()  # state-dict names of the trainable parameters, recorded before FSDP
         self._norm_weights: dict[str, float] = {}  # TP: how each parameter's gradient enters the global norm
         self._pipeline: PipelineExecutor | None = None  # set in setup() when PP > 1
         self._parallelized: torch.nn.Module | None = None  # the hub model _parallelize sharded (once)
@@ -274,6 +280,7 @@ class NxDStrategy(ParallelStrategy):
         self._parallelize()
         self._dp.bind(self._model_parallel())
         self._dp.broadcast_parameters(self.lightning_module)
+        self._trainable_names = {n for n, p in self.lightning_module.named_parameters() if p.requires_grad}
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             # after the optimizers exist: FSDP's param groups decide its flat buffers and are pointed at the shards
@@ -286,7 +293,8 @@ class NxDStrategy(ParallelStrategy):
         plan, comms = self.plan, self.communicators
         split = {dim.value: comms[dim] if plan.degree(dim) > 1 else None for dim in (Dim.TP, Dim.PP, Dim.EP)}
         return ModelParallel(dp=comms[Dim.DP], dp_size=plan.dp, edp=comms.get(Dim.EDP), **split,
-                             sequence_parallel=self._sequence_parallel, norm_weights=self._norm_weights, tp_layout=self._tp_layout)
+                             sequence_parallel=self._sequence_parallel, norm_weights=self._norm_weights, tp_layout=self._tp_layout,
+                             tp_partial_grads=self._tp_partial_grads)
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         """The module's optimizers, each through :meth:`shard_optimizer` (ZeRO-1 shards them; CausalLMModule shards
@@ -322,6 +330,7 @@ class NxDStrategy(ParallelStrategy):
             self._pipeline = PipelineExecutor(chunks, pp_comm, model.loss_fn, seq_shards=tp if self._sequence_parallel else 1)
         if tp > 1:  # this stage's TP-sharded parameters, recorded before FSDP could flatten them
             self._tp_layout = shard_layout(model)
+            self._tp_partial_grads = partial_grad_names(model)
         self._parallelized = model
 
     def forward_backward(self, module: pl.LightningModule, micro_batches: list[dict[str, Tensor]]) -> Tensor:
@@ -446,7 +455,11 @@ class NxDStrategy(ParallelStrategy):
             raise ckpt_io.CheckpointError(f"not writing {filepath}: the parameters are not finite (norm {norm}); the "
                                           "previous checkpoints are kept — lower model.optim.lr or enable gradient clipping")
         model_file, state_file, writes_model, writes_state = self._shard_files()
-        meta = {"degrees": dict(self.plan.degrees), "world_size": self.plan.world_size, **self._dp.checkpoint_flags(),
+        adapters_only = self._saves_adapters_only()
+        if adapters_only:  # LoRA without save_lora_base: the model file holds the adapters (trainable tensors) alone
+            checkpoint = {**checkpoint, ADAPTERS_ONLY_KEY: True,
+                          "state_dict": {k: v for k, v in checkpoint["state_dict"].items() if k in self._trainable_names}}
+        meta = {**({"adapters_only": True} if adapters_only else {}), "degrees": dict(self.plan.degrees), "world_size": self.plan.world_size, **self._dp.checkpoint_flags(),
                 "virtual_pipeline": self._virtual, "dp_format": self._dp.dp_format, **self.checkpoint_meta}
         if self.plan.tp > 1:  # how to reassemble full tensors from the TP shards (export, resharding)
             layout = self._tp_layout if self._tp_layout is not None else shard_layout(self.lightning_module.model)
@@ -475,6 +488,27 @@ class NxDStrategy(ParallelStrategy):
             self._async_writer = ckpt_io.AsyncWriter()
         self._async_writer.submit(write)
 
+    def _saves_adapters_only(self) -> bool:
+        """The hub model carries a LoRA ``peft_config`` (``nxdt.models.lora.apply_peft``) with save_lora_base false."""
+        config = getattr(getattr(self.lightning_module, "model", None), "peft_config", None)
+        return config is not None and not getattr(config, "save_lora_base", True)
+
+    def trainable_state_dict(self) -> dict[str, Tensor]:
+        """The trainable tensors (LoRA: the adapters) unsharded — gathered over FSDP's DP shards and the TP shards —
+        by their names in the hub model (no ``model.`` prefix), on every rank. A collective every rank joins; not with
+        pipeline parallelism (each stage holds other layers)."""
+        if self.plan.pp > 1:
+            raise NotImplementedError("NxDStrategy.trainable_state_dict: not with pipeline parallelism yet (each stage holds "
+                                      "other layers); export from a checkpoint (nxdt checkpoint consolidate) instead")
+        state = self._dp.model_state_dict(self.lightning_module)
+        layout, tp = self._tp_layout or {}, self.communicators.get(Dim.TP.value) if self.plan.tp > 1 else None
+        out = {}
+        for name in sorted(self._trainable_names):
+            short = name[len("model."):] if name.startswith("model.") else name
+            spec = layout.get(short)
+            out[short] = gather_shards(state[name], tp, *spec) if tp is not None and spec is not None else state[name].detach().clone()
+        return out
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The model file's weights by their original names (under FSDP gathered over DP one unit at a time; a
         collective every rank joins), so the model file is the same for every data-parallel format."""
@@ -488,9 +522,13 @@ class NxDStrategy(ParallelStrategy):
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         state = checkpoint["state_dict"]
+        adapters_only = bool(checkpoint.get(ADAPTERS_ONLY_KEY))
         if checkpoint.get(reshard.RESHARDED_KEY):  # the full model of another layout: this rank's stage and TP part of it
-            state = reshard.local_model_state(state, self._dp.model_state_keys(self.lightning_module), self.lightning_module,
-                                              self.plan.coords(self.global_rank).tp)
+            keys = [k for k in self._dp.model_state_keys(self.lightning_module) if not adapters_only or k in state]
+            state = reshard.local_model_state(state, keys, self.lightning_module, self.plan.coords(self.global_rank).tp)
+        if adapters_only:  # the frozen base: the model's own weights as built (its hf_checkpoint, or the same seed)
+            live = self._dp.model_state_dict(self.lightning_module)  # a collective under FSDP: every rank loads
+            state = {**{k: v for k, v in live.items() if k not in state}, **state}
         try:
             rest = self._dp.load_model_state(self.lightning_module, state)
         except (KeyError, ValueError) as exc:

@@ -16,8 +16,12 @@ optimizer state      one per replica                 one shard per DP rank      
 ``dp_format``        ``replicated``                  ``zero1``                        ``fsdp``
 ===================  ==============================  ===============================  ===============================
 
+Frozen parameters (``requires_grad=False``: a LoRA model's base) are held by no optimizer and reduced by no runtime:
+the replicated runtime's all-reduce and ZeRO-1's buckets take the trainable ones only, FSDP shards the frozen ones
+in flats of their own (no gradient, no reduce-scatter, no optimizer state), and norms count the trainable ones.
+
 Tensor, pipeline and expert parallelism compose with each of them through :class:`ModelParallel`: the
-TP sum of sequence-parallel replicas' gradients, the expert reduction over the expert-data-parallel
+TP sum of partial gradients (sequence-parallel replicas', LoRA's replicated halves'), the expert reduction over the expert-data-parallel
 group and the per-parameter norm weights that make a sum over TP/PP/EP shards the whole model's norm.
 A runtime holds no checkpoint-format code: checkpoint names and by-name resharding stay with the caller
 (``nxdt.lightning``), which hands them in where a runtime needs them.
@@ -36,7 +40,7 @@ from nxdt.comm.world import Communicator
 from nxdt.parallel import squared_norm
 from nxdt.parallel.expert_parallel import is_expert_parameter, reduce_expert_gradients
 from nxdt.parallel.fsdp import FullyShardedDataParallel, apply_fsdp
-from nxdt.parallel.tensor_parallel import shard_spec, sync_replicated_grads
+from nxdt.parallel.tensor_parallel import partial_grad_names, shard_spec, sync_replicated_grads
 from nxdt.parallel.zero1 import Zero1Optimizer
 
 FSDP_SHARD_MARK = "fsdp_shard_"  # state-dict names of FSDP's flat shards (never part of a checkpoint's model)
@@ -57,6 +61,9 @@ class ModelParallel:
     sequence_parallel: bool = False
     norm_weights: dict[str, float] = field(default_factory=dict)  # TP: how each parameter enters a global norm
     tp_layout: dict[str, list[int]] | None = None  # TP-sharded parameters, recorded before FSDP flattens them
+    # parameters whose gradients are partial sums over TP (SP's replicated ones, LoRA's replicated halves), by name;
+    # recorded before FSDP flattens them (None: ask the model)
+    tp_partial_grads: set[str] | None = None
 
     def sync_replicated_grads(self, module: nn.Module) -> None:
         """TP × sequence parallelism: sum the replicated parameters' gradients over TP (full gradients)."""
@@ -344,9 +351,10 @@ class FSDPRuntime(ReplicatedRuntime):
         if self.fsdp is None:
             return super().finish_gradients(module)
         self.fsdp.finish_gradients()
-        if self.mp.tp is not None and self.mp.sequence_parallel:  # TP sums on the shards: the full gradients are gone
-            layout = self.mp.tp_layout or {}
-            self.fsdp.sum_replicated_grads(self.mp.tp, lambda name: name in layout)
+        if self.mp.tp is not None:  # TP sums of partial gradients on the shards: the full gradients are gone
+            partial = self.mp.tp_partial_grads if self.mp.tp_partial_grads is not None else partial_grad_names(_hub(module))
+            if partial:
+                self.fsdp.sum_replicated_grads(self.mp.tp, lambda name: name not in partial)
 
     @torch.no_grad()
     def clip_grad_norm_(self, module: nn.Module, max_norm: float) -> Tensor:
@@ -365,6 +373,8 @@ class FSDPRuntime(ReplicatedRuntime):
         weights = self.mp.norm_weights  # each DP rank holds a different slice of every flat unit
         squares = torch.zeros(1, dtype=torch.float64)
         for flat in self.fsdp.flats():
+            if not flat.trainable:  # as the replicated runtime: the norm of what training updates
+                continue
             for entry, a, b in flat.counted_segments(self.fsdp.dp_rank):
                 squares += weights.get(entry.name, 1.0) * squared_norm(flat.shard[a:b])
         for comm in (self.fsdp.comm, self.mp.tp):

@@ -23,6 +23,14 @@ summed locally over the micro-batches and averaged over DP in one all-reduce per
 (:meth:`FullyShardedDataParallel.finish_gradients`) instead of one reduce-scatter per unit and
 micro-batch. They are not counted as gathered bytes.
 
+Frozen parameters (``requires_grad=False``, e.g. a LoRA model's base weights, in no optimizer) are
+sharded like the others, in flats of their own (group ``FROZEN``): gathered with their unit, freed with it,
+never given a gradient, never reduce-scattered, and held by no optimizer. Their unit's backward may still
+need them (a frozen weight's input gradient) after its trainable flats' gradients have arrived, so a unit
+holding sharded frozen flats is freed in backward only once its input's gradient has been computed too
+(an identity on the unit's first input that reports its backward) — or, when that input needs no
+gradient, once its trainable flats' gradients arrived (every frozen weight's backward then feeds one).
+
 Prefetch policies (``prefetch``):
 
 * ``none``: gather(i) is issued when unit i starts and waited for at once; reduce-scatters are waited
@@ -69,6 +77,7 @@ __all__ = ["FSDP_STREAM", "POLICIES", "FlatShard", "FSDPUnit", "FullyShardedData
 FSDP_STREAM = "fsdp"
 TP_STREAM = "tp"
 POLICIES = ("none", "eager", "token_threaded")
+FROZEN = None  # the ``group`` of a flat of frozen parameters (no optimizer holds them)
 
 
 @dataclass
@@ -89,7 +98,7 @@ class FlatShard:
     """The parameters of one unit in one optimizer param group (one dtype), flattened and sharded."""
 
     unit: int
-    group: tuple[int, int]  # (optimizer index, param-group index)
+    group: tuple[int, int] | None  # (optimizer index, param-group index); FROZEN for frozen parameters
     entries: list[_Entry]
     numel: int  # without padding
     shard_size: int
@@ -100,6 +109,10 @@ class FlatShard:
     replicated: bool = False  # kept whole on every rank (below the persistence threshold): never gathered or freed
     parts: int = 1  # shards the flat buffer is cut into: the DP size, 1 when replicated
     local_grad: torch.Tensor | None = None  # replicated: this rank's gradient summed over the step's micro-batches
+
+    @property
+    def trainable(self) -> bool:
+        return self.group is not FROZEN
 
     def offset(self, dp_rank: int) -> int:
         """Where shard ``dp_rank`` starts in the flat buffer (a replicated flat's "shard" is all of it)."""
@@ -128,7 +141,7 @@ class FSDPUnit:
     resident: bool = False  # tied across units: gathered from first use to the end of backward
     gather_work: Work | None = None
     gathered: bool = False  # storage allocated and the gather issued (complete once gather_work is done)
-    grads_pending: int = 0  # flats whose gradient has not arrived in this backward
+    grads_pending: int = 0  # flats whose gradient (or the input's, see frozen flats) has not arrived in this backward
 
     @property
     def nbytes(self) -> int:
@@ -189,12 +202,12 @@ class FullyShardedDataParallel:
                     if id(p) in group_of:
                         raise ValueError("FSDP: a parameter appears in two optimizer param groups")
                     group_of[id(p)] = (oi, gi)
-        # which units reach each trainable parameter (a tied weight reaches two)
+        # which units reach each sharded parameter, trainable or frozen (a tied weight reaches two)
         units_of: dict[int, list[int]] = {}
         for ui, mods in enumerate(unit_modules):
             for m in mods:
                 for p in m.parameters():
-                    if id(p) in group_of and ui not in units_of.setdefault(id(p), []):
+                    if _sharded(p, group_of) and ui not in units_of.setdefault(id(p), []):
                         units_of[id(p)].append(ui)
         # merge units that share a parameter into one resident unit (union-find over unit indices)
         parent = list(range(len(unit_modules)))
@@ -231,7 +244,7 @@ class FullyShardedDataParallel:
         for top in modules:
             for m in top.modules():
                 for attr, p in list(m._parameters.items()):
-                    if p is None or id(p) not in group_of:
+                    if p is None or not _sharded(p, group_of):
                         continue
                     qual = f"{names[id(m)]}.{attr}" if names.get(id(m)) else attr
                     if id(p) in seen:  # tied: one entry, several owners
@@ -239,7 +252,7 @@ class FullyShardedDataParallel:
                         seen[id(p)][1].append(qual)
                         continue
                     owners, quals = seen[id(p)] = ([(m, attr)], [qual])
-                    by_key.setdefault((group_of[id(p)], p.dtype), []).append((p, owners, quals))
+                    by_key.setdefault((group_of.get(id(p), FROZEN), p.dtype), []).append((p, owners, quals))
         flats = []
         gather_dtype = self.param_dtype
         sizes = {key: sum(p.numel() for p, _, _ in params) for key, params in by_key.items()}
@@ -257,7 +270,7 @@ class FullyShardedDataParallel:
                 entries.append(_Entry(quals[0], owners, quals, p.shape, offset, p.numel()))
                 offset += p.numel()
             lo = 0 if replicated else self.dp_rank * shard_size
-            shard = nn.Parameter(self._shard_buffer(flat[lo:lo + shard_size]))
+            shard = nn.Parameter(self._shard_buffer(flat[lo:lo + shard_size]), requires_grad=group is not FROZEN)
             full = torch.empty(flat.numel(), dtype=gather_dtype or dtype)
             if not replicated:
                 full.untyped_storage().resize_(0)  # resharded until first gathered
@@ -286,7 +299,7 @@ class FullyShardedDataParallel:
 
     def _install_hooks(self) -> None:
         for unit in self.units:
-            unit.modules[0].register_forward_pre_hook(lambda m, args, u=unit: self._pre_forward(u))
+            unit.modules[0].register_forward_pre_hook(lambda m, args, u=unit: self._pre_forward(u, args))
             unit.modules[-1].register_forward_hook(lambda m, args, out, u=unit: self._post_forward(u, out))
 
     # ------------------------------------------------------------------------------------ gathering
@@ -350,7 +363,7 @@ class FullyShardedDataParallel:
             # a separate tensor over the same storage: re-gathering into ``full`` for backward must not bump the
             # version counter of the tensors autograd saved from the leaf's views
             leaf = torch.empty(0, dtype=f.full.dtype).set_(f.full.untyped_storage(), 0, (f.full.numel(),))
-            if need_grad:
+            if need_grad and f.trainable:
                 leaf.requires_grad_(True)
                 leaf.register_post_accumulate_grad_hook(lambda t, u=unit, fl=f: self._on_grad(u, fl))
                 f.leaf = leaf
@@ -371,10 +384,10 @@ class FullyShardedDataParallel:
             for j in range(unit.index + 1, min(len(self.units), unit.index + 1 + self.distance)):
                 self._gather(self.units[j])
 
-    def _pre_forward(self, unit: FSDPUnit) -> None:
+    def _pre_forward(self, unit: FSDPUnit, args: tuple) -> tuple | None:
         if self._in_backward:  # activation-checkpoint recompute: the views exist, the storage must be filled
             self._wait_gathered(unit)
-            return
+            return None
         if unit.index == 0:  # a new forward pass: the previous backward's reduce-scatters have had their time
             self._exit_order = []
             self._drain_reduce_scatters()
@@ -385,6 +398,17 @@ class FullyShardedDataParallel:
             self._set_views(unit, need_grad=torch.is_grad_enabled())
         if self.tracer is not None:
             self._unit_start = time.perf_counter()
+        return self._watch_input(unit, args)
+
+    def _watch_input(self, unit: FSDPUnit, args: tuple) -> tuple | None:
+        """A unit with sharded frozen flats: its first input passes an identity whose backward reports that the
+        unit's backward is over (so the frozen weights it used may be freed); counted as one pending gradient."""
+        if not (torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor) and args[0].requires_grad
+                and any(not f.trainable and not f.replicated for f in unit.flats)):
+            return None
+        unit.grads_pending += 1
+        self._grads_expected += 1
+        return (_ReportBackward.apply(args[0], lambda: self._on_input_grad(unit)), *args[1:])
 
     def _post_forward(self, unit: FSDPUnit, out: Any) -> Any:
         if self._in_backward:
@@ -438,6 +462,13 @@ class FullyShardedDataParallel:
                 flat.local_grad.add_(grad)
         elif grad is not None:
             self._rs_queue.append((self._backward_started, flat, grad))
+        self._unit_grad_arrived(unit)
+
+    def _on_input_grad(self, unit: FSDPUnit) -> None:
+        """The gradient of a unit's input is computed: every backward op of the unit (its frozen weights') ran."""
+        self._unit_grad_arrived(unit)
+
+    def _unit_grad_arrived(self, unit: FSDPUnit) -> None:
         unit.grads_pending -= 1
         self._grads_expected -= 1
         if unit.grads_pending == 0:
@@ -635,8 +666,8 @@ class FullyShardedDataParallel:
                 if entry_states:
                     out: dict[str, Any] = {}
                     for key, value in entry_states[0][1].items():
-                        if not isinstance(value, torch.Tensor) or value.dim() == 0:
-                            out[key] = value  # the step counter: the same for every parameter of a group
+                        if not isinstance(value, torch.Tensor) or value.dim() == 0:  # the step counter: the same for every
+                            out[key] = value.clone() if isinstance(value, torch.Tensor) else value  # parameter; one copy each
                             continue
                         full = torch.zeros(f.shard_size * f.parts, dtype=value.dtype)
                         for e, st in entry_states:
@@ -687,9 +718,10 @@ class FullyShardedDataParallel:
 
     @torch.no_grad()
     def sum_replicated_grads(self, tp_comm: Any, is_tp_sharded: Any) -> int:
-        """FSDP × sequence parallelism: parameters every TP rank holds (norms; ``is_tp_sharded(name)`` False)
-        saw only their rank's sequence shard — sum their parts of the shard gradients over TP, in one
-        all-reduce (the TP ranks' flat layouts are identical). Returns how many segments were summed."""
+        """FSDP × TP: parameters whose gradients are partial sums over TP (``is_tp_sharded(name)`` False: under
+        sequence parallelism every replicated one, each rank saw its sequence shard; LoRA's replicated halves) —
+        sum their parts of the shard gradients over TP, in one all-reduce (the TP ranks' flat layouts are
+        identical). Returns how many segments were summed."""
         parts = [f.shard.grad[a:b] for f in self.flats() if f.shard.grad is not None
                  for e, a, b in f.segments(self.dp_rank) if not is_tp_sharded(e.name)]
         if parts:
@@ -698,6 +730,25 @@ class FullyShardedDataParallel:
             for part, value in zip(parts, summed.split([p.numel() for p in parts])):
                 part.copy_(value)
         return len(parts)
+
+
+def _sharded(p: nn.Parameter, group_of: dict[int, tuple[int, int]]) -> bool:
+    """FSDP shards a parameter an optimizer holds, or a frozen one (in no optimizer, ``requires_grad=False``)."""
+    return id(p) in group_of or not p.requires_grad
+
+
+class _ReportBackward(torch.autograd.Function):
+    """Identity; its backward calls ``report()`` (the gradient of a unit's input is complete)."""
+
+    @staticmethod
+    def forward(ctx, x, report):
+        ctx.report = report
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.report()
+        return grad, None
 
 
 def default_units(model: nn.Module) -> list[list[nn.Module]]:

@@ -333,9 +333,15 @@ class ShardSpec:
 
     def gather(self, local: torch.Tensor, comm: Any) -> torch.Tensor:
         """Reassemble the full tensor on every rank (one copy of each replicated shard)."""
-        every = _all_gather(local.detach(), comm, self.dim)
-        shards = every.chunk(comm.size, self.dim)[:: self.replicas]
-        return torch.cat(shards, self.dim).contiguous()
+        return gather_shards(local, comm, self.dim, self.replicas)
+
+
+def gather_shards(local: torch.Tensor, comm: Any, dim: int, replicas: int = 1) -> torch.Tensor:
+    """The full tensor from every TP rank's shard along ``dim`` (``replicas`` consecutive ranks hold each shard:
+    a checkpoint's ``tensor_parallel`` layout entry); a collective, every rank gets it."""
+    every = _all_gather(local.detach(), comm, dim)
+    shards = every.chunk(comm.size, dim)[::replicas]
+    return torch.cat(shards, dim).contiguous()
 
 
 def _check_comm(comm: Any) -> None:
@@ -491,12 +497,96 @@ class VocabParallelHead(ColumnParallelLinear):
         return vocab_parallel_cross_entropy(logits, labels, self.comm, ignore_index=ignore_index)
 
 
+def is_adapter(module: nn.Module) -> bool:
+    """A low-rank adapter around a linear layer, by the protocol the model hub's LoRA declares
+    (``nxdt.models.lora.LoRALinear``): ``base_layer``, ``lora_A`` [r, in], ``lora_B`` [out, r] (``nn.Linear``),
+    ``lora_dropout`` and ``scaling``; ``y = base_layer(x) + scaling · lora_B(lora_A(lora_dropout(x)))``."""
+    return all(isinstance(getattr(module, part, None), nn.Linear) for part in ("base_layer", "lora_A", "lora_B")) \
+        and hasattr(module, "scaling") and hasattr(module, "lora_dropout")
+
+
+class LoRAParallelLinear(TensorParallelModule):
+    """A LoRA adapter whose A/B split follows its base layer's (same submodule names as the unsharded adapter,
+    so checkpoints and exports find every tensor by name):
+
+    * ``column`` (base split by output rows): ``lora_B`` is split like the base (same head blocks, KV replicas
+      as the base), ``lora_A`` is replicated and reads the input inside the TP region. Each rank's ``lora_A``
+      gradient is then a *partial* sum (it saw only its rows of B's output gradient): it is declared in
+      ``partial_grads`` and summed over TP after backward (:func:`sync_replicated_grads`). The input gradient
+      through A is partial too and joins the base's in the region's one all-reduce. No extra collective.
+    * ``row`` (base split by input columns): ``lora_A`` is split like the base by input columns, ``lora_B`` is
+      replicated. B is linear, so ``B·Σ_r(A_r x_r) = Σ_r B·A_r x_r``: the adapter's partial output joins the
+      base's partial output *before* the one reduction (all-reduce, or reduce-scatter along the sequence with
+      SP) — no extra collective; ``lora_B``'s gradient is a partial sum, declared and summed like A's above.
+
+    The math equals the unsharded adapter's exactly (up to fp32 summation order). Dropout draws from each rank's
+    RNG: equal seeds keep the replicated input's mask equal over TP (column); a row layer's slices get
+    per-slice masks."""
+
+    def __init__(self, adapter: nn.Module, mode: str, comm: Any, *, sequence_parallel: bool = False, block: int = 1,
+                 replicate: bool = False, what: str = "LoRA adapter") -> None:
+        super().__init__()
+        _check_comm(comm)
+        if mode not in ("column", "row"):
+            raise ValueError(f"{what}: LoRA tensor-parallel mode {mode!r}: use 'column' or 'row'")
+        base = adapter.base_layer
+        self.comm, self.mode, self.sequence_parallel = comm, mode, sequence_parallel
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.scaling, self.lora_dropout = adapter.scaling, adapter.lora_dropout
+        self.rank, self.alpha = getattr(adapter, "rank", adapter.lora_A.out_features), getattr(adapter, "alpha", None)
+        self.input_in_region = False  # column: set when the enclosing block entered the region already
+        if mode == "column":
+            self.base_layer = ColumnParallelLinear.from_full(base, comm, sequence_parallel=sequence_parallel, block=block,
+                                                             replicate=replicate, input_in_region=True, what=what)
+            self.lora_A = _replicated_copy(adapter.lora_A)
+            self.lora_B = ColumnParallelLinear.from_full(adapter.lora_B, comm, block=block, replicate=replicate,
+                                                         input_in_region=True, what=f"{what} lora_B")
+            self.partial_grads = {"lora_A.weight"}
+        else:
+            self.base_layer = RowParallelLinear.from_full(base, comm, sequence_parallel=sequence_parallel, block=block, what=what)
+            self.lora_A = RowParallelLinear.from_full(adapter.lora_A, comm, block=block, reduce_output=False,
+                                                      what=f"{what} lora_A")
+            self.lora_B = _replicated_copy(adapter.lora_B)
+            self.partial_grads = {"lora_B.weight"}
+        self.shard_specs = {}  # its parameters live in the submodules (their own shard_specs)
+
+    def extra_repr(self) -> str:
+        return f"mode={self.mode}, in={self.in_features}, out={self.out_features}, scaling={self.scaling:g}, tp={self.comm.size}"
+
+    def delta_weight(self) -> torch.Tensor:
+        """This rank's part of scaling·B·A (column: its rows; row: its columns), in the base weight's dtype."""
+        delta = self.lora_B.weight.float() @ self.lora_A.weight.float()
+        return (delta * self.scaling).to(self.base_layer.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "column":
+            if not self.input_in_region:
+                x = enter_region(x, self.comm, self.sequence_parallel)
+            return self.base_layer(x) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        base = self.base_layer
+        partial = F.linear(x, base.weight) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(partial, self.comm)
+        else:
+            y = reduce_from_tensor_parallel_region(partial, self.comm)
+        return y + base.bias if base.bias is not None else y
+
+
+def _replicated_copy(linear: nn.Linear) -> nn.Linear:
+    """A separate ``nn.Linear`` with the same weights (every TP rank holds all of it)."""
+    copy = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, dtype=linear.weight.dtype)
+    copy.load_state_dict(linear.state_dict())
+    copy.requires_grad_(linear.weight.requires_grad)
+    return copy
+
+
 def _load_slices(mod: TensorParallelModule, full: nn.Module, rank: int) -> None:
     with torch.no_grad():
         for name, param in mod.named_parameters(recurse=False):
             source = getattr(full, name)
             spec = mod.shard_specs.get(name)
             param.copy_(spec.slice(source, rank) if spec is not None else source.detach())
+            param.requires_grad_(source.requires_grad)  # a frozen weight (LoRA's base) stays frozen
 
 
 # ---------------------------------------------------------------------------------------------- loss
@@ -569,6 +659,12 @@ def _build(style: str, module: nn.Module, comm: Any, sequence_parallel: bool, wh
         if name == "rowwise_partial":
             return RowParallelLinear.from_full(module, comm, block=block, reduce_output=False, what=f"{what} ({style})")
         return ColumnParallelLinear.from_full(module, comm, block=block, input_in_region=True, what=f"{what} ({style})")
+    if is_adapter(module):  # LoRA: A/B split by the base layer's style
+        if name not in ("colwise", "colwise_kv", "rowwise"):
+            raise TypeError(f"tensor-parallel plan: {what} is a LoRA adapter; style {style!r} cannot split one (adapters "
+                            f"follow colwise, colwise_kv or rowwise layers)")
+        return LoRAParallelLinear(module, "row" if name == "rowwise" else "column", comm, sequence_parallel=sequence_parallel,
+                                  block=block, replicate=name == "colwise_kv", what=f"{what} ({style}, LoRA)")
     expected = nn.Embedding if name == "vocab_embedding" else nn.Linear
     if not isinstance(module, expected):
         raise TypeError(f"tensor-parallel plan: {what} is a {type(module).__name__}; style {style!r} needs a torch.nn.{expected.__name__} "
@@ -636,19 +732,21 @@ def apply_tensor_parallel(model: nn.Module, tp_comm: Any, *, sequence_parallel: 
             module.tensor_parallel_region = TokenRegion(tp_comm, sequence_parallel)
             continue
         parallel = _build(style, module, tp_comm, sequence_parallel, name)
-        full_weight = module.weight
+        holder = parallel.base_layer if isinstance(parallel, LoRAParallelLinear) else parallel  # the layer owning the weight
+        full_weight = module.base_layer.weight if holder is not parallel else module.weight
         key = (id(full_weight), "vocab" if style in ("vocab_embedding", "vocab_head") else style)
         if key in shared:
-            parallel.weight = shared[key]  # tied weights: one shard, two users
+            holder.weight = shared[key]  # tied weights: one shard, two users
         else:
-            shared[key] = parallel.weight
+            shared[key] = holder.weight
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, parallel)
     unused = [p for p, n in matched.items() if n == 0]
     if unused:
         raise ValueError(f"tensor-parallel plan entries {unused} match no module of {type(model).__name__}")
     for name in regions:
-        columns = [m for m in model.get_submodule(name).modules() if isinstance(m, ColumnParallelLinear)]
+        columns = [m for m in model.get_submodule(name).modules()
+                   if isinstance(m, ColumnParallelLinear) or (isinstance(m, LoRAParallelLinear) and m.mode == "column")]
         if not columns:
             raise ValueError(f"tensor-parallel plan: {name} is an 'input_region' block but holds no column-parallel layer; "
                              f"declare its layers colwise or drop the entry")
@@ -674,14 +772,27 @@ def uses_sequence_parallel(model: nn.Module) -> bool:
     return any(isinstance(m, TensorParallelModule) and m.sequence_parallel for m in model.modules())
 
 
+def partial_grad_names(model: nn.Module) -> set[str]:
+    """Parameters (by name in ``model``) whose gradient after backward is a partial sum over the TP group, to be
+    summed by :func:`sync_replicated_grads`: with sequence parallelism every replicated one (each rank saw its
+    sequence shard), and always the ones a parallel layer declares in ``partial_grads`` (LoRA's replicated
+    half, :class:`LoRAParallelLinear`)."""
+    declared = {f"{prefix}.{rel}" if prefix else rel for prefix, m in model.named_modules()
+                for rel in getattr(m, "partial_grads", ()) if isinstance(m, TensorParallelModule)}
+    sequence_parallel = uses_sequence_parallel(model)
+    return {name for name, _ in model.named_parameters()
+            if name in declared or (sequence_parallel and _owner_spec(model, name) is None)}
+
+
 def sync_replicated_grads(model: nn.Module, tp_comm: Any) -> int:
-    """After backward: sum over the TP group the gradients of parameters that are replicated (not sharded)
-    when the model runs sequence-parallel — each rank saw only its sequence shard. Without sequence
-    parallelism these gradients are already identical and nothing is sent. Returns the number of tensors
-    synchronised (the same on every rank). One all-reduce per dtype."""
-    if not uses_sequence_parallel(model):
+    """After backward: sum over the TP group the gradients that are partial sums over it
+    (:func:`partial_grad_names`: replicated parameters under sequence parallelism — each rank saw only its
+    sequence shard — and LoRA's replicated half). Without sequence parallelism and adapters nothing is sent.
+    Returns the number of tensors synchronised (the same on every rank). One all-reduce per dtype."""
+    partial = partial_grad_names(model)
+    if not partial:
         return 0
-    replicated = [p for name, p in model.named_parameters() if p.grad is not None and _owner_spec(model, name) is None]
+    replicated = [p for name, p in model.named_parameters() if p.grad is not None and name in partial]
     by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
     for p in replicated:
         by_dtype.setdefault(p.grad.dtype, []).append(p)
