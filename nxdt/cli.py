@@ -179,19 +179,48 @@ def check_data(cfg: Any) -> None:
                 check_tokenizer(data.tokenizer, cfg.model.vocab_size)
             except TokenizerFileError as exc:
                 raise ConfigError("data.tokenizer", data.tokenizer, exc.fix) from None
-        try:
-            check_text_files(data.train_dir or SAMPLE_TEXT, data.seq_length, byte_level=data.tokenizer is None)
-        except TextSourceError as exc:
-            raise ConfigError("data.train_dir", data.train_dir, exc.fix) from None
+        for key, path in (("data.train_dir", data.train_dir or SAMPLE_TEXT), ("data.val_dir", data.val_dir)):
+            try:
+                if path is not None:
+                    check_text_files(path, data.seq_length, byte_level=data.tokenizer is None)
+            except TextSourceError as exc:
+                raise ConfigError(key, path, exc.fix) from None
     elif data.source == "hf_dataset":
         from nxdt.data.hf_dataset import DatasetDirError, SavedHFDataset, check_saved_dataset
 
-        try:
-            check_saved_dataset(data.train_dir)  # JSON files and Arrow schemas only
-            SavedHFDataset(data.train_dir, data.seq_length, cfg.model.vocab_size)
-        except DatasetDirError as exc:
-            raise ConfigError("data.train_dir", data.train_dir, exc.fix) from None
+        for key, path in (("data.train_dir", data.train_dir), ("data.val_dir", data.val_dir)):
+            try:
+                if path is not None:
+                    check_saved_dataset(path)  # JSON files and Arrow schemas only
+                    SavedHFDataset(path, data.seq_length, cfg.model.vocab_size)
+            except DatasetDirError as exc:
+                raise ConfigError(key, path, exc.fix) from None
+    elif data.source == "instructions":
+        _check_instructions(cfg)
     _check_host_memory(cfg)
+
+
+def _check_instructions(cfg: Any) -> None:
+    """Instruction records (SFT) are read and built here as every worker will (tokenized, masked, packed or padded,
+    truncated), so a bad record, a tokenizer without EOS or an empty file is one line before any worker starts, and
+    the user hears once how many records were cut or dropped."""
+    from nxdt.config import ConfigError
+    from nxdt.data.instructions import build_chat_tokenizer, sft_report
+    from nxdt.lightning.datamodule import build_sft_dataset, chat_tokenizer_dir
+
+    data = cfg.data
+    try:
+        build_chat_tokenizer(chat_tokenizer_dir(data.tokenizer))
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise ConfigError("data.tokenizer", data.tokenizer, str(exc)) from None
+    for key, path, limit in (("data.train_dir", data.train_dir, data.dev_choose_samples), ("data.val_dir", data.val_dir, None)):
+        if path is None and key == "data.val_dir":
+            continue
+        try:
+            dataset = build_sft_dataset(data, cfg.model_alignment_strategy.sft, path, cfg.model.vocab_size, limit=limit)
+        except (ValueError, OSError, RuntimeError) as exc:
+            raise ConfigError(key, path, str(exc)) from None
+        print(f"nxdt: {sft_report(dataset.stats, 'train' if key == 'data.train_dir' else 'validation')}", flush=True)
 
 
 def _check_model(cfg: Any) -> None:

@@ -34,6 +34,15 @@ def _checkpoint(root: Path, name: str, damage: str | None = None, model: dict | 
     return path
 
 
+WRONG_FIELDS = '{"prompt": "2+2", "answer": "4"}'
+
+
+def _jsonl(directory: Path, name: str, text: str) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / name).write_text(text + ("\n" if text else ""))
+    return directory / name
+
+
 def _cases(tmp: Path) -> list[tuple[list[str], str]]:
     text = tmp / "notes.txt"
     text.write_text("hello")
@@ -63,6 +72,17 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["train", "data.train_dir=/no/such/corpus.txt"], "data.train_dir"),
         (["train", "data.tokenizer=/no/such/tokenizer.json"], "data.tokenizer"),
         (["train", "data.seq_length=100000"], "data.seq_length"),
+        # fine-tuning data (instruction records: checked in the launcher, before any worker)
+        (["train", "+recipe=sft", f"data.train_dir={_jsonl(tmp, 'fields.jsonl', WRONG_FIELDS)}"],
+         "record 0: needs 'input' and 'output'"),
+        (["train", "+recipe=sft", f"data.train_dir={_jsonl(tmp / 'empty', 'train.jsonl', '')}"], "no record left to train on (0 read"),
+        (["train", "+recipe=sft", f"data.val_dir={_jsonl(tmp, 'val.jsonl', 'not json')}"],
+         "data.val_dir"),
+        (["train", "+recipe=sft", "data.source=text"], "model_alignment_strategy.sft trains on instruction records"),
+        (["train", "data.source=instructions"], "add model_alignment_strategy.sft"),
+        (["train", "model.weight_init_only=true"], "model.weight_init_only"),
+        (["train", "trainer.limit_val_batches=2.5"], "trainer.limit_val_batches"),
+        (["train", "data.val_dir=/no/such/validation.txt"], "data.val_dir"),
         # instances and topology
         (["train", "instance=trn1.32xlarg"], "did you mean"),
         (["train", "instance=trn1.2xlarge", "trainer.num_nodes=2"], "multi-node"),
