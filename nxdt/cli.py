@@ -152,6 +152,14 @@ def check_resume_checkpoint(cfg: Any, the_plan: Any) -> None:
     ds = cfg.distributed_strategy
     try:
         verify(path, {k: getattr(cfg.model, k) for k in MODEL_SHAPE_FIELDS})
+        if cfg.model.weight_init_only:  # only its model weights, consolidated on every rank: any layout but EP
+            from nxdt.lightning.checkpoint import read_meta
+
+            ep = read_meta(path).get("degrees", {}).get("ep", 1)
+            if ep > 1:
+                raise CheckpointError(f"checkpoint {path} is expert-parallel (EP{ep}): its weights cannot be consolidated yet "
+                                      "for model.weight_init_only; resume it with the same layout instead")
+            return
         dp_format = "fsdp" if ds.fsdp.enabled else ("zero1" if ds.zero1 else "replicated")
         if check_layout(path, the_plan.degrees, ds.zero1, ds.virtual_pipeline_model_parallel_size, data_parallel_format=dp_format):
             print(f"nxdt: {path} was saved on another layout; every rank reshards it for {the_plan.degrees}"

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from nxdt.cli import main
+from nxdt.data import SAMPLE_INSTRUCTIONS
 from nxdt.lightning import checkpoint as ckpt_io
 
 LLAMA_TINY_SHAPE = {"vocab_size": 256, "hidden_size": 128, "num_layers": 4, "num_attention_heads": 4, "num_kv_heads": 2,
@@ -80,6 +81,7 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
          "data.val_dir"),
         (["train", "+recipe=sft", "data.source=text"], "model_alignment_strategy.sft trains on instruction records"),
         (["train", "data.source=instructions"], "add model_alignment_strategy.sft"),
+        (["train", f"data.train_dir={SAMPLE_INSTRUCTIONS}"], "is JSON lines, which data.source=text would train on as raw text"),
         (["train", "model.weight_init_only=true"], "model.weight_init_only"),
         (["train", "trainer.limit_val_batches=2.5"], "trainer.limit_val_batches"),
         (["train", "data.val_dir=/no/such/validation.txt"], "data.val_dir"),
@@ -106,6 +108,8 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["train", f"exp_manager.resume_from_checkpoint={_checkpoint(tmp, 'e', degrees={'ep': 2})}"], "resharding expert-parallel"),
         (["train", f"exp_manager.resume_from_checkpoint={_checkpoint(tmp, 'f', degrees={'tp': 2, 'dp': 1}, format_version=1)}"],
          "older nxdt"),
+        (["train", f"exp_manager.resume_from_checkpoint={_checkpoint(tmp, 'w', degrees={'ep': 2})}", "model.weight_init_only=true"],
+         "expert-parallel (EP2): its weights cannot be consolidated yet for model.weight_init_only"),
         (["checkpoint", "consolidate", str(tmp / "a")], "usage"),
         (["checkpoint", "consolidate", str(_checkpoint(tmp, "g")), str(tmp)], "not an empty directory"),
         (["checkpoint", "consolidate", str(_checkpoint(tmp, "h", degrees={"ep": 2})), str(tmp / "out")], "expert-parallel"),

@@ -147,3 +147,26 @@ def test_validation_batches_cover_every_sample_once_whatever_the_data_parallel_d
     assert len(EvalBatchSampler(n, batch, 0, dp, num_batches=1)) == 1
     ds = PadRows([{"input_ids": torch.ones(3, dtype=torch.long), "labels": torch.ones(3, dtype=torch.long)}])
     assert ds[-1]["labels"].tolist() == [IGNORE_INDEX] * 3 and ds[-1]["input_ids"].tolist() == [0, 0, 0]
+
+
+def test_the_sft_recipe_composes_onto_nxdts_config_tree():
+    from nxdt.config import compose_config
+    from nxdt.config.validate import check_trainable
+
+    cfg = compose_config(["+recipe=sft", "model_alignment_strategy.sft.packing=false"])
+    check_trainable(cfg)
+    assert (cfg.data.source, cfg.data.train_dir, cfg.model_alignment_strategy.sft.packing) == ("instructions", None, False)
+    assert cfg.model_alignment_strategy.dpo is None and cfg.model_alignment_strategy.peft is None
+
+
+@pytest.mark.parametrize("limit, batches", [(1.0, 4), (0.5, 2), (0.1, 1), (0.0, 0), (3, 3), (10, 4)])
+def test_limit_val_batches_counts_global_validation_batches(limit, batches):
+    from nxdt.lightning.datamodule import NxDDataModule
+
+    cfg = SimpleNamespace(source="synthetic", micro_batch_size=2, global_batch_size=8, seq_length=16, train_dir=None,
+                          tokenizer=None, num_samples=40, val_dir=None)
+    dm = NxDDataModule(cfg, seed=0, vocab_size=64, limit_val_batches=limit)
+    dm.val_dataset = list(range(30))  # 30 samples: 4 global batches of 8, the last one padded
+    assert dm.validation_batches() == batches
+    dm.val_dataset = None
+    assert dm.validation_batches() == 0

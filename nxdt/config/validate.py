@@ -410,6 +410,9 @@ def _check_fine_tuning(cfg: Any) -> None:
                               "data.source=instructions (data.train_dir: a .jsonl file or directory, or a save_to_disk directory)")
         if sft.truncation not in SFT_TRUNCATION:
             raise ConfigError("model_alignment_strategy.sft.truncation", sft.truncation, f"must be one of {', '.join(SFT_TRUNCATION)}")
+    elif data.source == "text" and any(str(p).endswith(".jsonl") for p in (data.train_dir, data.val_dir) if p):
+        raise ConfigError("data.train_dir", data.train_dir, "is JSON lines, which data.source=text would train on as raw text; "
+                          "for instruction records use data.source=instructions with model_alignment_strategy.sft (+recipe=sft)")
     elif data.source == "instructions":
         raise ConfigError("data.source", "instructions", "instruction records are read for fine-tuning: add "
                           "model_alignment_strategy.sft (e.g. +recipe=sft, or model_alignment_strategy.sft.packing in an NxDT config)")
