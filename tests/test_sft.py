@@ -170,3 +170,29 @@ def test_limit_val_batches_counts_global_validation_batches(limit, batches):
     assert dm.validation_batches() == batches
     dm.val_dataset = None
     assert dm.validation_batches() == 0
+
+
+def test_instruction_records_read_from_jsonl_files_a_directory_and_a_save_to_disk_directory(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import json
+
+    import pyarrow.ipc
+
+    records = _records(7)
+    saved = tmp_path / "saved"  # the layout Dataset.save_to_disk writes: state.json + Arrow stream shards
+    saved.mkdir()
+    table = pa.Table.from_pylist(records)
+    for name, part in (("data-00000-of-00002.arrow", table.slice(0, 4)), ("data-00001-of-00002.arrow", table.slice(4))):
+        with pa.OSFile(str(saved / name), "wb") as sink, pyarrow.ipc.new_stream(sink, part.schema) as writer:
+            writer.write_table(part)
+    (saved / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00002.arrow"},
+                                                                  {"filename": "data-00001-of-00002.arrow"}]}))
+    assert read_instruction_records(saved) == records
+    assert read_instruction_records(saved, limit=5) == records[:5]  # data.dev_choose_samples, across shards
+    jsonl = tmp_path / "jsonl"
+    jsonl.mkdir()
+    (jsonl / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:3]))
+    (jsonl / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[3:]))
+    assert read_instruction_records(jsonl) == records and read_instruction_records(jsonl, limit=4) == records[:4]
+    with pytest.raises(ValueError, match="no \\*.jsonl files"):
+        read_instruction_records(tmp_path)  # neither JSON lines nor a saved dataset
