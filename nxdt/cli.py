@@ -66,6 +66,7 @@ def train_help() -> str:
              "docs/migrating-from-nxdt.md)", "", "config groups:"]
     for group in ("model", "data", "instance", "launcher"):
         lines.append(f"  {group}: {', '.join(available_options(group))}")
+    lines.append(f"  +recipe: {', '.join(available_options('recipe'))}   (fine-tuning recipes: add with +recipe=NAME)")
     lines += ["", "keys (default) — description:"]
     for key, default, doc in field_docs():
         lines.append(f"  {key} ({default}) — {doc}")

@@ -2,8 +2,10 @@
 optimizer and schedule from ``model.optim``.
 
 One Lightning step is one global batch, as in NxDT: the batch is this rank's share of it, split into
-``micro_batch_size`` pieces inside the step. The step's loss (mean over every micro-batch of every
-data-parallel rank) is published in ``step_metrics`` for the experiment manager.
+``micro_batch_size`` pieces inside the step. The step's loss — the objective of ``model_alignment_strategy``
+(:mod:`nxdt.lightning.objective`): the mean over every labelled token of the global batch, whichever micro-batch and
+data-parallel rank holds it — is published in ``step_metrics`` for the experiment manager; after a validation
+(``data.val_dir``), ``val_metrics`` holds ``val_loss``, token-weighted over the whole validation set.
 """
 
 from __future__ import annotations
