@@ -84,6 +84,7 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["train", f"data.train_dir={SAMPLE_INSTRUCTIONS}"], "is JSON lines, which data.source=text would train on as raw text"),
         (["train", "model.weight_init_only=true"], "model.weight_init_only"),
         (["train", "trainer.limit_val_batches=2.5"], "trainer.limit_val_batches"),
+        (["train", "data.val_split=1.0"], "data.val_split"),
         (["train", "data.val_dir=/no/such/validation.txt"], "data.val_dir"),
         # instances and topology
         (["train", "instance=trn1.32xlarg"], "did you mean"),

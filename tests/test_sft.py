@@ -196,3 +196,21 @@ def test_instruction_records_read_from_jsonl_files_a_directory_and_a_save_to_dis
     assert read_instruction_records(jsonl) == records and read_instruction_records(jsonl, limit=4) == records[:4]
     with pytest.raises(ValueError, match="no \\*.jsonl files"):
         read_instruction_records(tmp_path)  # neither JSON lines nor a saved dataset
+
+
+def test_val_split_holds_out_the_last_samples_and_never_trains_on_them():
+    from nxdt.lightning.datamodule import NxDDataModule, hold_out
+
+    train, val = hold_out(list(range(10)), 0.25)
+    assert list(train) == list(range(7)) and list(val) == [7, 8, 9]
+    assert hold_out(list(range(10)), 0.0)[1] is None
+    with pytest.raises(ValueError, match="nothing to train on"):
+        hold_out([0], 0.5)
+    cfg = SimpleNamespace(source="synthetic", micro_batch_size=2, global_batch_size=8, seq_length=16, train_dir=None,
+                          tokenizer=None, num_samples=40, val_dir=None, val_split=0.1)
+    dm = NxDDataModule(cfg, seed=0, vocab_size=64)
+    dm.setup("fit")
+    assert (len(dm.dataset), len(dm.val_dataset), dm.validation_batches()) == (36, 4, 1)
+    batch = next(iter(dm.val_dataloader()))
+    assert torch.equal(batch["input_ids"][:4], torch.stack([dm.dataset.dataset[i]["input_ids"] for i in range(36, 40)]))
+    assert (batch["labels"][4:] == IGNORE_INDEX).all()  # the rest of the global batch is padding

@@ -116,6 +116,8 @@ class DataConfig:
     val_dir: Optional[str] = doc(None, "validation data, read like train_dir (text: a file or directory; hf_dataset, "
                                        "instructions: the same formats); null = no validation")
     dev_choose_samples: Optional[int] = doc(None, "instructions: use only the first N records of train_dir; null = all")
+    val_split: float = doc(0.0, "without data.val_dir: hold out this fraction of train_dir's samples (the last ones) for "
+                                "validation, never trained on; 0 = none")
 
 
 @dataclass

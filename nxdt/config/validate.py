@@ -436,6 +436,10 @@ def _check_validation(cfg: Any) -> None:
     _number("trainer.limit_val_batches", limit, 0, what=" (<= 1: a fraction of the validation batches, > 1: a count)")
     if limit > 1 and limit != int(limit):
         raise ConfigError("trainer.limit_val_batches", limit, "above 1 it counts batches: give an integer (or a fraction <= 1)")
+    split = cfg.data.val_split
+    _number("data.val_split", split, 0, 1, hi_open=True, what=" (the held-out fraction of the training samples; 0 = none)")
+    if split > 0 and cfg.data.val_dir is not None:
+        raise ConfigError("data.val_split", split, "and data.val_dir both name validation data; keep one of them")
     if cfg.data.val_dir is not None and cfg.data.source == "synthetic":
         raise ConfigError("data.val_dir", cfg.data.val_dir, "data.source=synthetic reads no files; set data.val_dir=null")
 

@@ -13,12 +13,13 @@ later run changes ``data.global_batch_size``.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from nxdt.data import SAMPLE_INSTRUCTIONS, SAMPLE_TEXT
 from nxdt.data.datasets import PackedText, SyntheticTokens
@@ -44,6 +45,18 @@ def build_sft_dataset(data_cfg: Any, sft_cfg: Any, path: str | None, vocab_size:
         raise ValueError(f"data.tokenizer={data_cfg.tokenizer} has {tok.vocab_size} token ids but model.vocab_size={vocab_size}")
     records = read_instruction_records(path or SAMPLE_INSTRUCTIONS, limit)
     return SFTDataset.from_records(records, tok, data_cfg.seq_length, packing=sft_cfg.packing, truncation=sft_cfg.truncation)
+
+
+def hold_out(dataset: Dataset, fraction: float) -> tuple[Dataset, Dataset | None]:
+    """``data.val_split``: (the first samples, the last ``ceil(fraction·n)``, at least one left to train on) — whole
+    samples, so an instruction record (a packed sequence holds whole records) is never in both."""
+    if not fraction:
+        return dataset, None
+    n = len(dataset)
+    held = min(n - 1, max(1, math.ceil(fraction * n)))
+    if held < 1:
+        raise ValueError(f"data.val_split={fraction}: {n} sample(s) leave nothing to train on")
+    return Subset(dataset, range(n - held)), Subset(dataset, range(n - held, n))
 
 
 class NxDDataModule(pl.LightningDataModule):
@@ -96,6 +109,11 @@ class NxDDataModule(pl.LightningDataModule):
         self.dp_rank, self.dp_size = self._data_parallel()
         if self.dataset is None:  # setup() may run again (another fit); the data does not change
             self.dataset = self.build_dataset()
+            self.dataset, held_out = hold_out(self.dataset, getattr(self.cfg, "val_split", 0.0))
+            if held_out is not None:
+                self.val_dataset = held_out
+                rank_zero_info(f"data: the last {len(held_out)} of {len(self.dataset) + len(held_out)} samples held out "
+                               f"for validation (data.val_split={self.cfg.val_split})")
             rank_zero_info(f"data: {type(self.dataset).__name__}, {len(self.dataset)} samples of "
                            f"{self.cfg.seq_length} tokens, data-parallel {self.dp_size}")
         val_dir = getattr(self.cfg, "val_dir", None)  # optional in a Lightning API user's data config

@@ -331,8 +331,8 @@ def agreed_resume_checkpoint(cfg: Any, run_dir: str | Path) -> Path | None:
 
 
 def validates(cfg: Any) -> bool:
-    """Whether the run validates: data.val_dir set and trainer.limit_val_batches > 0."""
-    return cfg.data.val_dir is not None and cfg.trainer.limit_val_batches > 0
+    """Whether the run validates: data.val_dir (or a data.val_split) set and trainer.limit_val_batches > 0."""
+    return (cfg.data.val_dir is not None or cfg.data.val_split > 0) and cfg.trainer.limit_val_batches > 0
 
 
 def build_callbacks(cfg: Any, run_dir: Path, tokens_per_step: int, *, show_progress: bool) -> list[Callback]:
