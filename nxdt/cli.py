@@ -72,6 +72,7 @@ def train_help() -> str:
              "docs/migrating-from-nxdt.md)", "", "config groups:"]
     for group in ("model", "data", "instance", "launcher"):
         lines.append(f"  {group}: {', '.join(available_options(group))}")
+    lines.append(f"  +recipe: {', '.join(available_options('recipe'))}   (fine-tuning recipes: add with +recipe=NAME)")
     lines += ["", "keys (default) — description:"]
     for key, default, doc in field_docs():
         lines.append(f"  {key} ({default}) — {doc}")
@@ -159,6 +160,14 @@ def check_resume_checkpoint(cfg: Any, the_plan: Any) -> None:
     ds = cfg.distributed_strategy
     try:
         verify(path, {k: getattr(cfg.model, k) for k in MODEL_SHAPE_FIELDS})
+        if cfg.model.weight_init_only:  # only its model weights, consolidated on every rank: any layout but EP
+            from nxdt.lightning.checkpoint import read_meta
+
+            ep = read_meta(path).get("degrees", {}).get("ep", 1)
+            if ep > 1:
+                raise CheckpointError(f"checkpoint {path} is expert-parallel (EP{ep}): its weights cannot be consolidated yet "
+                                      "for model.weight_init_only; resume it with the same layout instead")
+            return
         dp_format = "fsdp" if ds.fsdp.enabled else ("zero1" if ds.zero1 else "replicated")
         if check_layout(path, the_plan.degrees, ds.zero1, ds.virtual_pipeline_model_parallel_size, data_parallel_format=dp_format):
             print(f"nxdt: {path} was saved on another layout; every rank reshards it for {the_plan.degrees}"
@@ -186,25 +195,34 @@ def check_data(cfg: Any) -> None:
                 check_tokenizer(data.tokenizer, cfg.model.vocab_size)
             except TokenizerFileError as exc:
                 raise ConfigError("data.tokenizer", data.tokenizer, exc.fix) from None
-        try:
-            check_text_files(data.train_dir or SAMPLE_TEXT, data.seq_length, byte_level=data.tokenizer is None)
-        except TextSourceError as exc:
-            raise ConfigError("data.train_dir", data.train_dir, exc.fix) from None
+        for key, path in (("data.train_dir", data.train_dir or SAMPLE_TEXT), ("data.val_dir", data.val_dir)):
+            try:
+                if path is not None:
+                    check_text_files(path, data.seq_length, byte_level=data.tokenizer is None)
+            except TextSourceError as exc:
+                raise ConfigError(key, path, exc.fix) from None
     elif data.source == "hf_dataset":
         from nxdt.data.hf_dataset import DatasetDirError, SavedHFDataset, check_saved_dataset
 
-        try:
-            check_saved_dataset(data.train_dir)  # JSON files and Arrow schemas only
-            SavedHFDataset(data.train_dir, data.seq_length, cfg.model.vocab_size)
-        except DatasetDirError as exc:
-            raise ConfigError("data.train_dir", data.train_dir, exc.fix) from None
+        for key, path in (("data.train_dir", data.train_dir), ("data.val_dir", data.val_dir)):
+            try:
+                if path is not None:
+                    check_saved_dataset(path)  # JSON files and Arrow schemas only
+                    SavedHFDataset(path, data.seq_length, cfg.model.vocab_size)
+            except DatasetDirError as exc:
+                raise ConfigError(key, path, exc.fix) from None
     elif data.source == "megatron":
         from nxdt.data.megatron import IndexedDataError, check_data_prefix
 
+        if data.val_dir is not None:
+            raise ConfigError("data.val_dir", data.val_dir, "data.source=megatron validates on held-out samples: "
+                              "set data.val_dir=null and data.val_split (e.g. 0.01)")
         try:
             check_data_prefix(data.data_prefix, cfg.model.vocab_size)
         except IndexedDataError as exc:
             raise ConfigError("data.data_prefix", _plain(data.data_prefix), exc.fix) from None
+    elif data.source == "instructions":
+        _check_instructions(cfg)
     _check_host_memory(cfg)
 
 
@@ -212,6 +230,29 @@ def _plain(value: Any) -> Any:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+
+def _check_instructions(cfg: Any) -> None:
+    """Instruction records (SFT) are read and built here as every worker will (tokenized, masked, packed or padded,
+    truncated), so a bad record, a tokenizer without EOS or an empty file is one line before any worker starts, and
+    the user hears once how many records were cut or dropped."""
+    from nxdt.config import ConfigError
+    from nxdt.data.instructions import build_chat_tokenizer, sft_report
+    from nxdt.lightning.datamodule import build_sft_dataset, chat_tokenizer_dir
+
+    data = cfg.data
+    try:
+        build_chat_tokenizer(chat_tokenizer_dir(data.tokenizer))
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise ConfigError("data.tokenizer", data.tokenizer, str(exc)) from None
+    for key, path, limit in (("data.train_dir", data.train_dir, data.dev_choose_samples), ("data.val_dir", data.val_dir, None)):
+        if path is None and key == "data.val_dir":
+            continue
+        try:
+            dataset = build_sft_dataset(data, cfg.model_alignment_strategy.sft, path, cfg.model.vocab_size, limit=limit)
+        except (ValueError, OSError, RuntimeError) as exc:
+            raise ConfigError(key, path, str(exc)) from None
+        print(f"nxdt: {sft_report(dataset.stats, 'train' if key == 'data.train_dir' else 'validation')}", flush=True)
 
 
 def _check_model(cfg: Any) -> None:

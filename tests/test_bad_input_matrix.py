@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from nxdt.cli import main
+from nxdt.data import SAMPLE_INSTRUCTIONS
 from nxdt.lightning import checkpoint as ckpt_io
 
 LLAMA_TINY_SHAPE = {"vocab_size": 256, "hidden_size": 128, "num_layers": 4, "num_attention_heads": 4, "num_kv_heads": 2,
@@ -33,6 +34,15 @@ def _checkpoint(root: Path, name: str, damage: str | None = None, model: dict | 
     elif damage == "garbage-state":
         (path / "trainer_state.pt").write_bytes(b"not a zip")
     return path
+
+
+WRONG_FIELDS = '{"prompt": "2+2", "answer": "4"}'
+
+
+def _jsonl(directory: Path, name: str, text: str) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / name).write_text(text + ("\n" if text else ""))
+    return directory / name
 
 
 def _cases(tmp: Path) -> list[tuple[list[str], str]]:
@@ -64,6 +74,19 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["train", "data.train_dir=/no/such/corpus.txt"], "data.train_dir"),
         (["train", "data.tokenizer=/no/such/tokenizer.json"], "data.tokenizer"),
         (["train", "data.seq_length=100000"], "data.seq_length"),
+        # fine-tuning data (instruction records: checked in the launcher, before any worker)
+        (["train", "+recipe=sft", f"data.train_dir={_jsonl(tmp, 'fields.jsonl', WRONG_FIELDS)}"],
+         "record 0: needs 'input' and 'output'"),
+        (["train", "+recipe=sft", f"data.train_dir={_jsonl(tmp / 'empty', 'train.jsonl', '')}"], "no record left to train on (0 read"),
+        (["train", "+recipe=sft", f"data.val_dir={_jsonl(tmp, 'val.jsonl', 'not json')}"],
+         "data.val_dir"),
+        (["train", "+recipe=sft", "data.source=text"], "model_alignment_strategy.sft trains on instruction records"),
+        (["train", "data.source=instructions"], "add model_alignment_strategy.sft"),
+        (["train", f"data.train_dir={SAMPLE_INSTRUCTIONS}"], "is JSON lines, which data.source=text would train on as raw text"),
+        (["train", "model.weight_init_only=true"], "model.weight_init_only"),
+        (["train", "trainer.limit_val_batches=2.5"], "trainer.limit_val_batches"),
+        (["train", "data.val_split=1.0"], "data.val_split"),
+        (["train", "data.val_dir=/no/such/validation.txt"], "data.val_dir"),
         # instances and topology
         (["train", "instance=trn1.32xlarg"], "did you mean"),
         (["train", "instance=trn1.2xlarge", "trainer.num_nodes=2"], "multi-node"),
@@ -87,6 +110,8 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["train", f"exp_manager.resume_from_checkpoint={_checkpoint(tmp, 'e', degrees={'ep': 2})}"], "resharding expert-parallel"),
         (["train", f"exp_manager.resume_from_checkpoint={_checkpoint(tmp, 'f', degrees={'tp': 2, 'dp': 1}, format_version=1)}"],
          "older nxdt"),
+        (["train", f"exp_manager.resume_from_checkpoint={_checkpoint(tmp, 'w', degrees={'ep': 2})}", "model.weight_init_only=true"],
+         "expert-parallel (EP2): its weights cannot be consolidated yet for model.weight_init_only"),
         (["checkpoint", "consolidate", str(tmp / "a")], "usage"),
         (["checkpoint", "consolidate", str(_checkpoint(tmp, "g")), str(tmp)], "not an empty directory"),
         (["checkpoint", "consolidate", str(_checkpoint(tmp, "h", degrees={"ep": 2})), str(tmp / "out")], "expert-parallel"),

@@ -151,12 +151,45 @@ def test_a_misspelled_key_in_the_file_fails_with_one_line_naming_the_spelling(tm
     (["data.seq_length=4096"], "differs from model.encoder_seq_length=8192"),
     (["trainer.accumulate_grad_batches=4"], "trainer.accumulate_grad_batches=4: not supported here"),
     (["instance=trn1.32xlarge", "trainer.devices=64"], "trainer.devices=64: a trn1.32xlarge node runs at most 32 ranks"),
-    (["+model_alignment_strategy.sft.packing=true"], "not supported here: fine-tuning recipes"),
+    (["+model_alignment_strategy.sft.packing=true", "data.source=text"], "model_alignment_strategy.sft trains on instruction records"),
+    (["model.weight_init_only=true"], "model.weight_init_only=True: loads the model weights of exp_manager.resume_from_checkpoint"),
 ])
 def test_unsupported_values_are_one_line_errors(override, needle):
     with pytest.raises(ConfigError) as info:
         nxdt_config("hf_llama3_8B_config", "instance=trn1.32xlarge", *override)
     assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------- fine-tuning configs
+
+FINE_TUNING = ("hf_llama3_8B_SFT_config", "hf_llama3_8B_SFT_lora_config", "hf_llama3_8B_DPO_config", "hf_llama3_8B_ORPO_config")
+
+
+@pytest.mark.parametrize("name", FINE_TUNING)
+def test_nxdts_fine_tuning_configs_read_every_key_and_refuse_only_what_is_not_wired(name):
+    from nxdt.config.validate import NotYetSupported, check_trainable
+
+    cfg, warnings = nxdt_config(name, "instance=trn1.32xlarge")
+    only_the_no_effect_warning(warnings)  # every other key is honoured: no "unknown", no note
+    em, data, m = cfg.exp_manager, cfg.data, cfg.model
+    assert (m.weight_init_only, em.resume_from_checkpoint.rstrip("/"), data.seq_length) == (True, "/home/ubuntu/pretrained_ckpt", 4096)
+    assert (data.tokenizer, cfg.trainer.limit_val_batches, cfg.trainer.val_check_interval) == ("/home/ubuntu/llama3_tokenizer", 0.0, 500)
+    assert plan(cfg).degrees["tp"] == 32
+    mas = cfg.model_alignment_strategy
+    if name == "hf_llama3_8B_SFT_config":
+        assert (mas.sft.packing, data.source, data.dev_choose_samples, data.val_dir) == (True, "instructions", 2250, "/home/ubuntu/validation.jsonl")
+        check_trainable(cfg)  # SFT trains
+        return
+    key = {"hf_llama3_8B_SFT_lora_config": "peft", "hf_llama3_8B_DPO_config": "dpo", "hf_llama3_8B_ORPO_config": "orpo"}[name]
+    if key == "peft":
+        assert (mas.peft.lora_rank, mas.peft.lora_alpha, mas.peft.target_modules, mas.peft.save_lora_base) == (16, 32, ["qkv_proj"], True)
+    elif key == "dpo":
+        assert (mas.dpo.kl_beta, mas.dpo.loss_type, mas.dpo.max_prompt_length, mas.dpo.truncation_mode) == (0.01, "sigmoid", 2048, "keep_start")
+    else:
+        assert (mas.orpo.beta, mas.orpo.max_prompt_length) == (0.1, 2048)
+    with pytest.raises(NotYetSupported) as info:
+        check_trainable(cfg)
+    assert str(info.value).startswith(f"config error: model_alignment_strategy.{key}: ") and "not wired into training yet" in str(info.value)
 
 
 # ---------------------------------------------------------------------------------------------- the rules (pure)
@@ -244,8 +277,8 @@ def test_data_sources_and_our_own_keys():
 
 
 def test_values_nxdt_cannot_honour_are_noted_not_dropped_silently():
-    t = translate(minimal(trainer__limit_val_batches=1.0, exp_manager__async_checkpointing=True, precision={"type": "bf16SR"}), LLAMA_HF)
-    assert [n.split(" has no effect")[0] for n in t.notes if "has no effect" in n] == ["trainer.limit_val_batches=1.0"]
+    t = translate(minimal(trainer__check_val_every_n_epoch=1, exp_manager__async_checkpointing=True, precision={"type": "bf16SR"}), LLAMA_HF)
+    assert [n.split(" has no effect")[0] for n in t.notes if "has no effect" in n] == ["trainer.check_val_every_n_epoch=1"]
     assert flat(t)["exp_manager.async_checkpointing"] is True  # nxdt implements it: translated, not noted
     t = translate(minimal(trainer__limit_val_batches=0.0, exp_manager__async_checkpointing=False), LLAMA_HF)
     assert t.notes == [] and t.ignored == []

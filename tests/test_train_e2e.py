@@ -8,6 +8,7 @@ failing worker reported by rank, and sweeps with their report.
 from __future__ import annotations
 
 import csv
+import math
 import os
 import re
 import subprocess
@@ -72,8 +73,13 @@ def test_default_run_learns_on_the_sample_text_and_fills_the_run_dir(tmp_path):
 
 
 def test_data_parallel_losses_equal_single_process(tmp_path):
-    common = [*TINY, "data=synthetic", "trainer.max_steps=5", "data.global_batch_size=8", "data.micro_batch_size=2",
-              "trainer.gradient_clip_val=1.0"]
+    """Training losses and the validation loss (data.val_dir: 37 windows, so the last global batch is partly
+    padding) equal one process's."""
+    from nxdt.data import SAMPLE_TEXT
+
+    (tmp_path / "val.txt").write_bytes(SAMPLE_TEXT.read_bytes()[-37 * 128 - 1:])
+    common = [*TINY, "data=text", "trainer.max_steps=5", "data.global_batch_size=8", "data.micro_batch_size=2",
+              "trainer.gradient_clip_val=1.0", f"data.val_dir={tmp_path / 'val.txt'}", "trainer.val_check_interval=4"]
     one, two = tmp_path / "dp1", tmp_path / "dp2"
     assert_ok(nxdt("train", *common, "trainer.devices=1", f"exp_manager.explicit_log_dir={one}", cwd=tmp_path))
     assert_ok(nxdt("train", *common, "trainer.devices=2", f"exp_manager.explicit_log_dir={two}", cwd=tmp_path))
@@ -82,6 +88,10 @@ def test_data_parallel_losses_equal_single_process(tmp_path):
     for step in single:
         assert parallel[step] == pytest.approx(single[step], rel=1e-5), (step, single, parallel)
     assert single[5] != single[1]  # it trained
+    val = [{int(r["step"]): r["val_loss"] for r in csv.DictReader(open(run / "metrics.csv", newline=""))} for run in (one, two)]
+    assert [s for s, v in val[0].items() if v] == [4]  # every val_check_interval steps (5 is no multiple of 4)
+    # a token-weighted sum over the same windows, whichever rank held them; fp32 forwards: rounding only
+    assert float(val[1][4]) == pytest.approx(float(val[0][4]), rel=1e-6) and math.isfinite(float(val[0][4]))
 
 
 def test_resume_continues_exactly(tmp_path):

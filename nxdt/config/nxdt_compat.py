@@ -66,7 +66,7 @@ def _derived(doc: str) -> Rule:
     return Rule(DERIVED, doc)
 
 
-VALIDATION = "nxdt runs no validation loop"
+NOT_WIRED = "same key; training refuses it by name until the recipe is wired (check_trainable)"
 MEGATRON_MODEL = "Megatron-model key; an hf model's shape comes from model.model_config (NxDT ignores it there too)"
 
 # NxDT key → rule. Order is the order of the migration guide's table.
@@ -83,7 +83,6 @@ RULES: dict[str, Rule] = {
     "neuron_rt_exec_timeout": _ignored("Neuron runtime timeout; nxdt's is comm.timeout_s"),
     "neuron_experimental_compress_rg": _ignored("Neuron replica-group compression"),
     "xla_*": _ignored("XLA environment settings"),
-    "model_alignment_strategy.*": _agree("fine-tuning recipes (SFT, DPO, ORPO, LoRA) are not supported yet", error=True),
     # --- trainer ---
     "trainer.devices": _map("ranks per node (one per logical NeuronCore on Trainium)"),
     "trainer.num_nodes": _map(),
@@ -96,11 +95,12 @@ RULES: dict[str, Rule] = {
     "trainer.accelerator": _ignored("Lightning accelerator (NxDT: tpu/XLA); nxdt runs on CPU ranks"),
     "trainer.accumulate_grad_batches": _agree("gradient accumulation comes from global_batch_size/(micro_batch_size·DP); NxDT rejects other values too",
                                                 1, error=True),
-    "trainer.limit_val_batches": _agree(VALIDATION, 0, 0.0),
-    "trainer.num_sanity_val_steps": _agree(VALIDATION, 0),
+    "trainer.limit_val_batches": _map("validation global batches per check: <= 1 a fraction (0 = no validation), > 1 a count"),
+    "trainer.num_sanity_val_steps": _map("validation batches run before training (results discarded)"),
     "trainer.limit_test_batches": _agree("nxdt runs no test loop", 0, 0.0),
-    "trainer.val_check_interval": _derived(VALIDATION + " (matters only with limit_val_batches > 0)"),
-    "trainer.check_val_every_n_epoch": _derived(VALIDATION + " (matters only with limit_val_batches > 0)"),
+    "trainer.val_check_interval": _map("validate every N optimizer steps (val_loss in metrics.csv); null = after the last step"),
+    "trainer.check_val_every_n_epoch": _agree("validation is scheduled by steps (trainer.val_check_interval), as NxDT's "
+                                              "example configs do", None),
     # --- exp_manager ---
     "exp_manager.name": _map("run directory name", to="name"),
     "exp_manager.exp_dir": _custom("exp_manager.exp_dir, the root of run directories; null = outputs/"),
@@ -145,10 +145,15 @@ RULES: dict[str, Rule] = {
     # --- data ---
     "data.micro_batch_size": _map(),
     "data.global_batch_size": _map("gradient accumulation = global/(micro·DP), as in NxDT"),
-    "data.seq_length": _custom("data.seq_length (must agree with model.encoder_seq_length when both are set)"),
+    "data.seq_length": _custom("data.seq_length (must agree with model.encoder_seq_length when both are set; with "
+                               "model_alignment_strategy: the fine-tuning length, at most encoder_seq_length, as in NxDT)"),
     "data.train_dir": _custom("data.train_dir with data.source=hf_dataset (a datasets.save_to_disk directory); "
-                              "set data.source=text for text files"),
-    "data.val_dir": _derived(VALIDATION),
+                              "set data.source=text for text files; with model_alignment_strategy.sft: "
+                              "data.source=instructions (.jsonl, or save_to_disk, records)"),
+    "data.val_dir": _map("validation data, read like data.train_dir; val_loss (token-weighted over all of it) in metrics.csv"),
+    "data.dev_choose_samples": _map("the first N records of data.train_dir (instruction records)"),
+    "data.tokenizer.type": _map("a Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json: EOS, chat "
+                                "template)", to="data.tokenizer"),
     "data.test_dir": _derived("nxdt runs no test loop"),
     "data.num_workers": _ignored("data is read in the rank process"),
     # Megatron indexed data (model_source: megatron)
@@ -168,8 +173,6 @@ RULES: dict[str, Rule] = {
     "data.no_seqlen_plus_one_input_tokens": _agree("samples are seq_length + 1 tokens", False, error=True),
     "data.validation_drop_last": _derived("the validation split of data_prefix is not read"),
     "data.pad_samples_to_global_batch_size": _derived("the sample stream never ends in a partial global batch"),
-    "data.tokenizer.type": _map("a Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json: EOS, chat "
-                                "template)", to="data.tokenizer"),
     "data.tokenizer.library": _agree("tokenizers are read as Hugging Face's (megatron's GPT2BPETokenizer by its vocabulary)",
                                      "huggingface", "megatron"),
     "data.tokenizer.vocab_file": _custom("GPT2BPETokenizer's vocab.json: its size is the vocabulary"),
@@ -190,7 +193,8 @@ RULES: dict[str, Rule] = {
     "model.fuse_qkv": _ignored("NxD's fused QKV weight layout"),
     "model.transpose_nki_inputs": _ignored("NKI kernel layout"),
     "model.use_cpu_initialization": _ignored("nxdt always initialises on CPU"),
-    "model.weight_init_only": _agree("to start from weights only, use model.hf_checkpoint", False, error=True),
+    "model.weight_init_only": _map("with exp_manager.resume_from_checkpoint: its model weights only (any layout), a fresh "
+                                   "optimizer, step 0"),
     "model.pipeline_cuts": _agree("nxdt cuts pipeline stages into equal layer counts", None),
     "model.activations_checkpoint_granularity": _map("full | selective (recomputes core attention) | null"),
     "model.activations_checkpoint_recompute": _ignored("NxDT module class names; selective recomputes core attention"),
@@ -253,6 +257,15 @@ RULES: dict[str, Rule] = {
     "model.persist_layer_norm": _ignored("Megatron's persistent layer-norm kernel"),
     "model.sliding_window_size": _custom("sliding-window attention: accepted when the window covers data.seq_length (then it "
                                          "is full causal attention), otherwise refused"),
+    # --- model_alignment_strategy (the block that is present picks the recipe) ---
+    "model_alignment_strategy.sft.packing": _map("records appended into each sequence, attention and positions per record; "
+                                                 "false = one record per sequence, padded"),
+    **{f"model_alignment_strategy.peft.{k}": _map(NOT_WIRED) for k in (
+        "lora_rank", "lora_alpha", "lora_dropout", "lora_bias", "lora_verbose", "target_modules", "load_lora_from_ckpt",
+        "save_lora_base", "merge_lora", "save_lora_config_adapter", "merge_sharded_lora")},
+    **{f"model_alignment_strategy.dpo.{k}": _map(NOT_WIRED) for k in (
+        "kl_beta", "loss_type", "max_prompt_length", "precompute_ref_log_probs", "truncation_mode")},
+    **{f"model_alignment_strategy.orpo.{k}": _map(NOT_WIRED) for k in ("beta", "max_prompt_length", "truncation_mode")},
     # --- precision ---
     "precision.type": _custom("fp32 → fp32; bf16SR → bf16SR (optimizer updates rounded stochastically, noted); autocast, "
                               "mixed_precision → mixed_precision (bf16 compute, fp32 weights); mixed_precisionSR → "
@@ -602,13 +615,18 @@ def _checkpointing(leaves: Mapping[str, Any]) -> dict[str, Any]:
 def _data(leaves: Mapping[str, Any], ours: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     seq, enc = leaves.get("data.seq_length"), leaves.get("model.encoder_seq_length")
-    if seq is not None and enc is not None and seq != enc:
+    aligning = any(k.startswith("model_alignment_strategy.") for k in leaves)
+    if aligning and seq is not None and enc is not None and seq > enc:
+        raise ConfigError("data.seq_length", seq, f"exceeds model.encoder_seq_length={enc}, the model's context; fine-tuning "
+                          "sequences must fit it")
+    if not aligning and seq is not None and enc is not None and seq != enc:
         raise ConfigError("data.seq_length", seq, f"differs from model.encoder_seq_length={enc}; NxDT's HF models train at "
                           "encoder_seq_length: make them equal")
     if seq is not None or enc is not None:
         out["data.seq_length"] = seq if seq is not None else enc
     if leaves.get("data.train_dir") is not None:
-        source = ours.get("data.source", "hf_dataset")
+        sft = any(k.startswith("model_alignment_strategy.sft.") for k in leaves)
+        source = ours.get("data.source", "instructions" if sft else "hf_dataset")
         out["data.source"] = source
         if source != "synthetic":  # synthetic tokens read no files
             out["data.train_dir"] = leaves["data.train_dir"]

@@ -7,6 +7,7 @@ precision``) plus nxdt's own ``instance`` and ``comm``. Pure data: no torch, no 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Dict, List, Optional
 
@@ -34,6 +35,10 @@ class TrainerConfig:
     log_every_n_steps: int = doc(1, "write a metrics.csv row every N steps")
     gradient_clip_val: Optional[float] = doc(1.0, "clip the global gradient norm to this value; null or 0 = no clipping")
     lnc: Optional[int] = doc(None, "logical NeuronCore size: physical cores per rank (Trn2/Trn3); null = the instance default")
+    val_check_interval: Optional[int] = doc(None, "validate (data.val_dir) every N optimizer steps; null = once, after the last step")
+    limit_val_batches: float = doc(1.0, "validation global batches per check: <= 1 a fraction of data.val_dir's (1.0 = all, "
+                                        "0 = no validation), > 1 that many (an integer)")
+    num_sanity_val_steps: int = doc(0, "validation batches run (and discarded) before training, to fail early; 0 = none")
 
 
 @dataclass
@@ -96,14 +101,18 @@ class DistributedStrategyConfig:
 @dataclass
 class DataConfig:
     source: str = doc("text", "synthetic | text | hf_dataset (a tokenized Hugging Face dataset saved with save_to_disk) | "
-                              "megatron (Megatron's indexed .bin/.idx datasets named by data_prefix)")
+                              "megatron (Megatron's indexed .bin/.idx datasets named by data_prefix) | "
+                              "instructions (SFT records: .jsonl or save_to_disk; needs model_alignment_strategy.sft)")
     micro_batch_size: int = doc(4, "samples per forward/backward on one rank")
     global_batch_size: Optional[int] = doc(None, "samples per optimizer step over all data-parallel ranks; null = "
                                                  "micro_batch_size × DP (one micro-batch per rank per step)")
     seq_length: int = doc(128, "tokens per sample")
     train_dir: Optional[str] = doc(None, "text: a UTF-8 text file or directory of *.txt (null = the shipped sample text); "
-                                         "hf_dataset: the save_to_disk directory (input_ids, optional labels; needs pyarrow)")
-    tokenizer: Optional[str] = doc(None, "path to a Hugging Face tokenizer.json; null = byte-level (256 ids)")
+                                         "hf_dataset: the save_to_disk directory (input_ids, optional labels; needs pyarrow); "
+                                         "instructions: a .jsonl file, a directory of *.jsonl, or a save_to_disk directory of "
+                                         "records (null = the shipped instruction set)")
+    tokenizer: Optional[str] = doc(None, "path to a Hugging Face tokenizer.json (instructions: its directory, with "
+                                         "tokenizer_config.json: EOS, chat template); null = byte-level (256 ids)")
     num_samples: int = doc(4096, "synthetic source: number of distinct samples")
     # Megatron's indexed datasets (source: megatron; NxDT's megatron_* configs)
     data_prefix: Optional[Any] = doc(None, "megatron: [weight, prefix, weight, prefix, ...] of PREFIX.bin/.idx datasets "
@@ -111,6 +120,11 @@ class DataConfig:
     index_mapping_dir: Optional[str] = doc(None, "megatron: directory caching the sample index (.npy); null = beside each .idx")
     splits_string: Optional[str] = doc(None, "megatron: train,validation,test shares of each dataset's documents (e.g. "
                                              "980,10,10); training reads the leading train share; null = every document")
+    val_dir: Optional[str] = doc(None, "validation data, read like train_dir (text: a file or directory; hf_dataset, "
+                                       "instructions: the same formats); null = no validation")
+    dev_choose_samples: Optional[int] = doc(None, "instructions: use only the first N records of train_dir; null = all")
+    val_split: float = doc(0.0, "without data.val_dir: hold out this fraction of train_dir's samples (the last ones) for "
+                                "validation, never trained on; 0 = none")
 
 
 @dataclass
@@ -175,8 +189,67 @@ class ModelConfig:
                                       "| blockwise (query×key blocks, online softmax, in torch) | naive (the S×S scores "
                                       "materialised); NxDT's model.fusions.flash_attention: false = naive")
     hf_checkpoint: Optional[str] = doc(None, "initialise the weights from a Hugging Face checkpoint directory (*.safetensors, HF names)")
+    weight_init_only: bool = doc(False, "with exp_manager.resume_from_checkpoint: take only the model weights from that nxdt "
+                                        "checkpoint (any layout) and start at step 0 with a fresh optimizer (fine-tuning)")
     moe: MoEConfig = doc(MoEConfig(), "mixture of experts (Mixtral); ignored by dense models")
     optim: OptimConfig = doc(OptimConfig(), "optimizer")
+
+
+@dataclass
+class SFTConfig:
+    """Supervised fine-tuning on instruction records (data.source=instructions; nxdt.data.instructions)."""
+
+    packing: bool = doc(True, "append whole records into each sequence (attention and positions never cross a record); "
+                              "false = one record per sequence, padded (pad tokens have no loss)")
+    truncation: str = doc("truncate", "a record longer than data.seq_length: truncate (the prompt's start is cut, keeping "
+                                      "at least half the sequence, then the response's end) | drop; both are counted")
+
+
+@dataclass
+class PEFTConfig:
+    """LoRA adapters (NxDT's keys and defaults)."""
+
+    lora_rank: int = doc(16, "rank of the LoRA update")
+    lora_alpha: float = doc(32, "scale = lora_alpha / lora_rank")
+    lora_dropout: float = doc(0.05, "dropout on the adapter's input")
+    lora_bias: str = doc("none", "none | all | lora_only")
+    lora_verbose: bool = doc(True, "log the adapted modules")
+    target_modules: List[str] = doc(["qkv_proj"], "modules to adapt: qkv_proj | o_proj | gate_up_proj | down_proj")
+    load_lora_from_ckpt: bool = doc(False, "load the adapter and base model from a checkpoint")
+    save_lora_base: bool = doc(True, "save the base model with the adapter")
+    merge_lora: bool = doc(False, "merge the adapter into the base model in checkpoints")
+    save_lora_config_adapter: bool = doc(True, "save the LoRA config and adapter in the same checkpoint file")
+    merge_sharded_lora: bool = doc(False, "merge the TP-sharded adapter checkpoints into one")
+
+
+@dataclass
+class DPOConfig:
+    """Direct Preference Optimization (NxDT's keys and defaults)."""
+
+    kl_beta: float = doc(0.01, "beta: how far the policy may move from the reference model")
+    loss_type: str = doc("sigmoid", "sigmoid (the paper's loss)")
+    max_prompt_length: int = doc(2048, "longest prompt, in tokens")
+    precompute_ref_log_probs: bool = doc(True, "compute the reference model's log-probabilities once, before training")
+    truncation_mode: str = doc("keep_start", "keep_start | keep_end: which end of a too-long prompt is kept")
+
+
+@dataclass
+class ORPOConfig:
+    """Odds Ratio Preference Optimization (NxDT's keys and defaults)."""
+
+    beta: float = doc(0.1, "weight of the odds-ratio term")
+    max_prompt_length: int = doc(2048, "longest prompt, in tokens")
+    truncation_mode: str = doc("keep_start", "keep_start | keep_end: which end of a too-long prompt is kept")
+
+
+@dataclass
+class ModelAlignmentConfig:
+    """NxDT's model_alignment_strategy: the block that is set (not null) picks the recipe; none = pretraining."""
+
+    sft: Optional[SFTConfig] = doc(None, "supervised fine-tuning (instruction records, prompt tokens masked)")
+    peft: Optional[PEFTConfig] = doc(None, "LoRA adapters")
+    dpo: Optional[DPOConfig] = doc(None, "DPO on preference records")
+    orpo: Optional[ORPOConfig] = doc(None, "ORPO on preference records")
 
 
 @dataclass
@@ -298,6 +371,8 @@ class Config:
     instance: InstanceConfig = doc(InstanceConfig(), "hardware the plan targets")
     comm: CommConfig = doc(CommConfig(), "collectives")
     launcher: LauncherConfig = doc(LauncherConfig(), "how the workers start: local, torchrun (every node), slurm")
+    model_alignment_strategy: ModelAlignmentConfig = doc(ModelAlignmentConfig(), "fine-tuning recipe (NxDT's key): sft, "
+                                                                                    "peft, dpo, orpo; none set = pretraining")
 
 
 # group name → schema for the group files under conf/<group>/
@@ -311,13 +386,24 @@ def register_schemas() -> None:
         cs.store(group=group, name=f"{group}_schema", node=schema)
 
 
+def _optional_block(schema: type, name: str) -> type | None:
+    """The dataclass of an ``Optional[<dataclass>]`` field (a block that is off while null), else None."""
+    hint = typing.get_type_hints(schema).get(name)
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 and is_dataclass(args[0]) else None
+
+
 def field_docs(schema: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted key, default, help) for every leaf field, for ``--help``."""
+    """(dotted key, default, help) for every leaf field, for ``--help``; an optional block's keys are listed as
+    its own (the block itself is null until set)."""
     rows = []
     for f in fields(schema):
         key = f"{prefix}{f.name}"
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        if is_dataclass(default):
+        block = _optional_block(schema, f.name) if default is None else None
+        if block is not None:
+            rows.extend(field_docs(block, key + "."))
+        elif is_dataclass(default):
             rows.extend(field_docs(type(default), key + "."))
         else:
             rows.append((key, "???" if default is MISSING else repr(default), f.metadata.get("help", "")))

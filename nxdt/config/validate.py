@@ -18,7 +18,7 @@ ALLOWED_MODEL_PREFIX = "nxdt.models."
 MODEL_SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "ffn_hidden_size")
 
 CHOICES = {
-    "data.source": ("synthetic", "text", "hf_dataset", "megatron"),
+    "data.source": ("synthetic", "text", "hf_dataset", "megatron", "instructions"),
     "precision.type": ("fp32", "bf16", "bf16SR", "mixed_precision", "mixed_precisionSR"),
     "model.optim.name": ("adamw", "adamw_fp32OptState"),
     "model.optim.sched.name": ("CosineAnnealing", "LinearAnnealingWithWarmUp", "constant"),
@@ -376,6 +376,8 @@ def validate(cfg: Any, *, paths: bool = True) -> None:
         raise ConfigError("data.global_batch_size", given, fix)
     if data.seq_length > model.max_position_embeddings:
         raise ConfigError("data.seq_length", data.seq_length, f"exceeds model.max_position_embeddings={model.max_position_embeddings}")
+    _check_fine_tuning(cfg)
+    _check_validation(cfg)
     if paths:
         _check_paths(cfg)
     if data.source == "hf_dataset" and data.train_dir is None:
@@ -406,6 +408,59 @@ def validate(cfg: Any, *, paths: bool = True) -> None:
         raise ConfigError("exp_manager.fault_injection.rank", fi.rank, f"must be a rank in 0..{world - 1}")
 
 
+ALIGNMENT_BLOCKS = ("sft", "peft", "dpo", "orpo")
+SFT_TRUNCATION = ("truncate", "drop")  # nxdt.data.instructions.TRUNCATION_MODES (config sits below data)
+
+
+def alignment_recipes(cfg: Any) -> list[str]:
+    """The ``model_alignment_strategy`` blocks that are set (not null): the fine-tuning recipe; [] = pretraining."""
+    return [name for name in ALIGNMENT_BLOCKS if getattr(cfg.model_alignment_strategy, name, None) is not None]
+
+
+def _check_fine_tuning(cfg: Any) -> None:
+    """The recipe, its data source and where its weights start agree with each other."""
+    data, model, em = cfg.data, cfg.model, cfg.exp_manager
+    sft = cfg.model_alignment_strategy.sft
+    if sft is not None:
+        if data.source != "instructions":
+            raise ConfigError("data.source", data.source, "model_alignment_strategy.sft trains on instruction records: set "
+                              "data.source=instructions (data.train_dir: a .jsonl file or directory, or a save_to_disk directory)")
+        if sft.truncation not in SFT_TRUNCATION:
+            raise ConfigError("model_alignment_strategy.sft.truncation", sft.truncation, f"must be one of {', '.join(SFT_TRUNCATION)}")
+    elif data.source == "text" and any(str(p).endswith(".jsonl") for p in (data.train_dir, data.val_dir) if p):
+        raise ConfigError("data.train_dir", data.train_dir, "is JSON lines, which data.source=text would train on as raw text; "
+                          "for instruction records use data.source=instructions with model_alignment_strategy.sft (+recipe=sft)")
+    elif data.source == "instructions":
+        raise ConfigError("data.source", "instructions", "instruction records are read for fine-tuning: add "
+                          "model_alignment_strategy.sft (e.g. +recipe=sft, or model_alignment_strategy.sft.packing in an NxDT config)")
+    if data.dev_choose_samples is not None:
+        _integer("data.dev_choose_samples", data.dev_choose_samples, 1, what=" (the first N records), or null for all")
+    if model.weight_init_only:
+        if em.resume_from_checkpoint is None and model.hf_checkpoint is None:
+            raise ConfigError("model.weight_init_only", True, "loads the model weights of exp_manager.resume_from_checkpoint (an "
+                              "nxdt checkpoint); name one there (or start from Hugging Face weights with model.hf_checkpoint)")
+        if em.resume_from_checkpoint is not None and model.hf_checkpoint is not None:
+            raise ConfigError("model.hf_checkpoint", model.hf_checkpoint, "and exp_manager.resume_from_checkpoint with "
+                              "model.weight_init_only both name starting weights; keep one of them")
+
+
+def _check_validation(cfg: Any) -> None:
+    trainer = cfg.trainer
+    if trainer.val_check_interval is not None:
+        _integer("trainer.val_check_interval", trainer.val_check_interval, 1, what=" (optimizer steps), or null for once at the end")
+    _integer("trainer.num_sanity_val_steps", trainer.num_sanity_val_steps, 0, what=" (0 = none)")
+    limit = trainer.limit_val_batches
+    _number("trainer.limit_val_batches", limit, 0, what=" (<= 1: a fraction of the validation batches, > 1: a count)")
+    if limit > 1 and limit != int(limit):
+        raise ConfigError("trainer.limit_val_batches", limit, "above 1 it counts batches: give an integer (or a fraction <= 1)")
+    split = cfg.data.val_split
+    _number("data.val_split", split, 0, 1, hi_open=True, what=" (the held-out fraction of the training samples; 0 = none)")
+    if split > 0 and cfg.data.val_dir is not None:
+        raise ConfigError("data.val_split", split, "and data.val_dir both name validation data; keep one of them")
+    if cfg.data.val_dir is not None and cfg.data.source == "synthetic":
+        raise ConfigError("data.val_dir", cfg.data.val_dir, "data.source=synthetic reads no files; set data.val_dir=null")
+
+
 def _check_paths(cfg: Any) -> None:
     """Files the run reads. ``nxdt plan`` skips this: a plan for a cluster needs none of them here."""
     hf = cfg.model.hf_checkpoint
@@ -414,7 +469,7 @@ def _check_paths(cfg: Any) -> None:
             raise ConfigError("model.hf_checkpoint", hf, "no *.safetensors files there; give a Hugging Face model directory saved "
                               "with safetensors (save_pretrained(..., safe_serialization=True))")
         _check_hf_shape(cfg, Path(hf).expanduser() / "config.json")
-    for key in ("data.train_dir", "data.tokenizer"):
+    for key in ("data.train_dir", "data.tokenizer", "data.val_dir"):
         path = _get(cfg, key)
         if path is not None and not Path(path).expanduser().exists():
             raise ConfigError(key, path, "no such file; give an existing path (or null for the default)")
@@ -480,4 +535,13 @@ def check_trainable(cfg: Any) -> None:
     if ds.fsdp.enabled and ds.zero1:
         raise ConfigError("distributed_strategy.zero1", True, "FSDP already shards the optimizer state; set zero1=false "
                           "(or fsdp.enabled=false)")
+    recipes = [name for name in alignment_recipes(cfg) if name != "peft"]  # peft (LoRA) adapts any of them
+    if len(recipes) > 1:
+        raise ConfigError(f"model_alignment_strategy.{recipes[1]}", "", f"model_alignment_strategy.{recipes[0]} is set too; "
+                          "one recipe per run (remove one block)")
+    for name in alignment_recipes(cfg):
+        if name != "sft":
+            what = "LoRA" if name == "peft" else f"the {name.upper()} recipe"
+            raise NotYetSupported(f"model_alignment_strategy.{name}", "", f"{what} is not wired into training yet in this "
+                                  "version (`nxdt plan` accepts it); full-parameter SFT trains now (model_alignment_strategy.sft)")
 

@@ -179,3 +179,26 @@ def check_saved_dataset(path: str | Path) -> None:
             kind = schema.field(column).type
             if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_integer(kind.value_type):
                 raise DatasetDirError(root, f"{name}: column {column} is {kind}, not a list of token ids; give a tokenized dataset")
+
+
+def read_saved_records(path: str | Path, limit: int | None = None) -> list[dict[str, Any]]:
+    """The rows of a ``save_to_disk`` directory as plain dicts (untokenized records, e.g. instruction records with
+    ``input``/``output`` or ``messages``), in order, the first ``limit`` only if given. Raises :class:`DatasetDirError`."""
+    pa = _pyarrow()
+    root = Path(path).expanduser()
+    split = _split_dir(root)
+    state = json.loads((split / "state.json").read_text())
+    records: list[dict[str, Any]] = []
+    for entry in state.get("_data_files", []):
+        file = split / entry["filename"]
+        if not file.is_file():
+            raise DatasetDirError(root, f"shard {file.name} listed in state.json is missing")
+        try:
+            table = pa.ipc.open_stream(pa.memory_map(str(file))).read_all()
+        except pa.ArrowInvalid as exc:
+            raise DatasetDirError(root, f"{file.name} is not an Arrow stream ({exc})") from None
+        take = table.num_rows if limit is None else min(table.num_rows, limit - len(records))
+        records += table.slice(0, take).to_pylist()
+        if limit is not None and len(records) >= limit:
+            break
+    return records

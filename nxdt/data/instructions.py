@@ -518,6 +518,59 @@ def split_segments(batch: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Te
     return out
 
 
+# ------------------------------------------------------------------------------------------------ datasets
+
+
+def read_instruction_records(path: str | Path, limit: int | None = None) -> list[dict[str, Any]]:
+    """NxDT's ``data.train_dir`` / ``val_dir`` for fine-tuning: a ``.jsonl`` file, a directory of ``*.jsonl`` files
+    (read in name order), or a ``save_to_disk`` directory (Arrow; needs pyarrow). The first ``limit`` records only if
+    given (``data.dev_choose_samples``). Records are not checked here (:func:`check_instruction_record` does)."""
+    from .hf_dataset import is_saved_dataset, read_saved_records
+
+    path = Path(path).expanduser()
+    if path.is_dir() and is_saved_dataset(path):
+        return read_saved_records(path, limit)
+    files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+    if not files:
+        raise ValueError(f"{path}: no *.jsonl files and no save_to_disk dataset (state.json) there")
+    records: list[dict[str, Any]] = []
+    for file in files:
+        records += read_jsonl(file, None if limit is None else limit - len(records))
+        if limit is not None and len(records) >= limit:
+            break
+    return records
+
+
+class SFTDataset(torch.utils.data.Dataset):
+    """The rows of :func:`build_sft_examples` (``input_ids``, ``labels``, ``position_ids``, ``segment_ids``, each
+    [seq_length]) as a map-style dataset; ``stats`` says what building did to the records."""
+
+    def __init__(self, batch: Mapping[str, torch.Tensor], stats: BuildStats) -> None:
+        self.batch, self.stats = dict(batch), stats
+
+    @classmethod
+    def from_records(cls, records: Iterable[Mapping[str, Any]], tok: ChatTokenizer, seq_length: int, *, packing: bool,
+                     truncation: str = "truncate") -> "SFTDataset":
+        batch, stats = build_sft_examples(records, tok, seq_length, packing=packing, truncation=truncation)
+        if stats.examples == 0:
+            raise ValueError(f"no record left to train on ({stats.records} read, {stats.dropped} dropped as longer than "
+                             f"seq_length={seq_length} or without a response token)")
+        return cls(batch, stats)
+
+    def __len__(self) -> int:
+        return int(self.batch["input_ids"].shape[0])
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {name: value[index] for name, value in self.batch.items()}
+
+
+def sft_report(stats: BuildStats, what: str = "train") -> str:
+    """One line for the user: what building the examples did, every cut or dropped record counted."""
+    return (f"{what}: {stats.records} instruction records → {stats.sequences} sequences of {stats.examples} records "
+            f"({stats.label_tokens} trained tokens, {stats.pad_tokens} pad); {stats.truncated} truncated "
+            f"({stats.prompt_truncated} prompt, {stats.response_truncated} response), {stats.dropped} dropped")
+
+
 # ------------------------------------------------------------------------------------------------ shipped samples
 
 TASKS = ("add", "reverse", "upper")

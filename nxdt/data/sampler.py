@@ -69,3 +69,46 @@ class GlobalBatchSampler(Sampler[list[int]]):
             for m in range(0, per_rank, self.micro_batch_size):
                 yield [self.sample_at(start + m + i) for i in range(self.micro_batch_size)]
             step += 1
+
+
+class EvalBatchSampler(Sampler[list[int]]):
+    """Validation in order, whole: global batch ``k`` is dataset indices ``[k·B, (k+1)·B)``, data-parallel rank
+    ``r`` of ``D`` takes the slice ``[r·B/D, (r+1)·B/D)`` of it as one list (the module cuts micro-batches, as in
+    training). The last batch is filled up with index -1 (a row with no label: the dataset wrapper
+    :class:`PadRows` gives it), so every rank runs the same number of forwards and the loss summed over all
+    ranks covers every sample exactly once, whatever D. ``num_batches`` limits the global batches (None: all)."""
+
+    def __init__(self, num_samples: int, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
+                 num_batches: int | None = None) -> None:
+        if global_batch_size < 1 or global_batch_size % dp_size:
+            raise ValueError(f"global_batch_size={global_batch_size} must be a positive multiple of DP={dp_size}")
+        self.num_samples, self.global_batch_size, self.dp_rank, self.dp_size = num_samples, global_batch_size, dp_rank, dp_size
+        total = -(-num_samples // global_batch_size)
+        self.num_batches = total if num_batches is None else min(total, num_batches)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        per_rank = self.global_batch_size // self.dp_size
+        for k in range(self.num_batches):
+            start = k * self.global_batch_size + self.dp_rank * per_rank
+            yield [i if i < self.num_samples else -1 for i in range(start, start + per_rank)]
+
+
+class PadRows(torch.utils.data.Dataset):
+    """A dataset of dict samples whose index -1 is a padding row: every field of sample 0's shape, zeros, labels
+    -100 (no loss), so it changes no sum of the loss."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if index >= 0:
+            return self.dataset[index]
+        pad = {name: torch.zeros_like(value) for name, value in self.dataset[0].items()}
+        pad["labels"] = torch.full_like(pad["labels"], -100)
+        return pad

@@ -32,7 +32,7 @@ def choose_run_dir(cfg: Any) -> Path:
         raise ConfigError("name", cfg.name, f"the run directory {normal} would not be a directory of its own under "
                           f"exp_manager.exp_dir={exp_root}; give a plain directory name (no '/', '..' or absolute path)")
     if em.resume_if_exists and root.is_dir():
-        candidates = sorted((p for p in root.iterdir() if p.is_dir() and _resumable(p)), key=lambda p: p.name)
+        candidates = sorted((p for p in root.iterdir() if p.is_dir() and _resumable(p) and _continues(cfg, p)), key=lambda p: p.name)
         if candidates:
             return candidates[-1]
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
@@ -42,6 +42,23 @@ def choose_run_dir(cfg: Any) -> Path:
         run = root / f"{stamp}_{n}"
         n += 1
     return run
+
+
+def _continues(cfg: Any, run: Path) -> bool:
+    """Whether ``cfg`` may continue the run in ``run``. Always, except when it starts from another run's weights
+    (``model.weight_init_only``): then only a run that did the same — same starting checkpoint, same model and
+    data — is continued; a run of this name with other data (e.g. the pretraining run whose checkpoint this
+    fine-tuning starts from) is left alone and a new run directory is made."""
+    if not cfg.model.weight_init_only:
+        return True
+    from omegaconf import OmegaConf
+
+    try:
+        previous = OmegaConf.load(run / CONFIG_FILE)
+    except Exception:
+        return False
+    keys = (*SAME_RUN_KEYS, "model.weight_init_only", "exp_manager.resume_from_checkpoint", "model.hf_checkpoint")
+    return all(OmegaConf.select(previous, key, default=None) == _attribute(cfg, key) for key in keys)
 
 
 def write_run_dir(run_dir: Path, cfg: Any, plan: Plan) -> None:
@@ -58,7 +75,8 @@ def check_resume(cfg: Any, run_dir: Path) -> list[str]:
     from exactly the one verified here. Returns the lines to print (one per damaged checkpoint, and a note when the
     checkpoint resumed predates checksums). Raises ConfigError if a damaged checkpoint cannot be moved aside."""
     em = cfg.exp_manager
-    if em.resume_from_checkpoint or not em.resume_if_exists or not _resumable(run_dir):
+    named = em.resume_from_checkpoint and not cfg.model.weight_init_only  # weight_init_only: it names starting weights
+    if named or not em.resume_if_exists or not _resumable(run_dir):
         return []  # a named checkpoint is verified whole by the CLI (damage is refused, not skipped)
     from nxdt.lightning import checkpoint as ckpt_io
 
@@ -80,7 +98,7 @@ def check_resume(cfg: Any, run_dir: Path) -> list[str]:
 # what a resumed run must share with the run whose directory (and checkpoints) it continues
 SAME_RUN_KEYS = ("model.architecture", "model.vocab_size", "model.hidden_size", "model.num_layers",
                  "model.num_attention_heads", "model.num_kv_heads", "model.ffn_hidden_size",
-                 "data.source", "data.train_dir", "data.tokenizer", "data.seq_length")
+                 "data.source", "data.train_dir", "data.tokenizer", "data.seq_length", "data.dev_choose_samples")
 
 
 def check_same_run(cfg: Any, run_dir: Path) -> None:

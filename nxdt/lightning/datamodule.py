@@ -13,18 +13,51 @@ later run changes ``data.global_batch_size``.
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 
-from nxdt.data import SAMPLE_TEXT
+from nxdt.data import SAMPLE_INSTRUCTIONS, SAMPLE_TEXT
 from nxdt.data.datasets import PackedText, SyntheticTokens
 from nxdt.data.hf_dataset import SavedHFDataset
+from nxdt.data.instructions import SFTDataset, build_chat_tokenizer, read_instruction_records, sft_report
 from nxdt.data.megatron import BlendedMegatronData
-from nxdt.data.sampler import GlobalBatchSampler
+from nxdt.data.sampler import EvalBatchSampler, GlobalBatchSampler, PadRows
 from nxdt.data.tokenizers import build_tokenizer
+
+
+def chat_tokenizer_dir(path: str | None) -> str | None:
+    """``data.tokenizer`` for instruction data: a Hugging Face tokenizer directory, or its tokenizer.json."""
+    if path is None:
+        return None
+    p = Path(path).expanduser()
+    return str(p.parent if p.is_file() else p)
+
+
+def build_sft_dataset(data_cfg: Any, sft_cfg: Any, path: str | None, vocab_size: int, *, limit: int | None = None) -> SFTDataset:
+    """Instruction records at ``path`` (None: the shipped set) as packed or padded SFT sequences (raises ValueError
+    with the problem: a bad record, a tokenizer too large for the model, nothing left to train on)."""
+    tok = build_chat_tokenizer(chat_tokenizer_dir(data_cfg.tokenizer))
+    if tok.vocab_size is not None and tok.vocab_size > vocab_size:
+        raise ValueError(f"data.tokenizer={data_cfg.tokenizer} has {tok.vocab_size} token ids but model.vocab_size={vocab_size}")
+    records = read_instruction_records(path or SAMPLE_INSTRUCTIONS, limit)
+    return SFTDataset.from_records(records, tok, data_cfg.seq_length, packing=sft_cfg.packing, truncation=sft_cfg.truncation)
+
+
+def hold_out(dataset: Dataset, fraction: float) -> tuple[Dataset, Dataset | None]:
+    """``data.val_split``: (the first samples, the last ``ceil(fraction·n)``, at least one left to train on) — whole
+    samples, so an instruction record (a packed sequence holds whole records) is never in both."""
+    if not fraction:
+        return dataset, None
+    n = len(dataset)
+    held = min(n - 1, max(1, math.ceil(fraction * n)))
+    if held < 1:
+        raise ValueError(f"data.val_split={fraction}: {n} sample(s) leave nothing to train on")
+    return Subset(dataset, range(n - held)), Subset(dataset, range(n - held, n))
 
 
 class NxDDataModule(pl.LightningDataModule):
@@ -34,9 +67,13 @@ class NxDDataModule(pl.LightningDataModule):
     (None → byte-level) and ``num_samples`` (synthetic). ``vocab_size`` is the model's: synthetic tokens are drawn below it and
     a tokenizer must fit in it."""
 
-    def __init__(self, data_cfg: Any, seed: int, vocab_size: int, *, step_batches: bool = False) -> None:
+    def __init__(self, data_cfg: Any, seed: int, vocab_size: int, *, step_batches: bool = False, sft: Any = None,
+                 limit_val_batches: float = 1.0) -> None:
         super().__init__()
         self.cfg, self.seed, self.vocab_size = data_cfg, seed, vocab_size
+        self.sft = sft  # model_alignment_strategy.sft (data.source=instructions): packing, truncation
+        self.limit_val_batches = limit_val_batches  # trainer.limit_val_batches: <= 1 a fraction, > 1 a count
+        self.val_dataset: Dataset | None = None
         # step_batches: one Lightning batch = this rank's whole share of a global batch (the module splits
         # it into micro-batches itself, e.g. for a pipeline schedule); otherwise one batch = one micro-batch
         self.step_batches = step_batches
@@ -47,8 +84,10 @@ class NxDDataModule(pl.LightningDataModule):
         self._anchor_step, self._anchor_consumed = 0, 0
 
     # --- dataset -------------------------------------------------------------------------------------
-    def build_dataset(self) -> Dataset:
+    def build_dataset(self, path: str | None = None, *, validation: bool = False) -> Dataset:
+        """The dataset at ``path`` (default: data.train_dir) in the configured source's format."""
         cfg = self.cfg
+        path = cfg.train_dir if path is None and not validation else path
         if cfg.source == "synthetic":
             return SyntheticTokens(cfg.num_samples, cfg.seq_length, self.vocab_size, self.seed)
         if cfg.source == "text":
@@ -57,14 +96,22 @@ class NxDDataModule(pl.LightningDataModule):
                 raise ValueError(f"data.tokenizer={cfg.tokenizer} has {tokenizer.vocab_size} token ids but "
                                  f"model.vocab_size={self.vocab_size} — use a model whose vocab_size is at least "
                                  f"{tokenizer.vocab_size}, or another tokenizer")
-            return PackedText(cfg.train_dir or SAMPLE_TEXT, tokenizer, cfg.seq_length)
+            return PackedText(path or SAMPLE_TEXT, tokenizer, cfg.seq_length)
         if cfg.source == "hf_dataset":
-            return SavedHFDataset(cfg.train_dir, cfg.seq_length, self.vocab_size)
+            return SavedHFDataset(path, cfg.seq_length, self.vocab_size)
         if cfg.source == "megatron":
+            if validation:
+                raise ValueError("data.source=megatron has no data.val_dir; hold out samples with data.val_split")
             return BlendedMegatronData(cfg.data_prefix, self._megatron_samples(), cfg.seq_length, self.seed,
                                        vocab_size=self.vocab_size, splits_string=cfg.splits_string,
                                        index_mapping_dir=cfg.index_mapping_dir)
-        raise ValueError(f"data.source={cfg.source!r}: use synthetic, text, hf_dataset or megatron")
+        if cfg.source == "instructions":
+            if self.sft is None:
+                raise ValueError("data.source=instructions needs model_alignment_strategy.sft (packing, truncation)")
+            dataset = build_sft_dataset(cfg, self.sft, path, self.vocab_size, limit=None if validation else getattr(cfg, "dev_choose_samples", None))
+            rank_zero_info(f"data: {sft_report(dataset.stats, 'validation' if validation else 'train')}")
+            return dataset
+        raise ValueError(f"data.source={cfg.source!r}: use synthetic, text, hf_dataset, megatron or instructions")
 
     def _megatron_samples(self) -> int:
         """Megatron's training sample count: trainer.max_steps global batches (the sample index is built for it)."""
@@ -77,8 +124,16 @@ class NxDDataModule(pl.LightningDataModule):
         self.dp_rank, self.dp_size = self._data_parallel()
         if self.dataset is None:  # setup() may run again (another fit); the data does not change
             self.dataset = self.build_dataset()
+            self.dataset, held_out = hold_out(self.dataset, getattr(self.cfg, "val_split", 0.0))
+            if held_out is not None:
+                self.val_dataset = held_out
+                rank_zero_info(f"data: the last {len(held_out)} of {len(self.dataset) + len(held_out)} samples held out "
+                               f"for validation (data.val_split={self.cfg.val_split})")
             rank_zero_info(f"data: {type(self.dataset).__name__}, {len(self.dataset)} samples of "
                            f"{self.cfg.seq_length} tokens, data-parallel {self.dp_size}")
+        val_dir = getattr(self.cfg, "val_dir", None)  # optional in a Lightning API user's data config
+        if self.val_dataset is None and val_dir is not None:
+            self.val_dataset = self.build_dataset(val_dir, validation=True)
 
     def _data_parallel(self) -> tuple[int, int]:
         """(rank, size) of this process's data-parallel group, from the strategy (1 process: (0, 1))."""
@@ -139,3 +194,27 @@ class NxDDataModule(pl.LightningDataModule):
                              f"({self.cfg.micro_batch_size} × {self.dp_size}) = {sampler.micro_batches_per_step}")
         # workers=0: samples are cheap and in memory; worker processes would only add start-up time
         return DataLoader(self.dataset, batch_sampler=sampler, num_workers=0)
+
+    # --- validation ----------------------------------------------------------------------------------
+    def validation_batches(self) -> int:
+        """Global validation batches per check: all of data.val_dir's, limited by trainer.limit_val_batches
+        (a fraction <= 1, at least one batch when > 0; a count > 1); 0 without data.val_dir."""
+        if self.val_dataset is None:
+            return 0
+        total = -(-len(self.val_dataset) // self.global_batch_size)
+        limit = self.limit_val_batches
+        if limit > 1:
+            return min(total, int(limit))
+        return 0 if limit <= 0 else max(1, int(total * limit))
+
+    def val_dataloader(self) -> DataLoader:
+        """One batch = this rank's share of one global validation batch, in order, the last one padded with rows
+        without labels (:class:`~nxdt.data.sampler.EvalBatchSampler`): the token-weighted loss over the whole
+        set is the same for any data-parallel degree."""
+        if self.dataset is None:
+            self.setup("validate")
+        if self.val_dataset is None:
+            return DataLoader([])
+        sampler = EvalBatchSampler(len(self.val_dataset), self.global_batch_size, self.dp_rank, self.dp_size,
+                                   num_batches=self.validation_batches())
+        return DataLoader(PadRows(self.val_dataset), batch_sampler=sampler, num_workers=0)

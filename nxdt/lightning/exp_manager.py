@@ -84,10 +84,15 @@ class StepMetricsLogger(Callback):
     ``step_metrics``, on rank 0, and shows the row on the console (``console``)."""
 
     def __init__(self, path: Path, tokens_per_step: int, every_n_steps: int = 1, extra_columns: tuple[str, ...] = (),
-                 console: StepConsole | None = None) -> None:
+                 console: StepConsole | None = None, validation: bool = False) -> None:
         self.console = console
         self.path = Path(path)
-        self.columns = METRIC_COLUMNS + tuple(extra_columns)  # e.g. grad_norm, param_norm (exp_manager.log_*_norm)
+        # e.g. grad_norm, param_norm (exp_manager.log_*_norm); val_loss when data.val_dir is validated
+        self.columns = METRIC_COLUMNS + tuple(extra_columns) + (("val_loss",) if validation else ())
+        # with validation a step's row is written once its validation (if any) has run: after the step's
+        # validation, or when the next step starts, or training ends — one row per step, val_loss in it
+        self.validation = validation
+        self._pending: dict[str, Any] | None = None
         self.tokens_per_step = tokens_per_step
         self.every_n_steps = max(1, every_n_steps)
         self._last_time = time.perf_counter()  # reset when training starts
@@ -121,16 +126,58 @@ class StepMetricsLogger(Callback):
             return
         row = {**metrics, "step_time_s": step_time, "wall_time": round(time.time(), 3), "tokens_per_s": self.tokens_per_step / step_time if step_time > 0 else 0.0,
                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # rank 0's high-water mark (Linux: KiB)
+        for logger in trainer.loggers:
+            logger.log_metrics({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+        if self.console is not None:
+            self.console.show(row)
+        if self.validation:
+            self._flush()
+            self._pending = row
+        else:
+            self._write(row)
+
+    def _write(self, row: dict[str, Any]) -> None:
         new_file = not self.path.exists()
         with open(self.path, "a", newline="") as fh:
             writer = csv.DictWriter(fh, fieldnames=self.columns, extrasaction="ignore")
             if new_file:
                 writer.writeheader()
             writer.writerow(row)
+
+    def _flush(self) -> None:
+        if self._pending is not None:
+            row, self._pending = self._pending, None
+            self._write(row)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._flush()
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._val_start = time.perf_counter()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._last_time is not None and getattr(self, "_val_start", None) is not None:
+            self._last_time += time.perf_counter() - self._val_start  # validation is not the next step's time
+        metrics = getattr(pl_module, "val_metrics", None)
+        if trainer.sanity_checking or not metrics or not trainer.is_global_zero:
+            return
+        step, loss = metrics["step"], metrics["val_loss"]
+        if self._pending is not None and self._pending["step"] == step:
+            self._pending["val_loss"] = loss
+            self._flush()
+        else:  # the step's own row was not logged (log_every_n_steps): a row with the validation alone
+            self._flush()
+            self._write({"step": step, "val_loss": loss, "wall_time": round(time.time(), 3)})
         for logger in trainer.loggers:
-            logger.log_metrics({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+            logger.log_metrics({"val_loss": loss}, step=step)
         if self.console is not None:
-            self.console.show(row)
+            print(f"step {step}: val_loss {loss:.4f} ({metrics.get('val_tokens', 0):,} tokens)", flush=True)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._flush()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._flush()
 
 
 class InjectedFault(RuntimeError):
@@ -265,7 +312,7 @@ def agreed_resume_checkpoint(cfg: Any, run_dir: str | Path) -> Path | None:
     published through the launcher's rendezvous store, so ranks never disagree (a file system listing
     can differ between ranks while a save is being committed)."""
     em = cfg.exp_manager
-    if em.resume_from_checkpoint:
+    if em.resume_from_checkpoint and not cfg.model.weight_init_only:  # weight_init_only: it only names starting weights
         return Path(em.resume_from_checkpoint).expanduser()
     attempt = launch_attempt()
     if not (em.resume_if_exists or attempt > 0):
@@ -289,11 +336,16 @@ def agreed_resume_checkpoint(cfg: Any, run_dir: str | Path) -> Path | None:
     return Path(chosen) if chosen else None
 
 
+def validates(cfg: Any) -> bool:
+    """Whether the run validates: data.val_dir (or a data.val_split) set and trainer.limit_val_batches > 0."""
+    return (cfg.data.val_dir is not None or cfg.data.val_split > 0) and cfg.trainer.limit_val_batches > 0
+
+
 def build_callbacks(cfg: Any, run_dir: Path, tokens_per_step: int, *, show_progress: bool) -> list[Callback]:
     em = cfg.exp_manager
     norms = tuple(c for c, on in (("grad_norm", em.log_gradient_norm), ("param_norm", em.log_parameter_norm)) if on)
     callbacks: list[Callback] = [StepMetricsLogger(run_dir / "metrics.csv", tokens_per_step, cfg.trainer.log_every_n_steps, norms,
-                                                   console=StepConsole.for_run(cfg, run_dir))]
+                                                   console=StepConsole.for_run(cfg, run_dir), validation=validates(cfg))]
     every = cfg.exp_manager.checkpoint_every_n_steps
     if every:
         callbacks.append(DirectoryCheckpoint(

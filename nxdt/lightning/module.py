@@ -2,8 +2,10 @@
 optimizer and schedule from ``model.optim``.
 
 One Lightning step is one global batch, as in NxDT: the batch is this rank's share of it, split into
-``micro_batch_size`` pieces inside the step. The step's loss (mean over every micro-batch of every
-data-parallel rank) is published in ``step_metrics`` for the experiment manager.
+``micro_batch_size`` pieces inside the step. The step's loss — the objective of ``model_alignment_strategy``
+(:mod:`nxdt.lightning.objective`): the mean over every labelled token of the global batch, whichever micro-batch and
+data-parallel rank holds it — is published in ``step_metrics`` for the experiment manager; after a validation
+(``data.val_dir``), ``val_metrics`` holds ``val_loss``, token-weighted over the whole validation set.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ import lightning.pytorch as pl
 
 from nxdt.config.validate import ALLOWED_MODEL_PREFIX
 from nxdt.lightning.hf import load_hf_weights
+from nxdt.lightning.objective import label_count, objective_for, token_weights
 from nxdt.lightning.optim import build_optimizer, build_scheduler
 from nxdt.models.lora import apply_peft
 from nxdt.parallel import squared_norm
-
 
 
 def import_architecture(path: str) -> type:
@@ -32,6 +34,20 @@ def import_architecture(path: str) -> type:
         return getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"model.architecture={path!r} cannot be imported ({exc})") from exc
+
+
+def load_checkpoint_weights(model: torch.nn.Module, path: str, expect_model: dict[str, Any] | None = None) -> None:
+    """``model.weight_init_only``: the model weights of an nxdt checkpoint of any layout (consolidated on every
+    rank; parallelism slices them later, as for Hugging Face weights) — no optimizer state, no step."""
+    from nxdt.lightning.reshard import MODULE_PREFIX, read_full_state
+
+    full = read_full_state(path, optimizer=False, expect_model=expect_model).model
+    state = {name[len(MODULE_PREFIX):]: tensor for name, tensor in full.items() if name.startswith(MODULE_PREFIX)}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [n for n in missing if not (n == "lm_head.weight" and getattr(model, "tied", False))]
+    if missing or unexpected:
+        raise ValueError(f"exp_manager.resume_from_checkpoint={path}: its model does not match this one (missing "
+                         f"{missing[:3]}, unexpected {unexpected[:3]})")
 
 
 def split_micro_batches(batch: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
@@ -59,15 +75,18 @@ class CausalLMModule(pl.LightningModule):
     def __init__(self, model_cfg: Any, global_batch_size: int, seq_length: int, micro_batch_size: int,
                  gradient_clip_val: float | None = None, *, log_gradient_norm: bool = False,
                  log_parameter_norm: bool = False, nan_policy: str = "stop", precision: str = "fp32", seed: int = 0,
-                 peft: Any = None) -> None:
+                 alignment: Any = None, init_checkpoint: str | None = None, peft: Any = None) -> None:
         super().__init__()
         self.automatic_optimization = False  # one optimizer step per global batch, whatever the schedule
         self.model_cfg = model_cfg
         self.model = import_architecture(model_cfg.architecture)(model_cfg)
         if getattr(model_cfg, "hf_checkpoint", None):  # every rank loads the full weights; parallelism slices them later
             load_hf_weights(self.model, model_cfg.hf_checkpoint)
+        if init_checkpoint is not None:  # model.weight_init_only: another run's weights, a fresh optimizer, step 0
+            load_checkpoint_weights(self.model, init_checkpoint)
         if peft is not None:  # LoRA (NxDT's peft keys: nxdt.models.lora.PeftConfig) on the full model, before any parallelism
             apply_peft(self.model, peft)
+        self.objective = objective_for(alignment)  # model_alignment_strategy → the loss each micro-batch contributes
         self.tokens_per_step = global_batch_size * seq_length
         self.micro_batch_size = micro_batch_size
         self.gradient_clip_val = gradient_clip_val
@@ -79,6 +98,8 @@ class CausalLMModule(pl.LightningModule):
         self.skipped_steps = 0  # consecutive updates skipped for a non-finite loss or gradient norm
         self.inject_nan = False  # set by exp_manager.fault_injection.kind=nan: this step's loss becomes NaN
         self.step_metrics: dict[str, float] = {}
+        self.val_metrics: dict[str, float] = {}  # after each validation: val_loss (token-weighted over data.val_dir)
+        self._val_sums = torch.zeros(2, dtype=torch.float64)  # (loss · tokens, tokens) of this rank's validation batches
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
@@ -86,7 +107,7 @@ class CausalLMModule(pl.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         strategy = self.trainer.strategy
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-        micro_batches = split_micro_batches(batch, self.micro_batch_size)
+        micro_batches = self._weigh(split_micro_batches(batch, self.micro_batch_size))
         optimizer.zero_grad()
         run = getattr(strategy, "forward_backward", None)
         loss = run(self, micro_batches) if run else self._forward_backward(micro_batches)
@@ -148,14 +169,72 @@ class CausalLMModule(pl.LightningModule):
                                  "trainer.gradient_clip_val, or use exp_manager.nan_policy=skip_step")
 
     def _forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """Gradient of the mean loss over the micro-batches (one process, no model parallelism)."""
+        """Gradient of the mean loss over the micro-batches (one process, no model parallelism); each micro-batch's
+        loss scaled by its ``loss_weight`` (:meth:`_weigh`)."""
         total = torch.zeros((), dtype=torch.float64)
         for mb in micro_batches:
             logits = self.model(mb["input_ids"], mb.get("position_ids"), mb.get("segment_ids"))
-            loss = self.model.loss_fn(logits, mb["labels"]) / len(micro_batches)
+            loss = self.objective.loss(self.model, logits, mb)
+            if "loss_weight" in mb:
+                loss = loss * mb["loss_weight"].to(loss.dtype)
+            loss = loss / len(micro_batches)
             self.manual_backward(loss)
             total += loss.detach().double()
         return total
+
+    # --- loss weighting and validation -------------------------------------------------------------------
+    def _data_parallel_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` summed over the data-parallel group (ranks of one TP/PP group hold the same batch)."""
+        strategy = self.trainer.strategy
+        group = getattr(strategy, "communicators", {}).get("dp")
+        if group is None:  # another strategy: every rank a data-parallel replica
+            return strategy.reduce(values, reduce_op="sum")
+        out = values.clone()
+        if group.size > 1:
+            group.all_reduce(out.reshape(-1), op="sum")  # in the values' own dtype (float64 sums stay exact-ish)
+        return out
+
+    def _data_parallel_size(self) -> int:
+        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None)
+        return int(kwargs["num_replicas"]) if kwargs else 1
+
+    def _weigh(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        """Give every micro-batch its ``loss_weight`` (a 0-d tensor): its share of the global batch's labelled
+        tokens, so the step's loss is the token mean over the whole global batch (nxdt.lightning.objective)."""
+        if not self.objective.token_weighted:
+            return micro_batches
+        counts = [label_count(mb["labels"]) for mb in micro_batches]
+        total = int(self._data_parallel_sum(torch.tensor([sum(counts)], dtype=torch.int64))[0])
+        for mb, weight in zip(micro_batches, token_weights(counts, total, self._data_parallel_size())):
+            mb["loss_weight"] = torch.tensor(weight, dtype=torch.float64)
+        return micro_batches
+
+    def evaluate_losses(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[float]:
+        """Each micro-batch's token-mean loss, forward only (one process or TP; PP: ``NxDStrategy.evaluate``)."""
+        losses = []
+        with torch.no_grad():
+            for mb in micro_batches:
+                logits = self.model(mb["input_ids"], mb.get("position_ids"), mb.get("segment_ids"))
+                losses.append(float(self.objective.loss(self.model, logits, mb)))
+        return losses
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_sums = torch.zeros(2, dtype=torch.float64)
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        micro_batches = split_micro_batches(batch, self.micro_batch_size)
+        run = getattr(self.trainer.strategy, "evaluate", None)
+        losses = run(self, micro_batches) if run else self.evaluate_losses(micro_batches)
+        for mb, loss in zip(micro_batches, losses):
+            count = label_count(mb["labels"])
+            if count:  # a padding-only micro-batch's loss is 0/0
+                self._val_sums += torch.tensor([loss * count, count], dtype=torch.float64)
+
+    def on_validation_epoch_end(self) -> None:
+        """val_loss: the token-weighted mean over every validation token of every data-parallel rank."""
+        loss_tokens, tokens = self._data_parallel_sum(self._val_sums.clone()).tolist()
+        self.val_metrics = {"step": self.trainer.global_step, "val_loss": loss_tokens / tokens if tokens else math.nan,
+                            "val_tokens": int(tokens)}
 
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer = build_optimizer(self.model, self.model_cfg.optim, precision=self.precision_type, seed=self.seed)

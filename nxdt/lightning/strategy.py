@@ -343,6 +343,12 @@ class NxDStrategy(ParallelStrategy):
                     else one_f_one_b(pp.size, pp.rank, m))
         return torch.as_tensor(self._pipeline.run(schedule, micro_batches), dtype=torch.float64)
 
+    def evaluate(self, module: pl.LightningModule, micro_batches: list[dict[str, Tensor]]) -> list[float]:
+        """Each micro-batch's loss, forward only (validation); under PP the pipeline runs it and every stage gets them."""
+        if self._pipeline is None:
+            return module.evaluate_losses(micro_batches)
+        return self._pipeline.evaluate(micro_batches)
+
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer the step uses: with ZeRO-1 the same optimizer with its state sharded over data parallelism."""
         return self._dp.shard_optimizer(optimizer, self.lightning_module)

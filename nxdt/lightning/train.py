@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 
 from nxdt.config.validate import MODEL_SHAPE_FIELDS, check_trainable
 from nxdt.lightning.datamodule import NxDDataModule
-from nxdt.lightning.exp_manager import agreed_resume_checkpoint, build_callbacks, build_loggers, launch_attempt
+from nxdt.lightning.exp_manager import agreed_resume_checkpoint, build_callbacks, build_loggers, launch_attempt, validates
 from nxdt.lightning.module import CausalLMModule
 from nxdt.lightning.strategy import NxDStrategy
 from nxdt.planner import Plan
@@ -57,8 +57,12 @@ def build_trainer(cfg: Any, plan: Plan, run_dir: Path, tokens_per_step: int, *, 
         accumulate_grad_batches=1,
         log_every_n_steps=cfg.trainer.log_every_n_steps,
         use_distributed_sampler=False,  # the global-batch sampler shards by data-parallel rank itself
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
+        # validation (data.val_dir): every val_check_interval steps (null: after the last), counted in steps across
+        # the endless training epoch; the data module limits the batches itself (trainer.limit_val_batches)
+        limit_val_batches=1.0 if validates(cfg) else 0,
+        val_check_interval=cfg.trainer.val_check_interval or cfg.trainer.max_steps,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=cfg.trainer.num_sanity_val_steps if validates(cfg) else 0,
         enable_checkpointing=bool(cfg.exp_manager.checkpoint_every_n_steps),
         enable_progress_bar=show_progress,
         enable_model_summary=False,
@@ -68,17 +72,28 @@ def build_trainer(cfg: Any, plan: Plan, run_dir: Path, tokens_per_step: int, *, 
     )
 
 
+def initial_weights_checkpoint(cfg: Any, resume: Path | None) -> str | None:
+    """``model.weight_init_only``: the nxdt checkpoint whose model weights the run starts from — unless the run
+    resumes a checkpoint of its own (a restart, ``resume_if_exists``), which holds everything."""
+    if not cfg.model.weight_init_only or resume is not None or cfg.exp_manager.resume_from_checkpoint is None:
+        return None
+    return str(Path(cfg.exp_manager.resume_from_checkpoint).expanduser())
+
+
 def run_training(cfg: Any, plan: Plan, run_dir: str | Path) -> None:
     check_trainable(cfg)
     run_dir = Path(run_dir)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    ckpt_path = agreed_resume_checkpoint(cfg, run_dir)
+    mas = cfg.model_alignment_strategy
     module = CausalLMModule(cfg.model, cfg.data.global_batch_size, cfg.data.seq_length, cfg.data.micro_batch_size,
                             cfg.trainer.gradient_clip_val, log_gradient_norm=cfg.exp_manager.log_gradient_norm,
                             log_parameter_norm=cfg.exp_manager.log_parameter_norm, nan_policy=cfg.exp_manager.nan_policy,
-                            precision=cfg.precision.type, seed=cfg.seed)
-    datamodule = NxDDataModule(cfg.data, seed=cfg.seed, vocab_size=cfg.model.vocab_size, step_batches=True)
+                            precision=cfg.precision.type, seed=cfg.seed, alignment=mas,
+                            init_checkpoint=initial_weights_checkpoint(cfg, ckpt_path))
+    datamodule = NxDDataModule(cfg.data, seed=cfg.seed, vocab_size=cfg.model.vocab_size, step_batches=True, sft=mas.sft,
+                               limit_val_batches=cfg.trainer.limit_val_batches)
     trainer = build_trainer(cfg, plan, run_dir, module.tokens_per_step)
-    ckpt_path = agreed_resume_checkpoint(cfg, run_dir)
     attempt = launch_attempt()
     if attempt > 0 and trainer.is_global_zero:  # the agent restarted every worker after a failure: say so
         print(f"nxdt: restart {attempt} of {cfg.exp_manager.max_restarts} after a worker failed (see logs/agent); "

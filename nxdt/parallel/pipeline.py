@@ -240,6 +240,14 @@ def _with_communication(num_stages: int, stage: int, num_chunks: int,
                 yield SendGrad(mb, v, prev)
 
 
+def forward_only(num_stages: int, stage: int, num_microbatches: int, num_chunks: int = 1) -> Iterator[Task]:
+    """Evaluation: every micro-batch's forward through every chunk, in micro-batch order, no backward. Each
+    forward waits only on an earlier global chunk of the same micro-batch (sends are asynchronous): no cycle."""
+    _check(num_stages, stage, num_microbatches, num_chunks)
+    return _with_communication(num_stages, stage, num_chunks, (("F", mb, v) for mb in range(num_microbatches)
+                                                               for v in range(num_chunks)))
+
+
 def _check(num_stages: int, stage: int, num_microbatches: int, num_chunks: int = 1) -> None:
     for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches), ("num_chunks", num_chunks)):
         if not isinstance(value, int) or value < 1:
@@ -384,6 +392,11 @@ def simulate(schedules: Sequence[Iterable[Task]], num_chunks: int = 1, send_capa
 
 
 # ---------------------------------------------------------------------------------------------- executor
+def micro_batch_weight(mb: Any) -> torch.Tensor | None:
+    """A micro-batch mapping's ``loss_weight`` (its loss is scaled by it), or None."""
+    return mb.get("loss_weight") if isinstance(mb, Mapping) else None
+
+
 def unpack_microbatch(mb: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """(input_ids, labels, layout) of a micro-batch given as (ids, labels) or as a mapping with ``input_ids``,
     ``labels`` and optional ``position_ids`` / ``segment_ids`` (layout None when it has neither)."""
@@ -439,6 +452,7 @@ class PipelineExecutor:
         self.pending: list[Any] = []                              # async send handles
         self.loopback: dict[str, list[torch.Tensor]] = {}
         self.loss_sum = torch.zeros((), dtype=torch.float64)
+        self.losses: dict[int, torch.Tensor] = {}                 # each micro-batch's unscaled loss (last chunk)
 
     def _global(self, chunk: int) -> int:
         return chunk * self.num_stages + self.stage
@@ -477,6 +491,26 @@ class PipelineExecutor:
             self.comm.broadcast(loss, root=self.num_stages - 1, stream="pp")
         return float(loss)
 
+    def evaluate(self, microbatches: Sequence[Any]) -> list[float]:
+        """Forward only (no gradients, nothing kept for backward): each micro-batch's loss, on every stage."""
+        self._reset(microbatches)
+        try:
+            with torch.no_grad():
+                for task in forward_only(self.num_stages, self.stage, len(self.microbatches), len(self.chunks)):
+                    self.dispatch[task.type](task)
+                    if task.type is TaskType.SEND_ACTIVATION or (task.type is TaskType.FORWARD and
+                                                                 getattr(self.chunks[task.chunk], "is_last", False)):
+                        self.outputs.pop((task.microbatch, task.chunk))  # sent on (or scored): not needed again
+                        self.inputs.pop((task.microbatch, task.chunk), None)
+                for work in self.pending:
+                    work.wait()
+        finally:
+            self.pending, self.outputs, self.inputs = [], {}, {}
+        losses = torch.tensor([float(self.losses.get(i, 0.0)) for i in range(len(self.microbatches))], dtype=torch.float64)
+        if self.num_stages > 1:
+            self.comm.broadcast(losses, root=self.num_stages - 1, stream="pp")
+        return losses.tolist()
+
     # ---- compute
     def _forward(self, t: Forward) -> None:
         key = (t.microbatch, t.chunk)
@@ -486,6 +520,10 @@ class PipelineExecutor:
         out = chunk(x, layout)
         if getattr(chunk, "is_last", False):
             loss = self.loss_fn(out, labels)
+            self.losses[t.microbatch] = loss.detach().double()
+            weight = micro_batch_weight(self.microbatches[t.microbatch])
+            if weight is not None:  # the micro-batch's share of the global batch's labelled tokens
+                loss = loss * weight.to(loss.dtype)
             self.loss_sum += loss.detach().double()
             out = loss / len(self.microbatches)
         self.outputs[key] = out

@@ -15,10 +15,11 @@ import torch
 from nxdt.comm.spawn import run_local
 from nxdt.models.llama import LlamaForCausalLM
 from nxdt.parallel.pipeline import (Backward, Forward, PipelineDeadlock, PipelineExecutor, RecvActivation, SendActivation,
-                                    build_chunks, chunk_parameters, gpipe, interleaved_one_f_one_b, one_f_one_b,
-                                    simulate, split_layers)
+                                    build_chunks, chunk_parameters, forward_only, gpipe, interleaved_one_f_one_b,
+                                    one_f_one_b, simulate, split_layers)
 
 SEQ, MICRO_BATCH, LR, STEPS = 8, 2, 1e-2, 5
+WEIGHTS = (0.5, 1.5, 0.0, 2.0)  # token weights of four micro-batches (mean 1, one without labels)
 
 
 def config(num_layers: int = 4, **overrides) -> SimpleNamespace:
@@ -225,7 +226,15 @@ def _pp_worker(world, runs):
         executor = PipelineExecutor(chunks, pp, LlamaForCausalLM.loss_fn)
         params = chunk_parameters(chunks)
         result = {"params": sorted(params)}
-        if not train:
+        if kind == "evaluate":  # validation: forward only, each micro-batch's loss on every stage, no gradient
+            result["eval"] = executor.evaluate([{"input_ids": i, "labels": lab} for i, lab in microbatches(num_microbatches, seed=7)])
+            result["grads"] = {n: p.grad for n, p in params.items() if p.grad is not None}
+        elif kind == "weighted":  # micro-batch losses scaled by their loss_weight (SFT's token weights)
+            mbs = [{"input_ids": i, "labels": lab, "loss_weight": torch.tensor(w, dtype=torch.float64)}
+                   for (i, lab), w in zip(microbatches(num_microbatches, seed=7), WEIGHTS)]
+            result["loss"] = executor.run(one_f_one_b(pp.size, pp.rank, num_microbatches), mbs)
+            result["grads"] = {n: p.grad.numpy().copy() for n, p in params.items()}
+        elif not train:
             mbs = microbatches(num_microbatches, seed=7)
             result["loss"] = executor.run(schedule_for(kind, pp.size, pp.rank, num_microbatches, virtual), mbs)
             result["grads"] = {n: p.grad.numpy().copy() for n, p in params.items()}  # numpy: plain pickles
@@ -249,7 +258,24 @@ def _check_runs(runs, per_rank) -> None:
         names = [n for r in results for n in r["params"]]
         full = dict(build(num_layers).named_parameters())
         assert sorted(names) == sorted(full), f"{kind}: stages must own every parameter exactly once"
-        if not train:
+        if kind == "evaluate":
+            model = build(num_layers)
+            with torch.no_grad():
+                want = [float(model.loss_fn(model(ids), labels)) for ids, labels in microbatches(num_microbatches, seed=7)]
+            for r in results:
+                assert r["eval"] == pytest.approx(want, rel=1e-6) and r["grads"] == {}
+        elif kind == "weighted":
+            model = build(num_layers)
+            ref_loss = 0.0
+            for (ids, labels), w in zip(microbatches(num_microbatches, seed=7), WEIGHTS):
+                loss = model.loss_fn(model(ids), labels) * w / num_microbatches
+                loss.backward()
+                ref_loss += float(loss)
+            for r in results:
+                assert r["loss"] == pytest.approx(ref_loss, rel=1e-5)
+                for n, g in r["grads"].items():
+                    torch.testing.assert_close(torch.from_numpy(g), dict(model.named_parameters())[n].grad, rtol=1e-5, atol=1e-7)
+        elif not train:
             ref_loss, ref_grads = reference_grads(num_layers, microbatches(num_microbatches, seed=7))
             for r in results:  # the mean loss is known on every stage
                 assert r["loss"] == pytest.approx(ref_loss, rel=1e-5), kind
@@ -270,7 +296,9 @@ def test_pp2_1f1b_interleaved_gpipe_match_single_process():
             ("interleaved", 4, 2, 4, False),
             ("gpipe", 4, 1, 3, False),
             ("1f1b", 4, 1, 3, True),
-            ("interleaved", 4, 2, 4, True)]
+            ("interleaved", 4, 2, 4, True),
+            ("evaluate", 4, 2, 3, False),
+            ("weighted", 4, 1, 4, False)]
     _check_runs(runs, run_local(_pp_worker, 2, runs, timeout_s=110))
 
 
@@ -279,3 +307,14 @@ def test_pp4_1f1b_and_interleaved_match_single_process():
     runs = [("1f1b", 4, 1, 6, False),
             ("interleaved", 8, 2, 4, False)]
     _check_runs(runs, run_local(_pp_worker, 4, runs, timeout_s=110))
+
+
+@pytest.mark.parametrize("stages, chunks, mbs", [(2, 1, 3), (4, 1, 5), (2, 2, 4), (3, 2, 2)])
+def test_forward_only_schedule_runs_every_forward_once_without_deadlock(stages, chunks, mbs):
+    """Validation's schedule: each stage forwards every (micro-batch, chunk) once, in micro-batch order, with the
+    matching receives and sends (simulate checks every message's source), no backward."""
+    result = simulate([forward_only(stages, s, mbs, chunks) for s in range(stages)], num_chunks=chunks)
+    for stream in result.tasks:
+        forwards = [(t.microbatch, t.chunk) for t in stream if isinstance(t, Forward)]
+        assert forwards == [(m, v) for m in range(mbs) for v in range(chunks)]
+        assert not any(isinstance(t, Backward) for t in stream)
