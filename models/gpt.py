@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from nxdt.models.attention import DEFAULT_IMPL, SequenceLayout, check_impl, core_attention, layout_fields
+from nxdt.models.attention import DEFAULT_IMPL, CoreAttention, SequenceLayout, check_impl, layout_fields
 from nxdt.models.llama import DecoderOnlyLM, _opt, check_positions
 
 
@@ -45,12 +45,12 @@ class GPTAttention(nn.Module):
         self.k_proj = nn.Linear(h, h)
         self.v_proj = nn.Linear(h, h)
         self.o_proj = nn.Linear(h, h)
-        self.impl = check_impl(_opt(cfg, "core_attention", None) or DEFAULT_IMPL)
+        self.core = CoreAttention(_opt(cfg, "core_attention", None) or DEFAULT_IMPL)  # the seam ring attention swaps
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        out = core_attention(q, k, v, causal=True, impl=self.impl, segment_ids=segment_ids)
+        out = self.core(q, k, v, segment_ids)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
