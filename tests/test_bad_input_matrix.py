@@ -58,7 +58,10 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["train", "data.global_batch_size=6"], "data.global_batch_size"),
         (["train", "trainer.devices=2", "distributed_strategy.fsdp.enabled=true", "distributed_strategy.pipeline_model_parallel_size=2"], "fsdp"),
         (["train", "distributed_strategy.fsdp.enabled=true", "distributed_strategy.zero1=true"], "zero1"),
-        (["train", "distributed_strategy.context_parallel_size=2"], "context_parallel_size"),
+        (["train", "trainer.devices=4", "distributed_strategy.context_parallel_size=2",
+          "distributed_strategy.pipeline_model_parallel_size=2", "data.global_batch_size=8"], "context_parallel_size"),
+        (["train", "trainer.devices=2", "distributed_strategy.context_parallel_size=2", "data.seq_length=126"],
+         "must split into 2·CP = 4 equal chunks"),
         # data
         (["train", "data.train_dir=/no/such/corpus.txt"], "data.train_dir"),
         (["train", "data.tokenizer=/no/such/tokenizer.json"], "data.tokenizer"),

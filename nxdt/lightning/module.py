@@ -19,6 +19,7 @@ from nxdt.config.validate import ALLOWED_MODEL_PREFIX
 from nxdt.lightning.hf import load_hf_weights
 from nxdt.lightning.optim import build_optimizer, build_scheduler
 from nxdt.parallel import squared_norm
+from nxdt.parallel.context_parallel import weight_by_token_share
 
 
 
@@ -149,7 +150,8 @@ class CausalLMModule(pl.LightningModule):
         total = torch.zeros((), dtype=torch.float64)
         for mb in micro_batches:
             logits = self.model(mb["input_ids"], mb.get("position_ids"), mb.get("segment_ids"))
-            loss = self.model.loss_fn(logits, mb["labels"]) / len(micro_batches)
+            # context parallelism: this rank's share of the whole sequence's token mean (unchanged without CP)
+            loss = weight_by_token_share(self.model.loss_fn(logits, mb["labels"]), mb) / len(micro_batches)
             self.manual_backward(loss)
             total += loss.detach().double()
         return total

@@ -28,7 +28,7 @@ the mean of the ranks' losses is the token mean (equal to CP=1, whatever the mas
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -84,11 +84,11 @@ def shard_micro_batches(micro_batches: list[dict[str, torch.Tensor]], comm: Comm
     return out
 
 
-def weight_by_token_share(loss: torch.Tensor, micro_batch: dict[str, Any]) -> torch.Tensor:
+def weight_by_token_share(loss: torch.Tensor, micro_batch: Any) -> torch.Tensor:
     """A CP rank's micro-batch loss (mean over its tokens) weighted so the DP×CP gradient average is the gradient
     of the token mean over the whole sequence; unchanged without context parallelism. A rank with no counted
     token contributes zero (its mean is 0/0), and still runs backward: the ring needs every rank."""
-    share = micro_batch.get(TOKEN_SHARE)
+    share = micro_batch.get(TOKEN_SHARE) if isinstance(micro_batch, Mapping) else None  # (ids, labels) pairs: no CP
     if share is None:
         return loss
     return torch.where(share > 0, loss * share.to(loss.dtype), torch.zeros_like(loss))

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from nxdt.models.attention import SequenceLayout  # the hub's layout type (models sit on parallel's layer)
+from nxdt.parallel.context_parallel import weight_by_token_share
 
 __all__ = [
     "split_layers", "PipelineChunk", "build_chunks", "chunk_parameters",
@@ -485,7 +486,8 @@ class PipelineExecutor:
         x = ids if self._global(t.chunk) == 0 else self.inputs[key]
         out = chunk(x, layout)
         if getattr(chunk, "is_last", False):
-            loss = self.loss_fn(out, labels)
+            # context parallelism: this rank's share of the sequence's token mean (unchanged without CP)
+            loss = weight_by_token_share(self.loss_fn(out, labels), self.microbatches[t.microbatch])
             self.loss_sum += loss.detach().double()
             out = loss / len(self.microbatches)
         self.outputs[key] = out

@@ -123,3 +123,13 @@ def test_ring_transfer_overlaps_attention_compute():
             t0, t1 = transfer["ts"], transfer["ts"] + transfer["dur"]
             c0, c1 = compute["ts"], compute["ts"] + compute["dur"]
             assert t0 < c1 and c0 < t1, (transfer, compute)  # the next block travelled while this one was computed
+
+
+def test_a_rank_without_counted_tokens_adds_zero_loss_and_finite_gradients():
+    logits = torch.randn(1, 4, 8, requires_grad=True)
+    labels = torch.full((1, 4), -100)  # every label of this rank's chunks masked: its mean is 0/0
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 8), labels.reshape(-1), ignore_index=-100)
+    weighted = weight_by_token_share(loss, {"cp_token_share": torch.zeros((), dtype=torch.float64)})
+    weighted.backward()
+    assert weighted.item() == 0.0 and torch.isfinite(logits.grad).all() and not logits.grad.any()
+    assert weight_by_token_share(loss, (None, labels)) is loss  # a plain (ids, labels) pair: no context parallelism
