@@ -58,8 +58,8 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["train", "data.global_batch_size=6"], "data.global_batch_size"),
         (["train", "trainer.devices=2", "distributed_strategy.fsdp.enabled=true", "distributed_strategy.pipeline_model_parallel_size=2"], "fsdp"),
         (["train", "distributed_strategy.fsdp.enabled=true", "distributed_strategy.zero1=true"], "zero1"),
-        (["train", "trainer.devices=4", "distributed_strategy.context_parallel_size=2",
-          "distributed_strategy.pipeline_model_parallel_size=2", "data.global_batch_size=8"], "context_parallel_size"),
+        (["train", "model=mixtral_tiny", "trainer.devices=4", "distributed_strategy.context_parallel_size=2",
+          "distributed_strategy.expert_model_parallel_size=2", "data.global_batch_size=8"], "context_parallel_size"),
         (["train", "trainer.devices=2", "distributed_strategy.context_parallel_size=2", "data.seq_length=126"],
          "must split into 2·CP = 4 equal chunks"),
         # data

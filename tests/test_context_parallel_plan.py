@@ -65,3 +65,12 @@ def test_zero1_and_fsdp_shard_over_dp_times_cp():
         for key in ("parameters", "gradients", "optimizer"):
             assert cp2[key] == dp2[key], (sharding, key)
         assert cp2["activations"] * 2 == dp2["activations"]
+
+
+def test_ring_attention_holds_no_score_matrix_whatever_core_attention_says():
+    """Under CP the ring replaces core attention (it saves out and logsumexp only): model.core_attention=naive adds
+    its S×S term at CP1 but not at CP2."""
+    degrees = {"tp": 1, "pp": 1, "ep": 1, "dp": 1}
+    naive, sdpa = compose_config([*CP2, "model.core_attention=naive"]), compose_config(CP2)
+    assert memory_per_rank(naive, {**degrees, "cp": 1})["activations"] > memory_per_rank(sdpa, {**degrees, "cp": 1})["activations"]
+    assert memory_per_rank(naive, {**degrees, "cp": 2})["activations"] == memory_per_rank(sdpa, {**degrees, "cp": 2})["activations"]

@@ -456,8 +456,7 @@ def check_trainable(cfg: Any) -> None:
     """Refuse, before any worker starts, what would otherwise train silently wrong."""
     ds = cfg.distributed_strategy
     cp = ds.context_parallel_size
-    unsupported = [("context_parallel_size", cp)] if cp > 1 and (ds.pipeline_model_parallel_size > 1
-                                                                  or ds.expert_model_parallel_size > 1) else []
+    unsupported = [("context_parallel_size", cp)] if cp > 1 and ds.expert_model_parallel_size > 1 else []
     if ds.expert_model_parallel_size > 1 and (ds.pipeline_model_parallel_size > 1 or ds.zero1 or ds.fsdp.enabled):
         unsupported.append(("expert_model_parallel_size", ds.expert_model_parallel_size))
     if ds.fsdp.enabled and ds.pipeline_model_parallel_size > 1:
@@ -467,7 +466,7 @@ def check_trainable(cfg: Any) -> None:
         shown = key if key.startswith("comm.") else f"distributed_strategy.{key}"
         combined = {"expert_model_parallel_size": " together with PP, zero1 or FSDP",
                     "fsdp.enabled": " together with pipeline parallelism",
-                    "context_parallel_size": " together with pipeline or expert parallelism"}.get(key, "")
+                    "context_parallel_size": " together with expert parallelism"}.get(key, "")
         raise NotYetSupported(shown, value, f"training with it{combined} is not implemented yet in this version "
                               "(`nxdt plan` accepts it); data, tensor, pipeline, expert, context parallelism, ZeRO-1 and FSDP train now")
     if ds.fsdp.enabled and ds.zero1:

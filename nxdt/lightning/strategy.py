@@ -231,11 +231,10 @@ class NxDStrategy(ParallelStrategy):
                 f"the plan is for {self._plan.world_size} ranks but Lightning started {world_size} "
                 f"(devices={self.num_processes}, num_nodes={self.num_nodes}); make trainer.devices × num_nodes match the plan"
             )
-        if self._plan.cp > 1 and (self._plan.pp > 1 or self._plan.ep > 1):
+        if self._plan.cp > 1 and self._plan.ep > 1:
             raise NotImplementedError(
-                f"NxDStrategy: degrees {self._plan.degrees} — context parallelism together with pipeline or expert "
-                f"parallelism is not implemented yet; context parallelism trains with data and tensor parallelism, "
-                f"ZeRO-1 and FSDP")
+                f"NxDStrategy: degrees {self._plan.degrees} — context parallelism together with expert parallelism is "
+                f"not implemented yet; context parallelism trains with data, tensor and pipeline parallelism, ZeRO-1 and FSDP")
         if self.world is None:
             self._connect()
         if self._trace_dir is not None:

@@ -213,8 +213,10 @@ def memory_per_rank(cfg: Any, degrees: dict[str, int]) -> dict[str, float]:
     s, b, h, a = data.seq_length, data.micro_batch_size, model.hidden_size, model.num_attention_heads
     s_local = s / degrees.get("cp", 1)
     act_bytes = _bytes(_kind(cfg))  # activations: fp32 with fp32, bf16 otherwise (mixed_precision computes in bf16)
-    # the S×S scores exist only when core attention materialises them (naive); sdpa and blockwise work in tiles
-    quadratic = 5 * a * s_local / h if getattr(model, "core_attention", "sdpa") == "naive" else 0.0
+    # the S×S scores exist only when core attention materialises them (naive); sdpa and blockwise work in tiles, and
+    # so does ring attention under context parallelism (whatever core_attention says: it saves out and lse only)
+    naive = getattr(model, "core_attention", "sdpa") == "naive" and degrees.get("cp", 1) == 1
+    quadratic = 5 * a * s_local / h if naive else 0.0
     granularity = model.activations_checkpoint_granularity
     sp = bool(ds.sequence_parallel) and tp > 1
     if granularity == "full":
