@@ -17,7 +17,8 @@ lse = log Σ_b exp(lse_b). Backward (FlashAttention-2's recomputation, with the 
 the K/V blocks go round the ring again, each rank adds its queries' dK/dV contribution of the block in hand to an
 accumulator that travels with it (one hop behind the K/V: its receive is awaited only after the next block's
 compute), and after CP hops every block's dK/dV is back at its owner. Scores run in fp32 for 16-bit inputs; one
-chunk×chunk score tile per head is held at a time; forward saves q, k, v, out and lse only.
+score tile of at most ``block_size`` (256) query rows × one key chunk per head is held at a time; forward saves q,
+k, v, out and lse only (no score matrix, whatever ``model.core_attention`` says).
 
 **Loss and gradients.** Each CP rank's loss is the mean over its own tokens; :func:`weight_by_token_share` scales it
 by (its tokens)·CP/(the CP group's tokens) — labels of -100 do not count — so that averaging gradients over DP×CP
@@ -100,6 +101,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 FULL, DIAGONAL = "full", "diagonal"
+ROW_BLOCK = 256  # query rows of one score tile (× one key chunk): bounds the tile a ring step holds per head
 
 
 def _visibility(q: tuple[int, int], k: tuple[int, int]) -> str | None:
@@ -115,16 +117,19 @@ def _tile_mask(q: tuple[int, int], k: tuple[int, int]) -> torch.Tensor:
     return torch.arange(k[0], k[1])[None, :] > torch.arange(q[0], q[1])[:, None]
 
 
-def _tiles(seq_length: int, q_rank: int, k_rank: int, cp: int) -> list[tuple[slice, slice, torch.Tensor | None]]:
+def _tiles(seq_length: int, q_rank: int, k_rank: int, cp: int, rows: int = ROW_BLOCK) -> list[tuple[slice, slice, torch.Tensor | None]]:
     """The (local query rows, local key rows, mask or None) tiles queries of ``q_rank`` compute against the K/V of
-    ``k_rank``; fully masked tiles are left out."""
+    ``k_rank``: at most ``rows`` query rows × one key chunk each; fully masked tiles are left out."""
     out = []
     c = seq_length // (2 * cp)
-    for a, qr in enumerate(chunk_ranges(seq_length, q_rank, cp)):
-        for b, kr in enumerate(chunk_ranges(seq_length, k_rank, cp)):
-            kind = _visibility(qr, kr)
-            if kind is not None:
-                out.append((slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c), _tile_mask(qr, kr) if kind == DIAGONAL else None))
+    for a, (q0, q1) in enumerate(chunk_ranges(seq_length, q_rank, cp)):
+        for r0 in range(q0, q1, rows):
+            qr = (r0, min(r0 + rows, q1))
+            local = slice(a * c + qr[0] - q0, a * c + qr[1] - q0)
+            for b, kr in enumerate(chunk_ranges(seq_length, k_rank, cp)):
+                kind = _visibility(qr, kr)
+                if kind is not None:
+                    out.append((local, slice(b * c, (b + 1) * c), _tile_mask(qr, kr) if kind == DIAGONAL else None))
     return out
 
 
@@ -177,7 +182,8 @@ class _RingAttentionFn(torch.autograd.Function):
     (its two chunks, :func:`load_balanced_positions`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, comm):
+    def forward(ctx, q, k, v, comm, row_block):
+        ctx.comm, ctx.row_block = comm, row_block
         ring, cp, rank = _Ring(comm), comm.size, comm.rank
         b, h, s_local, d = q.shape
         kv_heads, seq = k.shape[1], s_local * cp
@@ -190,7 +196,7 @@ class _RingAttentionFn(torch.autograd.Function):
             incoming, work = ring.pass_on(block) if step < cp - 1 else (None, None)
             with ring.compute_span("ring_attention.forward", step):
                 kb, vb = (t.unsqueeze(2).to(dtype) for t in _unpack(block, k.shape))
-                for rows, cols, mask in _tiles(seq, rank, (rank - step) % cp, cp):
+                for rows, cols, mask in _tiles(seq, rank, (rank - step) % cp, cp, ctx.row_block):
                     scores = qg[..., rows, :] @ kb[..., cols, :].transpose(-1, -2)
                     if mask is not None:
                         scores = scores.masked_fill(mask, float("-inf"))
@@ -205,7 +211,6 @@ class _RingAttentionFn(torch.autograd.Function):
                 block = incoming
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm = comm
         return out.reshape(b, h, s_local, d)
 
     @staticmethod
@@ -233,7 +238,7 @@ class _RingAttentionFn(torch.autograd.Function):
                 kb, vb = (t.unsqueeze(2).to(dtype) for t in _unpack(block, k.shape))
                 dk = torch.zeros(kb.shape, dtype=dtype)
                 dv = torch.zeros(vb.shape, dtype=dtype)
-                for rows, cols, mask in _tiles(seq, rank, (rank - step) % cp, cp):
+                for rows, cols, mask in _tiles(seq, rank, (rank - step) % cp, cp, ctx.row_block):
                     qi, doi = qg[..., rows, :], do[..., rows, :]
                     kj, vj = kb[..., cols, :], vb[..., cols, :]
                     p = torch.exp((qi * scale) @ kj.transpose(-1, -2) - lse[..., rows, None])  # the forward's probabilities
@@ -253,7 +258,7 @@ class _RingAttentionFn(torch.autograd.Function):
                 block = incoming
         carry_work.wait()
         dk, dv = _unpack(carried, torch.Size((b, kv_heads, 1, s_local, d)))
-        return (dq.reshape(b, h, s_local, d).to(q.dtype), dk.squeeze(2).to(k.dtype), dv.squeeze(2).to(v.dtype), None)
+        return (dq.reshape(b, h, s_local, d).to(q.dtype), dk.squeeze(2).to(k.dtype), dv.squeeze(2).to(v.dtype), None, None)
 
 
 class RingAttention(nn.Module):
@@ -261,9 +266,11 @@ class RingAttention(nn.Module):
     q/k/v hold this rank's load-balanced chunks; the output is its rows of softmax(QKᵀ/√d)V over every key of
     the sequence. ``impl`` is kept from the replaced module (what CP=1 runs)."""
 
-    def __init__(self, comm: Communicator, impl: str = "sdpa") -> None:
+    def __init__(self, comm: Communicator, impl: str = "sdpa", block_size: int = ROW_BLOCK) -> None:
         super().__init__()
-        self.comm, self.impl = comm, impl
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size} must be >= 1")
+        self.comm, self.impl, self.block_size = comm, impl, block_size
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         if segment_ids is not None:
@@ -275,8 +282,8 @@ class RingAttention(nn.Module):
         check_sequence(q.shape[2] * self.comm.size, self.comm.size)
         if torch.is_autocast_enabled(q.device.type):  # its own precision (fp32 scores for 16-bit inputs), as blockwise
             with torch.autocast(q.device.type, enabled=False):
-                return _RingAttentionFn.apply(q, k, v, self.comm)
-        return _RingAttentionFn.apply(q, k, v, self.comm)
+                return _RingAttentionFn.apply(q, k, v, self.comm, self.block_size)
+        return _RingAttentionFn.apply(q, k, v, self.comm, self.block_size)
 
     def extra_repr(self) -> str:
         return f"cp={self.comm.size}, rank={self.comm.rank}, group={self.comm.name}"

@@ -55,7 +55,7 @@ def _tiny_llama():
     return LlamaForCausalLM(cfg).double()
 
 
-def _layer_and_model(world, seq: int) -> dict:
+def _layer_and_model(world, seq: int, block_size: int) -> dict:
     comm = world.new_communicator(list(range(world.world_size)), "cp0")
     index = load_balanced_positions(seq, comm.rank, comm.size)
     # one attention layer: the unsplit reference, then this rank's rows through the ring
@@ -63,7 +63,7 @@ def _layer_and_model(world, seq: int) -> dict:
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     naive_attention(*ref, causal=True).backward(grad)
     mine = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
-    out = RingAttention(comm)(*mine)
+    out = RingAttention(comm, block_size=block_size)(*mine)
     out.backward(grad[:, :, index])
     with torch.no_grad():
         expect_out = naive_attention(q, k, v, causal=True)[:, :, index]
@@ -95,10 +95,11 @@ def _layer_and_model(world, seq: int) -> dict:
     return errors
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-def test_ring_attention_equals_unsplit_attention(cp):
+@pytest.mark.parametrize("cp,block_size", [(2, 256), (4, 2)])
+def test_ring_attention_equals_unsplit_attention(cp, block_size):
     seq = 2 * cp * 3  # three tokens per chunk: the diagonal tiles hold partially masked rows
-    for rank, errors in enumerate(run_local(_layer_and_model, cp, seq, timeout_s=90)):
+    # block_size 2 cuts each chunk's 3 query rows into tiles of 2 and 1 rows (full, diagonal and skipped ones alike)
+    for rank, errors in enumerate(run_local(_layer_and_model, cp, seq, block_size, timeout_s=90)):
         assert max(errors.values()) < 1e-6, (rank, errors)
 
 
