@@ -33,6 +33,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from dataclasses import dataclass
 
@@ -94,6 +95,23 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
         with torch.autocast(q.device.type, enabled=False):
             return _BlockwiseAttention.apply(q, k, v, causal, block_size, segment_ids)
     return naive_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+
+
+class CoreAttention(nn.Module):
+    """Causal softmax(QKᵀ/√d)V (:func:`core_attention`, implementation ``impl``) as the module every hub model's
+    attention holds (``.core``): the part ``selective`` activation checkpointing recomputes, and the seam context
+    parallelism swaps for ring attention (:mod:`nxdt.parallel.context_parallel`), as tensor parallelism swaps
+    linears. k/v may have fewer heads than q (grouped-query attention)."""
+
+    def __init__(self, impl: str = DEFAULT_IMPL) -> None:
+        super().__init__()
+        self.impl = check_impl(impl)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return core_attention(q, k, v, causal=True, impl=self.impl, segment_ids=segment_ids)
+
+    def extra_repr(self) -> str:
+        return f"impl={self.impl}"
 
 
 def _mask(s_q: int, s_k: int, causal: bool, seg_q: torch.Tensor | None, seg_k: torch.Tensor | None,

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from nxdt.models.attention import DEFAULT_IMPL, SequenceLayout, check_impl, layout_fields
-from nxdt.models.llama import CHECKPOINT_GRANULARITIES, CoreAttention, DecoderOnlyLM, _opt, check_positions
+from nxdt.models.attention import DEFAULT_IMPL, CoreAttention, SequenceLayout, check_impl, layout_fields
+from nxdt.models.llama import CHECKPOINT_GRANULARITIES, DecoderOnlyLM, _opt, check_positions
 
 
 class GPTAttention(nn.Module):
@@ -46,7 +46,7 @@ class GPTAttention(nn.Module):
         self.k_proj = nn.Linear(h, h)
         self.v_proj = nn.Linear(h, h)
         self.o_proj = nn.Linear(h, h)
-        self.core = CoreAttention(_opt(cfg, "core_attention", None) or DEFAULT_IMPL)
+        self.core = CoreAttention(_opt(cfg, "core_attention", None) or DEFAULT_IMPL)  # the seam ring attention swaps
         self.checkpoint_core = _opt(cfg, "activations_checkpoint_granularity", None) == "selective"
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:

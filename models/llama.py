@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from nxdt.models.attention import DEFAULT_IMPL, SequenceLayout, check_impl, core_attention, layout_fields
+from nxdt.models.attention import DEFAULT_IMPL, CoreAttention, SequenceLayout, check_impl, layout_fields
 
 CHECKPOINT_GRANULARITIES = (None, "full", "selective")
 ROPE_TYPES = (None, "default", "llama3")  # rope_scaling.rope_type values the hub implements (None/default: plain RoPE)
@@ -132,21 +132,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if cos.dim() == 3:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
-
-
-class CoreAttention(nn.Module):
-    """Causal softmax(QKᵀ/√d)V (:func:`nxdt.models.attention.core_attention`, implementation ``impl``): the part
-    ``selective`` activation checkpointing recomputes. k/v may have fewer heads than q (grouped-query attention)."""
-
-    def __init__(self, impl: str = DEFAULT_IMPL) -> None:
-        super().__init__()
-        self.impl = check_impl(impl)
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return core_attention(q, k, v, causal=True, impl=self.impl, segment_ids=segment_ids)
-
-    def extra_repr(self) -> str:
-        return f"impl={self.impl}"
 
 
 class Attention(nn.Module):

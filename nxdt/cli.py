@@ -155,7 +155,7 @@ def check_resume_checkpoint(cfg: Any, the_plan: Any) -> None:
         return
     from nxdt.config import ConfigError
     from nxdt.config.validate import MODEL_SHAPE_FIELDS
-    from nxdt.lightning.checkpoint import CheckpointError, check_layout, verify
+    from nxdt.lightning.checkpoint import CheckpointError, check_layout, checkpoint_degrees, verify
 
     ds = cfg.distributed_strategy
     try:
@@ -169,7 +169,7 @@ def check_resume_checkpoint(cfg: Any, the_plan: Any) -> None:
                                       "for model.weight_init_only; resume it with the same layout instead")
             return
         dp_format = "fsdp" if ds.fsdp.enabled else ("zero1" if ds.zero1 else "replicated")
-        if check_layout(path, the_plan.degrees, ds.zero1, ds.virtual_pipeline_model_parallel_size, data_parallel_format=dp_format):
+        if check_layout(path, checkpoint_degrees(the_plan.degrees), ds.zero1, ds.virtual_pipeline_model_parallel_size, data_parallel_format=dp_format):
             print(f"nxdt: {path} was saved on another layout; every rank reshards it for {the_plan.degrees}"
                   f"{' with ZeRO-1' if ds.zero1 else ''}{' with FSDP' if ds.fsdp.enabled else ''}", flush=True)
     except CheckpointError as exc:

@@ -1,8 +1,9 @@
 """NxDT configs as they are (issue 9): NxD Training YAML files plan and train unchanged.
 
-In-process: the translation rules (pure), the three NxDT-format configs in tests/nxdt_configs planned at full
+In-process: the translation rules (pure), the NxDT-format configs in tests/nxdt_configs planned at full
 size (degrees, groups and global batch as NxD lays them out, only the no-effect warning), the misspelled-key
-error, the save_to_disk reader. Subprocess (slow): the same three configs, shrunk, train a few steps on CPU.
+error, the save_to_disk reader. Subprocess (slow): the same configs, shrunk, train a few steps on CPU (the 70B
+context-parallel one on 4 ranks as CP2 × PP2).
 """
 
 from __future__ import annotations
@@ -106,6 +107,22 @@ def test_mixtral_8x7b_with_expert_parallelism_plans_as_nxdt_runs_it():
     assert (cfg.model.architecture, moe.num_experts, moe.top_k, moe.router_aux_loss_coef) == \
         ("nxdt.models.mixtral.MixtralForCausalLM", 8, 2, 0.02)
     assert (cfg.model.max_position_embeddings, cfg.data.seq_length) == (32768, 4096)  # max(config.json, yaml), as NxDT
+
+
+def test_llama3_70b_with_context_parallelism_plans_as_nxdt_runs_it():
+    """NxDT's hf_llama3_70B_CP_config: TP32 × CP2 × PP8 on 16 trn1.32xlarge nodes; the ring priced by hand: a K/V
+    block is K and V × 4096 tokens × 1 KV head per TP rank (8 × kv_replicator 4 / TP32) × 128 × 2 bytes = 2 MiB;
+    per step 10 layers × 1024 micro-batches × (CP−1) forward, twice with selective recompute (20480), once backward
+    (10240), and CP dK/dV hops in fp32 (20480 × 4 MiB): 71680 × 2 MiB = 140 GiB per rank."""
+    cfg, warnings = nxdt_config("hf_llama3_70B_CP_config", "instance=trn1.32xlarge")
+    only_the_no_effect_warning(warnings)
+    p = plan(cfg)
+    assert p.degrees == {"tp": 32, "cp": 2, "ep": 1, "dp": 1, "pp": 8} and p.world_size == 512
+    assert p.groups["cp"][:2] == [[0, 32], [1, 33]]  # TP fills a node, so a CP pair spans two nodes
+    assert p.groups["dp_cp"] == p.groups["cp"]  # DP 1: ZeRO-1 shards over the CP pair
+    ring = [(r["bytes"], r["count"]) for r in p.collectives if r["dim"] == "cp"]
+    assert ring == [(2 * 2**20, 20480), (2 * 2**20, 10240), (4 * 2**20, 20480)]
+    assert p.estimate["context_parallel"]["ring_bytes_per_step"] == 140 * 2**30
 
 
 def test_nxdt_plan_command_prints_the_plan_and_one_warning(capsys):
@@ -332,13 +349,15 @@ SHRINK = ["instance=cpu", "trainer.devices=2", "trainer.num_nodes=1", "trainer.m
           "model.ffn_hidden_size=96", "model.vocab_size=256", "model.encoder_seq_length=32", "data.global_batch_size=4",
           f"data.train_dir={SAMPLE}", "model.optim.lr=3e-3", "model.optim.sched.warmup_steps=0",
           "exp_manager.create_tensorboard_logger=false", "comm.timeout_s=60"]
-LAYOUTS = {  # the 2-rank layout each config is shrunk to: TP + SP, PP, EP
+LAYOUTS = {  # the layout each config is shrunk to: TP + SP, PP, EP on 2 ranks; CP2 × PP2 on 4 (ZeRO-1, SP, selective)
     "hf_llama3_8B_config": ["distributed_strategy.tensor_model_parallel_size=2"],
     "hf_llama3_70B_trn2_config": ["trainer.lnc=null", "distributed_strategy.tensor_model_parallel_size=1",
                                   "distributed_strategy.pipeline_model_parallel_size=2"],
     "hf_mixtral_8x7b_ep_config": ["distributed_strategy.tensor_model_parallel_size=1", "distributed_strategy.pipeline_model_parallel_size=1",
                                   "distributed_strategy.expert_model_parallel_size=2", "distributed_strategy.zero1=false",
                                   "model.moe.num_experts=4"],
+    "hf_llama3_70B_CP_config": ["trainer.devices=4", "distributed_strategy.tensor_model_parallel_size=1",
+                                "distributed_strategy.pipeline_model_parallel_size=2"],
 }
 
 

@@ -2,7 +2,9 @@
 byte for byte, and the micro-batch count read from ``Plan.batch`` only.
 
 The plans under tests/golden/plans were written by the code before ``Dim`` existed (string keys everywhere):
-today's planner must write the same bytes, and loading and saving one must not change a byte."""
+today's planner must write the same bytes, and loading and saving one must not change a byte. One intended change
+since: the ``dp_cp`` groups (DP × CP, the replicas of the weights under context parallelism), added to the goldens;
+a plan.json without them (an older nxdt's) loads with them derived from its dp and cp groups."""
 
 from __future__ import annotations
 
@@ -41,6 +43,21 @@ def test_plan_json_is_byte_compatible(name, make, tmp_path):
     loaded.save(tmp_path / name)
     assert (tmp_path / name).read_bytes() == (GOLDEN / name).read_bytes()
     assert all(type(k) is str for k in json.loads(golden)["degrees"])
+
+
+def test_dp_cp_groups_join_the_replicas_of_the_weights():
+    p = plan_layout(8, tp=2, cp=2)  # dp = 2
+    assert p.groups["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]] and p.groups["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert p.groups["dp_cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]] and p.dp_cp == 4  # cp fastest, then dp
+    assert p.coords(6).dp_cp == 3 and p.coords(6)[Dim.DP_CP] == 3
+    assert plan_layout(8, tp=2).groups["dp_cp"] == plan_layout(8, tp=2).groups["dp"]  # CP 1: the DP groups
+    old = json.loads(p.to_json())
+    del old["groups"]["dp_cp"]  # a plan.json written before dp_cp existed
+    assert Plan.from_json(json.dumps(old)).groups["dp_cp"] == p.groups["dp_cp"]
+    q = plan_layout(16, tp=2, cp=2, ep=2, order="cp-tp-ep-dp-pp")
+    old = json.loads(q.to_json())
+    del old["groups"]["dp_cp"]
+    assert Plan.from_json(json.dumps(old)).groups["dp_cp"] == q.groups["dp_cp"]
 
 
 def test_full_plan_round_trips_bytes():

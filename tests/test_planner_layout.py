@@ -12,7 +12,7 @@ def test_docstring_example_tp2_pp2():
     assert p.groups["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert p.groups["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert p.groups["mp"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
-    assert p.coords(5).as_dict() == {"tp": 1, "cp": 0, "ep": 0, "dp": 0, "edp": 0, "pp": 1, "mp": 3, "world": 5}
+    assert p.coords(5).as_dict() == {"tp": 1, "cp": 0, "ep": 0, "dp": 0, "edp": 0, "dp_cp": 0, "pp": 1, "mp": 3, "world": 5}
 
 
 @pytest.mark.parametrize("world,kw", [(16, dict(tp=2, pp=2, cp=2)), (16, dict(tp=4, ep=2)), (12, dict(tp=3, pp=2)),

@@ -203,7 +203,7 @@ RULES: dict[str, Rule] = {
     "model.fusions.flash_attention": _custom("true (NxDT: its flash-attention kernel) = model.core_attention sdpa, nxdt's "
                                              "default (or blockwise, if the file says so); false = model.core_attention "
                                              "naive, the S×S attention scores materialised as NxDT's non-flash path does"),
-    "model.fusions.ring_attention": _derived("context parallelism is ring attention in nxdt's plan"),
+    "model.fusions.ring_attention": _derived("nxdt's context parallelism always runs ring attention"),
     "model.do_layer_norm_weight_decay": _map("model.optim.decay_norms_and_biases", to="model.optim.decay_norms_and_biases"),
     "model.save_logits": _agree("logits are not saved", False),
     "model.optim.name": _custom("adamw | adamw_fp32OptState (both AdamW with fp32 state here); others are refused"),

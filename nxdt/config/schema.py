@@ -89,7 +89,8 @@ class DistributedStrategyConfig:
     tensor_model_parallel_size: int = doc(1, "TP degree")
     pipeline_model_parallel_size: int = doc(1, "PP degree")
     virtual_pipeline_model_parallel_size: int = doc(1, "model chunks per pipeline stage (interleaved schedule)")
-    context_parallel_size: int = doc(1, "CP degree")
+    context_parallel_size: int = doc(1, "CP degree: the sequence split over CP ranks, attention as a ring "
+                                        "(data.seq_length a multiple of 2·CP)")
     expert_model_parallel_size: int = doc(1, "EP degree (subdivides data parallelism)")
     sequence_parallel: bool = doc(False, "shard activations along the sequence between TP regions")
     zero1: bool = doc(False, "shard optimizer state across data-parallel ranks")

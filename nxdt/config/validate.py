@@ -46,6 +46,7 @@ class Dim(str, Enum):
     DP = "dp"
     PP = "pp"
     EDP = "edp"  # expert data parallelism: the DP ranks holding the same experts (derived: DP / EP)
+    DP_CP = "dp_cp"  # the replicas of one model-parallel shard: DP × CP (derived; gradients and ZeRO-1/FSDP shards)
     MP = "mp"  # the model-parallel replica, TP × PP (derived)
 
     def __str__(self) -> str:
@@ -351,8 +352,14 @@ def validate(cfg: Any, *, paths: bool = True) -> None:
     if ep > 1 and (experts == 0 or experts % ep):
         raise ConfigError("distributed_strategy.expert_model_parallel_size", ep,
                           f"must divide model.moe.num_experts={experts} (each EP rank holds an equal share of the experts)")
-    if ds.sequence_parallel and tp > 1 and data.seq_length % tp:
-        raise ConfigError("data.seq_length", data.seq_length, f"must be divisible by TP={tp} with sequence_parallel (activations are split along it)")
+    if cp > 1 and data.seq_length % (2 * cp):
+        raise ConfigError("data.seq_length", data.seq_length, f"must split into 2·CP = {2 * cp} equal chunks with "
+                          f"distributed_strategy.context_parallel_size={cp} (CP rank i holds chunks i and 2·CP−1−i); "
+                          f"use a multiple of {2 * cp}")
+    if ds.sequence_parallel and tp > 1 and (data.seq_length // cp) % tp:
+        what = "" if cp == 1 else f" (each CP rank's {data.seq_length // cp} tokens)"
+        raise ConfigError("data.seq_length", data.seq_length, f"must be divisible by TP={tp}{what} with sequence_parallel "
+                          "(activations are split along it)")
     if tp > 1 and model.vocab_size % tp:
         raise ConfigError("model.vocab_size", model.vocab_size, f"must be divisible by TP={tp} (the embedding and head are split along it)")
     if pp > 1 and model.tie_word_embeddings:
@@ -520,7 +527,8 @@ class NotYetSupported(ConfigError):
 def check_trainable(cfg: Any) -> None:
     """Refuse, before any worker starts, what would otherwise train silently wrong."""
     ds = cfg.distributed_strategy
-    unsupported = [(key, value) for key, value in (("context_parallel_size", ds.context_parallel_size),) if value != 1]
+    cp = ds.context_parallel_size
+    unsupported = [("context_parallel_size", cp)] if cp > 1 and ds.expert_model_parallel_size > 1 else []
     if ds.expert_model_parallel_size > 1 and (ds.pipeline_model_parallel_size > 1 or ds.zero1 or ds.fsdp.enabled):
         unsupported.append(("expert_model_parallel_size", ds.expert_model_parallel_size))
     if ds.fsdp.enabled and ds.pipeline_model_parallel_size > 1:
@@ -529,12 +537,15 @@ def check_trainable(cfg: Any) -> None:
         key, value = unsupported[0]
         shown = key if key.startswith("comm.") else f"distributed_strategy.{key}"
         combined = {"expert_model_parallel_size": " together with PP, zero1 or FSDP",
-                    "fsdp.enabled": " together with pipeline parallelism"}.get(key, "")
+                    "fsdp.enabled": " together with pipeline parallelism",
+                    "context_parallel_size": " together with expert parallelism"}.get(key, "")
         raise NotYetSupported(shown, value, f"training with it{combined} is not implemented yet in this version "
-                              "(`nxdt plan` accepts it); data, tensor, pipeline, expert parallelism, ZeRO-1 and FSDP train now")
+                              "(`nxdt plan` accepts it); data, tensor, pipeline, expert, context parallelism, ZeRO-1 and FSDP train now")
     if ds.fsdp.enabled and ds.zero1:
         raise ConfigError("distributed_strategy.zero1", True, "FSDP already shards the optimizer state; set zero1=false "
                           "(or fsdp.enabled=false)")
+    if cp > 1:
+        _check_context_parallel_data(cfg, cp)
     recipes = [name for name in alignment_recipes(cfg) if name != "peft"]  # peft (LoRA) adapts any of them
     if len(recipes) > 1:
         raise ConfigError(f"model_alignment_strategy.{recipes[1]}", "", f"model_alignment_strategy.{recipes[0]} is set too; "
@@ -545,3 +556,18 @@ def check_trainable(cfg: Any) -> None:
             raise NotYetSupported(f"model_alignment_strategy.{name}", "", f"{what} is not wired into training yet in this "
                                   "version (`nxdt plan` accepts it); full-parameter SFT trains now (model_alignment_strategy.sft)")
 
+
+
+def _check_context_parallel_data(cfg: Any, cp: int) -> None:
+    """What the ring attention does not cover yet: validation passes (run on whole sequences) and packed records
+    (segment ids would have to travel with the K/V blocks)."""
+    data = cfg.data
+    if data.val_dir is not None or data.val_split:
+        key, value = ("data.val_dir", data.val_dir) if data.val_dir is not None else ("data.val_split", data.val_split)
+        raise NotYetSupported(key, value, f"validation with context parallelism (context_parallel_size={cp}) is not "
+                              "implemented yet; train without validation, or validate with context_parallel_size=1")
+    sft = getattr(getattr(cfg, "model_alignment_strategy", None), "sft", None)
+    if sft is not None and sft.packing:
+        raise NotYetSupported("model_alignment_strategy.sft.packing", True, "packed records with context parallelism "
+                              f"(context_parallel_size={cp}) are not implemented yet; set packing=false (one record per "
+                              "sequence, padded)")

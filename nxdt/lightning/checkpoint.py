@@ -598,6 +598,16 @@ def describe(path: str | os.PathLike) -> str:
     return "\n".join(lines)
 
 
+def checkpoint_degrees(degrees: dict[str, int]) -> dict[str, int]:
+    """The degrees a checkpoint records and is matched against: context parallelism folded into data parallelism.
+    CP ranks hold the same weights, as DP ranks do (ZeRO-1/FSDP shard over DP × CP), so a CP run's checkpoint is
+    a DP run's of DP × CP replicas: it loads into, and reshards to, any other split of those replicas."""
+    out = dict(degrees)
+    out[Dim.DP.value] = out.get(Dim.DP.value, 1) * out.get(Dim.CP.value, 1)
+    out[Dim.CP.value] = 1
+    return out
+
+
 def dp_format(meta: dict[str, Any]) -> str:
     """How a checkpoint's state is stored over data parallelism: ``replicated`` (DP rank 0 wrote it), ``zero1``
     (optimizer state in flat shards per DP rank), or what meta.json's ``dp_format`` names (FSDP)."""

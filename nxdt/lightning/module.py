@@ -23,6 +23,7 @@ from nxdt.lightning.objective import label_count, objective_for, token_weights
 from nxdt.lightning.optim import build_optimizer, build_scheduler
 from nxdt.models.lora import apply_peft
 from nxdt.parallel import squared_norm
+from nxdt.parallel.context_parallel import weight_by_token_share
 
 
 def import_architecture(path: str) -> type:
@@ -175,7 +176,9 @@ class CausalLMModule(pl.LightningModule):
         for mb in micro_batches:
             logits = self.model(mb["input_ids"], mb.get("position_ids"), mb.get("segment_ids"))
             loss = self.objective.loss(self.model, logits, mb)
-            if "loss_weight" in mb:
+            # context parallelism: this rank's share of the sequence's token mean (unchanged without CP)
+            loss = weight_by_token_share(loss, mb)
+            if "loss_weight" in mb:  # the micro-batch's share of the global batch's labelled tokens
                 loss = loss * mb["loss_weight"].to(loss.dtype)
             loss = loss / len(micro_batches)
             self.manual_backward(loss)

@@ -39,6 +39,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 import nxdt.comm
 from nxdt.lightning import checkpoint as ckpt_io, reshard
 from nxdt.lightning.precision import with_strategy_clipping
+from nxdt.parallel.context_parallel import apply_context_parallel, shard_micro_batches
 from nxdt.parallel.data_parallel import FSDP_SHARD_MARK, DataParallelRuntime, ModelParallel, data_parallel_runtime
 from nxdt.parallel.expert_parallel import apply_expert_parallel
 from nxdt.parallel.pipeline import PipelineExecutor, build_chunks, interleaved_one_f_one_b, one_f_one_b
@@ -236,10 +237,10 @@ class NxDStrategy(ParallelStrategy):
                 f"the plan is for {self._plan.world_size} ranks but Lightning started {world_size} "
                 f"(devices={self.num_processes}, num_nodes={self.num_nodes}); make trainer.devices × num_nodes match the plan"
             )
-        if self._plan.cp != 1:
+        if self._plan.cp > 1 and self._plan.ep > 1:
             raise NotImplementedError(
-                f"NxDStrategy: degrees {self._plan.degrees} — context parallel training is not "
-                f"implemented yet in this version; use data, tensor, pipeline and expert parallelism")
+                f"NxDStrategy: degrees {self._plan.degrees} — context parallelism together with expert parallelism is "
+                f"not implemented yet; context parallelism trains with data, tensor and pipeline parallelism, ZeRO-1 and FSDP")
         if self.world is None:
             self._connect()
         if self._trace_dir is not None:
@@ -257,7 +258,7 @@ class NxDStrategy(ParallelStrategy):
             store_is_server=(self.global_rank == 0 and not agent_hosts_store),
         )
         self.communicators = {"world": self.world.world}
-        dims = DIMENSIONS + ((Dim.EDP,) if self._plan.ep > 1 else ())
+        dims = DIMENSIONS + ((Dim.EDP,) if self._plan.ep > 1 else ()) + ((Dim.DP_CP,) if self._plan.cp > 1 else ())
         for dim in dims:
             for index, ranks in enumerate(self._plan.groups[dim]):
                 comm = self.world.new_communicator(list(ranks), name=f"{dim.value}{index}", link=self._emulated_links.get(dim),
@@ -289,10 +290,13 @@ class NxDStrategy(ParallelStrategy):
         self.setup_precision_plugin()
 
     def _model_parallel(self) -> ModelParallel:
-        """This rank's groups as the data-parallel runtime composes with them (TP/PP/EP only where the degree > 1)."""
+        """This rank's groups as the data-parallel runtime composes with them (TP/PP/EP only where the degree > 1).
+        Under context parallelism the replicas of the weights are DP × CP: gradients are averaged, and ZeRO-1/FSDP
+        shard, over that group (CP ranks hold the same weights, as DP ranks do)."""
         plan, comms = self.plan, self.communicators
         split = {dim.value: comms[dim] if plan.degree(dim) > 1 else None for dim in (Dim.TP, Dim.PP, Dim.EP)}
-        return ModelParallel(dp=comms[Dim.DP], dp_size=plan.dp, edp=comms.get(Dim.EDP), **split,
+        replicas = comms[Dim.DP_CP] if plan.cp > 1 else comms[Dim.DP]
+        return ModelParallel(dp=replicas, dp_size=plan.dp_cp, edp=comms.get(Dim.EDP), **split,
                              sequence_parallel=self._sequence_parallel, norm_weights=self._norm_weights, tp_layout=self._tp_layout,
                              tp_partial_grads=self._tp_partial_grads)
 
@@ -308,20 +312,22 @@ class NxDStrategy(ParallelStrategy):
         self.optimizers = sharded
 
     def _parallelize(self) -> None:
-        """Shard the module's ``model`` (a model-hub model): layers over TP, experts over EP, then cut this
-        rank's pipeline stage."""
-        tp, pp, ep = self.plan.tp, self.plan.pp, self.plan.ep
-        if tp == 1 and pp == 1 and ep == 1:
+        """Shard the module's ``model`` (a model-hub model): layers over TP, experts over EP, core attention as a ring
+        over CP, then cut this rank's pipeline stage."""
+        tp, pp, ep, cp = self.plan.tp, self.plan.pp, self.plan.ep, self.plan.cp
+        if tp == 1 and pp == 1 and ep == 1 and cp == 1:
             return
         model = getattr(self.lightning_module, "model", None)
         if model is not None and model is self._parallelized:  # fit, then test/predict: sharded already
             return
         if model is None or not hasattr(model, "run_layer"):
-            raise ValueError("NxDStrategy: tensor/pipeline/expert parallelism needs a LightningModule whose `model` is a "
+            raise ValueError("NxDStrategy: tensor/pipeline/expert/context parallelism needs a LightningModule whose `model` is a "
                              "model-hub model (embed / run_layer / head), e.g. nxdt.lightning.CausalLMModule")
         if tp > 1:
             apply_tensor_parallel(model, self.communicators[Dim.TP], sequence_parallel=self._sequence_parallel)
             self._norm_weights = norm_weights(model, tp)
+        if cp > 1:  # each layer's core attention becomes ring attention over the CP group (weights untouched)
+            apply_context_parallel(model, self.communicators[Dim.CP])
         if ep > 1:  # after TP: it flags the (TP-sharded) expert parameters it keeps
             apply_expert_parallel(model, self.communicators[Dim.EP])
         if pp > 1:
@@ -335,7 +341,10 @@ class NxDStrategy(ParallelStrategy):
 
     def forward_backward(self, module: pl.LightningModule, micro_batches: list[dict[str, Tensor]]) -> Tensor:
         """Run forward and backward over one global batch's micro-batches; parameter gradients hold the
-        gradient of the mean loss afterwards; returns the mean loss (on every pipeline stage)."""
+        gradient of the mean loss afterwards; returns the mean loss (on every pipeline stage). Under context
+        parallelism each micro-batch is first cut to this rank's part of the sequence."""
+        if self.plan.cp > 1:
+            micro_batches = shard_micro_batches(micro_batches, self.communicators[Dim.CP])
         if self._pipeline is None:
             return module._forward_backward(micro_batches)
         pp, m = self.communicators[Dim.PP], len(micro_batches)
@@ -446,12 +455,13 @@ class NxDStrategy(ParallelStrategy):
         """(model file, state file, writes model?, writes state?) of this rank. Data-parallel replicas hold
         identical weights, so DP rank 0 of each model-parallel position (TP × PP shard) writes them; the
         trainer/optimizer state is per model-parallel shard too, and per DP rank when the data-parallel runtime
-        shards it (ZeRO-1, FSDP)."""
+        shards it (ZeRO-1, FSDP). Under context parallelism the replicas are DP × CP (``dp_cp``): the files are
+        those of a DP run with DP × CP ranks."""
         plan, coords = self.plan, self.plan.coords(self.global_rank)
         mp = "" if plan.mp == 1 else f"-mp{coords.mp}"
         mp += f"-ep{coords.ep}" if plan.ep > 1 else ""  # each EP rank holds its own experts
-        dp = f"-dp{coords.dp}" if self._dp.shards_optimizer_state and plan.dp > 1 else ""
-        first = coords.dp < plan.ep  # the first replica of each EP position
+        dp = f"-dp{coords.dp_cp}" if self._dp.shards_optimizer_state and plan.dp_cp > 1 else ""
+        first = coords.dp_cp < plan.ep  # the first replica of each EP position (CP > 1 only without EP)
         return f"model{mp}.safetensors", f"trainer_state{mp}{dp}.pt", first, first or bool(dp)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -465,7 +475,7 @@ class NxDStrategy(ParallelStrategy):
         if adapters_only:  # LoRA without save_lora_base: the model file holds the adapters (trainable tensors) alone
             checkpoint = {**checkpoint, ADAPTERS_ONLY_KEY: True,
                           "state_dict": {k: v for k, v in checkpoint["state_dict"].items() if k in self._trainable_names}}
-        meta = {**({"adapters_only": True} if adapters_only else {}), "degrees": dict(self.plan.degrees), "world_size": self.plan.world_size, **self._dp.checkpoint_flags(),
+        meta = {**({"adapters_only": True} if adapters_only else {}), "degrees": ckpt_io.checkpoint_degrees(self.plan.degrees), "world_size": self.plan.world_size, **self._dp.checkpoint_flags(),
                 "virtual_pipeline": self._virtual, "dp_format": self._dp.dp_format, **self.checkpoint_meta}
         if self.plan.tp > 1:  # how to reassemble full tensors from the TP shards (export, resharding)
             layout = self._tp_layout if self._tp_layout is not None else shard_layout(self.lightning_module.model)
@@ -547,14 +557,15 @@ class NxDStrategy(ParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         expect, zero1 = self.checkpoint_meta.get("model"), self._dp.checkpoint_flags()["zero1"]
-        if ckpt_io.check_layout(checkpoint_path, self.plan.degrees, zero1, self._virtual, data_parallel_format=self._dp.dp_format):
+        degrees = ckpt_io.checkpoint_degrees(self.plan.degrees)  # CP folded into DP: CP ranks are weight replicas
+        if ckpt_io.check_layout(checkpoint_path, degrees, zero1, self._virtual, data_parallel_format=self._dp.dp_format):
             log.info("rank %d: resharding %s for this layout %s", self.global_rank, checkpoint_path, self.plan.degrees)
             checkpoint = reshard.load_resharded(checkpoint_path, expect_model=expect)
         else:
             model_file, state_file, _, _ = self._shard_files()
             checkpoint = ckpt_io.load(checkpoint_path, expect_model=expect, model_file=model_file, state_file=state_file)
         ckpt_io.restore_rng(checkpoint_path, self.global_rank,
-                            same_layout=ckpt_io.same_world(checkpoint_path, self.plan.degrees, self.world_size))
+                            same_layout=ckpt_io.same_world(checkpoint_path, degrees, self.world_size))
         return checkpoint
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from nxdt.models.attention import SequenceLayout  # the hub's layout type (models sit on parallel's layer)
+from nxdt.parallel.context_parallel import weight_by_token_share
 
 __all__ = [
     "split_layers", "PipelineChunk", "build_chunks", "chunk_parameters",
@@ -521,6 +522,8 @@ class PipelineExecutor:
         if getattr(chunk, "is_last", False):
             loss = self.loss_fn(out, labels)
             self.losses[t.microbatch] = loss.detach().double()
+            # context parallelism: this rank's share of the sequence's token mean (unchanged without CP)
+            loss = weight_by_token_share(loss, self.microbatches[t.microbatch])
             weight = micro_batch_weight(self.microbatches[t.microbatch])
             if weight is not None:  # the micro-batch's share of the global batch's labelled tokens
                 loss = loss * weight.to(loss.dtype)

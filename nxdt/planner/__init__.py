@@ -20,6 +20,10 @@ Expert parallelism subdivides data parallelism: with DP=4 and EP=2 the ``dp`` ax
 ``ep × (dp/ep)``, ep fastest, so ep groups are pairs of consecutive DP ranks; ``edp`` groups (expert
 data parallelism) join the ranks that hold the same experts: dp [0,1,2,3] → ep [0,1] [2,3], edp [0,2] [1,3].
 
+Context parallelism splits the sequence, not the weights: the ranks of a CP group hold the same weights, so
+gradients are averaged (and ZeRO-1/FSDP shard) over ``dp_cp`` groups, DP × CP with the cp coordinate fastest.
+TP=2, CP=2 on 8 ranks (DP=2): cp [0,2] [1,3] [4,6] [5,7], dp [0,4] [1,5] [2,6] [3,7], dp_cp [0,2,4,6] [1,3,5,7].
+
 On a torus the grid is laid over *positions* and a device order maps positions to cores (see
 ``placement``): trn1.32xlarge TP=4 gives TP groups [0,8,16,24], [1,9,17,25], ... (torus columns).
 """
@@ -51,6 +55,7 @@ class Coords(NamedTuple):
     ep: int
     dp: int
     edp: int
+    dp_cp: int
     pp: int
     mp: int
     world: int
@@ -84,6 +89,10 @@ class Plan:
     batch: dict[str, int] = field(default_factory=dict)  # global, micro, micro_batches (per DP rank and step), seq_length
     warnings: list[str] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        if Dim.DP_CP not in self.groups and Dim.DP in self.groups:  # a plan.json written before dp_cp existed
+            self.groups[Dim.DP_CP.value] = _dp_cp_of(self.groups[Dim.DP], self.groups[Dim.CP])
+
     def group_of(self, dim: str, rank: int) -> list[int]:
         for group in self.groups[dim]:
             if rank in group:
@@ -91,9 +100,11 @@ class Plan:
         raise KeyError(f"rank {rank} is in no {dim} group")
 
     def degree(self, dim: Dim | str) -> int:
-        """The size of dimension ``dim`` (EDP = DP / EP; MP = TP × PP)."""
+        """The size of dimension ``dim`` (EDP = DP / EP; MP = TP × PP; DP_CP = DP × CP)."""
         if dim == Dim.EDP:
             return self.degrees[Dim.DP] // self.degrees[Dim.EP]
+        if dim == Dim.DP_CP:
+            return self.degrees[Dim.DP] * self.degrees[Dim.CP]
         if dim == Dim.MP:
             return self.degrees[Dim.TP] * self.degrees[Dim.PP]
         return self.degrees[Dim(dim)]
@@ -105,6 +116,7 @@ class Plan:
     pp = property(lambda self: self.degree(Dim.PP), doc="pipeline-parallel degree")
     edp = property(lambda self: self.degree(Dim.EDP), doc="expert-data-parallel degree, DP / EP")
     mp = property(lambda self: self.degree(Dim.MP), doc="model-parallel replica size, TP × PP")
+    dp_cp = property(lambda self: self.degree(Dim.DP_CP), doc="replicas of the weights, DP × CP (CP ranks hold the same weights)")
 
     @property
     def micro_batches(self) -> int:
@@ -168,9 +180,18 @@ def _position_groups(world_size: int, degrees: dict[str, int], order: str) -> di
     groups["dp"] = np.moveaxis(grid, [axis[Dim.EP], axis[Dim.DP]], [-1, -2]).reshape(-1, degrees[Dim.DP])
     # expert-data-parallel: the ranks holding the same experts (same ep coordinate, different ep groups)
     groups["edp"] = np.moveaxis(grid, axis[Dim.DP], -1).reshape(-1, degrees[Dim.DP] // degrees[Dim.EP])
+    # the replicas of the weights: data and context parallelism together (cp fastest, then ep, then dp)
+    groups["dp_cp"] = np.moveaxis(grid, [axis[Dim.DP], axis[Dim.EP], axis[Dim.CP]], [-3, -2, -1]).reshape(-1, degrees[Dim.DP] * degrees[Dim.CP])
     groups["mp"] = np.moveaxis(grid, [axis[Dim.TP], axis[Dim.PP]], [-1, -2]).reshape(-1, degrees[Dim.TP] * degrees[Dim.PP])
     groups["world"] = np.arange(world_size).reshape(1, -1)
     return groups
+
+
+def _dp_cp_of(dp_groups: list[list[int]], cp_groups: list[list[int]]) -> list[list[int]]:
+    """DP × CP groups from the DP and CP groups: each CP group's members' DP groups together (ordered cp fastest)."""
+    dp_of = {r: g for g in dp_groups for r in g}
+    out = {tuple(r for d in zip(*(dp_of[m] for m in cp)) for r in d) for cp in cp_groups}
+    return sorted(list(g) for g in out)
 
 
 def _degrees(world_size: int, tp: int, pp: int, cp: int, ep: int, order: str) -> dict[str, int]:

@@ -15,6 +15,13 @@ It is an approximation for SwiGLU blocks (noted in the plan). Bytes per paramete
 The ``5·a·s/h`` term is the S×S attention scores (QKᵀ, softmax, dropout mask): it is counted only with
 ``model.core_attention: naive``; ``sdpa`` (a fused flash kernel) and ``blockwise`` keep no S×S tensor, only
 a logsumexp per query row (4·a·s·b bytes, negligible, not counted).
+
+Context parallelism (CP ranks hold S/CP tokens each: the activations and logits above shrink by CP; ZeRO-1 and
+FSDP shard over DP × CP) is priced as the ring it runs (:func:`ring_rows`): per layer and micro-batch, CP − 1 K/V
+block transfers in forward, CP − 1 again in backward plus CP hops of the dK/dV accumulators (fp32 for 16-bit
+activations), each hidden behind the attention compute of the block in hand and exposed only by what exceeds it
+(:func:`ring_attention_flops`). ``plan.estimate["context_parallel"]`` holds the bytes each rank sends per step,
+how much of that time is hidden, and the activation memory CP saves per rank.
 """
 
 from __future__ import annotations
@@ -184,6 +191,7 @@ def memory_per_rank(cfg: Any, degrees: dict[str, int]) -> dict[str, float]:
     DP / EP ranks only (EP subdivides DP), so that is what their state is sharded over."""
     model, ds, data = cfg.model, cfg.distributed_strategy, cfg.data
     tp, pp, dp, ep = degrees["tp"], degrees["pp"], degrees["dp"], degrees["ep"]
+    replicas = dp * degrees.get("cp", 1)  # what ZeRO-1 / FSDP shard over: CP ranks hold the same weights as DP ranks
     n = model_numbers(model)
     dense = (n["total"] - n["expert_params"]) / (tp * pp)  # per rank, before any DP sharding
     experts = n["expert_params"] / (tp * pp * ep)
@@ -193,19 +201,22 @@ def memory_per_rank(cfg: Any, degrees: dict[str, int]) -> dict[str, float]:
     if fsdp:  # everything sharded; the fp32 shard of mixed_precision is the master copy (no separate one)
         p_bytes = 4 if _kind(cfg) == "mixed_precision" else per["params"]
         state = per["moments"]
-        mem = {"parameters": (dense / dp + experts / edp) * p_bytes, "gradients": (dense / dp + experts / edp) * per["grads"],
-               "optimizer": (dense / dp + experts / edp) * state,
+        mem = {"parameters": (dense / replicas + experts / edp) * p_bytes,
+               "gradients": (dense / replicas + experts / edp) * per["grads"],
+               "optimizer": (dense / replicas + experts / edp) * state,
                "gathered_parameters": _fsdp_gathered(cfg, n, tp, pp, per["params"])}
     else:
         state = per["moments"] + per["master"]
-        sharded = (dense / dp + experts / edp) if ds.zero1 else dense + experts
+        sharded = (dense / replicas + experts / edp) if ds.zero1 else dense + experts
         mem = {"parameters": (dense + experts) * per["params"], "gradients": (dense + experts) * per["grads"],
                "optimizer": sharded * state}
     s, b, h, a = data.seq_length, data.micro_batch_size, model.hidden_size, model.num_attention_heads
-    s_local = s / degrees["cp"]
+    s_local = s / degrees.get("cp", 1)
     act_bytes = _bytes(_kind(cfg))  # activations: fp32 with fp32, bf16 otherwise (mixed_precision computes in bf16)
-    # the S×S scores exist only when core attention materialises them (naive); sdpa and blockwise work in tiles
-    quadratic = 5 * a * s_local / h if getattr(model, "core_attention", "sdpa") == "naive" else 0.0
+    # the S×S scores exist only when core attention materialises them (naive); sdpa and blockwise work in tiles, and
+    # so does ring attention under context parallelism (whatever core_attention says: it saves out and lse only)
+    naive = getattr(model, "core_attention", "sdpa") == "naive" and degrees.get("cp", 1) == 1
+    quadratic = 5 * a * s_local / h if naive else 0.0
     granularity = model.activations_checkpoint_granularity
     sp = bool(ds.sequence_parallel) and tp > 1
     if granularity == "full":
@@ -222,6 +233,41 @@ def memory_per_rank(cfg: Any, degrees: dict[str, int]) -> dict[str, float]:
         mem["activations"] += layer_activation_bytes(s_local, b, h, tp, sp, quadratic, False, act_bytes)
     mem["logits"] = s_local * b * model.vocab_size / tp * 4 * 2  # fp32 logits and their gradient on the last stage
     return mem
+
+
+def ring_attention_flops(b: int, chunk: int, heads: float, head_dim: int) -> dict[str, float]:
+    """Attention FLOPs of one ring step after the first (the block of another rank) for one layer and micro-batch:
+    the queries' two chunks see two whole chunk×chunk tiles of it (the load-balanced split), each 2·c²·d for QKᵀ and
+    2·c²·d for P·V per head in forward; backward recomputes QKᵀ and runs four more such products (dV, dP, dQ, dK)."""
+    tile = 2 * chunk * chunk * head_dim * heads * b
+    return {"forward": 2 * 2 * tile, "backward": 2 * 5 * tile}
+
+
+def ring_rows(cfg: Any, plan: Any) -> list[dict[str, Any]]:
+    """The ring's transfers of one optimizer step (context parallelism): per layer and micro-batch, CP − 1 K/V
+    blocks in forward (twice with activation recomputation), CP − 1 in backward and CP hops of the dK/dV
+    accumulators (the last one home). A K/V block is this rank's S/CP tokens × its KV heads (÷ TP, at least one: KV
+    heads are replicated when fewer than TP) × head_dim, K and V, in the activations' dtype; dK/dV travel in fp32
+    for 16-bit activations. ``hidden_by_flops``: the attention compute of the block in hand, which the transfer
+    runs behind (:func:`ring_attention_flops`; in backward the K/V block and the accumulator share it)."""
+    model, data = cfg.model, cfg.data
+    cp = plan.cp
+    if cp <= 1:
+        return []
+    act = _bytes(_kind(cfg))
+    b, s_local = data.micro_batch_size, data.seq_length // cp
+    head_dim = model.hidden_size // model.num_attention_heads
+    kv_heads = max(1.0, (model.num_kv_heads or model.num_attention_heads) / plan.tp)
+    block = 2 * b * s_local * kv_heads * head_dim
+    per_pass = model.num_layers // plan.pp * plan.micro_batches
+    recompute = 2 if model.activations_checkpoint_granularity in ("full", "selective") else 1  # the ring runs again
+    flops = ring_attention_flops(b, s_local // 2, model.num_attention_heads / plan.tp, head_dim)
+    return [dict(dim="cp", op="send_recv", bytes=block * act, count=per_pass * (cp - 1) * recompute, overlap=True,
+                 hidden_by_flops=flops["forward"], what="ring: K/V blocks, forward"),
+            dict(dim="cp", op="send_recv", bytes=block * act, count=per_pass * (cp - 1), overlap=True,
+                 hidden_by_flops=flops["backward"] / 2, what="ring: K/V blocks, backward"),
+            dict(dim="cp", op="send_recv", bytes=block * 4, count=per_pass * cp, overlap=True,
+                 hidden_by_flops=flops["backward"] / 2, what="ring: dK/dV accumulators, backward")]
 
 
 def step_collectives(cfg: Any, plan: Any) -> list[dict[str, Any]]:
@@ -242,17 +288,14 @@ def step_collectives(cfg: Any, plan: Any) -> list[dict[str, Any]]:
                      dict(dim="tp", op="reduce_scatter", bytes=activation, count=per, what="SP scatter after attention/MLP")]
         else:
             rows.append(dict(dim="tp", op="all_reduce", bytes=activation, count=per, what="row-parallel outputs and column-parallel input grads"))
-    if plan.cp > 1:
-        kv = model.num_kv_heads or model.num_attention_heads
-        kv_bytes = 2 * b * data.seq_length * kv * (h // model.num_attention_heads) * act / plan.tp
-        rows += [dict(dim="cp", op="all_gather", bytes=kv_bytes, count=layers * microbatches, what="K/V of the whole sequence"),
-                 dict(dim="cp", op="reduce_scatter", bytes=kv_bytes, count=layers * microbatches, what="K/V gradients")]
+    rows += ring_rows(cfg, plan)
     if plan.ep > 1 and n["experts"]:
         rows.append(dict(dim="ep", op="all_to_all", bytes=activation * n["top_k"], count=4 * layers * microbatches,
                          what="token dispatch and combine, forward and backward"))
     if plan.pp > 1:
         rows.append(dict(dim="pp", op="send_recv", bytes=activation, count=2 * microbatches, what="activations forward, gradients backward"))
-    if plan.dp > 1:
+    if plan.dp * plan.cp > 1:
+        dp_dim = "dp_cp" if plan.cp > 1 else "dp"  # CP ranks are weight replicas: DP × CP reduces and shards
         dense = n["total"] - n["expert_params"]
         params = dense / (plan.tp * plan.pp)
         grad_bytes = 4 if _kind(cfg) in ("fp32", "mixed_precision") else 2
@@ -265,20 +308,32 @@ def step_collectives(cfg: Any, plan: Any) -> list[dict[str, Any]]:
             policy = ds.fsdp.prefetch
             passes = 1 if policy == "eager" else 2 * microbatches
             hidden = policy != "none"
-            rows.append(dict(dim="dp", op="all_gather", bytes=unit * act, count=passes, what="FSDP first gather of a pass"))
-            rows += [dict(dim="dp", op="all_gather", bytes=unit * act, count=passes * (units - 1) if policy != "eager" else units - 1,
+            rows.append(dict(dim=dp_dim, op="all_gather", bytes=unit * act, count=passes, what="FSDP first gather of a pass"))
+            rows += [dict(dim=dp_dim, op="all_gather", bytes=unit * act, count=passes * (units - 1) if policy != "eager" else units - 1,
                           what="FSDP parameter gathers (prefetched)" if hidden else "FSDP parameter gathers", overlap=hidden),
-                     dict(dim="dp", op="reduce_scatter", bytes=unit * grad_bytes, count=units * microbatches,
+                     dict(dim=dp_dim, op="reduce_scatter", bytes=unit * grad_bytes, count=units * microbatches,
                           what="FSDP gradient reduce-scatter", overlap=hidden)]
             if 2 * h < ds.fsdp.param_persistence_threshold:  # norm weights ride along their unit, kept whole
-                rows.append(dict(dim="dp", op="all_reduce", bytes=(2 * layers + 1) * h * grad_bytes, count=1,
+                rows.append(dict(dim=dp_dim, op="all_reduce", bytes=(2 * layers + 1) * h * grad_bytes, count=1,
                                  what="FSDP norm weights kept whole: gradients averaged once per step"))
         elif ds.zero1:
-            rows += [dict(dim="dp", op="reduce_scatter", bytes=params * grad_bytes, count=1, what="ZeRO-1 gradients"),
-                     dict(dim="dp", op="all_gather", bytes=params * act, count=1, what="ZeRO-1 updated parameters")]
+            rows += [dict(dim=dp_dim, op="reduce_scatter", bytes=params * grad_bytes, count=1, what="ZeRO-1 gradients"),
+                     dict(dim=dp_dim, op="all_gather", bytes=params * act, count=1, what="ZeRO-1 updated parameters")]
         else:
-            rows.append(dict(dim="dp", op="all_reduce", bytes=params * grad_bytes, count=1, what="gradients (one fp32 bucket)"))
+            rows.append(dict(dim=dp_dim, op="all_reduce", bytes=params * grad_bytes, count=1, what="gradients (one fp32 bucket)"))
     return rows
+
+
+def context_parallel_figures(cfg: Any, degrees: dict[str, int], ring: list[dict[str, Any]], mem: dict[str, float]) -> dict[str, float]:
+    """What the ring costs and saves per rank and step: bytes sent (each transfer also receives as many), its time,
+    how much of it hides behind attention compute, and the activation (and logits) bytes CP saves against CP = 1."""
+    unsplit = memory_per_rank(cfg, {**degrees, "cp": 1})
+    held = lambda m: m["activations"] + m["logits"]
+    total = sum(r["total_s"] for r in ring)
+    hidden = sum(r["hidden_s"] for r in ring)
+    return {"ring_bytes_per_step": sum(r["bytes"] * r["count"] for r in ring), "ring_s": total,
+            "ring_exposed_s": total - hidden, "ring_hidden_pct": 100.0 * hidden / total if total else 100.0,
+            "activation_bytes_saved": held(unsplit) - held(mem)}
 
 
 def _emulated_links(cfg: Any) -> dict[str, tuple[float, float]]:
@@ -347,14 +402,19 @@ def estimate_plan(plan: Any, cfg: Any, topo: Topology, calibration: dict[str, An
     v = cfg.distributed_strategy.virtual_pipeline_model_parallel_size
     bubble = compute * (plan.pp - 1) / (v * microbatches) if plan.pp > 1 else 0.0
     comm = sum(r["total_s"] for r in rows)
-    overlappable = sum(r["total_s"] for r in rows if r["overlap"])
+    ring = [r for r in rows if "hidden_by_flops" in r]  # context parallelism: each transfer hides behind its own block
+    rate = per_rank_peak * inst.compute_efficiency
+    for r in ring:
+        r["hidden_s"] = min(r["seconds"], r["hidden_by_flops"] / rate if rate else 0.0) * r["count"]
+    ring_total, ring_exposed = sum(r["total_s"] for r in ring), sum(r["total_s"] - r["hidden_s"] for r in ring)
+    overlappable = sum(r["total_s"] for r in rows if r["overlap"] and "hidden_by_flops" not in r)
     # what prefetched FSDP traffic can hide behind: compute, and with token_threaded (its own stream, on the DP
     # links) also the blocking collectives of the other dimensions (TP, ...); eager's gathers queue on the TP stream
     cover = compute
     fsdp = cfg.distributed_strategy.fsdp
     if fsdp.enabled and fsdp.prefetch == "token_threaded":
         cover += sum(r["total_s"] for r in rows if not r["overlap"] and r["dim"] != "dp")
-    exposed = comm - overlappable + max(0.0, overlappable - cover)
+    exposed = comm - ring_total - overlappable + max(0.0, overlappable - cover) + ring_exposed
     step = compute + bubble + exposed
     mem = memory_per_rank(cfg, d)
     per_rank = sum(mem.values())
@@ -366,6 +426,8 @@ def estimate_plan(plan: Any, cfg: Any, topo: Topology, calibration: dict[str, An
         "flops_per_token": fpt, "memory_per_rank_bytes": mem, "memory_per_device_GiB": per_device / GiB,
         "device_memory_GiB": inst.memory_GiB, "calibrated": bool(calibration and topo.graph == "host"),
     }
+    if ring:
+        plan.estimate["context_parallel"] = context_parallel_figures(cfg, d, ring, mem)
     if inst.memory_GiB and per_device > inst.memory_GiB * GiB:
         plan.warnings.append(f"does not fit: {per_device / GiB:.1f} GiB per device estimated, a {inst.name} device has "
                              f"{inst.memory_GiB:g} GiB (raise TP/PP, enable zero1/fsdp or activation checkpointing)")

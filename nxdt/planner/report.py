@@ -74,6 +74,12 @@ def render_plan(plan: Any, grid: tuple[int, int] | None = None) -> str:
                   f"pipeline bubble {_seconds(e['bubble_s'])}, exposed comm {_seconds(e['exposed_comm_s'])} of "
                   f"{_seconds(e['comm_s'])}); {_si(e['tokens_per_s'], 'tokens/s')}; MFU {100 * e['mfu']:.1f}%",
                   f"memory: {mem} — " + ", ".join(f"{k} {_bytes(v)}" for k, v in e["memory_per_rank_bytes"].items()) + " per rank"]
+        cp = e.get("context_parallel")
+        if cp:
+            lines.append(f"context parallelism: the ring sends {_bytes(cp['ring_bytes_per_step'])} per rank and step "
+                         f"({_seconds(cp['ring_s'])}, {cp['ring_hidden_pct']:.0f}% behind attention compute, "
+                         f"{_seconds(cp['ring_exposed_s'])} exposed); activations {_bytes(cp['activation_bytes_saved'])} "
+                         "smaller per rank than CP 1")
     if plan.ranks_per_device > 1 or grid:
         lines += placement_picture(plan, grid)
     lines.append("groups:")
@@ -90,7 +96,7 @@ def render_plan(plan: Any, grid: tuple[int, int] | None = None) -> str:
         lines.append("collectives per step:")
         lines.append(f"  {'dim':<4}{'op':<16}{'group':>6}{'bytes':>12}{'count':>8}  {'algorithm':<14}{'each':>10}{'busbw':>12}{'total':>10}")
         for r in plan.collectives:
-            lines.append(f"  {r['dim']:<4}{r['op']:<16}{r['group_size']:>6}{_bytes(r['bytes']):>12}{r['count']:>8}  "
+            lines.append(f"  {r['dim'] + ' ':<4}{r['op']:<16}{r['group_size']:>6}{_bytes(r['bytes']):>12}{r['count']:>8}  "
                          f"{r['algorithm']:<14}{_seconds(r['seconds']):>10}{r['busbw_GBps']:>8.1f} GB/s{_seconds(r['total_s']):>10}"
                          + ("  (overlapped)" if r["overlap"] else ""))
     lines += [f"warning: {w}" for w in plan.warnings]
