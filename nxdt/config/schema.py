@@ -391,7 +391,9 @@ def _optional_block(schema: type, name: str) -> type | None:
     """The dataclass of an ``Optional[<dataclass>]`` field (a block that is off while null), else None."""
     hint = typing.get_type_hints(schema).get(name)
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 and is_dataclass(args[0]) else None
+    if typing.get_origin(hint) is typing.Union and len(args) == 1 and isinstance(args[0], type) and is_dataclass(args[0]):
+        return args[0]
+    return None
 
 
 def field_docs(schema: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:

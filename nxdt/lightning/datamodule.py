@@ -98,6 +98,8 @@ class NxDDataModule(pl.LightningDataModule):
                                  f"{tokenizer.vocab_size}, or another tokenizer")
             return PackedText(path or SAMPLE_TEXT, tokenizer, cfg.seq_length)
         if cfg.source == "hf_dataset":
+            if path is None:  # validation asks only for a given val_dir; training's train_dir is checked before launch
+                raise ValueError("data.source=hf_dataset needs data.train_dir (a save_to_disk directory)")
             return SavedHFDataset(path, cfg.seq_length, self.vocab_size)
         if cfg.source == "megatron":
             if validation:
