@@ -293,6 +293,15 @@ class PeftConfig:
         return cls(**values)
 
 
+    @classmethod
+    def pick(cls, block: "Mapping[str, Any] | Any") -> "PeftConfig":
+        """The model-shaping keys of a fuller block — NxDT's whole ``model_alignment_strategy.peft`` (a mapping or an
+        object with attributes): its other keys (lora_verbose, the export and merge switches) belong to the trainer."""
+        get = block.get if isinstance(block, Mapping) or hasattr(block, "items") else (lambda k, d: getattr(block, k, d))
+        missing = object()
+        return cls.of({f.name: v for f in fields(cls) if (v := get(f.name, missing)) is not missing})
+
+
 def check_peft(model: nn.Module, peft_config: "PeftConfig | Mapping[str, Any] | Any") -> PeftConfig:
     """Everything :func:`apply_peft` would refuse, without changing ``model`` — for validation before workers start
     (build the model on ``torch.device("meta")``: no memory, same module names). Returns the parsed config."""
