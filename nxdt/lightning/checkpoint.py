@@ -591,7 +591,8 @@ def describe(path: str | os.PathLike) -> str:
     lines = [f"checkpoint {root}: step {meta.get('step')}, format {meta.get('format_version')} ({sums}), world {meta.get('world_size')}, "
              f"degrees {meta.get('degrees')}, zero1 {bool(meta.get('zero1'))}", f"model: {meta.get('model')}"]
     total = 0
-    for file in sorted(f for f in root.glob("*.safetensors") if not f.name.startswith("rng-")):
+    # the model's tensors: not the RNG states, nor a PEFT adapter's copy of the adapters (LoRA save_lora_config_adapter)
+    for file in sorted(f for f in root.glob("*.safetensors") if not f.name.startswith("rng-") and f.name != "adapter_model.safetensors"):
         with safe_open(str(file), "pt") as fh:
             for name in fh.keys():
                 t = fh.get_slice(name)
