@@ -292,12 +292,13 @@ def _check_model(cfg: Any) -> None:
         return
     peft = cfg.model_alignment_strategy.peft
     if peft is not None:  # LoRA: the targets exist in this model, the values are in range (before apply_peft in the workers)
-        from nxdt.models.lora import PeftConfig, check_peft
+        from nxdt.models.lora import LoRAArgumentError, PeftConfig, check_peft
 
         try:
             check_peft(model, PeftConfig.pick(peft))
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(f"model_alignment_strategy.peft.{_peft_key(str(exc))}", "", str(exc)) from None
+        except LoRAArgumentError as exc:  # apply_lora's argument → NxDT's key (rank → lora_rank, target_modules as is)
+            key = exc.arg if exc.arg == "target_modules" else f"lora_{exc.arg}"
+            raise ConfigError(f"model_alignment_strategy.peft.{key}", "", str(exc)) from None
     if model_cfg.hf_checkpoint is not None:
         from nxdt.lightning.hf import HFCheckpointError, check_hf_checkpoint
 
@@ -306,15 +307,6 @@ def _check_model(cfg: Any) -> None:
             check_hf_checkpoint(model_cfg.hf_checkpoint, expected, tied=bool(getattr(model, "tied", False)))
         except HFCheckpointError as exc:
             raise ConfigError("model.hf_checkpoint", model_cfg.hf_checkpoint, exc.fix) from None
-
-
-def _peft_key(message: str) -> str:
-    """The peft key a LoRA error is about (its messages name the argument: rank=, target_modules, ...)."""
-    for word, key in (("target_modules", "target_modules"), ("rank=", "lora_rank"), ("alpha=", "lora_alpha"),
-                      ("dropout=", "lora_dropout"), ("bias=", "lora_bias")):
-        if word in message:
-            return key
-    return "target_modules"
 
 
 HOST_MEMORY_FRACTION = 0.9  # a local CPU run whose estimate exceeds this share of MemAvailable is refused
