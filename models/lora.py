@@ -119,21 +119,29 @@ class LoRALinear(nn.Module):
         return f"rank={self.rank}, alpha={self.alpha}, scaling={self.scaling:g}"
 
 
+class LoRAArgumentError(ValueError):
+    """A bad :func:`apply_lora` argument; ``arg`` names it (rank, alpha, dropout, bias, target_modules)."""
+
+    def __init__(self, arg: str, message: str) -> None:
+        super().__init__(message)
+        self.arg = arg
+
+
 def _check_args(rank: object, alpha: object, dropout: object, bias: object, target_modules: Iterable[str] | str) -> tuple[str, ...]:
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
-        raise ValueError(f"LoRA rank={rank!r}: must be a positive integer")
+        raise LoRAArgumentError("rank", f"LoRA rank={rank!r}: must be a positive integer")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
-        raise ValueError(f"LoRA alpha={alpha!r}: must be a positive number")
+        raise LoRAArgumentError("alpha", f"LoRA alpha={alpha!r}: must be a positive number")
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-        raise ValueError(f"LoRA dropout={dropout!r}: must be in [0, 1)")
+        raise LoRAArgumentError("dropout", f"LoRA dropout={dropout!r}: must be in [0, 1)")
     if bias not in BIAS_MODES:
-        raise ValueError(f"LoRA bias={bias!r}: use one of {', '.join(BIAS_MODES)}")
+        raise LoRAArgumentError("bias", f"LoRA bias={bias!r}: use one of {', '.join(BIAS_MODES)}")
     targets = (target_modules,) if isinstance(target_modules, str) else tuple(target_modules)
     if not targets:
-        raise ValueError(f"LoRA target_modules is empty; name some of {', '.join(VALID_TARGETS)}")
+        raise LoRAArgumentError("target_modules", f"LoRA target_modules is empty; name some of {', '.join(VALID_TARGETS)}")
     unknown = [t for t in targets if t not in VALID_TARGETS]
     if unknown:
-        raise ValueError(f"LoRA target_modules {unknown}: unknown; valid targets are {', '.join(VALID_TARGETS)} "
+        raise LoRAArgumentError("target_modules", f"LoRA target_modules {unknown}: unknown; valid targets are {', '.join(VALID_TARGETS)} "
                          f"(NxD Training's qkv_proj/o_proj/gate_up_proj/down_proj or Hugging Face's projection names)")
     return targets
 
@@ -186,7 +194,7 @@ def _targeted_linears(model: nn.Module, targets: tuple[str, ...], leaves: tuple[
              if isinstance(module, nn.Linear) and name.rpartition(".")[2] in leaves]
     missing = [leaf for leaf in leaves if not any(name.rpartition(".")[2] == leaf for name, _ in found)]
     if missing:
-        raise ValueError(f"LoRA target_modules {list(targets)}: {type(model).__name__} has no nn.Linear named {missing}")
+        raise LoRAArgumentError("target_modules", f"LoRA target_modules {list(targets)}: {type(model).__name__} has no nn.Linear named {missing}")
     return found
 
 
@@ -291,6 +299,15 @@ class PeftConfig:
             targets = values["target_modules"]
             values["target_modules"] = (targets,) if isinstance(targets, str) else tuple(targets)
         return cls(**values)
+
+
+    @classmethod
+    def pick(cls, block: "Mapping[str, Any] | Any") -> "PeftConfig":
+        """The model-shaping keys of a fuller block — NxDT's whole ``model_alignment_strategy.peft`` (a mapping or an
+        object with attributes): its other keys (lora_verbose, the export and merge switches) belong to the trainer."""
+        get = block.get if isinstance(block, Mapping) or hasattr(block, "items") else (lambda k, d: getattr(block, k, d))
+        missing = object()
+        return cls.of({f.name: v for f in fields(cls) if (v := get(f.name, missing)) is not missing})
 
 
 def check_peft(model: nn.Module, peft_config: "PeftConfig | Mapping[str, Any] | Any") -> PeftConfig:

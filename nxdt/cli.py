@@ -290,6 +290,15 @@ def _check_model(cfg: Any) -> None:
         raise ConfigError("model.architecture", arch, f"refuses this model config: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
     except Exception:  # e.g. an operation meta tensors do not support: the workers build it for real
         return
+    peft = cfg.model_alignment_strategy.peft
+    if peft is not None:  # LoRA: the targets exist in this model, the values are in range (before apply_peft in the workers)
+        from nxdt.models.lora import LoRAArgumentError, PeftConfig, check_peft
+
+        try:
+            check_peft(model, PeftConfig.pick(peft))
+        except LoRAArgumentError as exc:  # apply_lora's argument → NxDT's key (rank → lora_rank, target_modules as is)
+            key = exc.arg if exc.arg == "target_modules" else f"lora_{exc.arg}"
+            raise ConfigError(f"model_alignment_strategy.peft.{key}", "", str(exc)) from None
     if model_cfg.hf_checkpoint is not None:
         from nxdt.lightning.hf import HFCheckpointError, check_hf_checkpoint
 

@@ -91,6 +91,12 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["train", "data.source=instructions"], "add model_alignment_strategy.sft"),
         (["train", f"data.train_dir={SAMPLE_INSTRUCTIONS}"], "is JSON lines, which data.source=text would train on as raw text"),
         (["train", "model.weight_init_only=true"], "model.weight_init_only"),
+        # LoRA (model_alignment_strategy.peft): targets checked on the model built on the meta device
+        (["train", "+recipe=lora", "model_alignment_strategy.peft.target_modules=[qkv]"],
+         "model_alignment_strategy.peft.target_modules: LoRA target_modules ['qkv']: unknown"),
+        (["train", "+recipe=lora", "model=gpt_tiny", "model_alignment_strategy.peft.target_modules=[gate_up_proj]"],
+         "GPTForCausalLM has no nn.Linear named ['gate_proj', 'up_proj']"),
+        (["train", "+recipe=lora", "model_alignment_strategy.peft.merge_lora=true"], "model_alignment_strategy.peft.merge_lora=True"),
         (["train", "trainer.limit_val_batches=2.5"], "trainer.limit_val_batches"),
         (["train", "data.val_split=1.0"], "data.val_split"),
         (["train", "data.val_dir=/no/such/validation.txt"], "data.val_dir"),

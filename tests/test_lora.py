@@ -326,3 +326,33 @@ def test_check_peft_validates_on_a_meta_model_without_changing_it():
         check_peft(Block(), {"target_modules": ["gate_up_proj"]})
     with pytest.raises(ValueError, match="alpha=0: must be a positive number"):
         check_peft(model, {"lora_alpha": 0})
+
+
+# ---------------------------------------------------------------------------------------------- nxdt train's peft block
+def test_the_lora_recipe_composes_and_its_model_keys_reach_apply_peft():
+    from nxdt.config import compose_config
+    from nxdt.config.validate import check_trainable
+    from nxdt.models.lora import PeftConfig
+
+    cfg = compose_config(["+recipe=lora", "model_alignment_strategy.peft.lora_rank=4"])
+    check_trainable(cfg)
+    assert cfg.model_alignment_strategy.sft is not None  # LoRA on the SFT recipe
+    # only the model-shaping keys: lora_verbose, merge_* and the export switches are the trainer's
+    assert PeftConfig.pick(cfg.model_alignment_strategy.peft) == PeftConfig(
+        lora_rank=4, lora_alpha=16, lora_dropout=0.0, lora_bias="none", target_modules=("qkv_proj", "o_proj"), save_lora_base=False)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model_alignment_strategy.peft.load_lora_from_ckpt=true"], "model_alignment_strategy.peft.load_lora_from_ckpt=True: "),
+    (["model_alignment_strategy.peft.lora_bias=all"], "model_alignment_strategy.peft.save_lora_config_adapter=True: the PEFT "
+                                                      "adapter export has no trainable biases (lora_bias=all)"),
+    (["trainer.devices=2", "distributed_strategy.pipeline_model_parallel_size=2"],
+     "model_alignment_strategy.peft.save_lora_config_adapter=True: the PEFT adapter is not gathered across pipeline stages"),
+])
+def test_peft_keys_this_version_does_not_do_are_refused_by_name(overrides, message):
+    from nxdt.config import compose_config
+    from nxdt.config.validate import NotYetSupported, check_trainable
+
+    with pytest.raises(NotYetSupported) as info:
+        check_trainable(compose_config(["+recipe=lora", *overrides]))
+    assert message in str(info.value)

@@ -193,14 +193,15 @@ def test_nxdts_fine_tuning_configs_read_every_key_and_refuse_only_what_is_not_wi
     assert (data.tokenizer, cfg.trainer.limit_val_batches, cfg.trainer.val_check_interval) == ("/home/ubuntu/llama3_tokenizer", 0.0, 500)
     assert plan(cfg).degrees["tp"] == 32
     mas = cfg.model_alignment_strategy
-    if name == "hf_llama3_8B_SFT_config":
+    if name in ("hf_llama3_8B_SFT_config", "hf_llama3_8B_SFT_lora_config"):
         assert (mas.sft.packing, data.source, data.dev_choose_samples, data.val_dir) == (True, "instructions", 2250, "/home/ubuntu/validation.jsonl")
-        check_trainable(cfg)  # SFT trains
+        if mas.peft is not None:
+            assert (mas.peft.lora_rank, mas.peft.lora_alpha, mas.peft.target_modules, mas.peft.save_lora_base,
+                    mas.peft.save_lora_config_adapter) == (16, 32, ["qkv_proj"], True, True)
+        check_trainable(cfg)  # SFT trains, full or LoRA (tests/test_lora_e2e.py)
         return
-    key = {"hf_llama3_8B_SFT_lora_config": "peft", "hf_llama3_8B_DPO_config": "dpo", "hf_llama3_8B_ORPO_config": "orpo"}[name]
-    if key == "peft":
-        assert (mas.peft.lora_rank, mas.peft.lora_alpha, mas.peft.target_modules, mas.peft.save_lora_base) == (16, 32, ["qkv_proj"], True)
-    elif key == "dpo":
+    key = {"hf_llama3_8B_DPO_config": "dpo", "hf_llama3_8B_ORPO_config": "orpo"}[name]
+    if key == "dpo":
         assert (mas.dpo.kl_beta, mas.dpo.loss_type, mas.dpo.max_prompt_length, mas.dpo.truncation_mode) == (0.01, "sigmoid", 2048, "keep_start")
     else:
         assert (mas.orpo.beta, mas.orpo.max_prompt_length) == (0.1, 2048)

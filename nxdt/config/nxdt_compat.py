@@ -260,9 +260,26 @@ RULES: dict[str, Rule] = {
     # --- model_alignment_strategy (the block that is present picks the recipe) ---
     "model_alignment_strategy.sft.packing": _map("records appended into each sequence, attention and positions per record; "
                                                  "false = one record per sequence, padded"),
-    **{f"model_alignment_strategy.peft.{k}": _map(NOT_WIRED) for k in (
-        "lora_rank", "lora_alpha", "lora_dropout", "lora_bias", "lora_verbose", "target_modules", "load_lora_from_ckpt",
-        "save_lora_base", "merge_lora", "save_lora_config_adapter", "merge_sharded_lora")},
+    # peft: LoRA on any recipe (nxdt.models.lora.apply_peft; targets checked on the model before workers start)
+    "model_alignment_strategy.peft.lora_rank": _map("rank r of each adapter (A: r×in, B: out×r)"),
+    "model_alignment_strategy.peft.lora_alpha": _map("the update is scaled by lora_alpha / lora_rank"),
+    "model_alignment_strategy.peft.lora_dropout": _map("dropout on the adapter's input (training only)"),
+    "model_alignment_strategy.peft.lora_bias": _map("none | all | lora_only: which biases train (as PEFT)"),
+    "model_alignment_strategy.peft.lora_verbose": _map("rank 0 prints the adapted modules and trainable / total parameters"),
+    "model_alignment_strategy.peft.target_modules": _map("NxDT's qkv_proj / o_proj / gate_up_proj / down_proj (or HF's "
+                                                         "projection names); split by tensor parallelism like the base layer"),
+    "model_alignment_strategy.peft.load_lora_from_ckpt": _map("true is refused by name (not implemented yet): the base comes "
+                                                              "from model.hf_checkpoint, a run's own checkpoints resume with "
+                                                              "their adapters"),
+    "model_alignment_strategy.peft.save_lora_base": _map("false: checkpoints hold the adapters (trainable tensors) alone"),
+    "model_alignment_strategy.peft.merge_lora": _map("true is refused by name (merged checkpoints not written yet; "
+                                                     "nxdt.models.lora.merge_lora_state merges offline)"),
+    "model_alignment_strategy.peft.save_lora_config_adapter": _map("true: every checkpoint directory is also a Hugging Face "
+                                                                   "PEFT adapter (adapter_config.json, adapter_model."
+                                                                   "safetensors, under its checksums); not with PP or "
+                                                                   "lora_bias other than none (refused by name)"),
+    "model_alignment_strategy.peft.merge_sharded_lora": _map("accepted, either value: the PEFT adapter is always gathered "
+                                                             "over TP and FSDP into one file"),
     **{f"model_alignment_strategy.dpo.{k}": _map(NOT_WIRED) for k in (
         "kl_beta", "loss_type", "max_prompt_length", "precompute_ref_log_probs", "truncation_mode")},
     **{f"model_alignment_strategy.orpo.{k}": _map(NOT_WIRED) for k in ("beta", "max_prompt_length", "truncation_mode")},

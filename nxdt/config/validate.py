@@ -451,6 +451,26 @@ def _check_fine_tuning(cfg: Any) -> None:
                               "model.weight_init_only both name starting weights; keep one of them")
 
 
+def _check_peft(cfg: Any) -> None:
+    """NxDT's peft keys this version does not do, refused by name (the model-shaping keys: ``check_peft`` on the model)."""
+    peft, ds = cfg.model_alignment_strategy.peft, cfg.distributed_strategy
+    if peft is None:
+        return
+    if peft.merge_lora:
+        raise NotYetSupported("model_alignment_strategy.peft.merge_lora", True, "checkpoints with the adapters merged into the "
+                              "base are not written yet; set false (merge offline: nxdt.models.lora.merge_lora_state)")
+    if peft.load_lora_from_ckpt:
+        raise NotYetSupported("model_alignment_strategy.peft.load_lora_from_ckpt", True, "loading adapters and base from "
+                              "exp_manager.resume_from_checkpoint is not implemented yet; set false (resuming a LoRA run's own "
+                              "checkpoints works, and model.hf_checkpoint gives the base)")
+    if peft.save_lora_config_adapter and ds.pipeline_model_parallel_size > 1:
+        raise NotYetSupported("model_alignment_strategy.peft.save_lora_config_adapter", True, "the PEFT adapter is not "
+                              "gathered across pipeline stages yet; set false, or distributed_strategy.pipeline_model_parallel_size=1")
+    if peft.save_lora_config_adapter and peft.lora_bias in ("all", "lora_only"):  # other values: check_peft names them
+        raise NotYetSupported("model_alignment_strategy.peft.save_lora_config_adapter", True, "the PEFT adapter export has "
+                              f"no trainable biases (lora_bias={peft.lora_bias}); set false, or lora_bias=none")
+
+
 def _check_validation(cfg: Any) -> None:
     trainer = cfg.trainer
     if trainer.val_check_interval is not None:
@@ -551,10 +571,11 @@ def check_trainable(cfg: Any) -> None:
         raise ConfigError(f"model_alignment_strategy.{recipes[1]}", "", f"model_alignment_strategy.{recipes[0]} is set too; "
                           "one recipe per run (remove one block)")
     for name in alignment_recipes(cfg):
-        if name != "sft":
-            what = "LoRA" if name == "peft" else f"the {name.upper()} recipe"
-            raise NotYetSupported(f"model_alignment_strategy.{name}", "", f"{what} is not wired into training yet in this "
-                                  "version (`nxdt plan` accepts it); full-parameter SFT trains now (model_alignment_strategy.sft)")
+        if name not in ("sft", "peft"):
+            raise NotYetSupported(f"model_alignment_strategy.{name}", "", f"the {name.upper()} recipe is not wired into training "
+                                  "yet in this version (`nxdt plan` accepts it); SFT, full or LoRA (model_alignment_strategy.sft, "
+                                  ".peft), trains now")
+    _check_peft(cfg)
 
 
 

@@ -133,11 +133,11 @@ def _split_state(checkpoint: dict[str, Any]) -> tuple[dict[str, torch.Tensor], d
 
 
 def save(checkpoint: dict[str, Any], path: str | os.PathLike, meta: dict[str, Any] | None = None,
-         before_commit: Callable[[Path], None] | None = None, extra_files: dict[str, dict[str, torch.Tensor]] | None = None,
+         before_commit: Callable[[Path], None] | None = None, extra_files: dict[str, dict[str, torch.Tensor] | bytes] | None = None,
          write_latest: bool = True) -> Path:
     """Write ``checkpoint`` (a Lightning checkpoint dict) atomically to the directory ``path``.
     ``before_commit(tmp_dir)`` runs when every file is written but before the ``done`` marker (fault drills);
-    ``extra_files``: more safetensors files {name: tensors} (RNG states); ``write_latest``: point the
+    ``extra_files``: more files {name: tensors (safetensors) or bytes} (RNG states, a PEFT adapter); ``write_latest``: point the
     parent's ``latest`` at it (False for a checkpoint written outside a run, e.g. ``consolidate``)."""
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -149,7 +149,7 @@ def save(checkpoint: dict[str, Any], path: str | os.PathLike, meta: dict[str, An
         _save_safetensors(_dedupe_shared(tensors), tmp / "model.safetensors")
         _torch_save(rest, tmp / "trainer_state.pt")
         for name, extra in (extra_files or {}).items():
-            _save_safetensors(extra, tmp / name)
+            _write_extra(extra, tmp / name)
         info = {"format_version": FORMAT_VERSION, "step": rest.get("global_step"), **(meta or {})}
         (tmp / "meta.json").write_text(json.dumps(info, indent=2))
         _write_checksums(tmp, _digest_files(tmp, sorted(p.name for p in tmp.iterdir())))  # fsyncs every file
@@ -172,7 +172,7 @@ def save(checkpoint: dict[str, Any], path: str | os.PathLike, meta: dict[str, An
 
 def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike, *, model_file: str | None, state_file: str | None, comm: Any,
                  meta: dict[str, Any] | None = None, before_commit: Callable[[Path], None] | None = None,
-                 extra_files: dict[str, dict[str, torch.Tensor]] | None = None, stream: str = "default") -> Path:
+                 extra_files: dict[str, dict[str, torch.Tensor] | bytes] | None = None, stream: str = "default") -> Path:
     """Every rank of ``comm`` calls this; each writes the files it is given (its model shard
     ``model_file``, its trainer/optimizer state ``state_file``; None = nothing; ``extra_files``
     {name: tensors}, e.g. its RNG states) into one temporary directory; rank 0 commits it (meta, ``done``,
@@ -201,7 +201,7 @@ def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike, *, model_f
             _torch_save(rest, tmp / state_file)
             written.append(state_file)
         for name, extra in (extra_files or {}).items():
-            _save_safetensors(extra, tmp / name)
+            _write_extra(extra, tmp / name)
             written.append(name)
         return _digest_files(tmp, written)  # this rank's files, hashed and fsynced where they were written
 
@@ -281,6 +281,13 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
         if errno is None:
             raise
         raise OSError(int(errno.group(1)), os.strerror(int(errno.group(1))), str(path)) from exc
+
+
+def _write_extra(extra: dict[str, torch.Tensor] | bytes, path: Path) -> None:
+    if isinstance(extra, bytes):
+        path.write_bytes(extra)
+    else:
+        _save_safetensors(extra, path)
 
 
 def _dedupe_shared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -584,7 +591,8 @@ def describe(path: str | os.PathLike) -> str:
     lines = [f"checkpoint {root}: step {meta.get('step')}, format {meta.get('format_version')} ({sums}), world {meta.get('world_size')}, "
              f"degrees {meta.get('degrees')}, zero1 {bool(meta.get('zero1'))}", f"model: {meta.get('model')}"]
     total = 0
-    for file in sorted(f for f in root.glob("*.safetensors") if not f.name.startswith("rng-")):
+    # the model's tensors: not the RNG states, nor a PEFT adapter's copy of the adapters (LoRA save_lora_config_adapter)
+    for file in sorted(f for f in root.glob("*.safetensors") if not f.name.startswith("rng-") and f.name != "adapter_model.safetensors"):
         with safe_open(str(file), "pt") as fh:
             for name in fh.keys():
                 t = fh.get_slice(name)

@@ -17,6 +17,7 @@ Launch modes, all without forking Lightning:
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import math
 import os
@@ -38,6 +39,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 
 import nxdt.comm
 from nxdt.lightning import checkpoint as ckpt_io, reshard
+from nxdt.lightning.peft_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, peft_adapter_config, peft_adapter_state
 from nxdt.lightning.precision import with_strategy_clipping
 from nxdt.parallel.context_parallel import apply_context_parallel, shard_micro_batches
 from nxdt.parallel.data_parallel import FSDP_SHARD_MARK, DataParallelRuntime, ModelParallel, data_parallel_runtime
@@ -85,6 +87,8 @@ class NxDStrategy(ParallelStrategy):
         trace_dir: write a Chrome trace per rank there (``rank<k>.json``: compute per FSDP unit, every
             collective with its stream and token); opens in Perfetto.
         async_checkpointing: write checkpoints in a background thread (a snapshot; training continues).
+        peft_adapter_in_checkpoints: LoRA — every checkpoint is also a Hugging Face PEFT adapter directory
+            (adapter_config.json + adapter_model.safetensors, gathered over TP/FSDP, covered by its checksums).
         comm_transport, comm_algorithm: ``comm.transport`` / ``comm.algorithm`` for every group's communicator
             (:meth:`nxdt.comm.World.new_communicator`); with ``comm_algorithm="auto"`` the plan's algorithms apply.
     """
@@ -109,6 +113,7 @@ class NxDStrategy(ParallelStrategy):
         fsdp: bool | dict[str, Any] = False,
         trace_dir: str | os.PathLike | None = None,
         async_checkpointing: bool = False,
+        peft_adapter_in_checkpoints: bool = False,
         comm_transport: str = "auto",
         comm_algorithm: str = "auto",
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -157,6 +162,7 @@ class NxDStrategy(ParallelStrategy):
         # committed (fault drills kill the process here to prove an interrupted save is harmless)
         self.before_checkpoint_commit: Callable[[Any], None] | None = None
         self._async_checkpointing = async_checkpointing
+        self._peft_adapter_in_checkpoints = peft_adapter_in_checkpoints
         self._async_writer: ckpt_io.AsyncWriter | None = None  # started by the first asynchronous save
 
     # ----------------------------------------------------------------------------- topology
@@ -485,24 +491,35 @@ class NxDStrategy(ParallelStrategy):
         flat_layout = self._dp.optimizer_layout(self.optimizers, self.lightning_module)
         if flat_layout is not None:  # FSDP: which parameters each optimizer flat shard holds (to unflatten elsewhere)
             checkpoint[reshard.FSDP_LAYOUT_KEY] = flat_layout
-        rng = {ckpt_io.rng_file(self.global_rank): ckpt_io.rng_tensors()}  # every rank's own generators
+        extra: dict[str, Any] = {ckpt_io.rng_file(self.global_rank): ckpt_io.rng_tensors()}  # every rank's own generators
+        if self._peft_adapter_in_checkpoints:  # a collective: every rank gathers, rank 0 writes the adapter files
+            adapter = self._peft_adapter_files()
+            extra.update(adapter if self.global_rank == 0 else {})
         if self._async_checkpointing:  # copy what this rank writes now; training changes the originals meanwhile
             checkpoint = ckpt_io.snapshot({k: v for k, v in checkpoint.items()
                                            if (writes_model if k == "state_dict" else writes_state or k == "global_step")})
         stream = ckpt_io.ASYNC_STREAM if self._async_checkpointing else "default"
         if self.world_size == 1:
             def write() -> None:
-                ckpt_io.save(checkpoint, filepath, meta=meta, before_commit=self.before_checkpoint_commit, extra_files=rng)
+                ckpt_io.save(checkpoint, filepath, meta=meta, before_commit=self.before_checkpoint_commit, extra_files=extra)
         else:
             def write() -> None:
                 ckpt_io.save_sharded(checkpoint, filepath, model_file=model_file if writes_model else None,
                                      state_file=state_file if writes_state else None, comm=self.world.world, meta=meta,
-                                     before_commit=self.before_checkpoint_commit, extra_files=rng, stream=stream)
+                                     before_commit=self.before_checkpoint_commit, extra_files=extra, stream=stream)
         if not self._async_checkpointing:
             return write()
         if self._async_writer is None:
             self._async_writer = ckpt_io.AsyncWriter()
         self._async_writer.submit(write)
+
+    def _peft_adapter_files(self) -> dict[str, Any]:
+        """adapter_config.json and adapter_model.safetensors (``nxdt.lightning.peft_export``) of the adapters now."""
+        config = getattr(self.lightning_module.model, "lora_config", None)
+        if config is None:
+            raise ValueError("NxDStrategy(peft_adapter_in_checkpoints=True): the model has no LoRA adapters (apply_peft)")
+        state = peft_adapter_state(self.trainable_state_dict())
+        return {ADAPTER_WEIGHTS: state, ADAPTER_CONFIG: json.dumps(peft_adapter_config(config), indent=2).encode()}
 
     def _saves_adapters_only(self) -> bool:
         """The hub model carries a LoRA ``peft_config`` (``nxdt.models.lora.apply_peft``) with save_lora_base false."""

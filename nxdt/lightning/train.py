@@ -17,6 +17,7 @@ from nxdt.lightning.datamodule import NxDDataModule
 from nxdt.lightning.exp_manager import agreed_resume_checkpoint, build_callbacks, build_loggers, launch_attempt, validates
 from nxdt.lightning.module import CausalLMModule
 from nxdt.lightning.strategy import NxDStrategy
+from nxdt.models.lora import PeftConfig, lora_layers
 from nxdt.planner import Plan
 from nxdt.planner.links import emulated_links_for
 
@@ -34,7 +35,7 @@ PRECISION = {"fp32": "32-true", "bf16": "bf16-true", "bf16SR": "bf16-true", "mix
 
 def build_trainer(cfg: Any, plan: Plan, run_dir: Path, tokens_per_step: int, *, show_progress: bool = True) -> pl.Trainer:
     model_shape = {k: getattr(cfg.model, k) for k in MODEL_SHAPE_FIELDS}
-    ds = cfg.distributed_strategy
+    ds, peft = cfg.distributed_strategy, cfg.model_alignment_strategy.peft
     fsdp = {"prefetch": ds.fsdp.prefetch, "prefetch_distance": ds.fsdp.prefetch_distance,
             "reduce_scatter_delay": ds.fsdp.reduce_scatter_delay, "reshard_after_forward": ds.fsdp.reshard_after_forward,
             "param_persistence_threshold": ds.fsdp.param_persistence_threshold}
@@ -44,6 +45,7 @@ def build_trainer(cfg: Any, plan: Plan, run_dir: Path, tokens_per_step: int, *, 
                            fsdp=fsdp if ds.fsdp.enabled else False,
                            trace_dir=str(run_dir / "trace") if cfg.exp_manager.trace else None,
                            emulated_links=emulated_links_for(cfg), async_checkpointing=cfg.exp_manager.async_checkpointing,
+                           peft_adapter_in_checkpoints=peft is not None and peft.save_lora_config_adapter,
                            comm_transport=cfg.comm.transport, comm_algorithm=cfg.comm.algorithm)
     return pl.Trainer(
         accelerator="cpu",
@@ -80,6 +82,15 @@ def initial_weights_checkpoint(cfg: Any, resume: Path | None) -> str | None:
     return str(Path(cfg.exp_manager.resume_from_checkpoint).expanduser())
 
 
+def lora_summary(model: Any) -> str:
+    """``lora_verbose``: which modules carry adapters and how many parameters train (before any sharding)."""
+    adapted = [name for name, _ in lora_layers(model)]
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return (f"LoRA on {len(adapted)} modules ({', '.join(sorted({n.rpartition('.')[2] for n in adapted}))}; e.g. {adapted[0]}): "
+            f"{trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.3f}%)")
+
+
 def run_training(cfg: Any, plan: Plan, run_dir: str | Path) -> None:
     check_trainable(cfg)
     run_dir = Path(run_dir)
@@ -90,10 +101,13 @@ def run_training(cfg: Any, plan: Plan, run_dir: str | Path) -> None:
                             cfg.trainer.gradient_clip_val, log_gradient_norm=cfg.exp_manager.log_gradient_norm,
                             log_parameter_norm=cfg.exp_manager.log_parameter_norm, nan_policy=cfg.exp_manager.nan_policy,
                             precision=cfg.precision.type, seed=cfg.seed, alignment=mas,
-                            init_checkpoint=initial_weights_checkpoint(cfg, ckpt_path))
+                            init_checkpoint=initial_weights_checkpoint(cfg, ckpt_path),
+                            peft=PeftConfig.pick(mas.peft) if mas.peft is not None else None)
     datamodule = NxDDataModule(cfg.data, seed=cfg.seed, vocab_size=cfg.model.vocab_size, step_batches=True, sft=mas.sft,
                                limit_val_batches=cfg.trainer.limit_val_batches)
     trainer = build_trainer(cfg, plan, run_dir, module.tokens_per_step)
+    if mas.peft is not None and mas.peft.lora_verbose and trainer.is_global_zero:
+        print(f"nxdt: {lora_summary(module.model)}", flush=True)
     attempt = launch_attempt()
     if attempt > 0 and trainer.is_global_zero:  # the agent restarted every worker after a failure: say so
         print(f"nxdt: restart {attempt} of {cfg.exp_manager.max_restarts} after a worker failed (see logs/agent); "
