@@ -84,7 +84,7 @@ class SavedHFDataset(Dataset):
     """Samples ``{"input_ids": LongTensor[S], "labels": LongTensor[S]}`` from a ``save_to_disk`` directory."""
 
     def __init__(self, path: str | Path, seq_length: int, vocab_size: int | None = None) -> None:
-        pa = _pyarrow()
+        _pyarrow()  # a clear line when pyarrow is missing, before any file is read
         root = Path(path).expanduser()
         split = _split_dir(root)
         state = json.loads((split / "state.json").read_text())
@@ -95,12 +95,7 @@ class SavedHFDataset(Dataset):
         self._ids: list[tuple[np.ndarray, np.ndarray]] = []
         self._labels: list[tuple[np.ndarray, np.ndarray]] | None = []
         for file in files:
-            if not file.is_file():
-                raise DatasetDirError(root, f"shard {file.name} listed in state.json is missing")
-            try:
-                table = pa.ipc.open_stream(pa.memory_map(str(file))).read_all()
-            except pa.ArrowInvalid as exc:
-                raise DatasetDirError(root, f"{file.name} is not an Arrow stream ({exc})") from None
+            table = _read_shard(root, file)
             if "input_ids" not in table.column_names:
                 raise DatasetDirError(root, f"no input_ids column (has {', '.join(table.column_names)}); "
                                       "give a tokenized dataset")
@@ -184,21 +179,27 @@ def check_saved_dataset(path: str | Path) -> None:
 def read_saved_records(path: str | Path, limit: int | None = None) -> list[dict[str, Any]]:
     """The rows of a ``save_to_disk`` directory as plain dicts (untokenized records, e.g. instruction records with
     ``input``/``output`` or ``messages``), in order, the first ``limit`` only if given. Raises :class:`DatasetDirError`."""
-    pa = _pyarrow()
+    _pyarrow()
     root = Path(path).expanduser()
     split = _split_dir(root)
     state = json.loads((split / "state.json").read_text())
     records: list[dict[str, Any]] = []
     for entry in state.get("_data_files", []):
         file = split / entry["filename"]
-        if not file.is_file():
-            raise DatasetDirError(root, f"shard {file.name} listed in state.json is missing")
-        try:
-            table = pa.ipc.open_stream(pa.memory_map(str(file))).read_all()
-        except pa.ArrowInvalid as exc:
-            raise DatasetDirError(root, f"{file.name} is not an Arrow stream ({exc})") from None
+        table = _read_shard(root, file)
         take = table.num_rows if limit is None else min(table.num_rows, limit - len(records))
         records += table.slice(0, take).to_pylist()
         if limit is not None and len(records) >= limit:
             break
     return records
+
+
+def _read_shard(root: Path, file: Path) -> Any:
+    """One Arrow stream file of a save_to_disk directory, memory-mapped (a missing or non-Arrow shard: one line)."""
+    pa = _pyarrow()
+    if not file.is_file():
+        raise DatasetDirError(root, f"shard {file.name} listed in state.json is missing")
+    try:
+        return pa.ipc.open_stream(pa.memory_map(str(file))).read_all()
+    except pa.ArrowInvalid as exc:
+        raise DatasetDirError(root, f"{file.name} is not an Arrow stream ({exc})") from None
