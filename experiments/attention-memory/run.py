@@ -3,7 +3,7 @@
 For each ``model.core_attention`` in (naive, sdpa, blockwise) a real `nxdt train` run on one rank: the shipped
 llama_tiny (hidden 128, 4 layers, 4 heads over 2 KV heads, ffn 344, vocabulary 256; position table raised to the
 sequence length), data=synthetic, fp32, micro-batch 1 = global batch 1, AdamW, a few steps. metrics.csv's
-``peak_rss_mb`` is rank 0's high-water resident set (getrusage ru_maxrss), which includes the process itself
+``peak_rss_mb`` is rank 0's high-water resident set (getrusage ru_maxrss / 1024, so MiB despite the name), which includes the process itself
 (Python, torch, Lightning, nxdt: several hundred MB that the planner does not model).
 
 Decomposition (like with like): each configuration also runs at a short sequence (``--base-seq``, 128) where the
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-MB = 1e6
+MiB = 2**20  # metrics.csv's peak_rss_mb is ru_maxrss (KiB) / 1024: MiB, so the planner's bytes are too
 IMPLS = ("naive", "sdpa", "blockwise")
 
 
@@ -66,7 +66,7 @@ def planned_mb(seq: int, impl: str, root: Path) -> dict:
     if result.returncode:
         raise RuntimeError(result.stderr[-2000:])
     mem = json.loads(result.stdout)["estimate"]["memory_per_rank_bytes"]
-    parts = {k: v / MB for k, v in mem.items() if isinstance(v, (int, float))}
+    parts = {k: v / MiB for k, v in mem.items() if isinstance(v, (int, float))}
     return {"parts_mb": parts, "total_mb": sum(v for k, v in parts.items() if k != "total")}
 
 
@@ -75,28 +75,31 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--base-seq", type=int, default=128)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
     args = ap.parse_args()
     out: dict = {"when_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "seq": args.seq, "base_seq": args.base_seq,
                  "steps": args.steps, "config": config(args.seq, "<impl>", args.steps), "runs": {}}
     with tempfile.TemporaryDirectory(prefix="attn-mem-") as tmp:
         root = Path(tmp)
-        for impl in IMPLS:
+        for impl in args.impls:
             r = {}
             for seq in (args.base_seq, args.seq):
                 r[seq] = {"measured": measured_peak_mb(seq, impl, args.steps, root), "planned": planned_mb(seq, impl, root)}
-                print(f"{impl} seq {seq}: peak RSS {r[seq]['measured']['peak_rss_mb']:.0f} MB, planner total "
-                      f"{r[seq]['planned']['total_mb']:.1f} MB, load {r[seq]['measured']['load_avg_after']}", flush=True)
+                print(f"{impl} seq {seq}: peak RSS {r[seq]['measured']['peak_rss_mb']:.0f} MiB, planner total "
+                      f"{r[seq]['planned']['total_mb']:.1f} MiB, load {r[seq]['measured']['load_avg_after']}", flush=True)
             d_meas = r[args.seq]["measured"]["peak_rss_mb"] - r[args.base_seq]["measured"]["peak_rss_mb"]
             d_plan = r[args.seq]["planned"]["total_mb"] - r[args.base_seq]["planned"]["total_mb"]
             out["runs"][impl] = {"by_seq": {str(k): v for k, v in r.items()}, "measured_delta_mb": d_meas,
                                  "planned_delta_mb": d_plan, "planned_over_measured": d_plan / d_meas}
-            print(f"{impl}: Δ measured {d_meas:.1f} MB, Δ planned {d_plan:.1f} MB, ratio {d_plan / d_meas:.2f}", flush=True)
+            print(f"{impl}: Δ measured {d_meas:.1f} MiB, Δ planned {d_plan:.1f} MiB, ratio {d_plan / d_meas:.2f}", flush=True)
     runs = out["runs"]
-    for eff in ("sdpa", "blockwise"):
+    for eff in ("sdpa", "blockwise") if "naive" in runs else ():
+        if eff not in runs:
+            continue
         dm = runs["naive"]["measured_delta_mb"] - runs[eff]["measured_delta_mb"]
         dp = runs["naive"]["planned_delta_mb"] - runs[eff]["planned_delta_mb"]
         out[f"naive_minus_{eff}"] = {"measured_mb": dm, "planned_mb": dp, "planned_over_measured": dp / dm}
-        print(f"naive − {eff}: measured {dm:.1f} MB, planned {dp:.1f} MB, ratio {dp / dm:.2f}")
+        print(f"naive − {eff}: measured {dm:.1f} MiB, planned {dp:.1f} MiB, ratio {dp / dm:.2f}")
     name = os.environ.get("ATTN_MEM_RESULTS", "results.json")
     (HERE / name).write_text(json.dumps(out, indent=1) + "\n")
 
