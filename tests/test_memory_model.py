@@ -196,3 +196,22 @@ def test_expert_state_is_sharded_over_the_ranks_holding_the_same_experts():
 def test_bytes_per_parameter(kind, optimizer, per_param):
     m = memory_per_rank(tiny(f"precision.type={kind}", f"model.optim.name={optimizer}"), degrees())
     assert m["parameters"] + m["gradients"] + m["optimizer"] == N * per_param
+
+
+def test_naive_attention_adds_its_kept_probabilities_mask_and_the_peak_layers_score_gradients():
+    """naive core attention (no attention dropout) keeps per layer the fp32 softmax probabilities 4·a·s²·b, under
+    autocast also their bf16 copy 2·a·s²·b, and the boolean mask s²·b; the peak layer's backward adds two fp32
+    S×S gradients 8·a·s²·b once (measured on llama_tiny at 2k tokens: experiments/attention-memory). Here
+    s²·b = 128·128·2 = 32768, a = 4:
+      fp32:              L·32768·(4·4 + 1) + 8·4·32768 = 8·557056 + 1048576 = 5505024
+      mixed_precision:   L·32768·(6·4 + 1) + 1048576   = 8·819200 + 1048576 = 7602176
+      fp32, TP2:         heads halve: 8·278528 + 524288                       = 2752512
+      fp32, full recompute: one layer's kept bytes while it is recomputed + the gradients: 557056 + 1048576 = 1605632"""
+    def extra(*overrides: str, tp: int = 1) -> float:
+        naive = memory_per_rank(tiny("model.core_attention=naive", *overrides), degrees(tp=tp))["activations"]
+        return naive - memory_per_rank(tiny(*overrides), degrees(tp=tp))["activations"]
+
+    assert extra("precision.type=fp32") == 5505024
+    assert extra("precision.type=mixed_precision") == 7602176
+    assert extra("precision.type=fp32", "distributed_strategy.tensor_model_parallel_size=2", tp=2) == 2752512
+    assert extra("precision.type=fp32", "model.activations_checkpoint_granularity=full") == 1605632

@@ -12,9 +12,12 @@ keeps only the layer input ``2·s·b·h`` (``/t`` with SP: the layer boundary is
 plus one layer's full activations while it is recomputed. Pipeline stages hold the activations of the
 micro-batches in flight (:func:`in_flight_microbatches`: PP for 1F1B, ``PP·(1 + (PP-1)/(PP·V))`` interleaved).
 It is an approximation for SwiGLU blocks (noted in the plan). Bytes per parameter: :func:`bytes_per_parameter`.
-The ``5·a·s/h`` term is the S×S attention scores (QKᵀ, softmax, dropout mask): it is counted only with
-``model.core_attention: naive``; ``sdpa`` (a fused flash kernel) and ``blockwise`` keep no S×S tensor, only
-a logsumexp per query row (4·a·s·b bytes, negligible, not counted).
+Korthikanti's S×S term ``5·a·s/h`` (2-byte scores, softmax output, 1-byte dropout mask, dropout output) does not
+describe nxdt's attention, which has no attention dropout: the S×S bytes are :func:`naive_score_bytes` (what
+``naive_attention`` keeps: fp32 probabilities, the bf16 copy autocast makes of them, the boolean mask; plus the
+two fp32 S×S gradients the peak layer's backward holds at once), counted only with ``model.core_attention:
+naive``; ``sdpa`` (a fused flash kernel) and ``blockwise`` keep no S×S tensor, only a logsumexp per query row
+(4·a·s·b bytes, negligible, not counted).
 
 Context parallelism (CP ranks hold S/CP tokens each: the activations and logits above shrink by CP; ZeRO-1 and
 FSDP shard over DP × CP) is priced as the ring it runs (:func:`ring_rows`): per layer and micro-batch, CP − 1 K/V
@@ -151,11 +154,26 @@ def layer_activation_bytes(s: float, b: int, h: int, tp: int, sequence_parallel:
                            activation_bytes: int) -> float:
     """One transformer layer's activations for one micro-batch without recomputation (Korthikanti et al. 2022,
     Table 2, written for 2-byte activations; ``activation_bytes`` / 2 scales it): ``s·b·h·(34 + q)/t`` with TP+SP,
-    ``s·b·h·(10 + 24/t + q/t)`` with TP alone, where ``q`` is the S×S term ``5·a·s/h`` (0 with selective
-    recomputation or a flash kernel)."""
+    ``s·b·h·(10 + 24/t + q/t)`` with TP alone, where ``q`` is the S×S term (Korthikanti's ``5·a·s/h``; nxdt's naive
+    attention: :func:`naive_score_bytes`' kept bytes over s·b·h·``activation_bytes``/2), 0 with selective
+    recomputation or a flash kernel."""
     q = 0.0 if selective else quadratic
     per = (34 + q) / tp if sequence_parallel else 10 + 24 / tp + q / tp
     return s * b * h * per * activation_bytes / 2
+
+
+def naive_score_bytes(s: float, b: int, heads: float, autocast: bool) -> dict[str, float]:
+    """S×S bytes of ``models.attention.naive_attention`` for ``heads`` query heads (a rank's, under TP).
+
+    ``kept`` per layer, for backward: the softmax probabilities, fp32 whatever the precision (scores are computed in
+    fp32; softmax saves its output and the V matmul reuses it): 4·a·s²·b; under autocast (mixed_precision) also the
+    bf16 copy autocast makes of them for the V matmul: + 2·a·s²·b; and the boolean mask ``masked_fill`` keeps:
+    s²·b (its [s, s] is not per head; b counts the packed-segment case's [b, s, s]).
+    ``transient``, once per step: the peak layer's backward holds the probabilities' gradient and the scores'
+    gradient (softmax backward) at once, two fp32 [b, a, s, s] tensors: 8·a·s²·b. (Measured on llama_tiny at 2k
+    tokens, fp32: experiments/attention-memory.)"""
+    square = s * s * b
+    return {"kept": square * (heads * (6 if autocast else 4) + 1), "transient": 8 * heads * square}
 
 
 def _fsdp_gathered(cfg: Any, n: dict[str, float], tp: int, pp: int, gather_bytes: int) -> float:
@@ -216,7 +234,8 @@ def memory_per_rank(cfg: Any, degrees: dict[str, int]) -> dict[str, float]:
     # the S×S scores exist only when core attention materialises them (naive); sdpa and blockwise work in tiles, and
     # so does ring attention under context parallelism (whatever core_attention says: it saves out and lse only)
     naive = getattr(model, "core_attention", "sdpa") == "naive" and degrees.get("cp", 1) == 1
-    quadratic = 5 * a * s_local / h if naive else 0.0
+    scores = naive_score_bytes(s_local, b, a, _kind(cfg) == "mixed_precision") if naive else {"kept": 0.0, "transient": 0.0}
+    quadratic = scores["kept"] / (s_local * b * h * act_bytes / 2)  # as a coefficient of layer_activation_bytes' s·b·h
     granularity = model.activations_checkpoint_granularity
     sp = bool(ds.sequence_parallel) and tp > 1
     if granularity == "full":
@@ -231,6 +250,7 @@ def memory_per_rank(cfg: Any, degrees: dict[str, int]) -> dict[str, float]:
     mem["activations"] = per_layer * layers_here * in_flight
     if granularity == "full":  # one layer's full activations exist while it is recomputed in backward
         mem["activations"] += layer_activation_bytes(s_local, b, h, tp, sp, quadratic, False, act_bytes)
+    mem["activations"] += scores["transient"] / tp  # the peak layer's S×S gradients (naive only; heads split by TP)
     mem["logits"] = s_local * b * model.vocab_size / tp * 4 * 2  # fp32 logits and their gradient on the last stage
     return mem
 
