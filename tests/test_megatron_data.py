@@ -203,7 +203,8 @@ def test_the_data_module_reads_megatron_data_in_index_order_sliced_by_data_paral
 
     write_indexed(tmp_path / "d", [list(range(i, i + 37)) for i in range(0, 150, 10)], np.uint16)
     cfg = SimpleNamespace(source="megatron", micro_batch_size=2, global_batch_size=8, seq_length=16,
-                          data_prefix=[1.0, str(tmp_path / "d")], splits_string=None, index_mapping_dir=str(tmp_path / "c"))
+                          data_prefix=[1.0, str(tmp_path / "d")], splits_string=None, index_mapping_dir=str(tmp_path / "c"),
+                          train_dir=None, val_dir=None, val_split=0.0)
 
     def module(rank: int, dp: int) -> NxDDataModule:
         dm = NxDDataModule(cfg, seed=5, vocab_size=256)
