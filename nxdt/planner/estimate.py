@@ -372,7 +372,9 @@ def step_collectives(cfg: Any, plan: Any) -> list[dict[str, Any]]:
         rows.append(dict(dim="ep", op="all_to_all", bytes=activation * n["top_k"], count=4 * layers * microbatches,
                          what="token dispatch and combine, forward and backward"))
     if plan.pp > 1:
-        rows.append(dict(dim="pp", op="send_recv", bytes=activation, count=2 * microbatches, what="activations forward, gradients backward"))
+        # with SP the stage boundary is in the sequence-parallel layout: each TP rank sends its s/t rows, not a copy
+        boundary = activation / plan.tp if ds.sequence_parallel and plan.tp > 1 else activation
+        rows.append(dict(dim="pp", op="send_recv", bytes=boundary, count=2 * microbatches, what="activations forward, gradients backward"))
     if plan.dp * plan.cp > 1:
         dp_dim = "dp_cp" if plan.cp > 1 else "dp"  # CP ranks are weight replicas: DP × CP reduces and shards
         dense = n["total"] - n["expert_params"]
