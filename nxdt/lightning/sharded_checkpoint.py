@@ -20,7 +20,7 @@ import json
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -30,7 +30,7 @@ from nxdt.lightning import checkpoint as ckpt_io, reshard
 from nxdt.lightning.peft_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, peft_adapter_config, peft_adapter_state
 from nxdt.parallel.data_parallel import FSDP_SHARD_MARK, DataParallelRuntime
 from nxdt.parallel.tensor_parallel import gather_shards, shard_layout
-from nxdt.planner import Plan
+from nxdt.planner import Dim, Plan
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,18 @@ class RankGroups:
     tp: Communicator | None  # TP > 1 only
     tp_layout: dict[str, list[int]] | None  # this stage's TP-sharded parameters, recorded before FSDP flattens them
     trainable: frozenset[str]  # state-dict names of the trainable parameters, recorded before FSDP
+
+    @classmethod
+    def of(
+        cls,
+        plan: Plan,
+        rank: int,
+        comms: Mapping[str, Communicator],
+        tp_layout: dict[str, list[int]] | None,
+        trainable: frozenset[str],
+    ) -> RankGroups:
+        """From the strategy's communicators by dimension (``"world"``, ``"tp"``, ...)."""
+        return cls(plan, rank, comms["world"], comms.get(Dim.TP) if plan.tp > 1 else None, tp_layout, trainable)
 
 
 class ShardedCheckpointer:

@@ -251,15 +251,9 @@ class NxDStrategy(ParallelStrategy):
         self._parallelize()
         self._dp.bind(model_parallel(self.plan, self.communicators, self._parallel, sequence_parallel=self._sequence_parallel))
         self._dp.broadcast_parameters(self.lightning_module)
+        trainable = frozenset(n for n, p in self.lightning_module.named_parameters() if p.requires_grad)  # before FSDP
         self._checkpoints.bind(
-            RankGroups(
-                plan=self.plan,
-                rank=self.global_rank,
-                world=self.communicators["world"],
-                tp=self.communicators.get(Dim.TP) if self.plan.tp > 1 else None,
-                tp_layout=self._parallel.tp_layout,
-                trainable=frozenset(n for n, p in self.lightning_module.named_parameters() if p.requires_grad),
-            )
+            RankGroups.of(self.plan, self.global_rank, self.communicators, self._parallel.tp_layout, trainable)
         )
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -283,9 +277,8 @@ class NxDStrategy(ParallelStrategy):
     def _parallelize(self) -> None:
         """Shard the module's hub ``model`` for this rank (:func:`nxdt.parallel.parallelize.parallelize`), once."""
         model = getattr(self.lightning_module, "model", None)
-        if not needs_hub_model(self.plan) or (
-            model is not None and model is self._parallelized
-        ):  # fit, then test: sharded already
+        sharded_already = model is not None and model is self._parallelized  # fit, then test / predict
+        if not needs_hub_model(self.plan) or sharded_already:
             return
         self._parallel = parallelize(
             model, self.plan, self.communicators, sequence_parallel=self._sequence_parallel, virtual_pipeline=self._virtual
