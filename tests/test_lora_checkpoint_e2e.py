@@ -5,8 +5,9 @@ Three launches, each checked for several things:
 * TP2 with ``merge_lora`` (and save_lora_base): every checkpoint holds W' = W + (alpha/r)·B·A merged on each rank's
   shards and no adapters; ``export-hf`` gives a Hugging Face model whose adapted weights equal base + scale·B·A
   computed here from the base directory and the checkpoint's own PEFT adapter (gathered over TP independently of the
-  merge), whose other weights are the base's bit for bit, and whose logits equal the adapter model's; resuming it as a
-  LoRA run is refused by name before any worker starts;
+  merge), whose other weights are the base's bit for bit, and whose logits equal the adapter model's; starting from
+  it (weight_init_only) puts fresh adapters on the merged weights; resuming it as a LoRA run is refused by name before
+  any worker starts;
 * one rank, adapters only (save_lora_base false): ``export-hf`` writes a PEFT adapter directory, ``export-hf --merge``
   asks for ``--base`` and with it writes the merged model, ``consolidate`` keeps the adapters-only checkpoint whole;
   a run asking for another rank is refused by name;
@@ -131,6 +132,14 @@ def test_tp2_merge_lora_checkpoints_hold_base_plus_scaled_b_a(root):
     ids = torch.randint(0, cfg.model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(merged(ids), lora.eval()(ids), rtol=1e-5, atol=1e-5)
+    # starting from it (model.weight_init_only) gives fresh adapters on the merged weights: the function is unchanged
+    from nxdt.lightning.module import CausalLMModule
+
+    again = CausalLMModule(cfg.model, 8, 128, 2, init_checkpoint=str(ckpt),
+                           peft={"lora_rank": RANK, "lora_alpha": ALPHA, "target_modules": ["qkv_proj", "o_proj"]}).model.eval()
+    assert torch.equal(again.layers[0].self_attn.q_proj.base_layer.weight, exported["layers.0.self_attn.q_proj.weight"])
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids), merged(ids), rtol=1e-6, atol=1e-6)  # B = 0: exactly the merged model
     # a merged checkpoint cannot resume the LoRA run: refused before any worker starts
     refused(nxdt("train", *COMMON, "model_alignment_strategy.peft.save_lora_base=true", f"exp_manager.resume_from_checkpoint={ckpt}",
                  f"exp_manager.explicit_log_dir={root / 'refused'}", cwd=root),

@@ -274,12 +274,14 @@ RULES: dict[str, Rule] = {
     "model_alignment_strategy.peft.lora_verbose": _map("rank 0 prints the adapted modules and trainable / total parameters"),
     "model_alignment_strategy.peft.target_modules": _map("NxDT's qkv_proj / o_proj / gate_up_proj / down_proj (or HF's "
                                                          "projection names); split by tensor parallelism like the base layer"),
-    "model_alignment_strategy.peft.load_lora_from_ckpt": _map("true is refused by name (not implemented yet): the base comes "
-                                                              "from model.hf_checkpoint, a run's own checkpoints resume with "
-                                                              "their adapters"),
+    "model_alignment_strategy.peft.load_lora_from_ckpt": _map("true: continue from the adapters of exp_manager.resume_from_checkpoint "
+                                                              "(a LoRA run's checkpoint; with weight_init_only a new run at step 0, "
+                                                              "adapters-only ones on the model.hf_checkpoint base); its rank, "
+                                                              "targets and alpha must match (refused by name before launch)"),
     "model_alignment_strategy.peft.save_lora_base": _map("false: checkpoints hold the adapters (trainable tensors) alone"),
-    "model_alignment_strategy.peft.merge_lora": _map("true is refused by name (merged checkpoints not written yet; "
-                                                     "nxdt.models.lora.merge_lora_state merges offline)"),
+    "model_alignment_strategy.peft.merge_lora": _map("true (with save_lora_base): checkpoints hold W + (alpha/r)·B·A per TP shard, "
+                                                     "no adapters — to deploy or start from, not to resume (resume_if_exists, "
+                                                     "max_restarts refused); export-hf --merge merges any LoRA checkpoint"),
     "model_alignment_strategy.peft.save_lora_config_adapter": _map("true: every checkpoint directory is also a Hugging Face "
                                                                    "PEFT adapter (adapter_config.json, adapter_model."
                                                                    "safetensors, under its checksums); not with PP or "
