@@ -287,7 +287,8 @@ RULES: dict[str, Rule] = {
                                                                    "safetensors, under its checksums); not with PP or "
                                                                    "lora_bias other than none (refused by name)"),
     "model_alignment_strategy.peft.merge_sharded_lora": _map("accepted, either value: the PEFT adapter is always gathered "
-                                                             "over TP and FSDP into one file"),
+                                                             "over TP and FSDP into one file (true with merge_lora true is "
+                                                             "refused: NxD then saves the adapters alone)"),
     **{f"model_alignment_strategy.dpo.{k}": _map(NOT_WIRED) for k in (
         "kl_beta", "loss_type", "max_prompt_length", "precompute_ref_log_probs", "truncation_mode")},
     **{f"model_alignment_strategy.orpo.{k}": _map(NOT_WIRED) for k in ("beta", "max_prompt_length", "truncation_mode")},

@@ -78,7 +78,11 @@ def _model_headers(root: Path) -> dict[str, list[int]]:
 
     shapes: dict[str, list[int]] = {}
     for file in sorted(root.glob("model*.safetensors")):
-        for name, entry in read_safetensors_header(file).items():
+        try:
+            header = read_safetensors_header(file)
+        except ValueError as exc:  # damaged: say so in the checkpoint tools' terms
+            raise CheckpointError(f"checkpoint {root}: {exc} (nxdt checkpoint verify {root} lists every problem)") from None
+        for name, entry in header.items():
             if name != "__metadata__":
                 shapes.setdefault(name, entry["shape"])
     return shapes
@@ -185,6 +189,9 @@ def export_lora_checkpoint(path: str | Path, out: str | Path, *, merge: bool = F
     if config is None:
         raise CheckpointError(f"checkpoint {root} records no LoRA config (lora_alpha): write checkpoints with nxdt train or "
                               "model_alignment_strategy.peft.save_lora_config_adapter=true")
+    if not merge and config.get("bias", "none") != "none":
+        raise CheckpointError(f"checkpoint {root}: its adapters trained biases too (lora_bias={config['bias']}), which the "
+                              "PEFT export does not carry yet; export it with --merge instead")
     state = _full_model(root)
     rank, targets = adapter_shape(root)
     lora = LoRAConfig(rank, float(config["alpha"]), float(config.get("dropout", 0.0)), config.get("bias", "none"),
