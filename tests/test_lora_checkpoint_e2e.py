@@ -191,6 +191,16 @@ def test_load_lora_from_ckpt_continues_from_the_adapters_and_refuses_another_ran
             f"model_alignment_strategy.peft.lora_rank=4: the adapters in {adapters_only} have rank 8; set lora_rank=8")
     refused(nxdt("train", *COMMON, *start[:2], f"exp_manager.explicit_log_dir={root / 'fresh'}", cwd=root),
             "model_alignment_strategy.peft.load_lora_from_ckpt=False: ")
+    from nxdt.cli import check_lora_checkpoint  # the launcher's check, in this process (what the two lines above ran)
+    from nxdt.config import ConfigError, compose_config
+
+    for override, needle in [("model_alignment_strategy.peft.target_modules=[qkv_proj]",
+                              "target_modules=['q_proj', 'k_proj', 'v_proj']: the adapters in "),
+                             ("model_alignment_strategy.peft.lora_alpha=32", "lora_alpha=32: the adapters in ")]:
+        with pytest.raises(ConfigError) as info:
+            check_lora_checkpoint(compose_config(["+recipe=lora", *LAYERS, *start, override]), str(adapters_only))
+        assert needle in str(info.value) and ("adapt ['q_proj', 'k_proj', 'v_proj', 'o_proj']" in str(info.value)
+                                              or "trained with lora_alpha=16" in str(info.value)), str(info.value)
     run = root / "continued"
     trained(nxdt("train", *COMMON, *start, "trainer.devices=1", "trainer.max_steps=1", "exp_manager.checkpoint_every_n_steps=1",
                  "model.optim.lr=0", "model.optim.sched.name=constant", f"exp_manager.explicit_log_dir={run}", cwd=root))
