@@ -196,7 +196,7 @@ def test_load_lora_from_ckpt_continues_from_the_adapters_and_refuses_another_ran
 
     for override, needle in [("model_alignment_strategy.peft.target_modules=[qkv_proj]",
                               "target_modules=['q_proj', 'k_proj', 'v_proj']: the adapters in "),
-                             ("model_alignment_strategy.peft.lora_alpha=32", "lora_alpha=32: the adapters in ")]:
+                             ("model_alignment_strategy.peft.lora_alpha=32", "lora_alpha=32.0: the adapters in ")]:
         with pytest.raises(ConfigError) as info:
             check_lora_checkpoint(compose_config(["+recipe=lora", *LAYERS, *start, override]), str(adapters_only))
         assert needle in str(info.value) and ("adapt ['q_proj', 'k_proj', 'v_proj', 'o_proj']" in str(info.value)
