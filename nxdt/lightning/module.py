@@ -98,17 +98,17 @@ class CausalLMModule(pl.LightningModule):
         self.model = import_architecture(model_cfg.architecture)(model_cfg)
         if getattr(model_cfg, "hf_checkpoint", None):  # every rank loads the full weights; parallelism slices them later
             load_hf_weights(self.model, model_cfg.hf_checkpoint)
-        init = read_checkpoint_weights(init_checkpoint) if init_checkpoint is not None else None
-        has_adapters = init is not None and init[1] in ("with_base", "adapters_only")
-        if init is not None and not has_adapters:  # model.weight_init_only: another run's weights, a fresh optimizer, step 0
-            load_checkpoint_weights(self.model, init_checkpoint, state=init[0])
+        init_state, init_kind = read_checkpoint_weights(init_checkpoint) if init_checkpoint is not None else (None, None)
+        has_adapters = init_kind in ("with_base", "adapters_only")
+        if init_checkpoint is not None and not has_adapters:  # model.weight_init_only: another run's weights, step 0
+            load_checkpoint_weights(self.model, init_checkpoint, state=init_state)
         if peft is not None:  # LoRA (NxDT's peft keys: nxdt.models.lora.PeftConfig) on the full model, before any parallelism
             apply_peft(self.model, peft)
-        if has_adapters:  # load_lora_from_ckpt: a LoRA run's adapters (and base, unless it saved the adapters alone)
-            if peft is None:
+        if init_checkpoint is not None and has_adapters:  # load_lora_from_ckpt: a LoRA run's adapters (and base, unless
+            if peft is None:  # it saved the adapters alone)
                 raise ValueError(f"exp_manager.resume_from_checkpoint={init_checkpoint} holds LoRA adapters: configure "
                                  "model_alignment_strategy.peft to continue from them")
-            load_checkpoint_weights(self.model, init_checkpoint, state=init[0], adapters_only=init[1] == "adapters_only")
+            load_checkpoint_weights(self.model, init_checkpoint, state=init_state, adapters_only=init_kind == "adapters_only")
         self.objective = objective_for(alignment)  # model_alignment_strategy → the loss each micro-batch contributes
         self.tokens_per_step = global_batch_size * seq_length
         self.micro_batch_size = micro_batch_size
