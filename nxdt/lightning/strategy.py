@@ -17,6 +17,7 @@ Launch modes, all without forking Lightning:
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import logging
 import math
@@ -339,7 +340,9 @@ class NxDStrategy(ParallelStrategy):
         if pp > 1:
             pp_comm = self.communicators[Dim.PP]
             chunks = build_chunks(model, pp_comm.rank, pp, virtual=self._virtual)
-            self._pipeline = PipelineExecutor(chunks, pp_comm, model.loss_fn, seq_shards=tp if self._sequence_parallel else 1)
+            objective = getattr(self.lightning_module, "objective", None)  # CausalLMModule's (DPO reads more than labels)
+            self._pipeline = PipelineExecutor(chunks, pp_comm, model.loss_fn, seq_shards=tp if self._sequence_parallel else 1,
+                                              batch_loss=functools.partial(objective.loss, model) if objective else None)
         if tp > 1:  # this stage's TP-sharded parameters, recorded before FSDP could flatten them
             self._tp_layout = shard_layout(model)
             self._tp_partial_grads = partial_grad_names(model)
@@ -363,6 +366,14 @@ class NxDStrategy(ParallelStrategy):
         if self._pipeline is None:
             return module.evaluate_losses(micro_batches)
         return self._pipeline.evaluate(micro_batches)
+
+    def score(self, module: pl.LightningModule, micro_batches: list[dict[str, Tensor]], fn: Callable[..., Tensor],
+              width: int) -> Tensor:
+        """``fn(model, logits, micro_batch)`` ([width] values) of each micro-batch, forward only, on every rank (DPO's
+        reference log-probabilities); under PP the pipeline runs it and the last stage's values reach every stage."""
+        if self._pipeline is None:
+            return module.score_locally(micro_batches, fn)
+        return self._pipeline.score(micro_batches, functools.partial(fn, module.model), width)
 
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer the step uses: with ZeRO-1 the same optimizer with its state sharded over data parallelism."""

@@ -104,7 +104,8 @@ def run_training(cfg: Any, plan: Plan, run_dir: str | Path) -> None:
                             init_checkpoint=initial_weights_checkpoint(cfg, ckpt_path),
                             peft=PeftConfig.pick(mas.peft) if mas.peft is not None else None)
     datamodule = NxDDataModule(cfg.data, seed=cfg.seed, vocab_size=cfg.model.vocab_size, step_batches=True, sft=mas.sft,
-                               limit_val_batches=cfg.trainer.limit_val_batches)
+                               limit_val_batches=cfg.trainer.limit_val_batches,
+                               preference=mas.dpo if mas.dpo is not None else mas.orpo)
     trainer = build_trainer(cfg, plan, run_dir, module.tokens_per_step)
     if mas.peft is not None and mas.peft.lora_verbose and trainer.is_global_zero:
         print(f"nxdt: {lora_summary(module.model)}", flush=True)
