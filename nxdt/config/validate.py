@@ -429,6 +429,7 @@ def alignment_recipes(cfg: Any) -> list[str]:
 def _check_fine_tuning(cfg: Any) -> None:
     """The recipe, its data source and where its weights start agree with each other."""
     data, model, em = cfg.data, cfg.model, cfg.exp_manager
+    _check_preference_recipe(cfg)
     sft = cfg.model_alignment_strategy.sft
     if sft is not None:
         if data.source != "instructions":
@@ -442,7 +443,6 @@ def _check_fine_tuning(cfg: Any) -> None:
     elif data.source == "instructions":
         raise ConfigError("data.source", "instructions", "instruction records are read for fine-tuning: add "
                           "model_alignment_strategy.sft (e.g. +recipe=sft, or model_alignment_strategy.sft.packing in an NxDT config)")
-    _check_preference_recipe(cfg)
     if data.dev_choose_samples is not None:
         _integer("data.dev_choose_samples", data.dev_choose_samples, 1, what=" (the first N records), or null for all")
     if model.weight_init_only:
