@@ -83,3 +83,15 @@ def test_objective_refuses_a_batch_without_reference():
     dataset = PreferenceDataset.from_records(RECORDS[:2], byte_chat_tokenizer(), 64)
     with pytest.raises(RuntimeError, match="reference model's log-probabilities"):
         module._lay_out([torch.utils.data.default_collate([dataset[0], dataset[1]])])
+
+
+def test_the_plan_prices_a_pair_as_two_sequences():
+    from nxdt.config import compose_config
+    from nxdt.planner import plan
+
+    pairs = plan(compose_config(["+recipe=dpo", "trainer.devices=2", "data.micro_batch_size=2", "data.global_batch_size=8"]))
+    sequences = plan(compose_config(["data=synthetic", "trainer.devices=2", "data.seq_length=64", "data.micro_batch_size=4",
+                                     "data.global_batch_size=16"]))
+    assert pairs.batch == {"global": 8, "micro": 2, "seq_length": 64, "micro_batches": 2}  # the config's numbers: pairs
+    for key in ("step_time_s", "tokens_per_s"):
+        assert pairs.estimate[key] == pytest.approx(sequences.estimate[key], rel=1e-9), key
