@@ -56,7 +56,7 @@ def _dpo(tmp, tokenizer, *layout):
     run = tmp / "run"
     result = _train(tmp, "hf_llama3_8B_DPO_config", *PARITY, "model_alignment_strategy.dpo.kl_beta=0.5", *layout,
                     f"exp_manager.explicit_log_dir={run}", f"data.tokenizer.type={tokenizer}")
-    return _rows(run), result.stdout
+    return _rows(run), result.stdout, run
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def _at_initialisation(rows):
 
 
 def test_the_nxdt_dpo_config_trains_and_starts_at_log_2(reference):
-    rows, stdout = reference
+    rows, stdout, run = reference
     assert [int(r["step"]) for r in rows] == [1, 2, 3]
     _at_initialisation(rows)
     # it learns: the chosen answers gain on the rejected ones, and the loss falls below log 2
@@ -91,8 +91,8 @@ def test_the_nxdt_dpo_config_trains_and_starts_at_log_2(reference):
                                     ["trainer.devices=2", "distributed_strategy.pipeline_model_parallel_size=2"]],
                          ids=["dp2-zero1", "pp2"])
 def test_parallel_dpo_equals_one_process(tmp_path, reference, tokenizer, layout):
-    got, _ = _dpo(tmp_path, tokenizer, *layout)
-    want, _ = reference
+    got, _, _ = _dpo(tmp_path, tokenizer, *layout)
+    want, _, _ = reference
     _at_initialisation(got)
     # fp32, linear updates (PARITY): losses differ by float rounding only (~1e-7 relative), far inside 1e-4; rewards are
     # β·(differences of summed log-probs of ~-50): their rounding is ~β·1e-5 absolute, so abs 1e-4 next to rel 1e-4
@@ -100,6 +100,32 @@ def test_parallel_dpo_equals_one_process(tmp_path, reference, tokenizer, layout)
         assert float(g["loss"]) == pytest.approx(float(w["loss"]), rel=1e-4), (got, want)
         for name in REWARDS:
             assert float(g[name]) == pytest.approx(float(w[name]), rel=1e-4, abs=1e-4), (name, got, want)
+
+
+def test_the_file_as_it_is_starts_from_a_checkpoint_and_keeps_its_reference_across_a_restart(tmp_path, reference, tokenizer):
+    """NxDT's DPO file unchanged but for the shrinking: mixed precision, ZeRO-1, weight_init_only from a checkpoint (the
+    first run's step 3), kl_beta 0.01, lr 5e-7 with 10 warm-up steps — so small that the policy stays the reference over
+    three steps: every step's loss is log 2 and its rewards 0, up to bf16 rounding. Rank 1 is killed when step 3 starts
+    and the run restarts from its step-2 checkpoint: the reference must again be the *starting* weights (loaded before
+    the checkpoint is restored), not the model as freshly built. With a reference from other weights the rewards would
+    be β·|Δ log π| ≈ 0.01·(tens) ≈ 0.1 or more."""
+    ckpt = reference[2] / "checkpoints" / "step-3"
+    run = tmp_path / "run"
+    result = _train(tmp_path, "hf_llama3_8B_DPO_config", "trainer.devices=2", f"exp_manager.explicit_log_dir={run}",
+                    f"exp_manager.resume_from_checkpoint={ckpt}", f"data.tokenizer.type={tokenizer}",
+                    f"data.train_dir={SAMPLE_PREFERENCES}", "data.dev_choose_samples=64",
+                    "exp_manager.checkpoint_callback_params.every_n_train_steps=1", "exp_manager.max_restarts=1",
+                    "exp_manager.fault_injection.step=3", "exp_manager.fault_injection.rank=1",
+                    "exp_manager.fault_injection.kind=sigkill")
+    assert "restart 1 of 1" in result.stdout + result.stderr
+    rows = _rows(run)
+    assert [int(r["step"]) for r in rows] == [1, 2, 3]
+    # bf16 autocast: the two forwards of a row (reference pass, training step) round alike but for the batch they sit
+    # in; |Δ log π| ≲ 0.1 over ~20 tokens, times β = 0.01: 1e-3; the loss −log σ(margin) moves by margin/2
+    for r in rows:
+        assert float(r["loss"]) == pytest.approx(math.log(2), abs=5e-3), rows
+        for name in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+            assert abs(float(r[name])) < 1e-2, rows
 
 
 def _orpo_formula(logits, labels, beta, pairs):

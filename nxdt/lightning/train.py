@@ -76,8 +76,11 @@ def build_trainer(cfg: Any, plan: Plan, run_dir: Path, tokens_per_step: int, *, 
 
 def initial_weights_checkpoint(cfg: Any, resume: Path | None) -> str | None:
     """``model.weight_init_only``: the nxdt checkpoint whose model weights the run starts from — unless the run
-    resumes a checkpoint of its own (a restart, ``resume_if_exists``), which holds everything."""
-    if not cfg.model.weight_init_only or resume is not None or cfg.exp_manager.resume_from_checkpoint is None:
+    resumes a checkpoint of its own (a restart, ``resume_if_exists``), which holds everything. DPO loads them on a
+    resume too: its reference model is the starting weights (precomputed before the checkpoint is restored)."""
+    if not cfg.model.weight_init_only or cfg.exp_manager.resume_from_checkpoint is None:
+        return None
+    if resume is not None and cfg.model_alignment_strategy.dpo is None:
         return None
     return str(Path(cfg.exp_manager.resume_from_checkpoint).expanduser())
 
