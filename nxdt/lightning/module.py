@@ -225,7 +225,7 @@ class CausalLMModule(pl.LightningModule):
         in the dataset, which attaches each pair's row to its samples in any order."""
         datamodule = getattr(self.trainer, "datamodule", None)
         dataset = getattr(datamodule, "dataset", None)
-        if not hasattr(dataset, "set_reference_log_probs"):
+        if dataset is None or not hasattr(dataset, "set_reference_log_probs"):
             raise RuntimeError("DPO precomputes the reference log-probabilities of the training pairs: fit with "
                                "NxDDataModule and data.source=preferences")
         kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {"rank": 0, "num_replicas": 1}
