@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from nxdt.models.attention import DEFAULT_IMPL, CoreAttention, SequenceLayout, check_impl, layout_fields
+from nxdt.models.objectives import token_log_probs
 
 CHECKPOINT_GRANULARITIES = (None, "full", "selective")
 ROPE_TYPES = (None, "default", "llama3")  # rope_scaling.rope_type values the hub implements (None/default: plain RoPE)
@@ -251,6 +252,14 @@ def next_token_loss(head: nn.Module | None, logits: torch.Tensor, labels: torch.
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
 
+def next_token_log_probs(head: nn.Module | None, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token log-probability of each label in fp32 (0 where it is -100); a vocabulary-sharding head (tensor
+    parallelism) computes it across its group."""
+    if getattr(head, "shards_vocab", False):
+        return head.token_log_probs(logits, labels, ignore_index=-100)
+    return token_log_probs(logits, labels, ignore_index=-100)
+
+
 class DecoderOnlyLM(nn.Module):
     """What every hub model shares: the forward as embed → run_layer per layer → head, and the loss.
     Subclasses provide ``embed_tokens``, ``layers``, ``norm``, ``lm_head``, ``embed`` and ``run_layer``."""
@@ -289,6 +298,12 @@ class DecoderOnlyLM(nn.Module):
         On a model whose head shards the vocabulary (tensor parallelism) the logits are [..., vocab/tp] and
         the head computes the loss across the group; called on the class, the plain unsharded loss."""
         return next_token_loss(self.lm_head if self is not None else None, logits, labels)
+
+    @_instance_or_static
+    def token_log_probs(self: "DecoderOnlyLM | None", logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token label log-probabilities [B, S] (0 where labels are -100), the sequence scores of preference
+        objectives; vocab-sharded logits under tensor parallelism, full ones otherwise (or called on the class)."""
+        return next_token_log_probs(self.lm_head if self is not None else None, logits, labels)
 
 
 class LlamaForCausalLM(DecoderOnlyLM):

@@ -266,6 +266,8 @@ def check_data(cfg: Any) -> None:
             raise ConfigError("data.data_prefix", _plain(data.data_prefix), exc.fix) from None
     elif data.source == "instructions":
         _check_instructions(cfg)
+    elif data.source == "preferences":
+        _check_preferences(cfg)
     _check_host_memory(cfg)
 
 
@@ -296,6 +298,27 @@ def _check_instructions(cfg: Any) -> None:
         except (ValueError, OSError, RuntimeError) as exc:
             raise ConfigError(key, path, str(exc)) from None
         print(f"nxdt: {sft_report(dataset.stats, 'train' if key == 'data.train_dir' else 'validation')}", flush=True)
+
+
+def _check_preferences(cfg: Any) -> None:
+    """Preference records (DPO, ORPO) are read, tokenized and truncated here as every worker will, so a record with a
+    missing or empty prompt/chosen/rejected is one line before any worker starts, and the counts are printed once."""
+    from nxdt.config import ConfigError
+    from nxdt.data.instructions import build_chat_tokenizer
+    from nxdt.data.preferences import preference_report
+    from nxdt.lightning.datamodule import build_preference_dataset, chat_tokenizer_dir
+
+    data, mas = cfg.data, cfg.model_alignment_strategy
+    try:
+        build_chat_tokenizer(chat_tokenizer_dir(data.tokenizer))
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise ConfigError("data.tokenizer", data.tokenizer, str(exc)) from None
+    try:
+        dataset = build_preference_dataset(data, mas.dpo if mas.dpo is not None else mas.orpo, data.train_dir,
+                                           cfg.model.vocab_size, limit=data.dev_choose_samples)
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise ConfigError("data.train_dir", data.train_dir, str(exc)) from None
+    print(f"nxdt: {preference_report(dataset.stats)}", flush=True)
 
 
 def _check_model(cfg: Any) -> None:

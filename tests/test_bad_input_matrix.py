@@ -37,6 +37,8 @@ def _checkpoint(root: Path, name: str, damage: str | None = None, model: dict | 
 
 
 WRONG_FIELDS = '{"prompt": "2+2", "answer": "4"}'
+EMPTY_CHOSEN = '{"prompt": "2+2", "chosen": "4", "rejected": "5"}\n{"prompt": "2+3", "chosen": "", "rejected": "6"}'
+NO_REJECTED = '{"prompt": "2+2", "chosen": "4"}'
 
 
 def _jsonl(directory: Path, name: str, text: str) -> Path:
@@ -91,6 +93,16 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["train", "data.source=instructions"], "add model_alignment_strategy.sft"),
         (["train", f"data.train_dir={SAMPLE_INSTRUCTIONS}"], "is JSON lines, which data.source=text would train on as raw text"),
         (["train", "model.weight_init_only=true"], "model.weight_init_only"),
+        # preference data (DPO / ORPO): checked in the launcher, before any worker
+        (["train", "+recipe=dpo", f"data.train_dir={_jsonl(tmp, 'empty_chosen.jsonl', EMPTY_CHOSEN)}"],
+         "record 1: 'chosen' must be a non-empty string"),
+        (["train", "+recipe=orpo", f"data.train_dir={_jsonl(tmp, 'no_rejected.jsonl', NO_REJECTED)}"],
+         "record 0: a preference record needs 'prompt', 'chosen' and 'rejected'; missing ['rejected']"),
+        (["train", "+recipe=dpo", "model_alignment_strategy.dpo.loss_type=hinge"], "model_alignment_strategy.dpo.loss_type"),
+        (["train", "+recipe=dpo", "model_alignment_strategy.dpo.precompute_ref_log_probs=false"],
+         "model_alignment_strategy.dpo.precompute_ref_log_probs=False"),
+        (["train", "+recipe=dpo", "data.source=instructions"], "model_alignment_strategy.dpo trains on preference records"),
+        (["train", "data.source=preferences"], "add model_alignment_strategy.dpo or .orpo"),
         # LoRA (model_alignment_strategy.peft): targets checked on the model built on the meta device
         (["train", "+recipe=lora", "model_alignment_strategy.peft.target_modules=[qkv]"],
          "model_alignment_strategy.peft.target_modules: LoRA target_modules ['qkv']: unknown"),

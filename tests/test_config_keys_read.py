@@ -43,8 +43,7 @@ READ_BY_TABLE = {
     "model.rope_scaling.low_freq_factor": ("models/llama.py", "LLAMA3_ROPE_KEYS"),
     "model.rope_scaling.high_freq_factor": ("models/llama.py", "LLAMA3_ROPE_KEYS"),
     "model.rope_scaling.original_max_position_embeddings": ("models/llama.py", "LLAMA3_ROPE_KEYS"),
-    # alignment_recipes reads each model_alignment_strategy block by these names; check_trainable refuses dpo and orpo
-    # by name ("not wired into training yet") until those recipes land: set, they change what happens (exit 2)
+    # alignment_recipes reads each model_alignment_strategy block by these names (set, the block picks the recipe)
     "model_alignment_strategy.dpo": ("nxdt/config/validate.py", "ALIGNMENT_BLOCKS"),
     "model_alignment_strategy.orpo": ("nxdt/config/validate.py", "ALIGNMENT_BLOCKS"),
 }

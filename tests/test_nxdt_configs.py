@@ -183,7 +183,7 @@ FINE_TUNING = ("hf_llama3_8B_SFT_config", "hf_llama3_8B_SFT_lora_config", "hf_ll
 
 
 @pytest.mark.parametrize("name", FINE_TUNING)
-def test_nxdts_fine_tuning_configs_read_every_key_and_refuse_only_what_is_not_wired(name):
+def test_nxdts_fine_tuning_configs_read_every_key_and_train(name):
     from nxdt.config.validate import NotYetSupported, check_trainable
 
     cfg, warnings = nxdt_config(name, "instance=trn1.32xlarge")
@@ -202,12 +202,16 @@ def test_nxdts_fine_tuning_configs_read_every_key_and_refuse_only_what_is_not_wi
         return
     key = {"hf_llama3_8B_DPO_config": "dpo", "hf_llama3_8B_ORPO_config": "orpo"}[name]
     if key == "dpo":
-        assert (mas.dpo.kl_beta, mas.dpo.loss_type, mas.dpo.max_prompt_length, mas.dpo.truncation_mode) == (0.01, "sigmoid", 2048, "keep_start")
+        assert (mas.dpo.kl_beta, mas.dpo.loss_type, mas.dpo.max_prompt_length, mas.dpo.truncation_mode,
+                mas.dpo.precompute_ref_log_probs) == (0.01, "sigmoid", 2048, "keep_start", True)
     else:
-        assert (mas.orpo.beta, mas.orpo.max_prompt_length) == (0.1, 2048)
-    with pytest.raises(NotYetSupported) as info:
-        check_trainable(cfg)
-    assert str(info.value).startswith(f"config error: model_alignment_strategy.{key}: ") and "not wired into training yet" in str(info.value)
+        assert (mas.orpo.beta, mas.orpo.max_prompt_length, mas.orpo.truncation_mode) == (0.1, 2048, "keep_start")
+    assert (data.source, data.train_dir) == ("preferences", f"/home/ubuntu/data_{key}.jsonl")
+    check_trainable(cfg)  # DPO / ORPO train (tests/test_dpo_e2e.py)
+    with pytest.raises(NotYetSupported, match=f"model_alignment_strategy.{key}.precompute_ref_log_probs=False: " if key == "dpo"
+                       else "data.val_dir='/v.jsonl': validation of ORPO"):
+        overrides = ["model_alignment_strategy.dpo.precompute_ref_log_probs=false"] if key == "dpo" else ["data.val_dir=/v.jsonl"]
+        check_trainable(nxdt_config(name, "instance=trn1.32xlarge", *overrides)[0])
 
 
 # ---------------------------------------------------------------------------------------------- the rules (pure)

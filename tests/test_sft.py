@@ -128,11 +128,15 @@ def test_token_weights_make_the_mean_over_micro_batches_and_ranks_the_global_tok
     assert token_weights([0, 0], 0, 1) == [0.0, 0.0]
 
 
-def test_only_causal_lm_objectives_are_wired():
+def test_objectives_by_recipe():
     assert objective_for(None) is CAUSAL_LM
     assert objective_for(SimpleNamespace(sft=object(), dpo=None, orpo=None)) is CAUSAL_LM
-    with pytest.raises(NotImplementedError, match="model_alignment_strategy.dpo"):
-        objective_for(SimpleNamespace(sft=None, dpo=object(), orpo=None))
+    dpo = objective_for(SimpleNamespace(sft=None, dpo=SimpleNamespace(kl_beta=0.1, loss_type="sigmoid"), orpo=None))
+    assert (dpo.name, dpo.pairs, dpo.reference, dpo.token_weighted) == ("dpo", True, True, False)
+    orpo = objective_for(SimpleNamespace(sft=None, dpo=None, orpo=SimpleNamespace(beta=0.1)))
+    assert (orpo.name, orpo.pairs, orpo.reference, orpo.token_weighted) == ("orpo", True, False, False)
+    with pytest.raises(ValueError, match="loss_type='hinge'"):
+        objective_for(SimpleNamespace(sft=None, dpo=SimpleNamespace(kl_beta=0.1, loss_type="hinge"), orpo=None))
 
 
 @pytest.mark.parametrize("n, dp", [(10, 1), (10, 2), (7, 2), (12, 4)])

@@ -66,7 +66,6 @@ def _derived(doc: str) -> Rule:
     return Rule(DERIVED, doc)
 
 
-NOT_WIRED = "same key; training refuses it by name until the recipe is wired (check_trainable)"
 MEGATRON_MODEL = "Megatron-model key; an hf model's shape comes from model.model_config (NxDT ignores it there too)"
 
 # NxDT key → rule. Order is the order of the migration guide's table.
@@ -149,7 +148,8 @@ RULES: dict[str, Rule] = {
                                "model_alignment_strategy: the fine-tuning length, at most encoder_seq_length, as in NxDT)"),
     "data.train_dir": _custom("data.train_dir with data.source=hf_dataset (a datasets.save_to_disk directory); "
                               "set data.source=text for text files; with model_alignment_strategy.sft: "
-                              "data.source=instructions (.jsonl, or save_to_disk, records)"),
+                              "data.source=instructions (.jsonl, or save_to_disk, records); with .dpo / .orpo: "
+                              "data.source=preferences (prompt/chosen/rejected records)"),
     "data.val_dir": _map("validation data, read like data.train_dir; val_loss (token-weighted over all of it) in metrics.csv"),
     "data.dev_choose_samples": _map("the first N records of data.train_dir (instruction records)"),
     # NxDT's Megatron SFT config (megatron_llama2_7B_SFT): instruction records for the Megatron model, as its comments say
@@ -289,9 +289,20 @@ RULES: dict[str, Rule] = {
     "model_alignment_strategy.peft.merge_sharded_lora": _map("accepted, either value: the PEFT adapter is always gathered "
                                                              "over TP and FSDP into one file (true with merge_lora true is "
                                                              "refused: NxD then saves the adapters alone)"),
-    **{f"model_alignment_strategy.dpo.{k}": _map(NOT_WIRED) for k in (
-        "kl_beta", "loss_type", "max_prompt_length", "precompute_ref_log_probs", "truncation_mode")},
-    **{f"model_alignment_strategy.orpo.{k}": _map(NOT_WIRED) for k in ("beta", "max_prompt_length", "truncation_mode")},
+    # dpo / orpo: preference records (data.source=preferences), each sample a pair in one micro-batch
+    "model_alignment_strategy.dpo.kl_beta": _map("β of the DPO loss −log σ(β·[(log π − log π_ref)(chosen) − (…)(rejected)]); "
+                                                 "rewards/* in metrics.csv are β·(log π − log π_ref)"),
+    "model_alignment_strategy.dpo.loss_type": _map("sigmoid (the paper's loss); any other value is refused by name"),
+    "model_alignment_strategy.dpo.max_prompt_length": _map("a longer prompt keeps max_prompt_length tokens (truncation_mode "
+                                                           "says which end); counted before launch"),
+    "model_alignment_strategy.dpo.precompute_ref_log_probs": _map("true: the reference log-probabilities are computed once "
+                                                                  "before training by the same model, sharded like the "
+                                                                  "policy; false is refused by name (as in NxDT)"),
+    "model_alignment_strategy.dpo.truncation_mode": _map("keep_start | keep_end: which end of a too-long prompt is kept"),
+    "model_alignment_strategy.orpo.beta": _map("weight of the odds-ratio term: loss = NLL(chosen) − beta·log σ(log-odds "
+                                               "ratio); no reference model"),
+    "model_alignment_strategy.orpo.max_prompt_length": _map("as dpo.max_prompt_length"),
+    "model_alignment_strategy.orpo.truncation_mode": _map("as dpo.truncation_mode"),
     # --- precision ---
     "precision.type": _custom("fp32 → fp32; bf16SR → bf16SR (optimizer updates rounded stochastically, noted); autocast, "
                               "mixed_precision → mixed_precision (bf16 compute, fp32 weights); mixed_precisionSR → "
@@ -663,7 +674,8 @@ def _data(leaves: Mapping[str, Any], ours: Mapping[str, Any]) -> dict[str, Any]:
         out["model_alignment_strategy.sft.packing"] = packing
     if leaves.get("data.train_dir") is not None:
         sft = sft_style or any(k.startswith("model_alignment_strategy.sft.") for k in leaves)
-        source = ours.get("data.source", "instructions" if sft else "hf_dataset")
+        pairs = any(k.startswith(("model_alignment_strategy.dpo.", "model_alignment_strategy.orpo.")) for k in leaves)
+        source = ours.get("data.source", "instructions" if sft else "preferences" if pairs else "hf_dataset")
         out["data.source"] = source
         if source != "synthetic":  # synthetic tokens read no files
             out["data.train_dir"] = leaves["data.train_dir"]

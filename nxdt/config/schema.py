@@ -103,15 +103,16 @@ class DistributedStrategyConfig:
 class DataConfig:
     source: str = doc("text", "synthetic | text | hf_dataset (a tokenized Hugging Face dataset saved with save_to_disk) | "
                               "megatron (Megatron's indexed .bin/.idx datasets named by data_prefix) | "
-                              "instructions (SFT records: .jsonl or save_to_disk; needs model_alignment_strategy.sft)")
-    micro_batch_size: int = doc(4, "samples per forward/backward on one rank")
+                              "instructions (SFT records: .jsonl or save_to_disk; needs model_alignment_strategy.sft) | "
+                              "preferences (prompt/chosen/rejected records; needs model_alignment_strategy.dpo or .orpo)")
+    micro_batch_size: int = doc(4, "samples per forward/backward on one rank (preferences: pairs)")
     global_batch_size: Optional[int] = doc(None, "samples per optimizer step over all data-parallel ranks; null = "
                                                  "micro_batch_size × DP (one micro-batch per rank per step)")
     seq_length: int = doc(128, "tokens per sample")
     train_dir: Optional[str] = doc(None, "text: a UTF-8 text file or directory of *.txt (null = the shipped sample text); "
                                          "hf_dataset: the save_to_disk directory (input_ids, optional labels; needs pyarrow); "
-                                         "instructions: a .jsonl file, a directory of *.jsonl, or a save_to_disk directory of "
-                                         "records (null = the shipped instruction set)")
+                                         "instructions, preferences: a .jsonl file, a directory of *.jsonl, or a save_to_disk "
+                                         "directory of records (null = the shipped instruction / preference set)")
     tokenizer: Optional[str] = doc(None, "path to a Hugging Face tokenizer.json (instructions: its directory, with "
                                          "tokenizer_config.json: EOS, chat template); null = byte-level (256 ids)")
     num_samples: int = doc(4096, "synthetic source: number of distinct samples")
@@ -123,7 +124,7 @@ class DataConfig:
                                              "980,10,10); training reads the leading train share; null = every document")
     val_dir: Optional[str] = doc(None, "validation data, read like train_dir (text: a file or directory; hf_dataset, "
                                        "instructions: the same formats); null = no validation")
-    dev_choose_samples: Optional[int] = doc(None, "instructions: use only the first N records of train_dir; null = all")
+    dev_choose_samples: Optional[int] = doc(None, "instructions, preferences: use only the first N records of train_dir; null = all")
     val_split: float = doc(0.0, "without data.val_dir: hold out this fraction of train_dir's samples (the last ones) for "
                                 "validation, never trained on; 0 = none")
 

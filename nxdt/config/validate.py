@@ -18,7 +18,7 @@ ALLOWED_MODEL_PREFIX = "nxdt.models."
 MODEL_SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "ffn_hidden_size")
 
 CHOICES = {
-    "data.source": ("synthetic", "text", "hf_dataset", "megatron", "instructions"),
+    "data.source": ("synthetic", "text", "hf_dataset", "megatron", "instructions", "preferences"),
     "precision.type": ("fp32", "bf16", "bf16SR", "mixed_precision", "mixed_precisionSR"),
     "model.optim.name": ("adamw", "adamw_fp32OptState"),
     "model.optim.sched.name": ("CosineAnnealing", "LinearAnnealingWithWarmUp", "constant"),
@@ -417,6 +417,8 @@ def validate(cfg: Any, *, paths: bool = True) -> None:
 
 ALIGNMENT_BLOCKS = ("sft", "peft", "dpo", "orpo")
 SFT_TRUNCATION = ("truncate", "drop")  # nxdt.data.instructions.TRUNCATION_MODES (config sits below data)
+PREFERENCE_TRUNCATION = ("keep_start", "keep_end")  # nxdt.data.preferences.TRUNCATION_MODES
+DPO_LOSS_TYPES = ("sigmoid",)  # nxdt.models.objectives.DPO_LOSS_TYPES
 
 
 def alignment_recipes(cfg: Any) -> list[str]:
@@ -427,6 +429,7 @@ def alignment_recipes(cfg: Any) -> list[str]:
 def _check_fine_tuning(cfg: Any) -> None:
     """The recipe, its data source and where its weights start agree with each other."""
     data, model, em = cfg.data, cfg.model, cfg.exp_manager
+    _check_preference_recipe(cfg)
     sft = cfg.model_alignment_strategy.sft
     if sft is not None:
         if data.source != "instructions":
@@ -451,6 +454,31 @@ def _check_fine_tuning(cfg: Any) -> None:
         if em.resume_from_checkpoint is not None and model.hf_checkpoint is not None and not lora_on_base:
             raise ConfigError("model.hf_checkpoint", model.hf_checkpoint, "and exp_manager.resume_from_checkpoint with "
                               "model.weight_init_only both name starting weights; keep one of them")
+
+
+def _check_preference_recipe(cfg: Any) -> None:
+    """DPO / ORPO: preference records, and their keys' values."""
+    mas, source = cfg.model_alignment_strategy, cfg.data.source
+    name = next((n for n in ("dpo", "orpo") if getattr(mas, n, None) is not None), None)
+    if name is None:
+        if source == "preferences":
+            raise ConfigError("data.source", source, "preference records are read for DPO or ORPO: add "
+                              "model_alignment_strategy.dpo or .orpo (e.g. +recipe=dpo)")
+        return
+    block, key = getattr(mas, name), f"model_alignment_strategy.{name}"
+    if source != "preferences":
+        raise ConfigError("data.source", source, f"{key} trains on preference records (prompt, chosen, rejected): set "
+                          "data.source=preferences (data.train_dir: a .jsonl file or directory, or a save_to_disk directory)")
+    if block.truncation_mode not in PREFERENCE_TRUNCATION:
+        raise ConfigError(f"{key}.truncation_mode", block.truncation_mode, f"must be one of {', '.join(PREFERENCE_TRUNCATION)}")
+    _integer(f"{key}.max_prompt_length", block.max_prompt_length, 1, what=" (tokens)")
+    if name == "dpo":
+        if block.loss_type not in DPO_LOSS_TYPES:
+            raise ConfigError(f"{key}.loss_type", block.loss_type, f"only {', '.join(DPO_LOSS_TYPES)} (the DPO paper's loss) is "
+                              "implemented; other losses (hinge, ipo, ...) are not")
+        _number(f"{key}.kl_beta", block.kl_beta, 0, lo_open=True, what=" (β of the DPO loss)")
+    else:
+        _number(f"{key}.beta", block.beta, 0, what=" (weight of the odds-ratio term)")
 
 
 def _check_peft(cfg: Any) -> None:
@@ -578,12 +606,31 @@ def check_trainable(cfg: Any) -> None:
     if len(recipes) > 1:
         raise ConfigError(f"model_alignment_strategy.{recipes[1]}", "", f"model_alignment_strategy.{recipes[0]} is set too; "
                           "one recipe per run (remove one block)")
-    for name in alignment_recipes(cfg):
-        if name not in ("sft", "peft"):
-            raise NotYetSupported(f"model_alignment_strategy.{name}", "", f"the {name.upper()} recipe is not wired into training "
-                                  "yet in this version (`nxdt plan` accepts it); SFT, full or LoRA (model_alignment_strategy.sft, "
-                                  ".peft), trains now")
+    _check_preference_training(cfg)
     _check_peft(cfg)
+
+
+def _check_preference_training(cfg: Any) -> None:
+    """What DPO / ORPO training does not cover yet, refused by name."""
+    mas, data, ds = cfg.model_alignment_strategy, cfg.data, cfg.distributed_strategy
+    name = next((n for n in ("dpo", "orpo") if getattr(mas, n, None) is not None), None)
+    if name is None:
+        return
+    key = f"model_alignment_strategy.{name}"
+    if name == "dpo" and not mas.dpo.precompute_ref_log_probs:
+        raise NotYetSupported(f"{key}.precompute_ref_log_probs", False, "the reference log-probabilities are computed once "
+                              "before training (by the same model, sharded like the policy); computing them every step would "
+                              "need a second, frozen copy of the model on every rank; set true (NxDT supports only true too)")
+    if data.val_dir is not None or data.val_split:
+        where, value = ("data.val_dir", data.val_dir) if data.val_dir is not None else ("data.val_split", data.val_split)
+        raise NotYetSupported(where, value, f"validation of {name.upper()} (reward metrics on held-out pairs) is not implemented "
+                              "yet; set data.val_dir=null and data.val_split=0")
+    if ds.context_parallel_size > 1:
+        raise NotYetSupported("distributed_strategy.context_parallel_size", ds.context_parallel_size, f"{name.upper()} needs "
+                              "each sequence's whole log-probability on one rank; context parallelism splits it; use 1")
+    if cfg.model.moe.num_experts:
+        raise NotYetSupported("model.moe.num_experts", cfg.model.moe.num_experts, f"{name.upper()} does not add the router's "
+                              "auxiliary loss yet; use a dense model (model.moe.num_experts=0)")
 
 
 

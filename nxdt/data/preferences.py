@@ -151,6 +151,66 @@ def split_chosen_rejected(values: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return values[:half], values[half:]
 
 
+PAIR_FIELDS = ("input_ids", "labels", "position_ids", "segment_ids")
+
+
+class PreferenceDataset(torch.utils.data.Dataset):
+    """One sample = one pair: each of :data:`PAIR_FIELDS` as [2, seq_length] (row 0 the chosen sequence, row 1 the
+    rejected one), so a sampler that hands out samples never separates a pair; plus ``ref_logps`` [2] (the reference
+    model's summed log-probabilities of chosen and rejected) once :meth:`set_reference_log_probs` has stored them, keyed
+    by the sample's index. ``stats`` says what building did to the records."""
+
+    def __init__(self, batch: Mapping[str, torch.Tensor], stats: PreferenceStats) -> None:
+        self.batch, self.stats = dict(batch), stats
+        self.pairs = int(batch["input_ids"].shape[0]) // 2
+        self.ref_logps: torch.Tensor | None = None
+
+    @classmethod
+    def from_records(cls, records: Iterable[Mapping[str, Any]], tok: ChatTokenizer, seq_length: int, *,
+                     max_prompt_length: int | None = None, truncation_mode: str = "keep_end") -> "PreferenceDataset":
+        batch, stats = build_preference_batch(records, tok, seq_length, max_prompt_length=max_prompt_length,
+                                              truncation_mode=truncation_mode)
+        if stats.pairs == 0:
+            raise ValueError(f"no preference pair left to train on ({stats.records} read, {stats.dropped} dropped: the "
+                             f"prompt left no room for a response in seq_length={seq_length})")
+        return cls(batch, stats)
+
+    def __len__(self) -> int:
+        return self.pairs
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        item = {name: torch.stack([self.batch[name][index], self.batch[name][self.pairs + index]]) for name in PAIR_FIELDS}
+        if self.ref_logps is not None:
+            item["ref_logps"] = self.ref_logps[index]
+        return item
+
+    def set_reference_log_probs(self, table: torch.Tensor) -> None:
+        """``table`` [len(self), 2]: (chosen, rejected) reference log-probabilities of every pair, by sample index."""
+        if tuple(table.shape) != (self.pairs, 2):
+            raise ValueError(f"reference log-probabilities {tuple(table.shape)}: expected ({self.pairs}, 2)")
+        self.ref_logps = table.detach().to(torch.float64).clone()
+
+
+def pair_rows(micro_batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A collated micro-batch of ``b`` pairs (each of :data:`PAIR_FIELDS` [b, 2, S]) as the model reads it: [2b, S],
+    rows 0..b-1 the chosen sequences, rows b..2b-1 the rejected ones of the same pairs (the layout of
+    :func:`build_preference_batch`, split by :func:`split_chosen_rejected`). Other fields (``ref_logps`` [b, 2]) stay per pair."""
+    out = dict(micro_batch)
+    for name in PAIR_FIELDS:
+        value = micro_batch[name]
+        if value.dim() != 3 or value.shape[1] != 2:
+            raise ValueError(f"pair_rows: {name} {tuple(value.shape)} is not [pairs, 2, seq_length]")
+        out[name] = torch.cat([value[:, 0], value[:, 1]])
+    return out
+
+
+def preference_report(stats: PreferenceStats, what: str = "train") -> str:
+    """One line for the user: what building the pairs did, every cut or dropped pair counted."""
+    return (f"{what}: {stats.records} preference records → {stats.pairs} pairs (chosen and rejected in one micro-batch); "
+            f"{stats.prompt_truncated} prompts truncated, {stats.response_truncated} pairs with a response truncated, "
+            f"{stats.dropped} dropped")
+
+
 def make_preference_samples(n: int = 200, seed: int = 1) -> list[dict[str, str]]:
     """The shipped ``samples/preferences.jsonl``: ``n`` synthetic ``prompt``/``chosen``/``rejected`` triples,
     deterministic in ``seed``, on the three tasks of :func:`~nxdt.data.instructions.make_instruction_samples`
@@ -165,5 +225,6 @@ def make_preference_samples(n: int = 200, seed: int = 1) -> list[dict[str, str]]
 
 
 __all__ = ["TRUNCATION_MODES", "PreferenceStats", "check_preference_record", "tokenize_preference",
-           "build_preference_batch", "split_chosen_rejected", "make_preference_samples", "IGNORE_INDEX"]
+           "build_preference_batch", "split_chosen_rejected", "make_preference_samples", "IGNORE_INDEX",
+           "PAIR_FIELDS", "PreferenceDataset", "pair_rows", "preference_report"]
 

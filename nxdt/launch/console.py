@@ -120,7 +120,8 @@ def banner(run_dir: Path, plan: Any, cfg: Any, label: str = "") -> list[str]:
     lines = [f"nxdt: {label}run directory {run_dir} ({plan.world_size} ranks)",
              f"nxdt: layout: {layout_line(plan, cfg)}"]
     batch = getattr(plan, "batch", None) or {}
-    what = (f"{get(cfg, 'name')}: {get(cfg, 'trainer.max_steps')} steps × {batch.get('global', '?')} sequences of "
+    unit = "pairs (chosen + rejected sequences)" if get(cfg, "data.source") == "preferences" else "sequences"
+    what = (f"{get(cfg, 'name')}: {get(cfg, 'trainer.max_steps')} steps × {batch.get('global', '?')} {unit} of "
             f"{batch.get('seq_length', '?')} tokens (micro-batch {batch.get('micro', '?')})")
     if est.get("step_time_s"):
         guessed = "" if est.get("calibrated") or not _peak_is_guess(cfg) else f" ({get(cfg, 'instance.name')}: placeholder figures)"

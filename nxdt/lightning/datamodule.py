@@ -21,11 +21,12 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from nxdt.data import SAMPLE_INSTRUCTIONS, SAMPLE_TEXT
+from nxdt.data import SAMPLE_INSTRUCTIONS, SAMPLE_PREFERENCES, SAMPLE_TEXT
 from nxdt.data.datasets import PackedText, SyntheticTokens
 from nxdt.data.hf_dataset import SavedHFDataset
 from nxdt.data.instructions import SFTDataset, build_chat_tokenizer, read_instruction_records, sft_report
 from nxdt.data.megatron import BlendedMegatronData
+from nxdt.data.preferences import PreferenceDataset, preference_report
 from nxdt.data.sampler import EvalBatchSampler, GlobalBatchSampler, PadRows
 from nxdt.data.tokenizers import build_tokenizer
 
@@ -48,6 +49,19 @@ def build_sft_dataset(data_cfg: Any, sft_cfg: Any, path: str | None, vocab_size:
     return SFTDataset.from_records(records, tok, data_cfg.seq_length, packing=sft_cfg.packing, truncation=sft_cfg.truncation)
 
 
+def build_preference_dataset(data_cfg: Any, pref_cfg: Any, path: str | None, vocab_size: int, *,
+                             limit: int | None = None) -> PreferenceDataset:
+    """Preference records at ``path`` (None: the shipped set) as pairs of padded sequences, truncated as
+    ``pref_cfg`` (model_alignment_strategy.dpo / .orpo: max_prompt_length, truncation_mode) says; ValueError with the
+    problem (a bad record, a tokenizer too large for the model, no pair left)."""
+    tok = build_chat_tokenizer(chat_tokenizer_dir(data_cfg.tokenizer))
+    if tok.vocab_size is not None and tok.vocab_size > vocab_size:
+        raise ValueError(f"data.tokenizer={data_cfg.tokenizer} has {tok.vocab_size} token ids but model.vocab_size={vocab_size}")
+    records = read_instruction_records(path or SAMPLE_PREFERENCES, limit)
+    return PreferenceDataset.from_records(records, tok, data_cfg.seq_length, max_prompt_length=pref_cfg.max_prompt_length,
+                                          truncation_mode=pref_cfg.truncation_mode)
+
+
 def hold_out(dataset: Dataset, fraction: float) -> tuple[Dataset, Dataset | None]:
     """``data.val_split``: (the first samples, the last ``ceil(fraction·n)``, at least one left to train on) — whole
     samples, so an instruction record (a packed sequence holds whole records) is never in both."""
@@ -68,10 +82,11 @@ class NxDDataModule(pl.LightningDataModule):
     a tokenizer must fit in it."""
 
     def __init__(self, data_cfg: Any, seed: int, vocab_size: int, *, step_batches: bool = False, sft: Any = None,
-                 limit_val_batches: float = 1.0) -> None:
+                 limit_val_batches: float = 1.0, preference: Any = None) -> None:
         super().__init__()
         self.cfg, self.seed, self.vocab_size = data_cfg, seed, vocab_size
         self.sft = sft  # model_alignment_strategy.sft (data.source=instructions): packing, truncation
+        self.preference = preference  # model_alignment_strategy.dpo / .orpo (data.source=preferences): prompt truncation
         self.limit_val_batches = limit_val_batches  # trainer.limit_val_batches: <= 1 a fraction, > 1 a count
         self.val_dataset: Dataset | None = None
         # step_batches: one Lightning batch = this rank's whole share of a global batch (the module splits
@@ -113,7 +128,14 @@ class NxDDataModule(pl.LightningDataModule):
             dataset = build_sft_dataset(cfg, self.sft, path, self.vocab_size, limit=None if validation else getattr(cfg, "dev_choose_samples", None))
             rank_zero_info(f"data: {sft_report(dataset.stats, 'validation' if validation else 'train')}")
             return dataset
-        raise ValueError(f"data.source={cfg.source!r}: use synthetic, text, hf_dataset, megatron or instructions")
+        if cfg.source == "preferences":
+            if self.preference is None:
+                raise ValueError("data.source=preferences needs model_alignment_strategy.dpo or .orpo (max_prompt_length, truncation_mode)")
+            pairs = build_preference_dataset(cfg, self.preference, path, self.vocab_size,
+                                             limit=None if validation else getattr(cfg, "dev_choose_samples", None))
+            rank_zero_info(f"data: {preference_report(pairs.stats, 'validation' if validation else 'train')}")
+            return pairs
+        raise ValueError(f"data.source={cfg.source!r}: use synthetic, text, hf_dataset, megatron, instructions or preferences")
 
     def _megatron_samples(self) -> int:
         """Megatron's training sample count: trainer.max_steps global batches (the sample index is built for it)."""

@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, RichProgressB
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from nxdt.lightning import checkpoint as ckpt_io
+from nxdt.lightning.objective import ORPO_METRICS, REWARD_METRICS
 
 # the last three are filled under FSDP: time compute waited for its communication, the share of that
 # communication hidden behind compute, and the most gathered-parameter bytes held at once
@@ -68,6 +69,8 @@ class StepConsole:
         if self.mfu_per_token_per_s is not None:
             parts.append(f"MFU {100 * self.mfu_per_token_per_s * row['tokens_per_s']:.1f}%")
         parts.append(f"peak mem {row['peak_rss_mb']:,.0f} MB")
+        if row.get("rewards/accuracies") is not None:  # DPO / ORPO
+            parts.append(f"reward acc {row['rewards/accuracies']:.2f} margin {row['rewards/margins']:.4f}")
         if row.get("grad_norm") is not None:
             parts.append(f"grad norm {row['grad_norm']:.3f}")
         if row.get("exposed_comm_s") is not None:
@@ -344,6 +347,8 @@ def validates(cfg: Any) -> bool:
 def build_callbacks(cfg: Any, run_dir: Path, tokens_per_step: int, *, show_progress: bool) -> list[Callback]:
     em = cfg.exp_manager
     norms = tuple(c for c, on in (("grad_norm", em.log_gradient_norm), ("param_norm", em.log_parameter_norm)) if on)
+    mas = cfg.model_alignment_strategy  # DPO / ORPO: the objective's metrics (nxdt.lightning.objective)
+    norms += REWARD_METRICS if mas.dpo is not None else ORPO_METRICS if mas.orpo is not None else ()
     callbacks: list[Callback] = [StepMetricsLogger(run_dir / "metrics.csv", tokens_per_step, cfg.trainer.log_every_n_steps, norms,
                                                    console=StepConsole.for_run(cfg, run_dir), validation=validates(cfg))]
     every = cfg.exp_manager.checkpoint_every_n_steps

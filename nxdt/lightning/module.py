@@ -16,10 +16,12 @@ from typing import Any
 
 import torch
 import lightning.pytorch as pl
+from torch.utils.data import default_collate
 
 from nxdt.config.validate import ALLOWED_MODEL_PREFIX
 from nxdt.lightning.hf import load_hf_weights
-from nxdt.lightning.objective import label_count, objective_for, token_weights
+from nxdt.data.preferences import pair_rows
+from nxdt.lightning.objective import label_count, objective_for, sequence_log_prob_sums, token_weights
 from nxdt.lightning.optim import build_optimizer, build_scheduler
 from nxdt.models.lora import apply_peft
 from nxdt.parallel import squared_norm
@@ -110,7 +112,8 @@ class CausalLMModule(pl.LightningModule):
                                  "model_alignment_strategy.peft to continue from them")
             load_checkpoint_weights(self.model, init_checkpoint, state=init_state, adapters_only=init_kind == "adapters_only")
         self.objective = objective_for(alignment)  # model_alignment_strategy → the loss each micro-batch contributes
-        self.tokens_per_step = global_batch_size * seq_length
+        # a preference sample is a pair: two sequences
+        self.tokens_per_step = global_batch_size * seq_length * (2 if self.objective.pairs else 1)
         self.micro_batch_size = micro_batch_size
         self.gradient_clip_val = gradient_clip_val
         self.log_gradient_norm, self.log_parameter_norm = log_gradient_norm, log_parameter_norm
@@ -130,7 +133,7 @@ class CausalLMModule(pl.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         strategy = self.trainer.strategy
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-        micro_batches = self._weigh(split_micro_batches(batch, self.micro_batch_size))
+        micro_batches = self._weigh(self._lay_out(split_micro_batches(batch, self.micro_batch_size)))
         optimizer.zero_grad()
         run = getattr(strategy, "forward_backward", None)
         loss = run(self, micro_batches) if run else self._forward_backward(micro_batches)
@@ -161,7 +164,7 @@ class CausalLMModule(pl.LightningModule):
         scheduler.step()
         stats = getattr(strategy, "step_stats", None)  # e.g. FSDP's exposed communication and gathered memory
         self.step_metrics = {"step": self.trainer.global_step, "loss": float(step_loss), "lr": lr, **extra,
-                             **(stats() if stats else {})}
+                             **(stats() if stats else {}), **self._objective_metrics(micro_batches)}
         self.log("loss", step_loss, prog_bar=True, logger=False)
         return step_loss
 
@@ -207,6 +210,83 @@ class CausalLMModule(pl.LightningModule):
             total += loss.detach().double()
         return total
 
+    # --- preference objectives (DPO, ORPO) -----------------------------------------------------------------
+    def _lay_out(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        """Preference pairs as the model reads them (chosen rows, then rejected rows); other data unchanged."""
+        if not self.objective.pairs:
+            return micro_batches
+        if self.objective.reference and any("ref_logps" not in mb for mb in micro_batches):
+            raise RuntimeError(f"the {self.objective.name.upper()} objective needs the reference model's log-probabilities "
+                               "in every batch: fit with NxDDataModule on preference data (on_fit_start precomputes them)")
+        return [pair_rows(mb) for mb in micro_batches]
+
+    def _objective_metrics(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """The objective's metrics (DPO/ORPO: rewards/...) as means over every pair of the global batch: the micro-batches'
+        sums added over all ranks (TP copies and pipeline stages without the loss count alike in sums and pairs)."""
+        names = self.objective.metrics
+        if not names:
+            return {}
+        sums = torch.zeros(len(names) + 1, dtype=torch.float64)
+        for mb in micro_batches:
+            if "metric_sums" in mb:  # only where the loss was computed (PP: the last stage)
+                sums += mb["metric_sums"]
+        sums = self.trainer.strategy.reduce(sums, reduce_op="sum").double()
+        pairs = float(sums[-1])
+        return {name: float(value) / pairs for name, value in zip(names, sums[:-1])} if pairs else {}
+
+    def on_fit_start(self) -> None:
+        if self.objective.reference:
+            self.precompute_reference()
+
+    def precompute_reference(self) -> None:
+        """DPO's reference: the per-sequence log-probabilities of every training pair under the weights the run starts
+        from (the initial model; a resumed run's checkpoint is restored only after this hook), computed once by this
+        very model — sharded like the policy on every layout — forward only. Each data-parallel rank scores an equal
+        slice of the pairs (the last padded with pair 0, whose scores are dropped, so every rank runs the same forwards);
+        the table [pairs, 2] is summed over data parallelism (each pair scored by one rank, zeros elsewhere) and stored
+        in the dataset, which attaches each pair's row to its samples in any order."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        dataset = getattr(datamodule, "dataset", None)
+        if dataset is None or not hasattr(dataset, "set_reference_log_probs"):
+            raise RuntimeError("DPO precomputes the reference log-probabilities of the training pairs: fit with "
+                               "NxDDataModule and data.source=preferences")
+        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {"rank": 0, "num_replicas": 1}
+        rank, size, b = int(kwargs["rank"]), int(kwargs["num_replicas"]), self.micro_batch_size
+        n = len(dataset)
+        per_rank = -(-(-(-n // size)) // b) * b  # ceil(n / size), rounded up to whole micro-batches
+        indices = list(range(rank * per_rank, (rank + 1) * per_rank))
+        micro_batches = [pair_rows(default_collate([dataset[i if i < n else 0] for i in indices[k:k + b]]))
+                         for k in range(0, per_rank, b)]
+        training = self.model.training
+        self.model.eval()
+        with torch.no_grad(), self.trainer.precision_plugin.val_step_context():
+            scores = self.sequence_scores(micro_batches)  # [micro-batches, 2b]: chosen rows then rejected rows
+        self.model.train(training)
+        table = torch.zeros(n, 2, dtype=torch.float64)
+        for k, row in enumerate(scores):
+            for j, i in enumerate(indices[k * b:(k + 1) * b]):
+                if i < n:
+                    table[i] = torch.stack([row[j], row[b + j]])
+        dataset.set_reference_log_probs(self._data_parallel_sum(table))
+
+    def sequence_scores(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Forward only: every row's summed label log-probability, [len(micro_batches), rows]; the strategy runs it
+        (a pipeline: the last stage scores, every stage gets the result)."""
+        run = getattr(self.trainer.strategy, "score", None)
+        width = micro_batches[0]["input_ids"].shape[0]
+        if run:
+            return run(self, micro_batches, sequence_log_prob_sums, width)
+        return self.score_locally(micro_batches, sequence_log_prob_sums)
+
+    def score_locally(self, micro_batches: list[dict[str, torch.Tensor]], fn: Any) -> torch.Tensor:
+        """``fn(model, logits, micro_batch)`` of each micro-batch, forward only on this rank's model (no pipeline)."""
+        rows = []
+        with torch.no_grad():
+            for mb in micro_batches:
+                logits = self.model(mb["input_ids"], mb.get("position_ids"), mb.get("segment_ids"))
+                rows.append(fn(self.model, logits, mb).double())
+        return torch.stack(rows)
+
     # --- loss weighting and validation -------------------------------------------------------------------
     def _data_parallel_sum(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` summed over the data-parallel group (ranks of one TP/PP group hold the same batch)."""
@@ -247,6 +327,8 @@ class CausalLMModule(pl.LightningModule):
         self._val_sums = torch.zeros(2, dtype=torch.float64)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        if self.objective.pairs:
+            raise NotImplementedError(f"validation of the {self.objective.name.upper()} objective is not implemented yet")
         micro_batches = split_micro_batches(batch, self.micro_batch_size)
         run = getattr(self.trainer.strategy, "evaluate", None)
         losses = run(self, micro_batches) if run else self.evaluate_losses(micro_batches)

@@ -8,16 +8,25 @@ micro-batch is and so depend on micro_batch_size and the data-parallel degree. E
 :func:`token_weights`; the existing mean over micro-batches and data-parallel ranks then yields the global token
 mean, identical for any layout. With every position labelled (pretraining on text) every weight is exactly 1.
 
-DPO and ORPO (preference pairs, a reference model) plug in here as further objectives; until they are wired
-:func:`objective_for` refuses them (``check_trainable`` does so before any worker starts).
+DPO and ORPO train on preference pairs (``pairs``: each sample a chosen and a rejected sequence, laid out by
+:func:`~nxdt.data.preferences.pair_rows` so a pair's loss is computed in one micro-batch on one rank). Their loss is a
+mean over pairs, every micro-batch holding ``micro_batch_size`` pairs, so the plain mean over micro-batches and
+data-parallel ranks is the global mean (no token weights). DPO reads the reference model's per-sequence
+log-probabilities from the micro-batch (``ref_logps`` [pairs, 2], precomputed once before training:
+``CausalLMModule.precompute_reference``). Each preference loss records the sums of its metrics (TRL's names, and the
+pair count last) in ``micro_batch["metric_sums"]``, which the module sums over the global batch.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+
+from nxdt.data.preferences import split_chosen_rejected
+from nxdt.models.objectives import DPO_LOSS_TYPES, dpo_loss, orpo_loss
 
 IGNORE_INDEX = -100
 
@@ -48,15 +57,61 @@ class Objective:
     name: str
     loss: Callable[[Any, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
     token_weighted: bool = True  # micro-batch losses scaled by token_weights
+    pairs: bool = False  # samples are preference pairs (pair_rows lays out each micro-batch)
+    reference: bool = False  # reads the reference model's log-probabilities (micro_batch["ref_logps"])
+    metrics: tuple[str, ...] = ()  # what micro_batch["metric_sums"] holds (then the pair count)
 
 
 CAUSAL_LM = Objective("causal_lm", causal_lm_loss)
 
+REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+ORPO_METRICS = REWARD_METRICS + ("log_odds_ratio", "log_odds_chosen", "nll_loss")
+
+
+def sequence_log_prob_sums(model: Any, logits: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """log π(y|x) of every row: the sum of its labelled tokens' log-probabilities (prompt and padding are -100);
+    the model's ``token_log_probs`` handles a vocabulary-sharded head (tensor parallelism)."""
+    return model.token_log_probs(logits, micro_batch["labels"]).sum(-1)
+
+
+def _record(micro_batch: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor], names: tuple[str, ...], pairs: int) -> None:
+    """The micro-batch's metric sums (means × pairs) and its pair count, for the global-batch means."""
+    means = torch.stack([metrics[n].detach().double().reshape(()) for n in names])
+    micro_batch["metric_sums"] = torch.cat([means * pairs, torch.tensor([float(pairs)], dtype=torch.float64)])
+
+
+def dpo_objective_loss(beta: float, loss_type: str, model: Any, logits: torch.Tensor,
+                       micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """DPO (Rafailov et al. 2023) on one micro-batch of pairs against its precomputed reference log-probabilities."""
+    chosen, rejected = split_chosen_rejected(sequence_log_prob_sums(model, logits, micro_batch))
+    ref = micro_batch["ref_logps"]
+    loss, metrics = dpo_loss(chosen, rejected, ref[:, 0], ref[:, 1], beta, loss_type)
+    _record(micro_batch, metrics, REWARD_METRICS, chosen.shape[0])
+    return loss
+
+
+def orpo_objective_loss(beta: float, model: Any, logits: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """ORPO (Hong et al. 2024) on one micro-batch of pairs: the chosen rows' token-mean NLL + β · the odds-ratio term
+    of the length-normalised log-probabilities; no reference model."""
+    labels = micro_batch["labels"]
+    token_logps = model.token_log_probs(logits, labels)
+    sums, counts = token_logps.sum(-1), (labels != IGNORE_INDEX).sum(-1).to(token_logps.dtype)
+    (chosen_sum, rejected_sum), (chosen_count, rejected_count) = split_chosen_rejected(sums), split_chosen_rejected(counts)
+    nll = -chosen_sum.sum() / chosen_count.sum().clamp(min=1)
+    loss, metrics = orpo_loss(chosen_sum / chosen_count.clamp(min=1), rejected_sum / rejected_count.clamp(min=1), nll, beta)
+    _record(micro_batch, metrics, ORPO_METRICS, chosen_sum.shape[0])
+    return loss
+
 
 def objective_for(alignment: Any) -> Objective:
-    """The objective for ``model_alignment_strategy`` (None or no block set: pretraining)."""
-    for name in ("dpo", "orpo"):
-        if alignment is not None and getattr(alignment, name, None) is not None:
-            raise NotImplementedError(f"model_alignment_strategy.{name}: the {name.upper()} objective is not wired into "
-                                      "training yet")
+    """The objective for ``model_alignment_strategy`` (None or no block set: pretraining; sft: the same token mean)."""
+    dpo, orpo = (getattr(alignment, name, None) if alignment is not None else None for name in ("dpo", "orpo"))
+    if dpo is not None:
+        if dpo.loss_type not in DPO_LOSS_TYPES:
+            raise ValueError(f"model_alignment_strategy.dpo.loss_type={dpo.loss_type!r}: only {', '.join(DPO_LOSS_TYPES)} is implemented")
+        return Objective("dpo", functools.partial(dpo_objective_loss, float(dpo.kl_beta), dpo.loss_type),
+                         token_weighted=False, pairs=True, reference=True, metrics=REWARD_METRICS)
+    if orpo is not None:
+        return Objective("orpo", functools.partial(orpo_objective_loss, float(orpo.beta)), token_weighted=False,
+                         pairs=True, metrics=ORPO_METRICS)
     return CAUSAL_LM

@@ -17,6 +17,7 @@ Launch modes, all without forking Lightning:
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 from contextlib import contextmanager
@@ -280,8 +281,14 @@ class NxDStrategy(ParallelStrategy):
         sharded_already = model is not None and model is self._parallelized  # fit, then test / predict
         if not needs_hub_model(self.plan) or sharded_already:
             return
+        objective = getattr(self.lightning_module, "objective", None)  # CausalLMModule's (DPO reads more than labels)
         self._parallel = parallelize(
-            model, self.plan, self.communicators, sequence_parallel=self._sequence_parallel, virtual_pipeline=self._virtual
+            model,
+            self.plan,
+            self.communicators,
+            sequence_parallel=self._sequence_parallel,
+            virtual_pipeline=self._virtual,
+            batch_loss=functools.partial(objective.loss, model) if objective else None,
         )
         self._parallelized = model
 
@@ -304,6 +311,14 @@ class NxDStrategy(ParallelStrategy):
         if self._parallel.pipeline is None:
             return module.evaluate_losses(micro_batches)
         return self._parallel.pipeline.evaluate(micro_batches)
+
+    def score(self, module: pl.LightningModule, micro_batches: list[dict[str, Tensor]], fn: Callable[..., Tensor],
+              width: int) -> Tensor:
+        """``fn(model, logits, micro_batch)`` ([width] values) of each micro-batch, forward only, on every rank (DPO's
+        reference log-probabilities); under PP the pipeline runs it and the last stage's values reach every stage."""
+        if self._parallel.pipeline is None:
+            return module.score_locally(micro_batches, fn)
+        return self._parallel.pipeline.score(micro_batches, functools.partial(fn, module.model), width)
 
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer the step uses: with ZeRO-1 the same optimizer with its state sharded over data parallelism."""

@@ -80,8 +80,11 @@ def build_trainer(cfg: Any, plan: Plan, run_dir: Path, tokens_per_step: int, *, 
 
 def initial_weights_checkpoint(cfg: Any, resume: Path | None) -> str | None:
     """``model.weight_init_only``: the nxdt checkpoint whose model weights the run starts from — unless the run
-    resumes a checkpoint of its own (a restart, ``resume_if_exists``), which holds everything."""
-    if not cfg.model.weight_init_only or resume is not None or cfg.exp_manager.resume_from_checkpoint is None:
+    resumes a checkpoint of its own (a restart, ``resume_if_exists``), which holds everything. DPO loads them on a
+    resume too: its reference model is the starting weights (precomputed before the checkpoint is restored)."""
+    if not cfg.model.weight_init_only or cfg.exp_manager.resume_from_checkpoint is None:
+        return None
+    if resume is not None and cfg.model_alignment_strategy.dpo is None:
         return None
     return str(Path(cfg.exp_manager.resume_from_checkpoint).expanduser())
 
@@ -108,7 +111,8 @@ def run_training(cfg: Any, plan: Plan, run_dir: str | Path) -> None:
                             init_checkpoint=initial_weights_checkpoint(cfg, ckpt_path),
                             peft=PeftConfig.pick(mas.peft) if mas.peft is not None else None)
     datamodule = NxDDataModule(cfg.data, seed=cfg.seed, vocab_size=cfg.model.vocab_size, step_batches=True, sft=mas.sft,
-                               limit_val_batches=cfg.trainer.limit_val_batches)
+                               limit_val_batches=cfg.trainer.limit_val_batches,
+                               preference=mas.dpo if mas.dpo is not None else mas.orpo)
     trainer = build_trainer(cfg, plan, run_dir, module.tokens_per_step)
     if mas.peft is not None and mas.peft.lora_verbose and trainer.is_global_zero:
         print(f"nxdt: {lora_summary(module.model)}", flush=True)

@@ -10,9 +10,9 @@ the TP layout and partial-sum gradients recorded before FSDP could flatten them)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
-from torch import nn
+from torch import Tensor, nn
 
 from nxdt.comm import Communicator
 from nxdt.parallel.context_parallel import apply_context_parallel
@@ -39,10 +39,17 @@ def needs_hub_model(plan: Plan) -> bool:
 
 
 def parallelize(
-    model: nn.Module, plan: Plan, comms: Mapping[str, Communicator], *, sequence_parallel: bool = False, virtual_pipeline: int = 1
+    model: nn.Module,
+    plan: Plan,
+    comms: Mapping[str, Communicator],
+    *,
+    sequence_parallel: bool = False,
+    virtual_pipeline: int = 1,
+    batch_loss: Callable[[Tensor, Mapping[str, Any]], Tensor] | None = None,
 ) -> Parallelized:
     """Shard the hub ``model`` in place for this rank (``comms``: its communicator per dimension) and return what the
-    strategy keeps of it."""
+    strategy keeps of it. ``batch_loss(logits, micro_batch)``: the last pipeline stage's loss when the objective reads
+    more than the labels (DPO's pairs and reference log-probabilities); default the model's ``loss_fn``."""
     if not hasattr(model, "run_layer"):
         raise ValueError(
             "NxDStrategy: tensor/pipeline/expert/context parallelism needs a LightningModule whose `model` is a "
@@ -59,7 +66,9 @@ def parallelize(
     if plan.pp > 1:
         pp = comms[Dim.PP]
         chunks = build_chunks(model, pp.rank, plan.pp, virtual=virtual_pipeline)
-        out.pipeline = PipelineExecutor(chunks, pp, model.loss_fn, seq_shards=plan.tp if sequence_parallel else 1)
+        out.pipeline = PipelineExecutor(
+            chunks, pp, model.loss_fn, seq_shards=plan.tp if sequence_parallel else 1, batch_loss=batch_loss
+        )
     if plan.tp > 1:  # this stage's TP-sharded parameters, recorded before FSDP could flatten them
         out.tp_layout = shard_layout(model)
         out.tp_partial_grads = partial_grad_names(model)

@@ -415,11 +415,16 @@ class PipelineExecutor:
     pipeline communicator, group rank = stage; ``loss_fn(logits, labels) -> scalar``. Each directed
     (kind, src → dst) pair gets its own comm stream ``pp.<kind>.<src>to<dst>``: sends are issued
     asynchronously on it and receives block on it, so FIFO order per pair matches the schedule (what
-    :func:`simulate` verifies) and a pending send never holds up a receive."""
+    :func:`simulate` verifies) and a pending send never holds up a receive. ``batch_loss(logits, micro_batch)``, if
+    given, replaces ``loss_fn`` for mapping micro-batches: an objective that reads more of the micro-batch than its
+    labels (DPO's reference log-probabilities)."""
 
     def __init__(self, chunks: Sequence[nn.Module], pp_comm: Any, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 *, hidden_size: int | None = None, dtype: torch.dtype | None = None, seq_shards: int = 1) -> None:
+                 *, hidden_size: int | None = None, dtype: torch.dtype | None = None, seq_shards: int = 1,
+                 batch_loss: Callable[[torch.Tensor, Mapping[str, Any]], torch.Tensor] | None = None) -> None:
         self.chunks = list(chunks)
+        self.batch_loss = batch_loss
+        self._score: Callable[[torch.Tensor, Any], torch.Tensor] | None = None  # set by score()
         self.seq_shards = seq_shards  # sequence parallelism: activations between stages hold S / TP positions
         self.comm = pp_comm
         self.loss_fn = loss_fn
@@ -454,6 +459,7 @@ class PipelineExecutor:
         self.loopback: dict[str, list[torch.Tensor]] = {}
         self.loss_sum = torch.zeros((), dtype=torch.float64)
         self.losses: dict[int, torch.Tensor] = {}                 # each micro-batch's unscaled loss (last chunk)
+        self.scores: dict[int, torch.Tensor] = {}                 # score(): each micro-batch's values (last chunk)
 
     def _global(self, chunk: int) -> int:
         return chunk * self.num_stages + self.stage
@@ -494,6 +500,28 @@ class PipelineExecutor:
 
     def evaluate(self, microbatches: Sequence[Any]) -> list[float]:
         """Forward only (no gradients, nothing kept for backward): each micro-batch's loss, on every stage."""
+        self._forward_only(microbatches)
+        losses = torch.tensor([float(self.losses.get(i, 0.0)) for i in range(len(self.microbatches))], dtype=torch.float64)
+        if self.num_stages > 1:
+            self.comm.broadcast(losses, root=self.num_stages - 1, stream="pp")
+        return losses.tolist()
+
+    def score(self, microbatches: Sequence[Any], fn: Callable[[torch.Tensor, Any], torch.Tensor], width: int) -> torch.Tensor:
+        """Forward only: ``fn(logits, micro_batch)`` (a [width] tensor, e.g. per-row sequence log-probabilities) of every
+        micro-batch, computed by the last stage; returns them as [len(microbatches), width] float64 on every stage."""
+        self._score = fn
+        try:
+            self._forward_only(microbatches)
+        finally:
+            self._score = None
+        out = torch.zeros(len(self.microbatches), width, dtype=torch.float64)
+        for i, values in self.scores.items():
+            out[i] = values
+        if self.num_stages > 1:
+            self.comm.broadcast(out.reshape(-1), root=self.num_stages - 1, stream="pp")
+        return out
+
+    def _forward_only(self, microbatches: Sequence[Any]) -> None:
         self._reset(microbatches)
         try:
             with torch.no_grad():
@@ -507,10 +535,6 @@ class PipelineExecutor:
                     work.wait()
         finally:
             self.pending, self.outputs, self.inputs = [], {}, {}
-        losses = torch.tensor([float(self.losses.get(i, 0.0)) for i in range(len(self.microbatches))], dtype=torch.float64)
-        if self.num_stages > 1:
-            self.comm.broadcast(losses, root=self.num_stages - 1, stream="pp")
-        return losses.tolist()
 
     # ---- compute
     def _forward(self, t: Forward) -> None:
@@ -519,8 +543,11 @@ class PipelineExecutor:
         ids, labels, layout = unpack_microbatch(self.microbatches[t.microbatch])
         x = ids if self._global(t.chunk) == 0 else self.inputs[key]
         out = chunk(x, layout)
-        if getattr(chunk, "is_last", False):
-            loss = self.loss_fn(out, labels)
+        if getattr(chunk, "is_last", False) and self._score is not None:
+            self.scores[t.microbatch] = self._score(out, self.microbatches[t.microbatch]).detach().double().reshape(-1)
+        elif getattr(chunk, "is_last", False):
+            mb = self.microbatches[t.microbatch]
+            loss = self.batch_loss(out, mb) if self.batch_loss is not None and isinstance(mb, Mapping) else self.loss_fn(out, labels)
             self.losses[t.microbatch] = loss.detach().double()
             # context parallelism: this rank's share of the sequence's token mean (unchanged without CP)
             loss = weight_by_token_share(loss, self.microbatches[t.microbatch])

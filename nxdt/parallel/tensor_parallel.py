@@ -496,6 +496,16 @@ class VocabParallelHead(ColumnParallelLinear):
     def cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, labels, self.comm, ignore_index=ignore_index)
 
+    def token_log_probs(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """Per-token log-probability of the label (0 where it is ``ignore_index``), fp32, from vocab-sharded logits:
+        the negated per-token cross-entropy, so preference objectives (DPO, ORPO) need no gathered logits either."""
+        if logits.shape[:-1] != labels.shape:
+            raise ValueError(f"token_log_probs: logits {tuple(logits.shape)} and labels {tuple(labels.shape)} must agree "
+                             f"on every dim but the last (vocab)")
+        per_token = _VocabParallelCrossEntropy.apply(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                     self.comm, ignore_index)
+        return -per_token.reshape(labels.shape)
+
 
 def is_adapter(module: nn.Module) -> bool:
     """A low-rank adapter around a linear layer, by the protocol the model hub's LoRA declares

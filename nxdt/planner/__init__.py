@@ -314,5 +314,17 @@ def plan(cfg: Any, calibration: dict[str, Any] | None = None, *, estimate: bool 
     if estimate:
         from nxdt.planner.estimate import estimate_plan
 
-        estimate_plan(layout, cfg, topo, calibration)
+        estimate_plan(layout, _in_sequences(cfg), topo, calibration)
     return layout
+
+
+def _in_sequences(cfg: Any) -> Any:
+    """Preference data (DPO, ORPO): a sample is a pair, two sequences through the model (batch sizes count pairs), so
+    the estimates see twice the micro and global batch in sequences; other data unchanged."""
+    if getattr(cfg.data, "source", None) != "preferences":
+        return cfg
+    import copy
+
+    cfg, data = copy.copy(cfg), copy.copy(cfg.data)
+    data.micro_batch_size, data.global_batch_size, cfg.data = 2 * data.micro_batch_size, 2 * data.global_batch_size, data
+    return cfg

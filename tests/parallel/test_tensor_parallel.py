@@ -21,6 +21,7 @@ from torch import nn
 from nxdt.comm import Tracer
 from nxdt.comm.spawn import run_local
 from nxdt.models.llama import LlamaForCausalLM
+from nxdt.models.objectives import token_log_probs
 from nxdt.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead,
                                            apply_tensor_parallel, gather_from_tensor_parallel_region, gather_full_grads,
                                            gather_full_state_dict, sync_replicated_grads, vocab_parallel_cross_entropy)
@@ -177,6 +178,26 @@ def _cross_entropy_alone(comm) -> None:
         vocab_parallel_cross_entropy(shard, labels[:, :4], comm)
 
 
+def _token_log_probs_alone(comm) -> None:
+    """DPO/ORPO's per-token log-probabilities from vocab-sharded logits equal log_softmax of the full logits (0 where the
+    label is -100), and so do the gradients of a weighted sum of them (a sequence score)."""
+    g = torch.Generator().manual_seed(8)
+    full = (torch.randn(2, 5, 64, generator=g) * 3).requires_grad_()
+    labels = torch.randint(0, 64, (2, 5), generator=g)
+    labels[0, :2] = -100
+    labels[1, 4] = 63
+    ref = token_log_probs(full, labels)
+    weights = torch.randn(2, 5, generator=g)
+    (ref * weights).sum().backward()
+    head = VocabParallelHead.from_full(nn.Linear(4, 64, bias=False), comm)
+    shard = full.detach().chunk(comm.size, -1)[comm.rank].clone().requires_grad_()
+    mine = head.token_log_probs(shard, labels)
+    (mine * weights).sum().backward()
+    close(mine, ref, "vocab-parallel token log-probs")
+    assert (mine[0, :2] == 0).all()
+    close(shard.grad, full.grad.chunk(comm.size, -1)[comm.rank], "vocab-parallel token log-probs gradient")
+
+
 def _sequence_length_must_divide(comm) -> None:
     model = apply_tensor_parallel(build(config()), comm, sequence_parallel=True)
     with pytest.raises(ValueError, match="multiple of the tensor-parallel size"):
@@ -224,6 +245,7 @@ def _world(world, cases: list[tuple[dict, bool, int]], extras: bool) -> list[dic
     comm = world.new_communicator(list(range(world.world_size)), "tp")
     if extras:
         _cross_entropy_alone(comm)
+        _token_log_probs_alone(comm)
         _sequence_length_must_divide(comm)
         _biased_mlp(comm)
     return [_check_case(comm, *case) for case in cases]

@@ -1,0 +1,177 @@
+"""NxD Training's own DPO and ORPO example configs (tests/nxdt_configs/hf_llama3_8B_DPO_config.yaml, _ORPO_config.yaml),
+shrunk by overrides (test_sft_e2e.SHRINK: a 2-layer model, a Hugging Face tokenizer directory with a chat template, the
+shipped preference records), trained through `nxdt train --config-path ... --config-name ...` on CPU. One launch per
+layout, each checked several ways:
+
+* DPO at initialisation: the reference *is* the policy, so step 1's rewards are 0 and its loss is log 2 on every layout.
+  The reference log-probabilities were computed before training by each data-parallel rank for its own slice of the
+  pairs and gathered by sample index; a pair fed with another pair's reference values would have rewards of order
+  β·|Δ log π| ≈ 0.5·10, so this checks that every batch finds its own pairs' values, whatever the sampler's order;
+* DP2 with ZeRO-1 (as the file says) and PP2 (the last stage scores the reference, forward only) give the single
+  process's losses and reward metrics (TP's vocabulary-sharded log-probabilities: tests/parallel/test_tensor_parallel.py);
+* ORPO's step-1 loss on DP2 equals the published formula (Hong et al. 2024) computed here, independently, from the same
+  initial weights on the same first global batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nxdt.data import SAMPLE_PREFERENCES
+from test_sft_e2e import CONFIGS, SHRINK, _rows, _tokenizer
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+# fp32 from scratch. AdamW with eps=1: for these gradients (|g| ≪ 1) its update lr·m̂/(√v̂+1) ≈ lr·m̂ is linear in the
+# gradient (momentum SGD), so the layouts' fp32 reduction-order differences (~1e-7 relative) stay that small instead of
+# being amplified by Adam's normalisation of near-zero gradient elements (whose sign may differ between layouts).
+PARITY = ["precision.type=fp32", "model.weight_init_only=false", "exp_manager.resume_from_checkpoint=null",
+          "model.optim.eps=1.0", "model.optim.lr=0.5", "model.optim.weight_decay=0.0", "data.dev_choose_samples=64",
+          f"data.train_dir={SAMPLE_PREFERENCES}"]
+
+
+def _train(cwd, name, *overrides):
+    import os
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "nxdt.cli", "train", "--config-path", str(CONFIGS), "--config-name", name,
+                             *SHRINK, *overrides], cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            capture_output=True, text=True, timeout=230)
+    assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return _tokenizer(tmp_path_factory.mktemp("dpo_data") / "tokenizer")
+
+
+def _dpo(tmp, tokenizer, *layout):
+    run = tmp / "run"
+    result = _train(tmp, "hf_llama3_8B_DPO_config", *PARITY, "model_alignment_strategy.dpo.kl_beta=0.5", *layout,
+                    f"exp_manager.explicit_log_dir={run}", f"data.tokenizer.type={tokenizer}")
+    return _rows(run), result.stdout, run
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tokenizer):
+    return _dpo(tmp_path_factory.mktemp("dpo_single"), tokenizer, "trainer.devices=1")
+
+
+def _at_initialisation(rows):
+    """Step 1: policy = reference, so every reward is β·(log π − log π_ref) = 0 up to the fp32 rounding of two forwards
+    of the same row in differently sized batches (|Δ log π| ≲ 1e-6·|log π| ≈ 1e-4 for ~20 scored tokens, times β = 0.5),
+    and the loss −log σ(0) = log 2."""
+    first = rows[0]
+    assert float(first["loss"]) == pytest.approx(math.log(2), abs=1e-5)
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+        assert abs(float(first[name])) < 1e-4, first
+    assert float(first["rewards/accuracies"]) <= 1.0
+
+
+def test_the_nxdt_dpo_config_trains_and_starts_at_log_2(reference):
+    rows, stdout, run = reference
+    assert [int(r["step"]) for r in rows] == [1, 2, 3]
+    _at_initialisation(rows)
+    # it learns: the chosen answers gain on the rejected ones, and the loss falls below log 2
+    assert float(rows[-1]["rewards/margins"]) > 0 and float(rows[-1]["loss"]) < math.log(2), rows
+    for r in rows:  # the margin is the difference of the two means (each a mean over the same pairs)
+        assert float(r["rewards/margins"]) == pytest.approx(float(r["rewards/chosen"]) - float(r["rewards/rejected"]), abs=1e-6)
+    # the launcher read and truncated the pairs before any worker started, and said so
+    assert "nxdt: train: 64 preference records → 64 pairs (chosen and rejected in one micro-batch); 0 prompts truncated" in stdout
+
+
+@pytest.mark.parametrize("layout", [["trainer.devices=2"],
+                                    ["trainer.devices=2", "distributed_strategy.pipeline_model_parallel_size=2"]],
+                         ids=["dp2-zero1", "pp2"])
+def test_parallel_dpo_equals_one_process(tmp_path, reference, tokenizer, layout):
+    got, _, _ = _dpo(tmp_path, tokenizer, *layout)
+    want, _, _ = reference
+    _at_initialisation(got)
+    # fp32, linear updates (PARITY): losses differ by float rounding only (~1e-7 relative), far inside 1e-4; rewards are
+    # β·(differences of summed log-probs of ~-50): their rounding is ~β·1e-5 absolute, so abs 1e-4 next to rel 1e-4
+    for g, w in zip(got, want, strict=True):
+        assert float(g["loss"]) == pytest.approx(float(w["loss"]), rel=1e-4), (got, want)
+        for name in REWARDS:
+            assert float(g[name]) == pytest.approx(float(w[name]), rel=1e-4, abs=1e-4), (name, got, want)
+
+
+def test_the_file_as_it_is_starts_from_a_checkpoint_and_keeps_its_reference_across_a_restart(tmp_path, reference, tokenizer):
+    """NxDT's DPO file unchanged but for the shrinking (test_sft_e2e.SHRINK: lr 3e-3): mixed precision, ZeRO-1,
+    weight_init_only from a checkpoint (the first run's step 3), kl_beta 0.01, 10 warm-up steps — the policy stays near
+    the reference over three steps: every loss near log 2 and every reward near 0. Rank 1 is killed when step 3 starts
+    and the run restarts from its step-2 checkpoint: the reference must again be the *starting* weights (loaded before
+    the checkpoint is restored), not the model as freshly built. That one is made far from the checkpoint (seed 7,
+    init_method_std 1.0: sharp random logits, where the checkpoint's are near uniform), so a reference taken from it
+    would give rewards of β·|Δ log π| ≈ 0.01·(tens to hundreds) ≫ 1e-2; the weights it trains are the checkpoint's
+    either way (weight_init_only)."""
+    ckpt = reference[2] / "checkpoints" / "step-3"
+    run = tmp_path / "run"
+    result = _train(tmp_path, "hf_llama3_8B_DPO_config", "trainer.devices=2", f"exp_manager.explicit_log_dir={run}",
+                    f"exp_manager.resume_from_checkpoint={ckpt}", f"data.tokenizer.type={tokenizer}",
+                    f"data.train_dir={SAMPLE_PREFERENCES}", "data.dev_choose_samples=64",
+                    "exp_manager.checkpoint_callback_params.every_n_train_steps=1", "exp_manager.max_restarts=1",
+                    "exp_manager.fault_injection.step=3", "exp_manager.fault_injection.rank=1",
+                    "exp_manager.fault_injection.kind=sigkill", "seed=7", "model.init_method_std=1.0")
+    assert "restart 1 of 1" in result.stdout + result.stderr
+    rows = _rows(run)
+    assert [int(r["step"]) for r in rows] == [1, 2, 3]
+    # bf16 autocast, 2 steps at lr ≤ 6e-4: |Δ log π| ≲ 0.5 over ~8 response tokens, times β = 0.01: ≲ 5e-3; the loss
+    # −log σ(margin) moves by about margin/2
+    for r in rows:
+        assert float(r["loss"]) == pytest.approx(math.log(2), abs=5e-3), rows
+        for name in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+            assert abs(float(r[name])) < 1e-2, rows
+
+
+def _orpo_formula(logits, labels, beta, pairs):
+    """ORPO on one micro-batch (rows: `pairs` chosen, then `pairs` rejected), written out from the paper: log P(y|x) the
+    mean token log-probability of the response; odds = P / (1 − P); L = NLL(chosen, token mean) − β·mean log σ(log
+    odds_c − log odds_r)."""
+    mask = labels != -100
+    logp = torch.log_softmax(logits.double(), -1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
+    mean = logp.sum(-1) / mask.sum(-1)
+    log_odds = mean - torch.log(1 - torch.exp(mean))
+    nll = -logp[:pairs].sum() / mask[:pairs].sum()
+    return nll - beta * F.logsigmoid(log_odds[:pairs] - log_odds[pairs:]).mean(), beta * mean[:pairs].mean()
+
+
+def test_orpo_loss_equals_the_formula_on_the_first_batch(tmp_path, tokenizer):
+    import lightning.pytorch as pl
+
+    from nxdt.config import load_run_config
+    from nxdt.data.preferences import pair_rows
+    from nxdt.data.sampler import GlobalBatchSampler
+    from nxdt.lightning.datamodule import build_preference_dataset
+    from nxdt.lightning.module import import_architecture
+
+    run = tmp_path / "run"
+    _train(tmp_path, "hf_llama3_8B_ORPO_config", *PARITY, "trainer.devices=2", f"exp_manager.explicit_log_dir={run}",
+           f"data.tokenizer.type={tokenizer}")
+    rows = _rows(run)
+    cfg = load_run_config(run / "config.yaml")
+    pl.seed_everything(cfg.seed, verbose=False)  # what the worker does right before it builds the model
+    model = import_architecture(cfg.model.architecture)(cfg.model).eval()
+    data, orpo = cfg.data, cfg.model_alignment_strategy.orpo
+    dataset = build_preference_dataset(data, orpo, data.train_dir, cfg.model.vocab_size, limit=data.dev_choose_samples)
+    first = next(iter(GlobalBatchSampler(len(dataset), data.global_batch_size, data.global_batch_size, seed=cfg.seed)))
+    losses, chosen = [], []
+    with torch.no_grad():
+        for k in range(0, len(first), data.micro_batch_size):
+            mb = pair_rows(torch.utils.data.default_collate([dataset[i] for i in first[k:k + data.micro_batch_size]]))
+            logits = model(mb["input_ids"], mb["position_ids"], mb["segment_ids"])
+            loss, reward = _orpo_formula(logits, mb["labels"], orpo.beta, data.micro_batch_size)
+            losses.append(float(loss))
+            chosen.append(float(reward))
+    # DP2 (ZeRO-1, as the file says): each rank's two micro-batches; the step's loss is their mean over both ranks, the
+    # mean over the global batch's four micro-batches computed here. The same fp32 forward of the same weights and
+    # rows, the formula in float64: rounding only (~1e-7 relative)
+    assert float(rows[0]["loss"]) == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+    assert float(rows[0]["rewards/chosen"]) == pytest.approx(sum(chosen) / len(chosen), rel=1e-5)
+    assert [int(r["step"]) for r in rows] == [1, 2, 3] and all(math.isfinite(float(r["loss"])) for r in rows)
