@@ -312,8 +312,9 @@ class NxDStrategy(ParallelStrategy):
             return module.evaluate_losses(micro_batches)
         return self._parallel.pipeline.evaluate(micro_batches)
 
-    def score(self, module: pl.LightningModule, micro_batches: list[dict[str, Tensor]], fn: Callable[..., Tensor],
-              width: int) -> Tensor:
+    def score(
+        self, module: pl.LightningModule, micro_batches: list[dict[str, Tensor]], fn: Callable[..., Tensor], width: int
+    ) -> Tensor:
         """``fn(model, logits, micro_batch)`` ([width] values) of each micro-batch, forward only, on every rank (DPO's
         reference log-probabilities); under PP the pipeline runs it and the last stage's values reach every stage."""
         if self._parallel.pipeline is None:
