@@ -80,7 +80,7 @@ def _all_reduce_plan(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str) -
     return fp, f"all_reduce({op})", sliced, chunk, quick
 
 
-def all_reduce(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str = "auto") -> None:
+def _plan_for(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str) -> tuple:
     key = (op, t.dtype, t.numel(), algorithm)
     plan = ch.plans.get(key)
     if plan is None:
@@ -88,7 +88,30 @@ def all_reduce(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str = "auto"
             ch.plans.clear()
         check_op(op, t.dtype)
         plan = ch.plans[key] = _all_reduce_plan(ch, t, op, algorithm)
-    fp, desc, sliced, chunk, quick = plan
+    return plan
+
+
+def one_step_all_reduce(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str = "auto"):
+    """For calls shaped like ``t`` (op, dtype, count) that are one native step: a function running just that step
+    on a flat contiguous tensor, for ``Communicator``'s per-call-shape cache; None when such a call is more."""
+    fp, desc, _, _, quick = _plan_for(ch, t, op, algorithm)
+    if not quick:
+        return None
+    step = ch.all_reduce_step
+
+    def run(dst: torch.Tensor) -> None:
+        if not step(dst, fp, desc):  # rare: a peer on the torch fallback sent its shared tensor
+            _finish_by_slices(ch, dst, op)
+    return run
+
+
+def _finish_by_slices(ch: ShmChannel, dst: torch.Tensor, op: str) -> None:
+    with torch.no_grad():
+        _reduce_by_slices(ch, dst.view(-1), op, _bounds(dst.numel(), ch.size), None)
+
+
+def all_reduce(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str = "auto") -> None:
+    fp, desc, sliced, chunk, quick = _plan_for(ch, t, op, algorithm)
     if quick:
         if not ch.all_reduce_step(t, fp, desc):
             _reduce_by_slices(ch, t, op, _bounds(t.numel(), ch.size), None)
