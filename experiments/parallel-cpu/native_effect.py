@@ -47,9 +47,10 @@ def env_for(path: str, tree: Path) -> dict:
     return env
 
 
-def check_path(path: str, env: dict) -> None:
+def check_path(path: str, env: dict, cwd: Path) -> None:
+    """Which path a run in ``env`` takes (from ``cwd``: not this checkout, which ``python -c`` would put first)."""
     built = subprocess.run([sys.executable, "-c", "from nxdt.comm import native; print(native._built is not None)"],
-                           env=env, capture_output=True, text=True, check=True).stdout.strip()
+                           env=env, cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
     if built != str(path == "native"):
         raise SystemExit(f"{path}: the extension is {'built' if built == 'True' else 'missing'} in this environment")
 
@@ -89,7 +90,7 @@ def main() -> None:
         tree = fallback_tree(work / "fallback")
         envs = {path: env_for(path, tree) for path in PATHS}
         for path in PATHS:
-            check_path(path, envs[path])
+            check_path(path, envs[path], work)
         for r in range(args.rounds):
             order = variants[r % len(variants):] + variants[:r % len(variants)]
             for layout, path in order:
