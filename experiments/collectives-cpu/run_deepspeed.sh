@@ -1,7 +1,8 @@
 #!/bin/bash
 # nxdt vs DeepSpeed's shm all-reduce, before (an earlier nxdt, from a `git archive` of BASE, its C extension
 # built in place) and after (this checkout), alternating runs, PASSES times; every run interleaves nxdt and
-# DeepSpeed inside one set of processes. `uptime` before and after every run goes to OUT.uptime.txt. Usage:
+# DeepSpeed inside one set of processes. `uptime` before and after every run goes to OUT.uptime.txt.
+# ORDER="before after" reverses the pair; ARGS="--sizes 16mb 64mb" passes options to deepspeed_side_by_side.py. Usage:
 #   PY=/path/to/python-with-deepspeed PASSES=3 OUT=deepspeed_r4 \
 #     bash experiments/collectives-cpu/run_deepspeed.sh [BASE_COMMIT] [RANKS...]
 set -e
@@ -10,6 +11,7 @@ repo=$(cd "$here/../.." && pwd)
 py=${PY:-python}
 passes=${PASSES:-1}
 out=${OUT:-deepspeed}
+order=${ORDER:-after before}
 base=${1:-main}; shift || true
 ranks=${@:-2 4}
 base_sha=$(git -C "$repo" rev-parse --short "$base")
@@ -21,10 +23,10 @@ if [ -f "$before/nxdt/comm/_native.c" ]; then  # the earlier code's own native p
 fi
 for pass in $(seq 1 "$passes"); do
   for r in $ranks; do
-    for label in after before; do
+    for label in $order; do
       if [ "$label" = before ]; then path="$before"; sha=$base_sha; else path="$repo"; sha=$head_sha; fi
       echo "$label $r ranks pass $pass start: $(uptime)" >> "$here/${out}.uptime.txt"
-      PYTHONPATH="$path" "$py" "$here/deepspeed_side_by_side.py" -r "$r" --label "$label $sha" --json "$here/${out}_${r}ranks.json" \
+      PYTHONPATH="$path" "$py" "$here/deepspeed_side_by_side.py" -r "$r" --label "$label $sha" --json "$here/${out}_${r}ranks.json" $ARGS \
         | grep -v WARNING | tee -a "$here/${out}_${r}ranks.txt"
       echo "$label $r ranks pass $pass end:   $(uptime)" >> "$here/${out}.uptime.txt"
     done

@@ -81,8 +81,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--layouts", nargs="+", default=["TP2xDP2", "FSDP2"], choices=["TP2xDP2", "FSDP2"])
+    p.add_argument("--json", default="native_effect.json", help="results file (in this directory)")
     args = p.parse_args()
-    variants = [(layout, path) for layout in ("TP2xDP2", "FSDP2") for path in PATHS]
+    variants = [(layout, path) for layout in args.layouts for path in PATHS]
     times: dict[str, list[list[float]]] = {f"{layout} {path}": [] for layout, path in variants}
     loads = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -115,10 +117,10 @@ def main() -> None:
         print(f"{name:<18} {row['median_ms']:>10.1f} {row['p25_ms']:>8.1f}–{row['p75_ms']:<8.1f} "
               + " ".join(f"{x:.1f}" for x in row["round_medians_ms"]))
     ratios = {f"{layout}: native / fallback step time": rows[f"{layout} native"]["median_ms"] / rows[f"{layout} fallback"]["median_ms"]
-              for layout in ("TP2xDP2", "FSDP2")}
+              for layout in args.layouts}
     for k, v in ratios.items():
         print(f"{k:42s} {v:6.3f}")
-    (HERE / "native_effect.json").write_text(json.dumps({"steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
+    (HERE / args.json).write_text(json.dumps({"steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
                                                          "loads": loads, "variants": rows, "ratios": ratios,
                                                          "raw_step_times": times}, indent=1))
 
