@@ -272,7 +272,9 @@ def merge_lora_state(state: Mapping[str, torch.Tensor], scaling: float) -> dict[
 class PeftConfig:
     """NxD Training's ``model_alignment_strategy.peft`` keys that shape the model and its checkpoints (NxDT's
     defaults). ``save_lora_base``: checkpoints hold the base weights too (False: the adapters alone; resuming
-    takes the base from the model as built, e.g. ``model.hf_checkpoint``)."""
+    takes the base from the model as built, e.g. ``model.hf_checkpoint``). ``merge_lora`` (with save_lora_base):
+    checkpoints hold each adapted weight with scaling·B·A folded in and no adapters — a model to deploy or start
+    from, not a LoRA run to resume (``nxdt.lightning.lora_checkpoint``)."""
 
     lora_rank: int = 16
     lora_alpha: float = 32
@@ -280,6 +282,7 @@ class PeftConfig:
     lora_bias: str = "none"
     target_modules: tuple[str, ...] = DEFAULT_TARGETS
     save_lora_base: bool = False
+    merge_lora: bool = False
 
     @classmethod
     def of(cls, config: "PeftConfig | Mapping[str, Any] | Any") -> "PeftConfig":
@@ -315,8 +318,15 @@ def check_peft(model: nn.Module, peft_config: "PeftConfig | Mapping[str, Any] | 
     (build the model on ``torch.device("meta")``: no memory, same module names). Returns the parsed config."""
     config = PeftConfig.of(peft_config)
     targets = _check_args(config.lora_rank, config.lora_alpha, config.lora_dropout, config.lora_bias, config.target_modules)
+    _check_merge(config)
     _targeted_linears(model, targets, resolve_targets(targets))
     return config
+
+
+def _check_merge(config: PeftConfig) -> None:
+    if config.merge_lora and not config.save_lora_base:
+        raise LoRAArgumentError("merge_lora", "LoRA merge_lora=True folds the adapters into the saved base weights: it needs "
+                                "save_lora_base=True (with save_lora_base=False checkpoints hold the adapters alone)")
 
 
 def apply_peft(model: nn.Module, peft_config: "PeftConfig | Mapping[str, Any] | Any") -> nn.Module:
@@ -325,6 +335,7 @@ def apply_peft(model: nn.Module, peft_config: "PeftConfig | Mapping[str, Any] | 
     parameter frozen. Returns ``model`` with ``model.peft_config`` set (checkpoints read ``save_lora_base`` from it).
     Bad input — an unknown key, a bad value, a target module the model does not have — is a ValueError naming it."""
     config = PeftConfig.of(peft_config)
+    _check_merge(config)
     apply_lora(model, rank=config.lora_rank, alpha=config.lora_alpha, dropout=config.lora_dropout, bias=config.lora_bias,
                target_modules=config.target_modules)
     model.peft_config = config

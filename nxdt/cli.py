@@ -42,8 +42,10 @@ commands:
   checkpoint inspect DIR      step, layout, model and tensors of a checkpoint (checks it is whole)
   checkpoint verify DIR       every file's size and SHA-256 against the checkpoint's checksums.json: one line per
                               problem and a summary; exit 0 if good, 1 if damaged
-  checkpoint export-hf DIR OUT
-                              full Hugging Face safetensors from a (sharded) checkpoint; import with model.hf_checkpoint=DIR
+  checkpoint export-hf DIR OUT [--merge] [--base HF_DIR]
+                              full Hugging Face safetensors from a (sharded) checkpoint; import with model.hf_checkpoint=DIR.
+                              A LoRA checkpoint exports as a PEFT adapter directory; --merge: a full model with the adapters
+                              merged (--base: the Hugging Face model an adapters-only checkpoint merges into)
   checkpoint consolidate DIR OUT
                               one full-state checkpoint (model, optimizer, trainer state) from a sharded one: a one-rank
                               run resumes it directly, any other layout reshards it (exp_manager.resume_from_checkpoint=OUT)
@@ -160,6 +162,7 @@ def check_resume_checkpoint(cfg: Any, the_plan: Any) -> None:
     ds = cfg.distributed_strategy
     try:
         verify(path, {k: getattr(cfg.model, k) for k in MODEL_SHAPE_FIELDS})
+        check_lora_checkpoint(cfg, path)
         if cfg.model.weight_init_only:  # only its model weights, consolidated on every rank: any layout but EP
             from nxdt.lightning.checkpoint import read_meta
 
@@ -174,6 +177,46 @@ def check_resume_checkpoint(cfg: Any, the_plan: Any) -> None:
                   f"{' with ZeRO-1' if ds.zero1 else ''}{' with FSDP' if ds.fsdp.enabled else ''}", flush=True)
     except CheckpointError as exc:
         raise ConfigError("exp_manager.resume_from_checkpoint", path, str(exc)) from None
+
+
+def check_lora_checkpoint(cfg: Any, path: str) -> None:
+    """The LoRA adapters of the checkpoint to resume or start from (or their absence) fit the peft block: NxDT's
+    ``load_lora_from_ckpt`` (nxdt.lightning.lora_checkpoint), checked before any worker starts."""
+    from nxdt.config import ConfigError
+    from nxdt.lightning.lora_checkpoint import check_adapters_fit, lora_kind
+    from nxdt.models.lora import resolve_targets
+
+    peft, init_only, key = cfg.model_alignment_strategy.peft, cfg.model.weight_init_only, "exp_manager.resume_from_checkpoint"
+    from_ckpt = "model_alignment_strategy.peft.load_lora_from_ckpt"
+    kind = lora_kind(path)
+    if kind == "merged" and (not init_only or (peft is not None and peft.load_lora_from_ckpt)):
+        raise ConfigError(key, path, "holds a LoRA run's adapters merged into its base (merge_lora), which cannot resume "
+                          "LoRA training: start from it with model.weight_init_only=true (and load_lora_from_ckpt=false: "
+                          "fresh adapters on the merged weights)")
+    if kind in ("none", "merged"):
+        if peft is not None and peft.load_lora_from_ckpt:
+            raise ConfigError(from_ckpt, True, f"{path} holds no LoRA adapters; set it false to train fresh adapters on its "
+                              "weights (with model.weight_init_only=true)")
+        if peft is not None and not init_only:
+            raise ConfigError(key, path, "holds a model without LoRA adapters, which cannot resume a LoRA run: start "
+                              "adapters on its weights with model.weight_init_only=true")
+        return
+    if peft is None:
+        raise ConfigError(key, path, "holds LoRA adapters: add model_alignment_strategy.peft with load_lora_from_ckpt=true "
+                          "(its lora_rank, lora_alpha, target_modules), or export-hf --merge it and start from the merged model")
+    if init_only and not peft.load_lora_from_ckpt:
+        raise ConfigError(from_ckpt, False, f"{path} holds LoRA adapters: set it true to continue from them (or export-hf "
+                          "--merge the checkpoint and start fresh adapters on the merged model)")
+    if init_only and kind == "adapters_only" and cfg.model.hf_checkpoint is None:
+        raise ConfigError(key, path, "holds the LoRA adapters alone (save_lora_base false): name their base model with "
+                          "model.hf_checkpoint")
+    if init_only and kind == "with_base" and cfg.model.hf_checkpoint is not None:
+        raise ConfigError("model.hf_checkpoint", cfg.model.hf_checkpoint, f"and {path} (which holds its base weights, "
+                          "save_lora_base) both name the base; keep one of them")
+    problem = check_adapters_fit(path, peft.lora_rank, peft.lora_alpha, resolve_targets(peft.target_modules))
+    if problem is not None:
+        name, value, reason = problem
+        raise ConfigError(f"model_alignment_strategy.peft.{name}", value, reason)
 
 
 def check_data(cfg: Any) -> None:
@@ -297,7 +340,7 @@ def _check_model(cfg: Any) -> None:
         try:
             check_peft(model, PeftConfig.pick(peft))
         except LoRAArgumentError as exc:  # apply_lora's argument → NxDT's key (rank → lora_rank, target_modules as is)
-            key = exc.arg if exc.arg == "target_modules" else f"lora_{exc.arg}"
+            key = exc.arg if exc.arg in ("target_modules", "merge_lora") else f"lora_{exc.arg}"
             raise ConfigError(f"model_alignment_strategy.peft.{key}", "", str(exc)) from None
     if model_cfg.hf_checkpoint is not None:
         from nxdt.lightning.hf import HFCheckpointError, check_hf_checkpoint
@@ -715,7 +758,8 @@ def cmd_sweep_report(argv: list[str]) -> int:
         return _fail(str(exc))
 
 
-CHECKPOINT_USAGE = ("usage: nxdt checkpoint inspect DIR | nxdt checkpoint verify DIR | nxdt checkpoint export-hf DIR OUT | "
+CHECKPOINT_USAGE = ("usage: nxdt checkpoint inspect DIR | nxdt checkpoint verify DIR | nxdt checkpoint export-hf DIR OUT "
+                    "[--merge] [--base HF_DIR] | "
                     "nxdt checkpoint consolidate DIR OUT   (DIR: a checkpoints/step-<N> directory; OUT: a new directory to write)")
 
 
@@ -756,6 +800,15 @@ def checkpoint_verify(path: str) -> int:
 def cmd_checkpoint(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "verify":
         return checkpoint_verify(argv[1])
+    merge, base = False, None
+    if argv and argv[0] == "export-hf":  # LoRA: --merge, --base HF_DIR
+        merge, rest = "--merge" in argv, [a for a in argv if a != "--merge"]
+        if "--base" in rest:
+            at = rest.index("--base")
+            if at + 1 >= len(rest):
+                raise UsageError(CHECKPOINT_USAGE)
+            base, rest = rest[at + 1], rest[:at] + rest[at + 2:]
+        argv = rest
     if not ((len(argv) == 2 and argv[0] == "inspect") or (len(argv) == 3 and argv[0] in ("export-hf", "consolidate"))):
         raise UsageError(CHECKPOINT_USAGE)
     from nxdt.lightning.checkpoint import CheckpointError, describe
@@ -768,7 +821,7 @@ def cmd_checkpoint(argv: list[str]) -> int:
         elif argv[0] == "consolidate":
             print(f"nxdt: wrote {consolidate(argv[1], argv[2])} (one rank; resume it on any layout)")
         else:
-            print(f"nxdt: wrote {export_hf(argv[1], argv[2])}")
+            print(f"nxdt: wrote {export_hf(argv[1], argv[2], merge=merge, base=base)}")
     except CheckpointError as exc:
         return _fail(f"nxdt checkpoint: {exc}")
     return 0

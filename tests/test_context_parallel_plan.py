@@ -9,9 +9,9 @@ micro-batch 1, global batch 2 (DP1: 2 micro-batches per step). Each rank holds 2
 * each transfer hides behind the attention of the block in hand: two 128×128 tiles of 4 heads × 32,
   tile = 2·128²·32·4 = 4,194,304 FLOPs, forward 2 tiles × 2 products = 16,777,216, backward 2 tiles × 5 products =
   41,943,040, shared by the backward's K/V block and dK/dV accumulator (20,971,520 each);
-* activations saved: per layer s·b·h·34 halves (fp32: × 4/2) — 512·128·34·2 = 4,456,448 bytes at CP1, ×4 layers
-  = 17,825,792, half of it saved = 8,912,896; fp32 logits and their gradient 512·256·8 = 1,048,576 → 524,288
-  saved: 9,437,184 bytes in all.
+* activations saved (planner/estimate.py's per-token terms, fp32): a layer keeps 10,136 bytes per token (+512 under
+  the ring: o_proj's copy of its attention output), the head 4,612 — CP1 4·10136·512 + 4612·512 = 23,119,872,
+  CP2 4·10648·256 + 4612·256 = 12,084,224: 11,035,648 bytes saved.
 """
 
 from __future__ import annotations
@@ -36,7 +36,11 @@ def test_ring_bytes_overlap_and_memory_saved_by_hand():
     assert [r["hidden_by_flops"] for r in ring] == [16_777_216, 20_971_520, 20_971_520]
     figures = p.estimate["context_parallel"]
     assert figures["ring_bytes_per_step"] == 4 * 2**20
-    assert figures["activation_bytes_saved"] == 8_912_896 + 524_288
+    # per token, fp32 llama_tiny (planner/estimate.py's layer_saved_bytes): a layer keeps 10136 bytes at CP1; the ring
+    # adds o_proj's copy of its [b, a, s, d] output (512); the head keeps 4612. CP1: 512 tokens, CP2: 256 per rank.
+    cp1 = 4 * 10136 * 512 + 4612 * 512
+    cp2 = 4 * (10136 + 512) * 256 + 4612 * 256
+    assert figures["activation_bytes_saved"] == cp1 - cp2 == 11_035_648
     # each transfer is exposed only by what its block's compute does not cover (the instance's achieved rate)
     rate = cfg.instance.peak_tflops_fp32 * 1e12 * cfg.instance.compute_efficiency
     exposed = sum(max(0.0, r["seconds"] - r["hidden_by_flops"] / rate) * r["count"] for r in ring)
@@ -64,7 +68,9 @@ def test_zero1_and_fsdp_shard_over_dp_times_cp():
         dp2 = memory_per_rank(cfg, {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "dp": 2})
         for key in ("parameters", "gradients", "optimizer"):
             assert cp2[key] == dp2[key], (sharding, key)
-        assert cp2["activations"] * 2 == dp2["activations"]
+        # half the tokens each, plus the ring's copy of its attention output for o_proj (sdpa keeps none):
+        # 4 layers × 512 tokens × 128 hidden × 4 bytes
+        assert cp2["activations"] * 2 == dp2["activations"] + 4 * 512 * 128 * 4
 
 
 def test_ring_attention_holds_no_score_matrix_whatever_core_attention_says():

@@ -343,7 +343,6 @@ def test_the_lora_recipe_composes_and_its_model_keys_reach_apply_peft():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["model_alignment_strategy.peft.load_lora_from_ckpt=true"], "model_alignment_strategy.peft.load_lora_from_ckpt=True: "),
     (["model_alignment_strategy.peft.lora_bias=all"], "model_alignment_strategy.peft.save_lora_config_adapter=True: the PEFT "
                                                       "adapter export has no trainable biases (lora_bias=all)"),
     (["trainer.devices=2", "distributed_strategy.pipeline_model_parallel_size=2"],

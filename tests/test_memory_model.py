@@ -10,9 +10,16 @@ One small Llama-shaped config throughout, where the arithmetic is easy to follow
     embedding = head = V·h = 16384; final norm = h = 64
     N = L·41088 + 2·16384 + 64 = 361536
 
-Activation figures follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-Models", Table 2 (bytes for 2-byte activations): s·b·h·(10 + 24/t) with TP, s·b·h·34/t with TP+SP (the S×S
-term is absent: sdpa, a flash kernel, materialises no scores).
+Activation figures are counted tensor by tensor (nxdt/planner/estimate.py: layer_saved_bytes, head_saved_bytes), in
+Korthikanti et al. 2022's layout (TP splits heads and ffn columns, TP+SP everything). Per token of this config, one
+layer with sdpa keeps, e the activation bytes (2 for mixed_precision, 4 for fp32):
+
+    norms      2 RMSNorms × (fp32 input 4·h + normalised e·h + output e·h + fp32 rstd 4): bf16 2·(256+128+128+4) = 1032
+    qkv        q, k after RoPE, v: (h + 2·h)·e                                                        bf16 384
+    attention  sdpa's output h·e + fp32 logsumexp 4·a                                                 bf16 128 + 16 = 144
+    mlp        SwiGLU's gate, silu(gate), up, product: 4·f·e                                           bf16 1024
+                                                                                             total bf16 2584, fp32 4632
+(fp32: norms 2·(256 + 256 + 256 + 4) = 1544, qkv 768, attention 256 + 16 = 272, mlp 2048.)
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import pytest
 
 from nxdt.config import compose_config, compose_nxdt_config
 from nxdt.planner import plan
-from nxdt.planner.estimate import GiB, in_flight_microbatches, memory_per_rank
+from nxdt.planner.estimate import GiB, head_saved_bytes, in_flight_microbatches, layer_saved_bytes, memory_per_rank
 
 h, L, a, f, V, s, b = 64, 8, 4, 128, 256, 128, 2
 LAYER = 2 * h * h + 2 * h * h + 3 * h * f + 2 * h  # 41088
@@ -55,16 +62,18 @@ def test_full_recompute_keeps_each_layers_input_sharded_by_sp_plus_one_layer_bei
     full = ("model.activations_checkpoint_granularity=full", "precision.type=mixed_precision")  # bf16 activations: 2 bytes
     with_sp = memory_per_rank(tiny(*full, "distributed_strategy.sequence_parallel=true"), degrees(tp=t))["activations"]
     without = memory_per_rank(tiny(*full, "distributed_strategy.sequence_parallel=false"), degrees(tp=t))["activations"]
+    tokens = s * b  # 256
     # SP: each layer's input in the sequence-parallel layout, s/t rows of it: s·b·h/t elements × 2 bytes × L layers
-    #     = 16384/4·2·8 = 65536; plus the layer being recomputed, all its activations: s·b·h·34/t = 16384·34/4 = 139264
-    assert with_sp == 2 * SBH / t * L + SBH * 34 / t == 65536 + 139264 == 204800
+    #     = 16384/4·2·8 = 65536; plus the layer being recomputed, all it keeps, / t: 2584·256/4 = 165376
+    assert with_sp == 2 * SBH / t * L + 2584 * tokens / t == 65536 + 165376 == 230912
     # no SP: the whole input on every TP rank, 2·s·b·h·L = 262144 (Table 2's "full activation recomputation: sbh·2"
-    #     per layer), plus the recomputed layer with TP alone: s·b·h·(10 + 24/t) = 16384·16 = 262144
-    assert without == 2 * SBH * L + SBH * (10 + 24 / t) == 262144 + 262144 == 524288
-    # fp32 activations double both parts
+    #     per layer), plus the recomputed layer with TP alone: the norms' 1032 B whole, the rest (1552 B) / t:
+    #     1032·256 + 1552·256/4 = 264192 + 99328
+    assert without == 2 * SBH * L + 1032 * tokens + 1552 * tokens / t == 262144 + 363520 == 625664
+    # fp32: the inputs double (131072); the recomputed layer keeps 4632 B per token, / t: 296448
     fp32 = memory_per_rank(tiny("model.activations_checkpoint_granularity=full", "precision.type=fp32",
                                 "distributed_strategy.sequence_parallel=true"), degrees(tp=t))["activations"]
-    assert fp32 == 2 * with_sp
+    assert fp32 == 4 * SBH / t * L + 4632 * tokens / t == 131072 + 296448 == 427520
 
 
 def test_the_405b_trn1_config_fits_with_sp_and_would_not_without_it():
@@ -77,9 +86,10 @@ def test_the_405b_trn1_config_fits_with_sp_and_would_not_without_it():
     S, H, t, pp = 8192, 16384, 32, 32
     layers_on_the_first_stage = 4  # ceil(126 / 32)
     # 1F1B: the first stage holds PP = 32 micro-batches of 4 layer inputs, 2·s·h/t bytes each with SP; plus one layer
-    # being recomputed, s·h·34/t
-    # = 2·2^27/32·4·32 + 2^27·34/32 = 1 GiB + 136 MiB
-    assert m["activations"] == 2 * S * H / t * layers_on_the_first_stage * pp + S * H * 34 / t == GiB + 136 * 2**20
+    # being recomputed, per token (bf16, sdpa; 128 heads, 8 KV heads of 128: g = 1024; ffn 53248):
+    #   norms 2·(4·16384 + 4·16384 + 4) = 262152, qkv (16384 + 2048)·2 = 36864, attention 32768 + 4·128 = 33280,
+    #   SwiGLU 4·53248·2 = 425984: 758280 B per token, × 8192 / 32 tokens per rank = 194119680
+    assert m["activations"] == 2 * S * H / t * layers_on_the_first_stage * pp + 758280 * S / t == GiB + 194119680
     assert 10 < p.estimate["memory_per_device_GiB"] < 32  # 2 ranks per 32 GiB chip
     cfg, _ = compose_nxdt_config(CONFIGS, "hf_llama3.1_405B_trn1_config", ["instance=trn1.32xlarge",
                                                                             "distributed_strategy.sequence_parallel=false"], paths=False)
@@ -99,12 +109,13 @@ def test_1f1b_first_stage_holds_pp_microbatches_of_its_layers():
     cfg = tiny("model.activations_checkpoint_granularity=selective", "precision.type=mixed_precision",
                "distributed_strategy.sequence_parallel=true", "data.global_batch_size=16")  # m = 16 / (2·1) = 8 micro-batches
     act = memory_per_rank(cfg, degrees(tp=t, pp=pp))["activations"]
-    # per layer and micro-batch (selective, TP+SP): s·b·h·34/t = 16384·34/4 = 139264; L/PP = 2 layers; PP = 4 in flight
-    assert act == SBH * 34 / t * (L // pp) * pp == 139264 * 2 * 4 == 1114112
+    # per layer and micro-batch (selective, TP+SP): sdpa's output and logsumexp are recomputed, o_proj's input h·e stays:
+    # 1032 + 384 + 128 + 1024 = 2568 B per token, × 256 / 4 = 164352; L/PP = 2 layers; PP = 4 in flight
+    assert act == 2568 * s * b / t * (L // pp) * pp == 164352 * 2 * 4 == 1314816
     # fewer micro-batches than stages: all of them, and no more, are in flight
     few = memory_per_rank(tiny("model.activations_checkpoint_granularity=selective", "precision.type=mixed_precision",
                                "distributed_strategy.sequence_parallel=true", "data.global_batch_size=4"), degrees(tp=t, pp=pp))
-    assert few["activations"] == 139264 * 2 * 2  # m = 4 / 2 = 2
+    assert few["activations"] == 164352 * 2 * 2  # m = 4 / 2 = 2
 
 
 def test_interleaved_first_stage_holds_megatrons_count():
@@ -115,7 +126,7 @@ def test_interleaved_first_stage_holds_megatrons_count():
     cfg = tiny("model.activations_checkpoint_granularity=selective", "precision.type=mixed_precision",
                "distributed_strategy.sequence_parallel=true", "data.global_batch_size=16",
                "distributed_strategy.virtual_pipeline_model_parallel_size=2")
-    assert memory_per_rank(cfg, degrees(tp=4, pp=4))["activations"] == 139264 * 2 * 5.5
+    assert memory_per_rank(cfg, degrees(tp=4, pp=4))["activations"] == 164352 * 2 * 5.5
 
 
 @pytest.mark.parametrize("pp,m,v", [(4, 8, 1), (4, 8, 2), (4, 12, 3), (2, 6, 2), (8, 16, 2), (4, 4, 2)])
@@ -202,16 +213,83 @@ def test_naive_attention_adds_its_kept_probabilities_mask_and_the_peak_layers_sc
     """naive core attention (no attention dropout) keeps per layer the fp32 softmax probabilities 4·a·s²·b, under
     autocast also their bf16 copy 2·a·s²·b, and the boolean mask s²·b; the peak layer's backward adds two fp32
     S×S gradients 8·a·s²·b once (measured on llama_tiny at 2k tokens: experiments/attention-memory). Here
-    s²·b = 128·128·2 = 32768, a = 4:
-      fp32:              L·32768·(4·4 + 1) + 8·4·32768 = 8·557056 + 1048576 = 5505024
-      mixed_precision:   L·32768·(6·4 + 1) + 1048576   = 8·819200 + 1048576 = 7602176
-      fp32, TP2:         heads halve: 8·278528 + 524288                       = 2752512
-      fp32, full recompute: one layer's kept bytes while it is recomputed + the gradients: 557056 + 1048576 = 1605632"""
+    s²·b = 128·128·2 = 32768, a = 4: kept fp32 32768·(4·4 + 1) = 557056, mixed_precision 32768·(6·4 + 1) = 819200,
+    gradients 8·4·32768 = 1048576. Its per-token tensors differ from sdpa's too: fp32 copies of q and of k, v
+    broadcast to every head (3·h·4 = 768 B; sdpa: (h + 2·h)·e) and o_proj's copy of its output (h·e) without a
+    logsumexp (sdpa: h·e + 16): fp32 −16 B per token (−4096 per layer), mixed_precision 768 − 384 − 16 = +368 (+94208).
+      fp32:              L·(557056 − 4096) + 1048576  = 8·552960 + 1048576 = 5472256
+      mixed_precision:   L·(819200 + 94208) + 1048576 = 8·913408 + 1048576 = 8355840
+      fp32, TP2:         / 2: 8·276480 + 524288                             = 2736128
+      fp32, full recompute: one layer's while it is recomputed + the gradients: 552960 + 1048576 = 1601536"""
     def extra(*overrides: str, tp: int = 1) -> float:
         naive = memory_per_rank(tiny("model.core_attention=naive", *overrides), degrees(tp=tp))["activations"]
         return naive - memory_per_rank(tiny(*overrides), degrees(tp=tp))["activations"]
 
-    assert extra("precision.type=fp32") == 5505024
-    assert extra("precision.type=mixed_precision") == 7602176
-    assert extra("precision.type=fp32", "distributed_strategy.tensor_model_parallel_size=2", tp=2) == 2752512
-    assert extra("precision.type=fp32", "model.activations_checkpoint_granularity=full") == 1605632
+    assert extra("precision.type=fp32") == 5472256
+    assert extra("precision.type=mixed_precision") == 8355840
+    assert extra("precision.type=fp32", "distributed_strategy.tensor_model_parallel_size=2", tp=2) == 2736128
+    assert extra("precision.type=fp32", "model.activations_checkpoint_granularity=full") == 1601536
+
+
+# ------------------------------------------------------------------------- 5. each tensor a layer keeps
+def test_each_term_of_a_llama_tiny_layer_at_2k_tokens_by_hand():
+    """The configuration experiments/attention-memory measures: llama_tiny (h 128, 4 heads of 32 over 2 KV heads:
+    g = 64, ffn 344, vocabulary 256), fp32, one sequence of 2048 tokens. Bytes per token:
+      norms      2·(4·128 + 4·128 + 4·128 + 4)                         = 3080
+      qkv        sdpa, blockwise (128 + 2·64)·4 = 1024; naive 3·128·4 = 1536
+      attention  sdpa 128·4 + 4·4 = 528; blockwise + o_proj's copy 512 = 1040; naive the copy only = 512
+      mlp        4·344·4                                               = 5504
+      head       final norm 4·128 + 4·128 + 4·128 + 4 = 1540, fp32 log-probabilities 4·256 = 1024, and at the
+                 start of backward their gradient and the logits' 2·1024 = 2048
+    sdpa's layer: 10136 B per token; × 4 layers × 2048 = 83034112 bytes, which with the final norm (1540·2048), the
+    token ids (8·2048) and RoPE's cos/sin table (2·2048·32·4) is the 86728704 bytes autograd keeps in
+    experiments/attention-memory/saved.json."""
+    model = compose_config(["model=llama_tiny"]).model
+    per_token = lambda kernel: {k: v / 2048 for k, v in layer_saved_bytes(model, 2048, 1, 1, False, 4, kernel).items()}
+    assert per_token("sdpa") == {"norms": 3080, "qkv": 1024, "attention": 528, "scores": 0, "mlp": 5504}
+    assert per_token("blockwise") == {"norms": 3080, "qkv": 1024, "attention": 1040, "scores": 0, "mlp": 5504}
+    naive = per_token("naive")
+    assert naive["qkv"] == 1536 and naive["attention"] == 512
+    assert naive["scores"] * 2048 == 2048 * 2048 * (4 * 4 + 1)  # fp32 probabilities of 4 heads + the mask
+    assert {k: v / 2048 for k, v in head_saved_bytes(model, 2048, 1, 1, False, 4).items()} == {
+        "final_norm": 1540, "log_probs": 1024, "loss_gradients": 2048}
+    assert 4 * 10136 * 2048 + 1540 * 2048 + 8 * 2048 + 2 * 2048 * 32 * 4 == 86728704
+    # the sums the planner reports for that run: activations = 4 layers, logits = the head's terms
+    cfg = compose_config(["model=llama_tiny", "data.seq_length=2048", "data.micro_batch_size=1", "data.global_batch_size=1",
+                          "precision.type=fp32"], check=False)
+    m = memory_per_rank(cfg, degrees())
+    assert (m["activations"], m["logits"]) == (4 * 10136 * 2048, (1540 + 1024 + 2048) * 2048)
+
+
+@pytest.mark.parametrize("model_name", ["llama_tiny", "gpt_tiny", "mixtral_tiny"])
+def test_the_count_is_what_autograd_keeps_for_one_layer(model_name):
+    """One layer of each hub model run forward under saved_tensors_hooks, for each kernel, in fp32 and bf16: the bytes
+    of every storage autograd keeps (parameters excluded) equal the planner's count exactly; Mixtral's routing
+    indices and weights are not counted (int64 top-k ids, sort order and row index, 3·8·k, and the fp32 weights and
+    their normaliser, 4·k + 4: at most 28·k + 4 bytes per token)."""
+    import torch
+
+    seq = 64  # one sequence: naive_score_bytes counts the mask per sequence (packed records: [b, s, s])
+    cfg = compose_config([f"model={model_name}", f"data.seq_length={seq}"], check=False)
+    module, cls = cfg.model.architecture.rsplit(".", 1)
+    for kernel in ("sdpa", "blockwise", "naive"):
+        for dtype, act in ((torch.float32, 4), (torch.bfloat16, 2)):
+            cfg.model.core_attention = kernel
+            torch.manual_seed(0)
+            model = getattr(__import__(module, fromlist=[cls]), cls)(cfg.model).to(dtype)
+            held = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+            storages: dict[int, int] = {}
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return t
+
+            x = torch.randn(1, seq, cfg.model.hidden_size, dtype=dtype, requires_grad=True)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                model.run_layer(model.layers[0], x, None)
+            kept = sum(n for ptr, n in storages.items() if ptr not in held)
+            planned = sum(layer_saved_bytes(cfg.model, seq, 1, 1, False, act, kernel).values())
+            if model_name == "mixtral_tiny":
+                assert 0 <= kept - planned <= (28 * cfg.model.moe.top_k + 4) * seq, (kernel, dtype)
+            else:
+                assert kept == planned, (kernel, dtype)

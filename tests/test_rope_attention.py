@@ -406,15 +406,24 @@ def test_planner_counts_the_s_by_s_scores_only_for_naive():
                                   f"model.activations_checkpoint_granularity={granularity}"])
             degrees = {"tp": 8, "pp": 1, "cp": 1, "ep": 1, "dp": 4}
             activations[impl, granularity] = memory_per_rank(cfg, degrees)["activations"]
-    s, b, a, layers, tp = 8192, 1, 32, 32, 8
+    s, b, a, layers, tp, h, g = 8192, 1, 32, 32, 8, 4096, 1024
+    e = 2 if cfg.precision.type != "fp32" else 4  # the activations' bytes
     # naive attention (no dropout) keeps per layer the fp32 probabilities 4·a·s²·b and the boolean mask s²·b, split by TP,
     # and the peak layer's backward holds two fp32 S×S gradients 8·a·s²·b/TP once (tests/test_memory_model.py pins the
     # formula on hand-computed figures; experiments/attention-memory measures it)
     kept, transient = s * s * b * (4 * a + 1) / tp, 8 * a * s * s * b / tp
-    assert activations["naive", "null"] - activations["sdpa", "null"] == pytest.approx(kept * layers + transient)
-    assert activations["naive", "full"] - activations["sdpa", "full"] == pytest.approx(kept + transient)  # the layer being recomputed
+    # per token its matmuls keep fp32 copies of q and of k, v broadcast to every head (3·h·4) where sdpa keeps q, k, v
+    # (h + 2·g)·e, and o_proj's copy of its output h·e without sdpa's fp32 logsumexp (4·a)
+    per_token = (3 * h * 4 - (h + 2 * g) * e - 4 * a) * s * b / tp
+    assert activations["naive", "null"] - activations["sdpa", "null"] == pytest.approx(kept * layers + per_token * layers + transient)
+    # the layer being recomputed
+    assert activations["naive", "full"] - activations["sdpa", "full"] == pytest.approx(kept + per_token + transient)
     # selective recompute keeps no S×S tensor between passes, but recomputing naive attention in backward still
     # materialises the peak layer's S×S gradients
     assert activations["naive", "selective"] - activations["sdpa", "selective"] == pytest.approx(transient)
-    for granularity in ("null", "selective", "full"):
-        assert activations["sdpa", granularity] == activations["blockwise", granularity]
+    # blockwise returns [b, a, s, d]: o_proj's transpose copies it (h·e per token, / TP) where sdpa's output is a view;
+    # selective recomputes both kernels and keeps o_proj's input alone
+    copy = h * e * s * b / tp
+    assert activations["blockwise", "null"] - activations["sdpa", "null"] == copy * layers
+    assert activations["blockwise", "full"] - activations["sdpa", "full"] == copy
+    assert activations["blockwise", "selective"] == activations["sdpa", "selective"]

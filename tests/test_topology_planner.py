@@ -189,6 +189,28 @@ def test_algorithm_choice_follows_size_and_span():
     assert across == "hierarchical"
 
 
+def test_across_switched_gpu_nodes_the_node_ring_wins_until_the_pipelined_hierarchy_pays_off():
+    """nccl-tests' 16-GPU all-reduce on 2 × p5.48xlarge (published.yaml p5-allr-16gpu-n2): its marginal bandwidth
+    doubles between 16 and 64 MB, NCCL's switch from a ring (2(n-1)/n·S through each node's NICs) to a pipelined
+    hierarchy (2(k-1)/k·S = S, plus its pipeline's fill: the ramp). From the catalogue (NVSwitch: 2 µs, 450 GB/s ×
+    0.8 = 360 GB/s; network: 33.7 µs, 400 GB/s × 0.603 shared by 8 ranks; ramp 251 µs, half at 173 kB), by hand:
+      ring at 4 MiB:  28 NVSwitch steps × 2 µs + 2 crossings × 33.7 µs + 30 steps × 262144 B / (8 × 30.15 GB/s)
+                      = 56 + 67.4 + 30 × 1.08683 = 156.0 µs (no ramp)
+      hierarchy at 1 GiB: one-shot reduce-scatter and all-gather in the switch (2 µs each) + the 2-node all-reduce
+                      of S/8 (2 × 33.7 µs + 134217728 B / 30.15 GB/s = 4451.7 µs; the NVSwitch stages, 2609.9 µs,
+                      hide behind it) + the ramp 251 · S/(S + 173000) = 250.96 µs: 4774.0 µs
+      ring at 1 GiB:  123.4 + 30 × 67108864 / 241.2e9 s = 8470.3 µs"""
+    inst = _instance("p5.48xlarge")
+    topo = topology_of(inst, ranks_per_node=8)
+    group = list(range(16))
+    algorithm, seconds, every = estimate_collective("all_reduce", group, 4 << 20, topo, inst, 8)
+    assert algorithm == "ring" and seconds * 1e6 == pytest.approx(56 + 67.4 + 30 * 262144 / 241.2e9 * 1e6, rel=1e-9)
+    assert every["hierarchical"] > seconds
+    algorithm, seconds, every = estimate_collective("all_reduce", group, 1 << 30, topo, inst, 8)
+    assert algorithm == "hierarchical" and seconds * 1e6 == pytest.approx(4774.0, abs=0.1)
+    assert every["ring"] * 1e6 == pytest.approx(8470.3, abs=0.1)
+
+
 def test_comm_test_estimate_prints_an_nccom_test_table(capsys):
     assert main(["comm-test", "--estimate", "--instance", "trn1.2xlarge", "-b", "1mb", "-e", "4mb", "-d", "bf16", "allr"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip() and line.split()[0].isdigit()]
@@ -238,6 +260,18 @@ def test_plan_of_the_first_natural_command_exits_0(capsys):
 
 
 # ------------------------------------------------------------------ step and memory estimates
+def test_pipeline_stages_send_the_sequence_parallel_shard():
+    """With SP the stage boundary is in the sequence-parallel layout, so each TP rank sends its s/t rows:
+    b·s·h·2/t = 1·4096·4096·2/8 = 4194304 bytes; without SP every TP rank holds (and sends) the whole activation,
+    33554432. Forward and backward, once per micro-batch each: 2 × 32 micro-batches (global 64 / (micro 1 × DP 2))."""
+    common = ["instance=trn1.32xlarge", "trainer.num_nodes=2", "model=llama3_8b", "distributed_strategy.tensor_model_parallel_size=8",
+              "distributed_strategy.pipeline_model_parallel_size=4", "data.seq_length=4096", "data.micro_batch_size=1",
+              "data.global_batch_size=64", "precision.type=mixed_precision"]
+    for sp, nbytes in (("true", 4194304), ("false", 33554432)):
+        [row] = [r for r in _plan(*common, f"distributed_strategy.sequence_parallel={sp}").collectives if r["dim"] == "pp"]
+        assert (row["op"], row["bytes"], row["count"]) == ("send_recv", nbytes, 64), sp
+
+
 def test_memory_model_shards_with_zero1_and_tp():
     base = _plan("instance=trn1.32xlarge", "distributed_strategy.tensor_model_parallel_size=8", *LLAMA8B)
     zero = _plan("instance=trn1.32xlarge", "distributed_strategy.tensor_model_parallel_size=8", "distributed_strategy.zero1=true", *LLAMA8B)

@@ -28,6 +28,7 @@ from nxdt.comm.shm import FP_WORDS, W_FINGERPRINT, W_FP_DIGEST, Segment, describ
 from nxdt.comm.waiting import SpinBudget, fence, pid_alive, wait_until, wait_word, wake
 
 if TYPE_CHECKING:
+    from nxdt.comm.emulate import Pacer
     from nxdt.comm.world import Communicator
 
 MAILBOX_SLOT_BYTES = 512 << 10
@@ -63,7 +64,7 @@ class Links:
         self._recvd: dict[int, int] = {}
         self.desc = "send/recv"
         self.spin = SpinBudget(comm.world.wait_policy)
-        self.pacer = None  # nxdt.comm.emulate.Pacer: each exchange is one step
+        self.pacer: Pacer | None = None  # each exchange is one step
 
     # -------------------------------------------------------------------------------- shm mailboxes
     def _path(self, src: int, dst: int) -> str:

@@ -84,6 +84,7 @@ def reduce_into(out: torch.Tensor, parts: Sequence[torch.Tensor], op: str, divis
         return
     ptr = out.data_ptr()
     alias = next((i for i, p in enumerate(parts) if p.data_ptr() == ptr), -1)
+    rest: Sequence[torch.Tensor]
     if alias >= 0:
         rest = [p for i, p in enumerate(parts) if i != alias]
     elif len(parts) >= 2:

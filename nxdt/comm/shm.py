@@ -28,7 +28,7 @@ import os
 import re
 import threading
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
@@ -36,6 +36,10 @@ import torch
 from nxdt.comm import native
 from nxdt.comm.errors import CommMismatchError, CommTimeoutError, PeerDiedError
 from nxdt.comm.waiting import DEFAULT_WAIT, SpinBudget, WaitPolicy, fence, pid_alive, wait_word, wake
+
+if TYPE_CHECKING:
+    from nxdt.comm.emulate import Pacer
+    from nxdt.comm.heap import Heap
 
 SHM_DIR = "/dev/shm"
 PREFIX = "nxdt-"
@@ -182,8 +186,8 @@ class ShmChannel:
         self._fp_digest = 0
         self._fp_written: list[tuple | None] = [None, None]
         self.spin = SpinBudget(wait)
-        self.pacer = None  # nxdt.comm.emulate.Pacer: link emulation / stream priority after each step, if any
-        self.heap = None   # nxdt.comm.heap.Heap of this rank: zero-copy sources (see set_source)
+        self.pacer: Pacer | None = None  # link emulation / stream priority after each step, if any
+        self.heap: Heap | None = None  # this rank's heap: zero-copy sources (see set_source)
         self.plans: dict[tuple, tuple] = {}  # per-call decisions of an algorithm, by (op, dtype, count, ...)
         self.native = native.lib if self.size <= native.MAX_MEMBERS else None
         if self.native is not None:

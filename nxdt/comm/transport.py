@@ -26,7 +26,7 @@ Adding a transport: subclass :class:`Transport`, implement the ops, and register
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence, Union, cast
 
 import torch
 
@@ -393,11 +393,13 @@ def _gloo() -> type[Transport]:
     return GlooTransport
 
 
-TRANSPORTS: dict[str, object] = {"shm": ShmTransport, "p2p": P2PTransport, "gloo": _gloo}
+# a Transport subclass, or a function returning one (imports it only when asked for)
+TransportFactory = Union[type[Transport], Callable[[], type[Transport]]]
+TRANSPORTS: dict[str, TransportFactory] = {"shm": ShmTransport, "p2p": P2PTransport, "gloo": _gloo}
 TRANSPORT_NAMES = ("auto",) + tuple(TRANSPORTS)
 
 
-def register_transport(name: str, factory) -> None:
+def register_transport(name: str, factory: TransportFactory) -> None:
     """Make ``transport=name`` build ``factory(communicator)`` (a Transport subclass, or a function
     returning one: called with no arguments first if it is not a Transport subclass)."""
     if name == "auto":
@@ -416,4 +418,6 @@ def transport_class(requested: str, hosts: Sequence[str], group: str) -> type[Tr
     if requested == "shm" and not one_host:
         raise ValueError(f"communicator '{group}': transport 'shm' needs every member on one host, but its members are on "
                          f"{len(set(hosts))} hosts; use transport 'auto' or 'p2p'")
-    return factory if isinstance(factory, type) and issubclass(factory, Transport) else factory()
+    if isinstance(factory, type) and issubclass(factory, Transport):
+        return factory
+    return cast(Callable[[], type[Transport]], factory)()  # a function returning the class

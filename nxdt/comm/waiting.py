@@ -33,12 +33,19 @@ SLICE_S = 0.005
 
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "arm64": 98}.get(platform.machine())
-try:
-    _libc = ctypes.CDLL(None, use_errno=True)
-    _syscall = _libc.syscall
-    _syscall.restype = ctypes.c_long
-except (OSError, AttributeError):  # pragma: no cover - non-glibc platforms
-    _syscall = None
+
+
+def _libc_syscall() -> Callable[..., int] | None:
+    """libc's ``syscall()`` returning a C long, or None where there is none."""
+    try:
+        syscall = ctypes.CDLL(None, use_errno=True).syscall
+    except (OSError, AttributeError):  # pragma: no cover - non-glibc platforms
+        return None
+    syscall.restype = ctypes.c_long
+    return syscall
+
+
+_syscall = _libc_syscall()
 HAVE_FUTEX = _syscall is not None and _SYS_FUTEX is not None and os.name == "posix"
 
 
@@ -94,11 +101,12 @@ def fence() -> None:
 
 def wake(address: int) -> None:
     """Wake every process sleeping on the 32-bit word at ``address``."""
-    if HAVE_FUTEX:
+    if HAVE_FUTEX and _syscall is not None:
         _syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
 
 
 def _futex_wait(address: int, expected: int, seconds: float) -> None:
+    assert _syscall is not None, "futex wait without HAVE_FUTEX"  # callers check HAVE_FUTEX
     ts = _Timespec(int(seconds), int((seconds % 1) * 1e9))
     # returns at once (EAGAIN) when the word no longer holds ``expected``; ctypes releases the GIL
     _syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAIT, ctypes.c_uint32(expected & 0xFFFFFFFF), ctypes.byref(ts), None, 0)

@@ -23,7 +23,7 @@ import time
 import uuid
 import zlib
 from datetime import timedelta
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence, overload
 
 import torch
 import torch.distributed as dist
@@ -239,6 +239,13 @@ class Communicator:
             self._one_step[(t.dtype, t.numel(), op, algorithm, stream)] = (s, run)
 
     # ------------------------------------------------------------------------------ gather / scatter
+    @overload
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, algorithm: str = ..., stream: str = ...,
+                   async_op: Literal[True], after: Any = ...) -> Work: ...
+    @overload
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, algorithm: str = ..., stream: str = ...,
+                   async_op: bool = ..., after: Any = ...) -> Work | None: ...
+
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, algorithm: str = "auto", stream: str = "default",
                    async_op: bool = False, after: Any = None) -> Work | None:
         """``output`` holds every member's ``input`` in group-rank order. ``algorithm``: auto | direct | ring."""
@@ -250,6 +257,13 @@ class Communicator:
         nbytes = out.numel() * out.element_size()
         ran, tr = self._transport.resolve("all_gather", name, nbytes), self._transport
         return self._submit(lambda: tr.all_gather(out, inp, ran, stream), "all_gather", stream, async_op, after, nbytes, ran)
+
+    @overload
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = ..., *, algorithm: str = ...,
+                       stream: str = ..., async_op: Literal[True], after: Any = ...) -> Work: ...
+    @overload
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = ..., *, algorithm: str = ...,
+                       stream: str = ..., async_op: bool = ..., after: Any = ...) -> Work | None: ...
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *, algorithm: str = "auto",
                        stream: str = "default", async_op: bool = False, after: Any = None) -> Work | None:
@@ -416,7 +430,9 @@ class World:
         if self.multi_host:
             dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=timeout_s))
-        self.world = self.new_communicator(list(range(world_size)), "world")
+        world = self.new_communicator(list(range(world_size)), "world")
+        assert world is not None  # every rank is a member
+        self.world: Communicator = world
 
     def stream(self, name: str) -> Stream:
         s = self._streams.get(name)

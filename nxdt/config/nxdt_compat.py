@@ -152,6 +152,12 @@ RULES: dict[str, Rule] = {
                               "data.source=instructions (.jsonl, or save_to_disk, records)"),
     "data.val_dir": _map("validation data, read like data.train_dir; val_loss (token-weighted over all of it) in metrics.csv"),
     "data.dev_choose_samples": _map("the first N records of data.train_dir (instruction records)"),
+    # NxDT's Megatron SFT config (megatron_llama2_7B_SFT): instruction records for the Megatron model, as its comments say
+    "data.use_sft_style_data_module": _custom("true: the Megatron model trains on instruction records from data.train_dir "
+                                              "(data.source=instructions with model_alignment_strategy.sft, packed as "
+                                              "data.packing says), not on data.data_prefix; false = indexed data"),
+    "data.packing": _custom("model_alignment_strategy.sft.packing, read with data.use_sft_style_data_module: true (absent = "
+                            "true); without it there are no instruction records to pack (noted)"),
     "data.tokenizer.type": _map("a Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json: EOS, chat "
                                 "template)", to="data.tokenizer"),
     "data.test_dir": _derived("nxdt runs no test loop"),
@@ -268,18 +274,21 @@ RULES: dict[str, Rule] = {
     "model_alignment_strategy.peft.lora_verbose": _map("rank 0 prints the adapted modules and trainable / total parameters"),
     "model_alignment_strategy.peft.target_modules": _map("NxDT's qkv_proj / o_proj / gate_up_proj / down_proj (or HF's "
                                                          "projection names); split by tensor parallelism like the base layer"),
-    "model_alignment_strategy.peft.load_lora_from_ckpt": _map("true is refused by name (not implemented yet): the base comes "
-                                                              "from model.hf_checkpoint, a run's own checkpoints resume with "
-                                                              "their adapters"),
+    "model_alignment_strategy.peft.load_lora_from_ckpt": _map("true: continue from the adapters of exp_manager.resume_from_checkpoint "
+                                                              "(a LoRA run's checkpoint; with weight_init_only a new run at step 0, "
+                                                              "adapters-only ones on the model.hf_checkpoint base); its rank, "
+                                                              "targets and alpha must match (refused by name before launch)"),
     "model_alignment_strategy.peft.save_lora_base": _map("false: checkpoints hold the adapters (trainable tensors) alone"),
-    "model_alignment_strategy.peft.merge_lora": _map("true is refused by name (merged checkpoints not written yet; "
-                                                     "nxdt.models.lora.merge_lora_state merges offline)"),
+    "model_alignment_strategy.peft.merge_lora": _map("true (with save_lora_base): checkpoints hold W + (alpha/r)·B·A per TP shard, "
+                                                     "no adapters — to deploy or start from, not to resume (resume_if_exists, "
+                                                     "max_restarts refused); export-hf --merge merges any LoRA checkpoint"),
     "model_alignment_strategy.peft.save_lora_config_adapter": _map("true: every checkpoint directory is also a Hugging Face "
                                                                    "PEFT adapter (adapter_config.json, adapter_model."
                                                                    "safetensors, under its checksums); not with PP or "
                                                                    "lora_bias other than none (refused by name)"),
     "model_alignment_strategy.peft.merge_sharded_lora": _map("accepted, either value: the PEFT adapter is always gathered "
-                                                             "over TP and FSDP into one file"),
+                                                             "over TP and FSDP into one file (true with merge_lora true is "
+                                                             "refused: NxD then saves the adapters alone)"),
     **{f"model_alignment_strategy.dpo.{k}": _map(NOT_WIRED) for k in (
         "kl_beta", "loss_type", "max_prompt_length", "precompute_ref_log_probs", "truncation_mode")},
     **{f"model_alignment_strategy.orpo.{k}": _map(NOT_WIRED) for k in ("beta", "max_prompt_length", "truncation_mode")},
@@ -447,6 +456,9 @@ def translate(nxdt: Mapping[str, Any], hf_config: Mapping[str, Any] | None = Non
         mapped["name"] = leaves["exp_manager.name"]
 
     checkpointing, data = _checkpointing(leaves), _data(leaves, ours)
+    if "data.packing" in leaves and not leaves.get("data.use_sft_style_data_module"):
+        notes.append(f"data.packing={leaves['data.packing']!r} has no effect: it packs instruction records, read with "
+                     "data.use_sft_style_data_module: true")
     out = {k: v for k, v in NXDT_DEFAULTS.items()}
     if leaves.get("model_source", "hf") not in ("hf", "megatron"):
         raise ConfigError("model_source", leaves["model_source"], "must be hf (model.model_config) or megatron (Megatron model keys)")
@@ -632,7 +644,7 @@ def _checkpointing(leaves: Mapping[str, Any]) -> dict[str, Any]:
 def _data(leaves: Mapping[str, Any], ours: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     seq, enc = leaves.get("data.seq_length"), leaves.get("model.encoder_seq_length")
-    aligning = any(k.startswith("model_alignment_strategy.") for k in leaves)
+    aligning = any(k.startswith("model_alignment_strategy.") for k in leaves) or bool(leaves.get("data.use_sft_style_data_module"))
     if aligning and seq is not None and enc is not None and seq > enc:
         raise ConfigError("data.seq_length", seq, f"exceeds model.encoder_seq_length={enc}, the model's context; fine-tuning "
                           "sequences must fit it")
@@ -641,8 +653,16 @@ def _data(leaves: Mapping[str, Any], ours: Mapping[str, Any]) -> dict[str, Any]:
                           "encoder_seq_length: make them equal")
     if seq is not None or enc is not None:
         out["data.seq_length"] = seq if seq is not None else enc
+    sft_style = bool(leaves.get("data.use_sft_style_data_module"))
+    if sft_style:  # Megatron SFT: the SFT recipe on instruction records, packing from data.packing
+        packing = leaves.get("data.packing", True)
+        theirs = leaves.get("model_alignment_strategy.sft.packing")
+        if theirs is not None and theirs != packing:
+            raise ConfigError("data.packing", packing, f"contradicts model_alignment_strategy.sft.packing={theirs!r} in the same "
+                              "config; keep one of them")
+        out["model_alignment_strategy.sft.packing"] = packing
     if leaves.get("data.train_dir") is not None:
-        sft = any(k.startswith("model_alignment_strategy.sft.") for k in leaves)
+        sft = sft_style or any(k.startswith("model_alignment_strategy.sft.") for k in leaves)
         source = ours.get("data.source", "instructions" if sft else "hf_dataset")
         out["data.source"] = source
         if source != "synthetic":  # synthetic tokens read no files

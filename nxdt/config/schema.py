@@ -216,9 +216,9 @@ class PEFTConfig:
     lora_bias: str = doc("none", "none | all | lora_only")
     lora_verbose: bool = doc(True, "log the adapted modules")
     target_modules: List[str] = doc(["qkv_proj"], "modules to adapt: qkv_proj | o_proj | gate_up_proj | down_proj")
-    load_lora_from_ckpt: bool = doc(False, "load the adapter and base model from a checkpoint")
+    load_lora_from_ckpt: bool = doc(False, "continue from the adapters (and base, if saved) of exp_manager.resume_from_checkpoint")
     save_lora_base: bool = doc(True, "save the base model with the adapter")
-    merge_lora: bool = doc(False, "merge the adapter into the base model in checkpoints")
+    merge_lora: bool = doc(False, "checkpoints hold the adapter merged into the base (needs save_lora_base; not resumable)")
     save_lora_config_adapter: bool = doc(True, "save the LoRA config and adapter in the same checkpoint file")
     merge_sharded_lora: bool = doc(False, "merge the TP-sharded adapter checkpoints into one")
 

@@ -446,7 +446,9 @@ def _check_fine_tuning(cfg: Any) -> None:
         if em.resume_from_checkpoint is None and model.hf_checkpoint is None:
             raise ConfigError("model.weight_init_only", True, "loads the model weights of exp_manager.resume_from_checkpoint (an "
                               "nxdt checkpoint); name one there (or start from Hugging Face weights with model.hf_checkpoint)")
-        if em.resume_from_checkpoint is not None and model.hf_checkpoint is not None:
+        peft = cfg.model_alignment_strategy.peft
+        lora_on_base = peft is not None and peft.load_lora_from_ckpt  # the adapters (alone) from the checkpoint, on this base
+        if em.resume_from_checkpoint is not None and model.hf_checkpoint is not None and not lora_on_base:
             raise ConfigError("model.hf_checkpoint", model.hf_checkpoint, "and exp_manager.resume_from_checkpoint with "
                               "model.weight_init_only both name starting weights; keep one of them")
 
@@ -456,13 +458,19 @@ def _check_peft(cfg: Any) -> None:
     peft, ds = cfg.model_alignment_strategy.peft, cfg.distributed_strategy
     if peft is None:
         return
-    if peft.merge_lora:
-        raise NotYetSupported("model_alignment_strategy.peft.merge_lora", True, "checkpoints with the adapters merged into the "
-                              "base are not written yet; set false (merge offline: nxdt.models.lora.merge_lora_state)")
-    if peft.load_lora_from_ckpt:
-        raise NotYetSupported("model_alignment_strategy.peft.load_lora_from_ckpt", True, "loading adapters and base from "
-                              "exp_manager.resume_from_checkpoint is not implemented yet; set false (resuming a LoRA run's own "
-                              "checkpoints works, and model.hf_checkpoint gives the base)")
+    if peft.merge_lora and not peft.save_lora_base:
+        raise ConfigError("model_alignment_strategy.peft.merge_lora", True, "folds the adapters into the saved base weights: "
+                          "set save_lora_base=true too (with save_lora_base=false checkpoints hold the adapters alone)")
+    if peft.merge_lora and peft.merge_sharded_lora:
+        raise ConfigError("model_alignment_strategy.peft.merge_sharded_lora", True, "makes NxD save the adapters alone, "
+                          "turning merge_lora off; keep one of them")
+    if peft.merge_lora and (cfg.exp_manager.resume_if_exists or cfg.exp_manager.max_restarts):
+        raise ConfigError("model_alignment_strategy.peft.merge_lora", True, "checkpoints hold the adapters merged into the base, "
+                          "which cannot resume this LoRA run: set exp_manager.resume_if_exists=false and "
+                          "exp_manager.max_restarts=0 (or merge_lora=false and export-hf --merge afterwards)")
+    if peft.load_lora_from_ckpt and cfg.exp_manager.resume_from_checkpoint is None:
+        raise ConfigError("model_alignment_strategy.peft.load_lora_from_ckpt", True, "loads the adapters of "
+                          "exp_manager.resume_from_checkpoint: name a checkpoint of a LoRA run there")
     if peft.save_lora_config_adapter and ds.pipeline_model_parallel_size > 1:
         raise NotYetSupported("model_alignment_strategy.peft.save_lora_config_adapter", True, "the PEFT adapter is not "
                               "gathered across pipeline stages yet; set false, or distributed_strategy.pipeline_model_parallel_size=1")

@@ -86,7 +86,7 @@ class ChatTokenizer:
     pad_id: int | None = None
     bos_id: int | None = None
     chat_template: str | None = None
-    special_tokens: Mapping[str, str] = field(default_factory=dict)
+    special_tokens: Mapping[str, Any] = field(default_factory=dict)  # token texts; additional_special_tokens a list
     decode: Callable[[Sequence[int]], str] | None = None
     vocab_size: int | None = None
 
@@ -130,8 +130,7 @@ def load_chat_tokenizer(path: str | Path) -> ChatTokenizer:
         template = (directory / "chat_template.jinja").read_text(encoding="utf-8")
     special = {key: text for key in SPECIAL_TOKEN_KEYS if (text := _token_text(config.get(key))) is not None}
     extra = config.get("additional_special_tokens")
-    if isinstance(extra, list):
-        special["additional_special_tokens"] = [t for t in map(_token_text, extra) if t is not None]
+    extras = {"additional_special_tokens": [t for t in map(_token_text, extra) if t is not None]} if isinstance(extra, list) else {}
     inner = hf._tok  # tokenizers.Tokenizer
 
     def token_id(key: str) -> int | None:
@@ -148,7 +147,7 @@ def load_chat_tokenizer(path: str | Path) -> ChatTokenizer:
         raise ValueError(f"{directory}: tokenizer_config.json names no eos_token — fine-tuning data needs one to end "
                          f"each response")
     return ChatTokenizer(encode=hf.encode, eos_id=eos, pad_id=token_id("pad_token"), bos_id=token_id("bos_token"),
-                         chat_template=template, special_tokens=special, decode=hf.decode, vocab_size=hf.vocab_size)
+                         chat_template=template, special_tokens={**special, **extras}, decode=hf.decode, vocab_size=hf.vocab_size)
 
 
 def build_chat_tokenizer(path: str | Path | None) -> ChatTokenizer:
@@ -255,7 +254,7 @@ def render_plain_chat(messages: Sequence[Mapping[str, Any]], *, add_generation_p
 def read_jsonl(path: str | Path, limit: int | None = None) -> list[dict[str, Any]]:
     """The JSON objects of a ``.jsonl`` file (blank lines skipped), the first ``limit`` only if given
     (NxDT's ``data.dev_choose_samples``). A line that is not a JSON object fails naming the file and line."""
-    records = []
+    records: list[dict[str, Any]] = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if limit is not None and len(records) >= limit:
@@ -350,13 +349,10 @@ def tokenize_record(record: Mapping[str, Any], tok: ChatTokenizer, *,
     kind = check_instruction_record(record, where)
     if use_chat_template and tok.chat_template is None:
         raise ValueError("use_chat_template=True but the tokenizer has no chat_template")
-    templated = tok.chat_template is not None and use_chat_template is not False
-    if templated:
-        def render(msgs: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
-            return render_chat_template(tok.chat_template, msgs, add_generation_prompt=add_generation_prompt,
-                                        special_tokens=tok.special_tokens)
-    else:
-        render = render_plain_chat
+    template = tok.chat_template if use_chat_template is not False else None
+    templated = template is not None
+    render: Callable[..., str] = render_plain_chat if template is None else \
+        functools.partial(render_chat_template, template, special_tokens=tok.special_tokens)
     if kind == "messages" or templated:
         messages = record["messages"] if kind == "messages" else [
             {"role": "user", "content": io_user_text(record)}, {"role": "assistant", "content": record["output"]}]
@@ -582,8 +578,8 @@ def _task(rng: random.Random, kind: str) -> tuple[str, str, str, str]:
     if kind == "add":
         a, b = rng.randint(0, 49), rng.randint(0, 49)
         offset = rng.choice([-10, -2, -1, 1, 2, 10])
-        wrong = a + b + offset if a + b + offset >= 0 else a + b - offset
-        return "Add the numbers.", f"{a}+{b}", str(a + b), str(wrong)
+        wrong_sum = a + b + offset if a + b + offset >= 0 else a + b - offset
+        return "Add the numbers.", f"{a}+{b}", str(a + b), str(wrong_sum)
     word = "".join(rng.choice(letters) for _ in range(rng.randint(3, 6)))
     if kind == "reverse":
         wrong = word if word != word[::-1] else word + word[0]

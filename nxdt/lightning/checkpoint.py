@@ -25,7 +25,7 @@ safetensors lengths, trainer_state zip CRCs). Under ``save_sharded`` every rank 
 and the digests travel to rank 0 with the collective that already reports write errors.
 
 Under model parallelism the files carry shard suffixes (``model-mp<K>[-ep<E>]``, ``trainer_state-mp<K>[-dp<D>]``,
-see ``NxDStrategy._shard_files``); :mod:`nxdt.lightning.reshard` turns any of them into one full state.
+see :func:`nxdt.lightning.sharded_checkpoint.shard_files`); :mod:`nxdt.lightning.reshard` turns any of them into one full state.
 
 Random state on resume: a run resumed on the layout it was saved with restores every rank's own
 generators (exact continuation). On another layout ranks do not correspond one to one, so every rank

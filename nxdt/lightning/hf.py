@@ -61,28 +61,55 @@ def load_hf_weights(model: nn.Module, directory: str | Path) -> None:
         raise ValueError(f"model.hf_checkpoint={directory}: missing tensors {missing[:4]}{' …' if len(missing) > 4 else ''}")
 
 
-def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
+def export_hf(checkpoint: str | Path, out: str | Path, *, merge: bool = False, base: str | Path | None = None) -> Path:
     """Write a full HF-named ``model.safetensors`` (+ ``config.json``) from an nxdt checkpoint directory (the model
-    part of the consolidated full state, :func:`nxdt.lightning.reshard.read_full_state`)."""
+    part of the consolidated full state, :func:`nxdt.lightning.reshard.read_full_state`). A LoRA checkpoint exports as
+    :func:`nxdt.lightning.lora_checkpoint.export_lora_checkpoint` says: a PEFT adapter directory, or with ``merge`` a
+    full model with the adapters merged (``base``: the Hugging Face directory an adapters-only checkpoint merges into)."""
     from nxdt.lightning.reshard import read_full_state  # reshard builds on this package's checkpoint module
 
     from nxdt.lightning.checkpoint import CheckpointError
+    from nxdt.lightning.lora_checkpoint import lora_kind
 
-    out = Path(out)
+    _check_out(Path(out))
+    if lora_kind(checkpoint) != "none":  # adapters: a PEFT adapter directory, or with merge a full model
+        from nxdt.lightning.lora_checkpoint import export_lora_checkpoint
+
+        try:
+            return export_lora_checkpoint(checkpoint, out, merge=merge, base=base)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
+    if merge or base is not None:
+        raise CheckpointError(f"checkpoint {checkpoint} has no LoRA adapters to merge; export it without --merge / --base")
+    state = read_full_state(checkpoint, optimizer=False)
+    model = {name[len(MODULE_PREFIX):] if name.startswith(MODULE_PREFIX) else name: t for name, t in state.model.items()}
+    return export_hf_state(model, state.meta, out)
+
+
+def _check_out(out: Path) -> None:
+    from nxdt.lightning.checkpoint import CheckpointError
+
     if out.is_symlink():
         raise CheckpointError(f"{out} is a symbolic link; export-hf never writes through links — name a new directory")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"{out} exists and is not an empty directory — name a new directory to export to")
-    state = read_full_state(checkpoint, optimizer=False)
-    full = {hf_name(name[len(MODULE_PREFIX):] if name.startswith(MODULE_PREFIX) else name): t.contiguous()
-            for name, t in state.model.items()}
+
+
+def export_hf_state(model: dict[str, torch.Tensor], meta: dict[str, Any], out: str | Path) -> Path:
+    """Write ``OUT/model.safetensors`` (HF names) + ``config.json`` from a full model state by hub names (no
+    ``model.`` prefix) and its checkpoint's meta (the model shape)."""
+    from nxdt.lightning.checkpoint import CheckpointError
+
+    out = Path(out)
+    _check_out(out)
+    full = {hf_name(name): t.contiguous() for name, t in model.items()}
     out.parent.mkdir(parents=True, exist_ok=True)
     # written into a fresh private directory beside the target, then renamed into place: nothing is written
     # through a link planted in the target meanwhile, and a crash leaves no half export under the target's name
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         save_file(full, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        (staging / "config.json").write_text(json.dumps(_hf_config(state.meta.get("model", {})), indent=2))
+        (staging / "config.json").write_text(json.dumps(_hf_config(meta.get("model", {})), indent=2))
         if out.is_dir() and not out.is_symlink():
             out.rmdir()  # empty (checked above); rename will not replace a directory on every platform
         os.rename(staging, out)

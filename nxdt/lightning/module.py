@@ -37,15 +37,30 @@ def import_architecture(path: str) -> type:
         raise ValueError(f"model.architecture={path!r} cannot be imported ({exc})") from exc
 
 
-def load_checkpoint_weights(model: torch.nn.Module, path: str, expect_model: dict[str, Any] | None = None) -> None:
-    """``model.weight_init_only``: the model weights of an nxdt checkpoint of any layout (consolidated on every
-    rank; parallelism slices them later, as for Hugging Face weights) — no optimizer state, no step."""
+def read_checkpoint_weights(path: str, expect_model: dict[str, Any] | None = None) -> tuple[dict[str, torch.Tensor], str]:
+    """The full model tensors of an nxdt checkpoint of any layout by hub-model name, and its LoRA kind
+    (:func:`nxdt.lightning.lora_checkpoint.lora_kind`); a merged checkpoint's names are the plain model's."""
+    from nxdt.lightning.lora_checkpoint import lora_kind, plain_names
     from nxdt.lightning.reshard import MODULE_PREFIX, read_full_state
 
     full = read_full_state(path, optimizer=False, expect_model=expect_model).model
     state = {name[len(MODULE_PREFIX):]: tensor for name, tensor in full.items() if name.startswith(MODULE_PREFIX)}
+    kind = lora_kind(path)
+    return (plain_names(state) if kind == "merged" else state), kind
+
+
+def load_checkpoint_weights(model: torch.nn.Module, path: str, expect_model: dict[str, Any] | None = None, *,
+                            state: dict[str, torch.Tensor] | None = None, adapters_only: bool = False) -> None:
+    """``model.weight_init_only``: the model weights of an nxdt checkpoint of any layout (consolidated on every
+    rank; parallelism slices them later, as for Hugging Face weights) — no optimizer state, no step. ``state``: the
+    tensors already read (:func:`read_checkpoint_weights`); ``adapters_only``: they are a LoRA model's adapters alone
+    (the base is the model's own weights as built), every adapter of the model must be among them."""
+    if state is None:
+        state, _ = read_checkpoint_weights(path, expect_model)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [n for n in missing if not (n == "lm_head.weight" and getattr(model, "tied", False))]
+    if adapters_only:
+        missing = [n for n in missing if ".lora_A." in n or ".lora_B." in n]
     if missing or unexpected:
         raise ValueError(f"exp_manager.resume_from_checkpoint={path}: its model does not match this one (missing "
                          f"{missing[:3]}, unexpected {unexpected[:3]})")
@@ -83,10 +98,17 @@ class CausalLMModule(pl.LightningModule):
         self.model = import_architecture(model_cfg.architecture)(model_cfg)
         if getattr(model_cfg, "hf_checkpoint", None):  # every rank loads the full weights; parallelism slices them later
             load_hf_weights(self.model, model_cfg.hf_checkpoint)
-        if init_checkpoint is not None:  # model.weight_init_only: another run's weights, a fresh optimizer, step 0
-            load_checkpoint_weights(self.model, init_checkpoint)
+        init_state, init_kind = read_checkpoint_weights(init_checkpoint) if init_checkpoint is not None else (None, None)
+        has_adapters = init_kind in ("with_base", "adapters_only")
+        if init_checkpoint is not None and not has_adapters:  # model.weight_init_only: another run's weights, step 0
+            load_checkpoint_weights(self.model, init_checkpoint, state=init_state)
         if peft is not None:  # LoRA (NxDT's peft keys: nxdt.models.lora.PeftConfig) on the full model, before any parallelism
             apply_peft(self.model, peft)
+        if init_checkpoint is not None and has_adapters:  # load_lora_from_ckpt: a LoRA run's adapters (and base, unless
+            if peft is None:  # it saved the adapters alone)
+                raise ValueError(f"exp_manager.resume_from_checkpoint={init_checkpoint} holds LoRA adapters: configure "
+                                 "model_alignment_strategy.peft to continue from them")
+            load_checkpoint_weights(self.model, init_checkpoint, state=init_state, adapters_only=init_kind == "adapters_only")
         self.objective = objective_for(alignment)  # model_alignment_strategy → the loss each micro-batch contributes
         self.tokens_per_step = global_batch_size * seq_length
         self.micro_batch_size = micro_batch_size
@@ -238,6 +260,15 @@ class CausalLMModule(pl.LightningModule):
         loss_tokens, tokens = self._data_parallel_sum(self._val_sums.clone()).tolist()
         self.val_metrics = {"step": self.trainer.global_step, "val_loss": loss_tokens / tokens if tokens else math.nan,
                             "val_tokens": int(tokens)}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """LoRA ``merge_lora``: the checkpoint's model tensors (this rank's shards) with scaling·B·A folded into each
+        adapted base weight, the adapters left out (``nxdt.lightning.lora_checkpoint``)."""
+        peft = getattr(self.model, "peft_config", None)
+        if peft is not None and peft.merge_lora:
+            from nxdt.lightning.lora_checkpoint import merged_state_dict
+
+            checkpoint["state_dict"] = merged_state_dict(checkpoint["state_dict"], self.model.lora_config.scaling)
 
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer = build_optimizer(self.model, self.model_cfg.optim, precision=self.precision_type, seed=self.seed)

@@ -62,7 +62,15 @@ def export_peft_adapter(model: nn.Module, out: str | Path, *, base_model_name_or
     config = getattr(model, "lora_config", None)
     if not isinstance(config, LoRAConfig):
         raise ValueError(f"{type(model).__name__} has no LoRA adapters (apply_lora first)")
-    tensors = peft_adapter_state(lora_state_dict(model) if adapters is None else adapters)
+    return write_peft_adapter(config, lora_state_dict(model) if adapters is None else adapters, out,
+                              base_model_name_or_path=base_model_name_or_path)
+
+
+def write_peft_adapter(config: LoRAConfig, adapters: Mapping[str, torch.Tensor], out: str | Path, *,
+                       base_model_name_or_path: str | None = None) -> Path:
+    """The PEFT adapter directory of full adapter tensors by hub-model name (e.g. read from a checkpoint) and their
+    config; ``out`` as :func:`export_peft_adapter`. Returns ``out``."""
+    tensors = peft_adapter_state(adapters)
     out = Path(out)
     if out.is_symlink():
         raise ValueError(f"{out} is a symbolic link; name a new directory to export the adapter to")

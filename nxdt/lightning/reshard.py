@@ -108,7 +108,7 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------- reading shards
 def _files(meta: dict[str, Any], mp: int) -> tuple[str, Callable[[int], str]]:
-    """(model file, DP rank → trainer-state file) of model-parallel position ``mp`` (see NxDStrategy._shard_files)."""
+    """(model file, DP rank → trainer-state file) of model-parallel position ``mp`` (see sharded_checkpoint.shard_files)."""
     deg = meta.get("degrees", {})
     suffix = "" if deg.get(Dim.TP, 1) * deg.get(Dim.PP, 1) == 1 else f"-mp{mp}"
     sharded_state = dp_format(meta) in ("zero1", "fsdp") and deg.get(Dim.DP, 1) > 1

@@ -17,7 +17,8 @@ from nxdt.lightning.datamodule import NxDDataModule
 from nxdt.lightning.exp_manager import agreed_resume_checkpoint, build_callbacks, build_loggers, launch_attempt, validates
 from nxdt.lightning.module import CausalLMModule
 from nxdt.lightning.strategy import NxDStrategy
-from nxdt.models.lora import PeftConfig, lora_layers
+from nxdt.lightning.lora_checkpoint import LORA_META_KEY, lora_meta
+from nxdt.models.lora import LoRAConfig, PeftConfig, lora_layers, resolve_targets
 from nxdt.planner import Plan
 from nxdt.planner.links import emulated_links_for
 
@@ -39,7 +40,10 @@ def build_trainer(cfg: Any, plan: Plan, run_dir: Path, tokens_per_step: int, *, 
     fsdp = {"prefetch": ds.fsdp.prefetch, "prefetch_distance": ds.fsdp.prefetch_distance,
             "reduce_scatter_delay": ds.fsdp.reduce_scatter_delay, "reshard_after_forward": ds.fsdp.reshard_after_forward,
             "param_persistence_threshold": ds.fsdp.param_persistence_threshold}
-    strategy = NxDStrategy(plan=plan, timeout_s=cfg.comm.timeout_s, checkpoint_meta={"model": model_shape},
+    lora = {} if peft is None else {LORA_META_KEY: lora_meta(LoRAConfig(
+        peft.lora_rank, float(peft.lora_alpha), float(peft.lora_dropout), peft.lora_bias, tuple(peft.target_modules),
+        resolve_targets(peft.target_modules)), merged=peft.merge_lora)}  # what export-hf needs (lora_alpha) of the adapters
+    strategy = NxDStrategy(plan=plan, timeout_s=cfg.comm.timeout_s, checkpoint_meta={"model": model_shape, **lora},
                            virtual_pipeline_size=ds.virtual_pipeline_model_parallel_size,
                            sequence_parallel=ds.sequence_parallel, zero1=ds.zero1,
                            fsdp=fsdp if ds.fsdp.enabled else False,

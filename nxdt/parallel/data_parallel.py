@@ -181,11 +181,18 @@ class ReplicatedRuntime:
     shards_optimizer_state = False
 
     def __init__(self) -> None:
-        self.mp: ModelParallel | None = None
+        self._mp: ModelParallel | None = None
         self._grad_buffer: Tensor | None = None
 
     def bind(self, mp: ModelParallel) -> None:
-        self.mp = mp
+        self._mp = mp
+
+    @property
+    def mp(self) -> ModelParallel:
+        """The rank's groups (:meth:`bind`)."""
+        if self._mp is None:
+            raise RuntimeError(f"{type(self).__name__}: bind() the rank's groups before using the runtime")
+        return self._mp
 
     @torch.no_grad()
     def broadcast_parameters(self, module: nn.Module) -> None:

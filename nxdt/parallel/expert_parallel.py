@@ -156,7 +156,8 @@ def is_expert_parameter(param: torch.Tensor) -> bool:
 def split_expert_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """(dense parameters — replicated, reduce over DP; expert parameters — owner-local, see
     ``reduce_expert_gradients``), each in ``model.parameters()`` order."""
-    dense, experts = [], []
+    dense: list[nn.Parameter] = []
+    experts: list[nn.Parameter] = []
     for p in model.parameters():
         (experts if is_expert_parameter(p) else dense).append(p)
     return dense, experts

@@ -186,9 +186,10 @@ class FullyShardedDataParallel:
         self._exit_order: list[int] = []  # units in the order their forward ended: backward runs it in reverse
         self._backward_started = 0  # units whose backward has started in this backward pass
         self._rs_queue: list[tuple[int, FlatShard, torch.Tensor]] = []  # (ready at, flat, gradient) to reduce-scatter
-        self._rs_inflight: list[tuple[FlatShard, torch.Tensor, Work | None]] = []
+        self._rs_inflight: list[tuple[FlatShard, torch.Tensor, Work]] = []
         self._eager_issued = False
         self._gathered_bytes = 0  # bytes of the gathered buffers allocated right now
+        self.peak_gathered_bytes = 0  # the most gathered at once since reset_stats()
         self.reset_stats()
 
     # ------------------------------------------------------------------------------------ construction
@@ -256,7 +257,7 @@ class FullyShardedDataParallel:
         flats = []
         gather_dtype = self.param_dtype
         sizes = {key: sum(p.numel() for p, _, _ in params) for key, params in by_key.items()}
-        largest = max(sizes, key=sizes.get) if sizes else None
+        largest = max(sizes, key=lambda key: sizes[key]) if sizes else None
         for (group, dtype), params in by_key.items():
             numel = sizes[(group, dtype)]
             # small flats riding along the unit's sharded one: kept whole, so the unit costs one collective per pass
@@ -452,9 +453,9 @@ class FullyShardedDataParallel:
             self._unit_start = time.perf_counter()
 
     def _on_grad(self, unit: FSDPUnit, flat: FlatShard) -> None:
-        grad = flat.leaf.grad
-        flat.leaf.grad = None
-        flat.leaf = None
+        leaf = flat.leaf
+        assert leaf is not None, "FSDP: a gradient hook fired for a flat that is not gathered"  # registered on the live leaf
+        grad, leaf.grad, flat.leaf = leaf.grad, None, None
         if grad is not None and flat.replicated:  # summed here over micro-batches, averaged over DP once per step
             if flat.local_grad is None:
                 flat.local_grad = grad.to(self.reduce_dtype, copy=True)
@@ -524,12 +525,11 @@ class FullyShardedDataParallel:
         replicated = [f for f in self.flats() if f.replicated]
         if not any(f.local_grad is not None for f in replicated):
             return
+        start = time.perf_counter()
+        by_dtype: dict[torch.dtype, list[FlatShard]] = {}
         for f in replicated:  # every rank sends the same flats (a parameter without gradient contributes zeros)
             if f.local_grad is None:
                 f.local_grad = torch.zeros(f.numel, dtype=self.reduce_dtype)
-        start = time.perf_counter()
-        by_dtype: dict[torch.dtype, list[FlatShard]] = {}
-        for f in replicated:
             by_dtype.setdefault(f.local_grad.dtype, []).append(f)
         for flats in by_dtype.values():
             summed = torch.cat([f.local_grad for f in flats])
@@ -574,16 +574,15 @@ class FullyShardedDataParallel:
         """This step's exposed communication, total FSDP communication time, overlap and peak gathered bytes
         (call after :meth:`finish_gradients`); resets the counters."""
         spans = sorted((w.start_s, w.end_s) for w in self._step_comm_works if w.start_s is not None and w.end_s is not None)
-        busy, cur_start, cur_end = 0.0, None, None  # union of the collectives' running intervals
+        busy = 0.0  # the union of the collectives' running intervals
+        current: tuple[float, float] | None = None
         for a, b in spans:
-            if cur_end is None or a > cur_end:
-                if cur_end is not None:
-                    busy += cur_end - cur_start
-                cur_start, cur_end = a, b
+            if current is None or a > current[1]:
+                busy += current[1] - current[0] if current is not None else 0.0
+                current = (a, b)
             else:
-                cur_end = max(cur_end, b)
-        if cur_end is not None:
-            busy += cur_end - cur_start
+                current = (current[0], max(current[1], b))
+        busy += current[1] - current[0] if current is not None else 0.0
         stats = {"exposed_comm_s": self.exposed_comm_s, "comm_s": busy,
                  "overlap_pct": 100.0 * max(0.0, 1.0 - self.exposed_comm_s / busy) if busy > 0 else 0.0,
                  "peak_gathered_bytes": float(self.peak_gathered_bytes)}

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -176,7 +176,7 @@ class Task:
     """``microbatch`` index and *local* ``chunk`` index on the executing stage."""
     microbatch: int
     chunk: int
-    type = None  # set by each subclass (a class attribute, not a field)
+    type: ClassVar[TaskType]  # set by each concrete subclass (a class attribute, not a field)
 
 
 @dataclass(frozen=True)
@@ -358,10 +358,10 @@ def simulate(schedules: Sequence[Iterable[Task]], num_chunks: int = 1, send_capa
                     pending_send[s] = False
                 elif isinstance(t, (RecvActivation, RecvGrad)):
                     kind = "act" if isinstance(t, RecvActivation) else "grad"
-                    queue = channels.get((kind, t.peer_stage, s))
-                    if not queue:
+                    arrived = channels.get((kind, t.peer_stage, s))
+                    if not arrived:
                         break
-                    mb, src_g = queue.pop(0)
+                    mb, src_g = arrived.pop(0)
                     want = g - 1 if kind == "act" else g + 1
                     if (mb, src_g) != (t.microbatch, want) or src_g % num_stages != t.peer_stage:
                         raise PipelineDeadlock(f"stage {s} {t} received {kind} of micro-batch {mb} from global chunk "

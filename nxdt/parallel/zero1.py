@@ -115,6 +115,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self.dp_comm = dp_comm
         self.dp_size = dp_comm.size if dp_comm is not None else 1
         self.dp_rank = dp_comm.rank if dp_comm is not None else 0
+        self._dp_group = dp_comm if dp_comm is not None and dp_comm.size > 1 else None  # the group the shards span
         self.master_weights = bool(master_weights)
         self.master_dtype = master_dtype
 
@@ -206,6 +207,13 @@ class Zero1Optimizer(torch.optim.Optimizer):
             return self.dp_comm.empty(numel, dtype)
         return torch.empty(numel, dtype=dtype, device=device)
 
+    @property
+    def _dp(self) -> Communicator:
+        """The data-parallel group, read only where ``dp_size > 1`` (sharded: there is one)."""
+        if self._dp_group is None:
+            raise RuntimeError("Zero1Optimizer: no data-parallel group to communicate over (dp_size 1)")
+        return self._dp_group
+
     def _layout(self) -> list[tuple[Any, ...]]:
         return [(b.group_index, str(b.flat.dtype), tuple(b.indices), tuple(tuple(p.shape) for p in b.params), b.shard_size)
                 for b in self._buckets]
@@ -213,10 +221,10 @@ class Zero1Optimizer(torch.optim.Optimizer):
     def _check_same_layout_on_every_rank(self) -> None:
         if self.dp_size == 1:
             return
-        layouts = self.dp_comm.all_gather_object(self._layout())
+        layouts = self._dp.all_gather_object(self._layout())
         bad = [r for r, lay in enumerate(layouts) if lay != layouts[0]]
         if bad:
-            raise ValueError(f"Zero1Optimizer: the parameters differ across the data-parallel group '{self.dp_comm.name}': "
+            raise ValueError(f"Zero1Optimizer: the parameters differ across the data-parallel group '{self._dp.name}': "
                              f"group-ranks {bad} have a different set of param groups/shapes/dtypes than group-rank 0 "
                              f"(every DP rank must hold the same model replica)")
 
@@ -245,7 +253,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 b.shard.grad = flat_grad
                 continue
             out = torch.empty(b.shard_size, dtype=dtype, device=b.flat.device)
-            works.append(self.dp_comm.reduce_scatter(out, flat_grad, op="avg", stream=DP_STREAM, async_op=True))
+            works.append(self._dp.reduce_scatter(out, flat_grad, op="avg", stream=DP_STREAM, async_op=True))
             b.shard.grad = out
         for w in works:
             w.wait()
@@ -284,7 +292,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
                     local = local + squared_norm(g[a:e]) * (weight(b.params[i]) if weight is not None else 1.0)
         total = local.float().reshape(1)
         op = "max" if norm_type == math.inf else "sum"
-        for c in ([self.dp_comm] if self.dp_size > 1 else []) + list(extra_comms):
+        for c in ([self._dp] if self.dp_size > 1 else []) + list(extra_comms):
             c.all_reduce(total, op)
         norm = total[0] if norm_type == math.inf else total[0].sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # the same coefficient torch computes
@@ -319,7 +327,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
             if self.dp_size == 1:
                 b.flat.copy_(src)
             else:
-                works.append((self.dp_comm.all_gather(b.flat, src, stream=DP_STREAM, async_op=True), src))
+                works.append((self._dp.all_gather(b.flat, src, stream=DP_STREAM, async_op=True), src))
         for w, _ in works:
             w.wait()
 
@@ -360,7 +368,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         if self.dp_size == 1:
             full.copy_(shard)
         else:
-            self.dp_comm.all_gather(full, shard.contiguous(), stream=DP_STREAM)
+            self._dp.all_gather(full, shard.contiguous(), stream=DP_STREAM)
         return full
 
     @torch.no_grad()

@@ -12,13 +12,18 @@ With n ranks, S bytes (the full buffer: all-reduce input, all-gather output, red
     direct (one-shot)     2·α + 2(n-1)/n · S/bw · h
     torus2d (a×b grid)    ring along a, ring along b on 1/a of the data (two link sets)
     hierarchical          intra-node reduce-scatter → inter-node all-reduce of S/m → intra all-gather
+    ring across k nodes   2(n-k)·α_intra + 2(k-1)·α_net + 2(n-1)/n · S / min(node's network share, intra bw)
     all-gather / reduce-scatter: half the all-reduce terms; all-to-all (pairwise): (n-1)·α + (n-1)/n·S/bw·h
     broadcast: binomial tree ⌈log2 n⌉·(α + S/bw) or a pipelined ring; send/recv: α + S/bw
 
-Every estimate adds the runtime's software cost per collective, ``collective_overhead_us`` plus
-``collective_overhead_per_rank_us`` for each further rank (launch and synchronisation: paid whatever the algorithm), and a
-collective that crosses nodes the network's ramp ``ramp_us · S/(S + ramp_bytes)`` (small messages travel eagerly,
-larger ones pay a handshake / channel ramp-up that saturates). Each link's ``efficiency`` (default the instance's
+Across nodes the ring is laid out node by node (:func:`_node_ring`: only its node-crossing steps use the network),
+against the hierarchical algorithm, which sends fewer bytes through the network (2(k-1)/k·S per node instead of
+2(n-1)/n·S) but pays a ramp ``ramp_us · S/(S + ramp_bytes)``: on switched GPU nodes, where NCCL pipelines it, the
+fill and drain of that pipeline (so the ring wins up to tens of MB and the hierarchical algorithm beyond, as NCCL's
+ring/tree choice does); elsewhere the network's cost per transfer (small messages travel eagerly, larger ones pay a
+handshake that saturates), paid by every algorithm crossing nodes. Every estimate adds the runtime's software cost
+per collective, ``collective_overhead_us`` plus ``collective_overhead_per_rank_us`` for each further rank (launch
+and synchronisation: paid whatever the algorithm). Each link's ``efficiency`` (default the instance's
 ``link_efficiency``) scales its bandwidth. Where these values are fitted to published measurements
 (experiments/planner-accuracy), the catalogue says so in its provenance.
 
@@ -189,17 +194,32 @@ def estimate_collective(op: str, group: list[int], nbytes: float, topo: Topology
         m, k = shape.per_node, shape.nodes
         est = flat_estimates(op, n, nbytes, inter)  # flat across hosts: every step at network speed
         est.pop("direct", None)
+        pipelined = topo.graph in ("switch", "nvswitch")
         if m > 1 and op in ("all_reduce", "all_gather", "reduce_scatter"):
+            est["ring"] = _node_ring(op, n, k, m, nbytes, intra, inter)
             stages = [_split(o, size, nbytes_, link) for o, size, nbytes_, link in _hierarchical_stages(op, m, k, nbytes, intra, inter)]
-            pipelined = topo.graph in ("switch", "nvswitch")
             transfer = max(s[1] for s in stages) if pipelined else sum(s[1] for s in stages)
             est["hierarchical"] = sum(s[0] for s in stages) + transfer
         ramp = inter.ramp * nbytes / (nbytes + inter.ramp_bytes) if inter.ramp else 0.0
-        est = {name: t + ramp for name, t in est.items()}
+        # pipelined (NCCL on switched nodes): the ramp is the hierarchical pipeline's fill and drain, which a ring
+        # does not pay; otherwise it is the network's cost per transfer, which every algorithm crossing nodes pays
+        est = {name: t + (ramp if name == "hierarchical" or not pipelined else 0.0) for name, t in est.items()}
     overhead = (getattr(instance, "collective_overhead_us", 0.0) + getattr(instance, "collective_overhead_per_rank_us", 0.0) * (n - 1)) * 1e-6
     est = {name: t + overhead for name, t in est.items()}
     best = min(est, key=lambda name: est[name])
     return best, est[best], est
+
+
+def _node_ring(op: str, n: int, k: int, m: int, nbytes: float, intra: Link, inter: Link) -> float:
+    """A ring laid out node by node (m ranks on each of k nodes, NCCL's ring across nodes): of its 2(n-1) steps
+    (n-1 for all-gather / reduce-scatter) only 2(k-1) (k-1) cross nodes and pay the network's latency; each step moves
+    S/n per rank, over NVLink/NeuronLink inside a node and, at each node boundary, through the node's network
+    (its m ranks' share of the NICs together: 2(n-1)/n·S leave each node in all, against the hierarchical
+    algorithm's 2(k-1)/k·S)."""
+    steps = (2 if op == "all_reduce" else 1) * (n - 1)
+    crossing = (2 if op == "all_reduce" else 1) * (k - 1)
+    chunk = nbytes / n
+    return (steps - crossing) * intra.alpha + crossing * inter.alpha + steps * max(chunk / (inter.bw * m), chunk / intra.bw)
 
 
 def _hierarchical_stages(op: str, m: int, k: int, nbytes: float, intra: Link, inter: Link) -> list[tuple[str, int, float, Link]]:

@@ -4,20 +4,24 @@ pipeline bubble and overlap, and the bytes each device holds. Pure arithmetic on
 Model size comes from the config (a decoder-only transformer: attention with grouped KV heads,
 gated MLP of ``ffn_hidden_size``, optional ``moe`` experts), not from building the model.
 
-Activation memory per layer and micro-batch follows Korthikanti et al. 2022 ("Reducing Activation
-Recomputation in Large Transformer Models"), for 16-bit activations of a GPT block:
-``s·b·h·(34 + 5·a·s/h)`` bytes, with TP ``s·b·h·(10 + 24/t + 5·a·s/(h·t))``, with TP+SP
-``s·b·h·(34 + 5·a·s/h)/t``; selective recomputation drops the ``5·a·s/h`` term, full recomputation
-keeps only the layer input ``2·s·b·h`` (``/t`` with SP: the layer boundary is in the sequence-parallel layout)
-plus one layer's full activations while it is recomputed. Pipeline stages hold the activations of the
-micro-batches in flight (:func:`in_flight_microbatches`: PP for 1F1B, ``PP·(1 + (PP-1)/(PP·V))`` interleaved).
-It is an approximation for SwiGLU blocks (noted in the plan). Bytes per parameter: :func:`bytes_per_parameter`.
-Korthikanti's S×S term ``5·a·s/h`` (2-byte scores, softmax output, 1-byte dropout mask, dropout output) does not
-describe nxdt's attention, which has no attention dropout: the S×S bytes are :func:`naive_score_bytes` (what
-``naive_attention`` keeps: fp32 probabilities, the bf16 copy autocast makes of them, the boolean mask; plus the
-two fp32 S×S gradients the peak layer's backward holds at once), counted only with ``model.core_attention:
-naive``; ``sdpa`` (a fused flash kernel) and ``blockwise`` keep no S×S tensor, only a logsumexp per query row
-(4·a·s·b bytes, negligible, not counted).
+Activation memory is counted from first principles, tensor by tensor, for nxdt's blocks: what autograd keeps for
+backward in one layer (:func:`layer_saved_bytes`: RMSNorm's fp32 input, normalised input and output; q and k after
+RoPE and v; the attention kernel's output and logsumexp; SwiGLU's gate, silu(gate), up and their product), what the
+head and loss keep (:func:`head_saved_bytes`: the final norm's tensors, the fp32 log-probabilities) and what the
+backward pass adds at its peak (the log-probabilities' and the logits' gradients; naive attention's two S×S
+gradients). The layout follows Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+Models"): TP splits heads and ffn columns (the norms' tensors stay whole on every TP rank), TP+SP splits everything
+by t; selective recomputation drops what the attention kernel alone keeps (S×S scores, logsumexp); full
+recomputation keeps only each layer's input (``e·s·b·h``, ``/t`` with SP: the layer boundary is in the
+sequence-parallel layout) plus one layer's saved tensors while it is recomputed. Pipeline stages hold the
+activations of the micro-batches in flight (:func:`in_flight_microbatches`: PP for 1F1B, ``PP·(1 + (PP-1)/(PP·V))``
+interleaved). Korthikanti's ``34·s·b·h`` (2-byte) is written for a GELU 4h MLP; a Llama block with ffn 3.5h keeps
+``(20·h + 4·g + 8·f)·s·b`` bytes in bf16 (g = KV heads × head_dim), 1.3× more. Measured against peak memory on
+llama_tiny at 2k tokens: experiments/attention-memory. Bytes per parameter: :func:`bytes_per_parameter`.
+The S×S bytes of ``model.core_attention: naive`` are :func:`naive_score_bytes` (what ``naive_attention`` keeps:
+fp32 probabilities, the bf16 copy autocast makes of them, the boolean mask; plus the two fp32 S×S gradients the
+peak layer's backward holds at once); ``sdpa`` (a fused flash kernel) and ``blockwise`` keep no S×S tensor, only a
+logsumexp per query row and head.
 
 Context parallelism (CP ranks hold S/CP tokens each: the activations and logits above shrink by CP; ZeRO-1 and
 FSDP shard over DP × CP) is priced as the ring it runs (:func:`ring_rows`): per layer and micro-batch, CP − 1 K/V
@@ -150,16 +154,68 @@ def in_flight_microbatches(pp: int, microbatches: int, virtual: int = 1) -> floa
     return float(min(held, microbatches))
 
 
-def layer_activation_bytes(s: float, b: int, h: int, tp: int, sequence_parallel: bool, quadratic: float, selective: bool,
-                           activation_bytes: int) -> float:
-    """One transformer layer's activations for one micro-batch without recomputation (Korthikanti et al. 2022,
-    Table 2, written for 2-byte activations; ``activation_bytes`` / 2 scales it): ``s·b·h·(34 + q)/t`` with TP+SP,
-    ``s·b·h·(10 + 24/t + q/t)`` with TP alone, where ``q`` is the S×S term (Korthikanti's ``5·a·s/h``; nxdt's naive
-    attention: :func:`naive_score_bytes`' kept bytes over s·b·h·``activation_bytes``/2), 0 with selective
-    recomputation or a flash kernel."""
-    q = 0.0 if selective else quadratic
-    per = (34 + q) / tp if sequence_parallel else 10 + 24 / tp + q / tp
-    return s * b * h * per * activation_bytes / 2
+def _norm_bytes(model: Any, act: int) -> float:
+    """Bytes per token one norm keeps: RMSNorm (Llama, Mixtral) its input upcast to fp32 (4·h; at fp32 the input
+    itself), the normalised input its weight multiplies (e·h), its output (e·h: the next projections' input) and the
+    fp32 reciprocal RMS (4); LayerNorm (GPT) its input and output (2·e·h) and its mean and reciprocal std (2·e)."""
+    h = model.hidden_size
+    return 2 * act * h + 2 * act if mlp_matrices(model) == 2 else 4 * h + 2 * act * h + 4
+
+
+def layer_saved_bytes(model: Any, s: float, b: int, tp: int, sequence_parallel: bool, act: int, kernel: str, *,
+                      selective: bool = False, autocast: bool = False) -> dict[str, float]:
+    """Bytes one decoder layer keeps for backward for one micro-batch of s·b tokens, tensor by tensor (what
+    ``torch.autograd.graph.saved_tensors_hooks`` lists for nxdt's blocks: experiments/attention-memory/saved_tensors.py).
+    Per token, with e = ``act`` bytes per activation element, h hidden, g = KV heads × head_dim, f ffn, a heads:
+
+    ``norms``      the block's two norms, 2 × :func:`_norm_bytes` (RMSNorm: 2·(4·h + 2·e·h + 4)).
+    ``qkv``        q and k after RoPE, and v: the attention kernel's inputs, (h + 2·g)·e (GPT: g = h). ``naive``
+                   computes in fp32 (f = 4 bytes) with batched matmuls that fold the head dimensions, which keep
+                   contiguous copies of q, and of k and v broadcast to every query head: 3·h·f.
+    ``attention``  the kernel's output, o_proj's input, h·e; ``blockwise`` and the CP ring return it as [b, a, s, d],
+                   which o_proj's transpose copies (h·e more; sdpa's CPU flash kernel lays its output out as
+                   [b, s, a, d] already, the transpose is a view; naive keeps the copy only); sdpa, blockwise and
+                   the ring also keep the fp32 logsumexp of each query row and head (4·a). With ``selective``
+                   recomputation only o_proj's input h·e stays; the kernel's own tensors are recomputed.
+    ``scores``     ``naive`` only, not with ``selective``: :func:`naive_score_bytes`' ``kept``.
+    ``mlp``        SwiGLU: gate, silu(gate), up and silu(gate)·up, 4·f·e; GELU (GPT): fc_in's output and gelu's,
+                   2·f·e; MoE with k experts per token: each expert a token visits keeps SwiGLU's 4·f·e plus its
+                   gathered input row, its output row and that row times the routing weight (3·h·e), the router its
+                   logits and fp32 probabilities ((e + 4)·E): k·(4·f + 3·h)·e + (e + 4)·E (the routing indices and
+                   weights, at most 28·k + 4 bytes, are not counted).
+
+    TP splits heads and ffn columns: everything but ``norms`` is divided by t; with SP the norms' too (they run on the
+    sequence shard; Korthikanti et al.'s layout, where the projections' gathered input is not kept either)."""
+    h, a = model.hidden_size, model.num_attention_heads
+    head_dim = h // a
+    g = (model.num_kv_heads or a) * head_dim
+    copies = 1 if kernel in ("sdpa", "naive") or selective else 2  # the kernel's output, o_proj's transposed copy
+    lse = 0 if selective or kernel == "naive" else 4 * a
+    qkv = 3 * h * 4 if kernel == "naive" and not selective else (h + 2 * g) * act
+    experts = getattr(getattr(model, "moe", None), "num_experts", 0) or 0
+    if experts:
+        top_k = model.moe.top_k
+        mlp = top_k * (4 * model.ffn_hidden_size + 3 * h) * act + (act + 4) * experts
+    else:
+        mlp = (4 if mlp_matrices(model) == 3 else 2) * model.ffn_hidden_size * act
+    tokens = s * b
+    scores = naive_score_bytes(s, b, a, autocast)["kept"] if kernel == "naive" and not selective else 0.0
+    return {"norms": 2 * _norm_bytes(model, act) * tokens / (tp if sequence_parallel else 1),
+            "qkv": qkv * tokens / tp, "attention": (copies * h * act + lse) * tokens / tp,
+            "scores": scores / tp, "mlp": mlp * tokens / tp}
+
+
+def head_saved_bytes(model: Any, s: float, b: int, tp: int, sequence_parallel: bool, act: int) -> dict[str, float]:
+    """Bytes the final norm, the output head and the loss hold for one micro-batch of s·b tokens, V the vocabulary:
+    ``final_norm``, :func:`_norm_bytes` (/ t with SP); ``log_probs``, the fp32 log-probabilities cross-entropy keeps
+    (4·V/t per token; the logits themselves are not kept); ``loss_gradients``, at the start of backward their gradient
+    and the logits' gradient (log-softmax backward holds both with its saved output: 8·V/t per token) — the peak
+    of the backward pass with a flash kernel (with naive attention the peak layer's S×S gradients come later, when
+    these are freed again: counting both over-states naive's peak by at most this term)."""
+    tokens = s * b
+    vocab = 4 * model.vocab_size / tp * tokens
+    return {"final_norm": _norm_bytes(model, act) * tokens / (tp if sequence_parallel else 1),
+            "log_probs": vocab, "loss_gradients": 2 * vocab}
 
 
 def naive_score_bytes(s: float, b: int, heads: float, autocast: bool) -> dict[str, float]:
@@ -233,25 +289,28 @@ def memory_per_rank(cfg: Any, degrees: dict[str, int]) -> dict[str, float]:
     act_bytes = _bytes(_kind(cfg))  # activations: fp32 with fp32, bf16 otherwise (mixed_precision computes in bf16)
     # the S×S scores exist only when core attention materialises them (naive); sdpa and blockwise work in tiles, and
     # so does ring attention under context parallelism (whatever core_attention says: it saves out and lse only)
-    naive = getattr(model, "core_attention", "sdpa") == "naive" and degrees.get("cp", 1) == 1
-    scores = naive_score_bytes(s_local, b, a, _kind(cfg) == "mixed_precision") if naive else {"kept": 0.0, "transient": 0.0}
-    quadratic = scores["kept"] / (s_local * b * h * act_bytes / 2)  # as a coefficient of layer_activation_bytes' s·b·h
+    kernel = "ring" if degrees.get("cp", 1) > 1 else getattr(model, "core_attention", "sdpa")
+    autocast = _kind(cfg) == "mixed_precision"
     granularity = model.activations_checkpoint_granularity
     sp = bool(ds.sequence_parallel) and tp > 1
+    layer = lambda selective: sum(layer_saved_bytes(model, s_local, b, tp, sp, act_bytes, kernel, selective=selective,
+                                                    autocast=autocast).values())
     if granularity == "full":
         # only each layer's input is kept: s·b·h elements (Korthikanti et al. 2022, Table 2: 2·s·b·h bytes), in
         # the sequence-parallel layout with SP (each TP rank holds s/t rows: 2·s·b·h/t)
         per_layer = s_local * b * h * act_bytes / (tp if sp else 1)
     else:
-        per_layer = layer_activation_bytes(s_local, b, h, tp, sp, quadratic, granularity == "selective", act_bytes)
+        per_layer = layer(granularity == "selective")
     microbatches = data.global_batch_size // (data.micro_batch_size * dp)
     in_flight = in_flight_microbatches(pp, microbatches, ds.virtual_pipeline_model_parallel_size)
     layers_here = math.ceil(model.num_layers / pp)  # the fullest stage
     mem["activations"] = per_layer * layers_here * in_flight
     if granularity == "full":  # one layer's full activations exist while it is recomputed in backward
-        mem["activations"] += layer_activation_bytes(s_local, b, h, tp, sp, quadratic, False, act_bytes)
-    mem["activations"] += scores["transient"] / tp  # the peak layer's S×S gradients (naive only; heads split by TP)
-    mem["logits"] = s_local * b * model.vocab_size / tp * 4 * 2  # fp32 logits and their gradient on the last stage
+        mem["activations"] += layer(False)
+    if kernel == "naive":  # the peak layer's S×S gradients (heads split by TP)
+        mem["activations"] += naive_score_bytes(s_local, b, a, autocast)["transient"] / tp
+    # the last stage's final norm, fp32 log-probabilities and, at the start of backward, the loss's gradients
+    mem["logits"] = sum(head_saved_bytes(model, s_local, b, tp, sp, act_bytes).values())
     return mem
 
 
@@ -313,7 +372,9 @@ def step_collectives(cfg: Any, plan: Any) -> list[dict[str, Any]]:
         rows.append(dict(dim="ep", op="all_to_all", bytes=activation * n["top_k"], count=4 * layers * microbatches,
                          what="token dispatch and combine, forward and backward"))
     if plan.pp > 1:
-        rows.append(dict(dim="pp", op="send_recv", bytes=activation, count=2 * microbatches, what="activations forward, gradients backward"))
+        # with SP the stage boundary is in the sequence-parallel layout: each TP rank sends its s/t rows, not a copy
+        boundary = activation / plan.tp if ds.sequence_parallel and plan.tp > 1 else activation
+        rows.append(dict(dim="pp", op="send_recv", bytes=boundary, count=2 * microbatches, what="activations forward, gradients backward"))
     if plan.dp * plan.cp > 1:
         dp_dim = "dp_cp" if plan.cp > 1 else "dp"  # CP ranks are weight replicas: DP × CP reduces and shards
         dense = n["total"] - n["expert_params"]

@@ -1,0 +1,149 @@
+"""SFT packing vs padding on the shipped instruction set: real tokens per second, same model and layout, both
+variants measured in one run, rounds interleaved (the order rotated each round).
+
+    python experiments/packing/bench.py             # ≈ 4 min on 2 cores; writes results.json
+    python experiments/packing/bench.py --quick     # smoke test (1 round, few steps)
+
+The run is ``+recipe=sft`` (llama_tiny, byte-level tokens, ``nxdt/data/samples/instructions.jsonl``, 128-token
+sequences, global batch 8, micro-batch 2) on 2 ranks of replicated data parallelism, through the Lightning API
+(``CausalLMModule`` + ``NxDDataModule(sft=...)`` + ``NxDStrategy``, the classes ``nxdt train`` builds); the only
+difference between the variants is ``model_alignment_strategy.sft.packing``. Measured on rank 0 per optimizer step:
+
+* step time: wall time between consecutive ``on_train_batch_end`` (the first ``--warmup`` intervals dropped);
+* real tokens: labelled, non-pad tokens of the whole global batch (``labels != -100`` summed over both ranks) —
+  what the loss trains on; prompt and pad positions are not counted;
+* real tokens/s = real tokens of the step / its step time, and, for the whole run, Σ real tokens / Σ step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+THREADS = 1  # intra-op threads per rank (2 ranks on 2 cores)
+VARIANTS = {"packing": True, "padding": False}
+
+
+def run_variant(name: str, steps: int, out: Path) -> None:
+    import torch
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+
+    from nxdt.config import compose_config
+    from nxdt.lightning import NxDStrategy
+    from nxdt.lightning.datamodule import NxDDataModule
+    from nxdt.lightning.module import CausalLMModule
+
+    torch.set_num_threads(THREADS)
+    cfg = compose_config(["+recipe=sft", f"model_alignment_strategy.sft.packing={VARIANTS[name]}", f"trainer.max_steps={steps}"])
+    pl.seed_everything(cfg.seed, verbose=False)
+
+    class StepTokens(Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.real: list[int] = []
+            self.positions: list[int] = []
+            self.last: float | None = None
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            counts = torch.tensor([(batch["labels"] != -100).sum().item(), batch["labels"].numel()], dtype=torch.float64)
+            counts = trainer.strategy.reduce(counts, reduce_op="sum")  # the whole global batch (both DP ranks)
+            now = time.perf_counter()
+            if self.last is not None:  # the interval ending with this step
+                self.times.append(now - self.last)
+                self.real.append(int(counts[0]))
+                self.positions.append(int(counts[1]))
+            self.last = now
+
+    module = CausalLMModule(cfg.model, cfg.data.global_batch_size, cfg.data.seq_length, cfg.data.micro_batch_size,
+                            alignment=cfg.model_alignment_strategy, seed=cfg.seed)
+    meter = StepTokens()
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=NxDStrategy(), max_steps=steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=False, callbacks=[meter], limit_val_batches=0, num_sanity_val_steps=0)
+    data = NxDDataModule(cfg.data, seed=cfg.seed, vocab_size=cfg.model.vocab_size, step_batches=True, sft=cfg.model_alignment_strategy.sft)
+    trainer.fit(module, datamodule=data)
+    if trainer.is_global_zero:
+        stats = data.dataset.stats
+        out.write_text(json.dumps({"step_times": meter.times, "real_tokens": meter.real, "positions": meter.positions,
+                                   "sequences": stats.sequences, "records": stats.records,
+                                   "label_tokens_in_set": stats.label_tokens, "pad_tokens_in_set": stats.pad_tokens}))
+    trainer.strategy.close()
+
+
+def measure(names: list[str], reps: int, steps: int) -> dict[str, list[dict]]:
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "PYTHONWARNINGS": "ignore"}
+    for rep in range(reps):
+        order = names[rep % len(names):] + names[:rep % len(names)]  # rotated: slow phases hit every variant
+        for name in order:
+            out = HERE / f".run-{os.getpid()}.json"
+            load = os.getloadavg()[0]
+            proc = subprocess.run([sys.executable, __file__, "--run", name, "--steps", str(steps), "--out", str(out)],
+                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"variant {name!r} failed:\n{proc.stderr[-3000:]}")
+            run = json.loads(out.read_text())
+            out.unlink()
+            run["load_before"] = load
+            runs[name].append(run)
+            print(f"  round {rep + 1}/{reps} {name:<8} median step {statistics.median(run['step_times']) * 1e3:7.1f} ms, "
+                  f"{sum(run['real_tokens']) / sum(run['step_times']):8.0f} real tokens/s (load {load:.1f})", flush=True)
+    return runs
+
+
+def summarise(runs: list[dict], warmup: int) -> dict:
+    times = [t for r in runs for t in r["step_times"][warmup:]]
+    real = [n for r in runs for n in r["real_tokens"][warmup:]]
+    positions = [n for r in runs for n in r["positions"][warmup:]]
+    per_round = [sum(r["real_tokens"][warmup:]) / sum(r["step_times"][warmup:]) for r in runs]
+    return {"real_tokens_per_s": sum(real) / sum(times), "round_real_tokens_per_s": per_round,
+            "median_step_ms": statistics.median(times) * 1e3, "real_tokens_per_step": sum(real) / len(real),
+            "real_fraction_of_positions": sum(real) / sum(positions), "positions_per_step": positions[0],
+            "sequences_in_set": runs[0]["sequences"], "records_in_set": runs[0]["records"],
+            "load_before_rounds": [r["load_before"] for r in runs]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.run:
+        run_variant(args.run, args.steps, args.out)
+        return
+    if args.quick:
+        args.steps, args.warmup, args.reps = 8, 3, 1
+    names = list(VARIANTS)
+    started = time.time()
+    print(f"{len(names)} variants × {args.reps} rounds × {args.steps} steps, DP2, {THREADS} thread/rank, "
+          f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
+    runs = measure(names, args.reps, args.steps)
+    rows = {name: summarise(rs, args.warmup) for name, rs in runs.items()}
+    ratio = rows["packing"]["real_tokens_per_s"] / rows["padding"]["real_tokens_per_s"]
+    print(f"\n{'variant':<8} {'real tok/s':>11} {'median step ms':>15} {'real tok/step':>14} {'real/positions':>15}")
+    for n, r in rows.items():
+        print(f"{n:<8} {r['real_tokens_per_s']:>11.0f} {r['median_step_ms']:>15.1f} {r['real_tokens_per_step']:>14.1f} "
+              f"{r['real_fraction_of_positions']:>15.3f}")
+    print(f"packing / padding real tokens/s: {ratio:.2f}")
+    elapsed = time.time() - started
+    result = {"cpus": os.cpu_count(), "threads_per_rank": THREADS, "steps": args.steps, "warmup": args.warmup, "reps": args.reps,
+              "wall_s": elapsed, "load_end": os.getloadavg()[0], "variants": rows, "packing_over_padding": ratio,
+              "raw": runs}
+    (HERE / ("results.json" if not args.quick else "results-quick.json")).write_text(json.dumps(result, indent=1))
+    print(f"\n{elapsed:.0f} s, load average at the end {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
