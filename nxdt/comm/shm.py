@@ -60,6 +60,8 @@ W_SOURCE = 32       # per slot parity, two words: where my step's data lies — 
 
 
 _MAIN = threading.main_thread()  # may spin longer than a stream thread (nxdt.comm.waiting.policy_for)
+_MAIN_ID = _MAIN.ident
+get_ident = threading.get_ident  # cheaper than threading.current_thread() on the hot path
 
 
 def _safe(name: str) -> str:
@@ -284,13 +286,24 @@ class ShmChannel:
         copied into my slot even when it is a shared tensor): begin, copy in, publish, wait for every peer, check
         fingerprints, reduce in member order into ``dst``, finish. False: every member published but some peer's data lies in its shared
         tensor — the step is still open and the caller reduces it by slices."""
-        lib, step = self.native, self.step
+        step = self.step
         self._fp_written[step & 1] = None  # the C side writes this parity's fingerprint words
         op, dtype, count, _ = fingerprint
-        main = threading.current_thread() is _MAIN
-        phase, deadline = 0, 0.0
+        main = get_ident() == _MAIN_ID
+        status = self.native.all_reduce_step(self.ctx_address, step, dst.data_ptr(), dst.numel(), dtype, op // 100, op, count, 0, main)
+        if status == native.DONE:  # the common case: one call, nothing else
+            self.step = step + 1
+            return True
+        return self._all_reduce_step_on(dst, fingerprint, op_desc, status, main)
+
+    def _all_reduce_step_on(self, dst: torch.Tensor, fingerprint: tuple[int, int, int, int], op_desc: str, status: int,
+                            main: bool) -> bool:
+        """The native step came back before it was done: check the deadline and the peers' health between calls
+        (every 20 ms of waiting), or raise the mismatch; the rest of ``all_reduce_step``."""
+        lib, step = self.native, self.step
+        op, dtype, count, _ = fingerprint
+        deadline = 0.0
         while True:
-            status = lib.all_reduce_step(self.ctx_address, step, dst.data_ptr(), dst.numel(), dtype, op // 100, op, count, phase, main)
             if status == native.DONE:
                 self.step = step + 1
                 return True
@@ -301,12 +314,13 @@ class ShmChannel:
                 self._raise_mismatch(self.peers)
             slot_wait = status == native.PENDING_SLOT
             milestone, what = (3 * step - 3, "completion of an earlier step") if slot_wait else (3 * step + 1, "the data")
-            phase = 0 if slot_wait else 1
             now = time.monotonic()
             deadline = deadline or now + self.timeout_s
             if now > deadline:
                 raise self._timeout_error(self.peers, milestone, what)
             self._check_health(self.peers, milestone)
+            status = lib.all_reduce_step(self.ctx_address, step, dst.data_ptr(), dst.numel(), dtype, op // 100, op, count,
+                                         0 if slot_wait else 1, main)
 
     # -------------------------------------------------------------------------------- zero-copy sources
     def locate(self, t: torch.Tensor) -> tuple[int, int] | None:

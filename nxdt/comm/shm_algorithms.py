@@ -32,6 +32,10 @@ from nxdt.comm.reduce import LOW_PRECISION, _combine_ as combine_, check_op, dty
 from nxdt.comm.shm import ShmChannel
 
 DIRECT_ALL_REDUCE_MAX_BYTES = 64 << 10  # 3+ members: direct below, slice above
+# 2 members: up to this size an all-reduce is one native step, copied even from a shared tensor. At 256 KB the
+# copy (≈ 10 µs) costs about what zero-copy's second synchronisation does on a quiet host (44 vs 47 µs) and
+# far less on a loaded one (58-89 vs 495-1178 µs); at 1 MB zero-copy wins in both (experiments/collectives-cpu)
+ONE_STEP_MAX_BYTES_2 = 256 << 10
 # Direct all-reduce step size: the tensor chunk is read twice (copy-in, then the in-place reduce),
 # so it should still be in cache the second time. Measured at 4 MB, 2 ranks: 2 MB steps 575 µs,
 # 1 MB 618 µs, 4 MB 721 µs (one step, but the re-read misses L2).
@@ -73,14 +77,15 @@ def _all_reduce_plan(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str) -
     fp = (OP_ALL_REDUCE + 100 * red, dtype_code(t.dtype), total, 0)
     sliced = algorithm == "slice" or (algorithm != "direct" and ch.size > 2 and nbytes > DIRECT_ALL_REDUCE_MAX_BYTES)
     chunk = (ch.slot_bytes if sliced else min(ch.slot_bytes, DIRECT_CHUNK_BYTES)) // t.element_size()
-    # up to 64 KB in one step: the whole call is one native step, copied even from a shared tensor — a 64 KB
-    # copy costs a few µs, the zero-copy path's second synchronisation and Python tail tens (2 ranks: 23 vs
-    # 73 µs, 4 ranks on 2 cores: 0.55 vs 1.8 ms; experiments/collectives-cpu/deepspeed_{2,4}ranks_round1.txt)
-    quick = not sliced and ch.native is not None and ch.pacer is None and nbytes <= DIRECT_ALL_REDUCE_MAX_BYTES and total <= chunk
+    # up to 64 KB (256 KB with 2 members) in one step: the whole call is one native step, copied even from a shared
+    # tensor — a 64 KB copy costs a few µs, the zero-copy path's second synchronisation and Python tail tens (2 ranks:
+    # 23 vs 73 µs, 4 ranks on 2 cores: 0.55 vs 1.8 ms; experiments/collectives-cpu/deepspeed_{2,4}ranks_round1.txt)
+    one_step_max = ONE_STEP_MAX_BYTES_2 if ch.size == 2 else DIRECT_ALL_REDUCE_MAX_BYTES
+    quick = not sliced and ch.native is not None and ch.pacer is None and nbytes <= one_step_max and total <= chunk
     return fp, f"all_reduce({op})", sliced, chunk, quick
 
 
-def all_reduce(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str = "auto") -> None:
+def _plan_for(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str) -> tuple:
     key = (op, t.dtype, t.numel(), algorithm)
     plan = ch.plans.get(key)
     if plan is None:
@@ -88,7 +93,30 @@ def all_reduce(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str = "auto"
             ch.plans.clear()
         check_op(op, t.dtype)
         plan = ch.plans[key] = _all_reduce_plan(ch, t, op, algorithm)
-    fp, desc, sliced, chunk, quick = plan
+    return plan
+
+
+def one_step_all_reduce(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str = "auto"):
+    """For calls shaped like ``t`` (op, dtype, count) that are one native step: a function running just that step
+    on a flat contiguous tensor, for ``Communicator``'s per-call-shape cache; None when such a call is more."""
+    fp, desc, _, _, quick = _plan_for(ch, t, op, algorithm)
+    if not quick:
+        return None
+    step = ch.all_reduce_step
+
+    def run(dst: torch.Tensor) -> None:
+        if not step(dst, fp, desc):  # rare: a peer on the torch fallback sent its shared tensor
+            _finish_by_slices(ch, dst, op)
+    return run
+
+
+def _finish_by_slices(ch: ShmChannel, dst: torch.Tensor, op: str) -> None:
+    with torch.no_grad():
+        _reduce_by_slices(ch, dst.view(-1), op, _bounds(dst.numel(), ch.size), None)
+
+
+def all_reduce(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str = "auto") -> None:
+    fp, desc, sliced, chunk, quick = _plan_for(ch, t, op, algorithm)
     if quick:
         if not ch.all_reduce_step(t, fp, desc):
             _reduce_by_slices(ch, t, op, _bounds(t.numel(), ch.size), None)

@@ -197,6 +197,26 @@ class Stream:
         work.wait()
         return None
 
+    def run_inline(self, fn: Callable[[torch.Tensor], None], tensor: torch.Tensor) -> bool:
+        """``fn(tensor)`` here and now when nothing is queued or running on this stream (False, not run, otherwise):
+        ``submit``'s synchronous path for a caller that needs neither a work handle nor autograd's no_grad (the
+        op writes through raw addresses). Errors propagate."""
+        lock = self._pending_lock
+        lock.acquire()  # not ``with``: half the cost, and nothing in between can raise
+        idle = self._pending == 0 and not self._closed
+        if idle:
+            self._pending = 1
+        lock.release()
+        if not idle:
+            return False
+        try:
+            fn(tensor)
+        finally:
+            lock.acquire()
+            self._pending -= 1
+            lock.release()
+        return True
+
     def close(self) -> None:
         self._closed = True
         if self._thread is not None:

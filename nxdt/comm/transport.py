@@ -99,6 +99,11 @@ class Transport:
     def all_reduce(self, t: torch.Tensor, op: str, name: str, grid: tuple[int, int] | None, stream: str) -> None:
         raise NotImplementedError
 
+    def one_step_all_reduce(self, t: torch.Tensor, op: str, name: str, stream: str) -> Callable[[torch.Tensor], None] | None:
+        """A function doing a blocking all-reduce shaped like ``t`` (dtype, numel; ``op``, resolved ``name``) in one
+        step on a flat contiguous tensor, for the Communicator's cache; None (the default) when there is none."""
+        return None
+
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, name: str, stream: str) -> None:
         raise NotImplementedError
 
@@ -278,6 +283,11 @@ class ShmTransport(_LinkTransport):
             algo.all_reduce(self.channel(stream, op="all_reduce"), t, op, "auto" if name == "shm" else name)
         else:
             self._generic_all_reduce(t, op, name, grid, stream)
+
+    def one_step_all_reduce(self, t, op, name, stream):
+        if name not in ("shm", "direct", "slice"):
+            return None
+        return algo.one_step_all_reduce(self.channel(stream, op="all_reduce"), t, op, "auto" if name == "shm" else name)
 
     def all_gather(self, out, inp, name, stream) -> None:
         if name == "ring":

@@ -11,13 +11,15 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
 import sysconfig
+import time
 
 import pytest
 import torch
 
-from nxdt.comm import native
-from nxdt.comm.spawn import run_local
+from nxdt.comm import CommError, CommMismatchError, CommTimeoutError, PeerDiedError, native
+from nxdt.comm.spawn import RankFailed, run_local
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32]
 SIZES = [5, 1000, 20_000]  # one element per member and then some; one small step; past the 64 KB direct limit (3+ members slice)
@@ -84,6 +86,55 @@ def test_native_and_fallback_give_identical_bits_on_random_half_inputs():
     off = run_local(_random_half, 4, timeout_s=100, init_options={"native": False})
     assert len({all_reduced for all_reduced, _ in on}) == 1  # identical on every member
     assert on == off  # and the same bits on both paths, member by member
+
+
+def _repeated_calls(world, report: str) -> None:
+    """A call shaped like an earlier one skips the Communicator's checks and plan (its cached one-step path):
+    results, argument errors, mismatches, timeouts and dead peers must be what the first call would give."""
+    comm, r = world.world, world.rank
+    for _ in range(3):  # the 2nd and 3rd calls of each shape take the cached path
+        t = _value(100, r, torch.bfloat16).view(10, 10)
+        comm.all_reduce(t)
+        assert torch.equal(t.view(-1), (_value(100, 0, torch.bfloat16) + _value(100, 1, torch.bfloat16))), "2-D, bf16"
+        p = torch.nn.Parameter(_value(7, r, torch.float32), requires_grad=False)
+        comm.all_reduce(p, "max")
+        assert torch.equal(p.data, _value(7, 1, torch.float32)), "a Parameter, max"
+    assert len(comm._one_step) == 2  # both shapes took the cached path on the later calls
+    with pytest.raises(ValueError, match="contiguous"):
+        comm.all_reduce(torch.ones(10, 10).t())  # same dtype and numel as a cached shape
+    # a mismatch met on the cached path: op differs (rank 0 cached "sum" for this shape)
+    with pytest.raises(CommMismatchError):
+        comm.all_reduce(_value(100, r, torch.bfloat16), "sum" if r == 0 else "min")
+    with pytest.raises(CommError, match="unusable after an earlier failure"):
+        comm.all_reduce(_value(100, r, torch.bfloat16))  # the group is broken, cached path or not
+    other = world.new_communicator([0, 1], "again")
+    for _ in range(2):
+        other.all_reduce(torch.ones(4))
+    if r == 1:
+        time.sleep(2.0)  # alive, but late: rank 0's cached call times out naming rank 1
+    else:
+        with pytest.raises(CommTimeoutError, match=r"rank\(s\) \[1\]"):
+            other.all_reduce(torch.ones(4))
+    third = world.new_communicator([0, 1], "third")
+    for _ in range(2):
+        third.all_reduce(torch.ones(4))
+    if r == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        third.all_reduce(torch.ones(4))
+    except PeerDiedError as exc:
+        with open(report, "w") as fh:
+            fh.write(str(exc))
+        raise
+
+
+@needs_native
+@pytest.mark.timeout(90)
+def test_repeated_calls_keep_results_and_errors(tmp_path):
+    report = tmp_path / "rank0.txt"
+    with pytest.raises(RankFailed):
+        run_local(_repeated_calls, 2, str(report), timeout_s=60, comm_timeout_s=1.0)
+    assert "rank 1" in report.read_text() and "exited" in report.read_text()
 
 
 def test_the_extension_is_built_where_a_compiler_is():
