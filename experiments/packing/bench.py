@@ -17,16 +17,17 @@ difference between the variants is ``model_alignment_strategy.sft.packing``. Mea
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from harness import apply_quick, bench_arguments, interleaved_runs  # noqa: E402
+
 THREADS = 1  # intra-op threads per rank (2 ranks on 2 cores)
 VARIANTS = {"packing": True, "padding": False}
 
@@ -78,27 +79,6 @@ def run_variant(name: str, steps: int, out: Path) -> None:
     trainer.strategy.close()
 
 
-def measure(names: list[str], reps: int, steps: int) -> dict[str, list[dict]]:
-    runs: dict[str, list[dict]] = {n: [] for n in names}
-    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "PYTHONWARNINGS": "ignore"}
-    for rep in range(reps):
-        order = names[rep % len(names):] + names[:rep % len(names)]  # rotated: slow phases hit every variant
-        for name in order:
-            out = HERE / f".run-{os.getpid()}.json"
-            load = os.getloadavg()[0]
-            proc = subprocess.run([sys.executable, __file__, "--run", name, "--steps", str(steps), "--out", str(out)],
-                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"variant {name!r} failed:\n{proc.stderr[-3000:]}")
-            run = json.loads(out.read_text())
-            out.unlink()
-            run["load_before"] = load
-            runs[name].append(run)
-            print(f"  round {rep + 1}/{reps} {name:<8} median step {statistics.median(run['step_times']) * 1e3:7.1f} ms, "
-                  f"{sum(run['real_tokens']) / sum(run['step_times']):8.0f} real tokens/s (load {load:.1f})", flush=True)
-    return runs
-
-
 def summarise(runs: list[dict], warmup: int) -> dict:
     times = [t for r in runs for t in r["step_times"][warmup:]]
     real = [n for r in runs for n in r["real_tokens"][warmup:]]
@@ -112,24 +92,16 @@ def summarise(runs: list[dict], warmup: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--run", help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--steps", type=int, default=25)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
+    args = bench_arguments(__doc__.splitlines()[0]).parse_args()
     if args.run:
         run_variant(args.run, args.steps, args.out)
         return
-    if args.quick:
-        args.steps, args.warmup, args.reps = 8, 3, 1
+    apply_quick(args)
     names = list(VARIANTS)
     started = time.time()
     print(f"{len(names)} variants × {args.reps} rounds × {args.steps} steps, DP2, {THREADS} thread/rank, "
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
-    runs = measure(names, args.reps, args.steps)
+    runs = interleaved_runs(__file__, names, args.reps, args.steps, THREADS)
     rows = {name: summarise(rs, args.warmup) for name, rs in runs.items()}
     ratio = rows["packing"]["real_tokens_per_s"] / rows["padding"]["real_tokens_per_s"]
     print(f"\n{'variant':<8} {'real tok/s':>11} {'median step ms':>15} {'real tok/step':>14} {'real/positions':>15}")
