@@ -196,6 +196,16 @@ def corpus(tmp_path: Path) -> tuple[Path, Path]:
     return prefixes[0], prefixes[1]
 
 
+def train_shipped(name: str, overrides: list[str], cwd) -> subprocess.CompletedProcess:
+    """``nxdt train`` on a shipped NxDT config with overrides; it must finish, with no key called unknown."""
+    result = subprocess.run([sys.executable, "-m", "nxdt.cli", "train", "--config-path", str(SHIPPED), "--config-name", name,
+                             *overrides], cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            capture_output=True, text=True, timeout=170)
+    assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+    assert "unknown key" not in result.stderr
+    return result
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_megatron_config_shrunk_trains_on_blended_indexed_data(tmp_path):
@@ -208,11 +218,7 @@ def test_a_megatron_config_shrunk_trains_on_blended_indexed_data(tmp_path):
               f"data.index_mapping_dir={index_dir}", "data.tokenizer.type=null",  # the data is converted byte-level
               "model.optim.lr=3e-3", "model.optim.sched.warmup_steps=0",
               "exp_manager.create_tensorboard_logger=false", "comm.timeout_s=60", f"exp_manager.explicit_log_dir={run}"]
-    result = subprocess.run([sys.executable, "-m", "nxdt.cli", "train", "--config-path", str(SHIPPED), "--config-name",
-                             "megatron_llama_7B_config", *shrink], cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                            capture_output=True, text=True, timeout=170)
-    assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
-    assert "unknown key" not in result.stderr
+    train_shipped("megatron_llama_7B_config", shrink, tmp_path)
     with open(run / "metrics.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
     assert [int(r["step"]) for r in rows] == [1, 2, 3]
@@ -247,11 +253,7 @@ def test_the_megatron_sft_config_shrunk_trains_on_instruction_records(tmp_path):
               f"data.val_dir={tmp_path / 'validation.jsonl'}", f"data.tokenizer.type={_tokenizer(tmp_path / 'tokenizer')}",
               "model.weight_init_only=false", "exp_manager.resume_from_checkpoint=null", "model.optim.lr=3e-3",
               "exp_manager.create_tensorboard_logger=false", "comm.timeout_s=60", f"exp_manager.explicit_log_dir={run}"]
-    result = subprocess.run([sys.executable, "-m", "nxdt.cli", "train", "--config-path", str(SHIPPED), "--config-name",
-                             "megatron_llama2_7B_SFT_config", *shrink], cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                            capture_output=True, text=True, timeout=170)
-    assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
-    assert "unknown key" not in result.stderr
+    result = train_shipped("megatron_llama2_7B_SFT_config", shrink, tmp_path)
     # packed: the records (~50 tokens each with the chat template) share 128-token sequences
     line = next(x for x in result.stdout.splitlines() if "data: train:" in x)
     records, sequences = int(line.split("records →")[0].split()[-2]), int(line.split("→ ")[1].split()[0])
