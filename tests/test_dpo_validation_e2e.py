@@ -31,8 +31,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 BETA = 0.5
 VAL_PAIRS = 10  # ceil(0.15 · 64)
-VALIDATION = ["trainer.devices=2", "data.val_split=0.15", "exp_manager.create_tensorboard_logger=true",
-              f"model_alignment_strategy.dpo.kl_beta={BETA}"]
+VALIDATION = [
+    "trainer.devices=2",
+    "data.val_split=0.15",
+    "exp_manager.create_tensorboard_logger=true",
+    f"model_alignment_strategy.dpo.kl_beta={BETA}",
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +44,14 @@ def launched(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dpo_val")
     tokenizer = _tokenizer(tmp / "tokenizer")
     run = tmp / "run"
-    result = _train(tmp, "hf_llama3_8B_DPO_config", *PARITY, *VALIDATION, f"exp_manager.explicit_log_dir={run}",
-                    f"data.tokenizer.type={tokenizer}")
+    result = _train(
+        tmp,
+        "hf_llama3_8B_DPO_config",
+        *PARITY,
+        *VALIDATION,
+        f"exp_manager.explicit_log_dir={run}",
+        f"data.tokenizer.type={tokenizer}",
+    )
     return run, result.stdout
 
 
@@ -70,8 +80,9 @@ def _expected(run) -> dict[str, float]:
     trained = import_architecture(cfg.model.architecture)(cfg.model).eval()
     trained.load_state_dict(read_checkpoint_weights(str(run / "checkpoints" / "step-3"))[0])
     data = cfg.data
-    dataset = build_preference_dataset(data, cfg.model_alignment_strategy.dpo, data.train_dir, cfg.model.vocab_size,
-                                       limit=data.dev_choose_samples)
+    dataset = build_preference_dataset(
+        data, cfg.model_alignment_strategy.dpo, data.train_dir, cfg.model.vocab_size, limit=data.dev_choose_samples
+    )
     _, held = hold_out(dataset, data.val_split)
     assert len(held) == VAL_PAIRS
     batch = pair_rows(torch.utils.data.default_collate([held[i] for i in range(len(held))]))
@@ -81,9 +92,13 @@ def _expected(run) -> dict[str, float]:
     margins = chosen - rejected
     # the count below is meaningful only if no margin sits within rounding (≲ 1e-5, see the tolerances) of 0
     assert float(margins.abs().min()) > 1e-4, margins
-    return {"val_loss": float(-F.logsigmoid(margins).mean()), "val_rewards/chosen": float(chosen.mean()),
-            "val_rewards/rejected": float(rejected.mean()), "val_rewards/margins": float(margins.mean()),
-            "wins": int((margins > 0).sum())}
+    return {
+        "val_loss": float(-F.logsigmoid(margins).mean()),
+        "val_rewards/chosen": float(chosen.mean()),
+        "val_rewards/rejected": float(rejected.mean()),
+        "val_rewards/margins": float(margins.mean()),
+        "wins": int((margins > 0).sum()),
+    }
 
 
 def test_dpo_validation_over_the_whole_held_out_set_equals_one_process(launched):
