@@ -612,7 +612,7 @@ def check_trainable(cfg: Any) -> None:
 
 def _check_preference_training(cfg: Any) -> None:
     """What DPO / ORPO training does not cover yet, refused by name."""
-    mas, data, ds = cfg.model_alignment_strategy, cfg.data, cfg.distributed_strategy
+    mas, ds = cfg.model_alignment_strategy, cfg.distributed_strategy
     name = next((n for n in ("dpo", "orpo") if getattr(mas, n, None) is not None), None)
     if name is None:
         return
@@ -621,10 +621,6 @@ def _check_preference_training(cfg: Any) -> None:
         raise NotYetSupported(f"{key}.precompute_ref_log_probs", False, "the reference log-probabilities are computed once "
                               "before training (by the same model, sharded like the policy); computing them every step would "
                               "need a second, frozen copy of the model on every rank; set true (NxDT supports only true too)")
-    if data.val_dir is not None or data.val_split:
-        where, value = ("data.val_dir", data.val_dir) if data.val_dir is not None else ("data.val_split", data.val_split)
-        raise NotYetSupported(where, value, f"validation of {name.upper()} (reward metrics on held-out pairs) is not implemented "
-                              "yet; set data.val_dir=null and data.val_split=0")
     if ds.context_parallel_size > 1:
         raise NotYetSupported("distributed_strategy.context_parallel_size", ds.context_parallel_size, f"{name.upper()} needs "
                               "each sequence's whole log-probability on one rank; context parallelism splits it; use 1")

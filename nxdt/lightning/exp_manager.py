@@ -87,11 +87,13 @@ class StepMetricsLogger(Callback):
     ``step_metrics``, on rank 0, and shows the row on the console (``console``)."""
 
     def __init__(self, path: Path, tokens_per_step: int, every_n_steps: int = 1, extra_columns: tuple[str, ...] = (),
-                 console: StepConsole | None = None, validation: bool = False) -> None:
+                 console: StepConsole | None = None, validation: bool = False, val_columns: tuple[str, ...] = ()) -> None:
         self.console = console
         self.path = Path(path)
-        # e.g. grad_norm, param_norm (exp_manager.log_*_norm); val_loss when data.val_dir is validated
-        self.columns = METRIC_COLUMNS + tuple(extra_columns) + (("val_loss",) if validation else ())
+        # val_loss when data.val_dir is validated, and the objective's validation metrics (DPO: val_rewards/...)
+        self.val_columns = ("val_loss",) + tuple(val_columns) if validation else ()
+        # e.g. grad_norm, param_norm (exp_manager.log_*_norm)
+        self.columns = METRIC_COLUMNS + tuple(extra_columns) + self.val_columns
         # with validation a step's row is written once its validation (if any) has run: after the step's
         # validation, or when the next step starts, or training ends — one row per step, val_loss in it
         self.validation = validation
@@ -165,16 +167,19 @@ class StepMetricsLogger(Callback):
         if trainer.sanity_checking or not metrics or not trainer.is_global_zero:
             return
         step, loss = metrics["step"], metrics["val_loss"]
+        values = {name: metrics[name] for name in self.val_columns if name in metrics}
         if self._pending is not None and self._pending["step"] == step:
-            self._pending["val_loss"] = loss
+            self._pending.update(values)
             self._flush()
         else:  # the step's own row was not logged (log_every_n_steps): a row with the validation alone
             self._flush()
-            self._write({"step": step, "val_loss": loss, "wall_time": round(time.time(), 3)})
+            self._write({"step": step, **values, "wall_time": round(time.time(), 3)})
         for logger in trainer.loggers:
-            logger.log_metrics({"val_loss": loss}, step=step)
+            logger.log_metrics(values, step=step)
         if self.console is not None:
-            print(f"step {step}: val_loss {loss:.4f} ({metrics.get('val_tokens', 0):,} tokens)", flush=True)
+            counted = f"{metrics['val_pairs']:,} pairs" if "val_pairs" in metrics else f"{metrics.get('val_tokens', 0):,} tokens"
+            accuracy = f", reward acc {values['val_rewards/accuracies']:.3f}" if "val_rewards/accuracies" in values else ""
+            print(f"step {step}: val_loss {loss:.4f}{accuracy} ({counted})", flush=True)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._flush()
@@ -348,9 +353,11 @@ def build_callbacks(cfg: Any, run_dir: Path, tokens_per_step: int, *, show_progr
     em = cfg.exp_manager
     norms = tuple(c for c, on in (("grad_norm", em.log_gradient_norm), ("param_norm", em.log_parameter_norm)) if on)
     mas = cfg.model_alignment_strategy  # DPO / ORPO: the objective's metrics (nxdt.lightning.objective)
-    norms += REWARD_METRICS if mas.dpo is not None else ORPO_METRICS if mas.orpo is not None else ()
-    callbacks: list[Callback] = [StepMetricsLogger(run_dir / "metrics.csv", tokens_per_step, cfg.trainer.log_every_n_steps, norms,
-                                                   console=StepConsole.for_run(cfg, run_dir), validation=validates(cfg))]
+    objective_metrics = REWARD_METRICS if mas.dpo is not None else ORPO_METRICS if mas.orpo is not None else ()
+    callbacks: list[Callback] = [StepMetricsLogger(run_dir / "metrics.csv", tokens_per_step, cfg.trainer.log_every_n_steps,
+                                                   norms + objective_metrics, console=StepConsole.for_run(cfg, run_dir),
+                                                   validation=validates(cfg),
+                                                   val_columns=tuple(f"val_{name}" for name in objective_metrics))]
     every = cfg.exp_manager.checkpoint_every_n_steps
     if every:
         callbacks.append(DirectoryCheckpoint(

@@ -5,7 +5,8 @@ One Lightning step is one global batch, as in NxDT: the batch is this rank's sha
 ``micro_batch_size`` pieces inside the step. The step's loss — the objective of ``model_alignment_strategy``
 (:mod:`nxdt.lightning.objective`): the mean over every labelled token of the global batch, whichever micro-batch and
 data-parallel rank holds it — is published in ``step_metrics`` for the experiment manager; after a validation
-(``data.val_dir``), ``val_metrics`` holds ``val_loss``, token-weighted over the whole validation set.
+(``data.val_dir``), ``val_metrics`` holds ``val_loss``, token-weighted over the whole validation set (DPO/ORPO: the mean
+over its pairs, with the objective's metrics as ``val_<name>``).
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from typing import Any
 
 import torch
 import lightning.pytorch as pl
-from torch.utils.data import default_collate
+from torch.utils.data import Dataset, Subset, default_collate
 
 from nxdt.config.validate import ALLOWED_MODEL_PREFIX
 from nxdt.lightning.hf import load_hf_weights
 from nxdt.data.preferences import pair_rows
-from nxdt.lightning.objective import label_count, objective_for, sequence_log_prob_sums, token_weights
+from nxdt.lightning.objective import label_count, objective_for, pair_sums, sequence_log_prob_sums, token_weights
 from nxdt.lightning.optim import build_optimizer, build_scheduler
 from nxdt.models.lora import apply_peft
 from nxdt.parallel import squared_norm
@@ -125,7 +126,7 @@ class CausalLMModule(pl.LightningModule):
         self.inject_nan = False  # set by exp_manager.fault_injection.kind=nan: this step's loss becomes NaN
         self.step_metrics: dict[str, float] = {}
         self.val_metrics: dict[str, float] = {}  # after each validation: val_loss (token-weighted over data.val_dir)
-        self._val_sums = torch.zeros(2, dtype=torch.float64)  # (loss · tokens, tokens) of this rank's validation batches
+        self._val_sums = self._no_val_sums()  # this rank's validation sums (:meth:`_no_val_sums`)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
@@ -239,17 +240,27 @@ class CausalLMModule(pl.LightningModule):
             self.precompute_reference()
 
     def precompute_reference(self) -> None:
-        """DPO's reference: the per-sequence log-probabilities of every training pair under the weights the run starts
-        from (the initial model; a resumed run's checkpoint is restored only after this hook), computed once by this
-        very model — sharded like the policy on every layout — forward only. Each data-parallel rank scores an equal
-        slice of the pairs (the last padded with pair 0, whose scores are dropped, so every rank runs the same forwards);
-        the table [pairs, 2] is summed over data parallelism (each pair scored by one rank, zeros elsewhere) and stored
-        in the dataset, which attaches each pair's row to its samples in any order."""
+        """DPO's reference: the per-sequence log-probabilities of every training and validation pair under the weights
+        the run starts from (the initial model; a resumed run's checkpoint is restored only after this hook), computed
+        once by this very model — sharded like the policy on every layout — forward only. A held-out split
+        (``data.val_split``) shares its dataset with training: that dataset is scored once, whole."""
         datamodule = getattr(self.trainer, "datamodule", None)
-        dataset = getattr(datamodule, "dataset", None)
-        if dataset is None or not hasattr(dataset, "set_reference_log_probs"):
+        datasets: list[Dataset] = []
+        for dataset in (getattr(datamodule, "dataset", None), getattr(datamodule, "val_dataset", None)):
+            base = dataset.dataset if isinstance(dataset, Subset) else dataset
+            if base is not None and all(base is not d for d in datasets):
+                datasets.append(base)
+        if not datasets or not all(hasattr(d, "set_reference_log_probs") for d in datasets):
             raise RuntimeError("DPO precomputes the reference log-probabilities of the training pairs: fit with "
                                "NxDDataModule and data.source=preferences")
+        for dataset in datasets:
+            self._store_reference(dataset)
+
+    def _store_reference(self, dataset: Any) -> None:
+        """Each data-parallel rank scores an equal slice of ``dataset``'s pairs (the last padded with pair 0, whose scores
+        are dropped, so every rank runs the same forwards); the table [pairs, 2] is summed over data parallelism (each
+        pair scored by one rank, zeros elsewhere) and stored in the dataset, which attaches each pair's row to its
+        samples in any order."""
         kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {"rank": 0, "num_replicas": 1}
         rank, size, b = int(kwargs["rank"]), int(kwargs["num_replicas"]), self.micro_batch_size
         n = len(dataset)
@@ -323,12 +334,18 @@ class CausalLMModule(pl.LightningModule):
                 losses.append(float(self.objective.loss(self.model, logits, mb)))
         return losses
 
+    def _no_val_sums(self) -> torch.Tensor:
+        """Validation sums before the first batch: (loss · tokens, tokens); pairs (DPO/ORPO): (loss · pairs, each
+        metric · pairs, pairs) — :func:`~nxdt.lightning.objective.pair_sums`."""
+        return torch.zeros(len(self.objective.metrics) + 2 if self.objective.pairs else 2, dtype=torch.float64)
+
     def on_validation_epoch_start(self) -> None:
-        self._val_sums = torch.zeros(2, dtype=torch.float64)
+        self._val_sums = self._no_val_sums()
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         if self.objective.pairs:
-            raise NotImplementedError(f"validation of the {self.objective.name.upper()} objective is not implemented yet")
+            self._validate_pairs(batch)
+            return
         micro_batches = split_micro_batches(batch, self.micro_batch_size)
         run = getattr(self.trainer.strategy, "evaluate", None)
         losses = run(self, micro_batches) if run else self.evaluate_losses(micro_batches)
@@ -337,8 +354,26 @@ class CausalLMModule(pl.LightningModule):
             if count:  # a padding-only micro-batch's loss is 0/0
                 self._val_sums += torch.tensor([loss * count, count], dtype=torch.float64)
 
+    def _validate_pairs(self, batch: dict[str, torch.Tensor]) -> None:
+        """Preference pairs: every row's summed log-probability, forward only (the strategy runs it; PP: the last stage
+        scores and every stage gets the values), then the objective of each micro-batch's real pairs (the
+        padding pairs of the last batch left out), added up as sums over pairs."""
+        micro_batches = self._lay_out(split_micro_batches(batch, self.micro_batch_size))
+        scores = self.sequence_scores(micro_batches)
+        assert self.objective.pair_loss is not None  # every pair objective has one
+        for mb, row in zip(micro_batches, scores):
+            self._val_sums += pair_sums(self.objective.pair_loss, self.objective.metrics, row, mb)
+
     def on_validation_epoch_end(self) -> None:
-        """val_loss: the token-weighted mean over every validation token of every data-parallel rank."""
+        """val_loss: the token-weighted mean over every validation token of every data-parallel rank; DPO/ORPO: the
+        mean over every validation pair, and each metric's (``val_rewards/accuracies``: the fraction of pairs)."""
+        if self.objective.pairs:
+            sums = self._data_parallel_sum(self._val_sums.clone()).tolist()
+            pairs = sums[-1]
+            means = [v / pairs if pairs else math.nan for v in sums[:-1]]
+            names = ("val_loss",) + tuple(f"val_{n}" for n in self.objective.metrics)
+            self.val_metrics = {"step": self.trainer.global_step, **dict(zip(names, means)), "val_pairs": int(pairs)}
+            return
         loss_tokens, tokens = self._data_parallel_sum(self._val_sums.clone()).tolist()
         self.val_metrics = {"step": self.trainer.global_step, "val_loss": loss_tokens / tokens if tokens else math.nan,
                             "val_tokens": int(tokens)}

@@ -60,6 +60,8 @@ class Objective:
     pairs: bool = False  # samples are preference pairs (pair_rows lays out each micro-batch)
     reference: bool = False  # reads the reference model's log-probabilities (micro_batch["ref_logps"])
     metrics: tuple[str, ...] = ()  # what micro_batch["metric_sums"] holds (then the pair count)
+    # pairs: (rows' summed log-probs, rows' label counts, ref_logps or None) → (loss, metrics); validation reuses it
+    pair_loss: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] | None = None
 
 
 CAUSAL_LM = Objective("causal_lm", causal_lm_loss)
@@ -80,27 +82,53 @@ def _record(micro_batch: dict[str, torch.Tensor], metrics: dict[str, torch.Tenso
     micro_batch["metric_sums"] = torch.cat([means * pairs, torch.tensor([float(pairs)], dtype=torch.float64)])
 
 
-def dpo_objective_loss(beta: float, loss_type: str, model: Any, logits: torch.Tensor,
-                       micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """DPO (Rafailov et al. 2023) on one micro-batch of pairs against its precomputed reference log-probabilities."""
-    chosen, rejected = split_chosen_rejected(sequence_log_prob_sums(model, logits, micro_batch))
-    ref = micro_batch["ref_logps"]
-    loss, metrics = dpo_loss(chosen, rejected, ref[:, 0], ref[:, 1], beta, loss_type)
-    _record(micro_batch, metrics, REWARD_METRICS, chosen.shape[0])
-    return loss
+def dpo_pair_loss(beta: float, loss_type: str, sums: torch.Tensor, counts: torch.Tensor,
+                  ref: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPO (Rafailov et al. 2023) of pairs from their rows' summed log-probabilities (chosen rows, then rejected rows)
+    and the reference's ``ref`` [pairs, 2]; ``counts`` (labelled tokens per row) are not needed."""
+    chosen, rejected = split_chosen_rejected(sums)
+    return dpo_loss(chosen, rejected, ref[:, 0], ref[:, 1], beta, loss_type)
 
 
-def orpo_objective_loss(beta: float, model: Any, logits: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """ORPO (Hong et al. 2024) on one micro-batch of pairs: the chosen rows' token-mean NLL + β · the odds-ratio term
-    of the length-normalised log-probabilities; no reference model."""
-    labels = micro_batch["labels"]
-    token_logps = model.token_log_probs(logits, labels)
-    sums, counts = token_logps.sum(-1), (labels != IGNORE_INDEX).sum(-1).to(token_logps.dtype)
+def orpo_pair_loss(beta: float, sums: torch.Tensor, counts: torch.Tensor,
+                   ref: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """ORPO (Hong et al. 2024) of pairs: the chosen rows' token-mean NLL + β · the odds-ratio term of the
+    length-normalised log-probabilities (``sums / counts``); no reference model."""
     (chosen_sum, rejected_sum), (chosen_count, rejected_count) = split_chosen_rejected(sums), split_chosen_rejected(counts)
     nll = -chosen_sum.sum() / chosen_count.sum().clamp(min=1)
-    loss, metrics = orpo_loss(chosen_sum / chosen_count.clamp(min=1), rejected_sum / rejected_count.clamp(min=1), nll, beta)
-    _record(micro_batch, metrics, ORPO_METRICS, chosen_sum.shape[0])
+    return orpo_loss(chosen_sum / chosen_count.clamp(min=1), rejected_sum / rejected_count.clamp(min=1), nll, beta)
+
+
+PairLoss = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def pair_objective_loss(pair_loss: PairLoss, names: tuple[str, ...], model: Any, logits: torch.Tensor,
+                        micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A preference objective on one micro-batch of pairs (training): its rows' summed log-probabilities and label counts
+    → ``pair_loss`` (with the precomputed reference log-probabilities, DPO); records the metric sums."""
+    sums = sequence_log_prob_sums(model, logits, micro_batch)
+    counts = (micro_batch["labels"] != IGNORE_INDEX).sum(-1).to(sums.dtype)
+    loss, metrics = pair_loss(sums, counts, micro_batch.get("ref_logps"))
+    _record(micro_batch, metrics, names, sums.shape[0] // 2)
     return loss
+
+
+def pair_sums(pair_loss: PairLoss, names: tuple[str, ...], scores: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Validation: (loss · pairs, each metric · pairs, pairs) of one laid-out micro-batch from its rows' summed
+    log-probabilities ``scores`` [2b] (forward only, :meth:`CausalLMModule.sequence_scores`), in float64. A padding pair
+    (:class:`~nxdt.data.sampler.PadRows`: no label; a real pair has at least one response token in each row) is left
+    out, so summed over the set the last value counts every real pair once."""
+    counts = (micro_batch["labels"] != IGNORE_INDEX).sum(-1).to(torch.float64)
+    real = split_chosen_rejected(counts)[0] > 0
+    out = torch.zeros(len(names) + 2, dtype=torch.float64)
+    pairs = int(real.sum())
+    if pairs:
+        rows = torch.cat([real, real])
+        ref = micro_batch.get("ref_logps")
+        loss, metrics = pair_loss(scores.double()[rows], counts[rows], None if ref is None else ref[real])
+        values = torch.stack([loss.detach().double().reshape(())] + [metrics[n].detach().double().reshape(()) for n in names])
+        out[:-1], out[-1] = values * pairs, pairs
+    return out
 
 
 def objective_for(alignment: Any) -> Objective:
@@ -109,9 +137,11 @@ def objective_for(alignment: Any) -> Objective:
     if dpo is not None:
         if dpo.loss_type not in DPO_LOSS_TYPES:
             raise ValueError(f"model_alignment_strategy.dpo.loss_type={dpo.loss_type!r}: only {', '.join(DPO_LOSS_TYPES)} is implemented")
-        return Objective("dpo", functools.partial(dpo_objective_loss, float(dpo.kl_beta), dpo.loss_type),
-                         token_weighted=False, pairs=True, reference=True, metrics=REWARD_METRICS)
+        pair_loss: PairLoss = functools.partial(dpo_pair_loss, float(dpo.kl_beta), dpo.loss_type)
+        return Objective("dpo", functools.partial(pair_objective_loss, pair_loss, REWARD_METRICS), token_weighted=False,
+                         pairs=True, reference=True, metrics=REWARD_METRICS, pair_loss=pair_loss)
     if orpo is not None:
-        return Objective("orpo", functools.partial(orpo_objective_loss, float(orpo.beta)), token_weighted=False,
-                         pairs=True, metrics=ORPO_METRICS)
+        pair_loss = functools.partial(orpo_pair_loss, float(orpo.beta))
+        return Objective("orpo", functools.partial(pair_objective_loss, pair_loss, ORPO_METRICS), token_weighted=False,
+                         pairs=True, metrics=ORPO_METRICS, pair_loss=pair_loss)
     return CAUSAL_LM
