@@ -86,6 +86,8 @@ def dpo_pair_loss(beta: float, loss_type: str, sums: torch.Tensor, counts: torch
                   ref: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DPO (Rafailov et al. 2023) of pairs from their rows' summed log-probabilities (chosen rows, then rejected rows)
     and the reference's ``ref`` [pairs, 2]; ``counts`` (labelled tokens per row) are not needed."""
+    if ref is None:
+        raise ValueError("DPO needs the reference log-probabilities of every pair (precompute_ref_log_probs)")
     chosen, rejected = split_chosen_rejected(sums)
     return dpo_loss(chosen, rejected, ref[:, 0], ref[:, 1], beta, loss_type)
 
