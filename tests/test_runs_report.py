@@ -152,7 +152,8 @@ def test_default_console_is_nxdts_own_banner_steps_and_summary(launched):
     assert re.match(rf"nxdt: llama_tiny: {DEFAULT_STEPS} steps × 8 sequences of 128 tokens .* plan: [0-9.]+ s/step", lines[2]), lines[2]
     steps = [line for line in lines if line.startswith("step ")]
     rows = _rows(run)
-    assert [int(re.match(rf"step (\d+)/{DEFAULT_STEPS}  loss ", line).group(1)) for line in steps] == list(range(1, DEFAULT_STEPS + 1))
+    # step numbers right-aligned to the width of max_steps ("step  9/30", "step 10/30")
+    assert [int(re.match(rf"step +(\d+)/{DEFAULT_STEPS}  loss ", line).group(1)) for line in steps] == list(range(1, DEFAULT_STEPS + 1))
     assert all(f"loss {float(r['loss']):.4f}" in line for r, line in zip(rows, steps))
     last, first = float(rows[-1]["loss"]), float(rows[0]["loss"])
     assert f"nxdt: finished at step {DEFAULT_STEPS} of {DEFAULT_STEPS} in " in console
