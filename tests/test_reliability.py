@@ -17,17 +17,16 @@ from safetensors.torch import load_file
 
 from nxdt.lightning.checkpoint import verify as verify_checkpoint
 
+from shared_runs import RELIABILITY
 from test_train_e2e import TINY, assert_ok, losses, nxdt
 
-COMMON = [*TINY, "data=synthetic", "trainer.max_steps=12", "exp_manager.checkpoint_every_n_steps=5", "exp_manager.keep_last_k=5",
-          "data.global_batch_size=4", "data.micro_batch_size=2"]
+COMMON = RELIABILITY  # 12 DP2 steps, a checkpoint every 5
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    run = tmp_path_factory.mktemp("ref") / "run"
-    assert_ok(nxdt("train", *COMMON, f"exp_manager.explicit_log_dir={run}", cwd=run.parent))
-    return run
+@pytest.fixture
+def reference(reliability_reference) -> Path:
+    """The uninterrupted run (shared_runs.py; test_train_e2e.py's resume_if_exists test compares with it too)."""
+    return reliability_reference
 
 
 @pytest.mark.timeout(240)

@@ -1,19 +1,15 @@
 """``nxdt runs`` and ``nxdt report``, and the console of real runs.
 
 Units first (status.json and the liveness of its launcher, finding run directories, figures from hand-written
-metrics), then three launches shared by every end-to-end assertion (module-scoped): the default ``nxdt train``
-(finished), a run whose rank 1 raises (failed, ``-q``) and one stopped with SIGINT (interrupted)."""
+metrics), then three launches shared by every end-to-end assertion (``everyday_runs`` in shared_runs.py, shared with
+test_train_e2e.py): the default ``nxdt train`` (finished, 30 steps, checkpoints), a run whose rank 1 raises (failed,
+``-q``) and one stopped with SIGINT (interrupted)."""
 
 from __future__ import annotations
 
 import csv
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +20,7 @@ from nxdt.launch.rundir import lock_run_dir, write_run_dir
 from nxdt.launch.runs import find_run_dirs, list_runs, load_run, read_status, write_status
 from nxdt.lightning.exp_manager import METRIC_COLUMNS
 from nxdt.planner import plan
+from shared_runs import DEFAULT_STEPS
 from test_train_e2e import assert_ok, nxdt
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -130,26 +127,9 @@ def test_report_refuses_what_is_not_a_run(tmp_path, capsys):
 # ---------------------------------------------------------------- three real runs
 
 
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """The default run (finished), a failing one (-q) and one interrupted by SIGINT, all under one exp_dir."""
-    root = tmp_path_factory.mktemp("everyday")
-    t0 = time.time()
-    default = nxdt("train", "trainer.max_steps=6", cwd=root)
-    failing = nxdt("train", "-q", "name=failing", "data=synthetic", "trainer.max_steps=20", "exp_manager.fault_injection.step=3",
-                   "exp_manager.fault_injection.rank=1", cwd=root)
-    proc = subprocess.Popen([sys.executable, "-m", "nxdt.cli", "train", "name=stopped", "data=synthetic", "trainer.max_steps=100000",
-                             "exp_manager.checkpoint_every_n_steps=2", "exp_manager.keep_last_k=1"], cwd=root,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not list(root.glob("outputs/stopped/*/checkpoints/step-*/done")):
-        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=90)
-    stopped = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    runs = {name: next(root.glob(f"outputs/{name}/*")) for name in ("llama_tiny", "failing", "stopped")}
-    return {"root": root, "t0": t0, "default": default, "failing": failing, "stopped": stopped, "runs": runs}
+@pytest.fixture
+def launched(everyday_runs):
+    return everyday_runs
 
 
 def _rows(run: Path) -> list[dict]:
@@ -169,15 +149,21 @@ def test_default_console_is_nxdts_own_banner_steps_and_summary(launched):
     lines = console.splitlines()
     assert lines[0] == f"nxdt: run directory {run} (2 ranks)"
     assert lines[1] == "nxdt: layout: 2 ranks on cpu · TP1 PP1 DP2 CP1 EP1 · FSDP off · fp32"
-    assert re.match(r"nxdt: llama_tiny: 6 steps × 8 sequences of 128 tokens .* plan: [0-9.]+ s/step", lines[2]), lines[2]
+    assert re.match(rf"nxdt: llama_tiny: {DEFAULT_STEPS} steps × 8 sequences of 128 tokens .* plan: [0-9.]+ s/step", lines[2]), lines[2]
     steps = [line for line in lines if line.startswith("step ")]
     rows = _rows(run)
-    assert [int(re.match(r"step (\d+)/6  loss ", line).group(1)) for line in steps] == [1, 2, 3, 4, 5, 6]
+    # step numbers right-aligned to the width of max_steps ("step  9/30", "step 10/30")
+    assert [int(re.match(rf"step +(\d+)/{DEFAULT_STEPS}  loss ", line).group(1)) for line in steps] == list(range(1, DEFAULT_STEPS + 1))
     assert all(f"loss {float(r['loss']):.4f}" in line for r, line in zip(rows, steps))
     last, first = float(rows[-1]["loss"]), float(rows[0]["loss"])
-    assert "nxdt: finished at step 6 of 6 in " in console
+    assert f"nxdt: finished at step {DEFAULT_STEPS} of {DEFAULT_STEPS} in " in console
     assert f"nxdt: loss {first:.4f} → {last:.4f} · " in console  # the final loss is metrics.csv's last row
-    assert f"nxdt: look at it: nxdt report {run}" in console and "newest checkpoint: none" in console
+    assert f"nxdt: look at it: nxdt report {run}" in console
+    # the newest checkpoint, and how to continue a finished run from it
+    assert f"nxdt: newest checkpoint: {run / 'checkpoints' / f'step-{DEFAULT_STEPS}'}" in lines
+    assert (f"nxdt: resume (with a larger trainer.max_steps): nxdt train trainer.max_steps={DEFAULT_STEPS} "
+            f"exp_manager.checkpoint_every_n_steps={DEFAULT_STEPS // 2} exp_manager.explicit_log_dir={run} "
+            "exp_manager.resume_if_exists=true") in lines
     # the per-rank log keeps what the console leaves out
     log = (run / "logs" / "rank0.log").read_text()
     assert "GPU available" in log and "deprecated" in log and re.search(r"rank 0 attempt 0 started \S+ \S+ \(pid \d+", log)
@@ -195,7 +181,7 @@ def test_tensorboard_receives_every_metrics_column(launched):
     events.Reload()
     filled = {k for row in _rows(run) for k, v in row.items() if v != ""} - {"step"}
     assert filled <= set(events.Tags()["scalars"]), (filled, events.Tags()["scalars"])
-    assert len(events.Scalars("loss")) == 6
+    assert len(events.Scalars("loss")) == DEFAULT_STEPS
 
 
 @pytest.mark.slow
@@ -222,7 +208,7 @@ def test_runs_lists_finished_failed_and_interrupted(launched):
     assert_ok(listed)
     got = {Path(r["run"]).parent.name: r for r in json.loads(listed.stdout)}
     assert {name: r["status"] for name, r in got.items()} == {"llama_tiny": "finished", "failing": "failed", "stopped": "interrupted"}
-    assert got["llama_tiny"]["last_step"] == 6 and got["llama_tiny"]["layout"] == "2×cpu DP2"
+    assert got["llama_tiny"]["last_step"] == DEFAULT_STEPS and got["llama_tiny"]["layout"] == "2×cpu DP2"
     assert got["llama_tiny"]["last_loss"] == pytest.approx(float(_rows(launched["runs"]["llama_tiny"])[-1]["loss"]))
     assert got["stopped"]["checkpoint"] and Path(got["stopped"]["checkpoint"]).name.startswith("step-")
     table = nxdt("runs", cwd=root)

@@ -7,7 +7,6 @@ import ipaddress
 import math
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import pytest
 import torch
 
 from nxdt.comm.objects import ObjectCodecError, decode, encode
+from shared_runs import listening_addresses, process_tree
 
 
 # ----------------------------------------------------------------------------- the object codec
@@ -75,68 +75,13 @@ def test_broadcast_object_between_ranks_uses_the_codec():
 
 
 # ----------------------------------------------------------------------------- what a local run listens on
-def _process_tree(root: int) -> set[int]:
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    tree, grew = {root}, True
-    while grew:
-        grew = False
-        for pid, parent in parents.items():
-            if parent in tree and pid not in tree:
-                tree.add(pid)
-                grew = True
-    return tree
-
-
-def _listening_addresses(pids: set[int]) -> list[tuple[str, int]]:
-    """(address, port) of every listening TCP socket (IPv4 and IPv6) that one of ``pids`` holds."""
-    inodes = set()
-    for pid in pids:
-        try:
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                target = os.readlink(fd)
-                if target.startswith("socket:["):
-                    inodes.add(target[8:-1])
-        except OSError:
-            continue
-    found = []
-    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
-                continue
-            hex_addr, hex_port = fields[1].split(":")
-            raw = bytes.fromhex(hex_addr)
-            # /proc prints the address as host-order 32-bit words
-            packed = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
-            found.append((str(ipaddress.ip_address(packed)), int(hex_port, 16)))
-    return found
-
-
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_a_local_run_listens_on_loopback_only(tmp_path):
-    run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "nxdt.cli", "train", "model=llama_tiny", "data=synthetic",
-                             "trainer.max_steps=100000", "exp_manager.create_tensorboard_logger=false",
-                             f"exp_manager.explicit_log_dir={run}"], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not (run / "metrics.csv").exists():  # every worker has joined and trains
-            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() is not None else "timeout"
-            time.sleep(0.2)
-        tree = _process_tree(proc.pid)
-        assert len(tree) >= 3, tree  # the launcher, its fork server and the workers
-        listening = _listening_addresses(tree)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=60)
+@pytest.mark.timeout(300)  # the shared launches may start here
+def test_a_local_run_listens_on_loopback_only(everyday_runs):
+    """The process tree of a training run (shared_runs.py's stopped run, recorded while it trained, before SIGINT)
+    and every TCP socket it listens on."""
+    tree, listening = everyday_runs["stopped_tree"], everyday_runs["stopped_listening"]
+    assert len(tree) >= 3, tree  # the launcher, its fork server and the workers
     assert listening, "the run's store was not found: the check would pass vacuously"
     exposed = [(addr, port) for addr, port in listening if not ipaddress.ip_address(addr).is_loopback]
     assert not exposed, f"listening beyond loopback: {exposed} (all: {listening})"
@@ -181,8 +126,8 @@ def test_hostile_payloads_in_every_store_key_run_no_code(tmp_path):
         while not (run / "metrics.csv").exists():
             assert time.monotonic() < deadline and proc.poll() is None, "the run did not start"
             time.sleep(0.2)
-        tree = _process_tree(proc.pid)
-        (port,) = {p for _, p in _listening_addresses(tree)}
+        tree = process_tree(proc.pid)
+        (port,) = {p for _, p in listening_addresses(tree)}
         # the run id, as anyone can read it from the names of the run's shared-memory segments (this run's: their
         # header names a creator in the run's process tree)
         run_id = next(p.name[len("nxdt-"):].split(".")[0] for p in Path("/dev/shm").glob("nxdt-x*")

@@ -1,8 +1,9 @@
 """End to end: ``nxdt train`` launches real worker processes and leaves a complete run directory.
 
-Each test runs tiny trainings (llama_tiny, a few steps) in ``tmp_path``; the acceptance points of
-the walking skeleton: learning on the sample text, DP=2 equal to one process, exact resume, a
-failing worker reported by rank, and sweeps with their report.
+Each test runs tiny trainings (llama_tiny, a few steps) in ``tmp_path``, or inspects a launch shared with other
+modules (``shared_runs.py``: the default run, a failing one, one stopped by SIGINT, a 12-step reference); the acceptance
+points of the walking skeleton: learning on the sample text, DP=2 equal to one process, exact resume, a failing worker
+reported by rank, and sweeps with their report.
 """
 
 from __future__ import annotations
@@ -10,17 +11,13 @@ from __future__ import annotations
 import csv
 import math
 import os
-import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from nxdt.comm.waiting import pid_alive  # zombies count as gone
-
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # the shared launches (shared_runs.py) may start here
 
 TINY = ["model=llama_tiny", "trainer.log_every_n_steps=1", "exp_manager.create_tensorboard_logger=false"]
 
@@ -35,27 +32,15 @@ def losses(run_dir: Path) -> dict[int, float]:
         return {int(row["step"]): float(row["loss"]) for row in csv.DictReader(fh)}
 
 
-def assert_no_process_left(run_dir: Path) -> None:
-    """Every worker the run started, and the fork server they came from, has exited (zombies count as gone)."""
-    started = re.findall(r"started [0-9-]+ [0-9:.]+ \(pid (\d+), parent (\d+)\)", "".join(
-        path.read_text() for path in (run_dir / "logs").glob("rank*.log")))
-    assert started, "no worker logged its start"
-    pids = {int(pid) for pair in started for pid in pair}
-    deadline = time.monotonic() + 10
-    while (alive := [pid for pid in pids if pid_alive(pid)]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not alive, f"processes left behind: {alive}"
-
-
 def assert_ok(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
 
 
-def test_default_run_learns_on_the_sample_text_and_fills_the_run_dir(tmp_path):
-    run = tmp_path / "run"
-    result = nxdt("train", *TINY, "trainer.max_steps=30", "exp_manager.checkpoint_every_n_steps=15",
-                  "exp_manager.create_tensorboard_logger=true", f"exp_manager.explicit_log_dir={run}", cwd=tmp_path)
-    assert_ok(result)
+def test_default_run_learns_on_the_sample_text_and_fills_the_run_dir(everyday_runs):
+    """The default ``nxdt train`` (llama_tiny on the sample text, 2 ranks, TensorBoard on) with 30 steps and a
+    checkpoint every 15."""
+    run = everyday_runs["runs"]["llama_tiny"]
+    assert_ok(everyday_runs["default"])
     loss = losses(run)
     assert sorted(loss) == list(range(1, 31))
     assert loss[30] < loss[1] - 1.0, loss  # byte-level text: starts near ln(256)=5.5, must clearly learn
@@ -94,33 +79,32 @@ def test_data_parallel_losses_equal_single_process(tmp_path):
     assert float(val[1][4]) == pytest.approx(float(val[0][4]), rel=1e-6) and math.isfinite(float(val[0][4]))
 
 
-def test_resume_continues_exactly(tmp_path):
-    # The schedule length is pinned so the stopped run and the full run follow the same lr curve.
-    common = [*TINY, "data=synthetic", "data.global_batch_size=4", "data.micro_batch_size=2",
-              "model.optim.sched.max_steps=6", "exp_manager.checkpoint_every_n_steps=3", "exp_manager.resume_if_exists=true"]
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    assert_ok(nxdt("train", *common, "trainer.max_steps=6", f"exp_manager.explicit_log_dir={full}", cwd=tmp_path))
-    assert_ok(nxdt("train", *common, "trainer.max_steps=3", f"exp_manager.explicit_log_dir={resumed}", cwd=tmp_path))
-    assert sorted(losses(resumed)) == [1, 2, 3]
-    second = nxdt("train", *common, "trainer.max_steps=6", f"exp_manager.explicit_log_dir={resumed}", cwd=tmp_path)
+def test_resume_continues_exactly(tmp_path, reliability_reference):
+    """Stopped at step 5 (its checkpoint), the same command with resume_if_exists and trainer.max_steps=12 continues
+    to the uninterrupted 12-step run's losses. The schedule length is pinned so the stopped run and the full run
+    follow the same lr curve."""
+    from shared_runs import RELIABILITY
+
+    common = [*RELIABILITY, "model.optim.sched.max_steps=12", "exp_manager.resume_if_exists=true"]
+    resumed = tmp_path / "resumed"
+    assert_ok(nxdt("train", *common, "trainer.max_steps=5", f"exp_manager.explicit_log_dir={resumed}", cwd=tmp_path))
+    assert sorted(losses(resumed)) == [1, 2, 3, 4, 5]
+    second = nxdt("train", *common, "trainer.max_steps=12", f"exp_manager.explicit_log_dir={resumed}", cwd=tmp_path)
     assert_ok(second)
-    got, want = losses(resumed), losses(full)
-    assert sorted(got) == [1, 2, 3, 4, 5, 6]
+    got, want = losses(resumed), losses(reliability_reference)
+    assert sorted(got) == list(range(1, 13))
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-6), (step, got, want)
 
 
-def test_failing_worker_is_named_and_nothing_is_left_running(tmp_path):
-    run = tmp_path / "run"
-    start = time.monotonic()
-    result = nxdt("train", *TINY, "data=synthetic", "trainer.max_steps=20", "exp_manager.fault_injection.step=3",
-                  "exp_manager.fault_injection.rank=1", f"exp_manager.explicit_log_dir={run}", cwd=tmp_path)
-    elapsed = time.monotonic() - start
+def test_failing_worker_is_named_and_nothing_is_left_running(everyday_runs):
+    """Rank 1 raises at step 3 of 20 (the shared run is quiet, -q: the failure line is printed all the same)."""
+    result, run = everyday_runs["failing"], everyday_runs["runs"]["failing"]
     assert result.returncode != 0
     assert "rank 1" in result.stderr and "rank1.log" in result.stderr, result.stderr[-2000:]
     assert "injected fault" in (run / "logs" / "rank1.log").read_text()
-    assert elapsed < 120
-    assert_no_process_left(run)
+    assert everyday_runs["failing_elapsed"] < 120
+    assert not everyday_runs["failing_left"], f"processes left behind: {everyday_runs['failing_left']}"
 
 
 def test_sweep_runs_one_world_per_job_and_reports(tmp_path):
@@ -136,18 +120,9 @@ def test_sweep_runs_one_world_per_job_and_reports(tmp_path):
     assert list(sweep_dir.glob("*.png"))
 
 
-def test_ctrl_c_stops_every_worker_with_one_line(tmp_path):
-    import signal
-
-    run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "nxdt.cli", "train", *TINY, "data=synthetic", "trainer.max_steps=100000",
-                             f"exp_manager.explicit_log_dir={run}"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not (run / "metrics.csv").exists():  # training has started
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130
-    assert "interrupted" in err and "Traceback" not in err, err[-2000:]
-    assert_no_process_left(run)
+def test_ctrl_c_stops_every_worker_with_one_line(everyday_runs):
+    """SIGINT to the launcher once training has started (a checkpoint was written)."""
+    stopped = everyday_runs["stopped"]
+    assert stopped.returncode == 130
+    assert "interrupted" in stopped.stderr and "Traceback" not in stopped.stderr, stopped.stderr[-2000:]
+    assert not everyday_runs["stopped_left"], f"processes left behind: {everyday_runs['stopped_left']}"

@@ -1,0 +1,124 @@
+"""Launches that several test modules inspect (session-scoped, registered in conftest.py).
+
+Each ``nxdt train`` costs seconds of start-up (the fork server imports torch and Lightning) and the training itself is
+a small part of that, so runs whose configuration several tests need are launched once:
+
+* ``everyday_runs``: the default ``nxdt train`` (finished, with checkpoints), a run whose rank 1 raises (failed, ``-q``)
+  and one stopped with SIGINT (interrupted), all under one exp_dir — for test_train_e2e.py (learning, the run
+  directory, failure and Ctrl-C handling) and test_runs_report.py (the console, ``nxdt runs``, ``nxdt report``).
+* ``reliability_reference``: 12 uninterrupted DP2 steps with checkpoints every 5 — the reference of
+  test_reliability.py's restarts and resumes and of test_train_e2e.py's ``resume_if_exists``.
+
+What is timed or checked during or right after a launch (elapsed time, processes left behind, the sockets a
+training run listens on: test_security.py) is measured here, at that moment, and asserted by the tests."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nxdt.comm.waiting import pid_alive  # zombies count as gone
+from test_train_e2e import TINY, assert_ok, nxdt
+
+RELIABILITY = [*TINY, "data=synthetic", "trainer.max_steps=12", "exp_manager.checkpoint_every_n_steps=5", "exp_manager.keep_last_k=5",
+               "data.global_batch_size=4", "data.micro_batch_size=2"]
+DEFAULT_STEPS = 30  # the default run: enough steps to learn clearly on the sample text (test_train_e2e)
+STOPPED_ARGS = ["name=stopped", "data=synthetic", "trainer.max_steps=100000", "exp_manager.checkpoint_every_n_steps=2",
+                "exp_manager.keep_last_k=1"]
+
+
+def processes_left(run_dir: Path) -> list[int]:
+    """Pids still alive (after up to 10 s) among the workers the run started and the fork server they came from."""
+    started = re.findall(r"started [0-9-]+ [0-9:.]+ \(pid (\d+), parent (\d+)\)", "".join(
+        path.read_text() for path in (run_dir / "logs").glob("rank*.log")))
+    assert started, "no worker logged its start"
+    pids = {int(pid) for pair in started for pid in pair}
+    deadline = time.monotonic() + 10
+    while (alive := [pid for pid in pids if pid_alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
+
+
+def process_tree(root: int) -> set[int]:
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    tree, grew = {root}, True
+    while grew:
+        grew = False
+        for pid, parent in parents.items():
+            if parent in tree and pid not in tree:
+                tree.add(pid)
+                grew = True
+    return tree
+
+
+def listening_addresses(pids: set[int]) -> list[tuple[str, int]]:
+    """(address, port) of every listening TCP socket (IPv4 and IPv6) that one of ``pids`` holds."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    found = []
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            hex_addr, hex_port = fields[1].split(":")
+            raw = bytes.fromhex(hex_addr)
+            # /proc prints the address as host-order 32-bit words
+            packed = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
+            found.append((str(ipaddress.ip_address(packed)), int(hex_port, 16)))
+    return found
+
+
+@pytest.fixture(scope="session")
+def everyday_runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("everyday")
+    default = nxdt("train", f"trainer.max_steps={DEFAULT_STEPS}", f"exp_manager.checkpoint_every_n_steps={DEFAULT_STEPS // 2}", cwd=root)
+    start = time.monotonic()
+    failing = nxdt("train", "-q", "name=failing", "data=synthetic", "trainer.max_steps=20", "exp_manager.fault_injection.step=3",
+                   "exp_manager.fault_injection.rank=1", cwd=root)
+    failing_elapsed = time.monotonic() - start
+    runs = {"llama_tiny": next(root.glob("outputs/llama_tiny/*")), "failing": next(root.glob("outputs/failing/*"))}
+    failing_left = processes_left(runs["failing"])
+    proc = subprocess.Popen([sys.executable, "-m", "nxdt.cli", "train", *STOPPED_ARGS], cwd=root,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(root.glob("outputs/stopped/*/checkpoints/step-*/done")):  # trained and saved: well under way
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    tree = process_tree(proc.pid)  # while it trains: the launcher, its fork server, the workers
+    listening = listening_addresses(tree)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=90)
+    stopped = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    runs["stopped"] = next(root.glob("outputs/stopped/*"))
+    return {"root": root, "default": default, "failing": failing, "failing_elapsed": failing_elapsed, "failing_left": failing_left,
+            "stopped": stopped, "stopped_left": processes_left(runs["stopped"]), "stopped_tree": tree, "stopped_listening": listening,
+            "runs": runs}
+
+
+@pytest.fixture(scope="session")
+def reliability_reference(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("ref") / "run"
+    assert_ok(nxdt("train", *RELIABILITY, f"exp_manager.explicit_log_dir={run}", cwd=run.parent))
+    return run
