@@ -3,3 +3,17 @@ module is collected, so tests in sub-folders import the shared helpers of this f
 ``test_train_e2e``'s launch helpers) whatever order pytest collects them in."""
 
 from shared_runs import everyday_runs, reliability_reference  # noqa: E402,F401  (session fixtures several modules share)
+
+import pytest  # noqa: E402
+
+SHARED_RUN_FIXTURES = {"everyday_runs", "reliability_reference"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (the README's ``-n 2 --dist loadgroup``) each module's tests run on one worker, so a
+    module-scoped launch starts once; the modules that use the session's shared runs form one group, so those
+    launches start once too."""
+    module = {item: item.nodeid.split("::")[0] for item in items}
+    sharing = {module[item] for item in items if SHARED_RUN_FIXTURES & set(getattr(item, "fixturenames", ()))}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group("shared_runs" if module[item] in sharing else module[item]))

@@ -207,7 +207,7 @@ def _killed(world, report: str) -> None:
         world.world.all_reduce(torch.ones(1 << 20))
     except PeerDiedError as exc:
         with open(report, "w") as fh:
-            fh.write(f"{time.monotonic() - start:.3f} {exc}")
+            fh.write(f"{time.monotonic() - start:.3f} {world.run_id} {exc}")
         raise
 
 
@@ -216,9 +216,9 @@ def test_a_killed_rank_fails_the_others_fast_and_leaves_no_segments(tmp_path):
     report = tmp_path / "rank0.txt"
     with pytest.raises(RankFailed):
         run_local(_killed, 3, str(report), timeout_s=60, comm_timeout_s=30.0)
-    elapsed, message = report.read_text().split(" ", 1)
+    elapsed, run_id, message = report.read_text().split(" ", 2)
     assert float(elapsed) < 10 and "rank 1" in message and "exited" in message
-    assert glob.glob("/dev/shm/nxdt-t*") == []
+    assert glob.glob(f"/dev/shm/nxdt-{run_id}-*") == []  # this run's segments (other jobs may share the host)
 
 
 def _concurrent(world) -> None:
