@@ -4,5 +4,13 @@ nxdt.comm uses its torch fallback (nxdt/comm/native.py says so once, at first us
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("nxdt.comm._native", ["nxdt/comm/_native.c"], optional=True,
-                             extra_compile_args=["-O3", "-std=gnu11", "-ffp-contract=off", "-fno-fast-math"])])
+setup(
+    ext_modules=[
+        Extension(
+            "nxdt.comm._native",
+            ["nxdt/comm/_native.c"],
+            optional=True,
+            extra_compile_args=["-O3", "-std=gnu11", "-ffp-contract=off", "-fno-fast-math"],
+        )
+    ]
+)

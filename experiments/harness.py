@@ -41,17 +41,25 @@ def interleaved_runs(script: str, names: list[str], reps: int, steps: int, threa
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
     out = Path(script).resolve().parent / f".run-{os.getpid()}.json"
     for rep in range(reps):
-        order = names[rep % len(names):] + names[:rep % len(names)]  # rotated: slow phases hit every variant
+        order = names[rep % len(names) :] + names[: rep % len(names)]  # rotated: slow phases hit every variant
         for name in order:
             load = os.getloadavg()[0]
-            proc = subprocess.run([sys.executable, script, "--run", name, "--steps", str(steps), "--out", str(out)],
-                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            proc = subprocess.run(
+                [sys.executable, script, "--run", name, "--steps", str(steps), "--out", str(out)],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             if proc.returncode != 0:
                 raise RuntimeError(f"variant {name!r} failed:\n{proc.stderr[-3000:]}")
             run = json.loads(out.read_text())
             out.unlink()
             run["load_before"] = load
             runs[name].append(run)
-            print(f"  round {rep + 1}/{reps} {name:<34} median step {statistics.median(run['step_times']) * 1e3:7.1f} ms "
-                  f"(load {load:.1f})", flush=True)
+            print(
+                f"  round {rep + 1}/{reps} {name:<34} median step {statistics.median(run['step_times']) * 1e3:7.1f} ms "
+                f"(load {load:.1f})",
+                flush=True,
+            )
     return runs

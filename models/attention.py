@@ -73,15 +73,25 @@ def layout_fields(layout: SequenceLayout | None) -> tuple[torch.Tensor | None, t
     return (None, None) if layout is None else (layout.position_ids, layout.segment_ids)
 
 
-def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, impl: str = DEFAULT_IMPL,
-                   block_size: int = BLOCK_SIZE, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+def core_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    impl: str = DEFAULT_IMPL,
+    block_size: int = BLOCK_SIZE,
+    segment_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """softmax(QKᵀ/√d [+ causal mask] [+ segment mask])V; q [B, H, S, D], k/v [B, Hkv, S, D] → [B, H, S, D]."""
     check_impl(impl)
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{k.shape[1]} key/value heads must divide {q.shape[1]} query heads")
     if segment_ids is not None and (q.shape[2] != k.shape[2] or tuple(segment_ids.shape) != (q.shape[0], q.shape[2])):
-        raise ValueError(f"segment_ids {tuple(segment_ids.shape)} must be [batch, seq] = {(q.shape[0], q.shape[2])} "
-                         f"with queries and keys of one length (got {q.shape[2]} and {k.shape[2]})")
+        raise ValueError(
+            f"segment_ids {tuple(segment_ids.shape)} must be [batch, seq] = {(q.shape[0], q.shape[2])} "
+            f"with queries and keys of one length (got {q.shape[2]} and {k.shape[2]})"
+        )
     if impl == "sdpa":
         gqa = k.shape[1] != q.shape[1]
         if segment_ids is None:
@@ -114,8 +124,16 @@ class CoreAttention(nn.Module):
         return f"impl={self.impl}"
 
 
-def _mask(s_q: int, s_k: int, causal: bool, seg_q: torch.Tensor | None, seg_k: torch.Tensor | None,
-          device: torch.device, q0: int = 0, k0: int = 0) -> torch.Tensor:
+def _mask(
+    s_q: int,
+    s_k: int,
+    causal: bool,
+    seg_q: torch.Tensor | None,
+    seg_k: torch.Tensor | None,
+    device: torch.device,
+    q0: int = 0,
+    k0: int = 0,
+) -> torch.Tensor:
     """True where query row q0+i may NOT see key k0+j: above the causal diagonal, or another segment.
     [s_q, s_k] without segments, [B, s_q, s_k] with them (seg_q [B, s_q], seg_k [B, s_k])."""
     masked = torch.zeros(s_q, s_k, dtype=torch.bool, device=device)
@@ -138,8 +156,9 @@ def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return q.reshape(b, kv_heads, h // kv_heads, s, d)
 
 
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                    segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+def naive_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, segment_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """The whole [B, H, S, S] score matrix at once (K/V broadcast over their query-head group, not copied)."""
     kv = k.shape[1]
     dtype = _compute_dtype(q.dtype)
@@ -155,16 +174,18 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     return out.reshape(q.shape).to(q.dtype)
 
 
-def _tile_mask(i0: int, i1: int, j0: int, j1: int, device: torch.device, causal: bool = True,
-               segment_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+def _tile_mask(
+    i0: int, i1: int, j0: int, j1: int, device: torch.device, causal: bool = True, segment_ids: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """Mask of the score tile rows i0:i1 × columns j0:j1 (True = masked; [B, 1, 1, rows, cols] with segments), or
     None when nothing in it is masked (wholly on or below the diagonal, one segment)."""
     if segment_ids is None:
         if not causal or j1 - 1 <= i0:
             return None
         return _mask(i1 - i0, j1 - j0, True, None, None, device, i0, j0)
-    return _mask(i1 - i0, j1 - j0, causal and j1 - 1 > i0, segment_ids[:, i0:i1], segment_ids[:, j0:j1],
-                 device, i0, j0)[:, None, None]
+    return _mask(i1 - i0, j1 - j0, causal and j1 - 1 > i0, segment_ids[:, i0:i1], segment_ids[:, j0:j1], device, i0, j0)[
+        :, None, None
+    ]
 
 
 class _BlockwiseAttention(torch.autograd.Function):

@@ -41,8 +41,9 @@ def left_pad(rows: Sequence[Sequence[int]], device: torch.device | None = None) 
 
 
 @torch.no_grad()
-def greedy_generate(model: nn.Module, prompt_ids: Sequence[Sequence[int]] | torch.Tensor, max_new_tokens: int,
-                    eos_id: int | None = None) -> list[list[int]]:
+def greedy_generate(
+    model: nn.Module, prompt_ids: Sequence[Sequence[int]] | torch.Tensor, max_new_tokens: int, eos_id: int | None = None
+) -> list[list[int]]:
     """The greedily decoded continuation of each prompt: at every step the arg-max token of the last position.
 
     ``prompt_ids``: token id lists (any lengths, each non-empty) or a 2-D tensor (equal lengths). Returns, per

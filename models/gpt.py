@@ -85,7 +85,9 @@ class GPTBlock(nn.Module):
 
 def check_gpt_config(cfg: Any) -> None:
     if cfg.hidden_size % cfg.num_attention_heads:
-        raise ValueError(f"model.hidden_size={cfg.hidden_size} must be divisible by model.num_attention_heads={cfg.num_attention_heads}")
+        raise ValueError(
+            f"model.hidden_size={cfg.hidden_size} must be divisible by model.num_attention_heads={cfg.num_attention_heads}"
+        )
     granularity = _opt(cfg, "activations_checkpoint_granularity", None)
     if granularity not in CHECKPOINT_GRANULARITIES:
         raise ValueError(f"model.activations_checkpoint_granularity={granularity!r}: use one of full, selective, null")

@@ -75,8 +75,10 @@ def rope_scaling_params(rope_scaling: Any) -> dict[str, float] | None:
         return None
     kind = _field(rope_scaling, "rope_type") or _field(rope_scaling, "type")  # HF's older spelling: "type"
     if kind not in ROPE_TYPES:
-        raise ValueError(f"model.rope_scaling.rope_type={kind!r} is not implemented; nxdt implements llama3 (Llama 3.1) "
-                         "and default (plain RoPE)")
+        raise ValueError(
+            f"model.rope_scaling.rope_type={kind!r} is not implemented; nxdt implements llama3 (Llama 3.1) "
+            "and default (plain RoPE)"
+        )
     if kind != "llama3":
         return None
     params = {key: _field(rope_scaling, key) for key in LLAMA3_ROPE_KEYS}
@@ -84,15 +86,18 @@ def rope_scaling_params(rope_scaling: Any) -> dict[str, float] | None:
     if missing:
         raise ValueError(f"model.rope_scaling: rope_type llama3 needs {', '.join(missing)}")
     if not 0 < params["low_freq_factor"] < params["high_freq_factor"]:
-        raise ValueError(f"model.rope_scaling: llama3 needs 0 < low_freq_factor < high_freq_factor, got "
-                         f"{params['low_freq_factor']} and {params['high_freq_factor']}")
+        raise ValueError(
+            f"model.rope_scaling: llama3 needs 0 < low_freq_factor < high_freq_factor, got "
+            f"{params['low_freq_factor']} and {params['high_freq_factor']}"
+        )
     if not params["factor"] > 0 or not params["original_max_position_embeddings"] > 0:
         raise ValueError("model.rope_scaling: llama3 needs factor > 0 and original_max_position_embeddings > 0")
     return params
 
 
-def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
-                    original_max_position_embeddings: int) -> torch.Tensor:
+def llama3_inv_freq(
+    inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float, original_max_position_embeddings: int
+) -> torch.Tensor:
     """Llama 3.1's RoPE scaling of the inverse frequencies (Meta's ``apply_scaling``, HF's ``llama3`` rope type).
 
     With L = original_max_position_embeddings, a frequency whose wavelength 2π/f is shorter than
@@ -148,7 +153,9 @@ class Attention(nn.Module):
         self.core = CoreAttention(_opt(cfg, "core_attention", None) or DEFAULT_IMPL)
         self.checkpoint_core = _opt(cfg, "activations_checkpoint_granularity", None) == "selective"
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segment_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         # head counts come from the projections' sizes, so a tensor-parallel swap (fewer local heads) keeps working;
         # so does the sequence length: under sequence parallelism x is a sequence shard and q/k/v the full sequence
         # (cos/sin are the table [max_positions, D], cut to S here, or already one row per token [B, S, D])
@@ -198,7 +205,9 @@ class DecoderLayer(nn.Module):
     def make_ffn(self, cfg: Any) -> nn.Module:
         return MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segment_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, segment_ids)
         return x + getattr(self, self.ffn_name)(self.post_attention_layernorm(x))
 
@@ -209,7 +218,9 @@ def check_config(cfg: Any) -> None:
     if cfg.hidden_size % heads:
         raise ValueError(f"model.hidden_size={cfg.hidden_size} must be divisible by model.num_attention_heads={heads}")
     if (cfg.hidden_size // heads) % 2:
-        raise ValueError(f"head dim hidden_size/num_attention_heads={cfg.hidden_size // heads} must be even for rotary embeddings")
+        raise ValueError(
+            f"head dim hidden_size/num_attention_heads={cfg.hidden_size // heads} must be even for rotary embeddings"
+        )
     if heads % kv:
         raise ValueError(f"model.num_kv_heads={kv} must divide model.num_attention_heads={heads} (grouped-query attention)")
     granularity = _opt(cfg, "activations_checkpoint_granularity", None)
@@ -229,8 +240,10 @@ def check_positions(input_ids: torch.Tensor, layout: SequenceLayout | None, max_
         if input_ids.shape[1] > max_positions:
             raise ValueError(f"sequence length {input_ids.shape[1]} exceeds model.max_position_embeddings={max_positions}")
     elif positions.numel() and (int(positions.max()) >= max_positions or int(positions.min()) < 0):
-        raise ValueError(f"position ids {int(positions.min())}..{int(positions.max())} fall outside "
-                         f"model.max_position_embeddings={max_positions}")
+        raise ValueError(
+            f"position ids {int(positions.min())}..{int(positions.max())} fall outside "
+            f"model.max_position_embeddings={max_positions}"
+        )
 
 
 class _instance_or_static:
@@ -272,8 +285,9 @@ class DecoderOnlyLM(nn.Module):
         """Final norm and output projection: hidden [B, S, hidden] → logits [B, S, vocab]."""
         return self.lm_head(self.norm(x))
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """input_ids [B, S] → logits [B, S, vocab]; ``position_ids`` / ``segment_ids`` [B, S] as
         :class:`~nxdt.models.attention.SequenceLayout` (packed records, context-parallel shards)."""
         layout = SequenceLayout.of(position_ids, segment_ids)
@@ -322,8 +336,12 @@ class LlamaForCausalLM(DecoderOnlyLM):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if _opt(cfg, "tie_word_embeddings", False):
             self.lm_head.weight = self.embed_tokens.weight  # one Parameter, two users
-        cos, sin = rope_tables(cfg.hidden_size // cfg.num_attention_heads, cfg.max_position_embeddings,
-                               _opt(cfg, "rope_theta", 10000.0), _opt(cfg, "rope_scaling", None))
+        cos, sin = rope_tables(
+            cfg.hidden_size // cfg.num_attention_heads,
+            cfg.max_position_embeddings,
+            _opt(cfg, "rope_theta", 10000.0),
+            _opt(cfg, "rope_scaling", None),
+        )
         # not persistent: derived from the config, so checkpoints hold weights only (as HF's)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -386,8 +404,12 @@ class LlamaForCausalLM(DecoderOnlyLM):
 
     def ffn_tensor_parallel_plan(self) -> dict[str, str]:
         """The feed-forward block's part of the plan (a family member with another block overrides it)."""
-        return {"layers.*.mlp": "input_region", "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
-                "layers.*.mlp.down_proj": "rowwise"}
+        return {
+            "layers.*.mlp": "input_region",
+            "layers.*.mlp.gate_proj": "colwise",
+            "layers.*.mlp.up_proj": "colwise",
+            "layers.*.mlp.down_proj": "rowwise",
+        }
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Distinct parameters (a tied embedding counts once). ``exclude_embeddings`` drops the input

@@ -127,7 +127,9 @@ class LoRAArgumentError(ValueError):
         self.arg = arg
 
 
-def _check_args(rank: object, alpha: object, dropout: object, bias: object, target_modules: Iterable[str] | str) -> tuple[str, ...]:
+def _check_args(
+    rank: object, alpha: object, dropout: object, bias: object, target_modules: Iterable[str] | str
+) -> tuple[str, ...]:
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
         raise LoRAArgumentError("rank", f"LoRA rank={rank!r}: must be a positive integer")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
@@ -141,8 +143,11 @@ def _check_args(rank: object, alpha: object, dropout: object, bias: object, targ
         raise LoRAArgumentError("target_modules", f"LoRA target_modules is empty; name some of {', '.join(VALID_TARGETS)}")
     unknown = [t for t in targets if t not in VALID_TARGETS]
     if unknown:
-        raise LoRAArgumentError("target_modules", f"LoRA target_modules {unknown}: unknown; valid targets are {', '.join(VALID_TARGETS)} "
-                         f"(NxD Training's qkv_proj/o_proj/gate_up_proj/down_proj or Hugging Face's projection names)")
+        raise LoRAArgumentError(
+            "target_modules",
+            f"LoRA target_modules {unknown}: unknown; valid targets are {', '.join(VALID_TARGETS)} "
+            f"(NxD Training's qkv_proj/o_proj/gate_up_proj/down_proj or Hugging Face's projection names)",
+        )
     return targets
 
 
@@ -155,16 +160,24 @@ def resolve_targets(target_modules: Iterable[str] | str) -> tuple[str, ...]:
 
 def is_adapter(module: nn.Module) -> bool:
     """A LoRA adapter by the protocol :class:`LoRALinear` (and its tensor-parallel form) declares."""
-    return all(isinstance(getattr(module, part, None), nn.Module) for part in ("base_layer", "lora_A", "lora_B")) \
-        and callable(getattr(module, "delta_weight", None))
+    return all(isinstance(getattr(module, part, None), nn.Module) for part in ("base_layer", "lora_A", "lora_B")) and callable(
+        getattr(module, "delta_weight", None)
+    )
 
 
 def has_lora(model: nn.Module) -> bool:
     return any(is_adapter(m) for m in model.modules())
 
 
-def apply_lora(model: nn.Module, *, rank: int, alpha: float, dropout: float = 0.0, bias: str = "none",
-               target_modules: Iterable[str] | str = DEFAULT_TARGETS) -> nn.Module:
+def apply_lora(
+    model: nn.Module,
+    *,
+    rank: int,
+    alpha: float,
+    dropout: float = 0.0,
+    bias: str = "none",
+    target_modules: Iterable[str] | str = DEFAULT_TARGETS,
+) -> nn.Module:
     """Replace ``model``'s targeted ``nn.Linear`` layers by :class:`LoRALinear` in place, freeze every other
     parameter, and return ``model`` (with ``model.lora_config``). ``bias``: ``none`` (all biases frozen),
     ``lora_only`` (the adapted layers' biases trainable), ``all`` (every bias trainable), as PEFT.
@@ -190,11 +203,16 @@ def apply_lora(model: nn.Module, *, rank: int, alpha: float, dropout: float = 0.
 
 
 def _targeted_linears(model: nn.Module, targets: tuple[str, ...], leaves: tuple[str, ...]) -> list[tuple[str, nn.Linear]]:
-    found = [(name, module) for name, module in model.named_modules()
-             if isinstance(module, nn.Linear) and name.rpartition(".")[2] in leaves]
+    found = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name.rpartition(".")[2] in leaves
+    ]
     missing = [leaf for leaf in leaves if not any(name.rpartition(".")[2] == leaf for name, _ in found)]
     if missing:
-        raise LoRAArgumentError("target_modules", f"LoRA target_modules {list(targets)}: {type(model).__name__} has no nn.Linear named {missing}")
+        raise LoRAArgumentError(
+            "target_modules", f"LoRA target_modules {list(targets)}: {type(model).__name__} has no nn.Linear named {missing}"
+        )
     return found
 
 
@@ -303,7 +321,6 @@ class PeftConfig:
             values["target_modules"] = (targets,) if isinstance(targets, str) else tuple(targets)
         return cls(**values)
 
-
     @classmethod
     def pick(cls, block: "Mapping[str, Any] | Any") -> "PeftConfig":
         """The model-shaping keys of a fuller block — NxDT's whole ``model_alignment_strategy.peft`` (a mapping or an
@@ -325,8 +342,11 @@ def check_peft(model: nn.Module, peft_config: "PeftConfig | Mapping[str, Any] | 
 
 def _check_merge(config: PeftConfig) -> None:
     if config.merge_lora and not config.save_lora_base:
-        raise LoRAArgumentError("merge_lora", "LoRA merge_lora=True folds the adapters into the saved base weights: it needs "
-                                "save_lora_base=True (with save_lora_base=False checkpoints hold the adapters alone)")
+        raise LoRAArgumentError(
+            "merge_lora",
+            "LoRA merge_lora=True folds the adapters into the saved base weights: it needs "
+            "save_lora_base=True (with save_lora_base=False checkpoints hold the adapters alone)",
+        )
 
 
 def apply_peft(model: nn.Module, peft_config: "PeftConfig | Mapping[str, Any] | Any") -> nn.Module:
@@ -336,7 +356,13 @@ def apply_peft(model: nn.Module, peft_config: "PeftConfig | Mapping[str, Any] | 
     Bad input — an unknown key, a bad value, a target module the model does not have — is a ValueError naming it."""
     config = PeftConfig.of(peft_config)
     _check_merge(config)
-    apply_lora(model, rank=config.lora_rank, alpha=config.lora_alpha, dropout=config.lora_dropout, bias=config.lora_bias,
-               target_modules=config.target_modules)
+    apply_lora(
+        model,
+        rank=config.lora_rank,
+        alpha=config.lora_alpha,
+        dropout=config.lora_dropout,
+        bias=config.lora_bias,
+        target_modules=config.target_modules,
+    )
     model.peft_config = config
     return model

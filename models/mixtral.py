@@ -240,8 +240,9 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def moe_blocks(self) -> list[SparseMoeBlock]:
         return [m for m in self.modules() if isinstance(m, SparseMoeBlock)]
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """input_ids [B, S] → logits [B, S, vocab] (router logits kept on each block for the aux loss)."""
         for block in self.moe_blocks():
             block.router_logits = None  # a layer that does not run (another pipeline stage) adds nothing
@@ -286,5 +287,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
         """Training FLOPs per token: 6 × the weights a token multiplies (attention, router, top_k experts,
         output head; Llama's convention) + 12·layers·hidden·seq for attention scores."""
         c = self.cfg
-        return (6.0 * self.num_parameters(exclude_embeddings=True, active_only=True)
-                + 12.0 * c.num_layers * c.hidden_size * seq_length)
+        return (
+            6.0 * self.num_parameters(exclude_embeddings=True, active_only=True)
+            + 12.0 * c.num_layers * c.hidden_size * seq_length
+        )

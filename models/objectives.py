@@ -22,14 +22,24 @@ import torch.nn.functional as F
 
 IGNORE_INDEX = -100
 
-__all__ = ["IGNORE_INDEX", "token_log_probs", "sequence_log_probs", "causal_lm_loss", "dpo_loss", "orpo_loss",
-           "log1mexp", "DPO_LOSS_TYPES"]
+__all__ = [
+    "IGNORE_INDEX",
+    "token_log_probs",
+    "sequence_log_probs",
+    "causal_lm_loss",
+    "dpo_loss",
+    "orpo_loss",
+    "log1mexp",
+    "DPO_LOSS_TYPES",
+]
 
 
 def _check_shapes(logits: torch.Tensor, labels: torch.Tensor) -> None:
     if logits.shape[:-1] != labels.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree: logits must be "
-                         f"labels' shape + [vocab] (labels are already shifted: labels[t] follows input_ids[t])")
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree: logits must be "
+            f"labels' shape + [vocab] (labels are already shifted: labels[t] follows input_ids[t])"
+        )
 
 
 def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
@@ -46,8 +56,9 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, ignore_index: in
     return torch.where(mask, logp, torch.zeros_like(logp))
 
 
-def sequence_log_probs(logits: torch.Tensor, labels: torch.Tensor,
-                       ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_log_probs(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence sum of label log-probabilities over the non-masked tokens, and how many tokens that is.
 
     Formula: log π(y | x) = Σ_{t: labels[t] ≠ ignore} log p(labels[t] | x_<=t) (the sequence log-likelihood of
@@ -87,9 +98,14 @@ def reward_metrics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor)
     }
 
 
-def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
-             ref_rejected_logps: torch.Tensor, beta: float,
-             loss_type: str = "sigmoid") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def dpo_loss(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    beta: float,
+    loss_type: str = "sigmoid",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Direct Preference Optimization (Rafailov et al. 2023, "Direct Preference Optimization: Your Language
     Model is Secretly a Reward Model", eq. 7), ``loss_type="sigmoid"``:
 
@@ -108,8 +124,7 @@ def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Ten
     refused by name.
     """
     if loss_type not in DPO_LOSS_TYPES:
-        raise ValueError(f"dpo.loss_type={loss_type!r} is not supported: only 'sigmoid' (Rafailov et al. 2023) is "
-                         f"implemented")
+        raise ValueError(f"dpo.loss_type={loss_type!r} is not supported: only 'sigmoid' (Rafailov et al. 2023) is implemented")
     chosen = policy_chosen_logps.float() - ref_chosen_logps.float()
     rejected = policy_rejected_logps.float() - ref_rejected_logps.float()
     losses = -F.logsigmoid(beta * (chosen - rejected))
@@ -124,12 +139,16 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
     near_zero = x > -0.6931471805599453
     # each branch gets only inputs where it is finite, so torch.where's backward sees no inf·0 = NaN
     safe = torch.full_like(x, -1.0)
-    return torch.where(near_zero, torch.log(-torch.expm1(torch.where(near_zero, x, safe))),
-                       torch.log1p(-torch.exp(torch.where(near_zero, safe, x))))
+    return torch.where(
+        near_zero,
+        torch.log(-torch.expm1(torch.where(near_zero, x, safe))),
+        torch.log1p(-torch.exp(torch.where(near_zero, safe, x))),
+    )
 
 
-def orpo_loss(chosen_logps_mean: torch.Tensor, rejected_logps_mean: torch.Tensor, chosen_nll: torch.Tensor,
-              beta: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def orpo_loss(
+    chosen_logps_mean: torch.Tensor, rejected_logps_mean: torch.Tensor, chosen_nll: torch.Tensor, beta: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Odds Ratio Preference Optimization (Hong et al. 2024, "ORPO: Monolithic Preference Optimization without
     Reference Model", eqs. 4–7), with β the paper's λ (NxDT's ``orpo.beta``, TRL's ``beta``):
 

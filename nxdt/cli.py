@@ -69,19 +69,27 @@ def _fail(message: str) -> int:
 def train_help() -> str:
     from nxdt.config import available_options, field_docs
 
-    lines = ["usage: nxdt train [-m] [-q|-v] [group=option ...] [key=value ...]",
-             "       nxdt train --config-path DIR --config-name NAME [instance=NAME] [key=value ...]   (an NxDT config file; "
-             "docs/migrating-from-nxdt.md)", "", "config groups:"]
+    lines = [
+        "usage: nxdt train [-m] [-q|-v] [group=option ...] [key=value ...]",
+        "       nxdt train --config-path DIR --config-name NAME [instance=NAME] [key=value ...]   (an NxDT config file; "
+        "docs/migrating-from-nxdt.md)",
+        "",
+        "config groups:",
+    ]
     for group in ("model", "data", "instance", "launcher"):
         lines.append(f"  {group}: {', '.join(available_options(group))}")
     lines.append(f"  +recipe: {', '.join(available_options('recipe'))}   (fine-tuning recipes: add with +recipe=NAME)")
     lines += ["", "keys (default) — description:"]
     for key, default, doc in field_docs():
         lines.append(f"  {key} ({default}) — {doc}")
-    lines += ["", "examples:", "  nxdt train model=llama_tiny data=synthetic trainer.devices=4",
-              "  nxdt train -m trainer.devices=1,2 trainer.max_steps=20",
-              "  nxdt train launcher=torchrun trainer.num_nodes=2 launcher.rdzv_endpoint=HOST:29500 launcher.rdzv_id=run1   (on every node)",
-              "  nxdt train launcher=slurm trainer.num_nodes=2 launcher.dry_run=true"]
+    lines += [
+        "",
+        "examples:",
+        "  nxdt train model=llama_tiny data=synthetic trainer.devices=4",
+        "  nxdt train -m trainer.devices=1,2 trainer.max_steps=20",
+        "  nxdt train launcher=torchrun trainer.num_nodes=2 launcher.rdzv_endpoint=HOST:29500 launcher.rdzv_id=run1   (on every node)",
+        "  nxdt train launcher=slurm trainer.num_nodes=2 launcher.dry_run=true",
+    ]
     return "\n".join(lines)
 
 
@@ -168,13 +176,24 @@ def check_resume_checkpoint(cfg: Any, the_plan: Any) -> None:
 
             ep = read_meta(path).get("degrees", {}).get("ep", 1)
             if ep > 1:
-                raise CheckpointError(f"checkpoint {path} is expert-parallel (EP{ep}): its weights cannot be consolidated yet "
-                                      "for model.weight_init_only; resume it with the same layout instead")
+                raise CheckpointError(
+                    f"checkpoint {path} is expert-parallel (EP{ep}): its weights cannot be consolidated yet "
+                    "for model.weight_init_only; resume it with the same layout instead"
+                )
             return
         dp_format = "fsdp" if ds.fsdp.enabled else ("zero1" if ds.zero1 else "replicated")
-        if check_layout(path, checkpoint_degrees(the_plan.degrees), ds.zero1, ds.virtual_pipeline_model_parallel_size, data_parallel_format=dp_format):
-            print(f"nxdt: {path} was saved on another layout; every rank reshards it for {the_plan.degrees}"
-                  f"{' with ZeRO-1' if ds.zero1 else ''}{' with FSDP' if ds.fsdp.enabled else ''}", flush=True)
+        if check_layout(
+            path,
+            checkpoint_degrees(the_plan.degrees),
+            ds.zero1,
+            ds.virtual_pipeline_model_parallel_size,
+            data_parallel_format=dp_format,
+        ):
+            print(
+                f"nxdt: {path} was saved on another layout; every rank reshards it for {the_plan.degrees}"
+                f"{' with ZeRO-1' if ds.zero1 else ''}{' with FSDP' if ds.fsdp.enabled else ''}",
+                flush=True,
+            )
     except CheckpointError as exc:
         raise ConfigError("exp_manager.resume_from_checkpoint", path, str(exc)) from None
 
@@ -190,29 +209,53 @@ def check_lora_checkpoint(cfg: Any, path: str) -> None:
     from_ckpt = "model_alignment_strategy.peft.load_lora_from_ckpt"
     kind = lora_kind(path)
     if kind == "merged" and (not init_only or (peft is not None and peft.load_lora_from_ckpt)):
-        raise ConfigError(key, path, "holds a LoRA run's adapters merged into its base (merge_lora), which cannot resume "
-                          "LoRA training: start from it with model.weight_init_only=true (and load_lora_from_ckpt=false: "
-                          "fresh adapters on the merged weights)")
+        raise ConfigError(
+            key,
+            path,
+            "holds a LoRA run's adapters merged into its base (merge_lora), which cannot resume "
+            "LoRA training: start from it with model.weight_init_only=true (and load_lora_from_ckpt=false: "
+            "fresh adapters on the merged weights)",
+        )
     if kind in ("none", "merged"):
         if peft is not None and peft.load_lora_from_ckpt:
-            raise ConfigError(from_ckpt, True, f"{path} holds no LoRA adapters; set it false to train fresh adapters on its "
-                              "weights (with model.weight_init_only=true)")
+            raise ConfigError(
+                from_ckpt,
+                True,
+                f"{path} holds no LoRA adapters; set it false to train fresh adapters on its "
+                "weights (with model.weight_init_only=true)",
+            )
         if peft is not None and not init_only:
-            raise ConfigError(key, path, "holds a model without LoRA adapters, which cannot resume a LoRA run: start "
-                              "adapters on its weights with model.weight_init_only=true")
+            raise ConfigError(
+                key,
+                path,
+                "holds a model without LoRA adapters, which cannot resume a LoRA run: start "
+                "adapters on its weights with model.weight_init_only=true",
+            )
         return
     if peft is None:
-        raise ConfigError(key, path, "holds LoRA adapters: add model_alignment_strategy.peft with load_lora_from_ckpt=true "
-                          "(its lora_rank, lora_alpha, target_modules), or export-hf --merge it and start from the merged model")
+        raise ConfigError(
+            key,
+            path,
+            "holds LoRA adapters: add model_alignment_strategy.peft with load_lora_from_ckpt=true "
+            "(its lora_rank, lora_alpha, target_modules), or export-hf --merge it and start from the merged model",
+        )
     if init_only and not peft.load_lora_from_ckpt:
-        raise ConfigError(from_ckpt, False, f"{path} holds LoRA adapters: set it true to continue from them (or export-hf "
-                          "--merge the checkpoint and start fresh adapters on the merged model)")
+        raise ConfigError(
+            from_ckpt,
+            False,
+            f"{path} holds LoRA adapters: set it true to continue from them (or export-hf "
+            "--merge the checkpoint and start fresh adapters on the merged model)",
+        )
     if init_only and kind == "adapters_only" and cfg.model.hf_checkpoint is None:
-        raise ConfigError(key, path, "holds the LoRA adapters alone (save_lora_base false): name their base model with "
-                          "model.hf_checkpoint")
+        raise ConfigError(
+            key, path, "holds the LoRA adapters alone (save_lora_base false): name their base model with model.hf_checkpoint"
+        )
     if init_only and kind == "with_base" and cfg.model.hf_checkpoint is not None:
-        raise ConfigError("model.hf_checkpoint", cfg.model.hf_checkpoint, f"and {path} (which holds its base weights, "
-                          "save_lora_base) both name the base; keep one of them")
+        raise ConfigError(
+            "model.hf_checkpoint",
+            cfg.model.hf_checkpoint,
+            f"and {path} (which holds its base weights, save_lora_base) both name the base; keep one of them",
+        )
     problem = check_adapters_fit(path, peft.lora_rank, peft.lora_alpha, resolve_targets(peft.target_modules))
     if problem is not None:
         name, value, reason = problem
@@ -258,8 +301,11 @@ def check_data(cfg: Any) -> None:
         from nxdt.data.megatron import IndexedDataError, check_data_prefix
 
         if data.val_dir is not None:
-            raise ConfigError("data.val_dir", data.val_dir, "data.source=megatron validates on held-out samples: "
-                              "set data.val_dir=null and data.val_split (e.g. 0.01)")
+            raise ConfigError(
+                "data.val_dir",
+                data.val_dir,
+                "data.source=megatron validates on held-out samples: set data.val_dir=null and data.val_split (e.g. 0.01)",
+            )
         try:
             check_data_prefix(data.data_prefix, cfg.model.vocab_size)
         except IndexedDataError as exc:
@@ -314,8 +360,13 @@ def _check_preferences(cfg: Any) -> None:
     except (ValueError, OSError, RuntimeError) as exc:
         raise ConfigError("data.tokenizer", data.tokenizer, str(exc)) from None
     try:
-        dataset = build_preference_dataset(data, mas.dpo if mas.dpo is not None else mas.orpo, data.train_dir,
-                                           cfg.model.vocab_size, limit=data.dev_choose_samples)
+        dataset = build_preference_dataset(
+            data,
+            mas.dpo if mas.dpo is not None else mas.orpo,
+            data.train_dir,
+            cfg.model.vocab_size,
+            limit=data.dev_choose_samples,
+        )
     except (ValueError, OSError, RuntimeError) as exc:
         raise ConfigError("data.train_dir", data.train_dir, str(exc)) from None
     print(f"nxdt: {preference_report(dataset.stats)}", flush=True)
@@ -339,21 +390,35 @@ def _check_model(cfg: Any) -> None:
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as exc:
-        raise ConfigError("model.architecture", arch, f"cannot be imported ({str(exc).splitlines()[0]}); name a model class, "
-                          "e.g. nxdt.models.llama.LlamaForCausalLM") from None
+        raise ConfigError(
+            "model.architecture",
+            arch,
+            f"cannot be imported ({str(exc).splitlines()[0]}); name a model class, e.g. nxdt.models.llama.LlamaForCausalLM",
+        ) from None
     if not isinstance(cls, type) or not issubclass(cls, torch.nn.Module):
         kind = "a class" if isinstance(cls, type) else f"a {type(cls).__name__}"
-        raise ConfigError("model.architecture", arch, f"is {kind}, not a torch.nn.Module model class; name a hub model "
-                          "class, e.g. nxdt.models.llama.LlamaForCausalLM")
+        raise ConfigError(
+            "model.architecture",
+            arch,
+            f"is {kind}, not a torch.nn.Module model class; name a hub model class, e.g. nxdt.models.llama.LlamaForCausalLM",
+        )
     hooks = [h for h in ("embed", "run_layer", "head", "loss_fn") if not callable(getattr(cls, h, None))]
     if hooks:
-        raise ConfigError("model.architecture", arch, f"is a torch module but not a causal language model of the hub "
-                          f"(no {', '.join(hooks)}); name a hub model class, e.g. nxdt.models.llama.LlamaForCausalLM")
+        raise ConfigError(
+            "model.architecture",
+            arch,
+            f"is a torch module but not a causal language model of the hub "
+            f"(no {', '.join(hooks)}); name a hub model class, e.g. nxdt.models.llama.LlamaForCausalLM",
+        )
     try:
         with torch.device("meta"):  # shapes only: no parameter memory, no initialisation cost
             model = cls(model_cfg)
     except (ValueError, TypeError, KeyError) as exc:  # the class's own config rules
-        raise ConfigError("model.architecture", arch, f"refuses this model config: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        raise ConfigError(
+            "model.architecture",
+            arch,
+            f"refuses this model config: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+        ) from None
     except Exception:  # e.g. an operation meta tensors do not support: the workers build it for real
         return
     peft = cfg.model_alignment_strategy.peft
@@ -405,10 +470,14 @@ def _check_host_memory(cfg: Any) -> None:
     per_rank = sum(the_plan.estimate.get("memory_per_rank_bytes", {}).values())
     needed = per_rank * the_plan.ranks_per_node
     if needed > HOST_MEMORY_FRACTION * available:
-        raise ConfigError("trainer.devices", cfg.trainer.devices, f"the plan estimates {_size(per_rank)} per rank × "
-                          f"{the_plan.ranks_per_node} ranks = {_size(needed)}, this host has {_size(available)} available "
-                          "(MemAvailable); use fewer trainer.devices, a smaller model, a smaller data.micro_batch_size "
-                          "or data.seq_length, or zero1 / fsdp")
+        raise ConfigError(
+            "trainer.devices",
+            cfg.trainer.devices,
+            f"the plan estimates {_size(per_rank)} per rank × "
+            f"{the_plan.ranks_per_node} ranks = {_size(needed)}, this host has {_size(available)} available "
+            "(MemAvailable); use fewer trainer.devices, a smaller model, a smaller data.micro_batch_size "
+            "or data.seq_length, or zero1 / fsdp",
+        )
 
 
 def cmd_train(argv: list[str]) -> int:
@@ -448,7 +517,9 @@ def cmd_train(argv: list[str]) -> int:
     sweep_dir = None
     if flags:
         first = configs[0]
-        sweep_dir = Path(first.exp_manager.exp_dir).expanduser().resolve() / "multirun" / first.name / time.strftime("%Y-%m-%d_%H-%M-%S")
+        sweep_dir = (
+            Path(first.exp_manager.exp_dir).expanduser().resolve() / "multirun" / first.name / time.strftime("%Y-%m-%d_%H-%M-%S")
+        )
     # run files are private to their user: config, plan, logs, metrics, checkpoints (workers inherit the mask)
     previous_umask = os.umask(0o077)
     try:
@@ -461,8 +532,9 @@ def cmd_train(argv: list[str]) -> int:
         os.umask(previous_umask)
 
 
-def _train_locally(jobs: list[list[str]], configs: list[Any], plans: list[Any], sweep_dir: Path | None,
-                   source_args: Sequence[str] = ()) -> int:
+def _train_locally(
+    jobs: list[list[str]], configs: list[Any], plans: list[Any], sweep_dir: Path | None, source_args: Sequence[str] = ()
+) -> int:
     from nxdt.config import ConfigError
     from nxdt.launch import console
     from nxdt.launch.local import LaunchFailed, LaunchInterrupted, launch_local
@@ -482,8 +554,10 @@ def _train_locally(jobs: list[list[str]], configs: list[Any], plans: list[Any], 
         except RunDirBusy as exc:
             return _fail(str(exc))
         except OSError as exc:
-            return _fail(f"nxdt: cannot create the run directory {exc.filename or ''}: {exc.strerror or exc} — "
-                         "check exp_manager.exp_dir / exp_manager.explicit_log_dir")
+            return _fail(
+                f"nxdt: cannot create the run directory {exc.filename or ''}: {exc.strerror or exc} — "
+                "check exp_manager.exp_dir / exp_manager.explicit_log_dir"
+            )
         try:
             check_same_run(cfg, run_dir)  # before config.yaml is overwritten
             notes = check_resume(cfg, run_dir)  # the newest checkpoint's checksums, before any worker starts
@@ -496,8 +570,10 @@ def _train_locally(jobs: list[list[str]], configs: list[Any], plans: list[Any], 
             return _fail(str(exc))
         except OSError as exc:
             lock.close()
-            return _fail(f"nxdt: cannot write the run directory {run_dir}: {exc.strerror or exc} — check its permissions "
-                         "and free space, or point exp_manager.exp_dir elsewhere")
+            return _fail(
+                f"nxdt: cannot write the run directory {run_dir}: {exc.strerror or exc} — check its permissions "
+                "and free space, or point exp_manager.exp_dir elsewhere"
+            )
         label = f"[job {num}: {' '.join(job)}] " if sweep_dir is not None else ""
         launched_at = console.job_started(run_dir, the_plan, cfg, label, job, list(source_args))  # banner, status.json
         outcome, reason, code = "failed", "the launcher stopped", 1
@@ -540,7 +616,7 @@ def _take_value(argv: list[str], flag: str, what: str) -> tuple[str | None, list
     i = argv.index(flag)
     if i + 1 >= len(argv):
         raise UsageError(f"nxdt plan: {flag} needs {what}")
-    return argv[i + 1], argv[:i] + argv[i + 2:]
+    return argv[i + 1], argv[:i] + argv[i + 2 :]
 
 
 def _plan_against(run_dir: str, calibration_file: str | None, warmup: str | None, rest: list[str]) -> int:
@@ -604,7 +680,9 @@ def cmd_plan(argv: list[str]) -> int:
 def cmd_topo(argv: list[str]) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="nxdt topo", description="Device table and graph of an instance type (like neuron-ls --topology).")
+    parser = argparse.ArgumentParser(
+        prog="nxdt topo", description="Device table and graph of an instance type (like neuron-ls --topology)."
+    )
     parser.add_argument("name", help="instance type, e.g. trn1.32xlarge (see `nxdt train --help` for the catalogue)")
     parser.add_argument("--lnc", type=int, default=None, help="logical NeuronCore size (Trn2/Trn3)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table and picture")
@@ -658,10 +736,22 @@ def _comm_test_estimate(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="nxdt comm-test --estimate", description="Predict an nccom-test table with the cost model.")
     p.add_argument("ops", nargs="*", default=["allr"], help=f"operations: {' '.join(BENCH_OPS)}")
     p.add_argument("--instance", required=True, help="instance type, e.g. trn1.32xlarge")
-    p.add_argument("-r", "--nworkers", type=int, default=None,
-                   help="total number of ranks over all nodes, as nccom-test's -r; each node runs r / N (default: every core of every node)")
-    p.add_argument("-N", "--nodes", "--nnodes", dest="nodes", type=int, default=1,
-                   help="nodes, as nccom-test's -N: the -r ranks are divided equally across them (-r 64 -N 2: 32 per node)")
+    p.add_argument(
+        "-r",
+        "--nworkers",
+        type=int,
+        default=None,
+        help="total number of ranks over all nodes, as nccom-test's -r; each node runs r / N (default: every core of every node)",
+    )
+    p.add_argument(
+        "-N",
+        "--nodes",
+        "--nnodes",
+        dest="nodes",
+        type=int,
+        default=1,
+        help="nodes, as nccom-test's -N: the -r ranks are divided equally across them (-r 64 -N 2: 32 per node)",
+    )
     p.add_argument("--lnc", type=int, default=None, help="logical NeuronCore size (Trn2/Trn3)")
     p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("1kb"))
     p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64mb"))
@@ -671,12 +761,16 @@ def _comm_test_estimate(argv: list[str]) -> int:
     p.add_argument("-d", "--datatype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("-c", "--check", action="store_true", help="refused: an estimate has nothing to check")
     p.add_argument("--report-to-json-file", metavar="F", help="write the predicted rows as JSON, in a measured run's layout")
-    p.add_argument("--show-algorithm", action="store_true", help="print the algorithm the cost model picks (per size band and row)")
+    p.add_argument(
+        "--show-algorithm", action="store_true", help="print the algorithm the cost model picks (per size band and row)"
+    )
     p.add_argument("--calibration", default=None, help="calibration file for the cpu instance")
     args = p.parse_args(argv)
     if args.check:
-        return _fail("nxdt comm-test --estimate: --check: an estimate has nothing to check (nothing runs); drop --check, "
-                     "or drop --estimate to measure")
+        return _fail(
+            "nxdt comm-test --estimate: --check: an estimate has nothing to check (nothing runs); drop --check, "
+            "or drop --estimate to measure"
+        )
     bad = [op for op in args.ops if op not in BENCH_OPS]
     if bad:
         return _fail(f"nxdt comm-test: --estimate covers {' '.join(BENCH_OPS)}; not {bad}")
@@ -706,26 +800,61 @@ def _comm_test_estimate(argv: list[str]) -> int:
     results: list[dict[str, Any]] = []
     algorithms: dict[int, dict[str, str]] = {}
     for op in args.ops:
-        rows = estimate_table(BENCH_OPS[op], sizes(args.minbytes, args.maxbytes, args.stepfactor), group, topo, cfg.instance, rpn,
-                              element, calibration)
-        print(f"\n# estimated {OP_TITLES[op]} on {args.nodes} × {cfg.instance.name} ({len(group)} ranks, {rpn} per node) "
-              "— cost model, nothing ran")
+        rows = estimate_table(
+            BENCH_OPS[op],
+            sizes(args.minbytes, args.maxbytes, args.stepfactor),
+            group,
+            topo,
+            cfg.instance,
+            rpn,
+            element,
+            calibration,
+        )
+        print(
+            f"\n# estimated {OP_TITLES[op]} on {args.nodes} × {cfg.instance.name} ({len(group)} ranks, {rpn} per node) "
+            "— cost model, nothing ran"
+        )
         if args.show_algorithm:
             print("# algorithm: " + algorithm_bands({r["size(B)"]: r["algorithm"] for r in rows}))
-        print(f"#{'size(B)':>12} {'count(elems)':>13} {'type':>6} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"
-              + ("  algorithm" if args.show_algorithm else ""))
+        print(
+            f"#{'size(B)':>12} {'count(elems)':>13} {'type':>6} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"
+            + ("  algorithm" if args.show_algorithm else "")
+        )
         for r in rows:
-            print(f" {r['size(B)']:>12} {r['count(elems)']:>13} {args.datatype:>6} {r['time:avg(us)']:>10.2f} {r['algbw(GB/s)']:>12.2f} "
-                  f"{r['busbw(GB/s)']:>12.2f}" + (f"  {r['algorithm']}" if args.show_algorithm else ""))
-            results.append({"op": op, "size(B)": r["size(B)"], "count(elems)": r["count(elems)"], "type": args.datatype,
-                            "time:avg(us)": r["time:avg(us)"], "algbw(GB/s)": r["algbw(GB/s)"], "busbw(GB/s)": r["busbw(GB/s)"]})
+            print(
+                f" {r['size(B)']:>12} {r['count(elems)']:>13} {args.datatype:>6} {r['time:avg(us)']:>10.2f} {r['algbw(GB/s)']:>12.2f} "
+                f"{r['busbw(GB/s)']:>12.2f}" + (f"  {r['algorithm']}" if args.show_algorithm else "")
+            )
+            results.append(
+                {
+                    "op": op,
+                    "size(B)": r["size(B)"],
+                    "count(elems)": r["count(elems)"],
+                    "type": args.datatype,
+                    "time:avg(us)": r["time:avg(us)"],
+                    "algbw(GB/s)": r["algbw(GB/s)"],
+                    "busbw(GB/s)": r["busbw(GB/s)"],
+                }
+            )
             algorithms.setdefault(r["size(B)"], {})[op] = r["algorithm"]
         print(f"# Avg bus bandwidth    : {sum(r['busbw(GB/s)'] for r in rows) / len(rows):.3f}")
     if args.report_to_json_file:  # a measured run's layout; nothing was allocated, timed or copied
-        report: dict[str, Any] = {"results": results, "baseline": [], "memcpy": {}, "transport": "estimate", "hosts": args.nodes,
-                                  "layout": layout_text([r // rpn for r in group]), "buffers": None,
-                                  "estimate": {"instance": cfg.instance.name, "lnc": cfg.trainer.lnc, "ranks_per_node": rpn,
-                                               "calibration": args.calibration, "source": "nxdt cost model; nothing ran"}}
+        report: dict[str, Any] = {
+            "results": results,
+            "baseline": [],
+            "memcpy": {},
+            "transport": "estimate",
+            "hosts": args.nodes,
+            "layout": layout_text([r // rpn for r in group]),
+            "buffers": None,
+            "estimate": {
+                "instance": cfg.instance.name,
+                "lnc": cfg.trainer.lnc,
+                "ranks_per_node": rpn,
+                "calibration": args.calibration,
+                "source": "nxdt cost model; nothing ran",
+            },
+        }
         if args.show_algorithm:
             report["algorithms"] = algorithms
         try:
@@ -781,9 +910,11 @@ def cmd_sweep_report(argv: list[str]) -> int:
         return _fail(str(exc))
 
 
-CHECKPOINT_USAGE = ("usage: nxdt checkpoint inspect DIR | nxdt checkpoint verify DIR | nxdt checkpoint export-hf DIR OUT "
-                    "[--merge] [--base HF_DIR] | "
-                    "nxdt checkpoint consolidate DIR OUT   (DIR: a checkpoints/step-<N> directory; OUT: a new directory to write)")
+CHECKPOINT_USAGE = (
+    "usage: nxdt checkpoint inspect DIR | nxdt checkpoint verify DIR | nxdt checkpoint export-hf DIR OUT "
+    "[--merge] [--base HF_DIR] | "
+    "nxdt checkpoint consolidate DIR OUT   (DIR: a checkpoints/step-<N> directory; OUT: a new directory to write)"
+)
 
 
 def _size(n: float) -> str:
@@ -801,22 +932,30 @@ def checkpoint_verify(path: str) -> int:
 
     root = Path(path)
     if not root.is_dir():
-        return _fail(f"nxdt checkpoint: checkpoint {path} does not exist or is not a directory — pass a checkpoints/step-<N> directory")
+        return _fail(
+            f"nxdt checkpoint: checkpoint {path} does not exist or is not a directory — pass a checkpoints/step-<N> directory"
+        )
     if not any((root / name).exists() for name in (DONE_MARKER, "meta.json", CHECKSUMS_FILE)):
-        return _fail(f"nxdt checkpoint: {path} is not a checkpoint directory (no {DONE_MARKER}, meta.json or {CHECKSUMS_FILE}) — "
-                     "pass a checkpoints/step-<N> directory")
+        return _fail(
+            f"nxdt checkpoint: {path} is not a checkpoint directory (no {DONE_MARKER}, meta.json or {CHECKSUMS_FILE}) — "
+            "pass a checkpoints/step-<N> directory"
+        )
     result = check(path)
     for problem in result.problems:
         print(f"{path}: {problem}")
     if result.problems:
-        print(f"nxdt: checkpoint {path} is damaged: {len(result.problems)} problem{'s' if len(result.problems) > 1 else ''} — "
-              "resume from an earlier checkpoint")
+        print(
+            f"nxdt: checkpoint {path} is damaged: {len(result.problems)} problem{'s' if len(result.problems) > 1 else ''} — "
+            "resume from an earlier checkpoint"
+        )
         return 1
     if result.checksummed:
         print(f"nxdt: checkpoint {path} is good: {result.files} files ({_size(result.size)}) match their SHA-256")
     else:
-        print(f"nxdt: checkpoint {path} is unverified: written by an older nxdt without checksums; its structure is whole "
-              f"({result.files} files, {_size(result.size)})")
+        print(
+            f"nxdt: checkpoint {path} is unverified: written by an older nxdt without checksums; its structure is whole "
+            f"({result.files} files, {_size(result.size)})"
+        )
     return 0
 
 
@@ -830,7 +969,7 @@ def cmd_checkpoint(argv: list[str]) -> int:
             at = rest.index("--base")
             if at + 1 >= len(rest):
                 raise UsageError(CHECKPOINT_USAGE)
-            base, rest = rest[at + 1], rest[:at] + rest[at + 2:]
+            base, rest = rest[at + 1], rest[:at] + rest[at + 2 :]
         argv = rest
     if not ((len(argv) == 2 and argv[0] == "inspect") or (len(argv) == 3 and argv[0] in ("export-hf", "consolidate"))):
         raise UsageError(CHECKPOINT_USAGE)
@@ -864,15 +1003,25 @@ def cmd_report(argv: list[str]) -> int:
 
 def cmd_data(argv: list[str]) -> int:
     if not argv or argv[0] != "convert-megatron":
-        raise UsageError("usage: nxdt data convert-megatron INPUT... --output-prefix PREFIX [--tokenizer PATH] [--json-key KEY] [--eod-id N]")
+        raise UsageError(
+            "usage: nxdt data convert-megatron INPUT... --output-prefix PREFIX [--tokenizer PATH] [--json-key KEY] [--eod-id N]"
+        )
     from nxdt.data.megatron import main as convert_megatron
 
     return convert_megatron(argv[1:])
 
 
-COMMANDS = {"train": cmd_train, "checkpoint": cmd_checkpoint, "plan": cmd_plan, "topo": cmd_topo, "comm-test": cmd_comm_test,
-            "sweep-report": cmd_sweep_report, "runs": cmd_runs, "report": cmd_report,
-            "data": cmd_data}
+COMMANDS = {
+    "train": cmd_train,
+    "checkpoint": cmd_checkpoint,
+    "plan": cmd_plan,
+    "topo": cmd_topo,
+    "comm-test": cmd_comm_test,
+    "sweep-report": cmd_sweep_report,
+    "runs": cmd_runs,
+    "report": cmd_report,
+    "data": cmd_data,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,9 +16,18 @@ def llama_config(transformers: Any, shape: dict) -> Any:
     else:
         rope = {"rope_theta": c.rope_theta}
     config = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_kv_heads,
-        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.norm_eps, tie_word_embeddings=False,
-        attention_bias=False, mlp_bias=False, **rope)
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.ffn_hidden_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_kv_heads,
+        max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.norm_eps,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        **rope,
+    )
     config._attn_implementation = "eager"
     return config

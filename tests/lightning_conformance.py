@@ -85,17 +85,27 @@ class Regressor(pl.LightningModule):
 
 
 def loaders() -> tuple[DataLoader, DataLoader]:
-    return (DataLoader(Points(TRAIN, 1), batch_size=BATCH, shuffle=True),
-            DataLoader(Points(VAL, 2), batch_size=BATCH))
+    return (DataLoader(Points(TRAIN, 1), batch_size=BATCH, shuffle=True), DataLoader(Points(VAL, 2), batch_size=BATCH))
 
 
 def trainer(strategy, out: Path, name: str, epochs: int = EPOCHS, manual: bool = False) -> pl.Trainer:
     automatic = {} if manual else {"accumulate_grad_batches": 2, "gradient_clip_val": 0.3}
-    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=epochs, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, deterministic=True,
-                      default_root_dir=out / name, **automatic,
-                      callbacks=[ModelCheckpoint(dirpath=out / name / "best", monitor="val_loss", save_top_k=1),
-                                 EarlyStopping(monitor="val_loss", patience=50)])
+    return pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_epochs=epochs,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+        default_root_dir=out / name,
+        **automatic,
+        callbacks=[
+            ModelCheckpoint(dirpath=out / name / "best", monitor="val_loss", save_top_k=1),
+            EarlyStopping(monitor="val_loss", patience=50),
+        ],
+    )
 
 
 def metrics(results: list[dict]) -> dict:
@@ -107,9 +117,13 @@ def run(make_strategy, out: Path, name: str, *, manual: bool = False, evaluate: 
     train, val = loaders()
     t = trainer(make_strategy(), out, name, manual=manual)
     t.fit(module, train, val)
-    report = {"losses": module.losses, "seen": module.seen,
-              "val_loss": float(t.callback_metrics["val_loss"]), "train_loss": float(t.callback_metrics["train_loss"]),
-              "best_checkpoint": t.checkpoint_callback.best_model_path}
+    report = {
+        "losses": module.losses,
+        "seen": module.seen,
+        "val_loss": float(t.callback_metrics["val_loss"]),
+        "train_loss": float(t.callback_metrics["train_loss"]),
+        "best_checkpoint": t.checkpoint_callback.best_model_path,
+    }
     if evaluate:
         report["validate"] = metrics(t.validate(module, val, verbose=False))
         report["test"] = metrics(t.test(module, val, verbose=False))
@@ -133,7 +147,7 @@ def resumed(make_strategy, out: Path, name: str) -> dict:
 
 def main(out: Path) -> None:
     ddp = lambda: DDPStrategy(process_group_backend="gloo")  # noqa: E731
-    nxd = lambda **kw: (lambda: NxDStrategy(**kw))  # noqa: E731
+    nxd = lambda **kw: lambda: NxDStrategy(**kw)  # noqa: E731
     report = {
         "ddp": run(ddp, out, "ddp", evaluate=True),
         "nxdt": run(nxd(), out, "nxdt", evaluate=True),

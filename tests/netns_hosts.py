@@ -39,13 +39,18 @@ class Hosts:
 
     def setup(self) -> None:
         veth = [f"nx{self.names[0][4:-1]}a", f"nx{self.names[1][4:-1]}b"]
-        steps = [["ip", "netns", "add", self.names[0]], ["ip", "netns", "add", self.names[1]],
-                 ["ip", "link", "add", veth[0], "type", "veth", "peer", "name", veth[1]]]
+        steps = [
+            ["ip", "netns", "add", self.names[0]],
+            ["ip", "netns", "add", self.names[1]],
+            ["ip", "link", "add", veth[0], "type", "veth", "peer", "name", veth[1]],
+        ]
         for i in range(2):
-            steps += [["ip", "link", "set", veth[i], "netns", self.names[i]],
-                      ["ip", "-n", self.names[i], "addr", "add", f"{self.addr[i]}/24", "dev", veth[i]],
-                      ["ip", "-n", self.names[i], "link", "set", "lo", "up"],
-                      ["ip", "-n", self.names[i], "link", "set", veth[i], "up"]]
+            steps += [
+                ["ip", "link", "set", veth[i], "netns", self.names[i]],
+                ["ip", "-n", self.names[i], "addr", "add", f"{self.addr[i]}/24", "dev", veth[i]],
+                ["ip", "-n", self.names[i], "link", "set", "lo", "up"],
+                ["ip", "-n", self.names[i], "link", "set", veth[i], "up"],
+            ]
         for step in steps:
             result = _run(*step)
             if result.returncode != 0:
@@ -56,8 +61,15 @@ class Hosts:
     def popen(self, host: int, argv: list[str], **kwargs) -> subprocess.Popen:
         """Start ``argv`` on host ``host`` (``ip netns exec`` execs it: the pid is the program's own)."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **kwargs.pop("env", {})}
-        proc = subprocess.Popen(["ip", "netns", "exec", self.names[host], *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=env, start_new_session=True, **kwargs)
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.names[host], *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+            **kwargs,
+        )
         self.procs.append(proc)
         return proc
 
@@ -136,22 +148,55 @@ class Slurm:
             (r / d).mkdir(parents=True, exist_ok=True)
         (r / "munge").chmod(0o700)
         subprocess.run(["mungekey", "-c", "-k", str(r / "munge/munge.key")], check=True, capture_output=True, timeout=30)
-        self.conf.write_text("\n".join([
-            "ClusterName=nxdttest", f"SlurmctldHost={socket.gethostname()}({self.hosts.addr[0]})",
-            "AuthType=auth/munge", f"AuthInfo=socket={r}/munge/sock", "CredType=cred/munge",
-            "SlurmUser=root", "SlurmdUser=root", f"StateSaveLocation={r}/state", f"SlurmdSpoolDir={r}/spool/%n",
-            f"SlurmctldPidFile={r}/slurmctld.pid", f"SlurmdPidFile={r}/slurmd.%n.pid",
-            f"SlurmctldLogFile={r}/log/slurmctld.log", f"SlurmdLogFile={r}/log/slurmd.%n.log",
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
-            "AccountingStorageType=accounting_storage/none", "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
-            "SchedulerType=sched/builtin", "MpiDefault=none", "ReturnToService=2", "SlurmdParameters=config_overrides",
-            "InactiveLimit=0", "KillWait=5",
-            "MinJobAge=4",  # sbatch --wait then polls every 2 s (it backs off to 32 s when records live long)
-            f"NodeName=n0 NodeAddr={self.hosts.addr[0]} CPUs=2 State=UNKNOWN",
-            f"NodeName=n1 NodeAddr={self.hosts.addr[1]} CPUs=2 State=UNKNOWN",
-            "PartitionName=debug Nodes=n0,n1 Default=YES MaxTime=INFINITE State=UP", ""]))
-        self._start(["munged", "-F", "-f", f"--socket={r}/munge/sock", f"--key-file={r}/munge/munge.key", f"--pid-file={r}/munge/pid",
-                     f"--log-file={r}/log/munged.log", f"--seed-file={r}/munge/seed"], "munged.out")
+        self.conf.write_text(
+            "\n".join(
+                [
+                    "ClusterName=nxdttest",
+                    f"SlurmctldHost={socket.gethostname()}({self.hosts.addr[0]})",
+                    "AuthType=auth/munge",
+                    f"AuthInfo=socket={r}/munge/sock",
+                    "CredType=cred/munge",
+                    "SlurmUser=root",
+                    "SlurmdUser=root",
+                    f"StateSaveLocation={r}/state",
+                    f"SlurmdSpoolDir={r}/spool/%n",
+                    f"SlurmctldPidFile={r}/slurmctld.pid",
+                    f"SlurmdPidFile={r}/slurmd.%n.pid",
+                    f"SlurmctldLogFile={r}/log/slurmctld.log",
+                    f"SlurmdLogFile={r}/log/slurmd.%n.log",
+                    "ProctrackType=proctrack/linuxproc",
+                    "TaskPlugin=task/none",
+                    "JobAcctGatherType=jobacct_gather/none",
+                    "AccountingStorageType=accounting_storage/none",
+                    "SelectType=select/cons_tres",
+                    "SelectTypeParameters=CR_CPU",
+                    "SchedulerType=sched/builtin",
+                    "MpiDefault=none",
+                    "ReturnToService=2",
+                    "SlurmdParameters=config_overrides",
+                    "InactiveLimit=0",
+                    "KillWait=5",
+                    "MinJobAge=4",  # sbatch --wait then polls every 2 s (it backs off to 32 s when records live long)
+                    f"NodeName=n0 NodeAddr={self.hosts.addr[0]} CPUs=2 State=UNKNOWN",
+                    f"NodeName=n1 NodeAddr={self.hosts.addr[1]} CPUs=2 State=UNKNOWN",
+                    "PartitionName=debug Nodes=n0,n1 Default=YES MaxTime=INFINITE State=UP",
+                    "",
+                ]
+            )
+        )
+        self._start(
+            [
+                "munged",
+                "-F",
+                "-f",
+                f"--socket={r}/munge/sock",
+                f"--key-file={r}/munge/munge.key",
+                f"--pid-file={r}/munge/pid",
+                f"--log-file={r}/log/munged.log",
+                f"--seed-file={r}/munge/seed",
+            ],
+            "munged.out",
+        )
         self._start(["slurmctld", "-D", "-f", str(self.conf)], "slurmctld.out", host=0)
         self._start(["slurmd", "-D", "-N", "n0", "-f", str(self.conf)], "slurmd-n0.out", host=0)
         self._start(["slurmd", "-D", "-N", "n1", "-f", str(self.conf)], "slurmd-n1.out", host=1)
@@ -169,8 +214,14 @@ class Slurm:
 
     def run(self, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
         """A Slurm client command on host 0 (where slurmctld listens)."""
-        return subprocess.run(["nsenter", f"--net=/run/netns/{self.hosts.names[0]}", *argv], capture_output=True, text=True,
-                              env={**os.environ, **self.env}, timeout=kwargs.pop("timeout", 30), **kwargs)
+        return subprocess.run(
+            ["nsenter", f"--net=/run/netns/{self.hosts.names[0]}", *argv],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **self.env},
+            timeout=kwargs.pop("timeout", 30),
+            **kwargs,
+        )
 
     def stop(self) -> None:
         for proc in reversed(self.procs):

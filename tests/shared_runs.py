@@ -28,17 +28,31 @@ import pytest
 from nxdt.comm.waiting import pid_alive  # zombies count as gone
 from test_train_e2e import TINY, assert_ok, nxdt
 
-RELIABILITY = [*TINY, "data=synthetic", "trainer.max_steps=12", "exp_manager.checkpoint_every_n_steps=5", "exp_manager.keep_last_k=5",
-               "data.global_batch_size=4", "data.micro_batch_size=2"]
+RELIABILITY = [
+    *TINY,
+    "data=synthetic",
+    "trainer.max_steps=12",
+    "exp_manager.checkpoint_every_n_steps=5",
+    "exp_manager.keep_last_k=5",
+    "data.global_batch_size=4",
+    "data.micro_batch_size=2",
+]
 DEFAULT_STEPS = 30  # the default run: enough steps to learn clearly on the sample text (test_train_e2e)
-STOPPED_ARGS = ["name=stopped", "data=synthetic", "trainer.max_steps=100000", "exp_manager.checkpoint_every_n_steps=2",
-                "exp_manager.keep_last_k=1"]
+STOPPED_ARGS = [
+    "name=stopped",
+    "data=synthetic",
+    "trainer.max_steps=100000",
+    "exp_manager.checkpoint_every_n_steps=2",
+    "exp_manager.keep_last_k=1",
+]
 
 
 def processes_left(run_dir: Path) -> list[int]:
     """Pids still alive (after up to 10 s) among the workers the run started and the fork server they came from."""
-    started = re.findall(r"started [0-9-]+ [0-9:.]+ \(pid (\d+), parent (\d+)\)", "".join(
-        path.read_text() for path in (run_dir / "logs").glob("rank*.log")))
+    started = re.findall(
+        r"started [0-9-]+ [0-9:.]+ \(pid (\d+), parent (\d+)\)",
+        "".join(path.read_text() for path in (run_dir / "logs").glob("rank*.log")),
+    )
     assert started, "no worker logged its start"
     pids = {int(pid) for pair in started for pid in pair}
     deadline = time.monotonic() + 10
@@ -85,7 +99,7 @@ def listening_addresses(pids: set[int]) -> list[tuple[str, int]]:
             hex_addr, hex_port = fields[1].split(":")
             raw = bytes.fromhex(hex_addr)
             # /proc prints the address as host-order 32-bit words
-            packed = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
+            packed = b"".join(raw[i : i + 4][::-1] for i in range(0, width, 4))
             found.append((str(ipaddress.ip_address(packed)), int(hex_port, 16)))
     return found
 
@@ -93,15 +107,31 @@ def listening_addresses(pids: set[int]) -> list[tuple[str, int]]:
 @pytest.fixture(scope="session")
 def everyday_runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("everyday")
-    default = nxdt("train", f"trainer.max_steps={DEFAULT_STEPS}", f"exp_manager.checkpoint_every_n_steps={DEFAULT_STEPS // 2}", cwd=root)
+    default = nxdt(
+        "train", f"trainer.max_steps={DEFAULT_STEPS}", f"exp_manager.checkpoint_every_n_steps={DEFAULT_STEPS // 2}", cwd=root
+    )
     start = time.monotonic()
-    failing = nxdt("train", "-q", "name=failing", "data=synthetic", "trainer.max_steps=20", "exp_manager.fault_injection.step=3",
-                   "exp_manager.fault_injection.rank=1", cwd=root)
+    failing = nxdt(
+        "train",
+        "-q",
+        "name=failing",
+        "data=synthetic",
+        "trainer.max_steps=20",
+        "exp_manager.fault_injection.step=3",
+        "exp_manager.fault_injection.rank=1",
+        cwd=root,
+    )
     failing_elapsed = time.monotonic() - start
     runs = {"llama_tiny": next(root.glob("outputs/llama_tiny/*")), "failing": next(root.glob("outputs/failing/*"))}
     failing_left = processes_left(runs["failing"])
-    proc = subprocess.Popen([sys.executable, "-m", "nxdt.cli", "train", *STOPPED_ARGS], cwd=root,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nxdt.cli", "train", *STOPPED_ARGS],
+        cwd=root,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while not list(root.glob("outputs/stopped/*/checkpoints/step-*/done")):  # trained and saved: well under way
         assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
@@ -112,9 +142,18 @@ def everyday_runs(tmp_path_factory) -> dict:
     out, err = proc.communicate(timeout=90)
     stopped = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     runs["stopped"] = next(root.glob("outputs/stopped/*"))
-    return {"root": root, "default": default, "failing": failing, "failing_elapsed": failing_elapsed, "failing_left": failing_left,
-            "stopped": stopped, "stopped_left": processes_left(runs["stopped"]), "stopped_tree": tree, "stopped_listening": listening,
-            "runs": runs}
+    return {
+        "root": root,
+        "default": default,
+        "failing": failing,
+        "failing_elapsed": failing_elapsed,
+        "failing_left": failing_left,
+        "stopped": stopped,
+        "stopped_left": processes_left(runs["stopped"]),
+        "stopped_tree": tree,
+        "stopped_listening": listening,
+        "runs": runs,
+    }
 
 
 @pytest.fixture(scope="session")

@@ -16,15 +16,26 @@ from nxdt.cli import main
 from nxdt.data import SAMPLE_INSTRUCTIONS
 from nxdt.lightning import checkpoint as ckpt_io
 
-LLAMA_TINY_SHAPE = {"vocab_size": 256, "hidden_size": 128, "num_layers": 4, "num_attention_heads": 4, "num_kv_heads": 2,
-                    "ffn_hidden_size": 344}
+LLAMA_TINY_SHAPE = {
+    "vocab_size": 256,
+    "hidden_size": 128,
+    "num_layers": 4,
+    "num_attention_heads": 4,
+    "num_kv_heads": 2,
+    "ffn_hidden_size": 344,
+}
 
 
 def _checkpoint(root: Path, name: str, damage: str | None = None, model: dict | None = None, **layout) -> Path:
     path = root / name
     state = {"state_dict": {"model.w": torch.ones(4)}, "global_step": 3, "optimizer_states": []}
-    meta = {"degrees": {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "dp": 2, **layout.pop("degrees", {})}, "world_size": 2, "zero1": False,
-            "model": model or LLAMA_TINY_SHAPE, **layout}
+    meta = {
+        "degrees": {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "dp": 2, **layout.pop("degrees", {})},
+        "world_size": 2,
+        "zero1": False,
+        "model": model or LLAMA_TINY_SHAPE,
+        **layout,
+    }
     ckpt_io.save(state, path, meta=meta)
     if damage == "no-done":
         (path / "done").unlink()
@@ -64,51 +75,109 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["train", "distributed_strategy.placement_order=tp-dp"], "placement_order"),
         # parallel layouts
         (["train", "trainer.devices=4", "distributed_strategy.tensor_model_parallel_size=3"], "tensor_model_parallel_size"),
-        (["train", "distributed_strategy.pipeline_model_parallel_size=8", "trainer.devices=8", "data.global_batch_size=8",
-          "data.micro_batch_size=1"], "pipeline_model_parallel_size"),
-        (["train", "model=mixtral_tiny", "trainer.devices=4", "distributed_strategy.expert_model_parallel_size=4",
-          "model.moe.num_experts=6", "data.global_batch_size=8", "data.micro_batch_size=2"], "num_experts"),
+        (
+            [
+                "train",
+                "distributed_strategy.pipeline_model_parallel_size=8",
+                "trainer.devices=8",
+                "data.global_batch_size=8",
+                "data.micro_batch_size=1",
+            ],
+            "pipeline_model_parallel_size",
+        ),
+        (
+            [
+                "train",
+                "model=mixtral_tiny",
+                "trainer.devices=4",
+                "distributed_strategy.expert_model_parallel_size=4",
+                "model.moe.num_experts=6",
+                "data.global_batch_size=8",
+                "data.micro_batch_size=2",
+            ],
+            "num_experts",
+        ),
         (["train", "data.global_batch_size=6"], "data.global_batch_size"),
-        (["train", "trainer.devices=2", "distributed_strategy.fsdp.enabled=true", "distributed_strategy.pipeline_model_parallel_size=2"], "fsdp"),
+        (
+            [
+                "train",
+                "trainer.devices=2",
+                "distributed_strategy.fsdp.enabled=true",
+                "distributed_strategy.pipeline_model_parallel_size=2",
+            ],
+            "fsdp",
+        ),
         (["train", "distributed_strategy.fsdp.enabled=true", "distributed_strategy.zero1=true"], "zero1"),
-        (["train", "model=mixtral_tiny", "trainer.devices=4", "distributed_strategy.context_parallel_size=2",
-          "distributed_strategy.expert_model_parallel_size=2", "data.global_batch_size=8"], "context_parallel_size"),
-        (["train", "trainer.devices=2", "distributed_strategy.context_parallel_size=2", "data.seq_length=126"],
-         "must split into 2·CP = 4 equal chunks"),
-        (["train", "trainer.devices=2", "distributed_strategy.context_parallel_size=2", "data.val_split=0.1"],
-         "validation with context parallelism"),
-        (["train", "+recipe=sft", "trainer.devices=2", "distributed_strategy.context_parallel_size=2"],
-         "packed records with context parallelism"),
+        (
+            [
+                "train",
+                "model=mixtral_tiny",
+                "trainer.devices=4",
+                "distributed_strategy.context_parallel_size=2",
+                "distributed_strategy.expert_model_parallel_size=2",
+                "data.global_batch_size=8",
+            ],
+            "context_parallel_size",
+        ),
+        (
+            ["train", "trainer.devices=2", "distributed_strategy.context_parallel_size=2", "data.seq_length=126"],
+            "must split into 2·CP = 4 equal chunks",
+        ),
+        (
+            ["train", "trainer.devices=2", "distributed_strategy.context_parallel_size=2", "data.val_split=0.1"],
+            "validation with context parallelism",
+        ),
+        (
+            ["train", "+recipe=sft", "trainer.devices=2", "distributed_strategy.context_parallel_size=2"],
+            "packed records with context parallelism",
+        ),
         # data
         (["train", "data.train_dir=/no/such/corpus.txt"], "data.train_dir"),
         (["train", "data.tokenizer=/no/such/tokenizer.json"], "data.tokenizer"),
         (["train", "data.seq_length=100000"], "data.seq_length"),
         # fine-tuning data (instruction records: checked in the launcher, before any worker)
-        (["train", "+recipe=sft", f"data.train_dir={_jsonl(tmp, 'fields.jsonl', WRONG_FIELDS)}"],
-         "record 0: needs 'input' and 'output'"),
-        (["train", "+recipe=sft", f"data.train_dir={_jsonl(tmp / 'empty', 'train.jsonl', '')}"], "no record left to train on (0 read"),
-        (["train", "+recipe=sft", f"data.val_dir={_jsonl(tmp, 'val.jsonl', 'not json')}"],
-         "data.val_dir"),
+        (
+            ["train", "+recipe=sft", f"data.train_dir={_jsonl(tmp, 'fields.jsonl', WRONG_FIELDS)}"],
+            "record 0: needs 'input' and 'output'",
+        ),
+        (
+            ["train", "+recipe=sft", f"data.train_dir={_jsonl(tmp / 'empty', 'train.jsonl', '')}"],
+            "no record left to train on (0 read",
+        ),
+        (["train", "+recipe=sft", f"data.val_dir={_jsonl(tmp, 'val.jsonl', 'not json')}"], "data.val_dir"),
         (["train", "+recipe=sft", "data.source=text"], "model_alignment_strategy.sft trains on instruction records"),
         (["train", "data.source=instructions"], "add model_alignment_strategy.sft"),
         (["train", f"data.train_dir={SAMPLE_INSTRUCTIONS}"], "is JSON lines, which data.source=text would train on as raw text"),
         (["train", "model.weight_init_only=true"], "model.weight_init_only"),
         # preference data (DPO / ORPO): checked in the launcher, before any worker
-        (["train", "+recipe=dpo", f"data.train_dir={_jsonl(tmp, 'empty_chosen.jsonl', EMPTY_CHOSEN)}"],
-         "record 1: 'chosen' must be a non-empty string"),
-        (["train", "+recipe=orpo", f"data.train_dir={_jsonl(tmp, 'no_rejected.jsonl', NO_REJECTED)}"],
-         "record 0: a preference record needs 'prompt', 'chosen' and 'rejected'; missing ['rejected']"),
+        (
+            ["train", "+recipe=dpo", f"data.train_dir={_jsonl(tmp, 'empty_chosen.jsonl', EMPTY_CHOSEN)}"],
+            "record 1: 'chosen' must be a non-empty string",
+        ),
+        (
+            ["train", "+recipe=orpo", f"data.train_dir={_jsonl(tmp, 'no_rejected.jsonl', NO_REJECTED)}"],
+            "record 0: a preference record needs 'prompt', 'chosen' and 'rejected'; missing ['rejected']",
+        ),
         (["train", "+recipe=dpo", "model_alignment_strategy.dpo.loss_type=hinge"], "model_alignment_strategy.dpo.loss_type"),
-        (["train", "+recipe=dpo", "model_alignment_strategy.dpo.precompute_ref_log_probs=false"],
-         "model_alignment_strategy.dpo.precompute_ref_log_probs=False"),
+        (
+            ["train", "+recipe=dpo", "model_alignment_strategy.dpo.precompute_ref_log_probs=false"],
+            "model_alignment_strategy.dpo.precompute_ref_log_probs=False",
+        ),
         (["train", "+recipe=dpo", "data.source=instructions"], "model_alignment_strategy.dpo trains on preference records"),
         (["train", "data.source=preferences"], "add model_alignment_strategy.dpo or .orpo"),
         # LoRA (model_alignment_strategy.peft): targets checked on the model built on the meta device
-        (["train", "+recipe=lora", "model_alignment_strategy.peft.target_modules=[qkv]"],
-         "model_alignment_strategy.peft.target_modules: LoRA target_modules ['qkv']: unknown"),
-        (["train", "+recipe=lora", "model=gpt_tiny", "model_alignment_strategy.peft.target_modules=[gate_up_proj]"],
-         "GPTForCausalLM has no nn.Linear named ['gate_proj', 'up_proj']"),
-        (["train", "+recipe=lora", "model_alignment_strategy.peft.merge_lora=true"], "model_alignment_strategy.peft.merge_lora=True"),
+        (
+            ["train", "+recipe=lora", "model_alignment_strategy.peft.target_modules=[qkv]"],
+            "model_alignment_strategy.peft.target_modules: LoRA target_modules ['qkv']: unknown",
+        ),
+        (
+            ["train", "+recipe=lora", "model=gpt_tiny", "model_alignment_strategy.peft.target_modules=[gate_up_proj]"],
+            "GPTForCausalLM has no nn.Linear named ['gate_proj', 'up_proj']",
+        ),
+        (
+            ["train", "+recipe=lora", "model_alignment_strategy.peft.merge_lora=true"],
+            "model_alignment_strategy.peft.merge_lora=True",
+        ),
         (["train", "trainer.limit_val_batches=2.5"], "trainer.limit_val_batches"),
         (["train", "data.val_split=1.0"], "data.val_split"),
         (["train", "data.val_dir=/no/such/validation.txt"], "data.val_dir"),
@@ -116,8 +185,17 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["train", "instance=trn1.32xlarg"], "did you mean"),
         (["train", "instance=trn1.2xlarge", "trainer.num_nodes=2"], "multi-node"),
         (["train", "instance=trn1.32xlarge", "trainer.lnc=2"], "logical-NeuronCore"),
-        (["plan", "instance=inf2.48xlarge", "distributed_strategy.tensor_model_parallel_size=4", "model=llama3_8b",
-          "data.micro_batch_size=1", "data.global_batch_size=96"], "not consecutive"),
+        (
+            [
+                "plan",
+                "instance=inf2.48xlarge",
+                "distributed_strategy.tensor_model_parallel_size=4",
+                "model=llama3_8b",
+                "data.micro_batch_size=1",
+                "data.global_batch_size=96",
+            ],
+            "not consecutive",
+        ),
         # CLI arguments
         (["train", "--fast"], "unknown option"),
         (["train", "notakeyvalue"], "key=value"),
@@ -132,11 +210,25 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["train", f"exp_manager.resume_from_checkpoint={text}"], "not a directory"),
         (["checkpoint", "inspect", str(tmp / "nowhere")], "does not exist"),
         # resuming on another layout where resharding cannot help
-        (["train", f"exp_manager.resume_from_checkpoint={_checkpoint(tmp, 'e', degrees={'ep': 2})}"], "resharding expert-parallel"),
-        (["train", f"exp_manager.resume_from_checkpoint={_checkpoint(tmp, 'f', degrees={'tp': 2, 'dp': 1}, format_version=1)}"],
-         "older nxdt"),
-        (["train", f"exp_manager.resume_from_checkpoint={_checkpoint(tmp, 'w', degrees={'ep': 2})}", "model.weight_init_only=true"],
-         "expert-parallel (EP2): its weights cannot be consolidated yet for model.weight_init_only"),
+        (
+            ["train", f"exp_manager.resume_from_checkpoint={_checkpoint(tmp, 'e', degrees={'ep': 2})}"],
+            "resharding expert-parallel",
+        ),
+        (
+            [
+                "train",
+                f"exp_manager.resume_from_checkpoint={_checkpoint(tmp, 'f', degrees={'tp': 2, 'dp': 1}, format_version=1)}",
+            ],
+            "older nxdt",
+        ),
+        (
+            [
+                "train",
+                f"exp_manager.resume_from_checkpoint={_checkpoint(tmp, 'w', degrees={'ep': 2})}",
+                "model.weight_init_only=true",
+            ],
+            "expert-parallel (EP2): its weights cannot be consolidated yet for model.weight_init_only",
+        ),
         (["checkpoint", "consolidate", str(tmp / "a")], "usage"),
         (["checkpoint", "consolidate", str(_checkpoint(tmp, "g")), str(tmp)], "not an empty directory"),
         (["checkpoint", "consolidate", str(_checkpoint(tmp, "h", degrees={"ep": 2})), str(tmp / "out")], "expert-parallel"),
@@ -182,11 +274,19 @@ def _launch_cases(tmp: Path) -> list[tuple[list[str], str]]:
     shapes = {"model.embed_tokens.weight": (256, 128), "model.norm.weight": (128,), "lm_head.weight": (256, 128)}
     for i in range(4):
         p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (128,), p + "post_attention_layernorm.weight": (128,),
-                       p + "self_attn.q_proj.weight": (128, 128), p + "self_attn.k_proj.weight": (64, 128),
-                       p + "self_attn.v_proj.weight": (64, 128), p + "self_attn.o_proj.weight": (128, 128),
-                       p + "mlp.gate_proj.weight": (344, 128), p + "mlp.up_proj.weight": (344, 128),
-                       p + "mlp.down_proj.weight": (128, 344)})
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (128,),
+                p + "post_attention_layernorm.weight": (128,),
+                p + "self_attn.q_proj.weight": (128, 128),
+                p + "self_attn.k_proj.weight": (64, 128),
+                p + "self_attn.v_proj.weight": (64, 128),
+                p + "self_attn.o_proj.weight": (128, 128),
+                p + "mlp.gate_proj.weight": (344, 128),
+                p + "mlp.up_proj.weight": (344, 128),
+                p + "mlp.down_proj.weight": (128, 344),
+            }
+        )
 
     def checkpoint(name: str, **changes: torch.Tensor | None) -> Path:
         tensors = {k: torch.zeros(v) for k, v in shapes.items()}
@@ -229,7 +329,10 @@ def _launch_cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["data.source=megatron", f"data.data_prefix=[1.0,{tmp / 'corpus'},2.0]"], "has 3 entries; give pairs"),
         (["data.source=megatron", f"data.data_prefix=[heavy,{tmp / 'corpus'}]"], "weight 'heavy'"),
         (["data.source=megatron", f"data.data_prefix=[1.0,{tmp / 'no_idx'}]"], "no no_idx.idx beside it"),
-        (["data.source=megatron", f"data.data_prefix=[1.0,{tmp / 'wide_corpus'}]"], "token id 300 is outside model.vocab_size=256"),
+        (
+            ["data.source=megatron", f"data.data_prefix=[1.0,{tmp / 'wide_corpus'}]"],
+            "token id 300 is outside model.vocab_size=256",
+        ),
         (["data.source=megatron"], "data.data_prefix: data.source=megatron reads Megatron indexed datasets"),
         # data.tokenizer
         ([f"data.tokenizer={tmp / 'tokenizer_garbage.json'}"], "not a valid tokenizer.json"),
@@ -405,12 +508,13 @@ def _left_behind(before: set[str]) -> set[str]:
     run whose segments include one with a live creator outside this process tree, or one still being created)."""
     runs: dict[str, list[str]] = {}
     for path in glob.glob("/dev/shm/nxdt-*"):
-        runs.setdefault(os.path.basename(path)[len("nxdt-"):].split("-")[0], []).append(path)
+        runs.setdefault(os.path.basename(path)[len("nxdt-") :].split("-")[0], []).append(path)
     left = set()
     for paths in runs.values():
         creators = [_creator(p) for p in paths]
-        foreign = any(c is not None and (c <= 0 or (Path(f"/proc/{c}").exists() and os.getpid() not in _ancestors(c)))
-                      for c in creators)
+        foreign = any(
+            c is not None and (c <= 0 or (Path(f"/proc/{c}").exists() and os.getpid() not in _ancestors(c))) for c in creators
+        )
         if not foreign:
             left |= {p for p, c in zip(paths, creators) if c is not None and p not in before}
     return left

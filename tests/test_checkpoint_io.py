@@ -26,7 +26,9 @@ def test_roundtrip_is_exact_and_safe(tmp_path):
     assert loaded["global_step"] == 5
     for name, tensor in original["state_dict"].items():
         assert torch.equal(loaded["state_dict"][name], tensor)
-    assert torch.equal(loaded["optimizer_states"][0]["state"][0]["exp_avg"], original["optimizer_states"][0]["state"][0]["exp_avg"])
+    assert torch.equal(
+        loaded["optimizer_states"][0]["state"][0]["exp_avg"], original["optimizer_states"][0]["state"][0]["exp_avg"]
+    )
     assert "hyper_parameters" not in loaded
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-5"
 

@@ -22,13 +22,17 @@ FILES = ["model.safetensors", "trainer_state.pt", "rng-rank0.safetensors", "meta
 def _checkpoint(step: int) -> dict:
     torch.manual_seed(step)
     emb = torch.randn(16, 8)
-    return {"global_step": step, "state_dict": {"embed.weight": emb, "head.weight": emb, "norm.weight": torch.ones(8)},
-            "optimizer_states": [{"state": {0: {"exp_avg": torch.randn(5)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}]}
+    return {
+        "global_step": step,
+        "state_dict": {"embed.weight": emb, "head.weight": emb, "norm.weight": torch.ones(8)},
+        "optimizer_states": [{"state": {0: {"exp_avg": torch.randn(5)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}],
+    }
 
 
 def _save(root: Path, step: int) -> Path:
-    return ckpt_io.save(_checkpoint(step), root / f"step-{step}", meta={"world_size": 1},
-                        extra_files={ckpt_io.rng_file(0): ckpt_io.rng_tensors()})
+    return ckpt_io.save(
+        _checkpoint(step), root / f"step-{step}", meta={"world_size": 1}, extra_files={ckpt_io.rng_file(0): ckpt_io.rng_tensors()}
+    )
 
 
 def _flip(file: Path, offset: int | None = None) -> None:
@@ -162,15 +166,21 @@ def test_cli_verify_exit_codes_and_one_line_per_problem(tmp_path, capsys):
     (bad / "rng-rank0.safetensors").write_bytes((bad / "rng-rank0.safetensors").read_bytes()[:100])
     assert main(["checkpoint", "verify", str(bad)]) == 1
     out = capsys.readouterr().out.splitlines()
-    assert out[:2] == [f"{bad}: checksum mismatch: model.safetensors", f"{bad}: truncated: rng-rank0.safetensors (100 of "
-                       f"{ckpt_io.read_checksums(bad)['rng-rank0.safetensors']['size']} bytes)"]
+    assert out[:2] == [
+        f"{bad}: checksum mismatch: model.safetensors",
+        f"{bad}: truncated: rng-rank0.safetensors (100 of {ckpt_io.read_checksums(bad)['rng-rank0.safetensors']['size']} bytes)",
+    ]
     assert out[2] == f"nxdt: checkpoint {bad} is damaged: 2 problems — resume from an earlier checkpoint" and len(out) == 3
 
     (good / "done").unlink()
     assert main(["checkpoint", "verify", str(good)]) == 1
     assert "incomplete: no 'done' marker" in capsys.readouterr().out
 
-    for argv in (["checkpoint", "verify", str(tmp_path / "nowhere")], ["checkpoint", "verify"], ["checkpoint", "verify", str(tmp_path)]):
+    for argv in (
+        ["checkpoint", "verify", str(tmp_path / "nowhere")],
+        ["checkpoint", "verify"],
+        ["checkpoint", "verify", str(tmp_path)],
+    ):
         assert main(argv) == 2
         captured = capsys.readouterr()
         assert not captured.out and len(captured.err.strip().splitlines()) == 1
@@ -188,8 +198,10 @@ def test_newest_verified_falls_back_to_the_previous_good_checkpoint(tmp_path):
     before = sorted(p.name for p in root.iterdir())
     good, skipped = ckpt_io.newest_verified(root)
     assert good == root / "step-10"
-    assert [(p.name, reason.split(" (")[0]) for p, reason in skipped] == [("step-20", "checksum mismatch: trainer_state.pt"),
-                                                                         ("step-15", "truncated: model.safetensors")]
+    assert [(p.name, reason.split(" (")[0]) for p, reason in skipped] == [
+        ("step-20", "checksum mismatch: trainer_state.pt"),
+        ("step-15", "truncated: model.safetensors"),
+    ]
     assert sorted(p.name for p in root.iterdir()) == before  # pure: nothing moved
     _flip(root / "step-10" / "meta.json", 0)
     assert ckpt_io.newest_verified(root)[0] == root / "step-5"  # an old checkpoint without checksums counts if whole
@@ -231,8 +243,10 @@ def test_launcher_skips_a_damaged_newest_checkpoint_and_the_workers_resume_the_s
     cfg = _launcher_cfg(tmp_path)
     assert choose_run_dir(cfg) == run
     lines = check_resume(cfg, run)
-    assert lines == ["nxdt: checkpoint step-20 is damaged (checksum mismatch: model.safetensors); resuming from step-15 "
-                     "(moved it to step-20.damaged)"]
+    assert lines == [
+        "nxdt: checkpoint step-20 is damaged (checksum mismatch: model.safetensors); resuming from step-15 "
+        "(moved it to step-20.damaged)"
+    ]
     assert resume_checkpoint(run) == run / "checkpoints" / "step-15"  # what rank 0 of the workers picks and publishes
     assert check_resume(cfg, run) == []  # the next start verifies step-15 again and finds nothing to say
 
@@ -300,8 +314,15 @@ def _save_sharded(path: Path, size: int = 2) -> None:
     def rank(r: int) -> None:
         try:
             state = {**_checkpoint(r), "global_step": 7}
-            ckpt_io.save_sharded(state, path, model_file=f"model-mp{r}.safetensors", state_file=f"trainer_state-mp{r}.pt",
-                                 comm=_Comm(group, r), meta={"world_size": size}, extra_files={ckpt_io.rng_file(r): ckpt_io.rng_tensors()})
+            ckpt_io.save_sharded(
+                state,
+                path,
+                model_file=f"model-mp{r}.safetensors",
+                state_file=f"trainer_state-mp{r}.pt",
+                comm=_Comm(group, r),
+                meta={"world_size": size},
+                extra_files={ckpt_io.rng_file(r): ckpt_io.rng_tensors()},
+            )
         except BaseException as exc:  # noqa: BLE001 — reported by the test thread
             errors.append(exc)
             group.gate.abort()
@@ -318,8 +339,15 @@ def test_sharded_save_records_every_ranks_files_and_load_checks_them(tmp_path):
     path = tmp_path / "checkpoints" / "step-7"
     _save_sharded(path)
     recorded = ckpt_io.read_checksums(path)
-    assert sorted(recorded) == ["meta.json", "model-mp0.safetensors", "model-mp1.safetensors", "rng-rank0.safetensors",
-                                "rng-rank1.safetensors", "trainer_state-mp0.pt", "trainer_state-mp1.pt"]
+    assert sorted(recorded) == [
+        "meta.json",
+        "model-mp0.safetensors",
+        "model-mp1.safetensors",
+        "rng-rank0.safetensors",
+        "rng-rank1.safetensors",
+        "trainer_state-mp0.pt",
+        "trainer_state-mp1.pt",
+    ]
     assert ckpt_io.check(path).ok
     for r in range(2):
         loaded = ckpt_io.load(path, model_file=f"model-mp{r}.safetensors", state_file=f"trainer_state-mp{r}.pt")

@@ -24,12 +24,17 @@ def test_bad_arguments_are_one_line_exit_2():
 
 def test_r_is_the_total_over_n_nodes_as_in_nccom_test(capsys):
     assert ranks_per_node(64, 2) == 32 and ranks_per_node(2, 1) == 2 and ranks_per_node(2, 2) == 1
-    for r, n, needle in ((3, 2, "-r 3 ranks do not divide equally over -N 2 nodes"), (1, 1, "-r 1: need at least 2 ranks"),
-                         (4, 0, "-N 0")):
+    for r, n, needle in (
+        (3, 2, "-r 3 ranks do not divide equally over -N 2 nodes"),
+        (1, 1, "-r 1: need at least 2 ranks"),
+        (4, 0, "-N 0"),
+    ):
         with pytest.raises(ValueError, match=needle):
             ranks_per_node(r, n)
-    for argv in (["comm-test", "-N", "2", "-r", "3", "allr"], ["comm-test", "--estimate", "--instance", "trn1.32xlarge", "-N", "2",
-                                                             "-r", "63", "allr"]):
+    for argv in (
+        ["comm-test", "-N", "2", "-r", "3", "allr"],
+        ["comm-test", "--estimate", "--instance", "trn1.32xlarge", "-N", "2", "-r", "63", "allr"],
+    ):
         assert main(argv) == 2  # refused before anything starts
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "do not divide equally" in err[0] and "total number of ranks" in err[0], err
@@ -38,9 +43,43 @@ def test_r_is_the_total_over_n_nodes_as_in_nccom_test(capsys):
 @pytest.mark.timeout(180)
 def test_small_checked_run_with_baseline_writes_nccom_style_json(tmp_path):
     report = tmp_path / "r.json"
-    result = subprocess.run([sys.executable, "-m", "nxdt.cli", "comm-test", "-N", "1", "-r", "2", "-b", "1kb", "-e", "64kb", "-f", "8",
-                             "-n", "3", "-w", "1", "-c", "--baseline", "gloo", "--report-to-json-file", str(report),
-                             "allr", "allg", "redsct", "alltoall", "bcast", "reduce", "sendrecv"], capture_output=True, text=True, timeout=170)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nxdt.cli",
+            "comm-test",
+            "-N",
+            "1",
+            "-r",
+            "2",
+            "-b",
+            "1kb",
+            "-e",
+            "64kb",
+            "-f",
+            "8",
+            "-n",
+            "3",
+            "-w",
+            "1",
+            "-c",
+            "--baseline",
+            "gloo",
+            "--report-to-json-file",
+            str(report),
+            "allr",
+            "allg",
+            "redsct",
+            "alltoall",
+            "bcast",
+            "reduce",
+            "sendrecv",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Avg bus bandwidth" in result.stdout and "speed-up" in result.stdout
     data = json.loads(report.read_text())
@@ -52,8 +91,31 @@ def test_small_checked_run_with_baseline_writes_nccom_style_json(tmp_path):
 
     # --estimate writes the same layout: the same keys (plus what the estimate was made from), the same rows
     predicted = tmp_path / "e.json"
-    assert main(["comm-test", "--estimate", "--instance", "cpu", "-N", "1", "-r", "2", "-b", "1kb", "-e", "64kb", "-f", "8",
-                 "--report-to-json-file", str(predicted), "allr", "allg"]) == 0
+    assert (
+        main(
+            [
+                "comm-test",
+                "--estimate",
+                "--instance",
+                "cpu",
+                "-N",
+                "1",
+                "-r",
+                "2",
+                "-b",
+                "1kb",
+                "-e",
+                "64kb",
+                "-f",
+                "8",
+                "--report-to-json-file",
+                str(predicted),
+                "allr",
+                "allg",
+            ]
+        )
+        == 0
+    )
     estimate = json.loads(predicted.read_text())
     assert set(estimate) == set(data) | {"estimate"} and estimate["nworkers"] == 2 and estimate["nodes"] == 1
     assert [set(r) for r in estimate["results"]] == [set(data["results"][0]) - {"#wrong"}] * 2 * 3

@@ -45,11 +45,11 @@ def test_load_run_config_rejects_unknown_keys(tmp_path):
 
 
 BAD = [
-    (["trainer.max_step=3"], "trainer.max_steps"),                       # typo: suggests the key
-    (["trainer.devices=two"], "trainer.devices"),                        # wrong type
-    (["model=llama_huge"], "llama_tiny"),                                # unknown group option lists the valid ones
+    (["trainer.max_step=3"], "trainer.max_steps"),  # typo: suggests the key
+    (["trainer.devices=two"], "trainer.devices"),  # wrong type
+    (["model=llama_huge"], "llama_tiny"),  # unknown group option lists the valid ones
     (["instance=trn9"], "instance"),
-    (["+bogus=1"], "bogus"),                                             # unknown top-level key
+    (["+bogus=1"], "bogus"),  # unknown top-level key
     (["trainer.devices=3", "data.global_batch_size=8"], "data.global_batch_size"),  # 8 not divisible by mbs 4 × DP 3
     (["trainer.devices=4", "distributed_strategy.tensor_model_parallel_size=3"], "tensor_model_parallel_size"),
     (["trainer.devices=4", "distributed_strategy.tensor_model_parallel_size=4"], "num_kv_heads"),
@@ -69,7 +69,13 @@ BAD = [
 # as real `nxdt train` processes (interpreter start-up, `python -m nxdt.cli`, stderr and the exit status as a shell sees
 # them): one case per stage that refuses — the command line, Hydra's composition, the typed schema, validation of values
 # and layouts, the model class check (which imports torch)
-SUBPROCESS = {"notakeyvalue", "trainer.max_step=3", "trainer.devices=two", "data.global_batch_size=6", "model.architecture=subprocess.Popen"}
+SUBPROCESS = {
+    "notakeyvalue",
+    "trainer.max_step=3",
+    "trainer.devices=two",
+    "data.global_batch_size=6",
+    "model.architecture=subprocess.Popen",
+}
 
 
 @pytest.mark.parametrize("overrides,needle", BAD, ids=[" ".join(o) for o, _ in BAD])
@@ -77,8 +83,9 @@ def test_bad_input_is_one_line_exit_2_and_starts_nothing(tmp_path, overrides, ne
     """The other cases go through ``main`` in this process: the function the ``nxdt`` script calls, minus interpreter
     start-up (as in test_bad_input_matrix.py)."""
     if " ".join(overrides) in SUBPROCESS:
-        result = subprocess.run([sys.executable, "-m", "nxdt.cli", "train", *overrides], cwd=tmp_path, capture_output=True, text=True,
-                                timeout=60)
+        result = subprocess.run(
+            [sys.executable, "-m", "nxdt.cli", "train", *overrides], cwd=tmp_path, capture_output=True, text=True, timeout=60
+        )
         code, err = result.returncode, result.stderr
     else:
         from nxdt.cli import main
@@ -101,8 +108,22 @@ def test_train_help_documents_every_key():
 
 
 def test_plan_command_prints_a_loadable_plan():
-    result = subprocess.run([sys.executable, "-m", "nxdt.cli", "plan", "--json", "trainer.devices=8", "data.global_batch_size=64",
-                             "distributed_strategy.tensor_model_parallel_size=2", "model=llama3_8b"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nxdt.cli",
+            "plan",
+            "--json",
+            "trainer.devices=8",
+            "data.global_batch_size=64",
+            "distributed_strategy.tensor_model_parallel_size=2",
+            "model=llama3_8b",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     plan = Plan.from_json(result.stdout)
     assert plan.degrees["dp"] == 4 and plan.groups["tp"][0] == [0, 1]

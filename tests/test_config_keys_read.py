@@ -75,8 +75,13 @@ def _own_name(node: ast.AST) -> str | None:
         return node.id
     if isinstance(node, ast.BoolOp):
         return _own_name(node.values[0])
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" and len(node.args) >= 2
-            and isinstance(node.args[1], ast.Constant)):
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "getattr"
+        and len(node.args) >= 2
+        and isinstance(node.args[1], ast.Constant)
+    ):
         return node.args[1].value
     return None
 
@@ -122,7 +127,9 @@ class Reads:
                 bind(node.target, node.value)
             elif isinstance(node, ast.arg) and node.annotation is not None:
                 annotation = ast.unparse(node.annotation)
-                aliases.setdefault(node.arg, set()).update(key for cls, key in classes.items() if re.search(rf"\b{cls}\b", annotation))
+                aliases.setdefault(node.arg, set()).update(
+                    key for cls, key in classes.items() if re.search(rf"\b{cls}\b", annotation)
+                )
 
         def stands_for(expr: ast.AST) -> set[str]:
             names = {_own_name(expr)} - {None}
@@ -170,29 +177,36 @@ def unread_keys(schema: type = Config) -> list[str]:
     def read(key: tuple[str, ...]) -> bool:
         leaf, ancestors = key[-1], key[:-1]
         parent = ancestors[-1:] or tuple(GENERIC)
-        return (any((p, leaf) in reads.attributes | reads.getters for p in parent)
-                or any((a, leaf) in reads.getters for a in ancestors)
-                or (leaf in unique and any((g, leaf) in reads.attributes | reads.getters for g in GENERIC))
-                or ".".join(key) in reads.dotted)
+        return (
+            any((p, leaf) in reads.attributes | reads.getters for p in parent)
+            or any((a, leaf) in reads.getters for a in ancestors)
+            or (leaf in unique and any((g, leaf) in reads.attributes | reads.getters for g in GENERIC))
+            or ".".join(key) in reads.dotted
+        )
 
     return [".".join(k) for k in keys if not read(k) and ".".join(k) not in READ_BY_TABLE]
 
 
 def test_every_schema_key_is_read_by_some_code_path():
     unread = unread_keys()
-    assert not unread, (f"config keys that no code in nxdt/ or models/ reads: {unread} — wire each (read it where it "
-                        "takes effect) or delete it from nxdt/config/schema.py, conf/ and the NxDT compat table")
+    assert not unread, (
+        f"config keys that no code in nxdt/ or models/ reads: {unread} — wire each (read it where it "
+        "takes effect) or delete it from nxdt/config/schema.py, conf/ and the NxDT compat table"
+    )
 
 
 def test_the_keys_read_by_name_are_in_their_tables():
     for key, (file, table) in READ_BY_TABLE.items():
         tree = ast.parse((ROOT / file).read_text())
-        values = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == table]
+        values = [
+            ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == table
+        ]
         assert values and key.rsplit(".", 1)[-1] in values[0], (key, file, table)
 
 
 def test_the_walk_finds_a_key_nothing_reads():
     """The check can fail: a field that exists only in the schema is reported, also where its name is common."""
+
     @dataclasses.dataclass
     class Probe(CommConfig):
         never_read_anywhere_xyz: int = 0

@@ -47,8 +47,9 @@ def test_values_at_the_edge_of_each_range_stay_valid(overrides, monkeypatch):
 
 
 def test_every_catalogue_instance_and_model_is_within_range():
-    for group, option in [("instance", name) for name in available_options("instance")] + \
-                         [("model", name) for name in available_options("model")]:
+    for group, option in [("instance", name) for name in available_options("instance")] + [
+        ("model", name) for name in available_options("model")
+    ]:
         cfg = compose_config([f"{group}={option}"], check=False)
         fill_instance_defaults(cfg)
         check_ranges(cfg)

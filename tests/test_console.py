@@ -19,8 +19,14 @@ from nxdt.planner import plan
 
 
 def test_banner_has_the_run_dir_the_layout_in_one_line_and_the_predicted_step_time(tmp_path):
-    cfg = compose_config(["trainer.devices=4", "distributed_strategy.tensor_model_parallel_size=2",
-                          "distributed_strategy.fsdp.enabled=true", "distributed_strategy.fsdp.prefetch=eager"])
+    cfg = compose_config(
+        [
+            "trainer.devices=4",
+            "distributed_strategy.tensor_model_parallel_size=2",
+            "distributed_strategy.fsdp.enabled=true",
+            "distributed_strategy.fsdp.prefetch=eager",
+        ]
+    )
     the_plan = plan(cfg)
     lines = console.banner(tmp_path / "run", the_plan, cfg)
     assert lines[0] == f"nxdt: run directory {tmp_path / 'run'} (4 ranks)"
@@ -28,18 +34,33 @@ def test_banner_has_the_run_dir_the_layout_in_one_line_and_the_predicted_step_ti
     predicted = re.search(r"plan: ([0-9.]+) s/step", lines[2])
     assert predicted and float(predicted.group(1)) == pytest.approx(the_plan.estimate["step_time_s"], abs=1e-3)
     assert "(cpu: placeholder figures)" in lines[2]  # the cpu instance's peak FLOP/s is a guess
-    sized = console.banner(tmp_path, plan(compose_config(["instance=trn1.32xlarge", "trainer.devices=32"], check=False)),
-                           compose_config(["instance=trn1.32xlarge"], check=False))
+    sized = console.banner(
+        tmp_path,
+        plan(compose_config(["instance=trn1.32xlarge", "trainer.devices=32"], check=False)),
+        compose_config(["instance=trn1.32xlarge"], check=False),
+    )
     assert "placeholder" not in sized[2]
 
 
 def test_step_line_shows_mfu_only_when_the_peak_is_known():
-    row = {"step": 7, "loss": 2.345678, "lr": 3e-4, "tokens_per_s": 5000.0, "peak_rss_mb": 431.2, "exposed_comm_s": 0.0123,
-           "overlap_pct": 81.0}
+    row = {
+        "step": 7,
+        "loss": 2.345678,
+        "lr": 3e-4,
+        "tokens_per_s": 5000.0,
+        "peak_rss_mb": 431.2,
+        "exposed_comm_s": 0.0123,
+        "overlap_pct": 81.0,
+    }
     estimate = {"tokens_per_s": 10000.0, "mfu": 0.40}
     known = StepConsole(50, estimate, peak_known=True).line(row)
-    assert known == "step  7/50  loss 2.3457  lr 3.00e-04  5,000 tokens/s  MFU 20.0%  peak mem 431 MB  exposed comm 12.3 ms (overlap 81%)"
-    guessed = StepConsole(50, estimate, peak_known=False).line({k: v for k, v in row.items() if "comm" not in k and k != "overlap_pct"})
+    assert (
+        known
+        == "step  7/50  loss 2.3457  lr 3.00e-04  5,000 tokens/s  MFU 20.0%  peak mem 431 MB  exposed comm 12.3 ms (overlap 81%)"
+    )
+    guessed = StepConsole(50, estimate, peak_known=False).line(
+        {k: v for k, v in row.items() if "comm" not in k and k != "overlap_pct"}
+    )
     assert guessed == "step  7/50  loss 2.3457  lr 3.00e-04  5,000 tokens/s  peak mem 431 MB"
 
 
@@ -66,8 +87,18 @@ def _fake_run(tmp_path, rows, status_kw=None):
 
 
 def test_summary_names_steps_losses_throughput_checkpoint_and_the_next_commands(tmp_path):
-    rows = [{"step": s, "loss": 5.0 - s / 3, "lr": 1e-3, "step_time_s": 0.1, "tokens_per_s": 1000.0 * s, "peak_rss_mb": 400 + s,
-             "wall_time": 1000.0 + s} for s in range(1, 5)]
+    rows = [
+        {
+            "step": s,
+            "loss": 5.0 - s / 3,
+            "lr": 1e-3,
+            "step_time_s": 0.1,
+            "tokens_per_s": 1000.0 * s,
+            "peak_rss_mb": 400 + s,
+            "wall_time": 1000.0 + s,
+        }
+        for s in range(1, 5)
+    ]
     run = _fake_run(tmp_path, rows)
     (run / "checkpoints" / "step-2").mkdir(parents=True)
     (run / "checkpoints" / "step-2" / "done").write_text("")
@@ -77,8 +108,10 @@ def test_summary_names_steps_losses_throughput_checkpoint_and_the_next_commands(
     assert lines[0].startswith("nxdt: interrupted at step 4 of 4 in ") and "(first step logged after 2.0 s)" in lines[0]
     assert "loss 4.6667 → 3.6667" in text and "2,500 tokens/s (median)" in text and "peak memory 404 MB" in text
     assert f"nxdt: newest checkpoint: {run / 'checkpoints' / 'step-2'}" in lines
-    assert (f"nxdt: resume: nxdt train trainer.max_steps=4 exp_manager.explicit_log_dir={run} exp_manager.resume_if_exists=true"
-            in lines)  # the original resume_if_exists=false is replaced, not repeated
+    assert (
+        f"nxdt: resume: nxdt train trainer.max_steps=4 exp_manager.explicit_log_dir={run} exp_manager.resume_if_exists=true"
+        in lines
+    )  # the original resume_if_exists=false is replaced, not repeated
     assert lines[-1].startswith(f"nxdt: look at it: nxdt report {run}") and "tensorboard --logdir" in lines[-1]
 
 
@@ -96,16 +129,24 @@ def test_third_party_lines_go_to_the_log_and_the_rest_to_the_console(tmp_path, m
     logger = logging.getLogger("nxdt.test.routing")
     console._route(logger, console.THIRD_PARTY_NOISE, log_stream)
     logger.setLevel(logging.INFO)
-    for line in ("GPU available: False, used: False", "TPU available: False, using: 0 TPU cores",
-                 "💡 Tip: For seamless cloud logging and experiment tracking, try installing [litlogger]",
-                 "`Trainer.fit` stopped: `max_steps=5` reached.", "Restoring states from the checkpoint path at /x/step-5",
-                 "data: PackedText, 5348 samples of 128 tokens, data-parallel 2"):
+    for line in (
+        "GPU available: False, used: False",
+        "TPU available: False, using: 0 TPU cores",
+        "💡 Tip: For seamless cloud logging and experiment tracking, try installing [litlogger]",
+        "`Trainer.fit` stopped: `max_steps=5` reached.",
+        "Restoring states from the checkpoint path at /x/step-5",
+        "data: PackedText, 5348 samples of 128 tokens, data-parallel 2",
+    ):
         logger.info(line)
-    assert console_stream.getvalue().splitlines() == ["Restoring states from the checkpoint path at /x/step-5",
-                                                      "data: PackedText, 5348 samples of 128 tokens, data-parallel 2"]
+    assert console_stream.getvalue().splitlines() == [
+        "Restoring states from the checkpoint path at /x/step-5",
+        "data: PackedText, 5348 samples of 128 tokens, data-parallel 2",
+    ]
     assert len(log_stream.getvalue().splitlines()) == 4 and "GPU available" in log_stream.getvalue()
-    leaf = ("/site-packages/lightning/pytorch/utilities/_pytree.py:21: `isinstance(treespec, LeafSpec)` is deprecated, "
-            "use `isinstance(treespec, TreeSpec) and treespec.is_leaf()` instead.\n")
+    leaf = (
+        "/site-packages/lightning/pytorch/utilities/_pytree.py:21: `isinstance(treespec, LeafSpec)` is deprecated, "
+        "use `isinstance(treespec, TreeSpec) and treespec.is_leaf()` instead.\n"
+    )
     assert console.WARNING_NOISE.search(leaf) and console.WARNING_NOISE.search("x.py:1: FutureWarning: y")
     assert not console.WARNING_NOISE.search("x.py:3: UserWarning: the dataloader has few workers")
 
@@ -149,11 +190,20 @@ def test_progress_bar_counts_steps_to_max_steps_across_epochs():
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
         def train_dataloader(self):
-            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(3, 2)), batch_size=1)  # 3 batches an epoch
+            return torch.utils.data.DataLoader(
+                torch.utils.data.TensorDataset(torch.ones(3, 2)), batch_size=1
+            )  # 3 batches an epoch
 
     bar = StepProgressBar()
-    trainer = pl.Trainer(max_steps=7, callbacks=[bar], logger=False, enable_checkpointing=False, enable_model_summary=False,
-                         accelerator="cpu", devices=1)
+    trainer = pl.Trainer(
+        max_steps=7,
+        callbacks=[bar],
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+    )
     trainer.fit(Tiny())
     task = bar.progress.tasks[bar.train_progress_bar_id]
     assert (task.total, task.completed) == (7, 7) and trainer.current_epoch >= 2  # across three epochs

@@ -32,18 +32,30 @@ from test_train_e2e import TINY, assert_ok, losses, nxdt
 pytestmark = pytest.mark.slow
 
 STEPS = 12
-COMMON = [*TINY, "data=synthetic", "data.seq_length=512", "model.max_position_embeddings=512", "model.num_layers=2",
-          "model.hidden_size=64", "model.ffn_hidden_size=128",
-          f"trainer.max_steps={STEPS}", f"model.optim.sched.max_steps={STEPS}", "data.global_batch_size=2",
-          "data.micro_batch_size=1", f"exp_manager.checkpoint_every_n_steps={STEPS // 2}"]
+COMMON = [
+    *TINY,
+    "data=synthetic",
+    "data.seq_length=512",
+    "model.max_position_embeddings=512",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.ffn_hidden_size=128",
+    f"trainer.max_steps={STEPS}",
+    f"model.optim.sched.max_steps={STEPS}",
+    "data.global_batch_size=2",
+    "data.micro_batch_size=1",
+    f"exp_manager.checkpoint_every_n_steps={STEPS // 2}",
+]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("cp")
     out = {}
-    for name, layout in (("cp1", ["trainer.devices=1"]),
-                         ("cp2", ["trainer.devices=2", "distributed_strategy.context_parallel_size=2", "exp_manager.trace=true"])):
+    for name, layout in (
+        ("cp1", ["trainer.devices=1"]),
+        ("cp2", ["trainer.devices=2", "distributed_strategy.context_parallel_size=2", "exp_manager.trace=true"]),
+    ):
         out[name] = root / name
         assert_ok(nxdt("train", *COMMON, *layout, f"exp_manager.explicit_log_dir={out[name]}", cwd=root, timeout=300))
     return out
@@ -65,21 +77,44 @@ def test_cp2_equals_cp1_and_writes_a_data_parallel_checkpoint(runs):
     # the trace (exp_manager.trace) holds the ring's transfers on their own stream and its blocks' compute
     trace = json.loads((runs["cp2"] / "trace/rank1.json").read_text())["traceEvents"]
     assert {("ring_attention.forward", "compute"), ("ring_attention.backward", "compute"), ("send_recv", "cp")} <= {
-        (e["name"], e.get("cat")) for e in trace}
+        (e["name"], e.get("cat")) for e in trace
+    }
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("source,layout,files", [
-    ("cp1", ["trainer.devices=4", "distributed_strategy.context_parallel_size=2", "distributed_strategy.tensor_model_parallel_size=2",
-             "distributed_strategy.sequence_parallel=true"], {"model-mp0.safetensors", "model-mp1.safetensors"}),
-    ("cp2", ["trainer.devices=4", "distributed_strategy.context_parallel_size=2", "distributed_strategy.fsdp.enabled=true"],
-     {"model.safetensors", *(f"trainer_state-dp{d}.pt" for d in range(4))}),
-], ids=["cp2-x-tp2-sp-resumed-from-cp1", "dp2-x-cp2-fsdp-resumed-from-cp2"])
+@pytest.mark.parametrize(
+    "source,layout,files",
+    [
+        (
+            "cp1",
+            [
+                "trainer.devices=4",
+                "distributed_strategy.context_parallel_size=2",
+                "distributed_strategy.tensor_model_parallel_size=2",
+                "distributed_strategy.sequence_parallel=true",
+            ],
+            {"model-mp0.safetensors", "model-mp1.safetensors"},
+        ),
+        (
+            "cp2",
+            ["trainer.devices=4", "distributed_strategy.context_parallel_size=2", "distributed_strategy.fsdp.enabled=true"],
+            {"model.safetensors", *(f"trainer_state-dp{d}.pt" for d in range(4))},
+        ),
+    ],
+    ids=["cp2-x-tp2-sp-resumed-from-cp1", "dp2-x-cp2-fsdp-resumed-from-cp2"],
+)
 def test_resumed_on_another_cp_layout_continues_the_cp1_losses(runs, tmp_path, source, layout, files):
     run = tmp_path / "run"
     start = runs[source] / f"checkpoints/step-{STEPS // 2}"
-    result = nxdt("train", *COMMON, *layout, f"exp_manager.resume_from_checkpoint={start}", f"exp_manager.explicit_log_dir={run}",
-                  cwd=tmp_path, timeout=280)
+    result = nxdt(
+        "train",
+        *COMMON,
+        *layout,
+        f"exp_manager.resume_from_checkpoint={start}",
+        f"exp_manager.explicit_log_dir={run}",
+        cwd=tmp_path,
+        timeout=280,
+    )
     assert_ok(result)
     assert "reshards it" in result.stdout + result.stderr  # another layout: every rank cut its part of the full state
     _assert_same_losses(losses(run), losses(runs["cp1"]), range(STEPS // 2 + 1, STEPS + 1))

@@ -22,16 +22,27 @@ from nxdt.config import compose_config
 from nxdt.planner import plan
 from nxdt.planner.estimate import memory_per_rank, ring_attention_flops
 
-CP2 = ["model=llama_tiny", "trainer.devices=2", "distributed_strategy.context_parallel_size=2", "data.seq_length=512",
-       "model.max_position_embeddings=512", "data.global_batch_size=2", "data.micro_batch_size=1", "precision.type=fp32"]
+CP2 = [
+    "model=llama_tiny",
+    "trainer.devices=2",
+    "distributed_strategy.context_parallel_size=2",
+    "data.seq_length=512",
+    "model.max_position_embeddings=512",
+    "data.global_batch_size=2",
+    "data.micro_batch_size=1",
+    "precision.type=fp32",
+]
 
 
 def test_ring_bytes_overlap_and_memory_saved_by_hand():
     cfg = compose_config(CP2)
     p = plan(cfg)
     ring = [r for r in p.collectives if r["dim"] == "cp"]
-    assert [(r["op"], r["bytes"], r["count"]) for r in ring] == [("send_recv", 131072, 8), ("send_recv", 131072, 8),
-                                                                 ("send_recv", 131072, 16)]
+    assert [(r["op"], r["bytes"], r["count"]) for r in ring] == [
+        ("send_recv", 131072, 8),
+        ("send_recv", 131072, 8),
+        ("send_recv", 131072, 16),
+    ]
     assert ring_attention_flops(1, 128, 4, 32) == {"forward": 16_777_216, "backward": 41_943_040}
     assert [r["hidden_by_flops"] for r in ring] == [16_777_216, 20_971_520, 20_971_520]
     figures = p.estimate["context_parallel"]
@@ -78,5 +89,9 @@ def test_ring_attention_holds_no_score_matrix_whatever_core_attention_says():
     its S×S term at CP1 but not at CP2."""
     degrees = {"tp": 1, "pp": 1, "ep": 1, "dp": 1}
     naive, sdpa = compose_config([*CP2, "model.core_attention=naive"]), compose_config(CP2)
-    assert memory_per_rank(naive, {**degrees, "cp": 1})["activations"] > memory_per_rank(sdpa, {**degrees, "cp": 1})["activations"]
-    assert memory_per_rank(naive, {**degrees, "cp": 2})["activations"] == memory_per_rank(sdpa, {**degrees, "cp": 2})["activations"]
+    assert (
+        memory_per_rank(naive, {**degrees, "cp": 1})["activations"] > memory_per_rank(sdpa, {**degrees, "cp": 1})["activations"]
+    )
+    assert (
+        memory_per_rank(naive, {**degrees, "cp": 2})["activations"] == memory_per_rank(sdpa, {**degrees, "cp": 2})["activations"]
+    )

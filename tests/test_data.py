@@ -18,6 +18,7 @@ from nxdt.data.tokenizers import ByteTokenizer, HFTokenizer, build_tokenizer
 
 # --- tokenizers ------------------------------------------------------------------------------------
 
+
 def test_byte_tokenizer_round_trips_utf8():
     tok = build_tokenizer(None)
     assert isinstance(tok, ByteTokenizer) and tok.vocab_size == 256
@@ -55,6 +56,7 @@ def test_hf_tokenizer_reads_tokenizer_json(tmp_path):
 
 # --- synthetic -------------------------------------------------------------------------------------
 
+
 def test_synthetic_tokens_are_deterministic_order_independent_and_follow_the_chain():
     a = SyntheticTokens(num_samples=50, seq_length=32, vocab_size=100, seed=3)
     b = SyntheticTokens(num_samples=50, seq_length=32, vocab_size=100, seed=3)
@@ -75,6 +77,7 @@ def test_synthetic_tokens_are_deterministic_order_independent_and_follow_the_cha
 
 
 # --- packed text -----------------------------------------------------------------------------------
+
 
 def test_packed_text_windows_tile_the_text(tmp_path):
     text = "".join(chr(ord("a") + i % 26) for i in range(103))
@@ -159,6 +162,7 @@ def test_shipped_sample_text_is_small_real_prose_and_documented():
 
 # --- sampler ---------------------------------------------------------------------------------------
 
+
 def steps(sampler: GlobalBatchSampler, n_steps: int) -> list[list[int]]:
     """The samples a rank sees in each of the first n optimizer steps (its micro-batches concatenated)."""
     it = iter(sampler)
@@ -195,7 +199,7 @@ def test_each_epoch_is_a_fresh_seeded_permutation():
     n = 20
     sampler = GlobalBatchSampler(num_samples=n, global_batch_size=4, micro_batch_size=4, seed=1)
     stream = sum(steps(sampler, 3 * n // 4), [])  # three epochs, back to back
-    epochs = [stream[i * n:(i + 1) * n] for i in range(3)]
+    epochs = [stream[i * n : (i + 1) * n] for i in range(3)]
     assert all(sorted(e) == list(range(n)) for e in epochs)
     assert epochs[0] != epochs[1] != epochs[2] and epochs[0] != list(range(n))
     other_seed = sum(steps(GlobalBatchSampler(num_samples=n, global_batch_size=4, micro_batch_size=4, seed=2), 5), [])

@@ -15,8 +15,9 @@ from nxdt.lightning.datamodule import NxDDataModule
 
 
 def data_cfg(**overrides) -> SimpleNamespace:
-    base = dict(source="synthetic", micro_batch_size=2, global_batch_size=8, seq_length=16, train_dir=None,
-                tokenizer=None, num_samples=40)
+    base = dict(
+        source="synthetic", micro_batch_size=2, global_batch_size=8, seq_length=16, train_dir=None, tokenizer=None, num_samples=40
+    )
     return SimpleNamespace(**{**base, **overrides})
 
 
@@ -61,8 +62,11 @@ def test_data_parallel_rank_comes_from_the_strategy():
     got = []
     for rank in range(2):
         dm = NxDDataModule(cfg, seed=1, vocab_size=50)
-        dm.trainer = SimpleNamespace(strategy=SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 2, "rank": rank}),
-                                     global_step=0, accumulate_grad_batches=2)
+        dm.trainer = SimpleNamespace(
+            strategy=SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 2, "rank": rank}),
+            global_step=0,
+            accumulate_grad_batches=2,
+        )
         dm.setup("fit")
         assert (dm.dp_rank, dm.dp_size) == (rank, 2)
         got += first_batches(dm, 2)
@@ -104,9 +108,18 @@ class Recorder(pl.LightningModule):
 
 def fit(dm: NxDDataModule, max_steps: int, accumulate: int, root, ckpt_path=None) -> tuple[Recorder, pl.Trainer]:
     model = Recorder()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, accumulate_grad_batches=accumulate,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, use_distributed_sampler=False, default_root_dir=str(root))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        default_root_dir=str(root),
+    )
     trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
     return model, trainer
 
@@ -119,8 +132,13 @@ def test_lightning_resume_continues_the_data_stream_exactly(tmp_path):
     assert first.seen == full.seen[:4]
     trainer.save_checkpoint(tmp_path / "step2.ckpt")
     assert torch.load(tmp_path / "step2.ckpt", weights_only=True)["NxDDataModule"] == {"consumed_samples": 8, "global_step": 2}
-    resumed, _ = fit(NxDDataModule(cfg, seed=9, vocab_size=50), max_steps=5, accumulate=2, root=tmp_path,
-                     ckpt_path=str(tmp_path / "step2.ckpt"))
+    resumed, _ = fit(
+        NxDDataModule(cfg, seed=9, vocab_size=50),
+        max_steps=5,
+        accumulate=2,
+        root=tmp_path,
+        ckpt_path=str(tmp_path / "step2.ckpt"),
+    )
     assert resumed.seen == full.seen[4:]
 
 

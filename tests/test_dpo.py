@@ -44,17 +44,35 @@ def test_dpo_through_the_lightning_api_precomputes_every_pairs_reference(tmp_pat
     from nxdt.lightning.datamodule import NxDDataModule
     from nxdt.lightning.module import CausalLMModule
 
-    cfg = compose_config(["+recipe=dpo", "model.num_layers=1", "data.global_batch_size=4", "data.micro_batch_size=2",
-                          "data.dev_choose_samples=12", "trainer.max_steps=1"])
+    cfg = compose_config(
+        [
+            "+recipe=dpo",
+            "model.num_layers=1",
+            "data.global_batch_size=4",
+            "data.micro_batch_size=2",
+            "data.dev_choose_samples=12",
+            "trainer.max_steps=1",
+        ]
+    )
     pl.seed_everything(cfg.seed, verbose=False)
     mas = cfg.model_alignment_strategy
     module = CausalLMModule(cfg.model, cfg.data.global_batch_size, cfg.data.seq_length, cfg.data.micro_batch_size, alignment=mas)
     initial = copy.deepcopy(module.model).eval()
     data = NxDDataModule(cfg.data, seed=cfg.seed, vocab_size=cfg.model.vocab_size, step_batches=True, preference=mas.dpo)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=NxDStrategy(), max_steps=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         use_distributed_sampler=False, limit_val_batches=0, num_sanity_val_steps=0,
-                         default_root_dir=str(tmp_path))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=NxDStrategy(),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        default_root_dir=str(tmp_path),
+    )
     trainer.fit(module, datamodule=data)
     trainer.strategy.close()
     dataset = data.dataset
@@ -71,7 +89,8 @@ def test_dpo_through_the_lightning_api_precomputes_every_pairs_reference(tmp_pat
     metrics = module.step_metrics
     assert metrics["loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy = reference at step 1
     assert {k: metrics[k] for k in ("rewards/chosen", "rewards/rejected", "rewards/margins")} == pytest.approx(
-        {"rewards/chosen": 0.0, "rewards/rejected": 0.0, "rewards/margins": 0.0}, abs=1e-5)
+        {"rewards/chosen": 0.0, "rewards/rejected": 0.0, "rewards/margins": 0.0}, abs=1e-5
+    )
 
 
 def test_objective_refuses_a_batch_without_reference():
@@ -79,7 +98,9 @@ def test_objective_refuses_a_batch_without_reference():
     from nxdt.config import compose_config
 
     cfg = compose_config(["+recipe=dpo", "model.num_layers=1"])
-    module = CausalLMModule(cfg.model, 8, 64, 2, alignment=SimpleNamespace(sft=None, dpo=cfg.model_alignment_strategy.dpo, orpo=None))
+    module = CausalLMModule(
+        cfg.model, 8, 64, 2, alignment=SimpleNamespace(sft=None, dpo=cfg.model_alignment_strategy.dpo, orpo=None)
+    )
     dataset = PreferenceDataset.from_records(RECORDS[:2], byte_chat_tokenizer(), 64)
     with pytest.raises(RuntimeError, match="reference model's log-probabilities"):
         module._lay_out([torch.utils.data.default_collate([dataset[0], dataset[1]])])
@@ -90,8 +111,11 @@ def test_the_plan_prices_a_pair_as_two_sequences():
     from nxdt.planner import plan
 
     pairs = plan(compose_config(["+recipe=dpo", "trainer.devices=2", "data.micro_batch_size=2", "data.global_batch_size=8"]))
-    sequences = plan(compose_config(["data=synthetic", "trainer.devices=2", "data.seq_length=64", "data.micro_batch_size=4",
-                                     "data.global_batch_size=16"]))
+    sequences = plan(
+        compose_config(
+            ["data=synthetic", "trainer.devices=2", "data.seq_length=64", "data.micro_batch_size=4", "data.global_batch_size=16"]
+        )
+    )
     assert pairs.batch == {"global": 8, "micro": 2, "seq_length": 64, "micro_batches": 2}  # the config's numbers: pairs
     for key in ("step_time_s", "tokens_per_s"):
         assert pairs.estimate[key] == pytest.approx(sequences.estimate[key], rel=1e-9), key

@@ -30,9 +30,16 @@ REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
 # fp32 from scratch. AdamW with eps=1: for these gradients (|g| ≪ 1) its update lr·m̂/(√v̂+1) ≈ lr·m̂ is linear in the
 # gradient (momentum SGD), so the layouts' fp32 reduction-order differences (~1e-7 relative) stay that small instead of
 # being amplified by Adam's normalisation of near-zero gradient elements (whose sign may differ between layouts).
-PARITY = ["precision.type=fp32", "model.weight_init_only=false", "exp_manager.resume_from_checkpoint=null",
-          "model.optim.eps=1.0", "model.optim.lr=0.5", "model.optim.weight_decay=0.0", "data.dev_choose_samples=64",
-          f"data.train_dir={SAMPLE_PREFERENCES}"]
+PARITY = [
+    "precision.type=fp32",
+    "model.weight_init_only=false",
+    "exp_manager.resume_from_checkpoint=null",
+    "model.optim.eps=1.0",
+    "model.optim.lr=0.5",
+    "model.optim.weight_decay=0.0",
+    "data.dev_choose_samples=64",
+    f"data.train_dir={SAMPLE_PREFERENCES}",
+]
 
 
 def _train(cwd, name, *overrides):
@@ -40,9 +47,14 @@ def _train(cwd, name, *overrides):
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-m", "nxdt.cli", "train", "--config-path", str(CONFIGS), "--config-name", name,
-                             *SHRINK, *overrides], cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                            capture_output=True, text=True, timeout=230)
+    result = subprocess.run(
+        [sys.executable, "-m", "nxdt.cli", "train", "--config-path", str(CONFIGS), "--config-name", name, *SHRINK, *overrides],
+        cwd=cwd,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        capture_output=True,
+        text=True,
+        timeout=230,
+    )
     assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
     return result
 
@@ -54,8 +66,15 @@ def tokenizer(tmp_path_factory):
 
 def _dpo(tmp, tokenizer, *layout):
     run = tmp / "run"
-    result = _train(tmp, "hf_llama3_8B_DPO_config", *PARITY, "model_alignment_strategy.dpo.kl_beta=0.5", *layout,
-                    f"exp_manager.explicit_log_dir={run}", f"data.tokenizer.type={tokenizer}")
+    result = _train(
+        tmp,
+        "hf_llama3_8B_DPO_config",
+        *PARITY,
+        "model_alignment_strategy.dpo.kl_beta=0.5",
+        *layout,
+        f"exp_manager.explicit_log_dir={run}",
+        f"data.tokenizer.type={tokenizer}",
+    )
     return _rows(run), result.stdout, run
 
 
@@ -87,9 +106,11 @@ def test_the_nxdt_dpo_config_trains_and_starts_at_log_2(reference):
     assert "nxdt: train: 64 preference records → 64 pairs (chosen and rejected in one micro-batch); 0 prompts truncated" in stdout
 
 
-@pytest.mark.parametrize("layout", [["trainer.devices=2"],
-                                    ["trainer.devices=2", "distributed_strategy.pipeline_model_parallel_size=2"]],
-                         ids=["dp2-zero1", "pp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [["trainer.devices=2"], ["trainer.devices=2", "distributed_strategy.pipeline_model_parallel_size=2"]],
+    ids=["dp2-zero1", "pp2"],
+)
 def test_parallel_dpo_equals_one_process(tmp_path, reference, tokenizer, layout):
     got, _, _ = _dpo(tmp_path, tokenizer, *layout)
     want, _, _ = reference
@@ -113,12 +134,23 @@ def test_the_file_as_it_is_starts_from_a_checkpoint_and_keeps_its_reference_acro
     either way (weight_init_only)."""
     ckpt = reference[2] / "checkpoints" / "step-3"
     run = tmp_path / "run"
-    result = _train(tmp_path, "hf_llama3_8B_DPO_config", "trainer.devices=2", f"exp_manager.explicit_log_dir={run}",
-                    f"exp_manager.resume_from_checkpoint={ckpt}", f"data.tokenizer.type={tokenizer}",
-                    f"data.train_dir={SAMPLE_PREFERENCES}", "data.dev_choose_samples=64",
-                    "exp_manager.checkpoint_callback_params.every_n_train_steps=1", "exp_manager.max_restarts=1",
-                    "exp_manager.fault_injection.step=3", "exp_manager.fault_injection.rank=1",
-                    "exp_manager.fault_injection.kind=sigkill", "seed=7", "model.init_method_std=1.0")
+    result = _train(
+        tmp_path,
+        "hf_llama3_8B_DPO_config",
+        "trainer.devices=2",
+        f"exp_manager.explicit_log_dir={run}",
+        f"exp_manager.resume_from_checkpoint={ckpt}",
+        f"data.tokenizer.type={tokenizer}",
+        f"data.train_dir={SAMPLE_PREFERENCES}",
+        "data.dev_choose_samples=64",
+        "exp_manager.checkpoint_callback_params.every_n_train_steps=1",
+        "exp_manager.max_restarts=1",
+        "exp_manager.fault_injection.step=3",
+        "exp_manager.fault_injection.rank=1",
+        "exp_manager.fault_injection.kind=sigkill",
+        "seed=7",
+        "model.init_method_std=1.0",
+    )
     assert "restart 1 of 1" in result.stdout + result.stderr
     rows = _rows(run)
     assert [int(r["step"]) for r in rows] == [1, 2, 3]
@@ -152,8 +184,14 @@ def test_orpo_loss_equals_the_formula_on_the_first_batch(tmp_path, tokenizer):
     from nxdt.lightning.module import import_architecture
 
     run = tmp_path / "run"
-    _train(tmp_path, "hf_llama3_8B_ORPO_config", *PARITY, "trainer.devices=2", f"exp_manager.explicit_log_dir={run}",
-           f"data.tokenizer.type={tokenizer}")
+    _train(
+        tmp_path,
+        "hf_llama3_8B_ORPO_config",
+        *PARITY,
+        "trainer.devices=2",
+        f"exp_manager.explicit_log_dir={run}",
+        f"data.tokenizer.type={tokenizer}",
+    )
     rows = _rows(run)
     cfg = load_run_config(run / "config.yaml")
     pl.seed_everything(cfg.seed, verbose=False)  # what the worker does right before it builds the model
@@ -164,7 +202,7 @@ def test_orpo_loss_equals_the_formula_on_the_first_batch(tmp_path, tokenizer):
     losses, chosen = [], []
     with torch.no_grad():
         for k in range(0, len(first), data.micro_batch_size):
-            mb = pair_rows(torch.utils.data.default_collate([dataset[i] for i in first[k:k + data.micro_batch_size]]))
+            mb = pair_rows(torch.utils.data.default_collate([dataset[i] for i in first[k : k + data.micro_batch_size]]))
             logits = model(mb["input_ids"], mb["position_ids"], mb["segment_ids"])
             loss, reward = _orpo_formula(logits, mb["labels"], orpo.beta, data.micro_batch_size)
             losses.append(float(loss))

@@ -41,16 +41,27 @@ def test_readme_first_command_in_a_fresh_venv(tmp_path):
     bin_dir = env_dir / "bin"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
-    install = subprocess.run([str(bin_dir / "pip"), "install", "-q", "--no-compile", str(ROOT)], env=env, capture_output=True, text=True,
-                             timeout=800)
+    install = subprocess.run(
+        [str(bin_dir / "pip"), "install", "-q", "--no-compile", str(ROOT)], env=env, capture_output=True, text=True, timeout=800
+    )
     assert install.returncode == 0, install.stderr[-3000:]
-    torch_version = subprocess.run([str(bin_dir / "python"), "-c", "import importlib.metadata as m; print(m.version('torch'))"], env=env,
-                                   capture_output=True, text=True).stdout.strip()
+    torch_version = subprocess.run(
+        [str(bin_dir / "python"), "-c", "import importlib.metadata as m; print(m.version('torch'))"],
+        env=env,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     assert torch_version.endswith("+cpu"), f"a CPU build of torch must be installed, got {torch_version}"
     workdir = tmp_path / "elsewhere"  # not the repository: the package must carry its configs and data
     workdir.mkdir()
-    run = subprocess.run([str(bin_dir / "nxdt"), "train", "trainer.max_steps=25"], cwd=workdir, env=env,
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [str(bin_dir / "nxdt"), "train", "trainer.max_steps=25"],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     metrics = sorted(workdir.glob("outputs/*/*/metrics.csv"))
     assert len(metrics) == 1

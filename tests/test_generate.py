@@ -14,9 +14,20 @@ from nxdt.models.generate import greedy_generate
 from nxdt.models.llama import LlamaForCausalLM
 from hf_reference import llama_config
 
-TINY = dict(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=64,
-            max_position_embeddings=64, rope_theta=10000.0, norm_eps=1e-5, tie_word_embeddings=False,
-            init_method_std=0.02, activations_checkpoint_granularity=None)
+TINY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=2,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=64,
+    max_position_embeddings=64,
+    rope_theta=10000.0,
+    norm_eps=1e-5,
+    tie_word_embeddings=False,
+    init_method_std=0.02,
+    activations_checkpoint_granularity=None,
+)
 PROMPTS = [[5, 17, 42, 3, 9, 11, 60], [7, 1], [33, 33, 2, 48]]
 NEW = 12
 
@@ -38,15 +49,23 @@ def models():
 def hf_greedy(hf, prompt: list[int], new: int, eos_id: int | None = None) -> list[int]:
     """transformers' greedy continuation of one prompt (no padding), new tokens only."""
     ids = torch.tensor([prompt])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new, min_new_tokens=0,
-                      eos_token_id=eos_id, pad_token_id=0 if eos_id is None else eos_id, num_beams=1)
-    return out[0, len(prompt):].tolist()
+    out = hf.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=new,
+        min_new_tokens=0,
+        eos_token_id=eos_id,
+        pad_token_id=0 if eos_id is None else eos_id,
+        num_beams=1,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def smallest_top2_gap(model, prompt: list[int], continuation: list[int]) -> float:
     """The smallest gap between the best and second-best logit over the decoded steps."""
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + continuation]))[0, len(prompt) - 1:-1]
+        logits = model(torch.tensor([prompt + continuation]))[0, len(prompt) - 1 : -1]
     top = logits.topk(2, dim=-1).values
     return float((top[:, 0] - top[:, 1]).min())
 
@@ -70,10 +89,10 @@ def test_stops_at_eos_like_transformers(models):
     eos = free[0][3]  # a token the first prompt produces at step 4
     first = free[0].index(eos)
     out = greedy_generate(model, PROMPTS, NEW, eos_id=eos)
-    assert out[0] == free[0][:first + 1]  # stops right after EOS, EOS included
+    assert out[0] == free[0][: first + 1]  # stops right after EOS, EOS included
     for p, o, f in zip(PROMPTS, out, free):
         assert o == hf_greedy(hf, p, NEW, eos_id=eos)
-        assert o == (f[:f.index(eos) + 1] if eos in f else f)  # rows that never hit EOS are unaffected
+        assert o == (f[: f.index(eos) + 1] if eos in f else f)  # rows that never hit EOS are unaffected
     assert greedy_generate(model, PROMPTS, 0) == [[], [], []]
 
 

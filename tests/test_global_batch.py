@@ -41,8 +41,11 @@ def test_a_given_value_is_still_checked():
 
 
 def test_null_with_the_interleaved_schedule_names_the_fix():
-    overrides = ["trainer.devices=4", "distributed_strategy.pipeline_model_parallel_size=2",
-                 "distributed_strategy.virtual_pipeline_model_parallel_size=2"]
+    overrides = [
+        "trainer.devices=4",
+        "distributed_strategy.pipeline_model_parallel_size=2",
+        "distributed_strategy.virtual_pipeline_model_parallel_size=2",
+    ]
     with pytest.raises(ConfigError) as err:
         compose_config(overrides)
     text = str(err.value)
@@ -73,8 +76,15 @@ def test_the_run_config_records_the_resolved_number(tmp_path):
 def test_the_datamodule_resolves_null_with_its_data_parallel_size():
     from nxdt.lightning.datamodule import NxDDataModule
 
-    cfg = SimpleNamespace(source="synthetic", micro_batch_size=2, global_batch_size=None, seq_length=16, train_dir=None,
-                          tokenizer=None, num_samples=40)
+    cfg = SimpleNamespace(
+        source="synthetic",
+        micro_batch_size=2,
+        global_batch_size=None,
+        seq_length=16,
+        train_dir=None,
+        tokenizer=None,
+        num_samples=40,
+    )
     dm = NxDDataModule(cfg, seed=1, vocab_size=50)
     dm.setup("fit")
     assert dm.global_batch_size == 2  # one process: DP 1

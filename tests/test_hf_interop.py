@@ -14,9 +14,18 @@ transformers = pytest.importorskip("transformers")
 
 
 def _hf_llama_tiny(directory):
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(3)
     model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():
@@ -30,11 +39,25 @@ def _hf_llama_tiny(directory):
 def test_import_at_tp2_pp2_then_export_is_bitwise_the_original(tmp_path):
     original = _hf_llama_tiny(tmp_path / "hf")
     run = tmp_path / "run"
-    assert_ok(nxdt("train", *TINY, "data=synthetic", f"model.hf_checkpoint={tmp_path / 'hf'}", "trainer.devices=4",
-                   "distributed_strategy.tensor_model_parallel_size=2", "distributed_strategy.pipeline_model_parallel_size=2",
-                   "data.global_batch_size=4", "data.micro_batch_size=2", "trainer.max_steps=1", "model.optim.lr=0",
-                   "model.optim.weight_decay=0", "exp_manager.checkpoint_every_n_steps=1", f"exp_manager.explicit_log_dir={run}",
-                   cwd=tmp_path))
+    assert_ok(
+        nxdt(
+            "train",
+            *TINY,
+            "data=synthetic",
+            f"model.hf_checkpoint={tmp_path / 'hf'}",
+            "trainer.devices=4",
+            "distributed_strategy.tensor_model_parallel_size=2",
+            "distributed_strategy.pipeline_model_parallel_size=2",
+            "data.global_batch_size=4",
+            "data.micro_batch_size=2",
+            "trainer.max_steps=1",
+            "model.optim.lr=0",
+            "model.optim.weight_decay=0",
+            "exp_manager.checkpoint_every_n_steps=1",
+            f"exp_manager.explicit_log_dir={run}",
+            cwd=tmp_path,
+        )
+    )
     result = nxdt("checkpoint", "export-hf", str(run / "checkpoints/step-1"), str(tmp_path / "out"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     exported = load_file(str(tmp_path / "out/model.safetensors"))
@@ -45,8 +68,17 @@ def test_import_at_tp2_pp2_then_export_is_bitwise_the_original(tmp_path):
 
 def test_a_mismatched_hf_checkpoint_is_one_line(tmp_path):
     _hf_llama_tiny(tmp_path / "hf")
-    result = nxdt("train", *TINY, "data=synthetic", f"model.hf_checkpoint={tmp_path / 'hf'}", "model.hidden_size=64",
-                  "trainer.devices=1", "trainer.max_steps=1", f"exp_manager.explicit_log_dir={tmp_path / 'run'}", cwd=tmp_path)
+    result = nxdt(
+        "train",
+        *TINY,
+        "data=synthetic",
+        f"model.hf_checkpoint={tmp_path / 'hf'}",
+        "model.hidden_size=64",
+        "trainer.devices=1",
+        "trainer.max_steps=1",
+        f"exp_manager.explicit_log_dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+    )
     # found before any worker starts: one line naming the key, both values and the fix
     assert result.returncode == 2 and not (tmp_path / "run" / "logs").exists(), result.stderr[-2000:]
     assert "model.hidden_size=64" in result.stderr and "has 128" in result.stderr, result.stderr[-2000:]

@@ -10,9 +10,21 @@ import pytest
 import torch
 
 from nxdt.data import SAMPLE_INSTRUCTIONS, SAMPLE_PREFERENCES
-from nxdt.data.instructions import (IGNORE_INDEX, BuildStats, ChatTokenizer, block_causal_mask, build_sft_examples,
-                                    byte_chat_tokenizer, fit_record, load_chat_tokenizer, make_instruction_samples,
-                                    read_jsonl, render_chat_template, split_segments, tokenize_record)
+from nxdt.data.instructions import (
+    IGNORE_INDEX,
+    BuildStats,
+    ChatTokenizer,
+    block_causal_mask,
+    build_sft_examples,
+    byte_chat_tokenizer,
+    fit_record,
+    load_chat_tokenizer,
+    make_instruction_samples,
+    read_jsonl,
+    render_chat_template,
+    split_segments,
+    tokenize_record,
+)
 from nxdt.data.preferences import build_preference_batch, make_preference_samples, split_chosen_rejected
 from nxdt.models.objectives import sequence_log_probs, token_log_probs
 
@@ -47,9 +59,13 @@ def test_input_without_instruction_and_bos():
 
 
 def test_chat_record_trains_every_assistant_turn_only():
-    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "a"},
-                {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"},
-                {"role": "assistant", "content": "d"}]
+    messages = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d"},
+    ]
     tokens, trained = tokenize_record({"messages": messages}, BYTE)
     text = "system: S\nuser: a\nassistant: b\nuser: c\nassistant: d\n"
     assert tokens == _b(text) + [0]
@@ -69,9 +85,13 @@ def test_bad_records_fail_with_one_clear_line():
 # ------------------------------------------------------------------------------------------------ packing
 
 
-RECORDS = [{"input": "ab", "output": "c"}, {"instruction": "I", "input": "xyz", "output": "uvw"},
-           {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r"}]},
-           {"input": "", "output": "zz"}, {"input": "12", "output": "3"}]
+RECORDS = [
+    {"input": "ab", "output": "c"},
+    {"instruction": "I", "input": "xyz", "output": "uvw"},
+    {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r"}]},
+    {"input": "", "output": "zz"},
+    {"input": "12", "output": "3"},
+]
 
 
 def test_packed_and_padded_give_every_record_the_same_tokens_labels_and_positions():
@@ -104,8 +124,8 @@ class _ToyLM(torch.nn.Module):
         g = torch.Generator().manual_seed(0)
         self.emb = torch.nn.Parameter(torch.randn(vocab, dim, generator=g))
         self.pos = torch.nn.Parameter(torch.randn(positions, dim, generator=g))
-        self.qkv = torch.nn.Parameter(torch.randn(dim, 3 * dim, generator=g) / dim ** 0.5)
-        self.out = torch.nn.Parameter(torch.randn(dim, vocab, generator=g) / dim ** 0.5)
+        self.qkv = torch.nn.Parameter(torch.randn(dim, 3 * dim, generator=g) / dim**0.5)
+        self.out = torch.nn.Parameter(torch.randn(dim, vocab, generator=g) / dim**0.5)
 
     def forward(self, input_ids, position_ids, segment_ids):
         h = self.emb[input_ids] + self.pos[position_ids]
@@ -179,15 +199,27 @@ def hf_dir(tmp_path):
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.add_special_tokens(["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"])
     tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "unk_token": "<unk>", "chat_template": TEMPLATE}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "chat_template": TEMPLATE,
+            }
+        )
+    )
     return tmp_path
 
 
-CHAT = [{"role": "system", "content": "you are kind"}, {"role": "user", "content": "hello there"},
-        {"role": "assistant", "content": "how can i help"}, {"role": "user", "content": "thanks"},
-        {"role": "assistant", "content": "bye"}]
+CHAT = [
+    {"role": "system", "content": "you are kind"},
+    {"role": "user", "content": "hello there"},
+    {"role": "assistant", "content": "how can i help"},
+    {"role": "user", "content": "thanks"},
+    {"role": "assistant", "content": "bye"},
+]
 
 
 def test_chat_template_renders_as_transformers_does(hf_dir):
@@ -198,13 +230,16 @@ def test_chat_template_renders_as_transformers_does(hf_dir):
     for upto in range(1, len(CHAT) + 1):
         for gen in (False, True):
             want = ref.apply_chat_template(CHAT[:upto], tokenize=False, add_generation_prompt=gen)
-            assert render_chat_template(tok.chat_template, CHAT[:upto], add_generation_prompt=gen,
-                                        special_tokens=tok.special_tokens) == want
+            assert (
+                render_chat_template(tok.chat_template, CHAT[:upto], add_generation_prompt=gen, special_tokens=tok.special_tokens)
+                == want
+            )
     with pytest.raises(ValueError, match="chat template: bad role"):
         render_chat_template(TEMPLATE, [{"role": "tool", "content": "x"}])
     with pytest.raises(ValueError, match="record 0: chat template: bad role"):
-        build_sft_examples([{"messages": [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]}],
-                           tok, 32, packing=True)
+        build_sft_examples(
+            [{"messages": [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]}], tok, 32, packing=True
+        )
     with pytest.raises(ValueError, match="does not compile"):
         render_chat_template("{% for %}", CHAT)
     # tokens: the whole conversation as transformers tokenizes it, EOS appended, assistant replies trained
@@ -218,15 +253,21 @@ def test_chat_template_renders_as_transformers_does(hf_dir):
 def test_io_record_under_a_chat_template_and_preferences_too(hf_dir):
     tok = load_chat_tokenizer(hf_dir)
     tokens, trained = tokenize_record({"input": "hello", "output": "bye"}, tok)
-    text = render_chat_template(TEMPLATE, [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "bye"}],
-                                special_tokens=tok.special_tokens)
+    text = render_chat_template(
+        TEMPLATE,
+        [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "bye"}],
+        special_tokens=tok.special_tokens,
+    )
     assert tokens == tok.encode(text) + [2]
     assert tokenize_record({"input": "hello", "output": "bye"}, tok, use_chat_template=False)[0][0] == tok.bos_id
     batch, stats = build_preference_batch([{"prompt": "hello", "chosen": "bye", "rejected": "thanks"}], tok, 16)
-    prompt = tok.encode(render_chat_template(TEMPLATE, [{"role": "user", "content": "hello"}], add_generation_prompt=True,
-                                             special_tokens=tok.special_tokens))
-    assert batch["input_ids"][0, :len(prompt)].tolist() == prompt
-    assert batch["labels"][0, len(prompt) - 1:len(prompt) + 1].tolist() == tok.encode("bye") + [2]
+    prompt = tok.encode(
+        render_chat_template(
+            TEMPLATE, [{"role": "user", "content": "hello"}], add_generation_prompt=True, special_tokens=tok.special_tokens
+        )
+    )
+    assert batch["input_ids"][0, : len(prompt)].tolist() == prompt
+    assert batch["labels"][0, len(prompt) - 1 : len(prompt) + 1].tolist() == tok.encode("bye") + [2]
 
 
 # ------------------------------------------------------------------------------------------------ preferences
@@ -294,9 +335,16 @@ def test_shipped_samples_are_the_generators_output_and_build_cleanly():
 
 
 def test_a_template_whose_prefixes_do_not_extend_is_refused():
-    tok = ChatTokenizer(encode=_b, eos_id=0, chat_template="{% for m in messages %}{{ m.content }}{% endfor %}"
-                                                          "{% if not add_generation_prompt %}END{% endif %}")
-    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-            {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+    tok = ChatTokenizer(
+        encode=_b,
+        eos_id=0,
+        chat_template="{% for m in messages %}{{ m.content }}{% endfor %}{% if not add_generation_prompt %}END{% endif %}",
+    )
+    chat = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d"},
+    ]
     with pytest.raises(ValueError, match="record 0: chat template: the rendering up to message 3 does not extend"):
         build_sft_examples([{"messages": chat}], tok, 32, packing=False)

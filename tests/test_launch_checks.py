@@ -109,17 +109,20 @@ def test_a_matching_checkpoint_passes_in_shards_and_dtypes(tmp_path):
     _check_model(compose_config([f"model.hf_checkpoint={tmp_path}"]))
 
 
-@pytest.mark.parametrize("damage, needle", [
-    ("truncated", "truncated"),
-    ("length", "does not start with a safetensors header"),
-    ("json", "header is not JSON"),
-    ("offsets", "malformed"),
-    ("shape", "has shape [256, 64], the configured model expects [256, 128]"),
-    ("dtype", "is I64, not floating-point weights"),
-    ("missing", "missing tensors model.norm.weight"),
-    ("extra", "tensor model.extra.weight has no counterpart"),
-    ("duplicate", "is in both"),
-])
+@pytest.mark.parametrize(
+    "damage, needle",
+    [
+        ("truncated", "truncated"),
+        ("length", "does not start with a safetensors header"),
+        ("json", "header is not JSON"),
+        ("offsets", "malformed"),
+        ("shape", "has shape [256, 64], the configured model expects [256, 128]"),
+        ("dtype", "is I64, not floating-point weights"),
+        ("missing", "missing tensors model.norm.weight"),
+        ("extra", "tensor model.extra.weight has no counterpart"),
+        ("duplicate", "is in both"),
+    ],
+)
 def test_a_damaged_or_mismatched_checkpoint_is_one_line(tmp_path, damage, needle):
     tensors = llama_tiny_tensors()
     if damage == "shape":
@@ -142,9 +145,9 @@ def test_a_damaged_or_mismatched_checkpoint_is_one_line(tmp_path, damage, needle
     elif damage == "json":
         data[8] = ord("~")  # where the header's '{' was
     elif damage == "offsets":
-        header = data[8:8 + length].decode()
+        header = data[8 : 8 + length].decode()
         entry = header.index('"model.norm.weight"')
-        data[8:8 + length] = (header[:entry] + header[entry:].replace("[128]", "[129]", 1)).encode()  # same length
+        data[8 : 8 + length] = (header[:entry] + header[entry:].replace("[128]", "[129]", 1)).encode()  # same length
     file.write_bytes(bytes(data))
     error = refusal([f"model.hf_checkpoint={tmp_path}"], _check_model)
     assert error.key == "model.hf_checkpoint" and needle in error.fix, error.fix
@@ -177,12 +180,15 @@ def test_a_tied_model_refuses_a_separate_head(tmp_path):
 # ------------------------------------------------------------------------------------------ model class
 
 
-@pytest.mark.parametrize("arch, needle", [
-    ("nxdt.models.llama.rope_tables", "is a function"),
-    ("nxdt.models.llama.math", "is a module"),
-    ("nxdt.models.llama.RMSNorm", "not a causal language model"),
-    ("nxdt.models.llama.NoSuchModel", "cannot be imported"),
-])
+@pytest.mark.parametrize(
+    "arch, needle",
+    [
+        ("nxdt.models.llama.rope_tables", "is a function"),
+        ("nxdt.models.llama.math", "is a module"),
+        ("nxdt.models.llama.RMSNorm", "not a causal language model"),
+        ("nxdt.models.llama.NoSuchModel", "cannot be imported"),
+    ],
+)
 def test_an_architecture_that_is_no_model_class_is_refused(arch, needle):
     error = refusal([f"model.architecture={arch}"], _check_model)
     assert error.key == "model.architecture" and needle in error.fix, error.fix

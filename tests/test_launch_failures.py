@@ -24,15 +24,20 @@ def _error_file(attempt: Path, local_rank: int, message: str, written: float) ->
     """An error file as torch elastic's @record writes it, last modified at ``written``."""
     path = attempt / str(local_rank) / "error.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"message": {"message": message, "extraInfo": {"py_callstack": "Traceback ...",
-                                                                              "timestamp": str(int(written))}}}))
+    path.write_text(
+        json.dumps(
+            {"message": {"message": message, "extraInfo": {"py_callstack": "Traceback ...", "timestamp": str(int(written))}}}
+        )
+    )
     os.utime(path, (written, written))
     return str(path)
 
 
 def _reported(attempt: Path, local_rank: int, pid: int, exitcode: int) -> ChildFailedError:
     """What the agent raises when it saw only ``local_rank`` exit (forked workers: one failure)."""
-    failure = ProcessFailure(local_rank=local_rank, pid=pid, exitcode=exitcode, error_file=str(attempt / str(local_rank) / "error.json"))
+    failure = ProcessFailure(
+        local_rank=local_rank, pid=pid, exitcode=exitcode, error_file=str(attempt / str(local_rank) / "error.json")
+    )
     return ChildFailedError("worker", {local_rank: failure})
 
 
@@ -54,8 +59,12 @@ def test_a_peer_stopped_by_the_agent_after_the_first_failure_is_not_named(tmp_pa
 
 def test_a_worker_killed_by_a_signal_is_named_before_the_peer_that_saw_it_die(tmp_path):
     # SIGKILL (or a crash) leaves no error file; the peer's PeerDiedError was written after the death
-    peer = ProcessFailure(local_rank=0, pid=61, exitcode=1,
-                          error_file=_error_file(tmp_path, 0, "PeerDiedError: rank 1 (pid 62) exited while the others waited", T0))
+    peer = ProcessFailure(
+        local_rank=0,
+        pid=61,
+        exitcode=1,
+        error_file=_error_file(tmp_path, 0, "PeerDiedError: rank 1 (pid 62) exited while the others waited", T0),
+    )
     killed = ProcessFailure(local_rank=1, pid=62, exitcode=-9, error_file=str(tmp_path / "1" / "error.json"))
     rank, pid, summary = root_failure(ChildFailedError("worker", {0: peer, 1: killed}), single_host=True)
     assert (rank, pid) == (1, 62) and "Signal 9" in summary and "SIGKILL" in summary
@@ -81,8 +90,16 @@ def test_a_peer_died_error_never_takes_the_blame_from_the_rank_it_names(tmp_path
     # the kernel's file times are as coarse as its tick: the consequence may carry the same time as the cause, or appear earlier
     for delta in (0.0, -0.004):
         _error_file(tmp_path, 1, "InjectedFault: injected fault at step 3 on rank 1", T0)
-        _error_file(tmp_path, 0, "PeerDiedError: nxdt.comm: group 'dp0' all_reduce: rank 1 (pid 42) exited while the others waited", T0 + delta)
-        assert root_failure(_reported(tmp_path, 0, pid=41, exitcode=1), single_host=True)[::2] == (1, "InjectedFault: injected fault at step 3 on rank 1")
+        _error_file(
+            tmp_path,
+            0,
+            "PeerDiedError: nxdt.comm: group 'dp0' all_reduce: rank 1 (pid 42) exited while the others waited",
+            T0 + delta,
+        )
+        assert root_failure(_reported(tmp_path, 0, pid=41, exitcode=1), single_host=True)[::2] == (
+            1,
+            "InjectedFault: injected fault at step 3 on rank 1",
+        )
 
 
 def test_a_rank_that_stopped_responding_is_named_with_the_timeout_that_noticed_it(tmp_path):

@@ -43,7 +43,7 @@ def _imports(module: str, path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: resolve against this module's package
                 base = module.split(".")
-                base = base[:len(base) - node.level + (1 if is_package else 0)]
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module
@@ -89,5 +89,6 @@ def test_the_allow_list_is_still_needed():
         here, there = _layer(module), _layer(layer_pkg)
         if there[1] <= here[1]:
             continue  # recorded for the reader only: not an upward import
-        assert any(t == layer_pkg or t.startswith(layer_pkg + ".") for t in _imports(module, modules[module])), \
+        assert any(t == layer_pkg or t.startswith(layer_pkg + ".") for t in _imports(module, modules[module])), (
             f"{module} no longer imports {layer_pkg}: remove it from ALLOWED"
+        )

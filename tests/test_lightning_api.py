@@ -26,11 +26,18 @@ def readme_example(tag: str) -> str:
 def test_readme_lightning_example_trains_with_two_workers(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(readme_example("lightning-api"))
-    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=170,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    match = re.search(r"final loss ([0-9.]+) on (\d+) workers; first epoch: (\d+) samples on this worker, (\d+) in all",
-                      result.stdout)
+    match = re.search(
+        r"final loss ([0-9.]+) on (\d+) workers; first epoch: (\d+) samples on this worker, (\d+) in all", result.stdout
+    )
     assert match, result.stdout[-2000:]
     assert float(match.group(1)) < 1.0  # y = x·[1..8] has variance 204: only a run that learnt gets near 0
     assert match.group(2) == "2"
@@ -43,7 +50,9 @@ def test_readme_lightning_example_runs_under_torchrun(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(readme_example("lightning-api"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
-    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=170, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    result = subprocess.run(
+        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=170, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"final loss [0-9.]+ on 2 workers", result.stdout), result.stdout[-2000:]
 

@@ -28,10 +28,19 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("conformance")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(HERE / "lightning_conformance.py"), str(out)]
-    result = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=220,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(HERE / "lightning_conformance.py"),
+        str(out),
+    ]
+    result = subprocess.run(
+        cmd, cwd=out, capture_output=True, text=True, timeout=220, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 

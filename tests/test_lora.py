@@ -19,9 +19,20 @@ from nxdt.models.llama import LlamaForCausalLM
 from nxdt.models.lora import LoRALinear, apply_lora, base_state_dict, lora_state_dict, merge_lora
 from hf_reference import llama_config
 
-TINY = dict(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=64,
-            max_position_embeddings=64, rope_theta=10000.0, norm_eps=1e-5, tie_word_embeddings=False,
-            init_method_std=0.02, activations_checkpoint_granularity=None)
+TINY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=2,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=64,
+    max_position_embeddings=64,
+    rope_theta=10000.0,
+    norm_eps=1e-5,
+    tie_word_embeddings=False,
+    init_method_std=0.02,
+    activations_checkpoint_granularity=None,
+)
 ALL = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
@@ -63,16 +74,22 @@ def test_fresh_adapter_equals_the_base_layer_and_model():
         expected = model(ids())
     apply_lora(model, rank=4, alpha=8, target_modules=ALL)
     names = {n for n, m in model.named_modules() if isinstance(m, LoRALinear)}
-    assert names == {f"layers.{i}.{blk}.{p}" for i in range(2) for blk, ps in
-                     (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
-                     for p in ps}
+    assert names == {
+        f"layers.{i}.{blk}.{p}"
+        for i in range(2)
+        for blk, ps in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
+        for p in ps
+    }
     with torch.no_grad():
         assert torch.equal(model(ids()), expected)
 
 
 def test_targets_map_nxdt_and_hf_names():
-    for targets, leaves in ((("qkv_proj",), {"q_proj", "k_proj", "v_proj"}), (("gate_up_proj", "o_proj"), {"gate_proj", "up_proj", "o_proj"}),
-                            (("v_proj", "down_proj"), {"v_proj", "down_proj"})):
+    for targets, leaves in (
+        (("qkv_proj",), {"q_proj", "k_proj", "v_proj"}),
+        (("gate_up_proj", "o_proj"), {"gate_proj", "up_proj", "o_proj"}),
+        (("v_proj", "down_proj"), {"v_proj", "down_proj"}),
+    ):
         model = apply_lora(llama(), rank=2, alpha=2, target_modules=targets)
         assert {n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, LoRALinear)} == leaves
         assert set(model.lora_config.hf_target_modules) == leaves
@@ -127,8 +144,10 @@ class Block(nn.Module):
         return self.other(self.q_proj(x))
 
 
-@pytest.mark.parametrize("bias, trainable_biases", [("none", set()), ("lora_only", {"q_proj.base_layer.bias"}),
-                                                    ("all", {"q_proj.base_layer.bias", "other.bias"})])
+@pytest.mark.parametrize(
+    "bias, trainable_biases",
+    [("none", set()), ("lora_only", {"q_proj.base_layer.bias"}), ("all", {"q_proj.base_layer.bias", "other.bias"})],
+)
 def test_gradients_flow_to_adapters_and_the_chosen_biases_only(bias, trainable_biases):
     torch.manual_seed(0)
     block = apply_lora(Block(), rank=2, alpha=2, bias=bias, target_modules=["q_proj"])
@@ -141,16 +160,22 @@ def test_gradients_flow_to_adapters_and_the_chosen_biases_only(bias, trainable_b
     assert set(lora_state_dict(block)) == expected
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(rank=4, alpha=8, target_modules=["qkv_proj", "attn_proj"]), "unknown; valid targets are qkv_proj, o_proj, gate_up_proj"),
-    (dict(rank=0, alpha=8), "rank=0: must be a positive integer"),
-    (dict(rank=-2, alpha=8), "rank=-2: must be a positive integer"),
-    (dict(rank=2.5, alpha=8), "rank=2.5: must be a positive integer"),
-    (dict(rank=4, alpha=0), "alpha=0: must be a positive number"),
-    (dict(rank=4, alpha=8, dropout=1.0), "dropout=1.0: must be in [0, 1)"),
-    (dict(rank=4, alpha=8, bias="lora"), "bias='lora': use one of none, all, lora_only"),
-    (dict(rank=4, alpha=8, target_modules=[]), "target_modules is empty"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            dict(rank=4, alpha=8, target_modules=["qkv_proj", "attn_proj"]),
+            "unknown; valid targets are qkv_proj, o_proj, gate_up_proj",
+        ),
+        (dict(rank=0, alpha=8), "rank=0: must be a positive integer"),
+        (dict(rank=-2, alpha=8), "rank=-2: must be a positive integer"),
+        (dict(rank=2.5, alpha=8), "rank=2.5: must be a positive integer"),
+        (dict(rank=4, alpha=0), "alpha=0: must be a positive number"),
+        (dict(rank=4, alpha=8, dropout=1.0), "dropout=1.0: must be in [0, 1)"),
+        (dict(rank=4, alpha=8, bias="lora"), "bias='lora': use one of none, all, lora_only"),
+        (dict(rank=4, alpha=8, target_modules=[]), "target_modules is empty"),
+    ],
+)
 def test_bad_input_is_one_clear_error(kwargs, message):
     model = llama()
     with pytest.raises(ValueError) as err:
@@ -224,8 +249,10 @@ def test_exported_adapter_loads_with_peft_and_gives_the_same_logits(tmp_path, ta
     assert set(config["target_modules"]) == set(model.lora_config.hf_target_modules)
     saved = load_file(str(out / "adapter_model.safetensors"))
     # the keys PEFT itself writes for the same targets
-    reference = peft.get_peft_model(_hf_llama(transformers, llama()), peft.LoraConfig(
-        r=4, lora_alpha=16, target_modules=list(config["target_modules"]), task_type="CAUSAL_LM"))
+    reference = peft.get_peft_model(
+        _hf_llama(transformers, llama()),
+        peft.LoraConfig(r=4, lora_alpha=16, target_modules=list(config["target_modules"]), task_type="CAUSAL_LM"),
+    )
     assert set(saved) == set(peft.get_peft_model_state_dict(reference))
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in saved
 
@@ -269,18 +296,23 @@ def test_dropout_acts_on_the_adapter_path_only():
 def test_apply_peft_takes_nxdt_keys_from_a_mapping_and_records_them():
     from nxdt.models.lora import PeftConfig, apply_peft
 
-    model = apply_peft(llama(), {"lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["qkv_proj", "down_proj"]})
+    model = apply_peft(
+        llama(), {"lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["qkv_proj", "down_proj"]}
+    )
     assert model.peft_config == PeftConfig(lora_rank=4, lora_alpha=8, lora_dropout=0.0, target_modules=("qkv_proj", "down_proj"))
     assert model.lora_config.hf_target_modules == ("q_proj", "k_proj", "v_proj", "down_proj") and model.lora_config.scaling == 2
     assert PeftConfig.of({}) == PeftConfig(16, 32, 0.05, "none", ("qkv_proj",), False)  # NxD Training's defaults
     assert {n for n, p in model.named_parameters() if p.requires_grad} == adapter_names(model)
 
 
-@pytest.mark.parametrize("config, message", [
-    ({"lora_rank": 4, "target_modules": ["qkv_proj", "attn_proj"]}, "unknown; valid targets are qkv_proj, o_proj"),
-    ({"lora_rank": 4, "lora_rnak": 8}, "peft: unknown key(s) ['lora_rnak']"),
-    ({"lora_rank": 0}, "rank=0: must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"lora_rank": 4, "target_modules": ["qkv_proj", "attn_proj"]}, "unknown; valid targets are qkv_proj, o_proj"),
+        ({"lora_rank": 4, "lora_rnak": 8}, "peft: unknown key(s) ['lora_rnak']"),
+        ({"lora_rank": 0}, "rank=0: must be a positive integer"),
+    ],
+)
 def test_apply_peft_bad_input_is_one_clear_error(config, message):
     from nxdt.models.lora import apply_peft
 
@@ -321,7 +353,9 @@ def test_check_peft_validates_on_a_meta_model_without_changing_it():
 
     with torch.device("meta"):
         model = LlamaForCausalLM(SimpleNamespace(**TINY))
-    assert check_peft(model, {"target_modules": ["o_proj"]}).lora_rank == 16 and not any(isinstance(m, LoRALinear) for m in model.modules())
+    assert check_peft(model, {"target_modules": ["o_proj"]}).lora_rank == 16 and not any(
+        isinstance(m, LoRALinear) for m in model.modules()
+    )
     with pytest.raises(ValueError, match="Block has no nn.Linear named"):
         check_peft(Block(), {"target_modules": ["gate_up_proj"]})
     with pytest.raises(ValueError, match="alpha=0: must be a positive number"):
@@ -339,15 +373,29 @@ def test_the_lora_recipe_composes_and_its_model_keys_reach_apply_peft():
     assert cfg.model_alignment_strategy.sft is not None  # LoRA on the SFT recipe
     # only the model-shaping keys: lora_verbose, merge_* and the export switches are the trainer's
     assert PeftConfig.pick(cfg.model_alignment_strategy.peft) == PeftConfig(
-        lora_rank=4, lora_alpha=16, lora_dropout=0.0, lora_bias="none", target_modules=("qkv_proj", "o_proj"), save_lora_base=False)
+        lora_rank=4,
+        lora_alpha=16,
+        lora_dropout=0.0,
+        lora_bias="none",
+        target_modules=("qkv_proj", "o_proj"),
+        save_lora_base=False,
+    )
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["model_alignment_strategy.peft.lora_bias=all"], "model_alignment_strategy.peft.save_lora_config_adapter=True: the PEFT "
-                                                      "adapter export has no trainable biases (lora_bias=all)"),
-    (["trainer.devices=2", "distributed_strategy.pipeline_model_parallel_size=2"],
-     "model_alignment_strategy.peft.save_lora_config_adapter=True: the PEFT adapter is not gathered across pipeline stages"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["model_alignment_strategy.peft.lora_bias=all"],
+            "model_alignment_strategy.peft.save_lora_config_adapter=True: the PEFT "
+            "adapter export has no trainable biases (lora_bias=all)",
+        ),
+        (
+            ["trainer.devices=2", "distributed_strategy.pipeline_model_parallel_size=2"],
+            "model_alignment_strategy.peft.save_lora_config_adapter=True: the PEFT adapter is not gathered across pipeline stages",
+        ),
+    ],
+)
 def test_peft_keys_this_version_does_not_do_are_refused_by_name(overrides, message):
     from nxdt.config import compose_config
     from nxdt.config.validate import NotYetSupported, check_trainable

@@ -24,9 +24,20 @@ ALL = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def config() -> SimpleNamespace:
-    return SimpleNamespace(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=48,
-                           max_position_embeddings=64, rope_theta=10000.0, norm_eps=1e-5, tie_word_embeddings=False,
-                           init_method_std=0.02, activations_checkpoint_granularity=None)
+    return SimpleNamespace(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=48,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+        tie_word_embeddings=False,
+        init_method_std=0.02,
+        activations_checkpoint_granularity=None,
+    )
 
 
 def trained_lora() -> LlamaForCausalLM:
@@ -59,7 +70,7 @@ def test_merged_checkpoint_weights_are_base_plus_scaled_b_a_and_give_the_adapter
             assert torch.equal(merged[name], tensor), name
     torch.manual_seed(5)
     plain = LlamaForCausalLM(config()).eval()
-    plain.load_state_dict({n[len("model."):]: t for n, t in plain_names(merged).items()})
+    plain.load_state_dict({n[len("model.") :]: t for n, t in plain_names(merged).items()})
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         torch.testing.assert_close(plain(ids), model(ids), rtol=1e-5, atol=1e-5)
@@ -78,28 +89,53 @@ def test_merging_tensor_parallel_shards_equals_sharding_the_merged_weight(mode):
         w_r = w.chunk(2, dim)[rank]
         a_r = a if mode == "column" else a.chunk(2, 1)[rank]
         b_r = b.chunk(2, 0)[rank] if mode == "column" else b
-        shards.append(merged_state_dict({"p.base_layer.weight": w_r, "p.lora_A.weight": a_r, "p.lora_B.weight": b_r},
-                                        2.0)["p.base_layer.weight"])
+        shards.append(
+            merged_state_dict({"p.base_layer.weight": w_r, "p.lora_A.weight": a_r, "p.lora_B.weight": b_r}, 2.0)[
+                "p.base_layer.weight"
+            ]
+        )
     torch.testing.assert_close(torch.cat(shards, dim), full, rtol=0, atol=1e-6)
 
 
 def test_a_base_that_does_not_match_the_adapters_is_refused():
-    state = {"p.base_layer.weight": torch.zeros(8, 6), "p.lora_A.weight": torch.zeros(RANK, 5), "p.lora_B.weight": torch.zeros(8, RANK)}
+    state = {
+        "p.base_layer.weight": torch.zeros(8, 6),
+        "p.lora_A.weight": torch.zeros(RANK, 5),
+        "p.lora_B.weight": torch.zeros(8, RANK),
+    }
     with pytest.raises(ValueError, match=r"p.base_layer.weight has shape \[8, 6\] but its adapters' B·A has \[8, 5\]"):
         merged_state_dict(state, 1.0)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["model_alignment_strategy.peft.merge_lora=true"],
-     "model_alignment_strategy.peft.merge_lora=True: folds the adapters into the saved base weights: set save_lora_base=true"),
-    (["model_alignment_strategy.peft.merge_lora=true", "model_alignment_strategy.peft.save_lora_base=true",
-      "exp_manager.resume_if_exists=true"],
-     "model_alignment_strategy.peft.merge_lora=True: checkpoints hold the adapters merged into the base, which cannot resume"),
-    (["model_alignment_strategy.peft.merge_lora=true", "model_alignment_strategy.peft.save_lora_base=true",
-      "model_alignment_strategy.peft.merge_sharded_lora=true"], "model_alignment_strategy.peft.merge_sharded_lora=True: "),
-    (["model_alignment_strategy.peft.load_lora_from_ckpt=true"],
-     "model_alignment_strategy.peft.load_lora_from_ckpt=True: loads the adapters of exp_manager.resume_from_checkpoint"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["model_alignment_strategy.peft.merge_lora=true"],
+            "model_alignment_strategy.peft.merge_lora=True: folds the adapters into the saved base weights: set save_lora_base=true",
+        ),
+        (
+            [
+                "model_alignment_strategy.peft.merge_lora=true",
+                "model_alignment_strategy.peft.save_lora_base=true",
+                "exp_manager.resume_if_exists=true",
+            ],
+            "model_alignment_strategy.peft.merge_lora=True: checkpoints hold the adapters merged into the base, which cannot resume",
+        ),
+        (
+            [
+                "model_alignment_strategy.peft.merge_lora=true",
+                "model_alignment_strategy.peft.save_lora_base=true",
+                "model_alignment_strategy.peft.merge_sharded_lora=true",
+            ],
+            "model_alignment_strategy.peft.merge_sharded_lora=True: ",
+        ),
+        (
+            ["model_alignment_strategy.peft.load_lora_from_ckpt=true"],
+            "model_alignment_strategy.peft.load_lora_from_ckpt=True: loads the adapters of exp_manager.resume_from_checkpoint",
+        ),
+    ],
+)
 def test_merge_and_load_keys_that_do_not_fit_together_are_refused_by_name(overrides, message):
     from nxdt.config import ConfigError, compose_config
     from nxdt.config.validate import check_trainable
@@ -112,5 +148,7 @@ def test_merge_and_load_keys_that_do_not_fit_together_are_refused_by_name(overri
 def test_apply_peft_refuses_merge_without_the_base_saved():
     from nxdt.models.lora import apply_peft
 
-    with pytest.raises(ValueError, match="merge_lora=True folds the adapters into the saved base weights: it needs save_lora_base"):
+    with pytest.raises(
+        ValueError, match="merge_lora=True folds the adapters into the saved base weights: it needs save_lora_base"
+    ):
         apply_peft(LlamaForCausalLM(config()), {"lora_rank": 2, "merge_lora": True, "save_lora_base": False})

@@ -34,8 +34,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 RANK, ALPHA = 8, 16.0  # conf/recipe/lora.yaml
 LAYERS = ["model.num_layers=2"]
-COMMON = ["+recipe=lora", *LAYERS, "exp_manager.create_tensorboard_logger=false", "comm.timeout_s=60",
-          "exp_manager.checkpoint_every_n_steps=2", "trainer.max_steps=2", "model.optim.lr=5e-2"]
+COMMON = [
+    "+recipe=lora",
+    *LAYERS,
+    "exp_manager.create_tensorboard_logger=false",
+    "comm.timeout_s=60",
+    "exp_manager.checkpoint_every_n_steps=2",
+    "trainer.max_steps=2",
+    "model.optim.lr=5e-2",
+]
 
 
 def nxdt(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -62,8 +69,10 @@ def root(tmp_path_factory) -> Path:
     cfg = compose_config(["+recipe=lora", *LAYERS])
     torch.manual_seed(3)
     model = import_architecture(cfg.model.architecture)(cfg.model)
-    shape = {k: getattr(cfg.model, k) for k in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads",
-                                                 "ffn_hidden_size")}
+    shape = {
+        k: getattr(cfg.model, k)
+        for k in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "ffn_hidden_size")
+    }
     export_hf_state(dict(model.state_dict()), {"model": shape}, root / "base")
     return root
 
@@ -79,7 +88,7 @@ def peft_adapters(directory: Path) -> dict[str, torch.Tensor]:
     from nxdt.lightning.hf import our_name
     from nxdt.lightning.peft_export import PEFT_PREFIX
 
-    return {our_name(k[len(PEFT_PREFIX):]): v for k, v in load_file(str(directory / "adapter_model.safetensors")).items()}
+    return {our_name(k[len(PEFT_PREFIX) :]): v for k, v in load_file(str(directory / "adapter_model.safetensors")).items()}
 
 
 def check_merged(exported: dict[str, torch.Tensor], base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor]) -> int:
@@ -105,9 +114,19 @@ def test_tp2_merge_lora_checkpoints_hold_base_plus_scaled_b_a(root):
     from nxdt.models.lora import apply_lora
 
     run = root / "tp2-merged"
-    trained(nxdt("train", *COMMON, "trainer.devices=2", "distributed_strategy.tensor_model_parallel_size=2",
-                 "model_alignment_strategy.peft.save_lora_base=true", "model_alignment_strategy.peft.merge_lora=true",
-                 f"model.hf_checkpoint={root / 'base'}", f"exp_manager.explicit_log_dir={run}", cwd=root))
+    trained(
+        nxdt(
+            "train",
+            *COMMON,
+            "trainer.devices=2",
+            "distributed_strategy.tensor_model_parallel_size=2",
+            "model_alignment_strategy.peft.save_lora_base=true",
+            "model_alignment_strategy.peft.merge_lora=true",
+            f"model.hf_checkpoint={root / 'base'}",
+            f"exp_manager.explicit_log_dir={run}",
+            cwd=root,
+        )
+    )
     ckpt = run / "checkpoints" / "step-2"
     assert lora_kind(ckpt) == "merged"
     shards = [load_file(str(f)) for f in sorted(ckpt.glob("model*.safetensors"))]
@@ -135,27 +154,49 @@ def test_tp2_merge_lora_checkpoints_hold_base_plus_scaled_b_a(root):
     # starting from it (model.weight_init_only) gives fresh adapters on the merged weights: the function is unchanged
     from nxdt.lightning.module import CausalLMModule
 
-    again = CausalLMModule(cfg.model, 8, 128, 2, init_checkpoint=str(ckpt),
-                           peft={"lora_rank": RANK, "lora_alpha": ALPHA, "target_modules": ["qkv_proj", "o_proj"]}).model.eval()
+    again = CausalLMModule(
+        cfg.model,
+        8,
+        128,
+        2,
+        init_checkpoint=str(ckpt),
+        peft={"lora_rank": RANK, "lora_alpha": ALPHA, "target_modules": ["qkv_proj", "o_proj"]},
+    ).model.eval()
     assert torch.equal(again.layers[0].self_attn.q_proj.base_layer.weight, exported["layers.0.self_attn.q_proj.weight"])
     with torch.no_grad():
         torch.testing.assert_close(again(ids), merged(ids), rtol=1e-6, atol=1e-6)  # B = 0: exactly the merged model
     # a merged checkpoint cannot resume the LoRA run: refused before any worker starts
-    refused(nxdt("train", *COMMON, "model_alignment_strategy.peft.save_lora_base=true", f"exp_manager.resume_from_checkpoint={ckpt}",
-                 f"exp_manager.explicit_log_dir={root / 'refused'}", cwd=root),
-            "holds a LoRA run's adapters merged into its base (merge_lora), which cannot resume LoRA training")
+    refused(
+        nxdt(
+            "train",
+            *COMMON,
+            "model_alignment_strategy.peft.save_lora_base=true",
+            f"exp_manager.resume_from_checkpoint={ckpt}",
+            f"exp_manager.explicit_log_dir={root / 'refused'}",
+            cwd=root,
+        ),
+        "holds a LoRA run's adapters merged into its base (merge_lora), which cannot resume LoRA training",
+    )
 
 
 @pytest.fixture(scope="module")
 def adapters_only(root) -> Path:
     run = root / "adapters-only"
-    trained(nxdt("train", *COMMON, "trainer.devices=1", f"model.hf_checkpoint={root / 'base'}", f"exp_manager.explicit_log_dir={run}",
-                 cwd=root))
+    trained(
+        nxdt(
+            "train",
+            *COMMON,
+            "trainer.devices=1",
+            f"model.hf_checkpoint={root / 'base'}",
+            f"exp_manager.explicit_log_dir={run}",
+            cwd=root,
+        )
+    )
     return run / "checkpoints" / "step-2"
 
 
 def checkpoint_adapters(ckpt: Path) -> dict[str, torch.Tensor]:
-    return {k[len("model."):]: v for k, v in load_file(str(ckpt / "model.safetensors")).items()}
+    return {k[len("model.") :]: v for k, v in load_file(str(ckpt / "model.safetensors")).items()}
 
 
 def test_an_adapters_only_checkpoint_exports_as_a_peft_adapter_or_merged_onto_its_base(root, adapters_only):
@@ -168,12 +209,18 @@ def test_an_adapters_only_checkpoint_exports_as_a_peft_adapter_or_merged_onto_it
     assert saved and all(".lora_" in n for n in saved)
     trained(nxdt("checkpoint", "export-hf", str(ckpt), str(root / "peft"), cwd=root))
     config = json.loads((root / "peft" / "adapter_config.json").read_text())
-    assert (config["peft_type"], config["r"], config["lora_alpha"], sorted(config["target_modules"])) == \
-        ("LORA", RANK, ALPHA, ["k_proj", "o_proj", "q_proj", "v_proj"])
+    assert (config["peft_type"], config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (
+        "LORA",
+        RANK,
+        ALPHA,
+        ["k_proj", "o_proj", "q_proj", "v_proj"],
+    )
     exported = peft_adapters(root / "peft")
     assert exported.keys() == saved.keys() and all(torch.equal(exported[n], saved[n]) for n in saved)
-    refused(nxdt("checkpoint", "export-hf", "--merge", str(ckpt), str(root / "no-base"), cwd=root),
-            "holds the adapters alone (save_lora_base false): give the base model to merge them into with --base HF_DIR")
+    refused(
+        nxdt("checkpoint", "export-hf", "--merge", str(ckpt), str(root / "no-base"), cwd=root),
+        "holds the adapters alone (save_lora_base false): give the base model to merge them into with --base HF_DIR",
+    )
     trained(nxdt("checkpoint", "export-hf", str(ckpt), str(root / "merged"), "--merge", "--base", str(root / "base"), cwd=root))
     merged = {our_name(k): v for k, v in load_file(str(root / "merged" / "model.safetensors")).items()}
     assert check_merged(merged, base_weights(root), saved) == 2 * 4
@@ -184,26 +231,57 @@ def test_an_adapters_only_checkpoint_exports_as_a_peft_adapter_or_merged_onto_it
 
 
 def test_load_lora_from_ckpt_continues_from_the_adapters_and_refuses_another_rank(root, adapters_only):
-    start = [f"exp_manager.resume_from_checkpoint={adapters_only}", "model.weight_init_only=true",
-             "model_alignment_strategy.peft.load_lora_from_ckpt=true", f"model.hf_checkpoint={root / 'base'}"]
-    refused(nxdt("train", *COMMON, *start, "model_alignment_strategy.peft.lora_rank=4",
-                 f"exp_manager.explicit_log_dir={root / 'rank4'}", cwd=root),
-            f"model_alignment_strategy.peft.lora_rank=4: the adapters in {adapters_only} have rank 8; set lora_rank=8")
-    refused(nxdt("train", *COMMON, *start[:2], f"exp_manager.explicit_log_dir={root / 'fresh'}", cwd=root),
-            "model_alignment_strategy.peft.load_lora_from_ckpt=False: ")
+    start = [
+        f"exp_manager.resume_from_checkpoint={adapters_only}",
+        "model.weight_init_only=true",
+        "model_alignment_strategy.peft.load_lora_from_ckpt=true",
+        f"model.hf_checkpoint={root / 'base'}",
+    ]
+    refused(
+        nxdt(
+            "train",
+            *COMMON,
+            *start,
+            "model_alignment_strategy.peft.lora_rank=4",
+            f"exp_manager.explicit_log_dir={root / 'rank4'}",
+            cwd=root,
+        ),
+        f"model_alignment_strategy.peft.lora_rank=4: the adapters in {adapters_only} have rank 8; set lora_rank=8",
+    )
+    refused(
+        nxdt("train", *COMMON, *start[:2], f"exp_manager.explicit_log_dir={root / 'fresh'}", cwd=root),
+        "model_alignment_strategy.peft.load_lora_from_ckpt=False: ",
+    )
     from nxdt.cli import check_lora_checkpoint  # the launcher's check, in this process (what the two lines above ran)
     from nxdt.config import ConfigError, compose_config
 
-    for override, needle in [("model_alignment_strategy.peft.target_modules=[qkv_proj]",
-                              "target_modules=['q_proj', 'k_proj', 'v_proj']: the adapters in "),
-                             ("model_alignment_strategy.peft.lora_alpha=32", "lora_alpha=32.0: the adapters in ")]:
+    for override, needle in [
+        (
+            "model_alignment_strategy.peft.target_modules=[qkv_proj]",
+            "target_modules=['q_proj', 'k_proj', 'v_proj']: the adapters in ",
+        ),
+        ("model_alignment_strategy.peft.lora_alpha=32", "lora_alpha=32.0: the adapters in "),
+    ]:
         with pytest.raises(ConfigError) as info:
             check_lora_checkpoint(compose_config(["+recipe=lora", *LAYERS, *start, override]), str(adapters_only))
-        assert needle in str(info.value) and ("adapt ['q_proj', 'k_proj', 'v_proj', 'o_proj']" in str(info.value)
-                                              or "trained with lora_alpha=16" in str(info.value)), str(info.value)
+        assert needle in str(info.value) and (
+            "adapt ['q_proj', 'k_proj', 'v_proj', 'o_proj']" in str(info.value) or "trained with lora_alpha=16" in str(info.value)
+        ), str(info.value)
     run = root / "continued"
-    trained(nxdt("train", *COMMON, *start, "trainer.devices=1", "trainer.max_steps=1", "exp_manager.checkpoint_every_n_steps=1",
-                 "model.optim.lr=0", "model.optim.sched.name=constant", f"exp_manager.explicit_log_dir={run}", cwd=root))
+    trained(
+        nxdt(
+            "train",
+            *COMMON,
+            *start,
+            "trainer.devices=1",
+            "trainer.max_steps=1",
+            "exp_manager.checkpoint_every_n_steps=1",
+            "model.optim.lr=0",
+            "model.optim.sched.name=constant",
+            f"exp_manager.explicit_log_dir={run}",
+            cwd=root,
+        )
+    )
     with open(run / "metrics.csv", newline="") as fh:
         assert [int(r["step"]) for r in csv.DictReader(fh) if r.get("loss")] == [1]  # a new run: step 1, fresh optimizer
     saved, now = checkpoint_adapters(adapters_only), checkpoint_adapters(run / "checkpoints" / "step-1")

@@ -31,8 +31,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 NAME = "hf_llama3_8B_SFT_lora_config"
 # SHRINK's model; rope_theta as the file, the rest nxdt's defaults (what the run's model is built with)
-SHAPE = dict(vocab_size=272, hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=96,
-             max_position_embeddings=64, rope_theta=500000.0, norm_eps=1e-5)
+SHAPE = dict(
+    vocab_size=272,
+    hidden_size=64,
+    num_layers=2,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=96,
+    max_position_embeddings=64,
+    rope_theta=500000.0,
+    norm_eps=1e-5,
+)
 RANK, ALPHA = 16, 32  # the file's lora_rank, lora_alpha
 
 
@@ -44,12 +53,24 @@ def run(tmp_path_factory):
     transformers.LlamaForCausalLM(llama_config(transformers, SHAPE)).save_pretrained(str(root / "base"))
     lines = SAMPLE_INSTRUCTIONS.read_text().splitlines()
     (root / "validation.jsonl").write_text("\n".join(lines[-20:]) + "\n")
-    overrides = ["trainer.devices=2", "exp_manager.resume_from_checkpoint=null", f"model.hf_checkpoint={root / 'base'}",
-                 f"exp_manager.explicit_log_dir={root / 'run'}", f"data.tokenizer.type={_tokenizer(root / 'tokenizer')}",
-                 f"data.train_dir={SAMPLE_INSTRUCTIONS}", "data.dev_choose_samples=64", f"data.val_dir={root / 'validation.jsonl'}",
-                 "model.optim.lr=2e-2"]
-    result = subprocess.run([sys.executable, "-m", "nxdt.cli", "train", "--config-path", str(CONFIGS), "--config-name", NAME,
-                             *SHRINK, *overrides], cwd=root, capture_output=True, text=True, timeout=230)
+    overrides = [
+        "trainer.devices=2",
+        "exp_manager.resume_from_checkpoint=null",
+        f"model.hf_checkpoint={root / 'base'}",
+        f"exp_manager.explicit_log_dir={root / 'run'}",
+        f"data.tokenizer.type={_tokenizer(root / 'tokenizer')}",
+        f"data.train_dir={SAMPLE_INSTRUCTIONS}",
+        "data.dev_choose_samples=64",
+        f"data.val_dir={root / 'validation.jsonl'}",
+        "model.optim.lr=2e-2",
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "nxdt.cli", "train", "--config-path", str(CONFIGS), "--config-name", NAME, *SHRINK, *overrides],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=230,
+    )
     assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
     return {"base": root / "base", "run": root / "run", "stdout": result.stdout, "transformers": transformers}
 
@@ -57,7 +78,7 @@ def run(tmp_path_factory):
 def _checkpoint_state(ckpt: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return {k[len("model."):]: v for k, v in load_file(str(ckpt / "model.safetensors")).items()}
+    return {k[len("model.") :]: v for k, v in load_file(str(ckpt / "model.safetensors")).items()}
 
 
 def test_the_nxdt_lora_config_trains_the_adapters_alone(run):

@@ -12,8 +12,17 @@ import numpy as np
 import pytest
 
 from nxdt.cli import main
-from nxdt.data.megatron import (BlendedMegatronData, GPTSamples, IndexedDataError, blend_index, build_sample_index,
-                                parse_data_prefix, read_index, train_split_end, write_indexed)
+from nxdt.data.megatron import (
+    BlendedMegatronData,
+    GPTSamples,
+    IndexedDataError,
+    blend_index,
+    build_sample_index,
+    parse_data_prefix,
+    read_index,
+    train_split_end,
+    write_indexed,
+)
 from nxdt.data.tokenizers import ByteTokenizer
 
 pytestmark = pytest.mark.timeout(60)
@@ -59,14 +68,17 @@ def test_the_writer_produces_the_same_bytes_as_the_format_spelled_out(tmp_path):
     assert (tmp_path / "ours.idx").read_bytes() == idx and (tmp_path / "ours.bin").read_bytes() == body
 
 
-@pytest.mark.parametrize("damage, needle", [
-    (lambda idx, b: (b"NOTMAGIC!" + idx[9:], b), "not a Megatron indexed-dataset index (no MMIDIDX header)"),
-    (lambda idx, b: (idx[:9] + struct.pack("<Q", 2) + idx[17:], b), "index version 2; nxdt reads version 1"),
-    (lambda idx, b: (idx[:17] + bytes([9]) + idx[18:], b), "dtype code 9"),
-    (lambda idx, b: (idx[:-8], b), "but its header (4 sequences, 4 document indices) needs"),
-    (lambda idx, b: (idx, b[:-4]), "does not hold every sequence"),
-    (lambda idx, b: (idx[:-8] + struct.pack("<q", 3), b), "document indices must rise from 0 to the sequence count 4"),
-])
+@pytest.mark.parametrize(
+    "damage, needle",
+    [
+        (lambda idx, b: (b"NOTMAGIC!" + idx[9:], b), "not a Megatron indexed-dataset index (no MMIDIDX header)"),
+        (lambda idx, b: (idx[:9] + struct.pack("<Q", 2) + idx[17:], b), "index version 2; nxdt reads version 1"),
+        (lambda idx, b: (idx[:17] + bytes([9]) + idx[18:], b), "dtype code 9"),
+        (lambda idx, b: (idx[:-8], b), "but its header (4 sequences, 4 document indices) needs"),
+        (lambda idx, b: (idx, b[:-4]), "does not hold every sequence"),
+        (lambda idx, b: (idx[:-8] + struct.pack("<q", 3), b), "document indices must rise from 0 to the sequence count 4"),
+    ],
+)
 def test_a_damaged_pair_is_refused_with_its_reason(tmp_path, damage, needle):
     idx, body = hand_built(tmp_path / "d", SEQS, [0, 1, 3, 4], 4, "i")
     idx, body = damage(idx, body)
@@ -104,7 +116,7 @@ def test_samples_read_seq_plus_one_tokens_across_document_boundaries(tmp_path):
     order = samples.order.tolist()
     stream = [t for d in order for t in docs[d]]
     got = {int(samples.shuffle[i]): samples.tokens(i).tolist() for i in range(6)}
-    assert got == {j: stream[4 * j:4 * j + 5] for j in range(6)}  # overlapping by one token: every target once
+    assert got == {j: stream[4 * j : 4 * j + 5] for j in range(6)}  # overlapping by one token: every target once
 
 
 def test_blending_follows_the_weights_at_every_prefix(tmp_path):
@@ -122,7 +134,9 @@ def test_blending_follows_the_weights_at_every_prefix(tmp_path):
     from_b = [bool(data[i]["input_ids"].min() >= 100) for i in range(40)]
     assert sum(from_b) == 30 and all(bool(data[i]["input_ids"].max() < 100) for i in range(40) if not from_b[i])
     item = data[0]
-    assert item["input_ids"].shape == item["labels"].shape == (8,) and item["labels"][:-1].tolist() == item["input_ids"][1:].tolist()
+    assert (
+        item["input_ids"].shape == item["labels"].shape == (8,) and item["labels"][:-1].tolist() == item["input_ids"][1:].tolist()
+    )
 
 
 def test_the_index_mapping_is_cached_as_npy_and_rebuilt_when_stale(tmp_path):
@@ -160,13 +174,16 @@ def test_splits_string_keeps_the_leading_training_share():
     assert train_split_end(10, "8,1,1") == 8 and train_split_end(10, None) == 10
 
 
-@pytest.mark.parametrize("value, needle", [
-    ([1.0, "/a", 2.0], "has 3 entries; give pairs"),
-    (["x", "/a"], "weight 'x' (before '/a') is not a positive number"),
-    ([0, "/a"], "weight 0 (before '/a') is not a positive number"),
-    ([1.0, 2.0], "2.0 (after weight 1.0) is not a path prefix"),
-    ({"validation": ["/a"]}, "needs a train entry"),
-])
+@pytest.mark.parametrize(
+    "value, needle",
+    [
+        ([1.0, "/a", 2.0], "has 3 entries; give pairs"),
+        (["x", "/a"], "weight 'x' (before '/a') is not a positive number"),
+        ([0, "/a"], "weight 0 (before '/a') is not a positive number"),
+        ([1.0, 2.0], "2.0 (after weight 1.0) is not a path prefix"),
+        ({"validation": ["/a"]}, "needs a train entry"),
+    ],
+)
 def test_bad_data_prefix_values_are_named(value, needle):
     with pytest.raises(IndexedDataError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         parse_data_prefix(value)
@@ -202,14 +219,27 @@ def test_the_data_module_reads_megatron_data_in_index_order_sliced_by_data_paral
     from nxdt.lightning.datamodule import NxDDataModule
 
     write_indexed(tmp_path / "d", [list(range(i, i + 37)) for i in range(0, 150, 10)], np.uint16)
-    cfg = SimpleNamespace(source="megatron", micro_batch_size=2, global_batch_size=8, seq_length=16,
-                          data_prefix=[1.0, str(tmp_path / "d")], splits_string=None, index_mapping_dir=str(tmp_path / "c"),
-                          train_dir=None, val_dir=None, val_split=0.0)
+    cfg = SimpleNamespace(
+        source="megatron",
+        micro_batch_size=2,
+        global_batch_size=8,
+        seq_length=16,
+        data_prefix=[1.0, str(tmp_path / "d")],
+        splits_string=None,
+        index_mapping_dir=str(tmp_path / "c"),
+        train_dir=None,
+        val_dir=None,
+        val_split=0.0,
+    )
 
     def module(rank: int, dp: int) -> NxDDataModule:
         dm = NxDDataModule(cfg, seed=5, vocab_size=256)
-        dm.trainer = SimpleNamespace(strategy=SimpleNamespace(distributed_sampler_kwargs={"num_replicas": dp, "rank": rank}),
-                                     global_step=0, accumulate_grad_batches=4 // dp, max_steps=3)
+        dm.trainer = SimpleNamespace(
+            strategy=SimpleNamespace(distributed_sampler_kwargs={"num_replicas": dp, "rank": rank}),
+            global_step=0,
+            accumulate_grad_batches=4 // dp,
+            max_steps=3,
+        )
         dm.setup("fit")
         return dm
 
@@ -223,5 +253,5 @@ def test_the_data_module_reads_megatron_data_in_index_order_sliced_by_data_paral
         for rank in range(2):
             it = iter(module(rank, 2).train_dataloader())
             batches = [next(it)["input_ids"] for _ in range(2 * (step + 1))]
-            got += batches[2 * step:]
-        assert torch.equal(torch.cat(got), torch.cat(stream[4 * step:4 * step + 4]))
+            got += batches[2 * step :]
+        assert torch.equal(torch.cat(got), torch.cat(stream[4 * step : 4 * step + 4]))

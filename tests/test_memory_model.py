@@ -41,9 +41,23 @@ CONFIGS = Path(__file__).parent / "nxdt_configs"
 
 
 def tiny(*overrides: str):
-    return compose_config(["model=llama_tiny", f"model.hidden_size={h}", f"model.num_layers={L}", f"model.num_attention_heads={a}",
-                           f"model.num_kv_heads={a}", f"model.ffn_hidden_size={f}", f"model.vocab_size={V}", "model.core_attention=sdpa",
-                           f"data.seq_length={s}", f"data.micro_batch_size={b}", "data.global_batch_size=64", *overrides], check=False)
+    return compose_config(
+        [
+            "model=llama_tiny",
+            f"model.hidden_size={h}",
+            f"model.num_layers={L}",
+            f"model.num_attention_heads={a}",
+            f"model.num_kv_heads={a}",
+            f"model.ffn_hidden_size={f}",
+            f"model.vocab_size={V}",
+            "model.core_attention=sdpa",
+            f"data.seq_length={s}",
+            f"data.micro_batch_size={b}",
+            "data.global_batch_size=64",
+            *overrides,
+        ],
+        check=False,
+    )
 
 
 def degrees(tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1) -> dict[str, int]:
@@ -71,8 +85,12 @@ def test_full_recompute_keeps_each_layers_input_sharded_by_sp_plus_one_layer_bei
     #     1032·256 + 1552·256/4 = 264192 + 99328
     assert without == 2 * SBH * L + 1032 * tokens + 1552 * tokens / t == 262144 + 363520 == 625664
     # fp32: the inputs double (131072); the recomputed layer keeps 4632 B per token, / t: 296448
-    fp32 = memory_per_rank(tiny("model.activations_checkpoint_granularity=full", "precision.type=fp32",
-                                "distributed_strategy.sequence_parallel=true"), degrees(tp=t))["activations"]
+    fp32 = memory_per_rank(
+        tiny(
+            "model.activations_checkpoint_granularity=full", "precision.type=fp32", "distributed_strategy.sequence_parallel=true"
+        ),
+        degrees(tp=t),
+    )["activations"]
     assert fp32 == 4 * SBH / t * L + 4632 * tokens / t == 131072 + 296448 == 427520
 
 
@@ -91,8 +109,12 @@ def test_the_405b_trn1_config_fits_with_sp_and_would_not_without_it():
     #   SwiGLU 4·53248·2 = 425984: 758280 B per token, × 8192 / 32 tokens per rank = 194119680
     assert m["activations"] == 2 * S * H / t * layers_on_the_first_stage * pp + 758280 * S / t == GiB + 194119680
     assert 10 < p.estimate["memory_per_device_GiB"] < 32  # 2 ranks per 32 GiB chip
-    cfg, _ = compose_nxdt_config(CONFIGS, "hf_llama3.1_405B_trn1_config", ["instance=trn1.32xlarge",
-                                                                            "distributed_strategy.sequence_parallel=false"], paths=False)
+    cfg, _ = compose_nxdt_config(
+        CONFIGS,
+        "hf_llama3.1_405B_trn1_config",
+        ["instance=trn1.32xlarge", "distributed_strategy.sequence_parallel=false"],
+        paths=False,
+    )
     assert any(w.startswith("does not fit") for w in plan(cfg).warnings)  # 2·s·h per stored layer input: 32 GiB of them
 
 
@@ -106,15 +128,26 @@ def test_the_8b_trn2_config_fits():
 # ------------------------------------------------------------------------- 2. pipeline micro-batches in flight
 def test_1f1b_first_stage_holds_pp_microbatches_of_its_layers():
     t, pp = 4, 4
-    cfg = tiny("model.activations_checkpoint_granularity=selective", "precision.type=mixed_precision",
-               "distributed_strategy.sequence_parallel=true", "data.global_batch_size=16")  # m = 16 / (2·1) = 8 micro-batches
+    cfg = tiny(
+        "model.activations_checkpoint_granularity=selective",
+        "precision.type=mixed_precision",
+        "distributed_strategy.sequence_parallel=true",
+        "data.global_batch_size=16",
+    )  # m = 16 / (2·1) = 8 micro-batches
     act = memory_per_rank(cfg, degrees(tp=t, pp=pp))["activations"]
     # per layer and micro-batch (selective, TP+SP): sdpa's output and logsumexp are recomputed, o_proj's input h·e stays:
     # 1032 + 384 + 128 + 1024 = 2568 B per token, × 256 / 4 = 164352; L/PP = 2 layers; PP = 4 in flight
     assert act == 2568 * s * b / t * (L // pp) * pp == 164352 * 2 * 4 == 1314816
     # fewer micro-batches than stages: all of them, and no more, are in flight
-    few = memory_per_rank(tiny("model.activations_checkpoint_granularity=selective", "precision.type=mixed_precision",
-                               "distributed_strategy.sequence_parallel=true", "data.global_batch_size=4"), degrees(tp=t, pp=pp))
+    few = memory_per_rank(
+        tiny(
+            "model.activations_checkpoint_granularity=selective",
+            "precision.type=mixed_precision",
+            "distributed_strategy.sequence_parallel=true",
+            "data.global_batch_size=4",
+        ),
+        degrees(tp=t, pp=pp),
+    )
     assert few["activations"] == 164352 * 2 * 2  # m = 4 / 2 = 2
 
 
@@ -123,9 +156,13 @@ def test_interleaved_first_stage_holds_megatrons_count():
     assert in_flight_microbatches(4, 8, 2) == 4 * (1 + 3 / 8) == 5.5
     assert in_flight_microbatches(4, 8, 1) == 4 and in_flight_microbatches(4, 4, 2) == 4  # m = PP: every micro-batch
     assert in_flight_microbatches(1, 8, 1) == 1
-    cfg = tiny("model.activations_checkpoint_granularity=selective", "precision.type=mixed_precision",
-               "distributed_strategy.sequence_parallel=true", "data.global_batch_size=16",
-               "distributed_strategy.virtual_pipeline_model_parallel_size=2")
+    cfg = tiny(
+        "model.activations_checkpoint_granularity=selective",
+        "precision.type=mixed_precision",
+        "distributed_strategy.sequence_parallel=true",
+        "data.global_batch_size=16",
+        "distributed_strategy.virtual_pipeline_model_parallel_size=2",
+    )
     assert memory_per_rank(cfg, degrees(tp=4, pp=4))["activations"] == 164352 * 2 * 5.5
 
 
@@ -160,19 +197,36 @@ def test_fsdp_shards_everything_and_holds_prefetch_distance_plus_one_units():
     # gathered in bf16, prefetch_distance 1: two consecutive units; here a layer (41088) outweighs the head (16384 + 64
     # final norm), so the largest pair is two layers: 2·41088 params × 2 B = 164352
     assert fsdp["gathered_parameters"] == 2 * LAYER * 2 == 164352
-    far = memory_per_rank(tiny("precision.type=mixed_precision", "distributed_strategy.fsdp.enabled=true",
-                               "distributed_strategy.fsdp.prefetch_distance=2"), degrees(dp=dp))
+    far = memory_per_rank(
+        tiny(
+            "precision.type=mixed_precision",
+            "distributed_strategy.fsdp.enabled=true",
+            "distributed_strategy.fsdp.prefetch_distance=2",
+        ),
+        degrees(dp=dp),
+    )
     assert far["gathered_parameters"] == 3 * LAYER * 2  # three units
     # a vocabulary of 4096: the head (4096·64 = 262144, + the 64 final-norm weights) outweighs a layer, and the largest
     # pair is the last layer + head: 41088 + 262208 = 303296 params (embedding + first layer: 64 fewer) × 2 B
-    big = memory_per_rank(tiny("precision.type=mixed_precision", "distributed_strategy.fsdp.enabled=true", "model.vocab_size=4096"),
-                          degrees(dp=dp))
+    big = memory_per_rank(
+        tiny("precision.type=mixed_precision", "distributed_strategy.fsdp.enabled=true", "model.vocab_size=4096"), degrees(dp=dp)
+    )
     assert big["gathered_parameters"] == (LAYER + 4096 * h + h) * 2 == 606592
-    eager = memory_per_rank(tiny("precision.type=mixed_precision", "distributed_strategy.fsdp.enabled=true",
-                                 "distributed_strategy.fsdp.prefetch=eager"), degrees(dp=dp))
+    eager = memory_per_rank(
+        tiny(
+            "precision.type=mixed_precision", "distributed_strategy.fsdp.enabled=true", "distributed_strategy.fsdp.prefetch=eager"
+        ),
+        degrees(dp=dp),
+    )
     assert eager["gathered_parameters"] == N * 2  # every unit, the whole model
-    kept = memory_per_rank(tiny("precision.type=mixed_precision", "distributed_strategy.fsdp.enabled=true",
-                                "distributed_strategy.fsdp.reshard_after_forward=false"), degrees(dp=dp))
+    kept = memory_per_rank(
+        tiny(
+            "precision.type=mixed_precision",
+            "distributed_strategy.fsdp.enabled=true",
+            "distributed_strategy.fsdp.reshard_after_forward=false",
+        ),
+        degrees(dp=dp),
+    )
     assert kept["gathered_parameters"] == N * 2  # nothing freed between forward and backward
     fp32 = memory_per_rank(tiny("precision.type=fp32", "distributed_strategy.fsdp.enabled=true"), degrees(dp=dp))
     assert (fp32["parameters"], fp32["gradients"], fp32["optimizer"]) == (4 * N / dp, 4 * N / dp, 8 * N / dp)
@@ -181,9 +235,18 @@ def test_fsdp_shards_everything_and_holds_prefetch_distance_plus_one_units():
 
 def test_expert_state_is_sharded_over_the_ranks_holding_the_same_experts():
     # 4 experts of 3·h·f = 24576 each per layer, EP 2 (each rank holds 2 experts), DP 4: expert-DP = 4/2 = 2
-    cfg = tiny("model=mixtral_tiny", f"model.hidden_size={h}", f"model.num_layers={L}", f"model.num_attention_heads={a}",
-               f"model.num_kv_heads={a}", f"model.ffn_hidden_size={f}", f"model.vocab_size={V}", "model.moe.num_experts=4",
-               "precision.type=fp32", "distributed_strategy.zero1=true")
+    cfg = tiny(
+        "model=mixtral_tiny",
+        f"model.hidden_size={h}",
+        f"model.num_layers={L}",
+        f"model.num_attention_heads={a}",
+        f"model.num_kv_heads={a}",
+        f"model.ffn_hidden_size={f}",
+        f"model.vocab_size={V}",
+        "model.moe.num_experts=4",
+        "precision.type=fp32",
+        "distributed_strategy.zero1=true",
+    )
     m = memory_per_rank(cfg, degrees(dp=4, ep=2))
     experts = L * 4 * 3 * h * f  # 786432
     dense = N - L * 3 * h * f + L * 4 * h  # the single MLP out, the routers (h·experts per layer) in: 165888
@@ -192,18 +255,21 @@ def test_expert_state_is_sharded_over_the_ranks_holding_the_same_experts():
 
 
 # ------------------------------------------------------------------------- 4. bytes per parameter
-@pytest.mark.parametrize("kind,optimizer,per_param", [
-    ("fp32", "adamw", 4 + 4 + 8),                       # fp32 params, grads, moments
-    ("fp32", "adamw_fp32OptState", 4 + 4 + 8),          # the same: the moments are fp32 already
-    ("bf16", "adamw", 2 + 2 + 4),                       # bf16 params, grads, moments
-    ("bf16SR", "adamw", 2 + 2 + 4),                     # SR stores what bf16 stores
-    ("bf16", "adamw_fp32OptState", 2 + 2 + 8),          # fp32 moments; the weights stay bf16, no master copy
-    ("bf16SR", "adamw_fp32OptState", 2 + 2 + 8),
-    ("mixed_precision", "adamw", 2 + 4 + 8 + 4),        # bf16 params, fp32 grads, fp32 moments + fp32 master
-    ("mixed_precision", "adamw_fp32OptState", 2 + 4 + 8 + 4),
-    ("mixed_precisionSR", "adamw", 2 + 4 + 8 + 4),
-    ("mixed_precisionSR", "adamw_fp32OptState", 2 + 4 + 8 + 4),
-])
+@pytest.mark.parametrize(
+    "kind,optimizer,per_param",
+    [
+        ("fp32", "adamw", 4 + 4 + 8),  # fp32 params, grads, moments
+        ("fp32", "adamw_fp32OptState", 4 + 4 + 8),  # the same: the moments are fp32 already
+        ("bf16", "adamw", 2 + 2 + 4),  # bf16 params, grads, moments
+        ("bf16SR", "adamw", 2 + 2 + 4),  # SR stores what bf16 stores
+        ("bf16", "adamw_fp32OptState", 2 + 2 + 8),  # fp32 moments; the weights stay bf16, no master copy
+        ("bf16SR", "adamw_fp32OptState", 2 + 2 + 8),
+        ("mixed_precision", "adamw", 2 + 4 + 8 + 4),  # bf16 params, fp32 grads, fp32 moments + fp32 master
+        ("mixed_precision", "adamw_fp32OptState", 2 + 4 + 8 + 4),
+        ("mixed_precisionSR", "adamw", 2 + 4 + 8 + 4),
+        ("mixed_precisionSR", "adamw_fp32OptState", 2 + 4 + 8 + 4),
+    ],
+)
 def test_bytes_per_parameter(kind, optimizer, per_param):
     m = memory_per_rank(tiny(f"precision.type={kind}", f"model.optim.name={optimizer}"), degrees())
     assert m["parameters"] + m["gradients"] + m["optimizer"] == N * per_param
@@ -221,6 +287,7 @@ def test_naive_attention_adds_its_kept_probabilities_mask_and_the_peak_layers_sc
       mixed_precision:   L·(819200 + 94208) + 1048576 = 8·913408 + 1048576 = 8355840
       fp32, TP2:         / 2: 8·276480 + 524288                             = 2736128
       fp32, full recompute: one layer's while it is recomputed + the gradients: 552960 + 1048576 = 1601536"""
+
     def extra(*overrides: str, tp: int = 1) -> float:
         naive = memory_per_rank(tiny("model.core_attention=naive", *overrides), degrees(tp=tp))["activations"]
         return naive - memory_per_rank(tiny(*overrides), degrees(tp=tp))["activations"]
@@ -252,11 +319,22 @@ def test_each_term_of_a_llama_tiny_layer_at_2k_tokens_by_hand():
     assert naive["qkv"] == 1536 and naive["attention"] == 512
     assert naive["scores"] * 2048 == 2048 * 2048 * (4 * 4 + 1)  # fp32 probabilities of 4 heads + the mask
     assert {k: v / 2048 for k, v in head_saved_bytes(model, 2048, 1, 1, False, 4).items()} == {
-        "final_norm": 1540, "log_probs": 1024, "loss_gradients": 2048}
+        "final_norm": 1540,
+        "log_probs": 1024,
+        "loss_gradients": 2048,
+    }
     assert 4 * 10136 * 2048 + 1540 * 2048 + 8 * 2048 + 2 * 2048 * 32 * 4 == 86728704
     # the sums the planner reports for that run: activations = 4 layers, logits = the head's terms
-    cfg = compose_config(["model=llama_tiny", "data.seq_length=2048", "data.micro_batch_size=1", "data.global_batch_size=1",
-                          "precision.type=fp32"], check=False)
+    cfg = compose_config(
+        [
+            "model=llama_tiny",
+            "data.seq_length=2048",
+            "data.micro_batch_size=1",
+            "data.global_batch_size=1",
+            "precision.type=fp32",
+        ],
+        check=False,
+    )
     m = memory_per_rank(cfg, degrees())
     assert (m["activations"], m["logits"]) == (4 * 10136 * 2048, (1540 + 1024 + 2048) * 2048)
 

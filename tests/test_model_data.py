@@ -1,6 +1,5 @@
 """The Llama model and the data pipeline (pure, no processes)."""
 
-
 import pytest
 import torch
 

@@ -15,10 +15,22 @@ import pytest
 from nxdt.lightning.checkpoint import CheckpointError, check_layout
 from test_train_e2e import TINY, assert_ok, losses, nxdt
 
-COMMON = [*TINY, "data=synthetic", "trainer.max_steps=6", "model.optim.sched.max_steps=6", "data.global_batch_size=8",
-          "data.micro_batch_size=2", "trainer.gradient_clip_val=0.5", "exp_manager.checkpoint_every_n_steps=3"]
-KILL_AT_STEP_5 = ["exp_manager.max_restarts=1", "exp_manager.fault_injection.step=5", "exp_manager.fault_injection.rank=1",
-                  "exp_manager.fault_injection.kind=sigkill"]
+COMMON = [
+    *TINY,
+    "data=synthetic",
+    "trainer.max_steps=6",
+    "model.optim.sched.max_steps=6",
+    "data.global_batch_size=8",
+    "data.micro_batch_size=2",
+    "trainer.gradient_clip_val=0.5",
+    "exp_manager.checkpoint_every_n_steps=3",
+]
+KILL_AT_STEP_5 = [
+    "exp_manager.max_restarts=1",
+    "exp_manager.fault_injection.step=5",
+    "exp_manager.fault_injection.rank=1",
+    "exp_manager.fault_injection.kind=sigkill",
+]
 
 
 @pytest.fixture(scope="module")
@@ -34,18 +46,46 @@ def _assert_same_losses(got: dict[int, float], want: dict[int, float]) -> None:
         assert got[step] == pytest.approx(want[step], rel=1e-5), (step, got, want)
 
 
-@pytest.mark.parametrize("layout,files", [
-    (["trainer.devices=4", "distributed_strategy.tensor_model_parallel_size=2", "distributed_strategy.sequence_parallel=true",
-      "distributed_strategy.pipeline_model_parallel_size=2", "distributed_strategy.virtual_pipeline_model_parallel_size=2"],
-     {"model-mp0.safetensors", "model-mp3.safetensors"}),
-    (["trainer.devices=2", "distributed_strategy.pipeline_model_parallel_size=2", *KILL_AT_STEP_5],
-     {"model-mp0.safetensors", "model-mp1.safetensors", "trainer_state-mp1.pt"}),
-    (["trainer.devices=2", "distributed_strategy.zero1=true", *KILL_AT_STEP_5],
-     {"model.safetensors", "trainer_state-dp0.pt", "trainer_state-dp1.pt"}),
-    (["trainer.devices=4", "distributed_strategy.tensor_model_parallel_size=2", "distributed_strategy.sequence_parallel=true",
-      "distributed_strategy.fsdp.enabled=true", "exp_manager.trace=true", *KILL_AT_STEP_5],
-     {"model-mp0.safetensors", "model-mp1.safetensors", "trainer_state-mp0-dp0.pt", "trainer_state-mp1-dp1.pt"}),
-], ids=["tp2-sp-x-pp2-interleaved", "pp2-killed-and-restarted", "zero1-dp2-killed-and-restarted", "tp2-sp-x-fsdp2-killed-and-restarted"])
+@pytest.mark.parametrize(
+    "layout,files",
+    [
+        (
+            [
+                "trainer.devices=4",
+                "distributed_strategy.tensor_model_parallel_size=2",
+                "distributed_strategy.sequence_parallel=true",
+                "distributed_strategy.pipeline_model_parallel_size=2",
+                "distributed_strategy.virtual_pipeline_model_parallel_size=2",
+            ],
+            {"model-mp0.safetensors", "model-mp3.safetensors"},
+        ),
+        (
+            ["trainer.devices=2", "distributed_strategy.pipeline_model_parallel_size=2", *KILL_AT_STEP_5],
+            {"model-mp0.safetensors", "model-mp1.safetensors", "trainer_state-mp1.pt"},
+        ),
+        (
+            ["trainer.devices=2", "distributed_strategy.zero1=true", *KILL_AT_STEP_5],
+            {"model.safetensors", "trainer_state-dp0.pt", "trainer_state-dp1.pt"},
+        ),
+        (
+            [
+                "trainer.devices=4",
+                "distributed_strategy.tensor_model_parallel_size=2",
+                "distributed_strategy.sequence_parallel=true",
+                "distributed_strategy.fsdp.enabled=true",
+                "exp_manager.trace=true",
+                *KILL_AT_STEP_5,
+            ],
+            {"model-mp0.safetensors", "model-mp1.safetensors", "trainer_state-mp0-dp0.pt", "trainer_state-mp1-dp1.pt"},
+        ),
+    ],
+    ids=[
+        "tp2-sp-x-pp2-interleaved",
+        "pp2-killed-and-restarted",
+        "zero1-dp2-killed-and-restarted",
+        "tp2-sp-x-fsdp2-killed-and-restarted",
+    ],
+)
 @pytest.mark.timeout(300)
 def test_parallel_losses_equal_single_process(tmp_path, single, layout, files):
     run = tmp_path / "run"
@@ -69,8 +109,16 @@ def test_mixtral_expert_parallel_equals_single_process(tmp_path):
     common = [*COMMON, "model=mixtral_tiny", "trainer.max_steps=4"]
     one, two = tmp_path / "one", tmp_path / "ep2"
     assert_ok(nxdt("train", *common, "trainer.devices=1", f"exp_manager.explicit_log_dir={one}", cwd=tmp_path))
-    assert_ok(nxdt("train", *common, "trainer.devices=2", "distributed_strategy.expert_model_parallel_size=2",
-                   f"exp_manager.explicit_log_dir={two}", cwd=tmp_path))
+    assert_ok(
+        nxdt(
+            "train",
+            *common,
+            "trainer.devices=2",
+            "distributed_strategy.expert_model_parallel_size=2",
+            f"exp_manager.explicit_log_dir={two}",
+            cwd=tmp_path,
+        )
+    )
     _assert_same_losses(losses(two), losses(one))
     assert {"model-ep0.safetensors", "model-ep1.safetensors"} <= {p.name for p in (two / "checkpoints/step-3").iterdir()}
     with pytest.raises(CheckpointError, match="resharding expert-parallel checkpoints is not supported"):

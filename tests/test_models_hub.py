@@ -32,17 +32,38 @@ def mixtral_cfg(**over) -> types.SimpleNamespace:
     for key in ("num_experts", "top_k", "router_aux_loss_coef"):
         if key in over:
             setattr(moe, key, over.pop(key))
-    base = dict(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=48,
-                max_position_embeddings=64, rope_theta=10000.0, norm_eps=1e-5, tie_word_embeddings=False,
-                init_method_std=0.02, activations_checkpoint_granularity=None, moe=moe)
+    base = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=48,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+        tie_word_embeddings=False,
+        init_method_std=0.02,
+        activations_checkpoint_granularity=None,
+        moe=moe,
+    )
     base.update(over)
     return types.SimpleNamespace(**base)
 
 
 def gpt_cfg(**over) -> types.SimpleNamespace:
-    base = dict(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, ffn_hidden_size=128,
-                max_position_embeddings=32, norm_eps=1e-5, tie_word_embeddings=True, init_method_std=0.02,
-                activations_checkpoint_granularity=None)
+    base = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=2,
+        num_attention_heads=4,
+        ffn_hidden_size=128,
+        max_position_embeddings=32,
+        norm_eps=1e-5,
+        tie_word_embeddings=True,
+        init_method_std=0.02,
+        activations_checkpoint_granularity=None,
+    )
     base.update(over)
     return types.SimpleNamespace(**base)
 
@@ -63,13 +84,19 @@ def test_mixtral_shapes_backward_and_names():
     assert [r.shape for r in model.router_logits()] == [(16, 4)] * 2
     loss = model.loss_fn(logits, labels)
     loss.backward()
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() for n, p in model.named_parameters()
-               if ".experts." not in n)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for n, p in model.named_parameters() if ".experts." not in n)
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if ".experts." in n)
     names = set(dict(model.named_parameters()))
-    for key in ("layers.1.block_sparse_moe.gate.weight", "layers.1.block_sparse_moe.experts.3.w1.weight",
-                "layers.1.block_sparse_moe.experts.3.w2.weight", "layers.1.block_sparse_moe.experts.3.w3.weight",
-                "layers.0.self_attn.k_proj.weight", "embed_tokens.weight", "norm.weight", "lm_head.weight"):
+    for key in (
+        "layers.1.block_sparse_moe.gate.weight",
+        "layers.1.block_sparse_moe.experts.3.w1.weight",
+        "layers.1.block_sparse_moe.experts.3.w2.weight",
+        "layers.1.block_sparse_moe.experts.3.w3.weight",
+        "layers.0.self_attn.k_proj.weight",
+        "embed_tokens.weight",
+        "norm.weight",
+        "lm_head.weight",
+    ):
         assert key in names, key
     assert model.layers[0].block_sparse_moe.experts["3"].w2.weight.shape == (32, 48)
     twin = copy.deepcopy(model)  # after a forward: the recorded router logits are not copied
@@ -88,7 +115,7 @@ def _dense_reference(block: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         probs = torch.softmax(x[t] @ block.gate.weight.T, dim=-1)
-        chosen = sorted(range(block.num_experts), key=lambda e: -float(probs[e]))[:block.top_k]
+        chosen = sorted(range(block.num_experts), key=lambda e: -float(probs[e]))[: block.top_k]
         norm = sum(float(probs[e]) for e in chosen)
         for e in chosen:
             ex = block.experts[str(e)]
@@ -165,12 +192,15 @@ def test_mixtral_full_checkpointing_is_identical():
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
 
 
-@pytest.mark.parametrize("over, match", [
-    (dict(num_experts=0), "num_experts=0"),
-    (dict(top_k=5), "top_k=5 must be between 1 and model.moe.num_experts=4"),
-    (dict(router_aux_loss_coef=-1.0), "router_aux_loss_coef"),
-    (dict(hidden_size=30), "divisible by model.num_attention_heads"),
-])
+@pytest.mark.parametrize(
+    "over, match",
+    [
+        (dict(num_experts=0), "num_experts=0"),
+        (dict(top_k=5), "top_k=5 must be between 1 and model.moe.num_experts=4"),
+        (dict(router_aux_loss_coef=-1.0), "router_aux_loss_coef"),
+        (dict(hidden_size=30), "divisible by model.num_attention_heads"),
+    ],
+)
 def test_mixtral_config_errors(over, match):
     with pytest.raises(ValueError, match=match):
         MixtralForCausalLM(mixtral_cfg(**over))
@@ -209,12 +239,24 @@ def test_mixtral_matches_huggingface():
     transformers = pytest.importorskip("transformers")
     cfg = mixtral_cfg(router_aux_loss_coef=0.05)
     hf_cfg = transformers.MixtralConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.max_position_embeddings,
-        rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps, num_local_experts=4, num_experts_per_tok=2,
-        router_aux_loss_coef=0.05, output_router_logits=True, tie_word_embeddings=False, sliding_window=None,
-        router_jitter_noise=0.0, attention_dropout=0.0)
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.norm_eps,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        router_aux_loss_coef=0.05,
+        output_router_logits=True,
+        tie_word_embeddings=False,
+        sliding_window=None,
+        router_jitter_noise=0.0,
+        attention_dropout=0.0,
+    )
     torch.manual_seed(0)
     hf = transformers.MixtralForCausalLM(hf_cfg).eval()
     torch.manual_seed(1)
@@ -322,8 +364,14 @@ def test_shipped_yaml_builds_the_model(name, cls):
 
 def test_mixtral_8x7b_yaml_counts():
     raw = yaml.safe_load((CONF / "mixtral_8x7b.yaml").read_text())
-    h, f, v, layers, e, k = raw["hidden_size"], raw["ffn_hidden_size"], raw["vocab_size"], raw["num_layers"], \
-        raw["moe"]["num_experts"], raw["moe"]["top_k"]
+    h, f, v, layers, e, k = (
+        raw["hidden_size"],
+        raw["ffn_hidden_size"],
+        raw["vocab_size"],
+        raw["num_layers"],
+        raw["moe"]["num_experts"],
+        raw["moe"]["top_k"],
+    )
     kv_dim = h // raw["num_attention_heads"] * raw["num_kv_heads"]
     dense = 2 * v * h + layers * (2 * h * h + 2 * h * kv_dim + h * e + 2 * h) + h
     total, active = dense + layers * e * 3 * h * f, dense + layers * k * 3 * h * f

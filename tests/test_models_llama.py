@@ -13,9 +13,20 @@ from nxdt.models.llama import LlamaForCausalLM, apply_rope, rope_tables
 
 
 def config(**overrides) -> SimpleNamespace:
-    base = dict(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=48,
-                max_position_embeddings=32, rope_theta=10000.0, norm_eps=1e-5, tie_word_embeddings=False,
-                init_method_std=0.02, activations_checkpoint_granularity=None)
+    base = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=48,
+        max_position_embeddings=32,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+        tie_word_embeddings=False,
+        init_method_std=0.02,
+        activations_checkpoint_granularity=None,
+    )
     return SimpleNamespace(**{**base, **overrides})
 
 
@@ -33,10 +44,20 @@ def test_forward_shapes_and_hf_like_names():
     logits = model(tokens(3, 10))
     assert logits.shape == (3, 10, 64) and logits.dtype == torch.float32
     names = set(dict(model.named_parameters()))
-    for name in ("embed_tokens.weight", "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
-                 "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.o_proj.weight", "layers.1.mlp.gate_proj.weight",
-                 "layers.1.mlp.up_proj.weight", "layers.1.mlp.down_proj.weight", "layers.1.input_layernorm.weight",
-                 "layers.1.post_attention_layernorm.weight", "norm.weight", "lm_head.weight"):
+    for name in (
+        "embed_tokens.weight",
+        "layers.0.self_attn.q_proj.weight",
+        "layers.0.self_attn.k_proj.weight",
+        "layers.0.self_attn.v_proj.weight",
+        "layers.0.self_attn.o_proj.weight",
+        "layers.1.mlp.gate_proj.weight",
+        "layers.1.mlp.up_proj.weight",
+        "layers.1.mlp.down_proj.weight",
+        "layers.1.input_layernorm.weight",
+        "layers.1.post_attention_layernorm.weight",
+        "norm.weight",
+        "lm_head.weight",
+    ):
         assert name in names, name
     assert isinstance(model.layers, torch.nn.ModuleList) and len(model.layers) == 2
     assert not any("rope" in k for k in model.state_dict())  # derived tables are not checkpointed
@@ -96,8 +117,8 @@ def test_rope_uses_hf_rotate_half_convention_and_encodes_relative_position():
     q, k = torch.randn(head_dim, dtype=torch.float64), torch.randn(head_dim, dtype=torch.float64)
 
     def score(pq: int, pk: int) -> float:
-        rq = apply_rope(q.view(1, 1, 1, -1), cos[pq:pq + 1].double(), sin[pq:pq + 1].double())
-        rk = apply_rope(k.view(1, 1, 1, -1), cos[pk:pk + 1].double(), sin[pk:pk + 1].double())
+        rq = apply_rope(q.view(1, 1, 1, -1), cos[pq : pq + 1].double(), sin[pq : pq + 1].double())
+        rk = apply_rope(k.view(1, 1, 1, -1), cos[pk : pk + 1].double(), sin[pk : pk + 1].double())
         return float((rq * rk).sum())
 
     assert score(5, 2) == pytest.approx(score(13, 10), abs=1e-5)

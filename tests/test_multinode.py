@@ -26,8 +26,16 @@ from nxdt.config import ConfigError
 from nxdt.launch.multinode import NodeOrderError, node_order, resolve_node, split_endpoint, topology_key
 
 GOLDEN = Path(__file__).parent / "golden"
-COMMON = [*TINY, "data=synthetic", "trainer.max_steps=6", "model.optim.sched.max_steps=6", "data.global_batch_size=8",
-          "data.micro_batch_size=2", "exp_manager.checkpoint_every_n_steps=2", "comm.timeout_s=60"]
+COMMON = [
+    *TINY,
+    "data=synthetic",
+    "trainer.max_steps=6",
+    "model.optim.sched.max_steps=6",
+    "data.global_batch_size=8",
+    "data.micro_batch_size=2",
+    "exp_manager.checkpoint_every_n_steps=2",
+    "comm.timeout_s=60",
+]
 TWO_NODES = ["trainer.num_nodes=2", "trainer.devices=2", "launcher.join_timeout_s=90"]
 SMALL_BATCH = ["data.micro_batch_size=2"]  # the default global batch over 4 data-parallel ranks
 
@@ -46,11 +54,14 @@ def test_node_order_follows_node_ranks_then_ultraserver_ids_then_rendezvous():
     assert node_order([_rec(None), _rec(None)]) == [0, 1]
 
 
-@pytest.mark.parametrize("records,needle", [
-    ([_rec(["rank", 0]), _rec(["rank", 0])], "rank 0 is given twice"),
-    ([_rec(["rank", 0]), _rec(None)], "ordered by different means"),
-    ([_rec(["rank", 0]), _rec(["rank", 1], digest="d2", addr="b")], "same command, with the same overrides"),
-])
+@pytest.mark.parametrize(
+    "records,needle",
+    [
+        ([_rec(["rank", 0]), _rec(["rank", 0])], "rank 0 is given twice"),
+        ([_rec(["rank", 0]), _rec(None)], "ordered by different means"),
+        ([_rec(["rank", 0]), _rec(["rank", 1], digest="d2", addr="b")], "same command, with the same overrides"),
+    ],
+)
 def test_nodes_that_disagree_stop_with_one_line(records, needle):
     with pytest.raises(NodeOrderError) as exc:
         node_order(records)
@@ -65,12 +76,21 @@ def _launcher(**kw):
 def test_node_settings_come_from_config_first_then_the_environment():
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29411", "SLURM_JOB_ID": "77", "SLURM_NODEID": "1"}
     spec = resolve_node(_launcher(), 2, 2, env=env)
-    assert (spec.rdzv_endpoint, spec.rdzv_id, spec.node_key, spec.node_key_source) == ("127.0.0.1:29411", "77", ["rank", 1], "$SLURM_NODEID")
+    assert (spec.rdzv_endpoint, spec.rdzv_id, spec.node_key, spec.node_key_source) == (
+        "127.0.0.1:29411",
+        "77",
+        ["rank", 1],
+        "$SLURM_NODEID",
+    )
     assert spec.local_addr == "127.0.0.1" and spec.is_host  # the route to the endpoint; the endpoint is ours
     spec = resolve_node(_launcher(rdzv_endpoint="127.0.0.1", rdzv_id="job", node_rank=0), 2, 2, env={**env, "NODE_RANK": "1"})
     assert (spec.rdzv_endpoint, spec.rdzv_id, spec.node_key) == ("127.0.0.1:29500", "job", ["rank", 0])
-    spec = resolve_node(_launcher(rdzv_endpoint="127.0.0.1:1", rdzv_id="j"), 2, 2,
-                        env={"NEURON_RT_ULTRASERVER_SERVER_ID": "s9", "NEURON_RT_ULTRASERVER_NODE_ID": "2"})
+    spec = resolve_node(
+        _launcher(rdzv_endpoint="127.0.0.1:1", rdzv_id="j"),
+        2,
+        2,
+        env={"NEURON_RT_ULTRASERVER_SERVER_ID": "s9", "NEURON_RT_ULTRASERVER_NODE_ID": "2"},
+    )
     assert spec.node_key == ["topo", "s9", "2"] and spec.known_node_rank is None
     config = spec.launch_config(Path("/tmp/nowhere"))
     assert (config.rdzv_backend, config.min_nodes, config.max_nodes, config.nproc_per_node) == ("c10d", 2, 2, 2)
@@ -83,14 +103,17 @@ def test_ultraserver_position_is_read_from_the_neuron_sysfs_files(tmp_path):
     assert topology_key({}, sysfs=tmp_path / "absent") is None
 
 
-@pytest.mark.parametrize("launcher,env,key", [
-    (_launcher(), {}, "launcher.rdzv_endpoint"),
-    (_launcher(rdzv_endpoint="host:port"), {}, "launcher.rdzv_endpoint"),
-    (_launcher(rdzv_endpoint="127.0.0.1:29500"), {}, "launcher.rdzv_id"),
-    (_launcher(rdzv_endpoint="127.0.0.1:29500", rdzv_id="j"), {"NODE_RANK": "first"}, "$NODE_RANK"),
-    (_launcher(rdzv_endpoint="127.0.0.1:29500", rdzv_id="j", node_rank=2), {}, "launcher.node_rank"),
-    (_launcher(rdzv_endpoint="no-such-host.invalid:29500", rdzv_id="j"), {}, "cannot resolve"),
-])
+@pytest.mark.parametrize(
+    "launcher,env,key",
+    [
+        (_launcher(), {}, "launcher.rdzv_endpoint"),
+        (_launcher(rdzv_endpoint="host:port"), {}, "launcher.rdzv_endpoint"),
+        (_launcher(rdzv_endpoint="127.0.0.1:29500"), {}, "launcher.rdzv_id"),
+        (_launcher(rdzv_endpoint="127.0.0.1:29500", rdzv_id="j"), {"NODE_RANK": "first"}, "$NODE_RANK"),
+        (_launcher(rdzv_endpoint="127.0.0.1:29500", rdzv_id="j", node_rank=2), {}, "launcher.node_rank"),
+        (_launcher(rdzv_endpoint="no-such-host.invalid:29500", rdzv_id="j"), {}, "cannot resolve"),
+    ],
+)
 def test_bad_node_settings_name_the_key_and_the_fix(launcher, env, key):
     with pytest.raises(ConfigError) as exc:
         resolve_node(launcher, 2, 2, env=env)
@@ -99,12 +122,15 @@ def test_bad_node_settings_name_the_key_and_the_fix(launcher, env, key):
 
 
 # ------------------------------------------------------------------------------------- CLI, dry runs
-@pytest.mark.parametrize("args,needle", [
-    (["trainer.num_nodes=2", *SMALL_BATCH], "launcher=local runs on this host only"),
-    (["launcher=torchrun", "trainer.num_nodes=2", *SMALL_BATCH], "launcher.rdzv_endpoint"),
-    (["launcher=mpirun"], "unknown launcher"),
-    (["launcher=slurm", "launcher.port=0"], "launcher.port"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["trainer.num_nodes=2", *SMALL_BATCH], "launcher=local runs on this host only"),
+        (["launcher=torchrun", "trainer.num_nodes=2", *SMALL_BATCH], "launcher.rdzv_endpoint"),
+        (["launcher=mpirun"], "unknown launcher"),
+        (["launcher=slurm", "launcher.port=0"], "launcher.port"),
+    ],
+)
 def test_bad_launcher_input_is_one_line_exit_2_before_anything_starts(tmp_path, monkeypatch, capsys, args, needle):
     monkeypatch.chdir(tmp_path)
     for var in ("MASTER_ADDR", "PET_RDZV_ENDPOINT"):
@@ -118,13 +144,27 @@ def test_bad_launcher_input_is_one_line_exit_2_before_anything_starts(tmp_path, 
 def test_torchrun_dry_run_shows_the_agent_and_starts_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("NODE_RANK", "1")
-    assert cli_main(["train", *TWO_NODES, *SMALL_BATCH, "launcher=torchrun", "launcher.rdzv_endpoint=127.0.0.1:29512", "launcher.rdzv_id=job7",
-                     "launcher.dry_run=true"]) == 0
+    assert (
+        cli_main(
+            [
+                "train",
+                *TWO_NODES,
+                *SMALL_BATCH,
+                "launcher=torchrun",
+                "launcher.rdzv_endpoint=127.0.0.1:29512",
+                "launcher.rdzv_id=job7",
+                "launcher.dry_run=true",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "node: rank 1 of 2 (from $NODE_RANK)" in out
     assert f"run directory {tmp_path / 'outputs' / 'llama_tiny' / 'job7'}" in out  # the same on every node: named by the id
-    assert ("torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29512 --rdzv-id=job7 "
-            "--rdzv-conf=is_host=1,join_timeout=90 --local-addr=127.0.0.1") in out
+    assert (
+        "torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29512 --rdzv-id=job7 "
+        "--rdzv-conf=is_host=1,join_timeout=90 --local-addr=127.0.0.1"
+    ) in out
     assert "-m nxdt.launch.worker" in out and "WORLD_SIZE=4" in out
     assert not (tmp_path / "outputs").exists()
 
@@ -139,9 +179,22 @@ def test_local_dry_run_prints_the_worker_command_and_starts_nothing(tmp_path, mo
 
 def test_slurm_dry_run_prints_the_golden_job_script(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    assert cli_main(["train", *TWO_NODES, *SMALL_BATCH, "distributed_strategy.tensor_model_parallel_size=2", "launcher=slurm",
-                     "launcher.partition=trn1", 'launcher.sbatch_args=["--constraint=efa"]', "launcher.dry_run=true",
-                     "exp_manager.explicit_log_dir=/fsx/runs/llama-2node"]) == 0
+    assert (
+        cli_main(
+            [
+                "train",
+                *TWO_NODES,
+                *SMALL_BATCH,
+                "distributed_strategy.tensor_model_parallel_size=2",
+                "launcher=slurm",
+                "launcher.partition=trn1",
+                'launcher.sbatch_args=["--constraint=efa"]',
+                "launcher.dry_run=true",
+                "exp_manager.explicit_log_dir=/fsx/runs/llama-2node",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out.replace(sys.executable, "PYTHON")
     assert out == (GOLDEN / "slurm_dry_run.txt").read_text()
     assert not Path("/fsx/runs/llama-2node").exists()
@@ -185,8 +238,14 @@ def _host_lines(run: Path) -> dict[int, str]:
 @pytest.mark.timeout(400)
 def test_dp4_on_two_hosts_survives_a_killed_host_and_equals_one_host(hosts, one_host, tmp_path):
     run = tmp_path / "run"
-    job = [*COMMON, *TWO_NODES, f"exp_manager.explicit_log_dir={run}", "launcher=torchrun",
-           f"launcher.rdzv_endpoint={hosts.addr[0]}:29521", "launcher.rdzv_id=dp4"]
+    job = [
+        *COMMON,
+        *TWO_NODES,
+        f"exp_manager.explicit_log_dir={run}",
+        "launcher=torchrun",
+        f"launcher.rdzv_endpoint={hosts.addr[0]}:29521",
+        "launcher.rdzv_id=dp4",
+    ]
     hang = ["exp_manager.fault_injection.step=5", "exp_manager.fault_injection.rank=3", "exp_manager.fault_injection.kind=hang"]
     # node ranks given crosswise to the namespaces' start order: the plan follows them, not the rendezvous
     b = hosts.nxdt(1, ["train", *job, *hang, "launcher.node_rank=1"])
@@ -234,8 +293,11 @@ def test_tp2_dp2_on_two_hosts_equals_one_host(hosts, one_host, tmp_path):
         assert_ok(result)
         job_id = re.search(r"submitted Slurm job (\d+)", result.stdout).group(1)
         log = (run / f"logs/slurm-{job_id}.out").read_text()
-        agents = sorted(re.findall(r"^(\d): nxdt: node agent: node rank (\d) of 2 \(from \$SLURM_NODEID\).*c10d rendezvous (\S+) id (\d+)",
-                                   log, re.M))
+        agents = sorted(
+            re.findall(
+                r"^(\d): nxdt: node agent: node rank (\d) of 2 \(from \$SLURM_NODEID\).*c10d rendezvous (\S+) id (\d+)", log, re.M
+            )
+        )
         assert agents == [("0", "0", f"{hosts.addr[0]}:29500", job_id), ("1", "1", f"{hosts.addr[0]}:29500", job_id)], log[-3000:]
     else:
         job += ["launcher=torchrun", f"launcher.rdzv_endpoint={hosts.addr[0]}:29522", "launcher.rdzv_id=tp2"]
@@ -249,8 +311,34 @@ def test_tp2_dp2_on_two_hosts_equals_one_host(hosts, one_host, tmp_path):
 
 @pytest.mark.timeout(200)
 def test_comm_test_every_op_across_two_hosts_is_correct_and_hierarchical(hosts):
-    args = ["comm-test", "-N", "2", "-r", "4", "--rdzv-endpoint", f"{hosts.addr[0]}:29523", "--show-algorithm", "--check",
-            "-b", "4kb", "-e", "1mb", "-f", "16", "-n", "2", "-w", "1", "allr", "allg", "redsct", "alltoall", "bcast", "reduce", "sendrecv"]
+    args = [
+        "comm-test",
+        "-N",
+        "2",
+        "-r",
+        "4",
+        "--rdzv-endpoint",
+        f"{hosts.addr[0]}:29523",
+        "--show-algorithm",
+        "--check",
+        "-b",
+        "4kb",
+        "-e",
+        "1mb",
+        "-f",
+        "16",
+        "-n",
+        "2",
+        "-w",
+        "1",
+        "allr",
+        "allg",
+        "redsct",
+        "alltoall",
+        "bcast",
+        "reduce",
+        "sendrecv",
+    ]
     b = hosts.nxdt(1, [*args, "--node-rank", "1"])
     a = hosts.nxdt(0, [*args, "--node-rank", "0"])
     first, second = _finish(a), _finish(b)

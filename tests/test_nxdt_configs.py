@@ -31,9 +31,18 @@ SAMPLE = CONFIGS / "tokenized_sample"
 DOC = Path(__file__).parents[1] / "docs" / "migrating-from-nxdt.md"
 LLAMA_HF = json.loads((CONFIGS / "llama3_8B_config.json").read_text())
 MIXTRAL_HF = json.loads((CONFIGS / "mixtral_8x7B_config.json").read_text())
-NEURON_ONLY = ("compiler_flags", "compiler_cache_url", "aync_exec_max_inflight_requests", "bucket_size_collectives",
-               "neuron_rt_exec_timeout", "neuron_experimental_compress_rg", "precision.xla_use_bf16", "precision.xla_downcast_bf16",
-               "precision.neuron_rt_stochastic_rounding_en", "exp_manager.save_xser")
+NEURON_ONLY = (
+    "compiler_flags",
+    "compiler_cache_url",
+    "aync_exec_max_inflight_requests",
+    "bucket_size_collectives",
+    "neuron_rt_exec_timeout",
+    "neuron_experimental_compress_rg",
+    "precision.xla_use_bf16",
+    "precision.xla_downcast_bf16",
+    "precision.neuron_rt_stochastic_rounding_en",
+    "exp_manager.save_xser",
+)
 
 
 def nxdt_config(name: str, *overrides: str):
@@ -49,6 +58,7 @@ def only_the_no_effect_warning(warnings: list[str]) -> str:
 
 # ---------------------------------------------------------------------------------------------- full-size plans
 
+
 def test_llama3_8b_on_four_trn1_nodes_at_tp32_plans_as_nxdt_runs_it():
     cfg, warnings = nxdt_config("hf_llama3_8B_config", "instance=trn1.32xlarge")
     only_the_no_effect_warning(warnings)
@@ -62,15 +72,31 @@ def test_llama3_8b_on_four_trn1_nodes_at_tp32_plans_as_nxdt_runs_it():
     # global 1024 = micro 1 × DP 4 × 256 accumulated micro-batches, 8192 tokens each
     assert p.batch == {"global": 1024, "micro": 1, "micro_batches": 256, "seq_length": 8192}
     m, ds = cfg.model, cfg.distributed_strategy
-    assert (m.architecture, m.vocab_size, m.hidden_size, m.num_layers, m.num_attention_heads, m.num_kv_heads, m.ffn_hidden_size) == \
-        ("nxdt.models.llama.LlamaForCausalLM", 128256, 4096, 32, 32, 8, 14336)
+    assert (
+        m.architecture,
+        m.vocab_size,
+        m.hidden_size,
+        m.num_layers,
+        m.num_attention_heads,
+        m.num_kv_heads,
+        m.ffn_hidden_size,
+    ) == ("nxdt.models.llama.LlamaForCausalLM", 128256, 4096, 32, 32, 8, 14336)
     assert (ds.zero1, ds.sequence_parallel, ds.kv_replicator, cfg.precision.type) == (True, True, 4, "mixed_precision")
-    assert (m.optim.name, m.optim.betas, m.optim.decay_norms_and_biases, m.activations_checkpoint_granularity) == \
-        ("adamw_fp32OptState", [0.9, 0.999], True, "selective")
+    assert (m.optim.name, m.optim.betas, m.optim.decay_norms_and_biases, m.activations_checkpoint_granularity) == (
+        "adamw_fp32OptState",
+        [0.9, 0.999],
+        True,
+        "selective",
+    )
     assert (m.optim.sched.name, m.optim.sched.warmup_steps, m.optim.sched.max_steps) == ("LinearAnnealingWithWarmUp", 100, 10000)
     em = cfg.exp_manager
-    assert (cfg.name, em.checkpoint_every_n_steps, em.keep_last_k, em.resume_if_exists, em.log_gradient_norm) == \
-        ("hf_llama", 10, 1, True, True)
+    assert (cfg.name, em.checkpoint_every_n_steps, em.keep_last_k, em.resume_if_exists, em.log_gradient_norm) == (
+        "hf_llama",
+        10,
+        1,
+        True,
+        True,
+    )
 
 
 def test_llama3_70b_on_trn2_at_tp32_pp4_lnc2_plans_with_the_runtimes_row_pairs():
@@ -104,8 +130,12 @@ def test_mixtral_8x7b_with_expert_parallelism_plans_as_nxdt_runs_it():
     assert p.group_of("pp", 0) == [0, 32, 64, 96]
     assert p.batch == {"global": 256, "micro": 1, "micro_batches": 64, "seq_length": 4096}
     moe = cfg.model.moe
-    assert (cfg.model.architecture, moe.num_experts, moe.top_k, moe.router_aux_loss_coef) == \
-        ("nxdt.models.mixtral.MixtralForCausalLM", 8, 2, 0.02)
+    assert (cfg.model.architecture, moe.num_experts, moe.top_k, moe.router_aux_loss_coef) == (
+        "nxdt.models.mixtral.MixtralForCausalLM",
+        8,
+        2,
+        0.02,
+    )
     assert (cfg.model.max_position_embeddings, cfg.data.seq_length) == (32768, 4096)  # max(config.json, yaml), as NxDT
 
 
@@ -145,32 +175,50 @@ def test_the_instance_is_inferred_only_when_unambiguous(capsys):
 
 # ---------------------------------------------------------------------------------------------- bad input
 
+
 def test_a_misspelled_key_in_the_file_fails_with_one_line_naming_the_spelling(tmp_path, capsys):
-    text = (CONFIGS / "hf_llama3_8B_config.yaml").read_text().replace("  tensor_model_parallel_size: 32", "  tensor_model_paralel_size: 32")
+    text = (
+        (CONFIGS / "hf_llama3_8B_config.yaml")
+        .read_text()
+        .replace("  tensor_model_parallel_size: 32", "  tensor_model_paralel_size: 32")
+    )
     (tmp_path / "typo.yaml").write_text(text)
     shutil.copy(CONFIGS / "llama3_8B_config.json", tmp_path)
     run = tmp_path / "run"
-    code = main(["train", "--config-path", str(tmp_path), "--config-name", "typo", "instance=cpu", f"exp_manager.explicit_log_dir={run}"])
+    code = main(
+        ["train", "--config-path", str(tmp_path), "--config-name", "typo", "instance=cpu", f"exp_manager.explicit_log_dir={run}"]
+    )
     err = capsys.readouterr().err.strip()
     assert code == 2 and not run.exists()  # nothing was launched
-    assert err == ("config error: distributed_strategy.tensor_model_paralel_size: unknown key (did you mean "
-                   "'distributed_strategy.tensor_model_parallel_size'?): neither an NxDT key nor nxdt's; see docs/migrating-from-nxdt.md")
+    assert err == (
+        "config error: distributed_strategy.tensor_model_paralel_size: unknown key (did you mean "
+        "'distributed_strategy.tensor_model_parallel_size'?): neither an NxDT key nor nxdt's; see docs/migrating-from-nxdt.md"
+    )
 
 
-@pytest.mark.parametrize("override, needle", [
-    (["model.optim.nmae=adamw"], "unknown key (did you mean 'model.optim.name'?)"),
-    (["model.optim.name=sgd"], "model.optim.name='sgd': not supported; nxdt trains with adamw or adamw_fp32OptState"),
-    (["model.optim.sched.name=NoamAnnealing"], "model.optim.sched.name='NoamAnnealing': not supported"),
-    (["precision.type=bf17"], "precision.type='bf17': must be one of fp32, bf16, bf16SR"),
-    (["model_source=nemo"], "model_source='nemo': must be hf (model.model_config) or megatron (Megatron model keys)"),
-    (["model.moe.frequency=2"], "model.moe.frequency=2: not supported here"),
-    (["model.model_config=/no/such/config.json"], "model.model_config='/no/such/config.json': no such file"),
-    (["data.seq_length=4096"], "differs from model.encoder_seq_length=8192"),
-    (["trainer.accumulate_grad_batches=4"], "trainer.accumulate_grad_batches=4: not supported here"),
-    (["instance=trn1.32xlarge", "trainer.devices=64"], "trainer.devices=64: a trn1.32xlarge node runs at most 32 ranks"),
-    (["+model_alignment_strategy.sft.packing=true", "data.source=text"], "model_alignment_strategy.sft trains on instruction records"),
-    (["model.weight_init_only=true"], "model.weight_init_only=True: loads the model weights of exp_manager.resume_from_checkpoint"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        (["model.optim.nmae=adamw"], "unknown key (did you mean 'model.optim.name'?)"),
+        (["model.optim.name=sgd"], "model.optim.name='sgd': not supported; nxdt trains with adamw or adamw_fp32OptState"),
+        (["model.optim.sched.name=NoamAnnealing"], "model.optim.sched.name='NoamAnnealing': not supported"),
+        (["precision.type=bf17"], "precision.type='bf17': must be one of fp32, bf16, bf16SR"),
+        (["model_source=nemo"], "model_source='nemo': must be hf (model.model_config) or megatron (Megatron model keys)"),
+        (["model.moe.frequency=2"], "model.moe.frequency=2: not supported here"),
+        (["model.model_config=/no/such/config.json"], "model.model_config='/no/such/config.json': no such file"),
+        (["data.seq_length=4096"], "differs from model.encoder_seq_length=8192"),
+        (["trainer.accumulate_grad_batches=4"], "trainer.accumulate_grad_batches=4: not supported here"),
+        (["instance=trn1.32xlarge", "trainer.devices=64"], "trainer.devices=64: a trn1.32xlarge node runs at most 32 ranks"),
+        (
+            ["+model_alignment_strategy.sft.packing=true", "data.source=text"],
+            "model_alignment_strategy.sft trains on instruction records",
+        ),
+        (
+            ["model.weight_init_only=true"],
+            "model.weight_init_only=True: loads the model weights of exp_manager.resume_from_checkpoint",
+        ),
+    ],
+)
 def test_unsupported_values_are_one_line_errors(override, needle):
     with pytest.raises(ConfigError) as info:
         nxdt_config("hf_llama3_8B_config", "instance=trn1.32xlarge", *override)
@@ -189,21 +237,44 @@ def test_nxdts_fine_tuning_configs_read_every_key_and_train(name):
     cfg, warnings = nxdt_config(name, "instance=trn1.32xlarge")
     only_the_no_effect_warning(warnings)  # every other key is honoured: no "unknown", no note
     em, data, m = cfg.exp_manager, cfg.data, cfg.model
-    assert (m.weight_init_only, em.resume_from_checkpoint.rstrip("/"), data.seq_length) == (True, "/home/ubuntu/pretrained_ckpt", 4096)
-    assert (data.tokenizer, cfg.trainer.limit_val_batches, cfg.trainer.val_check_interval) == ("/home/ubuntu/llama3_tokenizer", 0.0, 500)
+    assert (m.weight_init_only, em.resume_from_checkpoint.rstrip("/"), data.seq_length) == (
+        True,
+        "/home/ubuntu/pretrained_ckpt",
+        4096,
+    )
+    assert (data.tokenizer, cfg.trainer.limit_val_batches, cfg.trainer.val_check_interval) == (
+        "/home/ubuntu/llama3_tokenizer",
+        0.0,
+        500,
+    )
     assert plan(cfg).degrees["tp"] == 32
     mas = cfg.model_alignment_strategy
     if name in ("hf_llama3_8B_SFT_config", "hf_llama3_8B_SFT_lora_config"):
-        assert (mas.sft.packing, data.source, data.dev_choose_samples, data.val_dir) == (True, "instructions", 2250, "/home/ubuntu/validation.jsonl")
+        assert (mas.sft.packing, data.source, data.dev_choose_samples, data.val_dir) == (
+            True,
+            "instructions",
+            2250,
+            "/home/ubuntu/validation.jsonl",
+        )
         if mas.peft is not None:
-            assert (mas.peft.lora_rank, mas.peft.lora_alpha, mas.peft.target_modules, mas.peft.save_lora_base,
-                    mas.peft.save_lora_config_adapter) == (16, 32, ["qkv_proj"], True, True)
+            assert (
+                mas.peft.lora_rank,
+                mas.peft.lora_alpha,
+                mas.peft.target_modules,
+                mas.peft.save_lora_base,
+                mas.peft.save_lora_config_adapter,
+            ) == (16, 32, ["qkv_proj"], True, True)
         check_trainable(cfg)  # SFT trains, full or LoRA (tests/test_lora_e2e.py)
         return
     key = {"hf_llama3_8B_DPO_config": "dpo", "hf_llama3_8B_ORPO_config": "orpo"}[name]
     if key == "dpo":
-        assert (mas.dpo.kl_beta, mas.dpo.loss_type, mas.dpo.max_prompt_length, mas.dpo.truncation_mode,
-                mas.dpo.precompute_ref_log_probs) == (0.01, "sigmoid", 2048, "keep_start", True)
+        assert (
+            mas.dpo.kl_beta,
+            mas.dpo.loss_type,
+            mas.dpo.max_prompt_length,
+            mas.dpo.truncation_mode,
+            mas.dpo.precompute_ref_log_probs,
+        ) == (0.01, "sigmoid", 2048, "keep_start", True)
     else:
         assert (mas.orpo.beta, mas.orpo.max_prompt_length, mas.orpo.truncation_mode) == (0.1, 2048, "keep_start")
     assert (data.source, data.train_dir) == ("preferences", f"/home/ubuntu/data_{key}.jsonl")
@@ -211,14 +282,22 @@ def test_nxdts_fine_tuning_configs_read_every_key_and_train(name):
     check_trainable(nxdt_config(name, "instance=trn1.32xlarge", "data.val_dir=/v.jsonl")[0])
     if key == "dpo":
         with pytest.raises(NotYetSupported, match="model_alignment_strategy.dpo.precompute_ref_log_probs=False: "):
-            check_trainable(nxdt_config(name, "instance=trn1.32xlarge", "model_alignment_strategy.dpo.precompute_ref_log_probs=false")[0])
+            check_trainable(
+                nxdt_config(name, "instance=trn1.32xlarge", "model_alignment_strategy.dpo.precompute_ref_log_probs=false")[0]
+            )
 
 
 # ---------------------------------------------------------------------------------------------- the rules (pure)
 
+
 def minimal(**sections) -> dict:
-    cfg = {"name": "t", "model_source": "hf", "trainer": {"devices": 2, "num_nodes": 1, "max_steps": 100},
-           "data": {"micro_batch_size": 1, "global_batch_size": 8}, "model": {"model_config": "c.json", "encoder_seq_length": 128}}
+    cfg = {
+        "name": "t",
+        "model_source": "hf",
+        "trainer": {"devices": 2, "num_nodes": 1, "max_steps": 100},
+        "data": {"micro_batch_size": 1, "global_batch_size": 8},
+        "model": {"model_config": "c.json", "encoder_seq_length": 128},
+    }
     for key, value in sections.items():
         node = cfg
         *parents, leaf = key.split("__")
@@ -234,16 +313,19 @@ def flat(translation) -> dict:
     return flatten(translation.config)
 
 
-@pytest.mark.parametrize("nxdt_type, flags, ours, sr_noted", [
-    ("fp32", {}, "fp32", False),
-    ("bf16SR", {}, "bf16SR", True),
-    ("autocast", {}, "mixed_precision", False),
-    ("mixed_precision", {"xla_downcast_bf16": "1"}, "mixed_precision", False),  # flags are read only for manual
-    ("mixed_precisionSR", {}, "mixed_precisionSR", True),
-    ("manual", {"xla_downcast_bf16": "1", "master_weights": True}, "mixed_precision", False),
-    ("manual", {"xla_use_bf16": "1", "neuron_rt_stochastic_rounding_en": "1"}, "bf16SR", True),
-    ("manual", {}, "fp32", False),
-])
+@pytest.mark.parametrize(
+    "nxdt_type, flags, ours, sr_noted",
+    [
+        ("fp32", {}, "fp32", False),
+        ("bf16SR", {}, "bf16SR", True),
+        ("autocast", {}, "mixed_precision", False),
+        ("mixed_precision", {"xla_downcast_bf16": "1"}, "mixed_precision", False),  # flags are read only for manual
+        ("mixed_precisionSR", {}, "mixed_precisionSR", True),
+        ("manual", {"xla_downcast_bf16": "1", "master_weights": True}, "mixed_precision", False),
+        ("manual", {"xla_use_bf16": "1", "neuron_rt_stochastic_rounding_en": "1"}, "bf16SR", True),
+        ("manual", {}, "fp32", False),
+    ],
+)
 def test_precision_types(nxdt_type, flags, ours, sr_noted):
     t = translate(minimal(precision={"type": nxdt_type, **flags}), LLAMA_HF)
     assert flat(t)["precision.type"] == ours
@@ -260,22 +342,39 @@ def test_nxdt_defaults_apply_where_nxdt_and_nxdt_differ():
 
 
 def test_schedules_checkpoints_and_names():
-    t = translate(minimal(model__optim={"name": "adamw", "lr": 1e-3, "sched": {"name": "WarmupPolicy", "warmup_ratio": 0.1, "max_steps": 7}},
-                          exp_manager={"name": "run_a", "create_checkpoint_callback": False,
-                                       "checkpoint_callback_params": {"every_n_train_steps": 5, "save_top_k": 3}}), LLAMA_HF)
+    t = translate(
+        minimal(
+            model__optim={"name": "adamw", "lr": 1e-3, "sched": {"name": "WarmupPolicy", "warmup_ratio": 0.1, "max_steps": 7}},
+            exp_manager={
+                "name": "run_a",
+                "create_checkpoint_callback": False,
+                "checkpoint_callback_params": {"every_n_train_steps": 5, "save_top_k": 3},
+            },
+        ),
+        LLAMA_HF,
+    )
     f = flat(t)
     assert (f["model.optim.sched.name"], f["model.optim.sched.warmup_steps"]) == ("constant", 10)
     assert any("sched.max_steps=7 is replaced by trainer.max_steps=100" in n for n in t.notes)
     assert (f["exp_manager.checkpoint_every_n_steps"], f["exp_manager.keep_last_k"], f["name"]) == (None, 3, "run_a")
-    f = flat(translate(minimal(exp_manager={"checkpoint_callback_params": {"every_n_train_steps": 5, "save_top_k": 0}}), LLAMA_HF))
+    f = flat(
+        translate(minimal(exp_manager={"checkpoint_callback_params": {"every_n_train_steps": 5, "save_top_k": 0}}), LLAMA_HF)
+    )
     assert f["exp_manager.checkpoint_every_n_steps"] is None  # save_top_k 0 keeps nothing
     with pytest.raises(ConfigError, match="keeping every checkpoint is not supported"):
         translate(minimal(exp_manager={"checkpoint_callback_params": {"save_top_k": -1}}), LLAMA_HF)
 
 
 def test_model_config_overrides_follow_nxdt():
-    t = translate(minimal(model__num_layers=-1, model__hidden_size=2048, model__max_position_embeddings=4096,
-                          model__moe={"num_experts": 4, "output_router_logits": False, "capacity_factor": 2.0}), MIXTRAL_HF)
+    t = translate(
+        minimal(
+            model__num_layers=-1,
+            model__hidden_size=2048,
+            model__max_position_embeddings=4096,
+            model__moe={"num_experts": 4, "output_router_logits": False, "capacity_factor": 2.0},
+        ),
+        MIXTRAL_HF,
+    )
     f = flat(t)
     assert f["model.num_layers"] == 32  # -1 keeps config.json's
     assert f["model.hidden_size"] == 2048
@@ -295,11 +394,16 @@ def test_data_sources_and_our_own_keys():
     f = flat(translate(minimal(exp_manager__max_restarts=2, comm__timeout_s=30.0), LLAMA_HF))  # nxdt keys in an NxDT file
     assert (f["exp_manager.max_restarts"], f["comm.timeout_s"]) == (2, 30.0)
     with pytest.raises(ConfigError, match="contradicts the NxDT key exp_manager.checkpoint_callback_params.every_n_train_steps"):
-        translate(minimal(exp_manager={"checkpoint_every_n_steps": 3, "checkpoint_callback_params": {"every_n_train_steps": 5}}), LLAMA_HF)
+        translate(
+            minimal(exp_manager={"checkpoint_every_n_steps": 3, "checkpoint_callback_params": {"every_n_train_steps": 5}}),
+            LLAMA_HF,
+        )
 
 
 def test_values_nxdt_cannot_honour_are_noted_not_dropped_silently():
-    t = translate(minimal(trainer__check_val_every_n_epoch=1, exp_manager__async_checkpointing=True, precision={"type": "bf16SR"}), LLAMA_HF)
+    t = translate(
+        minimal(trainer__check_val_every_n_epoch=1, exp_manager__async_checkpointing=True, precision={"type": "bf16SR"}), LLAMA_HF
+    )
     assert [n.split(" has no effect")[0] for n in t.notes if "has no effect" in n] == ["trainer.check_val_every_n_epoch=1"]
     assert flat(t)["exp_manager.async_checkpointing"] is True  # nxdt implements it: translated, not noted
     t = translate(minimal(trainer__limit_val_batches=0.0, exp_manager__async_checkpointing=False), LLAMA_HF)
@@ -317,6 +421,7 @@ def test_every_rule_targets_a_schema_key_and_the_guide_holds_the_table():
 
 # ---------------------------------------------------------------------------------------------- save_to_disk data
 
+
 def test_a_save_to_disk_directory_reads_as_shifted_samples(tmp_path):
     from nxdt.data.hf_dataset import DatasetDirError, SavedHFDataset
 
@@ -324,8 +429,8 @@ def test_a_save_to_disk_directory_reads_as_shifted_samples(tmp_path):
     ds = SavedHFDataset(SAMPLE, 32, vocab_size=256)  # written by datasets.save_to_disk: 96 rows of 33 byte ids
     assert len(ds) == 96
     s = ds[5]
-    assert s["input_ids"].tolist() == list(raw[5 * 33:5 * 33 + 32])
-    assert s["labels"].tolist() == list(raw[5 * 33 + 1:5 * 33 + 33])  # next token, from the row's labels column
+    assert s["input_ids"].tolist() == list(raw[5 * 33 : 5 * 33 + 32])
+    assert s["labels"].tolist() == list(raw[5 * 33 + 1 : 5 * 33 + 33])  # next token, from the row's labels column
     assert SavedHFDataset(SAMPLE, 33)[0]["labels"][-1] == -100  # the row's last token has no successor
     with pytest.raises(DatasetDirError, match="rows hold 33 tokens, fewer than data.seq_length=64"):
         SavedHFDataset(SAMPLE, 64)
@@ -349,20 +454,45 @@ def test_without_pyarrow_the_error_says_what_to_install(monkeypatch):
 
 # ---------------------------------------------------------------------------------------------- shrunk, trained
 
-SHRINK = ["instance=cpu", "trainer.devices=2", "trainer.num_nodes=1", "trainer.max_steps=3", "trainer.log_every_n_steps=1",
-          "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.num_kv_heads=2",
-          "model.ffn_hidden_size=96", "model.vocab_size=256", "model.encoder_seq_length=32", "data.global_batch_size=4",
-          f"data.train_dir={SAMPLE}", "model.optim.lr=3e-3", "model.optim.sched.warmup_steps=0",
-          "exp_manager.create_tensorboard_logger=false", "comm.timeout_s=60"]
+SHRINK = [
+    "instance=cpu",
+    "trainer.devices=2",
+    "trainer.num_nodes=1",
+    "trainer.max_steps=3",
+    "trainer.log_every_n_steps=1",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.num_kv_heads=2",
+    "model.ffn_hidden_size=96",
+    "model.vocab_size=256",
+    "model.encoder_seq_length=32",
+    "data.global_batch_size=4",
+    f"data.train_dir={SAMPLE}",
+    "model.optim.lr=3e-3",
+    "model.optim.sched.warmup_steps=0",
+    "exp_manager.create_tensorboard_logger=false",
+    "comm.timeout_s=60",
+]
 LAYOUTS = {  # the layout each config is shrunk to: TP + SP, PP, EP on 2 ranks; CP2 × PP2 on 4 (ZeRO-1, SP, selective)
     "hf_llama3_8B_config": ["distributed_strategy.tensor_model_parallel_size=2"],
-    "hf_llama3_70B_trn2_config": ["trainer.lnc=null", "distributed_strategy.tensor_model_parallel_size=1",
-                                  "distributed_strategy.pipeline_model_parallel_size=2"],
-    "hf_mixtral_8x7b_ep_config": ["distributed_strategy.tensor_model_parallel_size=1", "distributed_strategy.pipeline_model_parallel_size=1",
-                                  "distributed_strategy.expert_model_parallel_size=2", "distributed_strategy.zero1=false",
-                                  "model.moe.num_experts=4"],
-    "hf_llama3_70B_CP_config": ["trainer.devices=4", "distributed_strategy.tensor_model_parallel_size=1",
-                                "distributed_strategy.pipeline_model_parallel_size=2"],
+    "hf_llama3_70B_trn2_config": [
+        "trainer.lnc=null",
+        "distributed_strategy.tensor_model_parallel_size=1",
+        "distributed_strategy.pipeline_model_parallel_size=2",
+    ],
+    "hf_mixtral_8x7b_ep_config": [
+        "distributed_strategy.tensor_model_parallel_size=1",
+        "distributed_strategy.pipeline_model_parallel_size=1",
+        "distributed_strategy.expert_model_parallel_size=2",
+        "distributed_strategy.zero1=false",
+        "model.moe.num_experts=4",
+    ],
+    "hf_llama3_70B_CP_config": [
+        "trainer.devices=4",
+        "distributed_strategy.tensor_model_parallel_size=1",
+        "distributed_strategy.pipeline_model_parallel_size=2",
+    ],
 }
 
 
@@ -384,8 +514,14 @@ def initial_parameter_norm(cfg) -> float:
 def test_the_same_config_shrunk_trains_on_cpu(name, tmp_path):
     run = tmp_path / "run"
     overrides = [*SHRINK, *LAYOUTS[name], f"exp_manager.explicit_log_dir={run}"]
-    result = subprocess.run([sys.executable, "-m", "nxdt.cli", "train", "--config-path", str(CONFIGS), "--config-name", name, *overrides],
-                            cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True, timeout=170)
+    result = subprocess.run(
+        [sys.executable, "-m", "nxdt.cli", "train", "--config-path", str(CONFIGS), "--config-name", name, *overrides],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
     assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
     assert result.stderr.count("have no effect here") == 1
     with open(run / "metrics.csv", newline="") as fh:
@@ -400,8 +536,14 @@ def test_the_same_config_shrunk_trains_on_cpu(name, tmp_path):
 
 
 def test_nxdt_groups_and_keys_on_the_command_line_apply_to_an_nxdt_config():
-    cfg, _ = nxdt_config("hf_llama3_8B_config", "instance=trn1.32xlarge", "launcher=slurm", "launcher.partition=trn",
-                         "data.source=synthetic", "comm.timeout_s=30")
+    cfg, _ = nxdt_config(
+        "hf_llama3_8B_config",
+        "instance=trn1.32xlarge",
+        "launcher=slurm",
+        "launcher.partition=trn",
+        "data.source=synthetic",
+        "comm.timeout_s=30",
+    )
     assert (cfg.launcher.name, cfg.launcher.partition, cfg.comm.timeout_s) == ("slurm", "trn", 30.0)
     assert (cfg.data.source, cfg.data.train_dir) == ("synthetic", None)  # NxDT's train_dir is not read then
     cfg, _ = nxdt_config("hf_llama3_8B_config", "instance=trn1.32xlarge", "exp_manager.checkpoint_every_n_steps=5")

@@ -26,33 +26,55 @@ pytestmark = pytest.mark.timeout(120)
 CONFIGS = Path(__file__).parent / "nxdt_configs"
 SHIPPED = CONFIGS / "shipped"
 # the Hugging Face config.json each hf config names (/home/ubuntu/config.json in the file), public values
-HF_CONFIG = {"hf_llama3.1_405B_trn1_config": "llama3.1_405B", "hf_llama3.1_70B_config": "llama3.1_70B",
-             "hf_llama3.1_8B_config": "llama3.1_8B", "hf_llama3_70B_CP_config": "llama3_70B", "hf_llama3_70B_config": "llama3_70B",
-             "hf_llama3_70B_trn2_config": "llama3_70B", "hf_llama3_8B_config": "llama3_8B", "hf_llama3_8B_trn2_config": "llama3_8B",
-             "hf_llama_7B_config": "llama2_7B", "hf_mixtral_8x7b_config": "mixtral_8x7B", "hf_mixtral_8x7b_dropless_config": "mixtral_8x7B",
-             "hf_llama3_8B_SFT_config": "llama3_8B", "hf_llama3_8B_SFT_lora_config": "llama3_8B", "hf_llama3_8B_DPO_config": "llama3_8B",
-             "hf_llama3_8B_ORPO_config": "llama3_8B"}
+HF_CONFIG = {
+    "hf_llama3.1_405B_trn1_config": "llama3.1_405B",
+    "hf_llama3.1_70B_config": "llama3.1_70B",
+    "hf_llama3.1_8B_config": "llama3.1_8B",
+    "hf_llama3_70B_CP_config": "llama3_70B",
+    "hf_llama3_70B_config": "llama3_70B",
+    "hf_llama3_70B_trn2_config": "llama3_70B",
+    "hf_llama3_8B_config": "llama3_8B",
+    "hf_llama3_8B_trn2_config": "llama3_8B",
+    "hf_llama_7B_config": "llama2_7B",
+    "hf_mixtral_8x7b_config": "mixtral_8x7B",
+    "hf_mixtral_8x7b_dropless_config": "mixtral_8x7B",
+    "hf_llama3_8B_SFT_config": "llama3_8B",
+    "hf_llama3_8B_SFT_lora_config": "llama3_8B",
+    "hf_llama3_8B_DPO_config": "llama3_8B",
+    "hf_llama3_8B_ORPO_config": "llama3_8B",
+}
 # The Megatron Llama/Mistral/Mixtral configs name /home/ubuntu/llama_tokenizer, Llama 2's tokenizer: 32000 ids
 # (meta-llama/Llama-2-7b-hf config.json vocab_size), already a multiple of make_vocab_size_divisible_by 8 × TP, so
 # Megatron's padding keeps it. megatron_gpt_config names GPT2BPETokenizer, whose vocabulary nxdt knows (50257).
-MEGATRON = {"megatron_gpt_config": [], "megatron_llama_7B_config": ["model.vocab_size=32000"],
-            "megatron_llama_70b_config": ["model.vocab_size=32000"], "megatron_mistral_config": ["model.vocab_size=32000"],
-            "megatron_mixtral_8x7b_config": ["model.vocab_size=32000"],
-            "megatron_mixtral_8x7b_dropless_config": ["model.vocab_size=32000"],
-            "megatron_llama2_7B_SFT_config": ["model.vocab_size=32000"]}
+MEGATRON = {
+    "megatron_gpt_config": [],
+    "megatron_llama_7B_config": ["model.vocab_size=32000"],
+    "megatron_llama_70b_config": ["model.vocab_size=32000"],
+    "megatron_mistral_config": ["model.vocab_size=32000"],
+    "megatron_mixtral_8x7b_config": ["model.vocab_size=32000"],
+    "megatron_mixtral_8x7b_dropless_config": ["model.vocab_size=32000"],
+    "megatron_llama2_7B_SFT_config": ["model.vocab_size=32000"],
+}
 INSTANCE = {name: "trn1.32xlarge" for name in [*HF_CONFIG, *MEGATRON]}
 INSTANCE.update({"hf_llama3_70B_trn2_config": "trn2.48xlarge", "hf_llama3_8B_trn2_config": "trn2.48xlarge"})
 # fine-tuning configs: their keys (model_alignment_strategy, data.dev_choose_samples, model.weight_init_only, and for
 # the Megatron one data.packing, data.use_sft_style_data_module) come with the SFT work on its own branch
-FINE_TUNING = ("hf_llama3_8B_SFT_config", "hf_llama3_8B_SFT_lora_config", "hf_llama3_8B_DPO_config", "hf_llama3_8B_ORPO_config",
-               "megatron_llama2_7B_SFT_config")
+FINE_TUNING = (
+    "hf_llama3_8B_SFT_config",
+    "hf_llama3_8B_SFT_lora_config",
+    "hf_llama3_8B_DPO_config",
+    "hf_llama3_8B_ORPO_config",
+    "megatron_llama2_7B_SFT_config",
+)
 # NxDT's hf Mixtral at TP32 with 8 KV heads and no kv_replicator: NxDT's own modeling_mixtral.py computes
 # divide(num_key_value_heads × kv_shared_group_size, TP) = divide(8, 32), which asserts; refused here by name too
 KV_HEADS_BELOW_TP = ("hf_mixtral_8x7b_config", "hf_mixtral_8x7b_dropless_config")
 
 
 def overrides(name: str) -> list[str]:
-    extra = [f"model.model_config={CONFIGS / (HF_CONFIG[name] + '_config.json')}"] if name in HF_CONFIG else MEGATRON.get(name, [])
+    extra = (
+        [f"model.model_config={CONFIGS / (HF_CONFIG[name] + '_config.json')}"] if name in HF_CONFIG else MEGATRON.get(name, [])
+    )
     return [f"instance={INSTANCE[name]}", *extra]
 
 
@@ -64,7 +86,10 @@ def test_all_22_example_configs_are_stored_verbatim():
     names = sorted(p.stem for p in SHIPPED.glob("*.yaml"))
     assert len(names) == 22 and set(names) == set(INSTANCE)
     text = (SHIPPED / "megatron_llama_7B_config.yaml").read_text()
-    assert "model_config" not in text and "data_prefix: [1.0, /home/ubuntu/examples_datasets/llama/book.jsonl-processed_text_document]" in text
+    assert (
+        "model_config" not in text
+        and "data_prefix: [1.0, /home/ubuntu/examples_datasets/llama/book.jsonl-processed_text_document]" in text
+    )
 
 
 PLANNED = sorted(set(INSTANCE) - set(FINE_TUNING) - set(KV_HEADS_BELOW_TP))
@@ -95,8 +120,11 @@ def test_the_megatron_sft_config_plans_as_shipped():
     """data.use_sft_style_data_module: the Megatron model on instruction records (data.train_dir), packed by data.packing."""
     cfg, _ = shipped("megatron_llama2_7B_SFT_config")
     assert not [w for w in plan(cfg).warnings if "does not fit" in w]
-    assert (cfg.data.source, cfg.model_alignment_strategy.sft.packing, cfg.model.architecture) == \
-        ("instructions", True, "nxdt.models.llama.LlamaForCausalLM")
+    assert (cfg.data.source, cfg.model_alignment_strategy.sft.packing, cfg.model.architecture) == (
+        "instructions",
+        True,
+        "nxdt.models.llama.LlamaForCausalLM",
+    )
     cfg, _ = shipped("megatron_llama2_7B_SFT_config", "data.packing=false")
     assert cfg.model_alignment_strategy.sft.packing is False
 
@@ -105,8 +133,10 @@ def test_the_megatron_sft_config_plans_as_shipped():
 def test_hf_mixtral_at_tp32_is_refused_by_name_as_nxdt_itself_would(name):
     with pytest.raises(ConfigError) as info:
         shipped(name)
-    assert str(info.value) == ("config error: distributed_strategy.tensor_model_parallel_size=32: must divide model.num_kv_heads "
-                               "× kv_replicator = 8×1; raise distributed_strategy.kv_replicator")
+    assert str(info.value) == (
+        "config error: distributed_strategy.tensor_model_parallel_size=32: must divide model.num_kv_heads "
+        "× kv_replicator = 8×1; raise distributed_strategy.kv_replicator"
+    )
     cfg, _ = shipped(name, "distributed_strategy.kv_replicator=4")  # what makes NxD's GQA layers accept TP32
     assert not [w for w in plan(cfg).warnings if "does not fit" in w]
 
@@ -114,18 +144,34 @@ def test_hf_mixtral_at_tp32_is_refused_by_name_as_nxdt_itself_would(name):
 def test_megatron_model_keys_pick_the_hub_model():
     cfg, warnings = shipped("megatron_gpt_config")
     m = cfg.model
-    assert (m.architecture, m.tie_word_embeddings, m.hidden_size, m.num_layers, m.ffn_hidden_size, cfg.data.seq_length) == \
-        ("nxdt.models.gpt.GPTForCausalLM", True, 4096, 32, 16384, 2048)
+    assert (m.architecture, m.tie_word_embeddings, m.hidden_size, m.num_layers, m.ffn_hidden_size, cfg.data.seq_length) == (
+        "nxdt.models.gpt.GPTForCausalLM",
+        True,
+        4096,
+        32,
+        16384,
+        2048,
+    )
     assert m.vocab_size == 50304  # GPT2BPETokenizer's 50257 ids padded to a multiple of 8 × TP 8, as Megatron does
     assert any("model.hidden_dropout=0.1 has no effect: nxdt has no dropout" in w for w in warnings)
-    assert (cfg.data.source, list(cfg.data.data_prefix), cfg.data.splits_string) == \
-        ("megatron", [1.0, "/home/ubuntu/examples_datasets/gpt2/my-gpt2_text_document"], "980,10,10")
+    assert (cfg.data.source, list(cfg.data.data_prefix), cfg.data.splits_string) == (
+        "megatron",
+        [1.0, "/home/ubuntu/examples_datasets/gpt2/my-gpt2_text_document"],
+        "980,10,10",
+    )
     cfg, _ = shipped("megatron_llama_70b_config")
-    assert (cfg.model.architecture, cfg.model.num_kv_heads, cfg.model.norm_eps, cfg.model.tie_word_embeddings) == \
-        ("nxdt.models.llama.LlamaForCausalLM", 8, 1e-5, False)
+    assert (cfg.model.architecture, cfg.model.num_kv_heads, cfg.model.norm_eps, cfg.model.tie_word_embeddings) == (
+        "nxdt.models.llama.LlamaForCausalLM",
+        8,
+        1e-5,
+        False,
+    )
     cfg, _ = shipped("megatron_mixtral_8x7b_config")
-    assert (cfg.model.architecture, cfg.model.moe.num_experts, cfg.model.moe.router_activation) == \
-        ("nxdt.models.mixtral.MixtralForCausalLM", 8, "sigmoid")
+    assert (cfg.model.architecture, cfg.model.moe.num_experts, cfg.model.moe.router_activation) == (
+        "nxdt.models.mixtral.MixtralForCausalLM",
+        8,
+        "sigmoid",
+    )
     cfg, _ = shipped("megatron_mistral_config")  # sliding_window_size 4096 = seq_length: plain causal attention
     assert cfg.model.ffn_hidden_size == 14336
     with pytest.raises(ConfigError, match="model.sliding_window_size=1024: sliding-window attention is not implemented"):
@@ -135,16 +181,21 @@ def test_megatron_model_keys_pick_the_hub_model():
 
 
 def test_a_megatron_vocabulary_comes_from_the_tokenizer_padded(tmp_path):
-    tok = {"model": {"type": "WordLevel", "vocab": {f"w{i}": i for i in range(1000)}, "unk_token": "w0"},
-           "added_tokens": [{"id": 1000, "content": "<s>"}]}
+    tok = {
+        "model": {"type": "WordLevel", "vocab": {f"w{i}": i for i in range(1000)}, "unk_token": "w0"},
+        "added_tokens": [{"id": 1000, "content": "<s>"}],
+    }
     (tmp_path / "tokenizer.json").write_text(json.dumps(tok))
-    cfg, _ = compose_nxdt_config(SHIPPED, "megatron_llama_7B_config", ["instance=trn1.32xlarge", f"data.tokenizer.type={tmp_path}"],
-                                 paths=False)
+    cfg, _ = compose_nxdt_config(
+        SHIPPED, "megatron_llama_7B_config", ["instance=trn1.32xlarge", f"data.tokenizer.type={tmp_path}"], paths=False
+    )
     assert cfg.model.vocab_size == 1024  # 1001 ids → a multiple of make_vocab_size_divisible_by 8 × TP 8
     with pytest.raises(ConfigError) as info:
         compose_nxdt_config(SHIPPED, "megatron_llama_7B_config", ["instance=trn1.32xlarge"], paths=False)
-    assert "model.vocab_size: the Megatron model's vocabulary comes from its tokenizer (data.tokenizer.type=/home/ubuntu/" \
-           "llama_tokenizer), not readable here" in str(info.value)
+    assert (
+        "model.vocab_size: the Megatron model's vocabulary comes from its tokenizer (data.tokenizer.type=/home/ubuntu/"
+        "llama_tokenizer), not readable here" in str(info.value)
+    )
 
 
 def test_the_sigmoid_router_of_nxdts_megatron_mixtral_routes_by_sigmoid_affinities():
@@ -162,8 +213,11 @@ def test_the_sigmoid_router_of_nxdts_megatron_mixtral_routes_by_sigmoid_affiniti
     assert cfg.model.moe.router_activation == "sigmoid"
     check_trainable(cfg)  # trains as it plans
     torch.manual_seed(0)
-    small = types.SimpleNamespace(hidden_size=8, ffn_hidden_size=12,
-                                  moe=types.SimpleNamespace(num_experts=4, top_k=2, router_aux_loss_coef=0.0, router_activation="sigmoid"))
+    small = types.SimpleNamespace(
+        hidden_size=8,
+        ffn_hidden_size=12,
+        moe=types.SimpleNamespace(num_experts=4, top_k=2, router_aux_loss_coef=0.0, router_activation="sigmoid"),
+    )
     block = SparseMoeBlock(small)
     x = torch.randn(2, 5, 8)
     got = block(x).reshape(-1, 8).double()
@@ -172,14 +226,17 @@ def test_the_sigmoid_router_of_nxdts_megatron_mixtral_routes_by_sigmoid_affiniti
         chosen = torch.topk(logits, 2).indices
         weights = torch.sigmoid(logits[chosen]) / torch.sigmoid(logits[chosen]).sum()
         expert = [block.experts[str(int(e))] for e in chosen]
-        want = sum(w * (e.w2.weight.double() @ (torch.nn.functional.silu(e.w1.weight.double() @ token) * (e.w3.weight.double() @ token)))
-                   for w, e in zip(weights, expert))
+        want = sum(
+            w * (e.w2.weight.double() @ (torch.nn.functional.silu(e.w1.weight.double() @ token) * (e.w3.weight.double() @ token)))
+            for w, e in zip(weights, expert)
+        )
         torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-6)
     block.router_activation = "softmax"
     assert not torch.allclose(block(x).reshape(-1, 8).double(), got)  # the activation matters
 
 
 # ---------------------------------------------------------------------------------------------- shrunk, trained
+
 
 def corpus(tmp_path: Path) -> tuple[Path, Path]:
     """Two indexed datasets converted from the shipped sample text: its paragraphs as JSONL documents, first and
@@ -189,8 +246,12 @@ def corpus(tmp_path: Path) -> tuple[Path, Path]:
     for part, chunk in (("a", paragraphs[:200]), ("b", paragraphs[200:])):
         src = tmp_path / f"{part}.jsonl"
         src.write_text("".join(json.dumps({"text": p}) + "\n" for p in chunk), encoding="utf-8")
-        out = subprocess.run([sys.executable, "-m", "nxdt.cli", "data", "convert-megatron", str(src), "--output-prefix",
-                              str(tmp_path / part)], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-m", "nxdt.cli", "data", "convert-megatron", str(src), "--output-prefix", str(tmp_path / part)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr
         prefixes.append(tmp_path / part)
     return prefixes[0], prefixes[1]
@@ -198,9 +259,14 @@ def corpus(tmp_path: Path) -> tuple[Path, Path]:
 
 def train_shipped(name: str, overrides: list[str], cwd) -> subprocess.CompletedProcess:
     """``nxdt train`` on a shipped NxDT config with overrides; it must finish, with no key called unknown."""
-    result = subprocess.run([sys.executable, "-m", "nxdt.cli", "train", "--config-path", str(SHIPPED), "--config-name", name,
-                             *overrides], cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                            capture_output=True, text=True, timeout=170)
+    result = subprocess.run(
+        [sys.executable, "-m", "nxdt.cli", "train", "--config-path", str(SHIPPED), "--config-name", name, *overrides],
+        cwd=cwd,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
     assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
     assert "unknown key" not in result.stderr
     return result
@@ -211,13 +277,29 @@ def train_shipped(name: str, overrides: list[str], cwd) -> subprocess.CompletedP
 def test_a_megatron_config_shrunk_trains_on_blended_indexed_data(tmp_path):
     a, b = corpus(tmp_path)
     run, index_dir = tmp_path / "run", tmp_path / "index"
-    shrink = ["instance=cpu", "trainer.devices=2", "trainer.num_nodes=1", "trainer.max_steps=3", "model.num_layers=2",
-              "model.hidden_size=64", "model.num_attention_heads=4", "model.num_kv_heads=2", "model.ffn_hidden_size=96",
-              "model.vocab_size=256", "model.encoder_seq_length=32", "data.global_batch_size=4",
-              "distributed_strategy.tensor_model_parallel_size=1", f"data.data_prefix=[0.3,{a},0.7,{b}]",
-              f"data.index_mapping_dir={index_dir}", "data.tokenizer.type=null",  # the data is converted byte-level
-              "model.optim.lr=3e-3", "model.optim.sched.warmup_steps=0",
-              "exp_manager.create_tensorboard_logger=false", "comm.timeout_s=60", f"exp_manager.explicit_log_dir={run}"]
+    shrink = [
+        "instance=cpu",
+        "trainer.devices=2",
+        "trainer.num_nodes=1",
+        "trainer.max_steps=3",
+        "model.num_layers=2",
+        "model.hidden_size=64",
+        "model.num_attention_heads=4",
+        "model.num_kv_heads=2",
+        "model.ffn_hidden_size=96",
+        "model.vocab_size=256",
+        "model.encoder_seq_length=32",
+        "data.global_batch_size=4",
+        "distributed_strategy.tensor_model_parallel_size=1",
+        f"data.data_prefix=[0.3,{a},0.7,{b}]",
+        f"data.index_mapping_dir={index_dir}",
+        "data.tokenizer.type=null",  # the data is converted byte-level
+        "model.optim.lr=3e-3",
+        "model.optim.sched.warmup_steps=0",
+        "exp_manager.create_tensorboard_logger=false",
+        "comm.timeout_s=60",
+        f"exp_manager.explicit_log_dir={run}",
+    ]
     train_shipped("megatron_llama_7B_config", shrink, tmp_path)
     with open(run / "metrics.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
@@ -230,8 +312,11 @@ def test_a_megatron_config_shrunk_trains_on_blended_indexed_data(tmp_path):
     descs = {n[0]: json.loads((index_dir / n).read_text()) for n in cached if n.endswith("_desc.json")}
     assert descs["a"]["num_samples"] + descs["b"]["num_samples"] == 12 and descs["a"]["seq_length"] == 32
     cfg, _ = compose_nxdt_config(SHIPPED, "megatron_llama_7B_config", shrink)
-    assert (cfg.data.source, cfg.model.architecture, cfg.model.core_attention) == \
-        ("megatron", "nxdt.models.llama.LlamaForCausalLM", "naive")  # fusions.flash_attention: False in the file
+    assert (cfg.data.source, cfg.model.architecture, cfg.model.core_attention) == (
+        "megatron",
+        "nxdt.models.llama.LlamaForCausalLM",
+        "naive",
+    )  # fusions.flash_attention: False in the file
 
 
 @pytest.mark.slow
@@ -246,13 +331,30 @@ def test_the_megatron_sft_config_shrunk_trains_on_instruction_records(tmp_path):
     lines = SAMPLE_INSTRUCTIONS.read_text().splitlines()
     (tmp_path / "validation.jsonl").write_text("\n".join(lines[-16:]) + "\n")
     run = tmp_path / "run"
-    shrink = ["instance=cpu", "trainer.devices=2", "trainer.max_steps=3", "trainer.val_check_interval=3", "model.num_layers=2",
-              "model.hidden_size=64", "model.num_attention_heads=4", "model.num_kv_heads=2", "model.ffn_hidden_size=96",
-              "model.encoder_seq_length=128", "data.global_batch_size=4", "distributed_strategy.tensor_model_parallel_size=1",
-              "distributed_strategy.sequence_parallel=false", f"data.train_dir={SAMPLE_INSTRUCTIONS}",
-              f"data.val_dir={tmp_path / 'validation.jsonl'}", f"data.tokenizer.type={_tokenizer(tmp_path / 'tokenizer')}",
-              "model.weight_init_only=false", "exp_manager.resume_from_checkpoint=null", "model.optim.lr=3e-3",
-              "exp_manager.create_tensorboard_logger=false", "comm.timeout_s=60", f"exp_manager.explicit_log_dir={run}"]
+    shrink = [
+        "instance=cpu",
+        "trainer.devices=2",
+        "trainer.max_steps=3",
+        "trainer.val_check_interval=3",
+        "model.num_layers=2",
+        "model.hidden_size=64",
+        "model.num_attention_heads=4",
+        "model.num_kv_heads=2",
+        "model.ffn_hidden_size=96",
+        "model.encoder_seq_length=128",
+        "data.global_batch_size=4",
+        "distributed_strategy.tensor_model_parallel_size=1",
+        "distributed_strategy.sequence_parallel=false",
+        f"data.train_dir={SAMPLE_INSTRUCTIONS}",
+        f"data.val_dir={tmp_path / 'validation.jsonl'}",
+        f"data.tokenizer.type={_tokenizer(tmp_path / 'tokenizer')}",
+        "model.weight_init_only=false",
+        "exp_manager.resume_from_checkpoint=null",
+        "model.optim.lr=3e-3",
+        "exp_manager.create_tensorboard_logger=false",
+        "comm.timeout_s=60",
+        f"exp_manager.explicit_log_dir={run}",
+    ]
     result = train_shipped("megatron_llama2_7B_SFT_config", shrink, tmp_path)
     # packed: the records (~50 tokens each with the chat template) share 128-token sequences
     line = next(x for x in result.stdout.splitlines() if "data: train:" in x)
@@ -265,5 +367,9 @@ def test_the_megatron_sft_config_shrunk_trains_on_instruction_records(tmp_path):
     assert all(math.isfinite(float(r["loss"])) for r in steps)
     assert any(r.get("val_loss") for r in rows)
     cfg, _ = compose_nxdt_config(SHIPPED, "megatron_llama2_7B_SFT_config", shrink)
-    assert (cfg.data.source, cfg.model_alignment_strategy.sft.packing, cfg.model.vocab_size, cfg.distributed_strategy.zero1) == \
-        ("instructions", True, 264, True)  # 260 tokenizer ids → a multiple of make_vocab_size_divisible_by 8 × TP 1
+    assert (cfg.data.source, cfg.model_alignment_strategy.sft.packing, cfg.model.vocab_size, cfg.distributed_strategy.zero1) == (
+        "instructions",
+        True,
+        264,
+        True,
+    )  # 260 tokenizer ids → a multiple of make_vocab_size_divisible_by 8 × TP 1

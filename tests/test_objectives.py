@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from nxdt.models.llama import LlamaForCausalLM
-from nxdt.models.objectives import (causal_lm_loss, dpo_loss, log1mexp, orpo_loss, sequence_log_probs,
-                                    token_log_probs)
+from nxdt.models.objectives import causal_lm_loss, dpo_loss, log1mexp, orpo_loss, sequence_log_probs, token_log_probs
 
 
 def _logits_labels(seed=0, b=3, s=7, v=11, mask_frac=0.4):
@@ -57,11 +56,16 @@ def test_labels_are_not_shifted_again():
 
 def test_causal_lm_loss_is_the_masked_token_mean_cross_entropy():
     logits, labels = _logits_labels(seed=1)
-    terms = [-_hand_log_prob(logits[b, t], int(labels[b, t]))
-             for b in range(labels.shape[0]) for t in range(labels.shape[1]) if int(labels[b, t]) != -100]
+    terms = [
+        -_hand_log_prob(logits[b, t], int(labels[b, t]))
+        for b in range(labels.shape[0])
+        for t in range(labels.shape[1])
+        if int(labels[b, t]) != -100
+    ]
     assert float(causal_lm_loss(logits, labels)) == pytest.approx(sum(terms) / len(terms), abs=1e-6)
     assert float(causal_lm_loss(logits, labels)) == pytest.approx(
-        float(F.cross_entropy(logits.reshape(-1, 11), labels.reshape(-1), ignore_index=-100)), abs=1e-6)
+        float(F.cross_entropy(logits.reshape(-1, 11), labels.reshape(-1), ignore_index=-100)), abs=1e-6
+    )
 
 
 def test_causal_lm_loss_equals_the_models_loss_fn_when_nothing_is_masked():
@@ -84,8 +88,9 @@ def test_shape_mismatch_is_refused():
         causal_lm_loss(torch.randn(2, 4, 5), torch.zeros(2, 3, dtype=torch.long))
 
 
-NUMBERS = dict(pc=[-12.0, -30.5, -7.25, -3.0], pr=[-14.0, -29.0, -9.5, -2.0],
-               rc=[-13.0, -31.0, -7.0, -2.5], rr=[-13.5, -28.0, -9.0, -2.25])
+NUMBERS = dict(
+    pc=[-12.0, -30.5, -7.25, -3.0], pr=[-14.0, -29.0, -9.5, -2.0], rc=[-13.0, -31.0, -7.0, -2.5], rr=[-13.5, -28.0, -9.0, -2.25]
+)
 
 
 def _dpo_reference(beta):
@@ -97,8 +102,13 @@ def _dpo_reference(beta):
         rc.append(beta * (pc - ref_c))
         rr.append(beta * (pr - ref_r))
     n = len(losses)
-    return (sum(losses) / n, sum(rc) / n, sum(rr) / n, sum(c > r for c, r in zip(rc, rr)) / n,
-            sum(c - r for c, r in zip(rc, rr)) / n)
+    return (
+        sum(losses) / n,
+        sum(rc) / n,
+        sum(rr) / n,
+        sum(c > r for c, r in zip(rc, rr)) / n,
+        sum(c - r for c, r in zip(rc, rr)) / n,
+    )
 
 
 @pytest.mark.parametrize("beta", [0.1, 0.5, 2.0])
@@ -149,8 +159,9 @@ def test_orpo_loss_is_the_published_formula(beta):
     chosen_mean = [-0.4, -1.2, -2.5, -0.05]
     rejected_mean = [-0.9, -1.1, -3.0, -0.3]
     nll = 0.87
-    loss, metrics = orpo_loss(torch.tensor(chosen_mean, dtype=torch.float64),
-                              torch.tensor(rejected_mean, dtype=torch.float64), torch.tensor(nll), beta)
+    loss, metrics = orpo_loss(
+        torch.tensor(chosen_mean, dtype=torch.float64), torch.tensor(rejected_mean, dtype=torch.float64), torch.tensor(nll), beta
+    )
     want, ratio = _orpo_reference(chosen_mean, rejected_mean, nll, beta)
     assert float(loss) == pytest.approx(want, rel=1e-6)
     assert float(metrics["log_odds_ratio"]) == pytest.approx(ratio, rel=1e-6)

@@ -30,13 +30,16 @@ def test_linear_annealing_and_constant():
 
 def test_no_weight_decay_on_vectors_and_scheduler_steps():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
-    optim_cfg = SimpleNamespace(name="adamw", lr=1e-2, weight_decay=0.1, betas=[0.9, 0.95], eps=1e-8, sched=_sched("constant", warmup=2))
+    optim_cfg = SimpleNamespace(
+        name="adamw", lr=1e-2, weight_decay=0.1, betas=[0.9, 0.95], eps=1e-8, sched=_sched("constant", warmup=2)
+    )
     opt = build_optimizer(model, optim_cfg)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert [len(g["params"]) for g in opt.param_groups] == [1, 3]
     sched = build_scheduler(opt, optim_cfg.sched)
     assert opt.param_groups[0]["lr"] == pytest.approx(5e-3)
-    opt.step(); sched.step()
+    opt.step()
+    sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-2)
 
 

@@ -10,10 +10,15 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_every_subpackage_is_listed():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     listed = set(project["tool"]["setuptools"]["packages"])
-    found = {"nxdt." + ".".join(p.parent.relative_to(ROOT / "nxdt").parts) if p.parent != ROOT / "nxdt" else "nxdt"
-             for p in (ROOT / "nxdt").rglob("__init__.py")}
+    found = {
+        "nxdt." + ".".join(p.parent.relative_to(ROOT / "nxdt").parts) if p.parent != ROOT / "nxdt" else "nxdt"
+        for p in (ROOT / "nxdt").rglob("__init__.py")
+    }
     for top, name in (("models", "nxdt.models"), ("conf", "nxdt.conf")):
-        found |= {name + "".join("." + part for part in p.parent.relative_to(ROOT / top).parts) for p in (ROOT / top).rglob("__init__.py")}
+        found |= {
+            name + "".join("." + part for part in p.parent.relative_to(ROOT / top).parts)
+            for p in (ROOT / top).rglob("__init__.py")
+        }
     assert found <= listed, f"add to pyproject.toml [tool.setuptools].packages: {sorted(found - listed)}"
 
 

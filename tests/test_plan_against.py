@@ -20,9 +20,21 @@ from test_train_e2e import TINY, assert_ok, nxdt
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     path = tmp_path_factory.mktemp("against") / "run"
-    assert_ok(nxdt("train", *TINY, "data=synthetic", "trainer.devices=2", "trainer.max_steps=3", "model.optim.sched.max_steps=3",
-                   "distributed_strategy.tensor_model_parallel_size=2", "distributed_strategy.sequence_parallel=true",
-                   "exp_manager.trace=true", f"exp_manager.explicit_log_dir={path}", cwd=path.parent))
+    assert_ok(
+        nxdt(
+            "train",
+            *TINY,
+            "data=synthetic",
+            "trainer.devices=2",
+            "trainer.max_steps=3",
+            "model.optim.sched.max_steps=3",
+            "distributed_strategy.tensor_model_parallel_size=2",
+            "distributed_strategy.sequence_parallel=true",
+            "exp_manager.trace=true",
+            f"exp_manager.explicit_log_dir={path}",
+            cwd=path.parent,
+        )
+    )
     return path
 
 
@@ -45,7 +57,11 @@ def test_measured_columns_are_the_run_files(run, tmp_path, monkeypatch, capsys):
     rank0: dict[tuple, int] = {}
     for rank in (0, 1):
         for e in json.loads((run / f"trace/rank{rank}.json").read_text())["traceEvents"]:
-            if e.get("ph") == "X" and e["name"] in ("all_gather", "reduce_scatter", "all_reduce", "broadcast") and "group" in e["args"]:
+            if (
+                e.get("ph") == "X"
+                and e["name"] in ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+                and "group" in e["args"]
+            ):
                 key = (e["args"]["group"].rstrip("0123456789"), e["name"], e["args"]["bytes"])
                 durations.setdefault(key, []).append(e["dur"] * 1e-6)
                 rank0[key] = rank0.get(key, 0) + (rank == 0)
@@ -60,8 +76,9 @@ def test_measured_columns_are_the_run_files(run, tmp_path, monkeypatch, capsys):
         group = list(the_plan.groups["tp"][0]) if key[0] == "tp" else [0, 1]
         assert row["predicted_s"] == estimate_collective(key[1], group, key[2], topo, cfg.instance, the_plan.ranks_per_node)[1]
         assert row["ratio"] == pytest.approx(row["predicted_s"] / row["measured_s"])
-        assert row["planned_calls_per_step"] == next((r["count"] for r in the_plan.collectives
-                                                     if (r["dim"], r["op"], int(r["bytes"])) == key), None)
+        assert row["planned_calls_per_step"] == next(
+            (r["count"] for r in the_plan.collectives if (r["dim"], r["op"], int(r["bytes"])) == key), None
+        )
 
     assert main(["plan", "--against", str(run)]) == 0
     text = capsys.readouterr().out

@@ -18,10 +18,22 @@ from nxdt.config.validate import DIMENSIONS, Dim, batch_plan
 from nxdt.planner import Coords, Plan, plan, plan_layout
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "plans"
-MIXTRAL_TRN1 = ["model=mixtral_tiny", "instance=trn1.32xlarge", "trainer.devices=32", "distributed_strategy.tensor_model_parallel_size=4",
-                "distributed_strategy.kv_replicator=2", "distributed_strategy.expert_model_parallel_size=2", "data.global_batch_size=32"]
-LLAMA_TP2_PP2 = ["model=llama_tiny", "trainer.devices=8", "distributed_strategy.tensor_model_parallel_size=2",
-                 "distributed_strategy.pipeline_model_parallel_size=2", "data.global_batch_size=16"]
+MIXTRAL_TRN1 = [
+    "model=mixtral_tiny",
+    "instance=trn1.32xlarge",
+    "trainer.devices=32",
+    "distributed_strategy.tensor_model_parallel_size=4",
+    "distributed_strategy.kv_replicator=2",
+    "distributed_strategy.expert_model_parallel_size=2",
+    "data.global_batch_size=32",
+]
+LLAMA_TP2_PP2 = [
+    "model=llama_tiny",
+    "trainer.devices=8",
+    "distributed_strategy.tensor_model_parallel_size=2",
+    "distributed_strategy.pipeline_model_parallel_size=2",
+    "data.global_batch_size=16",
+]
 
 
 def test_dim_is_the_json_key():
@@ -30,11 +42,14 @@ def test_dim_is_the_json_key():
     assert json.dumps({Dim.TP: 1}) == json.dumps({"tp": 1})
 
 
-@pytest.mark.parametrize("name,make", [
-    ("plan_layout_tp4_ep2.json", lambda: plan_layout(16, tp=4, ep=2)),
-    ("plan_llama_tiny_tp2_pp2.json", lambda: plan(compose_config(LLAMA_TP2_PP2), estimate=False)),
-    ("plan_mixtral_tiny_trn1_tp4_ep2.json", lambda: plan(compose_config(MIXTRAL_TRN1), estimate=False)),
-])
+@pytest.mark.parametrize(
+    "name,make",
+    [
+        ("plan_layout_tp4_ep2.json", lambda: plan_layout(16, tp=4, ep=2)),
+        ("plan_llama_tiny_tp2_pp2.json", lambda: plan(compose_config(LLAMA_TP2_PP2), estimate=False)),
+        ("plan_mixtral_tiny_trn1_tp4_ep2.json", lambda: plan(compose_config(MIXTRAL_TRN1), estimate=False)),
+    ],
+)
 def test_plan_json_is_byte_compatible(name, make, tmp_path):
     golden = (GOLDEN / name).read_text()
     assert make().to_json() == golden  # written today == written before typed dimensions

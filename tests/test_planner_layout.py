@@ -15,8 +15,10 @@ def test_docstring_example_tp2_pp2():
     assert p.coords(5).as_dict() == {"tp": 1, "cp": 0, "ep": 0, "dp": 0, "edp": 0, "dp_cp": 0, "pp": 1, "mp": 3, "world": 5}
 
 
-@pytest.mark.parametrize("world,kw", [(16, dict(tp=2, pp=2, cp=2)), (16, dict(tp=4, ep=2)), (12, dict(tp=3, pp=2)),
-                                      (8, dict(tp=2, order="dp-tp-cp-ep-pp"))])
+@pytest.mark.parametrize(
+    "world,kw",
+    [(16, dict(tp=2, pp=2, cp=2)), (16, dict(tp=4, ep=2)), (12, dict(tp=3, pp=2)), (8, dict(tp=2, order="dp-tp-cp-ep-pp"))],
+)
 def test_every_dimension_partitions_the_world(world, kw):
     p = plan_layout(world, **kw)
     for dim, groups in p.groups.items():
@@ -36,15 +38,25 @@ def test_order_changes_which_dimension_is_fastest():
     assert p.groups["dp"] == [[0, 1], [2, 3]] and p.groups["tp"] == [[0, 2], [1, 3]]
 
 
-@pytest.mark.parametrize("kw,needle", [(dict(tp=3), "does not divide"), (dict(tp=2, ep=3), "EP=3"), (dict(order="tp-dp"), "order")])
+@pytest.mark.parametrize(
+    "kw,needle", [(dict(tp=3), "does not divide"), (dict(tp=2, ep=3), "EP=3"), (dict(order="tp-dp"), "order")]
+)
 def test_invalid_layouts_name_the_problem(kw, needle):
     with pytest.raises(ValueError, match=needle):
         plan_layout(8, **kw)
 
 
 def test_json_round_trip_and_plan_from_config(tmp_path):
-    p = plan(compose_config(["trainer.devices=4", "trainer.num_nodes=2", "distributed_strategy.pipeline_model_parallel_size=2",
-                             "data.global_batch_size=16"]))
+    p = plan(
+        compose_config(
+            [
+                "trainer.devices=4",
+                "trainer.num_nodes=2",
+                "distributed_strategy.pipeline_model_parallel_size=2",
+                "data.global_batch_size=16",
+            ]
+        )
+    )
     assert p.world_size == 8 and p.num_nodes == 2 and p.place(5) == {"rank": 5, "node": 1, "device": 1, "core": 1}
     p.save(tmp_path / "plan.json")
     assert Plan.load(tmp_path / "plan.json") == p
@@ -58,9 +70,18 @@ def test_65536_ranks():
 def test_token_threaded_prefetch_hides_behind_compute_and_tp_collectives_eager_only_behind_compute():
     """TP2×FSDP2 with emulated links slow enough that the prefetched FSDP traffic exceeds compute: token_threaded's
     own stream on the DP links also overlaps the blocking TP collectives; eager's gathers queue on the TP stream."""
-    common = ["trainer.devices=4", "distributed_strategy.tensor_model_parallel_size=2", "distributed_strategy.fsdp.enabled=true",
-              "comm.emulate=trn1.32xlarge", "comm.emulate_slowdown=1000", "model.num_layers=8", "model.hidden_size=256"]
-    est = {pol: plan(compose_config([*common, f"distributed_strategy.fsdp.prefetch={pol}"])) for pol in ("token_threaded", "eager")}
+    common = [
+        "trainer.devices=4",
+        "distributed_strategy.tensor_model_parallel_size=2",
+        "distributed_strategy.fsdp.enabled=true",
+        "comm.emulate=trn1.32xlarge",
+        "comm.emulate_slowdown=1000",
+        "model.num_layers=8",
+        "model.hidden_size=256",
+    ]
+    est = {
+        pol: plan(compose_config([*common, f"distributed_strategy.fsdp.prefetch={pol}"])) for pol in ("token_threaded", "eager")
+    }
     rows = est["token_threaded"].collectives
     compute = est["token_threaded"].estimate["compute_s"]
     blocking = sum(r["total_s"] for r in rows if not r["overlap"])

@@ -32,14 +32,27 @@ def reference(reliability_reference) -> Path:
 @pytest.mark.timeout(240)
 def test_sigkill_mid_run_restarts_and_matches_the_uninterrupted_run(tmp_path, reference):
     run = tmp_path / "run"
-    result = nxdt("train", *COMMON, "exp_manager.max_restarts=1", "exp_manager.fault_injection.step=7",
-                  "exp_manager.fault_injection.rank=1", "exp_manager.fault_injection.kind=sigkill",
-                  f"exp_manager.explicit_log_dir={run}", cwd=tmp_path)
+    result = nxdt(
+        "train",
+        *COMMON,
+        "exp_manager.max_restarts=1",
+        "exp_manager.fault_injection.step=7",
+        "exp_manager.fault_injection.rank=1",
+        "exp_manager.fault_injection.kind=sigkill",
+        f"exp_manager.explicit_log_dir={run}",
+        cwd=tmp_path,
+    )
     assert_ok(result)
-    assert "Restoring states from the checkpoint path at" in result.stdout + result.stderr and "step-5" in result.stdout + result.stderr
+    assert (
+        "Restoring states from the checkpoint path at" in result.stdout + result.stderr
+        and "step-5" in result.stdout + result.stderr
+    )
     assert "nxdt: restart 1 of 1 after a worker failed (see logs/agent); resuming from step-5" in result.stdout
     assert losses(run) == losses(reference)  # bitwise: the restarted attempt replays steps 6-7 exactly
-    got, want = load_file(run / "checkpoints/step-10/model.safetensors"), load_file(reference / "checkpoints/step-10/model.safetensors")
+    got, want = (
+        load_file(run / "checkpoints/step-10/model.safetensors"),
+        load_file(reference / "checkpoints/step-10/model.safetensors"),
+    )
     assert got.keys() == want.keys() and all((got[k] == want[k]).all() for k in got)
 
 
@@ -49,16 +62,27 @@ def test_sigkill_during_an_async_checkpoint_write_resumes_from_the_previous_one(
     is kept: Lightning asks to remove step-5 as soon as step-10's save is handed over, but the removal waits
     for step-10's commit, which never happens — so step-5 is still there to resume from."""
     run = tmp_path / "run"
-    result = nxdt("train", *COMMON, "exp_manager.keep_last_k=1", "exp_manager.async_checkpointing=true",
-                  "exp_manager.max_restarts=1", "exp_manager.fault_injection.step=10",
-                  "exp_manager.fault_injection.kind=sigkill_during_save", "exp_manager.fault_injection.rank=0",
-                  f"exp_manager.explicit_log_dir={run}", cwd=tmp_path)
+    result = nxdt(
+        "train",
+        *COMMON,
+        "exp_manager.keep_last_k=1",
+        "exp_manager.async_checkpointing=true",
+        "exp_manager.max_restarts=1",
+        "exp_manager.fault_injection.step=10",
+        "exp_manager.fault_injection.kind=sigkill_during_save",
+        "exp_manager.fault_injection.rank=0",
+        f"exp_manager.explicit_log_dir={run}",
+        cwd=tmp_path,
+    )
     assert_ok(result)
     out = result.stdout + result.stderr
     assert "checkpoints/step-5" in out  # kept until step-10 committed, so the restart resumed from it
     assert not list((run / "checkpoints").glob(".tmp-*"))  # the half-written step-10 was removed
     assert losses(run) == losses(reference)  # bitwise, though the snapshots were written while training went on
-    got, want = load_file(run / "checkpoints/step-10/model.safetensors"), load_file(reference / "checkpoints/step-10/model.safetensors")
+    got, want = (
+        load_file(run / "checkpoints/step-10/model.safetensors"),
+        load_file(reference / "checkpoints/step-10/model.safetensors"),
+    )
     assert all(torch.equal(got[k], want[k]) for k in want)  # the snapshot of step 10, not of a later step
 
 
@@ -72,8 +96,12 @@ DAMAGES = [
     (lambda d: (d / "done").unlink(), "incomplete"),
     (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-100]), "truncated"),
     (lambda d: (d / "trainer_state.pt").write_bytes(b"garbage"), "damaged"),
-    (lambda d: (d / "meta.json").write_text(json.dumps({**json.loads((d / "meta.json").read_text()),
-                                                        "model": {"hidden_size": 999}})), "another model"),
+    (
+        lambda d: (d / "meta.json").write_text(
+            json.dumps({**json.loads((d / "meta.json").read_text()), "model": {"hidden_size": 999}})
+        ),
+        "another model",
+    ),
     (lambda d: shutil.rmtree(d), "does not exist"),
 ]
 
@@ -100,7 +128,9 @@ def test_bad_checkpoints_are_one_line_before_any_worker(tmp_path, reference, cap
 def test_resume_from_a_named_checkpoint_continues_exactly(tmp_path, reference):
     ckpt = _checkpoint_copy(reference, tmp_path)
     run = tmp_path / "run"
-    assert_ok(nxdt("train", *COMMON, f"exp_manager.resume_from_checkpoint={ckpt}", f"exp_manager.explicit_log_dir={run}", cwd=tmp_path))
+    assert_ok(
+        nxdt("train", *COMMON, f"exp_manager.resume_from_checkpoint={ckpt}", f"exp_manager.explicit_log_dir={run}", cwd=tmp_path)
+    )
     got, want = losses(run), losses(reference)
     assert sorted(got) == list(range(6, 13)) and all(got[s] == want[s] for s in got)
 
@@ -121,8 +151,15 @@ def _all_finite(checkpoint: Path) -> bool:
 @pytest.mark.timeout(240)
 def test_a_nan_loss_stops_the_run_with_one_line_and_the_checkpoints_stay_finite(tmp_path):
     run = tmp_path / "run"
-    result = nxdt("train", *COMMON, "exp_manager.fault_injection.step=7", "exp_manager.fault_injection.rank=1",
-                  "exp_manager.fault_injection.kind=nan", f"exp_manager.explicit_log_dir={run}", cwd=tmp_path)
+    result = nxdt(
+        "train",
+        *COMMON,
+        "exp_manager.fault_injection.step=7",
+        "exp_manager.fault_injection.rank=1",
+        "exp_manager.fault_injection.kind=nan",
+        f"exp_manager.explicit_log_dir={run}",
+        cwd=tmp_path,
+    )
     assert result.returncode == 1
     headline = result.stderr.strip().splitlines()[-1]
     assert "non-finite loss nan at step 7 (from rank 1; exp_manager.nan_policy=stop)" in headline, headline
@@ -134,9 +171,16 @@ def test_a_nan_loss_stops_the_run_with_one_line_and_the_checkpoints_stay_finite(
 @pytest.mark.timeout(240)
 def test_skip_step_drops_the_nan_update_and_the_run_finishes(tmp_path, reference):
     run = tmp_path / "run"
-    result = nxdt("train", *COMMON, "exp_manager.nan_policy=skip_step", "exp_manager.fault_injection.step=7",
-                  "exp_manager.fault_injection.rank=1", "exp_manager.fault_injection.kind=nan",
-                  f"exp_manager.explicit_log_dir={run}", cwd=tmp_path)
+    result = nxdt(
+        "train",
+        *COMMON,
+        "exp_manager.nan_policy=skip_step",
+        "exp_manager.fault_injection.step=7",
+        "exp_manager.fault_injection.rank=1",
+        "exp_manager.fault_injection.kind=nan",
+        f"exp_manager.explicit_log_dir={run}",
+        cwd=tmp_path,
+    )
     assert_ok(result)
     assert "step 7: loss nan (from rank 1) — update skipped" in result.stdout + result.stderr
     got, want = losses(run), losses(reference)
@@ -151,8 +195,16 @@ def test_a_diverging_run_stops_at_the_first_non_finite_gradient(tmp_path):
     """The case from the hardening issue: lr=30 goes NaN within a few steps; it used to exit 0 with only NaN
     checkpoints left."""
     run = tmp_path / "run"
-    result = nxdt("train", *TINY, "data=synthetic", "trainer.max_steps=20", "model.optim.lr=30",
-                  "exp_manager.checkpoint_every_n_steps=2", f"exp_manager.explicit_log_dir={run}", cwd=tmp_path)
+    result = nxdt(
+        "train",
+        *TINY,
+        "data=synthetic",
+        "trainer.max_steps=20",
+        "model.optim.lr=30",
+        "exp_manager.checkpoint_every_n_steps=2",
+        f"exp_manager.explicit_log_dir={run}",
+        cwd=tmp_path,
+    )
     assert result.returncode == 1 and "non-finite" in result.stderr.strip().splitlines()[-1]
     kept = list((run / "checkpoints").glob("step-*"))
     assert kept and all(_all_finite(p) for p in kept)
@@ -165,9 +217,16 @@ def test_a_stuck_rank_is_named_and_the_job_ends_without_the_agents_kill_grace(tm
     wait 30 s before SIGKILL for a worker that ignores its SIGTERM: a hung rank dies on the SIGTERM at once (without
     nxdt's handler Lightning only notes it), a SIGSTOPped one cannot run any handler and is killed by rank 0."""
     run = tmp_path / "run"
-    result = nxdt("train", *COMMON, "comm.timeout_s=5", "exp_manager.fault_injection.step=3",
-                  "exp_manager.fault_injection.rank=1", f"exp_manager.fault_injection.kind={kind}",
-                  f"exp_manager.explicit_log_dir={run}", cwd=tmp_path)
+    result = nxdt(
+        "train",
+        *COMMON,
+        "comm.timeout_s=5",
+        "exp_manager.fault_injection.step=3",
+        "exp_manager.fault_injection.rank=1",
+        f"exp_manager.fault_injection.kind={kind}",
+        f"exp_manager.explicit_log_dir={run}",
+        cwd=tmp_path,
+    )
     ended = time.time()
     assert result.returncode == 1
     headline = [line for line in result.stderr.splitlines() if line.startswith("nxdt: rank ")][-1]
@@ -179,7 +238,10 @@ def test_a_stuck_rank_is_named_and_the_job_ends_without_the_agents_kill_grace(tm
     if kind == "hang":
         assert "via signal SIGTERM" in launcher and "SIGKILL" not in launcher, launcher[-2000:]
     else:
-        assert "rank 1 (pid " in (run / "logs" / "rank0.log").read_text() and "killed it (SIGKILL)" in (run / "logs" / "rank0.log").read_text()
+        assert (
+            "rank 1 (pid " in (run / "logs" / "rank0.log").read_text()
+            and "killed it (SIGKILL)" in (run / "logs" / "rank0.log").read_text()
+        )
     # a loose bound on top of the mechanism: the agent's grace alone would end the job ≥ 30 s after the timeout
     injected = float(re.search(r"fault injection: .* \(t=([0-9.]+)\)", (run / "logs" / "rank1.log").read_text()).group(1))
     assert ended - injected < 5 + 20, ended - injected
@@ -191,17 +253,30 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_previous_checkpoint_survi
     checkpoints = tmp_path / "run" / "checkpoints"
     checkpoints.mkdir(parents=True)
     try:
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=14m,mode=0700", "tmpfs", str(checkpoints)], capture_output=True, text=True)
+        mounted = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=14m,mode=0700", "tmpfs", str(checkpoints)], capture_output=True, text=True
+        )
     except OSError as exc:
         pytest.skip(f"cannot mount a tmpfs: {exc}")
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
     try:
-        result = nxdt("train", *TINY, "data=synthetic", "trainer.max_steps=4", "exp_manager.checkpoint_every_n_steps=2",
-                      "data.global_batch_size=4", "data.micro_batch_size=2", f"exp_manager.explicit_log_dir={checkpoints.parent}", cwd=tmp_path)
+        result = nxdt(
+            "train",
+            *TINY,
+            "data=synthetic",
+            "trainer.max_steps=4",
+            "exp_manager.checkpoint_every_n_steps=2",
+            "data.global_batch_size=4",
+            "data.micro_batch_size=2",
+            f"exp_manager.explicit_log_dir={checkpoints.parent}",
+            cwd=tmp_path,
+        )
         assert result.returncode == 1 and "Traceback" not in result.stdout + result.stderr, result.stderr[-3000:]
         headline = [line for line in result.stderr.splitlines() if line.startswith("nxdt: rank ")]
-        assert len(headline) == 1 and f"could not write checkpoint {checkpoints / 'step-4'}: No space left on device" in headline[0]
+        assert (
+            len(headline) == 1 and f"could not write checkpoint {checkpoints / 'step-4'}: No space left on device" in headline[0]
+        )
         assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step-2"]  # no temporary directory left behind
         assert (checkpoints / "latest").read_text().strip() == "step-2"
         verify_checkpoint(checkpoints / "step-2")  # every file's checksum

@@ -21,9 +21,20 @@ from nxdt.lightning.optim import parameter_groups
 from nxdt.models.llama import LlamaForCausalLM
 from nxdt.parallel.tensor_parallel import apply_tensor_parallel, shard_layout
 
-CFG = types.SimpleNamespace(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2,
-                            ffn_hidden_size=48, max_position_embeddings=64, rope_theta=10000.0, norm_eps=1e-5,
-                            tie_word_embeddings=True, init_method_std=0.02, activations_checkpoint_granularity=None)
+CFG = types.SimpleNamespace(
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=2,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=48,
+    max_position_embeddings=64,
+    rope_theta=10000.0,
+    norm_eps=1e-5,
+    tie_word_embeddings=True,
+    init_method_std=0.02,
+    activations_checkpoint_granularity=None,
+)
 
 
 class _Module(torch.nn.Module):  # stands in for CausalLMModule: the hub model as `model`
@@ -66,8 +77,18 @@ def test_tp_shards_round_trip_through_the_full_state_bitwise(tmp_path):
         torch.save(state, root / f"trainer_state-mp{r}.pt")
     layout = shard_layout(module.model)
     assert layout["lm_head.weight"] == layout["embed_tokens.weight"] and layout["layers.0.self_attn.k_proj.weight"] == [0, 2]
-    (root / "meta.json").write_text(json.dumps({"format_version": 2, "step": 1, "world_size": tp, "zero1": False,
-                                                "degrees": {"tp": tp, "pp": 1, "cp": 1, "ep": 1, "dp": 1}, "tensor_parallel": layout}))
+    (root / "meta.json").write_text(
+        json.dumps(
+            {
+                "format_version": 2,
+                "step": 1,
+                "world_size": tp,
+                "zero1": False,
+                "degrees": {"tp": tp, "pp": 1, "cp": 1, "ep": 1, "dp": 1},
+                "tensor_parallel": layout,
+            }
+        )
+    )
     (root / "done").write_text("ok\n")
 
     got = reshard.read_full_state(root)
@@ -107,9 +128,19 @@ def test_an_unsupported_reshard_is_one_line_naming_it(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- end to end
-E2E = ["model=llama_tiny", "trainer.log_every_n_steps=1", "exp_manager.create_tensorboard_logger=false", "data=synthetic",
-       "trainer.max_steps=9", "model.optim.sched.max_steps=9", "data.global_batch_size=8", "data.micro_batch_size=2",
-       "trainer.gradient_clip_val=0.5", "exp_manager.checkpoint_every_n_steps=3", "exp_manager.keep_last_k=5"]
+E2E = [
+    "model=llama_tiny",
+    "trainer.log_every_n_steps=1",
+    "exp_manager.create_tensorboard_logger=false",
+    "data=synthetic",
+    "trainer.max_steps=9",
+    "model.optim.sched.max_steps=9",
+    "data.global_batch_size=8",
+    "data.micro_batch_size=2",
+    "trainer.gradient_clip_val=0.5",
+    "exp_manager.checkpoint_every_n_steps=3",
+    "exp_manager.keep_last_k=5",
+]
 
 
 @pytest.mark.slow
@@ -119,8 +150,16 @@ def test_tp2_dp2_resumes_as_dp4_zero1_then_as_tp1_pp2_and_fsdp4_with_the_uninter
     from nxdt.cli import main
 
     ref, dp4, pp2 = tmp_path / "tp2-dp2", tmp_path / "dp4-zero1", tmp_path / "pp2"
-    assert_ok(nxdt("train", *E2E, "trainer.devices=4", "distributed_strategy.tensor_model_parallel_size=2",
-                   f"exp_manager.explicit_log_dir={ref}", cwd=tmp_path))
+    assert_ok(
+        nxdt(
+            "train",
+            *E2E,
+            "trainer.devices=4",
+            "distributed_strategy.tensor_model_parallel_size=2",
+            f"exp_manager.explicit_log_dir={ref}",
+            cwd=tmp_path,
+        )
+    )
     want = losses(ref)
 
     def assert_continues(run: Path, first: int) -> None:
@@ -130,8 +169,16 @@ def test_tp2_dp2_resumes_as_dp4_zero1_then_as_tp1_pp2_and_fsdp4_with_the_uninter
             assert loss == pytest.approx(want[step], rel=1e-5), (run.name, step, got, want)
 
     # TP2×DP2 → DP4 with ZeRO-1 (TP shards joined, moments sliced over 4 DP ranks), saved asynchronously
-    result = nxdt("train", *E2E, "trainer.devices=4", "distributed_strategy.zero1=true", "exp_manager.async_checkpointing=true",
-                  f"exp_manager.resume_from_checkpoint={ref / 'checkpoints/step-3'}", f"exp_manager.explicit_log_dir={dp4}", cwd=tmp_path)
+    result = nxdt(
+        "train",
+        *E2E,
+        "trainer.devices=4",
+        "distributed_strategy.zero1=true",
+        "exp_manager.async_checkpointing=true",
+        f"exp_manager.resume_from_checkpoint={ref / 'checkpoints/step-3'}",
+        f"exp_manager.explicit_log_dir={dp4}",
+        cwd=tmp_path,
+    )
     assert_ok(result)
     assert "reshards it" in result.stdout
     assert_continues(dp4, 4)
@@ -142,15 +189,33 @@ def test_tp2_dp2_resumes_as_dp4_zero1_then_as_tp1_pp2_and_fsdp4_with_the_uninter
     full = tmp_path / "full"
     assert main(["checkpoint", "consolidate", str(dp4 / "checkpoints/step-6"), str(full)]) == 0
     assert "wrote" in capsys.readouterr().out
-    assert_ok(nxdt("train", *E2E, "trainer.devices=2", "distributed_strategy.pipeline_model_parallel_size=2",
-                   f"exp_manager.resume_from_checkpoint={full}", f"exp_manager.explicit_log_dir={pp2}", cwd=tmp_path))
+    assert_ok(
+        nxdt(
+            "train",
+            *E2E,
+            "trainer.devices=2",
+            "distributed_strategy.pipeline_model_parallel_size=2",
+            f"exp_manager.resume_from_checkpoint={full}",
+            f"exp_manager.explicit_log_dir={pp2}",
+            cwd=tmp_path,
+        )
+    )
     assert_continues(pp2, 7)
 
     # the same ZeRO-1 shards resumed under FSDP over 4 ranks (moments cut into FSDP's flat shards); FSDP's own
     # shards then consolidate (unflattened by the recorded layout) into the uninterrupted run's weights
     fsdp4, fsdp_full = tmp_path / "fsdp4", tmp_path / "fsdp-full"
-    assert_ok(nxdt("train", *E2E, "trainer.devices=4", "distributed_strategy.fsdp.enabled=true",
-                   f"exp_manager.resume_from_checkpoint={dp4 / 'checkpoints/step-6'}", f"exp_manager.explicit_log_dir={fsdp4}", cwd=tmp_path))
+    assert_ok(
+        nxdt(
+            "train",
+            *E2E,
+            "trainer.devices=4",
+            "distributed_strategy.fsdp.enabled=true",
+            f"exp_manager.resume_from_checkpoint={dp4 / 'checkpoints/step-6'}",
+            f"exp_manager.explicit_log_dir={fsdp4}",
+            cwd=tmp_path,
+        )
+    )
     assert_continues(fsdp4, 7)
     assert main(["checkpoint", "consolidate", str(fsdp4 / "checkpoints/step-9"), str(fsdp_full)]) == 0
     got, want_state = reshard.read_full_state(fsdp_full), reshard.read_full_state(ref / "checkpoints/step-9")
@@ -171,8 +236,10 @@ def test_step_counters_are_never_shared_between_parameters():
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     step = torch.tensor(2.0)
     moments = {"exp_avg": torch.full((2, 2), 0.1), "exp_avg_sq": torch.full((2, 2), 0.01)}
-    saved = {"state": {name: {"step": step, **{k: v.clone() for k, v in moments.items()}} for name in ("0.weight", "1.weight")},
-             "param_groups": [{**opt.param_groups[0], "params": ["0.weight", "1.weight"]}]}
+    saved = {
+        "state": {name: {"step": step, **{k: v.clone() for k, v in moments.items()}} for name in ("0.weight", "1.weight")},
+        "param_groups": [{**opt.param_groups[0], "params": ["0.weight", "1.weight"]}],
+    }
     opt.load_state_dict(reshard.optimizer_state_for(saved, opt, model, None))
     for p in model.parameters():
         p.grad = torch.ones_like(p)

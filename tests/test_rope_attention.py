@@ -40,8 +40,13 @@ from nxdt.planner.estimate import memory_per_rank
 pytestmark = pytest.mark.timeout(120)
 
 CONFIGS = Path(__file__).parent / "nxdt_configs"
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 32}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 SEQ = 64  # twice original_max_position_embeddings: positions 32..63 are where the scaling matters
 
 
@@ -50,11 +55,26 @@ def config_json(rope_scaling=LLAMA3, **extra) -> dict:
 
     head_dim 16 with rope_theta 1e4 has wavelengths 2π·1e4^(i/8) = 6.3, 19.9, 62.8, 199, ...; with
     original_max_position_embeddings 32 the bands are < 32/4 = 8 (kept), 8..32 (blended), > 32 (divided)."""
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64, "hidden_size": 64,
-            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "max_position_embeddings": 128, "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
-            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "initializer_range": 0.02,
-            "rope_scaling": rope_scaling, **extra}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 64,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "rope_scaling": rope_scaling,
+        **extra,
+    }
 
 
 def ours_config(hf_json: dict, **overrides) -> SimpleNamespace:
@@ -73,13 +93,19 @@ def tokens(b: int, s: int, vocab: int = 64, seed: int = 3) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- RoPE scaling
 
+
 def test_llama3_inverse_frequencies_equal_transformers():
     transformers = pytest.importorskip("transformers")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    for hf_json in (config_json(),  # the tiny test config
-                    {**json.loads((CONFIGS / "llama3_8B_config.json").read_text()),  # Llama 3.1 8B's published values
-                     "rope_scaling": {**LLAMA3, "original_max_position_embeddings": 8192}, "max_position_embeddings": 131072}):
+    for hf_json in (
+        config_json(),  # the tiny test config
+        {
+            **json.loads((CONFIGS / "llama3_8B_config.json").read_text()),  # Llama 3.1 8B's published values
+            "rope_scaling": {**LLAMA3, "original_max_position_embeddings": 8192},
+            "max_position_embeddings": 131072,
+        },
+    ):
         cfg = ours_config(hf_json)
         head_dim = cfg.hidden_size // cfg.num_attention_heads
         theirs, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](transformers.LlamaConfig.from_dict(hf_json), "cpu")
@@ -127,7 +153,7 @@ def hf_llama(hf_json: dict):
 
 
 def to_ours(hf_state: dict) -> dict:
-    return {(k[len("model."):] if k.startswith("model.") else k): v.detach().clone() for k, v in hf_state.items()}
+    return {(k[len("model.") :] if k.startswith("model.") else k): v.detach().clone() for k, v in hf_state.items()}
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
@@ -140,8 +166,9 @@ def test_llama3_rope_logits_equal_transformers_past_the_original_context(impl):
         expected = hf(input_ids=ids).logits
     model = LlamaForCausalLM(ours_config(hf_json, core_attention=impl))
     model.load_state_dict(to_ours(hf.state_dict()), strict=True)
-    torch.testing.assert_close(model.rope_cos[:SEQ], hf.model.rotary_emb(torch.zeros(1), torch.arange(SEQ)[None])[0][0],
-                               rtol=0, atol=5e-6)  # HF's fp32 angles vs our fp64 ones, rounded to fp32
+    torch.testing.assert_close(
+        model.rope_cos[:SEQ], hf.model.rotary_emb(torch.zeros(1), torch.arange(SEQ)[None])[0][0], rtol=0, atol=5e-6
+    )  # HF's fp32 angles vs our fp64 ones, rounded to fp32
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(ids), expected, rtol=1e-5, atol=1e-5)
 
@@ -164,11 +191,17 @@ def test_an_nxdt_config_reads_rope_scaling_from_config_json(tmp_path):
     hf_json = json.loads((CONFIGS / "llama3_8B_config.json").read_text())
     hf_json["rope_scaling"] = {**LLAMA3, "original_max_position_embeddings": 8192}
     (tmp_path / "config.json").write_text(json.dumps(hf_json))
-    cfg, _ = compose_nxdt_config(CONFIGS, "hf_llama3_8B_config", ["instance=trn1.32xlarge", f"model.model_config={tmp_path}"],
-                                 paths=False)
+    cfg, _ = compose_nxdt_config(
+        CONFIGS, "hf_llama3_8B_config", ["instance=trn1.32xlarge", f"model.model_config={tmp_path}"], paths=False
+    )
     rope = cfg.model.rope_scaling
-    assert (rope.rope_type, rope.factor, rope.low_freq_factor, rope.high_freq_factor, rope.original_max_position_embeddings) == \
-        ("llama3", 8.0, 1.0, 4.0, 8192)
+    assert (rope.rope_type, rope.factor, rope.low_freq_factor, rope.high_freq_factor, rope.original_max_position_embeddings) == (
+        "llama3",
+        8.0,
+        1.0,
+        4.0,
+        8192,
+    )
     assert cfg.model.core_attention == "sdpa"  # the file's fusions.flash_attention: True
     cfg, _ = compose_nxdt_config(CONFIGS, "hf_llama3_8B_config", ["instance=trn1.32xlarge"], paths=False)
     assert cfg.model.rope_scaling.rope_type is None  # "rope_scaling": null
@@ -192,10 +225,14 @@ def test_bad_rope_and_attention_inputs_are_one_line_exit_2(tmp_path, capsys, mon
     nxdt = ["train", "--config-path", str(CONFIGS), "--config-name", "hf_llama3_8B_config", "instance=cpu"]
     cases = [
         (["train", "model.rope_scaling.rope_type=yarn"], "model.rope_scaling.rope_type='yarn': is not implemented"),
-        (["train", "model.rope_scaling.rope_type=llama3", "model.rope_scaling.high_freq_factor=0.5"],
-         "model.rope_scaling.high_freq_factor"),
-        (["train", "model.rope_scaling.rope_type=llama3", "model.rope_scaling.original_max_position_embeddings=0"],
-         "model.rope_scaling.original_max_position_embeddings"),
+        (
+            ["train", "model.rope_scaling.rope_type=llama3", "model.rope_scaling.high_freq_factor=0.5"],
+            "model.rope_scaling.high_freq_factor",
+        ),
+        (
+            ["train", "model.rope_scaling.rope_type=llama3", "model.rope_scaling.original_max_position_embeddings=0"],
+            "model.rope_scaling.original_max_position_embeddings",
+        ),
         (["train", "model.core_attention=flash"], "model.core_attention='flash': must be one of sdpa, blockwise, naive"),
         (["plan", "model.core_attention=flash"], "model.core_attention"),
         ([*nxdt, f"model.model_config={tmp_path / 'config.json'}"], "rope_scaling.rope_type='dynamic' is not implemented"),
@@ -213,6 +250,7 @@ def test_bad_rope_and_attention_inputs_are_one_line_exit_2(tmp_path, capsys, mon
 
 
 # ---------------------------------------------------------------------------------------------- NxDT's flash_attention
+
 
 def test_nxdt_flash_attention_selects_core_attention():
     hf = json.loads((CONFIGS / "llama3_8B_config.json").read_text())
@@ -316,8 +354,10 @@ def test_sdpa_and_blockwise_never_create_the_s_by_s_scores(dtype):
             core_attention(q, k, v, impl=impl, block_size=block).float().sum().backward()
         largest[impl] = mode.largest
         if impl == "sdpa":  # torch's fused CPU flash kernel, not the math fallback that would materialise S×S
-            assert {"aten._scaled_dot_product_flash_attention_for_cpu.default",
-                    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"} <= mode.ops
+            assert {
+                "aten._scaled_dot_product_flash_attention_for_cpu.default",
+                "aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
+            } <= mode.ops
     assert largest["naive"] >= b * heads * seq * seq  # the reference does hold the scores
     # the others: nothing larger than q itself (the score tiles are heads·block² = 4096 elements)
     assert largest["sdpa"] <= b * heads * seq * d and largest["blockwise"] <= b * heads * seq * d
@@ -326,9 +366,21 @@ def test_sdpa_and_blockwise_never_create_the_s_by_s_scores(dtype):
 @pytest.mark.parametrize("impl", ["sdpa", "blockwise"])
 @pytest.mark.parametrize("arch", ["llama", "mixtral", "gpt"])
 def test_every_hub_model_takes_core_attention(arch, impl):
-    common = dict(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=48,
-                  max_position_embeddings=64, rope_theta=10000.0, norm_eps=1e-5, tie_word_embeddings=False, init_method_std=0.1,
-                  activations_checkpoint_granularity=None, moe=SimpleNamespace(num_experts=4, top_k=2, router_aux_loss_coef=0.02))
+    common = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=48,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+        tie_word_embeddings=False,
+        init_method_std=0.1,
+        activations_checkpoint_granularity=None,
+        moe=SimpleNamespace(num_experts=4, top_k=2, router_aux_loss_coef=0.02),
+    )
     cls = {"llama": LlamaForCausalLM, "mixtral": MixtralForCausalLM, "gpt": GPTForCausalLM}[arch]
 
     def loss_and_grads(core):
@@ -353,8 +405,9 @@ def test_selective_checkpointing_recomputes_each_impl_exactly():
         runs = []
         for granularity in (None, "selective"):
             torch.manual_seed(0)
-            model = LlamaForCausalLM(SimpleNamespace(**{**vars(base), "core_attention": impl,
-                                                        "activations_checkpoint_granularity": granularity}))
+            model = LlamaForCausalLM(
+                SimpleNamespace(**{**vars(base), "core_attention": impl, "activations_checkpoint_granularity": granularity})
+            )
             model.loss_fn(model(tokens(1, 40)), tokens(1, 40, seed=5)).backward()
             runs.append([p.grad for p in model.parameters()])
         for a, b in zip(*runs):
@@ -390,20 +443,33 @@ def test_tensor_and_sequence_parallel_attention_on_local_heads_with_each_impl():
     # TP2: each rank runs 2 query heads and 1 KV head (4 and 2 in all); scaled RoPE on every rank
     for rank, by_case in enumerate(run_local(_tp_logits, 2, state, ids, cfg, timeout_s=140)):
         for case, logits in by_case.items():
-            torch.testing.assert_close(torch.from_numpy(logits), expected, rtol=1e-5, atol=1e-5,
-                                       msg=lambda m, where=f"rank {rank}, TP2, {case}": f"{where}: {m}")
+            torch.testing.assert_close(
+                torch.from_numpy(logits),
+                expected,
+                rtol=1e-5,
+                atol=1e-5,
+                msg=lambda m, where=f"rank {rank}, TP2, {case}": f"{where}: {m}",
+            )
 
 
 # ---------------------------------------------------------------------------------------------- planner
 
+
 def test_planner_counts_the_s_by_s_scores_only_for_naive():
-    overrides = ["instance=trn1.32xlarge", "model=llama3_8b", "distributed_strategy.tensor_model_parallel_size=8",
-                 "data.micro_batch_size=1", "data.global_batch_size=32", "data.seq_length=8192"]
+    overrides = [
+        "instance=trn1.32xlarge",
+        "model=llama3_8b",
+        "distributed_strategy.tensor_model_parallel_size=8",
+        "data.micro_batch_size=1",
+        "data.global_batch_size=32",
+        "data.seq_length=8192",
+    ]
     activations = {}
     for impl in IMPLEMENTATIONS:
         for granularity in ("null", "selective", "full"):
-            cfg = compose_config([*overrides, f"model.core_attention={impl}",
-                                  f"model.activations_checkpoint_granularity={granularity}"])
+            cfg = compose_config(
+                [*overrides, f"model.core_attention={impl}", f"model.activations_checkpoint_granularity={granularity}"]
+            )
             degrees = {"tp": 8, "pp": 1, "cp": 1, "ep": 1, "dp": 4}
             activations[impl, granularity] = memory_per_rank(cfg, degrees)["activations"]
     s, b, a, layers, tp, h, g = 8192, 1, 32, 32, 8, 4096, 1024
@@ -415,7 +481,9 @@ def test_planner_counts_the_s_by_s_scores_only_for_naive():
     # per token its matmuls keep fp32 copies of q and of k, v broadcast to every head (3·h·4) where sdpa keeps q, k, v
     # (h + 2·g)·e, and o_proj's copy of its output h·e without sdpa's fp32 logsumexp (4·a)
     per_token = (3 * h * 4 - (h + 2 * g) * e - 4 * a) * s * b / tp
-    assert activations["naive", "null"] - activations["sdpa", "null"] == pytest.approx(kept * layers + per_token * layers + transient)
+    assert activations["naive", "null"] - activations["sdpa", "null"] == pytest.approx(
+        kept * layers + per_token * layers + transient
+    )
     # the layer being recomputed
     assert activations["naive", "full"] - activations["sdpa", "full"] == pytest.approx(kept + per_token + transient)
     # selective recompute keeps no S×S tensor between passes, but recomputing naive attention in backward still

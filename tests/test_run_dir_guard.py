@@ -49,8 +49,15 @@ def test_a_second_launcher_on_a_busy_run_directory_is_refused(tmp_path, capsys):
     again.close()
 
 
-@pytest.mark.parametrize("change, key", [("model=gpt_tiny", "model.architecture"), ("data=synthetic", "data.source"),
-                                         ("model.num_layers=2", "model.num_layers"), ("data.seq_length=64", "data.seq_length")])
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        ("model=gpt_tiny", "model.architecture"),
+        ("data=synthetic", "data.source"),
+        ("model.num_layers=2", "model.num_layers"),
+        ("data.seq_length=64", "data.seq_length"),
+    ],
+)
 def test_resuming_a_run_with_another_model_or_data_is_refused_by_name(tmp_path, capsys, change, key):
     from nxdt.config import compose_config as compose
     from nxdt.launch.rundir import write_run_dir

@@ -35,8 +35,15 @@ def make_run(path: Path, steps: int, *overrides: str, extra: dict | None = None,
         writer = csv.DictWriter(fh, fieldnames=columns)
         writer.writeheader()
         for s in range(1, steps + 1):
-            row = {"step": s, "loss": 5 - s * 0.5, "lr": 1e-3 * s, "step_time_s": 0.1, "tokens_per_s": 900 + s,
-                   "peak_rss_mb": 400, "wall_time": 1e9 + s}
+            row = {
+                "step": s,
+                "loss": 5 - s * 0.5,
+                "lr": 1e-3 * s,
+                "step_time_s": 0.1,
+                "tokens_per_s": 900 + s,
+                "peak_rss_mb": 400,
+                "wall_time": 1e9 + s,
+            }
             row.update({k: f(s) for k, f in (extra or {}).items()})
             writer.writerow(row)
     return path
@@ -69,7 +76,11 @@ def test_status_running_needs_a_live_launcher_holding_the_lock(tmp_path):
     write_status(run, "failed", reason="rank 1 failed: boom", exit_code=1)
     got = load_run(run)
     assert (got.status, got.detail) == ("failed", "rank 1 failed: boom")
-    assert read_status(run)["started"] and read_status(run)["ended"] and oct((run / "status.json").stat().st_mode)[-3:] in ("600", "644")
+    assert (
+        read_status(run)["started"]
+        and read_status(run)["ended"]
+        and oct((run / "status.json").stat().st_mode)[-3:] in ("600", "644")
+    )
 
 
 def test_without_status_a_run_is_finished_only_if_it_reached_max_steps(tmp_path):
@@ -105,7 +116,9 @@ def test_runs_command_lists_and_refuses(tmp_path, capsys):
 
 def test_report_overlays_runs_adds_val_loss_and_exposed_comm_when_present(tmp_path):
     one = make_run(tmp_path / "a", 4, "trainer.devices=1")
-    two = make_run(tmp_path / "b", 3, "trainer.devices=2", extra={"val_loss": lambda s: 4.0 - s * 0.1, "exposed_comm_s": lambda s: 0.01})
+    two = make_run(
+        tmp_path / "b", 3, "trainer.devices=2", extra={"val_loss": lambda s: 4.0 - s * 0.1, "exposed_comm_s": lambda s: 0.01}
+    )
     assert run_labels([load_run(one), load_run(two)]) == ["trainer.devices=1", "trainer.devices=2"]
     text, written, out = report([one, two], tmp_path / "figs")
     assert sorted(p.name for p in written) == ["exposed_comm.png", "loss.png", "lr.png", "tokens_per_s.png", "val_loss.png"]
@@ -149,11 +162,15 @@ def test_default_console_is_nxdts_own_banner_steps_and_summary(launched):
     lines = console.splitlines()
     assert lines[0] == f"nxdt: run directory {run} (2 ranks)"
     assert lines[1] == "nxdt: layout: 2 ranks on cpu · TP1 PP1 DP2 CP1 EP1 · FSDP off · fp32"
-    assert re.match(rf"nxdt: llama_tiny: {DEFAULT_STEPS} steps × 8 sequences of 128 tokens .* plan: [0-9.]+ s/step", lines[2]), lines[2]
+    assert re.match(rf"nxdt: llama_tiny: {DEFAULT_STEPS} steps × 8 sequences of 128 tokens .* plan: [0-9.]+ s/step", lines[2]), (
+        lines[2]
+    )
     steps = [line for line in lines if line.startswith("step ")]
     rows = _rows(run)
     # step numbers right-aligned to the width of max_steps ("step  9/30", "step 10/30")
-    assert [int(re.match(rf"step +(\d+)/{DEFAULT_STEPS}  loss ", line).group(1)) for line in steps] == list(range(1, DEFAULT_STEPS + 1))
+    assert [int(re.match(rf"step +(\d+)/{DEFAULT_STEPS}  loss ", line).group(1)) for line in steps] == list(
+        range(1, DEFAULT_STEPS + 1)
+    )
     assert all(f"loss {float(r['loss']):.4f}" in line for r, line in zip(rows, steps))
     last, first = float(rows[-1]["loss"]), float(rows[0]["loss"])
     assert f"nxdt: finished at step {DEFAULT_STEPS} of {DEFAULT_STEPS} in " in console
@@ -161,9 +178,11 @@ def test_default_console_is_nxdts_own_banner_steps_and_summary(launched):
     assert f"nxdt: look at it: nxdt report {run}" in console
     # the newest checkpoint, and how to continue a finished run from it
     assert f"nxdt: newest checkpoint: {run / 'checkpoints' / f'step-{DEFAULT_STEPS}'}" in lines
-    assert (f"nxdt: resume (with a larger trainer.max_steps): nxdt train trainer.max_steps={DEFAULT_STEPS} "
-            f"exp_manager.checkpoint_every_n_steps={DEFAULT_STEPS // 2} exp_manager.explicit_log_dir={run} "
-            "exp_manager.resume_if_exists=true") in lines
+    assert (
+        f"nxdt: resume (with a larger trainer.max_steps): nxdt train trainer.max_steps={DEFAULT_STEPS} "
+        f"exp_manager.checkpoint_every_n_steps={DEFAULT_STEPS // 2} exp_manager.explicit_log_dir={run} "
+        "exp_manager.resume_if_exists=true"
+    ) in lines
     # the per-rank log keeps what the console leaves out
     log = (run / "logs" / "rank0.log").read_text()
     assert "GPU available" in log and "deprecated" in log and re.search(r"rank 0 attempt 0 started \S+ \S+ \(pid \d+", log)
@@ -196,8 +215,10 @@ def test_quiet_failure_and_interruption(launched):
     assert "death signal" not in stopped.stderr  # torch's agent notes go to the launcher's log
     assert "death signal" in (run / "logs" / "launcher.log").read_text()
     assert "nxdt: interrupted at step" in stopped.stdout and "nxdt: checkpoint checkpoints/step-2 saved" in stopped.stdout
-    assert (f"nxdt: resume: nxdt train name=stopped data=synthetic trainer.max_steps=100000 exp_manager.checkpoint_every_n_steps=2 "
-            f"exp_manager.keep_last_k=1 exp_manager.explicit_log_dir={run} exp_manager.resume_if_exists=true") in stopped.stdout
+    assert (
+        f"nxdt: resume: nxdt train name=stopped data=synthetic trainer.max_steps=100000 exp_manager.checkpoint_every_n_steps=2 "
+        f"exp_manager.keep_last_k=1 exp_manager.explicit_log_dir={run} exp_manager.resume_if_exists=true"
+    ) in stopped.stdout
 
 
 @pytest.mark.slow
@@ -207,7 +228,11 @@ def test_runs_lists_finished_failed_and_interrupted(launched):
     listed = nxdt("runs", "--json", cwd=root)  # default DIR: outputs/
     assert_ok(listed)
     got = {Path(r["run"]).parent.name: r for r in json.loads(listed.stdout)}
-    assert {name: r["status"] for name, r in got.items()} == {"llama_tiny": "finished", "failing": "failed", "stopped": "interrupted"}
+    assert {name: r["status"] for name, r in got.items()} == {
+        "llama_tiny": "finished",
+        "failing": "failed",
+        "stopped": "interrupted",
+    }
     assert got["llama_tiny"]["last_step"] == DEFAULT_STEPS and got["llama_tiny"]["layout"] == "2×cpu DP2"
     assert got["llama_tiny"]["last_loss"] == pytest.approx(float(_rows(launched["runs"]["llama_tiny"])[-1]["loss"]))
     assert got["stopped"]["checkpoint"] and Path(got["stopped"]["checkpoint"]).name.startswith("step-")
@@ -221,7 +246,9 @@ def test_runs_lists_finished_failed_and_interrupted(launched):
 @pytest.mark.timeout(300)
 def test_report_draws_the_real_runs(launched):
     runs = launched["runs"]
-    result = nxdt("report", str(runs["llama_tiny"]), str(runs["stopped"]), "-o", str(launched["root"] / "cmp"), cwd=launched["root"])
+    result = nxdt(
+        "report", str(runs["llama_tiny"]), str(runs["stopped"]), "-o", str(launched["root"] / "cmp"), cwd=launched["root"]
+    )
     assert_ok(result)
     pngs = sorted((launched["root"] / "cmp").glob("*.png"))
     assert [p.name for p in pngs] == ["loss.png", "lr.png", "tokens_per_s.png"]

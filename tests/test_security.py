@@ -22,13 +22,23 @@ from shared_runs import listening_addresses, process_tree
 
 # ----------------------------------------------------------------------------- the object codec
 def test_objects_round_trip_exactly():
-    obj = {"path": Path("/tmp/x"), 3: [1.5, float("inf"), (True, None)], "big": 2 ** 80, "raw": b"\x00\xff",
-           "nan": float("nan"), "dtype": torch.bfloat16,
-           "tensors": [torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.tensor([1.25, -2.0], dtype=torch.bfloat16),
-                       torch.empty(0, 4, dtype=torch.int64), torch.tensor(True)]}
+    obj = {
+        "path": Path("/tmp/x"),
+        3: [1.5, float("inf"), (True, None)],
+        "big": 2**80,
+        "raw": b"\x00\xff",
+        "nan": float("nan"),
+        "dtype": torch.bfloat16,
+        "tensors": [
+            torch.arange(6, dtype=torch.float32).reshape(2, 3),
+            torch.tensor([1.25, -2.0], dtype=torch.bfloat16),
+            torch.empty(0, 4, dtype=torch.int64),
+            torch.tensor(True),
+        ],
+    }
     back = decode(encode(obj))
     assert back["path"] == Path("/tmp/x") and back[3][:2] == [1.5, float("inf")] and back[3][2] == (True, None)
-    assert back["big"] == 2 ** 80 and back["raw"] == b"\x00\xff" and math.isnan(back["nan"]) and back["dtype"] is torch.bfloat16
+    assert back["big"] == 2**80 and back["raw"] == b"\x00\xff" and math.isnan(back["nan"]) and back["dtype"] is torch.bfloat16
     for got, want in zip(back["tensors"], obj["tensors"]):
         assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
 
@@ -117,10 +127,23 @@ def test_hostile_payloads_in_every_store_key_run_no_code(tmp_path):
 
     run, marker = tmp_path / "run", tmp_path / "pwned"
     payload = pickle.dumps(_RunsCode(str(marker)))
-    proc = subprocess.Popen([sys.executable, "-m", "nxdt.cli", "train", "model=llama_tiny", "data=synthetic",
-                             "trainer.max_steps=40", "exp_manager.create_tensorboard_logger=false",
-                             f"exp_manager.explicit_log_dir={run}"], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "nxdt.cli",
+            "train",
+            "model=llama_tiny",
+            "data=synthetic",
+            "trainer.max_steps=40",
+            "exp_manager.create_tensorboard_logger=false",
+            f"exp_manager.explicit_log_dir={run}",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not (run / "metrics.csv").exists():
@@ -130,13 +153,18 @@ def test_hostile_payloads_in_every_store_key_run_no_code(tmp_path):
         (port,) = {p for _, p in listening_addresses(tree)}
         # the run id, as anyone can read it from the names of the run's shared-memory segments (this run's: their
         # header names a creator in the run's process tree)
-        run_id = next(p.name[len("nxdt-"):].split(".")[0] for p in Path("/dev/shm").glob("nxdt-x*")
-                      if np.frombuffer(p.read_bytes()[:16], dtype=np.int64)[1] in tree)
+        run_id = next(
+            p.name[len("nxdt-") :].split(".")[0]
+            for p in Path("/dev/shm").glob("nxdt-x*")
+            if np.frombuffer(p.read_bytes()[:16], dtype=np.int64)[1] in tree
+        )
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
         keys = [f"nxdt/{run_id}/0/1/{k}" for k in ("run_nonce", "host/0", "host/1", "left")]
         keys += [f"nxdt/resume/{run_id}/0", f"nxdt/resume/{run_id}/1", "MASTER_ADDR", "MASTER_PORT"]
-        keys += [f"{run_id}/torchelastic/{k}" for k in ("role_info/0", "assigned_ranks/0", "agent/terminal_state/num_members",
-                                                         "agent/terminal_state/last_member")]
+        keys += [
+            f"{run_id}/torchelastic/{k}"
+            for k in ("role_info/0", "assigned_ranks/0", "agent/terminal_state/num_members", "agent/terminal_state/last_member")
+        ]
         for key in keys:
             store.set(key, payload)
         out, err = proc.communicate(timeout=180)
@@ -146,4 +174,3 @@ def test_hostile_payloads_in_every_store_key_run_no_code(tmp_path):
     assert not marker.exists(), "a pickled payload from the store was executed"
     assert "Traceback" not in err, err[-3000:]  # torch's agent logs its broken exit barrier to logs/launcher.log
     assert proc.returncode == 0 or err.strip().splitlines()[-1].startswith("nxdt:"), err[-2000:]
-

@@ -62,18 +62,35 @@ def test_segments_need_matching_shapes():
 
 
 def _cfg(**over):
-    base = dict(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2,
-                ffn_hidden_size=48, max_position_embeddings=32, rope_theta=10000.0, norm_eps=1e-5,
-                tie_word_embeddings=False, init_method_std=0.02, activations_checkpoint_granularity=None,
-                core_attention="sdpa")
+    base = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=48,
+        max_position_embeddings=32,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+        tie_word_embeddings=False,
+        init_method_std=0.02,
+        activations_checkpoint_granularity=None,
+        core_attention="sdpa",
+    )
     base.update(over)
     return SimpleNamespace(**base)
 
 
-@pytest.mark.parametrize("model_cls,impl,ckpt", [
-    (LlamaForCausalLM, "sdpa", None), (LlamaForCausalLM, "blockwise", "full"), (LlamaForCausalLM, "naive", "selective"),
-    (GPTForCausalLM, "sdpa", None), (GPTForCausalLM, "naive", "full"),
-])
+@pytest.mark.parametrize(
+    "model_cls,impl,ckpt",
+    [
+        (LlamaForCausalLM, "sdpa", None),
+        (LlamaForCausalLM, "blockwise", "full"),
+        (LlamaForCausalLM, "naive", "selective"),
+        (GPTForCausalLM, "sdpa", None),
+        (GPTForCausalLM, "naive", "full"),
+    ],
+)
 def test_a_packed_row_gives_each_records_own_logits(model_cls, impl, ckpt):
     torch.manual_seed(0)
     model = model_cls(_cfg(core_attention=impl, activations_checkpoint_granularity=ckpt))
@@ -82,7 +99,7 @@ def test_a_packed_row_gives_each_records_own_logits(model_cls, impl, ckpt):
     packed = model(ids, position_ids=pos[None], segment_ids=seg[None])
     alone, start = [], 0
     for n in LENGTHS:
-        alone.append(model(ids[:, start:start + n]))
+        alone.append(model(ids[:, start : start + n]))
         start += n
     torch.testing.assert_close(packed, torch.cat(alone, dim=1), atol=1e-5, rtol=0)
 

@@ -25,10 +25,21 @@ SEQ = 64
 
 def _model() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    cfg = SimpleNamespace(vocab_size=256, hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2,
-                          ffn_hidden_size=48, max_position_embeddings=SEQ, rope_theta=10000.0, norm_eps=1e-5,
-                          tie_word_embeddings=False, init_method_std=0.02, activations_checkpoint_granularity=None,
-                          core_attention="sdpa")
+    cfg = SimpleNamespace(
+        vocab_size=256,
+        hidden_size=32,
+        num_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=48,
+        max_position_embeddings=SEQ,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+        tie_word_embeddings=False,
+        init_method_std=0.02,
+        activations_checkpoint_granularity=None,
+        core_attention="sdpa",
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -77,8 +88,9 @@ def test_the_sft_loss_is_the_masked_cross_entropy_over_every_labelled_token_of_t
     # a mean of per-micro-batch means would differ: the weighting is what makes it the token mean
     mbs = split_micro_batches(batch, 1)
     with torch.no_grad():
-        mean_of_means = sum(float(model.loss_fn(model(mb["input_ids"], mb["position_ids"], mb["segment_ids"]), mb["labels"]))
-                            for mb in mbs) / len(mbs)
+        mean_of_means = sum(
+            float(model.loss_fn(model(mb["input_ids"], mb["position_ids"], mb["segment_ids"]), mb["labels"])) for mb in mbs
+        ) / len(mbs)
     assert abs(mean_of_means - want) > 1e-4
 
 
@@ -167,8 +179,16 @@ def test_the_sft_recipe_composes_onto_nxdts_config_tree():
 def test_limit_val_batches_counts_global_validation_batches(limit, batches):
     from nxdt.lightning.datamodule import NxDDataModule
 
-    cfg = SimpleNamespace(source="synthetic", micro_batch_size=2, global_batch_size=8, seq_length=16, train_dir=None,
-                          tokenizer=None, num_samples=40, val_dir=None)
+    cfg = SimpleNamespace(
+        source="synthetic",
+        micro_batch_size=2,
+        global_batch_size=8,
+        seq_length=16,
+        train_dir=None,
+        tokenizer=None,
+        num_samples=40,
+        val_dir=None,
+    )
     dm = NxDDataModule(cfg, seed=0, vocab_size=64, limit_val_batches=limit)
     dm.val_dataset = list(range(30))  # 30 samples: 4 global batches of 8, the last one padded
     assert dm.validation_batches() == batches
@@ -189,8 +209,9 @@ def test_instruction_records_read_from_jsonl_files_a_directory_and_a_save_to_dis
     for name, part in (("data-00000-of-00002.arrow", table.slice(0, 4)), ("data-00001-of-00002.arrow", table.slice(4))):
         with pa.OSFile(str(saved / name), "wb") as sink, pyarrow.ipc.new_stream(sink, part.schema) as writer:
             writer.write_table(part)
-    (saved / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00002.arrow"},
-                                                                  {"filename": "data-00001-of-00002.arrow"}]}))
+    (saved / "state.json").write_text(
+        json.dumps({"_data_files": [{"filename": "data-00000-of-00002.arrow"}, {"filename": "data-00001-of-00002.arrow"}]})
+    )
     assert read_instruction_records(saved) == records
     assert read_instruction_records(saved, limit=5) == records[:5]  # data.dev_choose_samples, across shards
     jsonl = tmp_path / "jsonl"
@@ -210,8 +231,17 @@ def test_val_split_holds_out_the_last_samples_and_never_trains_on_them():
     assert hold_out(list(range(10)), 0.0)[1] is None
     with pytest.raises(ValueError, match="nothing to train on"):
         hold_out([0], 0.5)
-    cfg = SimpleNamespace(source="synthetic", micro_batch_size=2, global_batch_size=8, seq_length=16, train_dir=None,
-                          tokenizer=None, num_samples=40, val_dir=None, val_split=0.1)
+    cfg = SimpleNamespace(
+        source="synthetic",
+        micro_batch_size=2,
+        global_batch_size=8,
+        seq_length=16,
+        train_dir=None,
+        tokenizer=None,
+        num_samples=40,
+        val_dir=None,
+        val_split=0.1,
+    )
     dm = NxDDataModule(cfg, seed=0, vocab_size=64)
     dm.setup("fit")
     assert (len(dm.dataset), len(dm.val_dataset), dm.validation_batches()) == (36, 4, 1)

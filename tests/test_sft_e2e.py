@@ -29,15 +29,34 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 CONFIGS = Path(__file__).parent / "nxdt_configs"
 NAME = "hf_llama3_8B_SFT_config"
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-SHRINK = ["instance=cpu", "trainer.max_steps=3", "trainer.log_every_n_steps=1", "trainer.val_check_interval=3",
-          "trainer.limit_val_batches=1.0", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
-          "model.num_kv_heads=2", "model.ffn_hidden_size=96", "model.vocab_size=272", "model.encoder_seq_length=64",
-          "model.max_position_embeddings=64", "data.seq_length=64", "data.global_batch_size=8", "data.micro_batch_size=2",
-          "model.optim.lr=3e-3", "exp_manager.create_tensorboard_logger=false", "comm.timeout_s=60",
-          "distributed_strategy.tensor_model_parallel_size=1", "distributed_strategy.sequence_parallel=false",
-          "exp_manager.checkpoint_callback_params.every_n_train_steps=3"]
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SHRINK = [
+    "instance=cpu",
+    "trainer.max_steps=3",
+    "trainer.log_every_n_steps=1",
+    "trainer.val_check_interval=3",
+    "trainer.limit_val_batches=1.0",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.num_kv_heads=2",
+    "model.ffn_hidden_size=96",
+    "model.vocab_size=272",
+    "model.encoder_seq_length=64",
+    "model.max_position_embeddings=64",
+    "data.seq_length=64",
+    "data.global_batch_size=8",
+    "data.micro_batch_size=2",
+    "model.optim.lr=3e-3",
+    "exp_manager.create_tensorboard_logger=false",
+    "comm.timeout_s=60",
+    "distributed_strategy.tensor_model_parallel_size=1",
+    "distributed_strategy.sequence_parallel=false",
+    "exp_manager.checkpoint_callback_params.every_n_train_steps=3",
+]
 FP32_FROM_SCRATCH = ["precision.type=fp32", "model.weight_init_only=false", "exp_manager.resume_from_checkpoint=null"]
 
 
@@ -53,8 +72,16 @@ def _tokenizer(directory: Path) -> Path:
     tok.add_special_tokens(specials)
     directory.mkdir()
     tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin|>", "eos_token": "<|end|>", "chat_template": TEMPLATE}))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<|begin|>",
+                "eos_token": "<|end|>",
+                "chat_template": TEMPLATE,
+            }
+        )
+    )
     return directory
 
 
@@ -67,9 +94,14 @@ def data(tmp_path_factory):
 
 
 def _train(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "nxdt.cli", "train", "--config-path", str(CONFIGS), "--config-name", NAME,
-                             *SHRINK, *overrides], cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                            capture_output=True, text=True, timeout=230)
+    result = subprocess.run(
+        [sys.executable, "-m", "nxdt.cli", "train", "--config-path", str(CONFIGS), "--config-name", NAME, *SHRINK, *overrides],
+        cwd=cwd,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        capture_output=True,
+        text=True,
+        timeout=230,
+    )
     assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
     return result
 
@@ -83,9 +115,16 @@ def _rows(run: Path) -> list[dict[str, str]]:
 def reference(tmp_path_factory, data):
     """One process, fp32, from scratch, run directory <exp_dir>/hf_llama/<timestamp> (the file's name)."""
     cwd = tmp_path_factory.mktemp("sft_single")
-    result = _train(cwd, *FP32_FROM_SCRATCH, "trainer.devices=1", f"exp_manager.exp_dir={cwd / 'exp'}",
-                    f"data.tokenizer.type={data['tokenizer']}", f"data.train_dir={SAMPLE_INSTRUCTIONS}", "data.dev_choose_samples=64",
-                    f"data.val_dir={data['val']}")
+    result = _train(
+        cwd,
+        *FP32_FROM_SCRATCH,
+        "trainer.devices=1",
+        f"exp_manager.exp_dir={cwd / 'exp'}",
+        f"data.tokenizer.type={data['tokenizer']}",
+        f"data.train_dir={SAMPLE_INSTRUCTIONS}",
+        "data.dev_choose_samples=64",
+        f"data.val_dir={data['val']}",
+    )
     (run,) = (cwd / "exp" / "hf_llama").iterdir()
     return {"run": run, "rows": _rows(run), "stdout": result.stdout, "exp": cwd / "exp"}
 
@@ -102,13 +141,26 @@ def test_the_nxdt_sft_config_trains_packed_chat_records_and_validates(reference)
     assert (reference["run"] / "checkpoints" / "step-3" / "done").is_file()
 
 
-@pytest.mark.parametrize("layout", [["trainer.devices=2"],
-                                    ["trainer.devices=2", "distributed_strategy.tensor_model_parallel_size=2",
-                                     "distributed_strategy.sequence_parallel=true"]], ids=["dp2", "tp2-sp"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["trainer.devices=2"],
+        ["trainer.devices=2", "distributed_strategy.tensor_model_parallel_size=2", "distributed_strategy.sequence_parallel=true"],
+    ],
+    ids=["dp2", "tp2-sp"],
+)
 def test_data_and_tensor_parallel_sft_equal_one_process(tmp_path, reference, data, layout):
     run = tmp_path / "run"
-    _train(tmp_path, *FP32_FROM_SCRATCH, *layout, f"exp_manager.explicit_log_dir={run}", f"data.tokenizer.type={data['tokenizer']}",
-           f"data.train_dir={SAMPLE_INSTRUCTIONS}", "data.dev_choose_samples=64", f"data.val_dir={data['val']}")
+    _train(
+        tmp_path,
+        *FP32_FROM_SCRATCH,
+        *layout,
+        f"exp_manager.explicit_log_dir={run}",
+        f"data.tokenizer.type={data['tokenizer']}",
+        f"data.train_dir={SAMPLE_INSTRUCTIONS}",
+        "data.dev_choose_samples=64",
+        f"data.val_dir={data['val']}",
+    )
     got, want = _rows(run), reference["rows"]
     # fp32; TP splits the matmuls' reductions and the vocabulary softmax, DP runs other thread counts: the losses
     # differ by float rounding only (~1e-7 relative per token), far inside 1e-5
@@ -124,8 +176,16 @@ def test_the_file_as_it_is_starts_from_the_pretrained_checkpoint_with_a_fresh_op
     from safetensors.torch import load_file
 
     ckpt = reference["run"] / "checkpoints" / "step-3"
-    _train(tmp_path, "trainer.devices=2", f"exp_manager.exp_dir={reference['exp']}", f"exp_manager.resume_from_checkpoint={ckpt}",
-           f"data.tokenizer.type={data['tokenizer']}", f"data.train_dir={SAMPLE_INSTRUCTIONS}", "data.dev_choose_samples=48", f"data.val_dir={data['val']}")
+    _train(
+        tmp_path,
+        "trainer.devices=2",
+        f"exp_manager.exp_dir={reference['exp']}",
+        f"exp_manager.resume_from_checkpoint={ckpt}",
+        f"data.tokenizer.type={data['tokenizer']}",
+        f"data.train_dir={SAMPLE_INSTRUCTIONS}",
+        "data.dev_choose_samples=48",
+        f"data.val_dir={data['val']}",
+    )
     runs = sorted((reference["exp"] / "hf_llama").iterdir())
     assert len(runs) == 2 and reference["run"] in runs  # the pretraining-like run was left alone
     (run,) = [r for r in runs if r != reference["run"]]

@@ -18,8 +18,13 @@ import pytest
 import torch
 
 from nxdt.lightning.optim import build_optimizer
-from nxdt.parallel.stochastic_rounding import (StochasticRoundingAdamW, random_bits16, stochastic_round_bf16,
-                                               stream_generator, stream_seed)
+from nxdt.parallel.stochastic_rounding import (
+    StochasticRoundingAdamW,
+    random_bits16,
+    stochastic_round_bf16,
+    stream_generator,
+    stream_seed,
+)
 from nxdt.parallel.zero1 import Zero1Optimizer
 
 BF16_MAX = torch.finfo(torch.bfloat16).max
@@ -35,8 +40,11 @@ def neighbours(x: float) -> tuple[float, float]:
 
 # ------------------------------------------------------------------------------------------------ the cast
 
-@pytest.mark.parametrize("x", [1.0 + 0.3 * 2**-7, 1.0 + 0.999 * 2**-7, 1.0 + 2**-23, 2.0 - 2**-22, 3.14159,
-                               -2.71828, 1e-3, -7.5e-20, 6e4, 1.5e-39, 3.3e38])
+
+@pytest.mark.parametrize(
+    "x",
+    [1.0 + 0.3 * 2**-7, 1.0 + 0.999 * 2**-7, 1.0 + 2**-23, 2.0 - 2**-22, 3.14159, -2.71828, 1e-3, -7.5e-20, 6e4, 1.5e-39, 3.3e38],
+)
 def test_rounding_is_unbiased_between_bf16_neighbours(x):
     """N roundings of x: only the two neighbours occur, and their mean is x within 5 standard errors.
 
@@ -73,8 +81,9 @@ def test_unbiased_over_many_magnitudes_and_signs():
 def test_exact_bf16_values_are_unchanged():
     g = torch.Generator().manual_seed(1)
     values = (torch.randn(100_000, generator=g) * 1e3).to(torch.bfloat16)
-    specials = torch.tensor([0.0, -0.0, BF16_MAX, -BF16_MAX, torch.finfo(torch.bfloat16).tiny, 9.1835e-41, 1.0, -1.0],
-                            dtype=torch.bfloat16)
+    specials = torch.tensor(
+        [0.0, -0.0, BF16_MAX, -BF16_MAX, torch.finfo(torch.bfloat16).tiny, 9.1835e-41, 1.0, -1.0], dtype=torch.bfloat16
+    )
     values = torch.cat([values, specials])
     for seed in range(3):
         out = stochastic_round_bf16(values.float(), stream_generator(seed))
@@ -82,8 +91,22 @@ def test_exact_bf16_values_are_unchanged():
 
 
 def test_signs_zeros_inf_nan_and_saturation():
-    x = torch.tensor([math.inf, -math.inf, math.nan, 0.0, -0.0, 3.4e38, -3.4e38, torch.finfo(torch.float32).max,
-                      -torch.finfo(torch.float32).max, -1.0 - 0.5 * 2**-7, 1e-45, -1e-45])
+    x = torch.tensor(
+        [
+            math.inf,
+            -math.inf,
+            math.nan,
+            0.0,
+            -0.0,
+            3.4e38,
+            -3.4e38,
+            torch.finfo(torch.float32).max,
+            -torch.finfo(torch.float32).max,
+            -1.0 - 0.5 * 2**-7,
+            1e-45,
+            -1e-45,
+        ]
+    )
     for seed in range(20):
         out = stochastic_round_bf16(x, stream_generator(seed)).float()
         assert out[0] == math.inf and out[1] == -math.inf and math.isnan(out[2])
@@ -115,6 +138,7 @@ def test_random_bits_are_16_uniform_bits_and_keyed():
 
 
 # ------------------------------------------------------------------------------------------------ the optimizer
+
 
 def test_fp32_parameters_update_exactly_as_torch_adamw():
     torch.manual_seed(0)
@@ -185,8 +209,10 @@ def _train(model, opt, steps: int, start: int = 0) -> None:
 
 
 def _groups(model):
-    return [{"params": [p for p in model.parameters() if p.ndim > 1], "weight_decay": 0.1},
-            {"params": [p for p in model.parameters() if p.ndim <= 1], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in model.parameters() if p.ndim > 1], "weight_decay": 0.1},
+        {"params": [p for p in model.parameters() if p.ndim <= 1], "weight_decay": 0.0},
+    ]
 
 
 def _snapshot(model, opt) -> list[torch.Tensor]:
@@ -236,6 +262,7 @@ def test_same_seed_is_bitwise_repeatable_and_a_resume_continues_bitwise(fp32_sta
 def test_zero1_rebuilds_it_from_its_defaults_and_resumes_bitwise():
     """NxDStrategy.shard_optimizer rebuilds the module's optimizer class around flat shards from the defaults
     its constructor accepts: the seed and fp32_state must be among them."""
+
     def fresh():
         model = _mlp()
         built = StochasticRoundingAdamW(_groups(model), lr=1e-3, seed=3, fp32_state=True)
@@ -270,6 +297,7 @@ def test_replicas_round_alike():
 
 # ------------------------------------------------------------------------------------------------ wiring
 
+
 def _optim_cfg(name="adamw"):
     return SimpleNamespace(name=name, lr=1e-3, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.01, decay_norms_and_biases=False)
 
@@ -299,8 +327,13 @@ def test_sr_with_fp32_is_one_line_exit_2(tmp_path):
 
     with pytest.raises(ConfigError, match="fp32SR.*nothing to bf16.*bf16SR, mixed_precisionSR"):
         compose_config(["data=synthetic", "precision.type=fp32SR"])
-    result = subprocess.run([sys.executable, "-m", "nxdt.cli", "train", "precision.type=fp32SR"], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "nxdt.cli", "train", "precision.type=fp32SR"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1 and "precision.type='fp32SR'" in lines[0], result.stderr
     assert not (tmp_path / "outputs").exists()
@@ -312,20 +345,30 @@ CONFIGS = Path(__file__).parent / "nxdt_configs"
 def _nxdt_precision(**precision):
     from nxdt.config.nxdt_compat import flatten, translate
 
-    cfg = {"name": "t", "model_source": "hf", "trainer": {"devices": 2, "num_nodes": 1, "max_steps": 100},
-           "data": {"micro_batch_size": 1, "global_batch_size": 8}, "model": {"model_config": "c.json", "encoder_seq_length": 128},
-           "precision": precision}
+    cfg = {
+        "name": "t",
+        "model_source": "hf",
+        "trainer": {"devices": 2, "num_nodes": 1, "max_steps": 100},
+        "data": {"micro_batch_size": 1, "global_batch_size": 8},
+        "model": {"model_config": "c.json", "encoder_seq_length": 128},
+        "precision": precision,
+    }
     t = translate(cfg, json.loads((CONFIGS / "llama3_8B_config.json").read_text()))
     return flatten(t.config)["precision.type"], t.notes
 
 
-@pytest.mark.parametrize("precision, ours", [
-    ({"type": "bf16SR"}, "bf16SR"),
-    ({"type": "mixed_precisionSR"}, "mixed_precisionSR"),
-    ({"type": "manual", "xla_use_bf16": "1", "neuron_rt_stochastic_rounding_en": "1"}, "bf16SR"),
-    ({"type": "manual", "xla_downcast_bf16": "1", "master_weights": True, "neuron_rt_stochastic_rounding_en": "1"},
-     "mixed_precisionSR"),
-])
+@pytest.mark.parametrize(
+    "precision, ours",
+    [
+        ({"type": "bf16SR"}, "bf16SR"),
+        ({"type": "mixed_precisionSR"}, "mixed_precisionSR"),
+        ({"type": "manual", "xla_use_bf16": "1", "neuron_rt_stochastic_rounding_en": "1"}, "bf16SR"),
+        (
+            {"type": "manual", "xla_downcast_bf16": "1", "master_weights": True, "neuron_rt_stochastic_rounding_en": "1"},
+            "mixed_precisionSR",
+        ),
+    ],
+)
 def test_nxdt_sr_types_translate_to_ours_with_a_note(precision, ours):
     kind, notes = _nxdt_precision(**precision)
     assert kind == ours
@@ -350,11 +393,28 @@ def test_nxdt_train_bf16sr_end_to_end(tmp_path):
     from safetensors.torch import load_file
 
     run = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "nxdt.cli", "train", "model=llama_tiny", "data=synthetic", "seed=7",
-                             "precision.type=bf16SR", "trainer.max_steps=4", "trainer.log_every_n_steps=1",
-                             "exp_manager.create_tensorboard_logger=false", "exp_manager.checkpoint_every_n_steps=4",
-                             f"exp_manager.explicit_log_dir={run}"], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=200, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nxdt.cli",
+            "train",
+            "model=llama_tiny",
+            "data=synthetic",
+            "seed=7",
+            "precision.type=bf16SR",
+            "trainer.max_steps=4",
+            "trainer.log_every_n_steps=1",
+            "exp_manager.create_tensorboard_logger=false",
+            "exp_manager.checkpoint_every_n_steps=4",
+            f"exp_manager.explicit_log_dir={run}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     with open(run / "metrics.csv", newline="") as fh:
         loss = {int(r["step"]): float(r["loss"]) for r in csv.DictReader(fh)}
@@ -371,8 +431,14 @@ def test_the_planner_prices_sr_types_as_what_they_store():
     from nxdt.planner import plan
 
     def memory(kind: str) -> dict:
-        cfg = compose_config(["instance=trn1.32xlarge", "model=llama3_8b", "distributed_strategy.tensor_model_parallel_size=8",
-                              f"precision.type={kind}"])
+        cfg = compose_config(
+            [
+                "instance=trn1.32xlarge",
+                "model=llama3_8b",
+                "distributed_strategy.tensor_model_parallel_size=8",
+                f"precision.type={kind}",
+            ]
+        )
         return plan(cfg).estimate["memory_per_rank_bytes"]
 
     assert memory("mixed_precisionSR") == memory("mixed_precision")  # fp32 master weights and moments, as without SR

@@ -32,7 +32,9 @@ def _instance(name: str) -> InstanceConfig:
 
 # ------------------------------------------------------------------ catalogue
 def test_every_stated_value_names_its_source():
-    numeric = [f.name for f in fields(InstanceConfig) if f.type in ("int", "float", "LinkConfig") and f.name not in ("lnc_default",)]
+    numeric = [
+        f.name for f in fields(InstanceConfig) if f.type in ("int", "float", "LinkConfig") and f.name not in ("lnc_default",)
+    ]
     for name in available_options("instance"):
         inst = _instance(name)
         for key in numeric:
@@ -50,9 +52,23 @@ def test_every_stated_value_names_its_source():
 
 def test_catalogue_covers_the_issue_list():
     names = set(available_options("instance"))
-    assert {"trn1.2xlarge", "trn1.32xlarge", "trn1n.32xlarge", "inf2.xlarge", "inf2.8xlarge", "inf2.24xlarge", "inf2.48xlarge",
-            "trn2.48xlarge", "trn2u.48xlarge", "trn3-gen1-ultraserver", "trn3-gen2-ultraserver", "p4d.24xlarge", "p5.48xlarge",
-            "gb200-nvl72", "cpu"} <= names
+    assert {
+        "trn1.2xlarge",
+        "trn1.32xlarge",
+        "trn1n.32xlarge",
+        "inf2.xlarge",
+        "inf2.8xlarge",
+        "inf2.24xlarge",
+        "inf2.48xlarge",
+        "trn2.48xlarge",
+        "trn2u.48xlarge",
+        "trn3-gen1-ultraserver",
+        "trn3-gen2-ultraserver",
+        "p4d.24xlarge",
+        "p5.48xlarge",
+        "gb200-nvl72",
+        "cpu",
+    } <= names
 
 
 # ------------------------------------------------------------------ topology graphs
@@ -80,7 +96,11 @@ def test_graph_kinds():
 def test_nxdt_topo_prints_the_neuron_ls_table(capsys):
     assert main(["topo", "trn1.32xlarge"]) == 0
     out = capsys.readouterr().out
-    rows = {line.split("|")[1].strip(): line.split("|")[5].strip() for line in out.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()}
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[5].strip()
+        for line in out.splitlines()
+        if line.startswith("| ") and line.split("|")[1].strip().isdigit()
+    }
     assert rows["0"] == "12, 3, 4, 1" and rows["5"] == "1, 4, 9, 6"
     assert "4x4 torus" in out and "device_link" in out  # guessed values are named
     assert main(["topo", "trn2.48xlarge", "--lnc", "1", "--json"]) == 0
@@ -111,8 +131,13 @@ def test_trn2_lnc2_tp32_pairs_rows_0_3_and_1_2():
 
 
 def test_megatron_example_16_ranks():
-    p = _plan("trainer.devices=16", "distributed_strategy.tensor_model_parallel_size=2",
-              "distributed_strategy.pipeline_model_parallel_size=4", "data.global_batch_size=8", "data.micro_batch_size=1")
+    p = _plan(
+        "trainer.devices=16",
+        "distributed_strategy.tensor_model_parallel_size=2",
+        "distributed_strategy.pipeline_model_parallel_size=4",
+        "data.global_batch_size=8",
+        "data.micro_batch_size=1",
+    )
     assert p.groups["tp"][:3] == [[0, 1], [2, 3], [4, 5]]
     assert p.groups["dp"][:2] == [[0, 2], [1, 3]]
     assert p.groups["pp"][:2] == [[0, 4, 8, 12], [1, 5, 9, 13]]
@@ -120,19 +145,36 @@ def test_megatron_example_16_ranks():
 
 def test_two_member_groups_must_be_neighbours_or_another_order_is_found():
     # identity would pair devices 0 and 8 (two rows apart) for PP; row_pairs makes them neighbours
-    p = _plan("instance=trn1.32xlarge", "distributed_strategy.tensor_model_parallel_size=8",
-              "distributed_strategy.pipeline_model_parallel_size=2", *LLAMA8B)
+    p = _plan(
+        "instance=trn1.32xlarge",
+        "distributed_strategy.tensor_model_parallel_size=8",
+        "distributed_strategy.pipeline_model_parallel_size=2",
+        *LLAMA8B,
+    )
     topo = topology_of(_instance("trn1.32xlarge"))
     for g in p.groups["pp"] + p.groups["dp"]:
         devices = sorted({topo.device_of(r) for r in g})
         assert len(devices) != 2 or topo.distance(*devices) == 1
 
 
-@pytest.mark.parametrize("overrides,needle", [
-    (["instance=inf2.48xlarge", "distributed_strategy.tensor_model_parallel_size=3", "model.num_attention_heads=24", "model.num_kv_heads=24",
-      "model.hidden_size=3072", "model.vocab_size=264", *BATCH], "even number of ranks"),
-    (["instance=inf2.48xlarge", "distributed_strategy.tensor_model_parallel_size=4", *LLAMA8B], "not consecutive"),
-])
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (
+            [
+                "instance=inf2.48xlarge",
+                "distributed_strategy.tensor_model_parallel_size=3",
+                "model.num_attention_heads=24",
+                "model.num_kv_heads=24",
+                "model.hidden_size=3072",
+                "model.vocab_size=264",
+                *BATCH,
+            ],
+            "even number of ranks",
+        ),
+        (["instance=inf2.48xlarge", "distributed_strategy.tensor_model_parallel_size=4", *LLAMA8B], "not consecutive"),
+    ],
+)
 def test_rejected_layouts_name_the_rule_and_the_degrees_that_work(overrides, needle):
     with pytest.raises(PlacementError, match=needle) as info:
         _plan(*overrides)
@@ -140,17 +182,31 @@ def test_rejected_layouts_name_the_rule_and_the_degrees_that_work(overrides, nee
     assert len(str(info.value).splitlines()) == 1
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["plan", "instance=trn1.32xlarg"], "did you mean 'trn1.32xlarge'"),
-    (["plan", "instance=trn1.2xlarge", "trainer.devices=4"], "at most 2 ranks"),
-    (["plan", "instance=trn1.2xlarge", "trainer.num_nodes=2"], "cannot run multi-node"),
-    (["plan", "instance=trn1.32xlarge", "trainer.lnc=2"], "no logical-NeuronCore setting"),
-    (["plan", "instance=trn2.48xlarge", "trainer.lnc=4"], "accepts LNC 1, 2"),
-    (["plan", "instance=inf2.48xlarge", "distributed_strategy.tensor_model_parallel_size=3", "model.num_attention_heads=24",
-      "model.num_kv_heads=24", "model.hidden_size=3072", "model.vocab_size=264", *BATCH], "topology rule"),
-    (["topo", "trn9.huge"], "unknown instance"),
-    (["topo", "trn1.32xlarge", "--lnc", "2"], "no logical-NeuronCore setting"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["plan", "instance=trn1.32xlarg"], "did you mean 'trn1.32xlarge'"),
+        (["plan", "instance=trn1.2xlarge", "trainer.devices=4"], "at most 2 ranks"),
+        (["plan", "instance=trn1.2xlarge", "trainer.num_nodes=2"], "cannot run multi-node"),
+        (["plan", "instance=trn1.32xlarge", "trainer.lnc=2"], "no logical-NeuronCore setting"),
+        (["plan", "instance=trn2.48xlarge", "trainer.lnc=4"], "accepts LNC 1, 2"),
+        (
+            [
+                "plan",
+                "instance=inf2.48xlarge",
+                "distributed_strategy.tensor_model_parallel_size=3",
+                "model.num_attention_heads=24",
+                "model.num_kv_heads=24",
+                "model.hidden_size=3072",
+                "model.vocab_size=264",
+                *BATCH,
+            ],
+            "topology rule",
+        ),
+        (["topo", "trn9.huge"], "unknown instance"),
+        (["topo", "trn1.32xlarge", "--lnc", "2"], "no logical-NeuronCore setting"),
+    ],
+)
 def test_bad_input_is_one_line_exit_2(argv, needle, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -172,7 +228,10 @@ def test_estimate_reproduces_the_published_two_core_nccom_test_table():
     for nbytes, measured_us in _published_sweep("trn1-allr-r2"):
         _, seconds, _ = estimate_collective("all_reduce", [0, 1], nbytes, topo, inst, 2)
         if nbytes >= 1 << 20:
-            predicted, real = bus_bandwidth("all_reduce", 2, nbytes, seconds), bus_bandwidth("all_reduce", 2, nbytes, measured_us * 1e-6)
+            predicted, real = (
+                bus_bandwidth("all_reduce", 2, nbytes, seconds),
+                bus_bandwidth("all_reduce", 2, nbytes, measured_us * 1e-6),
+            )
             assert abs(predicted / real - 1) <= 0.35, nbytes
         else:
             assert 0.5 <= seconds * 1e6 / measured_us <= 2.0, nbytes
@@ -184,7 +243,9 @@ def test_algorithm_choice_follows_size_and_span():
     node = list(range(32))
     small = estimate_collective("all_reduce", node, 1 << 10, topo, inst, 32)[0]
     large = estimate_collective("all_reduce", node, 1 << 30, topo, inst, 32)[0]
-    assert small in ("direct", "rhd") and large == "ring"  # latency-bound vs bandwidth-bound (reference: mesh < 1 MB, ring at large sizes)
+    assert (
+        small in ("direct", "rhd") and large == "ring"
+    )  # latency-bound vs bandwidth-bound (reference: mesh < 1 MB, ring at large sizes)
     across = estimate_collective("all_reduce", list(range(64)), 64 << 20, topo, inst, 32)[0]
     assert across == "hierarchical"
 
@@ -223,8 +284,36 @@ def test_comm_test_estimate_prints_an_nccom_test_table(capsys):
 def test_comm_test_estimate_takes_nccom_tests_flags_and_a_measured_runs_outputs(tmp_path, capsys):
     # nccom-test's documented two-instance example: -r is the total (64 = 2 × 32), -N the nodes
     report = tmp_path / "f.json"
-    assert main(["comm-test", "--estimate", "--instance", "trn1.32xlarge", "-N", "2", "-r", "64", "-b", "8", "-e", "1gb", "-f", "2",
-                 "-d", "fp32", "-n", "50", "-w", "5", "--report-to-json-file", str(report), "allr"]) == 0
+    assert (
+        main(
+            [
+                "comm-test",
+                "--estimate",
+                "--instance",
+                "trn1.32xlarge",
+                "-N",
+                "2",
+                "-r",
+                "64",
+                "-b",
+                "8",
+                "-e",
+                "1gb",
+                "-f",
+                "2",
+                "-d",
+                "fp32",
+                "-n",
+                "50",
+                "-w",
+                "5",
+                "--report-to-json-file",
+                str(report),
+                "allr",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "on 2 × trn1.32xlarge (64 ranks, 32 per node)" in out and "# algorithm" not in out
     data = json.loads(report.read_text())
@@ -234,19 +323,46 @@ def test_comm_test_estimate_takes_nccom_tests_flags_and_a_measured_runs_outputs(
     assert data["layout"] == f"host 0: ranks {list(range(32))} | host 1: ranks {list(range(32, 64))}"
     assert data["estimate"]["instance"] == "trn1.32xlarge" and data["estimate"]["ranks_per_node"] == 32
 
-    assert main(["comm-test", "--estimate", "--instance", "trn1.32xlarge", "-N", "2", "-r", "64", "-b", "1mb", "-e", "4mb",
-                 "--show-algorithm", "--report-to-json-file", str(report), "allr"]) == 0
+    assert (
+        main(
+            [
+                "comm-test",
+                "--estimate",
+                "--instance",
+                "trn1.32xlarge",
+                "-N",
+                "2",
+                "-r",
+                "64",
+                "-b",
+                "1mb",
+                "-e",
+                "4mb",
+                "--show-algorithm",
+                "--report-to-json-file",
+                str(report),
+                "allr",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "# algorithm: hierarchical (1MB–4MB)" in out and out.count("hierarchical") == 1 + 2  # the band, then each row
-    assert json.loads(report.read_text())["algorithms"] == {"1048576": {"allr": "hierarchical"}, "4194304": {"allr": "hierarchical"}}
+    assert json.loads(report.read_text())["algorithms"] == {
+        "1048576": {"allr": "hierarchical"},
+        "4194304": {"allr": "hierarchical"},
+    }
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["-c"], "--check: an estimate has nothing to check"),
-    (["--check"], "--check: an estimate has nothing to check"),
-    (["-N", "2", "-r", "128"], "-r 128 over -N 2 nodes is 64 ranks per node: a trn1.32xlarge node runs at most 32 ranks"),
-    (["-N", "2", "-r", "3"], "-r 3 ranks do not divide equally over -N 2 nodes"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["-c"], "--check: an estimate has nothing to check"),
+        (["--check"], "--check: an estimate has nothing to check"),
+        (["-N", "2", "-r", "128"], "-r 128 over -N 2 nodes is 64 ranks per node: a trn1.32xlarge node runs at most 32 ranks"),
+        (["-N", "2", "-r", "3"], "-r 3 ranks do not divide equally over -N 2 nodes"),
+    ],
+)
 def test_comm_test_estimate_refusals_are_one_line(argv, needle, capsys):
     assert main(["comm-test", "--estimate", "--instance", "trn1.32xlarge", *argv, "allr"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -264,9 +380,17 @@ def test_pipeline_stages_send_the_sequence_parallel_shard():
     """With SP the stage boundary is in the sequence-parallel layout, so each TP rank sends its s/t rows:
     b·s·h·2/t = 1·4096·4096·2/8 = 4194304 bytes; without SP every TP rank holds (and sends) the whole activation,
     33554432. Forward and backward, once per micro-batch each: 2 × 32 micro-batches (global 64 / (micro 1 × DP 2))."""
-    common = ["instance=trn1.32xlarge", "trainer.num_nodes=2", "model=llama3_8b", "distributed_strategy.tensor_model_parallel_size=8",
-              "distributed_strategy.pipeline_model_parallel_size=4", "data.seq_length=4096", "data.micro_batch_size=1",
-              "data.global_batch_size=64", "precision.type=mixed_precision"]
+    common = [
+        "instance=trn1.32xlarge",
+        "trainer.num_nodes=2",
+        "model=llama3_8b",
+        "distributed_strategy.tensor_model_parallel_size=8",
+        "distributed_strategy.pipeline_model_parallel_size=4",
+        "data.seq_length=4096",
+        "data.micro_batch_size=1",
+        "data.global_batch_size=64",
+        "precision.type=mixed_precision",
+    ]
     for sp, nbytes in (("true", 4194304), ("false", 33554432)):
         [row] = [r for r in _plan(*common, f"distributed_strategy.sequence_parallel={sp}").collectives if r["dim"] == "pp"]
         assert (row["op"], row["bytes"], row["count"]) == ("send_recv", nbytes, 64), sp
@@ -274,12 +398,22 @@ def test_pipeline_stages_send_the_sequence_parallel_shard():
 
 def test_memory_model_shards_with_zero1_and_tp():
     base = _plan("instance=trn1.32xlarge", "distributed_strategy.tensor_model_parallel_size=8", *LLAMA8B)
-    zero = _plan("instance=trn1.32xlarge", "distributed_strategy.tensor_model_parallel_size=8", "distributed_strategy.zero1=true", *LLAMA8B)
+    zero = _plan(
+        "instance=trn1.32xlarge", "distributed_strategy.tensor_model_parallel_size=8", "distributed_strategy.zero1=true", *LLAMA8B
+    )
     m0, m1 = base.estimate["memory_per_rank_bytes"], zero.estimate["memory_per_rank_bytes"]
     assert m1["optimizer"] == pytest.approx(m0["optimizer"] / 4)  # DP = 4
     assert m1["parameters"] == m0["parameters"]
-    assert any("does not fit" in w for w in _plan("instance=trn1.32xlarge", "model=llama3_70b", "distributed_strategy.tensor_model_parallel_size=32", "distributed_strategy.kv_replicator=4",
-                                                    *BATCH).warnings)
+    assert any(
+        "does not fit" in w
+        for w in _plan(
+            "instance=trn1.32xlarge",
+            "model=llama3_70b",
+            "distributed_strategy.tensor_model_parallel_size=32",
+            "distributed_strategy.kv_replicator=4",
+            *BATCH,
+        ).warnings
+    )
 
 
 def test_plan_json_round_trip_with_estimates(tmp_path, capsys):
@@ -293,32 +427,88 @@ def test_plan_json_round_trip_with_estimates(tmp_path, capsys):
 
 
 def test_131072_ranks_plan():  # the timing of this (< 2 s) is a benchmark in the closing note, not asserted here
-    p = _plan("instance=trn2.48xlarge", "trainer.lnc=1", "trainer.num_nodes=1024", "model=llama3_70b",
-              "distributed_strategy.tensor_model_parallel_size=8", "distributed_strategy.pipeline_model_parallel_size=8",
-              "data.micro_batch_size=1", "data.global_batch_size=4096")
+    p = _plan(
+        "instance=trn2.48xlarge",
+        "trainer.lnc=1",
+        "trainer.num_nodes=1024",
+        "model=llama3_70b",
+        "distributed_strategy.tensor_model_parallel_size=8",
+        "distributed_strategy.pipeline_model_parallel_size=8",
+        "data.micro_batch_size=1",
+        "data.global_batch_size=4096",
+    )
     assert p.world_size == 131072 and len(p.groups["tp"]) == 16384
 
 
 def test_auto_ranks_valid_layouts_that_fit(capsys):
     from nxdt.planner.auto import auto_layouts
 
-    result = auto_layouts(["instance=trn1.32xlarge", "model=llama3_8b", "precision.type=mixed_precision", "distributed_strategy.zero1=true",
-                           "data.micro_batch_size=1", "data.global_batch_size=64", "data.seq_length=4096"])
+    result = auto_layouts(
+        [
+            "instance=trn1.32xlarge",
+            "model=llama3_8b",
+            "precision.type=mixed_precision",
+            "distributed_strategy.zero1=true",
+            "data.micro_batch_size=1",
+            "data.global_batch_size=64",
+            "data.seq_length=4096",
+        ]
+    )
     layouts = result["layouts"]
     assert layouts and [r["tokens_per_s"] for r in layouts] == sorted((r["tokens_per_s"] for r in layouts), reverse=True)
     assert all(r["memory_per_device_GiB"] <= 32 for r in layouts)
     assert "TP1 PP1 DP32" in result["rejected"]  # 8B with full replicas does not fit a 32 GiB device
     best = layouts[0]
-    assert plan(compose_config(["instance=trn1.32xlarge", "model=llama3_8b", "precision.type=mixed_precision", "distributed_strategy.zero1=true",
-                                "data.micro_batch_size=1", "data.global_batch_size=64", "data.seq_length=4096", *best["overrides"]])).warnings == []
-    assert main(["plan", "distributed_strategy=auto", "instance=trn1.32xlarge", "model=llama3_8b", "data.micro_batch_size=1",
-                 "data.global_batch_size=64", "precision.type=mixed_precision", "distributed_strategy.zero1=true"]) == 0
+    assert (
+        plan(
+            compose_config(
+                [
+                    "instance=trn1.32xlarge",
+                    "model=llama3_8b",
+                    "precision.type=mixed_precision",
+                    "distributed_strategy.zero1=true",
+                    "data.micro_batch_size=1",
+                    "data.global_batch_size=64",
+                    "data.seq_length=4096",
+                    *best["overrides"],
+                ]
+            )
+        ).warnings
+        == []
+    )
+    assert (
+        main(
+            [
+                "plan",
+                "distributed_strategy=auto",
+                "instance=trn1.32xlarge",
+                "model=llama3_8b",
+                "data.micro_batch_size=1",
+                "data.global_batch_size=64",
+                "precision.type=mixed_precision",
+                "distributed_strategy.zero1=true",
+            ]
+        )
+        == 0
+    )
     assert "run the best with" in capsys.readouterr().out
 
 
 def test_plan_sweeps_several_layouts(capsys):
-    assert main(["plan", "-m", "instance=trn1.32xlarge", "model=llama3_8b", "distributed_strategy.kv_replicator=4",
-                 "distributed_strategy.tensor_model_parallel_size=8,32", *BATCH]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "-m",
+                "instance=trn1.32xlarge",
+                "model=llama3_8b",
+                "distributed_strategy.kv_replicator=4",
+                "distributed_strategy.tensor_model_parallel_size=8,32",
+                *BATCH,
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.count("### ") == 2 and "TP8 PP1 CP1 EP1 DP4" in out and "TP32 PP1 CP1 EP1 DP1" in out
 

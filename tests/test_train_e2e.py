@@ -24,7 +24,9 @@ TINY = ["model=llama_tiny", "trainer.log_every_n_steps=1", "exp_manager.create_t
 
 def nxdt(*args: str, cwd: Path, timeout: float = 200) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "nxdt.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "nxdt.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -44,7 +46,14 @@ def test_default_run_learns_on_the_sample_text_and_fills_the_run_dir(everyday_ru
     loss = losses(run)
     assert sorted(loss) == list(range(1, 31))
     assert loss[30] < loss[1] - 1.0, loss  # byte-level text: starts near ln(256)=5.5, must clearly learn
-    for name in ("config.yaml", "plan.json", "logs/rank0.log", "logs/rank1.log", "checkpoints/step-30/done", "checkpoints/step-15/done"):
+    for name in (
+        "config.yaml",
+        "plan.json",
+        "logs/rank0.log",
+        "logs/rank1.log",
+        "checkpoints/step-30/done",
+        "checkpoints/step-15/done",
+    ):
         assert (run / name).exists(), name
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     with open(run / "metrics.csv", newline="") as fh:
@@ -62,9 +71,17 @@ def test_data_parallel_losses_equal_single_process(tmp_path):
     padding) equal one process's."""
     from nxdt.data import SAMPLE_TEXT
 
-    (tmp_path / "val.txt").write_bytes(SAMPLE_TEXT.read_bytes()[-37 * 128 - 1:])
-    common = [*TINY, "data=text", "trainer.max_steps=5", "data.global_batch_size=8", "data.micro_batch_size=2",
-              "trainer.gradient_clip_val=1.0", f"data.val_dir={tmp_path / 'val.txt'}", "trainer.val_check_interval=4"]
+    (tmp_path / "val.txt").write_bytes(SAMPLE_TEXT.read_bytes()[-37 * 128 - 1 :])
+    common = [
+        *TINY,
+        "data=text",
+        "trainer.max_steps=5",
+        "data.global_batch_size=8",
+        "data.micro_batch_size=2",
+        "trainer.gradient_clip_val=1.0",
+        f"data.val_dir={tmp_path / 'val.txt'}",
+        "trainer.val_check_interval=4",
+    ]
     one, two = tmp_path / "dp1", tmp_path / "dp2"
     assert_ok(nxdt("train", *common, "trainer.devices=1", f"exp_manager.explicit_log_dir={one}", cwd=tmp_path))
     assert_ok(nxdt("train", *common, "trainer.devices=2", f"exp_manager.explicit_log_dir={two}", cwd=tmp_path))
@@ -108,8 +125,18 @@ def test_failing_worker_is_named_and_nothing_is_left_running(everyday_runs):
 
 
 def test_sweep_runs_one_world_per_job_and_reports(tmp_path):
-    result = nxdt("train", "-m", *TINY, "data=synthetic", "trainer.max_steps=3", "data.global_batch_size=4",
-                  "data.micro_batch_size=2", "trainer.devices=1,2", f"exp_manager.exp_dir={tmp_path / 'out'}", cwd=tmp_path)
+    result = nxdt(
+        "train",
+        "-m",
+        *TINY,
+        "data=synthetic",
+        "trainer.max_steps=3",
+        "data.global_batch_size=4",
+        "data.micro_batch_size=2",
+        "trainer.devices=1,2",
+        f"exp_manager.exp_dir={tmp_path / 'out'}",
+        cwd=tmp_path,
+    )
     assert_ok(result)
     metrics = sorted((tmp_path / "out").rglob("metrics.csv"))
     assert len(metrics) == 2

@@ -25,7 +25,9 @@ MiB = 2**20
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+    _fields_ = [
+        (n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+    ]
 
 
 _libc = ctypes.CDLL("libc.so.6")
@@ -38,8 +40,16 @@ def in_use() -> int:
 
 
 def peak_bytes(seq: int, impl: str) -> dict:
-    cfg = compose_config(["model=llama_tiny", f"model.max_position_embeddings={seq}", f"model.core_attention={impl}",
-                          f"data.seq_length={seq}", "precision.type=fp32"], check=False)
+    cfg = compose_config(
+        [
+            "model=llama_tiny",
+            f"model.max_position_embeddings={seq}",
+            f"model.core_attention={impl}",
+            f"data.seq_length={seq}",
+            "precision.type=fp32",
+        ],
+        check=False,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg.model)
     for p in model.parameters():
@@ -75,8 +85,10 @@ def main() -> None:
     out = {impl: {str(seq): peak_bytes(seq, impl) for seq in (128, 2048)} for impl in impls}
     for impl, by_seq in out.items():
         delta = by_seq["2048"]["peak_mib"] - by_seq["128"]["peak_mib"]
-        print(f"{impl}: peak live {by_seq['128']['peak_mib']:.1f} → {by_seq['2048']['peak_mib']:.1f} MiB (Δ {delta:.1f}), "
-              f"at 2048: {by_seq['2048']['at']}")
+        print(
+            f"{impl}: peak live {by_seq['128']['peak_mib']:.1f} → {by_seq['2048']['peak_mib']:.1f} MiB (Δ {delta:.1f}), "
+            f"at 2048: {by_seq['2048']['at']}"
+        )
     (HERE / "live.json").write_text(json.dumps(out, indent=1) + "\n")
 
 

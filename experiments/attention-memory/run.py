@@ -45,15 +45,33 @@ MALLOC = {"default": {}, "pinned": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
 
 
 def config(seq: int, impl: str, steps: int) -> list[str]:
-    return ["model=llama_tiny", f"model.max_position_embeddings={seq}", f"model.core_attention={impl}", "data=synthetic",
-            f"data.seq_length={seq}", "data.micro_batch_size=1", "data.global_batch_size=1", "precision.type=fp32",
-            f"trainer.max_steps={steps}", f"model.optim.sched.max_steps={steps}", "trainer.log_every_n_steps=1",
-            "exp_manager.create_tensorboard_logger=false", "exp_manager.checkpoint_every_n_steps=1000", "trainer.devices=1"]
+    return [
+        "model=llama_tiny",
+        f"model.max_position_embeddings={seq}",
+        f"model.core_attention={impl}",
+        "data=synthetic",
+        f"data.seq_length={seq}",
+        "data.micro_batch_size=1",
+        "data.global_batch_size=1",
+        "precision.type=fp32",
+        f"trainer.max_steps={steps}",
+        f"model.optim.sched.max_steps={steps}",
+        "trainer.log_every_n_steps=1",
+        "exp_manager.create_tensorboard_logger=false",
+        "exp_manager.checkpoint_every_n_steps=1000",
+        "trainer.devices=1",
+    ]
 
 
 def nxdt(*args: str, cwd: Path, malloc: str = "default") -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "nxdt.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1", **MALLOC[malloc]}, timeout=1800)
+    return subprocess.run(
+        [sys.executable, "-m", "nxdt.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **MALLOC[malloc]},
+        timeout=1800,
+    )
 
 
 def measured_peak_mb(seq: int, impl: str, steps: int, root: Path, malloc: str) -> dict:
@@ -64,9 +82,13 @@ def measured_peak_mb(seq: int, impl: str, steps: int, root: Path, malloc: str) -
         raise RuntimeError(f"{impl} {seq}: exit {result.returncode}\n{result.stderr[-2000:]}")
     with open(run / "metrics.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
-    return {"peak_rss_mb": max(float(r["peak_rss_mb"]) for r in rows), "per_step_peak_rss_mb": [float(r["peak_rss_mb"]) for r in rows],
-            "step_time_s": [float(r["step_time_s"]) for r in rows], "load_avg_before": load,
-            "load_avg_after": [round(x, 2) for x in os.getloadavg()]}
+    return {
+        "peak_rss_mb": max(float(r["peak_rss_mb"]) for r in rows),
+        "per_step_peak_rss_mb": [float(r["peak_rss_mb"]) for r in rows],
+        "step_time_s": [float(r["step_time_s"]) for r in rows],
+        "load_avg_before": load,
+        "load_avg_after": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def planned_mb(seq: int, impl: str, root: Path) -> dict:
@@ -84,8 +106,12 @@ def compare(runs: dict, seq: int, base: int) -> dict:
     for impl, r in runs.items():
         d_meas = r[seq]["measured"]["peak_rss_mb"] - r[base]["measured"]["peak_rss_mb"]
         d_plan = r[seq]["planned"]["total_mb"] - r[base]["planned"]["total_mb"]
-        out[impl] = {"by_seq": {str(k): v for k, v in r.items()}, "measured_delta_mb": d_meas, "planned_delta_mb": d_plan,
-                     "planned_over_measured": d_plan / d_meas}
+        out[impl] = {
+            "by_seq": {str(k): v for k, v in r.items()},
+            "measured_delta_mb": d_meas,
+            "planned_delta_mb": d_plan,
+            "planned_over_measured": d_plan / d_meas,
+        }
     for eff in ("sdpa", "blockwise") if "naive" in out else ():
         if eff in out:
             dm = out["naive"]["measured_delta_mb"] - out[eff]["measured_delta_mb"]
@@ -102,20 +128,32 @@ def main() -> None:
     ap.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
     ap.add_argument("--malloc", nargs="+", choices=list(MALLOC), default=list(MALLOC))
     args = ap.parse_args()
-    out: dict = {"when_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "seq": args.seq, "base_seq": args.base_seq,
-                 "steps": args.steps, "config": config(args.seq, "<impl>", args.steps), "malloc_env": MALLOC, "by_malloc": {}}
+    out: dict = {
+        "when_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "seq": args.seq,
+        "base_seq": args.base_seq,
+        "steps": args.steps,
+        "config": config(args.seq, "<impl>", args.steps),
+        "malloc_env": MALLOC,
+        "by_malloc": {},
+    }
     with tempfile.TemporaryDirectory(prefix="attn-mem-") as tmp:
         root = Path(tmp)
         planned = {(impl, seq): planned_mb(seq, impl, root) for impl in args.impls for seq in (args.base_seq, args.seq)}
         for malloc in args.malloc:
             runs = {}
             for impl in args.impls:
-                runs[impl] = {seq: {"measured": measured_peak_mb(seq, impl, args.steps, root, malloc), "planned": planned[impl, seq]}
-                              for seq in (args.base_seq, args.seq)}
+                runs[impl] = {
+                    seq: {"measured": measured_peak_mb(seq, impl, args.steps, root, malloc), "planned": planned[impl, seq]}
+                    for seq in (args.base_seq, args.seq)
+                }
                 for seq, r in runs[impl].items():
-                    print(f"{malloc} {impl} seq {seq}: peak RSS {r['measured']['peak_rss_mb']:.0f} MiB (per step "
-                          f"{r['measured']['per_step_peak_rss_mb']}), planner total {r['planned']['total_mb']:.1f} MiB, "
-                          f"load {r['measured']['load_avg_after']}", flush=True)
+                    print(
+                        f"{malloc} {impl} seq {seq}: peak RSS {r['measured']['peak_rss_mb']:.0f} MiB (per step "
+                        f"{r['measured']['per_step_peak_rss_mb']}), planner total {r['planned']['total_mb']:.1f} MiB, "
+                        f"load {r['measured']['load_avg_after']}",
+                        flush=True,
+                    )
             out["by_malloc"][malloc] = compare(runs, args.seq, args.base_seq)
             for key, c in out["by_malloc"][malloc].items():
                 meas = c.get("measured_delta_mb", c.get("measured_mb"))

@@ -22,8 +22,16 @@ HERE = Path(__file__).resolve().parent
 
 
 def saved_bytes(seq: int, impl: str) -> int:
-    cfg = compose_config(["model=llama_tiny", f"model.max_position_embeddings={seq}", f"model.core_attention={impl}",
-                          f"data.seq_length={seq}", "precision.type=fp32"], check=False)
+    cfg = compose_config(
+        [
+            "model=llama_tiny",
+            f"model.max_position_embeddings={seq}",
+            f"model.core_attention={impl}",
+            f"data.seq_length={seq}",
+            "precision.type=fp32",
+        ],
+        check=False,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg.model)
     storages: dict[int, int] = {}

@@ -38,8 +38,15 @@ def _body(world, args: dict) -> dict:
     import nxdt
 
     n, rank = world.world_size, world.rank
-    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_SIZE=str(n), LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(n),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args["ds_port"]))
+    os.environ.update(
+        DS_ACCELERATOR="cpu",
+        LOCAL_SIZE=str(n),
+        LOCAL_RANK=str(rank),
+        RANK=str(rank),
+        WORLD_SIZE=str(n),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(args["ds_port"]),
+    )
     import deepspeed
     import deepspeed.comm as ds
     import torch.distributed as dist
@@ -55,10 +62,13 @@ def _body(world, args: dict) -> dict:
         dtype = DTYPES[dtype_name]
         for nbytes in args["sizes"]:
             count = max(n, nbytes // dtype.itemsize)
-            shared = arena[:count * dtype.itemsize].view(dtype).zero_()  # zeros: values never overflow while timed
+            shared = arena[: count * dtype.itemsize].view(dtype).zero_()  # zeros: values never overflow while timed
             plain, ds_buf, gloo_buf = (torch.zeros(count, dtype=dtype) for _ in range(3))
-            variants = {"nxdt shared": lambda: comm.all_reduce(shared), "nxdt plain": lambda: comm.all_reduce(plain),
-                        "deepspeed": lambda: ds.inference_all_reduce(ds_buf)}
+            variants = {
+                "nxdt shared": lambda: comm.all_reduce(shared),
+                "nxdt plain": lambda: comm.all_reduce(plain),
+                "deepspeed": lambda: ds.inference_all_reduce(ds_buf),
+            }
             if args["gloo"]:
                 variants["gloo"] = lambda: dist.all_reduce(gloo_buf)
             calls = _calls_per_block(nbytes, args["block"])
@@ -82,9 +92,16 @@ def _body(world, args: dict) -> dict:
                     variants[name]()
                     wrong[name] = int((buf != n * (n + 1) // 2).sum())
             med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
-            rows.append({"dtype": dtype_name, "bytes": count * dtype.itemsize, "median_us": med, "wrong": wrong,
-                         "calls_per_block": calls,
-                         "memcpy_us": count * dtype.itemsize / memcpy_gbps(count * dtype.itemsize) / 1e3 if rank == 0 else 0.0})
+            rows.append(
+                {
+                    "dtype": dtype_name,
+                    "bytes": count * dtype.itemsize,
+                    "median_us": med,
+                    "wrong": wrong,
+                    "calls_per_block": calls,
+                    "memcpy_us": count * dtype.itemsize / memcpy_gbps(count * dtype.itemsize) / 1e3 if rank == 0 else 0.0,
+                }
+            )
     return {"rows": rows, "nxdt": os.path.dirname(nxdt.__file__), "load": os.getloadavg()} if rank == 0 else {}
 
 
@@ -109,14 +126,22 @@ def main() -> None:
     opts["ds_port"] = free_port()
     load_start = os.getloadavg()
     report = run_local(_body, args.nworkers, opts, timeout_s=3600, comm_timeout_s=600)[0]
-    print(f"# {args.label} {args.nworkers} ranks; nxdt from {report['nxdt']}; load average at start {load_start[0]:.2f}, "
-          f"at end {report['load'][0]:.2f}; median of {args.blocks} interleaved blocks, slowest rank, µs per call")
+    print(
+        f"# {args.label} {args.nworkers} ranks; nxdt from {report['nxdt']}; load average at start {load_start[0]:.2f}, "
+        f"at end {report['load'][0]:.2f}; median of {args.blocks} interleaved blocks, slowest rank, µs per call"
+    )
     names = list(report["rows"][0]["median_us"])
-    print(f"# {'dtype':<5} {'size':>9} " + " ".join(f"{k:>12}" for k in names) + f" {'memcpy':>9} {'shared/DS':>10} {'plain/DS':>9} wrong")
+    print(
+        f"# {'dtype':<5} {'size':>9} "
+        + " ".join(f"{k:>12}" for k in names)
+        + f" {'memcpy':>9} {'shared/DS':>10} {'plain/DS':>9} wrong"
+    )
     for r in report["rows"]:
         m = r["median_us"]
-        print(f"  {r['dtype']:<5} {r['bytes']:>9} " + " ".join(f"{m[k]:>12.1f}" for k in names) + f" {r['memcpy_us']:>9.1f} "
-              f"{m['nxdt shared'] / m['deepspeed']:>10.2f} {m['nxdt plain'] / m['deepspeed']:>9.2f} {sum(r['wrong'].values())}")
+        print(
+            f"  {r['dtype']:<5} {r['bytes']:>9} " + " ".join(f"{m[k]:>12.1f}" for k in names) + f" {r['memcpy_us']:>9.1f} "
+            f"{m['nxdt shared'] / m['deepspeed']:>10.2f} {m['nxdt plain'] / m['deepspeed']:>9.2f} {sum(r['wrong'].values())}"
+        )
     if args.json:
         with open(args.json, "a") as fh:
             fh.write(json.dumps({"label": args.label, "ranks": args.nworkers, "load_start": load_start, **report}) + "\n")

@@ -35,7 +35,11 @@ def _body(world, args: dict) -> dict:
     for op in args["ops"]:
         for nbytes in args["sizes"]:
             shared, plain = _Runner(op, nbytes, dtype, n, rank, arena), _Runner(op, nbytes, dtype, n, rank)
-            variants = {"nxdt shared": lambda: shared.run(comm), "nxdt plain": lambda: plain.run(comm), "gloo": lambda: plain.run(gloo)}
+            variants = {
+                "nxdt shared": lambda: shared.run(comm),
+                "nxdt plain": lambda: plain.run(comm),
+                "gloo": lambda: plain.run(gloo),
+            }
             times: dict[str, list[float]] = {k: [] for k in variants}
             for fn in variants.values():  # warm-up: maps segments, faults pages in
                 for _ in range(3):
@@ -50,9 +54,16 @@ def _body(world, args: dict) -> dict:
                     comm.all_reduce(slowest, "max")
                     times[name].append(float(slowest))
             med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
-            rows.append({"op": op, "size(B)": shared.bytes, "median_us": med,
-                         "speedup_shared": med["gloo"] / med["nxdt shared"], "speedup_plain": med["gloo"] / med["nxdt plain"],
-                         "memcpy_GBps": memcpy_gbps(shared.bytes) if rank == 0 else 0.0})
+            rows.append(
+                {
+                    "op": op,
+                    "size(B)": shared.bytes,
+                    "median_us": med,
+                    "speedup_shared": med["gloo"] / med["nxdt shared"],
+                    "speedup_plain": med["gloo"] / med["nxdt plain"],
+                    "memcpy_GBps": memcpy_gbps(shared.bytes) if rank == 0 else 0.0,
+                }
+            )
     dist.destroy_process_group()
     return {"rows": rows} if rank == 0 else {}
 
@@ -71,16 +82,22 @@ def main() -> None:
 
     opts = {k: getattr(args, k) for k in ("sizes", "ops", "blocks", "block", "datatype")}
     report = run_local(_body, args.nworkers, opts, timeout_s=3600, comm_timeout_s=300)[0]
-    print(f"# {args.nworkers} ranks, {args.datatype}; median of {args.blocks} interleaved blocks of {args.block} calls, slowest rank")
-    print(f"# {'op':<9} {'size':>9} {'shared us':>10} {'plain us':>10} {'gloo us':>10} {'x gloo (shared)':>16} {'x gloo (plain)':>15} {'busbw/memcpy':>13}")
+    print(
+        f"# {args.nworkers} ranks, {args.datatype}; median of {args.blocks} interleaved blocks of {args.block} calls, slowest rank"
+    )
+    print(
+        f"# {'op':<9} {'size':>9} {'shared us':>10} {'plain us':>10} {'gloo us':>10} {'x gloo (shared)':>16} {'x gloo (plain)':>15} {'busbw/memcpy':>13}"
+    )
     from nxdt.comm.bench import bus_factor
 
     n = args.nworkers
     for r in report["rows"]:
         m = r["median_us"]
         busbw = r["size(B)"] / (m["nxdt shared"] * 1e-6) / 1e9 * bus_factor(r["op"], n)
-        print(f"  {r['op']:<9} {r['size(B)']:>9} {m['nxdt shared']:>10.1f} {m['nxdt plain']:>10.1f} {m['gloo']:>10.1f} "
-              f"{r['speedup_shared']:>15.1f}x {r['speedup_plain']:>14.1f}x {busbw / r['memcpy_GBps']:>13.2f}")
+        print(
+            f"  {r['op']:<9} {r['size(B)']:>9} {m['nxdt shared']:>10.1f} {m['nxdt plain']:>10.1f} {m['gloo']:>10.1f} "
+            f"{r['speedup_shared']:>15.1f}x {r['speedup_plain']:>14.1f}x {busbw / r['memcpy_GBps']:>13.2f}"
+        )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"nworkers": n, **report}, fh, indent=1)

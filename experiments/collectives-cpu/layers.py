@@ -29,6 +29,7 @@ def _body(world, args: dict) -> dict:
     transport = comm._transport
     ch = transport.channel("default", op="all_reduce")
     t = torch.ones(count, dtype=dtype)
+
     def uncached() -> None:  # what every call cost before the one-step cache, and still costs a first call
         comm._one_step.clear()
         comm.all_reduce(t)
@@ -80,8 +81,10 @@ def main() -> None:
     opts = {k: getattr(args, k) for k in ("dtype", "count", "blocks", "calls")}
     load = os.getloadavg()[0]
     result = run_local(_body, 2, opts, timeout_s=1200, init_options={"native": not args.fallback})[0]
-    print(f"# 2 ranks, all-reduce of {args.count} {args.dtype} ({'torch fallback' if args.fallback else 'native'}); "
-          f"load average {load:.2f} → {os.getloadavg()[0]:.2f}; µs per call at the slowest rank")
+    print(
+        f"# 2 ranks, all-reduce of {args.count} {args.dtype} ({'torch fallback' if args.fallback else 'native'}); "
+        f"load average {load:.2f} → {os.getloadavg()[0]:.2f}; µs per call at the slowest rank"
+    )
     print(f"# {'layer':<40} {'fastest block':>14} {'median block':>13}")
     for name, (best, median) in result.items():
         print(f"  {name:<40} {best:>14.2f} {median:>13.2f}")

@@ -1,6 +1,6 @@
 """Plot the comm-test JSON reports of this experiment: bus bandwidth vs size, nxdt vs gloo vs memcpy.
 
-    python experiments/collectives-cpu/plot.py experiments/collectives-cpu/results_2ranks.json experiments/collectives-cpu/results_4ranks.json
+python experiments/collectives-cpu/plot.py experiments/collectives-cpu/results_2ranks.json experiments/collectives-cpu/results_4ranks.json
 """
 
 import json
@@ -12,8 +12,15 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-TITLES = {"allr": "all-reduce", "allg": "all-gather", "redsct": "reduce-scatter", "alltoall": "all-to-all",
-          "bcast": "broadcast", "reduce": "reduce", "sendrecv": "send/recv"}
+TITLES = {
+    "allr": "all-reduce",
+    "allg": "all-gather",
+    "redsct": "reduce-scatter",
+    "alltoall": "all-to-all",
+    "bcast": "broadcast",
+    "reduce": "reduce",
+    "sendrecv": "send/recv",
+}
 
 
 def main(paths: list[str]) -> None:

@@ -58,9 +58,14 @@ def vs_deepspeed(after: list[dict], ranks: int) -> None:
         rp = statistics.median(p / d for p, d in zip(pl, ds))
         notes = []
         if any(spinning):
-            notes.append(f"DS spinning in {sum(spinning)}/{len(ds)}"
-                         + (f"; where not: {statistics.median(sh[i] / ds[i] for i in good):.2f}, {statistics.median(pl[i] / ds[i] for i in good):.2f}"
-                            if good else ""))
+            notes.append(
+                f"DS spinning in {sum(spinning)}/{len(ds)}"
+                + (
+                    f"; where not: {statistics.median(sh[i] / ds[i] for i in good):.2f}, {statistics.median(pl[i] / ds[i] for i in good):.2f}"
+                    if good
+                    else ""
+                )
+            )
         if max(sh + pl) / min(sh + pl) > 2:
             notes.append("noisy")
         if wrong:
@@ -70,13 +75,20 @@ def vs_deepspeed(after: list[dict], ranks: int) -> None:
 
 def after_vs_before(after: list[dict], before: list[dict], ranks: int) -> None:
     print(f"\n### {ranks} ranks: nxdt after vs before, {min(len(after), len(before))} pass pairs; µs per call, slowest rank\n")
-    print("| dtype | size | after shared | before shared | after plain | before plain | after / before (shared, plain), median of pairs |")
+    print(
+        "| dtype | size | after shared | before shared | after plain | before plain | after / before (shared, plain), median of pairs |"
+    )
     print("|---|---|---|---|---|---|---|")
     a, b = cells(after), cells(before)
     for key in a:
         n = min(len(a[key]), len(b[key]))
         get = lambda rows, k: [r["median_us"][k] for r in rows[:n]]
-        ash, bsh, apl, bpl = get(a[key], "nxdt shared"), get(b[key], "nxdt shared"), get(a[key], "nxdt plain"), get(b[key], "nxdt plain")
+        ash, bsh, apl, bpl = (
+            get(a[key], "nxdt shared"),
+            get(b[key], "nxdt shared"),
+            get(a[key], "nxdt plain"),
+            get(b[key], "nxdt plain"),
+        )
         rs = statistics.median(x / y for x, y in zip(ash, bsh))
         rp = statistics.median(x / y for x, y in zip(apl, bpl))
         print(f"| {key[0]} | {size(key[1])} | {fmt(ash)} | {fmt(bsh)} | {fmt(apl)} | {fmt(bpl)} | {rs:.2f}, {rp:.2f} |")
@@ -86,7 +98,9 @@ def main() -> None:
     runs, everything = load(sys.argv[1:])
     for ranks in sorted({r for _, r in runs}):
         after, before = runs.get(("after", ranks), []), runs.get(("before", ranks), [])
-        loads = [f"{run['label']}: {run['load_start'][0]:.1f} → {run['load'][0]:.1f}" for run in everything if run["ranks"] == ranks]
+        loads = [
+            f"{run['label']}: {run['load_start'][0]:.1f} → {run['load'][0]:.1f}" for run in everything if run["ranks"] == ranks
+        ]
         print(f"\n{ranks} ranks, load average (1 min) at start → end of each run: " + "; ".join(loads))
         if after:
             vs_deepspeed(after, ranks)

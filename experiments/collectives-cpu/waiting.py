@@ -62,7 +62,9 @@ def main() -> None:
         _child(int(sys.argv[2]), sys.argv[3])
         return
     print(f"# host: {os.cpu_count()} cores; load average at start {os.getloadavg()}")
-    print(f"# {'strategy':<28} {'ranks':>5} {'1KB us':>9} {'1KB cpu/op':>10} {'1MB us':>9} {'1MB cpu/op':>10} {'4MB us':>9} {'4MB cpu/op':>10}")
+    print(
+        f"# {'strategy':<28} {'ranks':>5} {'1KB us':>9} {'1KB cpu/op':>10} {'1MB us':>9} {'1MB cpu/op':>10} {'4MB us':>9} {'4MB cpu/op':>10}"
+    )
     for n in (2, 4):
         for name in STRATEGIES:
             res = subprocess.run([sys.executable, __file__, "--child", str(n), name], capture_output=True, text=True, timeout=900)

@@ -35,16 +35,34 @@ HERE = Path(__file__).resolve().parent
 STEPS = 30
 SEQ = 512
 RTOL = 1e-4
-COMMON = ["model=llama_tiny", f"model.max_position_embeddings={SEQ}", "data=synthetic", f"data.seq_length={SEQ}",
-          "precision.type=fp32", "data.global_batch_size=2", "data.micro_batch_size=1", f"trainer.max_steps={STEPS}",
-          f"model.optim.sched.max_steps={STEPS}", "trainer.log_every_n_steps=1", "exp_manager.create_tensorboard_logger=false",
-          "exp_manager.checkpoint_every_n_steps=1000"]
+COMMON = [
+    "model=llama_tiny",
+    f"model.max_position_embeddings={SEQ}",
+    "data=synthetic",
+    f"data.seq_length={SEQ}",
+    "precision.type=fp32",
+    "data.global_batch_size=2",
+    "data.micro_batch_size=1",
+    f"trainer.max_steps={STEPS}",
+    f"model.optim.sched.max_steps={STEPS}",
+    "trainer.log_every_n_steps=1",
+    "exp_manager.create_tensorboard_logger=false",
+    "exp_manager.checkpoint_every_n_steps=1000",
+]
 LAYOUTS = {
     "cp1": ["trainer.devices=1"],
     "cp2": ["trainer.devices=2", "distributed_strategy.context_parallel_size=2"],
-    "cp2_tp2_sp": ["trainer.devices=4", "distributed_strategy.context_parallel_size=2",
-                   "distributed_strategy.tensor_model_parallel_size=2", "distributed_strategy.sequence_parallel=true"],
-    "dp2_cp2_fsdp": ["trainer.devices=4", "distributed_strategy.context_parallel_size=2", "distributed_strategy.fsdp.enabled=true"],
+    "cp2_tp2_sp": [
+        "trainer.devices=4",
+        "distributed_strategy.context_parallel_size=2",
+        "distributed_strategy.tensor_model_parallel_size=2",
+        "distributed_strategy.sequence_parallel=true",
+    ],
+    "dp2_cp2_fsdp": [
+        "trainer.devices=4",
+        "distributed_strategy.context_parallel_size=2",
+        "distributed_strategy.fsdp.enabled=true",
+    ],
     # not CP: the same one-rank run with another core attention than cp1's sdpa, i.e. how far two correct
     # attention kernels' roundings drift apart over the same 30 AdamW steps (the scale the CP runs are judged on)
     "cp1_blockwise": ["trainer.devices=1", "model.core_attention=blockwise"],
@@ -59,14 +77,26 @@ def load_avg() -> list[float]:
 def train(name: str, root: Path) -> dict:
     run = root / name
     start, load_before = time.time(), load_avg()
-    result = subprocess.run([sys.executable, "-m", "nxdt.cli", "train", *COMMON, *LAYOUTS[name], f"exp_manager.explicit_log_dir={run}"],
-                            cwd=root, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=3600)
+    result = subprocess.run(
+        [sys.executable, "-m", "nxdt.cli", "train", *COMMON, *LAYOUTS[name], f"exp_manager.explicit_log_dir={run}"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        timeout=3600,
+    )
     if result.returncode:
         raise RuntimeError(f"{name}: exit {result.returncode}\n{result.stderr[-3000:]}")
     with open(run / "metrics.csv", newline="") as fh:
         losses = {int(row["step"]): float(row["loss"]) for row in csv.DictReader(fh)}
-    return {"overrides": [*COMMON, *LAYOUTS[name]], "losses": [losses[s] for s in sorted(losses)], "steps": sorted(losses),
-            "wall_s": round(time.time() - start, 1), "load_avg_before": load_before, "load_avg_after": load_avg()}
+    return {
+        "overrides": [*COMMON, *LAYOUTS[name]],
+        "losses": [losses[s] for s in sorted(losses)],
+        "steps": sorted(losses),
+        "wall_s": round(time.time() - start, 1),
+        "load_avg_before": load_before,
+        "load_avg_after": load_avg(),
+    }
 
 
 def compare(got: list[float], ref: list[float]) -> dict:
@@ -84,12 +114,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="cp-parity-") as tmp:
         for name in args.only or LAYOUTS:
             runs[name] = train(name, Path(tmp))
-            print(f"{name}: {len(runs[name]['losses'])} steps, {runs[name]['wall_s']} s, load {runs[name]['load_avg_after']}", flush=True)
+            print(
+                f"{name}: {len(runs[name]['losses'])} steps, {runs[name]['wall_s']} s, load {runs[name]['load_avg_after']}",
+                flush=True,
+            )
     ref = runs["cp1"]["losses"]
     assert runs["cp1"]["steps"] == list(range(1, STEPS + 1)), runs["cp1"]["steps"]
     comparison = {name: compare(runs[name]["losses"], ref) for name in LAYOUTS if name != "cp1" and name in runs}
     for name, c in comparison.items():
-        print(f"{name}: max rel diff vs cp1 {c['max_rel_diff']:.3e} at step {c['max_at_step']} (rtol {RTOL}: {'ok' if c['within_rtol'] else 'FAIL'})")
+        print(
+            f"{name}: max rel diff vs cp1 {c['max_rel_diff']:.3e} at step {c['max_at_step']} (rtol {RTOL}: {'ok' if c['within_rtol'] else 'FAIL'})"
+        )
     print(f"cp1 loss step 1 {ref[0]:.6f} -> step {STEPS} {ref[-1]:.6f}")
     out = {"when_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "rtol": RTOL, "runs": runs, "vs_cp1": comparison}
     out_path.write_text(json.dumps(out, indent=1) + "\n")

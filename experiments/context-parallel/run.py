@@ -27,15 +27,32 @@ HERE = Path(__file__).resolve().parent
 
 
 def config(seq: int, cp: int, steps: int) -> list[str]:
-    return ["model=llama_tiny", f"model.max_position_embeddings={seq}", "data=synthetic", f"data.seq_length={seq}",
-            "data.micro_batch_size=1", "data.global_batch_size=2", "precision.type=fp32", f"trainer.max_steps={steps}",
-            f"model.optim.sched.max_steps={steps}", "trainer.log_every_n_steps=1", "exp_manager.create_tensorboard_logger=false",
-            f"trainer.devices={cp}", f"distributed_strategy.context_parallel_size={cp}"]
+    return [
+        "model=llama_tiny",
+        f"model.max_position_embeddings={seq}",
+        "data=synthetic",
+        f"data.seq_length={seq}",
+        "data.micro_batch_size=1",
+        "data.global_batch_size=2",
+        "precision.type=fp32",
+        f"trainer.max_steps={steps}",
+        f"model.optim.sched.max_steps={steps}",
+        "trainer.log_every_n_steps=1",
+        "exp_manager.create_tensorboard_logger=false",
+        f"trainer.devices={cp}",
+        f"distributed_strategy.context_parallel_size={cp}",
+    ]
 
 
 def nxdt(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "nxdt.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=1800)
+    return subprocess.run(
+        [sys.executable, "-m", "nxdt.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        timeout=1800,
+    )
 
 
 def train(seq: int, cp: int, steps: int, root: Path, tag: str) -> list[dict[str, float]]:
@@ -53,9 +70,18 @@ def planned(seq: int, cp: int, root: Path) -> dict[str, float]:
         raise RuntimeError(result.stderr[-2000:])
     estimate = json.loads(result.stdout)["estimate"]
     mem = estimate["memory_per_rank_bytes"]
-    return {"activations_logits_MiB": (mem["activations"] + mem["logits"]) / 2**20, "step_time_s": estimate["step_time_s"],
-            **({"ring_MiB_per_step": estimate["context_parallel"]["ring_bytes_per_step"] / 2**20,
-                "ring_hidden_pct": estimate["context_parallel"]["ring_hidden_pct"]} if cp > 1 else {})}
+    return {
+        "activations_logits_MiB": (mem["activations"] + mem["logits"]) / 2**20,
+        "step_time_s": estimate["step_time_s"],
+        **(
+            {
+                "ring_MiB_per_step": estimate["context_parallel"]["ring_bytes_per_step"] / 2**20,
+                "ring_hidden_pct": estimate["context_parallel"]["ring_hidden_pct"],
+            }
+            if cp > 1
+            else {}
+        ),
+    }
 
 
 def main() -> None:
@@ -77,16 +103,29 @@ def main() -> None:
                     print(f"seq {seq} CP{cp} round {r} done", flush=True)
             for cp in (1, 2):
                 times = [row["step_time_s"] for row in rows[cp] if row["step"] >= 3]
-                out[f"seq{seq}_cp{cp}"] = {"seq": seq, "cp": cp, "step_time_s_median": statistics.median(times),
-                                           "step_times_s": times, "peak_rss_mb": max(row["peak_rss_mb"] for row in rows[cp]),
-                                           "losses_round0": [row["loss"] for row in rows[cp][:args.steps]],
-                                           "planner": planned(seq, cp, root)}
-    result = {"started": started, "load_average_at_start": load, "cpus": os.cpu_count(), "rounds": args.rounds,
-              "steps": args.steps, "variants": out}
+                out[f"seq{seq}_cp{cp}"] = {
+                    "seq": seq,
+                    "cp": cp,
+                    "step_time_s_median": statistics.median(times),
+                    "step_times_s": times,
+                    "peak_rss_mb": max(row["peak_rss_mb"] for row in rows[cp]),
+                    "losses_round0": [row["loss"] for row in rows[cp][: args.steps]],
+                    "planner": planned(seq, cp, root),
+                }
+    result = {
+        "started": started,
+        "load_average_at_start": load,
+        "cpus": os.cpu_count(),
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "variants": out,
+    }
     (HERE / "results.json").write_text(json.dumps(result, indent=1))
     for key, v in out.items():
-        print(f"{key}: step {v['step_time_s_median'] * 1e3:.0f} ms, peak RSS {v['peak_rss_mb']:.0f} MB, planner activations+logits "
-              f"{v['planner']['activations_logits_MiB']:.1f} MiB")
+        print(
+            f"{key}: step {v['step_time_s_median'] * 1e3:.0f} ms, peak RSS {v['peak_rss_mb']:.0f} MB, planner activations+logits "
+            f"{v['planner']['activations_logits_MiB']:.1f} MiB"
+        )
 
 
 if __name__ == "__main__":

@@ -19,8 +19,16 @@ import time
 from pathlib import Path
 
 STEPS = 40
-OVERRIDES = ["data=synthetic", "model.hidden_size=256", "model.ffn_hidden_size=688", "data.global_batch_size=8",
-             "data.micro_batch_size=4", "data.seq_length=128", f"trainer.max_steps={STEPS}", "trainer.devices=2"]
+OVERRIDES = [
+    "data=synthetic",
+    "model.hidden_size=256",
+    "model.ffn_hidden_size=688",
+    "data.global_batch_size=8",
+    "data.micro_batch_size=4",
+    "data.seq_length=128",
+    f"trainer.max_steps={STEPS}",
+    "trainer.devices=2",
+]
 
 
 def run(strategy_name: str, out: Path) -> None:
@@ -49,14 +57,26 @@ def run(strategy_name: str, out: Path) -> None:
 
     timer = StepTimes()
     strategy = NxDStrategy() if strategy_name == "nxdt" else DDPStrategy(process_group_backend="gloo")
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         use_distributed_sampler=False, callbacks=[timer], gradient_clip_val=1.0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[timer],
+        gradient_clip_val=1.0,
+    )
     module = CausalLMModule(cfg.model, cfg.data.global_batch_size, cfg.data.seq_length)
     trainer.fit(module, datamodule=NxDDataModule(cfg.data, seed=cfg.seed, vocab_size=cfg.model.vocab_size))
     if trainer.is_global_zero:
         n_params = sum(p.numel() for p in module.parameters())
-        out.write_text(json.dumps({"strategy": strategy_name, "params": n_params, "step_times": timer.times, "losses": timer.losses}))
+        out.write_text(
+            json.dumps({"strategy": strategy_name, "params": n_params, "step_times": timer.times, "losses": timer.losses})
+        )
 
 
 def main() -> None:
@@ -72,7 +92,9 @@ def main() -> None:
         (here / f".{name}.json").unlink()
     med = {k: statistics.median(v["step_times"][5:]) for k, v in results.items()}
     diff = max(abs(a - b) / abs(b) for a, b in zip(results["nxdt"]["losses"], results["ddp"]["losses"]))
-    print(f"model: {results['nxdt']['params'] / 1e6:.2f} M parameters (fp32 gradient all-reduce {results['nxdt']['params'] * 4 / 2**20:.1f} MB/step), 2 ranks, {STEPS} steps")
+    print(
+        f"model: {results['nxdt']['params'] / 1e6:.2f} M parameters (fp32 gradient all-reduce {results['nxdt']['params'] * 4 / 2**20:.1f} MB/step), 2 ranks, {STEPS} steps"
+    )
     print(f"{'strategy':<22} {'median step (ms)':>17} {'steps/s':>8}")
     for k, label in (("nxdt", "NxDStrategy (nxdt.comm)"), ("ddp", "DDPStrategy (gloo)")):
         print(f"{label:<22} {med[k] * 1e3:>17.1f} {1 / med[k]:>8.2f}")

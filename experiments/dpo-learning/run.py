@@ -42,19 +42,32 @@ SEQ_LENGTH = 64  # the dpo recipe's
 
 def run(cmd: list[str]) -> dict:
     start = time.time()
-    result = subprocess.run([sys.executable, "-m", "nxdt.cli", "train", *cmd], capture_output=True, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    result = subprocess.run(
+        [sys.executable, "-m", "nxdt.cli", "train", *cmd],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     if result.returncode != 0:
         raise SystemExit(f"training failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     summary = [line for line in result.stdout.splitlines() if line.startswith("nxdt: loss")]
-    return {"command": "nxdt train " + " ".join(cmd), "wall_s": round(time.time() - start, 1),
-            "summary": summary[-1] if summary else None}
+    return {
+        "command": "nxdt train " + " ".join(cmd),
+        "wall_s": round(time.time() - start, 1),
+        "summary": summary[-1] if summary else None,
+    }
 
 
 def common(run_dir: Path, steps: int) -> list[str]:
-    return ["instance=cpu", "trainer.devices=2", f"trainer.max_steps={steps}", "trainer.log_every_n_steps=10",
-            f"exp_manager.checkpoint_every_n_steps={steps}", "exp_manager.create_tensorboard_logger=false",
-            f"exp_manager.explicit_log_dir={run_dir}"]
+    return [
+        "instance=cpu",
+        "trainer.devices=2",
+        f"trainer.max_steps={steps}",
+        "trainer.log_every_n_steps=10",
+        f"exp_manager.checkpoint_every_n_steps={steps}",
+        "exp_manager.create_tensorboard_logger=false",
+        f"exp_manager.explicit_log_dir={run_dir}",
+    ]
 
 
 def load_model(run_dir: Path, step: int) -> LlamaForCausalLM:
@@ -91,8 +104,10 @@ def held_out_pairs(exclude: set[str]) -> list[dict]:
 
 
 def accuracy(better: torch.Tensor, records: list[dict]) -> dict:
-    return {"all": float(better.float().mean()),
-            **{t: float(better[[r["task"] == t for r in records]].float().mean()) for t in TASKS}}
+    return {
+        "all": float(better.float().mean()),
+        **{t: float(better[[r["task"] == t for r in records]].float().mean()) for t in TASKS},
+    }
 
 
 def main() -> None:
@@ -107,22 +122,37 @@ def main() -> None:
 
     train_pairs = make_preference_samples(TRAIN_PAIRS, seed=TRAIN_SEED)
     held = held_out_pairs({r["prompt"] for r in train_pairs})
-    results: dict = {"host": os.uname().nodename, "cores": os.cpu_count(), "beta": args.beta,
-                     "train_pairs": len(train_pairs), "held_out_pairs": len(held)}
+    results: dict = {
+        "host": os.uname().nodename,
+        "cores": os.cpu_count(),
+        "beta": args.beta,
+        "train_pairs": len(train_pairs),
+        "held_out_pairs": len(held),
+    }
     with tempfile.TemporaryDirectory(prefix="dpo-learning-") as tmp:
         root = Path(tmp)
         sft_dir, dpo_dir, train_file = root / "sft", root / "dpo", root / "train.jsonl"
         write_jsonl(train_file, train_pairs)
-        results["sft"] = run(["+recipe=sft", *common(sft_dir, args.sft_steps), "model.optim.lr=3e-3",
-                              "model.optim.sched.warmup_steps=20"])
+        results["sft"] = run(
+            ["+recipe=sft", *common(sft_dir, args.sft_steps), "model.optim.lr=3e-3", "model.optim.sched.warmup_steps=20"]
+        )
         checkpoint = sft_dir / "checkpoints" / f"step-{args.sft_steps}"
-        results["dpo"] = run(["+recipe=dpo", *common(dpo_dir, args.dpo_steps), f"data.train_dir={train_file}",
-                              f"model_alignment_strategy.dpo.kl_beta={args.beta}", f"model.optim.lr={args.dpo_lr}",
-                              f"exp_manager.resume_from_checkpoint={checkpoint}", "model.weight_init_only=true"])
+        results["dpo"] = run(
+            [
+                "+recipe=dpo",
+                *common(dpo_dir, args.dpo_steps),
+                f"data.train_dir={train_file}",
+                f"model_alignment_strategy.dpo.kl_beta={args.beta}",
+                f"model.optim.lr={args.dpo_lr}",
+                f"exp_manager.resume_from_checkpoint={checkpoint}",
+                "model.weight_init_only=true",
+            ]
+        )
         metrics = (dpo_dir / "metrics.csv").read_text().splitlines()
         results["dpo"]["metrics_first_last"] = [metrics[0], metrics[1], metrics[-1]]
-        dataset = PreferenceDataset.from_records(held, byte_chat_tokenizer(), SEQ_LENGTH, max_prompt_length=48,
-                                                 truncation_mode="keep_start")
+        dataset = PreferenceDataset.from_records(
+            held, byte_chat_tokenizer(), SEQ_LENGTH, max_prompt_length=48, truncation_mode="keep_start"
+        )
         assert dataset.stats.pairs == len(held) and dataset.stats.response_truncated == 0
         ref = sequence_log_probs(load_model(sft_dir, args.sft_steps), dataset)
         policy = sequence_log_probs(load_model(dpo_dir, args.dpo_steps), dataset)

@@ -32,8 +32,16 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-MODEL = ["model=llama_tiny", "model.num_layers=8", "model.hidden_size=256", "model.ffn_hidden_size=688",
-         "model.num_attention_heads=8", "model.num_kv_heads=4", "data=synthetic", "data.seq_length=128"]
+MODEL = [
+    "model=llama_tiny",
+    "model.num_layers=8",
+    "model.hidden_size=256",
+    "model.ffn_hidden_size=688",
+    "model.num_attention_heads=8",
+    "model.num_kv_heads=4",
+    "data=synthetic",
+    "data.seq_length=128",
+]
 POLICIES = ("none", "eager", "token_threaded")
 # name → (ranks, overrides, starting link slowdown). Issue 6 asks for links "slower so communication ≈ compute":
 # each run calibrates the slowdown so the FSDP communication that `none` leaves exposed is 0.8× the rest of its
@@ -41,7 +49,11 @@ POLICIES = ("none", "eager", "token_threaded")
 # compute per step is about 2.5× FSDP2's, and its links are slowed correspondingly more.
 LAYOUTS = {
     "FSDP2": (2, ["data.global_batch_size=8", "data.micro_batch_size=4"], 300),
-    "TP2xFSDP2": (4, ["data.global_batch_size=8", "data.micro_batch_size=4", "distributed_strategy.tensor_model_parallel_size=2"], 1000),
+    "TP2xFSDP2": (
+        4,
+        ["data.global_batch_size=8", "data.micro_batch_size=4", "distributed_strategy.tensor_model_parallel_size=2"],
+        1000,
+    ),
 }
 
 
@@ -59,8 +71,17 @@ def nxdt(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 def train(overrides: list[str], ranks: int, steps: int, warmup: int, work: Path, tag: str) -> dict:
     run = work / tag
-    nxdt("train", *MODEL, *overrides, f"trainer.devices={ranks}", f"trainer.max_steps={steps}", "trainer.log_every_n_steps=1",
-         "exp_manager.create_tensorboard_logger=false", f"exp_manager.explicit_log_dir={run}", cwd=work)
+    nxdt(
+        "train",
+        *MODEL,
+        *overrides,
+        f"trainer.devices={ranks}",
+        f"trainer.max_steps={steps}",
+        "trainer.log_every_n_steps=1",
+        "exp_manager.create_tensorboard_logger=false",
+        f"exp_manager.explicit_log_dir={run}",
+        cwd=work,
+    )
     rows = [r for r in csv.DictReader(open(run / "metrics.csv", newline="")) if int(r["step"]) > warmup]
     return summarise([rows])
 
@@ -72,8 +93,12 @@ def summarise(runs: list[list[dict]]) -> dict:
     """Medians over the post-warm-up steps of one or more runs of a variant (pooled)."""
     rows = [{k: r[k] for k in (*FIGURES, "step", "loss") if k in r} for run in runs for r in run]
     med = lambda key: statistics.median(float(r[key]) for r in rows) if rows and rows[0].get(key) else None
-    return {**{k: med(k) for k in FIGURES}, "runs": len(runs), "losses": [float(r["loss"]) for r in runs[0]] if runs else [],
-            "rows": rows}
+    return {
+        **{k: med(k) for k in FIGURES},
+        "runs": len(runs),
+        "losses": [float(r["loss"]) for r in runs[0]] if runs else [],
+        "rows": rows,
+    }
 
 
 def pooled(measurements: list[dict]) -> dict:
@@ -82,7 +107,9 @@ def pooled(measurements: list[dict]) -> dict:
 
 
 def predict(overrides: list[str], ranks: int, calibration: Path, work: Path) -> dict:
-    out = nxdt("plan", "--json", "--calibration", str(calibration), *MODEL, *overrides, f"trainer.devices={ranks}", cwd=work).stdout
+    out = nxdt(
+        "plan", "--json", "--calibration", str(calibration), *MODEL, *overrides, f"trainer.devices={ranks}", cwd=work
+    ).stdout
     est = json.loads(out)["estimate"]
     return {k: est[k] for k in ("step_time_s", "compute_s", "comm_s", "exposed_comm_s")}
 
@@ -119,7 +146,7 @@ def torch_fsdp_worker(steps: int, out: str) -> None:
         ids, labels = batch["input_ids"], batch["labels"]
         n = ids.shape[0] // micro
         for i in range(n):
-            loss = model.loss_fn(model(ids[i * micro:(i + 1) * micro]), labels[i * micro:(i + 1) * micro]) / n
+            loss = model.loss_fn(model(ids[i * micro : (i + 1) * micro]), labels[i * micro : (i + 1) * micro]) / n
             loss.backward()
         opt.step()
         opt.zero_grad()
@@ -135,11 +162,28 @@ def torch_fsdp_worker(steps: int, out: str) -> None:
 def torch_fsdp(steps: int, warmup: int, work: Path) -> dict:
     out = work / "torch_fsdp.json"
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
-                           "--torch-worker", "--steps", str(steps), "--out", str(out)], env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            __file__,
+            "--torch-worker",
+            "--steps",
+            str(steps),
+            "--out",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"torch FSDP peer failed:\n{proc.stderr[-3000:]}")
-    times = json.loads(out.read_text())["step_times"][warmup - 1:]
+    times = json.loads(out.read_text())["step_times"][warmup - 1 :]
     return {"step_time_s": statistics.median(times)}
 
 
@@ -158,7 +202,9 @@ def calibrate_slowdown(layout: str, slowdown: int, steps: int, warmup: int, work
     ratio = none["exposed_comm_s"] / (none["step_time_s"] - none["exposed_comm_s"])
     scaled = int(round(slowdown * TARGET_EXPOSED_RATIO / ratio, -1))
     if abs(scaled - slowdown) <= 0.1 * slowdown:
-        print(f"{layout:10s} calibration: none at {slowdown}x: exposed/rest {ratio:.2f}, within 10 %: kept {slowdown}x", flush=True)
+        print(
+            f"{layout:10s} calibration: none at {slowdown}x: exposed/rest {ratio:.2f}, within 10 %: kept {slowdown}x", flush=True
+        )
         return slowdown, none
     print(f"{layout:10s} calibration: none at {slowdown}x: exposed/rest {ratio:.2f} -> slowdown {scaled}x", flush=True)
     return scaled, train(cfg(scaled), ranks, steps, warmup, work, f"{layout}-none-k{scaled}")
@@ -172,7 +218,9 @@ def main() -> None:
     parser.add_argument("--torch-worker", action="store_true")
     parser.add_argument("--out")
     parser.add_argument("--sweep", action="store_true", help="only the FSDP2 link-speed sweep (sweep.json, sweep.png)")
-    parser.add_argument("--fixed-slowdown", action="store_true", help="use LAYOUTS' slowdowns as they are (no per-run calibration)")
+    parser.add_argument(
+        "--fixed-slowdown", action="store_true", help="use LAYOUTS' slowdowns as they are (no per-run calibration)"
+    )
     parser.add_argument("--rounds", type=int, default=2, help="runs of each policy, interleaved; medians over all their steps")
     args = parser.parse_args()
     if args.torch_worker:
@@ -181,17 +229,34 @@ def main() -> None:
         return sweep(args.steps)
     steps, warmup = (6, 2) if args.quick else (args.steps, 5)
     started = time.time()
-    results: dict = {"slowdown": {k: v[2] for k, v in LAYOUTS.items()}, "emulate": "trn1.32xlarge", "model": MODEL, "steps": steps, "warmup": warmup,
-                     "cpus": os.cpu_count(), "emulated": {}, "peer": {}}
+    results: dict = {
+        "slowdown": {k: v[2] for k, v in LAYOUTS.items()},
+        "emulate": "trn1.32xlarge",
+        "model": MODEL,
+        "steps": steps,
+        "warmup": warmup,
+        "cpus": os.cpu_count(),
+        "emulated": {},
+        "peer": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         calibration = work / "calibration.json"
         nxdt("comm-test", "--calibrate", "-o", str(calibration), cwd=work)
         for layout, (ranks, overrides, slowdown) in LAYOUTS.items():
-            slowdown, first_none = (slowdown, None) if args.fixed_slowdown else calibrate_slowdown(layout, slowdown, steps, warmup, work)
+            slowdown, first_none = (
+                (slowdown, None) if args.fixed_slowdown else calibrate_slowdown(layout, slowdown, steps, warmup, work)
+            )
             results["slowdown"][layout] = slowdown
-            cfgs = {policy: [*overrides, "distributed_strategy.fsdp.enabled=true", f"distributed_strategy.fsdp.prefetch={policy}",
-                             *emulate(slowdown)] for policy in POLICIES}
+            cfgs = {
+                policy: [
+                    *overrides,
+                    "distributed_strategy.fsdp.enabled=true",
+                    f"distributed_strategy.fsdp.prefetch={policy}",
+                    *emulate(slowdown),
+                ]
+                for policy in POLICIES
+            }
             # the policies alternate, round after round: the VM's speed drifts by several % within minutes, and a
             # ratio of two runs taken minutes apart would carry that drift
             runs: dict[str, list[dict]] = {policy: [] for policy in POLICIES}
@@ -204,9 +269,11 @@ def main() -> None:
             for policy in POLICIES:
                 measured, predicted = pooled(runs[policy]), predict(cfgs[policy], ranks, calibration, work)
                 results["emulated"][f"{layout} {policy}"] = {"measured": measured, "predicted": predicted}
-                print(f"{layout:10s} {policy:15s} step {measured['step_time_s'] * 1e3:7.1f} ms (plan {predicted['step_time_s'] * 1e3:7.1f})"
-                      f"  exposed {measured['exposed_comm_s'] * 1e3:6.1f} ms  peak gathered {measured['peak_gathered_bytes'] / 2**20:6.2f} MiB",
-                      flush=True)
+                print(
+                    f"{layout:10s} {policy:15s} step {measured['step_time_s'] * 1e3:7.1f} ms (plan {predicted['step_time_s'] * 1e3:7.1f})"
+                    f"  exposed {measured['exposed_comm_s'] * 1e3:6.1f} ms  peak gathered {measured['peak_gathered_bytes'] / 2**20:6.2f} MiB",
+                    flush=True,
+                )
         ours = train([*LAYOUTS["FSDP2"][1], "distributed_strategy.fsdp.enabled=true"], 2, steps, warmup, work, "peer-nxdt")
         theirs = torch_fsdp(steps, warmup, work)
         results["peer"] = {"nxdt FSDP2 token_threaded": ours, "torch fully_shard (gloo)": theirs}
@@ -244,13 +311,20 @@ def sweep(steps: int, warmup: int = 5) -> None:
         for slowdown in SWEEP_SLOWDOWNS:
             got = {}
             for policy in POLICIES:
-                cfg = [*overrides, "distributed_strategy.fsdp.enabled=true", f"distributed_strategy.fsdp.prefetch={policy}",
-                       *emulate(slowdown)]
+                cfg = [
+                    *overrides,
+                    "distributed_strategy.fsdp.enabled=true",
+                    f"distributed_strategy.fsdp.prefetch={policy}",
+                    *emulate(slowdown),
+                ]
                 got[policy] = train(cfg, ranks, steps, warmup, work, f"sweep-{slowdown}-{policy}")
             t, n, g = (got[p]["step_time_s"] for p in ("token_threaded", "none", "eager"))
             rows[slowdown] = {"measured": got, "token/none": t / n, "token/eager": t / g}
-            print(f"slowdown {slowdown:4d}: none {n * 1e3:6.1f} ms, eager {g * 1e3:6.1f} ms, token_threaded {t * 1e3:6.1f} ms; "
-                  f"token/none {t / n:.3f}, token/eager {t / g:.3f}", flush=True)
+            print(
+                f"slowdown {slowdown:4d}: none {n * 1e3:6.1f} ms, eager {g * 1e3:6.1f} ms, token_threaded {t * 1e3:6.1f} ms; "
+                f"token/none {t / n:.3f}, token/eager {t / g:.3f}",
+                flush=True,
+            )
     (HERE / "sweep.json").write_text(json.dumps(rows, indent=1))
     import matplotlib
 

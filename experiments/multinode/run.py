@@ -24,9 +24,34 @@ from netns_hosts import Hosts  # noqa: E402  (the tests' two-host setup, reused)
 
 
 def one_run(hosts: Hosts, algorithm: str, port: int, out: Path) -> dict:
-    args = ["comm-test", "-N", "2", "-r", "4", "--rdzv-endpoint", f"{hosts.addr[0]}:{port}", "-b", "1mb", "-e", "64mb", "-f", "2",
-            "-n", "10", "-w", "3", "--check", "--baseline", "gloo", "--show-algorithm", "--algorithm", algorithm,
-            "--report-to-json-file", str(out.with_suffix(".json")), "allr"]
+    args = [
+        "comm-test",
+        "-N",
+        "2",
+        "-r",
+        "4",
+        "--rdzv-endpoint",
+        f"{hosts.addr[0]}:{port}",
+        "-b",
+        "1mb",
+        "-e",
+        "64mb",
+        "-f",
+        "2",
+        "-n",
+        "10",
+        "-w",
+        "3",
+        "--check",
+        "--baseline",
+        "gloo",
+        "--show-algorithm",
+        "--algorithm",
+        algorithm,
+        "--report-to-json-file",
+        str(out.with_suffix(".json")),
+        "allr",
+    ]
     b = hosts.nxdt(1, [*args, "--node-rank", "1"])
     a = hosts.nxdt(0, [*args, "--node-rank", "0"])
     (a_out, a_err), (_, b_err) = a.communicate(timeout=1800), b.communicate(timeout=1800)
@@ -58,7 +83,9 @@ def main() -> None:
 
     auto = [r for r in runs if r["algorithm"] == "auto"]
     ring = next(r for r in runs if r["algorithm"] == "ring")
-    print("| size | nxdt hierarchical µs (median) | gloo µs (median) | speed-up gloo/nxdt (median, min–max) | flat ring µs | #wrong |")
+    print(
+        "| size | nxdt hierarchical µs (median) | gloo µs (median) | speed-up gloo/nxdt (median, min–max) | flat ring µs | #wrong |"
+    )
     print("|---|---|---|---|---|---|")
     for row_i, row in enumerate(auto[0]["results"]):
         size = row["size(B)"]
@@ -66,8 +93,10 @@ def main() -> None:
         gl = [r["baseline"][row_i]["time:avg(us)"] for r in auto]
         ratio = [g / n for g, n in zip(gl, nx)]
         wrong = sum(r["results"][row_i].get("#wrong", 0) for r in auto)
-        print(f"| {size >> 20} MB | {statistics.median(nx):.0f} | {statistics.median(gl):.0f} | {statistics.median(ratio):.2f}× "
-              f"({min(ratio):.2f}–{max(ratio):.2f}) | {ring['results'][row_i]['time:avg(us)']:.0f} | {wrong} |")
+        print(
+            f"| {size >> 20} MB | {statistics.median(nx):.0f} | {statistics.median(gl):.0f} | {statistics.median(ratio):.2f}× "
+            f"({min(ratio):.2f}–{max(ratio):.2f}) | {ring['results'][row_i]['time:avg(us)']:.0f} | {wrong} |"
+        )
     print(f"algorithms: {auto[0].get('algorithms')}")
     print(f"load average (1 min) per run: {[(round(r['load_before'], 1), round(r['load_after'], 1)) for r in runs]}")
 

@@ -63,19 +63,48 @@ def run_variant(name: str, steps: int, out: Path) -> None:
                 self.positions.append(int(counts[1]))
             self.last = now
 
-    module = CausalLMModule(cfg.model, cfg.data.global_batch_size, cfg.data.seq_length, cfg.data.micro_batch_size,
-                            alignment=cfg.model_alignment_strategy, seed=cfg.seed)
+    module = CausalLMModule(
+        cfg.model,
+        cfg.data.global_batch_size,
+        cfg.data.seq_length,
+        cfg.data.micro_batch_size,
+        alignment=cfg.model_alignment_strategy,
+        seed=cfg.seed,
+    )
     meter = StepTokens()
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=NxDStrategy(), max_steps=steps, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         use_distributed_sampler=False, callbacks=[meter], limit_val_batches=0, num_sanity_val_steps=0)
-    data = NxDDataModule(cfg.data, seed=cfg.seed, vocab_size=cfg.model.vocab_size, step_batches=True, sft=cfg.model_alignment_strategy.sft)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=NxDStrategy(),
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[meter],
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
+    data = NxDDataModule(
+        cfg.data, seed=cfg.seed, vocab_size=cfg.model.vocab_size, step_batches=True, sft=cfg.model_alignment_strategy.sft
+    )
     trainer.fit(module, datamodule=data)
     if trainer.is_global_zero:
         stats = data.dataset.stats
-        out.write_text(json.dumps({"step_times": meter.times, "real_tokens": meter.real, "positions": meter.positions,
-                                   "sequences": stats.sequences, "records": stats.records,
-                                   "label_tokens_in_set": stats.label_tokens, "pad_tokens_in_set": stats.pad_tokens}))
+        out.write_text(
+            json.dumps(
+                {
+                    "step_times": meter.times,
+                    "real_tokens": meter.real,
+                    "positions": meter.positions,
+                    "sequences": stats.sequences,
+                    "records": stats.records,
+                    "label_tokens_in_set": stats.label_tokens,
+                    "pad_tokens_in_set": stats.pad_tokens,
+                }
+            )
+        )
     trainer.strategy.close()
 
 
@@ -84,11 +113,17 @@ def summarise(runs: list[dict], warmup: int) -> dict:
     real = [n for r in runs for n in r["real_tokens"][warmup:]]
     positions = [n for r in runs for n in r["positions"][warmup:]]
     per_round = [sum(r["real_tokens"][warmup:]) / sum(r["step_times"][warmup:]) for r in runs]
-    return {"real_tokens_per_s": sum(real) / sum(times), "round_real_tokens_per_s": per_round,
-            "median_step_ms": statistics.median(times) * 1e3, "real_tokens_per_step": sum(real) / len(real),
-            "real_fraction_of_positions": sum(real) / sum(positions), "positions_per_step": positions[0],
-            "sequences_in_set": runs[0]["sequences"], "records_in_set": runs[0]["records"],
-            "load_before_rounds": [r["load_before"] for r in runs]}
+    return {
+        "real_tokens_per_s": sum(real) / sum(times),
+        "round_real_tokens_per_s": per_round,
+        "median_step_ms": statistics.median(times) * 1e3,
+        "real_tokens_per_step": sum(real) / len(real),
+        "real_fraction_of_positions": sum(real) / sum(positions),
+        "positions_per_step": positions[0],
+        "sequences_in_set": runs[0]["sequences"],
+        "records_in_set": runs[0]["records"],
+        "load_before_rounds": [r["load_before"] for r in runs],
+    }
 
 
 def main() -> None:
@@ -99,20 +134,33 @@ def main() -> None:
     apply_quick(args)
     names = list(VARIANTS)
     started = time.time()
-    print(f"{len(names)} variants × {args.reps} rounds × {args.steps} steps, DP2, {THREADS} thread/rank, "
-          f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
+    print(
+        f"{len(names)} variants × {args.reps} rounds × {args.steps} steps, DP2, {THREADS} thread/rank, "
+        f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
+    )
     runs = interleaved_runs(__file__, names, args.reps, args.steps, THREADS)
     rows = {name: summarise(rs, args.warmup) for name, rs in runs.items()}
     ratio = rows["packing"]["real_tokens_per_s"] / rows["padding"]["real_tokens_per_s"]
     print(f"\n{'variant':<8} {'real tok/s':>11} {'median step ms':>15} {'real tok/step':>14} {'real/positions':>15}")
     for n, r in rows.items():
-        print(f"{n:<8} {r['real_tokens_per_s']:>11.0f} {r['median_step_ms']:>15.1f} {r['real_tokens_per_step']:>14.1f} "
-              f"{r['real_fraction_of_positions']:>15.3f}")
+        print(
+            f"{n:<8} {r['real_tokens_per_s']:>11.0f} {r['median_step_ms']:>15.1f} {r['real_tokens_per_step']:>14.1f} "
+            f"{r['real_fraction_of_positions']:>15.3f}"
+        )
     print(f"packing / padding real tokens/s: {ratio:.2f}")
     elapsed = time.time() - started
-    result = {"cpus": os.cpu_count(), "threads_per_rank": THREADS, "steps": args.steps, "warmup": args.warmup, "reps": args.reps,
-              "wall_s": elapsed, "load_end": os.getloadavg()[0], "variants": rows, "packing_over_padding": ratio,
-              "raw": runs}
+    result = {
+        "cpus": os.cpu_count(),
+        "threads_per_rank": THREADS,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "reps": args.reps,
+        "wall_s": elapsed,
+        "load_end": os.getloadavg()[0],
+        "variants": rows,
+        "packing_over_padding": ratio,
+        "raw": runs,
+    }
     (HERE / ("results.json" if not args.quick else "results-quick.json")).write_text(json.dumps(result, indent=1))
     print(f"\n{elapsed:.0f} s, load average at the end {os.getloadavg()[0]:.1f}")
 

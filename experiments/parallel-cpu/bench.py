@@ -28,8 +28,13 @@ HERE = Path(__file__).resolve().parent
 THREADS = 1  # intra-op threads per rank, for every variant (2 cores here; 4-rank layouts oversubscribe 2×)
 SEQ = 128
 # llama_tiny widened so compute dominates the per-step fixed costs: 4 layers, hidden 256 → 3.2 M parameters
-MODEL = ["model=llama_tiny", "model.hidden_size=256", "model.ffn_hidden_size=688", "model.num_attention_heads=8",
-         "model.num_kv_heads=4"]
+MODEL = [
+    "model=llama_tiny",
+    "model.hidden_size=256",
+    "model.ffn_hidden_size=688",
+    "model.num_attention_heads=8",
+    "model.num_kv_heads=4",
+]
 GLOBAL_4 = 16  # global batch (sequences) of every 4-rank layout
 
 # name → (strategy, ranks, degrees/options, global batch, micro batch)
@@ -83,14 +88,25 @@ def run_variant(name: str, steps: int, out: Path) -> None:
 
         def configure_optimizers(self):
             optimizer = build_optimizer(self.model, self.model_cfg.optim)
-            return {"optimizer": optimizer,
-                    "lr_scheduler": {"scheduler": build_scheduler(optimizer, self.model_cfg.optim.sched), "interval": "step"}}
+            return {
+                "optimizer": optimizer,
+                "lr_scheduler": {"scheduler": build_scheduler(optimizer, self.model_cfg.optim.sched), "interval": "step"},
+            }
 
     v = VARIANTS[name]
-    cfg = compose_config([*MODEL, "data=synthetic", f"data.seq_length={SEQ}", f"data.global_batch_size={v['gbs']}",
-                          f"data.micro_batch_size={v['mbs']}", f"trainer.max_steps={steps}", f"trainer.devices={v['ranks']}",
-                          f"distributed_strategy.tensor_model_parallel_size={v.get('tp', 1)}",
-                          f"distributed_strategy.pipeline_model_parallel_size={v.get('pp', 1)}"])
+    cfg = compose_config(
+        [
+            *MODEL,
+            "data=synthetic",
+            f"data.seq_length={SEQ}",
+            f"data.global_batch_size={v['gbs']}",
+            f"data.micro_batch_size={v['mbs']}",
+            f"trainer.max_steps={steps}",
+            f"trainer.devices={v['ranks']}",
+            f"distributed_strategy.tensor_model_parallel_size={v.get('tp', 1)}",
+            f"distributed_strategy.pipeline_model_parallel_size={v.get('pp', 1)}",
+        ]
+    )
     pl.seed_everything(cfg.seed, verbose=False)
 
     class StepTimes(Callback):
@@ -107,19 +123,36 @@ def run_variant(name: str, steps: int, out: Path) -> None:
             self.losses.append(module.step_metrics["loss"])
 
     if v["strategy"] == "nxdt":
-        strategy = NxDStrategy(tensor_parallel_size=v.get("tp", 1), pipeline_parallel_size=v.get("pp", 1),
-                               sequence_parallel=v.get("sp", False), zero1=v.get("zero1", False))
-        module = CausalLMModule(cfg.model, cfg.data.global_batch_size, SEQ, cfg.data.micro_batch_size, cfg.trainer.gradient_clip_val)
+        strategy = NxDStrategy(
+            tensor_parallel_size=v.get("tp", 1),
+            pipeline_parallel_size=v.get("pp", 1),
+            sequence_parallel=v.get("sp", False),
+            zero1=v.get("zero1", False),
+        )
+        module = CausalLMModule(
+            cfg.model, cfg.data.global_batch_size, SEQ, cfg.data.micro_batch_size, cfg.trainer.gradient_clip_val
+        )
         clip = None  # the module clips by the global norm itself
     else:
         strategy = DDPStrategy(process_group_backend="gloo")
         module = DDPPeerModule(cfg.model, cfg.data.global_batch_size, SEQ, cfg.data.micro_batch_size)
         clip = cfg.trainer.gradient_clip_val
     timer = StepTimes()
-    trainer = pl.Trainer(accelerator="cpu", devices=v["ranks"], strategy=strategy, max_steps=steps, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         use_distributed_sampler=False, callbacks=[timer], gradient_clip_val=clip,
-                         limit_val_batches=0, num_sanity_val_steps=0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=v["ranks"],
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[timer],
+        gradient_clip_val=clip,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(module, datamodule=NxDDataModule(cfg.data, seed=cfg.seed, vocab_size=cfg.model.vocab_size, step_batches=True))
     if trainer.is_global_zero:
         out.write_text(json.dumps({"variant": name, "step_times": timer.times, "losses": timer.losses}))
@@ -133,12 +166,20 @@ def measure(names: list[str], reps: int, steps: int) -> dict[str, list[list[floa
     losses: dict[str, list[float]] = {}
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "PYTHONWARNINGS": "ignore"}
     for rep in range(reps):
-        order = names[rep % len(names):] + names[:rep % len(names)]
+        order = names[rep % len(names) :] + names[: rep % len(names)]
         for name in order:
             outs = [HERE / f".run-{os.getpid()}-{k}.json" for k in range(VARIANTS[name].get("concurrent", 1))]
             start = time.perf_counter()
-            procs = [subprocess.Popen([sys.executable, __file__, "--run", name, "--steps", str(steps), "--out", str(out)],
-                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for out in outs]
+            procs = [
+                subprocess.Popen(
+                    [sys.executable, __file__, "--run", name, "--steps", str(steps), "--out", str(out)],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+                for out in outs
+            ]
             for proc in procs:
                 _, err = proc.communicate()
                 if proc.returncode != 0:
@@ -148,8 +189,11 @@ def measure(names: list[str], reps: int, steps: int) -> dict[str, list[list[floa
                 out.unlink()
             times[name].append(result["step_times"])
             losses[name] = result["losses"]
-            print(f"  round {rep + 1}/{reps} {name:<18} {time.perf_counter() - start:5.1f} s wall, "
-                  f"median step {statistics.median(result['step_times']) * 1e3:7.1f} ms", flush=True)
+            print(
+                f"  round {rep + 1}/{reps} {name:<18} {time.perf_counter() - start:5.1f} s wall, "
+                f"median step {statistics.median(result['step_times']) * 1e3:7.1f} ms",
+                flush=True,
+            )
     return {"times": times, "losses": losses}
 
 
@@ -161,9 +205,15 @@ def summarise(times: dict[str, list[list[float]]], warmup: int) -> dict[str, dic
         timed = sorted(t for r in rounds for t in r[warmup:])
         q1, med, q3 = statistics.quantiles(timed, n=4) if len(timed) > 1 else (timed[0],) * 3
         tokens = VARIANTS[name]["gbs"] * SEQ
-        rows[name] = {"median_step_ms": med * 1e3, "p25_ms": q1 * 1e3, "p75_ms": q3 * 1e3,
-                      "tokens_per_s": tokens / med, "round_medians_ms": [statistics.median(r[warmup:]) * 1e3 for r in rounds],
-                      "ranks": VARIANTS[name]["ranks"], "global_batch": VARIANTS[name]["gbs"]}
+        rows[name] = {
+            "median_step_ms": med * 1e3,
+            "p25_ms": q1 * 1e3,
+            "p75_ms": q3 * 1e3,
+            "tokens_per_s": tokens / med,
+            "round_medians_ms": [statistics.median(r[warmup:]) * 1e3 for r in rounds],
+            "ranks": VARIANTS[name]["ranks"],
+            "global_batch": VARIANTS[name]["gbs"],
+        }
     return rows
 
 
@@ -187,6 +237,7 @@ def ratios(rows: dict[str, dict]) -> dict[str, float]:
 
 def plot(rows: dict[str, dict], path: Path, title: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -223,28 +274,47 @@ def main() -> None:
         args.steps, args.warmup, args.reps = 8, 3, 1
     names = args.only or list(VARIANTS)
     started = time.time()
-    print(f"{len(names)} variants × {args.reps} rounds × {args.steps} steps (first {args.warmup} intervals skipped), "
-          f"{THREADS} thread(s) per rank, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
+    print(
+        f"{len(names)} variants × {args.reps} rounds × {args.steps} steps (first {args.warmup} intervals skipped), "
+        f"{THREADS} thread(s) per rank, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
+    )
     measured = measure(names, args.reps, args.steps)
     rows = summarise(measured["times"], args.warmup)
     rel = ratios(rows)
     print(f"\n{'variant':<18} {'ranks':>5} {'batch':>5} {'median step ms':>15} {'IQR ms':>15} {'tokens/s':>9}")
     for n, r in rows.items():
-        print(f"{n:<18} {r['ranks']:>5} {r['global_batch']:>5} {r['median_step_ms']:>15.1f} "
-              f"{r['p25_ms']:>7.1f}–{r['p75_ms']:<7.1f} {r['tokens_per_s']:>9.0f}")
+        print(
+            f"{n:<18} {r['ranks']:>5} {r['global_batch']:>5} {r['median_step_ms']:>15.1f} "
+            f"{r['p25_ms']:>7.1f}–{r['p75_ms']:<7.1f} {r['tokens_per_s']:>9.0f}"
+        )
     print()
     for k, x in rel.items():
         print(f"{k:<52} {x:6.3f}")
     elapsed = time.time() - started
     print(f"\n{elapsed:.0f} s, load average at the end {os.getloadavg()[0]:.1f}")
-    result = {"label": args.label, "threads_per_rank": THREADS, "cpus": os.cpu_count(), "seq_length": SEQ,
-              "model_overrides": MODEL, "steps": args.steps, "warmup": args.warmup, "reps": args.reps,
-              "wall_s": elapsed, "load_end": os.getloadavg()[0], "variants": rows, "ratios": rel,
-              "losses": measured["losses"], "raw_step_times": measured["times"]}
+    result = {
+        "label": args.label,
+        "threads_per_rank": THREADS,
+        "cpus": os.cpu_count(),
+        "seq_length": SEQ,
+        "model_overrides": MODEL,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "reps": args.reps,
+        "wall_s": elapsed,
+        "load_end": os.getloadavg()[0],
+        "variants": rows,
+        "ratios": rel,
+        "losses": measured["losses"],
+        "raw_step_times": measured["times"],
+    }
     suffix = "" if not args.only and not args.quick else "-partial"
     (HERE / f"results{suffix}.json").write_text(json.dumps(result, indent=1))
-    plot(rows, HERE / f"plot{suffix}.png", f"llama (hidden 256, 4 layers, seq {SEQ}), {THREADS} thread/rank, "
-         f"{os.cpu_count()} CPUs {args.label}")
+    plot(
+        rows,
+        HERE / f"plot{suffix}.png",
+        f"llama (hidden 256, 4 layers, seq {SEQ}), {THREADS} thread/rank, {os.cpu_count()} CPUs {args.label}",
+    )
 
 
 if __name__ == "__main__":

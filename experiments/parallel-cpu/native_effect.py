@@ -49,16 +49,26 @@ def env_for(path: str, tree: Path) -> dict:
 
 def check_path(path: str, env: dict, cwd: Path) -> None:
     """Which path a run in ``env`` takes (from ``cwd``: not this checkout, which ``python -c`` would put first)."""
-    built = subprocess.run([sys.executable, "-c", "from nxdt.comm import native; print(native._built is not None)"],
-                           env=env, cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+    built = subprocess.run(
+        [sys.executable, "-c", "from nxdt.comm import native; print(native._built is not None)"],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     if built != str(path == "native"):
         raise SystemExit(f"{path}: the extension is {'built' if built == 'True' else 'missing'} in this environment")
 
 
 def tp2_dp2(env: dict, steps: int, warmup: int, work: Path) -> list[float]:
     out = work / "tp.json"
-    proc = subprocess.run([sys.executable, str(HERE / "bench.py"), "--run", "nxdt TP2xDP2", "--steps", str(steps), "--out", str(out)],
-                          env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "bench.py"), "--run", "nxdt TP2xDP2", "--steps", str(steps), "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"TP2xDP2 failed:\n{proc.stderr[-3000:]}")
     return json.loads(out.read_text())["step_times"][warmup:]
@@ -67,10 +77,26 @@ def tp2_dp2(env: dict, steps: int, warmup: int, work: Path) -> list[float]:
 def fsdp2(env: dict, steps: int, warmup: int, work: Path, tag: str) -> list[float]:
     run = work / tag
     ranks, overrides, _ = LAYOUTS["FSDP2"]
-    proc = subprocess.run([sys.executable, "-m", "nxdt.cli", "train", *FSDP_MODEL, *overrides, "distributed_strategy.fsdp.enabled=true",
-                           f"trainer.devices={ranks}", f"trainer.max_steps={steps}", "trainer.log_every_n_steps=1",
-                           "exp_manager.create_tensorboard_logger=false", f"exp_manager.explicit_log_dir={run}"],
-                          cwd=work, env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nxdt.cli",
+            "train",
+            *FSDP_MODEL,
+            *overrides,
+            "distributed_strategy.fsdp.enabled=true",
+            f"trainer.devices={ranks}",
+            f"trainer.max_steps={steps}",
+            "trainer.log_every_n_steps=1",
+            "exp_manager.create_tensorboard_logger=false",
+            f"exp_manager.explicit_log_dir={run}",
+        ],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"FSDP2 failed:\n{proc.stderr[-3000:]}")
     return [float(r["step_time_s"]) for r in csv.DictReader(open(run / "metrics.csv", newline="")) if int(r["step"]) > warmup]
@@ -94,7 +120,7 @@ def main() -> None:
         for path in PATHS:
             check_path(path, envs[path], work)
         for r in range(args.rounds):
-            order = variants[r % len(variants):] + variants[:r % len(variants)]
+            order = variants[r % len(variants) :] + variants[: r % len(variants)]
             for layout, path in order:
                 load0 = os.getloadavg()[0]
                 start = time.perf_counter()
@@ -104,25 +130,47 @@ def main() -> None:
                     got = fsdp2(envs[path], args.steps, args.warmup, work, f"fsdp-{path}-{r}")
                 times[f"{layout} {path}"].append(got)
                 loads.append((f"round {r + 1} {layout} {path}", load0, os.getloadavg()[0]))
-                print(f"round {r + 1} {layout:8s} {path:8s} median step {statistics.median(got) * 1e3:7.1f} ms "
-                      f"({time.perf_counter() - start:4.0f} s wall, load {load0:.1f} → {os.getloadavg()[0]:.1f})", flush=True)
+                print(
+                    f"round {r + 1} {layout:8s} {path:8s} median step {statistics.median(got) * 1e3:7.1f} ms "
+                    f"({time.perf_counter() - start:4.0f} s wall, load {load0:.1f} → {os.getloadavg()[0]:.1f})",
+                    flush=True,
+                )
     rows = {}
     for name, rounds in times.items():
         pooled = sorted(t for rd in rounds for t in rd)
         q1, med, q3 = statistics.quantiles(pooled, n=4)
-        rows[name] = {"median_ms": med * 1e3, "p25_ms": q1 * 1e3, "p75_ms": q3 * 1e3,
-                      "round_medians_ms": [statistics.median(rd) * 1e3 for rd in rounds]}
+        rows[name] = {
+            "median_ms": med * 1e3,
+            "p25_ms": q1 * 1e3,
+            "p75_ms": q3 * 1e3,
+            "round_medians_ms": [statistics.median(rd) * 1e3 for rd in rounds],
+        }
     print(f"\n{'variant':<18} {'median ms':>10} {'IQR ms':>17}  round medians")
     for name, row in rows.items():
-        print(f"{name:<18} {row['median_ms']:>10.1f} {row['p25_ms']:>8.1f}–{row['p75_ms']:<8.1f} "
-              + " ".join(f"{x:.1f}" for x in row["round_medians_ms"]))
-    ratios = {f"{layout}: native / fallback step time": rows[f"{layout} native"]["median_ms"] / rows[f"{layout} fallback"]["median_ms"]
-              for layout in args.layouts}
+        print(
+            f"{name:<18} {row['median_ms']:>10.1f} {row['p25_ms']:>8.1f}–{row['p75_ms']:<8.1f} "
+            + " ".join(f"{x:.1f}" for x in row["round_medians_ms"])
+        )
+    ratios = {
+        f"{layout}: native / fallback step time": rows[f"{layout} native"]["median_ms"] / rows[f"{layout} fallback"]["median_ms"]
+        for layout in args.layouts
+    }
     for k, v in ratios.items():
         print(f"{k:42s} {v:6.3f}")
-    (HERE / args.json).write_text(json.dumps({"steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
-                                                         "loads": loads, "variants": rows, "ratios": ratios,
-                                                         "raw_step_times": times}, indent=1))
+    (HERE / args.json).write_text(
+        json.dumps(
+            {
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "rounds": args.rounds,
+                "loads": loads,
+                "variants": rows,
+                "ratios": ratios,
+                "raw_step_times": times,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

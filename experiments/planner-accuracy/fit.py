@@ -20,8 +20,20 @@ from pathlib import Path
 
 import yaml
 
-from nxdt.planner.fitting import (COLLECTIVE_PARAMS, STEP_PARAMS, bind_collective, bind_step, catalogue_instance, effective, fit,
-                                  leave_one_out, load_published, plan_step_time, round_sig, with_params)
+from nxdt.planner.fitting import (
+    COLLECTIVE_PARAMS,
+    STEP_PARAMS,
+    bind_collective,
+    bind_step,
+    catalogue_instance,
+    effective,
+    fit,
+    leave_one_out,
+    load_published,
+    plan_step_time,
+    round_sig,
+    with_params,
+)
 
 HERE = Path(__file__).resolve().parent
 STEP_INSTANCES = ["trn1.32xlarge"]
@@ -42,9 +54,21 @@ def fit_all(data: dict, loo: bool = True, log=print) -> dict:
         loo_pred = leave_one_out(figs, instance, paths) if loo else [math.nan] * len(figs)
         out["instances"][name] = {"collective_params": values, "collective_figures": sorted({f.id.split("@")[0] for f in figs})}
         for f, p in zip(figs, loo_pred):
-            out["figures"].append({"id": f.id, "kind": "collective", "instance": name, "op": f.op, "ranks": f.ranks, "nodes": f.nodes,
-                                   "bytes": f.nbytes, "measured_us": f.seconds * 1e6, "fitted_us": f.predict(fitted) * 1e6,
-                                   "loo_us": p * 1e6, "loo_ratio": p / f.seconds})
+            out["figures"].append(
+                {
+                    "id": f.id,
+                    "kind": "collective",
+                    "instance": name,
+                    "op": f.op,
+                    "ranks": f.ranks,
+                    "nodes": f.nodes,
+                    "bytes": f.nbytes,
+                    "measured_us": f.seconds * 1e6,
+                    "fitted_us": f.predict(fitted) * 1e6,
+                    "loo_us": p * 1e6,
+                    "loo_ratio": p / f.seconds,
+                }
+            )
         log(f"{name}: {values}")
     for name in STEP_INSTANCES:
         base = fitted_instances[name]
@@ -57,9 +81,17 @@ def fit_all(data: dict, loo: bool = True, log=print) -> dict:
         for f, p in zip(figs, loo_pred):
             planned = plan_step_time(f, fitted)  # the full planner agrees with the closed form the fit used
             assert abs(planned / f.predict(fitted) - 1) < 1e-9, (f.id, planned, f.predict(fitted))
-            out["figures"].append({"id": f.id, "kind": "step", "instance": name, "measured_seq_per_s": f.seq_per_s,
-                                   "fitted_seq_per_s": f.global_batch / planned, "loo_seq_per_s": f.global_batch / p,
-                                   "loo_ratio": (f.global_batch / p) / f.seq_per_s})
+            out["figures"].append(
+                {
+                    "id": f.id,
+                    "kind": "step",
+                    "instance": name,
+                    "measured_seq_per_s": f.seq_per_s,
+                    "fitted_seq_per_s": f.global_batch / planned,
+                    "loo_seq_per_s": f.global_batch / p,
+                    "loo_ratio": (f.global_batch / p) / f.seq_per_s,
+                }
+            )
         log(f"{name}: {values}")
     return out
 
@@ -78,6 +110,7 @@ def catalogue_differences(result: dict) -> list[str]:
 
 def summary(result: dict) -> dict:
     """The acceptance bands: collectives within 35 % at >= 1 MB and a factor of 2 below; throughputs within 35 %."""
+
     def worst(rows):
         return max((abs(math.log(r["loo_ratio"])) for r in rows), default=0.0)
 
@@ -85,10 +118,20 @@ def summary(result: dict) -> dict:
     small = [r for r in result["figures"] if r["kind"] == "collective" and r["bytes"] < 1 << 20]
     steps = [r for r in result["figures"] if r["kind"] == "step"]
     within = lambda rows, lo, hi: sum(lo <= r["loo_ratio"] <= hi for r in rows)
-    return {"collectives_ge_1MB": {"count": len(large), "within_35pct": within(large, 1 / 1.35, 1.35), "worst_factor": math.exp(worst(large))},
-            "collectives_lt_1MB": {"count": len(small), "within_2x": within(small, 0.5, 2.0), "worst_factor": math.exp(worst(small))},
-            "end_to_end": {"count": len(steps), "within_35pct": within(steps, 0.65, 1.35), "within_20pct": within(steps, 0.8, 1.2),
-                           "worst_ratio": max((r["loo_ratio"] for r in steps), key=lambda x: abs(math.log(x)), default=1.0)}}
+    return {
+        "collectives_ge_1MB": {
+            "count": len(large),
+            "within_35pct": within(large, 1 / 1.35, 1.35),
+            "worst_factor": math.exp(worst(large)),
+        },
+        "collectives_lt_1MB": {"count": len(small), "within_2x": within(small, 0.5, 2.0), "worst_factor": math.exp(worst(small))},
+        "end_to_end": {
+            "count": len(steps),
+            "within_35pct": within(steps, 0.65, 1.35),
+            "within_20pct": within(steps, 0.8, 1.2),
+            "worst_ratio": max((r["loo_ratio"] for r in steps), key=lambda x: abs(math.log(x)), default=1.0),
+        },
+    }
 
 
 def main() -> int:

@@ -47,10 +47,31 @@ def main() -> None:
     cfg = compose_config([])
     sizes = [1 << 20, 4 << 20, 16 << 20, 64 << 20]
     predicted = estimate_table("all_reduce", sizes, [0, 1], node_topology(cfg), cfg.instance, 2, 4, calibration)
-    sh("nxdt", "comm-test", "-r", "2", "-b", "1mb", "-e", "64mb", "-f", "4", "allr", "--report-to-json-file", str(work / "allr.json"))
+    sh(
+        "nxdt",
+        "comm-test",
+        "-r",
+        "2",
+        "-b",
+        "1mb",
+        "-e",
+        "64mb",
+        "-f",
+        "4",
+        "allr",
+        "--report-to-json-file",
+        str(work / "allr.json"),
+    )
     measured = json.loads((work / "allr.json").read_text())["results"]
-    comm_rows = [{"bytes": p["size(B)"], "predicted_us": p["time:avg(us)"], "measured_us": m["time:avg(us)"],
-                  "ratio": p["time:avg(us)"] / m["time:avg(us)"]} for p, m in zip(predicted, measured)]
+    comm_rows = [
+        {
+            "bytes": p["size(B)"],
+            "predicted_us": p["time:avg(us)"],
+            "measured_us": m["time:avg(us)"],
+            "ratio": p["time:avg(us)"] / m["time:avg(us)"],
+        }
+        for p, m in zip(predicted, measured)
+    ]
 
     step_rows = []
     for name, overrides in SHAPES.items():
@@ -60,8 +81,14 @@ def main() -> None:
         metrics = glob.glob(str(run_root / "*" / "*" / "metrics.csv"))[0]
         steps = [float(r["step_time_s"]) for r in csv.DictReader(open(metrics))][5:]
         real = statistics.median(steps)
-        step_rows.append({"shape": name, "predicted_s": plan["estimate"]["step_time_s"], "measured_s": real,
-                          "ratio": plan["estimate"]["step_time_s"] / real})
+        step_rows.append(
+            {
+                "shape": name,
+                "predicted_s": plan["estimate"]["step_time_s"],
+                "measured_s": real,
+                "ratio": plan["estimate"]["step_time_s"] / real,
+            }
+        )
     result = {"calibration": calibration, "all_reduce": comm_rows, "step_time": step_rows}
     (HERE / "results.json").write_text(json.dumps(result, indent=1))
     print(f"{'all-reduce bytes':>18} {'predicted µs':>13} {'measured µs':>12} {'pred/meas':>10}")

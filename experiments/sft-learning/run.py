@@ -33,8 +33,7 @@ import torch
 from omegaconf import OmegaConf
 
 from nxdt.data import SAMPLE_INSTRUCTIONS
-from nxdt.data.instructions import (TASKS, byte_chat_tokenizer, make_instruction_samples, read_jsonl, tokenize_record,
-                                    write_jsonl)
+from nxdt.data.instructions import TASKS, byte_chat_tokenizer, make_instruction_samples, read_jsonl, tokenize_record, write_jsonl
 from nxdt.lightning.reshard import read_full_state
 from nxdt.models.generate import greedy_generate
 from nxdt.models.llama import LlamaForCausalLM
@@ -66,10 +65,22 @@ def held_out_records(exclude: set[tuple[str, str]]) -> list[dict]:
 
 def train(run_dir: Path, train_file: Path | None, steps: int, lr: float) -> dict:
     """One `nxdt train +recipe=sft` run on DP2 with a checkpoint at the last step; its wall time and losses."""
-    cmd = [sys.executable, "-m", "nxdt.cli", "train", "+recipe=sft", "instance=cpu", "trainer.devices=2",
-           f"trainer.max_steps={steps}", f"model.optim.lr={lr}", "model.optim.sched.warmup_steps=20",
-           "trainer.log_every_n_steps=10", f"exp_manager.checkpoint_every_n_steps={steps}",
-           "exp_manager.create_tensorboard_logger=false", f"exp_manager.explicit_log_dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "nxdt.cli",
+        "train",
+        "+recipe=sft",
+        "instance=cpu",
+        "trainer.devices=2",
+        f"trainer.max_steps={steps}",
+        f"model.optim.lr={lr}",
+        "model.optim.sched.warmup_steps=20",
+        "trainer.log_every_n_steps=10",
+        f"exp_manager.checkpoint_every_n_steps={steps}",
+        "exp_manager.create_tensorboard_logger=false",
+        f"exp_manager.explicit_log_dir={run_dir}",
+    ]
     if train_file is not None:
         cmd.append(f"data.train_dir={train_file}")
     start = time.time()
@@ -77,8 +88,7 @@ def train(run_dir: Path, train_file: Path | None, steps: int, lr: float) -> dict
     if result.returncode != 0:
         raise SystemExit(f"training failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     summary = [line for line in result.stdout.splitlines() if line.startswith("nxdt: loss")]
-    return {"command": " ".join(cmd[2:]), "wall_s": round(time.time() - start, 1),
-            "summary": summary[-1] if summary else None}
+    return {"command": " ".join(cmd[2:]), "wall_s": round(time.time() - start, 1), "summary": summary[-1] if summary else None}
 
 
 def load_model(run_dir: Path, step: int | None) -> LlamaForCausalLM:
@@ -103,14 +113,26 @@ def evaluate(model: LlamaForCausalLM, records: list[dict]) -> dict:
         answers.append(tokens[cut:])  # the response and EOS, as trained
     outputs = greedy_generate(model, prompts, MAX_NEW_TOKENS, eos_id=tok.eos_id)
     correct = [o == a for o, a in zip(outputs, answers)]
-    per_task = {t: sum(c for c, r in zip(correct, records) if r["task"] == t) / sum(r["task"] == t for r in records)
-                for t in TASKS}
-    examples = [{"prompt": tok.decode(p), "expected": record["output"],
-                 "got": tok.decode([t for t in o if t != tok.eos_id]), "ended_with_eos": bool(o) and o[-1] == tok.eos_id,
-                 "correct": c}
-                for p, o, record, c in list(zip(prompts, outputs, records, correct))[::HELD_OUT_PER_TASK // 3]]
-    return {"accuracy": sum(correct) / len(correct), "correct": sum(correct), "n": len(correct),
-            "per_task": per_task, "examples": examples}
+    per_task = {
+        t: sum(c for c, r in zip(correct, records) if r["task"] == t) / sum(r["task"] == t for r in records) for t in TASKS
+    }
+    examples = [
+        {
+            "prompt": tok.decode(p),
+            "expected": record["output"],
+            "got": tok.decode([t for t in o if t != tok.eos_id]),
+            "ended_with_eos": bool(o) and o[-1] == tok.eos_id,
+            "correct": c,
+        }
+        for p, o, record, c in list(zip(prompts, outputs, records, correct))[:: HELD_OUT_PER_TASK // 3]
+    ]
+    return {
+        "accuracy": sum(correct) / len(correct),
+        "correct": sum(correct),
+        "n": len(correct),
+        "per_task": per_task,
+        "examples": examples,
+    }
 
 
 def main() -> None:
@@ -129,9 +151,14 @@ def main() -> None:
     generated = generated_pool[:GENERATED_RECORDS]  # every held-out prompt is already excluded (pool ⊇ this)
     train_sample = [{**r, "task": TASKS[i % len(TASKS)]} for i, r in enumerate(shipped)][:150]
 
-    results = {"host": os.uname().nodename, "cores": os.cpu_count(), "steps": args.steps, "lr": args.lr,
-               "held_out": {"seed": HELD_OUT_SEED, "records": len(held), "per_task": HELD_OUT_PER_TASK},
-               "runs": {}}
+    results = {
+        "host": os.uname().nodename,
+        "cores": os.cpu_count(),
+        "steps": args.steps,
+        "lr": args.lr,
+        "held_out": {"seed": HELD_OUT_SEED, "records": len(held), "per_task": HELD_OUT_PER_TASK},
+        "runs": {},
+    }
     with tempfile.TemporaryDirectory(prefix="sft-learning-") as tmp:
         root = Path(tmp)
         generated_file = root / "generated.jsonl"
@@ -142,15 +169,29 @@ def main() -> None:
             run_dir = root / name
             info = train(run_dir, train_file, args.steps, args.lr)
             trained = load_model(run_dir, args.steps)
-            info.update(train_records=records, held_out=evaluate(trained, held),
-                        train_prompts=evaluate(trained, train_sample if name == "shipped" else
-                                               [{**r, "task": TASKS[i % len(TASKS)]} for i, r in enumerate(generated[:150])]))
+            info.update(
+                train_records=records,
+                held_out=evaluate(trained, held),
+                train_prompts=evaluate(
+                    trained,
+                    train_sample
+                    if name == "shipped"
+                    else [{**r, "task": TASKS[i % len(TASKS)]} for i, r in enumerate(generated[:150])],
+                ),
+            )
             if "untrained_baseline" not in results:
                 results["untrained_baseline"] = evaluate(load_model(run_dir, None), held)
             results["runs"][name] = info
-            print(name, json.dumps({k: v for k, v in info.items() if k in ("wall_s", "summary")}),
-                  "held-out", info["held_out"]["accuracy"], info["held_out"]["per_task"],
-                  "train", info["train_prompts"]["accuracy"], flush=True)
+            print(
+                name,
+                json.dumps({k: v for k, v in info.items() if k in ("wall_s", "summary")}),
+                "held-out",
+                info["held_out"]["accuracy"],
+                info["held_out"]["per_task"],
+                "train",
+                info["train_prompts"]["accuracy"],
+                flush=True,
+            )
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print("untrained", results["untrained_baseline"]["accuracy"])
 

@@ -17,6 +17,21 @@ from nxdt.comm.trace import Tracer
 from nxdt.comm.transport import Transport, register_transport
 from nxdt.comm.world import Communicator, World, host_identity, init_from_env, init_process
 
-__all__ = ["CommError", "CommMismatchError", "CommTimeoutError", "PeerDiedError", "Communicator", "World", "Work",
-           "EmulatedLink", "Tracer", "Transport", "register_transport",
-           "cleanup_run", "remove_stale_segments", "host_identity", "init_from_env", "init_process"]
+__all__ = [
+    "CommError",
+    "CommMismatchError",
+    "CommTimeoutError",
+    "PeerDiedError",
+    "Communicator",
+    "World",
+    "Work",
+    "EmulatedLink",
+    "Tracer",
+    "Transport",
+    "register_transport",
+    "cleanup_run",
+    "remove_stale_segments",
+    "host_identity",
+    "init_from_env",
+    "init_process",
+]

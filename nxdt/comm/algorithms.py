@@ -37,7 +37,9 @@ def _blk(work: torch.Tensor, bl: list[tuple[int, int]], b: int) -> torch.Tensor:
     return work[lo:hi]
 
 
-def ring_reduce_scatter_blocks(links: Links, members: Sequence[int], i: int, work: torch.Tensor, bl: list[tuple[int, int]], op: str) -> None:
+def ring_reduce_scatter_blocks(
+    links: Links, members: Sequence[int], i: int, work: torch.Tensor, bl: list[tuple[int, int]], op: str
+) -> None:
     """After this, member ``i`` holds the complete reduction of block ``i`` of ``work``."""
     p = len(members)
     right, left = members[(i + 1) % p], members[(i - 1) % p]
@@ -45,7 +47,7 @@ def ring_reduce_scatter_blocks(links: Links, members: Sequence[int], i: int, wor
     for k in range(p - 1):
         s, r = (i - 1 - k) % p, (i - 2 - k) % p
         dst = _blk(work, bl, r)
-        incoming = tmp[:dst.numel()]
+        incoming = tmp[: dst.numel()]
         links.exchange([(right, _blk(work, bl, s))], [(left, incoming)])
         _combine_(dst, incoming, op)
 
@@ -96,7 +98,7 @@ def rhd_all_reduce(links: Links, members: Sequence[int], i: int, work: torch.Ten
         bl = bounds(work.numel(), pof2)
 
         def region(b0: int, b1: int) -> torch.Tensor:
-            return work[bl[b0][0]:bl[b1 - 1][1]] if b1 > b0 else work[:0]
+            return work[bl[b0][0] : bl[b1 - 1][1]] if b1 > b0 else work[:0]
 
         lo, hi = 0, pof2
         mask = pof2 // 2
@@ -105,7 +107,7 @@ def rhd_all_reduce(links: Links, members: Sequence[int], i: int, work: torch.Ten
             mid = (lo + hi) // 2
             keep, give = ((mid, hi), (lo, mid)) if newrank & mask else ((lo, mid), (mid, hi))
             kept = region(*keep)
-            incoming = tmp[:kept.numel()]
+            incoming = tmp[: kept.numel()]
             links.exchange([(real(newrank ^ mask), region(*give))], [(real(newrank ^ mask), incoming)])
             _combine_(kept, incoming, op)
             lo, hi = keep
@@ -127,8 +129,9 @@ def rhd_all_reduce(links: Links, members: Sequence[int], i: int, work: torch.Ten
             links.exchange([], [(members[i + 1], work)])
 
 
-def torus_all_reduce(links: Links, members: Sequence[int], i: int, work: torch.Tensor, op: str, divisor: int,
-                     grid: tuple[int, int]) -> None:
+def torus_all_reduce(
+    links: Links, members: Sequence[int], i: int, work: torch.Tensor, op: str, divisor: int, grid: tuple[int, int]
+) -> None:
     rows, cols = grid
     if rows * cols != len(members):
         raise ValueError(f"torus grid {rows}x{cols} does not match the group size {len(members)}")
@@ -147,7 +150,7 @@ def torus_all_reduce(links: Links, members: Sequence[int], i: int, work: torch.T
 
 
 def default_grid(p: int) -> tuple[int, int]:
-    r = int(p ** 0.5)
+    r = int(p**0.5)
     while p % r:
         r -= 1
     return r, p // r
@@ -188,13 +191,22 @@ def tree_reduce(links: Links, members: Sequence[int], i: int, work: torch.Tensor
     return True
 
 
-def pairwise_all_to_all(links: Links, members: Sequence[int], i: int, out: torch.Tensor, inp: torch.Tensor,
-                        out_splits: Sequence[int], in_splits: Sequence[int]) -> None:
+def pairwise_all_to_all(
+    links: Links,
+    members: Sequence[int],
+    i: int,
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    out_splits: Sequence[int],
+    in_splits: Sequence[int],
+) -> None:
     p = len(members)
     in_off = [sum(in_splits[:j]) for j in range(p)]
     out_off = [sum(out_splits[:j]) for j in range(p)]
-    out[out_off[i]:out_off[i] + out_splits[i]].copy_(inp[in_off[i]:in_off[i] + in_splits[i]])
+    out[out_off[i] : out_off[i] + out_splits[i]].copy_(inp[in_off[i] : in_off[i] + in_splits[i]])
     for k in range(1, p):
         to, frm = (i + k) % p, (i - k) % p
-        links.exchange([(members[to], inp[in_off[to]:in_off[to] + in_splits[to]])],
-                       [(members[frm], out[out_off[frm]:out_off[frm] + out_splits[frm]])])
+        links.exchange(
+            [(members[to], inp[in_off[to] : in_off[to] + in_splits[to]])],
+            [(members[frm], out[out_off[frm] : out_off[frm] + out_splits[frm]])],
+        )

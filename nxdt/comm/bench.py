@@ -25,10 +25,23 @@ from typing import Any, Callable
 import torch
 
 OPS = ("allr", "allg", "redsct", "alltoall", "bcast", "reduce", "sendrecv")
-OP_TITLES = {"allr": "all_reduce", "allg": "all_gather", "redsct": "reduce_scatter", "alltoall": "all_to_all",
-             "bcast": "broadcast", "reduce": "reduce", "sendrecv": "send_recv"}
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int32": torch.int32,
-          "int64": torch.int64, "uint8": torch.uint8}
+OP_TITLES = {
+    "allr": "all_reduce",
+    "allg": "all_gather",
+    "redsct": "reduce_scatter",
+    "alltoall": "all_to_all",
+    "bcast": "broadcast",
+    "reduce": "reduce",
+    "sendrecv": "send_recv",
+}
+DTYPES = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint8": torch.uint8,
+}
 _UNITS = {"": 1, "b": 1, "kb": 1 << 10, "k": 1 << 10, "mb": 1 << 20, "m": 1 << 20, "gb": 1 << 30, "g": 1 << 30}
 
 
@@ -98,7 +111,7 @@ class _Runner:
         self.count = total
         per = total // n
         a_count = per if op == "allg" else total
-        self.a = torch.ones(a_count, dtype=dtype) if arena is None else arena[:a_count * elem].view(dtype).fill_(1)
+        self.a = torch.ones(a_count, dtype=dtype) if arena is None else arena[: a_count * elem].view(dtype).fill_(1)
         self.b = {"allg": total, "redsct": per, "alltoall": total}.get(op)
         if self.b is not None:
             self.b = torch.empty(self.b, dtype=dtype)
@@ -217,8 +230,10 @@ def ranks_per_node(nworkers: int, nodes: int) -> int:
         raise ValueError(f"-r {nworkers}: need at least 2 ranks (-r is the total number of ranks over all nodes)")
     if nworkers % nodes:
         per = max(1, round(nworkers / nodes))
-        raise ValueError(f"-r {nworkers} ranks do not divide equally over -N {nodes} nodes: -r is the total number of ranks, "
-                         f"as in nccom-test (e.g. -r {per * nodes} -N {nodes} runs {per} on each node)")
+        raise ValueError(
+            f"-r {nworkers} ranks do not divide equally over -N {nodes} nodes: -r is the total number of ranks, "
+            f"as in nccom-test (e.g. -r {per * nodes} -N {nodes} runs {per} on each node)"
+        )
     return nworkers // nodes
 
 
@@ -239,8 +254,10 @@ def algorithm_bands(by_size: dict[int, str]) -> str:
     bands: dict[str, list[int]] = {}
     for size, name in sorted(by_size.items()):
         bands.setdefault(name, []).append(size)
-    return "; ".join(f"{name} ({_size_text(min(s))}–{_size_text(max(s))})" if len(s) > 1 else f"{name} ({_size_text(s[0])})"
-                     for name, s in bands.items())
+    return "; ".join(
+        f"{name} ({_size_text(min(s))}–{_size_text(max(s))})" if len(s) > 1 else f"{name} ({_size_text(s[0])})"
+        for name, s in bands.items()
+    )
 
 
 def _body(world, args: dict) -> dict[str, Any]:
@@ -248,7 +265,9 @@ def _body(world, args: dict) -> dict[str, Any]:
     torch.set_grad_enabled(False)  # a communication benchmark, like nccom-test: no autograd anywhere (both libraries alike)
     n, rank = world.world_size, world.rank
     transport = args.get("transport", "auto")
-    comm = world.world if transport == "auto" else world.new_communicator(list(range(n)), f"bench-{transport}", transport=transport)
+    comm = (
+        world.world if transport == "auto" else world.new_communicator(list(range(n)), f"bench-{transport}", transport=transport)
+    )
     dtype = DTYPES[args["datatype"]]
     gloo = None
     if args["baseline"] == "gloo":
@@ -257,11 +276,19 @@ def _body(world, args: dict) -> dict[str, Any]:
         if not dist.is_initialized():
             dist.init_process_group("gloo", store=dist.PrefixStore("bench-gloo", world.store), rank=rank, world_size=n)
         gloo = GlooAdapter(dist)
-    out: dict[str, Any] = {"results": [], "baseline": [], "memcpy": {}, "transport": comm.transport,
-                           "hosts": len(set(world.host_ids)), "layout": _layout(world)}
+    out: dict[str, Any] = {
+        "results": [],
+        "baseline": [],
+        "memcpy": {},
+        "transport": comm.transport,
+        "hosts": len(set(world.host_ids)),
+        "layout": _layout(world),
+    }
     if args.get("show_algorithm"):
-        out["algorithms"] = {nbytes: algorithms_ran(comm, args["ops"], dtype, nbytes, args["algorithm"])
-                             for nbytes in sizes(args["minbytes"], args["maxbytes"], args["stepfactor"])}
+        out["algorithms"] = {
+            nbytes: algorithms_ran(comm, args["ops"], dtype, nbytes, args["algorithm"])
+            for nbytes in sizes(args["minbytes"], args["maxbytes"], args["stepfactor"])
+        }
     slowest = torch.zeros(1, dtype=torch.float64)
     arena = None
     if args.get("buffers", "shared") == "shared":
@@ -271,7 +298,10 @@ def _body(world, args: dict) -> dict[str, Any]:
         for nbytes in sizes(args["minbytes"], args["maxbytes"], args["stepfactor"]):
             run = _Runner(op, nbytes, dtype, n, rank, arena)
             iters = args["iters"] if run.bytes < (16 << 20) else max(2, args["iters"] // 4)
-            for name, fn in (("results", lambda: run.run(comm, args["algorithm"])), ("baseline", (lambda: run.run(gloo)) if gloo else None)):
+            for name, fn in (
+                ("results", lambda: run.run(comm, args["algorithm"])),
+                ("baseline", (lambda: run.run(gloo)) if gloo else None),
+            ):
                 if fn is None:
                     continue
                 elapsed = _time(fn, iters, args["warmup_iters"], comm.barrier)
@@ -279,8 +309,15 @@ def _body(world, args: dict) -> dict[str, Any]:
                 comm.all_reduce(slowest, "max")  # a collective takes as long as its slowest rank
                 t = float(slowest)
                 algbw = run.bytes / t / 1e9
-                row = {"op": op, "size(B)": run.bytes, "count(elems)": run.count, "type": args["datatype"], "time:avg(us)": t * 1e6,
-                       "algbw(GB/s)": algbw, "busbw(GB/s)": algbw * bus_factor(op, n)}
+                row = {
+                    "op": op,
+                    "size(B)": run.bytes,
+                    "count(elems)": run.count,
+                    "type": args["datatype"],
+                    "time:avg(us)": t * 1e6,
+                    "algbw(GB/s)": algbw,
+                    "busbw(GB/s)": algbw * bus_factor(op, n),
+                }
                 if name == "results" and args["check"]:
                     wrong = torch.tensor([run.check(comm)], dtype=torch.int64)
                     comm.all_reduce(wrong)  # every rank's result counts, not only rank 0's
@@ -308,8 +345,10 @@ def _print_table(report: dict, n: int, transport: str) -> None:
         print(header)
         for r in rows:
             mc = report["memcpy"].get(r["size(B)"]) or report["memcpy"].get(str(r["size(B)"]), 0.0)
-            line = (f" {r['size(B)']:>12} {r['count(elems)']:>13} {r['type']:>6} {r['time:avg(us)']:>10.1f} {r['algbw(GB/s)']:>12.3f} "
-                    f"{r['busbw(GB/s)']:>12.3f} {mc:>13.2f} {r['busbw(GB/s)'] / mc if mc else 0:>11.2f}")
+            line = (
+                f" {r['size(B)']:>12} {r['count(elems)']:>13} {r['type']:>6} {r['time:avg(us)']:>10.1f} {r['algbw(GB/s)']:>12.3f} "
+                f"{r['busbw(GB/s)']:>12.3f} {mc:>13.2f} {r['busbw(GB/s)'] / mc if mc else 0:>11.2f}"
+            )
             g = base.get((op, r["size(B)"]))
             if g:
                 line += f" {g['time:avg(us)']:>10.1f} {g['busbw(GB/s)']:>11.3f} {g['time:avg(us)'] / r['time:avg(us)']:>8.1f}x"
@@ -329,8 +368,13 @@ def _size_text(nbytes: int) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nxdt comm-test", description="Benchmark nxdt's collectives (nccom-test style).")
     p.add_argument("ops", nargs="*", default=["allr"], help=f"operations: {' '.join(OPS)} (default allr)")
-    p.add_argument("-r", "--nworkers", type=int, default=2,
-                   help="total number of ranks (processes) over all nodes, as nccom-test's -r; each node runs r / N (default 2)")
+    p.add_argument(
+        "-r",
+        "--nworkers",
+        type=int,
+        default=2,
+        help="total number of ranks (processes) over all nodes, as nccom-test's -r; each node runs r / N (default 2)",
+    )
     p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("1kb"), help="smallest size, e.g. 1kb")
     p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64mb"), help="largest size, e.g. 64mb")
     p.add_argument("-f", "--stepfactor", type=float, default=4.0, help="multiply the size by this between rows")
@@ -338,24 +382,48 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-w", "--warmup_iters", type=int, default=5, help="untimed iterations per size")
     p.add_argument("-d", "--datatype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("-c", "--check", action="store_true", help="verify results exactly after timing (adds a #wrong column)")
-    p.add_argument("--algorithm", default="auto", help="all-reduce algorithm: auto, direct, slice, ring, rhd, torus[:RxC], hierarchical")
-    p.add_argument("--transport", choices=("auto", "shm", "p2p", "gloo"), default="auto",
-                   help="the benchmarked communicator's transport (auto: shm on one host, p2p across hosts; gloo: "
-                        "torch.distributed's collectives)")
-    p.add_argument("--separate-hosts", action="store_true",
-                   help="pretend every rank is on its own host (so p2p crosses hosts over gloo point-to-point)")
-    p.add_argument("--buffers", choices=("shared", "plain"), default="shared",
-                   help="shared: input buffers in nxdt shared memory (World.shared_empty; peers on this host read them in "
-                        "place, as FSDP's shards are kept); plain: ordinary tensors (copied through the slot)")
+    p.add_argument(
+        "--algorithm", default="auto", help="all-reduce algorithm: auto, direct, slice, ring, rhd, torus[:RxC], hierarchical"
+    )
+    p.add_argument(
+        "--transport",
+        choices=("auto", "shm", "p2p", "gloo"),
+        default="auto",
+        help="the benchmarked communicator's transport (auto: shm on one host, p2p across hosts; gloo: "
+        "torch.distributed's collectives)",
+    )
+    p.add_argument(
+        "--separate-hosts",
+        action="store_true",
+        help="pretend every rank is on its own host (so p2p crosses hosts over gloo point-to-point)",
+    )
+    p.add_argument(
+        "--buffers",
+        choices=("shared", "plain"),
+        default="shared",
+        help="shared: input buffers in nxdt shared memory (World.shared_empty; peers on this host read them in "
+        "place, as FSDP's shards are kept); plain: ordinary tensors (copied through the slot)",
+    )
     p.add_argument("--baseline", choices=("gloo",), help="also time torch.distributed's gloo on the same sizes, same run")
     p.add_argument("--report-to-json-file", metavar="F", help="write the results as JSON (nccom-test's layout)")
     p.add_argument("--show-algorithm", action="store_true", help="print which algorithm each op ran (per size band)")
     multi = p.add_argument_group("several nodes (run the same command on every node; torch elastic c10d rendezvous)")
-    multi.add_argument("-N", "--nodes", "--nnodes", dest="nodes", type=int, default=1,
-                       help="nodes, as nccom-test's -N: the -r ranks are divided equally across them (-r 64 -N 2: 32 per node)")
-    multi.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous, the same on every node (default $MASTER_ADDR:$MASTER_PORT)")
+    multi.add_argument(
+        "-N",
+        "--nodes",
+        "--nnodes",
+        dest="nodes",
+        type=int,
+        default=1,
+        help="nodes, as nccom-test's -N: the -r ranks are divided equally across them (-r 64 -N 2: 32 per node)",
+    )
+    multi.add_argument(
+        "--rdzv-endpoint", help="HOST:PORT of the rendezvous, the same on every node (default $MASTER_ADDR:$MASTER_PORT)"
+    )
     multi.add_argument("--rdzv-id", help="job id, the same on every node (default nxdt-comm-test)")
-    multi.add_argument("--node-rank", type=int, help="this node's rank (default $NODE_RANK / $SLURM_NODEID, else rendezvous order)")
+    multi.add_argument(
+        "--node-rank", type=int, help="this node's rank (default $NODE_RANK / $SLURM_NODEID, else rendezvous order)"
+    )
     multi.add_argument("--local-addr", help="this node's address (default: the one routing to the rendezvous)")
     multi.add_argument("--join-timeout", type=float, default=300.0, help="seconds to wait for every node to join")
     return p
@@ -379,8 +447,24 @@ def main(argv: list[str] | None = None, multinode: Callable[[argparse.Namespace,
     from nxdt.comm.spawn import RankFailed, run_local
 
     host_ids = [f"host{r}" for r in range(args.nworkers)] if args.separate_hosts else None
-    opts = {k: getattr(args, k) for k in ("ops", "minbytes", "maxbytes", "stepfactor", "iters", "warmup_iters", "datatype",
-                                          "check", "algorithm", "baseline", "show_algorithm", "buffers", "transport")}
+    opts = {
+        k: getattr(args, k)
+        for k in (
+            "ops",
+            "minbytes",
+            "maxbytes",
+            "stepfactor",
+            "iters",
+            "warmup_iters",
+            "datatype",
+            "check",
+            "algorithm",
+            "baseline",
+            "show_algorithm",
+            "buffers",
+            "transport",
+        )
+    }
     if args.nodes > 1:
         if multinode is None:  # the node agents are the launcher's (a higher layer): `nxdt comm-test` hands them in
             print("nxdt comm-test: -N > 1 runs through the launcher: use `nxdt comm-test -N ...`", file=sys.stderr)

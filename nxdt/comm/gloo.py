@@ -25,8 +25,13 @@ from nxdt.comm.errors import CommError, CommTimeoutError, PeerDiedError
 from nxdt.comm.reduce import LOW_PRECISION
 from nxdt.comm.transport import Transport
 
-_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX,
-        "prod": dist.ReduceOp.PRODUCT}
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.SUM,
+    "min": dist.ReduceOp.MIN,
+    "max": dist.ReduceOp.MAX,
+    "prod": dist.ReduceOp.PRODUCT,
+}
 _LOST = ("Connection closed", "Connection reset", "Broken pipe", "Connection refused")
 
 
@@ -40,8 +45,10 @@ class GlooTransport(Transport):
 
     def resolve(self, op: str, name: str, nbytes: int) -> str:
         if name != "auto":
-            raise ValueError(f"communicator '{self.comm.name}': transport 'gloo' runs gloo's own algorithms; "
-                             f"algorithm {name!r} needs transport 'shm' or 'p2p'")
+            raise ValueError(
+                f"communicator '{self.comm.name}': transport 'gloo' runs gloo's own algorithms; "
+                f"algorithm {name!r} needs transport 'shm' or 'p2p'"
+            )
         return "gloo"
 
     def _group(self, stream: str) -> dist.ProcessGroup:
@@ -52,8 +59,10 @@ class GlooTransport(Transport):
             try:
                 pg = dist.ProcessGroupGloo(store, comm.rank, comm.size, timedelta(seconds=comm.world.timeout_s))
             except RuntimeError as exc:
-                raise CommTimeoutError(f"nxdt.comm: group '{comm.name}' could not form its gloo group on stream '{stream}' "
-                                       f"({str(exc).splitlines()[0]})") from exc
+                raise CommTimeoutError(
+                    f"nxdt.comm: group '{comm.name}' could not form its gloo group on stream '{stream}' "
+                    f"({str(exc).splitlines()[0]})"
+                ) from exc
             self._groups[stream] = pg
             self._tags[stream] = comm.world.stream_tag(comm.name, stream)
         return pg
@@ -126,8 +135,9 @@ class GlooTransport(Transport):
             works += [pg.recv([t], peer, tag) for peer, t in recvs if t.numel()]
             works += [pg.send([t], peer, tag) for peer, t in sends if t.numel()]
         except RuntimeError as exc:
-            raise CommTimeoutError(f"nxdt.comm: group '{self.comm.name}' {desc} (stream '{stream}') over gloo failed: "
-                                   f"{str(exc).splitlines()[0]}") from exc
+            raise CommTimeoutError(
+                f"nxdt.comm: group '{self.comm.name}' {desc} (stream '{stream}') over gloo failed: {str(exc).splitlines()[0]}"
+            ) from exc
         for w in works:
             self._run(stream, desc, lambda _pg, w=w: w)
 

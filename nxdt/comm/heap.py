@@ -104,7 +104,7 @@ class Heap:
         """Elements [start, stop) of ``dtype`` from byte ``offset`` of a peer's block."""
         elem = dtype.itemsize
         raw = self.peer_bytes(rank, block)
-        return raw[offset + start * elem:offset + stop * elem].view(dtype)
+        return raw[offset + start * elem : offset + stop * elem].view(dtype)
 
     def close(self) -> None:
         """Unlink this rank's blocks (mappings stay valid while tensors use them) and forget peers' blocks."""

@@ -40,8 +40,10 @@ def use(enabled: bool | None = None) -> None:
     lib = None if enabled is False else _built
     if enabled is not False and _built is None and not _noticed:
         _noticed = True
-        print("nxdt.comm: native kernels not built (no C compiler at install time?); using the slower torch fallback",
-              file=sys.stderr)
+        print(
+            "nxdt.comm: native kernels not built (no C compiler at install time?); using the slower torch fallback",
+            file=sys.stderr,
+        )
 
 
 def context(n: int, me: int, slot_bytes: int, header_addresses, data_addresses, policy) -> np.ndarray:
@@ -52,8 +54,8 @@ def context(n: int, me: int, slot_bytes: int, header_addresses, data_addresses, 
     ctx[[C_N, C_ME, C_SLOT_BYTES, C_SPIN_NS, C_SPIN_BASE_NS, C_YIELDS]] = (n, me, slot_bytes, base, base, policy.yields)
     ctx[C_SPIN_EXTRA_NS] = int(policy.spin_s * 1e9)
     ctx[C_FUTEX] = int(policy.futex)
-    ctx[C_HEADERS:C_HEADERS + n] = header_addresses
-    ctx[C_HEADERS + n:] = data_addresses
+    ctx[C_HEADERS : C_HEADERS + n] = header_addresses
+    ctx[C_HEADERS + n :] = data_addresses
     return ctx
 
 

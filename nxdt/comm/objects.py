@@ -18,8 +18,23 @@ from typing import Any
 
 import torch
 
-_DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-                               torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
+_DTYPES = {
+    str(d): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+    )
+}
 
 
 class ObjectCodecError(TypeError):
@@ -53,8 +68,10 @@ def encode(obj: Any) -> bytes:
             t = x.detach().to("cpu").contiguous()
             blobs.append(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
             return {"tensor": [str(t.dtype), list(t.shape), len(blobs) - 1, len(blobs[-1])]}
-        raise ObjectCodecError(f"nxdt.comm: an object of type {type(x).__qualname__} cannot be sent between ranks; "
-                               "send plain data (numbers, strings, lists, dicts) and tensors")
+        raise ObjectCodecError(
+            f"nxdt.comm: an object of type {type(x).__qualname__} cannot be sent between ranks; "
+            "send plain data (numbers, strings, lists, dicts) and tensors"
+        )
 
     header = json.dumps(walk(obj), separators=(",", ":")).encode()
     return struct.pack("<Q", len(header)) + header + b"".join(blobs)
@@ -64,7 +81,7 @@ def decode(data: bytes) -> Any:
     """The object ``encode`` turned into ``data``; malformed bytes raise :class:`ObjectCodecError`."""
     try:
         (length,) = struct.unpack_from("<Q", data, 0)
-        tree = json.loads(data[8:8 + length])
+        tree = json.loads(data[8 : 8 + length])
     except (struct.error, ValueError) as exc:
         raise ObjectCodecError(f"nxdt.comm: received bytes are not an encoded object ({exc})") from None
     blob_at = 8 + length
@@ -75,7 +92,7 @@ def decode(data: bytes) -> Any:
             return x
         if not isinstance(x, dict) or len(x) != 1:
             raise ObjectCodecError(f"nxdt.comm: malformed object encoding near {str(x)[:60]!r}")
-        (kind, value), = x.items()
+        ((kind, value),) = x.items()
         if kind == "int":
             return int(value)
         if kind == "float":
@@ -95,7 +112,7 @@ def decode(data: bytes) -> Any:
             dtype_name, shape, _, nbytes = value
             if dtype_name not in _DTYPES or blob_at + nbytes > len(data):
                 raise ObjectCodecError("nxdt.comm: malformed tensor in a received object")
-            raw = bytearray(data[blob_at:blob_at + nbytes])
+            raw = bytearray(data[blob_at : blob_at + nbytes])
             blob_at += nbytes
             flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
             return flat.view(_DTYPES[dtype_name]).reshape(shape)

@@ -68,7 +68,9 @@ class Links:
 
     # -------------------------------------------------------------------------------- shm mailboxes
     def _path(self, src: int, dst: int) -> str:
-        return segment_path(self.world.run_id, self.comm.name, f"{self.stream}.mb", f"{self.comm.ranks[src]}to{self.comm.ranks[dst]}")
+        return segment_path(
+            self.world.run_id, self.comm.name, f"{self.stream}.mb", f"{self.comm.ranks[src]}to{self.comm.ranks[dst]}"
+        )
 
     def _deadline(self) -> float:
         return time.monotonic() + self.world.timeout_s
@@ -83,9 +85,13 @@ class Links:
     def _inbox(self, peer: int) -> Segment:
         seg = self._in.get(peer)
         if seg is None:
+
             def timeout(_missing) -> Exception:
-                return CommTimeoutError(f"nxdt.comm: group '{self.comm.name}' {self.desc} (stream '{self.stream}') timed out after "
-                                        f"{self.world.timeout_s:g}s waiting for rank(s) [{self.comm.ranks[peer]}] to send")
+                return CommTimeoutError(
+                    f"nxdt.comm: group '{self.comm.name}' {self.desc} (stream '{self.stream}') timed out after "
+                    f"{self.world.timeout_s:g}s waiting for rank(s) [{self.comm.ranks[peer]}] to send"
+                )
+
             seg = open_peers({peer: self._path(peer, self.comm.rank)}, MAILBOX_SLOT_BYTES, self._deadline(), timeout)[peer]
             seg.header[W_RECEIVER_PID] = os.getpid()
             self._in[peer] = seg
@@ -101,10 +107,10 @@ class Links:
         size = min(MAILBOX_SLOT_BYTES, x.bytes - x.pos)
         slot = seg.slot(n)
         if size:
-            slot[:size].copy_(x.flat[x.pos:x.pos + size])
+            slot[:size].copy_(x.flat[x.pos : x.pos + size])
         parity = n & 1
         base = W_FINGERPRINT + parity * FP_WORDS
-        h[base:base + 4] = x.fp
+        h[base : base + 4] = x.fp
         h[W_FP_DIGEST + parity] = hash(x.fp) & 0x3FFFFFFFFFFF
         x.pos += size
         x.count += 1
@@ -123,13 +129,14 @@ class Links:
         parity = n & 1
         if h[W_FP_DIGEST + parity] != hash(x.fp) & 0x3FFFFFFFFFFF:
             base = W_FINGERPRINT + parity * FP_WORDS
-            theirs = tuple(int(v) for v in h[base:base + 4])
+            theirs = tuple(int(v) for v in h[base : base + 4])
             raise CommMismatchError(
                 f"nxdt.comm: group '{self.comm.name}' {self.desc}: rank {self.comm.ranks[x.peer]} sent {describe_fingerprint(theirs)} but "
-                f"rank {self.comm.ranks[self.comm.rank]} expected {describe_fingerprint(x.fp)} — sends and receives must match in dtype and count")
+                f"rank {self.comm.ranks[self.comm.rank]} expected {describe_fingerprint(x.fp)} — sends and receives must match in dtype and count"
+            )
         size = min(MAILBOX_SLOT_BYTES, x.bytes - x.pos)
         if size:
-            x.flat[x.pos:x.pos + size].copy_(seg.slot(n)[:size])
+            x.flat[x.pos : x.pos + size].copy_(seg.slot(n)[:size])
         x.pos += size
         x.count += 1
         self._recvd[x.peer] = n + 1
@@ -158,9 +165,11 @@ class Links:
     def _block(self, pending, deadline: float) -> None:
         def timeout() -> Exception:
             who = {self.comm.ranks[x.peer]: peer_pid(x, sending) for x, sending in pending}
-            return CommTimeoutError(f"nxdt.comm: group '{self.comm.name}' {self.desc} (stream '{self.stream}') timed out after "
-                                    f"{self.world.timeout_s:g}s waiting for rank(s) {sorted(who)} to {'receive' if pending[0][1] else 'send'}",
-                                    stuck_pids=who)
+            return CommTimeoutError(
+                f"nxdt.comm: group '{self.comm.name}' {self.desc} (stream '{self.stream}') timed out after "
+                f"{self.world.timeout_s:g}s waiting for rank(s) {sorted(who)} to {'receive' if pending[0][1] else 'send'}",
+                stuck_pids=who,
+            )
 
         def peer_pid(x, sending: bool) -> int:  # the mailbox's other end: its receiver, or its creator (the sender)
             seg = self._out[x.peer] if sending else self._in[x.peer]
@@ -170,17 +179,23 @@ class Links:
             for x, sending in pending:
                 pid = peer_pid(x, sending)
                 if pid and not pid_alive(pid):
-                    raise PeerDiedError(f"nxdt.comm: group '{self.comm.name}' {self.desc}: rank {self.comm.ranks[x.peer]} (pid {pid}) "
-                                        f"exited while rank {self.comm.ranks[self.comm.rank]} waited for it")
+                    raise PeerDiedError(
+                        f"nxdt.comm: group '{self.comm.name}' {self.desc}: rank {self.comm.ranks[x.peer]} (pid {pid}) "
+                        f"exited while rank {self.comm.ranks[self.comm.rank]} waited for it"
+                    )
 
         if len(pending) == 1:  # one word to watch: sleep on it
             x, sending = pending[0]
             if sending:
                 seg = self._out[x.peer]
-                wait_word(seg.header, W_ACKED, self._sent[x.peer] - 1, seg.word_address(W_ACKED), deadline, timeout, health, self.spin)
+                wait_word(
+                    seg.header, W_ACKED, self._sent[x.peer] - 1, seg.word_address(W_ACKED), deadline, timeout, health, self.spin
+                )
             else:
                 seg = self._in[x.peer]
-                wait_word(seg.header, W_SENT, self._recvd[x.peer] + 1, seg.word_address(W_SENT), deadline, timeout, health, self.spin)
+                wait_word(
+                    seg.header, W_SENT, self._recvd[x.peer] + 1, seg.word_address(W_SENT), deadline, timeout, health, self.spin
+                )
             return
 
         def ready() -> bool:
@@ -194,8 +209,12 @@ class Links:
         wait_until(ready, deadline, timeout, health, self.spin.policy)
 
     # -------------------------------------------------------------------------------- public
-    def exchange(self, sends: Sequence[tuple[int, torch.Tensor]] = (), recvs: Sequence[tuple[int, torch.Tensor]] = (),
-                 desc: str | None = None) -> None:
+    def exchange(
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]] = (),
+        recvs: Sequence[tuple[int, torch.Tensor]] = (),
+        desc: str | None = None,
+    ) -> None:
         """Send and receive these messages (group-local peers; tensors contiguous). Returns when all moved."""
         if desc:
             self.desc = desc
@@ -215,8 +234,9 @@ class Links:
             for w in works:
                 w.wait()
             if self.pacer is not None:  # full duplex: a step costs the larger direction
-                self.pacer.step(max(sum(t.numel() * t.element_size() for _, t in sends),
-                                    sum(t.numel() * t.element_size() for _, t in recvs)))
+                self.pacer.step(
+                    max(sum(t.numel() * t.element_size() for _, t in sends), sum(t.numel() * t.element_size() for _, t in recvs))
+                )
         except RuntimeError as exc:
             if isinstance(exc, (CommTimeoutError, CommMismatchError, PeerDiedError)):
                 raise
@@ -224,11 +244,15 @@ class Links:
             if any(s in gloo for s in ("Connection closed", "Connection reset", "Broken pipe", "Connection refused")):
                 remote = sorted({self.comm.ranks[p] for p, _ in (*sends, *recvs) if hosts[p] != hosts[me]})
                 gloo = gloo.split("] ", 1)[-1].split(". This is typically")[0]  # drop gloo's source path and advice
-                raise PeerDiedError(f"nxdt.comm: group '{self.comm.name}' {self.desc} (stream '{self.stream}'): lost the connection "
-                                    f"to rank(s) {remote} on another host ({gloo}) — that host's worker or agent died; see its "
-                                    "logs") from exc
-            raise CommTimeoutError(f"nxdt.comm: group '{self.comm.name}' {self.desc} (stream '{self.stream}') over p2p failed: "
-                                   f"{str(exc).splitlines()[0]}") from exc
+                raise PeerDiedError(
+                    f"nxdt.comm: group '{self.comm.name}' {self.desc} (stream '{self.stream}'): lost the connection "
+                    f"to rank(s) {remote} on another host ({gloo}) — that host's worker or agent died; see its "
+                    "logs"
+                ) from exc
+            raise CommTimeoutError(
+                f"nxdt.comm: group '{self.comm.name}' {self.desc} (stream '{self.stream}') over p2p failed: "
+                f"{str(exc).splitlines()[0]}"
+            ) from exc
 
     def close(self) -> None:
         for seg in self._in.values():

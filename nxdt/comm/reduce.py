@@ -55,7 +55,9 @@ def _native_reduce(out: torch.Tensor, parts: Sequence[torch.Tensor], op: str, di
     for p in parts:
         if p.dtype != dtype or p.numel() != count or not p.is_contiguous():
             return False
-    lib.reduce(out.data_ptr(), tuple(p.data_ptr() for p in parts), count, DTYPES.index(dtype) + 1, REDUCE_OPS.index(op) + 1, divisor)
+    lib.reduce(
+        out.data_ptr(), tuple(p.data_ptr() for p in parts), count, DTYPES.index(dtype) + 1, REDUCE_OPS.index(op) + 1, divisor
+    )
     return True
 
 

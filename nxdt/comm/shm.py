@@ -50,13 +50,13 @@ DEFAULT_SLOT_BYTES = 4 << 20  # a 4 MB message in one step (one synchronisation)
 
 # header words (int64). Words 0 and 1 (magic, creator pid) are what remove_stale_segments reads.
 W_MAGIC, W_PID, W_PROGRESS, W_SLOT_BYTES = 0, 1, 2, 3
-W_FP_DIGEST = 4     # two words: digest of each slot parity's fingerprint, compared on the hot path
+W_FP_DIGEST = 4  # two words: digest of each slot parity's fingerprint, compared on the hot path
 W_SENT, W_ACKED = 6, 7  # mailbox counters (see nxdt.comm.mailbox); spaced from PROGRESS on purpose
-W_SLEEP = 10        # 1 + index of the member whose progress word I block on in the kernel, else 0
+W_SLEEP = 10  # 1 + index of the member whose progress word I block on in the kernel, else 0
 W_FINGERPRINT = 16  # two fingerprints (one per slot parity) of FP_WORDS words, for error messages
 FP_WORDS = 6
-W_SOURCE = 32       # per slot parity, two words: where my step's data lies — (0, 0): my slot; (block, byte offset): my
-                    # shared tensor (nxdt.comm.heap), which peers read in place
+W_SOURCE = 32  # per slot parity, two words: where my step's data lies — (0, 0): my slot; (block, byte offset): my
+# shared tensor (nxdt.comm.heap), which peers read in place
 
 
 _MAIN = threading.main_thread()  # may spin longer than a stream thread (nxdt.comm.waiting.policy_for)
@@ -103,7 +103,7 @@ class Segment:
 
     def slot(self, step: int) -> torch.Tensor:
         start = (step % 2) * self.slot_bytes
-        return self.data[start:start + self.slot_bytes]
+        return self.data[start : start + self.slot_bytes]
 
     def close(self) -> None:
         self.header = None
@@ -156,9 +156,18 @@ def _digest(fingerprint: tuple[int, ...]) -> int:
 class ShmChannel:
     """Steps of one group on one stream over shared memory (see the module docstring)."""
 
-    def __init__(self, run_id: str, group: str, stream: str, ranks: Sequence[int], my_index: int,
-                 timeout_s: float, slot_bytes: int = DEFAULT_SLOT_BYTES, first_op: str = "a collective",
-                 wait: WaitPolicy = DEFAULT_WAIT) -> None:
+    def __init__(
+        self,
+        run_id: str,
+        group: str,
+        stream: str,
+        ranks: Sequence[int],
+        my_index: int,
+        timeout_s: float,
+        slot_bytes: int = DEFAULT_SLOT_BYTES,
+        first_op: str = "a collective",
+        wait: WaitPolicy = DEFAULT_WAIT,
+    ) -> None:
         self.group, self.stream, self.ranks, self.me = group, stream, list(ranks), my_index
         self.timeout_s = timeout_s
         self.slot_bytes = slot_bytes
@@ -171,7 +180,8 @@ class ShmChannel:
             self.close_own()
             return CommTimeoutError(
                 f"nxdt.comm: group '{group}' {first_op} (first use of stream '{stream}') timed out after {timeout_s:g}s "
-                f"waiting for rank(s) {[self.ranks[i] for i in missing_idx]} to join — they crashed, hung, or called a different collective")
+                f"waiting for rank(s) {[self.ranks[i] for i in missing_idx]} to join — they crashed, hung, or called a different collective"
+            )
 
         paths = {i: segment_path(run_id, group, stream, r) for i, r in enumerate(self.ranks) if i != my_index}
         opened = open_peers(paths, slot_bytes, deadline, timeout)
@@ -191,8 +201,14 @@ class ShmChannel:
         self.plans: dict[tuple, tuple] = {}  # per-call decisions of an algorithm, by (op, dtype, count, ...)
         self.native = native.lib if self.size <= native.MAX_MEMBERS else None
         if self.native is not None:
-            self._ctx = native.context(self.size, my_index, slot_bytes, [s.address for s in self.segments],
-                                       [s.data.data_ptr() for s in self.segments], wait)
+            self._ctx = native.context(
+                self.size,
+                my_index,
+                slot_bytes,
+                [s.address for s in self.segments],
+                [s.data.data_ptr() for s in self.segments],
+                wait,
+            )
             self.ctx_address = self._ctx.ctypes.data
             self._peer_mask = native.mask(self.peers)
 
@@ -215,9 +231,17 @@ class ShmChannel:
                 continue
             if not deadline:
                 deadline = time.monotonic() + self.timeout_s
-            wait_word(headers[i], W_PROGRESS, milestone, self.progress_addr[i], deadline,
-                      lambda: self._timeout_error(members, milestone, what), lambda: self._check_health(members, milestone), self.spin,
-                      (self.own.header, W_SLEEP, i + 1))
+            wait_word(
+                headers[i],
+                W_PROGRESS,
+                milestone,
+                self.progress_addr[i],
+                deadline,
+                lambda: self._timeout_error(members, milestone, what),
+                lambda: self._check_health(members, milestone),
+                self.spin,
+                (self.own.header, W_SLEEP, i + 1),
+            )
 
     def _wait_native(self, members: Sequence[int], mask: int, milestone: int, what: str) -> None:
         """A native wait came back still waiting (it does every 20 ms): the deadline, the peers' health, again."""
@@ -238,14 +262,18 @@ class ShmChannel:
         return CommTimeoutError(
             f"nxdt.comm: group '{self.group}' {self.op_desc} (seq/step {self.step}, stream '{self.stream}') timed out after "
             f"{self.timeout_s:g}s waiting for {what} of rank(s) {[self.ranks[i] for i in missing]} — they crashed, hung, or called "
-            f"a different collective", stuck_pids={self.ranks[i]: int(self.headers[i][W_PID]) for i in missing})
+            f"a different collective",
+            stuck_pids={self.ranks[i]: int(self.headers[i][W_PID]) for i in missing},
+        )
 
     def _check_health(self, members: Sequence[int], milestone: int) -> None:
         for i in self._missing(members, milestone):
             pid = int(self.headers[i][W_PID])
             if pid and not pid_alive(pid):
-                raise PeerDiedError(f"nxdt.comm: group '{self.group}' {self.op_desc} (seq/step {self.step}): rank {self.ranks[i]} "
-                                    f"(pid {pid}) exited while the others waited for it")
+                raise PeerDiedError(
+                    f"nxdt.comm: group '{self.group}' {self.op_desc} (seq/step {self.step}): rank {self.ranks[i]} "
+                    f"(pid {pid}) exited while the others waited for it"
+                )
 
     def _set_progress(self, value: int) -> None:
         if self.native is not None:
@@ -276,7 +304,7 @@ class ShmChannel:
         h = self.own.header
         if self._fp_written[parity] != fingerprint:
             base = W_FINGERPRINT + parity * FP_WORDS
-            h[base:base + FP_WORDS] = (*fingerprint, *([0] * (FP_WORDS - len(fingerprint))))[:FP_WORDS]
+            h[base : base + FP_WORDS] = (*fingerprint, *([0] * (FP_WORDS - len(fingerprint))))[:FP_WORDS]
             self._fp_written[parity] = fingerprint
         h[W_FP_DIGEST + parity] = self._fp_digest  # a peer cannot be at step s±2 while we compare (slot protocol)
         h[W_SOURCE + 2 * parity] = 0  # my data is in my slot unless set_source says otherwise
@@ -290,14 +318,17 @@ class ShmChannel:
         self._fp_written[step & 1] = None  # the C side writes this parity's fingerprint words
         op, dtype, count, _ = fingerprint
         main = get_ident() == _MAIN_ID
-        status = self.native.all_reduce_step(self.ctx_address, step, dst.data_ptr(), dst.numel(), dtype, op // 100, op, count, 0, main)
+        status = self.native.all_reduce_step(
+            self.ctx_address, step, dst.data_ptr(), dst.numel(), dtype, op // 100, op, count, 0, main
+        )
         if status == native.DONE:  # the common case: one call, nothing else
             self.step = step + 1
             return True
         return self._all_reduce_step_on(dst, fingerprint, op_desc, status, main)
 
-    def _all_reduce_step_on(self, dst: torch.Tensor, fingerprint: tuple[int, int, int, int], op_desc: str, status: int,
-                            main: bool) -> bool:
+    def _all_reduce_step_on(
+        self, dst: torch.Tensor, fingerprint: tuple[int, int, int, int], op_desc: str, status: int, main: bool
+    ) -> bool:
         """The native step came back before it was done: check the deadline and the peers' health between calls
         (every 20 ms of waiting), or raise the mismatch; the rest of ``all_reduce_step``."""
         lib, step = self.native, self.step
@@ -319,8 +350,9 @@ class ShmChannel:
             if now > deadline:
                 raise self._timeout_error(self.peers, milestone, what)
             self._check_health(self.peers, milestone)
-            status = lib.all_reduce_step(self.ctx_address, step, dst.data_ptr(), dst.numel(), dtype, op // 100, op, count,
-                                         0 if slot_wait else 1, main)
+            status = lib.all_reduce_step(
+                self.ctx_address, step, dst.data_ptr(), dst.numel(), dtype, op // 100, op, count, 0 if slot_wait else 1, main
+            )
 
     # -------------------------------------------------------------------------------- zero-copy sources
     def locate(self, t: torch.Tensor) -> tuple[int, int] | None:
@@ -390,7 +422,7 @@ class ShmChannel:
         key = (member, self.step & 1, dtype, -n, k)  # negative n: never equal to a typed() key
         view = self._typed.get(key)
         if view is None:
-            view = self.typed(member, dtype)[:n * k].view(n, k)
+            view = self.typed(member, dtype)[: n * k].view(n, k)
             self._typed[key] = view
         return view
 
@@ -408,14 +440,15 @@ class ShmChannel:
 
     def _raise_mismatch(self, members: Sequence[int]) -> None:
         base = W_FINGERPRINT + (self.step & 1) * FP_WORDS
-        mine = tuple(int(x) for x in self.own.header[base:base + FP_WORDS])
+        mine = tuple(int(x) for x in self.own.header[base : base + FP_WORDS])
         for i in members:
-            theirs = tuple(int(x) for x in self.headers[i][base:base + FP_WORDS])
+            theirs = tuple(int(x) for x in self.headers[i][base : base + FP_WORDS])
             if theirs != mine or self.headers[i][W_FP_DIGEST + (self.step & 1)] != self.own.header[W_FP_DIGEST + (self.step & 1)]:
                 raise CommMismatchError(
                     f"nxdt.comm: group '{self.group}' seq/step {self.step}: rank {self.ranks[self.me]} called {self.op_desc} "
                     f"{describe_fingerprint(mine)} but rank {self.ranks[i]} called {describe_fingerprint(theirs)} — "
-                    f"every member must issue the same collectives with the same op, dtype, count and root, in the same order")
+                    f"every member must issue the same collectives with the same op, dtype, count and root, in the same order"
+                )
 
     def each_ready(self, members: Sequence[int], reduced: bool = False):
         """Yield ``members`` once each has published (``reduced``: has its reduced slice), those
@@ -464,8 +497,18 @@ class ShmChannel:
             pass
 
 
-OP_NAMES = ["?", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "send_recv", "barrier",
-            "all_to_all_sizes"]
+OP_NAMES = [
+    "?",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "broadcast",
+    "reduce",
+    "send_recv",
+    "barrier",
+    "all_to_all_sizes",
+]
 
 
 def describe_fingerprint(fp: tuple[int, ...]) -> str:

@@ -41,7 +41,17 @@ ONE_STEP_MAX_BYTES_2 = 256 << 10
 # 1 MB 618 µs, 4 MB 721 µs (one step, but the re-read misses L2).
 DIRECT_CHUNK_BYTES = 2 << 20
 
-OP_ALL_REDUCE, OP_ALL_GATHER, OP_REDUCE_SCATTER, OP_ALL_TO_ALL, OP_BROADCAST, OP_REDUCE, OP_SEND_RECV, OP_BARRIER, OP_A2A_SIZES = range(1, 10)
+(
+    OP_ALL_REDUCE,
+    OP_ALL_GATHER,
+    OP_REDUCE_SCATTER,
+    OP_ALL_TO_ALL,
+    OP_BROADCAST,
+    OP_REDUCE,
+    OP_SEND_RECV,
+    OP_BARRIER,
+    OP_A2A_SIZES,
+) = range(1, 10)
 
 
 def _chunks(count: int, chunk: int):
@@ -107,6 +117,7 @@ def one_step_all_reduce(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str
     def run(dst: torch.Tensor) -> None:
         if not step(dst, fp, desc):  # rare: a peer on the torch fallback sent its shared tensor
             _finish_by_slices(ch, dst, op)
+
     return run
 
 
@@ -207,9 +218,9 @@ def all_gather(ch: ShmChannel, out: torch.Tensor, inp: torch.Tensor) -> None:
         shared = ch.put(src)
         ch.publish()
         if not in_place:  # our own block while the peers catch up
-            (rows[me] if whole else out[me * m + c0:me * m + c1]).copy_(src)
+            (rows[me] if whole else out[me * m + c0 : me * m + c1]).copy_(src)
         for j in ch.each_ready(ch.peers):
-            (rows[j] if whole else out[j * m + c0:j * m + c1]).copy_(ch.source(j, dtype, 0, k))
+            (rows[j] if whole else out[j * m + c0 : j * m + c1]).copy_(ch.source(j, dtype, 0, k))
         ch.finish((ch.size - 1) * k * inp.element_size())
         if shared:
             ch.wait_readers()
@@ -220,7 +231,7 @@ def _row_of(ch: ShmChannel, member: int, dtype: torch.dtype, row: int, c0: int, 
     the step's (rows × (c1-c0)) block, its shared tensor the whole matrix."""
     k = c1 - c0
     if ch.in_slot(member):
-        return ch.typed(member, dtype)[row * k:(row + 1) * k]
+        return ch.typed(member, dtype)[row * k : (row + 1) * k]
     return ch.source(member, dtype, row * stride + c0, row * stride + c1)
 
 
@@ -244,7 +255,9 @@ def reduce_scatter(ch: ShmChannel, out: torch.Tensor, inp: torch.Tensor, op: str
                 mine[j].copy_(src[j])
         ch.publish()
         ch.wait_published()
-        reduce_into(out if whole else out[c0:c1], [src[me] if i == me else _row_of(ch, i, dtype, me, c0, c1, m) for i in range(n)], op, n)
+        reduce_into(
+            out if whole else out[c0:c1], [src[me] if i == me else _row_of(ch, i, dtype, me, c0, c1, m) for i in range(n)], op, n
+        )
         ch.finish((n - 1) * k * inp.element_size())
         if shared is not None:
             ch.wait_readers()
@@ -331,18 +344,19 @@ def all_to_all(ch: ShmChannel, out: torch.Tensor, inp: torch.Tensor, out_splits:
     send count that does not match its receiver's count is a clear error on every rank."""
     n, me = ch.size, ch.me
     ch.begin((OP_A2A_SIZES, dtype_code(inp.dtype), n, 0), "all_to_all(sizes)")
-    ch.typed(me, torch.int64)[:2 * n].copy_(torch.tensor(list(in_splits) + list(out_splits), dtype=torch.int64))
+    ch.typed(me, torch.int64)[: 2 * n].copy_(torch.tensor(list(in_splits) + list(out_splits), dtype=torch.int64))
     ch.publish()
     ch.wait_published()
     all_in = [ch.typed(i, torch.int64)[:n].tolist() for i in range(n)]
-    all_out = [ch.typed(i, torch.int64)[n:2 * n].tolist() for i in range(n)]
+    all_out = [ch.typed(i, torch.int64)[n : 2 * n].tolist() for i in range(n)]
     ch.finish()
     for s in range(n):
         for r in range(n):
             if all_in[s][r] != all_out[r][s]:
                 raise CommMismatchError(
                     f"nxdt.comm: group '{ch.group}' all_to_all: rank {ch.ranks[s]} sends {all_in[s][r]} elements to rank "
-                    f"{ch.ranks[r]}, which expects {all_out[r][s]} — input and output split sizes must agree")
+                    f"{ch.ranks[r]}, which expects {all_out[r][s]} — input and output split sizes must agree"
+                )
     src_offset = [sum(all_in[s][:me]) for s in range(n)]  # where my part starts in each sender's input
     dst_offset = [sum(out_splits[:s]) for s in range(n)]
     window = ch.slot_bytes // inp.element_size()
@@ -353,12 +367,14 @@ def all_to_all(ch: ShmChannel, out: torch.Tensor, inp: torch.Tensor, out_splits:
         w1 = min(inp.numel(), w0 + window)
         ch.begin(fp, "all_to_all")
         if w1 > w0:
-            ch.typed(me, inp.dtype)[:w1 - w0].copy_(inp[w0:w1])
+            ch.typed(me, inp.dtype)[: w1 - w0].copy_(inp[w0:w1])
         ch.publish()
         ch.wait_published()
         for s in range(n):
             lo = max(w0, src_offset[s])
             hi = min(w0 + window, src_offset[s] + all_in[s][me])
             if hi > lo:
-                out[dst_offset[s] + lo - src_offset[s]:dst_offset[s] + hi - src_offset[s]].copy_(ch.typed(s, inp.dtype)[lo - w0:hi - w0])
+                out[dst_offset[s] + lo - src_offset[s] : dst_offset[s] + hi - src_offset[s]].copy_(
+                    ch.typed(s, inp.dtype)[lo - w0 : hi - w0]
+                )
         ch.finish((w1 - w0) * inp.element_size())

@@ -53,8 +53,17 @@ def _entry(fn, rank, world_size, port, run_id, host_id, timeout_s, results, args
     torch.set_num_threads(1)  # ranks share the cores: one intra-op thread each
     world = None
     try:
-        world = init_process(rank, world_size, "127.0.0.1", port, timeout_s=timeout_s, run_id=run_id,
-                             store_is_server=rank == 0, host_id=host_id, **(init_options or {}))
+        world = init_process(
+            rank,
+            world_size,
+            "127.0.0.1",
+            port,
+            timeout_s=timeout_s,
+            run_id=run_id,
+            store_is_server=rank == 0,
+            host_id=host_id,
+            **(init_options or {}),
+        )
         value = fn(world, *args, **kwargs)
         results.put((rank, True, value, ""))
     except BaseException as exc:  # reported to the parent with the rank
@@ -67,18 +76,42 @@ def _entry(fn, rank, world_size, port, run_id, host_id, timeout_s, results, args
                 pass
 
 
-def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60.0, comm_timeout_s: float | None = None,
-              init_options: dict[str, Any] | None = None,
-              host_ids: list[str] | None = None, **kwargs: Any) -> list[Any]:
+def run_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 60.0,
+    comm_timeout_s: float | None = None,
+    init_options: dict[str, Any] | None = None,
+    host_ids: list[str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
     """Call ``fn(world, *args, **kwargs)`` in ``world_size`` processes; return the per-rank results.
     ``init_options`` go to :func:`init_process` (e.g. ``slot_bytes``, ``wait_policy``)."""
     ctx = _context()
     results = ctx.Queue()
     port, run_id = free_port(), f"t{uuid.uuid4().hex[:10]}"
     comm_timeout_s = comm_timeout_s or timeout_s
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, run_id, host_ids[r] if host_ids else None,
-                                              comm_timeout_s, results, args, kwargs, init_options), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_entry,
+            args=(
+                fn,
+                r,
+                world_size,
+                port,
+                run_id,
+                host_ids[r] if host_ids else None,
+                comm_timeout_s,
+                results,
+                args,
+                kwargs,
+                init_options,
+            ),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     values: dict[int, Any] = {}

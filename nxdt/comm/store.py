@@ -46,5 +46,6 @@ def serve_store(host: str, port: int, world_size: int | None, timeout: timedelta
     sock = listening_socket(host, port)
     bound_port = sock.getsockname()[1]
     # the store owns the descriptor from here on (it closes it when the server stops)
-    return dist.TCPStore(host, bound_port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
-                         master_listen_fd=sock.detach())
+    return dist.TCPStore(
+        host, bound_port, world_size, is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=sock.detach()
+    )

@@ -127,7 +127,7 @@ class Stream:
     def __init__(self, name: str, role: str | None = None) -> None:
         self.name = name
         self.role = role  # "high" | "yield" | None, fixed when the stream is first used
-        self._lock = threading.Lock()       # held while an op of this stream runs
+        self._lock = threading.Lock()  # held while an op of this stream runs
         self._queue: queue.Queue = queue.Queue()
         self._pending = 0
         self._pending_lock = threading.Lock()
@@ -165,8 +165,15 @@ class Stream:
             with self._pending_lock:
                 self._pending -= 1
 
-    def submit(self, fn: Callable[[], None], description: str | Callable[[], str], *, async_op: bool, after: Iterable[Work] = (),
-               work_id: int | None = None) -> Work | None:
+    def submit(
+        self,
+        fn: Callable[[], None],
+        description: str | Callable[[], str],
+        *,
+        async_op: bool,
+        after: Iterable[Work] = (),
+        work_id: int | None = None,
+    ) -> Work | None:
         """Run ``fn`` on this stream. ``description`` (or a function making it: only ops that get a Work need one)."""
         if self._closed:
             raise CommError(f"nxdt.comm: stream '{self.name}' is closed")

@@ -43,8 +43,16 @@ class Tracer:
 
     def add(self, name: str, cat: str, start_s: float, end_s: float, **args: Any) -> None:
         """One complete event from ``start_s`` to ``end_s`` (``time.perf_counter()`` seconds)."""
-        event = {"name": name, "cat": cat, "ph": "X", "ts": start_s * 1e6, "dur": max(0.0, end_s - start_s) * 1e6,
-                 "pid": self.rank, "tid": self._tid(cat), "args": args}
+        event = {
+            "name": name,
+            "cat": cat,
+            "ph": "X",
+            "ts": start_s * 1e6,
+            "dur": max(0.0, end_s - start_s) * 1e6,
+            "pid": self.rank,
+            "tid": self._tid(cat),
+            "args": args,
+        }
         self._events.append(event)  # list.append is atomic under the GIL
 
     @contextmanager
@@ -59,8 +67,10 @@ class Tracer:
     def events(self) -> list[dict[str, Any]]:
         """Metadata (process and row names) followed by the recorded events, in recording order."""
         meta = [{"name": "process_name", "ph": "M", "pid": self.rank, "tid": 0, "args": {"name": f"rank {self.rank}"}}]
-        meta += [{"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid, "args": {"name": cat}}
-                 for cat, tid in sorted(self._tids.items(), key=lambda kv: kv[1])]
+        meta += [
+            {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid, "args": {"name": cat}}
+            for cat, tid in sorted(self._tids.items(), key=lambda kv: kv[1])
+        ]
         return meta + list(self._events)
 
     def write(self, path: str | Path) -> None:

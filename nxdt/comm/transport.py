@@ -51,8 +51,14 @@ ALGORITHMS: dict[str, tuple[str, ...]] = {
 }
 ALGORITHM_NAMES = tuple(dict.fromkeys(n for names in ALGORITHMS.values() for n in names))
 RHD_MAX_BYTES = 256 << 10  # across hosts: fewer, latency-bound steps below this, ring above
-GENERIC = {"all_reduce": "ring", "all_gather": "ring", "reduce_scatter": "ring", "all_to_all": "pairwise",
-           "broadcast": "tree", "reduce": "tree"}  # what a Links-based transport runs for a name it has no algorithm of
+GENERIC = {
+    "all_reduce": "ring",
+    "all_gather": "ring",
+    "reduce_scatter": "ring",
+    "all_to_all": "pairwise",
+    "broadcast": "tree",
+    "reduce": "tree",
+}  # what a Links-based transport runs for a name it has no algorithm of
 
 
 def parse_algorithm(algorithm: str, allowed: Sequence[str]) -> tuple[str, tuple[int, int] | None]:
@@ -110,8 +116,16 @@ class Transport:
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str, name: str, stream: str) -> None:
         raise NotImplementedError
 
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], equal: bool,
-                   name: str, stream: str) -> None:
+    def all_to_all(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        equal: bool,
+        name: str,
+        stream: str,
+    ) -> None:
         """Splits in elements; ``equal``: the caller passed none (every block the same size)."""
         raise NotImplementedError
 
@@ -121,7 +135,9 @@ class Transport:
     def reduce(self, t: torch.Tensor, root: int, op: str, name: str, stream: str) -> None:
         raise NotImplementedError
 
-    def exchange(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], stream: str, desc: str) -> None:
+    def exchange(
+        self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], stream: str, desc: str
+    ) -> None:
         """Point to point: send and receive these messages (group-local peers) at once."""
         raise NotImplementedError
 
@@ -159,8 +175,17 @@ class _LinkTransport(Transport):
             comm, world = self.comm, self.comm.world
             ranks = [comm.ranks[i] for i in members] if members else comm.ranks
             stream_id = stream if not members else f"{stream}.m{'-'.join(str(m) for m in members)}"
-            ch = ShmChannel(world.run_id, comm.name, stream_id, ranks, ranks.index(world.rank), world.timeout_s,
-                            slot_bytes=world.slot_bytes, first_op=op, wait=world.wait_policy)
+            ch = ShmChannel(
+                world.run_id,
+                comm.name,
+                stream_id,
+                ranks,
+                ranks.index(world.rank),
+                world.timeout_s,
+                slot_bytes=world.slot_bytes,
+                first_op=op,
+                wait=world.wait_policy,
+            )
             ch.pacer = self._pacer(stream)
             ch.heap = world.heap
             self._channels[key] = ch
@@ -213,7 +238,7 @@ class _LinkTransport(Transport):
 
     def _ring_all_gather(self, out: torch.Tensor, inp: torch.Tensor, stream: str) -> None:
         comm, m = self.comm, inp.numel()
-        out[comm.rank * m:(comm.rank + 1) * m].copy_(inp)
+        out[comm.rank * m : (comm.rank + 1) * m].copy_(inp)
         bl = [(j * m, (j + 1) * m) for j in range(comm.size)]
         generic.ring_all_gather_blocks(self.links(stream, "all_gather(ring)"), list(range(comm.size)), comm.rank, out, bl)
 
@@ -221,9 +246,15 @@ class _LinkTransport(Transport):
         comm, m = self.comm, out.numel()
         work = inp.float() if inp.dtype in LOW_PRECISION else inp.clone()
         bl = [(j * m, (j + 1) * m) for j in range(comm.size)]
-        generic.ring_reduce_scatter_blocks(self.links(stream, f"reduce_scatter({op}, ring)"), list(range(comm.size)), comm.rank,
-                                           work, bl, "sum" if op == "avg" else op)
-        mine = work[comm.rank * m:(comm.rank + 1) * m]
+        generic.ring_reduce_scatter_blocks(
+            self.links(stream, f"reduce_scatter({op}, ring)"),
+            list(range(comm.size)),
+            comm.rank,
+            work,
+            bl,
+            "sum" if op == "avg" else op,
+        )
+        mine = work[comm.rank * m : (comm.rank + 1) * m]
         if op == "avg":
             mine.div_(comm.size)
         out.copy_(mine)
@@ -238,9 +269,13 @@ class _LinkTransport(Transport):
         for s in range(n):
             for d in range(n):
                 if rows[s][d] != rows[d][n + s]:
-                    raise CommMismatchError(f"nxdt.comm: group '{comm.name}' all_to_all: rank {comm.ranks[s]} sends {rows[s][d]} elements "
-                                            f"to rank {comm.ranks[d]}, which expects {rows[d][n + s]} — input and output split sizes must agree")
-        generic.pairwise_all_to_all(self.links(stream, "all_to_all(pairwise)"), list(range(n)), comm.rank, out, inp, out_splits, in_splits)
+                    raise CommMismatchError(
+                        f"nxdt.comm: group '{comm.name}' all_to_all: rank {comm.ranks[s]} sends {rows[s][d]} elements "
+                        f"to rank {comm.ranks[d]}, which expects {rows[d][n + s]} — input and output split sizes must agree"
+                    )
+        generic.pairwise_all_to_all(
+            self.links(stream, "all_to_all(pairwise)"), list(range(n)), comm.rank, out, inp, out_splits, in_splits
+        )
 
     def _tree_reduce(self, t: torch.Tensor, root: int, op: str, stream: str) -> None:
         comm = self.comm
@@ -384,7 +419,9 @@ class P2PTransport(_LinkTransport):
 
     def barrier(self, stream: str) -> None:
         comm = self.comm
-        generic.rhd_all_reduce(self.links(stream, "barrier"), list(range(comm.size)), comm.rank, torch.zeros(1, dtype=torch.int32), "sum", 1)
+        generic.rhd_all_reduce(
+            self.links(stream, "barrier"), list(range(comm.size)), comm.rank, torch.zeros(1, dtype=torch.int32), "sum", 1
+        )
 
 
 def _gloo() -> type[Transport]:
@@ -416,8 +453,10 @@ def transport_class(requested: str, hosts: Sequence[str], group: str) -> type[Tr
     if factory is None:
         raise ValueError(f"communicator '{group}': transport {requested!r} unknown; use one of {('auto', *TRANSPORTS)}")
     if requested == "shm" and not one_host:
-        raise ValueError(f"communicator '{group}': transport 'shm' needs every member on one host, but its members are on "
-                         f"{len(set(hosts))} hosts; use transport 'auto' or 'p2p'")
+        raise ValueError(
+            f"communicator '{group}': transport 'shm' needs every member on one host, but its members are on "
+            f"{len(set(hosts))} hosts; use transport 'auto' or 'p2p'"
+        )
     if isinstance(factory, type) and issubclass(factory, Transport):
         return factory
     return cast(Callable[[], type[Transport]], factory)()  # a function returning the class

@@ -113,9 +113,16 @@ def _futex_wait(address: int, expected: int, seconds: float) -> None:
 
 
 class _SchedAttr(ctypes.Structure):
-    _fields_ = [("size", ctypes.c_uint32), ("sched_policy", ctypes.c_uint32), ("sched_flags", ctypes.c_uint64),
-                ("sched_nice", ctypes.c_int32), ("sched_priority", ctypes.c_uint32), ("sched_runtime", ctypes.c_uint64),
-                ("sched_deadline", ctypes.c_uint64), ("sched_period", ctypes.c_uint64)]
+    _fields_ = [
+        ("size", ctypes.c_uint32),
+        ("sched_policy", ctypes.c_uint32),
+        ("sched_flags", ctypes.c_uint64),
+        ("sched_nice", ctypes.c_int32),
+        ("sched_priority", ctypes.c_uint32),
+        ("sched_runtime", ctypes.c_uint64),
+        ("sched_deadline", ctypes.c_uint64),
+        ("sched_period", ctypes.c_uint64),
+    ]
 
 
 _SYS_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274, "arm64": 274}.get(platform.machine())
@@ -133,8 +140,16 @@ def request_short_slice(seconds: float = STREAM_THREAD_SLICE_S) -> bool:
     Older kernels ignore the field; returns False where the call is unavailable or refused."""
     if _syscall is None or _SYS_SCHED_SETATTR is None:
         return False
-    attr = _SchedAttr(ctypes.sizeof(_SchedAttr), 0, _SCHED_FLAG_KEEP_POLICY, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()),
-                      0, int(seconds * 1e9), 0, 0)
+    attr = _SchedAttr(
+        ctypes.sizeof(_SchedAttr),
+        0,
+        _SCHED_FLAG_KEEP_POLICY,
+        os.getpriority(os.PRIO_PROCESS, threading.get_native_id()),
+        0,
+        int(seconds * 1e9),
+        0,
+        0,
+    )
     return _syscall(_SYS_SCHED_SETATTR, 0, ctypes.byref(attr), 0) == 0
 
 
@@ -153,7 +168,7 @@ def pid_alive(pid: int) -> bool:
             stat = fh.read()
     except OSError:  # no procfs (or it just went away): the signal probe answered
         return True
-    state = stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3]  # the field after "(comm)", which may hold spaces
+    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]  # the field after "(comm)", which may hold spaces
     return state not in (b"Z", b"X")
 
 
@@ -175,8 +190,17 @@ class SpinBudget:
         self.checks = max(self.MIN, self.checks // 2)
 
 
-def wait_word(words, index: int, target: int, address: int, deadline: float, on_timeout: Callable[[], Exception],
-              check_health: Callable[[], None] | None, budget: SpinBudget, sleep_flag=None) -> None:
+def wait_word(
+    words,
+    index: int,
+    target: int,
+    address: int,
+    deadline: float,
+    on_timeout: Callable[[], Exception],
+    check_health: Callable[[], None] | None,
+    budget: SpinBudget,
+    sleep_flag=None,
+) -> None:
     """Return when ``words[index] >= target`` (an int64 numpy view of shared memory whose element
     ``index`` lives at ``address``); raise ``on_timeout()`` after ``deadline`` (time.monotonic).
 
@@ -238,8 +262,13 @@ def wait_word(words, index: int, target: int, address: int, deadline: float, on_
             sleep_flag[0][sleep_flag[1]] = 0
 
 
-def wait_until(ready: Callable[[], bool], deadline: float, on_timeout: Callable[[], Exception],
-               check_health: Callable[[], None] | None = None, policy: WaitPolicy = DEFAULT_WAIT) -> None:
+def wait_until(
+    ready: Callable[[], bool],
+    deadline: float,
+    on_timeout: Callable[[], Exception],
+    check_health: Callable[[], None] | None = None,
+    policy: WaitPolicy = DEFAULT_WAIT,
+) -> None:
     """Polling wait for conditions that are not one word (e.g. either of two mailboxes)."""
     for _ in range(policy.spin_checks // 4):
         if ready():

@@ -40,6 +40,7 @@ from nxdt.comm.trace import Tracer
 from nxdt.comm.transport import ALGORITHM_NAMES, ALGORITHMS, Transport, parse_algorithm, transport_class
 from nxdt.comm.waiting import DEFAULT_WAIT, WaitPolicy, policy_for
 
+
 def host_identity() -> str:
     """hostname + boot id + network-namespace inode: two network namespaces on one machine are two hosts."""
     try:
@@ -71,8 +72,16 @@ class Communicator:
     communicator's default for the op: see :mod:`nxdt.comm.transport`) and runs on its transport, on the
     named stream. ``transport`` is the transport's name; ``algorithms`` the per-op defaults."""
 
-    def __init__(self, world: "World", name: str, ranks: list[int], link: EmulatedLink | None = None, transport: str = "auto",
-                 algorithm: str = "auto", planned: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        world: "World",
+        name: str,
+        ranks: list[int],
+        link: EmulatedLink | None = None,
+        transport: str = "auto",
+        algorithm: str = "auto",
+        planned: Mapping[str, str] | None = None,
+    ) -> None:
         self.world, self.name, self.ranks = world, name, list(ranks)
         self.link = link
         self._seq: dict[str, int] = {}  # ops issued per stream (counted while a tracer is set)
@@ -99,7 +108,9 @@ class Communicator:
         out = {}
         for op, allowed in ALGORITHMS.items():
             if override != "auto" and override.partition(":")[0] in allowed:
-                self._transport.resolve(op, parse_algorithm(override, allowed)[0], 0)  # a transport that cannot run it says so now
+                self._transport.resolve(
+                    op, parse_algorithm(override, allowed)[0], 0
+                )  # a transport that cannot run it says so now
                 out[op] = override
             elif op in planned:
                 mapped = self._transport.planned(op, str(planned[op]))
@@ -127,8 +138,9 @@ class Communicator:
                 return "auto", None
         return parse_algorithm(algorithm, ALGORITHMS[op])
 
-    def _submit(self, fn: Callable[[], None], desc: str, stream: str, async_op: bool, after: Any, nbytes: int = 0,
-                algorithm: str = "") -> Work | None:
+    def _submit(
+        self, fn: Callable[[], None], desc: str, stream: str, async_op: bool, after: Any, nbytes: int = 0, algorithm: str = ""
+    ) -> Work | None:
         if self._broken is not None:
             raise CommError(f"nxdt.comm: group '{self.name}' is unusable after an earlier failure: {self._broken}")
         s = self.world.stream(stream)
@@ -156,8 +168,9 @@ class Communicator:
 
         return s.submit(guarded, f"group '{self.name}' {desc}", async_op=async_op, after=after)
 
-    def _submit_instrumented(self, fn: Callable[[], None], desc: str, s: Stream, async_op: bool, after: tuple[Work, ...],
-                             nbytes: int, algorithm: str) -> Work | None:
+    def _submit_instrumented(
+        self, fn: Callable[[], None], desc: str, s: Stream, async_op: bool, after: tuple[Work, ...], nbytes: int, algorithm: str
+    ) -> Work | None:
         """``_submit`` for a prioritised stream or while tracing: pause (yielding stream) or mark the op
         running (high-priority stream), and record the op from when it starts (its ``after=`` done)."""
         world, tracer, role = self.world, self.world.tracer, s.role
@@ -183,8 +196,19 @@ class Communicator:
                 if role == "high":
                     world.priority.end()
                 if tracer is not None:
-                    tracer.add(desc.partition("(")[0], s.name, start, time.perf_counter(), group=self.name, seq=seq, bytes=nbytes,
-                               token=work_id, after=deps, algorithm=algorithm, transport=self.transport)
+                    tracer.add(
+                        desc.partition("(")[0],
+                        s.name,
+                        start,
+                        time.perf_counter(),
+                        group=self.name,
+                        seq=seq,
+                        bytes=nbytes,
+                        token=work_id,
+                        after=deps,
+                        algorithm=algorithm,
+                        transport=self.transport,
+                    )
 
         return s.submit(instrumented, f"group '{self.name}' {desc}", async_op=async_op, after=after, work_id=work_id)
 
@@ -198,16 +222,29 @@ class Communicator:
         return self._transport.empty(numel, dtype)
 
     # ------------------------------------------------------------------------------ all-reduce
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, algorithm: str = "auto", stream: str = "default",
-                   async_op: bool = False, after: Any = None) -> Work | None:
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        op: str = "sum",
+        *,
+        algorithm: str = "auto",
+        stream: str = "default",
+        async_op: bool = False,
+        after: Any = None,
+    ) -> Work | None:
         """In place. ``algorithm``: auto | direct | slice (shm) | ring | rhd | torus[:RxC] | hierarchical."""
         if not async_op and after is None and isinstance(tensor, torch.Tensor):
             # a small blocking call shaped like an earlier one: straight to its one native step — argument checks,
             # algorithm choice and plan were made by that first call; errors, deadlines and liveness checks stay in
             # the step (experiments/collectives-cpu: the Communicator layer was 3 µs of a 5 µs 1 KB all-reduce)
             quick = self._one_step.get((tensor.dtype, tensor.numel(), op, algorithm, stream))
-            if (quick is not None and tensor.is_contiguous() and tensor.is_cpu and self._broken is None
-                    and self.world.tracer is None):
+            if (
+                quick is not None
+                and tensor.is_contiguous()
+                and tensor.is_cpu
+                and self._broken is None
+                and self.world.tracer is None
+            ):
                 try:
                     if quick[0].run_inline(quick[1], tensor):
                         return None
@@ -221,7 +258,9 @@ class Communicator:
         name, grid = self._algorithm("all_reduce", algorithm)
         nbytes = t.numel() * t.element_size()
         ran, tr = self._transport.resolve("all_reduce", name, nbytes), self._transport
-        work = self._submit(lambda: tr.all_reduce(t, op, ran, grid, stream), f"all_reduce({op})", stream, async_op, after, nbytes, ran)
+        work = self._submit(
+            lambda: tr.all_reduce(t, op, ran, grid, stream), f"all_reduce({op})", stream, async_op, after, nbytes, ran
+        )
         if not async_op and after is None:
             self._remember_one_step(t, op, algorithm, ran, stream)
         return work
@@ -240,91 +279,195 @@ class Communicator:
 
     # ------------------------------------------------------------------------------ gather / scatter
     @overload
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, algorithm: str = ..., stream: str = ...,
-                   async_op: Literal[True], after: Any = ...) -> Work: ...
+    def all_gather(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        algorithm: str = ...,
+        stream: str = ...,
+        async_op: Literal[True],
+        after: Any = ...,
+    ) -> Work: ...
     @overload
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, algorithm: str = ..., stream: str = ...,
-                   async_op: bool = ..., after: Any = ...) -> Work | None: ...
+    def all_gather(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        algorithm: str = ...,
+        stream: str = ...,
+        async_op: bool = ...,
+        after: Any = ...,
+    ) -> Work | None: ...
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, algorithm: str = "auto", stream: str = "default",
-                   async_op: bool = False, after: Any = None) -> Work | None:
+    def all_gather(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        algorithm: str = "auto",
+        stream: str = "default",
+        async_op: bool = False,
+        after: Any = None,
+    ) -> Work | None:
         """``output`` holds every member's ``input`` in group-rank order. ``algorithm``: auto | direct | ring."""
         out, inp = _flat(output, "all_gather output"), _flat(input, "all_gather input")
         if out.numel() != self.size * inp.numel() or out.dtype != inp.dtype:
-            raise ValueError(f"all_gather on group '{self.name}' (size {self.size}): output must hold size × input elements "
-                             f"of the same dtype; got output {out.numel()} {out.dtype}, input {inp.numel()} {inp.dtype}")
+            raise ValueError(
+                f"all_gather on group '{self.name}' (size {self.size}): output must hold size × input elements "
+                f"of the same dtype; got output {out.numel()} {out.dtype}, input {inp.numel()} {inp.dtype}"
+            )
         name, _ = self._algorithm("all_gather", algorithm)
         nbytes = out.numel() * out.element_size()
         ran, tr = self._transport.resolve("all_gather", name, nbytes), self._transport
         return self._submit(lambda: tr.all_gather(out, inp, ran, stream), "all_gather", stream, async_op, after, nbytes, ran)
 
     @overload
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = ..., *, algorithm: str = ...,
-                       stream: str = ..., async_op: Literal[True], after: Any = ...) -> Work: ...
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: str = ...,
+        *,
+        algorithm: str = ...,
+        stream: str = ...,
+        async_op: Literal[True],
+        after: Any = ...,
+    ) -> Work: ...
     @overload
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = ..., *, algorithm: str = ...,
-                       stream: str = ..., async_op: bool = ..., after: Any = ...) -> Work | None: ...
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: str = ...,
+        *,
+        algorithm: str = ...,
+        stream: str = ...,
+        async_op: bool = ...,
+        after: Any = ...,
+    ) -> Work | None: ...
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *, algorithm: str = "auto",
-                       stream: str = "default", async_op: bool = False, after: Any = None) -> Work | None:
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: str = "sum",
+        *,
+        algorithm: str = "auto",
+        stream: str = "default",
+        async_op: bool = False,
+        after: Any = None,
+    ) -> Work | None:
         """``output`` gets block ``rank`` of the reduction of every member's ``input``. ``algorithm``: auto | direct | ring."""
         out, inp = _flat(output, "reduce_scatter output"), _flat(input, "reduce_scatter input")
         if inp.numel() != self.size * out.numel() or out.dtype != inp.dtype:
-            raise ValueError(f"reduce_scatter on group '{self.name}' (size {self.size}): input must hold size × output elements "
-                             f"of the same dtype; got input {inp.numel()} {inp.dtype}, output {out.numel()} {out.dtype}")
+            raise ValueError(
+                f"reduce_scatter on group '{self.name}' (size {self.size}): input must hold size × output elements "
+                f"of the same dtype; got input {inp.numel()} {inp.dtype}, output {out.numel()} {out.dtype}"
+            )
         check_op(op, inp.dtype)
         name, _ = self._algorithm("reduce_scatter", algorithm)
         nbytes = inp.numel() * inp.element_size()
         ran, tr = self._transport.resolve("reduce_scatter", name, nbytes), self._transport
-        return self._submit(lambda: tr.reduce_scatter(out, inp, op, ran, stream), f"reduce_scatter({op})", stream, async_op, after,
-                            nbytes, ran)
+        return self._submit(
+            lambda: tr.reduce_scatter(out, inp, op, ran, stream), f"reduce_scatter({op})", stream, async_op, after, nbytes, ran
+        )
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int] | None = None,
-                   input_split_sizes: Sequence[int] | None = None, *, algorithm: str = "auto", stream: str = "default",
-                   async_op: bool = False, after: Any = None) -> Work | None:
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int] | None = None,
+        input_split_sizes: Sequence[int] | None = None,
+        *,
+        algorithm: str = "auto",
+        stream: str = "default",
+        async_op: bool = False,
+        after: Any = None,
+    ) -> Work | None:
         """Splits are numbers of rows (dim 0), as in torch's all_to_all_single; None = equal splits.
         ``algorithm``: auto | direct | pairwise."""
         out, inp = _flat(output, "all_to_all output"), _flat(input, "all_to_all input")
         equal = input_split_sizes is None and output_split_sizes is None
         # elements per row: only split sizes (rows) need it; equal splits skip the view ops
-        row = 1 if equal else (max(1, input[0].numel()) if input.dim() > 1 and input.shape[0] else
-                               (max(1, output[0].numel()) if output.dim() > 1 and output.shape[0] else 1))
+        row = (
+            1
+            if equal
+            else (
+                max(1, input[0].numel())
+                if input.dim() > 1 and input.shape[0]
+                else (max(1, output[0].numel()) if output.dim() > 1 and output.shape[0] else 1)
+            )
+        )
         in_splits = self._splits(input_split_sizes, inp.numel(), row, "input")
         out_splits = self._splits(output_split_sizes, out.numel(), row, "output")
         if equal and out.numel() != inp.numel():
-            raise ValueError(f"all_to_all on group '{self.name}': equal splits need output and input of the same size "
-                             f"({out.numel()} vs {inp.numel()}); pass split sizes for uneven exchanges")
+            raise ValueError(
+                f"all_to_all on group '{self.name}': equal splits need output and input of the same size "
+                f"({out.numel()} vs {inp.numel()}); pass split sizes for uneven exchanges"
+            )
         name, _ = self._algorithm("all_to_all", algorithm)
         nbytes = inp.numel() * inp.element_size()
         ran, tr = self._transport.resolve("all_to_all", name, nbytes), self._transport
-        return self._submit(lambda: tr.all_to_all(out, inp, out_splits, in_splits, equal, ran, stream), "all_to_all", stream,
-                            async_op, after, nbytes, ran)
+        return self._submit(
+            lambda: tr.all_to_all(out, inp, out_splits, in_splits, equal, ran, stream),
+            "all_to_all",
+            stream,
+            async_op,
+            after,
+            nbytes,
+            ran,
+        )
 
     def _splits(self, splits: Sequence[int] | None, numel: int, row: int, which: str) -> list[int]:
         if splits is None:
             if numel % self.size:
-                raise ValueError(f"all_to_all on group '{self.name}': {which} has {numel} elements, not divisible by the group "
-                                 f"size {self.size}; pass {which}_split_sizes for uneven splits")
+                raise ValueError(
+                    f"all_to_all on group '{self.name}': {which} has {numel} elements, not divisible by the group "
+                    f"size {self.size}; pass {which}_split_sizes for uneven splits"
+                )
             return [numel // self.size] * self.size
         splits = [int(s) * row for s in splits]
         if len(splits) != self.size or sum(splits) != numel or min(splits) < 0:
-            raise ValueError(f"all_to_all on group '{self.name}': {which}_split_sizes must be {self.size} non-negative row counts "
-                             f"summing to the {which}'s rows")
+            raise ValueError(
+                f"all_to_all on group '{self.name}': {which}_split_sizes must be {self.size} non-negative row counts "
+                f"summing to the {which}'s rows"
+            )
         return splits
 
     # ------------------------------------------------------------------------------ rooted
-    def broadcast(self, tensor: torch.Tensor, root: int = 0, *, algorithm: str = "auto", stream: str = "default",
-                  async_op: bool = False, after: Any = None) -> Work | None:
+    def broadcast(
+        self,
+        tensor: torch.Tensor,
+        root: int = 0,
+        *,
+        algorithm: str = "auto",
+        stream: str = "default",
+        async_op: bool = False,
+        after: Any = None,
+    ) -> Work | None:
         """``algorithm``: auto | direct | tree."""
         t = _flat(tensor, "broadcast tensor")
         self._check_rank(root, "root")
         name, _ = self._algorithm("broadcast", algorithm)
         nbytes = t.numel() * t.element_size()
         ran, tr = self._transport.resolve("broadcast", name, nbytes), self._transport
-        return self._submit(lambda: tr.broadcast(t, root, ran, stream), f"broadcast(root={root})", stream, async_op, after, nbytes, ran)
+        return self._submit(
+            lambda: tr.broadcast(t, root, ran, stream), f"broadcast(root={root})", stream, async_op, after, nbytes, ran
+        )
 
-    def reduce(self, tensor: torch.Tensor, root: int = 0, op: str = "sum", *, algorithm: str = "auto", stream: str = "default",
-               async_op: bool = False, after: Any = None) -> Work | None:
+    def reduce(
+        self,
+        tensor: torch.Tensor,
+        root: int = 0,
+        op: str = "sum",
+        *,
+        algorithm: str = "auto",
+        stream: str = "default",
+        async_op: bool = False,
+        after: Any = None,
+    ) -> Work | None:
         """Result on ``root`` only (other members' tensors are left unchanged). ``algorithm``: auto | direct | tree."""
         t = _flat(tensor, "reduce tensor")
         self._check_rank(root, "root")
@@ -332,33 +475,69 @@ class Communicator:
         name, _ = self._algorithm("reduce", algorithm)
         nbytes = t.numel() * t.element_size()
         ran, tr = self._transport.resolve("reduce", name, nbytes), self._transport
-        return self._submit(lambda: tr.reduce(t, root, op, ran, stream), f"reduce({op}, root={root})", stream, async_op, after, nbytes, ran)
+        return self._submit(
+            lambda: tr.reduce(t, root, op, ran, stream), f"reduce({op}, root={root})", stream, async_op, after, nbytes, ran
+        )
 
     # ------------------------------------------------------------------------------ point to point
-    def send(self, tensor: torch.Tensor, peer: int, *, stream: str = "default", async_op: bool = False, after: Any = None) -> Work | None:
+    def send(
+        self, tensor: torch.Tensor, peer: int, *, stream: str = "default", async_op: bool = False, after: Any = None
+    ) -> Work | None:
         """Returns once the data is in the peer's mailbox (same host) or handed to gloo; FIFO per peer and stream."""
         t = _flat(tensor, "send tensor")
         self._check_peer(peer)
         tr = self._transport
-        return self._submit(lambda: tr.exchange([(peer, t)], [], stream, f"send to rank {self.ranks[peer]}"),
-                            "send", stream, async_op, after, t.numel() * t.element_size(), "p2p")
+        return self._submit(
+            lambda: tr.exchange([(peer, t)], [], stream, f"send to rank {self.ranks[peer]}"),
+            "send",
+            stream,
+            async_op,
+            after,
+            t.numel() * t.element_size(),
+            "p2p",
+        )
 
-    def recv(self, tensor: torch.Tensor, peer: int, *, stream: str = "default", async_op: bool = False, after: Any = None) -> Work | None:
+    def recv(
+        self, tensor: torch.Tensor, peer: int, *, stream: str = "default", async_op: bool = False, after: Any = None
+    ) -> Work | None:
         t = _flat(tensor, "recv tensor")
         self._check_peer(peer)
         tr = self._transport
-        return self._submit(lambda: tr.exchange([], [(peer, t)], stream, f"recv from rank {self.ranks[peer]}"),
-                            "recv", stream, async_op, after, t.numel() * t.element_size(), "p2p")
+        return self._submit(
+            lambda: tr.exchange([], [(peer, t)], stream, f"recv from rank {self.ranks[peer]}"),
+            "recv",
+            stream,
+            async_op,
+            after,
+            t.numel() * t.element_size(),
+            "p2p",
+        )
 
-    def send_recv(self, send_tensor: torch.Tensor, send_peer: int, recv_tensor: torch.Tensor, recv_peer: int, *,
-                  stream: str = "default", async_op: bool = False, after: Any = None) -> Work | None:
+    def send_recv(
+        self,
+        send_tensor: torch.Tensor,
+        send_peer: int,
+        recv_tensor: torch.Tensor,
+        recv_peer: int,
+        *,
+        stream: str = "default",
+        async_op: bool = False,
+        after: Any = None,
+    ) -> Work | None:
         """Send and receive at once (a pipeline or ring step) without ordering deadlocks."""
         s, r = _flat(send_tensor, "send tensor"), _flat(recv_tensor, "recv tensor")
         self._check_peer(send_peer)
         self._check_peer(recv_peer)
         tr = self._transport
-        return self._submit(lambda: tr.exchange([(send_peer, s)], [(recv_peer, r)], stream, "send_recv"),
-                            "send_recv", stream, async_op, after, s.numel() * s.element_size(), "p2p")
+        return self._submit(
+            lambda: tr.exchange([(send_peer, s)], [(recv_peer, r)], stream, "send_recv"),
+            "send_recv",
+            stream,
+            async_op,
+            after,
+            s.numel() * s.element_size(),
+            "p2p",
+        )
 
     def barrier(self, *, stream: str = "default", timeout_s: float | None = None) -> None:
         if self.size == 1:
@@ -395,10 +574,10 @@ class Communicator:
         width = int(lengths.max())
         mine = torch.zeros(width, dtype=torch.uint8)
         if data:
-            mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         everyone = torch.empty(self.size * width, dtype=torch.uint8)
         self.all_gather(everyone, mine, stream=stream)
-        return [objects.decode(everyone[i * width:i * width + int(lengths[i])].numpy().tobytes()) for i in range(self.size)]
+        return [objects.decode(everyone[i * width : i * width + int(lengths[i])].numpy().tobytes()) for i in range(self.size)]
 
     def close(self) -> None:
         self._one_step.clear()  # their channels' memory goes away with the transport
@@ -408,9 +587,19 @@ class Communicator:
 class World:
     """All ranks of a job: host identities, streams, and the communicators."""
 
-    def __init__(self, rank: int, world_size: int, store: dist.Store, run_id: str, timeout_s: float, host_ids: list[str],
-                 slot_bytes: int = DEFAULT_SLOT_BYTES, wait_policy: WaitPolicy = DEFAULT_WAIT, hosts_store: bool = False,
-                 native: bool | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        store: dist.Store,
+        run_id: str,
+        timeout_s: float,
+        host_ids: list[str],
+        slot_bytes: int = DEFAULT_SLOT_BYTES,
+        wait_policy: WaitPolicy = DEFAULT_WAIT,
+        hosts_store: bool = False,
+        native: bool | None = None,
+    ) -> None:
         native_path.use(native)  # before any channel exists: channels and kernels read it
         self.rank, self.world_size, self.store, self.run_id = rank, world_size, store, run_id
         self.hosts_store = hosts_store  # this process serves the store: it must outlive every other rank's use of it
@@ -428,8 +617,13 @@ class World:
         self.heap = Heap(run_id, rank)
         self.multi_host = len(set(host_ids)) > 1
         if self.multi_host:
-            dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=timeout_s))
+            dist.init_process_group(
+                "gloo",
+                store=dist.PrefixStore("gloo", store),
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=timeout_s),
+            )
         world = self.new_communicator(list(range(world_size)), "world")
         assert world is not None  # every rank is a member
         self.world: Communicator = world
@@ -467,8 +661,16 @@ class World:
             self._tags[key] = (zlib.crc32(f"{comm}/{stream}".encode()) & 0x3FFFFF) + 1  # same on every rank
         return self._tags[key]
 
-    def new_communicator(self, ranks: Sequence[int], name: str, link: EmulatedLink | None = None, *, transport: str = "auto",
-                         algorithm: str = "auto", planned: Mapping[str, str] | None = None) -> Communicator | None:
+    def new_communicator(
+        self,
+        ranks: Sequence[int],
+        name: str,
+        link: EmulatedLink | None = None,
+        *,
+        transport: str = "auto",
+        algorithm: str = "auto",
+        planned: Mapping[str, str] | None = None,
+    ) -> Communicator | None:
         """Called by every rank with the same arguments in the same order; None on non-members.
 
         ``link``: emulate this link's latency and bandwidth on every transfer of the communicator.
@@ -481,7 +683,9 @@ class World:
             raise ValueError(f"a communicator named '{name}' exists already")
         ranks = [int(r) for r in ranks]
         if len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
-            raise ValueError(f"communicator '{name}': ranks {ranks} must be distinct ranks of the world (0..{self.world_size - 1})")
+            raise ValueError(
+                f"communicator '{name}': ranks {ranks} must be distinct ranks of the world (0..{self.world_size - 1})"
+            )
         self._names.add(name)
         if self.rank not in ranks:
             return None
@@ -523,9 +727,20 @@ class World:
 _JOINS = itertools.count(1)  # numbers this process's init_process calls
 
 
-def init_process(rank: int, world_size: int, master_addr: str, master_port: int, *, timeout_s: float = 120.0,
-                 run_id: str | None = None, store_is_server: bool = False, host_id: str | None = None,
-                 slot_bytes: int = DEFAULT_SLOT_BYTES, wait_policy: WaitPolicy | None = None, native: bool | None = None) -> World:
+def init_process(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    *,
+    timeout_s: float = 120.0,
+    run_id: str | None = None,
+    store_is_server: bool = False,
+    host_id: str | None = None,
+    slot_bytes: int = DEFAULT_SLOT_BYTES,
+    wait_policy: WaitPolicy | None = None,
+    native: bool | None = None,
+) -> World:
     """Join the job: connect to (or host) the store, agree on a run id, exchange host identities.
 
     ``slot_bytes`` (shm chunk size, every rank must agree) and ``wait_policy`` tune the shared-memory
@@ -538,10 +753,18 @@ def init_process(rank: int, world_size: int, master_addr: str, master_port: int,
         if store_is_server:  # listening on master_addr's interface only, not on every interface of the host
             store = serve_store(master_addr, int(master_port), world_size, timedelta(seconds=timeout_s))
         else:
-            store = dist.TCPStore(master_addr, int(master_port), world_size, is_master=False,
-                                  timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+            store = dist.TCPStore(
+                master_addr,
+                int(master_port),
+                world_size,
+                is_master=False,
+                timeout=timedelta(seconds=timeout_s),
+                wait_for_workers=False,
+            )
     except Exception as exc:
-        raise CommTimeoutError(f"nxdt.comm: rank {rank} could not reach the rendezvous store at {master_addr}:{master_port} ({exc})") from exc
+        raise CommTimeoutError(
+            f"nxdt.comm: rank {rank} could not reach the rendezvous store at {master_addr}:{master_port} ({exc})"
+        ) from exc
     # NXDT_ATTEMPT (multi-node: the rendezvous round) is the same on every node; agents' restart counts need not be
     attempt = os.environ.get("NXDT_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     # one process may join several times (a script's fit, then test: each sets up its strategy anew); every
@@ -557,8 +780,18 @@ def init_process(rank: int, world_size: int, master_addr: str, master_port: int,
     store.set(f"host/{rank}", host_id or host_identity())
     host_ids = [store.get(f"host/{r}").decode() for r in range(world_size)]
     local_ranks = host_ids.count(host_ids[rank])
-    return World(rank, world_size, store, full_run_id, timeout_s, host_ids, slot_bytes, wait_policy or policy_for(local_ranks),
-                 hosts_store=store_is_server, native=native)
+    return World(
+        rank,
+        world_size,
+        store,
+        full_run_id,
+        timeout_s,
+        host_ids,
+        slot_bytes,
+        wait_policy or policy_for(local_ranks),
+        hosts_store=store_is_server,
+        native=native,
+    )
 
 
 def init_from_env(*, timeout_s: float = 120.0, run_id: str | None = None) -> World:
@@ -566,8 +799,16 @@ def init_from_env(*, timeout_s: float = 120.0, run_id: str | None = None) -> Wor
     env = os.environ
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
     if missing:
-        raise CommError(f"nxdt.comm.init_from_env: environment variables {missing} are not set — start the workers with nxdt train or torchrun")
+        raise CommError(
+            f"nxdt.comm.init_from_env: environment variables {missing} are not set — start the workers with nxdt train or torchrun"
+        )
     rank = int(env["RANK"])
-    return init_process(rank, int(env["WORLD_SIZE"]), env["MASTER_ADDR"], int(env["MASTER_PORT"]), timeout_s=timeout_s,
-                        run_id=run_id or env.get("TORCHELASTIC_RUN_ID"),
-                        store_is_server=rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True")
+    return init_process(
+        rank,
+        int(env["WORLD_SIZE"]),
+        env["MASTER_ADDR"],
+        int(env["MASTER_PORT"]),
+        timeout_s=timeout_s,
+        run_id=run_id or env.get("TORCHELASTIC_RUN_ID"),
+        store_is_server=rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
+    )

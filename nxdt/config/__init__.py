@@ -21,8 +21,20 @@ from omegaconf.errors import OmegaConfBaseException
 from nxdt.config.schema import Config, field_docs, register_schemas
 from nxdt.config.validate import ConfigError, validate
 
-__all__ = ["Config", "ConfigError", "compose_config", "compose_nxdt_config", "load_run_config", "save_run_config", "to_config",
-           "validate", "field_docs", "CONFIG_MODULE", "config_error_from_hydra", "available_options"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "compose_config",
+    "compose_nxdt_config",
+    "load_run_config",
+    "save_run_config",
+    "to_config",
+    "validate",
+    "field_docs",
+    "CONFIG_MODULE",
+    "config_error_from_hydra",
+    "available_options",
+]
 
 CONFIG_MODULE = "nxdt.conf"
 
@@ -97,8 +109,9 @@ def to_config(cfg: DictConfig) -> Config:
         raise ConfigError(key, "", str(exc).splitlines()[0]) from None
 
 
-def compose_config(overrides: list[str] | tuple[str, ...] = (), config_name: str = "config", *, check: bool = True,
-                   paths: bool = True) -> Config:
+def compose_config(
+    overrides: list[str] | tuple[str, ...] = (), config_name: str = "config", *, check: bool = True, paths: bool = True
+) -> Config:
     """nxdt's own config tree with Hydra overrides; ``paths=False`` (planning) does not require data and
     weight files to exist here."""
     register_schemas()
@@ -118,8 +131,14 @@ def compose_config(overrides: list[str] | tuple[str, ...] = (), config_name: str
     return config
 
 
-def compose_nxdt_config(config_path: str | Path, config_name: str, overrides: list[str] | tuple[str, ...] = (), *,
-                        check: bool = True, paths: bool = True) -> tuple[Config, list[str]]:
+def compose_nxdt_config(
+    config_path: str | Path,
+    config_name: str,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    check: bool = True,
+    paths: bool = True,
+) -> tuple[Config, list[str]]:
     """A config written for NxD Training (``--config-path DIR --config-name NAME``, as NxDT's own launcher passes
     them) as a validated nxdt Config, plus the warnings to show the user once.
 

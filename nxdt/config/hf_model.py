@@ -62,8 +62,10 @@ def model_fields(hf: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
         raise HFConfigError(f"sliding_window={hf['sliding_window']}: sliding-window attention is not implemented; set it to null")
     head_dim, hidden, heads = hf.get("head_dim"), hf.get("hidden_size"), hf.get("num_attention_heads")
     if head_dim is not None and hidden and heads and head_dim != hidden // heads:
-        raise HFConfigError(f"head_dim={head_dim} differs from hidden_size/num_attention_heads = {hidden}/{heads}; "
-                            "the model hub derives the head size from them")
+        raise HFConfigError(
+            f"head_dim={head_dim} differs from hidden_size/num_attention_heads = {hidden}/{heads}; "
+            "the model hub derives the head size from them"
+        )
     out.update(rope_fields(hf))
     return out, []
 
@@ -98,4 +100,3 @@ def rope_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
         out["rope_scaling.rope_type"] = "llama3"
         out.update({f"rope_scaling.{k}": rope[k] for k in LLAMA3_KEYS})
     return out
-

@@ -72,8 +72,10 @@ MEGATRON_MODEL = "Megatron-model key; an hf model's shape comes from model.model
 RULES: dict[str, Rule] = {
     # --- top level ---
     "name": _map("run name: outputs/<name>/<timestamp>/ (exp_manager.name wins when both are set)"),
-    "model_source": _custom("hf: the model from model.model_config; megatron: from the Megatron model keys below (Llama, "
-                            "Mixtral or GPT by normalization, activation, position_embedding_type, has_bias)"),
+    "model_source": _custom(
+        "hf: the model from model.model_config; megatron: from the Megatron model keys below (Llama, "
+        "Mixtral or GPT by normalization, activation, position_embedding_type, has_bias)"
+    ),
     "seed": _map(),
     "compiler_flags": _ignored("Neuron compiler flags"),
     "compiler_cache_url": _ignored("Neuron compile cache"),
@@ -92,14 +94,16 @@ RULES: dict[str, Rule] = {
     "trainer.lnc": _map("logical NeuronCore size; also picks the instance when `instance=` is not given"),
     "trainer.sequential_move_factor": _ignored("NxDT weight-initialisation pacing for PP on device"),
     "trainer.accelerator": _ignored("Lightning accelerator (NxDT: tpu/XLA); nxdt runs on CPU ranks"),
-    "trainer.accumulate_grad_batches": _agree("gradient accumulation comes from global_batch_size/(micro_batch_size·DP); NxDT rejects other values too",
-                                                1, error=True),
+    "trainer.accumulate_grad_batches": _agree(
+        "gradient accumulation comes from global_batch_size/(micro_batch_size·DP); NxDT rejects other values too", 1, error=True
+    ),
     "trainer.limit_val_batches": _map("validation global batches per check: <= 1 a fraction (0 = no validation), > 1 a count"),
     "trainer.num_sanity_val_steps": _map("validation batches run before training (results discarded)"),
     "trainer.limit_test_batches": _agree("nxdt runs no test loop", 0, 0.0),
     "trainer.val_check_interval": _map("validate every N optimizer steps (val_loss in metrics.csv); null = after the last step"),
-    "trainer.check_val_every_n_epoch": _agree("validation is scheduled by steps (trainer.val_check_interval), as NxDT's "
-                                              "example configs do", None),
+    "trainer.check_val_every_n_epoch": _agree(
+        "validation is scheduled by steps (trainer.val_check_interval), as NxDT's example configs do", None
+    ),
     # --- exp_manager ---
     "exp_manager.name": _map("run directory name", to="name"),
     "exp_manager.exp_dir": _custom("exp_manager.exp_dir, the root of run directories; null = outputs/"),
@@ -116,7 +120,9 @@ RULES: dict[str, Rule] = {
     "exp_manager.checkpoint_callback_params.save_last": _agree("the newest checkpoint is kept anyway", False),
     "exp_manager.checkpoint_callback_params.filename": _ignored("checkpoint file pattern; nxdt writes checkpoints/step-<N>/"),
     "exp_manager.checkpoint_callback_params.model_parallel_size": _derived("TP×PP, computed from the degrees"),
-    "exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt": _agree("checkpoints hold the training parameters", False),
+    "exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt": _agree(
+        "checkpoints hold the training parameters", False
+    ),
     "exp_manager.checkpoint_callback_params.every_n_epochs": _agree("checkpoints are step-based", None),
     "exp_manager.checkpoint_callback_params.train_time_interval": _agree("checkpoints are step-based", None),
     "exp_manager.checkpoint_callback_params.save_last_n_optim_states": _agree("every checkpoint holds its optimizer state", None),
@@ -144,27 +150,38 @@ RULES: dict[str, Rule] = {
     # --- data ---
     "data.micro_batch_size": _map(),
     "data.global_batch_size": _map("gradient accumulation = global/(micro·DP), as in NxDT"),
-    "data.seq_length": _custom("data.seq_length (must agree with model.encoder_seq_length when both are set; with "
-                               "model_alignment_strategy: the fine-tuning length, at most encoder_seq_length, as in NxDT)"),
-    "data.train_dir": _custom("data.train_dir with data.source=hf_dataset (a datasets.save_to_disk directory); "
-                              "set data.source=text for text files; with model_alignment_strategy.sft: "
-                              "data.source=instructions (.jsonl, or save_to_disk, records); with .dpo / .orpo: "
-                              "data.source=preferences (prompt/chosen/rejected records)"),
+    "data.seq_length": _custom(
+        "data.seq_length (must agree with model.encoder_seq_length when both are set; with "
+        "model_alignment_strategy: the fine-tuning length, at most encoder_seq_length, as in NxDT)"
+    ),
+    "data.train_dir": _custom(
+        "data.train_dir with data.source=hf_dataset (a datasets.save_to_disk directory); "
+        "set data.source=text for text files; with model_alignment_strategy.sft: "
+        "data.source=instructions (.jsonl, or save_to_disk, records); with .dpo / .orpo: "
+        "data.source=preferences (prompt/chosen/rejected records)"
+    ),
     "data.val_dir": _map("validation data, read like data.train_dir; val_loss (token-weighted over all of it) in metrics.csv"),
     "data.dev_choose_samples": _map("the first N records of data.train_dir (instruction records)"),
     # NxDT's Megatron SFT config (megatron_llama2_7B_SFT): instruction records for the Megatron model, as its comments say
-    "data.use_sft_style_data_module": _custom("true: the Megatron model trains on instruction records from data.train_dir "
-                                              "(data.source=instructions with model_alignment_strategy.sft, packed as "
-                                              "data.packing says), not on data.data_prefix; false = indexed data"),
-    "data.packing": _custom("model_alignment_strategy.sft.packing, read with data.use_sft_style_data_module: true (absent = "
-                            "true); without it there are no instruction records to pack (noted)"),
-    "data.tokenizer.type": _map("a Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json: EOS, chat "
-                                "template)", to="data.tokenizer"),
+    "data.use_sft_style_data_module": _custom(
+        "true: the Megatron model trains on instruction records from data.train_dir "
+        "(data.source=instructions with model_alignment_strategy.sft, packed as "
+        "data.packing says), not on data.data_prefix; false = indexed data"
+    ),
+    "data.packing": _custom(
+        "model_alignment_strategy.sft.packing, read with data.use_sft_style_data_module: true (absent = "
+        "true); without it there are no instruction records to pack (noted)"
+    ),
+    "data.tokenizer.type": _map(
+        "a Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json: EOS, chat template)", to="data.tokenizer"
+    ),
     "data.test_dir": _derived("nxdt runs no test loop"),
     "data.num_workers": _ignored("data is read in the rank process"),
     # Megatron indexed data (model_source: megatron)
-    "data.data_prefix": _custom("data.source=megatron with data.data_prefix: [weight, prefix, ...] of PREFIX.bin/.idx "
-                                "(nxdt data convert-megatron writes them), blended by weight"),
+    "data.data_prefix": _custom(
+        "data.source=megatron with data.data_prefix: [weight, prefix, ...] of PREFIX.bin/.idx "
+        "(nxdt data convert-megatron writes them), blended by weight"
+    ),
     "data.data_prefix.train": _custom("the dict form of data.data_prefix: its train entry is read"),
     "data.data_prefix.validation": _derived("the validation entry is not read (validation data is data.val_dir)"),
     "data.data_prefix.test": _derived("nxdt runs no test loop"),
@@ -179,8 +196,9 @@ RULES: dict[str, Rule] = {
     "data.no_seqlen_plus_one_input_tokens": _agree("samples are seq_length + 1 tokens", False, error=True),
     "data.validation_drop_last": _derived("the validation split of data_prefix is not read"),
     "data.pad_samples_to_global_batch_size": _derived("the sample stream never ends in a partial global batch"),
-    "data.tokenizer.library": _agree("tokenizers are read as Hugging Face's (megatron's GPT2BPETokenizer by its vocabulary)",
-                                     "huggingface", "megatron"),
+    "data.tokenizer.library": _agree(
+        "tokenizers are read as Hugging Face's (megatron's GPT2BPETokenizer by its vocabulary)", "huggingface", "megatron"
+    ),
     "data.tokenizer.vocab_file": _custom("GPT2BPETokenizer's vocab.json: its size is the vocabulary"),
     "data.tokenizer.merge_file": _derived("BPE merges: the data is already tokenized"),
     "data.tokenizer.model": _derived("sentencepiece model file: the data is already tokenized"),
@@ -188,8 +206,10 @@ RULES: dict[str, Rule] = {
     "data.tokenizer.sentencepiece_legacy": _derived("sentencepiece only"),
     "data.tokenizer.use_fast": _derived("tokenizer implementation choice: the data is already tokenized"),
     # --- model (HF style) ---
-    "model.model_config": _custom("a Hugging Face config.json (or its directory): architecture and every shape field; "
-                                  "relative paths: from the working directory, else from the config file's directory"),
+    "model.model_config": _custom(
+        "a Hugging Face config.json (or its directory): architecture and every shape field; "
+        "relative paths: from the working directory, else from the config file's directory"
+    ),
     "model.encoder_seq_length": _custom("data.seq_length"),
     "model.max_position_embeddings": _custom("max(config.json's, this), as in NxDT"),
     "model.num_layers": _custom("overrides config.json's num_hidden_layers (-1 = keep)"),
@@ -199,16 +219,19 @@ RULES: dict[str, Rule] = {
     "model.fuse_qkv": _ignored("NxD's fused QKV weight layout"),
     "model.transpose_nki_inputs": _ignored("NKI kernel layout"),
     "model.use_cpu_initialization": _ignored("nxdt always initialises on CPU"),
-    "model.weight_init_only": _map("with exp_manager.resume_from_checkpoint: its model weights only (any layout), a fresh "
-                                   "optimizer, step 0"),
+    "model.weight_init_only": _map(
+        "with exp_manager.resume_from_checkpoint: its model weights only (any layout), a fresh optimizer, step 0"
+    ),
     "model.pipeline_cuts": _agree("nxdt cuts pipeline stages into equal layer counts", None),
     "model.activations_checkpoint_granularity": _map("full | selective (recomputes core attention) | null"),
     "model.activations_checkpoint_recompute": _ignored("NxDT module class names; selective recomputes core attention"),
     "model.activations_checkpoint_recompute_mlp": _agree("selective recomputation covers core attention only", False),
     "model.fusions.softmax": _ignored("Neuron fused-softmax kernel"),
-    "model.fusions.flash_attention": _custom("true (NxDT: its flash-attention kernel) = model.core_attention sdpa, nxdt's "
-                                             "default (or blockwise, if the file says so); false = model.core_attention "
-                                             "naive, the S×S attention scores materialised as NxDT's non-flash path does"),
+    "model.fusions.flash_attention": _custom(
+        "true (NxDT: its flash-attention kernel) = model.core_attention sdpa, nxdt's "
+        "default (or blockwise, if the file says so); false = model.core_attention "
+        "naive, the S×S attention scores materialised as NxDT's non-flash path does"
+    ),
     "model.fusions.ring_attention": _derived("nxdt's context parallelism always runs ring attention"),
     "model.do_layer_norm_weight_decay": _map("model.optim.decay_norms_and_biases", to="model.optim.decay_norms_and_biases"),
     "model.save_logits": _agree("logits are not saved", False),
@@ -219,8 +242,10 @@ RULES: dict[str, Rule] = {
     "model.optim.eps": _map(),
     "model.optim.amsgrad": _agree("AMSGrad is not implemented", False, error=True),
     "model.optim.capturable": _ignored("CUDA-graph/XLA optimizer flag"),
-    "model.optim.sched.name": _custom("LinearAnnealingWithWarmUp | CosineAnnealing | WarmupPolicy, WarmupHoldPolicy (= constant "
-                                      "after warm-up); absent sched = constant"),
+    "model.optim.sched.name": _custom(
+        "LinearAnnealingWithWarmUp | CosineAnnealing | WarmupPolicy, WarmupHoldPolicy (= constant "
+        "after warm-up); absent sched = constant"
+    ),
     "model.optim.sched.warmup_steps": _map("absent = 0"),
     "model.optim.sched.warmup_ratio": _custom("warmup_steps = ratio × trainer.max_steps"),
     "model.optim.sched.max_steps": _custom("NxDT replaces it by trainer.max_steps; so does nxdt (a different value is noted)"),
@@ -238,8 +263,9 @@ RULES: dict[str, Rule] = {
     "model.moe.dropout": _agree("nxdt has no dropout", 0, 0.0),
     "model.moe.capacity_factor": _custom("nxdt's MoE is dropless; a capacity factor without dropless: true is noted"),
     "model.moe.dropless": _derived("nxdt's MoE is always dropless"),
-    "model.moe.router_activation": _map("softmax or sigmoid affinities; absent with model_source: megatron = sigmoid, NxDT's "
-                                        "Megatron default"),
+    "model.moe.router_activation": _map(
+        "softmax or sigmoid affinities; absent with model_source: megatron = sigmoid, NxDT's Megatron default"
+    ),
     "model.moe.sinkhorn_iterations": _derived("read only with routing_algorithm: sinkhorn"),
     "model.moe.sinkhorn_tol": _derived("read only with routing_algorithm: sinkhorn"),
     # Megatron-model keys (model_source: megatron); an hf model's shape comes from model.model_config
@@ -249,81 +275,110 @@ RULES: dict[str, Rule] = {
     "model.has_bias": _custom(MEGATRON_MODEL + ": false (Llama, Mixtral) or true (GPT)"),
     "model.share_embeddings_and_output_weights": _custom("megatron: model.tie_word_embeddings"),
     "model.layernorm_epsilon": _custom("megatron: model.norm_eps"),
-    "model.make_vocab_size_divisible_by": _custom("megatron: the tokenizer's vocabulary is padded to a multiple of this × TP, as "
-                                                  "Megatron does (an explicit model.vocab_size is kept)"),
+    "model.make_vocab_size_divisible_by": _custom(
+        "megatron: the tokenizer's vocabulary is padded to a multiple of this × TP, as "
+        "Megatron does (an explicit model.vocab_size is kept)"
+    ),
     "model.kv_channels": _agree("the head dimension is hidden_size / num_attention_heads", None, error=True),
     "model.rotary_percentage": _agree("RoPE rotates every head dimension", 1, 1.0, error=True),
     "model.transformer_block_type": _agree("pre-norm blocks", "pre_ln", error=True),
     "model.use_scaled_init_method": _agree("output projections start at init_method_std/√(2·num_layers)", True, error=True),
-    "model.apply_query_key_layer_scaling": _derived("Megatron divides QKᵀ by the layer number and multiplies it back inside "
-                                                    "the fp32 softmax: the same attention"),
+    "model.apply_query_key_layer_scaling": _derived(
+        "Megatron divides QKᵀ by the layer number and multiplies it back inside the fp32 softmax: the same attention"
+    ),
     "model.hidden_dropout": _agree("nxdt has no dropout", 0, 0.0),
     "model.attention_dropout": _agree("nxdt has no dropout", 0, 0.0),
     "model.ffn_dropout": _agree("nxdt has no dropout", 0, 0.0),
     "model.persist_layer_norm": _ignored("Megatron's persistent layer-norm kernel"),
-    "model.sliding_window_size": _custom("sliding-window attention: accepted when the window covers data.seq_length (then it "
-                                         "is full causal attention), otherwise refused"),
+    "model.sliding_window_size": _custom(
+        "sliding-window attention: accepted when the window covers data.seq_length (then it "
+        "is full causal attention), otherwise refused"
+    ),
     # --- model_alignment_strategy (the block that is present picks the recipe) ---
-    "model_alignment_strategy.sft.packing": _map("records appended into each sequence, attention and positions per record; "
-                                                 "false = one record per sequence, padded"),
+    "model_alignment_strategy.sft.packing": _map(
+        "records appended into each sequence, attention and positions per record; false = one record per sequence, padded"
+    ),
     # peft: LoRA on any recipe (nxdt.models.lora.apply_peft; targets checked on the model before workers start)
     "model_alignment_strategy.peft.lora_rank": _map("rank r of each adapter (A: r×in, B: out×r)"),
     "model_alignment_strategy.peft.lora_alpha": _map("the update is scaled by lora_alpha / lora_rank"),
     "model_alignment_strategy.peft.lora_dropout": _map("dropout on the adapter's input (training only)"),
     "model_alignment_strategy.peft.lora_bias": _map("none | all | lora_only: which biases train (as PEFT)"),
     "model_alignment_strategy.peft.lora_verbose": _map("rank 0 prints the adapted modules and trainable / total parameters"),
-    "model_alignment_strategy.peft.target_modules": _map("NxDT's qkv_proj / o_proj / gate_up_proj / down_proj (or HF's "
-                                                         "projection names); split by tensor parallelism like the base layer"),
-    "model_alignment_strategy.peft.load_lora_from_ckpt": _map("true: continue from the adapters of exp_manager.resume_from_checkpoint "
-                                                              "(a LoRA run's checkpoint; with weight_init_only a new run at step 0, "
-                                                              "adapters-only ones on the model.hf_checkpoint base); its rank, "
-                                                              "targets and alpha must match (refused by name before launch)"),
+    "model_alignment_strategy.peft.target_modules": _map(
+        "NxDT's qkv_proj / o_proj / gate_up_proj / down_proj (or HF's "
+        "projection names); split by tensor parallelism like the base layer"
+    ),
+    "model_alignment_strategy.peft.load_lora_from_ckpt": _map(
+        "true: continue from the adapters of exp_manager.resume_from_checkpoint "
+        "(a LoRA run's checkpoint; with weight_init_only a new run at step 0, "
+        "adapters-only ones on the model.hf_checkpoint base); its rank, "
+        "targets and alpha must match (refused by name before launch)"
+    ),
     "model_alignment_strategy.peft.save_lora_base": _map("false: checkpoints hold the adapters (trainable tensors) alone"),
-    "model_alignment_strategy.peft.merge_lora": _map("true (with save_lora_base): checkpoints hold W + (alpha/r)·B·A per TP shard, "
-                                                     "no adapters — to deploy or start from, not to resume (resume_if_exists, "
-                                                     "max_restarts refused); export-hf --merge merges any LoRA checkpoint"),
-    "model_alignment_strategy.peft.save_lora_config_adapter": _map("true: every checkpoint directory is also a Hugging Face "
-                                                                   "PEFT adapter (adapter_config.json, adapter_model."
-                                                                   "safetensors, under its checksums); not with PP or "
-                                                                   "lora_bias other than none (refused by name)"),
-    "model_alignment_strategy.peft.merge_sharded_lora": _map("accepted, either value: the PEFT adapter is always gathered "
-                                                             "over TP and FSDP into one file (true with merge_lora true is "
-                                                             "refused: NxD then saves the adapters alone)"),
+    "model_alignment_strategy.peft.merge_lora": _map(
+        "true (with save_lora_base): checkpoints hold W + (alpha/r)·B·A per TP shard, "
+        "no adapters — to deploy or start from, not to resume (resume_if_exists, "
+        "max_restarts refused); export-hf --merge merges any LoRA checkpoint"
+    ),
+    "model_alignment_strategy.peft.save_lora_config_adapter": _map(
+        "true: every checkpoint directory is also a Hugging Face "
+        "PEFT adapter (adapter_config.json, adapter_model."
+        "safetensors, under its checksums); not with PP or "
+        "lora_bias other than none (refused by name)"
+    ),
+    "model_alignment_strategy.peft.merge_sharded_lora": _map(
+        "accepted, either value: the PEFT adapter is always gathered "
+        "over TP and FSDP into one file (true with merge_lora true is "
+        "refused: NxD then saves the adapters alone)"
+    ),
     # dpo / orpo: preference records (data.source=preferences), each sample a pair in one micro-batch
-    "model_alignment_strategy.dpo.kl_beta": _map("β of the DPO loss −log σ(β·[(log π − log π_ref)(chosen) − (…)(rejected)]); "
-                                                 "rewards/* in metrics.csv are β·(log π − log π_ref)"),
+    "model_alignment_strategy.dpo.kl_beta": _map(
+        "β of the DPO loss −log σ(β·[(log π − log π_ref)(chosen) − (…)(rejected)]); "
+        "rewards/* in metrics.csv are β·(log π − log π_ref)"
+    ),
     "model_alignment_strategy.dpo.loss_type": _map("sigmoid (the paper's loss); any other value is refused by name"),
-    "model_alignment_strategy.dpo.max_prompt_length": _map("a longer prompt keeps max_prompt_length tokens (truncation_mode "
-                                                           "says which end); counted before launch"),
-    "model_alignment_strategy.dpo.precompute_ref_log_probs": _map("true: the reference log-probabilities are computed once "
-                                                                  "before training by the same model, sharded like the "
-                                                                  "policy; false is refused by name (as in NxDT)"),
+    "model_alignment_strategy.dpo.max_prompt_length": _map(
+        "a longer prompt keeps max_prompt_length tokens (truncation_mode says which end); counted before launch"
+    ),
+    "model_alignment_strategy.dpo.precompute_ref_log_probs": _map(
+        "true: the reference log-probabilities are computed once "
+        "before training by the same model, sharded like the "
+        "policy; false is refused by name (as in NxDT)"
+    ),
     "model_alignment_strategy.dpo.truncation_mode": _map("keep_start | keep_end: which end of a too-long prompt is kept"),
-    "model_alignment_strategy.orpo.beta": _map("weight of the odds-ratio term: loss = NLL(chosen) − beta·log σ(log-odds "
-                                               "ratio); no reference model"),
+    "model_alignment_strategy.orpo.beta": _map(
+        "weight of the odds-ratio term: loss = NLL(chosen) − beta·log σ(log-odds ratio); no reference model"
+    ),
     "model_alignment_strategy.orpo.max_prompt_length": _map("as dpo.max_prompt_length"),
     "model_alignment_strategy.orpo.truncation_mode": _map("as dpo.truncation_mode"),
     # --- precision ---
-    "precision.type": _custom("fp32 → fp32; bf16SR → bf16SR (optimizer updates rounded stochastically, noted); autocast, "
-                              "mixed_precision → mixed_precision (bf16 compute, fp32 weights); mixed_precisionSR → "
-                              "mixed_precisionSR (trains as mixed_precision, noted); manual → from the flags below"),
-    "precision.master_weights": _custom("read only with type: manual (as in NxDT): true + bf16 → mixed_precision "
-                                        "(mixed_precisionSR with the SR flag)"),
+    "precision.type": _custom(
+        "fp32 → fp32; bf16SR → bf16SR (optimizer updates rounded stochastically, noted); autocast, "
+        "mixed_precision → mixed_precision (bf16 compute, fp32 weights); mixed_precisionSR → "
+        "mixed_precisionSR (trains as mixed_precision, noted); manual → from the flags below"
+    ),
+    "precision.master_weights": _custom(
+        "read only with type: manual (as in NxDT): true + bf16 → mixed_precision (mixed_precisionSR with the SR flag)"
+    ),
     "precision.fp32_grad_acc": _derived("read only with type: manual; nxdt accumulates gradients in the parameters' dtype"),
     "precision.xla_use_bf16": _custom("XLA flag: with type: manual, '1' = bf16 compute; otherwise named in the one warning"),
     "precision.xla_downcast_bf16": _custom("XLA flag: with type: manual, '1' = bf16 compute; otherwise named in the one warning"),
-    "precision.neuron_rt_stochastic_rounding_en": _custom("Neuron runtime flag: with type: manual, '1' + bf16 → bf16SR (or "
-                                                          "mixed_precisionSR), '1' with fp32 is an error; otherwise named in "
-                                                          "the one warning"),
+    "precision.neuron_rt_stochastic_rounding_en": _custom(
+        "Neuron runtime flag: with type: manual, '1' + bf16 → bf16SR (or "
+        "mixed_precisionSR), '1' with fp32 is an error; otherwise named in "
+        "the one warning"
+    ),
     "precision.parallel_layers_reduce_dtype": _ignored("dtype of NxD's TP reductions"),
     "precision.fp32_grads_cc": _derived("never read by NxDT"),
 }
 
 # what nxdt's stochastic rounding covers, against the Neuron runtime's (every fp32 → bf16 cast on the device)
-SR_NOTES = {"bf16SR": "nxdt rounds the optimizer's weight and moment updates stochastically to bf16; activations and "
-                      "gradients are rounded to nearest (the Neuron runtime rounds those stochastically too)",
-            "mixed_precisionSR": "nxdt's mixed precision keeps fp32 weights and moments and rounds no update to bf16, "
-                                 "so there is nothing to round stochastically: it trains exactly as mixed_precision"}
+SR_NOTES = {
+    "bf16SR": "nxdt rounds the optimizer's weight and moment updates stochastically to bf16; activations and "
+    "gradients are rounded to nearest (the Neuron runtime rounds those stochastically too)",
+    "mixed_precisionSR": "nxdt's mixed precision keeps fp32 weights and moments and rounds no update to bf16, "
+    "so there is nothing to round stochastically: it trains exactly as mixed_precision",
+}
 
 
 @dataclass
@@ -336,13 +391,16 @@ class Translation:
     def warnings(self) -> list[str]:
         lines = []
         if self.ignored:
-            lines.append(f"nxdt: {len(self.ignored)} NxDT keys have no effect here (Neuron compiler/runtime/XLA settings "
-                         f"and NxDT internals): {', '.join(self.ignored)}")
+            lines.append(
+                f"nxdt: {len(self.ignored)} NxDT keys have no effect here (Neuron compiler/runtime/XLA settings "
+                f"and NxDT internals): {', '.join(self.ignored)}"
+            )
         return lines + [f"nxdt: note: {n}" for n in self.notes]
 
 
 # ------------------------------------------------------------------------------------------------
 # helpers
+
 
 def flatten(node: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """Dotted leaf keys; lists and scalars are leaves, empty mappings vanish."""
@@ -413,11 +471,22 @@ def _is(value: Any, allowed: Iterable[Any]) -> bool:
 # ------------------------------------------------------------------------------------------------
 # translation
 
-PRECISION = {"fp32": "fp32", "bf16": "bf16", "bf16SR": "bf16SR", "autocast": "mixed_precision", "mixed_precision": "mixed_precision",
-             "mixed_precisionSR": "mixed_precisionSR"}
+PRECISION = {
+    "fp32": "fp32",
+    "bf16": "bf16",
+    "bf16SR": "bf16SR",
+    "autocast": "mixed_precision",
+    "mixed_precision": "mixed_precision",
+    "mixed_precisionSR": "mixed_precisionSR",
+}
 OPTIMIZERS = {"adamw": "adamw", "adamw_fp32OptState": "adamw_fp32OptState"}
-SCHEDULES = {"LinearAnnealingWithWarmUp": "LinearAnnealingWithWarmUp", "CosineAnnealing": "CosineAnnealing",
-             "WarmupPolicy": "constant", "WarmupHoldPolicy": "constant", "constant": "constant"}
+SCHEDULES = {
+    "LinearAnnealingWithWarmUp": "LinearAnnealingWithWarmUp",
+    "CosineAnnealing": "CosineAnnealing",
+    "WarmupPolicy": "constant",
+    "WarmupHoldPolicy": "constant",
+    "constant": "constant",
+}
 # what NxDT (or NeMo / Lightning underneath it) does when a key is absent, where nxdt's default differs
 NXDT_DEFAULTS = {
     "distributed_strategy.zero1": True,
@@ -468,11 +537,15 @@ def translate(nxdt: Mapping[str, Any], hf_config: Mapping[str, Any] | None = Non
 
     checkpointing, data = _checkpointing(leaves), _data(leaves, ours)
     if "data.packing" in leaves and not leaves.get("data.use_sft_style_data_module"):
-        notes.append(f"data.packing={leaves['data.packing']!r} has no effect: it packs instruction records, read with "
-                     "data.use_sft_style_data_module: true")
+        notes.append(
+            f"data.packing={leaves['data.packing']!r} has no effect: it packs instruction records, read with "
+            "data.use_sft_style_data_module: true"
+        )
     out = {k: v for k, v in NXDT_DEFAULTS.items()}
     if leaves.get("model_source", "hf") not in ("hf", "megatron"):
-        raise ConfigError("model_source", leaves["model_source"], "must be hf (model.model_config) or megatron (Megatron model keys)")
+        raise ConfigError(
+            "model_source", leaves["model_source"], "must be hf (model.model_config) or megatron (Megatron model keys)"
+        )
     out.update(_model(leaves, hf_config, notes))
     out.update(mapped)
     out.update(_precision(leaves, notes, ignored))
@@ -487,16 +560,22 @@ def translate(nxdt: Mapping[str, Any], hf_config: Mapping[str, Any] | None = Non
     for key, value in ours.items():
         if key in from_file and from_file[key] != value:
             sources = [k for k in leaves if getattr(rule_for(k), "to", None) == key or k in COUNTERPARTS.get(key, (key,))]
-            raise ConfigError(key, value, f"contradicts the NxDT key {sources[0] if sources else key}={from_file[key]!r} in the same "
-                              "config; keep one of them")
+            raise ConfigError(
+                key,
+                value,
+                f"contradicts the NxDT key {sources[0] if sources else key}={from_file[key]!r} in the same "
+                "config; keep one of them",
+            )
         out[key] = value
     return Translation(config=unflatten(out), ignored=ignored, notes=notes, instance=instance)
 
 
 # nxdt keys set by NxDT keys of another name (besides MAP rules' `to`), for naming a contradiction
 COUNTERPARTS = {
-    "exp_manager.checkpoint_every_n_steps": ("exp_manager.checkpoint_callback_params.every_n_train_steps",
-                                             "exp_manager.create_checkpoint_callback"),
+    "exp_manager.checkpoint_every_n_steps": (
+        "exp_manager.checkpoint_callback_params.every_n_train_steps",
+        "exp_manager.create_checkpoint_callback",
+    ),
     "exp_manager.keep_last_k": ("exp_manager.checkpoint_callback_params.save_top_k",),
     "data.seq_length": ("data.seq_length", "model.encoder_seq_length"),
 }
@@ -506,7 +585,9 @@ def _model(leaves: Mapping[str, Any], hf: Mapping[str, Any] | None, notes: list[
     out: dict[str, Any] = {}
     if "model.model_config" in leaves:
         if hf is None:
-            raise ConfigError("model.model_config", leaves["model.model_config"], "the Hugging Face config.json could not be read")
+            raise ConfigError(
+                "model.model_config", leaves["model.model_config"], "the Hugging Face config.json could not be read"
+            )
         try:
             fields, hf_notes = model_fields(hf)
         except HFConfigError as exc:
@@ -516,20 +597,30 @@ def _model(leaves: Mapping[str, Any], hf: Mapping[str, Any] | None, notes: list[
     elif leaves.get("model_source", "hf") == "megatron":
         out.update(_megatron_model(leaves))
     elif not is_complete_model(leaves):
-        raise ConfigError("model.model_config", "", "missing: an NxDT hf config names its Hugging Face config.json here "
-                          "(or give nxdt's model keys: model.architecture, vocab_size, hidden_size, ...)")
+        raise ConfigError(
+            "model.model_config",
+            "",
+            "missing: an NxDT hf config names its Hugging Face config.json here "
+            "(or give nxdt's model keys: model.architecture, vocab_size, hidden_size, ...)",
+        )
     for key in ("model.num_layers", "model.hidden_size", "model.rope_theta"):
         value = leaves.get(key, -1)
         if value is not None and value != -1:  # NxDT: -1 (or absent) keeps config.json's value
             out[key] = value
     if leaves.get("model.max_position_embeddings") is not None:
-        out["model.max_position_embeddings"] = max(out.get("model.max_position_embeddings", 0), leaves["model.max_position_embeddings"])
+        out["model.max_position_embeddings"] = max(
+            out.get("model.max_position_embeddings", 0), leaves["model.max_position_embeddings"]
+        )
     flash = leaves.get("model.fusions.flash_attention")
     if flash is not None:
         ours = leaves.get("model.core_attention")  # nxdt's own key in the same file: must agree
         if ours is not None and (ours == "naive") == bool(flash):
-            raise ConfigError("model.core_attention", ours, f"contradicts the NxDT key model.fusions.flash_attention={flash!r} in the "
-                              "same config (flash attention: sdpa or blockwise; without: naive); keep one of them")
+            raise ConfigError(
+                "model.core_attention",
+                ours,
+                f"contradicts the NxDT key model.fusions.flash_attention={flash!r} in the "
+                "same config (flash attention: sdpa or blockwise; without: naive); keep one of them",
+            )
         if not flash:
             out["model.core_attention"] = "naive"
     if leaves.get("model.moe.output_router_logits") is False:
@@ -542,8 +633,12 @@ def _model(leaves: Mapping[str, Any], hf: Mapping[str, Any] | None, notes: list[
 
 # (normalization, activation, position_embedding_type, has_bias) → hub family; Megatron's defaults are GPT's
 MEGATRON_FAMILIES = {("rmsnorm", "swiglu", "rope", False): "llama", ("layernorm", "gelu", "learned_absolute", True): "gpt"}
-MEGATRON_SHAPE_KEYS = (("normalization", "layernorm"), ("activation", "gelu"), ("position_embedding_type", "learned_absolute"),
-                       ("has_bias", True))
+MEGATRON_SHAPE_KEYS = (
+    ("normalization", "layernorm"),
+    ("activation", "gelu"),
+    ("position_embedding_type", "learned_absolute"),
+    ("has_bias", True),
+)
 
 
 def _megatron_model(leaves: Mapping[str, Any]) -> dict[str, Any]:
@@ -553,13 +648,19 @@ def _megatron_model(leaves: Mapping[str, Any]) -> dict[str, Any]:
     family = MEGATRON_FAMILIES.get(shape)
     if family is None:
         given = ", ".join(f"{k}={v!r}" for (k, _), v in zip(MEGATRON_SHAPE_KEYS, shape))
-        raise ConfigError("model.activation", shape[1], f"no hub model has {given}; nxdt has Llama/Mixtral (rmsnorm, swiglu, "
-                          "rope, has_bias false) and GPT (layernorm, gelu, learned_absolute, has_bias true)")
+        raise ConfigError(
+            "model.activation",
+            shape[1],
+            f"no hub model has {given}; nxdt has Llama/Mixtral (rmsnorm, swiglu, "
+            "rope, has_bias false) and GPT (layernorm, gelu, learned_absolute, has_bias true)",
+        )
     experts = leaves.get("model.moe.num_experts") or 0
     if family == "gpt" and experts:
         raise ConfigError("model.moe.num_experts", experts, "the hub's mixture of experts is Mixtral's (rmsnorm, swiglu, rope)")
-    arch = {"gpt": "nxdt.models.gpt.GPTForCausalLM", "llama": "nxdt.models.mixtral.MixtralForCausalLM" if experts else
-            "nxdt.models.llama.LlamaForCausalLM"}[family]
+    arch = {
+        "gpt": "nxdt.models.gpt.GPTForCausalLM",
+        "llama": "nxdt.models.mixtral.MixtralForCausalLM" if experts else "nxdt.models.llama.LlamaForCausalLM",
+    }[family]
     out: dict[str, Any] = {"model.architecture": arch}
     if experts and "model.moe.router_activation" not in leaves:
         out["model.moe.router_activation"] = "sigmoid"  # NxDT's Megatron MoE default (HF Mixtral's router is softmax)
@@ -570,8 +671,11 @@ def _megatron_model(leaves: Mapping[str, Any]) -> dict[str, Any]:
     window = leaves.get("model.sliding_window_size")
     seq = leaves.get("data.seq_length", leaves.get("model.encoder_seq_length"))
     if window is not None and seq is not None and window < seq:
-        raise ConfigError("model.sliding_window_size", window, f"sliding-window attention is not implemented; a window of at "
-                          f"least data.seq_length={seq} is plain causal attention")
+        raise ConfigError(
+            "model.sliding_window_size",
+            window,
+            f"sliding-window attention is not implemented; a window of at least data.seq_length={seq} is plain causal attention",
+        )
     return out
 
 
@@ -580,7 +684,9 @@ GPT2_BPE_VOCAB = 50257  # Megatron's GPT2BPETokenizer is GPT-2's byte-level BPE:
 
 def megatron_vocab_size(tokenizer_ids: int, leaves: Mapping[str, Any]) -> int:
     """Megatron's padded vocabulary: the tokenizer's ids rounded up to a multiple of make_vocab_size_divisible_by × TP."""
-    multiple = int(leaves.get("model.make_vocab_size_divisible_by", 128)) * int(leaves.get("distributed_strategy.tensor_model_parallel_size", 1))
+    multiple = int(leaves.get("model.make_vocab_size_divisible_by", 128)) * int(
+        leaves.get("distributed_strategy.tensor_model_parallel_size", 1)
+    )
     return -(-tokenizer_ids // multiple) * multiple
 
 
@@ -597,9 +703,13 @@ def _precision(leaves: Mapping[str, Any], notes: list[str], ignored: list[str]) 
         ours = ("mixed_precision" if leaves.get("precision.master_weights", False) else "bf16") if bf16 else "fp32"
         if str(leaves.get(flags[2], "0")) == "1":
             if not bf16:
-                raise ConfigError(flags[2], "1", "stochastic rounding rounds to bf16, and with xla_use_bf16 and "
-                                  "xla_downcast_bf16 '0' training is fp32, nothing to round; set one of them to '1' "
-                                  "(bf16SR; with master_weights: true, mixed_precisionSR) or this flag to '0'")
+                raise ConfigError(
+                    flags[2],
+                    "1",
+                    "stochastic rounding rounds to bf16, and with xla_use_bf16 and "
+                    "xla_downcast_bf16 '0' training is fp32, nothing to round; set one of them to '1' "
+                    "(bf16SR; with master_weights: true, mixed_precisionSR) or this flag to '0'",
+                )
             ours += "SR"
             notes.append(f"precision.neuron_rt_stochastic_rounding_en='1' (precision.type {ours}): {SR_NOTES[ours]}")
         return {"precision.type": ours}
@@ -655,13 +765,21 @@ def _checkpointing(leaves: Mapping[str, Any]) -> dict[str, Any]:
 def _data(leaves: Mapping[str, Any], ours: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     seq, enc = leaves.get("data.seq_length"), leaves.get("model.encoder_seq_length")
-    aligning = any(k.startswith("model_alignment_strategy.") for k in leaves) or bool(leaves.get("data.use_sft_style_data_module"))
+    aligning = any(k.startswith("model_alignment_strategy.") for k in leaves) or bool(
+        leaves.get("data.use_sft_style_data_module")
+    )
     if aligning and seq is not None and enc is not None and seq > enc:
-        raise ConfigError("data.seq_length", seq, f"exceeds model.encoder_seq_length={enc}, the model's context; fine-tuning "
-                          "sequences must fit it")
+        raise ConfigError(
+            "data.seq_length",
+            seq,
+            f"exceeds model.encoder_seq_length={enc}, the model's context; fine-tuning sequences must fit it",
+        )
     if not aligning and seq is not None and enc is not None and seq != enc:
-        raise ConfigError("data.seq_length", seq, f"differs from model.encoder_seq_length={enc}; NxDT's HF models train at "
-                          "encoder_seq_length: make them equal")
+        raise ConfigError(
+            "data.seq_length",
+            seq,
+            f"differs from model.encoder_seq_length={enc}; NxDT's HF models train at encoder_seq_length: make them equal",
+        )
     if seq is not None or enc is not None:
         out["data.seq_length"] = seq if seq is not None else enc
     sft_style = bool(leaves.get("data.use_sft_style_data_module"))
@@ -669,8 +787,11 @@ def _data(leaves: Mapping[str, Any], ours: Mapping[str, Any]) -> dict[str, Any]:
         packing = leaves.get("data.packing", True)
         theirs = leaves.get("model_alignment_strategy.sft.packing")
         if theirs is not None and theirs != packing:
-            raise ConfigError("data.packing", packing, f"contradicts model_alignment_strategy.sft.packing={theirs!r} in the same "
-                              "config; keep one of them")
+            raise ConfigError(
+                "data.packing",
+                packing,
+                f"contradicts model_alignment_strategy.sft.packing={theirs!r} in the same config; keep one of them",
+            )
         out["model_alignment_strategy.sft.packing"] = packing
     if leaves.get("data.train_dir") is not None:
         sft = sft_style or any(k.startswith("model_alignment_strategy.sft.") for k in leaves)
@@ -689,6 +810,7 @@ def _data(leaves: Mapping[str, Any], ours: Mapping[str, Any]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------
 # instance
 
+
 def infer_instance(devices: int | None, lnc: int | None, catalogue: Mapping[str, Mapping[int, int]]) -> str:
     """The Trainium instance whose node runs ``devices`` ranks at ``lnc`` — NxDT configs name no instance.
 
@@ -696,21 +818,33 @@ def infer_instance(devices: int | None, lnc: int | None, catalogue: Mapping[str,
     key 0). Ambiguity is an error asking for ``instance=<name>``: trn1/trn1n and trn2/trn2u nodes look
     the same to a config, but not to the plan (their networks differ)."""
     if devices is None:
-        raise ConfigError("instance", "", "NxDT configs name no instance and trainer.devices is not set; add instance=<name> "
-                          "(e.g. instance=trn1.32xlarge, or instance=cpu to run here)")
+        raise ConfigError(
+            "instance",
+            "",
+            "NxDT configs name no instance and trainer.devices is not set; add instance=<name> "
+            "(e.g. instance=trn1.32xlarge, or instance=cpu to run here)",
+        )
     fits = sorted(name for name, per_lnc in catalogue.items() if per_lnc.get(lnc if lnc is not None else 0) == devices)
     if len(fits) == 1:
         return fits[0]
     where = f"trainer.devices={devices}" + (f", trainer.lnc={lnc}" if lnc is not None else "")
     if fits:
-        raise ConfigError("instance", "", f"{where} fits {' and '.join(fits)}; NxDT configs name no instance: add "
-                          f"instance={fits[0]} (or another) to the command")
-    raise ConfigError("instance", "", f"no Trainium node runs {where}; NxDT configs name no instance: add instance=<name> "
-                      "(instance=cpu runs on this host)")
+        raise ConfigError(
+            "instance",
+            "",
+            f"{where} fits {' and '.join(fits)}; NxDT configs name no instance: add "
+            f"instance={fits[0]} (or another) to the command",
+        )
+    raise ConfigError(
+        "instance",
+        "",
+        f"no Trainium node runs {where}; NxDT configs name no instance: add instance=<name> (instance=cpu runs on this host)",
+    )
 
 
 # ------------------------------------------------------------------------------------------------
 # the migration guide's table
+
 
 def mapping_table() -> str:
     """The Markdown table of every NxDT key (docs/migrating-from-nxdt.md includes it verbatim)."""
@@ -722,8 +856,12 @@ def mapping_table() -> str:
             shown = " or ".join(f"`{_yaml(v)}`" for v in rule.agree)
             what = f"accepted as {shown}; other values " + ("are an error" if rule.error else "noted")
         else:
-            what = {CUSTOM: "translated (see notes)", AGREE: "error", IGNORED: "no effect: named in the one warning",
-                    DERIVED: "accepted, nothing to do"}[rule.kind]
+            what = {
+                CUSTOM: "translated (see notes)",
+                AGREE: "error",
+                IGNORED: "no effect: named in the one warning",
+                DERIVED: "accepted, nothing to do",
+            }[rule.kind]
         rows.append(f"| `{key}` | {what} | {rule.doc} |")
     return "\n".join(rows)
 

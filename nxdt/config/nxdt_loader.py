@@ -24,8 +24,17 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from nxdt.config.nxdt_compat import (GPT2_BPE_VOCAB, check_keys, flatten, infer_instance, is_our_key, megatron_vocab_size,
-                                     rule_for, translate, unknown_key_error)
+from nxdt.config.nxdt_compat import (
+    GPT2_BPE_VOCAB,
+    check_keys,
+    flatten,
+    infer_instance,
+    is_our_key,
+    megatron_vocab_size,
+    rule_for,
+    translate,
+    unknown_key_error,
+)
 from nxdt.config.schema import Config, register_schemas
 from nxdt.config.validate import ConfigError, validate
 
@@ -40,8 +49,14 @@ PATH_KEYS = ("model.model_config", "data.train_dir")
 OWN_GROUPS = ("instance", "launcher")
 
 
-def compose(config_path: str | Path, config_name: str, overrides: list[str] | tuple[str, ...] = (), *,
-            check: bool = True, paths: bool = True) -> tuple[Config, list[str]]:
+def compose(
+    config_path: str | Path,
+    config_name: str,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    check: bool = True,
+    paths: bool = True,
+) -> tuple[Config, list[str]]:
     from nxdt.config import compose_config, to_config
 
     config_dir = Path(config_path).expanduser().resolve()
@@ -134,7 +149,9 @@ def _load_file(config_dir: Path, config_name: str) -> DictConfig:
             cfg = hydra_compose(config_name=name)
     except MissingConfigException:
         available = sorted(p.stem for p in config_dir.glob("*.yaml"))
-        raise ConfigError("--config-name", config_name, f"no {name}.yaml in {config_dir}; available: {', '.join(available) or 'none'}") from None
+        raise ConfigError(
+            "--config-name", config_name, f"no {name}.yaml in {config_dir}; available: {', '.join(available) or 'none'}"
+        ) from None
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         raise ConfigError("--config-name", config_name, f"cannot read {config_dir / (name + '.yaml')}: {first.strip()}") from None
@@ -168,8 +185,12 @@ def _read_hf_config(nxdt: Mapping[str, Any]) -> dict[str, Any] | None:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise ConfigError("model.model_config", value, "no such file; give a Hugging Face config.json (NxDT configs often "
-                          "name /home/ubuntu/config.json: override it with model.model_config=PATH)")
+        raise ConfigError(
+            "model.model_config",
+            value,
+            "no such file; give a Hugging Face config.json (NxDT configs often "
+            "name /home/ubuntu/config.json: override it with model.model_config=PATH)",
+        )
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -189,9 +210,13 @@ def _megatron_vocab(nxdt: Mapping[str, Any]) -> int:
         path = Path(kind).expanduser()
         ids = _json_size(path / "tokenizer.json" if path.is_dir() else path, _tokenizer_ids)
     if ids is None:
-        raise ConfigError("model.vocab_size", "", f"the Megatron model's vocabulary comes from its tokenizer (data.tokenizer.type="
-                          f"{kind}), not readable here: give data.tokenizer.type=DIR (a Hugging Face tokenizer directory) or "
-                          "model.vocab_size=N")
+        raise ConfigError(
+            "model.vocab_size",
+            "",
+            f"the Megatron model's vocabulary comes from its tokenizer (data.tokenizer.type="
+            f"{kind}), not readable here: give data.tokenizer.type=DIR (a Hugging Face tokenizer directory) or "
+            "model.vocab_size=N",
+        )
     return megatron_vocab_size(ids, flatten(nxdt))
 
 

@@ -35,9 +35,14 @@ class TrainerConfig:
     log_every_n_steps: int = doc(1, "write a metrics.csv row every N steps")
     gradient_clip_val: Optional[float] = doc(1.0, "clip the global gradient norm to this value; null or 0 = no clipping")
     lnc: Optional[int] = doc(None, "logical NeuronCore size: physical cores per rank (Trn2/Trn3); null = the instance default")
-    val_check_interval: Optional[int] = doc(None, "validate (data.val_dir) every N optimizer steps; null = once, after the last step")
-    limit_val_batches: float = doc(1.0, "validation global batches per check: <= 1 a fraction of data.val_dir's (1.0 = all, "
-                                        "0 = no validation), > 1 that many (an integer)")
+    val_check_interval: Optional[int] = doc(
+        None, "validate (data.val_dir) every N optimizer steps; null = once, after the last step"
+    )
+    limit_val_batches: float = doc(
+        1.0,
+        "validation global batches per check: <= 1 a fraction of data.val_dir's (1.0 = all, "
+        "0 = no validation), > 1 that many (an integer)",
+    )
     num_sanity_val_steps: int = doc(0, "validation batches run (and discarded) before training, to fail early; 0 = none")
 
 
@@ -45,8 +50,11 @@ class TrainerConfig:
 class FaultInjectionConfig:
     step: Optional[int] = doc(None, "fail when this optimizer step starts (reliability drills); null = off")
     rank: Optional[int] = doc(None, "rank that fails; null = every rank")
-    kind: str = doc("raise", "raise (an exception) | sigkill (the process dies) | sigkill_during_save (dies mid-checkpoint) | hang (stops responding) "
-                                 "| sigstop (the process is stopped: cannot even act on SIGTERM) | nan (the rank's loss at that step is NaN: exercises exp_manager.nan_policy)")
+    kind: str = doc(
+        "raise",
+        "raise (an exception) | sigkill (the process dies) | sigkill_during_save (dies mid-checkpoint) | hang (stops responding) "
+        "| sigstop (the process is stopped: cannot even act on SIGTERM) | nan (the rank's loss at that step is NaN: exercises exp_manager.nan_policy)",
+    )
     attempt: int = doc(0, "only in this launch attempt (0 = the first; restarts then run clean)")
 
 
@@ -56,19 +64,30 @@ class ExpManagerConfig:
     explicit_log_dir: Optional[str] = doc(None, "use exactly this run directory instead")
     resume_if_exists: bool = doc(False, "resume from the newest complete checkpoint of the newest run of this name")
     resume_from_checkpoint: Optional[str] = doc(None, "resume from exactly this checkpoints/step-<N> directory")
-    max_restarts: int = doc(0, "restart all workers this many times after a worker dies; each restart resumes from the newest complete checkpoint")
+    max_restarts: int = doc(
+        0, "restart all workers this many times after a worker dies; each restart resumes from the newest complete checkpoint"
+    )
     checkpoint_every_n_steps: Optional[int] = doc(None, "save checkpoints/step-<N>/ every N steps; null = never")
     keep_last_k: int = doc(2, "keep only the newest k checkpoints")
-    async_checkpointing: bool = doc(False, "write checkpoints in a background thread: training continues while a snapshot "
-                                           "(tensors copied first) is persisted; older checkpoints are removed only once it is committed")
+    async_checkpointing: bool = doc(
+        False,
+        "write checkpoints in a background thread: training continues while a snapshot "
+        "(tensors copied first) is persisted; older checkpoints are removed only once it is committed",
+    )
     create_tensorboard_logger: bool = doc(True, "write TensorBoard event files under tensorboard/")
     log_parameter_norm: bool = doc(False, "add the global parameter norm (all shards) to metrics.csv as param_norm")
     log_gradient_norm: bool = doc(False, "add the global gradient norm (before clipping) to metrics.csv as grad_norm")
-    nan_policy: str = doc("stop", "a NaN/inf loss or gradient norm: stop (one line naming the step and the ranks; no "
-                                  "checkpoint with non-finite weights is ever written) | skip_step (drop that update; the "
-                                  "run stops after 10 consecutive skips)")
-    trace: bool = doc(False, "write a Chrome trace per rank to trace/rank<k>.json (compute per FSDP unit, every collective "
-                             "with its stream and token); open it in Perfetto")
+    nan_policy: str = doc(
+        "stop",
+        "a NaN/inf loss or gradient norm: stop (one line naming the step and the ranks; no "
+        "checkpoint with non-finite weights is ever written) | skip_step (drop that update; the "
+        "run stops after 10 consecutive skips)",
+    )
+    trace: bool = doc(
+        False,
+        "write a Chrome trace per rank to trace/rank<k>.json (compute per FSDP unit, every collective "
+        "with its stream and token); open it in Perfetto",
+    )
     fault_injection: FaultInjectionConfig = doc(FaultInjectionConfig(), "deliberate worker failure, for testing recovery")
 
 
@@ -79,9 +98,12 @@ class FSDPConfig:
     prefetch_distance: int = doc(1, "units gathered ahead of compute")
     reduce_scatter_delay: int = doc(1, "units a gradient reduce-scatter is chained late")
     reshard_after_forward: bool = doc(True, "free gathered parameters after each unit's forward")
-    param_persistence_threshold: int = doc(32768, "a unit's smaller flats (other param groups, e.g. no-decay norm weights) "
-                                                  "under this many elements stay whole on every rank, so a unit costs one "
-                                                  "gather and one reduce-scatter per pass; 0 shards everything")
+    param_persistence_threshold: int = doc(
+        32768,
+        "a unit's smaller flats (other param groups, e.g. no-decay norm weights) "
+        "under this many elements stay whole on every rank, so a unit costs one "
+        "gather and one reduce-scatter per pass; 0 shards everything",
+    )
 
 
 @dataclass
@@ -89,8 +111,9 @@ class DistributedStrategyConfig:
     tensor_model_parallel_size: int = doc(1, "TP degree")
     pipeline_model_parallel_size: int = doc(1, "PP degree")
     virtual_pipeline_model_parallel_size: int = doc(1, "model chunks per pipeline stage (interleaved schedule)")
-    context_parallel_size: int = doc(1, "CP degree: the sequence split over CP ranks, attention as a ring "
-                                        "(data.seq_length a multiple of 2·CP)")
+    context_parallel_size: int = doc(
+        1, "CP degree: the sequence split over CP ranks, attention as a ring (data.seq_length a multiple of 2·CP)"
+    )
     expert_model_parallel_size: int = doc(1, "EP degree (subdivides data parallelism)")
     sequence_parallel: bool = doc(False, "shard activations along the sequence between TP regions")
     zero1: bool = doc(False, "shard optimizer state across data-parallel ranks")
@@ -101,32 +124,58 @@ class DistributedStrategyConfig:
 
 @dataclass
 class DataConfig:
-    source: str = doc("text", "synthetic | text | hf_dataset (a tokenized Hugging Face dataset saved with save_to_disk) | "
-                              "megatron (Megatron's indexed .bin/.idx datasets named by data_prefix) | "
-                              "instructions (SFT records: .jsonl or save_to_disk; needs model_alignment_strategy.sft) | "
-                              "preferences (prompt/chosen/rejected records; needs model_alignment_strategy.dpo or .orpo)")
+    source: str = doc(
+        "text",
+        "synthetic | text | hf_dataset (a tokenized Hugging Face dataset saved with save_to_disk) | "
+        "megatron (Megatron's indexed .bin/.idx datasets named by data_prefix) | "
+        "instructions (SFT records: .jsonl or save_to_disk; needs model_alignment_strategy.sft) | "
+        "preferences (prompt/chosen/rejected records; needs model_alignment_strategy.dpo or .orpo)",
+    )
     micro_batch_size: int = doc(4, "samples per forward/backward on one rank (preferences: pairs)")
-    global_batch_size: Optional[int] = doc(None, "samples per optimizer step over all data-parallel ranks; null = "
-                                                 "micro_batch_size × DP (one micro-batch per rank per step)")
+    global_batch_size: Optional[int] = doc(
+        None,
+        "samples per optimizer step over all data-parallel ranks; null = "
+        "micro_batch_size × DP (one micro-batch per rank per step)",
+    )
     seq_length: int = doc(128, "tokens per sample")
-    train_dir: Optional[str] = doc(None, "text: a UTF-8 text file or directory of *.txt (null = the shipped sample text); "
-                                         "hf_dataset: the save_to_disk directory (input_ids, optional labels; needs pyarrow); "
-                                         "instructions, preferences: a .jsonl file, a directory of *.jsonl, or a save_to_disk "
-                                         "directory of records (null = the shipped instruction / preference set)")
-    tokenizer: Optional[str] = doc(None, "path to a Hugging Face tokenizer.json (instructions: its directory, with "
-                                         "tokenizer_config.json: EOS, chat template); null = byte-level (256 ids)")
+    train_dir: Optional[str] = doc(
+        None,
+        "text: a UTF-8 text file or directory of *.txt (null = the shipped sample text); "
+        "hf_dataset: the save_to_disk directory (input_ids, optional labels; needs pyarrow); "
+        "instructions, preferences: a .jsonl file, a directory of *.jsonl, or a save_to_disk "
+        "directory of records (null = the shipped instruction / preference set)",
+    )
+    tokenizer: Optional[str] = doc(
+        None,
+        "path to a Hugging Face tokenizer.json (instructions: its directory, with "
+        "tokenizer_config.json: EOS, chat template); null = byte-level (256 ids)",
+    )
     num_samples: int = doc(4096, "synthetic source: number of distinct samples")
     # Megatron's indexed datasets (source: megatron; NxDT's megatron_* configs)
-    data_prefix: Optional[Any] = doc(None, "megatron: [weight, prefix, weight, prefix, ...] of PREFIX.bin/.idx datasets "
-                                           "(nxdt data convert-megatron writes them), blended by weight")
+    data_prefix: Optional[Any] = doc(
+        None,
+        "megatron: [weight, prefix, weight, prefix, ...] of PREFIX.bin/.idx datasets "
+        "(nxdt data convert-megatron writes them), blended by weight",
+    )
     index_mapping_dir: Optional[str] = doc(None, "megatron: directory caching the sample index (.npy); null = beside each .idx")
-    splits_string: Optional[str] = doc(None, "megatron: train,validation,test shares of each dataset's documents (e.g. "
-                                             "980,10,10); training reads the leading train share; null = every document")
-    val_dir: Optional[str] = doc(None, "validation data, read like train_dir (text: a file or directory; hf_dataset, "
-                                       "instructions: the same formats); null = no validation")
-    dev_choose_samples: Optional[int] = doc(None, "instructions, preferences: use only the first N records of train_dir; null = all")
-    val_split: float = doc(0.0, "without data.val_dir: hold out this fraction of train_dir's samples (the last ones) for "
-                                "validation, never trained on; 0 = none")
+    splits_string: Optional[str] = doc(
+        None,
+        "megatron: train,validation,test shares of each dataset's documents (e.g. "
+        "980,10,10); training reads the leading train share; null = every document",
+    )
+    val_dir: Optional[str] = doc(
+        None,
+        "validation data, read like train_dir (text: a file or directory; hf_dataset, "
+        "instructions: the same formats); null = no validation",
+    )
+    dev_choose_samples: Optional[int] = doc(
+        None, "instructions, preferences: use only the first N records of train_dir; null = all"
+    )
+    val_split: float = doc(
+        0.0,
+        "without data.val_dir: hold out this fraction of train_dir's samples (the last ones) for "
+        "validation, never trained on; 0 = none",
+    )
 
 
 @dataclass
@@ -156,18 +205,27 @@ class MoEConfig:
     num_experts: int = doc(0, "experts per MoE layer (0 = no experts: a dense model)")
     top_k: int = doc(2, "experts each token is routed to (their router weights renormalised to sum 1)")
     router_aux_loss_coef: float = doc(0.02, "weight of the load-balancing auxiliary loss added to the LM loss")
-    router_activation: str = doc("softmax", "softmax (Mixtral's router) | sigmoid (NxD's sigmoid affinities, NxDT's Megatron "
-                                            "MoE default); the chosen experts' weights are renormalised either way")
+    router_activation: str = doc(
+        "softmax",
+        "softmax (Mixtral's router) | sigmoid (NxD's sigmoid affinities, NxDT's Megatron "
+        "MoE default); the chosen experts' weights are renormalised either way",
+    )
 
 
 @dataclass
 class RopeScalingConfig:
     """RoPE scaling (Hugging Face's config.json ``rope_scaling``; read from it with model.model_config)."""
 
-    rope_type: Optional[str] = doc(None, "null or default = plain RoPE | llama3 = Llama 3.1's scaling (other HF types are refused)")
-    factor: float = doc(8.0, "llama3: frequencies with wavelength > original_max_position_embeddings/low_freq_factor are divided by it")
+    rope_type: Optional[str] = doc(
+        None, "null or default = plain RoPE | llama3 = Llama 3.1's scaling (other HF types are refused)"
+    )
+    factor: float = doc(
+        8.0, "llama3: frequencies with wavelength > original_max_position_embeddings/low_freq_factor are divided by it"
+    )
     low_freq_factor: float = doc(1.0, "llama3: the long-wavelength boundary is original_max_position_embeddings/low_freq_factor")
-    high_freq_factor: float = doc(4.0, "llama3: wavelengths below original_max_position_embeddings/high_freq_factor stay unscaled")
+    high_freq_factor: float = doc(
+        4.0, "llama3: wavelengths below original_max_position_embeddings/high_freq_factor stay unscaled"
+    )
     original_max_position_embeddings: int = doc(8192, "llama3: the context length of pretraining")
 
 
@@ -187,12 +245,20 @@ class ModelConfig:
     tie_word_embeddings: bool = doc(False, "share input embedding and output head")
     init_method_std: float = doc(0.02, "std of the normal weight init")
     activations_checkpoint_granularity: Optional[str] = doc(None, "full | selective | null")
-    core_attention: str = doc("sdpa", "sdpa (torch's scaled_dot_product_attention: its fused flash kernel on CPU, no S×S tensor) "
-                                      "| blockwise (query×key blocks, online softmax, in torch) | naive (the S×S scores "
-                                      "materialised); NxDT's model.fusions.flash_attention: false = naive")
-    hf_checkpoint: Optional[str] = doc(None, "initialise the weights from a Hugging Face checkpoint directory (*.safetensors, HF names)")
-    weight_init_only: bool = doc(False, "with exp_manager.resume_from_checkpoint: take only the model weights from that nxdt "
-                                        "checkpoint (any layout) and start at step 0 with a fresh optimizer (fine-tuning)")
+    core_attention: str = doc(
+        "sdpa",
+        "sdpa (torch's scaled_dot_product_attention: its fused flash kernel on CPU, no S×S tensor) "
+        "| blockwise (query×key blocks, online softmax, in torch) | naive (the S×S scores "
+        "materialised); NxDT's model.fusions.flash_attention: false = naive",
+    )
+    hf_checkpoint: Optional[str] = doc(
+        None, "initialise the weights from a Hugging Face checkpoint directory (*.safetensors, HF names)"
+    )
+    weight_init_only: bool = doc(
+        False,
+        "with exp_manager.resume_from_checkpoint: take only the model weights from that nxdt "
+        "checkpoint (any layout) and start at step 0 with a fresh optimizer (fine-tuning)",
+    )
     moe: MoEConfig = doc(MoEConfig(), "mixture of experts (Mixtral); ignored by dense models")
     optim: OptimConfig = doc(OptimConfig(), "optimizer")
 
@@ -201,10 +267,16 @@ class ModelConfig:
 class SFTConfig:
     """Supervised fine-tuning on instruction records (data.source=instructions; nxdt.data.instructions)."""
 
-    packing: bool = doc(True, "append whole records into each sequence (attention and positions never cross a record); "
-                              "false = one record per sequence, padded (pad tokens have no loss)")
-    truncation: str = doc("truncate", "a record longer than data.seq_length: truncate (the prompt's start is cut, keeping "
-                                      "at least half the sequence, then the response's end) | drop; both are counted")
+    packing: bool = doc(
+        True,
+        "append whole records into each sequence (attention and positions never cross a record); "
+        "false = one record per sequence, padded (pad tokens have no loss)",
+    )
+    truncation: str = doc(
+        "truncate",
+        "a record longer than data.seq_length: truncate (the prompt's start is cut, keeping "
+        "at least half the sequence, then the response's end) | drop; both are counted",
+    )
 
 
 @dataclass
@@ -217,7 +289,9 @@ class PEFTConfig:
     lora_bias: str = doc("none", "none | all | lora_only")
     lora_verbose: bool = doc(True, "log the adapted modules")
     target_modules: List[str] = doc(["qkv_proj"], "modules to adapt: qkv_proj | o_proj | gate_up_proj | down_proj")
-    load_lora_from_ckpt: bool = doc(False, "continue from the adapters (and base, if saved) of exp_manager.resume_from_checkpoint")
+    load_lora_from_ckpt: bool = doc(
+        False, "continue from the adapters (and base, if saved) of exp_manager.resume_from_checkpoint"
+    )
     save_lora_base: bool = doc(True, "save the base model with the adapter")
     merge_lora: bool = doc(False, "checkpoints hold the adapter merged into the base (needs save_lora_base; not resumable)")
     save_lora_config_adapter: bool = doc(True, "save the LoRA config and adapter in the same checkpoint file")
@@ -270,8 +344,11 @@ class PrecisionConfig:
     rounded to bf16 between steps, and the bf16 compute copies autocast makes are rebuilt from them every
     step (rounding there is forward noise, never accumulated), so it trains exactly as mixed_precision."""
 
-    type: str = doc("fp32", "fp32 | bf16 | bf16SR (bf16 with stochastically rounded updates) | mixed_precision | "
-                            "mixed_precisionSR (= mixed_precision: fp32 weights, nothing to round)")
+    type: str = doc(
+        "fp32",
+        "fp32 | bf16 | bf16SR (bf16 with stochastically rounded updates) | mixed_precision | "
+        "mixed_precisionSR (= mixed_precision: fp32 weights, nothing to round)",
+    )
 
 
 @dataclass
@@ -279,8 +356,11 @@ class LinkConfig:
     bandwidth_GBps: float = doc(0.0, "per direction, per link (GB/s, decimal)")
     latency_us: float = doc(0.0, "one hop, one message (µs)")
     efficiency: Optional[float] = doc(None, "achieved fraction of bandwidth_GBps on this link; null = instance.link_efficiency")
-    ramp_us: float = doc(0.0, "extra time of a collective crossing this link that grows with the message and saturates "
-                              "(protocol switch, channels ramping up): ramp_us · S / (S + ramp_bytes); 0 = none (µs)")
+    ramp_us: float = doc(
+        0.0,
+        "extra time of a collective crossing this link that grows with the message and saturates "
+        "(protocol switch, channels ramping up): ramp_us · S / (S + ramp_bytes); 0 = none (µs)",
+    )
     ramp_bytes: float = doc(0.0, "message size (bytes) at which the ramp reaches half of ramp_us")
 
 
@@ -304,15 +384,21 @@ class InstanceConfig:
     peak_tflops_bf16: float = doc(0.0, "dense bf16 peak per device (TFLOP/s)")
     peak_tflops_fp32: float = doc(0.0, "fp32 peak per device (TFLOP/s)")
     compute_efficiency: float = doc(0.4, "achieved fraction of peak in a training step, for large GEMMs (cost model)")
-    compute_half_size: float = doc(0.0, "per-rank GEMM width (hidden_size / TP) at which the achieved fraction is half of "
-                                        "compute_efficiency: efficiency = compute_efficiency · g / (g + compute_half_size); 0 = constant")
+    compute_half_size: float = doc(
+        0.0,
+        "per-rank GEMM width (hidden_size / TP) at which the achieved fraction is half of "
+        "compute_efficiency: efficiency = compute_efficiency · g / (g + compute_half_size); 0 = constant",
+    )
     collective_overhead_us: float = doc(0.0, "fixed software cost of every collective (launch, synchronisation), µs")
-    collective_overhead_per_rank_us: float = doc(0.0, "software cost per further rank of a collective (synchronising with "
-                                                      "each peer), µs: n ranks add (n - 1) times this")
+    collective_overhead_per_rank_us: float = doc(
+        0.0, "software cost per further rank of a collective (synchronising with each peer), µs: n ranks add (n - 1) times this"
+    )
     graph: str = doc("host", "intra-node graph: host | single | chain | ring | torus2d | torus3d | switch | nvswitch")
     shape: List[int] = doc([], "graph shape, e.g. [4, 4] for a 4x4 torus ([rows, cols], row-major device ids)")
     intra_device: LinkConfig = doc(LinkConfig(), "between ranks on one device (shared memory on cpu)")
-    device_link: LinkConfig = doc(LinkConfig(), "one scale-up link between neighbouring devices (switch graphs: a device's whole port into the switch)")
+    device_link: LinkConfig = doc(
+        LinkConfig(), "one scale-up link between neighbouring devices (switch graphs: a device's whole port into the switch)"
+    )
     domain_nodes: int = doc(1, "nodes joined by scale-up links into one domain (UltraServer, NVL72)")
     domain_link: LinkConfig = doc(LinkConfig(), "scale-up link between nodes of one domain (per device)")
     inter_node: LinkConfig = doc(LinkConfig(), "scale-out network per node (all NICs together)")
@@ -327,30 +413,51 @@ class InstanceConfig:
 @dataclass
 class CommConfig:
     timeout_s: float = doc(120.0, "deadline of every collective wait; a rank that does not arrive is named")
-    transport: str = doc("auto", "transport of every group's communicator: auto (shm when the group is on one host, else p2p) | "
-                                 "shm | p2p (point-to-point links: shm mailboxes on a host, gloo across) | gloo (torch.distributed's)")
-    algorithm: str = doc("auto", "run this algorithm for every collective that has one of that name: direct | slice | ring | rhd | "
-                                 "torus[:RxC] | hierarchical | tree | pairwise; auto = the plan's choice where the transport "
-                                 "runs it, else the transport's own (by size and group shape)")
+    transport: str = doc(
+        "auto",
+        "transport of every group's communicator: auto (shm when the group is on one host, else p2p) | "
+        "shm | p2p (point-to-point links: shm mailboxes on a host, gloo across) | gloo (torch.distributed's)",
+    )
+    algorithm: str = doc(
+        "auto",
+        "run this algorithm for every collective that has one of that name: direct | slice | ring | rhd | "
+        "torus[:RxC] | hierarchical | tree | pairwise; auto = the plan's choice where the transport "
+        "runs it, else the transport's own (by size and group shape)",
+    )
     emulate: Optional[str] = doc(None, "emulate the links of this instance on CPU; null = off")
-    emulate_slowdown: float = doc(1.0, "emulated links take this many times longer (latency × s, bandwidth / s), so "
-                                       "communication is comparable to the CPU's compute in overlap studies")
+    emulate_slowdown: float = doc(
+        1.0,
+        "emulated links take this many times longer (latency × s, bandwidth / s), so "
+        "communication is comparable to the CPU's compute in overlap studies",
+    )
 
 
 @dataclass
 class LauncherConfig:
     """How the workers start (conf/launcher/<name>.yaml); README "Running on a cluster"."""
 
-    name: str = doc("local", "local: this host | torchrun: run the same `nxdt train` on every node (c10d rendezvous) | "
-                    "slurm: submit a job that runs one agent per node")
+    name: str = doc(
+        "local",
+        "local: this host | torchrun: run the same `nxdt train` on every node (c10d rendezvous) | "
+        "slurm: submit a job that runs one agent per node",
+    )
     dry_run: bool = doc(False, "print exactly what would run (commands, environment, job script) and start nothing")
-    rdzv_endpoint: Optional[str] = doc(None, "torchrun: HOST[:PORT] of the c10d rendezvous, the same on every node; "
-                                       "null = $PET_RDZV_ENDPOINT, else $MASTER_ADDR:$MASTER_PORT")
-    rdzv_id: Optional[str] = doc(None, "torchrun: job id, the same on every node (also names the run directory); "
-                                 "null = $PET_RDZV_ID, else $SLURM_JOB_ID")
-    node_rank: Optional[int] = doc(None, "torchrun: this node's place in the plan; null = $PET_NODE_RANK / $NODE_RANK / "
-                                   "$SLURM_NODEID, else the UltraServer (server_id, node_id) order, else rendezvous order")
-    local_addr: Optional[str] = doc(None, "address the other nodes reach this node at; null = the one that routes to the rendezvous")
+    rdzv_endpoint: Optional[str] = doc(
+        None,
+        "torchrun: HOST[:PORT] of the c10d rendezvous, the same on every node; "
+        "null = $PET_RDZV_ENDPOINT, else $MASTER_ADDR:$MASTER_PORT",
+    )
+    rdzv_id: Optional[str] = doc(
+        None, "torchrun: job id, the same on every node (also names the run directory); null = $PET_RDZV_ID, else $SLURM_JOB_ID"
+    )
+    node_rank: Optional[int] = doc(
+        None,
+        "torchrun: this node's place in the plan; null = $PET_NODE_RANK / $NODE_RANK / "
+        "$SLURM_NODEID, else the UltraServer (server_id, node_id) order, else rendezvous order",
+    )
+    local_addr: Optional[str] = doc(
+        None, "address the other nodes reach this node at; null = the one that routes to the rendezvous"
+    )
     port: int = doc(29500, "rendezvous port (slurm: on the job's first node; torchrun: when rdzv_endpoint names none)")
     join_timeout_s: float = doc(600.0, "how long a node waits for every node to join the rendezvous")
     partition: Optional[str] = doc(None, "slurm: sbatch --partition")
@@ -373,8 +480,9 @@ class Config:
     instance: InstanceConfig = doc(InstanceConfig(), "hardware the plan targets")
     comm: CommConfig = doc(CommConfig(), "collectives")
     launcher: LauncherConfig = doc(LauncherConfig(), "how the workers start: local, torchrun (every node), slurm")
-    model_alignment_strategy: ModelAlignmentConfig = doc(ModelAlignmentConfig(), "fine-tuning recipe (NxDT's key): sft, "
-                                                                                    "peft, dpo, orpo; none set = pretraining")
+    model_alignment_strategy: ModelAlignmentConfig = doc(
+        ModelAlignmentConfig(), "fine-tuning recipe (NxDT's key): sft, peft, dpo, orpo; none set = pretraining"
+    )
 
 
 # group name → schema for the group files under conf/<group>/

@@ -91,8 +91,16 @@ def _integer(key: str, value: Any, lo: int, hi: int = MAX_INT, what: str = "") -
         raise ConfigError(key, value, f"must be an integer {allowed}{what}")
 
 
-def _number(key: str, value: Any, lo: float = -math.inf, hi: float = math.inf, *, lo_open: bool = False,
-            hi_open: bool = False, what: str = "") -> None:
+def _number(
+    key: str,
+    value: Any,
+    lo: float = -math.inf,
+    hi: float = math.inf,
+    *,
+    lo_open: bool = False,
+    hi_open: bool = False,
+    what: str = "",
+) -> None:
     """``value`` a finite number in the interval (``lo_open``/``hi_open``: bounds excluded)."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if ok:
@@ -118,8 +126,11 @@ def check_run_name(name: Any) -> None:
     if name in (".", ".."):
         raise ConfigError("name", name, f"names no directory of its own; {fix}")
     if len(name.encode()) > NAME_MAX_BYTES:
-        raise ConfigError("name", name[:40] + "...", f"is {len(name.encode())} bytes long, a directory name holds at most "
-                          f"{NAME_MAX_BYTES}; give a shorter name")
+        raise ConfigError(
+            "name",
+            name[:40] + "...",
+            f"is {len(name.encode())} bytes long, a directory name holds at most {NAME_MAX_BYTES}; give a shorter name",
+        )
 
 
 def check_ranges(cfg: Any) -> None:
@@ -129,16 +140,32 @@ def check_ranges(cfg: Any) -> None:
     trainer, em, model = cfg.trainer, cfg.exp_manager, cfg.model
     _integer("exp_manager.max_restarts", em.max_restarts, 0, what=" (0 = no restart)")
     if trainer.max_epochs != -1:
-        _integer("trainer.max_epochs", trainer.max_epochs, 1, what=", or -1 for no epoch limit (trainer.max_steps bounds the run)")
+        _integer(
+            "trainer.max_epochs", trainer.max_epochs, 1, what=", or -1 for no epoch limit (trainer.max_steps bounds the run)"
+        )
     if trainer.gradient_clip_val is not None:
-        _number("trainer.gradient_clip_val", trainer.gradient_clip_val, 0,
-                what=" (the largest global gradient norm; 0 or null = no clipping)")
+        _number(
+            "trainer.gradient_clip_val",
+            trainer.gradient_clip_val,
+            0,
+            what=" (the largest global gradient norm; 0 or null = no clipping)",
+        )
     if em.fault_injection.step is not None:
         fi = em.fault_injection
-        _integer("exp_manager.fault_injection.step", fi.step, 1, trainer.max_steps,
-                 f" (an optimizer step of this run: trainer.max_steps={trainer.max_steps}), or null for no fault")
-        _integer("exp_manager.fault_injection.attempt", fi.attempt, 0, em.max_restarts,
-                 f" (launch attempts are 0..exp_manager.max_restarts={em.max_restarts}; raise max_restarts to reach a later one)")
+        _integer(
+            "exp_manager.fault_injection.step",
+            fi.step,
+            1,
+            trainer.max_steps,
+            f" (an optimizer step of this run: trainer.max_steps={trainer.max_steps}), or null for no fault",
+        )
+        _integer(
+            "exp_manager.fault_injection.attempt",
+            fi.attempt,
+            0,
+            em.max_restarts,
+            f" (launch attempts are 0..exp_manager.max_restarts={em.max_restarts}; raise max_restarts to reach a later one)",
+        )
     else:
         _integer("exp_manager.fault_injection.attempt", em.fault_injection.attempt, 0)
 
@@ -157,32 +184,55 @@ def check_ranges(cfg: Any) -> None:
     _integer("model.optim.sched.constant_steps", sched.constant_steps, 0)
     _number("model.optim.sched.min_lr", sched.min_lr, 0, what=" (the rate the schedule decays to)")
     if sched.name != "constant" and optim.lr > 0 and sched.min_lr > optim.lr:
-        raise ConfigError("model.optim.sched.min_lr", sched.min_lr, f"must be <= model.optim.lr={optim.lr!r} (the schedule decays "
-                          "from lr to min_lr); lower min_lr or raise lr")
+        raise ConfigError(
+            "model.optim.sched.min_lr",
+            sched.min_lr,
+            f"must be <= model.optim.lr={optim.lr!r} (the schedule decays from lr to min_lr); lower min_lr or raise lr",
+        )
 
     _number("model.norm_eps", model.norm_eps, 0, lo_open=True, what=" (RMSNorm's epsilon, e.g. 1e-5)")
     _number("model.rope_theta", model.rope_theta, 0, lo_open=True, what=" (RoPE's base, e.g. 10000 or 500000)")
     rope = model.rope_scaling
     if rope.rope_type not in (None, "default", "llama3"):
-        raise ConfigError("model.rope_scaling.rope_type", rope.rope_type, "is not implemented; nxdt implements llama3 (Llama 3.1) "
-                          "and default (= null: plain RoPE)")
+        raise ConfigError(
+            "model.rope_scaling.rope_type",
+            rope.rope_type,
+            "is not implemented; nxdt implements llama3 (Llama 3.1) and default (= null: plain RoPE)",
+        )
     if rope.rope_type == "llama3":
         _number("model.rope_scaling.factor", rope.factor, 0, lo_open=True, what=" (Llama 3.1: 8)")
         _number("model.rope_scaling.low_freq_factor", rope.low_freq_factor, 0, lo_open=True, what=" (Llama 3.1: 1)")
-        _number("model.rope_scaling.high_freq_factor", rope.high_freq_factor, rope.low_freq_factor, lo_open=True,
-                what=" (above model.rope_scaling.low_freq_factor; Llama 3.1: 4)")
-        _integer("model.rope_scaling.original_max_position_embeddings", rope.original_max_position_embeddings, 1,
-                 what=" (the pretraining context; Llama 3.1: 8192)")
+        _number(
+            "model.rope_scaling.high_freq_factor",
+            rope.high_freq_factor,
+            rope.low_freq_factor,
+            lo_open=True,
+            what=" (above model.rope_scaling.low_freq_factor; Llama 3.1: 4)",
+        )
+        _integer(
+            "model.rope_scaling.original_max_position_embeddings",
+            rope.original_max_position_embeddings,
+            1,
+            what=" (the pretraining context; Llama 3.1: 8192)",
+        )
     _number("model.init_method_std", model.init_method_std, 0, what=" (std of the normal weight init, e.g. 0.02)")
     moe = model.moe
     _integer("model.moe.num_experts", moe.num_experts, 0, what=" (0 = a dense model)")
     if moe.num_experts > 0:
-        _integer("model.moe.top_k", moe.top_k, 1, moe.num_experts, f" (experts per token, at most model.moe.num_experts={moe.num_experts})")
+        _integer(
+            "model.moe.top_k",
+            moe.top_k,
+            1,
+            moe.num_experts,
+            f" (experts per token, at most model.moe.num_experts={moe.num_experts})",
+        )
     _number("model.moe.router_aux_loss_coef", moe.router_aux_loss_coef, 0, what=" (0 = no load-balancing loss)")
 
     _number("comm.timeout_s", cfg.comm.timeout_s, 1, what=" (seconds a collective waits for every rank)")
     _number("comm.emulate_slowdown", cfg.comm.emulate_slowdown, 0, lo_open=True, what=" (1 = the instance's own links)")
-    _number("launcher.join_timeout_s", cfg.launcher.join_timeout_s, 0, lo_open=True, what=" (seconds a node waits for the others)")
+    _number(
+        "launcher.join_timeout_s", cfg.launcher.join_timeout_s, 0, lo_open=True, what=" (seconds a node waits for the others)"
+    )
 
     inst = cfg.instance
     for key in ("lnc_default", "domain_nodes"):
@@ -192,8 +242,14 @@ def check_ranges(cfg: Any) -> None:
     for key in ("shape", "group_sizes", "lnc_options"):
         for i, value in enumerate(getattr(inst, key)):
             _integer(f"instance.{key}[{i}]", value, 1)
-    for key in ("memory_GiB", "peak_tflops_bf16", "peak_tflops_fp32", "compute_half_size", "collective_overhead_us",
-                "collective_overhead_per_rank_us"):
+    for key in (
+        "memory_GiB",
+        "peak_tflops_bf16",
+        "peak_tflops_fp32",
+        "compute_half_size",
+        "collective_overhead_us",
+        "collective_overhead_per_rank_us",
+    ):
         _number(f"instance.{key}", getattr(inst, key), 0)
     for key in ("compute_efficiency", "link_efficiency"):
         _number(f"instance.{key}", getattr(inst, key), 0, 1, lo_open=True, what=" (an achieved fraction of the peak)")
@@ -203,15 +259,29 @@ def check_ranges(cfg: Any) -> None:
         for key in ("ramp_us", "ramp_bytes"):
             _number(f"instance.{link}.{key}", getattr(getattr(inst, link), key), 0)
         if getattr(inst, link).efficiency is not None:
-            _number(f"instance.{link}.efficiency", getattr(inst, link).efficiency, 0, 1, lo_open=True,
-                    what=" (an achieved fraction of the link's bandwidth), or null for instance.link_efficiency")
+            _number(
+                f"instance.{link}.efficiency",
+                getattr(inst, link).efficiency,
+                0,
+                1,
+                lo_open=True,
+                what=" (an achieved fraction of the link's bandwidth), or null for instance.link_efficiency",
+            )
 
     if inst.graph == "host" and trainer.devices > MAX_LOCAL_RANKS:
-        raise ConfigError("trainer.devices", trainer.devices, f"{inst.name} runs at most {MAX_LOCAL_RANKS} worker processes per "
-                          "node (one per rank); use fewer ranks per node, or more nodes")
+        raise ConfigError(
+            "trainer.devices",
+            trainer.devices,
+            f"{inst.name} runs at most {MAX_LOCAL_RANKS} worker processes per "
+            "node (one per rank); use fewer ranks per node, or more nodes",
+        )
     if trainer.num_nodes * trainer.devices > MAX_WORLD_SIZE:
-        raise ConfigError("trainer.num_nodes", trainer.num_nodes, f"{trainer.num_nodes} nodes × trainer.devices={trainer.devices} "
-                          f"= {trainer.num_nodes * trainer.devices} ranks; one job holds at most {MAX_WORLD_SIZE}")
+        raise ConfigError(
+            "trainer.num_nodes",
+            trainer.num_nodes,
+            f"{trainer.num_nodes} nodes × trainer.devices={trainer.devices} "
+            f"= {trainer.num_nodes * trainer.devices} ranks; one job holds at most {MAX_WORLD_SIZE}",
+        )
     _check_leaves(cfg, "")
 
 
@@ -264,8 +334,12 @@ def batch_plan(data: Any, dp: int) -> dict[str, int]:
     """``Plan.batch``: global and micro-batch size, sequence length and micro-batches per DP rank and step (the
     gradient accumulation count). The one place that count is derived; everything else reads ``Plan.batch``."""
     batch = global_batch(data, dp)
-    return {"global": batch, "micro": data.micro_batch_size, "seq_length": data.seq_length,
-            "micro_batches": batch // (data.micro_batch_size * dp)}
+    return {
+        "global": batch,
+        "micro": data.micro_batch_size,
+        "seq_length": data.seq_length,
+        "micro_batches": batch // (data.micro_batch_size * dp),
+    }
 
 
 def _check_comm_choice(cfg: Any) -> None:
@@ -273,13 +347,22 @@ def _check_comm_choice(cfg: Any) -> None:
     algorithm, transport = str(cfg.comm.algorithm), cfg.comm.transport
     name, _, grid = algorithm.partition(":")
     if name not in COMM_ALGORITHMS or (grid and (name != "torus" or not re.fullmatch(r"[1-9]\d*x[1-9]\d*", grid.lower()))):
-        raise ConfigError("comm.algorithm", algorithm, f"use one of {', '.join(COMM_ALGORITHMS)} (torus may give its grid: torus:RxC)")
+        raise ConfigError(
+            "comm.algorithm", algorithm, f"use one of {', '.join(COMM_ALGORITHMS)} (torus may give its grid: torus:RxC)"
+        )
     if transport == "gloo" and algorithm != "auto":
-        raise ConfigError("comm.algorithm", algorithm, "comm.transport=gloo runs gloo's own algorithms: use comm.algorithm=auto, "
-                          "or comm.transport=shm/p2p")
+        raise ConfigError(
+            "comm.algorithm",
+            algorithm,
+            "comm.transport=gloo runs gloo's own algorithms: use comm.algorithm=auto, or comm.transport=shm/p2p",
+        )
     if transport == "shm" and cfg.trainer.num_nodes > 1:
-        raise ConfigError("comm.transport", transport, f"shm needs every rank on one host, but trainer.num_nodes={cfg.trainer.num_nodes}; "
-                          "use auto (shm within a host, p2p across) or p2p")
+        raise ConfigError(
+            "comm.transport",
+            transport,
+            f"shm needs every rank on one host, but trainer.num_nodes={cfg.trainer.num_nodes}; "
+            "use auto (shm within a host, p2p across) or p2p",
+        )
 
 
 def validate(cfg: Any, *, paths: bool = True) -> None:
@@ -287,25 +370,53 @@ def validate(cfg: Any, *, paths: bool = True) -> None:
     fill_instance_defaults(cfg)
     kind = cfg.precision.type
     if isinstance(kind, str) and kind.endswith("SR") and kind not in CHOICES["precision.type"]:
-        raise ConfigError("precision.type", kind, "stochastic rounding (SR) rounds to bf16, and fp32 training rounds "
-                          "nothing to bf16; use fp32, or one of the SR types bf16SR, mixed_precisionSR")
+        raise ConfigError(
+            "precision.type",
+            kind,
+            "stochastic rounding (SR) rounds to bf16, and fp32 training rounds "
+            "nothing to bf16; use fp32, or one of the SR types bf16SR, mixed_precisionSR",
+        )
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
         if value not in allowed:
             raise ConfigError(key, value, f"must be one of {', '.join(str(a) for a in allowed)}")
     ds, data, model, trainer = cfg.distributed_strategy, cfg.data, cfg.model, cfg.trainer
-    _positive(cfg, ("trainer.devices", "trainer.num_nodes", "trainer.max_steps", "trainer.log_every_n_steps",
-                    "data.micro_batch_size", "data.global_batch_size", "data.seq_length", "data.num_samples",
-                    "distributed_strategy.tensor_model_parallel_size", "distributed_strategy.pipeline_model_parallel_size",
-                    "distributed_strategy.virtual_pipeline_model_parallel_size", "distributed_strategy.context_parallel_size",
-                    "distributed_strategy.expert_model_parallel_size", "distributed_strategy.kv_replicator",
-                    "exp_manager.keep_last_k", "exp_manager.checkpoint_every_n_steps",
-                    "distributed_strategy.fsdp.prefetch_distance",
-                    "model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_attention_heads",
-                    "model.num_kv_heads", "model.ffn_hidden_size", "model.max_position_embeddings"))
+    _positive(
+        cfg,
+        (
+            "trainer.devices",
+            "trainer.num_nodes",
+            "trainer.max_steps",
+            "trainer.log_every_n_steps",
+            "data.micro_batch_size",
+            "data.global_batch_size",
+            "data.seq_length",
+            "data.num_samples",
+            "distributed_strategy.tensor_model_parallel_size",
+            "distributed_strategy.pipeline_model_parallel_size",
+            "distributed_strategy.virtual_pipeline_model_parallel_size",
+            "distributed_strategy.context_parallel_size",
+            "distributed_strategy.expert_model_parallel_size",
+            "distributed_strategy.kv_replicator",
+            "exp_manager.keep_last_k",
+            "exp_manager.checkpoint_every_n_steps",
+            "distributed_strategy.fsdp.prefetch_distance",
+            "model.vocab_size",
+            "model.hidden_size",
+            "model.num_layers",
+            "model.num_attention_heads",
+            "model.num_kv_heads",
+            "model.ffn_hidden_size",
+            "model.max_position_embeddings",
+        ),
+    )
     order = ds.placement_order.split("-")
     if sorted(order) != sorted(DIMENSIONS):
-        raise ConfigError("distributed_strategy.placement_order", ds.placement_order, f"must order each of {', '.join(DIMENSIONS)} once, e.g. tp-cp-ep-dp-pp")
+        raise ConfigError(
+            "distributed_strategy.placement_order",
+            ds.placement_order,
+            f"must order each of {', '.join(DIMENSIONS)} once, e.g. tp-cp-ep-dp-pp",
+        )
     check_ranges(cfg)
 
     inst = cfg.instance
@@ -316,18 +427,31 @@ def validate(cfg: Any, *, paths: bool = True) -> None:
     if inst.graph != "host":
         per_node = inst.devices * ranks_per_device(inst, lnc)
         if trainer.devices > per_node:
-            raise ConfigError("trainer.devices", trainer.devices, f"a {inst.name} node runs at most {per_node} ranks "
-                              f"({inst.devices} devices × {inst.cores_per_device // lnc} cores at LNC {lnc})")
+            raise ConfigError(
+                "trainer.devices",
+                trainer.devices,
+                f"a {inst.name} node runs at most {per_node} ranks "
+                f"({inst.devices} devices × {inst.cores_per_device // lnc} cores at LNC {lnc})",
+            )
     if trainer.num_nodes > 1 and not inst.multi_node:
         raise ConfigError("trainer.num_nodes", trainer.num_nodes, f"instance {inst.name} cannot run multi-node; use 1")
     if inst.max_nodes is not None and trainer.num_nodes > inst.max_nodes:
         raise ConfigError("trainer.num_nodes", trainer.num_nodes, f"instance {inst.name} joins at most {inst.max_nodes} nodes")
     world = trainer.num_nodes * trainer.devices
-    tp, pp, cp, ep = (ds.tensor_model_parallel_size, ds.pipeline_model_parallel_size, ds.context_parallel_size, ds.expert_model_parallel_size)
+    tp, pp, cp, ep = (
+        ds.tensor_model_parallel_size,
+        ds.pipeline_model_parallel_size,
+        ds.context_parallel_size,
+        ds.expert_model_parallel_size,
+    )
     if world % (tp * pp * cp):
         key = "distributed_strategy.tensor_model_parallel_size" if pp * cp == 1 else "distributed_strategy"
-        raise ConfigError(key, f"TP{tp}×PP{pp}×CP{cp}", f"TP·PP·CP={tp * pp * cp} must divide the world size {world} "
-                          f"(trainer.num_nodes={trainer.num_nodes} × trainer.devices={trainer.devices})")
+        raise ConfigError(
+            key,
+            f"TP{tp}×PP{pp}×CP{cp}",
+            f"TP·PP·CP={tp * pp * cp} must divide the world size {world} "
+            f"(trainer.num_nodes={trainer.num_nodes} × trainer.devices={trainer.devices})",
+        )
     dp = world // (tp * pp * cp)
     if dp % ep:
         raise ConfigError("distributed_strategy.expert_model_parallel_size", ep, f"must divide the data-parallel degree {dp}")
@@ -340,69 +464,115 @@ def validate(cfg: Any, *, paths: bool = True) -> None:
     if heads % tp:
         raise ConfigError("distributed_strategy.tensor_model_parallel_size", tp, f"must divide model.num_attention_heads={heads}")
     if (kv * ds.kv_replicator) % tp:
-        raise ConfigError("distributed_strategy.tensor_model_parallel_size", tp,
-                          f"must divide model.num_kv_heads × kv_replicator = {kv}×{ds.kv_replicator}; raise distributed_strategy.kv_replicator")
+        raise ConfigError(
+            "distributed_strategy.tensor_model_parallel_size",
+            tp,
+            f"must divide model.num_kv_heads × kv_replicator = {kv}×{ds.kv_replicator}; raise distributed_strategy.kv_replicator",
+        )
     if model.num_layers < pp:
-        raise ConfigError("distributed_strategy.pipeline_model_parallel_size", pp, f"cannot exceed model.num_layers={model.num_layers}")
+        raise ConfigError(
+            "distributed_strategy.pipeline_model_parallel_size", pp, f"cannot exceed model.num_layers={model.num_layers}"
+        )
     vpp = ds.virtual_pipeline_model_parallel_size
     if vpp > 1 and model.num_layers < pp * vpp:
-        raise ConfigError("distributed_strategy.virtual_pipeline_model_parallel_size", vpp,
-                          f"PP×virtual = {pp}×{vpp} model chunks need at least that many layers (model.num_layers={model.num_layers})")
+        raise ConfigError(
+            "distributed_strategy.virtual_pipeline_model_parallel_size",
+            vpp,
+            f"PP×virtual = {pp}×{vpp} model chunks need at least that many layers (model.num_layers={model.num_layers})",
+        )
     experts = model.moe.num_experts
     if ep > 1 and (experts == 0 or experts % ep):
-        raise ConfigError("distributed_strategy.expert_model_parallel_size", ep,
-                          f"must divide model.moe.num_experts={experts} (each EP rank holds an equal share of the experts)")
+        raise ConfigError(
+            "distributed_strategy.expert_model_parallel_size",
+            ep,
+            f"must divide model.moe.num_experts={experts} (each EP rank holds an equal share of the experts)",
+        )
     if cp > 1 and data.seq_length % (2 * cp):
-        raise ConfigError("data.seq_length", data.seq_length, f"must split into 2·CP = {2 * cp} equal chunks with "
-                          f"distributed_strategy.context_parallel_size={cp} (CP rank i holds chunks i and 2·CP−1−i); "
-                          f"use a multiple of {2 * cp}")
+        raise ConfigError(
+            "data.seq_length",
+            data.seq_length,
+            f"must split into 2·CP = {2 * cp} equal chunks with "
+            f"distributed_strategy.context_parallel_size={cp} (CP rank i holds chunks i and 2·CP−1−i); "
+            f"use a multiple of {2 * cp}",
+        )
     if ds.sequence_parallel and tp > 1 and (data.seq_length // cp) % tp:
         what = "" if cp == 1 else f" (each CP rank's {data.seq_length // cp} tokens)"
-        raise ConfigError("data.seq_length", data.seq_length, f"must be divisible by TP={tp}{what} with sequence_parallel "
-                          "(activations are split along it)")
+        raise ConfigError(
+            "data.seq_length",
+            data.seq_length,
+            f"must be divisible by TP={tp}{what} with sequence_parallel (activations are split along it)",
+        )
     if tp > 1 and model.vocab_size % tp:
-        raise ConfigError("model.vocab_size", model.vocab_size, f"must be divisible by TP={tp} (the embedding and head are split along it)")
+        raise ConfigError(
+            "model.vocab_size", model.vocab_size, f"must be divisible by TP={tp} (the embedding and head are split along it)"
+        )
     if pp > 1 and model.tie_word_embeddings:
-        raise ConfigError("model.tie_word_embeddings", True, "is not supported with pipeline parallelism (the embedding and the "
-                          "head live on different stages); set it to false or use PP=1")
+        raise ConfigError(
+            "model.tie_word_embeddings",
+            True,
+            "is not supported with pipeline parallelism (the embedding and the "
+            "head live on different stages); set it to false or use PP=1",
+        )
     if vpp > 1 and pp == 1:
-        raise ConfigError("distributed_strategy.virtual_pipeline_model_parallel_size", vpp, "needs pipeline_model_parallel_size > 1")
+        raise ConfigError(
+            "distributed_strategy.virtual_pipeline_model_parallel_size", vpp, "needs pipeline_model_parallel_size > 1"
+        )
 
     given = data.global_batch_size
     if given is None:  # resolved here, so the plan, the workers and the run's config.yaml all see the number
         data.global_batch_size = global_batch(data, dp)
     if data.global_batch_size % (data.micro_batch_size * dp):
-        raise ConfigError("data.global_batch_size", data.global_batch_size,
-                          f"must be divisible by micro_batch_size × DP = {data.micro_batch_size}×{dp} = {data.micro_batch_size * dp}")
+        raise ConfigError(
+            "data.global_batch_size",
+            data.global_batch_size,
+            f"must be divisible by micro_batch_size × DP = {data.micro_batch_size}×{dp} = {data.micro_batch_size * dp}",
+        )
     microbatches = batch_plan(data, dp)["micro_batches"]
     if vpp > 1 and microbatches % pp:
-        fix = f"the interleaved schedule needs micro-batches per step ({microbatches} = global / (micro × DP)) divisible by PP={pp}"
+        fix = (
+            f"the interleaved schedule needs micro-batches per step ({microbatches} = global / (micro × DP)) divisible by PP={pp}"
+        )
         if given is None:
-            fix += (f"; null means one micro-batch per rank per step (micro_batch_size × DP = {data.global_batch_size}): "
-                    f"set a multiple of {data.global_batch_size * pp}")
+            fix += (
+                f"; null means one micro-batch per rank per step (micro_batch_size × DP = {data.global_batch_size}): "
+                f"set a multiple of {data.global_batch_size * pp}"
+            )
         raise ConfigError("data.global_batch_size", given, fix)
     if data.seq_length > model.max_position_embeddings:
-        raise ConfigError("data.seq_length", data.seq_length, f"exceeds model.max_position_embeddings={model.max_position_embeddings}")
+        raise ConfigError(
+            "data.seq_length", data.seq_length, f"exceeds model.max_position_embeddings={model.max_position_embeddings}"
+        )
     _check_fine_tuning(cfg)
     _check_validation(cfg)
     if paths:
         _check_paths(cfg)
     if data.source == "hf_dataset" and data.train_dir is None:
-        raise ConfigError("data.train_dir", None, "data.source=hf_dataset reads a directory written by datasets' save_to_disk; name it here")
+        raise ConfigError(
+            "data.train_dir", None, "data.source=hf_dataset reads a directory written by datasets' save_to_disk; name it here"
+        )
     if data.source == "megatron" and data.data_prefix is None:
-        raise ConfigError("data.data_prefix", None, "data.source=megatron reads Megatron indexed datasets: give [weight, prefix, ...] "
-                          "(nxdt data convert-megatron writes PREFIX.bin/.idx from text)")
+        raise ConfigError(
+            "data.data_prefix",
+            None,
+            "data.source=megatron reads Megatron indexed datasets: give [weight, prefix, ...] "
+            "(nxdt data convert-megatron writes PREFIX.bin/.idx from text)",
+        )
     if data.source == "text" and data.tokenizer is None and model.vocab_size < 256:
-        raise ConfigError("model.vocab_size", model.vocab_size, "byte-level text needs >= 256 ids; set data.tokenizer or a larger vocab")
+        raise ConfigError(
+            "model.vocab_size", model.vocab_size, "byte-level text needs >= 256 ids; set data.tokenizer or a larger vocab"
+        )
 
     arch = model.architecture
     module, _, cls = arch.rpartition(".")
     if not arch.startswith(ALLOWED_MODEL_PREFIX) or not module:
-        raise ConfigError("model.architecture", arch, f"only model classes under {ALLOWED_MODEL_PREFIX} may be named (a config is not a way to run code)")
+        raise ConfigError(
+            "model.architecture",
+            arch,
+            f"only model classes under {ALLOWED_MODEL_PREFIX} may be named (a config is not a way to run code)",
+        )
     if importlib.util.find_spec(module) is None:
         raise ConfigError("model.architecture", arch, f"module {module} does not exist in the model hub")
-    for key in ("distributed_strategy.fsdp.reduce_scatter_delay",
-                "distributed_strategy.fsdp.param_persistence_threshold"):
+    for key in ("distributed_strategy.fsdp.reduce_scatter_delay", "distributed_strategy.fsdp.param_persistence_threshold"):
         if _get(cfg, key) < 0:
             raise ConfigError(key, _get(cfg, key), "must be >= 0")
     if not cfg.comm.emulate_slowdown > 0:
@@ -433,27 +603,48 @@ def _check_fine_tuning(cfg: Any) -> None:
     sft = cfg.model_alignment_strategy.sft
     if sft is not None:
         if data.source != "instructions":
-            raise ConfigError("data.source", data.source, "model_alignment_strategy.sft trains on instruction records: set "
-                              "data.source=instructions (data.train_dir: a .jsonl file or directory, or a save_to_disk directory)")
+            raise ConfigError(
+                "data.source",
+                data.source,
+                "model_alignment_strategy.sft trains on instruction records: set "
+                "data.source=instructions (data.train_dir: a .jsonl file or directory, or a save_to_disk directory)",
+            )
         if sft.truncation not in SFT_TRUNCATION:
-            raise ConfigError("model_alignment_strategy.sft.truncation", sft.truncation, f"must be one of {', '.join(SFT_TRUNCATION)}")
+            raise ConfigError(
+                "model_alignment_strategy.sft.truncation", sft.truncation, f"must be one of {', '.join(SFT_TRUNCATION)}"
+            )
     elif data.source == "text" and any(str(p).endswith(".jsonl") for p in (data.train_dir, data.val_dir) if p):
-        raise ConfigError("data.train_dir", data.train_dir, "is JSON lines, which data.source=text would train on as raw text; "
-                          "for instruction records use data.source=instructions with model_alignment_strategy.sft (+recipe=sft)")
+        raise ConfigError(
+            "data.train_dir",
+            data.train_dir,
+            "is JSON lines, which data.source=text would train on as raw text; "
+            "for instruction records use data.source=instructions with model_alignment_strategy.sft (+recipe=sft)",
+        )
     elif data.source == "instructions":
-        raise ConfigError("data.source", "instructions", "instruction records are read for fine-tuning: add "
-                          "model_alignment_strategy.sft (e.g. +recipe=sft, or model_alignment_strategy.sft.packing in an NxDT config)")
+        raise ConfigError(
+            "data.source",
+            "instructions",
+            "instruction records are read for fine-tuning: add "
+            "model_alignment_strategy.sft (e.g. +recipe=sft, or model_alignment_strategy.sft.packing in an NxDT config)",
+        )
     if data.dev_choose_samples is not None:
         _integer("data.dev_choose_samples", data.dev_choose_samples, 1, what=" (the first N records), or null for all")
     if model.weight_init_only:
         if em.resume_from_checkpoint is None and model.hf_checkpoint is None:
-            raise ConfigError("model.weight_init_only", True, "loads the model weights of exp_manager.resume_from_checkpoint (an "
-                              "nxdt checkpoint); name one there (or start from Hugging Face weights with model.hf_checkpoint)")
+            raise ConfigError(
+                "model.weight_init_only",
+                True,
+                "loads the model weights of exp_manager.resume_from_checkpoint (an "
+                "nxdt checkpoint); name one there (or start from Hugging Face weights with model.hf_checkpoint)",
+            )
         peft = cfg.model_alignment_strategy.peft
         lora_on_base = peft is not None and peft.load_lora_from_ckpt  # the adapters (alone) from the checkpoint, on this base
         if em.resume_from_checkpoint is not None and model.hf_checkpoint is not None and not lora_on_base:
-            raise ConfigError("model.hf_checkpoint", model.hf_checkpoint, "and exp_manager.resume_from_checkpoint with "
-                              "model.weight_init_only both name starting weights; keep one of them")
+            raise ConfigError(
+                "model.hf_checkpoint",
+                model.hf_checkpoint,
+                "and exp_manager.resume_from_checkpoint with model.weight_init_only both name starting weights; keep one of them",
+            )
 
 
 def _check_preference_recipe(cfg: Any) -> None:
@@ -462,20 +653,30 @@ def _check_preference_recipe(cfg: Any) -> None:
     name = next((n for n in ("dpo", "orpo") if getattr(mas, n, None) is not None), None)
     if name is None:
         if source == "preferences":
-            raise ConfigError("data.source", source, "preference records are read for DPO or ORPO: add "
-                              "model_alignment_strategy.dpo or .orpo (e.g. +recipe=dpo)")
+            raise ConfigError(
+                "data.source",
+                source,
+                "preference records are read for DPO or ORPO: add model_alignment_strategy.dpo or .orpo (e.g. +recipe=dpo)",
+            )
         return
     block, key = getattr(mas, name), f"model_alignment_strategy.{name}"
     if source != "preferences":
-        raise ConfigError("data.source", source, f"{key} trains on preference records (prompt, chosen, rejected): set "
-                          "data.source=preferences (data.train_dir: a .jsonl file or directory, or a save_to_disk directory)")
+        raise ConfigError(
+            "data.source",
+            source,
+            f"{key} trains on preference records (prompt, chosen, rejected): set "
+            "data.source=preferences (data.train_dir: a .jsonl file or directory, or a save_to_disk directory)",
+        )
     if block.truncation_mode not in PREFERENCE_TRUNCATION:
         raise ConfigError(f"{key}.truncation_mode", block.truncation_mode, f"must be one of {', '.join(PREFERENCE_TRUNCATION)}")
     _integer(f"{key}.max_prompt_length", block.max_prompt_length, 1, what=" (tokens)")
     if name == "dpo":
         if block.loss_type not in DPO_LOSS_TYPES:
-            raise ConfigError(f"{key}.loss_type", block.loss_type, f"only {', '.join(DPO_LOSS_TYPES)} (the DPO paper's loss) is "
-                              "implemented; other losses (hinge, ipo, ...) are not")
+            raise ConfigError(
+                f"{key}.loss_type",
+                block.loss_type,
+                f"only {', '.join(DPO_LOSS_TYPES)} (the DPO paper's loss) is implemented; other losses (hinge, ipo, ...) are not",
+            )
         _number(f"{key}.kl_beta", block.kl_beta, 0, lo_open=True, what=" (β of the DPO loss)")
     else:
         _number(f"{key}.beta", block.beta, 0, what=" (weight of the odds-ratio term)")
@@ -487,30 +688,53 @@ def _check_peft(cfg: Any) -> None:
     if peft is None:
         return
     if peft.merge_lora and not peft.save_lora_base:
-        raise ConfigError("model_alignment_strategy.peft.merge_lora", True, "folds the adapters into the saved base weights: "
-                          "set save_lora_base=true too (with save_lora_base=false checkpoints hold the adapters alone)")
+        raise ConfigError(
+            "model_alignment_strategy.peft.merge_lora",
+            True,
+            "folds the adapters into the saved base weights: "
+            "set save_lora_base=true too (with save_lora_base=false checkpoints hold the adapters alone)",
+        )
     if peft.merge_lora and peft.merge_sharded_lora:
-        raise ConfigError("model_alignment_strategy.peft.merge_sharded_lora", True, "makes NxD save the adapters alone, "
-                          "turning merge_lora off; keep one of them")
+        raise ConfigError(
+            "model_alignment_strategy.peft.merge_sharded_lora",
+            True,
+            "makes NxD save the adapters alone, turning merge_lora off; keep one of them",
+        )
     if peft.merge_lora and (cfg.exp_manager.resume_if_exists or cfg.exp_manager.max_restarts):
-        raise ConfigError("model_alignment_strategy.peft.merge_lora", True, "checkpoints hold the adapters merged into the base, "
-                          "which cannot resume this LoRA run: set exp_manager.resume_if_exists=false and "
-                          "exp_manager.max_restarts=0 (or merge_lora=false and export-hf --merge afterwards)")
+        raise ConfigError(
+            "model_alignment_strategy.peft.merge_lora",
+            True,
+            "checkpoints hold the adapters merged into the base, "
+            "which cannot resume this LoRA run: set exp_manager.resume_if_exists=false and "
+            "exp_manager.max_restarts=0 (or merge_lora=false and export-hf --merge afterwards)",
+        )
     if peft.load_lora_from_ckpt and cfg.exp_manager.resume_from_checkpoint is None:
-        raise ConfigError("model_alignment_strategy.peft.load_lora_from_ckpt", True, "loads the adapters of "
-                          "exp_manager.resume_from_checkpoint: name a checkpoint of a LoRA run there")
+        raise ConfigError(
+            "model_alignment_strategy.peft.load_lora_from_ckpt",
+            True,
+            "loads the adapters of exp_manager.resume_from_checkpoint: name a checkpoint of a LoRA run there",
+        )
     if peft.save_lora_config_adapter and ds.pipeline_model_parallel_size > 1:
-        raise NotYetSupported("model_alignment_strategy.peft.save_lora_config_adapter", True, "the PEFT adapter is not "
-                              "gathered across pipeline stages yet; set false, or distributed_strategy.pipeline_model_parallel_size=1")
+        raise NotYetSupported(
+            "model_alignment_strategy.peft.save_lora_config_adapter",
+            True,
+            "the PEFT adapter is not "
+            "gathered across pipeline stages yet; set false, or distributed_strategy.pipeline_model_parallel_size=1",
+        )
     if peft.save_lora_config_adapter and peft.lora_bias in ("all", "lora_only"):  # other values: check_peft names them
-        raise NotYetSupported("model_alignment_strategy.peft.save_lora_config_adapter", True, "the PEFT adapter export has "
-                              f"no trainable biases (lora_bias={peft.lora_bias}); set false, or lora_bias=none")
+        raise NotYetSupported(
+            "model_alignment_strategy.peft.save_lora_config_adapter",
+            True,
+            f"the PEFT adapter export has no trainable biases (lora_bias={peft.lora_bias}); set false, or lora_bias=none",
+        )
 
 
 def _check_validation(cfg: Any) -> None:
     trainer = cfg.trainer
     if trainer.val_check_interval is not None:
-        _integer("trainer.val_check_interval", trainer.val_check_interval, 1, what=" (optimizer steps), or null for once at the end")
+        _integer(
+            "trainer.val_check_interval", trainer.val_check_interval, 1, what=" (optimizer steps), or null for once at the end"
+        )
     _integer("trainer.num_sanity_val_steps", trainer.num_sanity_val_steps, 0, what=" (0 = none)")
     limit = trainer.limit_val_batches
     _number("trainer.limit_val_batches", limit, 0, what=" (<= 1: a fraction of the validation batches, > 1: a count)")
@@ -529,8 +753,12 @@ def _check_paths(cfg: Any) -> None:
     hf = cfg.model.hf_checkpoint
     if hf is not None:
         if not list(Path(hf).expanduser().glob("*.safetensors")):
-            raise ConfigError("model.hf_checkpoint", hf, "no *.safetensors files there; give a Hugging Face model directory saved "
-                              "with safetensors (save_pretrained(..., safe_serialization=True))")
+            raise ConfigError(
+                "model.hf_checkpoint",
+                hf,
+                "no *.safetensors files there; give a Hugging Face model directory saved "
+                "with safetensors (save_pretrained(..., safe_serialization=True))",
+            )
         _check_hf_shape(cfg, Path(hf).expanduser() / "config.json")
     for key in ("data.train_dir", "data.tokenizer", "data.val_dir"):
         path = _get(cfg, key)
@@ -541,8 +769,16 @@ def _check_paths(cfg: Any) -> None:
 
 
 # config.json fields that decide the tensors' shapes (nxdt model field names, see hf_model.FIELDS)
-_HF_SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "ffn_hidden_size",
-                    "tie_word_embeddings", "moe.num_experts")
+_HF_SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_attention_heads",
+    "num_kv_heads",
+    "ffn_hidden_size",
+    "tie_word_embeddings",
+    "moe.num_experts",
+)
 
 
 def _check_hf_shape(cfg: Any, config_json: Path) -> None:
@@ -566,8 +802,12 @@ def _check_hf_shape(cfg: Any, config_json: Path) -> None:
         if name == "num_kv_heads" and ours is None:
             ours = cfg.model.num_attention_heads
         if ours is not None and ours != theirs:
-            raise ConfigError(f"model.{name}", ours, f"the checkpoint's config.json ({config_json}) has {theirs}; make the model "
-                              "config match the checkpoint's config.json")
+            raise ConfigError(
+                f"model.{name}",
+                ours,
+                f"the checkpoint's config.json ({config_json}) has {theirs}; make the model "
+                "config match the checkpoint's config.json",
+            )
 
 
 def _instance_names() -> list[str]:
@@ -592,20 +832,30 @@ def check_trainable(cfg: Any) -> None:
     if unsupported:
         key, value = unsupported[0]
         shown = key if key.startswith("comm.") else f"distributed_strategy.{key}"
-        combined = {"expert_model_parallel_size": " together with PP, zero1 or FSDP",
-                    "fsdp.enabled": " together with pipeline parallelism",
-                    "context_parallel_size": " together with expert parallelism"}.get(key, "")
-        raise NotYetSupported(shown, value, f"training with it{combined} is not implemented yet in this version "
-                              "(`nxdt plan` accepts it); data, tensor, pipeline, expert, context parallelism, ZeRO-1 and FSDP train now")
+        combined = {
+            "expert_model_parallel_size": " together with PP, zero1 or FSDP",
+            "fsdp.enabled": " together with pipeline parallelism",
+            "context_parallel_size": " together with expert parallelism",
+        }.get(key, "")
+        raise NotYetSupported(
+            shown,
+            value,
+            f"training with it{combined} is not implemented yet in this version "
+            "(`nxdt plan` accepts it); data, tensor, pipeline, expert, context parallelism, ZeRO-1 and FSDP train now",
+        )
     if ds.fsdp.enabled and ds.zero1:
-        raise ConfigError("distributed_strategy.zero1", True, "FSDP already shards the optimizer state; set zero1=false "
-                          "(or fsdp.enabled=false)")
+        raise ConfigError(
+            "distributed_strategy.zero1", True, "FSDP already shards the optimizer state; set zero1=false (or fsdp.enabled=false)"
+        )
     if cp > 1:
         _check_context_parallel_data(cfg, cp)
     recipes = [name for name in alignment_recipes(cfg) if name != "peft"]  # peft (LoRA) adapts any of them
     if len(recipes) > 1:
-        raise ConfigError(f"model_alignment_strategy.{recipes[1]}", "", f"model_alignment_strategy.{recipes[0]} is set too; "
-                          "one recipe per run (remove one block)")
+        raise ConfigError(
+            f"model_alignment_strategy.{recipes[1]}",
+            "",
+            f"model_alignment_strategy.{recipes[0]} is set too; one recipe per run (remove one block)",
+        )
     _check_preference_training(cfg)
     _check_peft(cfg)
 
@@ -618,16 +868,25 @@ def _check_preference_training(cfg: Any) -> None:
         return
     key = f"model_alignment_strategy.{name}"
     if name == "dpo" and not mas.dpo.precompute_ref_log_probs:
-        raise NotYetSupported(f"{key}.precompute_ref_log_probs", False, "the reference log-probabilities are computed once "
-                              "before training (by the same model, sharded like the policy); computing them every step would "
-                              "need a second, frozen copy of the model on every rank; set true (NxDT supports only true too)")
+        raise NotYetSupported(
+            f"{key}.precompute_ref_log_probs",
+            False,
+            "the reference log-probabilities are computed once "
+            "before training (by the same model, sharded like the policy); computing them every step would "
+            "need a second, frozen copy of the model on every rank; set true (NxDT supports only true too)",
+        )
     if ds.context_parallel_size > 1:
-        raise NotYetSupported("distributed_strategy.context_parallel_size", ds.context_parallel_size, f"{name.upper()} needs "
-                              "each sequence's whole log-probability on one rank; context parallelism splits it; use 1")
+        raise NotYetSupported(
+            "distributed_strategy.context_parallel_size",
+            ds.context_parallel_size,
+            f"{name.upper()} needs each sequence's whole log-probability on one rank; context parallelism splits it; use 1",
+        )
     if cfg.model.moe.num_experts:
-        raise NotYetSupported("model.moe.num_experts", cfg.model.moe.num_experts, f"{name.upper()} does not add the router's "
-                              "auxiliary loss yet; use a dense model (model.moe.num_experts=0)")
-
+        raise NotYetSupported(
+            "model.moe.num_experts",
+            cfg.model.moe.num_experts,
+            f"{name.upper()} does not add the router's auxiliary loss yet; use a dense model (model.moe.num_experts=0)",
+        )
 
 
 def _check_context_parallel_data(cfg: Any, cp: int) -> None:
@@ -636,10 +895,18 @@ def _check_context_parallel_data(cfg: Any, cp: int) -> None:
     data = cfg.data
     if data.val_dir is not None or data.val_split:
         key, value = ("data.val_dir", data.val_dir) if data.val_dir is not None else ("data.val_split", data.val_split)
-        raise NotYetSupported(key, value, f"validation with context parallelism (context_parallel_size={cp}) is not "
-                              "implemented yet; train without validation, or validate with context_parallel_size=1")
+        raise NotYetSupported(
+            key,
+            value,
+            f"validation with context parallelism (context_parallel_size={cp}) is not "
+            "implemented yet; train without validation, or validate with context_parallel_size=1",
+        )
     sft = getattr(getattr(cfg, "model_alignment_strategy", None), "sft", None)
     if sft is not None and sft.packing:
-        raise NotYetSupported("model_alignment_strategy.sft.packing", True, "packed records with context parallelism "
-                              f"(context_parallel_size={cp}) are not implemented yet; set packing=false (one record per "
-                              "sequence, padded)")
+        raise NotYetSupported(
+            "model_alignment_strategy.sft.packing",
+            True,
+            "packed records with context parallelism "
+            f"(context_parallel_size={cp}) are not implemented yet; set packing=false (one record per "
+            "sequence, padded)",
+        )

@@ -32,8 +32,10 @@ class SyntheticTokens(Dataset):
 
     def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int, branching: int = 4) -> None:
         if num_samples < 1 or seq_length < 1 or vocab_size < 2 or branching < 1:
-            raise ValueError(f"SyntheticTokens needs num_samples>=1, seq_length>=1, vocab_size>=2, branching>=1; got "
-                             f"{num_samples}, {seq_length}, {vocab_size}, {branching}")
+            raise ValueError(
+                f"SyntheticTokens needs num_samples>=1, seq_length>=1, vocab_size>=2, branching>=1; got "
+                f"{num_samples}, {seq_length}, {vocab_size}, {branching}"
+            )
         self.num_samples, self.seq_length, self.vocab_size, self.seed = num_samples, seq_length, vocab_size, seed
         g = torch.Generator().manual_seed(mix_seed(seed, 0x5EED))
         # a plain list: indexing it in the generation loop is ~50x faster than indexing a tensor
@@ -85,11 +87,15 @@ def text_files(path: str | Path) -> list[Path]:
     if path.is_dir():
         files = sorted(p for p in path.rglob("*.txt") if p.is_file())
         if not files:
-            raise FileNotFoundError(f"training text directory {path} holds no *.txt file — put UTF-8 text files there "
-                                    f"or point data.train_dir at a text file")
+            raise FileNotFoundError(
+                f"training text directory {path} holds no *.txt file — put UTF-8 text files there "
+                f"or point data.train_dir at a text file"
+            )
         return files
-    raise FileNotFoundError(f"training text {path}: no such file or directory — set data.train_dir to a UTF-8 text file or a "
-                            f"directory of *.txt files (null = the shipped sample text)")
+    raise FileNotFoundError(
+        f"training text {path}: no such file or directory — set data.train_dir to a UTF-8 text file or a "
+        f"directory of *.txt files (null = the shipped sample text)"
+    )
 
 
 def _tokenize_bytes(file: Path) -> torch.Tensor:
@@ -99,10 +105,12 @@ def _tokenize_bytes(file: Path) -> torch.Tensor:
     view = memoryview(data)
     for start in range(0, len(data), _CHUNK_CHARS):
         try:
-            decoder.decode(view[start:start + _CHUNK_CHARS], final=start + _CHUNK_CHARS >= len(data))
+            decoder.decode(view[start : start + _CHUNK_CHARS], final=start + _CHUNK_CHARS >= len(data))
         except UnicodeDecodeError as exc:
-            raise ValueError(f"training text {file} is not UTF-8 (invalid byte at offset {start + exc.start}) — "
-                             f"convert it, e.g. iconv -t UTF-8") from exc
+            raise ValueError(
+                f"training text {file} is not UTF-8 (invalid byte at offset {start + exc.start}) — "
+                f"convert it, e.g. iconv -t UTF-8"
+            ) from exc
     return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
@@ -132,8 +140,10 @@ def _tokenize_chunked(file: Path, tokenizer, dtype: torch.dtype) -> torch.Tensor
 
 def tokenize_files(files: list[Path], tokenizer) -> torch.Tensor:
     """All files' tokens, one after another, in a compact dtype; cached per process."""
-    key = (tuple(getattr(tokenizer, "cache_key", (id(tokenizer),))),
-           tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+    key = (
+        tuple(getattr(tokenizer, "cache_key", (id(tokenizer),))),
+        tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files),
+    )
     if key in _TOKEN_CACHE:
         _TOKEN_CACHE.move_to_end(key)
         return _TOKEN_CACHE[key]
@@ -168,9 +178,11 @@ class PackedText(Dataset):
         self.path, self.seq_length = Path(path), seq_length
         self.tokens = tokenize_files(text_files(self.path), tokenizer)
         if len(self) == 0:
-            raise ValueError(f"training text {self.path} has {self.tokens.numel()} tokens, too short for one sample of "
-                             f"data.seq_length={seq_length} (+1 for the shifted label) — use a longer text or a "
-                             f"shorter seq_length")
+            raise ValueError(
+                f"training text {self.path} has {self.tokens.numel()} tokens, too short for one sample of "
+                f"data.seq_length={seq_length} (+1 for the shifted label) — use a longer text or a "
+                f"shorter seq_length"
+            )
 
     def __len__(self) -> int:
         return max(0, (self.tokens.numel() - 1) // self.seq_length)
@@ -179,7 +191,7 @@ class PackedText(Dataset):
         if not 0 <= index < len(self):
             raise IndexError(f"sample {index} outside 0..{len(self) - 1}")
         start = index * self.seq_length
-        window = self.tokens[start:start + self.seq_length + 1].long()
+        window = self.tokens[start : start + self.seq_length + 1].long()
         return {"input_ids": window[:-1], "labels": window[1:]}
 
 
@@ -204,8 +216,10 @@ def check_text_files(path: str | Path, seq_length: int, *, byte_level: bool) -> 
     try:
         files = text_files(path)
     except FileNotFoundError:
-        raise TextSourceError("holds no *.txt file; put UTF-8 text files there or point data.train_dir at a text "
-                              "file (null = the shipped sample text)") from None
+        raise TextSourceError(
+            "holds no *.txt file; put UTF-8 text files there or point data.train_dir at a text "
+            "file (null = the shipped sample text)"
+        ) from None
     total = 0
     for file in files:
         shown = str(file.relative_to(path)) if file != path else "the file"
@@ -221,12 +235,18 @@ def check_text_files(path: str | Path, seq_length: int, *, byte_level: bool) -> 
             codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
             binary = b"\x00" in head
         except UnicodeDecodeError as exc:
-            raise TextSourceError(f"{shown} is not UTF-8 text (invalid byte at offset {exc.start}); convert it, "
-                                  "e.g. iconv -t UTF-8, or leave binary files out") from None
+            raise TextSourceError(
+                f"{shown} is not UTF-8 text (invalid byte at offset {exc.start}); convert it, "
+                "e.g. iconv -t UTF-8, or leave binary files out"
+            ) from None
         if binary:
-            raise TextSourceError(f"{shown} is binary (a NUL byte in its first {SAMPLE_BYTES} bytes), not UTF-8 text; "
-                                  "leave binary files out of data.train_dir")
+            raise TextSourceError(
+                f"{shown} is binary (a NUL byte in its first {SAMPLE_BYTES} bytes), not UTF-8 text; "
+                "leave binary files out of data.train_dir"
+            )
         total += size
     if byte_level and total - 1 < seq_length:
-        raise TextSourceError(f"holds {total} bytes (tokens, byte-level), too few for one sample of data.seq_length="
-                              f"{seq_length} (+1 for the shifted label); use a longer text or a shorter seq_length")
+        raise TextSourceError(
+            f"holds {total} bytes (tokens, byte-level), too few for one sample of data.seq_length="
+            f"{seq_length} (+1 for the shifted label); use a longer text or a shorter seq_length"
+        )

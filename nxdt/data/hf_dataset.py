@@ -46,11 +46,15 @@ def _split_dir(path: Path) -> Path:
     if (path / "dataset_dict.json").is_file():
         splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
         if "train" not in splits:
-            raise DatasetDirError(path, f"a DatasetDict without a 'train' split (has {splits}); "
-                                  "point data.train_dir at the split's directory")
+            raise DatasetDirError(
+                path, f"a DatasetDict without a 'train' split (has {splits}); point data.train_dir at the split's directory"
+            )
         return path / "train"
-    raise DatasetDirError(path, "not a Hugging Face datasets directory (no state.json or dataset_dict.json, "
-                          "written by save_to_disk); for a text file or directory set data.source=text")
+    raise DatasetDirError(
+        path,
+        "not a Hugging Face datasets directory (no state.json or dataset_dict.json, "
+        "written by save_to_disk); for a text file or directory set data.source=text",
+    )
 
 
 def _pyarrow() -> Any:
@@ -58,8 +62,10 @@ def _pyarrow() -> Any:
         import pyarrow
         import pyarrow.ipc  # noqa: F401
     except ImportError:
-        raise DatasetDirError("", "data.source=hf_dataset reads Arrow files with pyarrow, which is not installed: "
-                              "pip install 'nxdt[hf]' (or pyarrow)") from None
+        raise DatasetDirError(
+            "",
+            "data.source=hf_dataset reads Arrow files with pyarrow, which is not installed: pip install 'nxdt[hf]' (or pyarrow)",
+        ) from None
     return pyarrow
 
 
@@ -97,8 +103,9 @@ class SavedHFDataset(Dataset):
         for file in files:
             table = _read_shard(root, file)
             if "input_ids" not in table.column_names:
-                raise DatasetDirError(root, f"no input_ids column (has {', '.join(table.column_names)}); "
-                                      "give a tokenized dataset")
+                raise DatasetDirError(
+                    root, f"no input_ids column (has {', '.join(table.column_names)}); give a tokenized dataset"
+                )
             self._ids += _column_chunks(table, "input_ids", root)
             if self._labels is not None and "labels" in table.column_names:
                 self._labels += _column_chunks(table, "labels", root)
@@ -107,13 +114,18 @@ class SavedHFDataset(Dataset):
         self._starts = np.cumsum([0] + [len(off) - 1 for off, _ in self._ids])
         shortest = min((int(np.diff(off).min()) for off, _ in self._ids if len(off) > 1), default=0)
         if len(self) == 0 or shortest < seq_length:
-            raise DatasetDirError(root, f"rows hold {shortest} tokens, fewer than data.seq_length={seq_length}; "
-                                  "set model.encoder_seq_length (data.seq_length) to the corpus' row length")
+            raise DatasetDirError(
+                root,
+                f"rows hold {shortest} tokens, fewer than data.seq_length={seq_length}; "
+                "set model.encoder_seq_length (data.seq_length) to the corpus' row length",
+            )
         if vocab_size is not None:
             top = max(int(values.max()) for _, values in self._ids if len(values))
             if top >= vocab_size:
-                raise DatasetDirError(root, f"token id {top} does not fit model.vocab_size={vocab_size}; "
-                                      "the corpus was tokenized for another vocabulary")
+                raise DatasetDirError(
+                    root,
+                    f"token id {top} does not fit model.vocab_size={vocab_size}; the corpus was tokenized for another vocabulary",
+                )
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -122,16 +134,18 @@ class SavedHFDataset(Dataset):
         c = int(np.searchsorted(self._starts, index, side="right")) - 1
         offsets, values = chunks[c]
         start, end = int(offsets[index - self._starts[c]]), int(offsets[index - self._starts[c] + 1])
-        return values[start:min(end, start + count)]
+        return values[start : min(end, start + count)]
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if not 0 <= index < len(self):
             raise IndexError(f"sample {index} outside 0..{len(self) - 1}")
         s = self.seq_length
         ids = torch.from_numpy(self._row(self._ids, index, s).astype(np.int64))
-        targets: np.ndarray = self._row(self._labels if self._labels is not None else self._ids, index, s + 1)[1:].astype(np.int64)
+        targets: np.ndarray = self._row(self._labels if self._labels is not None else self._ids, index, s + 1)[1:].astype(
+            np.int64
+        )
         labels = torch.full((s,), IGNORE, dtype=torch.long)
-        labels[:len(targets)] = torch.from_numpy(targets)
+        labels[: len(targets)] = torch.from_numpy(targets)
         return {"input_ids": ids, "labels": labels}
 
 
@@ -141,8 +155,11 @@ def check_saved_dataset(path: str | Path) -> None:
     Raises :class:`DatasetDirError`."""
     root = Path(path).expanduser()
     if root.is_file():
-        raise DatasetDirError(root, "is a file; data.source=hf_dataset reads a directory written by datasets' save_to_disk "
-                              "(for a text file set data.source=text)")
+        raise DatasetDirError(
+            root,
+            "is a file; data.source=hf_dataset reads a directory written by datasets' save_to_disk "
+            "(for a text file set data.source=text)",
+        )
     try:
         split = _split_dir(root)
         state = json.loads((split / "state.json").read_text())
@@ -150,8 +167,11 @@ def check_saved_dataset(path: str | Path) -> None:
     except DatasetDirError:
         raise
     except (OSError, UnicodeDecodeError, ValueError, AttributeError, TypeError, KeyError) as exc:
-        raise DatasetDirError(root, f"state.json / dataset_dict.json is not what save_to_disk writes ({type(exc).__name__}); "
-                              "write the dataset again with Dataset.save_to_disk") from None
+        raise DatasetDirError(
+            root,
+            f"state.json / dataset_dict.json is not what save_to_disk writes ({type(exc).__name__}); "
+            "write the dataset again with Dataset.save_to_disk",
+        ) from None
     if not names or not all(isinstance(n, str) and n for n in names):
         raise DatasetDirError(root, "state.json lists no data files; write the dataset again with Dataset.save_to_disk")
     pa = _pyarrow()
@@ -163,17 +183,23 @@ def check_saved_dataset(path: str | Path) -> None:
             with pa.memory_map(str(file)) as source:
                 schema = pa.ipc.open_stream(source).schema  # the stream's first message only
         except (pa.ArrowException, OSError) as exc:
-            raise DatasetDirError(root, f"{name} is not an Arrow stream ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
-                                  "write the dataset again with Dataset.save_to_disk") from None
+            raise DatasetDirError(
+                root,
+                f"{name} is not an Arrow stream ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
+                "write the dataset again with Dataset.save_to_disk",
+            ) from None
         if "input_ids" not in schema.names:
-            raise DatasetDirError(root, f"{name} has no input_ids column (has {', '.join(schema.names) or 'none'}); "
-                                  "give a tokenized dataset")
+            raise DatasetDirError(
+                root, f"{name} has no input_ids column (has {', '.join(schema.names) or 'none'}); give a tokenized dataset"
+            )
         for column in ("input_ids", "labels"):
             if column not in schema.names:
                 continue
             kind = schema.field(column).type
             if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_integer(kind.value_type):
-                raise DatasetDirError(root, f"{name}: column {column} is {kind}, not a list of token ids; give a tokenized dataset")
+                raise DatasetDirError(
+                    root, f"{name}: column {column} is {kind}, not a list of token ids; give a tokenized dataset"
+                )
 
 
 def read_saved_records(path: str | Path, limit: int | None = None) -> list[dict[str, Any]]:

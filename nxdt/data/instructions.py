@@ -103,8 +103,14 @@ def byte_chat_tokenizer() -> ChatTokenizer:
     """The byte-level tokenizer (``nxdt.data.tokenizers.ByteTokenizer``) with EOS = pad = 0 (NUL), no BOS, no chat
     template (so the plain template applies)."""
     tok = ByteTokenizer()
-    return ChatTokenizer(encode=tok.encode, eos_id=BYTE_EOS, pad_id=BYTE_EOS, decode=tok.decode,
-                         vocab_size=tok.vocab_size, special_tokens={"eos_token": "\x00"})
+    return ChatTokenizer(
+        encode=tok.encode,
+        eos_id=BYTE_EOS,
+        pad_id=BYTE_EOS,
+        decode=tok.decode,
+        vocab_size=tok.vocab_size,
+        special_tokens={"eos_token": "\x00"},
+    )
 
 
 def _token_text(value: Any) -> str | None:
@@ -130,7 +136,9 @@ def load_chat_tokenizer(path: str | Path) -> ChatTokenizer:
         template = (directory / "chat_template.jinja").read_text(encoding="utf-8")
     special = {key: text for key in SPECIAL_TOKEN_KEYS if (text := _token_text(config.get(key))) is not None}
     extra = config.get("additional_special_tokens")
-    extras = {"additional_special_tokens": [t for t in map(_token_text, extra) if t is not None]} if isinstance(extra, list) else {}
+    extras = (
+        {"additional_special_tokens": [t for t in map(_token_text, extra) if t is not None]} if isinstance(extra, list) else {}
+    )
     inner = hf._tok  # tokenizers.Tokenizer
 
     def token_id(key: str) -> int | None:
@@ -144,10 +152,19 @@ def load_chat_tokenizer(path: str | Path) -> ChatTokenizer:
 
     eos = token_id("eos_token")
     if eos is None:
-        raise ValueError(f"{directory}: tokenizer_config.json names no eos_token — fine-tuning data needs one to end "
-                         f"each response")
-    return ChatTokenizer(encode=hf.encode, eos_id=eos, pad_id=token_id("pad_token"), bos_id=token_id("bos_token"),
-                         chat_template=template, special_tokens={**special, **extras}, decode=hf.decode, vocab_size=hf.vocab_size)
+        raise ValueError(
+            f"{directory}: tokenizer_config.json names no eos_token — fine-tuning data needs one to end each response"
+        )
+    return ChatTokenizer(
+        encode=hf.encode,
+        eos_id=eos,
+        pad_id=token_id("pad_token"),
+        bos_id=token_id("bos_token"),
+        chat_template=template,
+        special_tokens={**special, **extras},
+        decode=hf.decode,
+        vocab_size=hf.vocab_size,
+    )
 
 
 def build_chat_tokenizer(path: str | Path | None) -> ChatTokenizer:
@@ -163,6 +180,7 @@ def _compile_template(template: str) -> Any:
         return _compile_cached(template)
     except Exception as exc:
         import jinja2
+
         if isinstance(exc, jinja2.exceptions.TemplateError):
             raise ValueError(f"chat template does not compile: {exc}") from None
         raise
@@ -182,6 +200,7 @@ def _compile_cached(template: str) -> Any:
 
     class GenerationTag(Extension):
         """``{% generation %}…{% endgeneration %}`` (HF's assistant-mask marker): renders its body."""
+
         tags = {"generation"}
 
         def parse(self, parser: Any) -> Any:
@@ -225,8 +244,14 @@ def _compile_cached(template: str) -> Any:
     return env.from_string(template)
 
 
-def render_chat_template(template: str, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False,
-                         special_tokens: Mapping[str, Any] | None = None, **kwargs: Any) -> str:
+def render_chat_template(
+    template: str,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = False,
+    special_tokens: Mapping[str, Any] | None = None,
+    **kwargs: Any,
+) -> str:
     """Render a Hugging Face chat template exactly as ``tokenizer.apply_chat_template(messages, tokenize=False)``
     does: variables ``messages``, ``tools=None``, ``documents=None``, ``add_generation_prompt`` and the special
     tokens (``bos_token``, ``eos_token``, …; ``kwargs`` override them). A template error (a syntax error,
@@ -234,9 +259,15 @@ def render_chat_template(template: str, messages: Sequence[Mapping[str, Any]], *
     variables = {**(special_tokens or {}), **kwargs}
     compiled = _compile_template(template)
     import jinja2  # loaded by _compile_template
+
     try:
-        return compiled.render(messages=[dict(m) for m in messages], tools=None, documents=None,
-                               add_generation_prompt=add_generation_prompt, **variables)
+        return compiled.render(
+            messages=[dict(m) for m in messages],
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
     except jinja2.exceptions.TemplateError as exc:
         raise ValueError(f"chat template: {exc}") from None
 
@@ -292,15 +323,18 @@ def check_instruction_record(record: Mapping[str, Any], where: str = "record") -
     if "input" in record or "output" in record:
         for key in ("input", "output"):
             if not _is_text(record.get(key)):
-                raise ValueError(f"{where}: needs string '{key}' (an instruction record has 'input' and 'output', and "
-                                 f"optionally 'instruction')")
+                raise ValueError(
+                    f"{where}: needs string '{key}' (an instruction record has 'input' and 'output', and "
+                    f"optionally 'instruction')"
+                )
         if "instruction" in record and not _is_text(record["instruction"]):
             raise ValueError(f"{where}: 'instruction' must be a string")
         if not record["output"]:
             raise ValueError(f"{where}: 'output' is empty — nothing to train on")
         return "io"
-    raise ValueError(f"{where}: needs 'input' and 'output' (and optionally 'instruction'), or 'messages'; it has "
-                     f"{sorted(record)}")
+    raise ValueError(
+        f"{where}: needs 'input' and 'output' (and optionally 'instruction'), or 'messages'; it has {sorted(record)}"
+    )
 
 
 def io_user_text(record: Mapping[str, Any]) -> str:
@@ -327,22 +361,25 @@ def chat_segments(messages: Sequence[Mapping[str, Any]], render: Callable[..., s
         if message["role"] != "assistant":
             continue
         before = render(messages[:i], add_generation_prompt=True)
-        through = render(messages[:i + 1], add_generation_prompt=False)
+        through = render(messages[: i + 1], add_generation_prompt=False)
         if not before.startswith(done) or not through.startswith(before):
-            raise ValueError(f"chat template: the rendering up to message {i} does not extend the previous one, so the "
-                             f"assistant reply cannot be told from the prompt (the template must render a conversation "
-                             f"prefix as a prefix of the full rendering)")
-        pieces += [(before[len(done):], False), (through[len(before):], True)]
+            raise ValueError(
+                f"chat template: the rendering up to message {i} does not extend the previous one, so the "
+                f"assistant reply cannot be told from the prompt (the template must render a conversation "
+                f"prefix as a prefix of the full rendering)"
+            )
+        pieces += [(before[len(done) :], False), (through[len(before) :], True)]
         done = through
     full = render(messages, add_generation_prompt=False)
     if not full.startswith(done):
         raise ValueError("chat template: the full rendering does not extend the rendering up to the last assistant reply")
-    pieces.append((full[len(done):], False))
+    pieces.append((full[len(done) :], False))
     return [(text, trained) for text, trained in pieces if text]
 
 
-def tokenize_record(record: Mapping[str, Any], tok: ChatTokenizer, *,
-                    use_chat_template: bool | None = None, where: str = "record") -> tuple[list[int], list[bool]]:
+def tokenize_record(
+    record: Mapping[str, Any], tok: ChatTokenizer, *, use_chat_template: bool | None = None, where: str = "record"
+) -> tuple[list[int], list[bool]]:
     """``(tokens, trained)`` of one instruction record (see the module docstring for the rendering and masking
     rules). ``use_chat_template``: None = when the tokenizer has one, True = required, False = plain template.
     Errors name the record as ``where``."""
@@ -351,11 +388,17 @@ def tokenize_record(record: Mapping[str, Any], tok: ChatTokenizer, *,
         raise ValueError("use_chat_template=True but the tokenizer has no chat_template")
     template = tok.chat_template if use_chat_template is not False else None
     templated = template is not None
-    render: Callable[..., str] = render_plain_chat if template is None else \
-        functools.partial(render_chat_template, template, special_tokens=tok.special_tokens)
+    render: Callable[..., str] = (
+        render_plain_chat
+        if template is None
+        else functools.partial(render_chat_template, template, special_tokens=tok.special_tokens)
+    )
     if kind == "messages" or templated:
-        messages = record["messages"] if kind == "messages" else [
-            {"role": "user", "content": io_user_text(record)}, {"role": "assistant", "content": record["output"]}]
+        messages = (
+            record["messages"]
+            if kind == "messages"
+            else [{"role": "user", "content": io_user_text(record)}, {"role": "assistant", "content": record["output"]}]
+        )
         try:
             pieces = chat_segments(messages, render)
         except ValueError as exc:
@@ -384,23 +427,24 @@ def tokenize_record(record: Mapping[str, Any], tok: ChatTokenizer, *,
 class BuildStats:
     """What building did to the records — nothing is dropped or cut without being counted here."""
 
-    records: int = 0          # records read
-    examples: int = 0         # records kept (each is one example)
-    truncated: int = 0        # kept records that were cut to fit
-    prompt_truncated: int = 0   # … of which the prompt was cut from the left
+    records: int = 0  # records read
+    examples: int = 0  # records kept (each is one example)
+    truncated: int = 0  # kept records that were cut to fit
+    prompt_truncated: int = 0  # … of which the prompt was cut from the left
     response_truncated: int = 0  # … of which the response was cut from the right
-    dropped: int = 0          # records not kept (too long under "drop", or no trained token left)
-    sequences: int = 0        # rows of the batch
-    tokens: int = 0           # non-pad positions
-    label_tokens: int = 0     # positions with a label (contributing to the loss)
-    pad_tokens: int = 0       # pad positions
+    dropped: int = 0  # records not kept (too long under "drop", or no trained token left)
+    sequences: int = 0  # rows of the batch
+    tokens: int = 0  # non-pad positions
+    label_tokens: int = 0  # positions with a label (contributing to the loss)
+    pad_tokens: int = 0  # pad positions
 
     def summary(self) -> str:
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
 
 
-def fit_record(tokens: list[int], trained: list[bool], seq_length: int, truncation: str,
-               stats: BuildStats | None = None) -> tuple[list[int], list[bool]] | None:
+def fit_record(
+    tokens: list[int], trained: list[bool], seq_length: int, truncation: str, stats: BuildStats | None = None
+) -> tuple[list[int], list[bool]] | None:
     """Apply the truncation rule (module docstring) to one tokenized record: the record, cut if needed, or None
     when it is dropped. ``stats`` counts truncated / prompt_truncated / response_truncated / dropped."""
     if truncation not in TRUNCATION_MODES:
@@ -434,8 +478,9 @@ def record_example(tokens: Sequence[int], trained: Sequence[bool]) -> tuple[list
     return list(tokens[:-1]), [t if m else IGNORE_INDEX for t, m in zip(tokens[1:], trained[1:])]
 
 
-def pack_examples(examples: Sequence[tuple[Sequence[int], Sequence[int]]], seq_length: int, pad_id: int, *,
-                  packing: bool) -> dict[str, torch.Tensor]:
+def pack_examples(
+    examples: Sequence[tuple[Sequence[int], Sequence[int]]], seq_length: int, pad_id: int, *, packing: bool
+) -> dict[str, torch.Tensor]:
     """Lay ``(input_ids, labels)`` examples (each at most ``seq_length`` long) into rows: see the module
     docstring for ``packing`` and the four tensors."""
     rows: list[list[tuple[Sequence[int], Sequence[int]]]] = []
@@ -449,10 +494,12 @@ def pack_examples(examples: Sequence[tuple[Sequence[int], Sequence[int]]], seq_l
         rows[-1].append((ids, labels))
         used += len(ids)
     n = len(rows)
-    out = {"input_ids": torch.full((n, seq_length), pad_id, dtype=torch.long),
-           "labels": torch.full((n, seq_length), IGNORE_INDEX, dtype=torch.long),
-           "position_ids": torch.zeros((n, seq_length), dtype=torch.long),
-           "segment_ids": torch.zeros((n, seq_length), dtype=torch.long)}
+    out = {
+        "input_ids": torch.full((n, seq_length), pad_id, dtype=torch.long),
+        "labels": torch.full((n, seq_length), IGNORE_INDEX, dtype=torch.long),
+        "position_ids": torch.zeros((n, seq_length), dtype=torch.long),
+        "segment_ids": torch.zeros((n, seq_length), dtype=torch.long),
+    }
     for r, row in enumerate(rows):
         start = 0
         for segment, (ids, labels) in enumerate(row, 1):
@@ -465,9 +512,15 @@ def pack_examples(examples: Sequence[tuple[Sequence[int], Sequence[int]]], seq_l
     return out
 
 
-def build_sft_examples(records: Iterable[Mapping[str, Any]], tok: ChatTokenizer, seq_length: int, *, packing: bool,
-                       truncation: str = "truncate",
-                       use_chat_template: bool | None = None) -> tuple[dict[str, torch.Tensor], BuildStats]:
+def build_sft_examples(
+    records: Iterable[Mapping[str, Any]],
+    tok: ChatTokenizer,
+    seq_length: int,
+    *,
+    packing: bool,
+    truncation: str = "truncate",
+    use_chat_template: bool | None = None,
+) -> tuple[dict[str, torch.Tensor], BuildStats]:
     """Instruction records → a batch of SFT sequences and the :class:`BuildStats` of what happened.
 
     Each record is tokenized (:func:`tokenize_record`), fitted to ``seq_length`` (:func:`fit_record`), turned into
@@ -545,12 +598,21 @@ class SFTDataset(torch.utils.data.Dataset):
         self.batch, self.stats = dict(batch), stats
 
     @classmethod
-    def from_records(cls, records: Iterable[Mapping[str, Any]], tok: ChatTokenizer, seq_length: int, *, packing: bool,
-                     truncation: str = "truncate") -> "SFTDataset":
+    def from_records(
+        cls,
+        records: Iterable[Mapping[str, Any]],
+        tok: ChatTokenizer,
+        seq_length: int,
+        *,
+        packing: bool,
+        truncation: str = "truncate",
+    ) -> "SFTDataset":
         batch, stats = build_sft_examples(records, tok, seq_length, packing=packing, truncation=truncation)
         if stats.examples == 0:
-            raise ValueError(f"no record left to train on ({stats.records} read, {stats.dropped} dropped as longer than "
-                             f"seq_length={seq_length} or without a response token)")
+            raise ValueError(
+                f"no record left to train on ({stats.records} read, {stats.dropped} dropped as longer than "
+                f"seq_length={seq_length} or without a response token)"
+            )
         return cls(batch, stats)
 
     def __len__(self) -> int:
@@ -562,9 +624,11 @@ class SFTDataset(torch.utils.data.Dataset):
 
 def sft_report(stats: BuildStats, what: str = "train") -> str:
     """One line for the user: what building the examples did, every cut or dropped record counted."""
-    return (f"{what}: {stats.records} instruction records → {stats.sequences} sequences of {stats.examples} records "
-            f"({stats.label_tokens} trained tokens, {stats.pad_tokens} pad); {stats.truncated} truncated "
-            f"({stats.prompt_truncated} prompt, {stats.response_truncated} response), {stats.dropped} dropped")
+    return (
+        f"{what}: {stats.records} instruction records → {stats.sequences} sequences of {stats.examples} records "
+        f"({stats.label_tokens} trained tokens, {stats.pad_tokens} pad); {stats.truncated} truncated "
+        f"({stats.prompt_truncated} prompt, {stats.response_truncated} response), {stats.dropped} dropped"
+    )
 
 
 # ------------------------------------------------------------------------------------------------ shipped samples

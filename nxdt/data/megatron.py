@@ -52,8 +52,16 @@ from nxdt.data import mix_seed
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
-DTYPES: dict[int, type] = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
-                           8: np.uint16}
+DTYPES: dict[int, type] = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 _HEADER = struct.Struct("<QBQQ")  # version, dtype code, sequence count, document count (after the magic)
 INDEX_FORMAT = 1  # of the cached .npy index mapping; part of its digest
 
@@ -67,6 +75,7 @@ class IndexedDataError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------------ reading
+
 
 @dataclass(frozen=True)
 class IndexedDataset:
@@ -88,7 +97,7 @@ class IndexedDataset:
 
     def sequence(self, i: int) -> np.ndarray:
         start = int(self.pointers[i]) // self.dtype.itemsize
-        return self.tokens[start:start + int(self.sizes[i])]
+        return self.tokens[start : start + int(self.sizes[i])]
 
     def document_lengths(self) -> np.ndarray:
         """Tokens per document (the sum of its sequences), int64 [M-1]."""
@@ -108,17 +117,21 @@ def read_index(prefix: str | Path) -> IndexedDataset:
     idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
     for f in (idx, bin_):
         if not f.is_file():
-            raise IndexedDataError(f"no {f.name} beside it ({f}); a data prefix names PREFIX.bin and PREFIX.idx without "
-                                   "the extension (nxdt data convert-megatron writes them)")
+            raise IndexedDataError(
+                f"no {f.name} beside it ({f}); a data prefix names PREFIX.bin and PREFIX.idx without "
+                "the extension (nxdt data convert-megatron writes them)"
+            )
     size = idx.stat().st_size
     with open(idx, "rb") as fh:
         head = fh.read(len(MAGIC) + _HEADER.size)
-    if head[:len(MAGIC)] != MAGIC:
-        raise IndexedDataError(f"{idx.name} is not a Megatron indexed-dataset index (no MMIDIDX header); only the "
-                               "mmap format (data_impl: mmap) is read")
+    if head[: len(MAGIC)] != MAGIC:
+        raise IndexedDataError(
+            f"{idx.name} is not a Megatron indexed-dataset index (no MMIDIDX header); only the "
+            "mmap format (data_impl: mmap) is read"
+        )
     if len(head) < len(MAGIC) + _HEADER.size:
         raise IndexedDataError(f"{idx.name} is truncated ({size} bytes, shorter than its header)")
-    version, code, n, m = _HEADER.unpack(head[len(MAGIC):])
+    version, code, n, m = _HEADER.unpack(head[len(MAGIC) :])
     if version != VERSION:
         raise IndexedDataError(f"{idx.name} has index version {version}; nxdt reads version {VERSION}")
     if code not in DTYPES:
@@ -126,24 +139,37 @@ def read_index(prefix: str | Path) -> IndexedDataset:
     offset = len(MAGIC) + _HEADER.size
     expected = offset + 4 * n + 8 * n + 8 * m
     if size not in (expected, expected + n):  # + n: Megatron's optional per-sequence modes (int8), not used here
-        raise IndexedDataError(f"{idx.name} is {size} bytes, but its header ({n} sequences, {m} document indices) needs "
-                               f"{expected}; the file is damaged or was written by another tool")
+        raise IndexedDataError(
+            f"{idx.name} is {size} bytes, but its header ({n} sequences, {m} document indices) needs "
+            f"{expected}; the file is damaged or was written by another tool"
+        )
     sizes: np.ndarray = np.memmap(idx, dtype="<i4", mode="r", offset=offset, shape=(n,)) if n else np.zeros(0, np.int32)
-    pointers: np.ndarray = np.memmap(idx, dtype="<i8", mode="r", offset=offset + 4 * n, shape=(n,)) if n else np.zeros(0, np.int64)
-    docs: np.ndarray = np.array(np.memmap(idx, dtype="<i8", mode="r", offset=offset + 12 * n, shape=(m,))) if m else np.zeros(0, np.int64)
+    pointers: np.ndarray = (
+        np.memmap(idx, dtype="<i8", mode="r", offset=offset + 4 * n, shape=(n,)) if n else np.zeros(0, np.int64)
+    )
+    docs: np.ndarray = (
+        np.array(np.memmap(idx, dtype="<i8", mode="r", offset=offset + 12 * n, shape=(m,))) if m else np.zeros(0, np.int64)
+    )
     dtype = np.dtype(DTYPES[code]).newbyteorder("<")
     if m < 1 or docs[0] != 0 or docs[-1] != n or np.any(np.diff(docs) < 0):
         raise IndexedDataError(f"{idx.name}: its document indices must rise from 0 to the sequence count {n}")
     bin_size = bin_.stat().st_size
-    if n and (np.any(sizes < 0) or np.any(pointers < 0) or np.any(pointers % dtype.itemsize)
-              or int((pointers + sizes.astype(np.int64) * dtype.itemsize).max()) > bin_size):
-        raise IndexedDataError(f"{bin_.name} ({bin_size} bytes) does not hold every sequence {idx.name} points to; the "
-                               ".bin and .idx do not belong together")
+    if n and (
+        np.any(sizes < 0)
+        or np.any(pointers < 0)
+        or np.any(pointers % dtype.itemsize)
+        or int((pointers + sizes.astype(np.int64) * dtype.itemsize).max()) > bin_size
+    ):
+        raise IndexedDataError(
+            f"{bin_.name} ({bin_size} bytes) does not hold every sequence {idx.name} points to; the "
+            ".bin and .idx do not belong together"
+        )
     tokens = np.memmap(bin_, dtype=dtype, mode="r") if bin_size else np.zeros(0, dtype)
     return IndexedDataset(prefix, dtype, sizes, pointers, docs, tokens)
 
 
 # ------------------------------------------------------------------------------------------------ writing
+
 
 def best_dtype(vocab_size: int) -> type:
     """Megatron's choice: uint16 below 65500 ids, else int32."""
@@ -176,6 +202,7 @@ def write_indexed(prefix: str | Path, documents: Iterable[Sequence[int]], dtype:
 
 
 # ------------------------------------------------------------------------------------------------ blend and split
+
 
 def parse_data_prefix(value: Any) -> list[tuple[float, str]]:
     """NxDT's ``data.data_prefix``: ``[w1, p1, w2, p2, ...]``, one path (weight 1) as a string or a one-item list,
@@ -242,19 +269,24 @@ def blend_index(weights: Sequence[float], num_samples: int) -> tuple[np.ndarray,
 
 # ------------------------------------------------------------------------------------------------ GPT samples
 
-def build_sample_index(doc_lengths: np.ndarray, num_samples: int, seq_length: int, seed: int
-                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+
+def build_sample_index(
+    doc_lengths: np.ndarray, num_samples: int, seq_length: int, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(document order over epochs, sample starts [num_samples, 2] = (position in that order, token offset), sample
     shuffle) for ``num_samples`` samples of ``seq_length + 1`` tokens; see the module docstring."""
     lengths = np.asarray(doc_lengths, dtype=np.int64)
     per_epoch = int(lengths.sum())
     if per_epoch < seq_length + 1:
-        raise IndexedDataError(f"holds {per_epoch} tokens in its training split, too few for one sample of seq_length="
-                               f"{seq_length} (+1 for the shifted label); convert more text or shorten data.seq_length")
+        raise IndexedDataError(
+            f"holds {per_epoch} tokens in its training split, too few for one sample of seq_length="
+            f"{seq_length} (+1 for the shifted label); convert more text or shorten data.seq_length"
+        )
     needed = num_samples * seq_length + 1  # the last sample ends one token past its seq_length
     epochs = max(1, -(-needed // per_epoch))
-    order = np.concatenate([np.random.Generator(np.random.PCG64(mix_seed(seed, 0x4D45, e))).permutation(len(lengths))
-                            for e in range(epochs)]).astype(np.int64)
+    order = np.concatenate(
+        [np.random.Generator(np.random.PCG64(mix_seed(seed, 0x4D45, e))).permutation(len(lengths)) for e in range(epochs)]
+    ).astype(np.int64)
     ends = np.cumsum(lengths[order])  # token position where each document of the order ends
     starts: np.ndarray = np.arange(num_samples, dtype=np.int64) * seq_length
     pos = np.searchsorted(ends, starts, side="right")  # the document holding each sample's first token
@@ -268,15 +300,23 @@ def _description(data: IndexedDataset, split_end: int, num_samples: int, seq_len
     for ext in (".idx", ".bin"):
         st = os.stat(data.prefix + ext)
         files[ext] = [st.st_size, st.st_mtime_ns]
-    return {"format": INDEX_FORMAT, "prefix": str(Path(data.prefix).resolve()), "files": files, "train_documents": split_end,
-            "num_samples": num_samples, "seq_length": seq_length, "seed": seed}
+    return {
+        "format": INDEX_FORMAT,
+        "prefix": str(Path(data.prefix).resolve()),
+        "files": files,
+        "train_documents": split_end,
+        "num_samples": num_samples,
+        "seq_length": seq_length,
+        "seed": seed,
+    }
 
 
 KINDS = ("doc_order", "sample_starts", "shuffle")
 
 
-def cached_sample_index(data: IndexedDataset, split_end: int, num_samples: int, seq_length: int, seed: int,
-                        cache_dir: str | Path | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def cached_sample_index(
+    data: IndexedDataset, split_end: int, num_samples: int, seq_length: int, seed: int, cache_dir: str | Path | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`build_sample_index` for the first ``split_end`` documents, through the ``.npy`` cache in ``cache_dir``
     (None: beside the ``.idx``). A cache whose description differs, or that does not load, is rebuilt; files are
     written to a temporary name and renamed, so ranks building at once never read half a file."""
@@ -321,8 +361,16 @@ def _atomic_write(path: Path, write) -> None:
 class GPTSamples:
     """``num_samples`` samples of ``seq_length + 1`` tokens over one indexed dataset's training split."""
 
-    def __init__(self, data: IndexedDataset, num_samples: int, seq_length: int, seed: int, *,
-                 splits_string: str | None = None, cache_dir: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        data: IndexedDataset,
+        num_samples: int,
+        seq_length: int,
+        seed: int,
+        *,
+        splits_string: str | None = None,
+        cache_dir: str | Path | None = None,
+    ) -> None:
         self.data, self.seq_length = data, seq_length
         split_end = train_split_end(data.num_documents, splits_string)
         self.order, self.starts, self.shuffle = cached_sample_index(data, split_end, num_samples, seq_length, seed, cache_dir)
@@ -334,7 +382,7 @@ class GPTSamples:
         pos, offset = (int(v) for v in self.starts[int(self.shuffle[i])])
         need, parts = self.seq_length + 1, []
         while need > 0:
-            doc = self.data.document(int(self.order[pos]))[offset:offset + need]
+            doc = self.data.document(int(self.order[pos]))[offset : offset + need]
             parts.append(doc)
             need -= len(doc)
             pos, offset = pos + 1, 0
@@ -345,16 +393,33 @@ class BlendedMegatronData(Dataset):
     """NxDT's Megatron data: ``data_prefix`` datasets blended by weight into ``num_samples`` samples of
     ``{"input_ids", "labels"}`` (``seq_length`` each, labels shifted by one)."""
 
-    def __init__(self, data_prefix: Any, num_samples: int, seq_length: int, seed: int, *, vocab_size: int | None = None,
-                 splits_string: str | None = None, index_mapping_dir: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        data_prefix: Any,
+        num_samples: int,
+        seq_length: int,
+        seed: int,
+        *,
+        vocab_size: int | None = None,
+        splits_string: str | None = None,
+        index_mapping_dir: str | Path | None = None,
+    ) -> None:
         pairs = parse_data_prefix(data_prefix)
         self.which, self.local = blend_index([w for w, _ in pairs], num_samples)
         counts = np.bincount(self.which, minlength=len(pairs))
         self.parts = []
         for j, (_, prefix) in enumerate(pairs):
             data = read_index(prefix)
-            self.parts.append(GPTSamples(data, max(1, int(counts[j])), seq_length, mix_seed(seed, j), splits_string=splits_string,
-                                         cache_dir=index_mapping_dir))
+            self.parts.append(
+                GPTSamples(
+                    data,
+                    max(1, int(counts[j])),
+                    seq_length,
+                    mix_seed(seed, j),
+                    splits_string=splits_string,
+                    cache_dir=index_mapping_dir,
+                )
+            )
         self.vocab_size = vocab_size
 
     def __len__(self) -> int:
@@ -365,8 +430,10 @@ class BlendedMegatronData(Dataset):
             raise IndexError(f"sample {index} outside 0..{len(self) - 1}")
         window = torch.from_numpy(self.parts[int(self.which[index])].tokens(int(self.local[index])))
         if self.vocab_size is not None and (window.min() < 0 or window.max() >= self.vocab_size):
-            raise ValueError(f"token id {int(window.max())} of data.data_prefix is outside model.vocab_size={self.vocab_size}; "
-                             "convert the data with the model's tokenizer")
+            raise ValueError(
+                f"token id {int(window.max())} of data.data_prefix is outside model.vocab_size={self.vocab_size}; "
+                "convert the data with the model's tokenizer"
+            )
         return {"input_ids": window[:-1], "labels": window[1:]}
 
 
@@ -379,11 +446,14 @@ def check_data_prefix(data_prefix: Any, vocab_size: int) -> None:
         except IndexedDataError as exc:
             raise IndexedDataError(f"{prefix}: {exc.fix}") from None
         if len(data) and len(data.sequence(0)) and int(data.sequence(0).max()) >= vocab_size:
-            raise IndexedDataError(f"{prefix}: token id {int(data.sequence(0).max())} is outside model.vocab_size={vocab_size}; "
-                                   "convert the data with the model's tokenizer")
+            raise IndexedDataError(
+                f"{prefix}: token id {int(data.sequence(0).max())} is outside model.vocab_size={vocab_size}; "
+                "convert the data with the model's tokenizer"
+            )
 
 
 # ------------------------------------------------------------------------------------------------ converter
+
 
 def read_documents(path: Path, json_key: str) -> Iterable[str]:
     """JSONL (``*.jsonl``/``*.json``): one document per line, its ``json_key`` field; anything else: the file is one
@@ -404,8 +474,9 @@ def read_documents(path: Path, json_key: str) -> Iterable[str]:
         yield path.read_text(encoding="utf-8")
 
 
-def convert(inputs: Sequence[str | Path], output_prefix: str | Path, tokenizer, *, json_key: str = "text",
-            eod_id: int | None = None) -> int:
+def convert(
+    inputs: Sequence[str | Path], output_prefix: str | Path, tokenizer, *, json_key: str = "text", eod_id: int | None = None
+) -> int:
     """Tokenize every document of ``inputs`` (an EOD id after each when given) into ``output_prefix``.bin/.idx."""
     vocab = max(tokenizer.vocab_size, (eod_id or 0) + 1)
 

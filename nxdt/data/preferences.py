@@ -34,8 +34,17 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from .instructions import (IGNORE_INDEX, TASKS, ChatTokenizer, _task, pack_examples, plain_prompt, record_example,
-                           render_chat_template, render_plain_chat)
+from .instructions import (
+    IGNORE_INDEX,
+    TASKS,
+    ChatTokenizer,
+    _task,
+    pack_examples,
+    plain_prompt,
+    record_example,
+    render_chat_template,
+    render_plain_chat,
+)
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
 
@@ -46,18 +55,20 @@ class PreferenceStats:
 
     records: int = 0
     pairs: int = 0
-    prompt_truncated: int = 0     # prompts cut to max_prompt_length
-    response_truncated: int = 0   # pairs with the chosen or the rejected response cut to fit seq_length
-    dropped: int = 0              # pairs whose prompt left no room for a response
+    prompt_truncated: int = 0  # prompts cut to max_prompt_length
+    response_truncated: int = 0  # pairs with the chosen or the rejected response cut to fit seq_length
+    dropped: int = 0  # pairs whose prompt left no room for a response
 
     def summary(self) -> str:
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
 
 
 def _messages_ok(value: Any) -> bool:
-    return (isinstance(value, list) and bool(value)
-            and all(isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in value))
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+    )
 
 
 def _response_text(value: Any, key: str, where: str) -> str:
@@ -66,8 +77,9 @@ def _response_text(value: Any, key: str, where: str) -> str:
             raise ValueError(f"{where}: '{key}' as a list must hold exactly one assistant message")
         value = value[0]["content"]
     if not isinstance(value, str) or not value:
-        raise ValueError(f"{where}: '{key}' must be a non-empty string (a preference record has 'prompt', 'chosen' "
-                         f"and 'rejected')")
+        raise ValueError(
+            f"{where}: '{key}' must be a non-empty string (a preference record has 'prompt', 'chosen' and 'rejected')"
+        )
     return value
 
 
@@ -84,19 +96,24 @@ def check_preference_record(record: Mapping[str, Any], where: str = "record") ->
     return prompt, _response_text(record["chosen"], "chosen", where), _response_text(record["rejected"], "rejected", where)
 
 
-def tokenize_preference(record: Mapping[str, Any], tok: ChatTokenizer, *, use_chat_template: bool | None = None,
-                        where: str = "record") -> tuple[list[int], list[int], list[int]]:
+def tokenize_preference(
+    record: Mapping[str, Any], tok: ChatTokenizer, *, use_chat_template: bool | None = None, where: str = "record"
+) -> tuple[list[int], list[int], list[int]]:
     """``(prompt ids, chosen ids, rejected ids)``, untruncated; responses end with EOS."""
     prompt, chosen, rejected = check_preference_record(record, where)
     if use_chat_template and tok.chat_template is None:
         raise ValueError("use_chat_template=True but the tokenizer has no chat_template")
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     if tok.chat_template is not None and use_chat_template is not False:
-        prompt_ids = tok.encode(render_chat_template(tok.chat_template, messages, add_generation_prompt=True,
-                                                     special_tokens=tok.special_tokens))
+        prompt_ids = tok.encode(
+            render_chat_template(tok.chat_template, messages, add_generation_prompt=True, special_tokens=tok.special_tokens)
+        )
     else:
-        text = render_plain_chat(messages, add_generation_prompt=True) if isinstance(prompt, list) \
+        text = (
+            render_plain_chat(messages, add_generation_prompt=True)
+            if isinstance(prompt, list)
             else plain_prompt({"input": prompt})
+        )
         prompt_ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(text)
 
     def response(text: str) -> list[int]:
@@ -106,9 +123,15 @@ def tokenize_preference(record: Mapping[str, Any], tok: ChatTokenizer, *, use_ch
     return prompt_ids, response(chosen), response(rejected)
 
 
-def build_preference_batch(records: Iterable[Mapping[str, Any]], tok: ChatTokenizer, seq_length: int, *,
-                           max_prompt_length: int | None = None, truncation_mode: str = "keep_end",
-                           use_chat_template: bool | None = None) -> tuple[dict[str, torch.Tensor], PreferenceStats]:
+def build_preference_batch(
+    records: Iterable[Mapping[str, Any]],
+    tok: ChatTokenizer,
+    seq_length: int,
+    *,
+    max_prompt_length: int | None = None,
+    truncation_mode: str = "keep_end",
+    use_chat_template: bool | None = None,
+) -> tuple[dict[str, torch.Tensor], PreferenceStats]:
     """Preference records → one batch (chosen rows, then rejected rows) and the :class:`PreferenceStats`.
     See the module docstring for the rules; a malformed record fails with its index."""
     if truncation_mode not in TRUNCATION_MODES:
@@ -121,8 +144,7 @@ def build_preference_batch(records: Iterable[Mapping[str, Any]], tok: ChatTokeni
     rejected_rows: list[tuple[list[int], list[int]]] = []
     for index, record in enumerate(records):
         stats.records += 1
-        prompt, chosen, rejected = tokenize_preference(record, tok, use_chat_template=use_chat_template,
-                                                       where=f"record {index}")
+        prompt, chosen, rejected = tokenize_preference(record, tok, use_chat_template=use_chat_template, where=f"record {index}")
         if max_prompt_length is not None and len(prompt) > max_prompt_length:
             prompt = prompt[:max_prompt_length] if truncation_mode == "keep_start" else prompt[-max_prompt_length:]
             stats.prompt_truncated += 1
@@ -166,13 +188,23 @@ class PreferenceDataset(torch.utils.data.Dataset):
         self.ref_logps: torch.Tensor | None = None
 
     @classmethod
-    def from_records(cls, records: Iterable[Mapping[str, Any]], tok: ChatTokenizer, seq_length: int, *,
-                     max_prompt_length: int | None = None, truncation_mode: str = "keep_end") -> "PreferenceDataset":
-        batch, stats = build_preference_batch(records, tok, seq_length, max_prompt_length=max_prompt_length,
-                                              truncation_mode=truncation_mode)
+    def from_records(
+        cls,
+        records: Iterable[Mapping[str, Any]],
+        tok: ChatTokenizer,
+        seq_length: int,
+        *,
+        max_prompt_length: int | None = None,
+        truncation_mode: str = "keep_end",
+    ) -> "PreferenceDataset":
+        batch, stats = build_preference_batch(
+            records, tok, seq_length, max_prompt_length=max_prompt_length, truncation_mode=truncation_mode
+        )
         if stats.pairs == 0:
-            raise ValueError(f"no preference pair left to train on ({stats.records} read, {stats.dropped} dropped: the "
-                             f"prompt left no room for a response in seq_length={seq_length})")
+            raise ValueError(
+                f"no preference pair left to train on ({stats.records} read, {stats.dropped} dropped: the "
+                f"prompt left no room for a response in seq_length={seq_length})"
+            )
         return cls(batch, stats)
 
     def __len__(self) -> int:
@@ -206,9 +238,11 @@ def pair_rows(micro_batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 def preference_report(stats: PreferenceStats, what: str = "train") -> str:
     """One line for the user: what building the pairs did, every cut or dropped pair counted."""
-    return (f"{what}: {stats.records} preference records → {stats.pairs} pairs (chosen and rejected in one micro-batch); "
-            f"{stats.prompt_truncated} prompts truncated, {stats.response_truncated} pairs with a response truncated, "
-            f"{stats.dropped} dropped")
+    return (
+        f"{what}: {stats.records} preference records → {stats.pairs} pairs (chosen and rejected in one micro-batch); "
+        f"{stats.prompt_truncated} prompts truncated, {stats.response_truncated} pairs with a response truncated, "
+        f"{stats.dropped} dropped"
+    )
 
 
 def make_preference_samples(n: int = 200, seed: int = 1) -> list[dict[str, str]]:
@@ -224,7 +258,17 @@ def make_preference_samples(n: int = 200, seed: int = 1) -> list[dict[str, str]]
     return out
 
 
-__all__ = ["TRUNCATION_MODES", "PreferenceStats", "check_preference_record", "tokenize_preference",
-           "build_preference_batch", "split_chosen_rejected", "make_preference_samples", "IGNORE_INDEX",
-           "PAIR_FIELDS", "PreferenceDataset", "pair_rows", "preference_report"]
-
+__all__ = [
+    "TRUNCATION_MODES",
+    "PreferenceStats",
+    "check_preference_record",
+    "tokenize_preference",
+    "build_preference_batch",
+    "split_chosen_rejected",
+    "make_preference_samples",
+    "IGNORE_INDEX",
+    "PAIR_FIELDS",
+    "PreferenceDataset",
+    "pair_rows",
+    "preference_report",
+]

@@ -27,20 +27,35 @@ from nxdt.data import mix_seed
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
-    def __init__(self, num_samples: int, global_batch_size: int, micro_batch_size: int, dp_rank: int = 0,
-                 dp_size: int = 1, consumed_samples: int = 0, seed: int = 0, shuffle: bool = True) -> None:
+    def __init__(
+        self,
+        num_samples: int,
+        global_batch_size: int,
+        micro_batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        consumed_samples: int = 0,
+        seed: int = 0,
+        shuffle: bool = True,
+    ) -> None:
         if num_samples < 1:
             raise ValueError("the dataset is empty: the sampler has nothing to draw from")
         if micro_batch_size < 1 or dp_size < 1 or global_batch_size < 1:
-            raise ValueError(f"batch sizes and dp_size must be >= 1 (global={global_batch_size}, micro={micro_batch_size}, dp={dp_size})")
+            raise ValueError(
+                f"batch sizes and dp_size must be >= 1 (global={global_batch_size}, micro={micro_batch_size}, dp={dp_size})"
+            )
         if global_batch_size % (micro_batch_size * dp_size):
-            raise ValueError(f"data.global_batch_size={global_batch_size} must be divisible by micro_batch_size × DP = "
-                             f"{micro_batch_size}×{dp_size} = {micro_batch_size * dp_size}")
+            raise ValueError(
+                f"data.global_batch_size={global_batch_size} must be divisible by micro_batch_size × DP = "
+                f"{micro_batch_size}×{dp_size} = {micro_batch_size * dp_size}"
+            )
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} outside 0..{dp_size - 1}")
         if consumed_samples < 0 or consumed_samples % global_batch_size:
-            raise ValueError(f"consumed_samples={consumed_samples} must be a non-negative multiple of "
-                             f"global_batch_size={global_batch_size} (training resumes at a step boundary)")
+            raise ValueError(
+                f"consumed_samples={consumed_samples} must be a non-negative multiple of "
+                f"global_batch_size={global_batch_size} (training resumes at a step boundary)"
+            )
         self.num_samples, self.global_batch_size, self.micro_batch_size = num_samples, global_batch_size, micro_batch_size
         self.dp_rank, self.dp_size, self.consumed_samples = dp_rank, dp_size, consumed_samples
         self.seed, self.shuffle = seed, shuffle
@@ -78,8 +93,9 @@ class EvalBatchSampler(Sampler[list[int]]):
     :class:`PadRows` gives it), so every rank runs the same number of forwards and the loss summed over all
     ranks covers every sample exactly once, whatever D. ``num_batches`` limits the global batches (None: all)."""
 
-    def __init__(self, num_samples: int, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
-                 num_batches: int | None = None) -> None:
+    def __init__(
+        self, num_samples: int, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1, num_batches: int | None = None
+    ) -> None:
         if global_batch_size < 1 or global_batch_size % dp_size:
             raise ValueError(f"global_batch_size={global_batch_size} must be a positive multiple of DP={dp_size}")
         self.num_samples, self.global_batch_size, self.dp_rank, self.dp_size = num_samples, global_batch_size, dp_rank, dp_size

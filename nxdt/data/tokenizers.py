@@ -34,13 +34,16 @@ class HFTokenizer:
         if file.is_dir():
             file = file / "tokenizer.json"
         if not file.is_file():
-            raise FileNotFoundError(f"data.tokenizer={path}: no tokenizer.json there — give the path of a Hugging Face "
-                                    f"tokenizer.json (or its directory), or null for the byte-level tokenizer")
+            raise FileNotFoundError(
+                f"data.tokenizer={path}: no tokenizer.json there — give the path of a Hugging Face "
+                f"tokenizer.json (or its directory), or null for the byte-level tokenizer"
+            )
         try:
             from tokenizers import Tokenizer  # optional: only needed for this tokenizer
         except ImportError as exc:
-            raise RuntimeError(f"data.tokenizer={path}: reading tokenizer.json needs the 'tokenizers' package — "
-                               f"pip install tokenizers") from exc
+            raise RuntimeError(
+                f"data.tokenizer={path}: reading tokenizer.json needs the 'tokenizers' package — pip install tokenizers"
+            ) from exc
         try:
             self._tok = Tokenizer.from_file(str(file))
         except Exception as exc:  # the package's own errors are terse and path-less
@@ -81,21 +84,27 @@ def check_tokenizer(path: str | Path, vocab_size: int) -> int:
     file = Path(path)  # as the workers open it (no ~ expansion)
     file = file / "tokenizer.json" if file.is_dir() else file
     if file.is_file() and file.stat().st_size > MAX_TOKENIZER_BYTES:
-        raise TokenizerFileError(f"{file.name} is {file.stat().st_size / 2**30:.1f} GiB, no tokenizer.json is that large; "
-                                 "give the tokenizer.json saved with the model")
+        raise TokenizerFileError(
+            f"{file.name} is {file.stat().st_size / 2**30:.1f} GiB, no tokenizer.json is that large; "
+            "give the tokenizer.json saved with the model"
+        )
     try:
         tokenizer = HFTokenizer(path)
     except FileNotFoundError:
-        raise TokenizerFileError("no tokenizer.json there; give a Hugging Face tokenizer.json (or its directory), "
-                                 "or null for the byte-level tokenizer") from None
+        raise TokenizerFileError(
+            "no tokenizer.json there; give a Hugging Face tokenizer.json (or its directory), or null for the byte-level tokenizer"
+        ) from None
     except RuntimeError:
         raise TokenizerFileError("reading tokenizer.json needs the 'tokenizers' package: pip install 'nxdt[hf]'") from None
     except (ValueError, OSError) as exc:
         reason = str(exc.__cause__ or exc).splitlines()[0][:160] if str(exc.__cause__ or exc) else type(exc).__name__
-        raise TokenizerFileError(f"not a valid tokenizer.json ({reason}); give the tokenizer.json saved with the "
-                                 "model (tokenizer.save_pretrained)") from None
+        raise TokenizerFileError(
+            f"not a valid tokenizer.json ({reason}); give the tokenizer.json saved with the model (tokenizer.save_pretrained)"
+        ) from None
     if tokenizer.vocab_size > vocab_size:
-        raise TokenizerFileError(f"has {tokenizer.vocab_size} token ids, model.vocab_size={vocab_size} has room for "
-                                 f"fewer (ids would index past the embedding); set model.vocab_size >= "
-                                 f"{tokenizer.vocab_size}, or use the model's own tokenizer")
+        raise TokenizerFileError(
+            f"has {tokenizer.vocab_size} token ids, model.vocab_size={vocab_size} has room for "
+            f"fewer (ids would index past the embedding); set model.vocab_size >= "
+            f"{tokenizer.vocab_size}, or use the model's own tokenizer"
+        )
     return tokenizer.vocab_size

@@ -106,18 +106,44 @@ def compare(run_dir: str | Path, calibration: dict[str, Any] | None, warmup: int
             continue
         _, predicted, _ = estimate_collective(op, group, nbytes, topo, cfg.instance, the_plan.ranks_per_node, calibration)
         measured = statistics.median(entry["durations"])
-        rows.append({"dim": dim, "op": op, "bytes": nbytes, "ranks": len(group), "calls_per_step": entry["rank0_calls"] / steps,
-                     "planned_calls_per_step": planned.get((dim, op, nbytes)), "measured_s": measured, "predicted_s": predicted,
-                     "ratio": _ratio(predicted, measured)})
+        rows.append(
+            {
+                "dim": dim,
+                "op": op,
+                "bytes": nbytes,
+                "ranks": len(group),
+                "calls_per_step": entry["rank0_calls"] / steps,
+                "planned_calls_per_step": planned.get((dim, op, nbytes)),
+                "measured_s": measured,
+                "predicted_s": predicted,
+                "ratio": _ratio(predicted, measured),
+            }
+        )
     modelled = [r for r in rows if r["planned_calls_per_step"] is not None]  # what the plan's step time counts
     measured_comm = sum(r["measured_s"] * r["calls_per_step"] for r in modelled)
     predicted_comm = sum(r["predicted_s"] * r["planned_calls_per_step"] for r in modelled)
-    return {"run_dir": str(run_dir), "instance": cfg.instance.name, "world_size": the_plan.world_size, "calibrated": est["calibrated"],
-            "steps": steps, "warmup": warmup if steps > warmup else 0, "traced": bool(traced),
-            "step_time": {"predicted_s": est["step_time_s"], "measured_s": measured_step, "ratio": _ratio(est["step_time_s"], measured_step)},
-            "collective_time_per_step": {"predicted_s": predicted_comm, "measured_s": measured_comm, "ratio": _ratio(predicted_comm, measured_comm)}
-            if modelled else None,
-            "collectives": rows}
+    return {
+        "run_dir": str(run_dir),
+        "instance": cfg.instance.name,
+        "world_size": the_plan.world_size,
+        "calibrated": est["calibrated"],
+        "steps": steps,
+        "warmup": warmup if steps > warmup else 0,
+        "traced": bool(traced),
+        "step_time": {
+            "predicted_s": est["step_time_s"],
+            "measured_s": measured_step,
+            "ratio": _ratio(est["step_time_s"], measured_step),
+        },
+        "collective_time_per_step": {
+            "predicted_s": predicted_comm,
+            "measured_s": measured_comm,
+            "ratio": _ratio(predicted_comm, measured_comm),
+        }
+        if modelled
+        else None,
+        "collectives": rows,
+    }
 
 
 def _time(seconds: float) -> str:
@@ -134,10 +160,12 @@ def _r(ratio: float | None) -> str:
 
 def render(report: dict[str, Any]) -> str:
     """The comparison as text: step time, collective time per step, then one line per traced collective."""
-    lines = [f"plan vs run {report['run_dir']} ({report['world_size']} ranks on {report['instance']}, "
-             f"{'calibrated' if report['calibrated'] else 'catalogue figures'}; {report['steps']} steps, "
-             f"median after {report['warmup']} warm-up)",
-             f"{'':28}{'predicted':>12}{'measured':>12}{'pred/meas':>11}"]
+    lines = [
+        f"plan vs run {report['run_dir']} ({report['world_size']} ranks on {report['instance']}, "
+        f"{'calibrated' if report['calibrated'] else 'catalogue figures'}; {report['steps']} steps, "
+        f"median after {report['warmup']} warm-up)",
+        f"{'':28}{'predicted':>12}{'measured':>12}{'pred/meas':>11}",
+    ]
     rows = [("step time", report["step_time"])]
     if report["collective_time_per_step"]:
         rows.append(("planned collectives per step", report["collective_time_per_step"]))
@@ -146,11 +174,16 @@ def render(report: dict[str, Any]) -> str:
     if not report["traced"]:
         lines.append("per collective: no trace in this run (train with exp_manager.trace=true to compare each collective)")
         return "\n".join(lines)
-    lines += ["", "per collective (median over ranks and calls; calls per step: run / plan)",
-              f"{'dim':6}{'op':16}{'bytes':>12}{'ranks':>6}{'calls/step':>16}{'predicted':>12}{'measured':>12}{'pred/meas':>11}"]
+    lines += [
+        "",
+        "per collective (median over ranks and calls; calls per step: run / plan)",
+        f"{'dim':6}{'op':16}{'bytes':>12}{'ranks':>6}{'calls/step':>16}{'predicted':>12}{'measured':>12}{'pred/meas':>11}",
+    ]
     for r in report["collectives"]:
         planned = r["planned_calls_per_step"]
         calls = f"{r['calls_per_step']:g} / " + ("-" if planned is None else f"{planned:g}")
-        lines.append(f"{r['dim']:6}{r['op']:16}{r['bytes']:>12}{r['ranks']:>6}{calls:>16}{_time(r['predicted_s']):>12}"
-                     f"{_time(r['measured_s']):>12}{_r(r['ratio']):>11}")
+        lines.append(
+            f"{r['dim']:6}{r['op']:16}{r['bytes']:>12}{r['ranks']:>6}{calls:>16}{_time(r['predicted_s']):>12}"
+            f"{_time(r['measured_s']):>12}{_r(r['ratio']):>11}"
+        )
     return "\n".join(lines)

@@ -28,8 +28,15 @@ def _flops_body(world: Any, hidden: int, seq: int, batch: int, steps: int) -> fl
     from nxdt.models.llama import LlamaForCausalLM
 
     torch.set_num_threads(_threads_per_rank(world.world_size))
-    cfg = types.SimpleNamespace(vocab_size=256, hidden_size=hidden, num_layers=4, num_attention_heads=4, num_kv_heads=2,
-                                ffn_hidden_size=int(hidden * 8 / 3), max_position_embeddings=seq)
+    cfg = types.SimpleNamespace(
+        vocab_size=256,
+        hidden_size=hidden,
+        num_layers=4,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=int(hidden * 8 / 3),
+        max_position_embeddings=seq,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     ids = torch.randint(0, 256, (batch, seq))
@@ -49,8 +56,18 @@ def _flops_body(world: Any, hidden: int, seq: int, batch: int, steps: int) -> fl
 
 def measure(nworkers: int = 2, maxbytes: int = 64 << 20, hidden: int = 128, seq: int = 128, batch: int = 4) -> dict[str, Any]:
     """Raw measurements: comm-test reports keyed by group size, and FLOP/s per rank."""
-    opts = {"ops": CALIBRATION_OPS, "minbytes": 1 << 10, "maxbytes": maxbytes, "stepfactor": 4.0, "iters": 10, "warmup_iters": 3,
-            "datatype": "fp32", "check": False, "algorithm": "auto", "baseline": None}
+    opts = {
+        "ops": CALIBRATION_OPS,
+        "minbytes": 1 << 10,
+        "maxbytes": maxbytes,
+        "stepfactor": 4.0,
+        "iters": 10,
+        "warmup_iters": 3,
+        "datatype": "fp32",
+        "check": False,
+        "algorithm": "auto",
+        "baseline": None,
+    }
     report = run_local(bench_body, nworkers, opts, timeout_s=3600, comm_timeout_s=300)[0]
     flops = run_local(_flops_body, nworkers, hidden, seq, batch, 5, timeout_s=600)
     return {"reports": {nworkers: report}, "flops_per_s": min(flops)}

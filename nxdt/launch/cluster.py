@@ -67,14 +67,16 @@ def describe_local(cfg: Any, plan: Any, console_tty: bool) -> str:
 
     run_dir = choose_run_dir(cfg)
     args = [sys.executable, *WORKER_MODULE, str(run_dir)] + (["--console-tty"] if console_tty else [])
-    return "\n".join([
-        f"nxdt: dry run — nothing started; run directory {run_dir} (config.yaml, plan.json)",
-        f"agent: torch elastic_launch on this host, {plan.ranks_per_node} workers, nxdt-local rendezvous: one store on 127.0.0.1 only (a free port), "
-        f"max_restarts={cfg.exp_manager.max_restarts}",
-        f"worker command: {shlex.join(args)} (forked from a server that has imported torch and Lightning once)",
-        f"worker environment (set by the agent): RANK LOCAL_RANK WORLD_SIZE={plan.world_size} LOCAL_WORLD_SIZE={plan.ranks_per_node} "
-        "MASTER_ADDR MASTER_PORT TORCHELASTIC_RUN_ID",
-    ])
+    return "\n".join(
+        [
+            f"nxdt: dry run — nothing started; run directory {run_dir} (config.yaml, plan.json)",
+            f"agent: torch elastic_launch on this host, {plan.ranks_per_node} workers, nxdt-local rendezvous: one store on 127.0.0.1 only (a free port), "
+            f"max_restarts={cfg.exp_manager.max_restarts}",
+            f"worker command: {shlex.join(args)} (forked from a server that has imported torch and Lightning once)",
+            f"worker environment (set by the agent): RANK LOCAL_RANK WORLD_SIZE={plan.world_size} LOCAL_WORLD_SIZE={plan.ranks_per_node} "
+            "MASTER_ADDR MASTER_PORT TORCHELASTIC_RUN_ID",
+        ]
+    )
 
 
 def launch(cfg: Any, plan: Any, overrides: list[str], console_tty: bool) -> int:

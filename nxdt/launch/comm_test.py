@@ -38,17 +38,27 @@ def node_worker(opts: dict, node_key: Any, source: str, digest: str, timeout_s: 
 
 def main_multinode(args: argparse.Namespace, opts: dict) -> int:
     """Every node runs this; the node holding rank 0 prints the table."""
-    launcher = SimpleNamespace(rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id or "nxdt-comm-test", node_rank=args.node_rank,
-                               local_addr=args.local_addr, port=29500, join_timeout_s=args.join_timeout)
+    launcher = SimpleNamespace(
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=args.rdzv_id or "nxdt-comm-test",
+        node_rank=args.node_rank,
+        local_addr=args.local_addr,
+        port=29500,
+        join_timeout_s=args.join_timeout,
+    )
     try:
         spec = resolve_node(launcher, args.nodes, ranks_per_node(args.nworkers, args.nodes))
     except ConfigError as exc:
         print(f"nxdt comm-test: {exc}", file=sys.stderr)
         return 2
-    digest = hashlib.sha256(json.dumps({**opts, "nodes": args.nodes, "r": args.nworkers}, sort_keys=True).encode()).hexdigest()[:16]
-    print(f"nxdt comm-test: node {spec.known_node_rank if spec.known_node_rank is not None else '?'} of {args.nodes} "
-          f"({args.nworkers // args.nodes} of {args.nworkers} ranks, address {spec.local_addr}); c10d rendezvous {spec.rdzv_endpoint}",
-          flush=True)
+    digest = hashlib.sha256(json.dumps({**opts, "nodes": args.nodes, "r": args.nworkers}, sort_keys=True).encode()).hexdigest()[
+        :16
+    ]
+    print(
+        f"nxdt comm-test: node {spec.known_node_rank if spec.known_node_rank is not None else '?'} of {args.nodes} "
+        f"({args.nworkers // args.nodes} of {args.nworkers} ranks, address {spec.local_addr}); c10d rendezvous {spec.rdzv_endpoint}",
+        flush=True,
+    )
     scratch = Path(tempfile.mkdtemp(prefix="nxdt-comm-test-"))
     try:
         results = launch_node(scratch, spec, (opts, spec.node_key, spec.node_key_source, digest, 300.0), entrypoint=node_worker)

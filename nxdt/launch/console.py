@@ -33,13 +33,18 @@ MODE_FLAGS = {"-q": "quiet", "--quiet": "quiet", "-v": "verbose", "--verbose": "
 # Lightning's info lines that are not about this run: device banners, advertisements, its own stop notice
 # (nxdt's summary says why training stopped). Everything else Lightning logs (e.g. "Restoring states from the
 # checkpoint path at ...") stays on the console.
-THIRD_PARTY_NOISE = re.compile(r"^(GPU available|TPU available|HPU available|IPU available|💡 Tip|LOCAL_RANK: \d|"
-                               r"`Trainer\.fit` stopped)")
+THIRD_PARTY_NOISE = re.compile(
+    r"^(GPU available|TPU available|HPU available|IPU available|💡 Tip|LOCAL_RANK: \d|"
+    r"`Trainer\.fit` stopped)"
+)
 # warnings that concern library authors, not the person training: deprecations of APIs nxdt's dependencies use,
 # Lightning's advice on manual optimization with ModelCheckpoint (nxdt's module steps its optimizer itself and
 # its checkpoints are meant to hold the state after the step), and its note that a resumed run's checkpoint directory is not empty (it is the run's own)
-WARNING_NOISE = re.compile(r"deprecat|FutureWarning|DeprecationWarning|Using ModelCheckpoint with manual optimization|"
-                           r"Checkpoint directory .* exists and is not empty", re.IGNORECASE)
+WARNING_NOISE = re.compile(
+    r"deprecat|FutureWarning|DeprecationWarning|Using ModelCheckpoint with manual optimization|"
+    r"Checkpoint directory .* exists and is not empty",
+    re.IGNORECASE,
+)
 THIRD_PARTY_LOGGERS = ("lightning.pytorch", "lightning.fabric")
 
 
@@ -117,14 +122,17 @@ def banner(run_dir: Path, plan: Any, cfg: Any, label: str = "") -> list[str]:
     from nxdt.launch.runs import get, layout_line
 
     est = getattr(plan, "estimate", None) or {}
-    lines = [f"nxdt: {label}run directory {run_dir} ({plan.world_size} ranks)",
-             f"nxdt: layout: {layout_line(plan, cfg)}"]
+    lines = [f"nxdt: {label}run directory {run_dir} ({plan.world_size} ranks)", f"nxdt: layout: {layout_line(plan, cfg)}"]
     batch = getattr(plan, "batch", None) or {}
     unit = "pairs (chosen + rejected sequences)" if get(cfg, "data.source") == "preferences" else "sequences"
-    what = (f"{get(cfg, 'name')}: {get(cfg, 'trainer.max_steps')} steps × {batch.get('global', '?')} {unit} of "
-            f"{batch.get('seq_length', '?')} tokens (micro-batch {batch.get('micro', '?')})")
+    what = (
+        f"{get(cfg, 'name')}: {get(cfg, 'trainer.max_steps')} steps × {batch.get('global', '?')} {unit} of "
+        f"{batch.get('seq_length', '?')} tokens (micro-batch {batch.get('micro', '?')})"
+    )
     if est.get("step_time_s"):
-        guessed = "" if est.get("calibrated") or not _peak_is_guess(cfg) else f" ({get(cfg, 'instance.name')}: placeholder figures)"
+        guessed = (
+            "" if est.get("calibrated") or not _peak_is_guess(cfg) else f" ({get(cfg, 'instance.name')}: placeholder figures)"
+        )
         what += f" · plan: {est['step_time_s']:.3f} s/step, {est['tokens_per_s']:,.0f} tokens/s{guessed}"
     lines.append(f"nxdt: {what}")
     return lines
@@ -163,7 +171,11 @@ def summary(run_dir: Path, status: str, launched_at: float, overrides: list[str]
     this_launch = [r for r in rows if r.get("wall_time", launched_at) >= launched_at]
     verb = {"finished": "finished", "failed": "failed", "interrupted": "interrupted"}.get(status, status)
     if rows:
-        first_at = f" (first step logged after {_seconds(this_launch[0]['wall_time'] - launched_at)})" if this_launch and "wall_time" in this_launch[0] else ""
+        first_at = (
+            f" (first step logged after {_seconds(this_launch[0]['wall_time'] - launched_at)})"
+            if this_launch and "wall_time" in this_launch[0]
+            else ""
+        )
         head = f"nxdt: {verb} at step {run.last_step} of {run.max_steps} in {_seconds(elapsed)}{first_at}"
         figures = [f"loss {run.first_loss:.4f} → {run.last_loss:.4f}"]
         tps = median(this_launch or rows, "tokens_per_s")
@@ -177,11 +189,16 @@ def summary(run_dir: Path, status: str, launched_at: float, overrides: list[str]
         lines = [f"nxdt: {verb} after {_seconds(elapsed)}, before any step was logged"]
     if run.checkpoint is not None:
         lines.append(f"nxdt: newest checkpoint: {run.checkpoint}")
-        resume = command_line(list(source_args), overrides, [f"exp_manager.explicit_log_dir={run_dir}", "exp_manager.resume_if_exists=true"])
+        resume = command_line(
+            list(source_args), overrides, [f"exp_manager.explicit_log_dir={run_dir}", "exp_manager.resume_if_exists=true"]
+        )
         lines.append(f"nxdt: resume{' (with a larger trainer.max_steps)' if status == 'finished' else ''}: {resume}")
     else:
         every = get(run.config, "exp_manager.checkpoint_every_n_steps")
-        lines.append("nxdt: newest checkpoint: none" + ("" if every else " (exp_manager.checkpoint_every_n_steps=N saves one every N steps)"))
+        lines.append(
+            "nxdt: newest checkpoint: none"
+            + ("" if every else " (exp_manager.checkpoint_every_n_steps=N saves one every N steps)")
+        )
     look = f"nxdt report {shlex.quote(str(run_dir))}"
     if get(run.config, "exp_manager.create_tensorboard_logger", False):
         look += f"   ·   tensorboard --logdir {shlex.quote(str(run_dir / 'tensorboard'))}"
@@ -240,8 +257,9 @@ def job_started(run_dir: Path, plan: Any, cfg: Any, label: str, overrides: list[
     return time.time()
 
 
-def job_ended(run_dir: Path, outcome: str, reason: str, launched_at: float, overrides: list[str], source_args: list[str],
-              exit_code: int) -> None:
+def job_ended(
+    run_dir: Path, outcome: str, reason: str, launched_at: float, overrides: list[str], source_args: list[str], exit_code: int
+) -> None:
     """``status.json`` completed, and the summary printed."""
     from nxdt.launch.runs import write_status
 

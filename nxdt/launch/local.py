@@ -44,10 +44,10 @@ def _summary(message: Any, exitcode: int) -> str:
 
 
 class _Record(NamedTuple):
-    when: float          # error file's write time; -inf: died by a signal (first), inf: stopped by the agent
+    when: float  # error file's write time; -inf: died by a signal (first), inf: stopped by the agent
     pid: int | None
     summary: str
-    recorded: bool       # the worker wrote an error of its own (an exception), not only an exit status
+    recorded: bool  # the worker wrote an error of its own (an exception), not only an exit status
 
 
 # ranks an error names as its cause: nxdt.comm's PeerDiedError ("rank 1 (pid 42) exited ...", "lost the connection to
@@ -156,9 +156,15 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     run_id = f"x{uuid.uuid4().hex[:12]}"
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=plan.ranks_per_node, run_id=run_id,
-        rdzv_backend=rendezvous.BACKEND, rdzv_endpoint="",  # one store, on 127.0.0.1 only, no pickled state
-        max_restarts=max_restarts, monitor_interval=0.2, start_method=worker.START_METHOD,
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=plan.ranks_per_node,
+        run_id=run_id,
+        rdzv_backend=rendezvous.BACKEND,
+        rdzv_endpoint="",  # one store, on 127.0.0.1 only, no pickled state
+        max_restarts=max_restarts,
+        monitor_interval=0.2,
+        start_method=worker.START_METHOD,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "agent")),
         shutdown_timeout=SHUTDOWN_GRACE_S,
     )
@@ -170,7 +176,9 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
     except ChildFailedError as exc:
         raise LaunchFailed(_failure_line(exc, run_dir)) from None
     except (SignalException, KeyboardInterrupt) as exc:  # the agent turns SIGINT/SIGTERM into SignalException
-        raise LaunchInterrupted(f"nxdt: interrupted ({getattr(exc, 'sigval', 'SIGINT')}); all workers stopped — "
-                                f"resume with exp_manager.resume_if_exists=true") from None
+        raise LaunchInterrupted(
+            f"nxdt: interrupted ({getattr(exc, 'sigval', 'SIGINT')}); all workers stopped — "
+            f"resume with exp_manager.resume_if_exists=true"
+        ) from None
     finally:
         cleanup_run(run_id)

@@ -76,19 +76,35 @@ class NodeSpec:
         from nxdt.launch.local import SHUTDOWN_GRACE_S
 
         return LaunchConfig(
-            min_nodes=self.nnodes, max_nodes=self.nnodes, nproc_per_node=self.nproc_per_node, run_id=self.rdzv_id,
-            rdzv_backend="c10d", rdzv_endpoint=self.rdzv_endpoint,
+            min_nodes=self.nnodes,
+            max_nodes=self.nnodes,
+            nproc_per_node=self.nproc_per_node,
+            run_id=self.rdzv_id,
+            rdzv_backend="c10d",
+            rdzv_endpoint=self.rdzv_endpoint,
             rdzv_configs={"is_host": self.is_host, "join_timeout": int(self.join_timeout_s)},
-            local_addr=self.local_addr, max_restarts=self.max_restarts, monitor_interval=0.2, start_method=start_method,
-            logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)), shutdown_timeout=SHUTDOWN_GRACE_S,
+            local_addr=self.local_addr,
+            max_restarts=self.max_restarts,
+            monitor_interval=0.2,
+            start_method=start_method,
+            logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
+            shutdown_timeout=SHUTDOWN_GRACE_S,
         )
 
     def torchrun_command(self, module_args: Sequence[str]) -> list[str]:
         """The torchrun command line that starts the same agent (shown by dry runs)."""
-        return ["torchrun", f"--nnodes={self.nnodes}", f"--nproc-per-node={self.nproc_per_node}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={self.rdzv_endpoint}", f"--rdzv-id={self.rdzv_id}",
-                f"--rdzv-conf=is_host={int(self.is_host)},join_timeout={int(self.join_timeout_s)}",
-                f"--local-addr={self.local_addr}", f"--max-restarts={self.max_restarts}", *module_args]
+        return [
+            "torchrun",
+            f"--nnodes={self.nnodes}",
+            f"--nproc-per-node={self.nproc_per_node}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={self.rdzv_endpoint}",
+            f"--rdzv-id={self.rdzv_id}",
+            f"--rdzv-conf=is_host={int(self.is_host)},join_timeout={int(self.join_timeout_s)}",
+            f"--local-addr={self.local_addr}",
+            f"--max-restarts={self.max_restarts}",
+            *module_args,
+        ]
 
 
 # ------------------------------------------------------------------------------------- resolving
@@ -129,14 +145,20 @@ def route_source(host: str, port: int) -> str:
     try:
         family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
     except socket.gaierror as exc:
-        raise ConfigError("launcher.rdzv_endpoint", f"{host}:{port}", f"cannot resolve {host!r} ({exc.strerror}); give an address "
-                          "or a name every node resolves") from None
+        raise ConfigError(
+            "launcher.rdzv_endpoint",
+            f"{host}:{port}",
+            f"cannot resolve {host!r} ({exc.strerror}); give an address or a name every node resolves",
+        ) from None
     with socket.socket(family, socket.SOCK_DGRAM) as s:
         try:
             s.connect(sockaddr)
         except OSError as exc:
-            raise ConfigError("launcher.rdzv_endpoint", f"{host}:{port}", f"no route from this node to {host} ({exc.strerror}); "
-                              "check the address or set launcher.local_addr") from None
+            raise ConfigError(
+                "launcher.rdzv_endpoint",
+                f"{host}:{port}",
+                f"no route from this node to {host} ({exc.strerror}); check the address or set launcher.local_addr",
+            ) from None
         return s.getsockname()[0]
 
 
@@ -171,8 +193,15 @@ def interface_of(addr: str) -> str | None:
     return None
 
 
-def resolve_node(launcher: Any, nnodes: int, nproc_per_node: int, max_restarts: int = 0,
-                 env: Mapping[str, str] | None = None, *, rdzv_id_required: bool = True) -> NodeSpec:
+def resolve_node(
+    launcher: Any,
+    nnodes: int,
+    nproc_per_node: int,
+    max_restarts: int = 0,
+    env: Mapping[str, str] | None = None,
+    *,
+    rdzv_id_required: bool = True,
+) -> NodeSpec:
     """This node's part of a multi-node job from ``launcher.*`` (config first, then the environment).
     Raises ConfigError (one line: key, value, fix) for anything missing or malformed."""
     env = os.environ if env is None else env
@@ -183,15 +212,21 @@ def resolve_node(launcher: Any, nnodes: int, nproc_per_node: int, max_restarts: 
     elif env.get("MASTER_ADDR"):
         endpoint, key = f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT') or launcher.port}", "$MASTER_ADDR"
     else:
-        raise ConfigError("launcher.rdzv_endpoint", "", "set it to HOST:PORT of one node, the same on every node "
-                          "(or export MASTER_ADDR and MASTER_PORT)")
+        raise ConfigError(
+            "launcher.rdzv_endpoint",
+            "",
+            "set it to HOST:PORT of one node, the same on every node (or export MASTER_ADDR and MASTER_PORT)",
+        )
     host, port = split_endpoint(endpoint, launcher.port, key)
 
     rdzv_id = launcher.rdzv_id or (_first_env(env, RDZV_ID_ENV) or (None, None))[1]
     if not rdzv_id:
         if rdzv_id_required:
-            raise ConfigError("launcher.rdzv_id", "", "give every node the same job id, e.g. launcher.rdzv_id=run42 "
-                              "(it also names the run directory)")
+            raise ConfigError(
+                "launcher.rdzv_id",
+                "",
+                "give every node the same job id, e.g. launcher.rdzv_id=run42 (it also names the run directory)",
+            )
         rdzv_id = "nxdt"
     if not all(c.isalnum() or c in "-_." for c in str(rdzv_id)):
         raise ConfigError("launcher.rdzv_id", rdzv_id, "use letters, digits, '-', '_' and '.' only")
@@ -208,8 +243,11 @@ def resolve_node(launcher: Any, nnodes: int, nproc_per_node: int, max_restarts: 
     else:
         node_key, source = None, "rendezvous order"
     if node_key and node_key[0] == "rank" and not 0 <= node_key[1] < nnodes:
-        raise ConfigError(source if source.startswith("$") else "launcher.node_rank", node_key[1],
-                          f"must be in 0..{nnodes - 1} (trainer.num_nodes={nnodes})")
+        raise ConfigError(
+            source if source.startswith("$") else "launcher.node_rank",
+            node_key[1],
+            f"must be in 0..{nnodes - 1} (trainer.num_nodes={nnodes})",
+        )
 
     local_addr = launcher.local_addr or route_source(host, port)
     extra: dict[str, str] = {}
@@ -217,9 +255,19 @@ def resolve_node(launcher: Any, nnodes: int, nproc_per_node: int, max_restarts: 
         ifname = interface_of(local_addr)
         if ifname:
             extra["GLOO_SOCKET_IFNAME"] = ifname  # gloo would otherwise bind what the hostname resolves to
-    return NodeSpec(nnodes=nnodes, nproc_per_node=nproc_per_node, rdzv_endpoint=f"{host}:{port}", rdzv_id=str(rdzv_id),
-                    node_key=node_key, node_key_source=source, local_addr=local_addr, is_host=is_local_address(host),
-                    join_timeout_s=float(launcher.join_timeout_s), max_restarts=max_restarts, env=extra)
+    return NodeSpec(
+        nnodes=nnodes,
+        nproc_per_node=nproc_per_node,
+        rdzv_endpoint=f"{host}:{port}",
+        rdzv_id=str(rdzv_id),
+        node_key=node_key,
+        node_key_source=source,
+        local_addr=local_addr,
+        is_host=is_local_address(host),
+        join_timeout_s=float(launcher.join_timeout_s),
+        max_restarts=max_restarts,
+        env=extra,
+    )
 
 
 def check_launcher(cfg: Any, multirun: bool = False) -> None:
@@ -228,11 +276,19 @@ def check_launcher(cfg: Any, multirun: bool = False) -> None:
     if launcher.name not in ("local", "torchrun", "slurm"):
         raise ConfigError("launcher", launcher.name, "must be one of local, torchrun, slurm")
     if launcher.name == "local" and nodes > 1:
-        raise ConfigError("trainer.num_nodes", nodes, "launcher=local runs on this host only; run the same command on every "
-                          "node with launcher=torchrun, or submit it with launcher=slurm")
+        raise ConfigError(
+            "trainer.num_nodes",
+            nodes,
+            "launcher=local runs on this host only; run the same command on every "
+            "node with launcher=torchrun, or submit it with launcher=slurm",
+        )
     if multirun and (launcher.name != "local" or launcher.dry_run):
-        raise ConfigError("launcher", launcher.name, "sweeps (-m) run with launcher=local and no dry run; start one job per "
-                          "configuration (`nxdt plan -m` shows every job's plan)")
+        raise ConfigError(
+            "launcher",
+            launcher.name,
+            "sweeps (-m) run with launcher=local and no dry run; start one job per "
+            "configuration (`nxdt plan -m` shows every job's plan)",
+        )
     if launcher.join_timeout_s <= 0:
         raise ConfigError("launcher.join_timeout_s", launcher.join_timeout_s, "must be > 0")
     if not 0 < launcher.port < 65536:
@@ -250,32 +306,42 @@ def node_order(records: list[dict[str, Any]]) -> list[int]:
     digests = {r["digest"] for r in records}
     if len(digests) > 1:
         other = next(g for g, r in enumerate(records) if r["digest"] != records[0]["digest"])
-        raise NodeOrderError(f"nxdt: nodes planned different jobs (node at {records[other]['addr']} vs {records[0]['addr']}): run the "
-                             "same command, with the same overrides, on every node")
+        raise NodeOrderError(
+            f"nxdt: nodes planned different jobs (node at {records[other]['addr']} vs {records[0]['addr']}): run the "
+            "same command, with the same overrides, on every node"
+        )
     keys = [r["key"] for r in records]
     if all(k is None for k in keys):
         return list(range(n))
     if any(k is None for k in keys) or len({k[0] for k in keys}) > 1:
         by = ", ".join(f"{r['addr']}: {r['source']}" for r in records)
-        raise NodeOrderError(f"nxdt: nodes are ordered by different means ({by}): give every node its node rank "
-                             "(launcher.node_rank or $NODE_RANK), or none")
+        raise NodeOrderError(
+            f"nxdt: nodes are ordered by different means ({by}): give every node its node rank "
+            "(launcher.node_rank or $NODE_RANK), or none"
+        )
     if keys[0][0] == "rank":
         ranks = [k[1] for k in keys]
         if sorted(ranks) != list(range(n)):
             dup = sorted({r for r in ranks if ranks.count(r) > 1})
-            raise NodeOrderError(f"nxdt: node ranks {sorted(ranks)} do not number the {n} nodes 0..{n - 1}"
-                                 f"{f' (rank {dup[0]} is given twice)' if dup else ''}: give each node its own launcher.node_rank")
+            raise NodeOrderError(
+                f"nxdt: node ranks {sorted(ranks)} do not number the {n} nodes 0..{n - 1}"
+                f"{f' (rank {dup[0]} is given twice)' if dup else ''}: give each node its own launcher.node_rank"
+            )
         return ranks
     order = sorted(range(n), key=lambda g: tuple(str(v).zfill(8) for v in keys[g][1:]))
     if len({tuple(k) for k in keys}) < n:
-        raise NodeOrderError("nxdt: two nodes report the same UltraServer (server_id, node_id); set launcher.node_rank on each node")
+        raise NodeOrderError(
+            "nxdt: two nodes report the same UltraServer (server_id, node_id); set launcher.node_rank on each node"
+        )
     position = [0] * n
     for place, g in enumerate(order):
         position[g] = place
     return position
 
 
-def settle_node(node_key: list[Any] | None, digest: str, source: str, timeout_s: float, env: MutableMapping[str, str] | None = None) -> int:
+def settle_node(
+    node_key: list[Any] | None, digest: str, source: str, timeout_s: float, env: MutableMapping[str, str] | None = None
+) -> int:
     """In a worker, once the rendezvous is complete: agree on the node order and the plan through the
     agent's store, then set RANK/GROUP_RANK to this node's place in the Plan. Returns the node index."""
     import torch.distributed as dist
@@ -283,19 +349,25 @@ def settle_node(node_key: list[Any] | None, digest: str, source: str, timeout_s:
     environ: MutableMapping[str, str] = os.environ if env is None else env
     lws, local, group = int(environ["LOCAL_WORLD_SIZE"]), int(environ["LOCAL_RANK"]), int(environ["GROUP_RANK"])
     nnodes = int(environ["WORLD_SIZE"]) // lws
-    store = dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=timeout_s))
+    store = dist.TCPStore(
+        environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=timeout_s)
+    )
     prefix = f"nxdt/nodes/{environ.get('TORCHELASTIC_RUN_ID', 'run')}"
     mine = f"{prefix}/g{group}/attempt{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     if local == 0:  # one record per node and rendezvous round (rounds counted, as restart counts may differ by node)
         round_ = (store.add(f"{prefix}/joined", 1) - 1) // nnodes
-        store.set(f"{prefix}/r{round_}/{group}", json.dumps({"key": node_key, "digest": digest, "source": source,
-                                                             "addr": environ.get("NXDT_LOCAL_ADDR", "?")}))
+        store.set(
+            f"{prefix}/r{round_}/{group}",
+            json.dumps({"key": node_key, "digest": digest, "source": source, "addr": environ.get("NXDT_LOCAL_ADDR", "?")}),
+        )
         store.set(mine, str(round_))
     try:
         round_ = int(store.get(mine).decode())
         records = [json.loads(store.get(f"{prefix}/r{round_}/{g}").decode()) for g in range(nnodes)]
     except Exception as exc:  # the store's own timeout: a node died between the rendezvous and here
-        raise NodeOrderError(f"nxdt: nodes did not publish their order within {timeout_s:g}s ({str(exc).splitlines()[0]})") from None
+        raise NodeOrderError(
+            f"nxdt: nodes did not publish their order within {timeout_s:g}s ({str(exc).splitlines()[0]})"
+        ) from None
     node = node_order(records)[group]
     environ["NXDT_ATTEMPT"] = str(round_)  # the store namespace and resume key of this round, the same on every node
     environ["GROUP_RANK"] = str(node)
@@ -306,8 +378,15 @@ def settle_node(node_key: list[Any] | None, digest: str, source: str, timeout_s:
 # ------------------------------------------------------------------------------------- launching
 def worker_args(run_dir: Path, spec: NodeSpec, digest: str, console_tty: bool) -> list[str]:
     """The worker's argv (``nxdt.launch.worker.main``; after ``python -m nxdt.launch.worker`` under torchrun)."""
-    args = [str(run_dir), "--node-key", json.dumps(spec.node_key), "--node-key-source", spec.node_key_source,
-            "--plan-digest", digest]
+    args = [
+        str(run_dir),
+        "--node-key",
+        json.dumps(spec.node_key),
+        "--node-key-source",
+        spec.node_key_source,
+        "--plan-digest",
+        digest,
+    ]
     return args + (["--console-tty"] if console_tty else [])
 
 
@@ -325,7 +404,8 @@ def describe_node(spec: NodeSpec, run_dir: Path, args: Sequence[str]) -> str:
         "  " + shlex.join(spec.torchrun_command(WORKER_MODULE + list(args))),
         f"worker command: {shlex.join([sys.executable, *WORKER_MODULE, *args])} (nxdt's agent forks it from a server "
         "that has imported torch and Lightning once)",
-        "worker environment (set by the agent): RANK LOCAL_RANK GROUP_RANK WORLD_SIZE=" + str(spec.nnodes * spec.nproc_per_node)
+        "worker environment (set by the agent): RANK LOCAL_RANK GROUP_RANK WORLD_SIZE="
+        + str(spec.nnodes * spec.nproc_per_node)
         + f" LOCAL_WORLD_SIZE={spec.nproc_per_node} MASTER_ADDR MASTER_PORT TORCHELASTIC_RUN_ID={spec.rdzv_id}",
     ]
     if spec.env:
@@ -358,18 +438,25 @@ def launch_node(run_dir: Path, spec: NodeSpec, args: Sequence[Any], entrypoint: 
         return elastic_launch(spec.launch_config(log_dir), entrypoint=entrypoint)(*args)
     except ChildFailedError as exc:
         local_rank, pid, summary = root_failure(exc, single_host=False)
-        raise LaunchFailed(f"nxdt: {where}: worker {local_rank}{f' (pid {pid})' if pid else ''} failed: {summary} — "
-                           f"logs in {run_dir / 'logs'}") from None
+        raise LaunchFailed(
+            f"nxdt: {where}: worker {local_rank}{f' (pid {pid})' if pid else ''} failed: {summary} — logs in {run_dir / 'logs'}"
+        ) from None
     except RendezvousTimeoutError:
-        raise LaunchFailed(f"nxdt: {where}: the c10d rendezvous at {spec.rdzv_endpoint} (id {spec.rdzv_id}) did not gather "
-                           f"{spec.nnodes} nodes within {spec.join_timeout_s:g}s — start the same command on every node "
-                           "(launcher.join_timeout_s)") from None
+        raise LaunchFailed(
+            f"nxdt: {where}: the c10d rendezvous at {spec.rdzv_endpoint} (id {spec.rdzv_id}) did not gather "
+            f"{spec.nnodes} nodes within {spec.join_timeout_s:g}s — start the same command on every node "
+            "(launcher.join_timeout_s)"
+        ) from None
     except RendezvousError as exc:
-        raise LaunchFailed(f"nxdt: {where}: rendezvous at {spec.rdzv_endpoint} failed: {type(exc).__name__}: "
-                           f"{str(exc).splitlines()[0] if str(exc) else 'see the other nodes'}") from None
+        raise LaunchFailed(
+            f"nxdt: {where}: rendezvous at {spec.rdzv_endpoint} failed: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else 'see the other nodes'}"
+        ) from None
     except (SignalException, KeyboardInterrupt) as exc:
-        raise LaunchInterrupted(f"nxdt: interrupted ({getattr(exc, 'sigval', 'SIGINT')}); this node's workers stopped — "
-                                "restart every node with exp_manager.resume_if_exists=true") from None
+        raise LaunchInterrupted(
+            f"nxdt: interrupted ({getattr(exc, 'sigval', 'SIGINT')}); this node's workers stopped — "
+            "restart every node with exp_manager.resume_if_exists=true"
+        ) from None
 
 
 def write_atomically(path: Path, text: str) -> None:

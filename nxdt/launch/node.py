@@ -18,9 +18,11 @@ from nxdt.config.validate import ConfigError
 
 def announce(spec: Any, plan: Any) -> str:
     rank = spec.known_node_rank
-    return (f"nxdt: node agent: node rank {rank if rank is not None else '?'} of {spec.nnodes} (from {spec.node_key_source}), "
-            f"{spec.nproc_per_node} workers, address {spec.local_addr}; c10d rendezvous {spec.rdzv_endpoint} id {spec.rdzv_id}"
-            f"{' (hosted here)' if spec.is_host else ''}")
+    return (
+        f"nxdt: node agent: node rank {rank if rank is not None else '?'} of {spec.nnodes} (from {spec.node_key_source}), "
+        f"{spec.nproc_per_node} workers, address {spec.local_addr}; c10d rendezvous {spec.rdzv_endpoint} id {spec.rdzv_id}"
+        f"{' (hosted here)' if spec.is_host else ''}"
+    )
 
 
 def run_node(run_dir: Path, cfg: Any, plan: Any, *, dry_run: bool, console_tty: bool = False) -> int:

@@ -14,8 +14,13 @@ from __future__ import annotations
 from datetime import timedelta
 
 from torch.distributed import PrefixStore, Store
-from torch.distributed.elastic.rendezvous import (RendezvousHandler, RendezvousInfo, RendezvousParameters,
-                                                  RendezvousStoreInfo, rendezvous_handler_registry)
+from torch.distributed.elastic.rendezvous import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    rendezvous_handler_registry,
+)
 
 from nxdt.comm.store import LOOPBACK, serve_store
 

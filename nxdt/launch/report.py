@@ -8,8 +8,13 @@ from pathlib import Path
 from nxdt.launch.runs import Run, _fmt, is_run_dir, load_run, median
 
 # (metrics.csv column, axis label, file name); the last two only when some run has the column
-FIGURES = (("loss", "training loss", "loss"), ("lr", "learning rate", "lr"), ("tokens_per_s", "tokens/s", "tokens_per_s"),
-           ("val_loss", "validation loss", "val_loss"), ("exposed_comm_s", "exposed communication per step (s)", "exposed_comm"))
+FIGURES = (
+    ("loss", "training loss", "loss"),
+    ("lr", "learning rate", "lr"),
+    ("tokens_per_s", "tokens/s", "tokens_per_s"),
+    ("val_loss", "validation loss", "val_loss"),
+    ("exposed_comm_s", "exposed communication per step (s)", "exposed_comm"),
+)
 ALWAYS = {"loss", "lr", "tokens_per_s"}
 
 
@@ -70,19 +75,45 @@ def summary_rows(runs: list[Run], labels: list[str]) -> list[list[str]]:
     out = []
     for r, label in zip(runs, labels):
         steps = "-" if r.last_step is None else f"{r.last_step}/{r.max_steps}" if r.max_steps else str(r.last_step)
-        loss = f"{r.first_loss:.4f} → {r.last_loss:.4f}" if r.rows and r.first_loss is not None and r.last_loss is not None else "-"
+        loss = (
+            f"{r.first_loss:.4f} → {r.last_loss:.4f}" if r.rows and r.first_loss is not None and r.last_loss is not None else "-"
+        )
         best = min((x["loss"] for x in r.rows if "loss" in x), default=None)
         val = [x["val_loss"] for x in r.rows if "val_loss" in x]
         exposed = median(r.rows, "exposed_comm_s")
-        out.append([label, r.status, r.layout, steps, loss, _fmt(best, ".4f"), f"{val[-1]:.4f}" if val else "-",
-                    _fmt(r.tokens_per_s, ",.0f"), _fmt(median(r.rows, "step_time_s"), ".3f"),
-                    _fmt(max((x["peak_rss_mb"] for x in r.rows if "peak_rss_mb" in x), default=None), ",.0f"),
-                    _fmt(exposed, ".4f"), r.checkpoint.name if r.checkpoint else "-"])
+        out.append(
+            [
+                label,
+                r.status,
+                r.layout,
+                steps,
+                loss,
+                _fmt(best, ".4f"),
+                f"{val[-1]:.4f}" if val else "-",
+                _fmt(r.tokens_per_s, ",.0f"),
+                _fmt(median(r.rows, "step_time_s"), ".3f"),
+                _fmt(max((x["peak_rss_mb"] for x in r.rows if "peak_rss_mb" in x), default=None), ",.0f"),
+                _fmt(exposed, ".4f"),
+                r.checkpoint.name if r.checkpoint else "-",
+            ]
+        )
     return out
 
 
-SUMMARY_COLUMNS = ("run", "status", "layout", "steps", "loss first → last", "best loss", "val loss", "tokens/s (median)",
-                   "step s (median)", "peak MB", "exposed comm s", "checkpoint")
+SUMMARY_COLUMNS = (
+    "run",
+    "status",
+    "layout",
+    "steps",
+    "loss first → last",
+    "best loss",
+    "val loss",
+    "tokens/s (median)",
+    "step s (median)",
+    "peak MB",
+    "exposed comm s",
+    "checkpoint",
+)
 
 
 def text_summary(runs: list[Run], labels: list[str]) -> str:
@@ -106,15 +137,20 @@ def report(paths: list[Path], out_dir: Path | None = None) -> tuple[str, list[Pa
     runs = []
     for p in paths:
         if not Path(p).is_dir():
-            raise ReportError(f"nxdt report: {p} is not a directory — pass run directories (outputs/<name>/<timestamp>; "
-                              "`nxdt runs` lists them)")
+            raise ReportError(
+                f"nxdt report: {p} is not a directory — pass run directories (outputs/<name>/<timestamp>; `nxdt runs` lists them)"
+            )
         if not is_run_dir(Path(p)):
-            raise ReportError(f"nxdt report: {p} is not a run directory (no config.yaml and plan.json) — `nxdt runs {p}` "
-                              "lists the runs below it")
+            raise ReportError(
+                f"nxdt report: {p} is not a run directory (no config.yaml and plan.json) — `nxdt runs {p}` "
+                "lists the runs below it"
+            )
         runs.append(load_run(Path(p).resolve()))
     if not any(r.rows for r in runs):
-        raise ReportError(f"nxdt report: no metrics yet in {', '.join(str(r.path / 'metrics.csv') for r in runs)} — "
-                          "a run writes a row every trainer.log_every_n_steps steps")
+        raise ReportError(
+            f"nxdt report: no metrics yet in {', '.join(str(r.path / 'metrics.csv') for r in runs)} — "
+            "a run writes a row every trainer.log_every_n_steps steps"
+        )
     labels = run_labels(runs)
     out_dir = Path(out_dir) if out_dir is not None else default_out_dir(runs)
     title = runs[0].name if len(runs) == 1 else f"{len(runs)} runs"
@@ -144,10 +180,13 @@ def cmd_report(argv: list[str]) -> int:
                 print(f"nxdt report: {flag} needs a directory", file=sys.stderr)
                 return 2
             out_dir = Path(args[i + 1])
-            del args[i:i + 2]
+            del args[i : i + 2]
     if not args or any(a.startswith("-") for a in args):
-        print("usage: nxdt report RUN [RUN ...] [-o DIR]   (RUN: a run directory; figures go to RUN/report/ for one run, "
-              "./nxdt-report/ for several, or DIR)", file=sys.stderr)
+        print(
+            "usage: nxdt report RUN [RUN ...] [-o DIR]   (RUN: a run directory; figures go to RUN/report/ for one run, "
+            "./nxdt-report/ for several, or DIR)",
+            file=sys.stderr,
+        )
         return 2
     try:
         text, written, out_dir = report([Path(a) for a in args], out_dir)
@@ -160,4 +199,3 @@ def cmd_report(argv: list[str]) -> int:
         print(f"figure: {png}")
     print(f"summary: {out_dir / 'summary.txt'}")
     return 0
-

@@ -29,10 +29,16 @@ def choose_run_dir(cfg: Any) -> Path:
     root = exp_root / cfg.name
     normal = Path(os.path.normpath(root))
     if not cfg.name or normal == exp_root or normal.parent != exp_root:  # validate() refuses such names first
-        raise ConfigError("name", cfg.name, f"the run directory {normal} would not be a directory of its own under "
-                          f"exp_manager.exp_dir={exp_root}; give a plain directory name (no '/', '..' or absolute path)")
+        raise ConfigError(
+            "name",
+            cfg.name,
+            f"the run directory {normal} would not be a directory of its own under "
+            f"exp_manager.exp_dir={exp_root}; give a plain directory name (no '/', '..' or absolute path)",
+        )
     if em.resume_if_exists and root.is_dir():
-        candidates = sorted((p for p in root.iterdir() if p.is_dir() and _resumable(p) and _continues(cfg, p)), key=lambda p: p.name)
+        candidates = sorted(
+            (p for p in root.iterdir() if p.is_dir() and _resumable(p) and _continues(cfg, p)), key=lambda p: p.name
+        )
         if candidates:
             return candidates[-1]
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
@@ -87,8 +93,12 @@ def check_resume(cfg: Any, run_dir: Path) -> list[str]:
         try:
             moved = ckpt_io.set_aside(path)
         except OSError as exc:
-            raise ConfigError("exp_manager.resume_if_exists", True, f"checkpoint {path} is damaged ({reason}) and could not be "
-                              f"moved aside ({exc.strerror or exc}) — move or delete it, then start again") from None
+            raise ConfigError(
+                "exp_manager.resume_if_exists",
+                True,
+                f"checkpoint {path} is damaged ({reason}) and could not be "
+                f"moved aside ({exc.strerror or exc}) — move or delete it, then start again",
+            ) from None
         lines.append(f"nxdt: checkpoint {path.name} is damaged ({reason}); {target} (moved it to {moved.name})")
     if good is not None and ckpt_io.read_checksums(good) is None:
         lines.append(f"nxdt: resuming from {good.name}, written by an older nxdt without checksums: unverified")
@@ -96,9 +106,20 @@ def check_resume(cfg: Any, run_dir: Path) -> list[str]:
 
 
 # what a resumed run must share with the run whose directory (and checkpoints) it continues
-SAME_RUN_KEYS = ("model.architecture", "model.vocab_size", "model.hidden_size", "model.num_layers",
-                 "model.num_attention_heads", "model.num_kv_heads", "model.ffn_hidden_size",
-                 "data.source", "data.train_dir", "data.tokenizer", "data.seq_length", "data.dev_choose_samples")
+SAME_RUN_KEYS = (
+    "model.architecture",
+    "model.vocab_size",
+    "model.hidden_size",
+    "model.num_layers",
+    "model.num_attention_heads",
+    "model.num_kv_heads",
+    "model.ffn_hidden_size",
+    "data.source",
+    "data.train_dir",
+    "data.tokenizer",
+    "data.seq_length",
+    "data.dev_choose_samples",
+)
 
 
 def check_same_run(cfg: Any, run_dir: Path) -> None:
@@ -113,15 +134,22 @@ def check_same_run(cfg: Any, run_dir: Path) -> None:
     try:
         previous = OmegaConf.load(previous_file)
     except Exception as exc:  # a damaged config.yaml: nothing to compare against, say so
-        raise ConfigError("exp_manager.resume_if_exists", True, f"{previous_file} cannot be read ({type(exc).__name__}); "
-                          "start a new run (another name) or repair the file") from None
+        raise ConfigError(
+            "exp_manager.resume_if_exists",
+            True,
+            f"{previous_file} cannot be read ({type(exc).__name__}); start a new run (another name) or repair the file",
+        ) from None
     for key in SAME_RUN_KEYS:
         was, now = OmegaConf.select(previous, key, default=None), _attribute(cfg, key)
         if was != now:
-            raise ConfigError(key, now, f"the run being resumed ({run_dir}) was trained with {key}={was}; resume "
-                              "with the same model and data, or start a new run (another name, or "
-                              "exp_manager.resume_if_exists=false; start from its weights with model.hf_checkpoint "
-                              "after nxdt checkpoint export-hf)")
+            raise ConfigError(
+                key,
+                now,
+                f"the run being resumed ({run_dir}) was trained with {key}={was}; resume "
+                "with the same model and data, or start a new run (another name, or "
+                "exp_manager.resume_if_exists=false; start from its weights with model.hf_checkpoint "
+                "after nxdt checkpoint export-hf)",
+            )
 
 
 def _attribute(cfg: Any, dotted: str) -> Any:
@@ -147,8 +175,10 @@ def lock_run_dir(run_dir: Path) -> Any:
     except BlockingIOError:
         holder = handle.read().strip() or "unknown"
         handle.close()
-        raise RunDirBusy(f"nxdt: run directory {run_dir} is in use by another nxdt train (pid {holder}); wait for it "
-                         "to finish, or start a separate run (another name, or exp_manager.resume_if_exists=false)") from None
+        raise RunDirBusy(
+            f"nxdt: run directory {run_dir} is in use by another nxdt train (pid {holder}); wait for it "
+            "to finish, or start a separate run (another name, or exp_manager.resume_if_exists=false)"
+        ) from None
     handle.seek(0)
     handle.truncate()
     handle.write(str(os.getpid()))

@@ -49,7 +49,12 @@ def write_status(run_dir: Path, status: str, **fields: Any) -> None:
     if status != "running":
         record = read_status(run_dir) or {}
     else:
-        record = {"started": _iso(time.time()), "started_at": round(time.time(), 3), "pid": os.getpid(), "host": socket.gethostname()}
+        record = {
+            "started": _iso(time.time()),
+            "started_at": round(time.time(), 3),
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+        }
     record.update(status=status, **fields)
     if status != "running":
         record["ended"] = _iso(time.time())
@@ -84,7 +89,7 @@ def pid_alive(pid: int) -> bool:
         stat = Path(f"/proc/{pid}/stat").read_bytes()
     except OSError:
         return True
-    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] not in (b"Z", b"X")
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in (b"Z", b"X")
 
 
 def lock_held(run_dir: Path) -> bool | None:
@@ -267,9 +272,19 @@ class Run:
         return layout_short(self.plan, self.config)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"run": str(self.path), "name": self.name, "started": self.started, "status": self.status, "detail": self.detail,
-                "layout": self.layout, "last_step": self.last_step, "max_steps": self.max_steps, "last_loss": self.last_loss,
-                "tokens_per_s": self.tokens_per_s, "checkpoint": str(self.checkpoint) if self.checkpoint else None}
+        return {
+            "run": str(self.path),
+            "name": self.name,
+            "started": self.started,
+            "status": self.status,
+            "detail": self.detail,
+            "layout": self.layout,
+            "last_step": self.last_step,
+            "max_steps": self.max_steps,
+            "last_loss": self.last_loss,
+            "tokens_per_s": self.tokens_per_s,
+            "checkpoint": str(self.checkpoint) if self.checkpoint else None,
+        }
 
 
 def is_run_dir(path: Path) -> bool:
@@ -330,13 +345,29 @@ def runs_table(runs: list[Run], title: str) -> Any:
     from rich.table import Table
 
     table = Table(title=title, title_justify="left")
-    for col, justify in (("run", "left"), ("started", "left"), ("status", "left"), ("layout", "left"), ("steps", "right"),
-                         ("last loss", "right"), ("tokens/s", "right"), ("newest checkpoint", "left")):
+    for col, justify in (
+        ("run", "left"),
+        ("started", "left"),
+        ("status", "left"),
+        ("layout", "left"),
+        ("steps", "right"),
+        ("last loss", "right"),
+        ("tokens/s", "right"),
+        ("newest checkpoint", "left"),
+    ):
         table.add_column(col, justify=justify, no_wrap=col != "run")
     for r in runs:
         steps = "-" if r.last_step is None else f"{r.last_step}/{r.max_steps}" if r.max_steps else str(r.last_step)
-        table.add_row(r.name, r.started, f"[{STATUS_STYLE[r.status]}]{r.status}[/]", r.layout, steps, _fmt(r.last_loss, ".4f"),
-                      _fmt(r.tokens_per_s, ",.0f"), r.checkpoint.name if r.checkpoint else "-")
+        table.add_row(
+            r.name,
+            r.started,
+            f"[{STATUS_STYLE[r.status]}]{r.status}[/]",
+            r.layout,
+            steps,
+            _fmt(r.last_loss, ".4f"),
+            _fmt(r.tokens_per_s, ",.0f"),
+            r.checkpoint.name if r.checkpoint else "-",
+        )
     return table
 
 
@@ -351,8 +382,10 @@ def cmd_runs(argv: list[str]) -> int:
         return 2
     root = Path(args[0] if args else "outputs")
     if not root.is_dir():
-        print(f"nxdt runs: {root} is not a directory — pass the exp_dir your runs are in (default outputs/, "
-              "exp_manager.exp_dir)", file=sys.stderr)
+        print(
+            f"nxdt runs: {root} is not a directory — pass the exp_dir your runs are in (default outputs/, exp_manager.exp_dir)",
+            file=sys.stderr,
+        )
         return 2
     runs = list_runs(root)
     if as_json:

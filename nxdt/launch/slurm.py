@@ -24,26 +24,34 @@ def sbatch_script(cfg: Any, plan: Any, run_dir: Path, python: str | None = None)
     launcher, nodes = cfg.launcher, plan.num_nodes
     python = python or sys.executable
     layout = "×".join(f"{d.upper()}{n}" for d, n in plan.degrees.items() if n > 1) or "one replica"
-    options = [f"--job-name={cfg.name}", f"--nodes={nodes}", "--ntasks-per-node=1", "--exclusive",
-               f"--time={launcher.time_limit}", f"--output={run_dir}/logs/slurm-%j.out"]
+    options = [
+        f"--job-name={cfg.name}",
+        f"--nodes={nodes}",
+        "--ntasks-per-node=1",
+        "--exclusive",
+        f"--time={launcher.time_limit}",
+        f"--output={run_dir}/logs/slurm-%j.out",
+    ]
     options += [f"--partition={launcher.partition}"] if launcher.partition else []
     options += [f"--account={launcher.account}"] if launcher.account else []
     options += list(launcher.sbatch_args)
     node_cmd = shlex.join([python, "-m", "nxdt.launch.node", str(run_dir)])
-    return "\n".join([
-        "#!/bin/bash",
-        f"# nxdt: {cfg.name} on {nodes} nodes × {plan.ranks_per_node} ranks ({layout}); written by `nxdt train launcher=slurm`",
-        *(f"#SBATCH {o}" for o in options),
-        "set -euo pipefail",
-        "export PYTHONUNBUFFERED=1",
-        "# The c10d rendezvous runs on the job's first node (Slurm lists nodes in its topology-aware order).",
-        'first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        "addr=$(scontrol show node \"$first\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
-        "# One torch elastic agent per node; each takes its node rank from $SLURM_NODEID.",
-        f'srun --nodes={nodes} --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" --label --kill-on-bad-exit=1 \\',
-        f'    {node_cmd} --rdzv-endpoint "${{addr:-$first}}:{launcher.port}" --rdzv-id "$SLURM_JOB_ID"',
-        "",
-    ])
+    return "\n".join(
+        [
+            "#!/bin/bash",
+            f"# nxdt: {cfg.name} on {nodes} nodes × {plan.ranks_per_node} ranks ({layout}); written by `nxdt train launcher=slurm`",
+            *(f"#SBATCH {o}" for o in options),
+            "set -euo pipefail",
+            "export PYTHONUNBUFFERED=1",
+            "# The c10d rendezvous runs on the job's first node (Slurm lists nodes in its topology-aware order).",
+            'first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+            "addr=$(scontrol show node \"$first\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
+            "# One torch elastic agent per node; each takes its node rank from $SLURM_NODEID.",
+            f'srun --nodes={nodes} --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" --label --kill-on-bad-exit=1 \\',
+            f'    {node_cmd} --rdzv-endpoint "${{addr:-$first}}:{launcher.port}" --rdzv-id "$SLURM_JOB_ID"',
+            "",
+        ]
+    )
 
 
 def sbatch_command(script: Path, wait: bool) -> list[str]:
@@ -58,17 +66,24 @@ def submit(cfg: Any, plan: Any, run_dir: Path) -> int:
     try:
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     except FileNotFoundError:
-        print("nxdt: sbatch not found: launcher=slurm submits from a Slurm login node (or use launcher=torchrun)", file=sys.stderr)
+        print(
+            "nxdt: sbatch not found: launcher=slurm submits from a Slurm login node (or use launcher=torchrun)", file=sys.stderr
+        )
         return 2
     job_id = proc.stdout.readline().strip().split(";")[0] if proc.stdout else ""
     if job_id:
-        print(f"nxdt: submitted Slurm job {job_id} ({plan.num_nodes} nodes × {plan.ranks_per_node} ranks); script {script}, "
-              f"log {run_dir / 'logs' / f'slurm-{job_id}.out'}", flush=True)
+        print(
+            f"nxdt: submitted Slurm job {job_id} ({plan.num_nodes} nodes × {plan.ranks_per_node} ranks); script {script}, "
+            f"log {run_dir / 'logs' / f'slurm-{job_id}.out'}",
+            flush=True,
+        )
     out, err = proc.communicate()
     if proc.returncode != 0:
         first = (err or out or "").strip().splitlines()
         what = "job failed" if job_id else "sbatch failed"
-        print(f"nxdt: Slurm {what} (exit {proc.returncode}): {first[-1] if first else ''} — see {run_dir / 'logs'}", file=sys.stderr)
+        print(
+            f"nxdt: Slurm {what} (exit {proc.returncode}): {first[-1] if first else ''} — see {run_dir / 'logs'}", file=sys.stderr
+        )
         return 1
     if cfg.launcher.wait:
         print(f"nxdt: Slurm job {job_id} finished", flush=True)

@@ -19,7 +19,9 @@ def _job_rows(sweep_dir: Path) -> list[dict]:
         steps: list[dict] = []
         if metrics.exists():
             with open(metrics, newline="") as fh:
-                steps = [{k: float(v) for k, v in r.items() if v != ""} for r in csv.DictReader(fh)]  # FSDP columns blank otherwise
+                steps = [
+                    {k: float(v) for k, v in r.items() if v != ""} for r in csv.DictReader(fh)
+                ]  # FSDP columns blank otherwise
         rows.append({"job": job.name, "overrides": overrides, "steps": steps})
     return rows
 
@@ -38,7 +40,9 @@ def report(sweep_dir: Path) -> int:
         raise SweepReportError(f"nxdt sweep-report: {sweep_dir} is not a directory — pass outputs/multirun/<name>/<timestamp>")
     rows = _job_rows(sweep_dir)
     if not rows:
-        raise SweepReportError(f"nxdt sweep-report: {sweep_dir} holds no job directories (0/, 1/, ...) — pass a multirun directory")
+        raise SweepReportError(
+            f"nxdt sweep-report: {sweep_dir} holds no job directories (0/, 1/, ...) — pass a multirun directory"
+        )
     swept = _sweep_keys(rows)
     table = Table(title=f"sweep {sweep_dir}")
     for col in ("job", "overrides", "steps", "final loss", "tokens/s", "step time (s)"):
@@ -46,7 +50,7 @@ def report(sweep_dir: Path) -> int:
     for r in rows:
         shown = " ".join(o for o in r["overrides"] if o in swept) or " ".join(r["overrides"])
         if r["steps"]:
-            tail = r["steps"][len(r["steps"]) // 2:] or r["steps"]  # steady state: skip warm-up steps
+            tail = r["steps"][len(r["steps"]) // 2 :] or r["steps"]  # steady state: skip warm-up steps
             tps = sum(s["tokens_per_s"] for s in tail) / len(tail)
             st = sum(s["step_time_s"] for s in tail) / len(tail)
             table.add_row(r["job"], shown, str(len(r["steps"])), f"{r['steps'][-1]['loss']:.4f}", f"{tps:,.0f}", f"{st:.4f}")

@@ -97,6 +97,7 @@ def die_on_sigterm() -> None:
     that outlive a failed peer — those are stuck in a collective or hung — and Lightning's own handler only
     notes it for the next step, so the agent would wait its full 30 s before SIGKILL. Lightning keeps a handler
     that was there before it and calls it after its own."""
+
     def die(signum: int, frame: object) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -127,7 +128,7 @@ def _stopped_sibling(pid: int) -> int | None:
         return None
     try:
         stat = Path(f"/proc/{pid}/stat").read_bytes()
-        fields = stat[stat.rfind(b")") + 2:].split()  # after "(comm)", which may hold spaces: state, ppid, ...
+        fields = stat[stat.rfind(b")") + 2 :].split()  # after "(comm)", which may hold spaces: state, ppid, ...
         same_user = os.stat(f"/proc/{pid}").st_uid == os.getuid()
         if fields[0] == b"T" and int(fields[1]) == os.getppid() != 1 and same_user:
             return fd
@@ -152,8 +153,11 @@ def kill_stopped_peers(exc: BaseException, rank: int) -> list[int]:
         try:
             signal.pidfd_send_signal(fd, signal.SIGKILL)
             killed.append(peer)
-            print(f"nxdt: rank {rank}: rank {peer} (pid {pid}) is stopped (SIGSTOP) and cannot act on the agent's SIGTERM; "
-                  f"killed it (SIGKILL) so the job ends now", flush=True)  # fds 1 and 2: the rank's log by now
+            print(
+                f"nxdt: rank {rank}: rank {peer} (pid {pid}) is stopped (SIGSTOP) and cannot act on the agent's SIGTERM; "
+                f"killed it (SIGKILL) so the job ends now",
+                flush=True,
+            )  # fds 1 and 2: the rank's log by now
         except OSError:
             pass
         finally:
@@ -196,8 +200,12 @@ def _main(argv: list[str] | None = None) -> None:
     log_only = console.worker_output(log_path, console=on_console)
     attempt = os.environ.get("NXDT_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     now = time.time()
-    print(f"nxdt: rank {rank} attempt {attempt} started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(now))}"
-          f".{int(now % 1 * 1000):03d} (pid {os.getpid()}, parent {os.getppid()})", file=log_only, flush=True)
+    print(
+        f"nxdt: rank {rank} attempt {attempt} started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(now))}"
+        f".{int(now % 1 * 1000):03d} (pid {os.getpid()}, parent {os.getppid()})",
+        file=log_only,
+        flush=True,
+    )
     try:
         _train(args, rank)
     except Exception:
@@ -214,8 +222,11 @@ def _train(args: argparse.Namespace, rank: int) -> None:
     if args.plan_digest is not None:
         from nxdt.comm.world import host_identity
 
-        print(f"nxdt: rank {rank} is on node {os.environ['GROUP_RANK']} (node order: {args.node_key_source}), "
-              f"host {host_identity()}, address {os.environ.get('NXDT_LOCAL_ADDR', '?')}", flush=True)
+        print(
+            f"nxdt: rank {rank} is on node {os.environ['GROUP_RANK']} (node order: {args.node_key_source}), "
+            f"host {host_identity()}, address {os.environ.get('NXDT_LOCAL_ADDR', '?')}",
+            flush=True,
+        )
     if args.console_tty and rank == 0:
         os.environ["FORCE_COLOR"] = "1"  # rich: the console at the end of the tee is a terminal
         os.environ["TTY_INTERACTIVE"] = "1"

@@ -98,8 +98,11 @@ def list_complete(checkpoint_dir: str | os.PathLike) -> list[Path]:
     root = Path(checkpoint_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(_TMP_PREFIX) and DAMAGED_SUFFIX not in p.name
-             and is_complete(p)]
+    found = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and not p.name.startswith(_TMP_PREFIX) and DAMAGED_SUFFIX not in p.name and is_complete(p)
+    ]
     return sorted(found, key=_step_of)
 
 
@@ -132,9 +135,14 @@ def _split_state(checkpoint: dict[str, Any]) -> tuple[dict[str, torch.Tensor], d
     return tensors, state
 
 
-def save(checkpoint: dict[str, Any], path: str | os.PathLike, meta: dict[str, Any] | None = None,
-         before_commit: Callable[[Path], None] | None = None, extra_files: dict[str, dict[str, torch.Tensor] | bytes] | None = None,
-         write_latest: bool = True) -> Path:
+def save(
+    checkpoint: dict[str, Any],
+    path: str | os.PathLike,
+    meta: dict[str, Any] | None = None,
+    before_commit: Callable[[Path], None] | None = None,
+    extra_files: dict[str, dict[str, torch.Tensor] | bytes] | None = None,
+    write_latest: bool = True,
+) -> Path:
     """Write ``checkpoint`` (a Lightning checkpoint dict) atomically to the directory ``path``.
     ``before_commit(tmp_dir)`` runs when every file is written but before the ``done`` marker (fault drills);
     ``extra_files``: more files {name: tensors (safetensors) or bytes} (RNG states, a PEFT adapter); ``write_latest``: point the
@@ -170,9 +178,18 @@ def save(checkpoint: dict[str, Any], path: str | os.PathLike, meta: dict[str, An
     return final
 
 
-def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike, *, model_file: str | None, state_file: str | None, comm: Any,
-                 meta: dict[str, Any] | None = None, before_commit: Callable[[Path], None] | None = None,
-                 extra_files: dict[str, dict[str, torch.Tensor] | bytes] | None = None, stream: str = "default") -> Path:
+def save_sharded(
+    checkpoint: dict[str, Any],
+    path: str | os.PathLike,
+    *,
+    model_file: str | None,
+    state_file: str | None,
+    comm: Any,
+    meta: dict[str, Any] | None = None,
+    before_commit: Callable[[Path], None] | None = None,
+    extra_files: dict[str, dict[str, torch.Tensor] | bytes] | None = None,
+    stream: str = "default",
+) -> Path:
     """Every rank of ``comm`` calls this; each writes the files it is given (its model shard
     ``model_file``, its trainer/optimizer state ``state_file``; None = nothing; ``extra_files``
     {name: tensors}, e.g. its RNG states) into one temporary directory; rank 0 commits it (meta, ``done``,
@@ -235,8 +252,10 @@ def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike, *, model_f
     except OSError as exc:
         if comm.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"could not write checkpoint {final}: {exc.strerror or exc}; the previous checkpoint is intact "
-                              f"— free disk space or point exp_manager.exp_dir elsewhere") from exc
+        raise CheckpointError(
+            f"could not write checkpoint {final}: {exc.strerror or exc}; the previous checkpoint is intact "
+            f"— free disk space or point exp_manager.exp_dir elsewhere"
+        ) from exc
     comm.barrier(stream=stream)
     return final
 
@@ -377,8 +396,14 @@ def _checksums(root: Path) -> dict[str, dict[str, Any]] | None:
     try:
         doc = json.loads(file.read_text())
         files = doc["files"]
-        whole = isinstance(files, dict) and doc["files_sha256"] == _list_digest(files) and all(
-            isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str) for e in files.values())
+        whole = (
+            isinstance(files, dict)
+            and doc["files_sha256"] == _list_digest(files)
+            and all(
+                isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str)
+                for e in files.values()
+            )
+        )
     except (OSError, ValueError, KeyError, TypeError):
         whole = False
     if not whole:
@@ -424,6 +449,7 @@ def check_file(path: str | os.PathLike, name: str, checksums: dict[str, dict[str
 class Verification:
     """What ``check`` found: ``checksummed`` False for a checkpoint written before checksums (only its structure
     could be checked: "unverified"); ``problems`` one line each, empty when the checkpoint is good."""
+
     path: Path
     checksummed: bool = False
     files: int = 0
@@ -551,7 +577,9 @@ def _complete_dir(path: str | os.PathLike, expect_model: dict[str, Any] | None) 
     if not root.is_dir():
         raise CheckpointError(f"checkpoint {root} does not exist or is not a directory — pass a checkpoints/step-<N> directory")
     if not is_complete(root):
-        raise CheckpointError(f"checkpoint {root} is incomplete (no '{DONE_MARKER}' marker: its save was interrupted) — use an earlier one")
+        raise CheckpointError(
+            f"checkpoint {root} is incomplete (no '{DONE_MARKER}' marker: its save was interrupted) — use an earlier one"
+        )
     _check_model(root, expect_model)
     return root
 
@@ -576,8 +604,10 @@ def _check_model(root: Path, expect_model: dict[str, Any] | None) -> None:
     saved = read_meta(root).get("model") or {}
     for key, want in (expect_model or {}).items():
         if key in saved and saved[key] != want:
-            raise CheckpointError(f"checkpoint {root} is from another model (model.{key}={saved[key]}, this run has {want}) — "
-                                  "resume from a checkpoint of this model")
+            raise CheckpointError(
+                f"checkpoint {root} is from another model (model.{key}={saved[key]}, this run has {want}) — "
+                "resume from a checkpoint of this model"
+            )
 
 
 def describe(path: str | os.PathLike) -> str:
@@ -588,11 +618,16 @@ def describe(path: str | os.PathLike) -> str:
     verify(root)
     meta = read_meta(root)
     sums = "SHA-256 verified" if read_checksums(root) is not None else "no checksums: unverified"
-    lines = [f"checkpoint {root}: step {meta.get('step')}, format {meta.get('format_version')} ({sums}), world {meta.get('world_size')}, "
-             f"degrees {meta.get('degrees')}, zero1 {bool(meta.get('zero1'))}", f"model: {meta.get('model')}"]
+    lines = [
+        f"checkpoint {root}: step {meta.get('step')}, format {meta.get('format_version')} ({sums}), world {meta.get('world_size')}, "
+        f"degrees {meta.get('degrees')}, zero1 {bool(meta.get('zero1'))}",
+        f"model: {meta.get('model')}",
+    ]
     total = 0
     # the model's tensors: not the RNG states, nor a PEFT adapter's copy of the adapters (LoRA save_lora_config_adapter)
-    for file in sorted(f for f in root.glob("*.safetensors") if not f.name.startswith("rng-") and f.name != "adapter_model.safetensors"):
+    for file in sorted(
+        f for f in root.glob("*.safetensors") if not f.name.startswith("rng-") and f.name != "adapter_model.safetensors"
+    ):
         with safe_open(str(file), "pt") as fh:
             for name in fh.keys():
                 t = fh.get_slice(name)
@@ -622,8 +657,13 @@ def dp_format(meta: dict[str, Any]) -> str:
     return meta.get("dp_format") or ("zero1" if meta.get("zero1") else "replicated")
 
 
-def check_layout(path: str | os.PathLike, degrees: dict[str, int], zero1: bool, virtual: int | None = None,
-                 data_parallel_format: str | None = None) -> bool:
+def check_layout(
+    path: str | os.PathLike,
+    degrees: dict[str, int],
+    zero1: bool,
+    virtual: int | None = None,
+    data_parallel_format: str | None = None,
+) -> bool:
     """Whether the checkpoint must be resharded to load into this layout (False: each rank reads its own
     shard files: same TP/PP/EP shards and the same DP format — and DP degree, unless replicated).
     ``data_parallel_format``: this run's (default: ``zero1`` or ``replicated`` from ``zero1``).
@@ -659,12 +699,14 @@ def rng_tensors() -> dict[str, torch.Tensor]:
     state = np.random.get_state(legacy=True)
     assert isinstance(state, tuple)  # legacy=True: the MT19937 tuple
     _, keys, pos, has_gauss, cached = state
-    return {"torch": torch.get_rng_state(),
-            "python": torch.tensor([version, *mt], dtype=torch.int64),
-            "python_gauss": torch.tensor([float("nan") if gauss is None else gauss], dtype=torch.float64),
-            "numpy": torch.from_numpy(keys.astype(np.int64)),
-            "numpy_pos": torch.tensor([pos, has_gauss], dtype=torch.int64),
-            "numpy_gauss": torch.tensor([cached], dtype=torch.float64)}
+    return {
+        "torch": torch.get_rng_state(),
+        "python": torch.tensor([version, *mt], dtype=torch.int64),
+        "python_gauss": torch.tensor([float("nan") if gauss is None else gauss], dtype=torch.float64),
+        "numpy": torch.from_numpy(keys.astype(np.int64)),
+        "numpy_pos": torch.tensor([pos, has_gauss], dtype=torch.int64),
+        "numpy_gauss": torch.tensor([cached], dtype=torch.float64),
+    }
 
 
 def restore_rng(path: str | os.PathLike, rank: int, same_layout: bool) -> Path | None:
@@ -680,10 +722,14 @@ def restore_rng(path: str | os.PathLike, rank: int, same_layout: bool) -> Path |
         gauss = float(t["python_gauss"][0])
         random.setstate((int(py[0]), tuple(int(v) for v in py[1:]), None if gauss != gauss else gauss))
         pos, has_gauss = t["numpy_pos"].tolist()
-        np.random.set_state(("MT19937", t["numpy"].numpy().astype(np.uint32), int(pos), int(has_gauss), float(t["numpy_gauss"][0])))
+        np.random.set_state(
+            ("MT19937", t["numpy"].numpy().astype(np.uint32), int(pos), int(has_gauss), float(t["numpy_gauss"][0]))
+        )
         torch.set_rng_state(t["torch"])
     except Exception as exc:
-        raise CheckpointError(f"checkpoint file {file} is damaged ({type(exc).__name__}: {exc}) — use an earlier checkpoint") from None
+        raise CheckpointError(
+            f"checkpoint file {file} is damaged ({type(exc).__name__}: {exc}) — use an earlier checkpoint"
+        ) from None
     return file
 
 
@@ -778,11 +824,17 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         if file.is_file() and (Path(path) / CHECKSUMS_FILE).is_file():  # it was written whole: damaged since
             raise _damaged(Path(path), f"unreadable: meta.json ({exc})") from None
-        raise CheckpointError(f"checkpoint {path}: meta.json is missing or unreadable ({exc}) — this is not a complete nxdt checkpoint") from None
+        raise CheckpointError(
+            f"checkpoint {path}: meta.json is missing or unreadable ({exc}) — this is not a complete nxdt checkpoint"
+        ) from None
 
 
-def load(path: str | os.PathLike, expect_model: dict[str, Any] | None = None, model_file: str = "model.safetensors",
-         state_file: str = "trainer_state.pt") -> dict[str, Any]:
+def load(
+    path: str | os.PathLike,
+    expect_model: dict[str, Any] | None = None,
+    model_file: str = "model.safetensors",
+    state_file: str = "trainer_state.pt",
+) -> dict[str, Any]:
     """Read a complete checkpoint directory back into a Lightning checkpoint dict (no arbitrary unpickling).
     ``expect_model``: model shape fields the checkpoint must have been saved with; ``model_file`` /
     ``state_file``: this rank's shard files (see ``NxDStrategy``); their sizes and SHA-256 are checked first
@@ -797,7 +849,9 @@ def load(path: str | os.PathLike, expect_model: dict[str, Any] | None = None, mo
         state = torch.load(root / state_file, map_location="cpu", weights_only=True)
         state["state_dict"] = load_file(str(root / model_file), device="cpu")
     except Exception as exc:  # corrupted or truncated files: one message, no deep traceback
-        raise CheckpointError(f"checkpoint {root} is unreadable ({type(exc).__name__}: {exc}) — delete it or resume from an earlier one") from exc
+        raise CheckpointError(
+            f"checkpoint {root} is unreadable ({type(exc).__name__}: {exc}) — delete it or resume from an earlier one"
+        ) from exc
     return state
 
 

@@ -49,8 +49,9 @@ def build_sft_dataset(data_cfg: Any, sft_cfg: Any, path: str | None, vocab_size:
     return SFTDataset.from_records(records, tok, data_cfg.seq_length, packing=sft_cfg.packing, truncation=sft_cfg.truncation)
 
 
-def build_preference_dataset(data_cfg: Any, pref_cfg: Any, path: str | None, vocab_size: int, *,
-                             limit: int | None = None) -> PreferenceDataset:
+def build_preference_dataset(
+    data_cfg: Any, pref_cfg: Any, path: str | None, vocab_size: int, *, limit: int | None = None
+) -> PreferenceDataset:
     """Preference records at ``path`` (None: the shipped set) as pairs of padded sequences, truncated as
     ``pref_cfg`` (model_alignment_strategy.dpo / .orpo: max_prompt_length, truncation_mode) says; ValueError with the
     problem (a bad record, a tokenizer too large for the model, no pair left)."""
@@ -58,8 +59,9 @@ def build_preference_dataset(data_cfg: Any, pref_cfg: Any, path: str | None, voc
     if tok.vocab_size is not None and tok.vocab_size > vocab_size:
         raise ValueError(f"data.tokenizer={data_cfg.tokenizer} has {tok.vocab_size} token ids but model.vocab_size={vocab_size}")
     records = read_instruction_records(path or SAMPLE_PREFERENCES, limit)
-    return PreferenceDataset.from_records(records, tok, data_cfg.seq_length, max_prompt_length=pref_cfg.max_prompt_length,
-                                          truncation_mode=pref_cfg.truncation_mode)
+    return PreferenceDataset.from_records(
+        records, tok, data_cfg.seq_length, max_prompt_length=pref_cfg.max_prompt_length, truncation_mode=pref_cfg.truncation_mode
+    )
 
 
 def hold_out(dataset: Dataset, fraction: float) -> tuple[Dataset, Dataset | None]:
@@ -81,8 +83,17 @@ class NxDDataModule(pl.LightningDataModule):
     (None → byte-level) and ``num_samples`` (synthetic). ``vocab_size`` is the model's: synthetic tokens are drawn below it and
     a tokenizer must fit in it."""
 
-    def __init__(self, data_cfg: Any, seed: int, vocab_size: int, *, step_batches: bool = False, sft: Any = None,
-                 limit_val_batches: float = 1.0, preference: Any = None) -> None:
+    def __init__(
+        self,
+        data_cfg: Any,
+        seed: int,
+        vocab_size: int,
+        *,
+        step_batches: bool = False,
+        sft: Any = None,
+        limit_val_batches: float = 1.0,
+        preference: Any = None,
+    ) -> None:
         super().__init__()
         self.cfg, self.seed, self.vocab_size = data_cfg, seed, vocab_size
         self.sft = sft  # model_alignment_strategy.sft (data.source=instructions): packing, truncation
@@ -108,9 +119,11 @@ class NxDDataModule(pl.LightningDataModule):
         if cfg.source == "text":
             tokenizer = build_tokenizer(cfg.tokenizer)
             if tokenizer.vocab_size > self.vocab_size:
-                raise ValueError(f"data.tokenizer={cfg.tokenizer} has {tokenizer.vocab_size} token ids but "
-                                 f"model.vocab_size={self.vocab_size} — use a model whose vocab_size is at least "
-                                 f"{tokenizer.vocab_size}, or another tokenizer")
+                raise ValueError(
+                    f"data.tokenizer={cfg.tokenizer} has {tokenizer.vocab_size} token ids but "
+                    f"model.vocab_size={self.vocab_size} — use a model whose vocab_size is at least "
+                    f"{tokenizer.vocab_size}, or another tokenizer"
+                )
             return PackedText(path or SAMPLE_TEXT, tokenizer, cfg.seq_length)
         if cfg.source == "hf_dataset":
             if path is None:  # validation asks only for a given val_dir; training's train_dir is checked before launch
@@ -119,20 +132,35 @@ class NxDDataModule(pl.LightningDataModule):
         if cfg.source == "megatron":
             if validation:
                 raise ValueError("data.source=megatron has no data.val_dir; hold out samples with data.val_split")
-            return BlendedMegatronData(cfg.data_prefix, self._megatron_samples(), cfg.seq_length, self.seed,
-                                       vocab_size=self.vocab_size, splits_string=cfg.splits_string,
-                                       index_mapping_dir=cfg.index_mapping_dir)
+            return BlendedMegatronData(
+                cfg.data_prefix,
+                self._megatron_samples(),
+                cfg.seq_length,
+                self.seed,
+                vocab_size=self.vocab_size,
+                splits_string=cfg.splits_string,
+                index_mapping_dir=cfg.index_mapping_dir,
+            )
         if cfg.source == "instructions":
             if self.sft is None:
                 raise ValueError("data.source=instructions needs model_alignment_strategy.sft (packing, truncation)")
-            dataset = build_sft_dataset(cfg, self.sft, path, self.vocab_size, limit=None if validation else getattr(cfg, "dev_choose_samples", None))
+            dataset = build_sft_dataset(
+                cfg, self.sft, path, self.vocab_size, limit=None if validation else getattr(cfg, "dev_choose_samples", None)
+            )
             rank_zero_info(f"data: {sft_report(dataset.stats, 'validation' if validation else 'train')}")
             return dataset
         if cfg.source == "preferences":
             if self.preference is None:
-                raise ValueError("data.source=preferences needs model_alignment_strategy.dpo or .orpo (max_prompt_length, truncation_mode)")
-            pairs = build_preference_dataset(cfg, self.preference, path, self.vocab_size,
-                                             limit=None if validation else getattr(cfg, "dev_choose_samples", None))
+                raise ValueError(
+                    "data.source=preferences needs model_alignment_strategy.dpo or .orpo (max_prompt_length, truncation_mode)"
+                )
+            pairs = build_preference_dataset(
+                cfg,
+                self.preference,
+                path,
+                self.vocab_size,
+                limit=None if validation else getattr(cfg, "dev_choose_samples", None),
+            )
             rank_zero_info(f"data: {preference_report(pairs.stats, 'validation' if validation else 'train')}")
             return pairs
         raise ValueError(f"data.source={cfg.source!r}: use synthetic, text, hf_dataset, megatron, instructions or preferences")
@@ -141,7 +169,9 @@ class NxDDataModule(pl.LightningDataModule):
         """Megatron's training sample count: trainer.max_steps global batches (the sample index is built for it)."""
         steps = getattr(self.trainer, "max_steps", -1) if self.trainer is not None else -1
         if steps is None or steps < 1:
-            raise ValueError("data.source=megatron builds its sample index for trainer.max_steps global batches; set trainer.max_steps")
+            raise ValueError(
+                "data.source=megatron builds its sample index for trainer.max_steps global batches; set trainer.max_steps"
+            )
         return steps * self.global_batch_size
 
     def setup(self, stage: str | None = None) -> None:
@@ -151,10 +181,14 @@ class NxDDataModule(pl.LightningDataModule):
             self.dataset, held_out = hold_out(self.dataset, getattr(self.cfg, "val_split", 0.0))
             if held_out is not None:
                 self.val_dataset = held_out
-                rank_zero_info(f"data: the last {len(held_out)} of {len(self.dataset) + len(held_out)} samples held out "
-                               f"for validation (data.val_split={self.cfg.val_split})")
-            rank_zero_info(f"data: {type(self.dataset).__name__}, {len(self.dataset)} samples of "
-                           f"{self.cfg.seq_length} tokens, data-parallel {self.dp_size}")
+                rank_zero_info(
+                    f"data: the last {len(held_out)} of {len(self.dataset) + len(held_out)} samples held out "
+                    f"for validation (data.val_split={self.cfg.val_split})"
+                )
+            rank_zero_info(
+                f"data: {type(self.dataset).__name__}, {len(self.dataset)} samples of "
+                f"{self.cfg.seq_length} tokens, data-parallel {self.dp_size}"
+            )
         val_dir = getattr(self.cfg, "val_dir", None)  # optional in a Lightning API user's data config
         if self.val_dataset is None and val_dir is not None:
             self.val_dataset = self.build_dataset(val_dir, validation=True)
@@ -187,8 +221,7 @@ class NxDDataModule(pl.LightningDataModule):
 
     def state_dict(self) -> dict[str, int]:
         step = self._global_step()
-        return {"consumed_samples": self.consumed_samples,
-                "global_step": self._anchor_step if step is None else step}
+        return {"consumed_samples": self.consumed_samples, "global_step": self._anchor_step if step is None else step}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         consumed = int(state_dict["consumed_samples"])
@@ -203,19 +236,29 @@ class NxDDataModule(pl.LightningDataModule):
         assert self.dataset is not None  # setup built it
         batch = self.global_batch_size
         if batch % (self.cfg.micro_batch_size * self.dp_size):
-            raise ValueError(f"data.global_batch_size={batch} must be divisible by micro_batch_size × DP = "
-                             f"{self.cfg.micro_batch_size}×{self.dp_size}")
+            raise ValueError(
+                f"data.global_batch_size={batch} must be divisible by micro_batch_size × DP = "
+                f"{self.cfg.micro_batch_size}×{self.dp_size}"
+            )
         per_batch = batch // self.dp_size if self.step_batches else self.cfg.micro_batch_size
-        sampler = GlobalBatchSampler(len(self.dataset), batch, per_batch,
-                                     dp_rank=self.dp_rank, dp_size=self.dp_size,
-                                     consumed_samples=self.consumed_samples, seed=self.seed,
-                                     shuffle=self.cfg.source != "megatron")  # Megatron's sample index is shuffled already
+        sampler = GlobalBatchSampler(
+            len(self.dataset),
+            batch,
+            per_batch,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            consumed_samples=self.consumed_samples,
+            seed=self.seed,
+            shuffle=self.cfg.source != "megatron",
+        )  # Megatron's sample index is shuffled already
         trainer = self.trainer
         if trainer is not None and trainer.accumulate_grad_batches != sampler.micro_batches_per_step:
             # otherwise optimizer steps and global batches drift apart: DP ≠ single process, resume skips data
-            raise ValueError(f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) must equal "
-                             f"global_batch_size / (micro_batch_size × DP) = {batch} / "
-                             f"({self.cfg.micro_batch_size} × {self.dp_size}) = {sampler.micro_batches_per_step}")
+            raise ValueError(
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) must equal "
+                f"global_batch_size / (micro_batch_size × DP) = {batch} / "
+                f"({self.cfg.micro_batch_size} × {self.dp_size}) = {sampler.micro_batches_per_step}"
+            )
         # workers=0: samples are cheap and in memory; worker processes would only add start-up time
         return DataLoader(self.dataset, batch_sampler=sampler, num_workers=0)
 
@@ -239,6 +282,7 @@ class NxDDataModule(pl.LightningDataModule):
             self.setup("validate")
         if self.val_dataset is None:
             return DataLoader([])
-        sampler = EvalBatchSampler(len(self.val_dataset), self.global_batch_size, self.dp_rank, self.dp_size,
-                                   num_batches=self.validation_batches())
+        sampler = EvalBatchSampler(
+            len(self.val_dataset), self.global_batch_size, self.dp_rank, self.dp_size, num_batches=self.validation_batches()
+        )
         return DataLoader(PadRows(self.val_dataset), batch_sampler=sampler, num_workers=0)

@@ -26,8 +26,18 @@ from nxdt.lightning.objective import ORPO_METRICS, REWARD_METRICS
 
 # the last three are filled under FSDP: time compute waited for its communication, the share of that
 # communication hidden behind compute, and the most gathered-parameter bytes held at once
-METRIC_COLUMNS = ("step", "loss", "lr", "step_time_s", "tokens_per_s", "peak_rss_mb", "wall_time",
-                  "exposed_comm_s", "overlap_pct", "peak_gathered_bytes")
+METRIC_COLUMNS = (
+    "step",
+    "loss",
+    "lr",
+    "step_time_s",
+    "tokens_per_s",
+    "peak_rss_mb",
+    "wall_time",
+    "exposed_comm_s",
+    "overlap_pct",
+    "peak_gathered_bytes",
+)
 
 
 def console_mode() -> str:
@@ -64,8 +74,12 @@ class StepConsole:
     def line(self, row: dict[str, Any]) -> str:
         width = len(str(self.max_steps)) if self.max_steps and self.max_steps > 0 else 1
         total = f"/{self.max_steps}" if self.max_steps and self.max_steps > 0 else ""
-        parts = [f"step {int(row['step']):>{width}}{total}", f"loss {row['loss']:.4f}", f"lr {row['lr']:.2e}",
-                 f"{row['tokens_per_s']:,.0f} tokens/s"]
+        parts = [
+            f"step {int(row['step']):>{width}}{total}",
+            f"loss {row['loss']:.4f}",
+            f"lr {row['lr']:.2e}",
+            f"{row['tokens_per_s']:,.0f} tokens/s",
+        ]
         if self.mfu_per_token_per_s is not None:
             parts.append(f"MFU {100 * self.mfu_per_token_per_s * row['tokens_per_s']:.1f}%")
         parts.append(f"peak mem {row['peak_rss_mb']:,.0f} MB")
@@ -86,8 +100,16 @@ class StepMetricsLogger(Callback):
     """Writes ``metrics.csv`` (and TensorBoard scalars: every value of the row, the same names) from the module's
     ``step_metrics``, on rank 0, and shows the row on the console (``console``)."""
 
-    def __init__(self, path: Path, tokens_per_step: int, every_n_steps: int = 1, extra_columns: tuple[str, ...] = (),
-                 console: StepConsole | None = None, validation: bool = False, val_columns: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        path: Path,
+        tokens_per_step: int,
+        every_n_steps: int = 1,
+        extra_columns: tuple[str, ...] = (),
+        console: StepConsole | None = None,
+        validation: bool = False,
+        val_columns: tuple[str, ...] = (),
+    ) -> None:
         self.console = console
         self.path = Path(path)
         # val_loss when data.val_dir is validated, and the objective's validation metrics (DPO: val_rewards/...)
@@ -120,7 +142,9 @@ class StepMetricsLogger(Callback):
             writer.writeheader()
             writer.writerows(rows)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         metrics = getattr(pl_module, "step_metrics", None)
         if not metrics or metrics["step"] == self._last_step:
             return  # mid-accumulation: no optimizer step happened
@@ -129,8 +153,13 @@ class StepMetricsLogger(Callback):
         self._last_time, self._last_step = now, metrics["step"]
         if not trainer.is_global_zero or metrics["step"] % self.every_n_steps:
             return
-        row = {**metrics, "step_time_s": step_time, "wall_time": round(time.time(), 3), "tokens_per_s": self.tokens_per_step / step_time if step_time > 0 else 0.0,
-               "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # rank 0's high-water mark (Linux: KiB)
+        row = {
+            **metrics,
+            "step_time_s": step_time,
+            "wall_time": round(time.time(), 3),
+            "tokens_per_s": self.tokens_per_step / step_time if step_time > 0 else 0.0,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        }  # rank 0's high-water mark (Linux: KiB)
         for logger in trainer.loggers:
             logger.log_metrics({k: v for k, v in row.items() if k != "step"}, step=row["step"])
         if self.console is not None:
@@ -210,6 +239,7 @@ class FaultInjection(Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.kind == "sigkill_during_save" and self._armed(trainer) and hasattr(trainer.strategy, "before_checkpoint_commit"):
+
             def die_if_due(tmp_dir: Any) -> None:
                 if trainer.global_step >= self.step:
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -220,16 +250,24 @@ class FaultInjection(Callback):
         if self.kind == "sigkill_during_save" or trainer.global_step + 1 != self.step or not self._armed(trainer):
             return
         if self.kind == "sigkill":
-            print(f"nxdt: fault injection: SIGKILL on rank {trainer.global_rank} at step {self.step} (t={time.time():.3f})", flush=True)
+            print(
+                f"nxdt: fault injection: SIGKILL on rank {trainer.global_rank} at step {self.step} (t={time.time():.3f})",
+                flush=True,
+            )
             os.kill(os.getpid(), signal.SIGKILL)
         if self.kind == "nan":  # once: a skipped step starts again with the same step number
             pl_module.inject_nan, self._nan_injected = not self._nan_injected, True
             return
         if self.kind == "sigstop":
-            print(f"nxdt: fault injection: SIGSTOP on rank {trainer.global_rank} at step {self.step} (t={time.time():.3f})", flush=True)
+            print(
+                f"nxdt: fault injection: SIGSTOP on rank {trainer.global_rank} at step {self.step} (t={time.time():.3f})",
+                flush=True,
+            )
             os.kill(os.getpid(), signal.SIGSTOP)
         if self.kind == "hang":
-            print(f"nxdt: fault injection: rank {trainer.global_rank} hangs at step {self.step} (t={time.time():.3f})", flush=True)
+            print(
+                f"nxdt: fault injection: rank {trainer.global_rank} hangs at step {self.step} (t={time.time():.3f})", flush=True
+            )
             while True:
                 signal.pause()
         raise InjectedFault(f"injected fault at step {self.step} on rank {trainer.global_rank} (exp_manager.fault_injection)")
@@ -252,7 +290,9 @@ class DirectoryCheckpoint(ModelCheckpoint):
         super().__init__(*args, **kwargs)
         self.background = background
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         before = self.best_model_path  # monitor="step", mode="max": the best is the newest
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self.best_model_path and self.best_model_path != before and trainer.is_global_zero:
@@ -288,9 +328,13 @@ class StepProgressBar(RichProgressBar):
         self.progress.update(self.train_progress_bar_id, completed=trainer.global_step, visible=True)
         self.refresh()
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         # the bar's position is the optimizer step (one Lightning batch is one global batch), not the batch index
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, trainer.global_step - 1 if self._step_bounded() else batch_idx)
+        super().on_train_batch_end(
+            trainer, pl_module, outputs, batch, trainer.global_step - 1 if self._step_bounded() else batch_idx
+        )
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
@@ -333,8 +377,9 @@ def agreed_resume_checkpoint(cfg: Any, run_dir: str | Path) -> Path | None:
 
     import torch.distributed as dist
 
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=cfg.comm.timeout_s))
+    store = dist.TCPStore(
+        env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=cfg.comm.timeout_s)
+    )
     key = f"nxdt/resume/{env.get('TORCHELASTIC_RUN_ID', 'run')}/{attempt}"
     if int(env["RANK"]) == 0:
         chosen = resume_checkpoint(run_dir)
@@ -354,17 +399,33 @@ def build_callbacks(cfg: Any, run_dir: Path, tokens_per_step: int, *, show_progr
     norms = tuple(c for c, on in (("grad_norm", em.log_gradient_norm), ("param_norm", em.log_parameter_norm)) if on)
     mas = cfg.model_alignment_strategy  # DPO / ORPO: the objective's metrics (nxdt.lightning.objective)
     objective_metrics = REWARD_METRICS if mas.dpo is not None else ORPO_METRICS if mas.orpo is not None else ()
-    callbacks: list[Callback] = [StepMetricsLogger(run_dir / "metrics.csv", tokens_per_step, cfg.trainer.log_every_n_steps,
-                                                   norms + objective_metrics, console=StepConsole.for_run(cfg, run_dir),
-                                                   validation=validates(cfg),
-                                                   val_columns=tuple(f"val_{name}" for name in objective_metrics))]
+    callbacks: list[Callback] = [
+        StepMetricsLogger(
+            run_dir / "metrics.csv",
+            tokens_per_step,
+            cfg.trainer.log_every_n_steps,
+            norms + objective_metrics,
+            console=StepConsole.for_run(cfg, run_dir),
+            validation=validates(cfg),
+            val_columns=tuple(f"val_{name}" for name in objective_metrics),
+        )
+    ]
     every = cfg.exp_manager.checkpoint_every_n_steps
     if every:
-        callbacks.append(DirectoryCheckpoint(
-            dirpath=checkpoint_dir(run_dir), filename="step-{step}", auto_insert_metric_name=False,
-            every_n_train_steps=every, save_top_k=cfg.exp_manager.keep_last_k, monitor="step", mode="max",
-            save_last=False, save_on_train_epoch_end=False, background=cfg.exp_manager.async_checkpointing,
-        ))
+        callbacks.append(
+            DirectoryCheckpoint(
+                dirpath=checkpoint_dir(run_dir),
+                filename="step-{step}",
+                auto_insert_metric_name=False,
+                every_n_train_steps=every,
+                save_top_k=cfg.exp_manager.keep_last_k,
+                monitor="step",
+                mode="max",
+                save_last=False,
+                save_on_train_epoch_end=False,
+                background=cfg.exp_manager.async_checkpointing,
+            )
+        )
     fault = cfg.exp_manager.fault_injection
     if fault.step is not None:
         callbacks.append(FaultInjection(fault.step, fault.rank, fault.kind, fault.attempt))

@@ -33,7 +33,7 @@ def hf_name(name: str) -> str:
 
 
 def our_name(name: str) -> str:
-    return name[len("model."):] if name.startswith("model.") else name
+    return name[len("model.") :] if name.startswith("model.") else name
 
 
 @torch.no_grad()
@@ -49,11 +49,15 @@ def load_hf_weights(model: nn.Module, directory: str | Path) -> None:
             for key in fh.keys():
                 name = our_name(key)
                 if name not in params:
-                    raise ValueError(f"model.hf_checkpoint={directory}: tensor {key} has no counterpart in {type(model).__name__}")
+                    raise ValueError(
+                        f"model.hf_checkpoint={directory}: tensor {key} has no counterpart in {type(model).__name__}"
+                    )
                 tensor = fh.get_tensor(key)
                 if tuple(tensor.shape) != tuple(params[name].shape):
-                    raise ValueError(f"model.hf_checkpoint={directory}: {key} has shape {list(tensor.shape)}, the configured model "
-                                     f"expects {list(params[name].shape)} — make the model config match the checkpoint's config.json")
+                    raise ValueError(
+                        f"model.hf_checkpoint={directory}: {key} has shape {list(tensor.shape)}, the configured model "
+                        f"expects {list(params[name].shape)} — make the model config match the checkpoint's config.json"
+                    )
                 params[name].copy_(tensor)
                 seen.add(name)
     missing = sorted(set(params) - seen - {"lm_head.weight"} if getattr(model, "tied", False) else set(params) - seen)
@@ -82,7 +86,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, merge: bool = False, b
     if merge or base is not None:
         raise CheckpointError(f"checkpoint {checkpoint} has no LoRA adapters to merge; export it without --merge / --base")
     state = read_full_state(checkpoint, optimizer=False)
-    model = {name[len(MODULE_PREFIX):] if name.startswith(MODULE_PREFIX) else name: t for name, t in state.model.items()}
+    model = {name[len(MODULE_PREFIX) :] if name.startswith(MODULE_PREFIX) else name: t for name, t in state.model.items()}
     return export_hf_state(model, state.meta, out)
 
 
@@ -120,16 +124,35 @@ def export_hf_state(model: dict[str, torch.Tensor], meta: dict[str, Any], out: s
 
 
 def _hf_config(model: dict[str, Any]) -> dict[str, Any]:
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": model.get("vocab_size"),
-            "hidden_size": model.get("hidden_size"), "num_hidden_layers": model.get("num_layers"),
-            "num_attention_heads": model.get("num_attention_heads"), "num_key_value_heads": model.get("num_kv_heads"),
-            "intermediate_size": model.get("ffn_hidden_size"), "torch_dtype": "float32"}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": model.get("vocab_size"),
+        "hidden_size": model.get("hidden_size"),
+        "num_hidden_layers": model.get("num_layers"),
+        "num_attention_heads": model.get("num_attention_heads"),
+        "num_key_value_heads": model.get("num_kv_heads"),
+        "intermediate_size": model.get("ffn_hidden_size"),
+        "torch_dtype": "float32",
+    }
 
 
 # safetensors dtypes a float parameter can be loaded from (copy_ converts them); anything else is not weights
 LOADABLE_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
-_ITEM_BYTES = {**LOADABLE_DTYPES, "I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-               "F8_E4M3": 1, "F8_E5M2": 1}
+_ITEM_BYTES = {
+    **LOADABLE_DTYPES,
+    "I64": 8,
+    "U64": 8,
+    "I32": 4,
+    "U32": 4,
+    "I16": 2,
+    "U16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit
 
 
@@ -151,8 +174,10 @@ def read_safetensors_header(file: Path) -> dict[str, Any]:
             raise HFCheckpointError(f"{file.name} is {size} bytes, too short for a safetensors header; the file is damaged")
         length = int.from_bytes(prefix, "little")
         if not 2 <= length <= min(MAX_HEADER_BYTES, size - 8):
-            raise HFCheckpointError(f"{file.name} does not start with a safetensors header (header length {length}, file "
-                                    f"{size} bytes); the file is damaged or not safetensors")
+            raise HFCheckpointError(
+                f"{file.name} does not start with a safetensors header (header length {length}, file "
+                f"{size} bytes); the file is damaged or not safetensors"
+            )
         raw = fh.read(length)
     try:
         header = json.loads(raw.decode("utf-8"))
@@ -163,9 +188,15 @@ def read_safetensors_header(file: Path) -> dict[str, Any]:
     header.pop("__metadata__", None)
     end = 0
     for name, entry in header.items():
-        ok = isinstance(entry, dict) and entry.get("dtype") in _ITEM_BYTES and isinstance(entry.get("shape"), list) \
-            and all(isinstance(d, int) and d >= 0 for d in entry["shape"]) and isinstance(entry.get("data_offsets"), list) \
-            and len(entry["data_offsets"]) == 2 and all(isinstance(o, int) for o in entry["data_offsets"])
+        ok = (
+            isinstance(entry, dict)
+            and entry.get("dtype") in _ITEM_BYTES
+            and isinstance(entry.get("shape"), list)
+            and all(isinstance(d, int) and d >= 0 for d in entry["shape"])
+            and isinstance(entry.get("data_offsets"), list)
+            and len(entry["data_offsets"]) == 2
+            and all(isinstance(o, int) for o in entry["data_offsets"])
+        )
         if ok:
             begin, stop = entry["data_offsets"]
             count = 1
@@ -173,12 +204,15 @@ def read_safetensors_header(file: Path) -> dict[str, Any]:
                 count *= d
             ok = 0 <= begin <= stop and stop - begin == count * _ITEM_BYTES[entry["dtype"]]
         if not ok:
-            raise HFCheckpointError(f"{file.name}: the header's entry for {name} is malformed (dtype, shape, offsets); "
-                                    "the file is damaged")
+            raise HFCheckpointError(
+                f"{file.name}: the header's entry for {name} is malformed (dtype, shape, offsets); the file is damaged"
+            )
         end = max(end, entry["data_offsets"][1])
     if 8 + length + end != size:
-        raise HFCheckpointError(f"{file.name} is {size} bytes, its header describes {8 + length + end}; the file is "
-                                f"{'truncated' if 8 + length + end > size else 'damaged'}")
+        raise HFCheckpointError(
+            f"{file.name} is {size} bytes, its header describes {8 + length + end}; the file is "
+            f"{'truncated' if 8 + length + end > size else 'damaged'}"
+        )
     return header
 
 
@@ -199,19 +233,27 @@ def check_hf_checkpoint(directory: str | Path, expected: dict[str, tuple[int, ..
         for key, entry in header.items():
             name = our_name(key)
             if name not in expected:
-                raise HFCheckpointError(f"{file.name}: tensor {key} has no counterpart in the configured model "
-                                        f"({'its head is tied to the embedding; set model.tie_word_embeddings=false' if tied and name == 'lm_head.weight' else 'make model.architecture and the model config match the checkpoint'})")
+                raise HFCheckpointError(
+                    f"{file.name}: tensor {key} has no counterpart in the configured model "
+                    f"({'its head is tied to the embedding; set model.tie_word_embeddings=false' if tied and name == 'lm_head.weight' else 'make model.architecture and the model config match the checkpoint'})"
+                )
             if name in seen:
                 raise HFCheckpointError(f"tensor {key} is in both {seen[name]} and {file.name}; give one copy of each tensor")
             seen[name] = file.name
             if tuple(entry["shape"]) != tuple(expected[name]):
-                raise HFCheckpointError(f"{file.name}: {key} has shape {entry['shape']}, the configured model expects "
-                                        f"{list(expected[name])}; make the model config match the checkpoint's config.json")
+                raise HFCheckpointError(
+                    f"{file.name}: {key} has shape {entry['shape']}, the configured model expects "
+                    f"{list(expected[name])}; make the model config match the checkpoint's config.json"
+                )
             if entry["dtype"] not in LOADABLE_DTYPES:
-                raise HFCheckpointError(f"{file.name}: {key} is {entry['dtype']}, not floating-point weights (loadable: "
-                                        f"{', '.join(LOADABLE_DTYPES)}); give an unquantized checkpoint")
+                raise HFCheckpointError(
+                    f"{file.name}: {key} is {entry['dtype']}, not floating-point weights (loadable: "
+                    f"{', '.join(LOADABLE_DTYPES)}); give an unquantized checkpoint"
+                )
     missing = sorted(set(expected) - set(seen))
     if missing:
-        raise HFCheckpointError(f"missing tensors {', '.join(hf_name(m) for m in missing[:4])}{' …' if len(missing) > 4 else ''} "
-                                f"({len(missing)} of {len(expected)}); give the complete checkpoint, or a model config of its shape")
+        raise HFCheckpointError(
+            f"missing tensors {', '.join(hf_name(m) for m in missing[:4])}{' …' if len(missing) > 4 else ''} "
+            f"({len(missing)} of {len(expected)}); give the complete checkpoint, or a model config of its shape"
+        )
     return len(seen)

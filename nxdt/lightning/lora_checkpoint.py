@@ -41,8 +41,14 @@ KINDS = ("none", "with_base", "adapters_only", "merged")
 
 def lora_meta(config: LoRAConfig, merged: bool = False) -> dict[str, Any]:
     """What a checkpoint's meta.json records of its adapters (``nxdt train`` adds it to every checkpoint)."""
-    return {"rank": config.rank, "alpha": config.alpha, "dropout": config.dropout, "bias": config.bias,
-            "target_modules": list(config.hf_target_modules), "merged": merged}
+    return {
+        "rank": config.rank,
+        "alpha": config.alpha,
+        "dropout": config.dropout,
+        "bias": config.bias,
+        "target_modules": list(config.hf_target_modules),
+        "merged": merged,
+    }
 
 
 @torch.no_grad()
@@ -59,8 +65,10 @@ def merged_state_dict(state: Mapping[str, torch.Tensor], scaling: float) -> dict
             if a is None or b is None:
                 raise ValueError(f"merge_lora: {name} has no lora_A / lora_B tensors beside it")
             if (b.shape[0], a.shape[1]) != tuple(tensor.shape):
-                raise ValueError(f"merge_lora: {name} has shape {list(tensor.shape)} but its adapters' B·A has "
-                                 f"{[b.shape[0], a.shape[1]]}: the base model does not match the adapters")
+                raise ValueError(
+                    f"merge_lora: {name} has shape {list(tensor.shape)} but its adapters' B·A has "
+                    f"{[b.shape[0], a.shape[1]]}: the base model does not match the adapters"
+                )
             tensor = tensor + ((b.float() @ a.float()) * scaling).to(tensor.dtype)
         out[name] = tensor
     return out
@@ -122,8 +130,14 @@ def checkpoint_lora_config(path: str | Path) -> dict[str, Any] | None:
     if adapter.is_file():
         try:
             peft = json.loads(adapter.read_text())
-            return {"rank": int(peft["r"]), "alpha": float(peft["lora_alpha"]), "dropout": float(peft.get("lora_dropout", 0.0)),
-                    "bias": peft.get("bias", "none"), "target_modules": list(peft["target_modules"]), "merged": False}
+            return {
+                "rank": int(peft["r"]),
+                "alpha": float(peft["lora_alpha"]),
+                "dropout": float(peft.get("lora_dropout", 0.0)),
+                "bias": peft.get("bias", "none"),
+                "target_modules": list(peft["target_modules"]),
+                "merged": False,
+            }
         except (ValueError, KeyError, TypeError):
             raise CheckpointError(f"{adapter}: not a readable PEFT adapter config") from None
     return None
@@ -136,8 +150,11 @@ def check_adapters_fit(path: str | Path, rank: int, alpha: float, targets: tuple
     if theirs_rank != rank:
         return "lora_rank", rank, f"the adapters in {path} have rank {theirs_rank}; set lora_rank={theirs_rank}"
     if theirs_targets != tuple(targets):
-        return ("target_modules", list(targets), f"the adapters in {path} adapt {list(theirs_targets)}; set target_modules "
-                "to match")
+        return (
+            "target_modules",
+            list(targets),
+            f"the adapters in {path} adapt {list(theirs_targets)}; set target_modules to match",
+        )
     recorded = checkpoint_lora_config(path)
     if recorded is not None and float(recorded["alpha"]) != float(alpha):
         return "lora_alpha", alpha, f"the adapters in {path} were trained with lora_alpha={recorded['alpha']:g}; set it"
@@ -149,7 +166,7 @@ def _full_model(path: Path) -> dict[str, torch.Tensor]:
     from nxdt.lightning.reshard import MODULE_PREFIX, read_full_state
 
     full = read_full_state(path, optimizer=False).model
-    return {n[len(MODULE_PREFIX):] if n.startswith(MODULE_PREFIX) else n: t for n, t in full.items()}
+    return {n[len(MODULE_PREFIX) :] if n.startswith(MODULE_PREFIX) else n: t for n, t in full.items()}
 
 
 def _base_from_hf(directory: str | Path) -> dict[str, torch.Tensor]:
@@ -159,8 +176,10 @@ def _base_from_hf(directory: str | Path) -> dict[str, torch.Tensor]:
 
     files = sorted(Path(directory).expanduser().glob("*.safetensors"))
     if not files:
-        raise CheckpointError(f"--base {directory}: no *.safetensors files there; give the Hugging Face model directory the "
-                              "run started from (its model.hf_checkpoint)")
+        raise CheckpointError(
+            f"--base {directory}: no *.safetensors files there; give the Hugging Face model directory the "
+            "run started from (its model.hf_checkpoint)"
+        )
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update({our_name(k): v for k, v in load_file(str(file)).items()})
@@ -183,29 +202,44 @@ def export_lora_checkpoint(path: str | Path, out: str | Path, *, merge: bool = F
     if base is not None and kind == "with_base":
         raise CheckpointError(f"checkpoint {root} holds its base weights (save_lora_base); drop --base")
     if base is not None and not merge:
-        raise CheckpointError("--base is the model the adapters merge into: add --merge (without it the export is the PEFT "
-                              "adapter directory alone)")
+        raise CheckpointError(
+            "--base is the model the adapters merge into: add --merge (without it the export is the PEFT adapter directory alone)"
+        )
     config = checkpoint_lora_config(root)
     if config is None:
-        raise CheckpointError(f"checkpoint {root} records no LoRA config (lora_alpha): write checkpoints with nxdt train or "
-                              "model_alignment_strategy.peft.save_lora_config_adapter=true")
+        raise CheckpointError(
+            f"checkpoint {root} records no LoRA config (lora_alpha): write checkpoints with nxdt train or "
+            "model_alignment_strategy.peft.save_lora_config_adapter=true"
+        )
     if not merge and config.get("bias", "none") != "none":
-        raise CheckpointError(f"checkpoint {root}: its adapters trained biases too (lora_bias={config['bias']}), which the "
-                              "PEFT export does not carry yet; export it with --merge instead")
+        raise CheckpointError(
+            f"checkpoint {root}: its adapters trained biases too (lora_bias={config['bias']}), which the "
+            "PEFT export does not carry yet; export it with --merge instead"
+        )
     state = _full_model(root)
     rank, targets = adapter_shape(root)
-    lora = LoRAConfig(rank, float(config["alpha"]), float(config.get("dropout", 0.0)), config.get("bias", "none"),
-                      tuple(targets), tuple(targets))
+    lora = LoRAConfig(
+        rank,
+        float(config["alpha"]),
+        float(config.get("dropout", 0.0)),
+        config.get("bias", "none"),
+        tuple(targets),
+        tuple(targets),
+    )
     if not merge:
         return write_peft_adapter(lora, {n: t for n, t in state.items() if n.endswith(ADAPTER_SUFFIXES)}, out)
     if kind == "adapters_only":
         if base is None:
-            raise CheckpointError(f"checkpoint {root} holds the adapters alone (save_lora_base false): give the base model to "
-                                  "merge them into with --base HF_DIR (the run's model.hf_checkpoint)")
+            raise CheckpointError(
+                f"checkpoint {root} holds the adapters alone (save_lora_base false): give the base model to "
+                "merge them into with --base HF_DIR (the run's model.hf_checkpoint)"
+            )
         hf_base = _base_from_hf(base)
         adapted = {n[: -len(".lora_A.weight")] for n in state if n.endswith(".lora_A.weight")}
-        with_base = {(f"{n.rpartition('.')[0]}.base_layer.weight" if n.rpartition(".")[0] in adapted and n.endswith(".weight")
-                      else n): t for n, t in hf_base.items()}
+        with_base = {
+            (f"{n.rpartition('.')[0]}.base_layer.weight" if n.rpartition(".")[0] in adapted and n.endswith(".weight") else n): t
+            for n, t in hf_base.items()
+        }
         missing = sorted(f"{p}.base_layer.weight" for p in adapted if f"{p}.base_layer.weight" not in with_base)
         if missing:
             raise CheckpointError(f"--base {base}: no weights for the adapted layers {missing[:3]}; give the run's base model")

@@ -47,13 +47,19 @@ def read_checkpoint_weights(path: str, expect_model: dict[str, Any] | None = Non
     from nxdt.lightning.reshard import MODULE_PREFIX, read_full_state
 
     full = read_full_state(path, optimizer=False, expect_model=expect_model).model
-    state = {name[len(MODULE_PREFIX):]: tensor for name, tensor in full.items() if name.startswith(MODULE_PREFIX)}
+    state = {name[len(MODULE_PREFIX) :]: tensor for name, tensor in full.items() if name.startswith(MODULE_PREFIX)}
     kind = lora_kind(path)
     return (plain_names(state) if kind == "merged" else state), kind
 
 
-def load_checkpoint_weights(model: torch.nn.Module, path: str, expect_model: dict[str, Any] | None = None, *,
-                            state: dict[str, torch.Tensor] | None = None, adapters_only: bool = False) -> None:
+def load_checkpoint_weights(
+    model: torch.nn.Module,
+    path: str,
+    expect_model: dict[str, Any] | None = None,
+    *,
+    state: dict[str, torch.Tensor] | None = None,
+    adapters_only: bool = False,
+) -> None:
     """``model.weight_init_only``: the model weights of an nxdt checkpoint of any layout (consolidated on every
     rank; parallelism slices them later, as for Hugging Face weights) — no optimizer state, no step. ``state``: the
     tensors already read (:func:`read_checkpoint_weights`); ``adapters_only``: they are a LoRA model's adapters alone
@@ -65,8 +71,10 @@ def load_checkpoint_weights(model: torch.nn.Module, path: str, expect_model: dic
     if adapters_only:
         missing = [n for n in missing if ".lora_A." in n or ".lora_B." in n]
     if missing or unexpected:
-        raise ValueError(f"exp_manager.resume_from_checkpoint={path}: its model does not match this one (missing "
-                         f"{missing[:3]}, unexpected {unexpected[:3]})")
+        raise ValueError(
+            f"exp_manager.resume_from_checkpoint={path}: its model does not match this one (missing "
+            f"{missing[:3]}, unexpected {unexpected[:3]})"
+        )
 
 
 def split_micro_batches(batch: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
@@ -91,10 +99,23 @@ class CausalLMModule(pl.LightningModule):
     forward and backward over them (a plain loop, or a pipeline schedule under PP), finishes the
     gradients (data-parallel reduction, clipping by the global norm), and steps the optimizer once."""
 
-    def __init__(self, model_cfg: Any, global_batch_size: int, seq_length: int, micro_batch_size: int,
-                 gradient_clip_val: float | None = None, *, log_gradient_norm: bool = False,
-                 log_parameter_norm: bool = False, nan_policy: str = "stop", precision: str = "fp32", seed: int = 0,
-                 alignment: Any = None, init_checkpoint: str | None = None, peft: Any = None) -> None:
+    def __init__(
+        self,
+        model_cfg: Any,
+        global_batch_size: int,
+        seq_length: int,
+        micro_batch_size: int,
+        gradient_clip_val: float | None = None,
+        *,
+        log_gradient_norm: bool = False,
+        log_parameter_norm: bool = False,
+        nan_policy: str = "stop",
+        precision: str = "fp32",
+        seed: int = 0,
+        alignment: Any = None,
+        init_checkpoint: str | None = None,
+        peft: Any = None,
+    ) -> None:
         super().__init__()
         self.automatic_optimization = False  # one optimizer step per global batch, whatever the schedule
         self.model_cfg = model_cfg
@@ -109,8 +130,10 @@ class CausalLMModule(pl.LightningModule):
             apply_peft(self.model, peft)
         if init_checkpoint is not None and has_adapters:  # load_lora_from_ckpt: a LoRA run's adapters (and base, unless
             if peft is None:  # it saved the adapters alone)
-                raise ValueError(f"exp_manager.resume_from_checkpoint={init_checkpoint} holds LoRA adapters: configure "
-                                 "model_alignment_strategy.peft to continue from them")
+                raise ValueError(
+                    f"exp_manager.resume_from_checkpoint={init_checkpoint} holds LoRA adapters: configure "
+                    "model_alignment_strategy.peft to continue from them"
+                )
             load_checkpoint_weights(self.model, init_checkpoint, state=init_state, adapters_only=init_kind == "adapters_only")
         self.objective = objective_for(alignment)  # model_alignment_strategy → the loss each micro-batch contributes
         # a preference sample is a pair: two sequences
@@ -154,7 +177,9 @@ class CausalLMModule(pl.LightningModule):
                 extra["grad_norm"] = float(grad_norm)
         if self.log_parameter_norm:
             norm = getattr(strategy, "parameter_norm", None)
-            extra["param_norm"] = float(norm() if norm else torch.stack([squared_norm(p) for p in self.model.parameters()]).sum().sqrt())
+            extra["param_norm"] = float(
+                norm() if norm else torch.stack([squared_norm(p) for p in self.model.parameters()]).sum().sqrt()
+            )
         # the mean over every rank: NaN anywhere is NaN everywhere, so all ranks take the same branch below
         step_loss = strategy.reduce(loss.detach().float(), reduce_op="mean")
         if not self._finite_step(step_loss, grad_norm, loss):
@@ -164,8 +189,14 @@ class CausalLMModule(pl.LightningModule):
         optimizer.step()
         scheduler.step()
         stats = getattr(strategy, "step_stats", None)  # e.g. FSDP's exposed communication and gathered memory
-        self.step_metrics = {"step": self.trainer.global_step, "loss": float(step_loss), "lr": lr, **extra,
-                             **(stats() if stats else {}), **self._objective_metrics(micro_batches)}
+        self.step_metrics = {
+            "step": self.trainer.global_step,
+            "loss": float(step_loss),
+            "lr": lr,
+            **extra,
+            **(stats() if stats else {}),
+            **self._objective_metrics(micro_batches),
+        }
         self.log("loss", step_loss, prog_bar=True, logger=False)
         return step_loss
 
@@ -173,8 +204,11 @@ class CausalLMModule(pl.LightningModule):
         """Whether this step's update may be applied (``exp_manager.nan_policy``): a NaN/inf loss or global
         gradient norm stops the run (``stop``) or skips the update (``skip_step``, at most
         ``MAX_CONSECUTIVE_SKIPS`` in a row). Both values are global, so every rank decides alike."""
-        bad = {name: float(value) for name, value in (("loss", step_loss), ("gradient norm", grad_norm))
-               if value is not None and not math.isfinite(float(value))}
+        bad = {
+            name: float(value)
+            for name, value in (("loss", step_loss), ("gradient norm", grad_norm))
+            if value is not None and not math.isfinite(float(value))
+        }
         if not bad:
             self.skipped_steps = 0
             return True
@@ -189,11 +223,16 @@ class CausalLMModule(pl.LightningModule):
             if self.trainer.is_global_zero:
                 print(f"nxdt: step {step}: {what} (from {where}) — update skipped (exp_manager.nan_policy=skip_step)", flush=True)
             return False
-        reason = (f"{MAX_CONSECUTIVE_SKIPS} consecutive steps were skipped" if self.nan_policy == "skip_step"
-                  else "exp_manager.nan_policy=stop")
-        raise NonFiniteLossError(f"non-finite {what} at step {step} (from {where}; {reason}); the newest "
-                                 "checkpoint holds the last finite state — lower model.optim.lr, set "
-                                 "trainer.gradient_clip_val, or use exp_manager.nan_policy=skip_step")
+        reason = (
+            f"{MAX_CONSECUTIVE_SKIPS} consecutive steps were skipped"
+            if self.nan_policy == "skip_step"
+            else "exp_manager.nan_policy=stop"
+        )
+        raise NonFiniteLossError(
+            f"non-finite {what} at step {step} (from {where}; {reason}); the newest "
+            "checkpoint holds the last finite state — lower model.optim.lr, set "
+            "trainer.gradient_clip_val, or use exp_manager.nan_policy=skip_step"
+        )
 
     def _forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Gradient of the mean loss over the micro-batches (one process, no model parallelism); each micro-batch's
@@ -217,8 +256,10 @@ class CausalLMModule(pl.LightningModule):
         if not self.objective.pairs:
             return micro_batches
         if self.objective.reference and any("ref_logps" not in mb for mb in micro_batches):
-            raise RuntimeError(f"the {self.objective.name.upper()} objective needs the reference model's log-probabilities "
-                               "in every batch: fit with NxDDataModule on preference data (on_fit_start precomputes them)")
+            raise RuntimeError(
+                f"the {self.objective.name.upper()} objective needs the reference model's log-probabilities "
+                "in every batch: fit with NxDDataModule on preference data (on_fit_start precomputes them)"
+            )
         return [pair_rows(mb) for mb in micro_batches]
 
     def _objective_metrics(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
@@ -251,8 +292,10 @@ class CausalLMModule(pl.LightningModule):
             if base is not None and all(base is not d for d in datasets):
                 datasets.append(base)
         if not datasets or not all(hasattr(d, "set_reference_log_probs") for d in datasets):
-            raise RuntimeError("DPO precomputes the reference log-probabilities of the training pairs: fit with "
-                               "NxDDataModule and data.source=preferences")
+            raise RuntimeError(
+                "DPO precomputes the reference log-probabilities of the training pairs: fit with "
+                "NxDDataModule and data.source=preferences"
+            )
         for dataset in datasets:
             self._store_reference(dataset)
 
@@ -266,8 +309,9 @@ class CausalLMModule(pl.LightningModule):
         n = len(dataset)
         per_rank = -(-(-(-n // size)) // b) * b  # ceil(n / size), rounded up to whole micro-batches
         indices = list(range(rank * per_rank, (rank + 1) * per_rank))
-        micro_batches = [pair_rows(default_collate([dataset[i if i < n else 0] for i in indices[k:k + b]]))
-                         for k in range(0, per_rank, b)]
+        micro_batches = [
+            pair_rows(default_collate([dataset[i if i < n else 0] for i in indices[k : k + b]])) for k in range(0, per_rank, b)
+        ]
         training = self.model.training
         self.model.eval()
         with torch.no_grad(), self.trainer.precision_plugin.val_step_context():
@@ -275,7 +319,7 @@ class CausalLMModule(pl.LightningModule):
         self.model.train(training)
         table = torch.zeros(n, 2, dtype=torch.float64)
         for k, row in enumerate(scores):
-            for j, i in enumerate(indices[k * b:(k + 1) * b]):
+            for j, i in enumerate(indices[k * b : (k + 1) * b]):
                 if i < n:
                     table[i] = torch.stack([row[j], row[b + j]])
         dataset.set_reference_log_probs(self._data_parallel_sum(table))
@@ -375,8 +419,11 @@ class CausalLMModule(pl.LightningModule):
             self.val_metrics = {"step": self.trainer.global_step, **dict(zip(names, means)), "val_pairs": int(pairs)}
             return
         loss_tokens, tokens = self._data_parallel_sum(self._val_sums.clone()).tolist()
-        self.val_metrics = {"step": self.trainer.global_step, "val_loss": loss_tokens / tokens if tokens else math.nan,
-                            "val_tokens": int(tokens)}
+        self.val_metrics = {
+            "step": self.trainer.global_step,
+            "val_loss": loss_tokens / tokens if tokens else math.nan,
+            "val_tokens": int(tokens),
+        }
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """LoRA ``merge_lora``: the checkpoint's model tensors (this rank's shards) with scaling·B·A folded into each

@@ -82,8 +82,9 @@ def _record(micro_batch: dict[str, torch.Tensor], metrics: dict[str, torch.Tenso
     micro_batch["metric_sums"] = torch.cat([means * pairs, torch.tensor([float(pairs)], dtype=torch.float64)])
 
 
-def dpo_pair_loss(beta: float, loss_type: str, sums: torch.Tensor, counts: torch.Tensor,
-                  ref: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def dpo_pair_loss(
+    beta: float, loss_type: str, sums: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DPO (Rafailov et al. 2023) of pairs from their rows' summed log-probabilities (chosen rows, then rejected rows)
     and the reference's ``ref`` [pairs, 2]; ``counts`` (labelled tokens per row) are not needed."""
     if ref is None:
@@ -92,8 +93,9 @@ def dpo_pair_loss(beta: float, loss_type: str, sums: torch.Tensor, counts: torch
     return dpo_loss(chosen, rejected, ref[:, 0], ref[:, 1], beta, loss_type)
 
 
-def orpo_pair_loss(beta: float, sums: torch.Tensor, counts: torch.Tensor,
-                   ref: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def orpo_pair_loss(
+    beta: float, sums: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """ORPO (Hong et al. 2024) of pairs: the chosen rows' token-mean NLL + β · the odds-ratio term of the
     length-normalised log-probabilities (``sums / counts``); no reference model."""
     (chosen_sum, rejected_sum), (chosen_count, rejected_count) = split_chosen_rejected(sums), split_chosen_rejected(counts)
@@ -104,8 +106,9 @@ def orpo_pair_loss(beta: float, sums: torch.Tensor, counts: torch.Tensor,
 PairLoss = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
-def pair_objective_loss(pair_loss: PairLoss, names: tuple[str, ...], model: Any, logits: torch.Tensor,
-                        micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def pair_objective_loss(
+    pair_loss: PairLoss, names: tuple[str, ...], model: Any, logits: torch.Tensor, micro_batch: dict[str, torch.Tensor]
+) -> torch.Tensor:
     """A preference objective on one micro-batch of pairs (training): its rows' summed log-probabilities and label counts
     → ``pair_loss`` (with the precomputed reference log-probabilities, DPO); records the metric sums."""
     sums = sequence_log_prob_sums(model, logits, micro_batch)
@@ -115,7 +118,9 @@ def pair_objective_loss(pair_loss: PairLoss, names: tuple[str, ...], model: Any,
     return loss
 
 
-def pair_sums(pair_loss: PairLoss, names: tuple[str, ...], scores: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def pair_sums(
+    pair_loss: PairLoss, names: tuple[str, ...], scores: torch.Tensor, micro_batch: dict[str, torch.Tensor]
+) -> torch.Tensor:
     """Validation: (loss · pairs, each metric · pairs, pairs) of one laid-out micro-batch from its rows' summed
     log-probabilities ``scores`` [2b] (forward only, :meth:`CausalLMModule.sequence_scores`), in float64. A padding pair
     (:class:`~nxdt.data.sampler.PadRows`: no label; a real pair has at least one response token in each row) is left
@@ -138,12 +143,27 @@ def objective_for(alignment: Any) -> Objective:
     dpo, orpo = (getattr(alignment, name, None) if alignment is not None else None for name in ("dpo", "orpo"))
     if dpo is not None:
         if dpo.loss_type not in DPO_LOSS_TYPES:
-            raise ValueError(f"model_alignment_strategy.dpo.loss_type={dpo.loss_type!r}: only {', '.join(DPO_LOSS_TYPES)} is implemented")
+            raise ValueError(
+                f"model_alignment_strategy.dpo.loss_type={dpo.loss_type!r}: only {', '.join(DPO_LOSS_TYPES)} is implemented"
+            )
         pair_loss: PairLoss = functools.partial(dpo_pair_loss, float(dpo.kl_beta), dpo.loss_type)
-        return Objective("dpo", functools.partial(pair_objective_loss, pair_loss, REWARD_METRICS), token_weighted=False,
-                         pairs=True, reference=True, metrics=REWARD_METRICS, pair_loss=pair_loss)
+        return Objective(
+            "dpo",
+            functools.partial(pair_objective_loss, pair_loss, REWARD_METRICS),
+            token_weighted=False,
+            pairs=True,
+            reference=True,
+            metrics=REWARD_METRICS,
+            pair_loss=pair_loss,
+        )
     if orpo is not None:
         pair_loss = functools.partial(orpo_pair_loss, float(orpo.beta))
-        return Objective("orpo", functools.partial(pair_objective_loss, pair_loss, ORPO_METRICS), token_weighted=False,
-                         pairs=True, metrics=ORPO_METRICS, pair_loss=pair_loss)
+        return Objective(
+            "orpo",
+            functools.partial(pair_objective_loss, pair_loss, ORPO_METRICS),
+            token_weighted=False,
+            pairs=True,
+            metrics=ORPO_METRICS,
+            pair_loss=pair_loss,
+        )
     return CAUSAL_LM

@@ -38,11 +38,19 @@ def build_optimizer(model: nn.Module, optim_cfg: Any, *, precision: str = "fp32"
         raise ValueError(f"model.optim.name={optim_cfg.name!r} is not supported; use one of {list(_ADAMW_NAMES)}")
     groups = parameter_groups(model, optim_cfg.weight_decay, getattr(optim_cfg, "decay_norms_and_biases", False))
     if precision in STOCHASTIC_ROUNDING_TYPES:
-        return StochasticRoundingAdamW(groups, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
-                                       seed=seed, fp32_state=optim_cfg.name == "adamw_fp32OptState")
+        return StochasticRoundingAdamW(
+            groups,
+            lr=optim_cfg.lr,
+            betas=tuple(optim_cfg.betas),
+            eps=optim_cfg.eps,
+            seed=seed,
+            fp32_state=optim_cfg.name == "adamw_fp32OptState",
+        )
     return torch.optim.AdamW(
         groups,
-        lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
+        lr=optim_cfg.lr,
+        betas=tuple(optim_cfg.betas),
+        eps=optim_cfg.eps,
         # foreach kernels allocate extra temporaries; per-parameter loops are as fast for small CPU models
         foreach=False,
     )
@@ -66,7 +74,9 @@ def lr_lambda(sched_cfg: Any, base_lr: float) -> Callable[[int], float]:
             return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
         if name == "LinearAnnealingWithWarmUp":
             return floor + (1.0 - floor) * (1.0 - progress)
-        raise ValueError(f"model.optim.sched.name={name!r} is not supported; use CosineAnnealing, LinearAnnealingWithWarmUp or constant")
+        raise ValueError(
+            f"model.optim.sched.name={name!r} is not supported; use CosineAnnealing, LinearAnnealingWithWarmUp or constant"
+        )
 
     return multiplier
 

@@ -37,11 +37,24 @@ def peft_key(name: str) -> str:
 
 def peft_adapter_config(config: LoRAConfig, base_model_name_or_path: str | None = None) -> dict[str, Any]:
     return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
-        "r": config.rank, "lora_alpha": config.alpha, "lora_dropout": config.dropout, "bias": config.bias,
-        "target_modules": list(config.hf_target_modules), "fan_in_fan_out": False, "inference_mode": True,
-        "init_lora_weights": True, "use_rslora": False, "use_dora": False, "modules_to_save": None,
-        "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": config.rank,
+        "lora_alpha": config.alpha,
+        "lora_dropout": config.dropout,
+        "bias": config.bias,
+        "target_modules": list(config.hf_target_modules),
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
     }
 
 
@@ -53,8 +66,13 @@ def peft_adapter_state(adapters: Mapping[str, torch.Tensor]) -> dict[str, torch.
     return {peft_key(name): t.detach().contiguous().cpu() for name, t in adapters.items()}
 
 
-def export_peft_adapter(model: nn.Module, out: str | Path, *, base_model_name_or_path: str | None = None,
-                        adapters: Mapping[str, torch.Tensor] | None = None) -> Path:
+def export_peft_adapter(
+    model: nn.Module,
+    out: str | Path,
+    *,
+    base_model_name_or_path: str | None = None,
+    adapters: Mapping[str, torch.Tensor] | None = None,
+) -> Path:
     """Write ``out/adapter_config.json`` and ``out/adapter_model.safetensors`` for ``model`` (a hub model after
     :func:`nxdt.models.lora.apply_lora`). ``adapters`` overrides the tensors (e.g. full ones gathered from
     tensor-parallel shards); by default :func:`lora_state_dict`. ``out`` must not exist or be an empty
@@ -62,12 +80,14 @@ def export_peft_adapter(model: nn.Module, out: str | Path, *, base_model_name_or
     config = getattr(model, "lora_config", None)
     if not isinstance(config, LoRAConfig):
         raise ValueError(f"{type(model).__name__} has no LoRA adapters (apply_lora first)")
-    return write_peft_adapter(config, lora_state_dict(model) if adapters is None else adapters, out,
-                              base_model_name_or_path=base_model_name_or_path)
+    return write_peft_adapter(
+        config, lora_state_dict(model) if adapters is None else adapters, out, base_model_name_or_path=base_model_name_or_path
+    )
 
 
-def write_peft_adapter(config: LoRAConfig, adapters: Mapping[str, torch.Tensor], out: str | Path, *,
-                       base_model_name_or_path: str | None = None) -> Path:
+def write_peft_adapter(
+    config: LoRAConfig, adapters: Mapping[str, torch.Tensor], out: str | Path, *, base_model_name_or_path: str | None = None
+) -> Path:
     """The PEFT adapter directory of full adapter tensors by hub-model name (e.g. read from a checkpoint) and their
     config; ``out`` as :func:`export_peft_adapter`. Returns ``out``."""
     tensors = peft_adapter_state(adapters)

@@ -46,8 +46,12 @@ class NxDDoublePrecision(_StrategyClipping, DoublePrecision):
     pass
 
 
-_VARIANTS: dict[type, type[_StrategyClipping]] = {Precision: NxDPrecision, MixedPrecision: NxDMixedPrecision,
-                               HalfPrecision: NxDHalfPrecision, DoublePrecision: NxDDoublePrecision}
+_VARIANTS: dict[type, type[_StrategyClipping]] = {
+    Precision: NxDPrecision,
+    MixedPrecision: NxDMixedPrecision,
+    HalfPrecision: NxDHalfPrecision,
+    DoublePrecision: NxDDoublePrecision,
+}
 
 
 def with_strategy_clipping(plugin: Precision, strategy: "NxDStrategy") -> Precision:
@@ -57,8 +61,10 @@ def with_strategy_clipping(plugin: Precision, strategy: "NxDStrategy") -> Precis
         return plugin
     variant = _VARIANTS.get(type(plugin))
     if variant is None:
-        raise ValueError(f"NxDStrategy: the precision plugin {type(plugin).__name__} is not supported; use "
-                         "precision='32-true', 'bf16-mixed', 'bf16-true', '16-true' or '64-true'")
+        raise ValueError(
+            f"NxDStrategy: the precision plugin {type(plugin).__name__} is not supported; use "
+            "precision='32-true', 'bf16-mixed', 'bf16-true', '16-true' or '64-true'"
+        )
     clipping = object.__new__(variant)  # a plugin instance without running __init__: its state is copied next
     clipping.__dict__.update(plugin.__dict__)  # the plugin's settings and state (precision flag, scaler, ...)
     clipping.strategy = strategy

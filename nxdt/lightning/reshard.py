@@ -74,7 +74,9 @@ def param_names(optimizer: torch.optim.Optimizer, module: nn.Module) -> list[str
     try:
         return [by_id[id(p)] for g in optimizer.param_groups for p in g["params"]]
     except KeyError:
-        raise ValueError("the optimizer holds a tensor that is not a parameter of the module; build it from module.parameters()") from None
+        raise ValueError(
+            "the optimizer holds a tensor that is not a parameter of the module; build it from module.parameters()"
+        ) from None
 
 
 def with_param_names(checkpoint: dict[str, Any], optimizers: list[torch.optim.Optimizer], module: nn.Module) -> dict[str, Any]:
@@ -86,9 +88,13 @@ def by_name(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
     """Torch-format optimizer state (indices) → the same with parameter names."""
     count = sum(len(g["params"]) for g in state["param_groups"])
     if count != len(names):
-        raise CheckpointError(f"optimizer state has {count} parameters but {len(names)} recorded names — the checkpoint is damaged")
-    return {"state": {names[i]: v for i, v in state["state"].items()},
-            "param_groups": [{**_hyper(g), "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
+        raise CheckpointError(
+            f"optimizer state has {count} parameters but {len(names)} recorded names — the checkpoint is damaged"
+        )
+    return {
+        "state": {names[i]: v for i, v in state["state"].items()},
+        "param_groups": [{**_hyper(g), "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
 
 
 def by_index(state: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -121,7 +127,9 @@ def _tensors(file: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(file))
     except Exception as exc:
-        raise CheckpointError(f"checkpoint file {file} is unreadable ({type(exc).__name__}: {exc}) — use an earlier checkpoint") from None
+        raise CheckpointError(
+            f"checkpoint file {file} is unreadable ({type(exc).__name__}: {exc}) — use an earlier checkpoint"
+        ) from None
 
 
 def _state(file: Path) -> dict[str, Any]:
@@ -130,14 +138,18 @@ def _state(file: Path) -> dict[str, Any]:
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise CheckpointError(f"checkpoint file {file} is unreadable ({type(exc).__name__}: {exc}) — use an earlier checkpoint") from None
+        raise CheckpointError(
+            f"checkpoint file {file} is unreadable ({type(exc).__name__}: {exc}) — use an earlier checkpoint"
+        ) from None
 
 
 def _take_names(state: dict[str, Any], file: Path) -> list[list[str]]:
     names = state.pop(NAMES_KEY, None)
     if state.get("optimizer_states") and names is None:
-        raise CheckpointError(f"checkpoint file {file} records no optimizer parameter names (written by an older nxdt) — "
-                              "resume it on its original layout")
+        raise CheckpointError(
+            f"checkpoint file {file} records no optimizer parameter names (written by an older nxdt) — "
+            "resume it on its original layout"
+        )
     return names or []
 
 
@@ -163,8 +175,10 @@ def _read_zero1(root: Path, meta: dict[str, Any], mp: int, optimizer: bool) -> P
     for i, n in enumerate(names):
         shards = [s["optimizer_states"][i] for s in states]
         if any(s.get("master_weights") for s in shards):
-            raise CheckpointError(f"checkpoint {root}: ZeRO-1 shards with fp32 master weights cannot be resharded yet — "
-                                  "resume on the original layout")
+            raise CheckpointError(
+                f"checkpoint {root}: ZeRO-1 shards with fp32 master weights cannot be resharded yet — "
+                "resume on the original layout"
+            )
         try:
             opts.append(by_name(consolidate_shard_states(shards), n))
         except ValueError as exc:
@@ -188,25 +202,29 @@ def _read_fsdp(root: Path, meta: dict[str, Any], mp: int, optimizer: bool) -> Po
     states = [_state(root / state_file(d)) for d in range(dp)]
     layouts = states[0].get(FSDP_LAYOUT_KEY)
     if layouts is None:
-        raise CheckpointError(f"checkpoint {root}: {state_file(0)} records no FSDP flat layout — resume it on its original layout")
+        raise CheckpointError(
+            f"checkpoint {root}: {state_file(0)} records no FSDP flat layout — resume it on its original layout"
+        )
     opts = []
     for i, flats in enumerate(layouts):
         shards = [s["optimizer_states"][i] for s in states]
         named: dict[str, Any] = {}
         for j, flat in enumerate(flats):
-            entries = [sh["state"].get(j) for sh in shards][:flat.get("dp", dp)]  # a replicated flat: every rank holds all of it
+            entries = [sh["state"].get(j) for sh in shards][: flat.get("dp", dp)]  # a replicated flat: every rank holds all of it
             if any(e is None for e in entries):
                 continue  # never stepped
             for key, value in entries[0].items():
                 if isinstance(value, torch.Tensor) and value.dim():
                     full = torch.cat([e[key] for e in entries])
                     for name, offset, numel, shape in flat["entries"]:
-                        named.setdefault(name, {})[key] = full[offset:offset + numel].view(shape).clone()
+                        named.setdefault(name, {})[key] = full[offset : offset + numel].view(shape).clone()
                 else:  # the flat's step counter: one copy per parameter (torch's Adam increments it in place)
                     for name, *_ in flat["entries"]:
                         named.setdefault(name, {})[key] = value.clone() if isinstance(value, torch.Tensor) else value
-        groups = [{**_hyper(g), "params": [name for j in g["params"] for name, *_ in flats[j]["entries"]]}
-                  for g in shards[0]["param_groups"]]
+        groups = [
+            {**_hyper(g), "params": [name for j in g["params"] for name, *_ in flats[j]["entries"]]}
+            for g in shards[0]["param_groups"]
+        ]
         opts.append({"state": named, "param_groups": groups})
     trainer = states[0]
     for key in ("optimizer_states", FSDP_LAYOUT_KEY, NAMES_KEY):
@@ -216,13 +234,18 @@ def _read_fsdp(root: Path, meta: dict[str, Any], mp: int, optimizer: bool) -> Po
 
 # How the state of one model-parallel position is stored over data parallelism → its reader.
 DP_FORMATS: dict[str, Callable[[Path, dict[str, Any], int, bool], PositionShard]] = {
-    "replicated": _read_replicated, "zero1": _read_zero1, "fsdp": _read_fsdp}
+    "replicated": _read_replicated,
+    "zero1": _read_zero1,
+    "fsdp": _read_fsdp,
+}
 
 
 def _layout_name(meta: dict[str, Any]) -> str:
     d = meta.get("degrees", {})
-    return (f"TP{d.get('tp', 1)}×PP{d.get('pp', 1)}×EP{d.get('ep', 1)}×DP{d.get('dp', 1)}"
-            f"{' with ZeRO-1' if meta.get('zero1') else ''}{' with FSDP' if meta.get('fsdp') else ''}")
+    return (
+        f"TP{d.get('tp', 1)}×PP{d.get('pp', 1)}×EP{d.get('ep', 1)}×DP{d.get('dp', 1)}"
+        f"{' with ZeRO-1' if meta.get('zero1') else ''}{' with FSDP' if meta.get('fsdp') else ''}"
+    )
 
 
 def check_reshardable(path: str | os.PathLike, meta: dict[str, Any], degrees: dict[str, int], zero1: bool) -> None:
@@ -234,30 +257,38 @@ def check_reshardable(path: str | os.PathLike, meta: dict[str, Any], degrees: di
         raise CheckpointError(
             f"checkpoint {path} was saved at {here}, this run is {there} — resharding expert-parallel checkpoints is not "
             f"supported: resume with TP{saved.get(Dim.TP, 1)}, PP{saved.get(Dim.PP, 1)}, EP{saved.get(Dim.EP, 1)} and the same ZeRO-1 "
-            "setting (without ZeRO-1 the data-parallel degree may change)")
+            "setting (without ZeRO-1 the data-parallel degree may change)"
+        )
     if meta.get("format_version", 1) < 2:
         raise CheckpointError(
             f"checkpoint {path} was saved at {here} by an older nxdt (format {meta.get('format_version', 1)}) that did not record "
-            f"optimizer parameter names, so it cannot be resharded to {there} — resume it on its original layout")
+            f"optimizer parameter names, so it cannot be resharded to {there} — resume it on its original layout"
+        )
     if dp_format(meta) not in DP_FORMATS:
-        raise CheckpointError(f"checkpoint {path} holds {dp_format(meta)} shards, which cannot be resharded yet "
-                              f"(supported: {', '.join(DP_FORMATS)}) — resume it on its original layout {here}")
+        raise CheckpointError(
+            f"checkpoint {path} holds {dp_format(meta)} shards, which cannot be resharded yet "
+            f"(supported: {', '.join(DP_FORMATS)}) — resume it on its original layout {here}"
+        )
     if saved.get(Dim.TP, 1) > 1 and not meta.get("tensor_parallel"):
-        raise CheckpointError(f"checkpoint {path}: meta.json records no tensor-parallel layout — resume it on its original layout {here}")
+        raise CheckpointError(
+            f"checkpoint {path}: meta.json records no tensor-parallel layout — resume it on its original layout {here}"
+        )
 
 
 def _merge(name: str, pieces: dict[int, torch.Tensor], layout: dict[str, list[int]], tp: int, root: Path) -> torch.Tensor:
     """The full tensor from the pieces of every TP rank."""
     if len(pieces) != tp:
         raise CheckpointError(f"checkpoint {root}: {name} has {len(pieces)} of {tp} tensor-parallel shards")
-    spec = layout.get(name[len(MODULE_PREFIX):] if name.startswith(MODULE_PREFIX) else name)
+    spec = layout.get(name[len(MODULE_PREFIX) :] if name.startswith(MODULE_PREFIX) else name)
     if spec is not None:
         dim, replicas = spec
         return torch.cat([pieces[r] for r in range(0, tp, replicas)], dim=dim).contiguous()
     first = pieces[0]
     if first.dim() and any(not torch.equal(first, p) for p in pieces.values()):
-        raise CheckpointError(f"checkpoint {root}: {name} differs between tensor-parallel ranks but meta.json records no layout "
-                              "for it — resume on the original layout")
+        raise CheckpointError(
+            f"checkpoint {root}: {name} differs between tensor-parallel ranks but meta.json records no layout "
+            "for it — resume on the original layout"
+        )
     return first
 
 
@@ -270,8 +301,9 @@ def read_full_state(path: str | os.PathLike, *, optimizer: bool = True, expect_m
     deg = meta.get("degrees", {})
     tp, pp = deg.get(Dim.TP, 1), deg.get(Dim.PP, 1)
     if deg.get(Dim.EP, 1) > 1:
-        raise CheckpointError(f"checkpoint {root} is expert-parallel (EP{deg[Dim.EP]}): consolidating expert-parallel shards "
-                              "is not supported yet")
+        raise CheckpointError(
+            f"checkpoint {root} is expert-parallel (EP{deg[Dim.EP]}): consolidating expert-parallel shards is not supported yet"
+        )
     reader = DP_FORMATS.get(dp_format(meta))
     if reader is None:
         raise CheckpointError(f"checkpoint {root} holds {dp_format(meta)} shards, which cannot be consolidated yet")
@@ -301,8 +333,10 @@ def read_full_state(path: str | os.PathLike, *, optimizer: bool = True, expect_m
                     state_pieces.setdefault(n, {}).setdefault(key, {})[k % tp] = value
         state = {}
         for n, entry in state_pieces.items():
-            state[n] = {key: (_merge(n, by_tp, layout, tp, root) if isinstance(by_tp[0], torch.Tensor) and by_tp[0].dim() else by_tp[0])
-                        for key, by_tp in entry.items()}
+            state[n] = {
+                key: (_merge(n, by_tp, layout, tp, root) if isinstance(by_tp[0], torch.Tensor) and by_tp[0].dim() else by_tp[0])
+                for key, by_tp in entry.items()
+            }
         optimizers.append({"state": state, "param_groups": groups})
     return FullState(model=model, optimizers=optimizers, trainer=positions[0].trainer, meta=meta)
 
@@ -317,13 +351,31 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> Path:
     which a one-rank run loads directly and any other layout reshards."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"{out} exists and is not an empty directory — name a new directory to write the consolidated checkpoint to")
+        raise CheckpointError(
+            f"{out} exists and is not an empty directory — name a new directory to write the consolidated checkpoint to"
+        )
     full = read_full_state(path)
     indexed = [by_index(o) for o in full.optimizers]
-    checkpoint = {**full.trainer, "state_dict": full.model, "optimizer_states": [s for s, _ in indexed], NAMES_KEY: [n for _, n in indexed]}
+    checkpoint = {
+        **full.trainer,
+        "state_dict": full.model,
+        "optimizer_states": [s for s, _ in indexed],
+        NAMES_KEY: [n for _, n in indexed],
+    }
     kept = {k: v for k, v in full.meta.items() if k not in ("format_version", "step", "tensor_parallel", "dp_format")}
-    meta = {**kept, "degrees": dict(ONE_RANK), "world_size": 1, "zero1": False, "fsdp": False, "virtual_pipeline": 1,
-            "consolidated_from": {"path": str(Path(path)), "degrees": full.meta.get("degrees"), "zero1": bool(full.meta.get("zero1"))}}
+    meta = {
+        **kept,
+        "degrees": dict(ONE_RANK),
+        "world_size": 1,
+        "zero1": False,
+        "fsdp": False,
+        "virtual_pipeline": 1,
+        "consolidated_from": {
+            "path": str(Path(path)),
+            "degrees": full.meta.get("degrees"),
+            "zero1": bool(full.meta.get("zero1")),
+        },
+    }
     rng = Path(path) / rng_file(0)
     extra = {rng_file(0): load_file(str(rng))} if rng.is_file() else None
     return save(checkpoint, out, meta=meta, extra_files=extra, write_latest=False)
@@ -337,7 +389,9 @@ def load_resharded(path: str | os.PathLike, expect_model: dict[str, Any] | None 
     return {**full.trainer, "state_dict": full.model, "optimizer_states": full.optimizers, RESHARDED_KEY: True}
 
 
-def local_model_state(full: dict[str, torch.Tensor], wanted: list[str], module: nn.Module, tp_rank: int) -> dict[str, torch.Tensor]:
+def local_model_state(
+    full: dict[str, torch.Tensor], wanted: list[str], module: nn.Module, tp_rank: int
+) -> dict[str, torch.Tensor]:
     """This rank's part of a full model state: the tensors named in ``wanted`` (this stage's, by state-dict name
     relative to ``module``), each cut by its TP ShardSpec."""
     missing = [name for name in wanted if name not in full]
@@ -350,8 +404,9 @@ def local_model_state(full: dict[str, torch.Tensor], wanted: list[str], module: 
     return out
 
 
-def optimizer_states_for(checkpoint: dict[str, Any], optimizers: list[torch.optim.Optimizer], module: nn.Module,
-                         tp_rank: int) -> list[dict[str, Any]]:
+def optimizer_states_for(
+    checkpoint: dict[str, Any], optimizers: list[torch.optim.Optimizer], module: nn.Module, tp_rank: int
+) -> list[dict[str, Any]]:
     """What each live optimizer's ``load_state_dict`` gets: a resharded checkpoint's state sliced for this rank;
     a same-layout checkpoint's own state, re-ordered by name where its order differs (a consolidated checkpoint)."""
     saved = checkpoint["optimizer_states"]
@@ -369,15 +424,18 @@ def optimizer_states_for(checkpoint: dict[str, Any], optimizers: list[torch.opti
     return out
 
 
-def optimizer_state_for(saved: dict[str, Any], optimizer: torch.optim.Optimizer, module: nn.Module,
-                        tp_rank: int | None) -> dict[str, Any]:
+def optimizer_state_for(
+    saved: dict[str, Any], optimizer: torch.optim.Optimizer, module: nn.Module, tp_rank: int | None
+) -> dict[str, Any]:
     """A by-name (full) optimizer state → torch format for ``optimizer`` on this rank: its parameters' states in
     its index order, each tensor sliced by the parameter's TP ShardSpec for ``tp_rank`` (None: no slicing)."""
     live = param_names(optimizer, module)
     params = dict(module.named_parameters())
     if len(saved["param_groups"]) != len(optimizer.param_groups):
-        raise CheckpointError(f"the checkpoint's optimizer has {len(saved['param_groups'])} param groups, this run's "
-                              f"{len(optimizer.param_groups)} — resume with the same optimizer setup")
+        raise CheckpointError(
+            f"the checkpoint's optimizer has {len(saved['param_groups'])} param groups, this run's "
+            f"{len(optimizer.param_groups)} — resume with the same optimizer setup"
+        )
     group_of = {n: g for g, group in enumerate(saved["param_groups"]) for n in group["params"]}
     state, groups, index = {}, [], 0
     for g, group in enumerate(optimizer.param_groups):
@@ -385,8 +443,10 @@ def optimizer_state_for(saved: dict[str, Any], optimizer: torch.optim.Optimizer,
         for _ in group["params"]:
             name = live[index]
             if group_of.get(name) != g:
-                raise CheckpointError(f"the checkpoint's optimizer has no state for {name} in param group {g} — "
-                                      "it is from another model or optimizer setup")
+                raise CheckpointError(
+                    f"the checkpoint's optimizer has no state for {name} in param group {g} — "
+                    "it is from another model or optimizer setup"
+                )
             entry = saved["state"].get(name)
             if entry is not None:
                 state[index] = {key: _local(name, key, value, params[name], module, tp_rank) for key, value in entry.items()}
@@ -403,6 +463,8 @@ def _local(name: str, key: str, value: Any, param: torch.Tensor, module: nn.Modu
     if spec is not None and tp_rank is not None:
         value = spec.slice(value, tp_rank)
     if tuple(value.shape) != tuple(param.shape):
-        raise CheckpointError(f"optimizer state '{key}' of {name} has shape {list(value.shape)} here, the parameter "
-                              f"{list(param.shape)} — the checkpoint is from another model")
+        raise CheckpointError(
+            f"optimizer state '{key}' of {name} has shape {list(value.shape)} here, the parameter "
+            f"{list(param.shape)} — the checkpoint is from another model"
+        )
     return value

@@ -30,27 +30,57 @@ log = logging.getLogger(__name__)
 # The SR types add stochastic rounding where an update is rounded to bf16 (build_optimizer, given the type by
 # CausalLMModule): bf16SR rounds every weight and moment update; mixed_precisionSR has fp32 weights and
 # moments, nothing to round between steps, so it trains exactly as mixed_precision (see the schema's precision.type).
-PRECISION = {"fp32": "32-true", "bf16": "bf16-true", "bf16SR": "bf16-true", "mixed_precision": "bf16-mixed",
-             "mixed_precisionSR": "bf16-mixed"}
+PRECISION = {
+    "fp32": "32-true",
+    "bf16": "bf16-true",
+    "bf16SR": "bf16-true",
+    "mixed_precision": "bf16-mixed",
+    "mixed_precisionSR": "bf16-mixed",
+}
 
 
 def build_trainer(cfg: Any, plan: Plan, run_dir: Path, tokens_per_step: int, *, show_progress: bool = True) -> pl.Trainer:
     model_shape = {k: getattr(cfg.model, k) for k in MODEL_SHAPE_FIELDS}
     ds, peft = cfg.distributed_strategy, cfg.model_alignment_strategy.peft
-    fsdp = {"prefetch": ds.fsdp.prefetch, "prefetch_distance": ds.fsdp.prefetch_distance,
-            "reduce_scatter_delay": ds.fsdp.reduce_scatter_delay, "reshard_after_forward": ds.fsdp.reshard_after_forward,
-            "param_persistence_threshold": ds.fsdp.param_persistence_threshold}
-    lora = {} if peft is None else {LORA_META_KEY: lora_meta(LoRAConfig(
-        peft.lora_rank, float(peft.lora_alpha), float(peft.lora_dropout), peft.lora_bias, tuple(peft.target_modules),
-        resolve_targets(peft.target_modules)), merged=peft.merge_lora)}  # what export-hf needs (lora_alpha) of the adapters
-    strategy = NxDStrategy(plan=plan, timeout_s=cfg.comm.timeout_s, checkpoint_meta={"model": model_shape, **lora},
-                           virtual_pipeline_size=ds.virtual_pipeline_model_parallel_size,
-                           sequence_parallel=ds.sequence_parallel, zero1=ds.zero1,
-                           fsdp=fsdp if ds.fsdp.enabled else False,
-                           trace_dir=str(run_dir / "trace") if cfg.exp_manager.trace else None,
-                           emulated_links=emulated_links_for(cfg), async_checkpointing=cfg.exp_manager.async_checkpointing,
-                           peft_adapter_in_checkpoints=peft is not None and peft.save_lora_config_adapter,
-                           comm_transport=cfg.comm.transport, comm_algorithm=cfg.comm.algorithm)
+    fsdp = {
+        "prefetch": ds.fsdp.prefetch,
+        "prefetch_distance": ds.fsdp.prefetch_distance,
+        "reduce_scatter_delay": ds.fsdp.reduce_scatter_delay,
+        "reshard_after_forward": ds.fsdp.reshard_after_forward,
+        "param_persistence_threshold": ds.fsdp.param_persistence_threshold,
+    }
+    lora = (
+        {}
+        if peft is None
+        else {
+            LORA_META_KEY: lora_meta(
+                LoRAConfig(
+                    peft.lora_rank,
+                    float(peft.lora_alpha),
+                    float(peft.lora_dropout),
+                    peft.lora_bias,
+                    tuple(peft.target_modules),
+                    resolve_targets(peft.target_modules),
+                ),
+                merged=peft.merge_lora,
+            )
+        }
+    )  # what export-hf needs (lora_alpha) of the adapters
+    strategy = NxDStrategy(
+        plan=plan,
+        timeout_s=cfg.comm.timeout_s,
+        checkpoint_meta={"model": model_shape, **lora},
+        virtual_pipeline_size=ds.virtual_pipeline_model_parallel_size,
+        sequence_parallel=ds.sequence_parallel,
+        zero1=ds.zero1,
+        fsdp=fsdp if ds.fsdp.enabled else False,
+        trace_dir=str(run_dir / "trace") if cfg.exp_manager.trace else None,
+        emulated_links=emulated_links_for(cfg),
+        async_checkpointing=cfg.exp_manager.async_checkpointing,
+        peft_adapter_in_checkpoints=peft is not None and peft.save_lora_config_adapter,
+        comm_transport=cfg.comm.transport,
+        comm_algorithm=cfg.comm.algorithm,
+    )
     return pl.Trainer(
         accelerator="cpu",
         precision=PRECISION[cfg.precision.type],
@@ -94,8 +124,10 @@ def lora_summary(model: Any) -> str:
     adapted = [name for name, _ in lora_layers(model)]
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    return (f"LoRA on {len(adapted)} modules ({', '.join(sorted({n.rpartition('.')[2] for n in adapted}))}; e.g. {adapted[0]}): "
-            f"{trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.3f}%)")
+    return (
+        f"LoRA on {len(adapted)} modules ({', '.join(sorted({n.rpartition('.')[2] for n in adapted}))}; e.g. {adapted[0]}): "
+        f"{trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.3f}%)"
+    )
 
 
 def run_training(cfg: Any, plan: Plan, run_dir: str | Path) -> None:
@@ -104,23 +136,40 @@ def run_training(cfg: Any, plan: Plan, run_dir: str | Path) -> None:
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     ckpt_path = agreed_resume_checkpoint(cfg, run_dir)
     mas = cfg.model_alignment_strategy
-    module = CausalLMModule(cfg.model, cfg.data.global_batch_size, cfg.data.seq_length, cfg.data.micro_batch_size,
-                            cfg.trainer.gradient_clip_val, log_gradient_norm=cfg.exp_manager.log_gradient_norm,
-                            log_parameter_norm=cfg.exp_manager.log_parameter_norm, nan_policy=cfg.exp_manager.nan_policy,
-                            precision=cfg.precision.type, seed=cfg.seed, alignment=mas,
-                            init_checkpoint=initial_weights_checkpoint(cfg, ckpt_path),
-                            peft=PeftConfig.pick(mas.peft) if mas.peft is not None else None)
-    datamodule = NxDDataModule(cfg.data, seed=cfg.seed, vocab_size=cfg.model.vocab_size, step_batches=True, sft=mas.sft,
-                               limit_val_batches=cfg.trainer.limit_val_batches,
-                               preference=mas.dpo if mas.dpo is not None else mas.orpo)
+    module = CausalLMModule(
+        cfg.model,
+        cfg.data.global_batch_size,
+        cfg.data.seq_length,
+        cfg.data.micro_batch_size,
+        cfg.trainer.gradient_clip_val,
+        log_gradient_norm=cfg.exp_manager.log_gradient_norm,
+        log_parameter_norm=cfg.exp_manager.log_parameter_norm,
+        nan_policy=cfg.exp_manager.nan_policy,
+        precision=cfg.precision.type,
+        seed=cfg.seed,
+        alignment=mas,
+        init_checkpoint=initial_weights_checkpoint(cfg, ckpt_path),
+        peft=PeftConfig.pick(mas.peft) if mas.peft is not None else None,
+    )
+    datamodule = NxDDataModule(
+        cfg.data,
+        seed=cfg.seed,
+        vocab_size=cfg.model.vocab_size,
+        step_batches=True,
+        sft=mas.sft,
+        limit_val_batches=cfg.trainer.limit_val_batches,
+        preference=mas.dpo if mas.dpo is not None else mas.orpo,
+    )
     trainer = build_trainer(cfg, plan, run_dir, module.tokens_per_step)
     if mas.peft is not None and mas.peft.lora_verbose and trainer.is_global_zero:
         print(f"nxdt: {lora_summary(module.model)}", flush=True)
     attempt = launch_attempt()
     if attempt > 0 and trainer.is_global_zero:  # the agent restarted every worker after a failure: say so
-        print(f"nxdt: restart {attempt} of {cfg.exp_manager.max_restarts} after a worker failed (see logs/agent); "
-              f"{f'resuming from {Path(ckpt_path).name}' if ckpt_path else 'no checkpoint yet: starting from step 0'}",
-              flush=True)
+        print(
+            f"nxdt: restart {attempt} of {cfg.exp_manager.max_restarts} after a worker failed (see logs/agent); "
+            f"{f'resuming from {Path(ckpt_path).name}' if ckpt_path else 'no checkpoint yet: starting from step 0'}",
+            flush=True,
+        )
     elif ckpt_path is not None and trainer.is_global_zero:
         log.info("resuming from %s", ckpt_path)
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)

@@ -7,8 +7,14 @@ from typing import Any
 import torch
 
 # exported lazily: ``import nxdt.parallel`` stays light, and data_parallel (which imports squared_norm) loads on use
-_DATA_PARALLEL = ("DataParallelRuntime", "ModelParallel", "ReplicatedRuntime", "Zero1Runtime", "FSDPRuntime",
-                  "data_parallel_runtime")
+_DATA_PARALLEL = (
+    "DataParallelRuntime",
+    "ModelParallel",
+    "ReplicatedRuntime",
+    "Zero1Runtime",
+    "FSDPRuntime",
+    "data_parallel_runtime",
+)
 __all__ = ["squared_norm", *_DATA_PARALLEL]
 
 

@@ -67,8 +67,10 @@ def shard_micro_batches(micro_batches: list[dict[str, torch.Tensor]], comm: Comm
     out, counts = [], []
     for mb in micro_batches:
         if mb.get("segment_ids") is not None:
-            raise ValueError("context parallelism does not train packed records (segment_ids); set "
-                             "distributed_strategy.context_parallel_size=1 for packed data")
+            raise ValueError(
+                "context parallelism does not train packed records (segment_ids); set "
+                "distributed_strategy.context_parallel_size=1 for packed data"
+            )
         ids = mb["input_ids"]
         b, s = ids.shape
         index = load_balanced_positions(s, comm.rank, comm.size)
@@ -117,7 +119,9 @@ def _tile_mask(q: tuple[int, int], k: tuple[int, int]) -> torch.Tensor:
     return torch.arange(k[0], k[1])[None, :] > torch.arange(q[0], q[1])[:, None]
 
 
-def _tiles(seq_length: int, q_rank: int, k_rank: int, cp: int, rows: int = ROW_BLOCK) -> list[tuple[slice, slice, torch.Tensor | None]]:
+def _tiles(
+    seq_length: int, q_rank: int, k_rank: int, cp: int, rows: int = ROW_BLOCK
+) -> list[tuple[slice, slice, torch.Tensor | None]]:
     """The (local query rows, local key rows, mask or None) tiles queries of ``q_rank`` compute against the K/V of
     ``k_rank``: at most ``rows`` query rows × one key chunk each; fully masked tiles are left out."""
     out = []
@@ -203,8 +207,10 @@ class _RingAttentionFn(torch.autograd.Function):
                     tile_lse = torch.logsumexp(scores, dim=-1)
                     tile_out = torch.exp(scores - tile_lse[..., None]) @ vb[..., cols, :]
                     new_lse = torch.logaddexp(lse[..., rows], tile_lse)
-                    out[..., rows, :] = (out[..., rows, :] * torch.exp(lse[..., rows] - new_lse)[..., None]
-                                         + tile_out * torch.exp(tile_lse - new_lse)[..., None])
+                    out[..., rows, :] = (
+                        out[..., rows, :] * torch.exp(lse[..., rows] - new_lse)[..., None]
+                        + tile_out * torch.exp(tile_lse - new_lse)[..., None]
+                    )
                     lse[..., rows] = new_lse
             if work is not None:
                 work.wait()

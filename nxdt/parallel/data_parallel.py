@@ -83,7 +83,7 @@ class ModelParallel:
         squares = torch.zeros(2, dtype=torch.float64)  # [dense, experts]
         experts = {n for n, p in module.named_parameters() if is_expert_parameter(p)}
         for name, t in named:
-            w = self.norm_weights.get(name[len(prefix):] if name.startswith(prefix) else name, 1.0)
+            w = self.norm_weights.get(name[len(prefix) :] if name.startswith(prefix) else name, 1.0)
             squares[int(name in experts)] += w * squared_norm(t)
         if self.ep is not None:  # each EP rank holds different experts: add their parts
             expert_part = squares[1:].clone()
@@ -113,8 +113,9 @@ class DataParallelRuntime(Protocol):
     def shard_optimizer(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> torch.optim.Optimizer:
         """The optimizer the step uses (ZeRO-1: the same optimizer over state shards; otherwise unchanged)."""
 
-    def shard_model(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], *, precision: str = "32-true",
-                    tracer: Any = None) -> None:
+    def shard_model(
+        self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], *, precision: str = "32-true", tracer: Any = None
+    ) -> None:
         """After the optimizers exist (FSDP: flatten and shard the parameters, point the optimizers at the shards)."""
 
     def finish_gradients(self, module: nn.Module) -> None:
@@ -148,8 +149,16 @@ class DataParallelRuntime(Protocol):
         """Load the part of ``state`` the runtime owns (FSDP: its slices of every sharded parameter); returns the
         rest for ``module.load_state_dict``. Raises KeyError / ValueError for a tensor that does not fit."""
 
-    def optimizer_states(self, states: list[dict[str, Any]], optimizers: Sequence[torch.optim.Optimizer], module: nn.Module,
-                         *, resharded: bool, tp_rank: int, by_name: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    def optimizer_states(
+        self,
+        states: list[dict[str, Any]],
+        optimizers: Sequence[torch.optim.Optimizer],
+        module: nn.Module,
+        *,
+        resharded: bool,
+        tp_rank: int,
+        by_name: Callable[[], list[dict[str, Any]]],
+    ) -> list[dict[str, Any]]:
         """What each optimizer's ``load_state_dict`` gets from a checkpoint's ``states`` (``resharded``: by-name full
         states of another layout). ``by_name()`` is the caller's mapping of replicated/ZeRO-1 states by
         parameter name. Raises ValueError for a state that does not fit."""
@@ -170,7 +179,7 @@ def broadcast_flat(tensors: list[Tensor], comm: Communicator) -> None:
         comm.broadcast(flat, root=0)
         offset = 0
         for t in group:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
 
 
@@ -208,8 +217,9 @@ class ReplicatedRuntime:
     def shard_optimizer(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> torch.optim.Optimizer:
         return optimizer
 
-    def shard_model(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], *, precision: str = "32-true",
-                    tracer: Any = None) -> None:
+    def shard_model(
+        self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], *, precision: str = "32-true", tracer: Any = None
+    ) -> None:
         pass
 
     # ------------------------------------------------------------------------------------ gradients
@@ -234,13 +244,13 @@ class ReplicatedRuntime:
             self._grad_buffer = self.mp.dp.empty(numel, torch.float32)  # kept: peers read it in place
         flat, offset = self._grad_buffer, 0
         for p in params:  # a parameter without a gradient on this rank contributes zeros, consistently
-            view = flat[offset:offset + p.numel()]
+            view = flat[offset : offset + p.numel()]
             view.copy_(p.grad.reshape(-1)) if p.grad is not None else view.zero_()
             offset += p.numel()
         self.mp.dp.all_reduce(flat, op="avg")
         offset = 0
         for p in params:
-            view = flat[offset:offset + p.numel()].view_as(p)
+            view = flat[offset : offset + p.numel()].view_as(p)
             if p.grad is None:
                 p.grad = view.to(p.dtype).clone()
             else:
@@ -283,8 +293,16 @@ class ReplicatedRuntime:
     def load_model_state(self, module: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
         return state
 
-    def optimizer_states(self, states: list[dict[str, Any]], optimizers: Sequence[torch.optim.Optimizer], module: nn.Module,
-                         *, resharded: bool, tp_rank: int, by_name: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    def optimizer_states(
+        self,
+        states: list[dict[str, Any]],
+        optimizers: Sequence[torch.optim.Optimizer],
+        module: nn.Module,
+        *,
+        resharded: bool,
+        tp_rank: int,
+        by_name: Callable[[], list[dict[str, Any]]],
+    ) -> list[dict[str, Any]]:
         return by_name()
 
 
@@ -340,11 +358,14 @@ class FSDPRuntime(ReplicatedRuntime):
         self.fsdp: FullyShardedDataParallel | None = None
         self.prefix = ""  # FSDP names parameters relative to the units' owner; checkpoints from the module
 
-    def shard_model(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], *, precision: str = "32-true",
-                    tracer: Any = None) -> None:
+    def shard_model(
+        self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], *, precision: str = "32-true", tracer: Any = None
+    ) -> None:
         if self.mp.pp is not None or self.mp.ep is not None:
-            raise NotImplementedError("NxDStrategy: FSDP together with pipeline or expert parallelism is not implemented yet; "
-                                      "use FSDP with data and tensor parallelism")
+            raise NotImplementedError(
+                "NxDStrategy: FSDP together with pipeline or expert parallelism is not implemented yet; "
+                "use FSDP with data and tensor parallelism"
+            )
         model = getattr(module, "model", None)
         owner = model if hasattr(model, "fsdp_units") else module  # a hub model (its fsdp_units) or the module itself
         options = dict(self.options)
@@ -414,8 +435,16 @@ class FSDPRuntime(ReplicatedRuntime):
     def load_model_state(self, module: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
         return self.fsdp.load_full_state_dict(state, prefix=self.prefix) if self.fsdp is not None else state
 
-    def optimizer_states(self, states: list[dict[str, Any]], optimizers: Sequence[torch.optim.Optimizer], module: nn.Module,
-                         *, resharded: bool, tp_rank: int, by_name: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    def optimizer_states(
+        self,
+        states: list[dict[str, Any]],
+        optimizers: Sequence[torch.optim.Optimizer],
+        module: nn.Module,
+        *,
+        resharded: bool,
+        tp_rank: int,
+        by_name: Callable[[], list[dict[str, Any]]],
+    ) -> list[dict[str, Any]]:
         """Flat shards: this run's own shards load as they are, full states (``resharded``) are cut into them."""
         if self.fsdp is None:
             return super().optimizer_states(states, optimizers, module, resharded=resharded, tp_rank=tp_rank, by_name=by_name)
@@ -425,6 +454,7 @@ class FSDPRuntime(ReplicatedRuntime):
         def localize(name: str, t: Tensor) -> Tensor:
             spec = shard_spec(module, name)
             return spec.slice(t, tp_rank) if spec is not None else t
+
         return [self.fsdp.optimizer_state_from_named(s, o, self.prefix, localize) for s, o in zip(states, optimizers)]
 
 

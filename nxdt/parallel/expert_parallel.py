@@ -58,16 +58,24 @@ from torch import nn
 
 from nxdt.comm.world import Communicator
 
-__all__ = ["apply_expert_parallel", "ExpertParallelDispatcher", "all_to_all_rows", "split_expert_parameters",
-           "is_expert_parameter", "reduce_expert_gradients", "moe_blocks"]
+__all__ = [
+    "apply_expert_parallel",
+    "ExpertParallelDispatcher",
+    "all_to_all_rows",
+    "split_expert_parameters",
+    "is_expert_parameter",
+    "reduce_expert_gradients",
+    "moe_blocks",
+]
 
 
 class _AllToAllRows(torch.autograd.Function):
     """Rows of a 2-D tensor exchanged with uneven splits; backward sends the gradients back the same way."""
 
     @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, comm: Communicator, output_splits: list[int], input_splits: list[int],
-                stream: str) -> torch.Tensor:
+    def forward(
+        ctx: Any, rows: torch.Tensor, comm: Communicator, output_splits: list[int], input_splits: list[int], stream: str
+    ) -> torch.Tensor:
         ctx.comm, ctx.output_splits, ctx.input_splits, ctx.stream = comm, output_splits, input_splits, stream
         out = rows.new_empty((sum(output_splits),) + tuple(rows.shape[1:]))
         comm.all_to_all(out, rows.contiguous(), output_splits, input_splits, stream=stream)
@@ -80,8 +88,9 @@ class _AllToAllRows(torch.autograd.Function):
         return back, None, None, None, None
 
 
-def all_to_all_rows(rows: torch.Tensor, comm: Communicator, output_splits: list[int], input_splits: list[int],
-                    stream: str = "default") -> torch.Tensor:
+def all_to_all_rows(
+    rows: torch.Tensor, comm: Communicator, output_splits: list[int], input_splits: list[int], stream: str = "default"
+) -> torch.Tensor:
     """Differentiable uneven all-to-all along dim 0: ``input_splits[d]`` rows go to group rank d,
     ``output_splits[s]`` rows arrive from group rank s (concatenated in source order)."""
     return _AllToAllRows.apply(rows, comm, list(output_splits), list(input_splits), stream)
@@ -112,8 +121,11 @@ class ExpertParallelDispatcher:
 
 
 def _is_moe_block(module: nn.Module) -> bool:
-    return isinstance(getattr(module, "experts", None), nn.ModuleDict) and hasattr(module, "dispatcher") \
+    return (
+        isinstance(getattr(module, "experts", None), nn.ModuleDict)
+        and hasattr(module, "dispatcher")
         and hasattr(module, "num_experts")
+    )
 
 
 def moe_blocks(model: nn.Module) -> list[nn.Module]:
@@ -128,17 +140,23 @@ def apply_expert_parallel(model: nn.Module, ep_comm: Communicator | None, stream
         return model
     blocks = moe_blocks(model)
     if not blocks:
-        raise ValueError(f"apply_expert_parallel: {type(model).__name__} has no MoE block (a module with an "
-                         f"'experts' ModuleDict and a 'dispatcher'); expert parallelism needs a mixture-of-experts model")
+        raise ValueError(
+            f"apply_expert_parallel: {type(model).__name__} has no MoE block (a module with an "
+            f"'experts' ModuleDict and a 'dispatcher'); expert parallelism needs a mixture-of-experts model"
+        )
     ep, rank = ep_comm.size, ep_comm.rank
     for block in blocks:
         experts = block.num_experts
         if experts % ep:
-            raise ValueError(f"apply_expert_parallel: model.moe.num_experts={experts} is not divisible by "
-                             f"expert_model_parallel_size={ep}; use a degree that divides it")
+            raise ValueError(
+                f"apply_expert_parallel: model.moe.num_experts={experts} is not divisible by "
+                f"expert_model_parallel_size={ep}; use a degree that divides it"
+            )
         if block.expert_ids != list(range(experts)):
-            raise ValueError("apply_expert_parallel: the model already holds a subset of its experts "
-                             f"({block.expert_ids}); apply it once, to the full model")
+            raise ValueError(
+                "apply_expert_parallel: the model already holds a subset of its experts "
+                f"({block.expert_ids}); apply it once, to the full model"
+            )
         lo, hi = rank * experts // ep, (rank + 1) * experts // ep
         for key in list(block.experts.keys()):
             if not lo <= int(key) < hi:
@@ -181,7 +199,7 @@ def reduce_expert_gradients(model: nn.Module, data_parallel_size: int, expert_dp
             expert_dp_comm.all_reduce(flat, "sum")
             offset = 0
             for p in experts:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
     for p in experts:
         if p.grad is not None:

@@ -156,10 +156,22 @@ def _module_names(model: nn.Module) -> dict[int, str]:
 class FullyShardedDataParallel:
     """The runtime of FSDP on one model (see the module docstring). Built by :func:`apply_fsdp`."""
 
-    def __init__(self, model: nn.Module, dp_comm: Any, units: Sequence[Sequence[nn.Module]],
-                 optimizers: Sequence[torch.optim.Optimizer], *, prefetch: str = "token_threaded", prefetch_distance: int = 1,
-                 reduce_scatter_delay: int = 1, reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype = torch.float32, param_persistence_threshold: int = 32768, tracer: Any = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        dp_comm: Any,
+        units: Sequence[Sequence[nn.Module]],
+        optimizers: Sequence[torch.optim.Optimizer],
+        *,
+        prefetch: str = "token_threaded",
+        prefetch_distance: int = 1,
+        reduce_scatter_delay: int = 1,
+        reshard_after_forward: bool = True,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype = torch.float32,
+        param_persistence_threshold: int = 32768,
+        tracer: Any = None,
+    ) -> None:
         if prefetch not in POLICIES:
             raise ValueError(f"FSDP prefetch={prefetch!r}: choose one of {', '.join(POLICIES)}")
         if not isinstance(prefetch_distance, int) or prefetch_distance < 1:
@@ -167,8 +179,10 @@ class FullyShardedDataParallel:
         if not isinstance(reduce_scatter_delay, int) or reduce_scatter_delay < 0:
             raise ValueError(f"FSDP reduce_scatter_delay={reduce_scatter_delay!r}: must be an integer >= 0")
         if not isinstance(param_persistence_threshold, int) or param_persistence_threshold < 0:
-            raise ValueError(f"FSDP param_persistence_threshold={param_persistence_threshold!r}: must be an integer >= 0 "
-                             "(elements; 0 shards every flat)")
+            raise ValueError(
+                f"FSDP param_persistence_threshold={param_persistence_threshold!r}: must be an integer >= 0 "
+                "(elements; 0 shards every flat)"
+            )
         self.persistence_threshold = param_persistence_threshold
         self.model, self.comm = model, dp_comm
         self.dp_size, self.dp_rank = dp_comm.size, dp_comm.rank
@@ -193,8 +207,9 @@ class FullyShardedDataParallel:
         self.reset_stats()
 
     # ------------------------------------------------------------------------------------ construction
-    def _build_units(self, model: nn.Module, unit_modules: Sequence[Sequence[nn.Module]],
-                     optimizers: Sequence[torch.optim.Optimizer]) -> list[FSDPUnit]:
+    def _build_units(
+        self, model: nn.Module, unit_modules: Sequence[Sequence[nn.Module]], optimizers: Sequence[torch.optim.Optimizer]
+    ) -> list[FSDPUnit]:
         names = _module_names(model)
         group_of: dict[int, tuple[int, int]] = {}
         for oi, opt in enumerate(optimizers):
@@ -226,13 +241,16 @@ class FullyShardedDataParallel:
             merged.setdefault(root(ui), []).append(ui)
         missing = set(group_of) - set(units_of)
         if missing:
-            raise ValueError(f"FSDP: {len(missing)} optimized parameter(s) belong to no unit; the units must cover every "
-                             "module with trainable parameters")
+            raise ValueError(
+                f"FSDP: {len(missing)} optimized parameter(s) belong to no unit; the units must cover every "
+                "module with trainable parameters"
+            )
         units: list[FSDPUnit] = []
         for members in sorted(merged.values(), key=min):  # forward order of their first member
             mods = [m for ui in members for m in unit_modules[ui]]
-            unit = FSDPUnit(len(units), "+".join(names.get(id(m), type(m).__name__) or "model" for m in mods), mods,
-                            resident=len(members) > 1)
+            unit = FSDPUnit(
+                len(units), "+".join(names.get(id(m), type(m).__name__) or "model" for m in mods), mods, resident=len(members) > 1
+            )
             unit.flats = self._flatten(unit, mods, group_of)
             units.append(unit)
         return units
@@ -267,15 +285,17 @@ class FullyShardedDataParallel:
             flat = torch.zeros(shard_size * parts, dtype=dtype)
             entries, offset = [], 0
             for p, owners, quals in params:
-                flat[offset:offset + p.numel()].copy_(p.reshape(-1))
+                flat[offset : offset + p.numel()].copy_(p.reshape(-1))
                 entries.append(_Entry(quals[0], owners, quals, p.shape, offset, p.numel()))
                 offset += p.numel()
             lo = 0 if replicated else self.dp_rank * shard_size
-            shard = nn.Parameter(self._shard_buffer(flat[lo:lo + shard_size]), requires_grad=group is not FROZEN)
+            shard = nn.Parameter(self._shard_buffer(flat[lo : lo + shard_size]), requires_grad=group is not FROZEN)
             full = torch.empty(flat.numel(), dtype=gather_dtype or dtype)
             if not replicated:
                 full.untyped_storage().resize_(0)  # resharded until first gathered
-            flats.append(FlatShard(unit.index, group, entries, numel, shard_size, shard, full, replicated=replicated, parts=parts))
+            flats.append(
+                FlatShard(unit.index, group, entries, numel, shard_size, shard, full, replicated=replicated, parts=parts)
+            )
         for f in flats:  # the modules lose their parameters: the shard is what they own now
             for e in f.entries:
                 for m, attr in e.owners:
@@ -371,7 +391,7 @@ class FullyShardedDataParallel:
                 unit.grads_pending += 1
                 self._grads_expected += 1
             for e in f.entries:
-                view = leaf[e.offset:e.offset + e.numel].view(e.shape)
+                view = leaf[e.offset : e.offset + e.numel].view(e.shape)
                 for m, attr in e.owners:
                     setattr(m, attr, view)
 
@@ -404,8 +424,13 @@ class FullyShardedDataParallel:
     def _watch_input(self, unit: FSDPUnit, args: tuple) -> tuple | None:
         """A unit with sharded frozen flats: its first input passes an identity whose backward reports that the
         unit's backward is over (so the frozen weights it used may be freed); counted as one pending gradient."""
-        if not (torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor) and args[0].requires_grad
-                and any(not f.trainable and not f.replicated for f in unit.flats)):
+        if not (
+            torch.is_grad_enabled()
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and args[0].requires_grad
+            and any(not f.trainable and not f.replicated for f in unit.flats)
+        ):
             return None
         unit.grads_pending += 1
         self._grads_expected += 1
@@ -418,7 +443,11 @@ class FullyShardedDataParallel:
             self.tracer.add("forward", "compute", self._unit_start, time.perf_counter(), unit=unit.index, module=unit.name)
         self._exit_order.append(unit.index)
         if torch.is_grad_enabled():
-            tensors = [out] if isinstance(out, torch.Tensor) else [t for t in (out if isinstance(out, (tuple, list)) else ()) if isinstance(t, torch.Tensor)]
+            tensors = (
+                [out]
+                if isinstance(out, torch.Tensor)
+                else [t for t in (out if isinstance(out, (tuple, list)) else ()) if isinstance(t, torch.Tensor)]
+            )
             for t in tensors:
                 if t.requires_grad:
                     t.register_hook(lambda g, u=unit: self._pre_backward(u))
@@ -435,7 +464,7 @@ class FullyShardedDataParallel:
             order = self._exit_order[::-1]  # backward order
             if unit.index in order:
                 k = order.index(unit.index)
-                for j in order[k + 1:k + 1 + self.distance]:
+                for j in order[k + 1 : k + 1 + self.distance]:
                     self._gather(self.units[j])
 
     def _pre_backward(self, unit: FSDPUnit) -> None:
@@ -583,9 +612,12 @@ class FullyShardedDataParallel:
             else:
                 current = (current[0], max(current[1], b))
         busy += current[1] - current[0] if current is not None else 0.0
-        stats = {"exposed_comm_s": self.exposed_comm_s, "comm_s": busy,
-                 "overlap_pct": 100.0 * max(0.0, 1.0 - self.exposed_comm_s / busy) if busy > 0 else 0.0,
-                 "peak_gathered_bytes": float(self.peak_gathered_bytes)}
+        stats = {
+            "exposed_comm_s": self.exposed_comm_s,
+            "comm_s": busy,
+            "overlap_pct": 100.0 * max(0.0, 1.0 - self.exposed_comm_s / busy) if busy > 0 else 0.0,
+            "peak_gathered_bytes": float(self.peak_gathered_bytes),
+        }
         self.reset_stats()
         return stats
 
@@ -605,7 +637,7 @@ class FullyShardedDataParallel:
                 full = torch.empty(f.shard_size * self.dp_size, dtype=f.shard.dtype)
                 self.comm.all_gather(full, f.shard.detach(), stream=FSDP_STREAM)
             for e in f.entries:
-                value = full[e.offset:e.offset + e.numel].view(e.shape).clone()
+                value = full[e.offset : e.offset + e.numel].view(e.shape).clone()
                 for name in e.names:  # a tied weight under each of its names, one tensor (as state_dict() has it)
                     out[prefix + name] = value
         return out
@@ -626,7 +658,7 @@ class FullyShardedDataParallel:
                 if tuple(value.shape) != tuple(e.shape):
                     raise ValueError(f"FSDP: tensor {key!r} has shape {tuple(value.shape)}, the model has {tuple(e.shape)}")
                 start = lo + a - e.offset
-                f.shard.data[a:b].copy_(value.reshape(-1)[start:start + b - a])
+                f.shard.data[a:b].copy_(value.reshape(-1)[start : start + b - a])
             for e in f.entries:
                 used.update(prefix + n for n in e.names)
         return {k: v for k, v in state.items() if k not in used}
@@ -635,19 +667,31 @@ class FullyShardedDataParallel:
         """Per optimizer, per state index (its flat shards in param-group order): which parameters the flat buffer
         holds where — what a checkpoint records so its per-DP-rank optimizer shards can be unflattened by name."""
         owner = {id(f.shard): f for f in self.flats()}
-        return [[{"shard_size": owner[id(p)].shard_size, "dp": owner[id(p)].parts,
-                  "entries": [[prefix + e.names[0], e.offset, e.numel, list(e.shape)] for e in owner[id(p)].entries]}
-                 for g in opt.param_groups for p in g["params"]] for opt in optimizers]
+        return [
+            [
+                {
+                    "shard_size": owner[id(p)].shard_size,
+                    "dp": owner[id(p)].parts,
+                    "entries": [[prefix + e.names[0], e.offset, e.numel, list(e.shape)] for e in owner[id(p)].entries],
+                }
+                for g in opt.param_groups
+                for p in g["params"]
+            ]
+            for opt in optimizers
+        ]
 
-    def optimizer_state_from_named(self, saved: dict[str, Any], optimizer: torch.optim.Optimizer, prefix: str = "",
-                                   localize: Any = None) -> dict[str, Any]:
+    def optimizer_state_from_named(
+        self, saved: dict[str, Any], optimizer: torch.optim.Optimizer, prefix: str = "", localize: Any = None
+    ) -> dict[str, Any]:
         """A by-name, unsharded optimizer state (``{"state": {name: {...}}, "param_groups": [{..., "params": [names]}]}``,
         e.g. from a checkpoint of another layout) → torch format for ``optimizer`` over this rank's flat shards:
         each parameter's moments (``localize(name, tensor)`` cuts its TP part) laid out as in the flat buffer, then
         this rank's slice. Raises ValueError naming a parameter the saved state lacks."""
         owner = {id(f.shard): f for f in self.flats()}
         if len(saved["param_groups"]) != len(optimizer.param_groups):
-            raise ValueError(f"the saved optimizer has {len(saved['param_groups'])} param groups, this one {len(optimizer.param_groups)}")
+            raise ValueError(
+                f"the saved optimizer has {len(saved['param_groups'])} param groups, this one {len(optimizer.param_groups)}"
+            )
         state, groups, index = {}, [], 0
         for g, group in enumerate(optimizer.param_groups):
             indices = []
@@ -672,10 +716,12 @@ class FullyShardedDataParallel:
                         for e, st in entry_states:
                             t = localize(prefix + e.names[0], st[key]) if localize is not None else st[key]
                             if tuple(t.shape) != tuple(e.shape):
-                                raise ValueError(f"optimizer state {key!r} of {prefix + e.names[0]} has shape {tuple(t.shape)}, "
-                                                 f"the parameter {tuple(e.shape)}")
-                            full[e.offset:e.offset + e.numel].copy_(t.reshape(-1))
-                        out[key] = full[lo:lo + f.shard_size].clone()
+                                raise ValueError(
+                                    f"optimizer state {key!r} of {prefix + e.names[0]} has shape {tuple(t.shape)}, "
+                                    f"the parameter {tuple(e.shape)}"
+                                )
+                            full[e.offset : e.offset + e.numel].copy_(t.reshape(-1))
+                        out[key] = full[lo : lo + f.shard_size].clone()
                     state[index] = out
                 indices.append(index)
                 index += 1
@@ -700,7 +746,9 @@ class FullyShardedDataParallel:
         return [f.shard.grad for f in self.flats() if f.shard.grad is not None]
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, comms: Sequence[Any] = (), weights: dict[str, float] | None = None) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, max_norm: float, comms: Sequence[Any] = (), weights: dict[str, float] | None = None
+    ) -> torch.Tensor:
         """Clip the shard gradients by the norm of the whole model's gradient: this rank's Σ weight·g², summed
         over the DP group and ``comms`` (e.g. TP, whose ranks hold other parts; ``weights``: 1/replicas for
         parameters several of them hold). Returns the norm (the same on every rank)."""
@@ -721,8 +769,13 @@ class FullyShardedDataParallel:
         sequence parallelism every replicated one, each rank saw its sequence shard; LoRA's replicated halves) —
         sum their parts of the shard gradients over TP, in one all-reduce (the TP ranks' flat layouts are
         identical). Returns how many segments were summed."""
-        parts = [f.shard.grad[a:b] for f in self.flats() if f.shard.grad is not None
-                 for e, a, b in f.segments(self.dp_rank) if not is_tp_sharded(e.name)]
+        parts = [
+            f.shard.grad[a:b]
+            for f in self.flats()
+            if f.shard.grad is not None
+            for e, a, b in f.segments(self.dp_rank)
+            if not is_tp_sharded(e.name)
+        ]
         if parts:
             summed = torch.cat(parts)
             tp_comm.all_reduce(summed, stream=TP_STREAM)
@@ -756,13 +809,21 @@ def default_units(model: nn.Module) -> list[list[nn.Module]]:
     if hasattr(model, "fsdp_units"):
         return model.fsdp_units()
     if any(True for _ in model.parameters(recurse=False)):
-        raise ValueError(f"FSDP: {type(model).__name__} holds parameters directly; put them in child modules (each child "
-                         "becomes one FSDP unit) or define fsdp_units()")
+        raise ValueError(
+            f"FSDP: {type(model).__name__} holds parameters directly; put them in child modules (each child "
+            "becomes one FSDP unit) or define fsdp_units()"
+        )
     return [[child] for child in model.children() if any(True for _ in child.parameters())]
 
 
-def apply_fsdp(model: nn.Module, dp_comm: Any, optimizers: Sequence[torch.optim.Optimizer], *,
-               units: Sequence[Sequence[nn.Module]] | None = None, **options: Any) -> FullyShardedDataParallel:
+def apply_fsdp(
+    model: nn.Module,
+    dp_comm: Any,
+    optimizers: Sequence[torch.optim.Optimizer],
+    *,
+    units: Sequence[Sequence[nn.Module]] | None = None,
+    **options: Any,
+) -> FullyShardedDataParallel:
     """Shard ``model``'s optimized parameters over ``dp_comm`` (every member calls it, with identical weights)
     and point ``optimizers`` at the shards. ``units`` default to :func:`default_units`. ``options``: see
     :class:`FullyShardedDataParallel`. Returns the runtime (stats, state)."""

@@ -48,9 +48,24 @@ from nxdt.models.attention import SequenceLayout  # the hub's layout type (model
 from nxdt.parallel.context_parallel import weight_by_token_share
 
 __all__ = [
-    "split_layers", "PipelineChunk", "build_chunks", "chunk_parameters",
-    "TaskType", "Task", "Forward", "Backward", "SendActivation", "RecvActivation", "SendGrad", "RecvGrad",
-    "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "simulate", "SimulationResult", "PipelineDeadlock",
+    "split_layers",
+    "PipelineChunk",
+    "build_chunks",
+    "chunk_parameters",
+    "TaskType",
+    "Task",
+    "Forward",
+    "Backward",
+    "SendActivation",
+    "RecvActivation",
+    "SendGrad",
+    "RecvGrad",
+    "gpipe",
+    "one_f_one_b",
+    "interleaved_one_f_one_b",
+    "simulate",
+    "SimulationResult",
+    "PipelineDeadlock",
     "PipelineExecutor",
 ]
 
@@ -68,8 +83,10 @@ def split_layers(num_layers: int, num_stages: int, virtual: int = 1, cuts: Seque
     num_chunks = num_stages * virtual
     if num_chunks > num_layers:
         what = f"{num_stages} stages" + (f" × {virtual} virtual chunks" if virtual > 1 else "")
-        raise ValueError(f"pipeline: {what} = {num_chunks} model chunks but the model has only {num_layers} layers; "
-                         f"every chunk needs at least one layer (use at most {num_layers} chunks)")
+        raise ValueError(
+            f"pipeline: {what} = {num_chunks} model chunks but the model has only {num_layers} layers; "
+            f"every chunk needs at least one layer (use at most {num_layers} chunks)"
+        )
     if cuts is None:
         base, extra = divmod(num_layers, num_chunks)
         sizes = [base + (1 if c < extra else 0) for c in range(num_chunks)]
@@ -77,13 +94,17 @@ def split_layers(num_layers: int, num_stages: int, virtual: int = 1, cuts: Seque
     else:
         cuts = list(cuts)
         if len(cuts) != num_chunks - 1:
-            raise ValueError(f"pipeline: cuts={cuts} must give the first layer of each chunk after the first: "
-                             f"{num_chunks - 1} values for {num_chunks} chunks, got {len(cuts)}")
+            raise ValueError(
+                f"pipeline: cuts={cuts} must give the first layer of each chunk after the first: "
+                f"{num_chunks - 1} values for {num_chunks} chunks, got {len(cuts)}"
+            )
         bounds = [0, *cuts, num_layers]
         for a, b in zip(bounds, bounds[1:]):
             if not isinstance(b, int) or b <= a:
-                raise ValueError(f"pipeline: cuts={cuts} must be strictly increasing integers in 1..{num_layers - 1} "
-                                 f"so every chunk of the {num_layers} layers is non-empty")
+                raise ValueError(
+                    f"pipeline: cuts={cuts} must be strictly increasing integers in 1..{num_layers - 1} "
+                    f"so every chunk of the {num_layers} layers is non-empty"
+                )
     return [list(range(bounds[c], bounds[c + 1])) for c in range(num_chunks)]
 
 
@@ -95,8 +116,7 @@ class PipelineChunk(nn.Module):
     pieces ``embed`` → ``run_layer`` → ``head``; the model itself is held unregistered (it is shared by
     the stage's chunks and only supplies those methods and the rotary tables)."""
 
-    def __init__(self, model: nn.Module, layer_indices: Sequence[int], *, is_first: bool, is_last: bool,
-                 index: int = 0) -> None:
+    def __init__(self, model: nn.Module, layer_indices: Sequence[int], *, is_first: bool, is_last: bool, index: int = 0) -> None:
         super().__init__()
         object.__setattr__(self, "model", model)  # not a submodule: its other parts belong to other chunks
         self.layer_indices = list(layer_indices)
@@ -120,8 +140,9 @@ class PipelineChunk(nn.Module):
         return f"index={self.index}, layers={self.layer_indices}, first={self.is_first}, last={self.is_last}"
 
 
-def build_chunks(model: nn.Module, stage: int, num_stages: int, virtual: int = 1,
-                 cuts: Sequence[int] | None = None) -> list[PipelineChunk]:
+def build_chunks(
+    model: nn.Module, stage: int, num_stages: int, virtual: int = 1, cuts: Sequence[int] | None = None
+) -> list[PipelineChunk]:
     """This stage's chunks (local chunk ``v`` = global chunk ``v * num_stages + stage``) from a full model.
 
     Build the model with the same seed on every rank so weights match the single-process model; the
@@ -131,13 +152,14 @@ def build_chunks(model: nn.Module, stage: int, num_stages: int, virtual: int = 1
     if not 0 <= stage < num_stages:
         raise ValueError(f"pipeline: stage={stage} must be in 0..{num_stages - 1}")
     if num_stages > 1 and getattr(model, "tied", False):
-        raise ValueError("pipeline: tie_word_embeddings with PP>1 is not supported "
-                         "(the embedding and lm_head live on different stages); set model.tie_word_embeddings=false")
+        raise ValueError(
+            "pipeline: tie_word_embeddings with PP>1 is not supported "
+            "(the embedding and lm_head live on different stages); set model.tie_word_embeddings=false"
+        )
     groups = split_layers(len(model.layers), num_stages, virtual, cuts)
     total = len(groups)
     mine = list(range(stage, total, num_stages))
-    chunks = [PipelineChunk(model, groups[g], is_first=g == 0, is_last=g == total - 1, index=v)
-              for v, g in enumerate(mine)]
+    chunks = [PipelineChunk(model, groups[g], is_first=g == 0, is_last=g == total - 1, index=v) for v, g in enumerate(mine)]
     owned = {i for g in mine for i in groups[g]}
     for i in range(len(model.layers)):
         if i not in owned:
@@ -174,6 +196,7 @@ class TaskType(enum.Enum):
 @dataclass(frozen=True)
 class Task:
     """``microbatch`` index and *local* ``chunk`` index on the executing stage."""
+
     microbatch: int
     chunk: int
     type: ClassVar[TaskType]  # set by each concrete subclass (a class attribute, not a field)
@@ -197,29 +220,32 @@ class _Comm(Task):
 @dataclass(frozen=True)
 class SendActivation(_Comm):
     """Send the output of Forward(microbatch, chunk) to the stage holding the next global chunk."""
+
     type = TaskType.SEND_ACTIVATION
 
 
 @dataclass(frozen=True)
 class RecvActivation(_Comm):
     """Receive the input of Forward(microbatch, chunk) from the stage holding the previous global chunk."""
+
     type = TaskType.RECV_ACTIVATION
 
 
 @dataclass(frozen=True)
 class SendGrad(_Comm):
     """Send d loss / d input of Backward(microbatch, chunk) to the stage holding the previous chunk."""
+
     type = TaskType.SEND_GRAD
 
 
 @dataclass(frozen=True)
 class RecvGrad(_Comm):
     """Receive d loss / d output of Forward(microbatch, chunk) from the stage holding the next chunk."""
+
     type = TaskType.RECV_GRAD
 
 
-def _with_communication(num_stages: int, stage: int, num_chunks: int,
-                        compute: Iterable[tuple[str, int, int]]) -> Iterator[Task]:
+def _with_communication(num_stages: int, stage: int, num_chunks: int, compute: Iterable[tuple[str, int, int]]) -> Iterator[Task]:
     """Wrap an ordered list of (F|B, microbatch, local chunk) with the receives just before and the
     (asynchronous) sends just after each compute task. Global chunk g = chunk · P + stage; its
     neighbours g ± 1 live on stages stage ± 1 (wrapping around between virtual chunks)."""
@@ -245,8 +271,9 @@ def forward_only(num_stages: int, stage: int, num_microbatches: int, num_chunks:
     """Evaluation: every micro-batch's forward through every chunk, in micro-batch order, no backward. Each
     forward waits only on an earlier global chunk of the same micro-batch (sends are asynchronous): no cycle."""
     _check(num_stages, stage, num_microbatches, num_chunks)
-    return _with_communication(num_stages, stage, num_chunks, (("F", mb, v) for mb in range(num_microbatches)
-                                                               for v in range(num_chunks)))
+    return _with_communication(
+        num_stages, stage, num_chunks, (("F", mb, v) for mb in range(num_microbatches) for v in range(num_chunks))
+    )
 
 
 def _check(num_stages: int, stage: int, num_microbatches: int, num_chunks: int = 1) -> None:
@@ -286,8 +313,10 @@ def interleaved_one_f_one_b(num_stages: int, stage: int, num_microbatches: int, 
     Requires ``num_microbatches % num_stages == 0``."""
     _check(num_stages, stage, num_microbatches, num_chunks)
     if num_microbatches % num_stages:
-        raise ValueError(f"interleaved 1F1B needs num_microbatches divisible by num_stages: got num_microbatches="
-                         f"{num_microbatches}, num_stages={num_stages} (use a multiple of {num_stages})")
+        raise ValueError(
+            f"interleaved 1F1B needs num_microbatches divisible by num_stages: got num_microbatches="
+            f"{num_microbatches}, num_stages={num_stages} (use a multiple of {num_stages})"
+        )
     group = num_stages * num_chunks  # virtual steps per round of num_stages micro-batches through all chunks
     total = num_microbatches * num_chunks
 
@@ -313,9 +342,9 @@ class PipelineDeadlock(RuntimeError):
 
 @dataclass
 class SimulationResult:
-    steps: int                     # scheduler rounds until every stage finished
-    peak_in_flight: list[int]      # per stage: max micro-batch·chunk activations held (forwards not yet backwarded)
-    tasks: list[list[Task]]        # per stage: the task stream executed
+    steps: int  # scheduler rounds until every stage finished
+    peak_in_flight: list[int]  # per stage: max micro-batch·chunk activations held (forwards not yet backwarded)
+    tasks: list[list[Task]]  # per stage: the task stream executed
 
 
 def simulate(schedules: Sequence[Iterable[Task]], num_chunks: int = 1, send_capacity: int | None = None) -> SimulationResult:
@@ -364,8 +393,10 @@ def simulate(schedules: Sequence[Iterable[Task]], num_chunks: int = 1, send_capa
                     mb, src_g = arrived.pop(0)
                     want = g - 1 if kind == "act" else g + 1
                     if (mb, src_g) != (t.microbatch, want) or src_g % num_stages != t.peer_stage:
-                        raise PipelineDeadlock(f"stage {s} {t} received {kind} of micro-batch {mb} from global chunk "
-                                               f"{src_g}; expected micro-batch {t.microbatch} from chunk {want}")
+                        raise PipelineDeadlock(
+                            f"stage {s} {t} received {kind} of micro-batch {mb} from global chunk "
+                            f"{src_g}; expected micro-batch {t.microbatch} from chunk {want}"
+                        )
                     (have_act if kind == "act" else have_grad)[s].add((t.microbatch, t.chunk))
                 elif isinstance(t, Forward):
                     if g > 0 and (t.microbatch, t.chunk) not in have_act[s]:
@@ -419,9 +450,17 @@ class PipelineExecutor:
     given, replaces ``loss_fn`` for mapping micro-batches: an objective that reads more of the micro-batch than its
     labels (DPO's reference log-probabilities)."""
 
-    def __init__(self, chunks: Sequence[nn.Module], pp_comm: Any, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 *, hidden_size: int | None = None, dtype: torch.dtype | None = None, seq_shards: int = 1,
-                 batch_loss: Callable[[torch.Tensor, Mapping[str, Any]], torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        chunks: Sequence[nn.Module],
+        pp_comm: Any,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        *,
+        hidden_size: int | None = None,
+        dtype: torch.dtype | None = None,
+        seq_shards: int = 1,
+        batch_loss: Callable[[torch.Tensor, Mapping[str, Any]], torch.Tensor] | None = None,
+    ) -> None:
         self.chunks = list(chunks)
         self.batch_loss = batch_loss
         self._score: Callable[[torch.Tensor, Any], torch.Tensor] | None = None  # set by score()
@@ -451,15 +490,15 @@ class PipelineExecutor:
     # state of one run(): keyed by (microbatch, local chunk)
     def _reset(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.microbatches = list(microbatches)
-        self.inputs: dict[tuple[int, int], torch.Tensor] = {}    # received activations (require grad)
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}   # chunk outputs, or scaled losses on the last chunk
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}  # received activations (require grad)
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # chunk outputs, or scaled losses on the last chunk
         self.out_grads: dict[tuple[int, int], torch.Tensor] = {}
         self.in_grads: dict[tuple[int, int], torch.Tensor] = {}
-        self.pending: list[Any] = []                              # async send handles
+        self.pending: list[Any] = []  # async send handles
         self.loopback: dict[str, list[torch.Tensor]] = {}
         self.loss_sum = torch.zeros((), dtype=torch.float64)
-        self.losses: dict[int, torch.Tensor] = {}                 # each micro-batch's unscaled loss (last chunk)
-        self.scores: dict[int, torch.Tensor] = {}                 # score(): each micro-batch's values (last chunk)
+        self.losses: dict[int, torch.Tensor] = {}  # each micro-batch's unscaled loss (last chunk)
+        self.scores: dict[int, torch.Tensor] = {}  # score(): each micro-batch's values (last chunk)
 
     def _global(self, chunk: int) -> int:
         return chunk * self.num_stages + self.stage
@@ -481,8 +520,10 @@ class PipelineExecutor:
         try:
             for task in schedule:
                 if task.chunk >= len(self.chunks) or task.microbatch >= len(self.microbatches):
-                    raise ValueError(f"pipeline: {task} does not fit {len(self.chunks)} chunks × "
-                                     f"{len(self.microbatches)} micro-batches on stage {self.stage}")
+                    raise ValueError(
+                        f"pipeline: {task} does not fit {len(self.chunks)} chunks × "
+                        f"{len(self.microbatches)} micro-batches on stage {self.stage}"
+                    )
                 self.dispatch[task.type](task)
             for work in self.pending:
                 work.wait()
@@ -527,8 +568,9 @@ class PipelineExecutor:
             with torch.no_grad():
                 for task in forward_only(self.num_stages, self.stage, len(self.microbatches), len(self.chunks)):
                     self.dispatch[task.type](task)
-                    if task.type is TaskType.SEND_ACTIVATION or (task.type is TaskType.FORWARD and
-                                                                 getattr(self.chunks[task.chunk], "is_last", False)):
+                    if task.type is TaskType.SEND_ACTIVATION or (
+                        task.type is TaskType.FORWARD and getattr(self.chunks[task.chunk], "is_last", False)
+                    ):
                         self.outputs.pop((task.microbatch, task.chunk))  # sent on (or scored): not needed again
                         self.inputs.pop((task.microbatch, task.chunk), None)
                 for work in self.pending:
@@ -547,7 +589,9 @@ class PipelineExecutor:
             self.scores[t.microbatch] = self._score(out, self.microbatches[t.microbatch]).detach().double().reshape(-1)
         elif getattr(chunk, "is_last", False):
             mb = self.microbatches[t.microbatch]
-            loss = self.batch_loss(out, mb) if self.batch_loss is not None and isinstance(mb, Mapping) else self.loss_fn(out, labels)
+            loss = (
+                self.batch_loss(out, mb) if self.batch_loss is not None and isinstance(mb, Mapping) else self.loss_fn(out, labels)
+            )
             self.losses[t.microbatch] = loss.detach().double()
             # context parallelism: this rank's share of the sequence's token mean (unchanged without CP)
             loss = weight_by_token_share(loss, self.microbatches[t.microbatch])

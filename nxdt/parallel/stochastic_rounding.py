@@ -33,8 +33,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["stochastic_round_bf16", "random_bits16", "stream_seed", "stream_generator", "StochasticRoundingAdamW",
-           "BF16_MAX_BITS"]
+__all__ = [
+    "stochastic_round_bf16",
+    "random_bits16",
+    "stream_seed",
+    "stream_generator",
+    "StochasticRoundingAdamW",
+    "BF16_MAX_BITS",
+]
 
 _MASK64 = (1 << 64) - 1
 _HIGH16 = -(1 << 16)  # int32 0xFFFF0000: keeps sign, exponent and the 7 bf16 mantissa bits
@@ -72,8 +78,9 @@ def random_bits16(numel: int, generator: torch.Generator | None = None) -> torch
 
 
 @torch.no_grad()
-def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator | None = None, *,
-                          bits: torch.Tensor | None = None) -> torch.Tensor:
+def stochastic_round_bf16(
+    x: torch.Tensor, generator: torch.Generator | None = None, *, bits: torch.Tensor | None = None
+) -> torch.Tensor:
     """``x`` (fp32; other float dtypes are converted to fp32 first) rounded stochastically to bf16.
 
     The randomness is ``bits`` (int32 in ``[0, 2**16)``, ``x``'s number of elements) or drawn from
@@ -84,8 +91,9 @@ def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator | None = N
     if bits is None:
         bits = random_bits16(x32.numel(), generator)
     elif bits.numel() != x32.numel() or bits.dtype != torch.int32:
-        raise ValueError(f"stochastic_round_bf16: bits must be int32 with {x32.numel()} elements, got "
-                         f"{bits.dtype} with {bits.numel()}")
+        raise ValueError(
+            f"stochastic_round_bf16: bits must be int32 with {x32.numel()} elements, got {bits.dtype} with {bits.numel()}"
+        )
     pattern = x32.view(torch.int32)
     rounded = (pattern + bits.view(x32.shape).to(pattern.device)).bitwise_and_(_HIGH16)
     out = rounded.view(torch.float32).to(torch.bfloat16)  # exact: the low 16 bits are zero
@@ -114,8 +122,17 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
     resharding and ZeRO-1 (which rebuilds this class around its flat shards) treat it like AdamW.
     """
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, *, seed: int = 0, fp32_state: bool = False) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        seed: int = 0,
+        fp32_state: bool = False,
+    ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"StochasticRoundingAdamW: invalid learning rate {lr}")
         if not eps >= 0.0:
@@ -124,8 +141,10 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
             raise ValueError(f"StochasticRoundingAdamW: invalid betas {betas}")
         if not weight_decay >= 0.0:
             raise ValueError(f"StochasticRoundingAdamW: invalid weight_decay {weight_decay}")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                      seed=int(seed), fp32_state=bool(fp32_state)))
+        super().__init__(
+            params,
+            dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, seed=int(seed), fp32_state=bool(fp32_state)),
+        )
 
     def _state_dtype(self, p: torch.Tensor) -> torch.dtype:
         return torch.float32 if self.defaults["fp32_state"] else p.dtype
@@ -173,10 +192,10 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                     param.mul_(1 - lr * wd)
                 m.lerp_(grad, 1 - beta1)
                 v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                bias_correction1 = 1 - beta1 ** step
-                bias_correction2 = 1 - beta2 ** step
+                bias_correction1 = 1 - beta1**step
+                bias_correction2 = 1 - beta2**step
                 step_size = lr / bias_correction1
-                denom = (v.sqrt() / bias_correction2 ** 0.5).add_(eps)
+                denom = (v.sqrt() / bias_correction2**0.5).add_(eps)
                 param.addcdiv_(m, denom, value=-step_size)
 
                 for target, value in ((p, param), (exp_avg, m), (exp_avg_sq, v)):

@@ -86,8 +86,10 @@ def _all_gather(x: torch.Tensor, comm: Any, dim: int) -> torch.Tensor:
 def _reduce_scatter(x: torch.Tensor, comm: Any, dim: int) -> torch.Tensor:
     """Sum over ranks, keep block ``rank`` of ``dim``."""
     if x.shape[dim] % comm.size:
-        raise ValueError(f"sequence parallelism splits dim {dim} (length {x.shape[dim]}) over {comm.size} tensor-parallel "
-                         f"ranks: make the sequence length a multiple of the tensor-parallel size")
+        raise ValueError(
+            f"sequence parallelism splits dim {dim} (length {x.shape[dim]}) over {comm.size} tensor-parallel "
+            f"ranks: make the sequence length a multiple of the tensor-parallel size"
+        )
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // comm.size,) + tuple(front.shape[1:]))
     comm.reduce_scatter(out, front, stream=TP_STREAM)
@@ -285,7 +287,11 @@ class TokenRegion:
         return _all_gather(ids.contiguous(), self.comm, 0) if self.sequence_parallel else ids
 
     def exit(self, partial: torch.Tensor) -> torch.Tensor:
-        return _ReduceScatterTokens.apply(partial, self.comm) if self.sequence_parallel else reduce_from_tensor_parallel_region(partial, self.comm)
+        return (
+            _ReduceScatterTokens.apply(partial, self.comm)
+            if self.sequence_parallel
+            else reduce_from_tensor_parallel_region(partial, self.comm)
+        )
 
 
 class _EnterRegionHook:
@@ -297,8 +303,10 @@ class _EnterRegionHook:
 
     def __call__(self, module: nn.Module, args: tuple) -> tuple:
         if not args or not isinstance(args[0], torch.Tensor):
-            raise TypeError(f"tensor-parallel plan: {self.what} is an 'input_region' block, so its input must be its first "
-                            f"positional argument (a tensor); it was called with {len(args)} positional argument(s)")
+            raise TypeError(
+                f"tensor-parallel plan: {self.what} is an 'input_region' block, so its input must be its first "
+                f"positional argument (a tensor); it was called with {len(args)} positional argument(s)"
+            )
         return (enter_region(args[0], self.comm, self.sequence_parallel), *args[1:])
 
 
@@ -318,9 +326,11 @@ class ShardSpec:
             per_rank, self.replicas = 1, size // blocks
         else:
             how = "divide, or the tensor-parallel size must be a multiple of" if replicate else "divide"
-            raise ValueError(f"{what}: {blocks} block(s) of {block} along dim {dim} cannot be split over {size} tensor-parallel "
-                             f"ranks (the block count must {how} the tensor-parallel size); choose a tensor-parallel size "
-                             f"that fits")
+            raise ValueError(
+                f"{what}: {blocks} block(s) of {block} along dim {dim} cannot be split over {size} tensor-parallel "
+                f"ranks (the block count must {how} the tensor-parallel size); choose a tensor-parallel size "
+                f"that fits"
+            )
         self.dim, self.full, self.size, self.local = dim, full, size, per_rank * block
 
     def group(self, rank: int) -> int:
@@ -364,9 +374,21 @@ class ColumnParallelLinear(TensorParallelModule):
     [B, S/tp, in] and is all-gathered first. ``block`` keeps whole heads together; ``replicate`` allows fewer
     blocks than ranks (KV heads of grouped-query attention), whose gradients are summed over the replicas."""
 
-    def __init__(self, in_features: int, out_features: int, comm: Any, *, bias: bool = False, sequence_parallel: bool = False,
-                 gather_output: bool = False, block: int = 1, replicate: bool = False, dtype: torch.dtype | None = None,
-                 what: str = "ColumnParallelLinear", input_in_region: bool = False) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        comm: Any,
+        *,
+        bias: bool = False,
+        sequence_parallel: bool = False,
+        gather_output: bool = False,
+        block: int = 1,
+        replicate: bool = False,
+        dtype: torch.dtype | None = None,
+        what: str = "ColumnParallelLinear",
+        input_in_region: bool = False,
+    ) -> None:
         super().__init__()
         _check_comm(comm)
         self.comm, self.in_features, self.out_features = comm, in_features, out_features
@@ -383,14 +405,18 @@ class ColumnParallelLinear(TensorParallelModule):
     @classmethod
     def from_full(cls, linear: nn.Linear, comm: Any, **kwargs: Any) -> "ColumnParallelLinear":
         """This rank's slice of a full ``nn.Linear`` (same seed on every rank → the shards tile it exactly)."""
-        mod = cls(linear.in_features, linear.out_features, comm, bias=linear.bias is not None, dtype=linear.weight.dtype, **kwargs)
+        mod = cls(
+            linear.in_features, linear.out_features, comm, bias=linear.bias is not None, dtype=linear.weight.dtype, **kwargs
+        )
         _load_slices(mod, linear, comm.rank)
         return mod
 
     def extra_repr(self) -> str:
         spec = self.shard_specs["weight"]
-        return (f"in={self.in_features}, out={self.out_features} (local {spec.local}, replicas {spec.replicas}), "
-                f"tp={self.comm.size}, sequence_parallel={self.sequence_parallel}")
+        return (
+            f"in={self.in_features}, out={self.out_features} (local {spec.local}, replicas {spec.replicas}), "
+            f"tp={self.comm.size}, sequence_parallel={self.sequence_parallel}"
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_in_region:
@@ -410,8 +436,19 @@ class RowParallelLinear(TensorParallelModule):
     reduce-scattered along the sequence ([B, S, out] partial → [B, S/tp, out]). The bias is replicated and
     added once, after the reduction."""
 
-    def __init__(self, in_features: int, out_features: int, comm: Any, *, bias: bool = False, sequence_parallel: bool = False,
-                 block: int = 1, dtype: torch.dtype | None = None, what: str = "RowParallelLinear", reduce_output: bool = True) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        comm: Any,
+        *,
+        bias: bool = False,
+        sequence_parallel: bool = False,
+        block: int = 1,
+        dtype: torch.dtype | None = None,
+        what: str = "RowParallelLinear",
+        reduce_output: bool = True,
+    ) -> None:
         super().__init__()
         _check_comm(comm)
         self.comm, self.in_features, self.out_features = comm, in_features, out_features
@@ -427,13 +464,17 @@ class RowParallelLinear(TensorParallelModule):
 
     @classmethod
     def from_full(cls, linear: nn.Linear, comm: Any, **kwargs: Any) -> "RowParallelLinear":
-        mod = cls(linear.in_features, linear.out_features, comm, bias=linear.bias is not None, dtype=linear.weight.dtype, **kwargs)
+        mod = cls(
+            linear.in_features, linear.out_features, comm, bias=linear.bias is not None, dtype=linear.weight.dtype, **kwargs
+        )
         _load_slices(mod, linear, comm.rank)
         return mod
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features} (local {self.shard_specs['weight'].local}), out={self.out_features}, "
-                f"tp={self.comm.size}, sequence_parallel={self.sequence_parallel}")
+        return (
+            f"in={self.in_features} (local {self.shard_specs['weight'].local}), out={self.out_features}, "
+            f"tp={self.comm.size}, sequence_parallel={self.sequence_parallel}"
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = F.linear(x, self.weight)
@@ -450,8 +491,16 @@ class VocabParallelEmbedding(TensorParallelModule):
     """Embedding table split along the vocabulary: each rank looks up the ids in its range, zeros the others,
     and the ranks' rows are summed (all-reduce, or reduce-scatter to sequence shards with SP)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, comm: Any, *, sequence_parallel: bool = False,
-                 dtype: torch.dtype | None = None, what: str = "VocabParallelEmbedding") -> None:
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        comm: Any,
+        *,
+        sequence_parallel: bool = False,
+        dtype: torch.dtype | None = None,
+        what: str = "VocabParallelEmbedding",
+    ) -> None:
         super().__init__()
         _check_comm(comm)
         self.comm, self.num_embeddings, self.embedding_dim = comm, num_embeddings, embedding_dim
@@ -471,8 +520,10 @@ class VocabParallelEmbedding(TensorParallelModule):
 
     def extra_repr(self) -> str:
         local = self.shard_specs["weight"].local
-        return (f"vocab={self.num_embeddings} (rows {self.vocab_start}..{self.vocab_start + local - 1}), dim={self.embedding_dim}, "
-                f"tp={self.comm.size}, sequence_parallel={self.sequence_parallel}")
+        return (
+            f"vocab={self.num_embeddings} (rows {self.vocab_start}..{self.vocab_start + local - 1}), dim={self.embedding_dim}, "
+            f"tp={self.comm.size}, sequence_parallel={self.sequence_parallel}"
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start
@@ -500,10 +551,13 @@ class VocabParallelHead(ColumnParallelLinear):
         """Per-token log-probability of the label (0 where it is ``ignore_index``), fp32, from vocab-sharded logits:
         the negated per-token cross-entropy, so preference objectives (DPO, ORPO) need no gathered logits either."""
         if logits.shape[:-1] != labels.shape:
-            raise ValueError(f"token_log_probs: logits {tuple(logits.shape)} and labels {tuple(labels.shape)} must agree "
-                             f"on every dim but the last (vocab)")
-        per_token = _VocabParallelCrossEntropy.apply(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                                     self.comm, ignore_index)
+            raise ValueError(
+                f"token_log_probs: logits {tuple(logits.shape)} and labels {tuple(labels.shape)} must agree "
+                f"on every dim but the last (vocab)"
+            )
+        per_token = _VocabParallelCrossEntropy.apply(
+            logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), self.comm, ignore_index
+        )
         return -per_token.reshape(labels.shape)
 
 
@@ -511,8 +565,11 @@ def is_adapter(module: nn.Module) -> bool:
     """A low-rank adapter around a linear layer, by the protocol the model hub's LoRA declares
     (``nxdt.models.lora.LoRALinear``): ``base_layer``, ``lora_A`` [r, in], ``lora_B`` [out, r] (``nn.Linear``),
     ``lora_dropout`` and ``scaling``; ``y = base_layer(x) + scaling · lora_B(lora_A(lora_dropout(x)))``."""
-    return all(isinstance(getattr(module, part, None), nn.Linear) for part in ("base_layer", "lora_A", "lora_B")) \
-        and hasattr(module, "scaling") and hasattr(module, "lora_dropout")
+    return (
+        all(isinstance(getattr(module, part, None), nn.Linear) for part in ("base_layer", "lora_A", "lora_B"))
+        and hasattr(module, "scaling")
+        and hasattr(module, "lora_dropout")
+    )
 
 
 class LoRAParallelLinear(TensorParallelModule):
@@ -533,8 +590,17 @@ class LoRAParallelLinear(TensorParallelModule):
     RNG: equal seeds keep the replicated input's mask equal over TP (column); a row layer's slices get
     per-slice masks."""
 
-    def __init__(self, adapter: nn.Module, mode: str, comm: Any, *, sequence_parallel: bool = False, block: int = 1,
-                 replicate: bool = False, what: str = "LoRA adapter") -> None:
+    def __init__(
+        self,
+        adapter: nn.Module,
+        mode: str,
+        comm: Any,
+        *,
+        sequence_parallel: bool = False,
+        block: int = 1,
+        replicate: bool = False,
+        what: str = "LoRA adapter",
+    ) -> None:
         super().__init__()
         _check_comm(comm)
         if mode not in ("column", "row"):
@@ -546,16 +612,19 @@ class LoRAParallelLinear(TensorParallelModule):
         self.rank, self.alpha = getattr(adapter, "rank", adapter.lora_A.out_features), getattr(adapter, "alpha", None)
         self.input_in_region = False  # column: set when the enclosing block entered the region already
         if mode == "column":
-            self.base_layer = ColumnParallelLinear.from_full(base, comm, sequence_parallel=sequence_parallel, block=block,
-                                                             replicate=replicate, input_in_region=True, what=what)
+            self.base_layer = ColumnParallelLinear.from_full(
+                base, comm, sequence_parallel=sequence_parallel, block=block, replicate=replicate, input_in_region=True, what=what
+            )
             self.lora_A = _replicated_copy(adapter.lora_A)
-            self.lora_B = ColumnParallelLinear.from_full(adapter.lora_B, comm, block=block, replicate=replicate,
-                                                         input_in_region=True, what=f"{what} lora_B")
+            self.lora_B = ColumnParallelLinear.from_full(
+                adapter.lora_B, comm, block=block, replicate=replicate, input_in_region=True, what=f"{what} lora_B"
+            )
             self.partial_grads = {"lora_A.weight"}
         else:
             self.base_layer = RowParallelLinear.from_full(base, comm, sequence_parallel=sequence_parallel, block=block, what=what)
-            self.lora_A = RowParallelLinear.from_full(adapter.lora_A, comm, block=block, reduce_output=False,
-                                                      what=f"{what} lora_A")
+            self.lora_A = RowParallelLinear.from_full(
+                adapter.lora_A, comm, block=block, reduce_output=False, what=f"{what} lora_A"
+            )
             self.lora_B = _replicated_copy(adapter.lora_B)
             self.partial_grads = {"lora_B.weight"}
         self.shard_specs = {}  # its parameters live in the submodules (their own shard_specs)
@@ -634,15 +703,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, comm: Any, *, ignore_index: int = -100) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, comm: Any, *, ignore_index: int = -100
+) -> torch.Tensor:
     """Mean cross-entropy over tokens whose label is not ``ignore_index``, in fp32, from logits [..., V/tp]
     holding this rank's contiguous vocab block (rank r: ids r·V/tp .. (r+1)·V/tp - 1); labels [...] are full
     vocab ids, the same on every rank. Equal to ``F.cross_entropy(full_logits, labels, ignore_index=...)``
     (NaN when every label is ignored, as there)."""
     _check_comm(comm)
     if logits.shape[:-1] != labels.shape:
-        raise ValueError(f"vocab_parallel_cross_entropy: logits {tuple(logits.shape)} and labels {tuple(labels.shape)} "
-                         f"must agree on every dim but the last (vocab)")
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: logits {tuple(logits.shape)} and labels {tuple(labels.shape)} "
+            f"must agree on every dim but the last (vocab)"
+        )
     flat_logits = logits.float().reshape(-1, logits.shape[-1])
     flat_labels = labels.reshape(-1)
     per_token = _VocabParallelCrossEntropy.apply(flat_logits, flat_labels, comm, ignore_index)
@@ -653,8 +726,10 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, com
 def _parse_style(style: str) -> tuple[str, int]:
     name, _, block = style.partition(":")
     if name not in STYLES:
-        raise ValueError(f"tensor-parallel style {style!r} unknown; use one of {sorted(STYLES)} (colwise/rowwise/colwise_kv "
-                         f"take an optional ':<block rows>', e.g. 'colwise:64' for heads of 64)")
+        raise ValueError(
+            f"tensor-parallel style {style!r} unknown; use one of {sorted(STYLES)} (colwise/rowwise/colwise_kv "
+            f"take an optional ':<block rows>', e.g. 'colwise:64' for heads of 64)"
+        )
     try:
         return name, int(block) if block else 1
     except ValueError:
@@ -671,14 +746,25 @@ def _build(style: str, module: nn.Module, comm: Any, sequence_parallel: bool, wh
         return ColumnParallelLinear.from_full(module, comm, block=block, input_in_region=True, what=f"{what} ({style})")
     if is_adapter(module):  # LoRA: A/B split by the base layer's style
         if name not in ("colwise", "colwise_kv", "rowwise"):
-            raise TypeError(f"tensor-parallel plan: {what} is a LoRA adapter; style {style!r} cannot split one (adapters "
-                            f"follow colwise, colwise_kv or rowwise layers)")
-        return LoRAParallelLinear(module, "row" if name == "rowwise" else "column", comm, sequence_parallel=sequence_parallel,
-                                  block=block, replicate=name == "colwise_kv", what=f"{what} ({style}, LoRA)")
+            raise TypeError(
+                f"tensor-parallel plan: {what} is a LoRA adapter; style {style!r} cannot split one (adapters "
+                f"follow colwise, colwise_kv or rowwise layers)"
+            )
+        return LoRAParallelLinear(
+            module,
+            "row" if name == "rowwise" else "column",
+            comm,
+            sequence_parallel=sequence_parallel,
+            block=block,
+            replicate=name == "colwise_kv",
+            what=f"{what} ({style}, LoRA)",
+        )
     expected = nn.Embedding if name == "vocab_embedding" else nn.Linear
     if not isinstance(module, expected):
-        raise TypeError(f"tensor-parallel plan: {what} is a {type(module).__name__}; style {style!r} needs a torch.nn.{expected.__name__} "
-                        f"(was the model already parallelised?)")
+        raise TypeError(
+            f"tensor-parallel plan: {what} is a {type(module).__name__}; style {style!r} needs a torch.nn.{expected.__name__} "
+            f"(was the model already parallelised?)"
+        )
     what = f"{what} ({style})"
     if name == "vocab_embedding":
         return VocabParallelEmbedding.from_full(module, comm, sequence_parallel=sequence_parallel, what=what)
@@ -686,21 +772,22 @@ def _build(style: str, module: nn.Module, comm: Any, sequence_parallel: bool, wh
         return VocabParallelHead.from_full(module, comm, sequence_parallel=sequence_parallel, what=what)
     if name == "rowwise":
         return RowParallelLinear.from_full(module, comm, sequence_parallel=sequence_parallel, block=block, what=what)
-    return ColumnParallelLinear.from_full(module, comm, sequence_parallel=sequence_parallel, block=block,
-                                          replicate=name == "colwise_kv", what=what)
+    return ColumnParallelLinear.from_full(
+        module, comm, sequence_parallel=sequence_parallel, block=block, replicate=name == "colwise_kv", what=what
+    )
 
 
 STYLES = {
     "colwise": "output features split (whole blocks of ':<n>' rows, e.g. attention heads)",
     "colwise_kv": "key/value heads of grouped-query attention: split like colwise, or replicated when the tensor-parallel "
-                  "size is a multiple of the head count",
+    "size is a multiple of the head count",
     "rowwise": "input features split; outputs all-reduced (reduce-scattered along the sequence with SP)",
     "vocab_embedding": "embedding table split along the vocabulary",
     "vocab_head": "output head split along the vocabulary; the loss runs on vocab-sharded logits",
     "token_region": "a block running sharded layers on token rows (mixture of experts): the module keeps its class and "
-                    "gets a TokenRegion in its `tensor_parallel_region` attribute",
+    "gets a TokenRegion in its `tensor_parallel_region` attribute",
     "input_region": "a block whose column-parallel layers all read its first input (attention q/k/v, MLP gate/up): the "
-                    "input enters the region once for all of them",
+    "input enters the region once for all of them",
     "colwise_in_region": "colwise inside a token_region block (no collective of its own)",
     "rowwise_partial": "rowwise inside a token_region block: returns partial sums, the region reduces them once",
 }
@@ -715,8 +802,10 @@ def apply_tensor_parallel(model: nn.Module, tp_comm: Any, *, sequence_parallel: 
     _check_comm(tp_comm)
     plan_fn = getattr(model, "tensor_parallel_plan", None)
     if plan_fn is None:
-        raise TypeError(f"{type(model).__name__} declares no tensor_parallel_plan(); add one mapping submodule names to "
-                        f"styles {sorted(STYLES)}")
+        raise TypeError(
+            f"{type(model).__name__} declares no tensor_parallel_plan(); add one mapping submodule names to "
+            f"styles {sorted(STYLES)}"
+        )
     plan: dict[str, str] = plan_fn()
     for style in plan.values():
         _parse_style(style)
@@ -737,8 +826,10 @@ def apply_tensor_parallel(model: nn.Module, tp_comm: Any, *, sequence_parallel: 
             continue
         if style == "token_region":
             if not hasattr(module, "tensor_parallel_region"):
-                raise TypeError(f"tensor-parallel plan: {name} ({type(module).__name__}) has no `tensor_parallel_region` "
-                                f"attribute; style 'token_region' is for blocks that call a TokenRegion")
+                raise TypeError(
+                    f"tensor-parallel plan: {name} ({type(module).__name__}) has no `tensor_parallel_region` "
+                    f"attribute; style 'token_region' is for blocks that call a TokenRegion"
+                )
             module.tensor_parallel_region = TokenRegion(tp_comm, sequence_parallel)
             continue
         parallel = _build(style, module, tp_comm, sequence_parallel, name)
@@ -755,11 +846,16 @@ def apply_tensor_parallel(model: nn.Module, tp_comm: Any, *, sequence_parallel: 
     if unused:
         raise ValueError(f"tensor-parallel plan entries {unused} match no module of {type(model).__name__}")
     for name in regions:
-        columns = [m for m in model.get_submodule(name).modules()
-                   if isinstance(m, ColumnParallelLinear) or (isinstance(m, LoRAParallelLinear) and m.mode == "column")]
+        columns = [
+            m
+            for m in model.get_submodule(name).modules()
+            if isinstance(m, ColumnParallelLinear) or (isinstance(m, LoRAParallelLinear) and m.mode == "column")
+        ]
         if not columns:
-            raise ValueError(f"tensor-parallel plan: {name} is an 'input_region' block but holds no column-parallel layer; "
-                             f"declare its layers colwise or drop the entry")
+            raise ValueError(
+                f"tensor-parallel plan: {name} is an 'input_region' block but holds no column-parallel layer; "
+                f"declare its layers colwise or drop the entry"
+            )
         for m in columns:
             m.input_in_region = True
     return model
@@ -787,11 +883,18 @@ def partial_grad_names(model: nn.Module) -> set[str]:
     summed by :func:`sync_replicated_grads`: with sequence parallelism every replicated one (each rank saw its
     sequence shard), and always the ones a parallel layer declares in ``partial_grads`` (LoRA's replicated
     half, :class:`LoRAParallelLinear`)."""
-    declared = {f"{prefix}.{rel}" if prefix else rel for prefix, m in model.named_modules()
-                for rel in getattr(m, "partial_grads", ()) if isinstance(m, TensorParallelModule)}
+    declared = {
+        f"{prefix}.{rel}" if prefix else rel
+        for prefix, m in model.named_modules()
+        for rel in getattr(m, "partial_grads", ())
+        if isinstance(m, TensorParallelModule)
+    }
     sequence_parallel = uses_sequence_parallel(model)
-    return {name for name, _ in model.named_parameters()
-            if name in declared or (sequence_parallel and _owner_spec(model, name) is None)}
+    return {
+        name
+        for name, _ in model.named_parameters()
+        if name in declared or (sequence_parallel and _owner_spec(model, name) is None)
+    }
 
 
 def sync_replicated_grads(model: nn.Module, tp_comm: Any) -> int:
@@ -811,7 +914,7 @@ def sync_replicated_grads(model: nn.Module, tp_comm: Any) -> int:
         tp_comm.all_reduce(flat, stream=TP_STREAM)
         offset = 0
         for p in params:
-            p.grad.copy_(flat[offset:offset + p.grad.numel()].view_as(p.grad))
+            p.grad.copy_(flat[offset : offset + p.grad.numel()].view_as(p.grad))
             offset += p.grad.numel()
     return len(replicated)
 

@@ -99,19 +99,34 @@ class Zero1Optimizer(torch.optim.Optimizer):
     e.g. bf16); gradients are reduced in fp32, the fp32 shard is updated and cast when gathered back.
     """
 
-    def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
-                 dp_comm: Communicator | None = None, *, model: nn.Module | None = None, master_weights: bool = False,
-                 master_dtype: torch.dtype = torch.float32, **optimizer_kwargs: Any) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+        dp_comm: Communicator | None = None,
+        *,
+        model: nn.Module | None = None,
+        master_weights: bool = False,
+        master_dtype: torch.dtype = torch.float32,
+        **optimizer_kwargs: Any,
+    ) -> None:
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-            raise TypeError(f"Zero1Optimizer: optimizer_class must be a torch.optim.Optimizer subclass such as "
-                            f"torch.optim.AdamW (the class, not an instance); got {optimizer_class!r}")
+            raise TypeError(
+                f"Zero1Optimizer: optimizer_class must be a torch.optim.Optimizer subclass such as "
+                f"torch.optim.AdamW (the class, not an instance); got {optimizer_class!r}"
+            )
         if optimizer_class is Zero1Optimizer:
             raise TypeError("Zero1Optimizer: optimizer_class cannot be Zero1Optimizer itself")
         if dp_comm is not None and not isinstance(dp_comm, Communicator):
-            hint = " (a World: pass world.world or a communicator from world.new_communicator)" \
-                if hasattr(dp_comm, "new_communicator") else ""
-            raise TypeError(f"Zero1Optimizer: dp_comm must be an nxdt.comm.Communicator over the data-parallel ranks, "
-                            f"or None for no sharding; got {type(dp_comm).__module__}.{type(dp_comm).__name__}{hint}")
+            hint = (
+                " (a World: pass world.world or a communicator from world.new_communicator)"
+                if hasattr(dp_comm, "new_communicator")
+                else ""
+            )
+            raise TypeError(
+                f"Zero1Optimizer: dp_comm must be an nxdt.comm.Communicator over the data-parallel ranks, "
+                f"or None for no sharding; got {type(dp_comm).__module__}.{type(dp_comm).__name__}{hint}"
+            )
         self.dp_comm = dp_comm
         self.dp_size = dp_comm.size if dp_comm is not None else 1
         self.dp_rank = dp_comm.rank if dp_comm is not None else 0
@@ -125,8 +140,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
             raise ValueError("Zero1Optimizer: no trainable parameters (every parameter has requires_grad=False)")
         self._check_same_layout_on_every_rank()
 
-        inner_groups = [{**{k: v for k, v in groups[b.group_index].items() if k != "params"}, "params": [b.shard]}
-                        for b in self._buckets]
+        inner_groups = [
+            {**{k: v for k, v in groups[b.group_index].items() if k != "params"}, "params": [b.shard]} for b in self._buckets
+        ]
         try:
             self.inner = optimizer_class(inner_groups, **optimizer_kwargs)
         except TypeError as exc:
@@ -162,11 +178,15 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 if not p.is_leaf:
                     raise ValueError(f"Zero1Optimizer: {where} is not a leaf tensor; pass the model's parameters")
                 if names is not None and id(p) not in names:
-                    raise ValueError(f"Zero1Optimizer: {where} is not a parameter of the given model; build the groups "
-                                     f"from model.named_parameters() of the model being trained")
+                    raise ValueError(
+                        f"Zero1Optimizer: {where} is not a parameter of the given model; build the groups "
+                        f"from model.named_parameters() of the model being trained"
+                    )
                 if id(p) in seen:
-                    raise ValueError(f"Zero1Optimizer: {where} appears twice (first as param {seen[id(p)][1]} of group "
-                                     f"{seen[id(p)][0]}); each parameter may belong to one group only")
+                    raise ValueError(
+                        f"Zero1Optimizer: {where} appears twice (first as param {seen[id(p)][1]} of group "
+                        f"{seen[id(p)][0]}); each parameter may belong to one group only"
+                    )
                 if p.requires_grad and not p.dtype.is_floating_point:
                     raise TypeError(f"Zero1Optimizer: {where} has dtype {p.dtype}; trainable parameters must be floating point")
                 seen[id(p)] = (gi, pi)
@@ -191,13 +211,14 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 flat = torch.zeros(shard_size * self.dp_size, dtype=dtype, device=device)
                 with torch.no_grad():
                     for (_, p), off in zip(members, offsets):
-                        flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
-                        p.data = flat[off:off + p.numel()].view_as(p)  # the parameter now lives in the bucket
+                        flat[off : off + p.numel()].copy_(p.detach().reshape(-1))
+                        p.data = flat[off : off + p.numel()].view_as(p)  # the parameter now lives in the bucket
                 lo = self.dp_rank * shard_size
                 shard_dtype = self.master_dtype if self.master_weights else dtype
-                shard = nn.Parameter(self._buffer(shard_size, shard_dtype, device).copy_(flat[lo:lo + shard_size]))
-                buckets.append(_Bucket(gi, [p for _, p in members], [i for i, _ in members], offsets, total, shard_size,
-                                       flat, shard))
+                shard = nn.Parameter(self._buffer(shard_size, shard_dtype, device).copy_(flat[lo : lo + shard_size]))
+                buckets.append(
+                    _Bucket(gi, [p for _, p in members], [i for i, _ in members], offsets, total, shard_size, flat, shard)
+                )
         self._num_indices = index
         return buckets
 
@@ -215,8 +236,10 @@ class Zero1Optimizer(torch.optim.Optimizer):
         return self._dp_group
 
     def _layout(self) -> list[tuple[Any, ...]]:
-        return [(b.group_index, str(b.flat.dtype), tuple(b.indices), tuple(tuple(p.shape) for p in b.params), b.shard_size)
-                for b in self._buckets]
+        return [
+            (b.group_index, str(b.flat.dtype), tuple(b.indices), tuple(tuple(p.shape) for p in b.params), b.shard_size)
+            for b in self._buckets
+        ]
 
     def _check_same_layout_on_every_rank(self) -> None:
         if self.dp_size == 1:
@@ -224,14 +247,18 @@ class Zero1Optimizer(torch.optim.Optimizer):
         layouts = self._dp.all_gather_object(self._layout())
         bad = [r for r, lay in enumerate(layouts) if lay != layouts[0]]
         if bad:
-            raise ValueError(f"Zero1Optimizer: the parameters differ across the data-parallel group '{self._dp.name}': "
-                             f"group-ranks {bad} have a different set of param groups/shapes/dtypes than group-rank 0 "
-                             f"(every DP rank must hold the same model replica)")
+            raise ValueError(
+                f"Zero1Optimizer: the parameters differ across the data-parallel group '{self._dp.name}': "
+                f"group-ranks {bad} have a different set of param groups/shapes/dtypes than group-rank 0 "
+                f"(every DP rank must hold the same model replica)"
+            )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if not getattr(self, "_building", False):
-            raise NotImplementedError("Zero1Optimizer: parameters are fixed when the shards are built; create a new "
-                                      "Zero1Optimizer with all param groups instead of add_param_group")
+            raise NotImplementedError(
+                "Zero1Optimizer: parameters are fixed when the shards are built; create a new "
+                "Zero1Optimizer with all param groups instead of add_param_group"
+            )
         super().add_param_group(param_group)
 
     # ------------------------------------------------------------------------------ gradients
@@ -248,7 +275,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
             flat_grad = b.grad_flat.zero_()
             for p, off in zip(b.params, b.offsets):
                 if p.grad is not None:
-                    flat_grad[off:off + p.numel()].copy_(p.grad.reshape(-1))
+                    flat_grad[off : off + p.numel()].copy_(p.grad.reshape(-1))
             if self.dp_size == 1:
                 b.shard.grad = flat_grad
                 continue
@@ -260,9 +287,15 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self._grads_reduced = True
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, extra_comms: Sequence[Communicator] = (), *, norm_type: float = 2.0,
-                        replicated: Callable[[torch.Tensor], bool] | None = None,
-                        weight: Callable[[torch.Tensor], float] | None = None) -> torch.Tensor:
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        extra_comms: Sequence[Communicator] = (),
+        *,
+        norm_type: float = 2.0,
+        replicated: Callable[[torch.Tensor], bool] | None = None,
+        weight: Callable[[torch.Tensor], float] | None = None,
+    ) -> torch.Tensor:
         """Clip the DP-averaged gradient by its global norm; return that norm (before clipping).
 
         Equals ``torch.nn.utils.clip_grad_norm_`` on the single-process model. ``extra_comms``: groups over
@@ -276,8 +309,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
             raise ValueError(f"Zero1Optimizer.clip_grad_norm_: norm_type must be 2.0 or inf, got {norm_type}")
         for c in extra_comms:
             if not isinstance(c, Communicator):
-                raise TypeError(f"Zero1Optimizer.clip_grad_norm_: extra_comms must be nxdt.comm.Communicator objects; "
-                                f"got {type(c).__name__}")
+                raise TypeError(
+                    f"Zero1Optimizer.clip_grad_norm_: extra_comms must be nxdt.comm.Communicator objects; got {type(c).__name__}"
+                )
         self.reduce_gradients()
         count_replicated = all(c.rank == 0 for c in extra_comms)
         local = torch.zeros((), dtype=torch.float64)
@@ -349,8 +383,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------ introspection
     def state_nbytes(self) -> int:
         """Bytes of inner-optimizer state held by this rank (moments, step counters)."""
-        return sum(v.numel() * v.element_size() for s in self.inner.state.values() for v in s.values()
-                   if isinstance(v, torch.Tensor))
+        return sum(
+            v.numel() * v.element_size() for s in self.inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+        )
 
     def master_nbytes(self) -> int:
         """Bytes of the owned master shards (a separate fp32 copy only with master_weights)."""
@@ -379,15 +414,22 @@ class Zero1Optimizer(torch.optim.Optimizer):
         for b in self._buckets:
             full = self._all_gather_flat(b.shard.detach(), b)
             for p, idx, off in zip(b.params, b.indices, b.offsets):
-                out[idx] = full[off:off + p.numel()].view(p.shape).clone()
+                out[idx] = full[off : off + p.numel()].view(p.shape).clone()
         return out if root is None or self.dp_rank == root else None
 
     # ------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard: inner optimizer state, master shards and the layout they belong to."""
-        return {"format": STATE_FORMAT, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
-                "master_weights": self.master_weights, "layout": self._layout(), "param_groups": self._hyperparameters(),
-                "inner": self.inner.state_dict(), "shards": [b.shard.detach().clone() for b in self._buckets]}
+        return {
+            "format": STATE_FORMAT,
+            "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
+            "master_weights": self.master_weights,
+            "layout": self._layout(),
+            "param_groups": self._hyperparameters(),
+            "inner": self.inner.state_dict(),
+            "shards": [b.shard.detach().clone() for b in self._buckets],
+        }
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -399,18 +441,26 @@ class Zero1Optimizer(torch.optim.Optimizer):
             if "state" in state_dict and "param_groups" in state_dict:
                 self.load_consolidated_state_dict(state_dict)
                 return
-            raise ValueError(f"Zero1Optimizer.load_state_dict: not a '{STATE_FORMAT}' shard nor a torch optimizer state dict "
-                             f"(keys {sorted(state_dict)[:6]})")
+            raise ValueError(
+                f"Zero1Optimizer.load_state_dict: not a '{STATE_FORMAT}' shard nor a torch optimizer state dict "
+                f"(keys {sorted(state_dict)[:6]})"
+            )
         if state_dict["dp_size"] != self.dp_size or state_dict["dp_rank"] != self.dp_rank:
-            raise ValueError(f"Zero1Optimizer.load_state_dict: the shard was saved by DP rank {state_dict['dp_rank']} of "
-                             f"{state_dict['dp_size']}, this is DP rank {self.dp_rank} of {self.dp_size}; load the matching "
-                             f"shard, or a consolidated_state_dict() to change the data-parallel size")
+            raise ValueError(
+                f"Zero1Optimizer.load_state_dict: the shard was saved by DP rank {state_dict['dp_rank']} of "
+                f"{state_dict['dp_size']}, this is DP rank {self.dp_rank} of {self.dp_size}; load the matching "
+                f"shard, or a consolidated_state_dict() to change the data-parallel size"
+            )
         if list(map(tuple, state_dict["layout"])) != self._layout():
-            raise ValueError("Zero1Optimizer.load_state_dict: the saved layout (param groups, shapes, dtypes) does not match "
-                             "this optimizer's parameters; was the model or its param groups changed?")
+            raise ValueError(
+                "Zero1Optimizer.load_state_dict: the saved layout (param groups, shapes, dtypes) does not match "
+                "this optimizer's parameters; was the model or its param groups changed?"
+            )
         if bool(state_dict["master_weights"]) != self.master_weights:
-            raise ValueError(f"Zero1Optimizer.load_state_dict: saved with master_weights={state_dict['master_weights']}, "
-                             f"this optimizer has master_weights={self.master_weights}")
+            raise ValueError(
+                f"Zero1Optimizer.load_state_dict: saved with master_weights={state_dict['master_weights']}, "
+                f"this optimizer has master_weights={self.master_weights}"
+            )
         self._load_hyperparameters(state_dict["param_groups"])
         self.inner.load_state_dict(state_dict["inner"])
         for b, saved in zip(self._buckets, state_dict["shards"]):
@@ -420,10 +470,13 @@ class Zero1Optimizer(torch.optim.Optimizer):
 
     def _load_hyperparameters(self, saved_groups: list[dict[str, Any]]) -> None:
         if len(saved_groups) != len(self.param_groups) or any(
-                len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)):
-            raise ValueError(f"Zero1Optimizer.load_state_dict: saved param groups have sizes "
-                             f"{[len(s['params']) for s in saved_groups]}, this optimizer "
-                             f"{[len(g['params']) for g in self.param_groups]}")
+            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)
+        ):
+            raise ValueError(
+                f"Zero1Optimizer.load_state_dict: saved param groups have sizes "
+                f"{[len(s['params']) for s in saved_groups]}, this optimizer "
+                f"{[len(g['params']) for g in self.param_groups]}"
+            )
         for s, g in zip(saved_groups, self.param_groups):
             g.update({k: v for k, v in s.items() if k != "params"})
 
@@ -438,7 +491,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 if isinstance(val, torch.Tensor) and val.shape == b.shard.shape:
                     full = self._all_gather_flat(val, b)
                     for i, (p, off) in enumerate(zip(b.params, b.offsets)):
-                        per_param[i][key] = full[off:off + p.numel()].view(p.shape).clone()
+                        per_param[i][key] = full[off : off + p.numel()].view(p.shape).clone()
                 else:  # step counters and other per-tensor scalars: the same for every param of the bucket
                     for d in per_param:
                         d[key] = val.clone() if isinstance(val, torch.Tensor) else val
@@ -459,8 +512,10 @@ class Zero1Optimizer(torch.optim.Optimizer):
         for idx, s in saved.items():
             for key, val in s.items():
                 if isinstance(val, torch.Tensor) and val.dim() > 0 and idx in shapes and tuple(val.shape) != shapes[idx]:
-                    raise ValueError(f"Zero1Optimizer.load_consolidated_state_dict: state '{key}' of parameter {idx} has "
-                                     f"shape {tuple(val.shape)}, the parameter {shapes[idx]}")
+                    raise ValueError(
+                        f"Zero1Optimizer.load_consolidated_state_dict: state '{key}' of parameter {idx} has "
+                        f"shape {tuple(val.shape)}, the parameter {shapes[idx]}"
+                    )
         self.inner.state.clear()
         lo = self.dp_rank
         for b in self._buckets:
@@ -474,14 +529,14 @@ class Zero1Optimizer(torch.optim.Optimizer):
                     full = torch.zeros(b.padded, dtype=b.shard.dtype, device=b.flat.device)
                     for p, idx, off in zip(b.params, b.indices, b.offsets):
                         if idx in saved:
-                            full[off:off + p.numel()].copy_(saved[idx][key].reshape(-1))
-                    new[key] = full[lo:lo + b.shard_size].clone()
+                            full[off : off + p.numel()].copy_(saved[idx][key].reshape(-1))
+                    new[key] = full[lo : lo + b.shard_size].clone()
                 else:
                     new[key] = val.clone() if isinstance(val, torch.Tensor) else val
             self.inner.state[b.shard] = new
         for b in self._buckets:
             lo = self.dp_rank * b.shard_size
-            b.shard.copy_(b.flat[lo:lo + b.shard_size])
+            b.shard.copy_(b.flat[lo : lo + b.shard_size])
         self._sync_hyperparameters()
 
 
@@ -508,7 +563,7 @@ def consolidate_shard_states(shards: Sequence[dict[str, Any]]) -> dict[str, Any]
                 offset = 0
                 for idx, shape in zip(indices, shapes):
                     n = math.prod(shape)
-                    state.setdefault(idx, {})[key] = full[offset:offset + n].view(shape).clone()
+                    state.setdefault(idx, {})[key] = full[offset : offset + n].view(shape).clone()
                     offset += n
             else:  # the step counter: one per bucket, the same for each of its parameters
                 for idx in indices:

@@ -42,8 +42,12 @@ from nxdt.planner.placement import CHECKED_DIMENSIONS, accepted_sizes, candidate
 from nxdt.topology import Topology, TopologyError, check_lnc, topology_of
 
 __all__ = ["DIMENSIONS", "Coords", "Dim", "Plan", "PlacementError", "plan", "plan_layout", "workable_tp_degrees"]
-DEGREE_KEYS: dict[str, str] = {Dim.TP: "tensor_model_parallel_size", Dim.PP: "pipeline_model_parallel_size", Dim.CP: "context_parallel_size",
-               Dim.EP: "expert_model_parallel_size"}
+DEGREE_KEYS: dict[str, str] = {
+    Dim.TP: "tensor_model_parallel_size",
+    Dim.PP: "pipeline_model_parallel_size",
+    Dim.CP: "context_parallel_size",
+    Dim.EP: "expert_model_parallel_size",
+}
 
 
 class Coords(NamedTuple):
@@ -181,7 +185,9 @@ def _position_groups(world_size: int, degrees: dict[str, int], order: str) -> di
     # expert-data-parallel: the ranks holding the same experts (same ep coordinate, different ep groups)
     groups["edp"] = np.moveaxis(grid, axis[Dim.DP], -1).reshape(-1, degrees[Dim.DP] // degrees[Dim.EP])
     # the replicas of the weights: data and context parallelism together (cp fastest, then ep, then dp)
-    groups["dp_cp"] = np.moveaxis(grid, [axis[Dim.DP], axis[Dim.EP], axis[Dim.CP]], [-3, -2, -1]).reshape(-1, degrees[Dim.DP] * degrees[Dim.CP])
+    groups["dp_cp"] = np.moveaxis(grid, [axis[Dim.DP], axis[Dim.EP], axis[Dim.CP]], [-3, -2, -1]).reshape(
+        -1, degrees[Dim.DP] * degrees[Dim.CP]
+    )
     groups["mp"] = np.moveaxis(grid, [axis[Dim.TP], axis[Dim.PP]], [-1, -2]).reshape(-1, degrees[Dim.TP] * degrees[Dim.PP])
     groups["world"] = np.arange(world_size).reshape(1, -1)
     return groups
@@ -205,9 +211,19 @@ def _degrees(world_size: int, tp: int, pp: int, cp: int, ep: int, order: str) ->
     return {"tp": tp, "cp": cp, "ep": ep, "dp": dp, "pp": pp}
 
 
-def plan_layout(world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, order: str = "tp-cp-ep-dp-pp",
-                ranks_per_node: int | None = None, topo: Topology | None = None, instance: Any = None,
-                lnc: int = 1) -> Plan:
+def plan_layout(
+    world_size: int,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    order: str = "tp-cp-ep-dp-pp",
+    ranks_per_node: int | None = None,
+    topo: Topology | None = None,
+    instance: Any = None,
+    lnc: int = 1,
+) -> Plan:
     """Lay out ``world_size`` ranks and plan their groups.
 
     Without a topology every layout that divides is accepted (a CPU host). With one, the first device
@@ -217,7 +233,9 @@ def plan_layout(world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: i
     ranks_per_node = ranks_per_node or world_size
     positions = _position_groups(world_size, degrees, order)
     full_node = topo is not None and ranks_per_node == topo.ranks_per_node
-    orders = candidate_orders(instance, topo, tp, lnc) if topo is not None and instance is not None and full_node else ["identity"]
+    orders = (
+        candidate_orders(instance, topo, tp, lnc) if topo is not None and instance is not None and full_node else ["identity"]
+    )
     first_violation = None
     for name in orders:
         core_of_position = local_order(name, topo) if topo is not None and full_node else np.arange(ranks_per_node)
@@ -235,17 +253,27 @@ def plan_layout(world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: i
         value = degrees[dim] if dim != "dp" else "TP{tp}×PP{pp}×CP{cp} (DP{dp})".format(**degrees)
         raise PlacementError(key, value, f"{topo.name}: {dim.upper()} group {_short(example)} breaks a topology rule: {reason}")
     as_lists = {dim: sorted(g.tolist()) for dim, g in groups.items()}
-    return Plan(world_size=world_size, num_nodes=-(-world_size // ranks_per_node), ranks_per_node=ranks_per_node, order=order,
-                degrees=degrees, groups=as_lists, instance=getattr(instance, "name", "cpu"), lnc=lnc,
-                ranks_per_device=topo.ranks_per_device if topo is not None and topo.graph != "host" else 1, device_order=name)
+    return Plan(
+        world_size=world_size,
+        num_nodes=-(-world_size // ranks_per_node),
+        ranks_per_node=ranks_per_node,
+        order=order,
+        degrees=degrees,
+        groups=as_lists,
+        instance=getattr(instance, "name", "cpu"),
+        lnc=lnc,
+        ranks_per_device=topo.ranks_per_device if topo is not None and topo.graph != "host" else 1,
+        device_order=name,
+    )
 
 
 def _short(group: list[int]) -> str:
     return str(group) if len(group) <= 8 else f"[{', '.join(map(str, group[:6]))}, … {group[-1]}]"
 
 
-def _first_violation(groups: dict[str, np.ndarray], degrees: dict[str, int], topo: Topology | None, instance: Any, lnc: int,
-                     ranks_per_node: int) -> tuple[str, tuple[str, list[int]]] | None:
+def _first_violation(
+    groups: dict[str, np.ndarray], degrees: dict[str, int], topo: Topology | None, instance: Any, lnc: int, ranks_per_node: int
+) -> tuple[str, tuple[str, list[int]]] | None:
     if topo is None or instance is None or topo.graph == "host":
         return None
     sizes = accepted_sizes(instance, lnc)
@@ -257,16 +285,27 @@ def _first_violation(groups: dict[str, np.ndarray], degrees: dict[str, int], top
     return None
 
 
-def workable_tp_degrees(world_size: int, *, pp: int, cp: int, ep: int, order: str, ranks_per_node: int, topo: Topology,
-                        instance: Any, lnc: int) -> list[int]:
+def workable_tp_degrees(
+    world_size: int, *, pp: int, cp: int, ep: int, order: str, ranks_per_node: int, topo: Topology, instance: Any, lnc: int
+) -> list[int]:
     """TP degrees that give a valid layout with the other degrees unchanged (for error messages)."""
     good = []
     for tp in range(1, world_size + 1):
         if world_size % (tp * pp * cp) or (world_size // (tp * pp * cp)) % ep:
             continue
         try:
-            plan_layout(world_size, tp=tp, pp=pp, cp=cp, ep=ep, order=order, ranks_per_node=ranks_per_node, topo=topo,
-                        instance=instance, lnc=lnc)
+            plan_layout(
+                world_size,
+                tp=tp,
+                pp=pp,
+                cp=cp,
+                ep=ep,
+                order=order,
+                ranks_per_node=ranks_per_node,
+                topo=topo,
+                instance=instance,
+                lnc=lnc,
+            )
         except PlacementError:
             continue
         good.append(tp)
@@ -293,13 +332,25 @@ def plan(cfg: Any, calibration: dict[str, Any] | None = None, *, estimate: bool 
     topo = node_topology(cfg)
     lnc = check_lnc(inst, trainer.lnc)
     world = trainer.num_nodes * trainer.devices
-    kwargs = dict(pp=ds.pipeline_model_parallel_size, cp=ds.context_parallel_size, ep=ds.expert_model_parallel_size,
-                  order=ds.placement_order, ranks_per_node=trainer.devices, topo=topo, instance=inst, lnc=lnc)
+    kwargs = dict(
+        pp=ds.pipeline_model_parallel_size,
+        cp=ds.context_parallel_size,
+        ep=ds.expert_model_parallel_size,
+        order=ds.placement_order,
+        ranks_per_node=trainer.devices,
+        topo=topo,
+        instance=inst,
+        lnc=lnc,
+    )
     try:
         layout = plan_layout(world, tp=ds.tensor_model_parallel_size, **kwargs)
     except PlacementError as exc:
         good = workable_tp_degrees(world, **kwargs)
-        hint = f"; TP degrees that work here: {', '.join(map(str, good))}" if good else "; no TP degree works with these PP/CP/EP degrees"
+        hint = (
+            f"; TP degrees that work here: {', '.join(map(str, good))}"
+            if good
+            else "; no TP degree works with these PP/CP/EP degrees"
+        )
         raise PlacementError(exc.key, exc.value, exc.fix + hint) from None
     except ValueError as exc:
         raise ConfigError("distributed_strategy", "", str(exc)) from None

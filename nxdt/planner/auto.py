@@ -50,23 +50,45 @@ def auto_layouts(overrides: list[str], top: int = 10, compose: Callable[[list[st
                 rejected[label] = f"does not fit ({p.estimate['memory_per_device_GiB']:.0f} GiB per device)"
                 continue
             e = p.estimate
-            ranked.append({"tp": tp, "pp": pp, "dp": p.dp, "tokens_per_s": e["tokens_per_s"], "step_time_s": e["step_time_s"],
-                           "mfu": e["mfu"], "memory_per_device_GiB": e["memory_per_device_GiB"], "device_order": p.device_order,
-                           "overrides": [f"distributed_strategy.tensor_model_parallel_size={tp}",
-                                         f"distributed_strategy.pipeline_model_parallel_size={pp}"]
-                           + ([f"distributed_strategy.kv_replicator={ds.kv_replicator}"] if ds.kv_replicator > 1 else [])
-                           + (["distributed_strategy.sequence_parallel=true"] if tp > 1 else [])})
+            ranked.append(
+                {
+                    "tp": tp,
+                    "pp": pp,
+                    "dp": p.dp,
+                    "tokens_per_s": e["tokens_per_s"],
+                    "step_time_s": e["step_time_s"],
+                    "mfu": e["mfu"],
+                    "memory_per_device_GiB": e["memory_per_device_GiB"],
+                    "device_order": p.device_order,
+                    "overrides": [
+                        f"distributed_strategy.tensor_model_parallel_size={tp}",
+                        f"distributed_strategy.pipeline_model_parallel_size={pp}",
+                    ]
+                    + ([f"distributed_strategy.kv_replicator={ds.kv_replicator}"] if ds.kv_replicator > 1 else [])
+                    + (["distributed_strategy.sequence_parallel=true"] if tp > 1 else []),
+                }
+            )
     ranked.sort(key=lambda r: -r["tokens_per_s"])
-    return {"instance": base.instance.name, "world_size": world, "layouts": ranked[:top], "valid": len(ranked), "rejected": rejected}
+    return {
+        "instance": base.instance.name,
+        "world_size": world,
+        "layouts": ranked[:top],
+        "valid": len(ranked),
+        "rejected": rejected,
+    }
 
 
 def render_ranking(result: dict[str, Any]) -> str:
-    lines = [f"{result['instance']}: {result['world_size']} ranks — {result['valid']} valid layouts that fit, "
-             f"{len(result['rejected'])} rejected; best first:"]
+    lines = [
+        f"{result['instance']}: {result['world_size']} ranks — {result['valid']} valid layouts that fit, "
+        f"{len(result['rejected'])} rejected; best first:"
+    ]
     lines.append(f"  {'layout':<18}{'tokens/s':>12}{'step':>10}{'MFU':>7}{'GiB/dev':>9}  order")
     for r in result["layouts"]:
-        lines.append(f"  {'TP%d PP%d DP%d' % (r['tp'], r['pp'], r['dp']):<18}{r['tokens_per_s']:>12.4g}{r['step_time_s']:>9.3g}s"
-                     f"{100 * r['mfu']:>6.1f}%{r['memory_per_device_GiB']:>9.1f}  {r['device_order']}")
+        lines.append(
+            f"  {'TP%d PP%d DP%d' % (r['tp'], r['pp'], r['dp']):<18}{r['tokens_per_s']:>12.4g}{r['step_time_s']:>9.3g}s"
+            f"{100 * r['mfu']:>6.1f}%{r['memory_per_device_GiB']:>9.1f}  {r['device_order']}"
+        )
     if result["layouts"]:
         lines.append("run the best with: " + " ".join(result["layouts"][0]["overrides"]))
     else:

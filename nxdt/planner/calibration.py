@@ -21,8 +21,14 @@ from nxdt.config.validate import ConfigError
 from nxdt.planner.cost import bus_bandwidth, estimate_collective
 from nxdt.topology import Topology
 
-BENCH_OPS = {"allr": "all_reduce", "allg": "all_gather", "redsct": "reduce_scatter", "alltoall": "all_to_all", "bcast": "broadcast",
-             "sendrecv": "send_recv"}
+BENCH_OPS = {
+    "allr": "all_reduce",
+    "allg": "all_gather",
+    "redsct": "reduce_scatter",
+    "alltoall": "all_to_all",
+    "bcast": "broadcast",
+    "sendrecv": "send_recv",
+}
 
 
 def default_path() -> Path:
@@ -41,7 +47,9 @@ def load_calibration(path: str | Path | None = None) -> dict[str, Any] | None:
         data = json.loads(target.read_text())
         assert isinstance(data.get("ops"), dict)
     except (ValueError, AssertionError):
-        raise ConfigError("--calibration", str(target), "not a calibration file; rewrite it with `nxdt comm-test --calibrate`") from None
+        raise ConfigError(
+            "--calibration", str(target), "not a calibration file; rewrite it with `nxdt comm-test --calibrate`"
+        ) from None
     return data
 
 
@@ -69,9 +77,16 @@ def fit_calibration(reports: dict[int, dict[str, Any]], flops_per_s: float | Non
     a, b = ar[min(ar, key=int)] if ar else (1e-5, 2.5e-10)
     n = int(min(ar, key=int)) if ar else 2
     # effective alpha/bw of a 2-step ring with these end points (used for ops without their own fit)
-    return {"host": socket.gethostname(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "latency_s": a / 2,
-            "bandwidth_Bps": (2 * (n - 1) / n) / b if b else 1e12, "ops": ops, "flops_per_s": flops_per_s,
-            "flops_ranks": flops_ranks, "cpus": os.cpu_count() or 1}
+    return {
+        "host": socket.gethostname(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "latency_s": a / 2,
+        "bandwidth_Bps": (2 * (n - 1) / n) / b if b else 1e12,
+        "ops": ops,
+        "flops_per_s": flops_per_s,
+        "flops_ranks": flops_ranks,
+        "cpus": os.cpu_count() or 1,
+    }
 
 
 def save_calibration(data: dict[str, Any], path: str | Path | None = None) -> Path:
@@ -83,13 +98,28 @@ def save_calibration(data: dict[str, Any], path: str | Path | None = None) -> Pa
     return target
 
 
-def estimate_table(op: str, sizes: list[int], group: list[int], topo: Topology, instance: Any, ranks_per_node: int,
-                   element_bytes: int, calibration: dict | None = None) -> list[dict[str, Any]]:
+def estimate_table(
+    op: str,
+    sizes: list[int],
+    group: list[int],
+    topo: Topology,
+    instance: Any,
+    ranks_per_node: int,
+    element_bytes: int,
+    calibration: dict | None = None,
+) -> list[dict[str, Any]]:
     """Rows of an nccom-test table predicted by the cost model (``nxdt comm-test --estimate``)."""
     rows = []
     for nbytes in sizes:
         algorithm, seconds, _ = estimate_collective(op, group, nbytes, topo, instance, ranks_per_node, calibration)
-        rows.append({"size(B)": nbytes, "count(elems)": nbytes // element_bytes, "time:avg(us)": seconds * 1e6,
-                     "algbw(GB/s)": nbytes / seconds / 1e9 if seconds else 0.0,
-                     "busbw(GB/s)": bus_bandwidth(op, len(group), nbytes, seconds) / 1e9, "algorithm": algorithm})
+        rows.append(
+            {
+                "size(B)": nbytes,
+                "count(elems)": nbytes // element_bytes,
+                "time:avg(us)": seconds * 1e6,
+                "algbw(GB/s)": nbytes / seconds / 1e9 if seconds else 0.0,
+                "busbw(GB/s)": bus_bandwidth(op, len(group), nbytes, seconds) / 1e9,
+                "algorithm": algorithm,
+            }
+        )
     return rows

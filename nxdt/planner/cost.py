@@ -121,8 +121,12 @@ def inter_link(shape: GroupShape, topo: Topology, instance: Any, ranks_per_node:
     else:
         link = instance.inter_node
         per = ranks_per_node
-    return Link(link.latency_us * 1e-6, link.bandwidth_GBps * 1e9 * efficiency(link, instance) / per,
-                ramp=getattr(link, "ramp_us", 0.0) * 1e-6, ramp_bytes=getattr(link, "ramp_bytes", 0.0))
+    return Link(
+        link.latency_us * 1e-6,
+        link.bandwidth_GBps * 1e9 * efficiency(link, instance) / per,
+        ramp=getattr(link, "ramp_us", 0.0) * 1e-6,
+        ramp_bytes=getattr(link, "ramp_bytes", 0.0),
+    )
 
 
 def _log2(n: int) -> int:
@@ -170,8 +174,9 @@ def _calibrated(op: str, n: int, nbytes: float, calibration: dict) -> float | No
     return a + nbytes * b * scale
 
 
-def estimate_collective(op: str, group: list[int], nbytes: float, topo: Topology, instance: Any, ranks_per_node: int,
-                        calibration: dict | None = None) -> tuple[str, float, dict[str, float]]:
+def estimate_collective(
+    op: str, group: list[int], nbytes: float, topo: Topology, instance: Any, ranks_per_node: int, calibration: dict | None = None
+) -> tuple[str, float, dict[str, float]]:
     """(best algorithm, its seconds, every candidate's seconds) for one collective on one group."""
     n = len(group)
     if n <= 1 or nbytes <= 0:
@@ -197,14 +202,18 @@ def estimate_collective(op: str, group: list[int], nbytes: float, topo: Topology
         pipelined = topo.graph in ("switch", "nvswitch")
         if m > 1 and op in ("all_reduce", "all_gather", "reduce_scatter"):
             est["ring"] = _node_ring(op, n, k, m, nbytes, intra, inter)
-            stages = [_split(o, size, nbytes_, link) for o, size, nbytes_, link in _hierarchical_stages(op, m, k, nbytes, intra, inter)]
+            stages = [
+                _split(o, size, nbytes_, link) for o, size, nbytes_, link in _hierarchical_stages(op, m, k, nbytes, intra, inter)
+            ]
             transfer = max(s[1] for s in stages) if pipelined else sum(s[1] for s in stages)
             est["hierarchical"] = sum(s[0] for s in stages) + transfer
         ramp = inter.ramp * nbytes / (nbytes + inter.ramp_bytes) if inter.ramp else 0.0
         # pipelined (NCCL on switched nodes): the ramp is the hierarchical pipeline's fill and drain, which a ring
         # does not pay; otherwise it is the network's cost per transfer, which every algorithm crossing nodes pays
         est = {name: t + (ramp if name == "hierarchical" or not pipelined else 0.0) for name, t in est.items()}
-    overhead = (getattr(instance, "collective_overhead_us", 0.0) + getattr(instance, "collective_overhead_per_rank_us", 0.0) * (n - 1)) * 1e-6
+    overhead = (
+        getattr(instance, "collective_overhead_us", 0.0) + getattr(instance, "collective_overhead_per_rank_us", 0.0) * (n - 1)
+    ) * 1e-6
     est = {name: t + overhead for name, t in est.items()}
     best = min(est, key=lambda name: est[name])
     return best, est[best], est
@@ -242,6 +251,10 @@ def bus_bandwidth(op: str, n: int, nbytes: float, seconds: float) -> float:
     """nccom-test / nccl-tests bus bandwidth (bytes/s) for a measured or estimated time."""
     if seconds <= 0 or n <= 1:
         return 0.0
-    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
-              "all_to_all": (n - 1) / n}.get(op, 1.0)
+    factor = {
+        "all_reduce": 2 * (n - 1) / n,
+        "all_gather": (n - 1) / n,
+        "reduce_scatter": (n - 1) / n,
+        "all_to_all": (n - 1) / n,
+    }.get(op, 1.0)
     return nbytes / seconds * factor

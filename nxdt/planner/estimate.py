@@ -60,8 +60,16 @@ def model_numbers(model: Any) -> dict[str, float]:
     head = 0 if model.tie_word_embeddings else vocab * h
     total = layers * per_layer + embed + head + h
     matmul_active = layers * (attn + mlp_active) + vocab * h  # weights used in matmuls per token (output head included)
-    return {"total": total, "per_layer": per_layer, "embedding": embed, "head": head, "expert_params": layers * mlp_one * experts,
-            "matmul_active": matmul_active, "experts": experts, "top_k": top_k}
+    return {
+        "total": total,
+        "per_layer": per_layer,
+        "embedding": embed,
+        "head": head,
+        "expert_params": layers * mlp_one * experts,
+        "matmul_active": matmul_active,
+        "experts": experts,
+        "top_k": top_k,
+    }
 
 
 # MLP weight matrices per architecture module (``model.architecture``'s module): GPT's GELU MLP has two
@@ -162,8 +170,18 @@ def _norm_bytes(model: Any, act: int) -> float:
     return 2 * act * h + 2 * act if mlp_matrices(model) == 2 else 4 * h + 2 * act * h + 4
 
 
-def layer_saved_bytes(model: Any, s: float, b: int, tp: int, sequence_parallel: bool, act: int, kernel: str, *,
-                      selective: bool = False, autocast: bool = False) -> dict[str, float]:
+def layer_saved_bytes(
+    model: Any,
+    s: float,
+    b: int,
+    tp: int,
+    sequence_parallel: bool,
+    act: int,
+    kernel: str,
+    *,
+    selective: bool = False,
+    autocast: bool = False,
+) -> dict[str, float]:
     """Bytes one decoder layer keeps for backward for one micro-batch of s·b tokens, tensor by tensor (what
     ``torch.autograd.graph.saved_tensors_hooks`` lists for nxdt's blocks: experiments/attention-memory/saved_tensors.py).
     Per token, with e = ``act`` bytes per activation element, h hidden, g = KV heads × head_dim, f ffn, a heads:
@@ -200,9 +218,13 @@ def layer_saved_bytes(model: Any, s: float, b: int, tp: int, sequence_parallel: 
         mlp = (4 if mlp_matrices(model) == 3 else 2) * model.ffn_hidden_size * act
     tokens = s * b
     scores = naive_score_bytes(s, b, a, autocast)["kept"] if kernel == "naive" and not selective else 0.0
-    return {"norms": 2 * _norm_bytes(model, act) * tokens / (tp if sequence_parallel else 1),
-            "qkv": qkv * tokens / tp, "attention": (copies * h * act + lse) * tokens / tp,
-            "scores": scores / tp, "mlp": mlp * tokens / tp}
+    return {
+        "norms": 2 * _norm_bytes(model, act) * tokens / (tp if sequence_parallel else 1),
+        "qkv": qkv * tokens / tp,
+        "attention": (copies * h * act + lse) * tokens / tp,
+        "scores": scores / tp,
+        "mlp": mlp * tokens / tp,
+    }
 
 
 def head_saved_bytes(model: Any, s: float, b: int, tp: int, sequence_parallel: bool, act: int) -> dict[str, float]:
@@ -214,8 +236,11 @@ def head_saved_bytes(model: Any, s: float, b: int, tp: int, sequence_parallel: b
     these are freed again: counting both over-states naive's peak by at most this term)."""
     tokens = s * b
     vocab = 4 * model.vocab_size / tp * tokens
-    return {"final_norm": _norm_bytes(model, act) * tokens / (tp if sequence_parallel else 1),
-            "log_probs": vocab, "loss_gradients": 2 * vocab}
+    return {
+        "final_norm": _norm_bytes(model, act) * tokens / (tp if sequence_parallel else 1),
+        "log_probs": vocab,
+        "loss_gradients": 2 * vocab,
+    }
 
 
 def naive_score_bytes(s: float, b: int, heads: float, autocast: bool) -> dict[str, float]:
@@ -250,7 +275,7 @@ def _fsdp_gathered(cfg: Any, n: dict[str, float], tp: int, pp: int, gather_bytes
         held = max(sum(units) for units in stages)
     else:
         window = 1 + fsdp.prefetch_distance
-        held = max(sum(units[i:i + window]) for units in stages for i in range(max(1, len(units) - window + 1)))
+        held = max(sum(units[i : i + window]) for units in stages for i in range(max(1, len(units) - window + 1)))
     return (held + resident) / tp * gather_bytes
 
 
@@ -275,15 +300,20 @@ def memory_per_rank(cfg: Any, degrees: dict[str, int]) -> dict[str, float]:
     if fsdp:  # everything sharded; the fp32 shard of mixed_precision is the master copy (no separate one)
         p_bytes = 4 if _kind(cfg) == "mixed_precision" else per["params"]
         state = per["moments"]
-        mem = {"parameters": (dense / replicas + experts / edp) * p_bytes,
-               "gradients": (dense / replicas + experts / edp) * per["grads"],
-               "optimizer": (dense / replicas + experts / edp) * state,
-               "gathered_parameters": _fsdp_gathered(cfg, n, tp, pp, per["params"])}
+        mem = {
+            "parameters": (dense / replicas + experts / edp) * p_bytes,
+            "gradients": (dense / replicas + experts / edp) * per["grads"],
+            "optimizer": (dense / replicas + experts / edp) * state,
+            "gathered_parameters": _fsdp_gathered(cfg, n, tp, pp, per["params"]),
+        }
     else:
         state = per["moments"] + per["master"]
         sharded = (dense / replicas + experts / edp) if ds.zero1 else dense + experts
-        mem = {"parameters": (dense + experts) * per["params"], "gradients": (dense + experts) * per["grads"],
-               "optimizer": sharded * state}
+        mem = {
+            "parameters": (dense + experts) * per["params"],
+            "gradients": (dense + experts) * per["grads"],
+            "optimizer": sharded * state,
+        }
     s, b, h, a = data.seq_length, data.micro_batch_size, model.hidden_size, model.num_attention_heads
     s_local = s / degrees.get("cp", 1)
     act_bytes = _bytes(_kind(cfg))  # activations: fp32 with fp32, bf16 otherwise (mixed_precision computes in bf16)
@@ -293,8 +323,9 @@ def memory_per_rank(cfg: Any, degrees: dict[str, int]) -> dict[str, float]:
     autocast = _kind(cfg) == "mixed_precision"
     granularity = model.activations_checkpoint_granularity
     sp = bool(ds.sequence_parallel) and tp > 1
-    layer = lambda selective: sum(layer_saved_bytes(model, s_local, b, tp, sp, act_bytes, kernel, selective=selective,
-                                                    autocast=autocast).values())
+    layer = lambda selective: sum(
+        layer_saved_bytes(model, s_local, b, tp, sp, act_bytes, kernel, selective=selective, autocast=autocast).values()
+    )
     if granularity == "full":
         # only each layer's input is kept: s·b·h elements (Korthikanti et al. 2022, Table 2: 2·s·b·h bytes), in
         # the sequence-parallel layout with SP (each TP rank holds s/t rows: 2·s·b·h/t)
@@ -341,12 +372,35 @@ def ring_rows(cfg: Any, plan: Any) -> list[dict[str, Any]]:
     per_pass = model.num_layers // plan.pp * plan.micro_batches
     recompute = 2 if model.activations_checkpoint_granularity in ("full", "selective") else 1  # the ring runs again
     flops = ring_attention_flops(b, s_local // 2, model.num_attention_heads / plan.tp, head_dim)
-    return [dict(dim="cp", op="send_recv", bytes=block * act, count=per_pass * (cp - 1) * recompute, overlap=True,
-                 hidden_by_flops=flops["forward"], what="ring: K/V blocks, forward"),
-            dict(dim="cp", op="send_recv", bytes=block * act, count=per_pass * (cp - 1), overlap=True,
-                 hidden_by_flops=flops["backward"] / 2, what="ring: K/V blocks, backward"),
-            dict(dim="cp", op="send_recv", bytes=block * 4, count=per_pass * cp, overlap=True,
-                 hidden_by_flops=flops["backward"] / 2, what="ring: dK/dV accumulators, backward")]
+    return [
+        dict(
+            dim="cp",
+            op="send_recv",
+            bytes=block * act,
+            count=per_pass * (cp - 1) * recompute,
+            overlap=True,
+            hidden_by_flops=flops["forward"],
+            what="ring: K/V blocks, forward",
+        ),
+        dict(
+            dim="cp",
+            op="send_recv",
+            bytes=block * act,
+            count=per_pass * (cp - 1),
+            overlap=True,
+            hidden_by_flops=flops["backward"] / 2,
+            what="ring: K/V blocks, backward",
+        ),
+        dict(
+            dim="cp",
+            op="send_recv",
+            bytes=block * 4,
+            count=per_pass * cp,
+            overlap=True,
+            hidden_by_flops=flops["backward"] / 2,
+            what="ring: dK/dV accumulators, backward",
+        ),
+    ]
 
 
 def step_collectives(cfg: Any, plan: Any) -> list[dict[str, Any]]:
@@ -363,18 +417,37 @@ def step_collectives(cfg: Any, plan: Any) -> list[dict[str, Any]]:
     if plan.tp > 1:
         per = int(4 * layers * microbatches * recompute)
         if ds.sequence_parallel:
-            rows += [dict(dim="tp", op="all_gather", bytes=activation, count=per, what="SP gather before attention/MLP"),
-                     dict(dim="tp", op="reduce_scatter", bytes=activation, count=per, what="SP scatter after attention/MLP")]
+            rows += [
+                dict(dim="tp", op="all_gather", bytes=activation, count=per, what="SP gather before attention/MLP"),
+                dict(dim="tp", op="reduce_scatter", bytes=activation, count=per, what="SP scatter after attention/MLP"),
+            ]
         else:
-            rows.append(dict(dim="tp", op="all_reduce", bytes=activation, count=per, what="row-parallel outputs and column-parallel input grads"))
+            rows.append(
+                dict(
+                    dim="tp",
+                    op="all_reduce",
+                    bytes=activation,
+                    count=per,
+                    what="row-parallel outputs and column-parallel input grads",
+                )
+            )
     rows += ring_rows(cfg, plan)
     if plan.ep > 1 and n["experts"]:
-        rows.append(dict(dim="ep", op="all_to_all", bytes=activation * n["top_k"], count=4 * layers * microbatches,
-                         what="token dispatch and combine, forward and backward"))
+        rows.append(
+            dict(
+                dim="ep",
+                op="all_to_all",
+                bytes=activation * n["top_k"],
+                count=4 * layers * microbatches,
+                what="token dispatch and combine, forward and backward",
+            )
+        )
     if plan.pp > 1:
         # with SP the stage boundary is in the sequence-parallel layout: each TP rank sends its s/t rows, not a copy
         boundary = activation / plan.tp if ds.sequence_parallel and plan.tp > 1 else activation
-        rows.append(dict(dim="pp", op="send_recv", bytes=boundary, count=2 * microbatches, what="activations forward, gradients backward"))
+        rows.append(
+            dict(dim="pp", op="send_recv", bytes=boundary, count=2 * microbatches, what="activations forward, gradients backward")
+        )
     if plan.dp * plan.cp > 1:
         dp_dim = "dp_cp" if plan.cp > 1 else "dp"  # CP ranks are weight replicas: DP × CP reduces and shards
         dense = n["total"] - n["expert_params"]
@@ -390,31 +463,60 @@ def step_collectives(cfg: Any, plan: Any) -> list[dict[str, Any]]:
             passes = 1 if policy == "eager" else 2 * microbatches
             hidden = policy != "none"
             rows.append(dict(dim=dp_dim, op="all_gather", bytes=unit * act, count=passes, what="FSDP first gather of a pass"))
-            rows += [dict(dim=dp_dim, op="all_gather", bytes=unit * act, count=passes * (units - 1) if policy != "eager" else units - 1,
-                          what="FSDP parameter gathers (prefetched)" if hidden else "FSDP parameter gathers", overlap=hidden),
-                     dict(dim=dp_dim, op="reduce_scatter", bytes=unit * grad_bytes, count=units * microbatches,
-                          what="FSDP gradient reduce-scatter", overlap=hidden)]
+            rows += [
+                dict(
+                    dim=dp_dim,
+                    op="all_gather",
+                    bytes=unit * act,
+                    count=passes * (units - 1) if policy != "eager" else units - 1,
+                    what="FSDP parameter gathers (prefetched)" if hidden else "FSDP parameter gathers",
+                    overlap=hidden,
+                ),
+                dict(
+                    dim=dp_dim,
+                    op="reduce_scatter",
+                    bytes=unit * grad_bytes,
+                    count=units * microbatches,
+                    what="FSDP gradient reduce-scatter",
+                    overlap=hidden,
+                ),
+            ]
             if 2 * h < ds.fsdp.param_persistence_threshold:  # norm weights ride along their unit, kept whole
-                rows.append(dict(dim=dp_dim, op="all_reduce", bytes=(2 * layers + 1) * h * grad_bytes, count=1,
-                                 what="FSDP norm weights kept whole: gradients averaged once per step"))
+                rows.append(
+                    dict(
+                        dim=dp_dim,
+                        op="all_reduce",
+                        bytes=(2 * layers + 1) * h * grad_bytes,
+                        count=1,
+                        what="FSDP norm weights kept whole: gradients averaged once per step",
+                    )
+                )
         elif ds.zero1:
-            rows += [dict(dim=dp_dim, op="reduce_scatter", bytes=params * grad_bytes, count=1, what="ZeRO-1 gradients"),
-                     dict(dim=dp_dim, op="all_gather", bytes=params * act, count=1, what="ZeRO-1 updated parameters")]
+            rows += [
+                dict(dim=dp_dim, op="reduce_scatter", bytes=params * grad_bytes, count=1, what="ZeRO-1 gradients"),
+                dict(dim=dp_dim, op="all_gather", bytes=params * act, count=1, what="ZeRO-1 updated parameters"),
+            ]
         else:
             rows.append(dict(dim=dp_dim, op="all_reduce", bytes=params * grad_bytes, count=1, what="gradients (one fp32 bucket)"))
     return rows
 
 
-def context_parallel_figures(cfg: Any, degrees: dict[str, int], ring: list[dict[str, Any]], mem: dict[str, float]) -> dict[str, float]:
+def context_parallel_figures(
+    cfg: Any, degrees: dict[str, int], ring: list[dict[str, Any]], mem: dict[str, float]
+) -> dict[str, float]:
     """What the ring costs and saves per rank and step: bytes sent (each transfer also receives as many), its time,
     how much of it hides behind attention compute, and the activation (and logits) bytes CP saves against CP = 1."""
     unsplit = memory_per_rank(cfg, {**degrees, "cp": 1})
     held = lambda m: m["activations"] + m["logits"]
     total = sum(r["total_s"] for r in ring)
     hidden = sum(r["hidden_s"] for r in ring)
-    return {"ring_bytes_per_step": sum(r["bytes"] * r["count"] for r in ring), "ring_s": total,
-            "ring_exposed_s": total - hidden, "ring_hidden_pct": 100.0 * hidden / total if total else 100.0,
-            "activation_bytes_saved": held(unsplit) - held(mem)}
+    return {
+        "ring_bytes_per_step": sum(r["bytes"] * r["count"] for r in ring),
+        "ring_s": total,
+        "ring_exposed_s": total - hidden,
+        "ring_hidden_pct": 100.0 * hidden / total if total else 100.0,
+        "activation_bytes_saved": held(unsplit) - held(mem),
+    }
 
 
 def _emulated_links(cfg: Any) -> dict[str, tuple[float, float]]:
@@ -460,9 +562,17 @@ def estimate_plan(plan: Any, cfg: Any, topo: Topology, calibration: dict[str, An
         if row["dim"] in emulated:  # comm.emulate: every transfer also sleeps the emulated link's time
             seconds += emulated_seconds(row["op"], len(group), row["bytes"], emulated[row["dim"]])
         plan.algorithms.setdefault(row["dim"], {})[row["op"]] = algorithm
-        rows.append({**row, "group_size": len(group), "algorithm": algorithm, "seconds": seconds,
-                     "busbw_GBps": bus_bandwidth(row["op"], len(group), row["bytes"], seconds) / 1e9,
-                     "total_s": seconds * row["count"], "overlap": row.get("overlap", False)})
+        rows.append(
+            {
+                **row,
+                "group_size": len(group),
+                "algorithm": algorithm,
+                "seconds": seconds,
+                "busbw_GBps": bus_bandwidth(row["op"], len(group), row["bytes"], seconds) / 1e9,
+                "total_s": seconds * row["count"],
+                "overlap": row.get("overlap", False),
+            }
+        )
     plan.collectives = rows
 
     precision = _kind(cfg)
@@ -501,14 +611,23 @@ def estimate_plan(plan: Any, cfg: Any, topo: Topology, calibration: dict[str, An
     per_rank = sum(mem.values())
     per_device = per_rank * (plan.ranks_per_device if topo.graph != "host" else 1)
     plan.estimate = {
-        "step_time_s": step, "compute_s": compute, "bubble_s": bubble, "comm_s": comm, "exposed_comm_s": exposed,
+        "step_time_s": step,
+        "compute_s": compute,
+        "bubble_s": bubble,
+        "comm_s": comm,
+        "exposed_comm_s": exposed,
         "tokens_per_s": tokens / step if step else 0.0,
         "mfu": fpt * tokens / (step * plan.world_size * per_rank_peak) if step and per_rank_peak else 0.0,
-        "flops_per_token": fpt, "memory_per_rank_bytes": mem, "memory_per_device_GiB": per_device / GiB,
-        "device_memory_GiB": inst.memory_GiB, "calibrated": bool(calibration and topo.graph == "host"),
+        "flops_per_token": fpt,
+        "memory_per_rank_bytes": mem,
+        "memory_per_device_GiB": per_device / GiB,
+        "device_memory_GiB": inst.memory_GiB,
+        "calibrated": bool(calibration and topo.graph == "host"),
     }
     if ring:
         plan.estimate["context_parallel"] = context_parallel_figures(cfg, d, ring, mem)
     if inst.memory_GiB and per_device > inst.memory_GiB * GiB:
-        plan.warnings.append(f"does not fit: {per_device / GiB:.1f} GiB per device estimated, a {inst.name} device has "
-                             f"{inst.memory_GiB:g} GiB (raise TP/PP, enable zero1/fsdp or activation checkpointing)")
+        plan.warnings.append(
+            f"does not fit: {per_device / GiB:.1f} GiB per device estimated, a {inst.name} device has "
+            f"{inst.memory_GiB:g} GiB (raise TP/PP, enable zero1/fsdp or activation checkpointing)"
+        )

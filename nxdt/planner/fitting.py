@@ -30,8 +30,15 @@ COLLECTIVE_PARAMS = {
     # not link steps), the intra-device bandwidth from the 2-rank sweep, the network's latency, efficiency and ramp
     # from the two-node one. The link step latencies are confounded with the overheads and the NeuronLink efficiency
     # with the network's in these sweeps: they keep their catalogue values.
-    "trn1.32xlarge": ["collective_overhead_us", "collective_overhead_per_rank_us", "intra_device.efficiency", "inter_node.latency_us",
-                      "inter_node.efficiency", "inter_node.ramp_us", "inter_node.ramp_bytes"],
+    "trn1.32xlarge": [
+        "collective_overhead_us",
+        "collective_overhead_per_rank_us",
+        "intra_device.efficiency",
+        "inter_node.latency_us",
+        "inter_node.efficiency",
+        "inter_node.ramp_us",
+        "inter_node.ramp_bytes",
+    ],
     # nccl-tests all_reduce on 2 nodes x 8 GPUs only: every latency adds into one constant (fitted as the network's
     # step latency) and the NVSwitch bandwidth is hidden behind the slower network stage (pipelined)
     "p4d.24xlarge": ["inter_node.latency_us", "inter_node.efficiency", "inter_node.ramp_us", "inter_node.ramp_bytes"],
@@ -41,9 +48,17 @@ COLLECTIVE_PARAMS = {
 # too was tried and is degenerate on these 5 figures: the fit then explains them by communication alone.)
 STEP_PARAMS = ["compute_efficiency", "compute_half_size"]
 # Where every fit starts (fixed, so that a fit never depends on values an earlier fit wrote into the catalogue).
-START = {"collective_overhead_us": 10.0, "collective_overhead_per_rank_us": 1.0, "intra_device.efficiency": 0.8,
-         "inter_node.latency_us": 15.0, "inter_node.efficiency": 0.8, "inter_node.ramp_us": 100.0, "inter_node.ramp_bytes": 65536.0,
-         "compute_efficiency": 0.4, "compute_half_size": 128.0}
+START = {
+    "collective_overhead_us": 10.0,
+    "collective_overhead_per_rank_us": 1.0,
+    "intra_device.efficiency": 0.8,
+    "inter_node.latency_us": 15.0,
+    "inter_node.efficiency": 0.8,
+    "inter_node.ramp_us": 100.0,
+    "inter_node.ramp_bytes": 65536.0,
+    "compute_efficiency": 0.4,
+    "compute_half_size": 128.0,
+}
 
 
 def get_param(instance: Any, path: str) -> float:
@@ -142,7 +157,9 @@ def bind_collective(fig: CollectiveFigure, cache: dict | None = None) -> Collect
         instance = _composed_instance(fig.instance)
         topo = topology_of(instance, check_lnc(instance, None), ranks_per_node=fig.ranks // fig.nodes)
         if fig.ranks // fig.nodes > topo.ranks_per_node:
-            raise ValueError(f"{fig.id}: {fig.ranks // fig.nodes} ranks per node, a {fig.instance} node has {topo.ranks_per_node}")
+            raise ValueError(
+                f"{fig.id}: {fig.ranks // fig.nodes} ranks per node, a {fig.instance} node has {topo.ranks_per_node}"
+            )
         cache[key] = topo
     fig.topo = cache[key]
     return fig
@@ -188,8 +205,9 @@ def _residuals(figures: list, instance: Any, paths: list[str], logs: np.ndarray)
     return np.array([math.log(f.predict(inst) / f.seconds) for f in figures])
 
 
-def fit(figures: list, instance: Any, paths: list[str], start: dict[str, float] | None = None, iters: int = 200,
-        tol: float = 1e-10) -> dict[str, float]:
+def fit(
+    figures: list, instance: Any, paths: list[str], start: dict[str, float] | None = None, iters: int = 200, tol: float = 1e-10
+) -> dict[str, float]:
     """Values of ``paths`` minimising Σ log²(predicted / measured) over ``figures`` (Levenberg-Marquardt in log space,
     forward-difference Jacobian). ``start``: initial values (default: START)."""
     start = {**START, **(start or {})}
@@ -218,12 +236,17 @@ def fit(figures: list, instance: Any, paths: list[str], start: dict[str, float] 
     return {p: float(v) for p, v in zip(paths, np.exp(x))}
 
 
-def leave_one_out(figures: list, instance: Any, paths: list[str], start: dict[str, float] | None = None,
-                  on_fold: Callable[[int], None] | None = None) -> list[float]:
+def leave_one_out(
+    figures: list,
+    instance: Any,
+    paths: list[str],
+    start: dict[str, float] | None = None,
+    on_fold: Callable[[int], None] | None = None,
+) -> list[float]:
     """For each figure, its prediction by the model fitted to all the others (from the same start)."""
     out = []
     for i, fig in enumerate(figures):
-        rest = figures[:i] + figures[i + 1:]
+        rest = figures[:i] + figures[i + 1 :]
         values = fit(rest, instance, paths, start)
         out.append(fig.predict(with_params(instance, values)))
         if on_fold:
@@ -233,11 +256,18 @@ def leave_one_out(figures: list, instance: Any, paths: list[str], start: dict[st
 
 def load_published(data: dict[str, Any]) -> tuple[list[CollectiveFigure], list[StepFigure]]:
     """The figures of a published.yaml mapping that are marked for use (``use: false`` entries are skipped)."""
-    collectives = [CollectiveFigure(f"{e['id']}@{size}", e["instance"], e["op"], e["ranks"], e["nodes"], int(size), float(us) * 1e-6)
-                   for e in data.get("collectives", []) if e.get("use", True) for size, us in e["points"]]
+    collectives = [
+        CollectiveFigure(f"{e['id']}@{size}", e["instance"], e["op"], e["ranks"], e["nodes"], int(size), float(us) * 1e-6)
+        for e in data.get("collectives", [])
+        if e.get("use", True)
+        for size, us in e["points"]
+    ]
     common = list(data.get("end_to_end_common", []))
-    steps = [StepFigure(e["id"], e["instance"], [*common, *e["overrides"]], float(e["value"]))
-             for e in data.get("end_to_end", []) if e.get("use", True)]
+    steps = [
+        StepFigure(e["id"], e["instance"], [*common, *e["overrides"]], float(e["value"]))
+        for e in data.get("end_to_end", [])
+        if e.get("use", True)
+    ]
     return collectives, steps
 
 

@@ -88,9 +88,18 @@ def emulation_plan(cfg: Any) -> tuple[Plan, Topology, Any]:
         lnc = check_lnc(instance, None)
         topo = topology_of(instance, lnc, ranks_per_node=world if instance.graph == "host" else None)
         per_node = min(world, topo.ranks_per_node)
-        layout = plan_layout(world, tp=ds.tensor_model_parallel_size, pp=ds.pipeline_model_parallel_size, cp=ds.context_parallel_size,
-                             ep=ds.expert_model_parallel_size, order=ds.placement_order, ranks_per_node=per_node, topo=topo,
-                             instance=instance, lnc=lnc)
+        layout = plan_layout(
+            world,
+            tp=ds.tensor_model_parallel_size,
+            pp=ds.pipeline_model_parallel_size,
+            cp=ds.context_parallel_size,
+            ep=ds.expert_model_parallel_size,
+            order=ds.placement_order,
+            ranks_per_node=per_node,
+            topo=topo,
+            instance=instance,
+            lnc=lnc,
+        )
     except (PlacementError, TopologyError, ValueError) as exc:
         raise ConfigError("comm.emulate", name, f"this run's layout cannot be emulated on {name}: {exc}") from None
     return layout, topo, instance
@@ -102,4 +111,6 @@ def emulated_links_for(cfg: Any) -> dict[str, tuple[float, float]]:
         return {}
     layout, topo, instance = emulation_plan(cfg)
     slow = float(getattr(cfg.comm, "emulate_slowdown", 1.0))
-    return {dim: (latency * slow, bandwidth / slow) for dim, (latency, bandwidth) in emulated_links(layout, topo, instance).items()}
+    return {
+        dim: (latency * slow, bandwidth / slow) for dim, (latency, bandwidth) in emulated_links(layout, topo, instance).items()
+    }

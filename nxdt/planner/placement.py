@@ -74,7 +74,9 @@ def _pattern_violation(local: np.ndarray, topo: Topology, sizes: set[int] | None
     return topo.subring_reason(devices.tolist())
 
 
-def group_violation(groups: np.ndarray, topo: Topology, sizes: set[int] | None, ranks_per_node: int | None = None) -> tuple[str, list[int]] | None:
+def group_violation(
+    groups: np.ndarray, topo: Topology, sizes: set[int] | None, ranks_per_node: int | None = None
+) -> tuple[str, list[int]] | None:
     """First rule a set of groups (rows of ranks) breaks, with an offending group; vectorised so that
     planning 100k+ ranks stays fast (only distinct per-node patterns are checked one by one)."""
     count, n = groups.shape

@@ -45,8 +45,9 @@ def check_lnc(instance: Any, lnc: int | None) -> int:
     if lnc is None or lnc == instance.lnc_default:
         return instance.lnc_default
     if not instance.lnc_options:
-        raise TopologyError(f"instance {instance.name} has no logical-NeuronCore setting (LNC applies to "
-                            "Trn2/Trn3); remove trainer.lnc")
+        raise TopologyError(
+            f"instance {instance.name} has no logical-NeuronCore setting (LNC applies to Trn2/Trn3); remove trainer.lnc"
+        )
     if lnc not in instance.lnc_options:
         raise TopologyError(f"instance {instance.name} accepts LNC {', '.join(map(str, instance.lnc_options))}")
     return lnc
@@ -86,7 +87,12 @@ class Topology:
         if self.graph in ("torus2d", "torus3d"):
             rows, cols = self.grid
             r, c = divmod(device, cols)
-            around = [((r - 1) % rows) * cols + c, r * cols + (c - 1) % cols, ((r + 1) % rows) * cols + c, r * cols + (c + 1) % cols]
+            around = [
+                ((r - 1) % rows) * cols + c,
+                r * cols + (c - 1) % cols,
+                ((r + 1) % rows) * cols + c,
+                r * cols + (c + 1) % cols,
+            ]
             return list(dict.fromkeys(d for d in around if d != device))  # tiny tori: no duplicates or self-links
         if self.graph == "ring":
             return list(dict.fromkeys(d for d in ((device - 1) % n, (device + 1) % n) if d != device))
@@ -159,7 +165,9 @@ class Topology:
             for i in range(n):
                 if n > 2 and s == lines[i] | lines[(i + 1) % n]:
                     return None
-        return f"devices {ds} are not a torus ring (one device, two neighbours, a row or column, two adjacent rows, the whole node)"
+        return (
+            f"devices {ds} are not a torus ring (one device, two neighbours, a row or column, two adjacent rows, the whole node)"
+        )
 
 
 def topology_of(instance: Any, lnc: int | None = None, ranks_per_node: int | None = None) -> Topology:
@@ -174,4 +182,6 @@ def topology_of(instance: Any, lnc: int | None = None, ranks_per_node: int | Non
     if instance.graph in ("torus2d", "torus3d"):
         if len(shape) < 2 or shape[0] * shape[1] != instance.devices:
             raise TopologyError(f"instance {instance.name}: torus shape {list(shape)} does not hold {instance.devices} devices")
-    return Topology(instance.name, instance.graph, shape, instance.devices, ranks_per_device(instance, lnc), instance.domain_nodes)
+    return Topology(
+        instance.name, instance.graph, shape, instance.devices, ranks_per_device(instance, lnc), instance.domain_nodes
+    )

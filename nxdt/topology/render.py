@@ -15,8 +15,16 @@ def _core_span(ids: range) -> str:
 
 def device_rows(topo: Topology, instance: Any) -> list[dict[str, Any]]:
     """One record per device: the columns of ``neuron-ls --topology`` (and of ``nxdt topo --json``)."""
-    return [{"device": d, "cores": topo.ranks_per_device, "core_ids": list(topo.core_ids(d)),
-             "memory_GiB": instance.memory_GiB, "connected_devices": topo.neighbours(d)} for d in range(topo.devices)]
+    return [
+        {
+            "device": d,
+            "cores": topo.ranks_per_device,
+            "core_ids": list(topo.core_ids(d)),
+            "memory_GiB": instance.memory_GiB,
+            "connected_devices": topo.neighbours(d),
+        }
+        for d in range(topo.devices)
+    ]
 
 
 def device_table(topo: Topology, instance: Any) -> str:
@@ -25,8 +33,16 @@ def device_table(topo: Topology, instance: Any) -> str:
         headers = [("", "DEVICE"), ("", "CORES"), ("", "CORE IDS"), ("", "MEMORY"), ("CONNECTED", "DEVICES")]
     memory = "-" if not instance.memory_GiB else f"{instance.memory_GiB:g} GiB"
     many = topo.graph in ("switch", "nvswitch", "host") and topo.devices > 2
-    rows = [[str(r["device"]), str(r["cores"]), _core_span(topo.core_ids(r["device"])), memory,
-             "all (switch)" if many else ", ".join(map(str, r["connected_devices"]))] for r in device_rows(topo, instance)]
+    rows = [
+        [
+            str(r["device"]),
+            str(r["cores"]),
+            _core_span(topo.core_ids(r["device"])),
+            memory,
+            "all (switch)" if many else ", ".join(map(str, r["connected_devices"])),
+        ]
+        for r in device_rows(topo, instance)
+    ]
     widths = [max(len(h[0]), len(h[1]), *(len(r[i]) for r in rows)) + 2 for i, h in enumerate(headers)]
     rule = "+" + "+".join("-" * w for w in widths) + "+"
     out = [rule]
@@ -73,11 +89,22 @@ def picture(topo: Topology) -> str:
     rows, cols = topo.grid
     lines = [f"{rows}x{cols} torus ('*' = wrap-around link to the opposite edge)"] + _torus_plane(rows, cols)
     if topo.graph == "torus3d":
-        lines.append(f"z: device d of each of the {topo.domain_nodes} nodes of a domain forms a ring (node k ↔ node k±1, wrapping)")
+        lines.append(
+            f"z: device d of each of the {topo.domain_nodes} nodes of a domain forms a ring (node k ↔ node k±1, wrapping)"
+        )
     return "\n".join(lines)
 
 
 def topo_json(topo: Topology, instance: Any) -> str:
-    return json.dumps({"instance": instance.name, "graph": topo.graph, "shape": list(topo.shape), "devices": topo.devices,
-                       "ranks_per_device": topo.ranks_per_device, "domain_nodes": topo.domain_nodes,
-                       "device_table": device_rows(topo, instance)}, indent=1)
+    return json.dumps(
+        {
+            "instance": instance.name,
+            "graph": topo.graph,
+            "shape": list(topo.shape),
+            "devices": topo.devices,
+            "ranks_per_device": topo.ranks_per_device,
+            "domain_nodes": topo.domain_nodes,
+            "device_table": device_rows(topo, instance),
+        },
+        indent=1,
+    )

@@ -24,8 +24,13 @@ def _pattern(n: int, rank: int, op: str, dtype: torch.dtype) -> torch.Tensor:
 
 def _expected(n: int, ranks: list[int], op: str, dtype: torch.dtype) -> torch.Tensor:
     stack = torch.stack([_pattern(n, r, op, torch.float64) for r in ranks])
-    ref = {"sum": stack.sum(0), "avg": stack.sum(0) / len(ranks), "min": stack.min(0).values,
-           "max": stack.max(0).values, "prod": stack.prod(0)}[op]
+    ref = {
+        "sum": stack.sum(0),
+        "avg": stack.sum(0) / len(ranks),
+        "min": stack.min(0).values,
+        "max": stack.max(0).values,
+        "prod": stack.prod(0),
+    }[op]
     return ref.to(dtype)
 
 
@@ -33,7 +38,11 @@ def _check_comm(comm, algorithms: list[str]) -> list[torch.Tensor]:
     r, ranks, n = comm.rank, list(range(comm.size)), comm.size
     kept = []
     for algorithm in algorithms:
-        for dtype, ops in ((torch.float32, ["sum", "avg", "max"]), (torch.bfloat16, ["sum", "avg"]), (torch.int64, ["sum", "min", "prod"])):
+        for dtype, ops in (
+            (torch.float32, ["sum", "avg", "max"]),
+            (torch.bfloat16, ["sum", "avg"]),
+            (torch.int64, ["sum", "min", "prod"]),
+        ):
             for size in SIZES:
                 if size > 2000 and dtype != torch.float32:
                     continue

@@ -36,8 +36,13 @@ def _pattern(n: int, rank: int, op: str, dtype: torch.dtype) -> torch.Tensor:
 
 def _expected(n: int, world: int, op: str, dtype: torch.dtype) -> torch.Tensor:
     stack = torch.stack([_pattern(n, r, op, torch.float64) for r in range(world)])
-    ref = {"sum": stack.sum(0), "avg": stack.sum(0) / world, "min": stack.min(0).values,
-           "max": stack.max(0).values, "prod": stack.prod(0)}[op]
+    ref = {
+        "sum": stack.sum(0),
+        "avg": stack.sum(0) / world,
+        "min": stack.min(0).values,
+        "max": stack.max(0).values,
+        "prod": stack.prod(0),
+    }[op]
     return ref.to(dtype)
 
 
@@ -79,7 +84,11 @@ def _matrix(world) -> str:
             x = _pattern(size, r, "sum", dtype)
             gathered = torch.empty(size * n, dtype=dtype)
             comm.all_gather(gathered, x)
-            assert torch.equal(gathered, torch.cat([_pattern(size, q, "sum", dtype) for q in range(n)])), ("all_gather", dtype, size)
+            assert torch.equal(gathered, torch.cat([_pattern(size, q, "sum", dtype) for q in range(n)])), (
+                "all_gather",
+                dtype,
+                size,
+            )
             b = _pattern(size, r, "sum", dtype)
             comm.broadcast(b, n - 1)
             assert torch.equal(b, _pattern(size, n - 1, "sum", dtype)), ("broadcast", dtype, size)
@@ -274,7 +283,7 @@ def test_groups_spanning_hosts_use_p2p_and_are_exact():
 
 def test_stale_segments_of_dead_processes_are_removed(tmp_path):
     path = "/dev/shm/nxdt-stale-test-r0"
-    dead_pid = 2 ** 22 + 12345  # above the default pid_max: never a live process
+    dead_pid = 2**22 + 12345  # above the default pid_max: never a live process
     with open(path, "wb") as fh:
         fh.write(np.array([MAGIC, dead_pid], dtype=np.int64).tobytes() + bytes(64))
     live = "/dev/shm/nxdt-live-test-r0"

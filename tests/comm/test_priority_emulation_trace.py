@@ -195,7 +195,9 @@ def _check_emulation_and_trace(res: dict) -> None:
         assert two["args"]["after"] == [one["args"]["token"]]
         assert two["ts"] >= one["ts"] + one["dur"] - 1e-3  # starts after its token's op completed
     for e in gathers:
-        assert e["args"]["group"].startswith("fsdp_pair") and e["args"]["bytes"] == 2 * (1 << 20) and e["args"]["algorithm"] == "shm"  # what ran: auto resolved (shm on one host)
+        assert (
+            e["args"]["group"].startswith("fsdp_pair") and e["args"]["bytes"] == 2 * (1 << 20) and e["args"]["algorithm"] == "shm"
+        )  # what ran: auto resolved (shm on one host)
     assert [e["args"]["seq"] for e in gathers] == [0, 1, 2]
     tp_ops = [e for e in events if e["cat"] == "tp"]
     assert len(tp_ops) == 1 and tp_ops[0]["name"] == "all_reduce" and isinstance(tp_ops[0]["args"]["token"], int)

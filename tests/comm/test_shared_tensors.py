@@ -46,7 +46,12 @@ def _shared_matrix(world) -> dict:
                     if size > 50_000 and dtype != torch.float32:
                         continue
                     for op in ("sum", "avg", "max", "prod"):
-                        if op == "avg" and not dtype.is_floating_point or (size > 50_000 or dtype == torch.bfloat16) and op in ("max", "prod"):
+                        if (
+                            op == "avg"
+                            and not dtype.is_floating_point
+                            or (size > 50_000 or dtype == torch.bfloat16)
+                            and op in ("max", "prod")
+                        ):
                             continue
                         exp = _expected(size, comm.ranks, op, dtype)
                         algorithms = ("auto", "slice", "direct") if size == 40_000 else ("auto",)
@@ -63,7 +68,12 @@ def _shared_matrix(world) -> dict:
                     out = torch.empty(size * n, dtype=dtype)
                     comm.all_gather(out, x)
                     x.fill_(99)
-                    assert torch.equal(out, torch.cat([_pattern(size, q, "sum", dtype) for q in comm.ranks])), (comm.name, mode, "all_gather", size)
+                    assert torch.equal(out, torch.cat([_pattern(size, q, "sum", dtype) for q in comm.ranks])), (
+                        comm.name,
+                        mode,
+                        "all_gather",
+                        size,
+                    )
                     inp = put(torch.cat([_pattern(size, r, "sum", dtype)] * n))
                     red = torch.empty(size, dtype=dtype)
                     comm.reduce_scatter(red, inp)
@@ -89,11 +99,15 @@ def _shared_matrix(world) -> dict:
                     assert torch.equal(a_out, want), (comm.name, mode, "all_to_all", size)
                     # in place: all-gather into a shared output, all-to-all on one shared buffer
                     g = put(torch.zeros(size * n, dtype=dtype))
-                    g[me * size:(me + 1) * size] = _pattern(size, r, "sum", dtype)
-                    comm.all_gather(g, g[me * size:(me + 1) * size])
+                    g[me * size : (me + 1) * size] = _pattern(size, r, "sum", dtype)
+                    comm.all_gather(g, g[me * size : (me + 1) * size])
                     got = g.clone()
                     g.fill_(99)
-                    assert torch.equal(got, torch.cat([_pattern(size, q, "sum", dtype) for q in comm.ranks])), (comm.name, mode, "all_gather in place")
+                    assert torch.equal(got, torch.cat([_pattern(size, q, "sum", dtype) for q in comm.ranks])), (
+                        comm.name,
+                        mode,
+                        "all_gather in place",
+                    )
                     a = put(torch.arange(per * n, dtype=torch.int64).to(dtype) + r)
                     comm.all_to_all(a, a)
                     assert torch.equal(a, want), (comm.name, mode, "all_to_all in place", size)

@@ -37,7 +37,9 @@ def _every_op(comm) -> str:
                 if op == "avg" and not dtype.is_floating_point:
                     continue
                 stack = torch.stack([_pattern(size, q, op, torch.float64) for q in range(n)])
-                want = {"sum": stack.sum(0), "avg": stack.sum(0) / n, "max": stack.max(0).values, "prod": stack.prod(0)}[op].to(dtype)
+                want = {"sum": stack.sum(0), "avg": stack.sum(0) / n, "max": stack.max(0).values, "prod": stack.prod(0)}[op].to(
+                    dtype
+                )
                 t = _pattern(size, r, op, dtype)
                 comm.all_reduce(t, op)
                 assert torch.equal(t, want), (comm.transport, "all_reduce", dtype, size, op)
@@ -52,7 +54,10 @@ def _every_op(comm) -> str:
             x = _pattern(size, r, "sum", dtype)
             gathered = torch.empty(size * n, dtype=dtype)
             comm.all_gather(gathered, x)
-            assert torch.equal(gathered, torch.cat([_pattern(size, q, "sum", dtype) for q in range(n)])), (comm.transport, "all_gather")
+            assert torch.equal(gathered, torch.cat([_pattern(size, q, "sum", dtype) for q in range(n)])), (
+                comm.transport,
+                "all_gather",
+            )
             b = _pattern(size, r, "sum", dtype)
             comm.broadcast(b, 0)
             assert torch.equal(b, _pattern(size, 0, "sum", dtype)), (comm.transport, "broadcast")
@@ -96,15 +101,37 @@ def _transports(world) -> dict:
     small, big = torch.ones(256), torch.ones(1 << 17)  # 1 KB, 512 KB
 
     def ops(c):
-        return lambda: (c.all_reduce(small), c.all_reduce(big), c.all_gather(torch.empty(256 * c.size), small), c.broadcast(small))
+        return lambda: (
+            c.all_reduce(small),
+            c.all_reduce(big),
+            c.all_gather(torch.empty(256 * c.size), small),
+            c.broadcast(small),
+        )
 
-    seen = {name: _traced(c, ops(c)) for name, c in (("auto", world.world), ("shm", shm), ("p2p", p2p), ("gloo", gloo),
-                                                      ("ring", ring), ("shm_planned", shm_planned), ("p2p_planned", p2p_planned),
-                                                      ("overridden", overridden))}
-    defaults = {name: c.algorithms for name, c in (("ring", ring), ("shm_planned", shm_planned), ("p2p_planned", p2p_planned),
-                                                   ("overridden", overridden))}
-    return {"digests": digests, "seen": seen, "defaults": defaults, "empty_shared": world.heap.locate(shm.empty(16)) is not None,
-            "p2p_empty_shared": world.heap.locate(p2p.empty(16)) is not None}
+    seen = {
+        name: _traced(c, ops(c))
+        for name, c in (
+            ("auto", world.world),
+            ("shm", shm),
+            ("p2p", p2p),
+            ("gloo", gloo),
+            ("ring", ring),
+            ("shm_planned", shm_planned),
+            ("p2p_planned", p2p_planned),
+            ("overridden", overridden),
+        )
+    }
+    defaults = {
+        name: c.algorithms
+        for name, c in (("ring", ring), ("shm_planned", shm_planned), ("p2p_planned", p2p_planned), ("overridden", overridden))
+    }
+    return {
+        "digests": digests,
+        "seen": seen,
+        "defaults": defaults,
+        "empty_shared": world.heap.locate(shm.empty(16)) is not None,
+        "p2p_empty_shared": world.heap.locate(p2p.empty(16)) is not None,
+    }
 
 
 @pytest.mark.timeout(200)
@@ -170,12 +197,15 @@ def test_the_config_knows_every_algorithm_of_nxdt_comm():
     assert set(COMM_ALGORITHMS) == set(ALGORITHM_NAMES) == {n for names in ALGORITHMS.values() for n in names}
 
 
-@pytest.mark.parametrize("overrides, key, needle", [
-    (["comm.algorithm=rign"], "comm.algorithm", "use one of auto, direct"),
-    (["comm.algorithm=torus:2y2"], "comm.algorithm", "torus:RxC"),
-    (["comm.transport=gloo", "comm.algorithm=ring"], "comm.algorithm", "gloo's own algorithms"),
-    (["comm.transport=shm", "trainer.num_nodes=2"], "comm.transport", "one host"),
-])
+@pytest.mark.parametrize(
+    "overrides, key, needle",
+    [
+        (["comm.algorithm=rign"], "comm.algorithm", "use one of auto, direct"),
+        (["comm.algorithm=torus:2y2"], "comm.algorithm", "torus:RxC"),
+        (["comm.transport=gloo", "comm.algorithm=ring"], "comm.algorithm", "gloo's own algorithms"),
+        (["comm.transport=shm", "trainer.num_nodes=2"], "comm.transport", "one host"),
+    ],
+)
 def test_bad_comm_choices_are_one_config_error(overrides, key, needle):
     with pytest.raises(ConfigError) as info:
         compose_config(overrides, paths=False)
@@ -187,13 +217,31 @@ def test_bad_comm_choices_are_one_config_error(overrides, key, needle):
 def test_comm_keys_reach_the_workers_communicators(tmp_path):
     """``nxdt train comm.transport=p2p comm.algorithm=ring``: the data-parallel gradient all-reduce runs ring
     over p2p (the trace the workers write says so), and the run trains."""
-    result = subprocess.run([sys.executable, "-m", "nxdt.cli", "train", "-q", "trainer.max_steps=2", "data=synthetic",
-                             "comm.transport=p2p", "comm.algorithm=ring", "exp_manager.trace=true",
-                             f"exp_manager.exp_dir={tmp_path}"], capture_output=True, text=True, timeout=110)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nxdt.cli",
+            "train",
+            "-q",
+            "trainer.max_steps=2",
+            "data=synthetic",
+            "comm.transport=p2p",
+            "comm.algorithm=ring",
+            "exp_manager.trace=true",
+            f"exp_manager.exp_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     trace = json.loads(next(tmp_path.glob("*/*/trace/rank0.json")).read_text())
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    dp = {(e["name"], e["args"]["algorithm"], e["args"]["transport"]) for e in events
-          if e.get("ph") == "X" and e.get("args", {}).get("group") == "dp0"}
+    dp = {
+        (e["name"], e["args"]["algorithm"], e["args"]["transport"])
+        for e in events
+        if e.get("ph") == "X" and e.get("args", {}).get("group") == "dp0"
+    }
     assert ("all_reduce", "ring", "p2p") in dp, dp
     assert {t for _, _, t in dp} == {"p2p"}

@@ -23,8 +23,14 @@ from nxdt.comm import EmulatedLink, Tracer
 from nxdt.comm.spawn import run_local
 from nxdt.models.attention import naive_attention
 from nxdt.models.llama import LlamaForCausalLM
-from nxdt.parallel.context_parallel import (RingAttention, apply_context_parallel, chunk_ranges, load_balanced_positions,
-                                            shard_micro_batches, weight_by_token_share)
+from nxdt.parallel.context_parallel import (
+    RingAttention,
+    apply_context_parallel,
+    chunk_ranges,
+    load_balanced_positions,
+    shard_micro_batches,
+    weight_by_token_share,
+)
 from nxdt.parallel.pipeline import PipelineExecutor, build_chunks, one_f_one_b
 from nxdt.planner import plan_layout
 
@@ -48,9 +54,20 @@ def _qkv(seq: int, dtype=torch.float64):
 
 
 def _tiny_llama():
-    cfg = SimpleNamespace(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=64,
-                          max_position_embeddings=64, rope_theta=10000.0, norm_eps=1e-5, tie_word_embeddings=False,
-                          init_method_std=0.02, activations_checkpoint_granularity=None)
+    cfg = SimpleNamespace(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=64,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+        tie_word_embeddings=False,
+        init_method_std=0.02,
+        activations_checkpoint_granularity=None,
+    )
     torch.manual_seed(3)
     return LlamaForCausalLM(cfg).double()
 
@@ -122,8 +139,10 @@ def test_ring_transfer_overlaps_attention_compute():
         computes = {(e["name"], e["args"]["step"]): e for e in events if e["cat"] == "compute"}
         # forward: 1 K/V transfer; backward: 1 K/V transfer and 2 dK/dV hops (the last one home to the owner)
         assert len(transfers) == 4, transfers
-        for transfer, compute in ((transfers[0], computes["ring_attention.forward", 0]),
-                                  (transfers[1], computes["ring_attention.backward", 0])):
+        for transfer, compute in (
+            (transfers[0], computes["ring_attention.forward", 0]),
+            (transfers[1], computes["ring_attention.backward", 0]),
+        ):
             t0, t1 = transfer["ts"], transfer["ts"] + transfer["dur"]
             c0, c1 = compute["ts"], compute["ts"] + compute["dur"]
             assert t0 < c1 and c0 < t1, (transfer, compute)  # the next block travelled while this one was computed
@@ -149,9 +168,11 @@ def _pipeline_and_ring(world, seq: int) -> dict:
             if comm is not None:
                 comms[dim] = comm
     g = torch.Generator().manual_seed(5)
-    micro = [{"input_ids": torch.randint(0, 64, (1, seq), generator=g), "labels": torch.randint(0, 64, (1, seq), generator=g)}
-             for _ in range(2)]
-    micro[1]["labels"][0, seq // 2:] = -100  # masked labels on some CP ranks only
+    micro = [
+        {"input_ids": torch.randint(0, 64, (1, seq), generator=g), "labels": torch.randint(0, 64, (1, seq), generator=g)}
+        for _ in range(2)
+    ]
+    micro[1]["labels"][0, seq // 2 :] = -100  # masked labels on some CP ranks only
     reference = _tiny_llama()
     for mb in micro:
         (reference.loss_fn(reference(mb["input_ids"]), mb["labels"]) / len(micro)).backward()

@@ -13,8 +13,14 @@ import torch
 from torch import nn
 
 from nxdt.comm.spawn import run_local
-from nxdt.parallel.data_parallel import (DataParallelRuntime, FSDPRuntime, ModelParallel, ReplicatedRuntime, Zero1Runtime,
-                                         data_parallel_runtime)
+from nxdt.parallel.data_parallel import (
+    DataParallelRuntime,
+    FSDPRuntime,
+    ModelParallel,
+    ReplicatedRuntime,
+    Zero1Runtime,
+    data_parallel_runtime,
+)
 
 KINDS = {"replicated": {}, "zero1": {"zero1": True}, "fsdp": {"fsdp": {"param_persistence_threshold": 0}}}
 BATCH, STEPS, LR, MAX_NORM = 8, 2, 0.1, 0.05  # the MLP's gradient norm is ~1.3: clipping is active
@@ -44,8 +50,11 @@ def _worker(world) -> dict:
         rt = data_parallel_runtime(**options)
         rt.bind(ModelParallel(dp=world.world, dp_size=size))
         rt.broadcast_parameters(model)
-        checks = {"protocol": isinstance(rt, DataParallelRuntime), "format": rt.dp_format,
-                  "broadcast": all(_close(p, q) for p, q in zip(model.parameters(), ref.parameters()))}
+        checks = {
+            "protocol": isinstance(rt, DataParallelRuntime),
+            "format": rt.dp_format,
+            "broadcast": all(_close(p, q) for p, q in zip(model.parameters(), ref.parameters())),
+        }
         opt = rt.shard_optimizer(torch.optim.SGD(model.parameters(), lr=LR), model)
         rt.shard_model(model, [opt])
         grads_ok, norms_ok, weights_ok, pnorm_ok = True, True, True, True
@@ -53,7 +62,7 @@ def _worker(world) -> dict:
             x, y = _batch(step)
             nn.functional.mse_loss(ref(x), y).backward()
             per = BATCH // size
-            nn.functional.mse_loss(model(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
+            nn.functional.mse_loss(model(x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per]).backward()
             rt.finish_gradients(model)
             if kind == "replicated":  # the average of the two halves' gradients is the whole batch's
                 grads_ok &= all(_close(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
@@ -67,8 +76,7 @@ def _worker(world) -> dict:
             weights_ok &= set(state) == set(ref.state_dict()) and all(_close(state[k], v) for k, v in ref.state_dict().items())
             ref_pnorm = torch.linalg.vector_norm(torch.cat([p.detach().reshape(-1) for p in ref.parameters()]))
             pnorm_ok &= bool(torch.isclose(rt.parameter_norm(model), ref_pnorm, rtol=1e-5))
-        checks.update(grads=grads_ok, norms=norms_ok, weights=weights_ok, param_norm=pnorm_ok,
-                      stats=sorted(rt.step_stats()))
+        checks.update(grads=grads_ok, norms=norms_ok, weights=weights_ok, param_norm=pnorm_ok, stats=sorted(rt.step_stats()))
         out[kind] = checks
     return out
 

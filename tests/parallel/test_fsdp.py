@@ -21,9 +21,20 @@ from nxdt.models.llama import LlamaForCausalLM
 from nxdt.parallel.fsdp import apply_fsdp
 from nxdt.parallel.tensor_parallel import apply_tensor_parallel, norm_weights, shard_layout
 
-CFG = dict(vocab_size=64, hidden_size=32, num_layers=4, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=64,
-           max_position_embeddings=64, rope_theta=10000.0, norm_eps=1e-5, tie_word_embeddings=False, init_method_std=0.02,
-           activations_checkpoint_granularity=None)
+CFG = dict(
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=4,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=64,
+    max_position_embeddings=64,
+    rope_theta=10000.0,
+    norm_eps=1e-5,
+    tie_word_embeddings=False,
+    init_method_std=0.02,
+    activations_checkpoint_granularity=None,
+)
 GLOBAL_BATCH, MICRO, SEQ, STEPS, LR, MAX_NORM = 8, 1, 8, 5, 3e-3, 0.3
 DP = 4
 
@@ -39,8 +50,14 @@ def _model(cfg: types.SimpleNamespace) -> LlamaForCausalLM:
 
 def _optimizer(model: torch.nn.Module) -> torch.optim.AdamW:
     named = list(model.named_parameters())
-    return torch.optim.AdamW([{"params": [p for _, p in named if p.dim() > 1], "weight_decay": 0.1},
-                              {"params": [p for _, p in named if p.dim() <= 1], "weight_decay": 0.0}], lr=LR, foreach=False)
+    return torch.optim.AdamW(
+        [
+            {"params": [p for _, p in named if p.dim() > 1], "weight_decay": 0.1},
+            {"params": [p for _, p in named if p.dim() <= 1], "weight_decay": 0.0},
+        ],
+        lr=LR,
+        foreach=False,
+    )
 
 
 def _batch(step: int, cfg) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +77,7 @@ def _reference(cfg) -> tuple[list[float], dict[str, torch.Tensor]]:
         total = 0.0
         n = GLOBAL_BATCH // MICRO
         for i in range(n):
-            loss = LlamaForCausalLM.loss_fn(model(ids[i * MICRO:(i + 1) * MICRO]), labels[i * MICRO:(i + 1) * MICRO]) / n
+            loss = LlamaForCausalLM.loss_fn(model(ids[i * MICRO : (i + 1) * MICRO]), labels[i * MICRO : (i + 1) * MICRO]) / n
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
@@ -69,8 +86,9 @@ def _reference(cfg) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _train_fsdp(world, cfg, policy: str, tracer: Tracer | None = None, tp=None, dp=None, sequence_parallel=False,
-                param_dtype=None):
+def _train_fsdp(
+    world, cfg, policy: str, tracer: Tracer | None = None, tp=None, dp=None, sequence_parallel=False, param_dtype=None
+):
     """``tp``/``dp``: TP×FSDP on these groups (TP first, as NxDStrategy does); default FSDP over the world."""
     model = _model(cfg)
     weights, layout = None, {}
@@ -84,14 +102,14 @@ def _train_fsdp(world, cfg, policy: str, tracer: Tracer | None = None, tp=None, 
     losses, stats = [], []
     for step in range(STEPS):
         ids, labels = _batch(step, cfg)
-        ids, labels = ids[rank * per:(rank + 1) * per], labels[rank * per:(rank + 1) * per]
+        ids, labels = ids[rank * per : (rank + 1) * per], labels[rank * per : (rank + 1) * per]
         opt.zero_grad()
         total = torch.zeros(1, dtype=torch.float64)
         n = per // MICRO
         for i in range(n):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=param_dtype is not None):
-                logits = model(ids[i * MICRO:(i + 1) * MICRO])
-            loss = model.loss_fn(logits, labels[i * MICRO:(i + 1) * MICRO]) / n
+                logits = model(ids[i * MICRO : (i + 1) * MICRO])
+            loss = model.loss_fn(logits, labels[i * MICRO : (i + 1) * MICRO]) / n
             loss.backward()
             total += loss.item()
         fsdp.finish_gradients()
@@ -105,14 +123,19 @@ def _train_fsdp(world, cfg, policy: str, tracer: Tracer | None = None, tp=None, 
     state = fsdp.full_state_dict()
     if tp is not None:  # reassemble the TP shards: concatenate along the split dim, one copy per replica
         parts = tp.all_gather_object(state)
-        state = {k: torch.cat([parts[i][k] for i in range(0, tp.size, layout[k][1])], layout[k][0]) if k in layout else v
-                 for k, v in state.items()}
+        state = {
+            k: torch.cat([parts[i][k] for i in range(0, tp.size, layout[k][1])], layout[k][0]) if k in layout else v
+            for k, v in state.items()
+        }
     return losses, state, stats, fsdp
 
 
 def _compare(state, ref_state, atol: float = 1e-6) -> tuple[list, list]:
-    mismatch = [(k, float((state[k] - v).abs().max())) for k, v in ref_state.items()
-                if k in state and not torch.allclose(state[k], v, rtol=1e-4, atol=atol)]
+    mismatch = [
+        (k, float((state[k] - v).abs().max()))
+        for k, v in ref_state.items()
+        if k in state and not torch.allclose(state[k], v, rtol=1e-4, atol=atol)
+    ]
     return mismatch, sorted(set(ref_state) - set(state) - {"rope_cos", "rope_sin"})
 
 
@@ -130,9 +153,14 @@ def _worker(world) -> dict:
             mismatch, missing = _compare(state, ref_state)
             unit_bytes = [u.nbytes for u in fsdp.units]
             report[(tied, policy)] = {
-                "losses": losses, "ref_losses": ref_losses, "mismatch": mismatch, "missing": missing,
-                "units": [u.name for u in fsdp.units], "resident": [u.resident for u in fsdp.units],
-                "unit_bytes": unit_bytes, "peak": max(s["peak_gathered_bytes"] for s in stats),
+                "losses": losses,
+                "ref_losses": ref_losses,
+                "mismatch": mismatch,
+                "missing": missing,
+                "units": [u.name for u in fsdp.units],
+                "resident": [u.resident for u in fsdp.units],
+                "unit_bytes": unit_bytes,
+                "peak": max(s["peak_gathered_bytes"] for s in stats),
                 "shard_numel": sum(p.numel() for p in opt_params(fsdp)),
                 "replicated": [[f.numel for f in u.flats if f.replicated] for u in fsdp.units],
                 "events": [e for e in tracer.events() if e["ph"] == "X"] if tracer is not None else None,
@@ -141,9 +169,13 @@ def _worker(world) -> dict:
     cfg = _cfg()
     ref_losses, _ = _reference(cfg)
     losses, state, stats, fsdp = _train_fsdp(world, cfg, "token_threaded", param_dtype=torch.bfloat16)
-    report["mixed"] = {"losses": losses, "ref_losses": ref_losses, "peak": max(s["peak_gathered_bytes"] for s in stats),
-                       "shard_dtypes": sorted({str(f.shard.dtype) for f in fsdp.flats()}),
-                       "grad_dtypes": sorted({str(f.shard.grad.dtype) for f in fsdp.flats() if f.shard.grad is not None})}
+    report["mixed"] = {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "peak": max(s["peak_gathered_bytes"] for s in stats),
+        "shard_dtypes": sorted({str(f.shard.dtype) for f in fsdp.flats()}),
+        "grad_dtypes": sorted({str(f.shard.grad.dtype) for f in fsdp.flats() if f.shard.grad is not None}),
+    }
     # TP2 × FSDP2: TP groups {0,1}, {2,3} (TP fastest), FSDP over {0,2}, {1,3}
     rank = world.rank
     tp = [world.new_communicator([0, 1], "tp0"), world.new_communicator([2, 3], "tp1")][rank // 2]
@@ -156,8 +188,12 @@ def _worker(world) -> dict:
             # atol 1e-5 ≪ one AdamW step (lr 3e-3): TP sums partial products in another order, and Adam's
             # normalisation turns that rounding of near-zero gradients into ~1e-6 weight differences
             mismatch, missing = _compare(state, ref_state, atol=1e-5)
-            report[("tp2", sequence_parallel, policy)] = {"losses": losses, "ref_losses": ref_losses, "mismatch": mismatch,
-                                                          "missing": missing}
+            report[("tp2", sequence_parallel, policy)] = {
+                "losses": losses,
+                "ref_losses": ref_losses,
+                "mismatch": mismatch,
+                "missing": missing,
+            }
     return report
 
 
@@ -296,7 +332,12 @@ def _bad_input(world) -> list[str]:
     model = _model(_cfg())
     opt = _optimizer(model)
     errors = []
-    for kwargs in ({"prefetch": "lazy"}, {"prefetch_distance": 0}, {"reduce_scatter_delay": -1}, {"param_persistence_threshold": -2}):
+    for kwargs in (
+        {"prefetch": "lazy"},
+        {"prefetch_distance": 0},
+        {"reduce_scatter_delay": -1},
+        {"param_persistence_threshold": -2},
+    ):
         try:
             apply_fsdp(model, world.world, [opt], **kwargs)
         except ValueError as exc:

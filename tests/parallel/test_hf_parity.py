@@ -22,9 +22,20 @@ from hf_reference import llama_config
 
 transformers = pytest.importorskip("transformers")
 
-TINY = dict(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=64,
-            max_position_embeddings=64, rope_theta=10000.0, norm_eps=1e-5, tie_word_embeddings=False,
-            init_method_std=0.02, activations_checkpoint_granularity=None)
+TINY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=2,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=64,
+    max_position_embeddings=64,
+    rope_theta=10000.0,
+    norm_eps=1e-5,
+    tie_word_embeddings=False,
+    init_method_std=0.02,
+    activations_checkpoint_granularity=None,
+)
 
 
 def hf_model() -> "transformers.LlamaForCausalLM":
@@ -38,7 +49,7 @@ def hf_model() -> "transformers.LlamaForCausalLM":
 
 
 def to_ours(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {(k[len("model."):] if k.startswith("model.") else k): v.detach().clone() for k, v in hf_state.items()}
+    return {(k[len("model.") :] if k.startswith("model.") else k): v.detach().clone() for k, v in hf_state.items()}
 
 
 def ours(state: dict[str, torch.Tensor]) -> LlamaForCausalLM:
@@ -75,5 +86,10 @@ def test_logits_match_transformers_unsharded_and_tp2():
 
     for rank, by_sp in enumerate(run_local(_tp_logits, 2, state, ids, timeout_s=110)):
         for sequence_parallel, logits in by_sp.items():
-            torch.testing.assert_close(torch.from_numpy(logits), expected, rtol=1e-5, atol=1e-5,
-                                       msg=lambda m: f"rank {rank}, TP2, sequence_parallel={sequence_parallel}: {m}")
+            torch.testing.assert_close(
+                torch.from_numpy(logits),
+                expected,
+                rtol=1e-5,
+                atol=1e-5,
+                msg=lambda m: f"rank {rank}, TP2, sequence_parallel={sequence_parallel}: {m}",
+            )

@@ -37,7 +37,9 @@ SCRIPT = Path(__file__).parent / "lora_lightning_run.py"
 def run(layout: str, out: Path, steps: int, resume: Path | None = None) -> dict[int, float]:
     out.mkdir()
     cmd = [sys.executable, str(SCRIPT), layout, str(out), str(steps), *([str(resume)] if resume else [])]
-    result = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=200, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    result = subprocess.run(
+        cmd, cwd=out, capture_output=True, text=True, timeout=200, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return {int(k): v for k, v in json.loads((out / "losses.json").read_text()).items()}
 

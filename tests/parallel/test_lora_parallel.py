@@ -25,17 +25,36 @@ from nxdt.comm.spawn import run_local
 from nxdt.models.llama import LlamaForCausalLM
 from nxdt.models.lora import LoRALinear, apply_lora, has_lora, merge_lora
 from nxdt.parallel.data_parallel import ModelParallel, data_parallel_runtime
-from nxdt.parallel.tensor_parallel import (ColumnParallelLinear, LoRAParallelLinear, RowParallelLinear, apply_tensor_parallel,
-                                           gather_from_tensor_parallel_region, gather_full_grads, gather_full_state_dict, sync_replicated_grads)
+from nxdt.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    LoRAParallelLinear,
+    RowParallelLinear,
+    apply_tensor_parallel,
+    gather_from_tensor_parallel_region,
+    gather_full_grads,
+    gather_full_state_dict,
+    sync_replicated_grads,
+)
 
 BATCH, SEQ = 2, 8
 ALL = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def config(**overrides) -> SimpleNamespace:
-    base = dict(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=64,
-                max_position_embeddings=64, rope_theta=10000.0, norm_eps=1e-5, tie_word_embeddings=False,
-                init_method_std=0.02, activations_checkpoint_granularity=None)
+    base = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=64,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+        tie_word_embeddings=False,
+        init_method_std=0.02,
+        activations_checkpoint_granularity=None,
+    )
     return SimpleNamespace(**{**base, **overrides})
 
 
@@ -160,9 +179,12 @@ def state_elements(optimizer: torch.optim.Optimizer) -> int:
     return sum(v.numel() for st in inner.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim())
 
 
-DP_KINDS = {"replicated": {}, "zero1": {"zero1": True},
-            "fsdp": {"fsdp": {"param_persistence_threshold": 0}},  # every flat sharded, adapters included
-            "fsdp-persistent": {"fsdp": {"prefetch": "token_threaded"}}}  # default threshold: the small adapter flats stay whole on every rank
+DP_KINDS = {
+    "replicated": {},
+    "zero1": {"zero1": True},
+    "fsdp": {"fsdp": {"param_persistence_threshold": 0}},  # every flat sharded, adapters included
+    "fsdp-persistent": {"fsdp": {"prefetch": "token_threaded"}},
+}  # default threshold: the small adapter flats stay whole on every rank
 MICRO = 2  # micro-batches per rank and step (the FSDP units are freed and re-gathered in each)
 
 
@@ -206,14 +228,19 @@ def _dp_case(world, kind: str, overrides: dict, steps: int = 3) -> dict:
         ref_losses.append(ref_loss.item())
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=0, msg=lambda m: f"{tag}: {m}")
     state = rt.model_state_dict(holder)  # FSDP: gathered over DP
-    state = {k[len("model."):]: v for k, v in state.items()}
+    state = {k[len("model.") :]: v for k, v in state.items()}
     for name, value in ref.state_dict().items():
         if name in base_before:  # the base weights did not move, exactly
             assert torch.equal(state[name], base_before[name]), (tag, name)
         else:
             close(state[name], value, f"{tag} adapter {name} after {steps} steps", rtol=1e-4, atol=1e-6)
-    out = {"losses": losses, "state": state_elements(opt), "adapters": adapters, "frozen": frozen,
-           "trainable_module_params": sum(p.numel() for p in holder.parameters() if p.requires_grad)}
+    out = {
+        "losses": losses,
+        "state": state_elements(opt),
+        "adapters": adapters,
+        "frozen": frozen,
+        "trainable_module_params": sum(p.numel() for p in holder.parameters() if p.requires_grad),
+    }
     if kind.startswith("fsdp"):
         flats = rt.fsdp.flats()
         out["frozen_shards"] = sum(f.shard.numel() for f in flats if not f.trainable)
@@ -275,6 +302,7 @@ def _frozen_first_unit(world) -> None:
         def check(grad):  # runs just before the frozen linear's backward reads its weight
             if any(f.full.untyped_storage().nbytes() == 0 for f in unit.flats if not f.trainable):
                 freed_too_early.append(unit.index)
+
         return lambda module, args, out: (out.register_hook(check), None)[1]
 
     for unit, block in zip(fsdp.units, model):
@@ -306,8 +334,17 @@ def _tp_fsdp_world(world) -> list[float]:
     layout = shard_layout(model)
     holder = Holder(model)
     rt = data_parallel_runtime(fsdp={"param_persistence_threshold": 0})
-    rt.bind(ModelParallel(dp=dp, dp_size=2, tp=tp, sequence_parallel=True, norm_weights=norm_weights(model, 2),
-                          tp_layout=layout, tp_partial_grads=partial_grad_names(model)))
+    rt.bind(
+        ModelParallel(
+            dp=dp,
+            dp_size=2,
+            tp=tp,
+            sequence_parallel=True,
+            norm_weights=norm_weights(model, 2),
+            tp_layout=layout,
+            tp_partial_grads=partial_grad_names(model),
+        )
+    )
     rt.broadcast_parameters(holder)
     opt_ref = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
@@ -329,7 +366,7 @@ def _tp_fsdp_world(world) -> list[float]:
         dp.all_reduce(mean, op="avg")
         close(mean, ref_loss, f"tp2+sp x fsdp2 loss step {step}", rtol=1e-4 if step else 1e-5)
         losses.append(mean.item())
-    state = {k[len("model."):]: v for k, v in rt.model_state_dict(holder).items()}
+    state = {k[len("model.") :]: v for k, v in rt.model_state_dict(holder).items()}
     for name, value in ref.state_dict().items():
         full = gather_shards(state[name], tp, *layout[name]) if name in layout else state[name]
         close(full, value, f"tp2+sp x fsdp2 {name} after 3 steps", rtol=1e-4, atol=1e-6)

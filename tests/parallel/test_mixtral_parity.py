@@ -18,15 +18,30 @@ import torch
 
 from nxdt.comm.spawn import run_local
 from nxdt.models.mixtral import MixtralForCausalLM
-from nxdt.parallel.tensor_parallel import (apply_tensor_parallel, gather_from_tensor_parallel_region, gather_full_grads,
-                                           sync_replicated_grads)
+from nxdt.parallel.tensor_parallel import (
+    apply_tensor_parallel,
+    gather_from_tensor_parallel_region,
+    gather_full_grads,
+    sync_replicated_grads,
+)
 
 transformers = pytest.importorskip("transformers")
 
 MOE = dict(num_experts=4, top_k=2, router_aux_loss_coef=0.05)
-TINY = dict(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=48,
-            max_position_embeddings=64, rope_theta=10000.0, norm_eps=1e-5, tie_word_embeddings=False,
-            init_method_std=0.02, activations_checkpoint_granularity=None)
+TINY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=2,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=48,
+    max_position_embeddings=64,
+    rope_theta=10000.0,
+    norm_eps=1e-5,
+    tie_word_embeddings=False,
+    init_method_std=0.02,
+    activations_checkpoint_granularity=None,
+)
 
 
 def cfg() -> SimpleNamespace:
@@ -40,10 +55,20 @@ def hf_model() -> "transformers.MixtralForCausalLM":
     else:
         rope = {"rope_theta": c.rope_theta}
     config = transformers.MixtralConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_kv_heads,
-        num_local_experts=MOE["num_experts"], num_experts_per_tok=MOE["top_k"], max_position_embeddings=c.max_position_embeddings,
-        rms_norm_eps=c.norm_eps, tie_word_embeddings=False, router_aux_loss_coef=MOE["router_aux_loss_coef"], **rope)
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.ffn_hidden_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_kv_heads,
+        num_local_experts=MOE["num_experts"],
+        num_experts_per_tok=MOE["top_k"],
+        max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.norm_eps,
+        tie_word_embeddings=False,
+        router_aux_loss_coef=MOE["router_aux_loss_coef"],
+        **rope,
+    )
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = transformers.MixtralForCausalLM(config).eval()
@@ -57,16 +82,16 @@ def to_ours(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """HF names (fused experts of transformers ≥ 5, or per-expert w1/w2/w3) → ours."""
     out = {}
     for key, value in hf_state.items():
-        key = key[len("model."):] if key.startswith("model.") else key
+        key = key[len("model.") :] if key.startswith("model.") else key
         key = key.replace(".mlp.", ".block_sparse_moe.")
         value = value.detach().clone()
         if key.endswith("experts.gate_up_proj"):
-            prefix = key[:-len("gate_up_proj")]
+            prefix = key[: -len("gate_up_proj")]
             for e, fused in enumerate(value):
                 w1, w3 = fused.chunk(2, dim=0)
                 out[f"{prefix}{e}.w1.weight"], out[f"{prefix}{e}.w3.weight"] = w1.clone(), w3.clone()
         elif key.endswith("experts.down_proj"):
-            prefix = key[:-len("down_proj")]
+            prefix = key[: -len("down_proj")]
             for e, w2 in enumerate(value):
                 out[f"{prefix}{e}.w2.weight"] = w2.clone()
         else:
@@ -123,7 +148,9 @@ def test_mixtral_matches_transformers_unsharded_and_tp2():
     for rank, by_sp in enumerate(run_local(_tp_run, 2, state, timeout_s=110)):
         for sequence_parallel, r in by_sp.items():
             where = f"rank {rank}, TP2, sequence_parallel={sequence_parallel}"
-            torch.testing.assert_close(torch.from_numpy(r["logits"]), expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}: {m}")
+            torch.testing.assert_close(
+                torch.from_numpy(r["logits"]), expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}: {m}"
+            )
             loss, ref = r["loss"]
             assert loss == pytest.approx(ref, rel=1e-5), where  # cross-entropy + aux over every token
             assert r["same_names"], where

@@ -19,14 +19,29 @@ import torch
 
 from nxdt.comm.spawn import run_local
 from nxdt.models.mixtral import MixtralForCausalLM, SparseMoeBlock, local_dispatch
-from nxdt.parallel.expert_parallel import (apply_expert_parallel, is_expert_parameter, reduce_expert_gradients,
-                                           split_expert_parameters)
+from nxdt.parallel.expert_parallel import (
+    apply_expert_parallel,
+    is_expert_parameter,
+    reduce_expert_gradients,
+    split_expert_parameters,
+)
 
 MOE = types.SimpleNamespace(num_experts=4, top_k=2, router_aux_loss_coef=0.05)
-CFG = types.SimpleNamespace(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2,
-                            ffn_hidden_size=48, max_position_embeddings=64, rope_theta=10000.0, norm_eps=1e-5,
-                            tie_word_embeddings=False, init_method_std=0.02, activations_checkpoint_granularity=None,
-                            moe=MOE)
+CFG = types.SimpleNamespace(
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=2,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=48,
+    max_position_embeddings=64,
+    rope_theta=10000.0,
+    norm_eps=1e-5,
+    tie_word_embeddings=False,
+    init_method_std=0.02,
+    activations_checkpoint_granularity=None,
+    moe=MOE,
+)
 EP, BATCH, SEQ, STEPS, LR = 2, 2, 8, 5, 3e-3
 SGD_LR = 0.5  # EP×TP parity: large enough that 5 steps move weights by ~1e-3 (see _ep_tp_worker)
 
@@ -78,8 +93,9 @@ def _ep_worker(world) -> dict:
     names = dict(model.named_parameters())
     report["experts"] = [b.expert_ids for b in model.modules() if isinstance(b, SparseMoeBlock)]
     report["expert_names_kept"] = all(n in dict(reference.named_parameters()) for n in names)
-    report["flagged"] = sorted(n for n, p in names.items() if is_expert_parameter(p)) == \
-        sorted(n for n in names if ".experts." in n)
+    report["flagged"] = sorted(n for n, p in names.items() if is_expert_parameter(p)) == sorted(
+        n for n in names if ".experts." in n
+    )
     ids, labels = _tokens(rank, 0)
     logits = model(ids)
     loss = model.loss_fn(logits, labels)
@@ -142,11 +158,13 @@ def _ep_worker(world) -> dict:
         ref_losses.append(total)
     ref_params = dict(reference.named_parameters())
     report["train_losses"], report["ref_train_losses"] = losses, ref_losses
-    report["train_param_mismatch"] = [(n, _maxdiff(p.detach(), ref_params[n].detach()))
-                                      for n, p in model.named_parameters()
-                                      # atol 1e-5 ≪ one AdamW step (lr 3e-3): Adam's normalisation turns the
-                                      # rounding of near-zero expert gradients into ~1e-5 weight differences
-                                      if not _close(p.detach(), ref_params[n].detach(), 1e-4, 1e-5)]
+    report["train_param_mismatch"] = [
+        (n, _maxdiff(p.detach(), ref_params[n].detach()))
+        for n, p in model.named_parameters()
+        # atol 1e-5 ≪ one AdamW step (lr 3e-3): Adam's normalisation turns the
+        # rounding of near-zero expert gradients into ~1e-5 weight differences
+        if not _close(p.detach(), ref_params[n].detach(), 1e-4, 1e-5)
+    ]
 
     # ---- the raw dispatcher, crafted uneven splits: rank 0 sends nothing to rank 1, expert 2 gets no rows
     torch.manual_seed(1)
@@ -166,8 +184,9 @@ def _ep_worker(world) -> dict:
     report["dispatch_out_diff"] = _maxdiff(out_ep.detach(), out_ref.detach())
     report["dispatch_row_grad_diff"] = _maxdiff(rows_ep.grad, rows_ref.grad)
     # owner's expert grads = sum over both ranks' reference grads: gather the reference grads of every rank
-    ref_expert = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel())
-                            for p in full_block.experts.parameters()])
+    ref_expert = torch.cat(
+        [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in full_block.experts.parameters()]
+    )
     ep.all_reduce(ref_expert, "sum")
     offsets, off = {}, 0
     for n, p in full_block.experts.named_parameters():
@@ -177,7 +196,7 @@ def _ep_worker(world) -> dict:
     for n, p in holder.block.experts.named_parameters():
         o, k = offsets[n]
         got = p.grad.reshape(-1) if p.grad is not None else torch.zeros(k)
-        diffs.append(_maxdiff(got, ref_expert[o:o + k]))
+        diffs.append(_maxdiff(got, ref_expert[o : o + k]))
     report["dispatch_expert_grad_diff"] = max(diffs)
     return report
 
@@ -220,8 +239,9 @@ def _ep_dp_worker(world) -> list:
         dp.all_reduce(p.grad, "avg")
     reduce_expert_gradients(model, data_parallel_size=dp.size, expert_dp_comm=edp)
     want = dict(reference.named_parameters())
-    return [(n, _maxdiff(p.grad, want[n].grad)) for n, p in model.named_parameters()
-            if not _close(p.grad, want[n].grad, 1e-5, 1e-7)]
+    return [
+        (n, _maxdiff(p.grad, want[n].grad)) for n, p in model.named_parameters() if not _close(p.grad, want[n].grad, 1e-5, 1e-7)
+    ]
 
 
 @pytest.mark.timeout(120)
@@ -298,7 +318,8 @@ def _ep_tp_worker(world) -> dict:
         full, want = gather_full_state_dict(model, tp), reference.state_dict()
         report[sequence_parallel] = {
             "experts": [b.expert_ids for b in model.moe_blocks()],
-            "losses": losses, "ref_losses": ref_losses,
+            "losses": losses,
+            "ref_losses": ref_losses,
             # atol 2e-6: the rounding of 5 SGD steps is ~1e-7, a reduction error ~1e-3 (see the docstring)
             "param_mismatch": [(n, _maxdiff(t, want[n])) for n, t in full.items() if not _close(t, want[n], 1e-5, 2e-6)],
             "moved": max(_maxdiff(t, _model().state_dict()[n]) for n, t in full.items()),

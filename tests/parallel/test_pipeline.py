@@ -14,18 +14,42 @@ import torch
 
 from nxdt.comm.spawn import run_local
 from nxdt.models.llama import LlamaForCausalLM
-from nxdt.parallel.pipeline import (Backward, Forward, PipelineDeadlock, PipelineExecutor, RecvActivation, SendActivation,
-                                    build_chunks, chunk_parameters, forward_only, gpipe, interleaved_one_f_one_b,
-                                    one_f_one_b, simulate, split_layers)
+from nxdt.parallel.pipeline import (
+    Backward,
+    Forward,
+    PipelineDeadlock,
+    PipelineExecutor,
+    RecvActivation,
+    SendActivation,
+    build_chunks,
+    chunk_parameters,
+    forward_only,
+    gpipe,
+    interleaved_one_f_one_b,
+    one_f_one_b,
+    simulate,
+    split_layers,
+)
 
 SEQ, MICRO_BATCH, LR, STEPS = 8, 2, 1e-2, 5
 WEIGHTS = (0.5, 1.5, 0.0, 2.0)  # token weights of four micro-batches (mean 1, one without labels)
 
 
 def config(num_layers: int = 4, **overrides) -> SimpleNamespace:
-    base = dict(vocab_size=64, hidden_size=32, num_layers=num_layers, num_attention_heads=4, num_kv_heads=2,
-                ffn_hidden_size=64, max_position_embeddings=64, rope_theta=10000.0, norm_eps=1e-5,
-                tie_word_embeddings=False, init_method_std=0.02, activations_checkpoint_granularity=None)
+    base = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=num_layers,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=64,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+        tie_word_embeddings=False,
+        init_method_std=0.02,
+        activations_checkpoint_granularity=None,
+    )
     return SimpleNamespace(**{**base, **overrides})
 
 
@@ -92,15 +116,18 @@ def test_split_layers_even_uneven_virtual_and_cuts():
     assert split_layers(6, 2, virtual=2, cuts=[1, 3, 5]) == [[0], [1, 2], [3, 4], [5]]
 
 
-@pytest.mark.parametrize("args, message", [
-    (dict(num_layers=4, num_stages=8), r"8 stages = 8 model chunks but the model has only 4 layers"),
-    (dict(num_layers=4, num_stages=2, virtual=4), r"2 stages × 4 virtual chunks = 8 model chunks .* only 4 layers"),
-    (dict(num_layers=6, num_stages=3, cuts=[4, 2]), r"cuts=\[4, 2\] must be strictly increasing"),
-    (dict(num_layers=6, num_stages=2, cuts=[6]), r"cuts=\[6\] must be strictly increasing integers in 1..5"),
-    (dict(num_layers=6, num_stages=2, cuts=[0]), r"strictly increasing"),
-    (dict(num_layers=6, num_stages=3, cuts=[2]), r"2 values for 3 chunks, got 1"),
-    (dict(num_layers=4, num_stages=0), r"num_stages=0 must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (dict(num_layers=4, num_stages=8), r"8 stages = 8 model chunks but the model has only 4 layers"),
+        (dict(num_layers=4, num_stages=2, virtual=4), r"2 stages × 4 virtual chunks = 8 model chunks .* only 4 layers"),
+        (dict(num_layers=6, num_stages=3, cuts=[4, 2]), r"cuts=\[4, 2\] must be strictly increasing"),
+        (dict(num_layers=6, num_stages=2, cuts=[6]), r"cuts=\[6\] must be strictly increasing integers in 1..5"),
+        (dict(num_layers=6, num_stages=2, cuts=[0]), r"strictly increasing"),
+        (dict(num_layers=6, num_stages=3, cuts=[2]), r"2 values for 3 chunks, got 1"),
+        (dict(num_layers=4, num_stages=0), r"num_stages=0 must be a positive integer"),
+    ],
+)
 def test_split_layers_bad_input(args, message):
     with pytest.raises(ValueError, match=message):
         split_layers(**args)
@@ -176,8 +203,11 @@ def test_schedules_complete_ordered_and_deadlock_free(kind):
 
 def test_interleaved_order_matches_megatron_for_pp2_v2():
     # stage 0 of 2, 4 micro-batches, 2 chunks: warm-up (P-s-1)*2 + (V-1)*P = 4 forwards, then 1F1B
-    compute = [("F" if isinstance(t, Forward) else "B", t.microbatch, t.chunk)
-               for t in interleaved_one_f_one_b(2, 0, 4, 2) if isinstance(t, (Forward, Backward))]
+    compute = [
+        ("F" if isinstance(t, Forward) else "B", t.microbatch, t.chunk)
+        for t in interleaved_one_f_one_b(2, 0, 4, 2)
+        if isinstance(t, (Forward, Backward))
+    ]
     assert compute[:4] == [("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("F", 1, 1)]
     assert compute[4:8] == [("F", 2, 0), ("B", 0, 1), ("F", 3, 0), ("B", 1, 1)]
     # interleaving holds fewer activations than GPipe over the same chunks
@@ -227,11 +257,15 @@ def _pp_worker(world, runs):
         params = chunk_parameters(chunks)
         result = {"params": sorted(params)}
         if kind == "evaluate":  # validation: forward only, each micro-batch's loss on every stage, no gradient
-            result["eval"] = executor.evaluate([{"input_ids": i, "labels": lab} for i, lab in microbatches(num_microbatches, seed=7)])
+            result["eval"] = executor.evaluate(
+                [{"input_ids": i, "labels": lab} for i, lab in microbatches(num_microbatches, seed=7)]
+            )
             result["grads"] = {n: p.grad for n, p in params.items() if p.grad is not None}
         elif kind == "weighted":  # micro-batch losses scaled by their loss_weight (SFT's token weights)
-            mbs = [{"input_ids": i, "labels": lab, "loss_weight": torch.tensor(w, dtype=torch.float64)}
-                   for (i, lab), w in zip(microbatches(num_microbatches, seed=7), WEIGHTS)]
+            mbs = [
+                {"input_ids": i, "labels": lab, "loss_weight": torch.tensor(w, dtype=torch.float64)}
+                for (i, lab), w in zip(microbatches(num_microbatches, seed=7), WEIGHTS)
+            ]
             result["loss"] = executor.run(one_f_one_b(pp.size, pp.rank, num_microbatches), mbs)
             result["grads"] = {n: p.grad.numpy().copy() for n, p in params.items()}
         elif not train:
@@ -292,20 +326,21 @@ def _check_runs(runs, per_rank) -> None:
 
 @pytest.mark.timeout(120)
 def test_pp2_1f1b_interleaved_gpipe_match_single_process():
-    runs = [("1f1b", 4, 1, 4, False),
-            ("interleaved", 4, 2, 4, False),
-            ("gpipe", 4, 1, 3, False),
-            ("1f1b", 4, 1, 3, True),
-            ("interleaved", 4, 2, 4, True),
-            ("evaluate", 4, 2, 3, False),
-            ("weighted", 4, 1, 4, False)]
+    runs = [
+        ("1f1b", 4, 1, 4, False),
+        ("interleaved", 4, 2, 4, False),
+        ("gpipe", 4, 1, 3, False),
+        ("1f1b", 4, 1, 3, True),
+        ("interleaved", 4, 2, 4, True),
+        ("evaluate", 4, 2, 3, False),
+        ("weighted", 4, 1, 4, False),
+    ]
     _check_runs(runs, run_local(_pp_worker, 2, runs, timeout_s=110))
 
 
 @pytest.mark.timeout(120)
 def test_pp4_1f1b_and_interleaved_match_single_process():
-    runs = [("1f1b", 4, 1, 6, False),
-            ("interleaved", 8, 2, 4, False)]
+    runs = [("1f1b", 4, 1, 6, False), ("interleaved", 8, 2, 4, False)]
     _check_runs(runs, run_local(_pp_worker, 4, runs, timeout_s=110))
 
 

@@ -22,17 +22,37 @@ from nxdt.comm import Tracer
 from nxdt.comm.spawn import run_local
 from nxdt.models.llama import LlamaForCausalLM
 from nxdt.models.objectives import token_log_probs
-from nxdt.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead,
-                                           apply_tensor_parallel, gather_from_tensor_parallel_region, gather_full_grads,
-                                           gather_full_state_dict, sync_replicated_grads, vocab_parallel_cross_entropy)
+from nxdt.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    apply_tensor_parallel,
+    gather_from_tensor_parallel_region,
+    gather_full_grads,
+    gather_full_state_dict,
+    sync_replicated_grads,
+    vocab_parallel_cross_entropy,
+)
 
 BATCH, SEQ = 2, 8
 
 
 def config(**overrides) -> SimpleNamespace:
-    base = dict(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=64,
-                max_position_embeddings=64, rope_theta=10000.0, norm_eps=1e-5, tie_word_embeddings=False,
-                init_method_std=0.02, activations_checkpoint_granularity=None)
+    base = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=64,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+        tie_word_embeddings=False,
+        init_method_std=0.02,
+        activations_checkpoint_granularity=None,
+    )
     return SimpleNamespace(**{**base, **overrides})
 
 
@@ -67,7 +87,9 @@ def _check_activation_collectives(comm, cfg, sequence_parallel: bool, tag: str) 
     if cfg.activations_checkpoint_granularity == "full":
         return  # recomputation repeats (part of) the forward's collectives, as many as torch's checkpoint needs
     activation = BATCH * SEQ * cfg.hidden_size * 4
-    names = [e["name"] for e in tracer.events() if e.get("ph") == "X" and e["cat"] == "tp" and e["args"].get("bytes") == activation]
+    names = [
+        e["name"] for e in tracer.events() if e.get("ph") == "X" and e["cat"] == "tp" and e["args"].get("bytes") == activation
+    ]
     expected = 4 * cfg.num_layers + 2
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     if comm.size > cfg.num_kv_heads and cfg.num_kv_heads * head_dim * cfg.hidden_size * 4 == activation:
@@ -140,7 +162,12 @@ def _check_case(comm, overrides: dict, sequence_parallel: bool, steps: int) -> d
             for name, g in ref_grads.items():
                 close(grads[name], g, f"{tag} grad {name}", atol=1e-7)
             if replicated_kv:  # gathering keeps one replica per head: check this rank's own copy too
-                close(attn.v_proj.weight.grad, ref.layers[0].self_attn.v_proj.weight.grad[kv_rows], f"{tag} local KV grad", atol=1e-7)
+                close(
+                    attn.v_proj.weight.grad,
+                    ref.layers[0].self_attn.v_proj.weight.grad[kv_rows],
+                    f"{tag} local KV grad",
+                    atol=1e-7,
+                )
         losses.append(loss.item())
         if steps:
             opt_ref.step()
@@ -214,11 +241,11 @@ def _biased_mlp(comm) -> None:
         toy = apply_tensor_parallel(_Toy({"up": "colwise", "down": "rowwise"}), comm, sequence_parallel=sequence_parallel)
         x = torch.randn(2, 4 * comm.size, 4, generator=torch.Generator().manual_seed(5), requires_grad=True)
         expected = ref(x)
-        (expected ** 2).sum().backward()
+        (expected**2).sum().backward()
         mine = x.detach().chunk(comm.size, 1)[comm.rank].clone() if sequence_parallel else x.detach().clone()
         mine.requires_grad_()
         out = toy(mine)
-        (out ** 2).sum().backward()
+        (out**2).sum().backward()
         sync_replicated_grads(toy, comm)
         tag = f"biased MLP sp={sequence_parallel}"
         if sequence_parallel:
@@ -254,10 +281,10 @@ def _world(world, cases: list[tuple[dict, bool, int]], extras: bool) -> list[dic
 @pytest.mark.timeout(120)
 def test_tp2_matches_single_process():
     cases = [
-        ({}, False, 5),                                                  # KV heads sharded (2 heads, 2 ranks)
-        ({}, True, 5),                                                   # + sequence parallelism
-        ({"num_kv_heads": 1, "tie_word_embeddings": True}, True, 0),    # one KV head on both ranks; tied table
-        ({"activations_checkpoint_granularity": "full"}, True, 0),       # recompute in backward: same collectives
+        ({}, False, 5),  # KV heads sharded (2 heads, 2 ranks)
+        ({}, True, 5),  # + sequence parallelism
+        ({"num_kv_heads": 1, "tie_word_embeddings": True}, True, 0),  # one KV head on both ranks; tied table
+        ({"activations_checkpoint_granularity": "full"}, True, 0),  # recompute in backward: same collectives
     ]
     results = run_local(_world, 2, cases, True, timeout_s=110)
     assert [r["losses"] for r in results[0]] == [r["losses"] for r in results[1]]  # every rank computes the same loss
@@ -293,7 +320,9 @@ def test_shards_tile_the_full_weights():
 
 
 def test_layouts_that_cannot_be_split_fail_clearly():
-    with pytest.raises(ValueError, match=r"embed_tokens \(vocab_embedding\).*vocab size 64.*64 block\(s\) of 1.*3 tensor-parallel"):
+    with pytest.raises(
+        ValueError, match=r"embed_tokens \(vocab_embedding\).*vocab size 64.*64 block\(s\) of 1.*3 tensor-parallel"
+    ):
         apply_tensor_parallel(build(config()), fake_comm(3))
     # 6 query heads split over 3 ranks, but 2 KV heads neither divide nor are divided by 3
     cfg = config(vocab_size=66, hidden_size=36, num_attention_heads=6, num_kv_heads=2, ffn_hidden_size=48)

@@ -23,9 +23,20 @@ from nxdt.comm.spawn import run_local
 from nxdt.models.llama import LlamaForCausalLM
 from nxdt.parallel.zero1 import STATE_FORMAT, Zero1Optimizer, consolidate_shard_states
 
-CFG = types.SimpleNamespace(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2,
-                            ffn_hidden_size=64, max_position_embeddings=64, rope_theta=10000.0, norm_eps=1e-5,
-                            tie_word_embeddings=False, init_method_std=0.02, activations_checkpoint_granularity=None)
+CFG = types.SimpleNamespace(
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=2,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=64,
+    max_position_embeddings=64,
+    rope_theta=10000.0,
+    norm_eps=1e-5,
+    tie_word_embeddings=False,
+    init_method_std=0.02,
+    activations_checkpoint_granularity=None,
+)
 GLOBAL_BATCH, SEQ, STEPS, LR = 4, 8, 5, 1e-3
 MAX_NORM = 0.05  # the gradient norm of the tiny Llama is ~0.5: clipping is active on every step
 
@@ -37,8 +48,10 @@ def _model(seed: int = 0, dtype: torch.dtype = torch.float32) -> LlamaForCausalL
 
 def _groups(model: torch.nn.Module) -> list[dict]:
     named = list(model.named_parameters())
-    return [{"params": [p for _, p in named if p.dim() > 1], "weight_decay": 0.1},
-            {"params": [p for _, p in named if p.dim() <= 1], "weight_decay": 0.0}]
+    return [
+        {"params": [p for _, p in named if p.dim() > 1], "weight_decay": 0.1},
+        {"params": [p for _, p in named if p.dim() <= 1], "weight_decay": 0.0},
+    ]
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +62,7 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _local(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     per = GLOBAL_BATCH // size
-    return t[rank * per:(rank + 1) * per]
+    return t[rank * per : (rank + 1) * per]
 
 
 def _loss(model: LlamaForCausalLM, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -116,10 +129,16 @@ def _tensor_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _state_close(full: dict, ref: dict) -> tuple[bool, float]:
     """Same keys and param groups; the largest difference of any state tensor relative to its largest entry
     (entries of exp_avg near zero make elementwise relative errors meaningless)."""
-    same = full["param_groups"] == ref["param_groups"] and full["state"].keys() == ref["state"].keys() and all(
-        full["state"][k].keys() == ref["state"][k].keys() for k in ref["state"])
-    worst = max((_tensor_rel(full["state"][k][n], ref["state"][k][n]) for k in ref["state"] for n in ref["state"][k]),
-                default=0.0) if same else math.inf
+    same = (
+        full["param_groups"] == ref["param_groups"]
+        and full["state"].keys() == ref["state"].keys()
+        and all(full["state"][k].keys() == ref["state"][k].keys() for k in ref["state"])
+    )
+    worst = (
+        max((_tensor_rel(full["state"][k][n], ref["state"][k][n]) for k in ref["state"] for n in ref["state"][k]), default=0.0)
+        if same
+        else math.inf
+    )
     return same, worst
 
 
@@ -132,16 +151,26 @@ def _train_vs_reference(world) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
     losses, norms = _zero1_steps(model, opt, dp, 0, STEPS, sched=sched)
     full = opt.consolidated_state_dict(root=0)
-    out = {"losses": losses, "norms": norms, "used_lrs": opt.used_lrs, "state_bytes": opt.state_nbytes(),
-           "pad_elems": sum(b.padded - b.numel for b in opt._buckets), "n_buckets": len(opt._buckets),
-           "n_params": sum(1 for _ in model.parameters()), "full_is_none": full is None}
+    out = {
+        "losses": losses,
+        "norms": norms,
+        "used_lrs": opt.used_lrs,
+        "state_bytes": opt.state_nbytes(),
+        "pad_elems": sum(b.padded - b.numel for b in opt._buckets),
+        "n_buckets": len(opt._buckets),
+        "n_params": sum(1 for _ in model.parameters()),
+        "full_is_none": full is None,
+    }
     if dp.rank == 0:
         ref_model, ref_opt, ref_losses, ref_norms = _reference(STEPS)
-        out.update(ref_losses=ref_losses, ref_norms=ref_norms, consolidated=_state_close(full, ref_opt.state_dict()),
-                   ref_state_bytes=sum(v.numel() * v.element_size() for s in ref_opt.state.values() for v in s.values()),
-                   params_close=_params_close(model.parameters(), ref_model.parameters()),
-                   param_diff=max(float((p - q).detach().abs().max())
-                                  for p, q in zip(model.parameters(), ref_model.parameters())))
+        out.update(
+            ref_losses=ref_losses,
+            ref_norms=ref_norms,
+            consolidated=_state_close(full, ref_opt.state_dict()),
+            ref_state_bytes=sum(v.numel() * v.element_size() for s in ref_opt.state.values() for v in s.values()),
+            params_close=_params_close(model.parameters(), ref_model.parameters()),
+            param_diff=max(float((p - q).detach().abs().max()) for p, q in zip(model.parameters(), ref_model.parameters())),
+        )
     return out
 
 
@@ -161,8 +190,11 @@ def _check_train(results: list[dict], dp: int) -> None:
         # exp_avg + exp_avg_sq are 1/DP of the unsharded ones; padding adds < DP elements per bucket
         ref_moments = ref["ref_state_bytes"] - 4 * res["n_params"]  # minus one fp32 step counter per parameter
         moments = res["state_bytes"] - 4 * res["n_buckets"]
-        assert ref_moments / dp <= moments <= ref_moments / dp + 2 * 4 * res["pad_elems"] / dp + 1e-9, \
-            (r, moments, ref_moments / dp)
+        assert ref_moments / dp <= moments <= ref_moments / dp + 2 * 4 * res["pad_elems"] / dp + 1e-9, (
+            r,
+            moments,
+            ref_moments / dp,
+        )
 
 
 @pytest.mark.timeout(120)
@@ -217,8 +249,11 @@ def _round_trip(world) -> dict:
     consolidated = opt.consolidated_state_dict(root=None)
     # the checkpoint tools' way: the same state from the saved shards alone, no collectives
     offline = consolidate_shard_states(dp.all_gather_object(saved)[::-1])
-    offline_equal = offline["param_groups"] == consolidated["param_groups"] and offline["state"].keys() == consolidated["state"].keys() \
+    offline_equal = (
+        offline["param_groups"] == consolidated["param_groups"]
+        and offline["state"].keys() == consolidated["state"].keys()
         and all(torch.equal(offline["state"][i][k], v) for i, s in consolidated["state"].items() for k, v in s.items())
+    )
     same, worst = True, 0.0
     if dp.rank == 0:
         _, ref_opt, _, _ = _reference(2, scheduler=False)
@@ -233,11 +268,17 @@ def _round_trip(world) -> dict:
     _zero1_steps(fresh, fresh_opt, dp, 2, 2)
     exact = all(torch.equal(p, q) for p, q in zip(fresh.parameters(), expected))
 
-    return {"same": same, "worst": worst, "exact": exact, "saved_format": saved["format"], "offline_equal": offline_equal,
-            "saved_shard_numel": sum(t.numel() for t in saved["shards"]),
-            "total_numel": sum(p.numel() for p in model.parameters()),
-            # resharding onto one process (no collectives: rank 0 alone)
-            "resharded_close": _reshard_to_one_process(consolidated, expected) if dp.rank == 0 else None}
+    return {
+        "same": same,
+        "worst": worst,
+        "exact": exact,
+        "saved_format": saved["format"],
+        "offline_equal": offline_equal,
+        "saved_shard_numel": sum(t.numel() for t in saved["shards"]),
+        "total_numel": sum(p.numel() for p in model.parameters()),
+        # resharding onto one process (no collectives: rank 0 alone)
+        "resharded_close": _reshard_to_one_process(consolidated, expected) if dp.rank == 0 else None,
+    }
 
 
 def _reshard_to_one_process(consolidated: dict, expected: list[torch.Tensor]) -> bool:
@@ -316,7 +357,8 @@ def _master_weights(world) -> dict:
         "master_err": _tracking_error(torch.cat([masters[i].reshape(-1) for i in range(len(masters))]), ref_final, init),
         "bf16_err": _tracking_error(_flat_in_group_order(bf16), ref_final, init),
         "params_are_rounded_masters": all(torch.equal(p, masters[i].to(torch.bfloat16)) for i, p in enumerate(params)),
-        "dtypes": {str(p.dtype) for p in params}, "shard_dtypes": {str(b.shard.dtype) for b in opt._buckets},
+        "dtypes": {str(p.dtype) for p in params},
+        "shard_dtypes": {str(b.shard.dtype) for b in opt._buckets},
     }
     if dp.rank == 0:
         out["pure_bf16_err"] = _tracking_error(_plain_adamw_run(torch.bfloat16)[1], ref_final, init)
@@ -416,8 +458,12 @@ def test_bad_input_spawned(two_ranks):
 # ------------------------------------------------------------------------------------------ the 2-rank world
 def _two_rank_world(world) -> dict:
     """Every 2-rank scenario in one spawned world (spawning dominates the run time on a busy machine)."""
-    return {"train": _train_vs_reference(world), "round_trip": _round_trip(world), "master": _master_weights(world),
-            "bad": _bad_input_spawned(world)}
+    return {
+        "train": _train_vs_reference(world),
+        "round_trip": _round_trip(world),
+        "master": _master_weights(world),
+        "bad": _bad_input_spawned(world),
+    }
 
 
 @pytest.fixture(scope="module")
