@@ -250,7 +250,7 @@ class NxDStrategy(ParallelStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._parallelize()
-        self._dp.bind(model_parallel(self.plan, self.communicators, self._parallel, sequence_parallel=self._sequence_parallel))
+        self._dp.bind(model_parallel(self.communicators, self._parallel, sequence_parallel=self._sequence_parallel))
         self._dp.broadcast_parameters(self.lightning_module)
         trainable = frozenset(n for n, p in self.lightning_module.named_parameters() if p.requires_grad)  # before FSDP
         self._checkpoints.bind(
@@ -279,12 +279,11 @@ class NxDStrategy(ParallelStrategy):
         """Shard the module's hub ``model`` for this rank (:func:`nxdt.parallel.parallelize.parallelize`), once."""
         model = getattr(self.lightning_module, "model", None)
         sharded_already = model is not None and model is self._parallelized  # fit, then test / predict
-        if not needs_hub_model(self.plan) or sharded_already:
+        if not needs_hub_model(self.communicators) or sharded_already:
             return
         objective = getattr(self.lightning_module, "objective", None)  # CausalLMModule's (DPO reads more than labels)
         self._parallel = parallelize(
             model,
-            self.plan,
             self.communicators,
             sequence_parallel=self._sequence_parallel,
             virtual_pipeline=self._virtual,

@@ -20,7 +20,15 @@ from nxdt.parallel.data_parallel import ModelParallel
 from nxdt.parallel.expert_parallel import apply_expert_parallel
 from nxdt.parallel.pipeline import PipelineExecutor, build_chunks
 from nxdt.parallel.tensor_parallel import apply_tensor_parallel, norm_weights, partial_grad_names, shard_layout
-from nxdt.planner import Dim, Plan
+
+# ``comms`` below: this rank's communicator of every planned group, keyed by dimension name (the planner's ``Dim``
+# values); each degree is its group's size, so this layer needs the communicators only, not the plan.
+
+
+def degree(comms: Mapping[str, Communicator], dim: str) -> int:
+    """The size of this rank's group along ``dim`` (1 where the plan has no such group)."""
+    comm = comms.get(dim)
+    return comm.size if comm is not None else 1
 
 
 @dataclass
@@ -33,14 +41,13 @@ class Parallelized:
     tp_partial_grads: set[str] | None = None  # TP: parameters whose gradients are partial sums over TP
 
 
-def needs_hub_model(plan: Plan) -> bool:
+def needs_hub_model(comms: Mapping[str, Communicator]) -> bool:
     """Any model-parallel degree > 1 (then the module's ``model`` must be a hub model)."""
-    return max(plan.tp, plan.pp, plan.ep, plan.cp) > 1
+    return max(degree(comms, dim) for dim in ("tp", "pp", "ep", "cp")) > 1
 
 
 def parallelize(
     model: nn.Module,
-    plan: Plan,
     comms: Mapping[str, Communicator],
     *,
     sequence_parallel: bool = False,
@@ -56,37 +63,37 @@ def parallelize(
             "model-hub model (embed / run_layer / head), e.g. nxdt.lightning.CausalLMModule"
         )
     out = Parallelized()
-    if plan.tp > 1:
-        apply_tensor_parallel(model, comms[Dim.TP], sequence_parallel=sequence_parallel)
-        out.norm_weights = norm_weights(model, plan.tp)
-    if plan.cp > 1:  # each layer's core attention becomes ring attention over the CP group (weights untouched)
-        apply_context_parallel(model, comms[Dim.CP])
-    if plan.ep > 1:  # after TP: it flags the (TP-sharded) expert parameters it keeps
-        apply_expert_parallel(model, comms[Dim.EP])
-    if plan.pp > 1:
-        pp = comms[Dim.PP]
-        chunks = build_chunks(model, pp.rank, plan.pp, virtual=virtual_pipeline)
+    tp, cp, ep, pp = (degree(comms, dim) for dim in ("tp", "cp", "ep", "pp"))
+    if tp > 1:
+        apply_tensor_parallel(model, comms["tp"], sequence_parallel=sequence_parallel)
+        out.norm_weights = norm_weights(model, tp)
+    if cp > 1:  # each layer's core attention becomes ring attention over the CP group (weights untouched)
+        apply_context_parallel(model, comms["cp"])
+    if ep > 1:  # after TP: it flags the (TP-sharded) expert parameters it keeps
+        apply_expert_parallel(model, comms["ep"])
+    if pp > 1:
+        chunks = build_chunks(model, comms["pp"].rank, pp, virtual=virtual_pipeline)
         out.pipeline = PipelineExecutor(
-            chunks, pp, model.loss_fn, seq_shards=plan.tp if sequence_parallel else 1, batch_loss=batch_loss
+            chunks, comms["pp"], model.loss_fn, seq_shards=tp if sequence_parallel else 1, batch_loss=batch_loss
         )
-    if plan.tp > 1:  # this stage's TP-sharded parameters, recorded before FSDP could flatten them
+    if tp > 1:  # this stage's TP-sharded parameters, recorded before FSDP could flatten them
         out.tp_layout = shard_layout(model)
         out.tp_partial_grads = partial_grad_names(model)
     return out
 
 
 def model_parallel(
-    plan: Plan, comms: Mapping[str, Communicator], parallelized: Parallelized, *, sequence_parallel: bool = False
+    comms: Mapping[str, Communicator], parallelized: Parallelized, *, sequence_parallel: bool = False
 ) -> ModelParallel:
     """This rank's groups as the data-parallel runtime composes with them (TP/PP/EP only where the degree > 1).
     Under context parallelism the replicas of the weights are DP × CP: gradients are averaged, and ZeRO-1/FSDP
     shard, over that group (CP ranks hold the same weights, as DP ranks do)."""
-    split = {dim.value: comms[dim] if plan.degree(dim) > 1 else None for dim in (Dim.TP, Dim.PP, Dim.EP)}
-    replicas = comms[Dim.DP_CP] if plan.cp > 1 else comms[Dim.DP]
+    split = {dim: comms[dim] if degree(comms, dim) > 1 else None for dim in ("tp", "pp", "ep")}
+    replicas = comms["dp_cp"] if degree(comms, "cp") > 1 else comms["dp"]
     return ModelParallel(
         dp=replicas,
-        dp_size=plan.dp_cp,
-        edp=comms.get(Dim.EDP),
+        dp_size=replicas.size,
+        edp=comms.get("edp"),
         **split,
         sequence_parallel=sequence_parallel,
         norm_weights=parallelized.norm_weights,
