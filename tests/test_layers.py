@@ -92,3 +92,16 @@ def test_the_allow_list_is_still_needed():
         assert any(t == layer_pkg or t.startswith(layer_pkg + ".") for t in _imports(module, modules[module])), (
             f"{module} no longer imports {layer_pkg}: remove it from ALLOWED"
         )
+
+
+def test_parallel_builds_on_comm_only():
+    """docs/architecture.md §2: the parallel layers take communicators (their degrees are the groups' sizes), never
+    the plan or the config: a Lightning-free user of nxdt.parallel needs nxdt.comm (and its peers models/data)."""
+    outside = []
+    for module, path in _modules().items():
+        if module.startswith("nxdt.parallel"):
+            for target in sorted(_imports(module, path)):
+                layer = _layer(target)
+                if layer is not None and layer[0] in ("config", "topology", "planner"):  # higher: the test above
+                    outside.append(f"{path.relative_to(ROOT)} imports {target}")
+    assert not outside, "\n".join(outside)
