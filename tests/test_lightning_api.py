@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,21 @@ def readme_example(tag: str) -> str:
     return match.group(1)
 
 
+def port_outside_the_ephemeral_range() -> int:
+    """A free TCP port below the kernel's ephemeral range. Lightning picks MASTER_PORT by binding port 0 and releasing
+    it, so a test running beside this one (pytest-xdist) can be handed the same ephemeral port before rank 0 binds it
+    again; a port the kernel never hands out for port 0 cannot be taken that way."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in range(low - 1, 1024, -1):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_readme_lightning_example_trains_with_two_workers(tmp_path):
@@ -32,7 +48,7 @@ def test_readme_lightning_example_trains_with_two_workers(tmp_path):
         capture_output=True,
         text=True,
         timeout=170,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(port_outside_the_ephemeral_range())},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     match = re.search(
