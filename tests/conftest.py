@@ -4,6 +4,8 @@ module is collected, so tests in sub-folders import the shared helpers of this f
 
 from shared_runs import everyday_runs, reliability_reference  # noqa: E402,F401  (session fixtures several modules share)
 
+import os  # noqa: E402
+
 import pytest  # noqa: E402
 
 SHARED_RUN_FIXTURES = {"everyday_runs", "reliability_reference"}
@@ -17,3 +19,16 @@ def pytest_collection_modifyitems(config, items):
     sharing = {module[item] for item in items if SHARED_RUN_FIXTURES & set(getattr(item, "fixturenames", ()))}
     for item in items:
         item.add_marker(pytest.mark.xdist_group("shared_runs" if module[item] in sharing else module[item]))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test leaves os.environ as it found it. Lightning's launcher writes LOCAL_RANK, WORLD_SIZE and
+    MASTER_PORT into the launching process's environment even for one process, so after an in-process fit every
+    later subprocess inherited LOCAL_RANK=0 — and a ``python train.py`` of two ranks then started no second rank
+    and waited for it (CI, twice)."""
+    saved = dict(os.environ)
+    yield
+    for key in set(os.environ) - set(saved):
+        del os.environ[key]
+    os.environ.update(saved)

@@ -37,6 +37,16 @@ def port_outside_the_ephemeral_range() -> int:
     raise RuntimeError("no free port below the ephemeral range")
 
 
+# what a launcher (Lightning's own, torchrun, an earlier in-process fit) leaves in a process's environment
+LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def shell_environment(**extra: str) -> dict[str, str]:
+    """The environment of a shell a user types ``python train.py`` into: no launcher's rank variables."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES and not k.startswith("TORCHELASTIC_")}
+    return {**env, "PYTHONUNBUFFERED": "1", **extra}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_readme_lightning_example_trains_with_two_workers(tmp_path):
@@ -48,7 +58,7 @@ def test_readme_lightning_example_trains_with_two_workers(tmp_path):
         capture_output=True,
         text=True,
         timeout=170,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(port_outside_the_ephemeral_range())},
+        env=shell_environment(MASTER_PORT=str(port_outside_the_ephemeral_range())),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     match = re.search(
@@ -67,7 +77,7 @@ def test_readme_lightning_example_runs_under_torchrun(tmp_path):
     script.write_text(readme_example("lightning-api"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
     result = subprocess.run(
-        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=170, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=170, env=shell_environment()
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"final loss [0-9.]+ on 2 workers", result.stdout), result.stdout[-2000:]
@@ -89,3 +99,20 @@ def test_strategy_is_registered_by_name():
 
     trainer = pl.Trainer(strategy="nxdt", accelerator="cpu", devices=2, logger=False, enable_checkpointing=False)
     assert isinstance(trainer.strategy, NxDStrategy) and trainer.strategy.num_processes == 2
+
+
+def test_a_rank_lightning_never_started_is_named_not_waited_for_silently(monkeypatch):
+    """LOCAL_RANK left in the environment (by an outer launcher, or an earlier in-process fit: Lightning's
+    launcher writes it into os.environ) makes Lightning start no other ranks; rank 0 then waits for rank 1 —
+    the error names it and the variable, instead of a bare store timeout."""
+    from nxdt.comm import CommTimeoutError
+    from nxdt.lightning import environment
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    with pytest.raises(CommTimeoutError) as failure:
+        environment.join_world(0, 2, "127.0.0.1", port_outside_the_ephemeral_range(), timeout_s=1.0)
+    message = str(failure.value)
+    assert "rank(s) [1] never joined the run (2 ranks at 127.0.0.1:" in message
+    assert "LOCAL_RANK=0 is set in this process's environment" in message and "\n" not in message

@@ -727,6 +727,19 @@ class World:
 _JOINS = itertools.count(1)  # numbers this process's init_process calls
 
 
+def _joined(store: dist.Store, keys: list[str], ranks: list[int], where: str) -> list[str]:
+    """The values of ``keys`` (``ranks[i]`` writes ``keys[i]`` when it joins), or one error naming the ranks that
+    never joined — rather than the store's "wait timeout … keys: host/1"."""
+    try:
+        return [store.get(key).decode() for key in keys]
+    except dist.DistStoreError as exc:
+        absent = [rank for rank, key in zip(ranks, keys) if not store.check([key])]
+        raise CommTimeoutError(
+            f"nxdt.comm: rank(s) {absent} never joined the run ({where}): were they started, "
+            f"with the same MASTER_ADDR and MASTER_PORT?"
+        ) from exc
+
+
 def init_process(
     rank: int,
     world_size: int,
@@ -770,15 +783,16 @@ def init_process(
     # one process may join several times (a script's fit, then test: each sets up its strategy anew); every
     # rank runs the same sequence, so the count agrees, and no join reads the keys an earlier one left
     namespace = f"nxdt/{run_id or 'run'}/{attempt}/{next(_JOINS)}/"
+    where = f"{world_size} ranks at {master_addr}:{master_port}, {timeout_s:g} s"
     store = dist.PrefixStore(namespace, store)
     if rank == 0:
         remove_stale_segments()
         store.set("run_nonce", uuid.uuid4().hex[:8])
-    nonce = store.get("run_nonce").decode()
+    nonce = _joined(store, ["run_nonce"], [0], where)[0]
     # short: segment names must stay well below NAME_MAX
     full_run_id = f"{(run_id or 'run')[:24]}.{nonce}"
     store.set(f"host/{rank}", host_id or host_identity())
-    host_ids = [store.get(f"host/{r}").decode() for r in range(world_size)]
+    host_ids = _joined(store, [f"host/{r}" for r in range(world_size)], list(range(world_size)), where)
     local_ranks = host_ids.count(host_ids[rank])
     return World(
         rank,

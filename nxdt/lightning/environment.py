@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from nxdt.comm import Communicator, EmulatedLink, World, init_process
+from nxdt.comm import Communicator, CommTimeoutError, EmulatedLink, World, init_process
 from nxdt.planner import DIMENSIONS, Dim, Plan, plan_layout
 
 DEGREE_ARGS = {
@@ -58,15 +58,26 @@ def join_world(rank: int, world_size: int, address: str, port: int, *, timeout_s
     """Join the run through its rendezvous store: the elastic agent hosts it under ``nxdt train`` / ``torchrun``
     (``TORCHELASTIC_USE_AGENT_STORE=True``), rank 0 otherwise."""
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    return init_process(
-        rank,
-        world_size,
-        address,
-        port,
-        timeout_s=timeout_s,
-        run_id=os.environ.get("TORCHELASTIC_RUN_ID"),
-        store_is_server=(rank == 0 and not agent_hosts_store),
-    )
+    try:
+        return init_process(
+            rank,
+            world_size,
+            address,
+            port,
+            timeout_s=timeout_s,
+            run_id=os.environ.get("TORCHELASTIC_RUN_ID"),
+            store_is_server=(rank == 0 and not agent_hosts_store),
+        )
+    except CommTimeoutError as exc:
+        inherited = "LOCAL_RANK" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ
+        if not inherited:
+            raise
+        # Lightning starts the other ranks of a plain ``python script.py`` only when LOCAL_RANK is unset
+        raise CommTimeoutError(
+            f"{exc}; LOCAL_RANK={os.environ['LOCAL_RANK']} is set in this process's environment, so Lightning "
+            f"expected an outside launcher to start the other ranks and started none: unset LOCAL_RANK, or "
+            f"start the script with torchrun"
+        ) from exc
 
 
 def open_groups(world: World, plan: Plan, *, links: dict[str, EmulatedLink], choice: dict[str, str]) -> dict[str, Communicator]:
