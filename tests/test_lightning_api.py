@@ -76,9 +76,7 @@ def test_readme_lightning_example_runs_under_torchrun(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(readme_example("lightning-api"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
-    result = subprocess.run(
-        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=170, env=shell_environment()
-    )
+    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=170, env=shell_environment())
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"final loss [0-9.]+ on 2 workers", result.stdout), result.stdout[-2000:]
 
