@@ -735,8 +735,8 @@ def _joined(store: dist.Store, keys: list[str], ranks: list[int], where: str) ->
     except dist.DistStoreError as exc:
         absent = [rank for rank, key in zip(ranks, keys) if not store.check([key])]
         raise CommTimeoutError(
-            f"nxdt.comm: rank(s) {absent} never joined the run ({where}): were they started, "
-            f"with the same MASTER_ADDR and MASTER_PORT?"
+            f"nxdt.comm: rank(s) {absent} never joined the run ({where}): check that they were started, "
+            f"with the same MASTER_ADDR and MASTER_PORT"
         ) from exc
 
 
