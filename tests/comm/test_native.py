@@ -23,6 +23,7 @@ from nxdt.comm.spawn import RankFailed, run_local
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32]
 SIZES = [5, 1000, 20_000]  # one element per member and then some; one small step; past the 64 KB direct limit (3+ members slice)
+SLICE_SIZE = 20_000  # also all-reduced with algorithm="slice": the native slice step at every group size, 2 members too
 needs_native = pytest.mark.skipif(native._built is None, reason="the C extension is not built here")
 
 
@@ -43,6 +44,11 @@ def _exact_ops(world, expect_native: bool) -> None:
             t = _value(size, r, dtype)
             comm.all_reduce(t, "max")
             assert torch.equal(t, everyone[-1]), ("all_reduce max", dtype, size)
+            if size == SLICE_SIZE:
+                for op, want in (("sum", total), ("min", everyone[0])):
+                    t = _value(size, r, dtype)
+                    comm.all_reduce(t, op, algorithm="slice")
+                    assert torch.equal(t, want), ("all_reduce slice", op, dtype, size)
             t = _value(size, r, dtype)
             comm.reduce(t, size % n)
             assert torch.equal(t, total if r == size % n else _value(size, r, dtype)), ("reduce", dtype, size)
@@ -68,11 +74,11 @@ def _random_half(world) -> tuple[str, str]:
     comm, reduced, scattered = world.world, hashlib.sha256(), hashlib.sha256()
     g = torch.Generator().manual_seed(world.rank)
     for dtype in (torch.bfloat16, torch.float16):
-        for size in (100, 40_000):  # direct; slice (3+ members, past 64 KB)
+        for size in (100, 40_000):  # direct; slice (past 64 KB: 3+ members, and 2 members in fp16/bf16)
             for op in ("sum", "avg", "max", "prod"):
                 t = torch.randn(size, generator=g).to(dtype)
                 comm.all_reduce(t, op)
-                out = torch.empty(size // 4, dtype=dtype)
+                out = torch.empty(size // world.world_size, dtype=dtype)
                 comm.reduce_scatter(out, t)
                 reduced.update(t.view(torch.uint8).numpy().tobytes())
                 scattered.update(out.view(torch.uint8).numpy().tobytes())
@@ -81,9 +87,10 @@ def _random_half(world) -> tuple[str, str]:
 
 @needs_native
 @pytest.mark.timeout(120)
-def test_native_and_fallback_give_identical_bits_on_random_half_inputs():
-    on = run_local(_random_half, 4, timeout_s=100, init_options={"native": True})
-    off = run_local(_random_half, 4, timeout_s=100, init_options={"native": False})
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_native_and_fallback_give_identical_bits_on_random_half_inputs(world_size):
+    on = run_local(_random_half, world_size, timeout_s=100, init_options={"native": True})
+    off = run_local(_random_half, world_size, timeout_s=100, init_options={"native": False})
     assert len({all_reduced for all_reduced, _ in on}) == 1  # identical on every member
     assert on == off  # and the same bits on both paths, member by member
 
