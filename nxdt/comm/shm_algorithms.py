@@ -2,15 +2,15 @@
 
 On one host every member can read every other member's slot, so the fastest algorithms are direct:
 
-* all-reduce ``direct`` (3+ members below 64 KB; 2 members below 64 KB in fp16/bf16, below 2 MB in
-  the other dtypes): everyone copies its chunk in, then every member reduces the chunk from all slots
-  in member order — one synchronisation, identical bits everywhere. Members 0 and 1 reduce into their own tensor in place (it still holds
-  their contribution), which saves a memory stream per operand;
-* all-reduce ``slice`` (larger messages, 2 members too): member ``i`` copies in only the slices *others*
-  reduce, reduces its own slice ``i`` straight into its tensor (and its slot, for the others),
-  marks it reduced and copies the others' reduced slices out as they become ready — each element
-  converted, reduced and rounded once (by its slice's owner), the least CPU and memory traffic,
-  two synchronisations;
+* all-reduce ``direct`` (3+ members below 64 KB; 2 members at every size, except fp16/bf16 from
+  64 KB): everyone copies its chunk in, then every member reduces the chunk from all slots in member
+  order — one synchronisation, identical bits everywhere. Members 0 and 1 reduce into their own
+  tensor in place (it still holds their contribution), which saves a memory stream per operand;
+* all-reduce ``slice`` (larger messages; 2 members in fp16/bf16): member ``i`` copies in only the
+  slices *others* reduce, reduces its own slice ``i`` straight into its tensor (and its slot, for the
+  others), marks it reduced and copies the others' reduced slices out as they become ready — each
+  element converted, reduced and rounded once (by its slice's owner), the least CPU, two
+  synchronisations;
 * all-gather / reduce-scatter / all-to-all / broadcast / reduce: each member writes what others
   need into its slot once, in one step per slot-full, and every peer copies its part straight out.
 
@@ -33,11 +33,11 @@ from nxdt.comm.reduce import LOW_PRECISION, _combine_ as combine_, check_op, dty
 from nxdt.comm.shm import ShmChannel
 
 DIRECT_ALL_REDUCE_MAX_BYTES = 64 << 10  # 3+ members: direct below, slice above
-# 2 members: direct below, slice from here up. Direct has each rank convert, reduce and round every element; slice
-# halves that per rank (and in total when both ranks share one core) for one more synchronisation and a copy-out.
-# fp16/bf16 (the fp32 conversion is most of the kernel) gain from 64 KB, fp32 and the others only from 2 MB
-# (A/B in experiments/collectives-cpu, issue #23 round 9: bf16 1 MB 153 vs 191 µs, fp32 1 MB 153 vs 149 µs)
-SLICE_MIN_BYTES_2 = 2 << 20
+# 2 members, fp16/bf16: direct below, slice from here up. Direct has each rank widen, add and round every element;
+# slice halves that per rank (and in total when both ranks share one core) for one more synchronisation and a
+# copy-out. fp32 and the other dtypes stay direct at 2 members: without the conversion the halved kernel does not pay
+# for the extra pass (pinned A/B and DeepSpeed side by side in experiments/collectives-cpu, issue #23 round 9:
+# bf16 1 MB 153 vs 191 µs, fp32 1 MB 153 vs 149 µs, fp32 4 MB slice slower in every pass)
 SLICE_MIN_BYTES_2_HALF = 64 << 10
 # 2 members: up to this size an all-reduce is one native step, copied even from a shared tensor. At 256 KB the
 # copy (≈ 10 µs) costs about what zero-copy's second synchronisation does on a quiet host (44 vs 47 µs) and
@@ -93,10 +93,10 @@ def _all_reduce_plan(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str) -
     total, nbytes = t.numel(), t.numel() * t.element_size()
     fp = (OP_ALL_REDUCE + 100 * red, dtype_code(t.dtype), total, 0)
     if ch.size > 2:
-        slice_from = DIRECT_ALL_REDUCE_MAX_BYTES + 1
+        auto_slice = nbytes > DIRECT_ALL_REDUCE_MAX_BYTES
     else:
-        slice_from = SLICE_MIN_BYTES_2_HALF if t.dtype in LOW_PRECISION else SLICE_MIN_BYTES_2
-    sliced = algorithm == "slice" or (algorithm != "direct" and nbytes >= slice_from)
+        auto_slice = t.dtype in LOW_PRECISION and nbytes >= SLICE_MIN_BYTES_2_HALF
+    sliced = algorithm == "slice" or (algorithm != "direct" and auto_slice)
     chunk = (ch.slot_bytes if sliced else min(ch.slot_bytes, DIRECT_CHUNK_BYTES)) // t.element_size()
     # up to 64 KB (256 KB with 2 members) in one step: the whole call is one native step, copied even from a shared
     # tensor — a 64 KB copy costs a few µs, the zero-copy path's second synchronisation and Python tail tens (2 ranks:
