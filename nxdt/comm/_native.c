@@ -5,9 +5,8 @@
  *   reduce()          out = op(parts[0], parts[1], ...) in the given order, element by element; fp16/bf16
  *                     are accumulated in fp32 and rounded once, so the bits equal nxdt.comm.reduce's torch path;
  *   wait() / set_progress()
- *                     the channel's progress words: spin briefly (adaptive, ≤ 120 µs), poll (up to
- *                     WaitPolicy.spin_s on a rank that has a core; sched_yield between polls only while the awaited
- *                     peer last ran on this CPU, per its W_CPU word), then futex, announcing the sleep in
+ *                     the channel's progress words: spin briefly (adaptive, ≤ 120 µs), poll with sched_yield
+ *                     (up to WaitPolicy.spin_s on a rank that has a core), then futex, announcing the sleep in
  *                     the W_SLEEP word so writers wake only when somebody sleeps (nxdt/comm/shm.py);
  *   all_reduce_step() one step of the direct or the slice all-reduce: slot free? fingerprint, copy in, publish,
  *                     wait for every peer, compare fingerprints, reduce (everything, or my slice and mark it),
@@ -203,7 +202,7 @@ static const int ELEM[8] = {0, 4, 2, 2, 4, 8, 1, 8};
 
 /* ---------------------------------------------------------------------------------------------- waiting */
 /* channel header words (int64), as nxdt/comm/shm.py */
-enum { W_PROGRESS = 2, W_FP_DIGEST = 4, W_SLEEP = 10, W_CPU = 12, W_FINGERPRINT = 16, FP_WORDS = 6, W_SOURCE = 32 };
+enum { W_PROGRESS = 2, W_FP_DIGEST = 4, W_SLEEP = 10, W_FINGERPRINT = 16, FP_WORDS = 6, W_SOURCE = 32 };
 /* the context array a channel hands over (nxdt.comm.native.Context) */
 enum { C_N, C_ME, C_SLOT_BYTES, C_SPIN_NS, C_SPIN_BASE_NS, C_YIELDS, C_SPIN_EXTRA_NS, C_FUTEX, C_HEADERS };
 #define MAX_MEMBERS 64
@@ -236,58 +235,32 @@ static void futex_wait(int64_t *word, int64_t seen, int64_t ns) {
 
 /* 0 when every member in ``mask`` has progress >= target; 1 when still waiting after BLOCK_NS of sleeping.
  * ``main``: the caller is its process's main thread (may spin as long as the channel's adaptive budget). */
-/* 1 + the CPU I run on, kept in my W_CPU word for the peers that wait for me (written only when it changes) */
-static int64_t note_cpu(int64_t *ctx) {
-    int64_t cpu = sched_getcpu() + 1, *word = header(ctx, (int)ctx[C_ME]) + W_CPU;
-    if (__atomic_load_n(word, __ATOMIC_RELAXED) != cpu) __atomic_store_n(word, cpu, __ATOMIC_RELAXED);
-    return cpu;
-}
-/* does member i (last) run on my CPU — or is that unknown (0: a rank on the torch fallback)? Then it needs my core */
-static inline int shares_my_cpu(const int64_t *ctx, int i, int64_t cpu) {
-    int64_t theirs = __atomic_load_n(header(ctx, i) + W_CPU, __ATOMIC_RELAXED);
-    return theirs == 0 || theirs == cpu;
-}
-
 static int wait_members(int64_t *ctx, uint64_t mask, int64_t target, int main) {
     if (first_missing(ctx, mask, target) < 0) return 0;
-    int64_t start = now_ns(), cpu = note_cpu(ctx);
+    int64_t start = now_ns();
     int64_t spin = main ? ctx[C_SPIN_NS] : STREAM_SPIN_NS;
     for (unsigned k = 1;; k++) {
         CPU_RELAX();
-        int i = first_missing(ctx, mask, target);
-        if (i < 0) {
+        if (first_missing(ctx, mask, target) < 0) {
             if (main) { /* spinning paid off: a free core, spin longer next time (up to 4x the base) */
                 int64_t more = 2 * ctx[C_SPIN_NS], cap = 4 * ctx[C_SPIN_BASE_NS];
                 ctx[C_SPIN_NS] = more < cap ? more : cap;
             }
             return 0;
         }
-        /* spinning cannot help a member queued behind me on this CPU */
-        if ((k & 63) == 0 && (now_ns() - start > spin || __atomic_load_n(header(ctx, i) + W_CPU, __ATOMIC_RELAXED) == cpu)) break;
+        if ((k & 63) == 0 && now_ns() - start > spin) break;
     }
     if (main) { /* it did not: ranks outnumber cores, every spin steals the peer's time */
         int64_t less = ctx[C_SPIN_NS] / 2, floor = ctx[C_SPIN_BASE_NS] / 16;
         ctx[C_SPIN_NS] = less > floor ? less : floor;
     }
-    /* a main thread whose rank should have a core of its own keeps polling up to C_SPIN_EXTRA_NS. It yields
-     * between polls while the member it waits for last ran on this CPU: a pure spin would hold that peer off for a
-     * whole time slice (3-4 ms per call measured on a loaded 2-core host). While that member runs on another CPU
-     * it polls without yielding: a yield hands this core to any other process queued here for a whole slice,
-     * though the peer may publish within microseconds (2 ranks on 2 CPUs, one shared with another job: 440 µs per
-     * 256 KB call vs 40, issue #23 round 9). DeepSpeed's loop never yields; this one still sleeps after the budget. */
+    /* a main thread whose rank should have a core of its own keeps polling up to C_SPIN_EXTRA_NS, but yields
+     * between polls: when other work shares the host a peer may be queued behind us on this very core, and a
+     * pure spin would hold it off for a whole time slice (3-4 ms per call measured on a loaded 2-core host) */
     int64_t extra = main ? ctx[C_SPIN_EXTRA_NS] : 0;
-    for (int64_t y = 0;; y++) {
-        int i = first_missing(ctx, mask, target);
-        if (i < 0) return 0;
-        int polling = now_ns() - start < spin + extra;
-        if (!polling && y >= ctx[C_YIELDS]) break;
-        if (polling && extra && !shares_my_cpu(ctx, i, cpu)) {
-            for (int k = 0; k < 64; k++) CPU_RELAX();
-            y--; /* a poll, not one of the C_YIELDS yields */
-            continue;
-        }
+    for (int64_t y = 0; y < ctx[C_YIELDS] || now_ns() - start < spin + extra; y++) {
         sched_yield();
-        cpu = note_cpu(ctx); /* a yield may move me */
+        if (first_missing(ctx, mask, target) < 0) return 0;
     }
     int64_t *own = header(ctx, (int)ctx[C_ME]);
     int64_t nap = 20000;
@@ -307,7 +280,6 @@ static int wait_members(int64_t *ctx, uint64_t mask, int64_t target, int main) {
         int64_t seen = __atomic_load_n(word, __ATOMIC_SEQ_CST);
         if (seen < target) futex_wait(word, seen, left < SLICE_NS ? left : SLICE_NS);
         __atomic_store_n(own + W_SLEEP, 0, __ATOMIC_RELEASE);
-        note_cpu(ctx); /* woken, perhaps elsewhere */
     }
     return 0;
 }
@@ -360,7 +332,6 @@ static int all_reduce_step(int64_t *ctx, int64_t step, char *dst, int64_t count,
     size_t elem = (size_t)ELEM[dtype];
     char *mine = slot(ctx, me, step);
     int64_t lo, hi;
-    note_cpu(ctx);
     if (phase == 0) {
         if (step >= 2 && wait_members(ctx, peers, 3 * (step - 2) + 3, main)) return PENDING_SLOT;
         int64_t fp[FP_WORDS] = {fp0, dtype, fp_count, 0, 0, 0}; /* the whole message's count */

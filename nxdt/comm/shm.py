@@ -53,7 +53,6 @@ W_MAGIC, W_PID, W_PROGRESS, W_SLOT_BYTES = 0, 1, 2, 3
 W_FP_DIGEST = 4  # two words: digest of each slot parity's fingerprint, compared on the hot path
 W_SENT, W_ACKED = 6, 7  # mailbox counters (see nxdt.comm.mailbox); spaced from PROGRESS on purpose
 W_SLEEP = 10  # 1 + index of the member whose progress word I block on in the kernel, else 0
-W_CPU = 12  # 1 + the CPU I last ran on (native path; 0: unknown): a waiter yields its core only to a peer that shares it
 W_FINGERPRINT = 16  # two fingerprints (one per slot parity) of FP_WORDS words, for error messages
 FP_WORDS = 6
 W_SOURCE = 32  # per slot parity, two words: where my step's data lies — (0, 0): my slot; (block, byte offset): my
