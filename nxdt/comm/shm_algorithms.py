@@ -36,8 +36,9 @@ DIRECT_ALL_REDUCE_MAX_BYTES = 64 << 10  # 3+ members: direct below, slice above
 # 2 members, fp16/bf16: direct below, slice from here up. Direct has each rank widen, add and round every element;
 # slice halves that per rank (and in total when both ranks share one core) for one more synchronisation and a
 # copy-out. fp32 and the other dtypes stay direct at 2 members: without the conversion the halved kernel does not pay
-# for the extra pass (pinned A/B and DeepSpeed side by side in experiments/collectives-cpu, issue #23 round 9:
-# bf16 1 MB 153 vs 191 µs, fp32 1 MB 153 vs 149 µs, fp32 4 MB slice slower in every pass)
+# for the extra pass (experiments/collectives-cpu, issue #23 round 9: pinned_{split,same}.txt, bf16 1 MB slice 186 vs
+# 210 µs with a CPU per rank and 371 vs 418 on one CPU, fp32 1 MB 177 vs 160 and 390 vs 365; deepspeed_r9b: fp32 4 MB
+# plain 5087-7241 µs sliced vs 1020-3294 direct)
 SLICE_MIN_BYTES_2_HALF = 64 << 10
 # 2 members: up to this size an all-reduce is one native step, copied even from a shared tensor. At 256 KB the
 # copy (≈ 10 µs) costs about what zero-copy's second synchronisation does on a quiet host (44 vs 47 µs) and
