@@ -5,8 +5,8 @@ extension). It runs the hot loop of a channel on plain addresses: progress-word 
 futex, returning to Python every 20 ms so deadlines and peer liveness stay checked here), progress stores,
 the reduction kernels (fp16/bf16 accumulated in fp32, rounded once; AVX-512/AVX2 picked at run time) and
 one whole step of the direct or the slice all-reduce (copy in, publish, wait, reduce, [copy the peers'
-reduced slices out,] done) in one call. Results are
-bit-identical to the torch fallback of :mod:`nxdt.comm.reduce`, so the two may even mix across ranks.
+reduced slices out,] done) in one call. Results are bit-identical to the torch fallback of
+:mod:`nxdt.comm.reduce`, so the two may even mix across ranks (tests/comm/test_native.py does).
 
 ``lib`` is the module, or None: not built (a one-line notice at the first ``init_process``), or switched
 off with ``init_process(native=False)`` — the test/debug knob that forces the torch fallback (process-wide:
