@@ -21,6 +21,9 @@ git -C "$repo" archive "$base_sha" nxdt setup.py pyproject.toml | tar -x -C "$be
 if [ -f "$before/nxdt/comm/_native.c" ]; then  # the earlier code's own native path, not its fallback
   (cd "$before" && "$py" setup.py -q build_ext --inplace >/dev/null 2>&1)
 fi
+# not from the repo root: the workers' forkserver (started as `python -c`) imports nxdt with its cwd first on
+# sys.path, so a checkout's own nxdt/ there would shadow PYTHONPATH and "before" would run this tree's code
+cd "$here"
 for pass in $(seq 1 "$passes"); do
   for r in $ranks; do
     for label in $order; do

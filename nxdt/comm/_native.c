@@ -8,8 +8,9 @@
  *                     the channel's progress words: spin briefly (adaptive, ≤ 120 µs), poll with sched_yield
  *                     (up to WaitPolicy.spin_s on a rank that has a core), then futex, announcing the sleep in
  *                     the W_SLEEP word so writers wake only when somebody sleeps (nxdt/comm/shm.py);
- *   all_reduce_step() one step of the direct all-reduce: slot free? fingerprint, copy in, publish, wait for
- *                     every peer, compare fingerprints, reduce in member order, done.
+ *   all_reduce_step() one step of the direct or the slice all-reduce: slot free? fingerprint, copy in, publish,
+ *                     wait for every peer, compare fingerprints, reduce (everything, or my slice and mark it),
+ *                     (slice: copy the peers' reduced slices out), done.
  * A wait never blocks longer than BLOCK_NS: it returns "pending" and the Python layer checks its deadline
  * and the peers' liveness, then calls again. So timeouts and dead-peer errors stay in Python.
  *
@@ -78,10 +79,23 @@ static inline uint16_t f16_store(float f) {
 #define MAX_(a, b) (((a) != (a) || (a) > (b)) ? (a) : (b))
 
 /* One kernel per storage type T, accumulating in ACC. Every block of BLOCK elements is loaded from every
- * member before it is stored, so ``out`` may be one of ``parts``. */
+ * member before it is stored, so ``out`` may be one of ``parts``. ``out2``, if not NULL, gets the same result
+ * (the slice all-reduce's reduced slice goes to the caller's tensor and to its slot for the peers, in one pass).
+ * Two-operand sums (the 2-rank all-reduce) take a fused loop: no accumulator round trip through L1. */
 #define REDUCE_KERNEL(NAME, T, ACC, U, LOAD, STORE)                                                        \
-    CLONES static void NAME(void *out_, void *const *parts, int n, int64_t count, int op, int divisor) {  \
-        T *out = (T *)out_;                                                                               \
+    CLONES static void NAME(void *out_, void *out2_, void *const *parts, int n, int64_t count, int op, int divisor) { \
+        T *out = (T *)out_, *out2 = (T *)out2_;                                                           \
+        if (n == 2 && op == OP_SUM) {                                                                     \
+            const T *a = (const T *)parts[0], *c = (const T *)parts[1];                                   \
+            if (out2)                                                                                     \
+                for (int64_t i = 0; i < count; i++) {                                                     \
+                    T v = STORE((ACC)((U)LOAD(a[i]) + (U)LOAD(c[i])));                                    \
+                    out[i] = v, out2[i] = v;                                                              \
+                }                                                                                         \
+            else                                                                                          \
+                for (int64_t i = 0; i < count; i++) out[i] = STORE((ACC)((U)LOAD(a[i]) + (U)LOAD(c[i])));  \
+            return;                                                                                       \
+        }                                                                                                 \
         ACC acc[BLOCK];                                                                                   \
         for (int64_t b = 0; b < count; b += BLOCK) {                                                      \
             const int64_t len = count - b < BLOCK ? count - b : BLOCK;                                    \
@@ -101,6 +115,7 @@ static inline uint16_t f16_store(float f) {
             if (op == OP_AVG)                                                                             \
                 for (int64_t i = 0; i < len; i++) acc[i] = acc[i] / (ACC)divisor;                         \
             for (int64_t i = 0; i < len; i++) out[b + i] = STORE(acc[i]);                                 \
+            if (out2) memcpy(out2 + b, out + b, (size_t)len * sizeof(T)); /* still in L1 */              \
         }                                                                                                 \
     }
 
@@ -161,7 +176,7 @@ CLONES static void combine_f32(float *acc, const float *v, int64_t len, int op) 
         for (int64_t i = 0; i < len; i++) acc[i] = acc[i] * v[i];
 }
 
-static void reduce_f16(void *out, void *const *parts, int n, int64_t count, int op, int divisor) {
+static void reduce_f16(void *out, void *out2, void *const *parts, int n, int64_t count, int op, int divisor) {
     float acc[BLOCK], v[BLOCK];
     for (int64_t b = 0; b < count; b += BLOCK) {
         const int64_t len = count - b < BLOCK ? count - b : BLOCK;
@@ -173,6 +188,7 @@ static void reduce_f16(void *out, void *const *parts, int n, int64_t count, int 
         if (op == OP_AVG)
             for (int64_t i = 0; i < len; i++) acc[i] = acc[i] / (float)divisor;
         narrow((uint16_t *)out + b, acc, len);
+        if (out2) memcpy((uint16_t *)out2 + b, (uint16_t *)out + b, (size_t)len * 2);
     }
 }
 REDUCE_KERNEL(reduce_bf16, uint16_t, float, float, bf16_load, bf16_store)
@@ -180,7 +196,7 @@ REDUCE_KERNEL(reduce_i32, int32_t, int32_t, uint32_t, IDENT, IDENT)
 REDUCE_KERNEL(reduce_i64, int64_t, int64_t, uint64_t, IDENT, IDENT)
 REDUCE_KERNEL(reduce_u8, uint8_t, uint8_t, uint32_t, IDENT, IDENT)
 
-typedef void (*reduce_fn)(void *, void *const *, int, int64_t, int, int);
+typedef void (*reduce_fn)(void *, void *, void *const *, int, int64_t, int, int);
 static const reduce_fn KERNELS[8] = {NULL, reduce_f32, reduce_f16, reduce_bf16, reduce_i32, reduce_i64, reduce_u8, reduce_f64};
 static const int ELEM[8] = {0, 4, 2, 2, 4, 8, 1, 8};
 
@@ -280,8 +296,8 @@ static void set_progress(int64_t *ctx, int64_t value) {
         }
 }
 
-/* ---------------------------------------------------------------------------------------------- the direct all-reduce step */
-enum { DONE = 0, PENDING_SLOT = 1, PENDING_DATA = 2, PEER_SHARED = 3, MISMATCH = -1 };
+/* ---------------------------------------------------------------------------------------------- one all-reduce step */
+enum { DONE = 0, PENDING_SLOT = 1, PENDING_DATA = 2, PEER_SHARED = 3, PENDING_REDUCED = 4, MISMATCH = -1 };
 
 static uint64_t digest(const int64_t *fp, int len) { /* == nxdt.comm.shm._digest */
     uint64_t d = 0;
@@ -289,33 +305,85 @@ static uint64_t digest(const int64_t *fp, int len) { /* == nxdt.comm.shm._digest
     return d;
 }
 
-/* One step of shm_algorithms.all_reduce's direct algorithm for a private (non-shared) ``dst``; ``phase`` 0
- * starts it (again after PENDING_SLOT), 1 resumes after PENDING_DATA (published already). PEER_SHARED: published, but a peer's data
- * lies in its shared tensor: the caller finishes the step the slice way. */
+/* member i's slice [lo, hi) of a count-element step, as nxdt.comm.shm_algorithms._bounds */
+static void slice_of(int64_t count, int n, int i, int64_t *lo, int64_t *hi) {
+    int64_t per = (count + n - 1) / n;
+    *lo = i * per < count ? i * per : count;
+    *hi = (i + 1) * per < count ? (i + 1) * per : count;
+}
+
+/* One step of shm_algorithms.all_reduce for a private (non-shared) ``dst``, either algorithm:
+ *   direct (sliced = 0): copy all of dst in, publish, wait, reduce everything in member order into dst, done;
+ *   slice  (sliced = 1): copy in only the slices the peers reduce, publish, wait, reduce my slice into dst and
+ *                        into my slot in one pass, mark it reduced, copy each peer's reduced slice out of its slot
+ *                        as soon as it is marked, done. Each rank converts, adds and stores 1/n of the elements and
+ *                        moves 2(n-1)/n of the bytes: for 2 ranks half the work of direct, for one synchronisation more.
+ * ``phase`` 0 starts the step (again after PENDING_SLOT), 1 resumes after PENDING_DATA (published already), 2 after
+ * PENDING_REDUCED (my slice reduced and marked). PEER_SHARED: published, but a peer's data lies in its shared tensor:
+ * the caller finishes the step the Python way (_reduce_by_slices reads either layout). The operand order is the
+ * fallback's: member order for fp16/bf16 (fp32 accumulation needs all at once), else the slice's owner first and
+ * then the others in member order (reduce_into's order for an aliased output), so the bits are the fallback's. */
 static int all_reduce_step(int64_t *ctx, int64_t step, char *dst, int64_t count, int dtype, int op, int64_t fp0, int64_t fp_count,
-                           int phase, int main) {
+                           int phase, int main, int sliced) {
     int n = (int)ctx[C_N], me = (int)ctx[C_ME];
     uint64_t peers = (n >= 64 ? ~0ull : ((1ull << n) - 1)) & ~(1ull << me);
     int64_t *own = header(ctx, me);
     int parity = (int)(step & 1);
+    size_t elem = (size_t)ELEM[dtype];
+    char *mine = slot(ctx, me, step);
+    int64_t lo, hi;
     if (phase == 0) {
         if (step >= 2 && wait_members(ctx, peers, 3 * (step - 2) + 3, main)) return PENDING_SLOT;
         int64_t fp[FP_WORDS] = {fp0, dtype, fp_count, 0, 0, 0}; /* the whole message's count */
         memcpy(own + W_FINGERPRINT + parity * FP_WORDS, fp, sizeof fp);
         own[W_FP_DIGEST + parity] = (int64_t)digest(fp, 4);
         own[W_SOURCE + 2 * parity] = 0;
-        memcpy(slot(ctx, me, step), dst, (size_t)(count * ELEM[dtype]));
+        if (!sliced)
+            memcpy(mine, dst, (size_t)count * elem);
+        else
+            for (int j = 0; j < n; j++)
+                if (j != me) {
+                    slice_of(count, n, j, &lo, &hi);
+                    memcpy(mine + lo * elem, dst + lo * elem, (size_t)(hi - lo) * elem);
+                }
         set_progress(ctx, 3 * step + 1);
     }
-    if (wait_members(ctx, peers, 3 * step + 1, main)) return PENDING_DATA;
-    void *parts[MAX_MEMBERS];
-    for (int i = 0; i < n; i++) {
-        int64_t *h = header(ctx, i);
-        if (h[W_FP_DIGEST + parity] != own[W_FP_DIGEST + parity]) return MISMATCH;
-        if (h[W_SOURCE + 2 * parity] != 0) return PEER_SHARED;
-        parts[i] = i == me ? (void *)dst : (void *)slot(ctx, i, step); /* dst still holds my contribution */
+    if (phase <= 1) {
+        if (wait_members(ctx, peers, 3 * step + 1, main)) return PENDING_DATA;
+        for (int i = 0; i < n; i++) {
+            int64_t *h = header(ctx, i);
+            if (h[W_FP_DIGEST + parity] != own[W_FP_DIGEST + parity]) return MISMATCH;
+            if (h[W_SOURCE + 2 * parity] != 0) return PEER_SHARED;
+        }
+        void *parts[MAX_MEMBERS];
+        if (!sliced) {
+            for (int i = 0; i < n; i++) parts[i] = i == me ? (void *)dst : (void *)slot(ctx, i, step); /* dst still holds mine */
+            KERNELS[dtype](dst, NULL, parts, n, count, op, n);
+            set_progress(ctx, 3 * step + 3);
+            return DONE;
+        }
+        slice_of(count, n, me, &lo, &hi);
+        int k = 0, member_order = dtype == D_F16 || dtype == D_BF16;
+        if (!member_order) parts[k++] = dst + lo * elem;
+        for (int i = 0; i < n; i++)
+            if (i != me || member_order) parts[k++] = i == me ? dst + lo * elem : slot(ctx, i, step) + lo * elem;
+        if (hi > lo) KERNELS[dtype](dst + lo * elem, mine + lo * elem, parts, n, hi - lo, op, n);
+        set_progress(ctx, 3 * step + 2);
     }
-    KERNELS[dtype](dst, parts, n, count, op, n);
+    /* every peer's reduced slice, whichever is marked first (none ready: wait for the lowest-numbered) */
+    for (uint64_t left = peers; left;) {
+        int j = -1;
+        for (int i = 0; i < n; i++)
+            if (((left >> i) & 1) && progress(ctx, i) >= 3 * step + 2) { j = i; break; }
+        if (j < 0) {
+            int first = __builtin_ctzll(left);
+            if (wait_members(ctx, 1ull << first, 3 * step + 2, main)) return PENDING_REDUCED; /* resumed: copies again */
+            j = first;
+        }
+        slice_of(count, n, j, &lo, &hi);
+        memcpy(dst + lo * elem, slot(ctx, j, step) + lo * elem, (size_t)(hi - lo) * elem);
+        left &= ~(1ull << j);
+    }
     set_progress(ctx, 3 * step + 3);
     return DONE;
 }
@@ -360,7 +428,7 @@ static PyObject *py_reduce(PyObject *self, PyObject *const *args, Py_ssize_t nar
         if (parts[i] == NULL && PyErr_Occurred()) return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    KERNELS[a[3]]((void *)(intptr_t)a[0], parts, (int)n, a[2], (int)a[4], (int)a[5]);
+    KERNELS[a[3]]((void *)(intptr_t)a[0], NULL, parts, (int)n, a[2], (int)a[4], (int)a[5]);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -385,10 +453,10 @@ static PyObject *py_set_progress(PyObject *self, PyObject *const *args, Py_ssize
     Py_RETURN_NONE;
 }
 
-/* all_reduce_step(ctx, step, dst, count, dtype, op, fp0, fp_count, phase, main) -> DONE | PENDING_* | PEER_SHARED | MISMATCH */
+/* all_reduce_step(ctx, step, dst, count, dtype, op, fp0, fp_count, phase, main, sliced) -> DONE | PENDING_* | PEER_SHARED | MISMATCH */
 static PyObject *py_all_reduce_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    long long a[10];
-    if (ints(args, nargs, 10, a, "all_reduce_step")) return NULL;
+    long long a[11];
+    if (ints(args, nargs, 11, a, "all_reduce_step")) return NULL;
     int64_t *ctx = (int64_t *)(intptr_t)a[0];
     if (check_dtype_op(a[4], a[5], ctx[C_N])) return NULL;
     if (a[3] * ELEM[a[4]] > ctx[C_SLOT_BYTES]) {
@@ -397,17 +465,18 @@ static PyObject *py_all_reduce_step(PyObject *self, PyObject *const *args, Py_ss
     }
     int r;
     Py_BEGIN_ALLOW_THREADS
-    r = all_reduce_step(ctx, a[1], (char *)(intptr_t)a[2], a[3], (int)a[4], (int)a[5], a[6], a[7], (int)a[8], (int)a[9]);
+    r = all_reduce_step(ctx, a[1], (char *)(intptr_t)a[2], a[3], (int)a[4], (int)a[5], a[6], a[7], (int)a[8], (int)a[9], (int)a[10]);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(r);
 }
 
 static PyMethodDef METHODS[] = {
+
     {"reduce", (PyCFunction)(void (*)(void))py_reduce, METH_FASTCALL, "reduce(out, parts, count, dtype, op, divisor)"},
     {"wait", (PyCFunction)(void (*)(void))py_wait, METH_FASTCALL, "wait(ctx, mask, target, main) -> 0 | 1"},
     {"set_progress", (PyCFunction)(void (*)(void))py_set_progress, METH_FASTCALL, "set_progress(ctx, value)"},
     {"all_reduce_step", (PyCFunction)(void (*)(void))py_all_reduce_step, METH_FASTCALL,
-     "all_reduce_step(ctx, step, dst, count, dtype, op, fp0, fp_count, phase, main) -> status"},
+     "all_reduce_step(ctx, step, dst, count, dtype, op, fp0, fp_count, phase, main, sliced) -> status"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -4,8 +4,9 @@ The C extension is built by ``pip install`` when a C compiler is present (``setu
 extension). It runs the hot loop of a channel on plain addresses: progress-word waits (spin → yield →
 futex, returning to Python every 20 ms so deadlines and peer liveness stay checked here), progress stores,
 the reduction kernels (fp16/bf16 accumulated in fp32, rounded once; AVX-512/AVX2 picked at run time) and
-one whole step of the direct all-reduce (copy in, publish, wait, reduce, done) in one call. Results are
-bit-identical to the torch fallback of :mod:`nxdt.comm.reduce`, so the two may even mix across ranks.
+one whole step of the direct or the slice all-reduce (copy in, publish, wait, reduce, [copy the peers'
+reduced slices out,] done) in one call. Results are bit-identical to the torch fallback of
+:mod:`nxdt.comm.reduce`, so the two may even mix across ranks (tests/comm/test_native.py does).
 
 ``lib`` is the module, or None: not built (a one-line notice at the first ``init_process``), or switched
 off with ``init_process(native=False)`` — the test/debug knob that forces the torch fallback (process-wide:
@@ -31,7 +32,7 @@ C_N, C_ME, C_SLOT_BYTES, C_SPIN_NS, C_SPIN_BASE_NS, C_YIELDS, C_SPIN_EXTRA_NS, C
 MAX_MEMBERS = 63  # members as bits of one signed 64-bit mask (and the C side holds up to 64 operands)
 SPIN_NS_PER_CHECK = 100  # a WaitPolicy's spin_checks, as time: what that many flag checks cost in Python
 # step statuses of all_reduce_step
-DONE, PENDING_SLOT, PENDING_DATA, PEER_SHARED, MISMATCH = 0, 1, 2, 3, -1
+DONE, PENDING_SLOT, PENDING_DATA, PEER_SHARED, PENDING_REDUCED, MISMATCH = 0, 1, 2, 3, 4, -1
 
 
 def use(enabled: bool | None = None) -> None:

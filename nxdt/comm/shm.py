@@ -14,7 +14,7 @@ differ across ranks fail on every rank with the same clear error instead of hang
 
 Waiting is spin → yield → futex on the progress word (see :mod:`nxdt.comm.waiting`); every store of
 a progress word is preceded by a fence. With the native extension (:mod:`nxdt.comm.native`) the waits,
-the progress stores and a whole direct all-reduce step run in C; the protocol, its words and the errors
+the progress stores and a whole all-reduce step (direct or slice) run in C; the protocol, its words and the errors
 are the same, so a native and a torch-fallback rank interoperate. A member about to block in the futex says so in its
 ``sleep`` word first, and a writer issues the wake syscall only when a peer's ``sleep`` word names
 it (fence between the progress store and that read): an uncontended step makes no syscall.
@@ -309,25 +309,29 @@ class ShmChannel:
         h[W_FP_DIGEST + parity] = self._fp_digest  # a peer cannot be at step s±2 while we compare (slot protocol)
         h[W_SOURCE + 2 * parity] = 0  # my data is in my slot unless set_source says otherwise
 
-    def all_reduce_step(self, dst: torch.Tensor, fingerprint: tuple[int, int, int, int], op_desc: str) -> bool:
-        """One whole step of the direct all-reduce in one native call (``self.native`` must be set; ``dst`` is
-        copied into my slot even when it is a shared tensor): begin, copy in, publish, wait for every peer, check
-        fingerprints, reduce in member order into ``dst``, finish. False: every member published but some peer's data lies in its shared
-        tensor — the step is still open and the caller reduces it by slices."""
+    def all_reduce_step(
+        self, dst: torch.Tensor, fingerprint: tuple[int, int, int, int], op_desc: str, sliced: bool = False
+    ) -> bool:
+        """One whole step of the direct (``sliced`` False) or the slice all-reduce in one native call (``self.native``
+        must be set; ``dst`` is copied into my slot even when it is a shared tensor): begin, copy in (everything, or
+        the peers' slices), publish, wait for every peer, check fingerprints, reduce (in member order into ``dst``, or my
+        slice into ``dst`` and my slot, marked reduced, then the peers' reduced slices copied out), finish. False: every
+        member published but some peer's data lies in its shared tensor — the step is still open and the caller
+        reduces it by slices."""
         step = self.step
         self._fp_written[step & 1] = None  # the C side writes this parity's fingerprint words
         op, dtype, count, _ = fingerprint
         main = get_ident() == _MAIN_ID
         status = self.native.all_reduce_step(
-            self.ctx_address, step, dst.data_ptr(), dst.numel(), dtype, op // 100, op, count, 0, main
+            self.ctx_address, step, dst.data_ptr(), dst.numel(), dtype, op // 100, op, count, 0, main, sliced
         )
         if status == native.DONE:  # the common case: one call, nothing else
             self.step = step + 1
             return True
-        return self._all_reduce_step_on(dst, fingerprint, op_desc, status, main)
+        return self._all_reduce_step_on(dst, fingerprint, op_desc, status, main, sliced)
 
     def _all_reduce_step_on(
-        self, dst: torch.Tensor, fingerprint: tuple[int, int, int, int], op_desc: str, status: int, main: bool
+        self, dst: torch.Tensor, fingerprint: tuple[int, int, int, int], op_desc: str, status: int, main: bool, sliced: bool
     ) -> bool:
         """The native step came back before it was done: check the deadline and the peers' health between calls
         (every 20 ms of waiting), or raise the mismatch; the rest of ``all_reduce_step``."""
@@ -343,15 +347,19 @@ class ShmChannel:
                 return False
             if status == native.MISMATCH:
                 self._raise_mismatch(self.peers)
-            slot_wait = status == native.PENDING_SLOT
-            milestone, what = (3 * step - 3, "completion of an earlier step") if slot_wait else (3 * step + 1, "the data")
+            if status == native.PENDING_SLOT:
+                milestone, what, phase = 3 * step - 3, "completion of an earlier step", 0
+            elif status == native.PENDING_DATA:
+                milestone, what, phase = 3 * step + 1, "the data", 1
+            else:  # PENDING_REDUCED
+                milestone, what, phase = 3 * step + 2, "the reduced slice", 2
             now = time.monotonic()
             deadline = deadline or now + self.timeout_s
             if now > deadline:
                 raise self._timeout_error(self.peers, milestone, what)
             self._check_health(self.peers, milestone)
             status = lib.all_reduce_step(
-                self.ctx_address, step, dst.data_ptr(), dst.numel(), dtype, op // 100, op, count, 0 if slot_wait else 1, main
+                self.ctx_address, step, dst.data_ptr(), dst.numel(), dtype, op // 100, op, count, phase, main, sliced
             )
 
     # -------------------------------------------------------------------------------- zero-copy sources

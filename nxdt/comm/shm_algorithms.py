@@ -2,14 +2,15 @@
 
 On one host every member can read every other member's slot, so the fastest algorithms are direct:
 
-* all-reduce ``direct`` (2 members at every size; 3+ members below 64 KB): everyone copies its chunk
-  in, then every member reduces the chunk from all slots in member order — one synchronisation,
-  identical bits everywhere. Members 0 and 1 reduce into their own tensor in place (it still holds
-  their contribution), which saves a memory stream per operand;
-* all-reduce ``slice`` (3+ members, large messages): member ``i`` copies in only the slices *others*
-  reduce, reduces its own slice ``i`` straight into its tensor (each peer's part as soon as that peer
-  has published), publishes the result and copies the others' reduced slices out as they become
-  ready — each byte reduced once, the least CPU when ranks share cores, two synchronisations;
+* all-reduce ``direct`` (3+ members below 64 KB; 2 members at every size, except fp16/bf16 from
+  64 KB): everyone copies its chunk in, then every member reduces the chunk from all slots in member
+  order — one synchronisation, identical bits everywhere. Members 0 and 1 reduce into their own
+  tensor in place (it still holds their contribution), which saves a memory stream per operand;
+* all-reduce ``slice`` (larger messages; 2 members in fp16/bf16): member ``i`` copies in only the
+  slices *others* reduce, reduces its own slice ``i`` straight into its tensor (and its slot, for the
+  others), marks it reduced and copies the others' reduced slices out as they become ready — each
+  element converted, reduced and rounded once (by its slice's owner), the least CPU, two
+  synchronisations;
 * all-gather / reduce-scatter / all-to-all / broadcast / reduce: each member writes what others
   need into its slot once, in one step per slot-full, and every peer copies its part straight out.
 
@@ -32,6 +33,13 @@ from nxdt.comm.reduce import LOW_PRECISION, _combine_ as combine_, check_op, dty
 from nxdt.comm.shm import ShmChannel
 
 DIRECT_ALL_REDUCE_MAX_BYTES = 64 << 10  # 3+ members: direct below, slice above
+# 2 members, fp16/bf16: direct below, slice from here up. Direct has each rank widen, add and round every element;
+# slice halves that per rank (and in total when both ranks share one core) for one more synchronisation and a
+# copy-out. fp32 and the other dtypes stay direct at 2 members: without the conversion the halved kernel does not pay
+# for the extra pass (experiments/collectives-cpu, issue #23 round 9: pinned_{split,same}.txt, bf16 1 MB slice 186 vs
+# 210 µs with a CPU per rank and 371 vs 418 on one CPU, fp32 1 MB 177 vs 160 and 390 vs 365; deepspeed_r9b: fp32 4 MB
+# plain 5087-7241 µs sliced vs 1020-3294 direct)
+SLICE_MIN_BYTES_2_HALF = 64 << 10
 # 2 members: up to this size an all-reduce is one native step, copied even from a shared tensor. At 256 KB the
 # copy (≈ 10 µs) costs about what zero-copy's second synchronisation does on a quiet host (44 vs 47 µs) and
 # far less on a loaded one (58-89 vs 495-1178 µs); at 1 MB zero-copy wins in both (experiments/collectives-cpu)
@@ -79,19 +87,23 @@ def _bounds(count: int, parts: int) -> list[tuple[int, int]]:
 
 def _all_reduce_plan(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str) -> tuple:
     """What every call of this (op, dtype, count, algorithm) on ``ch`` does: (fingerprint, description, sliced,
-    chunk elements, one native step). Decided from the fingerprinted count, so every member takes the same path.
-    Two members: direct — it moves about the same bytes as slice but synchronises once per step instead of
-    twice, and on a loaded host every synchronisation can cost a context switch."""
+    chunk elements, one native step). Decided from the fingerprinted count (never from whether this rank has the
+    native extension), so every member takes the same path. Two members: direct for small messages, where the
+    second synchronisation would cost more than the halved work saves."""
     red = check_op(op, t.dtype)
     total, nbytes = t.numel(), t.numel() * t.element_size()
     fp = (OP_ALL_REDUCE + 100 * red, dtype_code(t.dtype), total, 0)
-    sliced = algorithm == "slice" or (algorithm != "direct" and ch.size > 2 and nbytes > DIRECT_ALL_REDUCE_MAX_BYTES)
+    if ch.size > 2:
+        auto_slice = nbytes > DIRECT_ALL_REDUCE_MAX_BYTES
+    else:
+        auto_slice = t.dtype in LOW_PRECISION and nbytes >= SLICE_MIN_BYTES_2_HALF
+    sliced = algorithm == "slice" or (algorithm != "direct" and auto_slice)
     chunk = (ch.slot_bytes if sliced else min(ch.slot_bytes, DIRECT_CHUNK_BYTES)) // t.element_size()
     # up to 64 KB (256 KB with 2 members) in one step: the whole call is one native step, copied even from a shared
     # tensor — a 64 KB copy costs a few µs, the zero-copy path's second synchronisation and Python tail tens (2 ranks:
     # 23 vs 73 µs, 4 ranks on 2 cores: 0.55 vs 1.8 ms; experiments/collectives-cpu/deepspeed_{2,4}ranks_round1.txt)
     one_step_max = ONE_STEP_MAX_BYTES_2 if ch.size == 2 else DIRECT_ALL_REDUCE_MAX_BYTES
-    quick = not sliced and ch.native is not None and ch.pacer is None and nbytes <= one_step_max and total <= chunk
+    quick = ch.native is not None and ch.pacer is None and nbytes <= one_step_max and total <= chunk
     return fp, f"all_reduce({op})", sliced, chunk, quick
 
 
@@ -109,13 +121,13 @@ def _plan_for(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str) -> tuple
 def one_step_all_reduce(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str = "auto"):
     """For calls shaped like ``t`` (op, dtype, count) that are one native step: a function running just that step
     on a flat contiguous tensor, for ``Communicator``'s per-call-shape cache; None when such a call is more."""
-    fp, desc, _, _, quick = _plan_for(ch, t, op, algorithm)
+    fp, desc, sliced, _, quick = _plan_for(ch, t, op, algorithm)
     if not quick:
         return None
     step = ch.all_reduce_step
 
     def run(dst: torch.Tensor) -> None:
-        if not step(dst, fp, desc):  # rare: a peer on the torch fallback sent its shared tensor
+        if not step(dst, fp, desc, sliced):  # rare: a peer on the torch fallback sent its shared tensor
             _finish_by_slices(ch, dst, op)
 
     return run
@@ -129,19 +141,19 @@ def _finish_by_slices(ch: ShmChannel, dst: torch.Tensor, op: str) -> None:
 def all_reduce(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str = "auto") -> None:
     fp, desc, sliced, chunk, quick = _plan_for(ch, t, op, algorithm)
     if quick:
-        if not ch.all_reduce_step(t, fp, desc):
+        if not ch.all_reduce_step(t, fp, desc, sliced):
             _reduce_by_slices(ch, t, op, _bounds(t.numel(), ch.size), None)
         return
     n, me, dtype = ch.size, ch.me, t.dtype
     total = t.numel()
     peers = ch.peers
-    native = not sliced and ch.native is not None and ch.pacer is None  # one C call per step (ShmChannel.all_reduce_step)
+    native = ch.native is not None and ch.pacer is None  # one C call per step (ShmChannel.all_reduce_step)
     for c0, c1 in _chunks(total, chunk):
         k = c1 - c0
         dst = t if k == total else t[c0:c1]
         shared = ch.locate(dst)
         if native and shared is None:
-            if not ch.all_reduce_step(dst, fp, desc):
+            if not ch.all_reduce_step(dst, fp, desc, sliced):
                 # published; a peer's data is its own tensor, which it is about to change in place: reduce by slices
                 _reduce_by_slices(ch, dst, op, _bounds(k, n), None)
             continue

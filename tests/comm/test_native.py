@@ -2,7 +2,8 @@
 
 Every op × dtype × group size with exact-sum inputs (small integers: exact in every dtype and any order)
 through both paths; random half-precision inputs give bit-identical results on both paths (the native
-kernel accumulates in fp32 and rounds once, like the fallback). The failure tests of test_collectives.py
+kernel accumulates in fp32 and rounds once, like the fallback), and a native and a fallback rank reduce together
+(the direct and slice algorithms are chosen from the call, not from the extension). The failure tests of test_collectives.py
 (timeouts, dead peers, mismatches) run on the native path whenever it is built, which the last test checks.
 """
 
@@ -23,6 +24,7 @@ from nxdt.comm.spawn import RankFailed, run_local
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32]
 SIZES = [5, 1000, 20_000]  # one element per member and then some; one small step; past the 64 KB direct limit (3+ members slice)
+SLICE_SIZE = 20_000  # also all-reduced with algorithm="slice": the native slice step at every group size, 2 members too
 needs_native = pytest.mark.skipif(native._built is None, reason="the C extension is not built here")
 
 
@@ -43,6 +45,11 @@ def _exact_ops(world, expect_native: bool) -> None:
             t = _value(size, r, dtype)
             comm.all_reduce(t, "max")
             assert torch.equal(t, everyone[-1]), ("all_reduce max", dtype, size)
+            if size == SLICE_SIZE:
+                for op, want in (("sum", total), ("min", everyone[0])):
+                    t = _value(size, r, dtype)
+                    comm.all_reduce(t, op, algorithm="slice")
+                    assert torch.equal(t, want), ("all_reduce slice", op, dtype, size)
             t = _value(size, r, dtype)
             comm.reduce(t, size % n)
             assert torch.equal(t, total if r == size % n else _value(size, r, dtype)), ("reduce", dtype, size)
@@ -68,11 +75,11 @@ def _random_half(world) -> tuple[str, str]:
     comm, reduced, scattered = world.world, hashlib.sha256(), hashlib.sha256()
     g = torch.Generator().manual_seed(world.rank)
     for dtype in (torch.bfloat16, torch.float16):
-        for size in (100, 40_000):  # direct; slice (3+ members, past 64 KB)
+        for size in (100, 40_000):  # direct; slice (past 64 KB: 3+ members, and 2 members in fp16/bf16)
             for op in ("sum", "avg", "max", "prod"):
                 t = torch.randn(size, generator=g).to(dtype)
                 comm.all_reduce(t, op)
-                out = torch.empty(size // 4, dtype=dtype)
+                out = torch.empty(size // world.world_size, dtype=dtype)
                 comm.reduce_scatter(out, t)
                 reduced.update(t.view(torch.uint8).numpy().tobytes())
                 scattered.update(out.view(torch.uint8).numpy().tobytes())
@@ -81,11 +88,39 @@ def _random_half(world) -> tuple[str, str]:
 
 @needs_native
 @pytest.mark.timeout(120)
-def test_native_and_fallback_give_identical_bits_on_random_half_inputs():
-    on = run_local(_random_half, 4, timeout_s=100, init_options={"native": True})
-    off = run_local(_random_half, 4, timeout_s=100, init_options={"native": False})
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_native_and_fallback_give_identical_bits_on_random_half_inputs(world_size):
+    on = run_local(_random_half, world_size, timeout_s=100, init_options={"native": True})
+    off = run_local(_random_half, world_size, timeout_s=100, init_options={"native": False})
     assert len({all_reduced for all_reduced, _ in on}) == 1  # identical on every member
     assert on == off  # and the same bits on both paths, member by member
+
+
+def _mixed(world) -> str:
+    """Rank 1 on the torch fallback, rank 0 native, in one group: the algorithm is chosen from the call alone, so the
+    native direct and slice steps meet their Python counterparts (same slots, milestones and operand order)."""
+    if world.rank == 1:
+        native.use(False)  # before the communicator below opens its channels
+    comm, r = world.new_communicator([0, 1], "mixed"), world.rank
+    assert (comm._transport.channel("default").native is None) == (r == 1)
+    g, digest = torch.Generator().manual_seed(r), hashlib.sha256()
+    for dtype, size in ((torch.bfloat16, 100), (torch.bfloat16, 40_000), (torch.float16, 40_000), (torch.float32, 40_000)):
+        for op in ("sum", "max"):  # direct; slice (2 members, fp16/bf16 past 64 KB); fp32 direct
+            t = _value(size, r, dtype)
+            comm.all_reduce(t, op)
+            want = _value(size, 0, dtype) + _value(size, 1, dtype) if op == "sum" else _value(size, 1, dtype)
+            assert torch.equal(t, want), ("mixed", dtype, size, op)
+        x = torch.randn(size, generator=g).to(dtype)
+        comm.all_reduce(x, "avg")
+        digest.update(x.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+@needs_native
+@pytest.mark.timeout(60)
+def test_a_native_and_a_fallback_rank_reduce_together():
+    digests = run_local(_mixed, 2, timeout_s=50)
+    assert digests[0] == digests[1]  # each element reduced once, by its slice's owner or by both in member order
 
 
 def _repeated_calls(world, report: str) -> None:
