@@ -32,3 +32,12 @@ def pytest_runtest_protocol(item, nextitem):
     for key in set(os.environ) - set(saved):
         del os.environ[key]
     os.environ.update(saved)
+
+
+def pytest_configure(config):
+    """In-process tests compute on one thread. The suite's two xdist workers (and the worker processes of every
+    launch, which take cores // local ranks threads each) already fill both cores; an OpenMP team of two on contended
+    cores spends its time in barrier spins — a 3-second in-process training took 120 s under load and hit its timeout."""
+    import torch
+
+    torch.set_num_threads(1)
