@@ -21,10 +21,10 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import torch
 
+from blocks import alternating_blocks, join_deepspeed
 from nxdt.comm.bench import DTYPES, memcpy_gbps, parse_size
 
 SIZES = ["1kb", "4kb", "64kb", "256kb", "1mb", "4mb", "16mb", "64mb"]
@@ -38,26 +38,12 @@ def _body(world, args: dict) -> dict:
     import nxdt
 
     n, rank = world.world_size, world.rank
-    os.environ.update(
-        DS_ACCELERATOR="cpu",
-        LOCAL_SIZE=str(n),
-        LOCAL_RANK=str(rank),
-        RANK=str(rank),
-        WORLD_SIZE=str(n),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(args["ds_port"]),
-    )
-    import deepspeed
-    import deepspeed.comm as ds
+    ds = join_deepspeed(world, args["ds_port"])
     import torch.distributed as dist
 
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
-    torch.set_num_threads(1)
-    torch.set_grad_enabled(False)  # as nccom-test: collectives outside autograd
     comm = world.world
     arena = world.shared_empty(((64 << 20) + 64,), torch.uint8)
     rows = []
-    slowest = torch.zeros(1, dtype=torch.float64)
     for dtype_name in args["dtypes"]:
         dtype = DTYPES[dtype_name]
         for nbytes in args["sizes"]:
@@ -72,19 +58,7 @@ def _body(world, args: dict) -> dict:
             if args["gloo"]:
                 variants["gloo"] = lambda: dist.all_reduce(gloo_buf)
             calls = _calls_per_block(nbytes, args["block"])
-            times: dict[str, list[float]] = {k: [] for k in variants}
-            for fn in variants.values():  # warm-up: maps segments, faults pages in
-                for _ in range(3):
-                    fn()
-            for _ in range(args["blocks"]):
-                for name, fn in variants.items():
-                    comm.barrier()
-                    start = time.perf_counter()
-                    for _ in range(calls):
-                        fn()
-                    slowest.fill_((time.perf_counter() - start) / calls)
-                    comm.all_reduce(slowest, "max")
-                    times[name].append(float(slowest))
+            times = alternating_blocks(comm, variants, args["blocks"], calls)
             wrong = {}
             for name, buf in (("nxdt shared", shared), ("nxdt plain", plain), ("deepspeed", ds_buf), ("gloo", gloo_buf)):
                 if name in variants:

@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
 
+from blocks import alternating_blocks
 from nxdt.comm.bench import parse_size
 from nxdt.comm.spawn import run_local
 
@@ -29,26 +29,13 @@ def _body(world, args: dict) -> dict:
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
     comm, out = world.world, {}
-    slowest = torch.zeros(1, dtype=torch.float64)
     for dtype_name in args["dtypes"]:
         dtype = getattr(torch, dtype_name)
         for nbytes in args["sizes"]:
             t = torch.zeros(nbytes // dtype.itemsize, dtype=dtype)
             calls = max(2, min(20, (8 << 20) // nbytes))
             variants = {a: (lambda a=a: comm.all_reduce(t, algorithm=a)) for a in args["algorithms"]}
-            for fn in variants.values():
-                for _ in range(3):
-                    fn()
-            times: dict[str, list[float]] = {k: [] for k in variants}
-            for _ in range(args["blocks"]):
-                for name, fn in variants.items():
-                    comm.barrier()
-                    start = time.perf_counter()
-                    for _ in range(calls):
-                        fn()
-                    slowest.fill_((time.perf_counter() - start) / calls)
-                    comm.all_reduce(slowest, "max")
-                    times[name].append(float(slowest) * 1e6)
+            times = {k: [s * 1e6 for s in v] for k, v in alternating_blocks(comm, variants, args["blocks"], calls).items()}
             out[f"{dtype_name} {nbytes >> 10} KB"] = {k: (min(v), statistics.median(v)) for k, v in times.items()}
     return {"rows": out, "nxdt": os.path.dirname(nxdt.__file__)} if world.rank == 0 else {}
 

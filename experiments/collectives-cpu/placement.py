@@ -21,26 +21,13 @@ import time
 
 import torch
 
+from blocks import join_deepspeed
 from nxdt.comm.bench import DTYPES, parse_size
 
 
 def _body(world, args: dict) -> list:
-    n, rank = world.world_size, world.rank
-    os.environ.update(
-        DS_ACCELERATOR="cpu",
-        LOCAL_SIZE=str(n),
-        LOCAL_RANK=str(rank),
-        RANK=str(rank),
-        WORLD_SIZE=str(n),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(args["ds_port"]),
-    )
-    import deepspeed
-    import deepspeed.comm as ds
-
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
-    torch.set_num_threads(1)
-    torch.set_grad_enabled(False)
+    n = world.world_size
+    ds = join_deepspeed(world, args["ds_port"])
     libc = ctypes.CDLL(None)
     comm = world.world
     arena = world.shared_empty(((64 << 20) + 64,), torch.uint8)
