@@ -32,18 +32,27 @@ def join_deepspeed(world: Any, port: int) -> Any:
     return ds
 
 
-def alternating_blocks(comm: Any, variants: dict[str, Callable[[], Any]], blocks: int, calls: int) -> dict[str, list[float]]:
+def alternating_blocks(
+    comm: Any,
+    variants: dict[str, Callable[[], Any]],
+    blocks: int,
+    calls: int,
+    *,
+    warmup: int = 3,
+    barrier: Callable[[], Any] | None = None,
+) -> dict[str, list[float]]:
     """Seconds per call of each variant, one entry per block at the slowest rank; the variants alternate block by
-    block (after three warm-up calls each: segments mapped, pages faulted in), so the host's minute-to-minute noise
-    falls on all of them alike."""
+    block (after ``warmup`` calls each: segments mapped, pages faulted in), so the host's minute-to-minute noise
+    falls on all of them alike. ``barrier`` lines the ranks up before each block (default: ``comm.barrier``)."""
     for fn in variants.values():
-        for _ in range(3):
+        for _ in range(warmup):
             fn()
+    line_up = barrier or comm.barrier
     slowest = torch.zeros(1, dtype=torch.float64)
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(blocks):
         for name, fn in variants.items():
-            comm.barrier()
+            line_up()
             start = time.perf_counter()
             for _ in range(calls):
                 fn()

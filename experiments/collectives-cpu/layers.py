@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+
+from blocks import alternating_blocks
 
 
 def _body(world, args: dict) -> dict:
@@ -49,20 +50,7 @@ def _body(world, args: dict) -> dict:
         layers["one-step function"] = lambda: run(t)
         layers["ShmChannel.all_reduce_step (native)"] = lambda: ch.all_reduce_step(t, fp, "all_reduce(sum)")
     layers["barrier (one synchronisation)"] = lambda: algo.barrier(ch)
-    times: dict[str, list[float]] = {k: [] for k in layers}
-    slowest = torch.zeros(1, dtype=torch.float64)
-    for fn in layers.values():
-        for _ in range(calls):
-            fn()
-    for _ in range(args["blocks"]):
-        for name, fn in layers.items():
-            algo.barrier(ch)
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            slowest.fill_((time.perf_counter() - start) / calls)
-            comm.all_reduce(slowest, "max")
-            times[name].append(float(slowest))
+    times = alternating_blocks(comm, layers, args["blocks"], calls, warmup=calls, barrier=lambda: algo.barrier(ch))
     return {k: (min(v) * 1e6, statistics.median(v) * 1e6) for k, v in times.items()}
 
 
