@@ -11,6 +11,7 @@ import pytest  # noqa: E402
 SHARED_RUN_FIXTURES = {"everyday_runs", "reliability_reference"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks to group the items
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (the README's ``-n 2 --dist loadgroup``) each module's tests run on one worker, so a
     module-scoped launch starts once; the modules that use the session's shared runs form one group, so those
