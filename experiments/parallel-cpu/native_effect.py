@@ -74,7 +74,9 @@ def tp2_dp2(env: dict, steps: int, warmup: int, work: Path) -> list[float]:
     return json.loads(out.read_text())["step_times"][warmup:]
 
 
-def fsdp2(env: dict, steps: int, warmup: int, work: Path, tag: str) -> list[float]:
+def fsdp2(env: dict, steps: int, warmup: int, work: Path, tag: str, phases: dict | None = None) -> list[float]:
+    """Step times after the warm-up; with ``phases`` (a dict) also the run's traced events of those steps, as
+    durations in ms by (category, name, bytes), added to it."""
     run = work / tag
     ranks, overrides, _ = LAYOUTS["FSDP2"]
     proc = subprocess.run(
@@ -91,6 +93,7 @@ def fsdp2(env: dict, steps: int, warmup: int, work: Path, tag: str) -> list[floa
             "trainer.log_every_n_steps=1",
             "exp_manager.create_tensorboard_logger=false",
             f"exp_manager.explicit_log_dir={run}",
+            f"exp_manager.trace={phases is not None}",
         ],
         cwd=work,
         env=env,
@@ -99,7 +102,23 @@ def fsdp2(env: dict, steps: int, warmup: int, work: Path, tag: str) -> list[floa
     )
     if proc.returncode != 0:
         raise RuntimeError(f"FSDP2 failed:\n{proc.stderr[-3000:]}")
-    return [float(r["step_time_s"]) for r in csv.DictReader(open(run / "metrics.csv", newline="")) if int(r["step"]) > warmup]
+    times = [float(r["step_time_s"]) for r in csv.DictReader(open(run / "metrics.csv", newline="")) if int(r["step"]) > warmup]
+    if phases is not None:
+        for rank in range(ranks):
+            add_phases(phases, json.loads((run / "trace" / f"rank{rank}.json").read_text()), sum(times))
+    return times
+
+
+def add_phases(phases: dict, trace: dict | list, window_s: float) -> None:
+    """Durations (ms) of a rank's traced events in the run's last ``window_s`` seconds (the measured steps;
+    events carry no step number), by (category, name, bytes): compute per FSDP unit, its exposed waits, each
+    collective and each of its chunks."""
+    events = [e for e in (trace["traceEvents"] if isinstance(trace, dict) else trace) if e.get("ph") == "X"]
+    end = max(e["ts"] + e["dur"] for e in events)
+    for e in events:
+        if e["ts"] >= end - window_s * 1e6:
+            key = f"{e.get('cat')} {e['name']}" + (f" {e['args']['bytes']} B" if "bytes" in e.get("args", {}) else "")
+            phases.setdefault(key, []).append(e["dur"] / 1e3)
 
 
 def main() -> None:
@@ -109,17 +128,27 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--layouts", nargs="+", default=["TP2xDP2", "FSDP2"], choices=["TP2xDP2", "FSDP2"])
     p.add_argument("--json", default="native_effect.json", help="results file (in this directory)")
+    p.add_argument(
+        "--warm-rounds",
+        type=int,
+        default=1,
+        help="unmeasured rounds first: the first launches of a session read cold files and ran up to 1.4× slower",
+    )
+    p.add_argument(
+        "--trace", action="store_true", help="FSDP2 with exp_manager.trace=true: per-phase medians, native vs fallback"
+    )
     args = p.parse_args()
     variants = [(layout, path) for layout in args.layouts for path in PATHS]
     times: dict[str, list[list[float]]] = {f"{layout} {path}": [] for layout, path in variants}
     loads = []
+    phases: dict[str, dict[str, list[float]]] = {path: {} for path in PATHS}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         tree = fallback_tree(work / "fallback")
         envs = {path: env_for(path, tree) for path in PATHS}
         for path in PATHS:
             check_path(path, envs[path], work)
-        for r in range(args.rounds):
+        for r in range(-args.warm_rounds, args.rounds):
             order = variants[r % len(variants) :] + variants[: r % len(variants)]
             for layout, path in order:
                 load0 = os.getloadavg()[0]
@@ -127,7 +156,11 @@ def main() -> None:
                 if layout == "TP2xDP2":
                     got = tp2_dp2(envs[path], args.steps, args.warmup, work)
                 else:
-                    got = fsdp2(envs[path], args.steps, args.warmup, work, f"fsdp-{path}-{r}")
+                    traced = phases[path] if args.trace and r >= 0 else None
+                    got = fsdp2(envs[path], args.steps, args.warmup, work, f"fsdp-{path}-{r}", traced)
+                if r < 0:
+                    print(f"warm-up {layout} {path}: {statistics.median(got) * 1e3:.1f} ms (not counted)", flush=True)
+                    continue
                 times[f"{layout} {path}"].append(got)
                 loads.append((f"round {r + 1} {layout} {path}", load0, os.getloadavg()[0]))
                 print(
@@ -155,8 +188,29 @@ def main() -> None:
         f"{layout}: native / fallback step time": rows[f"{layout} native"]["median_ms"] / rows[f"{layout} fallback"]["median_ms"]
         for layout in args.layouts
     }
+    # each round's native median over the same round's fallback median: the two ran minutes apart at most
+    paired = {
+        layout: [
+            n / f for n, f in zip(rows[f"{layout} native"]["round_medians_ms"], rows[f"{layout} fallback"]["round_medians_ms"])
+        ]
+        for layout in args.layouts
+    }
     for k, v in ratios.items():
         print(f"{k:42s} {v:6.3f}")
+    for layout, rs in paired.items():
+        print(f"{layout}: per-round native / fallback  " + " ".join(f"{x:.3f}" for x in rs))
+    phase_rows = {}
+    if args.trace:  # the phases that take the most fallback time, both ranks, every measured round pooled
+        native_ph, fallback_ph = phases["native"], phases["fallback"]
+        print(f"\n{'FSDP2 traced phase':<44} {'native ms':>10} {'fallback ms':>12} {'events':>11}")
+        for key in sorted(set(native_ph) & set(fallback_ph), key=lambda k: -sum(fallback_ph[k]))[:14]:
+            a, b = native_ph[key], fallback_ph[key]
+            phase_rows[key] = {
+                "native_median_ms": statistics.median(a),
+                "fallback_median_ms": statistics.median(b),
+                "events": [len(a), len(b)],
+            }
+            print(f"{key:<44} {statistics.median(a):>10.2f} {statistics.median(b):>12.2f} {len(a):>5d}/{len(b):<5d}")
     (HERE / args.json).write_text(
         json.dumps(
             {
@@ -166,6 +220,9 @@ def main() -> None:
                 "loads": loads,
                 "variants": rows,
                 "ratios": ratios,
+                "paired_round_ratios": paired,
+                "warm_rounds": args.warm_rounds,
+                "fsdp2_phases": phase_rows,
                 "raw_step_times": times,
             },
             indent=1,
