@@ -206,3 +206,58 @@ def test_host_memory_refuses_what_cannot_fit(monkeypatch):
     _check_host_memory(compose_config([]))
     monkeypatch.setattr("nxdt.cli.host_available_bytes", lambda: 64 << 30)
     _check_host_memory(compose_config([]))
+
+
+# ------------------------------------------------------------------------------------------ the early fork server
+
+
+def _marked(mark: str) -> dict[int, str]:
+    """Live processes whose environment carries ``NXDT_TEST_MARK=mark``: pid → command line."""
+    found = {}
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"NXDT_TEST_MARK={mark}".encode() in environ.read_bytes().split(b"\0"):
+                found[int(environ.parent.name)] = (environ.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # gone, or not ours to read
+            continue
+    return found
+
+
+def test_a_check_failing_after_the_worker_server_started_is_one_line_and_leaves_no_process(tmp_path):
+    """``nxdt train`` starts its workers' fork server as soon as the config is valid, so the server's imports overlap
+    the data and model checks. When one of those checks fails, the program still prints one line, exits 2, and takes
+    the server along (it dies with its launcher), instead of leaving it importing Lightning for nobody."""
+    import os
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text("too short")  # passes the config checks, fails check_data's sample
+    mark = uuid.uuid4().hex
+    env = {**os.environ, "NXDT_TEST_MARK": mark}
+    err_path = tmp_path / "stderr.txt"
+    with open(err_path, "w") as err_file:  # a file, not a pipe: a surviving server would hold a pipe open
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "nxdt.cli", "train", "model=llama_tiny", f"data.train_dir={tmp_path / 'text'}"],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err_file,
+        )
+        servers: set[int] = set()
+        deadline = time.monotonic() + 90
+        while proc.poll() is None and time.monotonic() < deadline:
+            servers |= {pid for pid, cmd in _marked(mark).items() if "multiprocessing.forkserver" in cmd}
+            time.sleep(0.02)
+        # SIGKILL on the launcher's exit takes milliseconds; a server that checked for its launcher only after its
+        # imports lived on for 2 s or more (measured with die_with_agent moved below them)
+        gone_by = time.monotonic() + 1
+        while (left := _marked(mark)) and time.monotonic() < gone_by:
+            time.sleep(0.02)
+    assert proc.wait(timeout=30) == 2
+    lines = [line for line in err_path.read_text().splitlines() if line.strip()]
+    assert len(lines) == 1 and "too few for one sample" in lines[0], lines
+    assert servers, "the fork server was not started before the failing check: this test no longer covers that path"
+    assert not left, f"processes outlived the failed launch: {left}"

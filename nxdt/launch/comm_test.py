@@ -21,7 +21,7 @@ from nxdt.comm.world import init_from_env
 from nxdt.config.validate import ConfigError
 from nxdt.launch.local import LaunchFailed, LaunchInterrupted
 from nxdt.launch.multinode import launch_node, resolve_node, settle_node
-from nxdt.launch.worker import die_with_agent
+from nxdt.launch.forking import die_with_agent
 
 
 def node_worker(opts: dict, node_key: Any, source: str, digest: str, timeout_s: float) -> dict[str, Any]:

@@ -1,11 +1,12 @@
-"""What the fork server of nxdt's agents imports before forking workers (``worker.PRELOAD``); imported
+"""What the fork server of nxdt's agents imports before forking workers (``forking.PRELOAD``); imported
 nowhere else.
 
 The server imports every module a worker needs once; each worker is then a fork of it, ready to train.
 
 * It dies with its agent, like a worker (``die_with_agent``): the workers' parent-death signal is tied
   to the server, and the workers hold the server's own "agent alive" pipe open, so a killed agent
-  would otherwise leave both running.
+  would otherwise leave both running. It says so before its imports: ``nxdt train`` starts it while it
+  still checks the config, data and model, and a launcher that stops at a failed check takes it along.
 * When its agent ends normally, tearing down torch's and Lightning's modules would take about a second
   while the server still holds the launcher's stdout, so it exits at once instead. Its children never
   run this: forked workers end through multiprocessing's ``os._exit``, which skips atexit handlers.
@@ -14,8 +15,10 @@ The server imports every module a worker needs once; each worker is then a fork 
 import atexit
 import os
 
-import nxdt.lightning.train  # noqa: F401  (the imports every worker needs)
-from nxdt.launch.worker import die_with_agent
+from nxdt.launch.forking import die_with_agent
 
 die_with_agent()
+
+import nxdt.lightning.train  # noqa: E402,F401  (the imports every worker needs)
+
 atexit.register(os._exit, 0)

@@ -151,6 +151,7 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
 
     from nxdt.comm import cleanup_run
     from nxdt.launch import rendezvous, worker
+    from nxdt.launch.forking import START_METHOD, start_fork_server
 
     # the agent logs every worker exit at WARNING/ERROR; we report the failure ourselves in one line
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
@@ -164,14 +165,14 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
         rdzv_endpoint="",  # one store, on 127.0.0.1 only, no pickled state
         max_restarts=max_restarts,
         monitor_interval=0.2,
-        start_method=worker.START_METHOD,
+        start_method=START_METHOD,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "agent")),
         shutdown_timeout=SHUTDOWN_GRACE_S,
     )
     argv = [str(run_dir)] + (["--console-tty"] if console_tty else [])
     rendezvous.register()
     try:
-        worker.start_fork_server()
+        start_fork_server()
         elastic_launch(config, entrypoint=worker.main)(argv)
     except ChildFailedError as exc:
         raise LaunchFailed(_failure_line(exc, run_dir)) from None

@@ -432,9 +432,10 @@ def launch_node(run_dir: Path, spec: NodeSpec, args: Sequence[Any], entrypoint: 
     try:
         if entrypoint is None:
             from nxdt.launch import worker
+            from nxdt.launch.forking import START_METHOD, start_fork_server
 
-            worker.start_fork_server()  # after the environment above is set: the workers inherit the server's
-            return elastic_launch(spec.launch_config(log_dir, worker.START_METHOD), entrypoint=worker.main)(list(args))
+            start_fork_server()  # after the environment above is set: the workers inherit the server's
+            return elastic_launch(spec.launch_config(log_dir, START_METHOD), entrypoint=worker.main)(list(args))
         return elastic_launch(spec.launch_config(log_dir), entrypoint=entrypoint)(*args)
     except ChildFailedError as exc:
         local_rank, pid, summary = root_failure(exc, single_host=False)

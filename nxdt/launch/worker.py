@@ -6,17 +6,13 @@ rank's output to ``logs/rank<k>.log`` (rank 0 also to the console, unless ``nxdt
 banners and deprecation warnings reach its log only, see ``nxdt.launch.console``), then trains.
 
 nxdt's agents fork workers from a multiprocessing fork server that has already imported torch and
-Lightning (``start_fork_server``): those imports cost about 6 s of CPU per process, which ranks
-sharing a host's cores pay one after another, and a restart after a failure would pay them again.
+Lightning (:mod:`nxdt.launch.forking`).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
-import multiprocessing
-import multiprocessing.forkserver
 import os
 import signal
 import sys
@@ -28,17 +24,7 @@ from typing import Callable
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-
-START_METHOD = "forkserver"
-PRELOAD = ["nxdt.launch.fork_server"]  # what every worker imports before it trains
-
-
-def start_fork_server() -> None:
-    """Start the fork server the agent's workers come from, importing ``PRELOAD`` once. Called before
-    the agent's rendezvous so the imports overlap it; the server is single-threaded (it only imports),
-    so forking it is safe, and it exits with the agent."""
-    multiprocessing.get_context(START_METHOD).set_forkserver_preload(PRELOAD)
-    multiprocessing.forkserver.ensure_running()
+from nxdt.launch.forking import die_with_agent
 
 
 def _redirect_output(log_path: Path, tee_to_console: bool) -> Callable[[], None]:
@@ -79,17 +65,6 @@ def _redirect_output(log_path: Path, tee_to_console: bool) -> Callable[[], None]
         thread.join(timeout=2)
 
     return drain
-
-
-def die_with_agent() -> None:
-    """A worker never outlives its agent: if the agent is killed (a host going down), its workers go too,
-    so the other hosts see the peer vanish instead of a half-alive job."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:  # the agent died before the call took effect
-        os._exit(1)
 
 
 def die_on_sigterm() -> None:

@@ -1,0 +1,37 @@
+"""How nxdt's agents start their workers, without importing anything heavy (``nxdt train`` starts the server
+before it imports torch itself, and the server calls :func:`die_with_agent` before its own imports).
+
+Workers are forks of a multiprocessing fork server that has imported torch and Lightning once
+(:mod:`nxdt.launch.fork_server`): those imports cost 6-9 s of CPU per process, which ranks sharing a host's
+cores would pay one after another, and a restart after a failure would pay again. No process outlives the
+one that started it: a worker dies with its agent, and the server with its launcher."""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import signal
+
+START_METHOD = "forkserver"
+PRELOAD = ["nxdt.launch.fork_server"]  # what every worker imports before it trains
+
+
+def start_fork_server() -> None:
+    """Start the fork server the agent's workers come from, importing ``PRELOAD`` once. Called before the
+    launcher's own checks and the agent's rendezvous, so the imports overlap them; the server is
+    single-threaded (it only imports), so forking it is safe, and it exits with the launcher."""
+    multiprocessing.get_context(START_METHOD).set_forkserver_preload(PRELOAD)
+    multiprocessing.forkserver.ensure_running()
+
+
+def die_with_agent() -> None:
+    """A worker never outlives its agent: if the agent is killed (a host going down), its workers go too,
+    so the other hosts see the peer vanish instead of a half-alive job."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the agent died before the call took effect
+        os._exit(1)
