@@ -166,7 +166,7 @@ def check_resume_checkpoint(cfg: Any, the_plan: Any) -> None:
         return
     from nxdt.config import ConfigError
     from nxdt.config.validate import MODEL_SHAPE_FIELDS
-    from nxdt.lightning.checkpoint import CheckpointError, check_layout, checkpoint_degrees, verify
+    from nxdt.lightning.checkpoint import CheckpointError, check_dpo_reference, check_layout, checkpoint_degrees, verify
 
     ds = cfg.distributed_strategy
     try:
@@ -182,6 +182,7 @@ def check_resume_checkpoint(cfg: Any, the_plan: Any) -> None:
                     "for model.weight_init_only; resume it with the same layout instead"
                 )
             return
+        check_dpo_reference(cfg, path)
         dp_format = "fsdp" if ds.fsdp.enabled else ("zero1" if ds.zero1 else "replicated")
         if check_layout(
             path,

@@ -160,6 +160,30 @@ def test_the_file_as_it_is_starts_from_a_checkpoint_and_keeps_its_reference_acro
         assert float(r["loss"]) == pytest.approx(math.log(2), abs=5e-3), rows
         for name in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
             assert abs(float(r[name])) < 1e-2, rows
+    _resuming_needs_the_same_reference(run, ckpt, reference, tokenizer)
+
+
+def _resuming_needs_the_same_reference(run, started_from, reference, tokenizer):
+    """A new run resuming a DPO checkpoint (not weight_init_only) takes its reference from the weights it starts from as
+    configured. For the run above those were the checkpoint it started from, which a resume cannot name (the one key
+    names the checkpoint resumed), so the reference would silently become this config's random weights: refused, naming
+    both, before any worker starts. The first run of this module started from seed 1234's random weights, so resuming
+    it with the same seed passes."""
+    from nxdt.cli import _composer, check_resume_checkpoint
+    from nxdt.config import ConfigError
+    from nxdt.planner import plan
+
+    compose = _composer((str(CONFIGS), "hf_llama3_8B_DPO_config"))
+    base = [*SHRINK, f"data.tokenizer.type={tokenizer}", f"data.train_dir={SAMPLE_PREFERENCES}", "model.weight_init_only=false"]
+    cfg = compose([*base, "trainer.devices=2", "seed=7", f"exp_manager.resume_from_checkpoint={run / 'checkpoints' / 'step-3'}"])
+    with pytest.raises(ConfigError) as refused:
+        check_resume_checkpoint(cfg, plan(cfg))
+    message = str(refused.value)
+    assert f"trained by DPO against the reference checkpoint {started_from.resolve()}" in message, message
+    assert "the reference would be random initialisation (seed 7" in message and "\n" not in message, message
+    first = reference[2] / "checkpoints" / "step-3"
+    cfg = compose([*base, *PARITY[:1], "trainer.devices=1", f"exp_manager.resume_from_checkpoint={first}"])
+    check_resume_checkpoint(cfg, plan(cfg))
 
 
 def _orpo_formula(logits, labels, beta, pairs):

@@ -857,3 +857,40 @@ def load(
 
 def remove(path: str | os.PathLike) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------ DPO's reference
+DPO_REFERENCE_KEY = "dpo_reference"  # meta.json: the weights a DPO run started from, i.e. its reference model
+
+
+def starting_weights(cfg: Any) -> str:
+    """The weights a run starts from, in words: ``model.weight_init_only``'s checkpoint, else ``model.hf_checkpoint``,
+    else the random initialisation its seed and init scale determine. DPO's reference model is exactly these weights
+    (precomputed before any checkpoint is restored), so a DPO checkpoint records them and a resume compares."""
+    em, model = cfg.exp_manager, cfg.model
+    if model.weight_init_only and em.resume_from_checkpoint is not None:
+        return f"checkpoint {Path(em.resume_from_checkpoint).expanduser().resolve()}"
+    if model.hf_checkpoint is not None:
+        return f"hf_checkpoint {Path(model.hf_checkpoint).expanduser().resolve()}"
+    return f"random initialisation (seed {cfg.seed}, model.init_method_std {model.init_method_std})"
+
+
+def check_dpo_reference(cfg: Any, path: str | os.PathLike) -> None:
+    """A DPO run resuming ``path`` (not ``weight_init_only``) would take its reference from the weights it starts from
+    as configured, which must be those the checkpoint's run took it from; otherwise every reward and the loss change
+    meaning silently. One line naming both."""
+    if cfg.model_alignment_strategy.dpo is None or cfg.model.weight_init_only:
+        return
+    theirs, mine = read_meta(path).get(DPO_REFERENCE_KEY), starting_weights(cfg)
+    if theirs == mine:
+        return
+    if theirs is None:
+        raise CheckpointError(
+            f"checkpoint {path} is not a DPO run's, so it cannot be resumed as one (DPO's reference model would be this "
+            f"run's {mine}); start DPO from its weights with model.weight_init_only=true"
+        )
+    raise CheckpointError(
+        f"checkpoint {path} was trained by DPO against the reference {theirs}; resumed here, the reference would be "
+        f"{mine}: continue that run where it ran (exp_manager.resume_if_exists=true in its run directory), or start "
+        "this run from its weights with model.weight_init_only=true (a new reference)"
+    )
