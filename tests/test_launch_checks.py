@@ -5,6 +5,11 @@ safetensors headers against the configured model, the model class, and host memo
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -227,12 +232,6 @@ def test_a_check_failing_after_the_worker_server_started_is_one_line_and_leaves_
     """``nxdt train`` starts its workers' fork server as soon as the config is valid, so the server's imports overlap
     the data and model checks. When one of those checks fails, the program still prints one line, exits 2, and takes
     the server along (it dies with its launcher), instead of leaving it importing Lightning for nobody."""
-    import os
-    import subprocess
-    import sys
-    import time
-    import uuid
-
     (tmp_path / "text").mkdir()
     (tmp_path / "text" / "a.txt").write_text("too short")  # passes the config checks, fails check_data's sample
     mark = uuid.uuid4().hex
