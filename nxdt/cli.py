@@ -9,7 +9,8 @@ import json
 import os
 import sys
 import time
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 from pathlib import Path
 
 USAGE = """usage: nxdt <command> [args]
@@ -94,6 +95,18 @@ def train_help() -> str:
 
 
 RUN_FILES_UMASK = 0o077  # run files are private to their user: config, plan, logs, metrics, checkpoints
+
+
+@contextmanager
+def _private_run_files() -> Iterator[None]:
+    """Files and processes started inside get the run files' umask (workers inherit it from their fork server)."""
+    previous_umask = os.umask(RUN_FILES_UMASK)
+    try:
+        yield
+    finally:
+        os.umask(previous_umask)
+
+
 CONFIG_SOURCE_FLAGS = {"--config-path": "path", "-cp": "path", "--config-name": "name", "-cn": "name"}
 
 
@@ -525,16 +538,12 @@ def cmd_train(argv: list[str], start_workers_early: bool = False) -> int:
         sweep_dir = (
             Path(first.exp_manager.exp_dir).expanduser().resolve() / "multirun" / first.name / time.strftime("%Y-%m-%d_%H-%M-%S")
         )
-    # run files are private to their user: config, plan, logs, metrics, checkpoints (workers inherit the mask)
-    previous_umask = os.umask(RUN_FILES_UMASK)
-    try:
+    with _private_run_files():  # config, plan, logs, metrics, checkpoints
         if configs[0].launcher.name != "local" or configs[0].launcher.dry_run:  # beyond this host, or only show what would run
             from nxdt.launch.cluster import launch
 
             return launch(configs[0], plans[0], jobs[0], sys.stdout.isatty())
         return _train_locally(jobs, configs, plans, sweep_dir, source_args)
-    finally:
-        os.umask(previous_umask)
 
 
 def _start_fork_server_early(cfg: Any) -> None:
@@ -548,11 +557,8 @@ def _start_fork_server_early(cfg: Any) -> None:
         return
     from nxdt.launch.forking import start_fork_server  # imports no torch: the server starts before this process's own imports
 
-    previous_umask = os.umask(RUN_FILES_UMASK)
-    try:
+    with _private_run_files():
         start_fork_server()
-    finally:
-        os.umask(previous_umask)
 
 
 def _train_locally(
