@@ -299,7 +299,7 @@ def test_replicas_round_alike():
 
 
 def _optim_cfg(name="adamw"):
-    return SimpleNamespace(name=name, lr=1e-3, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.01, decay_norms_and_biases=False)
+    return SimpleNamespace(name=name, lr=1e-3, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.01, no_weight_decay="norms_and_biases")
 
 
 def test_build_optimizer_follows_the_precision_type():

@@ -233,11 +233,18 @@ RULES: dict[str, Rule] = {
         "naive, the S×S attention scores materialised as NxDT's non-flash path does"
     ),
     "model.fusions.ring_attention": _derived("nxdt's context parallelism always runs ring attention"),
-    "model.do_layer_norm_weight_decay": _map("model.optim.decay_norms_and_biases", to="model.optim.decay_norms_and_biases"),
+    "model.do_layer_norm_weight_decay": _custom(
+        "model.optim.no_weight_decay, by model source as NxDT reads it: hf (hf_models/base_model.py) true = "
+        "norms_and_biases, false/absent = biases, the decayed group at 0.01 (model.optim.fixed_weight_decay); "
+        "megatron (megatron_gpt_model.py) true = none (every parameter decayed), false/absent = norms_and_biases"
+    ),
     "model.save_logits": _agree("logits are not saved", False),
     "model.optim.name": _custom("adamw | adamw_fp32OptState (both AdamW with fp32 state here); others are refused"),
     "model.optim.lr": _map(),
-    "model.optim.weight_decay": _map("absent = 0, NeMo's default"),
+    "model.optim.weight_decay": _map(
+        "absent = 0, NeMo's default; NxDT's hf models decay at 0.01 whatever it says (noted; "
+        "model.optim.fixed_weight_decay=null uses it)"
+    ),
     "model.optim.betas": _map("absent = [0.9, 0.999], NeMo's default"),
     "model.optim.eps": _map(),
     "model.optim.amsgrad": _agree("AMSGrad is not implemented", False, error=True),
@@ -721,8 +728,36 @@ def _precision(leaves: Mapping[str, Any], notes: list[str], ignored: list[str]) 
     return {"precision.type": PRECISION[kind]}
 
 
+# NxD Training's HF models put the decayed parameters in a group with this rate, whatever model.optim.weight_decay
+# says (utils/model_utils.py get_param_groups_by_weight_decay: the group's own "weight_decay" key overrides the
+# optimizer's default, which is where optim.weight_decay goes)
+HF_WEIGHT_DECAY = 0.01
+
+
+def _weight_decay(leaves: Mapping[str, Any], notes: list[str]) -> dict[str, Any]:
+    """``model.do_layer_norm_weight_decay`` means opposite things by model source. hf (hf_models/base_model.py
+    setup_optimizer_param_groups): no decay on names with "bias", plus "norm"/"LayerNorm" when true; the rest at 0.01.
+    megatron (megatron_gpt_model.py, NeMo's get_all_params_for_weight_decay_optimization /
+    get_params_for_weight_decay_optimization): true decays every parameter, false exempts norms and biases; the rate
+    is optim.weight_decay."""
+    norms_too = bool(leaves.get("model.do_layer_norm_weight_decay", False))
+    if leaves.get("model_source", "hf") == "megatron":
+        return {"model.optim.no_weight_decay": "none" if norms_too else "norms_and_biases"}
+    given = leaves.get("model.optim.weight_decay")
+    if given is not None and given != HF_WEIGHT_DECAY:
+        notes.append(
+            f"model.optim.weight_decay={given!r}: NxDT's hf models decay at {HF_WEIGHT_DECAY} whatever it says "
+            "(utils/model_utils.py), and so does nxdt; model.optim.fixed_weight_decay=null decays at "
+            f"{given!r} instead"
+        )
+    return {
+        "model.optim.no_weight_decay": "norms_and_biases" if norms_too else "biases",
+        "model.optim.fixed_weight_decay": HF_WEIGHT_DECAY,
+    }
+
+
 def _optimizer(leaves: Mapping[str, Any], notes: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = _weight_decay(leaves, notes)
     name = leaves.get("model.optim.name", "adamw")
     if name not in OPTIMIZERS:
         raise ConfigError("model.optim.name", name, f"not supported; nxdt trains with {' or '.join(OPTIMIZERS)}")

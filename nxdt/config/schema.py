@@ -192,8 +192,17 @@ class SchedConfig:
 class OptimConfig:
     name: str = doc("adamw", "adamw | adamw_fp32OptState")
     lr: float = doc(3e-4, "peak learning rate")
-    weight_decay: float = doc(0.01, "decoupled weight decay (not applied to norms and biases unless decay_norms_and_biases)")
-    decay_norms_and_biases: bool = doc(False, "apply weight decay to every parameter, norm weights and biases included")
+    weight_decay: float = doc(0.01, "decoupled weight decay of the decayed group (see no_weight_decay)")
+    no_weight_decay: str = doc(
+        "norms_and_biases",
+        "parameters with weight decay 0: norms_and_biases (norm weights and biases) | biases | none (every parameter "
+        "decayed); NxDT's model.do_layer_norm_weight_decay sets it by model source (docs/migrating-from-nxdt.md)",
+    )
+    fixed_weight_decay: Optional[float] = doc(
+        None,
+        "the decayed group's rate in place of weight_decay (NxDT's HF models: 0.01, whatever optim.weight_decay "
+        "says; set by the NxDT translation); null = weight_decay",
+    )
     betas: List[float] = doc([0.9, 0.95], "Adam betas")
     eps: float = doc(1e-8, "Adam epsilon")
     sched: SchedConfig = doc(SchedConfig(), "learning-rate schedule")

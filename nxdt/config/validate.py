@@ -22,6 +22,7 @@ CHOICES = {
     "precision.type": ("fp32", "bf16", "bf16SR", "mixed_precision", "mixed_precisionSR"),
     "model.optim.name": ("adamw", "adamw_fp32OptState"),
     "model.optim.sched.name": ("CosineAnnealing", "LinearAnnealingWithWarmUp", "constant"),
+    "model.optim.no_weight_decay": ("norms_and_biases", "biases", "none"),
     "model.activations_checkpoint_granularity": (None, "full", "selective"),
     "model.core_attention": ("sdpa", "blockwise", "naive"),
     "model.moe.router_activation": ("softmax", "sigmoid"),
@@ -172,6 +173,8 @@ def check_ranges(cfg: Any) -> None:
     optim = model.optim
     _number("model.optim.lr", optim.lr, 0, what=" (the peak learning rate, e.g. 3e-4; 0 freezes the weights)")
     _number("model.optim.weight_decay", optim.weight_decay, 0, what=" (e.g. 0.01; 0 = no weight decay)")
+    if optim.fixed_weight_decay is not None:
+        _number("model.optim.fixed_weight_decay", optim.fixed_weight_decay, 0, what=" (null = model.optim.weight_decay)")
     _number("model.optim.eps", optim.eps, 0, lo_open=True, what=" (Adam's epsilon, e.g. 1e-8)")
     betas = list(optim.betas)
     if len(betas) != 2:

@@ -1,0 +1,150 @@
+"""NxD Training's semantics, one by one, each pinned to the NxD Training (or NeMo) source it follows
+(github.com/aws-neuron/neuronx-distributed-training at its 2.26.0 release; NeMo at nemo_toolkit 2.1.0, the version
+NxD Training's requirements.txt pins): the weight-decay groups of its HF and Megatron models, the learning-rate
+warm-up of NeMo's CosineAnnealing, the order ``data.train_dir`` is read in, and ``trainer.max_epochs``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from nxdt.config import compose_nxdt_config
+from nxdt.lightning.module import import_architecture
+from nxdt.lightning.optim import build_optimizer, lr_lambda, parameter_groups
+
+CONFIGS = Path(__file__).parent / "nxdt_configs"
+SHIPPED = CONFIGS / "shipped"
+TINY = {"num_layers": 2, "hidden_size": 16, "num_attention_heads": 2, "num_kv_heads": 1, "ffn_hidden_size": 32, "vocab_size": 32}
+
+
+def shipped(name: str, *more: str):
+    """An NxDT example config as shipped, planned for the instance it was written for (nothing is built)."""
+    extra = {
+        "hf_llama3_8B_config": [f"model.model_config={CONFIGS / 'llama3_8B_config.json'}"],
+        "hf_llama3.1_70B_config": [f"model.model_config={CONFIGS / 'llama3.1_70B_config.json'}"],
+        "megatron_gpt_config": [],
+    }[name]
+    cfg, warnings = compose_nxdt_config(SHIPPED, name, ["instance=trn1.32xlarge", *extra, *more], paths=False)
+    return cfg, warnings
+
+
+def groups_of(cfg) -> list[tuple[float, set[str]]]:
+    """(weight decay, parameter names) of each group of the optimizer nxdt builds for ``cfg``'s model (shrunk to
+    TINY: the groups depend on the kinds of parameters, not their sizes)."""
+    model_cfg = OmegaConf.merge(cfg.model, TINY)
+    model = import_architecture(cfg.model.architecture)(model_cfg)
+    names = {id(p): n for n, p in model.named_parameters()}
+    opt = build_optimizer(model, cfg.model.optim)
+    return [(g["weight_decay"], {names[id(p)] for p in g["params"]}) for g in opt.param_groups]
+
+
+def nxdt_hf_groups(names: list[str], do_layer_norm_weight_decay: bool) -> list[tuple[float, set[str]]]:
+    """NxD Training's own rule, by name (hf_models/base_model.py setup_optimizer_param_groups with
+    utils/model_utils.py get_param_groups_by_weight_decay): names containing "bias" (and "LayerNorm" or "norm" with
+    do_layer_norm_weight_decay) go in a group with weight decay 0.0, the rest in one with 0.01. The hub's parameter
+    names are Hugging Face's, so the rule applies to them as it does to NxDT's HF models."""
+    no_decay = ["bias"] + (["LayerNorm", "norm"] if do_layer_norm_weight_decay else [])
+    exempt = {n for n in names if any(nd in n for nd in no_decay)}
+    return [(0.01, set(names) - exempt), (0.0, exempt)]
+
+
+# ------------------------------------------------------------------------------------------- weight decay
+
+
+def test_hf_llama_configs_exempt_norms_and_decay_the_rest_at_001_as_nxdt_hf_models_do():
+    cfg, _ = shipped("hf_llama3_8B_config")  # do_layer_norm_weight_decay: True, weight_decay: 0.01
+    groups = groups_of(cfg)
+    names = sorted(set().union(*(g[1] for g in groups)))
+    assert groups == nxdt_hf_groups(names, True)
+    assert {"norm.weight", "layers.0.input_layernorm.weight", "layers.0.post_attention_layernorm.weight"} <= groups[1][1]
+    assert groups[0][0] == cfg.model.optim.weight_decay == 0.01
+
+
+def test_hf_models_decay_at_001_whatever_optim_weight_decay_says_and_a_note_says_so():
+    cfg, warnings = shipped("hf_llama3.1_70B_config")  # weight_decay: 0.1 in the file
+    assert cfg.model.optim.weight_decay == 0.1  # kept, visible in config.yaml
+    assert [g[0] for g in groups_of(cfg)] == [0.01, 0.0]  # what NxD Training's HF models use
+    (note,) = [w for w in warnings if "model.optim.weight_decay=0.1" in w]
+    assert "0.01" in note and "model.optim.fixed_weight_decay=null" in note
+    # the config's own value, one nxdt key away
+    cfg, _ = shipped("hf_llama3.1_70B_config", "model.optim.fixed_weight_decay=null")
+    assert [g[0] for g in groups_of(cfg)] == [0.1, 0.0]
+
+
+def test_hf_configs_without_do_layer_norm_weight_decay_decay_norm_weights_too():
+    cfg, _ = shipped("hf_llama3_8B_config", "model.do_layer_norm_weight_decay=False")
+    groups = groups_of(cfg)
+    names = sorted(set().union(*(g[1] for g in groups)))
+    # Llama has no biases: every parameter, the norm weights included, decays at 0.01
+    assert groups == [g for g in nxdt_hf_groups(names, False) if g[1]] and len(groups) == 1
+    assert cfg.model.optim.no_weight_decay == "biases"
+
+
+def test_the_biases_rule_exempts_biases_only_by_nxdt_hf_name_rule():
+    """GPT has biases and LayerNorm weights and biases: ``biases`` (an hf config with do_layer_norm_weight_decay
+    false) exempts every bias, LayerNorm's included, and decays LayerNorm weights, as NxDT's substring rule does."""
+    cfg, _ = shipped("megatron_gpt_config")
+    model = import_architecture(cfg.model.architecture)(OmegaConf.merge(cfg.model, TINY))
+    names = {id(p): n for n, p in model.named_parameters()}
+    for mode, norms_too in (("biases", False), ("norms_and_biases", True)):
+        got = [(g["weight_decay"], {names[id(p)] for p in g["params"]}) for g in parameter_groups(model, 0.01, mode)]
+        assert got == nxdt_hf_groups(sorted(names.values()), norms_too), mode
+
+
+def test_megatron_do_layer_norm_weight_decay_true_decays_every_parameter_at_the_configs_rate():
+    """megatron_gpt_model.py setup_optimizer_param_groups: True → NeMo's get_all_params_for_weight_decay_optimization
+    (one group, the optimizer's weight_decay: "True means weight decay on all params", as the config's comment
+    says); False → get_params_for_weight_decay_optimization (norms and biases at 0, the rest at weight_decay)."""
+    cfg, _ = shipped("megatron_gpt_config", "model.optim.weight_decay=0.1")  # the file says False
+    groups = groups_of(cfg)
+    assert [g[0] for g in groups] == [0.1, 0.0]
+    exempt = groups[1][1]
+    assert exempt and all(n.endswith("bias") or "layernorm" in n or n.startswith("norm.") for n in exempt)
+    assert not any(n.endswith("bias") for n in groups[0][1])
+    cfg, _ = shipped("megatron_gpt_config", "model.optim.weight_decay=0.1", "model.do_layer_norm_weight_decay=True")
+    (only,) = groups_of(cfg)
+    assert only[0] == 0.1 and len(only[1]) == len(groups[0][1]) + len(exempt)
+
+
+# ------------------------------------------------------------------------------------------- schedules
+
+
+def _cosine(warmup: int, max_steps: int, min_lr: float, constant_steps: int = 0):
+    sched = OmegaConf.create(
+        {
+            "name": "CosineAnnealing",
+            "warmup_steps": warmup,
+            "max_steps": max_steps,
+            "min_lr": min_lr,
+            "constant_steps": constant_steps,
+        }
+    )
+    return lr_lambda(sched, base_lr=1.0)
+
+
+def test_cosine_warm_up_is_nemos_step_plus_one_over_warmup_plus_one():
+    """nemo/core/optim/lr_scheduler.py (2.1.0) CosineAnnealing without constant_steps: WarmupAnnealHoldPolicy's
+    ``(step+1)/(warmup_steps+1)`` for step <= warmup_steps, then _cosine_annealing over max_steps - warmup_steps
+    from step warmup_steps; min_lr after max_steps. The step is the scheduler's (0 for the first optimizer step)."""
+    f = _cosine(warmup=4, max_steps=20, min_lr=0.1)
+    assert [f(s) for s in range(6)] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0, 0.1 + 0.9 * 0.5 * (1 + 0.9807852804032304)])
+    assert f(12) == pytest.approx(0.1 + 0.9 * 0.5)  # half-way through the 16 decay steps
+    assert f(20) == pytest.approx(0.1) and f(25) == pytest.approx(0.1)
+
+
+def test_cosine_with_constant_steps_is_megatrons_warm_up_from_zero():
+    """The same file, constant_steps > 0: _linear_warmup_with_cosine_annealing, ``step/warmup_steps`` (0 at step 0)
+    up to step warmup_steps, the cosine over decay_steps = max_steps - constant_steps - warmup_steps, then min_lr."""
+    f = _cosine(warmup=2, max_steps=16, min_lr=0.1, constant_steps=4)
+    assert [f(s) for s in range(3)] == pytest.approx([0.0, 0.5, 1.0])
+    assert f(7) == pytest.approx(0.1 + 0.9 * 0.5)  # 5 of the 10 decay steps
+    assert [f(s) for s in (12, 14, 16)] == pytest.approx([0.1, 0.1, 0.1])
+
+
+def test_warmup_policy_constant_warms_up_as_nemo():
+    """NxDT's WarmupPolicy (nxdt's ``constant``): NeMo's WarmupPolicy._get_warmup_lr, (step+1)/(warmup_steps+1)."""
+    sched = OmegaConf.create({"name": "constant", "warmup_steps": 3, "max_steps": 10, "min_lr": 0.0})
+    f = lr_lambda(sched, base_lr=1.0)
+    assert [f(s) for s in range(5)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])
