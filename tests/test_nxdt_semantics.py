@@ -148,3 +148,92 @@ def test_warmup_policy_constant_warms_up_as_nemo():
     sched = OmegaConf.create({"name": "constant", "warmup_steps": 3, "max_steps": 10, "min_lr": 0.0})
     f = lr_lambda(sched, base_lr=1.0)
     assert [f(s) for s in range(5)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])
+
+
+# ------------------------------------------------------------------------------------------- data
+
+
+def shrunk(*more: str):
+    """hf_llama3_8B_config shrunk to one CPU rank and a tiny Llama, on the shipped save_to_disk sample (96 rows of
+    33 byte ids: tests/nxdt_configs/make_tokenized_sample.py)."""
+    cfg, _ = shipped(
+        "hf_llama3_8B_config",
+        "instance=cpu",
+        "trainer.devices=1",
+        "trainer.num_nodes=1",
+        "distributed_strategy.tensor_model_parallel_size=1",
+        "distributed_strategy.sequence_parallel=False",
+        "distributed_strategy.kv_replicator=1",
+        "model.num_layers=1",
+        "model.hidden_size=32",
+        "model.num_attention_heads=2",
+        "model.num_kv_heads=1",
+        "model.ffn_hidden_size=64",
+        "model.vocab_size=256",
+        "model.encoder_seq_length=32",
+        "precision.type=fp32",
+        f"data.train_dir={CONFIGS / 'tokenized_sample'}",
+        *more,
+    )
+    return cfg
+
+
+def test_train_dir_is_read_in_order_each_epoch_from_its_first_row():
+    """hf_data_module.py HFDataModule._build_dataloader: DistributedSampler(shuffle=False, drop_last=True) and a
+    DataLoader of global_batch_size/DP rows with drop_last=True: global batch k is rows [k·B, (k+1)·B) of
+    data.train_dir, and each epoch starts again at row 0 (96 rows, B=10: 9 batches an epoch, rows 90-95 never)."""
+    import torch
+
+    from nxdt.data.hf_dataset import SavedHFDataset
+    from nxdt.lightning.datamodule import NxDDataModule
+
+    cfg = shrunk("data.global_batch_size=10", "data.micro_batch_size=5")
+    assert (cfg.data.source, cfg.data.shuffle) == ("hf_dataset", False)
+    rows = SavedHFDataset(str(CONFIGS / "tokenized_sample"), 32, 256)
+    data = NxDDataModule(cfg.data, seed=cfg.seed, vocab_size=256, step_batches=True)
+    batches = iter(data.train_dataloader())
+    order = [r for k in range(9 + 2) for r in range(10 * k, 10 * k + 10)]
+    order = order[:90] + list(range(20))  # the second epoch: rows 0.. again
+    for k in range(11):
+        batch = next(batches)["input_ids"]
+        expected = torch.stack([rows[i]["input_ids"] for i in order[10 * k : 10 * k + 10]])
+        assert torch.equal(batch, expected), k
+    assert data.steps_per_epoch == 9
+    # nxdt's own configs keep the seeded shuffle; one key gives NxDT's order back or takes it away
+    assert shrunk("data.global_batch_size=10", "data.micro_batch_size=5", "data.shuffle=true").data.shuffle is True
+
+
+def test_max_epochs_stops_at_the_end_of_the_epoch_before_max_steps(tmp_path):
+    """Lightning stops at whichever of max_steps and max_epochs comes first; NxD Training's trainer keeps that
+    (lightning_modules/nlp_overrides.py hands max_epochs to its fit loop). 96 rows / global batch 8 = 12 steps an
+    epoch: max_epochs=1 with max_steps=30 trains 12 steps (CausalLMModule brings the callback that counts them)."""
+    import lightning.pytorch as pl
+
+    from nxdt.lightning import NxDStrategy
+    from nxdt.lightning.datamodule import NxDDataModule
+    from nxdt.lightning.module import CausalLMModule
+
+    # one micro-batch a step: the fewest forwards that count 12 steps
+    cfg = shrunk("data.global_batch_size=8", "data.micro_batch_size=8", "trainer.max_steps=30", "trainer.max_epochs=1")
+    assert (cfg.trainer.max_steps, cfg.trainer.max_epochs) == (30, 1)
+    pl.seed_everything(cfg.seed, verbose=False)
+    module = CausalLMModule(cfg.model, cfg.data.global_batch_size, cfg.data.seq_length, cfg.data.micro_batch_size)
+    data = NxDDataModule(cfg.data, seed=cfg.seed, vocab_size=cfg.model.vocab_size, step_batches=True)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=NxDStrategy(),
+        max_steps=cfg.trainer.max_steps,
+        max_epochs=cfg.trainer.max_epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        default_root_dir=str(tmp_path),
+    )
+    trainer.fit(module, datamodule=data)
+    trainer.strategy.close()
+    assert trainer.global_step == 12 == data.steps_per_epoch

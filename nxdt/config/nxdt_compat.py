@@ -88,7 +88,7 @@ RULES: dict[str, Rule] = {
     "trainer.devices": _map("ranks per node (one per logical NeuronCore on Trainium)"),
     "trainer.num_nodes": _map(),
     "trainer.max_steps": _map("optimizer steps; the LR schedule spans it, as in NxDT"),
-    "trainer.max_epochs": _map(),
+    "trainer.max_epochs": _map("stops at whichever of max_steps and max_epochs comes first, as Lightning does in NxDT"),
     "trainer.log_every_n_steps": _map("a metrics.csv row every N steps"),
     "trainer.gradient_clip_val": _map("global-norm clipping; absent = no clipping (Lightning's default, as in NxDT)"),
     "trainer.lnc": _map("logical NeuronCore size; also picks the instance when `instance=` is not given"),
@@ -155,7 +155,8 @@ RULES: dict[str, Rule] = {
         "model_alignment_strategy: the fine-tuning length, at most encoder_seq_length, as in NxDT)"
     ),
     "data.train_dir": _custom(
-        "data.train_dir with data.source=hf_dataset (a datasets.save_to_disk directory); "
+        "data.train_dir with data.source=hf_dataset (a datasets.save_to_disk directory), read in order "
+        "(data.shuffle: false) as NxDT's HF data module does; "
         "set data.source=text for text files; with model_alignment_strategy.sft: "
         "data.source=instructions (.jsonl, or save_to_disk, records); with .dpo / .orpo: "
         "data.source=preferences (prompt/chosen/rejected records)"
@@ -559,6 +560,8 @@ def translate(nxdt: Mapping[str, Any], hf_config: Mapping[str, Any] | None = Non
     out.update(_optimizer(leaves, notes))
     out.update(checkpointing)
     out.update(data)
+    if data.get("data.source") == "hf_dataset":  # NxDT's HFDataModule: DistributedSampler(shuffle=False), drop_last
+        out["data.shuffle"] = False
     vpp = leaves.get("distributed_strategy.virtual_pipeline_model_parallel_size")
     out["distributed_strategy.virtual_pipeline_model_parallel_size"] = 1 if vpp is None else vpp  # NxDT: None means 1
 

@@ -32,7 +32,11 @@ class TrainerConfig:
     devices: Optional[int] = doc(None, "ranks per node; null = one per (logical) core of the instance (cpu: instance.devices)")
     num_nodes: int = doc(1, "number of nodes")
     max_steps: int = doc(50, "optimizer steps to train (one step = one global batch)")
-    max_epochs: int = doc(-1, "epoch limit; -1 = bounded by max_steps only")
+    max_epochs: int = doc(
+        -1,
+        "epoch limit: training stops at whichever of max_steps and max_epochs comes first (Lightning's rule); an "
+        "epoch is len(train data) // global_batch_size steps; -1 = bounded by max_steps only",
+    )
     log_every_n_steps: int = doc(1, "write a metrics.csv row every N steps")
     gradient_clip_val: Optional[float] = doc(1.0, "clip the global gradient norm to this value; null or 0 = no clipping")
     lnc: Optional[int] = doc(None, "logical NeuronCore size: physical cores per rank (Trn2/Trn3); null = the instance default")
@@ -171,6 +175,12 @@ class DataConfig:
     )
     dev_choose_samples: Optional[int] = doc(
         None, "instructions, preferences: use only the first N records of train_dir; null = all"
+    )
+    shuffle: bool = doc(
+        True,
+        "training samples in a seeded permutation per epoch; false = in order, each epoch from the first sample, "
+        "its last partial global batch dropped (NxDT's HF data module: DistributedSampler(shuffle=False), "
+        "drop_last); megatron reads its own shuffled sample index either way",
     )
     val_split: float = doc(
         0.0,

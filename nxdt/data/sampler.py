@@ -1,7 +1,8 @@
 """The global-batch sampler (Megatron/NxDT pretraining style), resumable by consumed samples.
 
 The sample stream is a seeded permutation of the dataset per epoch, epochs following each other without
-a seam (a global batch may straddle two epochs). Global batch ``k`` is stream positions
+a seam (a global batch may straddle two epochs); unshuffled (``shuffle=False``), the samples in order, each epoch
+its whole global batches only (the last partial one dropped, as NxD Training's HF data module does). Global batch ``k`` is stream positions
 ``[k·B, (k+1)·B)``; data-parallel rank ``r`` of ``D`` takes the contiguous slice ``[r·B/D, (r+1)·B/D)`` of
 it and yields it as micro-batches of ``micro_batch_size`` indices. Concatenating the ranks' slices, rank
 by rank, gives exactly what one rank with the whole batch sees, which is why DP=2 reproduces the
@@ -66,9 +67,18 @@ class GlobalBatchSampler(Sampler[list[int]]):
         """Micro-batches this rank yields per global batch (Lightning's accumulate_grad_batches)."""
         return self.global_batch_size // (self.micro_batch_size * self.dp_size)
 
+    @property
+    def epoch_samples(self) -> int:
+        """Stream positions per epoch: every sample when shuffled (the stream runs on across epochs); in order, the
+        whole global batches only, so each epoch starts again at sample 0 (NxD Training's HF data module:
+        DistributedSampler(shuffle=False, drop_last=True) under a DataLoader with drop_last=True)."""
+        if self.shuffle or self.num_samples < self.global_batch_size:
+            return self.num_samples
+        return self.num_samples - self.num_samples % self.global_batch_size
+
     def sample_at(self, position: int) -> int:
-        """The dataset index at stream position ``position`` (epoch = position // num_samples)."""
-        epoch, offset = divmod(position, self.num_samples)
+        """The dataset index at stream position ``position`` (epoch = position // epoch_samples)."""
+        epoch, offset = divmod(position, self.epoch_samples)
         if not self.shuffle:
             return offset
         if self._epoch_order is None or self._epoch_order[0] != epoch:

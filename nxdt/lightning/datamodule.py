@@ -207,6 +207,21 @@ class NxDDataModule(pl.LightningDataModule):
         batch = self.cfg.global_batch_size
         return self.cfg.micro_batch_size * self.dp_size if batch is None else batch
 
+    @property
+    def shuffles(self) -> bool:
+        """data.shuffle (absent in a Lightning API user's data config: true); Megatron's sample index is shuffled
+        already, so its stream is read in index order."""
+        return self.cfg.source != "megatron" and bool(getattr(self.cfg, "shuffle", True))
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps in one epoch: the whole global batches of the training samples (the last partial one
+        dropped, as NxD Training's data loaders do: drop_last=True)."""
+        if self.dataset is None:
+            self.setup("fit")
+        assert self.dataset is not None  # setup built it
+        return len(self.dataset) // self.global_batch_size
+
     # --- resume position -----------------------------------------------------------------------------
     def _global_step(self) -> int | None:
         return self.trainer.global_step if self.trainer is not None else None
@@ -249,8 +264,8 @@ class NxDDataModule(pl.LightningDataModule):
             dp_size=self.dp_size,
             consumed_samples=self.consumed_samples,
             seed=self.seed,
-            shuffle=self.cfg.source != "megatron",
-        )  # Megatron's sample index is shuffled already
+            shuffle=self.shuffles,
+        )
         trainer = self.trainer
         if trainer is not None and trainer.accumulate_grad_batches != sampler.micro_batches_per_step:
             # otherwise optimizer steps and global batches drift apart: DP ≠ single process, resume skips data
@@ -286,3 +301,27 @@ class NxDDataModule(pl.LightningDataModule):
             len(self.val_dataset), self.global_batch_size, self.dp_rank, self.dp_size, num_batches=self.validation_batches()
         )
         return DataLoader(PadRows(self.val_dataset), batch_sampler=sampler, num_workers=0)
+
+
+class EpochLimit(pl.Callback):
+    """``trainer.max_epochs`` with nxdt's endless sample stream (its loader has no length, so Lightning never ends an
+    epoch): stops the fit after ``max_epochs`` × the data module's ``steps_per_epoch`` optimizer steps, or at
+    ``max_steps`` if that comes first — Lightning's rule, which NxD Training's trainer keeps (nlp_overrides.py passes
+    max_epochs to its fit loop). ``should_stop`` ends the step as Lightning's early stopping does (a validation
+    runs first, when there is validation data)."""
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        epochs = trainer.max_epochs
+        data = trainer.datamodule
+        if epochs is None or epochs < 0 or not isinstance(data, NxDDataModule):
+            return
+        per_epoch = data.steps_per_epoch
+        if per_epoch < 1:
+            raise ValueError(
+                f"trainer.max_epochs={epochs}: the {len(data.dataset or ())} training samples hold no whole global batch "
+                f"of data.global_batch_size={data.global_batch_size}; lower the batch or set trainer.max_epochs=-1"
+            )
+        if trainer.global_step >= epochs * per_epoch:
+            trainer.should_stop = True

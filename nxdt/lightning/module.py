@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 from torch.utils.data import Dataset, Subset, default_collate
 
 from nxdt.config.validate import ALLOWED_MODEL_PREFIX
+from nxdt.lightning.datamodule import EpochLimit
 from nxdt.lightning.hf import load_hf_weights
 from nxdt.data.preferences import pair_rows
 from nxdt.lightning.objective import label_count, objective_for, pair_sums, sequence_log_prob_sums, token_weights
@@ -433,6 +434,11 @@ class CausalLMModule(pl.LightningModule):
             from nxdt.lightning.lora_checkpoint import merged_state_dict
 
             checkpoint["state_dict"] = merged_state_dict(checkpoint["state_dict"], self.model.lora_config.scaling)
+
+    def configure_callbacks(self) -> list[pl.Callback]:
+        """``trainer.max_epochs`` counted in :class:`~nxdt.lightning.datamodule.NxDDataModule` epochs (its stream is
+        endless, so Lightning alone never ends one)."""
+        return [EpochLimit()]
 
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer = build_optimizer(self.model, self.model_cfg.optim, precision=self.precision_type, seed=self.seed)
