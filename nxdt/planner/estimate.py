@@ -83,6 +83,56 @@ def mlp_matrices(model: Any) -> int:
     return MLP_MATRICES.get(module[-2] if len(module) >= 2 else "", 3)
 
 
+# LoRA: NxDT's target names → the hub's projections (models/lora.py NXDT_TARGETS; the planner does not import the
+# hub: tests/test_planner_lora.py keeps the two equal). GPT's MLP (fc_in, fc_out) and Mixtral's experts (w1, w2, w3)
+# have none of the MLP names, so only Llama's MLP is adapted.
+LORA_TARGETS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+LORA_MLP_ARCHITECTURES = ("llama",)
+
+
+def lora_trainable_per_rank(cfg: Any, tp: int, pp: int) -> float | None:
+    """Trainable parameters one rank holds in a LoRA run (``model_alignment_strategy.peft``), None without one: rank
+    r adapters A (in × r) and B (r × out) on each targeted projection of every layer, split as their base is (a
+    column-parallel base: A whole, B split over TP; row-parallel: A split, B whole), layers spread over PP stages.
+    The base model, embedding and head are frozen: no gradient, no optimizer state. LoRA's trainable biases
+    (lora_bias all / lora_only) exist only in GPT, the hub's one model with biases, and are left out (h-sized)."""
+    mas = getattr(cfg, "model_alignment_strategy", None)
+    peft = getattr(mas, "peft", None)
+    if peft is None:
+        return None
+    model = cfg.model
+    h, heads = model.hidden_size, model.num_attention_heads
+    kv = model.num_kv_heads or heads
+    head_dim = h // heads
+    module = str(model.architecture).rsplit(".", 2)
+    mlp = len(module) >= 2 and module[-2] in LORA_MLP_ARCHITECTURES
+    # projection → (in, out, row-parallel)
+    shapes = {
+        "q_proj": (h, heads * head_dim, False),
+        "k_proj": (h, kv * head_dim, False),
+        "v_proj": (h, kv * head_dim, False),
+        "o_proj": (heads * head_dim, h, True),
+        "gate_proj": (h, model.ffn_hidden_size, False),
+        "up_proj": (h, model.ffn_hidden_size, False),
+        "down_proj": (model.ffn_hidden_size, h, True),
+    }
+    wanted = {p for t in peft.target_modules for p in LORA_TARGETS.get(t, (t,))}
+    if not mlp:
+        wanted -= {"gate_proj", "up_proj", "down_proj"}
+    r = peft.lora_rank
+    per_layer = sum(
+        r * (fan_in / tp + fan_out) if row else r * (fan_in + fan_out / tp)
+        for name, (fan_in, fan_out, row) in shapes.items()
+        if name in wanted
+    )
+    return per_layer * model.num_layers / pp
+
+
 def forward_flops_per_token(model: Any, seq_length: int, *, causal: bool = False) -> float:
     """Forward FLOPs per token of a decoder-only transformer config, 2 per multiply-add, counted from the config:
 
@@ -297,21 +347,25 @@ def memory_per_rank(cfg: Any, degrees: dict[str, int]) -> dict[str, float]:
     edp = max(1, dp // ep)  # ranks holding the same experts
     per = bytes_per_parameter(cfg)
     fsdp = ds.fsdp.enabled
+    lora = lora_trainable_per_rank(cfg, tp, pp)
     if fsdp:  # everything sharded; the fp32 shard of mixed_precision is the master copy (no separate one)
         p_bytes = 4 if _kind(cfg) == "mixed_precision" else per["params"]
         state = per["moments"]
+        held = dense / replicas + experts / edp
+        trained = held if lora is None else lora / replicas  # LoRA: the adapters only
         mem = {
-            "parameters": (dense / replicas + experts / edp) * p_bytes,
-            "gradients": (dense / replicas + experts / edp) * per["grads"],
-            "optimizer": (dense / replicas + experts / edp) * state,
+            "parameters": (held + (lora or 0.0) / replicas) * p_bytes,
+            "gradients": trained * per["grads"],
+            "optimizer": trained * state,
             "gathered_parameters": _fsdp_gathered(cfg, n, tp, pp, per["params"]),
         }
     else:
         state = per["moments"] + per["master"]
-        sharded = (dense / replicas + experts / edp) if ds.zero1 else dense + experts
+        trained = dense + experts if lora is None else lora  # LoRA: the adapters only
+        sharded = (dense / replicas + experts / edp if lora is None else lora / replicas) if ds.zero1 else trained
         mem = {
-            "parameters": (dense + experts) * per["params"],
-            "gradients": (dense + experts) * per["grads"],
+            "parameters": (dense + experts + (lora or 0.0)) * per["params"],
+            "gradients": trained * per["grads"],
             "optimizer": sharded * state,
         }
     s, b, h, a = data.seq_length, data.micro_batch_size, model.hidden_size, model.num_attention_heads
@@ -452,6 +506,8 @@ def step_collectives(cfg: Any, plan: Any) -> list[dict[str, Any]]:
         dp_dim = "dp_cp" if plan.cp > 1 else "dp"  # CP ranks are weight replicas: DP × CP reduces and shards
         dense = n["total"] - n["expert_params"]
         params = dense / (plan.tp * plan.pp)
+        lora = lora_trainable_per_rank(cfg, plan.tp, plan.pp)
+        trained = params if lora is None else lora  # LoRA: only the adapters' gradients are reduced
         grad_bytes = 4 if _kind(cfg) in ("fp32", "mixed_precision") else 2
         if ds.fsdp.enabled:
             # units: the embedding, each layer, the head (merged with the embedding when tied); every micro-batch
@@ -475,13 +531,13 @@ def step_collectives(cfg: Any, plan: Any) -> list[dict[str, Any]]:
                 dict(
                     dim=dp_dim,
                     op="reduce_scatter",
-                    bytes=unit * grad_bytes,
+                    bytes=trained / units * grad_bytes,
                     count=units * microbatches,
                     what="FSDP gradient reduce-scatter",
                     overlap=hidden,
                 ),
             ]
-            if 2 * h < ds.fsdp.param_persistence_threshold:  # norm weights ride along their unit, kept whole
+            if lora is None and 2 * h < ds.fsdp.param_persistence_threshold:  # norm weights kept whole (LoRA: frozen)
                 rows.append(
                     dict(
                         dim=dp_dim,
@@ -493,11 +549,13 @@ def step_collectives(cfg: Any, plan: Any) -> list[dict[str, Any]]:
                 )
         elif ds.zero1:
             rows += [
-                dict(dim=dp_dim, op="reduce_scatter", bytes=params * grad_bytes, count=1, what="ZeRO-1 gradients"),
-                dict(dim=dp_dim, op="all_gather", bytes=params * act, count=1, what="ZeRO-1 updated parameters"),
+                dict(dim=dp_dim, op="reduce_scatter", bytes=trained * grad_bytes, count=1, what="ZeRO-1 gradients"),
+                dict(dim=dp_dim, op="all_gather", bytes=trained * act, count=1, what="ZeRO-1 updated parameters"),
             ]
         else:
-            rows.append(dict(dim=dp_dim, op="all_reduce", bytes=params * grad_bytes, count=1, what="gradients (one fp32 bucket)"))
+            rows.append(
+                dict(dim=dp_dim, op="all_reduce", bytes=trained * grad_bytes, count=1, what="gradients (one fp32 bucket)")
+            )
     return rows
 
 
