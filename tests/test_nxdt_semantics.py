@@ -237,3 +237,72 @@ def test_max_epochs_stops_at_the_end_of_the_epoch_before_max_steps(tmp_path):
     trainer.fit(module, datamodule=data)
     trainer.strategy.close()
     assert trainer.global_step == 12 == data.steps_per_epoch
+
+
+# ------------------------------------------------------------------------------------------- loss averaging
+
+
+def test_loss_averaging_micro_batches_is_nxdts_mean_of_micro_batch_means(tmp_path):
+    """lightning_modules/model/base.py forward_backward_step: each micro-batch's loss (a token mean) divided by the
+    number of micro-batches, summed, then averaged over DP. ``model.loss_averaging=micro_batches`` trains on exactly
+    that; nxdt's default (tokens) weighs each micro-batch by its labelled tokens. SFT records padded one per sequence
+    hold different label counts, so the two differ here."""
+    import copy
+
+    import lightning.pytorch as pl
+    import torch
+
+    from nxdt.config import compose_config
+    from nxdt.lightning import NxDStrategy
+    from nxdt.lightning.datamodule import NxDDataModule
+    from nxdt.lightning.module import CausalLMModule, split_micro_batches
+
+    cfg = compose_config(
+        [
+            "+recipe=sft",
+            "model.num_layers=1",
+            "data.global_batch_size=4",
+            "data.micro_batch_size=2",
+            "data.dev_choose_samples=8",
+            "model_alignment_strategy.sft.packing=false",
+            "model.loss_averaging=micro_batches",
+            "trainer.max_steps=1",
+        ]
+    )
+    pl.seed_everything(cfg.seed, verbose=False)
+    module = CausalLMModule(cfg.model, cfg.data.global_batch_size, cfg.data.seq_length, cfg.data.micro_batch_size)
+    initial = copy.deepcopy(module.model)
+
+    def data():
+        return NxDDataModule(
+            cfg.data, seed=cfg.seed, vocab_size=cfg.model.vocab_size, step_batches=True, sft=cfg.model_alignment_strategy.sft
+        )
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=NxDStrategy(),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        default_root_dir=str(tmp_path),
+    )
+    trainer.fit(module, datamodule=data())
+    trainer.strategy.close()
+    batch = next(iter(data().train_dataloader()))  # the same first global batch (the stream is a function of the seed)
+    means, sums, counts = [], 0.0, 0
+    with torch.no_grad():
+        for mb in split_micro_batches(batch, cfg.data.micro_batch_size):
+            logits = initial(mb["input_ids"], mb.get("position_ids"), mb.get("segment_ids"))
+            loss = float(initial.loss_fn(logits, mb["labels"]))
+            n = int((mb["labels"] != -100).sum())
+            means, sums, counts = means + [loss], sums + loss * n, counts + n
+    assert len(means) == 2 and len({int((mb["labels"] != -100).sum()) for mb in split_micro_batches(batch, 2)}) == 2
+    # fp32 forwards of the same weights and rows, in another order of operations: rounding only (~1e-7 of a loss ≈ 5)
+    assert module.step_metrics["loss"] == pytest.approx(sum(means) / 2, rel=1e-6)
+    assert abs(sum(means) / 2 - sums / counts) > 1e-3  # the token mean (nxdt's default) is another number

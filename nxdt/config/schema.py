@@ -265,6 +265,12 @@ class ModelConfig:
     tie_word_embeddings: bool = doc(False, "share input embedding and output head")
     init_method_std: float = doc(0.02, "std of the normal weight init")
     activations_checkpoint_granularity: Optional[str] = doc(None, "full | selective | null")
+    loss_averaging: str = doc(
+        "tokens",
+        "pretraining and SFT: tokens = the mean over every labelled token of the global batch (the same for any "
+        "micro_batch_size and DP) | micro_batches = the mean of each micro-batch's token mean, as NxDT averages "
+        "(lightning_modules/model/base.py forward_backward_step); equal when every micro-batch has as many labels",
+    )
     core_attention: str = doc(
         "sdpa",
         "sdpa (torch's scaled_dot_product_attention: its fused flash kernel on CPU, no S×S tensor) "

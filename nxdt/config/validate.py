@@ -23,6 +23,7 @@ CHOICES = {
     "model.optim.name": ("adamw", "adamw_fp32OptState"),
     "model.optim.sched.name": ("CosineAnnealing", "LinearAnnealingWithWarmUp", "constant"),
     "model.optim.no_weight_decay": ("norms_and_biases", "biases", "none"),
+    "model.loss_averaging": ("tokens", "micro_batches"),
     "model.activations_checkpoint_granularity": (None, "full", "selective"),
     "model.core_attention": ("sdpa", "blockwise", "naive"),
     "model.moe.router_activation": ("softmax", "sigmoid"),

@@ -361,8 +361,10 @@ class CausalLMModule(pl.LightningModule):
 
     def _weigh(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
         """Give every micro-batch its ``loss_weight`` (a 0-d tensor): its share of the global batch's labelled
-        tokens, so the step's loss is the token mean over the whole global batch (nxdt.lightning.objective)."""
-        if not self.objective.token_weighted:
+        tokens, so the step's loss is the token mean over the whole global batch (nxdt.lightning.objective).
+        ``model.loss_averaging: micro_batches`` leaves them unweighted: the plain mean of the micro-batches' token
+        means over micro-batches and DP ranks, NxD Training's loss."""
+        if not self.objective.token_weighted or getattr(self.model_cfg, "loss_averaging", "tokens") == "micro_batches":
             return micro_batches
         counts = [label_count(mb["labels"]) for mb in micro_batches]
         total = int(self._data_parallel_sum(torch.tensor([sum(counts)], dtype=torch.int64))[0])

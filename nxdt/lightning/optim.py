@@ -39,7 +39,7 @@ def parameter_groups(model: nn.Module, weight_decay: float, no_weight_decay: str
     """[decayed at ``weight_decay``, not decayed] over the trainable parameters; ``no_weight_decay`` names which go in
     the second group (:data:`NO_WEIGHT_DECAY`). Empty groups are left out."""
     if no_weight_decay not in NO_WEIGHT_DECAY:
-        raise ValueError(f"model.optim.no_weight_decay={no_weight_decay!r}: use one of {', '.join(NO_WEIGHT_DECAY)}")
+        raise ValueError(f"model.optim.no_weight_decay={no_weight_decay!r}: use one of {', '.join(map(str, NO_WEIGHT_DECAY))}")
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     for name, p in model.named_parameters():
