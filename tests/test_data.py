@@ -206,6 +206,12 @@ def test_each_epoch_is_a_fresh_seeded_permutation():
     assert other_seed != epochs[0]
     in_order = GlobalBatchSampler(num_samples=n, global_batch_size=4, micro_batch_size=2, shuffle=False)
     assert sum(steps(in_order, 6), []) == list(range(n)) + list(range(4))
+    # in order, an epoch is its whole global batches (NxDT's drop_last): 22 samples, batches of 4 → 0..19, then 0..
+    in_order = GlobalBatchSampler(num_samples=22, global_batch_size=4, micro_batch_size=2, shuffle=False)
+    assert sum(steps(in_order, 6), []) == list(range(20)) + list(range(4))
+    # fewer samples than a global batch: the stream runs on through them (no whole batch to keep)
+    small = GlobalBatchSampler(num_samples=3, global_batch_size=4, micro_batch_size=4, shuffle=False)
+    assert steps(small, 2) == [[0, 1, 2, 0], [1, 2, 0, 1]]
 
 
 def test_sampler_rejects_inconsistent_sizes():

@@ -37,6 +37,7 @@ PARITY = [
     "model.optim.eps=1.0",
     "model.optim.lr=0.5",
     "model.optim.weight_decay=0.0",
+    "model.optim.fixed_weight_decay=null",  # an NxDT hf config decays at 0.01 whatever weight_decay says: use it
     "data.dev_choose_samples=64",
     f"data.train_dir={SAMPLE_PREFERENCES}",
 ]
