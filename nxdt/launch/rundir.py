@@ -216,19 +216,17 @@ def refusal_text(bad: Change, changes: list[Change], whose: str, run_dir: Path, 
     """The one line after ``config error: KEY=NOW:``: the other value, why, what else changed, the fix."""
     others = [c.key for c in changes if c is not bad and c.refused(weight_init_only)]
     also = f" (also changed: {', '.join(others)})" if others else ""
-    what = "a model key: the weights would compute another function" if bad.kind == MODEL else "it changes the training"
-    if weight_init_only:
-        fix = (
-            "start from the weights with the model they were trained as, or export them (nxdt checkpoint export-hf) "
-            "and start from model.hf_checkpoint"
-        )
+    keep = f"{'start from the weights' if weight_init_only else 'resume'} with {bad.key}={show(bad.was)}"
+    if bad.kind == MODEL:  # weight_init_only compares model keys too: only Hugging Face weights start another model
+        why = "a model key: the weights would compute another function"
+        fix = f"{keep}, or export the weights (nxdt checkpoint export-hf) and start another model from model.hf_checkpoint"
     else:
+        why = "it changes the training"
         fix = (
-            f"resume with {bad.key}={show(bad.was)}, or start a new run (another name, or exp_manager.resume_if_exists="
-            f"false) from its weights: exp_manager.resume_from_checkpoint={run_dir / 'checkpoints'}/step-N "
-            "model.weight_init_only=true"
+            f"{keep}, or start new training from its weights (fresh optimizer, step 0) in another run directory: "
+            f"exp_manager.resume_from_checkpoint={run_dir / 'checkpoints'}/step-N model.weight_init_only=true"
         )
-    return f"{whose} was trained with {bad.key}={show(bad.was)}, not {show(bad.now)} ({what}){also}; {fix}"
+    return f"{whose} was trained with {bad.key}={show(bad.was)}, not {show(bad.now)} ({why}){also}; {fix}"
 
 
 def resume_line(run_dir: Path, changes: list[Change], entry: Path | None) -> list[str]:
