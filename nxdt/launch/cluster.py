@@ -40,8 +40,9 @@ def run_torchrun(cfg: Any, plan: Any, overrides: list[str], console_tty: bool) -
             print(str(exc), file=sys.stderr)
             return 2
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        # one history entry per launch: written by the node that hosts the rendezvous (the directory may be shared)
-        entry = record_history(run_dir, cfg, overrides) if spec.is_host else None
+        # one history entry per launch: written by the node that hosts the rendezvous (the directory may be shared,
+        # and the other nodes write the same config.yaml at the same time)
+        entry = record_history(run_dir, cfg, overrides, keep_earlier=False) if spec.is_host else None
         write_atomically(run_dir / CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         write_atomically(run_dir / PLAN_FILE, plan.to_json())
         write_atomically(run_dir / OVERRIDES_FILE, "\n".join(overrides) + "\n")

@@ -86,14 +86,15 @@ def write_run_dir(run_dir: Path, cfg: Any, plan: Plan, overrides: list[str] | No
     return entry
 
 
-def record_history(run_dir: Path, cfg: Any, overrides: list[str]) -> Path:
+def record_history(run_dir: Path, cfg: Any, overrides: list[str], keep_earlier: bool = True) -> Path:
     """Add this launch to ``run_dir/config-history/``: ``<n>-<YYYY-mm-dd_HH-MM-SS>/`` with its config.yaml and
     overrides.txt, n counting from 0. A run directory written before the history existed gets its current files
-    as entry 0 first (named by their modification time), so no launch's record is lost."""
+    as entry 0 first (named by their modification time), so no launch's record is lost (``keep_earlier=False``:
+    not for a multi-node launch, where another node may have just written them)."""
     history = run_dir / HISTORY_DIR
     history.mkdir(parents=True, exist_ok=True)
     entries = history_entries(run_dir)
-    if not entries and (run_dir / CONFIG_FILE).is_file():  # launched before nxdt kept a history
+    if keep_earlier and not entries and (run_dir / CONFIG_FILE).is_file():  # launched before nxdt kept a history
         stamp = time.strftime(STAMP, time.localtime((run_dir / CONFIG_FILE).stat().st_mtime))
         first = history / f"0-{stamp}"
         first.mkdir()
