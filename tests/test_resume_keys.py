@@ -19,7 +19,7 @@ from nxdt.launch.rundir import (
     check_same_run,
     config_dict,
     history_entries,
-    resume_line,
+    resume_lines,
     write_run_dir,
 )
 from nxdt.planner import plan
@@ -165,7 +165,7 @@ def test_what_may_change_is_said_in_one_line_and_the_history_keeps_every_launch(
         cfg = compose_config([*overrides, f"exp_manager.explicit_log_dir={run}"])
         changes = check_same_run(cfg, run)
         assert changes is not None
-        said.append(resume_line(run, changes, write_run_dir(run, cfg, plan(cfg), overrides)))
+        said.append(resume_lines(run, changes, write_run_dir(run, cfg, plan(cfg), overrides)))
     first, second = said
     assert first[0] == (
         f"nxdt: continuing {run}: trainer.max_steps 5 → 8, exp_manager.resume_if_exists False → True, "

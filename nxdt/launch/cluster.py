@@ -25,7 +25,7 @@ def multinode_run_dir(cfg: Any, rdzv_id: str) -> Path:
 def run_torchrun(cfg: Any, plan: Any, overrides: list[str], console_tty: bool) -> int:
     from nxdt.launch.multinode import resolve_node, write_atomically
     from nxdt.launch.node import run_node
-    from nxdt.launch.rundir import CONFIG_FILE, OVERRIDES_FILE, PLAN_FILE, check_same_run, record_history, resume_line
+    from nxdt.launch.rundir import CONFIG_FILE, OVERRIDES_FILE, PLAN_FILE, check_same_run, record_history, resume_lines
 
     try:
         spec = resolve_node(cfg.launcher, plan.num_nodes, plan.ranks_per_node, cfg.exp_manager.max_restarts)
@@ -48,12 +48,12 @@ def run_torchrun(cfg: Any, plan: Any, overrides: list[str], console_tty: bool) -
         write_atomically(run_dir / OVERRIDES_FILE, "\n".join(overrides) + "\n")
         print(f"nxdt: run directory {run_dir} ({plan.world_size} ranks on {plan.num_nodes} nodes)", flush=True)
         if changes is not None:
-            print("\n".join(resume_line(run_dir, changes, entry)), flush=True)
+            print("\n".join(resume_lines(run_dir, changes, entry)), flush=True)
     return run_node(run_dir, cfg, plan, dry_run=cfg.launcher.dry_run, console_tty=console_tty)
 
 
 def run_slurm(cfg: Any, plan: Any, overrides: list[str]) -> int:
-    from nxdt.launch.rundir import check_same_run, choose_run_dir, resume_line, write_run_dir
+    from nxdt.launch.rundir import check_same_run, choose_run_dir, resume_lines, write_run_dir
     from nxdt.launch.slurm import sbatch_command, sbatch_script, submit
 
     run_dir = choose_run_dir(cfg)
@@ -73,7 +73,7 @@ def run_slurm(cfg: Any, plan: Any, overrides: list[str]) -> int:
     entry = write_run_dir(run_dir, cfg, plan, overrides)
     print(f"nxdt: run directory {run_dir} ({plan.world_size} ranks on {plan.num_nodes} nodes)", flush=True)
     if changes is not None:
-        print("\n".join(resume_line(run_dir, changes, entry)), flush=True)
+        print("\n".join(resume_lines(run_dir, changes, entry)), flush=True)
     return submit(cfg, plan, run_dir)
 
 

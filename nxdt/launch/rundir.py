@@ -102,7 +102,8 @@ def record_history(run_dir: Path, cfg: Any, overrides: list[str], keep_earlier: 
             if (run_dir / name).is_file():
                 (first / name).write_bytes((run_dir / name).read_bytes())
         entries = [first]
-    entry = history / f"{len(entries)}-{time.strftime(STAMP)}"
+    number = int(entries[-1].name.split("-", 1)[0]) + 1 if entries else 0  # after the newest, even if one was deleted
+    entry = history / f"{number}-{time.strftime(STAMP)}"
     entry.mkdir()
     save_run_config(cfg, entry / CONFIG_FILE)
     (entry / OVERRIDES_FILE).write_text("\n".join(overrides) + "\n")
@@ -230,7 +231,7 @@ def refusal_text(bad: Change, changes: list[Change], whose: str, run_dir: Path, 
     return f"{whose} was trained with {bad.key}={show(bad.was)}, not {show(bad.now)} ({why}){also}; {fix}"
 
 
-def resume_line(run_dir: Path, changes: list[Change], entry: Path | None) -> list[str]:
+def resume_lines(run_dir: Path, changes: list[Change], entry: Path | None) -> list[str]:
     """The console's line on a launch into an existing run directory: what changed (or nothing), where the history
     entry is; then one line per noted change saying what it means."""
     recorded = f" (recorded in {HISTORY_DIR}/{entry.name})" if entry is not None else ""
