@@ -604,7 +604,7 @@ def _train_locally(
             notes = check_resume(cfg, run_dir)  # the newest checkpoint's checksums, before any worker starts
             entry = write_run_dir(run_dir, cfg, the_plan, job)  # config.yaml, overrides.txt, config-history/<n>-<time>/
             if changes is not None:  # a launch into a run directory that held a run: what changed, in one line
-                notes = [*resume_lines(run_dir, changes, entry), *notes]
+                notes = [*resume_lines(run_dir, changes, entry, cfg.data.source == "megatron"), *notes]
             for line in notes:
                 print(line, flush=True)
         except ConfigError as exc:

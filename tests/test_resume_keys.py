@@ -160,13 +160,15 @@ def test_what_may_change_is_said_in_one_line_and_the_history_keeps_every_launch(
             "exp_manager.log_gradient_norm=true",
         ],
     ]
-    said = []
+    said, changed = [], []
     for overrides in launches:
         cfg = compose_config([*overrides, f"exp_manager.explicit_log_dir={run}"])
         changes = check_same_run(cfg, run)
         assert changes is not None
         said.append(resume_lines(run, changes, write_run_dir(run, cfg, plan(cfg), overrides)))
+        changed.append(changes)
     first, second = said
+    first_changes = changed[0]
     assert first[0] == (
         f"nxdt: continuing {run}: trainer.max_steps 5 → 8, exp_manager.resume_if_exists False → True, "
         f"model.optim.sched.max_steps 5 → 8 (recorded in {HISTORY_DIR}/1-{first[0].rsplit('/1-', 1)[1]}"
@@ -174,6 +176,9 @@ def test_what_may_change_is_said_in_one_line_and_the_history_keeps_every_launch(
     assert first[1].startswith("nxdt: note: model.optim.sched.max_steps 5 → 8: the rest of the learning-rate schedule")
     assert "data.global_batch_size 8 → 16" in second[0] and "exp_manager.log_gradient_norm False → True" in second[0]
     assert second[1].startswith("nxdt: note: data.global_batch_size 8 → 16: the data stream continues at the samples")
+    megatron = resume_lines(run, check_same_run(cfg, run) or [], None, megatron=True)  # nothing changed since
+    assert megatron == [f"nxdt: continuing {run}: no config key changed"]
+    assert "Megatron's sample index" in resume_lines(run, first_changes, None, megatron=True)[-1]
     entries = history_entries(run)
     assert [e.name.split("-", 1)[0] for e in entries] == ["0", "1", "2"]
     assert [(e / "overrides.txt").read_text().split() for e in entries[1:]] == launches

@@ -48,7 +48,7 @@ def run_torchrun(cfg: Any, plan: Any, overrides: list[str], console_tty: bool) -
         write_atomically(run_dir / OVERRIDES_FILE, "\n".join(overrides) + "\n")
         print(f"nxdt: run directory {run_dir} ({plan.world_size} ranks on {plan.num_nodes} nodes)", flush=True)
         if changes is not None:
-            print("\n".join(resume_lines(run_dir, changes, entry)), flush=True)
+            print("\n".join(resume_lines(run_dir, changes, entry, cfg.data.source == "megatron")), flush=True)
     return run_node(run_dir, cfg, plan, dry_run=cfg.launcher.dry_run, console_tty=console_tty)
 
 
@@ -73,7 +73,7 @@ def run_slurm(cfg: Any, plan: Any, overrides: list[str]) -> int:
     entry = write_run_dir(run_dir, cfg, plan, overrides)
     print(f"nxdt: run directory {run_dir} ({plan.world_size} ranks on {plan.num_nodes} nodes)", flush=True)
     if changes is not None:
-        print("\n".join(resume_lines(run_dir, changes, entry)), flush=True)
+        print("\n".join(resume_lines(run_dir, changes, entry, cfg.data.source == "megatron")), flush=True)
     return submit(cfg, plan, run_dir)
 
 

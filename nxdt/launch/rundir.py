@@ -231,12 +231,20 @@ def refusal_text(bad: Change, changes: list[Change], whose: str, run_dir: Path, 
     return f"{whose} was trained with {bad.key}={show(bad.was)}, not {show(bad.now)} ({why}){also}; {fix}"
 
 
-def resume_lines(run_dir: Path, changes: list[Change], entry: Path | None) -> list[str]:
+def resume_lines(run_dir: Path, changes: list[Change], entry: Path | None, megatron: bool = False) -> list[str]:
     """The console's line on a launch into an existing run directory: what changed (or nothing), where the history
-    entry is; then one line per noted change saying what it means."""
+    entry is; then one line per noted change saying what it means. ``megatron`` (data.source): its sample index
+    covers trainer.max_steps × data.global_batch_size samples, so changing either reshuffles the stream."""
     recorded = f" (recorded in {HISTORY_DIR}/{entry.name})" if entry is not None else ""
     lines = [f"nxdt: continuing {run_dir}: {summary(changes)}{recorded}"]
     lines += [f"nxdt: note: {note}" for c in changes if (note := c.note())]
+    sized = [c.key for c in changes if c.key in ("trainer.max_steps", "data.global_batch_size")]
+    if megatron and sized:
+        lines.append(
+            f"nxdt: note: {' and '.join(sized)} changed: Megatron's sample index (trainer.max_steps × "
+            "data.global_batch_size samples) is rebuilt, newly shuffled, as in Megatron; training continues at the "
+            "samples consumed in the new index"
+        )
     return lines
 
 
