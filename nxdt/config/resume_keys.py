@@ -1,19 +1,18 @@
 """What may change when a run is resumed: every config key in one of four classes (``RESUME_KEYS``), and the
 comparison of a resumed run's config with the config of the run it continues.
 
-* ``model`` — what the weights mean (shapes, RoPE, norms, experts). Refused on
-  every resume, ``model.weight_init_only`` included: weights read under another model definition compute another
-  function without a word.
+* ``model`` — what the weights mean (shapes, RoPE, norms, experts). Refused on every resume,
+  ``model.weight_init_only`` included: weights read under another model definition compute another function without
+  a word.
 * ``training`` — how the weights are trained (precision, objective, data and tokenizer, optimizer, schedule shape,
-  seed). Refused
-  when a run continues (``resume_if_exists``, ``resume_from_checkpoint``, restarts); free when a new run only starts
-  from the weights (``weight_init_only``). The optimizer's hyperparameters are here rather than free because a
+  seed). Refused when a run continues (``resume_if_exists``, ``resume_from_checkpoint``, restarts); free when a new
+  run only starts from the weights (``weight_init_only``). The optimizer's hyperparameters are here rather than free because a
   resume restores them from the checkpoint (torch's ``Optimizer.load_state_dict`` keeps the saved param groups'
   ``lr``, ``betas``, ``eps``, ``weight_decay``; Lightning restores ``LambdaLR.base_lrs``), so a changed value would
   be half applied (the schedule's shape from the config, its base from the checkpoint) and silently.
 * ``noted`` — allowed, with a line saying what the change means: ``data.global_batch_size`` (the data stream
-  continues at the samples consumed, each step then takes the new count: Megatron's consumed-samples semantics,
-  which NeMo and NxD Training resume by; the schedule still counts steps) and ``model.optim.sched.max_steps`` (it
+  continues at the samples consumed, each step then takes the new count, as Megatron's
+  ``MegatronPretrainingSampler`` resumes at ``consumed_samples``; the schedule still counts steps) and ``model.optim.sched.max_steps`` (it
   follows ``trainer.max_steps``, so extending a run stretches the rest of its schedule).
 * ``free`` — no effect on what is computed: logging, checkpoint cadence, run length, validation, the parallel
   layout (a checkpoint reshards), kernels that compute the same function, the hardware, the launcher.
