@@ -109,6 +109,18 @@ def test_each_change_that_changes_the_computation_is_refused_and_model_keys_even
     assert (refusal(config_changes(before, after), weight_init_only=True) is None) == (kind == TRAINING)
 
 
+def test_a_dry_run_shows_the_refusal_or_what_would_change(tmp_path, capsys):
+    run = _run_dir(tmp_path, "model.rope_theta=500000")
+    before = _snapshot(run)
+    args = ["train", *BASE, f"exp_manager.explicit_log_dir={run}", "launcher.dry_run=true"]
+    assert main([*args, "model.rope_theta=10000"]) == 2
+    assert capsys.readouterr().err.startswith("config error: model.rope_theta=10000.0: the run being resumed")
+    assert main([*args, "model.rope_theta=500000", "trainer.max_steps=6", "model.optim.sched.max_steps=5"]) == 0
+    said = capsys.readouterr().out
+    assert said.startswith(f"nxdt: continuing {run}: trainer.max_steps 5 → 6, launcher.dry_run False → True\nnxdt: dry run")
+    assert _snapshot(run) == before
+
+
 def test_resuming_a_named_checkpoint_compares_its_runs_config_and_weight_init_only_only_the_model(tmp_path):
     """exp_manager.resume_from_checkpoint=<run>/checkpoints/step-N: that run's config.yaml is the reference. A run that
     only starts from the weights (weight_init_only) may change everything but the model; a resume may not."""

@@ -57,6 +57,11 @@ def run_slurm(cfg: Any, plan: Any, overrides: list[str]) -> int:
     from nxdt.launch.slurm import sbatch_command, sbatch_script, submit
 
     run_dir = choose_run_dir(cfg)
+    try:
+        changes = check_same_run(cfg, run_dir)  # a dry run shows a refused resume too
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
     if cfg.launcher.dry_run:
         script = run_dir / "job.sbatch"
         print(f"nxdt: dry run — nothing submitted; run directory {run_dir} (config.yaml, plan.json, job.sbatch)")
@@ -65,11 +70,6 @@ def run_slurm(cfg: Any, plan: Any, overrides: list[str]) -> int:
         print(sbatch_script(cfg, plan, run_dir), end="")
         print("---")
         return 0
-    try:
-        changes = check_same_run(cfg, run_dir)
-    except ConfigError as exc:
-        print(str(exc), file=sys.stderr)
-        return 2
     entry = write_run_dir(run_dir, cfg, plan, overrides)
     print(f"nxdt: run directory {run_dir} ({plan.world_size} ranks on {plan.num_nodes} nodes)", flush=True)
     if changes is not None:
@@ -78,13 +78,17 @@ def run_slurm(cfg: Any, plan: Any, overrides: list[str]) -> int:
 
 
 def describe_local(cfg: Any, plan: Any, console_tty: bool) -> str:
+    """What a local run would start; a resume that would be refused raises ConfigError, as the run would."""
     from nxdt.launch.multinode import WORKER_MODULE
-    from nxdt.launch.rundir import choose_run_dir
+    from nxdt.launch.rundir import check_same_run, choose_run_dir, resume_lines
 
     run_dir = choose_run_dir(cfg)
+    changes = check_same_run(cfg, run_dir)
+    resumed = resume_lines(run_dir, changes, None, cfg.data.source == "megatron") if changes is not None else []
     args = [sys.executable, *WORKER_MODULE, str(run_dir)] + (["--console-tty"] if console_tty else [])
     return "\n".join(
         [
+            *resumed,
             f"nxdt: dry run — nothing started; run directory {run_dir} (config.yaml, plan.json)",
             f"agent: torch elastic_launch on this host, {plan.ranks_per_node} workers, nxdt-local rendezvous: one store on 127.0.0.1 only (a free port), "
             f"max_restarts={cfg.exp_manager.max_restarts}",
@@ -102,5 +106,9 @@ def launch(cfg: Any, plan: Any, overrides: list[str], console_tty: bool) -> int:
         return run_torchrun(cfg, plan, overrides, console_tty)
     if name == "slurm":
         return run_slurm(cfg, plan, overrides)
-    print(describe_local(cfg, plan, console_tty))
+    try:
+        print(describe_local(cfg, plan, console_tty))
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
     return 0
