@@ -179,6 +179,7 @@ def check_resume_checkpoint(cfg: Any, the_plan: Any) -> None:
         return
     from nxdt.config import ConfigError
     from nxdt.config.validate import MODEL_SHAPE_FIELDS
+    from nxdt.launch.rundir import check_checkpoint_run
     from nxdt.lightning.checkpoint import CheckpointError, check_dpo_reference, check_layout, checkpoint_degrees, verify
 
     ds = cfg.distributed_strategy
@@ -188,6 +189,7 @@ def check_resume_checkpoint(cfg: Any, the_plan: Any) -> None:
         if cfg.model.weight_init_only:  # only its model weights, consolidated on every rank: any layout but EP
             from nxdt.lightning.checkpoint import read_meta
 
+            check_checkpoint_run(cfg, path)  # the model keys only: a new run starts from the weights
             ep = read_meta(path).get("degrees", {}).get("ep", 1)
             if ep > 1:
                 raise CheckpointError(
@@ -196,6 +198,7 @@ def check_resume_checkpoint(cfg: Any, the_plan: Any) -> None:
                 )
             return
         check_dpo_reference(cfg, path)
+        check_checkpoint_run(cfg, path)  # after DPO's check: its line names the reference, the more precise fix
         dp_format = "fsdp" if ds.fsdp.enabled else ("zero1" if ds.zero1 else "replicated")
         if check_layout(
             path,
@@ -568,7 +571,15 @@ def _train_locally(
     from nxdt.launch import console
     from nxdt.launch.local import LaunchFailed, LaunchInterrupted, launch_local
     from nxdt.comm.shm import remove_stale_segments
-    from nxdt.launch.rundir import RunDirBusy, check_resume, check_same_run, choose_run_dir, lock_run_dir, write_run_dir
+    from nxdt.launch.rundir import (
+        RunDirBusy,
+        check_resume,
+        check_same_run,
+        choose_run_dir,
+        lock_run_dir,
+        resume_lines,
+        write_run_dir,
+    )
 
     remove_stale_segments()  # shared memory left by a run whose processes were all killed (its launcher too)
     status = 0
@@ -577,6 +588,7 @@ def _train_locally(
             cfg.exp_manager.explicit_log_dir = str(sweep_dir / str(num))
         try:
             run_dir = choose_run_dir(cfg)
+            check_same_run(cfg, run_dir)  # a refused change leaves the directory untouched (not even .lock written)
             lock = lock_run_dir(run_dir)  # held until this job ends: one writer per run directory
         except ConfigError as exc:
             return _fail(str(exc))
@@ -588,12 +600,13 @@ def _train_locally(
                 "check exp_manager.exp_dir / exp_manager.explicit_log_dir"
             )
         try:
-            check_same_run(cfg, run_dir)  # before config.yaml is overwritten
+            changes = check_same_run(cfg, run_dir)  # again, now that this process holds the directory
             notes = check_resume(cfg, run_dir)  # the newest checkpoint's checksums, before any worker starts
+            entry = write_run_dir(run_dir, cfg, the_plan, job)  # config.yaml, overrides.txt, config-history/<n>-<time>/
+            if changes is not None:  # a launch into a run directory that held a run: what changed, in one line
+                notes = [*resume_lines(run_dir, changes, entry, cfg.data.source == "megatron"), *notes]
             for line in notes:
                 print(line, flush=True)
-            write_run_dir(run_dir, cfg, the_plan)
-            (run_dir / "overrides.txt").write_text("\n".join(job) + "\n")
         except ConfigError as exc:
             lock.close()
             return _fail(str(exc))

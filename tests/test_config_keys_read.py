@@ -14,7 +14,8 @@ something that stands for ``b``:
 * the dotted key as a string (``OmegaConf.select(cfg, "a.b.leaf")``, tables of keys read by a getter).
 
 What does not count: the schema itself and the ``--help`` walk over it; the NxDT / Hugging Face translators
-(``nxdt_compat.py``, ``nxdt_loader.py``, ``hf_model.py``: they *write* nxdt keys from another format's keys);
+(``nxdt_compat.py``, ``nxdt_loader.py``, ``hf_model.py``: they *write* nxdt keys from another format's keys); the
+table of what a resume may change (``resume_keys.py``: it names every key);
 range checks (``validate.check_ranges`` and the ``_integer`` / ``_number`` / ``_positive`` helpers): a key
 that is only checked is still dead. Cross-field validation does count (``instance.multi_node`` refuses a
 multi-node job on a single-node instance).
@@ -32,7 +33,13 @@ from pathlib import Path
 from nxdt.config.schema import CommConfig, Config
 
 ROOT = Path(__file__).resolve().parent.parent
-NOT_READERS = {"nxdt/config/schema.py", "nxdt/config/nxdt_compat.py", "nxdt/config/nxdt_loader.py", "nxdt/config/hf_model.py"}
+NOT_READERS = {
+    "nxdt/config/schema.py",
+    "nxdt/config/nxdt_compat.py",
+    "nxdt/config/nxdt_loader.py",
+    "nxdt/config/hf_model.py",
+    "nxdt/config/resume_keys.py",  # names every key to classify it for resumes: a table of names, not a reader
+}
 RANGE_CHECKS = {"check_ranges", "_integer", "_number", "_positive", "check_run_name"}  # in nxdt/config/validate.py
 GENERIC = {"cfg", "config"}
 

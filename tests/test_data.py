@@ -195,6 +195,19 @@ def test_resume_from_consumed_samples_continues_exactly(dp_rank, dp_size):
         assert steps(GlobalBatchSampler(consumed_samples=k * 8, **kw), 10 - k) == full[k:]
 
 
+@pytest.mark.parametrize("dp_size", [1, 2])
+def test_a_resume_with_another_global_batch_size_continues_the_stream_where_it_stopped(dp_size):
+    """5 steps of 4 samples consumed 20; resumed with batches of 8 (20 is no multiple of 8), the stream goes on at
+    position 20: no sample skipped or repeated (the sampler raised before: consumed_samples % 8 != 0)."""
+    kw = dict(num_samples=29, micro_batch_size=2, dp_size=dp_size, seed=5)
+    stream = sum(
+        steps(GlobalBatchSampler(global_batch_size=4, dp_rank=0, dp_size=1, micro_batch_size=2, num_samples=29, seed=5), 12), []
+    )
+    resumed = [steps(GlobalBatchSampler(global_batch_size=8, consumed_samples=20, dp_rank=r, **kw), 3) for r in range(dp_size)]
+    for k in range(3):
+        assert sum((resumed[r][k] for r in range(dp_size)), []) == stream[20 + 8 * k : 28 + 8 * k]
+
+
 def test_each_epoch_is_a_fresh_seeded_permutation():
     n = 20
     sampler = GlobalBatchSampler(num_samples=n, global_batch_size=4, micro_batch_size=4, seed=1)
@@ -219,8 +232,8 @@ def test_sampler_rejects_inconsistent_sizes():
         GlobalBatchSampler(num_samples=10, global_batch_size=6, micro_batch_size=2, dp_size=2)
     with pytest.raises(ValueError, match="dp_rank=2"):
         GlobalBatchSampler(num_samples=10, global_batch_size=8, micro_batch_size=2, dp_rank=2, dp_size=2)
-    with pytest.raises(ValueError, match="consumed_samples=5"):
-        GlobalBatchSampler(num_samples=10, global_batch_size=8, micro_batch_size=2, consumed_samples=5)
+    with pytest.raises(ValueError, match="consumed_samples=-4"):
+        GlobalBatchSampler(num_samples=10, global_batch_size=8, micro_batch_size=2, consumed_samples=-4)
     with pytest.raises(ValueError, match="empty"):
         GlobalBatchSampler(num_samples=0, global_batch_size=8, micro_batch_size=2)
 

@@ -169,7 +169,7 @@ def _resuming_needs_the_same_reference(run, started_from, reference, tokenizer):
     configured. For the run above those were the checkpoint it started from, which a resume cannot name (the one key
     names the checkpoint resumed), so the reference would silently become this config's random weights: refused, naming
     both, before any worker starts. The first run of this module started from seed 1234's random weights, so resuming
-    it with the same seed passes."""
+    it with the same seed and the same config (nxdt.config.resume_keys) passes; with another kl_beta it is refused."""
     from nxdt.cli import _composer, check_resume_checkpoint
     from nxdt.config import ConfigError
     from nxdt.planner import plan
@@ -183,8 +183,14 @@ def _resuming_needs_the_same_reference(run, started_from, reference, tokenizer):
     assert f"trained by DPO against the reference checkpoint {started_from.resolve()}" in message, message
     assert "the reference would be random initialisation (seed 7" in message and "\n" not in message, message
     first = reference[2] / "checkpoints" / "step-3"
-    cfg = compose([*base, *PARITY[:1], "trainer.devices=1", f"exp_manager.resume_from_checkpoint={first}"])
+    same = [*base, *PARITY[:1], *PARITY[3:7], "trainer.devices=1", f"exp_manager.resume_from_checkpoint={first}"]
+    cfg = compose([*same, "model_alignment_strategy.dpo.kl_beta=0.5"])  # the run's config (_dpo), without its train_dir twice
     check_resume_checkpoint(cfg, plan(cfg))
+    cfg = compose([*same, "model_alignment_strategy.dpo.kl_beta=0.1"])
+    with pytest.raises(ConfigError) as refused:
+        check_resume_checkpoint(cfg, plan(cfg))
+    assert str(refused.value).startswith("config error: model_alignment_strategy.dpo.kl_beta=0.1: checkpoint step-3 of ")
+    assert "was trained with model_alignment_strategy.dpo.kl_beta=0.5, not 0.1" in str(refused.value)
 
 
 def _orpo_formula(logits, labels, beta, pairs):

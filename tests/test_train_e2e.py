@@ -112,6 +112,11 @@ def test_resume_continues_exactly(tmp_path, reliability_reference):
     assert sorted(got) == list(range(1, 13))
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-6), (step, got, want)
+    # what changed, in one line; both launches kept in the run's config history (nxdt.launch.rundir)
+    assert f"nxdt: continuing {resumed}: trainer.max_steps 5 → 12 (recorded in config-history/1-" in second.stdout
+    history = sorted((resumed / "config-history").iterdir())
+    assert [p.name.split("-", 1)[0] for p in history] == ["0", "1"]
+    assert [(p / "overrides.txt").read_text().split()[-2] for p in history] == ["trainer.max_steps=5", "trainer.max_steps=12"]
 
 
 def test_failing_worker_is_named_and_nothing_is_left_running(everyday_runs):

@@ -7,7 +7,9 @@ its whole global batches only (the last partial one dropped, as NxD Training's H
 it and yields it as micro-batches of ``micro_batch_size`` indices. Concatenating the ranks' slices, rank
 by rank, gives exactly what one rank with the whole batch sees, which is why DP=2 reproduces the
 single-process losses. Resuming is ``consumed_samples = k·B``: the stream is a pure function of
-(seed, position), so nothing else needs saving.
+(seed, position), so nothing else needs saving. A run resumed with another global batch size B' continues at
+the position it reached, whatever it is: its batches are ``[c + j·B', c + (j+1)·B')`` (Megatron's
+``MegatronPretrainingSampler`` resumes by consumed samples the same way), so no sample is skipped or repeated.
 
 Example (B=8, D=2, micro=2, stream = s0..s7 for step 0): rank 0 yields [s0,s1], [s2,s3]; rank 1 yields
 [s4,s5], [s6,s7]; with D=1 one rank yields [s0,s1], [s2,s3], [s4,s5], [s6,s7].
@@ -52,11 +54,8 @@ class GlobalBatchSampler(Sampler[list[int]]):
             )
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} outside 0..{dp_size - 1}")
-        if consumed_samples < 0 or consumed_samples % global_batch_size:
-            raise ValueError(
-                f"consumed_samples={consumed_samples} must be a non-negative multiple of "
-                f"global_batch_size={global_batch_size} (training resumes at a step boundary)"
-            )
+        if consumed_samples < 0:
+            raise ValueError(f"consumed_samples={consumed_samples} must be >= 0")
         self.num_samples, self.global_batch_size, self.micro_batch_size = num_samples, global_batch_size, micro_batch_size
         self.dp_rank, self.dp_size, self.consumed_samples = dp_rank, dp_size, consumed_samples
         self.seed, self.shuffle = seed, shuffle
@@ -88,12 +87,12 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         per_rank = self.global_batch_size // self.dp_size
-        step = self.consumed_samples // self.global_batch_size
+        batch_start = self.consumed_samples  # any position: a run resumed with another global batch size goes on from it
         while True:
-            start = step * self.global_batch_size + self.dp_rank * per_rank
+            start = batch_start + self.dp_rank * per_rank
             for m in range(0, per_rank, self.micro_batch_size):
                 yield [self.sample_at(start + m + i) for i in range(self.micro_batch_size)]
-            step += 1
+            batch_start += self.global_batch_size
 
 
 class EvalBatchSampler(Sampler[list[int]]):

@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from nxdt.config import ConfigError, save_run_config
+from nxdt.config.resume_keys import MODEL, Change, config_changes, refusal, show, summary
 from nxdt.planner import Plan
 
-CONFIG_FILE, PLAN_FILE = "config.yaml", "plan.json"
+CONFIG_FILE, PLAN_FILE, OVERRIDES_FILE = "config.yaml", "plan.json", "overrides.txt"
+HISTORY_DIR, STAMP = "config-history", "%Y-%m-%d_%H-%M-%S"  # one entry per launch into the run directory
 
 
 def _resumable(run: Path) -> bool:
@@ -41,7 +43,7 @@ def choose_run_dir(cfg: Any) -> Path:
         )
         if candidates:
             return candidates[-1]
-    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    stamp = time.strftime(STAMP)
     run = root / stamp
     n = 1
     while run.exists():
@@ -52,25 +54,69 @@ def choose_run_dir(cfg: Any) -> Path:
 
 def _continues(cfg: Any, run: Path) -> bool:
     """Whether ``cfg`` may continue the run in ``run``. Always, except when it starts from another run's weights
-    (``model.weight_init_only``): then only a run that did the same — same starting checkpoint, same model and
-    data — is continued; a run of this name with other data (e.g. the pretraining run whose checkpoint this
-    fine-tuning starts from) is left alone and a new run directory is made."""
+    (``model.weight_init_only``): then only a run that did the same — same starting checkpoint, no model or
+    training key changed (``nxdt.config.resume_keys``) — is continued; a run of this name with other data or
+    another objective (e.g. the pretraining run whose checkpoint this fine-tuning starts from) is left alone and a
+    new run directory is made."""
     if not cfg.model.weight_init_only:
         return True
-    from omegaconf import OmegaConf
-
     try:
-        previous = OmegaConf.load(run / CONFIG_FILE)
-    except Exception:
+        previous = read_run_config(run)
+    except ConfigError:
         return False
-    keys = (*SAME_RUN_KEYS, "model.weight_init_only", "exp_manager.resume_from_checkpoint", "model.hf_checkpoint")
-    return all(OmegaConf.select(previous, key, default=None) == _attribute(cfg, key) for key in keys)
+    if previous is None:
+        return False
+    starts = ("model.weight_init_only", "exp_manager.resume_from_checkpoint")
+    if any(_select(previous, key) != _attribute(cfg, key) for key in starts):
+        return False
+    return refusal(config_changes(previous, config_dict(cfg)), weight_init_only=False) is None
 
 
-def write_run_dir(run_dir: Path, cfg: Any, plan: Plan) -> None:
+def write_run_dir(run_dir: Path, cfg: Any, plan: Plan, overrides: list[str] | None = None) -> Path | None:
+    """The run's config.yaml, plan.json and logs/; with ``overrides`` (a launch, not a dry run) also
+    overrides.txt and this launch's entry in the config history (``config-history/<n>-<time>/``: config.yaml
+    and overrides.txt), which keeps what every launch into the directory ran with. Returns that entry."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    entry = None
+    if overrides is not None:
+        entry = record_history(run_dir, cfg, overrides)
+        (run_dir / OVERRIDES_FILE).write_text("\n".join(overrides) + "\n")
     save_run_config(cfg, run_dir / CONFIG_FILE)
     plan.save(run_dir / PLAN_FILE)
+    return entry
+
+
+def record_history(run_dir: Path, cfg: Any, overrides: list[str], keep_earlier: bool = True) -> Path:
+    """Add this launch to ``run_dir/config-history/``: ``<n>-<YYYY-mm-dd_HH-MM-SS>/`` with its config.yaml and
+    overrides.txt, n counting from 0. A run directory written before the history existed gets its current files
+    as entry 0 first (named by their modification time), so no launch's record is lost (``keep_earlier=False``:
+    not for a multi-node launch, where another node may have just written them)."""
+    history = run_dir / HISTORY_DIR
+    history.mkdir(parents=True, exist_ok=True)
+    entries = history_entries(run_dir)
+    if keep_earlier and not entries and (run_dir / CONFIG_FILE).is_file():  # launched before nxdt kept a history
+        stamp = time.strftime(STAMP, time.localtime((run_dir / CONFIG_FILE).stat().st_mtime))
+        first = history / f"0-{stamp}"
+        first.mkdir()
+        for name in (CONFIG_FILE, OVERRIDES_FILE):
+            if (run_dir / name).is_file():
+                (first / name).write_bytes((run_dir / name).read_bytes())
+        entries = [first]
+    number = int(entries[-1].name.split("-", 1)[0]) + 1 if entries else 0  # after the newest, even if one was deleted
+    entry = history / f"{number}-{time.strftime(STAMP)}"
+    entry.mkdir()
+    save_run_config(cfg, entry / CONFIG_FILE)
+    (entry / OVERRIDES_FILE).write_text("\n".join(overrides) + "\n")
+    return entry
+
+
+def history_entries(run_dir: Path) -> list[Path]:
+    """The config history of a run directory, oldest first."""
+    history = run_dir / HISTORY_DIR
+    if not history.is_dir():
+        return []
+    numbered = [p for p in history.iterdir() if p.is_dir() and p.name.split("-", 1)[0].isdigit()]
+    return sorted(numbered, key=lambda p: int(p.name.split("-", 1)[0]))
 
 
 def check_resume(cfg: Any, run_dir: Path) -> list[str]:
@@ -105,51 +151,108 @@ def check_resume(cfg: Any, run_dir: Path) -> list[str]:
     return lines
 
 
-# what a resumed run must share with the run whose directory (and checkpoints) it continues
-SAME_RUN_KEYS = (
-    "model.architecture",
-    "model.vocab_size",
-    "model.hidden_size",
-    "model.num_layers",
-    "model.num_attention_heads",
-    "model.num_kv_heads",
-    "model.ffn_hidden_size",
-    "data.source",
-    "data.train_dir",
-    "data.tokenizer",
-    "data.seq_length",
-    "data.dev_choose_samples",
-)
-
-
-def check_same_run(cfg: Any, run_dir: Path) -> None:
-    """A run continuing in an existing run directory (``resume_if_exists``) must train the same model on the same
-    data as the run that wrote it: its ``config.yaml`` is compared key by key (``SAME_RUN_KEYS``) before it is
-    overwritten. The first difference is refused in one line."""
+def config_dict(cfg: Any) -> dict[str, Any]:
+    """A typed config as the plain nested dict its config.yaml holds."""
     from omegaconf import OmegaConf
 
-    previous_file = run_dir / CONFIG_FILE
-    if not previous_file.is_file():
-        return
+    return OmegaConf.to_container(OmegaConf.structured(cfg))
+
+
+def read_run_config(run_dir: Path) -> dict[str, Any] | None:
+    """The config.yaml of a run directory as a plain dict; None when there is none. A damaged one is refused: there
+    is nothing to compare against."""
+    from omegaconf import OmegaConf
+
+    file = run_dir / CONFIG_FILE
+    if not file.is_file():
+        return None
     try:
-        previous = OmegaConf.load(previous_file)
-    except Exception as exc:  # a damaged config.yaml: nothing to compare against, say so
+        loaded = OmegaConf.to_container(OmegaConf.load(file))
+    except Exception as exc:
         raise ConfigError(
             "exp_manager.resume_if_exists",
             True,
-            f"{previous_file} cannot be read ({type(exc).__name__}); start a new run (another name) or repair the file",
+            f"{file} cannot be read ({type(exc).__name__}); start a new run (another name) or repair the file",
         ) from None
-    for key in SAME_RUN_KEYS:
-        was, now = OmegaConf.select(previous, key, default=None), _attribute(cfg, key)
-        if was != now:
-            raise ConfigError(
-                key,
-                now,
-                f"the run being resumed ({run_dir}) was trained with {key}={was}; resume "
-                "with the same model and data, or start a new run (another name, or "
-                "exp_manager.resume_if_exists=false; start from its weights with model.hf_checkpoint "
-                "after nxdt checkpoint export-hf)",
-            )
+    if not isinstance(loaded, dict):
+        raise ConfigError("exp_manager.resume_if_exists", True, f"{file} is not a config; start a new run (another name)")
+    return loaded
+
+
+def check_same_run(cfg: Any, run_dir: Path) -> list[Change] | None:
+    """A run continuing in an existing run directory (its config.yaml is there) must compute what the run that wrote
+    it computed: every key is compared, and a change to a model or training key (``nxdt.config.resume_keys``) is
+    refused in one line naming the key and both values — before anything in the directory is written. Returns the
+    changes that are allowed (for the console's line), or None when the directory holds no run yet."""
+    previous = read_run_config(run_dir)
+    if previous is None:
+        return None
+    changes = config_changes(previous, config_dict(cfg))
+    bad = refusal(changes, weight_init_only=False)
+    if bad is not None:
+        raise ConfigError(bad.key, bad.now, refusal_text(bad, changes, f"the run being resumed ({run_dir})", run_dir))
+    return changes
+
+
+def check_checkpoint_run(cfg: Any, checkpoint: str | Path) -> None:
+    """``exp_manager.resume_from_checkpoint``: the run that wrote the checkpoint (its run directory's config.yaml,
+    ``<run>/checkpoints/step-N``) and this one must agree on every model key, and — unless this run only starts
+    from the weights (``model.weight_init_only``) — on every training key. A checkpoint outside a run directory
+    (``nxdt checkpoint consolidate``'s) has no config beside it: its shapes are still checked (``checkpoint.verify``)."""
+    path = Path(checkpoint).expanduser().resolve()
+    if path.parent.name != "checkpoints":
+        return
+    run = path.parent.parent
+    previous = read_run_config(run)
+    if previous is None:
+        return
+    init_only = bool(cfg.model.weight_init_only)
+    changes = config_changes(previous, config_dict(cfg))
+    bad = refusal(changes, weight_init_only=init_only)
+    if bad is not None:
+        whose = f"checkpoint {path.name} of {run}"
+        raise ConfigError(bad.key, bad.now, refusal_text(bad, changes, whose, run, weight_init_only=init_only))
+
+
+def refusal_text(bad: Change, changes: list[Change], whose: str, run_dir: Path, weight_init_only: bool = False) -> str:
+    """The one line after ``config error: KEY=NOW:``: the other value, why, what else changed, the fix."""
+    others = [c.key for c in changes if c is not bad and c.refused(weight_init_only)]
+    also = f" (also changed: {', '.join(others)})" if others else ""
+    keep = f"{'start from the weights' if weight_init_only else 'resume'} with {bad.key}={show(bad.was)}"
+    if bad.kind == MODEL:  # weight_init_only compares model keys too: only Hugging Face weights start another model
+        why = "a model key: the weights would compute another function"
+        fix = f"{keep}, or export the weights (nxdt checkpoint export-hf) and start another model from model.hf_checkpoint"
+    else:
+        why = "it changes the training"
+        fix = (
+            f"{keep}, or start new training from its weights (fresh optimizer, step 0) in another run directory: "
+            f"exp_manager.resume_from_checkpoint={run_dir / 'checkpoints'}/step-N model.weight_init_only=true"
+        )
+    return f"{whose} was trained with {bad.key}={show(bad.was)}, not {show(bad.now)} ({why}){also}; {fix}"
+
+
+def resume_lines(run_dir: Path, changes: list[Change], entry: Path | None, megatron: bool = False) -> list[str]:
+    """The console's line on a launch into an existing run directory: what changed (or nothing), where the history
+    entry is; then one line per noted change saying what it means. ``megatron`` (data.source): its sample index
+    covers trainer.max_steps × data.global_batch_size samples, so changing either reshuffles the stream."""
+    recorded = f" (recorded in {HISTORY_DIR}/{entry.name})" if entry is not None else ""
+    lines = [f"nxdt: continuing {run_dir}: {summary(changes)}{recorded}"]
+    lines += [f"nxdt: note: {note}" for c in changes if (note := c.note())]
+    sized = [c.key for c in changes if c.key in ("trainer.max_steps", "data.global_batch_size")]
+    if megatron and sized:
+        lines.append(
+            f"nxdt: note: {' and '.join(sized)} changed: Megatron's sample index (trainer.max_steps × "
+            "data.global_batch_size samples) is rebuilt, newly shuffled, as in Megatron; training continues at the "
+            "samples consumed in the new index"
+        )
+    return lines
+
+
+def _select(config: dict[str, Any], dotted: str) -> Any:
+    node: Any = config
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
 
 
 def _attribute(cfg: Any, dotted: str) -> Any:
