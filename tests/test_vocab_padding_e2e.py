@@ -1,7 +1,8 @@
 """A vocabulary no multiple of TP, end to end: 257 ids (a byte-level tokenizer with one added token, as Llama 2's
 32,001-row tokenizers are) train at TP2, padded to 258 inside the tensor-parallel layers (Megatron's
 _vocab_size_with_padding; padding logits -inf). Its checkpoint holds the true vocabulary once consolidated, so it
-resumes at TP4 (padded to 260: another padding) and at TP1 (none) with the uninterrupted run's losses, and its
+resumes at TP4 (padded to 260: another padding), at TP1 (none) and at TP2 padded to a multiple of 8 × 2 (272: the
+same TP, shards of another shape) with the uninterrupted run's losses, and its
 Hugging Face export is the 257-row model transformers loads, computing the same logits as nxdt's model.
 
 Tolerance: resumed losses rel 1e-5, as test_reshard's layout changes — the same fp32 math summed in another order
@@ -71,11 +72,11 @@ def tp2_run(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("tp", [4, 1])
-def test_a_padded_tp2_checkpoint_resumes_at_another_tp_with_the_uninterrupted_losses(tp2_run, tp):
+@pytest.mark.parametrize("tp, multiple", [(4, 1), (1, 1), (2, 8)])  # TP4 pads to 260, TP1 not at all, TP2 × 8 to 272
+def test_a_padded_tp2_checkpoint_resumes_at_another_tp_with_the_uninterrupted_losses(tp2_run, tp, multiple):
     meta = json.loads((tp2_run / "checkpoints/step-3/meta.json").read_text())
-    assert meta["tensor_parallel"]["lm_head.weight"] == [0, 1, VOCAB]  # shards of 129 rows, 257 of them real
-    run = tp2_run.parent / f"tp{tp}"
+    assert meta["tensor_parallel"]["lm_head.weight"] == [0, 1, VOCAB, 258]  # shards of 129 rows, 257 of them real
+    run = tp2_run.parent / f"tp{tp}-{multiple}"
     assert_ok(
         nxdt(
             "train",
@@ -83,6 +84,7 @@ def test_a_padded_tp2_checkpoint_resumes_at_another_tp_with_the_uninterrupted_lo
             f"trainer.devices={tp}",
             f"distributed_strategy.tensor_model_parallel_size={tp}",
             f"distributed_strategy.kv_replicator={max(tp // 2, 1)}",  # llama_tiny's 2 KV heads, each on tp/2 ranks
+            f"model.make_vocab_size_divisible_by={multiple}",
             f"exp_manager.resume_from_checkpoint={tp2_run / 'checkpoints/step-3'}",
             f"exp_manager.explicit_log_dir={run}",
             cwd=tp2_run.parent,

@@ -19,7 +19,8 @@ Reading, per model-parallel position K (mp rank = tp rank + TP · pp stage):
   ``replicas`` ranks) — optimizer moments exactly like their parameters; PP stages merge by name (parameters
   keep their full-model names on every stage). A padded vocabulary (the entry's third number, the true length)
   is trimmed there, so the full state — consolidated, exported, resharded — always holds the true vocabulary,
-  and a new TP degree pads it its own way when it slices.
+  and a new TP degree (or the same one with another ``make_vocab_size_divisible_by``: the fourth number, the padded
+  length, differs) pads it its own way when it slices.
 
 Loading on the new layout (NxDStrategy restores after parallelising): each full tensor of this stage is cut
 by its TP ``ShardSpec`` for this rank (FSDP then takes its DP slice); the optimizer state is sliced the same
@@ -283,7 +284,7 @@ def _merge(name: str, pieces: dict[int, torch.Tensor], layout: dict[str, list[in
         raise CheckpointError(f"checkpoint {root}: {name} has {len(pieces)} of {tp} tensor-parallel shards")
     spec = layout.get(name[len(MODULE_PREFIX) :] if name.startswith(MODULE_PREFIX) else name)
     if spec is not None:
-        dim, replicas, *full = spec  # full: the true length of a padded vocabulary (padding rows trimmed)
+        dim, replicas, *full = spec  # full[0]: the true length of a padded vocabulary (padding rows trimmed)
         return trim_padding(torch.cat([pieces[r] for r in range(0, tp, replicas)], dim=dim), dim, full[0] if full else None)
     first = pieces[0]
     if first.dim() and any(not torch.equal(first, p) for p in pieces.values()):

@@ -371,8 +371,9 @@ class ShardSpec:
         return gather_shards(local, comm, *self.layout())
 
     def layout(self) -> list[int]:
-        """A checkpoint's ``tensor_parallel`` entry: ``[dim, replicas]``, plus the true length when padded."""
-        return [self.dim, self.replicas] + ([self.full] if self.padded > self.full else [])
+        """A checkpoint's ``tensor_parallel`` entry: ``[dim, replicas]``, plus the true and the padded length when
+        padded (the padded one tells a resume on the same TP whether its shards have this run's shape)."""
+        return [self.dim, self.replicas] + ([self.full, self.padded] if self.padded > self.full else [])
 
 
 def trim_padding(full: torch.Tensor, dim: int, length: int | None) -> torch.Tensor:
@@ -380,10 +381,12 @@ def trim_padding(full: torch.Tensor, dim: int, length: int | None) -> torch.Tens
     return full if length is None else full.narrow(dim, 0, length).contiguous()
 
 
-def gather_shards(local: torch.Tensor, comm: Any, dim: int, replicas: int = 1, full: int | None = None) -> torch.Tensor:
+def gather_shards(
+    local: torch.Tensor, comm: Any, dim: int, replicas: int = 1, full: int | None = None, padded: int | None = None
+) -> torch.Tensor:
     """The full tensor from every TP rank's shard along ``dim`` (``replicas`` consecutive ranks hold each shard,
-    ``full`` the true length of a padded vocabulary: a checkpoint's ``tensor_parallel`` layout entry); a
-    collective, every rank gets it."""
+    ``full`` the true length of a vocabulary padded to ``padded`` rows: a checkpoint's ``tensor_parallel`` layout
+    entry); a collective, every rank gets it."""
     every = _all_gather(local.detach(), comm, dim)
     shards = every.chunk(comm.size, dim)[::replicas]
     return trim_padding(torch.cat(shards, dim), dim, full).contiguous()
@@ -1012,9 +1015,9 @@ def sync_replicated_grads(model: nn.Module, tp_comm: Any) -> int:
 
 
 def shard_layout(model: nn.Module) -> dict[str, list[int]]:
-    """``{parameter name: [dim, replicas(, full)]}`` for every tensor-parallel-sharded parameter (what a checkpoint
-    needs to reassemble full tensors from the TP ranks' files: concatenate along ``dim``, one copy per
-    ``replicas`` consecutive ranks, then keep the first ``full`` rows of a padded vocabulary)."""
+    """``{parameter name: [dim, replicas(, full, padded)]}`` for every tensor-parallel-sharded parameter (what a
+    checkpoint needs to reassemble full tensors from the TP ranks' files: concatenate along ``dim``, one copy per
+    ``replicas`` consecutive ranks, then keep the first ``full`` of a padded vocabulary's ``padded`` rows)."""
     layout = {}
     for name, _ in model.named_parameters(remove_duplicate=False):  # tied weights: every name that holds a shard
         spec = _owner_spec(model, name)

@@ -442,11 +442,14 @@ def test_any_vocabulary_splits_padded_and_gathers_trimmed():
         assert emb.shape == (padded, 8), (tp, multiple)
         assert torch.equal(emb[:23], table.weight) and not emb[23:].any(), (tp, multiple)
         spec = shards[0].shard_specs["weight"]
-        assert spec.layout() == [0, 1, 23] and spec.padded == padded
+        assert spec.layout() == [0, 1, 23, padded] and spec.padded == padded
         assert torch.equal(spec.slice(table.weight, tp - 1), shards[-1].weight)  # what resharding cuts for a new TP
     cfg = config(vocab_size=23, make_vocab_size_divisible_by=128)
     model = apply_tensor_parallel(build(cfg), fake_comm(4, 3))  # 128 × 4 = 512 rows, 128 per rank
-    assert shard_layout(model)["lm_head.weight"] == [0, 1, 23] and shard_layout(model)["layers.0.mlp.up_proj.weight"] == [0, 1]
+    assert shard_layout(model)["lm_head.weight"] == [0, 1, 23, 512] and shard_layout(model)["layers.0.mlp.up_proj.weight"] == [
+        0,
+        1,
+    ]
     assert model.lm_head.padding_columns == 128  # rank 3 holds rows 384..511: padding only
     logits = model.lm_head(torch.randn(2, cfg.hidden_size))
     assert logits.shape == (2, 128) and torch.isneginf(logits).all()
@@ -470,7 +473,7 @@ def test_gpt_declares_megatrons_tensor_parallel_plan():
     assert torch.equal(layer[1].mlp.fc_out.bias, ref.layers[0].mlp.fc_out.bias)  # replicated, added after the reduction
     assert torch.equal(shards[1].embed_positions.weight, ref.embed_positions.weight)
     assert shard_layout(shards[0]) == {
-        "embed_tokens.weight": [0, 1, 23],
+        "embed_tokens.weight": [0, 1, 23, 24],
         "layers.0.self_attn.q_proj.weight": [0, 1],
         "layers.0.self_attn.q_proj.bias": [0, 1],
         "layers.0.self_attn.k_proj.weight": [0, 1],
@@ -481,7 +484,7 @@ def test_gpt_declares_megatrons_tensor_parallel_plan():
         "layers.0.mlp.fc_in.weight": [0, 1],
         "layers.0.mlp.fc_in.bias": [0, 1],
         "layers.0.mlp.fc_out.weight": [1, 1],
-        "lm_head.weight": [0, 1, 23],
+        "lm_head.weight": [0, 1, 23, 24],
     }
 
 
