@@ -230,6 +230,12 @@ def check_config(cfg: Any) -> None:
     rope_scaling_params(_opt(cfg, "rope_scaling", None))
 
 
+def vocab_block(cfg: Any) -> int:
+    """Under tensor parallelism the embedding and head are padded to a multiple of this × TP (Megatron's
+    ``make_vocab_size_divisible_by``); the padding rows are masked, so it changes speed on accelerators, not numbers."""
+    return int(_opt(cfg, "make_vocab_size_divisible_by", 1))
+
+
 def check_positions(input_ids: torch.Tensor, layout: SequenceLayout | None, max_positions: int) -> None:
     """A clear error for tokens past the model's position table (instead of an index error in a layer)."""
     positions, segments = layout_fields(layout)
@@ -389,17 +395,19 @@ class LlamaForCausalLM(DecoderOnlyLM):
     def tensor_parallel_plan(self) -> dict[str, str]:
         """Submodule name patterns → tensor-parallel styles (see nxdt.parallel.tensor_parallel): attention and
         MLP as column→row pairs cut in whole heads, KV heads replicated when fewer than the ranks, embedding
-        and head split along the vocabulary (a tied table stays one shard)."""
+        and head split along the vocabulary, padded to a multiple of :func:`vocab_block` × TP (a tied table stays
+        one shard)."""
         head_dim = self.cfg.hidden_size // self.cfg.num_attention_heads
+        vocab = vocab_block(self.cfg)
         return {
-            "embed_tokens": "vocab_embedding",
+            "embed_tokens": f"vocab_embedding:{vocab}",
             "layers.*.self_attn": "input_region",  # q, k, v: one entry, one input-gradient all-reduce
             "layers.*.self_attn.q_proj": f"colwise:{head_dim}",
             "layers.*.self_attn.k_proj": f"colwise_kv:{head_dim}",
             "layers.*.self_attn.v_proj": f"colwise_kv:{head_dim}",
             "layers.*.self_attn.o_proj": f"rowwise:{head_dim}",
             **self.ffn_tensor_parallel_plan(),
-            "lm_head": "vocab_head",
+            "lm_head": f"vocab_head:{vocab}",
         }
 
     def ffn_tensor_parallel_plan(self) -> dict[str, str]:

@@ -284,8 +284,9 @@ RULES: dict[str, Rule] = {
     "model.share_embeddings_and_output_weights": _custom("megatron: model.tie_word_embeddings"),
     "model.layernorm_epsilon": _custom("megatron: model.norm_eps"),
     "model.make_vocab_size_divisible_by": _custom(
-        "megatron: the tokenizer's vocabulary is padded to a multiple of this × TP, as "
-        "Megatron does (an explicit model.vocab_size is kept)"
+        "megatron: model.make_vocab_size_divisible_by (absent: 128, NxDT's data module default): under TP the "
+        "embedding and head are padded to a multiple of this × TP as Megatron pads, but the padding logits are "
+        "masked; model.vocab_size is the tokenizer's true count"
     ),
     "model.kv_channels": _agree("the head dimension is hidden_size / num_attention_heads", None, error=True),
     "model.rotary_percentage": _agree("RoPE rotates every head dimension", 1, 1.0, error=True),
@@ -652,8 +653,8 @@ MEGATRON_SHAPE_KEYS = (
 
 
 def _megatron_model(leaves: Mapping[str, Any]) -> dict[str, Any]:
-    """model_source: megatron — the hub model from Megatron's model keys (the vocabulary comes from the tokenizer:
-    :func:`megatron_vocab_size`, applied by the loader)."""
+    """model_source: megatron — the hub model from Megatron's model keys (the vocabulary comes from the tokenizer,
+    read by the loader; its padding to make_vocab_size_divisible_by × TP happens in the tensor-parallel layers)."""
     shape = tuple(leaves.get(f"model.{k}", default) for k, default in MEGATRON_SHAPE_KEYS)
     family = MEGATRON_FAMILIES.get(shape)
     if family is None:
@@ -674,6 +675,8 @@ def _megatron_model(leaves: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"model.architecture": arch}
     if experts and "model.moe.router_activation" not in leaves:
         out["model.moe.router_activation"] = "sigmoid"  # NxDT's Megatron MoE default (HF Mixtral's router is softmax)
+    # NxDT's data module pads with this, default 128 (lightning_modules/data/base.py, _vocab_size_with_padding)
+    out["model.make_vocab_size_divisible_by"] = int(leaves.get("model.make_vocab_size_divisible_by", 128))
     if leaves.get("model.layernorm_epsilon") is not None:
         out["model.norm_eps"] = leaves["model.layernorm_epsilon"]
     if leaves.get("model.share_embeddings_and_output_weights") is not None:
@@ -690,14 +693,6 @@ def _megatron_model(leaves: Mapping[str, Any]) -> dict[str, Any]:
 
 
 GPT2_BPE_VOCAB = 50257  # Megatron's GPT2BPETokenizer is GPT-2's byte-level BPE: 50257 ids (Hugging Face gpt2 config.json)
-
-
-def megatron_vocab_size(tokenizer_ids: int, leaves: Mapping[str, Any]) -> int:
-    """Megatron's padded vocabulary: the tokenizer's ids rounded up to a multiple of make_vocab_size_divisible_by × TP."""
-    multiple = int(leaves.get("model.make_vocab_size_divisible_by", 128)) * int(
-        leaves.get("distributed_strategy.tensor_model_parallel_size", 1)
-    )
-    return -(-tokenizer_ids // multiple) * multiple
 
 
 def is_complete_model(leaves: Mapping[str, Any]) -> bool:

@@ -27,10 +27,8 @@ from omegaconf.errors import OmegaConfBaseException
 from nxdt.config.nxdt_compat import (
     GPT2_BPE_VOCAB,
     check_keys,
-    flatten,
     infer_instance,
     is_our_key,
-    megatron_vocab_size,
     rule_for,
     translate,
     unknown_key_error,
@@ -201,7 +199,8 @@ def _read_hf_config(nxdt: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def _megatron_vocab(nxdt: Mapping[str, Any]) -> int:
-    """A Megatron model's vocabulary: its tokenizer's ids (a tokenizer.json, GPT2BPETokenizer's vocab.json), padded."""
+    """A Megatron model's vocabulary: its tokenizer's ids (a tokenizer.json, GPT2BPETokenizer's vocab.json), unpadded
+    (under TP the parallel embedding and head pad it to make_vocab_size_divisible_by × TP, masked)."""
     tok = (nxdt.get("data") or {}).get("tokenizer") or {}
     kind, ids = tok.get("type"), None
     if kind == "GPT2BPETokenizer":
@@ -217,7 +216,7 @@ def _megatron_vocab(nxdt: Mapping[str, Any]) -> int:
             f"{kind}), not readable here: give data.tokenizer.type=DIR (a Hugging Face tokenizer directory) or "
             "model.vocab_size=N",
         )
-    return megatron_vocab_size(ids, flatten(nxdt))
+    return ids
 
 
 def _json_size(path: Any, size) -> int | None:

@@ -253,6 +253,11 @@ class RopeScalingConfig:
 class ModelConfig:
     architecture: str = doc("nxdt.models.llama.LlamaForCausalLM", "model class import path (only nxdt.models.* allowed)")
     vocab_size: int = doc(MISSING, "vocabulary size")
+    make_vocab_size_divisible_by: int = doc(
+        1,
+        "under tensor parallelism the embedding and head are padded to a multiple of this × TP (Megatron's rule); "
+        "padding logits are masked and checkpoints hold the true vocabulary, so only speed depends on it",
+    )
     hidden_size: int = doc(MISSING, "model width")
     num_layers: int = doc(MISSING, "decoder layers")
     num_attention_heads: int = doc(MISSING, "query heads")

@@ -406,6 +406,7 @@ def validate(cfg: Any, *, paths: bool = True) -> None:
             "exp_manager.checkpoint_every_n_steps",
             "distributed_strategy.fsdp.prefetch_distance",
             "model.vocab_size",
+            "model.make_vocab_size_divisible_by",
             "model.hidden_size",
             "model.num_layers",
             "model.num_attention_heads",
@@ -505,10 +506,6 @@ def validate(cfg: Any, *, paths: bool = True) -> None:
             "data.seq_length",
             data.seq_length,
             f"must be divisible by TP={tp}{what} with sequence_parallel (activations are split along it)",
-        )
-    if tp > 1 and model.vocab_size % tp:
-        raise ConfigError(
-            "model.vocab_size", model.vocab_size, f"must be divisible by TP={tp} (the embedding and head are split along it)"
         )
     if pp > 1 and model.tie_word_embeddings:
         raise ConfigError(

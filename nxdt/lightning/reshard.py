@@ -17,7 +17,10 @@ Reading, per model-parallel position K (mp rank = tp rank + TP · pp stage):
   Another DP sharding plugs in by adding its reader to ``DP_FORMATS`` and naming it in meta.json's ``dp_format``;
 * TP pieces are concatenated along the dimension meta.json's ``tensor_parallel`` layout records (one copy per
   ``replicas`` ranks) — optimizer moments exactly like their parameters; PP stages merge by name (parameters
-  keep their full-model names on every stage).
+  keep their full-model names on every stage). A padded vocabulary (the entry's third number, the true length)
+  is trimmed there, so the full state — consolidated, exported, resharded — always holds the true vocabulary,
+  and a new TP degree (or the same one with another ``make_vocab_size_divisible_by``: the fourth number, the padded
+  length, differs) pads it its own way when it slices.
 
 Loading on the new layout (NxDStrategy restores after parallelising): each full tensor of this stage is cut
 by its TP ``ShardSpec`` for this rank (FSDP then takes its DP slice); the optimizer state is sliced the same
@@ -42,7 +45,7 @@ from torch import nn
 
 from nxdt.config.validate import Dim
 from nxdt.lightning.checkpoint import CheckpointError, dp_format, read_meta, rng_file, save, verify
-from nxdt.parallel.tensor_parallel import shard_spec
+from nxdt.parallel.tensor_parallel import shard_spec, trim_padding
 from nxdt.parallel.zero1 import STATE_FORMAT as ZERO1_FORMAT, consolidate_shard_states
 
 NAMES_KEY = "nxdt_optimizer_param_names"  # trainer state: per optimizer, the parameter name of each state index
@@ -281,8 +284,8 @@ def _merge(name: str, pieces: dict[int, torch.Tensor], layout: dict[str, list[in
         raise CheckpointError(f"checkpoint {root}: {name} has {len(pieces)} of {tp} tensor-parallel shards")
     spec = layout.get(name[len(MODULE_PREFIX) :] if name.startswith(MODULE_PREFIX) else name)
     if spec is not None:
-        dim, replicas = spec
-        return torch.cat([pieces[r] for r in range(0, tp, replicas)], dim=dim).contiguous()
+        dim, replicas, *full = spec  # full[0]: the true length of a padded vocabulary (padding rows trimmed)
+        return trim_padding(torch.cat([pieces[r] for r in range(0, tp, replicas)], dim=dim), dim, full[0] if full else None)
     first = pieces[0]
     if first.dim() and any(not torch.equal(first, p) for p in pieces.values()):
         raise CheckpointError(

@@ -264,7 +264,7 @@ class ShardedCheckpointer:
         degrees = ckpt_io.checkpoint_degrees(g.plan.degrees)  # CP folded into DP: CP ranks are weight replicas
         if ckpt_io.check_layout(
             path, degrees, self._dp.checkpoint_flags()["zero1"], self._virtual, data_parallel_format=self._dp.dp_format
-        ):
+        ) or self._other_padding(path):
             log.info("rank %d: resharding %s for this layout %s", g.rank, path, g.plan.degrees)
             checkpoint = reshard.load_resharded(path, expect_model=expect_model)
         else:
@@ -272,6 +272,12 @@ class ShardedCheckpointer:
             checkpoint = ckpt_io.load(path, expect_model=expect_model, model_file=files.model, state_file=files.state)
         ckpt_io.restore_rng(path, g.rank, same_layout=ckpt_io.same_world(path, degrees, g.plan.world_size))
         return checkpoint
+
+    def _other_padding(self, path: Any) -> bool:
+        """The same TP degree, but a vocabulary padded to another length (model.make_vocab_size_divisible_by changed):
+        the shards have other shapes, the full state (trimmed) does not — resharding fits it to this run's padding."""
+        saved = ckpt_io.read_meta(path).get("tensor_parallel") or {}
+        return any(saved.get(name) not in (None, spec) for name, spec in (self.groups.tp_layout or {}).items())
 
     def load_model_state(self, checkpoint: dict[str, Any], module: nn.Module) -> None:
         """Fit the checkpoint's model state into this rank's (parallelised, possibly FSDP-sharded) module."""

@@ -20,7 +20,10 @@ row layer and an all-gather before the next column layer, the same bytes on the 
 activation memory outside the attention/MLP cores.
 
 The embedding and the output head are split along the vocabulary; the loss is computed on vocab-sharded
-logits without ever gathering them (:func:`vocab_parallel_cross_entropy`).
+logits without ever gathering them (:func:`vocab_parallel_cross_entropy`). Any vocabulary splits: both are padded
+with zero rows to a multiple of ``make_vocab_size_divisible_by`` × TP (Megatron's rule, the style's ``:<n>``), the
+padding logits are -inf, and every full tensor (gathered, exported, consolidated) is trimmed back to the true
+vocabulary, so checkpoints reshard between TP degrees that pad differently.
 
 Every collective runs on the communicator's stream named ``"tp"``.
 
@@ -314,12 +317,28 @@ class _EnterRegionHook:
 class ShardSpec:
     """How a full tensor's ``dim`` (length ``full``) is cut into blocks of ``block`` rows and dealt to ``size``
     ranks: evenly when the blocks divide among the ranks; with ``replicate=True`` and fewer blocks than ranks
-    (``size`` a multiple of the block count), each block is held by ``replicas`` consecutive ranks."""
+    (``size`` a multiple of the block count), each block is held by ``replicas`` consecutive ranks.
 
-    def __init__(self, dim: int, full: int, size: int, *, block: int = 1, replicate: bool = False, what: str = "tensor") -> None:
-        if block < 1 or full % block:
+    With ``pad=True`` (the vocabulary of an embedding or head) the dimension is first padded with zero rows to
+    ``padded``, the next multiple of ``block × size`` — Megatron's ``_vocab_size_with_padding`` with ``block`` its
+    ``make_vocab_size_divisible_by`` — so any length splits evenly; the last rank(s) hold the padding rows. Slicing
+    pads, gathering trims: the full tensor (export, checkpoint consolidation, resharding) is always ``full`` long."""
+
+    def __init__(
+        self,
+        dim: int,
+        full: int,
+        size: int,
+        *,
+        block: int = 1,
+        replicate: bool = False,
+        pad: bool = False,
+        what: str = "tensor",
+    ) -> None:
+        if block < 1 or (full % block and not pad):
             raise ValueError(f"{what}: dimension of length {full} is not made of whole blocks of {block}")
-        blocks = full // block
+        self.padded = -(-full // (block * size)) * block * size if pad else full
+        blocks = self.padded // block
         if blocks % size == 0:
             per_rank, self.replicas = blocks // size, 1
         elif replicate and size % blocks == 0:
@@ -338,20 +357,39 @@ class ShardSpec:
         return rank // self.replicas
 
     def slice(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """This rank's shard of the (unpadded) full tensor; padding rows are zeros."""
+        if full.shape[self.dim] != self.full:
+            raise ValueError(f"expected {self.full} rows along dim {self.dim}, got a tensor of shape {tuple(full.shape)}")
         start = self.group(rank) * self.local
+        if self.padded > self.full:
+            pad = [0, 0] * (full.dim() - 1 - self.dim) + [0, self.padded - self.full]  # F.pad lists the last dim first
+            full = F.pad(full.detach(), pad)
         return full.narrow(self.dim, start, self.local).detach().clone().contiguous()
 
     def gather(self, local: torch.Tensor, comm: Any) -> torch.Tensor:
-        """Reassemble the full tensor on every rank (one copy of each replicated shard)."""
-        return gather_shards(local, comm, self.dim, self.replicas)
+        """Reassemble the full tensor on every rank (one copy of each replicated shard, padding trimmed)."""
+        return gather_shards(local, comm, *self.layout())
+
+    def layout(self) -> list[int]:
+        """A checkpoint's ``tensor_parallel`` entry: ``[dim, replicas]``, plus the true and the padded length when
+        padded (the padded one tells a resume on the same TP whether its shards have this run's shape)."""
+        return [self.dim, self.replicas] + ([self.full, self.padded] if self.padded > self.full else [])
 
 
-def gather_shards(local: torch.Tensor, comm: Any, dim: int, replicas: int = 1) -> torch.Tensor:
-    """The full tensor from every TP rank's shard along ``dim`` (``replicas`` consecutive ranks hold each shard:
-    a checkpoint's ``tensor_parallel`` layout entry); a collective, every rank gets it."""
+def trim_padding(full: torch.Tensor, dim: int, length: int | None) -> torch.Tensor:
+    """The padded tensor's first ``length`` rows along ``dim`` (the true vocabulary); None: nothing to trim."""
+    return full if length is None else full.narrow(dim, 0, length).contiguous()
+
+
+def gather_shards(
+    local: torch.Tensor, comm: Any, dim: int, replicas: int = 1, full: int | None = None, padded: int | None = None
+) -> torch.Tensor:
+    """The full tensor from every TP rank's shard along ``dim`` (``replicas`` consecutive ranks hold each shard,
+    ``full`` the true length of a vocabulary padded to ``padded`` rows: a checkpoint's ``tensor_parallel`` layout
+    entry); a collective, every rank gets it."""
     every = _all_gather(local.detach(), comm, dim)
     shards = every.chunk(comm.size, dim)[::replicas]
-    return torch.cat(shards, dim).contiguous()
+    return trim_padding(torch.cat(shards, dim), dim, full).contiguous()
 
 
 def _check_comm(comm: Any) -> None:
@@ -388,6 +426,7 @@ class ColumnParallelLinear(TensorParallelModule):
         dtype: torch.dtype | None = None,
         what: str = "ColumnParallelLinear",
         input_in_region: bool = False,
+        pad: bool = False,
     ) -> None:
         super().__init__()
         _check_comm(comm)
@@ -395,7 +434,9 @@ class ColumnParallelLinear(TensorParallelModule):
         self.sequence_parallel, self.gather_output = sequence_parallel, gather_output
         # the caller already entered the TP region (a TokenRegion: several experts share one entry)
         self.input_in_region = input_in_region
-        spec = ShardSpec(0, out_features, comm.size, block=block, replicate=replicate, what=what)
+        spec = ShardSpec(0, out_features, comm.size, block=block, replicate=replicate, pad=pad, what=what)
+        if gather_output and spec.padded != out_features:
+            raise ValueError(f"{what}: gather_output needs an even split, not padded shards")
         if gather_output and spec.replicas > 1:
             raise ValueError(f"{what}: gather_output needs an even split, not replicated shards")
         self.weight = nn.Parameter(torch.empty(spec.local, in_features, dtype=dtype))
@@ -498,6 +539,7 @@ class VocabParallelEmbedding(TensorParallelModule):
         comm: Any,
         *,
         sequence_parallel: bool = False,
+        block: int = 1,
         dtype: torch.dtype | None = None,
         what: str = "VocabParallelEmbedding",
     ) -> None:
@@ -505,7 +547,8 @@ class VocabParallelEmbedding(TensorParallelModule):
         _check_comm(comm)
         self.comm, self.num_embeddings, self.embedding_dim = comm, num_embeddings, embedding_dim
         self.sequence_parallel = sequence_parallel
-        spec = ShardSpec(0, num_embeddings, comm.size, what=f"{what} (vocab size {num_embeddings})")
+        # padded to a multiple of block × tp (zero rows no id looks up): any vocabulary splits
+        spec = ShardSpec(0, num_embeddings, comm.size, block=block, pad=True, what=f"{what} (vocab size {num_embeddings})")
         self.vocab_start = comm.rank * spec.local
         self.weight = nn.Parameter(torch.empty(spec.local, embedding_dim, dtype=dtype))
         self.shard_specs = {"weight": spec}
@@ -519,9 +562,11 @@ class VocabParallelEmbedding(TensorParallelModule):
         return mod
 
     def extra_repr(self) -> str:
-        local = self.shard_specs["weight"].local
+        spec = self.shard_specs["weight"]
+        local = spec.local
         return (
-            f"vocab={self.num_embeddings} (rows {self.vocab_start}..{self.vocab_start + local - 1}), dim={self.embedding_dim}, "
+            f"vocab={self.num_embeddings} (padded {spec.padded}; rows {self.vocab_start}..{self.vocab_start + local - 1}), "
+            f"dim={self.embedding_dim}, "
             f"tp={self.comm.size}, sequence_parallel={self.sequence_parallel}"
         )
 
@@ -534,15 +579,57 @@ class VocabParallelEmbedding(TensorParallelModule):
         return reduce_from_tensor_parallel_region(rows, self.comm)
 
 
+class SequenceShardedEmbedding(TensorParallelModule):
+    """A replicated lookup table whose rows are *added* to the token embeddings (GPT's learned positions).
+    Without SP it is the plain table. With SP the token embeddings arrive as this rank's sequence shard
+    ([B, S/tp, H], :class:`VocabParallelEmbedding`'s reduce-scatter), so the rows are cut to the same shard
+    (Megatron adds the positions before scattering; adding each rank's shard after it is the same sum). Each
+    rank's weight gradient then covers its own positions only: a replicated parameter under SP, summed over
+    the group by :func:`sync_replicated_grads`."""
+
+    def __init__(self, embedding: nn.Embedding, comm: Any, *, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        _check_comm(comm)
+        if embedding.padding_idx is not None or embedding.max_norm is not None:
+            raise ValueError("SequenceShardedEmbedding: padding_idx / max_norm are not supported")
+        self.comm, self.sequence_parallel = comm, sequence_parallel
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.weight = embedding.weight  # the same Parameter: replicated, nothing to slice
+        self.shard_specs = {}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = F.embedding(ids, self.weight)
+        return _split(rows, self.comm, rows.ndim - 2) if self.sequence_parallel else rows
+
+
 class VocabParallelHead(ColumnParallelLinear):
     """Output projection hidden → vocab split along the vocabulary. Its logits stay vocab-sharded
-    ([..., V/tp]); the model computes the loss through :meth:`cross_entropy`."""
+    ([..., V_padded/tp]); the model computes the loss through :meth:`cross_entropy`.
+
+    The vocabulary is padded as :class:`VocabParallelEmbedding`'s (same ``block``). The padding columns'
+    logits are -inf: they get no probability in the softmax, the loss, preference log-probabilities or
+    sampling, and no gradient reaches their (zero) weight rows, so the model computes exactly what the
+    unpadded one does."""
 
     shards_vocab = True  # the model's loss asks this before choosing the loss
 
     def __init__(self, in_features: int, out_features: int, comm: Any, **kwargs: Any) -> None:
         kwargs.setdefault("what", f"VocabParallelHead (vocab size {out_features})")
-        super().__init__(in_features, out_features, comm, **kwargs)
+        super().__init__(in_features, out_features, comm, pad=True, **kwargs)
+        start = comm.rank * self.shard_specs["weight"].local
+        self.vocab_start = start
+        # this rank's columns past the true vocabulary (none on most ranks)
+        self.padding_columns = max(
+            0, min(self.shard_specs["weight"].local, start + self.shard_specs["weight"].local - out_features)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(x)
+        if self.padding_columns:
+            local = logits.shape[-1]
+            pad = torch.arange(local, device=logits.device) >= local - self.padding_columns
+            logits = logits.masked_fill(pad, float("-inf"))
+        return logits
 
     def cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, labels, self.comm, ignore_index=ignore_index)
@@ -683,7 +770,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_label = labels - start
         mine = (local_label >= 0) & (local_label < local_vocab)
         local_label = torch.where(mine, local_label, 0)
-        target = shifted.gather(-1, local_label.unsqueeze(-1)).squeeze(-1) * mine
+        # where, not a product: on a rank holding only vocabulary padding the gathered logit is -inf, and -inf·0 is nan
+        target = torch.where(mine, shifted.gather(-1, local_label.unsqueeze(-1)).squeeze(-1), 0.0)
         exp = shifted.exp()
         sums = torch.stack([exp.sum(-1), target])  # one all-reduce for both
         comm.all_reduce(sums, stream=TP_STREAM)
@@ -759,17 +847,19 @@ def _build(style: str, module: nn.Module, comm: Any, sequence_parallel: bool, wh
             replicate=name == "colwise_kv",
             what=f"{what} ({style}, LoRA)",
         )
-    expected = nn.Embedding if name == "vocab_embedding" else nn.Linear
+    expected = nn.Embedding if name in ("vocab_embedding", "sequence_embedding") else nn.Linear
     if not isinstance(module, expected):
         raise TypeError(
             f"tensor-parallel plan: {what} is a {type(module).__name__}; style {style!r} needs a torch.nn.{expected.__name__} "
             f"(was the model already parallelised?)"
         )
     what = f"{what} ({style})"
+    if name == "sequence_embedding":
+        return SequenceShardedEmbedding(module, comm, sequence_parallel=sequence_parallel)
     if name == "vocab_embedding":
-        return VocabParallelEmbedding.from_full(module, comm, sequence_parallel=sequence_parallel, what=what)
+        return VocabParallelEmbedding.from_full(module, comm, sequence_parallel=sequence_parallel, block=block, what=what)
     if name == "vocab_head":
-        return VocabParallelHead.from_full(module, comm, sequence_parallel=sequence_parallel, what=what)
+        return VocabParallelHead.from_full(module, comm, sequence_parallel=sequence_parallel, block=block, what=what)
     if name == "rowwise":
         return RowParallelLinear.from_full(module, comm, sequence_parallel=sequence_parallel, block=block, what=what)
     return ColumnParallelLinear.from_full(
@@ -782,8 +872,12 @@ STYLES = {
     "colwise_kv": "key/value heads of grouped-query attention: split like colwise, or replicated when the tensor-parallel "
     "size is a multiple of the head count",
     "rowwise": "input features split; outputs all-reduced (reduce-scattered along the sequence with SP)",
-    "vocab_embedding": "embedding table split along the vocabulary",
-    "vocab_head": "output head split along the vocabulary; the loss runs on vocab-sharded logits",
+    "vocab_embedding": "embedding table split along the vocabulary, padded with zero rows to a multiple of "
+    "':<n>' × TP (Megatron's make_vocab_size_divisible_by; default 1)",
+    "vocab_head": "output head split along the vocabulary (padded as vocab_embedding, padding logits -inf); the loss "
+    "runs on vocab-sharded logits",
+    "sequence_embedding": "a replicated table added to the token embeddings (learned positions): with SP each rank "
+    "keeps the rows of its sequence shard",
     "token_region": "a block running sharded layers on token rows (mixture of experts): the module keeps its class and "
     "gets a TokenRegion in its `tensor_parallel_region` attribute",
     "input_region": "a block whose column-parallel layers all read its first input (attention q/k/v, MLP gate/up): the "
@@ -835,7 +929,8 @@ def apply_tensor_parallel(model: nn.Module, tp_comm: Any, *, sequence_parallel: 
         parallel = _build(style, module, tp_comm, sequence_parallel, name)
         holder = parallel.base_layer if isinstance(parallel, LoRAParallelLinear) else parallel  # the layer owning the weight
         full_weight = module.base_layer.weight if holder is not parallel else module.weight
-        key = (id(full_weight), "vocab" if style in ("vocab_embedding", "vocab_head") else style)
+        kind, block = _parse_style(style)  # a tied table: embedding and head cut (and padded) alike share one shard
+        key = (id(full_weight), f"vocab:{block}" if kind in ("vocab_embedding", "vocab_head") else style)
         if key in shared:
             holder.weight = shared[key]  # tied weights: one shard, two users
         else:
@@ -920,14 +1015,14 @@ def sync_replicated_grads(model: nn.Module, tp_comm: Any) -> int:
 
 
 def shard_layout(model: nn.Module) -> dict[str, list[int]]:
-    """``{parameter name: [dim, replicas]}`` for every tensor-parallel-sharded parameter (what a checkpoint
-    needs to reassemble full tensors from the TP ranks' files: concatenate along ``dim``, one copy per
-    ``replicas`` consecutive ranks)."""
+    """``{parameter name: [dim, replicas(, full, padded)]}`` for every tensor-parallel-sharded parameter (what a
+    checkpoint needs to reassemble full tensors from the TP ranks' files: concatenate along ``dim``, one copy per
+    ``replicas`` consecutive ranks, then keep the first ``full`` of a padded vocabulary's ``padded`` rows)."""
     layout = {}
     for name, _ in model.named_parameters(remove_duplicate=False):  # tied weights: every name that holds a shard
         spec = _owner_spec(model, name)
         if spec is not None:
-            layout[name] = [spec.dim, spec.replicas]
+            layout[name] = spec.layout()
     return layout
 
 

@@ -277,6 +277,16 @@ def layer_saved_bytes(
     }
 
 
+def padded_vocab_size(model: Any, tp: int) -> int:
+    """The rows the embedding and head hold under TP: the vocabulary padded to a multiple of
+    make_vocab_size_divisible_by × TP (nxdt.parallel.tensor_parallel.ShardSpec). Memory counts them; FLOPs and
+    MFU do not (their logits are masked, the work a run is credited with is the true vocabulary's)."""
+    if tp == 1:
+        return int(model.vocab_size)
+    multiple = int(getattr(model, "make_vocab_size_divisible_by", 1)) * tp
+    return -(-int(model.vocab_size) // multiple) * multiple
+
+
 def head_saved_bytes(model: Any, s: float, b: int, tp: int, sequence_parallel: bool, act: int) -> dict[str, float]:
     """Bytes the final norm, the output head and the loss hold for one micro-batch of s·b tokens, V the vocabulary:
     ``final_norm``, :func:`_norm_bytes` (/ t with SP); ``log_probs``, the fp32 log-probabilities cross-entropy keeps
@@ -285,7 +295,7 @@ def head_saved_bytes(model: Any, s: float, b: int, tp: int, sequence_parallel: b
     of the backward pass with a flash kernel (with naive attention the peak layer's S×S gradients come later, when
     these are freed again: counting both over-states naive's peak by at most this term)."""
     tokens = s * b
-    vocab = 4 * model.vocab_size / tp * tokens
+    vocab = 4 * padded_vocab_size(model, tp) / tp * tokens
     return {
         "final_norm": _norm_bytes(model, act) * tokens / (tp if sequence_parallel else 1),
         "log_probs": vocab,

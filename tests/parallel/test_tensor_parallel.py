@@ -20,6 +20,7 @@ from torch import nn
 
 from nxdt.comm import Tracer
 from nxdt.comm.spawn import run_local
+from nxdt.models.gpt import GPTForCausalLM
 from nxdt.models.llama import LlamaForCausalLM
 from nxdt.models.objectives import token_log_probs
 from nxdt.parallel.tensor_parallel import (
@@ -31,6 +32,7 @@ from nxdt.parallel.tensor_parallel import (
     gather_from_tensor_parallel_region,
     gather_full_grads,
     gather_full_state_dict,
+    shard_layout,
     sync_replicated_grads,
     vocab_parallel_cross_entropy,
 )
@@ -116,7 +118,8 @@ def _check_case(comm, overrides: dict, sequence_parallel: bool, steps: int) -> d
     assert isinstance(model.embed_tokens, VocabParallelEmbedding) and isinstance(model.lm_head, VocabParallelHead)
     assert attn.q_proj.weight.shape == (cfg.hidden_size // comm.size, cfg.hidden_size)
     assert attn.k_proj.weight.shape == (kv_local, cfg.hidden_size), (tag, attn.k_proj.weight.shape)
-    assert model.lm_head.weight.shape == (cfg.vocab_size // comm.size, cfg.hidden_size)
+    local_vocab = padded_vocab(cfg, comm.size) // comm.size
+    assert model.lm_head.weight.shape == model.embed_tokens.weight.shape == (local_vocab, cfg.hidden_size)
     assert model.tied == cfg.tie_word_embeddings
     replicated_kv = comm.size > cfg.num_kv_heads
     kv_rows = slice(None)
@@ -145,7 +148,7 @@ def _check_case(comm, overrides: dict, sequence_parallel: bool, steps: int) -> d
         if step == 0:
             comm.world.set_tracer(Tracer(comm.rank))
         logits = model(ids)
-        assert logits.shape == (BATCH, SEQ, cfg.vocab_size // comm.size)
+        assert logits.shape == (BATCH, SEQ, local_vocab)
         loss = model.loss_fn(logits, labels)
         loss.backward()
         if step == 0:
@@ -155,7 +158,9 @@ def _check_case(comm, overrides: dict, sequence_parallel: bool, steps: int) -> d
         tol = dict(rtol=1e-5, atol=1e-6) if step == 0 else dict(rtol=1e-4, atol=1e-5)
         close(loss, ref_loss, f"{tag} loss step {step}", **tol)
         if step == 0:
-            close(gather_from_tensor_parallel_region(logits.detach(), comm), ref_logits.detach(), f"{tag} logits")
+            every = gather_from_tensor_parallel_region(logits.detach(), comm)
+            close(every[..., : cfg.vocab_size], ref_logits.detach(), f"{tag} logits")
+            assert torch.isneginf(every[..., cfg.vocab_size :]).all(), tag  # padding: no probability, in loss or sampling
             grads = gather_full_grads(model, comm)
             ref_grads = {n: p.grad for n, p in ref.named_parameters()}
             assert grads.keys() == ref_grads.keys(), (tag, sorted(grads), sorted(ref_grads))
@@ -180,7 +185,23 @@ def _check_case(comm, overrides: dict, sequence_parallel: bool, steps: int) -> d
             close(full[name], value, f"{tag} parameter {name} after {steps} AdamW steps", rtol=1e-4, atol=1e-6)
         if replicated_kv:
             close(attn.v_proj.weight, ref.layers[0].self_attn.v_proj.weight[kv_rows], f"{tag} local KV weight", rtol=1e-4)
+        _check_padding_stays_zero(model, cfg, comm, tag)
     return {"case": tag, "losses": losses}
+
+
+def padded_vocab(cfg, tp: int) -> int:
+    """Megatron's _vocab_size_with_padding: the vocabulary rounded up to a multiple of make_vocab_size_divisible_by × TP."""
+    multiple = getattr(cfg, "make_vocab_size_divisible_by", 1) * tp
+    return -(-cfg.vocab_size // multiple) * multiple
+
+
+def _check_padding_stays_zero(model, cfg, comm, tag: str) -> None:
+    """Padding rows get no gradient (never looked up; -inf logits), so AdamW with weight decay leaves them zero:
+    nothing of them can leak into the trimmed full tensors or the next TP degree's slices."""
+    start = comm.rank * model.lm_head.weight.shape[0]
+    for table in (model.embed_tokens.weight, model.lm_head.weight):
+        padding = table[max(cfg.vocab_size - start, 0) :]
+        assert padding.abs().max().item() == 0 if padding.numel() else True, tag
 
 
 def _cross_entropy_alone(comm) -> None:
@@ -268,14 +289,97 @@ def _biased_mlp(comm) -> None:
     close(col.weight.grad, up.weight.grad.chunk(comm.size)[comm.rank], "gather_output weight grad")
 
 
-def _world(world, cases: list[tuple[dict, bool, int]], extras: bool) -> list[dict]:
+def _world(world, cases: list[tuple[dict, bool, int]], extras: bool, gpt_cases: tuple = ()) -> list[dict]:
     comm = world.new_communicator(list(range(world.world_size)), "tp")
     if extras:
         _cross_entropy_alone(comm)
         _token_log_probs_alone(comm)
         _sequence_length_must_divide(comm)
         _biased_mlp(comm)
-    return [_check_case(comm, *case) for case in cases]
+    return [_check_case(comm, *case) for case in cases] + [_check_gpt_case(comm, *case) for case in gpt_cases]
+
+
+def gpt_config(**overrides) -> SimpleNamespace:
+    base = dict(
+        vocab_size=23,  # no multiple of 2 or 4: padded under TP
+        hidden_size=32,
+        num_layers=2,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        max_position_embeddings=16,
+        norm_eps=1e-5,
+        tie_word_embeddings=True,  # GPT-2's and NxDT's megatron_gpt_config's choice
+        init_method_std=0.02,
+        activations_checkpoint_granularity=None,
+    )
+    return SimpleNamespace(**{**base, **overrides})
+
+
+def build_gpt(cfg: SimpleNamespace) -> GPTForCausalLM:
+    torch.manual_seed(0)
+    model = GPTForCausalLM(cfg)
+    with torch.no_grad():  # LayerNorms start at 1 and biases at 0: perturb both so a wrong slice or sum cannot hide
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+    return model
+
+
+def _check_gpt_case(comm, overrides: dict, sequence_parallel: bool, steps: int) -> dict:
+    """Megatron GPT under TP (+SP) against the single-process model: loss, every gradient, the weights after AdamW
+    steps. Tolerances as Llama's above: the same fp32 math summed in another order (row-parallel partial sums,
+    the vocabulary's log-sum-exp in pieces), ~1e-7 relative per reduction, far inside rtol 1e-5. The steps are
+    plain SGD: a weight then differs by lr × the gradients' difference (~1e-8 here). Adam would not do: it divides
+    each gradient by its own magnitude, so a gradient that is zero up to rounding (GELU's flat tail, the key bias)
+    becomes a ±lr step whose sign is the rounding's — measured 6e-6 apart after 5 steps at lr 1e-3."""
+    cfg = gpt_config(**overrides)
+    ref = build_gpt(cfg)
+    model = apply_tensor_parallel(build_gpt(cfg), comm, sequence_parallel=sequence_parallel)
+    tag = f"GPT tp{comm.size} sp={sequence_parallel} {overrides}"
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    assert isinstance(attn.q_proj, ColumnParallelLinear) and isinstance(attn.o_proj, RowParallelLinear), tag
+    assert isinstance(mlp.fc_in, ColumnParallelLinear) and isinstance(mlp.fc_out, RowParallelLinear), tag
+    assert attn.q_proj.bias.shape == (cfg.hidden_size // comm.size,) and attn.o_proj.bias.shape == (cfg.hidden_size,)
+    assert model.tied == cfg.tie_word_embeddings, tag
+    full = gather_full_state_dict(model, comm)
+    assert full.keys() == ref.state_dict().keys()
+    for name, value in ref.state_dict().items():
+        assert torch.equal(full[name], value), (tag, name)  # trimmed back to the true vocabulary
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    initial = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    losses = []
+    for step in range(max(steps, 1)):
+        ids, labels = batch(step, cfg.vocab_size)
+        opt_ref.zero_grad()
+        opt.zero_grad()
+        ref_loss = ref.loss_fn(ref(ids), labels)
+        ref_loss.backward()
+        loss = model.loss_fn(model(ids), labels)
+        loss.backward()
+        assert (sync_replicated_grads(model, comm) > 0) == sequence_parallel, tag
+        close(loss, ref_loss, f"{tag} loss step {step}")
+        if step == 0:
+            grads = gather_full_grads(model, comm)
+            ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+            assert grads.keys() == ref_grads.keys(), (tag, sorted(grads), sorted(ref_grads))
+            for name, g in ref_grads.items():
+                close(grads[name], g, f"{tag} grad {name}", atol=1e-7)
+        losses.append(loss.item())
+        if steps:
+            opt_ref.step()
+            opt.step()
+    if steps:
+        full = gather_full_state_dict(model, comm)
+        for name, p in ref.named_parameters():
+            # the steps moved every weight but the key bias: softmax is blind to a shift every key shares, so its
+            # gradient is exactly zero (the gradients themselves were compared at step 0, atol 1e-7)
+            if not name.endswith("k_proj.bias"):
+                assert not torch.equal(p.detach(), initial[name]), (tag, name)
+        for name, value in ref.state_dict().items():
+            close(full[name], value, f"{tag} parameter {name} after {steps} SGD steps")
+        _check_padding_stays_zero(model, cfg, comm, tag)
+    return {"case": tag, "losses": losses}
 
 
 @pytest.mark.timeout(120)
@@ -285,16 +389,23 @@ def test_tp2_matches_single_process():
         ({}, True, 5),  # + sequence parallelism
         ({"num_kv_heads": 1, "tie_word_embeddings": True}, True, 0),  # one KV head on both ranks; tied table
         ({"activations_checkpoint_granularity": "full"}, True, 0),  # recompute in backward: same collectives
+        ({"vocab_size": 23}, False, 5),  # padded to 24: the last rank holds one padding row
+        ({"vocab_size": 23, "tie_word_embeddings": True, "make_vocab_size_divisible_by": 8}, True, 0),  # 32: 9 rows
     ]
-    results = run_local(_world, 2, cases, True, timeout_s=110)
+    gpt_cases = [({}, True, 5), ({"tie_word_embeddings": False}, False, 0)]  # Megatron GPT TP2+SP, TP2
+    results = run_local(_world, 2, cases, True, gpt_cases, timeout_s=110)
     assert [r["losses"] for r in results[0]] == [r["losses"] for r in results[1]]  # every rank computes the same loss
 
 
 @pytest.mark.timeout(120)
 def test_tp4_replicated_kv_heads_match_single_process():
     # process start-up dominates (4 ranks on 2 cores); the cases themselves cost ~1 s
-    cases = [({"num_kv_heads": 2}, False, 0), ({"num_kv_heads": 2}, True, 5)]
-    results = run_local(_world, 4, cases, False, timeout_s=110)
+    cases = [
+        ({"num_kv_heads": 2}, False, 0),
+        ({"num_kv_heads": 2}, True, 5),
+        ({"num_kv_heads": 2, "vocab_size": 23, "make_vocab_size_divisible_by": 8}, False, 0),  # 32: rank 3 all padding
+    ]
+    results = run_local(_world, 4, cases, False, [({}, True, 0)], timeout_s=110)
     assert len({tuple(r[0]["losses"]) for r in results}) == 1
 
 
@@ -319,11 +430,65 @@ def test_shards_tile_the_full_weights():
         assert torch.equal(s.norm.weight, ref.norm.weight)
 
 
+def test_any_vocabulary_splits_padded_and_gathers_trimmed():
+    """A vocabulary no multiple of TP (a tokenizer with one added token) is padded as Megatron pads
+    (_vocab_size_with_padding: up to a multiple of make_vocab_size_divisible_by × TP) with zero rows; the shards
+    tile the padded table, and the checkpoint layout records the true length so full tensors are trimmed."""
+    torch.manual_seed(0)
+    table = nn.Embedding(23, 8)
+    for tp, multiple, padded in ((3, 1, 24), (2, 1, 24), (4, 8, 32), (2, 128, 256)):
+        shards = [VocabParallelEmbedding.from_full(table, fake_comm(tp, r), block=multiple) for r in range(tp)]
+        emb = torch.cat([s.weight for s in shards])
+        assert emb.shape == (padded, 8), (tp, multiple)
+        assert torch.equal(emb[:23], table.weight) and not emb[23:].any(), (tp, multiple)
+        spec = shards[0].shard_specs["weight"]
+        assert spec.layout() == [0, 1, 23, padded] and spec.padded == padded
+        assert torch.equal(spec.slice(table.weight, tp - 1), shards[-1].weight)  # what resharding cuts for a new TP
+    cfg = config(vocab_size=23, make_vocab_size_divisible_by=128)
+    model = apply_tensor_parallel(build(cfg), fake_comm(4, 3))  # 128 × 4 = 512 rows, 128 per rank
+    assert shard_layout(model)["lm_head.weight"] == [0, 1, 23, 512] and shard_layout(model)["layers.0.mlp.up_proj.weight"] == [
+        0,
+        1,
+    ]
+    assert model.lm_head.padding_columns == 128  # rank 3 holds rows 384..511: padding only
+    logits = model.lm_head(torch.randn(2, cfg.hidden_size))
+    assert logits.shape == (2, 128) and torch.isneginf(logits).all()
+
+
+def test_gpt_declares_megatrons_tensor_parallel_plan():
+    """GPT's plan (NxDT's megatron_gpt_config trains at TP8): attention and MLP column → row pairs with their
+    biases, the learned positions replicated; the shards tile the full model."""
+    cfg = SimpleNamespace(
+        vocab_size=23, hidden_size=32, num_layers=1, num_attention_heads=4, ffn_hidden_size=64, max_position_embeddings=16
+    )
+    torch.manual_seed(0)
+    ref = GPTForCausalLM(cfg)
+    shards = []
+    for r in range(2):
+        torch.manual_seed(0)
+        shards.append(apply_tensor_parallel(GPTForCausalLM(cfg), fake_comm(2, r)))
+    layer = [s.layers[0] for s in shards]
+    assert torch.equal(torch.cat([x.self_attn.q_proj.bias for x in layer]), ref.layers[0].self_attn.q_proj.bias)
+    assert torch.equal(torch.cat([x.mlp.fc_out.weight for x in layer], 1), ref.layers[0].mlp.fc_out.weight)
+    assert torch.equal(layer[1].mlp.fc_out.bias, ref.layers[0].mlp.fc_out.bias)  # replicated, added after the reduction
+    assert torch.equal(shards[1].embed_positions.weight, ref.embed_positions.weight)
+    assert shard_layout(shards[0]) == {
+        "embed_tokens.weight": [0, 1, 23, 24],
+        "layers.0.self_attn.q_proj.weight": [0, 1],
+        "layers.0.self_attn.q_proj.bias": [0, 1],
+        "layers.0.self_attn.k_proj.weight": [0, 1],
+        "layers.0.self_attn.k_proj.bias": [0, 1],
+        "layers.0.self_attn.v_proj.weight": [0, 1],
+        "layers.0.self_attn.v_proj.bias": [0, 1],
+        "layers.0.self_attn.o_proj.weight": [1, 1],
+        "layers.0.mlp.fc_in.weight": [0, 1],
+        "layers.0.mlp.fc_in.bias": [0, 1],
+        "layers.0.mlp.fc_out.weight": [1, 1],
+        "lm_head.weight": [0, 1, 23, 24],
+    }
+
+
 def test_layouts_that_cannot_be_split_fail_clearly():
-    with pytest.raises(
-        ValueError, match=r"embed_tokens \(vocab_embedding\).*vocab size 64.*64 block\(s\) of 1.*3 tensor-parallel"
-    ):
-        apply_tensor_parallel(build(config()), fake_comm(3))
     # 6 query heads split over 3 ranks, but 2 KV heads neither divide nor are divided by 3
     cfg = config(vocab_size=66, hidden_size=36, num_attention_heads=6, num_kv_heads=2, ffn_hidden_size=48)
     with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.k_proj \(colwise_kv:6\): 2 block\(s\) of 6.*multiple of"):
