@@ -102,7 +102,7 @@ class Part(pl.LightningModule):
         torch.manual_seed(0)
         self.body = nn.Sequential(nn.Linear(IMAGE, 16), nn.Tanh(), nn.Linear(16, 1))
         self.aux = nn.Sequential(nn.Linear(IMAGE, 8), nn.Tanh(), nn.Linear(8, 1))
-        self.record: dict[str, list[float]] = {"loss": [], "grad_norm": []}
+        self.record: dict[str, list[float]] = {"loss": [], "grad_norm": [], "strategy_grad_norm": []}
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -112,6 +112,8 @@ class Part(pl.LightningModule):
 
     def on_before_optimizer_step(self, optimizer) -> None:
         self.record["grad_norm"].append(float(grad_norm(self, norm_type=2)["grad_2.0_norm_total"]))
+        if isinstance(self.trainer.strategy, NxDStrategy):  # the same total for every runtime, FSDP's shards included
+            self.record["strategy_grad_norm"].append(float(self.trainer.strategy.gradient_norm()))
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.body.parameters(), lr=0.05, momentum=0.9)
@@ -154,11 +156,12 @@ def fit(module: pl.LightningModule, make_strategy, **trainer_kwargs) -> dict:
         deterministic=True,
         **trainer_kwargs,
     )
+    initial = {k: v.detach().reshape(-1).tolist() for k, v in module.state_dict().items()}
     try:
         trainer.fit(module, data(1))
     except Exception as exc:  # noqa: BLE001 - the refusal is what some runs record
         return {"error": f"{type(exc).__name__}: {exc}"}
-    return {**module.record, "weights": weights(trainer)}
+    return {**module.record, "initial": initial, "weights": weights(trainer)}
 
 
 def main(out: Path) -> None:

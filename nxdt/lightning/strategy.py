@@ -34,6 +34,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
@@ -273,6 +274,10 @@ class NxDStrategy(ParallelStrategy):
             self._dp.shard_model(
                 self.lightning_module, self.optimizers, precision=self.precision_plugin.precision, tracer=self._tracer
             )
+            hooks = [self.lightning_module, *trainer.callbacks]
+            if any(is_overridden("on_before_optimizer_step", h) for h in hooks):
+                # a hook reads p.grad after the reduction (gradient-norm logging): it must see the DP average, as under DDP
+                self._dp.show_reduced_gradients()
             if len(self.optimizers) > 1 and (self.plan.tp > 1 or self.plan.ep > 1):
                 # the TP sums of partial gradients and the expert reduction run once per backward over the whole model
                 raise NotImplementedError(
@@ -370,6 +375,16 @@ class NxDStrategy(ParallelStrategy):
         backward has run since; returns the norm."""
         self._finish_if_needed(optimizer)
         return self._dp.clip_grad_norm_(self.lightning_module, max_norm, _unwrapped(optimizer))
+
+    @torch.no_grad()
+    def gradient_norm(self, optimizer: torch.optim.Optimizer | None = None) -> Tensor:
+        """2-norm of the reduced gradient of ``optimizer``'s parameters (of every parameter with a gradient when None)
+        over the whole model, the same on every rank: what ``lightning.pytorch.utilities.grad_norm(module)["..._total"]``
+        gives under DDPStrategy, for every data-parallel runtime (under FSDP a module's parameters are its flat
+        shards, so ``grad_norm`` totals this rank's slice, as under Lightning's FSDPStrategy). A collective: call it
+        on every rank (``on_before_optimizer_step``)."""
+        self._finish_if_needed(optimizer)
+        return self._dp.gradient_norm(self.lightning_module, _unwrapped(optimizer))
 
     @torch.no_grad()
     def clip_grad_value(self, limit: float, optimizer: torch.optim.Optimizer | None = None) -> None:

@@ -9,12 +9,18 @@ asking which one it has:
                      :class:`ReplicatedRuntime`      :class:`Zero1Runtime`            :class:`FSDPRuntime`
 ===================  ==============================  ===============================  ===============================
 finish_gradients     one flat fp32 all-reduce (avg)  reduce-scatter into the shards   the last reduce-scatters
-clip / shard grads   every ``p.grad``                the optimizer's shard gradients  the flat shards' gradients
+  (per optimizer)    its params + those of none      its Zero1Optimizer's buckets     (all flats, in backward)
+clip / shard grads   the optimizer's ``p.grad``      the optimizer's shard gradients  the optimizer's flat shards
 parameter_norm       the replica's parameters        the replica's parameters         the flat shards (over DP)
 model state          ``module.state_dict()``         ``module.state_dict()``          full weights gathered over DP
 optimizer state      one per replica                 one shard per DP rank            one flat shard per DP rank
 ``dp_format``        ``replicated``                  ``zero1``                        ``fsdp``
 ===================  ==============================  ===============================  ===============================
+
+Each optimizer has its own gradient path: ``finish_gradients(module, optimizer)`` reduces what that optimizer's step
+reads (with the trainable parameters no optimizer holds), and the strategy calls it once per backward and optimizer;
+``None`` means every optimizer (CausalLMModule's single one). A trainable parameter without gradient is refused by
+name, or with ``find_unused_parameters`` left untouched (:class:`ReplicatedRuntime`).
 
 Frozen parameters (``requires_grad=False``: a LoRA model's base) are held by no optimizer and reduced by no runtime:
 the replicated runtime's all-reduce and ZeRO-1's buckets take the trainable ones only, FSDP shards the frozen ones
@@ -30,6 +36,7 @@ A runtime holds no checkpoint-format code: checkpoint names and by-name reshardi
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
@@ -126,9 +133,18 @@ class DataParallelRuntime(Protocol):
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         """After ``optimizer``'s step: parameters no rank had a gradient for are put back (``find_unused_parameters``)."""
 
+    def show_reduced_gradients(self) -> None:
+        """From now on every parameter's ``.grad`` holds the DP average after the reduction (ZeRO-1: an all-reduce instead
+        of the reduce-scatter), for hooks that read it; FSDP's parameters are its flat shards, whose gradients are this
+        rank's slice of the average (as under Lightning's FSDPStrategy)."""
+
     def clip_grad_norm_(self, module: nn.Module, max_norm: float, optimizer: torch.optim.Optimizer | None = None) -> Tensor:
         """Clip ``optimizer``'s gradients (every optimizer's when None) by their norm over the whole model (finished
         gradients, all shards), as Lightning clips ``optimizer.param_groups``; returns the norm."""
+
+    def gradient_norm(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Tensor:
+        """2-norm of the finished gradients of ``optimizer``'s parameters (of every parameter with one when None) over
+        the whole model, sharded or not: what Lightning's ``grad_norm(module)`` totals under DDP. A collective."""
 
     def shard_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[Tensor]:
         """``optimizer``'s finished gradients (every optimizer's when None) as it reads them (element-wise clipping)."""
@@ -255,6 +271,9 @@ class ReplicatedRuntime:
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         pass  # a parameter no rank had a gradient for kept grad None: the optimizer skipped it
 
+    def show_reduced_gradients(self) -> None:
+        pass  # every .grad is the average already (FSDP: its shards' gradients are)
+
     def reduce_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         """The data-parallel reduction proper (after the TP sums, before the expert reduction)."""
         self.sync_gradients(self._stepped(module, optimizer))
@@ -321,6 +340,22 @@ class ReplicatedRuntime:
         return [g for _, g in self._clipped(module, optimizer)]
 
     @torch.no_grad()
+    def gradient_norm(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Tensor:
+        sharded, in_shards = self._sharded_norm(module, optimizer)
+        own = None if optimizer is None else {id(p) for g in optimizer.param_groups for p in g["params"]}
+        rest = [
+            (n, p.grad)
+            for n, p in module.named_parameters()
+            if p.grad is not None and FSDP_SHARD_MARK not in n and id(p) not in in_shards and (own is None or id(p) in own)
+        ]
+        return (sharded.double().square() + self.mp.global_norm(module, rest).double().square()).sqrt().float()
+
+    def _sharded_norm(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[Tensor, set[int]]:
+        """The norm of the gradients a sharding runtime holds for ``optimizer`` (all when None), and the ids of the
+        parameters it covers (none here: every gradient is a parameter's .grad)."""
+        return torch.zeros(()), set()
+
+    @torch.no_grad()
     def parameter_norm(self, module: nn.Module) -> Tensor:
         return self.mp.global_norm(module, [(n, p) for n, p in module.named_parameters() if p.requires_grad])
 
@@ -379,6 +414,10 @@ class Zero1Runtime(ReplicatedRuntime):
             **kwargs,
         )
 
+    def show_reduced_gradients(self) -> None:
+        for o in self._sharded(None):
+            o.full_gradients = True
+
     def _sharded(self, optimizer: torch.optim.Optimizer | None) -> list[Zero1Optimizer]:
         """The ZeRO-1 optimizers one step concerns: ``optimizer`` itself, or every one (None)."""
         chosen = [optimizer] if optimizer is not None else self.optimizers
@@ -408,6 +447,16 @@ class Zero1Runtime(ReplicatedRuntime):
         if not sharded:
             return super().shard_gradients(module, optimizer)
         return [g for o in sharded for g in o.shard_gradients()]
+
+    def _sharded_norm(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[Tensor, set[int]]:
+        sharded = self._sharded(optimizer)
+        weights = self.mp.norm_weights
+        by_param = {id(p): weights.get(n, 1.0) for n, p in _hub(module).named_parameters()}
+        extra = [c for c in (self.mp.tp, self.mp.pp) if c is not None]
+        # max_norm inf: the coefficient is exactly 1, nothing is scaled
+        norms = [o.clip_grad_norm_(math.inf, extra, weight=lambda p: by_param.get(id(p), 1.0)) for o in sharded]
+        squares = sum((n.double().square() for n in norms), torch.zeros((), dtype=torch.float64))
+        return squares.sqrt(), {id(p) for o in sharded for g in o.param_groups for p in g["params"]}
 
 
 class FSDPRuntime(ReplicatedRuntime):
@@ -500,6 +549,12 @@ class FSDPRuntime(ReplicatedRuntime):
         if self.fsdp is None:
             return super().shard_gradients(module, optimizer)
         return self.fsdp.shard_gradients(self._index(optimizer))
+
+    def _sharded_norm(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[Tensor, set[int]]:
+        if self.fsdp is None:
+            return super()._sharded_norm(module, optimizer)
+        tp = [self.mp.tp] if self.mp.tp is not None else []  # max_norm inf: nothing is scaled
+        return self.fsdp.clip_grad_norm_(math.inf, tp, self.mp.norm_weights, self._index(optimizer)), set()
 
     @torch.no_grad()
     def parameter_norm(self, module: nn.Module) -> Tensor:

@@ -36,7 +36,8 @@ Semantics worth knowing:
   step which experts get tokens; a missing expert gradient counts as zero. Frozen parameters
   (``requires_grad=False``) are not placed in buckets and never change, as with torch's optimizers.
 * ``clip_grad_norm_`` clips the reduced shard gradients that ``step`` uses; the model's ``.grad``
-  tensors keep the local, unreduced values.
+  tensors keep the local, unreduced values — unless ``full_gradients`` is set: then the reduction is one
+  all-reduce and every ``.grad`` holds the DP average (before clipping), as under DDP.
 * ``state_dict()`` is per rank (its shard, its master weights and the layout); ``load_state_dict``
   needs the same layout and DP size, or accepts a consolidated (torch-format) state dict, which
   reshards onto any DP size. ``consolidated_state_dict()`` returns what an unsharded optimizer of the
@@ -168,6 +169,11 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self._grads_reduced = False
         # (bucket, first, end) of the owned shard that no rank has a gradient for: restored after the inner step
         self._untouched: list[tuple[_Bucket, int, int]] = []
+        self._nowhere: set[int] = set()  # ids of the parameters no rank had a gradient for at the last reduction
+        # reduce with an all-reduce and write the DP average into every parameter's .grad too (what code reading
+        # p.grad between reduction and step expects, as under DDP: a Lightning on_before_optimizer_step hook); costs
+        # the all-gather half of an all-reduce more than the reduce-scatter alone. Off: .grad keeps local values.
+        self.full_gradients = False
 
     # ------------------------------------------------------------------------------ construction
     def _normalise_groups(self, params: Iterable[Any], model: nn.Module | None) -> list[dict[str, Any]]:
@@ -296,11 +302,28 @@ class Zero1Optimizer(torch.optim.Optimizer):
             if self.dp_size == 1:
                 b.shard.grad = flat_grad
                 continue
+            if self.full_gradients:  # the whole average, for the parameters' .grad; the shard reads its slice of it
+                work = self._dp.all_reduce(flat_grad, op="avg", stream=DP_STREAM, async_op=True)
+                assert work is not None  # async_op: always a Work
+                works.append(work)
+                lo = self.dp_rank * b.shard_size
+                b.shard.grad = flat_grad[lo : lo + b.shard_size]
+                continue
             out = torch.empty(b.shard_size, dtype=dtype, device=b.flat.device)
             works.append(self._dp.reduce_scatter(out, flat_grad, op="avg", stream=DP_STREAM, async_op=True))
             b.shard.grad = out
         for w in works:
             w.wait()
+        if self.full_gradients and self.dp_size > 1:
+            for b in self._buckets:
+                for p, off in zip(b.params, b.offsets):
+                    if id(p) in self._nowhere:  # no rank has a gradient: grad stays None, as under DDP
+                        continue
+                    avg = b.grad_flat[off : off + p.numel()].view_as(p)  # type: ignore[index]
+                    if p.grad is None:
+                        p.grad = avg.to(p.dtype, copy=True)
+                    else:
+                        p.grad.copy_(avg)
         self._grads_reduced = True
 
     def _check_unused(self) -> None:
@@ -314,7 +337,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         if lacking and not self.find_unused_parameters:
             names = [self._names.get(id(params[i]), f"param {i} (shape {tuple(params[i].shape)})") for i in lacking]
             raise ValueError(unused_parameters_message(names))
-        nowhere = {id(params[i]) for i in lacking if used[i] == 0}
+        nowhere = self._nowhere = {id(params[i]) for i in lacking if used[i] == 0}
         self._untouched = [
             (b, a, e) for b in self._buckets for i, a, e in b.owned_segments(self.dp_rank) if id(b.params[i]) in nowhere
         ]
