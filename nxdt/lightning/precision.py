@@ -1,7 +1,7 @@
 """Lightning's precision plugins with gradient clipping that sees the whole model.
 
 Lightning clips through the precision plugin (``clip_grad_by_norm`` / ``clip_grad_by_value`` on the
-optimizer's own tensors), both for ``Trainer(gradient_clip_val=...)`` and for a module's
+optimizer's own tensors: the norm of that optimizer's parameters only), both for ``Trainer(gradient_clip_val=...)`` and for a module's
 ``self.clip_gradients(...)``. Under tensor/pipeline parallelism, ZeRO-1 or FSDP those tensors are one
 rank's part of the gradient (or not the reduced gradient at all), so a local norm is wrong.
 ``NxDStrategy`` therefore takes every precision plugin Lightning builds for the CPU in this clipping
@@ -24,10 +24,10 @@ class _StrategyClipping:
     strategy: "NxDStrategy"
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        self.strategy.clip_grad_norm(float(clip_val))
+        self.strategy.clip_grad_norm(float(clip_val), optimizer)  # that optimizer's parameters, as Lightning clips
 
     def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
-        self.strategy.clip_grad_value(float(clip_val))
+        self.strategy.clip_grad_value(float(clip_val), optimizer)
 
 
 class NxDPrecision(_StrategyClipping, Precision):

@@ -29,10 +29,12 @@ from torch import Tensor
 import lightning.pytorch as pl
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
@@ -72,6 +74,12 @@ class NxDStrategy(ParallelStrategy):
             (adapter_config.json + adapter_model.safetensors, gathered over TP/FSDP, covered by its checksums).
         comm_transport, comm_algorithm: ``comm.transport`` / ``comm.algorithm`` for every group's communicator
             (:meth:`nxdt.comm.World.new_communicator`); with ``comm_algorithm="auto"`` the plan's algorithms apply.
+        find_unused_parameters: DDPStrategy's option: by default a trainable parameter without gradient at its
+            optimizer's step stops training with its name; True leaves one no rank has a gradient for untouched (and
+            counts a gradient missing on some ranks as zero there), as DDP does.
+
+    Several optimizers (a GAN's generator and discriminator) each have their own gradient path: an optimizer's
+    gradients are reduced (and clipped, by their own norm) before its step, once per backward that produced them.
     """
 
     strategy_name = "nxdt"
@@ -100,6 +108,7 @@ class NxDStrategy(ParallelStrategy):
         peft_adapter_in_checkpoints: bool = False,
         comm_transport: str = "auto",
         comm_algorithm: str = "auto",
+        find_unused_parameters: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -129,7 +138,9 @@ class NxDStrategy(ParallelStrategy):
         self._comm_choice = {"transport": comm_transport, "algorithm": comm_algorithm}
         self._emulated_links = {dim: nxdt.comm.EmulatedLink(*figures) for dim, figures in (emulated_links or {}).items()}
         # replicated, ZeRO-1 or FSDP: chosen once here, bound to the groups in setup(), then used without asking
-        self._dp: DataParallelRuntime = data_parallel_runtime(zero1=zero1, fsdp=fsdp)
+        self._dp: DataParallelRuntime = data_parallel_runtime(
+            zero1=zero1, fsdp=fsdp, find_unused_parameters=find_unused_parameters
+        )
         self._checkpoints = ShardedCheckpointer(
             self._dp,
             virtual_pipeline=virtual_pipeline_size,
@@ -143,7 +154,8 @@ class NxDStrategy(ParallelStrategy):
         self._num_nodes = 1
         self.world: nxdt.comm.World | None = None
         self.communicators: dict[str, nxdt.comm.Communicator] = {}
-        self._gradients_finished = True  # until a backward produces new local gradients
+        # ids of the optimizers whose gradients a backward has changed since they were last finished
+        self._unfinished: set[int] = set()
         # stored in every checkpoint's meta.json (e.g. the model shape, checked again on load)
         self.checkpoint_meta = dict(checkpoint_meta or {})
         # called with the temporary directory after a checkpoint's files are written, before it is
@@ -262,6 +274,16 @@ class NxDStrategy(ParallelStrategy):
             self._dp.shard_model(
                 self.lightning_module, self.optimizers, precision=self.precision_plugin.precision, tracer=self._tracer
             )
+            hooks = [self.lightning_module, *trainer.callbacks]
+            if any(is_overridden("on_before_optimizer_step", h) for h in hooks):
+                # a hook reads p.grad after the reduction (gradient-norm logging): it must see the DP average, as under DDP
+                self._dp.show_reduced_gradients()
+            if len(self.optimizers) > 1 and (self.plan.tp > 1 or self.plan.ep > 1):
+                # the TP sums of partial gradients and the expert reduction run once per backward over the whole model
+                raise NotImplementedError(
+                    f"NxDStrategy: {len(self.optimizers)} optimizers with tensor or expert parallelism "
+                    f"(tp={self.plan.tp}, ep={self.plan.ep}) are not supported; use one optimizer (param groups) there"
+                )
         self.setup_precision_plugin()
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -324,11 +346,22 @@ class NxDStrategy(ParallelStrategy):
         """The optimizer the step uses: with ZeRO-1 the same optimizer with its state sharded over data parallelism."""
         return self._dp.shard_optimizer(optimizer, self.lightning_module)
 
-    def finish_gradients(self) -> None:
-        """After the last backward of a step: the data-parallel runtime's reduction, composed with the TP sums of
-        sequence-parallel replicas and the expert reduction (see :mod:`nxdt.parallel.data_parallel`)."""
-        self._gradients_finished = True
-        self._dp.finish_gradients(self.lightning_module)
+    def finish_gradients(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """After the last backward before ``optimizer``'s step (every optimizer's when None): the data-parallel
+        runtime's reduction of its gradients, composed with the TP sums of sequence-parallel replicas and the expert
+        reduction (see :mod:`nxdt.parallel.data_parallel`)."""
+        optimizer = _unwrapped(optimizer)
+        self._dp.finish_gradients(self.lightning_module, optimizer)
+        if optimizer is None:
+            self._unfinished.clear()
+        else:
+            self._unfinished.discard(id(optimizer))
+
+    def _finish_if_needed(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Finish ``optimizer``'s gradients (every optimizer's when None) unless done since the last backward."""
+        optimizer = _unwrapped(optimizer)
+        if (optimizer is None and self._unfinished) or id(optimizer) in self._unfinished:
+            self.finish_gradients(optimizer)
 
     def step_stats(self) -> dict[str, float]:
         """Per-step communication figures for the metrics (FSDP: exposed_comm_s, comm_s, overlap_pct,
@@ -336,19 +369,28 @@ class NxDStrategy(ParallelStrategy):
         return self._dp.step_stats()
 
     @torch.no_grad()
-    def clip_grad_norm(self, max_norm: float) -> Tensor:
-        """Clip every gradient by the norm of the whole model's gradient (all TP shards, all PP stages, all
-        DP shards), after finishing the gradients if a backward has run since; returns the norm."""
-        if not self._gradients_finished:
-            self.finish_gradients()
-        return self._dp.clip_grad_norm_(self.lightning_module, max_norm)
+    def clip_grad_norm(self, max_norm: float, optimizer: torch.optim.Optimizer | None = None) -> Tensor:
+        """Clip ``optimizer``'s gradients (every optimizer's when None) by their norm over the whole model (all TP
+        shards, all PP stages, all DP shards), as Lightning clips ``optimizer.param_groups``, after finishing them if a
+        backward has run since; returns the norm."""
+        self._finish_if_needed(optimizer)
+        return self._dp.clip_grad_norm_(self.lightning_module, max_norm, _unwrapped(optimizer))
 
     @torch.no_grad()
-    def clip_grad_value(self, limit: float) -> None:
-        """Clamp every element of the finished gradient (where the optimizer reads it: shards under ZeRO-1/FSDP)."""
-        if not self._gradients_finished:
-            self.finish_gradients()
-        for g in self._dp.shard_gradients(self.lightning_module):
+    def gradient_norm(self, optimizer: torch.optim.Optimizer | None = None) -> Tensor:
+        """2-norm of the reduced gradient of ``optimizer``'s parameters (of every parameter with a gradient when None)
+        over the whole model, the same on every rank: what ``lightning.pytorch.utilities.grad_norm(module)["..._total"]``
+        gives under DDPStrategy, for every data-parallel runtime (under FSDP a module's parameters are its flat
+        shards, so ``grad_norm`` totals this rank's slice, as under Lightning's FSDPStrategy). A collective: call it
+        on every rank (``on_before_optimizer_step``)."""
+        self._finish_if_needed(optimizer)
+        return self._dp.gradient_norm(self.lightning_module, _unwrapped(optimizer))
+
+    @torch.no_grad()
+    def clip_grad_value(self, limit: float, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Clamp every element of ``optimizer``'s finished gradient (where it reads it: shards under ZeRO-1/FSDP)."""
+        self._finish_if_needed(optimizer)
+        for g in self._dp.shard_gradients(self.lightning_module, _unwrapped(optimizer)):
             g.clamp_(-limit, limit)
 
     @torch.no_grad()
@@ -358,27 +400,30 @@ class NxDStrategy(ParallelStrategy):
 
     def post_backward(self, closure_loss: Tensor) -> None:
         super().post_backward(closure_loss)
-        self._gradients_finished = False  # new local gradients: the next optimizer step must reduce them
+        # new local gradients: each optimizer's next step must reduce its own
+        self._unfinished = {id(o) for o in self.optimizers}
 
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
-        """One gradient path for automatic and manual optimisation: the gradients are finished
+        """One gradient path for automatic and manual optimisation: the optimizer's gradients are finished
         (:meth:`finish_gradients`: TP/SP sums, the data-parallel average or ZeRO-1/FSDP reduce-scatter,
-        expert reduction) once, after the step's last backward and before the optimizer uses them."""
+        expert reduction) once, after the last backward before its step and before it uses them."""
+        optimizer = _unwrapped(optimizer)
         if not self.lightning_module.automatic_optimization:
             # a module that finished them itself (CausalLMModule, to clip first) is not reduced twice
-            if not self._gradients_finished:
-                self.finish_gradients()
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
+            self._finish_if_needed(optimizer)
+            result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        else:
+            # The closure runs the last backward of the step; gradients are finished right after it, before
+            # Lightning's on_before_optimizer_step hooks and its clipping (which the precision plugin hands back to
+            # clip_grad_norm / clip_grad_value here: see nxdt.lightning.precision).
+            def closure_then_finish() -> Any:
+                result = closure()
+                self._finish_if_needed(optimizer)
+                return result
 
-        # The closure runs the last backward of the step; gradients are finished right after it, before
-        # Lightning's on_before_optimizer_step hooks and its clipping (which the precision plugin hands back to
-        # clip_grad_norm / clip_grad_value here: see nxdt.lightning.precision).
-        def closure_then_finish() -> Any:
-            result = closure()
-            self.finish_gradients()
-            return result
-
-        return super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
+            result = super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
+        self._dp.after_step(optimizer)
+        return result
 
     @contextmanager
     def block_backward_sync(self) -> Iterator[None]:
@@ -476,6 +521,11 @@ class NxDStrategy(ParallelStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="nxdt: planner-placed ranks, nxdt's own collectives")
+
+
+def _unwrapped(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The torch optimizer behind a LightningOptimizer (what ``self.optimizers()`` hands a module)."""
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 if NxDStrategy.strategy_name not in StrategyRegistry:

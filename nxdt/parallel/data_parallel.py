@@ -9,12 +9,18 @@ asking which one it has:
                      :class:`ReplicatedRuntime`      :class:`Zero1Runtime`            :class:`FSDPRuntime`
 ===================  ==============================  ===============================  ===============================
 finish_gradients     one flat fp32 all-reduce (avg)  reduce-scatter into the shards   the last reduce-scatters
-clip / shard grads   every ``p.grad``                the optimizer's shard gradients  the flat shards' gradients
+  (per optimizer)    its params + those of none      its Zero1Optimizer's buckets     (all flats, in backward)
+clip / shard grads   the optimizer's ``p.grad``      the optimizer's shard gradients  the optimizer's flat shards
 parameter_norm       the replica's parameters        the replica's parameters         the flat shards (over DP)
 model state          ``module.state_dict()``         ``module.state_dict()``          full weights gathered over DP
 optimizer state      one per replica                 one shard per DP rank            one flat shard per DP rank
 ``dp_format``        ``replicated``                  ``zero1``                        ``fsdp``
 ===================  ==============================  ===============================  ===============================
+
+Each optimizer has its own gradient path: ``finish_gradients(module, optimizer)`` reduces what that optimizer's step
+reads (with the trainable parameters no optimizer holds), and the strategy calls it once per backward and optimizer;
+``None`` means every optimizer (CausalLMModule's single one). A trainable parameter without gradient is refused by
+name, or with ``find_unused_parameters`` left untouched (:class:`ReplicatedRuntime`).
 
 Frozen parameters (``requires_grad=False``: a LoRA model's base) are held by no optimizer and reduced by no runtime:
 the replicated runtime's all-reduce and ZeRO-1's buckets take the trainable ones only, FSDP shards the frozen ones
@@ -30,6 +36,7 @@ A runtime holds no checkpoint-format code: checkpoint names and by-name reshardi
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
@@ -41,7 +48,7 @@ from nxdt.parallel import squared_norm
 from nxdt.parallel.expert_parallel import is_expert_parameter, reduce_expert_gradients
 from nxdt.parallel.fsdp import FullyShardedDataParallel, apply_fsdp
 from nxdt.parallel.tensor_parallel import partial_grad_names, shard_spec, sync_replicated_grads
-from nxdt.parallel.zero1 import Zero1Optimizer
+from nxdt.parallel.zero1 import Zero1Optimizer, unused_parameters_message
 
 FSDP_SHARD_MARK = "fsdp_shard_"  # state-dict names of FSDP's flat shards (never part of a checkpoint's model)
 
@@ -118,14 +125,29 @@ class DataParallelRuntime(Protocol):
     ) -> None:
         """After the optimizers exist (FSDP: flatten and shard the parameters, point the optimizers at the shards)."""
 
-    def finish_gradients(self, module: nn.Module) -> None:
-        """After the step's last backward: every gradient reduced over DP (and TP/EP) where the optimizer reads it."""
+    def finish_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """After the last backward before ``optimizer``'s step: its parameters' gradients (and those of trainable
+        parameters no optimizer holds) reduced over DP (and TP/EP) where the optimizer reads them; every optimizer's
+        when None. Raises ValueError naming trainable parameters without gradient (unless ``find_unused_parameters``)."""
 
-    def clip_grad_norm_(self, module: nn.Module, max_norm: float) -> Tensor:
-        """Clip by the norm of the whole model's gradient (finished gradients); returns the norm."""
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """After ``optimizer``'s step: parameters no rank had a gradient for are put back (``find_unused_parameters``)."""
 
-    def shard_gradients(self, module: nn.Module) -> list[Tensor]:
-        """The finished gradients as the optimizer reads them (element-wise clipping targets)."""
+    def show_reduced_gradients(self) -> None:
+        """From now on every parameter's ``.grad`` holds the DP average after the reduction (ZeRO-1: an all-reduce instead
+        of the reduce-scatter), for hooks that read it; FSDP's parameters are its flat shards, whose gradients are this
+        rank's slice of the average (as under Lightning's FSDPStrategy)."""
+
+    def clip_grad_norm_(self, module: nn.Module, max_norm: float, optimizer: torch.optim.Optimizer | None = None) -> Tensor:
+        """Clip ``optimizer``'s gradients (every optimizer's when None) by their norm over the whole model (finished
+        gradients, all shards), as Lightning clips ``optimizer.param_groups``; returns the norm."""
+
+    def gradient_norm(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Tensor:
+        """2-norm of the finished gradients of ``optimizer``'s parameters (of every parameter with one when None) over
+        the whole model, sharded or not: what Lightning's ``grad_norm(module)`` totals under DDP. A collective."""
+
+    def shard_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[Tensor]:
+        """``optimizer``'s finished gradients (every optimizer's when None) as it reads them (element-wise clipping)."""
 
     def parameter_norm(self, module: nn.Module) -> Tensor:
         """2-norm of the whole model's parameters (a collective over the groups holding other parts)."""
@@ -184,14 +206,22 @@ def broadcast_flat(tensors: list[Tensor], comm: Communicator) -> None:
 
 
 class ReplicatedRuntime:
-    """Plain data parallelism: every DP rank holds the whole replica; gradients averaged in one flat all-reduce."""
+    """Plain data parallelism: every DP rank holds the whole replica; gradients averaged in one flat all-reduce.
+
+    Each optimizer's gradients are reduced before its own step (several optimizers: a GAN's generator and
+    discriminator), together with those of trainable parameters no optimizer holds (as DDP reduces every parameter's
+    after each backward; re-averaging equal values changes nothing). A trainable parameter without gradient on some
+    rank is refused by name, as DDP refuses it; with ``find_unused_parameters`` it counts as zero where missing, and
+    one no rank has a gradient for keeps ``grad`` None, so the optimizer skips it (DDP's semantics)."""
 
     dp_format = "replicated"
     shards_optimizer_state = False
 
-    def __init__(self) -> None:
+    def __init__(self, find_unused_parameters: bool = False) -> None:
         self._mp: ModelParallel | None = None
         self._grad_buffer: Tensor | None = None
+        self.find_unused_parameters = find_unused_parameters
+        self.optimizers: list[torch.optim.Optimizer] = []  # the step's optimizers (shard_model)
 
     def bind(self, mp: ModelParallel) -> None:
         self._mp = mp
@@ -220,46 +250,85 @@ class ReplicatedRuntime:
     def shard_model(
         self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], *, precision: str = "32-true", tracer: Any = None
     ) -> None:
-        pass
+        self.optimizers = list(optimizers)
 
     # ------------------------------------------------------------------------------------ gradients
-    def finish_gradients(self, module: nn.Module) -> None:
+    def _stepped(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[tuple[str, nn.Parameter]]:
+        """The trainable parameters whose gradients ``optimizer``'s step reduces: its own and those no optimizer holds
+        (every trainable one when None). FSDP's flat shards are reduced by FSDP."""
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and FSDP_SHARD_MARK not in n]
+        if optimizer is None:
+            return named
+        own = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        held = {id(p) for o in self.optimizers for g in o.param_groups for p in g["params"]}
+        return [(n, p) for n, p in named if id(p) in own or id(p) not in held]
+
+    def finish_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         self.mp.sync_replicated_grads(module)
-        self.reduce_gradients(module)
+        self.reduce_gradients(module, optimizer)
         self.mp.reduce_expert_grads(module)
 
-    def reduce_gradients(self, module: nn.Module) -> None:
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        pass  # a parameter no rank had a gradient for kept grad None: the optimizer skipped it
+
+    def show_reduced_gradients(self) -> None:
+        pass  # every .grad is the average already (FSDP: its shards' gradients are)
+
+    def reduce_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         """The data-parallel reduction proper (after the TP sums, before the expert reduction)."""
-        self.sync_gradients(module)
+        self.sync_gradients(self._stepped(module, optimizer))
 
     @torch.no_grad()
-    def sync_gradients(self, module: nn.Module) -> None:
-        """Average gradients over the data-parallel group: one flat fp32 bucket, one all-reduce (expert parameters
-        are reduced over their own group)."""
-        if self.mp.dp_size == 1:
+    def sync_gradients(self, named: Sequence[tuple[str, nn.Parameter]]) -> None:
+        """Average the parameters' gradients over the data-parallel group: one flat fp32 bucket, one all-reduce
+        (expert parameters are reduced over their own group). The bucket ends with one 1/0 per parameter (a gradient
+        on this rank or not), so the same all-reduce tells every rank who lacks one."""
+        params = [(n, p) for n, p in named if not is_expert_parameter(p)]
+        if self.mp.dp_size == 1 or not params:
             return
-        params = [p for p in module.parameters() if p.requires_grad and not is_expert_parameter(p)]
-        numel = sum(p.numel() for p in params)
-        if self._grad_buffer is None or self._grad_buffer.numel() != numel:
-            self._grad_buffer = self.mp.dp.empty(numel, torch.float32)  # kept: peers read it in place
+        numel = sum(p.numel() for _, p in params)
+        if self._grad_buffer is None or self._grad_buffer.numel() != numel + len(params):
+            self._grad_buffer = self.mp.dp.empty(numel + len(params), torch.float32)  # kept: peers read it in place
         flat, offset = self._grad_buffer, 0
-        for p in params:  # a parameter without a gradient on this rank contributes zeros, consistently
+        for _, p in params:  # a parameter without a gradient on this rank contributes zeros
             view = flat[offset : offset + p.numel()]
             view.copy_(p.grad.reshape(-1)) if p.grad is not None else view.zero_()
             offset += p.numel()
+        flat[numel:].copy_(torch.tensor([float(p.grad is not None) for _, p in params]))
         self.mp.dp.all_reduce(flat, op="avg")
+        used = flat[numel:].clone()  # the share of ranks with a gradient: exactly 1.0 (k/k) where all have one
+        lacking = [n for (n, _), u in zip(params, used.tolist()) if u < 1.0]
+        if lacking and not self.find_unused_parameters:
+            raise ValueError(f"NxDStrategy: {unused_parameters_message(lacking)}")
         offset = 0
-        for p in params:
+        for (_, p), u in zip(params, used.tolist()):
             view = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if u == 0.0:  # no rank has one: grad stays None and the optimizer skips the parameter, as under DDP
+                continue
             if p.grad is None:
                 p.grad = view.to(p.dtype).clone()
             else:
                 p.grad.copy_(view)
-            offset += p.numel()
+
+    def _clipped(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[tuple[str, Tensor]]:
+        """(name, gradient) of what clipping ``optimizer`` scales: its parameters' (every optimizer's when None)."""
+        held = {
+            id(p)
+            for o in ([optimizer] if optimizer is not None else self.optimizers)
+            for g in o.param_groups
+            for p in g["params"]
+        }
+        every = optimizer is None and not self.optimizers  # no optimizer known (a runtime used on its own): all
+        return [
+            (n, p.grad)
+            for n, p in module.named_parameters()
+            if p.requires_grad and p.grad is not None and (every or id(p) in held)
+        ]
 
     @torch.no_grad()
-    def clip_grad_norm_(self, module: nn.Module, max_norm: float) -> Tensor:
-        named = [(n, p.grad) for n, p in module.named_parameters() if p.requires_grad and p.grad is not None]
+    def clip_grad_norm_(self, module: nn.Module, max_norm: float, optimizer: torch.optim.Optimizer | None = None) -> Tensor:
+        named = self._clipped(module, optimizer)
         norm = self.mp.global_norm(module, named)
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # fp32, as torch.nn.utils.clip_grad_norm_ computes it
         if coef < 1:
@@ -267,8 +336,24 @@ class ReplicatedRuntime:
                 g.mul_(coef.to(g.dtype))
         return norm
 
-    def shard_gradients(self, module: nn.Module) -> list[Tensor]:
-        return [p.grad for p in module.parameters() if p.grad is not None]
+    def shard_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[Tensor]:
+        return [g for _, g in self._clipped(module, optimizer)]
+
+    @torch.no_grad()
+    def gradient_norm(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Tensor:
+        sharded, in_shards = self._sharded_norm(module, optimizer)
+        own = None if optimizer is None else {id(p) for g in optimizer.param_groups for p in g["params"]}
+        rest = [
+            (n, p.grad)
+            for n, p in module.named_parameters()
+            if p.grad is not None and FSDP_SHARD_MARK not in n and id(p) not in in_shards and (own is None or id(p) in own)
+        ]
+        return (sharded.double().square() + self.mp.global_norm(module, rest).double().square()).sqrt().float()
+
+    def _sharded_norm(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[Tensor, set[int]]:
+        """The norm of the gradients a sharding runtime holds for ``optimizer`` (all when None), and the ids of the
+        parameters it covers (none here: every gradient is a parameter's .grad)."""
+        return torch.zeros(()), set()
 
     @torch.no_grad()
     def parameter_norm(self, module: nn.Module) -> Tensor:
@@ -308,14 +393,11 @@ class ReplicatedRuntime:
 
 class Zero1Runtime(ReplicatedRuntime):
     """ZeRO-1: replicated weights, optimizer state (and the reduced gradients) sharded over DP by
-    :class:`~nxdt.parallel.zero1.Zero1Optimizer`. Until an optimizer is sharded it behaves as replicated."""
+    :class:`~nxdt.parallel.zero1.Zero1Optimizer`, one per optimizer (each reduces, clips and steps its own buckets).
+    Until an optimizer is sharded it behaves as replicated."""
 
     dp_format = "zero1"
     shards_optimizer_state = True
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.optimizer: Zero1Optimizer | None = None  # the (last) sharded optimizer: it owns the gradient shards
 
     def shard_optimizer(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> torch.optim.Optimizer:
         if isinstance(optimizer, Zero1Optimizer):
@@ -323,25 +405,58 @@ class Zero1Runtime(ReplicatedRuntime):
         groups = [dict(g) for g in optimizer.param_groups]
         accepted = inspect.signature(type(optimizer).__init__).parameters  # defaults may hold derived flags
         kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-        self.optimizer = Zero1Optimizer(groups, type(optimizer), self.mp.dp, model=_hub(module), **kwargs)
-        return self.optimizer
+        return Zero1Optimizer(
+            groups,
+            type(optimizer),
+            self.mp.dp,
+            model=_hub(module),
+            find_unused_parameters=self.find_unused_parameters,
+            **kwargs,
+        )
 
-    def reduce_gradients(self, module: nn.Module) -> None:
-        if self.optimizer is None:
-            return super().reduce_gradients(module)
-        self.optimizer.reduce_gradients()
+    def show_reduced_gradients(self) -> None:
+        for o in self._sharded(None):
+            o.full_gradients = True
+
+    def _sharded(self, optimizer: torch.optim.Optimizer | None) -> list[Zero1Optimizer]:
+        """The ZeRO-1 optimizers one step concerns: ``optimizer`` itself, or every one (None)."""
+        chosen = [optimizer] if optimizer is not None else self.optimizers
+        return [o for o in chosen if isinstance(o, Zero1Optimizer)]
+
+    def reduce_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        sharded = self._sharded(optimizer)
+        for o in sharded:
+            o.reduce_gradients(again=True)  # the strategy calls this once per backward: new local gradients
+        in_buckets = {id(p) for o in sharded for g in o.param_groups for p in g["params"]}
+        self.sync_gradients([(n, p) for n, p in self._stepped(module, optimizer) if id(p) not in in_buckets])
 
     @torch.no_grad()
-    def clip_grad_norm_(self, module: nn.Module, max_norm: float) -> Tensor:
-        if self.optimizer is None:
-            return super().clip_grad_norm_(module, max_norm)
+    def clip_grad_norm_(self, module: nn.Module, max_norm: float, optimizer: torch.optim.Optimizer | None = None) -> Tensor:
+        sharded = self._sharded(optimizer)
+        if not sharded:
+            return super().clip_grad_norm_(module, max_norm, optimizer)
+        if len(sharded) > 1:
+            raise ValueError("NxDStrategy(zero1=True): name the optimizer to clip (there are several)")
         weights = self.mp.norm_weights  # the reduced gradients live in the optimizer's shards
         by_param = {id(p): weights.get(n, 1.0) for n, p in _hub(module).named_parameters()}
         extra = [c for c in (self.mp.tp, self.mp.pp) if c is not None]
-        return self.optimizer.clip_grad_norm_(max_norm, extra, weight=lambda p: by_param.get(id(p), 1.0))
+        return sharded[0].clip_grad_norm_(max_norm, extra, weight=lambda p: by_param.get(id(p), 1.0))
 
-    def shard_gradients(self, module: nn.Module) -> list[Tensor]:
-        return super().shard_gradients(module) if self.optimizer is None else self.optimizer.shard_gradients()
+    def shard_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[Tensor]:
+        sharded = self._sharded(optimizer)
+        if not sharded:
+            return super().shard_gradients(module, optimizer)
+        return [g for o in sharded for g in o.shard_gradients()]
+
+    def _sharded_norm(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[Tensor, set[int]]:
+        sharded = self._sharded(optimizer)
+        weights = self.mp.norm_weights
+        by_param = {id(p): weights.get(n, 1.0) for n, p in _hub(module).named_parameters()}
+        extra = [c for c in (self.mp.tp, self.mp.pp) if c is not None]
+        # max_norm inf: the coefficient is exactly 1, nothing is scaled
+        norms = [o.clip_grad_norm_(math.inf, extra, weight=lambda p: by_param.get(id(p), 1.0)) for o in sharded]
+        squares = sum((n.double().square() for n in norms), torch.zeros((), dtype=torch.float64))
+        return squares.sqrt(), {id(p) for o in sharded for g in o.param_groups for p in g["params"]}
 
 
 class FSDPRuntime(ReplicatedRuntime):
@@ -352,11 +467,13 @@ class FSDPRuntime(ReplicatedRuntime):
     dp_format = "fsdp"
     shards_optimizer_state = True
 
-    def __init__(self, options: dict[str, Any] | None = None) -> None:
-        super().__init__()
+    def __init__(self, options: dict[str, Any] | None = None, find_unused_parameters: bool = False) -> None:
+        super().__init__(find_unused_parameters)
         self.options = dict(options or {})
         self.fsdp: FullyShardedDataParallel | None = None
         self.prefix = ""  # FSDP names parameters relative to the units' owner; checkpoints from the module
+        # (optimizer, shard, first, end, values, moments) of parameters no rank had a gradient for: put back after the step
+        self._untouched: list[tuple[torch.optim.Optimizer, Tensor, int, int, Tensor, dict[str, Tensor]]] = []
 
     def shard_model(
         self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], *, precision: str = "32-true", tracer: Any = None
@@ -372,27 +489,72 @@ class FSDPRuntime(ReplicatedRuntime):
         if precision == "bf16-mixed":  # gather bf16 copies of the fp32 shards
             options.setdefault("param_dtype", torch.bfloat16)
         self.fsdp = apply_fsdp(owner, self.mp.dp, optimizers, tracer=tracer, **options)
+        self.optimizers = list(optimizers)
         self.prefix = "" if owner is module else next(name for name, m in module.named_modules() if m is owner) + "."
 
     # ------------------------------------------------------------------------------------ gradients
-    def finish_gradients(self, module: nn.Module) -> None:
+    def _index(self, optimizer: torch.optim.Optimizer | None) -> int | None:
+        """The position FSDP's flats record for ``optimizer`` (None: every optimizer)."""
+        if optimizer is None:
+            return None
+        found = [i for i, o in enumerate(self.optimizers) if o is optimizer]
+        if not found:
+            raise ValueError("FSDP: this optimizer is not one the model was sharded for (NxDStrategy's optimizers)")
+        return found[0]
+
+    def finish_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         if self.fsdp is None:
-            return super().finish_gradients(module)
+            return super().finish_gradients(module, optimizer)
         self.fsdp.finish_gradients()
         if self.mp.tp is not None:  # TP sums of partial gradients on the shards: the full gradients are gone
             partial = self.mp.tp_partial_grads if self.mp.tp_partial_grads is not None else partial_grad_names(_hub(module))
             if partial:
                 self.fsdp.sum_replicated_grads(self.mp.tp, lambda name: name not in partial)
+        index = self._index(optimizer)
+        lacking, nowhere = self.fsdp.unused_entries(index)
+        if lacking and not self.find_unused_parameters:
+            raise ValueError(f"NxDStrategy: {unused_parameters_message([self.prefix + n for n in lacking])}")
+        owner = {id(p): o for o in self.optimizers for g in o.param_groups for p in g["params"]}
+        self._untouched = []
+        for flat, a, b in nowhere:  # their moments and weights as they are now, before the step
+            opt = owner[id(flat.shard)]
+            state = opt.state.get(flat.shard, {})
+            moments = {k: v[a:b].clone() for k, v in state.items() if isinstance(v, Tensor) and v.shape == flat.shard.shape}
+            self._untouched.append((opt, flat.shard, a, b, flat.shard.detach()[a:b].clone(), moments))
+        # trainable parameters FSDP does not hold (in no optimizer): averaged as the replicated runtime does
+        self.sync_gradients(self._stepped(module, optimizer))
 
     @torch.no_grad()
-    def clip_grad_norm_(self, module: nn.Module, max_norm: float) -> Tensor:
-        if self.fsdp is None:
-            return super().clip_grad_norm_(module, max_norm)
-        # each DP rank holds a different part of every gradient
-        return self.fsdp.clip_grad_norm_(max_norm, [self.mp.tp] if self.mp.tp is not None else [], self.mp.norm_weights)
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Put back the parts of ``optimizer``'s shards that no rank had a gradient for (``find_unused_parameters``): a
+        flat shard steps as a whole, where torch's optimizers skip such a parameter."""
+        for opt, shard, a, b, values, moments in self._untouched:
+            if opt is not optimizer:
+                continue
+            shard.detach()[a:b].copy_(values)
+            for k, v in opt.state.get(shard, {}).items():
+                if isinstance(v, Tensor) and v.shape == shard.shape:  # a state this step created reads as never stepped
+                    v[a:b].copy_(moments[k]) if k in moments else v[a:b].zero_()
+        self._untouched = [u for u in self._untouched if u[0] is not optimizer]
 
-    def shard_gradients(self, module: nn.Module) -> list[Tensor]:
-        return super().shard_gradients(module) if self.fsdp is None else self.fsdp.shard_gradients()
+    @torch.no_grad()
+    def clip_grad_norm_(self, module: nn.Module, max_norm: float, optimizer: torch.optim.Optimizer | None = None) -> Tensor:
+        if self.fsdp is None:
+            return super().clip_grad_norm_(module, max_norm, optimizer)
+        # each DP rank holds a different part of every gradient
+        tp = [self.mp.tp] if self.mp.tp is not None else []
+        return self.fsdp.clip_grad_norm_(max_norm, tp, self.mp.norm_weights, self._index(optimizer))
+
+    def shard_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[Tensor]:
+        if self.fsdp is None:
+            return super().shard_gradients(module, optimizer)
+        return self.fsdp.shard_gradients(self._index(optimizer))
+
+    def _sharded_norm(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[Tensor, set[int]]:
+        if self.fsdp is None:
+            return super()._sharded_norm(module, optimizer)
+        tp = [self.mp.tp] if self.mp.tp is not None else []  # max_norm inf: nothing is scaled
+        return self.fsdp.clip_grad_norm_(math.inf, tp, self.mp.norm_weights, self._index(optimizer)), set()
 
     @torch.no_grad()
     def parameter_norm(self, module: nn.Module) -> Tensor:
@@ -458,11 +620,13 @@ class FSDPRuntime(ReplicatedRuntime):
         return [self.fsdp.optimizer_state_from_named(s, o, self.prefix, localize) for s, o in zip(states, optimizers)]
 
 
-def data_parallel_runtime(*, zero1: bool = False, fsdp: bool | dict[str, Any] = False) -> DataParallelRuntime:
+def data_parallel_runtime(
+    *, zero1: bool = False, fsdp: bool | dict[str, Any] = False, find_unused_parameters: bool = False
+) -> DataParallelRuntime:
     """The runtime for a strategy's options: ``fsdp`` (True or :func:`~nxdt.parallel.fsdp.apply_fsdp` options),
-    ``zero1``, else plain replication."""
+    ``zero1``, else plain replication; ``find_unused_parameters`` as DDP's (see :class:`ReplicatedRuntime`)."""
     if fsdp and zero1:
         raise ValueError("NxDStrategy(fsdp=..., zero1=True): FSDP shards the optimizer state already; choose one")
     if fsdp:
-        return FSDPRuntime(fsdp if isinstance(fsdp, dict) else {})
-    return Zero1Runtime() if zero1 else ReplicatedRuntime()
+        return FSDPRuntime(fsdp if isinstance(fsdp, dict) else {}, find_unused_parameters)
+    return (Zero1Runtime if zero1 else ReplicatedRuntime)(find_unused_parameters)

@@ -202,6 +202,7 @@ class FullyShardedDataParallel:
         self._rs_queue: list[tuple[int, FlatShard, torch.Tensor]] = []  # (ready at, flat, gradient) to reduce-scatter
         self._rs_inflight: list[tuple[FlatShard, torch.Tensor, Work]] = []
         self._eager_issued = False
+        self._used: set[int] = set()  # ids of the entries whose view got a gradient since their flat was last checked
         self._gathered_bytes = 0  # bytes of the gathered buffers allocated right now
         self.peak_gathered_bytes = 0  # the most gathered at once since reset_stats()
         self.reset_stats()
@@ -384,7 +385,9 @@ class FullyShardedDataParallel:
             # a separate tensor over the same storage: re-gathering into ``full`` for backward must not bump the
             # version counter of the tensors autograd saved from the leaf's views
             leaf = torch.empty(0, dtype=f.full.dtype).set_(f.full.untyped_storage(), 0, (f.full.numel(),))
-            if need_grad and f.trainable:
+            # the shard's requires_grad: Lightning's toggle_optimizer switches it off for the other optimizers' shards
+            grad = need_grad and f.trainable and f.shard.requires_grad
+            if grad:
                 leaf.requires_grad_(True)
                 leaf.register_post_accumulate_grad_hook(lambda t, u=unit, fl=f: self._on_grad(u, fl))
                 f.leaf = leaf
@@ -392,6 +395,8 @@ class FullyShardedDataParallel:
                 self._grads_expected += 1
             for e in f.entries:
                 view = leaf[e.offset : e.offset + e.numel].view(e.shape)
+                if grad:  # which parameters the loss used: the leaf's gradient is dense, zeros for an unused one
+                    view.register_hook(lambda g, key=id(e): self._used.add(key))
                 for m, attr in e.owners:
                     setattr(m, attr, view)
 
@@ -593,6 +598,21 @@ class FullyShardedDataParallel:
         self._last_gather = None
         self._eager_issued = False
 
+    def unused_entries(self, optimizer_index: int | None = None) -> tuple[list[str], list[tuple[FlatShard, int, int]]]:
+        """The parameters of optimizer ``optimizer_index``'s flats (every trainable flat when None) that got no gradient
+        since they were last checked, counted over DP (one all-reduce): (names lacking one on some rank, this rank's
+        shard segments of those lacking one on every rank). Collective; every rank checks the same flats."""
+        flats = [f for f in self._of(optimizer_index) if f.trainable]
+        entries = [(f, e) for f in flats for e in f.entries]
+        used = torch.tensor([float(id(e) in self._used) for _, e in entries])
+        self._used -= {id(e) for _, e in entries}
+        if self.dp_size > 1 and entries:
+            self.comm.all_reduce(used, op="sum")
+        lacking = [e.name for (_, e), u in zip(entries, used.tolist()) if u < self.dp_size]
+        nowhere = {id(e) for (_, e), u in zip(entries, used.tolist()) if u == 0}
+        segments = [(f, a, b) for f in flats for e, a, b in f.segments(self.dp_rank) if id(e) in nowhere]
+        return lacking, segments
+
     # ------------------------------------------------------------------------------------ stats
     def reset_stats(self) -> None:
         self.exposed_comm_s = 0.0
@@ -728,10 +748,15 @@ class FullyShardedDataParallel:
             groups.append({**{k: v for k, v in saved["param_groups"][g].items() if k != "params"}, "params": indices})
         return {"state": state, "param_groups": groups}
 
-    def grad_norm_squared(self, weights: dict[str, float] | None = None) -> torch.Tensor:
-        """Σ weight·g² over this rank's shard gradients (float64); ``weights`` by parameter name (default 1)."""
+    def _of(self, optimizer_index: int | None) -> list[FlatShard]:
+        """The flats optimizer ``optimizer_index`` updates (every flat when None)."""
+        return [f for f in self.flats() if optimizer_index is None or (f.group is not None and f.group[0] == optimizer_index)]
+
+    def grad_norm_squared(self, weights: dict[str, float] | None = None, optimizer_index: int | None = None) -> torch.Tensor:
+        """Σ weight·g² over this rank's shard gradients (float64) of optimizer ``optimizer_index`` (all when None);
+        ``weights`` by parameter name (default 1)."""
         total = torch.zeros((), dtype=torch.float64)
-        for f in self.flats():
+        for f in self._of(optimizer_index):
             g = f.shard.grad
             if g is None or (f.replicated and self.dp_rank != 0):  # a replicated flat counts once over DP
                 continue
@@ -742,24 +767,29 @@ class FullyShardedDataParallel:
                 total += weights.get(e.name, 1.0) * squared_norm(g[a:b])
         return total
 
-    def shard_gradients(self) -> list[torch.Tensor]:
-        return [f.shard.grad for f in self.flats() if f.shard.grad is not None]
+    def shard_gradients(self, optimizer_index: int | None = None) -> list[torch.Tensor]:
+        return [f.shard.grad for f in self._of(optimizer_index) if f.shard.grad is not None]
 
     @torch.no_grad()
     def clip_grad_norm_(
-        self, max_norm: float, comms: Sequence[Any] = (), weights: dict[str, float] | None = None
+        self,
+        max_norm: float,
+        comms: Sequence[Any] = (),
+        weights: dict[str, float] | None = None,
+        optimizer_index: int | None = None,
     ) -> torch.Tensor:
         """Clip the shard gradients by the norm of the whole model's gradient: this rank's Σ weight·g², summed
         over the DP group and ``comms`` (e.g. TP, whose ranks hold other parts; ``weights``: 1/replicas for
-        parameters several of them hold). Returns the norm (the same on every rank)."""
-        squares = self.grad_norm_squared(weights).reshape(1)
+        parameters several of them hold). ``optimizer_index``: only that optimizer's gradients (as Lightning clips
+        one optimizer's parameters). Returns the norm (the same on every rank)."""
+        squares = self.grad_norm_squared(weights, optimizer_index).reshape(1)
         for comm in (self.comm, *comms):
             if comm is not None and comm.size > 1:
                 comm.all_reduce(squares, op="sum")
         norm = squares.sqrt().reshape(()).float()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # fp32, as torch.nn.utils.clip_grad_norm_ computes it
         if coef < 1:
-            for g in self.shard_gradients():
+            for g in self.shard_gradients(optimizer_index):
                 g.mul_(coef.to(g.dtype))
         return norm
 

@@ -26,11 +26,18 @@ Worked example (inside a spawned world, DP = all ranks)::
 Semantics worth knowing:
 
 * Gradients are averaged over DP (each rank's loss must be the mean over its equal share of the batch).
-* A trainable parameter whose ``.grad`` is None counts as a zero gradient (its moments and weight decay
-  still advance) — flat shards cannot skip single tensors. Frozen parameters (``requires_grad=False``)
-  are not placed in buckets and never change, as with torch's optimizers.
+* A trainable parameter whose ``.grad`` is None on some DP rank is refused by name (``reduce_gradients`` raises
+  on every rank; the used/unused count is one small all-reduce per reduction), as DDP refuses it by default. With
+  ``find_unused_parameters=True`` (DDP's name) a gradient missing on some ranks counts as zero there, and a
+  parameter no rank has a gradient for is left untouched by the step — its weights and its part of the inner
+  optimizer's state are restored after the flat update, as torch's optimizers skip a parameter whose grad is None
+  (the inner optimizer's step counter is per bucket, so a parameter that is used again later is bias-corrected
+  with the bucket's count). Expert parameters (``nxdt.parallel.expert_parallel``) are exempt: routing decides per
+  step which experts get tokens; a missing expert gradient counts as zero. Frozen parameters
+  (``requires_grad=False``) are not placed in buckets and never change, as with torch's optimizers.
 * ``clip_grad_norm_`` clips the reduced shard gradients that ``step`` uses; the model's ``.grad``
-  tensors keep the local, unreduced values.
+  tensors keep the local, unreduced values — unless ``full_gradients`` is set: then the reduction is one
+  all-reduce and every ``.grad`` holds the DP average (before clipping), as under DDP.
 * ``state_dict()`` is per rank (its shard, its master weights and the layout); ``load_state_dict``
   needs the same layout and DP size, or accepts a consolidated (torch-format) state dict, which
   reshards onto any DP size. ``consolidated_state_dict()`` returns what an unsharded optimizer of the
@@ -50,8 +57,9 @@ from torch import nn
 
 from nxdt.comm.world import Communicator
 from nxdt.parallel import squared_norm
+from nxdt.parallel.expert_parallel import is_expert_parameter
 
-__all__ = ["Zero1Optimizer", "STATE_FORMAT", "consolidate_shard_states"]
+__all__ = ["Zero1Optimizer", "STATE_FORMAT", "consolidate_shard_states", "unused_parameters_message"]
 
 STATE_FORMAT = "nxdt.zero1/v1"
 DP_STREAM = "dp"
@@ -97,6 +105,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
     ``model``: optional; when given, every parameter must belong to it (catches a stale parameter list).
     ``master_weights``: keep an fp32 copy of the owned shard (the parameters stay in their compute dtype,
     e.g. bf16); gradients are reduced in fp32, the fp32 shard is updated and cast when gathered back.
+    ``find_unused_parameters``: what a parameter without gradient means (module docstring): False refuses it by
+    name, True leaves it untouched where no rank has a gradient for it (DDP's option of the same name).
     """
 
     def __init__(
@@ -108,6 +118,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         model: nn.Module | None = None,
         master_weights: bool = False,
         master_dtype: torch.dtype = torch.float32,
+        find_unused_parameters: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -133,6 +144,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self._dp_group = dp_comm if dp_comm is not None and dp_comm.size > 1 else None  # the group the shards span
         self.master_weights = bool(master_weights)
         self.master_dtype = master_dtype
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self._names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
 
         groups = self._normalise_groups(params, model)
         self._buckets = self._build_buckets(groups)
@@ -154,6 +167,13 @@ class Zero1Optimizer(torch.optim.Optimizer):
         super().__init__(groups, dict(self.inner.defaults))
         self._building = False
         self._grads_reduced = False
+        # (bucket, first, end) of the owned shard that no rank has a gradient for: restored after the inner step
+        self._untouched: list[tuple[_Bucket, int, int]] = []
+        self._nowhere: set[int] = set()  # ids of the parameters no rank had a gradient for at the last reduction
+        # reduce with an all-reduce and write the DP average into every parameter's .grad too (what code reading
+        # p.grad between reduction and step expects, as under DDP: a Lightning on_before_optimizer_step hook); costs
+        # the all-gather half of an all-reduce more than the reduce-scatter alone. Off: .grad keeps local values.
+        self.full_gradients = False
 
     # ------------------------------------------------------------------------------ construction
     def _normalise_groups(self, params: Iterable[Any], model: nn.Module | None) -> list[dict[str, Any]]:
@@ -262,11 +282,14 @@ class Zero1Optimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     # ------------------------------------------------------------------------------ gradients
-    def reduce_gradients(self) -> None:
+    def reduce_gradients(self, *, again: bool = False) -> None:
         """Reduce-scatter (average over DP) every bucket's gradient into its owned shard; idempotent until
-        the next ``step``/``zero_grad``. Called by ``clip_grad_norm_`` and ``step``."""
-        if self._grads_reduced:
+        the next ``step``/``zero_grad`` unless ``again`` (new local gradients since: a caller that knows a backward
+        ran after the last reduction, e.g. a second optimizer's). Called by ``clip_grad_norm_`` and ``step``.
+        Raises ValueError naming the parameters without gradient (see ``find_unused_parameters``)."""
+        if self._grads_reduced and not again:
             return
+        self._check_unused()
         works = []
         for b in self._buckets:
             dtype = b.shard.dtype  # fp32 with master weights: reduce in fp32, never round to bf16 on the way
@@ -279,12 +302,45 @@ class Zero1Optimizer(torch.optim.Optimizer):
             if self.dp_size == 1:
                 b.shard.grad = flat_grad
                 continue
+            if self.full_gradients:  # the whole average, for the parameters' .grad; the shard reads its slice of it
+                work = self._dp.all_reduce(flat_grad, op="avg", stream=DP_STREAM, async_op=True)
+                assert work is not None  # async_op: always a Work
+                works.append(work)
+                lo = self.dp_rank * b.shard_size
+                b.shard.grad = flat_grad[lo : lo + b.shard_size]
+                continue
             out = torch.empty(b.shard_size, dtype=dtype, device=b.flat.device)
             works.append(self._dp.reduce_scatter(out, flat_grad, op="avg", stream=DP_STREAM, async_op=True))
             b.shard.grad = out
         for w in works:
             w.wait()
+        if self.full_gradients and self.dp_size > 1:
+            for b in self._buckets:
+                for p, off in zip(b.params, b.offsets):
+                    if id(p) in self._nowhere:  # no rank has a gradient: grad stays None, as under DDP
+                        continue
+                    avg = b.grad_flat[off : off + p.numel()].view_as(p)  # type: ignore[index]
+                    if p.grad is None:
+                        p.grad = avg.to(p.dtype, copy=True)
+                    else:
+                        p.grad.copy_(avg)
         self._grads_reduced = True
+
+    def _check_unused(self) -> None:
+        """Count, over DP, the ranks holding a gradient for each bucket parameter (one all-reduce); refuse or record
+        the parameters some rank lacks one for (module docstring)."""
+        params = [p for b in self._buckets for p in b.params]
+        used = torch.tensor([float(p.grad is not None) for p in params])
+        if self.dp_size > 1:
+            self._dp.all_reduce(used, op="sum")
+        lacking = [i for i, p in enumerate(params) if used[i] < self.dp_size and not is_expert_parameter(p)]
+        if lacking and not self.find_unused_parameters:
+            names = [self._names.get(id(params[i]), f"param {i} (shape {tuple(params[i].shape)})") for i in lacking]
+            raise ValueError(unused_parameters_message(names))
+        nowhere = self._nowhere = {id(params[i]) for i in lacking if used[i] == 0}
+        self._untouched = [
+            (b, a, e) for b in self._buckets for i, a, e in b.owned_segments(self.dp_rank) if id(b.params[i]) in nowhere
+        ]
 
     @torch.no_grad()
     def clip_grad_norm_(
@@ -344,6 +400,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         for b in self._buckets:
             b.shard.grad = None
         self._grads_reduced = False
+        self._untouched = []
 
     # ------------------------------------------------------------------------------ step
     def _sync_hyperparameters(self) -> None:
@@ -373,12 +430,26 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 loss = closure()
         self.reduce_gradients()
         self._sync_hyperparameters()
+        kept = [
+            (b, a, e, b.shard.detach()[a:e].clone(), {k: v[a:e].clone() for k, v in self._per_element_state(b).items()})
+            for b, a, e in self._untouched
+        ]
         self.inner.step()
+        for b, a, e, values, moments in kept:  # no rank had a gradient: as torch skips such a parameter, nothing moves
+            b.shard.detach()[a:e].copy_(values)
+            for k, v in self._per_element_state(b).items():  # a state this step created reads as never stepped
+                v[a:e].copy_(moments[k]) if k in moments else v[a:e].zero_()
+        self._untouched = []
         self._gather_parameters()
         for b in self._buckets:
             b.shard.grad = None
         self._grads_reduced = False
         return loss
+
+    def _per_element_state(self, b: _Bucket) -> dict[str, torch.Tensor]:
+        """The inner optimizer's state tensors of a bucket's shard that hold one value per element (moments)."""
+        state = self.inner.state.get(b.shard, {})
+        return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == b.shard.shape}
 
     # ------------------------------------------------------------------------------ introspection
     def state_nbytes(self) -> int:
@@ -538,6 +609,16 @@ class Zero1Optimizer(torch.optim.Optimizer):
             lo = self.dp_rank * b.shard_size
             b.shard.copy_(b.flat[lo : lo + b.shard_size])
         self._sync_hyperparameters()
+
+
+def unused_parameters_message(names: Sequence[str]) -> str:
+    """One line: which parameters got no gradient, and the two ways out (DDP's option of the same name)."""
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return (
+        f"{len(names)} trainable parameter(s) got no gradient on some data-parallel rank before the optimizer step: "
+        f"{shown}. Use them in the loss, freeze them (requires_grad=False), or pass find_unused_parameters=True "
+        "(NxDStrategy, as DDPStrategy) to leave parameters without gradient untouched"
+    )
 
 
 def consolidate_shard_states(shards: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -248,7 +248,8 @@ def _dp_case(world, kind: str, overrides: dict, steps: int = 3) -> dict:
         out["frozen_grads"] = [f.unit for f in flats if not f.trainable and f.shard.grad is not None]
         out["module_weights"] = sorted(n for n, _ in holder.named_parameters() if "fsdp_shard_" not in n)
     if kind == "replicated":
-        out["all_reduced"] = rt._grad_buffer.numel()  # the flat gradient bucket: trainable parameters only
+        # the flat gradient bucket: trainable parameters only, then one has-a-gradient flag per parameter
+        out["all_reduced"] = rt._grad_buffer.numel() - sum(1 for p in holder.parameters() if p.requires_grad)
     return out
 
 

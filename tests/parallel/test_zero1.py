@@ -455,6 +455,76 @@ def test_bad_input_spawned(two_ranks):
         assert "saved by DP rank" in msgs["wrong_shard"]
 
 
+def _gradient_paths(world) -> dict:
+    """Two ranks, a tiny model of two linear layers: what a parameter without gradient means, re-reduction after a new
+    backward (a second optimizer's), and ``full_gradients`` (every .grad the DP average, for hooks)."""
+    rank, out = world.rank, {}
+
+    def local(seed: int, shape) -> torch.Tensor:  # a rank's own gradient, reproducible on the other rank
+        return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+    def build(**kw) -> tuple[torch.nn.Module, Zero1Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+        return model, Zero1Optimizer(model.parameters(), torch.optim.AdamW, world.world, model=model, lr=0.1, **kw)
+
+    model, opt = build()  # "1.*" gets a gradient on rank 1 only: refused on both ranks, by name
+    for n, p in model.named_parameters():
+        p.grad = local(rank, p.shape) if n.startswith("0.") or rank == 1 else None
+    try:
+        opt.step()
+        out["refused"] = ""
+    except ValueError as exc:
+        out["refused"] = str(exc)
+
+    model, opt = build(find_unused_parameters=True)  # "1.*" unused everywhere: AdamW (decay 0.01) leaves it as it was
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for step in range(2):
+        for n, p in model.named_parameters():
+            p.grad = local(10 * step + rank, p.shape) if n.startswith("0.") else None
+        opt.step()
+        opt.zero_grad()
+    out["kept"] = all(torch.equal(p, before[n]) for n, p in model.named_parameters() if n.startswith("1."))
+    out["moved"] = all(not torch.equal(p, before[n]) for n, p in model.named_parameters() if n.startswith("0."))
+    moments = [v for st in opt.inner.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim()]
+    owned = [
+        (b, a, e)
+        for b in opt._buckets
+        for i, a, e in b.owned_segments(rank)
+        if id(b.params[i]) in {id(q) for q in model[1].parameters()}
+    ]
+    out["moments_zero"] = all(float(m[a:e].abs().sum()) == 0.0 for m in moments for _, a, e in owned)
+
+    model, opt = build()  # full_gradients: .grad holds the average; again=True re-reduces after a new backward
+    opt.full_gradients = True
+    for p in model.parameters():
+        p.grad = local(rank, p.shape)
+    opt.reduce_gradients()
+    avg = [(local(0, p.shape) + local(1, p.shape)) / 2 for p in model.parameters()]
+    out["averaged"] = all(torch.allclose(p.grad, g, rtol=0, atol=1e-7) for p, g in zip(model.parameters(), avg))
+    for p in model.parameters():
+        p.grad.add_(local(5 + rank, p.shape))  # a later backward adds local gradients
+    opt.reduce_gradients()
+    out["stale_without_again"] = all(
+        torch.allclose(p.grad, g + local(5 + rank, p.shape)) for p, g in zip(model.parameters(), avg)
+    )
+    opt.reduce_gradients(again=True)
+    more = [g + (local(5, p.shape) + local(6, p.shape)) / 2 for p, g in zip(model.parameters(), avg)]
+    out["again"] = all(torch.allclose(p.grad, g, rtol=0, atol=1e-6) for p, g in zip(model.parameters(), more))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_missing_gradients_refused_or_kept_and_reduction_after_a_new_backward(two_ranks):
+    for res in (r["paths"] for r in two_ranks):
+        # DDP's default: refused on every rank (the counts are all-reduced), naming the parameters and the fix
+        assert "1.weight, 1.bias" in res["refused"] and "find_unused_parameters=True" in res["refused"]
+        # find_unused_parameters=True: no rank had a gradient, so AdamW's weight decay and moments leave it alone
+        assert res["kept"] and res["moved"] and res["moments_zero"]
+        assert res["averaged"] and res["again"]
+        assert res["stale_without_again"]  # (why the strategy passes again=True once per backward)
+
+
 # ------------------------------------------------------------------------------------------ the 2-rank world
 def _two_rank_world(world) -> dict:
     """Every 2-rank scenario in one spawned world (spawning dominates the run time on a busy machine)."""
@@ -463,6 +533,7 @@ def _two_rank_world(world) -> dict:
         "round_trip": _round_trip(world),
         "master": _master_weights(world),
         "bad": _bad_input_spawned(world),
+        "paths": _gradient_paths(world),
     }
 
 
