@@ -60,14 +60,17 @@ _TRAINING_KEYS = (
     "model.optim.name",
     "model.optim.lr",
     "model.optim.weight_decay",
-    "model.optim.decay_norms_and_biases",
+    "model.optim.no_weight_decay",
+    "model.optim.fixed_weight_decay",
     "model.optim.betas",
     "model.optim.eps",
     "model.optim.sched.name",
     "model.optim.sched.warmup_steps",
     "model.optim.sched.min_lr",
     "model.optim.sched.constant_steps",
+    "model.loss_averaging",
     "data.source",
+    "data.shuffle",
     "data.train_dir",
     # the token ids: a model key in spirit, but a fine-tuning run names the same tokenizer otherwise (a
     # directory with its chat template instead of its tokenizer.json), so it is compared only when a run continues
@@ -155,11 +158,14 @@ _FREE_KEYS = (
     "distributed_strategy.fsdp.reduce_scatter_delay",
     "distributed_strategy.fsdp.reshard_after_forward",
     "distributed_strategy.fsdp.param_persistence_threshold",
-    "data.micro_batch_size",  # the loss is a mean over the global batch, whatever its split into micro-batches
+    # the loss is a mean over the global batch, whatever its split into micro-batches (with
+    # model.loss_averaging=micro_batches, NxDT's mean of means, the split weighs tokens: a documented NxDT trait)
+    "data.micro_batch_size",
     "data.index_mapping_dir",  # where Megatron's sample index is cached
     "data.val_dir",
     "model.activations_checkpoint_granularity",  # recomputes the same activations
     "model.core_attention",  # the same attention, another kernel
+    "model.make_vocab_size_divisible_by",  # padded rows are masked and trimmed: a checkpoint reshards across paddings
     "model.weight_init_only",  # with resume_from_checkpoint: which run is started; the run directory choice compares it
     "model_alignment_strategy.peft.lora_verbose",
     "model_alignment_strategy.peft.load_lora_from_ckpt",  # checked against the checkpoint (cli.check_lora_checkpoint)
