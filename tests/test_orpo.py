@@ -29,6 +29,9 @@ from nxdt.lightning.objective import sequence_labels
 
 from hf_reference import llama_config
 
+# four in-process fits in one fixture: ~20 CPU-s, more wall time on a busy host
+pytestmark = pytest.mark.timeout(240)
+
 PAIRS = 8
 
 
@@ -57,11 +60,38 @@ SHAPE = [
 LINEAR = ["precision.type=fp32", "model.optim.eps=1.0", "model.optim.lr=0.5", "model.optim.weight_decay=0.0"]
 
 
+def _trainer(tmp_path, **kwargs):
+    from nxdt.lightning import NxDStrategy
+
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=NxDStrategy(),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+        default_root_dir=str(tmp_path),
+        **kwargs,
+    )
+
+
+def _fit_or_validate(trainer, how: str, module, data) -> None:
+    saved = dict(os.environ)  # Lightning writes MASTER_PORT etc. here: the next run must pick its own port
+    try:
+        getattr(trainer, how)(module, datamodule=data)
+        trainer.strategy.close()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def _two_steps(recipe: str, micro: int, tmp_path):
     """Two training steps of ``recipe`` at ``data.micro_batch_size=micro`` through the Lightning API on one process, on
     the same global batch of 8 pairs: the module's metrics of each step, its initial model and its training pairs."""
     from nxdt.config import compose_config
-    from nxdt.lightning import NxDStrategy
     from nxdt.lightning.datamodule import NxDDataModule
     from nxdt.lightning.module import CausalLMModule
 
@@ -73,28 +103,9 @@ def _two_steps(recipe: str, micro: int, tmp_path):
     data = NxDDataModule(
         cfg.data, seed=cfg.seed, vocab_size=cfg.model.vocab_size, step_batches=True, preference=getattr(mas, recipe)
     )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=NxDStrategy(),
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        default_root_dir=str(tmp_path / f"{recipe}{micro}"),
-        callbacks=[Steps(steps := [])],
-    )
-    saved = dict(os.environ)  # Lightning writes MASTER_PORT etc. here: the next fit must pick its own port
-    try:
-        trainer.fit(module, datamodule=data)
-        trainer.strategy.close()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    steps: list = []
+    trainer = _trainer(tmp_path / f"{recipe}{micro}", max_steps=2, limit_val_batches=0, callbacks=[Steps(steps)])
+    _fit_or_validate(trainer, "fit", module, data)
     return steps, initial, data.dataset, cfg
 
 
@@ -199,6 +210,31 @@ def test_orpo_nll_counts_the_prompt_tokens_as_trl_does():
     assert torch.equal(full[response], mb["labels"][response])
     assert torch.equal(full[seq & ~response], torch.roll(mb["input_ids"], -1, dims=-1)[seq & ~response])
     assert bool((full[~seq] == IGNORE_INDEX).all()) and bool(((full != IGNORE_INDEX) == seq).all())
+
+
+def test_orpo_validation_over_the_whole_set_is_the_training_loss_at_any_micro_batch(orpo_steps, tmp_path):
+    """Validation (forward only, every pair scored, then the NLL's token mean and the odds-ratio term's pair mean over
+    the whole set) on the 8 training pairs with the initial weights: step 1's training loss, at micro-batch 1 and 8.
+    The same forwards and sums (float64 accumulation): rounding only, inside rel 1e-6."""
+    from nxdt.config import compose_config
+    from nxdt.data.instructions import write_jsonl
+    from nxdt.lightning.datamodule import NxDDataModule
+    from nxdt.lightning.module import CausalLMModule
+
+    val = tmp_path / "val.jsonl"
+    write_jsonl(val, read_jsonl(SAMPLE_PREFERENCES)[:PAIRS])  # the training run's pairs (dev_choose_samples: the first 8)
+    want = orpo_steps[PAIRS][0][0]
+    for micro in (1, PAIRS):
+        cfg = compose_config(["+recipe=orpo", f"data.micro_batch_size={micro}", f"data.val_dir={val}", *SHAPE, *LINEAR])
+        pl.seed_everything(cfg.seed, verbose=False)
+        mas = cfg.model_alignment_strategy
+        module = CausalLMModule(cfg.model, cfg.data.global_batch_size, cfg.data.seq_length, micro, alignment=mas)
+        data = NxDDataModule(cfg.data, seed=cfg.seed, vocab_size=cfg.model.vocab_size, step_batches=True, preference=mas.orpo)
+        _fit_or_validate(_trainer(tmp_path / f"val{micro}"), "validate", module, data)
+        got = module.val_metrics
+        assert got["val_pairs"] == PAIRS
+        for name in ("loss", "nll_loss", "log_odds_ratio", "rewards/chosen"):
+            assert got[f"val_{name}"] == pytest.approx(want[name], rel=1e-6), (micro, name, got, want)
 
 
 def test_dpo_loss_is_the_same_at_micro_batch_1_2_4_and_8(tmp_path):
