@@ -210,7 +210,14 @@ def _orpo_formula(logits, mb, beta, pairs):
     return odds_term, nll_sum, tokens, beta * mean[:pairs]
 
 
-def test_orpo_loss_equals_the_formula_on_the_first_batch(tmp_path, tokenizer):
+@pytest.mark.parametrize(
+    "layout",
+    [["trainer.devices=2"], ["trainer.devices=2", "distributed_strategy.pipeline_model_parallel_size=2"]],
+    ids=["dp2-zero1", "pp2"],
+)
+def test_orpo_loss_equals_the_formula_on_the_first_batch(tmp_path, tokenizer, layout):
+    """DP2: the NLL's token count summed over both ranks; PP2: the last stage's loss with the count every stage computed
+    (``nll_scale``)."""
     import lightning.pytorch as pl
 
     from nxdt.config import load_run_config
@@ -224,7 +231,7 @@ def test_orpo_loss_equals_the_formula_on_the_first_batch(tmp_path, tokenizer):
         tmp_path,
         "hf_llama3_8B_ORPO_config",
         *PARITY,
-        "trainer.devices=2",
+        *layout,
         f"exp_manager.explicit_log_dir={run}",
         f"data.tokenizer.type={tokenizer}",
     )
@@ -244,9 +251,9 @@ def test_orpo_loss_equals_the_formula_on_the_first_batch(tmp_path, tokenizer):
             odds += term.tolist()
             chosen += reward.tolist()
             nll_sum, tokens = nll_sum + s, tokens + n
-    # DP2 (ZeRO-1, as the file says), two micro-batches per rank: the step's loss is the NLL's token mean over every
-    # chosen token of the global batch plus the odds-ratio term's mean over its pairs, as TRL computes it on one batch.
-    # The same fp32 forward of the same weights and rows, the formula in float64: rounding only (~1e-7 relative)
+    # DP2 (ZeRO-1, as the file says; PP2: one pipeline of four micro-batches): the step's loss is the NLL's token mean
+    # over every chosen token of the global batch plus the odds-ratio term's mean over its pairs, as TRL computes it on
+    # one batch. The same fp32 forward of the same weights and rows, the formula in float64: rounding only (~1e-7 rel.)
     assert float(rows[0]["loss"]) == pytest.approx(nll_sum / tokens + sum(odds) / len(odds), rel=1e-5)
     assert float(rows[0]["nll_loss"]) == pytest.approx(nll_sum / tokens, rel=1e-5)
     assert float(rows[0]["rewards/chosen"]) == pytest.approx(sum(chosen) / len(chosen), rel=1e-5)

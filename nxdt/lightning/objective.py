@@ -15,10 +15,10 @@ over micro-batches and data-parallel ranks is the global mean (no token weights)
 ORPOTrainer (``concatenated_forward``: one ``CrossEntropyLoss`` over the chosen sequences, prompt and response), a
 token mean: over every chosen token of the **global** batch — what TRL computes when a step is one batch, and
 independent of micro_batch_size and data parallelism (a per-micro-batch mean, TRL's under gradient accumulation, is
-not). Each micro-batch's NLL sum is scaled by ``nll_scale`` (micro-batches × DP ranks / the global count). DPO reads the reference model's per-sequence
-log-probabilities from the micro-batch (``ref_logps`` [pairs, 2], precomputed once before training:
-``CausalLMModule.precompute_reference``). Each preference loss records the sums of its metrics (TRL's names, and the
-pair count last) in ``micro_batch["metric_sums"]``, which the module sums over the global batch.
+not). Each micro-batch's NLL sum is scaled by ``nll_scale`` (micro-batches × DP ranks / the global count). DPO reads
+the reference model's per-sequence log-probabilities from the micro-batch (``ref_logps`` [pairs, 2], precomputed once
+before training: ``CausalLMModule.precompute_reference``). Each preference loss records the sums of its metrics (TRL's
+names, and the pair count last) in ``micro_batch["metric_sums"]``, which the module sums over the global batch.
 """
 
 from __future__ import annotations
