@@ -88,14 +88,16 @@ def _fit_or_validate(trainer, how: str, module, data) -> None:
         os.environ.update(saved)
 
 
-def _two_steps(recipe: str, micro: int, tmp_path):
+def _two_steps(recipe: str, micro: int, tmp_path, *overrides: str):
     """Two training steps of ``recipe`` at ``data.micro_batch_size=micro`` through the Lightning API on one process, on
     the same global batch of 8 pairs: the module's metrics of each step, its initial model and its training pairs."""
     from nxdt.config import compose_config
     from nxdt.lightning.datamodule import NxDDataModule
     from nxdt.lightning.module import CausalLMModule
 
-    cfg = compose_config([f"+recipe={recipe}", f"data.micro_batch_size={micro}", "trainer.max_steps=2", *SHAPE, *LINEAR])
+    cfg = compose_config(
+        [f"+recipe={recipe}", f"data.micro_batch_size={micro}", "trainer.max_steps=2", *SHAPE, *LINEAR, *overrides]
+    )
     pl.seed_everything(cfg.seed, verbose=False)
     mas = cfg.model_alignment_strategy
     module = CausalLMModule(cfg.model, cfg.data.global_batch_size, cfg.data.seq_length, micro, alignment=mas)
@@ -235,6 +237,32 @@ def test_orpo_validation_over_the_whole_set_is_the_training_loss_at_any_micro_ba
         assert got["val_pairs"] == PAIRS
         for name in ("loss", "nll_loss", "log_odds_ratio", "rewards/chosen"):
             assert got[f"val_{name}"] == pytest.approx(want[name], rel=1e-6), (micro, name, got, want)
+
+
+def test_orpo_nll_mean_sequences_is_nxd_trainings_formula_at_any_micro_batch(tmp_path):
+    """``model_alignment_strategy.orpo.nll_mean=sequences``: NxD Training's ORPO (lightning_modules/model/base_orpo.py,
+    ``model_fwd_calc_loss``): NLL = −mean over pairs of each chosen response's mean token log-probability (response
+    tokens only), plus −β·mean log σ(log-odds ratio); written out here in float64 from the initial weights. A mean over
+    pairs, so micro-batch 1 and 8 agree; the fp32 run against the float64 formula: rounding, inside rel 1e-5."""
+    runs = {
+        micro: _two_steps("orpo", micro, tmp_path / str(micro), "model_alignment_strategy.orpo.nll_mean=sequences")
+        for micro in (1, 8)
+    }
+    steps, initial, dataset, cfg = runs[8]
+    mb = pair_rows(torch.utils.data.default_collate([dataset[i] for i in range(len(dataset))]))
+    with torch.no_grad():
+        logp = torch.log_softmax(initial(mb["input_ids"], mb["position_ids"], mb["segment_ids"]).double(), -1)
+    mask = mb["labels"] != IGNORE_INDEX
+    mean = (logp.gather(-1, mb["labels"].clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask).sum(-1) / mask.sum(-1)
+    chosen, rejected = mean[:PAIRS], mean[PAIRS:]
+    log_odds = (chosen - torch.log(1 - torch.exp(chosen))) - (rejected - torch.log(1 - torch.exp(rejected)))
+    beta = cfg.model_alignment_strategy.orpo.beta
+    want = float(-chosen.mean() - beta * torch.nn.functional.logsigmoid(log_odds).mean())
+    assert steps[0]["loss"] == pytest.approx(want, rel=1e-5)
+    assert steps[0]["nll_loss"] == pytest.approx(float(-chosen.mean()), rel=1e-5)
+    for step in (0, 1):
+        for name in ("loss", "nll_loss", "log_odds_ratio"):
+            assert runs[1][0][step][name] == pytest.approx(runs[8][0][step][name], rel=1e-6), (step, name)
 
 
 def test_dpo_loss_is_the_same_at_micro_batch_1_2_4_and_8(tmp_path):

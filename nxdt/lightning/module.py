@@ -376,7 +376,7 @@ class CausalLMModule(pl.LightningModule):
         """Give every micro-batch its ``loss_weight`` (a 0-d tensor): its share of the global batch's labelled
         tokens, so the step's loss is the token mean over the whole global batch (nxdt.lightning.objective); ORPO:
         its ``nll_scale`` (micro-batches × DP ranks / the global batch's chosen tokens) for the NLL term."""
-        if self.objective.token_mean_nll:  # ORPO's NLL: a token mean over every chosen token of the global batch
+        if self.objective.token_metric is not None:  # ORPO's NLL: a token mean over every chosen token of the global batch
             chosen = sum(chosen_sequence_tokens(mb) for mb in micro_batches)
             total = int(self._data_parallel_sum(torch.tensor([chosen], dtype=torch.int64))[0])
             scale = len(micro_batches) * self._data_parallel_size() / max(total, 1)
@@ -425,16 +425,17 @@ class CausalLMModule(pl.LightningModule):
         padding pairs of the last batch left out), added up as sums over pairs."""
         micro_batches = self._lay_out(split_micro_batches(batch, self.micro_batch_size))
         scores = self.sequence_scores(micro_batches, pair_scores, per_row=2)
-        assert self.objective.pair_loss is not None  # every pair objective has one
+        objective = self.objective
+        assert objective.pair_loss is not None  # every pair objective has one
         for mb, row in zip(micro_batches, scores):
-            self._val_sums += pair_sums(self.objective.pair_loss, self.objective.metrics, row.reshape(2, -1), mb)
+            self._val_sums += pair_sums(objective.pair_loss, objective.metrics, objective.token_metric, row.reshape(2, -1), mb)
 
     def on_validation_epoch_end(self) -> None:
         """val_loss: the token-weighted mean over every validation token of every data-parallel rank; DPO/ORPO: the
         mean over every validation pair, and each metric's (``val_rewards/accuracies``: the fraction of pairs)."""
         if self.objective.pairs:
             sums = self._data_parallel_sum(self._val_sums.clone()).tolist()
-            means = pair_means(self.objective.metrics, sums)
+            means = pair_means(self.objective.metrics, self.objective.token_metric, sums)
             self.val_metrics = {"step": self.trainer.global_step, **means, "val_pairs": int(sums[-1])}
             return
         loss_tokens, tokens = self._data_parallel_sum(self._val_sums.clone()).tolist()

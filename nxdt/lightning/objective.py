@@ -67,11 +67,8 @@ class Objective:
     metrics: tuple[str, ...] = ()  # what micro_batch["metric_sums"] holds (then the pair count)
     # pairs: (rows' pair_scores, pair_counts, ref_logps or None) → PairTerms; validation reuses it
     pair_loss: Callable[..., "PairTerms"] | None = None
-
-    @property
-    def token_mean_nll(self) -> bool:
-        """Whether the loss has a token-mean NLL term (ORPO): each micro-batch needs ``nll_scale``."""
-        return NLL_METRIC in self.metrics
+    # the metric of a token-mean NLL term (ORPO with nll_mean=tokens): each micro-batch then needs ``nll_scale``
+    token_metric: str | None = None
 
 
 CAUSAL_LM = Objective("causal_lm", causal_lm_loss)
@@ -127,7 +124,8 @@ class PairTerms(NamedTuple):
     metrics: dict[str, torch.Tensor]
 
 
-NLL_METRIC = "nll_loss"  # ORPO's token-mean term: a token mean, not a mean over pairs
+NLL_METRIC = "nll_loss"  # ORPO's NLL term; under nll_mean=tokens a token mean, not a mean over pairs
+ORPO_NLL_MEANS = ("tokens", "sequences")
 
 
 def _record(micro_batch: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor], names: tuple[str, ...], pairs: int) -> None:
@@ -147,12 +145,19 @@ def dpo_pair_loss(beta: float, loss_type: str, sums: torch.Tensor, counts: torch
     return PairTerms(loss, zero, zero, metrics)
 
 
-def orpo_pair_loss(beta: float, sums: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None) -> PairTerms:
-    """ORPO (Hong et al. 2024) of pairs, as TRL's ORPOTrainer: β · the odds-ratio term of the length-normalised response
-    log-probabilities (``sums[0] / counts[0]``), a mean over pairs; and the NLL of the chosen sequences, prompt and
-    response (``sums[1]``, ``counts[1]``), a token mean. No reference model."""
+def orpo_pair_loss(beta: float, nll_mean: str, sums: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None) -> PairTerms:
+    """ORPO (Hong et al. 2024) of pairs: β · the odds-ratio term of the length-normalised response log-probabilities
+    (``sums[0] / counts[0]``), a mean over pairs, plus the chosen answers' NLL. ``nll_mean="tokens"`` (TRL's
+    ORPOTrainer): the NLL of the chosen sequences, prompt and response (``sums[1]``, ``counts[1]``), a token mean (over
+    the global batch: ``PairTerms.nll_sum``); ``"sequences"`` (NxD Training's base_orpo.py): minus the mean over pairs of
+    each chosen response's mean token log-probability. No reference model."""
     (chosen_sum, rejected_sum), (chosen_count, rejected_count) = split_chosen_rejected(sums[0]), split_chosen_rejected(counts[0])
-    losses, metrics = odds_ratio_terms(chosen_sum / chosen_count.clamp(min=1), rejected_sum / rejected_count.clamp(min=1), beta)
+    chosen_mean = chosen_sum / chosen_count.clamp(min=1)
+    losses, metrics = odds_ratio_terms(chosen_mean, rejected_sum / rejected_count.clamp(min=1), beta)
+    if nll_mean == "sequences":
+        nll = -chosen_mean.float().mean()
+        zero = torch.zeros((), dtype=torch.float64)
+        return PairTerms(losses.mean() + nll, zero, zero, {**metrics, NLL_METRIC: nll.detach()})
     nll_sum, nll_tokens = -split_chosen_rejected(sums[1])[0].sum(), split_chosen_rejected(counts[1])[0].sum()
     return PairTerms(losses.mean(), nll_sum, nll_tokens.to(nll_sum.dtype), metrics)
 
@@ -161,7 +166,12 @@ PairLoss = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], PairTer
 
 
 def pair_objective_loss(
-    pair_loss: PairLoss, names: tuple[str, ...], model: Any, logits: torch.Tensor, micro_batch: dict[str, torch.Tensor]
+    pair_loss: PairLoss,
+    names: tuple[str, ...],
+    token_metric: str | None,
+    model: Any,
+    logits: torch.Tensor,
+    micro_batch: dict[str, torch.Tensor],
 ) -> torch.Tensor:
     """A preference objective on one micro-batch of pairs (training): the per-pair part's mean plus the token-mean part
     scaled by ``micro_batch["nll_scale"]`` (micro-batches × data-parallel ranks / the global batch's chosen tokens, set
@@ -170,17 +180,21 @@ def pair_objective_loss(
     sums, counts = pair_scores(model, logits, micro_batch), pair_counts(micro_batch).to(logits.dtype)
     terms = pair_loss(sums, counts, micro_batch.get("ref_logps"))
     loss, metrics = terms.pair_mean, dict(terms.metrics)
-    if NLL_METRIC in names:
+    if token_metric is not None:
         if "nll_scale" not in micro_batch:
             raise ValueError("a token-mean loss term needs micro_batch['nll_scale'] (CausalLMModule sets it per global batch)")
         nll = terms.nll_sum * micro_batch["nll_scale"].to(terms.nll_sum.dtype)
-        loss, metrics[NLL_METRIC] = loss + nll, nll
+        loss, metrics[token_metric] = loss + nll, nll
     _record(micro_batch, metrics, names, sums.shape[1] // 2)
     return loss
 
 
 def pair_sums(
-    pair_loss: PairLoss, names: tuple[str, ...], scores: torch.Tensor, micro_batch: dict[str, torch.Tensor]
+    pair_loss: PairLoss,
+    names: tuple[str, ...],
+    token_metric: str | None,
+    scores: torch.Tensor,
+    micro_batch: dict[str, torch.Tensor],
 ) -> torch.Tensor:
     """Validation: (per-pair part · pairs, each pair metric · pairs, NLL sum, NLL tokens, pairs) of one laid-out
     micro-batch from its rows' :func:`pair_scores` ``scores`` [2, 2b] (forward only), in float64; summed over the set,
@@ -194,20 +208,21 @@ def pair_sums(
         rows = torch.cat([real, real])
         ref = micro_batch.get("ref_logps")
         terms = pair_loss(scores.double()[:, rows], counts[:, rows], None if ref is None else ref[real])
-        per_pair = [terms.pair_mean] + [terms.metrics[n] if n != NLL_METRIC else torch.zeros(()) for n in names]
+        per_pair = [terms.pair_mean] + [terms.metrics[n] if n != token_metric else torch.zeros(()) for n in names]
         out[: len(names) + 1] = torch.stack([v.detach().double().reshape(()) for v in per_pair]) * pairs
         out[-3:] = torch.stack([terms.nll_sum.detach().double(), terms.nll_tokens.double(), torch.tensor(float(pairs))])
     return out
 
 
-def pair_means(names: tuple[str, ...], sums: Sequence[float]) -> dict[str, float]:
+def pair_means(names: tuple[str, ...], token_metric: str | None, sums: Sequence[float]) -> dict[str, float]:
     """``val_loss`` and ``val_<metric>`` from :func:`pair_sums` summed over a whole set: the per-pair part's mean over
-    pairs plus the NLL's token mean (ORPO), each pair metric's mean over pairs, ``nll_loss`` the token mean."""
+    pairs plus the NLL's token mean (ORPO, nll_mean=tokens), each pair metric's mean over pairs, ``token_metric`` the
+    token mean."""
     pair_part, metric_sums, (nll_sum, nll_tokens, pairs) = sums[0], sums[1:-3], sums[-3:]
     nll = nll_sum / nll_tokens if nll_tokens else 0.0
     out = {"val_loss": pair_part / pairs + nll if pairs else math.nan}
     for name, value in zip(names, metric_sums):
-        out[f"val_{name}"] = nll if name == NLL_METRIC else (value / pairs if pairs else math.nan)
+        out[f"val_{name}"] = nll if name == token_metric else (value / pairs if pairs else math.nan)
     return out
 
 
@@ -222,7 +237,7 @@ def objective_for(alignment: Any) -> Objective:
         pair_loss: PairLoss = functools.partial(dpo_pair_loss, float(dpo.kl_beta), dpo.loss_type)
         return Objective(
             "dpo",
-            functools.partial(pair_objective_loss, pair_loss, REWARD_METRICS),
+            functools.partial(pair_objective_loss, pair_loss, REWARD_METRICS, None),
             token_weighted=False,
             pairs=True,
             reference=True,
@@ -230,13 +245,18 @@ def objective_for(alignment: Any) -> Objective:
             pair_loss=pair_loss,
         )
     if orpo is not None:
-        pair_loss = functools.partial(orpo_pair_loss, float(orpo.beta))
+        nll_mean = orpo.nll_mean
+        if nll_mean not in ORPO_NLL_MEANS:
+            raise ValueError(f"model_alignment_strategy.orpo.nll_mean={nll_mean!r}: use one of {', '.join(ORPO_NLL_MEANS)}")
+        token_metric = NLL_METRIC if nll_mean == "tokens" else None
+        pair_loss = functools.partial(orpo_pair_loss, float(orpo.beta), nll_mean)
         return Objective(
             "orpo",
-            functools.partial(pair_objective_loss, pair_loss, ORPO_METRICS),
+            functools.partial(pair_objective_loss, pair_loss, ORPO_METRICS, token_metric),
             token_weighted=False,
             pairs=True,
             metrics=ORPO_METRICS,
             pair_loss=pair_loss,
+            token_metric=token_metric,
         )
     return CAUSAL_LM
