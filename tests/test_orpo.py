@@ -8,7 +8,9 @@ token mean over the whole global batch — what TRL computes when the step is on
 micro-batches of 1, 2, 4 or 8 pairs give one loss. Before, the NLL was a per-micro-batch token mean (and response-only),
 averaged over micro-batches: 6.4364 at micro-batch 2, 6.4260 at 4, 6.4163 at 8 on NxDT's ORPO config.
 
-Also here: DPO's loss is a mean over pairs and each micro-batch holds the same number of pairs, so it has no such
+``model_alignment_strategy.orpo.nll_mean=sequences`` (NxD Training's base_orpo.py: a mean over pairs of each chosen
+response's mean log-probability) is checked against that formula, also at two micro-batch sizes; validation against the
+training loss. Also here: DPO's loss is a mean over pairs and each micro-batch holds the same number of pairs, so it has no such
 dependence (checked the same way); SFT's token weighting is checked in tests/test_sft.py.
 """
 
