@@ -29,6 +29,7 @@ __all__ = [
     "causal_lm_loss",
     "dpo_loss",
     "orpo_loss",
+    "odds_ratio_terms",
     "log1mexp",
     "DPO_LOSS_TYPES",
 ]
@@ -146,6 +147,22 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
     )
 
 
+def odds_ratio_terms(
+    chosen_logps_mean: torch.Tensor, rejected_logps_mean: torch.Tensor, beta: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """ORPO's odds-ratio part, pair by pair: ``−β · log σ(log odds(y_c|x) − log odds(y_r|x))`` [B] (see
+    :func:`orpo_loss`), and its metrics (detached means over the B pairs, TRL's names, without ``nll_loss``)."""
+    chosen, rejected = chosen_logps_mean.float(), rejected_logps_mean.float()
+    log_odds = (chosen - log1mexp(chosen)) - (rejected - log1mexp(rejected))
+    ratio = F.logsigmoid(log_odds)
+    metrics = {
+        **reward_metrics(beta * chosen, beta * rejected),
+        "log_odds_ratio": ratio.detach().mean(),
+        "log_odds_chosen": log_odds.detach().mean(),
+    }
+    return -beta * ratio, metrics
+
+
 def orpo_loss(
     chosen_logps_mean: torch.Tensor, rejected_logps_mean: torch.Tensor, chosen_nll: torch.Tensor, beta: float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -159,21 +176,15 @@ def orpo_loss(
     ``chosen_logps_mean`` / ``rejected_logps_mean`` [B] are the **length-normalised** sequence log-probs —
     the mean per-token log-prob over each response's non-masked tokens (``sums / counts`` of
     :func:`sequence_log_probs`), as in the paper and TRL — so P(y|x) is a geometric-mean token probability.
-    ``chosen_nll`` is L_SFT: the causal-LM loss on the chosen responses only (:func:`causal_lm_loss` over the
-    chosen rows; a token mean). log odds is computed stably as ``logp − log1mexp(logp)``.
+    ``chosen_nll`` is L_SFT, computed by the caller: TRL's ORPOTrainer (``concatenated_forward``) takes the token-mean
+    cross-entropy over the chosen sequences' prompt **and** response tokens of the whole batch (what
+    ``nxdt.lightning.objective`` computes over the global batch). log odds is computed stably as
+    ``logp − log1mexp(logp)``.
 
     Returns ``(loss, metrics)``; metrics (detached, means over pairs): ``rewards/chosen`` = β·log P(y_c|x),
     ``rewards/rejected`` = β·log P(y_r|x), ``rewards/accuracies``, ``rewards/margins`` (as TRL's ORPO), plus
     ``log_odds_ratio`` (mean log σ(·)), ``log_odds_chosen`` (mean log-odds difference) and ``nll_loss``.
     """
-    chosen, rejected = chosen_logps_mean.float(), rejected_logps_mean.float()
-    log_odds = (chosen - log1mexp(chosen)) - (rejected - log1mexp(rejected))
-    ratio = F.logsigmoid(log_odds)
-    loss = chosen_nll.float() - beta * ratio.mean()
-    metrics = {
-        **reward_metrics(beta * chosen, beta * rejected),
-        "log_odds_ratio": ratio.detach().mean(),
-        "log_odds_chosen": log_odds.detach().mean(),
-        "nll_loss": chosen_nll.detach().float(),
-    }
-    return loss, metrics
+    losses, metrics = odds_ratio_terms(chosen_logps_mean, rejected_logps_mean, beta)
+    loss = chosen_nll.float() + losses.mean()
+    return loss, {**metrics, "nll_loss": chosen_nll.detach().float()}

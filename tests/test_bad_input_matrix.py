@@ -160,6 +160,10 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         ),
         (["train", "+recipe=dpo", "model_alignment_strategy.dpo.loss_type=hinge"], "model_alignment_strategy.dpo.loss_type"),
         (
+            ["train", "+recipe=orpo", "model_alignment_strategy.orpo.nll_mean=mean"],
+            "model_alignment_strategy.orpo.nll_mean='mean'",
+        ),
+        (
             ["train", "+recipe=dpo", "model_alignment_strategy.dpo.precompute_ref_log_probs=false"],
             "model_alignment_strategy.dpo.precompute_ref_log_probs=False",
         ),

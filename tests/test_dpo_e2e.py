@@ -9,8 +9,9 @@ layout, each checked several ways:
   β·|Δ log π| ≈ 0.5·10, so this checks that every batch finds its own pairs' values, whatever the sampler's order;
 * DP2 with ZeRO-1 (as the file says) and PP2 (the last stage scores the reference, forward only) give the single
   process's losses and reward metrics (TP's vocabulary-sharded log-probabilities: tests/parallel/test_tensor_parallel.py);
-* ORPO's step-1 loss on DP2 equals the published formula (Hong et al. 2024) computed here, independently, from the same
-  initial weights on the same first global batch.
+* ORPO's step-1 loss on DP2 equals the published formula (Hong et al. 2024; the NLL as TRL's ORPOTrainer takes it: the
+  token mean over the global batch's chosen prompts and responses) computed here, independently, from the same initial
+  weights on the same first global batch (against TRL itself and at every micro-batch size: tests/test_orpo.py).
 """
 
 from __future__ import annotations
@@ -193,19 +194,37 @@ def _resuming_needs_the_same_reference(run, started_from, reference, tokenizer):
     assert "was trained with model_alignment_strategy.dpo.kl_beta=0.5, not 0.1" in str(refused.value)
 
 
-def _orpo_formula(logits, labels, beta, pairs):
-    """ORPO on one micro-batch (rows: `pairs` chosen, then `pairs` rejected), written out from the paper: log P(y|x) the
-    mean token log-probability of the response; odds = P / (1 − P); L = NLL(chosen, token mean) − β·mean log σ(log
-    odds_c − log odds_r)."""
+def _orpo_formula(logits, mb, beta, pairs):
+    """ORPO's pieces on one micro-batch (rows: `pairs` chosen, then `pairs` rejected), written out from the paper and
+    TRL's ORPOTrainer: log P(y|x) the mean token log-probability of the response; odds = P / (1 − P); the per-pair term
+    −β·log σ(log odds_c − log odds_r); the NLL of the chosen sequences over their prompt and response tokens (TRL:
+    input_ids where the attention mask is 1, shifted), returned as (sum, tokens) for the token mean over the batch."""
+    labels, ids, seq = mb["labels"], mb["input_ids"], mb["segment_ids"] != 0
+    logp_all = torch.log_softmax(logits.double(), -1)
     mask = labels != -100
-    logp = torch.log_softmax(logits.double(), -1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
+    logp = logp_all.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
     mean = logp.sum(-1) / mask.sum(-1)
     log_odds = mean - torch.log(1 - torch.exp(mean))
-    nll = -logp[:pairs].sum() / mask[:pairs].sum()
-    return nll - beta * F.logsigmoid(log_odds[:pairs] - log_odds[pairs:]).mean(), beta * mean[:pairs].mean()
+    odds_term = -beta * F.logsigmoid(log_odds[:pairs] - log_odds[pairs:])
+    # every next token inside the sequence: the last position's is its label, the others' the next input id
+    n = seq.sum(-1)
+    nll_sum, tokens = 0.0, 0
+    for row in range(pairs):
+        k = int(n[row])
+        targets = torch.cat([ids[row, 1:k], labels[row, k - 1 : k]])
+        nll_sum -= float(logp_all[row, torch.arange(k), targets].sum())
+        tokens += k
+    return odds_term, nll_sum, tokens, beta * mean[:pairs]
 
 
-def test_orpo_loss_equals_the_formula_on_the_first_batch(tmp_path, tokenizer):
+@pytest.mark.parametrize(
+    "layout",
+    [["trainer.devices=2"], ["trainer.devices=2", "distributed_strategy.pipeline_model_parallel_size=2"]],
+    ids=["dp2-zero1", "pp2"],
+)
+def test_orpo_loss_equals_the_formula_on_the_first_batch(tmp_path, tokenizer, layout):
+    """DP2: the NLL's token count summed over both ranks; PP2: the last stage's loss with the count every stage computed
+    (``nll_scale``)."""
     import lightning.pytorch as pl
 
     from nxdt.config import load_run_config
@@ -219,7 +238,7 @@ def test_orpo_loss_equals_the_formula_on_the_first_batch(tmp_path, tokenizer):
         tmp_path,
         "hf_llama3_8B_ORPO_config",
         *PARITY,
-        "trainer.devices=2",
+        *layout,
         f"exp_manager.explicit_log_dir={run}",
         f"data.tokenizer.type={tokenizer}",
     )
@@ -230,17 +249,19 @@ def test_orpo_loss_equals_the_formula_on_the_first_batch(tmp_path, tokenizer):
     data, orpo = cfg.data, cfg.model_alignment_strategy.orpo
     dataset = build_preference_dataset(data, orpo, data.train_dir, cfg.model.vocab_size, limit=data.dev_choose_samples)
     first = next(iter(GlobalBatchSampler(len(dataset), data.global_batch_size, data.global_batch_size, seed=cfg.seed)))
-    losses, chosen = [], []
+    odds, chosen, nll_sum, tokens = [], [], 0.0, 0
     with torch.no_grad():
         for k in range(0, len(first), data.micro_batch_size):
             mb = pair_rows(torch.utils.data.default_collate([dataset[i] for i in first[k : k + data.micro_batch_size]]))
             logits = model(mb["input_ids"], mb["position_ids"], mb["segment_ids"])
-            loss, reward = _orpo_formula(logits, mb["labels"], orpo.beta, data.micro_batch_size)
-            losses.append(float(loss))
-            chosen.append(float(reward))
-    # DP2 (ZeRO-1, as the file says): each rank's two micro-batches; the step's loss is their mean over both ranks, the
-    # mean over the global batch's four micro-batches computed here. The same fp32 forward of the same weights and
-    # rows, the formula in float64: rounding only (~1e-7 relative)
-    assert float(rows[0]["loss"]) == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+            term, s, n, reward = _orpo_formula(logits, mb, orpo.beta, data.micro_batch_size)
+            odds += term.tolist()
+            chosen += reward.tolist()
+            nll_sum, tokens = nll_sum + s, tokens + n
+    # DP2 (ZeRO-1, as the file says; PP2: one pipeline of four micro-batches): the step's loss is the NLL's token mean
+    # over every chosen token of the global batch plus the odds-ratio term's mean over its pairs, as TRL computes it on
+    # one batch. The same fp32 forward of the same weights and rows, the formula in float64: rounding only (~1e-7 rel.)
+    assert float(rows[0]["loss"]) == pytest.approx(nll_sum / tokens + sum(odds) / len(odds), rel=1e-5)
+    assert float(rows[0]["nll_loss"]) == pytest.approx(nll_sum / tokens, rel=1e-5)
     assert float(rows[0]["rewards/chosen"]) == pytest.approx(sum(chosen) / len(chosen), rel=1e-5)
     assert [int(r["step"]) for r in rows] == [1, 2, 3] and all(math.isfinite(float(r["loss"])) for r in rows)

@@ -145,8 +145,13 @@ def test_objectives_by_recipe():
     assert objective_for(SimpleNamespace(sft=object(), dpo=None, orpo=None)) is CAUSAL_LM
     dpo = objective_for(SimpleNamespace(sft=None, dpo=SimpleNamespace(kl_beta=0.1, loss_type="sigmoid"), orpo=None))
     assert (dpo.name, dpo.pairs, dpo.reference, dpo.token_weighted) == ("dpo", True, True, False)
-    orpo = objective_for(SimpleNamespace(sft=None, dpo=None, orpo=SimpleNamespace(beta=0.1)))
+    orpo = objective_for(SimpleNamespace(sft=None, dpo=None, orpo=SimpleNamespace(beta=0.1, nll_mean="tokens")))
     assert (orpo.name, orpo.pairs, orpo.reference, orpo.token_weighted) == ("orpo", True, False, False)
+    assert orpo.token_metric == "nll_loss"  # TRL's NLL: a token mean over the global batch (tests/test_orpo.py)
+    nxdt_orpo = objective_for(SimpleNamespace(sft=None, dpo=None, orpo=SimpleNamespace(beta=0.1, nll_mean="sequences")))
+    assert nxdt_orpo.token_metric is None  # NxD Training's: a mean over pairs
+    with pytest.raises(ValueError, match="nll_mean='mean'"):
+        objective_for(SimpleNamespace(sft=None, dpo=None, orpo=SimpleNamespace(beta=0.1, nll_mean="mean")))
     with pytest.raises(ValueError, match="loss_type='hinge'"):
         objective_for(SimpleNamespace(sft=None, dpo=SimpleNamespace(kl_beta=0.1, loss_type="hinge"), orpo=None))
 

@@ -356,7 +356,8 @@ RULES: dict[str, Rule] = {
     ),
     "model_alignment_strategy.dpo.truncation_mode": _map("keep_start | keep_end: which end of a too-long prompt is kept"),
     "model_alignment_strategy.orpo.beta": _map(
-        "weight of the odds-ratio term: loss = NLL(chosen) − beta·log σ(log-odds ratio); no reference model"
+        "weight of the odds-ratio term: loss = NLL(chosen; TRL's token mean over the global batch, prompt included) "
+        "− beta·mean log σ(log-odds ratio); no reference model"
     ),
     "model_alignment_strategy.orpo.max_prompt_length": _map("as dpo.max_prompt_length"),
     "model_alignment_strategy.orpo.truncation_mode": _map("as dpo.truncation_mode"),

@@ -101,6 +101,7 @@ _TRAINING_KEYS = (
     "model_alignment_strategy.orpo.beta",
     "model_alignment_strategy.orpo.max_prompt_length",
     "model_alignment_strategy.orpo.truncation_mode",
+    "model_alignment_strategy.orpo.nll_mean",
 )
 
 _NOTED_KEYS = {

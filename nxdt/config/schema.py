@@ -347,6 +347,11 @@ class ORPOConfig:
     beta: float = doc(0.1, "weight of the odds-ratio term")
     max_prompt_length: int = doc(2048, "longest prompt, in tokens")
     truncation_mode: str = doc("keep_start", "keep_start | keep_end: which end of a too-long prompt is kept")
+    nll_mean: str = doc(
+        "tokens",
+        "the NLL term: tokens = TRL's ORPOTrainer (the chosen prompts' and responses' token mean over the global batch); "
+        "sequences = NxD Training's base_orpo.py (the mean over pairs of each chosen response's mean token log-prob)",
+    )
 
 
 @dataclass

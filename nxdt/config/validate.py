@@ -590,6 +590,7 @@ ALIGNMENT_BLOCKS = ("sft", "peft", "dpo", "orpo")
 SFT_TRUNCATION = ("truncate", "drop")  # nxdt.data.instructions.TRUNCATION_MODES (config sits below data)
 PREFERENCE_TRUNCATION = ("keep_start", "keep_end")  # nxdt.data.preferences.TRUNCATION_MODES
 DPO_LOSS_TYPES = ("sigmoid",)  # nxdt.models.objectives.DPO_LOSS_TYPES
+ORPO_NLL_MEANS = ("tokens", "sequences")  # nxdt.lightning.objective.ORPO_NLL_MEANS
 
 
 def alignment_recipes(cfg: Any) -> list[str]:
@@ -681,6 +682,13 @@ def _check_preference_recipe(cfg: Any) -> None:
         _number(f"{key}.kl_beta", block.kl_beta, 0, lo_open=True, what=" (β of the DPO loss)")
     else:
         _number(f"{key}.beta", block.beta, 0, what=" (weight of the odds-ratio term)")
+        if block.nll_mean not in ORPO_NLL_MEANS:
+            raise ConfigError(
+                f"{key}.nll_mean",
+                block.nll_mean,
+                "use tokens (TRL's ORPOTrainer: the token mean over the global batch's chosen prompts and responses) or "
+                "sequences (NxD Training's: the mean over pairs of each chosen response's mean token log-probability)",
+            )
 
 
 def _check_peft(cfg: Any) -> None:

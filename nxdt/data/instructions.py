@@ -19,7 +19,10 @@ template (the byte-level tokenizer, or ``use_chat_template=False``) the **plain 
 
 **Masking.** A record becomes a token list and a per-token "trained" flag: prompt text (everything that is not
 an assistant reply: system and user turns, the template's role headers, the generation prompt) is not trained,
-assistant replies are, and EOS is appended (trained) unless the text already ends with it. Chat records are cut
+assistant replies are (under a chat template, each reply's rendering up to the next message: its content and the
+template's end of turn, e.g. ChatML's ``<|im_end|>\n``). Under the plain template EOS is appended (trained) unless
+the text already ends with it; under a chat template nothing is appended — the template ends each turn itself, and
+TRL's SFTTrainer (conversational data, completion-only or assistant-only loss) trains exactly these tokens. Chat records are cut
 at the message boundaries — ``render(messages[:i], add_generation_prompt=True)`` and ``render(messages[:i+1])`` for
 each assistant message i — and every piece is tokenized on its own, so no token straddles a prompt/response
 boundary (a template whose renderings are not prefixes of each other is refused). Every assistant turn is
@@ -414,7 +417,10 @@ def tokenize_record(
         ids = tok.encode(text)
         tokens += ids
         trained += [is_trained] * len(ids)
-    if not tokens or tokens[-1] != tok.eos_id:
+    # the plain template: EOS ends the response (as NxDT's SFT data and TRL's SFTTrainer for plain text); a chat
+    # template writes its own end of turn (ChatML's <|im_end|>), and TRL's SFTTrainer appends nothing to a
+    # conversation rendered by one (sft_trainer.py `_prepare_dataset`: "Add EOS token if needed: non-conversational only")
+    if not templated and (not tokens or tokens[-1] != tok.eos_id):
         tokens.append(tok.eos_id)
         trained.append(True)
     return tokens, trained

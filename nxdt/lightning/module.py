@@ -12,6 +12,7 @@ over its pairs, with the objective's metrics as ``val_<name>``).
 from __future__ import annotations
 
 import importlib
+import functools
 import math
 from typing import Any
 
@@ -23,7 +24,16 @@ from nxdt.config.validate import ALLOWED_MODEL_PREFIX
 from nxdt.lightning.datamodule import EpochLimit
 from nxdt.lightning.hf import load_hf_weights
 from nxdt.data.preferences import pair_rows
-from nxdt.lightning.objective import label_count, objective_for, pair_sums, sequence_log_prob_sums, token_weights
+from nxdt.lightning.objective import (
+    chosen_sequence_tokens,
+    label_count,
+    objective_for,
+    pair_means,
+    pair_scores,
+    pair_sums,
+    sequence_log_prob_sums,
+    token_weights,
+)
 from nxdt.lightning.optim import build_optimizer, build_scheduler
 from nxdt.models.lora import apply_peft
 from nxdt.parallel import squared_norm
@@ -325,14 +335,18 @@ class CausalLMModule(pl.LightningModule):
                     table[i] = torch.stack([row[j], row[b + j]])
         dataset.set_reference_log_probs(self._data_parallel_sum(table))
 
-    def sequence_scores(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """Forward only: every row's summed label log-probability, [len(micro_batches), rows]; the strategy runs it
+    def sequence_scores(
+        self, micro_batches: list[dict[str, torch.Tensor]], fn: Any = sequence_log_prob_sums, per_row: int = 1
+    ) -> torch.Tensor:
+        """Forward only: ``fn(model, logits, micro_batch)`` of each micro-batch, ``per_row`` values per row flattened
+        (default: every row's summed label log-probability), [len(micro_batches), per_row · rows]; the strategy runs it
         (a pipeline: the last stage scores, every stage gets the result)."""
         run = getattr(self.trainer.strategy, "score", None)
-        width = micro_batches[0]["input_ids"].shape[0]
+        width = micro_batches[0]["input_ids"].shape[0] * per_row
+        flat = functools.partial(_flattened, fn)
         if run:
-            return run(self, micro_batches, sequence_log_prob_sums, width)
-        return self.score_locally(micro_batches, sequence_log_prob_sums)
+            return run(self, micro_batches, flat, width)
+        return self.score_locally(micro_batches, flat)
 
     def score_locally(self, micro_batches: list[dict[str, torch.Tensor]], fn: Any) -> torch.Tensor:
         """``fn(model, logits, micro_batch)`` of each micro-batch, forward only on this rank's model (no pipeline)."""
@@ -363,7 +377,14 @@ class CausalLMModule(pl.LightningModule):
         """Give every micro-batch its ``loss_weight`` (a 0-d tensor): its share of the global batch's labelled
         tokens, so the step's loss is the token mean over the whole global batch (nxdt.lightning.objective).
         ``model.loss_averaging: micro_batches`` leaves them unweighted: the plain mean of the micro-batches' token
-        means over micro-batches and DP ranks, NxD Training's loss."""
+        means over micro-batches and DP ranks, NxD Training's loss. ORPO: its ``nll_scale`` (micro-batches × DP
+        ranks / the global batch's chosen tokens) for the NLL term."""
+        if self.objective.token_metric is not None:  # ORPO's NLL: a token mean over every chosen token of the global batch
+            chosen = sum(chosen_sequence_tokens(mb) for mb in micro_batches)
+            total = int(self._data_parallel_sum(torch.tensor([chosen], dtype=torch.int64))[0])
+            scale = len(micro_batches) * self._data_parallel_size() / max(total, 1)
+            for mb in micro_batches:
+                mb["nll_scale"] = torch.tensor(scale, dtype=torch.float64)
         if not self.objective.token_weighted or getattr(self.model_cfg, "loss_averaging", "tokens") == "micro_batches":
             return micro_batches
         counts = [label_count(mb["labels"]) for mb in micro_batches]
@@ -383,8 +404,8 @@ class CausalLMModule(pl.LightningModule):
 
     def _no_val_sums(self) -> torch.Tensor:
         """Validation sums before the first batch: (loss · tokens, tokens); pairs (DPO/ORPO): (loss · pairs, each
-        metric · pairs, pairs) — :func:`~nxdt.lightning.objective.pair_sums`."""
-        return torch.zeros(len(self.objective.metrics) + 2 if self.objective.pairs else 2, dtype=torch.float64)
+        metric · pairs, NLL sum, NLL tokens, pairs) — :func:`~nxdt.lightning.objective.pair_sums`."""
+        return torch.zeros(len(self.objective.metrics) + 4 if self.objective.pairs else 2, dtype=torch.float64)
 
     def on_validation_epoch_start(self) -> None:
         self._val_sums = self._no_val_sums()
@@ -406,20 +427,19 @@ class CausalLMModule(pl.LightningModule):
         scores and every stage gets the values), then the objective of each micro-batch's real pairs (the
         padding pairs of the last batch left out), added up as sums over pairs."""
         micro_batches = self._lay_out(split_micro_batches(batch, self.micro_batch_size))
-        scores = self.sequence_scores(micro_batches)
-        assert self.objective.pair_loss is not None  # every pair objective has one
+        scores = self.sequence_scores(micro_batches, pair_scores, per_row=2)
+        objective = self.objective
+        assert objective.pair_loss is not None  # every pair objective has one
         for mb, row in zip(micro_batches, scores):
-            self._val_sums += pair_sums(self.objective.pair_loss, self.objective.metrics, row, mb)
+            self._val_sums += pair_sums(objective.pair_loss, objective.metrics, objective.token_metric, row.reshape(2, -1), mb)
 
     def on_validation_epoch_end(self) -> None:
         """val_loss: the token-weighted mean over every validation token of every data-parallel rank; DPO/ORPO: the
         mean over every validation pair, and each metric's (``val_rewards/accuracies``: the fraction of pairs)."""
         if self.objective.pairs:
             sums = self._data_parallel_sum(self._val_sums.clone()).tolist()
-            pairs = sums[-1]
-            means = [v / pairs if pairs else math.nan for v in sums[:-1]]
-            names = ("val_loss",) + tuple(f"val_{n}" for n in self.objective.metrics)
-            self.val_metrics = {"step": self.trainer.global_step, **dict(zip(names, means)), "val_pairs": int(pairs)}
+            means = pair_means(self.objective.metrics, self.objective.token_metric, sums)
+            self.val_metrics = {"step": self.trainer.global_step, **means, "val_pairs": int(sums[-1])}
             return
         loss_tokens, tokens = self._data_parallel_sum(self._val_sums.clone()).tolist()
         self.val_metrics = {
@@ -449,3 +469,8 @@ class CausalLMModule(pl.LightningModule):
             optimizer = shard(optimizer)  # ZeRO-1: each data-parallel rank keeps only its part of the state
         scheduler = build_scheduler(optimizer, self.model_cfg.optim.sched)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _flattened(fn: Any, model: Any, logits: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``fn``'s values of a micro-batch as one row (what the pipeline's ``score`` carries)."""
+    return fn(model, logits, micro_batch).reshape(-1)

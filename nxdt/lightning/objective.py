@@ -9,24 +9,29 @@ micro-batch is and so depend on micro_batch_size and the data-parallel degree. E
 mean, identical for any layout. With every position labelled (pretraining on text) every weight is exactly 1.
 
 DPO and ORPO train on preference pairs (``pairs``: each sample a chosen and a rejected sequence, laid out by
-:func:`~nxdt.data.preferences.pair_rows` so a pair's loss is computed in one micro-batch on one rank). Their loss is a
-mean over pairs, every micro-batch holding ``micro_batch_size`` pairs, so the plain mean over micro-batches and
-data-parallel ranks is the global mean (no token weights). DPO reads the reference model's per-sequence
-log-probabilities from the micro-batch (``ref_logps`` [pairs, 2], precomputed once before training:
-``CausalLMModule.precompute_reference``). Each preference loss records the sums of its metrics (TRL's names, and the
-pair count last) in ``micro_batch["metric_sums"]``, which the module sums over the global batch.
+:func:`~nxdt.data.preferences.pair_rows` so a pair's loss is computed in one micro-batch on one rank). DPO's loss, and
+ORPO's odds-ratio term, are means over pairs, every micro-batch holding ``micro_batch_size`` pairs, so the plain mean
+over micro-batches and data-parallel ranks is the global mean (no token weights). ORPO's NLL term is, as in TRL's
+ORPOTrainer (``concatenated_forward``: one ``CrossEntropyLoss`` over the chosen sequences, prompt and response), a
+token mean: over every chosen token of the **global** batch — what TRL computes when a step is one batch, and
+independent of micro_batch_size and data parallelism (a per-micro-batch mean, TRL's under gradient accumulation, is
+not). Each micro-batch's NLL sum is scaled by ``nll_scale`` (micro-batches × DP ranks / the global count). DPO reads
+the reference model's per-sequence log-probabilities from the micro-batch (``ref_logps`` [pairs, 2], precomputed once
+before training: ``CausalLMModule.precompute_reference``). Each preference loss records the sums of its metrics (TRL's
+names, and the pair count last) in ``micro_batch["metric_sums"]``, which the module sums over the global batch.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
 from nxdt.data.preferences import split_chosen_rejected
-from nxdt.models.objectives import DPO_LOSS_TYPES, dpo_loss, orpo_loss
+from nxdt.models.objectives import DPO_LOSS_TYPES, dpo_loss, odds_ratio_terms
 
 IGNORE_INDEX = -100
 
@@ -60,8 +65,10 @@ class Objective:
     pairs: bool = False  # samples are preference pairs (pair_rows lays out each micro-batch)
     reference: bool = False  # reads the reference model's log-probabilities (micro_batch["ref_logps"])
     metrics: tuple[str, ...] = ()  # what micro_batch["metric_sums"] holds (then the pair count)
-    # pairs: (rows' summed log-probs, rows' label counts, ref_logps or None) → (loss, metrics); validation reuses it
-    pair_loss: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] | None = None
+    # pairs: (rows' pair_scores, pair_counts, ref_logps or None) → PairTerms; validation reuses it
+    pair_loss: Callable[..., "PairTerms"] | None = None
+    # the metric of a token-mean NLL term (ORPO with nll_mean=tokens): each micro-batch then needs ``nll_scale``
+    token_metric: str | None = None
 
 
 CAUSAL_LM = Objective("causal_lm", causal_lm_loss)
@@ -76,65 +83,146 @@ def sequence_log_prob_sums(model: Any, logits: torch.Tensor, micro_batch: dict[s
     return model.token_log_probs(logits, micro_batch["labels"]).sum(-1)
 
 
+def sequence_labels(micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Every position's next token inside its sequence, prompt included (padding -100): the labels of TRL's ORPO NLL
+    (``ORPOTrainer.concatenated_forward``: ``input_ids`` where ``attention_mask`` is 1, shifted by one). A prompt
+    position (labelled -100, next position in the same segment) gets ``input_ids[t + 1]``; the rest keep ``labels``."""
+    labels, ids, segments = micro_batch["labels"], micro_batch["input_ids"], micro_batch["segment_ids"]
+    next_segments = torch.cat([segments[..., 1:], torch.zeros_like(segments[..., :1])], dim=-1)
+    prompt = (labels == IGNORE_INDEX) & (segments != 0) & (next_segments == segments)
+    return torch.where(prompt, torch.roll(ids, -1, dims=-1), labels)
+
+
+def pair_scores(model: Any, logits: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[2, rows]: every row's summed log-probability over its response tokens (row 0: log π(y|x), the labelled tokens)
+    and over its whole sequence (row 1: prompt and response, the NLL of ORPO), from one log-softmax."""
+    full = sequence_labels(micro_batch)
+    logp = model.token_log_probs(logits, full)  # 0 where full is -100
+    response = micro_batch["labels"] != IGNORE_INDEX
+    return torch.stack([torch.where(response, logp, torch.zeros_like(logp)).sum(-1), logp.sum(-1)])
+
+
+def pair_counts(micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[2, rows]: each row's response tokens and whole-sequence tokens (the counts of :func:`pair_scores`)."""
+    return torch.stack([(micro_batch["labels"] != IGNORE_INDEX).sum(-1), (sequence_labels(micro_batch) != IGNORE_INDEX).sum(-1)])
+
+
+def chosen_sequence_tokens(micro_batch: dict[str, torch.Tensor]) -> int:
+    """Tokens of a laid-out micro-batch's chosen sequences (prompt and response): the denominator of ORPO's NLL."""
+    return int(split_chosen_rejected(pair_counts(micro_batch)[1])[0].sum())
+
+
+class PairTerms(NamedTuple):
+    """A preference loss on some pairs, split by how it averages: ``pair_mean`` (0-d) is the mean over the pairs of the
+    per-pair part (DPO's whole loss; ORPO's odds-ratio term); ``nll_sum`` / ``nll_tokens`` (0-d) the summed NLL and
+    token count of a token-mean part (ORPO's L_SFT over the chosen sequences; 0 / 0 for DPO), which is divided by the
+    tokens of the whole global batch, not of the micro-batch. ``metrics``: per-pair means, by TRL's names."""
+
+    pair_mean: torch.Tensor
+    nll_sum: torch.Tensor
+    nll_tokens: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+
+
+NLL_METRIC = "nll_loss"  # ORPO's NLL term; under nll_mean=tokens a token mean, not a mean over pairs
+ORPO_NLL_MEANS = ("tokens", "sequences")
+
+
 def _record(micro_batch: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor], names: tuple[str, ...], pairs: int) -> None:
     """The micro-batch's metric sums (means × pairs) and its pair count, for the global-batch means."""
     means = torch.stack([metrics[n].detach().double().reshape(()) for n in names])
     micro_batch["metric_sums"] = torch.cat([means * pairs, torch.tensor([float(pairs)], dtype=torch.float64)])
 
 
-def dpo_pair_loss(
-    beta: float, loss_type: str, sums: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """DPO (Rafailov et al. 2023) of pairs from their rows' summed log-probabilities (chosen rows, then rejected rows)
-    and the reference's ``ref`` [pairs, 2]; ``counts`` (labelled tokens per row) are not needed."""
+def dpo_pair_loss(beta: float, loss_type: str, sums: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None) -> PairTerms:
+    """DPO (Rafailov et al. 2023) of pairs from their rows' summed response log-probabilities (``sums[0]``: chosen rows,
+    then rejected rows) and the reference's ``ref`` [pairs, 2]; ``counts`` are not needed. No token-mean term."""
     if ref is None:
         raise ValueError("DPO needs the reference log-probabilities of every pair (precompute_ref_log_probs)")
-    chosen, rejected = split_chosen_rejected(sums)
-    return dpo_loss(chosen, rejected, ref[:, 0], ref[:, 1], beta, loss_type)
+    chosen, rejected = split_chosen_rejected(sums[0])
+    loss, metrics = dpo_loss(chosen, rejected, ref[:, 0], ref[:, 1], beta, loss_type)
+    zero = torch.zeros((), dtype=torch.float64)
+    return PairTerms(loss, zero, zero, metrics)
 
 
-def orpo_pair_loss(
-    beta: float, sums: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """ORPO (Hong et al. 2024) of pairs: the chosen rows' token-mean NLL + β · the odds-ratio term of the
-    length-normalised log-probabilities (``sums / counts``); no reference model."""
-    (chosen_sum, rejected_sum), (chosen_count, rejected_count) = split_chosen_rejected(sums), split_chosen_rejected(counts)
-    nll = -chosen_sum.sum() / chosen_count.sum().clamp(min=1)
-    return orpo_loss(chosen_sum / chosen_count.clamp(min=1), rejected_sum / rejected_count.clamp(min=1), nll, beta)
+def orpo_pair_loss(beta: float, nll_mean: str, sums: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None) -> PairTerms:
+    """ORPO (Hong et al. 2024) of pairs: β · the odds-ratio term of the length-normalised response log-probabilities
+    (``sums[0] / counts[0]``), a mean over pairs, plus the chosen answers' NLL. ``nll_mean="tokens"`` (TRL's
+    ORPOTrainer): the NLL of the chosen sequences, prompt and response (``sums[1]``, ``counts[1]``), a token mean (over
+    the global batch: ``PairTerms.nll_sum``); ``"sequences"`` (NxD Training's base_orpo.py): minus the mean over pairs of
+    each chosen response's mean token log-probability. No reference model."""
+    (chosen_sum, rejected_sum), (chosen_count, rejected_count) = split_chosen_rejected(sums[0]), split_chosen_rejected(counts[0])
+    chosen_mean = chosen_sum / chosen_count.clamp(min=1)
+    losses, metrics = odds_ratio_terms(chosen_mean, rejected_sum / rejected_count.clamp(min=1), beta)
+    if nll_mean == "sequences":
+        nll = -chosen_mean.float().mean()
+        zero = torch.zeros((), dtype=torch.float64)
+        return PairTerms(losses.mean() + nll, zero, zero, {**metrics, NLL_METRIC: nll.detach()})
+    nll_sum, nll_tokens = -split_chosen_rejected(sums[1])[0].sum(), split_chosen_rejected(counts[1])[0].sum()
+    return PairTerms(losses.mean(), nll_sum, nll_tokens.to(nll_sum.dtype), metrics)
 
 
-PairLoss = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+PairLoss = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], PairTerms]
 
 
 def pair_objective_loss(
-    pair_loss: PairLoss, names: tuple[str, ...], model: Any, logits: torch.Tensor, micro_batch: dict[str, torch.Tensor]
+    pair_loss: PairLoss,
+    names: tuple[str, ...],
+    token_metric: str | None,
+    model: Any,
+    logits: torch.Tensor,
+    micro_batch: dict[str, torch.Tensor],
 ) -> torch.Tensor:
-    """A preference objective on one micro-batch of pairs (training): its rows' summed log-probabilities and label counts
-    → ``pair_loss`` (with the precomputed reference log-probabilities, DPO); records the metric sums."""
-    sums = sequence_log_prob_sums(model, logits, micro_batch)
-    counts = (micro_batch["labels"] != IGNORE_INDEX).sum(-1).to(sums.dtype)
-    loss, metrics = pair_loss(sums, counts, micro_batch.get("ref_logps"))
-    _record(micro_batch, metrics, names, sums.shape[0] // 2)
+    """A preference objective on one micro-batch of pairs (training): the per-pair part's mean plus the token-mean part
+    scaled by ``micro_batch["nll_scale"]`` (micro-batches × data-parallel ranks / the global batch's chosen tokens, set
+    by ``CausalLMModule``), so the mean over micro-batches and ranks is the token mean over the whole global batch
+    whatever micro_batch_size; records the metric sums (``nll_loss``: this micro-batch's share, likewise)."""
+    sums, counts = pair_scores(model, logits, micro_batch), pair_counts(micro_batch).to(logits.dtype)
+    terms = pair_loss(sums, counts, micro_batch.get("ref_logps"))
+    loss, metrics = terms.pair_mean, dict(terms.metrics)
+    if token_metric is not None:
+        if "nll_scale" not in micro_batch:
+            raise ValueError("a token-mean loss term needs micro_batch['nll_scale'] (CausalLMModule sets it per global batch)")
+        nll = terms.nll_sum * micro_batch["nll_scale"].to(terms.nll_sum.dtype)
+        loss, metrics[token_metric] = loss + nll, nll
+    _record(micro_batch, metrics, names, sums.shape[1] // 2)
     return loss
 
 
 def pair_sums(
-    pair_loss: PairLoss, names: tuple[str, ...], scores: torch.Tensor, micro_batch: dict[str, torch.Tensor]
+    pair_loss: PairLoss,
+    names: tuple[str, ...],
+    token_metric: str | None,
+    scores: torch.Tensor,
+    micro_batch: dict[str, torch.Tensor],
 ) -> torch.Tensor:
-    """Validation: (loss · pairs, each metric · pairs, pairs) of one laid-out micro-batch from its rows' summed
-    log-probabilities ``scores`` [2b] (forward only, :meth:`CausalLMModule.sequence_scores`), in float64. A padding pair
-    (:class:`~nxdt.data.sampler.PadRows`: no label; a real pair has at least one response token in each row) is left
-    out, so summed over the set the last value counts every real pair once."""
-    counts = (micro_batch["labels"] != IGNORE_INDEX).sum(-1).to(torch.float64)
-    real = split_chosen_rejected(counts)[0] > 0
-    out = torch.zeros(len(names) + 2, dtype=torch.float64)
+    """Validation: (per-pair part · pairs, each pair metric · pairs, NLL sum, NLL tokens, pairs) of one laid-out
+    micro-batch from its rows' :func:`pair_scores` ``scores`` [2, 2b] (forward only), in float64; summed over the set,
+    :func:`pair_means` makes the means. A padding pair (:class:`~nxdt.data.sampler.PadRows`: no label; a real pair has at
+    least one response token in each row) is left out, so the last value counts every real pair once."""
+    counts = pair_counts(micro_batch).to(torch.float64)
+    real = split_chosen_rejected(counts[0])[0] > 0
+    out = torch.zeros(len(names) + 4, dtype=torch.float64)
     pairs = int(real.sum())
     if pairs:
         rows = torch.cat([real, real])
         ref = micro_batch.get("ref_logps")
-        loss, metrics = pair_loss(scores.double()[rows], counts[rows], None if ref is None else ref[real])
-        values = torch.stack([loss.detach().double().reshape(())] + [metrics[n].detach().double().reshape(()) for n in names])
-        out[:-1], out[-1] = values * pairs, pairs
+        terms = pair_loss(scores.double()[:, rows], counts[:, rows], None if ref is None else ref[real])
+        per_pair = [terms.pair_mean] + [terms.metrics[n] if n != token_metric else torch.zeros(()) for n in names]
+        out[: len(names) + 1] = torch.stack([v.detach().double().reshape(()) for v in per_pair]) * pairs
+        out[-3:] = torch.stack([terms.nll_sum.detach().double(), terms.nll_tokens.double(), torch.tensor(float(pairs))])
+    return out
+
+
+def pair_means(names: tuple[str, ...], token_metric: str | None, sums: Sequence[float]) -> dict[str, float]:
+    """``val_loss`` and ``val_<metric>`` from :func:`pair_sums` summed over a whole set: the per-pair part's mean over
+    pairs plus the NLL's token mean (ORPO, nll_mean=tokens), each pair metric's mean over pairs, ``token_metric`` the
+    token mean."""
+    pair_part, metric_sums, (nll_sum, nll_tokens, pairs) = sums[0], sums[1:-3], sums[-3:]
+    nll = nll_sum / nll_tokens if nll_tokens else 0.0
+    out = {"val_loss": pair_part / pairs + nll if pairs else math.nan}
+    for name, value in zip(names, metric_sums):
+        out[f"val_{name}"] = nll if name == token_metric else (value / pairs if pairs else math.nan)
     return out
 
 
@@ -149,7 +237,7 @@ def objective_for(alignment: Any) -> Objective:
         pair_loss: PairLoss = functools.partial(dpo_pair_loss, float(dpo.kl_beta), dpo.loss_type)
         return Objective(
             "dpo",
-            functools.partial(pair_objective_loss, pair_loss, REWARD_METRICS),
+            functools.partial(pair_objective_loss, pair_loss, REWARD_METRICS, None),
             token_weighted=False,
             pairs=True,
             reference=True,
@@ -157,13 +245,18 @@ def objective_for(alignment: Any) -> Objective:
             pair_loss=pair_loss,
         )
     if orpo is not None:
-        pair_loss = functools.partial(orpo_pair_loss, float(orpo.beta))
+        nll_mean = orpo.nll_mean
+        if nll_mean not in ORPO_NLL_MEANS:
+            raise ValueError(f"model_alignment_strategy.orpo.nll_mean={nll_mean!r}: use one of {', '.join(ORPO_NLL_MEANS)}")
+        token_metric = NLL_METRIC if nll_mean == "tokens" else None
+        pair_loss = functools.partial(orpo_pair_loss, float(orpo.beta), nll_mean)
         return Objective(
             "orpo",
-            functools.partial(pair_objective_loss, pair_loss, ORPO_METRICS),
+            functools.partial(pair_objective_loss, pair_loss, ORPO_METRICS, token_metric),
             token_weighted=False,
             pairs=True,
             metrics=ORPO_METRICS,
             pair_loss=pair_loss,
+            token_metric=token_metric,
         )
     return CAUSAL_LM
