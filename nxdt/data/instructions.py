@@ -312,7 +312,7 @@ def _compile_cached(template: str) -> Any:
         return run
 
     env = BudgetedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
-    env.nxdt_budget = budget  # type: ignore[attr-defined]
+    env.nxdt_budget = budget
     env.filters = {name: budgeted_filter(f) for name, f in env.filters.items()}
     env.filters["tojson"] = budgeted_filter(tojson)
     env.globals["raise_exception"] = raise_exception

@@ -202,7 +202,8 @@ def run_state(run_dir: Path, record: dict[str, Any] | None, last_step: int | Non
         pid = record.get("pid")
         # a pid is a positive C int (os.kill raises OverflowError beyond it: 2**80 in a crafted file)
         valid_pid = isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < 2**31
-        alive = valid_pid and record.get("host", socket.gethostname()) == socket.gethostname() and pid_alive(pid)
+        here = record.get("host", socket.gethostname()) == socket.gethostname()
+        alive = isinstance(pid, int) and valid_pid and here and pid_alive(pid)
         if alive and lock_held(run_dir) is not False:
             return "running", f"launcher pid {pid}"
         if record.get("host") not in (None, socket.gethostname()):
