@@ -187,6 +187,7 @@ def apply_lora(
         raise ValueError(f"{type(model).__name__} already has LoRA adapters; merge_lora it first")
     leaves = resolve_targets(targets)
     found = _targeted_linears(model, targets, leaves)
+    _check_rank(found, rank)
     model.requires_grad_(False)
     for name, linear in found:
         parent_name, _, child = name.rpartition(".")
@@ -214,6 +215,20 @@ def _targeted_linears(model: nn.Module, targets: tuple[str, ...], leaves: tuple[
             "target_modules", f"LoRA target_modules {list(targets)}: {type(model).__name__} has no nn.Linear named {missing}"
         )
     return found
+
+
+def _check_rank(found: list[tuple[str, nn.Linear]], rank: int) -> None:
+    """B·A of rank r adds nothing over a full update once r reaches min(in, out) of the layer it adapts: a larger
+    rank only multiplies the adapter's memory and time (rank 100000 on hidden 128: minutes of training that
+    could not learn more). Refused, naming the narrowest targeted layer."""
+    name, linear = min(found, key=lambda f: min(f[1].in_features, f[1].out_features))
+    widest = min(linear.in_features, linear.out_features)
+    if rank > widest:
+        raise LoRAArgumentError(
+            "rank",
+            f"LoRA rank={rank} is larger than {name} ({linear.in_features} → {linear.out_features}) can use: an adapter's "
+            f"rank is at most min(in, out) = {widest}; a LoRA rank is usually 8-64",
+        )
 
 
 def lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -336,7 +351,7 @@ def check_peft(model: nn.Module, peft_config: "PeftConfig | Mapping[str, Any] | 
     config = PeftConfig.of(peft_config)
     targets = _check_args(config.lora_rank, config.lora_alpha, config.lora_dropout, config.lora_bias, config.target_modules)
     _check_merge(config)
-    _targeted_linears(model, targets, resolve_targets(targets))
+    _check_rank(_targeted_linears(model, targets, resolve_targets(targets)), config.lora_rank)
     return config
 
 

@@ -287,6 +287,9 @@ def check_data(cfg: Any) -> None:
     a local run on this host, the plan's memory estimate against the host's available memory."""
     from nxdt.config import ConfigError
 
+    # arithmetic first: model.num_layers=100000 is refused in a second, before the meta-device build below
+    # (411 s and 3.9 GB for that model) or anything else is allocated
+    _check_model_fits(cfg)
     _check_model(cfg)
     data = cfg.data
     if data.source == "text":
@@ -302,7 +305,8 @@ def check_data(cfg: Any) -> None:
         for key, path in (("data.train_dir", data.train_dir or SAMPLE_TEXT), ("data.val_dir", data.val_dir)):
             try:
                 if path is not None:
-                    check_text_files(path, data.seq_length, byte_level=data.tokenizer is None)
+                    text_bytes = check_text_files(path, data.seq_length, byte_level=data.tokenizer is None)
+                    _check_host_memory(cfg, data_key=key, data_bytes=TEXT_BYTES_IN_MEMORY * text_bytes)
             except TextSourceError as exc:
                 raise ConfigError(key, path, exc.fix) from None
     elif data.source == "hf_dataset":
@@ -346,7 +350,7 @@ def _check_instructions(cfg: Any) -> None:
     truncated), so a bad record, a tokenizer without EOS or an empty file is one line before any worker starts, and
     the user hears once how many records were cut or dropped."""
     from nxdt.config import ConfigError
-    from nxdt.data.instructions import build_chat_tokenizer, sft_report
+    from nxdt.data.instructions import ChatTemplateError, build_chat_tokenizer, sft_report
     from nxdt.lightning.datamodule import build_sft_dataset, chat_tokenizer_dir
 
     data = cfg.data
@@ -359,8 +363,14 @@ def _check_instructions(cfg: Any) -> None:
             continue
         try:
             dataset = build_sft_dataset(data, cfg.model_alignment_strategy.sft, path, cfg.model.vocab_size, limit=limit)
+        except ChatTemplateError as exc:  # the tokenizer's template is at fault, not the records
+            raise ConfigError("data.tokenizer", data.tokenizer, str(exc)) from None
         except (ValueError, OSError, RuntimeError) as exc:
             raise ConfigError(key, path, str(exc)) from None
+        if key == "data.train_dir":
+            _check_one_global_batch(
+                cfg, key, path, len(dataset), "sequences after packing" if cfg.model_alignment_strategy.sft.packing else "records"
+            )
         print(f"nxdt: {sft_report(dataset.stats, 'train' if key == 'data.train_dir' else 'validation')}", flush=True)
 
 
@@ -368,7 +378,7 @@ def _check_preferences(cfg: Any) -> None:
     """Preference records (DPO, ORPO) are read, tokenized and truncated here as every worker will, so a record with a
     missing or empty prompt/chosen/rejected is one line before any worker starts, and the counts are printed once."""
     from nxdt.config import ConfigError
-    from nxdt.data.instructions import build_chat_tokenizer
+    from nxdt.data.instructions import ChatTemplateError, build_chat_tokenizer
     from nxdt.data.preferences import preference_report
     from nxdt.lightning.datamodule import build_preference_dataset, chat_tokenizer_dir
 
@@ -385,9 +395,27 @@ def _check_preferences(cfg: Any) -> None:
             cfg.model.vocab_size,
             limit=data.dev_choose_samples,
         )
+    except ChatTemplateError as exc:  # the tokenizer's template is at fault, not the records
+        raise ConfigError("data.tokenizer", data.tokenizer, str(exc)) from None
     except (ValueError, OSError, RuntimeError) as exc:
         raise ConfigError("data.train_dir", data.train_dir, str(exc)) from None
+    _check_one_global_batch(cfg, "data.train_dir", data.train_dir, len(dataset), "preference pairs")
     print(f"nxdt: {preference_report(dataset.stats)}", flush=True)
+
+
+def _check_one_global_batch(cfg: Any, key: str, path: Any, samples: int, what: str) -> None:
+    """Fewer samples than one global batch: every step would hold some of them several times (the sampler's epochs
+    follow each other inside a batch), which no one asking for that batch size means."""
+    from nxdt.config import ConfigError
+
+    if samples < cfg.data.global_batch_size:
+        raise ConfigError(
+            key,
+            path,
+            f"holds {samples} {what}, fewer than one global batch (data.global_batch_size={cfg.data.global_batch_size}): "
+            "every step would repeat them; give more data or a data.global_batch_size of at most "
+            f"{samples} (a multiple of micro_batch_size × data-parallel ranks)",
+        )
 
 
 def _check_model(cfg: Any) -> None:
@@ -472,16 +500,36 @@ def host_available_bytes() -> int | None:
     return None
 
 
-def _check_host_memory(cfg: Any) -> None:
+# A training text in memory on every rank, per byte of its files: byte-level, the bytes are the tokens (1×) and
+# several files are concatenated (2× while both exist); a subword tokenizer's ids take fewer bytes than its text.
+TEXT_BYTES_IN_MEMORY = 2
+
+
+def _check_host_memory(cfg: Any, data_key: str | None = None, data_bytes: int = 0) -> None:
     """A run of worker processes on this host (instance graph ``host``, local launcher) whose planned memory —
     per rank × ranks on the node — clearly exceeds the host's available memory would be killed by the OOM killer
-    mid-run; refused here, naming both figures and the fix."""
+    mid-run; refused here, naming both figures and the fix. With ``data_key``, only the training text that every
+    rank holds (``data_bytes`` per rank) is checked: a 20 GB text is refused by its key before any rank reads it."""
     if cfg.instance.graph != "host" or cfg.launcher.name != "local":
         return
     available = host_available_bytes()
     if not available:
         return
     from nxdt.config import ConfigError
+
+    if data_key is not None:
+        from nxdt.config.validate import devices_per_node
+
+        ranks = devices_per_node(cfg)
+        if data_bytes * ranks > HOST_MEMORY_FRACTION * available:
+            raise ConfigError(
+                data_key,
+                _get_path(cfg, data_key),
+                f"every rank holds the text in memory: {_size(data_bytes)} × {ranks} ranks = {_size(data_bytes * ranks)}, "
+                f"this host has {_size(available)} available (MemAvailable); convert it to Megatron indexed data "
+                "(nxdt data convert-megatron, memory-mapped) and set data.source=megatron",
+            )
+        return
     from nxdt.planner import plan
 
     the_plan = plan(cfg)
@@ -496,6 +544,42 @@ def _check_host_memory(cfg: Any) -> None:
             "(MemAvailable); use fewer trainer.devices, a smaller model, a smaller data.micro_batch_size "
             "or data.seq_length, or zero1 / fsdp",
         )
+
+
+def _check_model_fits(cfg: Any) -> None:
+    """The model's training state (weights, and without LoRA its gradients and optimizer state: bytes per parameter by
+    precision, ``planner.estimate.bytes_per_parameter``) over all of this host's ranks, however they shard it, against
+    the host's available memory: arithmetic on the config, before the model is built even on the meta device. The
+    full check (activations, ranks per node: :func:`_check_host_memory`) needs the plan and comes after the data."""
+    if cfg.instance.graph != "host" or cfg.launcher.name != "local":
+        return
+    available = host_available_bytes()
+    if not available:
+        return
+    from nxdt.config import ConfigError
+    from nxdt.planner.estimate import bytes_per_parameter, model_numbers
+
+    n = model_numbers(cfg.model)
+    per_param = bytes_per_parameter(cfg)
+    stored = per_param["params"] + (
+        0 if cfg.model_alignment_strategy.peft is not None else per_param["grads"] + per_param["moments"] + per_param["master"]
+    )
+    state = n["total"] * stored
+    if state > HOST_MEMORY_FRACTION * available:
+        key = "model.num_layers" if n["per_layer"] * cfg.model.num_layers >= n["total"] / 2 else "model.vocab_size"
+        raise ConfigError(
+            key,
+            _get_path(cfg, key),
+            f"a model of {n['total'] / 1e9:,.1f} B parameters: its training state takes {_size(state)} "
+            f"({stored} bytes per parameter), more than this host's {_size(available)} available (MemAvailable) "
+            "however its ranks shard it; use a smaller model (fewer layers, a smaller hidden_size)",
+        )
+
+
+def _get_path(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
 
 
 def cmd_train(argv: list[str], start_workers_early: bool = False) -> int:

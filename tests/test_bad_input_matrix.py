@@ -6,6 +6,7 @@ code path as the `nxdt` script minus interpreter start-up; test_config_cli.py co
 from __future__ import annotations
 
 import glob
+import json
 import os
 from pathlib import Path
 
@@ -240,6 +241,104 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         *((["train", *overrides], needle) for overrides, needle in RANGE_COMBINED),
         *((["train", *overrides], needle) for overrides, needle in _launch_cases(tmp / "launch")),
     ]
+
+
+LOOPING_TEMPLATE = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}{{ messages[0]['content'] }}"
+
+
+def _chat_tokenizer(directory: Path, template: str) -> Path:
+    """A word-level tokenizer directory (8 ids: within llama_tiny's 256) with an EOS token and ``template``."""
+    import tokenizers
+
+    directory.mkdir(parents=True)
+    vocab = {w: i for i, w in enumerate(["<unk>", "<eos>", "user", "assistant", "a", "b", "c", "d"])}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "chat_template": template}))
+    return directory
+
+
+def _hardening_cases(tmp: Path) -> list[tuple[list[str], str]]:
+    """Issue 38, items 3, 4 and 6: data that would take the host down (devices, FIFOs, endless lines, a template that
+    never ends, a model or adapter or process count the host cannot hold), text that would become shell lines or run
+    files in system directories, and refusals that named the wrong key or none (or were accepted silently)."""
+    tmp.mkdir()
+    fifo = tmp / "fifo.jsonl"
+    os.mkfifo(fifo)  # opening it to read blocked the launcher until a writer came
+    os.mkfifo(tmp / "fifo.txt")
+    (tmp / "fifo_dir").mkdir()
+    os.mkfifo(tmp / "fifo_dir" / "a.txt")  # skipped: only regular *.txt files are text
+    long_line = tmp / "long_line.jsonl"
+    with open(long_line, "wb") as fh:  # one 17 MiB "record": a single endless line is what /dev/zero is
+        fh.write(b'{"input": "' + b"a" * (17 << 20))
+    same = _jsonl(
+        tmp, "same.jsonl", '{"prompt": "p", "chosen": "x", "rejected": "x"}\n{"prompt": "q", "chosen": "y", "rejected": "y"}'
+    )
+    one = _jsonl(tmp, "one.jsonl", '{"input": "2+2", "output": "4"}')
+    index_file = tmp / "index_cache_file"
+    index_file.write_text("")
+    looping = _chat_tokenizer(tmp / "looping_tokenizer", LOOPING_TEMPLATE)
+    broken = _chat_tokenizer(tmp / "broken_tokenizer", "{% for m in messages %}{{ m.content }}")  # no endfor
+    cases = [
+        # data that takes down the host
+        (["train", "data.train_dir=/dev/zero"], "data.train_dir='/dev/zero': is a character device, not a regular file"),
+        (["train", "+recipe=sft", "data.train_dir=/dev/zero"], "/dev/zero is a character device, not a regular file"),
+        (["train", f"data.train_dir={tmp / 'fifo.txt'}"], "fifo.txt': is a FIFO (named pipe), not a regular file"),
+        (["train", "+recipe=sft", f"data.train_dir={fifo}"], "fifo.jsonl is a FIFO (named pipe), not a regular file"),
+        (["train", "+recipe=dpo", f"data.train_dir={fifo}"], "fifo.jsonl is a FIFO (named pipe), not a regular file"),
+        (["train", f"data.train_dir={tmp / 'fifo_dir'}"], "holds no *.txt file"),
+        (["train", "+recipe=sft", f"data.train_dir={long_line}"], "long_line.jsonl:1: a line longer than 16 MiB"),
+        (["train", "+recipe=sft", f"data.tokenizer={looping}"], "data.tokenizer="),
+        (["train", "+recipe=sft", f"data.tokenizer={looping}"], "chat template: rendering took more than 1 s"),
+        (["train", "model.num_layers=100000", "model.ffn_hidden_size=34400"], "model.num_layers=100000: a model of 1,325.9 B"),
+        (
+            ["train", "+recipe=lora", "model_alignment_strategy.peft.lora_rank=100000"],
+            "model_alignment_strategy.peft.lora_rank: LoRA rank=100000 is larger than",
+        ),
+        (["comm-test", "-r", "5000"], "5000 ranks on this node is more than 8 per usable CPU core"),
+        # text that becomes shell lines; run files in system directories
+        (["train", "launcher.partition=a\nrm -rf x"], "launcher.partition='a\\nrm -rf x': contains a control character"),
+        (
+            ["train", "launcher=slurm", "launcher.partition=${oc.env:NXDT_TEST_RUN_NAME}"],
+            "launcher.partition='run\\n1': contains a control character",
+        ),
+        (
+            ["train", "launcher=slurm", "launcher.sbatch_args=[${oc.env:NXDT_TEST_RUN_NAME}]"],
+            "launcher.sbatch_args[0]='run\\n1': contains a control character",
+        ),
+        (["train", "launcher=slurm", "launcher.sbatch_args=[rm]"], "launcher.sbatch_args[0]='rm': is not an sbatch option"),
+        (["train", "exp_manager.explicit_log_dir=/etc"], "exp_manager.explicit_log_dir='/etc': is the system directory /etc"),
+        (["train", "exp_manager.explicit_log_dir=/usr/lib/run"], "is inside the system directory /usr"),
+        (["train", "exp_manager.exp_dir=/"], "exp_manager.exp_dir='/': is the shared directory / itself"),
+        # refusals that named the wrong key or none
+        (["train", "instance=../model/llama_tiny"], "instance='../model/llama_tiny': unknown instance"),
+        (["train", "model=null"], "model='null': unknown model"),
+        (["train", "model.hidden_size=${foo"], "model.hidden_size='${foo': is not a value Hydra's override grammar accepts"),
+        (["train", "model.hidden_size=${oc.env:NXDT_TEST_UNSET}"], "model.hidden_size: "),
+        (["train", "model.hidden_size=${model.nope}"], "model.hidden_size: Interpolation key 'model.nope' not found"),
+        (
+            ["train", "+recipe=sft", f"data.tokenizer={broken}"],
+            f"data.tokenizer={str(broken)!r}: chat template does not compile",
+        ),
+        (["train", "data.splits_string=abc"], "data.splits_string='abc': is not a list of numbers"),
+        # accepted silently before
+        (["train", "+hydra.callbacks.x._target_=os.system"], "hydra.callbacks.x._target_='os.system': nxdt composes"),
+        (["train", "hydra.run.dir=/tmp/elsewhere"], "hydra.run.dir='/tmp/elsewhere': nxdt composes"),
+        (["train", "+recipe=dpo", f"data.train_dir={same}"], "every record has 'chosen' equal to 'rejected' (2 of 2)"),
+        (
+            ["train", "+recipe=dpo", "model_alignment_strategy.dpo.max_prompt_length=64"],
+            "model_alignment_strategy.dpo.max_prompt_length=64: is not below data.seq_length=64",
+        ),
+        (["train", f"data.index_mapping_dir={index_file}"], "data.index_mapping_dir="),
+        (["train", "+recipe=sft", f"data.train_dir={one}"], "fewer than one global batch (data.global_batch_size=8)"),
+    ]
+    if os.geteuid() == 0:  # a directory of another user's (only root can make one here)
+        theirs = tmp / "theirs"
+        theirs.mkdir()
+        os.chown(theirs, 65534, 65534)
+        cases.append((["train", f"exp_manager.explicit_log_dir={theirs}"], "exists and belongs to uid 65534, not to you"))
+    return cases
 
 
 def _launch_cases(tmp: Path) -> list[tuple[list[str], str]]:
@@ -524,12 +623,7 @@ def _left_behind(before: set[str]) -> set[str]:
     return left
 
 
-def test_every_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, capsys, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("NXDT_TEST_RUN_NAME", "run\n1")
-    (tmp_path / "inputs").mkdir()
-    cases = _cases(tmp_path / "inputs")
-    assert len(cases) >= 100
+def _assert_each_refused(cases: list[tuple[list[str], str]], tmp_path: Path, capsys) -> None:
     segments, children = set(glob.glob("/dev/shm/nxdt-*")), _children()
     failures = []
     for argv, needle in cases:
@@ -541,3 +635,23 @@ def test_every_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, capsys,
     assert not failures, "\n".join(failures)
     assert not (tmp_path / "outputs").exists()  # no run directory: nothing was launched
     assert not _left_behind(segments) and _children() <= children
+
+
+def test_every_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("NXDT_TEST_RUN_NAME", "run\n1")
+    (tmp_path / "inputs").mkdir()
+    cases = _cases(tmp_path / "inputs")
+    assert len(cases) >= 100
+    _assert_each_refused(cases, tmp_path, capsys)
+
+
+def test_hostile_inputs_are_one_line_exit_2_within_seconds_and_leave_nothing(tmp_path, capsys, monkeypatch):
+    """The cases of issue 38 (items 3, 4, 6) in their own test: each is refused in seconds (the looping template
+    after its 1 s budget), so the whole set fits one test's timeout beside the matrix above."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("NXDT_TEST_RUN_NAME", "run\n1")
+    monkeypatch.delenv("NXDT_TEST_UNSET", raising=False)
+    cases = _hardening_cases(tmp_path / "inputs")
+    _assert_each_refused(cases, tmp_path, capsys)
+    assert not list(Path("/etc").glob("plan.json"))  # explicit_log_dir=/etc wrote nothing there

@@ -40,6 +40,17 @@ def test_r_is_the_total_over_n_nodes_as_in_nccom_test(capsys):
         assert len(err) == 1 and "do not divide equally" in err[0] and "total number of ranks" in err[0], err
 
 
+def test_the_process_count_is_capped_by_cores_unless_forced():
+    """-r 5000 forked 1,400 processes and 16 GB in 70 s before the host gave out: at most RANKS_PER_CORE per core."""
+    from nxdt.comm.bench import RANKS_PER_CORE, check_process_count, usable_cores
+
+    most = RANKS_PER_CORE * usable_cores()
+    check_process_count(most, force=False)
+    check_process_count(most + 1, force=True)
+    with pytest.raises(ValueError, match=f"{most + 1} ranks on this node is more than {RANKS_PER_CORE} per usable CPU core"):
+        check_process_count(most + 1, force=False)
+
+
 @pytest.mark.timeout(180)
 def test_small_checked_run_with_baseline_writes_nccom_style_json(tmp_path):
     report = tmp_path / "r.json"

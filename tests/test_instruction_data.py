@@ -349,3 +349,65 @@ def test_a_template_whose_prefixes_do_not_extend_is_refused():
     ]
     with pytest.raises(ValueError, match="record 0: chat template: the rendering up to message 3 does not extend"):
         build_sft_examples([{"messages": chat}], tok, 32, packing=False)
+
+
+# ------------------------------------------------------------------------------------------------ hostile input
+
+
+@pytest.mark.parametrize(
+    "template, needle",
+    [
+        ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}", "took more than 1 s"),
+        ("{% for a in range(100000) %}{% for b in range(100000) %}x{% endfor %}{% endfor %}", "took more than 1 s"),
+        (
+            "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+            "a value larger than 4,194,304 characters",
+        ),
+        ("{{ 'x' | center(1000000000) }}", "a value larger than"),
+        ("{{ 'x' * 1000000000 }}", "a value larger than"),
+        ("{{ 'x'.ljust(1000000000) }}", "a value larger than"),
+        ("{{ 10 ** 10 ** 10 }}", "a value larger than"),
+        ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError"),
+    ],
+)
+def test_a_chat_template_renders_under_a_time_and_size_budget(template, needle):
+    """Sandboxed Jinja stops unsafe attribute access, not loops or sizes (jinja2.sandbox: only range() is capped, at
+    100,000 items): a template from an untrusted tokenizer folder could run for hours or fill memory. Each render gets
+    TEMPLATE_SECONDS and TEMPLATE_OUTPUT_CHARS; the error is a ChatTemplateError (blamed on data.tokenizer)."""
+    import time
+
+    from nxdt.data.instructions import TEMPLATE_SECONDS, ChatTemplateError
+
+    started = time.monotonic()
+    with pytest.raises(ChatTemplateError, match=needle):
+        render_chat_template(template, [{"role": "user", "content": "hi"}])
+    assert time.monotonic() - started < 20 * TEMPLATE_SECONDS  # bounded (loose: a loaded 2-core host)
+    # an ordinary template still renders, and the budget does not outlive its render
+    assert (
+        render_chat_template("{% for m in messages %}{{ m.role }}: {{ m.content }}{% endfor %}", [{"role": "u", "content": "x"}])
+        == "u: x"
+    )
+
+
+def test_record_files_must_be_regular_and_lines_bounded(tmp_path):
+    import os
+
+    from nxdt.data.files import DataFileError
+    from nxdt.data.instructions import read_instruction_records
+
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)  # open() for reading would wait for a writer forever
+    with pytest.raises(DataFileError, match="is a FIFO"):
+        read_jsonl(fifo)
+    with pytest.raises(DataFileError, match="/dev/zero is a character device"):
+        read_instruction_records("/dev/zero")
+    (tmp_path / "long.jsonl").write_bytes(b'{"input": "' + b"a" * 100)
+    from nxdt.data import files
+
+    with pytest.raises(DataFileError, match=r"long.jsonl:1: a line longer than"):
+        list(files.read_lines(tmp_path / "long.jsonl", max_line=64))
+    good = tmp_path / "dir"
+    good.mkdir()
+    (good / "a.jsonl").write_text('{"input": "q", "output": "a"}\n')
+    os.mkfifo(good / "b.jsonl")  # a FIFO among the files of a directory is left out, not opened
+    assert read_instruction_records(good) == [{"input": "q", "output": "a"}]

@@ -174,6 +174,8 @@ def test_gradients_flow_to_adapters_and_the_chosen_biases_only(bias, trainable_b
         (dict(rank=4, alpha=8, dropout=1.0), "dropout=1.0: must be in [0, 1)"),
         (dict(rank=4, alpha=8, bias="lora"), "bias='lora': use one of none, all, lora_only"),
         (dict(rank=4, alpha=8, target_modules=[]), "target_modules is empty"),
+        # an adapter's rank is at most min(in, out) of its layer: above it, only memory and time grow
+        (dict(rank=100000, alpha=8), "rank=100000 is larger than"),
     ],
 )
 def test_bad_input_is_one_clear_error(kwargs, message):

@@ -168,6 +168,30 @@ def test_the_index_mapping_is_cached_as_npy_and_rebuilt_when_stale(tmp_path):
     assert sorted(rebuilt.shuffle.tolist()) == list(range(10))
 
 
+@pytest.mark.parametrize(
+    "kind, tamper",
+    [
+        ("doc_order", lambda a: a + 1000),  # documents that do not exist
+        ("sample_starts", lambda a: a * 0 + [len(a) * 10, 0]),  # positions past the document order
+        ("sample_starts", lambda a: a + [0, 10**6]),  # offsets past their document
+        ("shuffle", lambda a: a * 0 + 3),  # not a permutation: one sample repeated
+        ("doc_order", lambda a: a.astype(np.float64)),  # not integers
+    ],
+)
+def test_a_tampered_index_cache_is_rebuilt_not_used(tmp_path, kind, tamper):
+    """A cache anyone with write access to the dataset directory can change: values out of range (shapes kept, the
+    description file untouched) used to fail in every worker with an IndexError; now the arrays are rebuilt."""
+    write_indexed(tmp_path / "d", [list(range(20))] * 3, np.uint16)
+    cache = tmp_path / "cache"
+    first = GPTSamples(read_index(tmp_path / "d"), 10, 4, seed=0, cache_dir=cache)
+    (victim,) = cache.glob(f"*_{kind}.npy")
+    np.save(victim, tamper(np.load(victim)), allow_pickle=False)
+    again = GPTSamples(read_index(tmp_path / "d"), 10, 4, seed=0, cache_dir=cache)
+    for got, want in zip((again.order, again.starts, again.shuffle), (first.order, first.starts, first.shuffle)):
+        assert np.array_equal(got, want)
+    assert [len(again.tokens(i)) for i in range(len(again))] == [5] * 10
+
+
 def test_splits_string_keeps_the_leading_training_share():
     assert train_split_end(100, "980,10,10") == 98
     assert train_split_end(7, "980,10,10") == 7

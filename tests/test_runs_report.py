@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 from pathlib import Path
 
@@ -135,6 +136,96 @@ def test_report_refuses_what_is_not_a_run(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "not a run directory" in capsys.readouterr().err
     assert main(["report"]) == 2 and "usage: nxdt report" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- crafted run directories
+# Anyone who can write under a shared exp_dir can craft a run directory; `nxdt runs` / `nxdt report` (perhaps run
+# by another user, or root) must neither write outside it, hang, fill memory, raise, nor pass escapes to a terminal.
+
+
+def test_report_never_writes_through_a_link_planted_in_the_run(tmp_path, capsys):
+    from nxdt.cli import main
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / "victim.txt"
+    victim.write_text("precious\n")
+    linked_dir = make_run(tmp_path / "linked_dir", 3)
+    (linked_dir / "report").symlink_to(outside, target_is_directory=True)
+    assert main(["report", str(linked_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a symbolic link" in err[0] and "Traceback" not in err[0]
+    assert sorted(p.name for p in outside.iterdir()) == ["victim.txt"]  # no figure, no summary written there
+
+    linked_file = make_run(tmp_path / "linked_file", 3)
+    (linked_file / "report").mkdir()
+    (linked_file / "report" / "summary.txt").symlink_to(victim)
+    (linked_file / "report" / "loss.png").symlink_to(outside / "loss.png")  # a dangling link: would create a file there
+    hard = make_run(tmp_path / "hard", 3)
+    (hard / "report").mkdir()
+    os.link(victim, hard / "report" / "summary.txt")  # a hard link: writing in place would change the victim
+    for run in (linked_file, hard):
+        text, written, out = report([run])
+        assert (out / "summary.txt").read_text() == text and not (out / "summary.txt").is_symlink()
+        assert not (out / "loss.png").is_symlink()
+    assert victim.read_text() == "precious\n" and sorted(p.name for p in outside.iterdir()) == ["victim.txt"]
+
+
+def test_crafted_run_files_are_listed_without_traceback_hang_or_escapes(tmp_path, capsys):
+    from nxdt.cli import main
+
+    make_run(tmp_path / "good", 4)
+    binary = make_run(tmp_path / "binary", 2)
+    (binary / "metrics.csv").write_bytes(b"step,loss\n1,2\n" + bytes(range(256)) * 64)  # NULs: csv.Error before
+    huge_pid = make_run(tmp_path / "huge_pid", 2)
+    (huge_pid / "status.json").write_text(json.dumps({"status": "running", "pid": 2**80}))  # OverflowError before
+    fifo = make_run(tmp_path / "fifo", 2)
+    (fifo / "metrics.csv").unlink()
+    os.mkfifo(fifo / "metrics.csv")  # opening it to read blocked forever before
+    escapes = make_run(tmp_path / "escapes", 2)
+    (escapes / "status.json").write_text(
+        json.dumps({"status": "failed", "reason": "\x1b]0;owned\x07\x1b[2J[bold red]boom[/]\r\nfake line", "started": "\x1b[31m"})
+    )
+    broken = make_run(tmp_path / "broken", 2)
+    (broken / "plan.json").write_text(json.dumps({"degrees": {"tp": "two"}, "world_size": 2}))  # '>' on a str
+
+    assert main(["runs", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    out, err = captured.out, captured.err
+    for name in ("good", "binary", "huge_pid", "fifo", "escapes"):
+        assert name in out, out
+    assert "\x1b" not in out and "\x07" not in out and "\r" not in out and "Traceback" not in out + err
+    assert "[bold red]boom[/]" in out  # shown as text, not taken as markup
+    assert "skipped" in err and "broken" in err and "broken" not in out and len(err.strip().splitlines()) == 1
+
+    runs = {r.name: r for r in list_runs(tmp_path)}
+    assert runs["good"].status == "finished" and runs["good"].last_step == 4
+    assert runs["binary"].last_step == 1  # the one parseable row
+    assert runs["huge_pid"].status == "interrupted" and runs["fifo"].rows == []
+    assert runs["escapes"].detail.startswith("?") and "\x1b" not in runs["escapes"].detail
+
+    # the same crafted runs through nxdt report: one line or a report, never a traceback or a hang
+    assert main(["report", str(fifo)]) == 2 and "no metrics yet" in capsys.readouterr().err
+    assert main(["report", str(broken)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot be read as a run" in err[0]
+    assert main(["report", str(binary), str(escapes), "-o", str(tmp_path / "figs")]) == 0
+    assert "\x1b" not in capsys.readouterr().out
+
+
+def test_run_files_are_read_only_when_small_regular_and_not_links(tmp_path):
+    from nxdt.launch.runs import RunFileError, read_run_file
+
+    (tmp_path / "big").write_bytes(b"x" * 101)
+    (tmp_path / "ok").write_bytes(b"x" * 100)
+    (tmp_path / "link").symlink_to(tmp_path / "ok")
+    assert read_run_file(tmp_path / "ok", limit=100) == b"x" * 100
+    with pytest.raises(RunFileError, match="more than the 100"):
+        read_run_file(tmp_path / "big", limit=100)
+    with pytest.raises(OSError):  # ELOOP: O_NOFOLLOW
+        read_run_file(tmp_path / "link")
+    with pytest.raises(RunFileError, match="not a regular file"):
+        read_run_file(Path("/dev/zero"))
 
 
 # ---------------------------------------------------------------- three real runs

@@ -77,6 +77,55 @@ def config_error_from_hydra(exc: BaseException) -> ConfigError:
     return ConfigError(key or "config", "", first.strip())
 
 
+GROUPS = ("model", "data", "instance", "launcher", "recipe")  # config groups of conf/, chosen by name
+
+
+def check_overrides(overrides: list[str] | tuple[str, ...], groups: tuple[str, ...] = GROUPS) -> None:
+    """What Hydra would refuse in its own words (a lexer exception, ``Could not load 'instance/model_schema'``,
+    ``Got NoneType``) or accept without effect, refused first in one line naming the key: a value with a control
+    character, an override Hydra cannot parse, a config group option that is not a file of that group (a path such
+    as ``instance=../model/llama_tiny``, ``null``), and ``hydra.*`` keys (nxdt composes with Hydra but runs no Hydra
+    app: its callbacks, run directory, launchers and sweepers would silently do nothing)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for text in overrides:
+        if not isinstance(text, str) or "=" not in text and not text.startswith("~"):
+            continue  # the CLI says "key=value" for these
+        key, _, value = text.partition("=")
+        key = key.lstrip("+~").strip()
+        if key == "hydra" or key.startswith("hydra.") or key.startswith("hydra/"):
+            raise ConfigError(
+                key,
+                value,
+                "nxdt composes its config with Hydra but runs no Hydra app: hydra.* keys (callbacks, run dir, "
+                "launcher, sweeper) would have no effect; remove it (exp_manager.* places the run, -m sweeps)",
+            )
+        try:
+            parsed = parser.parse_override(text)
+        except Exception as exc:  # Hydra's grammar: OverrideParseException and its lexer's errors
+            if not value.isprintable():  # what the lexer stops at, in its words "LexerNoViableAltException"
+                raise ConfigError(
+                    key, value, "contains a control character (newline, tab, escape, ...); give plain text"
+                ) from None
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ConfigError(
+                key,
+                value,
+                f"is not a value Hydra's override grammar accepts ({reason}); quote a value with special characters, "
+                "e.g. key='a b,c'",
+            ) from None
+        if key in groups and not text.startswith("~"):
+            choice = parsed.value()
+            options = available_options(key)
+            if not isinstance(choice, str) or choice not in options:
+                raise ConfigError(
+                    key,
+                    choice if isinstance(choice, str) else value,
+                    f"unknown {key}{_closest(str(choice), options)}; name one of conf/{key}/: {', '.join(options)}",
+                )
+
+
 def _reject_unknown_keys(cfg: DictConfig) -> None:
     docs = field_docs()
     known = {k for k, _, _ in docs}
@@ -105,8 +154,19 @@ def to_config(cfg: DictConfig) -> Config:
         OmegaConf.resolve(cfg)
         return OmegaConf.to_object(cfg)
     except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", "") or "config"
+        key = getattr(exc, "full_key", "") or _unresolvable_key(cfg) or "config"
         raise ConfigError(key, "", str(exc).splitlines()[0]) from None
+
+
+def _unresolvable_key(cfg: DictConfig) -> str | None:
+    """The first key whose interpolation cannot be resolved (``${oc.env:UNSET}``, ``${model.nope}``): OmegaConf's
+    error on resolving the whole tree names none."""
+    for key in _leaf_keys(cfg):
+        try:
+            OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
+        except OmegaConfBaseException:
+            return key
+    return None
 
 
 def compose_config(
@@ -115,6 +175,7 @@ def compose_config(
     """nxdt's own config tree with Hydra overrides; ``paths=False`` (planning) does not require data and
     weight files to exist here."""
     register_schemas()
+    check_overrides(overrides)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):

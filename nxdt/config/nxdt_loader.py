@@ -55,8 +55,9 @@ def compose(
     check: bool = True,
     paths: bool = True,
 ) -> tuple[Config, list[str]]:
-    from nxdt.config import compose_config, to_config
+    from nxdt.config import check_overrides, compose_config, to_config
 
+    check_overrides(overrides, groups=("instance",))  # NxDT's own keys may share other group names
     config_dir = Path(config_path).expanduser().resolve()
     instance, group_overrides, nxdt_overrides, our_overrides = _sort_overrides(overrides)
     raw = _load_file(config_dir, config_name)

@@ -135,9 +135,105 @@ def check_run_name(name: Any) -> None:
         )
 
 
+# Launcher fields that become lines of job.sbatch or arguments of a node's command: a newline in one would be a
+# shell line of its own in the job script.
+LAUNCHER_TEXT_KEYS = ("partition", "account", "time_limit", "rdzv_endpoint", "rdzv_id", "local_addr")
+
+
+def check_launcher_text(cfg: Any) -> None:
+    """No control character (newline, CR, escape, NUL, ...) in a launcher string or an sbatch option."""
+    launcher = cfg.launcher
+    values = [(f"launcher.{k}", getattr(launcher, k, None)) for k in LAUNCHER_TEXT_KEYS]
+    values += [(f"launcher.sbatch_args[{i}]", a) for i, a in enumerate(launcher.sbatch_args or [])]
+    for key, value in values:
+        if isinstance(value, str) and not value.isprintable():
+            raise ConfigError(
+                key,
+                value,
+                "contains a control character (newline, tab, escape, ...): it would become a line of its own in job.sbatch; give plain text",
+            )
+    for i, arg in enumerate(launcher.sbatch_args or []):
+        if isinstance(arg, str) and not arg.startswith("-"):
+            raise ConfigError(
+                f"launcher.sbatch_args[{i}]",
+                arg,
+                "is not an sbatch option; give options such as '--constraint=trn1' (each starts with -)",
+            )
+
+
+# Directories a run must never write into: the system's own (resolved, so /lib → /usr/lib counts), and shared
+# roots where a run's files would lie loose among everyone's (their subdirectories are fine).
+SYSTEM_DIRS = (
+    "/etc",
+    "/usr",
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+    "/boot",
+    "/dev",
+    "/proc",
+    "/sys",
+    "/run",
+    "/var/lib",
+    "/var/log",
+    "/var/spool",
+    "/var/cache",
+    "/var/mail",
+    "/snap",
+)
+SHARED_ROOTS = ("/", "/home", "/tmp", "/var", "/var/tmp", "/dev/shm", "/mnt", "/media", "/opt", "/srv", "/root")
+
+
+def check_log_dir(key: str, value: Any) -> None:
+    """``exp_manager.explicit_log_dir`` / ``exp_dir``: printable, not a system directory, and — when it exists —
+    a directory of this user's (a run's files, and its ``.lock``, belong in a place the user owns)."""
+    import os
+
+    if not isinstance(value, str) or not value:
+        return
+    if not value.isprintable():
+        raise ConfigError(key, value, "contains a control character (newline, tab, escape, ...); give a plain path")
+    resolved = os.path.realpath(os.path.expanduser(value))
+    inside = next((d for d in SYSTEM_DIRS if resolved == d or resolved.startswith(d + "/")), None)
+    fix = "give a directory of your own, e.g. outputs/ (the default) or a path under your home"
+    if inside is not None:
+        raise ConfigError(key, value, f"is {'inside ' if resolved != inside else ''}the system directory {inside}; {fix}")
+    if resolved in SHARED_ROOTS:
+        raise ConfigError(key, value, f"is the shared directory {resolved} itself, where the run's files would lie loose; {fix}")
+    try:
+        owner = os.stat(resolved).st_uid
+    except OSError:
+        return  # created by the run, as this user
+    if owner != os.geteuid():
+        raise ConfigError(key, value, f"exists and belongs to uid {owner}, not to you (uid {os.geteuid()}); {fix}")
+
+
+def check_splits_string(value: Any) -> None:
+    """Megatron's ``splits_string``: up to three non-negative shares (``980,10,10``; ``/`` separates too), some
+    above 0; what ``nxdt.data.megatron.train_split_end`` reads in every worker."""
+    if value is None:
+        return
+    fix = "give up to three non-negative train,validation,test shares, e.g. 980,10,10 (or null: every document)"
+    parts = [p.strip() for p in str(value).replace("/", ",").split(",")]
+    try:
+        shares = [float(p) for p in parts if p]
+    except ValueError:
+        raise ConfigError("data.splits_string", value, f"is not a list of numbers; {fix}") from None
+    if not shares or len(shares) > 3 or any(not math.isfinite(x) or x < 0 for x in shares) or sum(shares) <= 0:
+        raise ConfigError("data.splits_string", value, fix)
+
+
 def check_ranges(cfg: Any) -> None:
-    """Every numeric key within the range its consumer accepts (finite floats, bounded integers)."""
+    """Every numeric key within the range its consumer accepts (finite floats, bounded integers); the run name, the
+    launcher's text fields and the run's directories (:func:`check_launcher_text`, :func:`check_log_dir`)."""
     check_run_name(cfg.name)
+    check_launcher_text(cfg)
+    check_splits_string(cfg.data.splits_string)
+    for key in ("exp_manager.explicit_log_dir", "exp_manager.exp_dir"):
+        check_log_dir(key, _get(cfg, key))
     _integer("seed", cfg.seed, 0, MAX_SEED, " (numpy and torch seeds are unsigned 32-bit)")
     trainer, em, model = cfg.trainer, cfg.exp_manager, cfg.model
     _integer("exp_manager.max_restarts", em.max_restarts, 0, what=" (0 = no restart)")
@@ -672,6 +768,13 @@ def _check_preference_recipe(cfg: Any) -> None:
     if block.truncation_mode not in PREFERENCE_TRUNCATION:
         raise ConfigError(f"{key}.truncation_mode", block.truncation_mode, f"must be one of {', '.join(PREFERENCE_TRUNCATION)}")
     _integer(f"{key}.max_prompt_length", block.max_prompt_length, 1, what=" (tokens)")
+    if block.max_prompt_length >= cfg.data.seq_length:  # TRL's rule too: max_prompt_length < max_length
+        raise ConfigError(
+            f"{key}.max_prompt_length",
+            block.max_prompt_length,
+            f"is not below data.seq_length={cfg.data.seq_length}: a prompt that long leaves no token for the responses; "
+            f"give at most {cfg.data.seq_length - 1} (or a longer data.seq_length)",
+        )
     if name == "dpo":
         if block.loss_type not in DPO_LOSS_TYPES:
             raise ConfigError(
@@ -773,6 +876,14 @@ def _check_paths(cfg: Any) -> None:
         path = _get(cfg, key)
         if path is not None and not Path(path).expanduser().exists():
             raise ConfigError(key, path, "no such file; give an existing path (or null for the default)")
+    cache = cfg.data.index_mapping_dir
+    if cache is not None and Path(cache).expanduser().exists() and not Path(cache).expanduser().is_dir():
+        raise ConfigError(
+            "data.index_mapping_dir",
+            cache,
+            "is a file, not a directory: the sample index cache (.npy files) is written into it; give a directory "
+            "(or null: beside each .idx)",
+        )
     if cfg.data.source == "hf_dataset" and importlib.util.find_spec("pyarrow") is None:
         raise ConfigError("data.source", "hf_dataset", "reading a save_to_disk directory needs pyarrow: pip install 'nxdt[hf]'")
 

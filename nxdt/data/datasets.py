@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from nxdt.data import mix_seed
+from nxdt.data.files import DataFileError, not_regular
 from nxdt.data.tokenizers import ByteTokenizer
 
 
@@ -84,6 +85,9 @@ def text_files(path: str | Path) -> list[Path]:
     path = Path(path)
     if path.is_file():
         return [path]
+    kind = not_regular(path)
+    if kind is not None and kind != "a directory":  # /dev/zero, a FIFO: endless or blocking reads
+        raise DataFileError(f"training text {path} is {kind}, not a regular file; give a UTF-8 text file or a directory")
     if path.is_dir():
         files = sorted(p for p in path.rglob("*.txt") if p.is_file())
         if not files:
@@ -206,15 +210,20 @@ class TextSourceError(ValueError):
         super().__init__(fix)
 
 
-def check_text_files(path: str | Path, seq_length: int, *, byte_level: bool) -> None:
-    """The launcher's cheap check of ``data.source=text`` input: some ``*.txt`` files, none empty, the first
-    ``SAMPLE_BYTES`` of each UTF-8 text (no NUL byte), and — byte-level, where a byte is a token — enough bytes
-    for one sample. Reads at most ``SAMPLE_BYTES`` per file. Raises :class:`TextSourceError`."""
+def check_text_files(path: str | Path, seq_length: int, *, byte_level: bool) -> int:
+    """The launcher's cheap check of ``data.source=text`` input: regular files, some ``*.txt`` files, none empty,
+    the first ``SAMPLE_BYTES`` of each UTF-8 text (no NUL byte), and — byte-level, where a byte is a token —
+    enough bytes for one sample. Reads at most ``SAMPLE_BYTES`` per file. Returns the files' total size (every
+    rank holds the text's tokens in memory: :func:`tokenize_files`). Raises :class:`TextSourceError`."""
     path = Path(path)  # as the workers open it (no ~ expansion)
     if path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
         raise TextSourceError("is a Hugging Face save_to_disk dataset, not text; set data.source=hf_dataset")
     try:
         files = text_files(path)
+    except DataFileError:
+        raise TextSourceError(
+            f"is {not_regular(path)}, not a regular file; give a UTF-8 text file or a directory of *.txt files"
+        ) from None
     except FileNotFoundError:
         raise TextSourceError(
             "holds no *.txt file; put UTF-8 text files there or point data.train_dir at a text "
@@ -250,3 +259,4 @@ def check_text_files(path: str | Path, seq_length: int, *, byte_level: bool) -> 
             f"holds {total} bytes (tokens, byte-level), too few for one sample of data.seq_length="
             f"{seq_length} (+1 for the shifted label); use a longer text or a shorter seq_length"
         )
+    return total

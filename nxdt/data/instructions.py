@@ -60,6 +60,8 @@ import dataclasses
 import functools
 import json
 import random
+import threading
+import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -67,6 +69,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from .files import MAX_RECORDS, DataFileError, not_regular, read_lines
 from .tokenizers import ByteTokenizer, HFTokenizer
 
 IGNORE_INDEX = -100
@@ -178,6 +181,18 @@ def build_chat_tokenizer(path: str | Path | None) -> ChatTokenizer:
 # ------------------------------------------------------------------------------------------------ chat templates
 
 
+# A chat template renders one conversation in milliseconds; a crafted one (nested loops, a string doubled in a
+# namespace) could run for hours or fill memory inside the sandbox. Each render gets this much time and output;
+# any intermediate string, list or integer argument larger than the output budget is refused as it is made.
+TEMPLATE_SECONDS = 1.0
+TEMPLATE_OUTPUT_CHARS = 4 << 20
+
+
+class ChatTemplateError(ValueError):
+    """The chat template itself is at fault (does not compile, breaks the sandbox, exceeds its budget), not a
+    record: the fix is in the tokenizer's template (``data.tokenizer``)."""
+
+
 def _compile_template(template: str) -> Any:
     try:
         return _compile_cached(template)
@@ -185,8 +200,16 @@ def _compile_template(template: str) -> Any:
         import jinja2
 
         if isinstance(exc, jinja2.exceptions.TemplateError):
-            raise ValueError(f"chat template does not compile: {exc}") from None
+            raise ChatTemplateError(f"chat template does not compile: {exc}") from None
         raise
+
+
+def _size_of(value: Any) -> int:
+    if isinstance(value, (str, bytes, list, tuple, dict, set)):
+        return len(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return abs(value) if abs(value) < 1 << 64 else value.bit_length() << 32  # a huge int: its digits
+    return 0
 
 
 @functools.lru_cache(maxsize=16)
@@ -226,12 +249,13 @@ def _compile_cached(template: str) -> Any:
 
         def __setitem__(self, name: str, value: Any) -> None:
             Namespace._check(name)
+            check(value)  # ns.s = ns.s ~ ns.s doubles a string each turn of a loop
             jinja2.utils.Namespace.__setitem__(self, name, value)
 
         @staticmethod
         def _check(name: Any) -> None:
             if isinstance(name, str) and name.startswith("_"):
-                raise jinja2.exceptions.SecurityError(f"chat template: namespace attribute {name!r} is not allowed")
+                raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
 
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
@@ -239,8 +263,61 @@ def _compile_cached(template: str) -> Any:
     def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
-    env.filters["tojson"] = tojson
+    budget = threading.local()  # this thread's render: its deadline (render_chat_template sets it)
+
+    def check(*values: Any) -> None:
+        deadline = getattr(budget, "deadline", None)
+        if deadline is not None and time.monotonic() > deadline:
+            raise jinja2.exceptions.SecurityError(f"rendering took more than {TEMPLATE_SECONDS:g} s")
+        for v in values:
+            if _size_of(v) > TEMPLATE_OUTPUT_CHARS:
+                raise jinja2.exceptions.SecurityError(f"a value larger than {TEMPLATE_OUTPUT_CHARS:,} characters")
+
+    class BudgetedEnvironment(ImmutableSandboxedEnvironment):
+        """The sandbox, with the clock and sizes checked at every call, attribute, item and arithmetic operator
+        (a loop runs ``range``, reads ``loop.*`` or ``message[...]``: the checks run every few microseconds)."""
+
+        intercepted_binops = frozenset({"*", "**", "+", "//", "%"})
+
+        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+            check(*args, *kwargs.values())
+            result = ImmutableSandboxedEnvironment.call(__self, __context, __obj, *args, **kwargs)
+            check(result)
+            return result
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            check(left, right)
+            if operator == "**" and _size_of(left) > 1 and _size_of(right) > 64:
+                raise jinja2.exceptions.SecurityError("an exponent above 64")
+            repeats = operator == "*" and any(isinstance(v, (str, list, tuple)) for v in (left, right))
+            if repeats and _size_of(left) * max(_size_of(right), 1) > TEMPLATE_OUTPUT_CHARS:
+                raise jinja2.exceptions.SecurityError(f"a value larger than {TEMPLATE_OUTPUT_CHARS:,} characters")
+            result = ImmutableSandboxedEnvironment.call_binop(self, context, operator, left, right)
+            check(result)
+            return result
+
+        def getattr(self, obj: Any, attribute: str) -> Any:
+            check()
+            return ImmutableSandboxedEnvironment.getattr(self, obj, attribute)
+
+        def getitem(self, obj: Any, argument: Any) -> Any:
+            check()
+            return ImmutableSandboxedEnvironment.getitem(self, obj, argument)
+
+    def budgeted_filter(f: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(f)  # keeps jinja's pass_context / pass_environment marks
+        def run(*args: Any, **kwargs: Any) -> Any:
+            check(*(a for a in args if isinstance(a, int)), *kwargs.values())  # center(10**9), indent(10**9)
+            result = f(*args, **kwargs)
+            check(result)
+            return result
+
+        return run
+
+    env = BudgetedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
+    env.nxdt_budget = budget
+    env.filters = {name: budgeted_filter(f) for name, f in env.filters.items()}
+    env.filters["tojson"] = budgeted_filter(tojson)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     env.globals["namespace"] = Namespace
@@ -263,16 +340,30 @@ def render_chat_template(
     compiled = _compile_template(template)
     import jinja2  # loaded by _compile_template
 
+    budget = compiled.environment.nxdt_budget
+    budget.deadline = time.monotonic() + TEMPLATE_SECONDS
     try:
-        return compiled.render(
+        parts, size = [], 0
+        for part in compiled.generate(
             messages=[dict(m) for m in messages],
             tools=None,
             documents=None,
             add_generation_prompt=add_generation_prompt,
             **variables,
-        )
+        ):
+            size += len(part)
+            if size > TEMPLATE_OUTPUT_CHARS:
+                raise ChatTemplateError(f"chat template: renders more than {TEMPLATE_OUTPUT_CHARS:,} characters for one record")
+            parts.append(part)
+        return "".join(parts)
+    except jinja2.exceptions.SecurityError as exc:  # the sandbox or the budget: the template's fault
+        raise ChatTemplateError(f"chat template: {exc}") from None
+    except (RecursionError, MemoryError, OverflowError) as exc:
+        raise ChatTemplateError(f"chat template: {type(exc).__name__} while rendering") from None
     except jinja2.exceptions.TemplateError as exc:
         raise ValueError(f"chat template: {exc}") from None
+    finally:
+        budget.deadline = None
 
 
 def render_plain_chat(messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False) -> str:
@@ -289,19 +380,22 @@ def read_jsonl(path: str | Path, limit: int | None = None) -> list[dict[str, Any
     """The JSON objects of a ``.jsonl`` file (blank lines skipped), the first ``limit`` only if given
     (NxDT's ``data.dev_choose_samples``). A line that is not a JSON object fails naming the file and line."""
     records: list[dict[str, Any]] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(records) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{lineno}: a record must be a JSON object, got {type(record).__name__}")
-            records.append(record)
+    for lineno, line in read_lines(path):  # a regular file, each line under MAX_RECORD_BYTES (nxdt/data/files.py)
+        if limit is not None and len(records) >= limit:
+            break
+        if not line.strip():
+            continue
+        if len(records) >= MAX_RECORDS:
+            raise DataFileError(
+                f"{path}: more than {MAX_RECORDS:,} records; train on a part (data.dev_choose_samples) or split the data"
+            )
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({getattr(exc, 'msg', 'nested too deeply')})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{lineno}: a record must be a JSON object, got {type(record).__name__}")
+        records.append(record)
     return records
 
 
@@ -404,6 +498,8 @@ def tokenize_record(
         )
         try:
             pieces = chat_segments(messages, render)
+        except ChatTemplateError as exc:  # keeps its type: the template is at fault, not this record
+            raise ChatTemplateError(f"{exc} (rendering {where})") from None
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
     else:
@@ -585,7 +681,7 @@ def read_instruction_records(path: str | Path, limit: int | None = None) -> list
     path = Path(path).expanduser()
     if path.is_dir() and is_saved_dataset(path):
         return read_saved_records(path, limit)
-    files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+    files = sorted(f for f in path.glob("*.jsonl") if not_regular(f) is None) if path.is_dir() else [path]
     if not files:
         raise ValueError(f"{path}: no *.jsonl files and no save_to_disk dataset (state.json) there")
     records: list[dict[str, Any]] = []

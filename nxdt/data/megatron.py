@@ -238,10 +238,13 @@ def train_split_end(num_documents: int, splits_string: str | None) -> int:
     shares rounded per split, the last boundary moved to the document count). ``None`` = all of them."""
     if splits_string is None:
         return num_documents
-    shares = [float(s) for s in str(splits_string).replace("/", ",").split(",") if s.strip()]
+    try:
+        shares = [float(s) for s in str(splits_string).replace("/", ",").split(",") if s.strip()]
+    except ValueError:
+        shares = [-1.0]
     shares = (shares + [0.0, 0.0, 0.0])[:3]
     total = sum(shares)
-    if total <= 0 or any(s < 0 for s in shares):
+    if not np.isfinite(total) or total <= 0 or any(s < 0 for s in shares):
         raise IndexedDataError(f"splits_string={splits_string!r}: give non-negative shares that sum above 0, e.g. 980,10,10")
     bounds = [0]
     for s in shares:
@@ -325,7 +328,7 @@ def cached_sample_index(
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     where = Path(cache_dir) if cache_dir is not None else Path(data.prefix).parent
     stem = where / f"{Path(data.prefix).name}_{digest}"
-    arrays = _load_cache(stem, text, num_samples)
+    arrays = _load_cache(stem, text, num_samples, data.document_lengths()[:split_end], seq_length)
     if arrays is not None:
         return arrays
     arrays = build_sample_index(data.document_lengths()[:split_end], num_samples, seq_length, seed)
@@ -339,14 +342,32 @@ def cached_sample_index(
     return arrays
 
 
-def _load_cache(stem: Path, text: str, num_samples: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+def _load_cache(
+    stem: Path, text: str, num_samples: int, lengths: np.ndarray, seq_length: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The cached arrays if they are whole and describe this dataset, else None (rebuilt). Their values are checked
+    too (vectorised: the cost of reading them): a cache is a file anyone with write access to the dataset directory
+    can change, and an index outside its range (a tampered or damaged cache) failed inside every worker with an
+    IndexError. Every sample must start inside a document of the order and have its seq_length + 1 tokens after."""
     try:
         if Path(f"{stem}_desc.json").read_text() != text:
             return None
         order, starts, shuffle = (np.load(f"{stem}_{kind}.npy", allow_pickle=False) for kind in KINDS)
-    except (OSError, ValueError, UnicodeDecodeError):
+    except (OSError, ValueError, UnicodeDecodeError, EOFError):
         return None
-    if starts.shape != (num_samples, 2) or shuffle.shape != (num_samples,) or order.ndim != 1:
+    if starts.shape != (num_samples, 2) or shuffle.shape != (num_samples,) or order.ndim != 1 or not len(order):
+        return None
+    if any(a.dtype.kind not in "iu" for a in (order, starts, shuffle)):
+        return None
+    if order.min() < 0 or order.max() >= len(lengths) or not np.array_equal(np.sort(shuffle), np.arange(num_samples)):
+        return None
+    pos, offset = starts[:, 0], starts[:, 1]
+    if pos.min() < 0 or pos.max() >= len(order) or offset.min() < 0:
+        return None
+    in_order = np.asarray(lengths, dtype=np.int64)[order]
+    ends = np.cumsum(in_order)
+    first = ends[pos] - in_order[pos] + offset  # each sample's first token in the order's token stream
+    if np.any(offset >= np.maximum(in_order[pos], 1)) or np.any(first + seq_length + 1 > ends[-1]):
         return None
     return order, starts, shuffle
 

@@ -197,6 +197,13 @@ class PreferenceDataset(torch.utils.data.Dataset):
         max_prompt_length: int | None = None,
         truncation_mode: str = "keep_end",
     ) -> "PreferenceDataset":
+        records = list(records)
+        same = [i for i, r in enumerate(records) if isinstance(r, Mapping) and r.get("chosen") == r.get("rejected")]
+        if records and len(same) == len(records):  # the DPO/ORPO margin is 0 for every pair: nothing to learn
+            raise ValueError(
+                f"every record has 'chosen' equal to 'rejected' ({len(same)} of {len(records)}): a preference pair needs two "
+                "different responses, the preferred one as 'chosen'"
+            )
         batch, stats = build_preference_batch(
             records, tok, seq_length, max_prompt_length=max_prompt_length, truncation_mode=truncation_mode
         )

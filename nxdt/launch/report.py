@@ -4,8 +4,22 @@ exposed communication against step, one PNG per figure with every run given over
 
 from __future__ import annotations
 
+import io
+import os
 from pathlib import Path
-from nxdt.launch.runs import Run, _fmt, is_run_dir, load_run, median
+
+from nxdt.launch.runs import (
+    Run,
+    RunFileError,
+    _fmt,
+    is_run_dir,
+    load_run,
+    median,
+    open_out_dir,
+    printable,
+    steps_text,
+    write_into,
+)
 
 # (metrics.csv column, axis label, file name); the last two only when some run has the column
 FIGURES = (
@@ -22,8 +36,12 @@ class ReportError(ValueError):
     pass
 
 
-def plot_metric(series: list[tuple[str, list[dict[str, float]]]], key: str, ylabel: str, path: Path, title: str) -> Path | None:
-    """One PNG: ``key`` against step for every (label, metrics rows) given; None when no run has ``key``."""
+def plot_metric(
+    series: list[tuple[str, list[dict[str, float]]]], key: str, ylabel: str, path: Path, title: str, dir_fd: int | None = None
+) -> Path | None:
+    """One PNG: ``key`` against step for every (label, metrics rows) given; None when no run has ``key``. Written
+    through :func:`nxdt.launch.runs.write_into` (never through a link), into ``dir_fd`` when given (the directory
+    ``path`` is in, opened once by the caller)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, never a window
@@ -47,16 +65,27 @@ def plot_metric(series: list[tuple[str, list[dict[str, float]]]], key: str, ylab
         if len(drawn) > 1 or drawn[0][0]:
             ax.legend(fontsize="small")
         fig.tight_layout()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=110)
     finally:
         plt.close(fig)
+    own_fd = dir_fd is None
+    fd = open_out_dir(path.parent) if dir_fd is None else dir_fd
+    try:
+        write_into(fd, path.name, png.getvalue())
+    finally:
+        if own_fd:
+            os.close(fd)
     return path
 
 
 def run_labels(runs: list[Run]) -> list[str]:
     """Labels telling the runs apart: the overrides that differ between them, else the shortest distinct tail of
     their paths."""
+    return [printable(label, 300) for label in _labels(runs)]
+
+
+def _labels(runs: list[Run]) -> list[str]:
     if len(runs) == 1:
         return [runs[0].name]
     seen = [set(r.overrides) for r in runs]
@@ -74,7 +103,7 @@ def run_labels(runs: list[Run]) -> list[str]:
 def summary_rows(runs: list[Run], labels: list[str]) -> list[list[str]]:
     out = []
     for r, label in zip(runs, labels):
-        steps = "-" if r.last_step is None else f"{r.last_step}/{r.max_steps}" if r.max_steps else str(r.last_step)
+        steps = steps_text(r)
         loss = (
             f"{r.first_loss:.4f} → {r.last_loss:.4f}" if r.rows and r.first_loss is not None and r.last_loss is not None else "-"
         )
@@ -94,7 +123,7 @@ def summary_rows(runs: list[Run], labels: list[str]) -> list[list[str]]:
                 _fmt(median(r.rows, "step_time_s"), ".3f"),
                 _fmt(max((x["peak_rss_mb"] for x in r.rows if "peak_rss_mb" in x), default=None), ",.0f"),
                 _fmt(exposed, ".4f"),
-                r.checkpoint.name if r.checkpoint else "-",
+                printable(r.checkpoint.name) if r.checkpoint else "-",
             ]
         )
     return out
@@ -124,7 +153,7 @@ def text_summary(runs: list[Run], labels: list[str]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(keep))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    lines += [""] + [f"{label}: {r.path}" for r, label in zip(runs, labels)]
+    lines += [""] + [f"{label}: {printable(r.path)}" for r, label in zip(runs, labels)]
     return "\n".join(lines) + "\n"
 
 
@@ -138,14 +167,19 @@ def report(paths: list[Path], out_dir: Path | None = None) -> tuple[str, list[Pa
     for p in paths:
         if not Path(p).is_dir():
             raise ReportError(
-                f"nxdt report: {p} is not a directory — pass run directories (outputs/<name>/<timestamp>; `nxdt runs` lists them)"
+                f"nxdt report: {printable(p)} is not a directory — pass run directories (outputs/<name>/<timestamp>; `nxdt runs` lists them)"
             )
         if not is_run_dir(Path(p)):
             raise ReportError(
-                f"nxdt report: {p} is not a run directory (no config.yaml and plan.json) — `nxdt runs {p}` "
+                f"nxdt report: {printable(p)} is not a run directory (no config.yaml and plan.json) — `nxdt runs {printable(p)}` "
                 "lists the runs below it"
             )
-        runs.append(load_run(Path(p).resolve()))
+        try:
+            run = load_run(Path(p).resolve())
+            run.as_dict()  # every derived field the summary shows
+            runs.append(run)
+        except Exception as exc:  # noqa: BLE001 - whatever a crafted run directory holds: one line, not a traceback
+            raise ReportError(f"nxdt report: {printable(p)} cannot be read as a run ({printable(exc, 200)})") from None
     if not any(r.rows for r in runs):
         raise ReportError(
             f"nxdt report: no metrics yet in {', '.join(str(r.path / 'metrics.csv') for r in runs)} — "
@@ -155,16 +189,26 @@ def report(paths: list[Path], out_dir: Path | None = None) -> tuple[str, list[Pa
     out_dir = Path(out_dir) if out_dir is not None else default_out_dir(runs)
     title = runs[0].name if len(runs) == 1 else f"{len(runs)} runs"
     series = list(zip(labels if len(runs) > 1 else [""], [r.rows for r in runs]))
+    try:  # a crafted run's report/ (a link out of the run) is refused; its files are replaced, never written through
+        dir_fd = open_out_dir(out_dir)
+    except (RunFileError, OSError) as exc:
+        raise ReportError(
+            f"nxdt report: cannot write the report into {printable(out_dir)}: {printable(exc)} — pass -o DIR"
+        ) from None
     written = []
-    for key, ylabel, stem in FIGURES:
-        if key not in ALWAYS and not any(key in row for r in runs for row in r.rows):
-            continue
-        png = plot_metric(series, key, ylabel, out_dir / f"{stem}.png", f"{ylabel} — {title}")
-        if png is not None:
-            written.append(png)
-    text = text_summary(runs, labels)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "summary.txt").write_text(text)
+    try:
+        for key, ylabel, stem in FIGURES:
+            if key not in ALWAYS and not any(key in row for r in runs for row in r.rows):
+                continue
+            png = plot_metric(series, key, ylabel, out_dir / f"{stem}.png", f"{ylabel} — {title}", dir_fd=dir_fd)
+            if png is not None:
+                written.append(png)
+        text = text_summary(runs, labels)
+        write_into(dir_fd, "summary.txt", text.encode())
+    except OSError as exc:
+        raise ReportError(f"nxdt report: cannot write the report into {printable(out_dir)}: {printable(exc)}") from None
+    finally:
+        os.close(dir_fd)
     return text, written, out_dir
 
 
@@ -196,6 +240,6 @@ def cmd_report(argv: list[str]) -> int:
     print(text, end="")
     print()
     for png in written:
-        print(f"figure: {png}")
-    print(f"summary: {out_dir / 'summary.txt'}")
+        print(f"figure: {printable(png)}")
+    print(f"summary: {printable(out_dir / 'summary.txt')}")
     return 0

@@ -13,9 +13,12 @@ Pure Python (csv, json, yaml): listing runs imports neither torch nor Lightning.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
+import re
 import socket
+import stat
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -26,6 +29,90 @@ STATUS_FILE, METRICS_FILE, LOCK_FILE = "status.json", "metrics.csv", ".lock"
 STATES = ("running", "finished", "failed", "interrupted", "unknown")
 # sub-directories of a run directory that never hold runs (not walked when listing)
 _RUN_PARTS = {"checkpoints", "logs", "tensorboard", "trace", "report"}
+# The most nxdt reads of one run file: a run's own status.json, plan.json and config.yaml are a few KB, its
+# metrics.csv ~100 bytes a logged step (64 MiB: over 500,000 steps). A larger file is someone else's, not read.
+RUN_FILE_LIMIT = 64 << 20
+
+
+class RunFileError(OSError):
+    """A run file nxdt will not read: a link, not a regular file (a FIFO would block the reader), or too large."""
+
+
+def read_run_file(path: Path, limit: int = RUN_FILE_LIMIT) -> bytes:
+    """The bytes of a small regular file in a run directory, opened without following a link at its last
+    component (O_NOFOLLOW) and without blocking on a FIFO (O_NONBLOCK, then fstat of what was opened: no race
+    between a check and the open), at most ``limit`` bytes. Run directories can be crafted by anyone who can
+    write there (a shared exp_dir); what ``nxdt runs`` / ``report`` read from them must not hang, follow a link
+    out of the run, or fill memory. Raises :class:`RunFileError` (an OSError) for what it refuses."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise RunFileError(f"{path} is not a regular file")
+        if info.st_size > limit:
+            raise RunFileError(f"{path} is {info.st_size} bytes, more than the {limit} nxdt reads of a run file")
+        chunks, left = [], limit + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+        if len(data) > limit:  # grew since fstat
+            raise RunFileError(f"{path} is more than the {limit} bytes nxdt reads of a run file")
+        return data
+    finally:
+        os.close(fd)
+
+
+def read_run_text(path: Path, limit: int = RUN_FILE_LIMIT) -> str:
+    """:func:`read_run_file` decoded as UTF-8 (undecodable bytes replaced: a binary file reads as garbage text,
+    which the parsers then refuse, never as a traceback)."""
+    return read_run_file(path, limit).decode("utf-8", errors="replace")
+
+
+def open_out_dir(path: Path) -> int:
+    """A descriptor of directory ``path`` (created if missing) for :func:`write_into`; a link at its last
+    component is refused (RunFileError), whether crafted in a run (``report/`` → elsewhere) or not."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:  # ELOOP: a link; ENOTDIR: a file
+        what = "a symbolic link" if path.is_symlink() else "not a directory"
+        raise RunFileError(f"{path} is {what}; nxdt writes only into a real directory") from exc
+
+
+def write_into(dir_fd: int, name: str, data: bytes) -> None:
+    """File ``name`` in the directory open as ``dir_fd`` holds ``data``: written to a new file (O_EXCL and
+    O_NOFOLLOW: never through a planted link) renamed over ``name``. The rename replaces a link or a hard link
+    that stood there instead of writing through it into the file it names."""
+    tmp = f".{name}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise
+
+
+# C0 and C1 control characters, DEL and the ANSI escape sequences they start (CSI, OSC): what a crafted
+# status.json could use to move the cursor, retitle the terminal or hide text
+_CONTROL = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(value: Any, limit: int = 500) -> str:
+    """``value`` as text safe for a terminal: escape sequences and control characters (newline and tab
+    included) shown as ``?``, at most ``limit`` characters. Every string nxdt prints from a run file goes
+    through it."""
+    text = _CONTROL.sub("?", str(value)).replace("\n", " ").replace("\t", " ")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def get(cfg: Any, dotted: str, default: Any = None) -> Any:
@@ -66,8 +153,8 @@ def write_status(run_dir: Path, status: str, **fields: Any) -> None:
 
 def read_status(run_dir: Path) -> dict[str, Any] | None:
     try:
-        record = json.loads((Path(run_dir) / STATUS_FILE).read_text())
-    except (OSError, ValueError):
+        record = json.loads(read_run_text(Path(run_dir) / STATUS_FILE, 1 << 20))
+    except (OSError, ValueError, RecursionError):
         return None
     return record if isinstance(record, dict) else None
 
@@ -111,14 +198,18 @@ def run_state(run_dir: Path, record: dict[str, Any] | None, last_step: int | Non
     if record and record.get("status") in STATES:
         state = record["status"]
         if state != "running":
-            return state, str(record.get("reason") or "")
+            return state, printable(record.get("reason") or "")
         pid = record.get("pid")
-        alive = isinstance(pid, int) and record.get("host", socket.gethostname()) == socket.gethostname() and pid_alive(pid)
+        # a pid is a positive C int (os.kill raises OverflowError beyond it: 2**80 in a crafted file)
+        valid_pid = isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < 2**31
+        here = record.get("host", socket.gethostname()) == socket.gethostname()
+        alive = isinstance(pid, int) and valid_pid and here and pid_alive(pid)
         if alive and lock_held(run_dir) is not False:
             return "running", f"launcher pid {pid}"
         if record.get("host") not in (None, socket.gethostname()):
-            return "unknown", f"launched on {record['host']}"
-        return "interrupted", f"the launcher (pid {pid}) is gone without recording an end: killed?"
+            return "unknown", f"launched on {printable(record['host'], 80)}"
+        shown = pid if valid_pid else printable(pid, 40)
+        return "interrupted", f"the launcher (pid {shown}) is gone without recording an end: killed?"
     if last_step is not None and max_steps and last_step >= max_steps:
         return "finished", "no status.json: metrics.csv reached trainer.max_steps"
     return "unknown", "no status.json"
@@ -133,15 +224,23 @@ def read_metrics(run_dir: Path) -> list[dict[str, float]]:
     path = Path(run_dir) / METRICS_FILE
     rows: list[dict[str, float]] = []
     try:
-        with open(path, newline="") as fh:
-            for raw in csv.DictReader(fh):
-                try:
-                    rows.append({k: float(v) for k, v in raw.items() if k and v not in ("", None)})
-                except (TypeError, ValueError):
-                    continue
+        # NUL bytes would stop the csv module (csv.Error) on a binary file: its rows are garbage either way
+        text = read_run_text(path).replace("\x00", "")
     except OSError:
         return []
-    return [r for r in rows if "step" in r]
+    try:
+        for raw in csv.DictReader(io.StringIO(text, newline="")):
+            try:
+                rows.append({k: float(v) for k, v in raw.items() if isinstance(k, str) and k and isinstance(v, str) and v != ""})
+            except (TypeError, ValueError):
+                continue
+    except csv.Error:  # e.g. a field over the csv module's limit: the rows read so far stand
+        pass
+    return [r for r in rows if "step" in r and _finite_step(r["step"])]
+
+
+def _finite_step(step: float) -> bool:
+    return step == step and abs(step) < 2**53
 
 
 def newest_checkpoint(run_dir: Path) -> Path | None:
@@ -164,16 +263,16 @@ def load_yaml(path: Path) -> dict[str, Any]:
     import yaml
 
     try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError):
+        data = yaml.safe_load(read_run_text(Path(path), 8 << 20))
+    except (OSError, yaml.YAMLError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
 
 
 def load_plan(run_dir: Path) -> dict[str, Any]:
     try:
-        data = json.loads((Path(run_dir) / "plan.json").read_text())
-    except (OSError, ValueError):
+        data = json.loads(read_run_text(Path(run_dir) / "plan.json", 8 << 20))
+    except (OSError, ValueError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -257,7 +356,7 @@ class Run:
     @property
     def started(self) -> str:
         if self.record and self.record.get("started"):
-            return str(self.record["started"]).replace("T", " ")[:16]
+            return printable(self.record["started"]).replace("T", " ")[:16]
         try:  # the run directory's timestamp name, else when its config was written
             return time.strftime("%Y-%m-%d %H:%M", time.strptime(self.path.name[:19], "%Y-%m-%d_%H-%M-%S"))
         except ValueError:
@@ -269,7 +368,7 @@ class Run:
 
     @property
     def layout(self) -> str:
-        return layout_short(self.plan, self.config)
+        return printable(layout_short(self.plan, self.config), 120)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -297,10 +396,11 @@ def load_run(path: Path, root: Path | None = None) -> Run:
         name = str(path.relative_to(root))
     else:  # <name>/<timestamp>, as runs are laid out under exp_dir
         name = "/".join(path.parts[-2:])
+    name = printable(name, 300)  # directory names can hold escape sequences too
     config, plan, rows, record = load_yaml(path / "config.yaml"), load_plan(path), read_metrics(path), read_status(path)
     run = Run(path=path, name=name, config=config, plan=plan, rows=rows, record=record, checkpoint=newest_checkpoint(path))
     try:
-        run.overrides = (path / "overrides.txt").read_text().split()
+        run.overrides = [printable(o, 200) for o in read_run_text(path / "overrides.txt", 1 << 20).split()]
     except OSError:
         pass
     run.status, run.detail = run_state(path, record, run.last_step, run.max_steps)
@@ -325,9 +425,20 @@ def find_run_dirs(root: Path, max_depth: int = 6) -> Iterator[Path]:
             yield from find_run_dirs(child, max_depth - 1)
 
 
-def list_runs(root: Path) -> list[Run]:
+def list_runs(root: Path, skipped: list[tuple[Path, str]] | None = None) -> list[Run]:
+    """Every run below ``root``. A directory that cannot be read as a run (whatever is wrong in it) is left out
+    and, when ``skipped`` is given, appended to it with the reason: one crafted run never hides the others."""
     root = Path(root).resolve()
-    runs = [load_run(p, root) for p in find_run_dirs(root)]
+    runs = []
+    for p in find_run_dirs(root):
+        try:
+            run = load_run(p, root)
+            run.as_dict()  # every derived field a listing shows
+        except Exception as exc:  # noqa: BLE001 - anything in a crafted run directory; named, not raised
+            if skipped is not None:
+                skipped.append((p, printable(f"{type(exc).__name__}: {exc}", 200)))
+            continue
+        runs.append(run)
     return sorted(runs, key=lambda r: (r.started, r.name))
 
 
@@ -343,8 +454,9 @@ STATUS_STYLE = {"running": "bold cyan", "finished": "green", "failed": "bold red
 
 def runs_table(runs: list[Run], title: str) -> Any:
     from rich.table import Table
+    from rich.text import Text
 
-    table = Table(title=title, title_justify="left")
+    table = Table(title=Text(title), title_justify="left")
     for col, justify in (
         ("run", "left"),
         ("started", "left"),
@@ -357,18 +469,24 @@ def runs_table(runs: list[Run], title: str) -> Any:
     ):
         table.add_column(col, justify=justify, no_wrap=col != "run")
     for r in runs:
-        steps = "-" if r.last_step is None else f"{r.last_step}/{r.max_steps}" if r.max_steps else str(r.last_step)
+        # Text cells: brackets in a crafted run's strings are shown, never read as rich markup
         table.add_row(
-            r.name,
-            r.started,
-            f"[{STATUS_STYLE[r.status]}]{r.status}[/]",
-            r.layout,
-            steps,
+            Text(r.name),
+            Text(r.started),
+            Text(r.status, style=STATUS_STYLE[r.status]),
+            Text(r.layout),
+            Text(steps_text(r)),
             _fmt(r.last_loss, ".4f"),
             _fmt(r.tokens_per_s, ",.0f"),
-            r.checkpoint.name if r.checkpoint else "-",
+            Text(printable(r.checkpoint.name) if r.checkpoint else "-"),
         )
     return table
+
+
+def steps_text(r: Run) -> str:
+    if r.last_step is None:
+        return "-"
+    return f"{r.last_step}/{printable(r.max_steps, 40)}" if r.max_steps else str(r.last_step)
 
 
 def cmd_runs(argv: list[str]) -> int:
@@ -387,18 +505,22 @@ def cmd_runs(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    runs = list_runs(root)
+    skipped: list[tuple[Path, str]] = []
+    runs = list_runs(root, skipped)
+    for path, why in skipped:  # on stderr: the listing (and --json) stays what it was for the other runs
+        print(f"nxdt runs: skipped {printable(path)}: cannot be read as a run ({why})", file=sys.stderr)
     if as_json:
         print(json.dumps([r.as_dict() for r in runs], indent=1))
         return 0
     if not runs:
-        print(f"nxdt runs: no run directories under {root} (a run directory holds config.yaml and plan.json)")
+        print(f"nxdt runs: no run directories under {printable(root)} (a run directory holds config.yaml and plan.json)")
         return 0
     from rich.console import Console
+    from rich.text import Text
 
     console = Console(width=None if sys.stdout.isatty() else 200, highlight=False)
-    console.print(runs_table(runs, f"runs under {root.resolve()}"))
+    console.print(runs_table(runs, printable(f"runs under {root.resolve()}")))
     for r in runs:
         if r.status in ("failed", "interrupted") and r.detail:
-            console.print(f"[dim]{r.name}: {r.status}: {r.detail}[/]", soft_wrap=True)
+            console.print(Text(f"{r.name}: {r.status}: {r.detail}", style="dim"), soft_wrap=True)
     return 0

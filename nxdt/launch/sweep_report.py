@@ -3,8 +3,9 @@ time) and PNGs of loss and tokens/s against step for every job (drawn by ``nxdt.
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
+
+from nxdt.launch.runs import printable, read_metrics, read_run_text
 
 
 class SweepReportError(ValueError):
@@ -14,16 +15,17 @@ class SweepReportError(ValueError):
 def _job_rows(sweep_dir: Path) -> list[dict]:
     rows = []
     for job in sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)):
-        metrics = job / "metrics.csv"
-        overrides = (job / "overrides.txt").read_text().split() if (job / "overrides.txt").exists() else []
-        steps: list[dict] = []
-        if metrics.exists():
-            with open(metrics, newline="") as fh:
-                steps = [
-                    {k: float(v) for k, v in r.items() if v != ""} for r in csv.DictReader(fh)
-                ]  # FSDP columns blank otherwise
-        rows.append({"job": job.name, "overrides": overrides, "steps": steps})
+        try:  # read as nxdt runs reads a run: no link followed, regular files, size-capped
+            overrides = [printable(o, 200) for o in read_run_text(job / "overrides.txt", 1 << 20).split()]
+        except OSError:
+            overrides = []
+        rows.append({"job": job.name, "overrides": overrides, "steps": read_metrics(job)})
     return rows
+
+
+def _mean(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if key in r]
+    return sum(values) / len(values) if values else None
 
 
 def _sweep_keys(rows: list[dict]) -> set[str]:
@@ -35,6 +37,7 @@ def _sweep_keys(rows: list[dict]) -> set[str]:
 def report(sweep_dir: Path) -> int:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     if not sweep_dir.is_dir():
         raise SweepReportError(f"nxdt sweep-report: {sweep_dir} is not a directory — pass outputs/multirun/<name>/<timestamp>")
@@ -44,18 +47,24 @@ def report(sweep_dir: Path) -> int:
             f"nxdt sweep-report: {sweep_dir} holds no job directories (0/, 1/, ...) — pass a multirun directory"
         )
     swept = _sweep_keys(rows)
-    table = Table(title=f"sweep {sweep_dir}")
+    table = Table(title=Text(printable(f"sweep {sweep_dir}")))
     for col in ("job", "overrides", "steps", "final loss", "tokens/s", "step time (s)"):
         table.add_column(col)
     for r in rows:
         shown = " ".join(o for o in r["overrides"] if o in swept) or " ".join(r["overrides"])
         if r["steps"]:
             tail = r["steps"][len(r["steps"]) // 2 :] or r["steps"]  # steady state: skip warm-up steps
-            tps = sum(s["tokens_per_s"] for s in tail) / len(tail)
-            st = sum(s["step_time_s"] for s in tail) / len(tail)
-            table.add_row(r["job"], shown, str(len(r["steps"])), f"{r['steps'][-1]['loss']:.4f}", f"{tps:,.0f}", f"{st:.4f}")
+            tps, st, loss = _mean(tail, "tokens_per_s"), _mean(tail, "step_time_s"), r["steps"][-1].get("loss")
+            table.add_row(
+                r["job"],
+                Text(shown),
+                str(len(r["steps"])),
+                "-" if loss is None else f"{loss:.4f}",
+                "-" if tps is None else f"{tps:,.0f}",
+                "-" if st is None else f"{st:.4f}",
+            )
         else:
-            table.add_row(r["job"], shown, "0", "failed", "-", "-")
+            table.add_row(r["job"], Text(shown), "0", "failed", "-", "-")
     Console(width=160).print(table)
 
     from nxdt.launch.report import plot_metric
