@@ -429,11 +429,20 @@ def launch_node(run_dir: Path, spec: NodeSpec, args: Sequence[Any], entrypoint: 
     from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
     from torch.distributed.launcher.api import elastic_launch
 
+    from nxdt.comm.store import SECRET_ENV
     from nxdt.launch.local import LaunchFailed, LaunchInterrupted, root_failure
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.update(spec.env)
     os.environ["NXDT_LOCAL_ADDR"] = spec.local_addr  # for messages naming a node
+    if not os.environ.get(SECRET_ENV):  # Slurm's job script makes one; torchrun users export the same on every node
+        print(
+            f"nxdt: {SECRET_ENV} is not set: nxdt's keys in the rendezvous store are not authenticated (torchrun's "
+            f"trusted-network model); export the same random value on every node, e.g. "
+            f"`export {SECRET_ENV}=$(openssl rand -hex 32)`",
+            file=sys.stderr,
+            flush=True,
+        )
     where = f"node at {spec.local_addr}"
     log_dir = run_dir / "logs" / "agent"
     try:
