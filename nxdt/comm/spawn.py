@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from nxdt.comm.errors import CommError
 from nxdt.comm.shm import cleanup_run
+from nxdt.comm.store import new_secret
 
 
 class RankFailed(CommError):
@@ -45,7 +46,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world_size, port, run_id, host_id, timeout_s, results, args, kwargs, init_options) -> None:
+def _entry(fn, rank, world_size, port, run_id, host_id, timeout_s, results, args, kwargs, init_options, secret) -> None:
     import torch
 
     from nxdt.comm.world import init_process
@@ -62,6 +63,7 @@ def _entry(fn, rank, world_size, port, run_id, host_id, timeout_s, results, args
             run_id=run_id,
             store_is_server=rank == 0,
             host_id=host_id,
+            secret=secret,
             **(init_options or {}),
         )
         value = fn(world, *args, **kwargs)
@@ -91,6 +93,7 @@ def run_local(
     ctx = _context()
     results = ctx.Queue()
     port, run_id = free_port(), f"t{uuid.uuid4().hex[:10]}"
+    secret = new_secret()  # the ranks' store keys are signed with it (nxdt.comm.store); handed over, never in argv
     comm_timeout_s = comm_timeout_s or timeout_s
     procs = [
         ctx.Process(
@@ -107,6 +110,7 @@ def run_local(
                 args,
                 kwargs,
                 init_options,
+                secret,
             ),
             daemon=True,
         )

@@ -1,20 +1,124 @@
-"""The bootstrap key-value store, served only on the address its clients were told to use.
+"""The bootstrap key-value store, served only on the address its clients were told to use, and nxdt's keys in
+it signed with the run's secret.
 
 torch's ``TCPStore`` server listens on every interface of the host whatever host name it is given:
 during a local run any machine that can reach this one could read and write the job's keys. nxdt
 binds the listening socket itself — to the address the clients connect to (127.0.0.1 for local
 runs) — and hands it to the store (``master_listen_fd``), so nothing listens anywhere else.
+
+Loopback is still open to every local user, and ``TCPStore`` has no authentication of its own (its wire
+protocol carries no credential, and its server accepts inside C++, where nxdt cannot check a peer). So
+every value nxdt itself reads back from the store is signed: :class:`SignedKeys` stores ``value ‖
+HMAC-SHA256(secret, key ‖ value)`` and a reader accepts only a value whose tag matches, under the key it
+asked for (a value cannot be moved to another key or another run). The secret is 32 random bytes made by the
+launcher for each launch (``new_secret``) and reaches the workers in ``NXDT_STORE_SECRET`` (hex): the local
+launcher writes it to a 0600 file in the private run directory (``nxdt.launch.rundir``), the multi-node
+launchers take it from the environment every node shares (Slurm's job script makes one per job). A process
+without it can still connect and set keys, but a reader refuses what it wrote: it waits for the genuine value
+until its deadline and then says that a value was forged. What remains for such a process is denial of
+service (deleting or overwriting keys ends the run with that message), not steering a rank.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import ipaddress
+import os
+import secrets
 import socket
+import time
 from datetime import timedelta
+from typing import Mapping
 
 import torch.distributed as dist
 
+from nxdt.comm.errors import CommError, CommTimeoutError
+
 LOOPBACK = "127.0.0.1"
+SECRET_ENV = "NXDT_STORE_SECRET"  # the run's store secret, hex (nxdt's launchers set it for their workers)
+SECRET_BYTES = 32
+_TAG_BYTES = hashlib.sha256().digest_size
+
+
+class StoreForgeryError(CommError):
+    """A key nxdt reads held only values not signed with the run's secret: another process wrote it."""
+
+
+def new_secret() -> bytes:
+    """A fresh per-run secret (the launcher makes one for every launch)."""
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+def secret_from_env(env: Mapping[str, str] | None = None) -> bytes | None:
+    """The run's secret from ``NXDT_STORE_SECRET`` (hex, at least 16 bytes), or None when it is unset."""
+    value = (os.environ if env is None else env).get(SECRET_ENV)
+    if not value:
+        return None
+    try:
+        secret = bytes.fromhex(value.strip())
+    except ValueError:
+        secret = b""
+    if len(secret) < 16:
+        raise CommError(f"nxdt.comm: {SECRET_ENV} must be at least 32 hex digits (16 random bytes), e.g. `openssl rand -hex 32`")
+    return secret
+
+
+class SignedKeys:
+    """nxdt's own keys in a torch ``Store``, each value signed with the run's secret (HMAC-SHA256 over the key and
+    the value). ``secret`` None: values are stored as they are (a script under a plain torchrun without
+    ``NXDT_STORE_SECRET``: torch's trusted-network model)."""
+
+    def __init__(self, store: dist.Store, secret: bytes | None, timeout_s: float, where: str = "") -> None:
+        self.store, self.secret, self.timeout_s, self.where = store, secret, timeout_s, where
+
+    def _tag(self, key: str, value: bytes) -> bytes:
+        assert self.secret is not None
+        # the key's length first: ("ab", "c") and ("a", "bc") never share a tag
+        message = len(key).to_bytes(4, "big") + key.encode() + value
+        return hmac.new(self.secret, message, hashlib.sha256).digest()
+
+    def set(self, key: str, value: str | bytes) -> None:
+        data = value.encode() if isinstance(value, str) else value
+        self.store.set(key, data if self.secret is None else data + self._tag(key, data))
+
+    def genuine(self, key: str, raw: bytes) -> bytes | None:
+        """The value in ``raw`` if its tag is this run's for ``key``, else None."""
+        if self.secret is None:
+            return raw
+        if len(raw) < _TAG_BYTES:
+            return None
+        value, tag = raw[:-_TAG_BYTES], raw[-_TAG_BYTES:]
+        return value if hmac.compare_digest(tag, self._tag(key, value)) else None
+
+    def get(self, key: str, timeout_s: float | None = None) -> bytes:
+        """The genuine value of ``key``, waiting for it (``timeout_s``, default the store's deadline). A forged value
+        is never returned: the reader waits for the writer's genuine one to replace it, and at the deadline raises
+        ``StoreForgeryError`` (a forged value was all there was) or ``CommTimeoutError`` (nothing was written)."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        forged = False
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                self.store.wait([key], timedelta(seconds=max(left, 0.001)))
+                value = self.genuine(key, self.store.get(key))
+            except dist.DistStoreError as exc:  # the wait's deadline (or the key deleted between wait and get)
+                if time.monotonic() < deadline:
+                    time.sleep(0.01)
+                    continue
+                if forged:
+                    break
+                raise CommTimeoutError(f"nxdt.comm: no value for {key!r} in the rendezvous store{self.where}") from exc
+            if value is not None:
+                return value
+            forged = True
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
+        raise StoreForgeryError(
+            f"nxdt.comm: the rendezvous store's {key!r} held only values not signed with this run's secret{self.where} "
+            f"— another local process wrote it; refused (its value was not used)"
+        )
 
 
 def is_loopback(host: str) -> bool:

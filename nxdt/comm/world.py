@@ -34,7 +34,7 @@ from nxdt.comm.reduce import check_op, dtype_code
 from nxdt.comm.shm import DEFAULT_SLOT_BYTES, remove_stale_segments
 from nxdt.comm.emulate import EmulatedLink
 from nxdt.comm.heap import Heap
-from nxdt.comm.store import serve_store
+from nxdt.comm.store import SignedKeys, secret_from_env, serve_store
 from nxdt.comm.stream import PriorityState, Stream, Work, next_work_id
 from nxdt.comm.trace import Tracer
 from nxdt.comm.transport import ALGORITHM_NAMES, ALGORITHMS, Transport, parse_algorithm, transport_class
@@ -727,13 +727,14 @@ class World:
 _JOINS = itertools.count(1)  # numbers this process's init_process calls
 
 
-def _joined(store: dist.Store, keys: list[str], ranks: list[int], where: str) -> list[str]:
-    """The values of ``keys`` (``ranks[i]`` writes ``keys[i]`` when it joins), or one error naming the ranks that
-    never joined — rather than the store's "wait timeout … keys: host/1"."""
+def _joined(keys: SignedKeys, names: list[str], ranks: list[int], where: str) -> list[str]:
+    """The values of ``names`` (``ranks[i]`` writes ``names[i]`` when it joins), or one error naming the ranks that
+    never joined — rather than the store's "wait timeout … keys: host/1". Only values signed with the run's secret
+    are read (``SignedKeys``): a forged one is refused."""
     try:
-        return [store.get(key).decode() for key in keys]
-    except dist.DistStoreError as exc:
-        absent = [rank for rank, key in zip(ranks, keys) if not store.check([key])]
+        return [keys.get(name).decode() for name in names]
+    except CommTimeoutError as exc:
+        absent = [rank for rank, name in zip(ranks, names) if not keys.store.check([name])]
         raise CommTimeoutError(
             f"nxdt.comm: rank(s) {absent} never joined the run ({where}): check that they were started, "
             f"with the same MASTER_ADDR and MASTER_PORT"
@@ -753,8 +754,12 @@ def init_process(
     slot_bytes: int = DEFAULT_SLOT_BYTES,
     wait_policy: WaitPolicy | None = None,
     native: bool | None = None,
+    secret: bytes | None = None,
 ) -> World:
     """Join the job: connect to (or host) the store, agree on a run id, exchange host identities.
+
+    ``secret``: the run's store secret (default: ``NXDT_STORE_SECRET``); the values this join reads back are
+    signed with it and a forged one is refused (:mod:`nxdt.comm.store`).
 
     ``slot_bytes`` (shm chunk size, every rank must agree) and ``wait_policy`` tune the shared-memory
     transport; the defaults are what experiments/collectives-cpu measured best on a 2-core host.
@@ -785,14 +790,17 @@ def init_process(
     namespace = f"nxdt/{run_id or 'run'}/{attempt}/{next(_JOINS)}/"
     where = f"{world_size} ranks at {master_addr}:{master_port}, {timeout_s:g} s"
     store = dist.PrefixStore(namespace, store)
+    keys = SignedKeys(store, secret if secret is not None else secret_from_env(), timeout_s, f" ({where})")
     if rank == 0:
         remove_stale_segments()
-        store.set("run_nonce", uuid.uuid4().hex[:8])
-    nonce = _joined(store, ["run_nonce"], [0], where)[0]
+        keys.set("run_nonce", uuid.uuid4().hex[:8])
+    nonce = _joined(keys, ["run_nonce"], [0], where)[0]
+    if not nonce.isalnum():  # it names shared-memory segments
+        raise CommError(f"nxdt.comm: the run nonce in the rendezvous store is not alphanumeric ({where})")
     # short: segment names must stay well below NAME_MAX
     full_run_id = f"{(run_id or 'run')[:24]}.{nonce}"
-    store.set(f"host/{rank}", host_id or host_identity())
-    host_ids = _joined(store, [f"host/{r}" for r in range(world_size)], list(range(world_size)), where)
+    keys.set(f"host/{rank}", host_id or host_identity())
+    host_ids = _joined(keys, [f"host/{r}" for r in range(world_size)], list(range(world_size)), where)
     local_ranks = host_ids.count(host_ids[rank])
     return World(
         rank,

@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import signal
+import time
 import uuid
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -150,8 +151,10 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from nxdt.comm import cleanup_run
+    from nxdt.comm.store import new_secret
     from nxdt.launch import rendezvous, worker
     from nxdt.launch.forking import START_METHOD, start_fork_server
+    from nxdt.launch.rundir import STORE_SECRET_FILE, write_store_secret
 
     # the agent logs every worker exit at WARNING/ERROR; we report the failure ourselves in one line
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
@@ -171,7 +174,9 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
     )
     argv = [str(run_dir)] + (["--console-tty"] if console_tty else [])
     rendezvous.register()
+    watchdog = watch_segments(run_id)
     try:
+        write_store_secret(run_dir, new_secret())  # the workers sign and check nxdt's keys in the store with it
         start_fork_server()
         elastic_launch(config, entrypoint=worker.main)(argv)
     except ChildFailedError as exc:
@@ -183,3 +188,39 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
         ) from None
     finally:
         cleanup_run(run_id)
+        (run_dir / STORE_SECRET_FILE).unlink(missing_ok=True)
+        os.close(watchdog)  # the watchdog finds nothing left and exits
+
+
+def watch_segments(run_id: str) -> int:
+    """Start a watchdog that removes the run's shared-memory segments once this launcher is gone, even by SIGKILL
+    (which skips ``launch_local``'s own cleanup): a grandchild process, detached (no zombie, no terminal, no
+    signals from Ctrl-C), that blocks on a pipe only this process writes. The pipe reads end-of-file when the
+    launcher exits however it exits; its workers die with it (``forking.die_with_agent``), and the watchdog
+    removes ``nxdt-<run_id>…`` until it finds none twice in a row (a worker still dying may map one more).
+    Returns the pipe's write end: closing it ends the watchdog. Only ``os`` calls run in the fork."""
+    from nxdt.comm import cleanup_run
+
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover (a forked child: coverage is not collected there)
+        try:
+            os.setsid()  # no controlling terminal: Ctrl-C in the launcher's terminal does not reach it
+            if os.fork() != 0:
+                os._exit(0)  # the grandchild is adopted by init: nobody has to wait for it
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            os.closerange(3, read_end)  # the run directory's lock, the launcher's pipes: not held by the watchdog
+            os.closerange(read_end + 1, os.sysconf("SC_OPEN_MAX"))
+            while os.read(read_end, 1):
+                pass
+            quiet = 0
+            while quiet < 2:
+                quiet = quiet + 1 if cleanup_run(run_id) == 0 else 0
+                time.sleep(0.2)
+        finally:
+            os._exit(0)
+    os.close(read_end)
+    os.waitpid(child, 0)
+    return write_end

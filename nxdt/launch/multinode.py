@@ -346,24 +346,31 @@ def settle_node(
     agent's store, then set RANK/GROUP_RANK to this node's place in the Plan. Returns the node index."""
     import torch.distributed as dist
 
+    from nxdt.comm.store import SignedKeys, StoreForgeryError, secret_from_env
+
     environ: MutableMapping[str, str] = os.environ if env is None else env
     lws, local, group = int(environ["LOCAL_WORLD_SIZE"]), int(environ["LOCAL_RANK"]), int(environ["GROUP_RANK"])
     nnodes = int(environ["WORLD_SIZE"]) // lws
     store = dist.TCPStore(
         environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=timeout_s)
     )
+    # the records are signed with the job's secret (NXDT_STORE_SECRET, the same on every node): a record another
+    # process planted is refused, it cannot reorder the nodes or pass a plan digest
+    keys = SignedKeys(store, secret_from_env(environ), timeout_s, " (the nodes' order)")
     prefix = f"nxdt/nodes/{environ.get('TORCHELASTIC_RUN_ID', 'run')}"
     mine = f"{prefix}/g{group}/attempt{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     if local == 0:  # one record per node and rendezvous round (rounds counted, as restart counts may differ by node)
         round_ = (store.add(f"{prefix}/joined", 1) - 1) // nnodes
-        store.set(
+        keys.set(
             f"{prefix}/r{round_}/{group}",
             json.dumps({"key": node_key, "digest": digest, "source": source, "addr": environ.get("NXDT_LOCAL_ADDR", "?")}),
         )
-        store.set(mine, str(round_))
+        keys.set(mine, str(round_))
     try:
-        round_ = int(store.get(mine).decode())
-        records = [json.loads(store.get(f"{prefix}/r{round_}/{g}").decode()) for g in range(nnodes)]
+        round_ = int(keys.get(mine).decode())
+        records = [json.loads(keys.get(f"{prefix}/r{round_}/{g}").decode()) for g in range(nnodes)]
+    except StoreForgeryError as exc:
+        raise NodeOrderError(f"nxdt: {exc}") from None
     except Exception as exc:  # the store's own timeout: a node died between the rendezvous and here
         raise NodeOrderError(
             f"nxdt: nodes did not publish their order within {timeout_s:g}s ({str(exc).splitlines()[0]})"
@@ -422,11 +429,20 @@ def launch_node(run_dir: Path, spec: NodeSpec, args: Sequence[Any], entrypoint: 
     from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
     from torch.distributed.launcher.api import elastic_launch
 
+    from nxdt.comm.store import SECRET_ENV
     from nxdt.launch.local import LaunchFailed, LaunchInterrupted, root_failure
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.update(spec.env)
     os.environ["NXDT_LOCAL_ADDR"] = spec.local_addr  # for messages naming a node
+    if not os.environ.get(SECRET_ENV):  # Slurm's job script makes one; torchrun users export the same on every node
+        print(
+            f"nxdt: {SECRET_ENV} is not set: nxdt's keys in the rendezvous store are not authenticated (torchrun's "
+            f"trusted-network model); export the same random value on every node, e.g. "
+            f"`export {SECRET_ENV}=$(openssl rand -hex 32)`",
+            file=sys.stderr,
+            flush=True,
+        )
     where = f"node at {spec.local_addr}"
     log_dir = run_dir / "logs" / "agent"
     try:

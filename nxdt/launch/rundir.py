@@ -14,6 +14,48 @@ from nxdt.planner import Plan
 
 CONFIG_FILE, PLAN_FILE, OVERRIDES_FILE = "config.yaml", "plan.json", "overrides.txt"
 HISTORY_DIR, STAMP = "config-history", "%Y-%m-%d_%H-%M-%S"  # one entry per launch into the run directory
+STORE_SECRET_FILE = ".store_secret"  # this launch's rendezvous-store secret, hex, 0600 (nxdt.comm.store)
+
+
+class StoreSecretError(RuntimeError):
+    """The run directory's store secret is not a private regular file of this user; ``str()`` is the one line."""
+
+
+def write_store_secret(run_dir: Path, secret: bytes) -> Path:
+    """Write this launch's store secret for its workers: a new 0600 file in the (0700) run directory, created
+    without following a link (a link or a file left in its place is removed first, never written through)."""
+    path = run_dir / STORE_SECRET_FILE
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(secret.hex())
+    return path
+
+
+def read_store_secret(run_dir: Path) -> bytes | None:
+    """The store secret the launcher left for this run's workers (None: there is none, e.g. a multi-node run,
+    whose secret comes in ``NXDT_STORE_SECRET``). Read without following a link, and only from a regular file of
+    this user that nobody else can read."""
+    import stat
+
+    try:
+        fd = os.open(run_dir / STORE_SECRET_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise StoreSecretError(f"nxdt: cannot read {run_dir / STORE_SECRET_FILE}: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "rb") as fh:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077 or info.st_size > 256:
+            raise StoreSecretError(
+                f"nxdt: {run_dir / STORE_SECRET_FILE} is not a private file of this user (mode "
+                f"{stat.filemode(info.st_mode)}, uid {info.st_uid}); refused — start the run again"
+            )
+        text = fh.read(256).decode("ascii", errors="replace").strip()
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        raise StoreSecretError(f"nxdt: {run_dir / STORE_SECRET_FILE} does not hold a hex secret; start the run again") from None
 
 
 def _resumable(run: Path) -> bool:

@@ -162,6 +162,12 @@ def _main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     die_with_agent()
     die_on_sigterm()
+    from nxdt.comm.store import SECRET_ENV
+    from nxdt.launch.rundir import read_store_secret
+
+    secret = read_store_secret(args.run_dir)  # a local launch's; several nodes share theirs in the environment
+    if secret is not None:  # this process's environment only (0400 in /proc): what nxdt.comm and exp_manager read
+        os.environ[SECRET_ENV] = secret.hex()
     if args.plan_digest is not None:  # several nodes: take this node's place in the Plan before anything names a rank
         from nxdt.launch.multinode import settle_node
 

@@ -40,6 +40,7 @@ on their own stream (``ASYNC_STREAM``); removals of older checkpoints wait until
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -48,13 +49,15 @@ import queue
 import random
 import re
 import shutil
+import stat
 import threading
 import uuid
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -82,8 +85,51 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be read or written; the message names the path and the fix."""
 
 
+@contextmanager
+def opened_regular(file: str | os.PathLike) -> Iterator[str]:
+    """``file`` opened without following a link and checked to be a regular file, as a path to that open file
+    (``/proc/self/fd/N``) for readers that take a path (safetensors maps it): a link planted in a checkpoint —
+    even to a file with the very bytes its checksum names — is refused, and the file read is the one checked."""
+    path = Path(file)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CheckpointError(
+                f"checkpoint file {path} is a symbolic link; checkpoint files are read only as regular files "
+                f"— use an earlier checkpoint"
+            ) from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointError(f"checkpoint file {path} is not a regular file — use an earlier checkpoint")
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
+
+
+def refuse_target_inside_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike) -> None:
+    """``export-hf`` / ``consolidate`` write ``out``: never inside the checkpoint read (its files and checksums would
+    change under it) nor inside any other checkpoint directory (links resolved)."""
+    source, target = Path(checkpoint).resolve(), Path(out).resolve()
+    inside = target == source or source in target.parents
+    if not inside:
+        inside_other = next(
+            (d for d in (target, *target.parents) if (d / DONE_MARKER).is_file() or (d / CHECKSUMS_FILE).is_file()), None
+        )
+        if inside_other is None:
+            return
+        source = inside_other
+    raise CheckpointError(f"{out} is inside the checkpoint {source}: writing there would change it — name a directory outside it")
+
+
 def is_complete(path: str | os.PathLike) -> bool:
     return (Path(path) / DONE_MARKER).is_file()
+
+
+def is_step_name(name: str) -> bool:
+    """Whether ``name`` is a checkpoint directory's name, ``step-<N>`` (nothing else: no separator, no "..")."""
+    return re.fullmatch(r"step-[0-9]{1,18}", name) is not None
 
 
 def _step_of(path: Path) -> int:
@@ -195,7 +241,9 @@ def save_sharded(
     {name: tensors}, e.g. its RNG states) into one temporary directory; rank 0 commits it (meta, ``done``,
     rename, ``latest``) once every rank reported success — a failure anywhere aborts the whole save with
     one error on every rank and leaves the previous checkpoint intact. ``stream``: the communicator
-    stream of the save's collectives (``ASYNC_STREAM`` from a background writer)."""
+    stream of the save's collectives (``ASYNC_STREAM`` from a background writer). ``before_commit(tmp_dir)``
+    (fault drills) runs on every rank once its own files are written and before the commit: on rank 0 after
+    meta.json and checksums.json, on the others before they report to rank 0."""
     final = Path(path)
     tmp = final.parent / f"{_TMP_PREFIX}{final.name}"
     error, digests = "", {}
@@ -226,6 +274,8 @@ def save_sharded(
         digests = {} if error else write_mine()
     except OSError as exc:
         error = exc.strerror or str(exc)
+    if before_commit is not None and comm.rank != 0 and not error:
+        before_commit(tmp)  # this rank's files are written, the checkpoint is not committed (rank 0's: below)
     # one collective reports every rank's errors and hands rank 0 every rank's digests (plain data)
     reports = comm.all_gather_object((error, digests), stream=stream)
     errors = [e for e, _ in reports if e]
@@ -330,7 +380,7 @@ def file_digest(file: str | os.PathLike, fsync: bool = False) -> dict[str, Any]:
     digest, size = hashlib.sha256(), 0
     buf = bytearray(_HASH_CHUNK)
     view = memoryview(buf)
-    with open(file, "rb") as fh:
+    with open(os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb") as fh:  # a link: ELOOP, a problem
         while n := fh.readinto(buf):
             digest.update(view[:n])
             size += n
@@ -415,9 +465,12 @@ def _file_problem(root: Path, name: str, want: dict[str, Any]) -> str | None:
     """What is wrong with one recorded file (None: it is exactly as written)."""
     file = root / name
     try:
-        size = file.stat().st_size
+        info = file.lstat()
     except OSError:
         return f"missing: {name}"
+    if not stat.S_ISREG(info.st_mode):  # a link, even to the very bytes recorded, is not the file that was written
+        return f"not a regular file: {name} ({'a symbolic link' if stat.S_ISLNK(info.st_mode) else 'a special file'})"
+    size = info.st_size
     if size < want["size"]:
         return f"truncated: {name} ({size} of {want['size']} bytes)"
     if size > want["size"]:

@@ -15,7 +15,7 @@ import resource
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, RichProgressBar
@@ -242,6 +242,11 @@ class FaultInjection(Callback):
 
             def die_if_due(tmp_dir: Any) -> None:
                 if trainer.global_step >= self.step:
+                    print(
+                        f"nxdt: fault injection: SIGKILL on rank {trainer.global_rank} during the save of "
+                        f"step {trainer.global_step} (t={time.time():.3f})",
+                        flush=True,
+                    )
                     os.kill(os.getpid(), signal.SIGKILL)
 
             trainer.strategy.before_checkpoint_commit = die_if_due
@@ -273,11 +278,12 @@ class FaultInjection(Callback):
         raise InjectedFault(f"injected fault at step {self.step} on rank {trainer.global_rank} (exp_manager.fault_injection)")
 
 
-def launch_attempt() -> int:
+def launch_attempt(env: Mapping[str, str] | None = None) -> int:
     """0 for the first start of the workers, k after the k-th restart by the elastic agent (several nodes: the
     k-th rendezvous round, which every node agrees on; an agent restarted by another node's failure does not
     count that restart in TORCHELASTIC_RESTART_COUNT)."""
-    return int(os.environ.get("NXDT_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    env = os.environ if env is None else env
+    return int(env.get("NXDT_ATTEMPT") or env.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 class DirectoryCheckpoint(ModelCheckpoint):
@@ -289,6 +295,25 @@ class DirectoryCheckpoint(ModelCheckpoint):
     def __init__(self, *args: Any, background: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.background = background
+
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        super()._save_checkpoint(trainer, filepath)
+        if trainer.is_global_zero:
+            for old in self.beyond_keep_last_k(Path(filepath)):
+                trainer.strategy.remove_checkpoint(old)  # asynchronous saves: once this one is committed
+
+    def beyond_keep_last_k(self, saved: Path) -> list[Path]:
+        """The committed checkpoints older than ``saved`` beyond ``keep_last_k`` (``save_top_k``) counting it, read
+        from the directory: Lightning's own count starts from what its restored state remembers, and a resumed run
+        would keep every checkpoint of earlier launches. Newer steps (another timeline, e.g. after resuming an
+        older checkpoint) are not this save's to remove."""
+        if self.save_top_k < 1 or not ckpt_io.is_step_name(saved.name):
+            return []
+        step = int(saved.name[len("step-") :])
+        older = [
+            p for p in ckpt_io.list_complete(saved.parent) if ckpt_io.is_step_name(p.name) and int(p.name[len("step-") :]) < step
+        ]
+        return older[: max(0, len(older) - (self.save_top_k - 1))]
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -358,18 +383,23 @@ def resume_checkpoint(run_dir: str | Path, *, set_aside_damaged: bool = True) ->
     return good
 
 
-def agreed_resume_checkpoint(cfg: Any, run_dir: str | Path) -> Path | None:
+def agreed_resume_checkpoint(cfg: Any, run_dir: str | Path, env: Mapping[str, str] | None = None) -> Path | None:
     """The checkpoint every rank resumes from: the one named in the config; otherwise, when resuming
     (``resume_if_exists`` or a restart after a crash), the newest complete one — decided by rank 0 and
     published through the launcher's rendezvous store, so ranks never disagree (a file system listing
-    can differ between ranks while a save is being committed)."""
+    can differ between ranks while a save is being committed).
+
+    What goes through the store is only the checkpoint's name, signed with the run's secret
+    (``nxdt.comm.store.SignedKeys``): a value another local process planted is refused, and a name is accepted
+    only as a ``step-<N>`` directory of this run's ``checkpoints/`` — nothing read from the store picks a path
+    outside the run. ``env``: the worker's environment (default ``os.environ``)."""
     em = cfg.exp_manager
     if em.resume_from_checkpoint and not cfg.model.weight_init_only:  # weight_init_only: it only names starting weights
         return Path(em.resume_from_checkpoint).expanduser()
-    attempt = launch_attempt()
+    env = os.environ if env is None else env
+    attempt = launch_attempt(env)
     if not (em.resume_if_exists or attempt > 0):
         return None
-    env = os.environ
     if int(env.get("WORLD_SIZE", "1")) == 1 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         # every rank decides alike (the same files, the same checks); only rank 0 renames damaged ones
         return resume_checkpoint(run_dir, set_aside_damaged=int(env.get("RANK", "0")) == 0)
@@ -377,16 +407,26 @@ def agreed_resume_checkpoint(cfg: Any, run_dir: str | Path) -> Path | None:
 
     import torch.distributed as dist
 
+    from nxdt.comm.store import SignedKeys, secret_from_env
+
     store = dist.TCPStore(
         env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=cfg.comm.timeout_s)
     )
+    keys = SignedKeys(store, secret_from_env(env), cfg.comm.timeout_s, " (the checkpoint to resume from)")
     key = f"nxdt/resume/{env.get('TORCHELASTIC_RUN_ID', 'run')}/{attempt}"
+    root = checkpoint_dir(run_dir)
     if int(env["RANK"]) == 0:
         chosen = resume_checkpoint(run_dir)
-        store.set(key, str(chosen or ""))
-    else:
-        chosen = store.get(key).decode() or None
-    return Path(chosen) if chosen else None
+        keys.set(key, chosen.name if chosen else "")
+        return chosen
+    name = keys.get(key).decode(errors="replace")
+    if not name:
+        return None
+    if not ckpt_io.is_step_name(name) or not (root / name).is_dir() or (root / name).is_symlink():
+        raise ckpt_io.CheckpointError(
+            f"the checkpoint to resume from, {name!r} in the rendezvous store, is not a step-<N> directory of {root}; refused"
+        )
+    return root / name
 
 
 def validates(cfg: Any) -> bool:

@@ -72,9 +72,10 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, merge: bool = False, b
     full model with the adapters merged (``base``: the Hugging Face directory an adapters-only checkpoint merges into)."""
     from nxdt.lightning.reshard import read_full_state  # reshard builds on this package's checkpoint module
 
-    from nxdt.lightning.checkpoint import CheckpointError
+    from nxdt.lightning.checkpoint import CheckpointError, refuse_target_inside_checkpoint
     from nxdt.lightning.lora_checkpoint import lora_kind
 
+    refuse_target_inside_checkpoint(checkpoint, out)
     _check_out(Path(out))
     if lora_kind(checkpoint) != "none":  # adapters: a PEFT adapter directory, or with merge a full model
         from nxdt.lightning.lora_checkpoint import export_lora_checkpoint

@@ -44,7 +44,16 @@ from safetensors.torch import load_file
 from torch import nn
 
 from nxdt.config.validate import Dim
-from nxdt.lightning.checkpoint import CheckpointError, dp_format, read_meta, rng_file, save, verify
+from nxdt.lightning.checkpoint import (
+    CheckpointError,
+    dp_format,
+    opened_regular,
+    read_meta,
+    refuse_target_inside_checkpoint,
+    rng_file,
+    save,
+    verify,
+)
 from nxdt.parallel.tensor_parallel import shard_spec, trim_padding
 from nxdt.parallel.zero1 import STATE_FORMAT as ZERO1_FORMAT, consolidate_shard_states
 
@@ -128,7 +137,10 @@ def _tensors(file: Path) -> dict[str, torch.Tensor]:
     if not file.is_file():
         raise CheckpointError(f"checkpoint {file.parent}: shard {file.name} is missing — the checkpoint is incomplete")
     try:
-        return load_file(str(file))
+        with opened_regular(file) as opened:  # never through a link planted in the checkpoint
+            return load_file(opened)
+    except CheckpointError:
+        raise
     except Exception as exc:
         raise CheckpointError(
             f"checkpoint file {file} is unreadable ({type(exc).__name__}: {exc}) — use an earlier checkpoint"
@@ -139,7 +151,10 @@ def _state(file: Path) -> dict[str, Any]:
     if not file.is_file():
         raise CheckpointError(f"checkpoint {file.parent}: shard {file.name} is missing — the checkpoint is incomplete")
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        with opened_regular(file) as opened:
+            return torch.load(opened, map_location="cpu", weights_only=True)
+    except CheckpointError:
+        raise
     except Exception as exc:
         raise CheckpointError(
             f"checkpoint file {file} is unreadable ({type(exc).__name__}: {exc}) — use an earlier checkpoint"
@@ -353,6 +368,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> Path:
     ``out`` (model.safetensors, trainer_state.pt with the unsharded optimizer state, rank 0's RNG states),
     which a one-rank run loads directly and any other layout reshards."""
     out = Path(out)
+    refuse_target_inside_checkpoint(path, out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(
             f"{out} exists and is not an empty directory — name a new directory to write the consolidated checkpoint to"

@@ -1,0 +1,244 @@
+"""The run's rendezvous store against a local process without the run's secret (issue 38): it can connect to the
+loopback port and set or read keys (torch's TCPStore has no authentication), but nothing it writes is acted on —
+every value nxdt reads back is signed with the launch's secret (HMAC-SHA256, ``nxdt.comm.store.SignedKeys``), and
+the checkpoint a restarted rank resumes from is a ``step-<N>`` directory of the run's own ``checkpoints/``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from nxdt.comm import CommTimeoutError
+from nxdt.comm.store import LOOPBACK, SECRET_ENV, SignedKeys, StoreForgeryError, new_secret, serve_store
+from nxdt.launch.rundir import STORE_SECRET_FILE, StoreSecretError, read_store_secret, write_store_secret
+from nxdt.lightning import checkpoint as ckpt_io
+from nxdt.lightning.exp_manager import agreed_resume_checkpoint
+from shared_runs import RELIABILITY, listening_addresses, process_tree, processes_left
+from test_train_e2e import assert_ok, losses
+
+
+@pytest.fixture
+def store():
+    server = serve_store(LOOPBACK, 0, None, timedelta(seconds=10))
+    yield server
+    del server
+
+
+def _intruder(server: dist.TCPStore) -> dist.TCPStore:
+    """Another local process: it found the port, it has no secret."""
+    return dist.TCPStore(LOOPBACK, server.port, is_master=False, timeout=timedelta(seconds=5))
+
+
+def test_a_value_without_the_runs_secret_is_never_returned(store):
+    secret = new_secret()
+    keys = SignedKeys(store, secret, timeout_s=5)
+    intruder = _intruder(store)
+    intruder.set("nxdt/x", b"forged")  # before the writer: the reader waits past it for the genuine value
+    writer = threading.Timer(0.3, keys.set, ("nxdt/x", "genuine"))
+    writer.start()
+    assert keys.get("nxdt/x") == b"genuine"
+    writer.join()
+    # a genuine value copied to another key, or signed with another run's secret, is no value either
+    intruder.set("nxdt/y", store.get("nxdt/x"))
+    with pytest.raises(StoreForgeryError, match="'nxdt/y' held only values not signed with this run's secret"):
+        keys.get("nxdt/y", timeout_s=0.3)
+    SignedKeys(store, new_secret(), 5).set("nxdt/z", "other run")
+    with pytest.raises(StoreForgeryError):
+        keys.get("nxdt/z", timeout_s=0.3)
+    with pytest.raises(CommTimeoutError, match="no value for 'nxdt/never'"):
+        keys.get("nxdt/never", timeout_s=0.2)
+
+
+def _run_with_checkpoints(tmp_path: Path, steps: tuple[int, ...]) -> Path:
+    run = tmp_path / "run"
+    for step in steps:
+        ckpt_io.save(
+            {"state_dict": {"w": torch.full((2,), float(step))}, "global_step": step}, run / "checkpoints" / f"step-{step}"
+        )
+    return run
+
+
+def _cfg() -> SimpleNamespace:
+    return SimpleNamespace(
+        exp_manager=SimpleNamespace(resume_from_checkpoint=None, resume_if_exists=False),
+        model=SimpleNamespace(weight_init_only=False),
+        comm=SimpleNamespace(timeout_s=5.0),
+    )
+
+
+def _rank_env(store: dist.TCPStore, rank: int, secret: bytes) -> dict[str, str]:
+    """A restarted worker's environment (attempt 1) under nxdt's local agent."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": LOOPBACK,
+        "MASTER_PORT": str(store.port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RUN_ID": "xrun",
+        "TORCHELASTIC_RESTART_COUNT": "1",
+        SECRET_ENV: secret.hex(),
+    }
+
+
+def test_a_planted_resume_key_redirects_no_rank(tmp_path, store):
+    """The attack measured on main: set ``nxdt/resume/<run_id>/1`` before the restarted ranks read it. Rank 1 then
+    resumed from the checkpoint the intruder chose (or waited 120 s for one). Now it resumes from rank 0's choice."""
+    run = _run_with_checkpoints(tmp_path, (2, 4))
+    elsewhere = _run_with_checkpoints(tmp_path / "intruder", (9,)) / "checkpoints" / "step-9"
+    secret = new_secret()
+    intruder = _intruder(store)
+    for planted in (str(elsewhere).encode(), b"step-2"):  # another directory, and this run's older checkpoint
+        intruder.set("xrun/nxdt/resume/xrun/1", planted)
+        intruder.set("nxdt/resume/xrun/1", planted)
+        result: dict[str, object] = {}
+        rank1 = threading.Thread(
+            target=lambda: result.update(got=agreed_resume_checkpoint(_cfg(), run, env=_rank_env(store, 1, secret)))
+        )
+        rank1.start()  # reads first: only the forged value is there
+        time.sleep(0.3)
+        assert rank1.is_alive(), "rank 1 acted on the planted value"
+        chosen = agreed_resume_checkpoint(_cfg(), run, env=_rank_env(store, 0, secret))
+        rank1.join(timeout=10)
+        assert chosen == run / "checkpoints" / "step-4" and result["got"] == chosen
+
+
+def test_a_resume_name_from_the_store_must_be_a_checkpoint_of_this_run(tmp_path, store):
+    """Even a signed value only names a ``step-<N>`` directory of the run's ``checkpoints/``: no path from the
+    store reaches outside the run."""
+    run = _run_with_checkpoints(tmp_path, (2,))
+    secret = new_secret()
+    for name in ("../../elsewhere/step-9", str(tmp_path / "elsewhere"), "step-7"):
+        SignedKeys(store, secret, 5).set("nxdt/resume/xrun/1", name)
+        with pytest.raises(ckpt_io.CheckpointError, match="is not a step-<N> directory of"):
+            agreed_resume_checkpoint(_cfg(), run, env=_rank_env(store, 1, secret))
+
+
+def test_the_secret_file_is_private_and_never_read_through_a_link(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    secret = new_secret()
+    path = write_store_secret(run, secret)
+    assert path.stat().st_mode & 0o777 == 0o600 and read_store_secret(run) == secret
+    path.unlink()
+    assert read_store_secret(run) is None
+    target = tmp_path / "planted"
+    target.write_text(new_secret().hex())
+    target.chmod(0o600)
+    (run / STORE_SECRET_FILE).symlink_to(target)
+    with pytest.raises(StoreSecretError):
+        read_store_secret(run)
+    write_store_secret(run, secret)  # replaces the link, never writes through it
+    assert not (run / STORE_SECRET_FILE).is_symlink() and target.read_text() != secret.hex()
+    os.chmod(run / STORE_SECRET_FILE, 0o644)
+    with pytest.raises(StoreSecretError, match="not a private file"):
+        read_store_secret(run)
+
+
+# ----------------------------------------------------------------------------- a real run, attacked
+def _start(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "nxdt.cli", "train", *args],
+        cwd=cwd,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _run_segments(tree: set[int]) -> list[Path]:
+    """The run's shared-memory segments: their header names a creator in the run's process tree."""
+    found = []
+    for path in Path("/dev/shm").glob("nxdt-x*"):
+        try:
+            if np.frombuffer(path.read_bytes()[:16], dtype=np.int64)[1] in tree:
+                found.append(path)
+        except (OSError, IndexError):
+            continue
+    return found
+
+
+def _wait_training(proc: subprocess.Popen, run: Path) -> tuple[set[int], list[Path]]:
+    deadline = time.monotonic() + 150
+    while True:
+        assert time.monotonic() < deadline and proc.poll() is None, "the run did not start"
+        tree = process_tree(proc.pid)
+        segments = _run_segments(tree) if (run / "metrics.csv").exists() else []
+        if segments:
+            return tree, segments
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_intruder_in_the_store_of_a_restarting_run_changes_nothing(tmp_path, reliability_reference):
+    """The acceptance case of issue 38 on a real run: a local process finds the store (the port the run listens
+    on, the run id in /dev/shm) and plants the resume key of the restart — naming a good checkpoint of another run,
+    at step 10 — while rank 1 is killed in the middle of saving step 10 (the fault drill that never fired at rank
+    1 before). The restart resumes both ranks from this run's step-5 and the losses are bitwise the uninterrupted
+    run's. (On main rank 1 restarted from the planted checkpoint.)"""
+    run, planted = tmp_path / "run", tmp_path / "intruder" / "step-10"
+    shutil.copytree(reliability_reference / "checkpoints" / "step-10", planted)
+    proc = _start(
+        [
+            *RELIABILITY,
+            "exp_manager.max_restarts=1",
+            "exp_manager.fault_injection.step=10",
+            "exp_manager.fault_injection.rank=1",
+            "exp_manager.fault_injection.kind=sigkill_during_save",
+            f"exp_manager.explicit_log_dir={run}",
+        ],
+        tmp_path,
+    )
+    try:
+        tree, segments = _wait_training(proc, run)
+        (port,) = {p for _, p in listening_addresses(tree)}
+        run_id = segments[0].name[len("nxdt-") :].split(".")[0]
+        intruder = dist.TCPStore(LOOPBACK, port, is_master=False, timeout=timedelta(seconds=10))
+        for key in (f"{run_id}/nxdt/resume/{run_id}/1", f"nxdt/resume/{run_id}/1"):
+            for attempt_value in (str(planted), "step-10"):
+                intruder.set(key, attempt_value)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    assert_ok(result)
+    assert "fault injection: SIGKILL on rank 1 during the save of step 10" in (run / "logs" / "rank1.log").read_text()
+    assert "resuming from step-5" in out, out[-2000:]
+    assert losses(run) == losses(reliability_reference)
+    assert not (run / STORE_SECRET_FILE).exists()  # the launch's secret goes with it
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_launcher_killed_with_sigkill_leaves_no_shared_memory(tmp_path):
+    """SIGKILL skips the launcher's own cleanup; its watchdog (a detached process blocked on a pipe only the
+    launcher holds) removes the run's segments once the launcher is gone. On main they stayed until the next run."""
+    run = tmp_path / "run"
+    proc = _start([*RELIABILITY, "trainer.max_steps=100000", f"exp_manager.explicit_log_dir={run}"], tmp_path)
+    try:
+        tree, segments = _wait_training(proc, run)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+        deadline = time.monotonic() + 20
+        while (left := [p for p in segments if p.exists()] + _run_segments(tree)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not left, f"left in /dev/shm after the launcher was killed: {[p.name for p in left]}"
+    assert not processes_left(run), "a worker or the fork server outlived the launcher"
