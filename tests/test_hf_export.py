@@ -293,3 +293,44 @@ def test_a_config_json_nxdt_cannot_honour_is_refused(llama_dir, edit, message):
     with pytest.raises(ConfigError, match=message) as err:
         compose_config([f"model.hf_checkpoint={llama_dir}", "data=synthetic"])
     assert err.value.key == "model.hf_checkpoint"
+
+
+def test_a_checkpoint_of_an_older_nxdt_exports_from_its_run_config(tmp_path):
+    """Checkpoints written before meta.json recorded the model config: the run's config.yaml describes it (checked
+    against the shape the checkpoint does record); without one the export is refused rather than guessed."""
+    from nxdt.config import save_run_config
+    from nxdt.config.validate import MODEL_SHAPE_FIELDS
+    from nxdt.lightning.hf import export_source
+
+    cfg = compose_config(["data=synthetic", "model.norm_eps=1e-6", "model.rope_theta=500000"])
+    step = tmp_path / "run/checkpoints/step-1"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text(json.dumps({"model": {k: getattr(cfg.model, k) for k in MODEL_SHAPE_FIELDS}}))
+    with pytest.raises(CheckpointError, match=r"does not record its model config .* config.yaml is not at"):
+        export_source(step)
+    save_run_config(cfg, tmp_path / "run/config.yaml")
+    source = export_source(step)
+    assert source == {"model_config": model_meta(cfg.model), "tokenizer": None}
+    assert (source["model_config"]["norm_eps"], source["model_config"]["rope_theta"]) == (1e-6, 500000.0)
+    other = compose_config(["data=synthetic", "model.hidden_size=64"])
+    save_run_config(other, tmp_path / "run/config.yaml")
+    with pytest.raises(CheckpointError, match="describes another model .hidden_size=64, the checkpoint has 128"):
+        export_source(step)
+
+
+def test_the_launcher_checks_a_gpt2_checkpoint_in_its_own_names(tmp_path):
+    """The header check before launch goes through the family's adapter: GPT-2's fused, transposed c_attn is expected
+    as [n_embd, 3·n_embd], and a wrong one is named as the checkpoint names it."""
+    from safetensors.torch import load_file, save_file
+
+    from nxdt.cli import _check_model
+
+    _hf_model(_gpt2(True), tmp_path / "hf")
+    cfg = compose_config([f"model.hf_checkpoint={tmp_path / 'hf'}", "data=synthetic"])
+    assert cfg.model.architecture == "nxdt.models.gpt.GPTForCausalLM" and cfg.model.ffn_hidden_size == 80
+    _check_model(cfg)  # accepted: every tensor known, of its shape
+    tensors = load_file(str(tmp_path / "hf/model.safetensors"))
+    tensors["transformer.h.1.attn.c_attn.weight"] = tensors["transformer.h.1.attn.c_attn.weight"].t().contiguous()
+    save_file(tensors, str(tmp_path / "hf/model.safetensors"))
+    with pytest.raises(ConfigError, match=r"transformer.h.1.attn.c_attn.weight has shape \[96, 32\], .* expects \[32, 96\]"):
+        _check_model(cfg)

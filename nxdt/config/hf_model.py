@@ -145,7 +145,8 @@ def settings_from(
     fields = family.model_fields(hf)
     if "rope_scaling.rope_type" in family.compute_keys:  # plain RoPE in config.json: the composed config's scaling off
         fields.setdefault("rope_scaling.rope_type", None)
-    updates = {k: v for k, v in fields.items() if k not in explicit}
+    # a field is given when it, or a node above it, was set (model.rope_scaling={rope_type: llama3, ...})
+    updates = {k: v for k, v in fields.items() if not any(k == e or k.startswith(f"{e}.") for e in explicit)}
     bad = family.mismatches(hf, {**current, **updates})
     if not bad:
         return updates, None
