@@ -5,9 +5,10 @@ Each family says which HF ``model_type`` it is, which hub class implements it, h
 changes the computation maps to an nxdt model field (:meth:`HFFamily.model_fields`), how to write the family's own
 config.json back (:meth:`HFFamily.hf_config`, for ``nxdt checkpoint export-hf``) and which nxdt fields change the
 computation (:attr:`HFFamily.compute_keys`: the ones an import compares, the ones an override may not contradict).
-The tensor-name side (the state-dict adapter) is ``nxdt.lightning.hf``'s, keyed by the same ``model_type``
-(torchtitan keeps both in one ``ModelSpec``: ``torchtitan/protocols/state_dict_adapter.py``; here the config half
-stays below torch in the layering).
+Its tensors too: :attr:`HFFamily.weights`, the state-dict adapter's rules as data (names, fused and transposed
+projections; ``nxdt.lightning.hf.StateDictAdapter`` applies them with torch, which this layer does not import), so a
+family's whole Hugging Face mapping is one :class:`HFFamily` — the HF half of torchtitan's per-model ``ModelSpec``
+with its ``StateDictAdapter`` (``torchtitan/protocols/state_dict_adapter.py``).
 
 Fields a family does not implement are refused by name rather than ignored (RoPE scaling: ``llama3`` is
 implemented, every other ``rope_type`` is refused). A field config.json leaves out takes the default of
@@ -79,6 +80,18 @@ def _rope_config(model: Mapping[str, Any]) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class WeightRule:
+    """Our tensor(s) ↔ one Hugging Face tensor, as name patterns: ``{i}`` a layer index, ``{p}`` weight or bias,
+    ``{name}`` any name. Several of ours are fused into the HF tensor along the output dimension (GPT-2's q | k | v in
+    ``c_attn``), in this order; ``transpose``: the HF weight is ours transposed (GPT-2's ``Conv1D`` is [in, out], the
+    transpose of ``nn.Linear``'s). ``nxdt.lightning.hf.StateDictAdapter`` applies them."""
+
+    ours: tuple[str, ...]
+    hf: str
+    transpose: bool = False
+
+
+@dataclass(frozen=True)
 class HFFamily:
     """One model family's config.json mapping. ``fields``: config.json field → nxdt field, with transformers' default
     for the family when the field is absent (None: no default, the field must be there)."""
@@ -92,6 +105,12 @@ class HFFamily:
     check: Callable[[Mapping[str, Any]], dict[str, Any]]
     extra_config: Callable[[Mapping[str, Any]], dict[str, Any]]
     fixed: dict[str, Any] = field(default_factory=dict)  # nxdt fields the family fixes (e.g. Mixtral's softmax router)
+    # the state-dict adapter: the first rule whose pattern matches a name maps it; checkpoint names that are not
+    # weights (``skip``: suffixes of buffers some checkpoints carry) are ignored; ``hf_prefix``: the prefix HF's own
+    # saves put on every name but the head, which older checkpoints of the family leave out
+    weights: tuple[WeightRule, ...] = (WeightRule(("lm_head.{p}",), "lm_head.{p}"), WeightRule(("{name}",), "model.{name}"))
+    skip: tuple[str, ...] = ()
+    hf_prefix: str | None = None
 
     def model_fields(self, hf: Mapping[str, Any]) -> dict[str, Any]:
         """Flat ``{nxdt model field (dotted below model.): value}`` from a parsed config.json of this family."""
@@ -325,6 +344,20 @@ FAMILIES: dict[str, HFFamily] = {
         + ("norm_eps", "tie_word_embeddings"),
         _gpt2_check,
         _gpt2_config,
+        weights=(
+            WeightRule(("embed_tokens.weight",), "transformer.wte.weight"),
+            WeightRule(("embed_positions.weight",), "transformer.wpe.weight"),
+            WeightRule(("layers.{i}.input_layernorm.{p}",), "transformer.h.{i}.ln_1.{p}"),
+            WeightRule(tuple(f"layers.{{i}}.self_attn.{x}_proj.{{p}}" for x in "qkv"), "transformer.h.{i}.attn.c_attn.{p}", True),
+            WeightRule(("layers.{i}.self_attn.o_proj.{p}",), "transformer.h.{i}.attn.c_proj.{p}", True),
+            WeightRule(("layers.{i}.post_attention_layernorm.{p}",), "transformer.h.{i}.ln_2.{p}"),
+            WeightRule(("layers.{i}.mlp.fc_in.{p}",), "transformer.h.{i}.mlp.c_fc.{p}", True),
+            WeightRule(("layers.{i}.mlp.fc_out.{p}",), "transformer.h.{i}.mlp.c_proj.{p}", True),
+            WeightRule(("norm.{p}",), "transformer.ln_f.{p}"),
+            WeightRule(("lm_head.weight",), "lm_head.weight"),
+        ),
+        skip=(".attn.bias", ".attn.masked_bias"),  # the causal mask, saved as a buffer by older transformers
+        hf_prefix="transformer.",
     ),
 }
 # model_type → model-hub class

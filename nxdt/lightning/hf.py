@@ -1,19 +1,25 @@
-"""Hugging Face checkpoint interop for the model hub's Llama-family models.
+"""Hugging Face checkpoint interop for the model hub's families (llama, mixtral, and gpt2 for nxdt's GPT).
 
-Our parameter names are Hugging Face's without its ``model.`` prefix (``lm_head`` has none), so:
+Tensor names go through the family's state-dict adapter (:class:`StateDictAdapter`, the rules of
+``nxdt.config.hf_model.HFFamily.weights``): Llama's and Mixtral's are ours under ``model.`` (``lm_head`` has none);
+GPT-2's are renamed, q/k/v fused into ``c_attn`` and ``Conv1D`` weights transposed. So:
 
 * import: ``model.hf_checkpoint=DIR`` loads ``DIR/*.safetensors`` into the full model on every rank before
-  tensor/pipeline parallelism slices it — any layout starts from the same weights;
+  tensor/pipeline parallelism slices it — any layout starts from the same weights; the model config came from
+  ``DIR/config.json`` when the config was composed (``nxdt.config``);
 * export: ``nxdt checkpoint export-hf CKPT OUT`` reassembles a (TP × PP sharded) nxdt checkpoint into full
   tensors — TP shards concatenated along the dimension recorded in ``meta.json``'s ``tensor_parallel``
-  layout, PP stages merged by name — and writes ``OUT/model.safetensors`` with HF names plus a
-  ``config.json``. Importing, training zero effective steps and exporting returns the original bytes.
+  layout, PP stages merged by name — and writes a Hugging Face model directory: ``model.safetensors`` (HF names,
+  fp32 or bf16), the family's own ``config.json`` with every field that changes the computation,
+  ``generation_config.json`` and the run's tokenizer files. Importing, training zero effective steps and exporting
+  returns the original bytes.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -23,6 +29,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
+
+from nxdt.config.hf_model import HFFamily, family_of_architecture
 
 
 MODULE_PREFIX = "model."  # CausalLMModule holds the hub model as `model`
@@ -36,112 +44,100 @@ def our_name(name: str) -> str:
     return name[len("model.") :] if name.startswith("model.") else name
 
 
-class PrefixAdapter:
-    """Llama and Mixtral: Hugging Face's names are ours under ``model.`` (``lm_head`` has none); a tied head is not
-    saved (transformers ties it again when loading)."""
+_PATTERN_PARTS = {"i": r"(?P<i>\d+)", "p": r"(?P<p>weight|bias)", "name": r"(?P<name>.+)"}
+
+
+def _regex(pattern: str) -> re.Pattern[str]:
+    """A :class:`~nxdt.config.hf_model.WeightRule` name pattern as a regex binding ``{i}``, ``{p}``, ``{name}``."""
+    out, rest = "", pattern
+    while "{" in rest:
+        before, _, after = rest.partition("{")
+        field, _, rest = after.partition("}")
+        out += re.escape(before) + _PATTERN_PARTS[field]
+    return re.compile(out + re.escape(rest) + "$")
+
+
+class StateDictAdapter:
+    """Our tensor names ↔ a Hugging Face family's (torchtitan's ``StateDictAdapter``: ``to_hf`` / ``from_hf``), by
+    the family's :attr:`~nxdt.config.hf_model.HFFamily.weights` rules: renamed, fused along the output dimension,
+    transposed. A name no rule maps passes through unchanged, for the caller to name it."""
+
+    def __init__(self, family: HFFamily) -> None:
+        self.family = family
+        self._ours = [[_regex(p) for p in rule.ours] for rule in family.weights]
+        self._hf = [_regex(rule.hf) for rule in family.weights]
+
+    def _match_hf(self, key: str) -> tuple[int, dict[str, str]] | None:
+        for index, regex in enumerate(self._hf):
+            m = regex.match(key)
+            if m:
+                return index, m.groupdict()
+        return None
 
     def canonical(self, key: str) -> str | None:
-        """A checkpoint's tensor name as :meth:`from_hf` takes it; None: not weights (a buffer), skipped."""
+        """A checkpoint's tensor name as :meth:`from_hf` takes it (the family's prefix added where an older
+        checkpoint leaves it out); None: not weights (a buffer), skipped."""
+        if key.endswith(self.family.skip):
+            return None
+        prefix = self.family.hf_prefix
+        if prefix and not key.startswith(prefix) and self._match_hf(key) is None and self._match_hf(prefix + key):
+            return prefix + key
         return key
 
     def to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {hf_name(n): t for n, t in state.items()}
+        groups: dict[tuple[int, tuple[tuple[str, str], ...]], dict[int, str]] = {}
+        out: dict[str, torch.Tensor] = {}
+        for name in state:
+            found = next(
+                (
+                    (r, j, m.groupdict())
+                    for r, regexes in enumerate(self._ours)
+                    for j, rx in enumerate(regexes)
+                    if (m := rx.match(name))
+                ),
+                None,
+            )
+            if found is None:
+                out[name] = state[name]
+                continue
+            r, j, bound = found
+            groups.setdefault((r, tuple(sorted(bound.items()))), {})[j] = name
+        for (r, bindings), names in groups.items():
+            rule = self.family.weights[r]
+            if len(names) < len(rule.ours):  # part of a fused tensor: passed through, named by the caller
+                out.update({n: state[n] for n in names.values()})
+                continue
+            parts = [state[names[j]] for j in range(len(rule.ours))]
+            tensor = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+            if rule.transpose and tensor.dim() == 2:
+                tensor = tensor.t()
+            out[rule.hf.format(**dict(bindings))] = tensor.contiguous()
+        return out
 
     def from_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {our_name(k): t for k, t in state.items()}
-
-
-# GPT-2's module names (transformers' modeling_gpt2.py) for ours, per block and outside the blocks
-_GPT2_BLOCK = {
-    "input_layernorm": "ln_1",
-    "post_attention_layernorm": "ln_2",
-    "self_attn.o_proj": "attn.c_proj",
-    "mlp.fc_in": "mlp.c_fc",
-    "mlp.fc_out": "mlp.c_proj",
-}
-_GPT2_TOP = {
-    "embed_tokens.weight": "wte.weight",
-    "embed_positions.weight": "wpe.weight",
-    "norm.weight": "ln_f.weight",
-    "norm.bias": "ln_f.bias",
-}
-_QKV = ("q_proj", "k_proj", "v_proj")
-
-
-class GPT2Adapter:
-    """nxdt's GPT ↔ ``GPT2LMHeadModel``: GPT-2 keeps its projections as ``Conv1D`` (weight [in, out], the transpose
-    of ``nn.Linear``'s) and fuses q, k, v into ``attn.c_attn`` (outputs q | k | v); names sit under ``transformer.``
-    (the original OpenAI checkpoints have none, and carry the causal mask as ``attn.bias`` / ``attn.masked_bias``
-    buffers, which are skipped)."""
-
-    def canonical(self, key: str) -> str | None:
-        if key.endswith((".attn.bias", ".attn.masked_bias")):
-            return None
-        return key if key.startswith(("transformer.", "lm_head.")) else f"transformer.{key}"
-
-    def to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
-        for name, t in state.items():
-            if name in _GPT2_TOP:
-                out[f"transformer.{_GPT2_TOP[name]}"] = t
-            elif name.startswith("lm_head."):
-                out[name] = t
-            elif name.startswith("layers."):
-                _, index, rest = name.split(".", 2)
-                module, _, kind = rest.rpartition(".")
-                prefix = f"transformer.h.{index}."
-                if module.startswith("self_attn.") and module.split(".")[1] in _QKV:
-                    if module.endswith("q_proj"):  # the fused projection, once per layer
-                        parts = [state[f"layers.{index}.self_attn.{p}.{kind}"] for p in _QKV]
-                        fused = torch.cat(parts, dim=0)
-                        out[f"{prefix}attn.c_attn.{kind}"] = fused.t() if kind == "weight" else fused
-                elif module in _GPT2_BLOCK:
-                    conv = kind == "weight" and "layernorm" not in module
-                    out[f"{prefix}{_GPT2_BLOCK[module]}.{kind}"] = t.t() if conv else t
-                else:
-                    out[name] = t  # no counterpart: the caller names it
-            else:
-                out[name] = t
-        return {k: v.contiguous() for k, v in out.items()}
-
-    def from_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        top = {f"transformer.{hf}": ours for ours, hf in _GPT2_TOP.items()}
-        block = {hf: ours for ours, hf in _GPT2_BLOCK.items()}
-        out: dict[str, torch.Tensor] = {}
-        for key, t in state.items():
-            if key in top:
-                out[top[key]] = t
-            elif key.startswith("transformer.h."):
-                _, _, index, rest = key.split(".", 3)
-                module, _, kind = rest.rpartition(".")
-                if module == "attn.c_attn":
-                    fused = t.t() if kind == "weight" else t
-                    if fused.shape[0] % 3:
-                        out[key] = t  # the caller reports its shape
-                        continue
-                    for proj, part in zip(_QKV, fused.chunk(3, dim=0)):
-                        out[f"layers.{index}.self_attn.{proj}.{kind}"] = part.contiguous()
-                elif module in block:
-                    conv = kind == "weight" and not module.startswith("ln_")
-                    out[f"layers.{index}.{block[module]}.{kind}"] = t.t().contiguous() if conv else t
-                else:
-                    out[key] = t
-            else:
-                out[key] = t
+        for key, tensor in state.items():
+            found = self._match_hf(key)
+            if found is None:
+                out[key] = tensor
+                continue
+            rule, bound = self.family.weights[found[0]], found[1]
+            if rule.transpose and tensor.dim() == 2:
+                tensor = tensor.t()
+            if tensor.shape[0] % len(rule.ours):
+                out[key] = tensor  # cannot be split: its shape is reported by the caller
+                continue
+            for pattern, part in zip(rule.ours, tensor.chunk(len(rule.ours), dim=0)):
+                out[pattern.format(**bound)] = part.contiguous()
         return out
 
 
-ADAPTERS: dict[str, PrefixAdapter | GPT2Adapter] = {"llama": PrefixAdapter(), "mixtral": PrefixAdapter(), "gpt2": GPT2Adapter()}
-
-
-def adapter_for(architecture: str) -> PrefixAdapter | GPT2Adapter:
+def adapter_for(architecture: str) -> StateDictAdapter:
     """The state-dict adapter of the HF family ``architecture`` (an nxdt hub class path) maps to."""
-    from nxdt.config.hf_model import family_of_architecture
-
-    return ADAPTERS[family_of_architecture(architecture).model_type]
+    return StateDictAdapter(family_of_architecture(architecture))
 
 
-def _read_hf_state(directory: str | Path, adapter: PrefixAdapter | GPT2Adapter) -> dict[str, torch.Tensor]:
+def _read_hf_state(directory: str | Path, adapter: StateDictAdapter) -> dict[str, torch.Tensor]:
     files = sorted(Path(directory).expanduser().glob("*.safetensors"))
     if not files:
         raise ValueError(f"model.hf_checkpoint={directory}: no *.safetensors files")
@@ -278,7 +274,7 @@ def hf_files(
     """(config.json, generation_config.json, {file name: tokenizer file to copy}) of an export. With ``base`` (the
     HF directory a LoRA merge started from) its config.json is kept, checked against the model, and its
     generation config and tokenizer files are used where the run had none."""
-    from nxdt.config.hf_model import HFConfigError, family_of, family_of_architecture
+    from nxdt.config.hf_model import HFConfigError, family_of
     from nxdt.lightning.checkpoint import CheckpointError
 
     try:
@@ -471,7 +467,7 @@ def check_hf_checkpoint(
     (the family's adapter, by ``architecture``; default Llama's): every file's header whole, every tensor known, of
     the expected shape and a float dtype, none missing — what :func:`load_hf_weights` would find only in the
     workers. Reads headers only. Returns the tensors checked."""
-    adapter = adapter_for(architecture) if architecture is not None else PrefixAdapter()
+    adapter = adapter_for(architecture or "nxdt.models.llama.LlamaForCausalLM")
     shapes = {
         k: tuple(t.shape) for k, t in adapter.to_hf({n: torch.empty(s, device="meta") for n, s in expected.items()}).items()
     }
