@@ -43,8 +43,10 @@ commands:
   checkpoint inspect DIR      step, layout, model and tensors of a checkpoint (checks it is whole)
   checkpoint verify DIR       every file's size and SHA-256 against the checkpoint's checksums.json: one line per
                               problem and a summary; exit 0 if good, 1 if damaged
-  checkpoint export-hf DIR OUT [--merge] [--base HF_DIR]
-                              full Hugging Face safetensors from a (sharded) checkpoint; import with model.hf_checkpoint=DIR.
+  checkpoint export-hf DIR OUT [--merge] [--base HF_DIR] [--dtype fp32|bf16]
+                              a Hugging Face model directory from a (sharded) checkpoint: safetensors (fp32 unless
+                              --dtype bf16), the family's config.json, generation_config.json, the run's tokenizer files;
+                              import with model.hf_checkpoint=DIR.
                               A LoRA checkpoint exports as a PEFT adapter directory; --merge: a full model with the adapters
                               merged (--base: the Hugging Face model an adapters-only checkpoint merges into)
   checkpoint consolidate DIR OUT
@@ -481,9 +483,11 @@ def _check_model(cfg: Any) -> None:
 
         expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
         try:
-            check_hf_checkpoint(model_cfg.hf_checkpoint, expected, tied=bool(getattr(model, "tied", False)))
+            check_hf_checkpoint(model_cfg.hf_checkpoint, expected, bool(getattr(model, "tied", False)), arch)
         except HFCheckpointError as exc:
             raise ConfigError("model.hf_checkpoint", model_cfg.hf_checkpoint, exc.fix) from None
+        except ValueError as exc:  # HFConfigError: the architecture has no Hugging Face family
+            raise ConfigError("model.hf_checkpoint", model_cfg.hf_checkpoint, str(exc)) from None
 
 
 HOST_MEMORY_FRACTION = 0.9  # a local CPU run whose estimate exceeds this share of MemAvailable is refused
@@ -1038,7 +1042,7 @@ def cmd_sweep_report(argv: list[str]) -> int:
 
 CHECKPOINT_USAGE = (
     "usage: nxdt checkpoint inspect DIR | nxdt checkpoint verify DIR | nxdt checkpoint export-hf DIR OUT "
-    "[--merge] [--base HF_DIR] | "
+    "[--merge] [--base HF_DIR] [--dtype fp32|bf16] | "
     "nxdt checkpoint consolidate DIR OUT   (DIR: a checkpoints/step-<N> directory; OUT: a new directory to write)"
 )
 
@@ -1088,14 +1092,19 @@ def checkpoint_verify(path: str) -> int:
 def cmd_checkpoint(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "verify":
         return checkpoint_verify(argv[1])
-    merge, base = False, None
-    if argv and argv[0] == "export-hf":  # LoRA: --merge, --base HF_DIR
+    merge, base, dtype = False, None, "fp32"
+    if argv and argv[0] == "export-hf":  # LoRA: --merge, --base HF_DIR; --dtype fp32|bf16
         merge, rest = "--merge" in argv, [a for a in argv if a != "--merge"]
         if "--base" in rest:
             at = rest.index("--base")
             if at + 1 >= len(rest):
                 raise UsageError(CHECKPOINT_USAGE)
             base, rest = rest[at + 1], rest[:at] + rest[at + 2 :]
+        if "--dtype" in rest:
+            at = rest.index("--dtype")
+            if at + 1 >= len(rest) or rest[at + 1] not in ("fp32", "bf16"):
+                raise UsageError(CHECKPOINT_USAGE)
+            dtype, rest = rest[at + 1], rest[:at] + rest[at + 2 :]
         argv = rest
     if not ((len(argv) == 2 and argv[0] == "inspect") or (len(argv) == 3 and argv[0] in ("export-hf", "consolidate"))):
         raise UsageError(CHECKPOINT_USAGE)
@@ -1109,7 +1118,7 @@ def cmd_checkpoint(argv: list[str]) -> int:
         elif argv[0] == "consolidate":
             print(f"nxdt: wrote {consolidate(argv[1], argv[2])} (one rank; resume it on any layout)")
         else:
-            print(f"nxdt: wrote {export_hf(argv[1], argv[2], merge=merge, base=base)}")
+            print(f"nxdt: wrote {export_hf(argv[1], argv[2], merge=merge, base=base, dtype=dtype)}")
     except CheckpointError as exc:
         return _fail(f"nxdt checkpoint: {exc}")
     return 0

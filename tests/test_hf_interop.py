@@ -1,6 +1,7 @@
-"""Hugging Face checkpoint interop: a HF Llama checkpoint imported into a TP2×PP2 run, trained one step
-with a zero learning rate (no change) and exported with `nxdt checkpoint export-hf` is bitwise the
-original; bad HF checkpoints fail before any worker starts."""
+"""Hugging Face checkpoint interop: a HF Llama checkpoint (Llama 3.1 style: rope_theta 500000, rms_norm_eps 1e-6,
+llama3 rope scaling) named by `model.hf_checkpoint` alone, imported into a TP2×PP2 run, trained one step with a zero
+learning rate (no change) and exported with `nxdt checkpoint export-hf` is bitwise the original, with a config.json
+transformers builds the same model from; bad HF checkpoints fail before any worker starts."""
 
 from __future__ import annotations
 
@@ -22,8 +23,15 @@ def _hf_llama_tiny(directory):
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-6,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
         tie_word_embeddings=False,
     )
     torch.manual_seed(3)
@@ -42,7 +50,7 @@ def test_import_at_tp2_pp2_then_export_is_bitwise_the_original(tmp_path):
     assert_ok(
         nxdt(
             "train",
-            *TINY,
+            *TINY[1:],  # no model group: every model field from the checkpoint's config.json
             "data=synthetic",
             f"model.hf_checkpoint={tmp_path / 'hf'}",
             "trainer.devices=4",
@@ -64,6 +72,22 @@ def test_import_at_tp2_pp2_then_export_is_bitwise_the_original(tmp_path):
     assert exported.keys() == original.keys()
     for name, tensor in original.items():
         assert torch.equal(exported[name], tensor), name
+    # the same model for transformers: every computation field of the original config.json (the old export wrote
+    # the shapes only: epsilon 1e-6 and rope_theta 500000 came back as transformers' defaults, the scaling dropped)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    models = [transformers.AutoModelForCausalLM.from_pretrained(tmp_path / d, attn_implementation="eager") for d in ("hf", "out")]
+    # bos/eos ids are the tokenizer's: this run had none (byte-level), so the export names none
+    configs = [{k: v for k, v in m.config.to_diff_dict().items() if k not in ("bos_token_id", "eos_token_id")} for m in models]
+    assert models[1].config.model_type == "llama" and configs[1] == configs[0]
+    with torch.no_grad():
+        assert torch.equal(models[0](ids).logits, models[1](ids).logits)
+    result = nxdt(
+        "checkpoint", "export-hf", str(run / "checkpoints/step-1"), str(tmp_path / "bf16"), "--dtype", "bf16", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    halved = load_file(str(tmp_path / "bf16/model.safetensors"))
+    assert all(torch.equal(halved[name], tensor.to(torch.bfloat16)) for name, tensor in original.items())
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
 
 
 def test_a_mismatched_hf_checkpoint_is_one_line(tmp_path):
@@ -81,8 +105,8 @@ def test_a_mismatched_hf_checkpoint_is_one_line(tmp_path):
     )
     # found before any worker starts: one line naming the key, both values and the fix
     assert result.returncode == 2 and not (tmp_path / "run" / "logs").exists(), result.stderr[-2000:]
-    assert "model.hidden_size=64" in result.stderr and "has 128" in result.stderr, result.stderr[-2000:]
-    assert "make the model config match the checkpoint's config.json" in result.stderr
+    assert "model.hidden_size=64" in result.stderr and "its hidden_size is 128" in result.stderr, result.stderr[-2000:]
+    assert "drop the override (config.json sets the model)" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     empty = nxdt("train", *TINY, f"model.hf_checkpoint={tmp_path}", cwd=tmp_path, timeout=60)
     assert empty.returncode == 2 and "no *.safetensors" in empty.stderr and len(empty.stderr.strip().splitlines()) == 1

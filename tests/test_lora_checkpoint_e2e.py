@@ -62,6 +62,7 @@ def refused(result: subprocess.CompletedProcess, needle: str) -> None:
 def root(tmp_path_factory) -> Path:
     """The base model: the hub's llama_tiny (2 layers) of seed 3, exported as a Hugging Face directory."""
     from nxdt.config import compose_config
+    from nxdt.config.hf_model import model_meta
     from nxdt.lightning.hf import export_hf_state
     from nxdt.lightning.module import import_architecture
 
@@ -69,11 +70,7 @@ def root(tmp_path_factory) -> Path:
     cfg = compose_config(["+recipe=lora", *LAYERS])
     torch.manual_seed(3)
     model = import_architecture(cfg.model.architecture)(cfg.model)
-    shape = {
-        k: getattr(cfg.model, k)
-        for k in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "ffn_hidden_size")
-    }
-    export_hf_state(dict(model.state_dict()), {"model": shape}, root / "base")
+    export_hf_state(dict(model.state_dict()), {"model_config": model_meta(cfg.model), "tokenizer": None}, root / "base")
     return root
 
 
@@ -142,9 +139,9 @@ def test_tp2_merge_lora_checkpoints_hold_base_plus_scaled_b_a(root):
     cfg = compose_config(["+recipe=lora", *LAYERS])
     build = import_architecture(cfg.model.architecture)
     merged = build(cfg.model).eval()
-    load_hf_weights(merged, root / "tp2-hf")
+    load_hf_weights(merged, root / "tp2-hf", cfg.model.architecture)
     lora = build(cfg.model)
-    load_hf_weights(lora, root / "base")
+    load_hf_weights(lora, root / "base", cfg.model.architecture)
     apply_lora(lora, rank=RANK, alpha=ALPHA, target_modules=["qkv_proj", "o_proj"])
     missing, unexpected = lora.load_state_dict(adapters, strict=False)
     assert not unexpected and not [m for m in missing if ".lora_" in m]
@@ -224,6 +221,9 @@ def test_an_adapters_only_checkpoint_exports_as_a_peft_adapter_or_merged_onto_it
     trained(nxdt("checkpoint", "export-hf", str(ckpt), str(root / "merged"), "--merge", "--base", str(root / "base"), cwd=root))
     merged = {our_name(k): v for k, v in load_file(str(root / "merged" / "model.safetensors")).items()}
     assert check_merged(merged, base_weights(root), saved) == 2 * 4
+    # --base: the merged model is the base's model, and its config.json is the base's, field for field
+    base_config = json.loads((root / "base" / "config.json").read_text())
+    assert json.loads((root / "merged" / "config.json").read_text()) == base_config
     trained(nxdt("checkpoint", "consolidate", str(ckpt), str(root / "consolidated"), cwd=root))
     assert json.loads((root / "consolidated" / "meta.json").read_text())["adapters_only"] is True
     whole = checkpoint_adapters(root / "consolidated")

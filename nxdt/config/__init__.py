@@ -186,10 +186,68 @@ def compose_config(
         GlobalHydra.instance().clear()
     OmegaConf.set_struct(cfg, False)
     cfg.pop("hydra", None)
+    _take_hf_config(cfg, overrides)
     config = to_config(cfg)
     if check:
         validate(config, paths=paths)
     return config
+
+
+def _explicit_model_keys(overrides: list[str] | tuple[str, ...]) -> set[str]:
+    """The model fields (below ``model.``) a user set by name: ``model.KEY=...`` overrides, and every key of a model
+    group chosen with ``model=NAME`` (its file is the user's choice too; the default group is not)."""
+    keys: set[str] = set()
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key.startswith("model."):
+            keys.add(key[len("model.") :])
+        elif key == "model" and "=" in override:
+            group = OmegaConf.load(conf_dir() / "model" / f"{override.split('=', 1)[1]}.yaml")
+            keys.update(k for k in _leaf_keys(group) if k != "defaults")
+    return keys
+
+
+def _take_hf_config(cfg: DictConfig, overrides: list[str] | tuple[str, ...]) -> None:
+    """``model.model_config=FILE`` (NxDT's spelling) or ``model.hf_checkpoint=DIR``: the architecture and every model
+    field config.json holds come from it; an explicit override that changes the computation and contradicts it is
+    refused by name (:func:`nxdt.config.hf_model.settings_from`). Without a config.json a checkpoint's tensors are
+    still compared with the model before launch (``validate``)."""
+    import json
+
+    from nxdt.config.hf_model import HFConfigError, settings_from
+
+    model = cfg.model
+    key = "model.model_config" if model.get("model_config") is not None else "model.hf_checkpoint"
+    value = OmegaConf.select(cfg, key)
+    if value is None:
+        return
+    path = Path(str(value)).expanduser()
+    file = path / "config.json" if path.is_dir() or key == "model.hf_checkpoint" else path
+    if not file.is_file():
+        if key == "model.hf_checkpoint":
+            return
+        raise ConfigError(key, value, "no such file; give a Hugging Face config.json (or the directory holding one)")
+    try:
+        hf = json.loads(file.read_text())
+        if not isinstance(hf, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:
+        raise ConfigError(key, value, f"{file} is not a readable config.json ({exc})") from None
+    explicit = _explicit_model_keys(overrides)
+    current = {k: OmegaConf.select(model, k) for k in _leaf_keys(model)}
+    try:
+        updates, contradiction = settings_from(hf, current, explicit)
+    except HFConfigError as exc:
+        raise ConfigError(key, value, f"{file}: {exc}") from None
+    if contradiction is not None:
+        name, ours, theirs, field = contradiction
+        raise ConfigError(
+            f"model.{name}",
+            ours,
+            f"contradicts {file} ({key}): its {field} is {theirs!r}; drop the override (config.json sets the model)",
+        )
+    for name, setting in updates.items():
+        OmegaConf.update(model, name, setting, merge=False)
 
 
 def compose_nxdt_config(

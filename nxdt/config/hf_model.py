@@ -1,88 +1,54 @@
-"""A Hugging Face ``config.json`` as nxdt ``model`` fields (pure: a dict in, a dict and notes out).
+"""Hugging Face ``config.json`` ↔ nxdt ``model`` fields, one :class:`HFFamily` per model family (pure: dicts in,
+dicts out; no torch).
 
-NxDT's HF-style configs name the model by ``model.model_config`` (a ``config.json``); nxdt reads the
-shape from it once, at compose time, so the resolved run config holds every field and workers never
-read the file again. Only Llama-family decoders the model hub implements are accepted; fields that
-would change the math in a way the hub does not implement are refused by name rather than ignored
-(RoPE scaling: ``llama3`` is implemented, every other ``rope_type`` is refused).
+Each family says which HF ``model_type`` it is, which hub class implements it, how every config.json field that
+changes the computation maps to an nxdt model field (:meth:`HFFamily.model_fields`), how to write the family's own
+config.json back (:meth:`HFFamily.hf_config`, for ``nxdt checkpoint export-hf``) and which nxdt fields change the
+computation (:attr:`HFFamily.compute_keys`: the ones an import compares, the ones an override may not contradict).
+Its tensors too: :attr:`HFFamily.weights`, the state-dict adapter's rules as data (names, fused and transposed
+projections; ``nxdt.lightning.hf.StateDictAdapter`` applies them with torch, which this layer does not import), so a
+family's whole Hugging Face mapping is one :class:`HFFamily` — the HF half of torchtitan's per-model ``ModelSpec``
+with its ``StateDictAdapter`` (``torchtitan/protocols/state_dict_adapter.py``).
+
+Fields a family does not implement are refused by name rather than ignored (RoPE scaling: ``llama3`` is
+implemented, every other ``rope_type`` is refused). A field config.json leaves out takes the default of
+transformers' own config class for that family (``LlamaConfig``: rms_norm_eps 1e-6; ``MixtralConfig``: rope_theta
+1e6; ``GPT2Config``: tied embeddings), which is what ``from_pretrained`` builds.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
-# HF model_type → model-hub class
-ARCHITECTURES = {
-    "llama": "nxdt.models.llama.LlamaForCausalLM",
-    "mixtral": "nxdt.models.mixtral.MixtralForCausalLM",
-}
-
-# config.json field → nxdt model field (dotted below model.)
-FIELDS = {
-    "vocab_size": "vocab_size",
-    "hidden_size": "hidden_size",
-    "num_hidden_layers": "num_layers",
-    "num_attention_heads": "num_attention_heads",
-    "num_key_value_heads": "num_kv_heads",
-    "intermediate_size": "ffn_hidden_size",
-    "max_position_embeddings": "max_position_embeddings",
-    "rope_theta": "rope_theta",
-    "rms_norm_eps": "norm_eps",
-    "tie_word_embeddings": "tie_word_embeddings",
-    "initializer_range": "init_method_std",
-    # Mixtral
-    "num_local_experts": "moe.num_experts",
-    "num_experts_per_tok": "moe.top_k",
-    "router_aux_loss_coef": "moe.router_aux_loss_coef",
-}
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 
 
 class HFConfigError(ValueError):
     """``str()`` names the config.json field and what to do."""
 
 
-def model_fields(hf: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """(flat ``{nxdt model field: value}``, notes) from a parsed ``config.json``."""
-    model_type = hf.get("model_type")
-    if model_type not in ARCHITECTURES:
-        raise HFConfigError(f"model_type={model_type!r} is not in the model hub; supported: {', '.join(ARCHITECTURES)}")
-    out: dict[str, Any] = {"architecture": ARCHITECTURES[model_type]}
-    for src, dst in FIELDS.items():
-        if hf.get(src) is not None:
-            out[dst] = hf[src]
-    if out.get("num_kv_heads") is None:
-        out.pop("num_kv_heads", None)
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise HFConfigError(f"hidden_act={act!r}: the model hub's {model_type} uses SwiGLU (silu)")
-    for flag in ("attention_bias", "mlp_bias"):
-        if hf.get(flag):
-            raise HFConfigError(f"{flag}=true: the model hub's {model_type} has no biases")
-    if model_type == "mixtral" and hf.get("sliding_window") not in (None, 0):
-        raise HFConfigError(f"sliding_window={hf['sliding_window']}: sliding-window attention is not implemented; set it to null")
-    head_dim, hidden, heads = hf.get("head_dim"), hf.get("hidden_size"), hf.get("num_attention_heads")
-    if head_dim is not None and hidden and heads and head_dim != hidden // heads:
-        raise HFConfigError(
-            f"head_dim={head_dim} differs from hidden_size/num_attention_heads = {hidden}/{heads}; "
-            "the model hub derives the head size from them"
-        )
-    out.update(rope_fields(hf))
-    return out, []
-
-
 # rope_scaling types the hub implements (null and "default" are plain RoPE); transformers also has linear,
 # dynamic, yarn, longrope, proportional: each changes the math, so each is refused by name
 ROPE_TYPES = ("default", "llama3")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+ROPE_KEYS = ("rope_scaling.rope_type", *(f"rope_scaling.{k}" for k in LLAMA3_KEYS))
+# nxdt model fields that change training but not the function the weights compute: an override of one of them
+# never contradicts a config.json (init only matters without loaded weights; recompute and the attention kernel are
+# exact; the aux-loss weight is part of the objective, which HF's forward leaves out unless output_router_logits)
+TRAINING_ONLY = (
+    "init_method_std",
+    "activations_checkpoint_granularity",
+    "core_attention",
+    "moe.router_aux_loss_coef",
+)
 
 
 def rope_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
-    """``rope_scaling.*`` (and ``rope_theta``) from config.json: Llama 3.1's ``rope_scaling`` (transformers 4
-    files) or ``rope_parameters`` (transformers 5 files, which carry rope_theta inside)."""
-    field = "rope_parameters" if hf.get("rope_parameters") is not None else "rope_scaling"
-    rope = hf.get(field)
+    """``rope_scaling.*`` (and ``rope_theta`` when it sits inside) from config.json: Llama 3.1's ``rope_scaling``
+    (transformers 4 files) or ``rope_parameters`` (transformers 5 files, which carry rope_theta inside)."""
+    key = "rope_parameters" if hf.get("rope_parameters") is not None else "rope_scaling"
+    rope = hf.get(key)
     if rope is not None and not isinstance(rope, Mapping):
-        raise HFConfigError(f"{field}={rope!r}: expected an object with rope_type and its parameters")
+        raise HFConfigError(f"{key}={rope!r}: expected an object with rope_type and its parameters")
     rope = rope or {}
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
@@ -92,11 +58,344 @@ def rope_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
         out["rope_theta"] = rope["rope_theta"]
     kind = rope.get("rope_type", rope.get("type"))  # "type": older config.json files
     if kind not in (None, *ROPE_TYPES):
-        raise HFConfigError(f"{field}.rope_type={kind!r} is not implemented; nxdt implements llama3 (Llama 3.1) and default")
+        raise HFConfigError(f"{key}.rope_type={kind!r} is not implemented; nxdt implements llama3 (Llama 3.1) and default")
     if kind == "llama3":
         missing = [k for k in LLAMA3_KEYS if rope.get(k) is None]
         if missing:
-            raise HFConfigError(f"{field}: rope_type llama3 needs {', '.join(missing)}")
+            raise HFConfigError(f"{key}: rope_type llama3 needs {', '.join(missing)}")
         out["rope_scaling.rope_type"] = "llama3"
         out.update({f"rope_scaling.{k}": rope[k] for k in LLAMA3_KEYS})
     return out
+
+
+def _rope_config(model: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json's ``rope_theta`` + ``rope_scaling`` (transformers 4's spelling, which transformers 5 reads too)."""
+    kind = model.get("rope_scaling.rope_type")
+    scaling = None
+    if kind == "llama3":
+        scaling = {"rope_type": "llama3", **{k: model[f"rope_scaling.{k}"] for k in LLAMA3_KEYS}}
+    elif kind not in (None, "default"):
+        raise HFConfigError(f"model.rope_scaling.rope_type={kind!r} has no Hugging Face counterpart nxdt writes")
+    return {"rope_theta": float(model["rope_theta"]), "rope_scaling": scaling}
+
+
+@dataclass(frozen=True)
+class WeightRule:
+    """Our tensor(s) ↔ one Hugging Face tensor, as name patterns: ``{i}`` a layer index, ``{p}`` weight or bias,
+    ``{name}`` any name. Several of ours are fused into the HF tensor along the output dimension (GPT-2's q | k | v in
+    ``c_attn``), in this order; ``transpose``: the HF weight is ours transposed (GPT-2's ``Conv1D`` is [in, out], the
+    transpose of ``nn.Linear``'s). ``nxdt.lightning.hf.StateDictAdapter`` applies them."""
+
+    ours: tuple[str, ...]
+    hf: str
+    transpose: bool = False
+
+
+@dataclass(frozen=True)
+class HFFamily:
+    """One model family's config.json mapping. ``fields``: config.json field → nxdt field, with transformers' default
+    for the family when the field is absent (None: no default, the field must be there)."""
+
+    model_type: str
+    hf_architecture: str  # transformers class, config.json's "architectures"
+    architecture: str  # nxdt hub class (model.architecture)
+    fields: dict[str, tuple[str, Any]]
+    compute_keys: tuple[str, ...]
+    # (hf) -> extra nxdt fields / refusal, and (model) -> the family-specific config.json fields
+    check: Callable[[Mapping[str, Any]], dict[str, Any]]
+    extra_config: Callable[[Mapping[str, Any]], dict[str, Any]]
+    fixed: dict[str, Any] = field(default_factory=dict)  # nxdt fields the family fixes (e.g. Mixtral's softmax router)
+    # the state-dict adapter: the first rule whose pattern matches a name maps it; checkpoint names that are not
+    # weights (``skip``: suffixes of buffers some checkpoints carry) are ignored; ``hf_prefix``: the prefix HF's own
+    # saves put on every name but the head, which older checkpoints of the family leave out
+    weights: tuple[WeightRule, ...] = (WeightRule(("lm_head.{p}",), "lm_head.{p}"), WeightRule(("{name}",), "model.{name}"))
+    skip: tuple[str, ...] = ()
+    hf_prefix: str | None = None
+
+    def model_fields(self, hf: Mapping[str, Any]) -> dict[str, Any]:
+        """Flat ``{nxdt model field (dotted below model.): value}`` from a parsed config.json of this family."""
+        derived = self.check(hf)  # refusals, and fields derived from others (GPT-2's n_inner null = 4 × n_embd)
+        out: dict[str, Any] = {"architecture": self.architecture, **self.fixed}
+        for src, (dst, default) in self.fields.items():
+            value = hf.get(src)
+            out[dst] = derived.get(dst, default) if value is None else value
+            if out[dst] is None:
+                raise HFConfigError(f"{src} is missing; a {self.model_type} config.json needs it")
+        return {**out, **derived}
+
+    def hf_config(self, model: Mapping[str, Any], dtype: str = "float32") -> dict[str, Any]:
+        """This family's config.json for a flat nxdt model config (``model_meta``'s form); refuses by name a
+        setting the HF family cannot express."""
+        for key, value in self.fixed.items():
+            if model.get(key, value) != value:
+                raise HFConfigError(
+                    f"model.{key}={model[key]!r}: Hugging Face's {self.hf_architecture} has {value!r}; no HF family "
+                    "computes this model, so it cannot be exported"
+                )
+        out: dict[str, Any] = {"architectures": [self.hf_architecture], "model_type": self.model_type}
+        for src, (dst, _) in self.fields.items():
+            out[src] = model.get(dst)
+        out.update(self.extra_config(model))
+        out["torch_dtype"] = dtype
+        return dict(sorted(out.items()))
+
+    def hf_key(self, key: str) -> str:
+        """The config.json field an nxdt model field comes from (``rope_scaling.factor`` keeps its name)."""
+        return next((src for src, (dst, _) in self.fields.items() if dst == key), key)
+
+    def mismatches(self, hf: Mapping[str, Any], model: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+        """``[(nxdt field, model's value, config.json's value)]`` for the architecture and every computation field
+        that differs."""
+        theirs = normalized(self.model_fields(hf))
+        ours = normalized(model)
+        keys = ("architecture", *self.compute_keys)
+        return [(k, model.get(k), theirs.get(k)) for k in keys if ours.get(k) != theirs.get(k)]
+
+
+def settings_from(
+    hf: Mapping[str, Any], current: Mapping[str, Any], explicit: set[str]
+) -> tuple[dict[str, Any], tuple[str, Any, Any, str] | None]:
+    """What a run takes from a config.json: ``(updates, contradiction)``. ``current``: the composed model config
+    (flat); ``explicit``: the model fields the user set by name. Every field of config.json not set explicitly is
+    taken from it; an explicit one that changes the computation must agree with it, else ``contradiction`` is
+    ``(field, the user's value, config.json's, config.json's field)``. Training-only fields (:data:`TRAINING_ONLY`) and a RoPE model's
+    max_position_embeddings may be overridden."""
+    family = family_of(hf)
+    fields = family.model_fields(hf)
+    if "rope_scaling.rope_type" in family.compute_keys:  # plain RoPE in config.json: the composed config's scaling off
+        fields.setdefault("rope_scaling.rope_type", None)
+    # a field is given when it, or a node above it, was set (model.rope_scaling={rope_type: llama3, ...})
+    updates = {k: v for k, v in fields.items() if not any(k == e or k.startswith(f"{e}.") for e in explicit)}
+    bad = family.mismatches(hf, {**current, **updates})
+    if not bad:
+        return updates, None
+    name, ours, theirs = bad[0]
+    if name == "architecture":  # named as config.json names it
+        return updates, (name, ours, family.model_type, "model_type")
+    return updates, (name, ours, theirs, family.hf_key(name))
+
+
+def model_meta(model: Any) -> dict[str, Any]:
+    """The flat model config (:data:`META_KEYS`) of a typed ``model`` node, as a checkpoint's meta.json records it for
+    ``export-hf``."""
+    out = {}
+    for key in META_KEYS:
+        node = model
+        for part in key.split("."):
+            node = getattr(node, part, None)
+        out[key] = node
+    return out
+
+
+def normalized(model: Mapping[str, Any]) -> dict[str, Any]:
+    """A flat model config with its equivalent spellings made equal: num_kv_heads null = the query heads; plain RoPE
+    (rope_type null or default) carries no scaling parameters."""
+    out = dict(model)
+    if out.get("num_kv_heads") is None:
+        out["num_kv_heads"] = out.get("num_attention_heads")
+    if out.get("rope_scaling.rope_type") in (None, "default"):
+        for key in ROPE_KEYS:
+            out[key] = None
+    return out
+
+
+def _llama_check(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise HFConfigError(f"hidden_act={act!r}: the model hub's {model_type} uses SwiGLU (silu)")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise HFConfigError(f"{flag}=true: the model hub's {model_type} has no biases")
+    head_dim, hidden, heads = hf.get("head_dim"), hf.get("hidden_size"), hf.get("num_attention_heads")
+    if head_dim is not None and hidden and heads and head_dim != hidden // heads:
+        raise HFConfigError(
+            f"head_dim={head_dim} differs from hidden_size/num_attention_heads = {hidden}/{heads}; "
+            "the model hub derives the head size from them"
+        )
+    out = rope_fields(hf)
+    if hf.get("num_key_value_heads") is None:
+        out["num_kv_heads"] = hf.get("num_attention_heads")
+    return out
+
+
+def _mixtral_check(hf: Mapping[str, Any]) -> dict[str, Any]:
+    if hf.get("sliding_window") not in (None, 0):
+        raise HFConfigError(f"sliding_window={hf['sliding_window']}: sliding-window attention is not implemented; set it to null")
+    if hf.get("router_jitter_noise") not in (None, 0, 0.0):
+        raise HFConfigError(f"router_jitter_noise={hf['router_jitter_noise']}: the model hub's router adds no noise; set 0")
+    return _llama_check(hf, "mixtral")
+
+
+def _llama_config(model: Mapping[str, Any]) -> dict[str, Any]:
+    heads = model["num_attention_heads"]
+    return {
+        "num_key_value_heads": model.get("num_kv_heads") or heads,
+        "head_dim": model["hidden_size"] // heads,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        **_rope_config(model),
+    }
+
+
+def _mixtral_config(model: Mapping[str, Any]) -> dict[str, Any]:
+    out = _llama_config(model)
+    for key in ("mlp_bias", "pretraining_tp", "attention_bias"):
+        del out[key]
+    # nxdt's MoE routes every token to its top-k experts without noise, over all positions
+    return {**out, "output_router_logits": False, "router_jitter_noise": 0.0, "sliding_window": None}
+
+
+def _gpt2_check(hf: Mapping[str, Any]) -> dict[str, Any]:
+    # gelu_new and gelu_pytorch_tanh are both GPT-2's tanh approximation (the hub's F.gelu(approximate="tanh"))
+    act = hf.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise HFConfigError(f"activation_function={act!r}: the model hub's GPT uses GPT-2's tanh GELU (gelu_new)")
+    for key, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False), ("add_cross_attention", False)):
+        if hf.get(key, want) != want:
+            raise HFConfigError(f"{key}={hf[key]}: the model hub's GPT computes attention as GPT-2 does ({key}={want})")
+    out: dict[str, Any] = {}
+    if hf.get("n_inner") is None:
+        out["ffn_hidden_size"] = 4 * hf.get("n_embd", 768)  # GPT2Config: n_inner null = 4 × n_embd
+    return out
+
+
+def _gpt2_config(model: Mapping[str, Any]) -> dict[str, Any]:
+    # nxdt's GPT has no dropout: a model trained further in transformers computes the same function
+    return {
+        "activation_function": "gelu_pytorch_tanh",
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "use_cache": True,
+    }
+
+
+_LLAMA_SHAPE = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "ffn_hidden_size")
+_LLAMA_FIELDS: dict[str, tuple[str, Any]] = {
+    "vocab_size": ("vocab_size", None),
+    "hidden_size": ("hidden_size", None),
+    "num_hidden_layers": ("num_layers", None),
+    "num_attention_heads": ("num_attention_heads", None),
+    "num_key_value_heads": ("num_kv_heads", None),
+    "intermediate_size": ("ffn_hidden_size", None),
+    "max_position_embeddings": ("max_position_embeddings", 2048),
+    "rope_theta": ("rope_theta", 10000.0),
+    "rms_norm_eps": ("norm_eps", 1e-6),
+    "tie_word_embeddings": ("tie_word_embeddings", False),
+    "initializer_range": ("init_method_std", 0.02),
+}
+# max_position_embeddings is no computation field of a RoPE model (the tables are cut at the sequence; Llama 3.1's
+# scaling reads original_max_position_embeddings): NxDT raises it to the sequence length, and so may an override
+_LLAMA_COMPUTE = (*_LLAMA_SHAPE, "rope_theta", *ROPE_KEYS, "norm_eps", "tie_word_embeddings")
+
+FAMILIES: dict[str, HFFamily] = {
+    "llama": HFFamily(
+        "llama",
+        "LlamaForCausalLM",
+        "nxdt.models.llama.LlamaForCausalLM",
+        _LLAMA_FIELDS,
+        _LLAMA_COMPUTE,
+        lambda hf: _llama_check(hf, "llama"),
+        _llama_config,
+    ),
+    "mixtral": HFFamily(
+        "mixtral",
+        "MixtralForCausalLM",
+        "nxdt.models.mixtral.MixtralForCausalLM",
+        {
+            **_LLAMA_FIELDS,
+            "max_position_embeddings": ("max_position_embeddings", 4096 * 32),
+            "rope_theta": ("rope_theta", 1e6),
+            "rms_norm_eps": ("norm_eps", 1e-5),
+            "num_local_experts": ("moe.num_experts", 8),
+            "num_experts_per_tok": ("moe.top_k", 2),
+            "router_aux_loss_coef": ("moe.router_aux_loss_coef", 0.001),
+        },
+        (*_LLAMA_COMPUTE, "moe.num_experts", "moe.top_k", "moe.router_activation"),
+        _mixtral_check,
+        _mixtral_config,
+        fixed={"moe.router_activation": "softmax"},
+    ),
+    # nxdt's GPT is GPT-2 exactly: learned positions, pre-LayerNorm, tanh GELU, biases but none on the head
+    "gpt2": HFFamily(
+        "gpt2",
+        "GPT2LMHeadModel",
+        "nxdt.models.gpt.GPTForCausalLM",
+        {
+            "vocab_size": ("vocab_size", 50257),
+            "n_embd": ("hidden_size", 768),
+            "n_layer": ("num_layers", 12),
+            "n_head": ("num_attention_heads", 12),
+            "n_inner": ("ffn_hidden_size", None),
+            "n_positions": ("max_position_embeddings", 1024),
+            "layer_norm_epsilon": ("norm_eps", 1e-5),
+            "tie_word_embeddings": ("tie_word_embeddings", True),
+            "initializer_range": ("init_method_std", 0.02),
+        },
+        # learned positions: the table's size is a shape
+        ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings")
+        + ("norm_eps", "tie_word_embeddings"),
+        _gpt2_check,
+        _gpt2_config,
+        weights=(
+            WeightRule(("embed_tokens.weight",), "transformer.wte.weight"),
+            WeightRule(("embed_positions.weight",), "transformer.wpe.weight"),
+            WeightRule(("layers.{i}.input_layernorm.{p}",), "transformer.h.{i}.ln_1.{p}"),
+            WeightRule(tuple(f"layers.{{i}}.self_attn.{x}_proj.{{p}}" for x in "qkv"), "transformer.h.{i}.attn.c_attn.{p}", True),
+            WeightRule(("layers.{i}.self_attn.o_proj.{p}",), "transformer.h.{i}.attn.c_proj.{p}", True),
+            WeightRule(("layers.{i}.post_attention_layernorm.{p}",), "transformer.h.{i}.ln_2.{p}"),
+            WeightRule(("layers.{i}.mlp.fc_in.{p}",), "transformer.h.{i}.mlp.c_fc.{p}", True),
+            WeightRule(("layers.{i}.mlp.fc_out.{p}",), "transformer.h.{i}.mlp.c_proj.{p}", True),
+            WeightRule(("norm.{p}",), "transformer.ln_f.{p}"),
+            WeightRule(("lm_head.weight",), "lm_head.weight"),
+        ),
+        skip=(".attn.bias", ".attn.masked_bias"),  # the causal mask, saved as a buffer by older transformers
+        hf_prefix="transformer.",
+    ),
+}
+# model_type → model-hub class
+ARCHITECTURES = {name: family.architecture for name, family in FAMILIES.items()}
+
+
+def family_of(hf: Mapping[str, Any]) -> HFFamily:
+    model_type = hf.get("model_type")
+    if model_type not in FAMILIES:
+        raise HFConfigError(f"model_type={model_type!r} is not in the model hub; supported: {', '.join(FAMILIES)}")
+    return FAMILIES[model_type]
+
+
+def family_of_architecture(architecture: str) -> HFFamily:
+    """The HF family an nxdt hub class exports as (refused by name when none computes it)."""
+    for family in FAMILIES.values():
+        if family.architecture == architecture:
+            return family
+    raise HFConfigError(f"model.architecture={architecture!r} has no Hugging Face family nxdt maps it to")
+
+
+def model_fields(hf: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """(flat ``{nxdt model field: value}``, notes) from a parsed ``config.json``."""
+    return family_of(hf).model_fields(hf), []
+
+
+# the nxdt model fields an export needs (model_meta records them in every checkpoint's meta.json)
+META_KEYS = (
+    "architecture",
+    *_LLAMA_SHAPE,
+    "max_position_embeddings",
+    "rope_theta",
+    *ROPE_KEYS,
+    "norm_eps",
+    "tie_word_embeddings",
+    "init_method_std",
+    "moe.num_experts",
+    "moe.top_k",
+    "moe.router_aux_loss_coef",
+    "moe.router_activation",
+)

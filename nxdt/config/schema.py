@@ -283,7 +283,14 @@ class ModelConfig:
         "materialised); NxDT's model.fusions.flash_attention: false = naive",
     )
     hf_checkpoint: Optional[str] = doc(
-        None, "initialise the weights from a Hugging Face checkpoint directory (*.safetensors, HF names)"
+        None,
+        "initialise the weights from a Hugging Face checkpoint directory (*.safetensors, HF names); its "
+        "config.json sets the architecture and every model field that changes the computation",
+    )
+    model_config: Optional[str] = doc(
+        None,
+        "a Hugging Face config.json (or its directory), as NxDT's model.model_config: the architecture and every "
+        "model field that changes the computation come from it (no weights are loaded)",
     )
     weight_init_only: bool = doc(
         False,

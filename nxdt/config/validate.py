@@ -871,7 +871,7 @@ def _check_paths(cfg: Any) -> None:
                 "no *.safetensors files there; give a Hugging Face model directory saved "
                 "with safetensors (save_pretrained(..., safe_serialization=True))",
             )
-        _check_hf_shape(cfg, Path(hf).expanduser() / "config.json")
+        _check_hf_config(cfg, Path(hf).expanduser() / "config.json")
     for key in ("data.train_dir", "data.tokenizer", "data.val_dir"):
         path = _get(cfg, key)
         if path is not None and not Path(path).expanduser().exists():
@@ -888,46 +888,33 @@ def _check_paths(cfg: Any) -> None:
         raise ConfigError("data.source", "hf_dataset", "reading a save_to_disk directory needs pyarrow: pip install 'nxdt[hf]'")
 
 
-# config.json fields that decide the tensors' shapes (nxdt model field names, see hf_model.FIELDS)
-_HF_SHAPE_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "num_layers",
-    "num_attention_heads",
-    "num_kv_heads",
-    "ffn_hidden_size",
-    "tie_word_embeddings",
-    "moe.num_experts",
-)
-
-
-def _check_hf_shape(cfg: Any, config_json: Path) -> None:
-    """A checkpoint whose config.json describes another shape fails here, in one line, rather than in
-    every worker's weight loading (which still checks each tensor, for directories without config.json)."""
+def _check_hf_config(cfg: Any, config_json: Path) -> None:
+    """A checkpoint whose config.json describes another model fails here, in one line naming the field and both
+    values, rather than training silently (epsilon, RoPE) or failing in every worker's weight loading (shapes). The
+    workers still check each tensor, for directories without config.json."""
     import json
 
-    from nxdt.config.hf_model import HFConfigError, model_fields
+    from nxdt.config.hf_model import HFConfigError, family_of, model_meta
 
+    if not config_json.is_file():
+        return  # the tensors are compared with the model before launch (cli._check_model) and by the workers
     try:
-        fields, _ = model_fields(json.loads(config_json.read_text()))
-    except (OSError, ValueError, HFConfigError):
-        return  # no readable config.json: the workers compare the tensors themselves
-    for name in _HF_SHAPE_FIELDS:
-        theirs = fields.get(name)
-        if name == "num_kv_heads" and theirs is None:
-            theirs = fields.get("num_attention_heads")
-        if theirs is None:
-            continue
-        ours = _get(cfg.model, name)
-        if name == "num_kv_heads" and ours is None:
-            ours = cfg.model.num_attention_heads
-        if ours is not None and ours != theirs:
-            raise ConfigError(
-                f"model.{name}",
-                ours,
-                f"the checkpoint's config.json ({config_json}) has {theirs}; make the model "
-                "config match the checkpoint's config.json",
-            )
+        hf = json.loads(config_json.read_text())
+        family = family_of(hf)
+        bad = family.mismatches(hf, model_meta(cfg.model))
+    except (OSError, ValueError) as exc:  # HFConfigError is a ValueError: a field the hub cannot honour
+        what = str(exc) if isinstance(exc, HFConfigError) else f"not a readable config.json ({exc})"
+        raise ConfigError("model.hf_checkpoint", cfg.model.hf_checkpoint, f"{config_json}: {what}") from None
+    if bad:
+        name, ours, theirs = bad[0]
+        field = "model_type" if name == "architecture" else family.hf_key(name)
+        shown = family.model_type if name == "architecture" else theirs
+        raise ConfigError(
+            f"model.{name}",
+            ours,
+            f"the checkpoint's config.json ({config_json}) has {field}={shown!r}; make the model config match the "
+            "checkpoint's config.json (or drop the override: model.hf_checkpoint alone takes it from there)",
+        )
 
 
 def _instance_names() -> list[str]:

@@ -169,11 +169,12 @@ def _full_model(path: Path) -> dict[str, torch.Tensor]:
     return {n[len(MODULE_PREFIX) :] if n.startswith(MODULE_PREFIX) else n: t for n, t in full.items()}
 
 
-def _base_from_hf(directory: str | Path) -> dict[str, torch.Tensor]:
+def _base_from_hf(directory: str | Path, architecture: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    from nxdt.lightning.hf import our_name
+    from nxdt.lightning.hf import adapter_for
 
+    adapter = adapter_for(architecture)
     files = sorted(Path(directory).expanduser().glob("*.safetensors"))
     if not files:
         raise CheckpointError(
@@ -182,13 +183,17 @@ def _base_from_hf(directory: str | Path) -> dict[str, torch.Tensor]:
         )
     state: dict[str, torch.Tensor] = {}
     for file in files:
-        state.update({our_name(k): v for k, v in load_file(str(file)).items()})
-    return state
+        state.update({name: v for k, v in load_file(str(file)).items() if (name := adapter.canonical(k)) is not None})
+    return adapter.from_hf(state)
 
 
-def export_lora_checkpoint(path: str | Path, out: str | Path, *, merge: bool = False, base: str | Path | None = None) -> Path:
-    """``nxdt checkpoint export-hf`` of a LoRA checkpoint (see the module docstring); returns the file written."""
-    from nxdt.lightning.hf import export_hf_state
+def export_lora_checkpoint(
+    path: str | Path, out: str | Path, *, merge: bool = False, base: str | Path | None = None, dtype: str = "fp32"
+) -> Path:
+    """``nxdt checkpoint export-hf`` of a LoRA checkpoint (see the module docstring); returns the file written. A
+    merged export is a Hugging Face model directory as :func:`nxdt.lightning.hf.export_hf_state` writes it (with
+    ``base``: the base's config.json, generation config and tokenizer kept)."""
+    from nxdt.lightning.hf import export_hf_state, export_source
     from nxdt.lightning.peft_export import write_peft_adapter
 
     root = Path(path)
@@ -198,7 +203,7 @@ def export_lora_checkpoint(path: str | Path, out: str | Path, *, merge: bool = F
     if kind == "merged":
         if base is not None:
             raise CheckpointError(f"checkpoint {root} holds the adapters merged into its base already (merge_lora); drop --base")
-        return export_hf_state(plain_names(_full_model(root)), read_meta(root), out)
+        return export_hf_state(plain_names(_full_model(root)), export_source(root), out, dtype=dtype)
     if base is not None and kind == "with_base":
         raise CheckpointError(f"checkpoint {root} holds its base weights (save_lora_base); drop --base")
     if base is not None and not merge:
@@ -234,7 +239,8 @@ def export_lora_checkpoint(path: str | Path, out: str | Path, *, merge: bool = F
                 f"checkpoint {root} holds the adapters alone (save_lora_base false): give the base model to "
                 "merge them into with --base HF_DIR (the run's model.hf_checkpoint)"
             )
-        hf_base = _base_from_hf(base)
+        source = export_source(root)
+        hf_base = _base_from_hf(base, source["model_config"]["architecture"])
         adapted = {n[: -len(".lora_A.weight")] for n in state if n.endswith(".lora_A.weight")}
         with_base = {
             (f"{n.rpartition('.')[0]}.base_layer.weight" if n.rpartition(".")[0] in adapted and n.endswith(".weight") else n): t
@@ -246,4 +252,5 @@ def export_lora_checkpoint(path: str | Path, out: str | Path, *, merge: bool = F
         for n, t in state.items():
             with_base[n] = t
         state = with_base
-    return export_hf_state(plain_names(merged_state_dict(state, lora.scaling)), read_meta(root), out)
+    merged = plain_names(merged_state_dict(state, lora.scaling))
+    return export_hf_state(merged, export_source(root), out, dtype=dtype, base=base)

@@ -132,7 +132,7 @@ class CausalLMModule(pl.LightningModule):
         self.model_cfg = model_cfg
         self.model = import_architecture(model_cfg.architecture)(model_cfg)
         if getattr(model_cfg, "hf_checkpoint", None):  # every rank loads the full weights; parallelism slices them later
-            load_hf_weights(self.model, model_cfg.hf_checkpoint)
+            load_hf_weights(self.model, model_cfg.hf_checkpoint, model_cfg.architecture)
         init_state, init_kind = read_checkpoint_weights(init_checkpoint) if init_checkpoint is not None else (None, None)
         has_adapters = init_kind in ("with_base", "adapters_only")
         if init_checkpoint is not None and not has_adapters:  # model.weight_init_only: another run's weights, step 0

@@ -12,9 +12,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from nxdt.config.hf_model import model_meta
 from nxdt.config.validate import MODEL_SHAPE_FIELDS, check_trainable
 from nxdt.lightning import checkpoint as ckpt_io
 from nxdt.lightning.datamodule import NxDDataModule
+from nxdt.lightning.hf import MODEL_CONFIG_KEY, TOKENIZER_KEY
 from nxdt.lightning.exp_manager import agreed_resume_checkpoint, build_callbacks, build_loggers, launch_attempt, validates
 from nxdt.lightning.module import CausalLMModule
 from nxdt.lightning.strategy import NxDStrategy
@@ -67,12 +69,18 @@ def build_trainer(cfg: Any, plan: Plan, run_dir: Path, tokens_per_step: int, *, 
             )
         }
     )  # what export-hf needs (lora_alpha) of the adapters
+    # what export-hf writes as config.json (every computation field) and the tokenizer files it copies
+    tokenizer = cfg.data.tokenizer
+    export = {
+        MODEL_CONFIG_KEY: model_meta(cfg.model),
+        TOKENIZER_KEY: None if tokenizer is None else str(Path(tokenizer).expanduser().resolve()),
+    }
     # what a resume checks: the same reference model (ckpt_io.check_dpo_reference)
     dpo_reference = {} if cfg.model_alignment_strategy.dpo is None else {ckpt_io.DPO_REFERENCE_KEY: ckpt_io.starting_weights(cfg)}
     strategy = NxDStrategy(
         plan=plan,
         timeout_s=cfg.comm.timeout_s,
-        checkpoint_meta={"model": model_shape, **lora, **dpo_reference},
+        checkpoint_meta={"model": model_shape, **export, **lora, **dpo_reference},
         virtual_pipeline_size=ds.virtual_pipeline_model_parallel_size,
         sequence_parallel=ds.sequence_parallel,
         zero1=ds.zero1,
