@@ -166,6 +166,7 @@ _FREE_KEYS = (
     "data.val_dir",
     "model.activations_checkpoint_granularity",  # recomputes the same activations
     "model.core_attention",  # the same attention, another kernel
+    "model.model_config",  # where the model keys came from: the keys themselves are compared
     "model.make_vocab_size_divisible_by",  # padded rows are masked and trimmed: a checkpoint reshards across paddings
     "model.weight_init_only",  # with resume_from_checkpoint: which run is started; the run directory choice compares it
     "model_alignment_strategy.peft.lora_verbose",
