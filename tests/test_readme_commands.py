@@ -46,10 +46,8 @@ SKIPPED = {
     "pip install -e .[test]": "installs the package with its test extras: tests/test_fresh_install.py",
     "python -m pytest -q -n 2 --dist loadgroup": "the whole suite, this file included",
     "nxdt comm-test --calibrate": "measures the host for about a minute on 2 ranks and writes the per-host cache "
-    "that every later cpu plan of the suite reads; tests/test_planner_fitting.py covers the fit",
+    "that every later cpu plan of the suite reads; no test runs it",
     "tensorboard --logdir outputs/llama_tiny/<run>/tensorboard": "TensorBoard's server, not nxdt; it does not exit",
-    "nxdt comm-test -r 2 -b 1kb -e 64mb -f 4 --check --baseline gloo allr allg": "a benchmark up to 64 MB against "
-    "gloo (tens of CPU-seconds); tests/test_comm_bench.py runs the same flags on small sizes",
     "nxdt train trainer.num_nodes=4 trainer.devices=2 distributed_strategy.tensor_model_parallel_size=2 "
     "data.micro_batch_size=2 data.global_batch_size=16 launcher=slurm launcher.partition=cpu "
     'launcher.sbatch_args=["--constraint=efa"]': "submits a Slurm job; tests/test_multinode.py runs Slurm "
@@ -138,6 +136,7 @@ CHAINS = {
         "nxdt train -m trainer.devices=1,2 trainer.max_steps=20",
         "nxdt sweep-report outputs/multirun/llama_tiny/<timestamp>",
     ],
+    "collectives": ["nxdt comm-test -r 2 -b 1kb -e 64mb -f 4 --check --baseline gloo allr allg"],
     "nxdt-config": [
         "nxdt train --config-path tests/nxdt_configs --config-name hf_llama3_8B_config instance=cpu trainer.devices=2 "
         "trainer.num_nodes=1 distributed_strategy.tensor_model_parallel_size=2 model.num_layers=2 "
