@@ -358,7 +358,11 @@ def test_a_template_whose_prefixes_do_not_extend_is_refused():
     "template, needle",
     [
         ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}", "took more than 1 s"),
-        ("{% for a in range(100000) %}{% for b in range(100000) %}x{% endfor %}{% endfor %}", "took more than 1 s"),
+        # output as well as time: whichever budget a host reaches first (a fast one writes 4 M characters within 1 s)
+        (
+            "{% for a in range(100000) %}{% for b in range(100000) %}x{% endfor %}{% endfor %}",
+            "took more than 1 s|renders more than 4,194,304 characters",
+        ),
         (
             "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
             "a value larger than 4,194,304 characters",
