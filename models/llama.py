@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
@@ -140,16 +141,39 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
 
 
+def head_dim(cfg: Any) -> int:
+    """Each attention head's width: ``model.head_dim``, or hidden_size / num_attention_heads when null (Qwen3 and
+    Mistral Nemo state it, and it may differ from that quotient)."""
+    return _opt(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """What a Llama-architecture family changes in attention (a hub class's ``attention_options``; its Hugging Face
+    spec in ``nxdt.config.hf_model`` names the class): ``qkv_bias`` — q, k and v projections with biases, o without
+    (Qwen2's ``Qwen2Attention``); ``qk_norm`` — an RMSNorm over each head's query and key, weights [head_dim] shared
+    by the heads, before RoPE (Qwen3's ``q_norm`` / ``k_norm``)."""
+
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, options: AttentionOptions = AttentionOptions()) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = _opt(cfg, "num_kv_heads", None) or cfg.num_attention_heads
-        self.head_dim = cfg.hidden_size // self.num_heads
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.head_dim = head_dim(cfg)
+        bias = options.qkv_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        if options.qk_norm:
+            eps = _opt(cfg, "norm_eps", 1e-5)
+            self.q_norm = RMSNorm(self.head_dim, eps)
+            self.k_norm = RMSNorm(self.head_dim, eps)
+        self.qk_norm = options.qk_norm
         self.core = CoreAttention(_opt(cfg, "core_attention", None) or DEFAULT_IMPL)
         self.checkpoint_core = _opt(cfg, "activations_checkpoint_granularity", None) == "selective"
 
@@ -161,8 +185,11 @@ class Attention(nn.Module):
         # (cos/sin are the table [max_positions, D], cut to S here, or already one row per token [B, S, D])
         q = self.q_proj(x)
         b, s, _ = q.shape
-        q = q.view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q = q.view(b, s, -1, self.head_dim)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim)
+        if self.qk_norm:  # per head, over head_dim: the same under TP, where a rank holds whole heads
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         if cos.dim() == 2:
             cos, sin = cos[:s], sin[:s]
@@ -194,11 +221,11 @@ class DecoderLayer(nn.Module):
 
     ffn_name = "mlp"
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, attention: AttentionOptions = AttentionOptions()) -> None:
         super().__init__()
         eps = _opt(cfg, "norm_eps", 1e-5)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, attention)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.add_module(self.ffn_name, self.make_ffn(cfg))
 
@@ -215,12 +242,16 @@ class DecoderLayer(nn.Module):
 def check_config(cfg: Any) -> None:
     """Shape rules the model needs; one clear message naming the key instead of a reshape error later."""
     heads, kv = cfg.num_attention_heads, _opt(cfg, "num_kv_heads", None) or cfg.num_attention_heads
-    if cfg.hidden_size % heads:
+    explicit = _opt(cfg, "head_dim", None)
+    if explicit is None and cfg.hidden_size % heads:
         raise ValueError(f"model.hidden_size={cfg.hidden_size} must be divisible by model.num_attention_heads={heads}")
-    if (cfg.hidden_size // heads) % 2:
-        raise ValueError(
-            f"head dim hidden_size/num_attention_heads={cfg.hidden_size // heads} must be even for rotary embeddings"
-        )
+    if explicit is not None and explicit < 2:
+        raise ValueError(f"model.head_dim={explicit} must be at least 2 (null: hidden_size/num_attention_heads)")
+    if head_dim(cfg) % 2:
+        raise ValueError(f"head dim {head_dim(cfg)} must be even for rotary embeddings")
+    window = _opt(cfg, "sliding_window", None)
+    if window is not None and window < 1:
+        raise ValueError(f"model.sliding_window={window} must be at least 1 (null: attention over the whole sequence)")
     if heads % kv:
         raise ValueError(f"model.num_kv_heads={kv} must divide model.num_attention_heads={heads} (grouped-query attention)")
     granularity = _opt(cfg, "activations_checkpoint_granularity", None)
@@ -249,6 +280,21 @@ def check_positions(input_ids: torch.Tensor, layout: SequenceLayout | None, max_
         raise ValueError(
             f"position ids {int(positions.min())}..{int(positions.max())} fall outside "
             f"model.max_position_embeddings={max_positions}"
+        )
+
+
+def check_window(input_ids: torch.Tensor, layout: SequenceLayout | None, window: int | None) -> None:
+    """Sliding-window attention (Mistral's ``sliding_window``: query i sees key j only when i - j < window) is
+    computed as full causal attention, which is the same function while no two tokens of a sequence are ``window``
+    or more positions apart; a longer sequence is refused by name rather than computed differently."""
+    if window is None:
+        return
+    positions, _ = layout_fields(layout)
+    span = input_ids.shape[1] if positions is None else int(positions.max()) + 1 if positions.numel() else 0
+    if span > window:
+        raise ValueError(
+            f"sequence of {span} positions exceeds model.sliding_window={window}: sliding-window attention is not "
+            "implemented (full causal attention equals it only up to the window); use data.seq_length <= the window"
         )
 
 
@@ -331,19 +377,20 @@ class LlamaForCausalLM(DecoderOnlyLM):
     layer_class: type[nn.Module] = DecoderLayer
     check_config = staticmethod(check_config)
     residual_outputs: tuple[str, ...] = ("o_proj.weight", "down_proj.weight")
+    attention_options = AttentionOptions()
 
     def __init__(self, cfg: Any) -> None:
         super().__init__()
         self.check_config(cfg)
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(self.layer_class(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, self.attention_options) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, _opt(cfg, "norm_eps", 1e-5))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if _opt(cfg, "tie_word_embeddings", False):
             self.lm_head.weight = self.embed_tokens.weight  # one Parameter, two users
         cos, sin = rope_tables(
-            cfg.hidden_size // cfg.num_attention_heads,
+            head_dim(cfg),
             cfg.max_position_embeddings,
             _opt(cfg, "rope_theta", 10000.0),
             _opt(cfg, "rope_scaling", None),
@@ -352,17 +399,21 @@ class LlamaForCausalLM(DecoderOnlyLM):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.checkpoint_layers = _opt(cfg, "activations_checkpoint_granularity", None) == "full"
+        self.sliding_window = _opt(cfg, "sliding_window", None)
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """normal(0, std) from torch's global RNG, in parameter order, so equal seeds give equal weights
         in every process; residual-branch outputs (``residual_outputs``: o_proj, down_proj) get
-        std/√(2·layers) (GPT-2 style) so the residual stream's scale does not grow with depth; norms start at 1."""
+        std/√(2·layers) (GPT-2 style) so the residual stream's scale does not grow with depth; norms start at 1,
+        biases (Qwen2's q/k/v) at 0."""
         std = _opt(self.cfg, "init_method_std", 0.02)
         out_std = std / math.sqrt(2 * self.cfg.num_layers)
         for name, p in self.named_parameters():  # a tied weight is listed (and drawn) once
-            if p.ndim == 1:
+            if name.endswith(".bias"):
+                p.zero_()
+            elif p.ndim == 1:
                 p.fill_(1.0)
             elif name.endswith(self.residual_outputs):
                 p.normal_(0.0, out_std)
@@ -374,6 +425,7 @@ class LlamaForCausalLM(DecoderOnlyLM):
     def embed(self, input_ids: torch.Tensor, layout: SequenceLayout | None = None) -> torch.Tensor:
         """input_ids [B, S] → hidden states [B, S, hidden] (positions are RoPE's, applied in each layer)."""
         check_positions(input_ids, layout, self.rope_cos.shape[0])
+        check_window(input_ids, layout, self.sliding_window)
         return self.embed_tokens(input_ids)
 
     def rope(self, layout: SequenceLayout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -397,15 +449,18 @@ class LlamaForCausalLM(DecoderOnlyLM):
         MLP as column→row pairs cut in whole heads, KV heads replicated when fewer than the ranks, embedding
         and head split along the vocabulary, padded to a multiple of :func:`vocab_block` × TP (a tied table stays
         one shard)."""
-        head_dim = self.cfg.hidden_size // self.cfg.num_attention_heads
+        d = head_dim(self.cfg)
         vocab = vocab_block(self.cfg)
+        # Qwen3's per-head q/k norms: replicated, each rank's gradient covers its own heads only
+        norms = {"layers.*.self_attn.q_norm": "head_norm", "layers.*.self_attn.k_norm": "head_norm"}
         return {
             "embed_tokens": f"vocab_embedding:{vocab}",
             "layers.*.self_attn": "input_region",  # q, k, v: one entry, one input-gradient all-reduce
-            "layers.*.self_attn.q_proj": f"colwise:{head_dim}",
-            "layers.*.self_attn.k_proj": f"colwise_kv:{head_dim}",
-            "layers.*.self_attn.v_proj": f"colwise_kv:{head_dim}",
-            "layers.*.self_attn.o_proj": f"rowwise:{head_dim}",
+            "layers.*.self_attn.q_proj": f"colwise:{d}",
+            "layers.*.self_attn.k_proj": f"colwise_kv:{d}",
+            "layers.*.self_attn.v_proj": f"colwise_kv:{d}",
+            "layers.*.self_attn.o_proj": f"rowwise:{d}",
+            **(norms if self.attention_options.qk_norm else {}),
             **self.ffn_tensor_parallel_plan(),
             "lm_head": f"vocab_head:{vocab}",
         }
@@ -436,3 +491,23 @@ class LlamaForCausalLM(DecoderOnlyLM):
         Megatron/PaLM MFU convention (the causal mask is not discounted)."""
         c = self.cfg
         return 6.0 * self.num_parameters(exclude_embeddings=True) + 12.0 * c.num_layers * c.hidden_size * seq_length
+
+
+# Families with Llama's architecture: each is the hub class its Hugging Face spec (nxdt.config.hf_model.FAMILIES)
+# names, so an export writes the family it was imported as; what one changes is its attention options.
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral 7B (transformers' ``MistralForCausalLM``): Llama's computation; config.json's ``sliding_window`` is
+    ``model.sliding_window``, honoured by refusing sequences longer than the window (:func:`check_window`)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2 / Qwen2.5 (transformers' ``Qwen2ForCausalLM``): Llama with biases on the q, k and v projections."""
+
+    attention_options = AttentionOptions(qkv_bias=True)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3 (transformers' ``Qwen3ForCausalLM``): Llama with an RMSNorm over each query and key head before RoPE and an
+    explicit ``head_dim`` (Qwen3-0.6B: 128 with hidden_size 1024 and 16 heads)."""
+
+    attention_options = AttentionOptions(qk_norm=True)

@@ -60,6 +60,31 @@ def _mixtral() -> "transformers.PretrainedConfig":
     )
 
 
+def _qwen2(tied: bool) -> "transformers.PretrainedConfig":
+    return transformers.Qwen2Config(
+        **SHAPE,
+        intermediate_size=48,
+        num_key_value_heads=2,
+        rope_theta=1e6,
+        rms_norm_eps=3e-6,
+        tie_word_embeddings=tied,
+    )
+
+
+def _qwen3() -> "transformers.PretrainedConfig":
+    # head_dim 16, not hidden/heads = 8: the projections are wider than the model
+    return transformers.Qwen3Config(
+        **SHAPE, intermediate_size=48, num_key_value_heads=2, head_dim=16, rope_theta=1e6, rms_norm_eps=2e-6
+    )
+
+
+def _mistral() -> "transformers.PretrainedConfig":
+    # a window as long as the positions: full causal attention is the same function for every sequence
+    return transformers.MistralConfig(
+        **SHAPE, intermediate_size=48, num_key_value_heads=1, sliding_window=128, rope_theta=1e6, rms_norm_eps=1e-5
+    )
+
+
 def _gpt2(tied: bool) -> "transformers.PretrainedConfig":
     s = SHAPE
     return transformers.GPT2Config(
@@ -79,6 +104,10 @@ FAMILIES = {
     "llama-tied": _llama(True),
     "llama-untied": _llama(False),
     "mixtral": _mixtral(),
+    "qwen2-tied": _qwen2(True),
+    "qwen2-untied": _qwen2(False),
+    "qwen3": _qwen3(),
+    "mistral": _mistral(),
     "gpt2-tied": _gpt2(True),
     "gpt2-untied": _gpt2(False),
 }
@@ -130,8 +159,21 @@ def test_hf_checkpoint_alone_imports_and_exports_the_same_model(family, tmp_path
     back, loaded = _hf_logits(tmp_path / "out")
     assert type(loaded) is type(reference)
     torch.testing.assert_close(back, ours, rtol=0, atol=ATOL)
-    for key in ("rms_norm_eps", "layer_norm_epsilon", "rope_parameters", "tie_word_embeddings", "n_inner", "num_key_value_heads"):
+    for key in (
+        "rms_norm_eps",
+        "layer_norm_epsilon",
+        "rope_parameters",
+        "tie_word_embeddings",
+        "n_inner",
+        "num_key_value_heads",
+        "sliding_window",
+    ):
         assert getattr(loaded.config, key, None) == getattr(reference.config, key, None), key
+    if hasattr(reference.config, "num_key_value_heads"):  # the heads' width (null in a config.json = hidden / heads)
+        width = [
+            getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads for c in (loaded.config, reference.config)
+        ]
+        assert width[0] == width[1]
 
 
 def test_an_nxdt_trained_model_exports_every_computation_field(tmp_path):
@@ -280,7 +322,10 @@ def test_a_run_config_that_differs_from_the_checkpoint_is_refused_before_launch(
 @pytest.mark.parametrize(
     "edit, message",
     [
-        ({"model_type": "qwen2"}, "model_type='qwen2' is not in the model hub"),
+        ({"model_type": "qwen2_moe"}, "model_type='qwen2_moe' is not in the model hub"),
+        ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window=true: sliding-window attention is not"),
+        ({"model_type": "qwen3", "attention_bias": True}, "attention_bias=true"),
+        ({"model_type": "qwen3", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn' is not"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn' is not implemented"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({"attention_bias": True}, "attention_bias=true"),
@@ -334,3 +379,16 @@ def test_the_launcher_checks_a_gpt2_checkpoint_in_its_own_names(tmp_path):
     save_file(tensors, str(tmp_path / "hf/model.safetensors"))
     with pytest.raises(ConfigError, match=r"transformer.h.1.attn.c_attn.weight has shape \[96, 32\], .* expects \[32, 96\]"):
         _check_model(cfg)
+
+
+def test_a_mistral_window_shorter_than_the_sequence_is_refused_by_name(llama_dir):
+    """Sliding-window attention is computed as full causal attention, equal only while the sequence fits the window."""
+    hf = json.loads((llama_dir / "config.json").read_text())
+    (llama_dir / "config.json").write_text(json.dumps({**hf, "model_type": "mistral", "sliding_window": 16}))
+    with pytest.raises(ConfigError, match="data.seq_length=.* sliding-window attention is not implemented") as err:
+        compose_config([f"model.hf_checkpoint={llama_dir}", "data=synthetic", "data.seq_length=32"])
+    assert (err.value.key, err.value.value) == ("model.sliding_window", 16)
+    cfg = compose_config([f"model.hf_checkpoint={llama_dir}", "data=synthetic", "data.seq_length=16"])
+    assert (cfg.model.architecture, cfg.model.sliding_window) == ("nxdt.models.llama.MistralForCausalLM", 16)
+    with pytest.raises(ValueError, match="exceeds model.sliding_window=16"):  # the hub model, used on its own
+        _ours(cfg)(torch.zeros(1, 17, dtype=torch.long))

@@ -1,5 +1,5 @@
 """Hugging Face ``config.json`` ↔ nxdt ``model`` fields, one :class:`HFFamily` per model family (pure: dicts in,
-dicts out; no torch).
+dicts out; no torch): llama, mistral, qwen2, qwen3, mixtral, gpt2.
 
 Each family says which HF ``model_type`` it is, which hub class implements it, how every config.json field that
 changes the computation maps to an nxdt model field (:meth:`HFFamily.model_fields`), how to write the family's own
@@ -13,7 +13,7 @@ with its ``StateDictAdapter`` (``torchtitan/protocols/state_dict_adapter.py``).
 Fields a family does not implement are refused by name rather than ignored (RoPE scaling: ``llama3`` is
 implemented, every other ``rope_type`` is refused). A field config.json leaves out takes the default of
 transformers' own config class for that family (``LlamaConfig``: rms_norm_eps 1e-6; ``MixtralConfig``: rope_theta
-1e6; ``GPT2Config``: tied embeddings), which is what ``from_pretrained`` builds.
+1e6; ``GPT2Config``: tied embeddings; ``Qwen3Config``: head_dim 128; ``MistralConfig``: sliding_window 4096), which is what ``from_pretrained`` builds.
 """
 
 from __future__ import annotations
@@ -188,33 +188,51 @@ def model_meta(model: Any) -> dict[str, Any]:
 
 
 def normalized(model: Mapping[str, Any]) -> dict[str, Any]:
-    """A flat model config with its equivalent spellings made equal: num_kv_heads null = the query heads; plain RoPE
+    """A flat model config with its equivalent spellings made equal: num_kv_heads null = the query heads, head_dim
+    null = hidden_size / num_attention_heads; plain RoPE
     (rope_type null or default) carries no scaling parameters."""
     out = dict(model)
     if out.get("num_kv_heads") is None:
         out["num_kv_heads"] = out.get("num_attention_heads")
+    if out.get("head_dim") is None and out.get("hidden_size") and out.get("num_attention_heads"):
+        out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
     if out.get("rope_scaling.rope_type") in (None, "default"):
         for key in ROPE_KEYS:
             out[key] = None
     return out
 
 
-def _llama_check(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+def _llama_check(hf: Mapping[str, Any], model_type: str, derive_head_dim: bool = True) -> dict[str, Any]:
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise HFConfigError(f"hidden_act={act!r}: the model hub's {model_type} uses SwiGLU (silu)")
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
-            raise HFConfigError(f"{flag}=true: the model hub's {model_type} has no biases")
-    head_dim, hidden, heads = hf.get("head_dim"), hf.get("hidden_size"), hf.get("num_attention_heads")
-    if head_dim is not None and hidden and heads and head_dim != hidden // heads:
-        raise HFConfigError(
-            f"head_dim={head_dim} differs from hidden_size/num_attention_heads = {hidden}/{heads}; "
-            "the model hub derives the head size from them"
-        )
+            raise HFConfigError(f"{flag}=true: the model hub's {model_type} has no such biases")
     out = rope_fields(hf)
+    hidden, heads = hf.get("hidden_size"), hf.get("num_attention_heads")
+    if derive_head_dim and hf.get("head_dim") is None and hidden and heads:
+        out["head_dim"] = hidden // heads  # LlamaConfig / MistralConfig / Qwen2's attention: null = the quotient
     if hf.get("num_key_value_heads") is None:
         out["num_kv_heads"] = hf.get("num_attention_heads")
+    return out
+
+
+def _qwen_check(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    # Qwen's layers switch to sliding-window attention from max_window_layers on only with use_sliding_window
+    if hf.get("use_sliding_window"):
+        raise HFConfigError(
+            "use_sliding_window=true: sliding-window attention is not implemented; set use_sliding_window to false "
+            f"(the released {model_type} checkpoints have it off)"
+        )
+    # Qwen3Config's head_dim default is 128, not the quotient; Qwen2 computes the quotient
+    return _llama_check(hf, model_type, derive_head_dim=model_type == "qwen2")
+
+
+def _mistral_check(hf: Mapping[str, Any]) -> dict[str, Any]:
+    out = _llama_check(hf, "mistral")
+    # an explicit null is no window; a field left out is MistralConfig's default, 4096
+    out["sliding_window"] = hf["sliding_window"] if "sliding_window" in hf else 4096
     return out
 
 
@@ -226,11 +244,15 @@ def _mixtral_check(hf: Mapping[str, Any]) -> dict[str, Any]:
     return _llama_check(hf, "mixtral")
 
 
+def _head_dim(model: Mapping[str, Any]) -> int:
+    return model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]
+
+
 def _llama_config(model: Mapping[str, Any]) -> dict[str, Any]:
     heads = model["num_attention_heads"]
     return {
         "num_key_value_heads": model.get("num_kv_heads") or heads,
-        "head_dim": model["hidden_size"] // heads,
+        "head_dim": _head_dim(model),
         "hidden_act": "silu",
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -247,6 +269,21 @@ def _mixtral_config(model: Mapping[str, Any]) -> dict[str, Any]:
         del out[key]
     # nxdt's MoE routes every token to its top-k experts without noise, over all positions
     return {**out, "output_router_logits": False, "router_jitter_noise": 0.0, "sliding_window": None}
+
+
+def _mistral_config(model: Mapping[str, Any]) -> dict[str, Any]:
+    out = _llama_config(model)
+    for key in ("mlp_bias", "pretraining_tp", "attention_bias"):
+        del out[key]
+    return {**out, "sliding_window": model.get("sliding_window")}
+
+
+def _qwen_config(model: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    out = _llama_config(model)
+    for key in ("mlp_bias", "pretraining_tp", "attention_bias"):
+        del out[key]
+    sliding = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": model["num_layers"]}
+    return {**out, **sliding, **({"attention_bias": False} if model_type == "qwen3" else {})}
 
 
 def _gpt2_check(hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -286,14 +323,17 @@ _LLAMA_FIELDS: dict[str, tuple[str, Any]] = {
     "num_key_value_heads": ("num_kv_heads", None),
     "intermediate_size": ("ffn_hidden_size", None),
     "max_position_embeddings": ("max_position_embeddings", 2048),
+    "head_dim": ("head_dim", None),
     "rope_theta": ("rope_theta", 10000.0),
     "rms_norm_eps": ("norm_eps", 1e-6),
     "tie_word_embeddings": ("tie_word_embeddings", False),
     "initializer_range": ("init_method_std", 0.02),
 }
+# Qwen2Config / Qwen3Config: 32k positions (Qwen3: head_dim 128 when config.json leaves it out)
+_QWEN_FIELDS = {**_LLAMA_FIELDS, "max_position_embeddings": ("max_position_embeddings", 32768)}
 # max_position_embeddings is no computation field of a RoPE model (the tables are cut at the sequence; Llama 3.1's
 # scaling reads original_max_position_embeddings): NxDT raises it to the sequence length, and so may an override
-_LLAMA_COMPUTE = (*_LLAMA_SHAPE, "rope_theta", *ROPE_KEYS, "norm_eps", "tie_word_embeddings")
+_LLAMA_COMPUTE = (*_LLAMA_SHAPE, "head_dim", "rope_theta", *ROPE_KEYS, "norm_eps", "tie_word_embeddings")
 
 FAMILIES: dict[str, HFFamily] = {
     "llama": HFFamily(
@@ -322,6 +362,36 @@ FAMILIES: dict[str, HFFamily] = {
         _mixtral_check,
         _mixtral_config,
         fixed={"moe.router_activation": "softmax"},
+    ),
+    # Mistral 7B: Llama's computation, and a sliding window (honoured up to it: model.sliding_window)
+    "mistral": HFFamily(
+        "mistral",
+        "MistralForCausalLM",
+        "nxdt.models.llama.MistralForCausalLM",
+        {**_LLAMA_FIELDS, "max_position_embeddings": ("max_position_embeddings", 4096 * 32)},
+        (*_LLAMA_COMPUTE, "sliding_window"),
+        _mistral_check,
+        _mistral_config,
+    ),
+    # Qwen2 / Qwen2.5: q, k, v biases (the hub class's attention options); tied heads in the small sizes
+    "qwen2": HFFamily(
+        "qwen2",
+        "Qwen2ForCausalLM",
+        "nxdt.models.llama.Qwen2ForCausalLM",
+        _QWEN_FIELDS,
+        _LLAMA_COMPUTE,
+        lambda hf: _qwen_check(hf, "qwen2"),
+        lambda model: _qwen_config(model, "qwen2"),
+    ),
+    # Qwen3: per-head q/k RMSNorm, an explicit head_dim
+    "qwen3": HFFamily(
+        "qwen3",
+        "Qwen3ForCausalLM",
+        "nxdt.models.llama.Qwen3ForCausalLM",
+        {**_QWEN_FIELDS, "head_dim": ("head_dim", 128)},
+        _LLAMA_COMPUTE,
+        lambda hf: _qwen_check(hf, "qwen3"),
+        lambda model: _qwen_config(model, "qwen3"),
     ),
     # nxdt's GPT is GPT-2 exactly: learned positions, pre-LayerNorm, tanh GELU, biases but none on the head
     "gpt2": HFFamily(
@@ -388,11 +458,13 @@ def model_fields(hf: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
 META_KEYS = (
     "architecture",
     *_LLAMA_SHAPE,
+    "head_dim",
     "max_position_embeddings",
     "rope_theta",
     *ROPE_KEYS,
     "norm_eps",
     "tie_word_embeddings",
+    "sliding_window",
     "init_method_std",
     "moe.num_experts",
     "moe.top_k",

@@ -263,11 +263,19 @@ class ModelConfig:
     num_attention_heads: int = doc(MISSING, "query heads")
     num_kv_heads: Optional[int] = doc(None, "key/value heads (grouped-query attention); null = num_attention_heads")
     ffn_hidden_size: int = doc(MISSING, "SwiGLU inner width")
+    head_dim: Optional[int] = doc(
+        None, "each attention head's width; null = hidden_size / num_attention_heads (Qwen3 states it, and it may differ)"
+    )
     max_position_embeddings: int = doc(MISSING, "longest sequence the model supports")
     rope_theta: float = doc(10000.0, "RoPE base")
     rope_scaling: RopeScalingConfig = doc(RopeScalingConfig(), "RoPE scaling (Llama 3.1: rope_type llama3); off by default")
     norm_eps: float = doc(1e-5, "RMSNorm epsilon")
     tie_word_embeddings: bool = doc(False, "share input embedding and output head")
+    sliding_window: Optional[int] = doc(
+        None,
+        "Mistral's sliding-window attention span (config.json's sliding_window); null = none. Computed as full causal "
+        "attention, the same function up to the window: data.seq_length above it is refused",
+    )
     init_method_std: float = doc(0.02, "std of the normal weight init")
     activations_checkpoint_granularity: Optional[str] = doc(None, "full | selective | null")
     loss_averaging: str = doc(

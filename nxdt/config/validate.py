@@ -316,6 +316,19 @@ def check_ranges(cfg: Any) -> None:
             what=" (the pretraining context; Llama 3.1: 8192)",
         )
     _number("model.init_method_std", model.init_method_std, 0, what=" (std of the normal weight init, e.g. 0.02)")
+    if model.head_dim is not None:
+        _integer("model.head_dim", model.head_dim, 2, what=" (null = hidden_size / num_attention_heads)")
+        if model.head_dim % 2:
+            raise ConfigError("model.head_dim", model.head_dim, "must be even for rotary embeddings (e.g. 128)")
+    if model.sliding_window is not None:
+        _integer("model.sliding_window", model.sliding_window, 1, what=" (null = attention over the whole sequence)")
+        if cfg.data.seq_length > model.sliding_window:
+            raise ConfigError(
+                "model.sliding_window",
+                model.sliding_window,
+                f"is shorter than data.seq_length={cfg.data.seq_length}: sliding-window attention is not implemented "
+                "(full causal attention equals it only up to the window); set data.seq_length <= the window",
+            )
     moe = model.moe
     _integer("model.moe.num_experts", moe.num_experts, 0, what=" (0 = a dense model)")
     if moe.num_experts > 0:

@@ -883,6 +883,8 @@ STYLES = {
     "input_region": "a block whose column-parallel layers all read its first input (attention q/k/v, MLP gate/up): the "
     "input enters the region once for all of them",
     "colwise_in_region": "colwise inside a token_region block (no collective of its own)",
+    "head_norm": "a norm applied to every attention head alike (Qwen3's q/k RMSNorm) on the heads a rank holds: the "
+    "module stays replicated, its gradient is a partial sum over the group (summed by sync_replicated_grads)",
     "rowwise_partial": "rowwise inside a token_region block: returns partial sums, the region reduces them once",
 }
 
@@ -917,6 +919,9 @@ def apply_tensor_parallel(model: nn.Module, tp_comm: Any, *, sequence_parallel: 
         if style == "input_region":
             module.register_forward_pre_hook(_EnterRegionHook(tp_comm, sequence_parallel, name))
             regions.append(name)
+            continue
+        if style == "head_norm":
+            module.partial_grads_over_tp = tuple(n for n, _ in module.named_parameters())
             continue
         if style == "token_region":
             if not hasattr(module, "tensor_parallel_region"):
@@ -977,12 +982,12 @@ def partial_grad_names(model: nn.Module) -> set[str]:
     """Parameters (by name in ``model``) whose gradient after backward is a partial sum over the TP group, to be
     summed by :func:`sync_replicated_grads`: with sequence parallelism every replicated one (each rank saw its
     sequence shard), and always the ones a parallel layer declares in ``partial_grads`` (LoRA's replicated
-    half, :class:`LoRAParallelLinear`)."""
+    half, :class:`LoRAParallelLinear`) and those of ``head_norm`` modules (each rank normed its own heads)."""
     declared = {
         f"{prefix}.{rel}" if prefix else rel
         for prefix, m in model.named_modules()
-        for rel in getattr(m, "partial_grads", ())
-        if isinstance(m, TensorParallelModule)
+        for rel in (getattr(m, "partial_grads", ()) if isinstance(m, TensorParallelModule) else ())
+        + getattr(m, "partial_grads_over_tp", ())  # 'head_norm' modules
     }
     sequence_parallel = uses_sequence_parallel(model)
     return {
