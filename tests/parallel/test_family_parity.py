@@ -1,0 +1,144 @@
+"""Qwen2/2.5, Qwen3 and Mistral: nxdt's first-step loss on a batch equals transformers' on the same weights, unsharded,
+at TP2 with and without sequence parallelism and at PP2 (1F1B); under TP the gradients of the replicated tensors a
+family adds (Qwen3's per-head q/k norms, whose gradient each rank holds for its own heads only) equal transformers'.
+
+Each tiny model is made with transformers (non-default rope_theta and epsilon, random biases and norm weights, Qwen2
+tied and untied, Qwen3 with head_dim 16 ≠ hidden/heads = 8, Mistral with a sliding window as long as its positions)
+and saved; the ranks read it the way a run does: the model fields from config.json (``HFFamily.model_fields``), the
+weights through the family's state-dict adapter (``load_hf_weights``). The spawned ranks never import transformers.
+
+Tolerance: both sides compute in fp32 from the same weights and differ only in operation order (sdpa vs eager
+softmax; under TP the row-parallel sums and the vocab-parallel log-sum-exp, under PP nothing): a few ulps per
+operation through two layers, ~1e-6 relative on a loss of ~4.6, so rtol 1e-5 keeps a tenfold margin on any CPU.
+Gradients of the q/k norm weights sum ~24 tokens × 4 heads of products: atol 1e-6 on values of ~1e-2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nxdt.comm.spawn import run_local
+from nxdt.config.hf_model import family_of
+from nxdt.lightning.hf import load_hf_weights
+from nxdt.parallel.pipeline import PipelineExecutor, build_chunks, chunk_parameters, one_f_one_b
+from nxdt.parallel.tensor_parallel import apply_tensor_parallel, sync_replicated_grads
+
+transformers = pytest.importorskip("transformers")
+
+SHAPE = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
+RTOL = 1e-5  # module docstring
+CONFIGS = {
+    "qwen2-tied": lambda: transformers.Qwen2Config(
+        **SHAPE, intermediate_size=48, num_key_value_heads=2, rope_theta=1e6, rms_norm_eps=3e-6, tie_word_embeddings=True
+    ),
+    "qwen2": lambda: transformers.Qwen2Config(
+        **SHAPE, intermediate_size=48, num_key_value_heads=2, rope_theta=1e6, rms_norm_eps=3e-6, tie_word_embeddings=False
+    ),
+    "qwen3": lambda: transformers.Qwen3Config(
+        **SHAPE, intermediate_size=48, num_key_value_heads=2, head_dim=16, rope_theta=5e5, rms_norm_eps=2e-6
+    ),
+    "mistral": lambda: transformers.MistralConfig(
+        **SHAPE, intermediate_size=48, num_key_value_heads=2, sliding_window=64, rope_theta=1e6, rms_norm_eps=1e-5
+    ),
+}
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, SHAPE["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(5))
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)  # nxdt's labels arrive shifted
+    return ids, labels
+
+
+def _ours(directory: str):
+    """The model a run builds from ``model.hf_checkpoint=directory`` alone."""
+    fields = family_of(json.loads((Path(directory) / "config.json").read_text())).model_fields(
+        json.loads((Path(directory) / "config.json").read_text())
+    )
+    module, _, name = fields["architecture"].rpartition(".")
+    cfg = SimpleNamespace(**{k: v for k, v in fields.items() if "." not in k})
+    model = getattr(importlib.import_module(module), name)(cfg)
+    load_hf_weights(model, directory, fields["architecture"])
+    return model
+
+
+def _ranks(world, directories: dict[str, str]) -> dict:
+    comm = world.new_communicator(list(range(world.world_size)), "g")
+    ids, labels = _batch()
+    out: dict = {}
+    for family, directory in directories.items():
+        for sp in (False, True):
+            model = apply_tensor_parallel(_ours(directory), comm, sequence_parallel=sp)
+            loss = model.loss_fn(model(ids), labels)
+            loss.backward()
+            sync_replicated_grads(model, comm)
+            norms = {
+                n: p.grad.numpy().copy() for n, p in model.named_parameters() if n.endswith(("q_norm.weight", "k_norm.weight"))
+            }
+            out[family, f"tp2{'+sp' if sp else ''}"] = (loss.item(), norms)
+        model = _ours(directory)
+        if not model.tied:  # PP needs an untied head (the embedding and head live on two stages)
+            chunks = build_chunks(model, comm.rank, comm.size)
+            loss = PipelineExecutor(chunks, comm, type(model).loss_fn).run(one_f_one_b(comm.size, comm.rank, 1), [(ids, labels)])
+            assert all(p.grad is not None for p in chunk_parameters(chunks).values())
+            out[family, "pp2"] = (loss, {})
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[str, tuple[str, float, dict]]:
+    """family → (directory, transformers' loss on the batch, its q/k norm gradients by nxdt name)."""
+    out = {}
+    ids, _ = _batch()
+    for family, make in CONFIGS.items():
+        config = make()
+        config._attn_implementation = "eager"
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        with torch.no_grad():
+            for p in model.parameters():  # norms at 1 and biases at 0 would hide a mix-up
+                p.copy_(1.0 + 0.1 * torch.randn_like(p) if p.ndim == 1 else 0.1 * torch.randn_like(p))
+        directory = tmp_path_factory.mktemp(family)
+        model.save_pretrained(directory)
+        loss = model(input_ids=ids, labels=ids).loss  # transformers shifts the labels itself
+        loss.backward()
+        norms = {
+            n[len("model.") :]: p.grad.clone()
+            for n, p in model.named_parameters()
+            if n.endswith(("q_norm.weight", "k_norm.weight"))
+        }
+        out[family] = (str(directory), loss.item(), norms)
+    return out
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_unsharded_loss_equals_transformers(saved, family):
+    directory, expected, _ = saved[family]
+    ids, labels = _batch()
+    model = _ours(directory)
+    assert type(model).__name__ == type(transformers.AutoConfig.from_pretrained(directory)).__name__.replace(
+        "Config", "ForCausalLM"
+    )
+    assert model.loss_fn(model(ids), labels).item() == pytest.approx(expected, rel=RTOL)
+
+
+def test_tp2_sp_and_pp2_loss_and_qk_norm_gradients_equal_transformers(saved):
+    """One pair of ranks runs every family at TP2, TP2+SP and PP2 (1F1B)."""
+    directories = {family: directory for family, (directory, _, _) in saved.items()}
+    ranks = run_local(_ranks, 2, directories, timeout_s=170)
+    layouts = {family: ["tp2", "tp2+sp"] + ([] if family.endswith("tied") else ["pp2"]) for family in CONFIGS}
+    for rank, out in enumerate(ranks):
+        assert sorted(out) == sorted((f, layout) for f, names in layouts.items() for layout in names)
+        for (family, layout), (loss, norms) in out.items():
+            _, expected, hf_norms = saved[family]
+            assert loss == pytest.approx(expected, rel=RTOL), f"rank {rank} {family} {layout}"
+            assert set(norms) == set(hf_norms if layout != "pp2" else {}), (family, layout)
+            for name, grad in norms.items():  # summed over the heads of both ranks: transformers' gradient
+                torch.testing.assert_close(
+                    torch.from_numpy(grad), hf_norms[name], rtol=0, atol=1e-6, msg=f"{family} {layout} {name}"
+                )
