@@ -392,3 +392,15 @@ def test_a_mistral_window_shorter_than_the_sequence_is_refused_by_name(llama_dir
     assert (cfg.model.architecture, cfg.model.sliding_window) == ("nxdt.models.llama.MistralForCausalLM", 16)
     with pytest.raises(ValueError, match="exceeds model.sliding_window=16"):  # the hub model, used on its own
         _ours(cfg)(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_a_qwen3_override_of_head_dim_or_the_window_is_refused_by_name(tmp_path):
+    _hf_model(_qwen3(), tmp_path / "hf")
+    with pytest.raises(ConfigError, match="its head_dim is 16; drop the override") as err:
+        compose_config([f"model.hf_checkpoint={tmp_path / 'hf'}", "data=synthetic", "model.head_dim=8"])
+    assert (err.value.key, err.value.value) == ("model.head_dim", 8)
+    with pytest.raises(ConfigError, match="model_type is 'qwen3'") as err:
+        compose_config(
+            [f"model.hf_checkpoint={tmp_path / 'hf'}", "data=synthetic", "model.architecture=nxdt.models.llama.LlamaForCausalLM"]
+        )
+    assert err.value.key == "model.architecture"

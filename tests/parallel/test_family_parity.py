@@ -142,3 +142,31 @@ def test_tp2_sp_and_pp2_loss_and_qk_norm_gradients_equal_transformers(saved):
                 torch.testing.assert_close(
                     torch.from_numpy(grad), hf_norms[name], rtol=0, atol=1e-6, msg=f"{family} {layout} {name}"
                 )
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_lora_adapters_load_with_peft_and_give_nxdt_logits(saved, family, tmp_path):
+    """Adapters on every target (Qwen2's biased q/k/v, Qwen3's normed ones), exported as a PEFT adapter directory:
+    the peft library puts them on transformers' model of the family and computes nxdt's logits (atol 1e-5: fp32,
+    operation order only, as above; the adapter moves the logits by > 1e-2, so this is no base-vs-base comparison)."""
+    peft = pytest.importorskip("peft")
+    from nxdt.lightning.peft_export import export_peft_adapter
+    from nxdt.models.lora import LoRALinear, apply_lora
+
+    directory = saved[family][0]
+    ids, _ = _batch()
+    model = apply_lora(_ours(directory), rank=4, alpha=16, target_modules=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, LoRALinear):
+                m.lora_B.weight.copy_(0.1 * torch.randn(m.lora_B.weight.shape, generator=g))
+    model.eval()
+    out = export_peft_adapter(model, tmp_path / "adapter", base_model_name_or_path=directory)
+    base = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
+    with torch.no_grad():
+        base_logits = base(input_ids=ids).logits
+        loaded = peft.PeftModel.from_pretrained(base, str(out)).eval()
+        expected = model(ids)
+        torch.testing.assert_close(loaded(input_ids=ids).logits, expected, rtol=0, atol=1e-5)
+    assert (expected - base_logits).abs().max() > 1e-2
