@@ -571,7 +571,7 @@ def validate(cfg: Any, *, paths: bool = True) -> None:
         raise ConfigError("distributed_strategy.expert_model_parallel_size", ep, f"must divide the data-parallel degree {dp}")
 
     heads, kv = model.num_attention_heads, model.num_kv_heads or model.num_attention_heads
-    if model.hidden_size % heads:
+    if model.head_dim is None and model.hidden_size % heads:  # an explicit head_dim needs no quotient
         raise ConfigError("model.num_attention_heads", heads, f"must divide model.hidden_size={model.hidden_size}")
     if heads % kv:
         raise ConfigError("model.num_kv_heads", kv, f"must divide model.num_attention_heads={heads}")
