@@ -1,4 +1,7 @@
-"""Llama (2/3 family): RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query attention.
+"""Llama (2/3 family): RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query attention — and the families built
+on the same block, each a small class at the end of this file: Mistral (a sliding window, honoured up to the
+sequence), Qwen2/2.5 (q/k/v biases), Qwen3 (per-head q/k RMSNorm); what a family changes is its
+:class:`AttentionOptions`, its Hugging Face mapping is its spec in ``nxdt.config.hf_model``.
 
 Attribute names mirror Hugging Face's ``LlamaForCausalLM`` (``embed_tokens``, ``layers.N.self_attn.q_proj``,
 ``mlp.gate_proj``, ``norm``, ``lm_head``) so checkpoints map by name, and RoPE uses HF's rotate-half
@@ -6,7 +9,7 @@ layout so HF weights need no permutation. ``layers`` is the list pipeline stages
 from; every projection is a plain named ``nn.Linear`` that tensor parallelism can swap for a parallel one.
 
 The config is any object with the ``model`` schema's attributes (``vocab_size``, ``hidden_size``,
-``num_layers``, ``num_attention_heads``, ``num_kv_heads``, ``ffn_hidden_size``,
+``num_layers``, ``num_attention_heads``, ``num_kv_heads``, ``ffn_hidden_size``, ``head_dim``, ``sliding_window``,
 ``max_position_embeddings``, ``rope_theta``, ``rope_scaling``, ``norm_eps``, ``tie_word_embeddings``,
 ``init_method_std``, ``activations_checkpoint_granularity``, ``core_attention``); the optional ones fall back to
 the schema's defaults.
