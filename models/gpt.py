@@ -175,8 +175,3 @@ class GPTForCausalLM(DecoderOnlyLM):
             if not self.tied:
                 total -= self.embed_tokens.weight.numel()
         return total
-
-    def flops_per_token(self, seq_length: int) -> float:
-        """6·N (N without lookup tables, head included) + 12·layers·hidden·seq for attention (as Llama)."""
-        c = self.cfg
-        return 6.0 * self.num_parameters(exclude_embeddings=True) + 12.0 * c.num_layers * c.hidden_size * seq_length

@@ -485,16 +485,6 @@ class LlamaForCausalLM(DecoderOnlyLM):
             total -= self.embed_tokens.weight.numel()
         return total
 
-    def flops_per_token(self, seq_length: int) -> float:
-        """Training FLOPs per token (forward + backward), the numerator of MFU.
-
-        6·N for the weight matmuls (2 forward, 4 backward per weight; N excludes the input embedding
-        lookup, which is no matmul, but includes the output head) plus 12·layers·hidden·seq for the
-        attention scores QKᵀ and the weighted sum with V, counted over the full S×S square as in the
-        Megatron/PaLM MFU convention (the causal mask is not discounted)."""
-        c = self.cfg
-        return 6.0 * self.num_parameters(exclude_embeddings=True) + 12.0 * c.num_layers * c.hidden_size * seq_length
-
 
 # Families with Llama's architecture: each is the hub class its Hugging Face spec (nxdt.config.hf_model.FAMILIES)
 # names, so an export writes the family it was imported as; what one changes is its attention options.

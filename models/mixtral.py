@@ -282,12 +282,3 @@ class MixtralForCausalLM(LlamaForCausalLM):
         if exclude_embeddings and not self.tied:
             total -= self.embed_tokens.weight.numel()
         return total
-
-    def flops_per_token(self, seq_length: int) -> float:
-        """Training FLOPs per token: 6 × the weights a token multiplies (attention, router, top_k experts,
-        output head; Llama's convention) + 12·layers·hidden·seq for attention scores."""
-        c = self.cfg
-        return (
-            6.0 * self.num_parameters(exclude_embeddings=True, active_only=True)
-            + 12.0 * c.num_layers * c.hidden_size * seq_length
-        )

@@ -107,7 +107,6 @@ def test_mixtral_shapes_backward_and_names():
     dense = 2 * v * h + layers * (attn + 2 * h + 4 * h) + h
     assert model.num_parameters() == dense + layers * 4 * 3 * h * f == sum(p.numel() for p in model.parameters())
     assert model.num_parameters(active_only=True) == dense + layers * 2 * 3 * h * f
-    assert model.flops_per_token(8) == 6.0 * (model.num_parameters(active_only=True) - v * h) + 12.0 * layers * h * 8
 
 
 def _dense_reference(block: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
@@ -295,7 +294,6 @@ def test_gpt_shapes_and_parameter_count():
         assert model.num_parameters() == want == sum(p.numel() for p in model.parameters())
         assert model.tied == tied
         assert model.num_parameters(exclude_embeddings=True) == want - pos * h - (0 if tied else v * h)
-        assert model.flops_per_token(8) == 6.0 * model.num_parameters(exclude_embeddings=True) + 12.0 * layers * h * 8
     # positions matter (learned absolute embeddings): the same token at two positions gives different logits
     same = torch.full((1, 4), 7)
     out = model(same)

@@ -14,6 +14,7 @@ from typing import Any
 
 from nxdt.comm.bench import _body as bench_body
 from nxdt.comm.spawn import run_local
+from nxdt.planner.estimate import flops_per_token
 
 CALIBRATION_OPS = ["allr", "allg", "redsct", "alltoall", "bcast"]
 
@@ -51,7 +52,7 @@ def _flops_body(world: Any, hidden: int, seq: int, batch: int, steps: int) -> fl
     for _ in range(steps):
         step()
     elapsed = (time.perf_counter() - start) / steps
-    return model.flops_per_token(seq) * batch * seq / elapsed
+    return flops_per_token(cfg, seq) * batch * seq / elapsed  # the planner's one FLOPs count, as MFU uses
 
 
 def measure(nworkers: int = 2, maxbytes: int = 64 << 20, hidden: int = 128, seq: int = 128, batch: int = 4) -> dict[str, Any]:
