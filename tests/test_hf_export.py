@@ -404,3 +404,30 @@ def test_a_qwen3_override_of_head_dim_or_the_window_is_refused_by_name(tmp_path)
             [f"model.hf_checkpoint={tmp_path / 'hf'}", "data=synthetic", "model.architecture=nxdt.models.llama.LlamaForCausalLM"]
         )
     assert err.value.key == "model.architecture"
+
+
+@pytest.mark.parametrize(
+    "family, edit, message",
+    [
+        # a Llama checkpoint under a qwen2 config.json: Qwen2's q/k/v biases are missing
+        ("qwen2", lambda t: {k: v for k, v in t.items() if not k.endswith("proj.bias")}, r"missing tensors .*q_proj.bias"),
+        ("qwen3", lambda t: {k: v for k, v in t.items() if "k_norm" not in k}, r"missing tensors .*self_attn.k_norm.weight"),
+        ("qwen3", lambda t: {**t, "model.layers.0.self_attn.q_proj.bias": torch.zeros(64)}, "q_proj.bias has no counterpart"),
+        ("mistral", lambda t: {**t, "lm_head.weight": t["lm_head.weight"].to(torch.int8)}, "lm_head.weight is I8, not floating"),
+    ],
+)
+def test_the_launcher_refuses_a_new_familys_tensors_it_cannot_load(tmp_path, family, edit, message):
+    """Missing, extra or unloadable tensors of a Qwen2 / Qwen3 / Mistral checkpoint: one ConfigError naming
+    model.hf_checkpoint before any worker starts (the check reads the safetensors headers in the family's names)."""
+    from safetensors.torch import load_file, save_file
+
+    from nxdt.cli import _check_model
+
+    _hf_model({"qwen2": _qwen2(False), "qwen3": _qwen3(), "mistral": _mistral()}[family], tmp_path / "hf")
+    cfg = compose_config([f"model.hf_checkpoint={tmp_path / 'hf'}", "data=synthetic"])
+    _check_model(cfg)  # as saved: accepted
+    tensors = edit(load_file(str(tmp_path / "hf/model.safetensors")))
+    save_file(tensors, str(tmp_path / "hf/model.safetensors"))
+    with pytest.raises(ConfigError, match=message) as err:
+        _check_model(cfg)
+    assert err.value.key == "model.hf_checkpoint" and "\n" not in str(err.value)
