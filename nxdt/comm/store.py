@@ -175,7 +175,8 @@ def serve_store(host: str, port: int, world_size: int | None, timeout: timedelta
     )
 
 
-def _private_dir(directory: Path) -> None:
+def check_store_dir(directory: Path) -> None:
+    """``directory`` may hold a store file: it is this user's and nobody else may write it (StoreAccessError)."""
     info = os.stat(directory)
     if info.st_uid != os.geteuid() or info.st_mode & 0o022:
         raise StoreAccessError(
@@ -188,7 +189,7 @@ def create_file_store(path: Path, timeout: timedelta) -> dist.FileStore:
     """A local run's store: a new file, 0600, created without following a link (whatever lay at ``path`` — a file
     of an earlier launch that was killed, a link — is removed first, never used), in a directory only this user
     can write."""
-    _private_dir(path.parent)
+    check_store_dir(path.parent)
     path.unlink(missing_ok=True)
     os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
     store = dist.FileStore(str(path), -1)  # -1: no worker count, so no instance deletes the file on its way out
@@ -213,7 +214,7 @@ def open_file_store(path: str | Path, timeout: timedelta) -> dist.FileStore:
             f"nxdt.comm: the run's store {path} is not a private file of this user (mode {stat.filemode(info.st_mode)}, "
             f"uid {info.st_uid}); refused — start the run again"
         )
-    _private_dir(path.parent)
+    check_store_dir(path.parent)
     store = dist.FileStore(str(path), -1)
     store.set_timeout(timeout)
     return store

@@ -151,7 +151,7 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from nxdt.comm import cleanup_run
-    from nxdt.comm.store import new_secret
+    from nxdt.comm.store import StoreAccessError, check_store_dir, new_secret
     from nxdt.launch import rendezvous, worker
     from nxdt.launch.forking import START_METHOD, start_fork_server
     from nxdt.launch.rundir import STORE_FILE, STORE_SECRET_FILE, write_store_secret
@@ -174,6 +174,10 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
         shutdown_timeout=SHUTDOWN_GRACE_S,
     )
     argv = [str(run_dir), "--local-store"] + (["--console-tty"] if console_tty else [])
+    try:  # the store file will live there (a directory others may write: they could swap it for theirs)
+        check_store_dir(run_dir)
+    except StoreAccessError as exc:
+        raise LaunchFailed(str(exc)) from None
     rendezvous.register()
     watchdog = watch_segments(run_id)
     try:
