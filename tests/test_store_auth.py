@@ -1,7 +1,7 @@
 """The run's rendezvous store against other local processes (issue 38). A local run's store is a private file
 (torch ``FileStore``, 0600, in the 0700 run directory; ``nxdt.comm.store.create_file_store``): nothing listens, so
 another user has nothing to connect to and cannot open the file. Where a TCP store remains (several hosts, a script
-under torchrun, ``run_local``) any local process can connect, but nothing it writes is acted on — every value nxdt
+under torchrun) any local process can connect, but nothing it writes is acted on — every value nxdt
 reads back is signed with the launch's secret (HMAC-SHA256, ``SignedKeys``), and the checkpoint a restarted rank
 resumes from is a ``step-<N>`` directory of the run's own ``checkpoints/``."""
 

@@ -36,7 +36,7 @@ from nxdt.comm.reduce import check_op, dtype_code
 from nxdt.comm.shm import DEFAULT_SLOT_BYTES, SegmentNames, remove_stale_segments
 from nxdt.comm.emulate import EmulatedLink
 from nxdt.comm.heap import Heap
-from nxdt.comm.store import SignedKeys, StoreAccessError, connect_store, secret_from_env, serve_store
+from nxdt.comm.store import SignedKeys, StoreAccessError, connect_store, open_file_store, secret_from_env, serve_store
 from nxdt.comm.stream import PriorityState, Stream, Work, next_work_id
 from nxdt.comm.trace import Tracer
 from nxdt.comm.transport import ALGORITHM_NAMES, ALGORITHMS, Transport, parse_algorithm, transport_class
@@ -760,11 +760,13 @@ def init_process(
     wait_policy: WaitPolicy | None = None,
     native: bool | None = None,
     secret: bytes | None = None,
+    store_file: str | None = None,
 ) -> World:
     """Join the job: connect to (or host) the store, agree on a run id, exchange host identities.
 
     ``secret``: the run's store secret (default: ``NXDT_STORE_SECRET``); the values this join reads back are
-    signed with it and a forged one is refused (:mod:`nxdt.comm.store`).
+    signed with it and a forged one is refused (:mod:`nxdt.comm.store`). ``store_file``: every rank opens the run's
+    private store file there instead of a TCP store (``run_local``; a local ``nxdt train`` sets ``NXDT_STORE_FILE``).
 
     ``slot_bytes`` (shm chunk size, every rank must agree) and ``wait_policy`` tune the shared-memory
     transport; the defaults are what experiments/collectives-cpu measured best on a 2-core host.
@@ -773,7 +775,10 @@ def init_process(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
     try:
-        if store_is_server:  # listening on master_addr's interface only, not on every interface of the host
+        if store_file is not None:
+            store = open_file_store(store_file, timedelta(seconds=timeout_s))
+            store_is_server = False  # no server: nobody has to outlive the others' use of it
+        elif store_is_server:  # listening on master_addr's interface only, not on every interface of the host
             store = serve_store(master_addr, int(master_port), world_size, timedelta(seconds=timeout_s))
         else:  # a local nxdt run's private store file (NXDT_STORE_FILE), else the TCP store at master_addr
             store = connect_store(master_addr, int(master_port), timedelta(seconds=timeout_s))
