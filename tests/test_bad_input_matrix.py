@@ -278,6 +278,11 @@ def _hardening_cases(tmp: Path) -> list[tuple[list[str], str]]:
     one = _jsonl(tmp, "one.jsonl", '{"input": "2+2", "output": "4"}')
     index_file = tmp / "index_cache_file"
     index_file.write_text("")
+    (tmp / "scalar.yaml").write_text("5\n")
+    (tmp / "broken.yaml").write_text("trainer:\n  max_steps: [1\n")
+    open_dir = tmp / "open_dir"  # a run directory others may write (the run's store file would live in it)
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
     looping = _chat_tokenizer(tmp / "looping_tokenizer", LOOPING_TEMPLATE)
     broken = _chat_tokenizer(tmp / "broken_tokenizer", "{% for m in messages %}{{ m.content }}")  # no endfor
     cases = [
@@ -331,6 +336,21 @@ def _hardening_cases(tmp: Path) -> list[tuple[list[str], str]]:
             "model_alignment_strategy.dpo.max_prompt_length=64: is not below data.seq_length=64",
         ),
         (["train", f"data.index_mapping_dir={index_file}"], "data.index_mapping_dir="),
+        (
+            ["train", f"data.index_mapping_dir={index_file}/sub"],
+            f"data.index_mapping_dir='{index_file}/sub': cannot be created or written: {index_file} is not a directory",
+        ),
+        (["train", "data.splits_string=980,10,10"], "data.splits_string='980,10,10': is a comma-separated list"),
+        # an NxDT config file that is not a mapping, or not YAML: named with its line, not OmegaConf's or YAML's words
+        (
+            ["train", "--config-path", str(tmp), "--config-name", "scalar", "instance=trn1.32xlarge"],
+            "scalar.yaml: holds a single value (int), not a mapping of config keys",
+        ),
+        (
+            ["train", "--config-path", str(tmp), "--config-name", "broken", "instance=trn1.32xlarge"],
+            "broken.yaml: not valid YAML: expected ',' or ']', but got '<stream end>' (line 3, column 1)",
+        ),
+        (["train", f"exp_manager.explicit_log_dir={open_dir}"], "is writable by other users (mode 0o777)"),
         (["train", "+recipe=sft", f"data.train_dir={one}"], "fewer than one global batch (data.global_batch_size=8)"),
     ]
     if os.geteuid() == 0:  # a directory of another user's (only root can make one here)

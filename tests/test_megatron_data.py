@@ -192,6 +192,22 @@ def test_a_tampered_index_cache_is_rebuilt_not_used(tmp_path, kind, tamper):
     assert [len(again.tokens(i)) for i in range(len(again))] == [5] * 10
 
 
+@pytest.mark.parametrize("kind", ["desc.json", "shuffle.npy", "doc_order.npy"])
+@pytest.mark.timeout(60)
+def test_a_fifo_in_a_cache_files_place_is_a_cache_miss_not_a_hang(tmp_path, kind):
+    """Issue 38: a FIFO planted as a cache file blocked every rank's read of it (no writer ever comes). Now it is a
+    cache miss: rebuilt over, at once."""
+    write_indexed(tmp_path / "d", [list(range(20))] * 3, np.uint16)
+    cache = tmp_path / "cache"
+    first = GPTSamples(read_index(tmp_path / "d"), 10, 4, seed=0, cache_dir=cache)
+    (victim,) = cache.glob(f"*_{kind}")
+    victim.unlink()
+    os.mkfifo(victim)
+    again = GPTSamples(read_index(tmp_path / "d"), 10, 4, seed=0, cache_dir=cache)
+    assert np.array_equal(again.shuffle, first.shuffle) and np.array_equal(again.starts, first.starts)
+    assert victim.is_file()  # the rebuilt cache replaced it
+
+
 def test_splits_string_keeps_the_leading_training_share():
     assert train_split_end(100, "980,10,10") == 98
     assert train_split_end(7, "980,10,10") == 7

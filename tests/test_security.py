@@ -3,7 +3,6 @@ unpickled (objects between ranks travel as JSON + raw tensor bytes, see ``nxdt.c
 
 from __future__ import annotations
 
-import ipaddress
 import math
 import os
 import pickle
@@ -17,7 +16,7 @@ import pytest
 import torch
 
 from nxdt.comm.objects import ObjectCodecError, decode, encode
-from shared_runs import listening_addresses, process_tree
+from shared_runs import process_tree
 
 
 # ----------------------------------------------------------------------------- the object codec
@@ -87,14 +86,13 @@ def test_broadcast_object_between_ranks_uses_the_codec():
 # ----------------------------------------------------------------------------- what a local run listens on
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # the shared launches may start here
-def test_a_local_run_listens_on_loopback_only(everyday_runs):
+def test_a_local_run_listens_nowhere(everyday_runs):
     """The process tree of a training run (shared_runs.py's stopped run, recorded while it trained, before SIGINT)
-    and every TCP socket it listens on."""
+    and every TCP socket it listens on: none. Its store is a private file of the run directory (on main: a TCP
+    store on loopback, which every local user could connect to)."""
     tree, listening = everyday_runs["stopped_tree"], everyday_runs["stopped_listening"]
     assert len(tree) >= 3, tree  # the launcher, its fork server and the workers
-    assert listening, "the run's store was not found: the check would pass vacuously"
-    exposed = [(addr, port) for addr, port in listening if not ipaddress.ip_address(addr).is_loopback]
-    assert not exposed, f"listening beyond loopback: {exposed} (all: {listening})"
+    assert listening == [], f"a local run listens on {listening}"
 
 
 # ----------------------------------------------------------------------------- writing exports
@@ -119,11 +117,10 @@ def test_export_hf_refuses_a_non_empty_target_and_never_writes_through_a_link(tm
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_hostile_payloads_in_every_store_key_run_no_code(tmp_path):
-    """A local user who finds the run's store port (127.0.0.1) and its run id (the workers' environment) writes
-    a pickled command into every key nxdt and torch's agent read — before and during their use. Nothing is
+    """A process that can write the run's store (since issue 38 only the run's own user can: a private file) and
+    knows its run id (the names in /dev/shm) writes a pickled command into every key nxdt and torch's agent read — before and during their use. Nothing is
     unpickled, so the command never runs; the job ends cleanly (finished, or one line naming what was wrong)."""
     import torch.distributed as dist
-    from datetime import timedelta
 
     run, marker = tmp_path / "run", tmp_path / "pwned"
     payload = pickle.dumps(_RunsCode(str(marker)))
@@ -150,7 +147,6 @@ def test_hostile_payloads_in_every_store_key_run_no_code(tmp_path):
             assert time.monotonic() < deadline and proc.poll() is None, "the run did not start"
             time.sleep(0.2)
         tree = process_tree(proc.pid)
-        (port,) = {p for _, p in listening_addresses(tree)}
         # the run id, as anyone can read it from the names of the run's shared-memory segments (this run's: their
         # header names a creator in the run's process tree)
         run_id = next(
@@ -158,7 +154,8 @@ def test_hostile_payloads_in_every_store_key_run_no_code(tmp_path):
             for p in Path("/dev/shm").glob("nxdt-x*")
             if np.frombuffer(p.read_bytes()[:16], dtype=np.int64)[1] in tree
         )
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+        # no other user can reach the store (a private file: test_store_auth.py); this user's own process writes in it
+        store = dist.FileStore(str(run / ".store"), -1)
         keys = [f"nxdt/{run_id}/0/1/{k}" for k in ("run_nonce", "host/0", "host/1", "left")]
         keys += [f"nxdt/resume/{run_id}/0", f"nxdt/resume/{run_id}/1", "MASTER_ADDR", "MASTER_PORT"]
         keys += [

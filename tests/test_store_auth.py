@@ -1,12 +1,13 @@
-"""The run's rendezvous store against a local process without the run's secret (issue 38): it can connect to the
-loopback port and set or read keys (torch's TCPStore has no authentication), but nothing it writes is acted on —
-every value nxdt reads back is signed with the launch's secret (HMAC-SHA256, ``nxdt.comm.store.SignedKeys``), and
-the checkpoint a restarted rank resumes from is a ``step-<N>`` directory of the run's own ``checkpoints/``."""
+"""The run's rendezvous store against other local processes (issue 38). A local run's store is a private file
+(torch ``FileStore``, 0600, in the 0700 run directory; ``nxdt.comm.store.create_file_store``): nothing listens, so
+another user has nothing to connect to and cannot open the file. Where a TCP store remains (several hosts, a script
+under torchrun) any local process can connect, but nothing it writes is acted on — every value nxdt
+reads back is signed with the launch's secret (HMAC-SHA256, ``SignedKeys``), and the checkpoint a restarted rank
+resumes from is a ``step-<N>`` directory of the run's own ``checkpoints/``."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,8 +23,20 @@ import torch
 import torch.distributed as dist
 
 from nxdt.comm import CommTimeoutError
-from nxdt.comm.store import LOOPBACK, SECRET_ENV, SignedKeys, StoreForgeryError, new_secret, serve_store
-from nxdt.launch.rundir import STORE_SECRET_FILE, StoreSecretError, read_store_secret, write_store_secret
+from nxdt.comm.store import (
+    LOOPBACK,
+    SECRET_ENV,
+    STORE_FILE_ENV,
+    SignedKeys,
+    StoreAccessError,
+    StoreForgeryError,
+    connect_store,
+    create_file_store,
+    new_secret,
+    open_file_store,
+    serve_store,
+)
+from nxdt.launch.rundir import STORE_FILE, STORE_SECRET_FILE, StoreSecretError, read_store_secret, write_store_secret
 from nxdt.lightning import checkpoint as ckpt_io
 from nxdt.lightning.exp_manager import agreed_resume_checkpoint
 from shared_runs import RELIABILITY, listening_addresses, process_tree, processes_left
@@ -147,6 +160,93 @@ def test_the_secret_file_is_private_and_never_read_through_a_link(tmp_path):
         read_store_secret(run)
 
 
+# ----------------------------------------------------------------------------- a local run's store: a private file
+NOBODY = 65534
+
+
+def _as_other_user(fn) -> int:
+    """The exit code of ``fn()`` run in a child process that became another user (nobody)."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the forked child)
+        code = 3
+        try:
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            code = fn()
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def _opens(path: Path) -> int:
+    """0: opened ``path`` for reading and writing; 13: permission denied (EACCES)."""
+    try:
+        os.close(os.open(path, os.O_RDWR))
+        return 0
+    except PermissionError:
+        return 13
+
+
+def test_a_local_store_is_a_private_file_that_serves_every_store_operation(tmp_path):
+    """What the agent (rank assignment, exit barrier), nxdt's bootstrap and a gloo group ask of the store, through
+    the path the workers are given (``NXDT_STORE_FILE``)."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    server = create_file_store(run / STORE_FILE, timedelta(seconds=5))
+    assert (run / STORE_FILE).stat().st_mode & 0o777 == 0o600
+    client = connect_store("127.0.0.1", 0, timedelta(seconds=5), {STORE_FILE_ENV: str(run / STORE_FILE)})
+    assert isinstance(client, dist.FileStore)
+    keys = SignedKeys(dist.PrefixStore("nxdt/", client), new_secret(), 5)
+    keys.set("a", "1")
+    assert keys.get("a") == b"1"
+    assert client.add("n", 2) == 2 and server.add("n", 3) == 5
+    assert client.compare_set("c", b"", b"x") == b"x" and server.get("c") == b"x"
+    server.multi_set(["m1", "m2"], [b"1", b"2"])
+    assert client.multi_get(["m1", "m2"]) == [b"1", b"2"]
+    assert client.delete_key("c") and not server.check(["c"])
+    with pytest.raises(CommTimeoutError, match="no value for 'never'"):
+        keys.get("never", timeout_s=0.2)  # a FileStore's timeout (a plain RuntimeError) reads as nxdt's
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root (setuid)")
+def test_another_user_cannot_open_or_replace_a_local_store(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    create_file_store(run / STORE_FILE, timedelta(seconds=5)).set("k", b"v")
+    os.chmod(tmp_path, 0o755)  # the run's parent is open to all: the run directory itself keeps them out
+    assert _as_other_user(lambda: _opens(run / STORE_FILE)) == 13
+    os.chmod(run, 0o755)  # even with the directory readable, the file is not
+    assert _as_other_user(lambda: _opens(run / STORE_FILE)) == 13
+    os.chmod(run, 0o777)  # a directory others may write: they could swap the file, so no store is made or opened there
+    with pytest.raises(StoreAccessError, match=r"can be written by other users.*chmod go-w"):
+        create_file_store(run / STORE_FILE, timedelta(seconds=5))
+    with pytest.raises(StoreAccessError, match=r"can be written by other users"):
+        open_file_store(run / STORE_FILE, timedelta(seconds=5))
+    os.chmod(run, 0o700)
+    os.chown(run / STORE_FILE, NOBODY, NOBODY)  # a store file of another user is never opened
+    with pytest.raises(StoreAccessError, match=f"is not a private file of this user .*uid {NOBODY}"):
+        open_file_store(run / STORE_FILE, timedelta(seconds=5))
+
+
+def test_a_store_file_is_made_anew_never_through_a_link_and_opened_only_private(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    target = tmp_path / "planted"
+    target.write_bytes(b"")
+    (run / STORE_FILE).symlink_to(target)
+    create_file_store(run / STORE_FILE, timedelta(seconds=5)).set("k", b"v")
+    assert not (run / STORE_FILE).is_symlink() and target.read_bytes() == b""
+    (run / STORE_FILE).unlink()
+    (run / STORE_FILE).symlink_to(target)
+    with pytest.raises(StoreAccessError, match="cannot open the run's store"):
+        open_file_store(run / STORE_FILE, timedelta(seconds=5))
+    (run / STORE_FILE).unlink()
+    create_file_store(run / STORE_FILE, timedelta(seconds=5))
+    os.chmod(run / STORE_FILE, 0o644)
+    with pytest.raises(StoreAccessError, match="is not a private file of this user"):
+        open_file_store(run / STORE_FILE, timedelta(seconds=5))
+
+
 # ----------------------------------------------------------------------------- a real run, attacked
 def _start(args: list[str], cwd: Path) -> subprocess.Popen:
     return subprocess.Popen(
@@ -184,14 +284,13 @@ def _wait_training(proc: subprocess.Popen, run: Path) -> tuple[set[int], list[Pa
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_an_intruder_in_the_store_of_a_restarting_run_changes_nothing(tmp_path, reliability_reference):
-    """The acceptance case of issue 38 on a real run: a local process finds the store (the port the run listens
-    on, the run id in /dev/shm) and plants the resume key of the restart — naming a good checkpoint of another run,
-    at step 10 — while rank 1 is killed in the middle of saving step 10 (the fault drill that never fired at rank
-    1 before). The restart resumes both ranks from this run's step-5 and the losses are bitwise the uninterrupted
-    run's. (On main rank 1 restarted from the planted checkpoint.)"""
-    run, planted = tmp_path / "run", tmp_path / "intruder" / "step-10"
-    shutil.copytree(reliability_reference / "checkpoints" / "step-10", planted)
+def test_an_intruder_finds_no_store_in_a_restarting_run_and_changes_nothing(tmp_path, reliability_reference):
+    """The acceptance case of issue 38 on a real run. On main a local process found the store (the port the run
+    listened on, the run id in /dev/shm) and planted the resume key of the restart; after the first hardening it
+    could still delete or overwrite keys and end the run. Now, while rank 1 is killed in the middle of saving step 10
+    (a restart follows), the run's processes listen on no port at all, and another user cannot open the store file.
+    The restart resumes both ranks from this run's step-5 and the losses are bitwise the uninterrupted run's."""
+    run = tmp_path / "run"
     proc = _start(
         [
             *RELIABILITY,
@@ -204,13 +303,14 @@ def test_an_intruder_in_the_store_of_a_restarting_run_changes_nothing(tmp_path, 
         tmp_path,
     )
     try:
-        tree, segments = _wait_training(proc, run)
-        (port,) = {p for _, p in listening_addresses(tree)}
-        run_id = segments[0].name[len("nxdt-") :].split(".")[0]
-        intruder = dist.TCPStore(LOOPBACK, port, is_master=False, timeout=timedelta(seconds=10))
-        for key in (f"{run_id}/nxdt/resume/{run_id}/1", f"nxdt/resume/{run_id}/1"):
-            for attempt_value in (str(planted), "step-10"):
-                intruder.set(key, attempt_value)
+        tree, _ = _wait_training(proc, run)
+        assert len(tree) >= 4, tree  # the launcher, its fork server, two workers: the check is not vacuous
+        assert listening_addresses(tree) == []  # no TCP store, nothing to connect to
+        store = run / STORE_FILE
+        assert store.stat().st_mode & 0o777 == 0o600 and run.stat().st_mode & 0o777 == 0o700
+        if os.geteuid() == 0:
+            os.chmod(tmp_path, 0o755)  # the run directory's own mode is what keeps others out
+            assert _as_other_user(lambda: _opens(store)) == 13
         out, err = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
@@ -220,7 +320,7 @@ def test_an_intruder_in_the_store_of_a_restarting_run_changes_nothing(tmp_path, 
     assert "fault injection: SIGKILL on rank 1 during the save of step 10" in (run / "logs" / "rank1.log").read_text()
     assert "resuming from step-5" in out, out[-2000:]
     assert losses(run) == losses(reliability_reference)
-    assert not (run / STORE_SECRET_FILE).exists()  # the launch's secret goes with it
+    assert not (run / STORE_SECRET_FILE).exists() and not (run / STORE_FILE).exists()  # they go with the launch
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """Shared tensors: memory that peers on the same host read directly (zero-copy collectives).
 
 ``World.shared_empty(shape, dtype)`` returns a tensor whose storage is a shared-memory block of this
-rank (``/dev/shm/nxdt-<run>-heap-<k>-r<rank>``, mode 0600, removed when the world closes or, after a
+rank (``/dev/shm/nxdt-<run>-<tag>``, :class:`~nxdt.comm.shm.SegmentNames`, mode 0600, removed when the world closes or, after a
 crash, by the next start's stale-segment sweep). When a collective's input lies in such a block, the
 ``shm`` transport publishes *where* it lies (block and byte offset) instead of copying it into the
 channel's slot, and peers read it in place: one copy per byte moved instead of two, which is what
@@ -25,21 +25,21 @@ import threading
 import numpy as np
 import torch
 
-from nxdt.comm.shm import MAGIC, segment_path
+from nxdt.comm.shm import MAGIC, SegmentNames, create_segment_file, open_segment_file
 from nxdt.comm.waiting import fence
 
 BLOCK_HEADER_BYTES = 4096  # magic + creator pid first, like a channel segment, so the stale sweep knows it
 
 
-def block_path(run_id: str, rank: int, block: int) -> str:
-    return segment_path(run_id, "heap", str(block), rank)
+def block_path(names: SegmentNames, rank: int, block: int) -> str:
+    return names.path("heap", str(block), rank)
 
 
 class Heap:
     """This rank's shared blocks, and the peers' blocks it has mapped (cached)."""
 
-    def __init__(self, run_id: str, rank: int) -> None:
-        self.run_id, self.rank = run_id, rank
+    def __init__(self, names: SegmentNames, rank: int) -> None:
+        self.names, self.rank = names, rank
         self._own: list[tuple[int, int, int, str, mmap.mmap]] = []  # (start address, end address, block id, path, map)
         self._peers: dict[tuple[int, int], torch.Tensor] = {}  # (rank, block) -> the block's bytes
         self._lock = threading.Lock()
@@ -53,9 +53,9 @@ class Heap:
         with self._lock:
             block = self._next
             self._next += 1
-        path = block_path(self.run_id, self.rank, block)
+        path = block_path(self.names, self.rank, block)
         size = BLOCK_HEADER_BYTES + max(nbytes, 8)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fd = create_segment_file(path)
         try:
             os.ftruncate(fd, size)
             mm = mmap.mmap(fd, size)
@@ -90,8 +90,8 @@ class Heap:
             with self._lock:
                 data = self._peers.get(key)
                 if data is None:
-                    path = block_path(self.run_id, rank, block)
-                    fd = os.open(path, os.O_RDWR)
+                    path = block_path(self.names, rank, block)
+                    fd = open_segment_file(path)
                     try:
                         size = os.fstat(fd).st_size
                         mm = mmap.mmap(fd, size)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from nxdt.comm.errors import CommMismatchError, CommTimeoutError, PeerDiedError
 from nxdt.comm.reduce import dtype_code
-from nxdt.comm.shm import FP_WORDS, W_FINGERPRINT, W_FP_DIGEST, Segment, describe_fingerprint, open_peers, segment_path
+from nxdt.comm.shm import FP_WORDS, W_FINGERPRINT, W_FP_DIGEST, Segment, describe_fingerprint, open_peers
 from nxdt.comm.waiting import SpinBudget, fence, pid_alive, wait_until, wait_word, wake
 
 if TYPE_CHECKING:
@@ -68,8 +68,8 @@ class Links:
 
     # -------------------------------------------------------------------------------- shm mailboxes
     def _path(self, src: int, dst: int) -> str:
-        return segment_path(
-            self.world.run_id, self.comm.name, f"{self.stream}.mb", f"{self.comm.ranks[src]}to{self.comm.ranks[dst]}"
+        return self.world.segment_names.path(
+            self.comm.name, f"{self.stream}.mb", f"{self.comm.ranks[src]}to{self.comm.ranks[dst]}"
         )
 
     def _deadline(self) -> float:

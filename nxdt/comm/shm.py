@@ -1,8 +1,8 @@
 """Shared-memory channels: the ``shm`` transport for ranks on one host.
 
 A channel connects the members of a group on one stream. Each member owns one segment
-``/dev/shm/nxdt-<run>-<group>-<stream>-r<rank>`` (mode 0600, created by its owner, so there is no
-creation race) holding a header of flags and two data slots (double buffering).
+``/dev/shm/nxdt-<run>-<tag>`` (the tag keyed by the run's secret: :class:`SegmentNames`; mode 0600, created
+exclusively by its owner, opened by peers only as a private file of their own user: :func:`open_segment_file`) holding a header of flags and two data slots (double buffering).
 
 Every collective is a sequence of *steps* (one chunk each) numbered ``s`` per channel. A step has
 three milestones a member announces in its ``progress`` word: ``3s+1`` published (my slot holds my
@@ -23,9 +23,12 @@ it (fence between the progress store and that read): an uncontended step makes n
 from __future__ import annotations
 
 import glob
+import hashlib
+import hmac
 import mmap
 import os
 import re
+import stat
 import threading
 import time
 from typing import TYPE_CHECKING, Sequence
@@ -34,7 +37,7 @@ import numpy as np
 import torch
 
 from nxdt.comm import native
-from nxdt.comm.errors import CommMismatchError, CommTimeoutError, PeerDiedError
+from nxdt.comm.errors import CommError, CommMismatchError, CommTimeoutError, PeerDiedError
 from nxdt.comm.waiting import DEFAULT_WAIT, SpinBudget, WaitPolicy, fence, pid_alive, wait_word, wake
 
 if TYPE_CHECKING:
@@ -68,8 +71,57 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.]", "_", name)
 
 
-def segment_path(run_id: str, group: str, stream: str, rank: int | str) -> str:
-    return os.path.join(SHM_DIR, f"{PREFIX}{_safe(run_id)}-{_safe(group)}-{_safe(stream)}-r{rank}")
+class SegmentNames:
+    """The names of one run's segments: ``nxdt-<run id>-<tag>``, the tag an HMAC-SHA256 (96 bits shown) of the
+    segment's group, stream and rank under the run's ``key``. /dev/shm is listed by every local user; with readable
+    names (``…-world-default-r0``) anyone could predict — and create first — a segment the run makes later (a stream,
+    a heap block, a restart's). A tag is not predictable without the key, which comes from the run's store secret
+    (``init_process``). The run id stays readable: the launcher's cleanup and its watchdog find the run's segments
+    by it."""
+
+    def __init__(self, run_id: str, key: bytes) -> None:
+        self.run_id, self._key = run_id, key
+
+    def path(self, group: str, stream: str, rank: int | str) -> str:
+        tag = hmac.new(self._key, f"{group}\0{stream}\0{rank}".encode(), hashlib.sha256).hexdigest()[:24]
+        return os.path.join(SHM_DIR, f"{PREFIX}{_safe(self.run_id)}-{tag}")
+
+
+def create_segment_file(path: str) -> int:
+    """A new segment file, exclusively (never one that exists, never through a link), readable by this user only.
+    A name taken already — by another process, which could otherwise hand this run memory it controls — is
+    refused with one line; nothing of it is used."""
+    try:
+        return os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        try:
+            owner = f"uid {os.lstat(path).st_uid}"
+        except OSError:
+            owner = "gone again"
+        raise CommError(
+            f"nxdt.comm: the shared-memory segment {path} exists already ({owner}): another process took a name "
+            f"of this run; refused (nothing of it was used) — start the run again"
+        ) from None
+
+
+def open_segment_file(path: str) -> int:
+    """A peer's segment file, read/write, only if it is a regular file of this user that nobody else can open
+    (so no other user's file — created first under a name of this run — is ever read as a peer's data).
+    FileNotFoundError: not created yet."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # a link (ELOOP), another user's file (EACCES), ...
+        raise CommError(f"nxdt.comm: cannot open the shared-memory segment {path} ({exc.strerror or exc}); refused") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        os.close(fd)
+        raise CommError(
+            f"nxdt.comm: the shared-memory segment {path} is not this run's (owner uid {info.st_uid}, mode "
+            f"{stat.filemode(info.st_mode)}; the run's are private files of uid {os.geteuid()}); refused"
+        )
+    return fd
 
 
 class Segment:
@@ -79,10 +131,10 @@ class Segment:
         self.path = path
         size = HEADER_BYTES + 2 * slot_bytes
         if create:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            fd = create_segment_file(path)
             os.ftruncate(fd, size)
         else:
-            fd = os.open(path, os.O_RDWR)
+            fd = open_segment_file(path)
         try:
             self.mm = mmap.mmap(fd, size)
         finally:
@@ -158,7 +210,7 @@ class ShmChannel:
 
     def __init__(
         self,
-        run_id: str,
+        names: SegmentNames,
         group: str,
         stream: str,
         ranks: Sequence[int],
@@ -174,7 +226,7 @@ class ShmChannel:
         self.step = 0
         self.op_desc = "setup"
         deadline = time.monotonic() + timeout_s
-        self.own = Segment(segment_path(run_id, group, stream, self.ranks[my_index]), slot_bytes, create=True)
+        self.own = Segment(names.path(group, stream, self.ranks[my_index]), slot_bytes, create=True)
 
         def timeout(missing_idx: list[int]) -> Exception:
             self.close_own()
@@ -183,8 +235,12 @@ class ShmChannel:
                 f"waiting for rank(s) {[self.ranks[i] for i in missing_idx]} to join — they crashed, hung, or called a different collective"
             )
 
-        paths = {i: segment_path(run_id, group, stream, r) for i, r in enumerate(self.ranks) if i != my_index}
-        opened = open_peers(paths, slot_bytes, deadline, timeout)
+        paths = {i: names.path(group, stream, r) for i, r in enumerate(self.ranks) if i != my_index}
+        try:
+            opened = open_peers(paths, slot_bytes, deadline, timeout)
+        except CommError:  # a peer's segment refused (the timeout closed ours already)
+            self.close_own()
+            raise
         opened[my_index] = self.own
         self.segments = [opened[i] for i in range(len(self.ranks))]
         self.headers = [s.header for s in self.segments]
@@ -530,12 +586,16 @@ def describe_fingerprint(fp: tuple[int, ...]) -> str:
 
 
 def remove_segments(pattern: str) -> int:
+    """Remove this user's segments matching ``pattern`` (another user's file under a name of the run is left
+    alone: /dev/shm is sticky, and it is not ours to remove)."""
     removed = 0
     for path in glob.glob(os.path.join(SHM_DIR, pattern)):
         try:
+            if os.lstat(path).st_uid != os.geteuid():
+                continue
             os.unlink(path)
             removed += 1
-        except FileNotFoundError:
+        except OSError:
             pass
     return removed
 
@@ -551,12 +611,20 @@ def remove_stale_segments() -> int:
     """Remove segments whose creating process is gone (left behind by a crashed run)."""
     removed = 0
     for path in glob.glob(os.path.join(SHM_DIR, PREFIX + "*")):
+        try:  # this user's regular files only: a FIFO, device or link planted under the prefix is not opened
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
         try:
-            with open(path, "rb") as fh:
-                words = np.frombuffer(fh.read(16), dtype=np.int64)
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+                continue
+            words = np.frombuffer(os.read(fd, 16), dtype=np.int64)
             if len(words) == 2 and words[0] == MAGIC and not pid_alive(int(words[1])):
                 os.unlink(path)
                 removed += 1
-        except (FileNotFoundError, PermissionError, ValueError):
+        except (OSError, ValueError):
             continue
+        finally:
+            os.close(fd)
     return removed

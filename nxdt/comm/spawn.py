@@ -2,7 +2,8 @@
 
 Used by the tests, the benchmark and anyone who wants a quick multi-rank run without a launcher.
 A rank that raises makes ``run_local`` raise an error naming that rank and its exception; ranks
-still running are killed; the run's shared-memory segments are removed in every case.
+still running are killed; the run's shared-memory segments are removed in every case. The ranks' store is a
+private ``FileStore`` in a fresh 0700 directory (:mod:`nxdt.comm.store`): nothing listens.
 
 Ranks are forked from multiprocessing's fork server, which imports torch and nxdt.comm once for the
 life of the calling process (``PRELOAD``): a rank then starts in milliseconds instead of re-importing
@@ -14,15 +15,19 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
+import shutil
 import socket
+import tempfile
 import time
 import traceback
 import uuid
+from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable
 
 from nxdt.comm.errors import CommError
 from nxdt.comm.shm import cleanup_run
-from nxdt.comm.store import new_secret
+from nxdt.comm.store import create_file_store, new_secret
 
 
 class RankFailed(CommError):
@@ -41,12 +46,13 @@ def _context() -> Any:
 
 
 def free_port() -> int:
+    """A free TCP port on loopback (the experiments' side-by-side runs of other libraries need one)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world_size, port, run_id, host_id, timeout_s, results, args, kwargs, init_options, secret) -> None:
+def _entry(fn, rank, world_size, store_file, run_id, host_id, timeout_s, results, args, kwargs, init_options, secret) -> None:
     import torch
 
     from nxdt.comm.world import init_process
@@ -58,12 +64,12 @@ def _entry(fn, rank, world_size, port, run_id, host_id, timeout_s, results, args
             rank,
             world_size,
             "127.0.0.1",
-            port,
+            0,
             timeout_s=timeout_s,
             run_id=run_id,
-            store_is_server=rank == 0,
             host_id=host_id,
             secret=secret,
+            store_file=store_file,
             **(init_options or {}),
         )
         value = fn(world, *args, **kwargs)
@@ -92,8 +98,12 @@ def run_local(
     ``init_options`` go to :func:`init_process` (e.g. ``slot_bytes``, ``wait_policy``)."""
     ctx = _context()
     results = ctx.Queue()
-    port, run_id = free_port(), f"t{uuid.uuid4().hex[:10]}"
+    run_id = f"t{uuid.uuid4().hex[:10]}"
     secret = new_secret()  # the ranks' store keys are signed with it (nxdt.comm.store); handed over, never in argv
+    # the ranks' store: a private file in a fresh 0700 directory (no port for another local user to connect to)
+    store_dir = Path(tempfile.mkdtemp(prefix="nxdt-store-"))
+    store_file = store_dir / "store"
+    create_file_store(store_file, timedelta(seconds=comm_timeout_s or timeout_s))
     comm_timeout_s = comm_timeout_s or timeout_s
     procs = [
         ctx.Process(
@@ -102,7 +112,7 @@ def run_local(
                 fn,
                 r,
                 world_size,
-                port,
+                str(store_file),
                 run_id,
                 host_ids[r] if host_ids else None,
                 comm_timeout_s,
@@ -145,6 +155,7 @@ def run_local(
                 p.kill()
                 p.join()
         cleanup_run(run_id)
+        shutil.rmtree(store_dir, ignore_errors=True)
     if failure is not None:
         raise failure
     return [values[r] for r in range(world_size)]

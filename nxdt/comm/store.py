@@ -17,6 +17,16 @@ launchers take it from the environment every node shares (Slurm's job script mak
 without it can still connect and set keys, but a reader refuses what it wrote: it waits for the genuine value
 until its deadline and then says that a value was forged. What remains for such a process is denial of
 service (deleting or overwriting keys ends the run with that message), not steering a rank.
+
+That denial of service is closed for local runs (``nxdt train`` on one host): their store is no socket at all but a
+torch ``FileStore`` — a file created 0600 in the private (0700) run directory (:func:`create_file_store`), which the
+elastic agent and every worker open by path (``NXDT_STORE_FILE``, :func:`connect_store`). Nothing listens, so there
+is nothing another process can connect to; the file system is the credential: another user can neither open the file
+nor replace it (the launcher refuses a run directory other users may write), and a process of the same user could
+read the run's secret and its files anyway. A ``FileStore`` is a full ``dist.Store`` (set, get, wait, check, add,
+compare_set, delete_key, multi_get/multi_set, num_keys: what the agent's rank assignment and exit barrier, nxdt's
+bootstrap and torch's gloo rendezvous use); its waits poll every 10 ms, which only the bootstrap pays. Several hosts
+(torchrun, Slurm) keep the TCP store of torch's documented trusted-network model, with nxdt's keys signed as above.
 """
 
 from __future__ import annotations
@@ -27,8 +37,10 @@ import ipaddress
 import os
 import secrets
 import socket
+import stat
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Mapping
 
 import torch.distributed as dist
@@ -37,8 +49,13 @@ from nxdt.comm.errors import CommError, CommTimeoutError
 
 LOOPBACK = "127.0.0.1"
 SECRET_ENV = "NXDT_STORE_SECRET"  # the run's store secret, hex (nxdt's launchers set it for their workers)
+STORE_FILE_ENV = "NXDT_STORE_FILE"  # a local run's store: the path of its FileStore (set by nxdt's worker entry)
 SECRET_BYTES = 32
 _TAG_BYTES = hashlib.sha256().digest_size
+
+
+class StoreAccessError(CommError):
+    """A local run's store file is not private to this user (or its directory is writable by others)."""
 
 
 class StoreForgeryError(CommError):
@@ -102,7 +119,10 @@ class SignedKeys:
             try:
                 self.store.wait([key], timedelta(seconds=max(left, 0.001)))
                 value = self.genuine(key, self.store.get(key))
-            except dist.DistStoreError as exc:  # the wait's deadline (or the key deleted between wait and get)
+            except RuntimeError as exc:  # the wait's deadline (or the key deleted between wait and get)
+                # (a FileStore's timeout is a plain RuntimeError; a lost connection is no timeout)
+                if isinstance(exc, dist.DistNetworkError):
+                    raise
                 if time.monotonic() < deadline:
                     time.sleep(0.01)
                     continue
@@ -153,3 +173,57 @@ def serve_store(host: str, port: int, world_size: int | None, timeout: timedelta
     return dist.TCPStore(
         host, bound_port, world_size, is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=sock.detach()
     )
+
+
+def check_store_dir(directory: Path) -> None:
+    """``directory`` may hold a store file: it is this user's and nobody else may write it (StoreAccessError)."""
+    info = os.stat(directory)
+    if info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        raise StoreAccessError(
+            f"nxdt: the run directory {directory} (mode {stat.filemode(info.st_mode)}, uid {info.st_uid}) can be written "
+            f"by other users, and the run's rendezvous store lives there; `chmod go-w {directory}` or use another directory"
+        )
+
+
+def create_file_store(path: Path, timeout: timedelta) -> dist.FileStore:
+    """A local run's store: a new file, 0600, created without following a link (whatever lay at ``path`` — a file
+    of an earlier launch that was killed, a link — is removed first, never used), in a directory only this user
+    can write."""
+    check_store_dir(path.parent)
+    path.unlink(missing_ok=True)
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+    store = dist.FileStore(str(path), -1)  # -1: no worker count, so no instance deletes the file on its way out
+    store.set_timeout(timeout)
+    return store
+
+
+def open_file_store(path: str | Path, timeout: timedelta) -> dist.FileStore:
+    """Open a local run's store, only if it is a private regular file of this user in a directory nobody else may
+    write (so the file a worker opens is the launcher's: FileStore reopens its path on every operation)."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise StoreAccessError(f"nxdt.comm: cannot open the run's store {path}: {exc.strerror or exc}") from None
+    try:
+        info = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        raise StoreAccessError(
+            f"nxdt.comm: the run's store {path} is not a private file of this user (mode {stat.filemode(info.st_mode)}, "
+            f"uid {info.st_uid}); refused — start the run again"
+        )
+    check_store_dir(path.parent)
+    store = dist.FileStore(str(path), -1)
+    store.set_timeout(timeout)
+    return store
+
+
+def connect_store(addr: str, port: int, timeout: timedelta, env: Mapping[str, str] | None = None) -> dist.Store:
+    """A client of the run's store: the local run's file (``NXDT_STORE_FILE``) if set, else the TCP store at
+    ``addr:port``."""
+    path = (os.environ if env is None else env).get(STORE_FILE_ENV)
+    if path:
+        return open_file_store(path, timeout)
+    return dist.TCPStore(addr, int(port), is_master=False, timeout=timeout, wait_for_workers=False)

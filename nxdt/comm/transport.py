@@ -176,7 +176,7 @@ class _LinkTransport(Transport):
             ranks = [comm.ranks[i] for i in members] if members else comm.ranks
             stream_id = stream if not members else f"{stream}.m{'-'.join(str(m) for m in members)}"
             ch = ShmChannel(
-                world.run_id,
+                world.segment_names,
                 comm.name,
                 stream_id,
                 ranks,

@@ -16,6 +16,8 @@ named in ``World.high_priority_streams`` / ``World.yielding_streams`` get the pr
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import itertools
 import os
 import socket
@@ -31,10 +33,10 @@ import torch.distributed as dist
 from nxdt.comm import native as native_path, objects
 from nxdt.comm.errors import CommError, CommTimeoutError
 from nxdt.comm.reduce import check_op, dtype_code
-from nxdt.comm.shm import DEFAULT_SLOT_BYTES, remove_stale_segments
+from nxdt.comm.shm import DEFAULT_SLOT_BYTES, SegmentNames, remove_stale_segments
 from nxdt.comm.emulate import EmulatedLink
 from nxdt.comm.heap import Heap
-from nxdt.comm.store import SignedKeys, secret_from_env, serve_store
+from nxdt.comm.store import SignedKeys, StoreAccessError, connect_store, open_file_store, secret_from_env, serve_store
 from nxdt.comm.stream import PriorityState, Stream, Work, next_work_id
 from nxdt.comm.trace import Tracer
 from nxdt.comm.transport import ALGORITHM_NAMES, ALGORITHMS, Transport, parse_algorithm, transport_class
@@ -599,6 +601,7 @@ class World:
         wait_policy: WaitPolicy = DEFAULT_WAIT,
         hosts_store: bool = False,
         native: bool | None = None,
+        segment_key: bytes | None = None,
     ) -> None:
         native_path.use(native)  # before any channel exists: channels and kernels read it
         self.rank, self.world_size, self.store, self.run_id = rank, world_size, store, run_id
@@ -614,7 +617,9 @@ class World:
         self._names: set[str] = set()
         self._communicators: list[Communicator] = []
         self._tags: dict[tuple[str, str], int] = {}
-        self.heap = Heap(run_id, rank)
+        # the key of the run's segment names: the same on every rank (init_process); a World of its own: random
+        self.segment_names = SegmentNames(run_id, segment_key if segment_key is not None else os.urandom(16))
+        self.heap = Heap(self.segment_names, rank)
         self.multi_host = len(set(host_ids)) > 1
         if self.multi_host:
             dist.init_process_group(
@@ -755,11 +760,13 @@ def init_process(
     wait_policy: WaitPolicy | None = None,
     native: bool | None = None,
     secret: bytes | None = None,
+    store_file: str | None = None,
 ) -> World:
     """Join the job: connect to (or host) the store, agree on a run id, exchange host identities.
 
     ``secret``: the run's store secret (default: ``NXDT_STORE_SECRET``); the values this join reads back are
-    signed with it and a forged one is refused (:mod:`nxdt.comm.store`).
+    signed with it and a forged one is refused (:mod:`nxdt.comm.store`). ``store_file``: every rank opens the run's
+    private store file there instead of a TCP store (``run_local``; a local ``nxdt train`` sets ``NXDT_STORE_FILE``).
 
     ``slot_bytes`` (shm chunk size, every rank must agree) and ``wait_policy`` tune the shared-memory
     transport; the defaults are what experiments/collectives-cpu measured best on a 2-core host.
@@ -768,17 +775,15 @@ def init_process(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
     try:
-        if store_is_server:  # listening on master_addr's interface only, not on every interface of the host
+        if store_file is not None:
+            store = open_file_store(store_file, timedelta(seconds=timeout_s))
+            store_is_server = False  # no server: nobody has to outlive the others' use of it
+        elif store_is_server:  # listening on master_addr's interface only, not on every interface of the host
             store = serve_store(master_addr, int(master_port), world_size, timedelta(seconds=timeout_s))
-        else:
-            store = dist.TCPStore(
-                master_addr,
-                int(master_port),
-                world_size,
-                is_master=False,
-                timeout=timedelta(seconds=timeout_s),
-                wait_for_workers=False,
-            )
+        else:  # a local nxdt run's private store file (NXDT_STORE_FILE), else the TCP store at master_addr
+            store = connect_store(master_addr, int(master_port), timedelta(seconds=timeout_s))
+    except StoreAccessError:
+        raise
     except Exception as exc:
         raise CommTimeoutError(
             f"nxdt.comm: rank {rank} could not reach the rendezvous store at {master_addr}:{master_port} ({exc})"
@@ -790,15 +795,19 @@ def init_process(
     namespace = f"nxdt/{run_id or 'run'}/{attempt}/{next(_JOINS)}/"
     where = f"{world_size} ranks at {master_addr}:{master_port}, {timeout_s:g} s"
     store = dist.PrefixStore(namespace, store)
-    keys = SignedKeys(store, secret if secret is not None else secret_from_env(), timeout_s, f" ({where})")
+    secret = secret if secret is not None else secret_from_env()
+    keys = SignedKeys(store, secret, timeout_s, f" ({where})")
     if rank == 0:
         remove_stale_segments()
-        keys.set("run_nonce", uuid.uuid4().hex[:8])
+        keys.set("run_nonce", uuid.uuid4().hex)
     nonce = _joined(keys, ["run_nonce"], [0], where)[0]
     if not nonce.isalnum():  # it names shared-memory segments
         raise CommError(f"nxdt.comm: the run nonce in the rendezvous store is not alphanumeric ({where})")
-    # short: segment names must stay well below NAME_MAX
-    full_run_id = f"{(run_id or 'run')[:24]}.{nonce}"
+    # short: segment names must stay well below NAME_MAX; only 8 of the nonce's 32 digits are shown in them
+    full_run_id = f"{(run_id or 'run')[:24]}.{nonce[:8]}"
+    # the names' key: the whole nonce, under the run's secret when there is one (a store others can read — several
+    # hosts' TCP store — then reveals nothing); without one, as private as the store (shm.SegmentNames)
+    segment_key = hmac.new(secret or b"nxdt-segments", nonce.encode(), hashlib.sha256).digest()
     keys.set(f"host/{rank}", host_id or host_identity())
     host_ids = _joined(keys, [f"host/{r}" for r in range(world_size)], list(range(world_size)), where)
     local_ranks = host_ids.count(host_ids[rank])
@@ -813,6 +822,7 @@ def init_process(
         wait_policy or policy_for(local_ranks),
         hosts_store=store_is_server,
         native=native,
+        segment_key=segment_key,
     )
 
 

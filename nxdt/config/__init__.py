@@ -115,6 +115,13 @@ def check_overrides(overrides: list[str] | tuple[str, ...], groups: tuple[str, .
                 f"is not a value Hydra's override grammar accepts ({reason}); quote a value with special characters, "
                 "e.g. key='a b,c'",
             ) from None
+        if parsed.is_sweep_override():  # key=a,b without -m: Hydra's "Ambiguous value", blamed on no key
+            raise ConfigError(
+                key,
+                value,
+                "is a comma-separated list, which Hydra reads as a sweep: quote it for one text value "
+                f"({key}='{value}'), write a list as {key}=[{value}], or sweep over it with -m",
+            )
         if key in groups and not text.startswith("~"):
             choice = parsed.value()
             options = available_options(key)

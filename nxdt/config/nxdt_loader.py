@@ -20,7 +20,7 @@ from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override, OverrideType
-from hydra.errors import HydraException, MissingConfigException
+from hydra.errors import MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -138,6 +138,21 @@ def _apply(cfg: DictConfig, ov: Override) -> None:
     OmegaConf.update(cfg, key, ov.value(), merge=True, force_add=True)
 
 
+def _reading_error(exc: BaseException) -> str:
+    """What is wrong with a config file, in a few words: YAML's problem and its line, or the error's first line (a
+    scalar file: "not a mapping of keys" rather than OmegaConf's "Invalid loaded object type: int")."""
+    import yaml
+
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        return f"not valid YAML: {exc.problem or exc.context}{where}"
+    text = str(exc)
+    if text.startswith("Invalid loaded object type"):
+        return f"holds a single value ({text.rsplit(':', 1)[-1].strip()}), not a mapping of config keys"
+    return next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
+
+
 def _load_file(config_dir: Path, config_name: str) -> DictConfig:
     if not config_dir.is_dir():
         raise ConfigError("--config-path", str(config_dir), "no such directory; give the directory holding the NxDT YAML file")
@@ -151,9 +166,10 @@ def _load_file(config_dir: Path, config_name: str) -> DictConfig:
         raise ConfigError(
             "--config-name", config_name, f"no {name}.yaml in {config_dir}; available: {', '.join(available) or 'none'}"
         ) from None
-    except (HydraException, OmegaConfBaseException, ValueError) as exc:
-        first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-        raise ConfigError("--config-name", config_name, f"cannot read {config_dir / (name + '.yaml')}: {first.strip()}") from None
+    except Exception as exc:  # Hydra's and OmegaConf's errors, YAML syntax, a file that is no mapping (a number)
+        raise ConfigError(
+            "--config-name", config_name, f"cannot read {config_dir / (name + '.yaml')}: {_reading_error(exc)}"
+        ) from None
     finally:
         GlobalHydra.instance().clear()
     OmegaConf.set_struct(cfg, False)

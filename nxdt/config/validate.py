@@ -204,11 +204,18 @@ def check_log_dir(key: str, value: Any) -> None:
     if resolved in SHARED_ROOTS:
         raise ConfigError(key, value, f"is the shared directory {resolved} itself, where the run's files would lie loose; {fix}")
     try:
-        owner = os.stat(resolved).st_uid
+        info = os.stat(resolved)
     except OSError:
         return  # created by the run, as this user
-    if owner != os.geteuid():
-        raise ConfigError(key, value, f"exists and belongs to uid {owner}, not to you (uid {os.geteuid()}); {fix}")
+    if info.st_uid != os.geteuid():
+        raise ConfigError(key, value, f"exists and belongs to uid {info.st_uid}, not to you (uid {os.geteuid()}); {fix}")
+    if key == "exp_manager.explicit_log_dir" and info.st_mode & 0o022:  # the run directory itself
+        raise ConfigError(
+            key,
+            value,
+            f"is writable by other users (mode {oct(info.st_mode & 0o777)}), and a run's rendezvous store is a file "
+            f"in its directory; `chmod go-w {resolved}`, or give a directory of your own",
+        )
 
 
 def check_splits_string(value: Any) -> None:
@@ -897,6 +904,19 @@ def _check_paths(cfg: Any) -> None:
             "is a file, not a directory: the sample index cache (.npy files) is written into it; give a directory "
             "(or null: beside each .idx)",
         )
+    if cache is not None:  # the cache is written there: a place it cannot be made was accepted, then never used
+        import os
+
+        nearest = Path(cache).expanduser().absolute()
+        while not nearest.exists() and nearest != nearest.parent:
+            nearest = nearest.parent
+        if not nearest.is_dir() or not os.access(nearest, os.W_OK | os.X_OK):
+            raise ConfigError(
+                "data.index_mapping_dir",
+                cache,
+                f"cannot be created or written: {nearest} is {'not a directory' if not nearest.is_dir() else 'not writable by you'}; "
+                "give a directory of yours (or null: beside each .idx)",
+            )
     if cfg.data.source == "hf_dataset" and importlib.util.find_spec("pyarrow") is None:
         raise ConfigError("data.source", "hf_dataset", "reading a save_to_disk directory needs pyarrow: pip install 'nxdt[hf]'")
 

@@ -39,6 +39,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -350,9 +351,10 @@ def _load_cache(
     can change, and an index outside its range (a tampered or damaged cache) failed inside every worker with an
     IndexError. Every sample must start inside a document of the order and have its seq_length + 1 tokens after."""
     try:
-        if Path(f"{stem}_desc.json").read_text() != text:
-            return None
-        order, starts, shuffle = (np.load(f"{stem}_{kind}.npy", allow_pickle=False) for kind in KINDS)
+        with _open_regular(Path(f"{stem}_desc.json")) as fh:
+            if fh.read(len(text.encode()) + 1).decode() != text:
+                return None
+        order, starts, shuffle = (_load_npy(Path(f"{stem}_{kind}.npy")) for kind in KINDS)
     except (OSError, ValueError, UnicodeDecodeError, EOFError):
         return None
     if starts.shape != (num_samples, 2) or shuffle.shape != (num_samples,) or order.ndim != 1 or not len(order):
@@ -370,6 +372,22 @@ def _load_cache(
     if np.any(offset >= np.maximum(in_order[pos], 1)) or np.any(first + seq_length + 1 > ends[-1]):
         return None
     return order, starts, shuffle
+
+
+def _open_regular(path: Path) -> Any:
+    """``path`` opened for reading if it is a regular file. A FIFO or a device put in a cache file's place would block
+    every rank's read (or never end: /dev/zero); opening without blocking and checking the type turns it into a
+    cache miss."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file")
+    return os.fdopen(fd, "rb")
+
+
+def _load_npy(path: Path) -> np.ndarray:
+    with _open_regular(path) as fh:
+        return np.load(fh, allow_pickle=False)
 
 
 def _atomic_write(path: Path, write) -> None:

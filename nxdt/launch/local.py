@@ -1,6 +1,6 @@
 """Local launch: this host's workers under torch's elastic agent (the machinery behind torchrun).
 
-The agent hosts the rendezvous store (``nxdt-local``: on 127.0.0.1 only, see
+The agent opens the rendezvous store (``nxdt-local``: a private file in the run directory, no socket, see
 ``nxdt.launch.rendezvous``), starts one worker per rank, watches them, and stops all of them when one
 fails or on Ctrl-C. We turn its outcome into one line naming the failed rank, its
 error and its log file, and remove the run's shared-memory segments whatever happened.
@@ -151,10 +151,10 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from nxdt.comm import cleanup_run
-    from nxdt.comm.store import new_secret
+    from nxdt.comm.store import StoreAccessError, check_store_dir, new_secret
     from nxdt.launch import rendezvous, worker
     from nxdt.launch.forking import START_METHOD, start_fork_server
-    from nxdt.launch.rundir import STORE_SECRET_FILE, write_store_secret
+    from nxdt.launch.rundir import STORE_FILE, STORE_SECRET_FILE, write_store_secret
 
     # the agent logs every worker exit at WARNING/ERROR; we report the failure ourselves in one line
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
@@ -165,14 +165,19 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
         nproc_per_node=plan.ranks_per_node,
         run_id=run_id,
         rdzv_backend=rendezvous.BACKEND,
-        rdzv_endpoint="",  # one store, on 127.0.0.1 only, no pickled state
+        rdzv_endpoint="",  # one store, a private file of the run directory: nothing listens, no pickled state
+        rdzv_configs={"store_file": str(run_dir / STORE_FILE)},
         max_restarts=max_restarts,
         monitor_interval=0.2,
         start_method=START_METHOD,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "agent")),
         shutdown_timeout=SHUTDOWN_GRACE_S,
     )
-    argv = [str(run_dir)] + (["--console-tty"] if console_tty else [])
+    argv = [str(run_dir), "--local-store"] + (["--console-tty"] if console_tty else [])
+    try:  # the store file will live there (a directory others may write: they could swap it for theirs)
+        check_store_dir(run_dir)
+    except StoreAccessError as exc:
+        raise LaunchFailed(str(exc)) from None
     rendezvous.register()
     watchdog = watch_segments(run_id)
     try:
@@ -189,6 +194,7 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
     finally:
         cleanup_run(run_id)
         (run_dir / STORE_SECRET_FILE).unlink(missing_ok=True)
+        (run_dir / STORE_FILE).unlink(missing_ok=True)  # the agent's shutdown removes it too, when it gets there
         os.close(watchdog)  # the watchdog finds nothing left and exits
 
 

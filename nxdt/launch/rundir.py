@@ -15,6 +15,7 @@ from nxdt.planner import Plan
 CONFIG_FILE, PLAN_FILE, OVERRIDES_FILE = "config.yaml", "plan.json", "overrides.txt"
 HISTORY_DIR, STAMP = "config-history", "%Y-%m-%d_%H-%M-%S"  # one entry per launch into the run directory
 STORE_SECRET_FILE = ".store_secret"  # this launch's rendezvous-store secret, hex, 0600 (nxdt.comm.store)
+STORE_FILE = ".store"  # a local launch's rendezvous store (torch FileStore), 0600 (nxdt.comm.store.create_file_store)
 
 
 class StoreSecretError(RuntimeError):

@@ -156,18 +156,21 @@ def _main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="nxdt.launch.worker")
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--console-tty", action="store_true", help="the launcher's console is a terminal (live progress bar)")
+    parser.add_argument("--local-store", action="store_true", help="the run's store is the run directory's store file")
     parser.add_argument("--node-key", default=None, help="multi-node: this node's order key (JSON), see nxdt.launch.multinode")
     parser.add_argument("--node-key-source", default="rendezvous order")
     parser.add_argument("--plan-digest", default=None, help="multi-node: digest of the plan this node's launcher computed")
     args = parser.parse_args(argv)
     die_with_agent()
     die_on_sigterm()
-    from nxdt.comm.store import SECRET_ENV
-    from nxdt.launch.rundir import read_store_secret
+    from nxdt.comm.store import SECRET_ENV, STORE_FILE_ENV
+    from nxdt.launch.rundir import STORE_FILE, read_store_secret
 
     secret = read_store_secret(args.run_dir)  # a local launch's; several nodes share theirs in the environment
     if secret is not None:  # this process's environment only (0400 in /proc): what nxdt.comm and exp_manager read
         os.environ[SECRET_ENV] = secret.hex()
+    if args.local_store:  # a local launch: the store is a private file (nxdt.launch.rendezvous), not MASTER_ADDR:PORT
+        os.environ[STORE_FILE_ENV] = str(args.run_dir.resolve() / STORE_FILE)
     if args.plan_digest is not None:  # several nodes: take this node's place in the Plan before anything names a rank
         from nxdt.launch.multinode import settle_node
 

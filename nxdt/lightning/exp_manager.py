@@ -405,13 +405,9 @@ def agreed_resume_checkpoint(cfg: Any, run_dir: str | Path, env: Mapping[str, st
         return resume_checkpoint(run_dir, set_aside_damaged=int(env.get("RANK", "0")) == 0)
     from datetime import timedelta
 
-    import torch.distributed as dist
+    from nxdt.comm.store import SignedKeys, connect_store, secret_from_env
 
-    from nxdt.comm.store import SignedKeys, secret_from_env
-
-    store = dist.TCPStore(
-        env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=cfg.comm.timeout_s)
-    )
+    store = connect_store(env["MASTER_ADDR"], int(env["MASTER_PORT"]), timedelta(seconds=cfg.comm.timeout_s), env)
     keys = SignedKeys(store, secret_from_env(env), cfg.comm.timeout_s, " (the checkpoint to resume from)")
     key = f"nxdt/resume/{env.get('TORCHELASTIC_RUN_ID', 'run')}/{attempt}"
     root = checkpoint_dir(run_dir)
