@@ -86,6 +86,10 @@ class NxDStrategy(ParallelStrategy):
         process_group_backend: DDPStrategy's option: the backend of the torch.distributed default process group
             NxDStrategy initialises beside its communicators for third-party code (torchmetrics, samplers, a user's
             ``torch.distributed`` calls); "gloo", the only one on CPU (None: gloo).
+        torch_process_group: initialise torch.distributed's default (gloo) group during each entry point, for code that
+            calls torch.distributed itself. gloo listens on a socket of its own per rank (loopback on one host) whose
+            connections it does not authenticate (its rendezvous through the run's store is signed); ``nxdt train``
+            turns it off — its module needs no such group, and the store stays the only listener.
         static_graph, gradient_as_bucket_view, bucket_cap_mb: DDP's options, accepted (so a script written for
             DDPStrategy runs) and without effect: they tune DDP's gradient buckets and autograd hooks, which nxdt does
             not have — each optimizer's gradients are reduced once, flattened per dtype, after its last backward.
@@ -127,6 +131,7 @@ class NxDStrategy(ParallelStrategy):
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
         bucket_cap_mb: float | None = None,
+        torch_process_group: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -157,6 +162,7 @@ class NxDStrategy(ParallelStrategy):
         )
         self._broadcast_buffers = broadcast_buffers
         self._process_group_backend = process_group_backend or "gloo"
+        self._torch_process_group = torch_process_group
         self._torch_groups = 0  # torch.distributed default groups this strategy has made (each under its own key prefix)
         self._owns_torch_group = False  # the current default group is this strategy's: teardown destroys it
         # DDP's buffer sync, while fitting: broadcast before the next forward (DDP's require_forward_param_sync)
@@ -286,7 +292,10 @@ class NxDStrategy(ParallelStrategy):
             )
             atexit.register(self.close)  # a forked nxdt worker skips atexit handlers: run_training closes explicitly
             log.info("rank %d: communicators %s", self.global_rank, {k: c.ranks for k, c in self.communicators.items()})
-        if environment.init_torch_distributed(self.world, self._process_group_backend, self._torch_groups):
+        made = self._torch_process_group and environment.init_torch_distributed(
+            self.world, self._process_group_backend, self._torch_groups
+        )
+        if made:
             self._torch_groups += 1
             self._owns_torch_group = True
         if self._trace_dir is not None:
