@@ -11,11 +11,13 @@ class CommTimeoutError(CommError):
     """A wait passed its deadline (``comm.timeout_s``); the message names the ranks that did not arrive.
 
     ``stuck_pids``: rank -> process id of those ranks where the transport knows it (members on this host,
-    from their shared-memory headers), so a launcher can deal with a peer that cannot stop by itself."""
+    from their shared-memory headers), so a launcher can deal with a peer that cannot stop by itself.
+    ``missing_ranks``: the ranks that never joined, when the wait was the join itself (``init_process``)."""
 
-    def __init__(self, message: str, stuck_pids: dict[int, int] | None = None) -> None:
+    def __init__(self, message: str, stuck_pids: dict[int, int] | None = None, missing_ranks: list[int] | None = None) -> None:
         super().__init__(message)
         self.stuck_pids = {rank: pid for rank, pid in (stuck_pids or {}).items() if pid > 0}
+        self.missing_ranks = list(missing_ranks or [])
 
 
 class CommMismatchError(CommError):

@@ -227,3 +227,39 @@ def connect_store(addr: str, port: int, timeout: timedelta, env: Mapping[str, st
     if path:
         return open_file_store(path, timeout)
     return dist.TCPStore(addr, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
+
+
+class SignedStore(dist.Store):
+    """A torch ``Store`` for third-party rendezvous (a torch.distributed process group) whose values are signed as
+    :class:`SignedKeys` signs nxdt's own: ``set`` signs, ``get`` returns only a value signed with the run's secret
+    (a forged one is waited past, then refused by name). ``add`` counters and key checks pass through unsigned: gloo's
+    rendezvous (what ``init_process_group("gloo", store=...)`` does) only sets and gets each rank's address, so a
+    process without the secret cannot point a rank at its own socket."""
+
+    def __init__(self, keys: SignedKeys) -> None:
+        super().__init__()
+        self.keys = keys
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.keys.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return self.keys.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.keys.store.add(key, amount)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.keys.store.check(keys)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self.keys.store.wait(keys, timeout or timedelta(seconds=self.keys.timeout_s))
+
+    def delete_key(self, key: str) -> bool:
+        return self.keys.store.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self.keys.store.num_keys()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self.keys.timeout_s = timeout.total_seconds()

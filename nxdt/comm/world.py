@@ -16,6 +16,7 @@ named in ``World.high_priority_streams`` / ``World.yielding_streams`` get the pr
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import itertools
@@ -705,6 +706,8 @@ class World:
         return self.heap.empty(shape, dtype)
 
     def close(self) -> None:
+        if not hasattr(self, "store"):
+            return  # closed already
         for s in self._streams.values():
             s.close()
         for c in self._communicators:
@@ -714,6 +717,9 @@ class World:
         if self.multi_host and dist.is_initialized():
             dist.destroy_process_group()
         self._leave_store()
+        # this World's reference to the store (its last, unless a gloo transport group holds one): rank 0's server
+        # stops with it, so a later join in this process (a script's second Trainer) can serve on the same port
+        del self.store
 
     def _leave_store(self) -> None:
         """The rank serving the store stops it only after every other rank has left (bounded): a rank still
@@ -742,7 +748,8 @@ def _joined(keys: SignedKeys, names: list[str], ranks: list[int], where: str) ->
         absent = [rank for rank, name in zip(ranks, names) if not keys.store.check([name])]
         raise CommTimeoutError(
             f"nxdt.comm: rank(s) {absent} never joined the run ({where}): check that they were started, "
-            f"with the same MASTER_ADDR and MASTER_PORT"
+            f"with the same MASTER_ADDR and MASTER_PORT",
+            missing_ranks=absent,
         ) from exc
 
 
@@ -785,6 +792,12 @@ def init_process(
     except StoreAccessError:
         raise
     except Exception as exc:
+        if store_is_server and isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+            raise CommError(
+                f"nxdt.comm: rank {rank} cannot serve the rendezvous store on {master_addr}:{master_port}: the port is "
+                f"in use — by another process, or by an earlier World of this process that is still open (a script's "
+                f"earlier Trainer: call trainer.strategy.close() on every rank before the next one)"
+            ) from exc
         raise CommTimeoutError(
             f"nxdt.comm: rank {rank} could not reach the rendezvous store at {master_addr}:{master_port} ({exc})"
         ) from exc

@@ -26,11 +26,17 @@ def op_name(reduce_op: Any) -> str:
 
 
 def reduce(comm: Communicator, tensor: Tensor, reduce_op: Any) -> Tensor:
-    """A reduced copy of ``tensor`` over ``comm`` (float tensors and means reduced in float32, returned in their dtype)."""
+    """A reduced copy of ``tensor`` over ``comm``, in its dtype, as DDPStrategy returns it (float tensors reduced in
+    float32; an integer mean is the sum in the integer dtype, divided and truncated toward zero, as Lightning's
+    ``_sync_ddp`` does over gloo: ``result.copy_(result / world_size)``)."""
     op = op_name(reduce_op)
-    out = tensor.detach().clone().to(torch.float32 if tensor.is_floating_point() or op == "avg" else tensor.dtype)
-    comm.all_reduce(out.reshape(-1), op=op)
-    return out.to(tensor.dtype) if tensor.is_floating_point() else out
+    if tensor.is_floating_point():
+        out = tensor.detach().to(torch.float32, copy=True)
+        comm.all_reduce(out.reshape(-1), op=op)
+        return out.to(tensor.dtype)
+    out = tensor.detach().clone()
+    comm.all_reduce(out.reshape(-1), op="sum" if op == "avg" else op)
+    return out.copy_(out / comm.size) if op == "avg" else out
 
 
 def all_gather(comm: Communicator, tensor: Tensor) -> Tensor:

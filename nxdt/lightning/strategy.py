@@ -30,6 +30,7 @@ import lightning.pytorch as pl
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -46,6 +47,7 @@ from nxdt.parallel.context_parallel import shard_micro_batches
 from nxdt.parallel.data_parallel import DataParallelRuntime, data_parallel_runtime
 from nxdt.parallel.parallelize import Parallelized, model_parallel, needs_hub_model, parallelize
 from nxdt.parallel.pipeline import interleaved_one_f_one_b, one_f_one_b
+from nxdt.parallel.sync_batchnorm import convert_sync_batchnorm, revert_sync_batchnorm
 from nxdt.planner import Dim, Plan
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,20 @@ class NxDStrategy(ParallelStrategy):
         find_unused_parameters: DDPStrategy's option: by default a trainable parameter without gradient at its
             optimizer's step stops training with its name; True leaves one no rank has a gradient for untouched (and
             counts a gradient missing on some ranks as zero there), as DDP does.
+        broadcast_buffers: DDP's option, honoured: while fitting, DP rank 0's module buffers (BatchNorm's running
+            statistics) are broadcast to every replica before a forward whenever DDP does it — before the first one,
+            and before each one that follows a training forward whose gradients are reduced (not one inside
+            ``block_backward_sync``, gradient accumulation's earlier micro-batches; not one under no_grad).
+        process_group_backend: DDPStrategy's option: the backend of the torch.distributed default process group
+            NxDStrategy initialises beside its communicators for third-party code (torchmetrics, samplers, a user's
+            ``torch.distributed`` calls); "gloo", the only one on CPU (None: gloo).
+        torch_process_group: initialise torch.distributed's default (gloo) group during each entry point, for code that
+            calls torch.distributed itself. gloo listens on a socket of its own per rank (loopback on one host) whose
+            connections it does not authenticate (its rendezvous through the run's store is signed); ``nxdt train``
+            turns it off — its module needs no such group, and the store stays the only listener.
+        static_graph, gradient_as_bucket_view, bucket_cap_mb: DDP's options, accepted (so a script written for
+            DDPStrategy runs) and without effect: they tune DDP's gradient buckets and autograd hooks, which nxdt does
+            not have — each optimizer's gradients are reduced once, flattened per dtype, after its last backward.
 
     Several optimizers (a GAN's generator and discriminator) each have their own gradient path: an optimizer's
     gradients are reduced (and clipped, by their own norm) before its step, once per backward that produced them.
@@ -86,6 +102,7 @@ class NxDStrategy(ParallelStrategy):
     # Lightning's own attributes this class assigns (Lightning is not type-checked here: see [tool.mypy])
     _precision_plugin: Precision | None
     optimizers: list[torch.optim.Optimizer]
+    model: Any  # sync_batchnorm's layer sync may hand back another module
 
     def __init__(
         self,
@@ -109,6 +126,12 @@ class NxDStrategy(ParallelStrategy):
         comm_transport: str = "auto",
         comm_algorithm: str = "auto",
         find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
+        process_group_backend: str | None = None,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
+        bucket_cap_mb: float | None = None,
+        torch_process_group: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -130,6 +153,22 @@ class NxDStrategy(ParallelStrategy):
                 Dim.EP: expert_parallel_size,
             }
         )
+        environment.check_ddp_options(
+            broadcast_buffers=broadcast_buffers,
+            process_group_backend=process_group_backend,
+            static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            bucket_cap_mb=bucket_cap_mb,
+        )
+        self._broadcast_buffers = broadcast_buffers
+        self._process_group_backend = process_group_backend or "gloo"
+        self._torch_process_group = torch_process_group
+        self._torch_groups = 0  # torch.distributed default groups this strategy has made (each under its own key prefix)
+        self._owns_torch_group = False  # the current default group is this strategy's: teardown destroys it
+        # DDP's buffer sync, while fitting: broadcast before the next forward (DDP's require_forward_param_sync)
+        self._fitting = False
+        self._sync_buffers_next = False
+        self._no_sync = False  # inside block_backward_sync: the forward's gradients are not reduced
         self._plan = plan
         self._timeout_s = float(timeout_s)
         self._placement_order = placement_order
@@ -240,18 +279,38 @@ class NxDStrategy(ParallelStrategy):
             env = self.cluster_environment
             assert env is not None
             self.world = environment.join_world(
-                self.global_rank, self.world_size, env.main_address, env.main_port, timeout_s=self._timeout_s
+                self.global_rank,
+                self.world_size,
+                env.main_address,
+                env.main_port,
+                timeout_s=self._timeout_s,
+                node_rank=self.node_rank,
+                ranks_per_node=self.num_processes,
             )
             self.communicators = environment.open_groups(
                 self.world, self._plan, links=self._emulated_links, choice=self._comm_choice
             )
             atexit.register(self.close)  # a forked nxdt worker skips atexit handlers: run_training closes explicitly
             log.info("rank %d: communicators %s", self.global_rank, {k: c.ranks for k, c in self.communicators.items()})
+        made = self._torch_process_group and environment.init_torch_distributed(
+            self.world, self._process_group_backend, self._torch_groups
+        )
+        if made:
+            self._torch_groups += 1
+            self._owns_torch_group = True
         if self._trace_dir is not None:
             self._tracer = nxdt.comm.Tracer(self.global_rank)
             self.world.set_tracer(self._tracer)
 
     # ----------------------------------------------------------------------------- model
+    def _sync_layers(self, module: Any) -> Any:
+        """``Trainer(sync_batchnorm=True)``: BatchNorm layers synced over data parallelism with nxdt's all-reduce
+        (torch's SyncBatchNorm refuses CPU tensors); another LayerSync plugin is applied as it is."""
+        assert self._layer_sync is not None
+        if isinstance(self._layer_sync, TorchSyncBatchNorm):
+            return convert_sync_batchnorm(module, self.communicators[Dim.DP])
+        return self._layer_sync.apply(module)
+
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
@@ -259,6 +318,8 @@ class NxDStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
+            self.model = self._sync_layers(self.model)  # as DDPStrategy.setup: for fitting, before the precision
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._parallelize()
@@ -268,6 +329,8 @@ class NxDStrategy(ParallelStrategy):
         self._checkpoints.bind(
             RankGroups.of(self.plan, self.global_rank, self.communicators, self._parallel.tp_layout, trainable)
         )
+        self._fitting = trainer.state.fn == TrainerFn.FITTING
+        self._sync_buffers_next = self._fitting and self._broadcast_buffers  # DDP syncs before its first forward
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             # after the optimizers exist: FSDP's param groups decide its flat buffers and are pointed at the shards
@@ -427,7 +490,30 @@ class NxDStrategy(ParallelStrategy):
 
     @contextmanager
     def block_backward_sync(self) -> Iterator[None]:
-        yield None  # gradients are only reduced once per optimizer step anyway
+        # gradients are only reduced once per optimizer step anyway; DDP's buffer sync reads the flag
+        self._no_sync = True
+        try:
+            yield None
+        finally:
+            self._no_sync = False
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._forward(super().training_step, *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._forward(super().validation_step, *args, **kwargs)
+
+    def _forward(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """A step as DDP's forward runs it while fitting (the only time DDPStrategy wraps the module): DP rank 0's
+        buffers broadcast first when the previous forward was a training one with its gradients reduced (DDP's
+        ``require_forward_param_sync``: a forward under no_grad or ``no_sync`` clears it, one with grad sets it)."""
+        if not self._fitting or not self._broadcast_buffers:
+            return step(*args, **kwargs)
+        if self._sync_buffers_next:
+            self._dp.broadcast_buffers(self.lightning_module)
+        result = step(*args, **kwargs)
+        self._sync_buffers_next = torch.is_grad_enabled() and not self._no_sync
+        return result
 
     # ----------------------------------------------------------------------------- collectives for Lightning
     def _group(self, group: Any) -> nxdt.comm.Communicator | None:
@@ -501,6 +587,15 @@ class NxDStrategy(ParallelStrategy):
     # ----------------------------------------------------------------------------- lifecycle
     def teardown(self) -> None:
         self._checkpoints.close()  # its collectives need the communicators: finish before closing them
+        self._destroy_torch_group()
+        module = self.lightning_module
+        if self._fitting and self._layer_sync is not None and module is not None:  # as DDPStrategy.teardown
+            self.model = (
+                revert_sync_batchnorm(module)
+                if isinstance(self._layer_sync, TorchSyncBatchNorm)
+                else self._layer_sync.revert(module)
+            )
+        self._fitting = False
         super().teardown()
         if self._tracer is not None and self._trace_dir is not None and self.world is not None:
             os.makedirs(self._trace_dir, exist_ok=True)
@@ -513,10 +608,18 @@ class NxDStrategy(ParallelStrategy):
     def close(self) -> None:
         """Close the communicators (shared memory released, store left); every rank calls it. ``nxdt train``
         calls it after ``fit``; in a user's script it runs at interpreter exit unless called earlier."""
+        self._destroy_torch_group()
         if self.world is not None:
             self.world.close()
             self.world = None
             self.communicators = {}
+
+    def _destroy_torch_group(self) -> None:
+        """The torch.distributed default group this strategy made, destroyed (the next entry point makes a new one)."""
+        if self._owns_torch_group:
+            self._owns_torch_group = False
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

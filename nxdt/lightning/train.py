@@ -91,6 +91,8 @@ def build_trainer(cfg: Any, plan: Plan, run_dir: Path, tokens_per_step: int, *, 
         peft_adapter_in_checkpoints=peft is not None and peft.save_lora_config_adapter,
         comm_transport=cfg.comm.transport,
         comm_algorithm=cfg.comm.algorithm,
+        broadcast_buffers=False,  # the hub models' only buffers (RoPE tables) are constants computed alike on every rank
+        torch_process_group=False,  # CausalLMModule calls no torch.distributed: no gloo listener beside the store
     )
     return pl.Trainer(
         accelerator="cpu",

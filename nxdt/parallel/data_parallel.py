@@ -117,6 +117,9 @@ class DataParallelRuntime(Protocol):
     def broadcast_parameters(self, module: nn.Module) -> None:
         """Make every DP replica start from DP rank 0's weights (before any sharding)."""
 
+    def broadcast_buffers(self, module: nn.Module) -> None:
+        """DP rank 0's module buffers (BatchNorm's running statistics) to every DP replica: DDP's ``broadcast_buffers``."""
+
     def shard_optimizer(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> torch.optim.Optimizer:
         """The optimizer the step uses (ZeRO-1: the same optimizer over state shards; otherwise unchanged)."""
 
@@ -233,11 +236,17 @@ class ReplicatedRuntime:
             raise RuntimeError(f"{type(self).__name__}: bind() the rank's groups before using the runtime")
         return self._mp
 
-    @torch.no_grad()
     def broadcast_parameters(self, module: nn.Module) -> None:
+        self._broadcast(list(module.parameters()) + list(module.buffers()))
+
+    def broadcast_buffers(self, module: nn.Module) -> None:
+        self._broadcast(list(module.buffers()))
+
+    @torch.no_grad()
+    def _broadcast(self, tensors: list[Tensor]) -> None:
         if self.mp.dp_size == 1:
             return
-        tensors = [t for t in list(module.parameters()) + list(module.buffers()) if t.numel()]
+        tensors = [t for t in tensors if t.numel()]
         experts = [t for t in tensors if is_expert_parameter(t)]  # different experts on each EP rank: not over DP
         dense = [t for t in tensors if not is_expert_parameter(t)]
         for comm, group in ((self.mp.dp, dense), (self.mp.edp, experts)):
