@@ -1,7 +1,7 @@
 """What ``nxdt train`` shows on the console: nxdt's own lines first.
 
 * the launcher prints a banner (run directory, the layout in one line, the plan's predicted step time) and,
-  when the job ends, a summary (steps, time, first → last loss, median tokens/s, newest checkpoint, the
+  when the job ends, a summary (steps, time, first → last loss, the run's tokens/s (``nxdt.data.throughput``), newest checkpoint, the
   command to resume and the one to look at the run);
 * rank 0 prints one line per ``trainer.log_every_n_steps`` (``nxdt.lightning.exp_manager.StepConsole``),
   restarts and checkpoints;
@@ -163,7 +163,7 @@ def command_line(source_args: list[str], overrides: list[str], extra: list[str])
 
 def summary(run_dir: Path, status: str, launched_at: float, overrides: list[str], source_args: Sequence[str] = ()) -> list[str]:
     """The lines printed when a job ends: how far it got, how fast, where its checkpoint is, what to type next."""
-    from nxdt.launch.runs import get, load_run, median
+    from nxdt.launch.runs import get, load_run
 
     run = load_run(run_dir)
     elapsed = time.time() - launched_at
@@ -178,9 +178,9 @@ def summary(run_dir: Path, status: str, launched_at: float, overrides: list[str]
         )
         head = f"nxdt: {verb} at step {run.last_step} of {run.max_steps} in {_seconds(elapsed)}{first_at}"
         figures = [f"loss {run.first_loss:.4f} → {run.last_loss:.4f}"]
-        tps = median(this_launch or rows, "tokens_per_s")
+        tps = run.tokens_per_s  # the figure nxdt runs / report / sweep-report show (nxdt.data.throughput)
         if tps is not None:
-            figures.append(f"{tps:,.0f} tokens/s (median)")
+            figures.append(f"{tps:,.0f} tokens/s")
         peak = max((r["peak_rss_mb"] for r in rows if "peak_rss_mb" in r), default=None)
         if peak is not None:
             figures.append(f"peak memory {peak:,.0f} MB (rank 0)")
