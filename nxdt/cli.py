@@ -857,11 +857,22 @@ def _comm_test_estimate(argv: list[str]) -> int:
     for a measured run and for nccom-test (-r total ranks, -N nodes); the table and the JSON have the same layout."""
     import argparse
 
-    from nxdt.comm.bench import DTYPES, OP_TITLES, algorithm_bands, layout_text, parse_size, ranks_per_node, sizes, write_json
     from nxdt.config import ConfigError, compose_config
     from nxdt.config.validate import devices_per_node, fill_instance_defaults, validate
     from nxdt.planner import node_topology
     from nxdt.planner.calibration import BENCH_OPS, estimate_table, load_calibration
+
+    # the table's vocabulary without torch: nothing runs, so neither torch nor nxdt.comm is imported (was 20-31 s)
+    from nxdt.topology.nccom import (
+        DTYPE_BYTES,
+        OP_TITLES,
+        algorithm_bands,
+        layout_text,
+        parse_size,
+        ranks_per_node,
+        sizes,
+        write_json,
+    )
 
     p = argparse.ArgumentParser(prog="nxdt comm-test --estimate", description="Predict an nccom-test table with the cost model.")
     p.add_argument("ops", nargs="*", default=["allr"], help=f"operations: {' '.join(BENCH_OPS)}")
@@ -888,7 +899,7 @@ def _comm_test_estimate(argv: list[str]) -> int:
     p.add_argument("-f", "--stepfactor", type=float, default=4.0)
     p.add_argument("-n", "--iters", type=int, default=20, help="accepted as in a measured run (nothing runs)")
     p.add_argument("-w", "--warmup_iters", type=int, default=5, help="accepted as in a measured run (nothing runs)")
-    p.add_argument("-d", "--datatype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("-d", "--datatype", choices=sorted(DTYPE_BYTES), default="fp32")
     p.add_argument("-c", "--check", action="store_true", help="refused: an estimate has nothing to check")
     p.add_argument("--report-to-json-file", metavar="F", help="write the predicted rows as JSON, in a measured run's layout")
     p.add_argument(
@@ -926,7 +937,7 @@ def _comm_test_estimate(argv: list[str]) -> int:
         return _fail(str(exc))
     rpn = devices_per_node(cfg)
     group = list(range(rpn * args.nodes))
-    element = torch_element_size(DTYPES[args.datatype])
+    element = DTYPE_BYTES[args.datatype]
     results: list[dict[str, Any]] = []
     algorithms: dict[int, dict[str, str]] = {}
     for op in args.ops:
@@ -994,15 +1005,11 @@ def _comm_test_estimate(argv: list[str]) -> int:
     return 0
 
 
-def torch_element_size(dtype: Any) -> int:
-    return dtype.itemsize
-
-
 def _comm_test_calibrate(argv: list[str]) -> int:
     import argparse
 
-    from nxdt.comm.bench import parse_size
     from nxdt.planner.calibration import fit_calibration, save_calibration
+    from nxdt.topology.nccom import parse_size
 
     p = argparse.ArgumentParser(prog="nxdt comm-test --calibrate", description="Measure this host for plans on the cpu instance.")
     p.add_argument("-r", "--nworkers", type=int, default=2, help="ranks to measure with (as in training)")
