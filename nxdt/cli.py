@@ -23,18 +23,18 @@ commands:
   train|plan --config-path DIR --config-name NAME [overrides]
                               a config written for NxD Training, as it is (docs/migrating-from-nxdt.md);
                               instance=<name> names the instance NxDT configs leave out
-  plan [--json] [-m] [overrides]
+  plan [--json] [-m] [--calibration PATH|auto] [overrides]
                               print the plan without starting anything: placement, groups, collectives with
                               their algorithms and estimated times, step time and memory per device
                               (distributed_strategy=auto ranks every valid TP/PP/DP layout)
-  plan --against RUN_DIR [--json] [--warmup N] [--calibration F]
+  plan --against RUN_DIR [--json] [--warmup N] [--calibration PATH|auto]
                               the plan of a finished run's config beside what it measured: step time
                               (metrics.csv) and each collective (its trace, exp_manager.trace=true), with ratios
   topo NAME [--lnc N] [--json]
                               device table and graph of an instance type, like neuron-ls --topology
   comm-test [options] OPS     nccom-test-style benchmark of nxdt's collectives (see nxdt comm-test --help);
                               --estimate --instance NAME predicts the table for an instance, --calibrate
-                              measures this host for the cpu instance's plans
+                              measures this host for the cpu instance's plans (used when asked: --calibration auto)
   runs [DIR] [--json]         the runs under DIR (default outputs/): status, layout, steps, loss, tokens/s, checkpoint
   report RUN [RUN ...] [-o DIR]
                               loss, lr, tokens/s (and val_loss, exposed comm) against step, every run overlaid, one PNG
@@ -771,7 +771,9 @@ def _plan_against(run_dir: str, calibration_file: str | None, warmup: str | None
 
 
 def cmd_plan(argv: list[str]) -> int:
-    calibration_file, argv = _take_value(argv, "--calibration", "a file (written by `nxdt comm-test --calibrate`)")
+    calibration_file, argv = _take_value(
+        argv, "--calibration", "a file written by `nxdt comm-test --calibrate`, or auto (this host's)"
+    )
     against, argv = _take_value(argv, "--against", "a run directory (written by `nxdt train`)")
     warmup, argv = _take_value(argv, "--warmup", "a number of steps")
     if against is not None:
@@ -905,7 +907,9 @@ def _comm_test_estimate(argv: list[str]) -> int:
     p.add_argument(
         "--show-algorithm", action="store_true", help="print the algorithm the cost model picks (per size band and row)"
     )
-    p.add_argument("--calibration", default=None, help="calibration file for the cpu instance")
+    p.add_argument(
+        "--calibration", default=None, help="PATH|auto: a calibration for the cpu instance (auto: this host's, from --calibrate)"
+    )
     args = p.parse_args(argv)
     if args.check:
         return _fail(
@@ -1008,6 +1012,8 @@ def _comm_test_estimate(argv: list[str]) -> int:
 def _comm_test_calibrate(argv: list[str]) -> int:
     import argparse
 
+    import shlex
+
     from nxdt.planner.calibration import fit_calibration, save_calibration
     from nxdt.topology.nccom import parse_size
 
@@ -1032,7 +1038,8 @@ def _comm_test_calibrate(argv: list[str]) -> int:
         for n, (a, b) in fits.items():
             print(f"  {op:<15} n={n}: {a * 1e6:8.1f} µs + {b * 1e9:.3f} ns/byte ({1 / b / 1e9 if b else 0:.2f} GB/s)")
     print(f"  compute: {data['flops_per_s'] / 1e9:.2f} GFLOP/s per rank (small Llama forward+backward)")
-    print(f"nxdt: wrote {path}; `nxdt plan` on instance=cpu now uses it")
+    use = "auto" if args.output is None else shlex.quote(str(path))
+    print(f"nxdt: wrote {path}; plans on instance=cpu use it when asked: nxdt plan --calibration {use}")
     return 0
 
 
