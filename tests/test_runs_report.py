@@ -120,7 +120,7 @@ def test_report_overlays_runs_adds_val_loss_and_exposed_comm_when_present(tmp_pa
     two = make_run(
         tmp_path / "b", 3, "trainer.devices=2", extra={"val_loss": lambda s: 4.0 - s * 0.1, "exposed_comm_s": lambda s: 0.01}
     )
-    assert run_labels([load_run(one), load_run(two)]) == ["trainer.devices=1", "trainer.devices=2"]
+    assert run_labels([load_run(one), load_run(two)]) == ["1×cpu trainer.devices=1", "2×cpu DP2 trainer.devices=2"]
     text, written, out = report([one, two], tmp_path / "figs")
     assert sorted(p.name for p in written) == ["exposed_comm.png", "loss.png", "lr.png", "tokens_per_s.png", "val_loss.png"]
     for png in written:
@@ -170,6 +170,33 @@ def test_one_tokens_per_s_in_runs_report_sweep_report_and_the_summary(tmp_path, 
     assert [re.search(r"(\d,\d{3})", line).group(1) for line in text.splitlines()[2:4]] == want, text
     summary = "\n".join(console.summary(jobs[0], "finished", base, []))
     assert "· 5,000 tokens/s ·" in summary, summary
+
+
+def test_report_legends_name_the_layout_and_the_differing_overrides_not_timestamps(tmp_path):
+    """Runs compared by ``nxdt report`` are labelled by what ran: layout (degrees, FSDP / ZeRO-1) and the overrides
+    that differ; a timestamp only where two runs are otherwise alike."""
+    root = tmp_path / "outputs" / "llama_tiny"
+    tp = make_run(
+        root / "2026-01-01_00-00-00",
+        3,
+        "trainer.devices=4",
+        "distributed_strategy.tensor_model_parallel_size=2",
+        "distributed_strategy.fsdp.enabled=true",
+    )
+    zero1 = make_run(root / "2026-01-01_00-10-00", 3, "trainer.devices=4", "distributed_strategy.zero1=true")
+    again = make_run(root / "2026-01-01_00-20-00", 3, "trainer.devices=4", "distributed_strategy.zero1=true")
+    assert run_labels([load_run(tp), load_run(zero1)]) == [
+        "4×cpu TP2 DP2 FSDP distributed_strategy.tensor_model_parallel_size=2 distributed_strategy.fsdp.enabled=true",
+        "4×cpu DP4 ZeRO-1 distributed_strategy.zero1=true",
+    ]
+    assert run_labels([load_run(p) for p in (tp, zero1, again)]) == [
+        "4×cpu TP2 DP2 FSDP distributed_strategy.tensor_model_parallel_size=2 distributed_strategy.fsdp.enabled=true "
+        "(2026-01-01_00-00-00)",
+        "4×cpu DP4 ZeRO-1 distributed_strategy.zero1=true (2026-01-01_00-10-00)",
+        "4×cpu DP4 ZeRO-1 distributed_strategy.zero1=true (2026-01-01_00-20-00)",
+    ]
+    text, _, _ = report([tp, zero1], tmp_path / "figs")  # the figures' legends and summary.txt use these labels
+    assert "2026-01-01" not in text.split("\n\n")[0] and "4×cpu DP4 ZeRO-1 distributed_strategy.zero1=true  " in text
 
 
 def test_report_refuses_what_is_not_a_run(tmp_path, capsys):
