@@ -31,18 +31,25 @@ MODES = ("quiet", "normal", "verbose")
 MODE_FLAGS = {"-q": "quiet", "--quiet": "quiet", "-v": "verbose", "--verbose": "verbose"}
 
 # Lightning's info lines that are not about this run: device banners, advertisements, its own stop notice
-# (nxdt's summary says why training stopped). Everything else Lightning logs (e.g. "Restoring states from the
-# checkpoint path at ...") stays on the console.
+# (nxdt's summary says why training stopped) and its two lines on restoring a checkpoint (rank 0 prints nxdt's own
+# "nxdt: resuming from ..." line). Everything else Lightning logs stays on the console.
 THIRD_PARTY_NOISE = re.compile(
     r"^(GPU available|TPU available|HPU available|IPU available|💡 Tip|LOCAL_RANK: \d|"
-    r"`Trainer\.fit` stopped)"
+    r"`Trainer\.fit` stopped|Restoring states from the checkpoint path at |Restored all states from the checkpoint at )"
 )
+# nxdt's own callbacks (nxdt.lightning.exp_manager, datamodule): Lightning's call.py warns on resume when the state key
+# of one saved in the checkpoint is not among the Trainer's, which for these means only that a setting in their key
+# changed (exp_manager.checkpoint_every_n_steps: the launcher's "continuing" line names the change). The warning
+# stays on the console when any callback it lists is someone else's.
+NXDT_CALLBACKS = ("DirectoryCheckpoint", "StepMetricsLogger", "StepProgressBar", "EpochLimit", "FaultInjection")
+_OWN_CALLBACK = r"""["'](?:""" + "|".join(NXDT_CALLBACKS) + r""")(?:\{[^{}]*\})?["']"""
 # warnings that concern library authors, not the person training: deprecations of APIs nxdt's dependencies use,
 # Lightning's advice on manual optimization with ModelCheckpoint (nxdt's module steps its optimizer itself and
 # its checkpoints are meant to hold the state after the step), and its note that a resumed run's checkpoint directory is not empty (it is the run's own)
 WARNING_NOISE = re.compile(
     r"deprecat|FutureWarning|DeprecationWarning|Using ModelCheckpoint with manual optimization|"
-    r"Checkpoint directory .* exists and is not empty",
+    r"Checkpoint directory .* exists and is not empty|"
+    rf"Please add the following callbacks: \[{_OWN_CALLBACK}(?:, {_OWN_CALLBACK})*\]",
     re.IGNORECASE,
 )
 THIRD_PARTY_LOGGERS = ("lightning.pytorch", "lightning.fabric")
