@@ -9,8 +9,10 @@ reported by rank, and sweeps with their report.
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -161,6 +163,18 @@ def test_sweep_runs_one_world_per_job_and_reports(tmp_path):
     assert_ok(report)
     assert "trainer.devices=1" in report.stdout and "trainer.devices=2" in report.stdout
     assert list(sweep_dir.glob("*.png"))
+    # one tokens/s everywhere (nxdt.data.throughput): the console's summary of each job, `nxdt runs` and sweep-report
+    # show 4 sequences × 128 tokens per step ÷ the mean step time of steps 2-3 (step 1 is start-up)
+    listed = nxdt("runs", "--json", str(sweep_dir), cwd=tmp_path)
+    assert_ok(listed)
+    figures = {Path(r["run"]).name: r["tokens_per_s"] for r in json.loads(listed.stdout)}
+    for job in ("0", "1"):
+        with open(sweep_dir / job / "metrics.csv", newline="") as fh:
+            times = [float(r["step_time_s"]) for r in csv.DictReader(fh)]
+        assert figures[job] == pytest.approx(4 * 128 * 2 / sum(times[1:]), rel=1e-9), (job, figures, times)
+        shown = f"{figures[job]:,.0f}"
+        row = next(line for line in report.stdout.splitlines() if re.match(rf"│ +{job} ", line))
+        assert f" {shown} " in row and f"· {shown} tokens/s ·" in result.stdout, (shown, row, result.stdout)
 
 
 def test_ctrl_c_stops_every_worker_with_one_line(everyday_runs):
