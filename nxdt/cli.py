@@ -23,18 +23,18 @@ commands:
   train|plan --config-path DIR --config-name NAME [overrides]
                               a config written for NxD Training, as it is (docs/migrating-from-nxdt.md);
                               instance=<name> names the instance NxDT configs leave out
-  plan [--json] [-m] [overrides]
+  plan [--json] [-m] [--calibration PATH|auto] [overrides]
                               print the plan without starting anything: placement, groups, collectives with
                               their algorithms and estimated times, step time and memory per device
                               (distributed_strategy=auto ranks every valid TP/PP/DP layout)
-  plan --against RUN_DIR [--json] [--warmup N] [--calibration F]
+  plan --against RUN_DIR [--json] [--warmup N] [--calibration PATH|auto]
                               the plan of a finished run's config beside what it measured: step time
                               (metrics.csv) and each collective (its trace, exp_manager.trace=true), with ratios
   topo NAME [--lnc N] [--json]
                               device table and graph of an instance type, like neuron-ls --topology
   comm-test [options] OPS     nccom-test-style benchmark of nxdt's collectives (see nxdt comm-test --help);
                               --estimate --instance NAME predicts the table for an instance, --calibrate
-                              measures this host for the cpu instance's plans
+                              measures this host for the cpu instance's plans (used when asked: --calibration auto)
   runs [DIR] [--json]         the runs under DIR (default outputs/): status, layout, steps, loss, tokens/s, checkpoint
   report RUN [RUN ...] [-o DIR]
                               loss, lr, tokens/s (and val_loss, exposed comm) against step, every run overlaid, one PNG
@@ -771,7 +771,9 @@ def _plan_against(run_dir: str, calibration_file: str | None, warmup: str | None
 
 
 def cmd_plan(argv: list[str]) -> int:
-    calibration_file, argv = _take_value(argv, "--calibration", "a file (written by `nxdt comm-test --calibrate`)")
+    calibration_file, argv = _take_value(
+        argv, "--calibration", "a file written by `nxdt comm-test --calibrate`, or auto (this host's)"
+    )
     against, argv = _take_value(argv, "--against", "a run directory (written by `nxdt train`)")
     warmup, argv = _take_value(argv, "--warmup", "a number of steps")
     if against is not None:
@@ -857,11 +859,22 @@ def _comm_test_estimate(argv: list[str]) -> int:
     for a measured run and for nccom-test (-r total ranks, -N nodes); the table and the JSON have the same layout."""
     import argparse
 
-    from nxdt.comm.bench import DTYPES, OP_TITLES, algorithm_bands, layout_text, parse_size, ranks_per_node, sizes, write_json
     from nxdt.config import ConfigError, compose_config
     from nxdt.config.validate import devices_per_node, fill_instance_defaults, validate
     from nxdt.planner import node_topology
     from nxdt.planner.calibration import BENCH_OPS, estimate_table, load_calibration
+
+    # the table's vocabulary without torch: nothing runs, so neither torch nor nxdt.comm is imported (was 20-31 s)
+    from nxdt.topology.nccom import (
+        DTYPE_BYTES,
+        OP_TITLES,
+        algorithm_bands,
+        layout_text,
+        parse_size,
+        ranks_per_node,
+        sizes,
+        write_json,
+    )
 
     p = argparse.ArgumentParser(prog="nxdt comm-test --estimate", description="Predict an nccom-test table with the cost model.")
     p.add_argument("ops", nargs="*", default=["allr"], help=f"operations: {' '.join(BENCH_OPS)}")
@@ -888,13 +901,15 @@ def _comm_test_estimate(argv: list[str]) -> int:
     p.add_argument("-f", "--stepfactor", type=float, default=4.0)
     p.add_argument("-n", "--iters", type=int, default=20, help="accepted as in a measured run (nothing runs)")
     p.add_argument("-w", "--warmup_iters", type=int, default=5, help="accepted as in a measured run (nothing runs)")
-    p.add_argument("-d", "--datatype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("-d", "--datatype", choices=sorted(DTYPE_BYTES), default="fp32")
     p.add_argument("-c", "--check", action="store_true", help="refused: an estimate has nothing to check")
     p.add_argument("--report-to-json-file", metavar="F", help="write the predicted rows as JSON, in a measured run's layout")
     p.add_argument(
         "--show-algorithm", action="store_true", help="print the algorithm the cost model picks (per size band and row)"
     )
-    p.add_argument("--calibration", default=None, help="calibration file for the cpu instance")
+    p.add_argument(
+        "--calibration", default=None, help="PATH|auto: a calibration for the cpu instance (auto: this host's, from --calibrate)"
+    )
     args = p.parse_args(argv)
     if args.check:
         return _fail(
@@ -926,7 +941,7 @@ def _comm_test_estimate(argv: list[str]) -> int:
         return _fail(str(exc))
     rpn = devices_per_node(cfg)
     group = list(range(rpn * args.nodes))
-    element = torch_element_size(DTYPES[args.datatype])
+    element = DTYPE_BYTES[args.datatype]
     results: list[dict[str, Any]] = []
     algorithms: dict[int, dict[str, str]] = {}
     for op in args.ops:
@@ -994,15 +1009,13 @@ def _comm_test_estimate(argv: list[str]) -> int:
     return 0
 
 
-def torch_element_size(dtype: Any) -> int:
-    return dtype.itemsize
-
-
 def _comm_test_calibrate(argv: list[str]) -> int:
     import argparse
 
-    from nxdt.comm.bench import parse_size
+    import shlex
+
     from nxdt.planner.calibration import fit_calibration, save_calibration
+    from nxdt.topology.nccom import parse_size
 
     p = argparse.ArgumentParser(prog="nxdt comm-test --calibrate", description="Measure this host for plans on the cpu instance.")
     p.add_argument("-r", "--nworkers", type=int, default=2, help="ranks to measure with (as in training)")
@@ -1025,7 +1038,8 @@ def _comm_test_calibrate(argv: list[str]) -> int:
         for n, (a, b) in fits.items():
             print(f"  {op:<15} n={n}: {a * 1e6:8.1f} µs + {b * 1e9:.3f} ns/byte ({1 / b / 1e9 if b else 0:.2f} GB/s)")
     print(f"  compute: {data['flops_per_s'] / 1e9:.2f} GFLOP/s per rank (small Llama forward+backward)")
-    print(f"nxdt: wrote {path}; `nxdt plan` on instance=cpu now uses it")
+    use = "auto" if args.output is None else shlex.quote(str(path))
+    print(f"nxdt: wrote {path}; plans on instance=cpu use it when asked: nxdt plan --calibration {use}")
     return 0
 
 

@@ -40,6 +40,30 @@ def test_r_is_the_total_over_n_nodes_as_in_nccom_test(capsys):
         assert len(err) == 1 and "do not divide equally" in err[0] and "total number of ranks" in err[0], err
 
 
+def test_estimate_imports_neither_torch_nor_the_collectives_and_starts_no_process(tmp_path):
+    """``--estimate`` runs nothing: it took 20-31 s (4.6 CPU-s) importing torch through nxdt.comm.bench for a printed
+    table; without torch 1.1 CPU-s. Checked by what the process loaded (torch, Lightning, nxdt.comm, multiprocessing)
+    and by its child processes (none), not by a wall-clock time on a shared host."""
+    probe = (
+        "import os, sys\n"
+        "from nxdt.cli import main\n"
+        "code = main(['comm-test', '--estimate', '--instance', 'trn1.32xlarge', '-d', 'bf16', 'allr', 'allg'])\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'lightning', 'multiprocessing')"
+        " or m.startswith('nxdt.comm'))\n"
+        "children = open(f'/proc/{os.getpid()}/task/{os.getpid()}/children').read().split()\n"
+        "print('RESULT', code, loaded, children)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert result.stdout.splitlines()[-1] == "RESULT 0 [] []", result.stdout[-2000:] + result.stderr[-2000:]
+    table = result.stdout
+    assert "# estimated all_reduce on 1 × trn1.32xlarge" in table and "# estimated all_gather" in table
+    assert "     1024           512   bf16" in table  # -d bf16: 2 bytes an element, from the torch-free table module
+    from nxdt.comm.bench import DTYPES
+    from nxdt.topology.nccom import DTYPE_BYTES
+
+    assert {k: v.itemsize for k, v in DTYPES.items()} == DTYPE_BYTES  # the two tables name the same types
+
+
 def test_the_process_count_is_capped_by_cores_unless_forced():
     """-r 5000 forked 1,400 processes and 16 GB in 70 s before the host gave out: at most RANKS_PER_CORE per core."""
     from nxdt.comm.bench import RANKS_PER_CORE, check_process_count, usable_cores

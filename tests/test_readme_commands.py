@@ -46,7 +46,9 @@ SKIPPED = {
     "pip install -e .[test]": "installs the package with its test extras: tests/test_fresh_install.py",
     "python -m pytest -q -n 2 --dist loadgroup": "the whole suite, this file included",
     "nxdt comm-test --calibrate": "measures the host for about a minute on 2 ranks and writes the per-host cache "
-    "that every later cpu plan of the suite reads; no test runs it",
+    "(read only when a plan asks: --calibration auto); no test runs it",
+    "nxdt plan --calibration auto": "needs the per-host file --calibrate writes (skipped above): "
+    "tests/test_calibration.py runs it on a crafted calibration in that place",
     "tensorboard --logdir outputs/llama_tiny/<run>/tensorboard": "TensorBoard's server, not nxdt; it does not exit",
     "nxdt train trainer.num_nodes=4 trainer.devices=2 distributed_strategy.tensor_model_parallel_size=2 "
     "data.micro_batch_size=2 data.global_batch_size=16 launcher=slurm launcher.partition=cpu "

@@ -120,7 +120,7 @@ def test_report_overlays_runs_adds_val_loss_and_exposed_comm_when_present(tmp_pa
     two = make_run(
         tmp_path / "b", 3, "trainer.devices=2", extra={"val_loss": lambda s: 4.0 - s * 0.1, "exposed_comm_s": lambda s: 0.01}
     )
-    assert run_labels([load_run(one), load_run(two)]) == ["trainer.devices=1", "trainer.devices=2"]
+    assert run_labels([load_run(one), load_run(two)]) == ["1×cpu trainer.devices=1", "2×cpu DP2 trainer.devices=2"]
     text, written, out = report([one, two], tmp_path / "figs")
     assert sorted(p.name for p in written) == ["exposed_comm.png", "loss.png", "lr.png", "tokens_per_s.png", "val_loss.png"]
     for png in written:
@@ -128,6 +128,75 @@ def test_report_overlays_runs_adds_val_loss_and_exposed_comm_when_present(tmp_pa
     assert "3.0000" in text and "trainer.devices=2" in text and (out / "summary.txt").read_text() == text
     text, written, out = report([one])  # one run: into its own report/ directory, no val_loss figure
     assert out == one / "report" and sorted(p.name for p in written) == ["loss.png", "lr.png", "tokens_per_s.png"]
+
+
+def test_one_tokens_per_s_in_runs_report_sweep_report_and_the_summary(tmp_path, capsys):
+    """A sweep job launched twice (resumed after step 3): every tool shows the run's tokens/s of nxdt.data.throughput,
+    tokens trained per second of training steps with each launch's first step (start-up) left out: steps 2, 3, 5, 6,
+    4 × 1000 tokens in 0.1 + 0.4 + 0.1 + 0.2 s = 5,000 tokens/s. The statistics the tools used before differ: the
+    median rate 3,750 (console, runs, report), the mean rate of the last half 5,222 (sweep-report)."""
+    import time
+
+    from nxdt.cli import main
+    from nxdt.launch import console
+
+    sweep = tmp_path / "multirun" / "llama_tiny" / "2026-01-01_00-00-00"
+    base = time.mktime(time.strptime("2026-01-01_00-00-00", "%Y-%m-%d_%H-%M-%S"))
+    times = {1: 2.0, 2: 0.1, 3: 0.4, 4: 1.5, 5: 0.1, 6: 0.2}  # steps 1 and 4 start a launch
+    jobs = []
+    for n in (0, 1):
+        job = make_run(sweep / str(n), 6, f"trainer.devices={n + 1}", max_steps=6)
+        for entry, at in (("0-2026-01-01_00-00-00", 0), ("1-2026-01-01_00-01-00", 60)):
+            (job / "config-history" / entry).mkdir(parents=True)
+        rows = [
+            {"step": s, "loss": 5 - s * 0.1, "lr": 1e-3, "step_time_s": t * (n + 1), "tokens_per_s": 1000 / (t * (n + 1)),
+             "peak_rss_mb": 400, "wall_time": base + (10 if s <= 3 else 70) + s}
+            for s, t in times.items()
+        ]  # fmt: skip
+        with open(job / "metrics.csv", "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=METRIC_COLUMNS, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+        jobs.append(job)
+    want = ["5,000", "2,500"]  # job 1: every step twice as long
+
+    assert main(["runs", str(sweep), "--json"]) == 0
+    listed = {Path(r["run"]).name: r["tokens_per_s"] for r in json.loads(capsys.readouterr().out)}
+    assert listed == {"0": pytest.approx(5000.0, rel=1e-12), "1": pytest.approx(2500.0, rel=1e-12)}
+    assert main(["sweep-report", str(sweep)]) == 0
+    table = {line.split("│")[1].strip(): line for line in capsys.readouterr().out.splitlines() if re.match(r"│ +\d ", line)}
+    assert all(f" {tps} " in table[str(n)] for n, tps in enumerate(want)), table
+    text, _, _ = report(jobs, tmp_path / "figs")
+    assert [re.search(r"(\d,\d{3})", line).group(1) for line in text.splitlines()[2:4]] == want, text
+    summary = "\n".join(console.summary(jobs[0], "finished", base, []))
+    assert "· 5,000 tokens/s ·" in summary, summary
+
+
+def test_report_legends_name_the_layout_and_the_differing_overrides_not_timestamps(tmp_path):
+    """Runs compared by ``nxdt report`` are labelled by what ran: layout (degrees, FSDP / ZeRO-1) and the overrides
+    that differ; a timestamp only where two runs are otherwise alike."""
+    root = tmp_path / "outputs" / "llama_tiny"
+    tp = make_run(
+        root / "2026-01-01_00-00-00",
+        3,
+        "trainer.devices=4",
+        "distributed_strategy.tensor_model_parallel_size=2",
+        "distributed_strategy.fsdp.enabled=true",
+    )
+    zero1 = make_run(root / "2026-01-01_00-10-00", 3, "trainer.devices=4", "distributed_strategy.zero1=true")
+    again = make_run(root / "2026-01-01_00-20-00", 3, "trainer.devices=4", "distributed_strategy.zero1=true")
+    assert run_labels([load_run(tp), load_run(zero1)]) == [
+        "4×cpu TP2 DP2 FSDP distributed_strategy.tensor_model_parallel_size=2 distributed_strategy.fsdp.enabled=true",
+        "4×cpu DP4 ZeRO-1 distributed_strategy.zero1=true",
+    ]
+    assert run_labels([load_run(p) for p in (tp, zero1, again)]) == [
+        "4×cpu TP2 DP2 FSDP distributed_strategy.tensor_model_parallel_size=2 distributed_strategy.fsdp.enabled=true "
+        "(2026-01-01_00-00-00)",
+        "4×cpu DP4 ZeRO-1 distributed_strategy.zero1=true (2026-01-01_00-10-00)",
+        "4×cpu DP4 ZeRO-1 distributed_strategy.zero1=true (2026-01-01_00-20-00)",
+    ]
+    text, _, _ = report([tp, zero1], tmp_path / "figs")  # the figures' legends and summary.txt use these labels
+    assert "2026-01-01" not in text.split("\n\n")[0] and "4×cpu DP4 ZeRO-1 distributed_strategy.zero1=true  " in text
 
 
 def test_report_refuses_what_is_not_a_run(tmp_path, capsys):

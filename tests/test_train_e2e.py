@@ -9,8 +9,10 @@ reported by rank, and sweeps with their report.
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -106,14 +108,25 @@ def test_resume_continues_exactly(tmp_path, reliability_reference):
     resumed = tmp_path / "resumed"
     assert_ok(nxdt("train", *common, "trainer.max_steps=5", f"exp_manager.explicit_log_dir={resumed}", cwd=tmp_path))
     assert sorted(losses(resumed)) == [1, 2, 3, 4, 5]
+    # checkpoints every 6 steps now: the checkpoint callback's state key changes, so Lightning warns (call.py) on resume
+    common = [o for o in common if not o.startswith("exp_manager.checkpoint_every_n_steps=")]
+    common.append("exp_manager.checkpoint_every_n_steps=6")
     second = nxdt("train", *common, "trainer.max_steps=12", f"exp_manager.explicit_log_dir={resumed}", cwd=tmp_path)
     assert_ok(second)
+    # Lightning's restoring lines and its call.py warning about nxdt's own checkpoint callback: the rank's log only
+    log = (resumed / "logs" / "rank0.log").read_text()
+    for noise in ("Restoring states from the checkpoint path", "Restored all states", "Please add the following callbacks"):
+        assert noise not in second.stdout + second.stderr and noise in log, noise
+    assert f"nxdt: resuming from {resumed / 'checkpoints' / 'step-5'}" in second.stdout
     got, want = losses(resumed), losses(reliability_reference)
     assert sorted(got) == list(range(1, 13))
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-6), (step, got, want)
     # what changed, in one line; both launches kept in the run's config history (nxdt.launch.rundir)
-    assert f"nxdt: continuing {resumed}: trainer.max_steps 5 → 12 (recorded in config-history/1-" in second.stdout
+    assert (
+        f"nxdt: continuing {resumed}: trainer.max_steps 5 → 12, exp_manager.checkpoint_every_n_steps 5 → 6 "
+        "(recorded in config-history/1-"
+    ) in second.stdout
     history = sorted((resumed / "config-history").iterdir())
     assert [p.name.split("-", 1)[0] for p in history] == ["0", "1"]
     assert [(p / "overrides.txt").read_text().split()[-2] for p in history] == ["trainer.max_steps=5", "trainer.max_steps=12"]
@@ -150,6 +163,18 @@ def test_sweep_runs_one_world_per_job_and_reports(tmp_path):
     assert_ok(report)
     assert "trainer.devices=1" in report.stdout and "trainer.devices=2" in report.stdout
     assert list(sweep_dir.glob("*.png"))
+    # one tokens/s everywhere (nxdt.data.throughput): the console's summary of each job, `nxdt runs` and sweep-report
+    # show 4 sequences × 128 tokens per step ÷ the mean step time of steps 2-3 (step 1 is start-up)
+    listed = nxdt("runs", "--json", str(sweep_dir), cwd=tmp_path)
+    assert_ok(listed)
+    figures = {Path(r["run"]).name: r["tokens_per_s"] for r in json.loads(listed.stdout)}
+    for job in ("0", "1"):
+        with open(sweep_dir / job / "metrics.csv", newline="") as fh:
+            times = [float(r["step_time_s"]) for r in csv.DictReader(fh)]
+        assert figures[job] == pytest.approx(4 * 128 * 2 / sum(times[1:]), rel=1e-9), (job, figures, times)
+        shown = f"{figures[job]:,.0f}"
+        row = next(line for line in report.stdout.splitlines() if re.match(rf"│ +{job} ", line))
+        assert f" {shown} " in row and f"· {shown} tokens/s ·" in result.stdout, (shown, row, result.stdout)
 
 
 def test_ctrl_c_stops_every_worker_with_one_line(everyday_runs):

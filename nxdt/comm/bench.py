@@ -16,25 +16,26 @@ the output; reduce-scatter: the input).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
 import sys
 import time
 from typing import Any, Callable
 
 import torch
 
-OPS = ("allr", "allg", "redsct", "alltoall", "bcast", "reduce", "sendrecv")
-OP_TITLES = {
-    "allr": "all_reduce",
-    "allg": "all_gather",
-    "redsct": "reduce_scatter",
-    "alltoall": "all_to_all",
-    "bcast": "broadcast",
-    "reduce": "reduce",
-    "sendrecv": "send_recv",
-}
+# nccom-test's vocabulary, shared with the cost model's `nxdt comm-test --estimate` (which must not import torch)
+from nxdt.topology.nccom import (
+    OP_TITLES,
+    OPS,
+    algorithm_bands,
+    bus_factor,
+    layout_text,
+    parse_size,
+    ranks_per_node,
+    sizes,
+    write_json,
+)
+
 DTYPES = {
     "fp32": torch.float32,
     "fp16": torch.float16,
@@ -43,30 +44,6 @@ DTYPES = {
     "int64": torch.int64,
     "uint8": torch.uint8,
 }
-_UNITS = {"": 1, "b": 1, "kb": 1 << 10, "k": 1 << 10, "mb": 1 << 20, "m": 1 << 20, "gb": 1 << 30, "g": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?b?)\s*", text.lower())
-    if not m:
-        raise argparse.ArgumentTypeError(f"size {text!r}: use a number with an optional unit, e.g. 1024, 1kb, 64mb")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
-
-
-def bus_factor(op: str, n: int) -> float:
-    if op == "allr":
-        return 2 * (n - 1) / n
-    if op in ("allg", "redsct", "alltoall"):
-        return (n - 1) / n
-    return 1.0
-
-
-def sizes(minbytes: int, maxbytes: int, factor: float) -> list[int]:
-    out, s = [], max(1, minbytes)
-    while s <= maxbytes:
-        out.append(s)
-        s = int(s * factor) if factor > 1 else s + max(1, int(-factor or 1))
-    return out
 
 
 class GlooAdapter:
@@ -246,42 +223,8 @@ def check_process_count(per_node: int, force: bool) -> None:
         )
 
 
-def ranks_per_node(nworkers: int, nodes: int) -> int:
-    """nccom-test's split: ``-r`` ranks in all, divided equally over ``-N`` nodes. ValueError (one line) otherwise."""
-    if nodes < 1:
-        raise ValueError(f"-N {nodes}: need at least one node")
-    if nworkers < 2:
-        raise ValueError(f"-r {nworkers}: need at least 2 ranks (-r is the total number of ranks over all nodes)")
-    if nworkers % nodes:
-        per = max(1, round(nworkers / nodes))
-        raise ValueError(
-            f"-r {nworkers} ranks do not divide equally over -N {nodes} nodes: -r is the total number of ranks, "
-            f"as in nccom-test (e.g. -r {per * nodes} -N {nodes} runs {per} on each node)"
-        )
-    return nworkers // nodes
-
-
-def layout_text(host_ids: list[Any]) -> str:
-    """``host 0: ranks [0, 1] | host 1: ranks [2, 3]`` from the host of each rank."""
-    hosts: dict[Any, list[int]] = {}
-    for r, h in enumerate(host_ids):
-        hosts.setdefault(h, []).append(r)
-    return " | ".join(f"host {i}: ranks {g}" for i, g in enumerate(hosts.values()))
-
-
 def _layout(world) -> str:
     return layout_text(world.host_ids)
-
-
-def algorithm_bands(by_size: dict[int, str]) -> str:
-    """``ring (1KB–64KB); rhd (256KB)``: the algorithm of each size, as runs of sizes."""
-    bands: dict[str, list[int]] = {}
-    for size, name in sorted(by_size.items()):
-        bands.setdefault(name, []).append(size)
-    return "; ".join(
-        f"{name} ({_size_text(min(s))}–{_size_text(max(s))})" if len(s) > 1 else f"{name} ({_size_text(s[0])})"
-        for name, s in bands.items()
-    )
 
 
 def _body(world, args: dict) -> dict[str, Any]:
@@ -380,13 +323,6 @@ def _print_table(report: dict, n: int, transport: str) -> None:
                 line += f" {r['#wrong']:>7}"
             print(line)
         print(f"# Avg bus bandwidth    : {sum(r['busbw(GB/s)'] for r in rows) / len(rows):.3f}")
-
-
-def _size_text(nbytes: int) -> str:
-    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:g}{unit}"
-    return f"{nbytes}B"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -505,16 +441,6 @@ def main(argv: list[str] | None = None, multinode: Callable[[argparse.Namespace,
         print(f"nxdt comm-test: {exc}", file=sys.stderr)
         return 1
     return finish(report, args)
-
-
-def write_json(path: str, report: dict, nworkers: int, nodes: int, transport: str) -> None:
-    """``--report-to-json-file``: the run's settings and rows (measured, or predicted by ``--estimate``), one layout."""
-    report = {"nworkers": nworkers, "nodes": nodes, "transport": transport, **report}
-    report["memcpy"] = {str(k): v for k, v in report.get("memcpy", {}).items()}
-    if "algorithms" in report:
-        report["algorithms"] = {str(k): v for k, v in report["algorithms"].items()}
-    with open(path, "w") as fh:
-        json.dump(report, fh, indent=1)
 
 
 def finish(report: dict, args: argparse.Namespace) -> int:

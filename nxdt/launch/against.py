@@ -1,7 +1,7 @@
 """``nxdt plan --against RUN_DIR``: the plan's predictions beside what a finished run measured.
 
-The run's own ``config.yaml`` is planned again (with the host calibration, when there is one, so a
-``comm-test --calibrate`` after the run counts), then compared with the run's files:
+The run's own ``config.yaml`` is planned again (with the host calibration when ``--calibration PATH|auto`` asks
+for one, so a ``comm-test --calibrate`` after the run can count), then compared with the run's files:
 
 - step time: the median ``step_time_s`` of ``metrics.csv`` after ``warmup`` steps (the first steps include
   start-up work no plan models);
@@ -127,6 +127,7 @@ def compare(run_dir: str | Path, calibration: dict[str, Any] | None, warmup: int
         "instance": cfg.instance.name,
         "world_size": the_plan.world_size,
         "calibrated": est["calibrated"],
+        "calibration": est.get("calibration"),  # the file and when it was measured, when asked for
         "steps": steps,
         "warmup": warmup if steps > warmup else 0,
         "traced": bool(traced),
@@ -158,11 +159,19 @@ def _r(ratio: float | None) -> str:
     return "-" if ratio is None or not math.isfinite(ratio) else f"{ratio:.2f}"
 
 
+def _source(report: dict[str, Any]) -> str:
+    """Where the plan's figures come from: the calibration asked for (file, when measured), else the catalogue."""
+    used = report.get("calibration")
+    if not report["calibrated"] or not used:
+        return "catalogue figures"
+    return f"calibration {used.get('file')} measured {used.get('date')}"
+
+
 def render(report: dict[str, Any]) -> str:
     """The comparison as text: step time, collective time per step, then one line per traced collective."""
     lines = [
         f"plan vs run {report['run_dir']} ({report['world_size']} ranks on {report['instance']}, "
-        f"{'calibrated' if report['calibrated'] else 'catalogue figures'}; {report['steps']} steps, "
+        f"{_source(report)}; {report['steps']} steps, "
         f"median after {report['warmup']} warm-up)",
         f"{'':28}{'predicted':>12}{'measured':>12}{'pred/meas':>11}",
     ]

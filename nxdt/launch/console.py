@@ -1,7 +1,7 @@
 """What ``nxdt train`` shows on the console: nxdt's own lines first.
 
 * the launcher prints a banner (run directory, the layout in one line, the plan's predicted step time) and,
-  when the job ends, a summary (steps, time, first → last loss, median tokens/s, newest checkpoint, the
+  when the job ends, a summary (steps, time, first → last loss, the run's tokens/s (``nxdt.data.throughput``), newest checkpoint, the
   command to resume and the one to look at the run);
 * rank 0 prints one line per ``trainer.log_every_n_steps`` (``nxdt.lightning.exp_manager.StepConsole``),
   restarts and checkpoints;
@@ -31,18 +31,25 @@ MODES = ("quiet", "normal", "verbose")
 MODE_FLAGS = {"-q": "quiet", "--quiet": "quiet", "-v": "verbose", "--verbose": "verbose"}
 
 # Lightning's info lines that are not about this run: device banners, advertisements, its own stop notice
-# (nxdt's summary says why training stopped). Everything else Lightning logs (e.g. "Restoring states from the
-# checkpoint path at ...") stays on the console.
+# (nxdt's summary says why training stopped) and its two lines on restoring a checkpoint (rank 0 prints nxdt's own
+# "nxdt: resuming from ..." line). Everything else Lightning logs stays on the console.
 THIRD_PARTY_NOISE = re.compile(
     r"^(GPU available|TPU available|HPU available|IPU available|💡 Tip|LOCAL_RANK: \d|"
-    r"`Trainer\.fit` stopped)"
+    r"`Trainer\.fit` stopped|Restoring states from the checkpoint path at |Restored all states from the checkpoint at )"
 )
+# nxdt's own callbacks (nxdt.lightning.exp_manager, datamodule): Lightning's call.py warns on resume when the state key
+# of one saved in the checkpoint is not among the Trainer's, which for these means only that a setting in their key
+# changed (exp_manager.checkpoint_every_n_steps: the launcher's "continuing" line names the change). The warning
+# stays on the console when any callback it lists is someone else's.
+NXDT_CALLBACKS = ("DirectoryCheckpoint", "StepMetricsLogger", "StepProgressBar", "EpochLimit", "FaultInjection")
+_OWN_CALLBACK = r"""["'](?:""" + "|".join(NXDT_CALLBACKS) + r""")(?:\{[^{}]*\})?["']"""
 # warnings that concern library authors, not the person training: deprecations of APIs nxdt's dependencies use,
 # Lightning's advice on manual optimization with ModelCheckpoint (nxdt's module steps its optimizer itself and
 # its checkpoints are meant to hold the state after the step), and its note that a resumed run's checkpoint directory is not empty (it is the run's own)
 WARNING_NOISE = re.compile(
     r"deprecat|FutureWarning|DeprecationWarning|Using ModelCheckpoint with manual optimization|"
-    r"Checkpoint directory .* exists and is not empty",
+    r"Checkpoint directory .* exists and is not empty|"
+    rf"Please add the following callbacks: \[{_OWN_CALLBACK}(?:, {_OWN_CALLBACK})*\]",
     re.IGNORECASE,
 )
 THIRD_PARTY_LOGGERS = ("lightning.pytorch", "lightning.fabric")
@@ -163,7 +170,7 @@ def command_line(source_args: list[str], overrides: list[str], extra: list[str])
 
 def summary(run_dir: Path, status: str, launched_at: float, overrides: list[str], source_args: Sequence[str] = ()) -> list[str]:
     """The lines printed when a job ends: how far it got, how fast, where its checkpoint is, what to type next."""
-    from nxdt.launch.runs import get, load_run, median
+    from nxdt.launch.runs import get, load_run
 
     run = load_run(run_dir)
     elapsed = time.time() - launched_at
@@ -178,9 +185,9 @@ def summary(run_dir: Path, status: str, launched_at: float, overrides: list[str]
         )
         head = f"nxdt: {verb} at step {run.last_step} of {run.max_steps} in {_seconds(elapsed)}{first_at}"
         figures = [f"loss {run.first_loss:.4f} → {run.last_loss:.4f}"]
-        tps = median(this_launch or rows, "tokens_per_s")
+        tps = run.tokens_per_s  # the figure nxdt runs / report / sweep-report show (nxdt.data.throughput)
         if tps is not None:
-            figures.append(f"{tps:,.0f} tokens/s (median)")
+            figures.append(f"{tps:,.0f} tokens/s")
         peak = max((r["peak_rss_mb"] for r in rows if "peak_rss_mb" in r), default=None)
         if peak is not None:
             figures.append(f"peak memory {peak:,.0f} MB (rank 0)")

@@ -80,8 +80,9 @@ def plot_metric(
 
 
 def run_labels(runs: list[Run]) -> list[str]:
-    """Labels telling the runs apart: the overrides that differ between them, else the shortest distinct tail of
-    their paths."""
+    """Legend labels telling the runs apart by what was run: each run's layout (world × instance, the degrees above 1,
+    FSDP / ZeRO-1) and the overrides that differ between the runs; where that still leaves two runs alike (the same
+    command twice), the shortest distinct tail of their paths is added. One run: its name."""
     return [printable(label, 300) for label in _labels(runs)]
 
 
@@ -90,14 +91,15 @@ def _labels(runs: list[Run]) -> list[str]:
         return [runs[0].name]
     seen = [set(r.overrides) for r in runs]
     differing = set().union(*seen) - seen[0].intersection(*seen[1:])
-    if differing and all(set(r.overrides) & differing for r in runs):
-        return [" ".join(o for o in r.overrides if o in differing) for r in runs]
+    labels = [" ".join([r.layout, *(o for o in r.overrides if o in differing)]) for r in runs]
+    if len(set(labels)) == len(labels):
+        return labels
     parts = [r.path.parts for r in runs]
     for n in range(1, max(len(p) for p in parts) + 1):
-        labels = ["/".join(p[-n:]) for p in parts]
-        if len(set(labels)) == len(labels):
-            return labels
-    return [str(r.path) for r in runs]
+        tails = ["/".join(p[-n:]) for p in parts]
+        if len(set(tails)) == len(tails):
+            break
+    return [f"{label} ({tail})" for label, tail in zip(labels, tails)]
 
 
 def summary_rows(runs: list[Run], labels: list[str]) -> list[list[str]]:
@@ -120,7 +122,7 @@ def summary_rows(runs: list[Run], labels: list[str]) -> list[list[str]]:
                 _fmt(best, ".4f"),
                 f"{val[-1]:.4f}" if val else "-",
                 _fmt(r.tokens_per_s, ",.0f"),
-                _fmt(median(r.rows, "step_time_s"), ".3f"),
+                _fmt(r.step_time_s, ".3f"),
                 _fmt(max((x["peak_rss_mb"] for x in r.rows if "peak_rss_mb" in x), default=None), ",.0f"),
                 _fmt(exposed, ".4f"),
                 printable(r.checkpoint.name) if r.checkpoint else "-",
@@ -137,8 +139,8 @@ SUMMARY_COLUMNS = (
     "loss first → last",
     "best loss",
     "val loss",
-    "tokens/s (median)",
-    "step s (median)",
+    "tokens/s",
+    "step s (mean)",
     "peak MB",
     "exposed comm s",
     "checkpoint",

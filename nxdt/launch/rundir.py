@@ -11,9 +11,9 @@ from typing import Any
 from nxdt.config import ConfigError, save_run_config
 from nxdt.config.resume_keys import MODEL, Change, config_changes, refusal, show, summary
 from nxdt.planner import Plan
+from nxdt.launch.runs import HISTORY_DIR, STAMP
 
 CONFIG_FILE, PLAN_FILE, OVERRIDES_FILE = "config.yaml", "plan.json", "overrides.txt"
-HISTORY_DIR, STAMP = "config-history", "%Y-%m-%d_%H-%M-%S"  # one entry per launch into the run directory
 STORE_SECRET_FILE = ".store_secret"  # this launch's rendezvous-store secret, hex, 0600 (nxdt.comm.store)
 STORE_FILE = ".store"  # a local launch's rendezvous store (torch FileStore), 0600 (nxdt.comm.store.create_file_store)
 

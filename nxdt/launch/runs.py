@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from nxdt.data.throughput import run_step_time_s, run_tokens_per_s
+
 STATUS_FILE, METRICS_FILE, LOCK_FILE = "status.json", "metrics.csv", ".lock"
 STATES = ("running", "finished", "failed", "interrupted", "unknown")
 # sub-directories of a run directory that never hold runs (not walked when listing)
@@ -32,6 +34,8 @@ _RUN_PARTS = {"checkpoints", "logs", "tensorboard", "trace", "report"}
 # The most nxdt reads of one run file: a run's own status.json, plan.json and config.yaml are a few KB, its
 # metrics.csv ~100 bytes a logged step (64 MiB: over 500,000 steps). A larger file is someone else's, not read.
 RUN_FILE_LIMIT = 64 << 20
+# one entry per launch into a run directory, ``<n>-<time>`` (written by nxdt.launch.rundir.record_history)
+HISTORY_DIR, STAMP = "config-history", "%Y-%m-%d_%H-%M-%S"
 
 
 class RunFileError(OSError):
@@ -243,6 +247,24 @@ def _finite_step(step: float) -> bool:
     return step == step and abs(step) < 2**53
 
 
+def launch_starts(run_dir: Path) -> list[float]:
+    """When each launch into the run directory began (epoch seconds, from its config history's entry names; whole
+    seconds, rounded down: still before that launch's first step). Empty without a history."""
+    starts = []
+    try:
+        entries = [p.name for p in (Path(run_dir) / HISTORY_DIR).iterdir() if p.is_dir() and not p.is_symlink()]
+    except OSError:
+        return []
+    for name in entries:
+        number, _, stamp = name.partition("-")
+        try:
+            if number.isdigit():
+                starts.append(time.mktime(time.strptime(stamp, STAMP)))
+        except (ValueError, OverflowError):
+            continue
+    return sorted(starts)
+
+
 def newest_checkpoint(run_dir: Path) -> Path | None:
     """The newest complete ``checkpoints/step-<N>`` (``done`` marker; damaged ones moved aside and temporary
     directories are none)."""
@@ -332,6 +354,7 @@ class Run:
     detail: str = ""
     checkpoint: Path | None = None
     overrides: list[str] = field(default_factory=list)
+    launches: list[float] = field(default_factory=list)  # launch_starts
 
     @property
     def max_steps(self) -> int | None:
@@ -351,7 +374,13 @@ class Run:
 
     @property
     def tokens_per_s(self) -> float | None:
-        return median(self.rows, "tokens_per_s")
+        """Tokens trained per second of training steps, start-up left out (nxdt.data.throughput)."""
+        return run_tokens_per_s(self.rows, self.launches)
+
+    @property
+    def step_time_s(self) -> float | None:
+        """Mean step time over the same steps as :attr:`tokens_per_s`."""
+        return run_step_time_s(self.rows, self.launches)
 
     @property
     def started(self) -> str:
@@ -399,6 +428,7 @@ def load_run(path: Path, root: Path | None = None) -> Run:
     name = printable(name, 300)  # directory names can hold escape sequences too
     config, plan, rows, record = load_yaml(path / "config.yaml"), load_plan(path), read_metrics(path), read_status(path)
     run = Run(path=path, name=name, config=config, plan=plan, rows=rows, record=record, checkpoint=newest_checkpoint(path))
+    run.launches = launch_starts(path)
     try:
         run.overrides = [printable(o, 200) for o in read_run_text(path / "overrides.txt", 1 << 20).split()]
     except OSError:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nxdt.launch.runs import printable, read_metrics, read_run_text
+from nxdt.data.throughput import run_step_time_s, run_tokens_per_s
+from nxdt.launch.runs import launch_starts, printable, read_metrics, read_run_text
 
 
 class SweepReportError(ValueError):
@@ -19,13 +20,8 @@ def _job_rows(sweep_dir: Path) -> list[dict]:
             overrides = [printable(o, 200) for o in read_run_text(job / "overrides.txt", 1 << 20).split()]
         except OSError:
             overrides = []
-        rows.append({"job": job.name, "overrides": overrides, "steps": read_metrics(job)})
+        rows.append({"job": job.name, "overrides": overrides, "steps": read_metrics(job), "launches": launch_starts(job)})
     return rows
-
-
-def _mean(rows: list[dict], key: str) -> float | None:
-    values = [r[key] for r in rows if key in r]
-    return sum(values) / len(values) if values else None
 
 
 def _sweep_keys(rows: list[dict]) -> set[str]:
@@ -48,13 +44,14 @@ def report(sweep_dir: Path) -> int:
         )
     swept = _sweep_keys(rows)
     table = Table(title=Text(printable(f"sweep {sweep_dir}")))
-    for col in ("job", "overrides", "steps", "final loss", "tokens/s", "step time (s)"):
+    for col in ("job", "overrides", "steps", "final loss", "tokens/s", "step time (s, mean)"):
         table.add_column(col)
     for r in rows:
         shown = " ".join(o for o in r["overrides"] if o in swept) or " ".join(r["overrides"])
         if r["steps"]:
-            tail = r["steps"][len(r["steps"]) // 2 :] or r["steps"]  # steady state: skip warm-up steps
-            tps, st, loss = _mean(tail, "tokens_per_s"), _mean(tail, "step_time_s"), r["steps"][-1].get("loss")
+            # the figures nxdt runs and nxdt report show: tokens per second of training steps, start-up left out
+            tps, st = run_tokens_per_s(r["steps"], r["launches"]), run_step_time_s(r["steps"], r["launches"])
+            loss = r["steps"][-1].get("loss")
             table.add_row(
                 r["job"],
                 Text(shown),

@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from nxdt.data.throughput import tokens_per_s
 from nxdt.lightning import checkpoint as ckpt_io
 from nxdt.lightning.objective import ORPO_METRICS, REWARD_METRICS
 
@@ -157,7 +158,7 @@ class StepMetricsLogger(Callback):
             **metrics,
             "step_time_s": step_time,
             "wall_time": round(time.time(), 3),
-            "tokens_per_s": self.tokens_per_step / step_time if step_time > 0 else 0.0,
+            "tokens_per_s": tokens_per_s(self.tokens_per_step, step_time),  # global tokens: nxdt.data.throughput
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }  # rank 0's high-water mark (Linux: KiB)
         for logger in trainer.loggers:

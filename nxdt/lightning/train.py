@@ -6,7 +6,6 @@ run directory and calls :func:`run_training` in every rank.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +23,6 @@ from nxdt.lightning.lora_checkpoint import LORA_META_KEY, lora_meta
 from nxdt.models.lora import LoRAConfig, PeftConfig, lora_layers, resolve_targets
 from nxdt.planner import Plan
 from nxdt.planner.links import emulated_links_for
-
-log = logging.getLogger(__name__)
 
 
 # precision.type (NxDT names) → Lightning precision: bf16 = pure bf16 weights and compute;
@@ -183,7 +180,7 @@ def run_training(cfg: Any, plan: Plan, run_dir: str | Path) -> None:
             f"{f'resuming from {Path(ckpt_path).name}' if ckpt_path else 'no checkpoint yet: starting from step 0'}",
             flush=True,
         )
-    elif ckpt_path is not None and trainer.is_global_zero:
-        log.info("resuming from %s", ckpt_path)
+    elif ckpt_path is not None and trainer.is_global_zero:  # in place of Lightning's two lines (its rank log only)
+        print(f"nxdt: resuming from {ckpt_path}", flush=True)
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)
     trainer.strategy.close()  # the worker is forked: no atexit handler would do it

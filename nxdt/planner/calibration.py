@@ -2,8 +2,10 @@
 
 ``nxdt comm-test --calibrate`` measures this host's collectives (and a small transformer's achieved
 FLOP/s); ``fit_calibration`` turns the measurements into ``T(op, n, S) = a + S·b`` per op and group
-size, stored as JSON (default ``$XDG_CACHE_HOME/nxdt/calibration-<host>.json``). ``nxdt plan`` on the
-``cpu`` instance then predicts with measured figures instead of the catalogue's placeholders.
+size, stored as JSON (default ``$XDG_CACHE_HOME/nxdt/calibration-<host>.json``). A plan uses a calibration only when
+asked (``nxdt plan --calibration PATH|auto``, the same flag on ``plan --against`` and ``comm-test --estimate``;
+``auto``: this host's default file), never because a file happens to exist, and says which file it used and when it
+was measured (``Plan.estimate["calibration"]``, the printed plan's ``calibration:`` line).
 """
 
 from __future__ import annotations
@@ -36,21 +38,34 @@ def default_path() -> Path:
     return root / "nxdt" / f"calibration-{socket.gethostname()}.json"
 
 
-def load_calibration(path: str | Path | None = None) -> dict[str, Any] | None:
-    """The calibration at ``path`` (must exist) or at the default path (None when absent)."""
-    target = Path(path).expanduser() if path else default_path()
-    if not target.is_file():
-        if path:
-            raise ConfigError("--calibration", str(path), "no such file; write one with `nxdt comm-test --calibrate`")
+AUTO = "auto"  # --calibration auto: this host's default file
+
+
+def load_calibration(path: str | Path | None) -> dict[str, Any] | None:
+    """The calibration the user asked for: None when not asked (``path`` None), the file ``path``, or with ``auto``
+    this host's default file; either must exist. The returned data also names its ``file``."""
+    if path is None:
         return None
+    target = default_path() if str(path) == AUTO else Path(path).expanduser()
+    if not target.is_file():
+        if str(path) == AUTO:
+            raise ConfigError(
+                "--calibration", AUTO, f"no calibration of this host at {target}; write one with `nxdt comm-test --calibrate`"
+            )
+        raise ConfigError("--calibration", str(path), "no such file; write one with `nxdt comm-test --calibrate`")
     try:
         data = json.loads(target.read_text())
         assert isinstance(data.get("ops"), dict)
-    except (ValueError, AssertionError):
+    except (ValueError, AssertionError, AttributeError):
         raise ConfigError(
             "--calibration", str(target), "not a calibration file; rewrite it with `nxdt comm-test --calibrate`"
         ) from None
-    return data
+    return {**data, "file": str(target)}
+
+
+def provenance(calibration: dict[str, Any]) -> dict[str, Any]:
+    """What a plan records of the calibration it used: the file, when and where it was measured."""
+    return {"file": calibration.get("file"), "date": calibration.get("date"), "host": calibration.get("host")}
 
 
 def fit_line(sizes: list[float], seconds: list[float]) -> tuple[float, float]:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from nxdt.planner.calibration import provenance
 from nxdt.planner.cost import bus_bandwidth, estimate_collective
 from nxdt.topology import Topology
 
@@ -699,6 +700,8 @@ def estimate_plan(plan: Any, cfg: Any, topo: Topology, calibration: dict[str, An
         "device_memory_GiB": inst.memory_GiB,
         "calibrated": bool(calibration and topo.graph == "host"),
     }
+    if plan.estimate["calibrated"]:  # which measurement the figures come from (nxdt.planner.calibration)
+        plan.estimate["calibration"] = provenance(calibration or {})
     if ring:
         plan.estimate["context_parallel"] = context_parallel_figures(cfg, d, ring, mem)
     if inst.memory_GiB and per_device > inst.memory_GiB * GiB:

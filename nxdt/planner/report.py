@@ -84,6 +84,12 @@ def render_plan(plan: Any, grid: tuple[int, int] | None = None) -> str:
             f"{_seconds(e['comm_s'])}); {_si(e['tokens_per_s'], 'tokens/s')}; MFU {100 * e['mfu']:.1f}%",
             f"memory: {mem} — " + ", ".join(f"{k} {_bytes(v)}" for k, v in e["memory_per_rank_bytes"].items()) + " per rank",
         ]
+        source = e.get("calibration")
+        if source:
+            lines.append(
+                f"calibration: {source.get('file')} (measured {source.get('date')} on {source.get('host')}; "
+                "--calibration asked for it)"
+            )
         cp = e.get("context_parallel")
         if cp:
             lines.append(
