@@ -91,6 +91,7 @@ def build_trainer(cfg: Any, plan: Plan, run_dir: Path, tokens_per_step: int, *, 
         peft_adapter_in_checkpoints=peft is not None and peft.save_lora_config_adapter,
         comm_transport=cfg.comm.transport,
         comm_algorithm=cfg.comm.algorithm,
+        checkpoint_format="directory",  # the run directory's checkpoints: keep_last_k, checksums, resume on any layout
     )
     return pl.Trainer(
         accelerator="cpu",
