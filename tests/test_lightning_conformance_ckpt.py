@@ -189,3 +189,41 @@ def test_conversion_refuses_an_existing_target_and_adapters_only_checkpoints(tmp
     lora = save({"state_dict": {"w": torch.ones(2)}}, tmp_path / "step-2", meta={"adapters_only": True}, write_latest=False)
     with pytest.raises(CheckpointError, match=r"LoRA adapters only .* export-hf"):
         convert_to_lightning_checkpoint(lora, tmp_path / "lora.ckpt")
+
+
+def test_a_tensor_parallel_directory_converts_to_the_unsharded_models_file(tmp_path):
+    """TP2 shards of a real Llama (tied embeddings, KV heads held by both ranks) and their AdamW state, written as the
+    checkpointer writes them, convert to the file a single-process run of the unsharded model would hold: its
+    ``state_dict()`` and its optimizer's own ``state_dict()`` (indices in its param-group order), bit for bit —
+    concatenating shards is exact."""
+    from safetensors.torch import save_file
+
+    from nxdt.lightning import checkpoint as ckpt_io, reshard
+    from nxdt.parallel.tensor_parallel import shard_layout
+    from test_reshard import _full_module_and_optimizer, _tp_rank
+
+    full, full_opt = _full_module_and_optimizer()
+    saved = reshard.by_name(full_opt.state_dict(), reshard.param_names(full_opt, full))
+    root = tmp_path / "step-1"
+    root.mkdir()
+    for r in range(2):
+        module, opt = _tp_rank(full, r, 2)
+        opt.load_state_dict(reshard.optimizer_state_for(saved, opt, module, tp_rank=r))
+        save_file(ckpt_io._dedupe_shared(module.state_dict()), str(root / f"model-mp{r}.safetensors"))
+        state = reshard.with_param_names({"global_step": 1, "optimizer_states": [opt.state_dict()]}, [opt], module)
+        torch.save({**state, reshard.STATE_ORDER_KEY: list(module.state_dict())}, root / f"trainer_state-mp{r}.pt")
+    degrees = {"tp": 2, "pp": 1, "cp": 1, "ep": 1, "dp": 1}
+    meta = {"format_version": 2, "step": 1, "world_size": 2, "degrees": degrees, "tensor_parallel": shard_layout(module.model)}
+    (root / "meta.json").write_text(json.dumps(meta))
+    (root / "done").write_text("ok\n")
+
+    converted = torch.load(convert_to_lightning_checkpoint(root, tmp_path / "tp2.ckpt"), weights_only=True)
+    assert sorted(converted) == ["global_step", "optimizer_states", "state_dict"]
+    assert list(converted["state_dict"]) == list(full.state_dict())  # the module's own order
+    for name, value in full.state_dict().items():
+        assert torch.equal(converted["state_dict"][name], value), name
+    [got] = converted["optimizer_states"]
+    want = full_opt.state_dict()
+    assert got["param_groups"] == want["param_groups"] and list(got["state"]) == list(want["state"])
+    for i, entry in want["state"].items():
+        assert all(torch.equal(got["state"][i][k], v) for k, v in entry.items()), i

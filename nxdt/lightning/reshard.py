@@ -349,7 +349,10 @@ def read_full_state(path: str | os.PathLike, *, optimizer: bool = True, expect_m
         for name, tensor in pos.model.items():
             pieces.setdefault(name, {})[k % tp] = tensor
     model = {name: _merge(name, by_tp, layout, tp, root) for name, by_tp in pieces.items()}
-    order = {n: i for i, n in enumerate(n for pos in positions for n in pos.trainer.pop(STATE_ORDER_KEY, []))}
+    order: dict[str, int] = {}
+    for pos in positions:  # stage by stage; TP ranks of a stage list the same names
+        for name in pos.trainer.pop(STATE_ORDER_KEY, []):
+            order.setdefault(name, len(order))
     model = dict(sorted(model.items(), key=lambda kv: order.get(kv[0], len(order))))  # the module's order where recorded
 
     optimizers = []
