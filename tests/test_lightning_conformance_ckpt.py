@@ -22,6 +22,7 @@ import pytest
 import torch
 import lightning.pytorch as pl
 
+from nxdt.cli import main
 from nxdt.lightning import NxDStrategy, convert_to_lightning_checkpoint
 from nxdt.lightning.checkpoint import CheckpointError, save
 from nxdt.lightning.lightning_checkpoint import load_file, resolve_format
@@ -177,7 +178,7 @@ def test_a_file_holding_objects_is_not_unpickled(tmp_path):
         load_file(tmp_path / "x.ckpt", TorchCheckpointIO(), None)
 
 
-def test_conversion_refuses_an_existing_target_and_adapters_only_checkpoints(tmp_path):
+def test_conversion_refuses_an_existing_target_and_adapters_only_checkpoints(tmp_path, capsys):
     ckpt = save({"state_dict": {"w": torch.ones(2)}, "global_step": 1}, tmp_path / "step-1", write_latest=False)
     (tmp_path / "taken.ckpt").write_bytes(b"")
     with pytest.raises(CheckpointError, match=r"taken.ckpt exists — name a new file"):
@@ -186,6 +187,11 @@ def test_conversion_refuses_an_existing_target_and_adapters_only_checkpoints(tmp
         convert_to_lightning_checkpoint(ckpt, ckpt / "out.ckpt")
     converted = torch.load(convert_to_lightning_checkpoint(ckpt, tmp_path / "out.ckpt"), weights_only=True)
     assert_same(converted, {"global_step": 1, "state_dict": {"w": torch.ones(2)}, "optimizer_states": []})
+    # the same from the command line: nxdt checkpoint consolidate DIR OUT --lightning
+    assert main(["checkpoint", "consolidate", str(ckpt), str(tmp_path / "cli.ckpt"), "--lightning"]) == 0
+    assert_same(torch.load(tmp_path / "cli.ckpt", weights_only=True), converted)
+    assert main(["checkpoint", "consolidate", str(ckpt), str(tmp_path / "cli.ckpt"), "--lightning"]) == 2
+    assert "cli.ckpt exists — name a new file" in capsys.readouterr().err
     lora = save({"state_dict": {"w": torch.ones(2)}}, tmp_path / "step-2", meta={"adapters_only": True}, write_latest=False)
     with pytest.raises(CheckpointError, match=r"LoRA adapters only .* export-hf"):
         convert_to_lightning_checkpoint(lora, tmp_path / "lora.ckpt")
