@@ -49,9 +49,10 @@ commands:
                               import with model.hf_checkpoint=DIR.
                               A LoRA checkpoint exports as a PEFT adapter directory; --merge: a full model with the adapters
                               merged (--base: the Hugging Face model an adapters-only checkpoint merges into)
-  checkpoint consolidate DIR OUT
+  checkpoint consolidate DIR OUT [--lightning]
                               one full-state checkpoint (model, optimizer, trainer state) from a sharded one: a one-rank
-                              run resumes it directly, any other layout reshards it (exp_manager.resume_from_checkpoint=OUT)
+                              run resumes it directly, any other layout reshards it (exp_manager.resume_from_checkpoint=OUT);
+                              --lightning: OUT is one Lightning .ckpt file, as DDP writes it (load_from_checkpoint reads it)
 
   data convert-megatron INPUT... --output-prefix PREFIX [--tokenizer PATH]
                               Megatron's indexed dataset (PREFIX.bin/.idx, what data.data_prefix names) from JSONL or text
@@ -1057,7 +1058,8 @@ def cmd_sweep_report(argv: list[str]) -> int:
 CHECKPOINT_USAGE = (
     "usage: nxdt checkpoint inspect DIR | nxdt checkpoint verify DIR | nxdt checkpoint export-hf DIR OUT "
     "[--merge] [--base HF_DIR] [--dtype fp32|bf16] | "
-    "nxdt checkpoint consolidate DIR OUT   (DIR: a checkpoints/step-<N> directory; OUT: a new directory to write)"
+    "nxdt checkpoint consolidate DIR OUT [--lightning]   (DIR: a checkpoints/step-<N> directory; OUT: a new directory "
+    "to write, or with --lightning a new .ckpt file)"
 )
 
 
@@ -1107,6 +1109,8 @@ def cmd_checkpoint(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "verify":
         return checkpoint_verify(argv[1])
     merge, base, dtype = False, None, "fp32"
+    lightning = argv[:1] == ["consolidate"] and "--lightning" in argv
+    argv = [a for a in argv if a != "--lightning"] if lightning else argv
     if argv and argv[0] == "export-hf":  # LoRA: --merge, --base HF_DIR; --dtype fp32|bf16
         merge, rest = "--merge" in argv, [a for a in argv if a != "--merge"]
         if "--base" in rest:
@@ -1124,11 +1128,14 @@ def cmd_checkpoint(argv: list[str]) -> int:
         raise UsageError(CHECKPOINT_USAGE)
     from nxdt.lightning.checkpoint import CheckpointError, describe
     from nxdt.lightning.hf import export_hf
+    from nxdt.lightning.lightning_checkpoint import convert_to_lightning_checkpoint
     from nxdt.lightning.reshard import consolidate
 
     try:
         if argv[0] == "inspect":
             print(describe(argv[1]))
+        elif argv[0] == "consolidate" and lightning:
+            print(f"nxdt: wrote {convert_to_lightning_checkpoint(argv[1], argv[2])} (one Lightning .ckpt file)")
         elif argv[0] == "consolidate":
             print(f"nxdt: wrote {consolidate(argv[1], argv[2])} (one rank; resume it on any layout)")
         else:

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 HERE = Path(__file__).resolve().parent
 RTOL = 1e-5
@@ -88,7 +89,16 @@ def test_validate_test_and_predict_equal_ddp(reports):
 
 
 def test_model_checkpoint_callback_writes_the_best_checkpoint(reports):
-    for run in ("nxdt", "nxdt_zero1", "nxdt_fsdp"):
+    """Plain data parallelism: Lightning's one file, as DDP writes it; ZeRO-1/FSDP: an nxdt directory (sharded state)."""
+    best = Path(reports[0]["nxdt"]["best_checkpoint"])
+    assert best.name.endswith(".ckpt") and best.is_file(), best
+    assert torch.load(best, weights_only=True)["state_dict"].keys() == {
+        "net.0.weight",
+        "net.0.bias",
+        "net.2.weight",
+        "net.2.bias",
+    }
+    for run in ("nxdt_zero1", "nxdt_fsdp"):
         best = Path(reports[0][run]["best_checkpoint"])
         assert best.name.endswith(".ckpt") and (best / "done").is_file(), (run, best)
 

@@ -170,13 +170,29 @@ def remove_incomplete(checkpoint_dir: str | os.PathLike) -> list[Path]:
     return removed
 
 
+def plain_data(obj: Any) -> bool:
+    """Whether ``obj`` is made of what ``torch.load(weights_only=True)`` reads back: tensors, numbers, strings, None
+    in dicts, lists and tuples (not a user's class, not an OmegaConf container)."""
+    if obj is None or type(obj) in (bool, int, float, str) or type(obj) is torch.Tensor:
+        return True
+    if type(obj) in (list, tuple):
+        return all(plain_data(v) for v in obj)
+    if type(obj) is dict:
+        return all(plain_data(k) and plain_data(v) for k, v in obj.items())
+    return False
+
+
 def _split_state(checkpoint: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     state = dict(checkpoint)
     model_state = state.pop("state_dict", {})
-    # Hyper-parameters may hold arbitrary user objects; they are re-created from the config, not the
-    # checkpoint, so they are not stored (keeps trainer_state.pt loadable with weights_only=True).
-    for key in ("hyper_parameters", "hparams_name", "datamodule_hyper_parameters", "hparams_type"):
-        state.pop(key, None)
+    # Hyper-parameters (save_hyperparameters) are kept when they are plain data, so a checkpoint converted to a
+    # Lightning file (load_from_checkpoint) has them; ones holding arbitrary user objects are dropped, which keeps
+    # trainer_state.pt loadable with weights_only=True (nxdt train re-creates everything from its config).
+    for obj in ("", "datamodule_"):
+        if not plain_data(state.get(f"{obj}hyper_parameters")):
+            log.info("checkpoint: the %shyper-parameters are not plain data; not stored", obj)
+            state.pop(f"{obj}hyper_parameters", None)
+    state.pop("hparams_type", None)  # a type: only OmegaConf hyper-parameters have one, and they are not plain data
     tensors = {k: v.detach().contiguous().cpu() for k, v in model_state.items()}
     return tensors, state
 

@@ -117,7 +117,10 @@ def by_index(state: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     for g in state["param_groups"]:
         groups.append({**_hyper(g), "params": list(range(start, start + len(g["params"])))})
         start += len(g["params"])
-    return {"state": {index[n]: v for n, v in state["state"].items()}, "param_groups": groups}, names
+    numbered = sorted(
+        ((index[n], v) for n, v in state["state"].items()), key=lambda kv: kv[0]
+    )  # in index order, as torch's state_dict
+    return {"state": dict(numbered), "param_groups": groups}, names
 
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
@@ -207,6 +210,11 @@ def _read_zero1(root: Path, meta: dict[str, Any], mp: int, optimizer: bool) -> P
 
 
 FSDP_LAYOUT_KEY = "nxdt_fsdp_flat_layout"  # trainer state under FSDP: FullyShardedDataParallel.flat_layout()
+# trainer state under FSDP: per optimizer, its parameter names in the order it held them before FSDP pointed it at
+# flat shards (the order a Lightning file numbers them in: nxdt.lightning.lightning_checkpoint)
+PARAM_ORDER_KEY = "nxdt_optimizer_param_order"
+# trainer state: the model file's tensor names in the module's state-dict order (safetensors sorts them by name)
+STATE_ORDER_KEY = "nxdt_state_dict_order"
 
 
 def _read_fsdp(root: Path, meta: dict[str, Any], mp: int, optimizer: bool) -> PositionShard:
@@ -219,6 +227,7 @@ def _read_fsdp(root: Path, meta: dict[str, Any], mp: int, optimizer: bool) -> Po
     dp = meta["degrees"].get(Dim.DP, 1)
     states = [_state(root / state_file(d)) for d in range(dp)]
     layouts = states[0].get(FSDP_LAYOUT_KEY)
+    orders = states[0].get(PARAM_ORDER_KEY)
     if layouts is None:
         raise CheckpointError(
             f"checkpoint {root}: {state_file(0)} records no FSDP flat layout — resume it on its original layout"
@@ -239,13 +248,20 @@ def _read_fsdp(root: Path, meta: dict[str, Any], mp: int, optimizer: bool) -> Po
                 else:  # the flat's step counter: one copy per parameter (torch's Adam increments it in place)
                     for name, *_ in flat["entries"]:
                         named.setdefault(name, {})[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        order = orders[i] if orders is not None and i < len(orders) else []
+        position = {name: k for k, name in enumerate(order)}  # absent (older checkpoints): the flats' order
         groups = [
-            {**_hyper(g), "params": [name for j in g["params"] for name, *_ in flats[j]["entries"]]}
+            {
+                **_hyper(g),
+                "params": sorted(
+                    (name for j in g["params"] for name, *_ in flats[j]["entries"]), key=lambda n: position.get(n, len(position))
+                ),
+            }
             for g in shards[0]["param_groups"]
         ]
         opts.append({"state": named, "param_groups": groups})
     trainer = states[0]
-    for key in ("optimizer_states", FSDP_LAYOUT_KEY, NAMES_KEY):
+    for key in ("optimizer_states", FSDP_LAYOUT_KEY, NAMES_KEY, PARAM_ORDER_KEY):
         trainer.pop(key, None)
     return PositionShard(model, opts, trainer)
 
@@ -333,6 +349,11 @@ def read_full_state(path: str | os.PathLike, *, optimizer: bool = True, expect_m
         for name, tensor in pos.model.items():
             pieces.setdefault(name, {})[k % tp] = tensor
     model = {name: _merge(name, by_tp, layout, tp, root) for name, by_tp in pieces.items()}
+    order: dict[str, int] = {}
+    for pos in positions:  # stage by stage; TP ranks of a stage list the same names
+        for name in pos.trainer.pop(STATE_ORDER_KEY, []):
+            order.setdefault(name, len(order))
+    model = dict(sorted(model.items(), key=lambda kv: order.get(kv[0], len(order))))  # the module's order where recorded
 
     optimizers = []
     for i in range(len(positions[0].optimizers) if optimizer else 0):

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from nxdt.comm import Communicator
-from nxdt.lightning import checkpoint as ckpt_io, reshard
+from nxdt.lightning import checkpoint as ckpt_io, lightning_checkpoint, reshard
 from nxdt.lightning.peft_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, peft_adapter_config, peft_adapter_state
 from nxdt.parallel.data_parallel import FSDP_SHARD_MARK, DataParallelRuntime
 from nxdt.parallel.tensor_parallel import gather_shards, shard_layout
@@ -100,20 +100,51 @@ class ShardedCheckpointer:
         virtual_pipeline: virtual pipeline stages (recorded in meta.json, checked on load).
         async_writes: write in a background thread (a snapshot; training continues).
         peft_adapter: every checkpoint is also a Hugging Face PEFT adapter directory.
+        checkpoint_format: ``auto`` | ``file`` | ``directory`` (:mod:`nxdt.lightning.lightning_checkpoint`): whether a
+            save is Lightning's one file (written by the strategy's CheckpointIO) or this class's directory.
     """
 
     def __init__(
-        self, dp: DataParallelRuntime, *, virtual_pipeline: int = 1, async_writes: bool = False, peft_adapter: bool = False
+        self,
+        dp: DataParallelRuntime,
+        *,
+        virtual_pipeline: int = 1,
+        async_writes: bool = False,
+        peft_adapter: bool = False,
+        checkpoint_format: str = "directory",
     ) -> None:
         self._dp = dp
         self._virtual = virtual_pipeline
         self._async = async_writes
         self._peft_adapter = peft_adapter
+        self._format_choice = lightning_checkpoint.check_format_choice(checkpoint_format)
+        self.writes_file = False  # resolved by bind(): the layout decides what "auto" means
         self._groups: RankGroups | None = None
         self._writer: ckpt_io.AsyncWriter | None = None  # started by the first asynchronous save
+        self._state_order: dict[str, int] = {}  # the module's state-dict names in its own order, before FSDP
+        self._optimizer_names: list[list[str]] | None = None  # each optimizer's parameters as it holds them, before FSDP
 
-    def bind(self, groups: RankGroups) -> None:
+    def bind(self, groups: RankGroups, module: nn.Module) -> None:
+        """This rank's groups; records ``module``'s state-dict order the first time (FSDP renames its parameters)."""
         self._groups = groups
+        self.writes_file = (
+            lightning_checkpoint.resolve_format(
+                self._format_choice, groups.plan, self._dp.dp_format, async_writes=self._async, peft_adapter=self._peft_adapter
+            )
+            == "file"
+        )
+        if not self._state_order:
+            self._state_order = {k: i for i, k in enumerate(module.state_dict())}
+
+    def record_optimizers(self, optimizers: Sequence[torch.optim.Optimizer], module: nn.Module) -> None:
+        """Each optimizer's parameter names in the order it holds them, before FSDP points it at flat shards: the
+        order torch numbers a Lightning file's optimizer state in (written into FSDP directories for the conversion)."""
+        self._optimizer_names = [reshard.param_names(o, module) for o in optimizers]
+
+    def in_module_order(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``state`` in the module's own state-dict order (FSDP's full state lists its gathered parameters last)."""
+        last = len(self._state_order)
+        return dict(sorted(state.items(), key=lambda kv: self._state_order.get(kv[0], last)))
 
     @property
     def groups(self) -> RankGroups:
@@ -174,9 +205,12 @@ class ShardedCheckpointer:
             state = {k: v for k, v in checkpoint["state_dict"].items() if k in self.groups.trainable}
             checkpoint = {**checkpoint, ADAPTERS_ONLY_KEY: True, "state_dict": state}
         checkpoint = reshard.with_param_names(checkpoint, list(optimizers), module)
+        checkpoint[reshard.STATE_ORDER_KEY] = list(checkpoint["state_dict"])  # the module's order (a converted file keeps it)
         flat_layout = self._dp.optimizer_layout(optimizers, module)
         if flat_layout is not None:  # FSDP: which parameters each optimizer flat shard holds (to unflatten elsewhere)
             checkpoint[reshard.FSDP_LAYOUT_KEY] = flat_layout
+            if self._optimizer_names is not None:  # and the order the user's optimizers hold them in (flats reorder)
+                checkpoint[reshard.PARAM_ORDER_KEY] = self._optimizer_names
         return checkpoint
 
     def _extra_files(self, module: nn.Module) -> dict[str, Any]:
@@ -272,6 +306,14 @@ class ShardedCheckpointer:
             checkpoint = ckpt_io.load(path, expect_model=expect_model, model_file=files.model, state_file=files.state)
         ckpt_io.restore_rng(path, g.rank, same_layout=ckpt_io.same_world(path, degrees, g.plan.world_size))
         return checkpoint
+
+    def load_file(self, path: Any, checkpoint_io: Any, weights_only: bool | None) -> dict[str, Any]:
+        """A Lightning ``.ckpt`` file (this strategy's, DDP's, a converted directory): the full state every layout
+        cuts its part of, as from a resharded directory. Not a collective."""
+        checkpoint = lightning_checkpoint.load_file(path, checkpoint_io, weights_only)
+        if self._optimizer_names is None:  # validate / test / predict: the model alone is restored
+            return {**checkpoint, reshard.RESHARDED_KEY: True}
+        return lightning_checkpoint.as_full_state(checkpoint, self._optimizer_names)
 
     def _other_padding(self, path: Any) -> bool:
         """The same TP degree, but a vocabulary padded to another length (model.make_vocab_size_divisible_by changed):

@@ -40,7 +40,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 import nxdt.comm
-from nxdt.lightning import collectives, environment
+from nxdt.lightning import collectives, environment, lightning_checkpoint
 from nxdt.lightning.precision import with_strategy_clipping
 from nxdt.lightning.sharded_checkpoint import RankGroups, ShardedCheckpointer
 from nxdt.parallel.context_parallel import shard_micro_batches
@@ -93,6 +93,10 @@ class NxDStrategy(ParallelStrategy):
         static_graph, gradient_as_bucket_view, bucket_cap_mb: DDP's options, accepted (so a script written for
             DDPStrategy runs) and without effect: they tune DDP's gradient buckets and autograd hooks, which nxdt does
             not have — each optimizer's gradients are reduced once, flattened per dtype, after its last backward.
+        checkpoint_format: ``"auto"`` (one Lightning ``.ckpt`` file, as DDP writes, under plain data parallelism; an
+            nxdt directory where the state is sharded: ZeRO-1, FSDP, TP/PP/EP), ``"file"`` or ``"directory"``.
+            ``nxdt.lightning.convert_to_lightning_checkpoint(dir, out)`` turns a directory into the file; ``fit`` and
+            ``validate`` read either (:mod:`nxdt.lightning.lightning_checkpoint`).
 
     Several optimizers (a GAN's generator and discriminator) each have their own gradient path: an optimizer's
     gradients are reduced (and clipped, by their own norm) before its step, once per backward that produced them.
@@ -132,6 +136,7 @@ class NxDStrategy(ParallelStrategy):
         gradient_as_bucket_view: bool = False,
         bucket_cap_mb: float | None = None,
         torch_process_group: bool = True,
+        checkpoint_format: str = "auto",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -185,6 +190,7 @@ class NxDStrategy(ParallelStrategy):
             virtual_pipeline=virtual_pipeline_size,
             async_writes=async_checkpointing,
             peft_adapter=peft_adapter_in_checkpoints,
+            checkpoint_format=checkpoint_format,
         )
         self._trace_dir = trace_dir
         self._tracer: nxdt.comm.Tracer | None = None
@@ -327,12 +333,14 @@ class NxDStrategy(ParallelStrategy):
         self._dp.broadcast_parameters(self.lightning_module)
         trainable = frozenset(n for n, p in self.lightning_module.named_parameters() if p.requires_grad)  # before FSDP
         self._checkpoints.bind(
-            RankGroups.of(self.plan, self.global_rank, self.communicators, self._parallel.tp_layout, trainable)
+            RankGroups.of(self.plan, self.global_rank, self.communicators, self._parallel.tp_layout, trainable),
+            self.lightning_module,
         )
         self._fitting = trainer.state.fn == TrainerFn.FITTING
         self._sync_buffers_next = self._fitting and self._broadcast_buffers  # DDP syncs before its first forward
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            self._checkpoints.record_optimizers(self.optimizers, self.lightning_module)  # before FSDP renames them
             # after the optimizers exist: FSDP's param groups decide its flat buffers and are pointed at the shards
             self._dp.shard_model(
                 self.lightning_module, self.optimizers, precision=self.precision_plugin.precision, tracer=self._tracer
@@ -540,6 +548,8 @@ class NxDStrategy(ParallelStrategy):
 
     # ----------------------------------------------------------------------------- checkpoints (this rank's files)
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self._checkpoints.writes_file:  # Lightning's one file, written as DDPStrategy writes it (global rank 0)
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
         self._checkpoints.save(
             checkpoint,
             filepath,
@@ -557,8 +567,9 @@ class NxDStrategy(ParallelStrategy):
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The model file's weights by their original names (under FSDP gathered over DP one unit at a time; a
-        collective every rank joins), so the model file is the same for every data-parallel format."""
-        return self._dp.model_state_dict(self.lightning_module)
+        collective every rank joins), in the module's own order, so the model file is the same for every data-parallel
+        format, and a Lightning file's ``state_dict`` is the one DDP writes."""
+        return self._checkpoints.in_module_order(self._dp.model_state_dict(self.lightning_module))
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -567,6 +578,8 @@ class NxDStrategy(ParallelStrategy):
         return True
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if lightning_checkpoint.is_file(checkpoint_path):  # a Lightning .ckpt (ours, DDP's, converted): any layout
+            return self._checkpoints.load_file(checkpoint_path, self.checkpoint_io, weights_only)
         return self._checkpoints.load(checkpoint_path, expect_model=self.checkpoint_meta.get("model"))
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -577,6 +590,8 @@ class NxDStrategy(ParallelStrategy):
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
 
     def remove_checkpoint(self, filepath: Any) -> None:
+        if lightning_checkpoint.is_file(filepath):
+            return super().remove_checkpoint(filepath)
         if self.is_global_zero:
             self._checkpoints.remove(filepath)
 

@@ -90,6 +90,7 @@ def build_trainer(cfg: Any, plan: Plan, run_dir: Path, tokens_per_step: int, *, 
         comm_algorithm=cfg.comm.algorithm,
         broadcast_buffers=False,  # the hub models' only buffers (RoPE tables) are constants computed alike on every rank
         torch_process_group=False,  # CausalLMModule calls no torch.distributed: no gloo listener beside the store
+        checkpoint_format="directory",  # the run directory's checkpoints: keep_last_k, checksums, resume on any layout
     )
     return pl.Trainer(
         accelerator="cpu",

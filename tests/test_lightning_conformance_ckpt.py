@@ -1,0 +1,235 @@
+"""Checkpoints Lightning loads (issue 33, item 6): under plain data parallelism NxDStrategy writes the one ``.ckpt`` file
+DDPStrategy writes; ZeRO-1 and FSDP write nxdt directories that ``convert_to_lightning_checkpoint`` turns into that
+file; NxDStrategy resumes a Lightning file on every layout. The runs: tests/lightning_conformance_ckpt.py (one torchrun
+launch, 2 CPU ranks); the loads (``torch.load(weights_only=True)``, ``load_from_checkpoint``, ``Trainer(devices=1)
+.validate(ckpt_path=)``) run here, in this process.
+
+Tolerance (the conformance table's, docs/lightning-conformance.md): rtol 1e-5 with an absolute floor of 1e-7. With 2
+ranks the data-parallel average is exact in both libraries and Adam applies the same element-wise operations to a
+ZeRO-1/FSDP flat shard as to a parameter, so these runs (no clipping) agree bit for bit (measured: 0.0); a wrong
+parameter order, a missing shard or the wrong optimizer state moves values by whole percent or changes shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import lightning.pytorch as pl
+
+from nxdt.cli import main
+from nxdt.lightning import NxDStrategy, convert_to_lightning_checkpoint
+from nxdt.lightning.checkpoint import CheckpointError, save
+from nxdt.lightning.lightning_checkpoint import load_file, resolve_format
+from nxdt.planner import plan_layout
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from lightning_conformance_ckpt import Net, data  # noqa: E402
+
+RTOL, ATOL = 1e-5, 1e-7
+CONVERTED = ("nxdt_zero1", "nxdt_fsdp")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("conformance_ckpt")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += [str(HERE / "lightning_conformance_ckpt.py"), str(out)]
+    result = subprocess.run(
+        cmd, cwd=out, capture_output=True, text=True, timeout=220, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def lightning_file(out: Path, run: str) -> Path:
+    """The file a run's epoch-1 checkpoint is for Lightning: its own, or its directory converted."""
+    return out / f"{run}-converted.ckpt" if run in CONVERTED else out / run / "epoch1.ckpt"
+
+
+def assert_same(got, want, where: str = "") -> None:
+    """Equal structure; tensors within the tolerance, everything else exactly."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype, where
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where}: {m}")
+    elif isinstance(want, dict):
+        assert list(got) == list(want), (where, list(got), list(want))
+        for k in want:
+            assert_same(got[k], want[k], f"{where}/{k}")
+    elif isinstance(want, (list, tuple)):
+        assert type(got) is type(want) and len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, (where, got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("run", ["nxdt", *CONVERTED])
+def test_the_lightning_file_is_ddps_file(runs, run):
+    """``torch.load(weights_only=True)`` reads it; the same keys as DDP's, the same weights by the module's own names
+    in its order, each optimizer's per-parameter state in the optimizer's own order (ZeRO-1's shards gathered, FSDP's
+    flats cut back into parameters), schedulers, loops, epoch/global step and hyper-parameters."""
+    out, _ = runs
+    ddp = torch.load(out / "ddp" / "epoch1.ckpt", weights_only=True)
+    got = torch.load(lightning_file(out, run), weights_only=True)
+    assert sorted(got) == sorted(ddp)
+    for key in ("state_dict", "optimizer_states", "lr_schedulers", "loops", "hyper_parameters", "hparams_name"):
+        assert_same(got[key], ddp[key], key)
+    assert (got["epoch"], got["global_step"]) == (ddp["epoch"], ddp["global_step"]) == (1, 4)
+    # the ModelCheckpoint state is DDP's but for the run's own directory
+    assert json.dumps(got["callbacks"], default=str).replace(run, "ddp") == json.dumps(ddp["callbacks"], default=str)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_plain_data_parallel_writes_files_and_sharded_runs_directories(runs):
+    out, _ = runs
+    for name in ("epoch1.ckpt", "last.ckpt", "epoch=0-step=4.ckpt"):  # trainer.save_checkpoint and ModelCheckpoint's
+        assert (out / "nxdt" / name).is_file(), name
+        torch.load(out / "nxdt" / name, weights_only=True)
+        for run in CONVERTED:
+            assert (out / run / name / "done").is_file(), (run, name)  # a committed nxdt directory
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("run", ["nxdt", *CONVERTED])
+def test_load_from_checkpoint_gives_ddps_module(runs, run):
+    out, _ = runs
+    want = Net.load_from_checkpoint(out / "ddp" / "epoch1.ckpt")
+    got = Net.load_from_checkpoint(lightning_file(out, run))
+    assert dict(got.hparams) == dict(want.hparams) == {"hidden": 8, "lr": 0.01}
+    assert_same(got.state_dict(), want.state_dict())
+    assert not torch.equal(got.head.weight, Net().head.weight)  # trained: not the initial weights
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_validate_on_one_device_from_each_file_gives_ddps_metrics(runs, tmp_path):
+    out, _ = runs
+
+    def validate(path: Path) -> float:
+        t = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, default_root_dir=tmp_path)
+        return float(t.validate(Net(), data(2), ckpt_path=path, verbose=False)[0]["val_loss"])
+
+    want = validate(out / "ddp" / "epoch1.ckpt")
+    for run in ("nxdt", *CONVERTED):
+        assert validate(lightning_file(out, run)) == pytest.approx(want, rel=RTOL), run
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("run", ["nxdt", *CONVERTED])
+def test_fit_resumed_from_a_lightning_file_reaches_ddps_weights(runs, run):
+    """The plain run resumes its own file; ZeRO-1 and FSDP resume DDP's (its optimizer state cut into their shards);
+    after the second epoch every rank holds what DDP holds after resuming its own file."""
+    _, reports = runs
+    for rep in reports:
+        want, got = rep["ddp"]["resumed_weights"], rep[run]["resumed_weights"]
+        assert list(got) == list(want)
+        for name in want:
+            assert got[name] == pytest.approx(want[name], rel=RTOL, abs=ATOL), name
+        assert got != rep["ddp"]["epoch1_weights"]  # the second epoch trained
+        assert rep[run]["resumed_val_loss"] == pytest.approx(rep["ddp"]["resumed_val_loss"], rel=RTOL)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_fsdp_state_dict_has_the_modules_own_names_in_its_order(runs):
+    """``strategy.lightning_module_state_dict()`` under FSDP: DDP's keys, in DDP's order (not fsdp_shard_<k>)."""
+    _, reports = runs
+    for rep in reports:
+        assert rep["nxdt_fsdp"]["state_keys"] == rep["ddp"]["state_keys"] == list(Net().state_dict())
+
+
+# ------------------------------------------------------------------------------------------ without a launch
+def test_unknown_checkpoint_format_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"checkpoint_format='zip'\): must be one of auto, file, directory"):
+        NxDStrategy(checkpoint_format="zip")
+
+
+def test_a_file_where_the_state_is_sharded_is_refused_naming_the_conversion():
+    plan = plan_layout(2)
+    assert resolve_format("auto", plan, "replicated", async_writes=False, peft_adapter=False) == "file"
+    assert resolve_format("auto", plan, "zero1", async_writes=False, peft_adapter=False) == "directory"
+    assert resolve_format("auto", plan, "replicated", async_writes=True, peft_adapter=False) == "directory"
+    with pytest.raises(ValueError, match=r"sharded here \(fsdp=True\).*convert_to_lightning_checkpoint\(dir, out\)"):
+        resolve_format("file", plan, "fsdp", async_writes=False, peft_adapter=False)
+    tp = plan_layout(2, tp=2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2"):
+        resolve_format("file", tp, "replicated", async_writes=False, peft_adapter=False)
+    with pytest.raises(ValueError, match=r"async_checkpointing=True writes nxdt directories only"):
+        resolve_format("file", plan, "replicated", async_writes=True, peft_adapter=False)
+
+
+def test_a_file_holding_objects_is_not_unpickled(tmp_path):
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    torch.save({"state_dict": {}, "anything": CheckpointError("not plain data")}, tmp_path / "x.ckpt")
+    with pytest.raises(CheckpointError, match=r"nxdt does not unpickle \(weights_only=True\).*weights_only=False"):
+        load_file(tmp_path / "x.ckpt", TorchCheckpointIO(), None)
+
+
+def test_conversion_refuses_an_existing_target_and_adapters_only_checkpoints(tmp_path, capsys):
+    ckpt = save({"state_dict": {"w": torch.ones(2)}, "global_step": 1}, tmp_path / "step-1", write_latest=False)
+    (tmp_path / "taken.ckpt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"taken.ckpt exists — name a new file"):
+        convert_to_lightning_checkpoint(ckpt, tmp_path / "taken.ckpt")
+    with pytest.raises(CheckpointError, match=r"inside the checkpoint"):
+        convert_to_lightning_checkpoint(ckpt, ckpt / "out.ckpt")
+    converted = torch.load(convert_to_lightning_checkpoint(ckpt, tmp_path / "out.ckpt"), weights_only=True)
+    assert_same(converted, {"global_step": 1, "state_dict": {"w": torch.ones(2)}, "optimizer_states": []})
+    # the same from the command line: nxdt checkpoint consolidate DIR OUT --lightning
+    assert main(["checkpoint", "consolidate", str(ckpt), str(tmp_path / "cli.ckpt"), "--lightning"]) == 0
+    assert_same(torch.load(tmp_path / "cli.ckpt", weights_only=True), converted)
+    assert main(["checkpoint", "consolidate", str(ckpt), str(tmp_path / "cli.ckpt"), "--lightning"]) == 2
+    assert "cli.ckpt exists — name a new file" in capsys.readouterr().err
+    lora = save({"state_dict": {"w": torch.ones(2)}}, tmp_path / "step-2", meta={"adapters_only": True}, write_latest=False)
+    with pytest.raises(CheckpointError, match=r"LoRA adapters only .* export-hf"):
+        convert_to_lightning_checkpoint(lora, tmp_path / "lora.ckpt")
+
+
+def test_a_tensor_parallel_directory_converts_to_the_unsharded_models_file(tmp_path):
+    """TP2 shards of a real Llama (tied embeddings, KV heads held by both ranks) and their AdamW state, written as the
+    checkpointer writes them, convert to the file a single-process run of the unsharded model would hold: its
+    ``state_dict()`` and its optimizer's own ``state_dict()`` (indices in its param-group order), bit for bit —
+    concatenating shards is exact."""
+    from safetensors.torch import save_file
+
+    from nxdt.lightning import checkpoint as ckpt_io, reshard
+    from nxdt.parallel.tensor_parallel import shard_layout
+    from test_reshard import _full_module_and_optimizer, _tp_rank
+
+    full, full_opt = _full_module_and_optimizer()
+    saved = reshard.by_name(full_opt.state_dict(), reshard.param_names(full_opt, full))
+    root = tmp_path / "step-1"
+    root.mkdir()
+    for r in range(2):
+        module, opt = _tp_rank(full, r, 2)
+        opt.load_state_dict(reshard.optimizer_state_for(saved, opt, module, tp_rank=r))
+        save_file(ckpt_io._dedupe_shared(module.state_dict()), str(root / f"model-mp{r}.safetensors"))
+        state = reshard.with_param_names({"global_step": 1, "optimizer_states": [opt.state_dict()]}, [opt], module)
+        torch.save({**state, reshard.STATE_ORDER_KEY: list(module.state_dict())}, root / f"trainer_state-mp{r}.pt")
+    degrees = {"tp": 2, "pp": 1, "cp": 1, "ep": 1, "dp": 1}
+    meta = {"format_version": 2, "step": 1, "world_size": 2, "degrees": degrees, "tensor_parallel": shard_layout(module.model)}
+    (root / "meta.json").write_text(json.dumps(meta))
+    (root / "done").write_text("ok\n")
+
+    converted = torch.load(convert_to_lightning_checkpoint(root, tmp_path / "tp2.ckpt"), weights_only=True)
+    assert sorted(converted) == ["global_step", "optimizer_states", "state_dict"]
+    assert list(converted["state_dict"]) == list(full.state_dict())  # the module's own order
+    for name, value in full.state_dict().items():
+        assert torch.equal(converted["state_dict"][name], value), name
+    [got] = converted["optimizer_states"]
+    want = full_opt.state_dict()
+    assert got["param_groups"] == want["param_groups"] and list(got["state"]) == list(want["state"])
+    for i, entry in want["state"].items():
+        assert all(torch.equal(got["state"][i][k], v) for k, v in entry.items()), i
