@@ -441,7 +441,7 @@ def build_callbacks(cfg: Any, run_dir: Path, tokens_per_step: int, *, show_progr
     em = cfg.exp_manager
     norms = tuple(c for c, on in (("grad_norm", em.log_gradient_norm), ("param_norm", em.log_parameter_norm)) if on)
     mas = cfg.model_alignment_strategy  # DPO / ORPO: the objective's metrics (nxdt.lightning.objective)
-    objective_metrics = REWARD_METRICS if mas.dpo is not None else ORPO_METRICS if mas.orpo is not None else ()
+    objective_metrics: tuple[str, ...] = REWARD_METRICS if mas.dpo is not None else ORPO_METRICS if mas.orpo is not None else ()
     if mas.grpo is not None:  # GRPO's rewards, KL, clip ratios, completion lengths (nxdt.lightning.grpo)
         from nxdt.lightning.grpo import metric_names
 
