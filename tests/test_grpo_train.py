@@ -180,3 +180,22 @@ def test_wrong_count_and_non_finite_rewards_name_the_function(held_out, monkeypa
         score([user.not_finite], ["not_finite"], records, ["2", "3"], [[50], [51]])
     values = score([user.partly_scored], ["partly_scored"], records, ["2", "3"], [[50], [51]])
     assert math.isnan(values[0, 0]) and values[1, 0] == 0.5  # None: not scored by this function (TRL's NaN)
+
+
+def test_prompt_stream_resumes_where_it_was_and_splits_each_step_over_ranks():
+    """Step k's prompts are a function of (seed, k): a stream started at step 3 (a resume) yields what the
+    uninterrupted one yields from step 3; the ranks' slices of a step are disjoint and together the step's prompts;
+    records are all visited once per epoch (10 records, 4 prompts per step)."""
+    from itertools import islice
+
+    from nxdt.lightning.grpo import PromptSteps
+
+    def take(rank, start, steps):
+        stream = PromptSteps(10, 4, seed=7, rank=rank, dp_size=2, start=lambda: start)
+        return [b["indices"].tolist() for b in islice(iter(stream), steps)]
+
+    whole = [a + b for a, b in zip(take(0, 0, 6), take(1, 0, 6))]
+    assert [a + b for a, b in zip(take(0, 3, 3), take(1, 3, 3))] == whole[3:]
+    flat = [i for step in whole for i in step]
+    assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:20]) == list(range(10))  # one epoch = a permutation
+    assert flat[:10] != flat[10:20]  # each epoch its own order
