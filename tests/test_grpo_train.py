@@ -199,3 +199,13 @@ def test_prompt_stream_resumes_where_it_was_and_splits_each_step_over_ranks():
     flat = [i for step in whole for i in step]
     assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:20]) == list(range(10))  # one epoch = a permutation
     assert flat[:10] != flat[10:20]  # each epoch its own order
+
+
+def test_shipped_arithmetic_prompts_are_the_generator_output_and_the_rewards_score_them():
+    from nxdt.data import SAMPLE_ARITHMETIC
+    from nxdt.data.arithmetic import digits_only, exact_answer, make_arithmetic_records
+
+    records = [json.loads(line) for line in SAMPLE_ARITHMETIC.read_text().splitlines()]
+    assert records == make_arithmetic_records(256, seed=0)
+    assert exact_answer(["12+13="] * 3, ["25", " 25 ", "26"], answer=["25"] * 3) == [1.0, 1.0, 0.0]
+    assert digits_only(["1+1="] * 3, ["2", "2a", ""]) == [1.0, 0.5, 0.0]
