@@ -30,12 +30,11 @@ autocast's rules (bf16 matmuls, fp32 softmax), as HF's eager attention does.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from dataclasses import dataclass
 
 IMPLEMENTATIONS = ("naive", "sdpa", "blockwise")
 DEFAULT_IMPL = "sdpa"
@@ -54,23 +53,86 @@ class SequenceLayout:
 
     ``position_ids`` [B, S] (None: 0..S-1 in every row) — packed records restart at 0, a context-parallel rank's
     tokens carry their places in the full sequence. ``segment_ids`` [B, S] (None: one document per row) — tokens
-    attend only within their own segment (packed SFT records). The hub models take it as ``layout=`` in
-    ``embed`` and ``run_layer`` and build it from ``forward(input_ids, position_ids=, segment_ids=)``."""
+    attend only within their own segment (packed SFT records). ``kv_cache`` (None: no cache) — incremental
+    decoding: each attention appends this call's keys/values to its entry and attends over everything cached
+    (:class:`KVCache`). The hub models take it as ``layout=`` in ``embed`` and ``run_layer`` and build it from
+    ``forward(input_ids, position_ids=, segment_ids=, kv_cache=)``."""
 
     position_ids: torch.Tensor | None = None
     segment_ids: torch.Tensor | None = None
+    kv_cache: "KVCache | None" = None
 
     @classmethod
-    def of(cls, position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None) -> "SequenceLayout | None":
-        """The layout of these ids, or None when both are absent (the plain 0..S-1, one-document case)."""
-        if position_ids is None and segment_ids is None:
+    def of(
+        cls,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        kv_cache: "KVCache | None" = None,
+    ) -> "SequenceLayout | None":
+        """The layout of these ids, or None when all are absent (the plain 0..S-1, one-document, uncached case)."""
+        if position_ids is None and segment_ids is None and kv_cache is None:
             return None
-        return cls(position_ids, segment_ids)
+        return cls(position_ids, segment_ids, kv_cache)
+
+
+class KVCache:
+    """The keys, values and segment ids of every token decoded so far, one entry per attention module.
+
+    Incremental decoding (``nxdt.models.generate``): the first call (prefill) runs the whole left-padded prompt
+    batch, later calls one new token per row; each attention module :meth:`extend` s its entry with the new
+    tokens' k/v [B, Hkv, s, D] (after RoPE) and attends over all of them with :func:`cached_attention`. The
+    segment ids travel with the keys so a left pad (segment 0) is never seen by a real token (segment 1), exactly
+    as the uncached block-causal mask does. :meth:`keep` drops finished rows from every entry."""
+
+    def __init__(self) -> None:
+        self._entries: dict[nn.Module, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+
+    def __len__(self) -> int:
+        """Tokens cached per row (0 before the prefill)."""
+        return next(iter(self._entries.values()))[0].shape[2] if self._entries else 0
+
+    def extend(
+        self, owner: nn.Module, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Append ``owner``'s new k, v [B, Hkv, s, D] (and their segment ids [B, s]); return everything cached."""
+        if owner in self._entries:
+            k0, v0, seg0 = self._entries[owner]
+            if (seg0 is None) != (segment_ids is None):
+                raise ValueError("KVCache: pass segment_ids on every decoding step or on none")
+            k, v = torch.cat([k0, k], dim=2), torch.cat([v0, v], dim=2)
+            segment_ids = None if seg0 is None else torch.cat([seg0, segment_ids], dim=1)  # type: ignore[list-item]
+        self._entries[owner] = (k, v, segment_ids)
+        return k, v, segment_ids
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows ``rows`` (indices) in every entry: finished sequences leave the batch."""
+        for owner, (k, v, seg) in self._entries.items():
+            self._entries[owner] = (k[rows], v[rows], None if seg is None else seg[rows])
+
+
+def cached_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_segments: torch.Tensor | None, k_segments: torch.Tensor | None
+) -> torch.Tensor:
+    """softmax(QKᵀ/√d)V of the s newest tokens q [B, H, s, D] over all T cached keys k/v [B, Hkv, T, D]: query i
+    sits at key index T-s+i (causal, bottom-right aligned) and sees only keys of its own segment."""
+    s_q, s_k = q.shape[2], k.shape[2]
+    rows = torch.arange(s_k - s_q, s_k, device=q.device)[:, None]
+    allowed = torch.arange(s_k, device=q.device)[None, :] <= rows  # [s, T]
+    if q_segments is not None and k_segments is not None:
+        allowed = allowed & (q_segments[:, :, None] == k_segments[:, None, :])  # [B, s, T]
+        allowed = allowed[:, None]
+    gqa = k.shape[1] != q.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa)
 
 
 def layout_fields(layout: SequenceLayout | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(position_ids, segment_ids) of a layout that may be None."""
     return (None, None) if layout is None else (layout.position_ids, layout.segment_ids)
+
+
+def layout_cache(layout: SequenceLayout | None) -> KVCache | None:
+    """The KV cache of a layout that may be None."""
+    return None if layout is None else layout.kv_cache
 
 
 def core_attention(

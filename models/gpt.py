@@ -33,7 +33,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from nxdt.models.attention import DEFAULT_IMPL, CoreAttention, SequenceLayout, check_impl, layout_fields
+from nxdt.models.attention import (
+    DEFAULT_IMPL,
+    CoreAttention,
+    KVCache,
+    SequenceLayout,
+    cached_attention,
+    check_impl,
+    layout_cache,
+    layout_fields,
+)
 from nxdt.models.llama import CHECKPOINT_GRANULARITIES, DecoderOnlyLM, _opt, check_positions, vocab_block
 
 
@@ -49,13 +58,16 @@ class GPTAttention(nn.Module):
         self.core = CoreAttention(_opt(cfg, "core_attention", None) or DEFAULT_IMPL)  # the seam ring attention swaps
         self.checkpoint_core = _opt(cfg, "activations_checkpoint_granularity", None) == "selective"
 
-    def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
         # shapes from the projections' outputs: under TP they hold this rank's heads, under SP x is a sequence
         # shard while q/k/v span the whole sequence
         q, k, v = (proj(x) for proj in (self.q_proj, self.k_proj, self.v_proj))
         b, s, _ = q.shape
         q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        if self.checkpoint_core and torch.is_grad_enabled():  # selective: recompute softmax(QKᵀ)V in backward
+        if cache is not None:  # incremental decoding: attend over every cached token
+            k, v, k_segments = cache.extend(self, k, v, segment_ids)
+            out = cached_attention(q, k, v, segment_ids, k_segments)
+        elif self.checkpoint_core and torch.is_grad_enabled():  # selective: recompute softmax(QKᵀ)V in backward
             out = checkpoint(self.core, q, k, v, segment_ids, use_reentrant=False)
         else:
             out = self.core(q, k, v, segment_ids)
@@ -81,8 +93,8 @@ class GPTBlock(nn.Module):
         self.post_attention_layernorm = nn.LayerNorm(cfg.hidden_size, eps=eps)
         self.mlp = GPTMLP(cfg)
 
-    def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), segment_ids)
+    def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), segment_ids, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -141,6 +153,9 @@ class GPTForCausalLM(DecoderOnlyLM):
 
     def run_layer(self, layer: nn.Module, x: torch.Tensor, layout: SequenceLayout | None = None) -> torch.Tensor:
         segments = layout_fields(layout)[1]
+        cache = layout_cache(layout)
+        if cache is not None:  # decoding: no backward, so no checkpointing
+            return layer(x, segments, cache)
         if self.checkpoint_layers and torch.is_grad_enabled():
             return checkpoint(layer, x, segments, use_reentrant=False)
         return layer(x, segments)

@@ -40,7 +40,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from nxdt.models.attention import DEFAULT_IMPL, CoreAttention, SequenceLayout, check_impl, layout_fields
+from nxdt.models.attention import (
+    DEFAULT_IMPL,
+    CoreAttention,
+    KVCache,
+    SequenceLayout,
+    cached_attention,
+    check_impl,
+    layout_cache,
+    layout_fields,
+)
 from nxdt.models.objectives import token_log_probs
 
 CHECKPOINT_GRANULARITIES = (None, "full", "selective")
@@ -181,7 +190,12 @@ class Attention(nn.Module):
         self.checkpoint_core = _opt(cfg, "activations_checkpoint_granularity", None) == "selective"
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segment_ids: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        segment_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         # head counts come from the projections' sizes, so a tensor-parallel swap (fewer local heads) keeps working;
         # so does the sequence length: under sequence parallelism x is a sequence shard and q/k/v the full sequence
@@ -198,7 +212,10 @@ class Attention(nn.Module):
             cos, sin = cos[:s], sin[:s]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # grouped-query attention (fewer KV heads: KV head j serves query heads [j·g, (j+1)·g)) is core attention's
-        if self.checkpoint_core and torch.is_grad_enabled():
+        if cache is not None:  # incremental decoding: attend over every cached token, not just this call's
+            k, v, k_segments = cache.extend(self, k, v, segment_ids)
+            out = cached_attention(q, k, v, segment_ids, k_segments)
+        elif self.checkpoint_core and torch.is_grad_enabled():
             out = checkpoint(self.core, q, k, v, segment_ids, use_reentrant=False)
         else:
             out = self.core(q, k, v, segment_ids)
@@ -236,9 +253,14 @@ class DecoderLayer(nn.Module):
         return MLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segment_ids: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        segment_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segment_ids)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segment_ids, cache)
         return x + getattr(self, self.ffn_name)(self.post_attention_layernorm(x))
 
 
@@ -341,11 +363,16 @@ class DecoderOnlyLM(nn.Module):
         return self.lm_head(self.norm(x))
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """input_ids [B, S] → logits [B, S, vocab]; ``position_ids`` / ``segment_ids`` [B, S] as
-        :class:`~nxdt.models.attention.SequenceLayout` (packed records, context-parallel shards)."""
-        layout = SequenceLayout.of(position_ids, segment_ids)
+        :class:`~nxdt.models.attention.SequenceLayout` (packed records, context-parallel shards); ``kv_cache``
+        for incremental decoding (``input_ids`` then holds only the tokens not yet cached)."""
+        layout = SequenceLayout.of(position_ids, segment_ids, kv_cache)
         x = self.embed(input_ids, layout)
         for layer in self.layers:
             x = self.run_layer(layer, x, layout)
@@ -443,6 +470,9 @@ class LlamaForCausalLM(DecoderOnlyLM):
         [B, S/tp, hidden] under sequence parallelism: attention takes the RoPE rows its full sequence needs)."""
         cos, sin = self.rope(layout)
         segments = layout_fields(layout)[1]
+        cache = layout_cache(layout)
+        if cache is not None:  # decoding: no backward, so no checkpointing
+            return layer(x, cos, sin, segments, cache)
         if self.checkpoint_layers and torch.is_grad_enabled():
             return checkpoint(layer, x, cos, sin, segments, use_reentrant=False)
         return layer(x, cos, sin, segments)

@@ -61,6 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nxdt.models.attention import KVCache
 from nxdt.models.llama import DecoderLayer, LlamaForCausalLM, _instance_or_static, _opt, check_config, next_token_loss
 
 MOE_DEFAULTS = {"num_experts": 8, "top_k": 2, "router_aux_loss_coef": 0.02, "router_activation": "softmax"}
@@ -241,12 +242,16 @@ class MixtralForCausalLM(LlamaForCausalLM):
         return [m for m in self.modules() if isinstance(m, SparseMoeBlock)]
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """input_ids [B, S] → logits [B, S, vocab] (router logits kept on each block for the aux loss)."""
         for block in self.moe_blocks():
             block.router_logits = None  # a layer that does not run (another pipeline stage) adds nothing
-        return super().forward(input_ids, position_ids, segment_ids)
+        return super().forward(input_ids, position_ids, segment_ids, kv_cache)
 
     def router_logits(self) -> list[torch.Tensor]:
         """Router logits [tokens, experts] of every layer that ran in the last forward, in layer order."""

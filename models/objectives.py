@@ -1,4 +1,5 @@
-"""Training objectives as small pure functions: causal LM (SFT) cross-entropy with masked labels, DPO and ORPO.
+"""Training objectives as small pure functions: causal LM (SFT) cross-entropy with masked labels, DPO, ORPO and
+GRPO (group-relative advantages and the clipped-surrogate policy loss with an optional k3 KL penalty).
 
 Conventions shared with the hub models' ``loss_fn`` and ``nxdt.data``:
 
@@ -32,6 +33,11 @@ __all__ = [
     "odds_ratio_terms",
     "log1mexp",
     "DPO_LOSS_TYPES",
+    "GRPO_LOSS_TYPES",
+    "SCALE_REWARDS",
+    "nanstd",
+    "grpo_advantages",
+    "grpo_loss",
 ]
 
 
@@ -188,3 +194,126 @@ def orpo_loss(
     losses, metrics = odds_ratio_terms(chosen_logps_mean, rejected_logps_mean, beta)
     loss = chosen_nll.float() + losses.mean()
     return loss, {**metrics, "nll_loss": chosen_nll.detach().float()}
+
+
+# --- GRPO (Shao et al. 2024, DeepSeekMath §4.1), with TRL's GRPOTrainer semantics and names ------------------------
+
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SCALE_REWARDS = ("group", "batch", "none")
+ADVANTAGE_STD_EPS = 1e-4  # TRL's: advantages / (std + 1e-4)
+
+
+def nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """Standard deviation ignoring NaNs, with Bessel's correction (n − 1), as TRL's ``trainer.utils.nanstd``."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    variance = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
+    variance = variance * count / (count - 1)
+    std = variance.sqrt()
+    return std if keepdim or dim is None else std.squeeze(dim)
+
+
+def grpo_advantages(
+    rewards_per_func: torch.Tensor, reward_weights: torch.Tensor, num_generations: int, scale_rewards: str = "group"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group-relative advantages of N completions (rows grouped ``num_generations`` at a time, one group per prompt)
+    from the rewards of F reward functions, TRL's ``sum_then_normalize`` (``GRPOTrainer._generate_and_score_
+    completions``):
+
+        r_i = Σ_f w_f · rewards_per_func[i, f]   (NaN — the function did not score i — counts as 0; all-NaN rows NaN)
+        A_i = (r_i − mean_group(r)) / (std + 1e-4)
+
+    where std is the group's (``scale_rewards="group"``), the whole batch's (``"batch"``), or no division at all
+    (``"none"``, Dr. GRPO); stds are Bessel-corrected and NaN-aware. Unscorable rows get advantage 0. Returns
+    ``(advantages [N], rewards [N], std [N])`` (std: the one used, or the group's under ``"none"``, for logging)."""
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"grpo.scale_rewards={scale_rewards!r}: use one of {', '.join(SCALE_REWARDS)}")
+    rewards_per_func = rewards_per_func.float()
+    if rewards_per_func.shape[0] % num_generations:
+        raise ValueError(f"{rewards_per_func.shape[0]} completions are not whole groups of num_generations={num_generations}")
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    rewards = (rewards_per_func * reward_weights.float().unsqueeze(0)).nansum(dim=1)
+    rewards = rewards.masked_fill(unscorable, float("nan"))
+    groups = rewards.view(-1, num_generations)
+    mean = torch.nanmean(groups, dim=1).repeat_interleave(num_generations)
+    if scale_rewards == "batch":
+        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    elif num_generations > 1:
+        std = nanstd(groups, dim=1).repeat_interleave(num_generations)
+    else:
+        std = torch.zeros_like(rewards)
+    advantages = rewards - mean
+    if scale_rewards != "none":
+        advantages = advantages / (std + ADVANTAGE_STD_EPS)
+    return torch.nan_to_num(advantages, nan=0.0), rewards, std
+
+
+def grpo_loss(
+    per_token_logps: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    old_per_token_logps: torch.Tensor | None = None,
+    ref_per_token_logps: torch.Tensor | None = None,
+    beta: float = 0.0,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    loss_type: str = "dapo",
+    max_completion_length: int | None = None,
+    num_items_in_batch: torch.Tensor | float | None = None,
+    num_processes: int = 1,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The GRPO policy loss of a batch of completions, as TRL's ``GRPOTrainer._compute_loss`` computes it (token-level
+    importance sampling, no entropy mask, no vLLM correction; one gradient-accumulation step per generation):
+
+        ρ_t  = exp(log π(o_t) − log π_old(o_t))       (π_old = the detached policy: ρ = 1, gradient of ρ·A)
+        l_t  = −min(ρ_t A, clip(ρ_t, 1 − ε, 1 + ε_high) A)  + β · (exp(ref_t − logp_t) − (ref_t − logp_t) − 1)
+
+    the last term being the k3 estimator of KL(π ‖ π_ref) (Schulman 2020), present only when ``beta`` != 0 (then
+    ``ref_per_token_logps`` is required). Aggregation by ``loss_type``: ``grpo`` — mean over each completion's
+    tokens, then over completions; ``bnpo`` — mean over the batch's tokens; ``dr_grpo`` — sum / (B ·
+    ``max_completion_length``); ``dapo`` — sum / (``num_items_in_batch`` / ``num_processes``), where
+    ``num_items_in_batch`` is the number of completion tokens over all data-parallel ranks (default: this batch's),
+    so that averaging the ranks' gradients gives the global token mean.
+
+    ``per_token_logps`` [B, T] (any T: only ``mask`` — 1 on completion tokens — says which count), ``advantages``
+    [B]. Returns ``(loss, metrics)``, metrics detached masked means over this batch's tokens (TRL's names): ``kl``
+    (when beta != 0), ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``."""
+    if loss_type not in GRPO_LOSS_TYPES:
+        raise ValueError(f"grpo.loss_type={loss_type!r} is not supported: use one of {', '.join(GRPO_LOSS_TYPES)}")
+    if beta != 0.0 and ref_per_token_logps is None:
+        raise ValueError("grpo_loss: beta != 0 needs ref_per_token_logps (the reference model's log-probs)")
+    epsilon_low = epsilon
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    logps = per_token_logps.float()
+    mask = mask.to(logps.dtype)
+    old = logps.detach() if old_per_token_logps is None else old_per_token_logps.float()
+    adv = advantages.float().unsqueeze(1)
+    coef_1 = torch.exp(logps - old)
+    coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+    per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
+    metrics: dict[str, torch.Tensor] = {}
+    tokens = mask.sum().clamp(min=1.0)
+    if beta != 0.0:
+        assert ref_per_token_logps is not None
+        delta = ref_per_token_logps.float() - logps
+        per_token_kl = torch.exp(delta) - delta - 1
+        per_token_loss = per_token_loss + beta * per_token_kl
+        metrics["kl"] = ((per_token_kl * mask).sum() / tokens).detach()
+    if loss_type == "grpo":
+        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    elif loss_type == "bnpo":
+        loss = (per_token_loss * mask).sum() / tokens
+    elif loss_type == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError("grpo_loss: loss_type dr_grpo needs max_completion_length")
+        loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length)
+    else:  # dapo
+        items = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=logps.dtype)
+        loss = (per_token_loss * mask).sum() / (items.clamp(min=1.0) / num_processes)
+    low = ((coef_1 < 1 - epsilon_low) & (adv < 0)).to(logps.dtype)
+    high = ((coef_1 > 1 + epsilon_high) & (adv > 0)).to(logps.dtype)
+    region = torch.maximum(low, high)
+    for name, clipped in (("low", low), ("high", high), ("region", region)):
+        metrics[f"clip_ratio/{name}_mean"] = ((clipped * mask).sum() / tokens).detach()
+    return loss, metrics

@@ -339,6 +339,8 @@ def check_data(cfg: Any) -> None:
         _check_instructions(cfg)
     elif data.source == "preferences":
         _check_preferences(cfg)
+    elif data.source == "prompts":
+        _check_grpo(cfg)
     _check_host_memory(cfg)
 
 
@@ -375,6 +377,23 @@ def _check_instructions(cfg: Any) -> None:
                 cfg, key, path, len(dataset), "sequences after packing" if cfg.model_alignment_strategy.sft.packing else "records"
             )
         print(f"nxdt: {sft_report(dataset.stats, 'train' if key == 'data.train_dir' else 'validation')}", flush=True)
+
+
+def _check_grpo(cfg: Any) -> None:
+    """GRPO (nxdt.lightning.grpo.check): layout, batch and sampling settings, the prompt records, and each reward
+    function — the user's own code named in the config — imported and its signature checked, before any worker."""
+    from nxdt.config import ConfigError
+    from nxdt.lightning.grpo import GRPOConfigError, check
+    from nxdt.planner import plan
+
+    if cfg.model_alignment_strategy.grpo is None:
+        raise ConfigError(
+            "data.source", "prompts", "prompt records are read by GRPO: add model_alignment_strategy.grpo (+recipe=grpo)"
+        )
+    try:
+        check(cfg, plan(cfg).dp)
+    except GRPOConfigError as exc:
+        raise ConfigError(exc.key, exc.value, exc.fix) from None
 
 
 def _check_preferences(cfg: Any) -> None:

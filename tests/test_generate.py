@@ -102,3 +102,107 @@ def test_bad_prompts_are_refused_by_name(models):
         greedy_generate(model, [[1, 2], []], 3)
     with pytest.raises(ValueError, match="max_new_tokens=-1"):
         greedy_generate(model, [[1]], -1)
+
+
+# --- KV cache and sampling (issue 34) ---------------------------------------------------------------------------
+
+from nxdt.models.attention import KVCache  # noqa: E402
+from nxdt.models.generate import generate, left_pad, warp, Sampling  # noqa: E402
+from nxdt.models.gpt import GPTForCausalLM  # noqa: E402
+from nxdt.models.mixtral import MixtralForCausalLM  # noqa: E402
+
+
+def hub_models():
+    """Llama (GQA, RoPE), Mixtral (routed experts) and GPT (learned positions, biases): every hub attention."""
+    torch.manual_seed(1)
+    out = {"llama": LlamaForCausalLM(SimpleNamespace(**TINY))}
+    moe = SimpleNamespace(num_experts=4, top_k=2, router_aux_loss_coef=0.02)
+    out["mixtral"] = MixtralForCausalLM(SimpleNamespace(**TINY, moe=moe))
+    out["gpt"] = GPTForCausalLM(SimpleNamespace(**TINY))
+    for model in out.values():
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(1.0 + 0.2 * torch.randn_like(p) if p.ndim == 1 else 0.3 * torch.randn_like(p))
+        model.eval()
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral", "gpt"])
+def test_cached_logits_equal_the_full_prefix_forward(name):
+    """Prefill a left-padded batch into the cache, then feed one token per step: every step's last-position logits
+    equal a full forward over the whole (left-padded) prefix. Same fp32 math over the same keys in another
+    order (a masked sdpa over the cache vs. the block-causal one), so they agree to fp32 rounding: logits are
+    O(10) here and 2 layers of 32-wide sums keep the difference near 1e-6; 1e-4 absolute leaves a wide margin
+    while a wrong position, mask or stale cache entry moves logits by O(1)."""
+    model = hub_models()[name]
+    continuation = [[4, 8, 15], [16, 23, 42], [1, 2, 3]]
+    cache = KVCache()
+    batch = left_pad(PROMPTS)
+    with torch.no_grad():
+        model(batch["input_ids"], position_ids=batch["position_ids"], segment_ids=batch["segment_ids"], kv_cache=cache)
+        for step in range(3):
+            new = torch.tensor([[c[step]] for c in continuation])
+            positions = torch.tensor([[len(p) + step] for p in PROMPTS])
+            cached = model(new, position_ids=positions, segment_ids=torch.ones_like(new), kv_cache=cache)[:, -1]
+            full = left_pad([p + c[: step + 1] for p, c in zip(PROMPTS, continuation)])
+            reference = model(full["input_ids"], position_ids=full["position_ids"], segment_ids=full["segment_ids"])
+            torch.testing.assert_close(cached, reference[:, -1], rtol=0, atol=1e-4)
+    assert len(cache) == max(len(p) for p in PROMPTS) + 3
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral", "gpt"])
+def test_cached_greedy_equals_uncached_with_eos(name):
+    model = hub_models()[name]
+    free = generate(model, PROMPTS, NEW, use_cache=False)
+    assert generate(model, PROMPTS, NEW) == free
+    eos = free[1][2]  # rows leave the batch at different steps: the cache must drop exactly those rows
+    assert generate(model, PROMPTS, NEW, eos_id=eos) == generate(model, PROMPTS, NEW, eos_id=eos, use_cache=False)
+
+
+def test_cached_greedy_equals_transformers(models):
+    model, hf = models
+    assert greedy_generate(model, PROMPTS, NEW) == [hf_greedy(hf, p, NEW) for p in PROMPTS]
+
+
+def test_warpers_equal_transformers():
+    """temperature → top-k → top-p as transformers' own warpers compute them (generation/logits_process.py)."""
+    pytest.importorskip("transformers")
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    torch.manual_seed(3)
+    logits = torch.randn(5, 64) * 3
+    for temperature, top_k, top_p in [(0.7, 0, 1.0), (1.0, 10, 1.0), (1.3, 0, 0.8), (0.9, 20, 0.6)]:
+        expected = TemperatureLogitsWarper(temperature)(None, logits.clone())
+        if top_k:
+            expected = TopKLogitsWarper(top_k)(None, expected)
+        if top_p < 1:
+            expected = TopPLogitsWarper(top_p)(None, expected)
+        ours = warp(logits, Sampling(True, temperature, top_k, top_p))
+        assert torch.equal(ours.isinf(), expected.isinf()), (temperature, top_k, top_p)
+        torch.testing.assert_close(ours, expected, rtol=0, atol=0)  # the same fp32 division, nothing else
+
+
+def test_sampling_is_reproducible_with_a_seeded_generator():
+    model = hub_models()["llama"]
+    kwargs = dict(do_sample=True, temperature=1.5, top_k=20, top_p=0.9)
+    first = generate(model, PROMPTS, NEW, generator=torch.Generator().manual_seed(7), **kwargs)
+    again = generate(model, PROMPTS, NEW, generator=torch.Generator().manual_seed(7), **kwargs)
+    other = generate(model, PROMPTS, NEW, generator=torch.Generator().manual_seed(8), **kwargs)
+    assert first == again and first != other
+    # without the cache the same draws are made in the same order: the same tokens (the probabilities differ by fp32
+    # rounding, ~1e-7; a draw could only flip if its uniform fell that close to a bucket edge, ~1e-6 over these draws)
+    assert generate(model, PROMPTS, NEW, generator=torch.Generator().manual_seed(7), use_cache=False, **kwargs) == first
+    # top_k=1 leaves one token: sampling is greedy decoding
+    assert generate(model, PROMPTS, NEW, do_sample=True, top_k=1, generator=torch.Generator().manual_seed(0)) == (
+        generate(model, PROMPTS, NEW)
+    )
+
+
+def test_bad_sampling_options_are_refused_by_name():
+    model = hub_models()["gpt"]
+    with pytest.raises(ValueError, match="temperature=0"):
+        generate(model, PROMPTS, 2, do_sample=True, temperature=0)
+    with pytest.raises(ValueError, match=r"top_p=1.5"):
+        generate(model, PROMPTS, 2, do_sample=True, top_p=1.5)
+    with pytest.raises(ValueError, match="top_k=-1"):
+        generate(model, PROMPTS, 2, do_sample=True, top_k=-1)

@@ -104,6 +104,20 @@ _TRAINING_KEYS = (
     "model_alignment_strategy.orpo.max_prompt_length",
     "model_alignment_strategy.orpo.truncation_mode",
     "model_alignment_strategy.orpo.nll_mean",
+    "model_alignment_strategy.grpo",
+    "model_alignment_strategy.grpo.reward_funcs",
+    "model_alignment_strategy.grpo.reward_weights",
+    "model_alignment_strategy.grpo.num_generations",
+    "model_alignment_strategy.grpo.max_prompt_length",
+    "model_alignment_strategy.grpo.max_completion_length",
+    "model_alignment_strategy.grpo.temperature",
+    "model_alignment_strategy.grpo.top_p",
+    "model_alignment_strategy.grpo.top_k",
+    "model_alignment_strategy.grpo.beta",
+    "model_alignment_strategy.grpo.epsilon",
+    "model_alignment_strategy.grpo.epsilon_high",
+    "model_alignment_strategy.grpo.loss_type",
+    "model_alignment_strategy.grpo.scale_rewards",
 )
 
 _NOTED_KEYS = {

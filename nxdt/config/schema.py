@@ -134,7 +134,8 @@ class DataConfig:
         "synthetic | text | hf_dataset (a tokenized Hugging Face dataset saved with save_to_disk) | "
         "megatron (Megatron's indexed .bin/.idx datasets named by data_prefix) | "
         "instructions (SFT records: .jsonl or save_to_disk; needs model_alignment_strategy.sft) | "
-        "preferences (prompt/chosen/rejected records; needs model_alignment_strategy.dpo or .orpo)",
+        "preferences (prompt/chosen/rejected records; needs model_alignment_strategy.dpo or .orpo) | "
+        "prompts (records with a prompt field; needs model_alignment_strategy.grpo)",
     )
     micro_batch_size: int = doc(4, "samples per forward/backward on one rank (preferences: pairs)")
     global_batch_size: Optional[int] = doc(
@@ -370,6 +371,27 @@ class ORPOConfig:
 
 
 @dataclass
+class GRPOConfig:
+    """Group Relative Policy Optimization with TRL's GRPOConfig names and defaults (nxdt.lightning.grpo)."""
+
+    reward_funcs: List[str] = doc(
+        [], "reward functions as module:function, TRL's f(prompts, completions, **kwargs) -> list[float]; your own code"
+    )
+    reward_weights: Optional[List[float]] = doc(None, "one weight per reward function; null = all 1")
+    num_generations: int = doc(8, "completions sampled per prompt (a group); must divide data.global_batch_size")
+    max_prompt_length: int = doc(512, "longest prompt, in tokens (longer prompts keep their last tokens)")
+    max_completion_length: int = doc(256, "most tokens sampled per completion")
+    temperature: float = doc(1.0, "sampling temperature (also divides the logits the loss scores)")
+    top_p: float = doc(1.0, "nucleus sampling: keep the most likely tokens up to this probability; 1 = all")
+    top_k: int = doc(0, "sample among the k most likely tokens; 0 = all")
+    beta: float = doc(0.0, "KL coefficient (k3 estimator) to the starting weights; 0 = no reference model")
+    epsilon: float = doc(0.2, "clipping range below 1 of the probability ratio")
+    epsilon_high: Optional[float] = doc(None, "clipping range above 1; null = epsilon (DAPO: 0.28)")
+    loss_type: str = doc("dapo", "grpo | bnpo | dr_grpo | dapo: how token losses are averaged (TRL's)")
+    scale_rewards: str = doc("group", "group | batch | none: what the advantages are divided by (TRL's)")
+
+
+@dataclass
 class ModelAlignmentConfig:
     """NxDT's model_alignment_strategy: the block that is set (not null) picks the recipe; none = pretraining."""
 
@@ -377,6 +399,7 @@ class ModelAlignmentConfig:
     peft: Optional[PEFTConfig] = doc(None, "LoRA adapters")
     dpo: Optional[DPOConfig] = doc(None, "DPO on preference records")
     orpo: Optional[ORPOConfig] = doc(None, "ORPO on preference records")
+    grpo: Optional[GRPOConfig] = doc(None, "GRPO: online RL on prompt records with your reward functions")
 
 
 @dataclass

@@ -18,7 +18,7 @@ ALLOWED_MODEL_PREFIX = "nxdt.models."
 MODEL_SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "ffn_hidden_size")
 
 CHOICES = {
-    "data.source": ("synthetic", "text", "hf_dataset", "megatron", "instructions", "preferences"),
+    "data.source": ("synthetic", "text", "hf_dataset", "megatron", "instructions", "preferences", "prompts"),
     "precision.type": ("fp32", "bf16", "bf16SR", "mixed_precision", "mixed_precisionSR"),
     "model.optim.name": ("adamw", "adamw_fp32OptState"),
     "model.optim.sched.name": ("CosineAnnealing", "LinearAnnealingWithWarmUp", "constant"),
@@ -702,7 +702,7 @@ def validate(cfg: Any, *, paths: bool = True) -> None:
         raise ConfigError("exp_manager.fault_injection.rank", fi.rank, f"must be a rank in 0..{world - 1}")
 
 
-ALIGNMENT_BLOCKS = ("sft", "peft", "dpo", "orpo")
+ALIGNMENT_BLOCKS = ("sft", "peft", "dpo", "orpo", "grpo")
 SFT_TRUNCATION = ("truncate", "drop")  # nxdt.data.instructions.TRUNCATION_MODES (config sits below data)
 PREFERENCE_TRUNCATION = ("keep_start", "keep_end")  # nxdt.data.preferences.TRUNCATION_MODES
 DPO_LOSS_TYPES = ("sigmoid",)  # nxdt.models.objectives.DPO_LOSS_TYPES

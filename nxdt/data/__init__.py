@@ -21,6 +21,9 @@ SAMPLE_TEXT = Path(__file__).parent / "samples" / "austen_pride_and_prejudice.tx
 SAMPLE_INSTRUCTIONS = Path(__file__).parent / "samples" / "instructions.jsonl"
 """200 synthetic instruction records (``instructions.make_instruction_samples()``): add, reverse, capitals."""
 
+SAMPLE_ARITHMETIC = Path(__file__).parent / "samples" / "arithmetic.jsonl"
+"""256 short sums (``arithmetic.make_arithmetic_records(256, 0)``): GRPO's prompt records with an exact answer."""
+
 SAMPLE_PREFERENCES = Path(__file__).parent / "samples" / "preferences.jsonl"
 """200 synthetic preference triples (``preferences.make_preference_samples()``): chosen right, rejected wrong."""
 

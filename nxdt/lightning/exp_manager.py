@@ -86,6 +86,9 @@ class StepConsole:
         parts.append(f"peak mem {row['peak_rss_mb']:,.0f} MB")
         if row.get("rewards/accuracies") is not None:  # DPO / ORPO
             parts.append(f"reward acc {row['rewards/accuracies']:.2f} margin {row['rewards/margins']:.4f}")
+        if row.get("completions/mean_length") is not None:  # GRPO
+            kl = f" kl {row['kl']:.4f}" if row.get("kl") is not None else ""
+            parts.append(f"reward {row['reward']:.3f} ± {row['reward_std']:.3f}{kl} len {row['completions/mean_length']:.1f}")
         if row.get("grad_norm") is not None:
             parts.append(f"grad norm {row['grad_norm']:.3f}")
         if row.get("exposed_comm_s") is not None:
@@ -435,7 +438,11 @@ def build_callbacks(cfg: Any, run_dir: Path, tokens_per_step: int, *, show_progr
     em = cfg.exp_manager
     norms = tuple(c for c, on in (("grad_norm", em.log_gradient_norm), ("param_norm", em.log_parameter_norm)) if on)
     mas = cfg.model_alignment_strategy  # DPO / ORPO: the objective's metrics (nxdt.lightning.objective)
-    objective_metrics = REWARD_METRICS if mas.dpo is not None else ORPO_METRICS if mas.orpo is not None else ()
+    objective_metrics: tuple[str, ...] = REWARD_METRICS if mas.dpo is not None else ORPO_METRICS if mas.orpo is not None else ()
+    if mas.grpo is not None:  # GRPO's rewards, KL, clip ratios, completion lengths (nxdt.lightning.grpo)
+        from nxdt.lightning.grpo import metric_names
+
+        objective_metrics = metric_names(mas.grpo)
     callbacks: list[Callback] = [
         StepMetricsLogger(
             run_dir / "metrics.csv",

@@ -6,6 +6,7 @@ run directory and calls :func:`run_training` in every rank.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -147,7 +148,15 @@ def run_training(cfg: Any, plan: Plan, run_dir: str | Path) -> None:
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     ckpt_path = agreed_resume_checkpoint(cfg, run_dir)
     mas = cfg.model_alignment_strategy
-    module = CausalLMModule(
+    if mas.grpo is not None:  # GRPO owns its module and data (nxdt.lightning.grpo)
+        from nxdt.lightning import grpo
+
+        module_class: Any = functools.partial(
+            grpo.GRPOModule, grpo=mas.grpo, data=cfg.data, reward_funcs=grpo.check(cfg, plan.dp)
+        )
+    else:
+        module_class = CausalLMModule
+    module = module_class(
         cfg.model,
         cfg.data.global_batch_size,
         cfg.data.seq_length,
@@ -162,14 +171,18 @@ def run_training(cfg: Any, plan: Plan, run_dir: str | Path) -> None:
         init_checkpoint=initial_weights_checkpoint(cfg, ckpt_path),
         peft=PeftConfig.pick(mas.peft) if mas.peft is not None else None,
     )
-    datamodule = NxDDataModule(
-        cfg.data,
-        seed=cfg.seed,
-        vocab_size=cfg.model.vocab_size,
-        step_batches=True,
-        sft=mas.sft,
-        limit_val_batches=cfg.trainer.limit_val_batches,
-        preference=mas.dpo if mas.dpo is not None else mas.orpo,
+    datamodule: pl.LightningDataModule = (
+        grpo.PromptDataModule(cfg.data, mas.grpo, cfg.seed)
+        if mas.grpo is not None
+        else NxDDataModule(
+            cfg.data,
+            seed=cfg.seed,
+            vocab_size=cfg.model.vocab_size,
+            step_batches=True,
+            sft=mas.sft,
+            limit_val_batches=cfg.trainer.limit_val_batches,
+            preference=mas.dpo if mas.dpo is not None else mas.orpo,
+        )
     )
     trainer = build_trainer(cfg, plan, run_dir, module.tokens_per_step)
     if mas.peft is not None and mas.peft.lora_verbose and trainer.is_global_zero:

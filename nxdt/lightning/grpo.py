@@ -1,0 +1,432 @@
+"""GRPO (``model_alignment_strategy.grpo``, ``+recipe=grpo``): online RL with the user's reward functions, TRL's
+GRPOTrainer semantics and names. Everything GRPO-specific lives here — its pre-launch checks, its prompt data, its
+step, its metrics — the shape a per-objective registry will take (docs/architecture.md §10); the pure math is
+``nxdt.models.objectives`` (``grpo_advantages``, ``grpo_loss``) and sampling ``nxdt.models.generate``.
+
+**A step** (one global batch = ``data.global_batch_size`` completions = that / ``num_generations`` prompts; each
+data-parallel rank holds whole prompts): every rank samples ``num_generations`` completions of each of its prompts
+with the KV cache (``temperature``, ``top_p``, ``top_k``, at most ``max_completion_length`` tokens, stopping at EOS)
+from a generator seeded by (seed, step, rank) — so a resumed run samples what the uninterrupted one did — scores them
+with every reward function, gathers the rewards of all ranks for the advantages (group-normalised, ``scale_rewards``),
+then runs forward and backward over its completions in ``micro_batch_size`` rows at a time with the clipped surrogate
+and, when ``beta`` != 0, the k3 KL to the reference (the starting weights, kept as a frozen copy). Each micro-batch's
+loss is scaled so the rank's sum is TRL's per-process loss, and the data-parallel mean of the gradients is TRL's.
+The logits the loss scores are divided by ``temperature``, as TRL does.
+
+**Reward functions are your own code**, named in your own config as ``module:function`` (importable from the
+launching environment: installed, or on ``PYTHONPATH``), like a training script; they run in every worker.
+Nothing named by a checkpoint, a data file or anything fetched is ever imported. Signature: TRL's
+``f(prompts, completions, **kwargs) -> list[float]`` (``completion_ids`` and the prompt records' other columns
+arrive as keyword lists, one value per completion; ``None`` = not scored by this function). The launcher imports
+each and checks it can be called so before any worker starts; a wrong count or a non-finite value stops the step
+with the function's name.
+
+**Layouts:** plain data parallelism (any number of ranks); TP, PP, CP, EP, ZeRO-1 and FSDP are refused by name
+(sampling under them is not built). Prompts: ``data.source=prompts``, JSONL/``save_to_disk`` records with a string
+``prompt`` (the shipped set: nxdt/data/samples/arithmetic.jsonl), encoded as plain text (no chat template).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+from typing import Any, Callable, Iterator, Sequence
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from nxdt.data import SAMPLE_ARITHMETIC
+from nxdt.data.instructions import build_chat_tokenizer, read_instruction_records
+from nxdt.lightning.datamodule import chat_tokenizer_dir
+from nxdt.lightning.module import CausalLMModule
+from nxdt.models.generate import completion_batch, generate
+from nxdt.models.objectives import GRPO_LOSS_TYPES, SCALE_REWARDS, grpo_advantages, grpo_loss, nanstd
+
+KEY = "model_alignment_strategy.grpo"
+BASE_METRICS = (
+    "reward",
+    "reward_std",
+    "kl",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "completions/mean_length",
+    "completions/max_length",
+)
+
+
+class GRPOConfigError(ValueError):
+    """A GRPO setting a user can fix: ``key`` names it, ``str()`` says the problem and the fix."""
+
+    def __init__(self, key: str, value: Any, fix: str) -> None:
+        self.key, self.value, self.fix = key, value, fix
+        super().__init__(f"{key}={value!r}: {fix}")
+
+
+def reward_name(spec: str) -> str:
+    """The metric name of a reward function: its function name (TRL's ``reward_func_names``)."""
+    return spec.rpartition(":")[2]
+
+
+def metric_names(grpo: Any) -> tuple[str, ...]:
+    """metrics.csv / TensorBoard columns of a GRPO run (TRL's names)."""
+    per_func = tuple(f"rewards/{reward_name(s)}/{stat}" for s in grpo.reward_funcs for stat in ("mean", "std"))
+    return BASE_METRICS + per_func
+
+
+def load_reward_function(spec: Any, index: int, columns: Sequence[str] = ()) -> Callable[..., Any]:
+    """Import ``module:function`` (the user's own code, named in the user's config) and check it can be called as
+    TRL calls it: ``f(prompts=, completions=, completion_ids=, <each other column>=)``."""
+    key = f"{KEY}.reward_funcs[{index}]"
+    module_name, sep, attr = str(spec).partition(":")
+    if not isinstance(spec, str) or not sep or not module_name or not attr:
+        raise GRPOConfigError(key, spec, "name a reward function as module:function (e.g. nxdt.data.arithmetic:exact_answer)")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # the user's module failed to import: say which and why
+        raise GRPOConfigError(
+            key, spec, f"cannot import {module_name} ({type(exc).__name__}: {exc}); install it or put its folder on PYTHONPATH"
+        ) from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise GRPOConfigError(key, spec, f"{module_name} has no function {attr}")
+    names = ["prompts", "completions", "completion_ids", *columns]
+    try:
+        inspect.signature(fn).bind(**{n: [] for n in names})
+    except TypeError as exc:
+        raise GRPOConfigError(
+            key, spec, f"must accept f(prompts, completions, **kwargs) (TRL's signature; called with {', '.join(names)}): {exc}"
+        ) from None
+    except ValueError:  # no signature to inspect (a builtin): let the call decide
+        pass
+    return fn
+
+
+def prompt_records(data: Any) -> list[dict[str, Any]]:
+    """``data.train_dir``'s records (None: the shipped arithmetic set), each with a non-empty string ``prompt``."""
+    path = data.train_dir or SAMPLE_ARITHMETIC
+    records = read_instruction_records(path, data.dev_choose_samples)
+    if not records:
+        raise GRPOConfigError("data.train_dir", str(path), "no records: GRPO needs records with a prompt field")
+    for i, record in enumerate(records):
+        prompt = record.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise GRPOConfigError(
+                "data.train_dir", str(path), f"record {i} has no non-empty string 'prompt' (got {type(prompt).__name__})"
+            )
+    return records
+
+
+def encode_prompts(records: Sequence[dict[str, Any]], tokenizer: Any, max_prompt_length: int, vocab_size: int) -> list[list[int]]:
+    """Each record's prompt as token ids, keeping its last ``max_prompt_length`` tokens (TRL truncates on the left)."""
+    out = []
+    for i, record in enumerate(records):
+        ids = list(tokenizer.encode(record["prompt"]))[-max_prompt_length:]
+        if not ids or max(ids) >= vocab_size:
+            raise GRPOConfigError(
+                "data.tokenizer", None, f"record {i}'s prompt encodes to ids outside model.vocab_size={vocab_size}"
+            )
+        out.append(ids)
+    return out
+
+
+REFUSED_LAYOUTS = (
+    ("distributed_strategy.tensor_model_parallel_size", lambda ds: ds.tensor_model_parallel_size > 1),
+    ("distributed_strategy.pipeline_model_parallel_size", lambda ds: ds.pipeline_model_parallel_size > 1),
+    ("distributed_strategy.context_parallel_size", lambda ds: ds.context_parallel_size > 1),
+    ("distributed_strategy.expert_model_parallel_size", lambda ds: ds.expert_model_parallel_size > 1),
+    ("distributed_strategy.zero1", lambda ds: bool(ds.zero1)),
+    ("distributed_strategy.fsdp.enabled", lambda ds: bool(ds.fsdp.enabled)),
+)
+
+
+def check(cfg: Any, data_parallel_size: int) -> list[Callable[..., Any]]:
+    """Everything about a GRPO run that can be known before workers start (raises :class:`GRPOConfigError`);
+    returns the imported reward functions."""
+    grpo, data, ds = cfg.model_alignment_strategy.grpo, cfg.data, cfg.distributed_strategy
+    for key, refused in REFUSED_LAYOUTS:
+        if refused(ds):
+            raise GRPOConfigError(
+                key, _value(cfg, key), "GRPO samples on plain data parallelism only (TP, PP, CP, EP, ZeRO-1, FSDP not built)"
+            )
+    if data.source != "prompts":
+        raise GRPOConfigError("data.source", data.source, "GRPO reads prompt records: set data.source=prompts (+recipe=grpo)")
+    if grpo.loss_type not in GRPO_LOSS_TYPES:
+        raise GRPOConfigError(f"{KEY}.loss_type", grpo.loss_type, f"use one of {', '.join(GRPO_LOSS_TYPES)}")
+    if grpo.scale_rewards not in SCALE_REWARDS:
+        raise GRPOConfigError(f"{KEY}.scale_rewards", grpo.scale_rewards, f"use one of {', '.join(SCALE_REWARDS)}")
+    if grpo.num_generations < 2:
+        raise GRPOConfigError(f"{KEY}.num_generations", grpo.num_generations, "needs >= 2 completions per prompt (a group)")
+    batch = data.global_batch_size
+    if batch is None or batch % grpo.num_generations:
+        raise GRPOConfigError(
+            "data.global_batch_size", batch, f"must be a multiple of {KEY}.num_generations={grpo.num_generations} (whole groups)"
+        )
+    if (batch // grpo.num_generations) % data_parallel_size:
+        raise GRPOConfigError(
+            "data.global_batch_size",
+            batch,
+            f"{batch // grpo.num_generations} prompts per step must split evenly over {data_parallel_size} data-parallel ranks",
+        )
+    for name, low, value in (
+        ("max_completion_length", 1, grpo.max_completion_length),
+        ("max_prompt_length", 1, grpo.max_prompt_length),
+    ):
+        if value < low:
+            raise GRPOConfigError(f"{KEY}.{name}", value, f"must be >= {low}")
+    if not grpo.temperature > 0:
+        raise GRPOConfigError(f"{KEY}.temperature", grpo.temperature, "must be > 0")
+    if not 0 < grpo.top_p <= 1 or grpo.top_k < 0:
+        raise GRPOConfigError(f"{KEY}.top_p", grpo.top_p, "top_p must be in (0, 1] and top_k >= 0")
+    if grpo.max_prompt_length + grpo.max_completion_length > cfg.model.max_position_embeddings:
+        raise GRPOConfigError(
+            f"{KEY}.max_completion_length",
+            grpo.max_completion_length,
+            f"max_prompt_length + max_completion_length must fit model.max_position_embeddings={cfg.model.max_position_embeddings}",
+        )
+    if not grpo.reward_funcs:
+        raise GRPOConfigError(f"{KEY}.reward_funcs", [], "name at least one reward function as module:function")
+    if grpo.reward_weights is not None and len(grpo.reward_weights) != len(grpo.reward_funcs):
+        raise GRPOConfigError(
+            f"{KEY}.reward_weights", list(grpo.reward_weights), f"give one weight per reward function ({len(grpo.reward_funcs)})"
+        )
+    records = prompt_records(data)
+    columns = sorted({k for r in records for k in r if k != "prompt"})
+    return [load_reward_function(spec, i, columns) for i, spec in enumerate(grpo.reward_funcs)]
+
+
+def _value(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def score(
+    funcs: Sequence[Callable[..., Any]],
+    names: Sequence[str],
+    records: Sequence[dict[str, Any]],
+    completions: Sequence[str],
+    completion_ids: Sequence[Sequence[int]],
+) -> torch.Tensor:
+    """[completions, functions] rewards (NaN where a function returned None), each function called once as TRL
+    calls it; a wrong count or a non-finite value is an error naming the function."""
+    columns = sorted({k for r in records for k in r if k != "prompt"})
+    kwargs = {c: [r.get(c) for r in records] for c in columns}
+    prompts = [r["prompt"] for r in records]
+    out = torch.empty(len(completions), len(funcs), dtype=torch.float32)
+    for j, (fn, name) in enumerate(zip(funcs, names)):
+        values = fn(prompts=prompts, completions=list(completions), completion_ids=[list(c) for c in completion_ids], **kwargs)
+        if values is None or len(values) != len(completions):
+            got = "None" if values is None else f"{len(values)} values"
+            raise ValueError(f"{KEY}.reward_funcs: {name} returned {got} for {len(completions)} completions")
+        for i, v in enumerate(values):
+            if v is None:
+                out[i, j] = math.nan
+                continue
+            if not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+                raise ValueError(f"{KEY}.reward_funcs: {name} returned {v!r} for completion {i}: rewards must be finite numbers")
+            out[i, j] = float(v)
+    return out
+
+
+class PromptSteps(IterableDataset):
+    """This rank's prompt indices for each step, from the step the run is at (``start()``, read when iteration
+    starts: 0, or the restored checkpoint's step): step k takes prompts [k·P, (k+1)·P) of an endless stream of
+    seeded permutations of the records, rank r the r-th of ``dp_size`` equal slices. A function of (seed, step),
+    so a resumed run reads what the uninterrupted one did."""
+
+    def __init__(self, count: int, per_step: int, seed: int, rank: int, dp_size: int, start: Callable[[], int]) -> None:
+        self.count, self.per_step, self.seed, self.rank, self.dp_size, self.start = count, per_step, seed, rank, dp_size, start
+
+    def _order(self, epoch: int) -> list[int]:
+        return torch.randperm(self.count, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        step, share = self.start(), self.per_step // self.dp_size
+        orders: dict[int, list[int]] = {}
+        while True:
+            first = step * self.per_step + self.rank * share
+            picked = []
+            for position in range(first, first + share):
+                epoch = position // self.count
+                if epoch not in orders:
+                    orders = {epoch: self._order(epoch)}  # one permutation held at a time
+                picked.append(orders[epoch][position % self.count])
+            yield {"indices": torch.tensor(picked)}
+            step += 1
+
+
+class PromptDataModule(pl.LightningDataModule):
+    """GRPO's data: the prompt records (``data.source=prompts``) and, per step, this rank's prompt indices."""
+
+    def __init__(self, data: Any, grpo: Any, seed: int) -> None:
+        super().__init__()
+        self.records = prompt_records(data)
+        self.per_step = data.global_batch_size // grpo.num_generations
+        self.seed = seed
+
+    def train_dataloader(self) -> DataLoader:
+        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {"rank": 0, "num_replicas": 1}
+        trainer = self.trainer
+        steps = PromptSteps(
+            len(self.records),
+            self.per_step,
+            self.seed,
+            int(kwargs["rank"]),
+            int(kwargs["num_replicas"]),
+            lambda: trainer.global_step,
+        )
+        return DataLoader(steps, batch_size=None)
+
+
+class GRPOModule(CausalLMModule):
+    """:class:`CausalLMModule` (model, optimizer, schedule, gradient finishing, NaN policy) with GRPO's step."""
+
+    def __init__(self, *args: Any, grpo: Any, data: Any, reward_funcs: Sequence[Callable[..., Any]], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.grpo = grpo
+        self.records = prompt_records(data)
+        self.tokenizer = build_chat_tokenizer(chat_tokenizer_dir(data.tokenizer))
+        self.prompt_ids = encode_prompts(self.records, self.tokenizer, grpo.max_prompt_length, self.model_cfg.vocab_size)
+        self.reward_funcs = list(reward_funcs)
+        self.reward_names = [reward_name(s) for s in grpo.reward_funcs]
+        weights = grpo.reward_weights if grpo.reward_weights is not None else [1.0] * len(self.reward_funcs)
+        self.reward_weights = torch.tensor([float(w) for w in weights])
+        self.reference: torch.nn.Module | None = None
+        self.metric_names = metric_names(grpo)
+
+    def on_fit_start(self) -> None:
+        """beta != 0: the reference is a frozen copy of the starting weights (taken before a checkpoint is restored)."""
+        if self.grpo.beta != 0.0:
+            import copy
+
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+
+    def configure_callbacks(self) -> list[pl.Callback]:
+        return []  # trainer.max_steps ends a GRPO run (its prompt stream is endless)
+
+    def _sample(self, prompt_rows: list[list[int]]) -> list[list[int]]:
+        g, step = self.grpo, self.trainer.global_step
+        rank = int((getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {"rank": 0})["rank"])
+        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 65_537 + rank)
+        training = self.model.training
+        self.model.eval()
+        with torch.no_grad(), self.trainer.precision_plugin.val_step_context():
+            completions = generate(
+                self.model,
+                prompt_rows,
+                g.max_completion_length,
+                eos_id=self.tokenizer.eos_id,
+                do_sample=True,
+                temperature=g.temperature,
+                top_k=g.top_k,
+                top_p=g.top_p,
+                generator=generator,
+            )
+        self.model.train(training)
+        return completions
+
+    def _logps(self, model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = model(mb["input_ids"], mb["position_ids"], mb["segment_ids"])
+        return model.token_log_probs(logits.float() / self.grpo.temperature, mb["labels"])
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        g, strategy = self.grpo, self.trainer.strategy
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        dp, rank = self._data_parallel_size(), int((strategy.distributed_sampler_kwargs or {"rank": 0})["rank"])
+        indices = [i for i in batch["indices"].tolist() for _ in range(g.num_generations)]
+        records = [self.records[i] for i in indices]
+        prompt_rows = [self.prompt_ids[i] for i in indices]
+        completions = self._sample(prompt_rows)
+        eos = self.tokenizer.eos_id
+        texts = [self.tokenizer.decode([t for t in c if t != eos]) for c in completions]  # type: ignore[misc]
+        local = score(self.reward_funcs, self.reward_names, records, texts, completions)
+        everyone = strategy.all_gather(local).reshape(-1, len(self.reward_funcs))  # rank order: groups stay whole
+        advantages_all, rewards_all, std_all = grpo_advantages(everyone, self.reward_weights, g.num_generations, g.scale_rewards)
+        n = len(completions)
+        advantages = advantages_all[rank * n : (rank + 1) * n]
+        full = completion_batch(prompt_rows, completions)
+        mask = full["labels"] != -100
+        local_tokens = int(mask.sum())
+        global_tokens = int(self._data_parallel_sum(torch.tensor([local_tokens], dtype=torch.int64))[0])
+
+        optimizer.zero_grad()
+        total = torch.zeros((), dtype=torch.float64)
+        sums = torch.zeros(5, dtype=torch.float64)  # kl, clip low, high, region (token sums), tokens
+        b = self.micro_batch_size
+        for start in range(0, n, b):
+            rows = slice(start, min(start + b, n))
+            mb = {k: v[rows] for k, v in full.items()}
+            mb_mask = mb["labels"] != -100
+            ref = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref = self._logps(self.reference, mb)
+            loss_type, items, processes, scale = g.loss_type, None, 1, (rows.stop - rows.start) / n
+            if g.loss_type == "bnpo":  # TRL: a token mean over this rank's whole batch
+                loss_type, items, scale = "dapo", local_tokens, 1.0
+            elif g.loss_type == "dapo":  # TRL: the global token count / processes, the DP mean finishing it
+                items, processes, scale = global_tokens, dp, 1.0
+            loss, metrics = grpo_loss(
+                self._logps(self.model, mb),
+                mb_mask,
+                advantages[rows],
+                ref_per_token_logps=ref,
+                beta=g.beta,
+                epsilon=g.epsilon,
+                epsilon_high=g.epsilon_high,
+                loss_type=loss_type,
+                max_completion_length=g.max_completion_length,
+                num_items_in_batch=items,
+                num_processes=processes,
+            )
+            loss = loss * scale
+            self.manual_backward(loss)
+            total += loss.detach().double()
+            tokens = float(mb_mask.sum())
+            names = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+            sums += torch.tensor([float(metrics.get(k, 0.0)) * tokens for k in names] + [tokens], dtype=torch.float64)
+        finish = getattr(strategy, "finish_gradients", None)
+        if finish:
+            finish()
+        grad_norm = None
+        if self.gradient_clip_val or self.log_gradient_norm:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            clip = getattr(strategy, "clip_grad_norm", None)
+            limit = self.gradient_clip_val or math.inf
+            grad_norm = clip(limit) if clip else torch.nn.utils.clip_grad_norm_(params, limit)
+        step_loss = strategy.reduce(total.float(), reduce_op="mean")
+        if not self._finite_step(step_loss, grad_norm, total):
+            optimizer.zero_grad()
+            return step_loss
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        scheduler.step()
+        sums = self._data_parallel_sum(sums)
+        lengths = torch.tensor([float(len(c)) for c in completions])
+        length_stats = self._data_parallel_sum(torch.tensor([float(lengths.sum()), float(n)], dtype=torch.float64))
+        longest = strategy.all_gather(lengths.max()).max()
+        tokens = max(float(sums[4]), 1.0)
+        self.step_metrics = {
+            "step": self.trainer.global_step,
+            "loss": float(step_loss),
+            "lr": lr,
+            **({"grad_norm": float(grad_norm)} if grad_norm is not None and self.log_gradient_norm else {}),
+            "reward": float(torch.nanmean(rewards_all)),
+            "reward_std": float(nanstd(rewards_all)),
+            "clip_ratio/low_mean": float(sums[1]) / tokens,
+            "clip_ratio/high_mean": float(sums[2]) / tokens,
+            "clip_ratio/region_mean": float(sums[3]) / tokens,
+            "completions/mean_length": float(length_stats[0] / length_stats[1]),
+            "completions/max_length": float(longest),
+        }
+        if g.beta != 0.0:
+            self.step_metrics["kl"] = float(sums[0]) / tokens
+        for j, name in enumerate(self.reward_names):
+            self.step_metrics[f"rewards/{name}/mean"] = float(torch.nanmean(everyone[:, j]))
+            self.step_metrics[f"rewards/{name}/std"] = float(nanstd(everyone[:, j]))
+        self.log("loss", step_loss, prog_bar=True, logger=False)
+        self.log("reward", float(torch.nanmean(rewards_all)), prog_bar=True, logger=False)
+        return step_loss

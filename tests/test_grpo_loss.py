@@ -1,0 +1,218 @@
+"""GRPO's loss and advantages against TRL's GRPOTrainer (trl 1.16, trl/trainer/grpo_trainer.py).
+
+The loss runs **TRL's own** ``GRPOTrainer._compute_loss`` (called as a plain function on a namespace holding exactly
+the trainer attributes it reads) on a transformers ``LlamaForCausalLM``, and nxdt's ``grpo_loss`` on the nxdt Llama
+with the same weights: equal loss and equal gradients (every parameter) for loss_type grpo, dapo, bnpo and dr_grpo,
+beta 0 and > 0. The per-token log-probs TRL's method asks for come from the transformers model the way
+``_get_per_token_logps_and_entropies`` computes them (logits of the completion positions divided by the sampling
+temperature, TRL's ``selective_log_softmax_and_entropy``), without TRL's fused-head patch of the model's forward.
+The advantages follow grpo_trainer.py lines 2759-2810 (sum_then_normalize), which are inline in
+``_generate_and_score_completions`` (not importable), with TRL's own ``nanstd``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from types import MethodType, SimpleNamespace
+
+import pytest
+import torch
+
+from nxdt.lightning.hf import hf_name
+from nxdt.models.generate import completion_batch
+from nxdt.models.llama import LlamaForCausalLM
+from nxdt.models.objectives import grpo_advantages, grpo_loss
+from hf_reference import llama_config
+
+trl = pytest.importorskip("trl")
+transformers = pytest.importorskip("transformers")
+from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
+from trl.trainer.utils import nanstd, selective_log_softmax_and_entropy  # noqa: E402
+
+TINY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=2,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=64,
+    max_position_embeddings=64,
+    rope_theta=10000.0,
+    norm_eps=1e-5,
+    tie_word_embeddings=False,
+    init_method_std=0.02,
+    activations_checkpoint_granularity=None,
+)
+# 2 prompts × num_generations 3; prompts of one length (TRL's forward gives left pads positions too, nxdt does not,
+# so only unpadded prompts are the same computation); completions of different lengths (right padding)
+PROMPTS = [[5, 17, 42, 3], [7, 1, 9, 30]]
+COMPLETIONS = [[8, 9, 10, 2], [11, 2], [12, 13, 14, 15, 16], [20, 21], [22, 23, 24], [25]]
+NUM_GENERATIONS = 3
+TEMPERATURE = 0.9
+MAX_COMPLETION_LENGTH = 6
+
+
+def models():
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(SimpleNamespace(**TINY))
+    reference = LlamaForCausalLM(SimpleNamespace(**TINY))
+    with torch.no_grad():
+        for p, r in zip(policy.parameters(), reference.parameters()):
+            p.copy_(1.0 + 0.2 * torch.randn_like(p) if p.ndim == 1 else 0.3 * torch.randn_like(p))
+            r.copy_(p + 0.05 * torch.randn_like(p))  # a reference near the policy, as after some training
+    hf = {}
+    for name, model in (("policy", policy), ("reference", reference)):
+        h = transformers.LlamaForCausalLM(llama_config(transformers, TINY))
+        h.load_state_dict({hf_name(n): t for n, t in model.state_dict().items()}, strict=True)
+        hf[name] = h.eval()  # eval: no dropout; TRL's mode switch reads `self.model.training`, given below
+    return policy, reference, hf
+
+
+def trl_logps(self, model, input_ids, attention_mask, logits_to_keep, compute_entropy=False, **_):
+    """What TRL's ``_get_per_token_logps_and_entropies`` returns (log-probs of the completion tokens under the
+    temperature-scaled logits, and their entropies), computed on an unpatched transformers model."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -logits_to_keep - 1 : -1]
+    logps, entropy = selective_log_softmax_and_entropy(logits, input_ids[:, -logits_to_keep:], temperature=TEMPERATURE)
+    return logps, entropy, None
+
+
+def trl_trainer(loss_type: str, beta: float, epsilon: float, epsilon_high: float) -> SimpleNamespace:
+    """The attributes ``GRPOTrainer._compute_loss`` reads, for one process, no accumulation, token-level ratios."""
+    identity = lambda t, **_: t  # noqa: E731  (one process: gather and reduce return their input)
+    fake = SimpleNamespace(
+        loss_type=loss_type,
+        beta=beta,
+        epsilon_low=epsilon,
+        epsilon_high=epsilon_high,
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        importance_sampling_level="token",
+        use_vllm=False,
+        max_completion_length=MAX_COMPLETION_LENGTH,
+        current_gradient_accumulation_steps=1,
+        aux_loss_enabled=False,
+        _entropy_bonus_enabled=False,
+        model=SimpleNamespace(training=True),
+        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
+        accelerator=SimpleNamespace(num_processes=1, reduce=identity, gather=identity, gather_for_metrics=identity),
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+    )
+    fake._get_per_token_logps_and_entropies = MethodType(trl_logps, fake)
+    return fake
+
+
+def trl_inputs(hf_reference, advantages: torch.Tensor, beta: float) -> dict:
+    width = max(len(c) for c in COMPLETIONS)
+    prompt_ids = torch.tensor([p for p in PROMPTS for _ in range(NUM_GENERATIONS)])
+    completion_ids = torch.zeros(len(COMPLETIONS), width, dtype=torch.long)
+    completion_mask = torch.zeros(len(COMPLETIONS), width, dtype=torch.long)
+    for i, c in enumerate(COMPLETIONS):
+        completion_ids[i, : len(c)] = torch.tensor(c)
+        completion_mask[i, : len(c)] = 1
+    inputs = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": torch.ones_like(prompt_ids),
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": advantages,
+        "num_items_in_batch": completion_mask.sum(),
+    }
+    if beta != 0.0:
+        with torch.no_grad():
+            ids = torch.cat([prompt_ids, completion_ids], dim=1)
+            mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
+            inputs["ref_per_token_logps"] = trl_logps(None, hf_reference, ids, mask, width)[0]
+    return inputs
+
+
+def nxdt_logps(model, batch):
+    logits = model(batch["input_ids"], position_ids=batch["position_ids"], segment_ids=batch["segment_ids"])
+    return model.token_log_probs(logits / TEMPERATURE, batch["labels"])
+
+
+def test_advantages_equal_trl():
+    """TRL grpo_trainer.py 2759-2810 (sum_then_normalize) with TRL's nanstd, for each scale_rewards, with a
+    NaN (a function that did not score a completion) and a row no function scored."""
+    nan = float("nan")
+    per_func = torch.tensor([[1.0, 0.5], [0.0, nan], [1.0, 0.25], [nan, nan], [0.0, 1.0], [0.0, 0.0]])
+    weights = torch.tensor([1.0, 0.5])
+    for scale in ("group", "batch", "none"):
+        # --- TRL's lines, verbatim but for `self.` ---
+        unscorable_mask = torch.isnan(per_func).all(dim=1)
+        rewards = (per_func * weights.unsqueeze(0)).nansum(dim=1)
+        rewards[unscorable_mask] = torch.nan
+        mean_grouped_rewards = torch.nanmean(rewards.view(-1, NUM_GENERATIONS), dim=1)
+        mean_grouped_rewards = mean_grouped_rewards.repeat_interleave(NUM_GENERATIONS, dim=0)
+        if scale in ["group", "none"]:
+            std_rewards = nanstd(rewards.view(-1, NUM_GENERATIONS), dim=1)
+            std_rewards = std_rewards.repeat_interleave(NUM_GENERATIONS, dim=0)
+        else:
+            std_rewards = nanstd(rewards).expand_as(rewards)
+        expected = rewards - mean_grouped_rewards
+        if scale != "none":
+            expected = expected / (std_rewards + 1e-4)
+        expected = torch.nan_to_num(expected, nan=0.0)
+        # ---
+        ours, our_rewards, our_std = grpo_advantages(per_func, weights, NUM_GENERATIONS, scale)
+        torch.testing.assert_close(ours, expected, rtol=0, atol=0, equal_nan=True)  # the same fp32 operations
+        torch.testing.assert_close(our_rewards, rewards, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(our_std, std_rewards, rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(ValueError, match="grpo.scale_rewards='mean'"):
+        grpo_advantages(per_func, weights, NUM_GENERATIONS, "mean")
+
+
+@pytest.mark.parametrize(
+    "loss_type, beta",
+    [("grpo", 0.0), ("grpo", 0.04), ("dapo", 0.0), ("dapo", 0.04), ("bnpo", 0.04), ("dr_grpo", 0.04)],
+)
+def test_loss_and_gradients_equal_trls_compute_loss(loss_type, beta):
+    policy, reference, hf = models()
+    advantages = torch.tensor([1.2, -0.3, -0.9, 0.7, 0.0, -0.7])
+    epsilon, epsilon_high = 0.2, 0.28
+    fake = trl_trainer(loss_type, beta, epsilon, epsilon_high)
+    expected = GRPOTrainer._compute_loss(fake, hf["policy"], trl_inputs(hf["reference"], advantages, beta))
+    expected.backward()
+
+    prompts = [p for p in PROMPTS for _ in range(NUM_GENERATIONS)]
+    batch = completion_batch(prompts, COMPLETIONS)
+    mask = batch["labels"] != -100
+    ref = None
+    if beta != 0.0:
+        with torch.no_grad():
+            ref = nxdt_logps(reference, batch)
+    loss, metrics = grpo_loss(
+        nxdt_logps(policy, batch),
+        mask,
+        advantages,
+        ref_per_token_logps=ref,
+        beta=beta,
+        epsilon=epsilon,
+        epsilon_high=epsilon_high,
+        loss_type=loss_type,
+        max_completion_length=MAX_COMPLETION_LENGTH,
+        num_items_in_batch=mask.sum(),
+    )
+    loss.backward()
+    # Both sides compute the same fp32 math with different kernels (transformers' attention and matmul order vs
+    # nxdt's), so values agree to fp32 rounding accumulated over 2 layers: rtol 1e-5 (the issue's bar); atol covers
+    # gradient entries that are near 0 by cancellation, at 1e-6 of the largest gradient.
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
+    grads = {hf_name(n): p.grad for n, p in policy.named_parameters()}
+    scale = max(float(p.grad.abs().max()) for p in hf["policy"].parameters())
+    for name, p in hf["policy"].named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6 * scale, msg=name)
+    metrics_trl = fake._metrics["train"]
+    if beta != 0.0:
+        assert metrics["kl"].item() == pytest.approx(metrics_trl["kl"][0], rel=1e-5)
+    for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+        assert metrics[key].item() == pytest.approx(metrics_trl[key][0], abs=1e-7)
+
+
+def test_beta_zero_needs_no_reference_and_bad_types_are_refused():
+    logps, mask, adv = torch.zeros(2, 3, requires_grad=True), torch.ones(2, 3), torch.tensor([1.0, -1.0])
+    loss, metrics = grpo_loss(logps, mask, adv, beta=0.0, loss_type="grpo")
+    assert "kl" not in metrics and loss.item() == 0.0  # ratio 1, advantages summing to 0
+    with pytest.raises(ValueError, match="needs ref_per_token_logps"):
+        grpo_loss(logps, mask, adv, beta=0.1)
+    with pytest.raises(ValueError, match="grpo.loss_type='sapo' is not supported"):
+        grpo_loss(logps, mask, adv, loss_type="sapo")

@@ -1,0 +1,211 @@
+"""``nxdt train +recipe=grpo``: a reward function this project did not write (a module the test writes, found through
+PYTHONPATH) trains on 2 data-parallel ranks with a KL reference; the logged rewards are that function's values on the
+completions the workers sampled; bad reward functions and layouts are refused before any worker starts."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nxdt.config import compose_config
+from nxdt.lightning.grpo import GRPOConfigError, check, score
+
+# one 2-rank launch of 2 steps: ~30 s on a quiet 2-core host, several times that under load
+pytestmark = pytest.mark.timeout(480)
+
+HELD_OUT = '''
+import json, os
+from pathlib import Path
+
+def length_reward(prompts, completions, answer, **kwargs):
+    """0.1 per character; logs what it saw, one line per call and process."""
+    with open(Path(__file__).with_name("calls.jsonl"), "a") as fh:
+        fh.write(json.dumps({"pid": os.getpid(), "completions": completions, "answer": answer}) + "\\n")
+    return [0.1 * len(c) for c in completions]
+
+def no_kwargs(prompts, completions):
+    return [0.0] * len(completions)
+
+def broken_count(prompts, completions, **kwargs):
+    return [1.0]
+
+def partly_scored(prompts, completions, **kwargs):
+    return [None, 0.5]
+
+def not_finite(prompts, completions, **kwargs):
+    return [float("nan")] * len(completions)
+'''
+
+
+def _nxdt(cwd: Path, *overrides: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pythonpath), env.get("PYTHONPATH", "")) if p)
+    return subprocess.run(
+        [sys.executable, "-m", "nxdt.cli", "train", "+recipe=grpo", *overrides],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def held_out(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("user_code")
+    (folder / "heldout_rewards.py").write_text(HELD_OUT)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, held_out):
+    out = tmp_path_factory.mktemp("grpo") / "run"
+    result = _nxdt(
+        out.parent,
+        "trainer.max_steps=2",
+        f"exp_manager.explicit_log_dir={out}",
+        "model_alignment_strategy.grpo.reward_funcs=[heldout_rewards:length_reward,nxdt.data.arithmetic:exact_answer]",
+        "model_alignment_strategy.grpo.reward_weights=[1.0,2.0]",
+        "model_alignment_strategy.grpo.beta=0.04",
+        pythonpath=held_out,
+    )
+    assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+    return out, result
+
+
+def test_held_out_reward_function_trains_on_two_ranks_and_its_values_are_logged(run, held_out):
+    out, result = run
+    rows = list(csv.DictReader(open(out / "metrics.csv")))
+    assert [int(r["step"]) for r in rows] == [1, 2]
+    calls = [json.loads(line) for line in (held_out / "calls.jsonl").read_text().splitlines()]
+    by_rank: dict[int, list[dict]] = {}
+    for call in calls:
+        by_rank.setdefault(call["pid"], []).append(call)
+    assert len(by_rank) == 2 and all(len(c) == 2 for c in by_rank.values())  # 2 ranks, called once per step
+    for step, row in enumerate(rows):
+        completions = [c for calls_of in by_rank.values() for c in calls_of[step]["completions"]]
+        answers = [a for calls_of in by_rank.values() for a in calls_of[step]["answer"]]
+        assert len(completions) == 32  # data.global_batch_size completions per step, 16 on each rank
+        length = [0.1 * len(c) for c in completions]
+        exact = [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answers)]
+        # fp32 rewards averaged in fp32 by both (the log's float32 → 1e-6 relative)
+        assert float(row["rewards/length_reward/mean"]) == pytest.approx(sum(length) / 32, rel=1e-5)
+        assert float(row["reward"]) == pytest.approx(sum(a + 2 * b for a, b in zip(length, exact)) / 32, rel=1e-5)
+        assert float(row["completions/max_length"]) <= 6  # max_completion_length (EOS counted)
+        assert math.isfinite(float(row["kl"])) and float(row["kl"]) >= 0  # k3 is non-negative
+        for key in ("clip_ratio/region_mean", "reward_std", "rewards/exact_answer/std", "completions/mean_length"):
+            assert math.isfinite(float(row[key])), key
+    assert "reward" in result.stdout and "kl" in result.stdout  # the console line
+
+
+def _cfg(*overrides: str):
+    return compose_config(["+recipe=grpo", *overrides], paths=False)
+
+
+@pytest.mark.parametrize(
+    "overrides, key, message",
+    [
+        (
+            [
+                "model_alignment_strategy.grpo.reward_funcs=[no_such_module_xyz:f]",
+                "model_alignment_strategy.grpo.reward_weights=null",
+            ],
+            "reward_funcs[0]",
+            "cannot import no_such_module_xyz",
+        ),
+        (
+            [
+                "model_alignment_strategy.grpo.reward_funcs=[heldout_rewards:missing]",
+                "model_alignment_strategy.grpo.reward_weights=null",
+            ],
+            "reward_funcs[0]",
+            "has no function missing",
+        ),
+        (
+            [
+                "model_alignment_strategy.grpo.reward_funcs=[heldout_rewards:no_kwargs]",
+                "model_alignment_strategy.grpo.reward_weights=null",
+            ],
+            "reward_funcs[0]",
+            "must accept f(prompts",
+        ),
+        (["model_alignment_strategy.grpo.num_generations=5"], "data.global_batch_size", "multiple of"),
+        (["distributed_strategy.pipeline_model_parallel_size=2"], "pipeline_model_parallel_size", "plain data parallelism"),
+        (["distributed_strategy.fsdp.enabled=true"], "fsdp.enabled", "plain data parallelism"),
+        (["model_alignment_strategy.grpo.reward_weights=[1.0]"], "reward_weights", "one weight per reward function"),
+    ],
+)
+def test_bad_settings_are_refused_by_name(held_out, monkeypatch_free_path, overrides, key, message):
+    with pytest.raises(GRPOConfigError) as info:
+        check(_cfg(*overrides), 2)
+    assert key in info.value.key and message in info.value.fix
+
+
+@pytest.fixture
+def monkeypatch_free_path(held_out):
+    """The held-out module importable in this process too (what PYTHONPATH does for a launch)."""
+    sys.path.insert(0, str(held_out))
+    yield
+    sys.path.remove(str(held_out))
+    sys.modules.pop("heldout_rewards", None)
+
+
+def test_a_bad_reward_function_stops_the_launcher_with_one_line_and_exit_2(tmp_path):
+    result = _nxdt(
+        tmp_path,
+        "model_alignment_strategy.grpo.reward_funcs=[no_such_module_xyz:f]",
+        "model_alignment_strategy.grpo.reward_weights=null",
+    )
+    assert result.returncode == 2
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1 and "model_alignment_strategy.grpo.reward_funcs[0]" in lines[0] and "cannot import" in lines[0]
+    assert not (tmp_path / "nxdt_runs").exists() or not any((tmp_path / "nxdt_runs").rglob("metrics.csv"))
+
+
+def test_wrong_count_and_non_finite_rewards_name_the_function(held_out, monkeypatch_free_path):
+    import heldout_rewards as user
+
+    records = [{"prompt": "1+1=", "answer": "2"}] * 2
+    with pytest.raises(ValueError, match="broken_count returned 1 values for 2 completions"):
+        score([user.broken_count], ["broken_count"], records, ["2", "3"], [[50], [51]])
+    with pytest.raises(ValueError, match="not_finite returned nan for completion 0"):
+        score([user.not_finite], ["not_finite"], records, ["2", "3"], [[50], [51]])
+    values = score([user.partly_scored], ["partly_scored"], records, ["2", "3"], [[50], [51]])
+    assert math.isnan(values[0, 0]) and values[1, 0] == 0.5  # None: not scored by this function (TRL's NaN)
+
+
+def test_prompt_stream_resumes_where_it_was_and_splits_each_step_over_ranks():
+    """Step k's prompts are a function of (seed, k): a stream started at step 3 (a resume) yields what the
+    uninterrupted one yields from step 3; the ranks' slices of a step are disjoint and together the step's prompts;
+    records are all visited once per epoch (10 records, 4 prompts per step)."""
+    from itertools import islice
+
+    from nxdt.lightning.grpo import PromptSteps
+
+    def take(rank, start, steps):
+        stream = PromptSteps(10, 4, seed=7, rank=rank, dp_size=2, start=lambda: start)
+        return [b["indices"].tolist() for b in islice(iter(stream), steps)]
+
+    whole = [a + b for a, b in zip(take(0, 0, 6), take(1, 0, 6))]
+    assert [a + b for a, b in zip(take(0, 3, 3), take(1, 3, 3))] == whole[3:]
+    flat = [i for step in whole for i in step]
+    assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:20]) == list(range(10))  # one epoch = a permutation
+    assert flat[:10] != flat[10:20]  # each epoch its own order
+
+
+def test_shipped_arithmetic_prompts_are_the_generator_output_and_the_rewards_score_them():
+    from nxdt.data import SAMPLE_ARITHMETIC
+    from nxdt.data.arithmetic import digits_only, exact_answer, make_arithmetic_records
+
+    records = [json.loads(line) for line in SAMPLE_ARITHMETIC.read_text().splitlines()]
+    assert records == make_arithmetic_records(256, seed=0)
+    assert exact_answer(["12+13="] * 3, ["25", " 25 ", "26"], answer=["25"] * 3) == [1.0, 1.0, 0.0]
+    assert digits_only(["1+1="] * 3, ["2", "2a", ""]) == [1.0, 0.5, 0.0]
