@@ -160,6 +160,9 @@ class StepMetricsLogger(Callback):
             "tokens_per_s": self.tokens_per_step / step_time if step_time > 0 else 0.0,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }  # rank 0's high-water mark (Linux: KiB)
+        mfu_scale = self.console.mfu_per_token_per_s if self.console is not None else None
+        if mfu_scale is not None:  # the loggers (TensorBoard, trackers) get the console's MFU; metrics.csv keeps its columns
+            row["mfu"] = mfu_scale * row["tokens_per_s"]
         for logger in trainer.loggers:
             logger.log_metrics({k: v for k, v in row.items() if k != "step"}, step=row["step"])
         if self.console is not None:
