@@ -149,9 +149,9 @@ RULES: dict[str, Rule] = {
         "MLFlowLogger's arguments; tracking_uri null = file:<exp_dir>/mlruns (NxDT: ./mlruns), experiment_name null = the run name"
     ),
     "exp_manager.create_clearml_logger": _map("true is refused before launch: NxDT hands it to NeMo as false (see notes)"),
-    "exp_manager.clearml_logger_kwargs": _map("read only with create_clearml_logger"),
+    "exp_manager.clearml_logger_kwargs.*": _ignored("ClearML's parameters: nxdt attaches no ClearML logger"),
     "exp_manager.create_dllogger_logger": _map("true is refused before launch: NxDT hands it to NeMo as false (see notes)"),
-    "exp_manager.dllogger_logger_kwargs": _map("read only with create_dllogger_logger"),
+    "exp_manager.dllogger_logger_kwargs.*": _ignored("DLLogger's parameters: nxdt attaches no DLLogger"),
     # --- distributed_strategy ---
     "distributed_strategy.tensor_model_parallel_size": _map(),
     "distributed_strategy.pipeline_model_parallel_size": _map(),

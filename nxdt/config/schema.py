@@ -109,10 +109,12 @@ class ExpManagerConfig:
         "keyword arguments of Lightning's MLFlowLogger: tracking_uri (file:DIR or http(s)://server; null = "
         "file:<exp_dir>/mlruns), experiment_name (null = the run name), tags, ...",
     )
-    create_clearml_logger: bool = doc(False, "ClearML: refused before launch unless the clearml package is installed")
-    clearml_logger_kwargs: Dict[str, Any] = doc({}, "ClearML's logger parameters (project, task, ...)")
-    create_dllogger_logger: bool = doc(False, "DLLogger: refused before launch unless the dllogger package is installed")
-    dllogger_logger_kwargs: Dict[str, Any] = doc({}, "DLLogger's parameters (json_file, stdout, verbose)")
+    create_clearml_logger: bool = doc(
+        False, "ClearML: true is refused before launch (no Lightning logger; NxDT never attaches it)"
+    )
+    create_dllogger_logger: bool = doc(
+        False, "DLLogger: true is refused before launch (no Lightning logger; NxDT never attaches it)"
+    )
 
 
 @dataclass

@@ -26,8 +26,6 @@ PACKAGES = {
     "create_wandb_logger": ("wandb", "pip install 'nxdt[trackers]' (wandb)"),
     "create_mlflow_logger": ("mlflow", "pip install 'nxdt[trackers]' (mlflow-skinny)"),
 }
-# NxD Training hands these to NeMo as false whatever the config says, and Lightning has no logger for them
-NOT_ATTACHED = ("create_clearml_logger", "create_dllogger_logger")
 
 
 def plain(value: Any) -> Any:
@@ -74,8 +72,8 @@ def check_trackers(cfg: Any, env: Mapping[str, str] | None = None, timeout_s: fl
             raise ConfigError(
                 f"exp_manager.{key}", True, f"needs the {module} package, not installed: {install}, or set it false"
             )
-    for key in NOT_ATTACHED:
-        if getattr(em, key):
+    for key, on in (("create_clearml_logger", em.create_clearml_logger), ("create_dllogger_logger", em.create_dllogger_logger)):
+        if on:  # NxD Training hands both to NeMo as false whatever the config says; Lightning has no logger for them
             raise ConfigError(
                 f"exp_manager.{key}",
                 True,

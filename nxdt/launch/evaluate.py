@@ -22,7 +22,8 @@ trained span (without its EOS) is the reference. The model continues each prompt
 (``nxdt.models.generate.greedy_generate``, up to ``--max-new-tokens``, stopping at EOS), and the decoded answer is
 scored against the reference with what NxD Training's SFT evaluation example computes
 (examples/sft_evaluation: ``CustomAccuracy``, exact string equality, and torchmetrics' ``ROUGEScore``), ROUGE-1/2/L
-computed here from their definitions (:func:`rouge_n`, :func:`rouge_l`), each a mean over records.
+computed here from their definitions (:func:`rouge_n`, :func:`rouge_l`), each a mean over records. ROUGEScore's fourth
+key, ROUGE-Lsum (summary-level, sentences split by nltk), is not computed.
 
 Results: a JSON file (``--out``, default ``eval-<kind>.json``) and a table on stdout. Bad input (no such model, a data
 file without the fields needed) is one line on stderr, exit 2.
