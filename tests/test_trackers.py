@@ -234,3 +234,17 @@ def test_bad_tracker_input_is_one_line_before_launch(tmp_path, capsys, overrides
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(expected.format(port=port)), lines
     assert not out.exists()  # nothing written: refused before the run directory
+
+
+@pytest.mark.parametrize("key, module", [("create_wandb_logger", "wandb"), ("create_mlflow_logger", "mlflow")])
+def test_a_tracker_key_without_its_package_is_refused_by_name(key, module):
+    """The launcher's check on a host without the package (``is_installed`` answers as such a host would)."""
+    from nxdt.config import ConfigError, compose_config
+    from nxdt.config.trackers import check_trackers
+
+    overrides = [f"exp_manager.{key}=true", "+exp_manager.wandb_logger_kwargs.project=p"]
+    cfg = compose_config(overrides)
+    with pytest.raises(ConfigError) as err:
+        check_trackers(cfg, env={"WANDB_MODE": "offline"}, is_installed=lambda name: name != module)
+    assert str(err.value).startswith(f"config error: exp_manager.{key}=True: needs the {module} package, not installed: ")
+    assert "pip install 'nxdt[trackers]'" in str(err.value)

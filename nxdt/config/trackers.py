@@ -12,7 +12,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from omegaconf import OmegaConf
 
@@ -62,13 +62,23 @@ def _reachable(url: str, timeout_s: float) -> str | None:
         return str(getattr(exc, "reason", exc))
 
 
-def check_trackers(cfg: Any, env: Mapping[str, str] | None = None, timeout_s: float = REACH_TIMEOUT_S) -> None:
-    """Before launch: every tracker asked for has its package, its arguments and (when online) a server that answers;
-    otherwise a ``ConfigError`` naming the key."""
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it (the tracker packages take seconds to import)."""
+    return importlib.util.find_spec(module) is not None
+
+
+def check_trackers(
+    cfg: Any,
+    env: Mapping[str, str] | None = None,
+    timeout_s: float = REACH_TIMEOUT_S,
+    is_installed: Callable[[str], bool] = installed,
+) -> None:
+    """Before launch: every tracker asked for has its package (``is_installed``), its arguments and (when online) a
+    server that answers; otherwise a ``ConfigError`` naming the key."""
     env = os.environ if env is None else env
     em = cfg.exp_manager
     for key, (module, install) in PACKAGES.items():
-        if getattr(em, key) and importlib.util.find_spec(module) is None:
+        if getattr(em, key) and not is_installed(module):
             raise ConfigError(
                 f"exp_manager.{key}", True, f"needs the {module} package, not installed: {install}, or set it false"
             )
