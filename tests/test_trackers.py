@@ -248,3 +248,22 @@ def test_a_tracker_key_without_its_package_is_refused_by_name(key, module):
         check_trackers(cfg, env={"WANDB_MODE": "offline"}, is_installed=lambda name: name != module)
     assert str(err.value).startswith(f"config error: exp_manager.{key}=True: needs the {module} package, not installed: ")
     assert "pip install 'nxdt[trackers]'" in str(err.value)
+
+
+def test_an_nxdt_config_carries_its_tracker_keys(tmp_path):
+    """NxD Training's exp_manager block, as its YAML spells it, reaches the same keys (docs/migrating-from-nxdt.md)."""
+    from nxdt.config import compose_nxdt_config
+
+    shipped = Path(__file__).parent / "nxdt_configs"
+    text = (shipped / "hf_llama3_8B_config.yaml").read_text()
+    block = (
+        "exp_manager:\n  create_wandb_logger: true\n  wandb_logger_kwargs:\n    project: p1\n    name: r1\n"
+        "  create_mlflow_logger: true\n  mlflow_logger_kwargs:\n    experiment_name: e1\n    tracking_uri: file:/tmp/m\n"
+    )
+    assert text.count("exp_manager:\n") == 1
+    (tmp_path / "c.yaml").write_text(text.replace("exp_manager:\n", block))
+    (tmp_path / "llama3_8B_config.json").write_text((shipped / "llama3_8B_config.json").read_text())
+    cfg, _ = compose_nxdt_config(tmp_path, "c", ["instance=trn1.32xlarge"], check=False)
+    em = cfg.exp_manager
+    assert em.create_wandb_logger and em.wandb_logger_kwargs == {"project": "p1", "name": "r1"}
+    assert em.create_mlflow_logger and em.mlflow_logger_kwargs == {"experiment_name": "e1", "tracking_uri": "file:/tmp/m"}
