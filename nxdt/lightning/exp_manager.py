@@ -97,8 +97,9 @@ class StepConsole:
 
 
 class StepMetricsLogger(Callback):
-    """Writes ``metrics.csv`` (and TensorBoard scalars: every value of the row, the same names) from the module's
-    ``step_metrics``, on rank 0, and shows the row on the console (``console``)."""
+    """Writes ``metrics.csv`` and hands every value of the row, the same names, to each logger of the trainer
+    (TensorBoard; W&B and MLflow: ``nxdt.lightning.trackers``) from the module's ``step_metrics``, on rank 0, and shows
+    the row on the console (``console``)."""
 
     def __init__(
         self,
