@@ -56,6 +56,10 @@ commands:
 
   data convert-megatron INPUT... --output-prefix PREFIX [--tokenizer PATH]
                               Megatron's indexed dataset (PREFIX.bin/.idx, what data.data_prefix names) from JSONL or text
+  eval perplexity MODEL --data FILE [--seq-length N] [--ranks N] [--out F.json]
+  eval generate MODEL --data FILE.jsonl [--max-new-tokens N] [--out F.json]
+                              perplexity of a checkpoint or HF directory (non-overlapping windows), or exact match and
+                              ROUGE of its greedy answers to SFT records; JSON and a table (nxdt eval for details)
 
 `nxdt train --help` lists every config group and key with its documentation.
 """
@@ -623,6 +627,7 @@ def cmd_train(argv: list[str], start_workers_early: bool = False) -> int:
     from nxdt.config import ConfigError
     from nxdt.launch.multinode import check_launcher
     from nxdt.config.validate import check_trainable
+    from nxdt.config.trackers import check_trackers
     from nxdt.planner import plan
 
     try:
@@ -636,6 +641,7 @@ def cmd_train(argv: list[str], start_workers_early: bool = False) -> int:
         plans = []
         for cfg in configs:
             check_data(cfg)
+            check_trackers(cfg)  # W&B / MLflow: package, arguments, a server that answers
             check_launcher(cfg, multirun=bool(flags))
             plans.append(plan(cfg))
             check_resume_checkpoint(cfg, plans[-1])
@@ -1186,6 +1192,12 @@ def cmd_data(argv: list[str]) -> int:
     return convert_megatron(argv[1:])
 
 
+def cmd_eval(argv: list[str]) -> int:
+    from nxdt.launch.evaluate import main as evaluate  # imports torch and the model hub only when run
+
+    return evaluate(argv)
+
+
 COMMANDS = {
     "train": cmd_train,
     "checkpoint": cmd_checkpoint,
@@ -1196,6 +1208,7 @@ COMMANDS = {
     "runs": cmd_runs,
     "report": cmd_report,
     "data": cmd_data,
+    "eval": cmd_eval,
 }
 
 

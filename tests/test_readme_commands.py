@@ -60,6 +60,13 @@ PLACEHOLDER_SKIPS = {
     "nxdt train trainer.devices=4 distributed_strategy.zero1=true "
     "exp_manager.resume_from_checkpoint=<a TP2×DP2 step-10>": "tests/test_reshard.py resumes across layouts",
     "nxdt train model.hf_checkpoint=path/to/hf-llama ...": "tests/test_hf_interop.py starts from HF weights",
+    "WANDB_MODE=offline nxdt train exp_manager.create_wandb_logger=true +exp_manager.wandb_logger_kwargs.project=<project>": "tests/"
+    "test_trackers.py trains with W&B offline (and MLflow) and resumes it",
+    "nxdt train exp_manager.create_mlflow_logger=true +exp_manager.mlflow_logger_kwargs.tracking_uri=http://mlflow.example:5000 "
+    "...": "a tracking server; tests/test_trackers.py logs to a file store and refuses an unreachable server",
+    "nxdt eval perplexity path/to/run/checkpoints/step-10 --data held_out.txt --seq-length 128 [--ranks 2]": "tests/"
+    "test_eval.py evaluates a shared run's checkpoint and its HF export",
+    "nxdt eval generate path/to/hf-export --data val.jsonl --max-new-tokens 64": "tests/test_eval.py",
     "nxdt train +recipe=sft data.train_dir=train.jsonl data.val_dir=val.jsonl data.tokenizer=path/to/hf-tokenizer-dir "
     "model_alignment_strategy.sft.packing=false trainer.val_check_interval=50": "tests/test_sft_e2e.py",
     "nxdt train +recipe=sft exp_manager.resume_from_checkpoint=<pretraining run>/checkpoints/step-500 "

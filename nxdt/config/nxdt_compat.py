@@ -136,6 +136,22 @@ RULES: dict[str, Rule] = {
     "exp_manager.save_bf16": _derived("never read by NxDT"),
     "exp_manager.async_checkpointing": _map("write checkpoints in a background thread from a snapshot"),
     "exp_manager.ckpt_ptl_version": _ignored("NxDT checkpoint-format version"),
+    "exp_manager.create_wandb_logger": _map(
+        "Lightning's WandbLogger on rank 0: every metric at its step, the config, the run dir"
+    ),
+    "exp_manager.wandb_logger_kwargs": _map(
+        "WandbLogger's arguments (name or project required, as in NxDT); id kept for resumes"
+    ),
+    "exp_manager.create_mlflow_logger": _map(
+        "Lightning's MLFlowLogger on rank 0: every metric at its step, the config, the run dir"
+    ),
+    "exp_manager.mlflow_logger_kwargs": _map(
+        "MLFlowLogger's arguments; tracking_uri null = file:<exp_dir>/mlruns (NxDT: ./mlruns), experiment_name null = the run name"
+    ),
+    "exp_manager.create_clearml_logger": _map("true is refused before launch: NxDT hands it to NeMo as false (see notes)"),
+    "exp_manager.clearml_logger_kwargs.*": _ignored("ClearML's parameters: nxdt attaches no ClearML logger"),
+    "exp_manager.create_dllogger_logger": _map("true is refused before launch: NxDT hands it to NeMo as false (see notes)"),
+    "exp_manager.dllogger_logger_kwargs.*": _ignored("DLLogger's parameters: nxdt attaches no DLLogger"),
     # --- distributed_strategy ---
     "distributed_strategy.tensor_model_parallel_size": _map(),
     "distributed_strategy.pipeline_model_parallel_size": _map(),

@@ -159,6 +159,13 @@ _FREE_KEYS = (
     "exp_manager.fault_injection.rank",
     "exp_manager.fault_injection.kind",
     "exp_manager.fault_injection.attempt",
+    # trackers: where metrics are sent; a resumed run continues its tracker run (nxdt.lightning.trackers)
+    "exp_manager.create_wandb_logger",
+    "exp_manager.wandb_logger_kwargs",
+    "exp_manager.create_mlflow_logger",
+    "exp_manager.mlflow_logger_kwargs",
+    "exp_manager.create_clearml_logger",
+    "exp_manager.create_dllogger_logger",
     # the layout: a checkpoint reshards onto another one; the losses agree to rounding (tests/test_reshard.py)
     "distributed_strategy.tensor_model_parallel_size",
     "distributed_strategy.pipeline_model_parallel_size",

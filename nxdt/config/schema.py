@@ -94,6 +94,27 @@ class ExpManagerConfig:
         "with its stream and token); open it in Perfetto",
     )
     fault_injection: FaultInjectionConfig = doc(FaultInjectionConfig(), "deliberate worker failure, for testing recovery")
+    # NxDT's (NeMo's) tracker keys: Lightning's own loggers on rank 0, fed every metrics.csv value at its step
+    create_wandb_logger: bool = doc(
+        False, "log every metric, the resolved config and the run directory to Weights & Biases (pip install 'nxdt[trackers]')"
+    )
+    wandb_logger_kwargs: Dict[str, Any] = doc(
+        {}, "keyword arguments of Lightning's WandbLogger (name or project required, as in NxDT); WANDB_MODE=offline works"
+    )
+    create_mlflow_logger: bool = doc(
+        False, "log every metric, the resolved config and the run directory to MLflow (pip install 'nxdt[trackers]')"
+    )
+    mlflow_logger_kwargs: Dict[str, Any] = doc(
+        {},
+        "keyword arguments of Lightning's MLFlowLogger: tracking_uri (file:DIR or http(s)://server; null = "
+        "file:<exp_dir>/mlruns), experiment_name (null = the run name), tags, ...",
+    )
+    create_clearml_logger: bool = doc(
+        False, "ClearML: true is refused before launch (no Lightning logger; NxDT never attaches it)"
+    )
+    create_dllogger_logger: bool = doc(
+        False, "DLLogger: true is refused before launch (no Lightning logger; NxDT never attaches it)"
+    )
 
 
 @dataclass

@@ -101,8 +101,9 @@ class StepConsole:
 
 
 class StepMetricsLogger(Callback):
-    """Writes ``metrics.csv`` (and TensorBoard scalars: every value of the row, the same names) from the module's
-    ``step_metrics``, on rank 0, and shows the row on the console (``console``)."""
+    """Writes ``metrics.csv`` and hands every value of the row, the same names, to each logger of the trainer
+    (TensorBoard; W&B and MLflow: ``nxdt.lightning.trackers``) from the module's ``step_metrics``, on rank 0, and shows
+    the row on the console (``console``)."""
 
     def __init__(
         self,
@@ -164,6 +165,9 @@ class StepMetricsLogger(Callback):
             "tokens_per_s": tokens_per_s(self.tokens_per_step, step_time),  # global tokens: nxdt.data.throughput
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }  # rank 0's high-water mark (Linux: KiB)
+        mfu_scale = self.console.mfu_per_token_per_s if self.console is not None else None
+        if mfu_scale is not None:  # the loggers (TensorBoard, trackers) get the console's MFU; metrics.csv keeps its columns
+            row["mfu"] = mfu_scale * row["tokens_per_s"]
         for logger in trainer.loggers:
             logger.log_metrics({k: v for k, v in row.items() if k != "step"}, step=row["step"])
         if self.console is not None:

@@ -1,0 +1,190 @@
+"""``nxdt eval`` (``nxdt.launch.evaluate``): ROUGE and exact match against hand-computed values; perplexity of a
+checkpoint (one process and two data-parallel ranks) and of its Hugging Face export equal to transformers' on the same
+windows; generation scored from greedy answers; bad input one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from nxdt.launch.evaluate import generation_scores, lcs_length, main, rouge_l, rouge_n, windows
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # launches (shared or this module's) on a loaded host
+
+
+def test_rouge_and_exact_match_equal_hand_computed_values():
+    # reference "the cat sat on the mat" (6 words), prediction "the cat lay on the mat" (6):
+    # LCS = the cat on the mat = 5 -> P = R = F = 5/6; unigrams: the×2 cat on mat = 5 of 6;
+    # bigrams: the-cat, on-the, the-mat = 3 of 5
+    ref, pred = "The cat sat on the mat.", "the cat lay on the mat"
+    assert lcs_length("the cat sat on the mat".split(), pred.split()) == 5
+    assert rouge_l(pred, ref) == pytest.approx({"precision": 5 / 6, "recall": 5 / 6, "fmeasure": 5 / 6}, abs=1e-15)
+    assert rouge_n(pred, ref, 1)["fmeasure"] == pytest.approx(5 / 6, abs=1e-15)
+    assert rouge_n(pred, ref, 2) == pytest.approx({"precision": 3 / 5, "recall": 3 / 5, "fmeasure": 3 / 5}, abs=1e-15)
+    # uneven lengths: reference a b c d e (m=5), prediction a c e x (n=4): LCS a c e = 3,
+    # R = 3/5, P = 3/4, F = 2·0.6·0.75/(0.6 + 0.75) = 2/3
+    got = rouge_l("a c e x", "a b c d e")
+    assert got == pytest.approx({"precision": 0.75, "recall": 0.6, "fmeasure": 2 / 3}, abs=1e-15)
+    assert rouge_n("a c e x", "a b c d e", 2)["fmeasure"] == 0.0  # no bigram in common
+    assert rouge_l("", "a b")["fmeasure"] == 0.0 and rouge_l("!!", "")["fmeasure"] == 0.0  # empty sides score 0
+    # means over records; exact match is string equality (NxD Training's CustomAccuracy): "The cat" != "the cat"
+    scores = generation_scores(["a c e x", "the cat", "x"], ["a b c d e", "the cat", "The cat"])
+    assert scores["exact_match"] == pytest.approx(1 / 3)
+    assert scores["rougeL_fmeasure"] == pytest.approx((2 / 3 + 1 + 0) / 3)
+    assert scores["rouge1_recall"] == pytest.approx((3 / 5 + 1 + 0) / 3)
+
+
+def test_rouge_equals_torchmetrics_rougescore():
+    """NxD Training's SFT evaluation scores with torchmetrics' ROUGEScore (defaults: no stemmer, its normaliser)."""
+    rouge = pytest.importorskip("torchmetrics.text.rouge")
+    pairs = [
+        ("Summary: the quick brown fox jumps", "the quick brown fox jumped over the lazy dog"),
+        ("a b a b c", "b a b c a"),
+        ("42 is the answer, 42!", "The answer is 42."),
+        ("no overlap here", "completely different words"),
+    ]
+    metric = rouge.ROUGEScore(rouge_keys=("rouge1", "rouge2", "rougeL"))
+    want = metric([p for p, _ in pairs], [r for _, r in pairs])
+    got = generation_scores([p for p, _ in pairs], [r for _, r in pairs])
+    for key in ("rouge1", "rouge2", "rougeL"):
+        for part in ("fmeasure", "precision", "recall"):
+            # torchmetrics keeps its scores in float32: 1e-6 relative is its rounding, not a difference of definition
+            assert got[f"{key}_{part}"] == pytest.approx(float(want[f"{key}_{part}"]), rel=1e-6, abs=1e-7), (key, part)
+
+
+def test_windows_are_non_overlapping_and_the_short_tail_is_kept():
+    assert windows(list(range(10)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert windows(list(range(9)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # a 1-token tail predicts nothing
+
+
+@pytest.fixture(scope="module")
+def evaluated(reliability_reference, tmp_path_factory):
+    """The shared 12-step llama_tiny run's step-10 checkpoint (DP=2), its HF export, and a text of 3,000 bytes of
+    the sample text: 23 windows of 128 tokens and a 56-token tail."""
+    from nxdt.data import SAMPLE_TEXT
+    from nxdt.lightning.hf import export_hf
+
+    root = tmp_path_factory.mktemp("eval")
+    checkpoint = reliability_reference / "checkpoints" / "step-10"
+    text = root / "held_out.txt"
+    text.write_bytes(SAMPLE_TEXT.read_bytes()[-3000:])
+    hf_dir = root / "hf"
+    export_hf(checkpoint, hf_dir)
+    return {"root": root, "checkpoint": checkpoint, "text": text, "hf": hf_dir}
+
+
+def run_eval(*args: str, out: Path) -> dict:
+    assert main([*args, "--out", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def transformers_perplexity(hf_dir: Path, tokens: list[int], seq_length: int) -> tuple[float, int]:
+    """Hugging Face's perplexity guide with stride = max_length: each window's loss with labels = inputs (the model
+    shifts them: every token but the window's first is predicted), summed as loss × predicted tokens."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for begin in range(0, len(tokens), seq_length):
+            ids = torch.tensor([tokens[begin : begin + seq_length]])
+            if ids.shape[1] < 2:
+                continue
+            loss = model(ids, labels=ids).loss
+            total += float(loss.double()) * (ids.shape[1] - 1)
+            count += ids.shape[1] - 1
+    return math.exp(total / count), count
+
+
+def test_perplexity_equals_transformers_on_the_same_windows(evaluated, tmp_path):
+    pytest.importorskip("transformers")
+    text = evaluated["text"]
+    tokens = list(text.read_bytes())  # the run's byte-level tokenizer
+    want, predicted = transformers_perplexity(evaluated["hf"], tokens, 128)
+    assert predicted == 23 * 127 + 55
+    one = run_eval(
+        "perplexity", str(evaluated["checkpoint"]), "--data", str(text), "--seq-length", "128", out=tmp_path / "a.json"
+    )
+    two = run_eval(
+        "perplexity",
+        str(evaluated["checkpoint"]),
+        "--data",
+        str(text),
+        "--seq-length",
+        "128",
+        "--ranks",
+        "2",
+        out=tmp_path / "b.json",
+    )
+    hf = run_eval("perplexity", str(evaluated["hf"]), "--data", str(text), "--seq-length", "128", out=tmp_path / "c.json")
+    for got in (one, two, hf):
+        assert (got["windows"], got["predicted_tokens"]) == (24, predicted)
+        # fp32 logits of the same weights through two implementations (summation orders differ, ~1e-7 relative per
+        # token) and a float64 sum of 2,976 NLLs: 1e-5 relative on exp(mean NLL) is 1e-5 absolute on the mean NLL
+        assert got["perplexity"] == pytest.approx(want, rel=1e-5), (got, want)
+    assert two["ranks"] == 2 and one["model_kind"] == "nxdt checkpoint" and hf["model_kind"] == "Hugging Face directory"
+    assert one["perplexity"] == pytest.approx(math.exp(one["mean_nll"]), rel=1e-12)
+
+
+def test_generate_scores_the_greedy_answers(evaluated, tmp_path, capsys):
+    from nxdt.data.instructions import byte_chat_tokenizer, tokenize_record
+    from nxdt.launch.evaluate import load_model
+    from nxdt.models.generate import greedy_generate
+
+    records = [
+        {"instruction": "Reverse the word.", "input": "abc", "output": "cba"},
+        {"input": "2 + 2 =", "output": "4"},
+        {"messages": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "hi there"}]},
+    ]
+    data = tmp_path / "set.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    got = run_eval(
+        "generate", str(evaluated["checkpoint"]), "--data", str(data), "--max-new-tokens", "6", out=tmp_path / "g.json"
+    )
+    printed = capsys.readouterr().out
+    assert "rougeL_fmeasure" in printed and "exact_match" in printed
+    # the same answers decoded by hand: the prompt is what training reads before the response
+    tok, model = byte_chat_tokenizer(), load_model(str(evaluated["checkpoint"])).model
+    prompts = []
+    for record in records:
+        tokens, trained = tokenize_record(record, tok)
+        prompts.append(tokens[: trained.index(True)])
+    answers = [bytes(t for t in out if t != 0).decode("utf-8", "replace") for out in greedy_generate(model, prompts, 6, 0)]
+    assert [s["prediction"] for s in got["samples"]] == answers
+    # the references are the trained spans without EOS: the plain chat rendering ends the assistant turn with a newline
+    references = ["cba", "4", "hi there\n"]
+    assert [s["reference"] for s in got["samples"]] == references
+    assert got["metrics"] == pytest.approx(generation_scores(answers, references))
+    assert got["records"] == 3 and got["decoding"] == "greedy"
+
+
+@pytest.mark.parametrize(
+    "kind, content, expected",
+    [
+        ("generate", '{"prompt": "x", "label": "y"}\n', "nxdt eval: "),
+        ("perplexity", '{"body": "no text field"}\n', "nxdt eval: "),
+    ],
+    ids=["generate-without-input-output", "perplexity-jsonl-without-text"],
+)
+def test_an_eval_set_without_the_needed_fields_is_one_line_exit_2(evaluated, tmp_path, capsys, kind, content, expected):
+    data = tmp_path / "bad.jsonl"
+    data.write_text(content)
+    assert main([kind, str(evaluated["checkpoint"]), "--data", str(data), "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(expected) and "record 0" in err[0], err
+    assert ("'input' and 'output'" if kind == "generate" else "'text'") in err[0]
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_a_path_that_is_no_model_is_one_line_exit_2(tmp_path, capsys):
+    data = tmp_path / "t.txt"
+    data.write_text("hello")
+    assert main(["perplexity", str(tmp_path), "--data", str(data)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"nxdt eval: {tmp_path} is neither an nxdt checkpoint (meta.json) nor a Hugging Face model directory (config.json)"
+    ]
