@@ -587,11 +587,15 @@ def _get_path(cfg: Any, dotted: str) -> Any:
 
 
 def cmd_train(argv: list[str], start_workers_early: bool = False) -> int:
+    """``start_workers_early``: this is the ``nxdt`` program (its process started at the user's Enter), not a caller."""
     if "--help" in argv or "-h" in argv:
         print(train_help())
         return 0
     source, argv = _config_source(argv)
-    from nxdt.launch.console import MODE_FLAGS, set_mode
+    from nxdt.launch.console import MODE_FLAGS, STARTED_ENV, first_line, process_started_at, set_mode
+
+    # the workers' "ready" line and the summary count from here (the program: from its process's start)
+    os.environ[STARTED_ENV] = repr(process_started_at() if start_workers_early else time.time())
 
     flags, overrides = _split_flags(argv, {"-m", "--multirun", *MODE_FLAGS})
     modes = {MODE_FLAGS[f] for f in flags if f in MODE_FLAGS}
@@ -611,6 +615,8 @@ def cmd_train(argv: list[str], start_workers_early: bool = False) -> int:
         configs = [compose(job) for job in jobs]  # every job is validated before the first starts
         for cfg in configs:
             check_trainable(cfg)
+        if configs[0].launcher.name == "local" and not configs[0].launcher.dry_run:
+            print(first_line(configs[0], len(configs), source), flush=True)  # before torch is imported: within 1 s
         if start_workers_early:
             _start_fork_server_early(configs[0])
         plans = []
@@ -705,7 +711,7 @@ def _train_locally(
                 "and free space, or point exp_manager.exp_dir elsewhere"
             )
         label = f"[job {num}: {' '.join(job)}] " if sweep_dir is not None else ""
-        launched_at = console.job_started(run_dir, the_plan, cfg, label, job, list(source_args))  # banner, status.json
+        launched_at = console.job_started(run_dir, the_plan, cfg, label, job, list(source_args), first=num == 0)
         outcome, reason, code = "failed", "the launcher stopped", 1
         try:
             launch_local(run_dir, the_plan, console_tty=sys.stdout.isatty(), max_restarts=cfg.exp_manager.max_restarts)
