@@ -82,6 +82,7 @@ def train_help() -> str:
     for group in ("model", "data", "instance", "launcher"):
         lines.append(f"  {group}: {', '.join(available_options(group))}")
     lines.append(f"  +recipe: {', '.join(available_options('recipe'))}   (fine-tuning recipes: add with +recipe=NAME)")
+    lines.append(f"  --config-name {EXAMPLES}/NAME: NxD Training's example configs: {', '.join(example_names())}")
     lines += ["", "keys (default) — description:"]
     for key, default, doc in field_docs():
         lines.append(f"  {key} ({default}) — {doc}")
@@ -128,9 +129,43 @@ def _config_source(argv: list[str]) -> tuple[tuple[str, str] | None, list[str]]:
         found[CONFIG_SOURCE_FLAGS[flag]] = value
     if not found:
         return None, rest
+    if set(found) == {"name"} and found["name"].startswith(f"{EXAMPLES}/"):
+        return _example(found["name"][len(EXAMPLES) + 1 :]), rest
     if len(found) != 2:
-        raise UsageError("nxdt: --config-path DIR and --config-name NAME go together (an NxDT config file DIR/NAME.yaml)")
+        raise UsageError(
+            "nxdt: --config-path DIR and --config-name NAME go together (an NxDT config file DIR/NAME.yaml); "
+            f"NxD Training's example configs need no path: --config-name {EXAMPLES}/NAME ({', '.join(example_names()[:3])}, ...)"
+        )
     return (found["path"], found["name"]), rest
+
+
+EXAMPLES = "nxdt"  # --config-name nxdt/NAME: an NxD Training example config shipped in the package (conf/nxdt/)
+
+
+def examples_dir() -> Path:
+    """NxD Training's example configs as the package ships them (``conf/nxdt/``, installed as ``nxdt/conf/nxdt``), with
+    the Hugging Face config.json files their ``model.model_config`` names and a tokenized sample dataset."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nxdt.conf")  # without importing nxdt.config (Hydra): the first line comes first
+    assert spec is not None and spec.submodule_search_locations
+    return Path(list(spec.submodule_search_locations)[0]) / EXAMPLES
+
+
+def example_names() -> list[str]:
+    return sorted(p.stem for p in examples_dir().glob("*.yaml"))
+
+
+def _example(name: str) -> tuple[str, str]:
+    if name not in example_names():
+        import difflib
+
+        close = difflib.get_close_matches(name, example_names(), n=1)
+        hint = f"did you mean {EXAMPLES}/{close[0]}? " if close else ""
+        raise UsageError(
+            f"nxdt: --config-name {EXAMPLES}/{name}: no such example config; {hint}the examples: {', '.join(example_names())}"
+        )
+    return str(examples_dir()), name
 
 
 def _composer(source: tuple[str, str] | None, *, paths: bool = True) -> Any:
@@ -605,9 +640,7 @@ def cmd_train(argv: list[str], start_workers_early: bool = False) -> int:
     flags -= set(MODE_FLAGS)
     source_args = ["--config-path", source[0], "--config-name", source[1]] if source else []
     from nxdt.config import ConfigError
-    from nxdt.launch.multinode import check_launcher
-    from nxdt.config.validate import check_trainable
-    from nxdt.planner import plan
+    from nxdt.config.validate import check_trainable, ineffective_settings
 
     try:
         jobs = expand_sweep(overrides) if flags else [overrides]
@@ -616,7 +649,11 @@ def cmd_train(argv: list[str], start_workers_early: bool = False) -> int:
         for cfg in configs:
             check_trainable(cfg)
         if configs[0].launcher.name == "local" and not configs[0].launcher.dry_run:
-            print(first_line(configs[0], len(configs), source), flush=True)  # before torch is imported: within 1 s
+            # Hydra's compose is all that ran: the planner (numpy), torch and Lightning are imported after this line
+            print(first_line(configs[0], len(configs), source), flush=True)
+        from nxdt.launch.multinode import check_launcher
+        from nxdt.planner import plan
+
         if start_workers_early:
             _start_fork_server_early(configs[0])
         plans = []
@@ -629,6 +666,9 @@ def cmd_train(argv: list[str], start_workers_early: bool = False) -> int:
         return _fail(str(exc))
     except Exception as exc:  # Hydra's override grammar errors
         return _fail(f"config error: {str(exc).splitlines()[0]}")
+    # settings that cannot take effect: said before any worker starts, once each across a sweep's jobs
+    for line in dict.fromkeys(line for cfg in configs for line in ineffective_settings(cfg)):
+        print(line, file=sys.stderr, flush=True)
     sweep_dir = None
     if flags:
         first = configs[0]

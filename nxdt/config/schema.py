@@ -165,7 +165,8 @@ class DataConfig:
     data_prefix: Optional[Any] = doc(
         None,
         "megatron: [weight, prefix, weight, prefix, ...] of PREFIX.bin/.idx datasets "
-        "(nxdt data convert-megatron writes them), blended by weight",
+        "(nxdt data convert-megatron writes them), blended by weight; on the command line "
+        "data.data_prefix=[0.3,/data/a_text_document,0.7,/data/b_text_document] (no spaces)",
     )
     index_mapping_dir: Optional[str] = doc(None, "megatron: directory caching the sample index (.npy); null = beside each .idx")
     splits_string: Optional[str] = doc(
