@@ -1104,13 +1104,11 @@ def _size(n: float) -> str:
 
 def checkpoint_verify(path: str) -> int:
     """``nxdt checkpoint verify DIR``: one line per problem, then a summary; 0 good, 1 damaged, 2 not a directory."""
-    from nxdt.lightning.checkpoint import CHECKSUMS_FILE, DONE_MARKER, check
+    from nxdt.lightning.checkpoint import CHECKSUMS_FILE, DONE_MARKER, check, missing_checkpoint
 
     root = Path(path)
     if not root.is_dir():
-        return _fail(
-            f"nxdt checkpoint: checkpoint {path} does not exist or is not a directory — pass a checkpoints/step-<N> directory"
-        )
+        return _fail(f"nxdt checkpoint: {missing_checkpoint(root)}")
     if not any((root / name).exists() for name in (DONE_MARKER, "meta.json", CHECKSUMS_FILE)):
         return _fail(
             f"nxdt checkpoint: {path} is not a checkpoint directory (no {DONE_MARKER}, meta.json or {CHECKSUMS_FILE}) — "
