@@ -666,9 +666,9 @@ def cmd_train(argv: list[str], start_workers_early: bool = False) -> int:
         return _fail(str(exc))
     except Exception as exc:  # Hydra's override grammar errors
         return _fail(f"config error: {str(exc).splitlines()[0]}")
-    # settings that cannot take effect: said before any worker starts, once each across a sweep's jobs
-    for line in dict.fromkeys(line for cfg in configs for line in ineffective_settings(cfg)):
-        print(line, file=sys.stderr, flush=True)
+    # settings that cannot take effect: said before a job's workers start, once its run directory is accepted (a refused
+    # resume is one error line, nothing else)
+    warnings = [ineffective_settings(cfg) for cfg in configs]
     sweep_dir = None
     if flags:
         first = configs[0]
@@ -679,8 +679,18 @@ def cmd_train(argv: list[str], start_workers_early: bool = False) -> int:
         if configs[0].launcher.name != "local" or configs[0].launcher.dry_run:  # beyond this host, or only show what would run
             from nxdt.launch.cluster import launch
 
-            return launch(configs[0], plans[0], jobs[0], sys.stdout.isatty())
-        return _train_locally(jobs, configs, plans, sweep_dir, source_args)
+            if not configs[0].launcher.dry_run:
+                _warn(warnings[0])
+            code = launch(configs[0], plans[0], jobs[0], sys.stdout.isatty())
+            if configs[0].launcher.dry_run and code == 0:  # after what would run (a refusal stays the only line)
+                _warn(warnings[0])
+            return code
+        return _train_locally(jobs, configs, plans, sweep_dir, source_args, warnings)
+
+
+def _warn(lines: list[str]) -> None:
+    for line in lines:
+        print(line, file=sys.stderr, flush=True)
 
 
 def _start_fork_server_early(cfg: Any) -> None:
@@ -699,7 +709,12 @@ def _start_fork_server_early(cfg: Any) -> None:
 
 
 def _train_locally(
-    jobs: list[list[str]], configs: list[Any], plans: list[Any], sweep_dir: Path | None, source_args: Sequence[str] = ()
+    jobs: list[list[str]],
+    configs: list[Any],
+    plans: list[Any],
+    sweep_dir: Path | None,
+    source_args: Sequence[str] = (),
+    warnings: Sequence[list[str]] = (),
 ) -> int:
     from nxdt.config import ConfigError
     from nxdt.launch import console
@@ -741,6 +756,7 @@ def _train_locally(
                 notes = [*resume_lines(run_dir, changes, entry, cfg.data.source == "megatron"), *notes]
             for line in notes:
                 print(line, flush=True)
+            _warn(list(warnings[num]) if num < len(warnings) else [])
         except ConfigError as exc:
             lock.close()
             return _fail(str(exc))
