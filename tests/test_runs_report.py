@@ -261,7 +261,9 @@ def test_default_console_is_nxdts_own_banner_steps_and_summary(launched):
     )
     # while the workers import torch and Lightning: a status line, then rank 0's when they are set up
     assert lines[3] == "nxdt: starting 2 workers…"
-    assert re.fullmatch(r"nxdt: 2 workers ready [0-9.]+ s after Enter; training", lines[4]), lines[4]
+    first_step = next(i for i, line in enumerate(lines) if line.startswith("step "))
+    ready = [line for line in lines[4:first_step] if line.startswith("nxdt: 2 workers ready")]
+    assert len(ready) == 1 and re.fullmatch(r"nxdt: 2 workers ready [0-9.]+ s after Enter; training", ready[0]), ready
     steps = [line for line in lines if line.startswith("step ")]
     rows = _rows(run)
     # step numbers right-aligned to the width of max_steps ("step  9/30", "step 10/30")
