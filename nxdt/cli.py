@@ -87,6 +87,7 @@ def train_help() -> str:
     for group in ("model", "data", "instance", "launcher"):
         lines.append(f"  {group}: {', '.join(available_options(group))}")
     lines.append(f"  +recipe: {', '.join(available_options('recipe'))}   (fine-tuning recipes: add with +recipe=NAME)")
+    lines.append(f"  --config-name {EXAMPLES}/NAME: NxD Training's example configs: {', '.join(example_names())}")
     lines += ["", "keys (default) — description:"]
     for key, default, doc in field_docs():
         lines.append(f"  {key} ({default}) — {doc}")
@@ -133,9 +134,43 @@ def _config_source(argv: list[str]) -> tuple[tuple[str, str] | None, list[str]]:
         found[CONFIG_SOURCE_FLAGS[flag]] = value
     if not found:
         return None, rest
+    if set(found) == {"name"} and found["name"].startswith(f"{EXAMPLES}/"):
+        return _example(found["name"][len(EXAMPLES) + 1 :]), rest
     if len(found) != 2:
-        raise UsageError("nxdt: --config-path DIR and --config-name NAME go together (an NxDT config file DIR/NAME.yaml)")
+        raise UsageError(
+            "nxdt: --config-path DIR and --config-name NAME go together (an NxDT config file DIR/NAME.yaml); "
+            f"NxD Training's example configs need no path: --config-name {EXAMPLES}/NAME ({', '.join(example_names()[:3])}, ...)"
+        )
     return (found["path"], found["name"]), rest
+
+
+EXAMPLES = "nxdt"  # --config-name nxdt/NAME: an NxD Training example config shipped in the package (conf/nxdt/)
+
+
+def examples_dir() -> Path:
+    """NxD Training's example configs as the package ships them (``conf/nxdt/``, installed as ``nxdt/conf/nxdt``), with
+    the Hugging Face config.json files their ``model.model_config`` names and a tokenized sample dataset."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nxdt.conf")  # without importing nxdt.config (Hydra): the first line comes first
+    assert spec is not None and spec.submodule_search_locations
+    return Path(list(spec.submodule_search_locations)[0]) / EXAMPLES
+
+
+def example_names() -> list[str]:
+    return sorted(p.stem for p in examples_dir().glob("*.yaml"))
+
+
+def _example(name: str) -> tuple[str, str]:
+    if name not in example_names():
+        import difflib
+
+        close = difflib.get_close_matches(name, example_names(), n=1)
+        hint = f"did you mean {EXAMPLES}/{close[0]}? " if close else ""
+        raise UsageError(
+            f"nxdt: --config-name {EXAMPLES}/{name}: no such example config; {hint}the examples: {', '.join(example_names())}"
+        )
+    return str(examples_dir()), name
 
 
 def _composer(source: tuple[str, str] | None, *, paths: bool = True) -> Any:
@@ -611,11 +646,15 @@ def _get_path(cfg: Any, dotted: str) -> Any:
 
 
 def cmd_train(argv: list[str], start_workers_early: bool = False) -> int:
+    """``start_workers_early``: this is the ``nxdt`` program (its process started at the user's Enter), not a caller."""
     if "--help" in argv or "-h" in argv:
         print(train_help())
         return 0
     source, argv = _config_source(argv)
-    from nxdt.launch.console import MODE_FLAGS, set_mode
+    from nxdt.launch.console import MODE_FLAGS, STARTED_ENV, first_line, process_started_at, set_mode
+
+    # the workers' "ready" line and the summary count from here (the program: from its process's start)
+    os.environ[STARTED_ENV] = repr(process_started_at() if start_workers_early else time.time())
 
     flags, overrides = _split_flags(argv, {"-m", "--multirun", *MODE_FLAGS})
     modes = {MODE_FLAGS[f] for f in flags if f in MODE_FLAGS}
@@ -625,10 +664,8 @@ def cmd_train(argv: list[str], start_workers_early: bool = False) -> int:
     flags -= set(MODE_FLAGS)
     source_args = ["--config-path", source[0], "--config-name", source[1]] if source else []
     from nxdt.config import ConfigError
-    from nxdt.launch.multinode import check_launcher
-    from nxdt.config.validate import check_trainable
+    from nxdt.config.validate import check_trainable, ineffective_settings
     from nxdt.config.trackers import check_trackers
-    from nxdt.planner import plan
 
     try:
         jobs = expand_sweep(overrides) if flags else [overrides]
@@ -636,6 +673,12 @@ def cmd_train(argv: list[str], start_workers_early: bool = False) -> int:
         configs = [compose(job) for job in jobs]  # every job is validated before the first starts
         for cfg in configs:
             check_trainable(cfg)
+        if configs[0].launcher.name == "local" and not configs[0].launcher.dry_run:
+            # Hydra's compose is all that ran: the planner (numpy), torch and Lightning are imported after this line
+            print(first_line(configs[0], len(configs), source), flush=True)
+        from nxdt.launch.multinode import check_launcher
+        from nxdt.planner import plan
+
         if start_workers_early:
             _start_fork_server_early(configs[0])
         plans = []
@@ -649,6 +692,9 @@ def cmd_train(argv: list[str], start_workers_early: bool = False) -> int:
         return _fail(str(exc))
     except Exception as exc:  # Hydra's override grammar errors
         return _fail(f"config error: {str(exc).splitlines()[0]}")
+    # settings that cannot take effect: said before a job's workers start, once its run directory is accepted (a refused
+    # resume is one error line, nothing else)
+    warnings = [ineffective_settings(cfg) for cfg in configs]
     sweep_dir = None
     if flags:
         first = configs[0]
@@ -659,8 +705,18 @@ def cmd_train(argv: list[str], start_workers_early: bool = False) -> int:
         if configs[0].launcher.name != "local" or configs[0].launcher.dry_run:  # beyond this host, or only show what would run
             from nxdt.launch.cluster import launch
 
-            return launch(configs[0], plans[0], jobs[0], sys.stdout.isatty())
-        return _train_locally(jobs, configs, plans, sweep_dir, source_args)
+            if not configs[0].launcher.dry_run:
+                _warn(warnings[0])
+            code = launch(configs[0], plans[0], jobs[0], sys.stdout.isatty())
+            if configs[0].launcher.dry_run and code == 0:  # after what would run (a refusal stays the only line)
+                _warn(warnings[0])
+            return code
+        return _train_locally(jobs, configs, plans, sweep_dir, source_args, warnings)
+
+
+def _warn(lines: list[str]) -> None:
+    for line in lines:
+        print(line, file=sys.stderr, flush=True)
 
 
 def _start_fork_server_early(cfg: Any) -> None:
@@ -679,7 +735,12 @@ def _start_fork_server_early(cfg: Any) -> None:
 
 
 def _train_locally(
-    jobs: list[list[str]], configs: list[Any], plans: list[Any], sweep_dir: Path | None, source_args: Sequence[str] = ()
+    jobs: list[list[str]],
+    configs: list[Any],
+    plans: list[Any],
+    sweep_dir: Path | None,
+    source_args: Sequence[str] = (),
+    warnings: Sequence[list[str]] = (),
 ) -> int:
     from nxdt.config import ConfigError
     from nxdt.launch import console
@@ -721,6 +782,7 @@ def _train_locally(
                 notes = [*resume_lines(run_dir, changes, entry, cfg.data.source == "megatron"), *notes]
             for line in notes:
                 print(line, flush=True)
+            _warn(list(warnings[num]) if num < len(warnings) else [])
         except ConfigError as exc:
             lock.close()
             return _fail(str(exc))
@@ -731,7 +793,7 @@ def _train_locally(
                 "and free space, or point exp_manager.exp_dir elsewhere"
             )
         label = f"[job {num}: {' '.join(job)}] " if sweep_dir is not None else ""
-        launched_at = console.job_started(run_dir, the_plan, cfg, label, job, list(source_args))  # banner, status.json
+        launched_at = console.job_started(run_dir, the_plan, cfg, label, job, list(source_args), first=num == 0)
         outcome, reason, code = "failed", "the launcher stopped", 1
         try:
             launch_local(run_dir, the_plan, console_tty=sys.stdout.isatty(), max_restarts=cfg.exp_manager.max_restarts)
@@ -1099,13 +1161,11 @@ def _size(n: float) -> str:
 
 def checkpoint_verify(path: str) -> int:
     """``nxdt checkpoint verify DIR``: one line per problem, then a summary; 0 good, 1 damaged, 2 not a directory."""
-    from nxdt.lightning.checkpoint import CHECKSUMS_FILE, DONE_MARKER, check
+    from nxdt.lightning.checkpoint import CHECKSUMS_FILE, DONE_MARKER, check, missing_checkpoint
 
     root = Path(path)
     if not root.is_dir():
-        return _fail(
-            f"nxdt checkpoint: checkpoint {path} does not exist or is not a directory — pass a checkpoints/step-<N> directory"
-        )
+        return _fail(f"nxdt checkpoint: {missing_checkpoint(root)}")
     if not any((root / name).exists() for name in (DONE_MARKER, "meta.json", CHECKSUMS_FILE)):
         return _fail(
             f"nxdt checkpoint: {path} is not a checkpoint directory (no {DONE_MARKER}, meta.json or {CHECKSUMS_FILE}) — "

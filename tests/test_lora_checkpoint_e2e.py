@@ -206,6 +206,7 @@ def test_an_adapters_only_checkpoint_exports_as_a_peft_adapter_or_merged_onto_it
     assert saved and all(".lora_" in n for n in saved)
     trained(nxdt("checkpoint", "export-hf", str(ckpt), str(root / "peft"), cwd=root))
     config = json.loads((root / "peft" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((root / "base").resolve())  # the run's model.hf_checkpoint
     assert (config["peft_type"], config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (
         "LORA",
         RANK,

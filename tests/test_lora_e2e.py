@@ -124,6 +124,8 @@ def test_each_checkpoint_is_a_peft_adapter_that_the_peft_library_loads(run):
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(read_checksums(ckpt))
     config = json.loads((ckpt / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["target_modules"]) == (RANK, ALPHA, ["q_proj", "k_proj", "v_proj"])
+    # the base PEFT loads the adapters onto: the run's model.hf_checkpoint (it was null before issue 39)
+    assert config["base_model_name_or_path"] == str(run["base"].resolve())
 
     ids = torch.randint(0, SHAPE["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
     merged = transformers.LlamaForCausalLM.from_pretrained(str(run["base"])).eval()

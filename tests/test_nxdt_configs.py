@@ -366,10 +366,17 @@ def test_schedules_checkpoints_and_names():
     assert (f["model.optim.sched.name"], f["model.optim.sched.warmup_steps"]) == ("constant", 10)
     assert any("sched.max_steps=7 is replaced by trainer.max_steps=100" in n for n in t.notes)
     assert (f["exp_manager.checkpoint_every_n_steps"], f["exp_manager.keep_last_k"], f["name"]) == (None, 3, "run_a")
+    assert f["exp_manager.save_last"] is False  # no checkpoint callback: not the last step's either
     f = flat(
         translate(minimal(exp_manager={"checkpoint_callback_params": {"every_n_train_steps": 5, "save_top_k": 0}}), LLAMA_HF)
     )
     assert f["exp_manager.checkpoint_every_n_steps"] is None  # save_top_k 0 keeps nothing
+    assert f["exp_manager.save_last"] is False
+    # NeMo's save_last (NxDT's examples: false) is nxdt's exp_manager.save_last; absent, nxdt's default (true) as NeMo's
+    params = {"every_n_train_steps": 5, "save_top_k": 1}
+    f = flat(translate(minimal(exp_manager={"checkpoint_callback_params": {**params, "save_last": False}}), LLAMA_HF))
+    assert f["exp_manager.save_last"] is False
+    assert "exp_manager.save_last" not in flat(translate(minimal(exp_manager={"checkpoint_callback_params": params}), LLAMA_HF))
     with pytest.raises(ConfigError, match="keeping every checkpoint is not supported"):
         translate(minimal(exp_manager={"checkpoint_callback_params": {"save_top_k": -1}}), LLAMA_HF)
 

@@ -68,7 +68,7 @@ PLACEHOLDER_SKIPS = {
     "test_eval.py evaluates a shared run's checkpoint and its HF export",
     "nxdt eval generate path/to/hf-export --data val.jsonl --max-new-tokens 64": "tests/test_eval.py",
     "nxdt train +recipe=sft data.train_dir=train.jsonl data.val_dir=val.jsonl data.tokenizer=path/to/hf-tokenizer-dir "
-    "model_alignment_strategy.sft.packing=false trainer.val_check_interval=50": "tests/test_sft_e2e.py",
+    "model_alignment_strategy.sft.packing=false trainer.val_check_interval=20": "tests/test_sft_e2e.py",
     "nxdt train +recipe=sft exp_manager.resume_from_checkpoint=<pretraining run>/checkpoints/step-500 "
     "model.weight_init_only=true": "tests/test_sft_e2e.py starts SFT from a checkpoint's weights",
     "nxdt train trainer.num_nodes=2 trainer.devices=2 data.micro_batch_size=2 launcher=torchrun "
@@ -96,6 +96,7 @@ IN_PROCESS = [
     "nxdt train --help",
     "nxdt plan trainer.devices=8 distributed_strategy.tensor_model_parallel_size=2",
     "nxdt plan --config-path tests/nxdt_configs --config-name hf_llama3_8B_config instance=trn1.32xlarge",
+    "nxdt plan --config-name nxdt/hf_llama3_8B_config instance=trn1.32xlarge",
     "nxdt topo trn1.32xlarge",
     "nxdt plan instance=trn1.32xlarge trainer.num_nodes=4 model=llama3_8b distributed_strategy.tensor_model_parallel_size=8 "
     "data.micro_batch_size=1 data.global_batch_size=128",
@@ -147,7 +148,7 @@ CHAINS = {
     ],
     "collectives": ["nxdt comm-test -r 2 -b 1kb -e 64mb -f 4 --check --baseline gloo allr allg"],
     "nxdt-config": [
-        "nxdt train --config-path tests/nxdt_configs --config-name hf_llama3_8B_config instance=cpu trainer.devices=2 "
+        "nxdt train --config-name nxdt/hf_llama3_8B_config instance=cpu trainer.devices=2 "
         "trainer.num_nodes=1 distributed_strategy.tensor_model_parallel_size=2 model.num_layers=2 "
         "model.hidden_size=64 model.num_attention_heads=4 model.num_kv_heads=2 model.ffn_hidden_size=128 "
         "model.vocab_size=256 model.encoder_seq_length=32 data.global_batch_size=4 trainer.max_steps=20 "

@@ -21,7 +21,7 @@ from nxdt.launch.rundir import lock_run_dir, write_run_dir
 from nxdt.launch.runs import find_run_dirs, list_runs, load_run, read_status, write_status
 from nxdt.lightning.exp_manager import METRIC_COLUMNS
 from nxdt.planner import plan
-from shared_runs import DEFAULT_STEPS
+from shared_runs import DEFAULT_EVERY, DEFAULT_STEPS
 from test_train_e2e import assert_ok, nxdt
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -320,11 +320,19 @@ def test_default_console_is_nxdts_own_banner_steps_and_summary(launched):
         assert noise not in console, (noise, console)
     assert not re.search(r"t=\d{9,}|\b1\d{9}\.\d+", console), console  # no raw epoch timestamps
     lines = console.splitlines()
+    # the first line is printed once the config is composed, before the data and model checks (test_first_output.py)
+    assert lines[0] == "nxdt: llama_tiny (nxdt's config) · 2 ranks on cpu, TP1 PP1 DP2 · checking the data and the model…"
+    lines = lines[1:]
     assert lines[0] == f"nxdt: run directory {run} (2 ranks)"
     assert lines[1] == "nxdt: layout: 2 ranks on cpu · TP1 PP1 DP2 CP1 EP1 · FSDP off · fp32"
     assert re.match(rf"nxdt: llama_tiny: {DEFAULT_STEPS} steps × 8 sequences of 128 tokens .* plan: [0-9.]+ s/step", lines[2]), (
         lines[2]
     )
+    # while the workers import torch and Lightning: a status line, then rank 0's when they are set up
+    assert lines[3] == "nxdt: starting 2 workers…"
+    first_step = next(i for i, line in enumerate(lines) if line.startswith("step "))
+    ready = [line for line in lines[4:first_step] if line.startswith("nxdt: 2 workers ready")]
+    assert len(ready) == 1 and re.fullmatch(r"nxdt: 2 workers ready [0-9.]+ s after Enter; training", ready[0]), ready
     steps = [line for line in lines if line.startswith("step ")]
     rows = _rows(run)
     # step numbers right-aligned to the width of max_steps ("step  9/30", "step 10/30")
@@ -336,11 +344,14 @@ def test_default_console_is_nxdts_own_banner_steps_and_summary(launched):
     assert f"nxdt: finished at step {DEFAULT_STEPS} of {DEFAULT_STEPS} in " in console
     assert f"nxdt: loss {first:.4f} → {last:.4f} · " in console  # the final loss is metrics.csv's last row
     assert f"nxdt: look at it: nxdt report {run}" in console
-    # the newest checkpoint, and how to continue a finished run from it
-    assert f"nxdt: newest checkpoint: {run / 'checkpoints' / f'step-{DEFAULT_STEPS}'}" in lines
+    # the newest checkpoint (the last step's, exp_manager.save_last), how to export it and how to continue the run
+    final = run / "checkpoints" / f"step-{DEFAULT_STEPS}"
+    assert f"nxdt: checkpoint checkpoints/step-{DEFAULT_STEPS} saved" in lines
+    assert f"nxdt: newest checkpoint: {final}" in lines
+    assert f"nxdt: export it: nxdt checkpoint export-hf {final} llama_tiny-hf" in lines
     assert (
         f"nxdt: resume (with a larger trainer.max_steps): nxdt train trainer.max_steps={DEFAULT_STEPS} "
-        f"exp_manager.checkpoint_every_n_steps={DEFAULT_STEPS // 2} exp_manager.explicit_log_dir={run} "
+        f"exp_manager.checkpoint_every_n_steps={DEFAULT_EVERY} exp_manager.explicit_log_dir={run} "
         "exp_manager.resume_if_exists=true"
     ) in lines
     # the per-rank log keeps what the console leaves out

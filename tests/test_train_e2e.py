@@ -40,9 +40,10 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
 
 
-def test_default_run_learns_on_the_sample_text_and_fills_the_run_dir(everyday_runs):
+def test_default_run_learns_on_the_sample_text_and_fills_the_run_dir(everyday_runs, capsys):
     """The default ``nxdt train`` (llama_tiny on the sample text, 2 ranks, TensorBoard on) with 30 steps and a
-    checkpoint every 15."""
+    checkpoint every 20: step-20 on schedule, step-30 because training ended (exp_manager.save_last, on by default,
+    as NeMo's), both kept (keep_last_k=2), and the final one reads as a whole checkpoint of step 30."""
     run = everyday_runs["runs"]["llama_tiny"]
     assert_ok(everyday_runs["default"])
     loss = losses(run)
@@ -54,9 +55,14 @@ def test_default_run_learns_on_the_sample_text_and_fills_the_run_dir(everyday_ru
         "logs/rank0.log",
         "logs/rank1.log",
         "checkpoints/step-30/done",
-        "checkpoints/step-15/done",
+        "checkpoints/step-20/done",
     ):
         assert (run / name).exists(), name
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-20", "step-30"]
+    from nxdt.cli import main
+
+    assert main(["checkpoint", "inspect", str(run / "checkpoints" / "step-30")]) == 0
+    assert "step 30" in capsys.readouterr().out
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     with open(run / "metrics.csv", newline="") as fh:
         row = next(csv.DictReader(fh))

@@ -117,7 +117,9 @@ RULES: dict[str, Rule] = {
     "exp_manager.checkpoint_callback_params.save_top_k": _custom("exp_manager.keep_last_k (0 = no checkpoints; -1 is refused)"),
     "exp_manager.checkpoint_callback_params.monitor": _agree("nxdt keeps the newest checkpoints", "step"),
     "exp_manager.checkpoint_callback_params.mode": _agree("nxdt keeps the newest checkpoints", "max"),
-    "exp_manager.checkpoint_callback_params.save_last": _agree("the newest checkpoint is kept anyway", False),
+    "exp_manager.checkpoint_callback_params.save_last": _custom(
+        "exp_manager.save_last: the last step's checkpoint when training ends (absent: true, NeMo's default)"
+    ),
     "exp_manager.checkpoint_callback_params.filename": _ignored("checkpoint file pattern; nxdt writes checkpoints/step-<N>/"),
     "exp_manager.checkpoint_callback_params.model_parallel_size": _derived("TP×PP, computed from the degrees"),
     "exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt": _agree(
@@ -605,6 +607,11 @@ COUNTERPARTS = {
         "exp_manager.create_checkpoint_callback",
     ),
     "exp_manager.keep_last_k": ("exp_manager.checkpoint_callback_params.save_top_k",),
+    "exp_manager.save_last": (
+        "exp_manager.checkpoint_callback_params.save_last",
+        "exp_manager.create_checkpoint_callback",
+        "exp_manager.checkpoint_callback_params.save_top_k",
+    ),
     "data.seq_length": ("data.seq_length", "model.encoder_seq_length"),
 }
 
@@ -805,8 +812,12 @@ def _checkpointing(leaves: Mapping[str, Any]) -> dict[str, Any]:
             raise ConfigError(params + "save_top_k", top_k, "keeping every checkpoint is not supported; give how many to keep")
         if top_k > 0:
             out["exp_manager.keep_last_k"] = top_k
+    save_last = leaves.get(params + "save_last")
+    if save_last is not None:
+        out["exp_manager.save_last"] = bool(save_last)
     if leaves.get("exp_manager.create_checkpoint_callback", True) is False or top_k == 0:
         every = None
+        out["exp_manager.save_last"] = False  # no checkpoint callback at all: no last checkpoint either
     if every is not None or params + "every_n_train_steps" in leaves or "exp_manager.create_checkpoint_callback" in leaves:
         out["exp_manager.checkpoint_every_n_steps"] = every
     return out

@@ -149,6 +149,7 @@ _FREE_KEYS = (
     "exp_manager.max_restarts",
     "exp_manager.checkpoint_every_n_steps",
     "exp_manager.keep_last_k",
+    "exp_manager.save_last",
     "exp_manager.async_checkpointing",
     "exp_manager.create_tensorboard_logger",
     "exp_manager.log_parameter_norm",

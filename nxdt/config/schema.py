@@ -74,6 +74,11 @@ class ExpManagerConfig:
     )
     checkpoint_every_n_steps: Optional[int] = doc(None, "save checkpoints/step-<N>/ every N steps; null = never")
     keep_last_k: int = doc(2, "keep only the newest k checkpoints")
+    save_last: bool = doc(
+        True,
+        "when training ends (max_steps or max_epochs reached), save checkpoints/step-<N>/ of the last step if it was not "
+        "saved already (NeMo's checkpoint_callback_params.save_last); counts toward keep_last_k; false = only every N steps",
+    )
     async_checkpointing: bool = doc(
         False,
         "write checkpoints in a background thread: training continues while a snapshot "
@@ -182,7 +187,8 @@ class DataConfig:
     data_prefix: Optional[Any] = doc(
         None,
         "megatron: [weight, prefix, weight, prefix, ...] of PREFIX.bin/.idx datasets "
-        "(nxdt data convert-megatron writes them), blended by weight",
+        "(nxdt data convert-megatron writes them), blended by weight; on the command line "
+        "data.data_prefix=[0.3,/data/a_text_document,0.7,/data/b_text_document] (no spaces)",
     )
     index_mapping_dir: Optional[str] = doc(None, "megatron: directory caching the sample index (.npy); null = beside each .idx")
     splits_string: Optional[str] = doc(

@@ -956,6 +956,50 @@ def _instance_names() -> list[str]:
     return available_options("instance")
 
 
+def ineffective_settings(cfg: Any) -> list[str]:
+    """Settings that are valid but cannot take effect in this run, one ``warning:`` line each (the launcher prints them
+    before any worker starts; the run goes ahead): validation data never validated, a learning-rate schedule the run
+    stops inside, LoRA adapters trained on a random base."""
+    out = []
+    trainer, data, sched = cfg.trainer, cfg.data, cfg.model.optim.sched
+    max_steps = trainer.max_steps
+    val_data = "data.val_dir" if data.val_dir is not None else "data.val_split" if data.val_split > 0 else None
+    interval = trainer.val_check_interval
+    # validation runs every val_check_interval steps (null: after the last step), so never when that is past the end
+    if val_data and trainer.limit_val_batches > 0 and interval is not None and max_steps and interval > max_steps:
+        out.append(
+            f"warning: trainer.val_check_interval={interval} is beyond trainer.max_steps={max_steps}: {val_data} is never "
+            f"validated; set trainer.val_check_interval to at most {max_steps} (null: once, after the last step)"
+        )
+    # the peak lr is reached at step index warmup_steps (NeMo's warm-up, (s+1)/(w+1), and Megatron's s/w), or
+    # warmup_steps - 1 for LinearAnnealingWithWarmUp's (s+1)/w: nxdt.lightning.optim.lr_lambda
+    warmup = sched.warmup_steps
+    last_ramp = warmup - 1 if sched.name == "LinearAnnealingWithWarmUp" else warmup
+    if warmup > 0 and max_steps and last_ramp >= max_steps:
+        out.append(
+            f"warning: model.optim.sched.warmup_steps={warmup} does not end within trainer.max_steps={max_steps}: the "
+            f"learning rate never reaches model.optim.lr={cfg.model.optim.lr}; use fewer warm-up steps or more steps"
+        )
+    # the decay ends constant_steps before sched.max_steps (then min_lr holds); ending after the run, it is cut short.
+    # sched.max_steps follows trainer.max_steps unless set apart from it (an NxDT config always follows)
+    decay_end = (sched.max_steps or 0) - max(0, sched.constant_steps)
+    if sched.name != "constant" and max_steps and decay_end > max_steps:
+        out.append(
+            f"warning: model.optim.sched.max_steps={sched.max_steps} is beyond trainer.max_steps={max_steps}: the "
+            f"{sched.name} decay runs to step {decay_end}, so the run stops before the learning rate falls to "
+            f"model.optim.sched.min_lr={sched.min_lr}; leave model.optim.sched.max_steps to follow trainer.max_steps"
+        )
+    em = cfg.exp_manager
+    if cfg.model_alignment_strategy.peft is not None and cfg.model.hf_checkpoint is None:
+        if em.resume_from_checkpoint is None and not em.resume_if_exists:
+            out.append(
+                "warning: LoRA (model_alignment_strategy.peft) without model.hf_checkpoint: the adapters train on a "
+                "randomly initialised base model; set model.hf_checkpoint=DIR (a Hugging Face model directory), or "
+                "exp_manager.resume_from_checkpoint=CKPT model.weight_init_only=true, to adapt trained weights"
+            )
+    return out
+
+
 class NotYetSupported(ConfigError):
     """A valid config asking for a feature this version cannot train with yet (it can still be planned)."""
 

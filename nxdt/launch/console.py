@@ -123,6 +123,53 @@ def worker_output(log_path: Path, *, console: bool) -> IO[str]:
 
 # ---------------------------------------------------------------- launcher side
 
+# when the user pressed Enter (the launcher process's start, seconds since the epoch), handed to the workers so that
+# their "ready" line and the summary count from there
+STARTED_ENV = "NXDT_STARTED_AT"
+
+
+def process_started_at() -> float:
+    """This process's start time (the user's Enter): its age from /proc (start time in clock ticks since boot vs the
+    uptime, both to 1/100 s), subtracted from now. Python's own start-up and imports are counted, as the user waits
+    for them too. Where /proc cannot say (not Linux), now."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rpartition(")")[2].split()
+        started_ticks = int(fields[19])  # field 22 of proc(5), counted after the parenthesised name
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        age = uptime - started_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.time()
+    return time.time() - max(0.0, age)
+
+
+def started_at() -> float:
+    """The Enter time the launcher recorded in ``$NXDT_STARTED_AT`` (now if none: a caller's own process)."""
+    try:
+        return float(os.environ[STARTED_ENV])
+    except (KeyError, ValueError):
+        return time.time()
+
+
+def first_line(cfg: Any, jobs: int, source: tuple[str, str] | None) -> str:
+    """What is being launched, printed as soon as the config is composed: before torch and Lightning are imported
+    (seconds of CPU) and the data and model are checked, so the console answers within a second of Enter."""
+    from nxdt.launch.runs import get
+
+    tp, pp, cp = (
+        get(cfg, f"distributed_strategy.{k}", 1) or 1
+        for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
+    )
+    world = (get(cfg, "trainer.devices", 1) or 1) * (get(cfg, "trainer.num_nodes", 1) or 1)
+    dp = world // max(1, tp * pp * cp)
+    what = f"NxDT config {source[0]}/{source[1]}.yaml" if source else "nxdt's config"
+    sweep = f"{jobs} jobs, the first: " if jobs > 1 else ""
+    where = get(cfg, "exp_manager.explicit_log_dir")
+    into = f" → {where}" if where and jobs == 1 else ""
+    return (
+        f"nxdt: {sweep}{get(cfg, 'name')} ({what}) · {world} ranks on {get(cfg, 'instance.name')}, TP{tp} PP{pp} DP{dp}"
+        f"{f' CP{cp}' if cp > 1 else ''}{into} · checking the data and the model…"
+    )
+
 
 def banner(run_dir: Path, plan: Any, cfg: Any, label: str = "") -> list[str]:
     """Run directory, the layout in one line, and what the plan predicts."""
@@ -169,7 +216,8 @@ def command_line(source_args: list[str], overrides: list[str], extra: list[str])
 
 
 def summary(run_dir: Path, status: str, launched_at: float, overrides: list[str], source_args: Sequence[str] = ()) -> list[str]:
-    """The lines printed when a job ends: how far it got, how fast, where its checkpoint is, what to type next."""
+    """The lines printed when a job ends: how far it got, how fast, where its checkpoint is, what to type next.
+    Times count from ``launched_at``: the user's Enter for a single run (:func:`job_started`)."""
     from nxdt.launch.runs import get, load_run
 
     run = load_run(run_dir)
@@ -196,15 +244,18 @@ def summary(run_dir: Path, status: str, launched_at: float, overrides: list[str]
         lines = [f"nxdt: {verb} after {_seconds(elapsed)}, before any step was logged"]
     if run.checkpoint is not None:
         lines.append(f"nxdt: newest checkpoint: {run.checkpoint}")
+        hf_out = shlex.quote(f"{get(run.config, 'name')}-hf")
+        lines.append(f"nxdt: export it: nxdt checkpoint export-hf {shlex.quote(str(run.checkpoint))} {hf_out}")
         resume = command_line(
             list(source_args), overrides, [f"exp_manager.explicit_log_dir={run_dir}", "exp_manager.resume_if_exists=true"]
         )
         lines.append(f"nxdt: resume{' (with a larger trainer.max_steps)' if status == 'finished' else ''}: {resume}")
     else:
         every = get(run.config, "exp_manager.checkpoint_every_n_steps")
+        last = get(run.config, "exp_manager.save_last", False)
         lines.append(
             "nxdt: newest checkpoint: none"
-            + ("" if every else " (exp_manager.checkpoint_every_n_steps=N saves one every N steps)")
+            + ("" if every or last else " (exp_manager.checkpoint_every_n_steps=N saves one every N steps)")
         )
     look = f"nxdt report {shlex.quote(str(run_dir))}"
     if get(run.config, "exp_manager.create_tensorboard_logger", False):
@@ -250,18 +301,25 @@ def launcher_log(run_dir: Path | None) -> None:
         logger.propagate = False
 
 
-def job_started(run_dir: Path, plan: Any, cfg: Any, label: str, overrides: list[str], source_args: list[str]) -> float:
-    """Banner, ``status.json`` saying running (best effort: a run is never refused for it), the launcher's log.
-    Returns the start time."""
+def job_started(
+    run_dir: Path, plan: Any, cfg: Any, label: str, overrides: list[str], source_args: list[str], first: bool = True
+) -> float:
+    """Banner, ``status.json`` saying running (best effort: a run is never refused for it), the launcher's log, and
+    a status line while the workers start (their imports take seconds; rank 0 says when they are ready).
+    Returns the time the summary counts from: the user's Enter for the first job, this job's start for a sweep's
+    later ones."""
     from nxdt.launch.runs import write_status
 
+    now = time.time()
     print_lines(banner(run_dir, plan, cfg, label))
     launcher_log(run_dir)
     try:
         write_status(run_dir, "running", command=command_line(source_args, overrides, []))
     except OSError:
         pass
-    return time.time()
+    if mode() != "quiet":
+        print(f"nxdt: starting {plan.world_size} worker{'s' if plan.world_size != 1 else ''}…", flush=True)
+    return min(now, started_at()) if first else now
 
 
 def job_ended(

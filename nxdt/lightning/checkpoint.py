@@ -640,11 +640,23 @@ def _write_latest(final: Path) -> None:
         raise
 
 
+def missing_checkpoint(root: Path) -> str:
+    """Why ``root`` is no checkpoint, with what its run's checkpoints directory holds instead: a step removed by
+    ``exp_manager.keep_last_k`` (only the newest k are kept) is the usual case."""
+    present = [p.name for p in list_complete(root.parent)] if is_step_name(root.name) else []
+    if present:
+        return (
+            f"checkpoint {root} does not exist: {root.parent} holds {', '.join(present)} (a run keeps its newest "
+            "exp_manager.keep_last_k checkpoints) — pass one of them"
+        )
+    return f"checkpoint {root} does not exist or is not a directory — pass a checkpoints/step-<N> directory"
+
+
 def _complete_dir(path: str | os.PathLike, expect_model: dict[str, Any] | None) -> Path:
     """The checkpoint directory, if it exists, is committed (``done``) and belongs to the expected model."""
     root = Path(path)
     if not root.is_dir():
-        raise CheckpointError(f"checkpoint {root} does not exist or is not a directory — pass a checkpoints/step-<N> directory")
+        raise CheckpointError(missing_checkpoint(root))
     if not is_complete(root):
         raise CheckpointError(
             f"checkpoint {root} is incomplete (no '{DONE_MARKER}' marker: its save was interrupted) — use an earlier one"

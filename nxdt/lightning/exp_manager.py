@@ -99,6 +99,17 @@ class StepConsole:
     def show(self, row: dict[str, Any]) -> None:
         print(self.line(row), flush=True)
 
+    @staticmethod
+    def ready(world_size: int, env: Mapping[str, str] | None = None) -> str:
+        """The line that follows the launcher's "starting N workers…": they are set up and training starts, counted
+        from the user's Enter (``$NXDT_STARTED_AT``, which ``nxdt.launch.console`` sets)."""
+        env = os.environ if env is None else env
+        try:
+            after = f" {time.time() - float(env['NXDT_STARTED_AT']):.1f} s after Enter"
+        except (KeyError, ValueError):
+            after = ""
+        return f"nxdt: {world_size} worker{'s' if world_size != 1 else ''} ready{after}; training"
+
 
 class StepMetricsLogger(Callback):
     """Writes ``metrics.csv`` and hands every value of the row, the same names, to each logger of the trainer
@@ -135,6 +146,8 @@ class StepMetricsLogger(Callback):
         self._last_step = trainer.global_step
         if trainer.is_global_zero:
             self._truncate_after(trainer.global_step)
+            if self.console is not None:
+                print(self.console.ready(trainer.world_size), flush=True)
 
     def _truncate_after(self, step: int) -> None:
         """On resume, drop rows a crashed attempt logged past the checkpoint: they are re-run now."""
@@ -296,13 +309,35 @@ def launch_attempt(env: Mapping[str, str] | None = None) -> int:
 
 class DirectoryCheckpoint(ModelCheckpoint):
     """Lightning's checkpoint scheduling (every N steps, keep the newest k) writing ``step-<N>`` directories;
-    rank 0 announces each one (``background``: handed to the asynchronous writer, committed later)."""
+    rank 0 announces each one (``background``: handed to the asynchronous writer, committed later).
+
+    ``final`` (``exp_manager.save_last``): when training ends, the last step is saved too unless it just was — as
+    NeMo's ``save_last``, but as one more ``step-<N>`` in the keep_last_k rotation rather than a ``-last`` copy, so
+    resuming and exporting it work as for any other. Lightning's own ``save_last`` is not used: it writes a
+    ``last`` file beside the step directories."""
 
     FILE_EXTENSION = ""
 
-    def __init__(self, *args: Any, background: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, background: bool = False, final: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.background = background
+        self.final = final
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        if not self.final or trainer.global_step < 1 or self._should_skip_saving_checkpoint(trainer):
+            return
+        if (Path(self.dirpath or "") / f"step-{trainer.global_step}").exists():  # a resume that trained no step
+            return
+        before = self.best_model_path
+        self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+        self._announce(trainer, before)
+
+    def _announce(self, trainer: pl.Trainer, before: str) -> None:
+        if self.best_model_path and self.best_model_path != before and trainer.is_global_zero:
+            path = Path(self.best_model_path)
+            how = "being written in the background" if self.background else "saved"
+            print(f"nxdt: checkpoint {path.parent.name}/{path.name} {how}", flush=True)
 
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         super()._save_checkpoint(trainer, filepath)
@@ -328,10 +363,7 @@ class DirectoryCheckpoint(ModelCheckpoint):
     ) -> None:
         before = self.best_model_path  # monitor="step", mode="max": the best is the newest
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if self.best_model_path and self.best_model_path != before and trainer.is_global_zero:
-            path = Path(self.best_model_path)
-            how = "being written in the background" if self.background else "saved"
-            print(f"nxdt: checkpoint {path.parent.name}/{path.name} {how}", flush=True)
+        self._announce(trainer, before)
 
 
 class StepProgressBar(RichProgressBar):
@@ -459,13 +491,15 @@ def build_callbacks(cfg: Any, run_dir: Path, tokens_per_step: int, *, show_progr
         )
     ]
     every = cfg.exp_manager.checkpoint_every_n_steps
-    if every:
+    final = cfg.exp_manager.save_last
+    if every or final:
         callbacks.append(
             DirectoryCheckpoint(
                 dirpath=checkpoint_dir(run_dir),
                 filename="step-{step}",
                 auto_insert_metric_name=False,
-                every_n_train_steps=every,
+                every_n_train_steps=every or 0,  # 0, not None: None everywhere would make Lightning save every epoch
+                final=final,
                 save_top_k=cfg.exp_manager.keep_last_k,
                 monitor="step",
                 mode="max",

@@ -187,6 +187,20 @@ def _base_from_hf(directory: str | Path, architecture: str) -> dict[str, torch.T
     return adapter.from_hf(state)
 
 
+def run_hf_base(checkpoint: Path) -> str | None:
+    """The Hugging Face directory the checkpoint's run took its base weights from (its config.yaml's
+    ``model.hf_checkpoint``, ``RUN/checkpoints/step-N`` → ``RUN/config.yaml``), as PEFT's ``base_model_name_or_path``;
+    None when the base was not a Hugging Face model or the checkpoint was moved out of its run."""
+    from nxdt.config import ConfigError, load_run_config
+
+    run_config = checkpoint.resolve().parent.parent / "config.yaml"
+    try:
+        base = load_run_config(run_config).model.hf_checkpoint if run_config.is_file() else None
+    except ConfigError:
+        return None
+    return str(Path(base).expanduser().resolve()) if base else None
+
+
 def export_lora_checkpoint(
     path: str | Path, out: str | Path, *, merge: bool = False, base: str | Path | None = None, dtype: str = "fp32"
 ) -> Path:
@@ -232,7 +246,8 @@ def export_lora_checkpoint(
         tuple(targets),
     )
     if not merge:
-        return write_peft_adapter(lora, {n: t for n, t in state.items() if n.endswith(ADAPTER_SUFFIXES)}, out)
+        adapters = {n: t for n, t in state.items() if n.endswith(ADAPTER_SUFFIXES)}
+        return write_peft_adapter(lora, adapters, out, base_model_name_or_path=run_hf_base(root))
     if kind == "adapters_only":
         if base is None:
             raise CheckpointError(

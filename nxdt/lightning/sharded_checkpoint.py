@@ -20,6 +20,7 @@ import json
 import logging
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
@@ -267,7 +268,11 @@ class ShardedCheckpointer:
         if config is None:
             raise ValueError("NxDStrategy(peft_adapter_in_checkpoints=True): the model has no LoRA adapters (apply_peft)")
         state = peft_adapter_state(self.trainable_state_dict(module))
-        return {ADAPTER_WEIGHTS: state, ADAPTER_CONFIG: json.dumps(peft_adapter_config(config), indent=2).encode()}
+        # PEFT's base_model_name_or_path: the Hugging Face directory the base weights came from (model.hf_checkpoint),
+        # so PeftModel / AutoPeftModel find the base; None when the base was not a Hugging Face model
+        base = getattr(getattr(module, "model_cfg", None), "hf_checkpoint", None)
+        base_path = str(Path(base).expanduser().resolve()) if base else None
+        return {ADAPTER_WEIGHTS: state, ADAPTER_CONFIG: json.dumps(peft_adapter_config(config, base_path), indent=2).encode()}
 
     def trainable_state_dict(self, module: nn.Module) -> dict[str, Tensor]:
         """The trainable tensors (LoRA: the adapters) unsharded — gathered over FSDP's DP shards and the TP shards —
