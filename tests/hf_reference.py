@@ -7,6 +7,23 @@ from types import SimpleNamespace
 from typing import Any
 
 
+# the tiny Llama shape the parity tests share (nxdt's model keys)
+TINY_LLAMA = dict(
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=2,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=64,
+    max_position_embeddings=64,
+    rope_theta=10000.0,
+    norm_eps=1e-5,
+    tie_word_embeddings=False,
+    init_method_std=0.02,
+    activations_checkpoint_granularity=None,
+)
+
+
 def llama_config(transformers: Any, shape: dict) -> Any:
     """The transformers config equal to ``shape`` (nxdt's model keys), eager attention, untied, no biases. transformers 5
     moved rope_theta into rope_parameters; 4.x takes it directly."""

@@ -22,27 +22,14 @@ from nxdt.lightning.hf import hf_name
 from nxdt.models.generate import completion_batch
 from nxdt.models.llama import LlamaForCausalLM
 from nxdt.models.objectives import grpo_advantages, grpo_loss
-from hf_reference import llama_config
+from hf_reference import TINY_LLAMA, llama_config
 
 trl = pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")
 from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
 from trl.trainer.utils import nanstd, selective_log_softmax_and_entropy  # noqa: E402
 
-TINY = dict(
-    vocab_size=64,
-    hidden_size=32,
-    num_layers=2,
-    num_attention_heads=4,
-    num_kv_heads=2,
-    ffn_hidden_size=64,
-    max_position_embeddings=64,
-    rope_theta=10000.0,
-    norm_eps=1e-5,
-    tie_word_embeddings=False,
-    init_method_std=0.02,
-    activations_checkpoint_granularity=None,
-)
+TINY = TINY_LLAMA
 # 2 prompts × num_generations 3; prompts of one length (TRL's forward gives left pads positions too, nxdt does not,
 # so only unpadded prompts are the same computation); completions of different lengths (right padding)
 PROMPTS = [[5, 17, 42, 3], [7, 1, 9, 30]]

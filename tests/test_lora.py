@@ -17,22 +17,9 @@ from nxdt.lightning.hf import hf_name
 from nxdt.lightning.peft_export import export_peft_adapter
 from nxdt.models.llama import LlamaForCausalLM
 from nxdt.models.lora import LoRALinear, apply_lora, base_state_dict, lora_state_dict, merge_lora
-from hf_reference import llama_config
+from hf_reference import TINY_LLAMA, llama_config
 
-TINY = dict(
-    vocab_size=64,
-    hidden_size=32,
-    num_layers=2,
-    num_attention_heads=4,
-    num_kv_heads=2,
-    ffn_hidden_size=64,
-    max_position_embeddings=64,
-    rope_theta=10000.0,
-    norm_eps=1e-5,
-    tie_word_embeddings=False,
-    init_method_std=0.02,
-    activations_checkpoint_granularity=None,
-)
+TINY = TINY_LLAMA
 ALL = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 

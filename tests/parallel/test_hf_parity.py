@@ -18,24 +18,11 @@ import torch
 from nxdt.comm.spawn import run_local
 from nxdt.models.llama import LlamaForCausalLM
 from nxdt.parallel.tensor_parallel import apply_tensor_parallel, gather_from_tensor_parallel_region
-from hf_reference import llama_config
+from hf_reference import TINY_LLAMA, llama_config
 
 transformers = pytest.importorskip("transformers")
 
-TINY = dict(
-    vocab_size=64,
-    hidden_size=32,
-    num_layers=2,
-    num_attention_heads=4,
-    num_kv_heads=2,
-    ffn_hidden_size=64,
-    max_position_embeddings=64,
-    rope_theta=10000.0,
-    norm_eps=1e-5,
-    tie_word_embeddings=False,
-    init_method_std=0.02,
-    activations_checkpoint_granularity=None,
-)
+TINY = TINY_LLAMA
 
 
 def hf_model() -> "transformers.LlamaForCausalLM":
