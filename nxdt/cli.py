@@ -60,6 +60,10 @@ commands:
   eval generate MODEL --data FILE.jsonl [--max-new-tokens N] [--out F.json]
                               perplexity of a checkpoint or HF directory (non-overlapping windows), or exact match and
                               ROUGE of its greedy answers to SFT records; JSON and a table (nxdt eval for details)
+  generate MODEL --prompt TEXT [--prompt TEXT ...] | --prompts FILE.jsonl [--max-new-tokens N] [--temperature T]
+           [--top-p P] [--top-k K] [--seed N] [--no-chat-template] [--out F.jsonl]
+                              completions of the prompts by a checkpoint or HF directory (KV cache; greedy unless a
+                              sampling flag is given; the tokenizer's chat template applied when it has one)
 
 `nxdt train --help` lists every config group and key with its documentation.
 """
@@ -1258,6 +1262,12 @@ def cmd_eval(argv: list[str]) -> int:
     return evaluate(argv)
 
 
+def cmd_generate(argv: list[str]) -> int:
+    from nxdt.launch.generate import main as generate  # imports torch and the model hub only when run
+
+    return generate(argv)
+
+
 COMMANDS = {
     "train": cmd_train,
     "checkpoint": cmd_checkpoint,
@@ -1269,6 +1279,7 @@ COMMANDS = {
     "report": cmd_report,
     "data": cmd_data,
     "eval": cmd_eval,
+    "generate": cmd_generate,
 }
 
 

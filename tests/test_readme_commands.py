@@ -67,6 +67,10 @@ PLACEHOLDER_SKIPS = {
     "nxdt eval perplexity path/to/run/checkpoints/step-10 --data held_out.txt --seq-length 128 [--ranks 2]": "tests/"
     "test_eval.py evaluates a shared run's checkpoint and its HF export",
     "nxdt eval generate path/to/hf-export --data val.jsonl --max-new-tokens 64": "tests/test_eval.py",
+    "nxdt generate path/to/hf-export --prompt What is 2 + 3? --prompt Name a prime. --max-new-tokens 32": "tests/"
+    "test_generate_cmd.py samples from a transformers-saved tiny Llama",
+    "nxdt generate path/to/run/checkpoints/step-10 --prompts prompts.jsonl --temperature 0.7 --top-p 0.9 --seed 1 "
+    "--out completions.jsonl": "tests/test_generate_cmd.py",
     "nxdt train +recipe=sft data.train_dir=train.jsonl data.val_dir=val.jsonl data.tokenizer=path/to/hf-tokenizer-dir "
     "model_alignment_strategy.sft.packing=false trainer.val_check_interval=20": "tests/test_sft_e2e.py",
     "nxdt train +recipe=sft exp_manager.resume_from_checkpoint=<pretraining run>/checkpoints/step-500 "

@@ -36,9 +36,10 @@ import math
 import re
 import sys
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
+
+from nxdt.launch.model_source import CommandError, load_model
 
 USAGE = """usage: nxdt eval perplexity MODEL --data FILE [--seq-length N] [--batch-size N] [--ranks N] [--out FILE.json]
        nxdt eval generate MODEL --data FILE.jsonl [--max-new-tokens N] [--batch-size N] [--limit N] [--out FILE.json]
@@ -48,10 +49,8 @@ perplexity: exp(mean NLL per predicted token) over non-overlapping windows of --
             (a text file, or JSONL with a 'text' field); --ranks N: N data-parallel processes
 generate:   exact match and ROUGE-1/2/L of greedy answers to FILE's SFT records (input/output or messages)"""
 
-HF_DEFAULT_MAX_SEQ = 2048  # a Hugging Face model's default window: its max_position_embeddings, at most this
 
-
-class EvalError(Exception):
+class EvalError(CommandError):
     """Bad input to ``nxdt eval``: ``str()`` is one line naming what and how to fix it."""
 
 
@@ -117,63 +116,6 @@ def generation_scores(predictions: Sequence[str], references: Sequence[str]) -> 
 
 
 # ------------------------------------------------------------------------------------------------ the model
-
-
-@dataclass
-class Loaded:
-    model: Any  # a hub model (torch.nn.Module) in eval mode
-    tokenizer: str | None  # a tokenizer.json or its directory, None = byte-level
-    seq_length: int
-    what: str  # "nxdt checkpoint" / "Hugging Face directory"
-
-
-def load_model(path: str) -> Loaded:
-    """The hub model of an nxdt checkpoint (any layout, consolidated) or of a Hugging Face directory."""
-    import torch
-
-    from nxdt.config import ConfigError, compose_config, load_run_config
-    from nxdt.lightning.module import import_architecture, load_checkpoint_weights, read_checkpoint_weights
-
-    where = Path(path).expanduser()
-    if (where / "meta.json").is_file():
-        run_config = where.parent.parent / "config.yaml"
-        if not run_config.is_file():
-            raise EvalError(f"nxdt eval: {where} is a checkpoint, but {run_config} (its run's config) is missing")
-        cfg = load_run_config(run_config)
-        torch.manual_seed(cfg.seed)
-        model = import_architecture(cfg.model.architecture)(cfg.model)
-        try:
-            state, kind = read_checkpoint_weights(str(where))
-            if kind in ("with_base", "adapters_only"):
-                raise EvalError(
-                    f"nxdt eval: {where} holds LoRA adapters; export a merged model first "
-                    "(nxdt checkpoint export-hf DIR OUT --merge) and evaluate OUT"
-                )
-            load_checkpoint_weights(model, str(where), state=state)
-        except (ValueError, OSError) as exc:
-            raise EvalError(f"nxdt eval: {where}: {str(exc).splitlines()[0]}") from None
-        tokenizer = cfg.data.tokenizer
-        return Loaded(
-            model.eval(), str(Path(tokenizer).expanduser()) if tokenizer else None, cfg.data.seq_length, "nxdt checkpoint"
-        )
-    if (where / "config.json").is_file():
-        from nxdt.lightning.hf import load_hf_weights
-
-        try:
-            cfg = compose_config([f"model.hf_checkpoint={where.resolve()}"])
-            model = import_architecture(cfg.model.architecture)(cfg.model)
-            load_hf_weights(model, where, cfg.model.architecture)
-        except (ConfigError, ValueError, OSError) as exc:
-            raise EvalError(f"nxdt eval: {where}: {str(exc).splitlines()[0]}") from None
-        return Loaded(
-            model.eval(),
-            str(where) if (where / "tokenizer.json").is_file() else None,  # the directory: its chat template too
-            min(cfg.model.max_position_embeddings, HF_DEFAULT_MAX_SEQ),
-            "Hugging Face directory",
-        )
-    raise EvalError(
-        f"nxdt eval: {where} is neither an nxdt checkpoint (meta.json) nor a Hugging Face model directory (config.json)"
-    )
 
 
 # ------------------------------------------------------------------------------------------------ perplexity
@@ -383,7 +325,7 @@ def main(argv: list[str]) -> int:
             result = perplexity(rest[0], data, seq_length, batch_size, ranks)
         else:
             result = generate(rest[0], data, max_new_tokens, batch_size, limit)
-    except EvalError as exc:
+    except CommandError as exc:  # EvalError, or the model directory's (load_model)
         print(str(exc), file=sys.stderr)
         return 2
     Path(out).write_text(json.dumps(result, indent=1) + "\n")

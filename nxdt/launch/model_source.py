@@ -1,0 +1,87 @@
+"""The model a command reads (``nxdt eval``, ``nxdt generate``): an nxdt checkpoint or a Hugging Face directory.
+
+MODEL is an nxdt checkpoint (``<run>/checkpoints/step-<N>``, any layout, consolidated here: its run's ``config.yaml``
+gives the architecture and the tokenizer, ``data.tokenizer``) or a Hugging Face model directory (``config.json`` +
+safetensors, e.g. what ``nxdt checkpoint export-hf`` writes; its ``tokenizer.json`` if there — the directory, so its
+``tokenizer_config.json`` and chat template come with it — else byte-level). One loader, shared by the commands.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HF_DEFAULT_MAX_SEQ = 2048  # a Hugging Face model's default window: its max_position_embeddings, at most this
+
+
+class CommandError(Exception):
+    """Bad input to a command: ``str()`` is one line naming what and how to fix it (printed, exit 2)."""
+
+
+@dataclass
+class Loaded:
+    model: Any  # a hub model (torch.nn.Module) in eval mode
+    tokenizer: str | None  # a tokenizer.json or its directory, None = byte-level
+    seq_length: int
+    what: str  # "nxdt checkpoint" / "Hugging Face directory"
+
+
+def load_model(path: str, command: str = "nxdt eval") -> Loaded:
+    """The hub model of an nxdt checkpoint (any layout, consolidated) or of a Hugging Face directory; ``command``
+    starts the one-line error (:class:`CommandError`)."""
+    import torch
+
+    from nxdt.config import ConfigError, compose_config, load_run_config
+    from nxdt.lightning.module import import_architecture, load_checkpoint_weights, read_checkpoint_weights
+
+    where = Path(path).expanduser()
+    if (where / "meta.json").is_file():
+        run_config = where.parent.parent / "config.yaml"
+        if not run_config.is_file():
+            raise CommandError(f"{command}: {where} is a checkpoint, but {run_config} (its run's config) is missing")
+        cfg = load_run_config(run_config)
+        torch.manual_seed(cfg.seed)
+        model = import_architecture(cfg.model.architecture)(cfg.model)
+        try:
+            state, kind = read_checkpoint_weights(str(where))
+            if kind in ("with_base", "adapters_only"):
+                raise CommandError(
+                    f"{command}: {where} holds LoRA adapters; export a merged model first "
+                    f"(nxdt checkpoint export-hf DIR OUT --merge) and give {command} OUT"
+                )
+            load_checkpoint_weights(model, str(where), state=state)
+        except (ValueError, OSError) as exc:
+            raise CommandError(f"{command}: {where}: {str(exc).splitlines()[0]}") from None
+        tokenizer = cfg.data.tokenizer
+        return Loaded(
+            model.eval(), str(Path(tokenizer).expanduser()) if tokenizer else None, cfg.data.seq_length, "nxdt checkpoint"
+        )
+    if (where / "config.json").is_file():
+        from nxdt.lightning.hf import load_hf_weights
+
+        # only the model is used: synthetic data (no byte-level vocabulary check), a window the model fits (a tiny
+        # model's 64 positions < the default 128)
+        overrides = ["data=synthetic", f"model.hf_checkpoint={where.resolve()}"]
+        try:
+            positions = json.loads((where / "config.json").read_text()).get("max_position_embeddings")
+        except (ValueError, OSError, AttributeError):
+            positions = None  # compose_config reads config.json again and names what is wrong with it
+        if isinstance(positions, int) and positions > 0:
+            overrides.append(f"data.seq_length={min(positions, HF_DEFAULT_MAX_SEQ)}")
+        try:
+            cfg = compose_config(overrides)
+            model = import_architecture(cfg.model.architecture)(cfg.model)
+            load_hf_weights(model, where, cfg.model.architecture)
+        except (ConfigError, ValueError, OSError) as exc:
+            raise CommandError(f"{command}: {where}: {str(exc).splitlines()[0]}") from None
+        return Loaded(
+            model.eval(),
+            str(where) if (where / "tokenizer.json").is_file() else None,  # the directory: its chat template too
+            min(cfg.model.max_position_embeddings, HF_DEFAULT_MAX_SEQ),
+            "Hugging Face directory",
+        )
+    raise CommandError(
+        f"{command}: {where} is neither an nxdt checkpoint (meta.json) nor a Hugging Face model directory (config.json)"
+    )
