@@ -178,3 +178,21 @@ def test_a_missing_model_is_one_line_and_exit_2(tmp_path, capsys):
     assert main(["generate", str(tmp_path / "nope"), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err.strip()
     assert "nxdt generate:" in err and "neither an nxdt checkpoint" in err and len(err.splitlines()) == 1, err
+
+
+def test_a_tokenizer_larger_than_the_model_is_one_line_and_exit_2(hf_dir, tmp_path, capsys):
+    tokenizers = pytest.importorskip("tokenizers")
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer_config.json"):
+        (model / name).symlink_to(hf_dir / name)
+    words = SPECIAL + WORDS + [f"w{i}" for i in range(TINY_LLAMA["vocab_size"])]  # "w0" ... past the 64 rows
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(model / "tokenizer.json"))
+    assert main(["generate", str(model), "--prompt", "the w60", "--no-chat-template"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        f"prompt 0 encodes to token id {words.index('w60')}, outside the model's vocab_size=64" in err
+        and len(err.splitlines()) == 1
+    ), err

@@ -20,7 +20,8 @@ stopping at the tokenizer's EOS or after ``--max-new-tokens``): greedy by defaul
 Output: each completion on stdout (a ``--- i`` line before each when there are several prompts) and, with ``--out
 FILE.jsonl``, one record per prompt: its fields, ``completion``, ``prompt_tokens``, ``completion_tokens``,
 ``completion_ids`` (EOS included when produced) and ``finished`` (ended at EOS).
-Bad input (no such model, a prompt file without ``prompt`` fields, a bad sampling value) is one line, exit 2.
+Bad input (no such model, a prompt file without ``prompt`` fields, a bad sampling value, token ids past the model's
+vocabulary) is one line, exit 2.
 """
 
 from __future__ import annotations
@@ -148,6 +149,11 @@ def run(request: Request) -> list[dict[str, Any]]:
             raise CommandError(f"{WHO}: prompt {i}: {str(exc).splitlines()[0]}") from None
         if not ids:
             raise CommandError(f"{WHO}: prompt {i} encodes to no tokens")
+        if max(ids) >= loaded.vocab_size:  # an embedding lookup would fail mid-batch with an index error
+            raise CommandError(
+                f"{WHO}: prompt {i} encodes to token id {max(ids)}, outside the model's vocab_size={loaded.vocab_size}: "
+                f"the tokenizer ({loaded.tokenizer or 'byte-level'}) is not this model's"
+            )
         prompts.append(ids)
     generator = torch.Generator().manual_seed(request.seed)
     outputs: list[list[int]] = []

@@ -26,6 +26,7 @@ class Loaded:
     tokenizer: str | None  # a tokenizer.json or its directory, None = byte-level
     seq_length: int
     what: str  # "nxdt checkpoint" / "Hugging Face directory"
+    vocab_size: int  # the model's embedding rows: token ids must be below it
 
 
 def load_model(path: str, command: str = "nxdt eval") -> Loaded:
@@ -56,7 +57,11 @@ def load_model(path: str, command: str = "nxdt eval") -> Loaded:
             raise CommandError(f"{command}: {where}: {str(exc).splitlines()[0]}") from None
         tokenizer = cfg.data.tokenizer
         return Loaded(
-            model.eval(), str(Path(tokenizer).expanduser()) if tokenizer else None, cfg.data.seq_length, "nxdt checkpoint"
+            model.eval(),
+            str(Path(tokenizer).expanduser()) if tokenizer else None,
+            cfg.data.seq_length,
+            "nxdt checkpoint",
+            cfg.model.vocab_size,
         )
     if (where / "config.json").is_file():
         from nxdt.lightning.hf import load_hf_weights
@@ -81,6 +86,7 @@ def load_model(path: str, command: str = "nxdt eval") -> Loaded:
             str(where) if (where / "tokenizer.json").is_file() else None,  # the directory: its chat template too
             min(cfg.model.max_position_embeddings, HF_DEFAULT_MAX_SEQ),
             "Hugging Face directory",
+            cfg.model.vocab_size,
         )
     raise CommandError(
         f"{command}: {where} is neither an nxdt checkpoint (meta.json) nor a Hugging Face model directory (config.json)"
