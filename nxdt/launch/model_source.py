@@ -42,7 +42,10 @@ def load_model(path: str, command: str = "nxdt eval") -> Loaded:
         run_config = where.parent.parent / "config.yaml"
         if not run_config.is_file():
             raise CommandError(f"{command}: {where} is a checkpoint, but {run_config} (its run's config) is missing")
-        cfg = load_run_config(run_config)
+        try:
+            cfg = load_run_config(run_config)
+        except ConfigError as exc:  # e.g. a run config another nxdt version wrote
+            raise CommandError(f"{command}: {run_config}: {str(exc).splitlines()[0]}") from None
         torch.manual_seed(cfg.seed)
         model = import_architecture(cfg.model.architecture)(cfg.model)
         try:
