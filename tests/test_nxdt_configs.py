@@ -52,13 +52,18 @@ def nxdt_config(name: str, *overrides: str):
 WEIGHT_DECAY_NOTE = "model.optim.weight_decay=0.1: NxDT's hf models decay at 0.01 whatever it says"
 
 
-def only_the_no_effect_warning(warnings: list[str], *, weight_decay_noted: bool = False) -> str:
+PACKING_NOTE = "model_alignment_strategy.sft.packing_style=concat reproduces it"
+
+
+def only_the_no_effect_warning(warnings: list[str], *, weight_decay_noted: bool = False, packing_noted: bool = False) -> str:
     """The one warning naming the keys with no effect; with ``weight_decay_noted`` (a file with weight_decay 0.1)
-    also the note that NxDT's hf models decay at 0.01 whatever it says, which nxdt follows."""
-    if weight_decay_noted:
-        noted = [w for w in warnings if WEIGHT_DECAY_NOTE in w]
-        assert len(noted) == 1, warnings
-        warnings = [w for w in warnings if w not in noted]
+    also the note that NxDT's hf models decay at 0.01 whatever it says, which nxdt follows; with ``packing_noted``
+    (packed SFT) the note naming the option that gives NxDT's packed layout."""
+    for noted_here, note in ((weight_decay_noted, WEIGHT_DECAY_NOTE), (packing_noted, PACKING_NOTE)):
+        if noted_here:
+            noted = [w for w in warnings if note in w]
+            assert len(noted) == 1, warnings
+            warnings = [w for w in warnings if w not in noted]
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith("nxdt: ") and "have no effect here" in warnings[0]
     assert all(k in warnings[0] for k in NEURON_ONLY)
@@ -244,7 +249,8 @@ def test_nxdts_fine_tuning_configs_read_every_key_and_train(name):
     from nxdt.config.validate import NotYetSupported, check_trainable
 
     cfg, warnings = nxdt_config(name, "instance=trn1.32xlarge")
-    only_the_no_effect_warning(warnings)  # every other key is honoured: no "unknown", no note
+    # every other key is honoured: no "unknown", no note but the packed layout's (packing: True)
+    only_the_no_effect_warning(warnings, packing_noted="SFT" in name)
     em, data, m = cfg.exp_manager, cfg.data, cfg.model
     assert (m.weight_init_only, em.resume_from_checkpoint.rstrip("/"), data.seq_length) == (
         True,

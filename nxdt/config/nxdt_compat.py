@@ -323,7 +323,8 @@ RULES: dict[str, Rule] = {
     ),
     # --- model_alignment_strategy (the block that is present picks the recipe) ---
     "model_alignment_strategy.sft.packing": _map(
-        "records appended into each sequence, attention and positions per record; false = one record per sequence, padded"
+        "records appended into each sequence, attention and positions per record (NxDT's ConcatDataset layout: "
+        "model_alignment_strategy.sft.packing_style=concat, noted); false = one record per sequence, padded"
     ),
     # peft: LoRA on any recipe (nxdt.models.lora.apply_peft; targets checked on the model before workers start)
     "model_alignment_strategy.peft.lora_rank": _map("rank r of each adapter (A: r×in, B: out×r)"),
@@ -580,6 +581,12 @@ def translate(nxdt: Mapping[str, Any], hf_config: Mapping[str, Any] | None = Non
     out.update(_optimizer(leaves, notes))
     out.update(checkpointing)
     out.update(data)
+    if out.get("model_alignment_strategy.sft.packing") is True and "model_alignment_strategy.sft.packing_style" not in ours:
+        notes.append(
+            "model_alignment_strategy.sft.packing=True: nxdt packs per record (prompts masked, attention and positions "
+            "within each record); NxDT's ConcatDataset trains prompts and attends across records: "
+            "model_alignment_strategy.sft.packing_style=concat reproduces it"
+        )
     if data.get("data.source") == "hf_dataset":  # NxDT's HFDataModule: DistributedSampler(shuffle=False), drop_last
         out["data.shuffle"] = False
     vpp = leaves.get("distributed_strategy.virtual_pipeline_model_parallel_size")

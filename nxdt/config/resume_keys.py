@@ -87,6 +87,7 @@ _TRAINING_KEYS = (
     "model_alignment_strategy.sft",
     "model_alignment_strategy.sft.packing",
     "model_alignment_strategy.sft.truncation",
+    "model_alignment_strategy.sft.packing_style",
     "model_alignment_strategy.peft",
     "model_alignment_strategy.peft.lora_rank",
     "model_alignment_strategy.peft.lora_alpha",

@@ -351,6 +351,12 @@ class SFTConfig:
         "a record longer than data.seq_length: truncate (the prompt's start is cut, keeping "
         "at least half the sequence, then the response's end) | drop; both are counted",
     )
+    packing_style: str = doc(
+        "per_record",
+        "with packing: per_record = prompts masked, attention and positions within each record (as TRL packs) | "
+        "concat = NxD Training's ConcatDataset: records joined by EOS, prompts trained, plain causal attention and "
+        "positions across the row, records longer than seq_length-1 skipped (truncation not applied)",
+    )
 
 
 @dataclass

@@ -704,6 +704,7 @@ def validate(cfg: Any, *, paths: bool = True) -> None:
 
 ALIGNMENT_BLOCKS = ("sft", "peft", "dpo", "orpo", "grpo")
 SFT_TRUNCATION = ("truncate", "drop")  # nxdt.data.instructions.TRUNCATION_MODES (config sits below data)
+SFT_PACKING_STYLES = ("per_record", "concat")  # nxdt.data.instructions.PACKING_STYLES
 PREFERENCE_TRUNCATION = ("keep_start", "keep_end")  # nxdt.data.preferences.TRUNCATION_MODES
 DPO_LOSS_TYPES = ("sigmoid",)  # nxdt.models.objectives.DPO_LOSS_TYPES
 ORPO_NLL_MEANS = ("tokens", "sequences")  # nxdt.lightning.objective.ORPO_NLL_MEANS
@@ -730,6 +731,18 @@ def _check_fine_tuning(cfg: Any) -> None:
         if sft.truncation not in SFT_TRUNCATION:
             raise ConfigError(
                 "model_alignment_strategy.sft.truncation", sft.truncation, f"must be one of {', '.join(SFT_TRUNCATION)}"
+            )
+        if sft.packing_style not in SFT_PACKING_STYLES:
+            raise ConfigError(
+                "model_alignment_strategy.sft.packing_style",
+                sft.packing_style,
+                f"must be one of {', '.join(SFT_PACKING_STYLES)} (concat = NxD Training's packed layout)",
+            )
+        if sft.packing_style == "concat" and not sft.packing:
+            raise ConfigError(
+                "model_alignment_strategy.sft.packing_style",
+                sft.packing_style,
+                "is a packed layout: set model_alignment_strategy.sft.packing=true, or packing_style=per_record",
             )
     elif data.source == "text" and any(str(p).endswith(".jsonl") for p in (data.train_dir, data.val_dir) if p):
         raise ConfigError(

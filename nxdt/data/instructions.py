@@ -51,6 +51,22 @@ gives N − 1 positions, ``input_ids = tokens[:-1]`` and ``labels[t] = tokens[t+
 two rows; a row is closed when the next record does not fit) and pads the tail; ``packing=False`` puts one record
 per row, padded with the pad id. Both give every record exactly the same tokens, labels and positions.
 
+**NxD Training's packed layout** (``packing_style="concat"``, :func:`concat_rows`; packing only). NxD Training
+packs SFT records with its ``ConcatDataset`` (``lightning_modules/data/datasets/ConcatDataset.py``), and its HF
+models read the rows as one causal stream. Rows of ``seq_length`` positions:
+
+* each record's tokens (as tokenized here, trained flags ignored) followed by one EOS separator; a record joins
+  the row while ``used + len(record) < seq_length`` (so record and separator fit), else the row is closed;
+* a record longer than ``seq_length - 1`` tokens is skipped (counted as dropped) and closes the current row;
+* the labels are the tokens themselves (prompts trained), the separator's label is ignored; in nxdt's shift
+  convention ``labels[t]`` is the row's label at ``t + 1`` (NxDT's model shifts ``labels[..., 1:]``) and the last
+  position has none, so the separator's position predicts the next record's first token;
+* ``position_ids``: 0 … seq_length − 1 along the whole row (NxDT's model numbers every position, padding too);
+  ``segment_ids``: 1 on the records and separators (attention crosses records, plain causal), 0 on padding (no
+  label, and no real position sees it, so the loss is that of plain causal attention over the whole row).
+
+``truncation`` does not apply to this layout (NxD Training skips what does not fit).
+
 Imports nothing of nxdt beyond ``nxdt.data``; ``jinja2`` (which torch brings) only when a template is rendered.
 """
 
@@ -74,6 +90,7 @@ from .tokenizers import ByteTokenizer, HFTokenizer
 
 IGNORE_INDEX = -100
 TRUNCATION_MODES = ("truncate", "drop")
+PACKING_STYLES = ("per_record", "concat")  # model_alignment_strategy.sft.packing_style
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
@@ -614,6 +631,46 @@ def pack_examples(
     return out
 
 
+def concat_rows(
+    records: Sequence[Sequence[int]], seq_length: int, eos_id: int, pad_id: int, stats: BuildStats | None = None
+) -> dict[str, torch.Tensor]:
+    """Tokenized records laid out as NxD Training's ``ConcatDataset.pack_datasets`` does (module docstring,
+    ``packing_style="concat"``), in nxdt's shift convention. ``stats`` counts ``examples`` and ``dropped``."""
+    stats = stats if stats is not None else BuildStats()
+    rows: list[tuple[list[int], list[int]]] = []  # (ids, unshifted labels), as NxDT builds them
+    i = 0
+    while i < len(records):  # ConcatDataset.py lines 51-70
+        ids: list[int] = []
+        labels: list[int] = []
+        # line 56: strictly below chunk_size, so the record and its separator fit
+        while i < len(records) and len(ids) + len(records[i]) < seq_length:
+            # line 59 extends every key with the record's input_ids + [pad_id_map[key]]: the separator is EOS in
+            # input_ids (line 53) and -100 in labels (model_alignment_data_module.py line 193)
+            ids += [*records[i], eos_id]
+            labels += [*records[i], IGNORE_INDEX]
+            stats.examples += 1
+            i += 1
+        if i < len(records) and len(records[i]) > seq_length - 1:  # line 64: too long for any row, skipped
+            stats.dropped += 1
+            i += 1
+        if ids:
+            rows.append((ids, labels))
+    n = len(rows)
+    out = {
+        "input_ids": torch.full((n, seq_length), pad_id, dtype=torch.long),
+        "labels": torch.full((n, seq_length), IGNORE_INDEX, dtype=torch.long),
+        # NxDT's HF model numbers every position 0..S-1 (modeling_llama.py LlamaModel.forward, position_ids=None)
+        "position_ids": torch.arange(seq_length, dtype=torch.long).repeat(n, 1),
+        "segment_ids": torch.zeros((n, seq_length), dtype=torch.long),
+    }
+    for r, (ids, labels) in enumerate(rows):
+        out["input_ids"][r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        # NxDT's model scores logits[..., :-1] against labels[..., 1:] (modeling_llama.py LlamaForCausalLM.forward)
+        out["labels"][r, : len(ids) - 1] = torch.tensor(labels[1:], dtype=torch.long)
+        out["segment_ids"][r, : len(ids)] = 1
+    return out
+
+
 def build_sft_examples(
     records: Iterable[Mapping[str, Any]],
     tok: ChatTokenizer,
@@ -622,26 +679,39 @@ def build_sft_examples(
     packing: bool,
     truncation: str = "truncate",
     use_chat_template: bool | None = None,
+    packing_style: str = "per_record",
 ) -> tuple[dict[str, torch.Tensor], BuildStats]:
     """Instruction records → a batch of SFT sequences and the :class:`BuildStats` of what happened.
 
     Each record is tokenized (:func:`tokenize_record`), fitted to ``seq_length`` (:func:`fit_record`), turned into
-    shifted ``(input_ids, labels)`` (:func:`record_example`) and laid out by :func:`pack_examples`. A malformed
-    record fails with its index."""
+    shifted ``(input_ids, labels)`` (:func:`record_example`) and laid out by :func:`pack_examples`; under
+    ``packing_style="concat"`` the tokenized records go to :func:`concat_rows` instead. A malformed record fails
+    with its index."""
     if seq_length < 1:
         raise ValueError(f"seq_length={seq_length}: must be positive")
     if truncation not in TRUNCATION_MODES:
         raise ValueError(f"truncation={truncation!r}: expected one of {TRUNCATION_MODES}")
+    if packing_style not in PACKING_STYLES:
+        raise ValueError(f"packing_style={packing_style!r}: expected one of {PACKING_STYLES}")
+    if packing_style == "concat" and not packing:
+        raise ValueError("packing_style='concat' is a packed layout: it needs packing=True")
     stats = BuildStats()
     examples = []
+    token_lists = []
     for index, record in enumerate(records):
         stats.records += 1
         tokens, trained = tokenize_record(record, tok, use_chat_template=use_chat_template, where=f"record {index}")
+        if packing_style == "concat":
+            token_lists.append(tokens)
+            continue
         fitted = fit_record(tokens, trained, seq_length, truncation, stats)
         if fitted is not None:
             examples.append(record_example(*fitted))
-    stats.examples = len(examples)
-    batch = pack_examples(examples, seq_length, tok.pad, packing=packing)
+    if packing_style == "concat":
+        batch = concat_rows(token_lists, seq_length, tok.eos_id, tok.pad, stats)
+    else:
+        stats.examples = len(examples)
+        batch = pack_examples(examples, seq_length, tok.pad, packing=packing)
     stats.sequences = batch["input_ids"].shape[0]
     stats.tokens = int((batch["segment_ids"] > 0).sum())
     stats.label_tokens = int((batch["labels"] != IGNORE_INDEX).sum())
@@ -708,8 +778,11 @@ class SFTDataset(torch.utils.data.Dataset):
         *,
         packing: bool,
         truncation: str = "truncate",
+        packing_style: str = "per_record",
     ) -> "SFTDataset":
-        batch, stats = build_sft_examples(records, tok, seq_length, packing=packing, truncation=truncation)
+        batch, stats = build_sft_examples(
+            records, tok, seq_length, packing=packing, truncation=truncation, packing_style=packing_style
+        )
         if stats.examples == 0:
             raise ValueError(
                 f"no record left to train on ({stats.records} read, {stats.dropped} dropped as longer than "

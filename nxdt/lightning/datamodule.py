@@ -46,7 +46,14 @@ def build_sft_dataset(data_cfg: Any, sft_cfg: Any, path: str | None, vocab_size:
     if tok.vocab_size is not None and tok.vocab_size > vocab_size:
         raise ValueError(f"data.tokenizer={data_cfg.tokenizer} has {tok.vocab_size} token ids but model.vocab_size={vocab_size}")
     records = read_instruction_records(path or SAMPLE_INSTRUCTIONS, limit)
-    return SFTDataset.from_records(records, tok, data_cfg.seq_length, packing=sft_cfg.packing, truncation=sft_cfg.truncation)
+    return SFTDataset.from_records(
+        records,
+        tok,
+        data_cfg.seq_length,
+        packing=sft_cfg.packing,
+        truncation=sft_cfg.truncation,
+        packing_style=sft_cfg.packing_style,
+    )
 
 
 def build_preference_dataset(
