@@ -104,7 +104,7 @@ def test_train_help_documents_every_key():
     assert result.returncode == 0
     for key, _, doc in field_docs():
         assert key in result.stdout and doc
-    assert "llama3_70b" in result.stdout and "+recipe: dpo, lora, orpo, sft" in result.stdout
+    assert "llama3_70b" in result.stdout and "+recipe: dpo, grpo, lora, orpo, sft" in result.stdout
 
 
 def test_plan_command_prints_a_loadable_plan():

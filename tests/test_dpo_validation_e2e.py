@@ -19,6 +19,7 @@ The values reach metrics.csv (in step 3's row) and TensorBoard under the same na
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -65,7 +66,7 @@ def _sequence_log_probs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) 
     return (logp * mask).sum(-1)
 
 
-def _expected(run) -> dict[str, float]:
+def _expected(run) -> dict[str, Any]:
     """DPO over the held-out pairs, one process, the step-3 checkpoint against the initial weights."""
     import lightning.pytorch as pl
 
@@ -90,14 +91,14 @@ def _expected(run) -> dict[str, float]:
     chosen = BETA * (policy[:VAL_PAIRS] - reference[:VAL_PAIRS])
     rejected = BETA * (policy[VAL_PAIRS:] - reference[VAL_PAIRS:])
     margins = chosen - rejected
-    # the count below is meaningful only if no margin sits within rounding (≲ 1e-5, see the tolerances) of 0
-    assert float(margins.abs().min()) > 1e-4, margins
+    # a margin within rounding of 0 (≲ 2e-5: two rewards' error, see the tolerances) may count either way in the run
+    near_zero = 2e-5
     return {
         "val_loss": float(-F.logsigmoid(margins).mean()),
         "val_rewards/chosen": float(chosen.mean()),
         "val_rewards/rejected": float(rejected.mean()),
         "val_rewards/margins": float(margins.mean()),
-        "wins": int((margins > 0).sum()),
+        "wins": (int((margins > near_zero).sum()), int((margins > -near_zero).sum())),
     }
 
 
@@ -118,7 +119,8 @@ def test_dpo_validation_over_the_whole_held_out_set_equals_one_process(launched)
     # a fraction over the whole set: exactly wins / 10
     accuracy = float(got["val_rewards/accuracies"])
     assert accuracy * VAL_PAIRS == pytest.approx(round(accuracy * VAL_PAIRS), abs=1e-9), accuracy
-    assert round(accuracy * VAL_PAIRS) == want["wins"], (accuracy, want)
+    fewest, most = want["wins"]
+    assert fewest <= round(accuracy * VAL_PAIRS) <= most, (accuracy, want)
     assert all(r["val_loss"] == "" for r in rows[:-1])  # validated at val_check_interval=3 only
     assert f"step 3: val_loss {float(got['val_loss']):.4f}, reward acc {accuracy:.3f} ({VAL_PAIRS} pairs)" in stdout
 

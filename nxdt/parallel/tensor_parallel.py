@@ -986,8 +986,10 @@ def partial_grad_names(model: nn.Module) -> set[str]:
     declared = {
         f"{prefix}.{rel}" if prefix else rel
         for prefix, m in model.named_modules()
-        for rel in (getattr(m, "partial_grads", ()) if isinstance(m, TensorParallelModule) else ())
-        + getattr(m, "partial_grads_over_tp", ())  # 'head_norm' modules
+        for rel in (
+            *(getattr(m, "partial_grads", ()) if isinstance(m, TensorParallelModule) else ()),
+            *getattr(m, "partial_grads_over_tp", ()),  # 'head_norm' modules
+        )
     }
     sequence_parallel = uses_sequence_parallel(model)
     return {
