@@ -169,7 +169,10 @@ class SparseMoeBlock(nn.Module):
     def run_experts(self, rows: torch.Tensor, counts: list[int], expert_ids: list[int]) -> torch.Tensor:
         """rows grouped by expert (``counts[i]`` rows for ``expert_ids[i]``) → expert outputs, same order."""
         outs = [self.experts[str(e)](chunk) for e, chunk in zip(expert_ids, rows.split(counts)) if chunk.shape[0]]
-        return torch.cat(outs) if outs else rows[:0] * 0.0  # keep rows in the graph even when nothing came
+        if not outs:  # nothing came: an expert still runs on the empty rows, so the output has the dtype experts
+            # produce (bf16 under autocast; the peers' all-to-all checks it) and rows stay in the graph
+            return self.experts[str(expert_ids[0])](rows[:0])
+        return torch.cat(outs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -336,3 +336,17 @@ def test_expert_parallel_with_tensor_parallel_matches_single_process():
             assert rep["losses"] == pytest.approx(rep["ref_losses"], rel=1e-4), where
             assert not rep["param_mismatch"], (where, rep["param_mismatch"])
             assert rep["moved"] > 1e-3, (where, rep["moved"])  # the steps moved weights far beyond the tolerance
+
+
+def test_a_rank_that_receives_no_rows_returns_the_experts_dtype_under_autocast():
+    """Under expert parallelism a rank whose experts receive no rows still sends its (empty) outputs back; under bf16
+    autocast they must be bf16 like a peer's non-empty ones, or the all-to-all's dtype check stops the run (seen with
+    NxDT's hf_mixtral_8x7b_ep_config shrunk: rank 0 bf16, rank 1 float32)."""
+    block = SparseMoeBlock(CFG)
+    ids = block.expert_ids
+    rows = torch.randn(3, CFG.hidden_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        some = block.run_experts(rows, [3] + [0] * (len(ids) - 1), ids)
+        none = block.run_experts(rows[:0], [0] * len(ids), ids)
+    assert some.dtype == none.dtype == torch.bfloat16
+    assert none.shape == (0, CFG.hidden_size)
