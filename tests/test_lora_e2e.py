@@ -57,6 +57,8 @@ def run(tmp_path_factory):
         "trainer.devices=2",
         "exp_manager.resume_from_checkpoint=null",
         f"model.hf_checkpoint={root / 'base'}",
+        # the file's model_config (Llama 3 8B's config.json) states head_dim 128; the shrunk base's is hidden/heads
+        f"model.head_dim={SHAPE['hidden_size'] // SHAPE['num_attention_heads']}",
         f"exp_manager.explicit_log_dir={root / 'run'}",
         f"data.tokenizer.type={_tokenizer(root / 'tokenizer')}",
         f"data.train_dir={SAMPLE_INSTRUCTIONS}",
