@@ -128,15 +128,17 @@ def llama3_inv_freq(
 
 def rope_inv_freq(head_dim: int, theta: float, rope_scaling: Any = None) -> torch.Tensor:
     """RoPE's inverse frequencies theta^(-2i/head_dim), i < head_dim/2 (fp64), scaled by ``rope_scaling``."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
     params = rope_scaling_params(rope_scaling)
     return inv_freq if params is None else llama3_inv_freq(inv_freq, **params)
 
 
 def rope_tables(head_dim: int, max_positions: int, theta: float, rope_scaling: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_positions, head_dim] in HF's rotate-half layout (frequencies repeated twice)."""
+    """cos/sin tables [max_positions, head_dim] in HF's rotate-half layout (frequencies repeated twice), computed
+    in fp64 on the CPU whatever device the model is built on (the caller moves them): the same tables everywhere, and
+    a model built on ``meta`` for its shapes does not pay meta ``arange``'s first call (it imports torch._dynamo)."""
     inv_freq = rope_inv_freq(head_dim, theta, rope_scaling)
-    angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+    angles = torch.outer(torch.arange(max_positions, dtype=torch.float64, device="cpu"), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float(), angles.sin().float()
 
@@ -426,8 +428,9 @@ class LlamaForCausalLM(DecoderOnlyLM):
             _opt(cfg, "rope_scaling", None),
         )
         # not persistent: derived from the config, so checkpoints hold weights only (as HF's)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        device = self.embed_tokens.weight.device  # the device the model is built on (a torch.device context's)
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
         self.checkpoint_layers = _opt(cfg, "activations_checkpoint_granularity", None) == "full"
         self.sliding_window = _opt(cfg, "sliding_window", None)
         self.reset_parameters()

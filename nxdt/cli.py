@@ -522,7 +522,9 @@ def _check_model(cfg: Any) -> None:
             f"(no {', '.join(hooks)}); name a hub model class, e.g. nxdt.models.llama.LlamaForCausalLM",
         )
     try:
-        with torch.device("meta"):  # shapes only: no parameter memory, no initialisation cost
+        from nxdt.models.meta import shapes_only
+
+        with shapes_only():  # no parameter memory, no initialisation cost
             model = cls(model_cfg)
     except (ValueError, TypeError, KeyError) as exc:  # the class's own config rules
         raise ConfigError(

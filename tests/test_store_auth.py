@@ -325,20 +325,23 @@ def test_an_intruder_finds_no_store_in_a_restarting_run_and_changes_nothing(tmp_
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_launcher_killed_with_sigkill_leaves_no_shared_memory(tmp_path):
+def test_a_launcher_killed_with_sigkill_leaves_no_shared_memory_and_no_store(tmp_path):
     """SIGKILL skips the launcher's own cleanup; its watchdog (a detached process blocked on a pipe only the
-    launcher holds) removes the run's segments once the launcher is gone. On main they stayed until the next run."""
+    launcher holds) removes the run's segments, the store file and its secret once the launcher is gone. On main the
+    segments stayed until the next run, and the store and secret until the next launch in that directory."""
     run = tmp_path / "run"
     proc = _start([*RELIABILITY, "trainer.max_steps=100000", f"exp_manager.explicit_log_dir={run}"], tmp_path)
     try:
         tree, segments = _wait_training(proc, run)
+        assert (run / STORE_FILE).exists() and (run / STORE_SECRET_FILE).exists()
         os.kill(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=30)
         deadline = time.monotonic() + 20
-        while (left := [p for p in segments if p.exists()] + _run_segments(tree)) and time.monotonic() < deadline:
+        store = [run / STORE_FILE, run / STORE_SECRET_FILE]
+        while (left := [p for p in [*segments, *store] if p.exists()] + _run_segments(tree)) and time.monotonic() < deadline:
             time.sleep(0.2)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert not left, f"left in /dev/shm after the launcher was killed: {[p.name for p in left]}"
+    assert not left, f"left after the launcher was killed: {[p.name for p in left]}"
     assert not processes_left(run), "a worker or the fork server outlived the launcher"

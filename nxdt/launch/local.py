@@ -15,6 +15,7 @@ import re
 import signal
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -179,7 +180,7 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
     except StoreAccessError as exc:
         raise LaunchFailed(str(exc)) from None
     rendezvous.register()
-    watchdog = watch_segments(run_id)
+    watchdog = watch_segments(run_id, (run_dir / STORE_FILE, run_dir / STORE_SECRET_FILE))
     try:
         write_store_secret(run_dir, new_secret())  # the workers sign and check nxdt's keys in the store with it
         start_fork_server()
@@ -198,13 +199,16 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
         os.close(watchdog)  # the watchdog finds nothing left and exits
 
 
-def watch_segments(run_id: str) -> int:
-    """Start a watchdog that removes the run's shared-memory segments once this launcher is gone, even by SIGKILL
-    (which skips ``launch_local``'s own cleanup): a grandchild process, detached (no zombie, no terminal, no
-    signals from Ctrl-C), that blocks on a pipe only this process writes. The pipe reads end-of-file when the
-    launcher exits however it exits; its workers die with it (``forking.die_with_agent``), and the watchdog
-    removes ``nxdt-<run_id>…`` until it finds none twice in a row (a worker still dying may map one more).
-    Returns the pipe's write end: closing it ends the watchdog. Only ``os`` calls run in the fork."""
+def watch_segments(run_id: str, run_files: Sequence[Path] = ()) -> int:
+    """Start a watchdog that removes the run's shared-memory segments and ``run_files`` (the store and its secret)
+    once this launcher is gone, even by SIGKILL (which skips ``launch_local``'s own cleanup): a grandchild process,
+    detached (no zombie, no terminal, no signals from Ctrl-C), that blocks on a pipe only this process writes. The
+    pipe reads end-of-file when the launcher exits however it exits; its workers die with it
+    (``forking.die_with_agent``). The watchdog unlinks ``run_files`` at once (the run directory's lock went with the
+    launcher, and a new launch takes seconds to get to writing its own), then removes ``nxdt-<run_id>…`` until it
+    finds none twice in a row (a worker still dying may map one more). Returns the pipe's write end: closing it
+    ends the watchdog. Only ``os`` calls run in the fork."""
+    paths = [str(path) for path in run_files]  # made before the fork
     from nxdt.comm import cleanup_run
 
     read_end, write_end = os.pipe()
@@ -221,6 +225,11 @@ def watch_segments(run_id: str) -> int:
             os.closerange(read_end + 1, os.sysconf("SC_OPEN_MAX"))
             while os.read(read_end, 1):
                 pass
+            for path in paths:
+                try:
+                    os.unlink(path)
+                except OSError:  # already removed by the launcher's own cleanup
+                    pass
             quiet = 0
             while quiet < 2:
                 quiet = quiet + 1 if cleanup_run(run_id) == 0 else 0
