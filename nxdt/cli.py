@@ -491,6 +491,10 @@ def _check_model(cfg: Any) -> None:
 
     import torch  # the launcher has it already (nxdt.comm); nxdt.lightning (Lightning: seconds) is not imported here
 
+    # the launcher's checks are small: one thread keeps them off the cores the workers are about to take, and leaves
+    # no OpenMP team behind in a launcher that forks its workers itself (nxdt.launch.forking.start_method)
+    torch.set_num_threads(1)
+
     from nxdt.config import ConfigError
     from nxdt.config.validate import ALLOWED_MODEL_PREFIX
 

@@ -11,13 +11,12 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import warm_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # the shared launches (shared_runs.py) may start here
 
@@ -25,10 +24,8 @@ TINY = ["model=llama_tiny", "trainer.log_every_n_steps=1", "exp_manager.create_t
 
 
 def nxdt(*args: str, cwd: Path, timeout: float = 200) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "nxdt.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    """``nxdt ARGS`` in ``cwd``, as a fork of a process that has imported nxdt once (tests/warm_cli.py)."""
+    return warm_cli.run(args, cwd=cwd, timeout=timeout)
 
 
 def losses(run_dir: Path) -> dict[int, float]:

@@ -154,12 +154,13 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
     from nxdt.comm import cleanup_run
     from nxdt.comm.store import StoreAccessError, check_store_dir, new_secret
     from nxdt.launch import rendezvous, worker
-    from nxdt.launch.forking import START_METHOD, start_fork_server
+    from nxdt.launch.forking import start_fork_server, start_method
     from nxdt.launch.rundir import STORE_FILE, STORE_SECRET_FILE, write_store_secret
 
     # the agent logs every worker exit at WARNING/ERROR; we report the failure ourselves in one line
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     run_id = f"x{uuid.uuid4().hex[:12]}"
+    method = start_method()
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -170,7 +171,7 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
         rdzv_configs={"store_file": str(run_dir / STORE_FILE)},
         max_restarts=max_restarts,
         monitor_interval=0.2,
-        start_method=START_METHOD,
+        start_method=method,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "agent")),
         shutdown_timeout=SHUTDOWN_GRACE_S,
     )
@@ -183,7 +184,8 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
     watchdog = watch_segments(run_id, (run_dir / STORE_FILE, run_dir / STORE_SECRET_FILE))
     try:
         write_store_secret(run_dir, new_secret())  # the workers sign and check nxdt's keys in the store with it
-        start_fork_server()
+        if method != "fork":
+            start_fork_server()
         elastic_launch(config, entrypoint=worker.main)(argv)
     except ChildFailedError as exc:
         raise LaunchFailed(_failure_line(exc, run_dir)) from None

@@ -67,6 +67,16 @@ def _redirect_output(log_path: Path, tee_to_console: bool) -> Callable[[], None]
     return drain
 
 
+def reset_signals() -> None:
+    """The dispositions a worker starts from, whoever forked it: the fork server's children get Python's defaults
+    (KeyboardInterrupt on SIGINT, the others default), a worker forked by its agent would inherit the agent's
+    handlers (torch elastic's, which raise its SignalException). Ctrl-C reaches every process of the terminal's
+    group, so both kinds of worker must take it the same way."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def die_on_sigterm() -> None:
     """SIGTERM ends the worker at once, as the signal's default would. The agent sends it to stop the workers
     that outlive a failed peer — those are stuck in a collective or hung — and Lightning's own handler only
@@ -162,6 +172,7 @@ def _main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plan-digest", default=None, help="multi-node: digest of the plan this node's launcher computed")
     args = parser.parse_args(argv)
     die_with_agent()
+    reset_signals()
     die_on_sigterm()
     from nxdt.comm.store import SECRET_ENV, STORE_FILE_ENV
     from nxdt.launch.rundir import STORE_FILE, read_store_secret

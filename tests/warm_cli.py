@@ -1,0 +1,164 @@
+"""``nxdt`` command lines run as forks of one pre-imported process (per pytest worker), not as fresh interpreters.
+
+Every ``python -m nxdt.cli train ...`` of the suite paid ~18 s of CPU before its first step: the launcher imports torch
+(~2.5 s) and its fork server imports torch, torch._dynamo, Lightning and what Lightning pulls in (torchmetrics, and
+through it transformers, scipy and matplotlib: ~10 s), of which training a few steps is ~2 s. This module starts one
+process that imports all of that once and then forks a child per command line. The child is the ``nxdt`` program as
+a subprocess would be, with the command's own working directory, environment, stdin (``/dev/null``), stdout and stderr
+(passed over a Unix socket), in a session of its own (so a test may signal its process group); it runs
+``nxdt.cli.main`` and exits with its code. Because the child has nxdt's Lightning layer imported and one thread, the
+launcher forks its workers itself (``nxdt.launch.forking.start_method``) instead of starting a fork server that would
+import everything again.
+
+What a fresh interpreter does differently — the fork server, the program's first line before torch is imported, the
+``nxdt`` entry point — keeps being tested by the tests that start real subprocesses (test_first_output.py,
+test_readme_commands.py, test_reliability.py's signals, test_fresh_install.py, test_multinode.py).
+
+``run(args, cwd=..., env=..., timeout=...)`` returns a ``subprocess.CompletedProcess`` as ``subprocess.run(...,
+capture_output=True, text=True)`` would; a command that outlives ``timeout`` has its process group killed and raises
+``subprocess.TimeoutExpired``. Nothing here is pickled: requests are JSON, and the socket is a private socketpair.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+_SERVER = r"""
+import json, os, signal, socket, sys
+import nxdt.cli, nxdt.lightning.train  # noqa: F401  (the imports every launch would repeat)
+try:
+    import torch.utils.tensorboard  # noqa: F401  (rank 0's TensorBoard writer)
+except ImportError:
+    pass
+sock = socket.socket(fileno=int(sys.argv[1]))
+signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+while True:
+    msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 2)
+    if not msg:
+        os._exit(0)
+    request = json.loads(msg)
+    pid = os.fork()
+    if pid == 0:
+        sock.close()
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(fds[0], 1)
+        os.dup2(fds[1], 2)
+        for fd in (null, *fds):
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = ["nxdt", *request["args"]]
+        code = 1
+        try:
+            code = nxdt.cli.main(request["args"])
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code if isinstance(code, int) else 1)
+    for fd in fds:
+        os.close(fd)
+    sock.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    _, status = os.waitpid(pid, 0)
+    sock.sendall(json.dumps({"status": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+"""
+
+
+class _Server:
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _SERVER, str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        theirs.close()
+        self.sock = ours
+        self.pending = b""
+        self.lock = threading.Lock()
+
+    def reply(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """The server's next JSON line, or None if none came within ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self.pending:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0 or not select.select([self.sock], [], [], left)[0]:
+                return None
+            data = self.sock.recv(1 << 16)
+            if not data:
+                raise RuntimeError("tests/warm_cli.py: the pre-imported process died")
+            self.pending += data
+        line, _, self.pending = self.pending.partition(b"\n")
+        return json.loads(line)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def run(self, args: Sequence[str], cwd: Path, env: Mapping[str, str], timeout: float) -> subprocess.CompletedProcess:
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
+
+        def drain(fd: int) -> None:
+            with os.fdopen(fd, "rb", closefd=True) as fh:
+                while data := fh.read1(1 << 16):
+                    chunks[fd].append(data)
+
+        readers = [threading.Thread(target=drain, args=(fd,), daemon=True) for fd in (out_r, err_r)]
+        for t in readers:
+            t.start()
+        with self.lock:
+            try:
+                request = {"args": list(args), "cwd": str(cwd), "env": dict(env)}
+                socket.send_fds(self.sock, [json.dumps(request).encode()], [out_w, err_w])
+            finally:
+                os.close(out_w)
+                os.close(err_w)
+            pid = self.reply()["pid"]  # type: ignore[index]
+            done = self.reply(timeout)
+            if done is None:
+                try:
+                    os.killpg(pid, signal.SIGKILL)  # the command and every worker it forked (its session)
+                except ProcessLookupError:
+                    pass
+                self.reply()  # the server has reaped it
+                for t in readers:
+                    t.join(timeout=10)
+                raise subprocess.TimeoutExpired(["nxdt", *args], timeout, b"".join(chunks[out_r]), b"".join(chunks[err_r]))
+            status = done["status"]
+        for t in readers:
+            t.join()  # until the last worker that held the command's stdout has gone
+        out, err = (b"".join(chunks[fd]).decode(errors="replace") for fd in (out_r, err_r))
+        return subprocess.CompletedProcess(["nxdt", *args], status, out, err)
+
+
+_server: list[_Server] = []  # one per pytest worker process, started on first use
+
+
+def run(
+    args: Sequence[str], *, cwd: Path | str, env: Mapping[str, str] | None = None, timeout: float = 200
+) -> subprocess.CompletedProcess:
+    """``nxdt ARGS`` as a fork of the pre-imported process (see the module docstring)."""
+    if not _server or not _server[0].alive():
+        _server[:] = [_Server()]
+    environment: dict[str, Any] = {**os.environ, "PYTHONUNBUFFERED": "1"} if env is None else dict(env)
+    return _server[0].run(args, Path(cwd), environment, timeout)
