@@ -655,8 +655,9 @@ def _get_path(cfg: Any, dotted: str) -> Any:
     return cfg
 
 
-def cmd_train(argv: list[str], start_workers_early: bool = False) -> int:
-    """``start_workers_early``: this is the ``nxdt`` program (its process started at the user's Enter), not a caller."""
+def cmd_train(argv: list[str], start_workers_early: bool = False, fork_workers: bool = False) -> int:
+    """``start_workers_early``: this is the ``nxdt`` program (its process started at the user's Enter), not a caller.
+    ``fork_workers``: see :func:`main`."""
     if "--help" in argv or "-h" in argv:
         print(train_help())
         return 0
@@ -721,7 +722,7 @@ def cmd_train(argv: list[str], start_workers_early: bool = False) -> int:
             if configs[0].launcher.dry_run and code == 0:  # after what would run (a refusal stays the only line)
                 _warn(warnings[0])
             return code
-        return _train_locally(jobs, configs, plans, sweep_dir, source_args, warnings)
+        return _train_locally(jobs, configs, plans, sweep_dir, source_args, warnings, fork_workers)
 
 
 def _warn(lines: list[str]) -> None:
@@ -751,6 +752,7 @@ def _train_locally(
     sweep_dir: Path | None,
     source_args: Sequence[str] = (),
     warnings: Sequence[list[str]] = (),
+    fork_workers: bool = False,
 ) -> int:
     from nxdt.config import ConfigError
     from nxdt.launch import console
@@ -806,7 +808,13 @@ def _train_locally(
         launched_at = console.job_started(run_dir, the_plan, cfg, label, job, list(source_args), first=num == 0)
         outcome, reason, code = "failed", "the launcher stopped", 1
         try:
-            launch_local(run_dir, the_plan, console_tty=sys.stdout.isatty(), max_restarts=cfg.exp_manager.max_restarts)
+            launch_local(
+                run_dir,
+                the_plan,
+                console_tty=sys.stdout.isatty(),
+                max_restarts=cfg.exp_manager.max_restarts,
+                fork_workers=fork_workers,
+            )
             outcome, reason, code = "finished", "", 0
         except LaunchFailed as exc:
             outcome, reason = "failed", str(exc)
@@ -1289,10 +1297,12 @@ COMMANDS = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, fork_workers: bool = False) -> int:
     """The ``nxdt`` program (``argv`` None: from ``sys.argv``), or a caller's command line run in its own process.
     Only the program starts ``nxdt train``'s fork server while it still checks the config: it ends at a failed check
-    and takes the server along, where a calling process would keep a server it never asked for."""
+    and takes the server along, where a calling process would keep a server it never asked for. ``fork_workers``: a
+    caller that has imported nxdt's Lightning layer and runs one thread asks ``nxdt train`` to fork its workers from
+    this process rather than from a fork server that would import it all again (:func:`nxdt.launch.forking.start_method`)."""
     program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -1302,7 +1312,9 @@ def main(argv: list[str] | None = None) -> int:
     if command is None:
         return _fail(f"nxdt: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}")
     try:
-        return cmd_train(argv[1:], start_workers_early=program) if command is cmd_train else command(argv[1:])
+        if command is cmd_train:
+            return cmd_train(argv[1:], start_workers_early=program, fork_workers=fork_workers)
+        return command(argv[1:])
     except UsageError as exc:
         return _fail(str(exc))
 

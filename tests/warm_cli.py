@@ -6,9 +6,9 @@ through it transformers, scipy and matplotlib: ~10 s), of which training a few s
 process that imports all of that once and then forks a child per command line. The child is the ``nxdt`` program as
 a subprocess would be, with the command's own working directory, environment, stdin (``/dev/null``), stdout and stderr
 (passed over a Unix socket), in a session of its own (so a test may signal its process group); it runs
-``nxdt.cli.main`` and exits with its code. Because the child has nxdt's Lightning layer imported and one thread, the
-launcher forks its workers itself (``nxdt.launch.forking.start_method``) instead of starting a fork server that would
-import everything again.
+``nxdt.cli.main(args, fork_workers=True)`` and exits with its code: the child has nxdt's Lightning layer imported and
+one thread, so the launcher forks its workers itself (``nxdt.launch.forking.start_method``) instead of starting a
+fork server that would import everything again.
 
 What a fresh interpreter does differently — the fork server, the program's first line before torch is imported, the
 ``nxdt`` entry point — keeps being tested by the tests that start real subprocesses (test_first_output.py,
@@ -63,7 +63,7 @@ while True:
         sys.argv = ["nxdt", *request["args"]]
         code = 1
         try:
-            code = nxdt.cli.main(request["args"])
+            code = nxdt.cli.main(request["args"], fork_workers=True)
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 1
         except BaseException:

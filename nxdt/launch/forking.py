@@ -19,16 +19,18 @@ PRELOAD = ["nxdt.launch.fork_server"]  # what every worker imports before it tra
 WORKER_MODULES = ("nxdt.lightning.train",)  # what the fork server's preload imports (nxdt.launch.fork_server)
 
 
-def start_method() -> str:
-    """How this process starts its workers: from the fork server, unless it has already imported what the server
-    would (``WORKER_MODULES``: a Python caller that imported nxdt's Lightning layer, e.g. a process that runs many
-    launches) and runs a single thread, where forking itself is as safe as forking the server and spares the
-    server's imports (torch, Lightning: ~10 s of CPU per launch). The workers are the same either way: they reset
-    the signal dispositions they inherit (``worker.reset_signals``) and die with their parent."""
+def start_method(fork_here: bool = False) -> str:
+    """How this process starts its workers: from the fork server, unless its caller asks to fork them here
+    (``fork_here``: a process that runs many launches, e.g. the test suite's pre-imported one) and this process has
+    imported what the server would (``WORKER_MODULES``) and runs one Python thread. Forking it is then as safe as
+    forking the server — provided it never ran a multi-threaded torch operation, which the launcher's checks do not
+    (one torch thread) — and spares the server's imports (torch, Lightning: ~10 s of CPU per launch). The workers are
+    the same either way: they reset the signal dispositions they inherit (``worker.reset_signals``) and die with their
+    parent."""
     import sys
     import threading
 
-    if all(name in sys.modules for name in WORKER_MODULES) and threading.active_count() == 1:
+    if fork_here and all(name in sys.modules for name in WORKER_MODULES) and threading.active_count() == 1:
         return "fork"
     return START_METHOD
 

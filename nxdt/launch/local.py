@@ -143,9 +143,10 @@ def _failure_line(exc: Any, run_dir: Path) -> str:
     return f"nxdt: rank {rank} failed: {summary} — see {run_dir / 'logs' / f'rank{rank}.log'}"
 
 
-def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: int = 0) -> None:
+def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: int = 0, fork_workers: bool = False) -> None:
     """Run the plan's ranks on this host; with ``max_restarts`` the agent restarts every worker after a
-    failure and the workers resume from the newest complete checkpoint."""
+    failure and the workers resume from the newest complete checkpoint. ``fork_workers``: fork them from this
+    process if it can (:func:`nxdt.launch.forking.start_method`)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -160,7 +161,7 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
     # the agent logs every worker exit at WARNING/ERROR; we report the failure ourselves in one line
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     run_id = f"x{uuid.uuid4().hex[:12]}"
-    method = start_method()
+    method = start_method(fork_workers)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
