@@ -1,6 +1,6 @@
 """GRPO (``model_alignment_strategy.grpo``, ``+recipe=grpo``): online RL with the user's reward functions, TRL's
 GRPOTrainer semantics and names. Everything GRPO-specific lives here — its pre-launch checks, its prompt data, its
-step, its metrics — the shape a per-objective registry will take (docs/architecture.md §10); the pure math is
+step, its metrics — and its spec in the objective registry (``nxdt.lightning.registry.GRPO``) names them; the pure math is
 ``nxdt.models.objectives`` (``grpo_advantages``, ``grpo_loss``) and sampling ``nxdt.models.generate``.
 
 **A step** (one global batch = ``data.global_batch_size`` completions = that / ``num_generations`` prompts; each
