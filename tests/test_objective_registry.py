@@ -97,6 +97,11 @@ def test_a_source_read_by_another_objective_names_it_before_launch():
     assert str(info.value) == (
         "config error: data.source='prompts': prompts records are read by GRPO: add model_alignment_strategy.grpo (+recipe=grpo)"
     )
+    with pytest.raises(ConfigError) as info:  # GRPO on token text: the source its spec reads
+        check_launch(_cfg("grpo", "data.source=text"))
+    assert str(info.value) == (
+        "config error: data.source='text': model_alignment_strategy.grpo reads prompts records: set data.source=prompts"
+    )
 
 
 def _checkpoint(tmp_path: Path, meta: dict) -> Path:

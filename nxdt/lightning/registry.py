@@ -327,7 +327,8 @@ def check_launch(cfg: Any) -> ObjectiveSpec:
                 source,
                 f"{source} records are read by {owner.name.upper()}: add {ALIGNMENT}.{owner.key} (+recipe={owner.recipe})",
             )
-        raise ConfigError("data.source", source, f"{spec.name} reads data.source={' | '.join(spec.data_sources)}")
+        reads = " | ".join(spec.data_sources)
+        raise ConfigError("data.source", source, f"{ALIGNMENT}.{spec.key} reads {reads} records: set data.source={reads}")
     spec.check(cfg)
     return spec
 
