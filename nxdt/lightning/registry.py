@@ -84,9 +84,9 @@ class ObjectiveSpec:
 
 
 # --- data ------------------------------------------------------------------------------------------------------------
-def _token_datamodule(cfg: Any, block: Any, dataset: Callable[..., Dataset] | None = None) -> NxDDataModule:
-    """The global-batch data module; ``dataset(data_cfg, block, vocab_size, path, validation)`` builds an objective's
-    records (None: pretraining's token sources)."""
+def _token_datamodule(cfg: Any, block: Any, dataset: Callable[..., Any] | None = None) -> NxDDataModule:
+    """The global-batch data module; ``dataset(data_cfg, block, path, vocab_size, limit) -> (dataset, report)`` builds
+    an objective's records (None: pretraining's token sources)."""
     return NxDDataModule(
         cfg.data,
         seed=cfg.seed,
