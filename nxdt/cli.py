@@ -226,7 +226,8 @@ def check_resume_checkpoint(cfg: Any, the_plan: Any) -> None:
     from nxdt.config import ConfigError
     from nxdt.config.validate import MODEL_SHAPE_FIELDS
     from nxdt.launch.rundir import check_checkpoint_run
-    from nxdt.lightning.checkpoint import CheckpointError, check_dpo_reference, check_layout, checkpoint_degrees, verify
+    from nxdt.lightning.checkpoint import CheckpointError, check_layout, checkpoint_degrees, verify
+    from nxdt.lightning.registry import check_resume_reference
 
     ds = cfg.distributed_strategy
     try:
@@ -243,8 +244,8 @@ def check_resume_checkpoint(cfg: Any, the_plan: Any) -> None:
                     "for model.weight_init_only; resume it with the same layout instead"
                 )
             return
-        check_dpo_reference(cfg, path)
-        check_checkpoint_run(cfg, path)  # after DPO's check: its line names the reference, the more precise fix
+        check_resume_reference(cfg, path)  # DPO's, GRPO's (beta != 0) reference model: the objective's spec
+        check_checkpoint_run(cfg, path)  # after the reference's check: its line names the reference, the more precise fix
         dp_format = "fsdp" if ds.fsdp.enabled else ("zero1" if ds.zero1 else "replicated")
         if check_layout(
             path,
@@ -378,12 +379,14 @@ def check_data(cfg: Any) -> None:
             check_data_prefix(data.data_prefix, cfg.model.vocab_size)
         except IndexedDataError as exc:
             raise ConfigError("data.data_prefix", _plain(data.data_prefix), exc.fix) from None
-    elif data.source == "instructions":
-        _check_instructions(cfg)
-    elif data.source == "preferences":
-        _check_preferences(cfg)
-    elif data.source == "prompts":
-        _check_grpo(cfg)
+    from nxdt.config.validate import TOKEN_SOURCES, alignment_recipes
+
+    if data.source not in TOKEN_SOURCES or [name for name in alignment_recipes(cfg) if name != "peft"]:
+        # an objective's records (SFT's, DPO/ORPO's, GRPO's): its spec checks them (nxdt.lightning.registry); plain
+        # pretraining has nothing more to check and its launcher never imports Lightning
+        from nxdt.lightning.registry import check_launch
+
+        check_launch(cfg)
     _check_host_memory(cfg)
 
 
@@ -391,96 +394,6 @@ def _plain(value: Any) -> Any:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-
-
-def _check_instructions(cfg: Any) -> None:
-    """Instruction records (SFT) are read and built here as every worker will (tokenized, masked, packed or padded,
-    truncated), so a bad record, a tokenizer without EOS or an empty file is one line before any worker starts, and
-    the user hears once how many records were cut or dropped."""
-    from nxdt.config import ConfigError
-    from nxdt.data.instructions import ChatTemplateError, build_chat_tokenizer, sft_report
-    from nxdt.lightning.datamodule import build_sft_dataset, chat_tokenizer_dir
-
-    data = cfg.data
-    try:
-        build_chat_tokenizer(chat_tokenizer_dir(data.tokenizer))
-    except (ValueError, OSError, RuntimeError) as exc:
-        raise ConfigError("data.tokenizer", data.tokenizer, str(exc)) from None
-    for key, path, limit in (("data.train_dir", data.train_dir, data.dev_choose_samples), ("data.val_dir", data.val_dir, None)):
-        if path is None and key == "data.val_dir":
-            continue
-        try:
-            dataset = build_sft_dataset(data, cfg.model_alignment_strategy.sft, path, cfg.model.vocab_size, limit=limit)
-        except ChatTemplateError as exc:  # the tokenizer's template is at fault, not the records
-            raise ConfigError("data.tokenizer", data.tokenizer, str(exc)) from None
-        except (ValueError, OSError, RuntimeError) as exc:
-            raise ConfigError(key, path, str(exc)) from None
-        if key == "data.train_dir":
-            _check_one_global_batch(
-                cfg, key, path, len(dataset), "sequences after packing" if cfg.model_alignment_strategy.sft.packing else "records"
-            )
-        print(f"nxdt: {sft_report(dataset.stats, 'train' if key == 'data.train_dir' else 'validation')}", flush=True)
-
-
-def _check_grpo(cfg: Any) -> None:
-    """GRPO (nxdt.lightning.grpo.check): layout, batch and sampling settings, the prompt records, and each reward
-    function — the user's own code named in the config — imported and its signature checked, before any worker."""
-    from nxdt.config import ConfigError
-    from nxdt.lightning.grpo import GRPOConfigError, check
-    from nxdt.planner import plan
-
-    if cfg.model_alignment_strategy.grpo is None:
-        raise ConfigError(
-            "data.source", "prompts", "prompt records are read by GRPO: add model_alignment_strategy.grpo (+recipe=grpo)"
-        )
-    try:
-        check(cfg, plan(cfg).dp)
-    except GRPOConfigError as exc:
-        raise ConfigError(exc.key, exc.value, exc.fix) from None
-
-
-def _check_preferences(cfg: Any) -> None:
-    """Preference records (DPO, ORPO) are read, tokenized and truncated here as every worker will, so a record with a
-    missing or empty prompt/chosen/rejected is one line before any worker starts, and the counts are printed once."""
-    from nxdt.config import ConfigError
-    from nxdt.data.instructions import ChatTemplateError, build_chat_tokenizer
-    from nxdt.data.preferences import preference_report
-    from nxdt.lightning.datamodule import build_preference_dataset, chat_tokenizer_dir
-
-    data, mas = cfg.data, cfg.model_alignment_strategy
-    try:
-        build_chat_tokenizer(chat_tokenizer_dir(data.tokenizer))
-    except (ValueError, OSError, RuntimeError) as exc:
-        raise ConfigError("data.tokenizer", data.tokenizer, str(exc)) from None
-    try:
-        dataset = build_preference_dataset(
-            data,
-            mas.dpo if mas.dpo is not None else mas.orpo,
-            data.train_dir,
-            cfg.model.vocab_size,
-            limit=data.dev_choose_samples,
-        )
-    except ChatTemplateError as exc:  # the tokenizer's template is at fault, not the records
-        raise ConfigError("data.tokenizer", data.tokenizer, str(exc)) from None
-    except (ValueError, OSError, RuntimeError) as exc:
-        raise ConfigError("data.train_dir", data.train_dir, str(exc)) from None
-    _check_one_global_batch(cfg, "data.train_dir", data.train_dir, len(dataset), "preference pairs")
-    print(f"nxdt: {preference_report(dataset.stats)}", flush=True)
-
-
-def _check_one_global_batch(cfg: Any, key: str, path: Any, samples: int, what: str) -> None:
-    """Fewer samples than one global batch: every step would hold some of them several times (the sampler's epochs
-    follow each other inside a batch), which no one asking for that batch size means."""
-    from nxdt.config import ConfigError
-
-    if samples < cfg.data.global_batch_size:
-        raise ConfigError(
-            key,
-            path,
-            f"holds {samples} {what}, fewer than one global batch (data.global_batch_size={cfg.data.global_batch_size}): "
-            "every step would repeat them; give more data or a data.global_batch_size of at most "
-            f"{samples} (a multiple of micro_batch_size × data-parallel ranks)",
-        )
 
 
 def _check_model(cfg: Any) -> None:

@@ -1,5 +1,5 @@
 """DPO / ORPO pieces in one process: the pair dataset and its micro-batch layout, and DPO through the Lightning API
-(``CausalLMModule(alignment=...)`` + ``NxDDataModule(preference=...)`` + ``NxDStrategy``) — the reference table it
+(``CausalLMModule(objective=...)`` + the DPO spec's data module, ``nxdt.lightning.registry`` + ``NxDStrategy``) — the reference table it
 precomputes equals each pair's log-probabilities computed here from a copy of the initial model, pair by pair.
 Multi-rank layouts: tests/test_dpo_e2e.py."""
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -41,8 +40,8 @@ def test_dpo_through_the_lightning_api_precomputes_every_pairs_reference(tmp_pat
 
     from nxdt.config import compose_config
     from nxdt.lightning import NxDStrategy
-    from nxdt.lightning.datamodule import NxDDataModule
     from nxdt.lightning.module import CausalLMModule
+    from nxdt.lightning.registry import objective_spec
 
     cfg = compose_config(
         [
@@ -55,10 +54,16 @@ def test_dpo_through_the_lightning_api_precomputes_every_pairs_reference(tmp_pat
         ]
     )
     pl.seed_everything(cfg.seed, verbose=False)
-    mas = cfg.model_alignment_strategy
-    module = CausalLMModule(cfg.model, cfg.data.global_batch_size, cfg.data.seq_length, cfg.data.micro_batch_size, alignment=mas)
+    spec = objective_spec(cfg)  # the objective registry: DPO's loss and its preference-pair data module
+    module = CausalLMModule(
+        cfg.model,
+        cfg.data.global_batch_size,
+        cfg.data.seq_length,
+        cfg.data.micro_batch_size,
+        objective=spec.objective(spec.block(cfg)),
+    )
     initial = copy.deepcopy(module.model).eval()
-    data = NxDDataModule(cfg.data, seed=cfg.seed, vocab_size=cfg.model.vocab_size, step_batches=True, preference=mas.dpo)
+    data = spec.build_datamodule(cfg)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -95,12 +100,11 @@ def test_dpo_through_the_lightning_api_precomputes_every_pairs_reference(tmp_pat
 
 def test_objective_refuses_a_batch_without_reference():
     from nxdt.lightning.module import CausalLMModule
+    from nxdt.lightning.objective import dpo_objective
     from nxdt.config import compose_config
 
     cfg = compose_config(["+recipe=dpo", "model.num_layers=1"])
-    module = CausalLMModule(
-        cfg.model, 8, 64, 2, alignment=SimpleNamespace(sft=None, dpo=cfg.model_alignment_strategy.dpo, orpo=None)
-    )
+    module = CausalLMModule(cfg.model, 8, 64, 2, objective=dpo_objective(cfg.model_alignment_strategy.dpo))
     dataset = PreferenceDataset.from_records(RECORDS[:2], byte_chat_tokenizer(), 64)
     with pytest.raises(RuntimeError, match="reference model's log-probabilities"):
         module._lay_out([torch.utils.data.default_collate([dataset[0], dataset[1]])])

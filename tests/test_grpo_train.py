@@ -106,6 +106,56 @@ def test_held_out_reward_function_trains_on_two_ranks_and_its_values_are_logged(
     assert "reward" in result.stdout and "kl" in result.stdout  # the console line
 
 
+def _completions_by_step(calls_file: Path) -> list[list[str]]:
+    """Every completion the held-out reward function scored, per step (its calls in each process's order)."""
+    calls: dict[int, list[list[str]]] = {}
+    for line in calls_file.read_text().splitlines():
+        call = json.loads(line)
+        calls.setdefault(call["pid"], []).append(call["completions"])
+    steps = {len(c) for c in calls.values()}
+    assert len(steps) == 1, calls
+    return [sorted(c for per_process in calls.values() for c in per_process[step]) for step in range(steps.pop())]
+
+
+def test_tensor_parallel_with_sp_and_zero1_samples_and_trains_as_plain_data_parallelism(run, held_out, tmp_path):
+    """TP2 with sequence parallelism × DP2 with ZeRO-1 (4 ranks), the same seed and settings as the plain DP2 run: every
+    rank of a TP group samples from the gathered vocabulary with the generator of its data-parallel rank, so the run
+    draws exactly plain DP's completions (each scored by both ranks of its TP group) at step 1 and, after one ZeRO-1
+    update, at step 2; the reference (beta 0.04) is a copy of the TP-sharded model. Tolerances: the layouts differ by
+    fp32 summation order (TP's all-reduces, the vocabulary-parallel log-softmax, ZeRO-1's reduce-scatter), ~1e-7
+    relative per value, which moves step 2's weights by ~lr·1e-7 after Adam's normalisation: a sampled token changes
+    only if a uniform draw falls within ~1e-6 of a cumulative-probability boundary (none here; the completions are
+    compared exactly), and the losses and KL agree to far inside rel 1e-4."""
+    user = tmp_path / "user_code"
+    user.mkdir()
+    (user / "heldout_rewards.py").write_text(HELD_OUT)
+    out = tmp_path / "run"
+    result = _nxdt(
+        tmp_path,
+        "trainer.max_steps=2",
+        "trainer.devices=4",
+        "distributed_strategy.tensor_model_parallel_size=2",
+        "distributed_strategy.sequence_parallel=true",
+        "distributed_strategy.zero1=true",
+        f"exp_manager.explicit_log_dir={out}",
+        "model_alignment_strategy.grpo.reward_funcs=[heldout_rewards:length_reward,nxdt.data.arithmetic:exact_answer]",
+        "model_alignment_strategy.grpo.reward_weights=[1.0,2.0]",
+        "model_alignment_strategy.grpo.beta=0.04",
+        pythonpath=user,
+    )
+    assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+    plain = _completions_by_step(held_out / "calls.jsonl")
+    tp = _completions_by_step(user / "calls.jsonl")
+    assert tp == [sorted(step * 2) for step in plain]  # each completion scored by both ranks of its TP group
+    want = list(csv.DictReader(open(run[0] / "metrics.csv")))
+    got = list(csv.DictReader(open(out / "metrics.csv")))
+    assert [r["step"] for r in got] == [r["step"] for r in want] == ["1", "2"]
+    for g, w in zip(got, want):
+        for key in ("loss", "reward", "reward_std", "completions/mean_length"):
+            assert float(g[key]) == pytest.approx(float(w[key]), rel=1e-4, abs=1e-6), (key, g, w)
+        assert float(g["kl"]) == pytest.approx(float(w["kl"]), rel=1e-4, abs=1e-7), (g, w)
+
+
 def _cfg(*overrides: str):
     return compose_config(["+recipe=grpo", *overrides], paths=False)
 
@@ -138,8 +188,8 @@ def _cfg(*overrides: str):
             "must accept f(prompts",
         ),
         (["model_alignment_strategy.grpo.num_generations=5"], "data.global_batch_size", "multiple of"),
-        (["distributed_strategy.pipeline_model_parallel_size=2"], "pipeline_model_parallel_size", "plain data parallelism"),
-        (["distributed_strategy.fsdp.enabled=true"], "fsdp.enabled", "plain data parallelism"),
+        (["distributed_strategy.pipeline_model_parallel_size=2"], "pipeline_model_parallel_size", "PP, CP, EP, FSDP not built"),
+        (["distributed_strategy.fsdp.enabled=true"], "fsdp.enabled", "PP, CP, EP, FSDP not built"),
         (["model_alignment_strategy.grpo.reward_weights=[1.0]"], "reward_weights", "one weight per reward function"),
     ],
 )
@@ -181,6 +231,37 @@ def test_wrong_count_and_non_finite_rewards_name_the_function(held_out, monkeypa
         score([user.not_finite], ["not_finite"], records, ["2", "3"], [[50], [51]])
     values = score([user.partly_scored], ["partly_scored"], records, ["2", "3"], [[50], [51]])
     assert math.isnan(values[0, 0]) and values[1, 0] == 0.5  # None: not scored by this function (TRL's NaN)
+
+
+def test_padding_columns_for_sequence_parallelism_change_no_completion_log_probability():
+    """The scoring batch widened to a multiple of the TP degree (pad_columns: segment 0, label -100) gives every
+    completion token the log-probability it has unpadded (the same forward of the same rows: fp32 rounding only), and
+    a plain model's logits pass FullVocabLogits unchanged."""
+    from types import SimpleNamespace
+
+    import torch
+    from hf_reference import TINY_LLAMA
+
+    from nxdt.lightning.grpo import FullVocabLogits, pad_columns
+    from nxdt.models.generate import completion_batch
+    from nxdt.models.llama import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(SimpleNamespace(**TINY_LLAMA)).eval()
+    batch = completion_batch([[5, 6, 7], [8]], [[9, 10], [11, 12, 13, 2]])
+    assert batch["input_ids"].shape[1] == 7
+    padded = pad_columns(batch, 4)
+    assert padded["input_ids"].shape[1] == 8 and pad_columns(batch, 7) is batch
+    assert (padded["labels"][:, 7] == -100).all() and (padded["segment_ids"][:, 7] == 0).all()
+    with torch.no_grad():
+        logps = [
+            model.token_log_probs(model(b["input_ids"], b["position_ids"], b["segment_ids"]), b["labels"])
+            for b in (batch, padded)
+        ]
+        full = FullVocabLogits(model, TINY_LLAMA["vocab_size"])
+        ids = batch["input_ids"]
+        assert torch.equal(full(ids, position_ids=batch["position_ids"]), model(ids, position_ids=batch["position_ids"]))
+    torch.testing.assert_close(logps[1][:, :7], logps[0], rtol=1e-5, atol=1e-6)
 
 
 def test_prompt_stream_resumes_where_it_was_and_splits_each_step_over_ranks():

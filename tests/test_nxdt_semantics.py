@@ -254,8 +254,8 @@ def test_loss_averaging_micro_batches_is_nxdts_mean_of_micro_batch_means(tmp_pat
 
     from nxdt.config import compose_config
     from nxdt.lightning import NxDStrategy
-    from nxdt.lightning.datamodule import NxDDataModule
     from nxdt.lightning.module import CausalLMModule, split_micro_batches
+    from nxdt.lightning.registry import objective_spec
 
     cfg = compose_config(
         [
@@ -274,9 +274,7 @@ def test_loss_averaging_micro_batches_is_nxdts_mean_of_micro_batch_means(tmp_pat
     initial = copy.deepcopy(module.model)
 
     def data():
-        return NxDDataModule(
-            cfg.data, seed=cfg.seed, vocab_size=cfg.model.vocab_size, step_batches=True, sft=cfg.model_alignment_strategy.sft
-        )
+        return objective_spec(cfg).build_datamodule(cfg)  # SFT's instruction records (nxdt.lightning.registry)
 
     trainer = pl.Trainer(
         accelerator="cpu",

@@ -94,19 +94,19 @@ def _two_steps(recipe: str, micro: int, tmp_path, *overrides: str):
     """Two training steps of ``recipe`` at ``data.micro_batch_size=micro`` through the Lightning API on one process, on
     the same global batch of 8 pairs: the module's metrics of each step, its initial model and its training pairs."""
     from nxdt.config import compose_config
-    from nxdt.lightning.datamodule import NxDDataModule
     from nxdt.lightning.module import CausalLMModule
+    from nxdt.lightning.registry import objective_spec
 
     cfg = compose_config(
         [f"+recipe={recipe}", f"data.micro_batch_size={micro}", "trainer.max_steps=2", *SHAPE, *LINEAR, *overrides]
     )
     pl.seed_everything(cfg.seed, verbose=False)
-    mas = cfg.model_alignment_strategy
-    module = CausalLMModule(cfg.model, cfg.data.global_batch_size, cfg.data.seq_length, micro, alignment=mas)
-    initial = copy.deepcopy(module.model).eval()
-    data = NxDDataModule(
-        cfg.data, seed=cfg.seed, vocab_size=cfg.model.vocab_size, step_batches=True, preference=getattr(mas, recipe)
+    spec = objective_spec(cfg)  # the recipe's objective: its loss and its preference-pair data module
+    module = CausalLMModule(
+        cfg.model, cfg.data.global_batch_size, cfg.data.seq_length, micro, objective=spec.objective(spec.block(cfg))
     )
+    initial = copy.deepcopy(module.model).eval()
+    data = spec.build_datamodule(cfg)
     steps: list = []
     trainer = _trainer(tmp_path / f"{recipe}{micro}", max_steps=2, limit_val_batches=0, callbacks=[Steps(steps)])
     _fit_or_validate(trainer, "fit", module, data)
@@ -222,8 +222,8 @@ def test_orpo_validation_over_the_whole_set_is_the_training_loss_at_any_micro_ba
     The same forwards and sums (float64 accumulation): rounding only, inside rel 1e-6."""
     from nxdt.config import compose_config
     from nxdt.data.instructions import write_jsonl
-    from nxdt.lightning.datamodule import NxDDataModule
     from nxdt.lightning.module import CausalLMModule
+    from nxdt.lightning.registry import objective_spec
 
     val = tmp_path / "val.jsonl"
     write_jsonl(val, read_jsonl(SAMPLE_PREFERENCES)[:PAIRS])  # the training run's pairs (dev_choose_samples: the first 8)
@@ -231,9 +231,11 @@ def test_orpo_validation_over_the_whole_set_is_the_training_loss_at_any_micro_ba
     for micro in (1, PAIRS):
         cfg = compose_config(["+recipe=orpo", f"data.micro_batch_size={micro}", f"data.val_dir={val}", *SHAPE, *LINEAR])
         pl.seed_everything(cfg.seed, verbose=False)
-        mas = cfg.model_alignment_strategy
-        module = CausalLMModule(cfg.model, cfg.data.global_batch_size, cfg.data.seq_length, micro, alignment=mas)
-        data = NxDDataModule(cfg.data, seed=cfg.seed, vocab_size=cfg.model.vocab_size, step_batches=True, preference=mas.orpo)
+        spec = objective_spec(cfg)
+        module = CausalLMModule(
+            cfg.model, cfg.data.global_batch_size, cfg.data.seq_length, micro, objective=spec.objective(spec.block(cfg))
+        )
+        data = spec.build_datamodule(cfg)
         _fit_or_validate(_trainer(tmp_path / f"val{micro}"), "validate", module, data)
         got = module.val_metrics
         assert got["val_pairs"] == PAIRS

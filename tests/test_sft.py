@@ -18,7 +18,7 @@ from nxdt.data import SAMPLE_INSTRUCTIONS
 from nxdt.data.instructions import IGNORE_INDEX, build_sft_examples, byte_chat_tokenizer, read_instruction_records
 from nxdt.data.sampler import EvalBatchSampler, PadRows
 from nxdt.lightning.module import split_micro_batches
-from nxdt.lightning.objective import CAUSAL_LM, label_count, objective_for, token_weights
+from nxdt.lightning.objective import CAUSAL_LM, label_count, token_weights
 
 SEQ = 64
 
@@ -141,19 +141,26 @@ def test_token_weights_make_the_mean_over_micro_batches_and_ranks_the_global_tok
 
 
 def test_objectives_by_recipe():
-    assert objective_for(None) is CAUSAL_LM
-    assert objective_for(SimpleNamespace(sft=object(), dpo=None, orpo=None)) is CAUSAL_LM
-    dpo = objective_for(SimpleNamespace(sft=None, dpo=SimpleNamespace(kl_beta=0.1, loss_type="sigmoid"), orpo=None))
+    from nxdt.lightning.registry import objective_spec
+
+    def spec(**blocks):
+        alignment = SimpleNamespace(**{"sft": None, "peft": None, "dpo": None, "orpo": None, "grpo": None, **blocks})
+        chosen = objective_spec(SimpleNamespace(model_alignment_strategy=alignment))
+        return chosen.objective(chosen.block(SimpleNamespace(model_alignment_strategy=alignment)))
+
+    assert spec() is CAUSAL_LM
+    assert spec(sft=object()) is CAUSAL_LM
+    dpo = spec(dpo=SimpleNamespace(kl_beta=0.1, loss_type="sigmoid"))
     assert (dpo.name, dpo.pairs, dpo.reference, dpo.token_weighted) == ("dpo", True, True, False)
-    orpo = objective_for(SimpleNamespace(sft=None, dpo=None, orpo=SimpleNamespace(beta=0.1, nll_mean="tokens")))
+    orpo = spec(orpo=SimpleNamespace(beta=0.1, nll_mean="tokens"))
     assert (orpo.name, orpo.pairs, orpo.reference, orpo.token_weighted) == ("orpo", True, False, False)
     assert orpo.token_metric == "nll_loss"  # TRL's NLL: a token mean over the global batch (tests/test_orpo.py)
-    nxdt_orpo = objective_for(SimpleNamespace(sft=None, dpo=None, orpo=SimpleNamespace(beta=0.1, nll_mean="sequences")))
+    nxdt_orpo = spec(orpo=SimpleNamespace(beta=0.1, nll_mean="sequences"))
     assert nxdt_orpo.token_metric is None  # NxD Training's: a mean over pairs
     with pytest.raises(ValueError, match="nll_mean='mean'"):
-        objective_for(SimpleNamespace(sft=None, dpo=None, orpo=SimpleNamespace(beta=0.1, nll_mean="mean")))
+        spec(orpo=SimpleNamespace(beta=0.1, nll_mean="mean"))
     with pytest.raises(ValueError, match="loss_type='hinge'"):
-        objective_for(SimpleNamespace(sft=None, dpo=SimpleNamespace(kl_beta=0.1, loss_type="hinge"), orpo=None))
+        spec(dpo=SimpleNamespace(kl_beta=0.1, loss_type="hinge"))
 
 
 @pytest.mark.parametrize("n, dp", [(10, 1), (10, 2), (7, 2), (12, 4)])

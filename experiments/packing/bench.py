@@ -6,7 +6,7 @@ variants measured in one run, rounds interleaved (the order rotated each round).
 
 The run is ``+recipe=sft`` (llama_tiny, byte-level tokens, ``nxdt/data/samples/instructions.jsonl``, 128-token
 sequences, global batch 8, micro-batch 2) on 2 ranks of replicated data parallelism, through the Lightning API
-(``CausalLMModule`` + ``NxDDataModule(sft=...)`` + ``NxDStrategy``, the classes ``nxdt train`` builds); the only
+(``CausalLMModule`` + SFT's data module from ``nxdt.lightning.registry`` + ``NxDStrategy``, the classes ``nxdt train`` builds); the only
 difference between the variants is ``model_alignment_strategy.sft.packing``. Measured on rank 0 per optimizer step:
 
 * step time: wall time between consecutive ``on_train_batch_end`` (the first ``--warmup`` intervals dropped);
@@ -39,8 +39,8 @@ def run_variant(name: str, steps: int, out: Path) -> None:
 
     from nxdt.config import compose_config
     from nxdt.lightning import NxDStrategy
-    from nxdt.lightning.datamodule import NxDDataModule
     from nxdt.lightning.module import CausalLMModule
+    from nxdt.lightning.registry import objective_spec
 
     torch.set_num_threads(THREADS)
     cfg = compose_config(["+recipe=sft", f"model_alignment_strategy.sft.packing={VARIANTS[name]}", f"trainer.max_steps={steps}"])
@@ -68,7 +68,6 @@ def run_variant(name: str, steps: int, out: Path) -> None:
         cfg.data.global_batch_size,
         cfg.data.seq_length,
         cfg.data.micro_batch_size,
-        alignment=cfg.model_alignment_strategy,
         seed=cfg.seed,
     )
     meter = StepTokens()
@@ -86,9 +85,7 @@ def run_variant(name: str, steps: int, out: Path) -> None:
         limit_val_batches=0,
         num_sanity_val_steps=0,
     )
-    data = NxDDataModule(
-        cfg.data, seed=cfg.seed, vocab_size=cfg.model.vocab_size, step_batches=True, sft=cfg.model_alignment_strategy.sft
-    )
+    data = objective_spec(cfg).build_datamodule(cfg)  # SFT's instruction records (nxdt.lightning.registry)
     trainer.fit(module, datamodule=data)
     if trainer.is_global_zero:
         stats = data.dataset.stats

@@ -703,6 +703,9 @@ def validate(cfg: Any, *, paths: bool = True) -> None:
 
 
 ALIGNMENT_BLOCKS = ("sft", "peft", "dpo", "orpo", "grpo")
+# the data.source values pretraining reads (token streams); the others are an objective's records, read by its spec
+# (nxdt.lightning.registry: pretraining's data_sources are these)
+TOKEN_SOURCES = ("synthetic", "text", "hf_dataset", "megatron")
 SFT_TRUNCATION = ("truncate", "drop")  # nxdt.data.instructions.TRUNCATION_MODES (config sits below data)
 SFT_PACKING_STYLES = ("per_record", "concat")  # nxdt.data.instructions.PACKING_STYLES
 PREFERENCE_TRUNCATION = ("keep_start", "keep_end")  # nxdt.data.preferences.TRUNCATION_MODES

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
@@ -24,9 +24,9 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from nxdt.data import SAMPLE_INSTRUCTIONS, SAMPLE_PREFERENCES, SAMPLE_TEXT
 from nxdt.data.datasets import PackedText, SyntheticTokens
 from nxdt.data.hf_dataset import SavedHFDataset
-from nxdt.data.instructions import SFTDataset, build_chat_tokenizer, read_instruction_records, sft_report
+from nxdt.data.instructions import SFTDataset, build_chat_tokenizer, read_instruction_records
 from nxdt.data.megatron import BlendedMegatronData
-from nxdt.data.preferences import PreferenceDataset, preference_report
+from nxdt.data.preferences import PreferenceDataset
 from nxdt.data.sampler import EvalBatchSampler, GlobalBatchSampler, PadRows
 from nxdt.data.tokenizers import build_tokenizer
 
@@ -97,14 +97,14 @@ class NxDDataModule(pl.LightningDataModule):
         vocab_size: int,
         *,
         step_batches: bool = False,
-        sft: Any = None,
         limit_val_batches: float = 1.0,
-        preference: Any = None,
+        dataset: Callable[[str | None, bool], Dataset] | None = None,
     ) -> None:
         super().__init__()
         self.cfg, self.seed, self.vocab_size = data_cfg, seed, vocab_size
-        self.sft = sft  # model_alignment_strategy.sft (data.source=instructions): packing, truncation
-        self.preference = preference  # model_alignment_strategy.dpo / .orpo (data.source=preferences): prompt truncation
+        # an objective's own records (SFT's instructions, DPO/ORPO's preference pairs): ``dataset(path, validation)``,
+        # given by its spec (nxdt.lightning.registry); None: the token sources below (pretraining)
+        self.objective_dataset = dataset
         self.limit_val_batches = limit_val_batches  # trainer.limit_val_batches: <= 1 a fraction, > 1 a count
         self.val_dataset: Dataset | None = None
         # step_batches: one Lightning batch = this rank's whole share of a global batch (the module splits
@@ -121,6 +121,8 @@ class NxDDataModule(pl.LightningDataModule):
         """The dataset at ``path`` (default: data.train_dir) in the configured source's format."""
         cfg = self.cfg
         path = cfg.train_dir if path is None and not validation else path
+        if self.objective_dataset is not None:
+            return self.objective_dataset(path, validation)
         if cfg.source == "synthetic":
             return SyntheticTokens(cfg.num_samples, cfg.seq_length, self.vocab_size, self.seed)
         if cfg.source == "text":
@@ -148,29 +150,10 @@ class NxDDataModule(pl.LightningDataModule):
                 splits_string=cfg.splits_string,
                 index_mapping_dir=cfg.index_mapping_dir,
             )
-        if cfg.source == "instructions":
-            if self.sft is None:
-                raise ValueError("data.source=instructions needs model_alignment_strategy.sft (packing, truncation)")
-            dataset = build_sft_dataset(
-                cfg, self.sft, path, self.vocab_size, limit=None if validation else getattr(cfg, "dev_choose_samples", None)
-            )
-            rank_zero_info(f"data: {sft_report(dataset.stats, 'validation' if validation else 'train')}")
-            return dataset
-        if cfg.source == "preferences":
-            if self.preference is None:
-                raise ValueError(
-                    "data.source=preferences needs model_alignment_strategy.dpo or .orpo (max_prompt_length, truncation_mode)"
-                )
-            pairs = build_preference_dataset(
-                cfg,
-                self.preference,
-                path,
-                self.vocab_size,
-                limit=None if validation else getattr(cfg, "dev_choose_samples", None),
-            )
-            rank_zero_info(f"data: {preference_report(pairs.stats, 'validation' if validation else 'train')}")
-            return pairs
-        raise ValueError(f"data.source={cfg.source!r}: use synthetic, text, hf_dataset, megatron, instructions or preferences")
+        raise ValueError(
+            f"data.source={cfg.source!r}: use synthetic, text, hf_dataset or megatron (an objective's records: the data "
+            "module its spec builds, nxdt.lightning.registry.objective_spec(cfg).datamodule(cfg))"
+        )
 
     def _megatron_samples(self) -> int:
         """Megatron's training sample count: trainer.max_steps global batches (the sample index is built for it)."""

@@ -15,7 +15,7 @@ import resource
 import signal
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, RichProgressBar
@@ -23,7 +23,6 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from nxdt.data.throughput import tokens_per_s
 from nxdt.lightning import checkpoint as ckpt_io
-from nxdt.lightning.objective import ORPO_METRICS, REWARD_METRICS
 
 # the last three are filled under FSDP: time compute waited for its communication, the share of that
 # communication hidden behind compute, and the most gathered-parameter bytes held at once
@@ -54,14 +53,21 @@ class StepConsole:
     MFU is the plan's own estimate scaled by measured over predicted throughput: the plan's FLOPs per token and
     peak (``nxdt.planner.estimate``) are used as they are, no formula is repeated here."""
 
-    def __init__(self, max_steps: int, estimate: dict[str, Any] | None = None, peak_known: bool = False) -> None:
+    def __init__(
+        self,
+        max_steps: int,
+        estimate: dict[str, Any] | None = None,
+        peak_known: bool = False,
+        objective: Callable[[dict[str, Any]], str | None] | None = None,
+    ) -> None:
         self.max_steps = max_steps
+        self.objective = objective  # the objective's part of the line (DPO: reward accuracy; GRPO: rewards, KL)
         est = estimate or {}
         predicted, mfu = est.get("tokens_per_s") or 0.0, est.get("mfu") or 0.0
         self.mfu_per_token_per_s = mfu / predicted if peak_known and predicted > 0 and mfu > 0 else None
 
     @classmethod
-    def for_run(cls, cfg: Any, run_dir: Path) -> "StepConsole":
+    def for_run(cls, cfg: Any, run_dir: Path, objective: Callable[[dict[str, Any]], str | None] | None = None) -> "StepConsole":
         try:
             estimate = json.loads((Path(run_dir) / "plan.json").read_text()).get("estimate") or {}
         except (OSError, ValueError):
@@ -70,7 +76,9 @@ class StepConsole:
         provenance = getattr(cfg.instance, "provenance", None) or {}
         entry = provenance.get(key) if hasattr(provenance, "get") else None
         guessed = bool(getattr(entry, "guess", False) if not isinstance(entry, dict) else entry.get("guess"))
-        return cls(cfg.trainer.max_steps, estimate, peak_known=bool(estimate.get("calibrated")) or not guessed)
+        return cls(
+            cfg.trainer.max_steps, estimate, peak_known=bool(estimate.get("calibrated")) or not guessed, objective=objective
+        )
 
     def line(self, row: dict[str, Any]) -> str:
         width = len(str(self.max_steps)) if self.max_steps and self.max_steps > 0 else 1
@@ -84,11 +92,9 @@ class StepConsole:
         if self.mfu_per_token_per_s is not None:
             parts.append(f"MFU {100 * self.mfu_per_token_per_s * row['tokens_per_s']:.1f}%")
         parts.append(f"peak mem {row['peak_rss_mb']:,.0f} MB")
-        if row.get("rewards/accuracies") is not None:  # DPO / ORPO
-            parts.append(f"reward acc {row['rewards/accuracies']:.2f} margin {row['rewards/margins']:.4f}")
-        if row.get("completions/mean_length") is not None:  # GRPO
-            kl = f" kl {row['kl']:.4f}" if row.get("kl") is not None else ""
-            parts.append(f"reward {row['reward']:.3f} ± {row['reward_std']:.3f}{kl} len {row['completions/mean_length']:.1f}")
+        shown = self.objective(row) if self.objective is not None else None
+        if shown:
+            parts.append(shown)
         if row.get("grad_norm") is not None:
             parts.append(f"grad norm {row['grad_norm']:.3f}")
         if row.get("exposed_comm_s") is not None:
@@ -470,22 +476,26 @@ def validates(cfg: Any) -> bool:
     return (cfg.data.val_dir is not None or cfg.data.val_split > 0) and cfg.trainer.limit_val_batches > 0
 
 
-def build_callbacks(cfg: Any, run_dir: Path, tokens_per_step: int, *, show_progress: bool) -> list[Callback]:
+def build_callbacks(
+    cfg: Any,
+    run_dir: Path,
+    tokens_per_step: int,
+    *,
+    show_progress: bool,
+    objective_metrics: tuple[str, ...] = (),
+    objective_console: Callable[[dict[str, Any]], str | None] | None = None,
+) -> list[Callback]:
+    """``objective_metrics`` / ``objective_console``: the run's objective's columns (also as ``val_<name>``) and its part
+    of the console line (its spec's, ``nxdt.lightning.registry``)."""
     em = cfg.exp_manager
     norms = tuple(c for c, on in (("grad_norm", em.log_gradient_norm), ("param_norm", em.log_parameter_norm)) if on)
-    mas = cfg.model_alignment_strategy  # DPO / ORPO: the objective's metrics (nxdt.lightning.objective)
-    objective_metrics: tuple[str, ...] = REWARD_METRICS if mas.dpo is not None else ORPO_METRICS if mas.orpo is not None else ()
-    if mas.grpo is not None:  # GRPO's rewards, KL, clip ratios, completion lengths (nxdt.lightning.grpo)
-        from nxdt.lightning.grpo import metric_names
-
-        objective_metrics = metric_names(mas.grpo)
     callbacks: list[Callback] = [
         StepMetricsLogger(
             run_dir / "metrics.csv",
             tokens_per_step,
             cfg.trainer.log_every_n_steps,
             norms + objective_metrics,
-            console=StepConsole.for_run(cfg, run_dir),
+            console=StepConsole.for_run(cfg, run_dir, objective_console),
             validation=validates(cfg),
             val_columns=tuple(f"val_{name}" for name in objective_metrics),
         )

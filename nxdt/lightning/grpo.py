@@ -1,6 +1,6 @@
 """GRPO (``model_alignment_strategy.grpo``, ``+recipe=grpo``): online RL with the user's reward functions, TRL's
 GRPOTrainer semantics and names. Everything GRPO-specific lives here — its pre-launch checks, its prompt data, its
-step, its metrics — the shape a per-objective registry will take (docs/architecture.md §10); the pure math is
+step, its metrics — and its spec in the objective registry (``nxdt.lightning.registry.GRPO``) names them; the pure math is
 ``nxdt.models.objectives`` (``grpo_advantages``, ``grpo_loss``) and sampling ``nxdt.models.generate``.
 
 **A step** (one global batch = ``data.global_batch_size`` completions = that / ``num_generations`` prompts; each
@@ -21,8 +21,12 @@ arrive as keyword lists, one value per completion; ``None`` = not scored by this
 each and checks it can be called so before any worker starts; a wrong count or a non-finite value stops the step
 with the function's name.
 
-**Layouts:** plain data parallelism (any number of ranks); TP, PP, CP, EP, ZeRO-1 and FSDP are refused by name
-(sampling under them is not built). Prompts: ``data.source=prompts``, JSONL/``save_to_disk`` records with a string
+**Layouts:** data parallelism (any number of ranks), tensor parallelism with or without sequence parallelism, and
+ZeRO-1; PP, CP, EP and FSDP are refused by name (sampling under them is not built). Under TP every rank of a TP group
+samples the same tokens: the vocabulary-parallel head's logits are gathered (:class:`FullVocabLogits`), decoding runs
+with SP paused (one new token per row splits over no TP degree), and the generator's seed depends on the
+data-parallel rank only; the scoring batch is padded to a multiple of the TP degree for SP. A TP2×DP2 run samples
+what plain DP2 samples (``tests/test_grpo_train.py``). Prompts: ``data.source=prompts``, JSONL/``save_to_disk`` records with a string
 ``prompt`` (the shipped set: nxdt/data/samples/arithmetic.jsonl), encoded as plain text (no chat template).
 """
 
@@ -41,7 +45,8 @@ from nxdt.data import SAMPLE_ARITHMETIC
 from nxdt.data.instructions import build_chat_tokenizer, read_instruction_records
 from nxdt.lightning.datamodule import chat_tokenizer_dir
 from nxdt.lightning.module import CausalLMModule
-from nxdt.models.generate import completion_batch, generate
+from nxdt.models.generate import PAD_ID, completion_batch, generate
+from nxdt.parallel.tensor_parallel import gather_from_tensor_parallel_region, sequence_parallel_paused
 from nxdt.models.objectives import GRPO_LOSS_TYPES, SCALE_REWARDS, grpo_advantages, grpo_loss, nanstd
 
 KEY = "model_alignment_strategy.grpo"
@@ -132,14 +137,15 @@ def encode_prompts(records: Sequence[dict[str, Any]], tokenizer: Any, max_prompt
     return out
 
 
+# what sampling is not built on yet: a pipeline (every stage would take part in each decoding step), context parallelism
+# (the KV cache holds whole sequences), expert parallelism, FSDP (each decoding step would gather every unit)
 REFUSED_LAYOUTS = (
-    ("distributed_strategy.tensor_model_parallel_size", lambda ds: ds.tensor_model_parallel_size > 1),
     ("distributed_strategy.pipeline_model_parallel_size", lambda ds: ds.pipeline_model_parallel_size > 1),
     ("distributed_strategy.context_parallel_size", lambda ds: ds.context_parallel_size > 1),
     ("distributed_strategy.expert_model_parallel_size", lambda ds: ds.expert_model_parallel_size > 1),
-    ("distributed_strategy.zero1", lambda ds: bool(ds.zero1)),
     ("distributed_strategy.fsdp.enabled", lambda ds: bool(ds.fsdp.enabled)),
 )
+LAYOUTS = "GRPO samples on data parallelism, tensor parallelism (with or without SP) and ZeRO-1 (PP, CP, EP, FSDP not built)"
 
 
 def check(cfg: Any, data_parallel_size: int) -> list[Callable[..., Any]]:
@@ -148,9 +154,7 @@ def check(cfg: Any, data_parallel_size: int) -> list[Callable[..., Any]]:
     grpo, data, ds = cfg.model_alignment_strategy.grpo, cfg.data, cfg.distributed_strategy
     for key, refused in REFUSED_LAYOUTS:
         if refused(ds):
-            raise GRPOConfigError(
-                key, _value(cfg, key), "GRPO samples on plain data parallelism only (TP, PP, CP, EP, ZeRO-1, FSDP not built)"
-            )
+            raise GRPOConfigError(key, _value(cfg, key), LAYOUTS)
     if data.source != "prompts":
         raise GRPOConfigError("data.source", data.source, "GRPO reads prompt records: set data.source=prompts (+recipe=grpo)")
     if grpo.loss_type not in GRPO_LOSS_TYPES:
@@ -281,6 +285,35 @@ class PromptDataModule(pl.LightningDataModule):
         return DataLoader(steps, batch_size=None)
 
 
+class FullVocabLogits(torch.nn.Module):
+    """``model``'s logits over its whole vocabulary, what sampling draws from: under tensor parallelism the
+    vocabulary-parallel head's shards gathered over its group (identical on every rank) and the padding columns
+    dropped; a plain model's logits unchanged."""
+
+    def __init__(self, model: torch.nn.Module, vocab_size: int) -> None:
+        super().__init__()
+        self.model, self.vocab_size = model, vocab_size
+
+    def forward(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        logits = self.model(input_ids, **kwargs)
+        head = getattr(self.model, "lm_head", None)
+        if not getattr(head, "shards_vocab", False):
+            return logits
+        assert head is not None  # shards_vocab
+        return gather_from_tensor_parallel_region(logits, head.comm)[..., : self.vocab_size]
+
+
+def pad_columns(batch: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:
+    """A scoring batch widened with padding columns (segment 0, position 0, label -100: attended by nothing, scored
+    by nothing) to a multiple of ``multiple`` — sequence parallelism splits the width over the TP ranks."""
+    width = batch["input_ids"].shape[1]
+    extra = -width % multiple
+    if not extra:
+        return batch
+    fill = {"input_ids": PAD_ID, "position_ids": 0, "segment_ids": 0, "labels": -100}
+    return {k: torch.cat([v, v.new_full((v.shape[0], extra), fill[k])], dim=1) for k, v in batch.items()}
+
+
 class GRPOModule(CausalLMModule):
     """:class:`CausalLMModule` (model, optimizer, schedule, gradient finishing, NaN policy) with GRPO's step."""
 
@@ -302,20 +335,23 @@ class GRPOModule(CausalLMModule):
         if self.grpo.beta != 0.0:
             import copy
 
-            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+            # the communicators (TP layers and hooks hold theirs) are shared with the copy, not copied
+            shared = {id(c): c for c in getattr(self.trainer.strategy, "communicators", {}).values()}
+            self.reference = copy.deepcopy(self.model, memo=shared).eval().requires_grad_(False)
 
     def configure_callbacks(self) -> list[pl.Callback]:
         return []  # trainer.max_steps ends a GRPO run (its prompt stream is endless)
 
     def _sample(self, prompt_rows: list[list[int]]) -> list[list[int]]:
         g, step = self.grpo, self.trainer.global_step
+        # the data-parallel rank: the ranks of one TP group draw the same tokens, and a layout's draws are plain DP's
         rank = int((getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {"rank": 0})["rank"])
         generator = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 65_537 + rank)
         training = self.model.training
         self.model.eval()
-        with torch.no_grad(), self.trainer.precision_plugin.val_step_context():
+        with torch.no_grad(), self.trainer.precision_plugin.val_step_context(), sequence_parallel_paused(self.model):
             completions = generate(
-                self.model,
+                FullVocabLogits(self.model, self.model_cfg.vocab_size),
                 prompt_rows,
                 g.max_completion_length,
                 eos_id=self.tokenizer.eos_id,
@@ -327,6 +363,14 @@ class GRPOModule(CausalLMModule):
             )
         self.model.train(training)
         return completions
+
+    def _group(self, name: str) -> Any:
+        """The strategy's communicator of a dimension (None without one: Lightning's own strategies)."""
+        return getattr(self.trainer.strategy, "communicators", {}).get(name)
+
+    def _group_size(self, name: str) -> int:
+        group = self._group(name)
+        return 1 if group is None else int(group.size)
 
     def _logps(self, model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         logits = model(mb["input_ids"], mb["position_ids"], mb["segment_ids"])
@@ -343,11 +387,12 @@ class GRPOModule(CausalLMModule):
         eos = self.tokenizer.eos_id
         texts = [self.tokenizer.decode([t for t in c if t != eos]) for c in completions]  # type: ignore[misc]
         local = score(self.reward_funcs, self.reward_names, records, texts, completions)
-        everyone = strategy.all_gather(local).reshape(-1, len(self.reward_funcs))  # rank order: groups stay whole
+        # over the data-parallel group, in its rank order (TP ranks hold the same rewards): groups stay whole
+        everyone = strategy.all_gather(local, group=self._group("dp")).reshape(-1, len(self.reward_funcs))
         advantages_all, rewards_all, std_all = grpo_advantages(everyone, self.reward_weights, g.num_generations, g.scale_rewards)
         n = len(completions)
         advantages = advantages_all[rank * n : (rank + 1) * n]
-        full = completion_batch(prompt_rows, completions)
+        full = pad_columns(completion_batch(prompt_rows, completions), self._group_size("tp"))
         mask = full["labels"] != -100
         local_tokens = int(mask.sum())
         global_tokens = int(self._data_parallel_sum(torch.tensor([local_tokens], dtype=torch.int64))[0])

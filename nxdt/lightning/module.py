@@ -2,8 +2,8 @@
 optimizer and schedule from ``model.optim``.
 
 One Lightning step is one global batch, as in NxDT: the batch is this rank's share of it, split into
-``micro_batch_size`` pieces inside the step. The step's loss — the objective of ``model_alignment_strategy``
-(:mod:`nxdt.lightning.objective`): the mean over every labelled token of the global batch, whichever micro-batch and
+``micro_batch_size`` pieces inside the step. The step's loss — its ``objective`` (:mod:`nxdt.lightning.objective`;
+``nxdt.lightning.registry`` picks it from ``model_alignment_strategy``): the mean over every labelled token of the global batch, whichever micro-batch and
 data-parallel rank holds it — is published in ``step_metrics`` for the experiment manager; after a validation
 (``data.val_dir``), ``val_metrics`` holds ``val_loss``, token-weighted over the whole validation set (DPO/ORPO: the mean
 over its pairs, with the objective's metrics as ``val_<name>``).
@@ -25,9 +25,10 @@ from nxdt.lightning.datamodule import EpochLimit
 from nxdt.lightning.hf import load_hf_weights
 from nxdt.data.preferences import pair_rows
 from nxdt.lightning.objective import (
+    CAUSAL_LM,
+    Objective,
     chosen_sequence_tokens,
     label_count,
-    objective_for,
     pair_means,
     pair_scores,
     pair_sums,
@@ -123,7 +124,7 @@ class CausalLMModule(pl.LightningModule):
         nan_policy: str = "stop",
         precision: str = "fp32",
         seed: int = 0,
-        alignment: Any = None,
+        objective: Objective = CAUSAL_LM,
         init_checkpoint: str | None = None,
         peft: Any = None,
     ) -> None:
@@ -146,7 +147,8 @@ class CausalLMModule(pl.LightningModule):
                     "model_alignment_strategy.peft to continue from them"
                 )
             load_checkpoint_weights(self.model, init_checkpoint, state=init_state, adapters_only=init_kind == "adapters_only")
-        self.objective = objective_for(alignment)  # model_alignment_strategy → the loss each micro-batch contributes
+        # the loss each micro-batch contributes: the run's objective spec's (nxdt.lightning.registry), pretraining's by default
+        self.objective = objective
         # a preference sample is a pair: two sequences
         self.tokens_per_step = global_batch_size * seq_length * (2 if self.objective.pairs else 1)
         self.micro_batch_size = micro_batch_size

@@ -1,4 +1,6 @@
-"""The training objective of a run, chosen from ``model_alignment_strategy`` in one place.
+"""The losses of the training objectives, as :class:`Objective` values ``CausalLMModule`` trains with; which one a run
+uses is the objective registry's choice (``nxdt.lightning.registry``: one spec per objective, chosen from
+``model_alignment_strategy``).
 
 Pretraining and SFT (``model_alignment_strategy.sft``) minimise the same thing: the next-token cross-entropy over
 the positions that have a label (SFT masks prompt tokens and padding with -100), averaged over **every labelled
@@ -226,37 +228,37 @@ def pair_means(names: tuple[str, ...], token_metric: str | None, sums: Sequence[
     return out
 
 
-def objective_for(alignment: Any) -> Objective:
-    """The objective for ``model_alignment_strategy`` (None or no block set: pretraining; sft: the same token mean)."""
-    dpo, orpo = (getattr(alignment, name, None) if alignment is not None else None for name in ("dpo", "orpo"))
-    if dpo is not None:
-        if dpo.loss_type not in DPO_LOSS_TYPES:
-            raise ValueError(
-                f"model_alignment_strategy.dpo.loss_type={dpo.loss_type!r}: only {', '.join(DPO_LOSS_TYPES)} is implemented"
-            )
-        pair_loss: PairLoss = functools.partial(dpo_pair_loss, float(dpo.kl_beta), dpo.loss_type)
-        return Objective(
-            "dpo",
-            functools.partial(pair_objective_loss, pair_loss, REWARD_METRICS, None),
-            token_weighted=False,
-            pairs=True,
-            reference=True,
-            metrics=REWARD_METRICS,
-            pair_loss=pair_loss,
+def dpo_objective(dpo: Any) -> Objective:
+    """DPO's loss from ``model_alignment_strategy.dpo`` (``kl_beta``, ``loss_type``); the registry's DPO spec builds it."""
+    if dpo.loss_type not in DPO_LOSS_TYPES:
+        raise ValueError(
+            f"model_alignment_strategy.dpo.loss_type={dpo.loss_type!r}: only {', '.join(DPO_LOSS_TYPES)} is implemented"
         )
-    if orpo is not None:
-        nll_mean = orpo.nll_mean
-        if nll_mean not in ORPO_NLL_MEANS:
-            raise ValueError(f"model_alignment_strategy.orpo.nll_mean={nll_mean!r}: use one of {', '.join(ORPO_NLL_MEANS)}")
-        token_metric = NLL_METRIC if nll_mean == "tokens" else None
-        pair_loss = functools.partial(orpo_pair_loss, float(orpo.beta), nll_mean)
-        return Objective(
-            "orpo",
-            functools.partial(pair_objective_loss, pair_loss, ORPO_METRICS, token_metric),
-            token_weighted=False,
-            pairs=True,
-            metrics=ORPO_METRICS,
-            pair_loss=pair_loss,
-            token_metric=token_metric,
-        )
-    return CAUSAL_LM
+    pair_loss: PairLoss = functools.partial(dpo_pair_loss, float(dpo.kl_beta), dpo.loss_type)
+    return Objective(
+        "dpo",
+        functools.partial(pair_objective_loss, pair_loss, REWARD_METRICS, None),
+        token_weighted=False,
+        pairs=True,
+        reference=True,
+        metrics=REWARD_METRICS,
+        pair_loss=pair_loss,
+    )
+
+
+def orpo_objective(orpo: Any) -> Objective:
+    """ORPO's loss from ``model_alignment_strategy.orpo`` (``beta``, ``nll_mean``); the registry's ORPO spec builds it."""
+    nll_mean = orpo.nll_mean
+    if nll_mean not in ORPO_NLL_MEANS:
+        raise ValueError(f"model_alignment_strategy.orpo.nll_mean={nll_mean!r}: use one of {', '.join(ORPO_NLL_MEANS)}")
+    token_metric = NLL_METRIC if nll_mean == "tokens" else None
+    pair_loss: PairLoss = functools.partial(orpo_pair_loss, float(orpo.beta), nll_mean)
+    return Objective(
+        "orpo",
+        functools.partial(pair_objective_loss, pair_loss, ORPO_METRICS, token_metric),
+        token_weighted=False,
+        pairs=True,
+        metrics=ORPO_METRICS,
+        pair_loss=pair_loss,
+        token_metric=token_metric,
+    )

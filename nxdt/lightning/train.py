@@ -6,7 +6,6 @@ run directory and calls :func:`run_training` in every rank.
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +13,9 @@ import lightning.pytorch as pl
 
 from nxdt.config.hf_model import model_meta
 from nxdt.config.validate import MODEL_SHAPE_FIELDS, check_trainable
-from nxdt.lightning import checkpoint as ckpt_io
-from nxdt.lightning.datamodule import NxDDataModule
 from nxdt.lightning.hf import MODEL_CONFIG_KEY, TOKENIZER_KEY
 from nxdt.lightning.exp_manager import agreed_resume_checkpoint, build_callbacks, build_loggers, launch_attempt, validates
-from nxdt.lightning.module import CausalLMModule
+from nxdt.lightning.registry import objective_spec, reference_meta
 from nxdt.lightning.strategy import NxDStrategy
 from nxdt.lightning.lora_checkpoint import LORA_META_KEY, lora_meta
 from nxdt.models.lora import LoRAConfig, PeftConfig, lora_layers, resolve_targets
@@ -73,12 +70,12 @@ def build_trainer(cfg: Any, plan: Plan, run_dir: Path, tokens_per_step: int, *, 
         MODEL_CONFIG_KEY: model_meta(cfg.model),
         TOKENIZER_KEY: None if tokenizer is None else str(Path(tokenizer).expanduser().resolve()),
     }
-    # what a resume checks: the same reference model (ckpt_io.check_dpo_reference)
-    dpo_reference = {} if cfg.model_alignment_strategy.dpo is None else {ckpt_io.DPO_REFERENCE_KEY: ckpt_io.starting_weights(cfg)}
+    # what a resume checks: the same reference model (registry.check_resume_reference)
+    reference = reference_meta(cfg)
     strategy = NxDStrategy(
         plan=plan,
         timeout_s=cfg.comm.timeout_s,
-        checkpoint_meta={"model": model_shape, **export, **lora, **dpo_reference},
+        checkpoint_meta={"model": model_shape, **export, **lora, **reference},
         virtual_pipeline_size=ds.virtual_pipeline_model_parallel_size,
         sequence_parallel=ds.sequence_parallel,
         zero1=ds.zero1,
@@ -93,6 +90,7 @@ def build_trainer(cfg: Any, plan: Plan, run_dir: Path, tokens_per_step: int, *, 
         torch_process_group=False,  # CausalLMModule calls no torch.distributed: no gloo listener beside the store
         checkpoint_format="directory",  # the run directory's checkpoints: keep_last_k, checksums, resume on any layout
     )
+    spec = objective_spec(cfg)
     return pl.Trainer(
         accelerator="cpu",
         precision=PRECISION[cfg.precision.type],
@@ -115,18 +113,26 @@ def build_trainer(cfg: Any, plan: Plan, run_dir: Path, tokens_per_step: int, *, 
         enable_progress_bar=show_progress,
         enable_model_summary=False,
         logger=build_loggers(cfg, run_dir),
-        callbacks=build_callbacks(cfg, run_dir, tokens_per_step, show_progress=show_progress),
+        callbacks=build_callbacks(
+            cfg,
+            run_dir,
+            tokens_per_step,
+            show_progress=show_progress,
+            objective_metrics=spec.metrics(spec.block(cfg)),
+            objective_console=spec.console,
+        ),
         default_root_dir=str(run_dir),
     )
 
 
 def initial_weights_checkpoint(cfg: Any, resume: Path | None) -> str | None:
     """``model.weight_init_only``: the nxdt checkpoint whose model weights the run starts from — unless the run
-    resumes a checkpoint of its own (a restart, ``resume_if_exists``), which holds everything. DPO loads them on a
-    resume too: its reference model is the starting weights (precomputed before the checkpoint is restored)."""
+    resumes a checkpoint of its own (a restart, ``resume_if_exists``), which holds everything. An objective with a
+    reference model (DPO; GRPO with beta != 0) loads them on a resume too: its reference is the starting weights (taken
+    before the checkpoint is restored)."""
     if not cfg.model.weight_init_only or cfg.exp_manager.resume_from_checkpoint is None:
         return None
-    if resume is not None and cfg.model_alignment_strategy.dpo is None:
+    if resume is not None and not objective_spec(cfg).keeps_reference(cfg):
         return None
     return str(Path(cfg.exp_manager.resume_from_checkpoint).expanduser())
 
@@ -148,15 +154,10 @@ def run_training(cfg: Any, plan: Plan, run_dir: str | Path) -> None:
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     ckpt_path = agreed_resume_checkpoint(cfg, run_dir)
     mas = cfg.model_alignment_strategy
-    if mas.grpo is not None:  # GRPO owns its module and data (nxdt.lightning.grpo)
-        from nxdt.lightning import grpo
-
-        module_class: Any = functools.partial(
-            grpo.GRPOModule, grpo=mas.grpo, data=cfg.data, reward_funcs=grpo.check(cfg, plan.dp)
-        )
-    else:
-        module_class = CausalLMModule
-    module = module_class(
+    spec = objective_spec(cfg)  # pretraining, SFT, DPO, ORPO or GRPO: its module class, loss and data module
+    module = spec.build_module(
+        cfg,
+        plan.dp,
         cfg.model,
         cfg.data.global_batch_size,
         cfg.data.seq_length,
@@ -167,23 +168,10 @@ def run_training(cfg: Any, plan: Plan, run_dir: str | Path) -> None:
         nan_policy=cfg.exp_manager.nan_policy,
         precision=cfg.precision.type,
         seed=cfg.seed,
-        alignment=mas,
         init_checkpoint=initial_weights_checkpoint(cfg, ckpt_path),
         peft=PeftConfig.pick(mas.peft) if mas.peft is not None else None,
     )
-    datamodule: pl.LightningDataModule = (
-        grpo.PromptDataModule(cfg.data, mas.grpo, cfg.seed)
-        if mas.grpo is not None
-        else NxDDataModule(
-            cfg.data,
-            seed=cfg.seed,
-            vocab_size=cfg.model.vocab_size,
-            step_batches=True,
-            sft=mas.sft,
-            limit_val_batches=cfg.trainer.limit_val_batches,
-            preference=mas.dpo if mas.dpo is not None else mas.orpo,
-        )
-    )
+    datamodule = spec.build_datamodule(cfg)
     trainer = build_trainer(cfg, plan, run_dir, module.tokens_per_step)
     if trainer.is_global_zero and (cfg.exp_manager.create_wandb_logger or cfg.exp_manager.create_mlflow_logger):
         from nxdt.lightning.trackers import tracker_loggers  # W&B / MLflow: rank 0 only, imported only when asked for

@@ -61,7 +61,8 @@ Gradient synchronisation, in short:
 from __future__ import annotations
 
 import fnmatch
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -311,6 +312,30 @@ class _EnterRegionHook:
                 f"positional argument (a tensor); it was called with {len(args)} positional argument(s)"
             )
         return (enter_region(args[0], self.comm, self.sequence_parallel), *args[1:])
+
+
+@contextmanager
+def sequence_parallel_paused(model: nn.Module) -> Iterator[None]:
+    """Run ``model``'s tensor-parallel layers without sequence parallelism inside the block (decoding: a step feeds one
+    token per row, a length no TP degree splits), as they are restored after it. Each layer then copies its input
+    into the region and all-reduces its partial output where SP all-gathers and reduce-scatters along the sequence:
+    the same sums laid out differently (Korthikanti et al. 2022, §4.2.2), so the logits agree up to fp32 summation
+    order. Forward only: the layers' backward would follow the other layout."""
+    switches: list[Any] = []
+    for module in model.modules():
+        if isinstance(module, TensorParallelModule) and module.sequence_parallel:
+            switches.append(module)
+        region = getattr(module, "tensor_parallel_region", None)
+        if isinstance(region, TokenRegion) and region.sequence_parallel:
+            switches.append(region)
+        switches += [h for h in module._forward_pre_hooks.values() if isinstance(h, _EnterRegionHook) and h.sequence_parallel]
+    for switch in switches:
+        switch.sequence_parallel = False
+    try:
+        yield
+    finally:
+        for switch in switches:
+            switch.sequence_parallel = True
 
 
 # ---------------------------------------------------------------------------------------------- sharding layout
