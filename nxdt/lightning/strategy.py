@@ -624,6 +624,7 @@ class NxDStrategy(ParallelStrategy):
         """Close the communicators (shared memory released, store left); every rank calls it. ``nxdt train``
         calls it after ``fit``; in a user's script it runs at interpreter exit unless called earlier."""
         self._destroy_torch_group()
+        self._dp.close()
         if self.world is not None:
             self.world.close()
             self.world = None
