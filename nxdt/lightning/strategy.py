@@ -259,9 +259,11 @@ class NxDStrategy(ParallelStrategy):
         return {"num_replicas": plan.dp, "rank": plan.coords(self.global_rank).dp}
 
     def _configure_launcher(self) -> None:
+        # always, as DDPStrategy: where processes are started externally (torchrun, a rank Lightning started) the
+        # launcher starts none, but still gives each process cpus // processes intra-op threads when OMP_NUM_THREADS
+        # is unset (without it a script's rank 1 kept every core's threads: DDP's numbers differed by ulps)
         assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

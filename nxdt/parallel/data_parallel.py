@@ -23,8 +23,8 @@ reads (with the trainable parameters no optimizer holds), and the strategy calls
 name, or with ``find_unused_parameters`` left untouched (:class:`ReplicatedRuntime`).
 
 Under FSDP the module's own ``state_dict()`` / ``load_state_dict()`` keep DDP's view (its names, its order, full
-tensors; gathered over DP, a collective) through hooks :meth:`FSDPRuntime.shard_model` registers on the module; nxdt's
-checkpoint code reads the flat shards as stored.
+tensors; gathered over DP, a collective) through the hooks of :class:`~nxdt.parallel.fsdp.OriginalStateDict` on every
+module; nxdt's checkpoint code reads the flat shards as stored.
 
 Frozen parameters (``requires_grad=False``: a LoRA model's base) are held by no optimizer and reduced by no runtime:
 the replicated runtime's all-reduce and ZeRO-1's buckets take the trainable ones only, FSDP shards the frozen ones
@@ -39,7 +39,6 @@ A runtime holds no checkpoint-format code: checkpoint names and by-name reshardi
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 from dataclasses import dataclass, field
@@ -51,7 +50,7 @@ from torch import Tensor, nn
 from nxdt.comm.world import Communicator
 from nxdt.parallel import squared_norm
 from nxdt.parallel.expert_parallel import is_expert_parameter, reduce_expert_gradients
-from nxdt.parallel.fsdp import FullyShardedDataParallel, apply_fsdp
+from nxdt.parallel.fsdp import FullyShardedDataParallel, OriginalStateDict, apply_fsdp
 from nxdt.parallel.tensor_parallel import partial_grad_names, shard_spec, sync_replicated_grads
 from nxdt.parallel.zero1 import Zero1Optimizer, unused_parameters_message
 
@@ -492,9 +491,7 @@ class FSDPRuntime(ReplicatedRuntime):
         self.options = dict(options or {})
         self.fsdp: FullyShardedDataParallel | None = None
         self.prefix = ""  # FSDP names parameters relative to the units' owner; checkpoints from the module
-        self._module_order: list[str] = []  # the module's state-dict names before FSDP renamed its parameters
-        self._raw = False  # module.state_dict() as stored (flat shards): nxdt's own checkpoint code reads it so
-        self._closed = False  # the communicators are gone: nothing can be gathered any more
+        self._original: OriginalStateDict | None = None  # every module's own state_dict(), as before FSDP
         # (optimizer, shard, first, end, values, moments) of parameters no rank had a gradient for: put back after the step
         self._untouched: list[tuple[torch.optim.Optimizer, Tensor, int, int, Tensor, dict[str, Tensor]]] = []
 
@@ -511,60 +508,22 @@ class FSDPRuntime(ReplicatedRuntime):
         options = dict(self.options)
         if precision == "bf16-mixed":  # gather bf16 copies of the fp32 shards
             options.setdefault("param_dtype", torch.bfloat16)
-        self._module_order = list(module.state_dict())
+        original = OriginalStateDict(module)  # each module's own order, before FSDP moves its parameters
         self.fsdp = apply_fsdp(owner, self.mp.dp, optimizers, tracer=tracer, **options)
         self.optimizers = list(optimizers)
         self.prefix = "" if owner is module else next(name for name, m in module.named_modules() if m is owner) + "."
-        # the module's own state_dict() / load_state_dict() keep DDP's names and full tensors (a collective, as torch's
-        # FSDP with its default FULL_STATE_DICT): a user's hook, or code after fit, sees what it sees under DDP
-        module.register_state_dict_post_hook(functools.partial(FSDPRuntime._full_state_dict, self))  # torch marks the
-        module.register_load_state_dict_pre_hook(functools.partial(FSDPRuntime._load_full_state_dict, self))  # hook object
+        # every module's own state_dict() / load_state_dict() keep DDP's names and full tensors (a collective, as
+        # torch's FSDP with its default FULL_STATE_DICT): a user's hook, or code after fit, sees what it sees under DDP
+        original.attach(self.fsdp)
+        self._original = original
 
     def close(self) -> None:
-        self._closed = True
+        if self._original is not None:
+            self._original.closed = True
 
     def _stored_state_dict(self, module: nn.Module) -> dict[str, Tensor]:
         """``module.state_dict()`` as the module holds it (FSDP's flat shards), for nxdt's own checkpoint code."""
-        self._raw = True
-        try:
-            return module.state_dict()
-        finally:
-            self._raw = False
-
-    @torch.no_grad()
-    def _full_state_dict(self, module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        """``module.state_dict()``'s post-hook: the flat shards replaced by the full weights under the module's own
-        names, in its own order — DDP's state dict. Gathers over DP: every DP rank calls it (Lightning's hooks such
-        as ``on_save_checkpoint`` run on every rank; so must a user's call after fit)."""
-        if self._raw or self.fsdp is None:
-            return
-        if self._closed:
-            raise RuntimeError(
-                f"{type(module).__name__}.state_dict() under NxDStrategy(fsdp=True) after strategy.close(): its parameters "
-                "are flat shards (fsdp_shard_<k>) and the communicators that gather them are closed — call state_dict() "
-                "on every rank before close(), or save a checkpoint and turn it into one file with "
-                "nxdt.lightning.convert_to_lightning_checkpoint(dir, out)"
-            )
-        ours = {k[len(prefix) :]: state.pop(k) for k in [k for k in state if k.startswith(prefix)]}  # the dict's tail
-        ours = {k: v for k, v in ours.items() if FSDP_SHARD_MARK not in k}
-        ours.update(self.fsdp.full_state_dict(prefix=self.prefix))
-        position = {k: i for i, k in enumerate(self._module_order)}
-        for k in sorted(ours, key=lambda k: position.get(k, len(position))):
-            state[prefix + k] = ours[k]
-
-    def _load_full_state_dict(self, module: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
-        """``module.load_state_dict()``'s pre-hook: full weights under the module's own names (what
-        :meth:`_full_state_dict` gives) are cut into this rank's shards, which then load as they are."""
-        if self.fsdp is None:
-            return
-        names = {prefix + self.prefix + n for f in self.fsdp.flats() for e in f.entries for n in e.names}
-        if not names & state.keys():  # nxdt's own loading hands the shards' part over separately
-            return
-        full = {k[len(prefix) :]: state.pop(k) for k in [k for k in state if k in names]}
-        self.fsdp.load_full_state_dict(full, prefix=self.prefix)
-        for name, shard in module.named_parameters():
-            if FSDP_SHARD_MARK in name:
-                state[prefix + name] = shard.detach()
+        return self._original.stored(module) if self._original is not None else module.state_dict()
 
     # ------------------------------------------------------------------------------------ gradients
     def _index(self, optimizer: torch.optim.Optimizer | None) -> int | None:

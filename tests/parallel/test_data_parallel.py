@@ -83,6 +83,8 @@ def _worker(world) -> dict:
         # takes it back (FSDP cuts it into the shards)
         own, want = model.state_dict(), ref.state_dict()
         checks["own_state_dict"] = list(own) == list(want) and all(_close(own[k], v) for k, v in want.items())
+        sub, sub_want = model[2].state_dict(), ref[2].state_dict()  # a submodule's too
+        checks["own_state_dict"] &= list(sub) == list(sub_want) and all(_close(sub[k], v) for k, v in sub_want.items())
         other = {k: v + 1.0 for k, v in want.items()}
         model.load_state_dict(other)
         checks["own_load_state_dict"] = all(_close(model.state_dict()[k], v) for k, v in other.items())
