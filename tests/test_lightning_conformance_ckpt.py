@@ -23,7 +23,7 @@ import torch
 import lightning.pytorch as pl
 
 from nxdt.cli import main
-from nxdt.lightning import NxDStrategy, convert_to_lightning_checkpoint
+from nxdt.lightning import NxDStrategy, convert_to_lightning_checkpoint, reshard
 from nxdt.lightning.checkpoint import CheckpointError, save
 from nxdt.lightning.lightning_checkpoint import load_file, resolve_format
 from nxdt.lightning.module import CausalLMModule
@@ -190,6 +190,10 @@ def test_pipeline_and_expert_parallel_directories_convert_to_the_file_load_from_
     assert sorted(order) == sorted(moments)
     for index, n in enumerate(order):
         assert torch.equal(file_state["state"][index]["exp_avg"], moments[n]), (index, n)
+    # `nxdt checkpoint consolidate` (a one-rank nxdt directory) reads the same full state
+    assert main(["checkpoint", "consolidate", str(out / f"{name}.ckpt"), str(out / f"{name}-full")]) == 0
+    full = reshard.read_full_state(out / f"{name}-full")
+    assert list(full.model) == list(state) and all(torch.equal(full.model[k], v) for k, v in state.items())
 
 
 # ------------------------------------------------------------------------------------------ without a launch

@@ -422,6 +422,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> Path:
         "state_dict": full.model,
         "optimizer_states": [s for s, _ in indexed],
         NAMES_KEY: [n for _, n in indexed],
+        STATE_ORDER_KEY: list(full.model),  # the module's order (safetensors sorts the model file's names)
     }
     kept = {k: v for k, v in full.meta.items() if k not in ("format_version", "step", "tensor_parallel", "dp_format")}
     meta = {
