@@ -662,7 +662,7 @@ class FullyShardedDataParallel:
         for entry, a, b in f.segments(self.dp_rank):
             if entry is e:
                 start = lo + a - e.offset
-                f.shard.data[a:b].copy_(value.reshape(-1)[start : start + b - a])
+                f.shard.detach()[a:b].copy_(value.reshape(-1)[start : start + b - a])  # bumps the shard's version
 
     @torch.no_grad()
     def full_state_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -850,7 +850,8 @@ class OriginalStateDict:
         self.fsdp: FullyShardedDataParallel | None = None
         self._owned: dict[int, list[tuple[str, FlatShard, _Entry]]] = {}  # module → its parameters now in flats
         self._holds: dict[int, list[str]] = {}  # module → the shard attributes registered on it
-        self._cache: dict[int, torch.Tensor] = {}  # flats gathered during the current outermost call
+        # flats gathered during the current outermost call, with their shard's version (a step or a load since: stale)
+        self._cache: dict[int, tuple[int, torch.Tensor]] = {}
         self._depth = 0
         self._raw = False
         self.closed = False
@@ -911,9 +912,10 @@ class OriginalStateDict:
         for name in held:
             tail.pop(prefix + name, None)
         for attr, f, e in owned:
-            if id(f) not in self._cache:
-                self._cache[id(f)] = self.fsdp.gathered(f)
-            tail[prefix + attr] = self._cache[id(f)][e.offset : e.offset + e.numel].view(e.shape).clone()
+            cached = self._cache.get(id(f))
+            if cached is None or cached[0] != f.shard._version:
+                cached = self._cache[id(f)] = (f.shard._version, self.fsdp.gathered(f))
+            tail[prefix + attr] = cached[1][e.offset : e.offset + e.numel].view(e.shape).clone()
         own = [prefix + n for n in self._order.get(id(module), [])]
         for k in own:  # the module's own entries first, in their order; its children's after them, as they came
             if k in tail:
