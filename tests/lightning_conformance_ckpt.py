@@ -7,7 +7,9 @@ Every run trains ``Net`` (hyper-parameters saved, Adam over two param groups, a 
 one epoch and saves ``trainer.save_checkpoint(OUT/<run>/epoch1.ckpt)``; a new Trainer and module then resume it for a
 second epoch (``fit(ckpt_path=)``). The plain NxDStrategy run resumes its own file; the ZeRO-1 and FSDP runs write nxdt
 directories and resume DDP's file (a Lightning file loaded into sharded optimizers); rank 0 converts their
-directories with ``convert_to_lightning_checkpoint``.
+directories with ``convert_to_lightning_checkpoint``. Two hub-model runs (``CausalLMModule``) save model-parallel
+directories — a Llama over 2 pipeline stages, a Mixtral with its experts over 2 expert-parallel ranks — which rank 0
+converts too.
 """
 
 from __future__ import annotations
@@ -25,9 +27,60 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
+from nxdt.config import compose_config
 from nxdt.lightning import NxDStrategy, convert_to_lightning_checkpoint
+from nxdt.lightning.datamodule import NxDDataModule
+from nxdt.lightning.module import CausalLMModule
 
 FEATURES, SAMPLES, BATCH = 6, 32, 4
+# model-parallel layouts only the hub models have (CausalLMModule): their directories converted to one file
+HUB_RUNS = {
+    "pp2": (["model=llama_tiny", "model.num_layers=2"], {"pipeline_parallel_size": 2}),
+    "ep2": (["model=mixtral_tiny", "model.num_layers=2"], {"expert_parallel_size": 2}),
+}
+
+
+def hub_config(overrides: list[str]):
+    return compose_config(
+        [*overrides, "data=synthetic", "data.seq_length=16", "data.global_batch_size=4", "data.micro_batch_size=1"]
+        + ["trainer.max_steps=2", "model.optim.sched.warmup_steps=0", "model.optim.sched.name=constant"]
+    )
+
+
+def hub_module(cfg) -> CausalLMModule:
+    """The arguments ``CausalLMModule.load_from_checkpoint`` needs too (it saves no hyper-parameters)."""
+    return CausalLMModule(cfg.model, cfg.data.global_batch_size, cfg.data.seq_length, cfg.data.micro_batch_size)
+
+
+def hub_run(name: str, out: Path) -> dict:
+    """Two steps of a tiny hub model on a model-parallel layout, ``trainer.save_checkpoint`` (an nxdt directory);
+    reports this rank's weights (its stage, or its experts and the dense layers) by the module's names."""
+    overrides, options = HUB_RUNS[name]
+    cfg = hub_config(overrides)
+    pl.seed_everything(cfg.seed, verbose=False)
+    module = hub_module(cfg)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=NxDStrategy(**options),
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
+    data = NxDDataModule(cfg.data, seed=cfg.seed, vocab_size=cfg.model.vocab_size, step_batches=True)
+    trainer.fit(module, datamodule=data)
+    trainer.save_checkpoint(out / f"{name}.ckpt")
+    [optimizer] = trainer.strategy.optimizers
+    moments = {n: optimizer.state[p]["exp_avg"] for n, p in module.named_parameters() if p in optimizer.state}
+    state = {"weights": trainer.strategy.lightning_module_state_dict(), "exp_avg": moments}
+    torch.save(state, out / f"{name}-rank{trainer.global_rank}.pt")  # tensors: the test compares them exactly
+    trainer.strategy.close()
+    return {"weights": sorted(state["weights"])}
 
 
 class Net(pl.LightningModule):
@@ -103,10 +156,14 @@ def main(out: Path) -> None:
     report["nxdt"] = run(lambda: NxDStrategy(), out / "nxdt")
     report["nxdt_zero1"] = run(lambda: NxDStrategy(zero1=True), out / "nxdt_zero1", resume_from=ddp_file)
     report["nxdt_fsdp"] = run(lambda: NxDStrategy(fsdp=True), out / "nxdt_fsdp", resume_from=ddp_file)
+    for name in HUB_RUNS:
+        report[name] = hub_run(name, out)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank == 0:
         for name in ("nxdt_zero1", "nxdt_fsdp"):
             convert_to_lightning_checkpoint(out / name / "epoch1.ckpt", out / f"{name}-converted.ckpt")
+        for name in HUB_RUNS:
+            convert_to_lightning_checkpoint(out / f"{name}.ckpt", out / f"{name}-converted.ckpt")
     (out / f"rank{rank}.json").write_text(json.dumps(report))
 
 

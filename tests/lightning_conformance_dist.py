@@ -3,10 +3,10 @@ Lightning's DDPStrategy(gloo), in the same two CPU processes (``python lightning
 own launcher starts rank 1, as for a user's script); each rank writes ``OUT/rank<k>.json`` and
 tests/test_lightning_conformance_dist.py compares. Not collected by pytest.
 
-Every NxDStrategy run comes first, each with a new Trainer in the same script (the second and later ones are the
-"second Trainer" of issue 33), and each strategy is closed before the next: DDPStrategy keeps its torch.distributed
-group (and rank 0's store on MASTER_PORT) until the interpreter exits, so a DDP run before them would hand them its
-group and hold their port.
+The NxDStrategy runs come first, each with a new Trainer in the same script (the second and later ones are the
+"second Trainer" of issue 33), and each strategy is closed before the next (its store leaves MASTER_PORT); then the
+DDPStrategy runs (DDP after NxD), which keep their torch.distributed group and rank 0's store on MASTER_PORT until the
+interpreter exits; then one more NxDStrategy run (NxD after DDP), which joins through that group's store.
 
 The module (Normed) has a BatchNorm layer, logs torchmetrics' MeanSquaredError objects, builds its own
 ``DistributedSampler`` without arguments, and calls ``torch.distributed.all_reduce`` itself.
@@ -45,9 +45,11 @@ class Normed(pl.LightningModule):
         self.losses: list[float] = []
         self.dist_initialized: list[bool] = []
         self.val_metrics: list[dict[str, float]] = []
+        self.threads = 0
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         self.dist_initialized.append(dist.is_initialized())
+        self.threads = torch.get_num_threads()
         pred = self.net(batch["x"]).squeeze(-1)
         loss = F.mse_loss(pred, batch["y"])
         self.losses.append(loss.item())
@@ -119,6 +121,7 @@ def run(strategy, out: Path, name: str, **trainer_kwargs) -> dict:
         "val": record.val,
         "train_mse": float(trainer.callback_metrics["train_mse"]),
         "dist_initialized": module.dist_initialized,
+        "threads": module.threads,  # Lightning's launcher: cpus // processes intra-op threads (OMP_NUM_THREADS unset)
         "running_mean": bn.running_mean.tolist(),
         "running_var": bn.running_var.tolist(),
         "num_batches_tracked": int(bn.num_batches_tracked),
@@ -149,6 +152,13 @@ def main(out: Path) -> None:
     report["ddp"] = run(DDPStrategy(process_group_backend="gloo"), out, "ddp")
     report["ddp_no_broadcast"] = run(DDPStrategy(process_group_backend="gloo", broadcast_buffers=False), out, "ddp_nb")
     report["ddp_sync_bn"] = run(DDPStrategy(process_group_backend="gloo"), out, "ddp_sync_bn", sync_batchnorm=True)
+    # NxDStrategy after DDPStrategy: DDP's group (its store on MASTER_PORT) is still there; nxdt joins through its store
+    # and leaves the group as it found it (a group it did not make is not its to destroy)
+    group = dist.group.WORLD
+    strategy = NxDStrategy()
+    report["nxdt_after_ddp"] = run(strategy, out, "nxdt_after_ddp")
+    strategy.close()
+    report["nxdt_after_ddp"]["group_kept"] = dist.is_initialized() and dist.group.WORLD is group
     rank = dist.get_rank()
     (out / f"rank{rank}.json").write_text(json.dumps(report))
 

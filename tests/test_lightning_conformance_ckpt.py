@@ -23,14 +23,15 @@ import torch
 import lightning.pytorch as pl
 
 from nxdt.cli import main
-from nxdt.lightning import NxDStrategy, convert_to_lightning_checkpoint
+from nxdt.lightning import NxDStrategy, convert_to_lightning_checkpoint, reshard
 from nxdt.lightning.checkpoint import CheckpointError, save
 from nxdt.lightning.lightning_checkpoint import load_file, resolve_format
+from nxdt.lightning.module import CausalLMModule
 from nxdt.planner import plan_layout
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from lightning_conformance_ckpt import Net, data  # noqa: E402
+from lightning_conformance_ckpt import HUB_RUNS, Net, data, hub_config, hub_module  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-7
 CONVERTED = ("nxdt_zero1", "nxdt_fsdp")
@@ -150,6 +151,51 @@ def test_fsdp_state_dict_has_the_modules_own_names_in_its_order(runs):
         assert rep["nxdt_fsdp"]["state_keys"] == rep["ddp"]["state_keys"] == list(Net().state_dict())
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", list(HUB_RUNS))
+def test_pipeline_and_expert_parallel_directories_convert_to_the_file_load_from_checkpoint_reads(runs, name):
+    """A Llama over 2 pipeline stages and a Mixtral with its 4 experts over 2 expert-parallel ranks, converted: the
+    file holds every rank's part (each stage's layers; the dense layers once and every rank's experts), exactly, by
+    the module's names in its order; ``CausalLMModule.load_from_checkpoint`` builds the module from it; the optimizer
+    state is numbered as the unsharded model's own optimizer numbers its parameters (``load_state_dict`` takes it, and
+    each index holds the moments of the parameter at that index). EP used to be refused ("not supported yet")."""
+    out, reports = runs
+    cfg = hub_config(HUB_RUNS[name][0])
+    ranks = [torch.load(out / f"{name}-rank{r}.pt", weights_only=True) for r in range(2)]
+    path = out / f"{name}-converted.ckpt"
+    loaded = CausalLMModule.load_from_checkpoint(
+        path,
+        model_cfg=cfg.model,
+        global_batch_size=cfg.data.global_batch_size,
+        seq_length=cfg.data.seq_length,
+        micro_batch_size=cfg.data.micro_batch_size,
+    )
+    state = loaded.state_dict()
+    assert list(state) == list(hub_module(cfg).state_dict())  # the module's own names and order
+    held = {k: v for rank in ranks for k, v in rank["weights"].items()}
+    assert held.keys() == state.keys()  # the ranks' parts together are the whole model
+    for rank in ranks:  # each rank's part, exactly (dense tensors of EP ranks are replicas)
+        for k, v in rank["weights"].items():
+            assert torch.equal(state[k], v), k
+    if name == "ep2":  # each EP rank held 2 of the 4 experts of every layer
+        assert [k for k in ranks[1]["weights"] if ".experts.0." in k] == []
+        assert any(".experts.3." in k for k in ranks[1]["weights"]) and any(".experts.3." in k for k in state)
+    optimizer = loaded.configure_optimizers()["optimizer"]  # what a single-process Trainer would build
+    file_state = torch.load(path, weights_only=True)["optimizer_states"][0]
+    optimizer.load_state_dict(file_state)  # the groups' sizes match the unsharded model's optimizer
+    names = {id(p): n for n, p in loaded.named_parameters()}
+    moments = {k: v for rank in ranks for k, v in rank["exp_avg"].items()}
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    assert sorted(order) == sorted(moments)
+    for index, n in enumerate(order):
+        assert torch.equal(file_state["state"][index]["exp_avg"], moments[n]), (index, n)
+    # `nxdt checkpoint consolidate` (a one-rank nxdt directory) reads the same full state
+    assert main(["checkpoint", "consolidate", str(out / f"{name}.ckpt"), str(out / f"{name}-full")]) == 0
+    full = reshard.read_full_state(out / f"{name}-full")
+    assert list(full.model) == list(state) and all(torch.equal(full.model[k], v) for k, v in state.items())
+
+
 # ------------------------------------------------------------------------------------------ without a launch
 def test_unknown_checkpoint_format_is_refused_by_name():
     with pytest.raises(ValueError, match=r"checkpoint_format='zip'\): must be one of auto, file, directory"):
@@ -233,3 +279,29 @@ def test_a_tensor_parallel_directory_converts_to_the_unsharded_models_file(tmp_p
     assert got["param_groups"] == want["param_groups"] and list(got["state"]) == list(want["state"])
     for i, entry in want["state"].items():
         assert all(torch.equal(got["state"][i][k], v) for k, v in entry.items()), i
+
+
+def test_merged_order_keeps_every_ranks_own_order():
+    """The names of EP ranks (each its own experts, global ids) and PP stages (each its own layers) merge into the
+    unsharded module's order: a file numbers optimizer state in it, so a wrong merge would swap parameters' moments."""
+    from nxdt.lightning.reshard import merged_order
+
+    ep0 = ["embed", "l0.gate", "l0.experts.0", "l0.experts.1", "l0.norm", "l1.gate", "l1.experts.0", "l1.experts.1", "head"]
+    ep1 = ["embed", "l0.gate", "l0.experts.2", "l0.experts.3", "l0.norm", "l1.gate", "l1.experts.2", "l1.experts.3", "head"]
+    assert merged_order([ep0, ep1]) == [
+        "embed",
+        "l0.gate",
+        "l0.experts.0",
+        "l0.experts.1",
+        "l0.experts.2",
+        "l0.experts.3",
+        "l0.norm",
+        "l1.gate",
+        "l1.experts.0",
+        "l1.experts.1",
+        "l1.experts.2",
+        "l1.experts.3",
+        "head",
+    ]
+    assert merged_order([["embed", "l0"], ["l1", "norm", "head"]]) == ["embed", "l0", "l1", "norm", "head"]  # stages
+    assert merged_order([["a", "b"], ["a", "b"]]) == ["a", "b"]  # TP ranks list the same names

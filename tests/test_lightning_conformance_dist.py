@@ -6,10 +6,11 @@ starts rank 1, and every NxDStrategy run after the first is a new Trainer in the
 
 Tolerance: rtol 1e-5, atol 1e-7 (elements near zero). Both strategies run the same fp32 operations on the same data:
 BatchNorm's forward on the same batch and buffers, a 2-rank gradient average (exact: halving is exact, the sum rounds
-once), SGD with momentum, and the metrics' sums over 2 ranks. They are not bit for bit here (unlike the modules
-without BatchNorm in tests/test_lightning_conformance_optim.py; the cause was not isolated): measured ≤ 4.5e-7
-relative in losses and running statistics after 12 micro-batches, which is a few fp32 ulps (6e-8) per step carried
-by momentum; a buffer not broadcast moves rank 1's running mean by 600% and val_loss by 11%. ``sync_batchnorm`` is compared with one process normalising each
+once), SGD with momentum, and the metrics' sums over 2 ranks. Measured: plain and ZeRO-1 bit for bit (0.0), since
+rank 1 runs with DDP's intra-op thread count (Lightning's launcher sets it; before, rank 1 kept every core's threads
+and the matmuls' sums rounded differently: ≤ 4.5e-7). FSDP ≤ 6.5e-7 relative: it reduce-scatters each micro-batch's
+gradient in backward, (a1+b1)/2 + (a2+b2)/2, where DDP averages the accumulated ((a1+a2)+(b1+b2))/2 — a few fp32
+ulps (6e-8) per step carried by momentum over 12 micro-batches; a buffer not broadcast moves rank 1's running mean by 600% and val_loss by 11%. ``sync_batchnorm`` is compared with one process normalising each
 global batch at once (DDP cannot: torch's SyncBatchNorm refuses CPU tensors): the statistics are summed per rank and
 then over ranks instead of in one pass, ≤ a few fp32 ulps (1e-7 relative) per statistic, which 12 micro-batches of
 SGD carry to ≤ 1.2e-6 relative in losses, statistics and weights (measured); a missing sync changes them by percent.
@@ -68,6 +69,8 @@ def test_batchnorm_buffers_are_broadcast_as_ddp_does(reports, run):
     is a new Trainer in the same script, after ``strategy.close()`` (it used to fail: "Address already in use")."""
     for rep in reports:
         _same(rep[run], rep["ddp"], ("losses", "val", "train_mse", "running_mean", "running_var", "num_batches_tracked"))
+        # Lightning's launcher gives every process cpus // processes intra-op threads, rank 1 (started by it) too
+        assert rep[run]["threads"] == rep["ddp"]["threads"], (run, rep[run]["threads"], rep["ddp"]["threads"])
     # what the broadcast decides: without it rank 1 keeps its own statistics (the same without it under both)
     assert reports[1]["ddp_no_broadcast"]["running_mean"] != pytest.approx(reports[1]["ddp"]["running_mean"], rel=1e-3)
     for rep in reports:
@@ -95,6 +98,21 @@ def test_integer_mean_keeps_ddps_dtype(reports):
         assert (rep["ddp"]["int_mean"], rep["ddp"]["int_mean_dtype"]) == ([4], "torch.int64")
         for run in NXDT:
             assert (rep[run]["int_mean"], rep[run]["int_mean_dtype"]) == ([4], "torch.int64"), run
+
+
+def test_nxdt_after_ddp_in_one_script_trains_as_in_a_fresh_process(reports):
+    """A DDPStrategy fit earlier in the script left its torch.distributed group and its store on MASTER_PORT: the next
+    NxDStrategy joins through that store (it used to fail: the port in use) and trains exactly as the script's first,
+    fresh NxDStrategy run; DDP's group is still there afterwards, the same group (nxdt destroys only the group it made).
+    DDP after NxD (after ``strategy.close()``) is the ``ddp`` run itself, equal to the NxDStrategy runs above."""
+    for rep in reports:
+        got = rep["nxdt_after_ddp"]
+        assert "error" not in got, got.get("error")
+        _same(got, rep["nxdt"], ("losses", "val", "train_mse", "running_mean", "running_var"))
+        for name, values in rep["nxdt"]["weights"].items():
+            assert got["weights"][name] == pytest.approx(values, rel=RTOL, abs=ATOL), name
+        assert got["after_teardown"] is True and got["group_kept"] is True
+        assert got["all_reduce"] == 3.0  # the user's all_reduce runs over DDP's group
 
 
 @pytest.mark.parametrize("run", ["nxdt_sync_bn", "nxdt_zero1_sync_bn"])

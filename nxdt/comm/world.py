@@ -768,12 +768,15 @@ def init_process(
     native: bool | None = None,
     secret: bytes | None = None,
     store_file: str | None = None,
+    store: dist.Store | None = None,
 ) -> World:
     """Join the job: connect to (or host) the store, agree on a run id, exchange host identities.
 
     ``secret``: the run's store secret (default: ``NXDT_STORE_SECRET``); the values this join reads back are
     signed with it and a forged one is refused (:mod:`nxdt.comm.store`). ``store_file``: every rank opens the run's
     private store file there instead of a TCP store (``run_local``; a local ``nxdt train`` sets ``NXDT_STORE_FILE``).
+    ``store``: join through this existing store instead (torch.distributed's default group's, which holds the address
+    and port already: a script's earlier DDPStrategy fit); nobody serves one then.
 
     ``slot_bytes`` (shm chunk size, every rank must agree) and ``wait_policy`` tune the shared-memory
     transport; the defaults are what experiments/collectives-cpu measured best on a 2-core host.
@@ -782,7 +785,9 @@ def init_process(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
     try:
-        if store_file is not None:
+        if store is not None:
+            store_is_server = False  # someone else's: it outlives this World
+        elif store_file is not None:
             store = open_file_store(store_file, timedelta(seconds=timeout_s))
             store_is_server = False  # no server: nobody has to outlive the others' use of it
         elif store_is_server:  # listening on master_addr's interface only, not on every interface of the host

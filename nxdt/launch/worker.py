@@ -230,7 +230,9 @@ def _train(args: argparse.Namespace, rank: int) -> None:
     import torch
 
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))  # ranks share this host's cores
+    threads = max(1, (os.cpu_count() or 1) // local_world)
+    torch.set_num_threads(threads)  # ranks share this host's cores
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # and Lightning's launcher keeps it (it sets its own if unset)
 
     from nxdt.config import load_run_config
     from nxdt.lightning.train import run_training

@@ -103,6 +103,11 @@ def join_world(
     mistake explains it: other nodes' ranks missing (Lightning starts one node's processes), or this node's own
     while LOCAL_RANK was in the environment (Lightning then starts none). ``ranks_per_node`` None: all on this one."""
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    # a default process group made before this strategy (a DDPStrategy fit earlier in the script, or the user's) holds
+    # the address and port with its store: join through that store rather than serve a second one on the same port.
+    # torch has no public accessor for the default group's store; _get_default_store is what its own checkpoint and
+    # elastic code use
+    existing = dist.distributed_c10d._get_default_store() if dist.is_initialized() and not agent_hosts_store else None
     try:
         return init_process(
             rank,
@@ -111,7 +116,8 @@ def join_world(
             port,
             timeout_s=timeout_s,
             run_id=os.environ.get("TORCHELASTIC_RUN_ID"),
-            store_is_server=(rank == 0 and not agent_hosts_store),
+            store_is_server=(rank == 0 and not agent_hosts_store and existing is None),
+            store=existing,
         )
     except CommTimeoutError as exc:
         if not exc.missing_ranks or "TORCHELASTIC_RUN_ID" in os.environ:

@@ -128,10 +128,12 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- reading shards
-def _files(meta: dict[str, Any], mp: int) -> tuple[str, Callable[[int], str]]:
-    """(model file, DP rank → trainer-state file) of model-parallel position ``mp`` (see sharded_checkpoint.shard_files)."""
+def _files(meta: dict[str, Any], mp: int, ep: int = 0) -> tuple[str, Callable[[int], str]]:
+    """(model file, DP rank → trainer-state file) of model-parallel position ``mp`` and expert-parallel rank ``ep``
+    (see sharded_checkpoint.shard_files)."""
     deg = meta.get("degrees", {})
     suffix = "" if deg.get(Dim.TP, 1) * deg.get(Dim.PP, 1) == 1 else f"-mp{mp}"
+    suffix += f"-ep{ep}" if deg.get(Dim.EP, 1) > 1 else ""
     sharded_state = dp_format(meta) in ("zero1", "fsdp") and deg.get(Dim.DP, 1) > 1
     return f"model{suffix}.safetensors", lambda dp: f"trainer_state{suffix}{f'-dp{dp}' if sharded_state else ''}.pt"
 
@@ -174,8 +176,8 @@ def _take_names(state: dict[str, Any], file: Path) -> list[list[str]]:
     return names or []
 
 
-def _read_replicated(root: Path, meta: dict[str, Any], mp: int, optimizer: bool) -> PositionShard:
-    model_file, state_file = _files(meta, mp)
+def _read_replicated(root: Path, meta: dict[str, Any], mp: int, optimizer: bool, ep: int = 0) -> PositionShard:
+    model_file, state_file = _files(meta, mp, ep)
     model = _tensors(root / model_file)
     if not optimizer:
         return PositionShard(model, [], {})
@@ -185,8 +187,8 @@ def _read_replicated(root: Path, meta: dict[str, Any], mp: int, optimizer: bool)
     return PositionShard(model, opts, state)
 
 
-def _read_zero1(root: Path, meta: dict[str, Any], mp: int, optimizer: bool) -> PositionShard:
-    model_file, state_file = _files(meta, mp)
+def _read_zero1(root: Path, meta: dict[str, Any], mp: int, optimizer: bool, ep: int = 0) -> PositionShard:
+    model_file, state_file = _files(meta, mp, ep)
     model = _tensors(root / model_file)
     if not optimizer:
         return PositionShard(model, [], {})
@@ -217,10 +219,10 @@ PARAM_ORDER_KEY = "nxdt_optimizer_param_order"
 STATE_ORDER_KEY = "nxdt_state_dict_order"
 
 
-def _read_fsdp(root: Path, meta: dict[str, Any], mp: int, optimizer: bool) -> PositionShard:
+def _read_fsdp(root: Path, meta: dict[str, Any], mp: int, optimizer: bool, ep: int = 0) -> PositionShard:
     """FSDP: the model file is already unsharded over DP (gathered at save); each optimizer state index is one
     flat shard — joined over the DP ranks and cut back into parameters by the recorded flat layout."""
-    model_file, state_file = _files(meta, mp)
+    model_file, state_file = _files(meta, mp, ep)
     model = _tensors(root / model_file)
     if not optimizer:
         return PositionShard(model, [], {})
@@ -267,7 +269,7 @@ def _read_fsdp(root: Path, meta: dict[str, Any], mp: int, optimizer: bool) -> Po
 
 
 # How the state of one model-parallel position is stored over data parallelism → its reader.
-DP_FORMATS: dict[str, Callable[[Path, dict[str, Any], int, bool], PositionShard]] = {
+DP_FORMATS: dict[str, Callable[[Path, dict[str, Any], int, bool, int], PositionShard]] = {
     "replicated": _read_replicated,
     "zero1": _read_zero1,
     "fsdp": _read_fsdp,
@@ -333,40 +335,38 @@ def read_full_state(path: str | os.PathLike, *, optimizer: bool = True, expect_m
     verify(root, expect_model)
     meta = read_meta(root)
     deg = meta.get("degrees", {})
-    tp, pp = deg.get(Dim.TP, 1), deg.get(Dim.PP, 1)
-    if deg.get(Dim.EP, 1) > 1:
-        raise CheckpointError(
-            f"checkpoint {root} is expert-parallel (EP{deg[Dim.EP]}): consolidating expert-parallel shards is not supported yet"
-        )
+    tp, pp, ep = deg.get(Dim.TP, 1), deg.get(Dim.PP, 1), deg.get(Dim.EP, 1)
     reader = DP_FORMATS.get(dp_format(meta))
     if reader is None:
         raise CheckpointError(f"checkpoint {root} holds {dp_format(meta)} shards, which cannot be consolidated yet")
+    if ep > 1 and dp_format(meta) != "replicated":  # ZeRO-1 shards an EP rank's experts over another group
+        raise CheckpointError(
+            f"checkpoint {root} is expert-parallel (EP{ep}) with {dp_format(meta)} optimizer shards, which cannot be "
+            "consolidated yet — expert-parallel checkpoints without ZeRO-1 can"
+        )
     layout = meta.get("tensor_parallel", {})
-    positions = [reader(root, meta, k, optimizer) for k in range(tp * pp)]
+    # every (TP × PP position, EP rank): EP ranks hold the same dense tensors and each its own experts (global names)
+    positions = [(k, reader(root, meta, k, optimizer, e)) for k in range(tp * pp) for e in range(ep)]
 
     pieces: dict[str, dict[int, torch.Tensor]] = {}
-    for k, pos in enumerate(positions):
+    for k, pos in positions:
         for name, tensor in pos.model.items():
             pieces.setdefault(name, {})[k % tp] = tensor
     model = {name: _merge(name, by_tp, layout, tp, root) for name, by_tp in pieces.items()}
-    order: dict[str, int] = {}
-    for pos in positions:  # stage by stage; TP ranks of a stage list the same names
-        for name in pos.trainer.pop(STATE_ORDER_KEY, []):
-            order.setdefault(name, len(order))
-    model = dict(sorted(model.items(), key=lambda kv: order.get(kv[0], len(order))))  # the module's order where recorded
+    # the module's order where recorded: each position lists its own names in it (a stage's, an EP rank's experts)
+    order = {name: i for i, name in enumerate(merged_order([pos.trainer.pop(STATE_ORDER_KEY, []) for _, pos in positions]))}
+    model = dict(sorted(model.items(), key=lambda kv: order.get(kv[0], len(order))))
 
     optimizers = []
-    for i in range(len(positions[0].optimizers) if optimizer else 0):
-        groups: list[dict[str, Any]] = [{**_hyper(g), "params": []} for g in positions[0].optimizers[i]["param_groups"]]
-        seen: set[str] = set()
+    for i in range(len(positions[0][1].optimizers) if optimizer else 0):
+        first = positions[0][1].optimizers[i]["param_groups"]
+        groups: list[dict[str, Any]] = [
+            {**_hyper(g), "params": merged_order([pos.optimizers[i]["param_groups"][j]["params"] for _, pos in positions])}
+            for j, g in enumerate(first)
+        ]
         state_pieces: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
-        for k, pos in enumerate(positions):
+        for k, pos in positions:
             opt = pos.optimizers[i]
-            for g, group in enumerate(opt["param_groups"]):
-                for n in group["params"]:
-                    if n not in seen:  # TP ranks of a stage hold the same names
-                        seen.add(n)
-                        groups[g]["params"].append(n)
             for n, entry in opt["state"].items():
                 for key, value in entry.items():
                     state_pieces.setdefault(n, {}).setdefault(key, {})[k % tp] = value
@@ -377,7 +377,28 @@ def read_full_state(path: str | os.PathLike, *, optimizer: bool = True, expect_m
                 for key, by_tp in entry.items()
             }
         optimizers.append({"state": state, "param_groups": groups})
-    return FullState(model=model, optimizers=optimizers, trainer=positions[0].trainer, meta=meta)
+    return FullState(model=model, optimizers=optimizers, trainer=positions[0][1].trainer, meta=meta)
+
+
+def merged_order(lists: list[list[str]]) -> list[str]:
+    """One order of the names of every list that keeps each list's own order: a run of names the merge has not seen
+    goes before the list's next name it has (an EP rank's experts 2, 3 after rank 0's experts 0, 1 and before the
+    layer's next tensor), or at the end (a later pipeline stage's layers)."""
+    merged: list[str] = []
+    for names in lists:
+        known = set(merged)
+        run: list[str] = []
+        for name in names:
+            if name not in known:
+                run.append(name)
+                continue
+            if run:
+                at = merged.index(name)
+                merged[at:at] = run
+                known.update(run)
+                run = []
+        merged += run
+    return merged
 
 
 # ---------------------------------------------------------------------------------------------- writing one full state
@@ -401,6 +422,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> Path:
         "state_dict": full.model,
         "optimizer_states": [s for s, _ in indexed],
         NAMES_KEY: [n for _, n in indexed],
+        STATE_ORDER_KEY: list(full.model),  # the module's order (safetensors sorts the model file's names)
     }
     kept = {k: v for k, v in full.meta.items() if k not in ("format_version", "step", "tensor_parallel", "dp_format")}
     meta = {

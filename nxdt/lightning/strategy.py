@@ -259,9 +259,11 @@ class NxDStrategy(ParallelStrategy):
         return {"num_replicas": plan.dp, "rank": plan.coords(self.global_rank).dp}
 
     def _configure_launcher(self) -> None:
+        # always, as DDPStrategy: where processes are started externally (torchrun, a rank Lightning started) the
+        # launcher starts none, but still gives each process cpus // processes intra-op threads when OMP_NUM_THREADS
+        # is unset (without it a script's rank 1 kept every core's threads: DDP's numbers differed by ulps)
         assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -624,6 +626,7 @@ class NxDStrategy(ParallelStrategy):
         """Close the communicators (shared memory released, store left); every rank calls it. ``nxdt train``
         calls it after ``fit``; in a user's script it runs at interpreter exit unless called earlier."""
         self._destroy_torch_group()
+        self._dp.close()
         if self.world is not None:
             self.world.close()
             self.world = None

@@ -22,6 +22,10 @@ reads (with the trainable parameters no optimizer holds), and the strategy calls
 ``None`` means every optimizer (CausalLMModule's single one). A trainable parameter without gradient is refused by
 name, or with ``find_unused_parameters`` left untouched (:class:`ReplicatedRuntime`).
 
+Under FSDP the module's own ``state_dict()`` / ``load_state_dict()`` keep DDP's view (its names, its order, full
+tensors; gathered over DP, a collective) through the hooks of :class:`~nxdt.parallel.fsdp.OriginalStateDict` on every
+module; nxdt's checkpoint code reads the flat shards as stored.
+
 Frozen parameters (``requires_grad=False``: a LoRA model's base) are held by no optimizer and reduced by no runtime:
 the replicated runtime's all-reduce and ZeRO-1's buckets take the trainable ones only, FSDP shards the frozen ones
 in flats of their own (no gradient, no reduce-scatter, no optimizer state), and norms count the trainable ones.
@@ -46,7 +50,7 @@ from torch import Tensor, nn
 from nxdt.comm.world import Communicator
 from nxdt.parallel import squared_norm
 from nxdt.parallel.expert_parallel import is_expert_parameter, reduce_expert_gradients
-from nxdt.parallel.fsdp import FullyShardedDataParallel, apply_fsdp
+from nxdt.parallel.fsdp import FullyShardedDataParallel, OriginalStateDict, apply_fsdp
 from nxdt.parallel.tensor_parallel import partial_grad_names, shard_spec, sync_replicated_grads
 from nxdt.parallel.zero1 import Zero1Optimizer, unused_parameters_message
 
@@ -163,6 +167,9 @@ class DataParallelRuntime(Protocol):
 
     def optimizer_layout(self, optimizers: Sequence[torch.optim.Optimizer], module: nn.Module) -> Any | None:
         """What a checkpoint records to unflatten this rank's optimizer state by name (FSDP), else None."""
+
+    def close(self) -> None:
+        """The strategy's communicators are closed (FSDP: the module's state_dict() can no longer gather)."""
 
     def model_state_dict(self, module: nn.Module) -> dict[str, Tensor]:
         """The model file's tensors: unsharded weights by their original names (a collective under FSDP)."""
@@ -378,6 +385,9 @@ class ReplicatedRuntime:
     def optimizer_layout(self, optimizers: Sequence[torch.optim.Optimizer], module: nn.Module) -> Any | None:
         return None
 
+    def close(self) -> None:
+        pass
+
     def model_state_dict(self, module: nn.Module) -> dict[str, Tensor]:
         return module.state_dict()
 
@@ -481,6 +491,7 @@ class FSDPRuntime(ReplicatedRuntime):
         self.options = dict(options or {})
         self.fsdp: FullyShardedDataParallel | None = None
         self.prefix = ""  # FSDP names parameters relative to the units' owner; checkpoints from the module
+        self._original: OriginalStateDict | None = None  # every module's own state_dict(), as before FSDP
         # (optimizer, shard, first, end, values, moments) of parameters no rank had a gradient for: put back after the step
         self._untouched: list[tuple[torch.optim.Optimizer, Tensor, int, int, Tensor, dict[str, Tensor]]] = []
 
@@ -497,9 +508,22 @@ class FSDPRuntime(ReplicatedRuntime):
         options = dict(self.options)
         if precision == "bf16-mixed":  # gather bf16 copies of the fp32 shards
             options.setdefault("param_dtype", torch.bfloat16)
+        original = OriginalStateDict(module)  # each module's own order, before FSDP moves its parameters
         self.fsdp = apply_fsdp(owner, self.mp.dp, optimizers, tracer=tracer, **options)
         self.optimizers = list(optimizers)
         self.prefix = "" if owner is module else next(name for name, m in module.named_modules() if m is owner) + "."
+        # every module's own state_dict() / load_state_dict() keep DDP's names and full tensors (a collective, as
+        # torch's FSDP with its default FULL_STATE_DICT): a user's hook, or code after fit, sees what it sees under DDP
+        original.attach(self.fsdp)
+        self._original = original
+
+    def close(self) -> None:
+        if self._original is not None:
+            self._original.closed = True
+
+    def _stored_state_dict(self, module: nn.Module) -> dict[str, Tensor]:
+        """``module.state_dict()`` as the module holds it (FSDP's flat shards), for nxdt's own checkpoint code."""
+        return self._original.stored(module) if self._original is not None else module.state_dict()
 
     # ------------------------------------------------------------------------------------ gradients
     def _index(self, optimizer: torch.optim.Optimizer | None) -> int | None:
@@ -593,15 +617,15 @@ class FSDPRuntime(ReplicatedRuntime):
         rank joins), so the model file is the same as without FSDP."""
         if self.fsdp is None:
             return super().model_state_dict(module)
-        state = {k: v for k, v in module.state_dict().items() if FSDP_SHARD_MARK not in k}
+        state = {k: v for k, v in self._stored_state_dict(module).items() if FSDP_SHARD_MARK not in k}
         state.update(self.fsdp.full_state_dict(prefix=self.prefix))
         return state
 
     def model_state_keys(self, module: nn.Module) -> list[str]:
-        keys = super().model_state_keys(module)
-        if self.fsdp is not None:
-            keys += [self.prefix + n for f in self.fsdp.flats() for e in f.entries for n in e.names]
-        return keys
+        if self.fsdp is None:
+            return super().model_state_keys(module)
+        keys = [k for k in self._stored_state_dict(module) if FSDP_SHARD_MARK not in k]
+        return keys + [self.prefix + n for f in self.fsdp.flats() for e in f.entries for n in e.names]
 
     def load_model_state(self, module: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
         return self.fsdp.load_full_state_dict(state, prefix=self.prefix) if self.fsdp is not None else state

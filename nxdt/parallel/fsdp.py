@@ -62,6 +62,7 @@ the FSDP collectives ran), ``overlap_pct`` and ``peak_gathered_bytes`` (:meth:`s
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -72,7 +73,7 @@ from torch import nn
 from nxdt.comm.stream import Work
 from nxdt.parallel import squared_norm
 
-__all__ = ["FSDP_STREAM", "POLICIES", "FlatShard", "FSDPUnit", "FullyShardedDataParallel", "apply_fsdp"]
+__all__ = ["FSDP_STREAM", "POLICIES", "FlatShard", "FSDPUnit", "FullyShardedDataParallel", "OriginalStateDict", "apply_fsdp"]
 
 FSDP_STREAM = "fsdp"
 TP_STREAM = "tp"
@@ -646,16 +647,30 @@ class FullyShardedDataParallel:
         return [f for u in self.units for f in u.flats]
 
     @torch.no_grad()
+    def gathered(self, f: FlatShard) -> torch.Tensor:
+        """The whole flat buffer of ``f`` in its shards' dtype (a collective over the DP group unless replicated)."""
+        if f.replicated:
+            return f.shard.detach()
+        full = torch.empty(f.shard_size * self.dp_size, dtype=f.shard.dtype)
+        self.comm.all_gather(full, f.shard.detach(), stream=FSDP_STREAM)
+        return full
+
+    @torch.no_grad()
+    def load_entry(self, f: FlatShard, e: _Entry, value: torch.Tensor) -> None:
+        """Copy this rank's part of one parameter (``e`` of ``f``) from its full tensor ``value``."""
+        lo = f.offset(self.dp_rank)
+        for entry, a, b in f.segments(self.dp_rank):
+            if entry is e:
+                start = lo + a - e.offset
+                f.shard.detach()[a:b].copy_(value.reshape(-1)[start : start + b - a])  # bumps the shard's version
+
+    @torch.no_grad()
     def full_state_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
         """Every sharded parameter unsharded, by its original name (a collective over the DP group; all
         ranks get it). Units are gathered one at a time, so only one unit's buffer is extra."""
         out: dict[str, torch.Tensor] = {}
         for f in self.flats():
-            if f.replicated:
-                full = f.shard.detach()
-            else:
-                full = torch.empty(f.shard_size * self.dp_size, dtype=f.shard.dtype)
-                self.comm.all_gather(full, f.shard.detach(), stream=FSDP_STREAM)
+            full = self.gathered(f)
             for e in f.entries:
                 value = full[e.offset : e.offset + e.numel].view(e.shape).clone()
                 for name in e.names:  # a tied weight under each of its names, one tensor (as state_dict() has it)
@@ -812,6 +827,126 @@ class FullyShardedDataParallel:
             for part, value in zip(parts, summed.split([p.numel() for p in parts])):
                 part.copy_(value)
         return len(parts)
+
+
+class OriginalStateDict:
+    """Every module's own ``state_dict()`` / ``load_state_dict()`` as before FSDP (its parameters' names, its order,
+    full tensors), through torch's state-dict hooks on every module of ``root``: FSDP moved each unit's parameters
+    into flat shards (``fsdp_shard_<k>`` on the unit's first module), so a module's post-hook drops the shards
+    registered on it and puts back its own parameters, gathered (a collective over DP: every rank calls it, as
+    torch's FSDP with its default ``FULL_STATE_DICT``); its load pre-hook copies this rank's slice of each of its
+    parameters into the shards. A flat is gathered once per outermost ``state_dict()`` call. ``stored()`` reads the
+    shards as they are (checkpoints); after :meth:`close` (the communicators are gone) gathering is refused by name.
+    Build it before :class:`FullyShardedDataParallel` moves the parameters; :meth:`attach` once it has."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self.root = root
+        # each module's own state-dict entries in their order (parameters, then persistent buffers), before FSDP
+        self._order = {
+            id(m): [n for n, p in m._parameters.items() if p is not None]
+            + [n for n, b in m._buffers.items() if b is not None and n not in m._non_persistent_buffers_set]
+            for m in root.modules()
+        }
+        self.fsdp: FullyShardedDataParallel | None = None
+        self._owned: dict[int, list[tuple[str, FlatShard, _Entry]]] = {}  # module → its parameters now in flats
+        self._holds: dict[int, list[str]] = {}  # module → the shard attributes registered on it
+        # flats gathered during the current outermost call, with their shard's version (a step or a load since: stale)
+        self._cache: dict[int, tuple[int, torch.Tensor]] = {}
+        self._depth = 0
+        self._raw = False
+        self.closed = False
+
+    def attach(self, fsdp: FullyShardedDataParallel) -> None:
+        self.fsdp = fsdp
+        for f in fsdp.flats():
+            for e in f.entries:
+                for m, attr in e.owners:
+                    self._owned.setdefault(id(m), []).append((attr, f, e))
+        for m in self.root.modules():
+            held = [n for n in m._parameters if n.startswith("fsdp_shard_")]
+            if held:
+                self._holds[id(m)] = held
+            # torch marks a registered hook object (functools.partial takes the attribute; a bound method would not)
+            m.register_state_dict_pre_hook(functools.partial(OriginalStateDict._enter, self))
+            m.register_state_dict_post_hook(functools.partial(OriginalStateDict._exit, self))
+            if id(m) in self._owned or id(m) in self._holds:
+                m.register_load_state_dict_pre_hook(functools.partial(OriginalStateDict._load, self))
+
+    def stored(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """``module.state_dict()`` as the modules hold it (the flat shards)."""
+        self._raw = True
+        try:
+            return module.state_dict()
+        finally:
+            self._raw = False
+
+    def _enter(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if self._depth == 0:
+            self._cache.clear()  # an outermost call: gather afresh
+        self._depth += 1
+
+    def _exit(self, module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        self._depth -= 1
+        try:
+            if not self._raw:
+                self._restore(module, state, prefix)
+        finally:
+            if self._depth <= 0:
+                self._depth = 0
+                self._cache.clear()
+
+    @torch.no_grad()
+    def _restore(self, module: nn.Module, state: dict[str, Any], prefix: str) -> None:
+        owned, held = self._owned.get(id(module), []), self._holds.get(id(module), [])
+        if not owned and not held:
+            return
+        if self.closed:
+            raise RuntimeError(
+                f"{type(module).__name__}.state_dict() under NxDStrategy(fsdp=True) after strategy.close(): its "
+                "parameters are flat shards (fsdp_shard_<k>) and the communicators that gather them are closed — call "
+                "state_dict() on every rank before close(), or save a checkpoint and turn it into one file with "
+                "nxdt.lightning.convert_to_lightning_checkpoint(dir, out)"
+            )
+        assert self.fsdp is not None
+        tail = {k: state.pop(k) for k in [k for k in state if k.startswith(prefix)]}  # this module's: the dict's tail
+        for name in held:
+            tail.pop(prefix + name, None)
+        for attr, f, e in owned:
+            cached = self._cache.get(id(f))
+            if cached is None or cached[0] != f.shard._version:
+                cached = self._cache[id(f)] = (f.shard._version, self.fsdp.gathered(f))
+            tail[prefix + attr] = cached[1][e.offset : e.offset + e.numel].view(e.shape).clone()
+        own = [prefix + n for n in self._order.get(id(module), [])]
+        for k in own:  # the module's own entries first, in their order; its children's after them, as they came
+            if k in tail:
+                state[k] = tail.pop(k)
+        state.update(tail)
+
+    @torch.no_grad()
+    def _load(
+        self,
+        module: nn.Module,
+        state: dict[str, Any],
+        prefix: str,
+        local_metadata: Any,
+        strict: bool,
+        missing: list,
+        unexpected: list,
+        errors: list,
+    ) -> None:
+        assert self.fsdp is not None
+        for attr, f, e in self._owned.get(id(module), []):
+            value = state.pop(prefix + attr, None)
+            if value is None:
+                continue
+            if tuple(value.shape) != tuple(e.shape):
+                errors.append(
+                    f"size mismatch for {prefix}{attr}: copying a param with shape {tuple(value.shape)}, the model has {tuple(e.shape)}"
+                )
+                continue
+            self.fsdp.load_entry(f, e, value)
+        for name in self._holds.get(id(module), []):  # the shards now hold what was given: they load as they are
+            state.setdefault(prefix + name, module._parameters[name].detach())
 
 
 def _sharded(p: nn.Parameter, group_of: dict[int, tuple[int, int]]) -> bool:

@@ -3,7 +3,9 @@
 Two ranks, a tiny MLP, two clipped SGD steps per runtime in one spawned world: replicas start equal
 (``broadcast_parameters``), ``finish_gradients`` averages over DP (the replicated runtime's gradients equal
 the whole batch's), the clipped norm, ``parameter_norm`` and the weights after every step equal a
-single-process reference, and the model state dict has the reference's names and values (FSDP gathers it).
+single-process reference, and the model state dict has the reference's names and values (FSDP gathers it) — the
+runtime's and the module's own ``state_dict()``, in the reference's order; ``load_state_dict`` of full weights loads
+them into FSDP's shards.
 """
 
 from __future__ import annotations
@@ -77,6 +79,21 @@ def _worker(world) -> dict:
             ref_pnorm = torch.linalg.vector_norm(torch.cat([p.detach().reshape(-1) for p in ref.parameters()]))
             pnorm_ok &= bool(torch.isclose(rt.parameter_norm(model), ref_pnorm, rtol=1e-5))
         checks.update(grads=grads_ok, norms=norms_ok, weights=weights_ok, param_norm=pnorm_ok, stats=sorted(rt.step_stats()))
+        # the module's own state_dict() is DDP's (names, order, full tensors; FSDP gathers it), and load_state_dict()
+        # takes it back (FSDP cuts it into the shards)
+        own, want = model.state_dict(), ref.state_dict()
+        checks["own_state_dict"] = list(own) == list(want) and all(_close(own[k], v) for k, v in want.items())
+        sub, sub_want = model[2].state_dict(), ref[2].state_dict()  # a submodule's too
+        checks["own_state_dict"] &= list(sub) == list(sub_want) and all(_close(sub[k], v) for k, v in sub_want.items())
+        other = {k: v + 1.0 for k, v in want.items()}
+        model.load_state_dict(other)
+        checks["own_load_state_dict"] = all(_close(model.state_dict()[k], v) for k, v in other.items())
+        rt.close()
+        try:
+            model.state_dict()
+            checks["after_close"] = "no error"
+        except RuntimeError as exc:
+            checks["after_close"] = str(exc)
         out[kind] = checks
     return out
 
@@ -96,6 +113,13 @@ def test_runtimes_train_like_one_process(results, kind):
         assert got["norms"], f"rank {rank}: the clipped norm differs from torch's on the whole batch"
         assert got["weights"], f"rank {rank}: weights after the step differ from the single-process reference"
         assert got["param_norm"], f"rank {rank}: parameter_norm differs from the reference's"
+        assert got["own_state_dict"], f"rank {rank}: module.state_dict() is not the module's own names and full weights"
+        assert got["own_load_state_dict"], f"rank {rank}: module.load_state_dict() of full weights did not load them"
+        if kind == "fsdp":  # after close() nothing can gather the shards: the error names the alternatives
+            assert "after strategy.close()" in got["after_close"], got["after_close"]
+            assert "convert_to_lightning_checkpoint" in got["after_close"]
+        else:
+            assert got["after_close"] == "no error"
     stats = results[0][kind]["stats"]
     assert ("exposed_comm_s" in stats) == (kind == "fsdp")
 
