@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nxdt.launch.evaluate import generation_scores, lcs_length, main, rouge_l, rouge_n, windows
+from nxdt.launch.evaluate import generation_scores, lcs_length, main, rouge_l, rouge_lsum, rouge_n, sentences, windows
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # launches (shared or this module's) on a loaded host
 
@@ -53,6 +53,49 @@ def test_rouge_equals_torchmetrics_rougescore():
         for part in ("fmeasure", "precision", "recall"):
             # torchmetrics keeps its scores in float32: 1e-6 relative is its rounding, not a difference of definition
             assert got[f"{key}_{part}"] == pytest.approx(float(want[f"{key}_{part}"]), rel=1e-6, abs=1e-7), (key, part)
+
+
+def test_rouge_lsum_equals_hand_computed_values():
+    # Lin 2004 §3.2's example: reference w1 w2 w3 w4 w5; predicted sentences w1 w2 w6 w7 w8 and w1 w3 w8 w9 w5.
+    # Their LCSs with the reference: w1 w2 and w1 w3 w5; union w1 w2 w3 w5 = 4 hits (w1 counted once: the reference
+    # has one) -> R = 4/5, P = 4/10, F = 2·0.8·0.4/1.2 = 8/15
+    pred, ref = "W1 w2 w6 w7 w8. w1 w3 w8 w9 w5!", "w1 w2 w3 w4 w5."
+    assert sentences(pred) == ["W1 w2 w6 w7 w8.", "w1 w3 w8 w9 w5!"]
+    assert rouge_lsum(pred, ref) == pytest.approx({"precision": 0.4, "recall": 0.8, "fmeasure": 8 / 15}, abs=1e-15)
+    # a repeated reference sentence: the second finds its words already claimed -> 2 hits of 4 reference words
+    assert rouge_lsum("a b.", "a b. a b.") == pytest.approx({"precision": 1.0, "recall": 0.5, "fmeasure": 2 / 3})
+    # sentence-level ROUGE-L of the same texts sees one sequence: LCS(w1 w2 w3 w4 w5, the 10 words) = w1 w2 w3 w5 too,
+    # but order across sentences matters there: "c d. a b" vs "a b. c d" is 2/4 for ROUGE-L, 4/4 for ROUGE-Lsum
+    assert rouge_l("c d. a b", "a b. c d")["fmeasure"] == 0.5
+    assert rouge_lsum("c d. a b", "a b. c d")["fmeasure"] == 1.0
+    assert rouge_lsum("", "a b.")["fmeasure"] == 0.0 and rouge_lsum("?", "a")["recall"] == 0.0
+    scores = generation_scores(["c d. a b", "x"], ["a b. c d", "y"])
+    assert scores["rougeLsum_fmeasure"] == 0.5 and scores["rougeL_fmeasure"] == 0.25
+
+
+def test_rouge_lsum_equals_torchmetrics_on_split_sentences():
+    """torchmetrics' ROUGE-Lsum (what NxD Training's SFT evaluation computes) on the same sentences. Its public
+    ROUGEScore cuts sentences with nltk's punkt model, which needs nltk and a downloaded model; its scoring function
+    (``_rouge_lsum_score``, tokenized sentences in, rouge-score's union-LCS algorithm) is compared here instead, on
+    random sentences over a 4-word vocabulary, where LCS ties (and so the tie-break) are frequent."""
+    import random
+
+    rouge = pytest.importorskip("torchmetrics.functional.text.rouge")
+    score = getattr(rouge, "_rouge_lsum_score", None)
+    if score is None:
+        pytest.skip("this torchmetrics has no _rouge_lsum_score")
+    rng = random.Random(0)
+
+    def text() -> list[list[str]]:
+        return [[rng.choice("abcd") for _ in range(rng.randint(1, 6))] for _ in range(rng.randint(1, 3))]
+
+    for case in range(200):
+        pred, ref = text(), text()
+        want = score(pred, ref)
+        got = rouge_lsum(". ".join(map(" ".join, pred)) + ".", ". ".join(map(" ".join, ref)))
+        for part in ("fmeasure", "precision", "recall"):
+            # torchmetrics returns float32 tensors: 1e-6 relative is its rounding
+            assert got[part] == pytest.approx(float(want[part]), rel=1e-6, abs=1e-7), (case, pred, ref, part)
 
 
 def test_windows_are_non_overlapping_and_the_short_tail_is_kept():

@@ -143,8 +143,28 @@ E2E = [
 ]
 
 
+def assert_eval_perplexity_equals_transformers(checkpoint: Path, tmp_path: Path) -> None:
+    """``nxdt eval perplexity`` reads a checkpoint of any layout (its shards consolidated on read, one process):
+    on 1,500 bytes of the sample text it equals transformers' perplexity of the checkpoint's Hugging Face export on
+    the same windows (tests/test_eval.py's reference and its tolerance analysis: 1e-5 relative)."""
+    pytest.importorskip("transformers")
+    from test_eval import run_eval, transformers_perplexity
+
+    from nxdt.data import SAMPLE_TEXT
+    from nxdt.lightning.hf import export_hf
+
+    name = f"{checkpoint.parent.parent.name}-{checkpoint.name}"
+    text, hf = tmp_path / f"{name}.txt", tmp_path / f"{name}-hf"
+    text.write_bytes(SAMPLE_TEXT.read_bytes()[-1500:])
+    export_hf(checkpoint, hf)
+    want, predicted = transformers_perplexity(hf, list(text.read_bytes()), 128)
+    got = run_eval("perplexity", str(checkpoint), "--data", str(text), "--seq-length", "128", out=tmp_path / f"{name}.json")
+    assert got["predicted_tokens"] == predicted == 11 * 127 + 91  # 1,500 byte tokens: 11 windows and a 92-token tail
+    assert got["perplexity"] == pytest.approx(want, rel=1e-5), (checkpoint, got, want)
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(360)
 def test_tp2_dp2_resumes_as_dp4_zero1_then_as_tp1_pp2_and_fsdp4_with_the_uninterrupted_losses(tmp_path, capsys):
     from test_train_e2e import assert_ok, losses, nxdt
     from nxdt.cli import main
@@ -161,6 +181,7 @@ def test_tp2_dp2_resumes_as_dp4_zero1_then_as_tp1_pp2_and_fsdp4_with_the_uninter
         )
     )
     want = losses(ref)
+    assert_eval_perplexity_equals_transformers(ref / "checkpoints/step-3", tmp_path)  # TP2×DP2 shards
 
     def assert_continues(run: Path, first: int) -> None:
         got = losses(run)
@@ -201,6 +222,7 @@ def test_tp2_dp2_resumes_as_dp4_zero1_then_as_tp1_pp2_and_fsdp4_with_the_uninter
         )
     )
     assert_continues(pp2, 7)
+    assert_eval_perplexity_equals_transformers(pp2 / "checkpoints/step-9", tmp_path)  # PP2 stages
 
     # the same ZeRO-1 shards resumed under FSDP over 4 ranks (moments cut into FSDP's flat shards); FSDP's own
     # shards then consolidate (unflattened by the recorded layout) into the uninterrupted run's weights

@@ -1,8 +1,8 @@
-"""W&B and MLflow trackers from NxDT's exp_manager keys (``nxdt.lightning.trackers``), with no network: W&B offline
-(``WANDB_MODE=offline``), MLflow on a ``file:`` store. One launch of 5 steps with both trackers and one resume of it to
-7 steps cover what a user reads back: every step's metrics at its step, the config as parameters, the run directory,
-one tracker run across the resume. Bad input is refused before launch; a tracker that fails mid-run is dropped with one
-warning line."""
+"""W&B, MLflow and ClearML trackers from NxDT's exp_manager keys (``nxdt.lightning.trackers``), with no network: W&B
+offline (``WANDB_MODE=offline``), MLflow on a ``file:`` store, ClearML offline (``CLEARML_OFFLINE_MODE=1``). One launch
+of 5 steps with the three trackers and one resume of it to 7 steps cover what a user reads back: every step's metrics at
+its step, the config as parameters, the run directory, one tracker run across the resume. Bad input is refused before
+launch; a tracker that fails mid-run is dropped with one warning line."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import pytest
 
 pytest.importorskip("wandb")
 pytest.importorskip("mlflow")
+pytest.importorskip("clearml")  # all three in the [test] extra
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # launches (shared or this module's) on a loaded host
 
@@ -35,7 +36,10 @@ TRACKED = [
     "exp_manager.create_wandb_logger=true",
     "+exp_manager.wandb_logger_kwargs.project=nxdt-test",
     "exp_manager.create_mlflow_logger=true",
+    "exp_manager.create_clearml_logger=true",
+    "+exp_manager.clearml_logger_kwargs.tags=[t1]",
 ]
+OFFLINE = {"CLEARML_OFFLINE_MODE": "1"}  # ClearML keeps the session under <run>/clearml/ (WANDB_MODE: nxdt() below)
 
 
 def nxdt(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -60,10 +64,18 @@ def tracked(tmp_path_factory):
     root = tmp_path_factory.mktemp("trackers")
     run, store = root / "run", f"file:{root / 'mlruns'}"
     args = [*TRACKED, f"+exp_manager.mlflow_logger_kwargs.tracking_uri={store}", f"exp_manager.explicit_log_dir={run}"]
-    first = ok(nxdt("train", *args, "trainer.max_steps=5", cwd=root))
+    first = ok(nxdt("train", *args, "trainer.max_steps=5", cwd=root, env=OFFLINE))
     after_first = sorted(p.name for p in (run / "wandb").glob("offline-run-*"))
-    second = ok(nxdt("train", *args, "trainer.max_steps=7", cwd=root))
-    return {"run": run, "store": store, "first": first, "second": second, "wandb_after_first": after_first}
+    clearml_first = json.loads((run / "trackers.json").read_text())["clearml"]
+    second = ok(nxdt("train", *args, "trainer.max_steps=7", cwd=root, env=OFFLINE))
+    return {
+        "run": run,
+        "store": store,
+        "first": first,
+        "second": second,
+        "wandb_after_first": after_first,
+        "clearml_first": clearml_first,
+    }
 
 
 def metrics_csv(run: Path) -> dict[int, dict[str, str]]:
@@ -160,6 +172,33 @@ def test_wandb_offline_run_holds_every_step_and_the_resume_continues_it(tracked)
     assert config["nxdt.run_dir"] == str(run)
 
 
+def clearml_session(session: Path) -> tuple[list[dict], dict]:
+    """An offline ClearML session folder as ClearML writes it (and ``clearml-task``'s import reads it): metrics.jsonl,
+    one JSON list of reports per line (``metric``/``variant``/``iter``/``value``), and task.json (``hyperparams``:
+    section → name → {value: text})."""
+    reports = [r for line in (session / "metrics.jsonl").read_text().splitlines() for r in json.loads(line)]
+    return reports, json.loads((session / "task.json").read_text())
+
+
+def test_clearml_offline_session_holds_every_step_and_the_resume_continues_it(tracked):
+    run, rows = tracked["run"], metrics_csv(tracked["run"])
+    state = json.loads((run / "trackers.json").read_text())["clearml"]
+    assert state == tracked["clearml_first"]  # the resume continued the first launch's task, in the same folder
+    session = Path(state["session_dir"])
+    assert session.parent == run / "clearml" / "offline" and session.name == state["task_id"]
+    assert [p.name for p in session.parent.iterdir() if p.is_dir()] == [session.name]  # one task, not two
+    reports, task = clearml_session(session)
+    for name in ("loss", "lr", "tokens_per_s", "step_time_s"):
+        got = {r["iter"]: r["value"] for r in reports if r["metric"] == name and r["variant"] == name}
+        assert sorted(got) == list(range(1, 8)), (name, got)  # at the step itself: no iteration offset on resume
+        for step, value in got.items():  # the very values of metrics.csv (JSON keeps a float's every digit)
+            assert value == float(rows[step][name]), (name, step)
+    params = {k: v["value"] for k, v in task["hyperparams"]["nxdt"].items()}
+    assert params["model.hidden_size"] == "128" and params["nxdt.run_dir"] == str(run)
+    assert params["trainer.max_steps"] == "7"  # ClearML parameters follow the latest launch (MLflow's cannot)
+    assert task["name"] == "llama_tiny" and task["project_name"] == "NeMo"  # NeMo's default project; the run name
+
+
 def test_a_tracker_failing_mid_run_is_dropped_with_one_warning(tmp_path):
     """A real MLflow logger whose file store vanishes after the first step (as a store on a lost mount): the next
     call fails, one warning line says so, later calls are skipped without raising."""
@@ -209,24 +248,51 @@ def closed_port() -> int:
         ),
         (
             ["exp_manager.create_clearml_logger=true"],
-            {},
-            "config error: exp_manager.create_clearml_logger=True: not attached by nxdt (Lightning has no logger for it; "
-            "NxD Training passes it to NeMo as false)",
+            {"HOME": "{home}", "CLEARML_CONFIG_FILE": "{home}/none.conf"},
+            "config error: exp_manager.create_clearml_logger=True: ClearML has no server configured (no ~/clearml.conf, "
+            "CLEARML_CONFIG_FILE or CLEARML_API_HOST): run clearml-init, or CLEARML_OFFLINE_MODE=1",
+        ),
+        (
+            ["exp_manager.create_clearml_logger=true"],
+            {"CLEARML_API_HOST": "http://127.0.0.1:{port}"},
+            "config error: exp_manager.create_clearml_logger=True: the ClearML server CLEARML_API_HOST=http://127.0.0.1:{port} "
+            "cannot be reached (",
+        ),
+        (
+            ["exp_manager.create_clearml_logger=true", "+exp_manager.clearml_logger_kwargs.log_model=true"],
+            {"CLEARML_OFFLINE_MODE": "1"},
+            "config error: exp_manager.clearml_logger_kwargs.log_model=True: concerns the .nemo output model NeMo uploads",
+        ),
+        (
+            ["exp_manager.create_clearml_logger=true", "+exp_manager.clearml_logger_kwargs.projct=p"],
+            {"CLEARML_OFFLINE_MODE": "1"},
+            "config error: exp_manager.clearml_logger_kwargs.projct='p': not a ClearML logger argument: use project, task, "
+            "tags, connect_pytorch",
         ),
         (
             ["exp_manager.create_dllogger_logger=true"],
             {},
-            "config error: exp_manager.create_dllogger_logger=True: not attached by nxdt",
+            "config error: exp_manager.create_dllogger_logger=True: not attached by nxdt (NxD Training passes it to NeMo "
+            "as false): metrics.csv holds every step's values",
         ),
     ],
-    ids=["mlflow-unreachable", "wandb-unreachable", "wandb-no-project", "clearml", "dllogger"],
+    ids=[
+        "mlflow-unreachable",
+        "wandb-unreachable",
+        "wandb-no-project",
+        "clearml-no-server",
+        "clearml-unreachable",
+        "clearml-log-model",
+        "clearml-unknown-key",
+        "dllogger",
+    ],
 )
 def test_bad_tracker_input_is_one_line_before_launch(tmp_path, capsys, overrides, env, expected):
     """In this process (``nxdt.cli.main``): the checks run before any worker or run directory."""
     from nxdt.cli import main
 
     port = closed_port()
-    os.environ.update({k: v.format(port=port) for k, v in env.items()})  # conftest restores os.environ
+    os.environ.update({k: v.format(port=port, home=tmp_path) for k, v in env.items()})  # conftest restores os.environ
     out = tmp_path / "outputs"
     code = main(["train", "model=llama_tiny", f"exp_manager.exp_dir={out}", *(o.format(port=port) for o in overrides)])
     err = capsys.readouterr().err
@@ -236,8 +302,15 @@ def test_bad_tracker_input_is_one_line_before_launch(tmp_path, capsys, overrides
     assert not out.exists()  # nothing written: refused before the run directory
 
 
-@pytest.mark.parametrize("key, module", [("create_wandb_logger", "wandb"), ("create_mlflow_logger", "mlflow")])
-def test_a_tracker_key_without_its_package_is_refused_by_name(key, module):
+@pytest.mark.parametrize(
+    "key, module, install",
+    [
+        ("create_wandb_logger", "wandb", "pip install 'nxdt[trackers]'"),
+        ("create_mlflow_logger", "mlflow", "pip install 'nxdt[trackers]'"),
+        ("create_clearml_logger", "clearml", "pip install clearml"),
+    ],
+)
+def test_a_tracker_key_without_its_package_is_refused_by_name(key, module, install):
     """The launcher's check on a host without the package (``is_installed`` answers as such a host would)."""
     from nxdt.config import ConfigError, compose_config
     from nxdt.config.trackers import check_trackers
@@ -247,7 +320,7 @@ def test_a_tracker_key_without_its_package_is_refused_by_name(key, module):
     with pytest.raises(ConfigError) as err:
         check_trackers(cfg, env={"WANDB_MODE": "offline"}, is_installed=lambda name: name != module)
     assert str(err.value).startswith(f"config error: exp_manager.{key}=True: needs the {module} package, not installed: ")
-    assert "pip install 'nxdt[trackers]'" in str(err.value)
+    assert install in str(err.value)
 
 
 def test_an_nxdt_config_carries_its_tracker_keys(tmp_path):
@@ -259,6 +332,7 @@ def test_an_nxdt_config_carries_its_tracker_keys(tmp_path):
     block = (
         "exp_manager:\n  create_wandb_logger: true\n  wandb_logger_kwargs:\n    project: p1\n    name: r1\n"
         "  create_mlflow_logger: true\n  mlflow_logger_kwargs:\n    experiment_name: e1\n    tracking_uri: file:/tmp/m\n"
+        "  create_clearml_logger: true\n  clearml_logger_kwargs:\n    project: p2\n    tags: [a]\n"
     )
     assert text.count("exp_manager:\n") == 1
     (tmp_path / "c.yaml").write_text(text.replace("exp_manager:\n", block))
@@ -267,3 +341,4 @@ def test_an_nxdt_config_carries_its_tracker_keys(tmp_path):
     em = cfg.exp_manager
     assert em.create_wandb_logger and em.wandb_logger_kwargs == {"project": "p1", "name": "r1"}
     assert em.create_mlflow_logger and em.mlflow_logger_kwargs == {"experiment_name": "e1", "tracking_uri": "file:/tmp/m"}
+    assert em.create_clearml_logger and em.clearml_logger_kwargs == {"project": "p2", "tags": ["a"]}

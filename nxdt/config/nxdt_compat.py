@@ -150,8 +150,12 @@ RULES: dict[str, Rule] = {
     "exp_manager.mlflow_logger_kwargs": _map(
         "MLFlowLogger's arguments; tracking_uri null = file:<exp_dir>/mlruns (NxDT: ./mlruns), experiment_name null = the run name"
     ),
-    "exp_manager.create_clearml_logger": _map("true is refused before launch: NxDT hands it to NeMo as false (see notes)"),
-    "exp_manager.clearml_logger_kwargs.*": _ignored("ClearML's parameters: nxdt attaches no ClearML logger"),
+    "exp_manager.create_clearml_logger": _map(
+        "a ClearML task on rank 0 (with clearml installed): every metric at its step, the config; NxDT hands it to NeMo as false"
+    ),
+    "exp_manager.clearml_logger_kwargs": _map(
+        "NeMo's ClearMLParams: project, task, tags, connect_pytorch; task id kept for resumes"
+    ),
     "exp_manager.create_dllogger_logger": _map("true is refused before launch: NxDT hands it to NeMo as false (see notes)"),
     "exp_manager.dllogger_logger_kwargs.*": _ignored("DLLogger's parameters: nxdt attaches no DLLogger"),
     # --- distributed_strategy ---

@@ -167,6 +167,7 @@ _FREE_KEYS = (
     "exp_manager.create_mlflow_logger",
     "exp_manager.mlflow_logger_kwargs",
     "exp_manager.create_clearml_logger",
+    "exp_manager.clearml_logger_kwargs",
     "exp_manager.create_dllogger_logger",
     # the layout: a checkpoint reshards onto another one; the losses agree to rounding (tests/test_reshard.py)
     "distributed_strategy.tensor_model_parallel_size",

@@ -115,10 +115,15 @@ class ExpManagerConfig:
         "file:<exp_dir>/mlruns), experiment_name (null = the run name), tags, ...",
     )
     create_clearml_logger: bool = doc(
-        False, "ClearML: true is refused before launch (no Lightning logger; NxDT never attaches it)"
+        False,
+        "log every metric and the resolved config to a ClearML task (pip install clearml; CLEARML_OFFLINE_MODE=1 "
+        "keeps the session under <run>/clearml/)",
+    )
+    clearml_logger_kwargs: Dict[str, Any] = doc(
+        {}, "NeMo's ClearMLParams: project (default NeMo), task (default the run name), tags, connect_pytorch"
     )
     create_dllogger_logger: bool = doc(
-        False, "DLLogger: true is refused before launch (no Lightning logger; NxDT never attaches it)"
+        False, "DLLogger: true is refused before launch (NxDT never attaches it; metrics.csv holds every value)"
     )
 
 

@@ -25,7 +25,19 @@ WANDB_DEFAULT_URL = "https://api.wandb.ai"
 PACKAGES = {
     "create_wandb_logger": ("wandb", "pip install 'nxdt[trackers]' (wandb)"),
     "create_mlflow_logger": ("mlflow", "pip install 'nxdt[trackers]' (mlflow-skinny)"),
+    "create_clearml_logger": ("clearml", "pip install clearml (or 'nxdt[trackers]')"),
 }
+
+# clearml_logger_kwargs: NeMo's ClearMLParams (nemo/utils/loggers/clearml_logger.py). project / task / tags /
+# connect_pytorch name the task; log_model, model_name, log_cfg and log_metrics concern the .nemo OutputModel NeMo
+# uploads with each checkpoint, which nxdt does not (its checkpoints are directories): false is accepted, true refused.
+CLEARML_KEYS = ("project", "task", "tags", "connect_pytorch")
+CLEARML_MODEL_KEYS = ("log_model", "model_name", "log_cfg", "log_metrics")
+
+
+def clearml_offline(env: Mapping[str, str]) -> bool:
+    """ClearML's own switch (``CLEARML_OFFLINE_MODE``, read as clearml reads a boolean environment variable)."""
+    return env.get("CLEARML_OFFLINE_MODE", "").strip().lower() in ("1", "true", "yes", "y", "on")
 
 
 def plain(value: Any) -> Any:
@@ -82,14 +94,15 @@ def check_trackers(
             raise ConfigError(
                 f"exp_manager.{key}", True, f"needs the {module} package, not installed: {install}, or set it false"
             )
-    for key, on in (("create_clearml_logger", em.create_clearml_logger), ("create_dllogger_logger", em.create_dllogger_logger)):
-        if on:  # NxD Training hands both to NeMo as false whatever the config says; Lightning has no logger for them
-            raise ConfigError(
-                f"exp_manager.{key}",
-                True,
-                "not attached by nxdt (Lightning has no logger for it; NxD Training passes it to NeMo as false): "
-                "use create_wandb_logger or create_mlflow_logger, or set it false",
-            )
+    if em.create_dllogger_logger:  # whether dllogger is installed or not: why, in nxdt.lightning.trackers' docstring
+        raise ConfigError(
+            "exp_manager.create_dllogger_logger",
+            True,
+            "not attached by nxdt (NxD Training passes it to NeMo as false): metrics.csv holds every step's values; "
+            "use create_wandb_logger, create_mlflow_logger or create_clearml_logger, or set it false",
+        )
+    if em.create_clearml_logger:
+        _check_clearml(plain(em.clearml_logger_kwargs) or {}, env, timeout_s)
     if em.create_wandb_logger:
         kwargs = plain(em.wandb_logger_kwargs) or {}
         if "name" not in kwargs and "project" not in kwargs:  # NeMo's configure_loggers: the same rule
@@ -128,3 +141,44 @@ def check_trackers(
                     f"cannot be reached ({why}) within {timeout_s:g} s; start the tracking server, or log to a file store "
                     "(tracking_uri=file:DIR)",
                 )
+
+
+def _check_clearml(kwargs: dict[str, Any], env: Mapping[str, str], timeout_s: float) -> None:
+    """ClearML's arguments, and where it would report: offline (``CLEARML_OFFLINE_MODE=1``) needs nothing; online needs
+    a server (``CLEARML_API_HOST``, which must answer) or a ClearML configuration file (``clearml-init`` writes one)."""
+    key = "exp_manager.clearml_logger_kwargs"
+    for name, value in kwargs.items():
+        if name in CLEARML_MODEL_KEYS:
+            if value:
+                raise ConfigError(
+                    f"{key}.{name}",
+                    value,
+                    "concerns the .nemo output model NeMo uploads with each checkpoint; nxdt uploads no model "
+                    "(nxdt checkpoint export-hf writes one): set it false or drop it",
+                )
+        elif name not in CLEARML_KEYS:
+            raise ConfigError(f"{key}.{name}", value, f"not a ClearML logger argument: use {', '.join(CLEARML_KEYS)}")
+    tags = kwargs.get("tags")
+    if tags is not None and (not isinstance(tags, list) or not all(isinstance(t, str) for t in tags)):
+        raise ConfigError(f"{key}.tags", tags, "must be a list of strings, e.g. '+exp_manager.clearml_logger_kwargs.tags=[a,b]'")
+    if clearml_offline(env):
+        return
+    host = env.get("CLEARML_API_HOST")
+    if host:
+        why = _reachable(host.rstrip("/") + "/debug.ping", timeout_s)  # the API server's liveness endpoint
+        if why is not None:
+            raise ConfigError(
+                "exp_manager.create_clearml_logger",
+                True,
+                f"the ClearML server CLEARML_API_HOST={host} cannot be reached ({why}) within {timeout_s:g} s; "
+                "run with CLEARML_OFFLINE_MODE=1 to keep the session locally (clearml-task import later)",
+            )
+        return
+    files = [env.get("CLEARML_CONFIG_FILE"), str(Path("~/clearml.conf").expanduser())]
+    if not any(f and Path(f).expanduser().is_file() for f in files):
+        raise ConfigError(
+            "exp_manager.create_clearml_logger",
+            True,
+            "ClearML has no server configured (no ~/clearml.conf, CLEARML_CONFIG_FILE or CLEARML_API_HOST): run "
+            "clearml-init, or CLEARML_OFFLINE_MODE=1 to keep the session under <run>/clearml/",
+        )

@@ -13,7 +13,11 @@ of one token predicts nothing and is left out). Perplexity = exp(total NLL / pre
 log-likelihood per predicted token over all windows, token-weighted (not a mean of window means). This is Hugging
 Face's perplexity guide (transformers docs, "Perplexity of fixed-length models") with ``stride == max_length``.
 ``--ranks N`` splits the windows over N data-parallel processes (window i on rank i mod N), each holding the whole model,
-and sums the NLL and the token count with nxdt's all-reduce; tensor or pipeline parallel layouts are not run here.
+and sums the NLL and the token count with nxdt's all-reduce. A checkpoint of any training layout (TP, PP, ZeRO-1, FSDP,
+EP) is read consolidated (``nxdt.launch.model_source.load_model``: the shards joined as ``nxdt checkpoint
+consolidate`` joins them), so the evaluation itself never runs tensor- or pipeline-parallel; LoRA adapter checkpoints
+are refused by name (export a merged model first). tests/test_reshard.py checks a TP2×DP2 and a PP2 checkpoint's
+perplexity against transformers' on their exports.
 
 **Generation** (``nxdt eval generate MODEL --data FILE.jsonl``). Each record is an SFT record as ``nxdt train
 +recipe=sft`` reads it (``input``/``output`` with optional ``instruction``, or ``messages``), rendered as training renders
@@ -22,8 +26,9 @@ trained span (without its EOS) is the reference. The model continues each prompt
 (``nxdt.models.generate.greedy_generate``, up to ``--max-new-tokens``, stopping at EOS), and the decoded answer is
 scored against the reference with what NxD Training's SFT evaluation example computes
 (examples/sft_evaluation: ``CustomAccuracy``, exact string equality, and torchmetrics' ``ROUGEScore``), ROUGE-1/2/L
-computed here from their definitions (:func:`rouge_n`, :func:`rouge_l`), each a mean over records. ROUGEScore's fourth
-key, ROUGE-Lsum (summary-level, sentences split by nltk), is not computed.
+and ROUGE-Lsum computed here from their definitions (:func:`rouge_n`, :func:`rouge_l`, :func:`rouge_lsum`), each a
+mean over records. ROUGE-Lsum's sentences are cut at sentence-ending punctuation (:func:`sentences`), where
+torchmetrics uses nltk's punkt model: the scores agree where the two cut alike.
 
 Results: a JSON file (``--out``, default ``eval-<kind>.json``) and a table on stdout. Bad input (no such model, a data
 file without the fields needed) is one line on stderr, exit 2.
@@ -47,7 +52,7 @@ USAGE = """usage: nxdt eval perplexity MODEL --data FILE [--seq-length N] [--bat
 MODEL: an nxdt checkpoint (<run>/checkpoints/step-<N>) or a Hugging Face model directory (config.json + safetensors)
 perplexity: exp(mean NLL per predicted token) over non-overlapping windows of --seq-length tokens of FILE
             (a text file, or JSONL with a 'text' field); --ranks N: N data-parallel processes
-generate:   exact match and ROUGE-1/2/L of greedy answers to FILE's SFT records (input/output or messages)"""
+generate:   exact match and ROUGE-1/2/L/Lsum of greedy answers to FILE's SFT records (input/output or messages)"""
 
 
 class EvalError(CommandError):
@@ -99,15 +104,68 @@ def rouge_l(prediction: str, reference: str) -> dict[str, float]:
     return _prf(lcs_length(ref, pred), len(pred), len(ref))
 
 
+def sentences(text: str) -> list[str]:
+    """The sentences ROUGE-Lsum compares: the text cut after ``.``, ``!`` or ``?`` followed by white space. torchmetrics
+    cuts with nltk's punkt model (``nltk.sent_tokenize``), which nxdt does not depend on; the two agree on such plain
+    sentence ends and differ where punkt knows better (abbreviations such as "Dr. Smith", which this rule cuts)."""
+    return [part for part in re.split(r"(?<=[.!?])\s+", text.strip()) if part]
+
+
+def lcs_positions(reference: Sequence[str], candidate: Sequence[str]) -> list[int]:
+    """The positions in ``reference`` of one longest common subsequence with ``candidate``: walked back from the ends
+    of the LCS table, a match taken, else a step back in the candidate when that keeps a longer LCS, else in the
+    reference — the tie-break of rouge-score's rouge_scorer.py (``_backtrack_norec``) and torchmetrics'
+    ``_backtracked_lcs``, which decides which words a union LCS holds."""
+    table = [[0] * (len(candidate) + 1) for _ in range(len(reference) + 1)]
+    for i, r in enumerate(reference, 1):
+        for j, c in enumerate(candidate, 1):
+            table[i][j] = table[i - 1][j - 1] + 1 if r == c else max(table[i - 1][j], table[i][j - 1])
+    i, j, positions = len(reference), len(candidate), []
+    while i > 0 and j > 0:
+        if reference[i - 1] == candidate[j - 1]:
+            positions.append(i - 1)
+            i, j = i - 1, j - 1
+        elif table[i][j - 1] > table[i - 1][j]:
+            j -= 1
+        else:
+            i -= 1
+    return positions[::-1]
+
+
+def rouge_lsum(prediction: str, reference: str) -> dict[str, float]:
+    """ROUGE-Lsum, summary-level LCS (Lin 2004 §3.2, as rouge-score and torchmetrics compute it): for each reference
+    sentence, the union of its LCS positions with every predicted sentence; each word of that union is a hit while
+    the word is still unclaimed in both texts (counts over the whole text, each hit claiming one of each); P = hits /
+    predicted words, R = hits / reference words, F1 of the two. Sentences: :func:`sentences`."""
+    pred = [rouge_tokens(s) for s in sentences(prediction)]
+    ref = [rouge_tokens(s) for s in sentences(reference)]
+    pred_len, ref_len = sum(map(len, pred)), sum(map(len, ref))
+    if not pred_len or not ref_len:
+        return _prf(0, pred_len, ref_len)
+    pred_left = Counter(word for sentence in pred for word in sentence)
+    ref_left = Counter(word for sentence in ref for word in sentence)
+    hits = 0
+    for sentence in ref:
+        union = sorted({i for candidate in pred for i in lcs_positions(sentence, candidate)})
+        for word in (sentence[i] for i in union):
+            if pred_left[word] > 0 and ref_left[word] > 0:
+                hits += 1
+                pred_left[word] -= 1
+                ref_left[word] -= 1
+    return _prf(hits, pred_len, ref_len)
+
+
 def generation_scores(predictions: Sequence[str], references: Sequence[str]) -> dict[str, float]:
-    """Exact match (NxD Training's CustomAccuracy: the strings equal) and ROUGE-1/2/L precision, recall and F1, each
-    the mean over records (torchmetrics' ROUGEScore averages per-record scores alike)."""
+    """Exact match (NxD Training's CustomAccuracy: the strings equal) and ROUGE-1/2/L/Lsum precision, recall and F1
+    (the four keys of torchmetrics' ROUGEScore, which NxD Training's SFT evaluation uses with its defaults), each the
+    mean over records (ROUGEScore averages per-record scores alike)."""
     count = len(predictions)
     out: dict[str, float] = {"exact_match": sum(p == r for p, r in zip(predictions, references)) / count}
     for name, score in (
         ("rouge1", lambda p, r: rouge_n(p, r, 1)),
         ("rouge2", lambda p, r: rouge_n(p, r, 2)),
         ("rougeL", rouge_l),
+        ("rougeLsum", rouge_lsum),
     ):
         per_record = [score(p, r) for p, r in zip(predictions, references)]
         for part in ("fmeasure", "precision", "recall"):

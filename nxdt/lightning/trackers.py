@@ -14,9 +14,19 @@ run name). nxdt does the same with its run directory, and:
   (W&B ``id`` with ``resume="allow"``, MLflow ``run_id``);
 * a tracker that fails never stops training: :class:`GuardedLogger` prints one warning line and drops it.
 
-ClearML and DLLogger (NeMo has loggers for them; NxDT passes ``create_clearml_logger=False`` and
-``create_dllogger_logger=False`` to NeMo whatever the config says) have no Lightning logger: nxdt refuses them before
-launch, naming the key (:func:`nxdt.config.trackers.check_trackers`, with the package and reachability checks).
+ClearML (``create_clearml_logger`` / ``clearml_logger_kwargs``: NeMo's ClearMLParams; NxDT itself passes
+``create_clearml_logger=False`` to NeMo whatever the config says) has no Lightning logger: :class:`ClearMLLogger` is
+nxdt's, on rank 0 when the clearml package is installed (refused by name before launch otherwise). Unlike NeMo's, whose
+``log_metrics`` reports nothing per step (it relies on ClearML's TensorBoard hook), it reports every metric as a
+scalar at its step (ClearML's TensorBoard hook is switched off, so nothing is reported twice) and connects the config
+as the task's ``nxdt`` hyperparameter section. Offline (``CLEARML_OFFLINE_MODE=1``) the session folder is kept under
+``<run>/clearml/offline/<task id>/`` (``CLEARML_CACHE_DIR``, unless the user set it); a resume continues the same task
+(``Task.init(reuse_last_task_id=<id>, continue_last_task=0)``: ClearML's own way to continue a task, with no iteration
+offset, so a step is reported at its number) — offline too, the session folder then holds both launches.
+
+DLLogger is refused before launch, installed or not: NxDT never attaches it, and NeMo's DLLogger with its default
+``verbose: false`` writes no record (its backends' verbosity DEFAULT=0 is below ``dllogger.log``'s default 1:
+NVIDIA/dllogger dllogger/logger.py), so there is no NxD Training behaviour to re-create; metrics.csv has the values.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ from typing import Any, Callable, Mapping
 
 from lightning.pytorch.loggers import Logger
 
-from nxdt.config.trackers import mlflow_tracking_uri, plain
+from nxdt.config.trackers import clearml_offline, mlflow_tracking_uri, plain
 
 STATE_FILE = "trackers.json"  # in the run directory: each tracker's run id, for a resume
 
@@ -164,6 +174,67 @@ def _mlflow(cfg: Any, run_dir: Path, state: dict[str, Any]) -> tuple[Logger, Non
     return logger, None, {"run_id": run_id, "tracking_uri": uri, "experiment_id": logger.experiment_id}
 
 
+class ClearMLLogger(Logger):
+    """A ClearML task as a Lightning logger: every metric a scalar (title and series its name) at its step, the
+    hyperparameters connected as the task's ``nxdt`` section. ``task`` is a ``clearml.Task`` (``Task.init``'s)."""
+
+    def __init__(self, task: Any):
+        super().__init__()
+        self.task = task
+
+    @property
+    def name(self) -> str | None:
+        return str(self.task.name)
+
+    @property
+    def version(self) -> str | None:
+        return str(self.task.id)
+
+    @property
+    def experiment(self) -> Any:
+        return self.task
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        report = self.task.get_logger().report_scalar
+        for key, value in metrics.items():
+            report(title=key, series=key, value=float(value), iteration=0 if step is None else int(step))
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        self.task.connect(dict(params), name="nxdt")
+
+    def finalize(self, status: str) -> None:
+        if status != "success":
+            self.task.mark_failed(status_reason=f"nxdt: training {status}")
+        self.task.close()  # flushes the reports; offline: the session folder (and its .zip) is complete
+
+
+def _clearml(cfg: Any, run_dir: Path, state: dict[str, Any]) -> tuple[Logger, None, dict[str, Any]]:
+    from clearml import Task
+
+    kwargs = plain(cfg.exp_manager.clearml_logger_kwargs) or {}
+    offline = clearml_offline(os.environ)
+    if offline:
+        os.environ.setdefault("CLEARML_CACHE_DIR", str(run_dir / "clearml"))  # the session folder under the run
+        Task.set_offline(True)
+    previous = state.get("clearml", {})
+    resume = previous.get("task_id") if previous.get("offline") == offline else None
+    task = Task.init(
+        project_name=kwargs.get("project") or "NeMo",  # NeMo's defaults: project NeMo; task: here the run name
+        task_name=kwargs.get("task") or cfg.name,
+        tags=["nxdt", *(kwargs.get("tags") or [])],
+        # ClearML's TensorBoard hook would report nxdt's TensorBoard scalars a second time; argparse: nxdt's own
+        auto_connect_frameworks={"pytorch": bool(kwargs.get("connect_pytorch")), "tensorboard": False},
+        auto_connect_arg_parser=False,
+        reuse_last_task_id=resume or False,  # a new run is a new task (not ClearML's reuse of an unused one)
+        continue_last_task=0 if resume else False,  # 0: continue without offsetting the iterations
+    )
+    task.connect({"nxdt.run_dir": str(run_dir)}, name="nxdt")
+    ids = {"task_id": str(task.id), "offline": offline}
+    if offline:
+        ids["session_dir"] = str(task.get_offline_mode_folder())
+    return ClearMLLogger(task), None, ids
+
+
 def _log_params(label: str, logger: Logger, params: dict[str, Any], warn: Callable[[str], None]) -> None:
     """The config as parameters. MLflow parameters cannot change: a continued run logs the new keys only and names the
     changed ones (nxdt's config-history/ in the run directory holds every launch's config)."""
@@ -188,6 +259,7 @@ def tracker_loggers(cfg: Any, run_dir: Path, warn: Callable[[str], None] = _say)
     for enabled, label, key, build in (
         (em.create_wandb_logger, "W&B", "wandb", _wandb),
         (em.create_mlflow_logger, "MLflow", "mlflow", _mlflow),
+        (em.create_clearml_logger, "ClearML", "clearml", _clearml),
     ):
         if not enabled:
             continue

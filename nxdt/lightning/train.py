@@ -173,8 +173,9 @@ def run_training(cfg: Any, plan: Plan, run_dir: str | Path) -> None:
     )
     datamodule = spec.build_datamodule(cfg)
     trainer = build_trainer(cfg, plan, run_dir, module.tokens_per_step)
-    if trainer.is_global_zero and (cfg.exp_manager.create_wandb_logger or cfg.exp_manager.create_mlflow_logger):
-        from nxdt.lightning.trackers import tracker_loggers  # W&B / MLflow: rank 0 only, imported only when asked for
+    em = cfg.exp_manager
+    if trainer.is_global_zero and (em.create_wandb_logger or em.create_mlflow_logger or em.create_clearml_logger):
+        from nxdt.lightning.trackers import tracker_loggers  # rank 0 only, imported only when asked for
 
         trainer.loggers = [*trainer.loggers, *tracker_loggers(cfg, run_dir)]
     if mas.peft is not None and mas.peft.lora_verbose and trainer.is_global_zero:
