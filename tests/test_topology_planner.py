@@ -250,26 +250,26 @@ def test_algorithm_choice_follows_size_and_span():
     assert across == "hierarchical"
 
 
-def test_across_switched_gpu_nodes_the_node_ring_wins_until_the_pipelined_hierarchy_pays_off():
+def test_across_switched_gpu_nodes_the_node_ring_wins_until_the_nvls_tree_pays_off():
     """nccl-tests' 16-GPU all-reduce on 2 × p5.48xlarge (published.yaml p5-allr-16gpu-n2): its marginal bandwidth
-    doubles between 16 and 64 MB, NCCL's switch from a ring (2(n-1)/n·S through each node's NICs) to a pipelined
-    hierarchy (2(k-1)/k·S = S, plus its pipeline's fill: the ramp). From the catalogue (NVSwitch: 2 µs, 450 GB/s ×
-    0.8 = 360 GB/s; network: 33.7 µs, 400 GB/s × 0.603 shared by 8 ranks; ramp 251 µs, half at 173 kB), by hand:
-      ring at 4 MiB:  28 NVSwitch steps × 2 µs + 2 crossings × 33.7 µs + 30 steps × 262144 B / (8 × 30.15 GB/s)
-                      = 56 + 67.4 + 30 × 1.08683 = 156.0 µs (no ramp)
-      hierarchy at 1 GiB: one-shot reduce-scatter and all-gather in the switch (2 µs each) + the 2-node all-reduce
-                      of S/8 (2 × 33.7 µs + 134217728 B / 30.15 GB/s = 4451.7 µs; the NVSwitch stages, 2609.9 µs,
-                      hide behind it) + the ramp 251 · S/(S + 173000) = 250.96 µs: 4774.0 µs
-      ring at 1 GiB:  123.4 + 30 × 67108864 / 241.2e9 s = 8470.3 µs"""
+    doubles between 16 and 64 MB, NCCL's switch from a ring (2(n-1)/n·S through each node's NICs) to NVLS_TREE (S
+    through each node's NICs on two nodes, NVLS inside the node, plus its pipeline's fill: the ramp). From the
+    catalogue (NVSwitch: 2 µs, 450 GB/s × 0.8 = 360 GB/s, NVLS 0.85 of it; network: 31.6 µs, 400 GB/s × 0.752 =
+    300.8 GB/s per node; ramp 718 µs, half at 615 kB; NCCL's base latency 8.4 µs per call), by hand:
+      ring at 4 MiB:  28 NVSwitch steps × 2 µs + 2 crossings × 31.6 µs + 30 steps × 262144 B / 300.8 GB/s + 8.4
+                      = 56 + 63.2 + 30 × 0.871489 + 8.4 = 153.745 µs (no ramp)
+      NVLS tree at 1 GiB: 2 × log2(2) × 31.6 + 2 (one NVSwitch step) + max(S / 300.8 GB/s = 3569.6 µs,
+                      S / 306 GB/s = 3508.9 µs) + the ramp 718 · S/(S + 615000) = 717.59 µs + 8.4: 4360.8 µs
+      ring at 1 GiB:  119.2 + 30 × 67108864 / 300.8e9 s + 8.4 = 6820.6 µs"""
     inst = _instance("p5.48xlarge")
     topo = topology_of(inst, ranks_per_node=8)
     group = list(range(16))
     algorithm, seconds, every = estimate_collective("all_reduce", group, 4 << 20, topo, inst, 8)
-    assert algorithm == "ring" and seconds * 1e6 == pytest.approx(56 + 67.4 + 30 * 262144 / 241.2e9 * 1e6, rel=1e-9)
-    assert every["hierarchical"] > seconds
+    assert algorithm == "ring" and seconds * 1e6 == pytest.approx(56 + 63.2 + 30 * 262144 / 300.8e9 * 1e6 + 8.4, rel=1e-9)
+    assert every["nvls_tree"] > seconds
     algorithm, seconds, every = estimate_collective("all_reduce", group, 1 << 30, topo, inst, 8)
-    assert algorithm == "hierarchical" and seconds * 1e6 == pytest.approx(4774.0, abs=0.1)
-    assert every["ring"] * 1e6 == pytest.approx(8470.3, abs=0.1)
+    assert algorithm == "nvls_tree" and seconds * 1e6 == pytest.approx(4360.8, abs=0.1)
+    assert every["ring"] * 1e6 == pytest.approx(6820.6, abs=0.1)
 
 
 def test_comm_test_estimate_prints_an_nccom_test_table(capsys):
