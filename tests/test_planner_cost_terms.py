@@ -158,3 +158,17 @@ def test_leave_one_out_gives_a_per_class_table_on_the_shipped_figures():
     (table,) = script.class_table(result)
     assert table["class"] == "GPU all-to-all across nodes" and table["figures"] == 14
     assert 0 <= table["median_error"] <= table["max_error"] < 1
+
+
+def test_one_gpu_per_node_runs_nccls_ring_or_tree():
+    """A DP group of one GPU on each of 4 p5 nodes (across rails): NCCL's ring or tree (log2 4 = 2 levels, 2·S through
+    the rank's share of the NICs), never a halving-doubling exchange NCCL does not have."""
+    inst = catalogue_instance("p5.48xlarge")
+    topo = topology_of(inst, ranks_per_node=8)
+    group = [0, 8, 16, 24]
+    share = 400e9 * inst.inter_node.efficiency / 8
+    for nbytes in (8, 1 << 30):
+        algorithm, seconds, every = estimate_collective("all_reduce", group, nbytes, topo, inst, 8)
+        assert set(every) == {"ring", "tree"}
+        assert every["tree"] == pytest.approx(4 * 31.6e-6 + 2 * nbytes / share + 718e-6 * nbytes / (nbytes + 615e3) + 8.4e-6)
+    assert algorithm == "ring"  # 1.5·S beats the tree's 2·S when bandwidth rules

@@ -215,6 +215,11 @@ def estimate_collective(
         pipelined = topo.graph in ("switch", "nvswitch")
         if op == "all_to_all" and m > 1:
             est = {"pairwise": _split_all_to_all(n, m, nbytes, intra, inter)}
+        if pipelined and m == 1 and op in ("all_reduce", "all_gather", "reduce_scatter"):
+            # one GPU per node (a DP group across rails): NCCL's ring and (all-reduce) tree, no halving-doubling
+            est = {"ring": est["ring"]}
+            if op == "all_reduce":
+                est["tree"] = _tree(k, 1, nbytes, intra, inter)
         if m > 1 and op in ("all_reduce", "all_gather", "reduce_scatter"):
             est["ring"] = _node_ring(op, n, k, m, nbytes, intra, inter)
             if pipelined:  # NCCL: the node-laid ring and (all-reduce) the double binary tree; no rhd, no flat ring
@@ -272,6 +277,8 @@ def _tree(k: int, m: int, nbytes: float, intra: Link, inter: Link, nvls: float =
     the switch (S each way at ``nvls`` of the port; latency one NVLS step instead of the chain's m-1 hops)."""
     node_bw = inter.bw * m  # the node's NICs together
     network = (nbytes if k == 2 else 2 * nbytes) / node_bw
+    if m == 1:  # one rank per node: the tree of nodes alone
+        return 2 * _log2(k) * inter.alpha + network
     if nvls:
         return 2 * _log2(k) * inter.alpha + intra.alpha + max(network, nbytes / (intra.bw * nvls))
     return 2 * ((m - 1) * intra.alpha + _log2(k) * inter.alpha) + max(network, 2 * nbytes / intra.bw)
