@@ -254,22 +254,23 @@ def test_across_switched_gpu_nodes_the_node_ring_wins_until_the_nvls_tree_pays_o
     """nccl-tests' 16-GPU all-reduce on 2 × p5.48xlarge (published.yaml p5-allr-16gpu-n2): its marginal bandwidth
     doubles between 16 and 64 MB, NCCL's switch from a ring (2(n-1)/n·S through each node's NICs) to NVLS_TREE (S
     through each node's NICs on two nodes, NVLS inside the node, plus its pipeline's fill: the ramp). From the
-    catalogue (NVSwitch: 2 µs, 450 GB/s × 0.8 = 360 GB/s, NVLS 0.85 of it; network: 31.6 µs, 400 GB/s × 0.752 =
-    300.8 GB/s per node; ramp 718 µs, half at 615 kB; NCCL's base latency 8.4 µs per call), by hand:
-      ring at 4 MiB:  28 NVSwitch steps × 2 µs + 2 crossings × 31.6 µs + 30 steps × 262144 B / 300.8 GB/s + 8.4
-                      = 56 + 63.2 + 30 × 0.871489 + 8.4 = 153.745 µs (no ramp)
-      NVLS tree at 1 GiB: 2 × log2(2) × 31.6 + 2 (one NVSwitch step) + max(S / 300.8 GB/s = 3569.6 µs,
-                      S / 306 GB/s = 3508.9 µs) + the ramp 718 · S/(S + 615000) = 717.59 µs + 8.4: 4360.8 µs
-      ring at 1 GiB:  119.2 + 30 × 67108864 / 300.8e9 s + 8.4 = 6820.6 µs"""
+    catalogue (NVSwitch: 2 µs, 450 GB/s × 0.733 = 329.85 GB/s, NVLS 0.773 of it = 254.97 GB/s; network: 30.2 µs,
+    400 GB/s × 0.772 = 308.8 GB/s per node; ramp 744 µs, half at 662 kB; 11.8 µs per call), by hand:
+      ring at 4 MiB:  28 NVSwitch steps × 2 µs + 2 crossings × 30.2 µs + 30 steps × 262144 B / 308.8 GB/s + 11.8
+                      = 56 + 60.4 + 30 × 0.848912 + 11.8 = 153.667 µs (no ramp)
+      NVLS tree at 1 GiB: 2 × log2(2) × 30.2 + 2 (one NVSwitch step) + max(S / 308.8 GB/s = 3477.1 µs,
+                      S / 254.97 GB/s = 4211.2 µs: the switch, not the network, sets the pace on two nodes)
+                      + the ramp 744 · S/(S + 662000) = 743.54 µs + 11.8: 5028.9 µs
+      ring at 1 GiB:  116.4 + 30 × 67108864 / 308.8e9 s + 11.8 = 6647.8 µs"""
     inst = _instance("p5.48xlarge")
     topo = topology_of(inst, ranks_per_node=8)
     group = list(range(16))
     algorithm, seconds, every = estimate_collective("all_reduce", group, 4 << 20, topo, inst, 8)
-    assert algorithm == "ring" and seconds * 1e6 == pytest.approx(56 + 63.2 + 30 * 262144 / 300.8e9 * 1e6 + 8.4, rel=1e-9)
+    assert algorithm == "ring" and seconds * 1e6 == pytest.approx(56 + 60.4 + 30 * 262144 / 308.8e9 * 1e6 + 11.8, rel=1e-9)
     assert every["nvls_tree"] > seconds
     algorithm, seconds, every = estimate_collective("all_reduce", group, 1 << 30, topo, inst, 8)
-    assert algorithm == "nvls_tree" and seconds * 1e6 == pytest.approx(4360.8, abs=0.1)
-    assert every["ring"] * 1e6 == pytest.approx(6820.6, abs=0.1)
+    assert algorithm == "nvls_tree" and seconds * 1e6 == pytest.approx(5028.9, abs=0.1)
+    assert every["ring"] * 1e6 == pytest.approx(6647.8, abs=0.1)
 
 
 def test_comm_test_estimate_prints_an_nccom_test_table(capsys):

@@ -45,7 +45,11 @@ COLLECTIVE_PARAMS = {
     # the per-call overhead is NCCL's base latency, kept), the NVSwitch bandwidth is hidden behind the slower network
     # stage (pipelined)
     "p4d.24xlarge": ["inter_node.latency_us", "inter_node.efficiency", "inter_node.ramp_us", "inter_node.ramp_bytes"],
+    # p5 also from one H100 node (2, 4, 6 GPUs): NCCL's per-call cost, the NVLink efficiency (ring) and NVLS's
     "p5.48xlarge": [
+        "collective_overhead_us",
+        "device_link.efficiency",
+        "nvls_efficiency",
         "inter_node.latency_us",
         "inter_node.efficiency",
         "inter_node.ramp_us",
@@ -73,6 +77,8 @@ START = {
     "inter_node.ramp_us": 100.0,
     "inter_node.ramp_bytes": 65536.0,
     "inter_node.message_us": 1.0,
+    "device_link.efficiency": 0.8,
+    "nvls_efficiency": 0.8,
     "compute_efficiency": 0.4,
     "compute_half_size": 128.0,
     "compute_efficiency_fp32": 0.4,
