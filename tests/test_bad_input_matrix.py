@@ -593,6 +593,10 @@ RANGE_CASES = [
     ("instance.peak_tflops_fp32=inf", "instance.peak_tflops_fp32=inf"),
     ("instance.intra_device.bandwidth_GBps=-1", "instance.intra_device.bandwidth_GBps=-1.0"),
     ("instance.inter_node.latency_us=nan", "instance.inter_node.latency_us=nan"),
+    ("instance.compute_efficiency_fp32=1.5", "instance.compute_efficiency_fp32=1.5"),
+    ("instance.nvls_efficiency=2", "instance.nvls_efficiency=2.0"),
+    ("instance.memory_bandwidth_GBps=-1", "instance.memory_bandwidth_GBps=-1.0"),
+    ("instance.inter_node.message_us=nan", "instance.inter_node.message_us=nan"),
     ("distributed_strategy.kv_replicator=0", "distributed_strategy.kv_replicator=0"),
 ]
 # cases that need more than one override

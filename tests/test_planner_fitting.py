@@ -69,7 +69,7 @@ def test_step_fit_recovers_known_compute_efficiency():
         )
         f.seq_per_s = f.global_batch / f.predict(truth)
         figures.append(f)
-    values = fit(figures, instance, STEP_PARAMS)
+    values = fit(figures, instance, STEP_PARAMS["trn1.32xlarge"])
     assert values["compute_efficiency"] == pytest.approx(0.55, rel=1e-4)
     assert values["compute_half_size"] == pytest.approx(90.0, rel=1e-4)
 
@@ -85,5 +85,5 @@ def test_catalogue_ships_the_fit_of_the_shipped_figures():
     spec.loader.exec_module(script)
     result = script.fit_all(data, loo=False, log=lambda *_: None)
     assert script.catalogue_differences(result) == []
-    assert set(result["instances"]) == set(COLLECTIVE_PARAMS)
+    assert set(result["instances"]) == set(COLLECTIVE_PARAMS) | set(STEP_PARAMS)
     assert all(math.isfinite(r["fitted_us" if r["kind"] == "collective" else "fitted_seq_per_s"]) for r in result["figures"])

@@ -250,26 +250,27 @@ def test_algorithm_choice_follows_size_and_span():
     assert across == "hierarchical"
 
 
-def test_across_switched_gpu_nodes_the_node_ring_wins_until_the_pipelined_hierarchy_pays_off():
+def test_across_switched_gpu_nodes_the_node_ring_wins_until_the_nvls_tree_pays_off():
     """nccl-tests' 16-GPU all-reduce on 2 × p5.48xlarge (published.yaml p5-allr-16gpu-n2): its marginal bandwidth
-    doubles between 16 and 64 MB, NCCL's switch from a ring (2(n-1)/n·S through each node's NICs) to a pipelined
-    hierarchy (2(k-1)/k·S = S, plus its pipeline's fill: the ramp). From the catalogue (NVSwitch: 2 µs, 450 GB/s ×
-    0.8 = 360 GB/s; network: 33.7 µs, 400 GB/s × 0.603 shared by 8 ranks; ramp 251 µs, half at 173 kB), by hand:
-      ring at 4 MiB:  28 NVSwitch steps × 2 µs + 2 crossings × 33.7 µs + 30 steps × 262144 B / (8 × 30.15 GB/s)
-                      = 56 + 67.4 + 30 × 1.08683 = 156.0 µs (no ramp)
-      hierarchy at 1 GiB: one-shot reduce-scatter and all-gather in the switch (2 µs each) + the 2-node all-reduce
-                      of S/8 (2 × 33.7 µs + 134217728 B / 30.15 GB/s = 4451.7 µs; the NVSwitch stages, 2609.9 µs,
-                      hide behind it) + the ramp 251 · S/(S + 173000) = 250.96 µs: 4774.0 µs
-      ring at 1 GiB:  123.4 + 30 × 67108864 / 241.2e9 s = 8470.3 µs"""
+    doubles between 16 and 64 MB, NCCL's switch from a ring (2(n-1)/n·S through each node's NICs) to NVLS_TREE (S
+    through each node's NICs on two nodes, NVLS inside the node, plus its pipeline's fill: the ramp). From the
+    catalogue (NVSwitch: 2 µs, 450 GB/s × 0.733 = 329.85 GB/s, NVLS 0.773 of it = 254.97 GB/s; network: 30.2 µs,
+    400 GB/s × 0.772 = 308.8 GB/s per node; ramp 744 µs, half at 662 kB; 11.8 µs per call), by hand:
+      ring at 4 MiB:  28 NVSwitch steps × 2 µs + 2 crossings × 30.2 µs + 30 steps × 262144 B / 308.8 GB/s + 11.8
+                      = 56 + 60.4 + 30 × 0.848912 + 11.8 = 153.667 µs (no ramp)
+      NVLS tree at 1 GiB: 2 × log2(2) × 30.2 + 2 (one NVSwitch step) + max(S / 308.8 GB/s = 3477.1 µs,
+                      S / 254.97 GB/s = 4211.2 µs: the switch, not the network, sets the pace on two nodes)
+                      + the ramp 744 · S/(S + 662000) = 743.54 µs + 11.8: 5028.9 µs
+      ring at 1 GiB:  116.4 + 30 × 67108864 / 308.8e9 s + 11.8 = 6647.8 µs"""
     inst = _instance("p5.48xlarge")
     topo = topology_of(inst, ranks_per_node=8)
     group = list(range(16))
     algorithm, seconds, every = estimate_collective("all_reduce", group, 4 << 20, topo, inst, 8)
-    assert algorithm == "ring" and seconds * 1e6 == pytest.approx(56 + 67.4 + 30 * 262144 / 241.2e9 * 1e6, rel=1e-9)
-    assert every["hierarchical"] > seconds
+    assert algorithm == "ring" and seconds * 1e6 == pytest.approx(56 + 60.4 + 30 * 262144 / 308.8e9 * 1e6 + 11.8, rel=1e-9)
+    assert every["nvls_tree"] > seconds
     algorithm, seconds, every = estimate_collective("all_reduce", group, 1 << 30, topo, inst, 8)
-    assert algorithm == "hierarchical" and seconds * 1e6 == pytest.approx(4774.0, abs=0.1)
-    assert every["ring"] * 1e6 == pytest.approx(8470.3, abs=0.1)
+    assert algorithm == "nvls_tree" and seconds * 1e6 == pytest.approx(5028.9, abs=0.1)
+    assert every["ring"] * 1e6 == pytest.approx(6647.8, abs=0.1)
 
 
 def test_comm_test_estimate_prints_an_nccom_test_table(capsys):

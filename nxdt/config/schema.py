@@ -474,6 +474,9 @@ class LinkConfig:
         "(protocol switch, channels ramping up): ramp_us · S / (S + ramp_bytes); 0 = none (µs)",
     )
     ramp_bytes: float = doc(0.0, "message size (bytes) at which the ramp reaches half of ramp_us")
+    message_us: float = doc(
+        0.0, "cost to a rank of each message it sends to a peer over this link beyond its bytes (all-to-all: one per peer), µs"
+    )
 
 
 @dataclass
@@ -494,17 +497,39 @@ class InstanceConfig:
     lnc_default: int = doc(1, "physical cores per rank unless trainer.lnc says otherwise")
     memory_GiB: float = doc(0.0, "device memory (GiB); 0 = unlimited (cpu)")
     peak_tflops_bf16: float = doc(0.0, "dense bf16 peak per device (TFLOP/s)")
-    peak_tflops_fp32: float = doc(0.0, "fp32 peak per device (TFLOP/s)")
+    peak_tflops_fp32: float = doc(
+        0.0,
+        "peak of fp32 training's matmuls per device (TFLOP/s; NVIDIA GPUs from Ampere: TF32 tensor cores, as NVIDIA's containers run them)",
+    )
     compute_efficiency: float = doc(0.4, "achieved fraction of peak in a training step, for large GEMMs (cost model)")
     compute_half_size: float = doc(
         0.0,
         "per-rank GEMM width (hidden_size / TP) at which the achieved fraction is half of "
         "compute_efficiency: efficiency = compute_efficiency · g / (g + compute_half_size); 0 = constant",
     )
+    compute_efficiency_fp32: Optional[float] = doc(
+        None, "achieved fraction of peak_tflops_fp32 in an fp32 step, for large GEMMs; null = compute_efficiency"
+    )
+    compute_half_tokens: float = doc(
+        0.0,
+        "tokens per micro-batch (each GEMM's rows on a rank) at which the achieved fraction is half: efficiency is "
+        "further multiplied by T / (T + compute_half_tokens); 0 = independent of the micro-batch",
+    )
+    memory_bandwidth_GBps: float = doc(
+        0.0,
+        "device memory (HBM) bandwidth, GB/s: the non-matmul work (norms, activations, softmax, residual adds, the loss, "
+        "the optimizer step) is priced as the bytes it moves at this rate; 0 = not priced",
+    )
     collective_overhead_us: float = doc(0.0, "fixed software cost of every collective (launch, synchronisation), µs")
     collective_overhead_per_rank_us: float = doc(
         0.0, "software cost per further rank of a collective (synchronising with each peer), µs: n ranks add (n - 1) times this"
     )
+    nvls_efficiency: float = doc(
+        0.0,
+        "NVLink SHARP (NVLS, nvswitch graphs): achieved fraction of device_link bandwidth of the all-reduce the switch "
+        "reduces (each GPU sends and receives S once); 0 = no NVLS (before Hopper)",
+    )
+    nvls_latency_us: float = doc(0.0, "latency of one NVLS all-reduce through the switch, µs")
     graph: str = doc("host", "intra-node graph: host | single | chain | ring | torus2d | torus3d | switch | nvswitch")
     shape: List[int] = doc([], "graph shape, e.g. [4, 4] for a 4x4 torus ([rows, cols], row-major device ids)")
     intra_device: LinkConfig = doc(LinkConfig(), "between ranks on one device (shared memory on cpu)")

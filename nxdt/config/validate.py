@@ -367,16 +367,29 @@ def check_ranges(cfg: Any) -> None:
         "peak_tflops_bf16",
         "peak_tflops_fp32",
         "compute_half_size",
+        "compute_half_tokens",
+        "memory_bandwidth_GBps",
+        "nvls_latency_us",
         "collective_overhead_us",
         "collective_overhead_per_rank_us",
     ):
         _number(f"instance.{key}", getattr(inst, key), 0)
     for key in ("compute_efficiency", "link_efficiency"):
         _number(f"instance.{key}", getattr(inst, key), 0, 1, lo_open=True, what=" (an achieved fraction of the peak)")
+    if inst.compute_efficiency_fp32 is not None:
+        _number(
+            "instance.compute_efficiency_fp32",
+            inst.compute_efficiency_fp32,
+            0,
+            1,
+            lo_open=True,
+            what=" (an achieved fraction of the fp32 peak), or null for instance.compute_efficiency",
+        )
+    _number("instance.nvls_efficiency", inst.nvls_efficiency, 0, 1, what=" (a fraction of the NVLink bandwidth; 0 = no NVLS)")
     for link in ("intra_device", "device_link", "domain_link", "inter_node"):
         _number(f"instance.{link}.bandwidth_GBps", getattr(inst, link).bandwidth_GBps, 0)
         _number(f"instance.{link}.latency_us", getattr(inst, link).latency_us, 0)
-        for key in ("ramp_us", "ramp_bytes"):
+        for key in ("ramp_us", "ramp_bytes", "message_us"):
             _number(f"instance.{link}.{key}", getattr(getattr(inst, link), key), 0)
         if getattr(inst, link).efficiency is not None:
             _number(

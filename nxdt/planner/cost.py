@@ -14,6 +14,9 @@ With n ranks, S bytes (the full buffer: all-reduce input, all-gather output, red
     hierarchical          intra-node reduce-scatter → inter-node all-reduce of S/m → intra all-gather
     ring across k nodes   2(n-k)·α_intra + 2(k-1)·α_net + 2(n-1)/n · S / min(node's network share, intra bw)
     all-gather / reduce-scatter: half the all-reduce terms; all-to-all (pairwise): (n-1)·α + (n-1)/n·S/bw·h
+    all-to-all across k nodes  α_intra + α_net + max((m-1)/n·S / bw_intra, (n-m)/n·S / node's network share)
+    NVLS (NVLink SHARP)   nvls_latency + S / (port bw · nvls_efficiency)     (the switch reduces: S out, S in)
+    tree across k nodes   2·((m-1)·α_intra + ⌈log2 k⌉·α_net) + (2 or, for k = 2, 1)·S / node's network bandwidth
     broadcast: binomial tree ⌈log2 n⌉·(α + S/bw) or a pipelined ring; send/recv: α + S/bw
 
 Across nodes the ring is laid out node by node (:func:`_node_ring`: only its node-crossing steps use the network),
@@ -27,9 +30,15 @@ and synchronisation: paid whatever the algorithm). Each link's ``efficiency`` (d
 ``link_efficiency``) scales its bandwidth. Where these values are fitted to published measurements
 (experiments/planner-accuracy), the catalogue says so in its provenance.
 
-On switched GPU nodes (``switch``/``nvswitch``) the hierarchical algorithm is pipelined, as NCCL's trees and rings
-across nodes are: chunks flow through the intra- and inter-node stages at once, so the slower stage's transfer sets
-the pace (the latencies still add).
+On switched GPU nodes (``switch``/``nvswitch``) the candidates are NCCL's (src/graph/tuning.cc, ncclTopoTuneModel:
+latency + size / bandwidth per algorithm): inside a node the ring and, where the switch reduces (``nvls_efficiency``
+> 0: NVSwitch gen3 on H100/H200, gen4 on B200), NVLS — no one-shot or halving-doubling algorithm, which NCCL does not
+run; across nodes the node-laid ring and the double binary tree (``tree``: its latency grows with log2 of the nodes,
+its traffic does not — each node sends and receives 2·S, S on two nodes, where tuning.cc doubles the tree's
+inter-node bandwidth). The tree is pipelined, as NCCL's trees and rings across nodes are: chunks flow through the
+intra- and inter-node stages at once, so the slower stage's transfer sets the pace, and its pipeline fills once per
+tree level (the ramp, times ⌈log2 k⌉). All-to-all sends to all peers at once (NCCL groups the n-1 sends and
+receives): the intra-node share over NVLink and the rest through the node's NICs run side by side.
 
 On the ``cpu`` instance a calibration (``nxdt comm-test --calibrate``) replaces the formulas by the
 measured per-op fit ``T = a + S·b`` of nxdt's shared-memory algorithms on this host.
@@ -54,6 +63,7 @@ class Link:
     rhd_hops: float = 1.0  # the same for recursive halving-doubling partners (a 4x4 torus is a 4-cube: neighbours)
     ramp: float = 0.0  # seconds a collective crossing this link adds at most (see the module docstring)
     ramp_bytes: float = 0.0  # message size at which the ramp is half its maximum
+    message: float = 0.0  # seconds each message to another node costs this rank beyond its bytes (all-to-all)
 
 
 @dataclass(frozen=True)
@@ -126,6 +136,7 @@ def inter_link(shape: GroupShape, topo: Topology, instance: Any, ranks_per_node:
         link.bandwidth_GBps * 1e9 * efficiency(link, instance) / per,
         ramp=getattr(link, "ramp_us", 0.0) * 1e-6,
         ramp_bytes=getattr(link, "ramp_bytes", 0.0),
+        message=getattr(link, "message_us", 0.0) * 1e-6,
     )
 
 
@@ -189,6 +200,8 @@ def estimate_collective(
             if t is not None:
                 return "auto", t, {"auto": t}
         est = flat_estimates(op, n, nbytes, intra)
+        if topo.graph in ("switch", "nvswitch"):
+            est = _switched_node(op, n, nbytes, intra, est, instance)
         if shape.grid and op in ("all_reduce", "all_gather", "reduce_scatter"):
             rows, cols = shape.grid
             line = Link(intra.alpha, intra.bw / 2)  # each dimension's ring uses half the channels
@@ -200,23 +213,75 @@ def estimate_collective(
         est = flat_estimates(op, n, nbytes, inter)  # flat across hosts: every step at network speed
         est.pop("direct", None)
         pipelined = topo.graph in ("switch", "nvswitch")
+        if op == "all_to_all" and m > 1:
+            est = {"pairwise": _split_all_to_all(n, m, nbytes, intra, inter)}
+        if pipelined and m == 1 and op in ("all_reduce", "all_gather", "reduce_scatter"):
+            # one GPU per node (a DP group across rails): NCCL's ring and (all-reduce) tree, no halving-doubling
+            est = {"ring": est["ring"]}
+            if op == "all_reduce":
+                est["tree"] = _tree(k, 1, nbytes, intra, inter)
         if m > 1 and op in ("all_reduce", "all_gather", "reduce_scatter"):
             est["ring"] = _node_ring(op, n, k, m, nbytes, intra, inter)
-            stages = [
-                _split(o, size, nbytes_, link) for o, size, nbytes_, link in _hierarchical_stages(op, m, k, nbytes, intra, inter)
-            ]
-            transfer = max(s[1] for s in stages) if pipelined else sum(s[1] for s in stages)
-            est["hierarchical"] = sum(s[0] for s in stages) + transfer
+            if pipelined:  # NCCL: the node-laid ring and (all-reduce) the double binary tree; no rhd, no flat ring
+                est = {"ring": est["ring"]}
+                if op == "all_reduce":
+                    nvls = getattr(instance, "nvls_efficiency", 0.0) or 0.0
+                    est["nvls_tree" if nvls else "tree"] = _tree(k, m, nbytes, intra, inter, nvls)
+            else:
+                stages = [
+                    _split(o, size, nbytes_, link)
+                    for o, size, nbytes_, link in _hierarchical_stages(op, m, k, nbytes, intra, inter)
+                ]
+                est["hierarchical"] = sum(s[0] + s[1] for s in stages)
         ramp = inter.ramp * nbytes / (nbytes + inter.ramp_bytes) if inter.ramp else 0.0
-        # pipelined (NCCL on switched nodes): the ramp is the hierarchical pipeline's fill and drain, which a ring
-        # does not pay; otherwise it is the network's cost per transfer, which every algorithm crossing nodes pays
-        est = {name: t + (ramp if name == "hierarchical" or not pipelined else 0.0) for name, t in est.items()}
+        # pipelined (NCCL on switched nodes): the ramp is the tree pipeline's fill and drain, once per tree level,
+        # which a ring does not pay; otherwise it is the network's cost per transfer, which every algorithm crossing
+        # nodes pays
+        est = {name: t + (ramp if name in ("tree", "nvls_tree") else 0.0 if pipelined else ramp) for name, t in est.items()}
     overhead = (
         getattr(instance, "collective_overhead_us", 0.0) + getattr(instance, "collective_overhead_per_rank_us", 0.0) * (n - 1)
     ) * 1e-6
     est = {name: t + overhead for name, t in est.items()}
     best = min(est, key=lambda name: est[name])
     return best, est[best], est
+
+
+def _switched_node(op: str, n: int, nbytes: float, intra: Link, flat: dict[str, float], instance: Any) -> dict[str, float]:
+    """NCCL's algorithms inside one switched GPU node: the ring (a one-shot or halving-doubling exchange is not among
+    them; all-to-all sends to every peer at once) and, for all-reduce on a switch that reduces in the fabric, NVLS: each GPU writes its S bytes into the
+    switch's multicast buffer and reads the reduced S back, at ``nvls_efficiency`` of its port (tuning.cc:
+    nvlsEfficiency, 0.85 on Hopper), after ``nvls_latency_us`` (tuning.cc: hwLatencies NVLINK/NVLS, 25 µs)."""
+    if op == "all_to_all":  # the n-1 transfers at once through the switch, one latency
+        return {"pairwise": intra.alpha + (n - 1) / n * nbytes / intra.bw}
+    est = {"ring": flat["ring"]} if "ring" in flat else dict(flat)
+    eff = getattr(instance, "nvls_efficiency", 0.0) or 0.0
+    if op == "all_reduce" and eff > 0:
+        est["nvls"] = getattr(instance, "nvls_latency_us", 0.0) * 1e-6 + nbytes / (intra.bw * eff)
+    return est
+
+
+def _split_all_to_all(n: int, m: int, nbytes: float, intra: Link, inter: Link) -> float:
+    """All-to-all of S bytes per rank over m ranks on each of n/m nodes: S/n goes to each peer, all at once (NCCL
+    groups the sends and receives), (m-1)/n·S over the node's links and (n-m)/n·S through its network (inter.bw is
+    this rank's share of the NICs); the two parts run side by side, the slower sets the time."""
+    inside = (m - 1) / n * nbytes / intra.bw
+    across = (n - m) / n * nbytes / inter.bw + (n - m) * inter.message
+    return intra.alpha + inter.alpha + max(inside, across)
+
+
+def _tree(k: int, m: int, nbytes: float, intra: Link, inter: Link, nvls: float = 0.0) -> float:
+    """NCCL's double binary tree all-reduce across k nodes (tuning.cc): latency 2·((m-1)·α_intra + ⌈log2 k⌉·α_net);
+    each node sends and receives 2·S through its NICs (interior in one tree, leaf in the other, each tree carrying half
+    of S up and down; on two nodes S, where tuning.cc doubles the tree's inter-node bandwidth), pipelined with the part inside the node: a chain through the m GPUs (each sends
+    S up and S down at the intra link's bandwidth), or with NVLS (``nvls`` > 0, NCCL's NVLS_TREE) one pass through
+    the switch (S each way at ``nvls`` of the port; latency one NVLS step instead of the chain's m-1 hops)."""
+    node_bw = inter.bw * m  # the node's NICs together
+    network = (nbytes if k == 2 else 2 * nbytes) / node_bw
+    if m == 1:  # one rank per node: the tree of nodes alone
+        return 2 * _log2(k) * inter.alpha + network
+    if nvls:
+        return 2 * _log2(k) * inter.alpha + intra.alpha + max(network, nbytes / (intra.bw * nvls))
+    return 2 * ((m - 1) * intra.alpha + _log2(k) * inter.alpha) + max(network, 2 * nbytes / intra.bw)
 
 
 def _node_ring(op: str, n: int, k: int, m: int, nbytes: float, intra: Link, inter: Link) -> float:

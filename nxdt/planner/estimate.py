@@ -59,7 +59,7 @@ def model_numbers(model: Any) -> dict[str, float]:
     moe = getattr(model, "moe", None)
     experts = getattr(moe, "num_experts", 0) or 0
     top_k = getattr(moe, "top_k", 0) or 0
-    mlp_one = 3 * h * model.ffn_hidden_size
+    mlp_one = mlp_matrices(model) * h * model.ffn_hidden_size  # GPT's GELU MLP has 2 matrices, SwiGLU 3
     mlp_total = mlp_one * experts + h * experts if experts else mlp_one
     mlp_active = mlp_one * top_k + h * experts if experts else mlp_one
     per_layer = attn + mlp_total + 2 * h
@@ -615,15 +615,68 @@ def emulated_seconds(op: str, n: int, nbytes: float, link: tuple[float, float]) 
     return hops * latency + moved / bandwidth
 
 
-def compute_efficiency(instance: Any, model: Any, tp: int) -> float:
-    """Achieved fraction of peak FLOP/s: ``compute_efficiency · g / (g + compute_half_size)`` with ``g`` the per-rank
-    GEMM width ``hidden_size / TP`` (the narrowest dimension of the tensor-parallel matmuls: narrow GEMMs keep a
-    systolic array or tensor cores less busy and spend relatively more time moving operands)."""
+def compute_efficiency(instance: Any, model: Any, tp: int, precision: str = "bf16", tokens: float = 0.0) -> float:
+    """Achieved fraction of peak FLOP/s of the matmuls: ``E · g / (g + compute_half_size) · T / (T + compute_half_tokens)``
+    with ``E`` the instance's ``compute_efficiency`` (``compute_efficiency_fp32`` for fp32 training, against
+    ``peak_tflops_fp32``: fitted apart, its kernels and peak differ), ``g`` the per-rank GEMM width ``hidden_size / TP``
+    (the narrowest dimension of the tensor-parallel matmuls) and ``T`` the tokens of one micro-batch on a rank (every
+    GEMM's rows): narrow or short GEMMs keep a systolic array or tensor cores less busy and spend relatively more time
+    moving operands (NVIDIA's "Matrix Multiplication Background" guide: throughput rises with each GEMM dimension until
+    the device is full)."""
+    return matmul_efficiency(instance, model.hidden_size / max(1, tp), precision, tokens)
+
+
+def matmul_efficiency(instance: Any, width: float, precision: str = "bf16", tokens: float = 0.0) -> float:
+    """:func:`compute_efficiency` for a per-rank GEMM width ``width`` (the fit's closed form uses it too)."""
+    eff = instance.compute_efficiency
+    fp32 = getattr(instance, "compute_efficiency_fp32", None)
+    if precision == "fp32" and fp32 is not None:
+        eff = fp32
     half = getattr(instance, "compute_half_size", 0.0)
-    if not half:
-        return instance.compute_efficiency
-    width = model.hidden_size / max(1, tp)
-    return instance.compute_efficiency * width / (width + half)
+    if half:
+        eff *= width / (width + half)
+    half_tokens = getattr(instance, "compute_half_tokens", 0.0)
+    if half_tokens and tokens:
+        eff *= tokens / (tokens + half_tokens)
+    return eff
+
+
+def memory_bound_bytes(cfg: Any, plan: Any) -> dict[str, float]:
+    """Bytes one rank moves through device memory per optimizer step in the work that is no matmul (priced at the
+    device's memory bandwidth, not its FLOP/s), counted per token from the tensors each kernel reads and writes
+    (e bytes per activation element; h hidden, f ffn, S sequence, a heads, V vocabulary):
+
+    ``elementwise``  per layer and token in forward: the two norms (read h, write h each: 4h), the two residual adds
+                     (read 2h, write h: 6h), the MLP's activation (SwiGLU reads gate and up, writes f: 3f; GELU 2f),
+                     and with ``core_attention: naive`` the S×S scores' scale, mask and softmax (read and write S·a
+                     twice: 4·S·a; a fused kernel keeps them on chip); backward twice that, full recomputation one more
+                     forward. TP splits the MLP and attention parts; the norms and residual adds too with SP.
+    ``loss``         per token: the head's logits read and the fp32 log-probabilities written in forward, read and the
+                     logits' gradient written in backward: (2·e + 8)·V / TP.
+    ``optimizer``    once per step, every parameter this rank updates (sharded by ZeRO-1 / FSDP): read and write the
+                     weights, the fp32 master copy and the two moments, read the gradient (:func:`bytes_per_parameter`)."""
+    model, data, ds = cfg.model, cfg.data, cfg.distributed_strategy
+    kind = _kind(cfg)
+    e = _bytes(kind)
+    h, f, heads, vocab = model.hidden_size, model.ffn_hidden_size, model.num_attention_heads, model.vocab_size
+    s = data.seq_length
+    tp, pp = plan.tp, plan.pp
+    tokens = data.global_batch_size * s / (plan.dp * plan.cp)  # this rank's tokens per step (CP: its S/CP of each)
+    activation = (3 if mlp_matrices(model) == 3 else 2) * f
+    scores = 4 * s * heads if model.core_attention == "naive" else 0.0
+    whole = 10 * h / (tp if ds.sequence_parallel else 1)
+    passes = 3 + (1 if model.activations_checkpoint_granularity == "full" else 0)
+    elementwise = tokens * model.num_layers / pp * passes * e * (whole + (activation + scores) / tp)
+    loss = tokens * (2 * e + 8) * vocab / tp / pp  # the last stage's, spread over the stages as the FLOPs are
+    n = model_numbers(model)
+    params = (n["total"] - n["expert_params"]) / (tp * pp)
+    lora = lora_trainable_per_rank(cfg, tp, pp)
+    updated = params if lora is None else lora
+    if ds.zero1 or ds.fsdp.enabled:
+        updated /= plan.dp * plan.cp
+    per = bytes_per_parameter(cfg)
+    optimizer = updated * (2 * (per["params"] + per["master"] + per["moments"]) + per["grads"])
+    return {"elementwise": elementwise, "loss": loss, "optimizer": optimizer}
 
 
 def estimate_plan(plan: Any, cfg: Any, topo: Topology, calibration: dict[str, Any] | None = None) -> None:
@@ -664,7 +717,13 @@ def estimate_plan(plan: Any, cfg: Any, topo: Topology, calibration: dict[str, An
     fpt = flops_per_token(cfg.model, data.seq_length)
     recompute = 4 / 3 if cfg.model.activations_checkpoint_granularity == "full" else 1.0
     flops_rank = fpt * tokens * recompute / plan.world_size
-    compute = flops_rank / (per_rank_peak * compute_efficiency(inst, cfg.model, plan.tp)) if per_rank_peak else 0.0
+    tokens_mb = data.micro_batch_size * data.seq_length / plan.cp
+    efficiency = compute_efficiency(inst, cfg.model, plan.tp, precision, tokens_mb)
+    matmul = flops_rank / (per_rank_peak * efficiency) if per_rank_peak else 0.0
+    hbm = getattr(inst, "memory_bandwidth_GBps", 0.0) * 1e9 / (plan.ranks_per_device if topo.graph != "host" else 1)
+    moved = memory_bound_bytes(cfg, plan) if hbm else {}
+    memory_bound = sum(moved.values()) / hbm if hbm else 0.0
+    compute = matmul + memory_bound
     microbatches = plan.micro_batches
     v = cfg.distributed_strategy.virtual_pipeline_model_parallel_size
     bubble = compute * (plan.pp - 1) / (v * microbatches) if plan.pp > 1 else 0.0
@@ -689,6 +748,7 @@ def estimate_plan(plan: Any, cfg: Any, topo: Topology, calibration: dict[str, An
     plan.estimate = {
         "step_time_s": step,
         "compute_s": compute,
+        "memory_bound_s": memory_bound,  # of compute_s: the non-matmul work at the memory's bandwidth
         "bubble_s": bubble,
         "comm_s": comm,
         "exposed_comm_s": exposed,

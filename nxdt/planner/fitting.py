@@ -22,6 +22,7 @@ from typing import Any, Callable
 import numpy as np
 
 from nxdt.planner.cost import estimate_collective
+from nxdt.planner.estimate import matmul_efficiency
 
 # Which parameters each kind of figure can determine, per instance (the rest keep their catalogue values).
 COLLECTIVE_PARAMS = {
@@ -39,14 +40,33 @@ COLLECTIVE_PARAMS = {
         "inter_node.ramp_us",
         "inter_node.ramp_bytes",
     ],
-    # nccl-tests all_reduce on 2 nodes x 8 GPUs only: every latency adds into one constant (fitted as the network's
-    # step latency) and the NVSwitch bandwidth is hidden behind the slower network stage (pipelined)
+    # nccl-tests all_reduce on 2 nodes x 8 GPUs (p4de, p5) and on 2-32 p5 nodes, and all-to-all on 2-32 p5 nodes
+    # (its message cost): the network's latency carries every latency the 2-node sweep cannot separate (NVSwitch steps;
+    # the per-call overhead is NCCL's base latency, kept), the NVSwitch bandwidth is hidden behind the slower network
+    # stage (pipelined)
     "p4d.24xlarge": ["inter_node.latency_us", "inter_node.efficiency", "inter_node.ramp_us", "inter_node.ramp_bytes"],
-    "p5.48xlarge": ["inter_node.latency_us", "inter_node.efficiency", "inter_node.ramp_us", "inter_node.ramp_bytes"],
+    # p5 also from one H100 node (2, 4, 6 GPUs): NCCL's per-call cost, the NVLink efficiency (ring) and NVLS's
+    "p5.48xlarge": [
+        "collective_overhead_us",
+        "device_link.efficiency",
+        "nvls_efficiency",
+        "inter_node.latency_us",
+        "inter_node.efficiency",
+        "inter_node.ramp_us",
+        "inter_node.ramp_bytes",
+        "inter_node.message_us",
+    ],
 }
-# Training throughputs: the compute efficiency curve over GEMM widths. (Fitting the NeuronLink efficiency with it
-# too was tried and is degenerate on these 5 figures: the fit then explains them by communication alone.)
-STEP_PARAMS = ["compute_efficiency", "compute_half_size"]
+# Training throughputs, per instance: on trn1 the compute efficiency curve over GEMM widths (its 5 Llama figures span
+# widths 128-1024; fitting the NeuronLink efficiency with it too was tried and is degenerate: the fit then explains
+# them by communication alone); on p4de (BERT-Large, one width) the bf16 and fp32 (TF32) efficiencies apart. The curve
+# over tokens per micro-batch (compute_half_tokens) is determined by neither: with it, trn1's fit does not improve
+# (its figures have 4,096 or 8,192 tokens, confounded with the model) and p4de's runs to efficiencies above 1 (its
+# SQuAD figures, 12,288 tokens, are 1.7x slower per FLOP than pre-training at 16,384-32,768: not a saturating curve).
+STEP_PARAMS = {
+    "trn1.32xlarge": ["compute_efficiency", "compute_half_size"],
+    "p4de.24xlarge": ["compute_efficiency", "compute_efficiency_fp32"],
+}
 # Where every fit starts (fixed, so that a fit never depends on values an earlier fit wrote into the catalogue).
 START = {
     "collective_overhead_us": 10.0,
@@ -56,8 +76,13 @@ START = {
     "inter_node.efficiency": 0.8,
     "inter_node.ramp_us": 100.0,
     "inter_node.ramp_bytes": 65536.0,
+    "inter_node.message_us": 1.0,
+    "device_link.efficiency": 0.8,
+    "nvls_efficiency": 0.8,
     "compute_efficiency": 0.4,
     "compute_half_size": 128.0,
+    "compute_efficiency_fp32": 0.4,
+    "compute_half_tokens": 4096.0,
 }
 
 
@@ -85,6 +110,8 @@ def effective(instance: Any, path: str) -> float:
     value = get_param(instance, path)
     if value is None and path.endswith(".efficiency"):
         return instance.link_efficiency
+    if value is None and path == "compute_efficiency_fp32":
+        return instance.compute_efficiency
     return value
 
 
@@ -110,9 +137,11 @@ class CollectiveFigure:
 class StepFigure:
     """One published training throughput (sequences per second) of the configuration ``overrides`` compose.
 
-    ``bind_step`` plans it once with compute efficiency 1 (and the instance's collective parameters): compute and the
-    pipeline bubble scale as 1 / efficiency, the exposed communication does not depend on it (no FSDP overlap in
-    these layouts; checked), so the step time for any compute parameters is ``work / efficiency + exposed``."""
+    ``bind_step`` plans it once with matmul efficiency 1 (and the instance's collective parameters): the matmuls' share
+    of compute and bubble scales as 1 / efficiency, the memory-bound work (``memory_s``, its bubble share included) and
+    the exposed communication do not depend on it (no FSDP overlap in these layouts; checked), so the step time for any
+    compute parameters is ``work / efficiency + memory + exposed``, the efficiency that of
+    nxdt.planner.estimate.matmul_efficiency at the figure's width, precision and tokens per micro-batch."""
 
     id: str
     instance: str
@@ -122,6 +151,9 @@ class StepFigure:
     work_s: float = 0.0  # compute + bubble at efficiency 1
     exposed_s: float = 0.0  # exposed communication per step
     width: float = 0.0  # hidden_size / TP
+    memory_s: float = 0.0  # memory-bound (non-matmul) work + its bubble share
+    precision: str = "bf16"  # precision.type as the efficiency sees it (fp32 or not)
+    tokens: float = 0.0  # tokens per micro-batch on a rank
     cfg: Any = field(default=None, repr=False)  # the composed configuration (from ``bind_step``)
 
     @property
@@ -129,9 +161,8 @@ class StepFigure:
         return self.global_batch / self.seq_per_s
 
     def predict(self, instance: Any) -> float:
-        half = instance.compute_half_size
-        eff = instance.compute_efficiency * (self.width / (self.width + half) if half else 1.0)
-        return self.work_s / eff + self.exposed_s
+        eff = matmul_efficiency(instance, self.width, self.precision, self.tokens)
+        return self.work_s / eff + self.memory_s + self.exposed_s
 
 
 @functools.lru_cache(maxsize=None)
@@ -177,14 +208,20 @@ def bind_step(fig: StepFigure, instance: Any) -> StepFigure:
 
     fig.cfg = compose_step(fig)
     cfg = copy.deepcopy(fig.cfg)
-    cfg.instance = with_params(instance, {"compute_efficiency": 1.0, "compute_half_size": 0.0})
+    unit = {"compute_efficiency": 1.0, "compute_efficiency_fp32": 1.0, "compute_half_size": 0.0, "compute_half_tokens": 0.0}
+    cfg.instance = with_params(instance, unit)
     planned = plan(cfg)
     if any(row["overlap"] for row in planned.collectives):
         raise ValueError(f"{fig.id}: overlapped collectives make the step time non-linear in the compute efficiency")
-    fig.exposed_s = planned.estimate["exposed_comm_s"]
+    est = planned.estimate
+    fig.exposed_s = est["exposed_comm_s"]
     fig.global_batch = cfg.data.global_batch_size
-    fig.work_s = planned.estimate["compute_s"] + planned.estimate["bubble_s"]
+    with_bubble = (est["compute_s"] + est["bubble_s"]) / est["compute_s"] if est["compute_s"] else 1.0
+    fig.memory_s = est["memory_bound_s"] * with_bubble
+    fig.work_s = (est["compute_s"] - est["memory_bound_s"]) * with_bubble
     fig.width = cfg.model.hidden_size / planned.tp
+    fig.precision = "fp32" if cfg.precision.type.removesuffix("SR") == "fp32" else "bf16"
+    fig.tokens = cfg.data.micro_batch_size * cfg.data.seq_length / planned.cp
     return fig
 
 
@@ -254,17 +291,29 @@ def leave_one_out(
     return out
 
 
+def _seconds(entry: dict[str, Any], size: float, value: float) -> float:
+    """A point's time: printed in µs (the default), or as nccl-tests' algbw in GB/s (``unit: algbw_GBps``), which
+    nccl-tests defines as size / time."""
+    unit = entry.get("unit", "us")
+    if unit == "us":
+        return float(value) * 1e-6
+    if unit == "algbw_GBps":
+        return float(size) / (float(value) * 1e9)
+    raise ValueError(f"{entry['id']}: unit {unit!r} (us | algbw_GBps)")
+
+
 def load_published(data: dict[str, Any]) -> tuple[list[CollectiveFigure], list[StepFigure]]:
     """The figures of a published.yaml mapping that are marked for use (``use: false`` entries are skipped)."""
     collectives = [
-        CollectiveFigure(f"{e['id']}@{size}", e["instance"], e["op"], e["ranks"], e["nodes"], int(size), float(us) * 1e-6)
+        CollectiveFigure(f"{e['id']}@{size}", e["instance"], e["op"], e["ranks"], e["nodes"], int(size), _seconds(e, size, value))
         for e in data.get("collectives", [])
         if e.get("use", True)
-        for size, us in e["points"]
+        for size, value in e["points"]
     ]
-    common = list(data.get("end_to_end_common", []))
+    common = data.get("end_to_end_common", {})  # per instance (a list: for every entry)
+    shared = lambda name: list(common.get(name, []) if isinstance(common, dict) else common)
     steps = [
-        StepFigure(e["id"], e["instance"], [*common, *e["overrides"]], float(e["value"]))
+        StepFigure(e["id"], e["instance"], [*shared(e["instance"]), *e["overrides"]], float(e["value"]))
         for e in data.get("end_to_end", [])
         if e.get("use", True)
     ]
