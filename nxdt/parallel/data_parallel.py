@@ -8,8 +8,9 @@ asking which one it has:
 ===================  ==============================  ===============================  ===============================
                      :class:`ReplicatedRuntime`      :class:`Zero1Runtime`            :class:`FSDPRuntime`
 ===================  ==============================  ===============================  ===============================
-finish_gradients     one flat fp32 all-reduce (avg)  reduce-scatter into the shards   the last reduce-scatters
-  (per optimizer)    its params + those of none      its Zero1Optimizer's buckets     (all flats, in backward)
+finish_gradients     fp32 all-reduces (avg): DDP's   reduce-scatter into the shards   the last reduce-scatters
+  (per optimizer)    buckets during backward, else   (per DDP bucket to its owners    (all flats, in backward)
+                     one flat one after it           during backward, else after)
 clip / shard grads   the optimizer's ``p.grad``      the optimizer's shard gradients  the optimizer's flat shards
 parameter_norm       the replica's parameters        the replica's parameters         the flat shards (over DP)
 model state          ``module.state_dict()``         ``module.state_dict()``          full weights gathered over DP
@@ -21,6 +22,10 @@ Each optimizer has its own gradient path: ``finish_gradients(module, optimizer)`
 reads (with the trainable parameters no optimizer holds), and the strategy calls it once per backward and optimizer;
 ``None`` means every optimizer (CausalLMModule's single one). A trainable parameter without gradient is refused by
 name, or with ``find_unused_parameters`` left untouched (:class:`ReplicatedRuntime`).
+
+With ``overlap_grad_reduce`` (the default) the replicated and ZeRO-1 reductions of the last backward before a step run
+during it, bucket by bucket (:mod:`nxdt.parallel.overlap`; the strategy says which backward is the last through
+``before_backward``), with the same bits as after it; ``overlap_off`` names what keeps a run on the after-backward path.
 
 Frozen parameters (``requires_grad=False``: a LoRA model's base) are held by no optimizer and reduced by no runtime:
 the replicated runtime's all-reduce and ZeRO-1's buckets take the trainable ones only, FSDP shards the frozen ones
@@ -215,7 +220,8 @@ def broadcast_flat(tensors: list[Tensor], comm: Communicator) -> None:
 
 
 class ReplicatedRuntime:
-    """Plain data parallelism: every DP rank holds the whole replica; gradients averaged in one flat all-reduce.
+    """Plain data parallelism: every DP rank holds the whole replica; gradients averaged in DDP's buckets during the last
+    backward (:meth:`before_backward`), or in one flat all-reduce after it.
 
     Each optimizer's gradients are reduced before its own step (several optimizers: a GAN's generator and
     discriminator), together with those of trainable parameters no optimizer holds (as DDP reduces every parameter's

@@ -161,3 +161,26 @@ def test_buckets_follow_backward_order_and_cap():
     assert cap_elements(1, 2) == (1 << 20) // 2
     with pytest.raises(ValueError, match="cap_elements"):
         plan_buckets([1], 0)
+
+
+def _three_ranks(world) -> tuple[str | None, int]:
+    model = _mlp()
+    rt = data_parallel_runtime()
+    rt.bind(ModelParallel(dp=world.world, dp_size=world.world_size))
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    rt.shard_model(model, [opt])
+    return rt.overlap_off, len(rt._reductions)
+
+
+def test_a_group_of_three_reduces_after_backward():
+    """Three members: the summation order would depend on the bucket boundaries, so no hooks are set up."""
+    for off, reductions in run_local(_three_ranks, 3, timeout_s=60):
+        assert reductions == 0
+        assert off is not None and "data-parallel group of 3" in off, off
+
+
+def test_strategy_refuses_a_non_boolean_switch():
+    from nxdt.lightning import NxDStrategy
+
+    with pytest.raises(ValueError, match=r"overlap_grad_reduce='yes'\): must be True or False"):
+        NxDStrategy(overlap_grad_reduce="yes")  # type: ignore[arg-type]
