@@ -38,6 +38,10 @@ Semantics worth knowing:
 * ``clip_grad_norm_`` clips the reduced shard gradients that ``step`` uses; the model's ``.grad``
   tensors keep the local, unreduced values — unless ``full_gradients`` is set: then the reduction is one
   all-reduce and every ``.grad`` holds the DP average (before clipping), as under DDP.
+* ``overlap_with_backward`` (what ``NxDStrategy`` sets up by default with a DP group of 2) moves the reduce-scatter
+  into the last backward: DDP's buckets of each bucket, from its end, each reduced to the owners of the shards it
+  covers on the ``dp`` stream as its gradients arrive (:mod:`nxdt.parallel.overlap`); the shards' gradients are
+  bitwise those of the reduce-scatter.
 * ``state_dict()`` is per rank (its shard, its master weights and the layout); ``load_state_dict``
   needs the same layout and DP size, or accepts a consolidated (torch-format) state dict, which
   reshards onto any DP size. ``consolidated_state_dict()`` returns what an unsharded optimizer of the
