@@ -177,6 +177,7 @@ _FREE_KEYS = (
     "distributed_strategy.expert_model_parallel_size",
     "distributed_strategy.sequence_parallel",
     "distributed_strategy.zero1",
+    "distributed_strategy.overlap_grad_reduce",  # the same bits either way: when the reduction runs
     "distributed_strategy.kv_replicator",
     "distributed_strategy.placement_order",
     "distributed_strategy.fsdp.enabled",

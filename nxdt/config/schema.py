@@ -153,6 +153,11 @@ class DistributedStrategyConfig:
     expert_model_parallel_size: int = doc(1, "EP degree (subdivides data parallelism)")
     sequence_parallel: bool = doc(False, "shard activations along the sequence between TP regions")
     zero1: bool = doc(False, "shard optimizer state across data-parallel ranks")
+    overlap_grad_reduce: bool = doc(
+        True,
+        "reduce data-parallel gradients (plain DP, ZeRO-1) in 25 MiB buckets during the last backward, as DDP does; "
+        "same bits as after backward (a DP group of 2; larger ones reduce after backward)",
+    )
     kv_replicator: int = doc(1, "replicate KV heads this many times so TP can exceed the KV head count")
     placement_order: str = doc("tp-cp-ep-dp-pp", "rank order of the dimensions, fastest-varying first")
     fsdp: FSDPConfig = doc(FSDPConfig(), "fully sharded data parallelism")

@@ -90,9 +90,15 @@ class NxDStrategy(ParallelStrategy):
             calls torch.distributed itself. gloo listens on a socket of its own per rank (loopback on one host) whose
             connections it does not authenticate (its rendezvous through the run's store is signed); ``nxdt train``
             turns it off — its module needs no such group, and the store stays the only listener.
-        static_graph, gradient_as_bucket_view, bucket_cap_mb: DDP's options, accepted (so a script written for
-            DDPStrategy runs) and without effect: they tune DDP's gradient buckets and autograd hooks, which nxdt does
-            not have — each optimizer's gradients are reduced once, flattened per dtype, after its last backward.
+        overlap_grad_reduce: reduce the data-parallel gradients (plain DP's average, ZeRO-1's reduce-scatter) in DDP's
+            buckets during the last backward before each step, on the communication stream, as DDP overlaps them
+            (:mod:`nxdt.parallel.overlap`; the same bits as after backward). Where it cannot keep a semantic the
+            reduction runs after backward instead (``NxDStrategy.overlap_off`` says why: a DP group of more than 2,
+            several optimizers, TP partial gradients; also pipeline parallelism and a manual-optimization loop that
+            calls ``manual_backward`` itself, which do not say which backward is the last). False: always after.
+        bucket_cap_mb: DDP's option, honoured: the bucket size of that overlap in MiB (None: DDP's 25).
+        static_graph, gradient_as_bucket_view: DDP's options, accepted (so a script written for DDPStrategy runs) and
+            without effect: nxdt's buckets are filled by copying, and its hooks need no static graph.
         checkpoint_format: ``"auto"`` (one Lightning ``.ckpt`` file, as DDP writes, under plain data parallelism; an
             nxdt directory where the state is sharded: ZeRO-1, FSDP, TP/PP/EP), ``"file"`` or ``"directory"``.
             ``nxdt.lightning.convert_to_lightning_checkpoint(dir, out)`` turns a directory into the file; ``fit`` and
@@ -135,6 +141,7 @@ class NxDStrategy(ParallelStrategy):
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
         bucket_cap_mb: float | None = None,
+        overlap_grad_reduce: bool = True,
         torch_process_group: bool = True,
         checkpoint_format: str = "auto",
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -182,9 +189,16 @@ class NxDStrategy(ParallelStrategy):
         self._comm_choice = {"transport": comm_transport, "algorithm": comm_algorithm}
         self._emulated_links = {dim: nxdt.comm.EmulatedLink(*figures) for dim, figures in (emulated_links or {}).items()}
         # replicated, ZeRO-1 or FSDP: chosen once here, bound to the groups in setup(), then used without asking
+        if not isinstance(overlap_grad_reduce, bool):
+            raise ValueError(f"NxDStrategy(overlap_grad_reduce={overlap_grad_reduce!r}): must be True or False")
         self._dp: DataParallelRuntime = data_parallel_runtime(
-            zero1=zero1, fsdp=fsdp, find_unused_parameters=find_unused_parameters
+            zero1=zero1,
+            fsdp=fsdp,
+            find_unused_parameters=find_unused_parameters,
+            overlap_grad_reduce=overlap_grad_reduce,
+            bucket_cap_mb=bucket_cap_mb,
         )
+        self._backwards_left: int | None = None  # forward_backward: backwards still to come before the step
         self._checkpoints = ShardedCheckpointer(
             self._dp,
             virtual_pipeline=virtual_pipeline_size,
@@ -393,7 +407,11 @@ class NxDStrategy(ParallelStrategy):
         if self.plan.cp > 1:
             micro_batches = shard_micro_batches(micro_batches, self.communicators[Dim.CP])
         if self._parallel.pipeline is None:
-            return module._forward_backward(micro_batches)
+            self._backwards_left = len(micro_batches)  # the last one's gradients may be reduced while it runs
+            try:
+                return module._forward_backward(micro_batches)
+            finally:
+                self._backwards_left = None
         pp, m = self.communicators[Dim.PP], len(micro_batches)
         schedule = (
             interleaved_one_f_one_b(pp.size, pp.rank, m, self._virtual) if self._virtual > 1 else one_f_one_b(pp.size, pp.rank, m)
@@ -471,6 +489,23 @@ class NxDStrategy(ParallelStrategy):
         """2-norm of the whole model's parameters (all TP shards, EP experts, PP stages, FSDP shards); collective."""
         return self._dp.parameter_norm(self.lightning_module)
 
+    @property
+    def overlap_off(self) -> str | None:
+        """Why the data-parallel gradients are reduced after backward rather than during it (None: during it)."""
+        return getattr(self._dp, "overlap_off", None)
+
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        super().pre_backward(closure_loss)
+        # the last backward before the step may reduce its gradients while it runs: automatic optimization's outside
+        # block_backward_sync (DDP's no_sync), forward_backward's last micro-batch. A manual loop of its own does not
+        # say which backward is its last (GRPO's micro-batches): reduced after backward, not once per backward
+        if self._backwards_left is not None:
+            self._backwards_left -= 1
+            last = self._backwards_left == 0
+        else:
+            last = self.lightning_module.automatic_optimization
+        self._dp.before_backward(last and not self._no_sync)
+
     def post_backward(self, closure_loss: Tensor) -> None:
         super().post_backward(closure_loss)
         # new local gradients: each optimizer's next step must reduce its own
@@ -500,7 +535,7 @@ class NxDStrategy(ParallelStrategy):
 
     @contextmanager
     def block_backward_sync(self) -> Iterator[None]:
-        # gradients are only reduced once per optimizer step anyway; DDP's buffer sync reads the flag
+        # the backward inside accumulates: it is not armed (pre_backward), and DDP's buffer sync reads the flag
         self._no_sync = True
         try:
             yield None

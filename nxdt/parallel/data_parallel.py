@@ -8,8 +8,9 @@ asking which one it has:
 ===================  ==============================  ===============================  ===============================
                      :class:`ReplicatedRuntime`      :class:`Zero1Runtime`            :class:`FSDPRuntime`
 ===================  ==============================  ===============================  ===============================
-finish_gradients     one flat fp32 all-reduce (avg)  reduce-scatter into the shards   the last reduce-scatters
-  (per optimizer)    its params + those of none      its Zero1Optimizer's buckets     (all flats, in backward)
+finish_gradients     fp32 all-reduces (avg): DDP's   reduce-scatter into the shards   the last reduce-scatters
+  (per optimizer)    buckets during backward, else   (per DDP bucket to its owners    (all flats, in backward)
+                     one flat one after it           during backward, else after)
 clip / shard grads   the optimizer's ``p.grad``      the optimizer's shard gradients  the optimizer's flat shards
 parameter_norm       the replica's parameters        the replica's parameters         the flat shards (over DP)
 model state          ``module.state_dict()``         ``module.state_dict()``          full weights gathered over DP
@@ -25,6 +26,10 @@ name, or with ``find_unused_parameters`` left untouched (:class:`ReplicatedRunti
 Under FSDP the module's own ``state_dict()`` / ``load_state_dict()`` keep DDP's view (its names, its order, full
 tensors; gathered over DP, a collective) through the hooks of :class:`~nxdt.parallel.fsdp.OriginalStateDict` on every
 module; nxdt's checkpoint code reads the flat shards as stored.
+
+With ``overlap_grad_reduce`` (the default) the replicated and ZeRO-1 reductions of the last backward before a step run
+during it, bucket by bucket (:mod:`nxdt.parallel.overlap`; the strategy says which backward is the last through
+``before_backward``), with the same bits as after it; ``overlap_off`` names what keeps a run on the after-backward path.
 
 Frozen parameters (``requires_grad=False``: a LoRA model's base) are held by no optimizer and reduced by no runtime:
 the replicated runtime's all-reduce and ZeRO-1's buckets take the trainable ones only, FSDP shards the frozen ones
@@ -47,10 +52,12 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 import torch
 from torch import Tensor, nn
 
+from nxdt.comm.stream import Work
 from nxdt.comm.world import Communicator
 from nxdt.parallel import squared_norm
 from nxdt.parallel.expert_parallel import is_expert_parameter, reduce_expert_gradients
 from nxdt.parallel.fsdp import FullyShardedDataParallel, OriginalStateDict, apply_fsdp
+from nxdt.parallel.overlap import DP_STREAM, BackwardReduction, cap_elements, order_free, plan_buckets
 from nxdt.parallel.tensor_parallel import partial_grad_names, shard_spec, sync_replicated_grads
 from nxdt.parallel.zero1 import Zero1Optimizer, unused_parameters_message
 
@@ -137,6 +144,10 @@ class DataParallelRuntime(Protocol):
         parameters no optimizer holds) reduced over DP (and TP/EP) where the optimizer reads them; every optimizer's
         when None. Raises ValueError naming trainable parameters without gradient (unless ``find_unused_parameters``)."""
 
+    def before_backward(self, last: bool) -> None:
+        """Before each backward: ``last`` when it is the last before the optimizer step (not gradient accumulation's
+        earlier micro-batches), whose gradients may then be reduced while it runs (:mod:`nxdt.parallel.overlap`)."""
+
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         """After ``optimizer``'s step: parameters no rank had a gradient for are put back (``find_unused_parameters``)."""
 
@@ -216,7 +227,8 @@ def broadcast_flat(tensors: list[Tensor], comm: Communicator) -> None:
 
 
 class ReplicatedRuntime:
-    """Plain data parallelism: every DP rank holds the whole replica; gradients averaged in one flat all-reduce.
+    """Plain data parallelism: every DP rank holds the whole replica; gradients averaged in DDP's buckets during the last
+    backward (:meth:`before_backward`), or in one flat all-reduce after it.
 
     Each optimizer's gradients are reduced before its own step (several optimizers: a GAN's generator and
     discriminator), together with those of trainable parameters no optimizer holds (as DDP reduces every parameter's
@@ -227,11 +239,19 @@ class ReplicatedRuntime:
     dp_format = "replicated"
     shards_optimizer_state = False
 
-    def __init__(self, find_unused_parameters: bool = False) -> None:
+    def __init__(
+        self, find_unused_parameters: bool = False, *, overlap_grad_reduce: bool = True, bucket_cap_mb: float | None = None
+    ) -> None:
         self._mp: ModelParallel | None = None
         self._grad_buffer: Tensor | None = None
         self.find_unused_parameters = find_unused_parameters
         self.optimizers: list[torch.optim.Optimizer] = []  # the step's optimizers (shard_model)
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.bucket_cap_mb = bucket_cap_mb  # DDP's option: None = its 25 MiB
+        self.overlap_off: str | None = "not set up yet"  # why gradients are reduced after backward (None: overlapped)
+        self._reductions: list[BackwardReduction] = []  # one per flat gradient store the hooks fill
+        self._buckets: list[tuple[list[tuple[str, nn.Parameter]], Tensor]] = []  # replicated: (params, flat) each
+        self._order: dict[int, int] = {}  # parameter id -> its place in the module (error messages list in that order)
 
     def bind(self, mp: ModelParallel) -> None:
         self._mp = mp
@@ -267,6 +287,74 @@ class ReplicatedRuntime:
         self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], *, precision: str = "32-true", tracer: Any = None
     ) -> None:
         self.optimizers = list(optimizers)
+        for r in self._reductions:  # set up again (a second fit): the earlier hooks go
+            r.remove()
+        self._reductions, self._buckets = [], []
+        self.overlap_off = self._overlap_blocker(module)
+        if self.overlap_off is None:
+            self._overlap(module)
+
+    # ------------------------------------------------------------------------------------ overlap with backward
+    def _overlap_blocker(self, module: nn.Module) -> str | None:
+        """Why this run reduces its gradients after backward instead of during it (None: nothing stops the overlap).
+        Each case keeps a semantic the hooks could not: the same bits, TP sums before the DP average, one reduction
+        per optimizer."""
+        if not self.overlap_grad_reduce:
+            return "overlap_grad_reduce is off"
+        if self.mp.dp_size == 1:
+            return "no data parallelism"
+        if not order_free(self.mp.dp):
+            return (
+                f"a data-parallel group of {self.mp.dp_size}: bucket boundaries would change the summation order "
+                "(bits), which only a group of 2 keeps"
+            )
+        if len(self.optimizers) > 1:
+            return f"{len(self.optimizers)} optimizers, each reduced before its own step"
+        if self.mp.tp is not None:
+            partial = self.mp.tp_partial_grads if self.mp.tp_partial_grads is not None else partial_grad_names(_hub(module))
+            if partial:
+                return "gradients summed over TP before the average (sequence parallelism, LoRA's replicated halves)"
+        if any(p.requires_grad and p.device.type != "cpu" for p in module.parameters()):
+            return "parameters off the CPU"
+        return None
+
+    def _overlap(self, module: nn.Module) -> None:
+        """DDP's buckets over the trainable dense parameters, in reverse module order (:mod:`nxdt.parallel.overlap`):
+        each one flat fp32 buffer of its gradients then one 1/0 per parameter, as :meth:`sync_gradients`' single one."""
+        named = [(n, p) for n, p in self._stepped(module, None) if not is_expert_parameter(p)]
+        self._order = {id(p): i for i, (_, p) in enumerate(named)}
+        backward = named[::-1]
+        groups = plan_buckets([p.numel() for _, p in backward], cap_elements(self.bucket_cap_mb, 4))
+        self._buckets = [
+            ([backward[i] for i in g], self.mp.dp.empty(sum(backward[i][1].numel() for i in g) + len(g), torch.float32))
+            for g in groups
+        ]
+        place: dict[int, tuple[int, int]] = {}  # parameter id -> (its first element, its flag) in its bucket's flat
+        for params, flat in self._buckets:
+            numel = flat.numel() - len(params)
+            at = 0
+            for k, (_, p) in enumerate(params):
+                place[id(p)] = (at, numel + k)
+                at += p.numel()
+        dp = self.mp.dp
+
+        def fill(b: int, p: nn.Parameter) -> None:
+            at, flag = place[id(p)]
+            flat = self._buckets[b][1]
+            view = flat[at : at + p.numel()]  # a parameter without a gradient on this rank contributes zeros
+            view.copy_(p.grad.reshape(-1)) if p.grad is not None else view.zero_()
+            flat[flag] = float(p.grad is not None)
+
+        def launch(b: int) -> list[Work]:
+            work = dp.all_reduce(self._buckets[b][1], op="avg", stream=DP_STREAM, async_op=True)
+            assert work is not None  # async_op: always a Work
+            return [work]
+
+        self._reductions = [BackwardReduction([[p for _, p in params] for params, _ in self._buckets], fill, launch, dp)]
+
+    def before_backward(self, last: bool) -> None:
+        for r in self._reductions:
+            r.arm() if last else r.disarm()
 
     # ------------------------------------------------------------------------------------ gradients
     def _stepped(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[tuple[str, nn.Parameter]]:
@@ -291,7 +379,11 @@ class ReplicatedRuntime:
         pass  # every .grad is the average already (FSDP: its shards' gradients are)
 
     def reduce_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """The data-parallel reduction proper (after the TP sums, before the expert reduction)."""
+        """The data-parallel reduction proper (after the TP sums, before the expert reduction): the buckets the armed
+        backward reduced, else one all-reduce now."""
+        if self._reductions and self._reductions[0].finish():
+            self._write_averages(self._buckets)
+            return
         self.sync_gradients(self._stepped(module, optimizer))
 
     @torch.no_grad()
@@ -312,20 +404,31 @@ class ReplicatedRuntime:
             offset += p.numel()
         flat[numel:].copy_(torch.tensor([float(p.grad is not None) for _, p in params]))
         self.mp.dp.all_reduce(flat, op="avg")
-        used = flat[numel:].clone()  # the share of ranks with a gradient: exactly 1.0 (k/k) where all have one
-        lacking = [n for (n, _), u in zip(params, used.tolist()) if u < 1.0]
+        self._write_averages([(params, flat)])
+
+    @torch.no_grad()
+    def _write_averages(self, reduced: Sequence[tuple[Sequence[tuple[str, nn.Parameter]], Tensor]]) -> None:
+        """Each (parameters, flat) averaged over DP — their gradients, then one share of ranks with a gradient per
+        parameter — into the parameters' ``.grad``; refuses parameters some rank lacks a gradient for, by name."""
+        lacking: list[tuple[int, str]] = []
+        for params, flat in reduced:
+            numel = flat.numel() - len(params)
+            # the share of ranks with a gradient: exactly 1.0 (k/k) where all have one
+            lacking += [(self._order.get(id(p), 0), n) for (n, p), u in zip(params, flat[numel:].tolist()) if u < 1.0]
         if lacking and not self.find_unused_parameters:
-            raise ValueError(f"NxDStrategy: {unused_parameters_message(lacking)}")
-        offset = 0
-        for (_, p), u in zip(params, used.tolist()):
-            view = flat[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
-            if u == 0.0:  # no rank has one: grad stays None and the optimizer skips the parameter, as under DDP
-                continue
-            if p.grad is None:
-                p.grad = view.to(p.dtype).clone()
-            else:
-                p.grad.copy_(view)
+            raise ValueError(f"NxDStrategy: {unused_parameters_message([n for _, n in sorted(lacking, key=lambda x: x[0])])}")
+        for params, flat in reduced:
+            numel = flat.numel() - len(params)
+            offset = 0
+            for (_, p), u in zip(params, flat[numel:].tolist()):
+                view = flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if u == 0.0:  # no rank has one: grad stays None and the optimizer skips the parameter, as under DDP
+                    continue
+                if p.grad is None:
+                    p.grad = view.to(p.dtype).clone()
+                else:
+                    p.grad.copy_(view)
 
     def _clipped(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[tuple[str, Tensor]]:
         """(name, gradient) of what clipping ``optimizer`` scales: its parameters' (every optimizer's when None)."""
@@ -437,10 +540,21 @@ class Zero1Runtime(ReplicatedRuntime):
         for o in self._sharded(None):
             o.full_gradients = True
 
-    def _sharded(self, optimizer: torch.optim.Optimizer | None) -> list[Zero1Optimizer]:
-        """The ZeRO-1 optimizers one step concerns: ``optimizer`` itself, or every one (None)."""
-        chosen = [optimizer] if optimizer is not None else self.optimizers
-        return [o for o in chosen if isinstance(o, Zero1Optimizer)]
+    def _overlap_blocker(self, module: nn.Module) -> str | None:
+        blocker = super()._overlap_blocker(module)
+        if blocker is None and self.mp.ep is not None:
+            return "expert parallelism (expert gradients are reduced after the dense ones)"
+        if blocker is None and not self._sharded(None):
+            return "no ZeRO-1 optimizer"
+        return blocker
+
+    def _overlap(self, module: nn.Module) -> None:
+        """Each ZeRO-1 optimizer reduces its buckets to the shards' owners in DDP's buckets during backward."""
+        order = [p for p in _hub(module).parameters()]
+        found = [o.overlap_with_backward(self.bucket_cap_mb, order) for o in self._sharded(None)]
+        self._reductions = [r for r in found if r is not None]
+        if not self._reductions:
+            self.overlap_off = "nothing to reduce during backward"
 
     def reduce_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         sharded = self._sharded(optimizer)
@@ -448,6 +562,11 @@ class Zero1Runtime(ReplicatedRuntime):
             o.reduce_gradients(again=True)  # the strategy calls this once per backward: new local gradients
         in_buckets = {id(p) for o in sharded for g in o.param_groups for p in g["params"]}
         self.sync_gradients([(n, p) for n, p in self._stepped(module, optimizer) if id(p) not in in_buckets])
+
+    def _sharded(self, optimizer: torch.optim.Optimizer | None) -> list[Zero1Optimizer]:
+        """The ZeRO-1 optimizers one step concerns: ``optimizer`` itself, or every one (None)."""
+        chosen = [optimizer] if optimizer is not None else self.optimizers
+        return [o for o in chosen if isinstance(o, Zero1Optimizer)]
 
     @torch.no_grad()
     def clip_grad_norm_(self, module: nn.Module, max_norm: float, optimizer: torch.optim.Optimizer | None = None) -> Tensor:
@@ -487,7 +606,8 @@ class FSDPRuntime(ReplicatedRuntime):
     shards_optimizer_state = True
 
     def __init__(self, options: dict[str, Any] | None = None, find_unused_parameters: bool = False) -> None:
-        super().__init__(find_unused_parameters)
+        super().__init__(find_unused_parameters, overlap_grad_reduce=False)
+        self.overlap_off = "FSDP reduce-scatters its units during backward itself"
         self.options = dict(options or {})
         self.fsdp: FullyShardedDataParallel | None = None
         self.prefix = ""  # FSDP names parameters relative to the units' owner; checkpoints from the module
@@ -654,12 +774,21 @@ class FSDPRuntime(ReplicatedRuntime):
 
 
 def data_parallel_runtime(
-    *, zero1: bool = False, fsdp: bool | dict[str, Any] = False, find_unused_parameters: bool = False
+    *,
+    zero1: bool = False,
+    fsdp: bool | dict[str, Any] = False,
+    find_unused_parameters: bool = False,
+    overlap_grad_reduce: bool = True,
+    bucket_cap_mb: float | None = None,
 ) -> DataParallelRuntime:
     """The runtime for a strategy's options: ``fsdp`` (True or :func:`~nxdt.parallel.fsdp.apply_fsdp` options),
-    ``zero1``, else plain replication; ``find_unused_parameters`` as DDP's (see :class:`ReplicatedRuntime`)."""
+    ``zero1``, else plain replication; ``find_unused_parameters`` as DDP's (see :class:`ReplicatedRuntime`);
+    ``overlap_grad_reduce`` / ``bucket_cap_mb``: the replicated and ZeRO-1 reductions in DDP's buckets during the last
+    backward (:mod:`nxdt.parallel.overlap`; FSDP overlaps its own reduce-scatters)."""
     if fsdp and zero1:
         raise ValueError("NxDStrategy(fsdp=..., zero1=True): FSDP shards the optimizer state already; choose one")
     if fsdp:
         return FSDPRuntime(fsdp if isinstance(fsdp, dict) else {}, find_unused_parameters)
-    return (Zero1Runtime if zero1 else ReplicatedRuntime)(find_unused_parameters)
+    return (Zero1Runtime if zero1 else ReplicatedRuntime)(
+        find_unused_parameters, overlap_grad_reduce=overlap_grad_reduce, bucket_cap_mb=bucket_cap_mb
+    )

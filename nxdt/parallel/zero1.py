@@ -38,6 +38,10 @@ Semantics worth knowing:
 * ``clip_grad_norm_`` clips the reduced shard gradients that ``step`` uses; the model's ``.grad``
   tensors keep the local, unreduced values — unless ``full_gradients`` is set: then the reduction is one
   all-reduce and every ``.grad`` holds the DP average (before clipping), as under DDP.
+* ``overlap_with_backward`` (what ``NxDStrategy`` sets up by default with a DP group of 2) moves the reduce-scatter
+  into the last backward: DDP's buckets of each bucket, from its end, each reduced to the owners of the shards it
+  covers on the ``dp`` stream as its gradients arrive (:mod:`nxdt.parallel.overlap`); the shards' gradients are
+  bitwise those of the reduce-scatter.
 * ``state_dict()`` is per rank (its shard, its master weights and the layout); ``load_state_dict``
   needs the same layout and DP size, or accepts a consolidated (torch-format) state dict, which
   reshards onto any DP size. ``consolidated_state_dict()`` returns what an unsharded optimizer of the
@@ -55,14 +59,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from nxdt.comm.stream import Work
 from nxdt.comm.world import Communicator
 from nxdt.parallel import squared_norm
 from nxdt.parallel.expert_parallel import is_expert_parameter
+from nxdt.parallel.overlap import DP_STREAM, BackwardReduction, cap_elements, order_free, plan_buckets
 
 __all__ = ["Zero1Optimizer", "STATE_FORMAT", "consolidate_shard_states", "unused_parameters_message"]
 
 STATE_FORMAT = "nxdt.zero1/v1"
-DP_STREAM = "dp"
 
 
 @dataclass
@@ -174,6 +179,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         # p.grad between reduction and step expects, as under DDP: a Lightning on_before_optimizer_step hook); costs
         # the all-gather half of an all-reduce more than the reduce-scatter alone. Off: .grad keeps local values.
         self.full_gradients = False
+        self._reduction: BackwardReduction | None = None  # overlap_with_backward's buckets, when set up
 
     # ------------------------------------------------------------------------------ construction
     def _normalise_groups(self, params: Iterable[Any], model: nn.Module | None) -> list[dict[str, Any]]:
@@ -281,6 +287,65 @@ class Zero1Optimizer(torch.optim.Optimizer):
             )
         super().add_param_group(param_group)
 
+    # ------------------------------------------------------------------------------ overlap with backward
+    def overlap_with_backward(
+        self, bucket_cap_mb: float | None = None, order: Sequence[nn.Parameter] = ()
+    ) -> BackwardReduction | None:
+        """Reduce each bucket's gradients during the last backward before the step, in DDP's buckets
+        (:mod:`nxdt.parallel.overlap`): every ``bucket_cap_mb`` of a bucket, from its end (backward's order), is
+        reduced (averaged) to the owners of the shards it covers (an all-reduce with ``full_gradients``) on the
+        ``dp`` stream as soon as its gradients are there. ``order``: the model's parameters in module order (the
+        buckets are issued in the order backward completes them; default: the param groups' order). The caller arms
+        the returned reduction before that backward (:meth:`BackwardReduction.arm`); None (nothing set up) when the
+        pieces would change the summation order (:func:`~nxdt.parallel.overlap.order_free`) or there is no DP."""
+        if self._reduction is not None:
+            self._reduction.remove()
+            self._reduction = None
+        if self._dp_group is None or not order_free(self._dp_group):
+            return None
+        order = list(order) or [p for g in self.param_groups for p in g["params"]]
+        position = {id(p): i for i, p in enumerate(order)}
+        place: dict[int, tuple[_Bucket, int]] = {}
+        pieces: list[tuple[_Bucket, list[nn.Parameter], int, int]] = []  # (bucket, its parameters, first, end)
+        for b in self._buckets:
+            dtype = b.shard.dtype  # fp32 with master weights, as reduce_gradients reduces
+            if b.grad_flat is None or b.grad_flat.dtype != dtype:
+                b.grad_flat = self._buffer(b.padded, dtype, b.flat.device)
+            b.grad_flat.zero_()  # the padding stays zero; every parameter's part is filled each step
+            backward = list(range(len(b.params)))[::-1]
+            for run in plan_buckets(
+                [b.params[i].numel() for i in backward], cap_elements(bucket_cap_mb, b.grad_flat.element_size())
+            ):
+                members = [backward[i] for i in run]  # descending positions in the bucket
+                end = b.padded if members[0] == len(b.params) - 1 else b.offsets[members[0]] + b.params[members[0]].numel()
+                pieces.append((b, [b.params[i] for i in members], b.offsets[members[-1]], end))
+                place.update({id(b.params[i]): (b, b.offsets[i]) for i in members})
+        # issued in the order backward completes them: a piece is complete when its earliest parameter arrives
+        pieces.sort(key=lambda piece: -min(position.get(id(p), -1) for p in piece[1]))
+        dp = self._dp
+
+        def fill(_: int, p: nn.Parameter) -> None:
+            b, off = place[id(p)]
+            view = b.grad_flat[off : off + p.numel()]  # type: ignore[index]
+            view.copy_(p.grad.reshape(-1)) if p.grad is not None else view.zero_()
+
+        def launch(k: int) -> list[Work]:
+            b, _, first, end = pieces[k]
+            flat = b.grad_flat
+            assert flat is not None
+            if self.full_gradients:
+                works = [dp.all_reduce(flat[first:end], op="avg", stream=DP_STREAM, async_op=True)]
+            else:  # each shard's part of the piece to its owner: the reduce-scatter's result, piece by piece
+                works = []
+                for r in range(self.dp_size):
+                    lo, hi = max(first, r * b.shard_size), min(end, (r + 1) * b.shard_size)
+                    if lo < hi:
+                        works.append(dp.reduce(flat[lo:hi], root=r, op="avg", stream=DP_STREAM, async_op=True))
+            return [w for w in works if w is not None]
+
+        self._reduction = BackwardReduction([piece[1] for piece in pieces], fill, launch, dp)
+        return self._reduction
+
     # ------------------------------------------------------------------------------ gradients
     def reduce_gradients(self, *, again: bool = False) -> None:
         """Reduce-scatter (average over DP) every bucket's gradient into its owned shard; idempotent until
@@ -288,6 +353,14 @@ class Zero1Optimizer(torch.optim.Optimizer):
         ran after the last reduction, e.g. a second optimizer's). Called by ``clip_grad_norm_`` and ``step``.
         Raises ValueError naming the parameters without gradient (see ``find_unused_parameters``)."""
         if self._grads_reduced and not again:
+            return
+        if self._reduction is not None and self._reduction.finish():  # reduced during the armed backward
+            self._check_unused()
+            for b in self._buckets:
+                lo = self.dp_rank * b.shard_size
+                b.shard.grad = b.grad_flat[lo : lo + b.shard_size]  # type: ignore[index]
+            self._write_full_gradients()
+            self._grads_reduced = True
             return
         self._check_unused()
         works = []
@@ -314,6 +387,11 @@ class Zero1Optimizer(torch.optim.Optimizer):
             b.shard.grad = out
         for w in works:
             w.wait()
+        self._write_full_gradients()
+        self._grads_reduced = True
+
+    def _write_full_gradients(self) -> None:
+        """``full_gradients``: the DP average (each bucket's ``grad_flat``, all-reduced) into every parameter's .grad."""
         if self.full_gradients and self.dp_size > 1:
             for b in self._buckets:
                 for p, off in zip(b.params, b.offsets):
@@ -324,7 +402,6 @@ class Zero1Optimizer(torch.optim.Optimizer):
                         p.grad = avg.to(p.dtype, copy=True)
                     else:
                         p.grad.copy_(avg)
-        self._grads_reduced = True
 
     def _check_unused(self) -> None:
         """Count, over DP, the ranks holding a gradient for each bucket parameter (one all-reduce); refuse or record

@@ -1,0 +1,186 @@
+"""Data-parallel gradient reduction overlapped with backward (nxdt.parallel.overlap): the same bits as after backward.
+
+One spawned 2-rank world trains, for plain DP and ZeRO-1, each model twice from the same start — the reduction after
+backward (``overlap_grad_reduce=False``, the path nxdt always had) and in DDP's buckets during the last backward —
+with gradient accumulation 2 (the strategy arms only the last micro-batch's backward), AdamW and clipping, and
+compares the weights with ``torch.equal`` after every step. No tolerance: with two DP members every element is one
+fp32 addition (commutative) and a halving on every path, so any difference is a bug (a stale or missed gradient, a
+wrong bucket offset), not rounding. The models: an MLP with a frozen layer and a layer rank 1 uses only in the first
+micro-batch (its gradient comes from accumulation, never from a hook in the armed backward) and one rank 0 never
+uses (``find_unused_parameters``: the 1/0 presence flags); and a LoRA Llama (frozen base, adapters trained) with
+full activation checkpointing (recomputation inside backward: each hook must still fire once). Small bucket caps make
+several buckets, and the test checks that buckets left during backward, not all at the end.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from nxdt.comm.spawn import run_local
+from nxdt.models.llama import LlamaForCausalLM
+from nxdt.models.lora import apply_lora
+from nxdt.parallel.data_parallel import ModelParallel, data_parallel_runtime
+from nxdt.parallel.overlap import cap_elements, plan_buckets
+
+STEPS, MICRO, MAX_NORM = 3, 2, 0.5
+TINY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=2,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=64,
+    max_position_embeddings=64,
+    rope_theta=10000.0,
+    norm_eps=1e-5,
+    tie_word_embeddings=False,
+    init_method_std=0.02,
+    activations_checkpoint_granularity="full",
+)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        # registered first, so in the bucket issued last: its gradient, missing from the armed backward on both ranks,
+        # holds back only that bucket (buckets leave in order, as DDP's)
+        self.side = nn.Linear(32, 4)  # rank 1: first micro-batch only; rank 0: never
+        self.first = nn.Linear(8, 32)
+        self.frozen = nn.Linear(32, 32)
+        self.frozen.requires_grad_(False)
+        self.middle = nn.Linear(32, 32)
+        self.last = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor, side: bool) -> torch.Tensor:
+        h = torch.tanh(self.middle(torch.tanh(self.frozen(torch.tanh(self.first(x))))))
+        return self.last(h) + (self.side(h) if side else 0)
+
+
+def _mlp_loss(model: nn.Module, rank: int, step: int, micro: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    x, y = torch.randn(4, 8, generator=g) * 3, torch.randn(4, 4, generator=g)
+    return nn.functional.mse_loss(model(x, side=rank == 1 and micro == 0), y)
+
+
+def _llama_loss(model: nn.Module, rank: int, step: int, micro: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    ids = torch.randint(0, TINY["vocab_size"], (2, 16), generator=g)
+    logits = model(ids[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return _Net()
+
+
+def _llama() -> nn.Module:
+    torch.manual_seed(0)
+    model = apply_lora(LlamaForCausalLM(SimpleNamespace(**TINY)), rank=4, alpha=8, target_modules=("qkv_proj", "down_proj"))
+    with torch.no_grad():  # B = 0 at the start would leave A's gradient zero
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.1 * torch.randn(p.shape))
+    return model
+
+
+# (model, loss, bucket_cap_mb: a few buckets, find_unused_parameters)
+MODELS = {"mlp": (_mlp, _mlp_loss, 2e-3, True), "lora_llama": (_llama, _llama_loss, 1e-3, False)}
+
+
+def _train(world, build, loss_fn, zero1: bool, overlap: bool, cap: float, unused: bool) -> dict:
+    rank = world.rank
+    model = build()
+    rt = data_parallel_runtime(zero1=zero1, overlap_grad_reduce=overlap, bucket_cap_mb=cap, find_unused_parameters=unused)
+    rt.bind(ModelParallel(dp=world.world, dp_size=world.world_size))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = rt.shard_optimizer(torch.optim.AdamW(trainable, lr=1e-2, foreach=False), model)
+    rt.shard_model(model, [opt])
+    weights, issued = [], []
+    for step in range(STEPS):
+        for micro in range(MICRO):
+            rt.before_backward(last=micro == MICRO - 1)  # what NxDStrategy.pre_backward says
+            loss_fn(model, rank, step, micro).div(MICRO).backward()
+        rt.finish_gradients(model)
+        issued.append([r.issued_in_backward for r in rt._reductions])
+        rt.clip_grad_norm_(model, MAX_NORM)
+        opt.step()
+        rt.after_step(opt)
+        opt.zero_grad()
+        weights.append([p.detach().clone() for p in model.parameters()])
+    buckets = [len(r.buckets) for r in rt._reductions]
+    return {"weights": weights, "issued": issued, "buckets": buckets, "off": rt.overlap_off}
+
+
+def _worker(world) -> dict:
+    out = {}
+    for name, (build, loss_fn, cap, unused) in MODELS.items():
+        for zero1 in (False, True):
+            runs = {overlap: _train(world, build, loss_fn, zero1, overlap, cap, unused) for overlap in (False, True)}
+            out[(name, zero1)] = {
+                "equal": [
+                    all(torch.equal(a, b) for a, b in zip(x, y)) for x, y in zip(runs[False]["weights"], runs[True]["weights"])
+                ],
+                "moved": not all(torch.equal(a, b) for a, b in zip(runs[True]["weights"][0], build().parameters())),
+                "issued": runs[True]["issued"],
+                "buckets": runs[True]["buckets"],
+                "off": (runs[False]["off"], runs[True]["off"]),
+            }
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_local(_worker, 2, timeout_s=240)
+
+
+@pytest.mark.parametrize("zero1", [False, True], ids=["replicated", "zero1"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_overlapped_reduction_is_bitwise_the_post_backward_one(results, name, zero1):
+    for rank, per_rank in enumerate(results):
+        got = per_rank[(name, zero1)]
+        assert got["off"] == ("overlap_grad_reduce is off", None), (rank, got["off"])
+        assert got["moved"], "the weights did not train"
+        assert all(got["equal"]), f"rank {rank}: weights differ from the post-backward path at steps {got['equal']}"
+        (buckets,) = got["buckets"]
+        assert buckets >= 3, f"the bucket cap made only {buckets} bucket(s)"
+        # buckets leave during the armed backward, not all after it (the first layer's bucket completes last)
+        assert all(0 < issued[0] <= buckets for issued in got["issued"]), got["issued"]
+
+
+def test_buckets_follow_backward_order_and_cap():
+    assert plan_buckets([4, 4, 4, 4], 8) == [[0, 1], [2, 3]]
+    assert plan_buckets([3, 20, 2, 2, 9], 8) == [[0], [1], [2, 3], [4]]  # a larger one alone; nothing split
+    assert plan_buckets([0, 5, 0], 5) == [[0, 1, 2]]
+    assert plan_buckets([], 8) == []
+    assert cap_elements(None, 4) == 25 * (1 << 20) // 4  # DDP's default bucket_cap_mb, 25 MiB
+    assert cap_elements(1, 2) == (1 << 20) // 2
+    with pytest.raises(ValueError, match="cap_elements"):
+        plan_buckets([1], 0)
+
+
+def _three_ranks(world) -> tuple[str | None, int]:
+    model = _mlp()
+    rt = data_parallel_runtime()
+    rt.bind(ModelParallel(dp=world.world, dp_size=world.world_size))
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    rt.shard_model(model, [opt])
+    return rt.overlap_off, len(rt._reductions)
+
+
+def test_a_group_of_three_reduces_after_backward():
+    """Three members: the summation order would depend on the bucket boundaries, so no hooks are set up."""
+    for off, reductions in run_local(_three_ranks, 3, timeout_s=60):
+        assert reductions == 0
+        assert off is not None and "data-parallel group of 3" in off, off
+
+
+def test_strategy_refuses_a_non_boolean_switch():
+    from nxdt.lightning import NxDStrategy
+
+    with pytest.raises(ValueError, match=r"overlap_grad_reduce='yes'\): must be True or False"):
+        NxDStrategy(overlap_grad_reduce="yes")  # type: ignore[arg-type]
