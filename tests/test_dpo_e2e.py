@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import warm_cli
 import torch
 import torch.nn.functional as F
 
@@ -53,30 +54,8 @@ SHORT_PROMPTS = {
 
 
 def _train(cwd, name, *overrides):
-    import os
-    import subprocess
-    import sys
-
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "nxdt.cli",
-            "train",
-            "--config-path",
-            str(CONFIGS),
-            "--config-name",
-            name,
-            *SHRINK,
-            SHORT_PROMPTS[name],
-            *overrides,
-        ],
-        cwd=cwd,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        capture_output=True,
-        text=True,
-        timeout=230,
-    )
+    args = ["train", "--config-path", str(CONFIGS), "--config-name", name, *SHRINK, SHORT_PROMPTS[name], *overrides]
+    result = warm_cli.run(args, cwd=cwd, timeout=230)
     assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
     return result
 

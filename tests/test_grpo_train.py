@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm_cli
 
 from nxdt.config import compose_config
 from nxdt.lightning.grpo import GRPOConfigError, check, score
@@ -48,14 +49,7 @@ def _nxdt(cwd: Path, *overrides: str, pythonpath: Path | None = None) -> subproc
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pythonpath), env.get("PYTHONPATH", "")) if p)
-    return subprocess.run(
-        [sys.executable, "-m", "nxdt.cli", "train", "+recipe=grpo", *overrides],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return warm_cli.run(["train", "+recipe=grpo", *overrides], cwd=cwd, env=env, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -23,10 +23,10 @@ from __future__ import annotations
 import csv
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import warm_cli
 import torch
 from safetensors.torch import load_file
 
@@ -46,7 +46,7 @@ COMMON = [
 
 
 def nxdt(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "nxdt.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=240)
+    return warm_cli.run([*args], cwd=cwd, timeout=240)
 
 
 def trained(result: subprocess.CompletedProcess) -> None:

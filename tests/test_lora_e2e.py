@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import warm_cli
 import torch
 
 from hf_reference import llama_config
@@ -66,12 +65,8 @@ def run(tmp_path_factory):
         f"data.val_dir={root / 'validation.jsonl'}",
         "model.optim.lr=2e-2",
     ]
-    result = subprocess.run(
-        [sys.executable, "-m", "nxdt.cli", "train", "--config-path", str(CONFIGS), "--config-name", NAME, *SHRINK, *overrides],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=230,
+    result = warm_cli.run(
+        ["train", "--config-path", str(CONFIGS), "--config-name", NAME, *SHRINK, *overrides], cwd=root, timeout=230
     )
     assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
     return {"base": root / "base", "run": root / "run", "stdout": result.stdout, "transformers": transformers}

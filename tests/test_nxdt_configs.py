@@ -13,11 +13,11 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import warm_cli
 
 from nxdt.cli import main
 from nxdt.config import ConfigError, compose_nxdt_config, field_docs
@@ -536,12 +536,10 @@ def initial_parameter_norm(cfg) -> float:
 def test_the_same_config_shrunk_trains_on_cpu(name, tmp_path):
     run = tmp_path / "run"
     overrides = [*SHRINK, *LAYOUTS[name], f"exp_manager.explicit_log_dir={run}"]
-    result = subprocess.run(
-        [sys.executable, "-m", "nxdt.cli", "train", "--config-path", str(CONFIGS), "--config-name", name, *overrides],
+    result = warm_cli.run(
+        ["train", "--config-path", str(CONFIGS), "--config-name", name, *overrides],
         cwd=tmp_path,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        capture_output=True,
-        text=True,
         timeout=170,
     )
     assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"

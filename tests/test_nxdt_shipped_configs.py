@@ -12,10 +12,10 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import warm_cli
 
 from nxdt.config import ConfigError, compose_nxdt_config
 from nxdt.data import SAMPLE_TEXT
@@ -248,12 +248,7 @@ def corpus(tmp_path: Path) -> tuple[Path, Path]:
     for part, chunk in (("a", paragraphs[:200]), ("b", paragraphs[200:])):
         src = tmp_path / f"{part}.jsonl"
         src.write_text("".join(json.dumps({"text": p}) + "\n" for p in chunk), encoding="utf-8")
-        out = subprocess.run(
-            [sys.executable, "-m", "nxdt.cli", "data", "convert-megatron", str(src), "--output-prefix", str(tmp_path / part)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        out = warm_cli.run(["data", "convert-megatron", str(src), "--output-prefix", str(tmp_path / part)], timeout=60)
         assert out.returncode == 0, out.stderr
         prefixes.append(tmp_path / part)
     return prefixes[0], prefixes[1]
@@ -261,12 +256,10 @@ def corpus(tmp_path: Path) -> tuple[Path, Path]:
 
 def train_shipped(name: str, overrides: list[str], cwd) -> subprocess.CompletedProcess:
     """``nxdt train`` on a shipped NxDT config with overrides; it must finish, with no key called unknown."""
-    result = subprocess.run(
-        [sys.executable, "-m", "nxdt.cli", "train", "--config-path", str(SHIPPED), "--config-name", name, *overrides],
+    result = warm_cli.run(
+        ["train", "--config-path", str(SHIPPED), "--config-name", name, *overrides],
         cwd=cwd,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        capture_output=True,
-        text=True,
         timeout=170,
     )
     assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"

@@ -17,10 +17,10 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import warm_cli
 import torch
 
 from nxdt.data import SAMPLE_INSTRUCTIONS
@@ -94,12 +94,10 @@ def data(tmp_path_factory):
 
 
 def _train(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        [sys.executable, "-m", "nxdt.cli", "train", "--config-path", str(CONFIGS), "--config-name", NAME, *SHRINK, *overrides],
+    result = warm_cli.run(
+        ["train", "--config-path", str(CONFIGS), "--config-name", NAME, *SHRINK, *overrides],
         cwd=cwd,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        capture_output=True,
-        text=True,
         timeout=230,
     )
     assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"

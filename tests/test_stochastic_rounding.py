@@ -9,12 +9,11 @@ import io
 import inspect
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import warm_cli
 import torch
 
 from nxdt.lightning.optim import build_optimizer
@@ -327,13 +326,7 @@ def test_sr_with_fp32_is_one_line_exit_2(tmp_path):
 
     with pytest.raises(ConfigError, match="fp32SR.*nothing to bf16.*bf16SR, mixed_precisionSR"):
         compose_config(["data=synthetic", "precision.type=fp32SR"])
-    result = subprocess.run(
-        [sys.executable, "-m", "nxdt.cli", "train", "precision.type=fp32SR"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = warm_cli.run(["train", "precision.type=fp32SR"], cwd=tmp_path, timeout=60)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1 and "precision.type='fp32SR'" in lines[0], result.stderr
     assert not (tmp_path / "outputs").exists()
@@ -393,11 +386,8 @@ def test_nxdt_train_bf16sr_end_to_end(tmp_path):
     from safetensors.torch import load_file
 
     run = tmp_path / "run"
-    result = subprocess.run(
+    result = warm_cli.run(
         [
-            sys.executable,
-            "-m",
-            "nxdt.cli",
             "train",
             "model=llama_tiny",
             "data=synthetic",
@@ -410,8 +400,6 @@ def test_nxdt_train_bf16sr_end_to_end(tmp_path):
             f"exp_manager.explicit_log_dir={run}",
         ],
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
         timeout=200,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )

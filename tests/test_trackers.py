@@ -12,10 +12,10 @@ import os
 import socket
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import warm_cli
 
 pytest.importorskip("wandb")
 pytest.importorskip("mlflow")
@@ -43,13 +43,8 @@ OFFLINE = {"CLEARML_OFFLINE_MODE": "1"}  # ClearML keeps the session under <run>
 
 
 def nxdt(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "nxdt.cli", *args],
-        cwd=cwd,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+    return warm_cli.run(
+        [*args], cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", **(env or {})}, timeout=timeout
     )
 
 

@@ -60,6 +60,8 @@ while True:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        # what a fresh interpreter would put on sys.path from PYTHONPATH (a test's own reward-function module)
+        sys.path[:0] = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
         sys.argv = ["nxdt", *request["args"]]
         code = 1
         try:
