@@ -285,7 +285,9 @@ RULES: dict[str, Rule] = {
     "model.moe.output_router_logits": _custom("false = no load-balancing loss (router_aux_loss_coef 0), as in HF"),
     "model.moe.frequency": _agree("every layer of nxdt's Mixtral is a MoE layer", 1, error=True),
     "model.moe.routing_algorithm": _agree("routing is top-k", "top_k", error=True),
-    "model.moe.normalize_top_k_affinities": _agree("the chosen experts' weights are always renormalised", True, error=True),
+    "model.moe.normalize_top_k_affinities": _map(
+        "false: the chosen experts' softmax weights as they are (Qwen3-MoE's norm_topk_prob)"
+    ),
     "model.moe.dropout": _agree("nxdt has no dropout", 0, 0.0),
     "model.moe.capacity_factor": _custom("nxdt's MoE is dropless; a capacity factor without dropless: true is noted"),
     "model.moe.dropless": _derived("nxdt's MoE is always dropless"),
