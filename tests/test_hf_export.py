@@ -403,6 +403,24 @@ def test_the_launcher_checks_a_gpt2_checkpoint_in_its_own_names(tmp_path):
         _check_model(cfg)
 
 
+def test_the_launcher_checks_a_qwen3_moe_checkpoint_in_its_own_names(tmp_path):
+    """Qwen3-MoE's experts go by Hugging Face's names (gate_proj/up_proj/down_proj, the spec's rules): an expert left
+    out of the checkpoint is named as the checkpoint would name it, before launch."""
+    from safetensors.torch import load_file, save_file
+
+    from nxdt.cli import _check_model
+
+    _hf_model(_qwen3_moe(), tmp_path / "hf")
+    cfg = compose_config([f"model.hf_checkpoint={tmp_path / 'hf'}", "data=synthetic"])
+    assert cfg.model.architecture == "nxdt.models.qwen3_moe.Qwen3MoeForCausalLM" and cfg.model.ffn_hidden_size == 24
+    _check_model(cfg)  # accepted: every tensor known, of its shape
+    tensors = load_file(str(tmp_path / "hf/model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.3.down_proj.weight"]
+    save_file(tensors, str(tmp_path / "hf/model.safetensors"))
+    with pytest.raises(ConfigError, match=r"missing tensors model.layers.1.mlp.experts.3.down_proj.weight \(1 of"):
+        _check_model(cfg)
+
+
 def test_a_mistral_window_shorter_than_the_sequence_is_refused_by_name(llama_dir):
     """Sliding-window attention is computed as full causal attention, equal only while the sequence fits the window."""
     hf = json.loads((llama_dir / "config.json").read_text())

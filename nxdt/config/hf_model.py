@@ -109,12 +109,14 @@ class Block:
     block beyond the config's sizes: ``mlp_matrices`` weight matrices of hidden × ffn per MLP or expert (SwiGLU's
     gate, up, down: 3; GELU's up, down: 2), ``norm`` ``rmsnorm`` (fp32 statistics) or ``layernorm``, ``moe``: the
     feed-forward is a sparse mixture of ``model.moe.num_experts`` experts (a dense family ignores ``model.moe``),
-    ``lora_mlp``: the MLP has LoRA's ``gate_up_proj`` / ``down_proj`` targets (``nxdt.models.lora.NXDT_TARGETS``)."""
+    ``lora_mlp``: the MLP has LoRA's ``gate_up_proj`` / ``down_proj`` targets (``nxdt.models.lora.NXDT_TARGETS``),
+    ``learned_positions``: a max_position_embeddings × hidden table of positions (GPT-2's ``wpe``; else RoPE)."""
 
     mlp_matrices: int
     norm: str
     moe: bool
     lora_mlp: bool
+    learned_positions: bool = False
 
 
 SWIGLU = Block(mlp_matrices=3, norm="rmsnorm", moe=False, lora_mlp=True)
@@ -510,7 +512,8 @@ FAMILIES: dict[str, ModelSpec] = {
         + ("max_position_embeddings", "norm_eps", "tie_word_embeddings"),
         check=_gpt2_check,
         extra_config=_gpt2_config,
-        block=Block(mlp_matrices=2, norm="layernorm", moe=False, lora_mlp=False),  # fc_in / fc_out: no LoRA MLP names
+        # fc_in / fc_out: no LoRA MLP names
+        block=Block(mlp_matrices=2, norm="layernorm", moe=False, lora_mlp=False, learned_positions=True),
         weights=(
             WeightRule(("embed_tokens.weight",), "transformer.wte.weight"),
             WeightRule(("embed_positions.weight",), "transformer.wpe.weight"),

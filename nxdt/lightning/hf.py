@@ -30,7 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from nxdt.config.hf_model import ModelSpec, family_of_architecture
+from nxdt.config.hf_model import DEFAULT_ARCHITECTURE, ModelSpec, family_of_architecture
 
 
 MODULE_PREFIX = "model."  # CausalLMModule holds the hub model as `model`
@@ -468,7 +468,7 @@ def check_hf_checkpoint(
     (the family's adapter, by ``architecture``; default Llama's): every file's header whole, every tensor known, of
     the expected shape and a float dtype, none missing — what :func:`load_hf_weights` would find only in the
     workers. Reads headers only. Returns the tensors checked."""
-    adapter = adapter_for(architecture or "nxdt.models.llama.LlamaForCausalLM")
+    adapter = adapter_for(architecture or DEFAULT_ARCHITECTURE)
     shapes = {
         k: tuple(t.shape) for k, t in adapter.to_hf({n: torch.empty(s, device="meta") for n, s in expected.items()}).items()
     }

@@ -50,8 +50,9 @@ def head_width(model: Any) -> int:
 
 
 def model_numbers(model: Any) -> dict[str, float]:
-    """Parameter counts of a decoder-only transformer config (O(hidden) tensors per layer other than the two norms
-    — Qwen2's q/k/v biases, Qwen3's q/k norms — are left out: under 0.01 % of any real size)."""
+    """Parameter counts of a decoder-only transformer config, its family's block from its spec (MLP matrices, experts,
+    GPT's learned positions); O(hidden) tensors per layer other than the two norms — Qwen2's q/k/v biases, Qwen3's q/k
+    norms, GPT's biases and LayerNorm shifts — are left out: under 0.01 % of any real size."""
     h, layers, vocab = model.hidden_size, model.num_layers, model.vocab_size
     heads = model.num_attention_heads
     kv = model.num_kv_heads or heads
@@ -62,7 +63,7 @@ def model_numbers(model: Any) -> dict[str, float]:
     mlp_total = mlp_one * experts + h * experts if experts else mlp_one
     mlp_active = mlp_one * top_k + h * experts if experts else mlp_one
     per_layer = attn + mlp_total + 2 * h
-    embed = vocab * h
+    embed = vocab * h + (model.max_position_embeddings * h if spec_of(model).block.learned_positions else 0)
     head = 0 if model.tie_word_embeddings else vocab * h
     total = layers * per_layer + embed + head + h
     matmul_active = layers * (attn + mlp_active) + vocab * h  # weights used in matmuls per token (output head included)
