@@ -1,7 +1,7 @@
 """Qwen2/2.5, Qwen3, Mistral and Qwen3-MoE: nxdt's first-step loss on a batch equals transformers' on the same weights,
 unsharded, at TP2 with and without sequence parallelism and at PP2 (1F1B); under TP the gradients of the replicated
 tensors a family adds (Qwen3's per-head q/k norms, whose gradient each rank holds for its own heads only) equal
-transformers'. Qwen3-MoE's loss includes the load-balancing term (``output_router_logits``, coefficient 0.05, as nxdt
+transformers'; Qwen3-MoE's at EP2 too. Qwen3-MoE's loss includes the load-balancing term (``output_router_logits``, coefficient 0.05, as nxdt
 adds it) except at PP2, where nxdt's pipeline takes the plain cross-entropy (the aux term would cover the last stage's
 layers only, models/mixtral.py): compared there with transformers' loss less its ``aux_loss`` term. Its router keeps the
 top-k softmax weights as they are (``norm_topk_prob: false``, Qwen3MoeConfig's default; Mixtral's renormalisation is
@@ -31,6 +31,7 @@ import torch
 from nxdt.comm.spawn import run_local
 from nxdt.config.hf_model import family_of
 from nxdt.lightning.hf import load_hf_weights
+from nxdt.parallel.expert_parallel import apply_expert_parallel, moe_blocks
 from nxdt.parallel.pipeline import PipelineExecutor, build_chunks, chunk_parameters, one_f_one_b
 from nxdt.parallel.tensor_parallel import apply_tensor_parallel, sync_replicated_grads
 
@@ -106,6 +107,14 @@ def _ranks(world, directories: dict[str, str]) -> dict:
             loss = PipelineExecutor(chunks, comm, type(model).loss_fn).run(one_f_one_b(comm.size, comm.rank, 1), [(ids, labels)])
             assert all(p.grad is not None for p in chunk_parameters(chunks).values())
             out[family, "pp2"] = (loss, {})  # the plain cross-entropy (module docstring)
+        if moe_blocks(model):  # EP2: each rank holds half the experts; both ranks route the same batch here
+            model = apply_expert_parallel(_ours(directory), comm)
+            loss = model.loss_fn(model(ids), labels)
+            loss.backward()  # the dense q/k norms' gradients: this rank's batch (the same on both), no TP sum
+            norms = {
+                n: p.grad.numpy().copy() for n, p in model.named_parameters() if n.endswith(("q_norm.weight", "k_norm.weight"))
+            }
+            out[family, "ep2"] = (loss.item(), norms)
     return out
 
 
@@ -151,10 +160,15 @@ def test_unsharded_loss_equals_transformers(saved, family):
 
 
 def test_tp2_sp_and_pp2_loss_and_qk_norm_gradients_equal_transformers(saved):
-    """One pair of ranks runs every family at TP2, TP2+SP and PP2 (1F1B)."""
+    """One pair of ranks runs every family at TP2, TP2+SP and PP2 (1F1B), and the MoE family at EP2 (its experts split
+    over the two ranks, the tokens exchanged all-to-all: with the same batch on both, transformers' loss on each)."""
     directories = {family: directory for family, (directory, *_) in saved.items()}
     ranks = run_local(_ranks, 2, directories, timeout_s=170)
-    layouts = {family: ["tp2", "tp2+sp"] + ([] if family.endswith("tied") else ["pp2"]) for family in CONFIGS}
+    moe = {family: family_of({"model_type": family.removesuffix("-tied")}).block.moe for family in CONFIGS}
+    layouts = {
+        family: ["tp2", "tp2+sp"] + ([] if family.endswith("tied") else ["pp2"]) + (["ep2"] if moe[family] else [])
+        for family in CONFIGS
+    }
     for rank, out in enumerate(ranks):
         assert sorted(out) == sorted((f, layout) for f, names in layouts.items() for layout in names)
         for (family, layout), (loss, norms) in out.items():
