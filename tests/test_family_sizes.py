@@ -36,3 +36,45 @@ def test_the_planner_prices_the_real_size_with_its_published_parameter_count(nam
     with torch.device("meta"):
         hub = getattr(importlib.import_module(module), cls)(cfg.model)
     assert model_numbers(cfg.model)["total"] == pytest.approx(hub.num_parameters(), rel=1e-4)
+
+
+def test_qwen3_30b_a3b_is_what_its_config_json_says(tmp_path):
+    """conf/model/qwen3_30b_a3b.yaml against the fields of Qwen/Qwen3-30B-A3B's config.json (the Hugging Face hub file,
+    computation fields as published), read by ``model.model_config`` through the qwen3_moe spec."""
+    import json
+
+    from nxdt.config.hf_model import model_meta
+
+    published = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "attention_bias": False,
+        "decoder_sparse_step": 1,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 48,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+        "num_attention_heads": 32,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 48,
+        "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.001,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    read = model_meta(compose_config([f"model.model_config={tmp_path / 'config.json'}", "data=synthetic"]).model)
+    shipped = model_meta(compose_config(["model=qwen3_30b_a3b", "data=synthetic"]).model)
+    assert read == shipped
+    assert (read["ffn_hidden_size"], read["moe.num_experts"], read["moe.top_k"]) == (768, 128, 8)
