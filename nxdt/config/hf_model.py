@@ -94,9 +94,9 @@ def _rope_config(model: Mapping[str, Any]) -> dict[str, Any]:
 @dataclass(frozen=True)
 class WeightRule:
     """Our tensor(s) ↔ one Hugging Face tensor, as name patterns: ``{i}`` a layer index, ``{e}`` an expert index,
-    ``{p}`` weight or bias, ``{name}`` any name. Several of ours are fused into the HF tensor along the output dimension (GPT-2's q | k | v in
-    ``c_attn``), in this order; ``transpose``: the HF weight is ours transposed (GPT-2's ``Conv1D`` is [in, out], the
-    transpose of ``nn.Linear``'s). ``nxdt.lightning.hf.StateDictAdapter`` applies them."""
+    ``{p}`` weight or bias, ``{name}`` any name. Several of ours are fused into the HF tensor along the output
+    dimension (GPT-2's q | k | v in ``c_attn``), in this order; ``transpose``: the HF weight is ours transposed (GPT-2's
+    ``Conv1D`` is [in, out], the transpose of ``nn.Linear``'s). ``nxdt.lightning.hf.StateDictAdapter`` applies them."""
 
     ours: tuple[str, ...]
     hf: str
