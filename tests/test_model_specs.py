@@ -142,3 +142,14 @@ def test_expert_parallelism_on_a_dense_family_is_refused_before_launch():
         compose_config(["model=llama_tiny", "model.moe.num_experts=2", *over])
     assert (err.value.key, err.value.value) == ("distributed_strategy.expert_model_parallel_size", 2)
     assert compose_config(["model=mixtral_tiny", "model.moe.num_experts=2", *over]).model.moe.num_experts == 2
+
+
+def test_the_planner_refuses_an_architecture_no_family_has_by_name():
+    """The planner asks the spec by the exact hub class path (never a module name): anything else is one line."""
+    from nxdt.config import compose_config
+    from nxdt.config.hf_model import HFConfigError
+    from nxdt.planner import plan
+
+    cfg = compose_config(["model.architecture=nxdt.models.llama.DecoderOnlyLM", "data=synthetic"])
+    with pytest.raises(HFConfigError, match=r"model.architecture='nxdt.models.llama.DecoderOnlyLM' is no model family's"):
+        plan(cfg)

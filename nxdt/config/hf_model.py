@@ -540,11 +540,12 @@ def family_of(hf: Mapping[str, Any]) -> ModelSpec:
 
 
 def family_of_architecture(architecture: str) -> ModelSpec:
-    """The HF family an nxdt hub class exports as (refused by name when none computes it)."""
+    """The spec of an nxdt hub class (its exact import path; refused by name when no family has it)."""
     for family in FAMILIES.values():
         if family.architecture == architecture:
             return family
-    raise HFConfigError(f"model.architecture={architecture!r} has no Hugging Face family nxdt maps it to")
+    known = ", ".join(family.architecture for family in FAMILIES.values())
+    raise HFConfigError(f"model.architecture={architecture!r} is no model family's hub class; use one of {known}")
 
 
 # model.architecture's schema default (nxdt.config.schema.ModelConfig): the spec of a model node that names none
