@@ -17,6 +17,9 @@ Routing, per token x (as HF)::
     w, idx = topk(p, k);  w = w / sum(w)       # k = moe.top_k, renormalised over the chosen experts
     y = Σ_j w_j · expert_idx_j(x),   expert(x) = w2(silu(w1 x) · w3 x)
 
+``moe.normalize_top_k_affinities: false`` (Qwen3-MoE's ``norm_topk_prob: false``, ``models/qwen3_moe.py``) keeps
+the chosen ``w`` as the softmax gave them.
+
 ``moe.router_activation: sigmoid`` (NxD's RouterTopK with ``act_fn="sigmoid"``, the default of NxDT's Megatron
 MoE) takes ``p = sigmoid(gate(x))`` per expert instead; the top-k choice is the same (both are monotonic in the
 logits) and the chosen affinities are renormalised alike. The auxiliary loss below uses the softmax either way,
@@ -64,7 +67,13 @@ from torch import nn
 from nxdt.models.attention import KVCache
 from nxdt.models.llama import DecoderLayer, LlamaForCausalLM, _instance_or_static, _opt, check_config, next_token_loss
 
-MOE_DEFAULTS = {"num_experts": 8, "top_k": 2, "router_aux_loss_coef": 0.02, "router_activation": "softmax"}
+MOE_DEFAULTS = {
+    "num_experts": 8,
+    "top_k": 2,
+    "router_aux_loss_coef": 0.02,
+    "router_activation": "softmax",
+    "normalize_top_k_affinities": True,
+}
 ROUTER_ACTIVATIONS = {"softmax": lambda logits: torch.softmax(logits, dim=-1), "sigmoid": torch.sigmoid}
 
 
@@ -91,12 +100,14 @@ class Expert(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-def route(router_logits: torch.Tensor, top_k: int, activation: str = "softmax") -> tuple[torch.Tensor, torch.Tensor]:
-    """router logits [T, E] → (weights [T, k] renormalised to sum 1, expert ids [T, k]); the activation (softmax or
-    sigmoid) in fp32."""
+def route(
+    router_logits: torch.Tensor, top_k: int, activation: str = "softmax", normalize: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router logits [T, E] → (weights [T, k], expert ids [T, k]); the activation (softmax or sigmoid) in fp32, the
+    chosen weights renormalised to sum 1 when ``normalize`` (Mixtral always; Qwen3-MoE's ``norm_topk_prob``)."""
     probs = ROUTER_ACTIVATIONS[activation](router_logits.float())
     weights, experts = torch.topk(probs, top_k, dim=-1)
-    return weights / weights.sum(dim=-1, keepdim=True), experts
+    return (weights / weights.sum(dim=-1, keepdim=True) if normalize else weights), experts
 
 
 def load_balancing_loss(router_logits: list[torch.Tensor] | torch.Tensor, num_experts: int, top_k: int) -> torch.Tensor:
@@ -132,7 +143,7 @@ def local_dispatch(block: "SparseMoeBlock", rows: torch.Tensor, counts: torch.Te
 
 
 class SparseMoeBlock(nn.Module):
-    """Router + experts (top-k, renormalised weights). ``experts`` is a ModuleDict keyed by the *global*
+    """Router + experts (top-k). ``experts`` is a ModuleDict keyed by the *global*
     expert id, so names stay ``experts.<E>.w1`` when expert parallelism keeps only some of them.
 
     ``dispatcher(block, rows, counts) -> outputs``: runs the experts on rows sorted by expert id
@@ -144,6 +155,7 @@ class SparseMoeBlock(nn.Module):
         self.num_experts = int(moe_option(cfg, "num_experts"))
         self.top_k = int(moe_option(cfg, "top_k"))
         self.router_activation = str(moe_option(cfg, "router_activation"))
+        self.normalize = bool(moe_option(cfg, "normalize_top_k_affinities"))
         self.gate = nn.Linear(cfg.hidden_size, self.num_experts, bias=False)
         self.experts = nn.ModuleDict({str(e): Expert(cfg.hidden_size, cfg.ffn_hidden_size) for e in range(self.num_experts)})
         self.dispatcher: Callable[["SparseMoeBlock", torch.Tensor, torch.Tensor], torch.Tensor] = local_dispatch
@@ -180,7 +192,7 @@ class SparseMoeBlock(nn.Module):
         logits = self.gate(flat)
         region = self.tensor_parallel_region
         self.router_logits = region.replicated(logits) if region is not None else logits
-        weights, experts = route(logits, self.top_k, self.router_activation)
+        weights, experts = route(logits, self.top_k, self.router_activation, self.normalize)
         if region is not None:  # the router stays outside: experts see every token, their outputs are partial sums
             flat, weights, experts = region.enter(flat), region.enter(weights), region.gather_ids(experts)
         # one row per (token, slot), sorted by expert id (stable: tokens keep their order within an expert)
@@ -234,11 +246,12 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def ffn_tensor_parallel_plan(self) -> dict[str, str]:
         """Experts as column (w1, w3) → row (w2) pairs inside one token region per block (one reduction per
         block, not per expert); the router stays replicated."""
+        block = f"layers.*.{self.layer_class.ffn_name}"
         return {
-            "layers.*.block_sparse_moe": "token_region",
-            "layers.*.block_sparse_moe.experts.*.w1": "colwise_in_region",
-            "layers.*.block_sparse_moe.experts.*.w3": "colwise_in_region",
-            "layers.*.block_sparse_moe.experts.*.w2": "rowwise_partial",
+            block: "token_region",
+            f"{block}.experts.*.w1": "colwise_in_region",
+            f"{block}.experts.*.w3": "colwise_in_region",
+            f"{block}.experts.*.w2": "rowwise_partial",
         }
 
     def moe_blocks(self) -> list[SparseMoeBlock]:

@@ -438,6 +438,12 @@ def _check_model(cfg: Any) -> None:
             f"is a torch module but not a causal language model of the hub "
             f"(no {', '.join(hooks)}); name a hub model class, e.g. nxdt.models.llama.LlamaForCausalLM",
         )
+    from nxdt.config.hf_model import HFConfigError, family_of_architecture
+
+    try:  # the planner, the export and the Hugging Face import ask the family's spec
+        family_of_architecture(arch)
+    except HFConfigError as exc:
+        raise ConfigError("model.architecture", arch, str(exc).split(": ", 1)[-1]) from None
     try:
         from nxdt.models.meta import shapes_only
 
@@ -468,7 +474,7 @@ def _check_model(cfg: Any) -> None:
             check_hf_checkpoint(model_cfg.hf_checkpoint, expected, bool(getattr(model, "tied", False)), arch)
         except HFCheckpointError as exc:
             raise ConfigError("model.hf_checkpoint", model_cfg.hf_checkpoint, exc.fix) from None
-        except ValueError as exc:  # HFConfigError: the architecture has no Hugging Face family
+        except ValueError as exc:  # HFConfigError: the architecture is no family's hub class
             raise ConfigError("model.hf_checkpoint", model_cfg.hf_checkpoint, str(exc)) from None
 
 
@@ -543,7 +549,13 @@ def _check_model_fits(cfg: Any) -> None:
     if not available:
         return
     from nxdt.config import ConfigError
+    from nxdt.config.hf_model import HFConfigError, family_of_architecture
     from nxdt.planner.estimate import bytes_per_parameter, model_numbers
+
+    try:  # the count is the family's (its spec); an architecture that is none is named by _check_model next
+        family_of_architecture(cfg.model.architecture)
+    except HFConfigError:
+        return
 
     n = model_numbers(cfg.model)
     per_param = bytes_per_parameter(cfg)

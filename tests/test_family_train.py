@@ -1,5 +1,6 @@
 """`nxdt train model.hf_checkpoint=DIR` alone trains each family added after Llama/Mixtral/GPT (Qwen2 with its tied
-head, Qwen3 with q/k norms and head_dim ≠ hidden/heads, Mistral with a sliding window as long as the sequence): one
+head, Qwen3 with q/k norms and head_dim ≠ hidden/heads, Mistral with a sliding window as long as the sequence,
+Qwen3-MoE with its experts renamed and un-renormalised top-k weights, under TP's token region): one
 sweep command, one job per family, each at TP2 with sequence parallelism (2 ranks), and the run config holds the
 family's hub class and config.json's fields. Numbers equal to transformers' are checked in-process
 (tests/parallel/test_family_parity.py); this is the launcher's path: compose from config.json, the pre-launch tensor
@@ -28,8 +29,23 @@ FAMILIES = {
     "mistral": lambda: transformers.MistralConfig(
         **SHAPE, intermediate_size=96, num_key_value_heads=2, sliding_window=128, rope_theta=1e6, rms_norm_eps=1e-5
     ),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **SHAPE,
+        moe_intermediate_size=48,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+    ),
 }
-CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+CLASSES = {
+    "qwen2": "llama.Qwen2ForCausalLM",
+    "qwen3": "llama.Qwen3ForCausalLM",
+    "mistral": "llama.MistralForCausalLM",
+    "qwen3_moe": "qwen3_moe.Qwen3MoeForCausalLM",
+}
 
 
 @pytest.mark.timeout(400)
@@ -58,7 +74,7 @@ def test_hf_checkpoint_alone_trains_every_family_at_tp2_sp(tmp_path):
     for n, family in enumerate(FAMILIES):
         run = sweep / str(n)
         model = yaml.safe_load((run / "config.yaml").read_text())["model"]
-        assert model["architecture"] == f"nxdt.models.llama.{CLASSES[family]}"
+        assert model["architecture"] == f"nxdt.models.{CLASSES[family]}"
         assert (model["rope_theta"], model["hidden_size"]) == (1e6, 64)
         loss = losses(run)
         assert sorted(loss) == [1, 2, 3] and all(math.isfinite(v) for v in loss.values()), (family, loss)
@@ -67,3 +83,5 @@ def test_hf_checkpoint_alone_trains_every_family_at_tp2_sp(tmp_path):
     assert qwen3["head_dim"] == 32
     mistral = yaml.safe_load((sweep / "2" / "config.yaml").read_text())["model"]
     assert mistral["sliding_window"] == 128
+    moe = yaml.safe_load((sweep / "3" / "config.yaml").read_text())["model"]
+    assert (moe["ffn_hidden_size"], moe["moe"]["num_experts"], moe["moe"]["normalize_top_k_affinities"]) == (48, 4, False)

@@ -54,7 +54,8 @@ def test_planner_uses_it():
 
 
 # the families on Llama's block at a tiny size: Qwen2's biases (addmm: the bias add is not a matmul), Qwen3's q/k
-# norms (element-wise) and head_dim 32 ≠ hidden/heads = 16, Mistral's window (as long as the positions)
+# norms (element-wise) and head_dim 32 ≠ hidden/heads = 16, Mistral's window (as long as the positions), Qwen3-MoE's
+# experts (top 2 of 4, un-renormalised weights: an element-wise scale)
 SMALL = [
     "model.vocab_size=256",
     "model.hidden_size=64",
@@ -70,6 +71,7 @@ FAMILIES = {
     "qwen2_5_7b": SMALL,
     "qwen3_8b": [*SMALL, "model.head_dim=32"],
     "mistral_7b": [*SMALL, "model.sliding_window=64"],
+    "qwen3_30b_a3b": [*SMALL, "model.head_dim=32", "model.moe.num_experts=4", "model.moe.top_k=2"],
 }
 
 

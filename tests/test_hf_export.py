@@ -85,6 +85,21 @@ def _mistral() -> "transformers.PretrainedConfig":
     )
 
 
+def _qwen3_moe() -> "transformers.PretrainedConfig":
+    # q/k norms, head_dim 16 ≠ hidden/heads, experts 24 wide, the top-k weights renormalised (Qwen3-30B-A3B's setting)
+    return transformers.Qwen3MoeConfig(
+        **SHAPE,
+        moe_intermediate_size=24,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        rope_theta=1e6,
+        rms_norm_eps=2e-6,
+    )
+
+
 def _gpt2(tied: bool) -> "transformers.PretrainedConfig":
     s = SHAPE
     return transformers.GPT2Config(
@@ -108,6 +123,7 @@ FAMILIES = {
     "qwen2-untied": _qwen2(False),
     "qwen3": _qwen3(),
     "mistral": _mistral(),
+    "qwen3_moe": _qwen3_moe(),
     "gpt2-tied": _gpt2(True),
     "gpt2-untied": _gpt2(False),
 }
@@ -167,6 +183,10 @@ def test_hf_checkpoint_alone_imports_and_exports_the_same_model(family, tmp_path
         "n_inner",
         "num_key_value_heads",
         "sliding_window",
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "norm_topk_prob",
     ):
         assert getattr(loaded.config, key, None) == getattr(reference.config, key, None), key
     if hasattr(reference.config, "num_key_value_heads"):  # the heads' width (null in a config.json = hidden / heads)
@@ -323,6 +343,8 @@ def test_a_run_config_that_differs_from_the_checkpoint_is_refused_before_launch(
     "edit, message",
     [
         ({"model_type": "qwen2_moe"}, "model_type='qwen2_moe' is not in the model hub"),
+        ({"model_type": "qwen3_moe", "decoder_sparse_step": 2}, "decoder_sparse_step=2: nxdt's Qwen3-MoE has a sparse"),
+        ({"model_type": "qwen3_moe", "mlp_only_layers": [1]}, r"mlp_only_layers=\[1\]: dense layers between"),
         ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window=true: sliding-window attention is not"),
         ({"model_type": "qwen3", "attention_bias": True}, "attention_bias=true"),
         ({"model_type": "qwen3", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn' is not"),
@@ -378,6 +400,24 @@ def test_the_launcher_checks_a_gpt2_checkpoint_in_its_own_names(tmp_path):
     tensors["transformer.h.1.attn.c_attn.weight"] = tensors["transformer.h.1.attn.c_attn.weight"].t().contiguous()
     save_file(tensors, str(tmp_path / "hf/model.safetensors"))
     with pytest.raises(ConfigError, match=r"transformer.h.1.attn.c_attn.weight has shape \[96, 32\], .* expects \[32, 96\]"):
+        _check_model(cfg)
+
+
+def test_the_launcher_checks_a_qwen3_moe_checkpoint_in_its_own_names(tmp_path):
+    """Qwen3-MoE's experts go by Hugging Face's names (gate_proj/up_proj/down_proj, the spec's rules): an expert left
+    out of the checkpoint is named as the checkpoint would name it, before launch."""
+    from safetensors.torch import load_file, save_file
+
+    from nxdt.cli import _check_model
+
+    _hf_model(_qwen3_moe(), tmp_path / "hf")
+    cfg = compose_config([f"model.hf_checkpoint={tmp_path / 'hf'}", "data=synthetic"])
+    assert cfg.model.architecture == "nxdt.models.qwen3_moe.Qwen3MoeForCausalLM" and cfg.model.ffn_hidden_size == 24
+    _check_model(cfg)  # accepted: every tensor known, of its shape
+    tensors = load_file(str(tmp_path / "hf/model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.3.down_proj.weight"]
+    save_file(tensors, str(tmp_path / "hf/model.safetensors"))
+    with pytest.raises(ConfigError, match=r"missing tensors model.layers.1.mlp.experts.3.down_proj.weight \(1 of"):
         _check_model(cfg)
 
 

@@ -1,19 +1,31 @@
-"""Hugging Face ``config.json`` ↔ nxdt ``model`` fields, one :class:`HFFamily` per model family (pure: dicts in,
-dicts out; no torch): llama, mistral, qwen2, qwen3, mixtral, gpt2.
+"""One :class:`ModelSpec` per model family (pure data and arithmetic: dicts in, dicts out; no torch): llama, mistral,
+qwen2, qwen3, mixtral, qwen3_moe, gpt2 — everything nxdt knows about a family outside its hub class, in one object
+(torchtitan's per-model ``TrainSpec`` with its ``StateDictAdapter``: ``torchtitan/protocols/train_spec.py``,
+``torchtitan/protocols/state_dict_adapter.py``, ``torchtitan/models/llama3/__init__.py``).
 
-Each family says which HF ``model_type`` it is, which hub class implements it, how every config.json field that
-changes the computation maps to an nxdt model field (:meth:`HFFamily.model_fields`), how to write the family's own
-config.json back (:meth:`HFFamily.hf_config`, for ``nxdt checkpoint export-hf``) and which nxdt fields change the
-computation (:attr:`HFFamily.compute_keys`: the ones an import compares, the ones an override may not contradict).
-Its tensors too: :attr:`HFFamily.weights`, the state-dict adapter's rules as data (names, fused and transposed
-projections; ``nxdt.lightning.hf.StateDictAdapter`` applies them with torch, which this layer does not import), so a
-family's whole Hugging Face mapping is one :class:`HFFamily` — the HF half of torchtitan's per-model ``ModelSpec``
-with its ``StateDictAdapter`` (``torchtitan/protocols/state_dict_adapter.py``).
+A spec says which Hugging Face ``model_type`` the family is and which hub class implements it (``architecture``), and:
+
+* the config.json mapping both ways: how every field that changes the computation maps to an nxdt model field
+  (:meth:`ModelSpec.model_fields`, transformers' defaults for the family, refusals by name), the family's own
+  config.json for ``nxdt checkpoint export-hf`` (:meth:`ModelSpec.hf_config`), and which nxdt fields change the
+  computation (:attr:`ModelSpec.compute_keys`: the ones an import compares, the ones an override may not contradict);
+* the state-dict adapter as data (:attr:`ModelSpec.weights`: names, fused and transposed projections;
+  ``nxdt.lightning.hf.StateDictAdapter`` applies the rules with torch, which this layer does not import);
+* what the planner's FLOPs count and memory model need to know of the block (:attr:`ModelSpec.block`:
+  ``nxdt.planner.estimate`` asks :func:`spec_of` for it, never a module name);
+* the parallel plans by reference: the TP/SP plan (``tensor_parallel_plan()``), the PP stage split (``layers`` with
+  ``embed`` / ``run_layer`` / ``head``), FSDP units and, for a MoE family (``block.moe``), the expert blocks EP slices
+  are declared by the hub class (plain torch; ``nxdt.parallel`` consumes them by duck typing), as torchtitan's
+  TrainSpec names its model's ``parallelize_fn`` and ``pipelining_fn``. ``tests/test_model_specs.py`` checks every
+  registered spec against its hub class.
+
+Adding a family = one spec in :data:`FAMILIES`, one hub class (model file), tests.
 
 Fields a family does not implement are refused by name rather than ignored (RoPE scaling: ``llama3`` is
 implemented, every other ``rope_type`` is refused). A field config.json leaves out takes the default of
 transformers' own config class for that family (``LlamaConfig``: rms_norm_eps 1e-6; ``MixtralConfig``: rope_theta
-1e6; ``GPT2Config``: tied embeddings; ``Qwen3Config``: head_dim 128; ``MistralConfig``: sliding_window 4096), which is what ``from_pretrained`` builds.
+1e6; ``GPT2Config``: tied embeddings; ``Qwen3Config``: head_dim 128; ``MistralConfig``: sliding_window 4096), which is
+what ``from_pretrained`` builds.
 """
 
 from __future__ import annotations
@@ -81,10 +93,10 @@ def _rope_config(model: Mapping[str, Any]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class WeightRule:
-    """Our tensor(s) ↔ one Hugging Face tensor, as name patterns: ``{i}`` a layer index, ``{p}`` weight or bias,
-    ``{name}`` any name. Several of ours are fused into the HF tensor along the output dimension (GPT-2's q | k | v in
-    ``c_attn``), in this order; ``transpose``: the HF weight is ours transposed (GPT-2's ``Conv1D`` is [in, out], the
-    transpose of ``nn.Linear``'s). ``nxdt.lightning.hf.StateDictAdapter`` applies them."""
+    """Our tensor(s) ↔ one Hugging Face tensor, as name patterns: ``{i}`` a layer index, ``{e}`` an expert index,
+    ``{p}`` weight or bias, ``{name}`` any name. Several of ours are fused into the HF tensor along the output
+    dimension (GPT-2's q | k | v in ``c_attn``), in this order; ``transpose``: the HF weight is ours transposed (GPT-2's
+    ``Conv1D`` is [in, out], the transpose of ``nn.Linear``'s). ``nxdt.lightning.hf.StateDictAdapter`` applies them."""
 
     ours: tuple[str, ...]
     hf: str
@@ -92,18 +104,39 @@ class WeightRule:
 
 
 @dataclass(frozen=True)
-class HFFamily:
-    """One model family's config.json mapping. ``fields``: config.json field → nxdt field, with transformers' default
+class Block:
+    """What the planner's FLOPs count and memory model (``nxdt.planner.estimate``) need to know of a family's decoder
+    block beyond the config's sizes: ``mlp_matrices`` weight matrices of hidden × ffn per MLP or expert (SwiGLU's
+    gate, up, down: 3; GELU's up, down: 2), ``norm`` ``rmsnorm`` (fp32 statistics) or ``layernorm``, ``moe``: the
+    feed-forward is a sparse mixture of ``model.moe.num_experts`` experts (a dense family ignores ``model.moe``),
+    ``lora_mlp``: the MLP has LoRA's ``gate_up_proj`` / ``down_proj`` targets (``nxdt.models.lora.NXDT_TARGETS``),
+    ``learned_positions``: a max_position_embeddings × hidden table of positions (GPT-2's ``wpe``; else RoPE)."""
+
+    mlp_matrices: int
+    norm: str
+    moe: bool
+    lora_mlp: bool
+    learned_positions: bool = False
+
+
+SWIGLU = Block(mlp_matrices=3, norm="rmsnorm", moe=False, lora_mlp=True)
+SWIGLU_MOE = Block(mlp_matrices=3, norm="rmsnorm", moe=True, lora_mlp=False)  # experts are w1/w2/w3: no LoRA target
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """One model family (module docstring). ``fields``: config.json field → nxdt field, with transformers' default
     for the family when the field is absent (None: no default, the field must be there)."""
 
     model_type: str
     hf_architecture: str  # transformers class, config.json's "architectures"
-    architecture: str  # nxdt hub class (model.architecture)
+    architecture: str  # nxdt hub class (model.architecture): the TP/SP plan, PP split, FSDP units, MoE blocks
     fields: dict[str, tuple[str, Any]]
     compute_keys: tuple[str, ...]
     # (hf) -> extra nxdt fields / refusal, and (model) -> the family-specific config.json fields
     check: Callable[[Mapping[str, Any]], dict[str, Any]]
     extra_config: Callable[[Mapping[str, Any]], dict[str, Any]]
+    block: Block
     fixed: dict[str, Any] = field(default_factory=dict)  # nxdt fields the family fixes (e.g. Mixtral's softmax router)
     # the state-dict adapter: the first rule whose pattern matches a name maps it; checkpoint names that are not
     # weights (``skip``: suffixes of buffers some checkpoints carry) are ignored; ``hf_prefix``: the prefix HF's own
@@ -314,6 +347,40 @@ def _gpt2_config(model: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _qwen3_moe_check(hf: Mapping[str, Any]) -> dict[str, Any]:
+    # every layer sparse: dense layers in between would be a second feed-forward the hub class does not build
+    step = hf.get("decoder_sparse_step", 1)
+    if step != 1:
+        raise HFConfigError(f"decoder_sparse_step={step}: nxdt's Qwen3-MoE has a sparse MoE block in every layer; it needs 1")
+    if hf.get("mlp_only_layers"):
+        raise HFConfigError(
+            f"mlp_only_layers={hf['mlp_only_layers']}: dense layers between the sparse ones are not implemented; it must be []"
+        )
+    out = _llama_check(hf, "qwen3_moe")  # head_dim null = the quotient (Qwen3MoeAttention's getattr)
+    if hf.get("use_sliding_window"):
+        raise HFConfigError("use_sliding_window=true: sliding-window attention is not implemented; set it to false")
+    # transformers 5 writes num_local_experts (its attribute; Qwen's own files say num_experts)
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    out["moe.num_experts"] = 128 if experts is None else experts  # Qwen3MoeConfig's default
+    return out
+
+
+def _qwen3_moe_config(model: Mapping[str, Any]) -> dict[str, Any]:
+    out = _mixtral_config(model)
+    del out["router_jitter_noise"]
+    # intermediate_size is the width of dense layers, which this model has none of (decoder_sparse_step 1)
+    return {
+        **out,
+        "num_experts": model["moe.num_experts"],
+        "intermediate_size": model["ffn_hidden_size"],
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "use_sliding_window": False,
+        "max_window_layers": model["num_layers"],
+        "attention_bias": False,
+    }
+
+
 _LLAMA_SHAPE = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "ffn_hidden_size")
 _LLAMA_FIELDS: dict[str, tuple[str, Any]] = {
     "vocab_size": ("vocab_size", None),
@@ -334,22 +401,29 @@ _QWEN_FIELDS = {**_LLAMA_FIELDS, "max_position_embeddings": ("max_position_embed
 # max_position_embeddings is no computation field of a RoPE model (the tables are cut at the sequence; Llama 3.1's
 # scaling reads original_max_position_embeddings): NxDT raises it to the sequence length, and so may an override
 _LLAMA_COMPUTE = (*_LLAMA_SHAPE, "head_dim", "rope_theta", *ROPE_KEYS, "norm_eps", "tie_word_embeddings")
+_MOE_COMPUTE = ("moe.num_experts", "moe.top_k", "moe.router_activation", "moe.normalize_top_k_affinities")
+# Qwen3-MoE's experts: ours w1 (gate) / w3 (up) / w2 (down) as Mixtral's, Hugging Face's gate_proj / up_proj / down_proj
+_QWEN3_MOE_EXPERTS = tuple(
+    WeightRule((f"layers.{{i}}.mlp.experts.{{e}}.{ours}.weight",), f"model.layers.{{i}}.mlp.experts.{{e}}.{hf}.weight")
+    for ours, hf in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
+)
 
-FAMILIES: dict[str, HFFamily] = {
-    "llama": HFFamily(
-        "llama",
-        "LlamaForCausalLM",
-        "nxdt.models.llama.LlamaForCausalLM",
-        _LLAMA_FIELDS,
-        _LLAMA_COMPUTE,
-        lambda hf: _llama_check(hf, "llama"),
-        _llama_config,
+FAMILIES: dict[str, ModelSpec] = {
+    "llama": ModelSpec(
+        model_type="llama",
+        hf_architecture="LlamaForCausalLM",
+        architecture="nxdt.models.llama.LlamaForCausalLM",
+        fields=_LLAMA_FIELDS,
+        compute_keys=_LLAMA_COMPUTE,
+        check=lambda hf: _llama_check(hf, "llama"),
+        extra_config=_llama_config,
+        block=SWIGLU,
     ),
-    "mixtral": HFFamily(
-        "mixtral",
-        "MixtralForCausalLM",
-        "nxdt.models.mixtral.MixtralForCausalLM",
-        {
+    "mixtral": ModelSpec(
+        model_type="mixtral",
+        hf_architecture="MixtralForCausalLM",
+        architecture="nxdt.models.mixtral.MixtralForCausalLM",
+        fields={
             **_LLAMA_FIELDS,
             "max_position_embeddings": ("max_position_embeddings", 4096 * 32),
             "rope_theta": ("rope_theta", 1e6),
@@ -358,47 +432,71 @@ FAMILIES: dict[str, HFFamily] = {
             "num_experts_per_tok": ("moe.top_k", 2),
             "router_aux_loss_coef": ("moe.router_aux_loss_coef", 0.001),
         },
-        (*_LLAMA_COMPUTE, "moe.num_experts", "moe.top_k", "moe.router_activation"),
-        _mixtral_check,
-        _mixtral_config,
+        compute_keys=(*_LLAMA_COMPUTE, *_MOE_COMPUTE),
+        check=_mixtral_check,
+        extra_config=_mixtral_config,
+        block=SWIGLU_MOE,
+        fixed={"moe.router_activation": "softmax", "moe.normalize_top_k_affinities": True},
+    ),
+    # Qwen3-MoE: Qwen3's attention, Mixtral's sparse block in every layer; softmax top-k, renormalised only with
+    # norm_topk_prob (Qwen3MoeTopKRouter)
+    "qwen3_moe": ModelSpec(
+        model_type="qwen3_moe",
+        hf_architecture="Qwen3MoeForCausalLM",
+        architecture="nxdt.models.qwen3_moe.Qwen3MoeForCausalLM",
+        fields={  # intermediate_size is the width of dense layers (none here): experts are moe_intermediate_size wide
+            **{k: v for k, v in _QWEN_FIELDS.items() if k != "intermediate_size"},
+            "moe_intermediate_size": ("ffn_hidden_size", 768),
+            "num_experts_per_tok": ("moe.top_k", 8),
+            "norm_topk_prob": ("moe.normalize_top_k_affinities", False),
+            "router_aux_loss_coef": ("moe.router_aux_loss_coef", 0.001),
+        },
+        compute_keys=(*_LLAMA_COMPUTE, *_MOE_COMPUTE),
+        check=_qwen3_moe_check,
+        extra_config=_qwen3_moe_config,
+        block=SWIGLU_MOE,
         fixed={"moe.router_activation": "softmax"},
+        weights=(*_QWEN3_MOE_EXPERTS, WeightRule(("lm_head.{p}",), "lm_head.{p}"), WeightRule(("{name}",), "model.{name}")),
     ),
     # Mistral 7B: Llama's computation, and a sliding window (honoured up to it: model.sliding_window)
-    "mistral": HFFamily(
-        "mistral",
-        "MistralForCausalLM",
-        "nxdt.models.llama.MistralForCausalLM",
-        {**_LLAMA_FIELDS, "max_position_embeddings": ("max_position_embeddings", 4096 * 32)},
-        (*_LLAMA_COMPUTE, "sliding_window"),
-        _mistral_check,
-        _mistral_config,
+    "mistral": ModelSpec(
+        model_type="mistral",
+        hf_architecture="MistralForCausalLM",
+        architecture="nxdt.models.llama.MistralForCausalLM",
+        fields={**_LLAMA_FIELDS, "max_position_embeddings": ("max_position_embeddings", 4096 * 32)},
+        compute_keys=(*_LLAMA_COMPUTE, "sliding_window"),
+        check=_mistral_check,
+        extra_config=_mistral_config,
+        block=SWIGLU,
     ),
     # Qwen2 / Qwen2.5: q, k, v biases (the hub class's attention options); tied heads in the small sizes
-    "qwen2": HFFamily(
-        "qwen2",
-        "Qwen2ForCausalLM",
-        "nxdt.models.llama.Qwen2ForCausalLM",
-        _QWEN_FIELDS,
-        _LLAMA_COMPUTE,
-        lambda hf: _qwen_check(hf, "qwen2"),
-        lambda model: _qwen_config(model, "qwen2"),
+    "qwen2": ModelSpec(
+        model_type="qwen2",
+        hf_architecture="Qwen2ForCausalLM",
+        architecture="nxdt.models.llama.Qwen2ForCausalLM",
+        fields=_QWEN_FIELDS,
+        compute_keys=_LLAMA_COMPUTE,
+        check=lambda hf: _qwen_check(hf, "qwen2"),
+        extra_config=lambda model: _qwen_config(model, "qwen2"),
+        block=SWIGLU,
     ),
     # Qwen3: per-head q/k RMSNorm, an explicit head_dim
-    "qwen3": HFFamily(
-        "qwen3",
-        "Qwen3ForCausalLM",
-        "nxdt.models.llama.Qwen3ForCausalLM",
-        {**_QWEN_FIELDS, "head_dim": ("head_dim", 128)},
-        _LLAMA_COMPUTE,
-        lambda hf: _qwen_check(hf, "qwen3"),
-        lambda model: _qwen_config(model, "qwen3"),
+    "qwen3": ModelSpec(
+        model_type="qwen3",
+        hf_architecture="Qwen3ForCausalLM",
+        architecture="nxdt.models.llama.Qwen3ForCausalLM",
+        fields={**_QWEN_FIELDS, "head_dim": ("head_dim", 128)},
+        compute_keys=_LLAMA_COMPUTE,
+        check=lambda hf: _qwen_check(hf, "qwen3"),
+        extra_config=lambda model: _qwen_config(model, "qwen3"),
+        block=SWIGLU,
     ),
     # nxdt's GPT is GPT-2 exactly: learned positions, pre-LayerNorm, tanh GELU, biases but none on the head
-    "gpt2": HFFamily(
-        "gpt2",
-        "GPT2LMHeadModel",
-        "nxdt.models.gpt.GPTForCausalLM",
-        {
+    "gpt2": ModelSpec(
+        model_type="gpt2",
+        hf_architecture="GPT2LMHeadModel",
+        architecture="nxdt.models.gpt.GPTForCausalLM",
+        fields={
             "vocab_size": ("vocab_size", 50257),
             "n_embd": ("hidden_size", 768),
             "n_layer": ("num_layers", 12),
@@ -410,10 +508,12 @@ FAMILIES: dict[str, HFFamily] = {
             "initializer_range": ("init_method_std", 0.02),
         },
         # learned positions: the table's size is a shape
-        ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings")
-        + ("norm_eps", "tie_word_embeddings"),
-        _gpt2_check,
-        _gpt2_config,
+        compute_keys=("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size")
+        + ("max_position_embeddings", "norm_eps", "tie_word_embeddings"),
+        check=_gpt2_check,
+        extra_config=_gpt2_config,
+        # fc_in / fc_out: no LoRA MLP names
+        block=Block(mlp_matrices=2, norm="layernorm", moe=False, lora_mlp=False, learned_positions=True),
         weights=(
             WeightRule(("embed_tokens.weight",), "transformer.wte.weight"),
             WeightRule(("embed_positions.weight",), "transformer.wpe.weight"),
@@ -430,23 +530,33 @@ FAMILIES: dict[str, HFFamily] = {
         hf_prefix="transformer.",
     ),
 }
-# model_type → model-hub class
-ARCHITECTURES = {name: family.architecture for name, family in FAMILIES.items()}
 
 
-def family_of(hf: Mapping[str, Any]) -> HFFamily:
+def family_of(hf: Mapping[str, Any]) -> ModelSpec:
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         raise HFConfigError(f"model_type={model_type!r} is not in the model hub; supported: {', '.join(FAMILIES)}")
     return FAMILIES[model_type]
 
 
-def family_of_architecture(architecture: str) -> HFFamily:
-    """The HF family an nxdt hub class exports as (refused by name when none computes it)."""
+def family_of_architecture(architecture: str) -> ModelSpec:
+    """The spec of an nxdt hub class (its exact import path; refused by name when no family has it)."""
     for family in FAMILIES.values():
         if family.architecture == architecture:
             return family
-    raise HFConfigError(f"model.architecture={architecture!r} has no Hugging Face family nxdt maps it to")
+    known = ", ".join(family.architecture for family in FAMILIES.values())
+    raise HFConfigError(f"model.architecture={architecture!r} is no model family's hub class; use one of {known}")
+
+
+# model.architecture's schema default (nxdt.config.schema.ModelConfig): the spec of a model node that names none
+DEFAULT_ARCHITECTURE = FAMILIES["llama"].architecture
+
+
+def spec_of(model: Any) -> ModelSpec:
+    """The spec of a model config node (typed, namespace or mapping) by its ``architecture``, the exact hub class path
+    (a node without one is the schema's default, Llama)."""
+    architecture = model.get("architecture") if isinstance(model, Mapping) else getattr(model, "architecture", None)
+    return family_of_architecture(architecture or DEFAULT_ARCHITECTURE)
 
 
 def model_fields(hf: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -470,4 +580,5 @@ META_KEYS = (
     "moe.top_k",
     "moe.router_aux_loss_coef",
     "moe.router_activation",
+    "moe.normalize_top_k_affinities",
 )

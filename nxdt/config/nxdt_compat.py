@@ -30,7 +30,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from nxdt.config.hf_model import HFConfigError, model_fields
+from nxdt.config.hf_model import FAMILIES, HFConfigError, model_fields
 from nxdt.config.schema import field_docs
 from nxdt.config.validate import ConfigError
 
@@ -289,7 +289,9 @@ RULES: dict[str, Rule] = {
     "model.moe.output_router_logits": _custom("false = no load-balancing loss (router_aux_loss_coef 0), as in HF"),
     "model.moe.frequency": _agree("every layer of nxdt's Mixtral is a MoE layer", 1, error=True),
     "model.moe.routing_algorithm": _agree("routing is top-k", "top_k", error=True),
-    "model.moe.normalize_top_k_affinities": _agree("the chosen experts' weights are always renormalised", True, error=True),
+    "model.moe.normalize_top_k_affinities": _map(
+        "false: the chosen experts' softmax weights as they are (Qwen3-MoE's norm_topk_prob)"
+    ),
     "model.moe.dropout": _agree("nxdt has no dropout", 0, 0.0),
     "model.moe.capacity_factor": _custom("nxdt's MoE is dropless; a capacity factor without dropless: true is noted"),
     "model.moe.dropless": _derived("nxdt's MoE is always dropless"),
@@ -703,11 +705,8 @@ def _megatron_model(leaves: Mapping[str, Any]) -> dict[str, Any]:
     experts = leaves.get("model.moe.num_experts") or 0
     if family == "gpt" and experts:
         raise ConfigError("model.moe.num_experts", experts, "the hub's mixture of experts is Mixtral's (rmsnorm, swiglu, rope)")
-    arch = {
-        "gpt": "nxdt.models.gpt.GPTForCausalLM",
-        "llama": "nxdt.models.mixtral.MixtralForCausalLM" if experts else "nxdt.models.llama.LlamaForCausalLM",
-    }[family]
-    out: dict[str, Any] = {"model.architecture": arch}
+    spec = FAMILIES["gpt2" if family == "gpt" else "mixtral" if experts else "llama"]  # the hub class by its spec
+    out: dict[str, Any] = {"model.architecture": spec.architecture}
     if experts and "model.moe.router_activation" not in leaves:
         out["model.moe.router_activation"] = "sigmoid"  # NxDT's Megatron MoE default (HF Mixtral's router is softmax)
     # NxDT's data module pads with this, default 128 (lightning_modules/data/base.py, _vocab_size_with_padding)

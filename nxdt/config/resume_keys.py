@@ -50,6 +50,7 @@ _MODEL_KEYS = (
     "model.moe.num_experts",
     "model.moe.top_k",
     "model.moe.router_activation",
+    "model.moe.normalize_top_k_affinities",
 )
 
 _TRAINING_KEYS = (

@@ -258,15 +258,18 @@ class OptimConfig:
 
 @dataclass
 class MoEConfig:
-    """Mixture of experts (Mixtral); dense architectures ignore it."""
+    """Mixture of experts (Mixtral, Qwen3-MoE); dense architectures ignore it."""
 
     num_experts: int = doc(0, "experts per MoE layer (0 = no experts: a dense model)")
-    top_k: int = doc(2, "experts each token is routed to (their router weights renormalised to sum 1)")
+    top_k: int = doc(2, "experts each token is routed to")
     router_aux_loss_coef: float = doc(0.02, "weight of the load-balancing auxiliary loss added to the LM loss")
     router_activation: str = doc(
         "softmax",
-        "softmax (Mixtral's router) | sigmoid (NxD's sigmoid affinities, NxDT's Megatron "
-        "MoE default); the chosen experts' weights are renormalised either way",
+        "softmax (Mixtral's router) | sigmoid (NxD's sigmoid affinities, NxDT's Megatron MoE default)",
+    )
+    normalize_top_k_affinities: bool = doc(
+        True,
+        "renormalise the chosen experts' weights to sum 1 (Mixtral: always; Qwen3-MoE: config.json's norm_topk_prob)",
     )
 
 

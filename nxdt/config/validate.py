@@ -498,6 +498,17 @@ def _check_comm_choice(cfg: Any) -> None:
         )
 
 
+def _is_moe_family(architecture: str) -> bool:
+    """Its family's spec says the feed-forward is a mixture of experts; an architecture without a spec is left to the
+    model check before launch (``cli._check_model``), which names it."""
+    from nxdt.config.hf_model import HFConfigError, family_of_architecture
+
+    try:
+        return family_of_architecture(architecture).block.moe
+    except HFConfigError:
+        return True
+
+
 def validate(cfg: Any, *, paths: bool = True) -> None:
     """``paths=False`` (``nxdt plan``): do not require the files the run would read to exist here."""
     fill_instance_defaults(cfg)
@@ -615,6 +626,13 @@ def validate(cfg: Any, *, paths: bool = True) -> None:
             f"PP×virtual = {pp}×{vpp} model chunks need at least that many layers (model.num_layers={model.num_layers})",
         )
     experts = model.moe.num_experts
+    if ep > 1 and not _is_moe_family(model.architecture):
+        raise ConfigError(
+            "distributed_strategy.expert_model_parallel_size",
+            ep,
+            f"model.architecture={model.architecture} is a dense family (no experts to spread); use 1, or a "
+            "mixture-of-experts family (mixtral, qwen3_moe)",
+        )
     if ep > 1 and (experts == 0 or experts % ep):
         raise ConfigError(
             "distributed_strategy.expert_model_parallel_size",

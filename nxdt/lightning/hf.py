@@ -1,8 +1,8 @@
-"""Hugging Face checkpoint interop for the model hub's families (llama, mixtral, and gpt2 for nxdt's GPT).
+"""Hugging Face checkpoint interop for the model hub's families (every ``nxdt.config.hf_model.FAMILIES`` spec).
 
 Tensor names go through the family's state-dict adapter (:class:`StateDictAdapter`, the rules of
-``nxdt.config.hf_model.HFFamily.weights``): Llama's and Mixtral's are ours under ``model.`` (``lm_head`` has none);
-GPT-2's are renamed, q/k/v fused into ``c_attn`` and ``Conv1D`` weights transposed. So:
+``nxdt.config.hf_model.ModelSpec.weights``): Llama's and Mixtral's are ours under ``model.`` (``lm_head`` has none);
+Qwen3-MoE's experts are renamed (w1/w3/w2 ↔ gate_proj/up_proj/down_proj); GPT-2's are renamed, q/k/v fused into ``c_attn`` and ``Conv1D`` weights transposed. So:
 
 * import: ``model.hf_checkpoint=DIR`` loads ``DIR/*.safetensors`` into the full model on every rank before
   tensor/pipeline parallelism slices it — any layout starts from the same weights; the model config came from
@@ -30,7 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from nxdt.config.hf_model import HFFamily, family_of_architecture
+from nxdt.config.hf_model import DEFAULT_ARCHITECTURE, ModelSpec, family_of_architecture
 
 
 MODULE_PREFIX = "model."  # CausalLMModule holds the hub model as `model`
@@ -44,11 +44,11 @@ def our_name(name: str) -> str:
     return name[len("model.") :] if name.startswith("model.") else name
 
 
-_PATTERN_PARTS = {"i": r"(?P<i>\d+)", "p": r"(?P<p>weight|bias)", "name": r"(?P<name>.+)"}
+_PATTERN_PARTS = {"i": r"(?P<i>\d+)", "e": r"(?P<e>\d+)", "p": r"(?P<p>weight|bias)", "name": r"(?P<name>.+)"}
 
 
 def _regex(pattern: str) -> re.Pattern[str]:
-    """A :class:`~nxdt.config.hf_model.WeightRule` name pattern as a regex binding ``{i}``, ``{p}``, ``{name}``."""
+    """A :class:`~nxdt.config.hf_model.WeightRule` name pattern as a regex binding ``{i}``, ``{e}``, ``{p}``, ``{name}``."""
     out, rest = "", pattern
     while "{" in rest:
         before, _, after = rest.partition("{")
@@ -59,10 +59,10 @@ def _regex(pattern: str) -> re.Pattern[str]:
 
 class StateDictAdapter:
     """Our tensor names ↔ a Hugging Face family's (torchtitan's ``StateDictAdapter``: ``to_hf`` / ``from_hf``), by
-    the family's :attr:`~nxdt.config.hf_model.HFFamily.weights` rules: renamed, fused along the output dimension,
+    the family's :attr:`~nxdt.config.hf_model.ModelSpec.weights` rules: renamed, fused along the output dimension,
     transposed. A name no rule maps passes through unchanged, for the caller to name it."""
 
-    def __init__(self, family: HFFamily) -> None:
+    def __init__(self, family: ModelSpec) -> None:
         self.family = family
         self._ours = [[_regex(p) for p in rule.ours] for rule in family.weights]
         self._hf = [_regex(rule.hf) for rule in family.weights]
@@ -468,7 +468,7 @@ def check_hf_checkpoint(
     (the family's adapter, by ``architecture``; default Llama's): every file's header whole, every tensor known, of
     the expected shape and a float dtype, none missing — what :func:`load_hf_weights` would find only in the
     workers. Reads headers only. Returns the tensors checked."""
-    adapter = adapter_for(architecture or "nxdt.models.llama.LlamaForCausalLM")
+    adapter = adapter_for(architecture or DEFAULT_ARCHITECTURE)
     shapes = {
         k: tuple(t.shape) for k, t in adapter.to_hf({n: torch.empty(s, device="meta") for n, s in expected.items()}).items()
     }

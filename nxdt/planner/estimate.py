@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from nxdt.config.hf_model import spec_of
 from nxdt.planner.calibration import provenance
 from nxdt.planner.cost import bus_bandwidth, estimate_collective
 from nxdt.topology import Topology
@@ -49,21 +50,20 @@ def head_width(model: Any) -> int:
 
 
 def model_numbers(model: Any) -> dict[str, float]:
-    """Parameter counts of a decoder-only transformer config (O(hidden) tensors per layer other than the two norms
-    — Qwen2's q/k/v biases, Qwen3's q/k norms — are left out: under 0.01 % of any real size)."""
+    """Parameter counts of a decoder-only transformer config, its family's block from its spec (MLP matrices, experts,
+    GPT's learned positions); O(hidden) tensors per layer other than the two norms — Qwen2's q/k/v biases, Qwen3's q/k
+    norms, GPT's biases and LayerNorm shifts — are left out: under 0.01 % of any real size."""
     h, layers, vocab = model.hidden_size, model.num_layers, model.vocab_size
     heads = model.num_attention_heads
     kv = model.num_kv_heads or heads
     head_dim = head_width(model)
     attn = h * heads * head_dim * 2 + h * kv * head_dim * 2  # q, o + k, v
-    moe = getattr(model, "moe", None)
-    experts = getattr(moe, "num_experts", 0) or 0
-    top_k = getattr(moe, "top_k", 0) or 0
-    mlp_one = mlp_matrices(model) * h * model.ffn_hidden_size  # GPT's GELU MLP has 2 matrices, SwiGLU 3
+    experts, top_k = moe_experts(model)
+    mlp_one = mlp_matrices(model) * h * model.ffn_hidden_size
     mlp_total = mlp_one * experts + h * experts if experts else mlp_one
     mlp_active = mlp_one * top_k + h * experts if experts else mlp_one
     per_layer = attn + mlp_total + 2 * h
-    embed = vocab * h
+    embed = vocab * h + (model.max_position_embeddings * h if spec_of(model).block.learned_positions else 0)
     head = 0 if model.tie_word_embeddings else vocab * h
     total = layers * per_layer + embed + head + h
     matmul_active = layers * (attn + mlp_active) + vocab * h  # weights used in matmuls per token (output head included)
@@ -79,27 +79,29 @@ def model_numbers(model: Any) -> dict[str, float]:
     }
 
 
-# MLP weight matrices per architecture module (``model.architecture``'s module): GPT's GELU MLP has two
-# (up, down); Llama's and Mixtral's SwiGLU experts three (gate, up, down) — the default.
-MLP_MATRICES = {"gpt": 2}
-
-
 def mlp_matrices(model: Any) -> int:
-    """Weight matrices of one MLP (or one expert) of ``model``'s architecture."""
-    module = str(getattr(model, "architecture", "") or "").rsplit(".", 2)
-    return MLP_MATRICES.get(module[-2] if len(module) >= 2 else "", 3)
+    """Weight matrices of one MLP (or one expert) of ``model``'s family (its spec's block: SwiGLU 3, GELU 2)."""
+    return spec_of(model).block.mlp_matrices
+
+
+def moe_experts(model: Any) -> tuple[int, int]:
+    """(experts per layer, experts per token) of a MoE family's config; (0, 0) for a dense family, whose hub class
+    ignores ``model.moe``."""
+    moe = getattr(model, "moe", None)
+    if not spec_of(model).block.moe:
+        return 0, 0
+    return getattr(moe, "num_experts", 0) or 0, getattr(moe, "top_k", 0) or 0
 
 
 # LoRA: NxDT's target names → the hub's projections (models/lora.py NXDT_TARGETS; the planner does not import the
-# hub: tests/test_planner_lora.py keeps the two equal). GPT's MLP (fc_in, fc_out) and Mixtral's experts (w1, w2, w3)
-# have none of the MLP names, so only Llama's MLP is adapted.
+# hub: tests/test_planner_lora.py keeps the two equal). GPT's MLP (fc_in, fc_out) and the MoE families' experts
+# (w1, w2, w3) have none of the MLP names: the spec's ``block.lora_mlp`` says which families' MLPs are adapted.
 LORA_TARGETS = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "o_proj": ("o_proj",),
     "gate_up_proj": ("gate_proj", "up_proj"),
     "down_proj": ("down_proj",),
 }
-LORA_MLP_ARCHITECTURES = ("llama",)
 
 
 def lora_trainable_per_rank(cfg: Any, tp: int, pp: int) -> float | None:
@@ -116,8 +118,7 @@ def lora_trainable_per_rank(cfg: Any, tp: int, pp: int) -> float | None:
     h, heads = model.hidden_size, model.num_attention_heads
     kv = model.num_kv_heads or heads
     head_dim = head_width(model)
-    module = str(model.architecture).rsplit(".", 2)
-    mlp = len(module) >= 2 and module[-2] in LORA_MLP_ARCHITECTURES
+    mlp = spec_of(model).block.lora_mlp
     # projection → (in, out, row-parallel)
     shapes = {
         "q_proj": (h, heads * head_dim, False),
@@ -157,11 +158,10 @@ def forward_flops_per_token(model: Any, seq_length: int, *, causal: bool = False
     kv = getattr(model, "num_kv_heads", None) or heads
     head_dim = head_width(model)
     projections = 2 * h * head_dim * (2 * heads + 2 * kv)
-    moe = getattr(model, "moe", None)
-    experts = getattr(moe, "num_experts", 0) or 0
+    experts, top_k = moe_experts(model)
     mlp = 2 * mlp_matrices(model) * h * model.ffn_hidden_size
     if experts:
-        mlp = mlp * (getattr(moe, "top_k", 0) or 0) + 2 * h * experts
+        mlp = mlp * top_k + 2 * h * experts
     scores = 4 * seq_length * heads * head_dim * (0.5 if causal else 1.0)
     return float(layers * (projections + mlp + scores) + 2 * model.vocab_size * h)
 
@@ -224,7 +224,7 @@ def _norm_bytes(model: Any, act: int) -> float:
     itself), the normalised input its weight multiplies (e·h), its output (e·h: the next projections' input) and the
     fp32 reciprocal RMS (4); LayerNorm (GPT) its input and output (2·e·h) and its mean and reciprocal std (2·e)."""
     h = model.hidden_size
-    return 2 * act * h + 2 * act if mlp_matrices(model) == 2 else 4 * h + 2 * act * h + 4
+    return 2 * act * h + 2 * act if spec_of(model).block.norm == "layernorm" else 4 * h + 2 * act * h + 4
 
 
 def layer_saved_bytes(
@@ -268,9 +268,8 @@ def layer_saved_bytes(
     copies = 1 if kernel in ("sdpa", "naive") or selective else 2  # the kernel's output, o_proj's transposed copy
     lse = 0 if selective or kernel == "naive" else 4 * a
     qkv = 3 * q * 4 if kernel == "naive" and not selective else (q + 2 * g) * act
-    experts = getattr(getattr(model, "moe", None), "num_experts", 0) or 0
+    experts, top_k = moe_experts(model)
     if experts:
-        top_k = model.moe.top_k
         mlp = top_k * (4 * model.ffn_hidden_size + 3 * h) * act + (act + 4) * experts
     else:
         mlp = (4 if mlp_matrices(model) == 3 else 2) * model.ffn_hidden_size * act

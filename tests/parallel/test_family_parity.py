@@ -1,10 +1,15 @@
-"""Qwen2/2.5, Qwen3 and Mistral: nxdt's first-step loss on a batch equals transformers' on the same weights, unsharded,
-at TP2 with and without sequence parallelism and at PP2 (1F1B); under TP the gradients of the replicated tensors a
-family adds (Qwen3's per-head q/k norms, whose gradient each rank holds for its own heads only) equal transformers'.
+"""Qwen2/2.5, Qwen3, Mistral and Qwen3-MoE: nxdt's first-step loss on a batch equals transformers' on the same weights,
+unsharded, at TP2 with and without sequence parallelism and at PP2 (1F1B); under TP the gradients of the replicated
+tensors a family adds (Qwen3's per-head q/k norms, whose gradient each rank holds for its own heads only) equal
+transformers'; Qwen3-MoE's at EP2 too. Qwen3-MoE's loss includes the load-balancing term (``output_router_logits``, coefficient 0.05, as nxdt
+adds it) except at PP2, where nxdt's pipeline takes the plain cross-entropy (the aux term would cover the last stage's
+layers only, models/mixtral.py): compared there with transformers' loss less its ``aux_loss`` term. Its router keeps the
+top-k softmax weights as they are (``norm_topk_prob: false``, Qwen3MoeConfig's default; Mixtral's renormalisation is
+tested in test_mixtral_parity.py).
 
 Each tiny model is made with transformers (non-default rope_theta and epsilon, random biases and norm weights, Qwen2
 tied and untied, Qwen3 with head_dim 16 ≠ hidden/heads = 8, Mistral with a sliding window as long as its positions)
-and saved; the ranks read it the way a run does: the model fields from config.json (``HFFamily.model_fields``), the
+and saved; the ranks read it the way a run does: the model fields from config.json (``ModelSpec.model_fields``), the
 weights through the family's state-dict adapter (``load_hf_weights``). The spawned ranks never import transformers.
 
 Tolerance: both sides compute in fp32 from the same weights and differ only in operation order (sdpa vs eager
@@ -26,6 +31,7 @@ import torch
 from nxdt.comm.spawn import run_local
 from nxdt.config.hf_model import family_of
 from nxdt.lightning.hf import load_hf_weights
+from nxdt.parallel.expert_parallel import apply_expert_parallel, moe_blocks
 from nxdt.parallel.pipeline import PipelineExecutor, build_chunks, chunk_parameters, one_f_one_b
 from nxdt.parallel.tensor_parallel import apply_tensor_parallel, sync_replicated_grads
 
@@ -46,6 +52,19 @@ CONFIGS = {
     "mistral": lambda: transformers.MistralConfig(
         **SHAPE, intermediate_size=48, num_key_value_heads=2, sliding_window=64, rope_theta=1e6, rms_norm_eps=1e-5
     ),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **SHAPE,
+        moe_intermediate_size=24,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        output_router_logits=True,
+        router_aux_loss_coef=0.05,
+        rope_theta=5e5,
+        rms_norm_eps=2e-6,
+    ),
 }
 
 
@@ -61,7 +80,8 @@ def _ours(directory: str):
         json.loads((Path(directory) / "config.json").read_text())
     )
     module, _, name = fields["architecture"].rpartition(".")
-    cfg = SimpleNamespace(**{k: v for k, v in fields.items() if "." not in k})
+    moe = SimpleNamespace(**{k.split(".", 1)[1]: v for k, v in fields.items() if k.startswith("moe.")})
+    cfg = SimpleNamespace(**{k: v for k, v in fields.items() if "." not in k}, moe=moe)
     model = getattr(importlib.import_module(module), name)(cfg)
     load_hf_weights(model, directory, fields["architecture"])
     return model
@@ -86,13 +106,22 @@ def _ranks(world, directories: dict[str, str]) -> dict:
             chunks = build_chunks(model, comm.rank, comm.size)
             loss = PipelineExecutor(chunks, comm, type(model).loss_fn).run(one_f_one_b(comm.size, comm.rank, 1), [(ids, labels)])
             assert all(p.grad is not None for p in chunk_parameters(chunks).values())
-            out[family, "pp2"] = (loss, {})
+            out[family, "pp2"] = (loss, {})  # the plain cross-entropy (module docstring)
+        if moe_blocks(model):  # EP2: each rank holds half the experts; both ranks route the same batch here
+            model = apply_expert_parallel(_ours(directory), comm)
+            loss = model.loss_fn(model(ids), labels)
+            loss.backward()  # the dense q/k norms' gradients: this rank's batch (the same on both), no TP sum
+            norms = {
+                n: p.grad.numpy().copy() for n, p in model.named_parameters() if n.endswith(("q_norm.weight", "k_norm.weight"))
+            }
+            out[family, "ep2"] = (loss.item(), norms)
     return out
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> dict[str, tuple[str, float, dict]]:
-    """family → (directory, transformers' loss on the batch, its q/k norm gradients by nxdt name)."""
+    """family → (directory, transformers' loss on the batch, its q/k norm gradients by nxdt name, its cross-entropy
+    without the MoE aux term)."""
     out = {}
     ids, _ = _batch()
     for family, make in CONFIGS.items():
@@ -105,20 +134,23 @@ def saved(tmp_path_factory) -> dict[str, tuple[str, float, dict]]:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p) if p.ndim == 1 else 0.1 * torch.randn_like(p))
         directory = tmp_path_factory.mktemp(family)
         model.save_pretrained(directory)
-        loss = model(input_ids=ids, labels=ids).loss  # transformers shifts the labels itself
+        result = model(input_ids=ids, labels=ids)  # transformers shifts the labels itself
+        loss = result.loss
+        aux = getattr(result, "aux_loss", None)
+        cross_entropy = loss.item() - (0.0 if aux is None else config.router_aux_loss_coef * aux.item())
         loss.backward()
         norms = {
             n[len("model.") :]: p.grad.clone()
             for n, p in model.named_parameters()
             if n.endswith(("q_norm.weight", "k_norm.weight"))
         }
-        out[family] = (str(directory), loss.item(), norms)
+        out[family] = (str(directory), loss.item(), norms, cross_entropy)
     return out
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_unsharded_loss_equals_transformers(saved, family):
-    directory, expected, _ = saved[family]
+    directory, expected, _, _ = saved[family]
     ids, labels = _batch()
     model = _ours(directory)
     assert type(model).__name__ == type(transformers.AutoConfig.from_pretrained(directory)).__name__.replace(
@@ -128,14 +160,20 @@ def test_unsharded_loss_equals_transformers(saved, family):
 
 
 def test_tp2_sp_and_pp2_loss_and_qk_norm_gradients_equal_transformers(saved):
-    """One pair of ranks runs every family at TP2, TP2+SP and PP2 (1F1B)."""
-    directories = {family: directory for family, (directory, _, _) in saved.items()}
+    """One pair of ranks runs every family at TP2, TP2+SP and PP2 (1F1B), and the MoE family at EP2 (its experts split
+    over the two ranks, the tokens exchanged all-to-all: with the same batch on both, transformers' loss on each)."""
+    directories = {family: directory for family, (directory, *_) in saved.items()}
     ranks = run_local(_ranks, 2, directories, timeout_s=170)
-    layouts = {family: ["tp2", "tp2+sp"] + ([] if family.endswith("tied") else ["pp2"]) for family in CONFIGS}
+    moe = {family: family_of({"model_type": family.removesuffix("-tied")}).block.moe for family in CONFIGS}
+    layouts = {
+        family: ["tp2", "tp2+sp"] + ([] if family.endswith("tied") else ["pp2"]) + (["ep2"] if moe[family] else [])
+        for family in CONFIGS
+    }
     for rank, out in enumerate(ranks):
         assert sorted(out) == sorted((f, layout) for f, names in layouts.items() for layout in names)
         for (family, layout), (loss, norms) in out.items():
-            _, expected, hf_norms = saved[family]
+            _, expected, hf_norms, cross_entropy = saved[family]
+            expected = cross_entropy if layout == "pp2" else expected
             assert loss == pytest.approx(expected, rel=RTOL), f"rank {rank} {family} {layout}"
             assert set(norms) == set(hf_norms if layout != "pp2" else {}), (family, layout)
             for name, grad in norms.items():  # summed over the heads of both ranks: transformers' gradient
@@ -146,7 +184,7 @@ def test_tp2_sp_and_pp2_loss_and_qk_norm_gradients_equal_transformers(saved):
 
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_lora_adapters_load_with_peft_and_give_nxdt_logits(saved, family, tmp_path):
-    """Adapters on every target (Qwen2's biased q/k/v, Qwen3's normed ones), exported as a PEFT adapter directory:
+    """Adapters on every target (Qwen2's biased q/k/v, Qwen3's normed ones; Qwen3-MoE's attention), exported as a PEFT adapter directory:
     the peft library puts them on transformers' model of the family and computes nxdt's logits (atol 1e-5: fp32,
     operation order only, as above; the adapter moves the logits by > 1e-2, so this is no base-vs-base comparison)."""
     peft = pytest.importorskip("peft")
@@ -155,7 +193,9 @@ def test_lora_adapters_load_with_peft_and_give_nxdt_logits(saved, family, tmp_pa
 
     directory = saved[family][0]
     ids, _ = _batch()
-    model = apply_lora(_ours(directory), rank=4, alpha=16, target_modules=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    # a MoE family's experts (w1/w2/w3) have no LoRA MLP names (its spec's block.lora_mlp): attention only there
+    mlp = ("gate_up_proj", "down_proj") if family_of({"model_type": family.removesuffix("-tied")}).block.lora_mlp else ()
+    model = apply_lora(_ours(directory), rank=4, alpha=16, target_modules=("qkv_proj", "o_proj", *mlp))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for m in model.modules():
