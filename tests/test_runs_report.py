@@ -354,9 +354,10 @@ def test_default_console_is_nxdts_own_banner_steps_and_summary(launched):
         f"exp_manager.checkpoint_every_n_steps={DEFAULT_EVERY} exp_manager.explicit_log_dir={run} "
         "exp_manager.resume_if_exists=true"
     ) in lines
-    # the per-rank log keeps what the console leaves out
+    # the per-rank log keeps what the console leaves out (Lightning's own lines; its import-time deprecation warning
+    # too when the worker imported Lightning itself, which a worker of tests/warm_cli.py did not)
     log = (run / "logs" / "rank0.log").read_text()
-    assert "GPU available" in log and "deprecated" in log and re.search(r"rank 0 attempt 0 started \S+ \S+ \(pid \d+", log)
+    assert "GPU available" in log and re.search(r"rank 0 attempt 0 started \S+ \S+ \(pid \d+", log)
     # command → first step is a performance figure (measured in the closing note, not asserted: shared machine)
     assert json.loads((run / "status.json").read_text())["status"] == "finished"
 
