@@ -157,10 +157,10 @@ _server: list[_Server] = []  # one per pytest worker process, started on first u
 
 
 def run(
-    args: Sequence[str], *, cwd: Path | str, env: Mapping[str, str] | None = None, timeout: float = 200
+    args: Sequence[str], *, cwd: Path | str | None = None, env: Mapping[str, str] | None = None, timeout: float = 200
 ) -> subprocess.CompletedProcess:
     """``nxdt ARGS`` as a fork of the pre-imported process (see the module docstring)."""
     if not _server or not _server[0].alive():
         _server[:] = [_Server()]
     environment: dict[str, Any] = {**os.environ, "PYTHONUNBUFFERED": "1"} if env is None else dict(env)
-    return _server[0].run(args, Path(cwd), environment, timeout)
+    return _server[0].run(args, Path.cwd() if cwd is None else Path(cwd), environment, timeout)
