@@ -12,4 +12,5 @@ A config names its class by import path (``model.architecture``); nothing dispat
     mixtral.py MixtralForCausalLM — Llama attention + top-k routed mixture of experts with the load-balancing
                loss (HF names); expert parallelism in nxdt.parallel.expert_parallel; mixtral_tiny.yaml, mixtral_8x7b.yaml
     gpt.py     GPTForCausalLM — GPT-2 style: learned positions, LayerNorm, GELU MLP, biases; gpt_tiny.yaml
+    meta.py    shapes_only() — a model built for its names and shapes (meta device, no fills): the launcher's check
 """

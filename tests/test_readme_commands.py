@@ -13,7 +13,9 @@ The rules, applied to the command as the docs spell it:
 - Commands run in a temporary directory holding a link ``tests`` to this repository's ``tests/`` (the docs' NxDT
   config examples name ``tests/nxdt_configs``, as run from the repository root). Commands that start no workers
   (plan, topo, --help, comm-test --estimate, runs) run in-process through ``nxdt.cli.main``; training and the
-  checkpoint commands after it run as ``python -m nxdt.cli`` subprocesses, chained in the docs' order.
+  checkpoint commands after it run as the ``nxdt`` program, chained in the docs' order, each a fork of a pre-imported
+  process (``tests/warm_cli.py``: the same argv through ``nxdt.cli.main``; a fresh interpreter's start-up is
+  test_fresh_install.py's and test_first_output.py's).
 """
 
 from __future__ import annotations
@@ -21,11 +23,10 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import warm_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = [ROOT / "README.md", ROOT / "docs" / "migrating-from-nxdt.md"]
@@ -236,9 +237,7 @@ def test_training_commands_run_as_written(chain, tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     for command in CHAINS[chain]:
         argv = filled(command, cwd)
-        result = subprocess.run(
-            [sys.executable, "-m", "nxdt.cli", *argv[1:]], cwd=cwd, env=env, capture_output=True, text=True, timeout=400
-        )
+        result = warm_cli.run(argv[1:], cwd=cwd, env=env, timeout=400)
         assert result.returncode == 0, (
             f"{' '.join(argv)}: exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
         )
