@@ -23,16 +23,17 @@ from nxdt.lightning.objective import CAUSAL_LM, label_count, token_weights
 SEQ = 64
 
 
-def _model() -> LlamaForCausalLM:
+def _model(vocab_size: int = 256, positions: int = SEQ) -> LlamaForCausalLM:
+    """A seeded fp64 tiny Llama (sdpa): the SFT tests' model (test_sft_concat_packing.py takes it too)."""
     torch.manual_seed(0)
     cfg = SimpleNamespace(
-        vocab_size=256,
+        vocab_size=vocab_size,
         hidden_size=32,
         num_layers=2,
         num_attention_heads=4,
         num_kv_heads=2,
         ffn_hidden_size=48,
-        max_position_embeddings=SEQ,
+        max_position_embeddings=positions,
         rope_theta=10000.0,
         norm_eps=1e-5,
         tie_word_embeddings=False,

@@ -11,7 +11,6 @@ unused, positions 0..S-1, loss on ``logits[..., :-1]`` against ``labels[..., 1:]
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from nxdt.config.nxdt_compat import flatten, translate
 from nxdt.config.validate import validate
 from nxdt.data.instructions import ChatTokenizer, build_sft_examples
 from nxdt.lightning.objective import CAUSAL_LM
+from test_sft import _model as sft_model
 
 BOS, EOS, PAD = 1, 2, 3
 S = 12  # data.seq_length = ConcatDataset's chunk_size
@@ -83,23 +83,7 @@ def test_concat_style_reproduces_concat_datasets_rows():
 
 
 def _model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = SimpleNamespace(
-        vocab_size=128,
-        hidden_size=32,
-        num_layers=2,
-        num_attention_heads=4,
-        num_kv_heads=2,
-        ffn_hidden_size=48,
-        max_position_embeddings=S,
-        rope_theta=10000.0,
-        norm_eps=1e-5,
-        tie_word_embeddings=False,
-        init_method_std=0.02,
-        activations_checkpoint_granularity=None,
-        core_attention="sdpa",
-    )
-    return LlamaForCausalLM(cfg).double()
+    return sft_model(vocab_size=128, positions=S).double()
 
 
 def test_the_loss_the_model_sees_is_plain_causal_with_nxdts_shift():
