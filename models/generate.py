@@ -27,7 +27,7 @@ Works with any model of the hub's signature ``model(input_ids, position_ids=, se
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -108,10 +108,17 @@ def generate(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
+    keep_going: Callable[[bool], bool] | None = None,
 ) -> list[list[int]]:
     """The continuation of each prompt, new tokens only: at most ``max_new_tokens``, ending with ``eos_id`` if it was
     produced (nothing is generated after it). ``prompt_ids``: token id lists (any lengths, each non-empty) or a
-    2-D tensor (equal lengths). Sampling options as transformers' (module docstring)."""
+    2-D tensor (equal lengths). Sampling options as transformers' (module docstring).
+
+    ``keep_going(mine)``: for processes whose forwards are collectives over the processes decoding other prompts
+    (FSDP gathers every unit's parameters in each forward): called after every step with whether this process still
+    has rows decoding, it returns whether any process has; every process then runs the same number of forwards —
+    one whose rows are all finished runs a one-token idle forward per step (its output unused, no random draw), so
+    its completions are exactly what decoding alone gives."""
     sampling = Sampling(do_sample, temperature, top_k, top_p).check()
     rows = [list(map(int, p)) for p in prompt_ids]
     if not rows:
@@ -126,14 +133,23 @@ def generate(
     cache = KVCache() if use_cache else None
     batch = left_pad(rows, device)
     for _ in range(max_new_tokens):
+        if not active:  # finished here, not everywhere (keep_going): the same forward as the others, output unused
+            idle = left_pad([[PAD_ID]], device)
+            model(idle["input_ids"], position_ids=idle["position_ids"], segment_ids=idle["segment_ids"])
+            if keep_going is not None and keep_going(False):
+                continue
+            break
         logits = model(batch["input_ids"], position_ids=batch["position_ids"], segment_ids=batch["segment_ids"], kv_cache=cache)
         chosen = next_tokens(logits[:, -1, :], sampling, generator)
         for i, token in zip(active, chosen.tolist()):
             outputs[i].append(token)
         going = [j for j, i in enumerate(active) if eos_id is None or outputs[i][-1] != eos_id]
         active = [active[j] for j in going]
-        if not active:
+        more = bool(active) if keep_going is None else keep_going(bool(active))
+        if not more:
             break
+        if not active:
+            continue
         if cache is None:
             batch = left_pad([rows[i] + outputs[i] for i in active], device)
             continue

@@ -193,3 +193,34 @@ def test_bad_sampling_options_are_refused_by_name():
         generate(model, PROMPTS, 2, do_sample=True, top_p=1.5)
     with pytest.raises(ValueError, match="top_k=-1"):
         generate(model, PROMPTS, 2, do_sample=True, top_k=-1)
+
+
+def test_lockstep_decoding_runs_idle_forwards_and_changes_no_completion():
+    """``keep_going`` (FSDP's lockstep: another rank still decoding) keeps this process stepping after its own rows
+    ended: one forward per step until the step the others stop at, each idle one a single token, no random draw (the
+    generator ends in the state decoding alone leaves it) — and the completions are exactly decoding alone's."""
+    model = hub_models()["llama"]
+    sampled = dict(do_sample=True, temperature=1.5)
+    free = generate(model, PROMPTS[:1], NEW, generator=torch.Generator().manual_seed(5), **sampled)
+    eos = free[0][2]  # this rank's one row ends within 3 steps
+    alone_gen = torch.Generator().manual_seed(5)
+    alone = generate(model, PROMPTS[:1], NEW, eos_id=eos, generator=alone_gen, **sampled)
+    assert len(alone[0]) <= 3 and alone[0][-1] == eos
+    others = 7  # the other ranks decode 7 steps (of NEW = 10)
+    calls: list[bool] = []
+
+    def keep_going(mine: bool) -> bool:
+        calls.append(mine)
+        return mine or len(calls) < others
+
+    shapes: list[tuple[int, ...]] = []
+    hook = model.register_forward_pre_hook(lambda m, args: shapes.append(tuple(args[0].shape)))
+    try:
+        lockstep_gen = torch.Generator().manual_seed(5)
+        lockstep = generate(model, PROMPTS[:1], NEW, eos_id=eos, generator=lockstep_gen, keep_going=keep_going, **sampled)
+    finally:
+        hook.remove()
+    assert lockstep == alone
+    assert len(shapes) == len(calls) == others  # one forward and one agreement per step, on every rank alike
+    assert all(s == (1, 1) for s in shapes[len(alone[0]) :])  # after its row ended: one-token idle forwards
+    assert torch.equal(lockstep_gen.get_state(), alone_gen.get_state())  # the idle steps drew nothing

@@ -150,6 +150,74 @@ def test_tensor_parallel_with_sp_and_zero1_samples_and_trains_as_plain_data_para
         assert float(g["kl"]) == pytest.approx(float(w["kl"]), rel=1e-4, abs=1e-7), (g, w)
 
 
+def _user_code(folder: Path) -> Path:
+    folder.mkdir()
+    (folder / "heldout_rewards.py").write_text(HELD_OUT)
+    return folder
+
+
+# the plain DP2 fixture's settings (beta 0.04: a reference model), FSDP over the same 2 ranks, a 4-step schedule
+FSDP = [
+    "distributed_strategy.fsdp.enabled=true",
+    "model.optim.sched.max_steps=4",
+    "exp_manager.checkpoint_every_n_steps=2",
+    "model_alignment_strategy.grpo.reward_funcs=[heldout_rewards:length_reward,nxdt.data.arithmetic:exact_answer]",
+    "model_alignment_strategy.grpo.reward_weights=[1.0,2.0]",
+    "model_alignment_strategy.grpo.beta=0.04",
+]
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    """FSDP over 2 ranks: 4 steps uninterrupted (checkpoints at steps 2 and 4), then a second run resumed from the first
+    one's step-2 checkpoint (the state a run stopped after step 2 leaves) to step 4. Two launches."""
+    root = tmp_path_factory.mktemp("grpo_fsdp")
+    whole, resumed = root / "whole", root / "resumed"
+    for out, extra in ((whole, []), (resumed, [f"exp_manager.resume_from_checkpoint={whole / 'checkpoints' / 'step-2'}"])):
+        user = _user_code(root / f"user_{out.name}")
+        result = _nxdt(root, *FSDP, "trainer.max_steps=4", f"exp_manager.explicit_log_dir={out}", *extra, pythonpath=user)
+        assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+    return {name: (root / name, root / f"user_{name}" / "calls.jsonl") for name in ("whole", "resumed")}
+
+
+def test_fsdp_samples_and_trains_as_plain_data_parallelism(run, held_out, fsdp_runs):
+    """FSDP over the same 2 ranks as the plain DP2 run, same seed and settings: decoding gathers each unit's weights
+    (the same values DP holds whole), the ranks decode in lockstep (idle forwards draw nothing), and the reference is a
+    frozen copy sharded in FSDP units of its own — so steps 1 and 2 draw exactly DP's completions (compared exactly) and
+    score them alike. Steps 1-2 do not depend on the schedule's length (warm-up, 2 steps). Tolerances: step 1's
+    forward is the same arithmetic on the same weights; the gradients differ only in summation order (FSDP's
+    reduce-scatter against DP's all-reduce: ~1e-7 relative), which moves step 2's weights by ~lr·1e-7 after Adam's
+    normalisation — a sampled token would change only for a uniform draw within ~1e-6 of a cumulative-probability
+    boundary — and the step-2 loss (a near-cancelling sum of ratio·advantage terms, ~4e-4) and KL agree far inside
+    rel 1e-4 / abs 1e-6 (measured: loss rel 1.3e-6, KL rel 3.5e-7)."""
+    out, calls = fsdp_runs["whole"]
+    plain = _completions_by_step(held_out / "calls.jsonl")
+    assert _completions_by_step(calls)[:2] == plain
+    want = list(csv.DictReader(open(run[0] / "metrics.csv")))
+    got = list(csv.DictReader(open(out / "metrics.csv")))[:2]
+    assert [r["step"] for r in got] == [r["step"] for r in want] == ["1", "2"]
+    for g, w in zip(got, want):
+        for key in ("reward", "reward_std", "rewards/length_reward/mean", "completions/mean_length"):
+            assert g[key] == w[key], key  # the same completions, the same reward arithmetic: the same bits
+        for key in ("loss", "kl"):
+            assert float(g[key]) == pytest.approx(float(w[key]), rel=1e-4, abs=1e-6), (key, g, w)
+        assert float(g["peak_gathered_bytes"]) > 0  # FSDP's figures reach metrics.csv
+
+
+def test_a_resumed_run_continues_bit_for_bit(fsdp_runs):
+    """A GRPO run resumed from its step-2 checkpoint (FSDP, beta 0.04) samples, scores and trains at steps 3-4 exactly
+    as the uninterrupted run: the sampling generator is a function of (seed, step, data-parallel rank) — seed from the
+    run's config (a resume may not change it), step from the checkpoint — the prompt stream a function of (seed, step),
+    the reference the starting weights again, the weights, Adam's moments and the schedule restored."""
+    (whole, whole_calls), (resumed, resumed_calls) = fsdp_runs["whole"], fsdp_runs["resumed"]
+    assert _completions_by_step(resumed_calls) == _completions_by_step(whole_calls)[2:]
+    timing = {"step_time_s", "tokens_per_s", "peak_rss_mb", "wall_time", "exposed_comm_s", "overlap_pct"}
+    want = [{k: v for k, v in r.items() if k not in timing} for r in csv.DictReader(open(whole / "metrics.csv"))][2:]
+    got = [{k: v for k, v in r.items() if k not in timing} for r in csv.DictReader(open(resumed / "metrics.csv"))]
+    assert [r["step"] for r in got] == ["3", "4"]
+    assert got == want  # every logged value, as written: bit for bit
+
+
 def _cfg(*overrides: str):
     return compose_config(["+recipe=grpo", *overrides], paths=False)
 
@@ -182,8 +250,8 @@ def _cfg(*overrides: str):
             "must accept f(prompts",
         ),
         (["model_alignment_strategy.grpo.num_generations=5"], "data.global_batch_size", "multiple of"),
-        (["distributed_strategy.pipeline_model_parallel_size=2"], "pipeline_model_parallel_size", "PP, CP, EP, FSDP not built"),
-        (["distributed_strategy.fsdp.enabled=true"], "fsdp.enabled", "PP, CP, EP, FSDP not built"),
+        (["distributed_strategy.pipeline_model_parallel_size=2"], "pipeline_model_parallel_size", "PP, CP, EP not built"),
+        (["distributed_strategy.context_parallel_size=2"], "context_parallel_size", "PP, CP, EP not built"),
         (["model_alignment_strategy.grpo.reward_weights=[1.0]"], "reward_weights", "one weight per reward function"),
     ],
 )
@@ -202,17 +270,37 @@ def monkeypatch_free_path(held_out):
     sys.modules.pop("heldout_rewards", None)
 
 
-def test_a_bad_reward_function_stops_the_launcher_with_one_line_and_exit_2(tmp_path):
-    result = _nxdt(
-        tmp_path,
-        "model_alignment_strategy.grpo.reward_funcs=[no_such_module_xyz:f]",
-        "model_alignment_strategy.grpo.reward_weights=null",
-    )
+@pytest.mark.parametrize(
+    "overrides, key, says",
+    [
+        (
+            [
+                "model_alignment_strategy.grpo.reward_funcs=[no_such_module_xyz:f]",
+                "model_alignment_strategy.grpo.reward_weights=null",
+            ],
+            "model_alignment_strategy.grpo.reward_funcs[0]",
+            "cannot import",
+        ),
+        (
+            ["distributed_strategy.pipeline_model_parallel_size=2"],
+            "distributed_strategy.pipeline_model_parallel_size=2",
+            "PP, CP, EP not built",
+        ),
+    ],
+)
+def test_a_bad_reward_function_or_layout_stops_the_launcher_with_one_line_and_exit_2(tmp_path, overrides, key, says):
+    result = _nxdt(tmp_path, *overrides)
     assert result.returncode == 2
     # the launcher's first line (what is being launched, printed before the checks: tests/test_first_output.py) aside
     lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip() and not line.endswith("model…")]
-    assert len(lines) == 1 and "model_alignment_strategy.grpo.reward_funcs[0]" in lines[0] and "cannot import" in lines[0]
+    assert len(lines) == 1 and key in lines[0] and says in lines[0]
     assert not (tmp_path / "nxdt_runs").exists() or not any((tmp_path / "nxdt_runs").rglob("metrics.csv"))
+
+
+def test_expert_parallelism_is_refused_by_name():
+    with pytest.raises(GRPOConfigError) as info:
+        check(_cfg("model=mixtral_tiny", "distributed_strategy.expert_model_parallel_size=2"), 1)
+    assert info.value.key == "distributed_strategy.expert_model_parallel_size" and "PP, CP, EP not built" in info.value.fix
 
 
 def test_wrong_count_and_non_finite_rewards_name_the_function(held_out, monkeypatch_free_path):

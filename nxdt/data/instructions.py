@@ -390,6 +390,25 @@ def render_plain_chat(messages: Sequence[Mapping[str, Any]], *, add_generation_p
     return text + ("assistant: " if add_generation_prompt else "")
 
 
+def is_message_list(value: Any) -> bool:
+    """A non-empty list of ``{"role": str, "content": str}`` messages (a conversational prompt, TRL's
+    ``is_conversational``)."""
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+    )
+
+
+def render_generation_prompt(tok: ChatTokenizer, messages: Sequence[Mapping[str, Any]], *, use_chat_template: bool = True) -> str:
+    """The text a model continues with the assistant's turn: the tokenizer's chat template with the generation prompt
+    (``tokenizer.apply_chat_template(messages, add_generation_prompt=True)``, as TRL's GRPOTrainer renders a
+    conversational prompt) when it has one and ``use_chat_template``; else the plain template ending ``"assistant: "``."""
+    if use_chat_template and tok.chat_template is not None:
+        return render_chat_template(tok.chat_template, messages, add_generation_prompt=True, special_tokens=tok.special_tokens)
+    return render_plain_chat(messages, add_generation_prompt=True)
+
+
 # ------------------------------------------------------------------------------------------------ records
 
 

@@ -79,14 +79,11 @@ class Request:
 
 def check_records(records: list[Any], where: str) -> list[dict[str, Any]]:
     """Each record a JSON object whose ``prompt`` is a non-empty string or a non-empty list of messages."""
+    from nxdt.data.instructions import is_message_list
+
     for i, record in enumerate(records):
         prompt = record.get("prompt") if isinstance(record, dict) else None
-        is_chat = (
-            isinstance(prompt, list)
-            and bool(prompt)
-            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt)
-        )
-        if not (isinstance(prompt, str) and prompt) and not is_chat:
+        if not (isinstance(prompt, str) and prompt) and not is_message_list(prompt):
             raise CommandError(
                 f"{WHO}: {where} record {i}: needs a 'prompt' field, a non-empty string or a list of "
                 f'{{"role": ..., "content": ...}} messages (got {type(prompt).__name__})'
@@ -111,15 +108,15 @@ def read_prompt_file(path: str) -> list[dict[str, Any]]:
 
 def prompt_renderer(tok: Any, use_chat_template: bool) -> Callable[[Any], str]:
     """A record's prompt (string or messages) → the text the model continues (module docstring, Rendering)."""
-    from nxdt.data.instructions import render_chat_template, render_plain_chat
+    from nxdt.data.instructions import render_generation_prompt
 
-    template = tok.chat_template if use_chat_template else None
+    templated = use_chat_template and tok.chat_template is not None
 
     def render(prompt: Any) -> str:
-        if template is not None:
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            return render_chat_template(template, messages, add_generation_prompt=True, special_tokens=tok.special_tokens)
-        return prompt if isinstance(prompt, str) else render_plain_chat(prompt, add_generation_prompt=True)
+        if isinstance(prompt, str) and not templated:
+            return prompt
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        return render_generation_prompt(tok, messages, use_chat_template=use_chat_template)
 
     return render
 

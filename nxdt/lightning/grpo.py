@@ -21,13 +21,23 @@ arrive as keyword lists, one value per completion; ``None`` = not scored by this
 each and checks it can be called so before any worker starts; a wrong count or a non-finite value stops the step
 with the function's name.
 
-**Layouts:** data parallelism (any number of ranks), tensor parallelism with or without sequence parallelism, and
-ZeRO-1; PP, CP, EP and FSDP are refused by name (sampling under them is not built). Under TP every rank of a TP group
+**Layouts:** data parallelism (any number of ranks), tensor parallelism with or without sequence parallelism, ZeRO-1
+and FSDP; PP, CP and EP are refused by name (sampling under them is not built). Under FSDP every decoding step's
+forward gathers each unit's weights (its all-gathers chained in the same order on every rank), so the DP ranks decode
+the same number of steps: after each, one all-reduce says whether any rank still has a row decoding, and a rank whose
+rows have ended runs a one-token idle forward (no random draw) until none has; the reference is a frozen copy taken
+before FSDP flattens the policy and sharded in FSDP units of its own (``NxDStrategy.shard_frozen``). An FSDP run
+samples what plain DP samples. Under TP every rank of a TP group
 samples the same tokens: the vocabulary-parallel head's logits are gathered (:class:`FullVocabLogits`), decoding runs
 with SP paused (one new token per row splits over no TP degree), and the generator's seed depends on the
 data-parallel rank only; the scoring batch is padded to a multiple of the TP degree for SP. A TP2×DP2 run samples
-what plain DP2 samples (``tests/test_grpo_train.py``). Prompts: ``data.source=prompts``, JSONL/``save_to_disk`` records with a string
-``prompt`` (the shipped set: nxdt/data/samples/arithmetic.jsonl), encoded as plain text (no chat template).
+what plain DP2 samples (``tests/test_grpo_train.py``).
+
+**Prompts:** ``data.source=prompts``, JSONL/``save_to_disk`` records whose ``prompt`` is a string (encoded as it is; the
+shipped set: nxdt/data/samples/arithmetic.jsonl) or, conversational, a list of ``{"role", "content"}`` messages:
+rendered with the tokenizer's chat template and its generation prompt as TRL does (the plain template when the
+tokenizer has none), and the reward functions then receive each completion as ``[{"role": "assistant", "content":
+text}]`` and the prompts as the records' message lists (TRL's convention).
 """
 
 from __future__ import annotations
@@ -42,7 +52,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from nxdt.data import SAMPLE_ARITHMETIC
-from nxdt.data.instructions import build_chat_tokenizer, read_instruction_records
+from nxdt.data.instructions import build_chat_tokenizer, is_message_list, read_instruction_records, render_generation_prompt
 from nxdt.lightning.datamodule import chat_tokenizer_dir
 from nxdt.lightning.module import CausalLMModule
 from nxdt.models.generate import PAD_ID, completion_batch, generate
@@ -110,42 +120,76 @@ def load_reward_function(spec: Any, index: int, columns: Sequence[str] = ()) -> 
 
 
 def prompt_records(data: Any) -> list[dict[str, Any]]:
-    """``data.train_dir``'s records (None: the shipped arithmetic set), each with a non-empty string ``prompt``."""
+    """``data.train_dir``'s records (None: the shipped arithmetic set), each with a ``prompt``: a non-empty string
+    (plain text) or, in every record alike, a non-empty list of ``{"role", "content"}`` messages (conversational)."""
     path = data.train_dir or SAMPLE_ARITHMETIC
     records = read_instruction_records(path, data.dev_choose_samples)
     if not records:
         raise GRPOConfigError("data.train_dir", str(path), "no records: GRPO needs records with a prompt field")
+    first = None
     for i, record in enumerate(records):
         prompt = record.get("prompt")
-        if not isinstance(prompt, str) or not prompt:
+        kind = "a message list" if is_message_list(prompt) else "a string" if isinstance(prompt, str) and prompt else None
+        if kind is None:
             raise GRPOConfigError(
-                "data.train_dir", str(path), f"record {i} has no non-empty string 'prompt' (got {type(prompt).__name__})"
+                "data.train_dir",
+                str(path),
+                f'record {i} has no \'prompt\': a non-empty string or a list of {{"role": ..., "content": ...}} messages '
+                f"(got {type(prompt).__name__})",
+            )
+        first = first or kind
+        if kind != first:
+            raise GRPOConfigError(
+                "data.train_dir", str(path), f"record 0's prompt is {first}, record {i}'s {kind}: one kind per data set"
             )
     return records
 
 
-def encode_prompts(records: Sequence[dict[str, Any]], tokenizer: Any, max_prompt_length: int, vocab_size: int) -> list[list[int]]:
-    """Each record's prompt as token ids, keeping its last ``max_prompt_length`` tokens (TRL truncates on the left)."""
+def is_conversational(records: Sequence[dict[str, Any]]) -> bool:
+    """Whether the prompts are message lists (:func:`prompt_records` makes them all one kind), TRL's
+    ``is_conversational({"prompt": prompts[0]})``."""
+    return bool(records) and is_message_list(records[0]["prompt"])
+
+
+def encode_prompts(
+    records: Sequence[dict[str, Any]], tokenizer: Any, max_prompt_length: int, vocab_size: int, tokenizer_name: Any = None
+) -> list[list[int]]:
+    """Each record's prompt as token ids, keeping its last ``max_prompt_length`` tokens (TRL truncates on the left).
+    A string is encoded as it is; messages are rendered with the tokenizer's chat template and the generation prompt,
+    as TRL's GRPOTrainer does (``apply_chat_template(prompts, add_generation_prompt=True, tokenize=True)`` in
+    ``_tokenize_prompts``: the template writes the special tokens, nothing is added), or the plain template without
+    one (:func:`nxdt.data.instructions.render_generation_prompt`)."""
     out = []
     for i, record in enumerate(records):
-        ids = list(tokenizer.encode(record["prompt"]))[-max_prompt_length:]
+        prompt = record["prompt"]
+        try:
+            text = prompt if isinstance(prompt, str) else render_generation_prompt(tokenizer, prompt)
+        except ValueError as exc:  # the template refused these messages (raise_exception, a syntax error)
+            raise GRPOConfigError("data.tokenizer", tokenizer_name, f"record {i}: {str(exc).splitlines()[0]}") from None
+        ids = list(tokenizer.encode(text))[-max_prompt_length:]
         if not ids or max(ids) >= vocab_size:
             raise GRPOConfigError(
-                "data.tokenizer", None, f"record {i}'s prompt encodes to ids outside model.vocab_size={vocab_size}"
+                "data.tokenizer", tokenizer_name, f"record {i}'s prompt encodes to ids outside model.vocab_size={vocab_size}"
             )
         out.append(ids)
     return out
 
 
+def completion_values(texts: Sequence[str], conversational: bool) -> list[Any]:
+    """What reward functions receive as ``completions``: the decoded texts, or for conversational prompts each as one
+    assistant message, ``[{"role": "assistant", "content": text}]`` (TRL's GRPOTrainer, ``_generate_and_score_completions``
+    without a response parser)."""
+    return [[{"role": "assistant", "content": t}] for t in texts] if conversational else list(texts)
+
+
 # what sampling is not built on yet: a pipeline (every stage would take part in each decoding step), context parallelism
-# (the KV cache holds whole sequences), expert parallelism, FSDP (each decoding step would gather every unit)
+# (the KV cache holds whole sequences), expert parallelism (every decoding step would exchange tokens across ranks)
 REFUSED_LAYOUTS = (
     ("distributed_strategy.pipeline_model_parallel_size", lambda ds: ds.pipeline_model_parallel_size > 1),
     ("distributed_strategy.context_parallel_size", lambda ds: ds.context_parallel_size > 1),
     ("distributed_strategy.expert_model_parallel_size", lambda ds: ds.expert_model_parallel_size > 1),
-    ("distributed_strategy.fsdp.enabled", lambda ds: bool(ds.fsdp.enabled)),
 )
-LAYOUTS = "GRPO samples on data parallelism, tensor parallelism (with or without SP) and ZeRO-1 (PP, CP, EP, FSDP not built)"
+LAYOUTS = "GRPO samples on data parallelism, tensor parallelism (with or without SP), ZeRO-1 and FSDP (PP, CP, EP not built)"
 
 
 def check(cfg: Any, data_parallel_size: int) -> list[Callable[..., Any]]:
@@ -197,6 +241,11 @@ def check(cfg: Any, data_parallel_size: int) -> list[Callable[..., Any]]:
             f"{KEY}.reward_weights", list(grpo.reward_weights), f"give one weight per reward function ({len(grpo.reward_funcs)})"
         )
     records = prompt_records(data)
+    try:
+        tokenizer = build_chat_tokenizer(chat_tokenizer_dir(data.tokenizer))
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise GRPOConfigError("data.tokenizer", data.tokenizer, str(exc)) from None
+    encode_prompts(records, tokenizer, grpo.max_prompt_length, cfg.model.vocab_size, data.tokenizer)  # as workers will
     columns = sorted({k for r in records for k in r if k != "prompt"})
     return [load_reward_function(spec, i, columns) for i, spec in enumerate(grpo.reward_funcs)]
 
@@ -211,11 +260,12 @@ def score(
     funcs: Sequence[Callable[..., Any]],
     names: Sequence[str],
     records: Sequence[dict[str, Any]],
-    completions: Sequence[str],
+    completions: Sequence[Any],
     completion_ids: Sequence[Sequence[int]],
 ) -> torch.Tensor:
     """[completions, functions] rewards (NaN where a function returned None), each function called once as TRL
-    calls it; a wrong count or a non-finite value is an error naming the function."""
+    calls it (``prompts``: the records' prompts, strings or message lists; ``completions``: :func:`completion_values`);
+    a wrong count or a non-finite value is an error naming the function."""
     columns = sorted({k for r in records for k in r if k != "prompt"})
     kwargs = {c: [r.get(c) for r in records] for c in columns}
     prompts = [r["prompt"] for r in records]
@@ -322,22 +372,40 @@ class GRPOModule(CausalLMModule):
         self.grpo = grpo
         self.records = prompt_records(data)
         self.tokenizer = build_chat_tokenizer(chat_tokenizer_dir(data.tokenizer))
-        self.prompt_ids = encode_prompts(self.records, self.tokenizer, grpo.max_prompt_length, self.model_cfg.vocab_size)
+        self.prompt_ids = encode_prompts(
+            self.records, self.tokenizer, grpo.max_prompt_length, self.model_cfg.vocab_size, data.tokenizer
+        )
+        self.conversational = is_conversational(self.records)
         self.reward_funcs = list(reward_funcs)
         self.reward_names = [reward_name(s) for s in grpo.reward_funcs]
         weights = grpo.reward_weights if grpo.reward_weights is not None else [1.0] * len(self.reward_funcs)
         self.reward_weights = torch.tensor([float(w) for w in weights])
-        self.reference: torch.nn.Module | None = None
+        # beta != 0: the frozen reference model, held outside the module tree (a list) so that it is in no checkpoint,
+        # no state_dict and no optimizer: a resume takes it from the starting weights again (registry.Reference)
+        self._reference: list[torch.nn.Module] = []
         self.metric_names = metric_names(grpo)
 
-    def on_fit_start(self) -> None:
-        """beta != 0: the reference is a frozen copy of the starting weights (taken before a checkpoint is restored)."""
-        if self.grpo.beta != 0.0:
+    @property
+    def reference(self) -> torch.nn.Module | None:
+        return self._reference[0] if self._reference else None
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        """beta != 0: the reference is a frozen copy of the starting weights, taken here — NxDStrategy calls this after
+        laying the model out over TP (the copy's TP shards are this rank's) and before FSDP flattens it, and before
+        any checkpoint is restored (``on_fit_start`` lays the copy out over DP)."""
+        if self.grpo.beta != 0.0 and not self._reference:
             import copy
 
             # the communicators (TP layers and hooks hold theirs) are shared with the copy, not copied
             shared = {id(c): c for c in getattr(self.trainer.strategy, "communicators", {}).values()}
-            self.reference = copy.deepcopy(self.model, memo=shared).eval().requires_grad_(False)
+            self._reference.append(copy.deepcopy(self.model, memo=shared).eval().requires_grad_(False))
+        return super().configure_optimizers()
+
+    def on_fit_start(self) -> None:
+        """The reference laid out over data parallelism as the policy is (FSDP: sharded in units of its own)."""
+        shard = getattr(self.trainer.strategy, "shard_frozen", None)
+        if self._reference and shard is not None:
+            self._reference[0] = shard(self._reference[0])
 
     def configure_callbacks(self) -> list[pl.Callback]:
         return []  # trainer.max_steps ends a GRPO run (its prompt stream is endless)
@@ -347,6 +415,9 @@ class GRPOModule(CausalLMModule):
         # the data-parallel rank: the ranks of one TP group draw the same tokens, and a layout's draws are plain DP's
         rank = int((getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {"rank": 0})["rank"])
         generator = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 65_537 + rank)
+        # every DP rank runs the same number of decoding forwards (FSDP gathers each unit's weights in every one, in the
+        # same order on every rank): until no rank has a row decoding, a rank whose rows ended runs idle ones
+        keep_going = self._any_rank_decoding if self._data_parallel_size() > 1 else None
         training = self.model.training
         self.model.eval()
         with torch.no_grad(), self.trainer.precision_plugin.val_step_context(), sequence_parallel_paused(self.model):
@@ -360,9 +431,13 @@ class GRPOModule(CausalLMModule):
                 top_k=g.top_k,
                 top_p=g.top_p,
                 generator=generator,
+                keep_going=keep_going,
             )
         self.model.train(training)
         return completions
+
+    def _any_rank_decoding(self, mine: bool) -> bool:
+        return bool(self._data_parallel_sum(torch.tensor([float(mine)]))[0] > 0)
 
     def _group(self, name: str) -> Any:
         """The strategy's communicator of a dimension (None without one: Lightning's own strategies)."""
@@ -385,8 +460,10 @@ class GRPOModule(CausalLMModule):
         prompt_rows = [self.prompt_ids[i] for i in indices]
         completions = self._sample(prompt_rows)
         eos = self.tokenizer.eos_id
+        # decoded without EOS (TRL: batch_decode(skip_special_tokens=True); a tokenizer.json's decode skips special tokens)
         texts = [self.tokenizer.decode([t for t in c if t != eos]) for c in completions]  # type: ignore[misc]
-        local = score(self.reward_funcs, self.reward_names, records, texts, completions)
+        values = completion_values(texts, self.conversational)
+        local = score(self.reward_funcs, self.reward_names, records, values, completions)
         # over the data-parallel group, in its rank order (TP ranks hold the same rewards): groups stay whole
         everyone = strategy.all_gather(local, group=self._group("dp")).reshape(-1, len(self.reward_funcs))
         advantages_all, rewards_all, std_all = grpo_advantages(everyone, self.reward_weights, g.num_generations, g.scale_rewards)
@@ -454,11 +531,13 @@ class GRPOModule(CausalLMModule):
         length_stats = self._data_parallel_sum(torch.tensor([float(lengths.sum()), float(n)], dtype=torch.float64))
         longest = strategy.all_gather(lengths.max()).max()
         tokens = max(float(sums[4]), 1.0)
+        stats = getattr(strategy, "step_stats", None)  # FSDP: exposed communication (sampling's gathers included)
         self.step_metrics = {
             "step": self.trainer.global_step,
             "loss": float(step_loss),
             "lr": lr,
             **({"grad_norm": float(grad_norm)} if grad_norm is not None and self.log_gradient_norm else {}),
+            **(stats() if stats else {}),
             "reward": float(torch.nanmean(rewards_all)),
             "reward_std": float(nanstd(rewards_all)),
             "clip_ratio/low_mean": float(sums[1]) / tokens,

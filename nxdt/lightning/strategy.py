@@ -373,6 +373,12 @@ class NxDStrategy(ParallelStrategy):
                 )
         self.setup_precision_plugin()
 
+    def shard_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A frozen copy of the hub model (taken after TP, before FSDP: in ``configure_optimizers``) laid out over data
+        parallelism as the trained model is — under FSDP sharded in units of its own, gathered per forward (GRPO's
+        reference model); otherwise unchanged. Every rank calls it, after :meth:`setup`."""
+        return self._dp.shard_frozen(model, precision=self.precision_plugin.precision)
+
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         """The module's optimizers, each through :meth:`shard_optimizer` (ZeRO-1 shards them; CausalLMModule shards
         its own before building its schedule); the LR schedulers are pointed at the sharded optimizer."""

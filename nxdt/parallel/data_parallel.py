@@ -139,6 +139,11 @@ class DataParallelRuntime(Protocol):
     ) -> None:
         """After the optimizers exist (FSDP: flatten and shard the parameters, point the optimizers at the shards)."""
 
+    def shard_frozen(self, model: nn.Module, *, precision: str = "32-true") -> nn.Module:
+        """A frozen copy of the hub model (every parameter ``requires_grad=False``, already laid out over TP as the
+        trained one; GRPO's reference) laid out over DP as the trained model is: FSDP shards it in units of its own
+        (gathered for each forward, no optimizer); replicated and ZeRO-1 keep it whole. Every DP rank calls it."""
+
     def finish_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         """After the last backward before ``optimizer``'s step: its parameters' gradients (and those of trainable
         parameters no optimizer holds) reduced over DP (and TP/EP) where the optimizer reads them; every optimizer's
@@ -293,6 +298,9 @@ class ReplicatedRuntime:
         self.overlap_off = self._overlap_blocker(module)
         if self.overlap_off is None:
             self._overlap(module)
+
+    def shard_frozen(self, model: nn.Module, *, precision: str = "32-true") -> nn.Module:
+        return model  # every replica holds the whole model (ZeRO-1 shards optimizer state only)
 
     # ------------------------------------------------------------------------------------ overlap with backward
     def _overlap_blocker(self, module: nn.Module) -> str | None:
@@ -610,6 +618,7 @@ class FSDPRuntime(ReplicatedRuntime):
         self.overlap_off = "FSDP reduce-scatters its units during backward itself"
         self.options = dict(options or {})
         self.fsdp: FullyShardedDataParallel | None = None
+        self.frozen: list[FullyShardedDataParallel] = []  # shard_frozen's models (their stats are reset with the step's)
         self.prefix = ""  # FSDP names parameters relative to the units' owner; checkpoints from the module
         self._original: OriginalStateDict | None = None  # every module's own state_dict(), as before FSDP
         # (optimizer, shard, first, end, values, moments) of parameters no rank had a gradient for: put back after the step
@@ -636,6 +645,18 @@ class FSDPRuntime(ReplicatedRuntime):
         # torch's FSDP with its default FULL_STATE_DICT): a user's hook, or code after fit, sees what it sees under DDP
         original.attach(self.fsdp)
         self._original = original
+
+    def shard_frozen(self, model: nn.Module, *, precision: str = "32-true") -> nn.Module:
+        if self.fsdp is None:  # the trained model is not sharded either
+            return model
+        if any(p.requires_grad for p in model.parameters()):
+            raise ValueError("FSDPRuntime.shard_frozen: the model has trainable parameters; freeze it first")
+        options = dict(self.options)
+        if precision == "bf16-mixed":  # the same gathered dtype as the trained model's forward
+            options.setdefault("param_dtype", torch.bfloat16)
+        # no optimizer: every parameter in frozen flats
+        self.frozen.append(apply_fsdp(model, self.mp.dp, [], **options))
+        return model
 
     def close(self) -> None:
         if self._original is not None:
@@ -726,6 +747,8 @@ class FSDPRuntime(ReplicatedRuntime):
         return squares.sqrt().reshape(()).float()
 
     def step_stats(self) -> dict[str, float]:
+        for frozen in self.frozen:  # not counted: the figures are the trained model's units
+            frozen.reset_stats()
         return self.fsdp.step_stats() if self.fsdp is not None else {}
 
     # ------------------------------------------------------------------------------------ checkpoints
