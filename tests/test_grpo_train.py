@@ -373,3 +373,110 @@ def test_shipped_arithmetic_prompts_are_the_generator_output_and_the_rewards_sco
     assert records == make_arithmetic_records(256, seed=0)
     assert exact_answer(["12+13="] * 3, ["25", " 25 ", "26"], answer=["25"] * 3) == [1.0, 1.0, 0.0]
     assert digits_only(["1+1="] * 3, ["2", "2a", ""]) == [1.0, 0.5, 0.0]
+
+
+# ChatML-like with the BOS the template writes itself (as Llama/Qwen templates do); the generation prompt opens the
+# assistant's turn
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CHAT_REWARD = '''
+import json
+from pathlib import Path
+
+def seen(prompts, completions, answer, **kwargs):
+    """Logs what TRL's convention hands a reward function for conversational prompts; rewards the answer's digits."""
+    with open(Path(__file__).with_name("chat_calls.jsonl"), "a") as fh:
+        fh.write(json.dumps({"prompts": prompts, "completions": completions, "answer": answer}) + "\\n")
+    return [float(sum(ch in a for ch in c[0]["content"])) for c, a in zip(completions, answer)]
+'''
+
+
+def _chat_tokenizer(directory: Path) -> Path:
+    """A byte-level BPE tokenizer directory as Hugging Face saves one (4 special tokens + 256 bytes), with a chat
+    template."""
+    tokenizers = pytest.importorskip("tokenizers")
+    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    specials = ["<|begin|>", "<|end|>", "<|im_start|>", "<|im_end|>"]
+    tok = tokenizers.Tokenizer(
+        tokenizers.models.BPE({t: i for i, t in enumerate(specials + sorted(alphabet))}, [], unk_token=None)
+    )
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    directory.mkdir()
+    tok.save(str(directory / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|begin|>",
+        "eos_token": "<|end|>",
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_chat_prompts_get_the_chat_template_and_reward_functions_get_message_completions(tmp_path, monkeypatch_free_path):
+    """Conversational prompt records (``prompt``: a message list) are rendered as transformers'
+    ``apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`` renders them (the same ids), and one
+    GRPO step (in process, one rank) hands the reward function TRL's convention (trl/trainer/grpo_trainer.py,
+    ``_generate_and_score_completions`` / ``_calculate_rewards``): ``prompts`` the records' message lists, each
+    completion ``[{"role": "assistant", "content": text}]`` — the text of the sampled ids, decoded without special
+    tokens — and the records' other columns as keyword lists; the metrics are those rewards."""
+    transformers = pytest.importorskip("transformers")
+    import lightning.pytorch as pl
+    import torch
+
+    from nxdt.lightning.grpo import encode_prompts
+    from nxdt.lightning.registry import GRPO
+    from nxdt.data.instructions import build_chat_tokenizer
+
+    tokenizer_dir = _chat_tokenizer(tmp_path / "tokenizer")
+    user = tmp_path / "chat_user"
+    user.mkdir()
+    (user / "chat_rewards.py").write_text(CHAT_REWARD)
+    sys.path.insert(0, str(user))
+    records = [
+        {"prompt": [{"role": "system", "content": "Add."}, {"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}
+        for a, b in ((3, 4), (12, 9), (7, 7), (15, 2))
+    ]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = _cfg(
+        f"data.tokenizer={tokenizer_dir}",
+        f"data.train_dir={data}",
+        "model.vocab_size=272",
+        "model_alignment_strategy.grpo.reward_funcs=[chat_rewards:seen]",
+        "model_alignment_strategy.grpo.reward_weights=null",
+        "model_alignment_strategy.grpo.max_prompt_length=48",
+        "model_alignment_strategy.grpo.max_completion_length=4",
+        "data.seq_length=64",
+        "data.global_batch_size=8",
+        "data.micro_batch_size=4",
+    )
+    try:
+        hf = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        ids = encode_prompts(records, build_chat_tokenizer(tokenizer_dir), 48, 272)
+        want = [hf.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=True) for r in records]
+        assert ids == [list(w["input_ids"]) for w in want]
+        assert hf.decode(ids[0]).endswith("<|im_start|>assistant\n")  # the generation prompt opens the reply
+
+        torch.manual_seed(cfg.seed)
+        module = GRPO.build_module(cfg, 1, cfg.model, 8, 64, 4, seed=cfg.seed)
+        trainer = pl.Trainer(
+            max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False
+        )
+        trainer.fit(module, datamodule=GRPO.build_datamodule(cfg))
+        (call,) = [json.loads(line) for line in (user / "chat_calls.jsonl").read_text().splitlines()]
+    finally:
+        sys.path.remove(str(user))
+        sys.modules.pop("chat_rewards", None)
+    assert len(call["completions"]) == 8  # 2 prompts x num_generations 4
+    by_prompt = {json.dumps(r["prompt"]): r["answer"] for r in records}
+    assert [by_prompt[json.dumps(p)] for p in call["prompts"]] == call["answer"]  # prompts: the records' message lists
+    for completion in call["completions"]:
+        assert len(completion) == 1 and completion[0]["role"] == "assistant" and isinstance(completion[0]["content"], str)
+    rewards = [float(sum(ch in a for ch in c[0]["content"])) for c, a in zip(call["completions"], call["answer"])]
+    assert module.step_metrics["reward"] == pytest.approx(sum(rewards) / 8, rel=1e-6)  # fp32 mean of these values

@@ -413,7 +413,7 @@ class GRPOModule(CausalLMModule):
     def _sample(self, prompt_rows: list[list[int]]) -> list[list[int]]:
         g, step = self.grpo, self.trainer.global_step
         # the data-parallel rank: the ranks of one TP group draw the same tokens, and a layout's draws are plain DP's
-        rank = int((getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {"rank": 0})["rank"])
+        rank = self._data_parallel_rank()
         generator = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 65_537 + rank)
         # every DP rank runs the same number of decoding forwards (FSDP gathers each unit's weights in every one, in the
         # same order on every rank): until no rank has a row decoding, a rank whose rows ended runs idle ones
@@ -436,6 +436,9 @@ class GRPOModule(CausalLMModule):
         self.model.train(training)
         return completions
 
+    def _data_parallel_rank(self) -> int:
+        return int((getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {"rank": 0})["rank"])
+
     def _any_rank_decoding(self, mine: bool) -> bool:
         return bool(self._data_parallel_sum(torch.tensor([float(mine)]))[0] > 0)
 
@@ -454,7 +457,7 @@ class GRPOModule(CausalLMModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         g, strategy = self.grpo, self.trainer.strategy
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-        dp, rank = self._data_parallel_size(), int((strategy.distributed_sampler_kwargs or {"rank": 0})["rank"])
+        dp, rank = self._data_parallel_size(), self._data_parallel_rank()
         indices = [i for i in batch["indices"].tolist() for _ in range(g.num_generations)]
         records = [self.records[i] for i in indices]
         prompt_rows = [self.prompt_ids[i] for i in indices]
