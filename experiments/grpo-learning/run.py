@@ -14,7 +14,7 @@ both ends), and GRPO can only reinforce answers it samples, so the start is a sh
    them (seeded). Before (the SFT checkpoint) and after GRPO: exact_answer's mean on greedy answers, and on 8 sampled
    answers per prompt at temperature 1 (what GRPO samples). The training prompts are scored the same way.
 
-    python experiments/grpo-learning/run.py [--sft-steps 300] [--grpo-steps 60] [--out results.json]
+    python experiments/grpo-learning/run.py [--sft-steps 200] [--sft-lr 3e-3] [--grpo-steps 40] [--grpo-lr 2e-4]
 """
 
 from __future__ import annotations
@@ -100,9 +100,12 @@ def evaluate(checkpoint: Path, records: list[dict[str, str]]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sft-steps", type=int, default=300)
-    parser.add_argument("--grpo-steps", type=int, default=60)
+    parser.add_argument("--sft-steps", type=int, default=200)
+    parser.add_argument("--sft-lr", type=float, default=3e-3)
+    parser.add_argument("--grpo-steps", type=int, default=40)
     parser.add_argument("--grpo-lr", type=float, default=2e-4)
+    parser.add_argument("--num-generations", type=int, default=4)
+    parser.add_argument("--grpo-batch", type=int, default=32, help="completions per GRPO step (data.global_batch_size)")
     parser.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temporary directory)")
     parser.add_argument("--out", type=Path, default=HERE / "results.json")
     args = parser.parse_args()
@@ -118,17 +121,23 @@ def main() -> None:
     write_jsonl(work / "prompts.jsonl", [{"prompt": user(r["prompt"]), "answer": r["answer"]} for r in train])
     common = ["instance=cpu", "trainer.devices=2", "exp_manager.create_tensorboard_logger=false"]
 
-    sft_dir, grpo_dir = work / "sft", work / "grpo"
-    sft = nxdt_train(
-        "+recipe=sft",
-        *common,
-        f"data.train_dir={work / 'sft.jsonl'}",
-        "trainer.log_every_n_steps=10",
-        f"trainer.max_steps={args.sft_steps}",
-        f"exp_manager.checkpoint_every_n_steps={args.sft_steps}",
-        f"exp_manager.explicit_log_dir={sft_dir}",
-    )
+    sft_dir = work / f"sft-{args.sft_steps}-lr{args.sft_lr}"
+    grpo_dir = work / f"grpo-{args.grpo_steps}-lr{args.grpo_lr}-g{args.num_generations}-b{args.grpo_batch}"
     sft_checkpoint = sft_dir / "checkpoints" / f"step-{args.sft_steps}"
+    sft = (
+        {"reused": str(sft_dir)}
+        if sft_checkpoint.is_dir()
+        else nxdt_train(
+            "+recipe=sft",
+            *common,
+            f"data.train_dir={work / 'sft.jsonl'}",
+            "trainer.log_every_n_steps=10",
+            f"model.optim.lr={args.sft_lr}",
+            f"trainer.max_steps={args.sft_steps}",
+            f"exp_manager.checkpoint_every_n_steps={args.sft_steps}",
+            f"exp_manager.explicit_log_dir={sft_dir}",
+        )
+    )
     before = {"held_out": evaluate(sft_checkpoint, held_out), "training": evaluate(sft_checkpoint, seen)}
     print("after SFT:", json.dumps({k: {m: v[m] for m in ("greedy_accuracy", "sampled_accuracy")} for k, v in before.items()}))
 
@@ -139,6 +148,8 @@ def main() -> None:
         "trainer.log_every_n_steps=1",
         "model_alignment_strategy.grpo.reward_funcs=[nxdt.data.arithmetic:exact_answer]",
         "model_alignment_strategy.grpo.reward_weights=null",
+        f"model_alignment_strategy.grpo.num_generations={args.num_generations}",
+        f"data.global_batch_size={args.grpo_batch}",
         "model_alignment_strategy.grpo.max_prompt_length=32",
         f"model_alignment_strategy.grpo.max_completion_length={MAX_NEW_TOKENS}",
         "data.seq_length=48",
@@ -155,8 +166,8 @@ def main() -> None:
     print("after GRPO:", json.dumps({k: {m: v[m] for m in ("greedy_accuracy", "sampled_accuracy")} for k, v in after.items()}))
     rows = list(csv_rows(grpo_dir / "metrics.csv"))
     result = {
-        "sft": {**sft, "steps": args.sft_steps},
-        "grpo": {**grpo, "steps": args.grpo_steps, "lr": args.grpo_lr},
+        "sft": {**sft, "steps": args.sft_steps, "lr": args.sft_lr},
+        "grpo": {**grpo, "steps": args.grpo_steps, "lr": args.grpo_lr, "num_generations": args.num_generations},
         "after_sft": before,
         "after_grpo": after,
         "grpo_training_reward": [(int(r["step"]), float(r["reward"])) for r in rows],
