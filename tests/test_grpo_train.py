@@ -216,6 +216,12 @@ def test_a_resumed_run_continues_bit_for_bit(fsdp_runs):
     got = [{k: v for k, v in r.items() if k not in timing} for r in csv.DictReader(open(resumed / "metrics.csv"))]
     assert [r["step"] for r in got] == ["3", "4"]
     assert got == want  # every logged value, as written: bit for bit
+    from safetensors import safe_open
+
+    with safe_open(str(whole / "checkpoints" / "step-2" / "model.safetensors"), "pt") as fh:
+        names = list(fh.keys())
+    # the policy's tensors only: the reference is held outside the module tree, so no checkpoint carries a second copy
+    assert names and all(n.startswith("model.") for n in names), [n for n in names if not n.startswith("model.")][:3]
 
 
 def _cfg(*overrides: str):
