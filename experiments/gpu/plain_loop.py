@@ -107,8 +107,37 @@ def train(
     }
 
 
+def compare(metrics_csv: str, plain_json: str, warmup: int) -> dict[str, Any]:
+    """nxdt's tokens/s from its metrics.csv (wall time from step ``warmup`` to the last: every overhead of its loop
+    counted, as the plain loop's timer counts its own) against the plain loop's result; MFU against 790 TFLOP/s."""
+    import csv
+
+    with open(metrics_csv, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("wall_time")]
+    with open(plain_json) as f:
+        plain = json.load(f)
+    cfg = compose_config(LLAMA_1B, check=False)
+    tokens_per_step = cfg.data.micro_batch_size * cfg.data.seq_length  # one micro-batch per step, one rank
+    by_step = {int(r["step"]): float(r["wall_time"]) for r in rows}
+    last = max(by_step)
+    nxdt_tps = (last - warmup) * tokens_per_step / (by_step[last] - by_step[warmup])
+    flops = flops_per_token(cfg.model, cfg.data.seq_length)
+    return {
+        "nxdt_tokens_per_s": nxdt_tps,
+        "plain_tokens_per_s": plain["tokens_per_s"],
+        "ratio_nxdt_over_plain": nxdt_tps / plain["tokens_per_s"],
+        "nxdt_mfu_h200": nxdt_tps * flops / H200_BF16_PEAK,
+        "plain_mfu_h200": plain["mfu_h200"],
+        "parameters": plain["parameters"],
+        "nxdt_losses_first_last": [float(rows[0]["loss"]), float(rows[-1]["loss"])],
+        "plain_losses_first_last": [plain["losses"][0], plain["losses"][-1]],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--print-overrides", action="store_true", help="print the ~1B model's nxdt overrides and exit")
+    p.add_argument("--compare", nargs=2, metavar=("METRICS_CSV", "PLAIN_JSON"), help="nxdt's run against the plain loop's")
     p.add_argument("--tiny", action="store_true", help="llama_tiny at seq 64 (a CPU check) instead of the ~1B model")
     p.add_argument("--device", default="cuda")
     p.add_argument("--steps", type=int, default=30)
@@ -116,6 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precision", default="mixed_precision")
     p.add_argument("--json", help="write the result here too")
     args = p.parse_args(argv)
+    if args.print_overrides:
+        print(" ".join(LLAMA_1B))
+        return 0
+    if args.compare:
+        summary = compare(*args.compare, warmup=args.warmup)
+        print(json.dumps(summary))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(summary, f, indent=1)
+        return 0
     out = train(
         TINY if args.tiny else LLAMA_1B, device=args.device, steps=args.steps, warmup=args.warmup, precision=args.precision
     )
