@@ -159,3 +159,15 @@ def test_plain_loop_peer_runs_on_cpu_tiny():
     # normal(0, 0.02) weights give near-uniform logits over the 256 byte tokens at step 1
     assert out["losses"][0] == pytest.approx(math.log(256), abs=0.05)
     assert out["adamw"] == {"foreach": False} and out["tokens_per_s"] > 0
+
+
+def test_host_memory_check_leaves_gpu_state_to_the_gpu():
+    """A GPU run keeps its weights, gradients and optimizer state in GPU memory: the host-memory refusal (right for
+    CPU workers) must not stop it. 70 B parameters: ~1.1 TB of training state, beyond any host this suite runs on."""
+    from nxdt.cli import _check_model_fits, host_available_bytes
+
+    big = ["model=llama3_70b", "trainer.devices=1"]
+    _check_model_fits(compose_config(["instance=gpu", *big]))  # nothing raised
+    if host_available_bytes():  # a host that reports MemAvailable refuses the same model on CPU workers
+        with pytest.raises(ConfigError, match="training state takes"):
+            _check_model_fits(compose_config(["instance=cpu", *big]))

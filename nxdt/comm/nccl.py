@@ -30,6 +30,12 @@ from nxdt.comm.transport import Transport, transport_name
 class NCCLTransport(GlooTransport):
     name = "nccl"
 
+    def __init__(self, comm) -> None:
+        super().__init__(comm)
+        # built on the caller's thread, whose current device the strategy set to this rank's GPU; the stream threads
+        # start on cuda:0, so every call below runs under this device
+        self.device = torch.device("cuda", torch.cuda.current_device())
+
     def resolve(self, op: str, name: str, nbytes: int) -> str:
         return "nccl"  # NCCL's own choice (a planned or configured name is the host transports')
 
@@ -54,12 +60,6 @@ class NCCLTransport(GlooTransport):
             self._tags[stream] = comm.world.stream_tag(comm.name, stream)
         return pg
 
-    def __init__(self, comm) -> None:
-        super().__init__(comm)
-        # built on the caller's thread, whose current device the strategy set to this rank's GPU; the stream threads
-        # start on cuda:0, so every call below runs under this device
-        self.device = torch.device("cuda", torch.cuda.current_device())
-
     def _run(self, stream: str, desc: str, call) -> None:
         with torch.cuda.device(self.device):
             super()._run(stream, desc, call)
@@ -74,6 +74,15 @@ class NCCLTransport(GlooTransport):
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def close(self) -> None:
+        # an NCCL group left to the garbage collector warns, and may block the process's exit on its watchdog
+        for pg in self._groups.values():
+            try:
+                pg.shutdown()
+            except (AttributeError, RuntimeError):  # an older torch, or a group whose communicator already failed
+                pass
+        super().close()
 
 
 class StagedTransport(Transport):
