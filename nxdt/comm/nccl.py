@@ -93,10 +93,10 @@ class StagedTransport(Transport):
 
     name = "staged"
 
-    def __init__(self, comm) -> None:
+    def __init__(self, comm, device: torch.device | None = None) -> None:
         super().__init__(comm)
         self.host = comm._transport
-        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
 
     def planned(self, op: str, name: str) -> str | None:
         return self.host.planned(op, name)
