@@ -239,6 +239,8 @@ class Communicator:
     def _on(self, *tensors: torch.Tensor) -> Transport:
         """The transport for an op on ``tensors`` (validated by ``_flat``): this communicator's own for CPU tensors,
         the device's (``DEVICE_TRANSPORTS``: nccl for CUDA) otherwise; every tensor of one op on one device."""
+        if tensors[0].is_cpu and tensors[-1].is_cpu:  # the CPU path pays two flag reads (ops take one or two tensors)
+            return self._transport
         device = tensors[0].device
         if any(t.device != device for t in tensors[1:]):
             raise ValueError(
