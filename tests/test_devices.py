@@ -171,3 +171,14 @@ def test_host_memory_check_leaves_gpu_state_to_the_gpu():
     if host_available_bytes():  # a host that reports MemAvailable refuses the same model on CPU workers
         with pytest.raises(ConfigError, match="training state takes"):
             _check_model_fits(compose_config(["instance=cpu", *big]))
+
+
+def test_lightning_precision_and_the_policy_agree_on_every_format():
+    """train.py hands Lightning a precision string per precision.type; the policy (what the plain loop and the GPU
+    checks use) must describe the same formats: autocast iff Lightning's '-mixed', bf16 compute iff 'bf16'."""
+    from nxdt.lightning.train import PRECISION
+
+    for kind, lightning in PRECISION.items():
+        policy = policy_for("cuda", 0, 1, 1, kind)
+        assert (policy.autocast_dtype is not None) == lightning.endswith("-mixed"), kind
+        assert policy.half == lightning.startswith("bf16"), kind
