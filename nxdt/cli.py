@@ -522,6 +522,8 @@ def _check_host_memory(cfg: Any, data_key: str | None = None, data_bytes: int = 
                 "(nxdt data convert-megatron, memory-mapped) and set data.source=megatron",
             )
         return
+    if cfg.instance.accelerator != "cpu":  # the planned state and activations live in GPU memory, not the host's
+        return
     from nxdt.planner import plan
 
     the_plan = plan(cfg)
@@ -543,7 +545,8 @@ def _check_model_fits(cfg: Any) -> None:
     precision, ``planner.estimate.bytes_per_parameter``) over all of this host's ranks, however they shard it, against
     the host's available memory: arithmetic on the config, before the model is built even on the meta device. The
     full check (activations, ranks per node: :func:`_check_host_memory`) needs the plan and comes after the data."""
-    if cfg.instance.graph != "host" or cfg.launcher.name != "local":
+    # a GPU run keeps this state in GPU memory (the plan's memory per device), not the host's
+    if cfg.instance.graph != "host" or cfg.launcher.name != "local" or cfg.instance.accelerator != "cpu":
         return
     available = host_available_bytes()
     if not available:

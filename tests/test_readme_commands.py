@@ -108,6 +108,7 @@ IN_PROCESS = [
     "nxdt plan distributed_strategy=auto instance=trn1.32xlarge trainer.num_nodes=16 model=llama3_70b "
     "precision.type=mixed_precision distributed_strategy.zero1=true data.micro_batch_size=1 data.global_batch_size=1024",
     "nxdt comm-test --estimate --instance trn1.2xlarge -b 1kb -e 1gb -d bf16 allr",
+    "nxdt train instance=p5.48xlarge launcher.dry_run=true",  # a dry run starts nothing, on a host without GPUs too
     "nxdt comm-test --estimate --instance trn1.32xlarge -N 2 -r 64 -b 8 -e 1gb -f 2 --show-algorithm "
     "--report-to-json-file e.json allr",
 ]

@@ -88,6 +88,7 @@ class Transport:
     """
 
     name = "?"
+    device = torch.device("cpu")  # where the tensors it moves live (a device transport: this rank's device)
 
     def __init__(self, comm: "Communicator") -> None:
         self.comm = comm
@@ -444,11 +445,44 @@ def register_transport(name: str, factory: TransportFactory) -> None:
     TRANSPORTS[name] = factory
 
 
+def _cuda_transport(comm: "Communicator") -> Transport:
+    from nxdt.comm.nccl import cuda_transport  # torch's ProcessGroupNCCL: loaded only when a CUDA tensor arrives
+
+    return cuda_transport(comm)
+
+
+# device type → what builds the transport every op on tensors of that device takes, whatever ``comm.transport``
+# chose for the CPU (that key names host transports: shm, p2p, gloo); ``Communicator`` builds it on the first such
+# op, on every member at the same op (a collective step: CUDA's looks up where the members' GPUs are)
+DEVICE_TRANSPORTS: dict[str, Callable[["Communicator"], Transport]] = {"cuda": _cuda_transport}
+
+
+def transport_name(device_type: str, requested: str, hosts: Sequence[str], devices: Sequence[str] = ()) -> str:
+    """The transport a communicator on ``hosts`` runs an op on ``device_type`` tensors over, ``comm.transport``
+    being ``requested``: CPU tensors the requested host transport (auto: shm on one host, else p2p); CUDA tensors
+    ``nccl``, unless two members share one GPU (``devices``: each member's ``host/index``), which NCCL refuses:
+    then ``staged`` (through host memory over the host transport); any other device is refused."""
+    if device_type == "cpu":
+        return ("shm" if len(set(hosts)) == 1 else "p2p") if requested == "auto" else requested
+    if device_type not in DEVICE_TRANSPORTS:
+        raise ValueError(f"tensors on {device_type} have no transport; nxdt.comm works on cpu and {', '.join(DEVICE_TRANSPORTS)}")
+    return "staged" if len(set(devices)) < len(devices) else "nccl"
+
+
+def device_transport(device_type: str, comm: "Communicator") -> Transport:
+    """The transport for ``comm``'s ops on tensors of ``device_type`` (a key of :data:`DEVICE_TRANSPORTS`)."""
+    build = DEVICE_TRANSPORTS.get(device_type)
+    if build is None:
+        raise ValueError(
+            f"communicator '{comm.name}': tensors on {device_type} have no transport; use cpu or {', '.join(DEVICE_TRANSPORTS)}"
+        )
+    return build(comm)
+
+
 def transport_class(requested: str, hosts: Sequence[str], group: str) -> type[Transport]:
     """The Transport class for ``requested`` (auto | a registered name) on members living on ``hosts``."""
     one_host = len(set(hosts)) == 1
-    if requested == "auto":
-        requested = "shm" if one_host else "p2p"
+    requested = transport_name("cpu", requested, hosts)
     factory = TRANSPORTS.get(requested)
     if factory is None:
         raise ValueError(f"communicator '{group}': transport {requested!r} unknown; use one of {('auto', *TRANSPORTS)}")

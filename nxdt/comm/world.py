@@ -40,7 +40,15 @@ from nxdt.comm.heap import Heap
 from nxdt.comm.store import SignedKeys, StoreAccessError, connect_store, open_file_store, secret_from_env, serve_store
 from nxdt.comm.stream import PriorityState, Stream, Work, next_work_id
 from nxdt.comm.trace import Tracer
-from nxdt.comm.transport import ALGORITHM_NAMES, ALGORITHMS, Transport, parse_algorithm, transport_class
+from nxdt.comm.transport import (
+    ALGORITHM_NAMES,
+    ALGORITHMS,
+    DEVICE_TRANSPORTS,
+    Transport,
+    device_transport,
+    parse_algorithm,
+    transport_class,
+)
 from nxdt.comm.waiting import DEFAULT_WAIT, WaitPolicy, policy_for
 
 
@@ -60,8 +68,8 @@ def host_identity() -> str:
 def _flat(t: torch.Tensor, what: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-    if not t.is_cpu:
-        raise ValueError(f"{what} is on {t.device}; nxdt.comm works on CPU tensors")
+    if not t.is_cpu and t.device.type not in DEVICE_TRANSPORTS:
+        raise ValueError(f"{what} is on {t.device}; nxdt.comm works on CPU tensors and on {', '.join(DEVICE_TRANSPORTS)} tensors")
     if not t.is_contiguous():
         raise ValueError(f"{what} must be contiguous (call .contiguous() first)")
     dtype_code(t.dtype)
@@ -97,6 +105,8 @@ class Communicator:
         self.host_groups = list(by_host.values())  # group-local ranks per host, leader first
         self._transport: Transport = transport_class(transport, self.hosts, name)(self)
         self.transport = self._transport.name
+        # device type → its transport (nccl for CUDA tensors), built on the first op whose tensors live there
+        self._device_transports: dict[str, Transport] = {}
         self.algorithms = self._defaults(algorithm, planned or {})
         self._broken: BaseException | None = None
         # blocking all-reduces that are one native step: (dtype, numel, op, algorithm, stream) -> (stream, step function),
@@ -218,11 +228,34 @@ class Communicator:
     def stream_tag(self, stream: str) -> int:
         return self.world.stream_tag(self.name, stream)
 
-    def empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def empty(self, numel: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
         """A flat buffer to communicate over this group every step: in shared memory when the transport reads
-        peers' memory in place (``shm``: ``World.shared_empty``), else an ordinary tensor. Keep it; don't
-        allocate one per call."""
-        return self._transport.empty(numel, dtype)
+        peers' memory in place (``shm``: ``World.shared_empty``), else an ordinary tensor; on ``device`` (a CUDA
+        device: its transport's buffer there). Keep it; don't allocate one per call."""
+        if device is None or torch.device(device).type == "cpu":
+            return self._transport.empty(numel, dtype)
+        return self._on(torch.empty(0, device=device)).empty(numel, dtype)
+
+    def _on(self, *tensors: torch.Tensor) -> Transport:
+        """The transport for an op on ``tensors`` (validated by ``_flat``): this communicator's own for CPU tensors,
+        the device's (``DEVICE_TRANSPORTS``: nccl for CUDA) otherwise; every tensor of one op on one device."""
+        if tensors[0].is_cpu and tensors[-1].is_cpu:  # the CPU path pays two flag reads (ops take one or two tensors)
+            return self._transport
+        device = tensors[0].device
+        if any(t.device != device for t in tensors[1:]):
+            raise ValueError(
+                f"group '{self.name}': an op's tensors must be on one device, got {', '.join(str(t.device) for t in tensors)}"
+            )
+        if device.type == "cpu":
+            return self._transport
+        tr = self._device_transports.get(device.type)
+        if tr is None:
+            tr = self._device_transports[device.type] = device_transport(device.type, self)
+        if tr.device != device:
+            raise ValueError(
+                f"group '{self.name}': this rank communicates from {tr.device}; a tensor on {device} must be moved there first"
+            )
+        return tr
 
     # ------------------------------------------------------------------------------ all-reduce
     def all_reduce(
@@ -260,11 +293,12 @@ class Communicator:
             return self._submit(lambda: None, "all_reduce", stream, async_op, after, 0, "none")
         name, grid = self._algorithm("all_reduce", algorithm)
         nbytes = t.numel() * t.element_size()
-        ran, tr = self._transport.resolve("all_reduce", name, nbytes), self._transport
+        tr = self._on(t)
+        ran = tr.resolve("all_reduce", name, nbytes)
         work = self._submit(
             lambda: tr.all_reduce(t, op, ran, grid, stream), f"all_reduce({op})", stream, async_op, after, nbytes, ran
         )
-        if not async_op and after is None:
+        if not async_op and after is None and t.is_cpu:
             self._remember_one_step(t, op, algorithm, ran, stream)
         return work
 
@@ -323,7 +357,8 @@ class Communicator:
             )
         name, _ = self._algorithm("all_gather", algorithm)
         nbytes = out.numel() * out.element_size()
-        ran, tr = self._transport.resolve("all_gather", name, nbytes), self._transport
+        tr = self._on(out, inp)
+        ran = tr.resolve("all_gather", name, nbytes)
         return self._submit(lambda: tr.all_gather(out, inp, ran, stream), "all_gather", stream, async_op, after, nbytes, ran)
 
     @overload
@@ -372,7 +407,8 @@ class Communicator:
         check_op(op, inp.dtype)
         name, _ = self._algorithm("reduce_scatter", algorithm)
         nbytes = inp.numel() * inp.element_size()
-        ran, tr = self._transport.resolve("reduce_scatter", name, nbytes), self._transport
+        tr = self._on(out, inp)
+        ran = tr.resolve("reduce_scatter", name, nbytes)
         return self._submit(
             lambda: tr.reduce_scatter(out, inp, op, ran, stream), f"reduce_scatter({op})", stream, async_op, after, nbytes, ran
         )
@@ -412,7 +448,8 @@ class Communicator:
             )
         name, _ = self._algorithm("all_to_all", algorithm)
         nbytes = inp.numel() * inp.element_size()
-        ran, tr = self._transport.resolve("all_to_all", name, nbytes), self._transport
+        tr = self._on(out, inp)
+        ran = tr.resolve("all_to_all", name, nbytes)
         return self._submit(
             lambda: tr.all_to_all(out, inp, out_splits, in_splits, equal, ran, stream),
             "all_to_all",
@@ -455,7 +492,8 @@ class Communicator:
         self._check_rank(root, "root")
         name, _ = self._algorithm("broadcast", algorithm)
         nbytes = t.numel() * t.element_size()
-        ran, tr = self._transport.resolve("broadcast", name, nbytes), self._transport
+        tr = self._on(t)
+        ran = tr.resolve("broadcast", name, nbytes)
         return self._submit(
             lambda: tr.broadcast(t, root, ran, stream), f"broadcast(root={root})", stream, async_op, after, nbytes, ran
         )
@@ -477,7 +515,8 @@ class Communicator:
         check_op(op, t.dtype)
         name, _ = self._algorithm("reduce", algorithm)
         nbytes = t.numel() * t.element_size()
-        ran, tr = self._transport.resolve("reduce", name, nbytes), self._transport
+        tr = self._on(t)
+        ran = tr.resolve("reduce", name, nbytes)
         return self._submit(
             lambda: tr.reduce(t, root, op, ran, stream), f"reduce({op}, root={root})", stream, async_op, after, nbytes, ran
         )
@@ -489,7 +528,7 @@ class Communicator:
         """Returns once the data is in the peer's mailbox (same host) or handed to gloo; FIFO per peer and stream."""
         t = _flat(tensor, "send tensor")
         self._check_peer(peer)
-        tr = self._transport
+        tr = self._on(t)
         return self._submit(
             lambda: tr.exchange([(peer, t)], [], stream, f"send to rank {self.ranks[peer]}"),
             "send",
@@ -505,7 +544,7 @@ class Communicator:
     ) -> Work | None:
         t = _flat(tensor, "recv tensor")
         self._check_peer(peer)
-        tr = self._transport
+        tr = self._on(t)
         return self._submit(
             lambda: tr.exchange([], [(peer, t)], stream, f"recv from rank {self.ranks[peer]}"),
             "recv",
@@ -531,7 +570,7 @@ class Communicator:
         s, r = _flat(send_tensor, "send tensor"), _flat(recv_tensor, "recv tensor")
         self._check_peer(send_peer)
         self._check_peer(recv_peer)
-        tr = self._transport
+        tr = self._on(s, r)
         return self._submit(
             lambda: tr.exchange([(send_peer, s)], [(recv_peer, r)], stream, "send_recv"),
             "send_recv",
@@ -585,6 +624,9 @@ class Communicator:
     def close(self) -> None:
         self._one_step.clear()  # their channels' memory goes away with the transport
         self._transport.close()
+        for tr in self._device_transports.values():
+            tr.close()
+        self._device_transports.clear()
 
 
 class World:

@@ -499,6 +499,14 @@ class InstanceConfig:
 
     name: str = doc("cpu", "instance type (cpu = worker processes on this host)")
     description: str = doc("", "one line shown by `nxdt topo`")
+    accelerator: str = doc(
+        "cpu",
+        "what a rank computes on: cpu (a worker process; also how Trainium/Inferentia plans run today) | "
+        "cuda (an NVIDIA GPU: local rank → cuda:N, nxdt.comm over NCCL for CUDA tensors)",
+    )
+    env: Dict[str, str] = doc(
+        {}, "environment every worker of a run on this instance gets unless already set (NCCL / EFA settings)"
+    )
     devices: int = doc(2, "accelerator devices per node (cpu: default worker processes per node)")
     cores_per_device: int = doc(1, "physical cores per device (NeuronCores; GPUs: 1)")
     lnc_options: List[int] = doc([], "logical-NeuronCore sizes the instance accepts; [] = no LNC")

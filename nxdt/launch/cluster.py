@@ -79,6 +79,7 @@ def run_slurm(cfg: Any, plan: Any, overrides: list[str]) -> int:
 
 def describe_local(cfg: Any, plan: Any, console_tty: bool) -> str:
     """What a local run would start; a resume that would be refused raises ConfigError, as the run would."""
+    from nxdt.launch.devices import device_lines
     from nxdt.launch.multinode import WORKER_MODULE
     from nxdt.launch.rundir import check_same_run, choose_run_dir, resume_lines
 
@@ -95,6 +96,7 @@ def describe_local(cfg: Any, plan: Any, console_tty: bool) -> str:
             f"worker command: {shlex.join(args)} (forked from a server that has imported torch and Lightning once)",
             f"worker environment (set by the agent): RANK LOCAL_RANK WORLD_SIZE={plan.world_size} LOCAL_WORLD_SIZE={plan.ranks_per_node} "
             "MASTER_ADDR MASTER_PORT TORCHELASTIC_RUN_ID",
+            *device_lines(cfg, plan.ranks_per_node),
         ]
     )
 

@@ -293,6 +293,10 @@ def check_launcher(cfg: Any, multirun: bool = False) -> None:
         raise ConfigError("launcher.join_timeout_s", launcher.join_timeout_s, "must be > 0")
     if not 0 < launcher.port < 65536:
         raise ConfigError("launcher.port", launcher.port, "must be a TCP port in 1..65535")
+    if cfg.instance.accelerator != "cpu":  # GPUs: counted here (instance=gpu), present where the run starts now
+        from nxdt.launch.devices import resolve_accelerator, visible_gpus
+
+        resolve_accelerator(cfg, visible_gpus(), runs_here=launcher.name != "slurm" and not launcher.dry_run)
 
 
 def plan_digest(plan: Any) -> str:

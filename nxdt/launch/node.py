@@ -37,7 +37,9 @@ def run_node(run_dir: Path, cfg: Any, plan: Any, *, dry_run: bool, console_tty: 
         return 2
     args = worker_args(run_dir, spec, plan_digest(plan), console_tty)
     if dry_run:
-        print(describe_node(spec, run_dir, args))
+        from nxdt.launch.devices import device_lines
+
+        print("\n".join([describe_node(spec, run_dir, args), *device_lines(cfg, plan.ranks_per_node, "local rank")]))
         return 0
     print(announce(spec, plan), flush=True)
     try:

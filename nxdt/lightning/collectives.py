@@ -43,6 +43,6 @@ def all_gather(comm: Communicator, tensor: Tensor) -> Tensor:
     """Every rank's ``tensor`` stacked along a new first dimension (bools travel as uint8: nxdt.comm moves numbers)."""
     src = tensor.detach().contiguous()
     wire = src.to(torch.uint8) if src.dtype == torch.bool else src
-    out = torch.empty((comm.size, *wire.shape), dtype=wire.dtype)
+    out = torch.empty((comm.size, *wire.shape), dtype=wire.dtype, device=wire.device)
     comm.all_gather(out.reshape(-1), wire.reshape(-1))
     return out.to(torch.bool) if src.dtype == torch.bool else out

@@ -250,7 +250,7 @@ class CausalLMModule(pl.LightningModule):
     def _forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Gradient of the mean loss over the micro-batches (one process, no model parallelism); each micro-batch's
         loss scaled by its ``loss_weight`` (:meth:`_weigh`)."""
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)  # where the losses are (CPU or this rank's GPU)
         for mb in micro_batches:
             logits = self.model(mb["input_ids"], mb.get("position_ids"), mb.get("segment_ids"))
             loss = self.objective.loss(self.model, logits, mb)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from nxdt.config.validate import CHOICES
+from nxdt.parallel.devices import adamw_options
 from nxdt.parallel.stochastic_rounding import StochasticRoundingAdamW
 
 # NxDT's optimizer names; both are AdamW here. The moments have the parameters' dtype (fp32 with fp32 and
@@ -72,13 +73,13 @@ def build_optimizer(model: nn.Module, optim_cfg: Any, *, precision: str = "fp32"
             seed=seed,
             fp32_state=optim_cfg.name == "adamw_fp32OptState",
         )
+    device = next((p.device.type for g in groups for p in g["params"]), "cpu")
     return torch.optim.AdamW(
         groups,
         lr=optim_cfg.lr,
         betas=tuple(optim_cfg.betas),
         eps=optim_cfg.eps,
-        # foreach kernels allocate extra temporaries; per-parameter loops are as fast for small CPU models
-        foreach=False,
+        **adamw_options(device),  # CPU: per-parameter loops, as always; CUDA: the fused kernel (nxdt.parallel.devices)
     )
 
 

@@ -45,6 +45,7 @@ from nxdt.lightning.precision import with_strategy_clipping
 from nxdt.lightning.sharded_checkpoint import RankGroups, ShardedCheckpointer
 from nxdt.parallel.context_parallel import shard_micro_batches
 from nxdt.parallel.data_parallel import DataParallelRuntime, data_parallel_runtime
+from nxdt.parallel.devices import attention_kernels
 from nxdt.parallel.parallelize import Parallelized, model_parallel, needs_hub_model, parallelize
 from nxdt.parallel.pipeline import interleaved_one_f_one_b, one_f_one_b
 from nxdt.parallel.sync_batchnorm import convert_sync_batchnorm, revert_sync_batchnorm
@@ -235,6 +236,11 @@ class NxDStrategy(ParallelStrategy):
 
     @property
     def root_device(self) -> torch.device:
+        # CUDA parallel_devices (Lightning's accelerator="cuda", or nxdt train's device policy, which may give two
+        # ranks one GPU) place each rank on its own entry, as DDPStrategy does; anything else computes on the CPU
+        devices = self.parallel_devices
+        if devices and devices[0].type == "cuda":
+            return devices[self.local_rank]
         return torch.device("cpu")
 
     @property
@@ -410,6 +416,11 @@ class NxDStrategy(ParallelStrategy):
         """Run forward and backward over one global batch's micro-batches; parameter gradients hold the
         gradient of the mean loss afterwards; returns the mean loss (on every pipeline stage). Under context
         parallelism each micro-batch is first cut to this rank's part of the sequence."""
+        half = str(self.precision_plugin.precision).startswith(("bf16", "16"))
+        with attention_kernels(self.root_device.type, half):  # CUDA in bf16: flash / efficient / cuDNN (parallel.devices)
+            return self._run_micro_batches(module, micro_batches)
+
+    def _run_micro_batches(self, module: pl.LightningModule, micro_batches: list[dict[str, Tensor]]) -> Tensor:
         if self.plan.cp > 1:
             micro_batches = shard_micro_batches(micro_batches, self.communicators[Dim.CP])
         if self._parallel.pipeline is None:

@@ -6,10 +6,12 @@ run directory and calls :func:`run_training` in every rank.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 
 from nxdt.config.hf_model import model_meta
 from nxdt.config.validate import MODEL_SHAPE_FIELDS, check_trainable
@@ -18,6 +20,7 @@ from nxdt.lightning.exp_manager import agreed_resume_checkpoint, build_callbacks
 from nxdt.lightning.registry import objective_spec, reference_meta
 from nxdt.lightning.strategy import NxDStrategy
 from nxdt.lightning.lora_checkpoint import LORA_META_KEY, lora_meta
+from nxdt.parallel.devices import export_worker_environment, node_devices
 from nxdt.models.lora import LoRAConfig, PeftConfig, lora_layers, resolve_targets
 from nxdt.planner import Plan
 from nxdt.planner.links import emulated_links_for
@@ -35,6 +38,14 @@ PRECISION = {
     "mixed_precision": "bf16-mixed",
     "mixed_precisionSR": "bf16-mixed",
 }
+
+
+def rank_devices(cfg: Any, plan: Plan, gpus: int) -> list[torch.device] | None:
+    """This node's ranks' devices under the device policy (``nxdt.parallel.devices``), for NxDStrategy's
+    ``parallel_devices``; None on the CPU (Lightning's CPU accelerator, exactly as before GPUs existed)."""
+    if cfg.instance.accelerator == "cpu":
+        return None
+    return [torch.device(d) for d in node_devices(cfg.instance.accelerator, plan.ranks_per_node, gpus)]
 
 
 def build_trainer(cfg: Any, plan: Plan, run_dir: Path, tokens_per_step: int, *, show_progress: bool = True) -> pl.Trainer:
@@ -72,6 +83,8 @@ def build_trainer(cfg: Any, plan: Plan, run_dir: Path, tokens_per_step: int, *, 
     }
     # what a resume checks: the same reference model (registry.check_resume_reference)
     reference = reference_meta(cfg)
+    # instance.devices: the GPUs the launcher checked this host has (instance=gpu: the number it found)
+    devices = rank_devices(cfg, plan, cfg.instance.devices)
     strategy = NxDStrategy(
         plan=plan,
         timeout_s=cfg.comm.timeout_s,
@@ -90,12 +103,14 @@ def build_trainer(cfg: Any, plan: Plan, run_dir: Path, tokens_per_step: int, *, 
         broadcast_buffers=False,  # the hub models' only buffers (RoPE tables) are constants computed alike on every rank
         torch_process_group=False,  # CausalLMModule calls no torch.distributed: no gloo listener beside the store
         checkpoint_format="directory",  # the run directory's checkpoints: keep_last_k, checksums, resume on any layout
+        parallel_devices=devices,
     )
     spec = objective_spec(cfg)
     return pl.Trainer(
-        accelerator="cpu",
+        accelerator=cfg.instance.accelerator,
         precision=PRECISION[cfg.precision.type],
-        devices=cfg.trainer.devices,
+        # several ranks may share a GPU: Lightning is asked for the distinct GPUs, the strategy holds every rank's
+        devices=cfg.trainer.devices if devices is None else len(set(devices)),
         num_nodes=cfg.trainer.num_nodes,
         strategy=strategy,
         max_steps=cfg.trainer.max_steps,
@@ -152,6 +167,7 @@ def lora_summary(model: Any) -> str:
 def run_training(cfg: Any, plan: Plan, run_dir: str | Path) -> None:
     check_trainable(cfg)
     run_dir = Path(run_dir)
+    export_worker_environment(cfg.instance.env, os.environ)  # NCCL / EFA settings, before the first NCCL group
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     ckpt_path = agreed_resume_checkpoint(cfg, run_dir)
     mas = cfg.model_alignment_strategy

@@ -98,7 +98,8 @@ class ModelParallel:
         """2-norm of one model replica's tensors (parameters or their gradients, by the module's parameter
         names), which this rank holds a TP shard / EP slice / PP stage of; each weighted as in ``norm_weights``."""
         prefix = "model."
-        squares = torch.zeros(2, dtype=torch.float64)  # [dense, experts]
+        # [dense, experts], on the tensors' device (a rank's GPU: summed there, reduced over NCCL)
+        squares = torch.zeros(2, dtype=torch.float64, device=named[0][1].device if named else None)
         experts = {n for n, p in module.named_parameters() if is_expert_parameter(p)}
         for name, t in named:
             w = self.norm_weights.get(name[len(prefix) :] if name.startswith(prefix) else name, 1.0)
@@ -334,7 +335,10 @@ class ReplicatedRuntime:
         backward = named[::-1]
         groups = plan_buckets([p.numel() for _, p in backward], cap_elements(self.bucket_cap_mb, 4))
         self._buckets = [
-            ([backward[i] for i in g], self.mp.dp.empty(sum(backward[i][1].numel() for i in g) + len(g), torch.float32))
+            (
+                [backward[i] for i in g],
+                self.mp.dp.empty(sum(backward[i][1].numel() for i in g) + len(g), torch.float32, backward[g[0]][1].device),
+            )
             for g in groups
         ]
         place: dict[int, tuple[int, int]] = {}  # parameter id -> (its first element, its flag) in its bucket's flat
@@ -404,7 +408,8 @@ class ReplicatedRuntime:
             return
         numel = sum(p.numel() for _, p in params)
         if self._grad_buffer is None or self._grad_buffer.numel() != numel + len(params):
-            self._grad_buffer = self.mp.dp.empty(numel + len(params), torch.float32)  # kept: peers read it in place
+            # kept: peers read it in place (shm); a CUDA model's buffer is on its GPU (nccl)
+            self._grad_buffer = self.mp.dp.empty(numel + len(params), torch.float32, params[0][1].device)
         flat, offset = self._grad_buffer, 0
         for _, p in params:  # a parameter without a gradient on this rank contributes zeros
             view = flat[offset : offset + p.numel()]
@@ -601,7 +606,9 @@ class Zero1Runtime(ReplicatedRuntime):
         extra = [c for c in (self.mp.tp, self.mp.pp) if c is not None]
         # max_norm inf: the coefficient is exactly 1, nothing is scaled
         norms = [o.clip_grad_norm_(math.inf, extra, weight=lambda p: by_param.get(id(p), 1.0)) for o in sharded]
-        squares = sum((n.double().square() for n in norms), torch.zeros((), dtype=torch.float64))
+        squares = sum(
+            (n.double().square() for n in norms), torch.zeros((), dtype=torch.float64, device=norms[0].device if norms else None)
+        )
         return squares.sqrt(), {id(p) for o in sharded for g in o.param_groups for p in g["params"]}
 
 

@@ -447,7 +447,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 )
         self.reduce_gradients()
         count_replicated = all(c.rank == 0 for c in extra_comms)
-        local = torch.zeros((), dtype=torch.float64)
+        # on the shards' device (a rank's GPU: summed there, reduced over NCCL)
+        local = torch.zeros((), dtype=torch.float64, device=self._buckets[0].shard.device if self._buckets else None)
         for b in self._buckets:
             g = b.shard.grad
             for i, a, e in b.owned_segments(self.dp_rank):

@@ -1,0 +1,88 @@
+"""Checks that need a CUDA device, run in a fresh interpreter by tests/gpu/test_gpu.py (so the pytest process never
+holds a CUDA context: the launches beside it fork their workers). Prints one JSON object; exits non-zero on failure.
+
+1. nxdt.comm on CUDA tensors, in forked ranks (before this process touches CUDA): one rank on its GPU takes NCCL;
+   two ranks on one GPU take the staged path (NCCL refuses two ranks per GPU) and reduce exactly as the CPU does.
+2. Placement and kernels of one rank: parameters, optimizer state and data on cuda:0, torch's fused AdamW, and
+   attention through flash / memory-efficient / cuDNN kernels only under ``attention_kernels``."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+
+def _nccl_rank(world):
+    torch.cuda.set_device(0)
+    comm = world.new_communicator([0], "solo")
+    x = torch.arange(4, dtype=torch.float32, device="cuda")
+    out = torch.empty(4, dtype=torch.float32, device="cuda")
+    comm.all_gather(out, x)
+    return {"transport": comm._on(x).name, "gathered": out.tolist()}
+
+
+def _shared_gpu_rank(world):
+    torch.cuda.set_device(0)
+    comm = world.new_communicator([0, 1], "pair")
+    x = torch.full((5,), float(world.rank + 1), device="cuda", dtype=torch.bfloat16)
+    comm.all_reduce(x)
+    y = torch.tensor([0.1, 0.2, 0.3], device="cuda") * (world.rank + 1)
+    comm.all_reduce(y, op="avg")
+    return {"transport": comm._on(x).name, "sum": x.float().tolist(), "avg": y.tolist(), "device": str(x.device)}
+
+
+def comm_checks() -> dict:
+    from nxdt.comm.spawn import run_local
+
+    solo = run_local(_nccl_rank, 1, timeout_s=120)[0]
+    assert solo["transport"] == "nccl" and solo["gathered"] == [0.0, 1.0, 2.0, 3.0], solo
+    pair = run_local(_shared_gpu_rank, 2, timeout_s=120)
+    cpu = (torch.tensor([0.1, 0.2, 0.3]) * 1 + torch.tensor([0.1, 0.2, 0.3]) * 2) / 2  # what the shm transport gives
+    for r in pair:
+        assert r["transport"] == "staged" and r["sum"] == [3.0] * 5, r
+        assert r["avg"] == cpu.tolist(), (r, cpu)
+    return {"solo": solo, "pair": pair}
+
+
+def placement_checks() -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from nxdt.config import compose_config
+    from nxdt.lightning.optim import build_optimizer
+    from nxdt.models.llama import LlamaForCausalLM
+    from nxdt.parallel.devices import attention_kernels, policy_for
+
+    cfg = compose_config(["model=llama_tiny"], check=False)
+    policy = policy_for("cuda", 0, 1, torch.cuda.device_count(), "mixed_precision")
+    torch.cuda.set_device(policy.torch_device)
+    model = LlamaForCausalLM(cfg.model).to(policy.torch_device)
+    opt = build_optimizer(model, cfg.model.optim, precision="mixed_precision")
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 64), device=policy.torch_device)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with attention_kernels("cuda", policy.half), torch.autocast("cuda", dtype=policy.autocast_dtype):
+            loss = model.loss_fn(model(ids[:, :-1]), ids[:, 1:])
+        loss.backward()
+    opt.step()
+    ops = {e.key for e in prof.key_averages()}
+    attention = sorted(k for k in ops if "attention" in k and k.startswith("aten::_"))
+    state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
+    out = {
+        "device": policy.device,
+        "params_on": sorted({str(p.device) for p in model.parameters()}),
+        "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "state_on": sorted({str(t.device) for t in state}),
+        "fused": opt.defaults.get("fused"),
+        "attention_ops": attention,
+    }
+    assert out["params_on"] == ["cuda:0"] and out["state_on"] == ["cuda:0"], out
+    assert out["param_dtypes"] == ["torch.float32"] and out["fused"] is True, out  # fp32 master weights, fused AdamW
+    assert attention and not any("math" in k for k in attention), out  # a fused kernel, never the math one
+    return out
+
+
+if __name__ == "__main__":
+    result = {"comm": comm_checks(), "placement": placement_checks()}  # comm first: its ranks fork before CUDA is used here
+    print(json.dumps(result))
+    sys.exit(0)

@@ -1,0 +1,184 @@
+"""The device policy and the GPU seams, checked on a CPU host (issue 37): which device each rank gets, the formats and
+kernels per device, which transport a communicator takes for which tensors, what a p5.48xlarge dry run prints, and
+the one-line refusal of a GPU instance on a host without CUDA. Nothing here needs a GPU (tests/gpu/ does)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from nxdt.comm.transport import transport_name
+from nxdt.comm.world import _flat
+from nxdt.config import compose_config
+from nxdt.config.validate import ConfigError
+from nxdt.launch.cluster import describe_local
+from nxdt.launch.devices import device_lines, resolve_accelerator
+from nxdt.lightning.optim import build_optimizer
+from nxdt.lightning.strategy import NxDStrategy
+from nxdt.lightning.train import rank_devices
+from nxdt.parallel.devices import (
+    adamw_options,
+    device_index,
+    export_worker_environment,
+    node_devices,
+    policy_for,
+    sdpa_backends,
+    worker_environment,
+)
+from nxdt.planner import plan
+
+P5_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1", "NCCL_P2P_PXN_LEVEL": "2"}
+
+
+def test_one_rank_per_gpu_follows_the_planner_and_neighbours_share_when_ranks_outnumber_gpus():
+    assert node_devices("cuda", 8, 8) == [f"cuda:{i}" for i in range(8)]
+    assert node_devices("cuda", 2, 1) == ["cuda:0", "cuda:0"]
+    assert node_devices("cuda", 3, 2) == ["cuda:0", "cuda:0", "cuda:1"]
+    assert node_devices("cuda", 16, 8)[:4] == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]
+    assert node_devices("cpu", 4, 0) == ["cpu"] * 4
+    # the catalogue's GPU instances: the device a rank gets is the one the plan placed it on
+    p = plan(compose_config(["instance=p5.48xlarge", "trainer.devices=4"]))
+    assert [f"cuda:{p.place(r)['device']}" for r in range(4)] == node_devices("cuda", 4, 8)
+    with pytest.raises(ValueError, match="no GPU"):
+        device_index(0, 1, 0)
+
+
+@pytest.mark.parametrize(
+    "precision, params, autocast",
+    [
+        ("fp32", torch.float32, None),
+        ("bf16", torch.bfloat16, None),
+        ("bf16SR", torch.bfloat16, None),
+        ("mixed_precision", torch.float32, torch.bfloat16),  # fp32 master weights, bf16 compute
+        ("mixed_precisionSR", torch.float32, torch.bfloat16),
+    ],
+)
+def test_formats_follow_precision_type_on_either_device(precision, params, autocast):
+    for accelerator in ("cpu", "cuda"):
+        policy = policy_for(accelerator, 0, 1, 1, precision)
+        assert (policy.param_dtype, policy.autocast_dtype) == (params, autocast)
+
+
+def test_kernels_per_device():
+    cpu, gpu = policy_for("cpu", 0, 2, 0), policy_for("cuda", 1, 2, 2)
+    assert (cpu.device, gpu.device, gpu.torch_device) == ("cpu", "cuda:1", torch.device("cuda", 1))
+    assert cpu.adamw_options() == adamw_options("cpu") == {"foreach": False}  # what the CPU always ran
+    assert gpu.adamw_options() == {"fused": True}
+    assert cpu.sdpa_backends == sdpa_backends("cpu", True) == ()  # torch's own choice on the CPU
+    assert gpu.sdpa_backends == ()  # fp32: flash and cuDNN take no fp32; torch picks (GQA may need the math kernel)
+    bf16 = policy_for("cuda", 0, 1, 1, "mixed_precision")
+    assert bf16.half and "MATH" not in bf16.sdpa_backends and "FLASH_ATTENTION" in bf16.sdpa_backends
+    with pytest.raises(ValueError, match="instance.accelerator='tpu'"):
+        policy_for("tpu", 0, 1, 1)
+
+
+def test_cpu_optimizer_is_unchanged():
+    opt = build_optimizer(torch.nn.Linear(2, 2), compose_config([]).model.optim)
+    assert isinstance(opt, torch.optim.AdamW)
+    assert opt.defaults["foreach"] is False and not opt.defaults["fused"]
+
+
+def test_instance_env_fills_what_the_environment_lacks():
+    env = {"FI_PROVIDER": "tcp"}
+    assert worker_environment(P5_ENV, env) == {k: v for k, v in P5_ENV.items() if k != "FI_PROVIDER"}
+    assert export_worker_environment(P5_ENV, env)["NCCL_P2P_PXN_LEVEL"] == "2"
+    assert env["FI_PROVIDER"] == "tcp"  # the user's own value wins
+
+
+def test_transport_per_device_and_placement():
+    one, two = ["a", "a"], ["a", "b"]
+    assert transport_name("cpu", "auto", one) == "shm"
+    assert transport_name("cpu", "auto", two) == "p2p"
+    assert transport_name("cpu", "gloo", one) == "gloo"
+    # CUDA tensors take NCCL whatever comm.transport chose for the CPU; members sharing a GPU (NCCL refuses them) stage
+    assert transport_name("cuda", "shm", one, ["a/0", "a/1"]) == "nccl"
+    assert transport_name("cuda", "auto", two, ["a/0", "b/0"]) == "nccl"
+    assert transport_name("cuda", "auto", one, ["a/0", "a/0"]) == "staged"
+    with pytest.raises(ValueError, match="tensors on mps have no transport"):
+        transport_name("mps", "auto", one)
+    with pytest.raises(ValueError, match="nxdt.comm works on CPU tensors and on cuda tensors"):
+        _flat(torch.empty(2, device="meta"), "all_reduce tensor")
+
+
+def test_strategy_root_device_is_the_ranks_entry():
+    assert NxDStrategy().root_device == torch.device("cpu")
+    shared = NxDStrategy(parallel_devices=[torch.device("cuda", 0), torch.device("cuda", 0)])
+    assert shared.root_device == torch.device("cuda", 0)
+
+
+def test_trainer_devices_cpu_unchanged_gpu_per_rank():
+    cpu = compose_config([])
+    assert rank_devices(cpu, plan(cpu), 0) is None  # Lightning's CPU accelerator, as before
+    p5 = compose_config(["instance=p5.48xlarge"])
+    assert rank_devices(p5, plan(p5), 8) == [torch.device("cuda", i) for i in range(8)]
+
+
+def test_p5_dry_run_shows_every_ranks_device_and_the_nccl_settings(tmp_path):
+    cfg = compose_config(["instance=p5.48xlarge", f"exp_manager.exp_dir={tmp_path}", "launcher.dry_run=true"])
+    text = describe_local(cfg, plan(cfg), console_tty=False)
+    devices = next(line for line in text.splitlines() if line.startswith("devices: "))
+    assert all(f"rank {r} → cuda:{r}" in devices for r in range(8))
+    env = next(line for line in text.splitlines() if line.startswith("NCCL/EFA environment"))
+    # each setting exported, or named as kept where this environment sets it already
+    assert all(f"{k}={v}" in env or (k in os.environ and k in env.partition("kept")[2]) for k, v in P5_ENV.items())
+    assert not device_lines(compose_config([]), 2)  # a CPU run's dry run is as before
+
+
+def test_gpu_instance_without_cuda_is_one_line_before_anything_starts():
+    cfg = compose_config(["instance=gpu"])
+    with pytest.raises(ConfigError) as err:
+        resolve_accelerator(cfg, 0, runs_here=True)
+    assert str(err.value).startswith("config error: instance='gpu': ") and "instance=cpu" in str(err.value)
+    assert "\n" not in str(err.value)
+    resolve_accelerator(cfg, 0, runs_here=False)  # a dry run or a submission shows the plan
+    resolve_accelerator(cfg, 4, runs_here=True)
+    assert cfg.instance.devices == 4  # instance=gpu: the GPUs found
+    p5 = compose_config(["instance=p5.48xlarge"])
+    with pytest.raises(ConfigError, match=r"instance.devices=8: p5.48xlarge places 8 ranks on 8 GPUs, but this host has 2"):
+        resolve_accelerator(p5, 2, runs_here=True)
+
+
+def test_plain_loop_peer_runs_on_cpu_tiny():
+    """experiments/gpu/plain_loop.py (the plain PyTorch peer check.sh times against nxdt on a GPU) trains the model
+    the planner counts, from the loss of a uniform guess, on the CPU at the tiny size."""
+    import importlib.util
+    import math
+    from pathlib import Path
+
+    from nxdt.planner.estimate import model_numbers
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "gpu" / "plain_loop.py"
+    spec = importlib.util.spec_from_file_location("plain_loop", path)
+    assert spec is not None and spec.loader is not None
+    loop = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loop)
+    out = loop.train(loop.TINY, device="cpu", steps=2, warmup=1, precision="fp32")
+    assert out["parameters"] == model_numbers(compose_config(loop.TINY).model)["total"]
+    # normal(0, 0.02) weights give near-uniform logits over the 256 byte tokens at step 1
+    assert out["losses"][0] == pytest.approx(math.log(256), abs=0.05)
+    assert out["adamw"] == {"foreach": False} and out["tokens_per_s"] > 0
+
+
+def test_host_memory_check_leaves_gpu_state_to_the_gpu():
+    """A GPU run keeps its weights, gradients and optimizer state in GPU memory: the host-memory refusal (right for
+    CPU workers) must not stop it. 70 B parameters: ~1.1 TB of training state, beyond any host this suite runs on."""
+    from nxdt.cli import _check_model_fits, host_available_bytes
+
+    big = ["model=llama3_70b", "trainer.devices=1"]
+    _check_model_fits(compose_config(["instance=gpu", *big]))  # nothing raised
+    if host_available_bytes():  # a host that reports MemAvailable refuses the same model on CPU workers
+        with pytest.raises(ConfigError, match="training state takes"):
+            _check_model_fits(compose_config(["instance=cpu", *big]))
+
+
+def test_lightning_precision_and_the_policy_agree_on_every_format():
+    """train.py hands Lightning a precision string per precision.type; the policy (what the plain loop and the GPU
+    checks use) must describe the same formats: autocast iff Lightning's '-mixed', bf16 compute iff 'bf16'."""
+    from nxdt.lightning.train import PRECISION
+
+    for kind, lightning in PRECISION.items():
+        policy = policy_for("cuda", 0, 1, 1, kind)
+        assert (policy.autocast_dtype is not None) == lightning.endswith("-mixed"), kind
+        assert policy.half == lightning.startswith("bf16"), kind
