@@ -96,6 +96,7 @@ class BackwardReduction:
         self._works: list[Work] = []
         self._stale = False
         self.issued_in_backward = 0  # buckets the last armed backward issued before it ended (tests, measurements)
+        self.used = False  # whether the last finish() answered True (its buckets held the result)
 
     def arm(self) -> None:
         """The next backward is the last before the step: reduce as gradients arrive."""
@@ -145,6 +146,7 @@ class BackwardReduction:
         """After the armed backward: issue the remaining buckets (their missing gradients filled as they are now), wait
         for every bucket. True when the reduced buckets hold the result; False when nothing was armed or a gradient came
         after its bucket left on some rank (then the caller reduces after backward)."""
+        self.used = False
         if not self.armed:
             return False
         self.armed = False
@@ -158,4 +160,5 @@ class BackwardReduction:
         self._drain()
         stale = torch.tensor([float(self._stale)])
         self._agree.all_reduce(stale, op="max")
-        return not bool(stale.item())
+        self.used = not bool(stale.item())
+        return self.used

@@ -102,7 +102,7 @@ def _train(world, build, loss_fn, zero1: bool, overlap: bool, cap: float, unused
             rt.before_backward(last=micro == MICRO - 1)  # what NxDStrategy.pre_backward says
             loss_fn(model, rank, step, micro).div(MICRO).backward()
         rt.finish_gradients(model)
-        issued.append([r.issued_in_backward for r in rt._reductions])
+        issued.append([r.issued_in_backward if r.used else -1 for r in rt._reductions])  # -1: fell back after backward
         rt.clip_grad_norm_(model, MAX_NORM)
         opt.step()
         rt.after_step(opt)
@@ -221,7 +221,7 @@ def _tp_train(world, tp, dp, lora: bool, zero1: bool, overlap: bool) -> dict:
             ids, labels = torch.randint(0, 64, (2, 8), generator=g), torch.randint(0, 64, (2, 8), generator=g)
             model.loss_fn(model(ids), labels).div(MICRO).backward()
         rt.finish_gradients(holder)
-        issued.append([r.issued_in_backward for r in rt._reductions])
+        issued.append([r.issued_in_backward if r.used else -1 for r in rt._reductions])  # -1: fell back after backward
         rt.clip_grad_norm_(holder, MAX_NORM)
         opt.step()
         rt.after_step(opt)
@@ -258,6 +258,60 @@ def test_tp_partial_gradients_wait_for_their_tp_sum_and_the_rest_overlaps():
         for (lora, zero1), got in per_rank.items():
             tag = f"rank {rank} lora={lora} zero1={zero1}"
             assert got["partial"] > 0, tag
+            assert got["off"] == ("overlap_grad_reduce is off", None), (tag, got["off"])
+            assert all(got["equal"]), f"{tag}: weights differ from the post-backward path at steps {got['equal']}"
+            assert all(issued and issued[0] > 0 for issued in got["issued"]), (tag, got["issued"])
+
+
+def _pp_train(pp, dp, zero1: bool, overlap: bool) -> dict:
+    from nxdt.parallel.pipeline import PipelineExecutor, build_chunks, one_f_one_b
+
+    torch.manual_seed(0)
+    chunks = build_chunks(LlamaForCausalLM(SimpleNamespace(**TINY_LLAMA)), pp.rank, pp.size, 1)
+    stage = nn.ModuleList(chunks)
+    executor = PipelineExecutor(chunks, pp, LlamaForCausalLM.loss_fn)
+    rt = data_parallel_runtime(zero1=zero1, overlap_grad_reduce=overlap, bucket_cap_mb=2e-3)
+    rt.bind(ModelParallel(dp=dp, dp_size=2, pp=pp))
+    opt = rt.shard_optimizer(torch.optim.AdamW(stage.parameters(), lr=1e-2), stage)
+    rt.shard_model(stage, [opt])
+    weights, issued = [], []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(100 * step + dp.rank)
+        mbs = [(torch.randint(0, 64, (1, 8), generator=g), torch.randint(0, 64, (1, 8), generator=g)) for _ in range(3)]
+        executor.run(one_f_one_b(pp.size, pp.rank, len(mbs)), mbs, rt.before_backward)
+        rt.finish_gradients(stage)
+        issued.append([r.issued_in_backward if r.used else -1 for r in rt._reductions])  # -1: fell back after backward
+        rt.clip_grad_norm_(stage, MAX_NORM)
+        opt.step()
+        rt.after_step(opt)
+        opt.zero_grad()
+        weights.append([p.detach().clone() for p in stage.parameters()])
+    return {"weights": weights, "issued": issued, "off": rt.overlap_off}
+
+
+def _pp_worker(world) -> dict:
+    rank = world.rank
+    pp = world.new_communicator([rank - rank % 2, rank - rank % 2 + 1], f"pp{rank // 2}")
+    dp = world.new_communicator([rank % 2, rank % 2 + 2], f"dp{rank % 2}")
+    out = {}
+    for zero1 in (False, True):
+        runs = {overlap: _pp_train(pp, dp, zero1, overlap) for overlap in (False, True)}
+        out[zero1] = {
+            "equal": [
+                all(torch.equal(a, b) for a, b in zip(x, y)) for x, y in zip(runs[False]["weights"], runs[True]["weights"])
+            ],
+            "issued": runs[True]["issued"],
+            "off": (runs[False]["off"], runs[True]["off"]),
+        }
+    return out
+
+
+def test_pipeline_stages_reduce_during_their_last_micro_batch_backward():
+    """PP2 × DP2 (4 ranks), 1F1B over 3 micro-batches: the executor arms only the last micro-batch's backward on each
+    stage (``before_backward``), whose buckets then leave during it; weights equal the after-backward path's."""
+    for rank, per_rank in enumerate(run_local(_pp_worker, 4, timeout_s=240)):
+        for zero1, got in per_rank.items():
+            tag = f"rank {rank} zero1={zero1}"
             assert got["off"] == ("overlap_grad_reduce is off", None), (tag, got["off"])
             assert all(got["equal"]), f"{tag}: weights differ from the post-backward path at steps {got['equal']}"
             assert all(issued and issued[0] > 0 for issued in got["issued"]), (tag, got["issued"])
