@@ -184,3 +184,32 @@ def test_one_gpu_per_node_runs_nccls_ring_or_tree():
         tree = 4 * net.latency_us * 1e-6 + 2 * nbytes / share + fill + inst.collective_overhead_us * 1e-6
         assert every["tree"] == pytest.approx(tree, rel=1e-12)
     assert algorithm == "ring"  # 1.5·S beats the tree's 2·S when bandwidth rules
+
+
+def test_dp_gradient_reduction_hides_behind_the_last_backward_but_its_last_bucket():
+    """nxdt reduces the DP gradients in DDP's 25 MiB buckets during the last micro-batch's backward (nxdt.parallel.
+    overlap): the planner charges only what outlasts that backward — bucket k is full k/K of the way through it, the
+    buckets run one after another — not the whole all-reduce; a group across nodes of more than 2 (p2p: no bucketed
+    overlap with the same bits) and overlap_grad_reduce=false keep all of it exposed."""
+    from nxdt.planner.estimate import exposed_behind_backward
+
+    assert exposed_behind_backward(1.0, 10.0, 1) == pytest.approx(1.0)  # one bucket: full only when backward ends
+    assert exposed_behind_backward(1.0, 10.0, 4) == pytest.approx(0.25)  # short buckets: only the last is exposed
+    assert exposed_behind_backward(8.0, 4.0, 4) == pytest.approx(8.0 - 4.0 * 3 / 4)  # comm-bound: back to back
+    common = ["precision.type=mixed_precision", "data.micro_batch_size=32", "data.seq_length=128"]
+    on = _bert_plan(*common, "trainer.devices=8", "data.global_batch_size=512")[1]  # DP 8 inside one p4de node
+    off = _bert_plan(
+        *common, "trainer.devices=8", "data.global_batch_size=512", "distributed_strategy.overlap_grad_reduce=false"
+    )[1]
+    (row,) = [r for r in on.collectives if r["what"] == "gradients (one fp32 bucket)"]
+    buckets = math.ceil(row["bytes"] / (25 << 20))
+    assert buckets > 40  # BERT-Large's 335 M fp32 gradients
+    backward = on.estimate["compute_s"] / on.micro_batches * 2 / 3
+    assert row["exposed_s"] == pytest.approx(exposed_behind_backward(row["total_s"], backward, buckets), rel=1e-12)
+    assert row["exposed_s"] < row["total_s"] / 10
+    saved = off.estimate["exposed_comm_s"] - on.estimate["exposed_comm_s"]
+    assert saved == pytest.approx(row["total_s"] - row["exposed_s"], rel=1e-9)
+    assert off.estimate["step_time_s"] - on.estimate["step_time_s"] == pytest.approx(saved, rel=1e-9)
+    assert not any("exposed_s" in r for r in off.collectives if r["dim"] == "dp")
+    across = _bert_plan(*common, "trainer.devices=8", "trainer.num_nodes=2", "data.global_batch_size=512")[1]  # DP 16
+    assert not any(r.get("behind_backward") for r in across.collectives)

@@ -68,9 +68,12 @@ def run(strategy_name: str, out: Path) -> None:
         enable_model_summary=False,
         use_distributed_sampler=False,
         callbacks=[timer],
-        gradient_clip_val=1.0,
     )
-    module = CausalLMModule(cfg.model, cfg.data.global_batch_size, cfg.data.seq_length)
+    # CausalLMModule optimizes manually (micro-batches, clipping inside its step): clipping is its argument, not the
+    # Trainer's (Lightning refuses gradient_clip_val under manual optimization)
+    module = CausalLMModule(
+        cfg.model, cfg.data.global_batch_size, cfg.data.seq_length, cfg.data.micro_batch_size, gradient_clip_val=1.0
+    )
     trainer.fit(module, datamodule=NxDDataModule(cfg.data, seed=cfg.seed, vocab_size=cfg.model.vocab_size))
     if trainer.is_global_zero:
         n_params = sum(p.numel() for p in module.parameters())

@@ -1,9 +1,10 @@
 """Step time with the data-parallel gradient reduction overlapped with backward, and without, in the same run.
 
-    python experiments/dp-training/overlap.py [--hidden 512] [--rows 4] [--seq 128] [--rounds 6] [--steps 4]
-                                              [--bucket-cap-mb 25]
+    python experiments/dp-training/overlap.py [--ranks 2] [--hidden 512] [--rows 4] [--seq 128] [--rounds 6]
+                                              [--steps 4] [--bucket-cap-mb 25]
 
-Two ranks (``nxdt.comm.spawn.run_local``, shared memory, one intra-op thread each), the hub's Llama widened
+``--ranks`` data-parallel ranks (``nxdt.comm.spawn.run_local``, shared memory, one intra-op thread each; 3 or more
+overlap since shm adds in member order, docs/architecture.md section 6), the hub's Llama widened
 (``--hidden``; 4 layers, byte vocabulary), AdamW, gradient accumulation 2 (micro-batches of ``--rows`` × ``--seq``
 tokens: fewer tokens make the reduction a larger share of the step). For plain DP
 and ZeRO-1 one runtime is built with ``overlap_grad_reduce=True``; rounds alternate between arming the last
@@ -95,6 +96,7 @@ def _worker(world, args: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
@@ -103,9 +105,9 @@ def main() -> None:
     parser.add_argument("--bucket-cap-mb", type=float, default=None)
     a = parser.parse_args()
     args = {"hidden": a.hidden, "rows": a.rows, "seq": a.seq, "rounds": a.rounds, "steps": a.steps, "cap": a.bucket_cap_mb}
-    result = run_local(_worker, 2, args, timeout_s=3600)[0]
+    result = run_local(_worker, a.ranks, args, timeout_s=3600)[0]
     print(
-        f"2 ranks, hidden {a.hidden}, micro-batch {a.rows}x{a.seq} tokens, accumulation 2, "
+        f"{a.ranks} ranks, hidden {a.hidden}, micro-batch {a.rows}x{a.seq} tokens, accumulation 2, "
         f"bucket_cap_mb {a.bucket_cap_mb or 25}, {a.rounds} round pairs of {a.steps} steps"
     )
     print(
@@ -127,8 +129,9 @@ def main() -> None:
             f"{kind:<11} {r['params'] / 1e6:>6.2f}M {r['buckets'][0]:>7} {med['overlap']:>10.1f} {med['after']:>9.1f} "
             f"{ratio:>24.3f}  {fin['overlap']:>17.1f} / {fin['after']:.1f}   (pairs {min(pairs):.3f}-{max(pairs):.3f})"
         )
-    out = Path(__file__).resolve().parent / f"overlap_results_cap{a.bucket_cap_mb or 25:g}.json"
-    out.write_text(json.dumps({"args": args, **summary}, indent=1))
+    ranks = "" if a.ranks == 2 else f"_dp{a.ranks}"
+    out = Path(__file__).resolve().parent / f"overlap_results_cap{a.bucket_cap_mb or 25:g}{ranks}.json"
+    out.write_text(json.dumps({"args": {**args, "ranks": a.ranks}, **summary}, indent=1))
 
 
 if __name__ == "__main__":

@@ -320,9 +320,9 @@ static void slice_of(int64_t count, int n, int i, int64_t *lo, int64_t *hi) {
  *                        moves 2(n-1)/n of the bytes: for 2 ranks half the work of direct, for one synchronisation more.
  * ``phase`` 0 starts the step (again after PENDING_SLOT), 1 resumes after PENDING_DATA (published already), 2 after
  * PENDING_REDUCED (my slice reduced and marked). PEER_SHARED: published, but a peer's data lies in its shared tensor:
- * the caller finishes the step the Python way (_reduce_by_slices reads either layout). The operand order is the
- * fallback's: member order for fp16/bf16 (fp32 accumulation needs all at once), else the slice's owner first and
- * then the others in member order (reduce_into's order for an aliased output), so the bits are the fallback's. */
+ * the caller finishes the step the Python way (_reduce_by_slices reads either layout). The operand order is member
+ * order (my slice read from dst in my place), as the direct step's and the fallback's: every element gets the same
+ * bits whichever member's slice it falls in, so cutting a message into pieces changes no bit (nxdt.parallel.overlap). */
 static int all_reduce_step(int64_t *ctx, int64_t step, char *dst, int64_t count, int dtype, int op, int64_t fp0, int64_t fp_count,
                            int phase, int main, int sliced) {
     int n = (int)ctx[C_N], me = (int)ctx[C_ME];
@@ -363,10 +363,7 @@ static int all_reduce_step(int64_t *ctx, int64_t step, char *dst, int64_t count,
             return DONE;
         }
         slice_of(count, n, me, &lo, &hi);
-        int k = 0, member_order = dtype == D_F16 || dtype == D_BF16;
-        if (!member_order) parts[k++] = dst + lo * elem;
-        for (int i = 0; i < n; i++)
-            if (i != me || member_order) parts[k++] = i == me ? dst + lo * elem : slot(ctx, i, step) + lo * elem;
+        for (int i = 0; i < n; i++) parts[i] = i == me ? dst + lo * elem : slot(ctx, i, step) + lo * elem;
         if (hi > lo) KERNELS[dtype](dst + lo * elem, mine + lo * elem, parts, n, hi - lo, op, n);
         set_progress(ctx, 3 * step + 2);
     }
@@ -484,5 +481,11 @@ static struct PyModuleDef MODULE = {PyModuleDef_HEAD_INIT, "_native", "The shm t
 
 PyMODINIT_FUNC PyInit__native(void) {
     pick_f16_conversions();
-    return PyModule_Create(&MODULE);
+    PyObject *m = PyModule_Create(&MODULE);
+    /* nxdt.comm.native.VERSION: a build of older source is refused (its operand order may differ from the fallback's) */
+    if (m && PyModule_AddIntConstant(m, "VERSION", 2) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

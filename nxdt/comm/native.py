@@ -19,9 +19,18 @@ import sys
 
 import numpy as np
 
+VERSION = 2  # _native.c's VERSION: a build of older source (another operand order) is not used
+
 try:
     from nxdt.comm import _native as _built
 except ImportError:  # no compiler at install time, or not Linux: the torch fallback
+    _built = None
+if _built is not None and getattr(_built, "VERSION", 0) != VERSION:
+    print(
+        f"nxdt.comm: the native kernels were built from older source (version {getattr(_built, 'VERSION', 1)}, "
+        f"want {VERSION}); using the torch fallback — rebuild with `pip install -e .`",
+        file=sys.stderr,
+    )
     _built = None
 
 lib = _built

@@ -101,6 +101,23 @@ def reduce_into(out: torch.Tensor, parts: Sequence[torch.Tensor], op: str, divis
         out.div_(divisor)
 
 
+def reduce_in_place(out: torch.Tensor, parts: Sequence[torch.Tensor], own: int, op: str, divisor: int) -> None:
+    """out = op(parts[0], parts[1], ...) in member order where ``out`` is ``parts[own]`` itself (a slice owner's or a
+    reduce root's own contribution): the bits of ``reduce_into`` over private copies, whichever member ``own`` is, so
+    a reduction cut into pieces reduces every element as the whole would (nxdt.parallel.overlap relies on it)."""
+    if out.numel() == 0:
+        return
+    if native.lib is not None and _native_reduce(out, parts, op, divisor):
+        return  # blockwise: every operand of an element is read before the element is written
+    if own >= 2 and out.dtype not in LOW_PRECISION:  # out is overwritten by parts[0] op parts[1] before it is read
+        parts = [out.clone() if i == own else p for i, p in enumerate(parts)]
+        reduce_into(out, parts, op, divisor)  # no alias left: member order
+        return
+    # own 0: out is the first operand; own 1: parts[0] op out, commutative for one operation; half types: reduce_into
+    # widens every operand before writing out
+    reduce_into(out, parts, op, divisor)
+
+
 def reduce_own_into(out: torch.Tensor, parts: Sequence[torch.Tensor], own: int, op: str, divisor: int) -> None:
     """Like ``reduce_into(out, parts, ...)`` where ``out`` already holds ``parts[own]``'s values (the
     caller's tensor, whose copy sits in its shm slot): reads ``out`` instead of that part where the

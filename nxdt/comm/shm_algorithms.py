@@ -11,6 +11,9 @@ On one host every member can read every other member's slot, so the fastest algo
   others), marks it reduced and copies the others' reduced slices out as they become ready — each
   element converted, reduced and rounded once (by its slice's owner), the least CPU, two
   synchronisations;
+* every reduction (both all-reduces, reduce-scatter, reduce) adds an element's contributions in member order, so
+  its bits do not depend on the message's size, the algorithm or where the element falls (which slice, which
+  chunk): a buffer reduced in pieces equals the buffer reduced whole (``Communicator.sums_in_member_order``);
 * all-gather / reduce-scatter / all-to-all / broadcast / reduce: each member writes what others
   need into its slot once, in one step per slot-full, and every peer copies its part straight out.
 
@@ -29,7 +32,15 @@ import math
 import torch
 
 from nxdt.comm.errors import CommMismatchError
-from nxdt.comm.reduce import LOW_PRECISION, _combine_ as combine_, check_op, dtype_code, reduce_into, reduce_own_into
+from nxdt.comm.reduce import (
+    LOW_PRECISION,
+    _combine_ as combine_,
+    check_op,
+    dtype_code,
+    reduce_in_place,
+    reduce_into,
+    reduce_own_into,
+)
 from nxdt.comm.shm import ShmChannel
 
 DIRECT_ALL_REDUCE_MAX_BYTES = 64 << 10  # 3+ members: direct below, slice above
@@ -188,10 +199,10 @@ def _reduce_by_slices(ch: ShmChannel, dst: torch.Tensor, op: str, bounds: list[t
     k = dst.numel()
     lo, hi = bounds[me]
     own = dst[lo:hi]
-    if dtype in LOW_PRECISION:  # fp32 accumulation needs every operand at once
+    if dtype in LOW_PRECISION or me >= 2:  # fp32 accumulation / member order need every operand at once
         ch.wait_published()
-        reduce_into(own, [own if i == me else ch.source(i, dtype, lo, hi) for i in range(n)], op, n)
-    else:  # reduce_into's order (own first, then the peers in member order), each peer as soon as it is there
+        reduce_in_place(own, [own if i == me else ch.source(i, dtype, lo, hi) for i in range(n)], me, op, n)
+    else:  # member order (member 1 first: one operation with member 0's, commutative), each peer as soon as it is there
         for j in peers:
             ch.wait_published((j,))
             combine_(own, ch.source(j, dtype, lo, hi), op)
@@ -301,9 +312,9 @@ def reduce(ch: ShmChannel, t: torch.Tensor, root: int, op: str) -> None:
         shared = me != root and ch.put(t[c0:c1])
         ch.publish()
         ch.wait_published()
-        if me == root:
+        if me == root:  # member order, as all_reduce and reduce_scatter: a root's piece has the bits of their result
             own = t[c0:c1]
-            reduce_into(own, [own if i == me else ch.source(i, t.dtype, 0, k) for i in range(n)], op, n)
+            reduce_in_place(own, [own if i == me else ch.source(i, t.dtype, 0, k) for i in range(n)], me, op, n)
         ch.finish(k * t.element_size())
         if shared:
             ch.wait_readers()

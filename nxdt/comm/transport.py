@@ -102,6 +102,11 @@ class Transport:
         """The algorithm ``op`` runs for the (validated) ``name`` on a message of ``nbytes``: ``auto`` resolved."""
         raise NotImplementedError
 
+    def member_order(self, op: str, name: str) -> bool:
+        """Whether reduction ``op`` under algorithm ``name`` (unresolved) adds every element's contributions in member
+        order whatever the message's size and the element's place in it (False unless a transport knows it does)."""
+        return False
+
     # --- ops (called on the stream's thread)
     def all_reduce(self, t: torch.Tensor, op: str, name: str, grid: tuple[int, int] | None, stream: str) -> None:
         raise NotImplementedError
@@ -313,6 +318,10 @@ class ShmTransport(_LinkTransport):
         if name in self.DIRECT:
             return "shm" if name in ("auto", "hierarchical") else name
         return name
+
+    def member_order(self, op: str, name: str) -> bool:
+        # the direct algorithms (shm_algorithms); the generic ring/rhd/torus/tree place an element's sum by position
+        return self.resolve(op, name, 0) in ("shm", "direct", "slice", "auto")
 
     def all_reduce(self, t, op, name, grid, stream) -> None:
         if name in ("shm", "direct", "slice"):

@@ -143,6 +143,15 @@ class Communicator:
         name, _ = self._algorithm(op, algorithm)
         return self._transport.resolve(op, name, nbytes)
 
+    def sums_in_member_order(self, *ops: str) -> bool:
+        """Whether each reduction in ``ops`` (called with ``algorithm="auto"``) gives every element the bits of one fixed
+        sequence — its members' contributions added in member order — whatever the message's size and the element's
+        place in it: then a buffer reduced in pieces equals it reduced whole. Two members always do (one addition,
+        commutative); more on the transports whose algorithms say so (shm's direct ones)."""
+        if self.size <= 2:
+            return True
+        return all(self._transport.member_order(op, self._algorithm(op, "auto")[0]) for op in ops)
+
     # ------------------------------------------------------------------------------ plumbing
     def _algorithm(self, op: str, algorithm: str) -> tuple[str, tuple[int, int] | None]:
         if algorithm == "auto":

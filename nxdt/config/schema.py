@@ -156,7 +156,7 @@ class DistributedStrategyConfig:
     overlap_grad_reduce: bool = doc(
         True,
         "reduce data-parallel gradients (plain DP, ZeRO-1) in 25 MiB buckets during the last backward, as DDP does; "
-        "same bits as after backward (a DP group of 2; larger ones reduce after backward)",
+        "same bits as after backward (a DP group of 2, or any on one host; larger ones across hosts reduce after it)",
     )
     kv_replicator: int = doc(1, "replicate KV heads this many times so TP can exceed the KV head count")
     placement_order: str = doc("tp-cp-ep-dp-pp", "rank order of the dimensions, fastest-varying first")

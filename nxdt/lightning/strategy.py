@@ -94,9 +94,9 @@ class NxDStrategy(ParallelStrategy):
         overlap_grad_reduce: reduce the data-parallel gradients (plain DP's average, ZeRO-1's reduce-scatter) in DDP's
             buckets during the last backward before each step, on the communication stream, as DDP overlaps them
             (:mod:`nxdt.parallel.overlap`; the same bits as after backward). Where it cannot keep a semantic the
-            reduction runs after backward instead (``NxDStrategy.overlap_off`` says why: a DP group of more than 2,
-            several optimizers, TP partial gradients; also pipeline parallelism and a manual-optimization loop that
-            calls ``manual_backward`` itself, which do not say which backward is the last). False: always after.
+            reduction runs after backward instead (``NxDStrategy.overlap_off`` says why: a DP group of more than 2
+            across hosts, several optimizers, an interleaved pipeline; also a manual-optimization loop that calls
+            ``manual_backward`` itself, which does not say which backward is the last). False: always after.
         bucket_cap_mb: DDP's option, honoured: the bucket size of that overlap in MiB (None: DDP's 25).
         static_graph, gradient_as_bucket_view: DDP's options, accepted (so a script written for DDPStrategy runs) and
             without effect: nxdt's buckets are filled by copying, and its hooks need no static graph.
@@ -433,7 +433,8 @@ class NxDStrategy(ParallelStrategy):
         schedule = (
             interleaved_one_f_one_b(pp.size, pp.rank, m, self._virtual) if self._virtual > 1 else one_f_one_b(pp.size, pp.rank, m)
         )
-        return torch.as_tensor(self._parallel.pipeline.run(schedule, micro_batches), dtype=torch.float64)
+        arm = lambda last: self._dp.before_backward(last and not self._no_sync)  # noqa: E731
+        return torch.as_tensor(self._parallel.pipeline.run(schedule, micro_batches, arm), dtype=torch.float64)
 
     def evaluate(self, module: pl.LightningModule, micro_batches: list[dict[str, Tensor]]) -> list[float]:
         """Each micro-batch's loss, forward only (validation); under PP the pipeline runs it and every stage gets them."""
@@ -509,7 +510,10 @@ class NxDStrategy(ParallelStrategy):
     @property
     def overlap_off(self) -> str | None:
         """Why the data-parallel gradients are reduced after backward rather than during it (None: during it)."""
-        return getattr(self._dp, "overlap_off", None)
+        off = getattr(self._dp, "overlap_off", None)
+        if off is None and self._parallel.pipeline is not None and self._virtual > 1:
+            return "interleaved pipeline (virtual stages): no backward is the last of every chunk on a stage"
+        return off
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         super().pre_backward(closure_loss)

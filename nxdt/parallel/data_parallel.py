@@ -244,6 +244,7 @@ class ReplicatedRuntime:
 
     dp_format = "replicated"
     shards_optimizer_state = False
+    _reduction_ops: tuple[str, ...] = ("all_reduce",)  # the after-backward path's and the buckets' collectives
 
     def __init__(
         self, find_unused_parameters: bool = False, *, overlap_grad_reduce: bool = True, bucket_cap_mb: float | None = None
@@ -256,6 +257,7 @@ class ReplicatedRuntime:
         self.bucket_cap_mb = bucket_cap_mb  # DDP's option: None = its 25 MiB
         self.overlap_off: str | None = "not set up yet"  # why gradients are reduced after backward (None: overlapped)
         self._reductions: list[BackwardReduction] = []  # one per flat gradient store the hooks fill
+        self._after: list[tuple[str, nn.Parameter]] = []  # overlapped: the TP-partial ones, reduced after their TP sum
         self._buckets: list[tuple[list[tuple[str, nn.Parameter]], Tensor]] = []  # replicated: (params, flat) each
         self._order: dict[int, int] = {}  # parameter id -> its place in the module (error messages list in that order)
 
@@ -295,7 +297,7 @@ class ReplicatedRuntime:
         self.optimizers = list(optimizers)
         for r in self._reductions:  # set up again (a second fit): the earlier hooks go
             r.remove()
-        self._reductions, self._buckets = [], []
+        self._reductions, self._buckets, self._after = [], [], []
         self.overlap_off = self._overlap_blocker(module)
         if self.overlap_off is None:
             self._overlap(module)
@@ -312,26 +314,38 @@ class ReplicatedRuntime:
             return "overlap_grad_reduce is off"
         if self.mp.dp_size == 1:
             return "no data parallelism"
-        if not order_free(self.mp.dp):
+        if not order_free(self.mp.dp, *self._reduction_ops):
             return (
-                f"a data-parallel group of {self.mp.dp_size}: bucket boundaries would change the summation order "
-                "(bits), which only a group of 2 keeps"
+                f"a data-parallel group of {self.mp.dp_size} on the {self.mp.dp.transport} transport with algorithms "
+                f"{self.mp.dp.algorithms or 'auto'}: bucket boundaries would change the summation order (bits); a group "
+                "of 2, or one host's shm with its direct algorithms, keeps it"
             )
         if len(self.optimizers) > 1:
             return f"{len(self.optimizers)} optimizers, each reduced before its own step"
-        if self.mp.tp is not None:
-            partial = self.mp.tp_partial_grads if self.mp.tp_partial_grads is not None else partial_grad_names(_hub(module))
-            if partial:
-                return "gradients summed over TP before the average (sequence parallelism, LoRA's replicated halves)"
         if any(p.requires_grad and p.device.type != "cpu" for p in module.parameters()):
             return "parameters off the CPU"
         return None
 
+    def _tp_partial(self, module: nn.Module) -> set[int]:
+        """Ids of the parameters whose gradients are partial sums over TP after backward (sequence parallelism's
+        replicated ones, LoRA's replicated halves): :meth:`ModelParallel.sync_replicated_grads` completes them after
+        backward, so their DP average cannot start during it."""
+        if self.mp.tp is None:
+            return set()
+        hub = _hub(module)
+        partial = self.mp.tp_partial_grads if self.mp.tp_partial_grads is not None else partial_grad_names(hub)
+        return {id(p) for n, p in hub.named_parameters() if n in partial}
+
     def _overlap(self, module: nn.Module) -> None:
         """DDP's buckets over the trainable dense parameters, in reverse module order (:mod:`nxdt.parallel.overlap`):
-        each one flat fp32 buffer of its gradients then one 1/0 per parameter, as :meth:`sync_gradients`' single one."""
-        named = [(n, p) for n, p in self._stepped(module, None) if not is_expert_parameter(p)]
-        self._order = {id(p): i for i, (_, p) in enumerate(named)}
+        each one flat fp32 buffer of its gradients then one 1/0 per parameter, as :meth:`sync_gradients`' single one.
+        TP-partial gradients stay out of the buckets: one flat all-reduce after their TP sum (:meth:`reduce_gradients`);
+        per element the same bits (``order_free``: the order does not depend on which buffer an element is in)."""
+        every = [(n, p) for n, p in self._stepped(module, None) if not is_expert_parameter(p)]
+        self._order = {id(p): i for i, (_, p) in enumerate(every)}
+        partial = self._tp_partial(module)
+        self._after = [(n, p) for n, p in every if id(p) in partial]
+        named = [(n, p) for n, p in every if id(p) not in partial]
         backward = named[::-1]
         groups = plan_buckets([p.numel() for _, p in backward], cap_elements(self.bucket_cap_mb, 4))
         self._buckets = [
@@ -394,7 +408,8 @@ class ReplicatedRuntime:
         """The data-parallel reduction proper (after the TP sums, before the expert reduction): the buckets the armed
         backward reduced, else one all-reduce now."""
         if self._reductions and self._reductions[0].finish():
-            self._write_averages(self._buckets)
+            after = self._reduce_flat(self._after)
+            self._write_averages(self._buckets + ([after] if after is not None else []))
             return
         self.sync_gradients(self._stepped(module, optimizer))
 
@@ -403,9 +418,17 @@ class ReplicatedRuntime:
         """Average the parameters' gradients over the data-parallel group: one flat fp32 bucket, one all-reduce
         (expert parameters are reduced over their own group). The bucket ends with one 1/0 per parameter (a gradient
         on this rank or not), so the same all-reduce tells every rank who lacks one."""
+        reduced = self._reduce_flat(named)
+        if reduced is not None:
+            self._write_averages([reduced])
+
+    @torch.no_grad()
+    def _reduce_flat(self, named: Sequence[tuple[str, nn.Parameter]]) -> tuple[list[tuple[str, nn.Parameter]], Tensor] | None:
+        """The dense parameters of ``named`` and their gradients then 1/0 flags in one flat fp32 buffer, averaged over
+        DP (None: nothing to reduce)."""
         params = [(n, p) for n, p in named if not is_expert_parameter(p)]
         if self.mp.dp_size == 1 or not params:
-            return
+            return None
         numel = sum(p.numel() for _, p in params)
         if self._grad_buffer is None or self._grad_buffer.numel() != numel + len(params):
             # kept: peers read it in place (shm); a CUDA model's buffer is on its GPU (nccl)
@@ -417,7 +440,7 @@ class ReplicatedRuntime:
             offset += p.numel()
         flat[numel:].copy_(torch.tensor([float(p.grad is not None) for _, p in params]))
         self.mp.dp.all_reduce(flat, op="avg")
-        self._write_averages([(params, flat)])
+        return params, flat
 
     @torch.no_grad()
     def _write_averages(self, reduced: Sequence[tuple[Sequence[tuple[str, nn.Parameter]], Tensor]]) -> None:
@@ -533,6 +556,7 @@ class Zero1Runtime(ReplicatedRuntime):
 
     dp_format = "zero1"
     shards_optimizer_state = True
+    _reduction_ops = ("all_reduce", "reduce_scatter", "reduce")  # Zero1Optimizer's, after and during backward
 
     def shard_optimizer(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> torch.optim.Optimizer:
         if isinstance(optimizer, Zero1Optimizer):
@@ -564,7 +588,8 @@ class Zero1Runtime(ReplicatedRuntime):
     def _overlap(self, module: nn.Module) -> None:
         """Each ZeRO-1 optimizer reduces its buckets to the shards' owners in DDP's buckets during backward."""
         order = [p for p in _hub(module).parameters()]
-        found = [o.overlap_with_backward(self.bucket_cap_mb, order) for o in self._sharded(None)]
+        partial = self._tp_partial(module)
+        found = [o.overlap_with_backward(self.bucket_cap_mb, order, partial) for o in self._sharded(None)]
         self._reductions = [r for r in found if r is not None]
         if not self._reductions:
             self.overlap_off = "nothing to reduce during backward"

@@ -16,7 +16,8 @@ would have been sent stale: ``finish`` then answers False on every rank (one 1-e
 caller reduces after backward, as without overlap.
 
 Bits: the caller guarantees that cutting the reduction into buckets does not change any element's summation order
-(:func:`order_free`); then the overlapped gradients equal the post-backward path's bit for bit.
+(:func:`order_free`: a group of 2 on every transport, any size on shm, whose reductions all add in member order);
+then the overlapped gradients equal the post-backward path's bit for bit.
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ DDP_BUCKET_CAP_MB = 25.0  # torch.nn.parallel.DistributedDataParallel's default 
 DP_STREAM = "dp"  # the data-parallel reductions' stream (ZeRO-1's reduce-scatters and gathers run on it too)
 
 
-def order_free(comm: Communicator) -> bool:
-    """Whether reducing a flat buffer in pieces gives every element the same bits as reducing it whole, on every
-    transport and algorithm: with two members each element is one addition of the two contributions (commutative in
-    IEEE arithmetic; half types widened to fp32 first) and one division by 2. With three or more the order depends on
-    the algorithm and where an element falls in its chunk or slice (shm's slice all-reduce adds the slice owner's value
-    first; a ring adds in ring order), which bucket boundaries would move."""
-    return comm.size == 2
+def order_free(comm: Communicator, *ops: str) -> bool:
+    """Whether reducing a flat buffer in pieces with ``ops`` (default: all-reduce) gives every element the same bits as
+    reducing it whole with any of them: with two members each element is one addition of the two contributions
+    (commutative in IEEE arithmetic; half types widened to fp32 first) and one division by 2, on every transport; with
+    three or more where the transport adds every element's contributions in member order whatever its place (shm's
+    direct algorithms: ``Communicator.sums_in_member_order``), not where a ring or a tree orders them by position,
+    which bucket boundaries would move."""
+    return comm.sums_in_member_order(*(ops or ("all_reduce",)))
 
 
 def plan_buckets(sizes: Sequence[int], cap_elements: int) -> list[list[int]]:
@@ -94,6 +96,7 @@ class BackwardReduction:
         self._works: list[Work] = []
         self._stale = False
         self.issued_in_backward = 0  # buckets the last armed backward issued before it ended (tests, measurements)
+        self.used = False  # whether the last finish() answered True (its buckets held the result)
 
     def arm(self) -> None:
         """The next backward is the last before the step: reduce as gradients arrive."""
@@ -143,6 +146,7 @@ class BackwardReduction:
         """After the armed backward: issue the remaining buckets (their missing gradients filled as they are now), wait
         for every bucket. True when the reduced buckets hold the result; False when nothing was armed or a gradient came
         after its bucket left on some rank (then the caller reduces after backward)."""
+        self.used = False
         if not self.armed:
             return False
         self.armed = False
@@ -156,4 +160,5 @@ class BackwardReduction:
         self._drain()
         stale = torch.tensor([float(self._stale)])
         self._agree.all_reduce(stale, op="max")
-        return not bool(stale.item())
+        self.used = not bool(stale.item())
+        return self.used

@@ -510,13 +510,21 @@ class PipelineExecutor:
         b, s = unpack_microbatch(self.microbatches[mb])[0].shape[:2]
         return (b, s // self.seq_shards, self.hidden_size)
 
-    def run(self, schedule: Iterable[Task], microbatches: Sequence[Any]) -> float:
+    def run(
+        self, schedule: Iterable[Task], microbatches: Sequence[Any], before_backward: Callable[[bool], None] | None = None
+    ) -> float:
         """Execute ``schedule`` over ``microbatches`` (a list of (input_ids, labels), or of mappings with
         ``input_ids``, ``labels`` and optional ``position_ids`` / ``segment_ids``; the same on every stage: the
         first chunk reads the ids, every chunk the layout, the last the labels). Gradients accumulate into ``.grad``
         (zero them before); each micro-batch's loss is scaled by 1/len(microbatches), so they equal the
-        single-process mean-loss gradients. Returns the mean loss, on every stage."""
+        single-process mean-loss gradients. Returns the mean loss, on every stage.
+
+        ``before_backward(last)`` is told before each backward task whether it is the last to touch this stage's
+        parameters (a data-parallel runtime may then reduce their gradients while it runs,
+        :mod:`nxdt.parallel.overlap`): with one chunk per stage, the last micro-batch's; with virtual chunks never (the
+        last micro-batch's backwards of the chunks interleave with earlier micro-batches' of other chunks)."""
         self._reset(microbatches)
+        last_microbatch = len(self.microbatches) - 1 if len(self.chunks) == 1 else -1
         try:
             for task in schedule:
                 if task.chunk >= len(self.chunks) or task.microbatch >= len(self.microbatches):
@@ -524,6 +532,8 @@ class PipelineExecutor:
                         f"pipeline: {task} does not fit {len(self.chunks)} chunks × "
                         f"{len(self.microbatches)} micro-batches on stage {self.stage}"
                     )
+                if before_backward is not None and task.type is TaskType.BACKWARD:
+                    before_backward(task.microbatch == last_microbatch)
                 self.dispatch[task.type](task)
             for work in self.pending:
                 work.wait()

@@ -38,10 +38,10 @@ Semantics worth knowing:
 * ``clip_grad_norm_`` clips the reduced shard gradients that ``step`` uses; the model's ``.grad``
   tensors keep the local, unreduced values — unless ``full_gradients`` is set: then the reduction is one
   all-reduce and every ``.grad`` holds the DP average (before clipping), as under DDP.
-* ``overlap_with_backward`` (what ``NxDStrategy`` sets up by default with a DP group of 2) moves the reduce-scatter
-  into the last backward: DDP's buckets of each bucket, from its end, each reduced to the owners of the shards it
-  covers on the ``dp`` stream as its gradients arrive (:mod:`nxdt.parallel.overlap`); the shards' gradients are
-  bitwise those of the reduce-scatter.
+* ``overlap_with_backward`` (what ``NxDStrategy`` sets up by default where :func:`~nxdt.parallel.overlap.order_free`
+  holds: a DP group of 2, or any size on one host's shm) moves the reduce-scatter into the last backward: DDP's
+  buckets of each bucket, from its end, each reduced to the owners of the shards it covers on the ``dp`` stream as its
+  gradients arrive (:mod:`nxdt.parallel.overlap`); the shards' gradients are bitwise those of the reduce-scatter.
 * ``state_dict()`` is per rank (its shard, its master weights and the layout); ``load_state_dict``
   needs the same layout and DP size, or accepts a consolidated (torch-format) state dict, which
   reshards onto any DP size. ``consolidated_state_dict()`` returns what an unsharded optimizer of the
@@ -52,7 +52,7 @@ Semantics worth knowing:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,6 +180,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         # the all-gather half of an all-reduce more than the reduce-scatter alone. Off: .grad keeps local values.
         self.full_gradients = False
         self._reduction: BackwardReduction | None = None  # overlap_with_backward's buckets, when set up
+        self._after: list[tuple[_Bucket, int]] = []  # (bucket, parameter position) the overlap leaves to after backward
 
     # ------------------------------------------------------------------------------ construction
     def _normalise_groups(self, params: Iterable[Any], model: nn.Module | None) -> list[dict[str, Any]]:
@@ -289,7 +290,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------ overlap with backward
     def overlap_with_backward(
-        self, bucket_cap_mb: float | None = None, order: Sequence[nn.Parameter] = ()
+        self, bucket_cap_mb: float | None = None, order: Sequence[nn.Parameter] = (), after: Collection[int] = ()
     ) -> BackwardReduction | None:
         """Reduce each bucket's gradients during the last backward before the step, in DDP's buckets
         (:mod:`nxdt.parallel.overlap`): every ``bucket_cap_mb`` of a bucket, from its end (backward's order), is
@@ -297,29 +298,42 @@ class Zero1Optimizer(torch.optim.Optimizer):
         ``dp`` stream as soon as its gradients are there. ``order``: the model's parameters in module order (the
         buckets are issued in the order backward completes them; default: the param groups' order). The caller arms
         the returned reduction before that backward (:meth:`BackwardReduction.arm`); None (nothing set up) when the
-        pieces would change the summation order (:func:`~nxdt.parallel.overlap.order_free`) or there is no DP."""
+        pieces would change the summation order (:func:`~nxdt.parallel.overlap.order_free`) or there is no DP.
+        ``after``: ids of parameters whose gradients are complete only after backward (TP-partial ones, summed over TP
+        first): left out of the pieces and averaged in one all-reduce by :meth:`reduce_gradients` (the same bits per
+        element where ``order_free`` holds)."""
         if self._reduction is not None:
             self._reduction.remove()
             self._reduction = None
-        if self._dp_group is None or not order_free(self._dp_group):
+        if self._dp_group is None or not order_free(self._dp_group, "all_reduce", "reduce_scatter", "reduce"):
             return None
         order = list(order) or [p for g in self.param_groups for p in g["params"]]
         position = {id(p): i for i, p in enumerate(order)}
         place: dict[int, tuple[_Bucket, int]] = {}
         pieces: list[tuple[_Bucket, list[nn.Parameter], int, int]] = []  # (bucket, its parameters, first, end)
+        self._after = []
         for b in self._buckets:
             dtype = b.shard.dtype  # fp32 with master weights, as reduce_gradients reduces
             if b.grad_flat is None or b.grad_flat.dtype != dtype:
                 b.grad_flat = self._buffer(b.padded, dtype, b.flat.device)
             b.grad_flat.zero_()  # the padding stays zero; every parameter's part is filled each step
-            backward = list(range(len(b.params)))[::-1]
-            for run in plan_buckets(
-                [b.params[i].numel() for i in backward], cap_elements(bucket_cap_mb, b.grad_flat.element_size())
-            ):
-                members = [backward[i] for i in run]  # descending positions in the bucket
-                end = b.padded if members[0] == len(b.params) - 1 else b.offsets[members[0]] + b.params[members[0]].numel()
-                pieces.append((b, [b.params[i] for i in members], b.offsets[members[-1]], end))
-                place.update({id(b.params[i]): (b, b.offsets[i]) for i in members})
+            self._after += [(b, i) for i, p in enumerate(b.params) if id(p) in after]
+            # runs of consecutive hooked parameters, from the bucket's end: each piece a contiguous range of grad_flat
+            runs: list[list[int]] = [[]]
+            for i in range(len(b.params))[::-1]:
+                if id(b.params[i]) in after:
+                    runs.append([])
+                else:
+                    runs[-1].append(i)
+            for backward in (run for run in runs if run):
+                for cut in plan_buckets(
+                    [b.params[i].numel() for i in backward], cap_elements(bucket_cap_mb, b.grad_flat.element_size())
+                ):
+                    members = [backward[i] for i in cut]  # descending positions in the bucket
+                    last = members[0] == len(b.params) - 1  # the padding goes with the bucket's last parameter
+                    end = b.padded if last else b.offsets[members[0]] + b.params[members[0]].numel()
+                    pieces.append((b, [b.params[i] for i in members], b.offsets[members[-1]], end))
+                    place.update({id(b.params[i]): (b, b.offsets[i]) for i in members})
         # issued in the order backward completes them: a piece is complete when its earliest parameter arrives
         pieces.sort(key=lambda piece: -min(position.get(id(p), -1) for p in piece[1]))
         dp = self._dp
@@ -356,6 +370,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
             return
         if self._reduction is not None and self._reduction.finish():  # reduced during the armed backward
             self._check_unused()
+            self._reduce_after()
             for b in self._buckets:
                 lo = self.dp_rank * b.shard_size
                 b.shard.grad = b.grad_flat[lo : lo + b.shard_size]  # type: ignore[index]
@@ -389,6 +404,25 @@ class Zero1Optimizer(torch.optim.Optimizer):
             w.wait()
         self._write_full_gradients()
         self._grads_reduced = True
+
+    def _reduce_after(self) -> None:
+        """The parameters :meth:`overlap_with_backward` left out (``after``): their gradients, now complete, averaged
+        in one all-reduce into every rank's ``grad_flat`` (the owners' shards read their parts of it)."""
+        if not self._after:
+            return
+        for dtype in {b.grad_flat.dtype for b, _ in self._after}:  # type: ignore[union-attr]
+            group = [(b, i) for b, i in self._after if b.grad_flat.dtype == dtype]  # type: ignore[union-attr]
+            flat = torch.cat([self._grad_of(b.params[i], dtype) for b, i in group])
+            self._dp.all_reduce(flat, op="avg", stream=DP_STREAM)
+            at = 0
+            for b, i in group:
+                n = b.params[i].numel()
+                b.grad_flat[b.offsets[i] : b.offsets[i] + n].copy_(flat[at : at + n])  # type: ignore[index]
+                at += n
+
+    @staticmethod
+    def _grad_of(p: nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
+        return p.grad.reshape(-1).to(dtype) if p.grad is not None else torch.zeros(p.numel(), dtype=dtype)
 
     def _write_full_gradients(self) -> None:
         """``full_gradients``: the DP average (each bucket's ``grad_flat``, all-reduced) into every parameter's .grad."""

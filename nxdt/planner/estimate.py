@@ -566,14 +566,61 @@ def step_collectives(cfg: Any, plan: Any) -> list[dict[str, Any]]:
                 )
         elif ds.zero1:
             rows += [
-                dict(dim=dp_dim, op="reduce_scatter", bytes=trained * grad_bytes, count=1, what="ZeRO-1 gradients"),
+                dict(
+                    dim=dp_dim,
+                    op="reduce_scatter",
+                    bytes=trained * grad_bytes,
+                    count=1,
+                    what="ZeRO-1 gradients",
+                    **_behind_backward(cfg, plan, dp_dim),
+                ),
                 dict(dim=dp_dim, op="all_gather", bytes=trained * act, count=1, what="ZeRO-1 updated parameters"),
             ]
         else:
             rows.append(
-                dict(dim=dp_dim, op="all_reduce", bytes=trained * grad_bytes, count=1, what="gradients (one fp32 bucket)")
+                dict(
+                    dim=dp_dim,
+                    op="all_reduce",
+                    bytes=trained * grad_bytes,
+                    count=1,
+                    what="gradients (one fp32 bucket)",
+                    **_behind_backward(cfg, plan, dp_dim),
+                )
             )
     return rows
+
+
+DDP_BUCKET_BYTES = 25 << 20  # torch DDP's default bucket_cap_mb, which nxdt.parallel.overlap's buckets follow
+
+
+def _behind_backward(cfg: Any, plan: Any, dp_dim: str) -> dict[str, Any]:
+    """``{"behind_backward": True}`` where nxdt reduces the DP gradients in DDP's buckets during the last micro-batch's
+    backward (nxdt.parallel.overlap, ``overlap_grad_reduce``): where cutting the reduction keeps its bits — a DP group
+    of 2, or one inside a node (one host's shm) — and not with an interleaved pipeline or ZeRO-1 with EP (what
+    ``NxDStrategy.overlap_off`` names). Else ``{}``: the reduction runs after backward, all of it exposed."""
+    ds = cfg.distributed_strategy
+    if not getattr(ds, "overlap_grad_reduce", False):
+        return {}
+    if ds.virtual_pipeline_model_parallel_size > 1 or (ds.zero1 and plan.ep > 1):
+        return {}
+    group = plan.groups[dp_dim][0]
+    one_node = len({r // plan.ranks_per_node for r in group}) == 1
+    return {"behind_backward": True} if len(group) == 2 or one_node else {}
+
+
+def exposed_behind_backward(comm_s: float, backward_s: float, buckets: int) -> float:
+    """What stays exposed of a DP gradient reduction of ``comm_s`` issued in ``buckets`` equal buckets during a backward
+    of ``backward_s`` (DDP's reducer): gradients arrive evenly over the backward, bucket k (1-based) is full at
+    k/buckets of it, and the buckets run one after another on the communication stream, each starting when it is full
+    and the one before has finished. Exposed: how far the last one ends after the backward (at least the last bucket's
+    time, whose gradients — the embedding's — come last)."""
+    if comm_s <= 0:
+        return 0.0
+    buckets = max(1, buckets)
+    each, end = comm_s / buckets, 0.0
+    for k in range(1, buckets + 1):
+        end = max(end, backward_s * k / buckets) + each
+    return max(0.0, end - backward_s)
 
 
 def context_parallel_figures(
@@ -740,6 +787,15 @@ def estimate_plan(plan: Any, cfg: Any, topo: Topology, calibration: dict[str, An
     if fsdp.enabled and fsdp.prefetch == "token_threaded":
         cover += sum(r["total_s"] for r in rows if not r["overlap"] and r["dim"] != "dp")
     exposed = comm - ring_total - overlappable + max(0.0, overlappable - cover) + ring_exposed
+    # DP gradients reduced during the last micro-batch's backward (about 2/3 of its compute; 3/4 with full
+    # recomputation, whose backward reruns the forward) in 25 MiB buckets: only what outlasts it is exposed
+    backward_share = 3 / 4 if cfg.model.activations_checkpoint_granularity == "full" else 2 / 3
+    last_backward = compute / max(1, microbatches) * backward_share
+    for r in rows:
+        if r.get("behind_backward"):
+            buckets = math.ceil(r["bytes"] / DDP_BUCKET_BYTES)
+            r["exposed_s"] = exposed_behind_backward(r["total_s"], last_backward, buckets)
+            exposed -= r["total_s"] - r["exposed_s"]
     step = compute + bubble + exposed
     mem = memory_per_rank(cfg, d)
     per_rank = sum(mem.values())

@@ -197,9 +197,12 @@ def bind_collective(fig: CollectiveFigure, cache: dict | None = None) -> Collect
 
 
 def compose_step(fig: StepFigure) -> Any:
+    """The figure's configuration as its framework ran it: NxD Training reduces the DP gradients after backward (its
+    optimizer step's bucket_allreduce_gradients, neuronx_distributed/parallel_layers/grads.py), not behind it as nxdt's
+    overlap_grad_reduce does, so the exposed communication stays all of it (and linear in nothing)."""
     from nxdt.config import compose_config
 
-    return compose_config(fig.overrides, check=False)
+    return compose_config([*fig.overrides, "distributed_strategy.overlap_grad_reduce=false"], check=False)
 
 
 def bind_step(fig: StepFigure, instance: Any) -> StepFigure:

@@ -96,6 +96,52 @@ def test_native_and_fallback_give_identical_bits_on_random_half_inputs(world_siz
     assert on == off  # and the same bits on both paths, member by member
 
 
+def _member_order(world) -> None:
+    """Every reduction adds an element's contributions in member order, whatever slice, chunk or piece it falls in:
+    random fp32 inputs (order-sensitive: (a+b)+c differs from (c+a)+b in about a fifth of the elements) reduced whole,
+    in pieces at odd offsets, sliced, from shared memory, to each root and scattered all equal one reference sum."""
+    comm, n, r = world.world, world.world_size, world.rank
+    assert comm.sums_in_member_order("all_reduce", "reduce_scatter", "reduce")
+    size = 48_000  # 192 KB: past the 64 KB direct limit (slices, owners 2 and 3 included), several pieces below it
+    everyone = [torch.randn(size, generator=torch.Generator().manual_seed(q)) for q in range(n)]
+    total = everyone[0] + everyone[1]
+    for q in range(2, n):
+        total = total + everyone[q]  # member order, one rounding per addition
+    avg = total / n
+    mine = everyone[r]
+    for algorithm in ("auto", "slice", "direct"):
+        t = mine.clone()
+        comm.all_reduce(t, "avg", algorithm=algorithm)
+        assert torch.equal(t, avg), ("whole", algorithm)
+    shared = comm.empty(size, torch.float32).copy_(mine)  # peers read it in place (the gradient buckets' buffers)
+    comm.all_reduce(shared, "avg")
+    assert torch.equal(shared, avg), "shared"
+    cuts = [0, 7, 20_001, 20_002, 33_333, size]  # pieces of 7, 20k (slices), 1, 13k and 14k elements
+    pieces = [mine[a:b].clone() for a, b in zip(cuts, cuts[1:])]
+    works = [comm.all_reduce(p, "avg", stream="dp", async_op=True) for p in pieces]
+    for w in works:
+        w.wait()
+    assert torch.equal(torch.cat(pieces), avg), "pieces"
+    for root in range(n):  # ZeRO-1's pieces: each owner's part reduced to it
+        t = mine.clone()
+        comm.reduce(t, root, "avg")
+        if r == root:
+            assert torch.equal(t, avg), ("reduce", root)
+    per = size // n
+    out = torch.empty(per)
+    comm.reduce_scatter(out, mine, "avg")
+    assert torch.equal(out, avg[r * per : (r + 1) * per]), "reduce_scatter"
+    across = world.new_communicator(list(range(n)), "order_p2p", transport="p2p")  # ring / rhd: order by position
+    assert not across.sums_in_member_order("all_reduce")
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("world_size", [3, 4])
+@pytest.mark.parametrize("use_native", [pytest.param(True, marks=needs_native, id="native"), pytest.param(False, id="fallback")])
+def test_reductions_add_in_member_order_wherever_an_element_falls(world_size, use_native):
+    run_local(_member_order, world_size, timeout_s=180, init_options={"native": use_native})
+
+
 def _mixed(world) -> str:
     """Rank 1 on the torch fallback, rank 0 native, in one group: the algorithm is chosen from the call alone, so the
     native direct and slice steps meet their Python counterparts (same slots, milestones and operand order)."""
