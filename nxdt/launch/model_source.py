@@ -20,6 +20,30 @@ class CommandError(Exception):
     """Bad input to a command: ``str()`` is one line naming what and how to fix it (printed, exit 2)."""
 
 
+def check_fits(command: str, prompts: list[list[int]], max_new_tokens: int, max_positions: int) -> None:
+    """Every prompt plus ``max_new_tokens`` within the model's positions, refused before decoding starts: past them
+    the model has no position to give a token (transformers' RoPE models silently extrapolate; nxdt's refuse
+    mid-batch), and a huge ``--max-new-tokens`` would size the KV cache by it."""
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    need = len(prompts[longest]) + max_new_tokens
+    if need > max_positions:
+        room = max_positions - len(prompts[longest])
+        fix = f"give --max-new-tokens {room} or less" if room >= 1 else "shorten the prompt"
+        raise CommandError(
+            f"{command}: prompt {longest} has {len(prompts[longest])} tokens; with --max-new-tokens {max_new_tokens} it "
+            f"would need {need} positions, more than the model's max_position_embeddings={max_positions} — {fix}"
+        )
+
+
+def write_output(command: str, out: str, text: str) -> None:
+    """``--out``: one line, exit 2, when it cannot be written (a directory, a missing parent, no permission)."""
+    try:
+        with open(out, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    except OSError as exc:
+        raise CommandError(f"{command}: --out {out}: cannot be written ({exc.strerror or exc}) — name a file") from None
+
+
 @dataclass
 class Loaded:
     model: Any  # a hub model (torch.nn.Module) in eval mode
@@ -27,6 +51,7 @@ class Loaded:
     seq_length: int
     what: str  # "nxdt checkpoint" / "Hugging Face directory"
     vocab_size: int  # the model's embedding rows: token ids must be below it
+    max_positions: int  # model.max_position_embeddings: a window, or a prompt plus its completion, must fit in it
 
 
 def load_model(path: str, command: str = "nxdt eval") -> Loaded:
@@ -65,6 +90,7 @@ def load_model(path: str, command: str = "nxdt eval") -> Loaded:
             cfg.data.seq_length,
             "nxdt checkpoint",
             cfg.model.vocab_size,
+            cfg.model.max_position_embeddings,
         )
     if (where / "config.json").is_file():
         from nxdt.lightning.hf import load_hf_weights
@@ -90,6 +116,7 @@ def load_model(path: str, command: str = "nxdt eval") -> Loaded:
             min(cfg.model.max_position_embeddings, HF_DEFAULT_MAX_SEQ),
             "Hugging Face directory",
             cfg.model.vocab_size,
+            cfg.model.max_position_embeddings,
         )
     raise CommandError(
         f"{command}: {where} is neither an nxdt checkpoint (meta.json) nor a Hugging Face model directory (config.json)"
