@@ -252,6 +252,31 @@ def test_eval_arguments_past_what_the_model_or_host_holds_are_one_line_exit_2(ev
     assert len(err) == 1 and expected in err[0], err
 
 
+def test_a_checkpoint_consolidated_outside_its_run_directory_evaluates_from_its_own_meta(evaluated, tmp_path, capsys):
+    """Issue 36 leftover: `nxdt eval` on `nxdt checkpoint consolidate`'s output elsewhere failed ("<dir>/../../config.yaml
+    (its run's config) is missing"). The checkpoint's meta.json records the model config and tokenizer export-hf uses:
+    the same weights, the same windows, the same perplexity to the bit. One that records no model is refused naming
+    what to pass."""
+    import torch
+
+    from nxdt.lightning import checkpoint as ckpt_io
+    from nxdt.lightning.reshard import consolidate
+
+    full = tmp_path / "elsewhere" / "full"
+    consolidate(evaluated["checkpoint"], full)
+    assert not (full.parent.parent / "config.yaml").exists()
+    args = ["perplexity", "--data", str(evaluated["text"]), "--seq-length", "128"]
+    inside = run_eval(args[0], str(evaluated["checkpoint"]), *args[1:], out=tmp_path / "inside.json")
+    outside = run_eval(args[0], str(full), *args[1:], out=tmp_path / "outside.json")
+    assert outside["perplexity"] == inside["perplexity"] and outside["predicted_tokens"] == inside["predicted_tokens"]
+
+    old = tmp_path / "old" / "step-3"  # an older nxdt's checkpoint: no model_config in meta.json
+    ckpt_io.save({"state_dict": {"model.w": torch.ones(2)}, "global_step": 3}, old, meta={"step": 3})
+    assert main([*args[:1], str(old), *args[1:]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not record its model (written by an older nxdt)" in err[0] and "export-hf" in err[0], err
+
+
 def test_a_path_that_is_no_model_is_one_line_exit_2(tmp_path, capsys):
     data = tmp_path / "t.txt"
     data.write_text("hello")

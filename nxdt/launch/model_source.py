@@ -54,6 +54,40 @@ class Loaded:
     max_positions: int  # model.max_position_embeddings: a window, or a prompt plus its completion, must fit in it
 
 
+def _config_from_meta(where: Path, run_config: Path, command: str) -> Any:
+    """A config whose model is the one a checkpoint's meta.json records (``model_config``: every field of
+    :data:`nxdt.config.hf_model.META_KEYS`, what ``export-hf`` builds config.json from) and whose tokenizer is the
+    run's (``tokenizer``); the window: the model's positions, at most HF_DEFAULT_MAX_SEQ. Checkpoints of nxdt
+    versions before model_config was recorded need their run's config.yaml: refused naming it."""
+    from nxdt.config import compose_config
+    from nxdt.lightning.checkpoint import CheckpointError, read_meta
+
+    try:
+        meta = read_meta(where)
+    except CheckpointError as exc:
+        raise CommandError(f"{command}: {str(exc).splitlines()[0]}") from None
+    fields = meta.get("model_config")
+    if not isinstance(fields, dict) or not isinstance(fields.get("architecture"), str):
+        raise CommandError(
+            f"{command}: {where} does not record its model (written by an older nxdt) and its run's config "
+            f"{run_config} is missing — evaluate it inside its run directory, or export it (nxdt checkpoint export-hf) "
+            "where the run is and give the export"
+        )
+    cfg = compose_config(["data=synthetic"])
+    for key, value in fields.items():
+        *parents, leaf = key.split(".")
+        node = cfg.model
+        for part in parents:
+            node = getattr(node, part)
+        if not hasattr(node, leaf):
+            raise CommandError(f"{command}: {where}/meta.json records model.{key}, which this nxdt does not know")
+        setattr(node, leaf, value)
+    tokenizer = meta.get("tokenizer")
+    cfg.data.tokenizer = tokenizer if isinstance(tokenizer, str) else None
+    cfg.data.seq_length = min(cfg.model.max_position_embeddings, HF_DEFAULT_MAX_SEQ)
+    return cfg
+
+
 def load_model(path: str, command: str = "nxdt eval") -> Loaded:
     """The hub model of an nxdt checkpoint (any layout, consolidated) or of a Hugging Face directory; ``command``
     starts the one-line error (:class:`CommandError`)."""
@@ -65,12 +99,13 @@ def load_model(path: str, command: str = "nxdt eval") -> Loaded:
     where = Path(path).expanduser()
     if (where / "meta.json").is_file():
         run_config = where.parent.parent / "config.yaml"
-        if not run_config.is_file():
-            raise CommandError(f"{command}: {where} is a checkpoint, but {run_config} (its run's config) is missing")
-        try:
-            cfg = load_run_config(run_config)
-        except ConfigError as exc:  # e.g. a run config another nxdt version wrote
-            raise CommandError(f"{command}: {run_config}: {str(exc).splitlines()[0]}") from None
+        if run_config.is_file():
+            try:
+                cfg = load_run_config(run_config)
+            except ConfigError as exc:  # e.g. a run config another nxdt version wrote
+                raise CommandError(f"{command}: {run_config}: {str(exc).splitlines()[0]}") from None
+        else:  # outside its run directory (consolidated elsewhere, copied): the model config its meta.json records
+            cfg = _config_from_meta(where, run_config, command)
         torch.manual_seed(cfg.seed)
         model = import_architecture(cfg.model.architecture)(cfg.model)
         try:
