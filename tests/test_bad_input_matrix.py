@@ -393,6 +393,12 @@ def _crafted_file_cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["checkpoint", "export-hf", str(fifo_model), str(tmp / "hf")], "model.safetensors is not a regular file"),
         (["comm-test", "-e", "10000gb"], "more than the"),  # 2 ranks × 3 buffers of 10 TB: no host has 60 TB available
         (["data", "convert-megatron", str(tmp / "fifo.txt"), "--output-prefix", str(tmp / "c")], "is a FIFO (named pipe)"),
+        # sizes the parameter count did not see: RoPE tables of 10**9 positions (8 GB and climbing in the launcher's
+        # model check before), a synthetic set's per-rank shuffled order of 10**15 samples (a hang); and a model made
+        # large by its feed-forward width was blamed on model.num_layers=4
+        (["train", "model.max_position_embeddings=1000000000"], "model.max_position_embeddings=1000000000: its RoPE tables"),
+        (["train", "data=synthetic", "data.num_samples=1000000000000000"], "data.num_samples=1000000000000000: every rank"),
+        (["train", "model.ffn_hidden_size=1000000000"], "model.ffn_hidden_size=1000000000: a model of 1,536.0 B"),
     ]
 
 
