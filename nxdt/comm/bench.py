@@ -19,7 +19,7 @@ import argparse
 import os
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 
@@ -356,8 +356,16 @@ def _print_table(report: dict, n: int, transport: str) -> None:
         print(f"# Avg bus bandwidth    : {sum(r['busbw(GB/s)'] for r in rows) / len(rows):.3f}")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose refusal of a bad argument is one line (its own message and where the options are listed),
+    exit 2, not the whole usage block before it: bad input is one line everywhere in nxdt."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} ({self.prog} --help lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="nxdt comm-test", description="Benchmark nxdt's collectives (nccom-test style).")
+    p = OneLineParser(prog="nxdt comm-test", description="Benchmark nxdt's collectives (nccom-test style).")
     p.add_argument("ops", nargs="*", default=["allr"], help=f"operations: {' '.join(OPS)} (default allr)")
     p.add_argument(
         "-r",
