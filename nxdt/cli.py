@@ -553,7 +553,8 @@ def _check_model_fits(cfg: Any) -> None:
         return
     from nxdt.config import ConfigError
     from nxdt.config.hf_model import HFConfigError, family_of_architecture
-    from nxdt.planner.estimate import bytes_per_parameter, model_numbers
+    from nxdt.config.hf_model import spec_of
+    from nxdt.planner.estimate import bytes_per_parameter, head_width, model_numbers
 
     try:  # the count is the family's (its spec); an architecture that is none is named by _check_model next
         family_of_architecture(cfg.model.architecture)
@@ -567,7 +568,7 @@ def _check_model_fits(cfg: Any) -> None:
     )
     state = n["total"] * stored
     if state > HOST_MEMORY_FRACTION * available:
-        key = "model.num_layers" if n["per_layer"] * cfg.model.num_layers >= n["total"] / 2 else "model.vocab_size"
+        key = _largest_model_key(cfg.model, n)
         raise ConfigError(
             key,
             _get_path(cfg, key),
@@ -575,6 +576,47 @@ def _check_model_fits(cfg: Any) -> None:
             f"({stored} bytes per parameter), more than this host's {_size(available)} available (MemAvailable) "
             "however its ranks shard it; use a smaller model (fewer layers, a smaller hidden_size)",
         )
+
+    # what every rank (and the launcher's meta-device check) builds beside the parameters: RoPE's cos/sin tables of
+    # max_position_embeddings rows, computed in fp64 (models/llama.py rope_tables: positions, angles, their concatenation
+    # and cos in fp64, then two fp32 tables, ~24 bytes per entry at the peak); a synthetic data set's epoch order, a
+    # shuffled list of every sample index in every rank (nxdt/data/sampler.py: int64 randperm then a Python list)
+    ranks = cfg.trainer.devices + 1
+    if not spec_of(cfg.model).block.learned_positions:
+        rope = ROPE_TABLE_PEAK_BYTES * cfg.model.max_position_embeddings * head_width(cfg.model) * ranks
+        if rope > HOST_MEMORY_FRACTION * available:
+            raise ConfigError(
+                "model.max_position_embeddings",
+                cfg.model.max_position_embeddings,
+                f"its RoPE tables take {_size(rope)} over this host's {ranks} processes (the ranks and the launcher), "
+                f"more than the {_size(available)} available (MemAvailable); give the context length the model is used at",
+            )
+    if cfg.data.source == "synthetic":
+        order = SAMPLER_BYTES_PER_SAMPLE * cfg.data.num_samples * cfg.trainer.devices
+        if order > HOST_MEMORY_FRACTION * available:
+            raise ConfigError(
+                "data.num_samples",
+                cfg.data.num_samples,
+                f"every rank holds the shuffled order of all samples ({SAMPLER_BYTES_PER_SAMPLE} bytes each): "
+                f"{_size(order)}, more than the {_size(available)} available (MemAvailable); give fewer data.num_samples "
+                "(the synthetic set repeats in epochs)",
+            )
+
+
+ROPE_TABLE_PEAK_BYTES = 24  # per (position, head_dim) entry while rope_tables builds the cos/sin tables
+SAMPLER_BYTES_PER_SAMPLE = 44  # one epoch's order: an int64 (randperm) + a list slot (8) + a Python int (28)
+
+
+def _largest_model_key(model: Any, n: dict[str, float]) -> str:
+    """The key a too-large model is refused by: the one that made it large (a layer count, a feed-forward or hidden
+    width, the vocabulary), so the line names what to change."""
+    if n["per_layer"] * model.num_layers < n["total"] / 2:
+        return "model.vocab_size"
+    if model.num_layers > 256:  # deeper than any published decoder (Llama 3.1 405B: 126 layers)
+        return "model.num_layers"
+    if model.ffn_hidden_size > 8 * model.hidden_size:  # published decoders use ~2.7-4× (dense) of the hidden size
+        return "model.ffn_hidden_size"
+    return "model.hidden_size" if model.hidden_size > 16384 else "model.num_layers"
 
 
 def _get_path(cfg: Any, dotted: str) -> Any:

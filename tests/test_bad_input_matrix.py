@@ -365,6 +365,43 @@ def _hardening_cases(tmp: Path) -> list[tuple[list[str], str]]:
     return cases
 
 
+def _crafted_file_cases(tmp: Path) -> list[tuple[list[str], str]]:
+    """Issue 38 probes written outside the matrix (round three): checkpoint metadata that is a FIFO or oversized
+    (``checkpoint inspect`` read meta.json with read_text: a hang, or all of it into memory), a FIFO planted as a model
+    file (``export-hf`` read its safetensors header before verifying: a hang), buffers larger than the host
+    (``comm-test -e`` forked the ranks and left them to the OOM killer), and a FIFO given to ``data convert-megatron``
+    ("no such file")."""
+    tmp.mkdir()
+    fifo_meta = _checkpoint(tmp, "fifo_meta")
+    (fifo_meta / "meta.json").unlink()
+    os.mkfifo(fifo_meta / "meta.json")
+    huge_meta = _checkpoint(tmp, "huge_meta")
+    with open(huge_meta / "meta.json", "r+b") as fh:
+        fh.truncate(17 << 20)  # sparse: costs no disk
+    fifo_model = _checkpoint(tmp, "fifo_model")
+    (fifo_model / "model.safetensors").unlink()
+    os.mkfifo(fifo_model / "model.safetensors")
+    os.mkfifo(tmp / "fifo.txt")
+    (tmp / "docs.jsonl").write_text('{"text": "one"}\n{"body": "two"}\n')  # record 2 fails after record 1 was written
+    return [
+        (
+            ["data", "convert-megatron", str(tmp / "docs.jsonl"), "--output-prefix", str(tmp / "corpus")],
+            "docs.jsonl:2: no string field 'text'",
+        ),
+        (["checkpoint", "inspect", str(fifo_meta)], "meta.json is missing or unreadable (not a regular file"),
+        (["checkpoint", "inspect", str(huge_meta)], "meta.json (more than the 16 MiB nxdt reads of a checkpoint's metadata)"),
+        (["checkpoint", "export-hf", str(fifo_model), str(tmp / "hf")], "model.safetensors is not a regular file"),
+        (["comm-test", "-e", "10000gb"], "more than the"),  # 2 ranks × 3 buffers of 10 TB: no host has 60 TB available
+        (["data", "convert-megatron", str(tmp / "fifo.txt"), "--output-prefix", str(tmp / "c")], "is a FIFO (named pipe)"),
+        # sizes the parameter count did not see: RoPE tables of 10**9 positions (8 GB and climbing in the launcher's
+        # model check before), a synthetic set's per-rank shuffled order of 10**15 samples (a hang); and a model made
+        # large by its feed-forward width was blamed on model.num_layers=4
+        (["train", "model.max_position_embeddings=1000000000"], "model.max_position_embeddings=1000000000: its RoPE tables"),
+        (["train", "data=synthetic", "data.num_samples=1000000000000000"], "data.num_samples=1000000000000000: every rank"),
+        (["train", "model.ffn_hidden_size=1000000000"], "model.ffn_hidden_size=1000000000: a model of 1,536.0 B"),
+    ]
+
+
 def _launch_cases(tmp: Path) -> list[tuple[list[str], str]]:
     """What only the workers used to find (with tracebacks): training files, tokenizer, hf_checkpoint headers, the
     model class, host memory — each checked cheaply in the launcher (tests/test_launch_checks.py has the details)."""
@@ -680,6 +717,8 @@ def test_hostile_inputs_are_one_line_exit_2_within_seconds_and_leave_nothing(tmp
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("NXDT_TEST_RUN_NAME", "run\n1")
     monkeypatch.delenv("NXDT_TEST_UNSET", raising=False)
-    cases = _hardening_cases(tmp_path / "inputs")
+    cases = _hardening_cases(tmp_path / "inputs") + _crafted_file_cases(tmp_path / "crafted")
     _assert_each_refused(cases, tmp_path, capsys)
+    assert not (tmp_path / "crafted" / "hf").exists()
+    assert not list((tmp_path / "crafted").glob("corpus*"))  # no half-written .bin left by the failed conversion
     assert not list(Path("/etc").glob("plan.json"))  # explicit_log_dir=/etc wrote nothing there

@@ -22,6 +22,23 @@ def test_bad_arguments_are_one_line_exit_2():
     assert result.returncode == 2 and "unknown operation" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["-b", "lots"], "argument -b/--minbytes: size 'lots': use a number with an optional unit"),
+        (["-r", "two"], "argument -r/--nworkers: invalid int value: 'two'"),
+        (["--nope"], "unrecognized arguments: --nope"),
+    ],
+)
+def test_argparse_refusals_are_one_line_too(capsys, args, says):
+    """An issue 38 probe: argparse printed its 11-line usage block before the error; now one line, exit 2."""
+    with pytest.raises(SystemExit) as done:
+        main(["comm-test", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert done.value.code == 2 and len(err) == 1 and err[0].startswith("nxdt comm-test: ") and says in err[0], err
+    assert err[0].endswith("(nxdt comm-test --help lists the options)")
+
+
 def test_r_is_the_total_over_n_nodes_as_in_nccom_test(capsys):
     assert ranks_per_node(64, 2) == 32 and ranks_per_node(2, 1) == 2 and ranks_per_node(2, 2) == 1
     for r, n, needle in (

@@ -10,6 +10,7 @@ import logging
 import re
 
 import pytest
+import torch
 
 from nxdt.config import compose_config
 from nxdt.launch import console
@@ -114,6 +115,37 @@ def test_summary_names_steps_losses_throughput_checkpoint_and_the_next_commands(
         in lines
     )  # the original resume_if_exists=false is replaced, not repeated
     assert lines[-1].startswith(f"nxdt: look at it: nxdt report {run}") and "tensorboard --logdir" in lines[-1]
+
+
+def test_a_finished_runs_continue_command_runs_as_printed_and_the_same_steps_are_refused(tmp_path):
+    """Issue 39 newcomer probe: after a finished run the summary printed `resume (with a larger trainer.max_steps):`
+    and a command with the same trainer.max_steps; pasted as printed it started both workers (73 s on a loaded host)
+    to finish "at step 50 of 50". Now the line names a larger trainer.max_steps, and the same steps are refused before
+    any worker starts, naming the step reached and the fix."""
+    from nxdt.config import ConfigError
+    from nxdt.launch.rundir import check_resume
+    from nxdt.lightning import checkpoint as ckpt_io
+
+    rows = [
+        {"step": s, "loss": 5.0 - s, "lr": 1e-3, "step_time_s": 0.1, "tokens_per_s": 1e3, "wall_time": 1e3 + s}
+        for s in (1, 2, 3, 4)
+    ]
+    run = _fake_run(tmp_path, rows)
+    ckpt_io.save({"state_dict": {"w": torch.ones(2)}, "global_step": 4}, run / "checkpoints" / "step-4", meta={"step": 4})
+    lines = console.summary(run, "finished", 999.0, ["trainer.max_steps=4", "data=synthetic"])
+    assert (
+        f"nxdt: continue it: nxdt train data=synthetic trainer.max_steps=8 exp_manager.explicit_log_dir={run} "
+        "exp_manager.resume_if_exists=true"
+    ) in lines
+    same = compose_config([f"exp_manager.explicit_log_dir={run}", "trainer.max_steps=4", "exp_manager.resume_if_exists=true"])
+    with pytest.raises(ConfigError) as refused:
+        check_resume(same, run)
+    assert str(refused.value) == (
+        f"config error: trainer.max_steps=4: the run being resumed ({run}) is at step 4 already (checkpoints/step-4): "
+        "nothing is left to train — continue it with a larger trainer.max_steps, e.g. trainer.max_steps=8"
+    )
+    longer = compose_config([f"exp_manager.explicit_log_dir={run}", "trainer.max_steps=8", "exp_manager.resume_if_exists=true"])
+    assert check_resume(longer, run) == []
 
 
 def test_summary_of_a_run_that_logged_nothing(tmp_path):

@@ -223,6 +223,60 @@ def test_an_eval_set_without_the_needed_fields_is_one_line_exit_2(evaluated, tmp
     assert not (tmp_path / "x.json").exists()
 
 
+@pytest.mark.parametrize(
+    "kind, args, expected",
+    [
+        ("perplexity", ["--data", "/dev/zero"], "nxdt eval: --data /dev/zero is a character device, not a regular file"),
+        (
+            "perplexity",
+            ["--data", "{text}", "--seq-length", "100000"],
+            "nxdt eval: --seq-length 100000 is more than the model's max_position_embeddings=256 — give --seq-length 256 or less",
+        ),
+        (
+            "generate",
+            ["--data", "{records}", "--max-new-tokens", "1000000000000"],
+            "with --max-new-tokens 1000000000000 it would need",
+        ),
+        ("perplexity", ["--data", "{text}", "--seq-length", "128", "--out", "{tmp}"], "cannot be written (Is a directory)"),
+    ],
+    ids=["data-a-device", "window-past-the-positions", "max-new-tokens-past-the-positions", "out-a-directory"],
+)
+def test_eval_arguments_past_what_the_model_or_host_holds_are_one_line_exit_2(evaluated, tmp_path, capsys, kind, args, expected):
+    """Issue 38 probes: these raised tracebacks (a device as data, a window or completion past the model's positions,
+    --out a directory) or ran until killed (--max-new-tokens 10**12 sized the decoding by it)."""
+    records = tmp_path / "records.jsonl"
+    records.write_text('{"input": "abc", "output": "cba"}\n')
+    args = [a.format(text=evaluated["text"], records=records, tmp=tmp_path) for a in args]
+    assert main([kind, str(evaluated["checkpoint"]), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0], err
+
+
+def test_a_checkpoint_consolidated_outside_its_run_directory_evaluates_from_its_own_meta(evaluated, tmp_path, capsys):
+    """Issue 36 leftover: `nxdt eval` on `nxdt checkpoint consolidate`'s output elsewhere failed ("<dir>/../../config.yaml
+    (its run's config) is missing"). The checkpoint's meta.json records the model config and tokenizer export-hf uses:
+    the same weights, the same windows, the same perplexity to the bit. One that records no model is refused naming
+    what to pass."""
+    import torch
+
+    from nxdt.lightning import checkpoint as ckpt_io
+    from nxdt.lightning.reshard import consolidate
+
+    full = tmp_path / "elsewhere" / "full"
+    consolidate(evaluated["checkpoint"], full)
+    assert not (full.parent.parent / "config.yaml").exists()
+    args = ["perplexity", "--data", str(evaluated["text"]), "--seq-length", "128"]
+    inside = run_eval(args[0], str(evaluated["checkpoint"]), *args[1:], out=tmp_path / "inside.json")
+    outside = run_eval(args[0], str(full), *args[1:], out=tmp_path / "outside.json")
+    assert outside["perplexity"] == inside["perplexity"] and outside["predicted_tokens"] == inside["predicted_tokens"]
+
+    old = tmp_path / "old" / "step-3"  # an older nxdt's checkpoint: no model_config in meta.json
+    ckpt_io.save({"state_dict": {"model.w": torch.ones(2)}, "global_step": 3}, old, meta={"step": 3})
+    assert main([*args[:1], str(old), *args[1:]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not record its model (written by an older nxdt)" in err[0] and "export-hf" in err[0], err
+
+
 def test_a_path_that_is_no_model_is_one_line_exit_2(tmp_path, capsys):
     data = tmp_path / "t.txt"
     data.write_text("hello")

@@ -6,6 +6,7 @@ In-process through ``nxdt.cli.main``: no workers."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -163,11 +164,24 @@ def test_seeded_sampling_is_reproducible(hf_dir, tmp_path):
         (["--prompts", "{tmp}/m.jsonl"], "m.jsonl record 0: needs a 'prompt' field"),  # a message without content
         (["--prompt", "hi", "--prompts", "{tmp}/p.jsonl"], "one of the two"),
         (["--prompt", "hi", "--top_k", "5"], "unknown option '--top_k'"),
+        # issue 38 probes: a huge --max-new-tokens ran until killed (the KV cache sized by it), a prompt past the
+        # model's 64 positions and a seed past 2**64 raised tracebacks, a FIFO was "no such file", --out a directory
+        # a traceback after the whole generation
+        (
+            ["--prompt", "hi", "--max-new-tokens", "1000000000000", "--no-chat-template"],
+            "prompt 0 has 1 tokens; with --max-new-tokens 1000000000000 it would need 1000000000001 positions, more than "
+            "the model's max_position_embeddings=64 — give --max-new-tokens 63 or less",
+        ),
+        (["--prompt", "one " * 70, "--max-new-tokens", "2", "--no-chat-template"], "— shorten the prompt"),
+        (["--prompt", "hi", "--seed", str(2**70)], f"--seed {2**70} is out of range"),
+        (["--prompts", "{tmp}/fifo.jsonl"], "fifo.jsonl: is a FIFO (named pipe), not a regular file"),
+        (["--prompt", "hi", "--max-new-tokens", "2", "--out", "{tmp}"], "cannot be written (Is a directory) — name a file"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(hf_dir, tmp_path, capsys, args, says):
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"text": "no prompt"}) + "\n")
     (tmp_path / "m.jsonl").write_text(json.dumps({"prompt": [{"role": "user"}]}) + "\n")
+    os.mkfifo(tmp_path / "fifo.jsonl")
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     assert main(["generate", str(hf_dir), *args]) == 2
     err = capsys.readouterr().err.strip()

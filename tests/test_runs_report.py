@@ -282,6 +282,48 @@ def test_crafted_run_files_are_listed_without_traceback_hang_or_escapes(tmp_path
     assert "\x1b" not in capsys.readouterr().out
 
 
+BILLION_LAUGHS = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{n}: &{n} [{', '.join(['*' + p] * 10)}]\n" for p, n in zip("abcdefg", "bcdefgh")
+)  # 10**8 list items once expanded; OmegaConf copies every alias out (PyYAML shares them): it ran for minutes
+
+
+def test_a_crafted_run_config_or_metrics_is_one_line_for_plan_against_and_report(tmp_path, capsys):
+    """Issue 38 probes: ``nxdt plan --against`` read config.yaml with OmegaConf.load (a binary file or a Python tag:
+    a traceback; a YAML alias bomb: minutes at 100% CPU and climbing memory; a link: followed), and ``nxdt report``
+    drew NaN/huge losses (matplotlib's traceback). Each is now one line; report draws what it can."""
+    from nxdt.cli import main
+
+    crafted = {
+        "binary": (b"\xde\xad\xbe\xef" * 100, "config.yaml: not UTF-8 text"),
+        "tag": (b'name: !!python/object/apply:os.system ["true"]\n', "could not determine a constructor for the tag"),
+        "bomb": (BILLION_LAUGHS.encode(), "expands to more than 100,000 YAML nodes (aliases)"),
+        "scalar": (b"5\n", "holds a single value or a list, not a mapping of config keys"),
+    }
+    run = make_run(tmp_path / "crafted", 3)
+    for name, (content, says) in crafted.items():
+        (run / "config.yaml").write_bytes(content)
+        assert main(["plan", "--against", str(run)]) == 2, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0] and str(run / "config.yaml") in err[0], (name, err)
+    (run / "config.yaml").unlink()
+    (run / "config.yaml").symlink_to(tmp_path / "elsewhere.yaml")
+    (tmp_path / "elsewhere.yaml").write_text("name: elsewhere\n")
+    assert main(["plan", "--against", str(run)]) == 2
+    assert "config.yaml: a symbolic link" in capsys.readouterr().err
+
+    diverged = run  # the header; then a NaN loss and one near float's limit
+    (run / "config.yaml").unlink()
+    (tmp_path / "elsewhere.yaml").rename(run / "config.yaml")
+    with open(diverged / "metrics.csv", "w") as fh:
+        fh.write(",".join(METRIC_COLUMNS) + "\n")
+        fh.write("1,nan,0.001,0.1,900,400,1000000001\n2,1e308,0.002,0.1,900,400,1000000002\n")
+    assert main(["report", str(diverged), "-o", str(tmp_path / "figs")]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    # NaN is left off the axis; with 1e308 alone matplotlib cannot place ticks (its ValueError): named, not raised
+    assert err == ["nxdt report: loss.png not drawn: loss holds values matplotlib cannot draw (arange: cannot compute length)"]
+    assert_png(tmp_path / "figs" / "lr.png")
+
+
 def test_run_files_are_read_only_when_small_regular_and_not_links(tmp_path):
     from nxdt.launch.runs import RunFileError, read_run_file
 
@@ -350,10 +392,9 @@ def test_default_console_is_nxdts_own_banner_steps_and_summary(launched):
     assert f"nxdt: newest checkpoint: {final}" in lines
     assert f"nxdt: export it: nxdt checkpoint export-hf {final} llama_tiny-hf" in lines
     assert (
-        f"nxdt: resume (with a larger trainer.max_steps): nxdt train trainer.max_steps={DEFAULT_STEPS} "
-        f"exp_manager.checkpoint_every_n_steps={DEFAULT_EVERY} exp_manager.explicit_log_dir={run} "
-        "exp_manager.resume_if_exists=true"
-    ) in lines
+        f"nxdt: continue it: nxdt train exp_manager.checkpoint_every_n_steps={DEFAULT_EVERY} "
+        f"trainer.max_steps={2 * DEFAULT_STEPS} exp_manager.explicit_log_dir={run} exp_manager.resume_if_exists=true"
+    ) in lines  # runnable as printed: the same trainer.max_steps would have nothing left to train (refused)
     # the per-rank log keeps what the console leaves out (Lightning's own lines; its import-time deprecation warning
     # too when the worker imported Lightning itself, which a worker of tests/warm_cli.py did not)
     log = (run / "logs" / "rank0.log").read_text()

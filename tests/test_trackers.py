@@ -217,6 +217,30 @@ def test_a_tracker_failing_mid_run_is_dropped_with_one_warning(tmp_path):
     assert lines[0].endswith("training continues without it (metrics.csv has every step)")
 
 
+def test_a_wandb_run_failing_mid_run_is_dropped_with_one_warning(tmp_path, monkeypatch):
+    """Issue 36: the W&B path of the same guard, on a real offline WandbLogger whose run ends under it (as when its
+    service goes away): W&B raises UsageError on the next log; one warning line, later calls skipped, no exception.
+    (ClearML needs no such test of a failure: a report to a closed task is dropped by ClearML itself, silently —
+    tried offline: Task.close() then report_scalar raises nothing.)"""
+    from lightning.pytorch.loggers import WandbLogger
+
+    from nxdt.lightning.trackers import GuardedLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    lines: list[str] = []
+    inner = WandbLogger(project="nxdt-test", save_dir=str(tmp_path))
+    logger = GuardedLogger(inner, "W&B", lines.append)
+    logger.log_metrics({"loss": 1.0}, step=1)
+    assert lines == []
+    inner.experiment.finish()
+    for step in (2, 3, 4):
+        logger.log_metrics({"loss": 1.0}, step=step)
+    logger.finalize("success")
+    assert len(lines) == 1 and lines[0].startswith("nxdt: warning: the W&B tracker failed (log_metrics: UsageError: "), lines
+    assert lines[0].endswith("training continues without it (metrics.csv has every step)")
+
+
 def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -19,7 +19,7 @@ import argparse
 import os
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 
@@ -223,6 +223,37 @@ def check_process_count(per_node: int, force: bool) -> None:
         )
 
 
+# Buffers one rank holds at the largest size: the input (shared arena or plain), the output (all-gather,
+# reduce-scatter, all-to-all) and --check's expected values; the shm transport's slots come on top.
+BUFFERS_PER_RANK = 3
+
+
+def mem_available() -> int | None:
+    """``MemAvailable`` of /proc/meminfo in bytes (as ``nxdt.cli.host_available_bytes``; the comm layer does not
+    import the CLI); None where there is none."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_memory(per_node: int, maxbytes: int, force: bool) -> None:
+    """ValueError (one line) when ``per_node`` ranks × :data:`BUFFERS_PER_RANK` buffers of ``maxbytes`` exceed this
+    node's MemAvailable: ``-e 100gb`` would otherwise fork the ranks and let the OOM killer end them (or the host)."""
+    available = mem_available()
+    need = per_node * BUFFERS_PER_RANK * maxbytes
+    if available is not None and need > available and not force:
+        raise ValueError(
+            f"-e {maxbytes:,} bytes: {per_node} ranks on this node × {BUFFERS_PER_RANK} buffers of that size need "
+            f"{need / 2**30:,.1f} GiB, more than the {available / 2**30:,.1f} GiB available (MemAvailable); "
+            f"give a smaller -e, fewer ranks, or --force"
+        )
+
+
 def _layout(world) -> str:
     return layout_text(world.host_ids)
 
@@ -325,8 +356,16 @@ def _print_table(report: dict, n: int, transport: str) -> None:
         print(f"# Avg bus bandwidth    : {sum(r['busbw(GB/s)'] for r in rows) / len(rows):.3f}")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose refusal of a bad argument is one line (its own message and where the options are listed),
+    exit 2, not the whole usage block before it: bad input is one line everywhere in nxdt."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} ({self.prog} --help lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="nxdt comm-test", description="Benchmark nxdt's collectives (nccom-test style).")
+    p = OneLineParser(prog="nxdt comm-test", description="Benchmark nxdt's collectives (nccom-test style).")
     p.add_argument("ops", nargs="*", default=["allr"], help=f"operations: {' '.join(OPS)} (default allr)")
     p.add_argument(
         "-r",
@@ -338,7 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--force",
         action="store_true",
-        help=f"start more than {RANKS_PER_CORE} ranks per usable CPU core on a node (refused otherwise)",
+        help=f"start more than {RANKS_PER_CORE} ranks per usable CPU core on a node, or buffers beyond the node's "
+        "available memory (refused otherwise)",
     )
     p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("1kb"), help="smallest size, e.g. 1kb")
     p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64mb"), help="largest size, e.g. 64mb")
@@ -401,13 +441,14 @@ def main(argv: list[str] | None = None, multinode: Callable[[argparse.Namespace,
     if bad:
         print(f"nxdt comm-test: unknown operation(s) {bad}; choose from {' '.join(OPS)}", file=sys.stderr)
         return 2
-    try:
-        check_process_count(ranks_per_node(args.nworkers, args.nodes), args.force)
-    except ValueError as exc:
-        print(f"nxdt comm-test: {exc}", file=sys.stderr)
-        return 2
     if args.minbytes > args.maxbytes or args.stepfactor <= 1:
         print("nxdt comm-test: need --minbytes <= --maxbytes and --stepfactor > 1", file=sys.stderr)
+        return 2
+    try:
+        check_process_count(ranks_per_node(args.nworkers, args.nodes), args.force)
+        check_memory(ranks_per_node(args.nworkers, args.nodes), args.maxbytes, args.force)
+    except ValueError as exc:
+        print(f"nxdt comm-test: {exc}", file=sys.stderr)
         return 2
     from nxdt.comm.spawn import RankFailed, run_local
 

@@ -280,13 +280,74 @@ def save_run_config(config: Config, path: str | Path) -> None:
     Path(path).write_text(OmegaConf.to_yaml(OmegaConf.structured(config)))
 
 
+RUN_CONFIG_LIMIT = 4 << 20  # bytes: a resolved config.yaml is ~5 KB; a larger one is not a file nxdt wrote
+RUN_CONFIG_NODES = 100_000  # YAML nodes once aliases are expanded (~400 in a run config; a billion-laughs file: 10**8)
+
+
+def _expanded_nodes(node: Any, memo: dict[int, int]) -> int:
+    """How many nodes ``node`` becomes once every alias is copied out, as OmegaConf copies them (memoised by node, so
+    linear in the document even when the expansion is exponential; a node that contains itself counts once)."""
+    import yaml
+
+    if id(node) in memo:
+        return memo[id(node)]
+    memo[id(node)] = 1
+    if isinstance(node, yaml.MappingNode):
+        count = 1 + sum(_expanded_nodes(k, memo) + _expanded_nodes(v, memo) for k, v in node.value)
+    elif isinstance(node, yaml.SequenceNode):
+        count = 1 + sum(_expanded_nodes(v, memo) for v in node.value)
+    else:
+        count = 1
+    memo[id(node)] = count
+    return count
+
+
+def read_run_config_text(path: Path) -> str:
+    """A run's ``config.yaml`` as text, read as a file anyone who can write the run directory may have crafted:
+    without following a link or blocking on a FIFO, at most RUN_CONFIG_LIMIT bytes, UTF-8, and a YAML document that
+    stays small once its aliases are expanded (a "billion laughs" file would make OmegaConf build 10**8 nodes).
+    ValueError (one line) for what it refuses."""
+    import errno
+    import os
+    import stat
+
+    import yaml
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ValueError("a symbolic link" if exc.errno == errno.ELOOP else (exc.strerror or str(exc))) from None
+    with open(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        data = fh.read(RUN_CONFIG_LIMIT + 1)
+    if len(data) > RUN_CONFIG_LIMIT:
+        raise ValueError(f"more than {RUN_CONFIG_LIMIT >> 20} MiB, not a config nxdt wrote")
+    try:
+        text = data.decode("utf-8")
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(node, yaml.MappingNode):
+        raise ValueError(f"holds {'nothing' if node is None else 'a single value or a list'}, not a mapping of config keys")
+    if _expanded_nodes(node, {}) > RUN_CONFIG_NODES:
+        raise ValueError(f"expands to more than {RUN_CONFIG_NODES:,} YAML nodes (aliases), not a config nxdt wrote")
+    return text
+
+
 def load_run_config(path: str | Path) -> Config:
-    """Read a resolved ``config.yaml`` back into the typed schema (unknown keys and bad types fail)."""
+    """Read a resolved ``config.yaml`` back into the typed schema (unknown keys and bad types fail); a crafted file
+    (a link, a FIFO, binary, a YAML bomb, a Python tag) is a ConfigError naming it, never a hang or a traceback."""
+    import yaml
+
     path = Path(path)
     if not path.is_file():
         raise ConfigError(str(path), "", "no such run config; pass a run directory written by `nxdt train`")
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
-    except OmegaConfBaseException as exc:
+        loaded = OmegaConf.create(read_run_config_text(path))
+        merged = OmegaConf.merge(OmegaConf.structured(Config), loaded)
+    except (ValueError, OmegaConfBaseException, yaml.YAMLError) as exc:  # and a tag OmegaConf's loader refuses
         raise ConfigError(getattr(exc, "full_key", "") or str(path), "", str(exc).splitlines()[0]) from None
     return to_config(merged)

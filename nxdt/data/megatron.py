@@ -35,6 +35,7 @@ text or JSONL with nxdt's tokenizers.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -184,21 +185,34 @@ def write_indexed(prefix: str | Path, documents: Iterable[Sequence[int]], dtype:
     sizes: list[int] = []
     prefix = str(prefix)
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-    with open(prefix + ".bin", "wb") as fh:
-        for doc in documents:
-            arr = np.asarray(doc, dtype=np.int64)
-            info = np.iinfo(dtype)
-            if arr.size and (arr.min() < info.min or arr.max() > info.max):
-                raise ValueError(f"token id {int(arr.max())} does not fit {np.dtype(dtype).name}")
-            fh.write(arr.astype(np.dtype(dtype).newbyteorder("<")).tobytes())
-            sizes.append(arr.size)
-    n = len(sizes)
-    sizes_arr = np.asarray(sizes, dtype="<i4")
-    pointers = np.concatenate([[0], np.cumsum(sizes_arr[:-1], dtype=np.int64)]).astype("<i8") * item if n else np.zeros(0, "<i8")
-    docs: np.ndarray = np.arange(n + 1, dtype="<i8")
-    with open(prefix + ".idx", "wb") as fh:
-        fh.write(MAGIC + _HEADER.pack(VERSION, code, n, n + 1))
-        fh.write(sizes_arr.tobytes() + pointers.tobytes() + docs.tobytes())
+    # both files are written under temporary names and renamed into place at the end: a bad input document
+    # (a missing field on line 1000) leaves no half-written .bin behind, and a link at PREFIX.bin is replaced,
+    # never written through
+    tmp = f"{prefix}.tmp-{os.getpid()}"
+    try:
+        with open(tmp + ".bin", "xb") as fh:
+            for doc in documents:
+                arr = np.asarray(doc, dtype=np.int64)
+                info = np.iinfo(dtype)
+                if arr.size and (arr.min() < info.min or arr.max() > info.max):
+                    raise ValueError(f"token id {int(arr.max())} does not fit {np.dtype(dtype).name}")
+                fh.write(arr.astype(np.dtype(dtype).newbyteorder("<")).tobytes())
+                sizes.append(arr.size)
+        n = len(sizes)
+        sizes_arr = np.asarray(sizes, dtype="<i4")
+        pointers = (
+            np.concatenate([[0], np.cumsum(sizes_arr[:-1], dtype=np.int64)]).astype("<i8") * item if n else np.zeros(0, "<i8")
+        )
+        docs: np.ndarray = np.arange(n + 1, dtype="<i8")
+        with open(tmp + ".idx", "xb") as fh:
+            fh.write(MAGIC + _HEADER.pack(VERSION, code, n, n + 1))
+            fh.write(sizes_arr.tobytes() + pointers.tobytes() + docs.tobytes())
+        os.replace(tmp + ".bin", prefix + ".bin")
+        os.replace(tmp + ".idx", prefix + ".idx")
+    finally:
+        for leftover in (tmp + ".bin", tmp + ".idx"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(leftover)
     return n
 
 
@@ -540,6 +554,7 @@ def main(argv: Sequence[str]) -> int:
     import argparse
     import sys
 
+    from nxdt.data.files import not_regular
     from nxdt.data.tokenizers import build_tokenizer
 
     parser = argparse.ArgumentParser(prog="nxdt data convert-megatron", usage=CONVERT_USAGE.splitlines()[0][7:], add_help=True)
@@ -553,7 +568,8 @@ def main(argv: Sequence[str]) -> int:
         tokenizer = build_tokenizer(args.tokenizer)
         for path in args.inputs:
             if not Path(path).is_file():
-                raise FileNotFoundError(f"{path}: no such file")
+                kind = not_regular(path)
+                raise FileNotFoundError(f"{path}: {'no such file' if kind is None else f'is {kind}, not a regular file'}")
         n = convert(args.inputs, args.output_prefix, tokenizer, json_key=args.json_key, eod_id=args.eod_id)
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"nxdt data convert-megatron: {exc}", file=sys.stderr)

@@ -29,15 +29,29 @@ from nxdt.planner import node_topology, plan
 from nxdt.planner.cost import OPS, estimate_collective
 
 METRICS, TRACE_DIR, CONFIG = "metrics.csv", "trace", "config.yaml"
+TRACE_LIMIT = 1 << 30  # bytes of one rank's Chrome trace read back (a long traced run writes hundreds of MB)
 
 
 def step_times(run_dir: Path) -> list[float]:
     """``step_time_s`` of every row of the run's metrics.csv, in order."""
+    from nxdt.launch.runs import read_run_text
+
     path = run_dir / METRICS
     if not path.is_file():
         raise ConfigError("--against", str(run_dir), f"no {METRICS} there; pass a run directory written by `nxdt train`")
-    with open(path, newline="") as f:
-        return [float(row["step_time_s"]) for row in csv.DictReader(f) if row.get("step_time_s")]
+    try:  # a run directory may be crafted: read as `nxdt runs` reads it (no link, no FIFO, size-capped)
+        rows = csv.DictReader(read_run_text(path).splitlines())
+        times = [_float(row.get("step_time_s")) for row in rows]
+    except (OSError, csv.Error) as exc:
+        raise ConfigError("--against", str(run_dir), f"{METRICS} cannot be read: {exc}") from None
+    return [t for t in times if t is not None and math.isfinite(t) and t > 0]
+
+
+def _float(text: Any) -> float | None:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return None
 
 
 def measured_step_time(times: list[float], warmup: int) -> float:
@@ -56,16 +70,21 @@ def trace_collectives(run_dir: Path) -> dict[tuple[str, str, int], dict[str, Any
     collective the cost model prices. {} when the run was not traced."""
     files = sorted((run_dir / TRACE_DIR).glob("rank*.json"))
     out: dict[tuple[str, str, int], dict[str, Any]] = {}
+    from nxdt.launch.runs import read_run_file
+
     for path in files:
-        rank = int(path.stem.removeprefix("rank"))
-        for event in json.loads(path.read_text())["traceEvents"]:
-            args = event.get("args") or {}
-            if event.get("ph") != "X" or event.get("name") not in OPS or "group" not in args:
-                continue
-            key = (group_dim(args["group"]), event["name"], int(args.get("bytes") or 0))
-            entry = out.setdefault(key, {"durations": [], "rank0_calls": 0})
-            entry["durations"].append(event["dur"] * 1e-6)
-            entry["rank0_calls"] += rank == 0
+        try:  # a trace as nxdt writes it; anything else (crafted, cut short) is named, not a traceback
+            rank = int(path.stem.removeprefix("rank"))
+            for event in json.loads(read_run_file(path, TRACE_LIMIT))["traceEvents"]:
+                args = event.get("args") or {}
+                if event.get("ph") != "X" or event.get("name") not in OPS or "group" not in args:
+                    continue
+                key = (group_dim(str(args["group"])), event["name"], int(args.get("bytes") or 0))
+                entry = out.setdefault(key, {"durations": [], "rank0_calls": 0})
+                entry["durations"].append(float(event["dur"]) * 1e-6)
+                entry["rank0_calls"] += rank == 0
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError("--against", str(run_dir), f"{path.name} is not a trace nxdt wrote ({exc})") from None
     return out
 
 

@@ -246,10 +246,17 @@ def summary(run_dir: Path, status: str, launched_at: float, overrides: list[str]
         lines.append(f"nxdt: newest checkpoint: {run.checkpoint}")
         hf_out = shlex.quote(f"{get(run.config, 'name')}-hf")
         lines.append(f"nxdt: export it: nxdt checkpoint export-hf {shlex.quote(str(run.checkpoint))} {hf_out}")
+        extend = []
+        if status == "finished" and isinstance(run.max_steps, int) and run.max_steps > 0:
+            # the printed command runs as it is: a finished run continues only to a larger trainer.max_steps (the
+            # same one would start the workers to train nothing; check_resume refuses it)
+            extend = [f"trainer.max_steps={2 * run.max_steps}"]
         resume = command_line(
-            list(source_args), overrides, [f"exp_manager.explicit_log_dir={run_dir}", "exp_manager.resume_if_exists=true"]
+            list(source_args),
+            overrides,
+            [*extend, f"exp_manager.explicit_log_dir={run_dir}", "exp_manager.resume_if_exists=true"],
         )
-        lines.append(f"nxdt: resume{' (with a larger trainer.max_steps)' if status == 'finished' else ''}: {resume}")
+        lines.append(f"nxdt: {'continue it' if extend else 'resume'}: {resume}")
     else:
         every = get(run.config, "exp_manager.checkpoint_every_n_steps")
         last = get(run.config, "exp_manager.save_last", False)

@@ -44,7 +44,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
-from nxdt.launch.model_source import CommandError, load_model
+from nxdt.launch.model_source import CommandError, check_fits, load_model, write_output
 
 USAGE = """usage: nxdt eval perplexity MODEL --data FILE [--seq-length N] [--batch-size N] [--ranks N] [--out FILE.json]
        nxdt eval generate MODEL --data FILE.jsonl [--max-new-tokens N] [--batch-size N] [--limit N] [--out FILE.json]
@@ -194,8 +194,11 @@ def text_tokens(data: str, tokenizer: str | None) -> list[int]:
                 raise EvalError(f"nxdt eval: {path} record {i}: needs a string 'text' field (perplexity reads JSONL text)")
             tokens += tok.encode(record["text"])
         return tokens
-    with open_regular(path) as fh:
-        return tok.encode(fh.read().decode("utf-8", errors="replace"))
+    try:
+        with open_regular(path) as fh:
+            return tok.encode(fh.read().decode("utf-8", errors="replace"))
+    except (ValueError, OSError) as exc:  # DataFileError: a device, a FIFO
+        raise EvalError(f"nxdt eval: --data {str(exc).splitlines()[0]}") from None
 
 
 def windows(tokens: Sequence[int], seq_length: int) -> list[list[int]]:
@@ -241,6 +244,11 @@ def _perplexity_rank(world: Any, model_path: str, data: str, seq_length: int, ba
 def perplexity(model_path: str, data: str, seq_length: int | None, batch_size: int, ranks: int) -> dict[str, Any]:
     loaded = load_model(model_path)
     seq = seq_length or loaded.seq_length
+    if seq > loaded.max_positions:
+        raise EvalError(
+            f"nxdt eval: --seq-length {seq} is more than the model's max_position_embeddings={loaded.max_positions} — "
+            f"give --seq-length {loaded.max_positions} or less"
+        )
     tokens = text_tokens(data, loaded.tokenizer)
     rows = windows(tokens, seq)
     if not rows:
@@ -309,6 +317,7 @@ def generate(model_path: str, data: str, max_new_tokens: int, batch_size: int, l
     if decode is None:  # every ChatTokenizer nxdt builds has one
         raise EvalError(f"nxdt eval: the tokenizer of {model_path} cannot decode")
     prompts, references = generation_prompts(records, tok, str(data))
+    check_fits("nxdt eval", prompts, max_new_tokens, loaded.max_positions)
     outputs: list[list[int]] = []
     for start in range(0, len(prompts), batch_size):
         outputs += greedy_generate(loaded.model, prompts[start : start + batch_size], max_new_tokens, eos_id=tok.eos_id)
@@ -383,10 +392,10 @@ def main(argv: list[str]) -> int:
             result = perplexity(rest[0], data, seq_length, batch_size, ranks)
         else:
             result = generate(rest[0], data, max_new_tokens, batch_size, limit)
+        write_output("nxdt eval", out, json.dumps(result, indent=1) + "\n")
     except CommandError as exc:  # EvalError, or the model directory's (load_model)
         print(str(exc), file=sys.stderr)
         return 2
-    Path(out).write_text(json.dumps(result, indent=1) + "\n")
     print(table(result))
     print(f"nxdt: wrote {out}")
     return 0

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from nxdt.launch.model_source import CommandError, load_model
+from nxdt.launch.model_source import CommandError, check_fits, load_model, write_output
 
 USAGE = """usage: nxdt generate MODEL (--prompt TEXT [--prompt TEXT ...] | --prompts FILE.jsonl) [--max-new-tokens N]
        [--temperature T] [--top-p P] [--top-k K] [--seed N] [--batch-size N] [--no-chat-template] [--out FILE.jsonl]
@@ -65,6 +65,8 @@ class Request:
             raise CommandError(f"{WHO}: --top-p {self.top_p} must be in (0, 1] (1 keeps every token)")
         if self.top_k is not None and self.top_k < 0:
             raise CommandError(f"{WHO}: --top-k {self.top_k} must be >= 0 (0 keeps every token)")
+        if not -(2**63) <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
+            raise CommandError(f"{WHO}: --seed {self.seed} is out of range; give a seed between 0 and 2**64 - 1")
         return self
 
     def sampling(self) -> dict[str, Any]:
@@ -92,11 +94,13 @@ def check_records(records: list[Any], where: str) -> list[dict[str, Any]]:
 
 
 def read_prompt_file(path: str) -> list[dict[str, Any]]:
+    from nxdt.data.files import not_regular
     from nxdt.data.instructions import read_jsonl
 
     where = Path(path).expanduser()
     if not where.is_file():
-        raise CommandError(f"{WHO}: --prompts {path}: no such file")
+        kind = not_regular(where)
+        raise CommandError(f"{WHO}: --prompts {path}: {'no such file' if kind is None else f'is {kind}, not a regular file'}")
     try:
         records = read_jsonl(where)
     except (ValueError, OSError) as exc:
@@ -152,6 +156,7 @@ def run(request: Request) -> list[dict[str, Any]]:
                 f"the tokenizer ({loaded.tokenizer or 'byte-level'}) is not this model's"
             )
         prompts.append(ids)
+    check_fits(WHO, prompts, request.max_new_tokens, loaded.max_positions)
     generator = torch.Generator().manual_seed(request.seed)
     outputs: list[list[int]] = []
     for start in range(0, len(prompts), request.batch_size):
@@ -238,6 +243,8 @@ def main(argv: list[str]) -> int:
     try:
         request = parse(argv)
         results = run(request)
+        if request.out:
+            write_output(WHO, request.out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results))
     except CommandError as exc:
         print(str(exc), file=sys.stderr)
         return 2
@@ -246,7 +253,5 @@ def main(argv: list[str]) -> int:
             print(f"--- {i}")
         print(result["completion"])
     if request.out:
-        with open(request.out, "w", encoding="utf-8") as fh:
-            fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in results)
         print(f"nxdt: wrote {request.out}", file=sys.stderr)
     return 0

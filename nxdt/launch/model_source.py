@@ -20,6 +20,30 @@ class CommandError(Exception):
     """Bad input to a command: ``str()`` is one line naming what and how to fix it (printed, exit 2)."""
 
 
+def check_fits(command: str, prompts: list[list[int]], max_new_tokens: int, max_positions: int) -> None:
+    """Every prompt plus ``max_new_tokens`` within the model's positions, refused before decoding starts: past them
+    the model has no position to give a token (transformers' RoPE models silently extrapolate; nxdt's refuse
+    mid-batch), and a huge ``--max-new-tokens`` would size the KV cache by it."""
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    need = len(prompts[longest]) + max_new_tokens
+    if need > max_positions:
+        room = max_positions - len(prompts[longest])
+        fix = f"give --max-new-tokens {room} or less" if room >= 1 else "shorten the prompt"
+        raise CommandError(
+            f"{command}: prompt {longest} has {len(prompts[longest])} tokens; with --max-new-tokens {max_new_tokens} it "
+            f"would need {need} positions, more than the model's max_position_embeddings={max_positions} — {fix}"
+        )
+
+
+def write_output(command: str, out: str, text: str) -> None:
+    """``--out``: one line, exit 2, when it cannot be written (a directory, a missing parent, no permission)."""
+    try:
+        with open(out, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    except OSError as exc:
+        raise CommandError(f"{command}: --out {out}: cannot be written ({exc.strerror or exc}) — name a file") from None
+
+
 @dataclass
 class Loaded:
     model: Any  # a hub model (torch.nn.Module) in eval mode
@@ -27,6 +51,41 @@ class Loaded:
     seq_length: int
     what: str  # "nxdt checkpoint" / "Hugging Face directory"
     vocab_size: int  # the model's embedding rows: token ids must be below it
+    max_positions: int  # model.max_position_embeddings: a window, or a prompt plus its completion, must fit in it
+
+
+def _config_from_meta(where: Path, run_config: Path, command: str) -> Any:
+    """A config whose model is the one a checkpoint's meta.json records (``model_config``: every field of
+    :data:`nxdt.config.hf_model.META_KEYS`, what ``export-hf`` builds config.json from) and whose tokenizer is the
+    run's (``tokenizer``); the window: the model's positions, at most HF_DEFAULT_MAX_SEQ. Checkpoints of nxdt
+    versions before model_config was recorded need their run's config.yaml: refused naming it."""
+    from nxdt.config import compose_config
+    from nxdt.lightning.checkpoint import CheckpointError, read_meta
+
+    try:
+        meta = read_meta(where)
+    except CheckpointError as exc:
+        raise CommandError(f"{command}: {str(exc).splitlines()[0]}") from None
+    fields = meta.get("model_config")
+    if not isinstance(fields, dict) or not isinstance(fields.get("architecture"), str):
+        raise CommandError(
+            f"{command}: {where} does not record its model (written by an older nxdt) and its run's config "
+            f"{run_config} is missing — evaluate it inside its run directory, or export it (nxdt checkpoint export-hf) "
+            "where the run is and give the export"
+        )
+    cfg = compose_config(["data=synthetic"])
+    for key, value in fields.items():
+        *parents, leaf = key.split(".")
+        node = cfg.model
+        for part in parents:
+            node = getattr(node, part)
+        if not hasattr(node, leaf):
+            raise CommandError(f"{command}: {where}/meta.json records model.{key}, which this nxdt does not know")
+        setattr(node, leaf, value)
+    tokenizer = meta.get("tokenizer")
+    cfg.data.tokenizer = tokenizer if isinstance(tokenizer, str) else None
+    cfg.data.seq_length = min(cfg.model.max_position_embeddings, HF_DEFAULT_MAX_SEQ)
+    return cfg
 
 
 def load_model(path: str, command: str = "nxdt eval") -> Loaded:
@@ -40,12 +99,13 @@ def load_model(path: str, command: str = "nxdt eval") -> Loaded:
     where = Path(path).expanduser()
     if (where / "meta.json").is_file():
         run_config = where.parent.parent / "config.yaml"
-        if not run_config.is_file():
-            raise CommandError(f"{command}: {where} is a checkpoint, but {run_config} (its run's config) is missing")
-        try:
-            cfg = load_run_config(run_config)
-        except ConfigError as exc:  # e.g. a run config another nxdt version wrote
-            raise CommandError(f"{command}: {run_config}: {str(exc).splitlines()[0]}") from None
+        if run_config.is_file():
+            try:
+                cfg = load_run_config(run_config)
+            except ConfigError as exc:  # e.g. a run config another nxdt version wrote
+                raise CommandError(f"{command}: {run_config}: {str(exc).splitlines()[0]}") from None
+        else:  # outside its run directory (consolidated elsewhere, copied): the model config its meta.json records
+            cfg = _config_from_meta(where, run_config, command)
         torch.manual_seed(cfg.seed)
         model = import_architecture(cfg.model.architecture)(cfg.model)
         try:
@@ -65,6 +125,7 @@ def load_model(path: str, command: str = "nxdt eval") -> Loaded:
             cfg.data.seq_length,
             "nxdt checkpoint",
             cfg.model.vocab_size,
+            cfg.model.max_position_embeddings,
         )
     if (where / "config.json").is_file():
         from nxdt.lightning.hf import load_hf_weights
@@ -90,6 +151,7 @@ def load_model(path: str, command: str = "nxdt eval") -> Loaded:
             min(cfg.model.max_position_embeddings, HF_DEFAULT_MAX_SEQ),
             "Hugging Face directory",
             cfg.model.vocab_size,
+            cfg.model.max_position_embeddings,
         )
     raise CommandError(
         f"{command}: {where} is neither an nxdt checkpoint (meta.json) nor a Hugging Face model directory (config.json)"

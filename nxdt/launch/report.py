@@ -5,7 +5,9 @@ exposed communication against step, one PNG per figure with every run given over
 from __future__ import annotations
 
 import io
+import math
 import os
+import sys
 from pathlib import Path
 
 from nxdt.launch.runs import (
@@ -47,7 +49,11 @@ def plot_metric(
     matplotlib.use("Agg")  # files only, never a window
     import matplotlib.pyplot as plt
 
-    drawn = [(label, [(r["step"], r[key]) for r in rows if key in r and "step" in r]) for label, rows in series]
+    # a NaN/inf loss (a run that diverged, a crafted metrics.csv) has no place on an axis: only finite points
+    drawn = [
+        (label, [(r["step"], r[key]) for r in rows if key in r and "step" in r and math.isfinite(r[key])])
+        for label, rows in series
+    ]
     drawn = [(label, points) for label, points in drawn if points]
     if not drawn:
         return None
@@ -67,6 +73,9 @@ def plot_metric(
         fig.tight_layout()
         png = io.BytesIO()
         fig.savefig(png, format="png", dpi=110)
+    except (ValueError, OverflowError) as exc:  # values near float's limits: matplotlib cannot place the ticks
+        print(f"nxdt report: {path.name} not drawn: {key} holds values matplotlib cannot draw ({exc})", file=sys.stderr)
+        return None
     finally:
         plt.close(fig)
     own_fd = dir_fd is None

@@ -191,6 +191,14 @@ def check_resume(cfg: Any, run_dir: Path) -> list[str]:
         lines.append(f"nxdt: checkpoint {path.name} is damaged ({reason}); {target} (moved it to {moved.name})")
     if good is not None and ckpt_io.read_checksums(good) is None:
         lines.append(f"nxdt: resuming from {good.name}, written by an older nxdt without checksums: unverified")
+    step = int(good.name.split("-", 1)[1]) if good is not None and ckpt_io.is_step_name(good.name) else None
+    if good is not None and step is not None and step >= cfg.trainer.max_steps:  # workers would train nothing
+        raise ConfigError(
+            "trainer.max_steps",
+            cfg.trainer.max_steps,
+            f"the run being resumed ({run_dir}) is at step {step} already (checkpoints/{good.name}): nothing is left "
+            f"to train — continue it with a larger trainer.max_steps, e.g. trainer.max_steps={2 * max(step, 1)}",
+        )
     return lines
 
 

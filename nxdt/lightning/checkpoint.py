@@ -108,6 +108,29 @@ def opened_regular(file: str | os.PathLike) -> Iterator[str]:
         os.close(fd)
 
 
+METADATA_LIMIT = 16 << 20  # meta.json / checksums.json are a few KB as written; a larger one is not nxdt's
+
+
+def read_small_file(file: str | os.PathLike, limit: int = METADATA_LIMIT) -> bytes:
+    """The bytes of a checkpoint's metadata file, opened without following a link (O_NOFOLLOW) or blocking on a FIFO
+    (O_NONBLOCK, then fstat of what was opened), at most ``limit`` bytes: a crafted checkpoint must not hang
+    ``nxdt checkpoint inspect`` or fill memory. ValueError (one line) for what it refuses, OSError when it is absent."""
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError("a symbolic link, not the file that was written") from None
+        raise
+    with open(fd, "rb") as fh:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("not a regular file (a FIFO, device or directory)")
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"more than the {limit >> 20} MiB nxdt reads of a checkpoint's metadata")
+    return data
+
+
 def refuse_target_inside_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike) -> None:
     """``export-hf`` / ``consolidate`` write ``out``: never inside the checkpoint read (its files and checksums would
     change under it) nor inside any other checkpoint directory (links resolved)."""
@@ -460,7 +483,7 @@ def _checksums(root: Path) -> dict[str, dict[str, Any]] | None:
             raise _Damage(f"missing: {CHECKSUMS_FILE} (format {version} records one)")
         return None
     try:
-        doc = json.loads(file.read_text())
+        doc = json.loads(read_small_file(file))
         files = doc["files"]
         whole = (
             isinstance(files, dict)
@@ -898,7 +921,7 @@ class AsyncWriter:
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     file = Path(path) / "meta.json"
     try:
-        meta = json.loads(file.read_text())
+        meta = json.loads(read_small_file(file))
         if not isinstance(meta, dict):
             raise ValueError("not a JSON object")
         return meta

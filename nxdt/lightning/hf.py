@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import shutil
 import tempfile
 from pathlib import Path
@@ -411,8 +412,17 @@ class HFCheckpointError(ValueError):
 def read_safetensors_header(file: Path) -> dict[str, Any]:
     """``{name: {"dtype", "shape", "data_offsets"}}`` of one safetensors file from its 8-byte length and JSON header
     alone (no tensor data is read); the offsets are checked against the file's size (a truncated file fails here)."""
-    size = file.stat().st_size
-    with open(file, "rb") as fh:
+    # O_NONBLOCK: a FIFO planted as a model file would block open() until a writer came; links are followed (the
+    # Hugging Face cache links its snapshots' files to blobs), but what was opened must be a regular file
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise HFCheckpointError(f"{file.name} cannot be read ({exc.strerror or exc}); the file is damaged") from None
+    with open(fd, "rb") as fh:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise HFCheckpointError(f"{file.name} is not a regular file (a device, FIFO or socket); the file is damaged")
+        size = info.st_size
         prefix = fh.read(8)
         if len(prefix) < 8:
             raise HFCheckpointError(f"{file.name} is {size} bytes, too short for a safetensors header; the file is damaged")

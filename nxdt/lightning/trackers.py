@@ -23,6 +23,12 @@ as the task's ``nxdt`` hyperparameter section. Offline (``CLEARML_OFFLINE_MODE=1
 ``<run>/clearml/offline/<task id>/`` (``CLEARML_CACHE_DIR``, unless the user set it); a resume continues the same task
 (``Task.init(reuse_last_task_id=<id>, continue_last_task=0)``: ClearML's own way to continue a task, with no iteration
 offset, so a step is reported at its number) — offline too, the session folder then holds both launches.
+``Task.init`` also records the task in ``~/.clearml/.session.json`` (its task-reuse cache), offline too, and no ClearML
+setting moves or stops that: the folder is the literal ``~/.clearml`` (``SessionCache.SESSION_CACHE_FOLDER``,
+clearml/config/cache.py), written whenever the task is not running remotely (task.py, ``__update_last_used_task_id``
+under ``in_dev_mode``); ``CLEARML_CACHE_DIR`` moves the offline session only and ``CLEARML_TASK_NO_REUSE`` stops
+the read, not the write. Only ``HOME`` would move it, and with it every other library's
+files (W&B's credentials, caches), so nxdt leaves it: it holds the last task id per project and name, nothing else.
 
 DLLogger is refused before launch, installed or not: NxDT never attaches it, and NeMo's DLLogger with its default
 ``verbose: false`` writes no record (its backends' verbosity DEFAULT=0 is below ``dllogger.log``'s default 1:
