@@ -12,12 +12,10 @@ whole percent (the un-sharded data of issue 24 gave each rank the other's batche
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import warm_cli
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -29,19 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("conformance")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(HERE / "lightning_conformance.py"),
-        str(out),
-    ]
-    result = subprocess.run(
-        cmd, cwd=out, capture_output=True, text=True, timeout=220, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-    )
+    result = warm_cli.torchrun(HERE / "lightning_conformance.py", [str(out)], cwd=out, timeout=220)
     assert result.returncode == 0, result.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 

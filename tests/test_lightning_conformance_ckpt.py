@@ -13,12 +13,11 @@ parameter order, a missing shard or the wrong optimizer state moves values by wh
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import warm_cli
 import torch
 import lightning.pytorch as pl
 
@@ -40,11 +39,7 @@ CONVERTED = ("nxdt_zero1", "nxdt_fsdp")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple[Path, list[dict]]:
     out = tmp_path_factory.mktemp("conformance_ckpt")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += [str(HERE / "lightning_conformance_ckpt.py"), str(out)]
-    result = subprocess.run(
-        cmd, cwd=out, capture_output=True, text=True, timeout=220, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-    )
+    result = warm_cli.torchrun(HERE / "lightning_conformance_ckpt.py", [str(out)], cwd=out, timeout=220)
     assert result.returncode == 0, result.stderr[-4000:]
     return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 

@@ -15,12 +15,10 @@ doubled reduction or another rank's data moves them by whole percent.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import warm_cli
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -34,11 +32,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple[Path, list[dict]]:
     out = tmp_path_factory.mktemp("conformance_demos")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += [str(HERE / "lightning_conformance_demos.py"), str(out)]
-    result = subprocess.run(
-        cmd, cwd=out, capture_output=True, text=True, timeout=280, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-    )
+    result = warm_cli.torchrun(HERE / "lightning_conformance_demos.py", [str(out)], cwd=out, timeout=280)
     assert result.returncode == 0, result.stderr[-4000:]
     return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 

@@ -15,12 +15,10 @@ FSDP 57; the partial optimizer clipped by the whole model's norm 2.8; the unused
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import warm_cli
 
 HERE = Path(__file__).resolve().parent
 RTOL, ATOL = 1e-5, 1e-7
@@ -32,11 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("conformance_optim")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += [str(HERE / "lightning_conformance_optim.py"), str(out)]
-    result = subprocess.run(
-        cmd, cwd=out, capture_output=True, text=True, timeout=280, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-    )
+    result = warm_cli.torchrun(HERE / "lightning_conformance_optim.py", [str(out)], cwd=out, timeout=280)
     assert result.returncode == 0, result.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 

@@ -21,6 +21,7 @@ capture_output=True, text=True)`` would; a command that outlives ``timeout`` has
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
@@ -40,6 +41,56 @@ try:
     import torch.utils.tensorboard  # noqa: F401  (rank 0's TensorBoard writer)
 except ImportError:
     pass
+
+
+# `torchrun --nproc-per-node NPROC SCRIPT ARGS` without the agent: the variables its agent gives each worker (rank 0
+# hosts the store), one compute thread per rank (torchrun's OMP_NUM_THREADS=1), the script run as __main__ with its
+# folder first on sys.path. Any rank failing stops the others, as torchrun does.
+def run_ranks(script, args, nproc):
+    import runpy, time
+    import torch
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc),
+              "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default",
+              "ROLE_WORLD_SIZE": str(nproc), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+              "TORCHELASTIC_RUN_ID": f"warm-{os.getpid()}", "TORCHELASTIC_USE_AGENT_STORE": "False",
+              "OMP_NUM_THREADS": "1"}
+    pids = []
+    for rank in range(nproc):
+        pid = os.fork()
+        if pid == 0:
+            os.environ.update(common, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
+            torch.set_num_threads(1)
+            sys.argv = [script, *args]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+            code = 1
+            try:
+                runpy.run_path(script, run_name="__main__")
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        pids.append(pid)
+    code = 0
+    while pids:
+        pid, status = os.wait()
+        pids.remove(pid)
+        status = os.waitstatus_to_exitcode(status)
+        if status != 0 and code == 0:
+            code = status if status > 0 else 1
+            for other in pids:
+                os.kill(other, signal.SIGTERM)
+    return code
+
+
 sock = socket.socket(fileno=int(sys.argv[1]))
 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 while True:
@@ -65,7 +116,10 @@ while True:
         sys.argv = ["nxdt", *request["args"]]
         code = 1
         try:
-            code = nxdt.cli.main(request["args"], fork_workers=True)
+            if "script" in request:
+                code = run_ranks(request["script"], request["args"], request["nproc"])
+            else:
+                code = nxdt.cli.main(request["args"], fork_workers=True)
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 1
         except BaseException:
@@ -97,6 +151,15 @@ class _Server:
         self.sock = ours
         self.pending = b""
         self.lock = threading.Lock()
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """The server exits when its socket closes; reaping it leaves no orphan (and counts its CPU to this process)."""
+        self.sock.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
 
     def reply(self, timeout: float | None = None) -> dict[str, Any] | None:
         """The server's next JSON line, or None if none came within ``timeout``."""
@@ -115,7 +178,9 @@ class _Server:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def run(self, args: Sequence[str], cwd: Path, env: Mapping[str, str], timeout: float) -> subprocess.CompletedProcess:
+    def run(
+        self, args: Sequence[str], cwd: Path, env: Mapping[str, str], timeout: float, script: dict | None = None
+    ) -> subprocess.CompletedProcess:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
@@ -130,7 +195,7 @@ class _Server:
             t.start()
         with self.lock:
             try:
-                request = {"args": list(args), "cwd": str(cwd), "env": dict(env)}
+                request = {"args": list(args), "cwd": str(cwd), "env": dict(env), **(script or {})}
                 socket.send_fds(self.sock, [json.dumps(request).encode()], [out_w, err_w])
             finally:
                 os.close(out_w)
@@ -164,3 +229,23 @@ def run(
         _server[:] = [_Server()]
     environment: dict[str, Any] = {**os.environ, "PYTHONUNBUFFERED": "1"} if env is None else dict(env)
     return _server[0].run(args, Path.cwd() if cwd is None else Path(cwd), environment, timeout)
+
+
+def torchrun(
+    script: Path | str,
+    args: Sequence[str],
+    *,
+    nproc: int = 2,
+    cwd: Path | str | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 200,
+) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node NPROC SCRIPT ARGS`` for the suite's Lightning scripts: each rank a fork
+    of the pre-imported process with the variables torchrun's agent sets (rank 0 hosts the store instead of the
+    agent). The scripts compare strategies inside one launch, so what they check does not depend on the launcher;
+    a user's ``torchrun``/``python train.py`` stays tested by test_lightning_api.py and test_lightning_conformance_dist.py."""
+    if not _server or not _server[0].alive():
+        _server[:] = [_Server()]
+    environment: dict[str, Any] = {**os.environ, "PYTHONUNBUFFERED": "1"} if env is None else dict(env)
+    request = {"script": str(script), "nproc": nproc}
+    return _server[0].run(list(args), Path.cwd() if cwd is None else Path(cwd), environment, timeout, request)
