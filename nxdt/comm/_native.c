@@ -334,10 +334,13 @@ static int all_reduce_step(int64_t *ctx, int64_t step, char *dst, int64_t count,
     int64_t lo, hi;
     if (phase == 0) {
         if (step >= 2 && wait_members(ctx, peers, 3 * (step - 2) + 3, main)) return PENDING_SLOT;
+        /* stored only when they change: a store takes the cache line from a peer that read it, and the peers read
+         * my W_SOURCE word (a line of its own) every step; unchanged, that read stays a local hit (2 ranks, 1 KB) */
         int64_t fp[FP_WORDS] = {fp0, dtype, fp_count, 0, 0, 0}; /* the whole message's count */
-        memcpy(own + W_FINGERPRINT + parity * FP_WORDS, fp, sizeof fp);
-        own[W_FP_DIGEST + parity] = (int64_t)digest(fp, 4);
-        own[W_SOURCE + 2 * parity] = 0;
+        int64_t *fpw = own + W_FINGERPRINT + parity * FP_WORDS, d = (int64_t)digest(fp, 4);
+        if (memcmp(fpw, fp, sizeof fp)) memcpy(fpw, fp, sizeof fp);
+        if (own[W_FP_DIGEST + parity] != d) own[W_FP_DIGEST + parity] = d;
+        if (own[W_SOURCE + 2 * parity] != 0) own[W_SOURCE + 2 * parity] = 0;
         if (!sliced)
             memcpy(mine, dst, (size_t)count * elem);
         else

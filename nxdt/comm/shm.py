@@ -31,7 +31,7 @@ import re
 import stat
 import threading
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
@@ -385,6 +385,29 @@ class ShmChannel:
             self.step = step + 1
             return True
         return self._all_reduce_step_on(dst, fingerprint, op_desc, status, main, sliced)
+
+    def all_reduce_step_fn(
+        self, fingerprint: tuple[int, int, int, int], op_desc: str, sliced: bool
+    ) -> Callable[[torch.Tensor], bool]:
+        """``all_reduce_step`` for one call shape (``fingerprint``'s count = the tensor's numel, one step), with every
+        argument that does not change between calls bound once: per call only the step counter, the tensor's address
+        and the calling thread are read (a 1 KB call is ≈ 2 µs in all; each torch attribute read here cost
+        0.1–0.5 µs: experiments/collectives-cpu/README.md, issue 35)."""
+        op, dtype, count, _ = fingerprint
+        step_fn, ctx, code, fp_written = self.native.all_reduce_step, self.ctx_address, op // 100, self._fp_written
+        done = native.DONE
+
+        def run(dst: torch.Tensor) -> bool:
+            step = self.step
+            fp_written[step & 1] = None  # the C side writes this parity's fingerprint words
+            main = get_ident() == _MAIN_ID
+            status = step_fn(ctx, step, dst.data_ptr(), count, dtype, code, op, count, 0, main, sliced)
+            if status == done:
+                self.step = step + 1
+                return True
+            return self._all_reduce_step_on(dst, fingerprint, op_desc, status, main, sliced)
+
+        return run
 
     def _all_reduce_step_on(
         self, dst: torch.Tensor, fingerprint: tuple[int, int, int, int], op_desc: str, status: int, main: bool, sliced: bool

@@ -135,10 +135,10 @@ def one_step_all_reduce(ch: ShmChannel, t: torch.Tensor, op: str, algorithm: str
     fp, desc, sliced, _, quick = _plan_for(ch, t, op, algorithm)
     if not quick:
         return None
-    step = ch.all_reduce_step
+    step = ch.all_reduce_step_fn(fp, desc, sliced)
 
     def run(dst: torch.Tensor) -> None:
-        if not step(dst, fp, desc, sliced):  # rare: a peer on the torch fallback sent its shared tensor
+        if not step(dst):  # rare: a peer on the torch fallback sent its shared tensor
             _finish_by_slices(ch, dst, op)
 
     return run
