@@ -105,22 +105,26 @@ def compose(steps: int, tp: int = 1) -> Any:
     )
 
 
-def write_rank(out: Path, rank: int, times: list[float], losses: list[float]) -> None:
+def write_rank(out: Path, rank: int, clock: "Clock", losses: list[float]) -> None:
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-    Path(f"{out}.rank{rank}").write_text(json.dumps({"step_times": times, "losses": losses, "peak_rss_mb": rss_mb}))
+    record = {"step_times": clock.times, "cpu_times": clock.cpu, "losses": losses, "peak_rss_mb": rss_mb}
+    Path(f"{out}.rank{rank}").write_text(json.dumps(record))
 
 
 class Clock:
-    """Wall time between consecutive step ends (the first step, which builds everything, is not an interval)."""
+    """Wall time between consecutive step ends (the first step, which builds everything, is not an interval), and
+    the CPU time the process spent in between (every thread: compute, communication threads, waiting that spins)."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
-        self.last: float | None = None
+        self.cpu: list[float] = []
+        self.last: tuple[float, float] | None = None
 
     def tick(self) -> None:
-        now = time.perf_counter()
+        now = (time.perf_counter(), time.process_time())
         if self.last is not None:
-            self.times.append(now - self.last)
+            self.times.append(now[0] - self.last[0])
+            self.cpu.append(now[1] - self.last[1])
         self.last = now
 
 
@@ -195,7 +199,7 @@ def run_lightning(v: dict[str, Any], steps: int, out: Path) -> None:
     )
     data = NxDDataModule(cfg.data, seed=cfg.seed, vocab_size=cfg.model.vocab_size, step_batches=True)
     trainer.fit(module, datamodule=data)
-    write_rank(out, trainer.global_rank, record.clock.times, record.losses)
+    write_rank(out, trainer.global_rank, record.clock, record.losses)
 
 
 # ---------------------------------------------------------------------------------------------- torch / DeepSpeed peers
@@ -288,7 +292,7 @@ def run_torchrun(v: dict[str, Any], steps: int, out: Path) -> None:
             optimizer.zero_grad()
             losses.append(total)
             clock.tick()
-    write_rank(out, rank, clock.times, losses)
+    write_rank(out, rank, clock, losses)
     dist.destroy_process_group()
 
 
@@ -360,7 +364,7 @@ def run_loop(steps: int, out: Path) -> None:
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
         clock.tick()
-    write_rank(out, 0, clock.times, losses)
+    write_rank(out, 0, clock, losses)
 
 
 def cli_overrides(steps: int, run_dir: Path) -> list[str]:
@@ -421,6 +425,7 @@ def launch(name: str, steps: int, work: Path, deepspeed_path: str | None) -> dic
         p.unlink()
     return {
         "step_times": ranks[0]["step_times"],
+        "cpu_times": [r["cpu_times"] for r in ranks],
         "losses": [statistics.fmean(step) for step in zip(*(r["losses"] for r in ranks))],
         "peak_rss_mb": [r["peak_rss_mb"] for r in ranks],
         "wall_s": wall,
@@ -520,6 +525,12 @@ def figure(runs: list[dict], how: str, warmup: int) -> float:
     return statistics.median(t for r in runs for t in r["step_times"][warmup:])
 
 
+def cpu_figure(runs: list[dict], warmup: int) -> float | None:
+    """CPU seconds per step and rank (every thread of the process), median over the steps after the warm-up."""
+    got = [t for r in runs for rank in r.get("cpu_times", []) for t in rank[warmup:]]
+    return statistics.median(got) if got else None
+
+
 def table(results: dict, warmup: int) -> list[dict]:
     rows = []
     runs = results["runs"]
@@ -540,6 +551,8 @@ def table(results: dict, warmup: int) -> list[dict]:
                 "peer_value": b,
                 "ratio": a / b,
                 "round_ratios": per_round,
+                "nxdt_cpu_s": cpu_figure(runs[ours], warmup) if how == "step" else None,
+                "peer_cpu_s": cpu_figure(runs[peer], warmup) if how == "step" else None,
                 "nxdt_rss_mb": max(max(r["peak_rss_mb"]) for r in runs[ours]),
                 "peer_rss_mb": max(max(r["peak_rss_mb"]) for r in runs[peer]),
                 "nxdt_loss": la[-1],
@@ -555,13 +568,17 @@ def print_table(results: dict) -> None:
     print(f"\nhost load: {results['uptime']}")
     for k, v in results["skipped"].items():
         print(f"skipped {k}: {v}")
-    print("| nxdt | peer | figure | nxdt | peer | ratio | round ratios | peak RSS/rank nxdt / peer (MB) | last loss nxdt / peer |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| nxdt | peer | figure | nxdt | peer | ratio | round ratios | CPU s/step/rank nxdt / peer "
+        "| peak RSS/rank nxdt / peer (MB) | last loss nxdt / peer |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results["table"]:
+        cpu = f"{r['nxdt_cpu_s']:.3f} / {r['peer_cpu_s']:.3f}" if r.get("nxdt_cpu_s") and r.get("peer_cpu_s") else "—"
         scale = 1e3 if r["figure"].startswith("median step") else 1
         print(
             f"| {r['nxdt']} | {r['peer']} | {r['figure']} | {r['nxdt_value'] * scale:.1f} | {r['peer_value'] * scale:.1f} "
-            f"| **{r['ratio']:.3f}** | {' '.join(f'{x:.3f}' for x in r['round_ratios'])} "
+            f"| **{r['ratio']:.3f}** | {' '.join(f'{x:.3f}' for x in r['round_ratios'])} | {cpu} "
             f"| {r['nxdt_rss_mb']:.0f} / {r['peer_rss_mb']:.0f} | {r['nxdt_loss']:.5f} / {r['peer_loss']:.5f} "
             f"(max rel. diff {r['max_rel_loss_diff']:.1e}) |"
         )
