@@ -67,6 +67,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "Lightning DDP (gloo)": dict(kind="lightning", strategy="ddp"),
     "nxdt ZeRO-1": dict(kind="lightning", strategy="nxdt", zero1=True),
     "DeepSpeed ZeRO-1": dict(kind="torchrun", peer="deepspeed", stage=1),
+    # diagnostic, in no pair: ZeRO-1 with the reduction after backward (no dp-stream work during backward)
+    "nxdt ZeRO-1, reduced after backward": dict(kind="lightning", strategy="nxdt", zero1=True, overlap=False),
     "DeepSpeed ZeRO-2": dict(kind="torchrun", peer="deepspeed", stage=2),
     "nxdt FSDP token_threaded": dict(kind="lightning", strategy="nxdt", fsdp=True),
     "torch FSDP2 fully_shard (gloo)": dict(kind="torchrun", peer="fsdp2"),
@@ -175,6 +177,7 @@ def run_lightning(v: dict[str, Any], steps: int, out: Path) -> None:
             tensor_parallel_size=v.get("tp", 1),
             sequence_parallel=v.get("tp", 1) > 1,
             zero1=v.get("zero1", False),
+            overlap_grad_reduce=v.get("overlap", True),
             fsdp={"prefetch": "token_threaded"} if v.get("fsdp") else False,
             torch_process_group=False,  # the module needs no torch.distributed group (as under `nxdt train`)
         )
