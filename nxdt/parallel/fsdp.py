@@ -394,8 +394,13 @@ class FullyShardedDataParallel:
                 f.leaf = leaf
                 unit.grads_pending += 1
                 self._grads_expected += 1
-            for e in f.entries:
-                view = leaf[e.offset : e.offset + e.numel].view(e.shape)
+            # one split into every entry (and the shard padding): its backward concatenates the pieces' gradients
+            # once, where a slice per entry would each return a zero-filled full-size gradient for autograd to add
+            # into the leaf (O(entries × flat size) per unit per backward; the same sums, so the same bits)
+            pad = f.full.numel() - f.numel
+            pieces = leaf.split([e.numel for e in f.entries] + ([pad] if pad else []))
+            for e, piece in zip(f.entries, pieces):  # entries lie back to back from offset 0 (_flatten)
+                view = piece.view(e.shape)
                 if grad:  # which parameters the loss used: the leaf's gradient is dense, zeros for an unused one
                     view.register_hook(lambda g, key=id(e): self._used.add(key))
                 for m, attr in e.owners:

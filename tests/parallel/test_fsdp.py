@@ -194,7 +194,36 @@ def _worker(world) -> dict:
                 "mismatch": mismatch,
                 "missing": missing,
             }
+    report["flat_sized"] = _flat_sized_backward_results(world)
     return report
+
+
+def _flat_sized_backward_results(world) -> list[str]:
+    """The ops of one backward (this thread's: autograd's on CPU) that write a new tensor of a gathered layer flat's
+    size (views such as AccumulateGrad's detach cost nothing and are not counted)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    cfg = _cfg()
+    model = _model(cfg)
+    fsdp = apply_fsdp(model, world.world, [_optimizer(model)], prefetch="none")
+    sizes = {f.full.numel() for f in fsdp.units[1].flats if not f.replicated}
+    ids, labels = _batch(0, cfg)
+    loss = model.loss_fn(model(ids[:1]), labels[:1])
+    seen: list[str] = []
+
+    class FlatSized(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if any(r.alias_info is not None for r in func._schema.returns):
+                return out
+            seen.extend(str(func) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.numel() in sizes)
+            return out
+
+    with FlatSized():
+        loss.backward()
+    fsdp.finish_gradients()
+    return seen
 
 
 def opt_params(fsdp) -> list[torch.Tensor]:
@@ -251,6 +280,15 @@ def test_units_and_sharded_memory(reports):
     total = sum(rep["unit_bytes"]) // 4
     replicated = sum(map(sum, rep["replicated"]))
     assert rep["shard_numel"] <= total // DP + len(rep["units"]) * 2 * DP + replicated
+
+
+@pytest.mark.timeout(200)
+def test_a_units_gradient_is_assembled_once(reports):
+    """A layer unit holds 7 parameters in one flat; its gradient is their gradients concatenated once (one
+    flat-sized result per layer), not 7 zero-padded flat-sized gradients summed (14 per layer: what slicing each
+    parameter out of the flat cost in backward)."""
+    for rank, report in enumerate(reports):
+        assert len(report["flat_sized"]) == CFG["num_layers"], (rank, report["flat_sized"])
 
 
 def _flats_by_threshold(world) -> dict:
