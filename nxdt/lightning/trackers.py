@@ -228,8 +228,16 @@ def _clearml(cfg: Any, run_dir: Path, state: dict[str, Any]) -> tuple[Logger, No
         project_name=kwargs.get("project") or "NeMo",  # NeMo's defaults: project NeMo; task: here the run name
         task_name=kwargs.get("task") or cfg.name,
         tags=["nxdt", *(kwargs.get("tags") or [])],
-        # ClearML's TensorBoard hook would report nxdt's TensorBoard scalars a second time; argparse: nxdt's own
-        auto_connect_frameworks={"pytorch": bool(kwargs.get("connect_pytorch")), "tensorboard": False},
+        # ClearML's TensorBoard hook would report nxdt's TensorBoard scalars a second time; argparse: nxdt's own.
+        # No repository detection: its thread runs `git` (subprocess) while Task.init os.forks ClearML's background
+        # monitor, and the fork can inherit the pipe that tells Popen the exec happened — Popen then waits forever and
+        # Task.close() joins that thread at the end of training (seen: the run hung after its last step). The run's
+        # config, not the launch directory's git state, describes what ran.
+        auto_connect_frameworks={
+            "pytorch": bool(kwargs.get("connect_pytorch")),
+            "tensorboard": False,
+            "detect_repository": False,
+        },
         auto_connect_arg_parser=False,
         reuse_last_task_id=resume or False,  # a new run is a new task (not ClearML's reuse of an unused one)
         continue_last_task=0 if resume else False,  # 0: continue without offsetting the iterations
