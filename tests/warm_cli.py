@@ -43,6 +43,23 @@ except ImportError:
     pass
 
 
+# End this forked process with call()'s exit code: the int it returns, SystemExit's int, else 1 (a traceback printed).
+def exit_with(call):
+    code = 1
+    try:
+        result = call()
+        code = result if isinstance(result, int) else 1
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 # `torchrun --nproc-per-node NPROC SCRIPT ARGS` without the agent: the variables its agent gives each worker (rank 0
 # hosts the store), one compute thread per rank (torchrun's OMP_NUM_THREADS=1), the script run as __main__ with its
 # folder first on sys.path. Any rank failing stops the others, as torchrun does.
@@ -65,19 +82,13 @@ def run_ranks(script, args, nproc):
             torch.set_num_threads(1)
             sys.argv = [script, *args]
             sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-            code = 1
-            try:
+
+
+            def as_main() -> int:
                 runpy.run_path(script, run_name="__main__")
-                code = 0
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else 1
-            except BaseException:
-                import traceback
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
+                return 0
+
+            exit_with(as_main)
         pids.append(pid)
     code = 0
     while pids:
@@ -114,21 +125,9 @@ while True:
         # what a fresh interpreter would put on sys.path from PYTHONPATH (a test's own reward-function module)
         sys.path[:0] = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
         sys.argv = ["nxdt", *request["args"]]
-        code = 1
-        try:
-            if "script" in request:
-                code = run_ranks(request["script"], request["args"], request["nproc"])
-            else:
-                code = nxdt.cli.main(request["args"], fork_workers=True)
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-        except BaseException:
-            import traceback
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code if isinstance(code, int) else 1)
+        if "script" in request:
+            exit_with(lambda: run_ranks(request["script"], request["args"], request["nproc"]))
+        exit_with(lambda: nxdt.cli.main(request["args"], fork_workers=True))
     for fd in fds:
         os.close(fd)
     sock.sendall(json.dumps({"pid": pid}).encode() + b"\n")
