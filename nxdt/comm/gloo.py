@@ -51,16 +51,21 @@ class GlooTransport(Transport):
             )
         return "gloo"
 
+    backend = "gloo"  # names the store prefix and the error; a subclass over another backend overrides _new_group
+
+    def _new_group(self, store: dist.Store, timeout: timedelta) -> dist.ProcessGroup:
+        return dist.ProcessGroupGloo(store, self.comm.rank, self.comm.size, timeout)
+
     def _group(self, stream: str) -> dist.ProcessGroup:
         pg = self._groups.get(stream)
         if pg is None:
             comm = self.comm
-            store = dist.PrefixStore(f"nxdt-gloo/{comm.name}/{stream}", comm.world.store)
+            store = dist.PrefixStore(f"nxdt-{self.backend}/{comm.name}/{stream}", comm.world.store)
             try:
-                pg = dist.ProcessGroupGloo(store, comm.rank, comm.size, timedelta(seconds=comm.world.timeout_s))
+                pg = self._new_group(store, timedelta(seconds=comm.world.timeout_s))
             except RuntimeError as exc:
                 raise CommTimeoutError(
-                    f"nxdt.comm: group '{comm.name}' could not form its gloo group on stream '{stream}' "
+                    f"nxdt.comm: group '{comm.name}' could not form its {self.backend} group on stream '{stream}' "
                     f"({str(exc).splitlines()[0]})"
                 ) from exc
             self._groups[stream] = pg

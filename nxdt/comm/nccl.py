@@ -22,7 +22,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from nxdt.comm.errors import CommTimeoutError
 from nxdt.comm.gloo import GlooTransport
 from nxdt.comm.transport import Transport, transport_name
 
@@ -42,23 +41,12 @@ class NCCLTransport(GlooTransport):
     def planned(self, op: str, name: str) -> str | None:
         return None
 
-    def _group(self, stream: str) -> dist.ProcessGroup:
-        pg = self._groups.get(stream)
-        if pg is None:
-            comm = self.comm
-            store = dist.PrefixStore(f"nxdt-nccl/{comm.name}/{stream}", comm.world.store)
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timedelta(seconds=comm.world.timeout_s)
-            try:
-                pg = dist.ProcessGroupNCCL(store, comm.rank, comm.size, options)
-            except RuntimeError as exc:
-                raise CommTimeoutError(
-                    f"nxdt.comm: group '{comm.name}' could not form its NCCL group on stream '{stream}' "
-                    f"({str(exc).splitlines()[0]})"
-                ) from exc
-            self._groups[stream] = pg
-            self._tags[stream] = comm.world.stream_tag(comm.name, stream)
-        return pg
+    backend = "nccl"
+
+    def _new_group(self, store: dist.Store, timeout: timedelta) -> dist.ProcessGroup:
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, self.comm.rank, self.comm.size, options)
 
     def _run(self, stream: str, desc: str, call) -> None:
         with torch.cuda.device(self.device):
