@@ -250,27 +250,30 @@ def test_algorithm_choice_follows_size_and_span():
     assert across == "hierarchical"
 
 
-def test_across_switched_gpu_nodes_the_node_ring_wins_until_the_nvls_tree_pays_off():
-    """nccl-tests' 16-GPU all-reduce on 2 × p5.48xlarge (published.yaml p5-allr-16gpu-n2): its marginal bandwidth
-    doubles between 16 and 64 MB, NCCL's switch from a ring (2(n-1)/n·S through each node's NICs) to NVLS_TREE (S
+def test_across_switched_gpu_nodes_the_cheaper_of_nccls_ring_and_nvls_tree_is_priced():
+    """16 GPUs on 2 × p5.48xlarge (published.yaml p5-allr-16gpu-n2): NCCL's node-laid ring (2(n-1)/n·S through each
+    node's NICs; every step at least the network post, tuning.cc's nsteps × net overhead) against NVLS_TREE (S
     through each node's NICs on two nodes, NVLS inside the node, plus its pipeline's fill: the ramp). From the
-    catalogue (NVSwitch: 2 µs, 450 GB/s × 0.733 = 329.85 GB/s, NVLS 0.773 of it = 254.97 GB/s; network: 30.2 µs,
-    400 GB/s × 0.772 = 308.8 GB/s per node; ramp 744 µs, half at 662 kB; 11.8 µs per call), by hand:
-      ring at 4 MiB:  28 NVSwitch steps × 2 µs + 2 crossings × 30.2 µs + 30 steps × 262144 B / 308.8 GB/s + 11.8
-                      = 56 + 60.4 + 30 × 0.848912 + 11.8 = 153.667 µs (no ramp)
-      NVLS tree at 1 GiB: 2 × log2(2) × 30.2 + 2 (one NVSwitch step) + max(S / 308.8 GB/s = 3477.1 µs,
-                      S / 254.97 GB/s = 4211.2 µs: the switch, not the network, sets the pace on two nodes)
-                      + the ramp 744 · S/(S + 662000) = 743.54 µs + 11.8: 5028.9 µs
-      ring at 1 GiB:  116.4 + 30 × 67108864 / 308.8e9 s + 11.8 = 6647.8 µs"""
+    catalogue (NVSwitch: 0.6 µs, 450 GB/s × 0.744 = 334.8 GB/s, NVLS 0.778 of it = 260.47 GB/s; network: 31.4 µs,
+    400 GB/s × 0.837 = 334.8 GB/s per node, 6 µs post per ring step; ramp 1770 µs, half at 96.9 MB; 20.3 µs per
+    call), by hand:
+      NVLS tree at 4 MiB: 2 × 31.4 + 0.6 + max(S / 334.8 GB/s, S / 260.47 GB/s = 16.103 µs)
+                          + 1770 · S/(S + 96.9e6) = 73.434 µs + 20.3 = 173.24 µs
+      ring at 4 MiB:      28 steps × max(0.6, 6) + 2 × 31.4 + 30 × 262144 B / 334.8 GB/s + 20.3 = 274.60 µs
+      ring at 64 MiB:     168 + 62.8 + 30 × 4194304 / 334.8e9 s + 20.3 = 626.93 µs (the tree's fill: 1065.6 µs)
+      NVLS tree at 1 GiB: 62.8 + 0.6 + 4122.3 (the switch sets the pace on two nodes) + 1623.5 (fill) + 20.3
+                          = 5829.5 µs (the ring: 6264.4 µs)"""
     inst = _instance("p5.48xlarge")
     topo = topology_of(inst, ranks_per_node=8)
     group = list(range(16))
     algorithm, seconds, every = estimate_collective("all_reduce", group, 4 << 20, topo, inst, 8)
-    assert algorithm == "ring" and seconds * 1e6 == pytest.approx(56 + 60.4 + 30 * 262144 / 308.8e9 * 1e6 + 11.8, rel=1e-9)
-    assert every["nvls_tree"] > seconds
+    assert algorithm == "nvls_tree" and seconds * 1e6 == pytest.approx(173.24, abs=0.01)
+    assert every["ring"] * 1e6 == pytest.approx(168 + 62.8 + 30 * 262144 / 334.8e9 * 1e6 + 20.3, rel=1e-9)
+    algorithm, seconds, every = estimate_collective("all_reduce", group, 64 << 20, topo, inst, 8)
+    assert algorithm == "ring" and seconds * 1e6 == pytest.approx(168 + 62.8 + 30 * 4194304 / 334.8e9 * 1e6 + 20.3, rel=1e-9)
     algorithm, seconds, every = estimate_collective("all_reduce", group, 1 << 30, topo, inst, 8)
-    assert algorithm == "nvls_tree" and seconds * 1e6 == pytest.approx(5028.9, abs=0.1)
-    assert every["ring"] * 1e6 == pytest.approx(6647.8, abs=0.1)
+    assert algorithm == "nvls_tree" and seconds * 1e6 == pytest.approx(5829.5, abs=0.1)
+    assert every["ring"] * 1e6 == pytest.approx(6264.4, abs=0.1)
 
 
 def test_comm_test_estimate_prints_an_nccom_test_table(capsys):

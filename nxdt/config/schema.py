@@ -485,6 +485,11 @@ class LinkConfig:
     message_us: float = doc(
         0.0, "cost to a rank of each message it sends to a peer over this link beyond its bytes (all-to-all: one per peer), µs"
     )
+    post_us: float = doc(
+        0.0,
+        "least time of every step of a ring that crosses this link, the host posting the step's network send "
+        "(NCCL tuning.cc: a ring across nodes pays nsteps × the net overhead); 0 = none (µs)",
+    )
 
 
 @dataclass

@@ -389,7 +389,7 @@ def check_ranges(cfg: Any) -> None:
     for link in ("intra_device", "device_link", "domain_link", "inter_node"):
         _number(f"instance.{link}.bandwidth_GBps", getattr(inst, link).bandwidth_GBps, 0)
         _number(f"instance.{link}.latency_us", getattr(inst, link).latency_us, 0)
-        for key in ("ramp_us", "ramp_bytes", "message_us"):
+        for key in ("ramp_us", "ramp_bytes", "message_us", "post_us"):
             _number(f"instance.{link}.{key}", getattr(getattr(inst, link), key), 0)
         if getattr(inst, link).efficiency is not None:
             _number(

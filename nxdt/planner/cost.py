@@ -64,6 +64,7 @@ class Link:
     ramp: float = 0.0  # seconds a collective crossing this link adds at most (see the module docstring)
     ramp_bytes: float = 0.0  # message size at which the ramp is half its maximum
     message: float = 0.0  # seconds each message to another node costs this rank beyond its bytes (all-to-all)
+    post: float = 0.0  # seconds every step of a ring crossing this link takes at least (the send's posting)
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,7 @@ def inter_link(shape: GroupShape, topo: Topology, instance: Any, ranks_per_node:
         ramp=getattr(link, "ramp_us", 0.0) * 1e-6,
         ramp_bytes=getattr(link, "ramp_bytes", 0.0),
         message=getattr(link, "message_us", 0.0) * 1e-6,
+        post=getattr(link, "post_us", 0.0) * 1e-6,
     )
 
 
@@ -289,11 +291,15 @@ def _node_ring(op: str, n: int, k: int, m: int, nbytes: float, intra: Link, inte
     (n-1 for all-gather / reduce-scatter) only 2(k-1) (k-1) cross nodes and pay the network's latency; each step moves
     S/n per rank, over NVLink/NeuronLink inside a node and, at each node boundary, through the node's network
     (its m ranks' share of the NICs together: 2(n-1)/n·S leave each node in all, against the hierarchical
-    algorithm's 2(k-1)/k·S)."""
+    algorithm's 2(k-1)/k·S). The steps inside a node take at least ``inter.post``: the ring's steps run in lockstep
+    and each one waits for the host to post the network send of the step at the node boundary (NCCL's tuning model,
+    src/graph/tuning.cc ncclTopoTuneModel: "Inter-node rings still have to launch nsteps * net overhead", intraLat =
+    max(intraLat, netOverhead), getNetOverhead 1 µs on Intel and 2 µs on AMD hosts, ×3 with the Simple protocol)."""
     steps = (2 if op == "all_reduce" else 1) * (n - 1)
     crossing = (2 if op == "all_reduce" else 1) * (k - 1)
     chunk = nbytes / n
-    return (steps - crossing) * intra.alpha + crossing * inter.alpha + steps * max(chunk / (inter.bw * m), chunk / intra.bw)
+    inside = max(intra.alpha, inter.post)
+    return (steps - crossing) * inside + crossing * inter.alpha + steps * max(chunk / (inter.bw * m), chunk / intra.bw)
 
 
 def _hierarchical_stages(op: str, m: int, k: int, nbytes: float, intra: Link, inter: Link) -> list[tuple[str, int, float, Link]]:
