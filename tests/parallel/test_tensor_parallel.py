@@ -531,7 +531,7 @@ def test_bad_plans_fail_clearly():
     assert toy.up.weight.shape == (4, 4) and toy.up.bias.shape == (4,) and toy.down.weight.shape == (4, 4)
     assert toy.down.bias.shape == (4,)  # row-parallel bias is replicated, added once after the reduction
     with pytest.raises(TypeError, match="already parallelised"):
-        apply_tensor_parallel(toy, fake_comm(2, 1), plan=tensor_parallel_plan_of(toy))
+        apply_tensor_parallel(toy, fake_comm(2, 1))
     with pytest.raises(ValueError, match="'input_region' block but holds no column-parallel layer"):
         apply_tensor_parallel(_Toy({"": "input_region", "down": "rowwise"}), fake_comm(2))
     region = apply_tensor_parallel(_Toy({"": "input_region", "up": "colwise", "down": "rowwise"}), fake_comm(2))
