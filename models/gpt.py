@@ -5,7 +5,8 @@ Positions are *learned* (GPT-2), not rotary: ``embed_positions`` is a [max_posit
 table added to the token embeddings. GELU is GPT-2's tanh approximation. Names follow the rest of the
 hub (``embed_tokens``, ``layers.N.self_attn.{q,k,v,o}_proj``, ``layers.N.mlp.{fc_in,fc_out}``,
 ``layers.N.{input,post_attention}_layernorm``, ``norm``, ``lm_head``) with separate q/k/v projections, cut by
-:meth:`GPTForCausalLM.tensor_parallel_plan` as Megatron's GPT is (tensor and sequence parallelism).
+the gpt2 family's plan (``nxdt.config.hf_model``, ``ModelSpec.parallel``) as Megatron's GPT is (tensor and sequence
+parallelism).
 
 Block: x + o(attn(ln1(x))), then + fc_out(gelu(fc_in(ln2(x)))). The public forward pieces are Llama's:
 ``embed(ids)`` (token + position embeddings), ``run_layer(layer, x)``, ``head(x)``, ``loss_fn(logits, labels)``.
@@ -43,7 +44,7 @@ from nxdt.models.attention import (
     layout_cache,
     layout_fields,
 )
-from nxdt.models.llama import CHECKPOINT_GRANULARITIES, DecoderOnlyLM, _opt, check_positions, vocab_block
+from nxdt.models.llama import CHECKPOINT_GRANULARITIES, DecoderOnlyLM, _opt, check_positions
 
 
 class GPTAttention(nn.Module):
@@ -159,27 +160,6 @@ class GPTForCausalLM(DecoderOnlyLM):
         if self.checkpoint_layers and torch.is_grad_enabled():
             return checkpoint(layer, x, segments, use_reentrant=False)
         return layer(x, segments)
-
-    def tensor_parallel_plan(self) -> dict[str, str]:
-        """Megatron's GPT layout (nxdt.parallel.tensor_parallel): q/k/v column-parallel in whole heads and o_proj
-        row-parallel, fc_in column- and fc_out row-parallel (column biases split, row biases replicated, added after
-        the reduction), token embedding and head split along the padded vocabulary, the learned positions
-        replicated (cut to the sequence shard under SP); LayerNorms replicated."""
-        head_dim = self.cfg.hidden_size // self.cfg.num_attention_heads
-        vocab = vocab_block(self.cfg)
-        return {
-            "embed_tokens": f"vocab_embedding:{vocab}",
-            "embed_positions": "sequence_embedding",
-            "layers.*.self_attn": "input_region",  # q, k, v: one entry, one input-gradient all-reduce
-            "layers.*.self_attn.q_proj": f"colwise:{head_dim}",
-            "layers.*.self_attn.k_proj": f"colwise:{head_dim}",
-            "layers.*.self_attn.v_proj": f"colwise:{head_dim}",
-            "layers.*.self_attn.o_proj": f"rowwise:{head_dim}",
-            "layers.*.mlp": "input_region",
-            "layers.*.mlp.fc_in": "colwise",
-            "layers.*.mlp.fc_out": "rowwise",
-            "lm_head": f"vocab_head:{vocab}",
-        }
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Distinct parameters (a tied embedding counts once). ``exclude_embeddings`` drops the lookup

@@ -1,7 +1,7 @@
 """Llama (2/3 family): RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query attention — and the families built
 on the same block, each a small class at the end of this file: Mistral (a sliding window, honoured up to the
 sequence), Qwen2/2.5 (q/k/v biases), Qwen3 (per-head q/k RMSNorm); what a family changes is its
-:class:`AttentionOptions`, its Hugging Face mapping is its spec in ``nxdt.config.hf_model``.
+:class:`AttentionOptions`, its Hugging Face mapping and its parallel plans are its spec in ``nxdt.config.hf_model``.
 
 Attribute names mirror Hugging Face's ``LlamaForCausalLM`` (``embed_tokens``, ``layers.N.self_attn.q_proj``,
 ``mlp.gate_proj``, ``norm``, ``lm_head``) so checkpoints map by name, and RoPE uses HF's rotate-half
@@ -288,12 +288,6 @@ def check_config(cfg: Any) -> None:
     rope_scaling_params(_opt(cfg, "rope_scaling", None))
 
 
-def vocab_block(cfg: Any) -> int:
-    """Under tensor parallelism the embedding and head are padded to a multiple of this × TP (Megatron's
-    ``make_vocab_size_divisible_by``); the padding rows are masked, so it changes speed on accelerators, not numbers."""
-    return int(_opt(cfg, "make_vocab_size_divisible_by", 1))
-
-
 def check_positions(input_ids: torch.Tensor, layout: SequenceLayout | None, max_positions: int) -> None:
     """A clear error for tokens past the model's position table (instead of an index error in a layer)."""
     positions, segments = layout_fields(layout)
@@ -479,36 +473,6 @@ class LlamaForCausalLM(DecoderOnlyLM):
         if self.checkpoint_layers and torch.is_grad_enabled():
             return checkpoint(layer, x, cos, sin, segments, use_reentrant=False)
         return layer(x, cos, sin, segments)
-
-    def tensor_parallel_plan(self) -> dict[str, str]:
-        """Submodule name patterns → tensor-parallel styles (see nxdt.parallel.tensor_parallel): attention and
-        MLP as column→row pairs cut in whole heads, KV heads replicated when fewer than the ranks, embedding
-        and head split along the vocabulary, padded to a multiple of :func:`vocab_block` × TP (a tied table stays
-        one shard)."""
-        d = head_dim(self.cfg)
-        vocab = vocab_block(self.cfg)
-        # Qwen3's per-head q/k norms: replicated, each rank's gradient covers its own heads only
-        norms = {"layers.*.self_attn.q_norm": "head_norm", "layers.*.self_attn.k_norm": "head_norm"}
-        return {
-            "embed_tokens": f"vocab_embedding:{vocab}",
-            "layers.*.self_attn": "input_region",  # q, k, v: one entry, one input-gradient all-reduce
-            "layers.*.self_attn.q_proj": f"colwise:{d}",
-            "layers.*.self_attn.k_proj": f"colwise_kv:{d}",
-            "layers.*.self_attn.v_proj": f"colwise_kv:{d}",
-            "layers.*.self_attn.o_proj": f"rowwise:{d}",
-            **(norms if self.attention_options.qk_norm else {}),
-            **self.ffn_tensor_parallel_plan(),
-            "lm_head": f"vocab_head:{vocab}",
-        }
-
-    def ffn_tensor_parallel_plan(self) -> dict[str, str]:
-        """The feed-forward block's part of the plan (a family member with another block overrides it)."""
-        return {
-            "layers.*.mlp": "input_region",
-            "layers.*.mlp.gate_proj": "colwise",
-            "layers.*.mlp.up_proj": "colwise",
-            "layers.*.mlp.down_proj": "rowwise",
-        }
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Distinct parameters (a tied embedding counts once). ``exclude_embeddings`` drops the input

@@ -22,7 +22,7 @@ Targets (``target_modules``) use NxD Training's names — ``qkv_proj``, ``o_proj
 is exported for HF: one A/B pair per projection).
 
 Tensor parallelism (``nxdt.parallel.tensor_parallel.LoRAParallelLinear``): ``apply_tensor_parallel`` finds
-the adapter at the base layer's ``tensor_parallel_plan()`` entry and splits it by the base's style, keeping
+the adapter at the base layer's entry of the tensor-parallel plan and splits it by the base's style, keeping
 the submodule names (so checkpoints, :func:`lora_state_dict` and the export see the same names):
 
 * column-parallel base (q/k/v, gate/up: output rows split): ``lora_B`` is split like the base by output

@@ -36,9 +36,17 @@ router logits of *all* layers stacked as rows (T = tokens × layers rows, E expe
 ``cross_entropy + moe.router_aux_loss_coef · aux``, where ``aux`` comes from the router logits recorded by
 this model's most recent forward (the training step calls ``model.loss_fn(model(ids), labels)``, so they
 belong to the same micro-batch). ``aux_loss()`` returns the bare aux term (for logging).
-``MixtralForCausalLM.loss_fn(logits, labels)`` on the class is the plain cross-entropy. Under pipeline
-parallelism the last stage sees only its own layers' router logits; the aux term then covers those layers
-only (a documented limitation).
+``MixtralForCausalLM.loss_fn(logits, labels)`` on the class is the plain cross-entropy.
+
+Under pipeline parallelism no stage holds every layer's router logits, and the loss is not a sum over layers (f and P
+both run over all rows). It is one over *stages* once the counts are known: with C_e = Σ over all layers of the slots
+routed to e and S_e = Σ over a stage's rows of softmax(logits)_e, ``aux = E/T² · Σ_e C_e · Σ_stages S_e``, and C
+carries no gradient. The hub model hands the pipeline :class:`LoadBalancing` (``model.load_balancing()``): each
+chunk's statistics ride forward with its activations, the last chunk stages the whole term (its own S
+differentiable, the earlier stages' as numbers) for ``loss_fn`` to add, and the totals ride back with the gradients
+so each earlier chunk backpropagates its own share ``coef · E/T² · Σ_e C_e S_e``
+(``nxdt.parallel.pipeline.PipelineExecutor``): loss and gradients equal the unsharded model's, with any objective
+(one that does not call ``loss_fn``, DPO's, has no aux term at any stage, as unsharded).
 
 Config: the ``model`` schema's keys (as Llama; ``ffn_hidden_size`` is one expert's inner width) plus a
 ``moe`` sub-config: ``num_experts`` (8), ``top_k`` (2), ``router_aux_loss_coef`` (0.02; HF's MixtralConfig
@@ -110,15 +118,68 @@ def route(
     return (weights / weights.sum(dim=-1, keepdim=True) if normalize else weights), experts
 
 
+class LoadBalancing:
+    """HF's load-balancing loss (module docstring) over rows that may sit on several pipeline stages. A group of
+    rows (one chunk's layers) is summarised by ``statistics``: a float64 vector [counts C (E), probability sums S (E),
+    rows T] (no gradient; vectors of several groups add up) and S again with its gradient. ``loss(s, totals)`` is
+    ``E/T² · Σ_e C_e · s_e`` with C and T of ``totals``: the term of the rows ``s`` sums; the terms of all groups add
+    up to HF's loss over all their rows. ``coef``: the model's ``router_aux_loss_coef``.
+
+    A pipeline's last chunk ``stage``s the whole term before its loss is computed; the model's ``aux_loss`` takes it
+    from there (``taken`` then says the objective included it, as the unsharded model's ``loss_fn`` does, and an
+    objective that leaves it out, DPO's, leaves it out at every stage)."""
+
+    def __init__(self, num_experts: int, top_k: int, coef: float = 1.0) -> None:
+        self.num_experts, self.top_k, self.coef = num_experts, top_k, coef
+        self.width = 2 * num_experts + 1  # the statistics vector: C, S, T
+        self._staged = _Transient()
+        self.taken = False
+
+    def statistics(self, router_logits: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the float64 statistics vector, S [E] fp32 with gradient) of these router logits (each [rows, E])."""
+        probs = torch.softmax(torch.cat([r.reshape(-1, self.num_experts) for r in router_logits]).float(), dim=-1)
+        chosen = torch.topk(probs, self.top_k, dim=-1).indices
+        # integer counts are not differentiable (as in HF): only S carries gradient, into the router
+        counts = torch.bincount(chosen.reshape(-1), minlength=self.num_experts).to(torch.float64)
+        sums = probs.sum(dim=0)
+        rows = torch.tensor([probs.shape[0]], dtype=torch.float64, device=counts.device)
+        return torch.cat([counts, sums.detach().double(), rows]), sums
+
+    def loss(self, sums: torch.Tensor, totals: torch.Tensor) -> torch.Tensor:
+        """``E/T² · Σ_e C_e · sums_e`` (C, T from ``totals``; ``sums``: a tensor with gradient, or totals' S)."""
+        e = self.num_experts
+        rows = totals[2 * e].to(torch.float32)
+        fraction = totals[:e].to(torch.float32) / rows
+        return e * torch.sum(fraction * sums.to(torch.float32) / rows)
+
+    def take(self, layers: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The statistics of the MoE blocks in ``layers`` (modules) from their last forward, which they then forget
+        (the model's ``loss_fn`` must not count them a second time); None when none of them recorded logits."""
+        blocks = [m for layer in layers for m in layer.modules() if isinstance(m, SparseMoeBlock)]
+        logits = [b.router_logits for b in blocks if b.router_logits is not None]
+        for block in blocks:
+            block.router_logits = None
+        return self.statistics(logits) if logits else None
+
+    def stage(self, value: torch.Tensor | None) -> None:
+        """The whole aux term of the micro-batch whose loss is computed next (None: clear it)."""
+        self._staged.value, self.taken = value, False
+
+    @property
+    def staged(self) -> bool:
+        return self._staged.value is not None
+
+    def take_staged(self) -> torch.Tensor | None:
+        value, self._staged.value = self._staged.value, None
+        self.taken = self.taken or value is not None
+        return value
+
+
 def load_balancing_loss(router_logits: list[torch.Tensor] | torch.Tensor, num_experts: int, top_k: int) -> torch.Tensor:
     """HF's Switch-Transformer auxiliary loss over the rows of all layers' router logits (module docstring)."""
-    if isinstance(router_logits, (list, tuple)):
-        router_logits = torch.cat([r.reshape(-1, num_experts) for r in router_logits])
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    chosen = torch.topk(probs, top_k, dim=-1).indices
-    # integer counts are not differentiable (as in HF): only P carries gradient, into the router
-    fraction = torch.bincount(chosen.reshape(-1), minlength=num_experts).to(probs.dtype) / probs.shape[0]
-    return num_experts * torch.sum(fraction * probs.mean(dim=0))
+    balance = LoadBalancing(num_experts, top_k)
+    totals, sums = balance.statistics(list(router_logits) if isinstance(router_logits, (list, tuple)) else [router_logits])
+    return balance.loss(sums, totals)
 
 
 class _Transient:
@@ -242,17 +303,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
         self.num_experts = int(moe_option(cfg, "num_experts"))
         self.top_k = int(moe_option(cfg, "top_k"))
         self.router_aux_loss_coef = float(moe_option(cfg, "router_aux_loss_coef"))
-
-    def ffn_tensor_parallel_plan(self) -> dict[str, str]:
-        """Experts as column (w1, w3) → row (w2) pairs inside one token region per block (one reduction per
-        block, not per expert); the router stays replicated."""
-        block = f"layers.*.{self.layer_class.ffn_name}"
-        return {
-            block: "token_region",
-            f"{block}.experts.*.w1": "colwise_in_region",
-            f"{block}.experts.*.w3": "colwise_in_region",
-            f"{block}.experts.*.w2": "rowwise_partial",
-        }
+        self.balance = LoadBalancing(self.num_experts, self.top_k, self.router_aux_loss_coef)
 
     def moe_blocks(self) -> list[SparseMoeBlock]:
         return [m for m in self.modules() if isinstance(m, SparseMoeBlock)]
@@ -273,8 +324,16 @@ class MixtralForCausalLM(LlamaForCausalLM):
         """Router logits [tokens, experts] of every layer that ran in the last forward, in layer order."""
         return [b.router_logits for b in self.moe_blocks() if b.router_logits is not None]
 
+    def load_balancing(self) -> LoadBalancing | None:
+        """What a pipeline needs to add the aux loss across stages (module docstring); None when its weight is 0."""
+        return self.balance if self.router_aux_loss_coef != 0 else None
+
     def aux_loss(self) -> torch.Tensor:
-        """HF's load-balancing loss over the last forward's router logits (0 if none were recorded)."""
+        """HF's load-balancing loss over the last forward's router logits (0 if none were recorded); in a pipeline's
+        last chunk the whole term over every stage's layers, which the pipeline staged."""
+        staged = self.balance.take_staged()
+        if staged is not None:
+            return staged
         logits = self.router_logits()
         if not logits:
             return torch.zeros(())
@@ -285,7 +344,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
         """Next-token cross-entropy (fp32, mean over tokens, -100 ignored); on an instance plus
         ``router_aux_loss_coef · aux_loss()`` of the forward that produced ``logits``."""
         ce = next_token_loss(self.lm_head if self is not None else None, logits, labels)
-        if self is None or self.router_aux_loss_coef == 0 or not self.router_logits():
+        if self is None or self.router_aux_loss_coef == 0 or not (self.router_logits() or self.balance.staged):
             return ce
         return ce + self.router_aux_loss_coef * self.aux_loss()
 

@@ -1,6 +1,6 @@
 """Qwen3-MoE (transformers' ``Qwen3MoeForCausalLM``, e.g. Qwen3-30B-A3B): Qwen3's attention (an RMSNorm over each
 query and key head before RoPE, an explicit ``head_dim``) with a sparse mixture of SwiGLU experts as every layer's
-feed-forward — Mixtral's block (``nxdt.models.mixtral``: router, dispatch, expert parallelism, TP plan, aux loss) under
+feed-forward — Mixtral's block (``nxdt.models.mixtral``: router, dispatch, expert parallelism, aux loss) under
 Hugging Face's attribute name ``mlp``.
 
 What differs from Mixtral, as transformers' ``Qwen3MoeTopKRouter`` computes it: softmax over the experts in fp32,

@@ -17,6 +17,7 @@ from nxdt.lightning.hf import hf_name
 from nxdt.lightning.peft_export import export_peft_adapter
 from nxdt.models.llama import LlamaForCausalLM
 from nxdt.models.lora import LoRALinear, apply_lora, base_state_dict, lora_state_dict, merge_lora
+from nxdt.config.hf_model import tensor_parallel_plan_of
 from hf_reference import TINY_LLAMA, llama_config
 
 TINY = TINY_LLAMA
@@ -187,7 +188,11 @@ def test_tensor_parallel_plan_splits_adapters_with_their_base_layer():
     carry an adapter is refused by name."""
     from nxdt.parallel.tensor_parallel import LoRAParallelLinear, apply_tensor_parallel, shard_layout
 
-    model = apply_tensor_parallel(apply_lora(llama(), rank=2, alpha=2, target_modules=ALL), SimpleNamespace(size=2, rank=1))
+    model = apply_tensor_parallel(
+        m := apply_lora(llama(), rank=2, alpha=2, target_modules=ALL),
+        SimpleNamespace(size=2, rank=1),
+        plan=tensor_parallel_plan_of(m),
+    )
     layout = shard_layout(model)
     attn = model.layers[0].self_attn
     assert isinstance(attn.q_proj, LoRAParallelLinear) and isinstance(model.layers[1].mlp.down_proj, LoRAParallelLinear)

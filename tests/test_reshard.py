@@ -20,6 +20,7 @@ from nxdt.lightning import checkpoint as ckpt_io, reshard
 from nxdt.lightning.optim import parameter_groups
 from nxdt.models.llama import LlamaForCausalLM
 from nxdt.parallel.tensor_parallel import apply_tensor_parallel, shard_layout
+from nxdt.config.hf_model import tensor_parallel_plan_of
 
 CFG = types.SimpleNamespace(
     vocab_size=64,
@@ -55,7 +56,9 @@ def _full_module_and_optimizer() -> tuple[_Module, torch.optim.AdamW]:
 
 def _tp_rank(full: _Module, rank: int, size: int) -> tuple[_Module, torch.optim.AdamW]:
     module = copy.deepcopy(full)
-    apply_tensor_parallel(module.model, types.SimpleNamespace(rank=rank, size=size))  # slicing only needs rank/size
+    apply_tensor_parallel(
+        module.model, types.SimpleNamespace(rank=rank, size=size), plan=tensor_parallel_plan_of(module.model)
+    )  # slicing only needs rank/size
     return module, torch.optim.AdamW(parameter_groups(module.model, 0.1), lr=1e-2)
 
 

@@ -36,6 +36,7 @@ from nxdt.models.llama import LlamaForCausalLM, rope_inv_freq, rope_tables
 from nxdt.models.mixtral import MixtralForCausalLM
 from nxdt.parallel.tensor_parallel import apply_tensor_parallel, gather_from_tensor_parallel_region
 from nxdt.planner.estimate import memory_per_rank
+from nxdt.config.hf_model import tensor_parallel_plan_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -421,7 +422,7 @@ def _tp_logits(world, state, ids, cfg_dict):
         for sequence_parallel in (False, True):
             model = LlamaForCausalLM(SimpleNamespace(**cfg_dict, core_attention=impl))
             model.load_state_dict(state)
-            model = apply_tensor_parallel(model, comm, sequence_parallel=sequence_parallel)
+            model = apply_tensor_parallel(model, comm, sequence_parallel=sequence_parallel, plan=tensor_parallel_plan_of(model))
             with torch.no_grad():
                 out[f"{impl} sp={sequence_parallel}"] = gather_from_tensor_parallel_region(model(ids), comm).numpy()
     return out

@@ -13,11 +13,12 @@ A spec says which Hugging Face ``model_type`` the family is and which hub class 
   ``nxdt.lightning.hf.StateDictAdapter`` applies the rules with torch, which this layer does not import);
 * what the planner's FLOPs count and memory model need to know of the block (:attr:`ModelSpec.block`:
   ``nxdt.planner.estimate`` asks :func:`spec_of` for it, never a module name);
-* the parallel plans by reference: the TP/SP plan (``tensor_parallel_plan()``), the PP stage split (``layers`` with
-  ``embed`` / ``run_layer`` / ``head``), FSDP units and, for a MoE family (``block.moe``), the expert blocks EP slices
-  are declared by the hub class (plain torch; ``nxdt.parallel`` consumes them by duck typing), as torchtitan's
-  TrainSpec names its model's ``parallelize_fn`` and ``pipelining_fn``. ``tests/test_model_specs.py`` checks every
-  registered spec against its hub class.
+* how the hub model is cut (:attr:`ModelSpec.parallel`, a :class:`ParallelPlan`, as torchtitan's TrainSpec carries
+  its ``parallelize_fn``): the TP/SP plan as data (:meth:`ModelSpec.tensor_parallel_plan`) and, for a MoE family
+  (``block.moe``), the pattern of the expert blocks EP slices; ``nxdt.lightning.strategy`` finds the spec by the
+  model's exact class (:func:`spec_of_class`) and hands both to ``nxdt.parallel``. The hub class keeps the torch half:
+  its modules and forward, the PP stage split every family shares (``layers`` with ``embed`` / ``run_layer`` /
+  ``head``), FSDP units. ``tests/test_model_specs.py`` checks every registered spec against its hub class.
 
 Adding a family = one spec in :data:`FAMILIES`, one hub class (model file), tests.
 
@@ -119,6 +120,80 @@ class Block:
     learned_positions: bool = False
 
 
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How a family's hub model is cut, as data (``nxdt.parallel`` applies it; this layer imports no torch):
+    ``tensor_parallel``: (module name pattern, style) pairs for ``nxdt.parallel.tensor_parallel.apply_tensor_parallel``
+    (TP and SP; the styles are that module's ``STYLES``), ``{head_dim}`` and ``{vocab}`` (the vocabulary padding
+    block, ``model.make_vocab_size_divisible_by``) filled from the model config by
+    :meth:`ModelSpec.tensor_parallel_plan`; ``experts``: the pattern of the MoE blocks expert parallelism slices (None:
+    a dense family; ``nxdt.parallel.expert_parallel.apply_expert_parallel``'s ``blocks``). Pipeline stages are cut
+    from the hub model's ``layers``, which it runs one by one (``embed`` / ``run_layer`` / ``head``:
+    ``nxdt.parallel.pipeline.build_chunks``), the same for every family."""
+
+    tensor_parallel: tuple[tuple[str, str], ...]
+    experts: str | None = None
+
+
+# Llama's attention and head (Megatron's layout): q/k/v column-parallel in whole heads, entered once per block
+# (``input_region``), KV heads replicated when fewer than the ranks, o row-parallel; embedding and head split along
+# the padded vocabulary (a tied table stays one shard)
+_ATTENTION_TP = (
+    ("embed_tokens", "vocab_embedding:{vocab}"),
+    ("layers.*.self_attn", "input_region"),
+    ("layers.*.self_attn.q_proj", "colwise:{head_dim}"),
+    ("layers.*.self_attn.k_proj", "colwise_kv:{head_dim}"),
+    ("layers.*.self_attn.v_proj", "colwise_kv:{head_dim}"),
+    ("layers.*.self_attn.o_proj", "rowwise:{head_dim}"),
+    ("lm_head", "vocab_head:{vocab}"),
+)
+# Qwen3's per-head q/k norms: replicated, each rank's gradient covers its own heads only
+_QK_NORM_TP = (("layers.*.self_attn.q_norm", "head_norm"), ("layers.*.self_attn.k_norm", "head_norm"))
+_SWIGLU_TP = (
+    ("layers.*.mlp", "input_region"),
+    ("layers.*.mlp.gate_proj", "colwise"),
+    ("layers.*.mlp.up_proj", "colwise"),
+    ("layers.*.mlp.down_proj", "rowwise"),
+)
+
+
+def _moe_plan(block: str, *attention: tuple[str, str]) -> ParallelPlan:
+    """A sparse MoE feed-forward at ``block``: its experts as column (w1, w3) → row (w2) pairs inside one token region
+    per block (one reduction per block, not per expert), the router replicated; EP slices the same blocks."""
+    experts = (
+        (block, "token_region"),
+        (f"{block}.experts.*.w1", "colwise_in_region"),
+        (f"{block}.experts.*.w3", "colwise_in_region"),
+        (f"{block}.experts.*.w2", "rowwise_partial"),
+    )
+    return ParallelPlan(tensor_parallel=(*attention, *experts), experts=block)
+
+
+_LLAMA_PLAN = ParallelPlan(tensor_parallel=(*_ATTENTION_TP, *_SWIGLU_TP))
+# Megatron's GPT: q/k/v column-parallel (biases split) and o row-parallel (bias added after the reduction), fc_in
+# column- and fc_out row-parallel, the learned positions replicated (cut to the sequence shard under SP)
+_GPT_PLAN = ParallelPlan(
+    tensor_parallel=(
+        ("embed_tokens", "vocab_embedding:{vocab}"),
+        ("embed_positions", "sequence_embedding"),
+        ("layers.*.self_attn", "input_region"),
+        ("layers.*.self_attn.q_proj", "colwise:{head_dim}"),
+        ("layers.*.self_attn.k_proj", "colwise:{head_dim}"),
+        ("layers.*.self_attn.v_proj", "colwise:{head_dim}"),
+        ("layers.*.self_attn.o_proj", "rowwise:{head_dim}"),
+        ("layers.*.mlp", "input_region"),
+        ("layers.*.mlp.fc_in", "colwise"),
+        ("layers.*.mlp.fc_out", "rowwise"),
+        ("lm_head", "vocab_head:{vocab}"),
+    )
+)
+
+
+def _get(node: Any, name: str) -> Any:
+    """``name`` of a model config node: typed, namespace or mapping (flat dotted keys too)."""
+    return node.get(name) if isinstance(node, Mapping) else getattr(node, name, None)
+
+
 SWIGLU = Block(mlp_matrices=3, norm="rmsnorm", moe=False, lora_mlp=True)
 SWIGLU_MOE = Block(mlp_matrices=3, norm="rmsnorm", moe=True, lora_mlp=False)  # experts are w1/w2/w3: no LoRA target
 
@@ -130,13 +205,14 @@ class ModelSpec:
 
     model_type: str
     hf_architecture: str  # transformers class, config.json's "architectures"
-    architecture: str  # nxdt hub class (model.architecture): the TP/SP plan, PP split, FSDP units, MoE blocks
+    architecture: str  # nxdt hub class (model.architecture): the torch modules, their forward, FSDP units
     fields: dict[str, tuple[str, Any]]
     compute_keys: tuple[str, ...]
     # (hf) -> extra nxdt fields / refusal, and (model) -> the family-specific config.json fields
     check: Callable[[Mapping[str, Any]], dict[str, Any]]
     extra_config: Callable[[Mapping[str, Any]], dict[str, Any]]
     block: Block
+    parallel: ParallelPlan = _LLAMA_PLAN  # how the hub model is cut: TP/SP, EP, PP
     fixed: dict[str, Any] = field(default_factory=dict)  # nxdt fields the family fixes (e.g. Mixtral's softmax router)
     # the state-dict adapter: the first rule whose pattern matches a name maps it; checkpoint names that are not
     # weights (``skip``: suffixes of buffers some checkpoints carry) are ignored; ``hf_prefix``: the prefix HF's own
@@ -171,6 +247,16 @@ class ModelSpec:
         out.update(self.extra_config(model))
         out["torch_dtype"] = dtype
         return dict(sorted(out.items()))
+
+    def tensor_parallel_plan(self, model: Any) -> dict[str, str]:
+        """The TP/SP plan of a hub model with this model config (``{module name pattern: style}``, what
+        ``nxdt.parallel.tensor_parallel.apply_tensor_parallel`` takes as ``plan``)."""
+        heads, hidden = _get(model, "num_attention_heads"), _get(model, "hidden_size")
+        values = {
+            "head_dim": _get(model, "head_dim") or hidden // heads,
+            "vocab": int(_get(model, "make_vocab_size_divisible_by") or 1),
+        }
+        return {pattern: style.format(**values) for pattern, style in self.parallel.tensor_parallel}
 
     def hf_key(self, key: str) -> str:
         """The config.json field an nxdt model field comes from (``rope_scaling.factor`` keeps its name)."""
@@ -436,6 +522,7 @@ FAMILIES: dict[str, ModelSpec] = {
         check=_mixtral_check,
         extra_config=_mixtral_config,
         block=SWIGLU_MOE,
+        parallel=_moe_plan("layers.*.block_sparse_moe", *_ATTENTION_TP),
         fixed={"moe.router_activation": "softmax", "moe.normalize_top_k_affinities": True},
     ),
     # Qwen3-MoE: Qwen3's attention, Mixtral's sparse block in every layer; softmax top-k, renormalised only with
@@ -455,6 +542,7 @@ FAMILIES: dict[str, ModelSpec] = {
         check=_qwen3_moe_check,
         extra_config=_qwen3_moe_config,
         block=SWIGLU_MOE,
+        parallel=_moe_plan("layers.*.mlp", *_ATTENTION_TP, *_QK_NORM_TP),
         fixed={"moe.router_activation": "softmax"},
         weights=(*_QWEN3_MOE_EXPERTS, WeightRule(("lm_head.{p}",), "lm_head.{p}"), WeightRule(("{name}",), "model.{name}")),
     ),
@@ -490,6 +578,7 @@ FAMILIES: dict[str, ModelSpec] = {
         check=lambda hf: _qwen_check(hf, "qwen3"),
         extra_config=lambda model: _qwen_config(model, "qwen3"),
         block=SWIGLU,
+        parallel=ParallelPlan(tensor_parallel=(*_ATTENTION_TP, *_QK_NORM_TP, *_SWIGLU_TP)),
     ),
     # nxdt's GPT is GPT-2 exactly: learned positions, pre-LayerNorm, tanh GELU, biases but none on the head
     "gpt2": ModelSpec(
@@ -514,6 +603,7 @@ FAMILIES: dict[str, ModelSpec] = {
         extra_config=_gpt2_config,
         # fc_in / fc_out: no LoRA MLP names
         block=Block(mlp_matrices=2, norm="layernorm", moe=False, lora_mlp=False, learned_positions=True),
+        parallel=_GPT_PLAN,
         weights=(
             WeightRule(("embed_tokens.weight",), "transformer.wte.weight"),
             WeightRule(("embed_positions.weight",), "transformer.wpe.weight"),
@@ -557,6 +647,21 @@ def spec_of(model: Any) -> ModelSpec:
     (a node without one is the schema's default, Llama)."""
     architecture = model.get("architecture") if isinstance(model, Mapping) else getattr(model, "architecture", None)
     return family_of_architecture(architecture or DEFAULT_ARCHITECTURE)
+
+
+def spec_of_class(cls: type) -> ModelSpec | None:
+    """The spec of a hub class by its exact import path; None for any other class (a subclass may change the modules
+    a plan names: it declares its own ``tensor_parallel_plan()``)."""
+    path = f"{cls.__module__}.{cls.__qualname__}"
+    return next((family for family in FAMILIES.values() if family.architecture == path), None)
+
+
+def tensor_parallel_plan_of(model: Any) -> dict[str, str]:
+    """The TP/SP plan of a built hub model (its class's family, its ``cfg``)."""
+    spec = spec_of_class(type(model))
+    if spec is None:
+        raise HFConfigError(f"{type(model).__qualname__} is no model family's hub class; pass its own tensor-parallel plan")
+    return spec.tensor_parallel_plan(model.cfg)
 
 
 def model_fields(hf: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:

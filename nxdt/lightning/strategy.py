@@ -40,6 +40,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 import nxdt.comm
+from nxdt.config.hf_model import spec_of_class
 from nxdt.lightning import collectives, environment, lightning_checkpoint
 from nxdt.lightning.precision import with_strategy_clipping
 from nxdt.lightning.sharded_checkpoint import RankGroups, ShardedCheckpointer
@@ -403,12 +404,19 @@ class NxDStrategy(ParallelStrategy):
         if not needs_hub_model(self.communicators) or sharded_already:
             return
         objective = getattr(self.lightning_module, "objective", None)  # CausalLMModule's (DPO reads more than labels)
+        # a model family's TP/SP plan is its spec's (by the exact class path); any other model declares its own
+        family = spec_of_class(type(model))
+        tp_plan = None
+        if family is not None and model is not None and not hasattr(model, "tensor_parallel_plan"):
+            tp_plan = family.tensor_parallel_plan(model.cfg)
         self._parallel = parallelize(
             model,
             self.communicators,
             sequence_parallel=self._sequence_parallel,
             virtual_pipeline=self._virtual,
             batch_loss=functools.partial(objective.loss, model) if objective else None,
+            tensor_parallel_plan=tp_plan,
+            expert_blocks=None if family is None else family.parallel.experts,
         )
         self._parallelized = model
 

@@ -51,6 +51,8 @@ The model side is duck-typed (this layer does not import the model hub): an MoE 
 
 from __future__ import annotations
 
+import fnmatch
+
 from typing import Any
 
 import torch
@@ -132,20 +134,29 @@ def moe_blocks(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if _is_moe_block(m)]
 
 
-def apply_expert_parallel(model: nn.Module, ep_comm: Communicator | None, stream: str = "default") -> nn.Module:
+def apply_expert_parallel(
+    model: nn.Module, ep_comm: Communicator | None, stream: str = "default", blocks: str | None = None
+) -> nn.Module:
     """Keep experts ``[rank·E/EP, (rank+1)·E/EP)`` of every MoE block of ``model`` (a full model built with
     the same seed on every rank) and route tokens over ``ep_comm`` with all-to-all. Returns ``model``
-    (modified in place). ``ep_comm`` None or of size 1: nothing changes."""
+    (modified in place). ``ep_comm`` None or of size 1: nothing changes. ``blocks``: the blocks' module name pattern
+    (a model family's spec names it: ``ModelSpec.parallel.experts``); default every module shaped as one."""
     if ep_comm is None or ep_comm.size == 1:
         return model
-    blocks = moe_blocks(model)
-    if not blocks:
+    if blocks is None:
+        found = moe_blocks(model)
+    else:
+        found = [m for name, m in model.named_modules() if fnmatch.fnmatchcase(name, blocks)]
+        wrong = [type(m).__name__ for m in found if not _is_moe_block(m)]
+        if wrong:
+            raise ValueError(f"apply_expert_parallel: {blocks} matches {wrong[0]}, no MoE block (experts + dispatcher)")
+    if not found:
         raise ValueError(
             f"apply_expert_parallel: {type(model).__name__} has no MoE block (a module with an "
             f"'experts' ModuleDict and a 'dispatcher'); expert parallelism needs a mixture-of-experts model"
         )
     ep, rank = ep_comm.size, ep_comm.rank
-    for block in blocks:
+    for block in found:
         experts = block.num_experts
         if experts % ep:
             raise ValueError(

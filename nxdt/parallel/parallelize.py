@@ -53,10 +53,14 @@ def parallelize(
     sequence_parallel: bool = False,
     virtual_pipeline: int = 1,
     batch_loss: Callable[[Tensor, Mapping[str, Any]], Tensor] | None = None,
+    tensor_parallel_plan: dict[str, str] | None = None,
+    expert_blocks: str | None = None,
 ) -> Parallelized:
     """Shard the hub ``model`` in place for this rank (``comms``: its communicator per dimension) and return what the
     strategy keeps of it. ``batch_loss(logits, micro_batch)``: the last pipeline stage's loss when the objective reads
-    more than the labels (DPO's pairs and reference log-probabilities); default the model's ``loss_fn``."""
+    more than the labels (DPO's pairs and reference log-probabilities); default the model's ``loss_fn``.
+    ``tensor_parallel_plan``: the TP/SP plan (a model family's, from its spec); default the model's own declaration;
+    ``expert_blocks``: the pattern of the MoE blocks EP slices (the spec's); default every module shaped as one."""
     if not hasattr(model, "run_layer"):
         raise ValueError(
             "NxDStrategy: tensor/pipeline/expert/context parallelism needs a LightningModule whose `model` is a "
@@ -65,12 +69,12 @@ def parallelize(
     out = Parallelized()
     tp, cp, ep, pp = (degree(comms, dim) for dim in ("tp", "cp", "ep", "pp"))
     if tp > 1:
-        apply_tensor_parallel(model, comms["tp"], sequence_parallel=sequence_parallel)
+        apply_tensor_parallel(model, comms["tp"], sequence_parallel=sequence_parallel, plan=tensor_parallel_plan)
         out.norm_weights = norm_weights(model, tp)
     if cp > 1:  # each layer's core attention becomes ring attention over the CP group (weights untouched)
         apply_context_parallel(model, comms["cp"])
     if ep > 1:  # after TP: it flags the (TP-sharded) expert parameters it keeps
-        apply_expert_parallel(model, comms["ep"])
+        apply_expert_parallel(model, comms["ep"], blocks=expert_blocks)
     if pp > 1:
         chunks = build_chunks(model, comms["pp"].rank, pp, virtual=virtual_pipeline)
         out.pipeline = PipelineExecutor(

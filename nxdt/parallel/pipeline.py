@@ -31,6 +31,14 @@ Worked example (2 stages, 4 layers, 2 chunks per stage, 4 micro-batches; on ever
 
     F0 sendA0 | F1 sendA1 recvG0 B0 | F2 sendA2 recvG1 B1 | recvG2 B2        (warm-up | steady | cool-down)
 
+A mixture-of-experts model's load-balancing loss (``model.load_balancing()``, duck-typed: ``models/mixtral.py``) runs
+over the router logits of every layer, so it is not a sum of per-stage terms until every stage's expert counts are
+known. Each chunk's router statistics (counts, probability sums, rows) travel forward with its activation (stream
+kind ``moe``); the last chunk stages the whole term, which the model's ``loss_fn`` adds as it does unsharded; the
+totals travel back with the gradient (``moe_grad``; zero counts when the objective left the term out) and every
+earlier chunk backpropagates its own share, scaled as the loss is (token share, ``loss_weight``, 1/m). Loss and
+gradients equal the single-process model's.
+
 Tied word embeddings across stages are not supported: :func:`build_chunks` raises
 "tie_word_embeddings with PP>1 is not supported" (with one stage the tied weight is one Parameter).
 """
@@ -478,6 +486,9 @@ class PipelineExecutor:
         if hidden_size is None:
             raise ValueError("PipelineExecutor: pass hidden_size= (activation shape is [micro_batch, seq, hidden])")
         self.hidden_size = hidden_size
+        # a MoE model's load-balancing loss across stages (module docstring); None for a dense model
+        make_balance = getattr(getattr(self.chunks[0], "model", None), "load_balancing", None)
+        self.balance: Any = make_balance() if make_balance is not None else None  # models.mixtral.LoadBalancing
         self.dispatch: dict[TaskType, Callable[[Any], None]] = {
             TaskType.FORWARD: self._forward,
             TaskType.BACKWARD: self._backward,
@@ -499,6 +510,14 @@ class PipelineExecutor:
         self.loss_sum = torch.zeros((), dtype=torch.float64)
         self.losses: dict[int, torch.Tensor] = {}  # each micro-batch's unscaled loss (last chunk)
         self.scores: dict[int, torch.Tensor] = {}  # score(): each micro-batch's values (last chunk)
+        # MoE: router statistics received with an activation / sent on with it / this chunk's probability sums (with
+        # gradient) / the totals of all layers, from the last chunk, for the backward
+        self.aux_in: dict[tuple[int, int], torch.Tensor] = {}
+        self.aux_through: dict[tuple[int, int], torch.Tensor] = {}
+        self.aux_sums: dict[tuple[int, int], torch.Tensor] = {}
+        self.aux_totals: dict[tuple[int, int], torch.Tensor] = {}
+        if self.balance is not None:  # nothing staged by a run that raised
+            self.balance.stage(None)
 
     def _global(self, chunk: int) -> int:
         return chunk * self.num_stages + self.stage
@@ -509,6 +528,15 @@ class PipelineExecutor:
     def _shape(self, mb: int) -> tuple[int, ...]:
         b, s = unpack_microbatch(self.microbatches[mb])[0].shape[:2]
         return (b, s // self.seq_shards, self.hidden_size)
+
+    def _scaled(self, loss: torch.Tensor, mb: int) -> torch.Tensor:
+        """A micro-batch's loss term as the backward takes it: this rank's share of the sequence's token mean (context
+        parallelism; unchanged without), times its ``loss_weight``, over the number of micro-batches."""
+        loss = weight_by_token_share(loss, self.microbatches[mb])
+        weight = micro_batch_weight(self.microbatches[mb])
+        if weight is not None:  # the micro-batch's share of the global batch's labelled tokens
+            loss = loss * weight.to(loss.dtype)
+        return loss
 
     def run(
         self, schedule: Iterable[Task], microbatches: Sequence[Any], before_backward: Callable[[bool], None] | None = None
@@ -595,22 +623,55 @@ class PipelineExecutor:
         ids, labels, layout = unpack_microbatch(self.microbatches[t.microbatch])
         x = ids if self._global(t.chunk) == 0 else self.inputs[key]
         out = chunk(x, layout)
+        aux = self._router_statistics(key, chunk)
         if getattr(chunk, "is_last", False) and self._score is not None:
             self.scores[t.microbatch] = self._score(out, self.microbatches[t.microbatch]).detach().double().reshape(-1)
         elif getattr(chunk, "is_last", False):
             mb = self.microbatches[t.microbatch]
+            if aux is not None:  # the whole load-balancing term: this chunk's sums with gradient, earlier ones as numbers
+                totals, received, sums = aux
+                e = self.balance.num_experts
+                parts = [
+                    self.balance.loss(p, totals)
+                    for p in (None if received is None else received[e : 2 * e], sums)
+                    if p is not None
+                ]
+                self.balance.stage(torch.stack(parts).sum())
             loss = (
                 self.batch_loss(out, mb) if self.batch_loss is not None and isinstance(mb, Mapping) else self.loss_fn(out, labels)
             )
+            if aux is not None:  # the earlier chunks' shares count only where the objective took the term
+                if not self.balance.taken:
+                    totals = torch.cat([torch.zeros_like(totals[:e]), totals[e:]])
+                self.balance.stage(None)
+                self.aux_totals[key] = totals
             self.losses[t.microbatch] = loss.detach().double()
-            # context parallelism: this rank's share of the sequence's token mean (unchanged without CP)
-            loss = weight_by_token_share(loss, self.microbatches[t.microbatch])
-            weight = micro_batch_weight(self.microbatches[t.microbatch])
-            if weight is not None:  # the micro-batch's share of the global batch's labelled tokens
-                loss = loss * weight.to(loss.dtype)
+            loss = self._scaled(loss, t.microbatch)
             self.loss_sum += loss.detach().double()
             out = loss / len(self.microbatches)
+        elif aux is not None:
+            self.aux_through[key] = aux[0]
         self.outputs[key] = out
+
+    def _router_statistics(
+        self, key: tuple[int, int], chunk: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+        """A MoE model's router statistics through this chunk (received plus its own), the received ones, and this
+        chunk's probability sums (with gradient; kept for the backward of a chunk before the last); None for a dense
+        model."""
+        if self.balance is None:
+            return None
+        received = self.aux_in.pop(key, None)
+        taken = self.balance.take(chunk.layers.values())
+        if taken is None:  # no MoE layer in this chunk: pass the statistics on
+            through = (
+                received if received is not None else torch.zeros(self.balance.width, dtype=torch.float64, device=self.device)
+            )
+            return through, received, None
+        mine, sums = taken
+        if torch.is_grad_enabled() and not getattr(chunk, "is_last", False):
+            self.aux_sums[key] = sums
+        return (mine if received is None else received + mine), received, sums
 
     def _backward(self, t: Backward) -> None:
         key = (t.microbatch, t.chunk)
@@ -618,7 +679,13 @@ class PipelineExecutor:
         if out.dim() == 0:  # the scaled loss of the last chunk
             out.backward()
         else:
-            torch.autograd.backward(out, self.out_grads.pop(key))
+            outputs, grads = [out], [self.out_grads.pop(key)]
+            sums = self.aux_sums.pop(key, None)
+            if sums is not None:  # this chunk's share of the load-balancing loss, with the totals from the last chunk
+                share = self.balance.coef * self.balance.loss(sums, self.aux_totals[key])
+                outputs.append(self._scaled(share, t.microbatch) / len(self.microbatches))
+                grads.append(None)
+            torch.autograd.backward(outputs, grads)
         inp = self.inputs.pop(key, None)
         if inp is not None:
             self.in_grads[key] = inp.grad
@@ -635,18 +702,33 @@ class PipelineExecutor:
     def _recv(self, kind: str, mb: int, peer: int) -> torch.Tensor:
         if peer == self.stage:
             return self.loopback[kind].pop(0).clone()
-        buf = torch.empty(self._shape(mb), dtype=self.dtype, device=self.device)
+        if kind.startswith("moe"):  # router statistics: float64, one vector
+            buf = torch.empty(self.balance.width, dtype=torch.float64, device=self.device)
+        else:
+            buf = torch.empty(self._shape(mb), dtype=self.dtype, device=self.device)
         self.comm.recv(buf, peer, stream=self._stream(kind, peer, self.stage))
         return buf
 
     def _send_activation(self, t: SendActivation) -> None:
-        self._send("act", self.outputs[(t.microbatch, t.chunk)], t.peer_stage)
+        key = (t.microbatch, t.chunk)
+        self._send("act", self.outputs[key], t.peer_stage)
+        if self.balance is not None:  # the router statistics of every layer so far
+            self._send("moe", self.aux_through.pop(key), t.peer_stage)
 
     def _recv_activation(self, t: RecvActivation) -> None:
-        self.inputs[(t.microbatch, t.chunk)] = self._recv("act", t.microbatch, t.peer_stage).requires_grad_(True)
+        key = (t.microbatch, t.chunk)
+        self.inputs[key] = self._recv("act", t.microbatch, t.peer_stage).requires_grad_(True)
+        if self.balance is not None:
+            self.aux_in[key] = self._recv("moe", t.microbatch, t.peer_stage)
 
     def _send_grad(self, t: SendGrad) -> None:
-        self._send("grad", self.in_grads.pop((t.microbatch, t.chunk)), t.peer_stage)
+        key = (t.microbatch, t.chunk)
+        self._send("grad", self.in_grads.pop(key), t.peer_stage)
+        if self.balance is not None:
+            self._send("moe_grad", self.aux_totals.pop(key), t.peer_stage)
 
     def _recv_grad(self, t: RecvGrad) -> None:
-        self.out_grads[(t.microbatch, t.chunk)] = self._recv("grad", t.microbatch, t.peer_stage)
+        key = (t.microbatch, t.chunk)
+        self.out_grads[key] = self._recv("grad", t.microbatch, t.peer_stage)
+        if self.balance is not None:
+            self.aux_totals[key] = self._recv("moe_grad", t.microbatch, t.peer_stage)

@@ -27,7 +27,8 @@ vocabulary, so checkpoints reshard between TP degrees that pad differently.
 
 Every collective runs on the communicator's stream named ``"tp"``.
 
-Which module becomes what is declared by the model, not guessed here: ``model.tensor_parallel_plan()``
+Which module becomes what is declared, not guessed here: a plan (``plan=``; a model family's comes from its spec,
+``nxdt.config.hf_model.ModelSpec.tensor_parallel_plan``, a model of one's own may declare ``tensor_parallel_plan()``)
 maps submodule names (``fnmatch`` patterns) to styles::
 
     {"embed_tokens": "vocab_embedding",
@@ -41,7 +42,8 @@ maps submodule names (``fnmatch`` patterns) to styles::
 Worked example (two ranks, same seed everywhere, so every rank slices the same full weights)::
 
     torch.manual_seed(0)
-    model = apply_tensor_parallel(LlamaForCausalLM(cfg), tp_comm, sequence_parallel=True)
+    model = LlamaForCausalLM(cfg)
+    model = apply_tensor_parallel(model, tp_comm, sequence_parallel=True, plan=tensor_parallel_plan_of(model))
     loss = model.loss_fn(model(ids), labels)        # the vocab-parallel head computes the loss
     loss.backward()
     sync_replicated_grads(model, tp_comm)           # norm weights under SP: sum the sequence shards' grads
@@ -914,20 +916,23 @@ STYLES = {
 }
 
 
-def apply_tensor_parallel(model: nn.Module, tp_comm: Any, *, sequence_parallel: bool = False) -> nn.Module:
-    """Swap ``model``'s modules for tensor-parallel ones as ``model.tensor_parallel_plan()`` declares and return
-    it. Every rank must hold the same full weights (same seed): each keeps its slice. Modules outside the plan
+def apply_tensor_parallel(
+    model: nn.Module, tp_comm: Any, *, sequence_parallel: bool = False, plan: dict[str, str] | None = None
+) -> nn.Module:
+    """Swap ``model``'s modules for tensor-parallel ones as ``plan`` declares (default: ``model.tensor_parallel_plan()``)
+    and return it. Every rank must hold the same full weights (same seed): each keeps its slice. Modules outside the plan
     stay replicated. Weights shared by two planned modules (tied embeddings) stay shared when both are cut
     the same way. With ``sequence_parallel`` everything between a row-parallel and the next column-parallel
     module runs on [B, S/tp, H]; call :func:`sync_replicated_grads` after each backward."""
     _check_comm(tp_comm)
-    plan_fn = getattr(model, "tensor_parallel_plan", None)
-    if plan_fn is None:
-        raise TypeError(
-            f"{type(model).__name__} declares no tensor_parallel_plan(); add one mapping submodule names to "
-            f"styles {sorted(STYLES)}"
-        )
-    plan: dict[str, str] = plan_fn()
+    if plan is None:
+        plan_fn = getattr(model, "tensor_parallel_plan", None)
+        if plan_fn is None:
+            raise TypeError(
+                f"{type(model).__name__} declares no tensor_parallel_plan() and no plan= was given (a model family's: "
+                f"nxdt.config.hf_model.tensor_parallel_plan_of); map submodule names to styles {sorted(STYLES)}"
+            )
+        plan = plan_fn()
     for style in plan.values():
         _parse_style(style)
     matched = {pattern: 0 for pattern in plan}

@@ -2,8 +2,8 @@
 unsharded, at TP2 with and without sequence parallelism and at PP2 (1F1B); under TP the gradients of the replicated
 tensors a family adds (Qwen3's per-head q/k norms, whose gradient each rank holds for its own heads only) equal
 transformers'; Qwen3-MoE's at EP2 too. Qwen3-MoE's loss includes the load-balancing term (``output_router_logits``, coefficient 0.05, as nxdt
-adds it) except at PP2, where nxdt's pipeline takes the plain cross-entropy (the aux term would cover the last stage's
-layers only, models/mixtral.py): compared there with transformers' loss less its ``aux_loss`` term. Its router keeps the
+adds it) at PP2 too, where each stage adds its layers' share of it (nxdt.parallel.pipeline; loss and gradients against
+the unsharded model in test_moe_pipeline.py). Its router keeps the
 top-k softmax weights as they are (``norm_topk_prob: false``, Qwen3MoeConfig's default; Mixtral's renormalisation is
 tested in test_mixtral_parity.py).
 
@@ -34,6 +34,7 @@ from nxdt.lightning.hf import load_hf_weights
 from nxdt.parallel.expert_parallel import apply_expert_parallel, moe_blocks
 from nxdt.parallel.pipeline import PipelineExecutor, build_chunks, chunk_parameters, one_f_one_b
 from nxdt.parallel.tensor_parallel import apply_tensor_parallel, sync_replicated_grads
+from nxdt.config.hf_model import tensor_parallel_plan_of
 
 transformers = pytest.importorskip("transformers")
 
@@ -93,7 +94,7 @@ def _ranks(world, directories: dict[str, str]) -> dict:
     out: dict = {}
     for family, directory in directories.items():
         for sp in (False, True):
-            model = apply_tensor_parallel(_ours(directory), comm, sequence_parallel=sp)
+            model = apply_tensor_parallel(m := _ours(directory), comm, sequence_parallel=sp, plan=tensor_parallel_plan_of(m))
             loss = model.loss_fn(model(ids), labels)
             loss.backward()
             sync_replicated_grads(model, comm)
@@ -104,9 +105,9 @@ def _ranks(world, directories: dict[str, str]) -> dict:
         model = _ours(directory)
         if not model.tied:  # PP needs an untied head (the embedding and head live on two stages)
             chunks = build_chunks(model, comm.rank, comm.size)
-            loss = PipelineExecutor(chunks, comm, type(model).loss_fn).run(one_f_one_b(comm.size, comm.rank, 1), [(ids, labels)])
+            loss = PipelineExecutor(chunks, comm, model.loss_fn).run(one_f_one_b(comm.size, comm.rank, 1), [(ids, labels)])
             assert all(p.grad is not None for p in chunk_parameters(chunks).values())
-            out[family, "pp2"] = (loss, {})  # the plain cross-entropy (module docstring)
+            out[family, "pp2"] = (loss, {})  # the model's loss_fn: a MoE family's with every layer's aux term
         if moe_blocks(model):  # EP2: each rank holds half the experts; both ranks route the same batch here
             model = apply_expert_parallel(_ours(directory), comm)
             loss = model.loss_fn(model(ids), labels)
@@ -120,8 +121,7 @@ def _ranks(world, directories: dict[str, str]) -> dict:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> dict[str, tuple[str, float, dict]]:
-    """family → (directory, transformers' loss on the batch, its q/k norm gradients by nxdt name, its cross-entropy
-    without the MoE aux term)."""
+    """family → (directory, transformers' loss on the batch, its q/k norm gradients by nxdt name)."""
     out = {}
     ids, _ = _batch()
     for family, make in CONFIGS.items():
@@ -136,21 +136,19 @@ def saved(tmp_path_factory) -> dict[str, tuple[str, float, dict]]:
         model.save_pretrained(directory)
         result = model(input_ids=ids, labels=ids)  # transformers shifts the labels itself
         loss = result.loss
-        aux = getattr(result, "aux_loss", None)
-        cross_entropy = loss.item() - (0.0 if aux is None else config.router_aux_loss_coef * aux.item())
         loss.backward()
         norms = {
             n[len("model.") :]: p.grad.clone()
             for n, p in model.named_parameters()
             if n.endswith(("q_norm.weight", "k_norm.weight"))
         }
-        out[family] = (str(directory), loss.item(), norms, cross_entropy)
+        out[family] = (str(directory), loss.item(), norms)
     return out
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_unsharded_loss_equals_transformers(saved, family):
-    directory, expected, _, _ = saved[family]
+    directory, expected, _ = saved[family]
     ids, labels = _batch()
     model = _ours(directory)
     assert type(model).__name__ == type(transformers.AutoConfig.from_pretrained(directory)).__name__.replace(
@@ -172,8 +170,7 @@ def test_tp2_sp_and_pp2_loss_and_qk_norm_gradients_equal_transformers(saved):
     for rank, out in enumerate(ranks):
         assert sorted(out) == sorted((f, layout) for f, names in layouts.items() for layout in names)
         for (family, layout), (loss, norms) in out.items():
-            _, expected, hf_norms, cross_entropy = saved[family]
-            expected = cross_entropy if layout == "pp2" else expected
+            _, expected, hf_norms = saved[family]
             assert loss == pytest.approx(expected, rel=RTOL), f"rank {rank} {family} {layout}"
             assert set(norms) == set(hf_norms if layout != "pp2" else {}), (family, layout)
             for name, grad in norms.items():  # summed over the heads of both ranks: transformers' gradient

@@ -20,6 +20,7 @@ from nxdt.comm.spawn import run_local
 from nxdt.models.llama import LlamaForCausalLM
 from nxdt.parallel.fsdp import apply_fsdp
 from nxdt.parallel.tensor_parallel import apply_tensor_parallel, norm_weights, shard_layout
+from nxdt.config.hf_model import tensor_parallel_plan_of
 
 CFG = dict(
     vocab_size=64,
@@ -93,7 +94,7 @@ def _train_fsdp(
     model = _model(cfg)
     weights, layout = None, {}
     if tp is not None:
-        apply_tensor_parallel(model, tp, sequence_parallel=sequence_parallel)
+        apply_tensor_parallel(model, tp, sequence_parallel=sequence_parallel, plan=tensor_parallel_plan_of(model))
         weights, layout = norm_weights(model, tp.size), shard_layout(model)
     dp = dp if dp is not None else world.world
     opt = _optimizer(model)

@@ -18,6 +18,7 @@ import torch
 from nxdt.comm.spawn import run_local
 from nxdt.models.llama import LlamaForCausalLM
 from nxdt.parallel.tensor_parallel import apply_tensor_parallel, gather_from_tensor_parallel_region
+from nxdt.config.hf_model import tensor_parallel_plan_of
 from hf_reference import TINY_LLAMA, llama_config
 
 transformers = pytest.importorskip("transformers")
@@ -53,7 +54,9 @@ def _tp_logits(world, state: dict[str, torch.Tensor], ids: torch.Tensor) -> dict
     comm = world.new_communicator(list(range(world.world_size)), "tp")
     out = {}
     for sequence_parallel in (False, True):
-        model = apply_tensor_parallel(ours(state), comm, sequence_parallel=sequence_parallel)
+        model = apply_tensor_parallel(
+            m := ours(state), comm, sequence_parallel=sequence_parallel, plan=tensor_parallel_plan_of(m)
+        )
         with torch.no_grad():
             out[sequence_parallel] = gather_from_tensor_parallel_region(model(ids), comm).numpy()
     return out  # numpy: a returned tensor would travel as a shared-memory handle the exiting rank closes

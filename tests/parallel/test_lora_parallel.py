@@ -35,6 +35,7 @@ from nxdt.parallel.tensor_parallel import (
     gather_full_state_dict,
     sync_replicated_grads,
 )
+from nxdt.config.hf_model import tensor_parallel_plan_of
 
 BATCH, SEQ = 2, 8
 ALL = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -83,7 +84,9 @@ def close(actual, expected, what, rtol=1e-5, atol=1e-6):
 def _tp_case(comm, overrides: dict, sequence_parallel: bool, steps: int = 4) -> list[float]:
     cfg = config(**overrides)
     ref = lora_llama(cfg)
-    model = apply_tensor_parallel(lora_llama(cfg), comm, sequence_parallel=sequence_parallel)
+    model = apply_tensor_parallel(
+        m := lora_llama(cfg), comm, sequence_parallel=sequence_parallel, plan=tensor_parallel_plan_of(m)
+    )
     tag = f"tp{comm.size} sp={sequence_parallel} {overrides}"
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     r, h = 4, cfg.hidden_size
@@ -331,7 +334,7 @@ def _tp_fsdp_world(world) -> list[float]:
     dp = world.new_communicator(dp_ranks, f"dp{rank % 2}")
     cfg = config()
     ref = lora_llama(cfg)
-    model = apply_tensor_parallel(lora_llama(cfg), tp, sequence_parallel=True)
+    model = apply_tensor_parallel(m := lora_llama(cfg), tp, sequence_parallel=True, plan=tensor_parallel_plan_of(m))
     layout = shard_layout(model)
     holder = Holder(model)
     rt = data_parallel_runtime(fsdp={"param_persistence_threshold": 0})

@@ -24,6 +24,7 @@ from nxdt.parallel.tensor_parallel import (
     gather_full_grads,
     sync_replicated_grads,
 )
+from nxdt.config.hf_model import tensor_parallel_plan_of
 
 transformers = pytest.importorskip("transformers")
 
@@ -119,7 +120,9 @@ def _tp_run(world, state: dict[str, torch.Tensor]) -> dict:
     ref_grads = {n: p.grad for n, p in reference.named_parameters()}
     out = {}
     for sequence_parallel in (False, True):
-        model = apply_tensor_parallel(ours(state), comm, sequence_parallel=sequence_parallel)
+        model = apply_tensor_parallel(
+            m := ours(state), comm, sequence_parallel=sequence_parallel, plan=tensor_parallel_plan_of(m)
+        )
         logits = model(ids)
         loss = model.loss_fn(logits, labels)
         loss.backward()

@@ -25,6 +25,7 @@ from nxdt.parallel.expert_parallel import (
     reduce_expert_gradients,
     split_expert_parameters,
 )
+from nxdt.config.hf_model import tensor_parallel_plan_of
 
 MOE = types.SimpleNamespace(num_experts=4, top_k=2, router_aux_loss_coef=0.05)
 CFG = types.SimpleNamespace(
@@ -286,7 +287,9 @@ def _ep_tp_worker(world) -> dict:
     dp_rank, dp = rank // 2, 2
     report = {}
     for sequence_parallel in (False, True):
-        model = apply_expert_parallel(apply_tensor_parallel(_model(), tp, sequence_parallel=sequence_parallel), ep)
+        model = apply_expert_parallel(
+            apply_tensor_parallel(m := _model(), tp, sequence_parallel=sequence_parallel, plan=tensor_parallel_plan_of(m)), ep
+        )
         reference = _model()
         opt = torch.optim.SGD(model.parameters(), lr=SGD_LR)
         ref_opt = torch.optim.SGD(reference.parameters(), lr=SGD_LR)

@@ -25,6 +25,7 @@ from nxdt.models.llama import LlamaForCausalLM
 from nxdt.models.lora import apply_lora
 from nxdt.parallel.data_parallel import ModelParallel, data_parallel_runtime
 from nxdt.parallel.overlap import cap_elements, plan_buckets
+from nxdt.config.hf_model import tensor_parallel_plan_of
 
 from hf_reference import TINY_LLAMA
 
@@ -200,10 +201,12 @@ def _tp_train(world, tp, dp, lora: bool, zero1: bool, overlap: bool) -> dict:
     from nxdt.parallel.tensor_parallel import apply_tensor_parallel, norm_weights, partial_grad_names
 
     if lora:  # LoRA under TP: the adapters' replicated halves are partial sums over TP
-        model = apply_tensor_parallel(_llama(), tp, sequence_parallel=False)
+        model = apply_tensor_parallel(m := _llama(), tp, sequence_parallel=False, plan=tensor_parallel_plan_of(m))
     else:  # sequence parallelism: the replicated norms' gradients are partial sums over TP
         torch.manual_seed(0)
-        model = apply_tensor_parallel(LlamaForCausalLM(SimpleNamespace(**TINY_LLAMA)), tp, sequence_parallel=True)
+        model = apply_tensor_parallel(
+            m := LlamaForCausalLM(SimpleNamespace(**TINY_LLAMA)), tp, sequence_parallel=True, plan=tensor_parallel_plan_of(m)
+        )
     holder, partial = _Holder(model), partial_grad_names(model)
     rt = data_parallel_runtime(zero1=zero1, overlap_grad_reduce=overlap, bucket_cap_mb=2e-3)
     rt.bind(

@@ -36,6 +36,7 @@ from nxdt.parallel.tensor_parallel import (
     sync_replicated_grads,
     vocab_parallel_cross_entropy,
 )
+from nxdt.config.hf_model import tensor_parallel_plan_of
 
 BATCH, SEQ = 2, 8
 
@@ -107,7 +108,7 @@ def _check_activation_collectives(comm, cfg, sequence_parallel: bool, tag: str) 
 def _check_case(comm, overrides: dict, sequence_parallel: bool, steps: int) -> dict:
     cfg = config(**overrides)
     ref = build(cfg)
-    model = apply_tensor_parallel(build(cfg), comm, sequence_parallel=sequence_parallel)
+    model = apply_tensor_parallel(m := build(cfg), comm, sequence_parallel=sequence_parallel, plan=tensor_parallel_plan_of(m))
     tag = f"tp{comm.size} sp={sequence_parallel} {overrides}"
 
     # the layout: what each rank holds
@@ -247,7 +248,7 @@ def _token_log_probs_alone(comm) -> None:
 
 
 def _sequence_length_must_divide(comm) -> None:
-    model = apply_tensor_parallel(build(config()), comm, sequence_parallel=True)
+    model = apply_tensor_parallel(m := build(config()), comm, sequence_parallel=True, plan=tensor_parallel_plan_of(m))
     with pytest.raises(ValueError, match="multiple of the tensor-parallel size"):
         model(torch.zeros(1, 2 * comm.size + 1, dtype=torch.long))
 
@@ -334,7 +335,7 @@ def _check_gpt_case(comm, overrides: dict, sequence_parallel: bool, steps: int) 
     becomes a ±lr step whose sign is the rounding's — measured 6e-6 apart after 5 steps at lr 1e-3."""
     cfg = gpt_config(**overrides)
     ref = build_gpt(cfg)
-    model = apply_tensor_parallel(build_gpt(cfg), comm, sequence_parallel=sequence_parallel)
+    model = apply_tensor_parallel(m := build_gpt(cfg), comm, sequence_parallel=sequence_parallel, plan=tensor_parallel_plan_of(m))
     tag = f"GPT tp{comm.size} sp={sequence_parallel} {overrides}"
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     assert isinstance(attn.q_proj, ColumnParallelLinear) and isinstance(attn.o_proj, RowParallelLinear), tag
@@ -418,7 +419,7 @@ def fake_comm(size: int, rank: int = 0) -> SimpleNamespace:
 def test_shards_tile_the_full_weights():
     cfg = config(num_kv_heads=1)
     ref = build(cfg)
-    shards = [apply_tensor_parallel(build(cfg), fake_comm(2, r)) for r in range(2)]
+    shards = [apply_tensor_parallel(m := build(cfg), fake_comm(2, r), plan=tensor_parallel_plan_of(m)) for r in range(2)]
     q = torch.cat([s.layers[1].self_attn.q_proj.weight for s in shards])
     o = torch.cat([s.layers[1].self_attn.o_proj.weight for s in shards], dim=1)
     emb = torch.cat([s.embed_tokens.weight for s in shards])
@@ -445,7 +446,9 @@ def test_any_vocabulary_splits_padded_and_gathers_trimmed():
         assert spec.layout() == [0, 1, 23, padded] and spec.padded == padded
         assert torch.equal(spec.slice(table.weight, tp - 1), shards[-1].weight)  # what resharding cuts for a new TP
     cfg = config(vocab_size=23, make_vocab_size_divisible_by=128)
-    model = apply_tensor_parallel(build(cfg), fake_comm(4, 3))  # 128 × 4 = 512 rows, 128 per rank
+    model = apply_tensor_parallel(
+        m := build(cfg), fake_comm(4, 3), plan=tensor_parallel_plan_of(m)
+    )  # 128 × 4 = 512 rows, 128 per rank
     assert shard_layout(model)["lm_head.weight"] == [0, 1, 23, 512] and shard_layout(model)["layers.0.mlp.up_proj.weight"] == [
         0,
         1,
@@ -466,7 +469,7 @@ def test_gpt_declares_megatrons_tensor_parallel_plan():
     shards = []
     for r in range(2):
         torch.manual_seed(0)
-        shards.append(apply_tensor_parallel(GPTForCausalLM(cfg), fake_comm(2, r)))
+        shards.append(apply_tensor_parallel(m := GPTForCausalLM(cfg), fake_comm(2, r), plan=tensor_parallel_plan_of(m)))
     layer = [s.layers[0] for s in shards]
     assert torch.equal(torch.cat([x.self_attn.q_proj.bias for x in layer]), ref.layers[0].self_attn.q_proj.bias)
     assert torch.equal(torch.cat([x.mlp.fc_out.weight for x in layer], 1), ref.layers[0].mlp.fc_out.weight)
@@ -492,11 +495,13 @@ def test_layouts_that_cannot_be_split_fail_clearly():
     # 6 query heads split over 3 ranks, but 2 KV heads neither divide nor are divided by 3
     cfg = config(vocab_size=66, hidden_size=36, num_attention_heads=6, num_kv_heads=2, ffn_hidden_size=48)
     with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.k_proj \(colwise_kv:6\): 2 block\(s\) of 6.*multiple of"):
-        apply_tensor_parallel(build(cfg), fake_comm(3))
+        apply_tensor_parallel(m := build(cfg), fake_comm(3), plan=tensor_parallel_plan_of(m))
     with pytest.raises(ValueError, match=r"q_proj \(colwise:8\): 4 block\(s\) of 8 along dim 0 cannot be split over 8"):
-        apply_tensor_parallel(build(config(vocab_size=64, ffn_hidden_size=64)), fake_comm(8))
+        apply_tensor_parallel(
+            m := build(config(vocab_size=64, ffn_hidden_size=64)), fake_comm(8), plan=tensor_parallel_plan_of(m)
+        )
     with pytest.raises(TypeError, match="not a member"):
-        apply_tensor_parallel(build(config()), None)
+        apply_tensor_parallel(m := build(config()), None, plan=tensor_parallel_plan_of(m))
 
 
 class _Toy(nn.Module):
