@@ -79,25 +79,31 @@ def test_batchnorm_buffers_are_broadcast_as_ddp_does(reports, run):
 
 def test_third_party_code_finds_torch_distributed(reports):
     """torchmetrics syncs its states over torch.distributed, a DistributedSampler() takes its rank from it, a user's
-    all_reduce sums over it: initialised in every step, as under DDP, and gone after fit (teardown)."""
+    all_reduce sums over it: initialised in every step, as under DDP. After fit the group is still there, as DDP's
+    (DDPStrategy.teardown leaves it): a user's all_reduce after ``trainer.fit`` works (it used to find no group);
+    ``strategy.close()`` destroys it."""
     for rank, rep in enumerate(reports):
         for run in (*NXDT, "ddp"):
             got = rep[run]
             assert got["dist_initialized"] and all(got["dist_initialized"]), run
             assert got["all_reduce"] == 3.0, run  # 1 + 2
+            assert got["after_teardown"] is True and got["all_reduce_after_fit"] == 3.0, run
         for run in NXDT:
-            assert rep[run]["after_teardown"] is False, run
+            assert rep[run]["after_close"] is False, run
     # the metric is the global one: the same value on both ranks (each rank's own data would give two)
     assert reports[0]["nxdt"]["val"] == reports[1]["nxdt"]["val"]
     assert reports[0]["nxdt"]["train_mse"] == reports[1]["nxdt"]["train_mse"]
 
 
 def test_integer_mean_keeps_ddps_dtype(reports):
-    """``strategy.reduce(int64 tensor, "mean")``: (3 + 6) / 2 truncated, int64, as Lightning's _sync_ddp over gloo."""
+    """``strategy.reduce(int64 tensor, "mean")``: (3 + 6) / 2 truncated, int64, as Lightning's _sync_ddp over gloo,
+    and reduced in place (the tensor passed is the one returned, holding the result), as DDP's (it returned a copy)."""
     for rep in reports:
         assert (rep["ddp"]["int_mean"], rep["ddp"]["int_mean_dtype"]) == ([4], "torch.int64")
+        assert rep["ddp"]["reduced_in_place"] is True
         for run in NXDT:
             assert (rep[run]["int_mean"], rep[run]["int_mean_dtype"]) == ([4], "torch.int64"), run
+            assert rep[run]["reduced_in_place"] is True, run
 
 
 def test_nxdt_after_ddp_in_one_script_trains_as_in_a_fresh_process(reports):
@@ -115,7 +121,7 @@ def test_nxdt_after_ddp_in_one_script_trains_as_in_a_fresh_process(reports):
         assert got["all_reduce"] == 3.0  # the user's all_reduce runs over DDP's group
 
 
-@pytest.mark.parametrize("run", ["nxdt_sync_bn", "nxdt_zero1_sync_bn"])
+@pytest.mark.parametrize("run", ["nxdt_sync_bn", "nxdt_zero1_sync_bn", "nxdt_fsdp_sync_bn"])
 def test_sync_batchnorm_normalises_over_the_global_batch(reports, run):
     """``Trainer(sync_batchnorm=True)``: each rank's loss pair averages to the loss of one process normalising both
     ranks' samples in one BatchNorm; running statistics and weights equal that process's, on both ranks. DDP on CPU
