@@ -347,6 +347,13 @@ class NxDStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
+            if self._dp.dp_format == "fsdp":
+                # FSDP's flat units own the layers' weights (their modules hold views of them), so the synced layers
+                # could not be swapped back after fit as DDPStrategy.teardown does
+                raise NotImplementedError(
+                    "NxDStrategy(fsdp=True) with Trainer(sync_batchnorm=True) is not supported: FSDP holds the BatchNorm "
+                    "weights in its flat shards; use zero1=True (optimizer state sharded) or plain data parallelism"
+                )
             self.model = self._sync_layers(self.model)  # as DDPStrategy.setup: for fitting, before the precision
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
