@@ -233,16 +233,12 @@ def check_resume_checkpoint(cfg: Any, the_plan: Any) -> None:
     try:
         verify(path, {k: getattr(cfg.model, k) for k in MODEL_SHAPE_FIELDS})
         check_lora_checkpoint(cfg, path)
-        if cfg.model.weight_init_only:  # only its model weights, consolidated on every rank: any layout but EP
+        if cfg.model.weight_init_only:  # only its model weights, consolidated on every rank (reshard.read_full_state)
             from nxdt.lightning.checkpoint import read_meta
+            from nxdt.lightning.reshard import check_consolidatable
 
             check_checkpoint_run(cfg, path)  # the model keys only: a new run starts from the weights
-            ep = read_meta(path).get("degrees", {}).get("ep", 1)
-            if ep > 1:
-                raise CheckpointError(
-                    f"checkpoint {path} is expert-parallel (EP{ep}): its weights cannot be consolidated yet "
-                    "for model.weight_init_only; resume it with the same layout instead"
-                )
+            check_consolidatable(Path(path), read_meta(path))
             return
         check_resume_reference(cfg, path)  # DPO's, GRPO's (beta != 0) reference model: the objective's spec
         check_checkpoint_run(cfg, path)  # after the reference's check: its line names the reference, the more precise fix

@@ -28,6 +28,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
 from nxdt.config import compose_config
+from nxdt.config.hf_model import model_meta
+from nxdt.config.validate import MODEL_SHAPE_FIELDS
+from nxdt.lightning.hf import MODEL_CONFIG_KEY, TOKENIZER_KEY
 from nxdt.lightning import NxDStrategy, convert_to_lightning_checkpoint
 from nxdt.lightning.datamodule import NxDDataModule
 from nxdt.lightning.module import CausalLMModule
@@ -47,6 +50,14 @@ def hub_config(overrides: list[str]):
     )
 
 
+def checkpoint_meta(cfg) -> dict:
+    return {
+        "model": {k: getattr(cfg.model, k) for k in MODEL_SHAPE_FIELDS},
+        MODEL_CONFIG_KEY: model_meta(cfg.model),
+        TOKENIZER_KEY: None,
+    }
+
+
 def hub_module(cfg) -> CausalLMModule:
     """The arguments ``CausalLMModule.load_from_checkpoint`` needs too (it saves no hyper-parameters)."""
     return CausalLMModule(cfg.model, cfg.data.global_batch_size, cfg.data.seq_length, cfg.data.micro_batch_size)
@@ -62,7 +73,8 @@ def hub_run(name: str, out: Path) -> dict:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=NxDStrategy(**options),
+        # what nxdt train records (train.py): the model's shape, checked on load, and what export-hf writes
+        strategy=NxDStrategy(**options, checkpoint_meta=checkpoint_meta(cfg)),
         max_steps=2,
         logger=False,
         enable_checkpointing=False,

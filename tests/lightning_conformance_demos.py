@@ -32,6 +32,7 @@ from lightning.pytorch.demos import LightningTransformer
 from lightning.pytorch.demos.boring_classes import BoringModel, DemoModel, ManualOptimBoringModel, RandomDataset
 from lightning.pytorch.strategies import DDPStrategy
 
+import lightning_conformance_heldout as heldout
 from nxdt.lightning import NxDStrategy
 
 VOCAB, BLOCK = 32, 12
@@ -218,6 +219,8 @@ def main(out: Path) -> None:
         for variant, kw in variants.items():
             report[f"{name}/{variant}"] = fit(name, lambda: NxDStrategy(**kw), out / variant)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    # the held-out modules (tests/lightning_conformance_heldout.py) in the same launch
+    heldout.run_all(out, {v: (lambda kw=kw: NxDStrategy(**kw)) for v, kw in variants.items()}, report, rank)
     (out / f"rank{rank}.json").write_text(json.dumps(report))
 
 

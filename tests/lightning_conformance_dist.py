@@ -89,8 +89,14 @@ class Record(pl.Callback):
         rank = trainer.global_rank
         total = torch.tensor([rank + 1.0])
         dist.all_reduce(total)  # a user's own collective
-        mean = trainer.strategy.reduce(torch.tensor([3 * rank + 3]), reduce_op="mean")  # 3 and 6: 4.5
-        self.after = {"all_reduce": total.item(), "int_mean": mean.tolist(), "int_mean_dtype": str(mean.dtype)}
+        value = torch.tensor([3 * rank + 3])
+        mean = trainer.strategy.reduce(value, reduce_op="mean")  # 3 and 6: 4.5
+        self.after = {
+            "all_reduce": total.item(),
+            "int_mean": mean.tolist(),
+            "int_mean_dtype": str(mean.dtype),
+            "reduced_in_place": mean is value and value.tolist() == [4],  # DDP's _sync_ddp all-reduces into it
+        }
 
 
 def run(strategy, out: Path, name: str, **trainer_kwargs) -> dict:
@@ -116,6 +122,8 @@ def run(strategy, out: Path, name: str, **trainer_kwargs) -> dict:
         traceback.print_exc()
         return {"error": f"{type(exc).__name__}: {exc}"}
     bn = module.net[1]
+    after_fit = torch.tensor([trainer.global_rank + 1.0])
+    dist.all_reduce(after_fit)  # a user's collective after fit: DDP's group stays until exit (NxD's until close())
     return {
         "losses": module.losses,
         "val": record.val,
@@ -129,6 +137,7 @@ def run(strategy, out: Path, name: str, **trainer_kwargs) -> dict:
         "weights": {k: v.flatten().tolist() for k, v in module.net.state_dict().items() if v.is_floating_point()},
         **record.after,
         "after_teardown": dist.is_initialized(),
+        "all_reduce_after_fit": after_fit.item(),
     }
 
 
@@ -138,9 +147,10 @@ def main(out: Path) -> None:
         strategy = NxDStrategy(**kwargs)
         report[name] = run(strategy, out, name)
         strategy.close()  # the next Trainer's rank 0 serves the store on the same MASTER_PORT
-    for name, kwargs in {"nxdt_sync_bn": {"sync_batchnorm": True}, "nxdt_zero1_sync_bn": {"sync_batchnorm": True}}.items():
-        strategy = NxDStrategy(zero1="zero1" in name)
-        report[name] = run(strategy, out, name, **kwargs)
+        report[name]["after_close"] = dist.is_initialized()  # close() destroys the group it made
+    for name in ("nxdt_sync_bn", "nxdt_zero1_sync_bn", "nxdt_fsdp_sync_bn"):
+        strategy = NxDStrategy(zero1="zero1" in name, fsdp="fsdp" in name)
+        report[name] = run(strategy, out, name, sync_batchnorm=True)
         strategy.close()
     strategy = NxDStrategy(broadcast_buffers=False)
     report["nxdt_no_broadcast"] = run(strategy, out, "nxdt_no_broadcast")

@@ -229,10 +229,10 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (
             [
                 "train",
-                f"exp_manager.resume_from_checkpoint={_checkpoint(tmp, 'w', degrees={'ep': 2})}",
+                f"exp_manager.resume_from_checkpoint={_checkpoint(tmp, 'w', degrees={'ep': 2}, zero1=True)}",
                 "model.weight_init_only=true",
             ],
-            "expert-parallel (EP2): its weights cannot be consolidated yet for model.weight_init_only",
+            "expert-parallel (EP2) with zero1 optimizer shards, which cannot be consolidated yet",
         ),
         (["checkpoint", "consolidate", str(tmp / "a")], "usage"),
         (["checkpoint", "consolidate", str(_checkpoint(tmp, "g")), str(tmp)], "not an empty directory"),

@@ -191,6 +191,68 @@ def test_pipeline_and_expert_parallel_directories_convert_to_the_file_load_from_
     assert list(full.model) == list(state) and all(torch.equal(full.model[k], v) for k, v in state.items())
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_expert_parallel_checkpoint_exports_and_starts_a_run_as_other_layouts(runs):
+    """The Mixtral over EP2 (4 experts, each EP rank 2): ``nxdt checkpoint export-hf`` of its directory gives
+    transformers the model whose logits equal those of the same weights exported from one rank (the directory
+    consolidated to EP1 first) and those of nxdt's own module holding them; ``model.weight_init_only`` from it is
+    accepted before any worker starts (it was refused: "expert-parallel ... cannot be consolidated yet") and starts
+    the module from every rank's tensors, as from a checkpoint of any other layout.
+
+    Tolerance: atol 1e-5 on logits of order 1. The two exports hold the same fp32 tensors (equal bit for bit, checked)
+    and run the same transformers code: equal. nxdt's Mixtral computes the same function with its own kernels (the
+    routing's top-2 weights, SwiGLU, RoPE): fp32 rounding of a 2-layer model, ~1e-6; a wrong or missing expert moves
+    logits by ~1e-1."""
+    from transformers import AutoModelForCausalLM
+
+    from nxdt.cli import check_resume_checkpoint
+    from nxdt.config import compose_config
+
+    out, _ = runs
+    cfg = hub_config(HUB_RUNS["ep2"][0])
+    directory = out / "ep2.ckpt"
+    assert main(["checkpoint", "consolidate", str(directory), str(out / "ep2-as-ep1")]) == 0
+    for source, target in ((directory, "hf-ep2"), (out / "ep2-as-ep1", "hf-ep1")):
+        assert main(["checkpoint", "export-hf", str(source), str(out / target)]) == 0
+    from safetensors.torch import load_file as load_safetensors
+
+    ep2, ep1 = (load_safetensors(out / t / "model.safetensors") for t in ("hf-ep2", "hf-ep1"))
+    assert ep2.keys() == ep1.keys() and all(torch.equal(ep2[k], ep1[k]) for k in ep1)
+    assert any(".experts.3." in k for k in ep2)  # rank 1's experts are in the export
+    tokens = torch.randint(cfg.model.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = {t: AutoModelForCausalLM.from_pretrained(out / t).eval()(tokens).logits for t in ("hf-ep2", "hf-ep1")}
+        module = CausalLMModule.load_from_checkpoint(
+            out / "ep2-converted.ckpt",
+            model_cfg=cfg.model,
+            global_batch_size=cfg.data.global_batch_size,
+            seq_length=cfg.data.seq_length,
+            micro_batch_size=cfg.data.micro_batch_size,
+        ).eval()
+        own = module(tokens)
+    torch.testing.assert_close(logits["hf-ep2"], logits["hf-ep1"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits["hf-ep2"], own, rtol=0, atol=1e-5)
+
+    # model.weight_init_only from the EP2 directory: accepted before workers start, and the module starts from it
+    start = compose_config(
+        [*HUB_RUNS["ep2"][0], f"exp_manager.resume_from_checkpoint={directory}", "model.weight_init_only=true"]
+    )
+    check_resume_checkpoint(start, None)  # raised ConfigError (EP2) before
+    started = CausalLMModule(
+        start.model,
+        cfg.data.global_batch_size,
+        cfg.data.seq_length,
+        cfg.data.micro_batch_size,
+        init_checkpoint=str(directory),
+    )
+    ranks = [torch.load(out / f"ep2-rank{r}.pt", weights_only=True)["weights"] for r in range(2)]
+    state = started.state_dict()
+    held = {k: v for rank in ranks for k, v in rank.items()}
+    assert held.keys() == state.keys()
+    assert all(torch.equal(state[k], v) for k, v in held.items())
+
+
 # ------------------------------------------------------------------------------------------ without a launch
 def test_unknown_checkpoint_format_is_refused_by_name():
     with pytest.raises(ValueError, match=r"checkpoint_format='zip'\): must be one of auto, file, directory"):

@@ -79,25 +79,31 @@ def test_batchnorm_buffers_are_broadcast_as_ddp_does(reports, run):
 
 def test_third_party_code_finds_torch_distributed(reports):
     """torchmetrics syncs its states over torch.distributed, a DistributedSampler() takes its rank from it, a user's
-    all_reduce sums over it: initialised in every step, as under DDP, and gone after fit (teardown)."""
+    all_reduce sums over it: initialised in every step, as under DDP. After fit the group is still there, as DDP's
+    (DDPStrategy.teardown leaves it): a user's all_reduce after ``trainer.fit`` works (it used to find no group);
+    ``strategy.close()`` destroys it."""
     for rank, rep in enumerate(reports):
         for run in (*NXDT, "ddp"):
             got = rep[run]
             assert got["dist_initialized"] and all(got["dist_initialized"]), run
             assert got["all_reduce"] == 3.0, run  # 1 + 2
+            assert got["after_teardown"] is True and got["all_reduce_after_fit"] == 3.0, run
         for run in NXDT:
-            assert rep[run]["after_teardown"] is False, run
+            assert rep[run]["after_close"] is False, run
     # the metric is the global one: the same value on both ranks (each rank's own data would give two)
     assert reports[0]["nxdt"]["val"] == reports[1]["nxdt"]["val"]
     assert reports[0]["nxdt"]["train_mse"] == reports[1]["nxdt"]["train_mse"]
 
 
 def test_integer_mean_keeps_ddps_dtype(reports):
-    """``strategy.reduce(int64 tensor, "mean")``: (3 + 6) / 2 truncated, int64, as Lightning's _sync_ddp over gloo."""
+    """``strategy.reduce(int64 tensor, "mean")``: (3 + 6) / 2 truncated, int64, as Lightning's _sync_ddp over gloo,
+    and reduced in place (the tensor passed is the one returned, holding the result), as DDP's (it returned a copy)."""
     for rep in reports:
         assert (rep["ddp"]["int_mean"], rep["ddp"]["int_mean_dtype"]) == ([4], "torch.int64")
+        assert rep["ddp"]["reduced_in_place"] is True
         for run in NXDT:
             assert (rep[run]["int_mean"], rep[run]["int_mean_dtype"]) == ([4], "torch.int64"), run
+            assert rep[run]["reduced_in_place"] is True, run
 
 
 def test_nxdt_after_ddp_in_one_script_trains_as_in_a_fresh_process(reports):
@@ -134,6 +140,15 @@ def test_sync_batchnorm_normalises_over_the_global_batch(reports, run):
     pairs = [(a + b) / 2 for a, b in zip(reports[0][run]["losses"], reports[1][run]["losses"])]
     assert pairs == pytest.approx(want["losses"], rel=RTOL)
     assert "SyncBatchNorm layers only work with GPU modules" in reports[0]["ddp_sync_bn"]["error"]
+
+
+def test_sync_batchnorm_with_fsdp_is_refused_by_name(reports):
+    """``sync_batchnorm=True`` with ``fsdp=True``: refused at setup on both ranks, naming both and the alternatives (it
+    used to fail after fit with "cannot assign 'torch.FloatTensor' as parameter 'weight'": the layers' revert)."""
+    for rep in reports:
+        error = rep["nxdt_fsdp_sync_bn"]["error"]
+        assert error.startswith("NotImplementedError: NxDStrategy(fsdp=True) with Trainer(sync_batchnorm=True)"), error
+        assert "use zero1=True" in error and "\n" not in error
 
 
 def test_two_nodes_on_one_host_are_named_with_the_fix(reports):

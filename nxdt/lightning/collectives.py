@@ -25,18 +25,20 @@ def op_name(reduce_op: Any) -> str:
         raise ValueError(f"reduce_op {reduce_op!r} is not supported by nxdt; use one of {sorted(_REDUCE_OP_NAMES)}") from None
 
 
+@torch.no_grad()
 def reduce(comm: Communicator, tensor: Tensor, reduce_op: Any) -> Tensor:
-    """A reduced copy of ``tensor`` over ``comm``, in its dtype, as DDPStrategy returns it (float tensors reduced in
-    float32; an integer mean is the sum in the integer dtype, divided and truncated toward zero, as Lightning's
-    ``_sync_ddp`` does over gloo: ``result.copy_(result / world_size)``)."""
+    """``tensor`` reduced over ``comm`` in place and returned, as DDPStrategy's ``reduce`` (Lightning's ``_sync_ddp``:
+    an all-reduce into the tensor; its logger clones a value before syncing it, and syncs the accumulated batch size
+    in place). Float tensors are reduced in float32; an integer mean is the sum in the integer dtype, divided and
+    truncated toward zero, as ``_sync_ddp`` does over gloo: ``result.copy_(result / world_size)``."""
     op = op_name(reduce_op)
     if tensor.is_floating_point():
         out = tensor.detach().to(torch.float32, copy=True)
         comm.all_reduce(out.reshape(-1), op=op)
-        return out.to(tensor.dtype)
+        return tensor.copy_(out)
     out = tensor.detach().clone()
     comm.all_reduce(out.reshape(-1), op="sum" if op == "avg" else op)
-    return out.copy_(out / comm.size) if op == "avg" else out
+    return tensor.copy_(out / comm.size if op == "avg" else out)
 
 
 def all_gather(comm: Communicator, tensor: Tensor) -> Tensor:

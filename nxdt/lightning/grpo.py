@@ -522,7 +522,7 @@ class GRPOModule(CausalLMModule):
             clip = getattr(strategy, "clip_grad_norm", None)
             limit = self.gradient_clip_val or math.inf
             grad_norm = clip(limit) if clip else torch.nn.utils.clip_grad_norm_(params, limit)
-        step_loss = strategy.reduce(total.float(), reduce_op="mean")
+        step_loss = strategy.reduce(total.detach().to(torch.float32, copy=True), reduce_op="mean")  # in place, as DDP's
         if not self._finite_step(step_loss, grad_norm, total):
             optimizer.zero_grad()
             return step_loss

@@ -194,7 +194,7 @@ class CausalLMModule(pl.LightningModule):
                 norm() if norm else torch.stack([squared_norm(p) for p in self.model.parameters()]).sum().sqrt()
             )
         # the mean over every rank: NaN anywhere is NaN everywhere, so all ranks take the same branch below
-        step_loss = strategy.reduce(loss.detach().float(), reduce_op="mean")
+        step_loss = strategy.reduce(loss.detach().to(torch.float32, copy=True), reduce_op="mean")  # in place, as DDP's
         if not self._finite_step(step_loss, grad_norm, loss):
             optimizer.zero_grad()
             return step_loss

@@ -328,22 +328,29 @@ def _merge(name: str, pieces: dict[int, torch.Tensor], layout: dict[str, list[in
     return first
 
 
+def check_consolidatable(root: Path, meta: dict[str, Any]) -> None:
+    """Raise CheckpointError, one line, where :func:`read_full_state` cannot consolidate the checkpoint (``nxdt train``
+    checks it before any worker starts: ``model.weight_init_only``)."""
+    if dp_format(meta) not in DP_FORMATS:
+        raise CheckpointError(f"checkpoint {root} holds {dp_format(meta)} shards, which cannot be consolidated yet")
+    ep = meta.get("degrees", {}).get(Dim.EP, 1)
+    if ep > 1 and dp_format(meta) != "replicated":  # ZeRO-1 shards an EP rank's experts over another group
+        raise CheckpointError(
+            f"checkpoint {root} is expert-parallel (EP{ep}) with {dp_format(meta)} optimizer shards, which cannot be "
+            "consolidated yet — expert-parallel checkpoints without ZeRO-1 can"
+        )
+
+
 def read_full_state(path: str | os.PathLike, *, optimizer: bool = True, expect_model: dict[str, Any] | None = None) -> FullState:
     """The consolidated full state of a complete checkpoint of any supported layout (``optimizer=False``: the
     model only, e.g. for export)."""
     root = Path(path)
     verify(root, expect_model)
     meta = read_meta(root)
+    check_consolidatable(root, meta)
     deg = meta.get("degrees", {})
     tp, pp, ep = deg.get(Dim.TP, 1), deg.get(Dim.PP, 1), deg.get(Dim.EP, 1)
-    reader = DP_FORMATS.get(dp_format(meta))
-    if reader is None:
-        raise CheckpointError(f"checkpoint {root} holds {dp_format(meta)} shards, which cannot be consolidated yet")
-    if ep > 1 and dp_format(meta) != "replicated":  # ZeRO-1 shards an EP rank's experts over another group
-        raise CheckpointError(
-            f"checkpoint {root} is expert-parallel (EP{ep}) with {dp_format(meta)} optimizer shards, which cannot be "
-            "consolidated yet — expert-parallel checkpoints without ZeRO-1 can"
-        )
+    reader = DP_FORMATS[dp_format(meta)]
     layout = meta.get("tensor_parallel", {})
     # every (TP × PP position, EP rank): EP ranks hold the same dense tensors and each its own experts (global names)
     positions = [(k, reader(root, meta, k, optimizer, e)) for k in range(tp * pp) for e in range(ep)]

@@ -88,8 +88,8 @@ class NxDStrategy(ParallelStrategy):
         process_group_backend: DDPStrategy's option: the backend of the torch.distributed default process group
             NxDStrategy initialises beside its communicators for third-party code (torchmetrics, samplers, a user's
             ``torch.distributed`` calls); "gloo", the only one on CPU (None: gloo).
-        torch_process_group: initialise torch.distributed's default (gloo) group during each entry point, for code that
-            calls torch.distributed itself. gloo listens on a socket of its own per rank (loopback on one host) whose
+        torch_process_group: initialise torch.distributed's default (gloo) group at the first entry point, for code that
+            calls torch.distributed itself; it stays after ``fit`` (as DDP's does) until :meth:`close`. gloo listens on a socket of its own per rank (loopback on one host) whose
             connections it does not authenticate (its rendezvous through the run's store is signed); ``nxdt train``
             turns it off — its module needs no such group, and the store stays the only listener.
         overlap_grad_reduce: reduce the data-parallel gradients (plain DP's average, ZeRO-1's reduce-scatter) in DDP's
@@ -348,6 +348,13 @@ class NxDStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
+            if self._dp.dp_format == "fsdp":
+                # FSDP's flat units own the layers' weights (their modules hold views of them), so the synced layers
+                # could not be swapped back after fit as DDPStrategy.teardown does
+                raise NotImplementedError(
+                    "NxDStrategy(fsdp=True) with Trainer(sync_batchnorm=True) is not supported: FSDP holds the BatchNorm "
+                    "weights in its flat shards; use zero1=True (optimizer state sharded) or plain data parallelism"
+                )
             self.model = self._sync_layers(self.model)  # as DDPStrategy.setup: for fitting, before the precision
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -668,7 +675,6 @@ class NxDStrategy(ParallelStrategy):
     # ----------------------------------------------------------------------------- lifecycle
     def teardown(self) -> None:
         self._checkpoints.close()  # its collectives need the communicators: finish before closing them
-        self._destroy_torch_group()
         module = self.lightning_module
         if self._fitting and self._layer_sync is not None and module is not None:  # as DDPStrategy.teardown
             self.model = (
@@ -683,8 +689,9 @@ class NxDStrategy(ParallelStrategy):
             self._tracer.write(os.path.join(self._trace_dir, f"rank{self.global_rank}.json"))
             self._tracer = None
             self.world.set_tracer(None)
-        # The communicators stay open, as DDP's process group does: ``trainer.save_checkpoint`` after ``fit`` and
-        # the next entry point of the same Trainer (``test``, ``predict``) use them. ``close()`` ends them.
+        # The communicators and the torch.distributed group stay, as DDPStrategy.teardown leaves its process group:
+        # ``trainer.save_checkpoint`` after ``fit``, the next entry point of the same Trainer (``test``, ``predict``)
+        # and a user's ``torch.distributed`` call after ``fit`` use them. ``close()`` ends both.
 
     def close(self) -> None:
         """Close the communicators (shared memory released, store left); every rank calls it. ``nxdt train``
@@ -697,7 +704,8 @@ class NxDStrategy(ParallelStrategy):
             self.communicators = {}
 
     def _destroy_torch_group(self) -> None:
-        """The torch.distributed default group this strategy made, destroyed (the next entry point makes a new one)."""
+        """The torch.distributed default group this strategy made, destroyed (:meth:`close`; a group nxdt did not make
+        — a user's, DDPStrategy's — is left as it is)."""
         if self._owns_torch_group:
             self._owns_torch_group = False
             if torch.distributed.is_initialized():

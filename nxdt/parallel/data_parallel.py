@@ -690,6 +690,14 @@ class FSDPRuntime(ReplicatedRuntime):
         self.frozen.append(apply_fsdp(model, self.mp.dp, [], **options))
         return model
 
+    def broadcast_parameters(self, module: nn.Module) -> None:
+        if self.fsdp is None:
+            return super().broadcast_parameters(module)
+        # sharded already (test / predict after fit): each rank's flat shards are its own — rank 0's would overwrite
+        # the others' slices; what FSDP does not hold is still replicated
+        shards = {id(f.shard) for fsdp in (self.fsdp, *self.frozen) for f in fsdp.flats()}
+        self._broadcast([p for p in module.parameters() if id(p) not in shards] + list(module.buffers()))
+
     def close(self) -> None:
         if self._original is not None:
             self._original.closed = True

@@ -202,6 +202,8 @@ class FullyShardedDataParallel:
         self._backward_started = 0  # units whose backward has started in this backward pass
         self._rs_queue: list[tuple[int, FlatShard, torch.Tensor]] = []  # (ready at, flat, gradient) to reduce-scatter
         self._rs_inflight: list[tuple[FlatShard, torch.Tensor, Work]] = []
+        # id(flat) → (its shard's .grad, that tensor's version) when a backward ended with its gradient still on the way
+        self._marks: dict[int, tuple[torch.Tensor, int]] = {}
         self._eager_issued = False
         self._used: set[int] = set()  # ids of the entries whose view got a gradient since their flat was last checked
         self._gathered_bytes = 0  # bytes of the gathered buffers allocated right now
@@ -422,6 +424,7 @@ class FullyShardedDataParallel:
             return None
         if unit.index == 0:  # a new forward pass: the previous backward's reduce-scatters have had their time
             self._exit_order = []
+            self._drop_cleared()
             self._drain_reduce_scatters()
         self._gather(unit)
         self._prefetch_forward(unit)
@@ -526,6 +529,41 @@ class FullyShardedDataParallel:
         if self._grads_expected == 0:
             self._in_backward = False
             self._last_gather = None
+            self._mark_pending()
+
+    def _mark_pending(self) -> None:
+        """At the end of a backward: each shard whose gradient is still on its way (a reduce-scatter in flight, a
+        replicated flat's local sum) gets its ``.grad`` now (zeros if it has none), noted with its version, so that a
+        ``zero_grad`` before it lands is seen (:meth:`_drop_cleared`). Under DDP the gradient is in ``p.grad`` when
+        backward returns, and Lightning zeroes it before validation (``on_validation_model_zero_grad``): a manual
+        loop's accumulated-but-not-stepped gradient is gone, and so must the one still travelling here be."""
+        pending = {id(f): f for f, _, _ in self._rs_inflight}
+        pending.update({id(f): f for f in self.flats() if f.local_grad is not None})
+        for key, f in pending.items():
+            if f.shard.grad is None:
+                f.shard.grad = torch.zeros_like(f.shard)
+            self._marks[key] = (f.shard.grad, f.shard.grad._version)
+
+    def _drop_cleared(self) -> None:
+        """Before the gradients still on their way land: drop those of shards whose ``.grad`` was cleared (set to None,
+        replaced or zeroed in place) since the backward that produced them. Every rank clears alike (Lightning's hook,
+        a user's ``zero_grad``), so every rank drops the same ones."""
+        marks, self._marks = self._marks, {}
+        cleared = {
+            id(f)
+            for f in self.flats()
+            if id(f) in marks and (f.shard.grad is not marks[id(f)][0] or f.shard.grad._version != marks[id(f)][1])
+        }
+        if not cleared:
+            return
+        for flat, _, work in self._rs_inflight:
+            if id(flat) in cleared:
+                work.wait()  # the collective completes on every rank; its result is not wanted
+        self._rs_inflight = [item for item in self._rs_inflight if id(item[0]) not in cleared]
+        self._rs_queue = [item for item in self._rs_queue if id(item[1]) not in cleared]
+        for f in self.flats():
+            if id(f) in cleared:
+                f.local_grad = None
 
     # ------------------------------------------------------------------------------------ gradients
     def _issue_reduce_scatters(self, min_age: int = 0) -> None:
@@ -590,6 +628,7 @@ class FullyShardedDataParallel:
 
     def finish_gradients(self) -> None:
         """After the last backward of a step: every gradient reduced into its shard, every unit resharded."""
+        self._drop_cleared()
         self._issue_reduce_scatters()
         self._drain_reduce_scatters()
         self._reduce_replicated()
