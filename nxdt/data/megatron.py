@@ -550,14 +550,18 @@ Hugging Face tokenizer.json (or its directory); default byte-level. --eod-id: a 
 document (Megatron's --append-eod)."""
 
 
-def main(argv: Sequence[str]) -> int:
+def main(argv: Sequence[str], parser_class: type | None = None) -> int:
+    """``nxdt data convert-megatron``; ``parser_class``: the argparse parser the CLI refuses bad flags with (one line,
+    ``nxdt.topology.nccom.OneLineParser``; this layer imports nothing of nxdt's upper layers)."""
     import argparse
     import sys
 
     from nxdt.data.files import not_regular
     from nxdt.data.tokenizers import build_tokenizer
 
-    parser = argparse.ArgumentParser(prog="nxdt data convert-megatron", usage=CONVERT_USAGE.splitlines()[0][7:], add_help=True)
+    parser = (parser_class or argparse.ArgumentParser)(
+        prog="nxdt data convert-megatron", usage=CONVERT_USAGE.splitlines()[0][7:], add_help=True
+    )
     parser.add_argument("inputs", nargs="+")
     parser.add_argument("--output-prefix", required=True)
     parser.add_argument("--tokenizer", default=None)
