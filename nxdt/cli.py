@@ -65,7 +65,7 @@ commands:
                               completions of the prompts by a checkpoint or HF directory (KV cache; greedy unless a
                               sampling flag is given; the tokenizer's chat template applied when it has one)
 
-`nxdt train --help` lists every config group and key with its documentation.
+`nxdt train --help` lists every config group and key with its documentation; `nxdt --version` prints the version.
 """
 
 
@@ -1295,6 +1295,11 @@ def main(argv: list[str] | None = None, *, fork_workers: bool = False) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv == ["--version"]:  # what a newcomer types first (was "unknown command '--version'")
+        from nxdt import __version__
+
+        print(f"nxdt {__version__}")
+        return 0
     command = COMMANDS.get(argv[0])
     if command is None:
         return _fail(f"nxdt: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}")

@@ -426,7 +426,15 @@ def _output_cases(tmp: Path) -> list[tuple[list[str], str]]:
     (tmp / "calibration.json").write_text('{"ops": {}}')
     (tmp / "calibration_link.json").symlink_to(tmp / "calibration.json")
     estimate = ["comm-test", "--estimate", "--instance", "trn1.32xlarge"]
+    checkpoint = _checkpoint(tmp, "ck")
+    os.mkfifo(tmp / "fifo.txt")
     return [
+        (["checkpoint", "export-hf", str(checkpoint), "/etc/nxdt-probe-hf"], "inside the system directory /etc"),
+        (["checkpoint", "consolidate", str(checkpoint), "/usr/nxdt-probe-full"], "inside the system directory /usr"),
+        (["data", "convert-megatron", str(tmp / "data.txt"), "--output-prefix", "/etc/nxdt-probe"], "system directory /etc"),
+        # refused before torch is imported (a minute on a loaded host before): a MODEL that is no model, a FIFO --data
+        (["generate", str(tmp / "elsewhere"), "--prompt", "hi"], "neither an nxdt checkpoint (meta.json) nor"),
+        (["eval", "perplexity", str(checkpoint), "--data", str(tmp / "fifo.txt")], "is a FIFO (named pipe), not a regular"),
         (["report", str(run), "-o", "/etc/nxdt-probe-report"], "inside the system directory /etc"),
         (["report", str(run), "-o", str(tmp / "link_dir")], "is a symbolic link"),
         (

@@ -568,6 +568,14 @@ def main(argv: Sequence[str], parser_class: type | None = None) -> int:
     parser.add_argument("--json-key", default="text")
     parser.add_argument("--eod-id", type=int, default=None)
     args = parser.parse_args(list(argv))
+    from nxdt.config.validate import output_path_problem  # system directories: refused as for every output
+
+    problem = output_path_problem(f"{args.output_prefix}.bin", directory=True) or output_path_problem(
+        f"{args.output_prefix}.idx", directory=True
+    )  # a system directory or a link at PREFIX.bin/.idx refused; an existing file there is replaced (write_indexed)
+    if problem is not None:
+        print(f"nxdt data convert-megatron: --output-prefix {args.output_prefix!r} {problem}", file=sys.stderr)
+        return 2
     try:
         tokenizer = build_tokenizer(args.tokenizer)
         for path in args.inputs:

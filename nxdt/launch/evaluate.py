@@ -44,7 +44,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
-from nxdt.launch.model_source import CommandError, check_fits, check_output, load_model, write_output
+from nxdt.data.files import not_regular
+from nxdt.launch.model_source import CommandError, check_fits, check_model_dir, check_output, load_model, write_output
 
 USAGE = """usage: nxdt eval perplexity MODEL --data FILE [--seq-length N] [--batch-size N] [--ranks N] [--out FILE.json]
        nxdt eval generate MODEL --data FILE.jsonl [--max-new-tokens N] [--batch-size N] [--limit N] [--out FILE.json]
@@ -388,7 +389,11 @@ def main(argv: list[str]) -> int:
             raise EvalError(USAGE)
         if not Path(data).expanduser().exists():
             raise EvalError(f"nxdt eval: --data {data}: no such file")
+        kind = not_regular(Path(data).expanduser())
+        if kind is not None:  # a FIFO, a device: refused before torch is imported
+            raise EvalError(f"nxdt eval: --data {data} is {kind}, not a regular file")
         check_output("nxdt eval", out)  # before the model is loaded
+        check_model_dir("nxdt eval", rest[0])
         if kind == "perplexity":
             result = perplexity(rest[0], data, seq_length, batch_size, ranks)
         else:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from nxdt.launch.model_source import CommandError, check_fits, check_output, load_model, write_output
+from nxdt.launch.model_source import CommandError, check_fits, check_model_dir, check_output, load_model, write_output
 
 USAGE = """usage: nxdt generate MODEL (--prompt TEXT [--prompt TEXT ...] | --prompts FILE.jsonl) [--max-new-tokens N]
        [--temperature T] [--top-p P] [--top-k K] [--seed N] [--batch-size N] [--no-chat-template] [--out FILE.jsonl]
@@ -70,6 +70,7 @@ class Request:
             raise CommandError(f"{WHO}: --seed {self.seed} is out of range; give a seed between 0 and 2**64 - 1")
         if self.out is not None:
             check_output(WHO, self.out)  # before the model is loaded
+        check_model_dir(WHO, self.model)  # before torch is imported
         return self
 
     def sampling(self) -> dict[str, Any]:

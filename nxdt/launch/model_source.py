@@ -106,6 +106,17 @@ def _config_from_meta(where: Path, run_config: Path, command: str) -> Any:
     return cfg
 
 
+def check_model_dir(command: str, path: str) -> None:
+    """MODEL refused before torch is imported (15 CPU-s, a minute on a loaded host, before a typo was named): a
+    directory with an nxdt checkpoint's meta.json or a Hugging Face config.json."""
+    where = Path(path).expanduser()
+    if not (where / "meta.json").is_file() and not (where / "config.json").is_file():
+        raise CommandError(
+            f"{command}: {printable(path)} is neither an nxdt checkpoint (meta.json) nor a Hugging Face model directory "
+            "(config.json)"
+        )
+
+
 def load_model(path: str, command: str = "nxdt eval") -> Loaded:
     """The hub model of an nxdt checkpoint (any layout, consolidated) or of a Hugging Face directory; ``command``
     starts the one-line error (:class:`CommandError`)."""
