@@ -423,8 +423,6 @@ def _output_cases(tmp: Path) -> list[tuple[list[str], str]]:
     huge.mkdir()
     with open(huge / "config.json", "wb") as fh:
         fh.truncate(300 << 20)  # sparse: costs no disk; read whole before, 300 MB of memory
-    (tmp / "calibration.json").write_text('{"ops": {}}')
-    (tmp / "calibration_link.json").symlink_to(tmp / "calibration.json")
     estimate = ["comm-test", "--estimate", "--instance", "trn1.32xlarge"]
     checkpoint = _checkpoint(tmp, "ck")
     os.mkfifo(tmp / "fifo.txt")
@@ -435,6 +433,8 @@ def _output_cases(tmp: Path) -> list[tuple[list[str], str]]:
         # refused before torch is imported (a minute on a loaded host before): a MODEL that is no model, a FIFO --data
         (["generate", str(tmp / "elsewhere"), "--prompt", "hi"], "neither an nxdt checkpoint (meta.json) nor"),
         (["eval", "perplexity", str(checkpoint), "--data", str(tmp / "fifo.txt")], "is a FIFO (named pipe), not a regular"),
+        (["eval", "perplexity", str(checkpoint), "--data", str(tmp / "data.txt"), "--ranks", "100000"], "--ranks 100000 must"),
+        (["eval", "perplexity", str(checkpoint), "--data", str(tmp / "data.txt"), "--ranks", "0"], "--ranks 0 must be"),
         (["report", str(run), "-o", "/etc/nxdt-probe-report"], "inside the system directory /etc"),
         (["report", str(run), "-o", str(tmp / "link_dir")], "is a symbolic link"),
         (
@@ -454,7 +454,7 @@ def _output_cases(tmp: Path) -> list[tuple[list[str], str]]:
             ["comm-test", "--calibrate", "-o", "/etc/nxdt-probe-calibration.json"],
             "-o '/etc/nxdt-probe-calibration.json' is inside",
         ),
-        (["plan", "--calibration", str(tmp / "calibration_link.json")], "a symbolic link"),
+        (["plan", "--calibration", str(tmp / "fifo.txt")], "not a regular file (a FIFO, device or directory)"),
         (["train", f"model.hf_checkpoint={huge}"], "more than the 16 MiB nxdt reads of such a file"),
     ]
 

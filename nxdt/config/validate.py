@@ -201,19 +201,16 @@ SMALL_FILE_LIMIT = 16 << 20
 
 
 def read_capped(path: str | Path, limit: int = SMALL_FILE_LIMIT) -> bytes:
-    """The bytes of a small regular file, opened without following a link at its last component or blocking on a
-    FIFO (O_NOFOLLOW | O_NONBLOCK, then fstat of what was opened), at most ``limit`` bytes read. ValueError (one
-    phrase) for what it refuses; OSError when it is absent or unreadable."""
-    import errno
+    """The bytes of a small regular file the user hands in, at most ``limit`` bytes read, opened without blocking on
+    a FIFO (O_NONBLOCK, then fstat of what was opened). A link is followed: the user chose it, and a Hugging Face
+    cache snapshot is all links (``snapshots/<rev>/config.json`` → ``blobs/<sha>``); the files of a run or
+    checkpoint, which others may have crafted, are read by ``nxdt.launch.runs.read_run_file`` and
+    ``nxdt.lightning.checkpoint.read_small_file``, which follow none. ValueError (one phrase) for what it refuses;
+    OSError when it is absent or unreadable."""
     import os
     import stat
 
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise ValueError("a symbolic link; give the file itself") from None
-        raise
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     with open(fd, "rb") as fh:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):

@@ -243,6 +243,16 @@ def _perplexity_rank(world: Any, model_path: str, data: str, seq_length: int, ba
 
 
 def perplexity(model_path: str, data: str, seq_length: int | None, batch_size: int, ranks: int) -> dict[str, Any]:
+    from nxdt.comm.bench import RANKS_PER_CORE, usable_cores
+
+    # each rank is a process holding the whole model: capped as comm-test's -r is (--ranks 100000 forked until the
+    # host fell over), before the model is loaded
+    most = RANKS_PER_CORE * usable_cores()
+    if not 1 <= ranks <= most:
+        raise EvalError(
+            f"nxdt eval: --ranks {ranks} must be between 1 and {most} ({RANKS_PER_CORE} per usable CPU core; each rank "
+            "holds the whole model)"
+        )
     loaded = load_model(model_path)
     seq = seq_length or loaded.seq_length
     if seq > loaded.max_positions:
@@ -389,9 +399,9 @@ def main(argv: list[str]) -> int:
             raise EvalError(USAGE)
         if not Path(data).expanduser().exists():
             raise EvalError(f"nxdt eval: --data {data}: no such file")
-        kind = not_regular(Path(data).expanduser())
-        if kind is not None:  # a FIFO, a device: refused before torch is imported
-            raise EvalError(f"nxdt eval: --data {data} is {kind}, not a regular file")
+        data_kind = not_regular(Path(data).expanduser())
+        if data_kind is not None:  # a FIFO, a device: refused before torch is imported
+            raise EvalError(f"nxdt eval: --data {data} is {data_kind}, not a regular file")
         check_output("nxdt eval", out)  # before the model is loaded
         check_model_dir("nxdt eval", rest[0])
         if kind == "perplexity":

@@ -137,7 +137,7 @@ def refuse_target_inside_checkpoint(checkpoint: str | os.PathLike, out: str | os
     link (:func:`nxdt.config.validate.output_path_problem`, as every command's output)."""
     from nxdt.config.validate import output_path_problem
 
-    problem = output_path_problem(out, directory=True)
+    problem = output_path_problem(os.fspath(out), directory=True)
     if problem is not None:
         raise CheckpointError(f"{out} {problem}")
     source, target = Path(checkpoint).resolve(), Path(out).resolve()

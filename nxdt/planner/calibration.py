@@ -52,9 +52,10 @@ def load_calibration(path: str | Path | None) -> dict[str, Any] | None:
             raise ConfigError(
                 "--calibration", AUTO, f"no calibration of this host at {target}; write one with `nxdt comm-test --calibrate`"
             )
-        raise ConfigError("--calibration", str(path), "no such file; write one with `nxdt comm-test --calibrate`")
+        what = "not a regular file (a FIFO, device or directory)" if target.exists() else "no such file"
+        raise ConfigError("--calibration", str(path), f"{what}; write one with `nxdt comm-test --calibrate`")
     try:
-        data = read_json_object(target)  # size-capped, no link followed, no FIFO blocked on
+        data = read_json_object(target)  # size-capped, no FIFO blocked on
         assert isinstance(data.get("ops"), dict)
     except (OSError, ValueError, AssertionError, AttributeError) as exc:
         why = f" ({exc.strerror or exc})" if isinstance(exc, OSError) else f" ({exc})" if str(exc) else ""
