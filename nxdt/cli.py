@@ -65,7 +65,7 @@ commands:
                               completions of the prompts by a checkpoint or HF directory (KV cache; greedy unless a
                               sampling flag is given; the tokenizer's chat template applied when it has one)
 
-`nxdt train --help` lists every config group and key with its documentation.
+`nxdt train --help` lists every config group and key with its documentation; `nxdt --version` prints the version.
 """
 
 
@@ -882,9 +882,9 @@ def cmd_plan(argv: list[str]) -> int:
 
 
 def cmd_topo(argv: list[str]) -> int:
-    import argparse
+    from nxdt.topology.nccom import OneLineParser
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="nxdt topo", description="Device table and graph of an instance type (like neuron-ls --topology)."
     )
     parser.add_argument("name", help="instance type, e.g. trn1.32xlarge (see `nxdt train --help` for the catalogue)")
@@ -929,10 +929,16 @@ def cmd_comm_test(argv: list[str]) -> int:
 def _comm_test_estimate(argv: list[str]) -> int:
     """The nccom-test table the cost model predicts for an instance (nothing runs). The flags mean what they mean
     for a measured run and for nccom-test (-r total ranks, -N nodes); the table and the JSON have the same layout."""
-    import argparse
 
     from nxdt.config import ConfigError, compose_config
-    from nxdt.config.validate import devices_per_node, fill_instance_defaults, validate
+    from nxdt.config.validate import (
+        MAX_WORLD_SIZE,
+        devices_per_node,
+        fill_instance_defaults,
+        output_path_problem,
+        validate,
+        write_output_file,
+    )
     from nxdt.planner import node_topology
     from nxdt.planner.calibration import BENCH_OPS, estimate_table, load_calibration
 
@@ -940,15 +946,16 @@ def _comm_test_estimate(argv: list[str]) -> int:
     from nxdt.topology.nccom import (
         DTYPE_BYTES,
         OP_TITLES,
+        OneLineParser,
         algorithm_bands,
         layout_text,
         parse_size,
         ranks_per_node,
+        report_json,
         sizes,
-        write_json,
     )
 
-    p = argparse.ArgumentParser(prog="nxdt comm-test --estimate", description="Predict an nccom-test table with the cost model.")
+    p = OneLineParser(prog="nxdt comm-test --estimate", description="Predict an nccom-test table with the cost model.")
     p.add_argument("ops", nargs="*", default=["allr"], help=f"operations: {' '.join(BENCH_OPS)}")
     p.add_argument("--instance", required=True, help="instance type, e.g. trn1.32xlarge")
     p.add_argument(
@@ -993,6 +1000,9 @@ def _comm_test_estimate(argv: list[str]) -> int:
         return _fail(f"nxdt comm-test: --estimate covers {' '.join(BENCH_OPS)}; not {bad}")
     if args.minbytes > args.maxbytes or args.stepfactor <= 1:
         return _fail("nxdt comm-test: need --minbytes <= --maxbytes and --stepfactor > 1")
+    problem = args.report_to_json_file and output_path_problem(args.report_to_json_file)
+    if problem:
+        return _fail(f"nxdt comm-test: --report-to-json-file {args.report_to_json_file!r} {problem}")
     try:
         rpn = ranks_per_node(args.nworkers, args.nodes) if args.nworkers is not None else None
     except ValueError as exc:
@@ -1010,6 +1020,8 @@ def _comm_test_estimate(argv: list[str]) -> int:
     except ConfigError as exc:
         if rpn and exc.key == "trainer.devices":  # the user typed -r, not trainer.devices
             return _fail(f"nxdt comm-test: -r {args.nworkers} over -N {args.nodes} nodes is {rpn} ranks per node: {exc.fix}")
+        if rpn and exc.key == "trainer.num_nodes" and args.nworkers > MAX_WORLD_SIZE:  # nor num_nodes × devices
+            return _fail(f"nxdt comm-test: -r {args.nworkers}: one job holds at most {MAX_WORLD_SIZE:,} ranks; give fewer")
         return _fail(str(exc))
     rpn = devices_per_node(cfg)
     group = list(range(rpn * args.nodes))
@@ -1075,27 +1087,31 @@ def _comm_test_estimate(argv: list[str]) -> int:
         if args.show_algorithm:
             report["algorithms"] = algorithms
         try:
-            write_json(args.report_to_json_file, report, len(group), args.nodes, "estimate")
-        except OSError as exc:
-            return _fail(f"nxdt comm-test: --report-to-json-file {args.report_to_json_file}: {exc.strerror or exc}")
+            write_output_file(args.report_to_json_file, report_json(report, len(group), args.nodes, "estimate").encode())
+        except (OSError, ValueError) as exc:
+            what = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            return _fail(f"nxdt comm-test: --report-to-json-file {args.report_to_json_file!r}: {what}")
     return 0
 
 
 def _comm_test_calibrate(argv: list[str]) -> int:
-    import argparse
 
     import shlex
 
+    from nxdt.config.validate import output_path_problem
     from nxdt.planner.calibration import fit_calibration, save_calibration
-    from nxdt.topology.nccom import parse_size
+    from nxdt.topology.nccom import OneLineParser, parse_size
 
-    p = argparse.ArgumentParser(prog="nxdt comm-test --calibrate", description="Measure this host for plans on the cpu instance.")
+    p = OneLineParser(prog="nxdt comm-test --calibrate", description="Measure this host for plans on the cpu instance.")
     p.add_argument("-r", "--nworkers", type=int, default=2, help="ranks to measure with (as in training)")
     p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64mb"))
     p.add_argument("-o", "--output", default=None, help="calibration file (default: the per-host cache file)")
     args = p.parse_args(argv)
     if args.nworkers < 2:
         return _fail("nxdt comm-test --calibrate: need --nworkers >= 2")
+    problem = args.output and output_path_problem(args.output)
+    if problem:  # before the minute of measuring
+        return _fail(f"nxdt comm-test --calibrate: -o {args.output!r} {problem}")
     from nxdt.comm.spawn import RankFailed
     from nxdt.launch.calibrate import measure
 
@@ -1232,8 +1248,9 @@ def cmd_data(argv: list[str]) -> int:
             "usage: nxdt data convert-megatron INPUT... --output-prefix PREFIX [--tokenizer PATH] [--json-key KEY] [--eod-id N]"
         )
     from nxdt.data.megatron import main as convert_megatron
+    from nxdt.topology.nccom import OneLineParser
 
-    return convert_megatron(argv[1:])
+    return convert_megatron(argv[1:], OneLineParser)
 
 
 def cmd_eval(argv: list[str]) -> int:
@@ -1274,6 +1291,11 @@ def main(argv: list[str] | None = None, *, fork_workers: bool = False) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv == ["--version"]:  # what a newcomer types first (was "unknown command '--version'")
+        from nxdt import __version__
+
+        print(f"nxdt {__version__}")
+        return 0
     command = COMMANDS.get(argv[0])
     if command is None:
         return _fail(f"nxdt: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}")

@@ -402,6 +402,81 @@ def _crafted_file_cases(tmp: Path) -> list[tuple[list[str], str]]:
     ]
 
 
+def _output_cases(tmp: Path) -> list[tuple[list[str], str]]:
+    """Issue 38 probes, round three: every command that writes a file the user names (``report -o``, ``eval --out``,
+    ``generate --out``, ``comm-test --report-to-json-file``, ``comm-test --calibrate -o``) refuses a system directory
+    (as explicit_log_dir does: nxdt.config.validate.output_path_problem) and a symbolic link at the last component,
+    before anything runs; and files the user hands in are read size-capped (a 300 MB config.json was read whole) and
+    without following a link (a calibration file)."""
+    tmp.mkdir()
+    run = tmp / "run"  # a finished run for `nxdt report`
+    run.mkdir()
+    (run / "config.yaml").write_text("trainer:\n  max_steps: 2\n")
+    (run / "plan.json").write_text("{}")
+    (run / "metrics.csv").write_text("step,loss\n1,3.0\n2,2.5\n")
+    (tmp / "elsewhere").mkdir()
+    (tmp / "victim.json").write_text("keep")
+    (tmp / "link.json").symlink_to(tmp / "victim.json")
+    (tmp / "link_dir").symlink_to(tmp / "elsewhere")
+    (tmp / "data.txt").write_text("some text to score")
+    huge = tmp / "huge_hf"
+    huge.mkdir()
+    with open(huge / "config.json", "wb") as fh:
+        fh.truncate(300 << 20)  # sparse: costs no disk; read whole before, 300 MB of memory
+    estimate = ["comm-test", "--estimate", "--instance", "trn1.32xlarge"]
+    checkpoint = _checkpoint(tmp, "ck")
+    os.mkfifo(tmp / "fifo.txt")
+    return [
+        (["checkpoint", "export-hf", str(checkpoint), "/etc/nxdt-probe-hf"], "inside the system directory /etc"),
+        (["checkpoint", "consolidate", str(checkpoint), "/usr/nxdt-probe-full"], "inside the system directory /usr"),
+        (["data", "convert-megatron", str(tmp / "data.txt"), "--output-prefix", "/etc/nxdt-probe"], "system directory /etc"),
+        # refused before torch is imported (a minute on a loaded host before): a MODEL that is no model, a FIFO --data
+        (["generate", str(tmp / "elsewhere"), "--prompt", "hi"], "neither an nxdt checkpoint (meta.json) nor"),
+        (["eval", "perplexity", str(checkpoint), "--data", str(tmp / "fifo.txt")], "is a FIFO (named pipe), not a regular"),
+        (["eval", "perplexity", str(checkpoint), "--data", str(tmp / "data.txt"), "--ranks", "100000"], "--ranks 100000 must"),
+        (["eval", "perplexity", str(checkpoint), "--data", str(tmp / "data.txt"), "--ranks", "0"], "--ranks 0 must be"),
+        (["report", str(run), "-o", "/etc/nxdt-probe-report"], "inside the system directory /etc"),
+        (["report", str(run), "-o", str(tmp / "link_dir")], "is a symbolic link"),
+        (
+            ["eval", "perplexity", str(tmp), "--data", str(tmp / "data.txt"), "--out", "/usr/nxdt-probe.json"],
+            "system directory /usr",
+        ),
+        (
+            ["generate", str(tmp), "--prompt", "hi", "--out", str(tmp / "link.json")],
+            "--out " + str(tmp / "link.json") + " is a symbolic link",
+        ),
+        (["generate", str(tmp), "--prompt", "hi", "--seed", "-1"], "--seed -1 is out of range"),
+        (["comm-test", "-r", "2", "--report-to-json-file", "/proc/nxdt-probe.json"], "inside the system directory /proc"),
+        ([*estimate, "--report-to-json-file", "/etc/nxdt-probe.json"], "inside the system directory /etc"),
+        ([*estimate, "--report-to-json-file", str(tmp / "link.json")], "is a symbolic link"),
+        ([*estimate, "-r", "1000000000"], "-r 1000000000: one job holds at most 1,048,576 ranks"),  # named trainer.devices
+        (
+            ["comm-test", "--calibrate", "-o", "/etc/nxdt-probe-calibration.json"],
+            "-o '/etc/nxdt-probe-calibration.json' is inside",
+        ),
+        (["plan", "--calibration", str(tmp / "fifo.txt")], "not a regular file (a FIFO, device or directory)"),
+        (["train", f"model.hf_checkpoint={huge}"], "more than the 16 MiB nxdt reads of such a file"),
+    ]
+
+
+def test_argparse_refusals_are_one_line(capsys):
+    """Issue 38 probe: every argparse-parsed command refuses a bad flag in one line (convert-megatron, topo and
+    comm-test --estimate / --calibrate printed argparse's usage block first), exit 2."""
+    import pytest
+
+    for argv in (
+        ["data", "convert-megatron", "--bogus"],
+        ["data", "convert-megatron", "in.txt", "--output-prefix", "p", "--eod-id", "x"],
+        ["topo", "trn1.32xlarge", "--lnc", "q"],
+        ["comm-test", "--estimate"],
+        ["comm-test", "--calibrate", "--bogus"],
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert exit_.value.code == 2 and len(err) == 1 and "--help lists the options" in err[0], (argv, err)
+
+
 def _launch_cases(tmp: Path) -> list[tuple[list[str], str]]:
     """What only the workers used to find (with tracebacks): training files, tokenizer, hf_checkpoint headers, the
     model class, host memory — each checked cheaply in the launcher (tests/test_launch_checks.py has the details)."""
@@ -717,8 +792,11 @@ def test_hostile_inputs_are_one_line_exit_2_within_seconds_and_leave_nothing(tmp
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("NXDT_TEST_RUN_NAME", "run\n1")
     monkeypatch.delenv("NXDT_TEST_UNSET", raising=False)
-    cases = _hardening_cases(tmp_path / "inputs") + _crafted_file_cases(tmp_path / "crafted")
+    outputs = tmp_path / "outputs_probe"
+    cases = _hardening_cases(tmp_path / "inputs") + _crafted_file_cases(tmp_path / "crafted") + _output_cases(outputs)
     _assert_each_refused(cases, tmp_path, capsys)
+    assert (outputs / "victim.json").read_text() == "keep" and not list((outputs / "elsewhere").iterdir())
+    assert not glob.glob("/etc/nxdt-probe*") and not glob.glob("/usr/nxdt-probe*")
     assert not (tmp_path / "crafted" / "hf").exists()
     assert not list((tmp_path / "crafted").glob("corpus*"))  # no half-written .bin left by the failed conversion
     assert not list(Path("/etc").glob("plan.json"))  # explicit_log_dir=/etc wrote nothing there

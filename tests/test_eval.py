@@ -237,7 +237,11 @@ def test_an_eval_set_without_the_needed_fields_is_one_line_exit_2(evaluated, tmp
             ["--data", "{records}", "--max-new-tokens", "1000000000000"],
             "with --max-new-tokens 1000000000000 it would need",
         ),
-        ("perplexity", ["--data", "{text}", "--seq-length", "128", "--out", "{tmp}"], "cannot be written (Is a directory)"),
+        (
+            "perplexity",
+            ["--data", "{text}", "--seq-length", "128", "--out", "{tmp}"],
+            "exists and is not a regular file (a directory",
+        ),
     ],
     ids=["data-a-device", "window-past-the-positions", "max-new-tokens-past-the-positions", "out-a-directory"],
 )

@@ -175,7 +175,10 @@ def test_seeded_sampling_is_reproducible(hf_dir, tmp_path):
         (["--prompt", "one " * 70, "--max-new-tokens", "2", "--no-chat-template"], "— shorten the prompt"),
         (["--prompt", "hi", "--seed", str(2**70)], f"--seed {2**70} is out of range"),
         (["--prompts", "{tmp}/fifo.jsonl"], "fifo.jsonl: is a FIFO (named pipe), not a regular file"),
-        (["--prompt", "hi", "--max-new-tokens", "2", "--out", "{tmp}"], "cannot be written (Is a directory) — name a file"),
+        (
+            ["--prompt", "hi", "--max-new-tokens", "2", "--out", "{tmp}"],
+            "exists and is not a regular file (a directory, FIFO or device); name a file",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(hf_dir, tmp_path, capsys, args, says):

@@ -25,3 +25,13 @@ def test_every_subpackage_is_listed():
 def test_torch_is_pinned_to_the_cpu_build():
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert "torch==2.13.0" in deps
+
+
+def test_version_flag_prints_the_project_version(capsys):
+    """Issue 39 probe: `nxdt --version`, a newcomer's first command, was "unknown command"; it prints the version
+    pyproject.toml declares."""
+    from nxdt.cli import main
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"nxdt {version}\n"

@@ -166,6 +166,8 @@ def test_one_tokens_per_s_in_runs_report_sweep_report_and_the_summary(tmp_path, 
     assert main(["sweep-report", str(sweep)]) == 0
     table = {line.split("│")[1].strip(): line for line in capsys.readouterr().out.splitlines() if re.match(r"│ +\d ", line)}
     assert all(f" {tps} " in table[str(n)] for n, tps in enumerate(want)), table
+    # its labels (table and legends) name the layout as well as the swept override (issue 39)
+    assert "1×cpu trainer.devices=1" in table["0"] and "2×cpu DP2 trainer.devices=2" in table["1"], table
     text, _, _ = report(jobs, tmp_path / "figs")
     assert [re.search(r"(\d,\d{3})", line).group(1) for line in text.splitlines()[2:4]] == want, text
     summary = "\n".join(console.summary(jobs[0], "finished", base, []))
@@ -468,3 +470,25 @@ def test_report_draws_the_real_runs(launched):
     for png in pngs:
         assert_png(png)
     assert "finished" in result.stdout and "interrupted" in result.stdout
+
+
+def test_metrics_csv_is_streamed_into_a_bounded_number_of_rows(tmp_path):
+    """Issue 38 probe: a 1M-row metrics.csv was read whole (~1 GB and 30 s in `nxdt runs`, measured 759 MB). It is
+    streamed now and at most ``keep`` rows are kept, thinned evenly within each kind of row (the sparse validation
+    rows among themselves, so they stay), the first row and the last complete one always there (a torn last line
+    skipped), in step order."""
+    from nxdt.launch.runs import read_metrics
+
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = ["step,loss,val_loss"] + [f"{s},{s / 10},{s if s % 100 == 0 else ''}" for s in range(1, 10_001)]
+    (run / "metrics.csv").write_text("\n".join(lines) + "\n10001,x")
+    rows = read_metrics(run, keep=500)
+    steps = [int(r["step"]) for r in rows]
+    assert len(rows) <= 501 and steps[0] == 1 and steps[-1] == 10_000 and steps == sorted(steps)
+    assert rows[-1] == {"step": 10_000.0, "loss": 1000.0, "val_loss": 10_000.0}
+    train = [s for s, r in zip(steps, rows) if "val_loss" not in r]
+    gaps = {b - a for a, b in zip(train, train[1:])}
+    assert gaps <= {32, 33}, gaps  # every 32nd training row (33 across a validation row, a kind of its own)
+    assert sum("val_loss" in r for r in rows) >= 3  # validation rows thinned among themselves, not lost
+    assert len(read_metrics(run)) == 10_000  # below METRICS_ROWS_KEPT: every row, as before

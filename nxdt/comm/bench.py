@@ -19,21 +19,23 @@ import argparse
 import os
 import sys
 import time
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable
 
 import torch
 
 # nccom-test's vocabulary, shared with the cost model's `nxdt comm-test --estimate` (which must not import torch)
+from nxdt.config.validate import output_path_problem, write_output_file
 from nxdt.topology.nccom import (
     OP_TITLES,
     OPS,
+    OneLineParser,
     algorithm_bands,
     bus_factor,
     layout_text,
     parse_size,
     ranks_per_node,
+    report_json,
     sizes,
-    write_json,
 )
 
 DTYPES = {
@@ -356,14 +358,6 @@ def _print_table(report: dict, n: int, transport: str) -> None:
         print(f"# Avg bus bandwidth    : {sum(r['busbw(GB/s)'] for r in rows) / len(rows):.3f}")
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """argparse whose refusal of a bad argument is one line (its own message and where the options are listed),
-    exit 2, not the whole usage block before it: bad input is one line everywhere in nxdt."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: {message} ({self.prog} --help lists the options)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="nxdt comm-test", description="Benchmark nxdt's collectives (nccom-test style).")
     p.add_argument("ops", nargs="*", default=["allr"], help=f"operations: {' '.join(OPS)} (default allr)")
@@ -444,6 +438,10 @@ def main(argv: list[str] | None = None, multinode: Callable[[argparse.Namespace,
     if args.minbytes > args.maxbytes or args.stepfactor <= 1:
         print("nxdt comm-test: need --minbytes <= --maxbytes and --stepfactor > 1", file=sys.stderr)
         return 2
+    problem = args.report_to_json_file and output_path_problem(args.report_to_json_file)
+    if problem:  # before anything runs
+        print(f"nxdt comm-test: --report-to-json-file {args.report_to_json_file!r} {problem}", file=sys.stderr)
+        return 2
     try:
         check_process_count(ranks_per_node(args.nworkers, args.nodes), args.force)
         check_memory(ranks_per_node(args.nworkers, args.nodes), args.maxbytes, args.force)
@@ -488,10 +486,12 @@ def finish(report: dict, args: argparse.Namespace) -> int:
     n = args.nworkers  # the total, as nccom-test counts it
     _print_table(report, n, report.get("transport", args.transport))
     if args.report_to_json_file:
+        text = report_json(report, n, args.nodes, report.get("transport", args.transport))
         try:
-            write_json(args.report_to_json_file, report, n, args.nodes, report.get("transport", args.transport))
-        except OSError as exc:
-            print(f"nxdt comm-test: --report-to-json-file {args.report_to_json_file}: {exc.strerror or exc}", file=sys.stderr)
+            write_output_file(args.report_to_json_file, text.encode())
+        except (OSError, ValueError) as exc:
+            what = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            print(f"nxdt comm-test: --report-to-json-file {args.report_to_json_file!r}: {what}", file=sys.stderr)
             return 2
     wrong = sum(r.get("#wrong", 0) for r in report["results"])
     return 1 if wrong else 0

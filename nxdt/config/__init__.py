@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from nxdt.config.schema import Config, field_docs, register_schemas
-from nxdt.config.validate import ConfigError, validate
+from nxdt.config.validate import ConfigError, read_json_object, validate
 
 __all__ = [
     "Config",
@@ -219,8 +219,6 @@ def _take_hf_config(cfg: DictConfig, overrides: list[str] | tuple[str, ...]) -> 
     field config.json holds come from it; an explicit override that changes the computation and contradicts it is
     refused by name (:func:`nxdt.config.hf_model.settings_from`). Without a config.json a checkpoint's tensors are
     still compared with the model before launch (``validate``)."""
-    import json
-
     from nxdt.config.hf_model import HFConfigError, settings_from
 
     model = cfg.model
@@ -234,10 +232,8 @@ def _take_hf_config(cfg: DictConfig, overrides: list[str] | tuple[str, ...]) -> 
         if key == "model.hf_checkpoint":
             return
         raise ConfigError(key, value, "no such file; give a Hugging Face config.json (or the directory holding one)")
-    try:
-        hf = json.loads(file.read_text())
-        if not isinstance(hf, dict):
-            raise ValueError("not a JSON object")
+    try:  # size-capped: a 300 MB config.json is refused before it is read whole
+        hf = read_json_object(file)
     except (OSError, ValueError) as exc:
         raise ConfigError(key, value, f"{file} is not a readable config.json ({exc})") from None
     explicit = _explicit_model_keys(overrides)

@@ -34,7 +34,7 @@ from nxdt.config.nxdt_compat import (
     unknown_key_error,
 )
 from nxdt.config.schema import Config, register_schemas
-from nxdt.config.validate import ConfigError, validate
+from nxdt.config.validate import ConfigError, read_json_object, validate
 
 # NxDT registers this resolver for `model_parallel_size: ${multiply:${...tensor...}, ${...pipeline...}}`
 if not OmegaConf.has_resolver("multiply"):
@@ -207,8 +207,8 @@ def _read_hf_config(nxdt: Mapping[str, Any]) -> dict[str, Any] | None:
             "name /home/ubuntu/config.json: override it with model.model_config=PATH)",
         )
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = read_json_object(path)  # size-capped: a 300 MB file was read whole
+    except (OSError, ValueError) as exc:
         raise ConfigError("model.model_config", value, f"not a readable JSON file ({exc})") from None
     if not isinstance(data, dict):
         raise ConfigError("model.model_config", value, "not a Hugging Face config (a JSON object)")

@@ -187,6 +187,96 @@ SYSTEM_DIRS = (
 SHARED_ROOTS = ("/", "/home", "/tmp", "/var", "/var/tmp", "/dev/shm", "/mnt", "/media", "/opt", "/srv", "/root")
 
 
+def system_dir_of(path: str | Path) -> str | None:
+    """The system directory (:data:`SYSTEM_DIRS`) ``path`` is or lies in, once resolved (links followed), else None."""
+    import os
+
+    resolved = os.path.realpath(os.path.expanduser(str(path)))
+    return next((d for d in SYSTEM_DIRS if resolved == d or resolved.startswith(d + "/")), None)
+
+
+# The most nxdt reads of a small file a user or a download supplies (config.json, tokenizer_config.json,
+# adapter_config.json, a run's status/plan): a few KB as written; a larger one is refused before it is read whole.
+SMALL_FILE_LIMIT = 16 << 20
+
+
+def read_capped(path: str | Path, limit: int = SMALL_FILE_LIMIT) -> bytes:
+    """The bytes of a small regular file the user hands in, at most ``limit`` bytes read, opened without blocking on
+    a FIFO (O_NONBLOCK, then fstat of what was opened). A link is followed: the user chose it, and a Hugging Face
+    cache snapshot is all links (``snapshots/<rev>/config.json`` → ``blobs/<sha>``); the files of a run or
+    checkpoint, which others may have crafted, are read by ``nxdt.launch.runs.read_run_file`` and
+    ``nxdt.lightning.checkpoint.read_small_file``, which follow none. ValueError (one phrase) for what it refuses;
+    OSError when it is absent or unreadable."""
+    import os
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with open(fd, "rb") as fh:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("not a regular file (a FIFO, device or directory)")
+        if info.st_size > limit:
+            raise ValueError(f"{info.st_size:,} bytes, more than the {limit >> 20} MiB nxdt reads of such a file")
+        data = fh.read(limit + 1)
+    if len(data) > limit:  # grew since fstat
+        raise ValueError(f"more than the {limit >> 20} MiB nxdt reads of such a file")
+    return data
+
+
+def read_json_object(path: str | Path, limit: int = SMALL_FILE_LIMIT) -> dict:
+    """:func:`read_capped`, parsed as a JSON object (config.json and its kin). ValueError / OSError as there."""
+    import json
+
+    data = json.loads(read_capped(path, limit))
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    return data
+
+
+def output_path_problem(path: str | Path, directory: bool = False) -> str | None:
+    """Why nxdt will not write the file (or, ``directory``, into the directory) a command's output flag names —
+    ``report -o``, ``eval --out``, ``generate --out``, ``comm-test --report-to-json-file`` — else None: a control
+    character, a system directory (:data:`SYSTEM_DIRS`, as for ``explicit_log_dir``), a symbolic link at its last
+    component (written through, it would change the file the link names), something not a regular file."""
+    import os
+    import stat
+
+    text = str(path)
+    if not text.isprintable():
+        return "contains a control character; give a plain path"
+    inside = system_dir_of(text)
+    if inside is not None:
+        return f"is {'inside ' if os.path.realpath(text) != inside else ''}the system directory {inside}; give a path of your own"
+    try:
+        info = os.lstat(text)
+    except OSError:
+        return None  # created by the command
+    if stat.S_ISLNK(info.st_mode):
+        return "is a symbolic link; name the file itself (nxdt does not write through links)"
+    if not directory and not stat.S_ISREG(info.st_mode):
+        return "exists and is not a regular file (a directory, FIFO or device); name a file"
+    return None
+
+
+def write_output_file(path: str | Path, data: bytes) -> None:
+    """``data`` into the file ``path`` (checked by :func:`output_path_problem` first), created or replaced without
+    following a link at its last component (O_NOFOLLOW) or blocking on a FIFO (O_NONBLOCK, then fstat: a link or a
+    FIFO planted after the check is refused, not written through). OSError for what fails; ValueError (one phrase)
+    for what the check refuses."""
+    import os
+    import stat
+
+    problem = output_path_problem(path)
+    if problem is not None:
+        raise ValueError(problem)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    with open(fd, "wb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("is not a regular file; name a file")
+        fh.truncate(0)
+        fh.write(data)
+
+
 def check_log_dir(key: str, value: Any) -> None:
     """``exp_manager.explicit_log_dir`` / ``exp_dir``: printable, not a system directory, and — when it exists —
     a directory of this user's (a run's files, and its ``.lock``, belong in a place the user owns)."""
@@ -197,7 +287,7 @@ def check_log_dir(key: str, value: Any) -> None:
     if not value.isprintable():
         raise ConfigError(key, value, "contains a control character (newline, tab, escape, ...); give a plain path")
     resolved = os.path.realpath(os.path.expanduser(value))
-    inside = next((d for d in SYSTEM_DIRS if resolved == d or resolved.startswith(d + "/")), None)
+    inside = system_dir_of(value)
     fix = "give a directory of your own, e.g. outputs/ (the default) or a path under your home"
     if inside is not None:
         raise ConfigError(key, value, f"is {'inside ' if resolved != inside else ''}the system directory {inside}; {fix}")
@@ -972,14 +1062,12 @@ def _check_hf_config(cfg: Any, config_json: Path) -> None:
     """A checkpoint whose config.json describes another model fails here, in one line naming the field and both
     values, rather than training silently (epsilon, RoPE) or failing in every worker's weight loading (shapes). The
     workers still check each tensor, for directories without config.json."""
-    import json
-
     from nxdt.config.hf_model import HFConfigError, family_of, model_meta
 
     if not config_json.is_file():
         return  # the tensors are compared with the model before launch (cli._check_model) and by the workers
     try:
-        hf = json.loads(config_json.read_text())
+        hf = read_json_object(config_json)
         family = family_of(hf)
         bad = family.mismatches(hf, model_meta(cfg.model))
     except (OSError, ValueError) as exc:  # HFConfigError is a ValueError: a field the hub cannot honour

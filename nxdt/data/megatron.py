@@ -550,20 +550,32 @@ Hugging Face tokenizer.json (or its directory); default byte-level. --eod-id: a 
 document (Megatron's --append-eod)."""
 
 
-def main(argv: Sequence[str]) -> int:
+def main(argv: Sequence[str], parser_class: type | None = None) -> int:
+    """``nxdt data convert-megatron``; ``parser_class``: the argparse parser the CLI refuses bad flags with (one line,
+    ``nxdt.topology.nccom.OneLineParser``; this layer imports nothing of nxdt's upper layers)."""
     import argparse
     import sys
 
     from nxdt.data.files import not_regular
     from nxdt.data.tokenizers import build_tokenizer
 
-    parser = argparse.ArgumentParser(prog="nxdt data convert-megatron", usage=CONVERT_USAGE.splitlines()[0][7:], add_help=True)
+    parser = (parser_class or argparse.ArgumentParser)(
+        prog="nxdt data convert-megatron", usage=CONVERT_USAGE.splitlines()[0][7:], add_help=True
+    )
     parser.add_argument("inputs", nargs="+")
     parser.add_argument("--output-prefix", required=True)
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--json-key", default="text")
     parser.add_argument("--eod-id", type=int, default=None)
     args = parser.parse_args(list(argv))
+    from nxdt.config.validate import output_path_problem  # system directories: refused as for every output
+
+    problem = output_path_problem(f"{args.output_prefix}.bin", directory=True) or output_path_problem(
+        f"{args.output_prefix}.idx", directory=True
+    )  # a system directory or a link at PREFIX.bin/.idx refused; an existing file there is replaced (write_indexed)
+    if problem is not None:
+        print(f"nxdt data convert-megatron: --output-prefix {args.output_prefix!r} {problem}", file=sys.stderr)
+        return 2
     try:
         tokenizer = build_tokenizer(args.tokenizer)
         for path in args.inputs:

@@ -44,7 +44,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
-from nxdt.launch.model_source import CommandError, check_fits, load_model, write_output
+from nxdt.data.files import not_regular
+from nxdt.launch.model_source import CommandError, check_fits, check_model_dir, check_output, load_model, write_output
 
 USAGE = """usage: nxdt eval perplexity MODEL --data FILE [--seq-length N] [--batch-size N] [--ranks N] [--out FILE.json]
        nxdt eval generate MODEL --data FILE.jsonl [--max-new-tokens N] [--batch-size N] [--limit N] [--out FILE.json]
@@ -242,6 +243,16 @@ def _perplexity_rank(world: Any, model_path: str, data: str, seq_length: int, ba
 
 
 def perplexity(model_path: str, data: str, seq_length: int | None, batch_size: int, ranks: int) -> dict[str, Any]:
+    from nxdt.comm.bench import RANKS_PER_CORE, usable_cores
+
+    # each rank is a process holding the whole model: capped as comm-test's -r is (--ranks 100000 forked until the
+    # host fell over), before the model is loaded
+    most = RANKS_PER_CORE * usable_cores()
+    if not 1 <= ranks <= most:
+        raise EvalError(
+            f"nxdt eval: --ranks {ranks} must be between 1 and {most} ({RANKS_PER_CORE} per usable CPU core; each rank "
+            "holds the whole model)"
+        )
     loaded = load_model(model_path)
     seq = seq_length or loaded.seq_length
     if seq > loaded.max_positions:
@@ -388,6 +399,11 @@ def main(argv: list[str]) -> int:
             raise EvalError(USAGE)
         if not Path(data).expanduser().exists():
             raise EvalError(f"nxdt eval: --data {data}: no such file")
+        data_kind = not_regular(Path(data).expanduser())
+        if data_kind is not None:  # a FIFO, a device: refused before torch is imported
+            raise EvalError(f"nxdt eval: --data {data} is {data_kind}, not a regular file")
+        check_output("nxdt eval", out)  # before the model is loaded
+        check_model_dir("nxdt eval", rest[0])
         if kind == "perplexity":
             result = perplexity(rest[0], data, seq_length, batch_size, ranks)
         else:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from nxdt.launch.model_source import CommandError, check_fits, load_model, write_output
+from nxdt.launch.model_source import CommandError, check_fits, check_model_dir, check_output, load_model, write_output
 
 USAGE = """usage: nxdt generate MODEL (--prompt TEXT [--prompt TEXT ...] | --prompts FILE.jsonl) [--max-new-tokens N]
        [--temperature T] [--top-p P] [--top-k K] [--seed N] [--batch-size N] [--no-chat-template] [--out FILE.jsonl]
@@ -65,8 +65,12 @@ class Request:
             raise CommandError(f"{WHO}: --top-p {self.top_p} must be in (0, 1] (1 keeps every token)")
         if self.top_k is not None and self.top_k < 0:
             raise CommandError(f"{WHO}: --top-k {self.top_k} must be >= 0 (0 keeps every token)")
-        if not -(2**63) <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
+        # torch.Generator.manual_seed also takes negatives (wrapped to 2**64 + seed); refused as `seed` is in train
+        if not 0 <= self.seed < 2**64:
             raise CommandError(f"{WHO}: --seed {self.seed} is out of range; give a seed between 0 and 2**64 - 1")
+        if self.out is not None:
+            check_output(WHO, self.out)  # before the model is loaded
+        check_model_dir(WHO, self.model)  # before torch is imported
         return self
 
     def sampling(self) -> dict[str, Any]:

@@ -8,10 +8,12 @@ safetensors, e.g. what ``nxdt checkpoint export-hf`` writes; its ``tokenizer.jso
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from nxdt.config.validate import read_json_object
+from nxdt.launch.runs import printable
 
 HF_DEFAULT_MAX_SEQ = 2048  # a Hugging Face model's default window: its max_position_embeddings, at most this
 
@@ -35,13 +37,29 @@ def check_fits(command: str, prompts: list[list[int]], max_new_tokens: int, max_
         )
 
 
+def check_output(command: str, out: str) -> None:
+    """``--out`` refused before any model is loaded: a system directory, a link, not a regular file
+    (:func:`nxdt.config.validate.output_path_problem`, the one home of those rules)."""
+    from nxdt.config.validate import output_path_problem
+
+    problem = output_path_problem(out)
+    if problem is not None:
+        raise CommandError(f"{command}: --out {printable(out)} {problem}")
+
+
 def write_output(command: str, out: str, text: str) -> None:
-    """``--out``: one line, exit 2, when it cannot be written (a directory, a missing parent, no permission)."""
+    """``--out``: one line, exit 2, when it cannot be written (a directory, a missing parent, no permission, a link
+    planted since :func:`check_output`)."""
+    from nxdt.config.validate import write_output_file
+
     try:
-        with open(out, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        write_output_file(out, text.encode("utf-8"))
+    except ValueError as exc:
+        raise CommandError(f"{command}: --out {printable(out)} {exc}") from None
     except OSError as exc:
-        raise CommandError(f"{command}: --out {out}: cannot be written ({exc.strerror or exc}) — name a file") from None
+        raise CommandError(
+            f"{command}: --out {printable(out)}: cannot be written ({exc.strerror or exc}) — name a file"
+        ) from None
 
 
 @dataclass
@@ -86,6 +104,17 @@ def _config_from_meta(where: Path, run_config: Path, command: str) -> Any:
     cfg.data.tokenizer = tokenizer if isinstance(tokenizer, str) else None
     cfg.data.seq_length = min(cfg.model.max_position_embeddings, HF_DEFAULT_MAX_SEQ)
     return cfg
+
+
+def check_model_dir(command: str, path: str) -> None:
+    """MODEL refused before torch is imported (15 CPU-s, a minute on a loaded host, before a typo was named): a
+    directory with an nxdt checkpoint's meta.json or a Hugging Face config.json."""
+    where = Path(path).expanduser()
+    if not (where / "meta.json").is_file() and not (where / "config.json").is_file():
+        raise CommandError(
+            f"{command}: {printable(path)} is neither an nxdt checkpoint (meta.json) nor a Hugging Face model directory "
+            "(config.json)"
+        )
 
 
 def load_model(path: str, command: str = "nxdt eval") -> Loaded:
@@ -134,7 +163,7 @@ def load_model(path: str, command: str = "nxdt eval") -> Loaded:
         # model's 64 positions < the default 128)
         overrides = ["data=synthetic", f"model.hf_checkpoint={where.resolve()}"]
         try:
-            positions = json.loads((where / "config.json").read_text()).get("max_position_embeddings")
+            positions = read_json_object(where / "config.json").get("max_position_embeddings")
         except (ValueError, OSError, AttributeError):
             positions = None  # compose_config reads config.json again and names what is wrong with it
         if isinstance(positions, int) and positions > 0:

@@ -200,6 +200,11 @@ def report(paths: list[Path], out_dir: Path | None = None) -> tuple[str, list[Pa
     out_dir = Path(out_dir) if out_dir is not None else default_out_dir(runs)
     title = runs[0].name if len(runs) == 1 else f"{len(runs)} runs"
     series = list(zip(labels if len(runs) > 1 else [""], [r.rows for r in runs]))
+    from nxdt.config.validate import output_path_problem  # here: `nxdt runs` imports this module, not Hydra
+
+    problem = output_path_problem(out_dir, directory=True)  # a system directory, a link: as eval/generate --out
+    if problem is not None:
+        raise ReportError(f"nxdt report: cannot write the report into {printable(out_dir)}: it {problem} — pass -o DIR")
     try:  # a crafted run's report/ (a link out of the run) is refused; its files are replaced, never written through
         dir_fd = open_out_dir(out_dir)
     except (RunFileError, OSError) as exc:

@@ -5,29 +5,32 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nxdt.data.throughput import run_step_time_s, run_tokens_per_s
-from nxdt.launch.runs import launch_starts, printable, read_metrics, read_run_text
+from nxdt.launch.runs import Run, load_run, printable
 
 
 class SweepReportError(ValueError):
     pass
 
 
-def _job_rows(sweep_dir: Path) -> list[dict]:
-    rows = []
-    for job in sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)):
-        try:  # read as nxdt runs reads a run: no link followed, regular files, size-capped
-            overrides = [printable(o, 200) for o in read_run_text(job / "overrides.txt", 1 << 20).split()]
-        except OSError:
-            overrides = []
-        rows.append({"job": job.name, "overrides": overrides, "steps": read_metrics(job), "launches": launch_starts(job)})
-    return rows
+def _jobs(sweep_dir: Path) -> list[Run]:
+    """Each job directory (0/, 1/, ...) read as ``nxdt runs`` reads a run (no link followed, regular files,
+    size-capped, metrics streamed): its overrides, layout, metrics rows and tokens/s (the one definition,
+    :mod:`nxdt.data.throughput`)."""
+    jobs = [p for p in sweep_dir.iterdir() if p.is_dir() and not p.is_symlink() and p.name.isdigit()]
+    return [load_run(job, sweep_dir) for job in sorted(jobs, key=lambda p: int(p.name))]
 
 
-def _sweep_keys(rows: list[dict]) -> set[str]:
+def _sweep_keys(jobs: list[Run]) -> set[str]:
     """Overrides that differ between jobs: the swept ones."""
-    seen = [set(r["overrides"]) for r in rows]
-    return set.union(*seen) - set.intersection(*seen) if seen else set()
+    seen = [set(j.overrides) for j in jobs]
+    return set[str]().union(*seen) - seen[0].intersection(*seen[1:]) if seen else set()
+
+
+def _label(job: Run, swept: set[str]) -> str:
+    """A job's legend and table label: its layout (world × instance, degrees above 1, FSDP / ZeRO-1) and its swept
+    overrides — what ran, not only what was typed (a sweep of trainer.devices changes the layout too)."""
+    shown = " ".join(o for o in job.overrides if o in swept) or " ".join(job.overrides)
+    return " ".join(part for part in (job.layout if job.layout != "?" else "", shown) if part) or f"job {job.path.name}"
 
 
 def report(sweep_dir: Path) -> int:
@@ -37,36 +40,39 @@ def report(sweep_dir: Path) -> int:
 
     if not sweep_dir.is_dir():
         raise SweepReportError(f"nxdt sweep-report: {sweep_dir} is not a directory — pass outputs/multirun/<name>/<timestamp>")
-    rows = _job_rows(sweep_dir)
-    if not rows:
+    jobs = _jobs(sweep_dir)
+    if not jobs:
         raise SweepReportError(
             f"nxdt sweep-report: {sweep_dir} holds no job directories (0/, 1/, ...) — pass a multirun directory"
         )
-    swept = _sweep_keys(rows)
+    from nxdt.config.validate import output_path_problem  # the PNGs go into the sweep directory
+
+    problem = output_path_problem(sweep_dir, directory=True)
+    if problem is not None:
+        raise SweepReportError(f"nxdt sweep-report: {printable(sweep_dir)} {problem}")
+    swept = _sweep_keys(jobs)
     table = Table(title=Text(printable(f"sweep {sweep_dir}")))
-    for col in ("job", "overrides", "steps", "final loss", "tokens/s", "step time (s, mean)"):
+    for col in ("job", "layout and overrides", "steps", "final loss", "tokens/s", "step time (s, mean)"):
         table.add_column(col)
-    for r in rows:
-        shown = " ".join(o for o in r["overrides"] if o in swept) or " ".join(r["overrides"])
-        if r["steps"]:
+    for job in jobs:
+        if job.rows:
             # the figures nxdt runs and nxdt report show: tokens per second of training steps, start-up left out
-            tps, st = run_tokens_per_s(r["steps"], r["launches"]), run_step_time_s(r["steps"], r["launches"])
-            loss = r["steps"][-1].get("loss")
+            tps, st, loss = job.tokens_per_s, job.step_time_s, job.last_loss
             table.add_row(
-                r["job"],
-                Text(shown),
-                str(len(r["steps"])),
+                job.path.name,
+                Text(_label(job, swept)),
+                str(job.last_step),
                 "-" if loss is None else f"{loss:.4f}",
                 "-" if tps is None else f"{tps:,.0f}",
                 "-" if st is None else f"{st:.4f}",
             )
         else:
-            table.add_row(r["job"], Text(shown), "0", "failed", "-", "-")
+            table.add_row(job.path.name, Text(_label(job, swept)), "0", "failed", "-", "-")
     Console(width=160).print(table)
 
     from nxdt.launch.report import plot_metric
 
-    series = [(" ".join(o for o in r["overrides"] if o in swept) or f"job {r['job']}", r["steps"]) for r in rows if r["steps"]]
+    series = [(_label(job, swept), job.rows) for job in jobs if job.rows]
     for key, ylabel, name in (("loss", "loss", "sweep_loss.png"), ("tokens_per_s", "tokens/s", "sweep_tokens_per_s.png")):
         out = plot_metric(series, key, ylabel, sweep_dir / name, sweep_dir.name)
         if out is not None:

@@ -133,7 +133,13 @@ def read_small_file(file: str | os.PathLike, limit: int = METADATA_LIMIT) -> byt
 
 def refuse_target_inside_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike) -> None:
     """``export-hf`` / ``consolidate`` write ``out``: never inside the checkpoint read (its files and checksums would
-    change under it) nor inside any other checkpoint directory (links resolved)."""
+    change under it) nor inside any other checkpoint directory (links resolved); nor in a system directory or at a
+    link (:func:`nxdt.config.validate.output_path_problem`, as every command's output)."""
+    from nxdt.config.validate import output_path_problem
+
+    problem = output_path_problem(os.fspath(out), directory=True)
+    if problem is not None:
+        raise CheckpointError(f"{out} {problem}")
     source, target = Path(checkpoint).resolve(), Path(out).resolve()
     inside = target == source or source in target.parents
     if not inside:

@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from nxdt.config.hf_model import DEFAULT_ARCHITECTURE, ModelSpec, family_of_architecture
+from nxdt.config.validate import read_json_object
 
 
 MODULE_PREFIX = "model."  # CausalLMModule holds the hub model as `model`
@@ -294,7 +295,7 @@ def hf_files(
     if base is not None:
         base_dir = Path(base).expanduser()
         try:
-            theirs = json.loads((base_dir / "config.json").read_text())
+            theirs = read_json_object(base_dir / "config.json")  # size-capped, no FIFO blocked on
             bad = family_of(theirs).mismatches(theirs, model_config)
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"--base {base}: no usable config.json there ({exc})") from None
@@ -304,7 +305,10 @@ def hf_files(
         config = {**theirs, "torch_dtype": EXPORT_DTYPES[dtype][1]}
         config.pop("dtype", None)  # transformers 5's spelling of torch_dtype
         if (base_dir / "generation_config.json").is_file():
-            generation = json.loads((base_dir / "generation_config.json").read_text())
+            try:
+                generation = read_json_object(base_dir / "generation_config.json")
+            except (OSError, ValueError) as exc:
+                raise CheckpointError(f"--base {base}: its generation_config.json is unusable ({exc})") from None
         if tokenizer is None:
             sources.append(base_dir)
     files: dict[str, Path] = {}
@@ -331,7 +335,7 @@ def _special_ids(files: dict[str, Path]) -> dict[str, int]:
     from tokenizers import Tokenizer
 
     vocab = Tokenizer.from_file(str(files["tokenizer.json"]))
-    config = json.loads(files["tokenizer_config.json"].read_text())
+    config = read_json_object(files["tokenizer_config.json"])
     out = {}
     for key in ("bos_token", "eos_token", "pad_token"):
         value = config.get(key)

@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 import torch
 
-from nxdt.lightning.checkpoint import CheckpointError, read_meta
+from nxdt.lightning.checkpoint import CheckpointError, read_meta, read_small_file
 from nxdt.models.lora import HF_TARGETS, LoRAConfig
 
 LORA_META_KEY = "lora"  # meta.json: the adapters' config (rank, alpha, dropout, bias, target_modules), and merged
@@ -129,7 +129,7 @@ def checkpoint_lora_config(path: str | Path) -> dict[str, Any] | None:
     adapter = root / "adapter_config.json"
     if adapter.is_file():
         try:
-            peft = json.loads(adapter.read_text())
+            peft = json.loads(read_small_file(adapter))  # a checkpoint's file: size-capped, no link followed
             return {
                 "rank": int(peft["r"]),
                 "alpha": float(peft["lora_alpha"]),
@@ -138,7 +138,7 @@ def checkpoint_lora_config(path: str | Path) -> dict[str, Any] | None:
                 "target_modules": list(peft["target_modules"]),
                 "merged": False,
             }
-        except (ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError):
             raise CheckpointError(f"{adapter}: not a readable PEFT adapter config") from None
     return None
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from nxdt.config.validate import ConfigError
+from nxdt.config.validate import ConfigError, read_json_object
 from nxdt.planner.cost import bus_bandwidth, estimate_collective
 from nxdt.topology import Topology
 
@@ -52,13 +52,15 @@ def load_calibration(path: str | Path | None) -> dict[str, Any] | None:
             raise ConfigError(
                 "--calibration", AUTO, f"no calibration of this host at {target}; write one with `nxdt comm-test --calibrate`"
             )
-        raise ConfigError("--calibration", str(path), "no such file; write one with `nxdt comm-test --calibrate`")
+        what = "not a regular file (a FIFO, device or directory)" if target.exists() else "no such file"
+        raise ConfigError("--calibration", str(path), f"{what}; write one with `nxdt comm-test --calibrate`")
     try:
-        data = json.loads(target.read_text())
+        data = read_json_object(target)  # size-capped, no FIFO blocked on
         assert isinstance(data.get("ops"), dict)
-    except (ValueError, AssertionError, AttributeError):
+    except (OSError, ValueError, AssertionError, AttributeError) as exc:
+        why = f" ({exc.strerror or exc})" if isinstance(exc, OSError) else f" ({exc})" if str(exc) else ""
         raise ConfigError(
-            "--calibration", str(target), "not a calibration file; rewrite it with `nxdt comm-test --calibrate`"
+            "--calibration", str(target), f"not a calibration file{why}; rewrite it with `nxdt comm-test --calibrate`"
         ) from None
     return {**data, "file": str(target)}
 
@@ -107,9 +109,16 @@ def fit_calibration(reports: dict[int, dict[str, Any]], flops_per_s: float | Non
 def save_calibration(data: dict[str, Any], path: str | Path | None = None) -> Path:
     target = Path(path).expanduser() if path else default_path()
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(target)
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    # a new file (O_EXCL | O_NOFOLLOW: never through a planted link) renamed over the target (which replaces a link)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        with open(fd, "w") as fh:
+            fh.write(json.dumps(data, indent=1))
+        tmp.replace(target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return target
 
 

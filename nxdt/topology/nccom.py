@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from typing import Any
+from typing import Any, NoReturn
 
 OPS = ("allr", "allg", "redsct", "alltoall", "bcast", "reduce", "sendrecv")
 OP_TITLES = {
@@ -24,6 +24,15 @@ OP_TITLES = {
 # bytes per element of each ``-d`` data type (nxdt.comm.bench.DTYPES: the torch dtypes of the same names)
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int32": 4, "int64": 8, "uint8": 1}
 _UNITS = {"": 1, "b": 1, "kb": 1 << 10, "k": 1 << 10, "mb": 1 << 20, "m": 1 << 20, "gb": 1 << 30, "g": 1 << 30}
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose refusal of a bad argument is one line (its own message and where the options are listed),
+    exit 2, not the whole usage block before it: bad input is one line everywhere in nxdt. Every nxdt command
+    parsed by argparse uses it (comm-test and its --estimate / --calibrate, topo, data convert-megatron)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} ({self.prog} --help lists the options)\n")
 
 
 def parse_size(text: str) -> int:
@@ -90,11 +99,12 @@ def _size_text(nbytes: int) -> str:
     return f"{nbytes}B"
 
 
-def write_json(path: str, report: dict, nworkers: int, nodes: int, transport: str) -> None:
-    """``--report-to-json-file``: the run's settings and rows (measured, or predicted by ``--estimate``), one layout."""
+def report_json(report: dict, nworkers: int, nodes: int, transport: str) -> str:
+    """``--report-to-json-file``'s text: the run's settings and rows (measured, or predicted by ``--estimate``), one
+    layout. The caller writes it (``nxdt.config.validate.write_output_file``: never through a link, nor into a
+    system directory)."""
     report = {"nworkers": nworkers, "nodes": nodes, "transport": transport, **report}
     report["memcpy"] = {str(k): v for k, v in report.get("memcpy", {}).items()}
     if "algorithms" in report:
         report["algorithms"] = {str(k): v for k, v in report["algorithms"].items()}
-    with open(path, "w") as fh:
-        json.dump(report, fh, indent=1)
+    return json.dumps(report, indent=1)
