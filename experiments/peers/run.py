@@ -62,17 +62,26 @@ RANKS = 2
 # and a wrong peer (another lr, batch or init) is off by ≥ 1e-2 from the second step.
 LOSS_RTOL = 1e-4
 
+# Every 2-rank variant runs under torchrun, the Lightning ones too (Lightning takes torchrun's ranks as they are):
+# torchrun starts each rank in a session of its own, and Linux's scheduler (autogroup, on by default) shares the CPU
+# fairly between sessions, not threads. Ranks that Lightning's own launcher starts share rank 0's session: on a host
+# loaded by other sessions they got half the CPU of torchrun's ranks, the first table's ZeRO-1 / FSDP gap (README).
+# ``spawn``: Lightning's launcher instead (diagnostic). ``diagnostic`` variants run only when named with --only.
 VARIANTS: dict[str, dict[str, Any]] = {
     "nxdt DP": dict(kind="lightning", strategy="nxdt"),
     "Lightning DDP (gloo)": dict(kind="lightning", strategy="ddp"),
     "nxdt ZeRO-1": dict(kind="lightning", strategy="nxdt", zero1=True),
+    "nxdt ZeRO-1, ranks in one session": dict(kind="lightning", strategy="nxdt", zero1=True, spawn=True, diagnostic=True),
+    # NxDStrategy's data-parallel runtime driven by a plain loop, as the DeepSpeed / FSDP2 peers are (no Trainer)
+    "nxdt ZeRO-1 (plain loop)": dict(kind="torchrun", peer="nxdt", zero1=True, diagnostic=True),
     "DeepSpeed ZeRO-1": dict(kind="torchrun", peer="deepspeed", stage=1),
-    # diagnostic, in no pair: ZeRO-1 with the reduction after backward (no dp-stream work during backward)
-    "nxdt ZeRO-1, reduced after backward": dict(kind="lightning", strategy="nxdt", zero1=True, overlap=False),
-    "DeepSpeed ZeRO-2": dict(kind="torchrun", peer="deepspeed", stage=2),
+    # ZeRO-1 with the reduction after backward (no dp-stream work during backward)
+    "nxdt ZeRO-1, reduced after backward": dict(kind="lightning", strategy="nxdt", zero1=True, overlap=False, diagnostic=True),
+    "DeepSpeed ZeRO-2": dict(kind="torchrun", peer="deepspeed", stage=2, diagnostic=True),
     "nxdt FSDP token_threaded": dict(kind="lightning", strategy="nxdt", fsdp=True),
+    "nxdt FSDP token_threaded (plain loop)": dict(kind="torchrun", peer="nxdt", fsdp=True, diagnostic=True),
     "torch FSDP2 fully_shard (gloo)": dict(kind="torchrun", peer="fsdp2"),
-    "DeepSpeed ZeRO-3": dict(kind="torchrun", peer="deepspeed", stage=3),
+    "DeepSpeed ZeRO-3": dict(kind="torchrun", peer="deepspeed", stage=3, diagnostic=True),
     "nxdt TP2+SP": dict(kind="lightning", strategy="nxdt", tp=2),
     "torch DTensor TP2+SP (gloo)": dict(kind="torchrun", peer="dtensor", tp=2),
     "nxdt train (2 ranks)": dict(kind="cli"),
@@ -83,8 +92,11 @@ PAIRS = [
     ("nxdt DP", "Lightning DDP (gloo)", "step"),
     ("nxdt ZeRO-1", "DeepSpeed ZeRO-1", "step"),
     ("nxdt ZeRO-1", "DeepSpeed ZeRO-2", "step"),
+    ("nxdt ZeRO-1 (plain loop)", "DeepSpeed ZeRO-1", "step"),
+    ("nxdt ZeRO-1, ranks in one session", "DeepSpeed ZeRO-1", "step"),
     ("nxdt FSDP token_threaded", "torch FSDP2 fully_shard (gloo)", "step"),
     ("nxdt FSDP token_threaded", "DeepSpeed ZeRO-3", "step"),
+    ("nxdt FSDP token_threaded (plain loop)", "torch FSDP2 fully_shard (gloo)", "step"),
     ("nxdt TP2+SP", "torch DTensor TP2+SP (gloo)", "step"),
     ("nxdt train (2 ranks)", "torch loop (1 process)", "wall"),
 ]
@@ -107,9 +119,20 @@ def compose(steps: int, tp: int = 1) -> Any:
     )
 
 
-def write_rank(out: Path, rank: int, clock: "Clock", losses: list[float]) -> None:
+def write_rank(out: Path, rank: int, clock: "Clock", losses: list[float], phases: list | None = None) -> None:
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-    record = {"step_times": clock.times, "cpu_times": clock.cpu, "losses": losses, "peak_rss_mb": rss_mb}
+    import torch
+
+    record = {
+        "step_times": clock.times,
+        "cpu_times": clock.cpu,
+        "losses": losses,
+        "peak_rss_mb": rss_mb,
+        "threads": torch.get_num_threads(),  # intra-op threads at the end (every strategy variant asks for 1)
+        "session": os.getsid(0),  # the scheduler's autogroup (Linux: one per session) this rank's CPU share is set by
+    }
+    if phases is not None:
+        record["phases"] = phases
     Path(f"{out}.rank{rank}").write_text(json.dumps(record))
 
 
@@ -180,6 +203,7 @@ def run_lightning(v: dict[str, Any], steps: int, out: Path) -> None:
             overlap_grad_reduce=v.get("overlap", True),
             fsdp={"prefetch": "token_threaded"} if v.get("fsdp") else False,
             torch_process_group=False,  # the module needs no torch.distributed group (as under `nxdt train`)
+            trace_dir=os.environ.get("PEERS_TRACE"),  # --trace: every collective of each rank as a Chrome trace
         )
         module = CausalLMModule(cfg.model, GLOBAL_BATCH, SEQ, MICRO, None)
     else:
@@ -243,6 +267,8 @@ def run_torchrun(v: dict[str, Any], steps: int, out: Path) -> None:
     model = build_model(cfg)
     clock, losses = Clock(), []
     batches = rank_batches(cfg, rank // tp, world // tp)
+    if v["peer"] == "nxdt":
+        return run_nxdt_loop(v, cfg, model, batches, steps, out, rank, world)
     if v["peer"] == "deepspeed":
         import deepspeed
 
@@ -297,6 +323,89 @@ def run_torchrun(v: dict[str, Any], steps: int, out: Path) -> None:
             clock.tick()
     write_rank(out, rank, clock, losses)
     dist.destroy_process_group()
+
+
+class Phases:
+    """Per-step wall time of each phase of a plain-loop step on this rank (perf_counter marks between phases)."""
+
+    def __init__(self, tracer: Any = None) -> None:
+        self.steps: list[dict[str, float]] = []
+        self.now = time.perf_counter()
+        self.tracer = tracer  # each phase also as a trace event (row "step"), next to the collectives
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        if self.tracer is not None:
+            self.tracer.add(phase, "step", self.now, now)
+        if not self.steps:
+            self.steps.append({})
+        self.steps[-1][phase] = self.steps[-1].get(phase, 0.0) + now - self.now
+        self.now = now
+
+    def next_step(self) -> None:
+        self.steps.append({})
+
+
+def run_nxdt_loop(v: dict[str, Any], cfg: Any, model: Any, batches: Any, steps: int, out: Path, rank: int, world: int) -> None:
+    """NxDStrategy's parallel pieces without the Trainer: the strategy's world and groups
+    (``nxdt.lightning.environment``), its data-parallel runtime (``nxdt.parallel.data_parallel``) called in the order
+    NxDStrategy.setup / CausalLMModule.training_step call it (broadcast, shard the optimizer, shard the model; per step
+    arm the last backward, forward/backward, finish the gradients, step), in a loop like the torch / DeepSpeed peers'.
+    The one thing CausalLMModule adds per step and this loop leaves out is its two small all-reduces (the labelled
+    token count for the loss weights, the logged mean loss): the peers do neither (every micro-batch here is full, so
+    the weights are the plain mean's). Each rank also records the wall time of each phase, and its collectives as
+    nxdt trace events (``--trace DIR``)."""
+    from torch import nn
+
+    import nxdt.comm
+    from nxdt.lightning import environment
+    from nxdt.lightning.optim import build_optimizer, build_scheduler
+    from nxdt.parallel.data_parallel import data_parallel_runtime
+    from nxdt.parallel.parallelize import Parallelized, model_parallel
+    from nxdt.planner import Dim
+
+    nx_world = environment.join_world(rank, world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout_s=120)
+    degrees = {Dim.TP: 1, Dim.PP: 1, Dim.CP: 1, Dim.EP: 1}
+    plan = environment.run_plan(None, world, degrees=degrees, order="tp-cp-ep-dp-pp", ranks_per_node=world, num_nodes=1)
+    comms = environment.open_groups(nx_world, plan, links={}, choice={"transport": "auto", "algorithm": "auto"})
+    tracer = nxdt.comm.Tracer(rank) if os.environ.get("PEERS_TRACE") else None
+    nx_world.set_tracer(tracer)
+    holder = nn.Module()  # what the runtime reads: a module whose ``model`` is the hub model (as CausalLMModule)
+    holder.model = model
+    dp = data_parallel_runtime(zero1=v.get("zero1", False), fsdp={"prefetch": "token_threaded"} if v.get("fsdp") else False)
+    dp.bind(model_parallel(comms, Parallelized()))
+    dp.broadcast_parameters(holder)
+    optimizer = dp.shard_optimizer(build_optimizer(model, cfg.model.optim), holder)
+    scheduler = build_scheduler(optimizer, cfg.model.optim.sched)
+    dp.shard_model(holder, [optimizer], tracer=tracer)
+    clock, losses, phases = Clock(), [], Phases(tracer)
+    for _, batch in zip(range(steps), batches):
+        phases.next_step()
+        optimizer.zero_grad()
+        parts, total = micro_batches(batch), 0.0
+        for i, (ids, labels) in enumerate(parts):
+            dp.before_backward(i == len(parts) - 1)
+            phases.mark("other")
+            loss = model.loss_fn(model(ids), labels) / len(parts)
+            phases.mark("forward")
+            loss.backward()
+            phases.mark("backward")
+            total += float(loss.detach())
+        dp.finish_gradients(holder, optimizer)
+        phases.mark("finish_gradients")
+        optimizer.step()
+        phases.mark("optimizer_step")
+        dp.after_step(optimizer)
+        scheduler.step()
+        phases.mark("other")
+        # FSDP: the time compute waited for its gathers / reduce-scatters (exposed_comm_s) and the collectives ran
+        phases.steps[-1].update({k: v for k, v in dp.step_stats().items() if k in ("exposed_comm_s", "comm_s")})
+        losses.append(total)
+        clock.tick()
+    write_rank(out, rank, clock, losses, phases=phases.steps)
+    if tracer is not None:
+        tracer.write(Path(os.environ["PEERS_TRACE"]) / f"rank{rank}.json")
+    nx_world.close()
 
 
 def dtensor_tensor_parallel(model: Any, mesh: Any) -> None:
@@ -395,17 +504,20 @@ def read_metrics(run_dir: Path) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- the driver
-def launch(name: str, steps: int, work: Path, deepspeed_path: str | None) -> dict[str, Any]:
+def launch(name: str, steps: int, work: Path, deepspeed_path: str | None, trace: Path | None = None) -> dict[str, Any]:
     """One variant as its own process tree; its per-rank results merged (losses averaged over ranks: each rank's is
     its own data-parallel share's mean, and the shares hold equal token counts)."""
     v = VARIANTS[name]
     out = work / f"run-{abs(hash(name))}"
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    if trace is not None:
+        trace.mkdir(parents=True, exist_ok=True)
+        env["PEERS_TRACE"] = str(trace.resolve())
     me = [str(Path(__file__).resolve()), "--variant", name, "--steps", str(steps), "--out", str(out)]
-    if v["kind"] == "lightning":
+    if v["kind"] == "lightning" and v.get("spawn"):
         cmd = [sys.executable, *me]
-    elif v["kind"] == "torchrun":
-        if v["peer"] == "deepspeed":
+    elif v["kind"] in ("torchrun", "lightning"):
+        if v.get("peer") == "deepspeed":
             env["DS_ACCELERATOR"] = "cpu"
             if deepspeed_path:
                 env["PYTHONPATH"] = os.pathsep.join(filter(None, [deepspeed_path, env.get("PYTHONPATH")]))
@@ -432,6 +544,8 @@ def launch(name: str, steps: int, work: Path, deepspeed_path: str | None) -> dic
         "losses": [statistics.fmean(step) for step in zip(*(r["losses"] for r in ranks))],
         "peak_rss_mb": [r["peak_rss_mb"] for r in ranks],
         "wall_s": wall,
+        **({"phases": [r["phases"] for r in ranks]} if "phases" in ranks[0] else {}),
+        "sessions": [r.get("session") for r in ranks],
     }
 
 
@@ -453,14 +567,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--steps", type=int, default=14, help="steps per strategy run (default 14)")
-    parser.add_argument("--warmup", type=int, default=4, help="step intervals skipped per run (default 4)")
-    parser.add_argument("--wall-steps", type=int, default=40, help="steps of the nxdt train / loop pair (default 40)")
+    parser.add_argument("--steps", type=int, default=10, help="steps per strategy run (default 10)")
+    parser.add_argument("--warmup", type=int, default=3, help="step intervals skipped per run (default 3)")
+    parser.add_argument("--wall-steps", type=int, default=20, help="steps of the nxdt train / loop pair (default 20)")
     parser.add_argument("--reps", type=int, default=2, help="interleaved rounds (default 2)")
     parser.add_argument("--quick", action="store_true", help="1 round of 6 steps: checks every variant runs")
     parser.add_argument("--only", nargs="+", choices=list(VARIANTS), help="run these variants only")
     parser.add_argument("--deepspeed-path", help="a site-packages directory with DeepSpeed (not an nxdt dependency)")
     parser.add_argument("--json", type=Path, default=HERE / "results.json")
+    parser.add_argument(
+        "--trace", type=Path, help="nxdt variants: each rank's collectives as Chrome traces under DIR/<variant>/<round>/"
+    )
     args = parser.parse_args()
     if args.variant:
         v = VARIANTS[args.variant]
@@ -471,7 +588,7 @@ def main() -> None:
         return run_loop(args.steps, args.out)
     if args.quick:
         args.steps, args.warmup, args.wall_steps, args.reps = 6, 2, 6, 1
-    names = args.only or list(VARIANTS)
+    names = args.only or [n for n, v in VARIANTS.items() if not v.get("diagnostic")]
     skipped = {}
     if any(VARIANTS[n].get("peer") == "deepspeed" for n in names):
         reason = deepspeed_available(args.deepspeed_path)
@@ -500,7 +617,8 @@ def main() -> None:
             for name in order:
                 load = os.getloadavg()[0]
                 steps = args.wall_steps if VARIANTS[name]["kind"] in ("cli", "loop") else args.steps
-                run = launch(name, steps, work, args.deepspeed_path)
+                trace = args.trace / name.replace(" ", "_") / str(rep) if args.trace else None
+                run = launch(name, steps, work, args.deepspeed_path, trace)
                 run["load_before"] = load
                 results["runs"][name].append(run)
                 print(
