@@ -433,6 +433,14 @@ def test_a_key_in_the_wrong_section_names_where_it_belongs():
         translate(minimal(model__fusions__do_layer_norm_weight_decay=True), LLAMA_HF)
 
 
+def test_moe_keys_on_a_dense_config_json_are_noted_and_not_planned():
+    """NxDT's hf Llama reads no model.moe key; kept, they would make the plan count experts the model never builds."""
+    t = translate(minimal(model__moe__num_experts=4, model__moe__top_k=2), LLAMA_HF)
+    assert not any(k.startswith("model.moe.") for k in flat(t))
+    assert t.notes == ["model.moe.num_experts, model.moe.top_k have no effect: nxdt.models.llama.LlamaForCausalLM has no experts"]
+    assert flat(translate(minimal(model__moe__num_experts=4), MIXTRAL_HF))["model.moe.num_experts"] == 4
+
+
 def test_nxdt_defaults_apply_where_nxdt_and_nxdt_differ():
     f = flat(translate(minimal(), LLAMA_HF))
     assert f["distributed_strategy.zero1"] is True  # NxDT's code default

@@ -594,7 +594,17 @@ def translate(nxdt: Mapping[str, Any], hf_config: Mapping[str, Any] | None = Non
         raise ConfigError(
             "model_source", leaves["model_source"], "must be hf (model.model_config) or megatron (Megatron model keys)"
         )
-    out.update(_model(leaves, hf_config, notes))
+    model = _model(leaves, hf_config, notes)
+    if "model.model_config" in leaves and not model.get("model.moe.num_experts"):
+        # a dense config.json: NxDT's hf Llama reads no model.moe key; nxdt would plan experts the model never builds
+        dense = sorted(k for k in mapped if k.startswith("model.moe."))
+        for key in dense:
+            del mapped[key]
+        if dense:
+            notes.append(
+                f"{', '.join(dense)} {'has' if len(dense) == 1 else 'have'} no effect: {model['model.architecture']} has no experts"
+            )
+    out.update(model)
     out.update(mapped)
     out.update(_precision(leaves, notes, ignored, ours))
     _check_max_steps(leaves)
