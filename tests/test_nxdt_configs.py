@@ -41,6 +41,8 @@ NEURON_ONLY = (
     "precision.xla_use_bf16",
     "precision.xla_downcast_bf16",
     "precision.neuron_rt_stochastic_rounding_en",
+    "precision.master_weights",  # read by NxDT only with precision.type: manual (lightning_modules/model/base.py)
+    "precision.fp32_grad_acc",
     "exp_manager.save_xser",
 )
 
@@ -53,13 +55,21 @@ WEIGHT_DECAY_NOTE = "model.optim.weight_decay=0.1: NxDT's hf models decay at 0.0
 
 
 PACKING_NOTE = "model_alignment_strategy.sft.packing_style=concat reproduces it"
+AUTOCAST_NOTE = "precision.type=autocast with distributed_strategy.zero1=False: NxDT's hf Llama casts the model to bf16"
 
 
-def only_the_no_effect_warning(warnings: list[str], *, weight_decay_noted: bool = False, packing_noted: bool = False) -> str:
+def only_the_no_effect_warning(
+    warnings: list[str], *, weight_decay_noted: bool = False, packing_noted: bool = False, autocast_noted: bool = False
+) -> str:
     """The one warning naming the keys with no effect; with ``weight_decay_noted`` (a file with weight_decay 0.1)
     also the note that NxDT's hf models decay at 0.01 whatever it says, which nxdt follows; with ``packing_noted``
-    (packed SFT) the note naming the option that gives NxDT's packed layout."""
-    for noted_here, note in ((weight_decay_noted, WEIGHT_DECAY_NOTE), (packing_noted, PACKING_NOTE)):
+    (packed SFT) the note naming the option that gives NxDT's packed layout; with ``autocast_noted`` (the LoRA config:
+    autocast without ZeRO-1) the note that NxDT's weights are bf16 there."""
+    for noted_here, note in (
+        (weight_decay_noted, WEIGHT_DECAY_NOTE),
+        (packing_noted, PACKING_NOTE),
+        (autocast_noted, AUTOCAST_NOTE),
+    ):
         if noted_here:
             noted = [w for w in warnings if note in w]
             assert len(noted) == 1, warnings
@@ -250,7 +260,7 @@ def test_nxdts_fine_tuning_configs_read_every_key_and_train(name):
 
     cfg, warnings = nxdt_config(name, "instance=trn1.32xlarge")
     # every other key is honoured: no "unknown", no note but the packed layout's (packing: True)
-    only_the_no_effect_warning(warnings, packing_noted="SFT" in name)
+    only_the_no_effect_warning(warnings, packing_noted="SFT" in name, autocast_noted="lora" in name)
     em, data, m = cfg.exp_manager, cfg.data, cfg.model
     assert (m.weight_init_only, em.resume_from_checkpoint.rstrip("/"), data.seq_length) == (
         True,
@@ -345,6 +355,90 @@ def test_precision_types(nxdt_type, flags, ours, sr_noted):
     t = translate(minimal(precision={"type": nxdt_type, **flags}), LLAMA_HF)
     assert flat(t)["precision.type"] == ours
     assert any("stochastic" in n for n in t.notes) == sr_noted
+
+
+@pytest.mark.parametrize(
+    "precision, zero1, ours, needle",
+    [
+        # examples/training_orchestrator.py accepts this spelling only; base.py tests "mixed_precisionSR", so no
+        # master weights: bf16 weights updated with stochastic rounding
+        ({"type": "mixed_precision_SR"}, True, "bf16SR", "precision.type=mixed_precision_SR: NxDT's orchestrator"),
+        # lightning_modules/model/base.py: use_master_weights = ... and zero_one_enabled; XLA_DOWNCAST_BF16=1
+        ({"type": "mixed_precision"}, False, "bf16", "precision.type=mixed_precision with distributed_strategy.zero1=False"),
+        ({"type": "mixed_precisionSR"}, False, "bf16SR", "NxDT keeps fp32 master weights and fp32 gradients only with ZeRO-1"),
+        ({"type": "mixed_precision"}, True, "mixed_precision", None),
+        ({"type": "autocast"}, False, "mixed_precision", AUTOCAST_NOTE),  # nxdt's choice, bf16 one value away
+        (
+            {"type": "manual", "xla_downcast_bf16": "1", "master_weights": True, "fp32_grad_acc": True},
+            False,
+            "bf16",
+            "precision.master_weights=True with distributed_strategy.zero1=False: NxDT keeps no fp32 master weights",
+        ),
+        (
+            {"type": "manual", "xla_downcast_bf16": "1", "master_weights": True, "fp32_grad_acc": True},
+            True,
+            "mixed_precision",
+            None,
+        ),
+        (
+            {"type": "manual", "xla_downcast_bf16": "1", "master_weights": True, "fp32_grad_acc": False},
+            True,
+            "mixed_precision",
+            "precision.fp32_grad_acc=False: NxDT accumulates gradients in bf16",
+        ),
+        (
+            {"type": "manual", "xla_use_bf16": "1", "fp32_grad_acc": True},
+            True,
+            "bf16",
+            "precision.fp32_grad_acc=True: NxDT accumulates gradients in fp32",
+        ),
+    ],
+)
+def test_precision_follows_what_nxdt_computes_with_and_without_zero1(precision, zero1, ours, needle):
+    """NxDT keeps fp32 master weights and accumulates gradients in fp32 only with ZeRO-1
+    (lightning_modules/model/base.py _initialize_nxd_config; neuronx-distributed's initialize_parallel_optimizer
+    builds a plain optimizer over the bf16 parameters without it). No silent change: each difference is one note."""
+    t = translate(minimal(precision=precision, distributed_strategy={"zero1": zero1}), LLAMA_HF)
+    assert flat(t)["precision.type"] == ours
+    if needle is None:  # nothing to say: nxdt computes what NxDT does
+        assert not [n for n in t.notes if "ZeRO-1" in n or "accumulates gradients" in n], t.notes
+    else:
+        assert sum(needle in n for n in t.notes) == 1, t.notes
+
+
+def test_precision_flags_outside_manual_are_named_as_having_no_effect():
+    t = translate(minimal(precision={"type": "mixed_precision", "master_weights": False, "fp32_grad_acc": False}), LLAMA_HF)
+    assert flat(t)["precision.type"] == "mixed_precision"  # master_weights: False is not read (NxDT's base.py either)
+    assert {"precision.master_weights", "precision.fp32_grad_acc"} <= set(t.ignored)
+
+
+@pytest.mark.parametrize(
+    "trainer, needle",
+    [
+        ({"max_steps": -1, "max_epochs": 1}, "trainer.max_steps=-1: must be a step count >= 1"),
+        ({"max_steps": None, "max_epochs": 2}, "to stop after trainer.max_epochs=2, give a max_steps"),
+        ({"max_steps": 0}, "give the number of optimizer steps"),
+    ],
+)
+def test_epochs_alone_are_refused_by_name_as_nxdts_schedule_needs_max_steps(trainer, needle):
+    """lightning_modules/model/base.py asserts trainer.max_steps is set and builds the schedule over it."""
+    with pytest.raises(ConfigError) as info:
+        translate(minimal(trainer={"devices": 2, "num_nodes": 1, **trainer}), LLAMA_HF)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_key_in_the_wrong_section_names_where_it_belongs():
+    """NxDT's config guide lists do_layer_norm_weight_decay under fusions.; NxDT reads model.do_layer_norm_weight_decay."""
+    with pytest.raises(ConfigError, match=r"did you mean 'model.do_layer_norm_weight_decay'"):
+        translate(minimal(model__fusions__do_layer_norm_weight_decay=True), LLAMA_HF)
+
+
+def test_moe_keys_on_a_dense_config_json_are_noted_and_not_planned():
+    """NxDT's hf Llama reads no model.moe key; kept, they would make the plan count experts the model never builds."""
+    t = translate(minimal(model__moe__num_experts=4, model__moe__top_k=2), LLAMA_HF)
+    assert not any(k.startswith("model.moe.") for k in flat(t))
+    assert t.notes == ["model.moe.num_experts, model.moe.top_k have no effect: nxdt.models.llama.LlamaForCausalLM has no experts"]
+    assert flat(translate(minimal(model__moe__num_experts=4), MIXTRAL_HF))["model.moe.num_experts"] == 4
 
 
 def test_nxdt_defaults_apply_where_nxdt_and_nxdt_differ():

@@ -182,6 +182,16 @@ def test_megatron_model_keys_pick_the_hub_model():
         shipped("megatron_llama_7B_config", "model.activation=gelu")
 
 
+def test_the_home_variable_in_the_megatron_sft_paths_is_named_as_not_expanded():
+    """megatron_llama2_7B_SFT names data.train_dir: $HOME/training.jsonl; neither Hydra nor NxDT's loaders
+    (model_alignment_data_module.py: load_dataset("json", data_files=path)) expand it."""
+    with pytest.raises(ConfigError) as info:
+        compose_nxdt_config(SHIPPED, "megatron_llama2_7B_SFT_config", overrides("megatron_llama2_7B_SFT_config"))
+    assert "data.train_dir=" in str(info.value) and "$HOME/training.jsonl': no such file (environment variables such as" in str(
+        info.value
+    )
+
+
 def test_a_megatron_vocabulary_comes_from_the_tokenizer(tmp_path):
     tok = {
         "model": {"type": "WordLevel", "vocab": {f"w{i}": i for i in range(1000)}, "unk_token": "w0"},

@@ -390,12 +390,19 @@ RULES: dict[str, Rule] = {
     "precision.type": _custom(
         "fp32 → fp32; bf16SR → bf16SR (optimizer updates rounded stochastically, noted); autocast, "
         "mixed_precision → mixed_precision (bf16 compute, fp32 weights); mixed_precisionSR → "
-        "mixed_precisionSR (trains as mixed_precision, noted); manual → from the flags below"
+        "mixed_precisionSR (trains as mixed_precision, noted); mixed_precision_SR (the orchestrator's "
+        "spelling, for which NxDT's model keeps no master weights) → bf16SR, noted; with zero1: false "
+        "NxDT keeps no fp32 master weights, so mixed_precision(SR) → bf16(SR), noted (autocast: noted); "
+        "manual → from the flags below"
     ),
     "precision.master_weights": _custom(
-        "read only with type: manual (as in NxDT): true + bf16 → mixed_precision (mixed_precisionSR with the SR flag)"
+        "read only with type: manual (as in NxDT; otherwise named in the one warning): true + bf16 → "
+        "mixed_precision (mixed_precisionSR with the SR flag), bf16 without ZeRO-1 as in NxDT (noted)"
     ),
-    "precision.fp32_grad_acc": _derived("read only with type: manual; nxdt accumulates gradients in the parameters' dtype"),
+    "precision.fp32_grad_acc": _custom(
+        "read only with type: manual (otherwise named in the one warning); nxdt accumulates gradients in the "
+        "weights' dtype, and a value that says otherwise (with ZeRO-1, as NxDT reads it) is noted"
+    ),
     "precision.xla_use_bf16": _custom("XLA flag: with type: manual, '1' = bf16 compute; otherwise named in the one warning"),
     "precision.xla_downcast_bf16": _custom("XLA flag: with type: manual, '1' = bf16 compute; otherwise named in the one warning"),
     "precision.neuron_rt_stochastic_rounding_en": _custom(
@@ -486,6 +493,11 @@ def closest_key(key: str) -> str | None:
     """The known key (NxDT's or nxdt's) nearest to a misspelt one, compared among keys of the same depth."""
     known, _ = _our_keys()
     candidates = {k for k in RULES if "*" not in k} | known
+    # a known key under another section first (NxDT's docs list model.do_layer_norm_weight_decay under fusions.)
+    leaf = key.rsplit(".", 1)[-1]
+    moved = sorted(k for k in candidates if k.rsplit(".", 1)[-1] == leaf)
+    if len(moved) == 1:
+        return moved[0]
     depth = key.count(".")
     same_depth = sorted(k for k in candidates if k.count(".") == depth)
     match = difflib.get_close_matches(key, same_depth, n=1, cutoff=0.6)
@@ -513,6 +525,7 @@ PRECISION = {
     "autocast": "mixed_precision",
     "mixed_precision": "mixed_precision",
     "mixed_precisionSR": "mixed_precisionSR",
+    "mixed_precision_SR": "bf16SR",  # what NxDT computes for its orchestrator's spelling (noted)
 }
 OPTIMIZERS = {"adamw": "adamw", "adamw_fp32OptState": "adamw_fp32OptState"}
 SCHEDULES = {
@@ -581,9 +594,20 @@ def translate(nxdt: Mapping[str, Any], hf_config: Mapping[str, Any] | None = Non
         raise ConfigError(
             "model_source", leaves["model_source"], "must be hf (model.model_config) or megatron (Megatron model keys)"
         )
-    out.update(_model(leaves, hf_config, notes))
+    model = _model(leaves, hf_config, notes)
+    if "model.model_config" in leaves and not model.get("model.moe.num_experts"):
+        # a dense config.json: NxDT's hf Llama reads no model.moe key; nxdt would plan experts the model never builds
+        dense = sorted(k for k in mapped if k.startswith("model.moe."))
+        for key in dense:
+            del mapped[key]
+        if dense:
+            notes.append(
+                f"{', '.join(dense)} {'has' if len(dense) == 1 else 'have'} no effect: {model['model.architecture']} has no experts"
+            )
+    out.update(model)
     out.update(mapped)
-    out.update(_precision(leaves, notes, ignored))
+    out.update(_precision(leaves, notes, ignored, ours))
+    _check_max_steps(leaves)
     out.update(_optimizer(leaves, notes))
     out.update(checkpointing)
     out.update(data)
@@ -734,12 +758,25 @@ def is_complete_model(leaves: Mapping[str, Any]) -> bool:
     return all(f"model.{k}" in leaves for k in required)
 
 
-def _precision(leaves: Mapping[str, Any], notes: list[str], ignored: list[str]) -> dict[str, Any]:
+def _precision(leaves: Mapping[str, Any], notes: list[str], ignored: list[str], ours: Mapping[str, Any]) -> dict[str, Any]:
+    """NxDT's precision block (examples/training_orchestrator.py sets the XLA/runtime flags per type;
+    lightning_modules/model/base.py ``_initialize_nxd_config`` picks master weights and fp32 gradient accumulation,
+    both only with ZeRO-1: neuronx-distributed's ``initialize_parallel_optimizer`` keeps no master copy without it)."""
     kind = leaves.get("precision.type", "fp32")
     flags = ("precision.xla_use_bf16", "precision.xla_downcast_bf16", "precision.neuron_rt_stochastic_rounding_en")
+    manual_only = ("precision.master_weights", "precision.fp32_grad_acc")
+    zero1 = bool(leaves.get("distributed_strategy.zero1", True)) or bool(ours.get("distributed_strategy.fsdp.enabled"))
     if kind == "manual":
         bf16 = any(str(leaves.get(k, "0")) == "1" for k in flags[:2])
-        ours = ("mixed_precision" if leaves.get("precision.master_weights", False) else "bf16") if bf16 else "fp32"
+        master = bool(leaves.get("precision.master_weights", False))
+        if bf16 and master and not zero1:
+            notes.append(
+                "precision.master_weights=True with distributed_strategy.zero1=False: NxDT keeps no fp32 master "
+                "weights without ZeRO-1 (lightning_modules/model/base.py), so the weights train in bf16 here too; "
+                "zero1: true keeps them"
+            )
+            master = False
+        ours_type = ("mixed_precision" if master else "bf16") if bf16 else "fp32"
         if str(leaves.get(flags[2], "0")) == "1":
             if not bf16:
                 raise ConfigError(
@@ -749,15 +786,46 @@ def _precision(leaves: Mapping[str, Any], notes: list[str], ignored: list[str]) 
                     "xla_downcast_bf16 '0' training is fp32, nothing to round; set one of them to '1' "
                     "(bf16SR; with master_weights: true, mixed_precisionSR) or this flag to '0'",
                 )
-            ours += "SR"
-            notes.append(f"precision.neuron_rt_stochastic_rounding_en='1' (precision.type {ours}): {SR_NOTES[ours]}")
-        return {"precision.type": ours}
+            ours_type += "SR"
+            notes.append(f"precision.neuron_rt_stochastic_rounding_en='1' (precision.type {ours_type}): {SR_NOTES[ours_type]}")
+        # NxDT accumulates gradients in fp32 only with fp32_grad_acc and ZeRO-1; nxdt in the weights' dtype
+        fp32_acc = bool(leaves.get("precision.fp32_grad_acc", False)) and zero1
+        if bf16 and fp32_acc != ours_type.startswith("mixed_precision"):
+            here, there = ("bf16", "fp32") if fp32_acc else ("fp32", "bf16")
+            notes.append(
+                f"precision.fp32_grad_acc={fp32_acc}: NxDT accumulates gradients in {there} "
+                f"(lightning_modules/model/base.py); nxdt accumulates them in the weights' dtype, {here} for "
+                f"precision.type {ours_type}"
+            )
+        return {"precision.type": ours_type}
     if kind not in PRECISION:
         raise ConfigError("precision.type", kind, f"must be one of {', '.join([*PRECISION, 'manual'])}")
-    ignored.extend(k for k in flags if k in leaves)  # XLA/runtime flags, read by NxDT only for type: manual
-    if kind in SR_NOTES:
-        notes.append(f"precision.type={kind}: {SR_NOTES[kind]}")
-    return {"precision.type": PRECISION[kind]}
+    # flags NxDT reads only for type: manual (the orchestrator sets them from the type otherwise)
+    ignored.extend(k for k in (*flags, *manual_only) if k in leaves)
+    ours_type = PRECISION[kind]
+    if kind == "mixed_precision_SR":  # the orchestrator's spelling; base.py compares with "mixed_precisionSR"
+        notes.append(
+            "precision.type=mixed_precision_SR: NxDT's orchestrator sets bf16 compute and stochastic rounding for it, "
+            "but its model (lightning_modules/model/base.py, which tests 'mixed_precisionSR') then keeps no fp32 "
+            f"master weights: bf16 weights with stochastically rounded updates, nxdt's bf16SR; {SR_NOTES['bf16SR']}"
+        )
+    elif kind in ("mixed_precision", "mixed_precisionSR") and not zero1:
+        ours_type = "bf16SR" if kind.endswith("SR") else "bf16"
+        notes.append(
+            f"precision.type={kind} with distributed_strategy.zero1=False: NxDT keeps fp32 master weights and fp32 "
+            "gradients only with ZeRO-1 (lightning_modules/model/base.py: use_master_weights and zero_one_enabled; "
+            "every fp32 tensor is bf16 on the device, XLA_DOWNCAST_BF16=1), so nxdt trains bf16 weights "
+            f"(precision.type {ours_type}) as NxDT does; zero1: true keeps fp32 master weights"
+        )
+    elif kind == "autocast" and not zero1 and leaves.get("model_source", "hf") == "hf":
+        notes.append(
+            "precision.type=autocast with distributed_strategy.zero1=False: NxDT's hf Llama casts the model to bf16 "
+            "(lightning_modules/model/hf_models/llama_model.py) and keeps no fp32 master copy without ZeRO-1; nxdt "
+            "keeps fp32 weights under autocast (mixed_precision); precision.type=bf16 trains bf16 weights"
+        )
+    if ours_type in SR_NOTES and kind != "mixed_precision_SR":
+        notes.append(f"precision.type={kind}: {SR_NOTES[ours_type]}")
+    return {"precision.type": ours_type}
 
 
 # NxD Training's HF models put the decayed parameters in a group with this rate, whatever model.optim.weight_decay
@@ -786,6 +854,28 @@ def _weight_decay(leaves: Mapping[str, Any], notes: list[str]) -> dict[str, Any]
         "model.optim.no_weight_decay": "norms_and_biases" if norms_too else "biases",
         "model.optim.fixed_weight_decay": HF_WEIGHT_DECAY,
     }
+
+
+def _check_max_steps(leaves: Mapping[str, Any]) -> None:
+    """Epochs alone do not end an NxDT run: its schedule is built over trainer.max_steps (lightning_modules/model/
+    base.py asserts it is set and hands it to the scheduler as it is; Lightning's -1 would be a negative length)."""
+    if "trainer.max_steps" not in leaves and "trainer.max_epochs" not in leaves:
+        return
+    steps = leaves.get("trainer.max_steps")
+    if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1:
+        return
+    epochs = leaves.get("trainer.max_epochs")
+    fix = (
+        f"to stop after trainer.max_epochs={epochs}, give a max_steps at least that many epochs long (training stops "
+        "at whichever comes first)"
+        if isinstance(epochs, int) and epochs > 0
+        else "give the number of optimizer steps"
+    )
+    raise ConfigError(
+        "trainer.max_steps",
+        steps,
+        f"must be a step count >= 1: NxDT's learning-rate schedule spans it (lightning_modules/model/base.py); {fix}",
+    )
 
 
 def _optimizer(leaves: Mapping[str, Any], notes: list[str]) -> dict[str, Any]:

@@ -1032,7 +1032,9 @@ def _check_paths(cfg: Any) -> None:
     for key in ("data.train_dir", "data.tokenizer", "data.val_dir"):
         path = _get(cfg, key)
         if path is not None and not Path(path).expanduser().exists():
-            raise ConfigError(key, path, "no such file; give an existing path (or null for the default)")
+            # NxDT's megatron_llama2_7B_SFT example writes $HOME/training.jsonl; neither Hydra nor its loaders expand it
+            unexpanded = " (environment variables such as $HOME are not expanded)" if "$" in str(path) else ""
+            raise ConfigError(key, path, f"no such file{unexpanded}; give an existing path (or null for the default)")
     cache = cfg.data.index_mapping_dir
     if cache is not None and Path(cache).expanduser().exists() and not Path(cache).expanduser().is_dir():
         raise ConfigError(
