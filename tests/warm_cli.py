@@ -131,8 +131,9 @@ while True:
     for fd in fds:
         os.close(fd)
     sock.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-    _, status = os.waitpid(pid, 0)
-    sock.sendall(json.dumps({"status": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+    _, status, usage = os.wait4(pid, 0)  # the command's CPU, its reaped workers' included
+    cpu = usage.ru_utime + usage.ru_stime
+    sock.sendall(json.dumps({"status": os.waitstatus_to_exitcode(status), "cpu_s": cpu}).encode() + b"\n")
 """
 
 
@@ -150,6 +151,7 @@ class _Server:
         self.sock = ours
         self.pending = b""
         self.lock = threading.Lock()
+        self.cpu_s = 0.0  # CPU seconds of the commands run so far (for profiling the suite's cost per test)
         atexit.register(self.close)
 
     def close(self) -> None:
@@ -211,6 +213,7 @@ class _Server:
                     t.join(timeout=10)
                 raise subprocess.TimeoutExpired(["nxdt", *args], timeout, b"".join(chunks[out_r]), b"".join(chunks[err_r]))
             status = done["status"]
+            self.cpu_s += done.get("cpu_s", 0.0)
         for t in readers:
             t.join()  # until the last worker that held the command's stdout has gone
         out, err = (b"".join(chunks[fd]).decode(errors="replace") for fd in (out_r, err_r))
@@ -218,6 +221,11 @@ class _Server:
 
 
 _server: list[_Server] = []  # one per pytest worker process, started on first use
+
+
+def cpu_seconds() -> float:
+    """CPU seconds spent by the commands this pytest process ran through the pre-imported process so far."""
+    return _server[0].cpu_s if _server else 0.0
 
 
 def run(
