@@ -22,6 +22,7 @@ import warm_cli
 import torch
 
 from lightning_conformance_heldout import MODULES as HELDOUT
+from test_lightning_conformance_ckpt import assert_same
 
 HERE = Path(__file__).resolve().parent
 RTOL, ATOL = 1e-5, 1e-7
@@ -143,21 +144,6 @@ def test_held_out_best_checkpoint_holds_what_ddps_does(runs, run, tmp_path):
     for key in want:
         g, w = (_paths_relative(c[key], str(out / r / "checkpointed")) for c, r in ((got, run), (want, "ddp")))
         if key in ("state_dict", "optimizer_states"):
-            assert_tensors(g, w, key)
+            assert_same(g, w, key)
         else:
             assert g == w, (key, g, w)
-
-
-def assert_tensors(got, want, where: str) -> None:
-    if isinstance(want, torch.Tensor):
-        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where}: {m}")
-    elif isinstance(want, dict):
-        assert list(got) == list(want), (where, list(got), list(want))
-        for k in want:
-            assert_tensors(got[k], want[k], f"{where}/{k}")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), where
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_tensors(g, w, f"{where}[{i}]")
-    else:
-        assert got == want, (where, got, want)

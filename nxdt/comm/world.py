@@ -795,6 +795,11 @@ def _joined(keys: SignedKeys, names: list[str], ranks: list[int], where: str) ->
     are read (``SignedKeys``): a forged one is refused."""
     try:
         return [keys.get(name).decode() for name in names]
+    except dist.DistNetworkError as exc:  # the serving rank gave up first (it started first) and its store closed
+        raise CommError(
+            f"nxdt.comm: the rank serving the rendezvous store stopped while this rank was joining the run ({where}): "
+            f"its own error names the ranks that never joined"
+        ) from exc
     except CommTimeoutError as exc:
         absent = [rank for rank, name in zip(ranks, names) if not keys.store.check([name])]
         raise CommTimeoutError(
