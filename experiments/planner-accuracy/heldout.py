@@ -118,6 +118,7 @@ def class_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def verdict(rows: list[dict[str, Any]], classes: list[dict[str, Any]]) -> dict[str, Any]:
     """Issue 35's bands: median within 20 % over training and over collectives, within 35 % for every class."""
+
     def med(kind: str) -> float | None:  # None: the file has no figure of this kind (heldout2.yaml: no collectives)
         errs = [abs(r["ratio"] - 1) for r in rows if r["kind"] == kind]
         return statistics.median(errs) if errs else None
