@@ -118,3 +118,18 @@ def test_heldout_script_predicts_each_figure_and_reports_per_class():
     assert classes["GPU collectives inside one node"]["figures"] == 7
     verdict = script.verdict(rows, list(classes.values()))
     assert set(verdict) == {"training_median_error", "collective_median_error", "classes_over_35pct"}
+
+
+def test_heldout_script_reads_the_fresh_set_without_collectives():
+    """heldout2.yaml has no collective figure (none fresh was found): heldout.py predicts its training figures (here the
+    GPT3-23B NeMo row on 32 trn1 nodes, 102.5 seq/s) and its verdict says the collective median is absent, not 0."""
+    script = _script("heldout")
+    data = yaml.safe_load((STUDY / "heldout2.yaml").read_text())
+    assert data["collectives"] == []
+    data["end_to_end"] = [e for e in data["end_to_end"] if e["id"] == "trn1-gpt3-23b-tp8-pp4-n32"]
+    rows = script.predict_collectives(data) + script.predict_training(data)
+    assert len(rows) == 1 and rows[0]["measured_seq_per_s"] == 102.5
+    assert rows[0]["predicted_seq_per_s"] == pytest.approx(1024 / rows[0]["step_time_s"], rel=1e-12)
+    verdict = script.verdict(rows, script.class_table(rows))
+    assert verdict["collective_median_error"] is None
+    assert verdict["training_median_error"] == pytest.approx(abs(rows[0]["ratio"] - 1), rel=1e-12)
