@@ -709,6 +709,7 @@ RANGE_CASES = [
     ("instance.nvls_efficiency=2", "instance.nvls_efficiency=2.0"),
     ("instance.memory_bandwidth_GBps=-1", "instance.memory_bandwidth_GBps=-1.0"),
     ("instance.inter_node.message_us=nan", "instance.inter_node.message_us=nan"),
+    ("instance.network_protocols=[ll256]", "instance.network_protocols[0]='ll256': an NCCL protocol"),
     ("distributed_strategy.kv_replicator=0", "distributed_strategy.kv_replicator=0"),
 ]
 # cases that need more than one override

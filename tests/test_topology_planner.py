@@ -252,28 +252,27 @@ def test_algorithm_choice_follows_size_and_span():
 
 def test_across_switched_gpu_nodes_the_cheaper_of_nccls_ring_and_nvls_tree_is_priced():
     """16 GPUs on 2 × p5.48xlarge (published.yaml p5-allr-16gpu-n2): NCCL's node-laid ring (2(n-1)/n·S through each
-    node's NICs; every step at least the network post, tuning.cc's nsteps × net overhead) against NVLS_TREE (S
-    through each node's NICs on two nodes, NVLS inside the node, plus its pipeline's fill: the ramp). From the
-    catalogue (NVSwitch: 0.6 µs, 450 GB/s × 0.744 = 334.8 GB/s, NVLS 0.778 of it = 260.47 GB/s; network: 31.4 µs,
-    400 GB/s × 0.837 = 334.8 GB/s per node, 6 µs post per ring step; ramp 1770 µs, half at 96.9 MB; 20.3 µs per
-    call), by hand:
-      NVLS tree at 4 MiB: 2 × 31.4 + 0.6 + max(S / 334.8 GB/s, S / 260.47 GB/s = 16.103 µs)
-                          + 1770 · S/(S + 96.9e6) = 73.434 µs + 20.3 = 173.24 µs
-      ring at 4 MiB:      28 steps × max(0.6, 6) + 2 × 31.4 + 30 × 262144 B / 334.8 GB/s + 20.3 = 274.60 µs
-      ring at 64 MiB:     168 + 62.8 + 30 × 4194304 / 334.8e9 s + 20.3 = 626.93 µs (the tree's fill: 1065.6 µs)
-      NVLS tree at 1 GiB: 62.8 + 0.6 + 4122.3 (the switch sets the pace on two nodes) + 1623.5 (fill) + 20.3
-                          = 5829.5 µs (the ring: 6264.4 µs)"""
+    node's NICs; every step at least the network post, tuning.cc's nsteps × net overhead, in NCCL's cheapest protocol)
+    against NVLS_TREE (S through each node's NICs on two nodes, NVLS inside the node, plus its pipeline's fill: the
+    ramp). From the catalogue (NVSwitch: 0.6 µs, 450 GB/s × 0.734 = 330.3 GB/s, NVLS 0.782 of it = 258.29 GB/s;
+    network: 29.5 µs, 400 GB/s × 0.767 = 306.8 GB/s per node, post 2 µs (× 3 with Simple); ramp 671 µs, half at
+    827 kB; 20.1 µs per call) and tuning.cc's protocol constants, by hand:
+      LL128 ring at 4 MiB: (14 - 8.4) + 28 steps × max(0.6, 1.9, 2) + 2 × max(4, 29.5 - 10)
+                           + 30 × 262144 B / 306.8 GB/s / 0.92 + 20.1 = 148.56 µs (Simple: 272.73, LL: 161.96)
+      NVLS tree at 4 MiB:  2 × 29.5 + 0.6 + S / 258.29 GB/s + 671 · S/(S + 827e3) + 20.1 = 656.4 µs (the fill)
+      NVLS tree at 1 GiB:  59.6 + 4157.1 (the switch sets the pace on two nodes) + 670.5 (fill) + 20.1 = 4907.3 µs
+      Simple ring at 1 GiB: 28 × 6 + 2 × 29.5 + 30 × 67108864 B / 306.8 GB/s + 20.1 = 6809.4 µs (LL128 pays 0.92)"""
     inst = _instance("p5.48xlarge")
     topo = topology_of(inst, ranks_per_node=8)
     group = list(range(16))
     algorithm, seconds, every = estimate_collective("all_reduce", group, 4 << 20, topo, inst, 8)
-    assert algorithm == "nvls_tree" and seconds * 1e6 == pytest.approx(173.24, abs=0.01)
-    assert every["ring"] * 1e6 == pytest.approx(168 + 62.8 + 30 * 262144 / 334.8e9 * 1e6 + 20.3, rel=1e-9)
-    algorithm, seconds, every = estimate_collective("all_reduce", group, 64 << 20, topo, inst, 8)
-    assert algorithm == "ring" and seconds * 1e6 == pytest.approx(168 + 62.8 + 30 * 4194304 / 334.8e9 * 1e6 + 20.3, rel=1e-9)
+    ll128 = 5.6 + 28 * 2 + 2 * 19.5 + 30 * 262144 / 306.8e9 / 0.92 * 1e6 + 20.1
+    assert algorithm == "ring" and seconds * 1e6 == pytest.approx(ll128, rel=1e-9)
+    assert every["nvls_tree"] * 1e6 == pytest.approx(656.4, abs=0.1)
     algorithm, seconds, every = estimate_collective("all_reduce", group, 1 << 30, topo, inst, 8)
-    assert algorithm == "nvls_tree" and seconds * 1e6 == pytest.approx(5829.5, abs=0.1)
-    assert every["ring"] * 1e6 == pytest.approx(6264.4, abs=0.1)
+    assert algorithm == "nvls_tree" and seconds * 1e6 == pytest.approx(4907.3, abs=0.1)
+    simple = 28 * 6 + 2 * 29.5 + 30 * 67108864 / 306.8e9 * 1e6 + 20.1
+    assert every["ring"] * 1e6 == pytest.approx(simple, rel=1e-9)
 
 
 def test_comm_test_estimate_prints_an_nccom_test_table(capsys):

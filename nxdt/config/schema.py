@@ -488,7 +488,7 @@ class LinkConfig:
     post_us: float = doc(
         0.0,
         "least time of every step of a ring that crosses this link, the host posting the step's network send "
-        "(NCCL tuning.cc: a ring across nodes pays nsteps × the net overhead); 0 = none (µs)",
+        "(NCCL tuning.cc: a ring across nodes pays nsteps × the net overhead, × 3 with the Simple protocol); 0 = none (µs)",
     )
 
 
@@ -551,6 +551,11 @@ class InstanceConfig:
         "reduces (each GPU sends and receives S once); 0 = no NVLS (before Hopper)",
     )
     nvls_latency_us: float = doc(0.0, "latency of one NVLS all-reduce through the switch, µs")
+    network_protocols: List[str] = doc(
+        ["simple"],
+        "NCCL protocols a ring across nodes may use (switch / nvswitch graphs): ll | ll128 | simple; the planner prices "
+        "each and takes the cheapest, as NCCL's tuner does (EFA without ordered 128-byte delivery: simple only)",
+    )
     graph: str = doc("host", "intra-node graph: host | single | chain | ring | torus2d | torus3d | switch | nvswitch")
     shape: List[int] = doc([], "graph shape, e.g. [4, 4] for a 4x4 torus ([rows, cols], row-major device ids)")
     intra_device: LinkConfig = doc(LinkConfig(), "between ranks on one device (shared memory on cpu)")

@@ -475,6 +475,9 @@ def check_ranges(cfg: Any) -> None:
             lo_open=True,
             what=" (an achieved fraction of the fp32 peak), or null for instance.compute_efficiency",
         )
+    for i, proto in enumerate(inst.network_protocols):
+        if proto not in ("ll", "ll128", "simple"):
+            raise ConfigError(f"instance.network_protocols[{i}]", proto, "an NCCL protocol: ll | ll128 | simple")
     _number("instance.nvls_efficiency", inst.nvls_efficiency, 0, 1, what=" (a fraction of the NVLink bandwidth; 0 = no NVLS)")
     for link in ("intra_device", "device_link", "domain_link", "inter_node"):
         _number(f"instance.{link}.bandwidth_GBps", getattr(inst, link).bandwidth_GBps, 0)

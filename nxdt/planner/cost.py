@@ -223,7 +223,8 @@ def estimate_collective(
             if op == "all_reduce":
                 est["tree"] = _tree(k, 1, nbytes, intra, inter)
         if m > 1 and op in ("all_reduce", "all_gather", "reduce_scatter"):
-            est["ring"] = _node_ring(op, n, k, m, nbytes, intra, inter)
+            protocols = tuple(getattr(instance, "network_protocols", None) or ("simple",)) if pipelined else ("simple",)
+            est["ring"] = _node_ring(op, n, k, m, nbytes, intra, inter, protocols)
             if pipelined:  # NCCL: the node-laid ring and (all-reduce) the double binary tree; no rhd, no flat ring
                 est = {"ring": est["ring"]}
                 if op == "all_reduce":
@@ -286,7 +287,23 @@ def _tree(k: int, m: int, nbytes: float, intra: Link, inter: Link, nvls: float =
     return 2 * ((m - 1) * intra.alpha + _log2(k) * inter.alpha) + max(network, 2 * nbytes / intra.bw)
 
 
-def _node_ring(op: str, n: int, k: int, m: int, nbytes: float, intra: Link, inter: Link) -> float:
+# NCCL's three protocols as its tuning model prices a ring (src/graph/tuning.cc at 5067397c, ncclTopoTuneModel):
+# the hardware latency of one ring step over NVLink and over the network (hwLatencies NVLINK / NET, Ring), the
+# per-call base latency (baseLatencies, Ring), the fraction of the link bandwidth the protocol carries (LL sends
+# 8-byte lines of 4 data + 4 flag bytes: busBw · 0.5; LL128 120 of every 128 bytes: 0.92), and the factor on the
+# network post of every step (getNetOverhead × 3 with Simple only). The fitted network latency and per-call cost are
+# Simple's (the protocol large transfers run); LL / LL128 differ from them by NCCL's constant differences.
+NCCL_RING_PROTOCOLS = {
+    # name: (NVLink step µs, network step µs, base latency µs, bandwidth fraction, post factor)
+    "ll": (0.6, 2.7, 6.6, 0.5, 1.0),
+    "ll128": (1.9, 4.0, 14.0, 0.92, 1.0),
+    "simple": (3.4, 14.0, 8.4, 1.0, 3.0),
+}
+
+
+def _node_ring(
+    op: str, n: int, k: int, m: int, nbytes: float, intra: Link, inter: Link, protocols: tuple[str, ...] = ("simple",)
+) -> float:
     """A ring laid out node by node (m ranks on each of k nodes, NCCL's ring across nodes): of its 2(n-1) steps
     (n-1 for all-gather / reduce-scatter) only 2(k-1) (k-1) cross nodes and pay the network's latency; each step moves
     S/n per rank, over NVLink/NeuronLink inside a node and, at each node boundary, through the node's network
@@ -294,12 +311,24 @@ def _node_ring(op: str, n: int, k: int, m: int, nbytes: float, intra: Link, inte
     algorithm's 2(k-1)/k·S). The steps inside a node take at least ``inter.post``: the ring's steps run in lockstep
     and each one waits for the host to post the network send of the step at the node boundary (NCCL's tuning model,
     src/graph/tuning.cc ncclTopoTuneModel: "Inter-node rings still have to launch nsteps * net overhead", intraLat =
-    max(intraLat, netOverhead), getNetOverhead 1 µs on Intel and 2 µs on AMD hosts, ×3 with the Simple protocol)."""
+    max(intraLat, netOverhead), getNetOverhead 1 µs on Intel and 2 µs on AMD hosts, ×3 with the Simple protocol).
+
+    ``protocols``: the NCCL protocols allowed across the network (NCCL_RING_PROTOCOLS); each is priced and the
+    cheapest taken, as NCCL's tuner does: LL and LL128 post each step once and have shorter network latencies,
+    Simple carries the full bandwidth. The result is relative to Simple's per-call cost (which the caller adds)."""
     steps = (2 if op == "all_reduce" else 1) * (n - 1)
     crossing = (2 if op == "all_reduce" else 1) * (k - 1)
     chunk = nbytes / n
-    inside = max(intra.alpha, inter.post)
-    return (steps - crossing) * inside + crossing * inter.alpha + steps * max(chunk / (inter.bw * m), chunk / intra.bw)
+    transfer = steps * max(chunk / (inter.bw * m), chunk / intra.bw)
+    _, simple_net, simple_base, _, _ = NCCL_RING_PROTOCOLS["simple"]
+    best = math.inf
+    for name in protocols:
+        nvlink, net, base, share, post = NCCL_RING_PROTOCOLS[name]
+        inside = max(intra.alpha, nvlink * 1e-6, post * inter.post)
+        across = max(net * 1e-6, inter.alpha + (net - simple_net) * 1e-6)
+        t = (base - simple_base) * 1e-6 + (steps - crossing) * inside + crossing * across + transfer / share
+        best = min(best, t)
+    return best
 
 
 def _hierarchical_stages(op: str, m: int, k: int, nbytes: float, intra: Link, inter: Link) -> list[tuple[str, int, float, Link]]:
