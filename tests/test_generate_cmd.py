@@ -14,6 +14,7 @@ import torch
 
 from hf_reference import TINY_LLAMA, llama_config
 from nxdt.cli import main
+from nxdt.launch.generate import printable
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -153,7 +154,9 @@ def test_seeded_sampling_is_reproducible(hf_dir, tmp_path):
 @pytest.mark.parametrize(
     "args, says",
     [
-        (["--prompt", "hi", "--temperature", "0"], "--temperature 0.0 must be > 0"),
+        (["--prompt", "hi", "--temperature", "0"], "--temperature 0.0 must be a finite number > 0"),
+        (["--prompt", "hi", "--temperature", "inf"], "--temperature inf must be a finite number > 0"),
+        (["--prompt", "hi", "--temperature", "nan"], "--temperature nan must be a finite number > 0"),
         (["--prompt", "hi", "--top-p", "1.5"], "--top-p 1.5 must be in (0, 1]"),
         (["--prompt", "hi", "--top-k", "-1"], "--top-k -1 must be >= 0"),
         (["--prompt", "hi", "--top-k", "two"], "--top-k 'two' is not a valid int"),
@@ -189,6 +192,13 @@ def test_bad_input_is_one_line_and_exit_2(hf_dir, tmp_path, capsys, args, says):
     assert main(["generate", str(hf_dir), *args]) == 2
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1, err
+
+
+def test_printed_completions_show_terminal_controls_as_escapes():
+    # a model may emit ESC sequences (colour, cursor, OSC title/link), CR (overwrites the line) or C1 CSI (0x9b)
+    text = "ok\x1b[2J\x1b]0;owned\x07 \r\x9b31m\x7f é 中\tend\nnext"
+    assert printable(text) == "ok\\x1b[2J\\x1b]0;owned\\x07 \\x0d\\x9b31m\\x7f é 中\tend\nnext"
+    assert printable("plain text\n") == "plain text\n"
 
 
 def test_a_missing_model_is_one_line_and_exit_2(tmp_path, capsys):

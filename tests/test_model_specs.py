@@ -26,6 +26,7 @@ from nxdt.config.hf_model import FAMILIES, META_KEYS, Block, ModelSpec, Parallel
 from nxdt.lightning.hf import StateDictAdapter
 from nxdt.models.llama import DecoderLayer, LlamaForCausalLM
 from nxdt.parallel.expert_parallel import moe_blocks
+from nxdt.parallel.pipeline import build_chunks, chunk_parameters
 from nxdt.planner.estimate import forward_flops_per_token, model_numbers
 
 # a tiny model in every field an export records: head_dim 16 ≠ hidden/heads = 8, non-default theta and epsilon
@@ -103,6 +104,10 @@ def test_the_spec_is_complete_and_agrees_with_its_hub_class(family):
     assert all(callable(getattr(model, hook)) for hook in ("embed", "run_layer", "head"))
     in_units = [id(p) for unit in model.fsdp_units() for m in unit for p in m.parameters()]
     assert sorted(in_units) == sorted(id(p) for p in model.parameters()), f"{family}: FSDP units vs parameters"
+    # at PP2 each parameter belongs to exactly one stage (a table ``embed`` reads but no stage owns, e.g. GPT's
+    # positions, would never reach an optimizer or a checkpoint)
+    owned = [n for stage in (0, 1) for n in chunk_parameters(build_chunks(_build(spec, _round_trip(spec))[0], stage, 2))]
+    assert sorted(owned) == sorted(n for n, _ in model.named_parameters()), f"{family}: PP2 stages vs parameters"
 
     # EP: MoE blocks exactly when the spec says MoE, at the spec's pattern
     blocks = moe_blocks(model)

@@ -433,6 +433,12 @@ def test_a_key_in_the_wrong_section_names_where_it_belongs():
         translate(minimal(model__fusions__do_layer_norm_weight_decay=True), LLAMA_HF)
 
 
+def test_a_setting_that_is_a_section_here_names_the_section():
+    """Lightning's Trainer(precision=...) habit: NxDT's precision is a section of its own (precision.type)."""
+    with pytest.raises(ConfigError, match=r"trainer.precision: unknown key \(did you mean 'precision.type'\?\)"):
+        translate(minimal(trainer={"devices": 2, "num_nodes": 1, "precision": "bf16-mixed"}), LLAMA_HF)
+
+
 def test_moe_keys_on_a_dense_config_json_are_noted_and_not_planned():
     """NxDT's hf Llama reads no model.moe key; kept, they would make the plan count experts the model never builds."""
     t = translate(minimal(model__moe__num_experts=4, model__moe__top_k=2), LLAMA_HF)

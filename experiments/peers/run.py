@@ -70,6 +70,8 @@ LOSS_RTOL = 1e-4
 VARIANTS: dict[str, dict[str, Any]] = {
     "nxdt DP": dict(kind="lightning", strategy="nxdt"),
     "Lightning DDP (gloo)": dict(kind="lightning", strategy="ddp"),
+    # plain DP with the reduction after backward (issue 35 item 2: the overlap's effect, same rounds)
+    "nxdt DP, reduced after backward": dict(kind="lightning", strategy="nxdt", overlap=False, diagnostic=True),
     "nxdt ZeRO-1": dict(kind="lightning", strategy="nxdt", zero1=True),
     "nxdt ZeRO-1, ranks in one session": dict(kind="lightning", strategy="nxdt", zero1=True, spawn=True, diagnostic=True),
     # NxDStrategy's data-parallel runtime driven by a plain loop, as the DeepSpeed / FSDP2 peers are (no Trainer)
@@ -91,6 +93,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
 PAIRS = [
     ("nxdt DP", "Lightning DDP (gloo)", "step"),
     ("nxdt ZeRO-1", "DeepSpeed ZeRO-1", "step"),
+    # the overlap's effect: overlapped ÷ reduced after backward (below 1.0: the overlap saves time)
+    ("nxdt DP", "nxdt DP, reduced after backward", "step"),
+    ("nxdt ZeRO-1", "nxdt ZeRO-1, reduced after backward", "step"),
     ("nxdt ZeRO-1", "DeepSpeed ZeRO-2", "step"),
     ("nxdt ZeRO-1 (plain loop)", "DeepSpeed ZeRO-1", "step"),
     ("nxdt ZeRO-1, ranks in one session", "DeepSpeed ZeRO-1", "step"),

@@ -498,6 +498,9 @@ def closest_key(key: str) -> str | None:
     moved = sorted(k for k in candidates if k.rsplit(".", 1)[-1] == leaf)
     if len(moved) == 1:
         return moved[0]
+    # a setting that is a section of its own here (Lightning's trainer.precision is NxDT's precision.type)
+    if "." in key and f"{leaf}.type" in candidates:
+        return f"{leaf}.type"
     depth = key.count(".")
     same_depth = sorted(k for k in candidates if k.count(".") == depth)
     match = difflib.get_close_matches(key, same_depth, n=1, cutoff=0.6)

@@ -27,6 +27,7 @@ vocabulary) is one line, exit 2.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +40,8 @@ USAGE = """usage: nxdt generate MODEL (--prompt TEXT [--prompt TEXT ...] | --pro
 
 MODEL: an nxdt checkpoint (<run>/checkpoints/step-<N>) or a Hugging Face model directory (config.json + safetensors)
 greedy unless --temperature, --top-p or --top-k is given (then sampled, seeded by --seed, default 0);
-the tokenizer's chat template is applied when it has one (--no-chat-template: the prompt text as it is)"""
+the tokenizer's chat template is applied when it has one (--no-chat-template: the prompt text as it is);
+completions are printed with control characters (other than newline and tab) as \\xNN, --out keeps the exact text"""
 
 WHO = "nxdt generate"
 
@@ -59,8 +61,11 @@ class Request:
 
     def check(self) -> "Request":
         """Each sampling value in its range (transformers' ranges), refused by flag before anything is loaded."""
-        if self.temperature is not None and not self.temperature > 0:
-            raise CommandError(f"{WHO}: --temperature {self.temperature} must be > 0 (leave the sampling flags out for greedy)")
+        # inf passes "> 0" but divides every logit to 0 (a uniform draw over the whole vocabulary); nan passes nothing
+        if self.temperature is not None and not 0 < self.temperature < math.inf:
+            raise CommandError(
+                f"{WHO}: --temperature {self.temperature} must be a finite number > 0 (leave the sampling flags out for greedy)"
+            )
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise CommandError(f"{WHO}: --top-p {self.top_p} must be in (0, 1] (1 keeps every token)")
         if self.top_k is not None and self.top_k < 0:
@@ -199,6 +204,17 @@ def _value(argv: list[str], at: int, convert: Any) -> Any:
         raise CommandError(f"{WHO}: {flag} {argv[at + 1]!r} is not a valid {convert.__name__}") from None
 
 
+# C0 controls but newline and tab, DEL and C1 controls: what a terminal would act on (cursor moves, colours, title
+# changes, OSC 8 links) rather than show
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x20), *range(0x7F, 0xA0)) if chr(c) not in "\n\t"}
+
+
+def printable(text: str) -> str:
+    """``text`` with the control characters a terminal would obey written as ``\\xNN`` escapes: a model's completion
+    is untrusted text (a fine-tuned or downloaded model can emit ESC sequences). ``--out`` keeps the exact text."""
+    return text.translate(_CONTROLS)
+
+
 def parse(argv: list[str]) -> Request:
     """The command line as a :class:`Request` (prompts read; sampling values checked); nothing loaded yet."""
     positional: list[str] = []
@@ -255,7 +271,7 @@ def main(argv: list[str]) -> int:
     for i, result in enumerate(results):
         if len(results) > 1:
             print(f"--- {i}")
-        print(result["completion"])
+        print(printable(result["completion"]))
     if request.out:
         print(f"nxdt: wrote {request.out}", file=sys.stderr)
     return 0

@@ -116,6 +116,12 @@ def split_layers(num_layers: int, num_stages: int, virtual: int = 1, cuts: Seque
     return [list(range(bounds[c], bounds[c + 1])) for c in range(num_chunks)]
 
 
+def embedding_names(model: nn.Module) -> list[str]:
+    """The attribute names of the modules the model's ``embed`` runs (``embedding_modules()``; else ``embed_tokens``)."""
+    wanted = {id(m) for m in (model.embedding_modules() if hasattr(model, "embedding_modules") else [model.embed_tokens])}
+    return [name for name, child in model.named_children() if id(child) in wanted]
+
+
 class PipelineChunk(nn.Module):
     """One model chunk: a contiguous slice of ``model.layers`` (+ embedding if first, + norm/head if last).
 
@@ -130,8 +136,9 @@ class PipelineChunk(nn.Module):
         self.layer_indices = list(layer_indices)
         self.is_first, self.is_last, self.index = is_first, is_last, index
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in self.layer_indices})
-        if is_first:
-            self.embed_tokens = model.embed_tokens
+        if is_first:  # every table ``embed`` reads (GPT's learned positions too), under the model's own names
+            for name in embedding_names(model):
+                setattr(self, name, getattr(model, name))
         if is_last:
             self.norm, self.lm_head = model.norm, model.lm_head
 
@@ -173,7 +180,8 @@ def build_chunks(
         if i not in owned:
             model.layers[i] = nn.Module()  # an empty placeholder keeps the other layers' indices (and names)
     if not any(c.is_first for c in chunks):
-        model.embed_tokens = None
+        for name in embedding_names(model):
+            setattr(model, name, None)
     if not any(c.is_last for c in chunks):
         model.norm = model.lm_head = None
     return chunks
