@@ -38,10 +38,11 @@ def test_ruff_finds_nothing():
 
 
 def test_mypy_finds_nothing():
-    # no cache: the result never depends on an earlier run; the whole check takes ~8 s of CPU
-    result = subprocess.run(
-        [sys.executable, "-m", "mypy", "--no-incremental"], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    # mypy's own incremental cache (.mypy_cache/, git-ignored), as a developer's `mypy` uses it: a module is rechecked
+    # when its source, a dependency's interface, the options or mypy's version changed (mypy keys each entry by all
+    # four), so the findings equal a full check's. Measured: 13-17 CPU-s without a cache (a clean checkout, CI's first
+    # run), 0.5 CPU-s with one after a full check (every later run of the suite on a host).
+    result = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 
 
