@@ -43,6 +43,34 @@ FINE_TUNING = (
 KV_HEADS_BELOW_TP = ("hf_mixtral_8x7b_config", "hf_mixtral_8x7b_dropless_config")
 
 
+# (TP, PP, CP, nodes) of each upstream file, read off the originals: a case whose conf/nxdt base changed under it
+# no longer matches its original, and these say so
+LAYOUT = {
+    "hf_llama3.1_405B_trn1_config": (32, 32, 1, 64),
+    "hf_llama3.1_70B_config": (32, 8, 1, 32),
+    "hf_llama3.1_8B_config": (32, 1, 1, 32),
+    "hf_llama3_70B_CP_config": (32, 8, 2, 16),
+    "hf_llama3_70B_config": (32, 8, 1, 16),
+    "hf_llama3_70B_trn2_config": (32, 4, 1, 8),
+    "hf_llama3_8B_DPO_config": (32, 1, 1, 1),
+    "hf_llama3_8B_ORPO_config": (32, 1, 1, 1),
+    "hf_llama3_8B_SFT_config": (32, 1, 1, 1),
+    "hf_llama3_8B_SFT_lora_config": (32, 1, 1, 1),
+    "hf_llama3_8B_config": (32, 1, 1, 4),
+    "hf_llama3_8B_trn2_config": (16, 1, 1, 1),
+    "hf_llama_7B_config": (8, 1, 1, 1),
+    "hf_mixtral_8x7b_config": (32, 4, 1, 8),
+    "hf_mixtral_8x7b_dropless_config": (32, 4, 1, 8),
+    "megatron_gpt_config": (8, 1, 1, 1),
+    "megatron_llama2_7B_SFT_config": (8, 1, 1, 1),
+    "megatron_llama_70b_config": (8, 16, 1, 8),
+    "megatron_llama_7B_config": (8, 1, 1, 1),
+    "megatron_mistral_config": (8, 1, 1, 1),
+    "megatron_mixtral_8x7b_config": (32, 4, 1, 16),
+    "megatron_mixtral_8x7b_dropless_config": (32, 4, 1, 16),
+}
+
+
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory) -> Path:
     return write_cases(tmp_path_factory.mktemp("nxdt_cases"))
@@ -71,6 +99,20 @@ def test_the_cases_are_nxd_trainings_22_examples(cases):
         "/home/ubuntu/examples_datasets/llama/book.jsonl-processed_text_document",
     ]
     assert {c.instance for c in CASE.values()} == {"trn1.32xlarge", "trn2.48xlarge"}
+    layouts = {}
+    for name in CASE:
+        k = {
+            key.rpartition(".")[2]: v
+            for key, v in keys_of(name).items()
+            if key.split(".")[0] in ("distributed_strategy", "trainer")
+        }
+        layouts[name] = (
+            k["tensor_model_parallel_size"],
+            k["pipeline_model_parallel_size"],
+            k.get("context_parallel_size", 1),
+            k["num_nodes"],
+        )
+    assert layouts == LAYOUT
 
 
 PLANNED = sorted(set(CASE) - set(FINE_TUNING) - set(KV_HEADS_BELOW_TP))
@@ -82,10 +124,8 @@ def test_every_example_config_plans_as_written_and_fits(cases, name):
     assert not any("unknown key" in w for w in warnings)
     p = plan(cfg)
     assert not [w for w in p.warnings if "does not fit" in w], p.warnings
-    keys = keys_of(name)  # the file's own layout, not a substitute
-    assert p.degrees["tp"] == keys["distributed_strategy.tensor_model_parallel_size"]
-    assert p.degrees["pp"] == keys["distributed_strategy.pipeline_model_parallel_size"]
-    assert p.degrees["cp"] == keys.get("distributed_strategy.context_parallel_size", 1)
+    tp, pp, cp, nodes = LAYOUT[name]  # the original's own layout, not a substitute
+    assert (p.degrees["tp"], p.degrees["pp"], p.degrees["cp"], cfg.trainer.num_nodes) == (tp, pp, cp, nodes)
     assert p.world_size == cfg.trainer.devices * cfg.trainer.num_nodes
 
 
