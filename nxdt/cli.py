@@ -91,7 +91,7 @@ def train_help() -> str:
     for group in ("model", "data", "instance", "launcher"):
         lines.append(f"  {group}: {', '.join(available_options(group))}")
     lines.append(f"  +recipe: {', '.join(available_options('recipe'))}   (fine-tuning recipes: add with +recipe=NAME)")
-    lines.append(f"  --config-name {EXAMPLES}/NAME: NxD Training's example configs: {', '.join(example_names())}")
+    lines.append(f"  --config-name {EXAMPLES}/NAME: examples in NxDT's config format: {', '.join(example_names())}")
     lines += ["", "keys (default) — description:"]
     for key, default, doc in field_docs():
         lines.append(f"  {key} ({default}) — {doc}")
@@ -143,16 +143,16 @@ def _config_source(argv: list[str]) -> tuple[tuple[str, str] | None, list[str]]:
     if len(found) != 2:
         raise UsageError(
             "nxdt: --config-path DIR and --config-name NAME go together (an NxDT config file DIR/NAME.yaml); "
-            f"NxD Training's example configs need no path: --config-name {EXAMPLES}/NAME ({', '.join(example_names()[:3])}, ...)"
+            f"the examples in NxDT's format need no path: --config-name {EXAMPLES}/NAME ({', '.join(example_names()[:3])}, ...)"
         )
     return (found["path"], found["name"]), rest
 
 
-EXAMPLES = "nxdt"  # --config-name nxdt/NAME: an NxD Training example config shipped in the package (conf/nxdt/)
+EXAMPLES = "nxdt"  # --config-name nxdt/NAME: one of nxdt's examples in NxDT's config format (conf/nxdt/)
 
 
 def examples_dir() -> Path:
-    """NxD Training's example configs as the package ships them (``conf/nxdt/``, installed as ``nxdt/conf/nxdt``), with
+    """nxdt's examples in NxDT's config format, as the package installs them (``conf/nxdt/``, as ``nxdt/conf/nxdt``), with
     the Hugging Face config.json files their ``model.model_config`` names and a tokenized sample dataset."""
     import importlib.util
 

@@ -1,4 +1,4 @@
-"""NxD Training's own DPO and ORPO example configs (tests/nxdt_configs/hf_llama3_8B_DPO_config.yaml, _ORPO_config.yaml),
+"""The DPO and ORPO examples in NxD Training's config format (tests/nxdt_configs/hf_llama3_8B_DPO_config.yaml, _ORPO_config.yaml),
 shrunk by overrides (test_sft_e2e.SHRINK: a 2-layer model, a Hugging Face tokenizer directory with a chat template, the
 shipped preference records), trained through `nxdt train --config-path ... --config-name ...` on CPU. One launch per
 layout, each checked several ways:

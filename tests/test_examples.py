@@ -1,4 +1,4 @@
-"""Examples that run as written (issue 39): NxD Training's example configs ship in the package (``conf/nxdt/``) and are
+"""Examples that run as written (issue 39): nxdt's examples in NxDT's config format ship in the package (``conf/nxdt/``) and are
 named with ``--config-name nxdt/NAME`` from any directory; a checkpoint path the run no longer has says which it has."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def test_the_examples_are_package_data_and_the_tests_folder_is_the_same(tmp_path
     import tomllib
 
     patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["nxdt.conf"]
-    needed = [p for p in (ROOT / "conf" / "nxdt").rglob("*") if p.is_file() and "shipped" not in p.parts]
+    needed = [p for p in (ROOT / "conf" / "nxdt").rglob("*") if p.is_file()]
     needed = [p.relative_to(ROOT / "conf") for p in needed if p.suffix != ".py"]
     assert all(any(p.match(pattern) for pattern in patterns) for p in needed), [
         str(p) for p in needed if not any(p.match(pattern) for pattern in patterns)

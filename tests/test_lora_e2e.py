@@ -1,4 +1,4 @@
-"""NxD Training's own LoRA SFT example config (tests/nxdt_configs/hf_llama3_8B_SFT_lora_config.yaml), shrunk by the
+"""The LoRA SFT example in NxD Training's config format (tests/nxdt_configs/hf_llama3_8B_SFT_lora_config.yaml), shrunk by the
 overrides of tests/test_sft_e2e.py, trained through `nxdt train --config-path ... --config-name ...` on two CPU
 processes (DP2), its peft block as it is (rank 16, qkv_proj, save_lora_base and save_lora_config_adapter true,
 autocast precision, weight_init_only) and the base weights from a Hugging Face directory (model.hf_checkpoint)

@@ -5,29 +5,30 @@ warm-up of NeMo's CosineAnnealing, the order ``data.train_dir`` is read in, and 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from omegaconf import OmegaConf
+
+from nxdt_cases import CASE, EXAMPLES, write_cases
 
 from nxdt.config import compose_nxdt_config
 from nxdt.lightning.module import import_architecture
 from nxdt.lightning.optim import build_optimizer, lr_lambda, parameter_groups
 
-CONFIGS = Path(__file__).parent / "nxdt_configs"
-SHIPPED = CONFIGS / "shipped"
 TINY = {"num_layers": 2, "hidden_size": 16, "num_attention_heads": 2, "num_kv_heads": 1, "ffn_hidden_size": 32, "vocab_size": 32}
 
 
-def shipped(name: str, *more: str):
-    """An NxDT example config as shipped, planned for the instance it was written for (nothing is built)."""
-    extra = {
-        "hf_llama3_8B_config": [f"model.model_config={CONFIGS / 'llama3_8B_config.json'}"],
-        "hf_llama3.1_70B_config": [f"model.model_config={CONFIGS / 'llama3.1_70B_config.json'}"],
-        "megatron_gpt_config": [],
-    }[name]
-    cfg, warnings = compose_nxdt_config(SHIPPED, name, ["instance=trn1.32xlarge", *extra, *more], paths=False)
-    return cfg, warnings
+@pytest.fixture(scope="module")
+def example(tmp_path_factory):
+    """An NxD Training example config (a case of tests/nxdt_cases.py: hf_llama3_8B_config, hf_llama3.1_70B_config,
+    megatron_gpt_config), planned for trn1.32xlarge, the instance it was written for (nothing is built)."""
+    cases = write_cases(tmp_path_factory.mktemp("nxdt_cases"))
+
+    def compose(name: str, *more: str):
+        hf = CASE[name].hf_config
+        extra = [f"model.model_config={EXAMPLES / (hf + '_config.json')}"] if hf else []
+        return compose_nxdt_config(cases, name, ["instance=trn1.32xlarge", *extra, *more], paths=False)
+
+    return compose
 
 
 def groups_of(cfg) -> list[tuple[float, set[str]]]:
@@ -53,8 +54,8 @@ def nxdt_hf_groups(names: list[str], do_layer_norm_weight_decay: bool) -> list[t
 # ------------------------------------------------------------------------------------------- weight decay
 
 
-def test_hf_llama_configs_exempt_norms_and_decay_the_rest_at_001_as_nxdt_hf_models_do():
-    cfg, _ = shipped("hf_llama3_8B_config")  # do_layer_norm_weight_decay: True, weight_decay: 0.01
+def test_hf_llama_configs_exempt_norms_and_decay_the_rest_at_001_as_nxdt_hf_models_do(example):
+    cfg, _ = example("hf_llama3_8B_config")  # do_layer_norm_weight_decay: True, weight_decay: 0.01
     groups = groups_of(cfg)
     names = sorted(set().union(*(g[1] for g in groups)))
     assert groups == nxdt_hf_groups(names, True)
@@ -62,19 +63,19 @@ def test_hf_llama_configs_exempt_norms_and_decay_the_rest_at_001_as_nxdt_hf_mode
     assert groups[0][0] == cfg.model.optim.weight_decay == 0.01
 
 
-def test_hf_models_decay_at_001_whatever_optim_weight_decay_says_and_a_note_says_so():
-    cfg, warnings = shipped("hf_llama3.1_70B_config")  # weight_decay: 0.1 in the file
+def test_hf_models_decay_at_001_whatever_optim_weight_decay_says_and_a_note_says_so(example):
+    cfg, warnings = example("hf_llama3.1_70B_config")  # weight_decay: 0.1 in the file
     assert cfg.model.optim.weight_decay == 0.1  # kept, visible in config.yaml
     assert [g[0] for g in groups_of(cfg)] == [0.01, 0.0]  # what NxD Training's HF models use
     (note,) = [w for w in warnings if "model.optim.weight_decay=0.1" in w]
     assert "0.01" in note and "model.optim.fixed_weight_decay=null" in note
     # the config's own value, one nxdt key away
-    cfg, _ = shipped("hf_llama3.1_70B_config", "model.optim.fixed_weight_decay=null")
+    cfg, _ = example("hf_llama3.1_70B_config", "model.optim.fixed_weight_decay=null")
     assert [g[0] for g in groups_of(cfg)] == [0.1, 0.0]
 
 
-def test_hf_configs_without_do_layer_norm_weight_decay_decay_norm_weights_too():
-    cfg, _ = shipped("hf_llama3_8B_config", "model.do_layer_norm_weight_decay=False")
+def test_hf_configs_without_do_layer_norm_weight_decay_decay_norm_weights_too(example):
+    cfg, _ = example("hf_llama3_8B_config", "model.do_layer_norm_weight_decay=False")
     groups = groups_of(cfg)
     names = sorted(set().union(*(g[1] for g in groups)))
     # Llama has no biases: every parameter, the norm weights included, decays at 0.01
@@ -82,10 +83,10 @@ def test_hf_configs_without_do_layer_norm_weight_decay_decay_norm_weights_too():
     assert cfg.model.optim.no_weight_decay == "biases"
 
 
-def test_the_biases_rule_exempts_biases_only_by_nxdt_hf_name_rule():
+def test_the_biases_rule_exempts_biases_only_by_nxdt_hf_name_rule(example):
     """GPT has biases and LayerNorm weights and biases: ``biases`` (an hf config with do_layer_norm_weight_decay
     false) exempts every bias, LayerNorm's included, and decays LayerNorm weights, as NxDT's substring rule does."""
-    cfg, _ = shipped("megatron_gpt_config")
+    cfg, _ = example("megatron_gpt_config")
     model = import_architecture(cfg.model.architecture)(OmegaConf.merge(cfg.model, TINY))
     names = {id(p): n for n, p in model.named_parameters()}
     for mode, norms_too in (("biases", False), ("norms_and_biases", True)):
@@ -93,17 +94,17 @@ def test_the_biases_rule_exempts_biases_only_by_nxdt_hf_name_rule():
         assert got == nxdt_hf_groups(sorted(names.values()), norms_too), mode
 
 
-def test_megatron_do_layer_norm_weight_decay_true_decays_every_parameter_at_the_configs_rate():
+def test_megatron_do_layer_norm_weight_decay_true_decays_every_parameter_at_the_configs_rate(example):
     """megatron_gpt_model.py setup_optimizer_param_groups: True → NeMo's get_all_params_for_weight_decay_optimization
     (one group, the optimizer's weight_decay: "True means weight decay on all params", as the config's comment
     says); False → get_params_for_weight_decay_optimization (norms and biases at 0, the rest at weight_decay)."""
-    cfg, _ = shipped("megatron_gpt_config", "model.optim.weight_decay=0.1")  # the file says False
+    cfg, _ = example("megatron_gpt_config", "model.optim.weight_decay=0.1")  # the file says False
     groups = groups_of(cfg)
     assert [g[0] for g in groups] == [0.1, 0.0]
     exempt = groups[1][1]
     assert exempt and all(n.endswith("bias") or "layernorm" in n or n.startswith("norm.") for n in exempt)
     assert not any(n.endswith("bias") for n in groups[0][1])
-    cfg, _ = shipped("megatron_gpt_config", "model.optim.weight_decay=0.1", "model.do_layer_norm_weight_decay=True")
+    cfg, _ = example("megatron_gpt_config", "model.optim.weight_decay=0.1", "model.do_layer_norm_weight_decay=True")
     (only,) = groups_of(cfg)
     assert only[0] == 0.1 and len(only[1]) == len(groups[0][1]) + len(exempt)
 
@@ -153,10 +154,10 @@ def test_warmup_policy_constant_warms_up_as_nemo():
 # ------------------------------------------------------------------------------------------- data
 
 
-def shrunk(*more: str):
-    """hf_llama3_8B_config shrunk to one CPU rank and a tiny Llama, on the shipped save_to_disk sample (96 rows of
-    33 byte ids: tests/nxdt_configs/make_tokenized_sample.py)."""
-    cfg, _ = shipped(
+def shrunk(example, *more: str):
+    """hf_llama3_8B_config shrunk to one CPU rank and a tiny Llama, on the save_to_disk sample in conf/nxdt (96 rows
+    of 33 byte ids: conf/nxdt/make_tokenized_sample.py)."""
+    cfg, _ = example(
         "hf_llama3_8B_config",
         "instance=cpu",
         "trainer.devices=1",
@@ -172,13 +173,13 @@ def shrunk(*more: str):
         "model.vocab_size=256",
         "model.encoder_seq_length=32",
         "precision.type=fp32",
-        f"data.train_dir={CONFIGS / 'tokenized_sample'}",
+        f"data.train_dir={EXAMPLES / 'tokenized_sample'}",
         *more,
     )
     return cfg
 
 
-def test_train_dir_is_read_in_order_each_epoch_from_its_first_row():
+def test_train_dir_is_read_in_order_each_epoch_from_its_first_row(example):
     """hf_data_module.py HFDataModule._build_dataloader: DistributedSampler(shuffle=False, drop_last=True) and a
     DataLoader of global_batch_size/DP rows with drop_last=True: global batch k is rows [k·B, (k+1)·B) of
     data.train_dir, and each epoch starts again at row 0 (96 rows, B=10: 9 batches an epoch, rows 90-95 never)."""
@@ -187,9 +188,9 @@ def test_train_dir_is_read_in_order_each_epoch_from_its_first_row():
     from nxdt.data.hf_dataset import SavedHFDataset
     from nxdt.lightning.datamodule import NxDDataModule
 
-    cfg = shrunk("data.global_batch_size=10", "data.micro_batch_size=5")
+    cfg = shrunk(example, "data.global_batch_size=10", "data.micro_batch_size=5")
     assert (cfg.data.source, cfg.data.shuffle) == ("hf_dataset", False)
-    rows = SavedHFDataset(str(CONFIGS / "tokenized_sample"), 32, 256)
+    rows = SavedHFDataset(str(EXAMPLES / "tokenized_sample"), 32, 256)
     data = NxDDataModule(cfg.data, seed=cfg.seed, vocab_size=256, step_batches=True)
     batches = iter(data.train_dataloader())
     order = [r for k in range(9 + 2) for r in range(10 * k, 10 * k + 10)]
@@ -200,10 +201,10 @@ def test_train_dir_is_read_in_order_each_epoch_from_its_first_row():
         assert torch.equal(batch, expected), k
     assert data.steps_per_epoch == 9
     # nxdt's own configs keep the seeded shuffle; one key gives NxDT's order back or takes it away
-    assert shrunk("data.global_batch_size=10", "data.micro_batch_size=5", "data.shuffle=true").data.shuffle is True
+    assert shrunk(example, "data.global_batch_size=10", "data.micro_batch_size=5", "data.shuffle=true").data.shuffle is True
 
 
-def test_max_epochs_stops_at_the_end_of_the_epoch_before_max_steps(tmp_path):
+def test_max_epochs_stops_at_the_end_of_the_epoch_before_max_steps(example, tmp_path):
     """Lightning stops at whichever of max_steps and max_epochs comes first; NxD Training's trainer keeps that
     (lightning_modules/nlp_overrides.py hands max_epochs to its fit loop). 96 rows / global batch 8 = 12 steps an
     epoch: max_epochs=1 with max_steps=30 trains 12 steps (CausalLMModule brings the callback that counts them)."""
@@ -214,7 +215,7 @@ def test_max_epochs_stops_at_the_end_of_the_epoch_before_max_steps(tmp_path):
     from nxdt.lightning.module import CausalLMModule
 
     # one micro-batch a step: the fewest forwards that count 12 steps
-    cfg = shrunk("data.global_batch_size=8", "data.micro_batch_size=8", "trainer.max_steps=30", "trainer.max_epochs=1")
+    cfg = shrunk(example, "data.global_batch_size=8", "data.micro_batch_size=8", "trainer.max_steps=30", "trainer.max_epochs=1")
     assert (cfg.trainer.max_steps, cfg.trainer.max_epochs) == (30, 1)
     pl.seed_everything(cfg.seed, verbose=False)
     module = CausalLMModule(cfg.model, cfg.data.global_batch_size, cfg.data.seq_length, cfg.data.micro_batch_size)

@@ -1,4 +1,4 @@
-"""NxD Training's own SFT example config (tests/nxdt_configs/hf_llama3_8B_SFT_config.yaml), shrunk by overrides,
+"""The SFT example in NxD Training's config format (tests/nxdt_configs/hf_llama3_8B_SFT_config.yaml), shrunk by overrides,
 trained through `nxdt train --config-path ... --config-name ...` on CPU: a Hugging Face tokenizer directory with a
 chat template, the shipped instruction records (first data.dev_choose_samples), packed, validated on a set of its
 own. Four launches, each checking several things:
