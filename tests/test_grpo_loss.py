@@ -7,11 +7,12 @@ beta 0 and > 0. The per-token log-probs TRL's method asks for come from the tran
 ``_get_per_token_logps_and_entropies`` computes them (logits of the completion positions divided by the sampling
 temperature, TRL's ``selective_log_softmax_and_entropy``), without TRL's fused-head patch of the model's forward.
 The advantages follow grpo_trainer.py lines 2759-2810 (sum_then_normalize), which are inline in
-``_generate_and_score_completions`` (not importable), with TRL's own ``nanstd``.
+``_generate_and_score_completions`` (not importable): the test restates them in float64 (``reference_advantages``).
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from types import MethodType, SimpleNamespace
 
@@ -27,7 +28,7 @@ from hf_reference import TINY_LLAMA, llama_config
 trl = pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")
 from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
-from trl.trainer.utils import nanstd, selective_log_softmax_and_entropy  # noqa: E402
+from trl.trainer.utils import selective_log_softmax_and_entropy  # noqa: E402
 
 TINY = TINY_LLAMA
 # 2 prompts × num_generations 3; prompts of one length (TRL's forward gives left pads positions too, nxdt does not,
@@ -117,33 +118,46 @@ def nxdt_logps(model, batch):
     return model.token_log_probs(logits / TEMPERATURE, batch["labels"])
 
 
+def reference_advantages(per_func: torch.Tensor, weights: torch.Tensor, group: int, scale: str):
+    """GRPO's advantages as TRL documents them (sum_then_normalize), written out here in float64: a completion's
+    reward is the weighted sum of the functions that scored it (NaN when none did); its advantage is the reward minus
+    its group's mean, divided by (std + 1e-4) — the group's std for scale_rewards 'group', the whole batch's for
+    'batch', no division for 'none' — with NaN rewards left out of means and stds (the unbiased std over what was
+    scored, TRL's nanstd) and a NaN advantage counted as 0. Returns (advantages, rewards, std per completion)."""
+    nan = float("nan")
+
+    def mean_std(values: list[float]) -> tuple[float, float]:
+        xs = [v for v in values if v == v]
+        mean = sum(xs) / len(xs) if xs else nan
+        return mean, math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else nan
+
+    rewards = []
+    for row in per_func.tolist():
+        scored = [v * w for v, w in zip(row, weights.tolist()) if v == v]
+        rewards.append(sum(scored) if scored else nan)
+    advantages, stds = [], []
+    for at in range(0, len(rewards), group):
+        mean, std = mean_std(rewards[at : at + group])
+        std = mean_std(rewards)[1] if scale == "batch" else std
+        for r in rewards[at : at + group]:
+            a = r - mean if scale == "none" else (r - mean) / (std + 1e-4)
+            advantages.append(0.0 if a != a else a)
+            stds.append(std)
+    return (torch.tensor(v, dtype=torch.float64) for v in (advantages, rewards, stds))
+
+
 def test_advantages_equal_trl():
-    """TRL grpo_trainer.py 2759-2810 (sum_then_normalize) with TRL's nanstd, for each scale_rewards, with a
-    NaN (a function that did not score a completion) and a row no function scored."""
+    """TRL grpo_trainer.py 2759-2810 (sum_then_normalize, with TRL's nanstd) as :func:`reference_advantages` restates
+    it, for each scale_rewards, with a NaN (a function that did not score a completion) and a row no function scored.
+    fp32 against float64 over a handful of operations on values of order 1: atol 1e-6 is ~10 ulps of margin."""
     nan = float("nan")
     per_func = torch.tensor([[1.0, 0.5], [0.0, nan], [1.0, 0.25], [nan, nan], [0.0, 1.0], [0.0, 0.0]])
     weights = torch.tensor([1.0, 0.5])
     for scale in ("group", "batch", "none"):
-        # --- TRL's lines, verbatim but for `self.` ---
-        unscorable_mask = torch.isnan(per_func).all(dim=1)
-        rewards = (per_func * weights.unsqueeze(0)).nansum(dim=1)
-        rewards[unscorable_mask] = torch.nan
-        mean_grouped_rewards = torch.nanmean(rewards.view(-1, NUM_GENERATIONS), dim=1)
-        mean_grouped_rewards = mean_grouped_rewards.repeat_interleave(NUM_GENERATIONS, dim=0)
-        if scale in ["group", "none"]:
-            std_rewards = nanstd(rewards.view(-1, NUM_GENERATIONS), dim=1)
-            std_rewards = std_rewards.repeat_interleave(NUM_GENERATIONS, dim=0)
-        else:
-            std_rewards = nanstd(rewards).expand_as(rewards)
-        expected = rewards - mean_grouped_rewards
-        if scale != "none":
-            expected = expected / (std_rewards + 1e-4)
-        expected = torch.nan_to_num(expected, nan=0.0)
-        # ---
+        expected, rewards, std_rewards = reference_advantages(per_func, weights, NUM_GENERATIONS, scale)
         ours, our_rewards, our_std = grpo_advantages(per_func, weights, NUM_GENERATIONS, scale)
-        torch.testing.assert_close(ours, expected, rtol=0, atol=0, equal_nan=True)  # the same fp32 operations
-        torch.testing.assert_close(our_rewards, rewards, rtol=0, atol=0, equal_nan=True)
-        torch.testing.assert_close(our_std, std_rewards, rtol=0, atol=0, equal_nan=True)
+        for got, want in ((ours, expected), (our_rewards, rewards), (our_std, std_rewards)):
+            torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6, equal_nan=True)
     with pytest.raises(ValueError, match="grpo.scale_rewards='mean'"):
         grpo_advantages(per_func, weights, NUM_GENERATIONS, "mean")
 
