@@ -6,7 +6,9 @@
 
 from __future__ import annotations
 
+import copy
 import difflib
+import functools
 import importlib
 import re
 from pathlib import Path
@@ -176,6 +178,63 @@ def _unresolvable_key(cfg: DictConfig) -> str | None:
     return None
 
 
+@functools.cache  # the sources are package data and the ConfigStore (looked up live): fixed while a process runs
+def _config_sources() -> tuple[Any, ...]:
+    """Hydra's config sources for nxdt's tree (Hydra's own package, ``nxdt.conf``, the ConfigStore)."""
+    register_schemas()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+            return tuple(GlobalHydra.instance().config_loader().get_sources())
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def is_config_group(key: str) -> bool:
+    """Whether Hydra reads ``key=...`` as a choice of config group (``model``, ``recipe``, ``hydra/launcher``): its
+    ``ConfigRepository.group_exists``, asked of the same sources."""
+    return any(source.is_group(key) for source in _config_sources())
+
+
+@functools.lru_cache(maxsize=32)
+def _composed_defaults(config_name: str, choices: tuple[str, ...]) -> DictConfig:
+    """Hydra's compose of nxdt's tree with the overrides that choose config groups and no other: the defaults list
+    and every file and schema on it merged (~0.25 CPU-s, most of a compose), once per process for each choice. The
+    result is shared: callers copy it."""
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+            return compose(config_name=config_name, overrides=list(choices))
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _hydra_compose(config_name: str, overrides: list[str] | tuple[str, ...]) -> DictConfig:
+    """What ``hydra.compose(config_name, overrides)`` returns, in Hydra's own two steps (``ConfigLoaderImpl.
+    _load_configuration_impl`` in hydra-core 1.3): an override whose key is a config group (or with an ``@package``)
+    goes to the defaults list, every other one is a value set on the composed tree afterwards, in the order given, by
+    Hydra's ``_apply_overrides_to_config`` (its errors and wording unchanged). The first step depends on the group
+    choices alone, so it is composed once per process (``_composed_defaults``); a sweep of values, `nxdt plan -m`,
+    ``distributed_strategy=auto`` and the tests pay only the second. A group key with a mapping value (Hydra sets it as
+    a value, in order among the others) is composed in one piece, as Hydra does."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    choices: list[str] = []
+    values = []
+    for text, override in zip(overrides, parsed):
+        if override.package is not None or is_config_group(override.key_or_group):
+            if isinstance(override.value(), dict):
+                return copy.deepcopy(_composed_defaults(config_name, tuple(overrides)))
+            choices.append(text)
+        else:
+            values.append(override)
+    cfg = copy.deepcopy(_composed_defaults(config_name, tuple(choices)))
+    ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
+    return cfg
+
+
 def compose_config(
     overrides: list[str] | tuple[str, ...] = (), config_name: str = "config", *, check: bool = True, paths: bool = True
 ) -> Config:
@@ -183,14 +242,10 @@ def compose_config(
     weight files to exist here."""
     register_schemas()
     check_overrides(overrides)
-    GlobalHydra.instance().clear()
     try:
-        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-            cfg = compose(config_name=config_name, overrides=list(overrides))
+        cfg = _hydra_compose(config_name, overrides)
     except (HydraException, OmegaConfBaseException) as exc:
         raise config_error_from_hydra(exc) from None
-    finally:
-        GlobalHydra.instance().clear()
     OmegaConf.set_struct(cfg, False)
     cfg.pop("hydra", None)
     _take_hf_config(cfg, overrides)
