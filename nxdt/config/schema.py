@@ -675,7 +675,7 @@ def field_docs(schema: type = Config, prefix: str = "") -> tuple[tuple[str, str,
         block = _optional_block(schema, f.name) if default is None else None
         if block is not None:
             rows.extend(field_docs(block, key + "."))
-        elif is_dataclass(default):
+        elif is_dataclass(default) and not isinstance(default, type):
             rows.extend(field_docs(type(default), key + "."))
         else:
             rows.append((key, "???" if default is MISSING else repr(default), f.metadata.get("help", "")))
