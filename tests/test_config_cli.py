@@ -32,6 +32,60 @@ def test_defaults_follow_nxdt_names_and_interpolate():
     assert cfg.data.source == "text" and cfg.model.vocab_size == 256 and cfg.instance.name == "cpu"
 
 
+# what Hydra does with each kind of override: a value, a group choice before or after values, a recipe (+group), a
+# deletion (~), a forced add (++), a new key (+), and overrides Hydra refuses (a key that is not there, a deletion of
+# one, + on an existing key)
+HYDRA_CASES = [
+    [],
+    ["model.hidden_size=64"],
+    ["model=gpt_tiny", "model.hidden_size=64"],
+    ["model.hidden_size=64", "model=gpt_tiny"],
+    ["+recipe=lora", "model.optim.lr=0.5", "data.seq_length=64"],
+    ["+recipe=sft", "~model_alignment_strategy.sft", "++seed=3"],
+    ["instance=trn1.32xlarge", "instance.devices=4", "launcher=slurm", "launcher.partition=p"],
+    ["name=${oc.env:HOME}", "model.optim.betas=[0.5,0.6]"],
+    ["trainer.max_stepz=3"],
+    ["model=gpt_tiny", "~trainer.nope"],
+    ["+seed=2"],
+    [],
+]
+
+
+def test_compose_is_hydras_compose_with_each_group_choice_composed_once():
+    """``compose_config`` composes the config groups a command line chooses once per process and sets its other
+    overrides on a copy with Hydra's own override code (``nxdt.config._hydra_compose``): the config, or the one-line
+    error, is what a fresh ``hydra.compose`` of the same overrides gives, in any order, and a case never sees what an
+    earlier one set (the last case, the defaults, comes after every other)."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+
+    from nxdt.config import CONFIG_MODULE, config_error_from_hydra, to_config
+
+    def hydras(overrides):
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+                cfg = compose(config_name="config", overrides=overrides)
+        except HydraException as exc:
+            return str(config_error_from_hydra(exc))
+        finally:
+            GlobalHydra.instance().clear()
+        OmegaConf.set_struct(cfg, False)
+        return to_config(cfg)
+
+    def ours(overrides):
+        try:
+            return compose_config(overrides, check=False)
+        except ConfigError as exc:
+            return str(exc)
+
+    for overrides in HYDRA_CASES:
+        assert ours(overrides) == hydras(overrides), overrides
+    assert isinstance(ours(["trainer.max_stepz=3"]), str) and ours([]).model.hidden_size == 128
+
+
 def test_run_config_round_trip(tmp_path):
     cfg = compose_config(["data=synthetic", "trainer.devices=4", "data.global_batch_size=16", "model.optim.lr=0.01"])
     save_run_config(cfg, tmp_path / "config.yaml")

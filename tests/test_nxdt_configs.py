@@ -201,13 +201,14 @@ def test_the_instance_is_inferred_only_when_unambiguous(capsys):
 
 
 def test_a_misspelled_key_in_the_file_fails_with_one_line_naming_the_spelling(tmp_path, capsys):
-    text = (
-        (CONFIGS / "hf_llama3_8B_config.yaml")
-        .read_text()
-        .replace("  tensor_model_parallel_size: 32", "  tensor_model_paralel_size: 32")
-    )
-    (tmp_path / "typo.yaml").write_text(text)
+    original = (CONFIGS / "hf_llama3_8B_config.yaml").read_text()
+    (tmp_path / "typo.yaml").write_text(original)
     shutil.copy(CONFIGS / "llama3_8B_config.json", tmp_path)
+    cfg, _ = compose_nxdt_config(tmp_path, "typo", ["instance=trn1.32xlarge"], paths=False)
+    assert cfg.distributed_strategy.tensor_model_parallel_size == 32
+    # the same file, edited: read again (a file's compose is kept per process by its text, nxdt_loader._composed_file)
+    text = original.replace("  tensor_model_parallel_size: 32", "  tensor_model_paralel_size: 32")
+    (tmp_path / "typo.yaml").write_text(text)
     run = tmp_path / "run"
     code = main(
         ["train", "--config-path", str(tmp_path), "--config-name", "typo", "instance=cpu", f"exp_manager.explicit_log_dir={run}"]

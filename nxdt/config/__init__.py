@@ -6,7 +6,9 @@
 
 from __future__ import annotations
 
+import copy
 import difflib
+import functools
 import importlib
 import re
 from pathlib import Path
@@ -34,6 +36,7 @@ __all__ = [
     "CONFIG_MODULE",
     "config_error_from_hydra",
     "available_options",
+    "catalogue_instance",
 ]
 
 CONFIG_MODULE = "nxdt.conf"
@@ -46,6 +49,49 @@ def conf_dir() -> Path:
 
 def available_options(group: str) -> list[str]:
     return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+
+
+def catalogue_instance(name: str) -> Any:
+    """The catalogue entry ``conf/instance/<name>.yaml`` as a typed InstanceConfig without a Hydra compose (~15 ms
+    instead of ~0.3 s: workers read their emulated instance with it, an NxDT config's instance is inferred from the
+    Trainium entries with it): the file merged over the entries its ``defaults`` list names, in Hydra's order
+    (``_self_`` last unless placed), onto the schema. tests/test_topology_planner.py checks every entry equals the
+    composed one."""
+    from nxdt.config.schema import InstanceConfig
+
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(InstanceConfig), _instance_entry(name, ())))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"instance/{name}.yaml", "", str(exc).splitlines()[0]) from None
+
+
+def _instance_entry(name: str, seen: tuple[str, ...]) -> DictConfig:
+    """One catalogue file merged over the files its ``defaults`` list names (recursively)."""
+    if name in seen:
+        raise ConfigError(f"instance/{name}.yaml", "defaults", f"inherits from itself through {' -> '.join(seen)}")
+    path = conf_dir() / "instance" / f"{name}.yaml"
+    raw = OmegaConf.load(path)
+    defaults = list(raw.pop("defaults", None) or [])
+    if "_self_" not in defaults:
+        defaults.append("_self_")
+    merged = OmegaConf.create()
+    for entry in defaults:
+        if entry != "_self_" and not (path.parent / f"{entry}.yaml").is_file():
+            continue  # the structured schema (ConfigStore), merged by catalogue_instance itself
+        merged = OmegaConf.merge(merged, raw if entry == "_self_" else _instance_entry(str(entry), seen + (name,)))
+    assert isinstance(merged, DictConfig)
+    return merged
+
+
+@functools.cache
+def _schema_tree() -> DictConfig:
+    return OmegaConf.structured(Config)
+
+
+def schema_tree() -> DictConfig:
+    """A fresh ``OmegaConf.structured(Config)``: the typed tree with every default, built from the dataclasses' type
+    hints once per process (~75 ms) and copied (~15 ms) for each caller, who may change it."""
+    return copy.deepcopy(_schema_tree())
 
 
 def _closest(name: str, candidates: list[str]) -> str:
@@ -176,6 +222,63 @@ def _unresolvable_key(cfg: DictConfig) -> str | None:
     return None
 
 
+@functools.cache  # the sources are package data and the ConfigStore (looked up live): fixed while a process runs
+def _config_sources() -> tuple[Any, ...]:
+    """Hydra's config sources for nxdt's tree (Hydra's own package, ``nxdt.conf``, the ConfigStore)."""
+    register_schemas()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+            return tuple(GlobalHydra.instance().config_loader().get_sources())
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def is_config_group(key: str) -> bool:
+    """Whether Hydra reads ``key=...`` as a choice of config group (``model``, ``recipe``, ``hydra/launcher``): its
+    ``ConfigRepository.group_exists``, asked of the same sources."""
+    return any(source.is_group(key) for source in _config_sources())
+
+
+@functools.lru_cache(maxsize=64)  # ~0.4 MB each
+def _composed_defaults(config_name: str, choices: tuple[str, ...]) -> DictConfig:
+    """Hydra's compose of nxdt's tree with the overrides that choose config groups and no other: the defaults list
+    and every file and schema on it merged (~0.25 CPU-s, most of a compose), once per process for each choice. The
+    result is shared: callers copy it."""
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+            return compose(config_name=config_name, overrides=list(choices))
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _hydra_compose(config_name: str, overrides: list[str] | tuple[str, ...]) -> DictConfig:
+    """What ``hydra.compose(config_name, overrides)`` returns, in Hydra's own two steps (``ConfigLoaderImpl.
+    _load_configuration_impl`` in hydra-core 1.3): an override whose key is a config group (or with an ``@package``)
+    goes to the defaults list, every other one is a value set on the composed tree afterwards, in the order given, by
+    Hydra's ``_apply_overrides_to_config`` (its errors and wording unchanged). The first step depends on the group
+    choices alone, so it is composed once per process (``_composed_defaults``); a sweep of values, `nxdt plan -m`,
+    ``distributed_strategy=auto`` and the tests pay only the second. A group key with a mapping value (Hydra sets it as
+    a value, in order among the others) is composed in one piece, as Hydra does."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    choices: list[str] = []
+    values = []
+    for text, override in zip(overrides, parsed):
+        if override.package is not None or is_config_group(override.key_or_group):
+            if isinstance(override.value(), dict):
+                return copy.deepcopy(_composed_defaults(config_name, tuple(overrides)))
+            choices.append(text)
+        else:
+            values.append(override)
+    cfg = copy.deepcopy(_composed_defaults(config_name, tuple(choices)))
+    ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
+    return cfg
+
+
 def compose_config(
     overrides: list[str] | tuple[str, ...] = (), config_name: str = "config", *, check: bool = True, paths: bool = True
 ) -> Config:
@@ -183,14 +286,10 @@ def compose_config(
     weight files to exist here."""
     register_schemas()
     check_overrides(overrides)
-    GlobalHydra.instance().clear()
     try:
-        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-            cfg = compose(config_name=config_name, overrides=list(overrides))
+        cfg = _hydra_compose(config_name, overrides)
     except (HydraException, OmegaConfBaseException) as exc:
         raise config_error_from_hydra(exc) from None
-    finally:
-        GlobalHydra.instance().clear()
     OmegaConf.set_struct(cfg, False)
     cfg.pop("hydra", None)
     _take_hf_config(cfg, overrides)
@@ -343,7 +442,7 @@ def load_run_config(path: str | Path) -> Config:
         raise ConfigError(str(path), "", "no such run config; pass a run directory written by `nxdt train`")
     try:
         loaded = OmegaConf.create(read_run_config_text(path))
-        merged = OmegaConf.merge(OmegaConf.structured(Config), loaded)
+        merged = OmegaConf.merge(schema_tree(), loaded)
     except (ValueError, OmegaConfBaseException, yaml.YAMLError) as exc:  # and a tag OmegaConf's loader refuses
         raise ConfigError(getattr(exc, "full_key", "") or str(path), "", str(exc).splitlines()[0]) from None
     return to_config(merged)

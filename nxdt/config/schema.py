@@ -669,18 +669,19 @@ def _optional_block(schema: type, name: str) -> type | None:
     return None
 
 
-def field_docs(schema: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+@functools.cache  # once per process: walking the dataclasses' type hints costs ~20 ms, and every compose asks
+def field_docs(schema: type = Config, prefix: str = "") -> tuple[tuple[str, str, str], ...]:
     """(dotted key, default, help) for every leaf field, for ``--help``; an optional block's keys are listed as
     its own (the block itself is null until set)."""
-    rows = []
+    rows: list[tuple[str, str, str]] = []
     for f in fields(schema):
         key = f"{prefix}{f.name}"
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         block = _optional_block(schema, f.name) if default is None else None
         if block is not None:
             rows.extend(field_docs(block, key + "."))
-        elif is_dataclass(default):
+        elif is_dataclass(default) and not isinstance(default, type):
             rows.extend(field_docs(type(default), key + "."))
         else:
             rows.append((key, "???" if default is MISSING else repr(default), f.metadata.get("help", "")))
-    return rows
+    return tuple(rows)

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
 from nxdt.config.validate import ConfigError
 from nxdt.planner import Plan, PlacementError, plan_layout
 from nxdt.planner.cost import Link, inter_link, intra_link, shape_of
@@ -21,38 +18,14 @@ from nxdt.topology import Topology, TopologyError, check_lnc, topology_of
 
 
 def load_instance(name: str) -> Any:
-    """The catalogue entry ``conf/instance/<name>.yaml`` as a typed InstanceConfig (no Hydra compose:
-    workers call this too), with the entries it inherits through its ``defaults`` list merged in
-    Hydra's order (``_self_`` last unless placed)."""
-    from nxdt.config import available_options
-    from nxdt.config.schema import InstanceConfig
+    """The catalogue entry ``conf/instance/<name>.yaml`` as a typed InstanceConfig (no Hydra compose: workers call
+    this too; :func:`nxdt.config.catalogue_instance`)."""
+    from nxdt.config import available_options, catalogue_instance
 
     choices = available_options("instance")
     if name not in choices:
         raise ConfigError("comm.emulate", name, f"unknown instance; choose one of {', '.join(choices)}")
-    try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(InstanceConfig), _instance_entry(name, ())))
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"instance/{name}.yaml", "", str(exc).splitlines()[0]) from None
-
-
-def _instance_entry(name: str, seen: tuple[str, ...]) -> Any:
-    """One catalogue file merged over the files its ``defaults`` list names (recursively)."""
-    if name in seen:
-        raise ConfigError(f"instance/{name}.yaml", "defaults", f"inherits from itself through {' -> '.join(seen)}")
-    from nxdt.config import conf_dir
-
-    path = conf_dir() / "instance" / f"{name}.yaml"
-    raw = OmegaConf.load(path)
-    defaults = list(raw.pop("defaults", None) or [])
-    if "_self_" not in defaults:
-        defaults.append("_self_")
-    merged = OmegaConf.create()
-    for entry in defaults:
-        if entry != "_self_" and not (path.parent / f"{entry}.yaml").is_file():
-            continue  # the structured schema (ConfigStore), merged by load_instance itself
-        merged = OmegaConf.merge(merged, raw if entry == "_self_" else _instance_entry(str(entry), seen + (name,)))
-    return merged
+    return catalogue_instance(name)
 
 
 def group_link(group: list[int], topology: Topology, instance: Any, ranks_per_node: int) -> Link:
