@@ -140,7 +140,13 @@ while True:
 class _Server:
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # OpenMP threads that wait passively (sleep at the end of a parallel region instead of spinning ~300k
+        # iterations): libgomp reads this once, when torch loads it, so it is set for the process that imports torch
+        # and every fork inherits it. A one-rank launch computes on cores // 1 = 2 threads while the suite's other
+        # xdist worker computes on the same 2 cores; the spinning thread then burnt the core the others needed: the
+        # 6-step one-rank llama_tiny run of test_model_parallel_e2e took 26.3 CPU-s (82 s) spinning, 3.4 CPU-s (10 s)
+        # passive, on the loaded 2-core host. Thread counts and so the numbers are unchanged.
+        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _SERVER, str(theirs.fileno())],
             pass_fds=[theirs.fileno()],
