@@ -168,6 +168,16 @@ class _Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
 
+    def abandon(self, pid: int | None) -> None:
+        """Kill the command ``pid`` (its session: its workers too) and the server, whose reply stream is out of step."""
+        if pid is not None:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.kill()
+        self.close()
+
     def reply(self, timeout: float | None = None) -> dict[str, Any] | None:
         """The server's next JSON line, or None if none came within ``timeout``."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -207,8 +217,17 @@ class _Server:
             finally:
                 os.close(out_w)
                 os.close(err_w)
-            pid = self.reply()["pid"]  # type: ignore[index]
-            done = self.reply(timeout)
+            pid = None
+            try:
+                pid = self.reply()["pid"]  # type: ignore[index]
+                done = self.reply(timeout)
+            except BaseException:
+                # interrupted between request and reply (pytest-timeout's Failed, Ctrl-C): the server's replies for
+                # this command would be read as the next command's (a later launch "exited 2", the status of a
+                # timed-out refusal: 14 tests of one worker under load), so the command and the server go; the
+                # next run() starts a fresh server
+                self.abandon(pid)
+                raise
             if done is None:
                 try:
                     os.killpg(pid, signal.SIGKILL)  # the command and every worker it forked (its session)
