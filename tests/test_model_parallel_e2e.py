@@ -15,19 +15,21 @@ import pytest
 from nxdt.lightning.checkpoint import CheckpointError, check_layout
 from test_train_e2e import TINY, assert_ok, losses, nxdt
 
+# 4 steps (were 6): step 1's loss checks the forward, steps 2-4 each checks one more backward, reduction and update;
+# the killed runs save step 2, lose rank 1 at step 3 and recompute steps 3-4 after the restart
 COMMON = [
     *TINY,
     "data=synthetic",
-    "trainer.max_steps=6",
-    "model.optim.sched.max_steps=6",
+    "trainer.max_steps=4",
+    "model.optim.sched.max_steps=4",
     "data.global_batch_size=8",
     "data.micro_batch_size=2",
     "trainer.gradient_clip_val=0.5",
-    "exp_manager.checkpoint_every_n_steps=3",
+    "exp_manager.checkpoint_every_n_steps=2",
 ]
-KILL_AT_STEP_5 = [
+KILL_AT_STEP_3 = [
     "exp_manager.max_restarts=1",
-    "exp_manager.fault_injection.step=5",
+    "exp_manager.fault_injection.step=3",
     "exp_manager.fault_injection.rank=1",
     "exp_manager.fault_injection.kind=sigkill",
 ]
@@ -60,11 +62,11 @@ def _assert_same_losses(got: dict[int, float], want: dict[int, float]) -> None:
             {"model-mp0.safetensors", "model-mp3.safetensors"},
         ),
         (
-            ["trainer.devices=2", "distributed_strategy.pipeline_model_parallel_size=2", *KILL_AT_STEP_5],
+            ["trainer.devices=2", "distributed_strategy.pipeline_model_parallel_size=2", *KILL_AT_STEP_3],
             {"model-mp0.safetensors", "model-mp1.safetensors", "trainer_state-mp1.pt"},
         ),
         (
-            ["trainer.devices=2", "distributed_strategy.zero1=true", *KILL_AT_STEP_5],
+            ["trainer.devices=2", "distributed_strategy.zero1=true", *KILL_AT_STEP_3],
             {"model.safetensors", "trainer_state-dp0.pt", "trainer_state-dp1.pt"},
         ),
         (
@@ -74,7 +76,7 @@ def _assert_same_losses(got: dict[int, float], want: dict[int, float]) -> None:
                 "distributed_strategy.sequence_parallel=true",
                 "distributed_strategy.fsdp.enabled=true",
                 "exp_manager.trace=true",
-                *KILL_AT_STEP_5,
+                *KILL_AT_STEP_3,
             ],
             {"model-mp0.safetensors", "model-mp1.safetensors", "trainer_state-mp0-dp0.pt", "trainer_state-mp1-dp1.pt"},
         ),
@@ -92,21 +94,21 @@ def test_parallel_losses_equal_single_process(tmp_path, single, layout, files):
     result = nxdt("train", *COMMON, *layout, f"exp_manager.explicit_log_dir={run}", cwd=tmp_path)
     assert_ok(result)
     _assert_same_losses(losses(run), single)
-    assert files | {"done", "meta.json"} <= {p.name for p in (run / "checkpoints/step-6").iterdir()}
+    assert files | {"done", "meta.json"} <= {p.name for p in (run / "checkpoints/step-4").iterdir()}
     if "distributed_strategy.fsdp.enabled=true" in layout:  # per-step FSDP figures and a Perfetto trace per rank
         rows = list(csv.DictReader(open(run / "metrics.csv", newline="")))
         assert all(float(r["peak_gathered_bytes"]) > 0 and 0 <= float(r["overlap_pct"]) <= 100 for r in rows)
         trace = json.loads((run / "trace/rank0.json").read_text())["traceEvents"]
         assert {"forward", "backward", "all_gather", "reduce_scatter"} <= {e["name"] for e in trace}
         assert {"fsdp", "tp", "compute"} <= {e.get("cat") for e in trace}
-    if "exp_manager.max_restarts=1" in layout:  # the kill happened, the job restarted from step 3 by itself
+    if "exp_manager.max_restarts=1" in layout:  # the kill happened, the job restarted from step 2 by itself
         out = result.stdout + result.stderr
-        assert "SIGKILL on rank 1 at step 5" in (run / "logs/rank1.log").read_text() and "checkpoints/step-3" in out
+        assert "SIGKILL on rank 1 at step 3" in (run / "logs/rank1.log").read_text() and "checkpoints/step-2" in out
 
 
 @pytest.mark.timeout(300)
 def test_mixtral_expert_parallel_equals_single_process(tmp_path):
-    common = [*COMMON, "model=mixtral_tiny", "trainer.max_steps=4"]
+    common = [*COMMON, "model=mixtral_tiny"]
     one, two = tmp_path / "one", tmp_path / "ep2"
     assert_ok(nxdt("train", *common, "trainer.devices=1", f"exp_manager.explicit_log_dir={one}", cwd=tmp_path))
     assert_ok(
@@ -120,6 +122,6 @@ def test_mixtral_expert_parallel_equals_single_process(tmp_path):
         )
     )
     _assert_same_losses(losses(two), losses(one))
-    assert {"model-ep0.safetensors", "model-ep1.safetensors"} <= {p.name for p in (two / "checkpoints/step-3").iterdir()}
+    assert {"model-ep0.safetensors", "model-ep1.safetensors"} <= {p.name for p in (two / "checkpoints/step-4").iterdir()}
     with pytest.raises(CheckpointError, match="resharding expert-parallel checkpoints is not supported"):
-        check_layout(two / "checkpoints/step-3", {"tp": 1, "cp": 1, "ep": 1, "dp": 1, "pp": 1}, False)
+        check_layout(two / "checkpoints/step-4", {"tp": 1, "cp": 1, "ep": 1, "dp": 1, "pp": 1}, False)

@@ -23,7 +23,6 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from nxdt.config.hf_model import FAMILIES, META_KEYS, Block, ModelSpec, ParallelPlan, WeightRule, normalized, spec_of_class
-from nxdt.lightning.hf import StateDictAdapter
 from nxdt.models.llama import DecoderLayer, LlamaForCausalLM
 from nxdt.parallel.expert_parallel import moe_blocks
 from nxdt.parallel.pipeline import build_chunks, chunk_parameters
@@ -83,6 +82,8 @@ def _build(spec: ModelSpec, fields: dict) -> tuple[nn.Module, SimpleNamespace]:
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_the_spec_is_complete_and_agrees_with_its_hub_class(family):
+    from nxdt.lightning.hf import StateDictAdapter  # not at module level: see _toy_ranks' test
+
     spec = FAMILIES[family]
     model, cfg = _build(spec, _round_trip(spec))
     names = dict(model.named_modules())
@@ -254,6 +255,10 @@ def test_a_family_added_as_one_spec_and_one_hub_class_trains_at_tp2_from_its_spe
     weights equal one rank's (fp32; the row-parallel sums change the rounding by ~1e-7 relative, kept by rtol 1e-5), and
     its spec's adapter names its tensors for Hugging Face and back."""
     from nxdt.comm.spawn import run_local
+
+    # imported here, not at module level: run_local's ranks unpickle _toy_ranks by importing this module, and
+    # nxdt.lightning imports Lightning (~8 CPU-s in each rank; the test took 11 s, its ranks' compute ~1 s)
+    from nxdt.lightning.hf import StateDictAdapter
 
     assert spec_of_class(ToyForCausalLM) is None  # registered nowhere
     plan = TOY.tensor_parallel_plan(TOY_CFG)

@@ -140,7 +140,13 @@ while True:
 class _Server:
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # OpenMP threads that wait passively (sleep at the end of a parallel region instead of spinning ~300k
+        # iterations): libgomp reads this once, when torch loads it, so it is set for the process that imports torch
+        # and every fork inherits it. A one-rank launch computes on cores // 1 = 2 threads while the suite's other
+        # xdist worker computes on the same 2 cores; the spinning thread then burnt the core the others needed: the
+        # 6-step one-rank llama_tiny run of test_model_parallel_e2e took 26.3 CPU-s (82 s) spinning, 3.4 CPU-s (10 s)
+        # passive, on the loaded 2-core host. Thread counts and so the numbers are unchanged.
+        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _SERVER, str(theirs.fileno())],
             pass_fds=[theirs.fileno()],
@@ -161,6 +167,16 @@ class _Server:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+    def abandon(self, pid: int | None) -> None:
+        """Kill the command ``pid`` (its session: its workers too) and the server, whose reply stream is out of step."""
+        if pid is not None:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.kill()
+        self.close()
 
     def reply(self, timeout: float | None = None) -> dict[str, Any] | None:
         """The server's next JSON line, or None if none came within ``timeout``."""
@@ -201,8 +217,17 @@ class _Server:
             finally:
                 os.close(out_w)
                 os.close(err_w)
-            pid = self.reply()["pid"]  # type: ignore[index]
-            done = self.reply(timeout)
+            pid = None
+            try:
+                pid = self.reply()["pid"]  # type: ignore[index]
+                done = self.reply(timeout)
+            except BaseException:
+                # interrupted between request and reply (pytest-timeout's Failed, Ctrl-C): the server's replies for
+                # this command would be read as the next command's (a later launch "exited 2", the status of a
+                # timed-out refusal: 14 tests of one worker under load), so the command and the server go; the
+                # next run() starts a fresh server
+                self.abandon(pid)
+                raise
             if done is None:
                 try:
                     os.killpg(pid, signal.SIGKILL)  # the command and every worker it forked (its session)

@@ -23,7 +23,7 @@ import traceback
 import uuid
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from nxdt.comm.errors import CommError
 from nxdt.comm.shm import cleanup_run
@@ -39,9 +39,9 @@ class RankFailed(CommError):
 PRELOAD = ["nxdt.comm.world"]  # torch, torch.distributed and the library: what every rank imports
 
 
-def _context() -> Any:
+def _context(preload: Sequence[str] = ()) -> Any:
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # takes effect when this process first starts the server
+    ctx.set_forkserver_preload([*PRELOAD, *preload])  # takes effect when this process first starts the server
     return ctx
 
 
@@ -92,11 +92,14 @@ def run_local(
     comm_timeout_s: float | None = None,
     init_options: dict[str, Any] | None = None,
     host_ids: list[str] | None = None,
+    preload: Sequence[str] = (),
     **kwargs: Any,
 ) -> list[Any]:
     """Call ``fn(world, *args, **kwargs)`` in ``world_size`` processes; return the per-rank results.
-    ``init_options`` go to :func:`init_process` (e.g. ``slot_bytes``, ``wait_policy``)."""
-    ctx = _context()
+    ``init_options`` go to :func:`init_process` (e.g. ``slot_bytes``, ``wait_policy``). ``preload``: modules ``fn``
+    imports, imported by the fork server beside ``PRELOAD`` when this call is the one that starts it (once, instead of
+    by every rank)."""
+    ctx = _context(preload)
     results = ctx.Queue()
     run_id = f"t{uuid.uuid4().hex[:10]}"
     secret = new_secret()  # the ranks' store keys are signed with it (nxdt.comm.store); handed over, never in argv

@@ -271,7 +271,11 @@ def perplexity(model_path: str, data: str, seq_length: int | None, batch_size: i
 
         if ranks > len(rows):
             raise EvalError(f"nxdt eval: --ranks {ranks} is more than the {len(rows)} windows of {data}")
-        total, count = run_local(_perplexity_rank, ranks, model_path, data, seq, batch_size, timeout_s=3600)[0]
+        # every rank loads the model (load_model) through nxdt.lightning.module, whose Lightning import costs ~8 CPU-s:
+        # imported once by the fork server instead of by each rank
+        total, count = run_local(
+            _perplexity_rank, ranks, model_path, data, seq, batch_size, timeout_s=3600, preload=["nxdt.lightning.module"]
+        )[0]
         count = int(count)
     mean = total / count
     return {
