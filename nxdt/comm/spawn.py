@@ -36,7 +36,11 @@ class RankFailed(CommError):
         super().__init__(f"rank {rank} failed: {message}")
 
 
-PRELOAD = ["nxdt.comm.world"]  # torch, torch.distributed and the library: what every rank imports
+# torch, torch.distributed and the library: what every rank imports. And torch._dynamo: torch imports it lazily on the
+# first call of any function it wraps in ``_disable_dynamo`` (torch/_compile.py), which includes every optimizer's
+# ``__init__`` and ``step``; that import (sympy, torch.fx's symbolic shapes, ...) cost each rank ≈ 2.5 CPU-s, five times
+# what a tiny model's whole test run computes.
+PRELOAD = ["nxdt.comm.world", "torch._dynamo"]
 
 
 def _context() -> Any:
