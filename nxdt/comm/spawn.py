@@ -5,9 +5,9 @@ A rank that raises makes ``run_local`` raise an error naming that rank and its e
 still running are killed; the run's shared-memory segments are removed in every case. The ranks' store is a
 private ``FileStore`` in a fresh 0700 directory (:mod:`nxdt.comm.store`): nothing listens.
 
-Ranks are forked from multiprocessing's fork server, which imports torch and nxdt.comm once for the
-life of the calling process (``PRELOAD``): a rank then starts in milliseconds instead of re-importing
-torch (≈ 1.5 s each, serialised when ranks outnumber cores). As with ``spawn``, ``fn`` and its
+Ranks are forked from multiprocessing's fork server, which imports torch, torch._dynamo, nxdt.comm and the
+module of the first call's ``fn`` once for the life of the calling process (``PRELOAD``, ``_context``): a rank
+then starts in milliseconds instead of re-importing them (≈ 4 CPU-s each, serialised when ranks outnumber cores). As with ``spawn``, ``fn`` and its
 arguments must be picklable and a script must guard its entry with ``if __name__ == "__main__"``.
 """
 
@@ -36,12 +36,21 @@ class RankFailed(CommError):
         super().__init__(f"rank {rank} failed: {message}")
 
 
-PRELOAD = ["nxdt.comm.world"]  # torch, torch.distributed and the library: what every rank imports
+# torch, torch.distributed and the library: what every rank imports. And torch._dynamo: torch imports it lazily on the
+# first call of any function it wraps in ``_disable_dynamo`` (torch/_compile.py), which includes every optimizer's
+# ``__init__`` and ``step``; that import (sympy, torch.fx's symbolic shapes, ...) cost each rank ≈ 2.5 CPU-s, five times
+# what a tiny model's whole test run computes.
+PRELOAD = ["nxdt.comm.world", "torch._dynamo"]
 
 
-def _context(preload: Sequence[str] = ()) -> Any:
+def _context(fn: Callable[..., Any], preload: Sequence[str] = ()) -> Any:
+    """The fork server's context. Its preload takes effect when this process first starts the server: ``PRELOAD``,
+    the caller's ``preload`` and the module of that first ``fn``, which every rank imports anyway to unpickle ``fn``
+    (for the suite: pytest, Hydra's config, the models): imported once, not by each rank of every later call
+    (≈ 0.6 CPU-s a rank). ``__main__`` is left out: the server does not re-run a script."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([*PRELOAD, *preload])  # takes effect when this process first starts the server
+    module = getattr(fn, "__module__", None)
+    ctx.set_forkserver_preload([*PRELOAD, *preload, *([module] if module and module != "__main__" else [])])
     return ctx
 
 
@@ -99,7 +108,7 @@ def run_local(
     ``init_options`` go to :func:`init_process` (e.g. ``slot_bytes``, ``wait_policy``). ``preload``: modules ``fn``
     imports, imported by the fork server beside ``PRELOAD`` when this call is the one that starts it (once, instead of
     by every rank)."""
-    ctx = _context(preload)
+    ctx = _context(fn, preload)
     results = ctx.Queue()
     run_id = f"t{uuid.uuid4().hex[:10]}"
     secret = new_secret()  # the ranks' store keys are signed with it (nxdt.comm.store); handed over, never in argv

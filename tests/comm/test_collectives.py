@@ -270,6 +270,20 @@ def test_async_ops_chained_by_tokens():
     run_local(_token_chain, 2, timeout_s=40)
 
 
+def _loaded_before_the_optimizer(world) -> list[bool]:
+    import sys
+
+    before = ["torch._dynamo" in sys.modules, "sympy" in sys.modules]
+    torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]).step()  # Optimizer.__init__/step import torch._dynamo
+    return before
+
+
+def test_ranks_are_forked_with_torch_dynamo_already_imported():
+    """Every optimizer's first call imports torch._dynamo (sympy, torch.fx; ≈ 2.5 CPU-s); the fork server imports it
+    once, so a rank that builds an optimizer does not pay that again (it was most of a tiny model's test run)."""
+    assert run_local(_loaded_before_the_optimizer, 1, timeout_s=40) == [[True, True]]
+
+
 def _across_hosts(world) -> str:
     assert world.world.transport == "p2p"
     return _matrix(world)

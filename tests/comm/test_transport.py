@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
+import warm_cli
 
 from nxdt.comm import CommTimeoutError, Tracer
 from nxdt.comm.spawn import run_local
@@ -217,11 +216,9 @@ def test_bad_comm_choices_are_one_config_error(overrides, key, needle):
 def test_comm_keys_reach_the_workers_communicators(tmp_path):
     """``nxdt train comm.transport=p2p comm.algorithm=ring``: the data-parallel gradient all-reduce runs ring
     over p2p (the trace the workers write says so), and the run trains."""
-    result = subprocess.run(
+    # a fork of the suite's pre-imported nxdt (tests/warm_cli.py): the fresh interpreter is not what this checks
+    result = warm_cli.run(
         [
-            sys.executable,
-            "-m",
-            "nxdt.cli",
             "train",
             "-q",
             "trainer.max_steps=2",
@@ -231,8 +228,7 @@ def test_comm_keys_reach_the_workers_communicators(tmp_path):
             "exp_manager.trace=true",
             f"exp_manager.exp_dir={tmp_path}",
         ],
-        capture_output=True,
-        text=True,
+        cwd=tmp_path,
         timeout=110,
     )
     assert result.returncode == 0, result.stderr[-2000:]
