@@ -10,28 +10,52 @@ import pytest  # noqa: E402
 
 SHARED_RUN_FIXTURES = {"everyday_runs", "reliability_reference"}
 
-# The groups that took longest in a full run on the 2-core host (seconds of one xdist worker, measured 2026-11-28/29),
-# scheduled first: xdist hands out groups in collection order, so a long group collected last (the alphabet puts
-# test_readme_commands, test_reliability and test_train_e2e there) ran alone on one worker while the other idled.
-# Longest first is the classic list-scheduling bound; a module missing here only runs later, nothing else changes.
+# The groups that took longest in a full run on the 2-core host (worker-seconds, the README's command on main at 172f457,
+# 2026-11-29, load 2-4), scheduled longest first — the classic list-scheduling bound; a group missing here only runs
+# later, nothing else changes. xdist (>= 3.8) would otherwise re-sort the groups by their number of tests
+# (`--loadscope-reorder`, its default: ``pytest_configure`` turns it off), which put the one-test fresh-install group
+# last: it started at 651 s of 741 while the other worker had finished at 653.
 LONGEST_GROUPS = (
-    "shared_runs",  # test_train_e2e + test_reliability + test_runs_report + test_eval + test_security ...: ~600 s
-    "tests/test_readme_commands.py",  # ~400 s
-    "tests/test_lora_checkpoint_e2e.py",
-    "tests/test_dpo_e2e.py",
-    "tests/test_multinode.py",
-    "tests/test_model_parallel_e2e.py",
-    "tests/test_nxdt_configs.py",
-    "tests/test_vocab_padding_e2e.py",
-    "tests/test_grpo_train.py",
-    "tests/test_reshard.py",
-    "tests/test_context_parallel_e2e.py",
-    "tests/test_sft_e2e.py",
-    "tests/test_fresh_install.py",
-    "tests/test_trackers.py",
-    "tests/test_bad_input_matrix.py",
-    "tests/test_lightning_conformance_dist.py",
-    "tests/parallel/test_lora_lightning.py",
+    "shared_runs",  # 230 s
+    "tests/test_readme_commands.py",  # 100 s
+    "tests/test_multinode.py",  # 83 s
+    "tests/test_fresh_install.py",  # 79 s
+    "tests/test_lightning_api.py",  # 61 s
+    "tests/test_trackers.py",  # 51 s
+    "tests/test_model_parallel_e2e.py",  # 46 s
+    "tests/test_lightning_conformance_dist.py",  # 45 s
+    "tests/test_nxdt_configs.py",  # 43 s
+    "tests/test_dpo_e2e.py",  # 39 s
+    "tests/test_reshard.py",  # 34 s
+    "tests/test_lightning_conformance_demos.py",  # 21 s
+    "tests/parallel/test_fsdp.py",  # 21 s
+    "tests/test_grpo_train.py",  # 20 s
+    "tests/test_vocab_padding_e2e.py",  # 20 s
+    "tests/test_nxdt_upstream_cases.py",  # 19 s
+    "tests/comm/test_shared_tensors.py",  # 18 s
+    "tests/test_sft_e2e.py",  # 18 s
+    "tests/test_context_parallel_e2e.py",  # 18 s
+    "tests/test_config_cli.py",  # 15 s
+    "tests/test_resume_keys.py",  # 15 s
+    "tests/comm/test_collectives.py",  # 14 s
+    "tests/test_bad_input_matrix.py",  # 14 s
+    "tests/test_lora_checkpoint_e2e.py",  # 12 s
+    "tests/test_topology_planner.py",  # 12 s
+    "tests/comm/test_native.py",  # 12 s
+    "tests/test_lightning_conformance_ckpt.py",  # 12 s
+    "tests/comm/test_algorithms.py",  # 12 s
+    "tests/parallel/test_moe.py",  # 11 s
+    "tests/test_stochastic_rounding.py",  # 11 s
+    "tests/test_orpo.py",  # 11 s
+    "tests/test_launch_checks.py",  # 10 s
+    "tests/parallel/test_context_parallel.py",  # 10 s
+    "tests/test_rope_attention.py",  # 9 s
+    "tests/parallel/test_overlap.py",  # 9 s
+    "tests/test_first_output.py",  # 9 s
+    "tests/test_hf_interop.py",  # 8 s
+    "tests/test_config_keys_read.py",  # 8 s
+    "tests/test_family_train.py",  # 8 s
+    "tests/comm/test_transport.py",  # 8 s
 )
 
 
@@ -63,9 +87,13 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_configure(config):
-    """In-process tests compute on one thread. The suite's two xdist workers (and the worker processes of every
-    launch, which take cores // local ranks threads each) already fill both cores; an OpenMP team of two on contended
-    cores spends its time in barrier spins — a 3-second in-process training took 120 s under load and hit its timeout."""
+    """Groups are handed out in the order ``pytest_collection_modifyitems`` leaves them (``LONGEST_GROUPS``), not
+    re-sorted by xdist by their number of tests. In-process tests compute on one thread: the suite's two xdist
+    workers (and the worker processes of every launch, which take cores // local ranks threads each) already fill both
+    cores; an OpenMP team of two on contended cores spends its time in barrier spins — a 3-second in-process training
+    took 120 s under load and hit its timeout."""
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist >= 3.8
+        config.option.loadscopereorder = False
     import torch
 
     torch.set_num_threads(1)

@@ -87,6 +87,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "nxdt TP2+SP": dict(kind="lightning", strategy="nxdt", tp=2),
     "torch DTensor TP2+SP (gloo)": dict(kind="torchrun", peer="dtensor", tp=2),
     "nxdt train (2 ranks)": dict(kind="cli"),
+    # the same with distributed_strategy.zero1=true: each rank updates half the parameters instead of all of them
+    "nxdt train (2 ranks, ZeRO-1)": dict(kind="cli", zero1=True, diagnostic=True),
     "torch loop (1 process)": dict(kind="loop"),
 }
 # (nxdt variant, peer variant, what is compared: step time, or wall time of the whole run)
@@ -104,6 +106,7 @@ PAIRS = [
     ("nxdt FSDP token_threaded (plain loop)", "torch FSDP2 fully_shard (gloo)", "step"),
     ("nxdt TP2+SP", "torch DTensor TP2+SP (gloo)", "step"),
     ("nxdt train (2 ranks)", "torch loop (1 process)", "wall"),
+    ("nxdt train (2 ranks, ZeRO-1)", "torch loop (1 process)", "wall"),
 ]
 
 
@@ -532,7 +535,8 @@ def launch(name: str, steps: int, work: Path, deepspeed_path: str | None, trace:
         cmd = [sys.executable, *me]
     else:
         run_dir = work / f"cli-{time.monotonic_ns()}"
-        cmd = [sys.executable, "-m", "nxdt.cli", "train", *cli_overrides(steps, run_dir)]
+        zero1 = ["distributed_strategy.zero1=true"] if v.get("zero1") else []
+        cmd = [sys.executable, "-m", "nxdt.cli", "train", *cli_overrides(steps, run_dir), *zero1]
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, cwd=work, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wall = time.perf_counter() - start
