@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import warm_cli
 from nxdt_cases import CASE, EXAMPLES, keys_of, write_cases
+from test_nxdt_configs import SHRINK
 
 from nxdt.config import ConfigError, compose_nxdt_config
 from nxdt.data import SAMPLE_TEXT
@@ -305,27 +306,12 @@ def train_case(cases: Path, name: str, overrides: list[str], cwd) -> subprocess.
 def test_a_megatron_config_shrunk_trains_on_blended_indexed_data(cases, tmp_path):
     a, b = corpus(tmp_path)
     run, index_dir = tmp_path / "run", tmp_path / "index"
-    shrink = [
-        "instance=cpu",
-        "trainer.devices=2",
-        "trainer.num_nodes=1",
-        "trainer.max_steps=3",
-        "model.num_layers=2",
-        "model.hidden_size=64",
-        "model.num_attention_heads=4",
-        "model.num_kv_heads=2",
-        "model.ffn_hidden_size=96",
-        "model.vocab_size=256",
-        "model.encoder_seq_length=32",
-        "data.global_batch_size=4",
+    # test_nxdt_configs' shrink, its text directory replaced by the Megatron files (data.data_prefix)
+    shrink = [o for o in SHRINK if not o.startswith("data.train_dir=")] + [
         "distributed_strategy.tensor_model_parallel_size=1",
         f"data.data_prefix=[0.3,{a},0.7,{b}]",
         f"data.index_mapping_dir={index_dir}",
         "data.tokenizer.type=null",  # the data is converted byte-level
-        "model.optim.lr=3e-3",
-        "model.optim.sched.warmup_steps=0",
-        "exp_manager.create_tensorboard_logger=false",
-        "comm.timeout_s=60",
         f"exp_manager.explicit_log_dir={run}",
     ]
     train_case(cases, "megatron_llama_7B_config", shrink, tmp_path)
