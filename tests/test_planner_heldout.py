@@ -24,7 +24,14 @@ def _script(name: str):
     return module
 
 
-def test_the_fit_never_reads_the_blind_set():
+@pytest.fixture(scope="module")
+def fit_script():
+    """fit.py and the data it fits (published.yaml with the seen sets' training figures: each composed once)."""
+    script = _script("fit")
+    return script, script.fit_data()
+
+
+def test_the_fit_never_reads_the_blind_set(fit_script):
     """heldout3.yaml is the blind set (committed before its first prediction): fit.py and the fitting module never name
     it, fit.py's SEEN (the held-out sets folded into the fit once their predictions were published) does not hold it,
     and none of its figures is a fitted one (same entry id; nor the same composed configuration, recipe and overrides,
@@ -32,10 +39,9 @@ def test_the_fit_never_reads_the_blind_set():
     Its ids are unique and every figure cites a source of the file."""
     for path in (STUDY / "fit.py", ROOT / "nxdt" / "planner" / "fitting.py"):
         assert "heldout3" not in path.read_text().lower(), path
-    script = _script("fit")
+    script, fitted = fit_script
     assert "heldout3.yaml" not in script.SEEN
     blind = yaml.safe_load((STUDY / "heldout3.yaml").read_text())
-    fitted = script.fit_data()
     ids = [e["id"] for e in blind["end_to_end"]]
     assert len(set(ids)) == len(ids) and not set(ids) & {e["id"] for e in fitted["end_to_end"]}
     common = fitted["end_to_end_common"]
@@ -54,14 +60,13 @@ def test_the_fit_never_reads_the_blind_set():
         assert entry["source"] in blind["sources"], entry["id"]
 
 
-def test_the_seen_held_out_training_figures_are_fitted_in_sequences_per_second():
+def test_the_seen_held_out_training_figures_are_fitted_in_sequences_per_second(fit_script):
     """fit.py folds the training figures of heldout.yaml and heldout2.yaml into the fit (their predictions have been
     published, so they are no longer blind), each with its recipe composed and its throughput in sequences per second:
     llm-foundry's MPT-1B row (363,645 tokens/s at sequence 2,048) becomes 177.6 seq/s on p5; the Neuron BERT rows keep
     their seq/s. Their collective figures stay out (SEEN's comment: the collective model did not change)."""
-    script = _script("fit")
+    script, data = fit_script
     assert script.SEEN == ("heldout.yaml", "heldout2.yaml")
-    data = script.fit_data()
     by_id = {e["id"]: e for e in data["end_to_end"]}
     for name in script.SEEN:
         held = yaml.safe_load((STUDY / name).read_text())

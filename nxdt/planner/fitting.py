@@ -63,8 +63,8 @@ COLLECTIVE_PARAMS = {
 # efficiency (E_fp32 apart for fp32 training, against the fp32 / TF32 peak), g½ the per-rank GEMM width and T½ the
 # tokens per micro-batch at which a GEMM reaches half of it. Each is determined by figures that vary it: on trn1
 # widths 128-1,024 (Llama, GPT-3, BERT) and micro-batches of 1,024-8,192 tokens (BERT phase 2 / phase 1, GPT-3,
-# Llama); on A100 widths 1,024-7,168 (BERT, MPT) and 1,024-40,960 tokens (SQuAD to MPT at long sequences); on H100
-# widths 1,024-7,168 and 4,096-49,152 tokens (MPT, torchtitan). The fp32 figures: A100 TF32 BERT (many), trn1 one.
+# Llama); on A100 widths 1,024-7,168 (BERT, MPT) and 4,096-65,536 tokens (BERT, SQuAD, MPT); on H100
+# widths 1,024-7,168 and 4,096-65,536 tokens (MPT, torchtitan). The fp32 figures: A100 TF32 BERT (many), trn1 one.
 STEP_PARAMS = {
     "trn1.32xlarge": ["compute_efficiency", "compute_half_size", "compute_half_tokens", "compute_efficiency_fp32"],
     "p4d.24xlarge": ["compute_efficiency", "compute_efficiency_fp32", "compute_half_size", "compute_half_tokens"],
