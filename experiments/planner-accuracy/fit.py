@@ -4,8 +4,9 @@
     python experiments/planner-accuracy/fit.py --no-loo   # the fit only (a minute)
 
 Reads published.yaml (figures with their sources) and the training figures of the held-out sets already seen
-(SEEN: their predictions were published, so they are no longer blind; the blind set is not read here), fits the parameters nxdt.planner.fitting names for each
-instance (collectives first; then, with those, the compute efficiency from the training throughputs), predicts every
+(SEEN: their predictions were published, so they are no longer blind; the blind set is not read here), fits the
+parameters nxdt.planner.fitting names for each instance (collectives first; then, with those, the compute efficiency
+per device class from the training throughputs), predicts every
 figure from a model fitted without it, and writes published-fit.json. It also compares the fitted values with the
 catalogue (conf/instance/*.yaml): the catalogue ships what this script computes (tests/test_planner_fitting.py checks
 it), so after a change to the data or the model, copy the printed values into the catalogue.

@@ -697,7 +697,8 @@ def memory_bound_bytes(cfg: Any, plan: Any) -> dict[str, float]:
                      and with ``core_attention: naive`` the S×S scores' scale, mask and softmax, three kernels each
                      reading and writing S·a (6·S·a: models/attention.py naive_attention runs them as three torch ops,
                      as unfused BERT-era attention does; a fused or flash kernel keeps them on chip); backward twice
-                     that, full recomputation one more forward. TP splits the MLP and attention parts; the norms and residual adds too with SP.
+                     that, full recomputation one more forward. TP splits the MLP and attention parts; the norms and
+                     residual adds too with SP.
     ``loss``         per token: the head's logits read and the fp32 log-probabilities written in forward, read and the
                      logits' gradient written in backward: (2·e + 8)·V / TP.
     ``optimizer``    once per step, every parameter this rank updates (sharded by ZeRO-1 / FSDP): read and write the
