@@ -114,15 +114,15 @@ def test_the_tree_across_nodes_moves_the_same_bytes_whatever_the_node_count():
 
 def test_matmul_efficiency_rises_with_tokens_per_micro_batch_and_fp32_is_fitted_apart():
     """``E · T / (T + T½)``: short GEMMs (few tokens per micro-batch) leave the tensor cores idle; fp32 (TF32) training
-    uses its own fitted E, and falls back to the bf16 one where none is fitted (trn1)."""
-    inst = with_params(catalogue_instance("p4de.24xlarge"), {"compute_half_tokens": 4096.0})
+    uses its own fitted E, and falls back to the bf16 one where none is fitted (trn2)."""
+    inst = with_params(catalogue_instance("p4de.24xlarge"), {"compute_half_tokens": 4096.0, "compute_half_size": 0.0})
     effs = [matmul_efficiency(inst, 1024, "bf16", t) for t in (512, 2048, 8192, 32768)]
     assert all(b > a for a, b in zip(effs, effs[1:])) and effs[-1] < inst.compute_efficiency
     assert effs[0] == pytest.approx(inst.compute_efficiency * 512 / (512 + 4096), rel=1e-12)
     assert matmul_efficiency(inst, 1024, "fp32", 0) == inst.compute_efficiency_fp32 != inst.compute_efficiency
-    trn1 = catalogue_instance("trn1.32xlarge")
-    assert trn1.compute_efficiency_fp32 is None
-    assert matmul_efficiency(trn1, 1e12, "fp32") == pytest.approx(trn1.compute_efficiency)
+    trn2 = catalogue_instance("trn2.48xlarge")
+    assert trn2.compute_efficiency_fp32 is None
+    assert matmul_efficiency(trn2, 1e12, "fp32") == pytest.approx(trn2.compute_efficiency)
 
 
 def _bert_plan(*overrides):
@@ -136,14 +136,14 @@ def _bert_plan(*overrides):
 
 def test_the_non_matmul_work_is_priced_at_the_memory_bandwidth():
     """BERT-Large on one A100 (p4de): compute = matmul FLOPs / (peak · efficiency) + bytes moved / 2,039 GB/s; the
-    bytes of the element-wise kernels count the S×S scores of the unfused attention (4·S·a per token and layer in
-    forward, three passes) and the optimizer's once per step."""
+    bytes of the element-wise kernels count the S×S scores of the unfused attention (6·S·a per token and layer in
+    forward: scale, mask, softmax; three passes) and the optimizer's once per step."""
     common = ["trainer.devices=1", "precision.type=mixed_precision", "data.micro_batch_size=32", "data.global_batch_size=32"]
     cfg, planned = _bert_plan(*common, "data.seq_length=384")
     moved = memory_bound_bytes(cfg, planned)
     assert planned.estimate["memory_bound_s"] == pytest.approx(sum(moved.values()) / 2039e9, rel=1e-12)
     tokens = 32 * 384
-    scores = tokens * 24 * 3 * 2 * 4 * 384 * 16  # tokens · layers · passes · e · 4·S·a
+    scores = tokens * 24 * 3 * 2 * 6 * 384 * 16  # tokens · layers · passes · e · 6·S·a (scale, mask, softmax)
     fused = memory_bound_bytes(*_bert_plan(*common, "data.seq_length=384", "model.core_attention=sdpa"))
     assert moved["elementwise"] - fused["elementwise"] == pytest.approx(scores, rel=1e-12)
     # GELU MLP: 2 matrices; the learned position table (512 positions, the model spec's learned_positions) counts too

@@ -24,31 +24,59 @@ def _script(name: str):
     return module
 
 
-@pytest.mark.parametrize("name", ["heldout.yaml", "heldout2.yaml"])
-def test_the_fit_never_reads_the_held_out_figures(name):
-    """fit.py and the fitting module never name a held-out file, and no held-out figure is also a fitted one (same sweep
-    id, or the same op, instance, ranks, nodes and size; the same training entry id): the held-out errors are of figures
-    the catalogue's values were not fitted to. heldout2.yaml (the fresh set) repeats no figure of heldout.yaml either,
-    and its ids are unique."""
+@pytest.fixture(scope="module")
+def fit_script():
+    """fit.py and the data it fits (published.yaml with the seen sets' training figures: each composed once)."""
+    script = _script("fit")
+    return script, script.fit_data()
+
+
+def test_the_fit_never_reads_the_blind_set(fit_script):
+    """heldout3.yaml is the blind set (committed before its first prediction): fit.py and the fitting module never name
+    it, fit.py's SEEN (the held-out sets folded into the fit once their predictions were published) does not hold it,
+    and none of its figures is a fitted one (same entry id; nor the same composed configuration, recipe and overrides,
+    but for PaddlePaddle's 12 unfused BERT rows, which repeat the configurations of NVIDIA's PyTorch rows).
+    Its ids are unique and every figure cites a source of the file."""
     for path in (STUDY / "fit.py", ROOT / "nxdt" / "planner" / "fitting.py"):
-        assert "heldout" not in path.read_text().lower(), path  # (the files' names: heldout.yaml, heldout2.yaml)
-    fitted = yaml.safe_load((STUDY / "published.yaml").read_text())
-    held = yaml.safe_load((STUDY / name).read_text())
-    point = lambda e, p: (e["instance"], e["op"], e["ranks"], e["nodes"], int(p[0]))
-    fitted_points = {point(e, p) for e in fitted["collectives"] for p in e["points"]}
-    held_points = {point(e, p) for e in held["collectives"] for p in e["points"]}
-    assert not fitted_points & held_points
-    ids = lambda d, key: [e["id"] for e in d[key]]
-    for key in ("collectives", "end_to_end"):
-        assert len(set(ids(held, key))) == len(ids(held, key)), key
-        assert not set(ids(fitted, key)) & set(ids(held, key))
-    if name == "heldout2.yaml":
-        first = yaml.safe_load((STUDY / "heldout.yaml").read_text())
-        assert not {point(e, p) for e in first["collectives"] for p in e["points"]} & held_points
-        for key in ("collectives", "end_to_end"):
-            assert not set(ids(first, key)) & set(ids(held, key))
-    for entry in held["collectives"] + held["end_to_end"]:  # every figure cites a source of the file
-        assert entry["source"] in held["sources"], entry["id"]
+        assert "heldout3" not in path.read_text().lower(), path
+    script, fitted = fit_script
+    assert "heldout3.yaml" not in script.SEEN
+    blind = yaml.safe_load((STUDY / "heldout3.yaml").read_text())
+    ids = [e["id"] for e in blind["end_to_end"]]
+    assert len(set(ids)) == len(ids) and not set(ids) & {e["id"] for e in fitted["end_to_end"]}
+    common = fitted["end_to_end_common"]
+    composed = lambda e, shared: frozenset([*shared, *e["overrides"]])
+    fitted_configs = {
+        composed(e, [] if not e.get("common", True) else common.get(e["instance"], [])) for e in fitted["end_to_end"]
+    }
+    repeated = {e["id"] for e in blind["end_to_end"] if composed(e, blind["recipes"][e["recipe"]]) in fitted_configs}
+    # the one exception, found after the commit and kept (nothing is dropped): PaddlePaddle's BERT-Large rows with
+    # unfused attention state the batch, sequence and precision of NVIDIA's PyTorch rows that published.yaml fits (same
+    # DGX A100 80GB): another framework's measurement of one nxdt configuration
+    assert repeated == {e["id"] for e in blind["end_to_end"] if e["source"] == "dle-bert-paddle-a100-80gb-2212"}
+    assert len(repeated) == 12
+    assert blind["collectives"] == []  # no fresh collective figure was found (the file says where it looked)
+    for entry in blind["end_to_end"]:
+        assert entry["source"] in blind["sources"], entry["id"]
+
+
+def test_the_seen_held_out_training_figures_are_fitted_in_sequences_per_second(fit_script):
+    """fit.py folds the training figures of heldout.yaml and heldout2.yaml into the fit (their predictions have been
+    published, so they are no longer blind), each with its recipe composed and its throughput in sequences per second:
+    llm-foundry's MPT-1B row (363,645 tokens/s at sequence 2,048) becomes 177.6 seq/s on p5; the Neuron BERT rows keep
+    their seq/s. Their collective figures stay out (SEEN's comment: the collective model did not change)."""
+    script, data = fit_script
+    assert script.SEEN == ("heldout.yaml", "heldout2.yaml")
+    by_id = {e["id"]: e for e in data["end_to_end"]}
+    for name in script.SEEN:
+        held = yaml.safe_load((STUDY / name).read_text())
+        assert {e["id"] for e in held["end_to_end"]} <= set(by_id)
+    mpt = by_id["h100-mpt-1b-s2048-8gpu"]
+    assert mpt["instance"] == "p5.48xlarge" and mpt["value"] == pytest.approx(363645 / 2048, rel=1e-12)
+    assert not mpt["common"] and "distributed_strategy.fsdp.enabled=true" in mpt["overrides"]
+    assert by_id["trn1-bert-large-ph2-bf16sr-n16"]["value"] == 7800.9
+    published = yaml.safe_load((STUDY / "published.yaml").read_text())
+    assert len(data["collectives"]) == len(published["collectives"])
 
 
 def test_every_step_of_a_ring_across_nodes_waits_for_the_network_post():

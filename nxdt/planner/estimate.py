@@ -694,9 +694,11 @@ def memory_bound_bytes(cfg: Any, plan: Any) -> dict[str, float]:
 
     ``elementwise``  per layer and token in forward: the two norms (read h, write h each: 4h), the two residual adds
                      (read 2h, write h: 6h), the MLP's activation (SwiGLU reads gate and up, writes f: 3f; GELU 2f),
-                     and with ``core_attention: naive`` the S×S scores' scale, mask and softmax (read and write S·a
-                     twice: 4·S·a; a fused kernel keeps them on chip); backward twice that, full recomputation one more
-                     forward. TP splits the MLP and attention parts; the norms and residual adds too with SP.
+                     and with ``core_attention: naive`` the S×S scores' scale, mask and softmax, three kernels each
+                     reading and writing S·a (6·S·a: models/attention.py naive_attention runs them as three torch ops,
+                     as unfused BERT-era attention does; a fused or flash kernel keeps them on chip); backward twice
+                     that, full recomputation one more forward. TP splits the MLP and attention parts; the norms and
+                     residual adds too with SP.
     ``loss``         per token: the head's logits read and the fp32 log-probabilities written in forward, read and the
                      logits' gradient written in backward: (2·e + 8)·V / TP.
     ``optimizer``    once per step, every parameter this rank updates (sharded by ZeRO-1 / FSDP): read and write the
@@ -709,7 +711,7 @@ def memory_bound_bytes(cfg: Any, plan: Any) -> dict[str, float]:
     tp, pp = plan.tp, plan.pp
     tokens = data.global_batch_size * s / (plan.dp * plan.cp)  # this rank's tokens per step (CP: its S/CP of each)
     activation = (3 if mlp_matrices(model) == 3 else 2) * f
-    scores = 4 * s * heads if model.core_attention == "naive" else 0.0
+    scores = 6 * s * heads if model.core_attention == "naive" else 0.0
     whole = 10 * h / (tp if ds.sequence_parallel else 1)
     passes = 3 + (1 if model.activations_checkpoint_granularity == "full" else 0)
     elementwise = tokens * model.num_layers / pp * passes * e * (whole + (activation + scores) / tp)

@@ -57,16 +57,29 @@ COLLECTIVE_PARAMS = {
         "inter_node.message_us",
     ],
 }
-# Training throughputs, per instance: on trn1 the compute efficiency curve over GEMM widths (its 5 Llama figures span
-# widths 128-1024; fitting the NeuronLink efficiency with it too was tried and is degenerate: the fit then explains
-# them by communication alone); on p4de (BERT-Large, one width) the bf16 and fp32 (TF32) efficiencies apart. The curve
-# over tokens per micro-batch (compute_half_tokens) is determined by neither: with it, trn1's fit does not improve
-# (its figures have 4,096 or 8,192 tokens, confounded with the model) and p4de's runs to efficiencies above 1 (its
-# SQuAD figures, 12,288 tokens, are 1.7x slower per FLOP than pre-training at 16,384-32,768: not a saturating curve).
+# Training throughputs, per device class: the catalogue entry that holds the compute parameters, and the instances
+# whose figures determine them (p4de.24xlarge inherits p4d's A100 compute values: the same chip, other HBM). The
+# matmul efficiency is E · g/(g + g½) · T/(T + T½) (nxdt.planner.estimate.matmul_efficiency): E the large-GEMM
+# efficiency (E_fp32 apart for fp32 training, against the fp32 / TF32 peak), g½ the per-rank GEMM width and T½ the
+# tokens per micro-batch at which a GEMM reaches half of it. Each is determined by figures that vary it: on trn1
+# widths 128-1,024 (Llama, GPT-3, BERT) and micro-batches of 1,024-8,192 tokens (BERT phase 2 / phase 1, GPT-3,
+# Llama); on A100 widths 1,024-7,168 (BERT, MPT) and 4,096-65,536 tokens (BERT, SQuAD, MPT); on H100
+# widths 1,024-7,168 and 4,096-65,536 tokens (MPT, torchtitan). The fp32 figures: A100 TF32 BERT (many), trn1 one.
 STEP_PARAMS = {
-    "trn1.32xlarge": ["compute_efficiency", "compute_half_size"],
-    "p4de.24xlarge": ["compute_efficiency", "compute_efficiency_fp32"],
+    "trn1.32xlarge": ["compute_efficiency", "compute_half_size", "compute_half_tokens", "compute_efficiency_fp32"],
+    "p4d.24xlarge": ["compute_efficiency", "compute_efficiency_fp32", "compute_half_size", "compute_half_tokens"],
+    # H100: no width term (fitted with one, it runs to 0: the MPT and torchtitan figures at widths 1,024-7,168 show
+    # none; the A100's width term comes from BERT-Large at 1,024 against MPT, which the H100 figures do not have)
+    "p5.48xlarge": ["compute_efficiency", "compute_half_tokens"],
 }
+STEP_MEMBERS = {"p4d.24xlarge": ("p4d.24xlarge", "p4de.24xlarge")}  # else the entry alone
+
+
+def step_members(name: str) -> tuple[str, ...]:
+    """The instances whose training figures fit the compute parameters ``name`` holds."""
+    return STEP_MEMBERS.get(name, (name,))
+
+
 # Where every fit starts (fixed, so that a fit never depends on values an earlier fit wrote into the catalogue).
 START = {
     "collective_overhead_us": 10.0,
@@ -137,24 +150,32 @@ class CollectiveFigure:
 class StepFigure:
     """One published training throughput (sequences per second) of the configuration ``overrides`` compose.
 
-    ``bind_step`` plans it once with matmul efficiency 1 (and the instance's collective parameters): the matmuls' share
-    of compute and bubble scales as 1 / efficiency, the memory-bound work (``memory_s``, its bubble share included) and
-    the exposed communication do not depend on it (no FSDP overlap in these layouts; checked), so the step time for any
-    compute parameters is ``work / efficiency + memory + exposed``, the efficiency that of
-    nxdt.planner.estimate.matmul_efficiency at the figure's width, precision and tokens per micro-batch."""
+    ``bind_step`` plans it once with matmul efficiency 1 (and the instance's collective parameters): the matmuls' time
+    scales as 1 / efficiency, the memory-bound work (``memory_s``) and the blocking communication do not depend on it,
+    a pipeline's bubble is a fixed share of compute (``bubble``: (compute + bubble) / compute), and communication
+    that runs behind compute (FSDP's prefetched gathers and scatters, ``overlap_s``) is exposed only by what exceeds
+    compute (plus ``cover_s``: what else it hides behind). So the step time for any compute parameters is
+    ``bubble · c + exposed_s + max(0, overlap_s - c - cover_s)`` with ``c = work / efficiency + memory``, the
+    efficiency that of nxdt.planner.estimate.matmul_efficiency at the figure's width, precision and tokens per
+    micro-batch: what the planner's estimate_plan computes (fit.py checks every fitted figure against a full plan)."""
 
     id: str
     instance: str
     overrides: list[str]
     seq_per_s: float
     global_batch: int = 0
-    work_s: float = 0.0  # compute + bubble at efficiency 1
-    exposed_s: float = 0.0  # exposed communication per step
+    work_s: float = 0.0  # matmul compute at efficiency 1
+    exposed_s: float = 0.0  # blocking communication per step (exposed whatever the compute)
     width: float = 0.0  # hidden_size / TP
-    memory_s: float = 0.0  # memory-bound (non-matmul) work + its bubble share
+    memory_s: float = 0.0  # memory-bound (non-matmul) work
     precision: str = "bf16"  # precision.type as the efficiency sees it (fp32 or not)
     tokens: float = 0.0  # tokens per micro-batch on a rank
+    bubble: float = 1.0  # (compute + pipeline bubble) / compute
+    overlap_s: float = 0.0  # communication that hides behind compute
+    cover_s: float = 0.0  # what else it hides behind (FSDP token_threaded: the other dimensions' collectives)
+    label: str = ""  # the class its source file gives it (held-out files folded into the fit), else ""
     cfg: Any = field(default=None, repr=False)  # the composed configuration (from ``bind_step``)
+    base: Any = field(default=None, repr=False)  # the instance it was bound on (its links, memory, peak)
 
     @property
     def seconds(self) -> float:
@@ -162,7 +183,8 @@ class StepFigure:
 
     def predict(self, instance: Any) -> float:
         eff = matmul_efficiency(instance, self.width, self.precision, self.tokens)
-        return self.work_s / eff + self.memory_s + self.exposed_s
+        compute = self.work_s / eff + self.memory_s
+        return self.bubble * compute + self.exposed_s + max(0.0, self.overlap_s - compute - self.cover_s)
 
 
 @functools.lru_cache(maxsize=None)
@@ -210,35 +232,59 @@ def bind_step(fig: StepFigure, instance: Any) -> StepFigure:
     from nxdt.planner import plan
 
     fig.cfg = compose_step(fig)
+    fig.base = instance
     cfg = copy.deepcopy(fig.cfg)
     unit = {"compute_efficiency": 1.0, "compute_efficiency_fp32": 1.0, "compute_half_size": 0.0, "compute_half_tokens": 0.0}
     cfg.instance = with_params(instance, unit)
     planned = plan(cfg)
-    if any(row["overlap"] for row in planned.collectives):
-        raise ValueError(f"{fig.id}: overlapped collectives make the step time non-linear in the compute efficiency")
+    if any("hidden_by_flops" in row for row in planned.collectives):
+        raise ValueError(f"{fig.id}: context parallelism's ring hides behind the attention FLOPs (not linear in 1 / efficiency)")
     est = planned.estimate
-    fig.exposed_s = est["exposed_comm_s"]
     fig.global_batch = cfg.data.global_batch_size
-    with_bubble = (est["compute_s"] + est["bubble_s"]) / est["compute_s"] if est["compute_s"] else 1.0
-    fig.memory_s = est["memory_bound_s"] * with_bubble
-    fig.work_s = (est["compute_s"] - est["memory_bound_s"]) * with_bubble
+    compute = est["compute_s"]
+    fig.bubble = (compute + est["bubble_s"]) / compute if compute else 1.0
+    fig.memory_s = est["memory_bound_s"]
+    fig.work_s = compute - est["memory_bound_s"]
+    fig.overlap_s = sum(row["total_s"] for row in planned.collectives if row["overlap"])
+    fsdp = cfg.distributed_strategy.fsdp
+    if fsdp.enabled and fsdp.prefetch == "token_threaded":
+        fig.cover_s = sum(row["total_s"] for row in planned.collectives if not row["overlap"] and row["dim"] != "dp")
+    fig.exposed_s = est["exposed_comm_s"] - max(0.0, fig.overlap_s - compute - fig.cover_s)
     fig.width = cfg.model.hidden_size / planned.tp
     fig.precision = "fp32" if cfg.precision.type.removesuffix("SR") == "fp32" else "bf16"
     fig.tokens = cfg.data.micro_batch_size * cfg.data.seq_length / planned.cp
     return fig
 
 
-def plan_step_time(fig: StepFigure, instance: Any) -> float:
-    """The planner's step time for the figure's configuration on ``instance`` (the full plan, no shortcut)."""
+def plan_step_time(fig: StepFigure, instance: Any, paths: list[str] | None = None) -> float:
+    """The planner's step time for the figure's configuration on ``instance`` (the full plan, no shortcut); with
+    ``paths``, on the instance the figure was bound on with those compute values taken from ``instance`` (a p4de
+    figure fitted with p4d's A100 values keeps p4de's memory and bandwidth)."""
     from nxdt.planner import plan
 
     cfg = copy.deepcopy(fig.cfg) if fig.cfg is not None else compose_step(fig)
+    if paths is not None and fig.base is not None:
+        instance = with_params(fig.base, {p: get_param(instance, p) for p in paths})
     cfg.instance = instance
     return plan(cfg).estimate["step_time_s"]
 
 
+# Fractions of a peak rate: fitted in (0, 1) (a large GEMM cannot run faster than the datasheet's peak; without the
+# bound, an efficiency curve fitted to widths of 1,024-7,168 extrapolates past the peak at larger widths).
+FRACTIONS = frozenset({"compute_efficiency", "compute_efficiency_fp32"})
+
+
+def _to_values(paths: list[str], x: np.ndarray) -> np.ndarray:
+    """Parameters from the fit's coordinates: logistic for FRACTIONS, exp for the rest (all positive)."""
+    return np.array([1 / (1 + np.exp(-v)) if p in FRACTIONS else np.exp(v) for p, v in zip(paths, x)])
+
+
+def _to_coordinates(paths: list[str], values: list[float]) -> np.ndarray:
+    return np.array([math.log(v / (1 - v)) if p in FRACTIONS else math.log(v) for p, v in zip(paths, values)])
+
+
 def _residuals(figures: list, instance: Any, paths: list[str], logs: np.ndarray) -> np.ndarray:
-    values = np.exp(logs)
+    values = _to_values(paths, logs)
     if not np.all(np.isfinite(values) & (values > 0)):  # a trial step out of range: reject it
         return np.full(len(figures), 1e3)
     inst = with_params(instance, dict(zip(paths, values)))
@@ -249,9 +295,9 @@ def fit(
     figures: list, instance: Any, paths: list[str], start: dict[str, float] | None = None, iters: int = 200, tol: float = 1e-10
 ) -> dict[str, float]:
     """Values of ``paths`` minimising Σ log²(predicted / measured) over ``figures`` (Levenberg-Marquardt in log space,
-    forward-difference Jacobian). ``start``: initial values (default: START)."""
+    logit space for FRACTIONS; forward-difference Jacobian). ``start``: initial values (default: START)."""
     start = {**START, **(start or {})}
-    x = np.log([start[p] for p in paths])
+    x = _to_coordinates(paths, [start[p] for p in paths])
     r = _residuals(figures, instance, paths, x)
     cost, lam, h = float(r @ r), 1e-3, 1e-6
     for _ in range(iters):
@@ -273,7 +319,7 @@ def fit(
             lam *= 4
         if not improved:
             break
-    return {p: float(v) for p, v in zip(paths, np.exp(x))}
+    return {p: float(v) for p, v in zip(paths, _to_values(paths, x))}
 
 
 def leave_one_out(
@@ -316,7 +362,13 @@ def load_published(data: dict[str, Any]) -> tuple[list[CollectiveFigure], list[S
     common = data.get("end_to_end_common", {})  # per instance (a list: for every entry)
     shared = lambda name: list(common.get(name, []) if isinstance(common, dict) else common)
     steps = [
-        StepFigure(e["id"], e["instance"], [*shared(e["instance"]), *e["overrides"]], float(e["value"]))
+        StepFigure(
+            e["id"],
+            e["instance"],
+            [*(shared(e["instance"]) if e.get("common", True) else []), *e["overrides"]],
+            float(e["value"]),
+            label=e.get("class", ""),
+        )
         for e in data.get("end_to_end", [])
         if e.get("use", True)
     ]
