@@ -202,7 +202,7 @@ def _split_flags(argv: list[str], flags: set[str]) -> tuple[set[str], list[str]]
     for a in rest:
         if a.startswith("-"):
             raise UsageError(f"nxdt: unknown option {a!r}; overrides are key=value (see --help)")
-        if "=" not in a:
+        if "=" not in a and not a.startswith("~"):  # ~key: compose refuses it naming the key
             raise UsageError(f"nxdt: argument {a!r} is not a key=value override (see --help)")
     return found, rest
 

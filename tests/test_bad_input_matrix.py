@@ -334,6 +334,9 @@ def _hardening_cases(tmp: Path) -> list[tuple[list[str], str]]:
         # accepted silently before
         (["train", "+hydra.callbacks.x._target_=os.system"], "hydra.callbacks.x._target_='os.system': nxdt composes"),
         (["train", "hydra.run.dir=/tmp/elsewhere"], "hydra.run.dir='/tmp/elsewhere': nxdt composes"),
+        # Hydra's delete: a schema key cannot be deleted (OmegaConf's words), a section was silently reset to defaults
+        (["train", "~trainer.max_steps"], "trainer.max_steps: is a Hydra delete (~key), which nxdt does not take"),
+        (["train", "~exp_manager"], "exp_manager: is a Hydra delete (~key), which nxdt does not take"),
         (["train", "+recipe=dpo", f"data.train_dir={same}"], "every record has 'chosen' equal to 'rejected' (2 of 2)"),
         (
             ["train", "+recipe=dpo", "model_alignment_strategy.dpo.max_prompt_length=64"],

@@ -33,19 +33,19 @@ def test_defaults_follow_nxdt_names_and_interpolate():
 
 
 # what Hydra does with each kind of override: a value, a group choice before or after values, a recipe (+group), a
-# deletion (~), a forced add (++), a new key (+), and overrides Hydra refuses (a key that is not there, a deletion of
-# one, + on an existing key)
+# forced add (++), a new key (+), and overrides Hydra refuses (a key that is not there, + on an existing key). Hydra's
+# delete (~key) nxdt refuses itself (below).
 HYDRA_CASES = [
     [],
     ["model.hidden_size=64"],
     ["model=gpt_tiny", "model.hidden_size=64"],
     ["model.hidden_size=64", "model=gpt_tiny"],
     ["+recipe=lora", "model.optim.lr=0.5", "data.seq_length=64"],
-    ["+recipe=sft", "~model_alignment_strategy.sft", "++seed=3"],
+    ["+recipe=sft", "++seed=3"],
     ["instance=trn1.32xlarge", "instance.devices=4", "launcher=slurm", "launcher.partition=p"],
     ["name=${oc.env:HOME}", "model.optim.betas=[0.5,0.6]"],
     ["trainer.max_stepz=3"],
-    ["model=gpt_tiny", "~trainer.nope"],
+    ["model=gpt_tiny", "trainer.nope=1"],
     ["+seed=2"],
     [],
 ]
@@ -67,12 +67,14 @@ def test_compose_is_hydras_compose_with_each_group_choice_composed_once():
         GlobalHydra.instance().clear()
         try:
             with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-                cfg = compose(config_name="config", overrides=overrides)
+                cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
         except HydraException as exc:
             return str(config_error_from_hydra(exc))
         finally:
             GlobalHydra.instance().clear()
         OmegaConf.set_struct(cfg, False)
+        cfg.name = cfg.name  # resolved while Hydra's node is there (the default is the model's group choice)
+        cfg.pop("hydra")
         return to_config(cfg)
 
     def ours(overrides):
@@ -84,6 +86,25 @@ def test_compose_is_hydras_compose_with_each_group_choice_composed_once():
     for overrides in HYDRA_CASES:
         assert ours(overrides) == hydras(overrides), overrides
     assert isinstance(ours(["trainer.max_stepz=3"]), str) and ours([]).model.hidden_size == 128
+
+
+def test_the_run_is_named_after_its_model_unless_named():
+    """The default run directory is the model config's name (``model=gpt_tiny`` runs went to outputs/llama_tiny/,
+    and its summary suggested ``llama_tiny-hf``); a recipe's own name and ``name=`` win."""
+    assert compose_config([]).name == "llama_tiny"
+    assert compose_config(["model=gpt_tiny"]).name == "gpt_tiny"
+    assert compose_config(["model=mixtral_tiny", "trainer.max_steps=3"]).name == "mixtral_tiny"
+    assert compose_config(["model=gpt_tiny", "+recipe=sft"]).name == "sft"
+    assert compose_config(["model=gpt_tiny", "name=mine"]).name == "mine"
+
+
+@pytest.mark.parametrize("override", ["~trainer.max_steps", "~exp_manager", "+recipe=sft ~model_alignment_strategy.sft"])
+def test_hydras_delete_is_refused_naming_the_key(override):
+    """``~key`` either failed in OmegaConf's words (a typed key cannot be deleted) or, for a whole section, silently
+    reset every value in it to its default; it is refused, naming the key."""
+    *before, delete = override.split()
+    with pytest.raises(ConfigError, match=rf"^config error: {delete[1:]}: is a Hydra delete \(~key\)"):
+        compose_config([*before, delete])
 
 
 def test_run_config_round_trip(tmp_path):

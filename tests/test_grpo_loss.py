@@ -25,10 +25,15 @@ from nxdt.models.llama import LlamaForCausalLM
 from nxdt.models.objectives import grpo_advantages, grpo_loss
 from hf_reference import TINY_LLAMA, llama_config
 
-trl = pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")
-from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
-from trl.trainer.utils import selective_log_softmax_and_entropy  # noqa: E402
+pytest.importorskip("trl")  # its GRPO trainer module itself (~5 CPU-s) is imported by the tests that call it
+
+
+def trl_grpo():
+    from trl.trainer import grpo_trainer, utils
+
+    return grpo_trainer.GRPOTrainer, utils.selective_log_softmax_and_entropy
+
 
 TINY = TINY_LLAMA
 # 2 prompts × num_generations 3; prompts of one length (TRL's forward gives left pads positions too, nxdt does not,
@@ -60,7 +65,7 @@ def trl_logps(self, model, input_ids, attention_mask, logits_to_keep, compute_en
     """What TRL's ``_get_per_token_logps_and_entropies`` returns (log-probs of the completion tokens under the
     temperature-scaled logits, and their entropies), computed on an unpatched transformers model."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -logits_to_keep - 1 : -1]
-    logps, entropy = selective_log_softmax_and_entropy(logits, input_ids[:, -logits_to_keep:], temperature=TEMPERATURE)
+    logps, entropy = trl_grpo()[1](logits, input_ids[:, -logits_to_keep:], temperature=TEMPERATURE)
     return logps, entropy, None
 
 
@@ -171,7 +176,7 @@ def test_loss_and_gradients_equal_trls_compute_loss(loss_type, beta):
     advantages = torch.tensor([1.2, -0.3, -0.9, 0.7, 0.0, -0.7])
     epsilon, epsilon_high = 0.2, 0.28
     fake = trl_trainer(loss_type, beta, epsilon, epsilon_high)
-    expected = GRPOTrainer._compute_loss(fake, hf["policy"], trl_inputs(hf["reference"], advantages, beta))
+    expected = trl_grpo()[0]._compute_loss(fake, hf["policy"], trl_inputs(hf["reference"], advantages, beta))
     expected.backward()
 
     prompts = [p for p in PROMPTS for _ in range(NUM_GENERATIONS)]

@@ -17,7 +17,7 @@ from typing import Any
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from nxdt.config.schema import Config, field_docs, register_schemas
@@ -140,6 +140,13 @@ def check_overrides(overrides: list[str] | tuple[str, ...], groups: tuple[str, .
             continue  # the CLI says "key=value" for these
         key, _, value = text.partition("=")
         key = key.lstrip("+~").strip()
+        if text.startswith("~"):  # Hydra's delete: a schema key cannot be deleted, and a whole section would reset
+            raise ConfigError(
+                key,
+                value,
+                "is a Hydra delete (~key), which nxdt does not take: every key has a typed default (`nxdt train "
+                f"--help`); set the value you want instead: {key}=<value>",
+            )
         if key == "hydra" or key.startswith("hydra.") or key.startswith("hydra/"):
             raise ConfigError(
                 key,
@@ -248,9 +255,15 @@ def _composed_defaults(config_name: str, choices: tuple[str, ...]) -> DictConfig
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-            return compose(config_name=config_name, overrides=list(choices))
+            cfg = compose(config_name=config_name, overrides=list(choices), return_hydra_config=True)
     finally:
         GlobalHydra.instance().clear()
+    # Of Hydra's own node only the group choices are kept, for ``name: ${hydra.runtime.choices.model}``: the rest
+    # (its logging, launcher, sweeper) configures a Hydra app nxdt does not run.
+    picked = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra/")}
+    with open_dict(cfg):
+        cfg.hydra = {"runtime": {"choices": picked}}
+    return cfg
 
 
 def _hydra_compose(config_name: str, overrides: list[str] | tuple[str, ...]) -> DictConfig:
@@ -279,6 +292,13 @@ def _hydra_compose(config_name: str, overrides: list[str] | tuple[str, ...]) -> 
     return cfg
 
 
+def _resolved_name(cfg: DictConfig) -> Any:
+    try:
+        return cfg.name
+    except OmegaConfBaseException as exc:
+        raise ConfigError("name", OmegaConf.to_container(cfg, resolve=False)["name"], str(exc).splitlines()[0]) from None
+
+
 def compose_config(
     overrides: list[str] | tuple[str, ...] = (), config_name: str = "config", *, check: bool = True, paths: bool = True
 ) -> Config:
@@ -291,6 +311,8 @@ def compose_config(
     except (HydraException, OmegaConfBaseException) as exc:
         raise config_error_from_hydra(exc) from None
     OmegaConf.set_struct(cfg, False)
+    if "hydra" in cfg and OmegaConf.is_interpolation(cfg, "name"):
+        cfg.name = _resolved_name(cfg)  # before Hydra's node goes: the default name is the model's group choice
     cfg.pop("hydra", None)
     _take_hf_config(cfg, overrides)
     config = to_config(cfg)

@@ -632,7 +632,10 @@ class LauncherConfig:
 
 @dataclass
 class Config:
-    name: str = doc("llama_tiny", "run name: one directory under exp_manager.exp_dir (no '/', '..' or control characters)")
+    name: str = doc(
+        "llama_tiny",
+        "run name: one directory under exp_manager.exp_dir (default: the model config's name, e.g. gpt_tiny for model=gpt_tiny; no '/', '..' or control characters)",
+    )
     seed: int = doc(1234, "global seed, 0..2**32-1")
     trainer: TrainerConfig = doc(TrainerConfig(), "training loop")
     exp_manager: ExpManagerConfig = doc(ExpManagerConfig(), "run directory, checkpoints, logging")
