@@ -189,13 +189,14 @@ class StepFigure:
 
 @functools.lru_cache(maxsize=None)
 def _composed_instance(name: str) -> Any:
-    from nxdt.config import compose_config
+    from nxdt.config import catalogue_instance as read_entry
 
-    return compose_config([f"instance={name}"], check=False).instance
+    return read_entry(name)
 
 
 def catalogue_instance(name: str) -> Any:
-    """The catalogue entry as the planner sees it (composed: an entry's ``defaults`` parent included); a copy."""
+    """The catalogue entry as the planner sees it (an entry's ``defaults`` parent included: nxdt.config's reader,
+    which tests/test_topology_planner.py checks against Hydra's compose); a copy, for fits to change."""
     return copy.deepcopy(_composed_instance(name))
 
 
