@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import warm_cli
 
 from nxdt.comm.waiting import pid_alive  # zombies count as gone
 from test_train_e2e import TINY, assert_ok, nxdt
@@ -105,12 +106,12 @@ def run_segments(tree: set[int]) -> list[Path]:
     return found
 
 
-def wait_training(proc: subprocess.Popen, run: Path) -> tuple[set[int], list[Path]]:
-    """(the run's process tree, its shared-memory segments) once it has logged a step."""
+def wait_training(pid: int, run: Path) -> tuple[set[int], list[Path]]:
+    """(the process tree of the launcher ``pid``, the run's shared-memory segments) once the run has logged a step."""
     deadline = time.monotonic() + 150
     while True:
-        assert time.monotonic() < deadline and proc.poll() is None, "the run did not start"
-        tree = process_tree(proc.pid)
+        assert time.monotonic() < deadline and pid_alive(pid), "the run did not start"
+        tree = process_tree(pid)
         segments = run_segments(tree) if (run / "metrics.csv").exists() else []
         if segments:
             return tree, segments
@@ -249,26 +250,28 @@ def attacked_restart(tmp_path_factory) -> dict:
     of this user — since issue 38 nobody else can reach the store, a private file — that knows the run id (the names
     in /dev/shm) writes a pickled ``touch MARKER`` into every key nxdt and torch's agent read: the running attempt's
     (after their use) and the restart's (before it: its bootstrap, the resume choice, the agent's rank assignment and
-    exit barrier). What is checked while it trains is measured here."""
+    exit barrier). What is checked while it trains is measured here. A warm launch (tests/warm_cli.py): the agent,
+    the store and the workers are the program's; a fresh program's fork server, which reads no store, is in the
+    stopped run's process tree (``everyday_runs``: test_security.py) and in test_store_auth.py's SIGKILL test."""
     import torch.distributed as dist
 
     from nxdt.launch.rundir import STORE_FILE
 
     root = tmp_path_factory.mktemp("attacked")
     run, marker = root / "run", root / "pwned"
-    proc = start_train(
-        [
-            *RELIABILITY,
-            "exp_manager.max_restarts=1",
-            "exp_manager.fault_injection.step=10",
-            "exp_manager.fault_injection.rank=1",
-            "exp_manager.fault_injection.kind=sigkill_during_save",
-            f"exp_manager.explicit_log_dir={run}",
-        ],
-        root,
-    )
+    args = [
+        "train",
+        *RELIABILITY,
+        "exp_manager.max_restarts=1",
+        "exp_manager.fault_injection.step=10",
+        "exp_manager.fault_injection.rank=1",
+        "exp_manager.fault_injection.kind=sigkill_during_save",
+        f"exp_manager.explicit_log_dir={run}",
+    ]
+    command = warm_cli.start(args, cwd=root)
+    assert command.pid is not None
     try:
-        tree, segments = wait_training(proc, run)
+        tree, segments = wait_training(command.pid, run)
         listening = listening_addresses(tree)
         store = run / STORE_FILE
         modes = (store.stat().st_mode & 0o777, run.stat().st_mode & 0o777)
@@ -288,14 +291,14 @@ def attacked_restart(tmp_path_factory) -> dict:
         for key in keys:
             writer.set(key, payload)
         del writer
-        out, err = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    except BaseException:
+        os.killpg(command.pid, signal.SIGKILL)  # the launcher and its workers (its session)
+        command.wait(60)
+        raise
     return {
         "run": run,
         "marker": marker,
-        "result": subprocess.CompletedProcess(proc.args, proc.returncode, out, err),
+        "result": command.wait(240),
         "tree": tree,
         "listening": listening,
         "modes": modes,
