@@ -8,10 +8,11 @@ a small part of that, so runs whose configuration several tests need are launche
   directory, failure and Ctrl-C handling) and test_runs_report.py (the console, ``nxdt runs``, ``nxdt report``).
 * ``reliability_reference``: 12 uninterrupted DP2 steps with checkpoints every 5 — the reference of
   test_reliability.py's restarts and resumes and of test_train_e2e.py's ``resume_if_exists``.
-* ``attacked_restart``: the reference's 12 steps with rank 1 killed while saving step 10 and one restart, its store
-  written with pickled commands while it trains — for test_store_auth.py (no store to find, a bitwise resume) and
-  test_security.py (nothing from the store is unpickled). One launch serves both: the restart reads the keys
-  planted for it, which a run without one never would.
+* ``attacked_restart``: the reference's 12 steps with rank 0 killed while asynchronously saving step 10 and one
+  restart, its store written with pickled commands while it trains — for test_reliability.py (the kept step-5
+  resumed from, bitwise), test_store_auth.py (no store to find) and test_security.py (nothing from the store is
+  unpickled). One launch serves all three: the restart reads the keys planted for it, which a run without one
+  never would.
 
 What is timed or checked during or right after a launch (elapsed time, processes left behind, the sockets a
 training run listens on: test_security.py) is measured here, at that moment, and asserted by the tests."""
@@ -246,7 +247,8 @@ def reliability_reference(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def attacked_restart(tmp_path_factory) -> dict:
-    """Rank 1 killed in the middle of saving step 10, one restart (resuming from step-5), and meanwhile another process
+    """Rank 0 killed in the middle of an asynchronous save of step 10 with one checkpoint kept (test_reliability.py),
+    one restart (resuming from step-5), and meanwhile another process
     of this user — since issue 38 nobody else can reach the store, a private file — that knows the run id (the names
     in /dev/shm) writes a pickled ``touch MARKER`` into every key nxdt and torch's agent read: the running attempt's
     (after their use) and the restart's (before it: its bootstrap, the resume choice, the agent's rank assignment and
@@ -262,10 +264,13 @@ def attacked_restart(tmp_path_factory) -> dict:
     args = [
         "train",
         *RELIABILITY,
+        "exp_manager.keep_last_k=1",
+        "exp_manager.save_last=false",  # step-12's final save would remove step-10, which test_reliability.py compares
+        "exp_manager.async_checkpointing=true",
         "exp_manager.max_restarts=1",
         "exp_manager.fault_injection.step=10",
-        "exp_manager.fault_injection.rank=1",
         "exp_manager.fault_injection.kind=sigkill_during_save",
+        "exp_manager.fault_injection.rank=0",
         f"exp_manager.explicit_log_dir={run}",
     ]
     command = warm_cli.start(args, cwd=root)

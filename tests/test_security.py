@@ -104,7 +104,7 @@ def test_export_hf_refuses_a_non_empty_target_and_never_writes_through_a_link(tm
 def test_hostile_payloads_in_every_store_key_run_no_code(attacked_restart):
     """A process that can write the run's store (since issue 38 only the run's own user can: a private file) and
     knows its run id (the names in /dev/shm) writes a pickled command into every key nxdt and torch's agent read —
-    the running attempt's and those of the restart that follows (shared_runs.py's ``attacked_restart``: rank 1 killed
+    the running attempt's and those of the restart that follows (shared_runs.py's ``attacked_restart``: rank 0 killed
     while saving step 10), before and during their use. Nothing is unpickled, so the command never runs; the job
     ends cleanly (finished, or one line naming what was wrong)."""
     result = attacked_restart["result"]

@@ -224,7 +224,7 @@ def test_a_store_file_is_made_anew_never_through_a_link_and_opened_only_private(
 def test_an_intruder_finds_no_store_in_a_restarting_run_and_changes_nothing(attacked_restart, reliability_reference):
     """The acceptance case of issue 38 on a real run. On main a local process found the store (the port the run
     listened on, the run id in /dev/shm) and planted the resume key of the restart; after the first hardening it
-    could still delete or overwrite keys and end the run. Now, while rank 1 is killed in the middle of saving step 10
+    could still delete or overwrite keys and end the run. Now, while rank 0 is killed in the middle of saving step 10
     (a restart follows), the run's processes listen on no port at all, and another user cannot open the store file.
     The restart resumes both ranks from this run's step-5 and the losses are bitwise the uninterrupted run's — though
     this user's own process wrote forged values into every key the restart reads (shared_runs.py's
@@ -237,7 +237,7 @@ def test_an_intruder_finds_no_store_in_a_restarting_run_and_changes_nothing(atta
         assert attacked_restart["other_user"] == 13
     result = attacked_restart["result"]
     assert_ok(result)
-    assert "fault injection: SIGKILL on rank 1 during the save of step 10" in (run / "logs" / "rank1.log").read_text()
+    assert "fault injection: SIGKILL on rank 0 during the save of step 10" in (run / "logs" / "rank0.log").read_text()
     assert "resuming from step-5" in result.stdout, result.stdout[-2000:]
     assert losses(run) == losses(reliability_reference)
     assert not (run / STORE_SECRET_FILE).exists() and not (run / STORE_FILE).exists()  # they go with the launch
