@@ -248,11 +248,10 @@ def reliability_reference(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def attacked_restart(tmp_path_factory) -> dict:
     """Rank 0 killed in the middle of an asynchronous save of step 10 with one checkpoint kept (test_reliability.py),
-    one restart (resuming from step-5), and meanwhile another process
-    of this user — since issue 38 nobody else can reach the store, a private file — that knows the run id (the names
-    in /dev/shm) writes a pickled ``touch MARKER`` into every key nxdt and torch's agent read: the running attempt's
-    (after their use) and the restart's (before it: its bootstrap, the resume choice, the agent's rank assignment and
-    exit barrier). What is checked while it trains is measured here. A warm launch (tests/warm_cli.py): the agent,
+    one restart (resuming from step-5), and meanwhile another process of this user — since issue 38 nobody else can
+    reach the store, a private file — that knows the run id (the names in /dev/shm) writes a pickled ``touch MARKER``
+    into every key nxdt and torch's agent read: the running attempt's (after their use) and the restart's (before it:
+    its bootstrap, the resume choice, the agent's rank assignment and exit barrier). What is checked while it trains is measured here. A warm launch (tests/warm_cli.py): the agent,
     the store and the workers are the program's; a fresh program's fork server, which reads no store, is in the
     stopped run's process tree (``everyday_runs``: test_security.py) and in test_store_auth.py's SIGKILL test."""
     import torch.distributed as dist
