@@ -2,13 +2,13 @@
 module is collected, so tests in sub-folders import the shared helpers of this folder (``hf_reference``,
 ``test_train_e2e``'s launch helpers) whatever order pytest collects them in."""
 
-from shared_runs import everyday_runs, reliability_reference  # noqa: E402,F401  (session fixtures several modules share)
+from shared_runs import attacked_restart, everyday_runs, reliability_reference  # noqa: E402,F401  (session fixtures several modules share)
 
 import os  # noqa: E402
 
 import pytest  # noqa: E402
 
-SHARED_RUN_FIXTURES = {"everyday_runs", "reliability_reference"}
+SHARED_RUN_FIXTURES = {"attacked_restart", "everyday_runs", "reliability_reference"}
 
 # The groups that took longest in a full run on the 2-core host (worker-seconds, the README's command on main at 172f457,
 # 2026-11-29, load 2-4), scheduled longest first — the classic list-scheduling bound; a group missing here only runs

@@ -55,25 +55,13 @@ def test_sigkill_mid_run_restarts_and_matches_the_uninterrupted_run(tmp_path, re
     assert got.keys() == want.keys() and all((got[k] == want[k]).all() for k in got)
 
 
-@pytest.mark.timeout(240)
-def test_sigkill_during_an_async_checkpoint_write_resumes_from_the_previous_one(tmp_path, reference):
+@pytest.mark.timeout(300)  # the shared launches (shared_runs.py) may start here
+def test_sigkill_during_an_async_checkpoint_write_resumes_from_the_previous_one(attacked_restart, reference):
     """The save is asynchronous (a background writer commits while training goes on) and only one checkpoint
     is kept: Lightning asks to remove step-5 as soon as step-10's save is handed over, but the removal waits
-    for step-10's commit, which never happens — so step-5 is still there to resume from."""
-    run = tmp_path / "run"
-    result = nxdt(
-        "train",
-        *COMMON,
-        "exp_manager.keep_last_k=1",
-        "exp_manager.save_last=false",  # step-12's final save would remove step-10, the checkpoint compared below
-        "exp_manager.async_checkpointing=true",
-        "exp_manager.max_restarts=1",
-        "exp_manager.fault_injection.step=10",
-        "exp_manager.fault_injection.kind=sigkill_during_save",
-        "exp_manager.fault_injection.rank=0",
-        f"exp_manager.explicit_log_dir={run}",
-        cwd=tmp_path,
-    )
+    for step-10's commit, which never happens — so step-5 is still there to resume from. (The run is shared_runs.py's
+    ``attacked_restart``: its store is also written into while it trains, see test_store_auth.py.)"""
+    run, result = attacked_restart["run"], attacked_restart["result"]
     assert_ok(result)
     out = result.stdout + result.stderr
     assert "checkpoints/step-5" in out  # kept until step-10 committed, so the restart resumed from it

@@ -4,19 +4,14 @@ unpickled (objects between ranks travel as JSON + raw tensor bytes, see ``nxdt.c
 from __future__ import annotations
 
 import math
-import os
 import pickle
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from nxdt.comm.objects import ObjectCodecError, decode, encode
-from shared_runs import process_tree
+from shared_runs import RunsCode
 
 
 # ----------------------------------------------------------------------------- the object codec
@@ -50,19 +45,9 @@ def test_objects_refuse_what_is_not_plain_data_by_name():
         encode({"a": [Custom()]})
 
 
-class _RunsCode:
-    """Unpickling this runs ``touch MARKER``: what a forged payload on a socket or in a segment would do."""
-
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
 def test_a_pickled_payload_is_rejected_without_running_it(tmp_path):
     marker = tmp_path / "pwned"
-    payload = pickle.dumps(_RunsCode(str(marker)))
+    payload = pickle.dumps(RunsCode(str(marker)))
     for forged in (payload, b"\x10\x00\x00\x00\x00\x00\x00\x00" + payload, encode("ok")[:5]):
         with pytest.raises(ObjectCodecError):
             decode(forged)
@@ -115,59 +100,16 @@ def test_export_hf_refuses_a_non_empty_target_and_never_writes_through_a_link(tm
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_hostile_payloads_in_every_store_key_run_no_code(tmp_path):
+@pytest.mark.timeout(300)  # the shared launches (shared_runs.py) may start here
+def test_hostile_payloads_in_every_store_key_run_no_code(attacked_restart):
     """A process that can write the run's store (since issue 38 only the run's own user can: a private file) and
-    knows its run id (the names in /dev/shm) writes a pickled command into every key nxdt and torch's agent read — before and during their use. Nothing is
-    unpickled, so the command never runs; the job ends cleanly (finished, or one line naming what was wrong)."""
-    import torch.distributed as dist
-
-    run, marker = tmp_path / "run", tmp_path / "pwned"
-    payload = pickle.dumps(_RunsCode(str(marker)))
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "nxdt.cli",
-            "train",
-            "model=llama_tiny",
-            "data=synthetic",
-            "trainer.max_steps=40",
-            "exp_manager.create_tensorboard_logger=false",
-            f"exp_manager.explicit_log_dir={run}",
-        ],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not (run / "metrics.csv").exists():
-            assert time.monotonic() < deadline and proc.poll() is None, "the run did not start"
-            time.sleep(0.2)
-        tree = process_tree(proc.pid)
-        # the run id, as anyone can read it from the names of the run's shared-memory segments (this run's: their
-        # header names a creator in the run's process tree)
-        run_id = next(
-            p.name[len("nxdt-") :].split(".")[0]
-            for p in Path("/dev/shm").glob("nxdt-x*")
-            if np.frombuffer(p.read_bytes()[:16], dtype=np.int64)[1] in tree
-        )
-        # no other user can reach the store (a private file: test_store_auth.py); this user's own process writes in it
-        store = dist.FileStore(str(run / ".store"), -1)
-        keys = [f"nxdt/{run_id}/0/1/{k}" for k in ("run_nonce", "host/0", "host/1", "left")]
-        keys += [f"nxdt/resume/{run_id}/0", f"nxdt/resume/{run_id}/1", "MASTER_ADDR", "MASTER_PORT"]
-        keys += [
-            f"{run_id}/torchelastic/{k}"
-            for k in ("role_info/0", "assigned_ranks/0", "agent/terminal_state/num_members", "agent/terminal_state/last_member")
-        ]
-        for key in keys:
-            store.set(key, payload)
-        out, err = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert not marker.exists(), "a pickled payload from the store was executed"
-    assert "Traceback" not in err, err[-3000:]  # torch's agent logs its broken exit barrier to logs/launcher.log
-    assert proc.returncode == 0 or err.strip().splitlines()[-1].startswith("nxdt:"), err[-2000:]
+    knows its run id (the names in /dev/shm) writes a pickled command into every key nxdt and torch's agent read —
+    the running attempt's and those of the restart that follows (shared_runs.py's ``attacked_restart``: rank 0 killed
+    while saving step 10), before and during their use. Nothing is unpickled, so the command never runs; the job
+    ends cleanly (finished, or one line naming what was wrong)."""
+    result = attacked_restart["result"]
+    assert not attacked_restart["marker"].exists(), "a pickled payload from the store was executed"
+    assert "Traceback" not in result.stderr, result.stderr[
+        -3000:
+    ]  # torch's agent logs its broken exit barrier to logs/launcher.log
+    assert result.returncode == 0 or result.stderr.strip().splitlines()[-1].startswith("nxdt:"), result.stderr[-2000:]

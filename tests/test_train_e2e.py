@@ -71,25 +71,45 @@ def test_default_run_learns_on_the_sample_text_and_fills_the_run_dir(everyday_ru
         assert mode == (0o700 if path.is_dir() else 0o600), (path, oct(mode))
 
 
-def test_data_parallel_losses_equal_single_process(tmp_path):
-    """Training losses and the validation loss (data.val_dir: 37 windows, so the last global batch is partly
-    padding) equal one process's."""
+@pytest.fixture(scope="module")
+def dp_sweep(tmp_path_factory) -> dict:
+    """One sweep, ``trainer.devices=1,2``: job 0 trains on one process, job 1 the same run on two ranks (5 steps of 8
+    sequences, clipped, validated at step 4 on data.val_dir: 37 windows, so the last global batch is partly padding).
+    One launch serves the data-parallel comparison and the sweep's tools: the jobs of a sweep are separate worlds
+    whatever they compare, so what each test checks is what two launches showed."""
     from nxdt.data import SAMPLE_TEXT
 
-    (tmp_path / "val.txt").write_bytes(SAMPLE_TEXT.read_bytes()[-37 * 128 - 1 :])
-    common = [
+    root = tmp_path_factory.mktemp("dp_sweep")
+    (root / "val.txt").write_bytes(SAMPLE_TEXT.read_bytes()[-37 * 128 - 1 :])
+    result = nxdt(
+        "train",
+        "-m",
         *TINY,
         "data=text",
         "trainer.max_steps=5",
         "data.global_batch_size=8",
         "data.micro_batch_size=2",
         "trainer.gradient_clip_val=1.0",
-        f"data.val_dir={tmp_path / 'val.txt'}",
+        f"data.val_dir={root / 'val.txt'}",
         "trainer.val_check_interval=4",
-    ]
-    one, two = tmp_path / "dp1", tmp_path / "dp2"
-    assert_ok(nxdt("train", *common, "trainer.devices=1", f"exp_manager.explicit_log_dir={one}", cwd=tmp_path))
-    assert_ok(nxdt("train", *common, "trainer.devices=2", f"exp_manager.explicit_log_dir={two}", cwd=tmp_path))
+        "trainer.devices=1,2",
+        f"exp_manager.exp_dir={root / 'out'}",
+        cwd=root,
+    )
+    assert_ok(result)
+    metrics = sorted((root / "out").rglob("metrics.csv"))
+    assert len(metrics) == 2, metrics  # one run directory per job
+    sweep_dir = metrics[0].parent.parent
+    jobs = {n: sweep_dir / str(n) for n in (0, 1)}
+    for n, devices in ((0, 1), (1, 2)):
+        assert f"trainer.devices={devices}" in (jobs[n] / "overrides.txt").read_text().split(), n
+    return {"root": root, "result": result, "sweep_dir": sweep_dir, "one": jobs[0], "two": jobs[1]}
+
+
+def test_data_parallel_losses_equal_single_process(dp_sweep):
+    """Training losses and the validation loss (data.val_dir: 37 windows, so the last global batch is partly
+    padding) equal one process's."""
+    one, two = dp_sweep["one"], dp_sweep["two"]
     single, parallel = losses(one), losses(two)
     assert sorted(single) == sorted(parallel) == [1, 2, 3, 4, 5]
     for step in single:
@@ -145,36 +165,22 @@ def test_failing_worker_is_named_and_nothing_is_left_running(everyday_runs):
     assert not everyday_runs["failing_left"], f"processes left behind: {everyday_runs['failing_left']}"
 
 
-def test_sweep_runs_one_world_per_job_and_reports(tmp_path):
-    result = nxdt(
-        "train",
-        "-m",
-        *TINY,
-        "data=synthetic",
-        "trainer.max_steps=3",
-        "data.global_batch_size=4",
-        "data.micro_batch_size=2",
-        "trainer.devices=1,2",
-        f"exp_manager.exp_dir={tmp_path / 'out'}",
-        cwd=tmp_path,
-    )
-    assert_ok(result)
-    metrics = sorted((tmp_path / "out").rglob("metrics.csv"))
-    assert len(metrics) == 2
-    sweep_dir = metrics[0].parent.parent
+def test_sweep_runs_one_world_per_job_and_reports(dp_sweep):
+    """A sweep's jobs (one rank, then two: ``dp_sweep``) each run as their own world and are reported together."""
+    result, sweep_dir, tmp_path = dp_sweep["result"], dp_sweep["sweep_dir"], dp_sweep["root"]
     report = nxdt("sweep-report", str(sweep_dir), cwd=tmp_path)
     assert_ok(report)
     assert "trainer.devices=1" in report.stdout and "trainer.devices=2" in report.stdout
     assert list(sweep_dir.glob("*.png"))
     # one tokens/s everywhere (nxdt.data.throughput): the console's summary of each job, `nxdt runs` and sweep-report
-    # show 4 sequences × 128 tokens per step ÷ the mean step time of steps 2-3 (step 1 is start-up)
+    # show 8 sequences × 128 tokens per step ÷ the mean step time of steps 2-5 (step 1 is start-up)
     listed = nxdt("runs", "--json", str(sweep_dir), cwd=tmp_path)
     assert_ok(listed)
     figures = {Path(r["run"]).name: r["tokens_per_s"] for r in json.loads(listed.stdout)}
     for job in ("0", "1"):
         with open(sweep_dir / job / "metrics.csv", newline="") as fh:
             times = [float(r["step_time_s"]) for r in csv.DictReader(fh)]
-        assert figures[job] == pytest.approx(4 * 128 * 2 / sum(times[1:]), rel=1e-9), (job, figures, times)
+        assert len(times) == 5 and figures[job] == pytest.approx(8 * 128 * 4 / sum(times[1:]), rel=1e-9), (job, figures, times)
         shown = f"{figures[job]:,.0f}"
         row = next(line for line in report.stdout.splitlines() if re.match(rf"│ +{job} ", line))
         assert f" {shown} " in row and f"· {shown} tokens/s ·" in result.stdout, (shown, row, result.stdout)

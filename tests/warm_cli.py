@@ -195,54 +195,85 @@ class _Server:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def run(
-        self, args: Sequence[str], cwd: Path, env: Mapping[str, str], timeout: float, script: dict | None = None
-    ) -> subprocess.CompletedProcess:
+    def start(self, args: Sequence[str], cwd: Path, env: Mapping[str, str], script: dict | None = None) -> "Command":
+        """Send one command; it runs while the caller acts on it (its ``pid``). The server is this command's until
+        ``Command.wait`` returns: it holds ``self.lock`` (replies come in order, one command at a time)."""
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
-
-        def drain(fd: int) -> None:
-            with os.fdopen(fd, "rb", closefd=True) as fh:
-                while data := fh.read1(1 << 16):
-                    chunks[fd].append(data)
-
-        readers = [threading.Thread(target=drain, args=(fd,), daemon=True) for fd in (out_r, err_r)]
-        for t in readers:
-            t.start()
-        with self.lock:
+        command = Command(self, ["nxdt", *args], out_r, err_r)
+        self.lock.acquire()
+        try:
             try:
                 request = {"args": list(args), "cwd": str(cwd), "env": dict(env), **(script or {})}
                 socket.send_fds(self.sock, [json.dumps(request).encode()], [out_w, err_w])
             finally:
                 os.close(out_w)
                 os.close(err_w)
-            pid = None
+            command.pid = self.reply()["pid"]  # type: ignore[index]
+        except BaseException:
+            self.abandon(command.pid)
+            self.lock.release()
+            raise
+        return command
+
+    def run(
+        self, args: Sequence[str], cwd: Path, env: Mapping[str, str], timeout: float, script: dict | None = None
+    ) -> subprocess.CompletedProcess:
+        return self.start(args, cwd, env, script).wait(timeout)
+
+
+class Command:
+    """A command running in a fork of the pre-imported process (``start``): ``pid`` is the ``nxdt`` program's (its
+    session leader: its workers are forked from it), ``wait`` its ``subprocess.CompletedProcess``."""
+
+    def __init__(self, server: _Server, args: list[str], out_r: int, err_r: int) -> None:
+        self.server, self.args = server, args
+        self.pid: int | None = None
+        self.fds = (out_r, err_r)
+        self.chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
+        self.readers = [threading.Thread(target=self._drain, args=(fd,), daemon=True) for fd in self.fds]
+        for t in self.readers:
+            t.start()
+
+    def _drain(self, fd: int) -> None:
+        with os.fdopen(fd, "rb", closefd=True) as fh:
+            while data := fh.read1(1 << 16):
+                self.chunks[fd].append(data)
+
+    def _output(self) -> tuple[str, str]:
+        out, err = (b"".join(self.chunks[fd]).decode(errors="replace") for fd in self.fds)
+        return out, err
+
+    def wait(self, timeout: float) -> subprocess.CompletedProcess:
+        server = self.server
+        try:
             try:
-                pid = self.reply()["pid"]  # type: ignore[index]
-                done = self.reply(timeout)
+                done = server.reply(timeout)
             except BaseException:
                 # interrupted between request and reply (pytest-timeout's Failed, Ctrl-C): the server's replies for
                 # this command would be read as the next command's (a later launch "exited 2", the status of a
                 # timed-out refusal: 14 tests of one worker under load), so the command and the server go; the
                 # next run() starts a fresh server
-                self.abandon(pid)
+                server.abandon(self.pid)
                 raise
             if done is None:
+                assert self.pid is not None
                 try:
-                    os.killpg(pid, signal.SIGKILL)  # the command and every worker it forked (its session)
+                    os.killpg(self.pid, signal.SIGKILL)  # the command and every worker it forked (its session)
                 except ProcessLookupError:
                     pass
-                self.reply()  # the server has reaped it
-                for t in readers:
+                server.reply()  # the server has reaped it
+                for t in self.readers:
                     t.join(timeout=10)
-                raise subprocess.TimeoutExpired(["nxdt", *args], timeout, b"".join(chunks[out_r]), b"".join(chunks[err_r]))
+                raise subprocess.TimeoutExpired(self.args, timeout, *(o.encode() for o in self._output()))
             status = done["status"]
-            self.cpu_s += done.get("cpu_s", 0.0)
-        for t in readers:
+            server.cpu_s += done.get("cpu_s", 0.0)
+        finally:
+            server.lock.release()
+        for t in self.readers:
             t.join()  # until the last worker that held the command's stdout has gone
-        out, err = (b"".join(chunks[fd]).decode(errors="replace") for fd in (out_r, err_r))
-        return subprocess.CompletedProcess(["nxdt", *args], status, out, err)
+        out, err = self._output()
+        return subprocess.CompletedProcess(self.args, status, out, err)
 
 
 _server: list[_Server] = []  # one per pytest worker process, started on first use
@@ -261,6 +292,15 @@ def run(
         _server[:] = [_Server()]
     environment: dict[str, Any] = {**os.environ, "PYTHONUNBUFFERED": "1"} if env is None else dict(env)
     return _server[0].run(args, Path.cwd() if cwd is None else Path(cwd), environment, timeout)
+
+
+def start(args: Sequence[str], *, cwd: Path | str | None = None, env: Mapping[str, str] | None = None) -> Command:
+    """``nxdt ARGS`` started as ``run`` would, returned while it runs (``.pid``, ``.wait(timeout)``): for what a test
+    does to a run while it trains (signals, its store). No other command runs in this process until it is waited."""
+    if not _server or not _server[0].alive():
+        _server[:] = [_Server()]
+    environment: dict[str, Any] = {**os.environ, "PYTHONUNBUFFERED": "1"} if env is None else dict(env)
+    return _server[0].start(args, Path.cwd() if cwd is None else Path(cwd), environment)
 
 
 def torchrun(
