@@ -1287,6 +1287,14 @@ def main(argv: list[str] | None = None, *, fork_workers: bool = False) -> int:
     caller that has imported nxdt's Lightning layer and runs one thread asks ``nxdt train`` to fork its workers from
     this process rather than from a fork server that would import it all again (:func:`nxdt.launch.forking.start_method`)."""
     program = argv is None
+    if program:
+        # At exit, no final garbage collection over torch's and the elastic agent's objects (frozen): `nxdt train`'s
+        # last line to the shell prompt took 3.0-3.5 s, now 0.9-1.2 s (2 cores at load 10). Nothing needs collecting
+        # then: nxdt's files are closed by then, and the memory goes back with the process.
+        import atexit
+        import gc
+
+        atexit.register(gc.freeze)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)

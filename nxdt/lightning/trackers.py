@@ -214,6 +214,19 @@ class ClearMLLogger(Logger):
         self.task.close()  # flushes the reports; offline: the session folder (and its .zip) is complete
 
 
+def _report_in_a_thread() -> None:
+    """Offline, ClearML's reports go to the session folder from a thread of this process, not from the subprocess it
+    forks by default on Linux (``sdk.development.report_use_subprocess``), unless the user's ClearML config says
+    which. Offline that subprocess only writes local files, and ``Task.close()`` waits for it: the flush and stop
+    events it waits on are thread events its forked copy never sees (``BackgroundReportService._flush_event`` is a
+    ``ForkEvent``, clearml/backend_interface/metrics/reporter.py), so every close sat out its 5 s flush period
+    twice — 9.5 s measured per launch (clearml 2.x), 0.02 s with the thread."""
+    from clearml.config import config_obj
+
+    if config_obj.get("sdk.development.report_use_subprocess", None) is None:
+        config_obj.set_overrides({"sdk": {"development": {"report_use_subprocess": False}}})
+
+
 def _clearml(cfg: Any, run_dir: Path, state: dict[str, Any]) -> tuple[Logger, None, dict[str, Any]]:
     from clearml import Task
 
@@ -222,6 +235,7 @@ def _clearml(cfg: Any, run_dir: Path, state: dict[str, Any]) -> tuple[Logger, No
     if offline:
         os.environ.setdefault("CLEARML_CACHE_DIR", str(run_dir / "clearml"))  # the session folder under the run
         Task.set_offline(True)
+        _report_in_a_thread()
     previous = state.get("clearml", {})
     resume = previous.get("task_id") if previous.get("offline") == offline else None
     task = Task.init(
