@@ -1288,9 +1288,10 @@ def main(argv: list[str] | None = None, *, fork_workers: bool = False) -> int:
     this process rather than from a fork server that would import it all again (:func:`nxdt.launch.forking.start_method`)."""
     program = argv is None
     if program:
-        # At exit, no final garbage collection over torch's and the elastic agent's objects (frozen): `nxdt train`'s
-        # last line to the shell prompt took 3.0-3.5 s, now 0.9-1.2 s (2 cores at load 10). Nothing needs collecting
-        # then: nxdt's files are closed by then, and the memory goes back with the process.
+        # At exit, no final garbage collection over torch's, Hydra's and the elastic agent's objects (frozen, after
+        # every other exit handler): `nxdt train`'s last line to the shell prompt took 3.0-3.5 s, now 0.9-1.2 s (2
+        # cores at load 10; `import torch` alone: 2.6-3.0 s, 0.5-0.7 s frozen). Nothing needs collecting then: nxdt's
+        # files are closed by then, weakref finalizers still run, and the memory goes back with the process.
         import atexit
         import gc
 
@@ -1313,15 +1314,6 @@ def main(argv: list[str] | None = None, *, fork_workers: bool = False) -> int:
         return command(argv[1:])
     except UsageError as exc:
         return _fail(str(exc))
-    finally:
-        if program:
-            # The interpreter's last collections at exit traverse every object torch, Hydra and the launcher made,
-            # while the shell waits for a process that is done: `import torch` alone took 2.6-3.0 s to exit on the
-            # loaded 2-core host, 0.5-0.7 s frozen (a 2-rank `nxdt train` launcher: 6.3 s). atexit handlers and
-            # weakref finalizers still run; the memory goes with the process.
-            import gc
-
-            gc.freeze()
 
 
 if __name__ == "__main__":
