@@ -152,7 +152,7 @@ CHAINS = {
         "nxdt train -m trainer.devices=1,2 trainer.max_steps=20",
         "nxdt sweep-report outputs/multirun/llama_tiny/<timestamp>",
     ],
-    "collectives": ["nxdt comm-test -r 2 -b 1kb -e 64mb -f 4 --check --baseline gloo allr allg"],
+    "collectives": ["nxdt comm-test -r 2 -b 1kb -e 16mb -f 4 --check --baseline gloo allr allg"],
     "nxdt-config": [
         "nxdt train --config-name nxdt/hf_llama3_8B_config instance=cpu trainer.devices=2 "
         "trainer.num_nodes=1 distributed_strategy.tensor_model_parallel_size=2 model.num_layers=2 "
