@@ -17,6 +17,7 @@ import multiprocessing as mp
 import queue
 import shutil
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -65,7 +66,6 @@ def can_fork_here(fn: Callable[..., Any]) -> bool:
     already, so a fork starts ranks in milliseconds. The caller must not have run a multi-threaded torch operation
     (an OpenMP pool does not survive a fork): true of a command that only parsed its arguments, such as
     ``nxdt comm-test`` (``nxdt.launch.forking.start_method`` is the launcher's version of this rule)."""
-    import sys
     import threading
 
     module = getattr(fn, "__module__", None)
@@ -160,6 +160,9 @@ def run_local(
         )
         for r in range(world_size)
     ]
+    if fork_here:  # a fork copies this process's unwritten output buffers: the ranks would print them again at exit
+        sys.stdout.flush()
+        sys.stderr.flush()
     for p in procs:
         p.start()
     values: dict[int, Any] = {}
