@@ -132,8 +132,8 @@ CHAINS = {
         "nxdt train trainer.devices=4 distributed_strategy.tensor_model_parallel_size=2 "
         "distributed_strategy.sequence_parallel=true distributed_strategy.pipeline_model_parallel_size=2 "
         "data.micro_batch_size=2",
-        "nxdt train exp_manager.max_restarts=2 exp_manager.checkpoint_every_n_steps=10",
-        "nxdt train exp_manager.async_checkpointing=true exp_manager.checkpoint_every_n_steps=10",
+        "nxdt train exp_manager.max_restarts=2 exp_manager.checkpoint_every_n_steps=5",
+        "nxdt train exp_manager.async_checkpointing=true exp_manager.checkpoint_every_n_steps=5",
     ],
     "fine-tuning": [
         "nxdt train +recipe=sft",
