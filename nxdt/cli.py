@@ -915,7 +915,8 @@ def cmd_topo(argv: list[str]) -> int:
     return 0
 
 
-def cmd_comm_test(argv: list[str]) -> int:
+def cmd_comm_test(argv: list[str], fork_ranks: bool = False) -> int:
+    """``fork_ranks``: the ranks may be forks of this process (``nxdt.comm.bench.main``'s ``fork_here``)."""
     if "--estimate" in argv:
         return _comm_test_estimate([a for a in argv if a != "--estimate"])
     if "--calibrate" in argv:
@@ -923,7 +924,7 @@ def cmd_comm_test(argv: list[str]) -> int:
     from nxdt.comm.bench import main as bench_main
     from nxdt.launch.comm_test import main_multinode
 
-    return bench_main(argv, multinode=main_multinode)
+    return bench_main(argv, multinode=main_multinode, fork_here=fork_ranks)
 
 
 def _comm_test_estimate(argv: list[str]) -> int:
@@ -1311,6 +1312,8 @@ def main(argv: list[str] | None = None, *, fork_workers: bool = False) -> int:
     try:
         if command is cmd_train:
             return cmd_train(argv[1:], start_workers_early=program, fork_workers=fork_workers)
+        if command is cmd_comm_test:  # a process of its own (not a caller's): its ranks may be its forks
+            return cmd_comm_test(argv[1:], fork_ranks=program or fork_workers)
         return command(argv[1:])
     except UsageError as exc:
         return _fail(str(exc))

@@ -171,3 +171,24 @@ def test_small_checked_run_with_baseline_writes_nccom_style_json(tmp_path, capsy
     assert [set(r) for r in estimate["results"]] == [set(data["results"][0]) - {"#wrong"}] * 2 * 3
     assert [(r["op"], r["size(B)"]) for r in estimate["results"]][:2] == [("allr", 1024), ("allr", 8192)]
     assert estimate["layout"] == data["layout"] == "host 0: ranks [0, 1]"
+
+
+def test_ranks_are_forked_from_the_caller_only_while_it_runs_one_thread():
+    """`nxdt comm-test` forks its ranks from itself (no fork server importing torch again); a fork copies only the
+    calling thread, so a process running another thread (a lock it holds would stay locked in every rank) is refused
+    with one line naming the rule, never forked."""
+    import threading
+
+    from nxdt.comm.bench import _body
+    from nxdt.comm.spawn import can_fork_here, run_local
+
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        assert not can_fork_here(_body)
+        with pytest.raises(ValueError, match="needs one thread"):
+            run_local(_body, 2, {}, fork_here=True)
+    finally:
+        stop.set()
+        other.join()

@@ -7,11 +7,15 @@ layout, each checked several ways:
   The reference log-probabilities were computed before training by each data-parallel rank for its own slice of the
   pairs and gathered by sample index; a pair fed with another pair's reference values would have rewards of order
   β·|Δ log π| ≈ 0.5·10, so this checks that every batch finds its own pairs' values, whatever the sampler's order;
-* DP2 with ZeRO-1 (as the file says) and PP2 (the last stage scores the reference, forward only) give the single
+* DP2 with ZeRO-1 (as the file says) × PP2 (the last stage scores the reference, forward only) gives the single
   process's losses and reward metrics (TP's vocabulary-sharded log-probabilities: tests/parallel/test_tensor_parallel.py);
-* ORPO's step-1 loss on DP2 equals the published formula (Hong et al. 2024; the NLL as TRL's ORPOTrainer takes it: the
-  token mean over the global batch's chosen prompts and responses) computed here, independently, from the same initial
-  weights on the same first global batch (against TRL itself and at every micro-batch size: tests/test_orpo.py).
+* ORPO's step-1 loss on DP2 × PP2 equals the published formula (Hong et al. 2024; the NLL as TRL's ORPOTrainer takes
+  it: the token mean over the global batch's chosen prompts and responses) computed here, independently, from the same
+  initial weights on the same first global batch (against TRL itself and at every micro-batch size: tests/test_orpo.py).
+
+DP2 and PP2 were two launches each; one DP2 × PP2 launch of 4 ranks checks both at half the compute (each of the two
+trained the whole global batch): a wrong data-parallel reduction or token count, or a wrong pipeline hand-off or
+last-stage scaling, still moves step 1's numbers.
 """
 
 from __future__ import annotations
@@ -107,13 +111,12 @@ def test_the_nxdt_dpo_config_trains_and_starts_at_log_2(reference):
     assert "nxdt: train: 64 preference records → 64 pairs (chosen and rejected in one micro-batch); 0 prompts truncated" in stdout
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [["trainer.devices=2"], ["trainer.devices=2", "distributed_strategy.pipeline_model_parallel_size=2"]],
-    ids=["dp2-zero1", "pp2"],
-)
-def test_parallel_dpo_equals_one_process(tmp_path, reference, tokenizer, layout):
-    got, _, _ = _dpo(tmp_path, tokenizer, *layout)
+# DP2 (ZeRO-1, as the files say) × PP2: data parallelism and the pipeline in one launch (module docstring)
+DP2_X_PP2 = ["trainer.devices=4", "distributed_strategy.pipeline_model_parallel_size=2"]
+
+
+def test_parallel_dpo_equals_one_process(tmp_path, reference, tokenizer):
+    got, _, _ = _dpo(tmp_path, tokenizer, *DP2_X_PP2)
     want, _, _ = reference
     _at_initialisation(got)
     # fp32, linear updates (PARITY): losses differ by float rounding only (~1e-7 relative), far inside 1e-4; rewards are
@@ -222,14 +225,9 @@ def _orpo_formula(logits, mb, beta, pairs):
     return odds_term, nll_sum, tokens, beta * mean[:pairs]
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [["trainer.devices=2"], ["trainer.devices=2", "distributed_strategy.pipeline_model_parallel_size=2"]],
-    ids=["dp2-zero1", "pp2"],
-)
-def test_orpo_loss_equals_the_formula_on_the_first_batch(tmp_path, tokenizer, layout):
-    """DP2: the NLL's token count summed over both ranks; PP2: the last stage's loss with the count every stage computed
-    (``nll_scale``)."""
+def test_orpo_loss_equals_the_formula_on_the_first_batch(tmp_path, tokenizer):
+    """DP2 × PP2: the NLL's token count summed over both data-parallel ranks, and each pipeline's last stage's loss
+    with the count every stage computed (``nll_scale``)."""
     import lightning.pytorch as pl
 
     from nxdt.config import load_run_config
@@ -243,7 +241,7 @@ def test_orpo_loss_equals_the_formula_on_the_first_batch(tmp_path, tokenizer, la
         tmp_path,
         "hf_llama3_8B_ORPO_config",
         *PARITY,
-        *layout,
+        *DP2_X_PP2,
         f"exp_manager.explicit_log_dir={run}",
         f"data.tokenizer.type={tokenizer}",
     )
@@ -263,7 +261,7 @@ def test_orpo_loss_equals_the_formula_on_the_first_batch(tmp_path, tokenizer, la
             odds += term.tolist()
             chosen += reward.tolist()
             nll_sum, tokens = nll_sum + s, tokens + n
-    # DP2 (ZeRO-1, as the file says; PP2: one pipeline of four micro-batches): the step's loss is the NLL's token mean
+    # DP2 (ZeRO-1, as the file says) × PP2 (two micro-batches per pipeline): the step's loss is the NLL's token mean
     # over every chosen token of the global batch plus the odds-ratio term's mean over its pairs, as TRL computes it on
     # one batch. The same fp32 forward of the same weights and rows, the formula in float64: rounding only (~1e-7 rel.)
     assert float(rows[0]["loss"]) == pytest.approx(nll_sum / tokens + sum(odds) / len(odds), rel=1e-5)

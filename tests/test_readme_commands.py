@@ -92,7 +92,7 @@ PLACEHOLDER_SKIPS = {
     "trainer.num_nodes=1 distributed_strategy.tensor_model_parallel_size=2 "
     "model.model_config=/path/to/Meta-Llama-3-8B/config.json model.num_layers=2 model.hidden_size=64 "
     "model.num_attention_heads=4 model.num_kv_heads=2 model.ffn_hidden_size=128 model.vocab_size=256 "
-    "model.encoder_seq_length=32 data.global_batch_size=4 trainer.max_steps=20 "
+    "model.encoder_seq_length=32 data.global_batch_size=4 trainer.max_steps=10 "
     "data.train_dir=/path/to/tokenized_dataset": "your config and data: the README's form on the shipped sample is run",
 }
 
@@ -116,24 +116,24 @@ IN_PROCESS = [
 # workers: subprocesses, each chain in order in one temporary directory
 CHAINS = {
     "pretraining": [
-        "nxdt train model=llama_tiny data=synthetic trainer.devices=4 trainer.max_steps=20",
+        "nxdt train model=llama_tiny data=synthetic trainer.devices=4 trainer.max_steps=10",
         "nxdt runs",
         "nxdt report outputs/llama_tiny/<run> [outputs/llama_tiny/<other> ...] [-o DIR]",
     ],
     "checkpoints": [
-        "nxdt train trainer.max_steps=20 data.global_batch_size=16 data.micro_batch_size=2 "
-        "exp_manager.checkpoint_every_n_steps=10",
+        "nxdt train trainer.max_steps=10 data.global_batch_size=16 data.micro_batch_size=2 "
+        "exp_manager.checkpoint_every_n_steps=5",
         "nxdt checkpoint inspect outputs/llama_tiny/<run>/checkpoints/step-10",
         "nxdt checkpoint consolidate outputs/llama_tiny/<run>/checkpoints/step-10 full-10",
         "nxdt checkpoint export-hf outputs/llama_tiny/<run>/checkpoints/step-10 hf-out [--dtype bf16]",
-        "nxdt train exp_manager.resume_if_exists=true trainer.max_steps=30",
+        "nxdt train exp_manager.resume_if_exists=true trainer.max_steps=15",
     ],
     "layouts": [
         "nxdt train trainer.devices=4 distributed_strategy.tensor_model_parallel_size=2 "
         "distributed_strategy.sequence_parallel=true distributed_strategy.pipeline_model_parallel_size=2 "
         "data.micro_batch_size=2",
-        "nxdt train exp_manager.max_restarts=2 exp_manager.checkpoint_every_n_steps=10",
-        "nxdt train exp_manager.async_checkpointing=true exp_manager.checkpoint_every_n_steps=10",
+        "nxdt train exp_manager.max_restarts=2 exp_manager.checkpoint_every_n_steps=5",
+        "nxdt train exp_manager.async_checkpointing=true exp_manager.checkpoint_every_n_steps=5",
     ],
     "fine-tuning": [
         "nxdt train +recipe=sft",
@@ -149,15 +149,15 @@ CHAINS = {
         "comm.emulate_slowdown=400",
     ],
     "sweep": [
-        "nxdt train -m trainer.devices=1,2 trainer.max_steps=20",
+        "nxdt train -m trainer.devices=1,2 trainer.max_steps=10",
         "nxdt sweep-report outputs/multirun/llama_tiny/<timestamp>",
     ],
-    "collectives": ["nxdt comm-test -r 2 -b 1kb -e 64mb -f 4 --check --baseline gloo allr allg"],
+    "collectives": ["nxdt comm-test -r 2 -b 1kb -e 16mb -f 4 --check --baseline gloo allr allg"],
     "nxdt-config": [
         "nxdt train --config-name nxdt/hf_llama3_8B_config instance=cpu trainer.devices=2 "
         "trainer.num_nodes=1 distributed_strategy.tensor_model_parallel_size=2 model.num_layers=2 "
         "model.hidden_size=64 model.num_attention_heads=4 model.num_kv_heads=2 model.ffn_hidden_size=128 "
-        "model.vocab_size=256 model.encoder_seq_length=32 data.global_batch_size=4 trainer.max_steps=20 "
+        "model.vocab_size=256 model.encoder_seq_length=32 data.global_batch_size=4 trainer.max_steps=10 "
         "data.train_dir=tests/nxdt_configs/tokenized_sample",
     ],
 }

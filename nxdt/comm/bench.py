@@ -428,8 +428,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None, multinode: Callable[[argparse.Namespace, dict], int] | None = None) -> int:
-    """``multinode(args, opts)``: runs a ``-N > 1`` benchmark (``nxdt.launch.comm_test.main_multinode``)."""
+def main(
+    argv: list[str] | None = None,
+    multinode: Callable[[argparse.Namespace, dict], int] | None = None,
+    fork_here: bool = False,
+) -> int:
+    """``multinode(args, opts)``: runs a ``-N > 1`` benchmark (``nxdt.launch.comm_test.main_multinode``). ``fork_here``:
+    the caller is a process of its own that ran no torch operation (the ``nxdt`` program, or a fork made to run one
+    command): its ranks are forks of it where ``spawn.can_fork_here`` allows, not of a fork server that would import
+    torch again (≈ 5 CPU-s before the first rank starts)."""
     args = build_parser().parse_args(argv)
     bad = [op for op in args.ops if op not in OPS]
     if bad:
@@ -448,7 +455,7 @@ def main(argv: list[str] | None = None, multinode: Callable[[argparse.Namespace,
     except ValueError as exc:
         print(f"nxdt comm-test: {exc}", file=sys.stderr)
         return 2
-    from nxdt.comm.spawn import RankFailed, run_local
+    from nxdt.comm.spawn import RankFailed, can_fork_here, run_local
 
     host_ids = [f"host{r}" for r in range(args.nworkers)] if args.separate_hosts else None
     opts = {
@@ -475,7 +482,15 @@ def main(argv: list[str] | None = None, multinode: Callable[[argparse.Namespace,
             return 2
         return multinode(args, opts)
     try:
-        report = run_local(_body, args.nworkers, opts, timeout_s=3600, comm_timeout_s=300, host_ids=host_ids)[0]
+        report = run_local(
+            _body,
+            args.nworkers,
+            opts,
+            timeout_s=3600,
+            comm_timeout_s=300,
+            host_ids=host_ids,
+            fork_here=fork_here and can_fork_here(_body),
+        )[0]
     except RankFailed as exc:
         print(f"nxdt comm-test: {exc}", file=sys.stderr)
         return 1

@@ -17,6 +17,7 @@ import multiprocessing as mp
 import queue
 import shutil
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -43,15 +44,33 @@ class RankFailed(CommError):
 PRELOAD = ["nxdt.comm.world", "torch._dynamo"]
 
 
-def _context(fn: Callable[..., Any], preload: Sequence[str] = ()) -> Any:
+def _context(fn: Callable[..., Any], preload: Sequence[str] = (), fork_here: bool = False) -> Any:
     """The fork server's context. Its preload takes effect when this process first starts the server: ``PRELOAD``,
     the caller's ``preload`` and the module of that first ``fn``, which every rank imports anyway to unpickle ``fn``
     (for the suite: pytest, Hydra's config, the models): imported once, not by each rank of every later call
-    (≈ 0.6 CPU-s a rank). ``__main__`` is left out: the server does not re-run a script."""
+    (≈ 0.6 CPU-s a rank). ``__main__`` is left out: the server does not re-run a script.
+
+    ``fork_here``: ranks forked from this very process instead (:func:`can_fork_here`), which has imported what they
+    run: the server would only import torch again (≈ 5 CPU-s before the first rank starts)."""
+    if fork_here:
+        return mp.get_context("fork")
     ctx = mp.get_context("forkserver")
     module = getattr(fn, "__module__", None)
     ctx.set_forkserver_preload([*PRELOAD, *preload, *([module] if module and module != "__main__" else [])])
     return ctx
+
+
+def can_fork_here(fn: Callable[..., Any]) -> bool:
+    """Whether ranks may be forks of this process: it runs one Python thread (a fork copies only the calling thread,
+    and a lock another thread held stays locked in the child) and has imported torch, the library and ``fn``'s module
+    already, so a fork starts ranks in milliseconds. The caller must not have run a multi-threaded torch operation
+    (an OpenMP pool does not survive a fork): true of a command that only parsed its arguments, such as
+    ``nxdt comm-test`` (``nxdt.launch.forking.start_method`` is the launcher's version of this rule)."""
+    import threading
+
+    module = getattr(fn, "__module__", None)
+    needed = ["torch", "nxdt.comm.world", *([module] if module else [])]
+    return threading.active_count() == 1 and all(name in sys.modules for name in needed)
 
 
 def free_port() -> int:
@@ -102,13 +121,16 @@ def run_local(
     init_options: dict[str, Any] | None = None,
     host_ids: list[str] | None = None,
     preload: Sequence[str] = (),
+    fork_here: bool = False,
     **kwargs: Any,
 ) -> list[Any]:
     """Call ``fn(world, *args, **kwargs)`` in ``world_size`` processes; return the per-rank results.
     ``init_options`` go to :func:`init_process` (e.g. ``slot_bytes``, ``wait_policy``). ``preload``: modules ``fn``
     imports, imported by the fork server beside ``PRELOAD`` when this call is the one that starts it (once, instead of
-    by every rank)."""
-    ctx = _context(fn, preload)
+    by every rank). ``fork_here``: fork the ranks from this process, which :func:`can_fork_here` must allow."""
+    if fork_here and not can_fork_here(fn):
+        raise ValueError("run_local(fork_here=True) needs one thread and torch, nxdt.comm.world and fn's module imported")
+    ctx = _context(fn, preload, fork_here)
     results = ctx.Queue()
     run_id = f"t{uuid.uuid4().hex[:10]}"
     secret = new_secret()  # the ranks' store keys are signed with it (nxdt.comm.store); handed over, never in argv
@@ -138,6 +160,9 @@ def run_local(
         )
         for r in range(world_size)
     ]
+    if fork_here:  # a fork copies this process's unwritten output buffers: the ranks would print them again at exit
+        sys.stdout.flush()
+        sys.stderr.flush()
     for p in procs:
         p.start()
     values: dict[int, Any] = {}

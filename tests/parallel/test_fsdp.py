@@ -36,13 +36,16 @@ CFG = dict(
     init_method_std=0.02,
     activations_checkpoint_granularity=None,
 )
-GLOBAL_BATCH, MICRO, SEQ, STEPS, LR, MAX_NORM = 8, 1, 8, 5, 3e-3, 0.3
+# 3 steps (were 5, as TP2 × FSDP2's were before): steps with AdamW's moments and the clip still in play (a wrong shard,
+# gather, partial sum or norm already shows in the first step's weights, a moment or step counter sliced wrongly in the
+# second's and third's), for 3/5 of the collectives; each costs the scheduler a round trip of 4 ranks on 2 cores, which
+# made the 13 runs this file's time. (Half the batch as well failed the 1e-5 weight tolerance on one element: Adam's
+# normalisation of a near-zero gradient, see below; not loosened.)
+GLOBAL_BATCH, MICRO, SEQ, STEPS, LR, MAX_NORM = 8, 1, 8, 3, 3e-3, 0.3
 DP = 4
-# TP2 × FSDP2 trains 3 steps, not 5: steps with AdamW's moments and the clip still in play (a wrong shard, gather,
-# partial sum or norm already shows in the first step's weights), for 3/5 of the collectives; each costs the scheduler
-# a round trip of 4 ranks on 2 cores, which made the 6 TP runs most of this file's time. (Half the batch as well failed
-# the 1e-5 weight tolerance on one element: Adam's normalisation of a near-zero gradient, see below; not loosened.)
-TP_BATCH, TP_STEPS = GLOBAL_BATCH, 3
+# TP2 × FSDP2 accumulates 2 micro-batches of 2 per rank (FSDP4: 2 of 1): accumulation still in play, at half the TP
+# all-reduces and FSDP gathers, each a round trip of 4 ranks on 2 cores (these 6 runs were 60 % of this file's time)
+TP_MICRO = 2
 
 
 def _cfg(**overrides) -> types.SimpleNamespace:
@@ -72,20 +75,18 @@ def _batch(step: int, cfg) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[:, :-1], ids[:, 1:]
 
 
-def _reference(cfg, batch: int = GLOBAL_BATCH, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, the whole global batch (its first ``batch`` rows), the same micro-batch split (mean of micro-batch
-    means)."""
+def _reference(cfg, micro: int = MICRO) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the whole global batch, the same micro-batch split (mean of micro-batch means)."""
     model = _model(cfg)
     opt = _optimizer(model)
     losses = []
-    for step in range(steps):
+    for step in range(STEPS):
         ids, labels = _batch(step, cfg)
-        ids, labels = ids[:batch], labels[:batch]
         opt.zero_grad()
         total = 0.0
-        n = batch // MICRO
+        n = GLOBAL_BATCH // micro
         for i in range(n):
-            loss = LlamaForCausalLM.loss_fn(model(ids[i * MICRO : (i + 1) * MICRO]), labels[i * MICRO : (i + 1) * MICRO]) / n
+            loss = LlamaForCausalLM.loss_fn(model(ids[i * micro : (i + 1) * micro]), labels[i * micro : (i + 1) * micro]) / n
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
@@ -103,8 +104,7 @@ def _train_fsdp(
     dp=None,
     sequence_parallel=False,
     param_dtype=None,
-    batch: int = GLOBAL_BATCH,
-    steps: int = STEPS,
+    micro: int = MICRO,
 ):
     """``tp``/``dp``: TP×FSDP on these groups (TP first, as NxDStrategy does); default FSDP over the world."""
     model = _model(cfg)
@@ -115,18 +115,18 @@ def _train_fsdp(
     dp = dp if dp is not None else world.world
     opt = _optimizer(model)
     fsdp = apply_fsdp(model, dp, [opt], prefetch=policy, tracer=tracer, param_dtype=param_dtype)
-    rank, per = dp.rank, batch // dp.size
+    rank, per = dp.rank, GLOBAL_BATCH // dp.size
     losses, stats = [], []
-    for step in range(steps):
+    for step in range(STEPS):
         ids, labels = _batch(step, cfg)
         ids, labels = ids[rank * per : (rank + 1) * per], labels[rank * per : (rank + 1) * per]
         opt.zero_grad()
         total = torch.zeros(1, dtype=torch.float64)
-        n = per // MICRO
+        n = per // micro
         for i in range(n):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=param_dtype is not None):
-                logits = model(ids[i * MICRO : (i + 1) * MICRO])
-            loss = model.loss_fn(logits, labels[i * MICRO : (i + 1) * MICRO]) / n
+                logits = model(ids[i * micro : (i + 1) * micro])
+            loss = model.loss_fn(logits, labels[i * micro : (i + 1) * micro]) / n
             loss.backward()
             total += loss.item()
         fsdp.finish_gradients()
@@ -157,13 +157,13 @@ def _compare(state, ref_state, atol: float = 1e-6) -> tuple[list, list]:
 
 
 def _shared_references(world) -> dict:
-    """The single-process references (untied, tied, and TP×FSDP's smaller batch), each computed by one rank and
+    """The single-process references (untied, tied, and TP×FSDP's larger micro-batches), each computed by one rank and
     shared: every rank used to compute them itself, which with 4 ranks on a few cores was half of this test's compute."""
     mine = None
     if world.rank < 2:
         mine = _reference(_cfg(tie_word_embeddings=world.rank == 1))
     elif world.rank == 2:
-        mine = _reference(_cfg(), TP_BATCH, TP_STEPS)
+        mine = _reference(_cfg(), TP_MICRO)
     everyone = world.world.all_gather_object(mine)
     return {False: everyone[0], True: everyone[1], "tp": everyone[2]}
 
@@ -215,7 +215,7 @@ def _worker(world) -> dict:
     for sequence_parallel in (False, True):
         for policy in ("none", "eager", "token_threaded"):
             losses, state, _, _ = _train_fsdp(
-                world, cfg, policy, tp=tp, dp=dp, sequence_parallel=sequence_parallel, batch=TP_BATCH, steps=TP_STEPS
+                world, cfg, policy, tp=tp, dp=dp, sequence_parallel=sequence_parallel, micro=TP_MICRO
             )
             # atol 1e-5 ≪ one AdamW step (lr 3e-3): TP sums partial products in another order, and Adam's
             # normalisation turns that rounding of near-zero gradients into ~1e-6 weight differences
