@@ -136,6 +136,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--cpu", action="store_true", help="also the CPU-seconds of each launch (perf stat)")
+    parser.add_argument("--cpu-only", action="store_true", help="only the CPU-seconds (no timeline launch)")
     parser.add_argument("--baseline", type=Path, help="a directory holding an older nxdt package: its launches interleaved")
     parser.add_argument("--json", type=Path, default=HERE / "startup.json")
     args = parser.parse_args()
@@ -147,8 +148,12 @@ def main() -> None:
         for n in range(args.runs):
             order = list(trees)[n % len(trees) :] + list(trees)[: n % len(trees)]  # rotated, as run.py's rounds
             for name in order:
-                run = launch(args, Path(tmp), n, "trace", trees[name])
-                if args.cpu:
+                if args.cpu_only:
+                    run = launch(args, Path(tmp), n, "cpu", trees[name])
+                    run["phases"] = {}
+                else:
+                    run = launch(args, Path(tmp), n, "trace", trees[name])
+                if args.cpu and not args.cpu_only:
                     run["cpu_s"] = launch(args, Path(tmp), n, "cpu", trees[name])["cpu_s"]
                 runs[name].append(run)
                 print(
@@ -160,7 +165,7 @@ def main() -> None:
     print(f"\n| phase (s, median of {args.runs}; the runs) | {' | '.join(names)} |\n|---|{'---|' * len(names)}")
     rows = [(name, lambda r, name=name: r["phases"].get(name)) for name, _, _ in PHASES]
     rows.append(("wall time seen by the caller", lambda r: r["wall_s"]))
-    if args.cpu:
+    if args.cpu or args.cpu_only:
         rows.append(("CPU-s of the process tree (perf stat)", lambda r: r["cpu_s"]))
     for label, get in rows:
         cells = []
