@@ -103,17 +103,20 @@ def test_only_an_override_of_the_launcher_group_defers_the_worker_server():
 
 
 def test_the_program_ends_with_its_exit_handlers_and_output_but_without_the_interpreters_teardown():
-    """The ``nxdt train`` program's last act: exit handlers run, buffered output is flushed, the exit code is kept, and
-    the interpreter's teardown of every module (a module global's finalizer runs only there) is skipped."""
+    """The ``nxdt train`` program's last act: other threads finish and exit handlers run, as at a normal exit, buffered
+    output is flushed, the exit code is kept, and the interpreter's teardown of every module (a module global's
+    finalizer runs only there) is skipped."""
     code = (
-        "import atexit, sys\n"
+        "import atexit, sys, threading, time\n"
         "from nxdt.cli import _exit_without_teardown\n"
         "class Finalized:\n"
         "    def __del__(self): print('torn down')\n"
         "kept = Finalized()\n"
-        "atexit.register(print, 'exit handler ran')\n"
+        "atexit.register(print, 'exit handler ran; ', end='')\n"
+        "threading.Thread(target=lambda: (time.sleep(0.2), print('thread ended; ', end=''))).start()\n"
         "sys.stdout.write('buffered, no newline; ')\n"
         "_exit_without_teardown(3)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert (result.returncode, result.stdout, result.stderr) == (3, "buffered, no newline; exit handler ran\n", "")
+    expected = "buffered, no newline; thread ended; exit handler ran; "  # the order of a normal exit
+    assert (result.returncode, result.stdout, result.stderr) == (3, expected, "")
