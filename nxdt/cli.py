@@ -639,6 +639,10 @@ def cmd_train(argv: list[str], start_workers_early: bool = False, fork_workers: 
         raise UsageError("nxdt train: -q (quiet) and -v (verbose) exclude each other")
     set_mode(modes.pop() if modes else None)  # the workers inherit it (nxdt.launch.console)
     flags -= set(MODE_FLAGS)
+    # the fork server's environment is the workers': everything they inherit is set above this line
+    server_first = start_workers_early and not any(_names_launcher(o) for o in overrides)
+    if server_first:
+        _start_fork_server()
     source_args = ["--config-path", source[0], "--config-name", source[1]] if source else []
     from nxdt.config import ConfigError
     from nxdt.config.validate import check_trainable, ineffective_settings
@@ -656,7 +660,7 @@ def cmd_train(argv: list[str], start_workers_early: bool = False, fork_workers: 
         from nxdt.launch.multinode import check_launcher
         from nxdt.planner import plan
 
-        if start_workers_early:
+        if start_workers_early and not server_first:
             _start_fork_server_early(configs[0])
         plans = []
         for cfg in configs:
@@ -696,19 +700,33 @@ def _warn(lines: list[str]) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-def _start_fork_server_early(cfg: Any) -> None:
+def _names_launcher(override: str) -> bool:
+    """Whether a command-line override sets the launcher group or one of its keys (``launcher=slurm``,
+    ``launcher.dry_run=true``, ``+launcher.x=...``). Nothing else in nxdt's config tree or an NxDT config sets it, so a
+    command without one launches on this host (``conf/config.yaml``: ``launcher: local``, not a dry run)."""
+    key = override.lstrip("+~").partition("=")[0]
+    return key == "launcher" or key.startswith("launcher.")
+
+
+def _start_fork_server() -> None:
     """A run on this host forks its workers from a server that imports torch and Lightning first (6-9 s of CPU,
-    :mod:`nxdt.launch.fork_server`). Started here, those imports run while this process imports torch, checks the
-    data and the model, and plans (2-3 s), rather than after them: a tiny 2-rank run took 7.6-8.1 s instead of
-    9.3-11.3 s on an idle 2-core host. If a check fails, the program exits and the server dies with it
-    (:func:`nxdt.launch.forking.die_with_agent`, its first statement). It gets the run files' private umask
-    now, because the workers inherit the server's umask, not this process's."""
-    if cfg.launcher.name != "local" or cfg.launcher.dry_run:
-        return
+    :mod:`nxdt.launch.fork_server`); those imports are the longest part of a launch, so the server starts as soon as
+    the program knows it will launch here: before the config is composed when no override names the launcher
+    (:func:`_names_launcher`), else once the composed config says so (:func:`_start_fork_server_early`). Its imports
+    then run while this process composes, imports torch, checks the data and the model, and plans. If a check fails,
+    the program exits and the server dies with it (:func:`nxdt.launch.forking.die_with_agent`, its first statement).
+    It gets the run files' private umask now, because the workers inherit the server's umask, not this process's."""
     from nxdt.launch.forking import start_fork_server  # imports no torch: the server starts before this process's own imports
 
     with _private_run_files():
         start_fork_server()
+
+
+def _start_fork_server_early(cfg: Any) -> None:
+    """The fork server for a command that names the launcher, once its composed config is a run on this host."""
+    if cfg.launcher.name != "local" or cfg.launcher.dry_run:
+        return
+    _start_fork_server()
 
 
 def _train_locally(

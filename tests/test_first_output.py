@@ -17,9 +17,15 @@ import pytest
 @pytest.mark.timeout(180)
 def test_the_first_line_comes_before_torch_is_imported(tmp_path):
     # a model class that does not exist: refused by the model check, which imports torch first, so the run proves
-    # torch was imported after the first line and no worker starts
+    # torch was imported after the first line and no worker starts. The command names the launcher, so the workers'
+    # fork server starts after the config is composed (nxdt.cli._names_launcher): without it, the server starts
+    # first and its own imports of torch, in another process, write their lines into the same pipe meanwhile
     result = subprocess.run(
-        [sys.executable, "-X", "importtime", "-u", "-m", "nxdt.cli", "train", "model.architecture=nxdt.models.llama.NoSuchModel"],
+        [
+            sys.executable,
+            *("-X", "importtime", "-u", "-m", "nxdt.cli", "train"),
+            *("launcher.dry_run=false", "model.architecture=nxdt.models.llama.NoSuchModel"),
+        ],
         cwd=tmp_path,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
         stdout=subprocess.PIPE,
@@ -77,3 +83,20 @@ def test_summary_times_count_from_the_process_start():
         uptime = float(fh.read().split()[0])
     # both readings are to 1/100 s (clock ticks and /proc/uptime), a few ms apart
     assert abs((time.time() - started) - (uptime - ticks / os.sysconf("SC_CLK_TCK"))) < 0.05
+
+
+def test_only_an_override_of_the_launcher_group_defers_the_worker_server():
+    """``nxdt train`` starts its workers' fork server before composing the config unless a command-line override sets
+    the launcher group or one of its keys (the only way a run leaves this host or becomes a dry run)."""
+    from nxdt.cli import _names_launcher
+
+    overrides = [
+        "launcher=slurm",
+        "launcher.dry_run=true",
+        "+launcher.extra=1",
+        "~launcher",
+        "trainer.devices=2",
+        "exp_manager.explicit_log_dir=/tmp/launcher",
+        "model=llama_tiny",
+    ]
+    assert [o for o in overrides if _names_launcher(o)] == overrides[:4]

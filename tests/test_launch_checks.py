@@ -228,18 +228,18 @@ def _marked(mark: str) -> dict[int, str]:
     return found
 
 
-def test_a_check_failing_after_the_worker_server_started_is_one_line_and_leaves_no_process(tmp_path):
-    """``nxdt train`` starts its workers' fork server as soon as the config is valid, so the server's imports overlap
-    the data and model checks. When one of those checks fails, the program still prints one line, exits 2, and takes
-    the server along (it dies with its launcher), instead of leaving it importing Lightning for nobody."""
-    (tmp_path / "text").mkdir()
-    (tmp_path / "text" / "a.txt").write_text("too short")  # passes the config checks, fails check_data's sample
+def test_a_config_refused_after_the_worker_server_started_is_one_line_and_leaves_no_process(tmp_path):
+    """``nxdt train`` starts its workers' fork server before it composes the config (unless an override names the
+    launcher), so the server's imports overlap the composition and the data and model checks. When the config (or a
+    later check) is refused, the program still prints one line, exits 2, and takes the server along (it dies with its
+    launcher), instead of leaving it importing Lightning for nobody. The refusal here is the earliest one, a value
+    the composed config's validation refuses: seeing the server then shows it started before the config was known."""
     mark = uuid.uuid4().hex
     env = {**os.environ, "NXDT_TEST_MARK": mark}
     err_path = tmp_path / "stderr.txt"
     with open(err_path, "w") as err_file:  # a file, not a pipe: a surviving server would hold a pipe open
         proc = subprocess.Popen(
-            [sys.executable, "-m", "nxdt.cli", "train", "model=llama_tiny", f"data.train_dir={tmp_path / 'text'}"],
+            [sys.executable, "-m", "nxdt.cli", "train", "model=llama_tiny", "trainer.devices=0"],
             cwd=tmp_path,
             env=env,
             stdout=subprocess.DEVNULL,
@@ -257,6 +257,6 @@ def test_a_check_failing_after_the_worker_server_started_is_one_line_and_leaves_
             time.sleep(0.02)
     assert proc.wait(timeout=30) == 2
     lines = [line for line in err_path.read_text().splitlines() if line.strip()]
-    assert len(lines) == 1 and "too few for one sample" in lines[0], lines
-    assert servers, "the fork server was not started before the failing check: this test no longer covers that path"
+    assert lines == ["config error: trainer.devices=0: must be >= 1"], lines
+    assert servers, "the fork server was not started before the config was composed: this test no longer covers that path"
     assert not left, f"processes outlived the failed launch: {left}"
