@@ -71,7 +71,9 @@ MEGATRON_MODEL = "Megatron-model key; an hf model's shape comes from model.model
 # NxDT key → rule. Order is the order of the migration guide's table.
 RULES: dict[str, Rule] = {
     # --- top level ---
-    "name": _map("run name: outputs/<name>/<timestamp>/ (exp_manager.name wins when both are set)"),
+    "name": _map(
+        "run name: outputs/<name>/<timestamp>/ (exp_manager.name wins when both are set; nxdt's own configs default it to the model config's name)"
+    ),
     "model_source": _custom(
         "hf: the model from model.model_config; megatron: from the Megatron model keys below (Llama, "
         "Mixtral or GPT by normalization, activation, position_embedding_type, has_bias)"
