@@ -157,11 +157,11 @@ def main(out: Path) -> None:
     report["nxdt_no_broadcast"] = run(strategy, out, "nxdt_no_broadcast")
     strategy.close()
     # num_nodes=2 on this one host: Lightning starts no process for node 1 (ranks 2, 3); the error says so once the
-    # join times out. 10 s (was 30: 20 s of the file's wall time spent waiting): ranks 0 and 1 arrive here together
+    # join times out. 4 s (was 30, then 10: every run waits it out in full): ranks 0 and 1 arrive here together
     # (the previous fit's last collective synchronised them; between the two fits each builds one Trainer, a fraction
     # of a CPU-second, a few seconds at load 20 on 2 cores), so rank 1 has joined well inside the window; when rank 1
     # still joins after rank 0 gave up, the test accepts rank 1's own one-line error for that case.
-    strategy = NxDStrategy(timeout_s=10)
+    strategy = NxDStrategy(timeout_s=4)
     report["two_nodes"] = run(strategy, out, "two_nodes", num_nodes=2)
     strategy.close()
     report["ddp"] = run(DDPStrategy(process_group_backend="gloo"), out, "ddp")

@@ -10,6 +10,8 @@ extra trained token per record, 0.8 % of the step-1 loss on NxDT's SFT config), 
 
 from __future__ import annotations
 
+import importlib.util
+
 import json
 from types import SimpleNamespace
 
@@ -27,7 +29,8 @@ from test_sft_e2e import TEMPLATE, _tokenizer
 
 trl = pytest.importorskip("trl", minversion="0.20")
 transformers = pytest.importorskip("transformers")
-datasets = pytest.importorskip("datasets")
+if importlib.util.find_spec("datasets") is None:  # imported by the test that uses it: ~0.8 CPU-s at collection
+    pytest.skip("datasets is not installed (TRL's dependency, in the [test] extra)", allow_module_level=True)
 
 SEQ = 256
 SHAPE = dict(
@@ -98,6 +101,8 @@ def _trl_batch(directory, rows, tmp_path, **config):
         **config,
     )
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
+    import datasets
+
     trainer = trl.SFTTrainer(model=hf, args=args, train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer)
     examples = [trainer.train_dataset[i] for i in range(len(rows))]
     return trainer, examples, trainer.data_collator(examples)
