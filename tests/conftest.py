@@ -10,52 +10,53 @@ import pytest  # noqa: E402
 
 SHARED_RUN_FIXTURES = {"attacked_restart", "everyday_runs", "reliability_reference"}
 
-# The groups that took longest in a full run on the 2-core host (worker-seconds, the README's command on main at 172f457,
-# 2026-11-29, load 2-4), scheduled longest first — the classic list-scheduling bound; a group missing here only runs
+# The groups that took longest in a full run on the 2-core host (worker-seconds, the README's command on main at a6cad8d,
+# 2026-11-29 13:24, load 1-3), scheduled longest first — the classic list-scheduling bound; a group missing here only runs
 # later, nothing else changes. xdist (>= 3.8) would otherwise re-sort the groups by their number of tests
 # (`--loadscope-reorder`, its default: ``pytest_configure`` turns it off), which put the one-test fresh-install group
 # last: it started at 651 s of 741 while the other worker had finished at 653.
 LONGEST_GROUPS = (
-    "shared_runs",  # 230 s
-    "tests/test_readme_commands.py",  # 100 s
-    "tests/test_multinode.py",  # 83 s
-    "tests/test_fresh_install.py",  # 79 s
-    "tests/test_lightning_api.py",  # 61 s
-    "tests/test_trackers.py",  # 51 s
-    "tests/test_model_parallel_e2e.py",  # 46 s
-    "tests/test_lightning_conformance_dist.py",  # 45 s
-    "tests/test_nxdt_configs.py",  # 43 s
-    "tests/test_dpo_e2e.py",  # 39 s
-    "tests/test_reshard.py",  # 34 s
-    "tests/test_lightning_conformance_demos.py",  # 21 s
-    "tests/parallel/test_fsdp.py",  # 21 s
-    "tests/test_grpo_train.py",  # 20 s
-    "tests/test_vocab_padding_e2e.py",  # 20 s
+    "shared_runs",  # 176 s
+    "tests/test_readme_commands.py",  # 89 s
+    "tests/test_fresh_install.py",  # 68 s
+    "tests/test_multinode.py",  # 68 s
+    "tests/test_lightning_api.py",  # 56 s
+    "tests/test_model_parallel_e2e.py",  # 52 s
+    "tests/test_trackers.py",  # 35 s
+    "tests/test_lightning_conformance_dist.py",  # 34 s
+    "tests/test_reshard.py",  # 32 s
+    "tests/test_dpo_e2e.py",  # 26 s
+    "tests/test_nxdt_configs.py",  # 26 s
+    "tests/test_config_cli.py",  # 24 s
+    "tests/test_lightning_conformance_demos.py",  # 23 s
+    "tests/test_vocab_padding_e2e.py",  # 21 s
     "tests/test_nxdt_upstream_cases.py",  # 19 s
-    "tests/comm/test_shared_tensors.py",  # 18 s
-    "tests/test_sft_e2e.py",  # 18 s
-    "tests/test_context_parallel_e2e.py",  # 18 s
-    "tests/test_config_cli.py",  # 15 s
-    "tests/test_resume_keys.py",  # 15 s
-    "tests/comm/test_collectives.py",  # 14 s
-    "tests/test_bad_input_matrix.py",  # 14 s
-    "tests/test_lora_checkpoint_e2e.py",  # 12 s
-    "tests/test_topology_planner.py",  # 12 s
-    "tests/comm/test_native.py",  # 12 s
-    "tests/test_lightning_conformance_ckpt.py",  # 12 s
-    "tests/comm/test_algorithms.py",  # 12 s
-    "tests/parallel/test_moe.py",  # 11 s
+    "tests/test_grpo_train.py",  # 19 s
+    "tests/test_context_parallel_e2e.py",  # 19 s
+    "tests/comm/test_shared_tensors.py",  # 17 s
+    "tests/test_sft_e2e.py",  # 16 s
+    "tests/test_rope_attention.py",  # 15 s
+    "tests/parallel/test_fsdp.py",  # 14 s
+    "tests/comm/test_collectives.py",  # 13 s
+    "tests/comm/test_transport.py",  # 11 s
+    "tests/test_family_train.py",  # 11 s
+    "tests/test_lightning_conformance_ckpt.py",  # 11 s
     "tests/test_stochastic_rounding.py",  # 11 s
-    "tests/test_orpo.py",  # 11 s
-    "tests/test_launch_checks.py",  # 10 s
-    "tests/parallel/test_context_parallel.py",  # 10 s
-    "tests/test_rope_attention.py",  # 9 s
-    "tests/parallel/test_overlap.py",  # 9 s
-    "tests/test_first_output.py",  # 9 s
+    "tests/comm/test_native.py",  # 11 s
+    "tests/comm/test_algorithms.py",  # 10 s
+    "tests/parallel/test_overlap.py",  # 10 s
+    "tests/test_resume_keys.py",  # 10 s
+    "tests/test_planner_heldout.py",  # 10 s
+    "tests/parallel/test_pipeline.py",  # 10 s
+    "tests/test_lora_checkpoint_e2e.py",  # 9 s
+    "tests/test_bad_input_matrix.py",  # 9 s
+    "tests/test_nxdt_semantics.py",  # 8 s
     "tests/test_hf_interop.py",  # 8 s
-    "tests/test_config_keys_read.py",  # 8 s
-    "tests/test_family_train.py",  # 8 s
-    "tests/comm/test_transport.py",  # 8 s
+    "tests/parallel/test_moe.py",  # 7 s
+    "tests/test_config_keys_read.py",  # 6 s
+    "tests/test_first_output.py",  # 6 s
+    "tests/parallel/test_tensor_parallel.py",  # 5 s
+    "tests/test_orpo.py",  # 5 s
 )
 
 
