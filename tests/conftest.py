@@ -98,3 +98,11 @@ def pytest_configure(config):
     import torch
 
     torch.set_num_threads(1)
+
+
+def pytest_unconfigure(config):
+    """The last act of the controller and of each xdist worker: no final garbage collection over the torch,
+    Lightning and transformers objects a worker imported (frozen; what nxdt's own program does at exit, nxdt/cli.py)."""
+    import gc
+
+    gc.freeze()
