@@ -206,14 +206,7 @@ def everyday_runs(tmp_path_factory) -> dict:
     failing_elapsed = time.monotonic() - start
     runs = {"llama_tiny": next(root.glob("outputs/llama_tiny/*")), "failing": next(root.glob("outputs/failing/*"))}
     failing_left = processes_left(runs["failing"])
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "nxdt.cli", "train", *STOPPED_ARGS],
-        cwd=root,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_train(STOPPED_ARGS, root)
     deadline = time.monotonic() + 120
     while not list(root.glob("outputs/stopped/*/checkpoints/step-*/done")):  # trained and saved: well under way
         assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()

@@ -10,29 +10,18 @@ import time
 
 import numpy as np
 import pytest
+from shared_runs import NOBODY, as_other_user
 
 from nxdt.comm import CommError
 from nxdt.comm.heap import Heap
 from nxdt.comm.shm import HEADER_BYTES, MAGIC, PREFIX, SHM_DIR, SegmentNames, ShmChannel, cleanup_run, remove_stale_segments
 
-NOBODY = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="creating a file as another user needs root (setuid)")
 
 
 def _as_other_user(fn) -> None:
-    """Run ``fn`` in a child process that has become another user (nobody)."""
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover (the forked child)
-        code = 1
-        try:
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            fn()
-            code = 0
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    """Run ``fn`` in a child process that has become another user (nobody); it must return normally."""
+    assert as_other_user(lambda: (fn(), 0)[1]) == 0
 
 
 def _squat(path: str, size: int) -> None:
