@@ -116,6 +116,21 @@ def test_a_rank_that_stopped_responding_is_named_with_the_timeout_that_noticed_i
         assert summary == f"stopped responding (rank 0: {TIMEOUT_ON_1})"
 
 
+def test_a_stopped_rank_killed_by_its_peer_is_named_when_the_agent_reports_only_it(tmp_path):
+    """Rank 1 SIGSTOPped, rank 0 timed out, recorded its error and SIGKILLed rank 1; the agent (forked workers: one
+    failure) saw rank 1's exit first. Its failure names no error file (torch's "<N/A>"), so the attempt's directory
+    comes from the agent's log dir: the headline read "Signal 9 (SIGKILL) received" (the full suite, idle host,
+    1 run of 4)."""
+    logs = tmp_path / "agent"
+    attempt = logs / "run_abc" / "attempt_0"
+    _error_file(attempt, 0, TIMEOUT_ON_1, T0)
+    killed = ProcessFailure(local_rank=1, pid=82, exitcode=-9, error_file=str(attempt / "1" / "error.json"))
+    assert killed.error_file == "<N/A>"  # what torch makes of a missing file
+    exc = ChildFailedError("worker", {1: killed})
+    rank, pid, summary = root_failure(exc, single_host=True, agent_logs=logs)
+    assert (rank, pid, summary) == (1, 82, f"stopped responding (rank 0: {TIMEOUT_ON_1})")
+
+
 def test_the_blame_follows_a_chain_of_waits_and_a_cycle_names_the_earliest(tmp_path):
     _error_file(tmp_path, 0, TIMEOUT_ON_1, T0)
     _error_file(tmp_path, 1, TIMEOUT_ON_1.replace("[1]", "[2]"), T0 + 1)

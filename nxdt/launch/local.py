@@ -68,18 +68,25 @@ def blamed_ranks(summary: str) -> list[int]:
     return [int(r) for r in match.group(1).split(",") if r.strip()] if match.group(1) is not None else [int(match.group(2))]
 
 
-def _records(exc: Any) -> dict[int, _Record]:
+def _records(exc: Any, agent_logs: Path | None = None) -> dict[int, _Record]:
     """Every worker's failure: those the agent reported and every error file beside theirs. The agent may report
     whichever exit it saw first (only that one, for forked workers). A worker killed by a signal writes no file:
     it counts as first (it died before anyone could notice), unless the signal was SIGTERM, the agent's way of
-    stopping the others."""
+    stopping the others. Such a failure names no error file (torch's "<N/A>"), so when the agent reported only
+    it, the attempt's directory is the newest one under ``agent_logs`` (the launch's ``DefaultLogsSpecs`` log dir):
+    a rank SIGKILLed by its peer after that peer's timeout was blamed on the signal, not on the timeout."""
     found: dict[int, _Record] = {}
     attempts = set()
     for rank, failure in exc.failures.items():
         recorded = os.path.isfile(failure.error_file)
         when = float("inf") if recorded or failure.exitcode == -signal.SIGTERM else float("-inf")
         found[rank] = _Record(when, failure.pid, _summary(failure.message, failure.exitcode), False)
-        attempts.add(Path(failure.error_file).parent.parent)  # <attempt>/<local rank>/error.json
+        if os.path.isabs(failure.error_file):
+            attempts.add(Path(failure.error_file).parent.parent)  # <attempt>/<local rank>/error.json
+    if not attempts and agent_logs is not None:
+        newest = max(agent_logs.glob("*/attempt_*"), key=lambda p: p.stat().st_mtime_ns, default=None)
+        if newest is not None:
+            attempts.add(newest)
     for path in sorted(p for attempt in attempts for p in attempt.glob("*/error.json")):
         other = int(path.parent.name)
         try:
@@ -93,7 +100,7 @@ def _records(exc: Any) -> dict[int, _Record]:
     return found
 
 
-def root_failure(exc: Any, *, single_host: bool) -> tuple[int, int | None, str]:
+def root_failure(exc: Any, *, single_host: bool, agent_logs: Path | None = None) -> tuple[int, int | None, str]:
     """(local rank, pid if known, one-line summary) of the failure that brought the job down.
 
     One failure brings down the rest: peers waiting for a dead rank raise ``PeerDiedError``, peers waiting for a
@@ -104,7 +111,7 @@ def root_failure(exc: Any, *, single_host: bool) -> tuple[int, int | None, str]:
     A rank blamed by a timeout that recorded no error of its own stopped responding: the headline says so and
     quotes the rank that noticed. ``single_host``: every rank of the job runs on this host, so the ranks messages
     name are the local ranks of the error files; otherwise the blame is not followed (they may be on other nodes)."""
-    found = _records(exc)
+    found = _records(exc, agent_logs)
     rank, witness = _originating_rank(found, single_host)
     own = found.get(rank)
     if own is not None and own.recorded:
@@ -139,7 +146,7 @@ def _originating_rank(found: dict[int, _Record], single_host: bool) -> tuple[int
 
 
 def _failure_line(exc: Any, run_dir: Path) -> str:
-    rank, _, summary = root_failure(exc, single_host=True)
+    rank, _, summary = root_failure(exc, single_host=True, agent_logs=run_dir / "logs" / "agent")
     return f"nxdt: rank {rank} failed: {summary} — see {run_dir / 'logs' / f'rank{rank}.log'}"
 
 

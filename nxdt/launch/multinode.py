@@ -458,7 +458,7 @@ def launch_node(run_dir: Path, spec: NodeSpec, args: Sequence[Any], entrypoint: 
             return elastic_launch(spec.launch_config(log_dir, START_METHOD), entrypoint=worker.main)(list(args))
         return elastic_launch(spec.launch_config(log_dir), entrypoint=entrypoint)(*args)
     except ChildFailedError as exc:
-        local_rank, pid, summary = root_failure(exc, single_host=False)
+        local_rank, pid, summary = root_failure(exc, single_host=False, agent_logs=log_dir)
         raise LaunchFailed(
             f"nxdt: {where}: worker {local_rank}{f' (pid {pid})' if pid else ''} failed: {summary} — logs in {run_dir / 'logs'}"
         ) from None
