@@ -11,14 +11,12 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import warm_cli
 from nxdt_cases import CASE, EXAMPLES, keys_of, write_cases
-from test_nxdt_configs import SHRINK
+from test_nxdt_configs import SHRINK, train_case
 
 from nxdt.config import ConfigError, compose_nxdt_config
 from nxdt.data import SAMPLE_TEXT
@@ -286,19 +284,6 @@ def corpus(tmp_path: Path) -> tuple[Path, Path]:
         assert out.returncode == 0, out.stderr
         prefixes.append(tmp_path / part)
     return prefixes[0], prefixes[1]
-
-
-def train_case(cases: Path, name: str, overrides: list[str], cwd) -> subprocess.CompletedProcess:
-    """``nxdt train`` on a case's NxDT config file with overrides; it must finish, with no key called unknown."""
-    result = warm_cli.run(
-        ["train", "--config-path", str(cases), "--config-name", name, *overrides],
-        cwd=cwd,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        timeout=170,
-    )
-    assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
-    assert "unknown key" not in result.stderr
-    return result
 
 
 @pytest.mark.slow
