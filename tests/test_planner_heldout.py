@@ -5,6 +5,7 @@ shipped catalogue, and the model term the held-out all-gather sweeps showed miss
 from __future__ import annotations
 
 import copy
+import hashlib
 import importlib.util
 import math
 from pathlib import Path
@@ -75,6 +76,31 @@ def test_the_fit_never_reads_the_blind_set(fit_script):
     assert blind["collectives"] == []  # no fresh collective figure was found (the file says where it looked)
     for entry in blind["end_to_end"]:
         assert entry["source"] in blind["sources"], entry["id"]
+
+
+def test_the_collective_blind_set_is_split_by_its_rule_and_never_fitted(fit_script):
+    """heldout4.yaml (collectives inside one GPU node, committed before its first prediction) is split by the rule its
+    header states: a figure '<sweep>@<bytes>' is 'dev' when int(sha256(id), 16) is even, else 'blind'. fit.py and the
+    fitting module never name it, SEEN does not hold it, and no sweep repeats a fitted or earlier held-out one (its
+    source appears in no other file). Every point is >= 1 MiB, every entry cites a source of the file."""
+    for path in (STUDY / "fit.py", ROOT / "nxdt" / "planner" / "fitting.py"):
+        assert "heldout4" not in path.read_text().lower(), path
+    script, fitted = fit_script
+    assert "heldout4.yaml" not in script.SEEN
+    data = yaml.safe_load((STUDY / "heldout4.yaml").read_text())
+    halves = {"dev": 0, "blind": 0}
+    for entry in data["collectives"]:
+        assert entry["source"] in data["sources"] and entry["id"] == f"{entry['sweep']}-{entry['half']}"
+        for size, _ in entry["points"]:
+            fid = f"{entry['sweep']}@{size}"
+            assert ("dev" if int(hashlib.sha256(fid.encode()).hexdigest(), 16) % 2 == 0 else "blind") == entry["half"]
+            assert size >= 1 << 20
+            halves[entry["half"]] += 1
+    assert halves == {"dev": 150, "blind": 170}
+    earlier = [yaml.safe_load((STUDY / n).read_text()) for n in ("published.yaml", *script.SEEN, "heldout3.yaml")]
+    assert not set(data["sources"]) & {s for f in earlier for s in f["sources"]}
+    sweeps = {e["sweep"] for e in data["collectives"]}
+    assert not sweeps & {e["id"] for f in earlier for e in f["collectives"]}
 
 
 def test_the_seen_held_out_training_figures_are_fitted_in_sequences_per_second(fit_script):

@@ -4,6 +4,7 @@
     python experiments/planner-accuracy/heldout.py --json out.json
     python experiments/planner-accuracy/heldout.py --data experiments/planner-accuracy/heldout2.yaml   # the second set
     python experiments/planner-accuracy/heldout.py --data experiments/planner-accuracy/heldout3.yaml   # the blind set
+    python experiments/planner-accuracy/heldout.py --data experiments/planner-accuracy/heldout4.yaml --half dev   # collectives
 
 heldout.yaml holds the figures (each with its source; heldout2.yaml and heldout3.yaml, each gathered after the
 previous set's predictions had been seen and committed before its own were run, have the same form). Since issue 35's
@@ -13,6 +14,8 @@ the values fit.py put into conf/instance/*.yaml; on the other two this script re
 Collectives go through the planner's estimate_collective, as `nxdt comm-test --estimate` does; training figures
 through the full `plan()` of the configuration the entry's recipe and overrides compose (what `nxdt plan` prints).
 The error of a figure is |predicted / measured - 1| (time for collectives, throughput for training).
+heldout4.yaml (collectives only) is split by a rule written in it into a dev half (the model may be tuned on it) and
+a blind half (predicted once, at the end): --half picks one, by each entry's `half` key.
 """
 
 from __future__ import annotations
@@ -137,8 +140,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", default=str(HERE / "heldout.yaml"))
     p.add_argument("--json", default=None, help="also write every row and the class table here")
+    p.add_argument("--half", choices=("dev", "blind"), default=None, help="only the entries of this half (heldout4.yaml)")
     args = p.parse_args()
     data = yaml.safe_load(Path(args.data).read_text())
+    if args.half:
+        data["collectives"] = [e for e in data.get("collectives", []) if e.get("half") == args.half]
     rows = predict_collectives(data) + predict_training(data)
     for r in rows:
         if r["kind"] == "collective":
