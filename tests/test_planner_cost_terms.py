@@ -61,6 +61,28 @@ def test_small_messages_inside_a_gpu_node_pay_nccls_per_call_latency():
     assert inst.collective_overhead_us > 8.4 and seconds >= (inst.collective_overhead_us + inst.device_link.latency_us) * 1e-6
 
 
+def test_inside_one_switched_node_smaller_messages_pay_the_channel_ramp_and_nodes_apart_do_not():
+    """NCCL runs a smaller message on fewer channels in smaller chunks (src/enqueue.cc: nc-- while nBytes < nc · nThreads
+    · threadThreshold; calcCollChunking), so inside one NVSwitch node the measured bus bandwidth grows with the message
+    (AIConfigurator's 8 A100s: all_gather 109 GB/s at 16 MiB, 193 at 256 MiB). Every algorithm inside the node pays
+    device_link's ramp, ramp_us · S / (S + ramp_bytes), exactly; across nodes it is not charged (the network stage
+    paces that pipeline, and p4d's fitted network values were fitted without it); the H100 carries none (fit.py fits
+    its node without one)."""
+    p4de = catalogue_instance("p4de.24xlarge")
+    flat = with_params(p4de, {"device_link.ramp_us": 0.0})
+    ramp = p4de.device_link.ramp_us * 1e-6
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        for nbytes in (1 << 20, p4de.device_link.ramp_bytes, 512 << 20):
+            extra = _estimate("", op, 8, 8, nbytes, p4de)[1] - _estimate("", op, 8, 8, nbytes, flat)[1]
+            assert extra == pytest.approx(ramp * nbytes / (nbytes + p4de.device_link.ramp_bytes), rel=1e-9)
+    assert _estimate("", "all_reduce", 8, 8, p4de.device_link.ramp_bytes, p4de)[1] - _estimate(
+        "", "all_reduce", 8, 8, p4de.device_link.ramp_bytes, flat
+    )[1] == pytest.approx(ramp / 2, rel=1e-9)
+    for op in ("all_reduce", "all_gather", "all_to_all"):
+        assert _estimate("", op, 16, 8, 64 << 20, p4de)[1] == _estimate("", op, 16, 8, 64 << 20, flat)[1]
+    assert catalogue_instance("p5.48xlarge").device_link.ramp_us == 0.0
+
+
 def test_nvls_beats_the_ring_for_large_all_reduce_inside_an_nvswitch_node():
     """On NVSwitch gen3 (H100) the switch reduces (NVLS): each GPU moves S each way at ``nvls_efficiency`` of its port
     instead of the ring's 2(n-1)/n·S, so for 8 GPUs and 1 GiB NVLS takes 1/(1.75·nvls_efficiency) of the ring's

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from nxdt.planner.cost import estimate_collective
-from nxdt.planner.fitting import COLLECTIVE_PARAMS, STEP_PARAMS, catalogue_instance, with_params
+from nxdt.planner.fitting import COLLECTIVE_PARAMS, STEP_PARAMS, catalogue_instance, get_param, with_params
 from nxdt.topology import topology_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,6 +101,20 @@ def test_the_collective_blind_set_is_split_by_its_rule_and_never_fitted(fit_scri
     assert not set(data["sources"]) & {s for f in earlier for s in f["sources"]}
     sweeps = {e["sweep"] for e in data["collectives"]}
     assert not sweeps & {e["id"] for f in earlier for e in f["collectives"]}
+
+
+def test_the_catalogue_ships_the_nvlink_values_tuned_on_the_dev_half_only():
+    """tune_dev.py fits the A100's (p4d, inherited by p4de) and GB200's NVLink efficiency and ramp inside one node to
+    heldout4.yaml's dev half: it binds only dev figures (none of the blind half), and conf/instance/ holds exactly the
+    values it computes."""
+    script = _script("tune_dev")
+    figures = script.dev_figures()
+    assert figures and all("-dev@" in f.id for f in figures)
+    data = yaml.safe_load((STUDY / "heldout4.yaml").read_text())
+    assert len(figures) == sum(len(e["points"]) for e in data["collectives"] if e["half"] == "dev")
+    for holder, values in script.tuned_values(figures).items():
+        inst = catalogue_instance(holder)
+        assert {p: get_param(inst, p) for p in values} == values, holder
 
 
 def test_the_seen_held_out_training_figures_are_fitted_in_sequences_per_second(fit_script):

@@ -16,6 +16,8 @@ With n ranks, S bytes (the full buffer: all-reduce input, all-gather output, red
     all-gather / reduce-scatter: half the all-reduce terms; all-to-all (pairwise): (n-1)·α + (n-1)/n·S/bw·h
     all-to-all across k nodes  α_intra + α_net + max((m-1)/n·S / bw_intra, (n-m)/n·S / node's network share)
     NVLS (NVLink SHARP)   nvls_latency + S / (port bw · nvls_efficiency)     (the switch reduces: S out, S in)
+    inside one switched node every algorithm adds device_link's ramp  ramp_us · S/(S + ramp_bytes)  (channels and
+    chunks NCCL shrinks for smaller messages; 0 where not set)
     tree across k nodes   2·((m-1)·α_intra + ⌈log2 k⌉·α_net) + (2 or, for k = 2, 1)·S / node's network bandwidth
     broadcast: binomial tree ⌈log2 n⌉·(α + S/bw) or a pipelined ring; send/recv: α + S/bw
 
@@ -121,7 +123,15 @@ def intra_link(shape: GroupShape, topo: Topology, instance: Any, calibration: di
         rhd_hops = hops
     else:  # switch / nvswitch: device_link is the device's whole port into the switch
         channels, hops = 1, 1.0
-    return Link(link.latency_us * 1e-6, channels * link.bandwidth_GBps * 1e9 * eff / shape.sharing, hops, max(rhd_hops, 1.0))
+    ramp = getattr(link, "ramp_us", 0.0) or 0.0  # inside one switched node only (_switched_node)
+    return Link(
+        link.latency_us * 1e-6,
+        channels * link.bandwidth_GBps * 1e9 * eff / shape.sharing,
+        hops,
+        max(rhd_hops, 1.0),
+        ramp=ramp * 1e-6,
+        ramp_bytes=getattr(link, "ramp_bytes", 0.0) or 0.0,
+    )
 
 
 def inter_link(shape: GroupShape, topo: Topology, instance: Any, ranks_per_node: int) -> Link:
@@ -254,12 +264,19 @@ def _switched_node(op: str, n: int, nbytes: float, intra: Link, flat: dict[str, 
     them; all-to-all sends to every peer at once) and, for all-reduce on a switch that reduces in the fabric, NVLS: each GPU writes its S bytes into the
     switch's multicast buffer and reads the reduced S back, at ``nvls_efficiency`` of its port (tuning.cc:
     nvlsEfficiency, 0.85 on Hopper), after ``nvls_latency_us`` (tuning.cc: hwLatencies NVLINK/NVLS, 25 µs)."""
+    # The ramp (device_link.ramp_us at most, half of it at ramp_bytes): what a message below the saturating size
+    # costs beyond the alpha-beta terms. NCCL runs a small message on fewer channels (src/enqueue.cc,
+    # topoGetAlgoInfo: nc-- while nBytes < nc * nThreads * threadThreshold) in smaller chunks (calcCollChunking:
+    # chunk / 2 or / 4 below 8 steps' worth), so its bandwidth grows with the size and its pipeline through the
+    # ring's steps fills and drains over a chunk that grows with it; NCCL's own tuning model leaves this out
+    # (src/graph/tuning.cc: "waiting for proper chunk modeling").
+    ramp = intra.ramp * nbytes / (nbytes + intra.ramp_bytes) if intra.ramp else 0.0
     if op == "all_to_all":  # the n-1 transfers at once through the switch, one latency
-        return {"pairwise": intra.alpha + (n - 1) / n * nbytes / intra.bw}
-    est = {"ring": flat["ring"]} if "ring" in flat else dict(flat)
+        return {"pairwise": intra.alpha + (n - 1) / n * nbytes / intra.bw + ramp}
+    est = {"ring": flat["ring"] + ramp} if "ring" in flat else {k: v + ramp for k, v in flat.items()}
     eff = getattr(instance, "nvls_efficiency", 0.0) or 0.0
     if op == "all_reduce" and eff > 0:
-        est["nvls"] = getattr(instance, "nvls_latency_us", 0.0) * 1e-6 + nbytes / (intra.bw * eff)
+        est["nvls"] = getattr(instance, "nvls_latency_us", 0.0) * 1e-6 + nbytes / (intra.bw * eff) + ramp
     return est
 
 
