@@ -4,6 +4,7 @@ the one-line refusal of a GPU instance on a host without CUDA. Nothing here need
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -15,7 +16,7 @@ from nxdt.config import compose_config
 from nxdt.config.validate import ConfigError
 from nxdt.launch.cluster import describe_local
 from nxdt.launch.devices import device_lines, resolve_accelerator
-from nxdt.lightning.optim import build_optimizer
+from nxdt.lightning.optim import build_optimizer, decayed_rate, parameter_groups
 from nxdt.lightning.strategy import NxDStrategy
 from nxdt.lightning.train import rank_devices
 from nxdt.parallel.devices import (
@@ -64,8 +65,7 @@ def test_formats_follow_precision_type_on_either_device(precision, params, autoc
 def test_kernels_per_device():
     cpu, gpu = policy_for("cpu", 0, 2, 0), policy_for("cuda", 1, 2, 2)
     assert (cpu.device, gpu.device, gpu.torch_device) == ("cpu", "cuda:1", torch.device("cuda", 1))
-    assert cpu.adamw_options() == adamw_options("cpu") == {"foreach": False}  # what the CPU always ran
-    assert gpu.adamw_options() == {"fused": True}
+    assert cpu.adamw_options() == adamw_options("cpu") == gpu.adamw_options() == {"fused": True}
     assert cpu.sdpa_backends == sdpa_backends("cpu", True) == ()  # torch's own choice on the CPU
     assert gpu.sdpa_backends == ()  # fp32: flash and cuDNN take no fp32; torch picks (GQA may need the math kernel)
     bf16 = policy_for("cuda", 0, 1, 1, "mixed_precision")
@@ -74,10 +74,36 @@ def test_kernels_per_device():
         policy_for("tpu", 0, 1, 1)
 
 
-def test_cpu_optimizer_is_unchanged():
-    opt = build_optimizer(torch.nn.Linear(2, 2), compose_config([]).model.optim)
-    assert isinstance(opt, torch.optim.AdamW)
-    assert opt.defaults["foreach"] is False and not opt.defaults["fused"]
+def test_cpu_optimizer_is_the_fused_kernel_and_equals_the_loop_within_its_rounding():
+    """The CPU AdamW is torch's fused kernel (Hugging Face Trainer's default, transformers/training_args.py:
+    ``default_optim = "adamw_torch_fused"`` for torch >= 2.8), and its steps equal torch's per-parameter loop (torch's
+    CPU default) up to rounding. Bound: both evaluate the same formula in fp32 in another operation order, so each step
+    may leave a parameter one rounding of its own size apart (2^-24 |p| for the final add, the update itself being
+    computed to a few 2^-24 of its size, which is below lr); over k steps with fixed gradients the gaps add (the decay
+    factor 1 - lr*wd < 1 only shrinks them): |fused - loop| <= k * 2^-23 * (|p| + lr). A wrong moment, bias correction
+    or decay would be off by a sizeable fraction of lr at the first step."""
+    optim = compose_config(["model.optim.weight_decay=0.1"]).model.optim
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.LayerNorm(96), torch.nn.Linear(96, 32))
+    loop_model = copy.deepcopy(model)
+    start = copy.deepcopy(model)
+    fused = build_optimizer(model, optim)
+    assert isinstance(fused, torch.optim.AdamW) and fused.defaults["fused"] is True
+    loop = torch.optim.AdamW(
+        parameter_groups(loop_model, decayed_rate(optim)), lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, foreach=False
+    )
+    generator = torch.Generator().manual_seed(1)
+    steps = 4
+    for _ in range(steps):
+        for p, q in zip(model.parameters(), loop_model.parameters(), strict=True):
+            p.grad = torch.randn(p.shape, generator=generator)
+            q.grad = p.grad.clone()
+        fused.step()
+        loop.step()
+    for p, q, p0 in zip(model.parameters(), loop_model.parameters(), start.parameters(), strict=True):
+        assert ((p - p0).abs().max() > optim.lr / 2).item()  # AdamW moves each tensor by ~lr a step: the steps ran
+        bound = steps * 2.0**-23 * (q.detach().abs() + optim.lr)
+        assert ((p - q).abs() <= bound).all(), (p - q).abs().max()
 
 
 def test_instance_env_fills_what_the_environment_lacks():
@@ -158,7 +184,7 @@ def test_plain_loop_peer_runs_on_cpu_tiny():
     assert out["parameters"] == model_numbers(compose_config(loop.TINY).model)["total"]
     # normal(0, 0.02) weights give near-uniform logits over the 256 byte tokens at step 1
     assert out["losses"][0] == pytest.approx(math.log(256), abs=0.05)
-    assert out["adamw"] == {"foreach": False} and out["tokens_per_s"] > 0
+    assert out["adamw"] == {"fused": True} and out["tokens_per_s"] > 0
 
 
 def test_host_memory_check_leaves_gpu_state_to_the_gpu():

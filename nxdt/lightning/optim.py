@@ -79,7 +79,7 @@ def build_optimizer(model: nn.Module, optim_cfg: Any, *, precision: str = "fp32"
         lr=optim_cfg.lr,
         betas=tuple(optim_cfg.betas),
         eps=optim_cfg.eps,
-        **adamw_options(device),  # CPU: per-parameter loops, as always; CUDA: the fused kernel (nxdt.parallel.devices)
+        **adamw_options(device),  # torch's fused kernel, as Hugging Face's Trainer (nxdt.parallel.devices)
     )
 
 

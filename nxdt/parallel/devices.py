@@ -86,9 +86,12 @@ class DevicePolicy:
 
 
 def adamw_options(device_type: str) -> dict[str, Any]:
-    """Keyword arguments of ``torch.optim.AdamW`` for parameters on ``device_type``. CPU: per-parameter loops (foreach
-    kernels allocate extra temporaries and are no faster on small CPU models); CUDA: the fused kernel."""
-    return {"fused": True} if device_type == "cuda" else {"foreach": False}
+    """Keyword arguments of ``torch.optim.AdamW`` for parameters on ``device_type``: torch's fused kernel on the CPU
+    and CUDA alike — what Hugging Face's Trainer runs by default (``optim="adamw_torch_fused"`` with torch ≥ 2.8).
+    On the CPU it takes 0.22x the time of torch's own CPU default, the per-parameter loop (17.6 against 78.6 ms for
+    15.6 M parameters, one core), whose results it equals but for the last bit of about 1 % of the elements per step
+    (a named difference: docs/migrating-from-nxdt.md, "What differs")."""
+    return {"fused": True}
 
 
 def sdpa_backends(device_type: str, half: bool) -> tuple[str, ...]:
