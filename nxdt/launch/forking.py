@@ -35,11 +35,12 @@ def start_method(fork_here: bool = False) -> str:
     return START_METHOD
 
 
-def start_fork_server() -> None:
-    """Start the fork server the agent's workers come from, importing ``PRELOAD`` once. Called before the
-    launcher's own checks and the agent's rendezvous, so the imports overlap them; the server is
-    single-threaded (it only imports), so forking it is safe, and it exits with the launcher."""
-    multiprocessing.get_context(START_METHOD).set_forkserver_preload(PRELOAD)
+def start_fork_server(preload: list[str] = PRELOAD) -> None:
+    """Start the fork server the agent's workers come from, importing ``preload`` once (its first module calls
+    :func:`die_with_agent`: ``nxdt.launch.fork_server``, or ``nxdt.launch.comm_fork_server`` for ``nxdt comm-test
+    -N``'s ranks). Called before the launcher's own checks and the agent's rendezvous, so the imports overlap them;
+    the server is single-threaded (it only imports), so forking it is safe, and it exits with the launcher."""
+    multiprocessing.get_context(START_METHOD).set_forkserver_preload(preload)
     multiprocessing.forkserver.ensure_running()
 
 

@@ -424,10 +424,13 @@ def describe_node(spec: NodeSpec, run_dir: Path, args: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def launch_node(run_dir: Path, spec: NodeSpec, args: Sequence[Any], entrypoint: Any = None) -> Any:
+def launch_node(
+    run_dir: Path, spec: NodeSpec, args: Sequence[Any], entrypoint: Any = None, server_preload: list[str] | None = None
+) -> Any:
     """Run this node's agent until the job ends. Without ``entrypoint`` the workers train (``args``: the
     worker's argv, see ``worker_args``) and are forked from a pre-imported server; otherwise
-    ``entrypoint`` is a picklable function started fresh (``args``: its arguments; returns {local rank: value})."""
+    ``entrypoint`` is a picklable function (``args``: its arguments; returns {local rank: value}), started fresh, or
+    forked from a server that imported ``server_preload`` first (its first module calls ``die_with_agent``)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
@@ -456,6 +459,11 @@ def launch_node(run_dir: Path, spec: NodeSpec, args: Sequence[Any], entrypoint: 
 
             start_fork_server()  # after the environment above is set: the workers inherit the server's
             return elastic_launch(spec.launch_config(log_dir, START_METHOD), entrypoint=worker.main)(list(args))
+        if server_preload:
+            from nxdt.launch.forking import START_METHOD, start_fork_server
+
+            start_fork_server(server_preload)  # its imports overlap the rendezvous
+            return elastic_launch(spec.launch_config(log_dir, START_METHOD), entrypoint=entrypoint)(*args)
         return elastic_launch(spec.launch_config(log_dir), entrypoint=entrypoint)(*args)
     except ChildFailedError as exc:
         local_rank, pid, summary = root_failure(exc, single_host=False, agent_logs=log_dir)

@@ -189,20 +189,31 @@ def test_mismatched_counts_fail_clearly_on_every_rank():
         assert "count=10" in msg and "count=20" in msg and "rank 0" in msg and "rank 1" in msg
 
 
-def _absent(world) -> str:
+def stay_alive_until(marker: str, limit_s: float = 50.0) -> None:
+    """A rank that is alive but never calls the collective its peer waits in, until the peer has written ``marker``
+    (after its timeout). A fixed sleep waited its full length after the peer's 1 s timeout (3 s a run), and on a
+    loaded host could end before the peer's wait did: the peer then saw an exit instead of a timeout."""
+    deadline = time.monotonic() + limit_s
+    while not os.path.exists(marker):
+        assert time.monotonic() < deadline, f"the peer never wrote {marker}"
+        time.sleep(0.01)
+
+
+def _absent(world, marker: str) -> str:
     if world.rank == 1:
-        time.sleep(3.0)  # alive, but never calls the collective
+        stay_alive_until(marker)  # alive, but never calls the collective
         return ""
     start = time.monotonic()
     with pytest.raises(CommTimeoutError) as info:
         world.world.all_reduce(torch.ones(4))
     assert time.monotonic() - start < 2.5
+    open(marker, "w").close()
     return str(info.value)
 
 
 @pytest.mark.timeout(60)
-def test_a_rank_that_never_arrives_is_named_after_the_timeout():
-    message = run_local(_absent, 2, timeout_s=40, comm_timeout_s=1.0)[0]
+def test_a_rank_that_never_arrives_is_named_after_the_timeout(tmp_path):
+    message = run_local(_absent, 2, str(tmp_path / "timed-out"), timeout_s=40, comm_timeout_s=1.0)[0]
     assert "rank(s) [1]" in message and "all_reduce" in message and "world" in message
 
 

@@ -14,13 +14,13 @@ import os
 import shutil
 import signal
 import sysconfig
-import time
 
 import pytest
 import torch
 
 from nxdt.comm import CommError, CommMismatchError, CommTimeoutError, PeerDiedError, native
 from nxdt.comm.spawn import RankFailed, run_local
+from test_collectives import stay_alive_until
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32]
 SIZES = [5, 1000, 20_000]  # one element per member and then some; one small step; past the 64 KB direct limit (3+ members slice)
@@ -192,10 +192,11 @@ def _repeated_calls(world, report: str) -> None:
     for _ in range(2):
         other.all_reduce(torch.ones(4))
     if r == 1:
-        time.sleep(2.0)  # alive, but late: rank 0's cached call times out naming rank 1
+        stay_alive_until(report + ".timed-out")  # alive, but late: rank 0's cached call times out naming rank 1
     else:
         with pytest.raises(CommTimeoutError, match=r"rank\(s\) \[1\]"):
             other.all_reduce(torch.ones(4))
+        open(report + ".timed-out", "w").close()
     third = world.new_communicator([0, 1], "third")
     for _ in range(2):
         third.all_reduce(torch.ones(4))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ import warm_cli
 
 from nxdt.comm import CommTimeoutError, Tracer
 from nxdt.comm.spawn import run_local
+from test_collectives import stay_alive_until
 from nxdt.comm.transport import ALGORITHM_NAMES, ALGORITHMS
 from nxdt.config import compose_config
 from nxdt.config.validate import COMM_ALGORITHMS, ConfigError
@@ -159,19 +159,20 @@ def test_transports_agree_and_each_choice_changes_what_runs():
     assert r["empty_shared"] and not r["p2p_empty_shared"]
 
 
-def _gloo_absent(world) -> str:
+def _gloo_absent(world, marker: str) -> str:
     comm = world.new_communicator([0, 1], "g", transport="gloo")
     if world.rank == 1:
-        time.sleep(2.0)  # alive, never calls the collective
+        stay_alive_until(marker)  # alive, never calls the collective
         return ""
     with pytest.raises(CommTimeoutError) as info:
         comm.all_reduce(torch.ones(4))
+    open(marker, "w").close()
     return str(info.value)
 
 
 @pytest.mark.timeout(60)
-def test_gloo_transport_times_out_with_one_line_naming_the_group():
-    message = run_local(_gloo_absent, 2, timeout_s=40, comm_timeout_s=1.0)[0]
+def test_gloo_transport_times_out_with_one_line_naming_the_group(tmp_path):
+    message = run_local(_gloo_absent, 2, str(tmp_path / "timed-out"), timeout_s=40, comm_timeout_s=1.0)[0]
     assert "group 'g'" in message and "gloo" in message and "\n" not in message
 
 

@@ -1,0 +1,19 @@
+"""What the fork server of ``nxdt comm-test -N``'s node agents imports before forking the benchmark's ranks
+(``nxdt.launch.multinode.launch_node``'s ``server_preload``); imported nowhere else.
+
+A rank of the benchmark needs torch and nxdt.comm, not Lightning: this is :mod:`nxdt.launch.fork_server` without
+the training imports. Each rank used to be a spawned interpreter importing torch on its own (≈ 4 CPU-s a rank, one
+after another when ranks outnumber cores); now the node imports it once and forks its ranks. The server dies with its
+agent, as the training one does (its ranks hold the server's "agent alive" pipe open).
+"""
+
+import atexit
+import os
+
+from nxdt.launch.forking import die_with_agent
+
+die_with_agent()
+
+import nxdt.launch.comm_test  # noqa: E402,F401  (the rank's entry point and what it imports: torch, nxdt.comm)
+
+atexit.register(os._exit, 0)
