@@ -41,6 +41,11 @@ try:
     import torch.utils.tensorboard  # noqa: F401  (rank 0's TensorBoard writer)
 except ImportError:
     pass
+from nxdt.config import compose_config, schema_tree
+# What the first compose of a process fills once (Hydra's ConfigStore schemas, the default group choices composed, the
+# typed tree workers read their config onto): ~0.4 CPU-s the nxdt program pays once, and every fork here paid again
+compose_config([], check=False)
+schema_tree()
 
 
 # End this forked process with call()'s exit code: the int it returns, SystemExit's int, else 1 (a traceback printed).
