@@ -42,9 +42,11 @@ try:
 except ImportError:
     pass
 from nxdt.config import compose_config, schema_tree
-# What the first compose of a process fills once (Hydra's ConfigStore schemas, the default group choices composed, the
-# typed tree workers read their config onto): ~0.4 CPU-s the nxdt program pays once, and every fork here paid again
-compose_config([], check=False)
+# What the first compose of a process fills once (Hydra's ConfigStore schemas, the typed tree workers read their config
+# onto) and the group choices of most of the suite's launches (test_train_e2e.TINY, with data=synthetic), each composed
+# once (nxdt.config._composed_defaults): ~0.4 CPU-s that the nxdt program pays once and every fork here paid again
+for choices in ([], ["model=llama_tiny"], ["model=llama_tiny", "data=synthetic"]):
+    compose_config(choices, check=False)
 schema_tree()
 
 
