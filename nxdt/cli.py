@@ -1272,10 +1272,11 @@ def cmd_data(argv: list[str]) -> int:
     return convert_megatron(argv[1:], OneLineParser)
 
 
-def cmd_eval(argv: list[str]) -> int:
+def cmd_eval(argv: list[str], fork_ranks: bool = False) -> int:
+    """``fork_ranks``: ``--ranks N`` may fork its ranks from this process (``nxdt.launch.evaluate.perplexity``)."""
     from nxdt.launch.evaluate import main as evaluate  # imports torch and the model hub only when run
 
-    return evaluate(argv)
+    return evaluate(argv, fork_ranks=fork_ranks)
 
 
 def cmd_generate(argv: list[str]) -> int:
@@ -1332,6 +1333,8 @@ def main(argv: list[str] | None = None, *, fork_workers: bool = False) -> int:
             return cmd_train(argv[1:], start_workers_early=program, fork_workers=fork_workers)
         if command is cmd_comm_test:  # a process of its own (not a caller's): its ranks may be its forks
             return cmd_comm_test(argv[1:], fork_ranks=program or fork_workers)
+        if command is cmd_eval:  # likewise
+            return cmd_eval(argv[1:], fork_ranks=program or fork_workers)
         return command(argv[1:])
     except UsageError as exc:
         return _fail(str(exc))

@@ -41,6 +41,13 @@ try:
     import torch.utils.tensorboard  # noqa: F401  (rank 0's TensorBoard writer)
 except ImportError:
     pass
+from nxdt.config import compose_config, schema_tree
+# What the first compose of a process fills once (Hydra's ConfigStore schemas, the typed tree workers read their config
+# onto) and the group choices of most of the suite's launches (test_train_e2e.TINY, with data=synthetic), each composed
+# once (nxdt.config._composed_defaults): ~0.4 CPU-s that the nxdt program pays once and every fork here paid again
+for choices in ([], ["model=llama_tiny"], ["model=llama_tiny", "data=synthetic"]):
+    compose_config(choices, check=False)
+schema_tree()
 
 
 # End this forked process with call()'s exit code: the int it returns, SystemExit's int, else 1 (a traceback printed).

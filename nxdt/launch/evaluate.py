@@ -242,7 +242,11 @@ def _perplexity_rank(world: Any, model_path: str, data: str, seq_length: int, ba
     return sums.tolist()
 
 
-def perplexity(model_path: str, data: str, seq_length: int | None, batch_size: int, ranks: int) -> dict[str, Any]:
+def perplexity(
+    model_path: str, data: str, seq_length: int | None, batch_size: int, ranks: int, fork_ranks: bool = False
+) -> dict[str, Any]:
+    """``fork_ranks``: this process is the caller's own program (``nxdt eval``), so ``--ranks N`` may fork its ranks
+    from it (``spawn.can_fork_here``) instead of from a fork server that imports torch and Lightning again."""
     from nxdt.comm.bench import RANKS_PER_CORE, usable_cores
 
     # each rank is a process holding the whole model: capped as comm-test's -r is (--ranks 100000 forked until the
@@ -253,6 +257,12 @@ def perplexity(model_path: str, data: str, seq_length: int | None, batch_size: i
             f"nxdt eval: --ranks {ranks} must be between 1 and {most} ({RANKS_PER_CORE} per usable CPU core; each rank "
             "holds the whole model)"
         )
+    if ranks > 1 and fork_ranks:
+        import torch
+
+        # the ranks compute; this process only reads the model's sizes and the windows, on one thread, so that it
+        # leaves no OpenMP team behind in the processes it forks (as the launcher's checks: cli._check_model)
+        torch.set_num_threads(1)
     loaded = load_model(model_path)
     seq = seq_length or loaded.seq_length
     if seq > loaded.max_positions:
@@ -267,14 +277,24 @@ def perplexity(model_path: str, data: str, seq_length: int | None, batch_size: i
     if ranks == 1:
         total, count = window_nll(loaded.model, rows, batch_size)
     else:
-        from nxdt.comm.spawn import run_local
+        import nxdt.comm.world  # noqa: F401  (what every rank runs; can_fork_here asks for it)
+        from nxdt.comm.spawn import can_fork_here, run_local
 
         if ranks > len(rows):
             raise EvalError(f"nxdt eval: --ranks {ranks} is more than the {len(rows)} windows of {data}")
         # every rank loads the model (load_model) through nxdt.lightning.module, whose Lightning import costs ~8 CPU-s:
-        # imported once by the fork server instead of by each rank
+        # this process has imported it (load_model above), so its forks start at once; else imported once by the fork
+        # server instead of by each rank
         total, count = run_local(
-            _perplexity_rank, ranks, model_path, data, seq, batch_size, timeout_s=3600, preload=["nxdt.lightning.module"]
+            _perplexity_rank,
+            ranks,
+            model_path,
+            data,
+            seq,
+            batch_size,
+            timeout_s=3600,
+            preload=["nxdt.lightning.module"],
+            fork_here=fork_ranks and can_fork_here(_perplexity_rank),
         )[0]
         count = int(count)
     mean = total / count
@@ -385,7 +405,8 @@ def _option(argv: list[str], flag: str, convert: Any = str, default: Any = None)
     return value, argv[:at] + argv[at + 2 :]
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], fork_ranks: bool = False) -> int:
+    """``fork_ranks``: see :func:`perplexity`."""
     try:
         if not argv or argv[0] not in ("perplexity", "generate"):
             raise EvalError(USAGE)
@@ -409,7 +430,7 @@ def main(argv: list[str]) -> int:
         check_output("nxdt eval", out)  # before the model is loaded
         check_model_dir("nxdt eval", rest[0])
         if kind == "perplexity":
-            result = perplexity(rest[0], data, seq_length, batch_size, ranks)
+            result = perplexity(rest[0], data, seq_length, batch_size, ranks, fork_ranks)
         else:
             result = generate(rest[0], data, max_new_tokens, batch_size, limit)
         write_output("nxdt eval", out, json.dumps(result, indent=1) + "\n")

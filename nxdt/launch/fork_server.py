@@ -20,5 +20,8 @@ from nxdt.launch.forking import die_with_agent
 die_with_agent()
 
 import nxdt.lightning.train  # noqa: E402,F401  (the imports every worker needs)
+from nxdt.config import schema_tree  # noqa: E402
+
+schema_tree()  # the typed config tree every worker reads its run's config.yaml onto, built once (~0.08 CPU-s a worker)
 
 atexit.register(os._exit, 0)

@@ -161,6 +161,7 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
 
     from nxdt.comm import cleanup_run
     from nxdt.comm.store import StoreAccessError, check_store_dir, new_secret
+    from nxdt.config import schema_tree
     from nxdt.launch import rendezvous, worker
     from nxdt.launch.forking import start_fork_server, start_method
     from nxdt.launch.rundir import STORE_FILE, STORE_SECRET_FILE, write_store_secret
@@ -194,6 +195,8 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
         write_store_secret(run_dir, new_secret())  # the workers sign and check nxdt's keys in the store with it
         if method != "fork":
             start_fork_server()
+        else:  # the workers are forks of this process: the config tree each reads its config.yaml onto, built once
+            schema_tree()
         elastic_launch(config, entrypoint=worker.main)(argv)
     except ChildFailedError as exc:
         raise LaunchFailed(_failure_line(exc, run_dir)) from None

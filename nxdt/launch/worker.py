@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import signal
 import sys
 import threading
@@ -48,20 +49,40 @@ def _redirect_output(log_path: Path, tee_to_console: bool) -> Callable[[], None]
     os.dup2(write_end, 1)
     os.dup2(write_end, 2)
     os.close(write_end)
+    done_r, done_w = os.pipe()  # written by drain(): this process writes no more into the pipe
+
+    def copy(chunk: bytes) -> None:
+        log.write(chunk)
+        os.write(console, chunk)
 
     def pump() -> None:
-        while chunk := os.read(read_end, 65536):
-            log.write(chunk)
-            os.write(console, chunk)
+        while True:
+            ready = select.select([read_end, done_r], [], [])[0]
+            if read_end in ready:
+                if not (chunk := os.read(read_end, 65536)):
+                    return
+                copy(chunk)
+                continue
+            # drain() moved fds 1 and 2 to the log: all this process wrote is in the pipe now. A subprocess that
+            # inherited them (W&B's service, ClearML's monitor) may hold the pipe open past this process's end, so
+            # copy what is there and stop rather than wait for end-of-file (drain's join sat out its whole timeout)
+            os.set_blocking(read_end, False)
+            try:
+                while chunk := os.read(read_end, 65536):
+                    copy(chunk)
+            except BlockingIOError:
+                pass
+            return
 
     thread = threading.Thread(target=pump, name="nxdt-tee", daemon=True)
     thread.start()
 
-    def drain() -> None:  # the pipe's last write ends are fds 1 and 2: moving them to the log ends the pump
+    def drain() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
+        os.write(done_w, b"x")
         thread.join(timeout=2)
 
     return drain
