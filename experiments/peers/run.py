@@ -90,6 +90,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # the same with distributed_strategy.zero1=true: each rank updates half the parameters instead of all of them
     "nxdt train (2 ranks, ZeRO-1)": dict(kind="cli", zero1=True, diagnostic=True),
     "torch loop (1 process)": dict(kind="loop"),
+    # the same loop importing only torch, nxdt's model and data classes and its optimizer module: no Lightning
+    "torch loop (1 process, no Lightning)": dict(kind="loop", plain=True, diagnostic=True),
 }
 # (nxdt variant, peer variant, what is compared: step time, or wall time of the whole run)
 PAIRS = [
@@ -107,6 +109,7 @@ PAIRS = [
     ("nxdt TP2+SP", "torch DTensor TP2+SP (gloo)", "step"),
     ("nxdt train (2 ranks)", "torch loop (1 process)", "wall"),
     ("nxdt train (2 ranks, ZeRO-1)", "torch loop (1 process)", "wall"),
+    ("nxdt train (2 ranks)", "torch loop (1 process, no Lightning)", "wall"),
 ]
 
 
@@ -464,18 +467,51 @@ def dtensor_tensor_parallel(model: Any, mesh: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- nxdt train vs a loop
-def run_loop(steps: int, out: Path) -> None:
-    """The tutorial loop: one process, torch's default threads, the whole global batch at once, clipping 1.0."""
+def lightning_free_recipe(cfg: Any) -> tuple[Any, Any, Any]:
+    """The loop's model, batches and optimizer module without importing Lightning (which ``nxdt.lightning``'s package
+    pulls in: ~9 CPU-s of a start-up on this host): the model class by its dotted path, the synthetic batches as
+    NxDDataModule builds them for one rank (``SyntheticTokens`` + ``GlobalBatchSampler``), and nxdt/lightning/optim.py
+    loaded by its file path (it imports no Lightning itself). The pair's loss check proves it is the same recipe."""
+    import importlib
+    import importlib.util
+
+    import torch
+    from torch.utils.data import DataLoader
+
+    from nxdt.data.datasets import SyntheticTokens
+    from nxdt.data.sampler import GlobalBatchSampler
+
+    module_name, _, class_name = cfg.model.architecture.rpartition(".")
+    torch.manual_seed(cfg.seed)
+    model = getattr(importlib.import_module(module_name), class_name)(cfg.model)
+    data = SyntheticTokens(cfg.data.num_samples, cfg.data.seq_length, cfg.model.vocab_size, cfg.seed)
+    batch = cfg.data.global_batch_size
+    sampler = GlobalBatchSampler(len(data), batch, batch, dp_rank=0, dp_size=1, consumed_samples=0, seed=cfg.seed, shuffle=True)
+    spec = importlib.util.spec_from_file_location("peers_optim", HERE.parents[1] / "nxdt" / "lightning" / "optim.py")
+    assert spec is not None and spec.loader is not None
+    optim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(optim)
+    return model, DataLoader(data, batch_sampler=sampler, num_workers=0), optim
+
+
+def run_loop(steps: int, out: Path, plain: bool = False) -> None:
+    """The tutorial loop: one process, torch's default threads, the whole global batch at once, clipping 1.0
+    (``plain``: without importing Lightning, :func:`lightning_free_recipe`)."""
     import torch
 
-    from nxdt.lightning.optim import build_optimizer, build_scheduler
-
     cfg = compose(steps)
-    model = build_model(cfg)
+    if plain:
+        model, batches, optim = lightning_free_recipe(cfg)
+        build_optimizer, build_scheduler = optim.build_optimizer, optim.build_scheduler
+        assert "lightning" not in sys.modules, "the Lightning-free loop imported Lightning"
+    else:
+        from nxdt.lightning.optim import build_optimizer, build_scheduler
+
+        model, batches = build_model(cfg), rank_batches(cfg, 0, 1)
     optimizer = build_optimizer(model, cfg.model.optim)
     scheduler = build_scheduler(optimizer, cfg.model.optim.sched)
     clock, losses = Clock(), []
-    for _, batch in zip(range(steps), rank_batches(cfg, 0, 1)):
+    for _, batch in zip(range(steps), batches):
         loss = model.loss_fn(model(batch["input_ids"]), batch["labels"])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.gradient_clip_val)
@@ -581,6 +617,9 @@ def main() -> None:
     parser.add_argument("--wall-steps", type=int, default=20, help="steps of the nxdt train / loop pair (default 20)")
     parser.add_argument("--reps", type=int, default=2, help="interleaved rounds (default 2)")
     parser.add_argument("--quick", action="store_true", help="1 round of 6 steps: checks every variant runs")
+    parser.add_argument(
+        "--no-warm-up", dest="warm_up", action="store_false", help="skip the unrecorded warm-up launch of each variant"
+    )
     parser.add_argument("--only", nargs="+", choices=list(VARIANTS), help="run these variants only")
     parser.add_argument("--deepspeed-path", help="a site-packages directory with DeepSpeed (not an nxdt dependency)")
     parser.add_argument("--json", type=Path, default=HERE / "results.json")
@@ -594,9 +633,9 @@ def main() -> None:
             return run_lightning(v, args.steps, args.out)
         if v["kind"] == "torchrun":
             return run_torchrun(v, args.steps, args.out)
-        return run_loop(args.steps, args.out)
+        return run_loop(args.steps, args.out, plain=v.get("plain", False))
     if args.quick:
-        args.steps, args.warmup, args.wall_steps, args.reps = 6, 2, 6, 1
+        args.steps, args.warmup, args.wall_steps, args.reps, args.warm_up = 6, 2, 6, 1, False
     names = args.only or [n for n, v in VARIANTS.items() if not v.get("diagnostic")]
     skipped = {}
     if any(VARIANTS[n].get("peer") == "deepspeed" for n in names):
@@ -614,6 +653,7 @@ def main() -> None:
         "wall_steps": args.wall_steps,
         "warmup": args.warmup,
         "reps": args.reps,
+        "warm_up_launches": args.warm_up,
         "skipped": skipped,
         "uptime": [],
         "runs": {n: [] for n in names},
@@ -621,6 +661,12 @@ def main() -> None:
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
+        if args.warm_up:
+            # One unrecorded launch of each variant first: the first launch after a pause reads torch's and Lightning's
+            # files from disk, and the rotation would otherwise always hand that cost to the first-named variant.
+            for name in names:
+                launch(name, 2, work, args.deepspeed_path)
+                print(f"  warm-up launch {name} done", flush=True)
         for rep in range(args.reps):
             order = names[rep % len(names) :] + names[: rep % len(names)]  # rotated: slow phases hit every variant
             for name in order:
