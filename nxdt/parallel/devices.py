@@ -7,8 +7,8 @@
   GPU: local rank N → cuda:N, the planner's ``Plan.place(rank)["device"]``; more ranks than GPUs: neighbours share);
 * the formats: ``precision.type`` names them already (fp32 | bf16 | bf16SR | mixed_precision[SR]: fp32 master
   weights, bf16 compute under autocast); the policy gives the parameters' dtype and autocast's, on either device;
-* the optimizer kernel: torch's fused AdamW on CUDA (one kernel for every parameter; ``torch.optim.AdamW(fused=True)``
-  as torchtitan's ``build_optimizers`` chooses it); on the CPU the per-parameter loop nxdt has always run;
+* the optimizer kernel: torch's fused AdamW on CUDA and on the CPU (one kernel for every parameter;
+  ``torch.optim.AdamW(fused=True)`` as torchtitan's ``build_optimizers`` and Hugging Face's Trainer choose it);
 * the attention kernels ``scaled_dot_product_attention`` may use: on CUDA in bf16, flash, memory-efficient and cuDNN
   only (a call none of them runs is an error, never a silent fall back to the math kernel that holds the s×s
   scores); in fp32 and on the CPU torch's own choice (its fused flash kernel on the CPU, ``models/attention.py``).
