@@ -113,6 +113,53 @@ def test_run_config_round_trip(tmp_path):
     assert load_run_config(tmp_path / "config.yaml") == cfg
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        None,  # a config.yaml as nxdt writes it
+        "a:\n  lr: 1e-3\n  x: .5\n  y: 1_000\n  z: -2.5E+2\n  when: 2020-01-01\n  flag: yes\n  v: 1.0.0\n  n: ~\n",
+        "a: &anchor {b: [1, 2]}\nc: *anchor\nd: '0x1f'\ne: 0x1f\nf: .inf\ng: -.nan\n",
+    ],
+)
+def test_run_configs_read_as_omegaconf_reads_them(tmp_path, text):
+    """The run-config reader (libyaml's parser with OmegaConf's rules, read once) gives what OmegaConf's own loader
+    gives: floats without a dot (1e-3), YAML 1.1's booleans, no timestamps, aliases copied."""
+    from omegaconf import OmegaConf
+
+    from nxdt.config import read_run_config_data
+
+    path = tmp_path / "config.yaml"
+    if text is None:
+        save_run_config(compose_config(["data=synthetic", "model.optim.lr=1e-3", "model.optim.eps=1e-8"]), path)
+    else:
+        path.write_text(text)
+    got = read_run_config_data(path)
+    assert got == OmegaConf.to_container(OmegaConf.create(path.read_text()))
+    if text is not None and "lr" in text:
+        assert got["a"]["lr"] == 0.001 and got["a"]["when"] == "2020-01-01" and got["a"]["flag"] is True
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("a: 1\na: 2\n", "found duplicate key a"),  # OmegaConf refuses it too; PyYAML alone keeps the last
+        ("a: !!python/object/apply:os.system ['true']\n", "could not determine a constructor"),
+        ("- 1\n", "not a mapping"),
+        ("", "holds nothing"),
+        (b"\xff\xfe", "not UTF-8"),
+    ],
+)
+def test_crafted_run_configs_are_refused_in_one_line(tmp_path, text, needle):
+    from nxdt.config import read_run_config_data
+
+    path = tmp_path / "config.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ValueError, match=needle):
+        read_run_config_data(path)
+    with pytest.raises(ConfigError):
+        load_run_config(path)
+
+
 def test_load_run_config_rejects_unknown_keys(tmp_path):
     (tmp_path / "config.yaml").write_text("trainer:\n  devicez: 2\n")
     with pytest.raises(ConfigError, match="devicez"):

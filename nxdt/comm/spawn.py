@@ -13,6 +13,7 @@ arguments must be picklable and a script must guard its entry with ``if __name__
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import queue
 import shutil
@@ -42,6 +43,9 @@ class RankFailed(CommError):
 # ``__init__`` and ``step``; that import (sympy, torch.fx's symbolic shapes, ...) cost each rank ≈ 2.5 CPU-s, five times
 # what a tiny model's whole test run computes.
 PRELOAD = ["nxdt.comm.world", "torch._dynamo"]
+# Imported last by the fork server: it moves what the server holds to the collector's permanent generation, so a rank's
+# collections never walk (and so never copy, page by page) the objects it shares with the server (nxdt.comm.frozen).
+FROZEN = "nxdt.comm.frozen"
 
 
 def _context(fn: Callable[..., Any], preload: Sequence[str] = (), fork_here: bool = False) -> Any:
@@ -56,7 +60,7 @@ def _context(fn: Callable[..., Any], preload: Sequence[str] = (), fork_here: boo
         return mp.get_context("fork")
     ctx = mp.get_context("forkserver")
     module = getattr(fn, "__module__", None)
-    ctx.set_forkserver_preload([*PRELOAD, *preload, *([module] if module and module != "__main__" else [])])
+    ctx.set_forkserver_preload([*PRELOAD, *preload, *([module] if module and module != "__main__" else []), FROZEN])
     return ctx
 
 
@@ -163,6 +167,7 @@ def run_local(
     if fork_here:  # a fork copies this process's unwritten output buffers: the ranks would print them again at exit
         sys.stdout.flush()
         sys.stderr.flush()
+        gc.freeze()  # the ranks' collections skip what they share with this process (as the fork server's: FROZEN)
     for p in procs:
         p.start()
     values: dict[int, Any] = {}

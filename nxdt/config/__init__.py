@@ -31,6 +31,8 @@ __all__ = [
     "compose_nxdt_config",
     "load_run_config",
     "save_run_config",
+    "run_config_text",
+    "read_run_config_data",
     "to_config",
     "validate",
     "field_docs",
@@ -396,8 +398,14 @@ def compose_nxdt_config(
     return nxdt_loader.compose(config_path, config_name, overrides, check=check, paths=paths)
 
 
+def run_config_text(config: Config) -> str:
+    """What a run's ``config.yaml`` holds for ``config`` (built once per launch: the run directory and its history
+    entry get the same text)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
 def save_run_config(config: Config, path: str | Path) -> None:
-    Path(path).write_text(OmegaConf.to_yaml(OmegaConf.structured(config)))
+    Path(path).write_text(run_config_text(config))
 
 
 RUN_CONFIG_LIMIT = 4 << 20  # bytes: a resolved config.yaml is ~5 KB; a larger one is not a file nxdt wrote
@@ -422,11 +430,56 @@ def _expanded_nodes(node: Any, memo: dict[int, int]) -> int:
     return count
 
 
-def read_run_config_text(path: Path) -> str:
-    """A run's ``config.yaml`` as text, read as a file anyone who can write the run directory may have crafted:
-    without following a link or blocking on a FIFO, at most RUN_CONFIG_LIMIT bytes, UTF-8, and a YAML document that
-    stays small once its aliases are expanded (a "billion laughs" file would make OmegaConf build 10**8 nodes).
-    ValueError (one line) for what it refuses."""
+@functools.cache
+def _run_config_loader() -> Any:
+    """The YAML loader for run configs: libyaml's parser (when PyYAML has it: ~10x faster than the pure-Python one,
+    which every worker otherwise ran twice on start-up) with OmegaConf's rules, so a file reads as
+    ``OmegaConf.create(text)`` would read it: a duplicate key is an error, ``1e-3`` is a float, timestamps stay
+    strings. Python tags (``!!python/...``) are refused, as by any safe loader."""
+    import yaml
+
+    base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+    class RunConfigLoader(base):  # type: ignore[valid-type, misc]
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            keys = set()
+            for key_node, _ in node.value:
+                if key_node.tag == yaml.resolver.BaseResolver.DEFAULT_SCALAR_TAG:
+                    if key_node.value in keys:
+                        raise yaml.constructor.ConstructorError(
+                            "while constructing a mapping",
+                            node.start_mark,
+                            f"found duplicate key {key_node.value}",
+                            key_node.start_mark,
+                        )
+                    keys.add(key_node.value)
+            return super().construct_mapping(node, deep=deep)
+
+    RunConfigLoader.yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_YAML_TIMESTAMP, _YAML_FLOAT)]
+        for first, resolvers in base.yaml_implicit_resolvers.items()
+    }
+    RunConfigLoader.add_implicit_resolver(_YAML_FLOAT, _OMEGACONF_FLOAT, list("-+0123456789."))
+    return RunConfigLoader
+
+
+_YAML_FLOAT, _YAML_TIMESTAMP = "tag:yaml.org,2002:float", "tag:yaml.org,2002:timestamp"
+_OMEGACONF_FLOAT = re.compile(  # OmegaConf's float rule (YAML 1.2's: an exponent needs no dot)
+    r"""^(?:[-+]?[0-9]+(?:_[0-9]+)*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?[0-9]+(?:_[0-9]+)*(?:[eE][-+]?[0-9]+)
+    |\.[0-9]+(?:_[0-9]+)*(?:[eE][-+][0-9]+)?
+    |[-+]?[0-9]+(?:_[0-9]+)*(?::[0-5]?[0-9])+\.[0-9_]*
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""",
+    re.X,
+)
+
+
+def read_run_config_data(path: Path) -> dict[str, Any]:
+    """A run's ``config.yaml`` as plain data, read as a file anyone who can write the run directory may have crafted:
+    without following a link or blocking on a FIFO, at most RUN_CONFIG_LIMIT bytes, UTF-8, one YAML mapping that
+    stays small once its aliases are expanded (a "billion laughs" file would make OmegaConf build 10**8 nodes), parsed
+    once (:func:`_run_config_loader`). ValueError (one line) for what it refuses."""
     import errno
     import os
     import stat
@@ -444,17 +497,22 @@ def read_run_config_text(path: Path) -> str:
     if len(data) > RUN_CONFIG_LIMIT:
         raise ValueError(f"more than {RUN_CONFIG_LIMIT >> 20} MiB, not a config nxdt wrote")
     try:
-        text = data.decode("utf-8")
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        loader = _run_config_loader()(data.decode("utf-8"))
     except UnicodeDecodeError:
         raise ValueError("not UTF-8 text") from None
+    try:
+        node = loader.get_single_node()
+        if not isinstance(node, yaml.MappingNode):
+            raise ValueError(f"holds {'nothing' if node is None else 'a single value or a list'}, not a mapping of config keys")
+        if _expanded_nodes(node, {}) > RUN_CONFIG_NODES:
+            raise ValueError(f"expands to more than {RUN_CONFIG_NODES:,} YAML nodes (aliases), not a config nxdt wrote")
+        return loader.construct_document(node)
     except yaml.YAMLError as exc:
-        raise ValueError(f"not valid YAML ({str(exc).splitlines()[0]})") from None
-    if not isinstance(node, yaml.MappingNode):
-        raise ValueError(f"holds {'nothing' if node is None else 'a single value or a list'}, not a mapping of config keys")
-    if _expanded_nodes(node, {}) > RUN_CONFIG_NODES:
-        raise ValueError(f"expands to more than {RUN_CONFIG_NODES:,} YAML nodes (aliases), not a config nxdt wrote")
-    return text
+        from nxdt.config.nxdt_loader import reading_error
+
+        raise ValueError(reading_error(exc)) from None
+    finally:
+        loader.dispose()
 
 
 def load_run_config(path: str | Path) -> Config:
@@ -466,8 +524,7 @@ def load_run_config(path: str | Path) -> Config:
     if not path.is_file():
         raise ConfigError(str(path), "", "no such run config; pass a run directory written by `nxdt train`")
     try:
-        loaded = OmegaConf.create(read_run_config_text(path))
-        merged = OmegaConf.merge(schema_tree(), loaded)
-    except (ValueError, OmegaConfBaseException, yaml.YAMLError) as exc:  # and a tag OmegaConf's loader refuses
+        merged = OmegaConf.merge(schema_tree(), read_run_config_data(path))
+    except (ValueError, OmegaConfBaseException, yaml.YAMLError) as exc:
         raise ConfigError(getattr(exc, "full_key", "") or str(path), "", str(exc).splitlines()[0]) from None
     return to_config(merged)

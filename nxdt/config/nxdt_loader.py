@@ -140,7 +140,7 @@ def _apply(cfg: DictConfig, ov: Override) -> None:
     OmegaConf.update(cfg, key, ov.value(), merge=True, force_add=True)
 
 
-def _reading_error(exc: BaseException) -> str:
+def reading_error(exc: BaseException) -> str:
     """What is wrong with a config file, in a few words: YAML's problem and its line, or the error's first line (a
     scalar file: "not a mapping of keys" rather than OmegaConf's "Invalid loaded object type: int")."""
     import yaml
@@ -189,7 +189,7 @@ def _compose_file(config_dir: Path, config_name: str) -> DictConfig:
         ) from None
     except Exception as exc:  # Hydra's and OmegaConf's errors, YAML syntax, a file that is no mapping (a number)
         raise ConfigError(
-            "--config-name", config_name, f"cannot read {config_dir / (name + '.yaml')}: {_reading_error(exc)}"
+            "--config-name", config_name, f"cannot read {config_dir / (name + '.yaml')}: {reading_error(exc)}"
         ) from None
     finally:
         GlobalHydra.instance().clear()

@@ -16,4 +16,8 @@ die_with_agent()
 
 import nxdt.launch.comm_test  # noqa: E402,F401  (the rank's entry point and what it imports: torch, nxdt.comm)
 
+import gc  # noqa: E402
+
+gc.freeze()  # the ranks' collections skip what they share with the server (as nxdt.launch.fork_server does)
+
 atexit.register(os._exit, 0)

@@ -197,6 +197,9 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
             start_fork_server()
         else:  # the workers are forks of this process: the config tree each reads its config.yaml onto, built once
             schema_tree()
+            import gc
+
+            gc.freeze()  # and their collections skip what they share with it (as nxdt.launch.fork_server does)
         elastic_launch(config, entrypoint=worker.main)(argv)
     except ChildFailedError as exc:
         raise LaunchFailed(_failure_line(exc, run_dir)) from None

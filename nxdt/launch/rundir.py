@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nxdt.config import ConfigError, save_run_config
+from nxdt.config import ConfigError, run_config_text
 from nxdt.config.resume_keys import MODEL, Change, config_changes, refusal, show, summary
 from nxdt.planner import Plan
 from nxdt.launch.runs import HISTORY_DIR, STAMP
@@ -121,15 +121,16 @@ def write_run_dir(run_dir: Path, cfg: Any, plan: Plan, overrides: list[str] | No
     and overrides.txt), which keeps what every launch into the directory ran with. Returns that entry."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     entry = None
+    text = run_config_text(cfg)  # built once: the history entry holds the same file
     if overrides is not None:
-        entry = record_history(run_dir, cfg, overrides)
+        entry = record_history(run_dir, cfg, overrides, text=text)
         (run_dir / OVERRIDES_FILE).write_text("\n".join(overrides) + "\n")
-    save_run_config(cfg, run_dir / CONFIG_FILE)
+    (run_dir / CONFIG_FILE).write_text(text)
     plan.save(run_dir / PLAN_FILE)
     return entry
 
 
-def record_history(run_dir: Path, cfg: Any, overrides: list[str], keep_earlier: bool = True) -> Path:
+def record_history(run_dir: Path, cfg: Any, overrides: list[str], keep_earlier: bool = True, text: str | None = None) -> Path:
     """Add this launch to ``run_dir/config-history/``: ``<n>-<YYYY-mm-dd_HH-MM-SS>/`` with its config.yaml and
     overrides.txt, n counting from 0. A run directory written before the history existed gets its current files
     as entry 0 first (named by their modification time), so no launch's record is lost (``keep_earlier=False``:
@@ -148,7 +149,7 @@ def record_history(run_dir: Path, cfg: Any, overrides: list[str], keep_earlier: 
     number = int(entries[-1].name.split("-", 1)[0]) + 1 if entries else 0  # after the newest, even if one was deleted
     entry = history / f"{number}-{time.strftime(STAMP)}"
     entry.mkdir()
-    save_run_config(cfg, entry / CONFIG_FILE)
+    (entry / CONFIG_FILE).write_text(run_config_text(cfg) if text is None else text)
     (entry / OVERRIDES_FILE).write_text("\n".join(overrides) + "\n")
     return entry
 
@@ -210,24 +211,21 @@ def config_dict(cfg: Any) -> dict[str, Any]:
 
 
 def read_run_config(run_dir: Path) -> dict[str, Any] | None:
-    """The config.yaml of a run directory as a plain dict; None when there is none. A damaged one is refused: there
-    is nothing to compare against."""
-    from omegaconf import OmegaConf
+    """The config.yaml of a run directory as a plain dict (read as ``load_run_config`` reads it); None when there is
+    none. A damaged or crafted one is refused: there is nothing to compare against."""
+    from nxdt.config import read_run_config_data
 
     file = run_dir / CONFIG_FILE
     if not file.is_file():
         return None
     try:
-        loaded = OmegaConf.to_container(OmegaConf.load(file))
-    except Exception as exc:
+        return read_run_config_data(file)
+    except ValueError as exc:
         raise ConfigError(
             "exp_manager.resume_if_exists",
             True,
-            f"{file} cannot be read ({type(exc).__name__}); start a new run (another name) or repair the file",
+            f"{file} cannot be read ({exc}); start a new run (another name) or repair the file",
         ) from None
-    if not isinstance(loaded, dict):
-        raise ConfigError("exp_manager.resume_if_exists", True, f"{file} is not a config; start a new run (another name)")
-    return loaded
 
 
 def check_same_run(cfg: Any, run_dir: Path) -> list[Change] | None:

@@ -336,8 +336,8 @@ def newest_checkpoint(run_dir: Path) -> Path | None:
 def load_yaml(path: Path) -> dict[str, Any]:
     import yaml
 
-    try:
-        data = yaml.safe_load(read_run_text(Path(path), 8 << 20))
+    try:  # libyaml's parser when PyYAML has it (the same safe rules, ~10x faster: every launch's summary reads one)
+        data = yaml.load(read_run_text(Path(path), 8 << 20), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except (OSError, yaml.YAMLError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
