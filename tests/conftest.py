@@ -79,12 +79,18 @@ def pytest_runtest_protocol(item, nextitem):
     """Each test leaves os.environ as it found it. Lightning's launcher writes LOCAL_RANK, WORLD_SIZE and
     MASTER_PORT into the launching process's environment even for one process, so after an in-process fit every
     later subprocess inherited LOCAL_RANK=0 — and a ``python train.py`` of two ranks then started no second rank
-    and waited for it (CI, twice)."""
-    saved = dict(os.environ)
+    and waited for it (CI, twice). And on torch's compute threads: the same launcher, finding no OMP_NUM_THREADS, sets
+    torch's threads to cores // processes (``_set_num_threads_if_needed``: 2 here), so every later in-process test of
+    that worker computed on an OpenMP team of two on contended cores (a 0.3 s sampling test took 12.8 CPU-s)."""
+    import torch
+
+    saved, threads = dict(os.environ), torch.get_num_threads()
     yield
     for key in set(os.environ) - set(saved):
         del os.environ[key]
     os.environ.update(saved)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 def pytest_configure(config):

@@ -170,6 +170,8 @@ def run_local(
         gc.freeze()  # the ranks' collections skip what they share with this process (as the fork server's: FROZEN)
     for p in procs:
         p.start()
+    if fork_here:
+        gc.unfreeze()  # this process collects as before; its forks keep their frozen copy
     values: dict[int, Any] = {}
     failure: RankFailed | None = None
     deadline = time.monotonic() + timeout_s

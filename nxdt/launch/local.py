@@ -8,6 +8,7 @@ error and its log file, and remove the run's shared-memory segments whatever hap
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -197,8 +198,6 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
             start_fork_server()
         else:  # the workers are forks of this process: the config tree each reads its config.yaml onto, built once
             schema_tree()
-            import gc
-
             gc.freeze()  # and their collections skip what they share with it (as nxdt.launch.fork_server does)
         elastic_launch(config, entrypoint=worker.main)(argv)
     except ChildFailedError as exc:
@@ -209,6 +208,8 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
             f"resume with exp_manager.resume_if_exists=true"
         ) from None
     finally:
+        if method == "fork":
+            gc.unfreeze()  # the caller collects as before (the workers kept their frozen copy)
         cleanup_run(run_id)
         (run_dir / STORE_SECRET_FILE).unlink(missing_ok=True)
         (run_dir / STORE_FILE).unlink(missing_ok=True)  # the agent's shutdown removes it too, when it gets there
