@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
+from nxdt.config import run_config_text
 from nxdt.config.validate import ConfigError
 
 
@@ -42,8 +41,9 @@ def run_torchrun(cfg: Any, plan: Any, overrides: list[str], console_tty: bool) -
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         # one history entry per launch: written by the node that hosts the rendezvous (the directory may be shared,
         # and the other nodes write the same config.yaml at the same time)
-        entry = record_history(run_dir, cfg, overrides, keep_earlier=False) if spec.is_host else None
-        write_atomically(run_dir / CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        text = run_config_text(cfg)
+        entry = record_history(run_dir, text, overrides, keep_earlier=False) if spec.is_host else None
+        write_atomically(run_dir / CONFIG_FILE, text)
         write_atomically(run_dir / PLAN_FILE, plan.to_json())
         write_atomically(run_dir / OVERRIDES_FILE, "\n".join(overrides) + "\n")
         print(f"nxdt: run directory {run_dir} ({plan.world_size} ranks on {plan.num_nodes} nodes)", flush=True)

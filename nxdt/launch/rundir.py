@@ -123,15 +123,15 @@ def write_run_dir(run_dir: Path, cfg: Any, plan: Plan, overrides: list[str] | No
     entry = None
     text = run_config_text(cfg)  # built once: the history entry holds the same file
     if overrides is not None:
-        entry = record_history(run_dir, cfg, overrides, text=text)
+        entry = record_history(run_dir, text, overrides)
         (run_dir / OVERRIDES_FILE).write_text("\n".join(overrides) + "\n")
     (run_dir / CONFIG_FILE).write_text(text)
     plan.save(run_dir / PLAN_FILE)
     return entry
 
 
-def record_history(run_dir: Path, cfg: Any, overrides: list[str], keep_earlier: bool = True, text: str | None = None) -> Path:
-    """Add this launch to ``run_dir/config-history/``: ``<n>-<YYYY-mm-dd_HH-MM-SS>/`` with its config.yaml and
+def record_history(run_dir: Path, text: str, overrides: list[str], keep_earlier: bool = True) -> Path:
+    """Add this launch to ``run_dir/config-history/``: ``<n>-<YYYY-mm-dd_HH-MM-SS>/`` with its config.yaml (``text``) and
     overrides.txt, n counting from 0. A run directory written before the history existed gets its current files
     as entry 0 first (named by their modification time), so no launch's record is lost (``keep_earlier=False``:
     not for a multi-node launch, where another node may have just written them)."""
@@ -149,7 +149,7 @@ def record_history(run_dir: Path, cfg: Any, overrides: list[str], keep_earlier: 
     number = int(entries[-1].name.split("-", 1)[0]) + 1 if entries else 0  # after the newest, even if one was deleted
     entry = history / f"{number}-{time.strftime(STAMP)}"
     entry.mkdir()
-    (entry / CONFIG_FILE).write_text(run_config_text(cfg) if text is None else text)
+    (entry / CONFIG_FILE).write_text(text)
     (entry / OVERRIDES_FILE).write_text("\n".join(overrides) + "\n")
     return entry
 
