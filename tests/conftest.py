@@ -5,6 +5,7 @@ module is collected, so tests in sub-folders import the shared helpers of this f
 from shared_runs import attacked_restart, everyday_runs, reliability_reference  # noqa: E402,F401  (session fixtures several modules share)
 
 import os  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -93,6 +94,19 @@ def pytest_runtest_protocol(item, nextitem):
         torch.set_num_threads(threads)
 
 
+def compile_sources() -> None:
+    """Byte-compile the repository's modules once per suite (``__pycache__``, as ``pip install`` does for an installed
+    package). An editable install is imported from source, and a host with ``PYTHONDONTWRITEBYTECODE`` set (this one)
+    never caches what it compiles: each of the suite's ~60 fresh interpreters that import nxdt (launchers, fork
+    servers, scripts run as users run them) compiled it again, ~0.5 CPU-s each. Python checks each cached file against
+    its source's size and modification time, so a stale one is never used; up-to-date files cost a stat."""
+    import compileall
+
+    root = Path(__file__).resolve().parents[1]
+    for folder in ("nxdt", "models", "tests"):
+        compileall.compile_dir(root / folder, quiet=2, workers=1)
+
+
 def pytest_configure(config):
     """Groups are handed out in the order ``pytest_collection_modifyitems`` leaves them (``LONGEST_GROUPS``), not
     re-sorted by xdist by their number of tests. In-process tests compute on one thread: the suite's two xdist
@@ -101,6 +115,8 @@ def pytest_configure(config):
     took 120 s under load and hit its timeout."""
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist >= 3.8
         config.option.loadscopereorder = False
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller, once, before any worker or launch imports nxdt
+        compile_sources()
     import torch
 
     torch.set_num_threads(1)

@@ -21,7 +21,7 @@ def test_the_examples_are_package_data_and_the_tests_folder_is_the_same(tmp_path
 
     patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["nxdt.conf"]
     needed = [p for p in (ROOT / "conf" / "nxdt").rglob("*") if p.is_file()]
-    needed = [p.relative_to(ROOT / "conf") for p in needed if p.suffix != ".py"]
+    needed = [p.relative_to(ROOT / "conf") for p in needed if p.suffix != ".py" and "__pycache__" not in p.parts]
     assert all(any(p.match(pattern) for pattern in patterns) for p in needed), [
         str(p) for p in needed if not any(p.match(pattern) for pattern in patterns)
     ]
