@@ -98,7 +98,7 @@ def compile_sources() -> None:
     """Byte-compile the repository's modules once per suite (``__pycache__``, as ``pip install`` does for an installed
     package). An editable install is imported from source, and a host with ``PYTHONDONTWRITEBYTECODE`` set (this one)
     never caches what it compiles: each of the suite's ~60 fresh interpreters that import nxdt (launchers, fork
-    servers, scripts run as users run them) compiled it again, ~0.5 CPU-s each. Python checks each cached file against
+    servers, scripts run as users run them) compiled it again, ~0.4 CPU-s each. Python checks each cached file against
     its source's size and modification time, so a stale one is never used; up-to-date files cost a stat."""
     import compileall
 
