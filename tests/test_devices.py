@@ -121,7 +121,7 @@ def test_transport_per_device_and_placement():
     # CUDA tensors take NCCL whatever comm.transport chose for the CPU; members sharing a GPU (NCCL refuses them) stage
     assert transport_name("cuda", "shm", one, ["a/0", "a/1"]) == "nccl"
     assert transport_name("cuda", "auto", two, ["a/0", "b/0"]) == "nccl"
-    assert transport_name("cuda", "auto", one, ["a/0", "a/0"]) == "staged"
+    assert transport_name("cuda", "auto", one, ["a/0", "a/0"]) == "cuda_ipc"
     with pytest.raises(ValueError, match="tensors on mps have no transport"):
         transport_name("mps", "auto", one)
     with pytest.raises(ValueError, match="nxdt.comm works on CPU tensors and on cuda tensors"):
@@ -208,3 +208,15 @@ def test_lightning_precision_and_the_policy_agree_on_every_format():
         policy = policy_for("cuda", 0, 1, 1, kind)
         assert (policy.autocast_dtype is not None) == lightning.endswith("-mixed"), kind
         assert policy.half == lightning.startswith("bf16"), kind
+
+
+def test_reductions_on_device_tensors_take_the_torch_path():
+    """nxdt.comm's native kernels read host addresses: a reduction over device tensors (the CUDA IPC transport
+    reduces its members' GPU buffers with reduce_into) must take the torch path, whose bits the CPU's equal."""
+    from nxdt.comm.reduce import reduce_into
+
+    parts = [torch.empty(8, device="meta") for _ in range(3)]
+    out = torch.empty(8, device="meta")
+    reduce_into(out, parts, "sum", 3)  # the native kernel would dereference meta's null data pointers
+    half = [torch.empty(8, device="meta", dtype=torch.bfloat16) for _ in range(2)]
+    reduce_into(torch.empty(8, device="meta", dtype=torch.bfloat16), half, "avg", 2)

@@ -77,7 +77,8 @@ class StagedTransport(Transport):
     """CUDA tensors through host memory: each op copies its tensors to the CPU, runs on the communicator's host
     transport (shm on one host) and copies the result back. For members that share a GPU, which NCCL refuses
     (one NCCL rank per device); the bytes are the host transport's, so results equal a CPU run's bit for bit.
-    A CUDA-IPC path (peers reading each other's device buffers) would replace it where it is faster: not built."""
+    :class:`nxdt.comm.cuda_ipc.CudaIpcTransport` keeps the collectives' bytes on the GPU and uses this class for
+    the rest, and for everything where CUDA IPC is unavailable."""
 
     name = "staged"
 
@@ -152,6 +153,10 @@ def member_devices(comm) -> list[str]:
 
 
 def cuda_transport(comm) -> Transport:
-    """NCCL, or the staged path where members share a GPU (``transport.transport_name``)."""
+    """NCCL, or CUDA IPC where members share a GPU (``transport.transport_name``)."""
     kind = transport_name("cuda", comm.transport, comm.hosts, member_devices(comm) if comm.size > 1 else ())
-    return StagedTransport(comm) if kind == "staged" else NCCLTransport(comm)
+    if kind == "cuda_ipc":
+        from nxdt.comm.cuda_ipc import CudaIpcTransport
+
+        return CudaIpcTransport(comm)
+    return NCCLTransport(comm)

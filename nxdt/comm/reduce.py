@@ -49,7 +49,7 @@ _BINARY = {"sum": torch.add, "avg": torch.add, "min": torch.minimum, "max": torc
 def _native_reduce(out: torch.Tensor, parts: Sequence[torch.Tensor], op: str, divisor: int) -> bool:
     """out = op(parts...) in exactly this order by the native kernel; False when it cannot run here."""
     lib = native.lib
-    if lib is None or len(parts) > native.MAX_MEMBERS or not out.is_contiguous():
+    if lib is None or len(parts) > native.MAX_MEMBERS or not out.is_contiguous() or not out.is_cpu:
         return False
     dtype, count = out.dtype, out.numel()
     for p in parts:

@@ -470,12 +470,13 @@ def transport_name(device_type: str, requested: str, hosts: Sequence[str], devic
     """The transport a communicator on ``hosts`` runs an op on ``device_type`` tensors over, ``comm.transport``
     being ``requested``: CPU tensors the requested host transport (auto: shm on one host, else p2p); CUDA tensors
     ``nccl``, unless two members share one GPU (``devices``: each member's ``host/index``), which NCCL refuses:
-    then ``staged`` (through host memory over the host transport); any other device is refused."""
+    then ``cuda_ipc`` (the members' device buffers opened by each other; ``staged`` through host memory where CUDA
+    IPC is unavailable); any other device is refused."""
     if device_type == "cpu":
         return ("shm" if len(set(hosts)) == 1 else "p2p") if requested == "auto" else requested
     if device_type not in DEVICE_TRANSPORTS:
         raise ValueError(f"tensors on {device_type} have no transport; nxdt.comm works on cpu and {', '.join(DEVICE_TRANSPORTS)}")
-    return "staged" if len(set(devices)) < len(devices) else "nccl"
+    return "cuda_ipc" if len(set(devices)) < len(devices) else "nccl"
 
 
 def device_transport(device_type: str, comm: "Communicator") -> Transport:

@@ -9,8 +9,8 @@
 #      ratio nxdt / plain (the issue asks >= 0.95).
 #   tests/gpu/check.sh [WHEEL_DIR] [OUT_DIR]      (defaults: tests/gpu/wheels, $OUT or ./gpu-check)
 # With this workplace's device tool: run `tests/gpu/prepare.sh` here, then run `tests/gpu/check.sh` there with
-# carry ["tests/gpu/wheels"] and timeout_s 600. OUT_DIR gets 8 files (check.log, tests.log, nxdt-1b.log,
-# nxdt-1b-metrics.csv, nxdt-1b-rank0.log, plain-1b.log, plain-1b.json, summary.json); each stage has its own time limit.
+# carry ["tests/gpu/wheels"] and timeout_s 600. OUT_DIR gets 8 files (check.log, tests.log, gpu-results.json,
+# nxdt-1b.log, nxdt-1b-metrics.csv, nxdt-1b-rank0.log, plain-1b.json, summary.json); each stage has its own time limit.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 wheels=${1:-tests/gpu/wheels}
@@ -21,7 +21,9 @@ export PYTHONUNBUFFERED=1 PYTORCH_NVML_BASED_CUDA_CHECK=1
 steps=${NXDT_CHECK_STEPS:-30}
 warmup=5
 
-echo "== 1. install" | tee "$out/check.log"
+echo "== 0. machine" | tee "$out/check.log"
+{ nvidia-smi -L; python3 -V; nproc; } 2>&1 | tee -a "$out/check.log"
+echo "== 1. install" | tee -a "$out/check.log"
 # into the image's own environment (the machine is handed back afterwards); nxdt editable, as in development: its
 # finder maps nxdt.models and nxdt.conf onto models/ and conf/ even where this checkout's nxdt/ is first on sys.path
 python3 -m pip install -q --no-index --no-deps --no-cache-dir "$wheels"/*.whl || exit 1
@@ -33,7 +35,11 @@ print(f"nxdt {nxdt.__file__}; torch {torch.__version__} (CUDA {torch.version.cud
 PY
 
 echo "== 2. tests" | tee -a "$out/check.log"
-timeout 240 python3 -m pytest -q -p no:cacheprovider -o timeout=230 -rs tests/gpu tests/test_devices.py 2>&1 | tee "$out/tests.log" | tail -15
+# four at a time: each GPU test is a few fresh processes, mostly start-up; tests/gpu/device_checks.py's result (the
+# CUDA IPC and staged all-reduce times among it) lands in gpu-results.json
+export NXDT_GPU_RESULTS="$out/gpu-results.json"
+timeout 200 python3 -m pytest -q -p no:cacheprovider -n 4 -o timeout=170 -rs --durations=8 tests/gpu tests/test_devices.py \
+  2>&1 | tee "$out/tests.log" | tail -25
 tests_rc=${PIPESTATUS[0]}
 
 echo "== 3. ~1B Llama, seq 2048, one GPU: nxdt train vs a plain PyTorch loop" | tee -a "$out/check.log"
@@ -45,13 +51,12 @@ timeout 130 python3 -m nxdt.cli train instance=gpu trainer.devices=1 precision.t
   data.global_batch_size=4 trainer.max_steps="$steps" trainer.log_every_n_steps=1 exp_manager.save_last=false \
   exp_manager.explicit_log_dir="$run" > "$out/nxdt-1b.log" 2>&1
 nxdt_rc=$?
-tail -5 "$out/nxdt-1b.log"
+tail -8 "$out/nxdt-1b.log" | tee -a "$out/check.log"
 cp "$run/metrics.csv" "$out/nxdt-1b-metrics.csv" 2>/dev/null
 cp "$run/logs/rank0.log" "$out/nxdt-1b-rank0.log" 2>/dev/null
 timeout 90 python3 experiments/gpu/plain_loop.py --device cuda --steps "$steps" --warmup "$warmup" --json "$out/plain-1b.json" \
-  > "$out/plain-1b.log" 2>&1
-plain_rc=$?
-tail -2 "$out/plain-1b.log"
+  2>&1 | tail -20 | tee -a "$out/check.log"
+plain_rc=${PIPESTATUS[0]}
 python3 experiments/gpu/plain_loop.py --compare "$out/nxdt-1b-metrics.csv" "$out/plain-1b.json" --warmup "$warmup" \
   --json "$out/summary.json" 2>&1 | tee -a "$out/check.log"
 echo "rc: tests=$tests_rc nxdt=$nxdt_rc plain=$plain_rc" | tee -a "$out/check.log"

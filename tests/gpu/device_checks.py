@@ -2,7 +2,8 @@
 holds a CUDA context: the launches beside it fork their workers). Prints one JSON object; exits non-zero on failure.
 
 1. nxdt.comm on CUDA tensors, in forked ranks (before this process touches CUDA): one rank on its GPU takes NCCL;
-   two ranks on one GPU take the staged path (NCCL refuses two ranks per GPU) and reduce exactly as the CPU does.
+   two ranks on one GPU take CUDA IPC (NCCL refuses two ranks per GPU), reduce exactly as the CPU does, and time
+   their all-reduce against the staged path (through host memory).
 2. Placement and kernels of one rank: parameters, optimizer state and data on cuda:0, torch's fused AdamW, and
    attention through flash / memory-efficient / cuDNN kernels only under ``attention_kernels``."""
 
@@ -24,13 +25,51 @@ def _nccl_rank(world):
 
 
 def _shared_gpu_rank(world):
+    import time
+
     torch.cuda.set_device(0)
+    r = world.rank
     comm = world.new_communicator([0, 1], "pair")
-    x = torch.full((5,), float(world.rank + 1), device="cuda", dtype=torch.bfloat16)
+    x = torch.full((5,), float(r + 1), device="cuda", dtype=torch.bfloat16)
     comm.all_reduce(x)
-    y = torch.tensor([0.1, 0.2, 0.3], device="cuda") * (world.rank + 1)
+    y = torch.tensor([0.1, 0.2, 0.3], device="cuda") * (r + 1)
     comm.all_reduce(y, op="avg")
-    return {"transport": comm._on(x).name, "sum": x.float().tolist(), "avg": y.tolist(), "device": str(x.device)}
+    gathered = torch.empty(6, device="cuda")
+    comm.all_gather(gathered, torch.arange(3.0, device="cuda") + 10 * r)
+    scattered = torch.empty(2, device="cuda")
+    comm.reduce_scatter(scattered, torch.arange(4.0, device="cuda") * (r + 1))
+    root = torch.full((3,), float(r), device="cuda")
+    comm.broadcast(root, 1)
+    # all-reduce time, fp32, CUDA IPC (this communicator) against the staged path's work done by hand (to the host,
+    # the shm transport, back): what StagedTransport does for every op
+    times = {}
+    for nbytes, reps in ((4 << 10, 50), (1 << 20, 30), (64 << 20, 5)):
+        t = torch.ones(nbytes // 4, device="cuda")
+        row = {}
+        for how in ("cuda_ipc", "staged"):
+            for i in range(reps + 2):
+                if i == 2:
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                if how == "cuda_ipc":
+                    comm.all_reduce(t)
+                else:
+                    h = t.to("cpu")
+                    comm.all_reduce(h)
+                    t.copy_(h)
+            torch.cuda.synchronize()
+            row[how] = (time.perf_counter() - start) / reps * 1e6
+        times[f"{nbytes >> 10} KiB"] = {k: round(v, 1) for k, v in row.items()}
+    return {
+        "transport": comm._on(x).name,
+        "sum": x.float().tolist(),
+        "avg": y.tolist(),
+        "gathered": gathered.tolist(),
+        "scattered": scattered.tolist(),
+        "broadcast": root.tolist(),
+        "device": str(x.device),
+        "all_reduce_us": times,
+    }
 
 
 def comm_checks() -> dict:
@@ -40,9 +79,12 @@ def comm_checks() -> dict:
     assert solo["transport"] == "nccl" and solo["gathered"] == [0.0, 1.0, 2.0, 3.0], solo
     pair = run_local(_shared_gpu_rank, 2, timeout_s=120)
     cpu = (torch.tensor([0.1, 0.2, 0.3]) * 1 + torch.tensor([0.1, 0.2, 0.3]) * 2) / 2  # what the shm transport gives
-    for r in pair:
-        assert r["transport"] == "staged" and r["sum"] == [3.0] * 5, r
-        assert r["avg"] == cpu.tolist(), (r, cpu)
+    for r, got in enumerate(pair):
+        assert got["transport"] == "cuda_ipc" and got["sum"] == [3.0] * 5, got
+        assert got["avg"] == cpu.tolist(), (got, cpu)
+        assert got["gathered"] == [0.0, 1.0, 2.0, 10.0, 11.0, 12.0], got
+        assert got["scattered"] == [[0.0, 3.0], [6.0, 9.0]][r], got
+        assert got["broadcast"] == [1.0, 1.0, 1.0], got
     return {"solo": solo, "pair": pair}
 
 
