@@ -29,6 +29,17 @@ from nxdt.planner import Plan
 SHUTDOWN_GRACE_S = 5
 
 
+def shutdown_grace() -> dict[str, int]:
+    """LaunchConfig's ``shutdown_timeout=SHUTDOWN_GRACE_S`` where this torch's LaunchConfig takes it (2.13 does; the
+    GPU image's 2.11 does not, and keeps torch's own 30 s)."""
+    import dataclasses
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    names = {f.name for f in dataclasses.fields(LaunchConfig)}
+    return {"shutdown_timeout": SHUTDOWN_GRACE_S} if "shutdown_timeout" in names else {}
+
+
 class LaunchFailed(RuntimeError):
     """A worker failed; ``str()`` is the one line shown to the user."""
 
@@ -183,7 +194,7 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
         monitor_interval=0.2,
         start_method=method,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "agent")),
-        shutdown_timeout=SHUTDOWN_GRACE_S,
+        **shutdown_grace(),
     )
     argv = [str(run_dir), "--local-store"] + (["--console-tty"] if console_tty else [])
     try:  # the store file will live there (a directory others may write: they could swap it for theirs)

@@ -73,7 +73,7 @@ class NodeSpec:
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
         from torch.distributed.launcher.api import LaunchConfig
 
-        from nxdt.launch.local import SHUTDOWN_GRACE_S
+        from nxdt.launch.local import shutdown_grace
 
         return LaunchConfig(
             min_nodes=self.nnodes,
@@ -88,7 +88,7 @@ class NodeSpec:
             monitor_interval=0.2,
             start_method=start_method,
             logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
-            shutdown_timeout=SHUTDOWN_GRACE_S,
+            **shutdown_grace(),
         )
 
     def torchrun_command(self, module_args: Sequence[str]) -> list[str]:
