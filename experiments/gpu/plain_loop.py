@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from typing import Any
 
@@ -45,9 +46,22 @@ H200_BF16_PEAK = 790e12  # measured here: an 8192³ bf16 matmul, random data (/w
 
 
 def train(
-    overrides: list[str], *, device: str, steps: int, warmup: int, precision: str = "mixed_precision", seed: int = 0
+    overrides: list[str],
+    *,
+    device: str,
+    steps: int,
+    warmup: int,
+    precision: str = "mixed_precision",
+    seed: int = 0,
+    read_before_step: bool = False,
+    copy_batch: str = "none",
 ) -> dict[str, Any]:
-    """Train ``steps`` steps; tokens/s and MFU over the steps after ``warmup`` (timed with a device sync)."""
+    """Train ``steps`` steps; tokens/s and MFU over the steps after ``warmup`` (timed with a device sync).
+
+    Two of a framework's habits, to price them on a GPU (both off: the plain loop): ``read_before_step`` reads the
+    loss and the gradient norm on the host before the optimizer step (what a NaN check costs: the host waits for the
+    backward); ``copy_batch`` copies the batch to the device every step from ``pageable`` or ``pinned`` host memory
+    (``none``: it stays on the device)."""
     cfg = compose_config(overrides, check=False)
     m, d = cfg.model, cfg.data
     policy = policy_for("cuda" if device.startswith("cuda") else "cpu", 0, 1, 1, precision)
@@ -65,7 +79,10 @@ def train(
         **adamw_options(dev.type),
     )
     gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, m.vocab_size, (d.micro_batch_size, d.seq_length + 1), generator=gen).to(dev)
+    host_tokens = torch.randint(0, m.vocab_size, (d.micro_batch_size, d.seq_length + 1), generator=gen)
+    if copy_batch == "pinned" and dev.type == "cuda":
+        host_tokens = host_tokens.pin_memory()
+    tokens = host_tokens.to(dev)
     ids, labels = tokens[:, :-1], tokens[:, 1:]
     autocast = policy.autocast_dtype
 
@@ -78,6 +95,9 @@ def train(
         if step == warmup:
             sync()
             started = time.perf_counter()
+        if copy_batch != "none":
+            tokens = host_tokens.to(dev, non_blocking=True)
+            ids, labels = tokens[:, :-1], tokens[:, 1:]
         with (
             attention_kernels(dev.type, policy.half),
             torch.autocast(dev.type, dtype=autocast or torch.float32, enabled=autocast is not None),
@@ -85,7 +105,9 @@ def train(
             logits = model(ids)
             loss = model.loss_fn(logits, labels)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if read_before_step and not (math.isfinite(float(loss.detach())) and math.isfinite(float(norm))):
+            raise FloatingPointError(f"step {step}: loss {float(loss)}, gradient norm {float(norm)}")
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
@@ -104,6 +126,8 @@ def train(
         "device": str(dev),
         "sdpa_backends": list(policy.sdpa_backends),
         "adamw": adamw_options(dev.type),
+        "read_before_step": read_before_step,
+        "copy_batch": copy_batch,
     }
 
 
@@ -143,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--precision", default="mixed_precision")
+    p.add_argument("--read-before-step", action="store_true", help="read loss and gradient norm on the host before each step")
+    p.add_argument("--copy-batch", choices=("none", "pageable", "pinned"), default="none", help="copy the batch in every step")
     p.add_argument("--json", help="write the result here too")
     args = p.parse_args(argv)
     if args.print_overrides:
@@ -156,7 +182,13 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(summary, f, indent=1)
         return 0
     out = train(
-        TINY if args.tiny else LLAMA_1B, device=args.device, steps=args.steps, warmup=args.warmup, precision=args.precision
+        TINY if args.tiny else LLAMA_1B,
+        device=args.device,
+        steps=args.steps,
+        warmup=args.warmup,
+        precision=args.precision,
+        read_before_step=args.read_before_step,
+        copy_batch=args.copy_batch,
     )
     line = {k: v for k, v in out.items() if k != "losses"}
     print(json.dumps(line))

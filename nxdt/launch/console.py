@@ -236,9 +236,12 @@ def summary(run_dir: Path, status: str, launched_at: float, overrides: list[str]
         tps = run.tokens_per_s  # the figure nxdt runs / report / sweep-report show (nxdt.data.throughput)
         if tps is not None:
             figures.append(f"{tps:,.0f} tokens/s")
+        gpu = max((r["peak_gpu_mb"] for r in rows if r.get("peak_gpu_mb") is not None), default=None)
+        if gpu is not None:
+            figures.append(f"peak GPU memory {gpu:,.0f} MB (rank 0)")
         peak = max((r["peak_rss_mb"] for r in rows if "peak_rss_mb" in r), default=None)
         if peak is not None:
-            figures.append(f"peak memory {peak:,.0f} MB (rank 0)")
+            figures.append(f"peak {'host ' if gpu is not None else ''}memory {peak:,.0f} MB (rank 0)")
         lines = [head, "nxdt: " + " · ".join(figures)]
     else:
         lines = [f"nxdt: {verb} after {_seconds(elapsed)}, before any step was logged"]

@@ -265,7 +265,7 @@ class NxDDataModule(pl.LightningDataModule):
                 f"({self.cfg.micro_batch_size} × {self.dp_size}) = {sampler.micro_batches_per_step}"
             )
         # workers=0: samples are cheap and in memory; worker processes would only add start-up time
-        return DataLoader(self.dataset, batch_sampler=sampler, num_workers=0)
+        return DataLoader(self.dataset, batch_sampler=sampler, num_workers=0, pin_memory=self._pinned())
 
     # --- validation ----------------------------------------------------------------------------------
     def validation_batches(self) -> int:
@@ -290,7 +290,14 @@ class NxDDataModule(pl.LightningDataModule):
         sampler = EvalBatchSampler(
             len(self.val_dataset), self.global_batch_size, self.dp_rank, self.dp_size, num_batches=self.validation_batches()
         )
-        return DataLoader(PadRows(self.val_dataset), batch_sampler=sampler, num_workers=0)
+        return DataLoader(PadRows(self.val_dataset), batch_sampler=sampler, num_workers=0, pin_memory=self._pinned())
+
+    def _pinned(self) -> bool:
+        """Batches in page-locked memory when the rank computes on a GPU: Lightning copies them with
+        ``non_blocking=True``, which only from pinned memory leaves the host free to queue the step's kernels (from
+        pageable memory the copy first waits for the GPU to finish the previous step)."""
+        trainer = self.trainer
+        return trainer is not None and trainer.strategy.root_device.type == "cuda"
 
 
 class EpochLimit(pl.Callback):

@@ -18,14 +18,16 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from nxdt.data.throughput import tokens_per_s
 from nxdt.lightning import checkpoint as ckpt_io
 
-# the last three are filled under FSDP: time compute waited for its communication, the share of that
-# communication hidden behind compute, and the most gathered-parameter bytes held at once
+# exposed_comm_s, overlap_pct and peak_gathered_bytes are filled under FSDP: time compute waited for its communication,
+# the share of that communication hidden behind compute, and the most gathered-parameter bytes held at once;
+# peak_gpu_mb on GPU ranks: torch's high-water mark of the device memory it allocated (peak_rss_mb is host memory)
 METRIC_COLUMNS = (
     "step",
     "loss",
@@ -37,6 +39,7 @@ METRIC_COLUMNS = (
     "exposed_comm_s",
     "overlap_pct",
     "peak_gathered_bytes",
+    "peak_gpu_mb",
 )
 
 
@@ -91,7 +94,9 @@ class StepConsole:
         ]
         if self.mfu_per_token_per_s is not None:
             parts.append(f"MFU {100 * self.mfu_per_token_per_s * row['tokens_per_s']:.1f}%")
-        parts.append(f"peak mem {row['peak_rss_mb']:,.0f} MB")
+        if row.get("peak_gpu_mb") is not None:
+            parts.append(f"peak GPU mem {row['peak_gpu_mb']:,.0f} MB")
+        parts.append(f"peak {'host ' if row.get('peak_gpu_mb') is not None else ''}mem {row['peak_rss_mb']:,.0f} MB")
         shown = self.objective(row) if self.objective is not None else None
         if shown:
             parts.append(shown)
@@ -184,6 +189,8 @@ class StepMetricsLogger(Callback):
             "tokens_per_s": tokens_per_s(self.tokens_per_step, step_time),  # global tokens: nxdt.data.throughput
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }  # rank 0's high-water mark (Linux: KiB)
+        if pl_module.device.type == "cuda":
+            row["peak_gpu_mb"] = torch.cuda.max_memory_allocated(pl_module.device) / 2**20
         mfu_scale = self.console.mfu_per_token_per_s if self.console is not None else None
         if mfu_scale is not None:  # the loggers (TensorBoard, trackers) get the console's MFU; metrics.csv keeps its columns
             row["mfu"] = mfu_scale * row["tokens_per_s"]

@@ -523,7 +523,8 @@ class GRPOModule(CausalLMModule):
             limit = self.gradient_clip_val or math.inf
             grad_norm = clip(limit) if clip else torch.nn.utils.clip_grad_norm_(params, limit)
         step_loss = strategy.reduce(total.detach().to(torch.float32, copy=True), reduce_op="mean")  # in place, as DDP's
-        if not self._finite_step(step_loss, grad_norm, total):
+        loss_value, norm_value = float(step_loss), None if grad_norm is None else float(grad_norm)
+        if not self._finite_step(loss_value, norm_value, total):
             optimizer.zero_grad()
             return step_loss
         lr = optimizer.param_groups[0]["lr"]
@@ -537,9 +538,9 @@ class GRPOModule(CausalLMModule):
         stats = getattr(strategy, "step_stats", None)  # FSDP: exposed communication (sampling's gathers included)
         self.step_metrics = {
             "step": self.trainer.global_step,
-            "loss": float(step_loss),
+            "loss": loss_value,
             "lr": lr,
-            **({"grad_norm": float(grad_norm)} if grad_norm is not None and self.log_gradient_norm else {}),
+            **({"grad_norm": norm_value} if norm_value is not None and self.log_gradient_norm else {}),
             **(stats() if stats else {}),
             "reward": float(torch.nanmean(rewards_all)),
             "reward_std": float(nanstd(rewards_all)),

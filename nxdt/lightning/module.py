@@ -186,8 +186,6 @@ class CausalLMModule(pl.LightningModule):
             params = [p for p in self.model.parameters() if p.grad is not None]
             limit = self.gradient_clip_val or math.inf  # inf: measure the norm, clip nothing
             grad_norm = clip(limit) if clip else torch.nn.utils.clip_grad_norm_(params, limit)
-            if self.log_gradient_norm:
-                extra["grad_norm"] = float(grad_norm)
         if self.log_parameter_norm:
             norm = getattr(strategy, "parameter_norm", None)
             extra["param_norm"] = float(
@@ -195,7 +193,14 @@ class CausalLMModule(pl.LightningModule):
             )
         # the mean over every rank: NaN anywhere is NaN everywhere, so all ranks take the same branch below
         step_loss = strategy.reduce(loss.detach().to(torch.float32, copy=True), reduce_op="mean")  # in place, as DDP's
-        if not self._finite_step(step_loss, grad_norm, loss):
+        # the host reads both once, here (on a GPU: waiting for the backward, as the NaN policy must before the update)
+        # and never again this step: a second read after optimizer.step() would wait for the update too, leaving the
+        # GPU idle while the host prepares the next step
+        loss_value = float(step_loss)
+        norm_value = None if grad_norm is None else float(grad_norm)
+        if self.log_gradient_norm and norm_value is not None:
+            extra["grad_norm"] = norm_value
+        if not self._finite_step(loss_value, norm_value, loss):
             optimizer.zero_grad()
             return step_loss
         lr = optimizer.param_groups[0]["lr"]  # the rate this step applies (the schedule steps after it)
@@ -204,7 +209,7 @@ class CausalLMModule(pl.LightningModule):
         stats = getattr(strategy, "step_stats", None)  # e.g. FSDP's exposed communication and gathered memory
         self.step_metrics = {
             "step": self.trainer.global_step,
-            "loss": float(step_loss),
+            "loss": loss_value,
             "lr": lr,
             **extra,
             **(stats() if stats else {}),
@@ -213,14 +218,14 @@ class CausalLMModule(pl.LightningModule):
         self.log("loss", step_loss, prog_bar=True, logger=False)
         return step_loss
 
-    def _finite_step(self, step_loss: torch.Tensor, grad_norm: torch.Tensor | None, local_loss: torch.Tensor) -> bool:
+    def _finite_step(self, step_loss: float, grad_norm: float | None, local_loss: torch.Tensor) -> bool:
         """Whether this step's update may be applied (``exp_manager.nan_policy``): a NaN/inf loss or global
         gradient norm stops the run (``stop``) or skips the update (``skip_step``, at most
         ``MAX_CONSECUTIVE_SKIPS`` in a row). Both values are global, so every rank decides alike."""
         bad = {
-            name: float(value)
+            name: value
             for name, value in (("loss", step_loss), ("gradient norm", grad_norm))
-            if value is not None and not math.isfinite(float(value))
+            if value is not None and not math.isfinite(value)
         }
         if not bad:
             self.skipped_steps = 0

@@ -63,6 +63,9 @@ def test_one_gpu_bf16_matches_the_cpu_fp32_run(tmp_path):
     for step in cpu:
         assert gpu[step] == pytest.approx(cpu[step], abs=0.05), (step, cpu, gpu)
     assert gpu[8] < gpu[1]  # it trained
+    with open(tmp_path / "gpu" / "metrics.csv", newline="") as f:
+        peaks = [float(r["peak_gpu_mb"]) for r in csv.DictReader(f)]
+    assert all(0 < p < 140 * 1024 for p in peaks), peaks  # the device's own memory, not the host's, is reported
 
 
 def test_two_ranks_sharing_one_gpu_match_one_rank_fp32(tmp_path):
