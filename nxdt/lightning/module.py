@@ -163,6 +163,7 @@ class CausalLMModule(pl.LightningModule):
         self.step_metrics: dict[str, float] = {}
         self.val_metrics: dict[str, float] = {}  # after each validation: val_loss (token-weighted over data.val_dir)
         self._val_sums = self._no_val_sums()  # this rank's validation sums (:meth:`_no_val_sums`)
+        self._host_label_counts: list[int] | None = None  # the next training batch's, per micro-batch (host memory)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
@@ -215,7 +216,9 @@ class CausalLMModule(pl.LightningModule):
             **(stats() if stats else {}),
             **self._objective_metrics(micro_batches),
         }
-        self.log("loss", step_loss, prog_bar=True, logger=False)
+        # for callbacks (callback_metrics["loss"]); on the progress bar only when there is one: Lightning reads a
+        # progress-bar value on the host every step, which on a GPU waits for the update to finish
+        self.log("loss", step_loss, prog_bar=self.trainer.progress_bar_callback is not None, logger=False)
         return step_loss
 
     def _finite_step(self, step_loss: float, grad_norm: float | None, local_loss: torch.Tensor) -> bool:
@@ -380,6 +383,16 @@ class CausalLMModule(pl.LightningModule):
         kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None)
         return int(kwargs["num_replicas"]) if kwargs else 1
 
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Count each training micro-batch's labelled tokens (:meth:`_weigh`) while the batch is still in host memory:
+        counted on a GPU, the count would make the host wait for the previous step's update before it could queue
+        this step's forward."""
+        self._host_label_counts = None
+        if self.trainer.training and isinstance(batch, dict) and isinstance(batch.get("labels"), torch.Tensor):
+            if batch["labels"].device.type == "cpu":
+                self._host_label_counts = [label_count(part) for part in batch["labels"].split(self.micro_batch_size)]
+        return batch
+
     def _weigh(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
         """Give every micro-batch its ``loss_weight`` (a 0-d tensor): its share of the global batch's labelled
         tokens, so the step's loss is the token mean over the whole global batch (nxdt.lightning.objective).
@@ -394,7 +407,9 @@ class CausalLMModule(pl.LightningModule):
                 mb["nll_scale"] = torch.tensor(scale, dtype=torch.float64)
         if not self.objective.token_weighted or getattr(self.model_cfg, "loss_averaging", "tokens") == "micro_batches":
             return micro_batches
-        counts = [label_count(mb["labels"]) for mb in micro_batches]
+        counts, self._host_label_counts = self._host_label_counts, None
+        if counts is None or len(counts) != len(micro_batches):
+            counts = [label_count(mb["labels"]) for mb in micro_batches]
         total = int(self._data_parallel_sum(torch.tensor([sum(counts)], dtype=torch.int64))[0])
         for mb, weight in zip(micro_batches, token_weights(counts, total, self._data_parallel_size())):
             mb["loss_weight"] = torch.tensor(weight, dtype=torch.float64)

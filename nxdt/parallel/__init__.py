@@ -2,7 +2,7 @@
 FSDP (``fsdp``) and expert parallelism (``expert_parallel``); the data-parallel runtime protocol that plain
 replication, ZeRO-1 and FSDP implement (``data_parallel``)."""
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -15,7 +15,7 @@ _DATA_PARALLEL = (
     "FSDPRuntime",
     "data_parallel_runtime",
 )
-__all__ = ["squared_norm", *_DATA_PARALLEL]
+__all__ = ["scale_", "squared_norm", *_DATA_PARALLEL]
 
 
 def squared_norm(t: torch.Tensor) -> torch.Tensor:
@@ -23,6 +23,20 @@ def squared_norm(t: torch.Tensor) -> torch.Tensor:
     across shards. ``vector_norm`` with a float64 dtype reduces without materialising a float64 copy and its
     square (≈ 6× faster than ``t.double().pow(2).sum()`` on a 3 M-element model, equal to ~1e-15)."""
     return torch.linalg.vector_norm(t.detach(), dtype=torch.float64).square()
+
+
+def scale_(grads: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
+    """Multiply every gradient by ``coef`` (a 0-d tensor ≤ 1: gradient clipping's factor) in place, rounded to each
+    gradient's dtype first, as ``g.mul_(coef.to(g.dtype))`` does. On a GPU always, one kernel per dtype: a factor of
+    exactly 1 leaves every bit as it is, and asking whether it is below 1 would make the host wait for the norm (the
+    whole backward) before it could queue the update. On the CPU that question costs nothing and saves the pass."""
+    if coef.device.type == "cpu" and bool(coef >= 1):
+        return
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    for (device, dtype), same in groups.items():
+        torch._foreach_mul_(same, coef.to(device=device, dtype=dtype))
 
 
 def __getattr__(name: str) -> Any:

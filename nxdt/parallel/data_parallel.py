@@ -54,7 +54,7 @@ from torch import Tensor, nn
 
 from nxdt.comm.stream import Work
 from nxdt.comm.world import Communicator
-from nxdt.parallel import squared_norm
+from nxdt.parallel import scale_, squared_norm
 from nxdt.parallel.expert_parallel import is_expert_parameter, reduce_expert_gradients
 from nxdt.parallel.fsdp import FullyShardedDataParallel, OriginalStateDict, apply_fsdp
 from nxdt.parallel.overlap import DP_STREAM, BackwardReduction, cap_elements, order_free, plan_buckets
@@ -486,9 +486,7 @@ class ReplicatedRuntime:
         named = self._clipped(module, optimizer)
         norm = self.mp.global_norm(module, named)
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # fp32, as torch.nn.utils.clip_grad_norm_ computes it
-        if coef < 1:
-            for _, g in named:
-                g.mul_(coef.to(g.dtype))
+        scale_([g for _, g in named], coef)
         return norm
 
     def shard_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[Tensor]:

@@ -71,7 +71,7 @@ import torch
 from torch import nn
 
 from nxdt.comm.stream import Work
-from nxdt.parallel import squared_norm
+from nxdt.parallel import scale_, squared_norm
 
 __all__ = ["FSDP_STREAM", "POLICIES", "FlatShard", "FSDPUnit", "FullyShardedDataParallel", "OriginalStateDict", "apply_fsdp"]
 
@@ -847,9 +847,7 @@ class FullyShardedDataParallel:
                 comm.all_reduce(squares, op="sum")
         norm = squares.sqrt().reshape(()).float()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # fp32, as torch.nn.utils.clip_grad_norm_ computes it
-        if coef < 1:
-            for g in self.shard_gradients(optimizer_index):
-                g.mul_(coef.to(g.dtype))
+        scale_(self.shard_gradients(optimizer_index), coef)
         return norm
 
     @torch.no_grad()

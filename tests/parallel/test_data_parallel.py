@@ -137,3 +137,19 @@ def test_choice_and_checkpoint_format():
         assert rt.dp_format == kind
         assert rt.checkpoint_flags() == {"zero1": kind == "zero1", "fsdp": kind == "fsdp"}
         assert rt.shards_optimizer_state == (kind != "replicated")
+
+
+def test_clipping_factor_is_applied_per_dtype_as_each_gradient_would_round_it():
+    """``scale_`` (gradient clipping's multiply, one foreach kernel per dtype, with no host read of the factor on a
+    GPU) gives the bits of ``g.mul_(coef.to(g.dtype))`` per gradient, and a factor of 1 changes nothing."""
+    from nxdt.parallel import scale_
+
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(7, generator=gen), torch.randn(3, 5, generator=gen).bfloat16(), torch.randn(4, generator=gen)]
+    coef = torch.tensor(0.3171)
+    expected = [g.clone().mul_(coef.to(g.dtype)) for g in grads]
+    scale_(grads, coef)
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected))
+    before = [g.clone() for g in grads]
+    scale_(grads, torch.tensor(1.0))
+    assert all(torch.equal(g, b) for g, b in zip(grads, before))
