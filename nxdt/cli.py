@@ -941,8 +941,12 @@ def cmd_comm_test(argv: list[str], fork_ranks: bool = False) -> int:
         return _comm_test_calibrate([a for a in argv if a != "--calibrate"])
     from nxdt.comm.bench import main as bench_main
     from nxdt.launch.comm_test import main_multinode
+    from nxdt.parallel.devices import node_devices
 
-    return bench_main(argv, multinode=main_multinode, fork_here=fork_ranks)
+    def place(ranks_per_node: int, gpus: int) -> list[str]:
+        return node_devices("cuda", ranks_per_node, gpus)
+
+    return bench_main(argv, multinode=main_multinode, fork_here=fork_ranks, place=place)
 
 
 def _comm_test_estimate(argv: list[str]) -> int:

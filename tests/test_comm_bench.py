@@ -192,3 +192,41 @@ def test_ranks_are_forked_from_the_caller_only_while_it_runs_one_thread():
     finally:
         stop.set()
         other.join()
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--baseline", "nccl", "allr"], "--baseline nccl times GPU tensors: add --device cuda"),
+        # this suite's hosts have no GPU (on a GPU host tests/gpu/test_gpu.py runs --device cuda)
+        (["--device", "cuda", "allr"], "--device cuda: torch sees no CUDA device here"),
+    ],
+)
+def test_device_and_baseline_refusals_are_one_line_before_any_rank(capsys, args, says):
+    import torch
+
+    if "cuda" in args and torch.cuda.device_count() > 0:
+        pytest.skip("this host has a GPU: --device cuda runs here (tests/gpu/test_gpu.py)")
+    assert main(["comm-test", "-r", "2", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("nxdt comm-test: ") and says in err[0], err
+
+
+def test_gpu_ranks_are_placed_as_training_places_them():
+    """``--device cuda``: each rank takes its local rank's entry of the training placement (``nxdt comm-test`` hands
+    ``nxdt.parallel.devices.node_devices`` in), the local rank worked out from the world's host ids (no CUDA call)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from nxdt.comm.bench import rank_device
+    from nxdt.parallel.devices import node_devices
+
+    def devices(host_ids, gpus):
+        per_node = host_ids.count(host_ids[0])
+        place = node_devices("cuda", per_node, gpus)
+        return [rank_device(SimpleNamespace(host_ids=host_ids, rank=r), place) for r in range(len(host_ids))]
+
+    assert devices(["a", "a", "b", "b"], 2) == [torch.device("cuda", i) for i in (0, 1, 0, 1)]
+    assert devices(["a", "a"], 1) == [torch.device("cuda", 0)] * 2  # ranks sharing the GPU: CUDA IPC
+    assert rank_device(SimpleNamespace(host_ids=["a"], rank=0), []) == torch.device("cpu")

@@ -48,8 +48,9 @@ DTYPES = {
 }
 
 
-class GlooAdapter:
-    """torch.distributed's gloo collectives under nxdt's method names, so one call site times both."""
+class DistAdapter:
+    """torch.distributed's collectives (gloo on the CPU, NCCL on GPUs) under nxdt's method names, so one call site
+    times both."""
 
     def __init__(self, dist) -> None:
         self.dist = dist
@@ -82,19 +83,30 @@ class GlooAdapter:
 class _Runner:
     """Buffers and one call of an op, for nxdt or gloo."""
 
-    def __init__(self, op: str, nbytes: int, dtype: torch.dtype, n: int, rank: int, arena: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        op: str,
+        nbytes: int,
+        dtype: torch.dtype,
+        n: int,
+        rank: int,
+        arena: torch.Tensor | None = None,
+        device: torch.device | None = None,
+    ) -> None:
         """``arena``: a shared tensor (``World.shared_empty``) to carve the input buffer from, as a
-        training job keeps its communicated buffers there; None: ordinary tensors."""
+        training job keeps its communicated buffers there; None: ordinary tensors, on ``device`` (the CPU when None)."""
         elem = dtype.itemsize
         total = max(n, nbytes // elem // n * n)  # divisible by the group size, as nccl-tests rounds
         self.op, self.n, self.rank, self.dtype = op, n, rank, dtype
         self.count = total
         per = total // n
         a_count = per if op == "allg" else total
-        self.a = torch.ones(a_count, dtype=dtype) if arena is None else arena[: a_count * elem].view(dtype).fill_(1)
+        self.a = (
+            torch.ones(a_count, dtype=dtype, device=device) if arena is None else arena[: a_count * elem].view(dtype).fill_(1)
+        )
         self.b = {"allg": total, "redsct": per, "alltoall": total}.get(op)
         if self.b is not None:
-            self.b = torch.empty(self.b, dtype=dtype)
+            self.b = torch.empty(self.b, dtype=dtype, device=device)
         self.bytes = total * elem
 
     @staticmethod
@@ -102,7 +114,7 @@ class _Runner:
         return max(n, maxbytes // dtype.itemsize // n * n) * dtype.itemsize
 
     def run(self, comm, algorithm: str = "auto") -> None:
-        """One call of the op on ``comm``: an nxdt Communicator or a :class:`GlooAdapter`."""
+        """One call of the op on ``comm``: an nxdt Communicator or a :class:`DistAdapter`."""
         op, a, b = self.op, self.a, self.b
         if op == "allr":
             comm.all_reduce(a, algorithm=algorithm)
@@ -146,13 +158,16 @@ class _Runner:
             want = torch.full_like(t, n * (n + 1) / 2)
         elif self.op == "allg":
             comm.all_gather(self.b, t)
-            t, want = self.b, torch.arange(1, n + 1, dtype=self.dtype).repeat_interleave(self.a.numel())
+            t, want = self.b, torch.arange(1, n + 1, dtype=self.dtype, device=self.a.device).repeat_interleave(self.a.numel())
         elif self.op == "redsct":
             comm.reduce_scatter(self.b, t)
             t, want = self.b, torch.full_like(self.b, n * (n + 1) / 2)
         elif self.op == "alltoall":
             comm.all_to_all(self.b, t)
-            t, want = self.b, torch.arange(1, n + 1, dtype=self.dtype).repeat_interleave(self.a.numel() // n)
+            t, want = (
+                self.b,
+                torch.arange(1, n + 1, dtype=self.dtype, device=self.a.device).repeat_interleave(self.a.numel() // n),
+            )
         elif self.op == "bcast":
             comm.broadcast(t, 0)
             want = torch.ones_like(t)
@@ -167,24 +182,38 @@ class _Runner:
         return int((t != want).sum())
 
 
-def _time(fn, iters: int, warmup: int, sync) -> float:
+def _time(fn, iters: int, warmup: int, sync, done: Callable[[], None] = lambda: None) -> float:
+    """Seconds per call of ``fn`` after ``warmup`` calls; ``sync`` lines the ranks up before the clock starts, ``done``
+    waits for the work queued (a GPU's) before it stops."""
     for _ in range(warmup):
         fn()
     sync()
     start = time.perf_counter()
     for _ in range(iters):
         fn()
+    done()
     return (time.perf_counter() - start) / max(1, iters)
 
 
-def memcpy_gbps(nbytes: int, iters: int = 20) -> float:
-    src = torch.ones(max(1, nbytes // 4))
+def device_sync(device: torch.device) -> Callable[[], None]:
+    """What waits for ``device``'s queued work (nothing on the CPU, whose ops return done)."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def memcpy_gbps(nbytes: int, iters: int = 20, device: torch.device = torch.device("cpu")) -> float:
+    """One copy's bandwidth at ``nbytes`` on ``device`` (a CPU core's, or the GPU's device-to-device copy)."""
+    src = torch.ones(max(1, nbytes // 4), device=device)
     dst = torch.empty_like(src)
-    elapsed = _time(lambda: dst.copy_(src), iters, 3, lambda: None)
+    done = device_sync(device)
+    elapsed = _time(lambda: dst.copy_(src), iters, 3, done, done)
     return src.numel() * 4 / elapsed / 1e9
 
 
-def algorithms_ran(comm, ops: list[str], dtype: torch.dtype, nbytes: int, algorithm: str = "auto") -> dict[str, str]:
+def algorithms_ran(
+    comm, ops: list[str], dtype: torch.dtype, nbytes: int, algorithm: str = "auto", device: torch.device | None = None
+) -> dict[str, str]:
     """Which algorithm each op runs on ``comm`` at ``nbytes``, as recorded by a Tracer around one call."""
     from nxdt.comm.trace import Tracer
 
@@ -194,7 +223,7 @@ def algorithms_ran(comm, ops: list[str], dtype: torch.dtype, nbytes: int, algori
         tracer = Tracer(rank)
         comm.world.set_tracer(tracer)
         try:
-            _Runner(op, nbytes, dtype, n, rank).run(comm, algorithm)
+            _Runner(op, nbytes, dtype, n, rank, device=device).run(comm, algorithm)
         finally:
             comm.world.set_tracer(None)
         names = [e["args"].get("algorithm", "") for e in tracer.events() if e.get("ph") == "X"]
@@ -256,55 +285,95 @@ def check_memory(per_node: int, maxbytes: int, force: bool) -> None:
         )
 
 
+def check_device(device: str, baseline: str | None, per_node: int) -> int:
+    """The GPUs of this node for ``--device cuda`` (0 for cpu), counted without a CUDA context (the ranks fork after
+    this); ValueError naming the fix when there are none, or when the baseline cannot run where the tensors are."""
+    if device == "cpu":
+        if baseline == "nccl":
+            raise ValueError("--baseline nccl times GPU tensors: add --device cuda, or use --baseline gloo on the CPU")
+        return 0
+    gpus = torch.cuda.device_count()  # through NVML: no CUDA context in this process, whose ranks fork after this
+    if gpus == 0:
+        raise ValueError(
+            "--device cuda: torch sees no CUDA device here (no GPU, no driver, or a CPU-only torch build); "
+            "leave out --device to benchmark CPU tensors"
+        )
+    if baseline == "gloo":
+        raise ValueError("--baseline gloo times CPU tensors: with --device cuda use --baseline nccl")
+    if baseline == "nccl" and per_node > gpus:
+        raise ValueError(
+            f"--baseline nccl: NCCL takes one rank per GPU, and {per_node} ranks per node share this node's {gpus} "
+            f"GPU(s); run at most {gpus} rank(s) per node, or leave out --baseline"
+        )
+    return gpus
+
+
 def _layout(world) -> str:
     return layout_text(world.host_ids)
+
+
+def rank_device(world, devices: list[str]) -> torch.device:
+    """This rank's device: ``devices`` holds each local rank's (``cpu``, or its GPU as training places ranks: the
+    caller's placement, ``nxdt.parallel.devices.node_devices``), the local rank counted from the world's host ids."""
+    host = world.host_ids[world.rank]
+    local_rank = world.host_ids[: world.rank].count(host)
+    return torch.device(devices[local_rank] if devices else "cpu")
 
 
 def _body(world, args: dict) -> dict[str, Any]:
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)  # a communication benchmark, like nccom-test: no autograd anywhere (both libraries alike)
     n, rank = world.world_size, world.rank
+    device = rank_device(world, args.get("devices", []))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    done = device_sync(device)
     transport = args.get("transport", "auto")
     comm = (
         world.world if transport == "auto" else world.new_communicator(list(range(n)), f"bench-{transport}", transport=transport)
     )
     dtype = DTYPES[args["datatype"]]
-    gloo = None
-    if args["baseline"] == "gloo":
+    baseline = None
+    if args["baseline"]:  # gloo on the CPU, nccl on GPUs (main() checked the pairing)
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            dist.init_process_group("gloo", store=dist.PrefixStore("bench-gloo", world.store), rank=rank, world_size=n)
-        gloo = GlooAdapter(dist)
+            store = dist.PrefixStore(f"bench-{args['baseline']}", world.store)
+            extra = {"device_id": device} if device.type == "cuda" else {}
+            dist.init_process_group(args["baseline"], store=store, rank=rank, world_size=n, **extra)
+        baseline = DistAdapter(dist)
     out: dict[str, Any] = {
         "results": [],
         "baseline": [],
         "memcpy": {},
-        "transport": comm.transport,
+        # a CUDA tensor's transport (nccl; cuda_ipc where ranks share a GPU), else the communicator's own
+        "transport": comm.transport_on(device),
         "hosts": len(set(world.host_ids)),
         "layout": _layout(world),
     }
+    if device.type == "cuda":  # (a CPU run's report keeps the layout --estimate's shares)
+        out["device"] = f"cuda ({len(set(args['devices']))} GPUs a node)"
     if args.get("show_algorithm"):
         out["algorithms"] = {
-            nbytes: algorithms_ran(comm, args["ops"], dtype, nbytes, args["algorithm"])
+            nbytes: algorithms_ran(comm, args["ops"], dtype, nbytes, args["algorithm"], device)
             for nbytes in sizes(args["minbytes"], args["maxbytes"], args["stepfactor"])
         }
     slowest = torch.zeros(1, dtype=torch.float64)
     arena = None
-    if args.get("buffers", "shared") == "shared":
+    if args.get("buffers", "shared") == "shared" and device.type == "cpu":
         arena = world.shared_empty(_Runner.arena_bytes(args["maxbytes"], dtype, n), torch.uint8)
     out["buffers"] = "shared" if arena is not None else "plain"
     for op in args["ops"]:
         for nbytes in sizes(args["minbytes"], args["maxbytes"], args["stepfactor"]):
-            run = _Runner(op, nbytes, dtype, n, rank, arena)
+            run = _Runner(op, nbytes, dtype, n, rank, arena, device)
             iters = args["iters"] if run.bytes < (16 << 20) else max(2, args["iters"] // 4)
             for name, fn in (
                 ("results", lambda: run.run(comm, args["algorithm"])),
-                ("baseline", (lambda: run.run(gloo)) if gloo else None),
+                ("baseline", (lambda: run.run(baseline)) if baseline else None),
             ):
                 if fn is None:
                     continue
-                elapsed = _time(fn, iters, args["warmup_iters"], comm.barrier)
+                elapsed = _time(fn, iters, args["warmup_iters"], lambda: (done(), comm.barrier()), done)
                 slowest.fill_(elapsed)
                 comm.all_reduce(slowest, "max")  # a collective takes as long as its slowest rank
                 t = float(slowest)
@@ -324,22 +393,23 @@ def _body(world, args: dict) -> dict[str, Any]:
                     row["#wrong"] = int(wrong)
                 out[name].append(row)
             if rank == 0 and run.bytes not in out["memcpy"]:
-                out["memcpy"][run.bytes] = memcpy_gbps(run.bytes)
+                out["memcpy"][run.bytes] = memcpy_gbps(run.bytes, device=device)
     return out if rank == 0 else {}
 
 
-def _print_table(report: dict, n: int, transport: str) -> None:
+def _print_table(report: dict, n: int, transport: str, peer: str = "gloo") -> None:
     base = {(r["op"], r["size(B)"]): r for r in report["baseline"]}
     if report.get("hosts", 1) > 1:
         print(f"# {report['hosts']} hosts: {report['layout']}")
     for op in dict.fromkeys(r["op"] for r in report["results"]):
         rows = [r for r in report["results"] if r["op"] == op]
-        print(f"\n# nxdt {OP_TITLES[op]}: {n} ranks, transport {transport}, {report.get('buffers', 'plain')} buffers")
+        where = f", {report['device']}" if report.get("device", "cpu") != "cpu" else ""
+        print(f"\n# nxdt {OP_TITLES[op]}: {n} ranks{where}, transport {transport}, {report.get('buffers', 'plain')} buffers")
         if "algorithms" in report:
             print("# algorithm: " + algorithm_bands({int(k): v[op] for k, v in report["algorithms"].items()}))
         header = f"#{'size(B)':>12} {'count(elems)':>13} {'type':>6} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'memcpy(GB/s)':>13} {'bus/memcpy':>11}"
         if base:
-            header += f" {'gloo(us)':>10} {'gloo busbw':>11} {'speed-up':>9}"
+            header += f" {peer + '(us)':>10} {peer + ' busbw':>11} {'speed-up':>9}"
         if "#wrong" in rows[0]:
             header += f" {'#wrong':>7}"
         print(header)
@@ -403,7 +473,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="shared: input buffers in nxdt shared memory (World.shared_empty; peers on this host read them in "
         "place, as FSDP's shards are kept); plain: ordinary tensors (copied through the slot)",
     )
-    p.add_argument("--baseline", choices=("gloo",), help="also time torch.distributed's gloo on the same sizes, same run")
+    p.add_argument(
+        "--baseline",
+        choices=("gloo", "nccl"),
+        help="also time torch.distributed's collectives on the same sizes, same run: gloo (CPU tensors) or nccl "
+        "(--device cuda, one rank per GPU)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the tensors live: cpu, or cuda (each rank on its GPU as training places ranks; nxdt.comm takes "
+        "NCCL, or CUDA IPC where ranks share a GPU; the memcpy column is the GPU's device-to-device copy)",
+    )
     p.add_argument("--report-to-json-file", metavar="F", help="write the results as JSON (nccom-test's layout)")
     p.add_argument("--show-algorithm", action="store_true", help="print which algorithm each op ran (per size band)")
     multi = p.add_argument_group("several nodes (run the same command on every node; torch elastic c10d rendezvous)")
@@ -432,8 +514,11 @@ def main(
     argv: list[str] | None = None,
     multinode: Callable[[argparse.Namespace, dict], int] | None = None,
     fork_here: bool = False,
+    place: Callable[[int, int], list[str]] | None = None,
 ) -> int:
-    """``multinode(args, opts)``: runs a ``-N > 1`` benchmark (``nxdt.launch.comm_test.main_multinode``). ``fork_here``:
+    """``multinode(args, opts)``: runs a ``-N > 1`` benchmark (``nxdt.launch.comm_test.main_multinode``). ``place(ranks
+    per node, GPUs)``: each local rank's GPU for ``--device cuda`` (the training placement,
+    ``nxdt.parallel.devices.node_devices``, which ``nxdt comm-test`` hands in). ``fork_here``:
     the caller is a process of its own that ran no torch operation (the ``nxdt`` program, or a fork made to run one
     command): its ranks are forks of it where ``spawn.can_fork_here`` allows, not of a fork server that would import
     torch again (≈ 5 CPU-s before the first rank starts)."""
@@ -450,8 +535,11 @@ def main(
         print(f"nxdt comm-test: --report-to-json-file {args.report_to_json_file!r} {problem}", file=sys.stderr)
         return 2
     try:
-        check_process_count(ranks_per_node(args.nworkers, args.nodes), args.force)
-        check_memory(ranks_per_node(args.nworkers, args.nodes), args.maxbytes, args.force)
+        per_node = ranks_per_node(args.nworkers, args.nodes)
+        check_process_count(per_node, args.force)
+        if args.device == "cpu":  # GPU buffers live in GPU memory
+            check_memory(per_node, args.maxbytes, args.force)
+        gpus = check_device(args.device, args.baseline, per_node)
     except ValueError as exc:
         print(f"nxdt comm-test: {exc}", file=sys.stderr)
         return 2
@@ -474,8 +562,16 @@ def main(
             "show_algorithm",
             "buffers",
             "transport",
+            "device",
         )
     }
+    if args.device == "cuda":
+        if place is None:  # the placement policy is a higher layer's: `nxdt comm-test` hands it in
+            print(
+                "nxdt comm-test: --device cuda runs through the launcher: use `nxdt comm-test --device cuda ...`", file=sys.stderr
+            )
+            return 2
+        opts["devices"] = place(per_node, gpus)
     if args.nodes > 1:
         if multinode is None:  # the node agents are the launcher's (a higher layer): `nxdt comm-test` hands them in
             print("nxdt comm-test: -N > 1 runs through the launcher: use `nxdt comm-test -N ...`", file=sys.stderr)
@@ -499,7 +595,7 @@ def main(
 
 def finish(report: dict, args: argparse.Namespace) -> int:
     n = args.nworkers  # the total, as nccom-test counts it
-    _print_table(report, n, report.get("transport", args.transport))
+    _print_table(report, n, report.get("transport", args.transport), args.baseline or "gloo")
     if args.report_to_json_file:
         text = report_json(report, n, args.nodes, report.get("transport", args.transport))
         try:

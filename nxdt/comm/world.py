@@ -245,6 +245,11 @@ class Communicator:
             return self._transport.empty(numel, dtype)
         return self._on(torch.empty(0, device=device)).empty(numel, dtype)
 
+    def transport_on(self, device: torch.device | str) -> str:
+        """The transport an op on tensors on ``device`` takes (``transport`` for the CPU; for a GPU nccl, or cuda_ipc
+        where members share it). The first call for a GPU is a collective step, as that device's first op is."""
+        return self._on(torch.empty(0, device=device)).name
+
     def _on(self, *tensors: torch.Tensor) -> Transport:
         """The transport for an op on ``tensors`` (validated by ``_flat``): this communicator's own for CPU tensors,
         the device's (``DEVICE_TRANSPORTS``: nccl for CUDA) otherwise; every tensor of one op on one device."""

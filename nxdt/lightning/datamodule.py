@@ -296,8 +296,8 @@ class NxDDataModule(pl.LightningDataModule):
         """Batches in page-locked memory when the rank computes on a GPU: Lightning copies them with
         ``non_blocking=True``, which only from pinned memory leaves the host free to queue the step's kernels (from
         pageable memory the copy first waits for the GPU to finish the previous step)."""
-        trainer = self.trainer
-        return trainer is not None and trainer.strategy.root_device.type == "cuda"
+        device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)
+        return device is not None and device.type == "cuda"
 
 
 class EpochLimit(pl.Callback):

@@ -21,7 +21,7 @@ def _nccl_rank(world):
     x = torch.arange(4, dtype=torch.float32, device="cuda")
     out = torch.empty(4, dtype=torch.float32, device="cuda")
     comm.all_gather(out, x)
-    return {"transport": comm._on(x).name, "gathered": out.tolist()}
+    return {"transport": comm.transport_on("cuda"), "gathered": out.tolist()}
 
 
 def _shared_gpu_rank(world):
@@ -58,7 +58,7 @@ def _shared_gpu_rank(world):
             ),
             "broadcast": bool(torch.equal(root.cpu(), torch.ones(size))),
         }
-        out["transport"] = comm._on(x).name
+        out["transport"] = comm.transport_on(x.device)
     # all-reduce time, fp32: this communicator (CUDA IPC from IPC_MIN_BYTES) against the staged path's work done by
     # hand (to the host, the shm transport, back: what StagedTransport does for every op)
     times = {}

@@ -79,3 +79,13 @@ def test_two_ranks_sharing_one_gpu_match_one_rank_fp32(tmp_path):
     assert sorted(one) == sorted(two) == list(range(1, 9))
     for step in one:
         assert two[step] == pytest.approx(one[step], rel=1e-5), (step, one, two)
+
+
+def test_comm_test_on_the_gpu_checks_every_op_exactly():
+    """``nxdt comm-test --device cuda``: two ranks sharing the GPU (CUDA IPC from 1 MiB, staged below; sizes on both
+    sides), every op checked exactly (nccl-tests' ``#wrong`` column; exit 1 on any wrong element)."""
+    cmd = [sys.executable, "-m", "nxdt.cli", "comm-test", "--device", "cuda", "-r", "2", "-b", "4kb", "-e", "4mb"]
+    cmd += ["-f", "32", "-n", "5", "-w", "2", "-c", "allr", "allg", "redsct", "alltoall", "bcast", "reduce", "sendrecv"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    assert "transport cuda_ipc" in done.stdout and "#wrong" in done.stdout, done.stdout[-3000:]
