@@ -84,8 +84,16 @@ def open_fields(f: dict) -> torch.Tensor:
     )
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 class CudaIpcTransport(StagedTransport):
     name = "cuda_ipc"
+    # how a buffer is offered to the other members and how theirs are opened (a test's subclass stands in for CUDA)
+    share = staticmethod(share_fields)
+    open = staticmethod(open_fields)
 
     def __init__(self, comm, device: torch.device | None = None) -> None:
         super().__init__(comm, device)
@@ -113,10 +121,12 @@ class CudaIpcTransport(StagedTransport):
         comm = self.comm
         store = dist.PrefixStore(f"nxdt-ipc/{comm.name}/{stream}/{generation}", comm.world.store)
         own = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+        # any failure below is recorded, never raised, so every member reaches the status step (a member that raised
+        # would leave the others waiting for it until the store's timeout)
         try:
-            store.set(f"fields/{comm.rank}", json.dumps(share_fields(own)))
-        except RuntimeError as exc:  # this member cannot share: say so, the others will see it in the status step
-            store.set(f"fields/{comm.rank}", json.dumps({"error": str(exc).splitlines()[0]}))
+            store.set(f"fields/{comm.rank}", json.dumps(self.share(own)))
+        except Exception as exc:  # this member cannot share: say so, the others will see it in the status step
+            store.set(f"fields/{comm.rank}", json.dumps({"error": _first_line(exc)}))
         views: list[torch.Tensor] = []
         problem = ""
         for r in range(comm.size):
@@ -128,9 +138,9 @@ class CudaIpcTransport(StagedTransport):
                 problem = problem or f"member {r}: {fields['error']}"
                 continue
             try:
-                views.append(open_fields(fields))
-            except RuntimeError as exc:
-                problem = problem or f"opening member {r}'s buffer: {str(exc).splitlines()[0]}"
+                views.append(self.open(fields))
+            except Exception as exc:
+                problem = problem or f"opening member {r}'s buffer: {_first_line(exc)}"
         store.set(f"status/{comm.rank}", problem)
         problems = [store.get(f"status/{r}").decode() for r in range(comm.size)]
         first = next((p for p in problems if p), "")
