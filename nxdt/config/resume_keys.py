@@ -158,6 +158,7 @@ _FREE_KEYS = (
     "exp_manager.log_gradient_norm",
     "exp_manager.nan_policy",  # what happens on a non-finite loss, not what a finite step computes
     "exp_manager.trace",
+    "exp_manager.profile_steps",
     "exp_manager.fault_injection.step",
     "exp_manager.fault_injection.rank",
     "exp_manager.fault_injection.kind",

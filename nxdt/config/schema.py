@@ -98,6 +98,12 @@ class ExpManagerConfig:
         "write a Chrome trace per rank to trace/rank<k>.json (compute per FSDP unit, every collective "
         "with its stream and token); open it in Perfetto",
     )
+    profile_steps: Optional[List[int]] = doc(
+        None,
+        "[first, last]: record torch.profiler over these optimizer steps (1-based, inclusive) on every rank into "
+        "profile/: rank<k>.json (a Chrome trace: Perfetto) and rank<k>.txt (the ops by time and, on a GPU, the share "
+        "of those steps' wall time the GPU was busy); null = no profile",
+    )
     fault_injection: FaultInjectionConfig = doc(FaultInjectionConfig(), "deliberate worker failure, for testing recovery")
     # NxDT's (NeMo's) tracker keys: Lightning's own loggers on rank 0, fed every metrics.csv value at its step
     create_wandb_logger: bool = doc(

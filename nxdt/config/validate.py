@@ -364,6 +364,20 @@ def check_ranges(cfg: Any) -> None:
     else:
         _integer("exp_manager.fault_injection.attempt", em.fault_injection.attempt, 0)
 
+    if em.profile_steps is not None:
+        steps = list(em.profile_steps)
+        if (
+            len(steps) != 2
+            or any(isinstance(v, bool) or not isinstance(v, int) for v in steps)
+            or not 1 <= steps[0] <= steps[1] <= trainer.max_steps
+        ):
+            raise ConfigError(
+                "exp_manager.profile_steps",
+                steps,
+                f"must be [first, last]: optimizer steps with 1 <= first <= last <= trainer.max_steps={trainer.max_steps}, "
+                "e.g. [10, 12]",
+            )
+
     optim = model.optim
     _number("model.optim.lr", optim.lr, 0, what=" (the peak learning rate, e.g. 3e-4; 0 freezes the weights)")
     _number("model.optim.weight_decay", optim.weight_decay, 0, what=" (e.g. 0.01; 0 = no weight decay)")

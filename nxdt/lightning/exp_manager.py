@@ -525,6 +525,11 @@ def build_callbacks(
                 background=cfg.exp_manager.async_checkpointing,
             )
         )
+    if cfg.exp_manager.profile_steps is not None:
+        from nxdt.lightning.profiling import StepProfiler
+
+        first, last = cfg.exp_manager.profile_steps
+        callbacks.append(StepProfiler(run_dir / "profile", first, last))
     fault = cfg.exp_manager.fault_injection
     if fault.step is not None:
         callbacks.append(FaultInjection(fault.step, fault.rank, fault.kind, fault.attempt))

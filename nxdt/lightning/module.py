@@ -216,9 +216,10 @@ class CausalLMModule(pl.LightningModule):
             **(stats() if stats else {}),
             **self._objective_metrics(micro_batches),
         }
-        # for callbacks (callback_metrics["loss"]); on the progress bar only when there is one: Lightning reads a
-        # progress-bar value on the host every step, which on a GPU waits for the update to finish
-        self.log("loss", step_loss, prog_bar=self.trainer.progress_bar_callback is not None, logger=False)
+        # for callbacks (callback_metrics["loss"]); on the progress bar only when one is shown: Lightning reads every
+        # progress-bar value on the host each step (shown or not), which on a GPU waits for the update to finish
+        bar = self.trainer.progress_bar_callback
+        self.log("loss", step_loss, prog_bar=bar is not None and bar.is_enabled, logger=False)
         return step_loss
 
     def _finite_step(self, step_loss: float, grad_norm: float | None, local_loss: torch.Tensor) -> bool:
