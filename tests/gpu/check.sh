@@ -7,7 +7,8 @@
 #      on one GPU, then the same model in a plain PyTorch loop (experiments/gpu/plain_loop.py: same attention
 #      kernels, fused AdamW), and reports tokens/s, MFU against the H200's measured bf16 peak (790 TFLOP/s) and the
 #      ratio nxdt / plain (the issue asks >= 0.95); then the plain loop with a framework's habits added one at a time
-#      (a host read before the update, a batch copied in from pageable or pinned memory), to price each.
+#      (a host read before the update, a batch copied in from pageable or pinned memory), to price each;
+#   4. profiles steps 8-10 of the same nxdt run (exp_manager.profile_steps): the GPU's busy share and the top ops.
 #   tests/gpu/check.sh [WHEEL_DIR] [OUT_DIR]      (defaults: tests/gpu/wheels, $OUT or ./gpu-check)
 # With this workplace's device tool: run `tests/gpu/prepare.sh` here, then run `tests/gpu/check.sh` there with
 # carry ["tests/gpu/wheels"] and timeout_s 600. OUT_DIR gets 8 files (check.log, tests.log, gpu-results.json,
@@ -68,5 +69,13 @@ for variant in "--read-before-step" "--copy-batch pageable" "--read-before-step 
 done
 python3 experiments/gpu/plain_loop.py --compare "$out/nxdt-1b-metrics.csv" "$out/plain-1b.json" --warmup "$warmup" \
   --json "$out/summary.json" 2>&1 | tee -a "$out/check.log"
+echo "== 4. where nxdt's step time goes: torch.profiler over steps 8-10 of the same run (GPU busy share, top ops)" \
+  | tee -a "$out/check.log"
+rm -rf "$run-profile"
+# shellcheck disable=SC2086
+timeout 100 python3 -m nxdt.cli train instance=gpu trainer.devices=1 precision.type=mixed_precision $overrides \
+  data.global_batch_size=4 trainer.max_steps=10 exp_manager.save_last=false exp_manager.profile_steps=[8,10] \
+  exp_manager.explicit_log_dir="$run-profile" > /dev/null 2>&1
+head -45 "$run-profile/profile/rank0.txt" 2>&1 | cut -c1-200 | tee -a "$out/check.log"
 echo "rc: tests=$tests_rc nxdt=$nxdt_rc plain=$plain_rc" | tee -a "$out/check.log"
 [ "$tests_rc" = 0 ] && [ "$nxdt_rc" = 0 ] && [ "$plain_rc" = 0 ]
