@@ -77,7 +77,8 @@ class StepProfiler(Callback):
         self.profile_dir.mkdir(parents=True, exist_ok=True)
         rank = trainer.global_rank
         prof.export_chrome_trace(str(self.profile_dir / f"rank{rank}.json"))
-        lines = [f"steps {self.first}-{last} on rank {rank} ({device}): {wall:.3f} s wall"]
+        span = f"step {last}" if last == self.first else f"steps {self.first}-{last}"
+        lines = [f"{span} on rank {rank} ({device}): {wall:.3f} s wall"]
         on_gpu = device.type == "cuda"
         if on_gpu:
             kernels = [
