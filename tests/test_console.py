@@ -180,6 +180,15 @@ def test_third_party_lines_go_to_the_log_and_the_rest_to_the_console(tmp_path, m
     )
     assert console.WARNING_NOISE.search(leaf) and console.WARNING_NOISE.search("x.py:1: FutureWarning: y")
     assert not console.WARNING_NOISE.search("x.py:3: UserWarning: the dataloader has few workers")
+    # nxdt's own loaders have no workers on purpose; Lightning's advice about them goes to the log (on a many-core host)
+    few = (
+        "/site-packages/lightning/pytorch/trainer/connectors/data_connector.py:434: The 'train_dataloader' does not "
+        "have many workers which may be a bottleneck. Consider increasing the value of the `num_workers` argument` to "
+        "`num_workers=15` in the `DataLoader` to improve performance."
+    )
+    assert console.WARNING_NOISE.search(few) and console.WARNING_NOISE.search(few.replace("train_", "val_"))
+    tf32 = "You are using a CUDA device ('NVIDIA H200') that has Tensor Cores. To properly utilize them, you should set"
+    assert console.THIRD_PARTY_NOISE.search(tf32)
     # Lightning's call.py on a resume whose checkpoint callback key changed (exp_manager.checkpoint_every_n_steps 2 → 3,
     # the text as a real resume logged it): nxdt's own callbacks only → the log; a user's callback → the console
     changed = (

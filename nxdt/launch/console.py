@@ -30,11 +30,12 @@ MODE_ENV = "NXDT_CONSOLE"
 MODES = ("quiet", "normal", "verbose")
 MODE_FLAGS = {"-q": "quiet", "--quiet": "quiet", "-v": "verbose", "--verbose": "verbose"}
 
-# Lightning's info lines that are not about this run: device banners, advertisements, its own stop notice
-# (nxdt's summary says why training stopped) and its two lines on restoring a checkpoint (rank 0 prints nxdt's own
-# "nxdt: resuming from ..." line). Everything else Lightning logs stays on the console.
+# Lightning's info lines that are not about this run: device banners, advertisements, its TF32 tip on GPUs (nxdt keeps
+# fp32 matmuls exact, torch's default; bf16 runs compute in bf16 anyway), its own stop notice (nxdt's summary says why
+# training stopped) and its two lines on restoring a checkpoint (rank 0 prints nxdt's own "nxdt: resuming from ..."
+# line). Everything else Lightning logs stays on the console.
 THIRD_PARTY_NOISE = re.compile(
-    r"^(GPU available|TPU available|HPU available|IPU available|💡 Tip|LOCAL_RANK: \d|"
+    r"^(GPU available|TPU available|HPU available|IPU available|💡 Tip|LOCAL_RANK: \d|You are using a CUDA device|"
     r"`Trainer\.fit` stopped|Restoring states from the checkpoint path at |Restored all states from the checkpoint at )"
 )
 # nxdt's own callbacks (nxdt.lightning.exp_manager, datamodule): Lightning's call.py warns on resume when the state key
@@ -45,9 +46,12 @@ NXDT_CALLBACKS = ("DirectoryCheckpoint", "StepMetricsLogger", "StepProgressBar",
 _OWN_CALLBACK = r"""["'](?:""" + "|".join(NXDT_CALLBACKS) + r""")(?:\{[^{}]*\})?["']"""
 # warnings that concern library authors, not the person training: deprecations of APIs nxdt's dependencies use,
 # Lightning's advice on manual optimization with ModelCheckpoint (nxdt's module steps its optimizer itself and
-# its checkpoints are meant to hold the state after the step), and its note that a resumed run's checkpoint directory is not empty (it is the run's own)
+# its checkpoints are meant to hold the state after the step), its note that a resumed run's checkpoint directory is not
+# empty (it is the run's own), and its advice to give nxdt's loaders workers (they have none on purpose: the samples are
+# in memory, nxdt.lightning.datamodule)
 WARNING_NOISE = re.compile(
     r"deprecat|FutureWarning|DeprecationWarning|Using ModelCheckpoint with manual optimization|"
+    r"The '(?:train|val)_dataloader' does not have many workers|"
     r"Checkpoint directory .* exists and is not empty|"
     rf"Please add the following callbacks: \[{_OWN_CALLBACK}(?:, {_OWN_CALLBACK})*\]",
     re.IGNORECASE,
