@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,7 +59,10 @@ def test_one_gpu_bf16_matches_the_cpu_fp32_run(tmp_path):
     difference: AdamW's normalised update sees ~1% (bf16) gradient noise, changing the ~0.5-nat loss drop of 8 steps
     by ~1%: ≲ 0.01 more. 0.05 absolute (< 1% of the loss) is twice that bound; an fp32-vs-fp32 error would be 1e-5."""
     cpu = nxdt_train(tmp_path / "cpu", "instance=cpu", "trainer.devices=1", "precision.type=fp32")
-    gpu = nxdt_train(tmp_path / "gpu", "instance=gpu", "trainer.devices=1", "precision.type=mixed_precision")
+    # the GPU run also profiles two steps (exp_manager.profile_steps: its GPU side is only checked here)
+    gpu = nxdt_train(
+        tmp_path / "gpu", "instance=gpu", "trainer.devices=1", "precision.type=mixed_precision", "exp_manager.profile_steps=[3,4]"
+    )
     assert sorted(cpu) == sorted(gpu) == list(range(1, 9))
     for step in cpu:
         assert gpu[step] == pytest.approx(cpu[step], abs=0.05), (step, cpu, gpu)
@@ -66,6 +70,10 @@ def test_one_gpu_bf16_matches_the_cpu_fp32_run(tmp_path):
     with open(tmp_path / "gpu" / "metrics.csv", newline="") as f:
         peaks = [float(r["peak_gpu_mb"]) for r in csv.DictReader(f)]
     assert all(0 < p < 140 * 1024 for p in peaks), peaks  # the device's own memory, not the host's, is reported
+    table = (tmp_path / "gpu" / "profile" / "rank0.txt").read_text()
+    busy = re.search(r"GPU busy [0-9.]+ s: ([0-9.]+) % of the wall time \((\d+) kernels", table)
+    assert table.startswith("steps 3-4 on rank 0 (cuda:0)") and busy, table[:1000]
+    assert 0 < float(busy.group(1)) <= 100 and int(busy.group(2)) > 0, table[:1000]
 
 
 def test_two_ranks_sharing_one_gpu_match_one_rank_fp32(tmp_path):
