@@ -384,12 +384,22 @@ class CausalLMModule(pl.LightningModule):
         kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None)
         return int(kwargs["num_replicas"]) if kwargs else 1
 
+    @property
+    def _token_weighted(self) -> bool:
+        """Whether each micro-batch's loss is weighted by its labelled tokens (:meth:`_weigh`)."""
+        return self.objective.token_weighted and getattr(self.model_cfg, "loss_averaging", "tokens") != "micro_batches"
+
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Count each training micro-batch's labelled tokens (:meth:`_weigh`) while the batch is still in host memory:
         counted on a GPU, the count would make the host wait for the previous step's update before it could queue
         this step's forward."""
         self._host_label_counts = None
-        if self.trainer.training and isinstance(batch, dict) and isinstance(batch.get("labels"), torch.Tensor):
+        if (
+            self.trainer.training
+            and self._token_weighted
+            and isinstance(batch, dict)
+            and isinstance(batch.get("labels"), torch.Tensor)
+        ):
             if batch["labels"].device.type == "cpu":
                 self._host_label_counts = [label_count(part) for part in batch["labels"].split(self.micro_batch_size)]
         return batch
@@ -406,7 +416,7 @@ class CausalLMModule(pl.LightningModule):
             scale = len(micro_batches) * self._data_parallel_size() / max(total, 1)
             for mb in micro_batches:
                 mb["nll_scale"] = torch.tensor(scale, dtype=torch.float64)
-        if not self.objective.token_weighted or getattr(self.model_cfg, "loss_averaging", "tokens") == "micro_batches":
+        if not self._token_weighted:
             return micro_batches
         counts, self._host_label_counts = self._host_label_counts, None
         if counts is None or len(counts) != len(micro_batches):
