@@ -166,9 +166,10 @@ def test_gpu_instance_without_cuda_is_one_line_before_anything_starts():
         resolve_accelerator(p5, 2, runs_here=True)
 
 
-def test_plain_loop_peer_runs_on_cpu_tiny():
+def test_plain_loop_peer_runs_on_cpu_tiny(tmp_path):
     """experiments/gpu/plain_loop.py (the plain PyTorch peer check.sh times against nxdt on a GPU) trains the model
-    the planner counts, from the loss of a uniform guess, on the CPU at the tiny size."""
+    the planner counts, from the loss of a uniform guess, on the CPU at the tiny size; --profile writes steps 8-10's
+    report in nxdt's own format."""
     import importlib.util
     import math
     from pathlib import Path
@@ -180,11 +181,14 @@ def test_plain_loop_peer_runs_on_cpu_tiny():
     assert spec is not None and spec.loader is not None
     loop = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(loop)
-    out = loop.train(loop.TINY, device="cpu", steps=2, warmup=1, precision="fp32")
+    out = loop.train(loop.TINY, device="cpu", steps=10, warmup=1, precision="fp32", profile=str(tmp_path / "plain"))
     assert out["parameters"] == model_numbers(compose_config(loop.TINY).model)["total"]
     # normal(0, 0.02) weights give near-uniform logits over the 256 byte tokens at step 1
     assert out["losses"][0] == pytest.approx(math.log(256), abs=0.05)
     assert out["adamw"] == {"fused": True} and out["tokens_per_s"] > 0
+    report = (tmp_path / "plain.txt").read_text()
+    assert report.startswith("plain loop, steps 8-10 (cpu): ") and "aten::" in report
+    assert (tmp_path / "plain.json").stat().st_size > 0
 
 
 def test_host_memory_check_leaves_gpu_state_to_the_gpu():

@@ -42,6 +42,7 @@ LLAMA_1B = [
     "data.micro_batch_size=4",
 ]
 TINY = ["model=llama_tiny", "data.seq_length=64", "data.micro_batch_size=2"]
+PROFILE_STEPS = (8, 10)  # 1-based, inclusive: the steps --profile covers
 H200_BF16_PEAK = 790e12  # measured here: an 8192³ bf16 matmul, random data (/work/.library/device/KINDS.md)
 
 
@@ -55,13 +56,16 @@ def train(
     seed: int = 0,
     read_before_step: bool = False,
     copy_batch: str = "none",
+    profile: str | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` steps; tokens/s and MFU over the steps after ``warmup`` (timed with a device sync).
 
     Two of a framework's habits, to price them on a GPU (both off: the plain loop): ``read_before_step`` reads the
     loss and the gradient norm on the host before the optimizer step (what a NaN check costs: the host waits for the
     backward); ``copy_batch`` copies the batch to the device every step from ``pageable`` or ``pinned`` host memory
-    (``none``: it stays on the device)."""
+    (``none``: it stays on the device). ``profile``: a path prefix; steps 8-10 (1-based, the window check.sh gives
+    ``nxdt train``'s ``exp_manager.profile_steps``) are profiled into ``<profile>.json`` (Chrome trace) and
+    ``<profile>.txt`` (nxdt's report: GPU busy share, ops by self time)."""
     cfg = compose_config(overrides, check=False)
     m, d = cfg.model, cfg.data
     policy = policy_for("cuda" if device.startswith("cuda") else "cpu", 0, 1, 1, precision)
@@ -91,10 +95,18 @@ def train(
             torch.cuda.synchronize(dev)
 
     losses, started = [], None
+    prof, prof_started = None, 0.0
     for step in range(steps):
         if step == warmup:
             sync()
             started = time.perf_counter()
+        if profile and step == PROFILE_STEPS[0] - 1:
+            from torch.profiler import ProfilerActivity, profile as profiler
+
+            sync()
+            prof = profiler(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else []))
+            prof.__enter__()
+            prof_started = time.perf_counter()
         if copy_batch != "none":
             tokens = host_tokens.to(dev, non_blocking=True)
             ids, labels = tokens[:, :-1], tokens[:, 1:]
@@ -111,6 +123,9 @@ def train(
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
+        if prof is not None and step == PROFILE_STEPS[1] - 1:
+            _write_profile(prof, prof_started, dev, profile, sync)
+            prof = None
     sync()
     timed = steps - warmup
     seconds = time.perf_counter() - started if started is not None else float("nan")
@@ -129,6 +144,19 @@ def train(
         "read_before_step": read_before_step,
         "copy_batch": copy_batch,
     }
+
+
+def _write_profile(prof: Any, started: float, dev: torch.device, prefix: str, sync: Any) -> None:
+    from pathlib import Path
+
+    from nxdt.lightning.profiling import summary
+
+    sync()
+    wall = time.perf_counter() - started
+    prof.__exit__(None, None, None)
+    prof.export_chrome_trace(f"{prefix}.json")
+    span = f"plain loop, steps {PROFILE_STEPS[0]}-{PROFILE_STEPS[1]}"
+    Path(f"{prefix}.txt").write_text(summary(prof, wall, dev, span))
 
 
 def compare(metrics_csv: str, plain_json: str, warmup: int) -> dict[str, Any]:
@@ -170,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--read-before-step", action="store_true", help="read loss and gradient norm on the host before each step")
     p.add_argument("--copy-batch", choices=("none", "pageable", "pinned"), default="none", help="copy the batch in every step")
     p.add_argument("--json", help="write the result here too")
+    p.add_argument("--profile", metavar="PREFIX", help="profile steps 8-10 into PREFIX.json and PREFIX.txt")
     args = p.parse_args(argv)
     if args.print_overrides:
         print(" ".join(LLAMA_1B))
@@ -189,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         precision=args.precision,
         read_before_step=args.read_before_step,
         copy_batch=args.copy_batch,
+        profile=args.profile,
     )
     line = {k: v for k, v in out.items() if k != "losses"}
     print(json.dumps(line))

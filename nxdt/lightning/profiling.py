@@ -78,14 +78,19 @@ class StepProfiler(Callback):
         rank = trainer.global_rank
         prof.export_chrome_trace(str(self.profile_dir / f"rank{rank}.json"))
         span = f"step {last}" if last == self.first else f"steps {self.first}-{last}"
-        lines = [f"{span} on rank {rank} ({device}): {wall:.3f} s wall"]
-        on_gpu = device.type == "cuda"
-        if on_gpu:
-            kernels = [
-                (e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-            ]
-            busy = busy_seconds(kernels) / 1e6  # the profiler's clock counts microseconds
-            lines.append(f"GPU busy {busy:.3f} s: {100 * busy / wall:.1f} % of the wall time ({len(kernels)} kernels and copies)")
-        sort = "self_device_time_total" if on_gpu else "self_cpu_time_total"
-        lines.append(prof.key_averages().table(sort_by=sort, row_limit=TOP_OPS))
-        (self.profile_dir / f"rank{rank}.txt").write_text("\n".join(lines) + "\n")
+        (self.profile_dir / f"rank{rank}.txt").write_text(summary(prof, wall, device, f"{span} on rank {rank}"))
+
+
+def summary(prof: Any, wall: float, device: torch.device, span: str) -> str:
+    """The report of a finished profile ``prof`` over ``wall`` seconds: on a GPU the share of them the GPU was busy
+    (the union of its kernels' and copies' intervals), then the ops by self time (on the device where there is one).
+    ``experiments/gpu/plain_loop.py --profile`` writes the same report for the plain loop, to set beside nxdt's."""
+    lines = [f"{span} ({device}): {wall:.3f} s wall"]
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        kernels = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = busy_seconds(kernels) / 1e6  # the profiler's clock counts microseconds
+        lines.append(f"GPU busy {busy:.3f} s: {100 * busy / wall:.1f} % of the wall time ({len(kernels)} kernels and copies)")
+    sort = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    lines.append(prof.key_averages().table(sort_by=sort, row_limit=TOP_OPS))
+    return "\n".join(lines) + "\n"
