@@ -91,6 +91,9 @@ def summary(prof: Any, wall: float, device: torch.device, span: str) -> str:
         kernels = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         busy = busy_seconds(kernels) / 1e6  # the profiler's clock counts microseconds
         lines.append(f"GPU busy {busy:.3f} s: {100 * busy / wall:.1f} % of the wall time ({len(kernels)} kernels and copies)")
+        if kernels:  # from the first kernel's start to the last one's end: the device's own view of the window
+            span_s = (max(e for _, e in kernels) - min(s for s, _ in kernels)) / 1e6
+            lines.append(f"GPU span {span_s:.3f} s: busy {100 * busy / span_s:.1f} % of it")
     sort = "self_device_time_total" if on_gpu else "self_cpu_time_total"
     lines.append(prof.key_averages().table(sort_by=sort, row_limit=TOP_OPS))
     return "\n".join(lines) + "\n"

@@ -15,7 +15,7 @@ _DATA_PARALLEL = (
     "FSDPRuntime",
     "data_parallel_runtime",
 )
-__all__ = ["scale_", "squared_norm", *_DATA_PARALLEL]
+__all__ = ["scale_", "squared_norm", "foreach_squared_norm", *_DATA_PARALLEL]
 
 
 def squared_norm(t: torch.Tensor) -> torch.Tensor:
@@ -23,6 +23,22 @@ def squared_norm(t: torch.Tensor) -> torch.Tensor:
     across shards. ``vector_norm`` with a float64 dtype reduces without materialising a float64 copy and its
     square (≈ 6× faster than ``t.double().pow(2).sum()`` on a 3 M-element model, equal to ~1e-15)."""
     return torch.linalg.vector_norm(t.detach(), dtype=torch.float64).square()
+
+
+def foreach_squared_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Σ t² over all of ``tensors``, as a float64 scalar, the way a GPU computes it fast: torch's foreach norm (a few
+    kernels per dtype for any number of tensors, each tensor's sum accumulated in fp32 as
+    ``torch.nn.utils.clip_grad_norm_`` accumulates it), squared and added in float64. :func:`squared_norm` per tensor
+    costs a GPU five kernels and a float64 copy of each tensor (measured on an H200: 9 ms a step for a 1.24 B model,
+    against 1.4 ms for this); the CPU keeps it (float64 throughout, no copy there)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t.detach())
+    total = None
+    for same in groups.values():
+        part = torch.stack(torch._foreach_norm(same, 2)).double().square().sum()
+        total = part if total is None else total + part.to(total.device)
+    return total if total is not None else torch.zeros((), dtype=torch.float64)
 
 
 def scale_(grads: Sequence[torch.Tensor], coef: torch.Tensor) -> None:

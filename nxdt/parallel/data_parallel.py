@@ -54,7 +54,7 @@ from torch import Tensor, nn
 
 from nxdt.comm.stream import Work
 from nxdt.comm.world import Communicator
-from nxdt.parallel import scale_, squared_norm
+from nxdt.parallel import foreach_squared_norm, scale_, squared_norm
 from nxdt.parallel.expert_parallel import is_expert_parameter, reduce_expert_gradients
 from nxdt.parallel.fsdp import FullyShardedDataParallel, OriginalStateDict, apply_fsdp
 from nxdt.parallel.overlap import DP_STREAM, BackwardReduction, cap_elements, order_free, plan_buckets
@@ -98,12 +98,21 @@ class ModelParallel:
         """2-norm of one model replica's tensors (parameters or their gradients, by the module's parameter
         names), which this rank holds a TP shard / EP slice / PP stage of; each weighted as in ``norm_weights``."""
         prefix = "model."
+        device = named[0][1].device if named else None
         # [dense, experts], on the tensors' device (a rank's GPU: summed there, reduced over NCCL)
-        squares = torch.zeros(2, dtype=torch.float64, device=named[0][1].device if named else None)
+        squares = torch.zeros(2, dtype=torch.float64, device=device)
         experts = {n for n, p in module.named_parameters() if is_expert_parameter(p)}
-        for name, t in named:
-            w = self.norm_weights.get(name[len(prefix) :] if name.startswith(prefix) else name, 1.0)
-            squares[int(name in experts)] += w * squared_norm(t)
+        if device is None or device.type == "cpu":  # per tensor, float64 throughout: what the sharded runtimes add up to
+            for name, t in named:
+                w = self.norm_weights.get(name[len(prefix) :] if name.startswith(prefix) else name, 1.0)
+                squares[int(name in experts)] += w * squared_norm(t)
+        else:  # a GPU: a few foreach kernels per weight and part instead of five per tensor
+            parts: dict[tuple[float, int], list[Tensor]] = {}
+            for name, t in named:
+                w = self.norm_weights.get(name[len(prefix) :] if name.startswith(prefix) else name, 1.0)
+                parts.setdefault((w, int(name in experts)), []).append(t)
+            for (w, part), tensors in parts.items():
+                squares[part] += w * foreach_squared_norm(tensors)
         if self.ep is not None:  # each EP rank holds different experts: add their parts
             expert_part = squares[1:].clone()
             self.ep.all_reduce(expert_part, op="sum")
