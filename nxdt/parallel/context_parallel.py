@@ -73,7 +73,7 @@ def shard_micro_batches(micro_batches: list[dict[str, torch.Tensor]], comm: Comm
             )
         ids = mb["input_ids"]
         b, s = ids.shape
-        index = load_balanced_positions(s, comm.rank, comm.size)
+        index = load_balanced_positions(s, comm.rank, comm.size).to(ids.device)
         part = {name: t[:, index] if t.dim() >= 2 and tuple(t.shape[:2]) == (b, s) else t for name, t in mb.items()}
         if mb.get("position_ids") is None:
             part["position_ids"] = index.unsqueeze(0).expand(b, -1)
@@ -83,7 +83,7 @@ def shard_micro_batches(micro_batches: list[dict[str, torch.Tensor]], comm: Comm
     total = local.clone()
     comm.all_reduce(total, op="sum")
     for part, n, n_all in zip(out, local, total):
-        part[TOKEN_SHARE] = n * comm.size / n_all if n_all > 0 else torch.ones((), dtype=torch.float64)
+        part[TOKEN_SHARE] = n * comm.size / n_all if n_all > 0 else torch.ones((), dtype=torch.float64, device=n.device)
     return out
 
 
@@ -114,16 +114,17 @@ def _visibility(q: tuple[int, int], k: tuple[int, int]) -> str | None:
     return FULL if k[1] - 1 <= q[0] else DIAGONAL
 
 
-def _tile_mask(q: tuple[int, int], k: tuple[int, int]) -> torch.Tensor:
+def _tile_mask(q: tuple[int, int], k: tuple[int, int], device: torch.device | None = None) -> torch.Tensor:
     """True where the key's global position is after the query's: [q rows, k cols]."""
-    return torch.arange(k[0], k[1])[None, :] > torch.arange(q[0], q[1])[:, None]
+    return torch.arange(k[0], k[1], device=device)[None, :] > torch.arange(q[0], q[1], device=device)[:, None]
 
 
 def _tiles(
-    seq_length: int, q_rank: int, k_rank: int, cp: int, rows: int = ROW_BLOCK
+    seq_length: int, q_rank: int, k_rank: int, cp: int, rows: int = ROW_BLOCK, device: torch.device | None = None
 ) -> list[tuple[slice, slice, torch.Tensor | None]]:
     """The (local query rows, local key rows, mask or None) tiles queries of ``q_rank`` compute against the K/V of
-    ``k_rank``: at most ``rows`` query rows × one key chunk each; fully masked tiles are left out."""
+    ``k_rank``: at most ``rows`` query rows × one key chunk each; fully masked tiles are left out. Masks are made on
+    ``device`` (the scores')."""
     out = []
     c = seq_length // (2 * cp)
     for a, (q0, q1) in enumerate(chunk_ranges(seq_length, q_rank, cp)):
@@ -133,7 +134,7 @@ def _tiles(
             for b, kr in enumerate(chunk_ranges(seq_length, k_rank, cp)):
                 kind = _visibility(qr, kr)
                 if kind is not None:
-                    out.append((local, slice(b * c, (b + 1) * c), _tile_mask(qr, kr) if kind == DIAGONAL else None))
+                    out.append((local, slice(b * c, (b + 1) * c), _tile_mask(qr, kr, device) if kind == DIAGONAL else None))
     return out
 
 
@@ -193,14 +194,14 @@ class _RingAttentionFn(torch.autograd.Function):
         kv_heads, seq = k.shape[1], s_local * cp
         dtype, scale = _compute_dtype(q.dtype), 1.0 / math.sqrt(d)
         qg = _grouped(q, kv_heads).to(dtype) * scale  # [B, Hkv, G, L, D]
-        out = torch.zeros(qg.shape, dtype=dtype)
-        lse = torch.full(qg.shape[:-1], float("-inf"), dtype=dtype)
+        out = torch.zeros(qg.shape, dtype=dtype, device=q.device)
+        lse = torch.full(qg.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
         block = _pack(k.contiguous(), v.contiguous())  # sent in the inputs' dtype
         for step in range(cp):
             incoming, work = ring.pass_on(block) if step < cp - 1 else (None, None)
             with ring.compute_span("ring_attention.forward", step):
                 kb, vb = (t.unsqueeze(2).to(dtype) for t in _unpack(block, k.shape))
-                for rows, cols, mask in _tiles(seq, rank, (rank - step) % cp, cp, ctx.row_block):
+                for rows, cols, mask in _tiles(seq, rank, (rank - step) % cp, cp, ctx.row_block, q.device):
                     scores = qg[..., rows, :] @ kb[..., cols, :].transpose(-1, -2)
                     if mask is not None:
                         scores = scores.masked_fill(mask, float("-inf"))
@@ -235,16 +236,16 @@ class _RingAttentionFn(torch.autograd.Function):
         qg = _grouped(q, kv_heads).to(dtype)
         do = _grouped(grad_out.contiguous(), kv_heads).to(dtype)
         delta = (do * out.to(dtype)).sum(dim=-1)  # rowsum(dO ∘ O) = Σ_j P_ij dP_ij over the whole sequence
-        dq = torch.zeros(qg.shape, dtype=dtype)
+        dq = torch.zeros(qg.shape, dtype=dtype, device=q.device)
         block = _pack(k.contiguous(), v.contiguous())
         carried, carry_work = None, None  # the dK/dV accumulator arriving with the block in hand
         for step in range(cp):
             incoming, work = ring.pass_on(block) if step < cp - 1 else (None, None)
             with ring.compute_span("ring_attention.backward", step):
                 kb, vb = (t.unsqueeze(2).to(dtype) for t in _unpack(block, k.shape))
-                dk = torch.zeros(kb.shape, dtype=dtype)
-                dv = torch.zeros(vb.shape, dtype=dtype)
-                for rows, cols, mask in _tiles(seq, rank, (rank - step) % cp, cp, ctx.row_block):
+                dk = torch.zeros(kb.shape, dtype=dtype, device=q.device)
+                dv = torch.zeros(vb.shape, dtype=dtype, device=q.device)
+                for rows, cols, mask in _tiles(seq, rank, (rank - step) % cp, cp, ctx.row_block, q.device):
                     qi, doi = qg[..., rows, :], do[..., rows, :]
                     kj, vj = kb[..., cols, :], vb[..., cols, :]
                     p = torch.exp((qi * scale) @ kj.transpose(-1, -2) - lse[..., rows, None])  # the forward's probabilities

@@ -782,8 +782,9 @@ class FSDPRuntime(ReplicatedRuntime):
         if self.fsdp is None:
             return super().parameter_norm(module)
         weights = self.mp.norm_weights  # each DP rank holds a different slice of every flat unit
-        squares = torch.zeros(1, dtype=torch.float64)
-        for flat in self.fsdp.flats():
+        flats = self.fsdp.flats()
+        squares = torch.zeros(1, dtype=torch.float64, device=flats[0].shard.device if flats else None)
+        for flat in flats:
             if not flat.trainable:  # as the replicated runtime: the norm of what training updates
                 continue
             for entry, a, b in flat.counted_segments(self.fsdp.dp_rank):

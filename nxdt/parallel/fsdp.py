@@ -286,7 +286,7 @@ class FullyShardedDataParallel:
             replicated = self.dp_size > 1 and (group, dtype) != largest and numel < self.persistence_threshold
             parts = 1 if replicated else self.dp_size
             shard_size = -(-numel // parts)
-            flat = torch.zeros(shard_size * parts, dtype=dtype)
+            flat = torch.zeros(shard_size * parts, dtype=dtype, device=params[0][0].device)  # where the model is
             entries, offset = [], 0
             for p, owners, quals in params:
                 flat[offset : offset + p.numel()].copy_(p.reshape(-1))
@@ -294,7 +294,7 @@ class FullyShardedDataParallel:
                 offset += p.numel()
             lo = 0 if replicated else self.dp_rank * shard_size
             shard = nn.Parameter(self._shard_buffer(flat[lo : lo + shard_size]), requires_grad=group is not FROZEN)
-            full = torch.empty(flat.numel(), dtype=gather_dtype or dtype)
+            full = torch.empty(flat.numel(), dtype=gather_dtype or dtype, device=flat.device)
             if not replicated:
                 full.untyped_storage().resize_(0)  # resharded until first gathered
             flats.append(
@@ -311,7 +311,7 @@ class FullyShardedDataParallel:
     def _shard_buffer(self, values: torch.Tensor) -> torch.Tensor:
         """A copy of ``values`` to own as a shard, kept where peers read it in place when gathering
         (``Communicator.empty``); the optimizer updates it in place."""
-        return self.comm.empty(values.numel(), values.dtype).copy_(values)
+        return self.comm.empty(values.numel(), values.dtype, values.device).copy_(values)
 
     def _rewire_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Each param group now updates the shards of its parameters (same group dicts: schedulers that
@@ -387,7 +387,7 @@ class FullyShardedDataParallel:
         for f in unit.flats:
             # a separate tensor over the same storage: re-gathering into ``full`` for backward must not bump the
             # version counter of the tensors autograd saved from the leaf's views
-            leaf = torch.empty(0, dtype=f.full.dtype).set_(f.full.untyped_storage(), 0, (f.full.numel(),))
+            leaf = torch.empty(0, dtype=f.full.dtype, device=f.full.device).set_(f.full.untyped_storage(), 0, (f.full.numel(),))
             # the shard's requires_grad: Lightning's toggle_optimizer switches it off for the other optimizers' shards
             grad = need_grad and f.trainable and f.shard.requires_grad
             if grad:
@@ -574,7 +574,7 @@ class FullyShardedDataParallel:
         self._rs_queue = [item for item in self._rs_queue if self._backward_started - item[0] < min_age]
         for _, flat, grad in ready:
             grad = grad.to(self.reduce_dtype) if grad.dtype != self.reduce_dtype else grad
-            out = torch.empty(flat.shard_size, dtype=self.reduce_dtype)
+            out = torch.empty(flat.shard_size, dtype=self.reduce_dtype, device=grad.device)
             work = self.comm.reduce_scatter(out, grad, "avg", stream=self.stream, async_op=True)
             self._step_comm_works.append(work)
             self._rs_inflight.append((flat, out, work))
@@ -607,7 +607,7 @@ class FullyShardedDataParallel:
         by_dtype: dict[torch.dtype, list[FlatShard]] = {}
         for f in replicated:  # every rank sends the same flats (a parameter without gradient contributes zeros)
             if f.local_grad is None:
-                f.local_grad = torch.zeros(f.numel, dtype=self.reduce_dtype)
+                f.local_grad = torch.zeros(f.numel, dtype=self.reduce_dtype, device=f.shard.device)
             by_dtype.setdefault(f.local_grad.dtype, []).append(f)
         for flats in by_dtype.values():
             summed = torch.cat([f.local_grad for f in flats])
@@ -695,7 +695,7 @@ class FullyShardedDataParallel:
         """The whole flat buffer of ``f`` in its shards' dtype (a collective over the DP group unless replicated)."""
         if f.replicated:
             return f.shard.detach()
-        full = torch.empty(f.shard_size * self.dp_size, dtype=f.shard.dtype)
+        full = torch.empty(f.shard_size * self.dp_size, dtype=f.shard.dtype, device=f.shard.device)
         self.comm.all_gather(full, f.shard.detach(), stream=FSDP_STREAM)
         return full
 
@@ -791,7 +791,7 @@ class FullyShardedDataParallel:
                         if not isinstance(value, torch.Tensor) or value.dim() == 0:  # the step counter: the same for every
                             out[key] = value.clone() if isinstance(value, torch.Tensor) else value  # parameter; one copy each
                             continue
-                        full = torch.zeros(f.shard_size * f.parts, dtype=value.dtype)
+                        full = torch.zeros(f.shard_size * f.parts, dtype=value.dtype, device=f.shard.device)
                         for e, st in entry_states:
                             t = localize(prefix + e.names[0], st[key]) if localize is not None else st[key]
                             if tuple(t.shape) != tuple(e.shape):
@@ -814,8 +814,9 @@ class FullyShardedDataParallel:
     def grad_norm_squared(self, weights: dict[str, float] | None = None, optimizer_index: int | None = None) -> torch.Tensor:
         """Σ weight·g² over this rank's shard gradients (float64) of optimizer ``optimizer_index`` (all when None);
         ``weights`` by parameter name (default 1)."""
-        total = torch.zeros((), dtype=torch.float64)
-        for f in self._of(optimizer_index):
+        flats = self._of(optimizer_index)
+        total = torch.zeros((), dtype=torch.float64, device=flats[0].shard.device if flats else None)
+        for f in flats:
             g = f.shard.grad
             if g is None or (f.replicated and self.dp_rank != 0):  # a replicated flat counts once over DP
                 continue

@@ -515,7 +515,7 @@ class PipelineExecutor:
         self.in_grads: dict[tuple[int, int], torch.Tensor] = {}
         self.pending: list[Any] = []  # async send handles
         self.loopback: dict[str, list[torch.Tensor]] = {}
-        self.loss_sum = torch.zeros((), dtype=torch.float64)
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.losses: dict[int, torch.Tensor] = {}  # each micro-batch's unscaled loss (last chunk)
         self.scores: dict[int, torch.Tensor] = {}  # score(): each micro-batch's values (last chunk)
         # MoE: router statistics received with an activation / sent on with it / this chunk's probability sums (with

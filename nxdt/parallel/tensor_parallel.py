@@ -451,6 +451,7 @@ class ColumnParallelLinear(TensorParallelModule):
         block: int = 1,
         replicate: bool = False,
         dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
         what: str = "ColumnParallelLinear",
         input_in_region: bool = False,
         pad: bool = False,
@@ -466,15 +467,21 @@ class ColumnParallelLinear(TensorParallelModule):
             raise ValueError(f"{what}: gather_output needs an even split, not padded shards")
         if gather_output and spec.replicas > 1:
             raise ValueError(f"{what}: gather_output needs an even split, not replicated shards")
-        self.weight = nn.Parameter(torch.empty(spec.local, in_features, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(spec.local, dtype=dtype)) if bias else None
+        self.weight = nn.Parameter(torch.empty(spec.local, in_features, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(spec.local, dtype=dtype, device=device)) if bias else None
         self.shard_specs = {"weight": spec, **({"bias": spec} if bias else {})}
 
     @classmethod
     def from_full(cls, linear: nn.Linear, comm: Any, **kwargs: Any) -> "ColumnParallelLinear":
         """This rank's slice of a full ``nn.Linear`` (same seed on every rank → the shards tile it exactly)."""
         mod = cls(
-            linear.in_features, linear.out_features, comm, bias=linear.bias is not None, dtype=linear.weight.dtype, **kwargs
+            linear.in_features,
+            linear.out_features,
+            comm,
+            bias=linear.bias is not None,
+            dtype=linear.weight.dtype,
+            device=linear.weight.device,
+            **kwargs,
         )
         _load_slices(mod, linear, comm.rank)
         return mod
@@ -514,6 +521,7 @@ class RowParallelLinear(TensorParallelModule):
         sequence_parallel: bool = False,
         block: int = 1,
         dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
         what: str = "RowParallelLinear",
         reduce_output: bool = True,
     ) -> None:
@@ -526,14 +534,20 @@ class RowParallelLinear(TensorParallelModule):
         if bias and not reduce_output:
             raise ValueError(f"{what}: a bias needs the reduced output (it is added once, after the reduction)")
         spec = ShardSpec(1, in_features, comm.size, block=block, what=what)
-        self.weight = nn.Parameter(torch.empty(out_features, spec.local, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+        self.weight = nn.Parameter(torch.empty(out_features, spec.local, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
         self.shard_specs = {"weight": spec}
 
     @classmethod
     def from_full(cls, linear: nn.Linear, comm: Any, **kwargs: Any) -> "RowParallelLinear":
         mod = cls(
-            linear.in_features, linear.out_features, comm, bias=linear.bias is not None, dtype=linear.weight.dtype, **kwargs
+            linear.in_features,
+            linear.out_features,
+            comm,
+            bias=linear.bias is not None,
+            dtype=linear.weight.dtype,
+            device=linear.weight.device,
+            **kwargs,
         )
         _load_slices(mod, linear, comm.rank)
         return mod
@@ -568,6 +582,7 @@ class VocabParallelEmbedding(TensorParallelModule):
         sequence_parallel: bool = False,
         block: int = 1,
         dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
         what: str = "VocabParallelEmbedding",
     ) -> None:
         super().__init__()
@@ -577,14 +592,21 @@ class VocabParallelEmbedding(TensorParallelModule):
         # padded to a multiple of block × tp (zero rows no id looks up): any vocabulary splits
         spec = ShardSpec(0, num_embeddings, comm.size, block=block, pad=True, what=f"{what} (vocab size {num_embeddings})")
         self.vocab_start = comm.rank * spec.local
-        self.weight = nn.Parameter(torch.empty(spec.local, embedding_dim, dtype=dtype))
+        self.weight = nn.Parameter(torch.empty(spec.local, embedding_dim, dtype=dtype, device=device))
         self.shard_specs = {"weight": spec}
 
     @classmethod
     def from_full(cls, embedding: nn.Embedding, comm: Any, **kwargs: Any) -> "VocabParallelEmbedding":
         if embedding.padding_idx is not None or embedding.max_norm is not None:
             raise ValueError("VocabParallelEmbedding.from_full: padding_idx / max_norm are not supported")
-        mod = cls(embedding.num_embeddings, embedding.embedding_dim, comm, dtype=embedding.weight.dtype, **kwargs)
+        mod = cls(
+            embedding.num_embeddings,
+            embedding.embedding_dim,
+            comm,
+            dtype=embedding.weight.dtype,
+            device=embedding.weight.device,
+            **kwargs,
+        )
         _load_slices(mod, embedding, comm.rank)
         return mod
 

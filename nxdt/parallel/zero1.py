@@ -422,7 +422,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _grad_of(p: nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
-        return p.grad.reshape(-1).to(dtype) if p.grad is not None else torch.zeros(p.numel(), dtype=dtype)
+        return p.grad.reshape(-1).to(dtype) if p.grad is not None else torch.zeros(p.numel(), dtype=dtype, device=p.device)
 
     def _write_full_gradients(self) -> None:
         """``full_gradients``: the DP average (each bucket's ``grad_flat``, all-reduced) into every parameter's .grad."""
