@@ -88,7 +88,9 @@ def summary(prof: Any, wall: float, device: torch.device, span: str) -> str:
     lines = [f"{span} ({device}): {wall:.3f} s wall"]
     on_gpu = device.type == "cuda"
     if on_gpu:
-        kernels = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels = [
+            (e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+        ]
         busy = busy_seconds(kernels) / 1e6  # the profiler's clock counts microseconds
         lines.append(f"GPU busy {busy:.3f} s: {100 * busy / wall:.1f} % of the wall time ({len(kernels)} kernels and copies)")
         if kernels:  # from the first kernel's start to the last one's end: the device's own view of the window
