@@ -474,17 +474,7 @@ class ColumnParallelLinear(TensorParallelModule):
     @classmethod
     def from_full(cls, linear: nn.Linear, comm: Any, **kwargs: Any) -> "ColumnParallelLinear":
         """This rank's slice of a full ``nn.Linear`` (same seed on every rank → the shards tile it exactly)."""
-        mod = cls(
-            linear.in_features,
-            linear.out_features,
-            comm,
-            bias=linear.bias is not None,
-            dtype=linear.weight.dtype,
-            device=linear.weight.device,
-            **kwargs,
-        )
-        _load_slices(mod, linear, comm.rank)
-        return mod
+        return _sliced_linear(cls, linear, comm, **kwargs)
 
     def extra_repr(self) -> str:
         spec = self.shard_specs["weight"]
@@ -540,17 +530,7 @@ class RowParallelLinear(TensorParallelModule):
 
     @classmethod
     def from_full(cls, linear: nn.Linear, comm: Any, **kwargs: Any) -> "RowParallelLinear":
-        mod = cls(
-            linear.in_features,
-            linear.out_features,
-            comm,
-            bias=linear.bias is not None,
-            dtype=linear.weight.dtype,
-            device=linear.weight.device,
-            **kwargs,
-        )
-        _load_slices(mod, linear, comm.rank)
-        return mod
+        return _sliced_linear(cls, linear, comm, **kwargs)
 
     def extra_repr(self) -> str:
         return (
@@ -793,6 +773,21 @@ def _replicated_copy(linear: nn.Linear) -> nn.Linear:
     copy.load_state_dict(linear.state_dict())
     copy.requires_grad_(linear.weight.requires_grad)
     return copy
+
+
+def _sliced_linear(cls: Any, linear: nn.Linear, comm: Any, **kwargs: Any) -> Any:
+    """This rank's ``cls`` (a column- or row-parallel layer) cut from a full ``nn.Linear``: in its dtype, on its device."""
+    mod = cls(
+        linear.in_features,
+        linear.out_features,
+        comm,
+        bias=linear.bias is not None,
+        dtype=linear.weight.dtype,
+        device=linear.weight.device,
+        **kwargs,
+    )
+    _load_slices(mod, linear, comm.rank)
+    return mod
 
 
 def _load_slices(mod: TensorParallelModule, full: nn.Module, rank: int) -> None:
