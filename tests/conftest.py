@@ -5,6 +5,7 @@ module is collected, so tests in sub-folders import the shared helpers of this f
 from shared_runs import attacked_restart, everyday_runs, reliability_reference  # noqa: E402,F401  (session fixtures several modules share)
 
 import os  # noqa: E402
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -117,6 +118,10 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
     if not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller, once, before any worker or launch imports nxdt
         compile_sources()
+    # pytest keeps each test module's assertion-rewritten code in __pycache__ unless bytecode writing is off, as this
+    # host's PYTHONDONTWRITEBYTECODE turns it: every worker then parsed and rewrote all ~200 modules on every run (7 of
+    # a worker's 20 CPU-s of collection, measured). Read before each test module is imported: set here, before that.
+    sys.dont_write_bytecode = False
     import torch
 
     torch.set_num_threads(1)
