@@ -102,15 +102,18 @@ class ModelParallel:
         # [dense, experts], on the tensors' device (a rank's GPU: summed there, reduced over NCCL)
         squares = torch.zeros(2, dtype=torch.float64, device=device)
         experts = {n for n, p in module.named_parameters() if is_expert_parameter(p)}
+        # (weight, dense 0 / experts 1, tensor)
+        weighted = [
+            (self.norm_weights.get(name[len(prefix) :] if name.startswith(prefix) else name, 1.0), int(name in experts), t)
+            for name, t in named
+        ]
         if device is None or device.type == "cpu":  # per tensor, float64 throughout: what the sharded runtimes add up to
-            for name, t in named:
-                w = self.norm_weights.get(name[len(prefix) :] if name.startswith(prefix) else name, 1.0)
-                squares[int(name in experts)] += w * squared_norm(t)
+            for w, part, t in weighted:
+                squares[part] += w * squared_norm(t)
         else:  # a GPU: a few foreach kernels per weight and part instead of five per tensor
             parts: dict[tuple[float, int], list[Tensor]] = {}
-            for name, t in named:
-                w = self.norm_weights.get(name[len(prefix) :] if name.startswith(prefix) else name, 1.0)
-                parts.setdefault((w, int(name in experts)), []).append(t)
+            for w, part, t in weighted:
+                parts.setdefault((w, part), []).append(t)
             for (w, part), tensors in parts.items():
                 squares[part] += w * foreach_squared_norm(tensors)
         if self.ep is not None:  # each EP rank holds different experts: add their parts
