@@ -16,10 +16,11 @@ from pathlib import Path
 USAGE = """usage: nxdt <command> [args]
 
 commands:
-  train [-m] [-q|-v] [overrides...]
+  train [-m] [-q|-v] [--dry-run] [overrides...]
                               compose + validate the config, plan, launch the workers, train
                               (-m / --multirun: one complete run per combination of key=a,b,... values;
-                              -q: banner and summary only; -v: every line, third-party ones included)
+                              -q: banner and summary only; -v: every line, third-party ones included;
+                              --dry-run: launcher.dry_run=true, print what would start and start nothing)
   train|plan --config-path DIR --config-name NAME [overrides]
                               a config written for NxD Training, as it is (docs/migrating-from-nxdt.md);
                               instance=<name> names the instance NxDT configs leave out
@@ -82,7 +83,7 @@ def train_help() -> str:
     from nxdt.config import available_options, field_docs
 
     lines = [
-        "usage: nxdt train [-m] [-q|-v] [group=option ...] [key=value ...]",
+        "usage: nxdt train [-m] [-q|-v] [--dry-run] [group=option ...] [key=value ...]",
         "       nxdt train --config-path DIR --config-name NAME [instance=NAME] [key=value ...]   (an NxDT config file; "
         "docs/migrating-from-nxdt.md)",
         "",
@@ -194,6 +195,9 @@ def _composer(source: tuple[str, str] | None, *, paths: bool = True) -> Any:
         return cfg
 
     return compose
+
+
+DRY_RUN_FLAG = "--dry-run"  # nxdt train: launcher.dry_run=true (print what would start: workers, devices, NCCL settings)
 
 
 def _split_flags(argv: list[str], flags: set[str]) -> tuple[set[str], list[str]]:
@@ -633,7 +637,10 @@ def cmd_train(argv: list[str], start_workers_early: bool = False, fork_workers: 
     # the workers' "ready" line and the summary count from here (the program: from its process's start)
     os.environ[STARTED_ENV] = repr(process_started_at() if start_workers_early else time.time())
 
-    flags, overrides = _split_flags(argv, {"-m", "--multirun", *MODE_FLAGS})
+    flags, overrides = _split_flags(argv, {"-m", "--multirun", DRY_RUN_FLAG, *MODE_FLAGS})
+    if DRY_RUN_FLAG in flags:  # the launcher group's own key, spelled as other launchers' flag
+        flags.discard(DRY_RUN_FLAG)
+        overrides.append("launcher.dry_run=true")
     modes = {MODE_FLAGS[f] for f in flags if f in MODE_FLAGS}
     if len(modes) > 1:
         raise UsageError("nxdt train: -q (quiet) and -v (verbose) exclude each other")

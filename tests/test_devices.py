@@ -152,6 +152,28 @@ def test_p5_dry_run_shows_every_ranks_device_and_the_nccl_settings(tmp_path):
     assert not device_lines(compose_config([]), 2)  # a CPU run's dry run is as before
 
 
+def test_dry_run_flag_is_the_launcher_key_and_starts_nothing(tmp_path, monkeypatch, capsys):
+    """``nxdt train instance=p5.48xlarge --dry-run`` (the flag other launchers spell it with) prints what
+    ``launcher.dry_run=true`` prints — every rank's GPU and the NCCL settings — on a host without GPUs, and starts
+    nothing; an unknown flag is still one line."""
+    from nxdt.cli import main as cli_main
+
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["train", "instance=p5.48xlarge", "--dry-run"]) == 0
+    flag = capsys.readouterr().out
+    assert "dry run — nothing started" in flag and "rank 7 → cuda:7" in flag and "NCCL/EFA environment" in flag
+    assert cli_main(["train", "instance=p5.48xlarge", "launcher.dry_run=true"]) == 0
+    key = capsys.readouterr().out
+
+    def same(text: str) -> list[str]:  # the run directory's name carries the second it was chosen
+        return [line.split(" run directory ")[0] for line in text.splitlines() if "/outputs/" not in line]
+
+    assert same(flag) == same(key)
+    assert not (tmp_path / "outputs").exists()
+    assert cli_main(["train", "--dry-runs"]) == 2
+    assert "unknown option '--dry-runs'" in capsys.readouterr().err
+
+
 def test_gpu_instance_without_cuda_is_one_line_before_anything_starts():
     cfg = compose_config(["instance=gpu"])
     with pytest.raises(ConfigError) as err:

@@ -10,8 +10,10 @@ fp32 accumulation of fp16/bf16 (rounded once, so every member holds the bits the
 the environment, which the worker fills from ``instance.env`` before its first group (``nxdt.parallel.devices``).
 
 Ordering: an op is enqueued on NCCL's stream after the work already queued on the calling thread's current CUDA
-stream, and waiting for it makes that stream wait; nxdt's stream threads run on the device's default stream, the
-stream the training step computes on, so a collective returns with its result ordered before the next kernel.
+stream, and waiting for it makes that stream wait. An inline op runs on the caller's stream (the training step's); a
+queued one on its nxdt stream's own CUDA stream, which first waits for the issuing stream's event, and its result
+reaches the waiter's stream through ``Work.wait`` (:mod:`nxdt.comm.cuda_streams`), so the step's later kernels do not
+wait for it.
 Nothing here is imported before a CUDA tensor reaches a communicator.
 """
 

@@ -8,6 +8,13 @@ A blocking op on a stream with nothing queued runs inline in the caller's thread
 ``after=`` makes an op wait for other ops' completion first: the token chain FSDP prefetch uses.
 Every :class:`Work` has a unique integer ``id`` (per process), the token a trace shows.
 
+Ops on device tensors (a GPU's) carry a :class:`DeviceOrder` (``nxdt.comm.cuda_streams``): the host thread only
+*issues* device work, so its order is not the data's. A queued op marks its inputs ready on the issuing thread's
+device stream, runs on a device stream of its own nxdt stream (waiting for that mark, and for its ``after=`` ops on
+the device too), marks its results, and :meth:`Work.wait` makes the waiter's device stream wait for that mark —
+not the host, and not the device's other work: the next layer's kernels run while a prefetched gather is in flight.
+An op that runs inline runs on the caller's device stream, in its order.
+
 Stream priority (``World.high_priority_streams``, default ``{"tp"}``; ``World.yielding_streams``,
 default ``{"fsdp"}``). While an op of a high-priority stream of this rank runs, an op of a yielding
 stream pauses at its next chunk boundary (between shm steps, between point-to-point exchanges, and
@@ -33,7 +40,8 @@ import itertools
 import queue
 import threading
 import time
-from typing import Callable, Iterable
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, Iterable, Protocol
 
 import torch
 
@@ -49,14 +57,34 @@ def next_work_id() -> int:
     return next(_work_ids)
 
 
+class DeviceOrder(Protocol):
+    """How one queued op on device tensors is ordered with the device work around it (see the module docstring).
+    Made per op by the communicator, cheaply: it does nothing until :meth:`issued`."""
+
+    def issued(self) -> None:
+        """In the submitting thread, when the op is queued: its inputs are ready where that thread's device work is."""
+
+    def running(self) -> ContextManager[None]:
+        """In the stream's thread, around the op (and its waits for ``after=`` ops): the device work it issues goes
+        after the inputs' mark, on the stream's own device queue; on leaving, the results are marked."""
+
+    def waited(self) -> None:
+        """In a thread that waited for the op on the host: that thread's device work from now on follows the results."""
+
+    def inline(self) -> None:
+        """In the submitting thread, when the op runs there (nothing queued on its stream): it follows the stream's
+        earlier queued ops on the device as on the host."""
+
+
 class Work:
     """Handle of an issued collective; ``id`` is unique within the process."""
 
-    def __init__(self, description: str, work_id: int | None = None) -> None:
+    def __init__(self, description: str, work_id: int | None = None, order: DeviceOrder | None = None) -> None:
         self.description = description
         self.id = next(_work_ids) if work_id is None else work_id
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self._order = order  # device tensors: the device-side completion wait() hands on to the waiter's stream
         # perf_counter seconds when the op began (its ``after=`` done) and ended: what overlap accounting reads
         self.start_s: float | None = None
         self.end_s: float | None = None
@@ -69,10 +97,14 @@ class Work:
         return self._done.is_set()
 
     def wait(self, timeout_s: float | None = None) -> None:
+        """Until the op has run on the host (device tensors: issued); then, for device tensors, the calling thread's
+        device work is ordered after the op's results."""
         if not self._done.wait(timeout_s):
             raise CommTimeoutError(f"nxdt.comm: {self.description} did not complete within {timeout_s}s")
         if self._error is not None:
             raise self._error
+        if self._order is not None:
+            self._order.waited()
 
 
 class PriorityState:
@@ -133,6 +165,9 @@ class Stream:
         self._pending_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._closed = False
+        # per device, the device queue (a CUDA stream) this stream's thread issues its device work on; filled by the
+        # DeviceOrder of the first op on that device (nxdt.comm.cuda_streams), so nothing here touches a device
+        self.device_queues: dict[torch.device, Any] = {}
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
@@ -150,11 +185,12 @@ class Stream:
 
     def _run(self, fn: Callable[[], None], work: Work, after: Iterable[Work]) -> None:
         try:
-            for dep in after:
-                dep.wait()
-            with self._lock, torch.no_grad():  # collectives are not differentiated; a thread starts in grad mode
-                work.start_s = time.perf_counter()
-                fn()
+            with work._order.running() if work._order is not None else nullcontext():
+                for dep in after:
+                    dep.wait()  # device tensors: this stream's device queue waits for it, not the host
+                with self._lock, torch.no_grad():  # collectives are not differentiated; a thread starts in grad mode
+                    work.start_s = time.perf_counter()
+                    fn()
         except BaseException as exc:  # delivered to whoever waits on the work
             work.end_s = time.perf_counter()
             work._finish(exc if isinstance(exc, CommError) else exc)
@@ -173,8 +209,10 @@ class Stream:
         async_op: bool,
         after: Iterable[Work] = (),
         work_id: int | None = None,
+        order: DeviceOrder | None = None,
     ) -> Work | None:
-        """Run ``fn`` on this stream. ``description`` (or a function making it: only ops that get a Work need one)."""
+        """Run ``fn`` on this stream. ``description`` (or a function making it: only ops that get a Work need one).
+        ``order``: the op's tensors are a device's (:class:`DeviceOrder`); unused when it runs inline."""
         if self._closed:
             raise CommError(f"nxdt.comm: stream '{self.name}' is closed")
         after = list(after) if after else ()
@@ -185,6 +223,8 @@ class Stream:
                     self._pending += 1
             if idle:  # the common synchronous path: run here, no hand-off, no work handle
                 try:  # no self._lock: nothing else runs while _pending counts this op (threads, inline callers queue)
+                    if order is not None:
+                        order.inline()
                     if torch.is_grad_enabled():  # entering no_grad costs more than a small collective's copy
                         with torch.no_grad():
                             fn()
@@ -194,7 +234,9 @@ class Stream:
                     with self._pending_lock:
                         self._pending -= 1
                 return None
-        work = Work(description if isinstance(description, str) else description(), work_id)
+        work = Work(description if isinstance(description, str) else description(), work_id, order)
+        if order is not None:
+            order.issued()
         with self._pending_lock:
             self._pending += 1
         self._ensure_thread()

@@ -38,7 +38,7 @@ from nxdt.comm.shm import DEFAULT_SLOT_BYTES, SegmentNames, remove_stale_segment
 from nxdt.comm.emulate import EmulatedLink
 from nxdt.comm.heap import Heap
 from nxdt.comm.store import SignedKeys, StoreAccessError, connect_store, open_file_store, secret_from_env, serve_store
-from nxdt.comm.stream import PriorityState, Stream, Work, next_work_id
+from nxdt.comm.stream import DeviceOrder, PriorityState, Stream, Work, next_work_id
 from nxdt.comm.trace import Tracer
 from nxdt.comm.transport import (
     ALGORITHM_NAMES,
@@ -161,16 +161,31 @@ class Communicator:
         return parse_algorithm(algorithm, ALGORITHMS[op])
 
     def _submit(
-        self, fn: Callable[[], None], desc: str, stream: str, async_op: bool, after: Any, nbytes: int = 0, algorithm: str = ""
+        self,
+        fn: Callable[[], None],
+        desc: str,
+        stream: str,
+        async_op: bool,
+        after: Any,
+        nbytes: int = 0,
+        algorithm: str = "",
+        on: tuple[torch.Tensor, ...] = (),
     ) -> Work | None:
+        """Run ``fn`` (the op on tensors ``on``) on ``stream``; a GPU's tensors get the device order of
+        :mod:`nxdt.comm.cuda_streams`."""
         if self._broken is not None:
             raise CommError(f"nxdt.comm: group '{self.name}' is unusable after an earlier failure: {self._broken}")
         s = self.world.stream(stream)
+        order = None
+        if on and not on[0].is_cpu:
+            from nxdt.comm.cuda_streams import device_order
+
+            order = device_order(s, on)
         if s.role is None and self.world.tracer is None and after is None and not async_op:
             # the common blocking call: an error reaches this thread whether the op runs inline or queued
             # behind others (Work.wait re-raises it), so no wrapper closure per call (experiments/collectives-cpu)
             try:
-                return s.submit(fn, lambda: f"group '{self.name}' {desc}", async_op=False)
+                return s.submit(fn, lambda: f"group '{self.name}' {desc}", async_op=False, order=order)
             except CommError as exc:
                 self._broken = exc
                 raise
@@ -179,7 +194,7 @@ class Communicator:
         elif isinstance(after, Work):
             after = (after,)
         if s.role is not None or self.world.tracer is not None:
-            return self._submit_instrumented(fn, desc, s, async_op, tuple(after), nbytes, algorithm)
+            return self._submit_instrumented(fn, desc, s, async_op, tuple(after), nbytes, algorithm, order)
 
         def guarded() -> None:
             try:
@@ -188,10 +203,18 @@ class Communicator:
                 self._broken = exc
                 raise
 
-        return s.submit(guarded, f"group '{self.name}' {desc}", async_op=async_op, after=after)
+        return s.submit(guarded, f"group '{self.name}' {desc}", async_op=async_op, after=after, order=order)
 
     def _submit_instrumented(
-        self, fn: Callable[[], None], desc: str, s: Stream, async_op: bool, after: tuple[Work, ...], nbytes: int, algorithm: str
+        self,
+        fn: Callable[[], None],
+        desc: str,
+        s: Stream,
+        async_op: bool,
+        after: tuple[Work, ...],
+        nbytes: int,
+        algorithm: str,
+        order: DeviceOrder | None,
     ) -> Work | None:
         """``_submit`` for a prioritised stream or while tracing: pause (yielding stream) or mark the op
         running (high-priority stream), and record the op from when it starts (its ``after=`` done)."""
@@ -232,7 +255,7 @@ class Communicator:
                         transport=self.transport,
                     )
 
-        return s.submit(instrumented, f"group '{self.name}' {desc}", async_op=async_op, after=after, work_id=work_id)
+        return s.submit(instrumented, f"group '{self.name}' {desc}", async_op=async_op, after=after, work_id=work_id, order=order)
 
     def stream_tag(self, stream: str) -> int:
         return self.world.stream_tag(self.name, stream)
@@ -310,7 +333,7 @@ class Communicator:
         tr = self._on(t)
         ran = tr.resolve("all_reduce", name, nbytes)
         work = self._submit(
-            lambda: tr.all_reduce(t, op, ran, grid, stream), f"all_reduce({op})", stream, async_op, after, nbytes, ran
+            lambda: tr.all_reduce(t, op, ran, grid, stream), f"all_reduce({op})", stream, async_op, after, nbytes, ran, (t,)
         )
         if not async_op and after is None and t.is_cpu:
             self._remember_one_step(t, op, algorithm, ran, stream)
@@ -373,7 +396,9 @@ class Communicator:
         nbytes = out.numel() * out.element_size()
         tr = self._on(out, inp)
         ran = tr.resolve("all_gather", name, nbytes)
-        return self._submit(lambda: tr.all_gather(out, inp, ran, stream), "all_gather", stream, async_op, after, nbytes, ran)
+        return self._submit(
+            lambda: tr.all_gather(out, inp, ran, stream), "all_gather", stream, async_op, after, nbytes, ran, (out, inp)
+        )
 
     @overload
     def reduce_scatter(
@@ -424,7 +449,14 @@ class Communicator:
         tr = self._on(out, inp)
         ran = tr.resolve("reduce_scatter", name, nbytes)
         return self._submit(
-            lambda: tr.reduce_scatter(out, inp, op, ran, stream), f"reduce_scatter({op})", stream, async_op, after, nbytes, ran
+            lambda: tr.reduce_scatter(out, inp, op, ran, stream),
+            f"reduce_scatter({op})",
+            stream,
+            async_op,
+            after,
+            nbytes,
+            ran,
+            (out, inp),
         )
 
     def all_to_all(
@@ -472,6 +504,7 @@ class Communicator:
             after,
             nbytes,
             ran,
+            (out, inp),
         )
 
     def _splits(self, splits: Sequence[int] | None, numel: int, row: int, which: str) -> list[int]:
@@ -509,7 +542,7 @@ class Communicator:
         tr = self._on(t)
         ran = tr.resolve("broadcast", name, nbytes)
         return self._submit(
-            lambda: tr.broadcast(t, root, ran, stream), f"broadcast(root={root})", stream, async_op, after, nbytes, ran
+            lambda: tr.broadcast(t, root, ran, stream), f"broadcast(root={root})", stream, async_op, after, nbytes, ran, (t,)
         )
 
     def reduce(
@@ -532,7 +565,7 @@ class Communicator:
         tr = self._on(t)
         ran = tr.resolve("reduce", name, nbytes)
         return self._submit(
-            lambda: tr.reduce(t, root, op, ran, stream), f"reduce({op}, root={root})", stream, async_op, after, nbytes, ran
+            lambda: tr.reduce(t, root, op, ran, stream), f"reduce({op}, root={root})", stream, async_op, after, nbytes, ran, (t,)
         )
 
     # ------------------------------------------------------------------------------ point to point
@@ -551,6 +584,7 @@ class Communicator:
             after,
             t.numel() * t.element_size(),
             "p2p",
+            (t,),
         )
 
     def recv(
@@ -567,6 +601,7 @@ class Communicator:
             after,
             t.numel() * t.element_size(),
             "p2p",
+            (t,),
         )
 
     def send_recv(
@@ -593,6 +628,7 @@ class Communicator:
             after,
             s.numel() * s.element_size(),
             "p2p",
+            (s, r),
         )
 
     def barrier(self, *, stream: str = "default", timeout_s: float | None = None) -> None:

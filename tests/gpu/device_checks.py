@@ -83,6 +83,52 @@ def _shared_gpu_rank(world):
     return out
 
 
+def _slow_full(n: int, value: float) -> torch.Tensor:
+    """A tensor of ``n`` copies of ``value`` that the GPU finishes writing only after a few milliseconds of matmuls
+    queued before it on the current stream: an op that read it without waiting for that stream would read garbage."""
+    a = torch.randn(2048, 2048, device="cuda")
+    for _ in range(8):
+        a = a @ a / 2048**0.5
+    return torch.full((n,), value, device="cuda") + 0 * a.sum()
+
+
+def _stream_order_rank(world):
+    """Asynchronous ops on nxdt streams (nxdt.comm.cuda_streams): each reads its inputs after the work queued before
+    it on the issuing stream, hands its results to the waiter's stream, follows its ``after=`` op on the device, and
+    keeps the memory of an input its caller dropped until it has read it. For both paths of two ranks on one GPU
+    (staged below IPC_MIN_BYTES, CUDA IPC from it) and one rank over NCCL."""
+    from nxdt.comm.cuda_ipc import IPC_MIN_BYTES
+
+    torch.cuda.set_device(0)
+    r, size = world.rank, world.size
+    comm = world.new_communicator(list(range(size)), "order")
+    total = sum(range(1, size + 1))
+    out = {}
+    for n in (5, IPC_MIN_BYTES // 4):
+        t = _slow_full(n, float(r + 1))
+        work = comm.all_reduce(t, stream="a", async_op=True)  # inputs: after the matmuls
+        work.wait()
+        ready = bool(torch.equal(t.cpu(), torch.full((n,), float(total))))
+        gathered = torch.empty(size * n, device="cuda")
+        first = comm.all_reduce(t, stream="a", async_op=True)  # 2 · total
+        second = comm.all_gather(gathered, t, stream="b", async_op=True, after=first)  # stream b after stream a's op
+        second.wait()
+        chained = bool(torch.equal(gathered.cpu(), torch.full((size * n,), float(total * total))))
+        dropped = _slow_full(n, float(r + 1))
+        kept = torch.empty(size * n, device="cuda")
+        work = comm.all_gather(kept, dropped, stream="c", async_op=True)
+        del dropped  # its memory goes back to the allocator before the op has read it
+        for _ in range(4):
+            torch.full((n,), -7.0, device="cuda")  # would land on the dropped input's memory without record_stream
+        work.wait()
+        expect = torch.cat([torch.full((n,), float(k + 1)) for k in range(size)])
+        kept_ok = bool(torch.equal(kept.cpu(), expect))
+        out[str(n)] = {"inputs_ready": ready, "after_chain": chained, "dropped_input": kept_ok}
+    out["transport"] = comm.transport_on("cuda")
+    out["device_queues"] = sorted(name for name, s in world._streams.items() if s.device_queues)
+    return out
+
+
 def comm_checks() -> dict:
     from nxdt.comm.spawn import run_local
 
@@ -93,7 +139,13 @@ def comm_checks() -> dict:
         assert got["transport"] == "cuda_ipc", got
         for path in ("staged", "cuda_ipc"):
             assert all(got[path].values()), (path, got)
-    return {"solo": solo, "pair": pair}
+    order = {"nccl": run_local(_stream_order_rank, 1, timeout_s=120), "pair": run_local(_stream_order_rank, 2, timeout_s=120)}
+    for kind, ranks in order.items():
+        for got in ranks:  # a one-member all-reduce has nothing to move: only the pair's stream "a" has device work
+            assert got["device_queues"] == (["a", "b", "c"] if kind == "pair" else ["b", "c"]), (kind, got)
+            for n, checks in got.items():
+                assert n in ("transport", "device_queues") or all(checks.values()), (kind, n, got)
+    return {"solo": solo, "pair": pair, "stream_order": order}
 
 
 def placement_checks() -> dict:
