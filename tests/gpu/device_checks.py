@@ -100,7 +100,7 @@ def _stream_order_rank(world):
     from nxdt.comm.cuda_ipc import IPC_MIN_BYTES
 
     torch.cuda.set_device(0)
-    r, size = world.rank, world.size
+    r, size = world.rank, world.world_size
     comm = world.new_communicator(list(range(size)), "order")
     total = sum(range(1, size + 1))
     out = {}
@@ -110,10 +110,10 @@ def _stream_order_rank(world):
         work.wait()
         ready = bool(torch.equal(t.cpu(), torch.full((n,), float(total))))
         gathered = torch.empty(size * n, device="cuda")
-        first = comm.all_reduce(t, stream="a", async_op=True)  # 2 · total
+        first = comm.all_reduce(t, stream="a", async_op=True)  # every member's total: size · total
         second = comm.all_gather(gathered, t, stream="b", async_op=True, after=first)  # stream b after stream a's op
         second.wait()
-        chained = bool(torch.equal(gathered.cpu(), torch.full((size * n,), float(total * total))))
+        chained = bool(torch.equal(gathered.cpu(), torch.full((size * n,), float(size * total))))
         dropped = _slow_full(n, float(r + 1))
         kept = torch.empty(size * n, device="cuda")
         work = comm.all_gather(kept, dropped, stream="c", async_op=True)
