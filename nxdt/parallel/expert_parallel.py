@@ -115,7 +115,7 @@ class ExpertParallelDispatcher:
         recv_splits = recv_matrix.sum(1).tolist()
         received = all_to_all_rows(rows, self.comm, recv_splits, send_splits, self.stream)
         # received is ordered (source, local expert); the experts want (local expert, source)
-        expert_of_row = torch.arange(local).repeat(ep).repeat_interleave(recv_counts)
+        expert_of_row = torch.arange(local, device=recv_counts.device).repeat(ep).repeat_interleave(recv_counts)
         by_expert = torch.argsort(expert_of_row, stable=True)
         outputs = block.run_experts(received[by_expert], recv_matrix.sum(0).tolist(), block.expert_ids)
         outputs = outputs[torch.argsort(by_expert)]  # back to (source, local expert) order

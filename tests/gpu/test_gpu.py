@@ -30,7 +30,8 @@ TINY = [
 
 def nxdt_train(run_dir: Path, *overrides: str) -> dict[int, float]:
     """Losses by step of one ``nxdt train`` into ``run_dir`` (a fresh interpreter: ``python -m nxdt.cli``)."""
-    cmd = [sys.executable, "-m", "nxdt.cli", "train", *TINY, *overrides, f"exp_manager.explicit_log_dir={run_dir}"]
+    base = [o for o in TINY if not (o.startswith("model=") and any(x.startswith("model=") for x in overrides))]
+    cmd = [sys.executable, "-m", "nxdt.cli", "train", *base, *overrides, f"exp_manager.explicit_log_dir={run_dir}"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (cmd, done.stdout[-3000:], done.stderr[-3000:])
     with open(run_dir / "metrics.csv", newline="") as f:
