@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-# no checkpoint at the end (save_last=false): these tests are about training; checkpoints of CUDA runs are not checked yet
+# no checkpoint at the end (save_last=false): checkpoints of CUDA runs are the resume check's (test_gpu_layouts.py)
 TINY = [
     "exp_manager.save_last=false",
     "model=llama_tiny",

@@ -45,3 +45,20 @@ def test_expert_parallel_on_one_gpu_matches_one_rank(tmp_path):
     assert sorted(two) == sorted(one) == list(range(1, 9))
     for step in one:
         assert two[step] == pytest.approx(one[step], rel=1e-4), (step, one, two)
+
+
+@pytest.mark.parametrize("layout", ["one_rank", "zero1"])
+def test_a_run_stopped_at_its_checkpoint_resumes_on_the_gpu_to_the_uninterrupted_losses(layout, one_rank, tmp_path):
+    """Checkpoints of a GPU run (the model, the optimizer state — ZeRO-1's shards — and the RNG) saved at step 4 and
+    resumed by the same command to step 8 continue one rank's uninterrupted run. The schedule is pinned to 8 steps, as
+    the uninterrupted run's is; the same bound as the layouts (the resumed steps are the same kernels on the same
+    data, apart from the order of CUDA's atomic additions)."""
+    ranks = ["trainer.devices=1"] if layout == "one_rank" else ["trainer.devices=2", *LAYOUTS["zero1"]]
+    resume = [*COMMON, *ranks, "model.optim.sched.max_steps=8", "exp_manager.resume_if_exists=true"]
+    run = tmp_path / layout
+    first = nxdt_train(run, *resume, "exp_manager.checkpoint_every_n_steps=4", "trainer.max_steps=4")
+    assert sorted(first) == [1, 2, 3, 4] and (run / "checkpoints" / "step-4").is_dir()
+    both = nxdt_train(run, *resume, "exp_manager.checkpoint_every_n_steps=4", "trainer.max_steps=8")
+    assert sorted(both) == list(range(1, 9))
+    for step in one_rank:
+        assert both[step] == pytest.approx(one_rank[step], rel=1e-4), (layout, step, one_rank, both)
