@@ -92,6 +92,8 @@ def next_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Gener
     if not sampling.do_sample:
         return logits.argmax(dim=-1)
     probs = torch.softmax(warp(logits, sampling), dim=-1)
+    if generator is not None and generator.device != probs.device:  # a CPU generator with a GPU model: draw where it is
+        return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1).to(probs.device)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 

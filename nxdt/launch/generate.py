@@ -166,7 +166,7 @@ def run(request: Request) -> list[dict[str, Any]]:
             )
         prompts.append(ids)
     check_fits(WHO, prompts, request.max_new_tokens, loaded.max_positions)
-    generator = torch.Generator().manual_seed(request.seed)
+    generator = torch.Generator(next(loaded.model.parameters()).device).manual_seed(request.seed)
     outputs: list[list[int]] = []
     for start in range(0, len(prompts), request.batch_size):
         outputs += generate(

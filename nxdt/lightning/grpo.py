@@ -414,7 +414,8 @@ class GRPOModule(CausalLMModule):
         g, step = self.grpo, self.trainer.global_step
         # the data-parallel rank: the ranks of one TP group draw the same tokens, and a layout's draws are plain DP's
         rank = self._data_parallel_rank()
-        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 65_537 + rank)
+        # on the model's device (a GPU draws there; its stream differs from the CPU's, reproducible on that device)
+        generator = torch.Generator(self.device).manual_seed((self.seed * 1_000_003 + step) * 65_537 + rank)
         # every DP rank runs the same number of decoding forwards (FSDP gathers each unit's weights in every one, in the
         # same order on every rank): until no rank has a row decoding, a rank whose rows ended runs idle ones
         keep_going = self._any_rank_decoding if self._data_parallel_size() > 1 else None

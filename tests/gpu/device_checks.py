@@ -175,6 +175,17 @@ def placement_checks() -> dict:
     norm_ref = sum(float(g.double().square().sum()) for _, g in named) ** 0.5
     assert abs(norm_gpu - norm_ref) <= 1e-5 * norm_ref, (norm_gpu, norm_ref)
     opt.step()
+    # sampling on the GPU, with a generator of the model's device (GRPO's, nxdt generate's) or a CPU one (drawn there)
+    from nxdt.models.generate import generate
+
+    sampled = {}
+    for where in ("cuda", "cpu"):
+        draws = [
+            generate(model, [[1, 2, 3], [4, 5]], 6, do_sample=True, generator=torch.Generator(where).manual_seed(7))
+            for _ in range(2)
+        ]
+        assert draws[0] == draws[1] and all(len(row) == 6 for row in draws[0]), (where, draws)
+        sampled[where] = draws[0]
     ops = {e.key for e in prof.key_averages()}
     attention = sorted(k for k in ops if "attention" in k and k.startswith("aten::_"))
     state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
@@ -186,6 +197,7 @@ def placement_checks() -> dict:
         "fused": opt.defaults.get("fused"),
         "attention_ops": attention,
         "grad_norm": {"gpu": norm_gpu, "float64": norm_ref},
+        "sampled": sampled,
     }
     assert out["params_on"] == ["cuda:0"] and out["state_on"] == ["cuda:0"], out
     assert out["param_dtypes"] == ["torch.float32"] and out["fused"] is True, out  # fp32 master weights, fused AdamW
