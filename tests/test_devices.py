@@ -174,6 +174,29 @@ def test_dry_run_flag_is_the_launcher_key_and_starts_nothing(tmp_path, monkeypat
     assert "unknown option '--dry-runs'" in capsys.readouterr().err
 
 
+def test_slurm_job_of_a_gpu_instance_asks_for_its_gpus_and_shows_each_nodes_devices(tmp_path, monkeypatch, capsys):
+    """A GPU job on Slurm asks for the GPUs it places ranks on (where Slurm manages GPUs as a generic resource, a job
+    that asks for none sees none); ``launcher.gpus_per_node`` sets another count, 0 leaves the option out; the dry run
+    shows each node's local ranks on their GPUs and the NCCL settings, as a local dry run does."""
+    from nxdt.cli import main as cli_main
+
+    monkeypatch.chdir(tmp_path)
+    job = ["train", "instance=p4d.24xlarge", "trainer.num_nodes=2", "launcher=slurm", "--dry-run"]
+    assert cli_main(job) == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --gpus-per-node=8\n" in out
+    assert "devices: local rank 0 → cuda:0" in out and "local rank 7 → cuda:7" in out and "NCCL/EFA environment" in out
+    assert cli_main([*job, "launcher.gpus_per_node=0"]) == 0
+    assert "--gpus-per-node" not in capsys.readouterr().out
+    assert cli_main([*job, "launcher.gpus_per_node=4"]) == 0
+    assert "#SBATCH --gpus-per-node=4\n" in capsys.readouterr().out
+    assert cli_main([*job, "launcher.gpus_per_node=-1"]) == 2
+    assert "launcher.gpus_per_node=-1: must be >= 0" in capsys.readouterr().err
+    assert cli_main(["train", "trainer.num_nodes=2", "launcher=slurm", "--dry-run"]) == 0  # a CPU job asks for none
+    assert "--gpus-per-node" not in capsys.readouterr().out
+    assert not (tmp_path / "outputs").exists()
+
+
 def test_gpu_instance_without_cuda_is_one_line_before_anything_starts():
     cfg = compose_config(["instance=gpu"])
     with pytest.raises(ConfigError) as err:

@@ -221,6 +221,7 @@ _FREE_KEYS = (
     "launcher.account",
     "launcher.time_limit",
     "launcher.sbatch_args",
+    "launcher.gpus_per_node",
     "launcher.wait",
     "instance.",  # the hardware the plan targets
 )

@@ -633,6 +633,11 @@ class LauncherConfig:
     account: Optional[str] = doc(None, "slurm: sbatch --account")
     time_limit: str = doc("01:00:00", "slurm: sbatch --time")
     sbatch_args: List[str] = doc([], "slurm: more #SBATCH options, e.g. ['--exclusive', '--constraint=trn1']")
+    gpus_per_node: Optional[int] = doc(
+        None,
+        "slurm, GPU instances (instance.accelerator=cuda): sbatch --gpus-per-node; null = the GPUs the plan uses on a "
+        "node; 0 = leave the option out (a cluster without GPU GRES)",
+    )
     wait: bool = doc(False, "slurm: wait until the job ends (sbatch --wait) and exit with its status")
 
 

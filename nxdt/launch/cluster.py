@@ -63,12 +63,16 @@ def run_slurm(cfg: Any, plan: Any, overrides: list[str]) -> int:
         print(str(exc), file=sys.stderr)
         return 2
     if cfg.launcher.dry_run:
+        from nxdt.launch.devices import device_lines
+
         script = run_dir / "job.sbatch"
         print(f"nxdt: dry run — nothing submitted; run directory {run_dir} (config.yaml, plan.json, job.sbatch)")
         print(f"command: {shlex.join(sbatch_command(script, cfg.launcher.wait))}")
         print(f"--- {script}")
         print(sbatch_script(cfg, plan, run_dir), end="")
         print("---")
+        for line in device_lines(cfg, plan.ranks_per_node, "local rank"):  # a GPU instance: on every node
+            print(line)
         return 0
     entry = write_run_dir(run_dir, cfg, plan, overrides)
     print(f"nxdt: run directory {run_dir} ({plan.world_size} ranks on {plan.num_nodes} nodes)", flush=True)

@@ -61,10 +61,10 @@ def device_lines(cfg: Any, ranks_per_node: int, label: str = "rank") -> list[str
         "devices: "
         + ", ".join(f"{label} {r} → {d}" for r, d in enumerate(devices))
         + f" (instance.accelerator={inst.accelerator}; "
-        + ("ranks share GPUs: their groups exchange CUDA tensors through host memory)" if shared else "one GPU per rank)"),
+        + ("ranks share GPUs)" if shared else "one GPU per rank)"),
         "collectives on CUDA tensors: "
         + (
-            "staged through host memory over the host transport where ranks share a GPU (NCCL takes one rank per GPU)"
+            "where ranks share a GPU (NCCL takes one rank per GPU), through CUDA IPC from 1 MiB and host memory below"
             if shared
             else "nccl, one NCCL communicator per planned group and stream"
         ),

@@ -293,6 +293,10 @@ def check_launcher(cfg: Any, multirun: bool = False) -> None:
         raise ConfigError("launcher.join_timeout_s", launcher.join_timeout_s, "must be > 0")
     if not 0 < launcher.port < 65536:
         raise ConfigError("launcher.port", launcher.port, "must be a TCP port in 1..65535")
+    if launcher.gpus_per_node is not None and launcher.gpus_per_node < 0:
+        raise ConfigError(
+            "launcher.gpus_per_node", launcher.gpus_per_node, "must be >= 0 (0 leaves --gpus-per-node out of job.sbatch)"
+        )
     if cfg.instance.accelerator != "cpu":  # GPUs: counted here (instance=gpu), present where the run starts now
         from nxdt.launch.devices import resolve_accelerator, visible_gpus
 

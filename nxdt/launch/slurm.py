@@ -34,6 +34,8 @@ def sbatch_script(cfg: Any, plan: Any, run_dir: Path, python: str | None = None)
     ]
     options += [f"--partition={launcher.partition}"] if launcher.partition else []
     options += [f"--account={launcher.account}"] if launcher.account else []
+    gpus = gpus_per_node(cfg, plan)
+    options += [f"--gpus-per-node={gpus}"] if gpus else []
     options += list(launcher.sbatch_args)
     node_cmd = shlex.join([python, "-m", "nxdt.launch.node", str(run_dir)])
     return "\n".join(
@@ -55,6 +57,18 @@ def sbatch_script(cfg: Any, plan: Any, run_dir: Path, python: str | None = None)
             "",
         ]
     )
+
+
+def gpus_per_node(cfg: Any, plan: Any) -> int:
+    """The GPUs a node of the job asks Slurm for: ``launcher.gpus_per_node``, else on a GPU instance the ones the plan
+    places ranks on (ranks beyond the GPU count share them); 0 (no ``--gpus-per-node``) elsewhere. Where Slurm manages
+    GPUs as a generic resource, a job that asks for none sees none."""
+    asked = cfg.launcher.gpus_per_node
+    if asked is not None:
+        return int(asked)
+    if cfg.instance.accelerator != "cuda":
+        return 0
+    return min(plan.ranks_per_node, int(cfg.instance.devices))
 
 
 def sbatch_command(script: Path, wait: bool) -> list[str]:
