@@ -55,8 +55,8 @@ class CudaOrder:
 
     def _queue(self) -> _DeviceQueue:
         q = self.owner.device_queues.get(self.device)
-        if q is None:
-            q = self.owner.device_queues[self.device] = _DeviceQueue(self.device)
+        if q is None:  # setdefault: two threads issuing the stream's first ops both get the one that was stored
+            q = self.owner.device_queues.setdefault(self.device, _DeviceQueue(self.device))
         return q
 
     def issued(self) -> None:
