@@ -212,7 +212,8 @@ class Stream:
         order: DeviceOrder | None = None,
     ) -> Work | None:
         """Run ``fn`` on this stream. ``description`` (or a function making it: only ops that get a Work need one).
-        ``order``: the op's tensors are a device's (:class:`DeviceOrder`); unused when it runs inline."""
+        ``order``: the op's tensors are a device's (:class:`DeviceOrder`: queued, issued / running / waited; inline,
+        ``inline`` only)."""
         if self._closed:
             raise CommError(f"nxdt.comm: stream '{self.name}' is closed")
         after = list(after) if after else ()
