@@ -656,26 +656,27 @@ def cmd_train(argv: list[str], start_workers_early: bool = False, fork_workers: 
     from nxdt.config.trackers import check_trackers
 
     try:
-        jobs = expand_sweep(overrides) if flags else [overrides]
-        compose = _composer(source)
-        configs = [compose(job) for job in jobs]  # every job is validated before the first starts
-        for cfg in configs:
-            check_trainable(cfg)
-        if configs[0].launcher.name == "local" and not configs[0].launcher.dry_run:
-            # Hydra's compose is all that ran: the planner (numpy), torch and Lightning are imported after this line
-            print(first_line(configs[0], len(configs), source), flush=True)
-        from nxdt.launch.multinode import check_launcher
-        from nxdt.planner import plan
+        with collector_paused():  # the launcher's imports (Hydra, numpy, torch) and checks: nxdt.gc_paused's reason
+            jobs = expand_sweep(overrides) if flags else [overrides]
+            compose = _composer(source)
+            configs = [compose(job) for job in jobs]  # every job is validated before the first starts
+            for cfg in configs:
+                check_trainable(cfg)
+            if configs[0].launcher.name == "local" and not configs[0].launcher.dry_run:
+                # Hydra's compose is all that ran: the planner (numpy), torch and Lightning are imported after this line
+                print(first_line(configs[0], len(configs), source), flush=True)
+            from nxdt.launch.multinode import check_launcher
+            from nxdt.planner import plan
 
-        if start_workers_early and not server_first:
-            _start_fork_server_early(configs[0])
-        plans = []
-        for cfg in configs:
-            check_data(cfg)
-            check_trackers(cfg)  # W&B / MLflow: package, arguments, a server that answers
-            check_launcher(cfg, multirun=bool(flags))
-            plans.append(plan(cfg))
-            check_resume_checkpoint(cfg, plans[-1])
+            if start_workers_early and not server_first:
+                _start_fork_server_early(configs[0])
+            plans = []
+            for cfg in configs:
+                check_data(cfg)
+                check_trackers(cfg)  # W&B / MLflow: package, arguments, a server that answers
+                check_launcher(cfg, multirun=bool(flags))
+                plans.append(plan(cfg))
+                check_resume_checkpoint(cfg, plans[-1])
     except ConfigError as exc:
         return _fail(str(exc))
     except Exception as exc:  # Hydra's override grammar errors
@@ -700,6 +701,23 @@ def cmd_train(argv: list[str], start_workers_early: bool = False, fork_workers: 
                 _warn(warnings[0])
             return code
         return _train_locally(jobs, configs, plans, sweep_dir, source_args, warnings, fork_workers)
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused for the block, as :mod:`nxdt.gc_paused` pauses it in the fork servers:
+    the launcher's imports and checks (Hydra, the planner's numpy, torch for the data and model checks) create millions
+    of objects, which the collector would walk again and again; resumed afterwards (before anything runs for long), and
+    left as it was for a caller that had paused it itself."""
+    import gc
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _warn(lines: list[str]) -> None:

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 _SERVER = r"""
+import nxdt.gc_paused  # noqa: F401  (the collector paused for the imports below, as in nxdt's fork servers)
 import json, os, signal, socket, sys
 import nxdt.cli, nxdt.lightning.train  # noqa: F401  (the imports every launch would repeat)
 try:
@@ -59,9 +60,8 @@ for choices in ([], ["model=llama_tiny"], ["model=llama_tiny", "data=synthetic"]
     compose_config(choices, check=False)
 schema_tree()
 # Its commands and their workers are forks: their collections skip what this process holds (as nxdt's fork servers
-# do, nxdt/launch/fork_server.py): a one-step launch 3.0 -> 1.6 CPU-s
-import gc
-gc.freeze()
+# do, nxdt/launch/fork_server.py): a one-step launch 3.0 -> 1.6 CPU-s; then the collector resumes
+import nxdt.comm.frozen  # noqa: F401
 
 
 # End this forked process with call()'s exit code: the int it returns, SystemExit's int, else 1 (a traceback printed).

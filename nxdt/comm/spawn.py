@@ -46,6 +46,8 @@ PRELOAD = ["nxdt.comm.world", "torch._dynamo"]
 # Imported last by the fork server: it moves what the server holds to the collector's permanent generation, so a rank's
 # collections never walk (and so never copy, page by page) the objects it shares with the server (nxdt.comm.frozen).
 FROZEN = "nxdt.comm.frozen"
+# Imported first by the fork server: the collector paused for its imports, until FROZEN (nxdt.gc_paused).
+GC_PAUSED = "nxdt.gc_paused"
 
 
 def _context(fn: Callable[..., Any], preload: Sequence[str] = (), fork_here: bool = False) -> Any:
@@ -60,7 +62,7 @@ def _context(fn: Callable[..., Any], preload: Sequence[str] = (), fork_here: boo
         return mp.get_context("fork")
     ctx = mp.get_context("forkserver")
     module = getattr(fn, "__module__", None)
-    ctx.set_forkserver_preload([*PRELOAD, *preload, *([module] if module and module != "__main__" else []), FROZEN])
+    ctx.set_forkserver_preload([GC_PAUSED, *PRELOAD, *preload, *([module] if module and module != "__main__" else []), FROZEN])
     return ctx
 
 

@@ -7,17 +7,18 @@ after another when ranks outnumber cores); now the node imports it once and fork
 agent, as the training one does (its ranks hold the server's "agent alive" pipe open).
 """
 
-import atexit
-import os
+import nxdt.gc_paused  # noqa: F401  (first: the collector paused for the imports below, until nxdt.comm.frozen)
 
-from nxdt.launch.forking import die_with_agent
+import atexit  # noqa: E402
+import os  # noqa: E402
+
+from nxdt.launch.forking import die_with_agent  # noqa: E402
 
 die_with_agent()
 
 import nxdt.launch.comm_test  # noqa: E402,F401  (the rank's entry point and what it imports: torch, nxdt.comm)
 
-import gc  # noqa: E402
-
-gc.freeze()  # the ranks' collections skip what they share with the server (as nxdt.launch.fork_server does)
+# the ranks' collections skip what they share with the server (as nxdt.launch.fork_server's), then the collector resumes
+import nxdt.comm.frozen  # noqa: E402,F401
 
 atexit.register(os._exit, 0)

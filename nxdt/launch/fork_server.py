@@ -12,10 +12,12 @@ The server imports every module a worker needs once; each worker is then a fork 
   run this: forked workers end through multiprocessing's ``os._exit``, which skips atexit handlers.
 """
 
-import atexit
-import os
+import nxdt.gc_paused  # noqa: F401  (first: the collector paused for the imports below, until nxdt.comm.frozen)
 
-from nxdt.launch.forking import die_with_agent
+import atexit  # noqa: E402
+import os  # noqa: E402
+
+from nxdt.launch.forking import die_with_agent  # noqa: E402
 
 die_with_agent()
 
@@ -24,11 +26,9 @@ from nxdt.config import schema_tree  # noqa: E402
 
 schema_tree()  # the typed config tree every worker reads its run's config.yaml onto, built once (~0.08 CPU-s a worker)
 
-import gc  # noqa: E402
-
 # What the server holds now goes to the collector's permanent generation: a worker's collections then never walk (and so
 # never write to, copying each page they touch) the objects it shares with the server. A warm launch of one step on
-# 2 ranks, forked as these workers are: 3.0 -> 1.6 CPU-s (docs/architecture.md §9, "Budget").
-gc.freeze()
+# 2 ranks, forked as these workers are: 3.0 -> 1.6 CPU-s (docs/architecture.md §9, "Budget"). Then the collector resumes.
+import nxdt.comm.frozen  # noqa: E402,F401
 
 atexit.register(os._exit, 0)
