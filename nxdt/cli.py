@@ -13,6 +13,8 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 from pathlib import Path
 
+from nxdt.collector import paused as collector_paused
+
 USAGE = """usage: nxdt <command> [args]
 
 commands:
@@ -656,7 +658,7 @@ def cmd_train(argv: list[str], start_workers_early: bool = False, fork_workers: 
     from nxdt.config.trackers import check_trackers
 
     try:
-        with collector_paused():  # the launcher's imports (Hydra, numpy, torch) and checks: nxdt.gc_paused's reason
+        with collector_paused():  # the launcher's imports (Hydra, numpy, torch) and checks (nxdt.collector)
             jobs = expand_sweep(overrides) if flags else [overrides]
             compose = _composer(source)
             configs = [compose(job) for job in jobs]  # every job is validated before the first starts
@@ -701,23 +703,6 @@ def cmd_train(argv: list[str], start_workers_early: bool = False, fork_workers: 
                 _warn(warnings[0])
             return code
         return _train_locally(jobs, configs, plans, sweep_dir, source_args, warnings, fork_workers)
-
-
-@contextmanager
-def collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector paused for the block, as :mod:`nxdt.gc_paused` pauses it in the fork servers:
-    the launcher's imports and checks (Hydra, the planner's numpy, torch for the data and model checks) create millions
-    of objects, which the collector would walk again and again; resumed afterwards (before anything runs for long), and
-    left as it was for a caller that had paused it itself."""
-    import gc
-
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _warn(lines: list[str]) -> None:

@@ -85,6 +85,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from nxdt.collector import paused as collector_paused
+
 from .files import MAX_RECORDS, DataFileError, not_regular, read_lines
 from .tokenizers import ByteTokenizer, HFTokenizer
 
@@ -341,6 +343,22 @@ def _compile_cached(template: str) -> Any:
     return env.from_string(template)
 
 
+def _rendered(compiled: Any, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, variables: dict) -> str:
+    parts, size = [], 0
+    for part in compiled.generate(
+        messages=[dict(m) for m in messages],
+        tools=None,
+        documents=None,
+        add_generation_prompt=add_generation_prompt,
+        **variables,
+    ):
+        size += len(part)
+        if size > TEMPLATE_OUTPUT_CHARS:
+            raise ChatTemplateError(f"chat template: renders more than {TEMPLATE_OUTPUT_CHARS:,} characters for one record")
+        parts.append(part)
+    return "".join(parts)
+
+
 def render_chat_template(
     template: str,
     messages: Sequence[Mapping[str, Any]],
@@ -360,19 +378,8 @@ def render_chat_template(
     budget = compiled.environment.nxdt_budget
     budget.deadline = time.monotonic() + TEMPLATE_SECONDS
     try:
-        parts, size = [], 0
-        for part in compiled.generate(
-            messages=[dict(m) for m in messages],
-            tools=None,
-            documents=None,
-            add_generation_prompt=add_generation_prompt,
-            **variables,
-        ):
-            size += len(part)
-            if size > TEMPLATE_OUTPUT_CHARS:
-                raise ChatTemplateError(f"chat template: renders more than {TEMPLATE_OUTPUT_CHARS:,} characters for one record")
-            parts.append(part)
-        return "".join(parts)
+        with collector_paused():  # a collection of the whole process is not the template's time (nxdt.collector)
+            return _rendered(compiled, messages, add_generation_prompt, variables)
     except jinja2.exceptions.SecurityError as exc:  # the sandbox or the budget: the template's fault
         raise ChatTemplateError(f"chat template: {exc}") from None
     except (RecursionError, MemoryError, OverflowError) as exc:
