@@ -17,6 +17,7 @@ named in ``World.high_priority_streams`` / ``World.yielding_streams`` get the pr
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import hmac
 import itertools
@@ -448,16 +449,8 @@ class Communicator:
         nbytes = inp.numel() * inp.element_size()
         tr = self._on(out, inp)
         ran = tr.resolve("reduce_scatter", name, nbytes)
-        return self._submit(
-            lambda: tr.reduce_scatter(out, inp, op, ran, stream),
-            f"reduce_scatter({op})",
-            stream,
-            async_op,
-            after,
-            nbytes,
-            ran,
-            (out, inp),
-        )
+        run = functools.partial(tr.reduce_scatter, out, inp, op, ran, stream)
+        return self._submit(run, f"reduce_scatter({op})", stream, async_op, after, nbytes, ran, (out, inp))
 
     def all_to_all(
         self,

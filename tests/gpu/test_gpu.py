@@ -28,14 +28,20 @@ TINY = [
 ]
 
 
-def nxdt_train(run_dir: Path, *overrides: str) -> dict[int, float]:
-    """Losses by step of one ``nxdt train`` into ``run_dir`` (a fresh interpreter: ``python -m nxdt.cli``)."""
-    base = [o for o in TINY if not (o.startswith("model=") and any(x.startswith("model=") for x in overrides))]
-    cmd = [sys.executable, "-m", "nxdt.cli", "train", *base, *overrides, f"exp_manager.explicit_log_dir={run_dir}"]
+def train_rows(run_dir: Path, *overrides: str) -> list[dict[str, str]]:
+    """metrics.csv's rows of one ``nxdt train OVERRIDES`` into ``run_dir`` (a fresh interpreter: ``python -m
+    nxdt.cli``), which must succeed."""
+    cmd = [sys.executable, "-m", "nxdt.cli", "train", *overrides, f"exp_manager.explicit_log_dir={run_dir}"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (cmd, done.stdout[-3000:], done.stderr[-3000:])
     with open(run_dir / "metrics.csv", newline="") as f:
-        return {int(r["step"]): float(r["loss"]) for r in csv.DictReader(f) if r.get("loss")}
+        return list(csv.DictReader(f))
+
+
+def nxdt_train(run_dir: Path, *overrides: str) -> dict[int, float]:
+    """Losses by step of the tiny run (``TINY``; a ``model=`` among ``overrides`` replaces its model) with ``overrides``."""
+    base = [o for o in TINY if not (o.startswith("model=") and any(x.startswith("model=") for x in overrides))]
+    return {int(r["step"]): float(r["loss"]) for r in train_rows(run_dir, *base, *overrides) if r.get("loss")}
 
 
 def test_comm_placement_and_kernels_on_the_gpu():
@@ -98,13 +104,9 @@ def test_fine_tuning_recipes_on_the_gpu_match_the_cpu_at_fp32(recipe, tmp_path):
     through 4 AdamW steps: 1e-4."""
     runs = {}
     for where in ("cpu", "gpu"):
-        cmd = [sys.executable, "-m", "nxdt.cli", "train", f"+recipe={recipe}", f"instance={where}", "trainer.devices=1"]
-        cmd += ["precision.type=fp32", "trainer.max_steps=4", "exp_manager.save_last=false"]
-        cmd += [f"exp_manager.explicit_log_dir={tmp_path / where}"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, (where, done.stdout[-3000:], done.stderr[-3000:])
-        with open(tmp_path / where / "metrics.csv", newline="") as f:
-            runs[where] = {int(r["step"]): float(r["loss"]) for r in csv.DictReader(f)}
+        args = [f"+recipe={recipe}", f"instance={where}", "trainer.devices=1", "precision.type=fp32", "trainer.max_steps=4"]
+        rows = train_rows(tmp_path / where, *args, "exp_manager.save_last=false")
+        runs[where] = {int(r["step"]): float(r["loss"]) for r in rows}
     assert sorted(runs["gpu"]) == sorted(runs["cpu"]) == [1, 2, 3, 4], runs
     for step, loss in runs["cpu"].items():
         assert runs["gpu"][step] == pytest.approx(loss, rel=1e-4), (recipe, step, runs)
@@ -117,12 +119,10 @@ def test_grpo_samples_scores_and_trains_on_the_gpu(tmp_path):
     additions in the embedding's backward: rounding-level)."""
     rows = []
     for run in ("a", "b"):
-        cmd = [sys.executable, "-m", "nxdt.cli", "train", "+recipe=grpo", "instance=gpu", "trainer.devices=1"]
-        cmd += ["trainer.max_steps=2", "exp_manager.save_last=false", f"exp_manager.explicit_log_dir={tmp_path / run}"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
-        with open(tmp_path / run / "metrics.csv", newline="") as f:
-            rows.append([(r["step"], r["loss"], r["reward"], r["completions/mean_length"]) for r in csv.DictReader(f)])
+        args = ["+recipe=grpo", "instance=gpu", "trainer.devices=1", "trainer.max_steps=2", "exp_manager.save_last=false"]
+        rows.append(
+            [(r["step"], r["loss"], r["reward"], r["completions/mean_length"]) for r in train_rows(tmp_path / run, *args)]
+        )
     assert [r[0] for r in rows[0]] == ["1", "2"] and all(float(r[3]) > 0 for r in rows[0]), rows
     assert rows[0][0] == rows[1][0] and rows[0][1][2:] == rows[1][1][2:], rows
     assert float(rows[0][1][1]) == pytest.approx(float(rows[1][1][1]), rel=1e-4, abs=1e-7), rows
