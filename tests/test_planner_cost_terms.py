@@ -17,7 +17,7 @@ import yaml
 
 from nxdt.planner.cost import estimate_collective, inter_link, intra_link, shape_of
 from nxdt.planner.estimate import matmul_efficiency, memory_bound_bytes
-from nxdt.planner.fitting import catalogue_instance, with_params
+from nxdt.planner.fitting import STEP_PARAMS, catalogue_instance, with_params
 from nxdt.topology import topology_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,15 +136,17 @@ def test_the_tree_across_nodes_moves_the_same_bytes_whatever_the_node_count():
 
 def test_matmul_efficiency_rises_with_tokens_per_micro_batch_and_fp32_is_fitted_apart():
     """``E · T / (T + T½)``: short GEMMs (few tokens per micro-batch) leave the tensor cores idle; fp32 (TF32) training
-    uses its own fitted E, and falls back to the bf16 one where none is fitted (trn2)."""
+    uses its own fitted E, and falls back to the bf16 one where none is fitted (trn2, and trn1, whose compiler casts fp32
+    matmuls to bf16)."""
     inst = with_params(catalogue_instance("p4de.24xlarge"), {"compute_half_tokens": 4096.0, "compute_half_size": 0.0})
     effs = [matmul_efficiency(inst, 1024, "bf16", t) for t in (512, 2048, 8192, 32768)]
     assert all(b > a for a, b in zip(effs, effs[1:])) and effs[-1] < inst.compute_efficiency
     assert effs[0] == pytest.approx(inst.compute_efficiency * 512 / (512 + 4096), rel=1e-12)
     assert matmul_efficiency(inst, 1024, "fp32", 0) == inst.compute_efficiency_fp32 != inst.compute_efficiency
-    trn2 = catalogue_instance("trn2.48xlarge")
-    assert trn2.compute_efficiency_fp32 is None
-    assert matmul_efficiency(trn2, 1e12, "fp32") == pytest.approx(trn2.compute_efficiency)
+    for name in ("trn2.48xlarge", "trn1.32xlarge"):  # trn1: neuronx-cc runs fp32 matmuls in bf16 (not fitted apart)
+        trn = catalogue_instance(name)
+        assert trn.compute_efficiency_fp32 is None and "compute_efficiency_fp32" not in STEP_PARAMS.get(name, [])
+        assert matmul_efficiency(trn, 1e12, "fp32") == pytest.approx(trn.compute_efficiency)
 
 
 def _bert_plan(*overrides):

@@ -64,9 +64,13 @@ COLLECTIVE_PARAMS = {
 # tokens per micro-batch at which a GEMM reaches half of it. Each is determined by figures that vary it: on trn1
 # widths 128-1,024 (Llama, GPT-3, BERT) and micro-batches of 1,024-8,192 tokens (BERT phase 2 / phase 1, GPT-3,
 # Llama); on A100 widths 1,024-7,168 (BERT, MPT) and 4,096-65,536 tokens (BERT, SQuAD, MPT); on H100
-# widths 1,024-7,168 and 4,096-65,536 tokens (MPT, torchtitan). The fp32 figures: A100 TF32 BERT (many), trn1 one.
+# widths 1,024-7,168 and 4,096-65,536 tokens (MPT, torchtitan). The fp32 figures: A100 TF32 BERT (many, E_fp32 fitted),
+# trn1 one (predicted with bf16's E: see STEP_PARAMS).
 STEP_PARAMS = {
-    "trn1.32xlarge": ["compute_efficiency", "compute_half_size", "compute_half_tokens", "compute_efficiency_fp32"],
+    # trn1: no E_fp32 of its own. neuronx-cc auto-casts fp32 matmuls to bf16 by default (peak_tflops_fp32 is the bf16
+    # rate), so they run at bf16's efficiency; the fp32 figure is predicted from it, not fitted (one figure would
+    # otherwise set the value alone, and its leave-one-out would say nothing)
+    "trn1.32xlarge": ["compute_efficiency", "compute_half_size", "compute_half_tokens"],
     "p4d.24xlarge": ["compute_efficiency", "compute_efficiency_fp32", "compute_half_size", "compute_half_tokens"],
     # H100: no width term (fitted with one, it runs to 0: the MPT and torchtitan figures at widths 1,024-7,168 show
     # none; the A100's width term comes from BERT-Large at 1,024 against MPT, which the H100 figures do not have)
