@@ -155,6 +155,36 @@ def test_clipping_factor_is_applied_per_dtype_as_each_gradient_would_round_it():
     assert all(torch.equal(g, b) for g, b in zip(grads, before))
 
 
+def test_squared_norm_is_the_float64_sum_without_a_float64_copy_of_the_tensor():
+    """The CPU's norm piece: Σ t² against the exact sum (``math.fsum`` of the float64 squares, each exact). Bound: a sum
+    of n ≥ 0 float64 terms in any order is within (n-1)·u of the exact one (u = 2⁻⁵³), here n = 3 blocks + 17
+    elements. And the memory a user's large tensor costs: torch.profiler's largest CPU allocation during the call is
+    one block (2 MiB), where ``vector_norm(dtype=float64)`` made a float64 copy of the whole 16 MiB tensor (32 MiB)."""
+    import math
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from nxdt.parallel import NORM_CHUNK, squared_norm
+
+    gen = torch.Generator().manual_seed(0)
+    cases = [
+        torch.randn(3 * NORM_CHUNK + 17, generator=gen),
+        torch.randn(100, generator=gen).bfloat16(),
+        torch.randn(40, 30, generator=gen).t(),  # not contiguous
+        torch.randn(5, generator=gen) * 1e30,  # squares beyond float32's range
+        torch.empty(0),
+    ]
+    for t in cases:
+        exact = math.fsum(x * x for x in t.double().reshape(-1).tolist())
+        got = squared_norm(t)
+        assert got.dtype == torch.float64 and got.shape == ()
+        assert float(got) == pytest.approx(exact, rel=max(t.numel() - 1, 0) * 2**-53, abs=0.0)
+    big = torch.randn(1 << 22, generator=gen)  # 16 MiB of float32
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        squared_norm(big)
+    assert max(e.cpu_memory_usage for e in prof.events()) <= NORM_CHUNK * 8
+
+
 def test_foreach_squared_norm_is_the_float64_sum_within_fp32_accumulation():
     """The GPU's gradient-norm path (torch's foreach norm per dtype, each tensor accumulated in fp32, then squared and
     added in float64) against Σ t² in float64. Bound: a sum of n ≥ 0 terms in fp32 is within (n-1)·u of the exact sum in
