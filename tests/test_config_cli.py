@@ -32,6 +32,26 @@ def test_defaults_follow_nxdt_names_and_interpolate():
     assert cfg.data.source == "text" and cfg.model.vocab_size == 256 and cfg.instance.name == "cpu"
 
 
+@pytest.mark.parametrize(
+    "overrides, zero1",
+    [
+        ([], True),  # llama_tiny on 2 CPU ranks: DP2
+        (["trainer.devices=1"], False),  # one data-parallel rank: nothing to shard
+        (["distributed_strategy.tensor_model_parallel_size=2"], False),  # TP2 on 2 ranks: DP1
+        (["trainer.devices=4", "distributed_strategy.tensor_model_parallel_size=2"], True),
+        (["distributed_strategy.fsdp.enabled=true"], False),  # FSDP shards the optimizer state itself
+        (["precision.type=bf16SR"], False),  # shards would round with other random bits than one process
+        (["model=mixtral_tiny", "trainer.devices=2", "distributed_strategy.expert_model_parallel_size=2"], False),
+        (["distributed_strategy.zero1=false"], False),
+        (["trainer.devices=1", "distributed_strategy.zero1=true"], True),  # what the user says stands
+    ],
+)
+def test_zero1_defaults_to_on_wherever_it_trains_to_data_parallel_bits(overrides, zero1):
+    """``distributed_strategy.zero1: null`` resolves when the config is validated (NxDT's default is true) and the run's
+    config.yaml keeps the resolved value."""
+    assert compose_config(overrides).distributed_strategy.zero1 is zero1
+
+
 # what Hydra does with each kind of override: a value, a group choice before or after values, a recipe (+group), a
 # forced add (++), a new key (+), and overrides Hydra refuses (a key that is not there, + on an existing key). Hydra's
 # delete (~key) nxdt refuses itself (below).

@@ -98,7 +98,7 @@ def test_run_directories_are_found_at_any_depth_but_not_inside_a_run(tmp_path):
     assert sorted(find_run_dirs(tmp_path)) == sorted([a, b])
     runs = list_runs(tmp_path)
     assert [r.name for r in runs] == ["llama_tiny/2026-01-01_00-00-00", "multirun/llama_tiny/2026-01-02_00-00-00/1"]
-    assert runs[0].checkpoint == a / "checkpoints" / "step-2" and runs[0].layout == "2×cpu DP2"
+    assert runs[0].checkpoint == a / "checkpoints" / "step-2" and runs[0].layout == "2×cpu DP2 ZeRO-1"
     assert runs[0].started == "2026-01-01 00:00"  # from the directory name when there is no status.json
 
 
@@ -120,7 +120,7 @@ def test_report_overlays_runs_adds_val_loss_and_exposed_comm_when_present(tmp_pa
     two = make_run(
         tmp_path / "b", 3, "trainer.devices=2", extra={"val_loss": lambda s: 4.0 - s * 0.1, "exposed_comm_s": lambda s: 0.01}
     )
-    assert run_labels([load_run(one), load_run(two)]) == ["1×cpu trainer.devices=1", "2×cpu DP2 trainer.devices=2"]
+    assert run_labels([load_run(one), load_run(two)]) == ["1×cpu trainer.devices=1", "2×cpu DP2 ZeRO-1 trainer.devices=2"]
     text, written, out = report([one, two], tmp_path / "figs")
     assert sorted(p.name for p in written) == ["exposed_comm.png", "loss.png", "lr.png", "tokens_per_s.png", "val_loss.png"]
     for png in written:
@@ -167,7 +167,7 @@ def test_one_tokens_per_s_in_runs_report_sweep_report_and_the_summary(tmp_path, 
     table = {line.split("│")[1].strip(): line for line in capsys.readouterr().out.splitlines() if re.match(r"│ +\d ", line)}
     assert all(f" {tps} " in table[str(n)] for n, tps in enumerate(want)), table
     # its labels (table and legends) name the layout as well as the swept override (issue 39)
-    assert "1×cpu trainer.devices=1" in table["0"] and "2×cpu DP2 trainer.devices=2" in table["1"], table
+    assert "1×cpu trainer.devices=1" in table["0"] and "2×cpu DP2 ZeRO-1 trainer.devices=2" in table["1"], table
     text, _, _ = report(jobs, tmp_path / "figs")
     assert [re.search(r"(\d,\d{3})", line).group(1) for line in text.splitlines()[2:4]] == want, text
     summary = "\n".join(console.summary(jobs[0], "finished", base, []))
@@ -368,7 +368,7 @@ def test_default_console_is_nxdts_own_banner_steps_and_summary(launched):
     assert lines[0] == "nxdt: llama_tiny (nxdt's config) · 2 ranks on cpu, TP1 PP1 DP2 · checking the data and the model…"
     lines = lines[1:]
     assert lines[0] == f"nxdt: run directory {run} (2 ranks)"
-    assert lines[1] == "nxdt: layout: 2 ranks on cpu · TP1 PP1 DP2 CP1 EP1 · FSDP off · fp32"
+    assert lines[1] == "nxdt: layout: 2 ranks on cpu · TP1 PP1 DP2 CP1 EP1 · FSDP off · ZeRO-1 · fp32"
     assert re.match(rf"nxdt: llama_tiny: {DEFAULT_STEPS} steps × 8 sequences of 128 tokens .* plan: [0-9.]+ s/step", lines[2]), (
         lines[2]
     )
@@ -448,7 +448,7 @@ def test_runs_lists_finished_failed_and_interrupted(launched):
         "failing": "failed",
         "stopped": "interrupted",
     }
-    assert got["llama_tiny"]["last_step"] == DEFAULT_STEPS and got["llama_tiny"]["layout"] == "2×cpu DP2"
+    assert got["llama_tiny"]["last_step"] == DEFAULT_STEPS and got["llama_tiny"]["layout"] == "2×cpu DP2 ZeRO-1"
     assert got["llama_tiny"]["last_loss"] == pytest.approx(float(_rows(launched["runs"]["llama_tiny"])[-1]["loss"]))
     assert got["stopped"]["checkpoint"] and Path(got["stopped"]["checkpoint"]).name.startswith("step-")
     table = nxdt("runs", cwd=root)

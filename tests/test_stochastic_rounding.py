@@ -424,6 +424,7 @@ def test_the_planner_prices_sr_types_as_what_they_store():
                 "instance=trn1.32xlarge",
                 "model=llama3_8b",
                 "distributed_strategy.tensor_model_parallel_size=8",
+                "distributed_strategy.zero1=false",  # one layout for every type (its default is off under bf16SR only)
                 f"precision.type={kind}",
             ]
         )

@@ -400,7 +400,12 @@ def test_pipeline_stages_send_the_sequence_parallel_shard():
 
 
 def test_memory_model_shards_with_zero1_and_tp():
-    base = _plan("instance=trn1.32xlarge", "distributed_strategy.tensor_model_parallel_size=8", *LLAMA8B)
+    base = _plan(
+        "instance=trn1.32xlarge",
+        "distributed_strategy.tensor_model_parallel_size=8",
+        "distributed_strategy.zero1=false",
+        *LLAMA8B,
+    )
     zero = _plan(
         "instance=trn1.32xlarge", "distributed_strategy.tensor_model_parallel_size=8", "distributed_strategy.zero1=true", *LLAMA8B
     )

@@ -87,8 +87,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "nxdt TP2+SP": dict(kind="lightning", strategy="nxdt", tp=2),
     "torch DTensor TP2+SP (gloo)": dict(kind="torchrun", peer="dtensor", tp=2),
     "nxdt train (2 ranks)": dict(kind="cli"),
-    # the same with distributed_strategy.zero1=true: each rank updates half the parameters instead of all of them
-    "nxdt train (2 ranks, ZeRO-1)": dict(kind="cli", zero1=True, diagnostic=True),
+    # the default is ZeRO-1 (distributed_strategy.zero1: null resolves to on for DP2); this one keeps every rank's
+    # full optimizer state and update, the default before 2026-11-30
+    "nxdt train (2 ranks, zero1=false)": dict(kind="cli", zero1=False, diagnostic=True),
     "torch loop (1 process)": dict(kind="loop"),
     # the same loop importing only torch, nxdt's model and data classes and its optimizer module: no Lightning
     "torch loop (1 process, no Lightning)": dict(kind="loop", plain=True, diagnostic=True),
@@ -108,8 +109,9 @@ PAIRS = [
     ("nxdt FSDP token_threaded (plain loop)", "torch FSDP2 fully_shard (gloo)", "step"),
     ("nxdt TP2+SP", "torch DTensor TP2+SP (gloo)", "step"),
     ("nxdt train (2 ranks)", "torch loop (1 process)", "wall"),
-    ("nxdt train (2 ranks, ZeRO-1)", "torch loop (1 process)", "wall"),
+    ("nxdt train (2 ranks, zero1=false)", "torch loop (1 process)", "wall"),
     ("nxdt train (2 ranks)", "torch loop (1 process, no Lightning)", "wall"),
+    ("nxdt train (2 ranks, zero1=false)", "torch loop (1 process, no Lightning)", "wall"),
 ]
 
 
@@ -571,7 +573,7 @@ def launch(name: str, steps: int, work: Path, deepspeed_path: str | None, trace:
         cmd = [sys.executable, *me]
     else:
         run_dir = work / f"cli-{time.monotonic_ns()}"
-        zero1 = ["distributed_strategy.zero1=true"] if v.get("zero1") else []
+        zero1 = [f"distributed_strategy.zero1={str(v['zero1']).lower()}"] if "zero1" in v else []
         cmd = [sys.executable, "-m", "nxdt.cli", "train", *cli_overrides(steps, run_dir), *zero1]
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, cwd=work, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

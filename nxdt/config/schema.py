@@ -158,7 +158,11 @@ class DistributedStrategyConfig:
     )
     expert_model_parallel_size: int = doc(1, "EP degree (subdivides data parallelism)")
     sequence_parallel: bool = doc(False, "shard activations along the sequence between TP regions")
-    zero1: bool = doc(False, "shard optimizer state across data-parallel ranks")
+    zero1: Optional[bool] = doc(
+        None,
+        "shard optimizer state across data-parallel ranks; null (the default) = on wherever it gives plain data "
+        "parallelism's bits: data-parallel degree > 1, without FSDP, expert parallelism or bf16SR (NxDT's default: true)",
+    )
     overlap_grad_reduce: bool = doc(
         True,
         "reduce data-parallel gradients (plain DP, ZeRO-1) in 25 MiB buckets during the last backward, as DDP does; "
