@@ -46,7 +46,7 @@ def test_defaults_follow_nxdt_names_and_interpolate():
         (["trainer.devices=1", "distributed_strategy.zero1=true"], True),  # what the user says stands
     ],
 )
-def test_zero1_defaults_to_on_wherever_it_trains_to_data_parallel_bits(overrides, zero1):
+def test_zero1_defaults_to_on_wherever_it_trains_as_plain_data_parallelism(overrides, zero1):
     """``distributed_strategy.zero1: null`` resolves when the config is validated (NxDT's default is true) and the run's
     config.yaml keeps the resolved value."""
     assert compose_config(overrides).distributed_strategy.zero1 is zero1

@@ -160,8 +160,8 @@ class DistributedStrategyConfig:
     sequence_parallel: bool = doc(False, "shard activations along the sequence between TP regions")
     zero1: Optional[bool] = doc(
         None,
-        "shard optimizer state across data-parallel ranks; null (the default) = on wherever it gives plain data "
-        "parallelism's bits: data-parallel degree > 1, without FSDP, expert parallelism or bf16SR (NxDT's default: true)",
+        "shard optimizer state across data-parallel ranks; null (the default) = on wherever it trains as plain data "
+        "parallelism does: data-parallel degree > 1, without FSDP, expert parallelism or bf16SR (NxDT's default: true)",
     )
     overlap_grad_reduce: bool = doc(
         True,

@@ -551,7 +551,7 @@ def devices_per_node(cfg: Any) -> int:
 
 
 def fill_zero1_default(cfg: Any) -> None:
-    """``distributed_strategy.zero1: null`` (the default): ZeRO-1 wherever it trains to plain data parallelism's bits
+    """``distributed_strategy.zero1: null`` (the default): ZeRO-1 wherever it trains as plain data parallelism
     — more than one data-parallel rank, no FSDP (which shards the optimizer state itself), no expert parallelism (not
     trained with ZeRO-1 yet) and no bf16SR (its rounding draws one random stream per optimizer parameter, and ZeRO-1's
     optimizer steps flat shards: other bits than a single process's). Each rank then keeps and updates 1/DP of the
