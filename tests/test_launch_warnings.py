@@ -97,4 +97,5 @@ def test_the_warnings_come_before_anything_starts(tmp_path, capsys):
         "warning: trainer.val_check_interval=50 is beyond trainer.max_steps=40: data.val_split is never validated; "
         "set trainer.val_check_interval to at most 40 (null: once, after the last step)"
     ]
-    assert "nxdt: dry run — nothing started" in out
+    assert "nxdt: dry run — nothing started, nothing written" in out
+    assert not any(tmp_path.iterdir())  # the run directory it names is only where the run would go

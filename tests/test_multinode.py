@@ -162,7 +162,8 @@ def test_torchrun_dry_run_shows_the_agent_and_starts_nothing(tmp_path, monkeypat
     )
     out = capsys.readouterr().out
     assert "node: rank 1 of 2 (from $NODE_RANK)" in out
-    assert f"run directory {tmp_path / 'outputs' / 'llama_tiny' / 'job7'}" in out  # the same on every node: named by the id
+    run_dir = tmp_path / "outputs" / "llama_tiny" / "job7"  # the same on every node: named by the id
+    assert f"the run directory would be {run_dir}" in out
     assert (
         "torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29512 --rdzv-id=job7 "
         "--rdzv-conf=is_host=1,join_timeout=90 --local-addr=127.0.0.1"

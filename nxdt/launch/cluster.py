@@ -66,7 +66,9 @@ def run_slurm(cfg: Any, plan: Any, overrides: list[str]) -> int:
         from nxdt.launch.devices import device_lines
 
         script = run_dir / "job.sbatch"
-        print(f"nxdt: dry run — nothing submitted; run directory {run_dir} (config.yaml, plan.json, job.sbatch)")
+        print(
+            f"nxdt: dry run — nothing submitted, nothing written; the run directory would be {run_dir} (config.yaml, plan.json, job.sbatch)"
+        )
         print(f"command: {shlex.join(sbatch_command(script, cfg.launcher.wait))}")
         print(f"--- {script}")
         print(sbatch_script(cfg, plan, run_dir), end="")
@@ -94,7 +96,7 @@ def describe_local(cfg: Any, plan: Any, console_tty: bool) -> str:
     return "\n".join(
         [
             *resumed,
-            f"nxdt: dry run — nothing started; run directory {run_dir} (config.yaml, plan.json)",
+            f"nxdt: dry run — nothing started, nothing written; the run directory would be {run_dir}",
             f"agent: torch elastic_launch on this host, {plan.ranks_per_node} workers, nxdt-local rendezvous: one store on 127.0.0.1 only (a free port), "
             f"max_restarts={cfg.exp_manager.max_restarts}",
             f"worker command: {shlex.join(args)} (forked from a server that has imported torch and Lightning once)",

@@ -409,7 +409,7 @@ def describe_node(spec: NodeSpec, run_dir: Path, args: Sequence[str]) -> str:
     """What ``launcher.dry_run=true`` prints for one node: the agent, the command, the environment."""
     known = spec.known_node_rank
     lines = [
-        f"nxdt: dry run — nothing started; run directory {run_dir}",
+        f"nxdt: dry run — nothing started, nothing written; the run directory would be {run_dir}",
         f"node: {'rank ' + str(known) if known is not None else 'rank decided after the rendezvous'} of {spec.nnodes} "
         f"(from {spec.node_key_source}{'' if spec.node_key is None or known is not None else ' ' + str(spec.node_key[1:])}), "
         f"{spec.nproc_per_node} workers, address {spec.local_addr}",
