@@ -550,18 +550,16 @@ def devices_per_node(cfg: Any) -> int:
     return devices
 
 
-def fill_zero1_default(cfg: Any) -> None:
+def fill_zero1_default(cfg: Any, dp: int) -> None:
     """``distributed_strategy.zero1: null`` (the default): ZeRO-1 wherever it trains as plain data parallelism
     — more than one data-parallel rank, no FSDP (which shards the optimizer state itself), no expert parallelism (not
     trained with ZeRO-1 yet) and no bf16SR (its rounding draws one random stream per optimizer parameter, and ZeRO-1's
     optimizer steps flat shards: other bits than a single process's). Each rank then keeps and updates 1/DP of the
     optimizer state: less memory, and on CPU hosts less time a step (experiments/peers). NxDT's default is
-    ``zero1: true``."""
-    ds, trainer = cfg.distributed_strategy, cfg.trainer
+    ``zero1: true``. ``dp``: the data-parallel degree, as :func:`validate` has checked it."""
+    ds = cfg.distributed_strategy
     if ds.zero1 is not None:
         return
-    model_parallel = ds.tensor_model_parallel_size * ds.pipeline_model_parallel_size * ds.context_parallel_size
-    dp = trainer.devices * trainer.num_nodes // max(1, model_parallel)
     ds.zero1 = dp > 1 and not ds.fsdp.enabled and ds.expert_model_parallel_size == 1 and cfg.precision.type != "bf16SR"
 
 
@@ -634,7 +632,6 @@ def _is_moe_family(architecture: str) -> bool:
 def validate(cfg: Any, *, paths: bool = True) -> None:
     """``paths=False`` (``nxdt plan``): do not require the files the run would read to exist here."""
     fill_instance_defaults(cfg)
-    fill_zero1_default(cfg)
     kind = cfg.precision.type
     if isinstance(kind, str) and kind.endswith("SR") and kind not in CHOICES["precision.type"]:
         raise ConfigError(
@@ -723,6 +720,7 @@ def validate(cfg: Any, *, paths: bool = True) -> None:
     dp = world // (tp * pp * cp)
     if dp % ep:
         raise ConfigError("distributed_strategy.expert_model_parallel_size", ep, f"must divide the data-parallel degree {dp}")
+    fill_zero1_default(cfg, dp)
 
     heads, kv = model.num_attention_heads, model.num_kv_heads or model.num_attention_heads
     if model.head_dim is None and model.hidden_size % heads:  # an explicit head_dim needs no quotient

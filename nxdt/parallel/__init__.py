@@ -32,12 +32,8 @@ def squared_norm(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if t.device.type != "cpu":
         return torch.linalg.vector_norm(t, dtype=torch.float64).square()
-    flat = t.reshape(-1)
-    if flat.numel() <= NORM_CHUNK:
-        block = flat.to(torch.float64)
-        return torch.dot(block, block)
     total = torch.zeros((), dtype=torch.float64)
-    for chunk in flat.split(NORM_CHUNK):
+    for chunk in t.reshape(-1).split(NORM_CHUNK):
         block = chunk.to(torch.float64)
         total += torch.dot(block, block)
     return total
