@@ -16,8 +16,8 @@ Special cases: inf and nan pass through (as ``x.to(bfloat16)``); a finite value 
 carry into inf (above the largest bf16, 3.3895e38) saturates at +-3.3895e38 — finite weights stay finite.
 
 Randomness is counter-based: the bits for one tensor of one optimizer step come from a
-``torch.Generator`` seeded with a 64-bit hash of ``(seed, step, parameter index)`` (:func:`stream_seed`),
-so nothing but the step counter (already in the optimizer state) is needed to continue a run
+``torch.Generator`` on the tensor's device seeded with a 64-bit hash of ``(seed, step, parameter
+index)`` (:func:`stream_seed`), so nothing but the step counter (already in the optimizer state) is needed to continue a run
 bit-exactly after a resume, and the bits do not depend on how many steps a process has run. The rank
 is deliberately *not* part of the key: every copy of one parameter (data-parallel replicas, the layer
 norms every tensor-parallel rank holds) has the same index, gradient and step, so it draws the same bits
@@ -64,16 +64,23 @@ def stream_seed(*key: int) -> int:
     return h
 
 
-def stream_generator(*key: int) -> torch.Generator:
-    """A CPU generator seeded with :func:`stream_seed` of ``key``."""
-    g = torch.Generator()
+def stream_generator(*key: int, device: torch.device | str | None = None) -> torch.Generator:
+    """A generator on ``device`` (the CPU by default) seeded with :func:`stream_seed` of ``key``.
+
+    A GPU parameter's bits are drawn on its GPU: drawn on the CPU they cost a CPU pass over every element and
+    a host-to-device copy each step. CPU and CUDA generators are different algorithms (mt19937, Philox), so one
+    key gives different, equally uniform bits on each; on one kind of device the bits are reproducible.
+    """
+    g = torch.Generator(device=device if device is not None else "cpu")
     g.manual_seed(stream_seed(*key))
     return g
 
 
 def random_bits16(numel: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """``numel`` independent uniform integers in ``[0, 2**16)`` (int32): four per 64 random bits."""
-    words = torch.empty((numel + 3) // 4, dtype=torch.int64).random_(-(1 << 63), None, generator=generator)
+    """``numel`` independent uniform integers in ``[0, 2**16)`` (int32): four per 64 random bits, on the
+    generator's device (the default CPU generator's without one)."""
+    device = generator.device if generator is not None else None
+    words = torch.empty((numel + 3) // 4, dtype=torch.int64, device=device).random_(-(1 << 63), None, generator=generator)
     return words.view(torch.int16)[:numel].to(torch.int32).add_(1 << 15)
 
 
@@ -117,8 +124,8 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
     ``fp32_state``: keep the moments in fp32 (NxDT's ``adamw_fp32OptState``); by default they have the
     parameter's dtype (bf16 parameters: bf16 moments, rounded stochastically like the weights).
     ``seed``: the run's seed; the bits of step ``t`` for the parameter at position ``i`` (counted over the
-    param groups in order) come from ``stream_generator(seed, t, i)``: parameter first, then ``exp_avg``,
-    then ``exp_avg_sq``. The state is torch AdamW's (``step``, ``exp_avg``, ``exp_avg_sq``), so checkpoints,
+    param groups in order) come from ``stream_generator(seed, t, i)`` on the parameter's device: parameter
+    first, then ``exp_avg``, then ``exp_avg_sq``. The state is torch AdamW's (``step``, ``exp_avg``, ``exp_avg_sq``), so checkpoints,
     resharding and ZeRO-1 (which rebuilds this class around its flat shards) treat it like AdamW.
     """
 
@@ -179,7 +186,7 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                         state[key] = state[key].to(dtype)
                 state["step"] += 1
                 step = state["step"].item()
-                generator = stream_generator(seed, int(step), index)
+                generator = stream_generator(seed, int(step), index, device=p.device)
 
                 grad = p.grad.to(torch.float32)
                 param = p if p.dtype == torch.float32 else p.to(torch.float32)

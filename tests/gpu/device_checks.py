@@ -205,7 +205,57 @@ def placement_checks() -> dict:
     return out
 
 
+def sr_checks() -> dict:
+    """bf16 stochastic rounding of CUDA tensors draws its bits on the GPU: uniform and repeatable there, unbiased, and
+    an optimizer step lands on one of the two bf16 neighbours of the fp32 AdamW result. Times rounding a 64 M-element
+    tensor with the bits drawn on the GPU and, for the record, drawn on the CPU and copied over (before 2026-11-30)."""
+    import math
+    import time
+
+    from nxdt.parallel.stochastic_rounding import (
+        StochasticRoundingAdamW,
+        random_bits16,
+        stochastic_round_bf16,
+        stream_generator,
+    )
+
+    bits = random_bits16(1_000_003, stream_generator(1, 2, 3, device="cuda"))
+    assert bits.device.type == "cuda" and bits.dtype == torch.int32, bits
+    assert int(bits.min()) == 0 and int(bits.max()) == 65535
+    for bit in range(16):  # each bit a fair coin, within 5 sigma
+        assert abs(float(((bits >> bit) & 1).double().mean()) - 0.5) < 5 * 0.5 / math.sqrt(bits.numel()), bit
+    assert torch.equal(bits, random_bits16(1_000_003, stream_generator(1, 2, 3, device="cuda")))
+    # x a quarter of the way from 1.0 to the next bf16 (1 + 2^-7): rounds up with probability 1/4
+    x = torch.full((4_000_000,), 1.0 + 2.0**-9, device="cuda")
+    up = (stochastic_round_bf16(x, stream_generator(5, device="cuda")).float() > 1.0).double().mean().item()
+    assert abs(up - 0.25) < 5 * math.sqrt(0.25 * 0.75 / x.numel()), up
+    # one AdamW step on bf16 parameters: each element lands on one of the two bf16 values around torch AdamW's fp32
+    # result from the same start (foreach=False: the op-for-op formula StochasticRoundingAdamW computes in fp32)
+    torch.manual_seed(0)
+    w = (torch.randn(1 << 20, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
+    w.grad = (torch.randn(1 << 20, device="cuda") * 1e-3).to(torch.bfloat16)
+    expected = w.detach().float().clone().requires_grad_()
+    expected.grad = w.grad.float()
+    torch.optim.AdamW([expected], lr=1e-3, weight_decay=0.1, foreach=False).step()
+    StochasticRoundingAdamW([w], lr=1e-3, weight_decay=0.1, seed=3).step()
+    pattern = expected.detach().view(torch.int32).bitwise_and(-(1 << 16))  # toward zero, to bf16
+    toward_zero, away = pattern.view(torch.float32), (pattern + (1 << 16)).view(torch.float32)
+    got = w.detach().float()
+    assert bool(((got == toward_zero) | (got == away)).all()), "a stochastically rounded weight left its bf16 neighbours"
+    times = {}
+    big = torch.randn(64 << 20, device="cuda")
+    for where in ("cuda", "cpu"):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for step in range(3):
+            stochastic_round_bf16(big, stream_generator(1, step, 0, device=where))
+        torch.cuda.synchronize()
+        times[f"bits_on_{where}_ms"] = round((time.perf_counter() - start) / 3 * 1e3, 2)
+    return {"bits_device": str(bits.device), "round_up_share": up, "round_64M_elements": times}
+
+
 if __name__ == "__main__":
-    result = {"comm": comm_checks(), "placement": placement_checks()}  # comm first: its ranks fork before CUDA is used here
+    # comm first: its ranks fork before CUDA is used here
+    result = {"comm": comm_checks(), "placement": placement_checks(), "stochastic_rounding": sr_checks()}
     print(json.dumps(result))
     sys.exit(0)

@@ -83,6 +83,23 @@ def test_one_gpu_bf16_matches_the_cpu_fp32_run(tmp_path):
     assert 0 < float(busy.group(1)) <= 100 and int(busy.group(2)) > 0, table[:1000]
 
 
+def test_bf16sr_on_one_gpu_trains_as_on_the_cpu(tmp_path):
+    """``precision.type=bf16SR`` (bf16 weights and moments, updates rounded stochastically with bits drawn on the
+    weights' device) on one GPU against the same run on the CPU. Step 1 starts from the same bf16 weights: only the
+    kernels' summation order differs (bf16 outputs, u = 2^-8; logits |z| ≲ 0.3 off by ≲ 3u relative: the loss by
+    ≲ 0.01). The devices' generators differ (Philox, mt19937), so each update rounds each weight to the other bf16
+    neighbour with some probability: an unbiased difference of ≤ 1 ulp (2^-8 relative) per step, a random walk of
+    ~sqrt(7)·2^-9 ≈ 0.5 % of a weight by step 8, averaging out over each dot product's fan-in: ≲ 0.01 more. Bound
+    0.05 absolute, as for mixed precision; a run whose GPU updates were lost or biased would leave it within 8 steps."""
+    common = ["trainer.devices=1", "precision.type=bf16SR"]
+    cpu = nxdt_train(tmp_path / "cpu", "instance=cpu", *common)
+    gpu = nxdt_train(tmp_path / "gpu", "instance=gpu", *common)
+    assert sorted(cpu) == sorted(gpu) == list(range(1, 9))
+    for step in cpu:
+        assert gpu[step] == pytest.approx(cpu[step], abs=0.05), (step, cpu, gpu)
+    assert gpu[8] < gpu[1] - 0.2, gpu  # it trained (the CPU suite's bf16SR run: > 0.2 in 4 steps)
+
+
 def test_two_ranks_sharing_one_gpu_match_one_rank_fp32(tmp_path):
     """DP=2 with both ranks on cuda:0 (the staged path: NCCL takes one rank per GPU) vs one rank, the same global
     batch of 8 at fp32: the CPU suite's DP parity bound (tests/test_train_e2e.py, rel 1e-5): the ranks' gradients are
