@@ -83,12 +83,13 @@ def opens(path: Path) -> int:
         return 13
 
 
-def start_train(args: list[str], cwd: Path) -> subprocess.Popen:
-    """``nxdt train ARGS`` as a fresh program (its own fork server), for what is done to it while it runs."""
+def start_train(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``nxdt train ARGS`` as a fresh program (its own fork server), for what is done to it while it runs; ``env``:
+    variables added to this process's environment."""
     return subprocess.Popen(
         [sys.executable, "-m", "nxdt.cli", "train", *args],
         cwd=cwd,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -251,17 +251,23 @@ def test_an_intruder_finds_no_store_in_a_restarting_run_and_changes_nothing(atta
 def test_a_launcher_killed_with_sigkill_leaves_no_shared_memory_and_no_store(tmp_path):
     """SIGKILL skips the launcher's own cleanup; its watchdog (a detached process blocked on a pipe only the
     launcher holds) removes the run's segments, the store file and its secret once the launcher is gone. On main the
-    segments stayed until the next run, and the store and secret until the next launch in that directory."""
-    run = tmp_path / "run"
-    proc = start_train([*RELIABILITY, "trainer.max_steps=100000", f"exp_manager.explicit_log_dir={run}"], tmp_path)
+    segments stayed until the next run, and the store and secret until the next launch in that directory. The
+    launcher's temporary directory (multiprocessing's, with its fork server's socket: a private TMPDIR here) goes too;
+    it was left in /tmp, two a suite run."""
+    run, tmp = tmp_path / "run", tmp_path / "tmp"
+    tmp.mkdir()
+    args = [*RELIABILITY, "trainer.max_steps=100000", f"exp_manager.explicit_log_dir={run}"]
+    proc = start_train(args, tmp_path, env={"TMPDIR": str(tmp)})
     try:
         tree, segments = wait_training(proc.pid, run)
-        assert (run / STORE_FILE).exists() and (run / STORE_SECRET_FILE).exists()
+        assert (run / STORE_FILE).exists() and (run / STORE_SECRET_FILE).exists() and list(tmp.glob("pymp-*"))
         os.kill(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=30)
         deadline = time.monotonic() + 20
         store = [run / STORE_FILE, run / STORE_SECRET_FILE]
-        while (left := [p for p in [*segments, *store] if p.exists()] + run_segments(tree)) and time.monotonic() < deadline:
+        while (left := [p for p in [*segments, *store, *tmp.iterdir()] if p.exists()] + run_segments(tree)) and (
+            time.monotonic() < deadline
+        ):
             time.sleep(0.2)
     finally:
         if proc.poll() is None:

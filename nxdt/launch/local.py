@@ -8,6 +8,7 @@ error and its log file, and remove the run's shared-memory segments whatever hap
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -202,7 +203,11 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
     except StoreAccessError as exc:
         raise LaunchFailed(str(exc)) from None
     rendezvous.register()
-    watchdog = watch_segments(run_id, (run_dir / STORE_FILE, run_dir / STORE_SECRET_FILE))
+    # multiprocessing's temporary directory of this process: its fork server's socket is there (removed at exit; by
+    # the watchdog if this process is killed)
+    from multiprocessing.util import get_temp_dir
+
+    watchdog = watch_segments(run_id, (run_dir / STORE_FILE, run_dir / STORE_SECRET_FILE), get_temp_dir())
     try:
         write_store_secret(run_dir, new_secret())  # the workers sign and check nxdt's keys in the store with it
         if method != "fork":
@@ -224,18 +229,22 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
         cleanup_run(run_id)
         (run_dir / STORE_SECRET_FILE).unlink(missing_ok=True)
         (run_dir / STORE_FILE).unlink(missing_ok=True)  # the agent's shutdown removes it too, when it gets there
+        with contextlib.suppress(OSError):  # (a watchdog killed by someone: nothing reads)
+            os.write(watchdog, b".")  # alive to the end: this process removes its own temporary directory at exit
         os.close(watchdog)  # the watchdog finds nothing left and exits
 
 
-def watch_segments(run_id: str, run_files: Sequence[Path] = ()) -> int:
+def watch_segments(run_id: str, run_files: Sequence[Path] = (), private_dir: str | None = None) -> int:
     """Start a watchdog that removes the run's shared-memory segments and ``run_files`` (the store and its secret)
     once this launcher is gone, even by SIGKILL (which skips ``launch_local``'s own cleanup): a grandchild process,
     detached (no zombie, no terminal, no signals from Ctrl-C), that blocks on a pipe only this process writes. The
     pipe reads end-of-file when the launcher exits however it exits; its workers die with it
     (``forking.die_with_agent``). The watchdog unlinks ``run_files`` at once (the run directory's lock went with the
     launcher, and a new launch takes seconds to get to writing its own), then removes ``nxdt-<run_id>…`` until it
-    finds none twice in a row (a worker still dying may map one more). Returns the pipe's write end: closing it
-    ends the watchdog. Only ``os`` calls run in the fork."""
+    finds none twice in a row (a worker still dying may map one more). ``private_dir``, a directory of the launcher's
+    own (multiprocessing's temporary directory, holding its fork server's socket), is emptied and removed only if the
+    launcher died: one that lives to the end writes a byte before it closes the pipe and removes it itself at exit.
+    Returns the pipe's write end: closing it ends the watchdog. Only ``os`` calls run in the fork."""
     paths = [str(path) for path in run_files]  # made before the fork
     from nxdt.comm import cleanup_run
 
@@ -251,12 +260,20 @@ def watch_segments(run_id: str, run_files: Sequence[Path] = ()) -> int:
                 os.dup2(null, fd)
             os.closerange(3, read_end)  # the run directory's lock, the launcher's pipes: not held by the watchdog
             os.closerange(read_end + 1, os.sysconf("SC_OPEN_MAX"))
+            launcher_ended_it = False
             while os.read(read_end, 1):
-                pass
+                launcher_ended_it = True
             for path in paths:
                 try:
                     os.unlink(path)
                 except OSError:  # already removed by the launcher's own cleanup
+                    pass
+            if private_dir is not None and not launcher_ended_it:
+                try:
+                    for name in os.listdir(private_dir):
+                        os.unlink(os.path.join(private_dir, name))
+                    os.rmdir(private_dir)
+                except OSError:
                     pass
             quiet = 0
             while quiet < 2:
