@@ -203,11 +203,12 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
     except StoreAccessError as exc:
         raise LaunchFailed(str(exc)) from None
     rendezvous.register()
-    # multiprocessing's temporary directory of this process: its fork server's socket is there (removed at exit; by
-    # the watchdog if this process is killed)
+    # with a fork server, multiprocessing's temporary directory of this process holds its socket (removed at exit; by
+    # the watchdog if this process is killed); forking the workers itself, this process makes none
     from multiprocessing.util import get_temp_dir
 
-    watchdog = watch_segments(run_id, (run_dir / STORE_FILE, run_dir / STORE_SECRET_FILE), get_temp_dir())
+    private_dir = get_temp_dir() if method != "fork" else None
+    watchdog = watch_segments(run_id, (run_dir / STORE_FILE, run_dir / STORE_SECRET_FILE), private_dir)
     try:
         write_store_secret(run_dir, new_secret())  # the workers sign and check nxdt's keys in the store with it
         if method != "fork":
