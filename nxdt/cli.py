@@ -1325,22 +1325,27 @@ def main(argv: list[str] | None = None, *, fork_workers: bool = False) -> int:
     import atexit
 
     ending: dict[str, int] = {}
-    atexit.register(_end_the_program, ending)  # before the command runs: after its exit handlers at exit (LIFO)
+    # before the command runs: at exit, after every handler it registers (LIFO); the last of all only if the
+    # environment registered none before it (coverage.py's data, a site hook's cleanup: never skipped)
+    last = getattr(atexit, "_ncallbacks", lambda: 1)() == 0
+    atexit.register(_end_the_program, ending, last)
     ending["status"] = status = _run_command(sys.argv[1:], program=True, fork_workers=fork_workers)
     return status
 
 
-def _end_the_program(ending: dict[str, int]) -> None:
-    """The ``nxdt`` program's last exit handler: the others (multiprocessing's, logging's, weakref finalizers) have
-    run, and its output is flushed here; what is left is the interpreter tearing down torch's, Hydra's and the elastic
-    agent's modules object by object, which nothing needs (nxdt's files are closed, the memory goes back with the
-    process). So a command that returned its status exits at once: `nxdt train`'s last line to the shell prompt took
-    0.3 s more in teardown (strace of the peers' whole run, the README's install, 2026-11-30); before gc.freeze() at
-    exit, which still guards the other way out, 3.0-3.5 s. A command that raised ends as Python ends it (the traceback
-    printed, exit status 1), without the final collection over what it imported (frozen)."""
+def _end_the_program(ending: dict[str, int], last: bool) -> None:
+    """The ``nxdt`` program's exit handler, after every one its command registered (multiprocessing's, logging's,
+    weakref finalizers). Where it is also the last (``last``: nothing was registered before the program started), its
+    output is flushed here and what is left is the interpreter tearing down torch's, Hydra's and the elastic agent's
+    modules object by object, which nothing needs (nxdt's files are closed, the memory goes back with the process):
+    a command that returned its status exits at once. `nxdt train`'s last line to the shell prompt took 0.3 s more in
+    teardown (strace of the peers' whole run, the README's install, 2026-11-30); before gc.freeze() at exit, which
+    still guards the other ways out, 3.0-3.5 s. A command that raised ends as Python ends it (the traceback printed,
+    exit status 1), as does every command where earlier handlers wait, both without the final collection over what
+    the command imported (frozen)."""
     import gc
 
-    if "status" not in ending:
+    if "status" not in ending or not last:
         gc.freeze()
         return
     for stream in (sys.stdout, sys.stderr):
