@@ -17,8 +17,9 @@ carry into inf (above the largest bf16, 3.3895e38) saturates at +-3.3895e38 — 
 
 Randomness is counter-based: the bits for one tensor of one optimizer step come from a
 ``torch.Generator`` on the tensor's device seeded with a 64-bit hash of ``(seed, step, parameter
-index)`` (:func:`stream_seed`), so nothing but the step counter (already in the optimizer state) is needed to continue a run
-bit-exactly after a resume, and the bits do not depend on how many steps a process has run. The rank
+index)`` (:func:`stream_seed`), so nothing but the step counter (already in the optimizer state) is
+needed to continue a run bit-exactly after a resume, and the bits do not depend on how many steps a
+process has run. The rank
 is deliberately *not* part of the key: every copy of one parameter (data-parallel replicas, the layer
 norms every tensor-parallel rank holds) has the same index, gradient and step, so it draws the same bits
 and the copies stay bitwise identical without a broadcast. Ranks holding different slices (TP shards,
@@ -125,8 +126,9 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
     parameter's dtype (bf16 parameters: bf16 moments, rounded stochastically like the weights).
     ``seed``: the run's seed; the bits of step ``t`` for the parameter at position ``i`` (counted over the
     param groups in order) come from ``stream_generator(seed, t, i)`` on the parameter's device: parameter
-    first, then ``exp_avg``, then ``exp_avg_sq``. The state is torch AdamW's (``step``, ``exp_avg``, ``exp_avg_sq``), so checkpoints,
-    resharding and ZeRO-1 (which rebuilds this class around its flat shards) treat it like AdamW.
+    first, then ``exp_avg``, then ``exp_avg_sq``. The state is torch AdamW's (``step``, ``exp_avg``,
+    ``exp_avg_sq``), so checkpoints, resharding and ZeRO-1 (which rebuilds this class around its flat
+    shards) treat it like AdamW.
     """
 
     def __init__(
