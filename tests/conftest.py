@@ -62,6 +62,19 @@ LONGEST_GROUPS = (
 )
 
 
+@pytest.fixture
+def short_tmpdir():
+    """A private TMPDIR for a launch, with a short path: the workers' fork server listens on a Unix socket under it
+    (``pymp-…/listener-…``), whose path must fit 107 bytes — a pytest ``tmp_path`` under xdist
+    (``/tmp/pytest-of-…/pytest-N/popen-gw0/test_…``) does not always leave room for it."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="nxdt-test-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks to group the items
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (the README's ``-n 2 --dist loadgroup``) each module's tests run on one worker, so a

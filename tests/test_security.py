@@ -113,3 +113,33 @@ def test_hostile_payloads_in_every_store_key_run_no_code(attacked_restart):
         -3000:
     ]  # torch's agent logs its broken exit barrier to logs/launcher.log
     assert result.returncode == 0 or result.stderr.strip().splitlines()[-1].startswith("nxdt:"), result.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_failed_workers_traceback_is_read_from_the_launchers_own_directory_and_removed(tmp_path, short_tmpdir):
+    """torch's ``start_processes`` names a file for each worker's traceback in the temporary directory, unlinks it, and
+    unpickles whatever has that name once the worker fails: in a shared ``/tmp`` another user could put one there
+    first. The launcher points it into a private directory of its own for the launch (``local.agent_tempdir``), so
+    the shared one (a private ``TMPDIR`` here) never holds one — on main two were left after this run — and the
+    failure is still reported from it."""
+    import os
+    import subprocess
+    import sys
+
+    tmp, run = short_tmpdir, tmp_path / "run"
+    fail = ["exp_manager.fault_injection.step=2", "exp_manager.fault_injection.rank=1", "exp_manager.fault_injection.kind=raise"]
+    args = ["model=llama_tiny", "data=synthetic", "data.seq_length=64", "trainer.max_steps=3", *fail]
+    done = subprocess.run(
+        [sys.executable, "-m", "nxdt.cli", "train", *args, "exp_manager.save_last=false", f"exp_manager.explicit_log_dir={run}"],
+        cwd=tmp_path,
+        env={**os.environ, "TMPDIR": str(tmp)},
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    failure = [line for line in done.stderr.splitlines() if line.startswith("nxdt: rank 1 failed")]
+    assert failure and "InjectedFault: injected fault at step 2 on rank 1" in failure[0], done.stderr[-2000:]
+    left = sorted(p.name for p in tmp.iterdir() if p.name != "torchinductor_root")  # the workers' compile cache
+    assert left == [], left

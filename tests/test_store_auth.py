@@ -248,14 +248,13 @@ def test_an_intruder_finds_no_store_in_a_restarting_run_and_changes_nothing(atta
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_launcher_killed_with_sigkill_leaves_no_shared_memory_and_no_store(tmp_path):
+def test_a_launcher_killed_with_sigkill_leaves_no_shared_memory_and_no_store(tmp_path, short_tmpdir):
     """SIGKILL skips the launcher's own cleanup; its watchdog (a detached process blocked on a pipe only the
     launcher holds) removes the run's segments, the store file and its secret once the launcher is gone. On main the
     segments stayed until the next run, and the store and secret until the next launch in that directory. The
     launcher's temporary directory (multiprocessing's, with its fork server's socket: a private TMPDIR here) goes too;
     it was left in /tmp, two a suite run."""
-    run, tmp = tmp_path / "run", tmp_path / "tmp"
-    tmp.mkdir()
+    run, tmp = tmp_path / "run", short_tmpdir
     args = [*RELIABILITY, "trainer.max_steps=100000", f"exp_manager.explicit_log_dir={run}"]
     proc = start_train(args, tmp_path, env={"TMPDIR": str(tmp)})
     try:

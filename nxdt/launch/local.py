@@ -14,10 +14,12 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
+import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -204,49 +206,73 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
         raise LaunchFailed(str(exc)) from None
     rendezvous.register()
     # with a fork server, multiprocessing's temporary directory of this process holds its socket (removed at exit; by
-    # the watchdog if this process is killed); forking the workers itself, this process makes none
+    # the watchdog if this process is killed); forking the workers itself, this process makes none. Made before
+    # tempfile's default points into the agent's own directory, which ends with the launch.
     from multiprocessing.util import get_temp_dir
 
-    private_dir = get_temp_dir() if method != "fork" else None
-    watchdog = watch_segments(run_id, (run_dir / STORE_FILE, run_dir / STORE_SECRET_FILE), private_dir)
+    private_dirs = [get_temp_dir()] if method != "fork" else []
+    with agent_tempdir() as agent_tmp:
+        watchdog = watch_segments(run_id, (run_dir / STORE_FILE, run_dir / STORE_SECRET_FILE), [*private_dirs, agent_tmp])
+        try:
+            write_store_secret(run_dir, new_secret())  # the workers sign and check nxdt's keys in the store with it
+            if method != "fork":
+                start_fork_server()
+            else:  # the workers are forks of this process: the config tree each reads its config.yaml onto, built once
+                schema_tree()
+                gc.freeze()  # and their collections skip what they share with it (as nxdt.launch.fork_server does)
+            elastic_launch(config, entrypoint=worker.main)(argv)
+        except ChildFailedError as exc:
+            raise LaunchFailed(_failure_line(exc, run_dir)) from None
+        except (SignalException, KeyboardInterrupt) as exc:  # the agent turns SIGINT/SIGTERM into SignalException
+            raise LaunchInterrupted(
+                f"nxdt: interrupted ({getattr(exc, 'sigval', 'SIGINT')}); all workers stopped — "
+                f"resume with exp_manager.resume_if_exists=true"
+            ) from None
+        finally:
+            if method == "fork":
+                gc.unfreeze()  # the caller collects as before (the workers kept their frozen copy)
+            cleanup_run(run_id)
+            (run_dir / STORE_SECRET_FILE).unlink(missing_ok=True)
+            (run_dir / STORE_FILE).unlink(missing_ok=True)  # the agent's shutdown removes it too, when it gets there
+            with contextlib.suppress(OSError):  # (a watchdog killed by someone: nothing reads)
+                os.write(watchdog, b".")  # alive to the end: this process removes its own temporary directories
+            os.close(watchdog)  # the watchdog finds nothing left and exits
+
+
+@contextlib.contextmanager
+def agent_tempdir() -> Iterator[str]:
+    """A private directory (``tempfile.mkdtemp``: mode 0700, a name nobody can take first) as the default directory
+    of Python's ``tempfile`` while torch's elastic agent starts and watches the workers, removed afterwards.
+
+    Why: for each worker, ``torch.multiprocessing.start_processes`` names a file for its traceback in the temporary
+    directory, unlinks it, and when the worker fails unpickles whatever then has that name — in a shared ``/tmp``,
+    another local user could have put a file there first (the names can be watched), and nothing ever removes them
+    (two each failed 2-rank run; 18 each suite run). torch gives that call no directory argument; ``tempfile.tempdir``
+    is the default tempfile's documented functions take, set here for the launch only and restored after it."""
+    previous = tempfile.tempdir
+    path = tempfile.mkdtemp(prefix="nxdt-agent-")
+    tempfile.tempdir = path
     try:
-        write_store_secret(run_dir, new_secret())  # the workers sign and check nxdt's keys in the store with it
-        if method != "fork":
-            start_fork_server()
-        else:  # the workers are forks of this process: the config tree each reads its config.yaml onto, built once
-            schema_tree()
-            gc.freeze()  # and their collections skip what they share with it (as nxdt.launch.fork_server does)
-        elastic_launch(config, entrypoint=worker.main)(argv)
-    except ChildFailedError as exc:
-        raise LaunchFailed(_failure_line(exc, run_dir)) from None
-    except (SignalException, KeyboardInterrupt) as exc:  # the agent turns SIGINT/SIGTERM into SignalException
-        raise LaunchInterrupted(
-            f"nxdt: interrupted ({getattr(exc, 'sigval', 'SIGINT')}); all workers stopped — "
-            f"resume with exp_manager.resume_if_exists=true"
-        ) from None
+        yield path
     finally:
-        if method == "fork":
-            gc.unfreeze()  # the caller collects as before (the workers kept their frozen copy)
-        cleanup_run(run_id)
-        (run_dir / STORE_SECRET_FILE).unlink(missing_ok=True)
-        (run_dir / STORE_FILE).unlink(missing_ok=True)  # the agent's shutdown removes it too, when it gets there
-        with contextlib.suppress(OSError):  # (a watchdog killed by someone: nothing reads)
-            os.write(watchdog, b".")  # alive to the end: this process removes its own temporary directory at exit
-        os.close(watchdog)  # the watchdog finds nothing left and exits
+        tempfile.tempdir = previous
+        shutil.rmtree(path, ignore_errors=True)
 
 
-def watch_segments(run_id: str, run_files: Sequence[Path] = (), private_dir: str | None = None) -> int:
+def watch_segments(run_id: str, run_files: Sequence[Path] = (), private_dirs: Sequence[str] = ()) -> int:
     """Start a watchdog that removes the run's shared-memory segments and ``run_files`` (the store and its secret)
     once this launcher is gone, even by SIGKILL (which skips ``launch_local``'s own cleanup): a grandchild process,
     detached (no zombie, no terminal, no signals from Ctrl-C), that blocks on a pipe only this process writes. The
     pipe reads end-of-file when the launcher exits however it exits; its workers die with it
     (``forking.die_with_agent``). The watchdog unlinks ``run_files`` at once (the run directory's lock went with the
     launcher, and a new launch takes seconds to get to writing its own), then removes ``nxdt-<run_id>…`` until it
-    finds none twice in a row (a worker still dying may map one more). ``private_dir``, a directory of the launcher's
-    own (multiprocessing's temporary directory, holding its fork server's socket), is emptied and removed only if the
-    launcher died: one that lives to the end writes a byte before it closes the pipe and removes it itself at exit.
+    finds none twice in a row (a worker still dying may map one more). ``private_dirs``, directories of the launcher's
+    own (multiprocessing's temporary directory, holding its fork server's socket; the agent's, :func:`agent_tempdir`),
+    are emptied and removed only if the launcher died: one that lives to the end writes a byte before it closes the
+    pipe and removes them itself.
     Returns the pipe's write end: closing it ends the watchdog. Only ``os`` calls run in the fork."""
     paths = [str(path) for path in run_files]  # made before the fork
+    private_dirs = [str(directory) for directory in private_dirs]
     from nxdt.comm import cleanup_run
 
     read_end, write_end = os.pipe()
@@ -269,11 +295,11 @@ def watch_segments(run_id: str, run_files: Sequence[Path] = (), private_dir: str
                     os.unlink(path)
                 except OSError:  # already removed by the launcher's own cleanup
                     pass
-            if private_dir is not None and not launcher_ended_it:
+            for directory in private_dirs if not launcher_ended_it else ():
                 try:
-                    for name in os.listdir(private_dir):
-                        os.unlink(os.path.join(private_dir, name))
-                    os.rmdir(private_dir)
+                    for name in os.listdir(directory):
+                        os.unlink(os.path.join(directory, name))
+                    os.rmdir(directory)
                 except OSError:
                     pass
             quiet = 0

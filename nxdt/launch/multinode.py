@@ -440,8 +440,10 @@ def launch_node(
     from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
     from torch.distributed.launcher.api import elastic_launch
 
+    from multiprocessing.util import get_temp_dir
+
     from nxdt.comm.store import SECRET_ENV
-    from nxdt.launch.local import LaunchFailed, LaunchInterrupted, root_failure
+    from nxdt.launch.local import LaunchFailed, LaunchInterrupted, agent_tempdir, root_failure
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.update(spec.env)
@@ -456,19 +458,22 @@ def launch_node(
         )
     where = f"node at {spec.local_addr}"
     log_dir = run_dir / "logs" / "agent"
+    if entrypoint is None or server_preload:  # multiprocessing's (the fork server's socket) made where it always was:
+        get_temp_dir()  # the agent's own directory ends with the launch
     try:
-        if entrypoint is None:
-            from nxdt.launch import worker
-            from nxdt.launch.forking import START_METHOD, start_fork_server
+        with agent_tempdir():  # torch's per-worker traceback files: in a directory of this process's own
+            if entrypoint is None:
+                from nxdt.launch import worker
+                from nxdt.launch.forking import START_METHOD, start_fork_server
 
-            start_fork_server()  # after the environment above is set: the workers inherit the server's
-            return elastic_launch(spec.launch_config(log_dir, START_METHOD), entrypoint=worker.main)(list(args))
-        if server_preload:
-            from nxdt.launch.forking import START_METHOD, start_fork_server
+                start_fork_server()  # after the environment above is set: the workers inherit the server's
+                return elastic_launch(spec.launch_config(log_dir, START_METHOD), entrypoint=worker.main)(list(args))
+            if server_preload:
+                from nxdt.launch.forking import START_METHOD, start_fork_server
 
-            start_fork_server(server_preload)  # its imports overlap the rendezvous
-            return elastic_launch(spec.launch_config(log_dir, START_METHOD), entrypoint=entrypoint)(*args)
-        return elastic_launch(spec.launch_config(log_dir), entrypoint=entrypoint)(*args)
+                start_fork_server(server_preload)  # its imports overlap the rendezvous
+                return elastic_launch(spec.launch_config(log_dir, START_METHOD), entrypoint=entrypoint)(*args)
+            return elastic_launch(spec.launch_config(log_dir), entrypoint=entrypoint)(*args)
     except ChildFailedError as exc:
         local_rank, pid, summary = root_failure(exc, single_host=False, agent_logs=log_dir)
         raise LaunchFailed(
