@@ -681,6 +681,8 @@ def cmd_train(argv: list[str], start_workers_early: bool = False, fork_workers: 
                 check_resume_checkpoint(cfg, plans[-1])
     except ConfigError as exc:
         return _fail(str(exc))
+    except UsageError:  # its own one line (the fork server's)
+        raise
     except Exception as exc:  # Hydra's override grammar errors
         return _fail(f"config error: {str(exc).splitlines()[0]}")
     # settings that cannot take effect: said before a job's workers start, once its run directory is accepted (a refused
@@ -726,10 +728,13 @@ def _start_fork_server() -> None:
     then run while this process composes, imports torch, checks the data and the model, and plans. If a check fails,
     the program exits and the server dies with it (:func:`nxdt.launch.forking.die_with_agent`, its first statement).
     It gets the run files' private umask now, because the workers inherit the server's umask, not this process's."""
-    from nxdt.launch.forking import start_fork_server  # imports no torch: the server starts before this process's own imports
+    from nxdt.launch.forking import ForkServerError, start_fork_server  # no torch: the server starts before our imports
 
     with _private_run_files():
-        start_fork_server()
+        try:
+            start_fork_server()
+        except ForkServerError as exc:
+            raise UsageError(str(exc)) from None
 
 
 def _start_fork_server_early(cfg: Any) -> None:

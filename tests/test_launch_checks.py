@@ -260,3 +260,25 @@ def test_a_config_refused_after_the_worker_server_started_is_one_line_and_leaves
     assert lines == ["config error: trainer.devices=0: must be >= 1"], lines
     assert servers, "the fork server was not started before the config was composed: this test no longer covers that path"
     assert not left, f"processes outlived the failed launch: {left}"
+
+
+@pytest.mark.timeout(120)
+def test_a_temporary_directory_too_deep_for_the_fork_servers_socket_is_one_line(tmp_path, short_tmpdir):
+    """multiprocessing puts the fork server's Unix socket under TMPDIR, and a socket's path must fit 107 bytes: a deep
+    per-job TMPDIR (as some clusters set) failed with a traceback from inside multiprocessing; now one line naming
+    TMPDIR and the fix, exit 2, before any worker or run directory."""
+    deep = short_tmpdir / ("d" * 90)
+    deep.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "nxdt.cli", "train", "model=llama_tiny", f"exp_manager.explicit_log_dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        env={**os.environ, "TMPDIR": str(deep)},
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert lines[0].startswith("nxdt: the workers' fork server cannot listen") and "set TMPDIR to a shorter" in lines[0]
+    assert str(deep) in lines[0] and not (tmp_path / "run").exists()

@@ -35,13 +35,31 @@ def start_method(fork_here: bool = False) -> str:
     return START_METHOD
 
 
+class ForkServerError(RuntimeError):
+    """The fork server cannot start; ``str()`` is the one line for the user."""
+
+
 def start_fork_server(preload: list[str] = PRELOAD) -> None:
     """Start the fork server the agent's workers come from, importing ``preload`` once (its first module calls
     :func:`die_with_agent`: ``nxdt.launch.fork_server``, or ``nxdt.launch.comm_fork_server`` for ``nxdt comm-test
     -N``'s ranks). Called before the launcher's own checks and the agent's rendezvous, so the imports overlap them;
-    the server is single-threaded (it only imports), so forking it is safe, and it exits with the launcher."""
+    the server is single-threaded (it only imports), so forking it is safe, and it exits with the launcher.
+    :class:`ForkServerError` where its Unix socket cannot be made: multiprocessing puts it under the temporary
+    directory (``TMPDIR``), and a socket's path must fit 107 bytes — a deep per-job ``TMPDIR`` (as some clusters
+    set) does not."""
     multiprocessing.get_context(START_METHOD).set_forkserver_preload(preload)
-    multiprocessing.forkserver.ensure_running()
+    try:
+        multiprocessing.forkserver.ensure_running()
+    except OSError as exc:
+        if "AF_UNIX path too long" not in str(exc):
+            raise
+        import tempfile
+
+        raise ForkServerError(
+            f"nxdt: the workers' fork server cannot listen: its socket's path under the temporary directory "
+            f"{tempfile.gettempdir()} ({len(tempfile.gettempdir())} characters) would exceed the 107 bytes a Unix "
+            "socket allows; set TMPDIR to a shorter directory (e.g. TMPDIR=/tmp)"
+        ) from None
 
 
 def die_with_agent() -> None:

@@ -178,7 +178,7 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
     from nxdt.comm.store import StoreAccessError, check_store_dir, new_secret
     from nxdt.config import schema_tree
     from nxdt.launch import rendezvous, worker
-    from nxdt.launch.forking import start_fork_server, start_method
+    from nxdt.launch.forking import ForkServerError, start_fork_server, start_method
     from nxdt.launch.rundir import STORE_FILE, STORE_SECRET_FILE, write_store_secret
 
     # the agent logs every worker exit at WARNING/ERROR; we report the failure ourselves in one line
@@ -223,6 +223,8 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
             elastic_launch(config, entrypoint=worker.main)(argv)
         except ChildFailedError as exc:
             raise LaunchFailed(_failure_line(exc, run_dir)) from None
+        except ForkServerError as exc:
+            raise LaunchFailed(str(exc)) from None
         except (SignalException, KeyboardInterrupt) as exc:  # the agent turns SIGINT/SIGTERM into SignalException
             raise LaunchInterrupted(
                 f"nxdt: interrupted ({getattr(exc, 'sigval', 'SIGINT')}); all workers stopped — "

@@ -443,6 +443,7 @@ def launch_node(
     from multiprocessing.util import get_temp_dir
 
     from nxdt.comm.store import SECRET_ENV
+    from nxdt.launch.forking import ForkServerError
     from nxdt.launch.local import LaunchFailed, LaunchInterrupted, agent_tempdir, root_failure
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
@@ -474,6 +475,8 @@ def launch_node(
                 start_fork_server(server_preload)  # its imports overlap the rendezvous
                 return elastic_launch(spec.launch_config(log_dir, START_METHOD), entrypoint=entrypoint)(*args)
             return elastic_launch(spec.launch_config(log_dir), entrypoint=entrypoint)(*args)
+    except ForkServerError as exc:
+        raise LaunchFailed(str(exc)) from None
     except ChildFailedError as exc:
         local_rank, pid, summary = root_failure(exc, single_host=False, agent_logs=log_dir)
         raise LaunchFailed(
