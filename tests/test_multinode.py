@@ -239,10 +239,12 @@ def _host_lines(run: Path) -> dict[int, str]:
 
 
 @pytest.mark.timeout(400)
-def test_tp2_dp2_on_two_hosts_survives_a_killed_host_and_equals_one_host(hosts, one_host, tmp_path):
+def test_tp2_dp2_on_two_hosts_survives_a_killed_host_and_equals_one_host(hosts, one_host, tmp_path, short_tmpdir):
     """TP inside each host (shared memory), DP across them (TCP); a rank hangs, its host dies, the survivor names the
     lost ranks, and both hosts restarted with the same command continue from the last checkpoint to one host's
-    losses. (DP spanning both hosts with two ranks on each, the hierarchical all-reduce, is comm-test's case below.)"""
+    losses. (DP spanning both hosts with two ranks on each, the hierarchical all-reduce, is comm-test's case below.)
+    The killed agent's temporary directories (multiprocessing's, torch's traceback files') go with it: its watchdog
+    removes them (a private TMPDIR here)."""
     run = tmp_path / "run"
     job = [
         *COMMON,
@@ -255,7 +257,7 @@ def test_tp2_dp2_on_two_hosts_survives_a_killed_host_and_equals_one_host(hosts, 
     ]
     hang = ["exp_manager.fault_injection.step=3", "exp_manager.fault_injection.rank=3", "exp_manager.fault_injection.kind=hang"]
     # node ranks given crosswise to the namespaces' start order: the plan follows them, not the rendezvous
-    b = hosts.nxdt(1, ["train", *job, *hang, "launcher.node_rank=1"])
+    b = hosts.nxdt(1, ["train", *job, *hang, "launcher.node_rank=1"], env={"TMPDIR": str(short_tmpdir)})
     a = hosts.nxdt(0, ["train", *job, *hang, "launcher.node_rank=0"])
     log3 = run / "logs/rank3.log"
     while not (log3.exists() and "hangs at step 3" in log3.read_text()):  # bounded by the test timeout
@@ -269,8 +271,9 @@ def test_tp2_dp2_on_two_hosts_survives_a_killed_host_and_equals_one_host(hosts, 
     assert re.search(r"lost the connection to rank\(s\) \[[23](, [23])?\] on another host", failure), failure
     assert "timed out" not in failure  # noticed when the connection dropped, well before comm.timeout_s
     assert _finish(b).returncode == -signal.SIGKILL
-    while hosts.pids(1):  # no orphaned worker on the killed host (bounded by the test timeout)
+    while hosts.pids(1):  # no orphaned worker on the killed host, its watchdog done (bounded by the test timeout)
         time.sleep(0.1)
+    assert sorted(p.name for p in short_tmpdir.iterdir() if p.name != "torchinductor_root") == []
     placement = _host_lines(run)
     assert [placement[r][0] for r in range(4)] == [0, 0, 1, 1]
     assert placement[0][1] == placement[1][1] and placement[2][1] == placement[3][1] and placement[1][1] != placement[2][1]

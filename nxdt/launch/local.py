@@ -211,8 +211,8 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
     from multiprocessing.util import get_temp_dir
 
     private_dirs = [get_temp_dir()] if method != "fork" else []
-    with agent_tempdir() as agent_tmp:
-        watchdog = watch_segments(run_id, (run_dir / STORE_FILE, run_dir / STORE_SECRET_FILE), [*private_dirs, agent_tmp])
+    store_files = (run_dir / STORE_FILE, run_dir / STORE_SECRET_FILE)
+    with agent_tempdir() as agent_tmp, watchdog(run_id, store_files, [*private_dirs, agent_tmp]):
         try:
             write_store_secret(run_dir, new_secret())  # the workers sign and check nxdt's keys in the store with it
             if method != "fork":
@@ -236,9 +236,6 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
             cleanup_run(run_id)
             (run_dir / STORE_SECRET_FILE).unlink(missing_ok=True)
             (run_dir / STORE_FILE).unlink(missing_ok=True)  # the agent's shutdown removes it too, when it gets there
-            with contextlib.suppress(OSError):  # (a watchdog killed by someone: nothing reads)
-                os.write(watchdog, b".")  # alive to the end: this process removes its own temporary directories
-            os.close(watchdog)  # the watchdog finds nothing left and exits
 
 
 @contextlib.contextmanager
@@ -261,18 +258,32 @@ def agent_tempdir() -> Iterator[str]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def watch_segments(run_id: str, run_files: Sequence[Path] = (), private_dirs: Sequence[str] = ()) -> int:
+@contextlib.contextmanager
+def watchdog(run_id: str | None, run_files: Sequence[Path] = (), private_dirs: Sequence[str] = ()) -> Iterator[None]:
+    """:func:`watch_segments` for the block: at its end, however it ends, this process says goodbye (it removes its
+    own temporary directories) and closes the pipe; the watchdog then removes what is left and exits."""
+    fd = watch_segments(run_id, run_files, private_dirs)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):  # (a watchdog killed by someone: nothing reads)
+            os.write(fd, b".")
+        os.close(fd)
+
+
+def watch_segments(run_id: str | None, run_files: Sequence[Path] = (), private_dirs: Sequence[str] = ()) -> int:
     """Start a watchdog that removes the run's shared-memory segments and ``run_files`` (the store and its secret)
     once this launcher is gone, even by SIGKILL (which skips ``launch_local``'s own cleanup): a grandchild process,
     detached (no zombie, no terminal, no signals from Ctrl-C), that blocks on a pipe only this process writes. The
     pipe reads end-of-file when the launcher exits however it exits; its workers die with it
     (``forking.die_with_agent``). The watchdog unlinks ``run_files`` at once (the run directory's lock went with the
     launcher, and a new launch takes seconds to get to writing its own), then removes ``nxdt-<run_id>…`` until it
-    finds none twice in a row (a worker still dying may map one more). ``private_dirs``, directories of the launcher's
+    finds none twice in a row (a worker still dying may map one more; no ``run_id``: none — a node agent of a
+    multi-node run, whose run id other hosts' agents share where /dev/shm is shared). ``private_dirs``, directories of the launcher's
     own (multiprocessing's temporary directory, holding its fork server's socket; the agent's, :func:`agent_tempdir`),
     are emptied and removed only if the launcher died: one that lives to the end writes a byte before it closes the
-    pipe and removes them itself.
-    Returns the pipe's write end: closing it ends the watchdog. Only ``os`` calls run in the fork."""
+    pipe and removes them itself. Returns the pipe's write end: closing it ends the watchdog (:func:`watchdog` does
+    both for a block). Only ``os`` calls run in the fork."""
     paths = [str(path) for path in run_files]  # made before the fork
     private_dirs = [str(directory) for directory in private_dirs]
     from nxdt.comm import cleanup_run
@@ -305,7 +316,7 @@ def watch_segments(run_id: str, run_files: Sequence[Path] = (), private_dirs: Se
                 except OSError:
                     pass
             quiet = 0
-            while quiet < 2:
+            while run_id is not None and quiet < 2:  # (no run id: a node agent's wait for the next start's sweep)
                 quiet = quiet + 1 if cleanup_run(run_id) == 0 else 0
                 time.sleep(0.2)
         finally:

@@ -444,7 +444,7 @@ def launch_node(
 
     from nxdt.comm.store import SECRET_ENV
     from nxdt.launch.forking import ForkServerError
-    from nxdt.launch.local import LaunchFailed, LaunchInterrupted, agent_tempdir, root_failure
+    from nxdt.launch.local import LaunchFailed, LaunchInterrupted, agent_tempdir, root_failure, watchdog
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.update(spec.env)
@@ -459,10 +459,11 @@ def launch_node(
         )
     where = f"node at {spec.local_addr}"
     log_dir = run_dir / "logs" / "agent"
-    if entrypoint is None or server_preload:  # multiprocessing's (the fork server's socket) made where it always was:
-        get_temp_dir()  # the agent's own directory ends with the launch
+    # with a fork server, multiprocessing's temporary directory holds its socket: made where it always was (the
+    # agent's own directory ends with the launch); both removed by the watchdog if this agent is killed
+    private_dirs = [get_temp_dir()] if entrypoint is None or server_preload else []
     try:
-        with agent_tempdir():  # torch's per-worker traceback files: in a directory of this process's own
+        with agent_tempdir() as agent_tmp, watchdog(None, (), [*private_dirs, agent_tmp]):
             if entrypoint is None:
                 from nxdt.launch import worker
                 from nxdt.launch.forking import START_METHOD, start_fork_server
