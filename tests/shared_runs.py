@@ -96,6 +96,18 @@ def start_train(args: list[str], cwd: Path, env: dict[str, str] | None = None) -
     )
 
 
+def run_train(args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 200) -> subprocess.CompletedProcess:
+    """``nxdt train ARGS`` as a fresh program, to its end (``start_train``'s environment)."""
+    proc = start_train(args, cwd, env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def run_segments(tree: set[int]) -> list[Path]:
     """The run's shared-memory segments: their header names a creator in the run's process tree."""
     found = []

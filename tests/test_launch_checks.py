@@ -21,6 +21,7 @@ from nxdt.config import ConfigError, compose_config
 from nxdt.data.datasets import SAMPLE_BYTES, TextSourceError, check_text_files
 from nxdt.lightning.hf import HFCheckpointError, check_hf_checkpoint, hf_name, read_safetensors_header
 from nxdt.lightning.module import import_architecture
+from shared_runs import run_train
 
 
 def llama_tiny_tensors(**overrides) -> dict[str, torch.Tensor]:
@@ -269,14 +270,7 @@ def test_a_temporary_directory_too_deep_for_the_fork_servers_socket_is_one_line(
     TMPDIR and the fix, exit 2, before any worker or run directory."""
     deep = short_tmpdir / ("d" * 90)
     deep.mkdir()
-    done = subprocess.run(
-        [sys.executable, "-m", "nxdt.cli", "train", "model=llama_tiny", f"exp_manager.explicit_log_dir={tmp_path / 'run'}"],
-        cwd=tmp_path,
-        env={**os.environ, "TMPDIR": str(deep)},
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
+    done = run_train(["model=llama_tiny", f"exp_manager.explicit_log_dir={tmp_path / 'run'}"], tmp_path, {"TMPDIR": str(deep)})
     assert done.returncode == 2, done.stderr[-2000:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nxdt.comm.objects import ObjectCodecError, decode, encode
-from shared_runs import RunsCode
+from shared_runs import RunsCode, run_train
 
 
 # ----------------------------------------------------------------------------- the object codec
@@ -123,20 +123,11 @@ def test_a_failed_workers_traceback_is_read_from_the_launchers_own_directory_and
     first. The launcher points it into a private directory of its own for the launch (``local.agent_tempdir``), so
     the shared one (a private ``TMPDIR`` here) never holds one — on main two were left after this run — and the
     failure is still reported from it."""
-    import os
-    import subprocess
-    import sys
-
     tmp, run = short_tmpdir, tmp_path / "run"
     fail = ["exp_manager.fault_injection.step=2", "exp_manager.fault_injection.rank=1", "exp_manager.fault_injection.kind=raise"]
     args = ["model=llama_tiny", "data=synthetic", "data.seq_length=64", "trainer.max_steps=3", *fail]
-    done = subprocess.run(
-        [sys.executable, "-m", "nxdt.cli", "train", *args, "exp_manager.save_last=false", f"exp_manager.explicit_log_dir={run}"],
-        cwd=tmp_path,
-        env={**os.environ, "TMPDIR": str(tmp)},
-        capture_output=True,
-        text=True,
-        timeout=200,
+    done = run_train(
+        [*args, "exp_manager.save_last=false", f"exp_manager.explicit_log_dir={run}"], tmp_path, {"TMPDIR": str(tmp)}
     )
     assert done.returncode == 1, done.stderr[-2000:]
     failure = [line for line in done.stderr.splitlines() if line.startswith("nxdt: rank 1 failed")]
