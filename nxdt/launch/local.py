@@ -205,14 +205,8 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
     except StoreAccessError as exc:
         raise LaunchFailed(str(exc)) from None
     rendezvous.register()
-    # with a fork server, multiprocessing's temporary directory of this process holds its socket (removed at exit; by
-    # the watchdog if this process is killed); forking the workers itself, this process makes none. Made before
-    # tempfile's default points into the agent's own directory, which ends with the launch.
-    from multiprocessing.util import get_temp_dir
-
-    private_dirs = [get_temp_dir()] if method != "fork" else []
     store_files = (run_dir / STORE_FILE, run_dir / STORE_SECRET_FILE)
-    with agent_tempdir() as agent_tmp, watchdog(run_id, store_files, [*private_dirs, agent_tmp]):
+    with guarded_agent(run_id, store_files, fork_server=method != "fork"):
         try:
             write_store_secret(run_dir, new_secret())  # the workers sign and check nxdt's keys in the store with it
             if method != "fork":
@@ -236,6 +230,19 @@ def launch_local(run_dir: Path, plan: Plan, *, console_tty: bool, max_restarts: 
             cleanup_run(run_id)
             (run_dir / STORE_SECRET_FILE).unlink(missing_ok=True)
             (run_dir / STORE_FILE).unlink(missing_ok=True)  # the agent's shutdown removes it too, when it gets there
+
+
+@contextlib.contextmanager
+def guarded_agent(run_id: str | None, run_files: Sequence[Path], *, fork_server: bool) -> Iterator[None]:
+    """The block an agent launches in: its own temporary directory (:func:`agent_tempdir`), and a :func:`watchdog`
+    that removes it, ``run_files`` and the run's segments if this process is killed — with, where the workers come
+    from a fork server, multiprocessing's temporary directory (its socket; made here, before tempfile's default
+    points into the agent's, so it stays where it always was and outlives the launch, as the server does)."""
+    from multiprocessing.util import get_temp_dir
+
+    private_dirs = [get_temp_dir()] if fork_server else []
+    with agent_tempdir() as agent_tmp, watchdog(run_id, run_files, [*private_dirs, agent_tmp]):
+        yield
 
 
 @contextlib.contextmanager
@@ -278,11 +285,11 @@ def watch_segments(run_id: str | None, run_files: Sequence[Path] = (), private_d
     pipe reads end-of-file when the launcher exits however it exits; its workers die with it
     (``forking.die_with_agent``). The watchdog unlinks ``run_files`` at once (the run directory's lock went with the
     launcher, and a new launch takes seconds to get to writing its own), then removes ``nxdt-<run_id>…`` until it
-    finds none twice in a row (a worker still dying may map one more; no ``run_id``: none — a node agent of a
-    multi-node run, whose run id other hosts' agents share where /dev/shm is shared). ``private_dirs``, directories of the launcher's
-    own (multiprocessing's temporary directory, holding its fork server's socket; the agent's, :func:`agent_tempdir`),
-    are emptied and removed only if the launcher died: one that lives to the end writes a byte before it closes the
-    pipe and removes them itself. Returns the pipe's write end: closing it ends the watchdog (:func:`watchdog` does
+    finds none twice in a row (a worker still dying may map one more; without a ``run_id`` none: a node agent of a
+    multi-node run, whose run id other hosts' agents share where /dev/shm is shared). ``private_dirs``, directories
+    of the launcher's own (multiprocessing's temporary directory, holding its fork server's socket; the agent's,
+    :func:`agent_tempdir`), are emptied and removed only if the launcher died: one that lives to the end writes a byte
+    before it closes the pipe and removes them itself. Returns the pipe's write end: closing it ends the watchdog (:func:`watchdog` does
     both for a block). Only ``os`` calls run in the fork."""
     paths = [str(path) for path in run_files]  # made before the fork
     private_dirs = [str(directory) for directory in private_dirs]
@@ -316,7 +323,7 @@ def watch_segments(run_id: str | None, run_files: Sequence[Path] = (), private_d
                 except OSError:
                     pass
             quiet = 0
-            while run_id is not None and quiet < 2:  # (no run id: a node agent's wait for the next start's sweep)
+            while run_id is not None and quiet < 2:  # (no run id: a node agent's segments wait for the next sweep)
                 quiet = quiet + 1 if cleanup_run(run_id) == 0 else 0
                 time.sleep(0.2)
         finally:

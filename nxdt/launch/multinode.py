@@ -440,11 +440,9 @@ def launch_node(
     from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
     from torch.distributed.launcher.api import elastic_launch
 
-    from multiprocessing.util import get_temp_dir
-
     from nxdt.comm.store import SECRET_ENV
     from nxdt.launch.forking import ForkServerError
-    from nxdt.launch.local import LaunchFailed, LaunchInterrupted, agent_tempdir, root_failure, watchdog
+    from nxdt.launch.local import LaunchFailed, LaunchInterrupted, guarded_agent, root_failure
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.update(spec.env)
@@ -459,11 +457,8 @@ def launch_node(
         )
     where = f"node at {spec.local_addr}"
     log_dir = run_dir / "logs" / "agent"
-    # with a fork server, multiprocessing's temporary directory holds its socket: made where it always was (the
-    # agent's own directory ends with the launch); both removed by the watchdog if this agent is killed
-    private_dirs = [get_temp_dir()] if entrypoint is None or server_preload else []
     try:
-        with agent_tempdir() as agent_tmp, watchdog(None, (), [*private_dirs, agent_tmp]):
+        with guarded_agent(None, (), fork_server=entrypoint is None or bool(server_preload)):
             if entrypoint is None:
                 from nxdt.launch import worker
                 from nxdt.launch.forking import START_METHOD, start_fork_server
