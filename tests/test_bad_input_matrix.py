@@ -125,10 +125,6 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
             "must split into 2·CP = 4 equal chunks",
         ),
         (
-            ["train", "trainer.devices=2", "distributed_strategy.context_parallel_size=2", "data.val_split=0.1"],
-            "validation with context parallelism",
-        ),
-        (
             ["train", "+recipe=sft", "trainer.devices=2", "distributed_strategy.context_parallel_size=2"],
             "packed records with context parallelism",
         ),

@@ -1,5 +1,5 @@
-"""Context parallelism through `nxdt train`: the CP1 losses at fp32 (rtol 1e-4), and checkpoints that reshard to
-and from CP.
+"""Context parallelism through `nxdt train`: the CP1 losses and validation losses at fp32 (rtol 1e-4), and
+checkpoints that reshard to and from CP.
 
 llama_tiny at seq_length 512 (its position table raised to 512), shrunk by overrides to keep the launches short on
 a loaded 2-core host: 2 layers, hidden 64, ffn 128 (4 heads over 2 KV heads as shipped), 8 steps rather than the
@@ -14,6 +14,10 @@ launches, each checking several things:
 * DP2×CP2 with FSDP (4 ranks; the sharding group is DP×CP, 4 optimizer-state shards) resumed from the CP2
   checkpoint (from CP into FSDP shards): steps 5-8 equal the reference's.
 
+Every launch validates at steps 4 and 8 (``data.val_split``: 40 held-out sequences, 20 global batches, forward only
+through the ring): each CP rank's mean over its own tokens combines into the sequence's token mean, so val_loss
+equals the reference's at every check, on every layout (measured: within 2e-8 relative).
+
 PP2×CP2 is checked in process (tests/parallel/test_context_parallel.py), CP with EP is refused.
 
 Why rtol 1e-4 holds on any x86 host: the parallel runs compute the same fp32 sums in other orders (attention
@@ -24,7 +28,9 @@ losses differed by ~1e-6 relative (measured: < 2e-7 here), 100× inside the boun
 
 from __future__ import annotations
 
+import csv
 import json
+from pathlib import Path
 
 import pytest
 
@@ -46,6 +52,8 @@ COMMON = [
     "data.global_batch_size=2",
     "data.micro_batch_size=1",
     f"exp_manager.checkpoint_every_n_steps={STEPS // 2}",
+    "data.val_split=0.01",
+    f"trainer.val_check_interval={STEPS // 2}",
 ]
 
 
@@ -68,9 +76,23 @@ def _assert_same_losses(got: dict[int, float], want: dict[int, float], steps: ra
         assert got[step] == pytest.approx(want[step], rel=1e-4), (step, got, want)
 
 
+def val_losses(run_dir: Path) -> dict[int, float]:
+    with open(run_dir / "metrics.csv", newline="") as fh:
+        return {int(row["step"]): float(row["val_loss"]) for row in csv.DictReader(fh) if row.get("val_loss")}
+
+
+def _assert_same_validation(run: Path, reference: Path, steps: list[int]) -> None:
+    """``run``'s validation losses are at ``steps`` and equal the reference's there (the training losses' rtol)."""
+    got, want = val_losses(run), val_losses(reference)
+    assert sorted(got) == steps, got
+    for step in steps:
+        assert got[step] == pytest.approx(want[step], rel=1e-4), (step, got, want)
+
+
 @pytest.mark.timeout(400)
 def test_cp2_equals_cp1_and_writes_a_data_parallel_checkpoint(runs):
     _assert_same_losses(losses(runs["cp2"]), losses(runs["cp1"]), range(1, STEPS + 1))
+    _assert_same_validation(runs["cp2"], runs["cp1"], [STEPS // 2, STEPS])
     step = runs["cp2"] / f"checkpoints/step-{STEPS // 2}"
     meta = json.loads((step / "meta.json").read_text())
     assert meta["degrees"] == {"tp": 1, "cp": 1, "ep": 1, "dp": 2, "pp": 1} and meta["dp_format"] == "replicated"
@@ -119,4 +141,5 @@ def test_resumed_on_another_cp_layout_continues_the_cp1_losses(runs, tmp_path, s
     assert_ok(result)
     assert "reshards it" in result.stdout + result.stderr  # another layout: every rank cut its part of the full state
     _assert_same_losses(losses(run), losses(runs["cp1"]), range(STEPS // 2 + 1, STEPS + 1))
+    _assert_same_validation(run, runs["cp1"], [STEPS])
     assert files <= {p.name for p in (run / f"checkpoints/step-{STEPS}").iterdir()}

@@ -1242,17 +1242,8 @@ def _check_preference_training(cfg: Any) -> None:
 
 
 def _check_context_parallel_data(cfg: Any, cp: int) -> None:
-    """What the ring attention does not cover yet: validation passes (run on whole sequences) and packed records
-    (segment ids would have to travel with the K/V blocks)."""
-    data = cfg.data
-    if data.val_dir is not None or data.val_split:
-        key, value = ("data.val_dir", data.val_dir) if data.val_dir is not None else ("data.val_split", data.val_split)
-        raise NotYetSupported(
-            key,
-            value,
-            f"validation with context parallelism (context_parallel_size={cp}) is not "
-            "implemented yet; train without validation, or validate with context_parallel_size=1",
-        )
+    """What the ring attention does not cover yet: packed records (segment ids would have to travel with the K/V
+    blocks)."""
     sft = getattr(getattr(cfg, "model_alignment_strategy", None), "sft", None)
     if sft is not None and sft.packing:
         raise NotYetSupported(

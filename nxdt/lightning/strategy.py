@@ -44,7 +44,7 @@ from nxdt.config.hf_model import spec_of_class
 from nxdt.lightning import collectives, environment, lightning_checkpoint
 from nxdt.lightning.precision import with_strategy_clipping
 from nxdt.lightning.sharded_checkpoint import RankGroups, ShardedCheckpointer
-from nxdt.parallel.context_parallel import shard_micro_batches
+from nxdt.parallel.context_parallel import sequence_means, shard_micro_batches
 from nxdt.parallel.data_parallel import DataParallelRuntime, data_parallel_runtime
 from nxdt.parallel.devices import attention_kernels
 from nxdt.parallel.parallelize import Parallelized, model_parallel, needs_hub_model, parallelize
@@ -452,7 +452,15 @@ class NxDStrategy(ParallelStrategy):
         return torch.as_tensor(self._parallel.pipeline.run(schedule, micro_batches, arm), dtype=torch.float64)
 
     def evaluate(self, module: pl.LightningModule, micro_batches: list[dict[str, Tensor]]) -> list[float]:
-        """Each micro-batch's loss, forward only (validation); under PP the pipeline runs it and every stage gets them."""
+        """Each micro-batch's loss, forward only (validation); under PP the pipeline runs it and every stage gets them.
+        Under context parallelism each micro-batch is cut as for training and the ring runs forward; the CP ranks'
+        means over their own tokens combine into the whole sequence's token mean (``sequence_means``)."""
+        if self.plan.cp > 1:
+            parts = shard_micro_batches(micro_batches, self.communicators[Dim.CP])
+            return sequence_means(self._evaluate_parts(module, parts), parts, self.communicators[Dim.CP])
+        return self._evaluate_parts(module, micro_batches)
+
+    def _evaluate_parts(self, module: pl.LightningModule, micro_batches: list[dict[str, Tensor]]) -> list[float]:
         if self._parallel.pipeline is None:
             return module.evaluate_losses(micro_batches)
         return self._parallel.pipeline.evaluate(micro_batches)

@@ -87,6 +87,21 @@ def shard_micro_batches(micro_batches: list[dict[str, torch.Tensor]], comm: Comm
     return out
 
 
+def sequence_means(local_means: list[float], parts: list[dict[str, torch.Tensor]], comm: Communicator) -> list[float]:
+    """Each micro-batch's token mean over the whole sequence, on every CP rank, from each rank's mean over its own
+    tokens (``local_means``) and its parts (:func:`shard_micro_batches`): Σ over the group of
+    :func:`weight_by_token_share` / CP, which is Σ (mean · tokens) / Σ tokens. One all-reduce for all micro-batches;
+    forward-only passes (validation) use it, as training's backward uses the weights themselves."""
+    weighted = torch.stack(
+        [
+            weight_by_token_share(torch.tensor(m, dtype=torch.float64, device=part[TOKEN_SHARE].device), part)
+            for m, part in zip(local_means, parts)
+        ]
+    )
+    comm.all_reduce(weighted, op="sum")
+    return (weighted / comm.size).tolist()
+
+
 def weight_by_token_share(loss: torch.Tensor, micro_batch: Any) -> torch.Tensor:
     """A CP rank's micro-batch loss (mean over its tokens) weighted so the DP×CP gradient average is the gradient
     of the token mean over the whole sequence; unchanged without context parallelism. A rank with no counted

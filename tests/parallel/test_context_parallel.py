@@ -28,6 +28,7 @@ from nxdt.parallel.context_parallel import (
     apply_context_parallel,
     chunk_ranges,
     load_balanced_positions,
+    sequence_means,
     shard_micro_batches,
     weight_by_token_share,
 )
@@ -190,6 +191,16 @@ def _pipeline_and_ring(world, seq: int) -> dict:
         grad = p.grad.clone()
         comms["cp"].all_reduce(grad, op="avg")
         errors[name] = ((grad - full[name].grad).abs().max() / full[name].grad.abs().max()).item()
+    # validation: forward only through stages and ring, each micro-batch's token mean over the whole sequence on every
+    # rank; the third micro-batch leaves CP rank 0 (chunks 0 and 3) no counted token
+    unseen = {"input_ids": torch.randint(0, 64, (1, seq), generator=g), "labels": torch.randint(0, 64, (1, seq), generator=g)}
+    unseen["labels"][0, : seq // 4] = unseen["labels"][0, 3 * seq // 4 :] = -100
+    held_out = [*micro, unseen]
+    parts = shard_micro_batches(held_out, comms["cp"])
+    means = sequence_means(executor.evaluate(parts), parts, comms["cp"])
+    with torch.no_grad():
+        want = [reference.loss_fn(reference(mb["input_ids"]), mb["labels"]).item() for mb in held_out]
+    errors["validation"] = max(abs(a - b) for a, b in zip(means, want))
     return errors
 
 
