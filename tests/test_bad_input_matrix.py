@@ -124,10 +124,6 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
             ["train", "trainer.devices=2", "distributed_strategy.context_parallel_size=2", "data.seq_length=126"],
             "must split into 2·CP = 4 equal chunks",
         ),
-        (
-            ["train", "+recipe=sft", "trainer.devices=2", "distributed_strategy.context_parallel_size=2"],
-            "packed records with context parallelism",
-        ),
         # data
         (["train", "data.train_dir=/no/such/corpus.txt"], "data.train_dir"),
         (["train", "data.tokenizer=/no/such/tokenizer.json"], "data.tokenizer"),

@@ -4,8 +4,8 @@ chat template, the shipped instruction records (first data.dev_choose_samples), 
 own. Four launches, each checking several things:
 
 * one process (fp32): the reference losses and val_loss, a checkpoint to start from;
-* DP2 and TP2+SP (fp32): the same per-step losses and the same val_loss (the token-weighted loss over every
-  validation token does not depend on the layout);
+* DP2, TP2+SP and CP2 (fp32): the same per-step losses and the same val_loss (the token-weighted loss over every
+  validation token does not depend on the layout; under CP the packed records' segments mask the ring's tiles);
 * the file as it is (weight_init_only: True, resume_if_exists: True, ZeRO-1, mixed precision) on DP2, started from the
   first run's checkpoint with other data: a new run directory, step 1 onwards, the checkpoint's weights.
 """
@@ -144,8 +144,9 @@ def test_the_nxdt_sft_config_trains_packed_chat_records_and_validates(reference)
     [
         ["trainer.devices=2"],
         ["trainer.devices=2", "distributed_strategy.tensor_model_parallel_size=2", "distributed_strategy.sequence_parallel=true"],
+        ["trainer.devices=2", "distributed_strategy.context_parallel_size=2"],
     ],
-    ids=["dp2", "tp2-sp"],
+    ids=["dp2", "tp2-sp", "cp2"],
 )
 def test_data_and_tensor_parallel_sft_equal_one_process(tmp_path, reference, data, layout):
     run = tmp_path / "run"
@@ -160,8 +161,9 @@ def test_data_and_tensor_parallel_sft_equal_one_process(tmp_path, reference, dat
         f"data.val_dir={data['val']}",
     )
     got, want = _rows(run), reference["rows"]
-    # fp32; TP splits the matmuls' reductions and the vocabulary softmax, DP runs other thread counts: the losses
-    # differ by float rounding only (~1e-7 relative per token), far inside 1e-5
+    # fp32; TP splits the matmuls' reductions and the vocabulary softmax, DP runs other thread counts, CP merges
+    # attention over ring blocks by log-sum-exp: the losses differ by float rounding only (~1e-7 relative per token),
+    # far inside 1e-5
     for g, w in zip(got, want, strict=True):
         assert float(g["loss"]) == pytest.approx(float(w["loss"]), rel=1e-5), (got, want)
     # the validation loss is a token-weighted sum over every validation record, whichever rank held it

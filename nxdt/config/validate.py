@@ -1199,8 +1199,6 @@ def check_trainable(cfg: Any) -> None:
         raise ConfigError(
             "distributed_strategy.zero1", True, "FSDP already shards the optimizer state; set zero1=false (or fsdp.enabled=false)"
         )
-    if cp > 1:
-        _check_context_parallel_data(cfg, cp)
     recipes = [name for name in alignment_recipes(cfg) if name != "peft"]  # peft (LoRA) adapts any of them
     if len(recipes) > 1:
         raise ConfigError(
@@ -1238,18 +1236,4 @@ def _check_preference_training(cfg: Any) -> None:
             "model.moe.num_experts",
             cfg.model.moe.num_experts,
             f"{name.upper()} does not add the router's auxiliary loss yet; use a dense model (model.moe.num_experts=0)",
-        )
-
-
-def _check_context_parallel_data(cfg: Any, cp: int) -> None:
-    """What the ring attention does not cover yet: packed records (segment ids would have to travel with the K/V
-    blocks)."""
-    sft = getattr(getattr(cfg, "model_alignment_strategy", None), "sft", None)
-    if sft is not None and sft.packing:
-        raise NotYetSupported(
-            "model_alignment_strategy.sft.packing",
-            True,
-            "packed records with context parallelism "
-            f"(context_parallel_size={cp}) are not implemented yet; set packing=false (one record per "
-            "sequence, padded)",
         )

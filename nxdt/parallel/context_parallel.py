@@ -20,6 +20,11 @@ compute), and after CP hops every block's dK/dV is back at its owner. Scores run
 score tile of at most ``block_size`` (256) query rows × one key chunk per head is held at a time; forward saves q,
 k, v, out and lse only (no score matrix, whatever ``model.core_attention`` says).
 
+**Packed records** (``segment_ids``, per-record ``position_ids``): cut like every [B, S] field; each attention call
+all-gathers the CP group's segment ids once (a few bytes a token), and every tile also masks keys of another record
+(padding, segment 0, sees only padding, as at CP=1). A tile can then hide every key from some of its rows: their
+partial log-sum-exp is −inf and adds nothing to the merge; each row sees at least itself, so the final lse is finite.
+
 **Loss and gradients.** Each CP rank's loss is the mean over its own tokens; :func:`weight_by_token_share` scales it
 by (its tokens)·CP/(the CP group's tokens) — labels of -100 do not count — so that averaging gradients over DP×CP
 (the data-parallel runtime's group under CP) gives the gradient of the mean over every token of the sequence, and
@@ -62,15 +67,10 @@ def load_balanced_positions(seq_length: int, cp_rank: int, cp: int) -> torch.Ten
 def shard_micro_batches(micro_batches: list[dict[str, torch.Tensor]], comm: Communicator) -> list[dict[str, torch.Tensor]]:
     """This CP rank's part of each micro-batch: every [B, S] field cut to the rank's two chunks, ``position_ids``
     the tokens' global positions (the micro-batch's own, when it carries them), and ``TOKEN_SHARE`` the rank's weight
-    in the group's token mean (one all-reduce of the label counts for all micro-batches). Packed records
-    (``segment_ids``) are refused: ring attention does not mask segments."""
+    in the group's token mean (one all-reduce of the label counts for all micro-batches). Packed records keep their
+    ``segment_ids`` and per-record ``position_ids``, cut the same way (ring attention masks the other records)."""
     out, counts = [], []
     for mb in micro_batches:
-        if mb.get("segment_ids") is not None:
-            raise ValueError(
-                "context parallelism does not train packed records (segment_ids); set "
-                "distributed_strategy.context_parallel_size=1 for packed data"
-            )
         ids = mb["input_ids"]
         b, s = ids.shape
         index = load_balanced_positions(s, comm.rank, comm.size).to(ids.device)
@@ -197,17 +197,49 @@ def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return x.reshape(b, kv_heads, h // kv_heads, s, d)
 
 
+def _gather_segments(segment_ids: torch.Tensor | None, comm: Communicator) -> torch.Tensor | None:
+    """Every CP rank's segment ids [CP, B, L] (rank order), from this rank's [B, L]; None without segments. One small
+    all-gather per attention call: the key blocks of the ring then need no ids of their own."""
+    if segment_ids is None:
+        return None
+    mine = segment_ids.to(torch.int64).contiguous()
+    out = torch.empty((comm.size, *mine.shape), dtype=torch.int64, device=mine.device)
+    comm.all_gather(out.view(-1), mine.view(-1), stream=STREAM)
+    return out
+
+
+def _with_segments(
+    mask: torch.Tensor | None, segments: torch.Tensor | None, k_rank: int, rows: slice, cols: slice, rank: int
+) -> torch.Tensor | None:
+    """A tile's causal mask ([rows, cols] or None) combined with the packed records' (another segment: masked), as
+    [B, 1, 1, rows, cols] for the grouped scores; the causal mask alone without segments."""
+    if segments is None:
+        return mask
+    other = segments[rank][:, rows, None] != segments[k_rank][:, None, cols]  # [B, rows, cols]
+    if mask is not None:
+        other = other | mask
+    return other[:, None, None]
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with -inf (a row that sees no key of the tile or of the blocks so far: packed records) as 0, so
+    exp(x - lse) is 0, not nan, for that row's masked scores and partial sums."""
+    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+
+
 class _RingAttentionFn(torch.autograd.Function):
     """Causal attention over the CP group's whole sequence; q [B, H, L, D], k/v [B, Hkv, L, D] this rank's L tokens
-    (its two chunks, :func:`load_balanced_positions`)."""
+    (its two chunks, :func:`load_balanced_positions`); ``segment_ids`` [B, L] (packed records: a token sees only its own
+    record's keys) or None."""
 
     @staticmethod
-    def forward(ctx, q, k, v, comm, row_block):
+    def forward(ctx, q, k, v, comm, row_block, segment_ids):
         ctx.comm, ctx.row_block = comm, row_block
         ring, cp, rank = _Ring(comm), comm.size, comm.rank
         b, h, s_local, d = q.shape
         kv_heads, seq = k.shape[1], s_local * cp
         dtype, scale = _compute_dtype(q.dtype), 1.0 / math.sqrt(d)
+        ctx.segments = segments = _gather_segments(segment_ids, comm)
         qg = _grouped(q, kv_heads).to(dtype) * scale  # [B, Hkv, G, L, D]
         out = torch.zeros(qg.shape, dtype=dtype, device=q.device)
         lse = torch.full(qg.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
@@ -216,16 +248,19 @@ class _RingAttentionFn(torch.autograd.Function):
             incoming, work = ring.pass_on(block) if step < cp - 1 else (None, None)
             with ring.compute_span("ring_attention.forward", step):
                 kb, vb = (t.unsqueeze(2).to(dtype) for t in _unpack(block, k.shape))
-                for rows, cols, mask in _tiles(seq, rank, (rank - step) % cp, cp, ctx.row_block, q.device):
+                k_rank = (rank - step) % cp
+                for rows, cols, mask in _tiles(seq, rank, k_rank, cp, ctx.row_block, q.device):
+                    mask = _with_segments(mask, segments, k_rank, rows, cols, rank)
                     scores = qg[..., rows, :] @ kb[..., cols, :].transpose(-1, -2)
                     if mask is not None:
                         scores = scores.masked_fill(mask, float("-inf"))
-                    tile_lse = torch.logsumexp(scores, dim=-1)
-                    tile_out = torch.exp(scores - tile_lse[..., None]) @ vb[..., cols, :]
+                    tile_lse = torch.logsumexp(scores, dim=-1)  # -inf for a row the tile hides wholly (segments)
+                    tile_out = torch.exp(scores - _finite(tile_lse)[..., None]) @ vb[..., cols, :]
                     new_lse = torch.logaddexp(lse[..., rows], tile_lse)
+                    merged = _finite(new_lse)
                     out[..., rows, :] = (
-                        out[..., rows, :] * torch.exp(lse[..., rows] - new_lse)[..., None]
-                        + tile_out * torch.exp(tile_lse - new_lse)[..., None]
+                        out[..., rows, :] * torch.exp(lse[..., rows] - merged)[..., None]
+                        + tile_out * torch.exp(tile_lse - merged)[..., None]
                     )
                     lse[..., rows] = new_lse
             if work is not None:
@@ -260,7 +295,9 @@ class _RingAttentionFn(torch.autograd.Function):
                 kb, vb = (t.unsqueeze(2).to(dtype) for t in _unpack(block, k.shape))
                 dk = torch.zeros(kb.shape, dtype=dtype, device=q.device)
                 dv = torch.zeros(vb.shape, dtype=dtype, device=q.device)
-                for rows, cols, mask in _tiles(seq, rank, (rank - step) % cp, cp, ctx.row_block, q.device):
+                k_rank = (rank - step) % cp
+                for rows, cols, mask in _tiles(seq, rank, k_rank, cp, ctx.row_block, q.device):
+                    mask = _with_segments(mask, ctx.segments, k_rank, rows, cols, rank)
                     qi, doi = qg[..., rows, :], do[..., rows, :]
                     kj, vj = kb[..., cols, :], vb[..., cols, :]
                     p = torch.exp((qi * scale) @ kj.transpose(-1, -2) - lse[..., rows, None])  # the forward's probabilities
@@ -280,7 +317,8 @@ class _RingAttentionFn(torch.autograd.Function):
                 block = incoming
         carry_work.wait()
         dk, dv = _unpack(carried, torch.Size((b, kv_heads, 1, s_local, d)))
-        return (dq.reshape(b, h, s_local, d).to(q.dtype), dk.squeeze(2).to(k.dtype), dv.squeeze(2).to(v.dtype), None, None)
+        grads = (dq.reshape(b, h, s_local, d).to(q.dtype), dk.squeeze(2).to(k.dtype), dv.squeeze(2).to(v.dtype))
+        return (*grads, None, None, None)
 
 
 class RingAttention(nn.Module):
@@ -295,17 +333,19 @@ class RingAttention(nn.Module):
         self.comm, self.impl, self.block_size = comm, impl, block_size
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if segment_ids is not None:
-            raise ValueError("ring attention does not mask packed records (segment_ids); use context_parallel_size=1")
         if q.shape[1] % k.shape[1]:
             raise ValueError(f"{k.shape[1]} key/value heads must divide {q.shape[1]} query heads")
+        if segment_ids is not None and tuple(segment_ids.shape) != (q.shape[0], q.shape[2]):
+            raise ValueError(
+                f"segment_ids {tuple(segment_ids.shape)} must be this rank's [batch, seq] = {(q.shape[0], q.shape[2])}"
+            )
         if self.comm.size == 1:
-            return core_attention(q, k, v, causal=True, impl=self.impl)
+            return core_attention(q, k, v, causal=True, impl=self.impl, segment_ids=segment_ids)
         check_sequence(q.shape[2] * self.comm.size, self.comm.size)
         if torch.is_autocast_enabled(q.device.type):  # its own precision (fp32 scores for 16-bit inputs), as blockwise
             with torch.autocast(q.device.type, enabled=False):
-                return _RingAttentionFn.apply(q, k, v, self.comm, self.block_size)
-        return _RingAttentionFn.apply(q, k, v, self.comm, self.block_size)
+                return _RingAttentionFn.apply(q, k, v, self.comm, self.block_size, segment_ids)
+        return _RingAttentionFn.apply(q, k, v, self.comm, self.block_size, segment_ids)
 
     def extra_repr(self) -> str:
         return f"cp={self.comm.size}, rank={self.comm.rank}, group={self.comm.name}"

@@ -73,18 +73,43 @@ def _tiny_llama():
     return LlamaForCausalLM(cfg).double()
 
 
+def _packed(seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Segment ids [B, seq] of packed records (1, 2, ...; 0 on the padding at the end of row 0) and each token's
+    position within its record: records that start, end and lie wholly inside one rank's chunks, so some score tiles
+    hide every key from some of their rows."""
+    segments = torch.zeros(B, seq, dtype=torch.long)
+    positions = torch.zeros(B, seq, dtype=torch.long)
+    for row, lengths in enumerate(([1, 4, 2, seq - 9], [5, 1, 1, seq - 7])):
+        start = 0
+        for record, n in enumerate(lengths, start=1):
+            segments[row, start : start + n] = record if row or record < len(lengths) else 0  # row 0 ends in padding
+            positions[row, start : start + n] = torch.arange(n)
+            start += n
+    return segments, positions
+
+
 def _layer_and_model(world, seq: int, block_size: int) -> dict:
-    comm = world.new_communicator(list(range(world.world_size)), "cp0")
+    """Errors of one attention layer and of a tiny Llama through the ring against the unsplit computation: plain
+    causal sequences, then packed records (keys prefixed ``packed/``)."""
+    errors = _ring_errors(world, seq, block_size, None, None)
+    segments, positions = _packed(seq)
+    errors.update({f"packed/{k}": v for k, v in _ring_errors(world, seq, block_size, segments, positions).items()})
+    return errors
+
+
+def _ring_errors(world, seq: int, block_size: int, segments, positions) -> dict:
+    comm = world.new_communicator(list(range(world.world_size)), f"cp{0 if segments is None else 1}")
     index = load_balanced_positions(seq, comm.rank, comm.size)
+    mine_segments = None if segments is None else segments[:, index]
     # one attention layer: the unsplit reference, then this rank's rows through the ring
     q, k, v, grad = _qkv(seq)
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
-    naive_attention(*ref, causal=True).backward(grad)
+    naive_attention(*ref, causal=True, segment_ids=segments).backward(grad)
     mine = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
-    out = RingAttention(comm, block_size=block_size)(*mine)
+    out = RingAttention(comm, block_size=block_size)(*mine, segment_ids=mine_segments)
     out.backward(grad[:, :, index])
     with torch.no_grad():
-        expect_out = naive_attention(q, k, v, causal=True)[:, :, index]
+        expect_out = naive_attention(q, k, v, causal=True, segment_ids=segments)[:, :, index]
     # dK/dV of this rank's rows gather contributions from every rank's queries: compare them after the ring
     errors = {"out": (out - expect_out).abs().max().item()}
     for name, got, want in zip(("dq", "dk", "dv"), mine, ref):
@@ -96,10 +121,13 @@ def _layer_and_model(world, seq: int, block_size: int) -> dict:
     ids = torch.randint(0, 64, (B, seq), generator=g)
     labels = torch.randint(0, 64, (B, seq), generator=g)
     labels[0, : seq // 3] = -100  # unevenly masked labels: the token share must still give the token mean
-    full_logits = reference(ids)
+    full_logits = reference(ids, positions, segments)
     reference.loss_fn(full_logits, labels).backward()
-    [part] = shard_micro_batches([{"input_ids": ids, "labels": labels}], comm)
-    logits = model(part["input_ids"], part["position_ids"])
+    batch = {"input_ids": ids, "labels": labels}
+    if segments is not None:  # packed records carry their own positions, cut with the rest
+        batch.update(segment_ids=segments, position_ids=positions)
+    [part] = shard_micro_batches([batch], comm)
+    logits = model(part["input_ids"], part["position_ids"], part.get("segment_ids"))
     loss = weight_by_token_share(model.loss_fn(logits, part["labels"]), part)
     loss.backward()
     errors["logits"] = (logits - full_logits[:, index]).abs().max().item()
@@ -118,7 +146,7 @@ def test_ring_attention_equals_unsplit_attention(cp, block_size):
     seq = 2 * cp * 3  # three tokens per chunk: the diagonal tiles hold partially masked rows
     # block_size 2 cuts each chunk's 3 query rows into tiles of 2 and 1 rows (full, diagonal and skipped ones alike)
     for rank, errors in enumerate(run_local(_layer_and_model, cp, seq, block_size, timeout_s=90)):
-        assert max(errors.values()) < 1e-6, (rank, errors)
+        assert len(errors) == 14 and max(errors.values()) < 1e-6, (rank, errors)
 
 
 def _traced_ring(world, seq: int) -> list[dict]:
