@@ -46,6 +46,8 @@ PARITY = [
     "model.optim.fixed_weight_decay=null",  # an NxDT hf config decays at 0.01 whatever weight_decay says: use it
     "data.dev_choose_samples=64",
     f"data.train_dir={SAMPLE_PREFERENCES}",
+    # no clipping: a layout that scaled the gradient (a reduction's sum vs mean) would be clipped back to norm 1
+    "trainer.gradient_clip_val=0",
 ]
 
 
@@ -113,10 +115,14 @@ def test_the_nxdt_dpo_config_trains_and_starts_at_log_2(reference):
 
 # DP2 (ZeRO-1, as the files say) × PP2: data parallelism and the pipeline in one launch (module docstring)
 DP2_X_PP2 = ["trainer.devices=4", "distributed_strategy.pipeline_model_parallel_size=2"]
+# CP2 × PP2: every sequence split over two ranks, its log-probabilities added up over them (the reference's too, scored
+# by the last stage), ZeRO-1 over the DP×CP replicas
+CP2_X_PP2 = [*DP2_X_PP2, "distributed_strategy.context_parallel_size=2"]
 
 
-def test_parallel_dpo_equals_one_process(tmp_path, reference, tokenizer):
-    got, _, _ = _dpo(tmp_path, tokenizer, *DP2_X_PP2)
+@pytest.mark.parametrize("layout", [DP2_X_PP2, CP2_X_PP2], ids=["dp2-x-pp2", "cp2-x-pp2"])
+def test_parallel_dpo_equals_one_process(tmp_path, reference, tokenizer, layout):
+    got, _, _ = _dpo(tmp_path, tokenizer, *layout)
     want, _, _ = reference
     _at_initialisation(got)
     # fp32, linear updates (PARITY): losses differ by float rounding only (~1e-7 relative), far inside 1e-4; rewards are
@@ -192,7 +198,7 @@ def _resuming_needs_the_same_reference(run, started_from, reference, tokenizer):
     assert f"trained by DPO against the reference checkpoint {started_from.resolve()}" in message, message
     assert "the reference would be random initialisation (seed 7" in message and "\n" not in message, message
     first = reference[2] / "checkpoints" / "step-3"
-    same = [*base, *PARITY[:1], *PARITY[3:8], "trainer.devices=1", f"exp_manager.resume_from_checkpoint={first}"]
+    same = [*base, *PARITY[:1], *PARITY[3:8], PARITY[-1], "trainer.devices=1", f"exp_manager.resume_from_checkpoint={first}"]
     cfg = compose([*same, "model_alignment_strategy.dpo.kl_beta=0.5"])  # the run's config (_dpo), without its train_dir twice
     check_resume_checkpoint(cfg, plan(cfg))
     cfg = compose([*same, "model_alignment_strategy.dpo.kl_beta=0.1"])
@@ -225,9 +231,13 @@ def _orpo_formula(logits, mb, beta, pairs):
     return odds_term, nll_sum, tokens, beta * mean[:pairs]
 
 
-def test_orpo_loss_equals_the_formula_on_the_first_batch(tmp_path, tokenizer):
+@pytest.mark.parametrize(
+    "layout", [DP2_X_PP2, ["trainer.devices=2", "distributed_strategy.context_parallel_size=2"]], ids=["dp2-x-pp2", "cp2"]
+)
+def test_orpo_loss_equals_the_formula_on_the_first_batch(tmp_path, tokenizer, layout):
     """DP2 × PP2: the NLL's token count summed over both data-parallel ranks, and each pipeline's last stage's loss
-    with the count every stage computed (``nll_scale``)."""
+    with the count every stage computed (``nll_scale``). CP2: each sequence's log-probabilities, token counts and
+    next-token labels (the prompt's too, across the two chunks' boundaries) added up over the two ranks."""
     import lightning.pytorch as pl
 
     from nxdt.config import load_run_config
@@ -241,7 +251,7 @@ def test_orpo_loss_equals_the_formula_on_the_first_batch(tmp_path, tokenizer):
         tmp_path,
         "hf_llama3_8B_ORPO_config",
         *PARITY,
-        *DP2_X_PP2,
+        *layout,
         f"exp_manager.explicit_log_dir={run}",
         f"data.tokenizer.type={tokenizer}",
     )

@@ -1,6 +1,7 @@
 """Validation of DPO: NxD Training's DPO config (tests/nxdt_configs/hf_llama3_8B_DPO_config.yaml, shrunk as
-test_dpo_e2e does) on DP2 with ZeRO-1 and ``data.val_split``, one launch checked against a single-process computation
-written here from the DPO paper's formula.
+test_dpo_e2e does) on DP2 with ZeRO-1 and ``data.val_split``, and on CP2 (each sequence split over two ranks, its
+log-probabilities added up over them), each launch checked against a single-process computation written here from the
+DPO paper's formula.
 
 The 64 shipped pairs: the last 10 are held out; the global batch is 8 pairs, so the second validation batch is padded
 with 6 pairs that have no label — rank 0 holds 2 real pairs of it, rank 1 none. After three training steps the
@@ -40,8 +41,8 @@ VALIDATION = [
 ]
 
 
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory):
+@pytest.fixture(scope="module", params=[[], ["distributed_strategy.context_parallel_size=2"]], ids=["dp2", "cp2"])
+def launched(tmp_path_factory, request):
     tmp = tmp_path_factory.mktemp("dpo_val")
     tokenizer = _tokenizer(tmp / "tokenizer")
     run = tmp / "run"
@@ -50,6 +51,7 @@ def launched(tmp_path_factory):
         "hf_llama3_8B_DPO_config",
         *PARITY,
         *VALIDATION,
+        *request.param,
         f"exp_manager.explicit_log_dir={run}",
         f"data.tokenizer.type={tokenizer}",
     )

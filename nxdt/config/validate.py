@@ -1212,7 +1212,7 @@ def check_trainable(cfg: Any) -> None:
 
 def _check_preference_training(cfg: Any) -> None:
     """What DPO / ORPO training does not cover yet, refused by name."""
-    mas, ds = cfg.model_alignment_strategy, cfg.distributed_strategy
+    mas = cfg.model_alignment_strategy
     name = next((n for n in ("dpo", "orpo") if getattr(mas, n, None) is not None), None)
     if name is None:
         return
@@ -1224,12 +1224,6 @@ def _check_preference_training(cfg: Any) -> None:
             "the reference log-probabilities are computed once "
             "before training (by the same model, sharded like the policy); computing them every step would "
             "need a second, frozen copy of the model on every rank; set true (NxDT supports only true too)",
-        )
-    if ds.context_parallel_size > 1:
-        raise NotYetSupported(
-            "distributed_strategy.context_parallel_size",
-            ds.context_parallel_size,
-            f"{name.upper()} needs each sequence's whole log-probability on one rank; context parallelism splits it; use 1",
         )
     if cfg.model.moe.num_experts:
         raise NotYetSupported(

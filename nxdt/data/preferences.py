@@ -230,16 +230,33 @@ class PreferenceDataset(torch.utils.data.Dataset):
         self.ref_logps = table.detach().to(torch.float64).clone()
 
 
+def sequence_labels(micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Every position's next token inside its sequence, prompt included (padding -100): the labels of TRL's ORPO NLL
+    (``ORPOTrainer.concatenated_forward``: ``input_ids`` where ``attention_mask`` is 1, shifted by one). A prompt
+    position (labelled -100, next position in the same segment) gets ``input_ids[t + 1]``; the rest keep ``labels``.
+    A micro-batch laid out by :func:`pair_rows` carries them (``sequence_labels``), computed on the whole rows: a part
+    of the sequence (context parallelism) does not hold every next token."""
+    if "sequence_labels" in micro_batch:
+        return micro_batch["sequence_labels"]
+    labels, ids, segments = micro_batch["labels"], micro_batch["input_ids"], micro_batch["segment_ids"]
+    next_segments = torch.cat([segments[..., 1:], torch.zeros_like(segments[..., :1])], dim=-1)
+    prompt = (labels == IGNORE_INDEX) & (segments != 0) & (next_segments == segments)
+    return torch.where(prompt, torch.roll(ids, -1, dims=-1), labels)
+
+
 def pair_rows(micro_batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A collated micro-batch of ``b`` pairs (each of :data:`PAIR_FIELDS` [b, 2, S]) as the model reads it: [2b, S],
     rows 0..b-1 the chosen sequences, rows b..2b-1 the rejected ones of the same pairs (the layout of
-    :func:`build_preference_batch`, split by :func:`split_chosen_rejected`). Other fields (``ref_logps`` [b, 2]) stay per pair."""
+    :func:`build_preference_batch`, split by :func:`split_chosen_rejected`), with :func:`sequence_labels` of every row.
+    Other fields (``ref_logps`` [b, 2]) stay per pair."""
     out = dict(micro_batch)
     for name in PAIR_FIELDS:
         value = micro_batch[name]
         if value.dim() != 3 or value.shape[1] != 2:
             raise ValueError(f"pair_rows: {name} {tuple(value.shape)} is not [pairs, 2, seq_length]")
         out[name] = torch.cat([value[:, 0], value[:, 1]])
+    out.pop("sequence_labels", None)  # a laid-out micro-batch's own, never a stale one
+    out["sequence_labels"] = sequence_labels(out)
     return out
 
 

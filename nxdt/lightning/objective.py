@@ -32,8 +32,9 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from nxdt.data.preferences import split_chosen_rejected
+from nxdt.data.preferences import sequence_labels, split_chosen_rejected
 from nxdt.models.objectives import DPO_LOSS_TYPES, dpo_loss, odds_ratio_terms
+from nxdt.parallel.context_parallel import sequence_total
 
 IGNORE_INDEX = -100
 
@@ -81,18 +82,9 @@ ORPO_METRICS = REWARD_METRICS + ("log_odds_ratio", "log_odds_chosen", "nll_loss"
 
 def sequence_log_prob_sums(model: Any, logits: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """log π(y|x) of every row: the sum of its labelled tokens' log-probabilities (prompt and padding are -100);
-    the model's ``token_log_probs`` handles a vocabulary-sharded head (tensor parallelism)."""
-    return model.token_log_probs(logits, micro_batch["labels"]).sum(-1)
-
-
-def sequence_labels(micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Every position's next token inside its sequence, prompt included (padding -100): the labels of TRL's ORPO NLL
-    (``ORPOTrainer.concatenated_forward``: ``input_ids`` where ``attention_mask`` is 1, shifted by one). A prompt
-    position (labelled -100, next position in the same segment) gets ``input_ids[t + 1]``; the rest keep ``labels``."""
-    labels, ids, segments = micro_batch["labels"], micro_batch["input_ids"], micro_batch["segment_ids"]
-    next_segments = torch.cat([segments[..., 1:], torch.zeros_like(segments[..., :1])], dim=-1)
-    prompt = (labels == IGNORE_INDEX) & (segments != 0) & (next_segments == segments)
-    return torch.where(prompt, torch.roll(ids, -1, dims=-1), labels)
+    the model's ``token_log_probs`` handles a vocabulary-sharded head (tensor parallelism), :func:`sequence_total` a
+    sequence split over context parallelism."""
+    return sequence_total(model, model.token_log_probs(logits, micro_batch["labels"]).sum(-1))
 
 
 def pair_scores(model: Any, logits: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -101,7 +93,7 @@ def pair_scores(model: Any, logits: torch.Tensor, micro_batch: dict[str, torch.T
     full = sequence_labels(micro_batch)
     logp = model.token_log_probs(logits, full)  # 0 where full is -100
     response = micro_batch["labels"] != IGNORE_INDEX
-    return torch.stack([torch.where(response, logp, torch.zeros_like(logp)).sum(-1), logp.sum(-1)])
+    return sequence_total(model, torch.stack([torch.where(response, logp, torch.zeros_like(logp)).sum(-1), logp.sum(-1)]))
 
 
 def pair_counts(micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -179,7 +171,8 @@ def pair_objective_loss(
     scaled by ``micro_batch["nll_scale"]`` (micro-batches × data-parallel ranks / the global batch's chosen tokens, set
     by ``CausalLMModule``), so the mean over micro-batches and ranks is the token mean over the whole global batch
     whatever micro_batch_size; records the metric sums (``nll_loss``: this micro-batch's share, likewise)."""
-    sums, counts = pair_scores(model, logits, micro_batch), pair_counts(micro_batch).to(logits.dtype)
+    sums = pair_scores(model, logits, micro_batch)
+    counts = sequence_total(model, pair_counts(micro_batch).to(logits.dtype))  # whole sequences' under CP
     terms = pair_loss(sums, counts, micro_batch.get("ref_logps"))
     loss, metrics = terms.pair_mean, dict(terms.metrics)
     if token_metric is not None:

@@ -435,9 +435,24 @@ class NxDStrategy(ParallelStrategy):
         with attention_kernels(self.root_device.type, half):  # CUDA in bf16: flash / efficient / cuDNN (parallel.devices)
             return self._run_micro_batches(module, micro_batches)
 
+    def _cp_parts(self, module: pl.LightningModule, micro_batches: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
+        """This CP rank's part of each micro-batch (:func:`shard_micro_batches`); a preference objective's pairs without
+        a token share: it adds each sequence up over the CP group itself (``sequence_total``)."""
+        objective = getattr(module, "objective", None)
+        pairs = bool(getattr(objective, "pairs", False))
+        return shard_micro_batches(micro_batches, self.communicators[Dim.CP], token_share=not pairs)
+
     def _run_micro_batches(self, module: pl.LightningModule, micro_batches: list[dict[str, Tensor]]) -> Tensor:
-        if self.plan.cp > 1:
-            micro_batches = shard_micro_batches(micro_batches, self.communicators[Dim.CP])
+        if self.plan.cp == 1:
+            return self._run_parts(micro_batches, module)
+        parts = self._cp_parts(module, micro_batches)
+        cut = [set(part) for part in parts]
+        loss = self._run_parts(parts, module)
+        for whole, part, before in zip(micro_batches, parts, cut):  # what the loss recorded (DPO's metric sums)
+            whole.update({key: part[key] for key in part.keys() - before})
+        return loss
+
+    def _run_parts(self, micro_batches: list[dict[str, Tensor]], module: pl.LightningModule) -> Tensor:
         if self._parallel.pipeline is None:
             self._backwards_left = len(micro_batches)  # the last one's gradients may be reduced while it runs
             try:
@@ -456,7 +471,7 @@ class NxDStrategy(ParallelStrategy):
         Under context parallelism each micro-batch is cut as for training and the ring runs forward; the CP ranks'
         means over their own tokens combine into the whole sequence's token mean (``sequence_means``)."""
         if self.plan.cp > 1:
-            parts = shard_micro_batches(micro_batches, self.communicators[Dim.CP])
+            parts = self._cp_parts(module, micro_batches)
             return sequence_means(self._evaluate_parts(module, parts), parts, self.communicators[Dim.CP])
         return self._evaluate_parts(module, micro_batches)
 
@@ -469,7 +484,11 @@ class NxDStrategy(ParallelStrategy):
         self, module: pl.LightningModule, micro_batches: list[dict[str, Tensor]], fn: Callable[..., Tensor], width: int
     ) -> Tensor:
         """``fn(model, logits, micro_batch)`` ([width] values) of each micro-batch, forward only, on every rank (DPO's
-        reference log-probabilities); under PP the pipeline runs it and the last stage's values reach every stage."""
+        reference log-probabilities); under PP the pipeline runs it and the last stage's values reach every stage. Under
+        context parallelism each micro-batch is cut as for training and ``fn`` adds its sequences up over the CP group
+        (``sequence_total``)."""
+        if self.plan.cp > 1:
+            micro_batches = shard_micro_batches(micro_batches, self.communicators[Dim.CP], token_share=False)
         if self._parallel.pipeline is None:
             return module.score_locally(micro_batches, fn)
         return self._parallel.pipeline.score(micro_batches, functools.partial(fn, module.model), width)

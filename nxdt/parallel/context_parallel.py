@@ -28,7 +28,10 @@ partial log-sum-exp is −inf and adds nothing to the merge; each row sees at le
 **Loss and gradients.** Each CP rank's loss is the mean over its own tokens; :func:`weight_by_token_share` scales it
 by (its tokens)·CP/(the CP group's tokens) — labels of -100 do not count — so that averaging gradients over DP×CP
 (the data-parallel runtime's group under CP) gives the gradient of the mean over every token of the sequence, and
-the mean of the ranks' losses is the token mean (equal to CP=1, whatever the masked labels).
+the mean of the ranks' losses is the token mean (equal to CP=1, whatever the masked labels). Objectives of whole
+sequences (DPO, ORPO: a function of each sequence's summed log-probability) add each rank's per-sequence sums up over
+the group instead (:func:`sequence_total`), so every CP rank computes the same loss; its backward scales by CP, so the
+same DP×CP average adds the ranks' partial gradients up. Validation: :func:`sequence_means`.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from nxdt.comm.world import Communicator
 from nxdt.models.attention import CoreAttention, core_attention
 
 STREAM = "cp"  # the ring's transfers: their own stream, so they run while the rank computes
+SEQUENCE_GROUP = "context_parallel_group"  # the model's attribute holding its CP group (apply_context_parallel)
 TOKEN_SHARE = "cp_token_share"  # micro-batch key: this rank's weight in its CP group's token mean
 
 
@@ -64,11 +68,14 @@ def load_balanced_positions(seq_length: int, cp_rank: int, cp: int) -> torch.Ten
     return torch.cat([torch.arange(a, b) for a, b in chunk_ranges(seq_length, cp_rank, cp)])
 
 
-def shard_micro_batches(micro_batches: list[dict[str, torch.Tensor]], comm: Communicator) -> list[dict[str, torch.Tensor]]:
+def shard_micro_batches(
+    micro_batches: list[dict[str, torch.Tensor]], comm: Communicator, token_share: bool = True
+) -> list[dict[str, torch.Tensor]]:
     """This CP rank's part of each micro-batch: every [B, S] field cut to the rank's two chunks, ``position_ids``
     the tokens' global positions (the micro-batch's own, when it carries them), and ``TOKEN_SHARE`` the rank's weight
-    in the group's token mean (one all-reduce of the label counts for all micro-batches). Packed records keep their
-    ``segment_ids`` and per-record ``position_ids``, cut the same way (ring attention masks the other records)."""
+    in the group's token mean (one all-reduce of the label counts for all micro-batches; ``token_share=False``: none,
+    for objectives that add their sequences up over the group themselves, :func:`sequence_total`). Packed records keep
+    their ``segment_ids`` and per-record ``position_ids``, cut the same way (ring attention masks the other records)."""
     out, counts = [], []
     for mb in micro_batches:
         ids = mb["input_ids"]
@@ -79,12 +86,41 @@ def shard_micro_batches(micro_batches: list[dict[str, torch.Tensor]], comm: Comm
             part["position_ids"] = index.unsqueeze(0).expand(b, -1)
         counts.append((part["labels"] != -100).sum())
         out.append(part)
+    if not token_share:
+        return out
     local = torch.stack(counts).to(torch.float64)
     total = local.clone()
     comm.all_reduce(total, op="sum")
     for part, n, n_all in zip(out, local, total):
         part[TOKEN_SHARE] = n * comm.size / n_all if n_all > 0 else torch.ones((), dtype=torch.float64, device=n.device)
     return out
+
+
+class _SequenceSum(torch.autograd.Function):
+    """All-reduce (sum) over the CP group whose gradient is the upstream one times CP (see :func:`sequence_total`)."""
+
+    @staticmethod
+    def forward(ctx, values, comm):
+        ctx.size = comm.size
+        total = values.detach().clone()
+        comm.all_reduce(total, op="sum")
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.size, None
+
+
+def sequence_total(model: nn.Module, values: torch.Tensor) -> torch.Tensor:
+    """Per-sequence sums over this rank's tokens (a sequence's log-probability, its token count) as sums over the whole
+    sequence, on every rank of the model's CP group (:func:`apply_context_parallel`); ``values`` unchanged without
+    context parallelism. For objectives of whole sequences (DPO, ORPO): their loss is then the same on every CP rank,
+    and each rank's backward reaches only the parameters' paths through its own tokens, so the gradient is CP times
+    the upstream one — the DP×CP average then adds the ranks' parts up instead of averaging them."""
+    comm = getattr(model, SEQUENCE_GROUP, None)
+    if comm is None or comm.size == 1:
+        return values
+    return _SequenceSum.apply(values.contiguous(), comm)
 
 
 def sequence_means(local_means: list[float], parts: list[dict[str, torch.Tensor]], comm: Communicator) -> list[float]:
@@ -353,8 +389,9 @@ class RingAttention(nn.Module):
 
 def apply_context_parallel(model: nn.Module, comm: Communicator) -> int:
     """Swap every :class:`~nxdt.models.attention.CoreAttention` of ``model`` for a :class:`RingAttention` over
-    ``comm`` (the rank's CP group); returns how many were swapped. The model's weights are untouched: CP ranks
-    hold full replicas, whose gradients the data-parallel runtime averages over DP×CP."""
+    ``comm`` (the rank's CP group), and record ``comm`` on the model for :func:`sequence_total`; returns how many
+    were swapped. The model's weights are untouched: CP ranks hold full replicas, whose gradients the data-parallel
+    runtime averages over DP×CP."""
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -363,4 +400,5 @@ def apply_context_parallel(model: nn.Module, comm: Communicator) -> int:
                 swapped += 1
     if not swapped:
         raise ValueError(f"context parallelism: {type(model).__name__} has no CoreAttention module to run as ring attention")
+    setattr(model, SEQUENCE_GROUP, comm)  # what sequence_total adds whole sequences up over
     return swapped
