@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_gpu import nxdt_train
+from test_gpu import nxdt_train, train_rows
 
 COMMON = ["instance=gpu", "precision.type=fp32", "data.global_batch_size=8"]
 LAYOUTS = {
@@ -62,3 +62,28 @@ def test_a_run_stopped_at_its_checkpoint_resumes_on_the_gpu_to_the_uninterrupted
     assert sorted(both) == list(range(1, 9))
     for step in one_rank:
         assert both[step] == pytest.approx(one_rank[step], rel=1e-4), (layout, step, one_rank, both)
+
+
+def test_packed_sft_validated_under_cp_on_one_gpu_matches_one_rank(tmp_path):
+    """``+recipe=sft`` (packed instruction records) validated at steps 4 and 8: CP=2 on two ranks sharing the GPU (the
+    ring masks keys of other records, each attention call all-gathers the segment ids on the GPU; validation runs the
+    ring forward and combines the ranks' token means) against one rank, fp32; losses and val_loss to the layouts'
+    1e-4."""
+    sft = [
+        "instance=gpu",
+        "precision.type=fp32",
+        "+recipe=sft",
+        "data.val_split=0.1",
+        "trainer.val_check_interval=4",
+        "trainer.max_steps=8",
+        "trainer.log_every_n_steps=1",
+        "exp_manager.save_last=false",
+    ]
+    one = train_rows(tmp_path / "one", *sft, "trainer.devices=1")
+    two = train_rows(tmp_path / "cp2", *sft, "trainer.devices=2", "distributed_strategy.context_parallel_size=2")
+    assert [r["step"] for r in two] == [r["step"] for r in one] == [str(s) for s in range(1, 9)]
+    for a, b in zip(one, two):
+        assert float(b["loss"]) == pytest.approx(float(a["loss"]), rel=1e-4), (a, b)
+        assert (a["val_loss"] == "") == (b["val_loss"] == "") and (a["step"] in ("4", "8")) == (a["val_loss"] != ""), (a, b)
+        if a["val_loss"]:
+            assert float(b["val_loss"]) == pytest.approx(float(a["val_loss"]), rel=1e-4), (a, b)
