@@ -40,10 +40,10 @@ print(f"nxdt {nxdt.__file__}; torch {torch.__version__} (CUDA {torch.version.cud
 PY
 
 echo "== 2. tests" | tee -a "$out/check.log"
-# four at a time: each GPU test is a few fresh processes, mostly start-up; tests/gpu/device_checks.py's result (the
+# six at a time (16 cores): each GPU test is a few fresh processes, mostly start-up; tests/gpu/device_checks.py's result (the
 # CUDA IPC and staged all-reduce times among it) lands in gpu-results.json
 export NXDT_GPU_RESULTS="$out/gpu-results.json"
-timeout 240 python3 -m pytest -q -p no:cacheprovider -n 4 -o timeout=200 -rs --durations=8 tests/gpu tests/test_devices.py \
+timeout 240 python3 -m pytest -q -p no:cacheprovider -n 6 -o timeout=200 -rs --durations=8 tests/gpu tests/test_devices.py \
   2>&1 | tee "$out/tests.log" | tail -25
 tests_rc=${PIPESTATUS[0]}
 
