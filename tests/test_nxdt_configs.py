@@ -57,19 +57,29 @@ WEIGHT_DECAY_NOTE = "model.optim.weight_decay=0.1: NxDT's hf models decay at 0.0
 
 PACKING_NOTE = "model_alignment_strategy.sft.packing_style=concat reproduces it"
 AUTOCAST_NOTE = "precision.type=autocast with distributed_strategy.zero1=False: NxDT's hf Llama casts the model to bf16"
+AUX_NOTE = (
+    "model.moe.router_aux_loss_coef=0.02 is nxdt's 0.01: NxD's load_balancing_loss_func is Hugging Face's divided by top_k=2"
+)
 
 
 def only_the_no_effect_warning(
-    warnings: list[str], *, weight_decay_noted: bool = False, packing_noted: bool = False, autocast_noted: bool = False
+    warnings: list[str],
+    *,
+    weight_decay_noted: bool = False,
+    packing_noted: bool = False,
+    autocast_noted: bool = False,
+    aux_noted: bool = False,
 ) -> str:
     """The one warning naming the keys with no effect; with ``weight_decay_noted`` (a file with weight_decay 0.1)
     also the note that NxDT's hf models decay at 0.01 whatever it says, which nxdt follows; with ``packing_noted``
     (packed SFT) the note naming the option that gives NxDT's packed layout; with ``autocast_noted`` (the LoRA config:
-    autocast without ZeRO-1) the note that NxDT's weights are bf16 there."""
+    autocast without ZeRO-1) the note that NxDT's weights are bf16 there; with ``aux_noted`` (Mixtral, top-2) the
+    note that the load-balancing weight is NxD's over top_k."""
     for noted_here, note in (
         (weight_decay_noted, WEIGHT_DECAY_NOTE),
         (packing_noted, PACKING_NOTE),
         (autocast_noted, AUTOCAST_NOTE),
+        (aux_noted, AUX_NOTE),
     ):
         if noted_here:
             noted = [w for w in warnings if note in w]
@@ -146,7 +156,7 @@ def test_llama3_70b_on_trn2_at_tp32_pp4_lnc2_plans_with_the_runtimes_row_pairs()
 
 def test_mixtral_8x7b_with_expert_parallelism_plans_as_nxdt_runs_it():
     cfg, warnings = nxdt_config("hf_mixtral_8x7b_ep_config", "instance=trn1.32xlarge")
-    only_the_no_effect_warning(warnings, weight_decay_noted=True)
+    only_the_no_effect_warning(warnings, weight_decay_noted=True, aux_noted=True)
     p = plan(cfg)
     assert p.warnings == []
     assert p.degrees == {"tp": 8, "pp": 4, "cp": 1, "ep": 4, "dp": 4}
@@ -155,11 +165,12 @@ def test_mixtral_8x7b_with_expert_parallelism_plans_as_nxdt_runs_it():
     assert p.group_of("pp", 0) == [0, 32, 64, 96]
     assert p.batch == {"global": 256, "micro": 1, "micro_batches": 64, "seq_length": 4096}
     moe = cfg.model.moe
+    # the file's 0.02 × NxD's load-balancing loss (Hugging Face's over top_k) is 0.01 × the one nxdt computes
     assert (cfg.model.architecture, moe.num_experts, moe.top_k, moe.router_aux_loss_coef) == (
         "nxdt.models.mixtral.MixtralForCausalLM",
         8,
         2,
-        0.02,
+        0.01,
     )
     assert (cfg.model.max_position_embeddings, cfg.data.seq_length) == (32768, 4096)  # max(config.json, yaml), as NxDT
 
@@ -508,6 +519,33 @@ def test_model_config_overrides_follow_nxdt():
     assert flat(translate(minimal(model__encoder_seq_length=64), LLAMA_HF))["data.seq_length"] == 64
     with pytest.raises(ConfigError, match="rope_scaling|hidden_act='gelu'"):
         translate(minimal(), {**LLAMA_HF, "hidden_act": "gelu"})
+
+
+def test_the_load_balancing_weight_gives_nxdts_loss():
+    """NxDT's hf Mixtral takes output_router_logits and router_aux_loss_coef from the yaml's moe block (True and 0.02
+    when absent: config.json's output_router_logits false and its own coefficient are not read) and adds coef · NxD's
+    load_balancing_loss_func, which scales by E/top_k where transformers' scales by E. Written out here from NxD's
+    definition (fp64 softmax, a one-hot per top-k slot, means over the rows): the translated weight times nxdt's
+    (Hugging Face's) aux loss equals the file's coefficient times NxD's, on the same router logits."""
+    from nxdt.models.mixtral import load_balancing_loss
+
+    def weight(moe: dict, hf: dict = MIXTRAL_HF, **sections) -> float:
+        return flat(translate(minimal(model__moe={"num_experts": 8, **moe}, **sections), hf))["model.moe.router_aux_loss_coef"]
+
+    assert weight({}) == 0.01  # NxDT's defaults: on, 0.02; config.json says false and 0.02, not read
+    assert weight({}, {**MIXTRAL_HF, "router_aux_loss_coef": 0.5}) == 0.01
+    assert weight({"router_aux_loss_coef": 0.1, "top_k": 1}) == 0.1
+    assert weight({"router_aux_loss_coef": 0.1, "output_router_logits": False}) == 0.0
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3 * 40, 8, generator=g, dtype=torch.float64)  # 3 layers × 40 tokens, 8 experts
+    top_k, coef = 2, 0.02
+    probs = torch.softmax(logits, dim=-1)
+    slots = torch.topk(probs, top_k).indices  # [rows, k]
+    one_hot = torch.stack([torch.nn.functional.one_hot(slots[:, s], 8).double() for s in range(top_k)], dim=1)
+    nxd = (one_hot.mean(dim=0) * probs.mean(dim=0).unsqueeze(0)).sum() * (8 / top_k)
+    ours = load_balancing_loss(logits.float(), 8, top_k).double()
+    assert float(weight({"router_aux_loss_coef": coef, "top_k": top_k}) * ours) == pytest.approx(float(coef * nxd), rel=1e-6)
 
 
 def test_data_sources_and_our_own_keys():

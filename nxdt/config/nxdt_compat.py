@@ -287,8 +287,13 @@ RULES: dict[str, Rule] = {
     "model.optim.sched.last_epoch": _agree("schedules start at step 0 (a resume restores them)", -1),
     "model.moe.num_experts": _map("overrides config.json's num_local_experts"),
     "model.moe.top_k": _map("overrides config.json's num_experts_per_tok"),
-    "model.moe.router_aux_loss_coef": _map(),
-    "model.moe.output_router_logits": _custom("false = no load-balancing loss (router_aux_loss_coef 0), as in HF"),
+    "model.moe.router_aux_loss_coef": _custom(
+        "÷ top_k: NxD's load-balancing loss is Hugging Face's over top_k, nxdt computes Hugging Face's (absent: 0.02, "
+        "as NxDT's hf models; config.json's is not read)"
+    ),
+    "model.moe.output_router_logits": _custom(
+        "false = no load-balancing loss (router_aux_loss_coef 0); absent: true for hf models, false for Megatron ones, as in NxDT"
+    ),
     "model.moe.frequency": _agree("every layer of nxdt's Mixtral is a MoE layer", 1, error=True),
     "model.moe.routing_algorithm": _agree("routing is top-k", "top_k", error=True),
     "model.moe.normalize_top_k_affinities": _map(
@@ -611,6 +616,7 @@ def translate(nxdt: Mapping[str, Any], hf_config: Mapping[str, Any] | None = Non
             )
     out.update(model)
     out.update(mapped)
+    out.update(_aux_loss_weight(leaves, out, notes))
     out.update(_precision(leaves, notes, ignored, ours))
     _check_max_steps(leaves)
     out.update(_optimizer(leaves, notes))
@@ -700,12 +706,34 @@ def _model(leaves: Mapping[str, Any], hf: Mapping[str, Any] | None, notes: list[
             )
         if not flash:
             out["model.core_attention"] = "naive"
-    if leaves.get("model.moe.output_router_logits") is False:
-        out["model.moe.router_aux_loss_coef"] = 0.0
     capacity = leaves.get("model.moe.capacity_factor")
     if capacity not in (None, 0, 0.0) and not leaves.get("model.moe.dropless", False):
         notes.append(f"model.moe.capacity_factor={capacity!r}: nxdt's MoE is dropless (every token reaches its top-k experts)")
     return out
+
+
+def _aux_loss_weight(leaves: Mapping[str, Any], out: Mapping[str, Any], notes: list[str]) -> dict[str, Any]:
+    """``model.moe.router_aux_loss_coef`` giving the loss NxDT computes. NxDT's models take ``output_router_logits``
+    and ``router_aux_loss_coef`` from the yaml's ``moe`` block alone (hf models: True and 0.02 when absent, whatever
+    config.json says; Megatron models: False and 0.0), and add ``coef ·`` NxD's ``load_balancing_loss_func``, which is
+    Hugging Face's divided by ``top_k`` (it scales by E/k where transformers scales by E). nxdt computes Hugging Face's,
+    so the weight is divided by ``top_k`` here, and said so; no load-balancing loss: 0."""
+    experts = out.get("model.moe.num_experts") or 0
+    if experts <= 1:
+        return {}
+    megatron = leaves.get("model_source", "hf") == "megatron"
+    enabled = leaves.get("model.moe.output_router_logits", not megatron)
+    coef = float(leaves.get("model.moe.router_aux_loss_coef", 0.0 if megatron else 0.02))
+    top_k = int(out.get("model.moe.top_k") or 1)
+    if not enabled or coef == 0:
+        return {"model.moe.router_aux_loss_coef": 0.0}
+    weight = coef / top_k
+    if top_k != 1:
+        notes.append(
+            f"model.moe.router_aux_loss_coef={coef:g} is nxdt's {weight:g}: NxD's load_balancing_loss_func is Hugging "
+            f"Face's divided by top_k={top_k}, nxdt computes Hugging Face's, so the loss is NxDT's"
+        )
+    return {"model.moe.router_aux_loss_coef": weight}
 
 
 # (normalization, activation, position_embedding_type, has_bias) → hub family; Megatron's defaults are GPT's
