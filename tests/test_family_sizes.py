@@ -76,5 +76,11 @@ def test_qwen3_30b_a3b_is_what_its_config_json_says(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(published))
     read = model_meta(compose_config([f"model.model_config={tmp_path / 'config.json'}", "data=synthetic"]).model)
     shipped = model_meta(compose_config(["model=qwen3_30b_a3b", "data=synthetic"]).model)
+    # transformers adds the load-balancing loss only with output_router_logits (false by default, as here): read from
+    # the file, its weight is 0; the shipped group keeps the file's 0.001 for training from scratch
+    assert read.pop("moe.router_aux_loss_coef") == 0.0 and shipped.pop("moe.router_aux_loss_coef") == 0.001
     assert read == shipped
+    (tmp_path / "config.json").write_text(json.dumps({**published, "output_router_logits": True}))
+    on = compose_config([f"model.model_config={tmp_path / 'config.json'}", "data=synthetic"]).model
+    assert on.moe.router_aux_loss_coef == 0.001
     assert (read["ffn_hidden_size"], read["moe.num_experts"], read["moe.top_k"]) == (768, 128, 8)

@@ -146,6 +146,21 @@ def test_the_spec_is_complete_and_agrees_with_its_hub_class(family):
     assert counter.get_total_flops() / ids.numel() == pytest.approx(forward_flops_per_token(cfg, 16), rel=1e-9)
 
 
+@pytest.mark.parametrize("family", [f for f in sorted(FAMILIES) if FAMILIES[f].block.moe])
+def test_the_load_balancing_weight_follows_output_router_logits_as_transformers(family):
+    """transformers adds ``router_aux_loss_coef ·`` the load-balancing loss only with ``output_router_logits`` (false by
+    default, and in the released Mixtral and Qwen3-MoE files): read from such a config.json the weight is 0, so the
+    loss is transformers' (cross-entropy alone); with it, the file's weight. An export says which it trained with."""
+    spec = FAMILIES[family]
+    hf = spec.hf_config(_round_trip(spec))
+    assert hf["output_router_logits"] is True  # trained with the loss (MODEL's weight 0.01)
+    assert spec.model_fields(hf)["moe.router_aux_loss_coef"] == 0.01
+    assert spec.model_fields({**hf, "output_router_logits": False})["moe.router_aux_loss_coef"] == 0.0
+    off = {k: v for k, v in hf.items() if k != "output_router_logits"}
+    assert spec.model_fields(off)["moe.router_aux_loss_coef"] == 0.0
+    assert spec.hf_config({**_round_trip(spec), "moe.router_aux_loss_coef": 0.0})["output_router_logits"] is False
+
+
 def test_expert_parallelism_on_a_dense_family_is_refused_before_launch():
     """The spec's block says the family has no experts: EP would find no MoE block only in the workers."""
     from nxdt.config import ConfigError, compose_config

@@ -355,12 +355,20 @@ def _mistral_check(hf: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _router_aux(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """transformers adds ``router_aux_loss_coef ·`` the load-balancing loss to a MoE model's loss only with
+    ``output_router_logits`` (false by default, and in Mixtral's and Qwen3-MoE's released files): without it the
+    weight is 0, so a Hugging Face directory trains as transformers (and TRL) train it; ``model.moe.router_aux_loss_coef``
+    turns it on (a training-only field, taken over config.json)."""
+    return {} if hf.get("output_router_logits") else {"moe.router_aux_loss_coef": 0.0}
+
+
 def _mixtral_check(hf: Mapping[str, Any]) -> dict[str, Any]:
     if hf.get("sliding_window") not in (None, 0):
         raise HFConfigError(f"sliding_window={hf['sliding_window']}: sliding-window attention is not implemented; set it to null")
     if hf.get("router_jitter_noise") not in (None, 0, 0.0):
         raise HFConfigError(f"router_jitter_noise={hf['router_jitter_noise']}: the model hub's router adds no noise; set 0")
-    return _llama_check(hf, "mixtral")
+    return {**_llama_check(hf, "mixtral"), **_router_aux(hf)}
 
 
 def _head_dim(model: Mapping[str, Any]) -> int:
@@ -386,8 +394,10 @@ def _mixtral_config(model: Mapping[str, Any]) -> dict[str, Any]:
     out = _llama_config(model)
     for key in ("mlp_bias", "pretraining_tp", "attention_bias"):
         del out[key]
-    # nxdt's MoE routes every token to its top-k experts without noise, over all positions
-    return {**out, "output_router_logits": False, "router_jitter_noise": 0.0, "sliding_window": None}
+    # nxdt's MoE routes every token to its top-k experts without noise, over all positions; a model trained with the
+    # load-balancing loss says so (transformers adds it only with output_router_logits, and reads it back that way)
+    aux = bool(model.get("moe.router_aux_loss_coef"))
+    return {**out, "output_router_logits": aux, "router_jitter_noise": 0.0, "sliding_window": None}
 
 
 def _mistral_config(model: Mapping[str, Any]) -> dict[str, Any]:
@@ -448,7 +458,7 @@ def _qwen3_moe_check(hf: Mapping[str, Any]) -> dict[str, Any]:
     # transformers 5 writes num_local_experts (its attribute; Qwen's own files say num_experts)
     experts = hf.get("num_experts", hf.get("num_local_experts"))
     out["moe.num_experts"] = 128 if experts is None else experts  # Qwen3MoeConfig's default
-    return out
+    return {**out, **_router_aux(hf)}
 
 
 def _qwen3_moe_config(model: Mapping[str, Any]) -> dict[str, Any]:
