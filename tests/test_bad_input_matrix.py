@@ -86,6 +86,7 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
             ],
             "pipeline_model_parallel_size",
         ),
+        (["train", "+recipe=dpo", "model=mixtral_tiny"], "does not add the load-balancing loss yet"),
         (
             [
                 "train",

@@ -1225,9 +1225,11 @@ def _check_preference_training(cfg: Any) -> None:
             "before training (by the same model, sharded like the policy); computing them every step would "
             "need a second, frozen copy of the model on every rank; set true (NxDT supports only true too)",
         )
-    if cfg.model.moe.num_experts:
+    if cfg.model.moe.num_experts and cfg.model.moe.router_aux_loss_coef:
+        # TRL adds the term only for a model whose config says output_router_logits (false by default)
         raise NotYetSupported(
-            "model.moe.num_experts",
-            cfg.model.moe.num_experts,
-            f"{name.upper()} does not add the router's auxiliary loss yet; use a dense model (model.moe.num_experts=0)",
+            "model.moe.router_aux_loss_coef",
+            cfg.model.moe.router_aux_loss_coef,
+            f"{name.upper()} on a mixture-of-experts model does not add the load-balancing loss yet; set "
+            "model.moe.router_aux_loss_coef=0 (TRL's default: a model without output_router_logits has no such term)",
         )
