@@ -32,6 +32,11 @@ router logits of *all* layers stacked as rows (T = tokens × layers rows, E expe
     P_e = mean over rows of softmax(logits)_e
     aux = E · Σ_e f_e · P_e                                     # = k when perfectly balanced
 
+The rows are every token of the micro-batch, padding included, as NxD's ``load_balancing_loss_func`` takes them;
+transformers' leaves out the positions its ``attention_mask`` masks (the same where nothing is padded: pretraining,
+packed records). NxD's scales by E/k where this (and transformers') scales by E: an NxDT config's weight is divided
+by k when it is translated (``nxdt.config.nxdt_compat``), so the loss is NxDT's.
+
 **Where the aux loss goes:** ``loss_fn(logits, labels)`` called on the model returns
 ``cross_entropy + moe.router_aux_loss_coef · aux``, where ``aux`` comes from the router logits recorded by
 this model's most recent forward (the training step calls ``model.loss_fn(model(ids), labels)``, so they
