@@ -222,10 +222,10 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (
             [
                 "train",
-                f"exp_manager.resume_from_checkpoint={_checkpoint(tmp, 'w', degrees={'ep': 2}, zero1=True)}",
+                f"exp_manager.resume_from_checkpoint={_checkpoint(tmp, 'w', degrees={'ep': 2}, dp_format='fsdp')}",
                 "model.weight_init_only=true",
             ],
-            "expert-parallel (EP2) with zero1 optimizer shards, which cannot be consolidated yet",
+            "expert-parallel (EP2) with FSDP shards, which cannot be consolidated",
         ),
         (["checkpoint", "consolidate", str(tmp / "a")], "usage"),
         (["checkpoint", "consolidate", str(_checkpoint(tmp, "g")), str(tmp)], "not an empty directory"),

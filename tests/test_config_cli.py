@@ -41,7 +41,8 @@ def test_defaults_follow_nxdt_names_and_interpolate():
         (["trainer.devices=4", "distributed_strategy.tensor_model_parallel_size=2"], True),
         (["distributed_strategy.fsdp.enabled=true"], False),  # FSDP shards the optimizer state itself
         (["precision.type=bf16SR"], False),  # shards would round with other random bits than one process
-        (["model=mixtral_tiny", "trainer.devices=2", "distributed_strategy.expert_model_parallel_size=2"], False),
+        # experts sharded over their own replicas (none here: DP2 = EP2, each rank's experts whole)
+        (["model=mixtral_tiny", "trainer.devices=2", "distributed_strategy.expert_model_parallel_size=2"], True),
         (["distributed_strategy.zero1=false"], False),
         (["trainer.devices=1", "distributed_strategy.zero1=true"], True),  # what the user says stands
     ],

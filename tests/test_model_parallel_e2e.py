@@ -13,6 +13,7 @@ import json
 import pytest
 
 from nxdt.lightning.checkpoint import CheckpointError, check_layout
+from nxdt.lightning.reshard import read_full_state
 from test_train_e2e import TINY, assert_ok, losses, nxdt
 
 # 4 steps (were 6): step 1's loss checks the forward, steps 2-4 each checks one more backward, reduction and update;
@@ -108,21 +109,39 @@ def test_parallel_losses_equal_single_process(tmp_path, single, layout, files):
 
 
 @pytest.mark.timeout(300)
-def test_mixtral_expert_parallel_equals_single_process(tmp_path):
+def test_mixtral_expert_parallel_with_pipeline_and_zero1_equals_single_process(tmp_path):
+    """EP2 × PP2 on 4 ranks (DP2 = EP2: each rank of a stage holds half the experts), ZeRO-1 by default (dense state in
+    2 shards, each rank's experts whole), rank 1 killed at step 3 and the job restarted from step 2: the load-balancing
+    statistics cross the stages, the tokens cross the EP ranks, and the losses are one process's."""
     common = [*COMMON, "model=mixtral_tiny"]
     one, two = tmp_path / "one", tmp_path / "ep2"
     assert_ok(nxdt("train", *common, "trainer.devices=1", f"exp_manager.explicit_log_dir={one}", cwd=tmp_path))
-    assert_ok(
-        nxdt(
-            "train",
-            *common,
-            "trainer.devices=2",
-            "distributed_strategy.expert_model_parallel_size=2",
-            f"exp_manager.explicit_log_dir={two}",
-            cwd=tmp_path,
-        )
+    result = nxdt(
+        "train",
+        *common,
+        "trainer.devices=4",
+        "distributed_strategy.expert_model_parallel_size=2",
+        "distributed_strategy.pipeline_model_parallel_size=2",
+        *KILL_AT_STEP_3,
+        f"exp_manager.explicit_log_dir={two}",
+        cwd=tmp_path,
     )
+    assert_ok(result)
+    assert "TP1 PP2 DP2 CP1 EP2 · FSDP off · ZeRO-1" in result.stdout + result.stderr
+    assert "checkpoints/step-2" in result.stdout + result.stderr  # restarted, resumed
     _assert_same_losses(losses(two), losses(one))
-    assert {"model-ep0.safetensors", "model-ep1.safetensors"} <= {p.name for p in (two / "checkpoints/step-4").iterdir()}
+    files = {p.name for p in (two / "checkpoints/step-4").iterdir()}
+    assert {f"model-mp{s}-ep{e}.safetensors" for s in (0, 1) for e in (0, 1)} <= files
+    assert {f"trainer_state-mp{s}-ep{e}-dp{e}.pt" for s in (0, 1) for e in (0, 1)} <= files  # a ZeRO-1 shard per rank
     with pytest.raises(CheckpointError, match="resharding expert-parallel checkpoints is not supported"):
         check_layout(two / "checkpoints/step-4", {"tp": 1, "cp": 1, "ep": 1, "dp": 1, "pp": 1}, False)
+    # consolidated (what `nxdt checkpoint consolidate` and export-hf read): one process's tensors and optimizer state.
+    # Per tensor ‖a − b‖ / ‖b‖ < 0.05: 4 AdamW steps round differently (an element whose gradient is at rounding level
+    # can move by up to 2·lr the other way, lr ≤ 2e-3, against tensors of norm ≳ 0.1), a wrong expert or a shard out of
+    # place is ~1 (different weights, moments of other elements)
+    got, want = read_full_state(two / "checkpoints/step-4"), read_full_state(one / "checkpoints/step-4")
+    assert list(got.model) == list(want.model) and got.optimizers[0]["param_groups"] == want.optimizers[0]["param_groups"]
+    pairs = [(got.model[n], t) for n, t in want.model.items()]
+    moments, want_moments = got.optimizers[0]["state"], want.optimizers[0]["state"]
+    pairs += [(moments[i][k], t) for i, state in want_moments.items() for k, t in state.items() if t.dim()]
+    assert all(float((a - b).norm() / b.norm()) < 0.05 for a, b in pairs if b.norm() > 0)

@@ -552,15 +552,15 @@ def devices_per_node(cfg: Any) -> int:
 
 def fill_zero1_default(cfg: Any, dp: int) -> None:
     """``distributed_strategy.zero1: null`` (the default): ZeRO-1 wherever it trains as plain data parallelism
-    — more than one data-parallel rank, no FSDP (which shards the optimizer state itself), no expert parallelism (not
-    trained with ZeRO-1 yet) and no bf16SR (its rounding draws one random stream per optimizer parameter, and ZeRO-1's
-    optimizer steps flat shards: other bits than a single process's). Each rank then keeps and updates 1/DP of the
+    — more than one data-parallel rank, no FSDP (which shards the optimizer state itself) and no bf16SR (its rounding
+    draws one random stream per optimizer parameter, and ZeRO-1's optimizer steps flat shards: other bits than a single
+    process's); expert parameters are sharded over the replicas of the same experts. Each rank then keeps and updates 1/DP of the
     optimizer state: less memory, and on CPU hosts less time a step (experiments/peers). NxDT's default is
     ``zero1: true``. ``dp``: the data-parallel degree, as :func:`validate` has checked it."""
     ds = cfg.distributed_strategy
     if ds.zero1 is not None:
         return
-    ds.zero1 = dp > 1 and not ds.fsdp.enabled and ds.expert_model_parallel_size == 1 and cfg.precision.type != "bf16SR"
+    ds.zero1 = dp > 1 and not ds.fsdp.enabled and cfg.precision.type != "bf16SR"
 
 
 def fill_instance_defaults(cfg: Any) -> None:
@@ -1177,7 +1177,7 @@ def check_trainable(cfg: Any) -> None:
     ds = cfg.distributed_strategy
     cp = ds.context_parallel_size
     unsupported = [("context_parallel_size", cp)] if cp > 1 and ds.expert_model_parallel_size > 1 else []
-    if ds.expert_model_parallel_size > 1 and (ds.pipeline_model_parallel_size > 1 or ds.zero1 or ds.fsdp.enabled):
+    if ds.expert_model_parallel_size > 1 and ds.fsdp.enabled:
         unsupported.append(("expert_model_parallel_size", ds.expert_model_parallel_size))
     if ds.fsdp.enabled and ds.pipeline_model_parallel_size > 1:
         unsupported.append(("fsdp.enabled", True))
@@ -1185,7 +1185,7 @@ def check_trainable(cfg: Any) -> None:
         key, value = unsupported[0]
         shown = key if key.startswith("comm.") else f"distributed_strategy.{key}"
         combined = {
-            "expert_model_parallel_size": " together with PP, zero1 or FSDP",
+            "expert_model_parallel_size": " together with FSDP",
             "fsdp.enabled": " together with pipeline parallelism",
             "context_parallel_size": " together with expert parallelism",
         }.get(key, "")

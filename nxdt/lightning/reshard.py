@@ -188,12 +188,17 @@ def _read_replicated(root: Path, meta: dict[str, Any], mp: int, optimizer: bool,
 
 
 def _read_zero1(root: Path, meta: dict[str, Any], mp: int, optimizer: bool, ep: int = 0) -> PositionShard:
-    model_file, state_file = _files(meta, mp, ep)
+    model_file, _ = _files(meta, mp, ep)
     model = _tensors(root / model_file)
     if not optimizer:
         return PositionShard(model, [], {})
-    states = [_state(root / state_file(d)) for d in range(meta["degrees"].get(Dim.DP, 1))]
-    names = _take_names(states[0], root / state_file(0))
+    deg = meta["degrees"]
+    eps = deg.get(Dim.EP, 1)
+    # DP rank d holds EP rank d % EP's experts (the plan orders a DP group ep fastest: planner._position_groups), so
+    # its file carries that EP suffix; the dense state is sharded over every DP rank, the experts over their replicas
+    states = [_state(root / _files(meta, mp, d % eps)[1](d)) for d in range(deg.get(Dim.DP, 1))]
+    replicas = states[ep::eps]
+    names = _take_names(states[ep], root / _files(meta, mp, ep)[1](ep))
     opts = []
     for i, n in enumerate(names):
         shards = [s["optimizer_states"][i] for s in states]
@@ -203,10 +208,11 @@ def _read_zero1(root: Path, meta: dict[str, Any], mp: int, optimizer: bool, ep: 
                 "resume on the original layout"
             )
         try:
-            opts.append(by_name(consolidate_shard_states(shards), n))
+            experts = [s["optimizer_states"][i] for s in replicas] if eps > 1 else None
+            opts.append(by_name(consolidate_shard_states(shards, experts), n))
         except ValueError as exc:
             raise CheckpointError(f"checkpoint {root}: {exc}") from None
-    trainer = states[0]
+    trainer = states[ep]  # this EP rank's own (its experts' names in the module's order)
     trainer.pop("optimizer_states", None)
     return PositionShard(model, opts, trainer)
 
@@ -334,11 +340,8 @@ def check_consolidatable(root: Path, meta: dict[str, Any]) -> None:
     if dp_format(meta) not in DP_FORMATS:
         raise CheckpointError(f"checkpoint {root} holds {dp_format(meta)} shards, which cannot be consolidated yet")
     ep = meta.get("degrees", {}).get(Dim.EP, 1)
-    if ep > 1 and dp_format(meta) != "replicated":  # ZeRO-1 shards an EP rank's experts over another group
-        raise CheckpointError(
-            f"checkpoint {root} is expert-parallel (EP{ep}) with {dp_format(meta)} optimizer shards, which cannot be "
-            "consolidated yet — expert-parallel checkpoints without ZeRO-1 can"
-        )
+    if ep > 1 and dp_format(meta) == "fsdp":  # FSDP does not train with EP: no such checkpoint is written
+        raise CheckpointError(f"checkpoint {root} is expert-parallel (EP{ep}) with FSDP shards, which cannot be consolidated")
 
 
 def read_full_state(path: str | os.PathLike, *, optimizer: bool = True, expect_model: dict[str, Any] | None = None) -> FullState:

@@ -47,7 +47,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Collection, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -88,11 +88,12 @@ class ModelParallel:
         if self.tp is not None:
             sync_replicated_grads(module.model, self.tp)
 
-    def reduce_expert_grads(self, module: nn.Module) -> None:
-        """EP: expert gradients → the DP-mean loss's, over the expert-data-parallel group."""
+    def reduce_expert_grads(self, module: nn.Module, skip: Collection[int] = ()) -> None:
+        """EP: expert gradients → the DP-mean loss's, over the expert-data-parallel group (``skip``: ids of the
+        expert parameters a ZeRO-1 optimizer reduces in its own buckets)."""
         if self.ep is not None:
             edp = self.edp if self.edp is not None and self.edp.size > 1 else None
-            reduce_expert_gradients(module.model, self.dp_size, edp)
+            reduce_expert_gradients(module.model, self.dp_size, edp, skip)
 
     def global_norm(self, module: nn.Module, named: Sequence[tuple[str, Tensor]]) -> Tensor:
         """2-norm of one model replica's tensors (parameters or their gradients, by the module's parameter
@@ -580,8 +581,16 @@ class Zero1Runtime(ReplicatedRuntime):
             self.mp.dp,
             model=_hub(module),
             find_unused_parameters=self.find_unused_parameters,
+            expert_parallel_size=self.mp.ep.size if self.mp.ep is not None else 1,
+            expert_dp_comm=self.mp.edp,
             **kwargs,
         )
+
+    def finish_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        self.mp.sync_replicated_grads(module)
+        self.reduce_gradients(module, optimizer)
+        # the experts in ZeRO-1's buckets were reduced there, over their own group
+        self.mp.reduce_expert_grads(module, skip={id(p) for o in self._sharded(None) for p in o.bucketed()})
 
     def show_reduced_gradients(self) -> None:
         for o in self._sharded(None):

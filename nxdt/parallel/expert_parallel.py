@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import fnmatch
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -193,25 +194,40 @@ def split_expert_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[
 
 
 @torch.no_grad()
-def reduce_expert_gradients(model: nn.Module, data_parallel_size: int, expert_dp_comm: Communicator | None = None) -> None:
+def reduce_expert_gradients(
+    model: nn.Module,
+    data_parallel_size: int,
+    expert_dp_comm: Communicator | None = None,
+    skip: Collection[int] = (),
+) -> None:
     """Turn each expert parameter's local gradient (Σ over its EP group's per-rank losses) into the gradient
     of the data-parallel *mean* loss: all-reduce sum over ``expert_dp_comm`` (the D/EP replicas of the
     same experts; None when D = EP), then divide by ``data_parallel_size`` D. A None gradient counts as
-    zero when other replicas have one."""
-    _, experts = split_expert_parameters(model)
+    zero when other replicas have one; an expert no replica has a gradient for got no token of the whole batch and
+    keeps None (the optimizer skips it, as it would in one process). ``skip``: ids of expert parameters reduced
+    elsewhere (a ZeRO-1 optimizer's buckets)."""
     if data_parallel_size < 1:
         raise ValueError(f"reduce_expert_gradients: data_parallel_size={data_parallel_size} must be >= 1")
-    if expert_dp_comm is not None and expert_dp_comm.size > 1:
-        for p in experts:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        if experts:
-            flat = torch.cat([p.grad.reshape(-1) for p in experts])
-            expert_dp_comm.all_reduce(flat, "sum")
-            offset = 0
-            for p in experts:
+    experts = [p for p in split_expert_parameters(model)[1] if id(p) not in skip]
+    if expert_dp_comm is not None and expert_dp_comm.size > 1 and experts:
+        # the gradients, then one 1/0 per parameter: the same all-reduce tells which no replica has
+        flat = torch.cat(
+            [
+                p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+                for p in experts
+            ]
+            + [torch.tensor([float(p.grad is not None) for p in experts], dtype=experts[0].dtype, device=experts[0].device)]
+        )
+        expert_dp_comm.all_reduce(flat, "sum")
+        offset, routed = 0, flat[-len(experts) :].tolist()
+        for p, n in zip(experts, routed):
+            if n == 0:
+                p.grad = None
+            elif p.grad is None:
+                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+            else:
                 p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            offset += p.numel()
     for p in experts:
         if p.grad is not None:
             p.grad.div_(data_parallel_size)

@@ -26,6 +26,13 @@ Worked example (inside a spawned world, DP = all ranks)::
 Semantics worth knowing:
 
 * Gradients are averaged over DP (each rank's loss must be the mean over its equal share of the batch).
+* Expert parallelism (``expert_dp_comm``, ``expert_parallel_size``): the EP ranks of a DP group hold *different*
+  experts of the same shapes, so expert parameters get buckets of their own, sharded over the expert-data-parallel
+  group (the replicas of the same experts; whole on every rank when DP = EP). Their local gradient is the sum over the
+  EP group's losses (``nxdt.parallel.expert_parallel``): summed over that group and divided by DP, as
+  ``reduce_expert_gradients`` does. Every element of every expert still lies in exactly one DP rank's shard, so the
+  gradient norm is one all-reduce over DP as before. No one rank holds every expert's state, so the live
+  ``consolidated_*`` methods refuse; ``consolidate_shard_states`` joins saved shards given one EP rank's replicas'.
 * A trainable parameter whose ``.grad`` is None on some DP rank is refused by name (``reduce_gradients`` raises
   on every rank; the used/unused count is one small all-reduce per reduction), as DDP refuses it by default. With
   ``find_unused_parameters=True`` (DDP's name) a gradient missing on some ranks counts as zero there, and a
@@ -82,15 +89,23 @@ class _Bucket:
     shard_size: int
     flat: torch.Tensor  # the parameters' storage, padded to shard_size × DP
     shard: nn.Parameter  # the owned slice, the tensor the inner optimizer updates (fp32 with master weights)
+    comm: Communicator | None  # the group the shards span (None: one shard, the whole bucket)
+    rank: int  # the owned shard's index in ``comm``
+    experts: bool  # expert parameters: shards over the expert-data-parallel group, gradients summed then / DP
     grad_flat: torch.Tensor | None = None  # the gradients, flattened for the reduce-scatter (kept across steps)
 
     @property
     def padded(self) -> int:
         return self.flat.numel()
 
-    def owned_segments(self, dp_rank: int) -> list[tuple[int, int, int]]:
+    @property
+    def size(self) -> int:
+        """How many shards the bucket is cut into."""
+        return self.comm.size if self.comm is not None else 1
+
+    def owned_segments(self) -> list[tuple[int, int, int]]:
         """(param position in bucket, first, end) of every param's part inside the owned shard, shard-relative."""
-        lo, hi = dp_rank * self.shard_size, (dp_rank + 1) * self.shard_size
+        lo, hi = self.rank * self.shard_size, (self.rank + 1) * self.shard_size
         segs = []
         for i, (p, off) in enumerate(zip(self.params, self.offsets)):
             a, b = max(lo, off), min(hi, off + p.numel())
@@ -112,6 +127,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
     e.g. bf16); gradients are reduced in fp32, the fp32 shard is updated and cast when gathered back.
     ``find_unused_parameters``: what a parameter without gradient means (module docstring): False refuses it by
     name, True leaves it untouched where no rank has a gradient for it (DDP's option of the same name).
+    ``expert_parallel_size`` / ``expert_dp_comm``: under expert parallelism, its degree EP and the group of the
+    replicas of this rank's experts (DP / EP ranks; None when DP = EP); module docstring.
     """
 
     def __init__(
@@ -124,6 +141,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
         master_weights: bool = False,
         master_dtype: torch.dtype = torch.float32,
         find_unused_parameters: bool = False,
+        expert_parallel_size: int = 1,
+        expert_dp_comm: Communicator | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -147,12 +166,21 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self.dp_size = dp_comm.size if dp_comm is not None else 1
         self.dp_rank = dp_comm.rank if dp_comm is not None else 0
         self._dp_group = dp_comm if dp_comm is not None and dp_comm.size > 1 else None  # the group the shards span
+        self._edp_group = self._expert_group(expert_parallel_size, expert_dp_comm)
+        self._edp_rank, self._edp_size = (expert_dp_comm.rank, expert_dp_comm.size) if expert_dp_comm is not None else (0, 1)
         self.master_weights = bool(master_weights)
         self.master_dtype = master_dtype
         self.find_unused_parameters = bool(find_unused_parameters)
         self._names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
 
         groups = self._normalise_groups(params, model)
+        experts = [p for g in groups for p in g["params"] if p.requires_grad and is_expert_parameter(p)]
+        if experts and expert_parallel_size == 1:
+            raise ValueError(
+                f"Zero1Optimizer: {len(experts)} parameter(s) are flagged as expert-parallel (apply_expert_parallel) "
+                "but expert_parallel_size is 1; pass expert_parallel_size=EP and expert_dp_comm (the replicas of this "
+                "rank's experts)"
+            )
         self._buckets = self._build_buckets(groups)
         if not self._buckets:
             raise ValueError("Zero1Optimizer: no trainable parameters (every parameter has requires_grad=False)")
@@ -220,39 +248,68 @@ class Zero1Optimizer(torch.optim.Optimizer):
             out.append({**g, "params": ps})
         return out
 
+    def _expert_group(self, ep: int, edp: Communicator | None) -> Communicator | None:
+        """The expert-data-parallel group the expert buckets' shards span (None: one shard), checked against DP."""
+        if not isinstance(ep, int) or ep < 1:
+            raise ValueError(f"Zero1Optimizer: expert_parallel_size={ep!r} must be a positive integer")
+        if edp is not None and not isinstance(edp, Communicator):
+            raise TypeError(f"Zero1Optimizer: expert_dp_comm must be an nxdt.comm.Communicator or None; got {type(edp).__name__}")
+        edp_size = edp.size if edp is not None else 1
+        if ep > 1 and ep * edp_size != self.dp_size:
+            raise ValueError(
+                f"Zero1Optimizer: expert_parallel_size={ep} × expert_dp_comm size {edp_size} must equal the data-parallel "
+                f"size {self.dp_size} (each DP rank holds one EP rank's experts, replicated over the expert-DP group)"
+            )
+        return edp if edp is not None and edp_size > 1 else None
+
     def _build_buckets(self, groups: list[dict[str, Any]]) -> list[_Bucket]:
         buckets: list[_Bucket] = []
         index = 0
         for gi, g in enumerate(groups):
-            by_kind: dict[tuple[torch.dtype, torch.device], list[tuple[int, nn.Parameter]]] = {}
+            by_kind: dict[tuple[torch.dtype, torch.device, bool], list[tuple[int, nn.Parameter]]] = {}
             for p in g["params"]:
                 if p.requires_grad:
-                    by_kind.setdefault((p.dtype, p.device), []).append((index, p))
+                    by_kind.setdefault((p.dtype, p.device, is_expert_parameter(p)), []).append((index, p))
                 index += 1
-            for (dtype, device), members in by_kind.items():
+            for (dtype, device, experts), members in by_kind.items():
+                comm = self._edp_group if experts else self._dp_group
+                size, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
                 offsets, total = [], 0
                 for _, p in members:
                     offsets.append(total)
                     total += p.numel()
-                shard_size = max(1, math.ceil(total / self.dp_size))
-                flat = torch.zeros(shard_size * self.dp_size, dtype=dtype, device=device)
+                shard_size = max(1, math.ceil(total / size))
+                flat = torch.zeros(shard_size * size, dtype=dtype, device=device)
                 with torch.no_grad():
                     for (_, p), off in zip(members, offsets):
                         flat[off : off + p.numel()].copy_(p.detach().reshape(-1))
                         p.data = flat[off : off + p.numel()].view_as(p)  # the parameter now lives in the bucket
-                lo = self.dp_rank * shard_size
+                lo = rank * shard_size
                 shard_dtype = self.master_dtype if self.master_weights else dtype
-                shard = nn.Parameter(self._buffer(shard_size, shard_dtype, device).copy_(flat[lo : lo + shard_size]))
+                shard = nn.Parameter(self._buffer(shard_size, shard_dtype, device, comm).copy_(flat[lo : lo + shard_size]))
                 buckets.append(
-                    _Bucket(gi, [p for _, p in members], [i for i, _ in members], offsets, total, shard_size, flat, shard)
+                    _Bucket(
+                        gi,
+                        [p for _, p in members],
+                        [i for i, _ in members],
+                        offsets,
+                        total,
+                        shard_size,
+                        flat,
+                        shard,
+                        comm,
+                        rank,
+                        experts,
+                    )
                 )
         self._num_indices = index
         return buckets
 
-    def _buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A flat buffer communicated every step: where DP peers read it in place (``Communicator.empty``)."""
-        if self.dp_comm is not None and self.dp_size > 1 and device.type == "cpu":
-            return self.dp_comm.empty(numel, dtype)
+    @staticmethod
+    def _buffer(numel: int, dtype: torch.dtype, device: torch.device, comm: Communicator | None) -> torch.Tensor:
+        """A flat buffer communicated every step over ``comm``: where its peers read it in place (``Communicator.empty``)."""
+        if comm is not None and device.type == "cpu":
+            return comm.empty(numel, dtype)
         return torch.empty(numel, dtype=dtype, device=device)
 
     @property
@@ -263,10 +320,27 @@ class Zero1Optimizer(torch.optim.Optimizer):
         return self._dp_group
 
     def _layout(self) -> list[tuple[Any, ...]]:
+        # an expert bucket's entry ends with "experts" (dense entries keep the format earlier checkpoints were saved in)
         return [
             (b.group_index, str(b.flat.dtype), tuple(b.indices), tuple(tuple(p.shape) for p in b.params), b.shard_size)
+            + (("experts",) if b.experts else ())
             for b in self._buckets
         ]
+
+    @property
+    def _has_experts(self) -> bool:
+        return any(b.experts for b in self._buckets)
+
+    def bucketed(self) -> list[nn.Parameter]:
+        """The parameters this optimizer holds in its buckets (its trainable ones): it reduces their gradients."""
+        return [p for b in self._buckets for p in b.params]
+
+    def _refuse_experts(self, what: str) -> None:
+        if self._has_experts:
+            raise ValueError(
+                f"Zero1Optimizer.{what}: the expert parameters differ on each expert-parallel rank, so no one rank can "
+                "hold the whole state; save and load state_dict() per rank"
+            )
 
     def _check_same_layout_on_every_rank(self) -> None:
         if self.dp_size == 1:
@@ -307,6 +381,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
             self._reduction = None
         if self._dp_group is None or not order_free(self._dp_group, "all_reduce", "reduce_scatter", "reduce"):
             return None
+        if self._has_experts:  # reduced over another group, summed: after backward only
+            return None
         order = list(order) or [p for g in self.param_groups for p in g["params"]]
         position = {id(p): i for i, p in enumerate(order)}
         place: dict[int, tuple[_Bucket, int]] = {}
@@ -315,7 +391,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         for b in self._buckets:
             dtype = b.shard.dtype  # fp32 with master weights, as reduce_gradients reduces
             if b.grad_flat is None or b.grad_flat.dtype != dtype:
-                b.grad_flat = self._buffer(b.padded, dtype, b.flat.device)
+                b.grad_flat = self._buffer(b.padded, dtype, b.flat.device, b.comm)
             b.grad_flat.zero_()  # the padding stays zero; every parameter's part is filled each step
             self._after += [(b, i) for i, p in enumerate(b.params) if id(p) in after]
             # runs of consecutive hooked parameters, from the bucket's end: each piece a contiguous range of grad_flat
@@ -372,7 +448,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
             self._check_unused()
             self._reduce_after()
             for b in self._buckets:
-                lo = self.dp_rank * b.shard_size
+                lo = b.rank * b.shard_size
                 b.shard.grad = b.grad_flat[lo : lo + b.shard_size]  # type: ignore[index]
             self._write_full_gradients()
             self._grads_reduced = True
@@ -382,26 +458,26 @@ class Zero1Optimizer(torch.optim.Optimizer):
         for b in self._buckets:
             dtype = b.shard.dtype  # fp32 with master weights: reduce in fp32, never round to bf16 on the way
             if b.grad_flat is None or b.grad_flat.dtype != dtype:
-                b.grad_flat = self._buffer(b.padded, dtype, b.flat.device)
+                b.grad_flat = self._buffer(b.padded, dtype, b.flat.device, b.comm)
             flat_grad = b.grad_flat.zero_()
             for p, off in zip(b.params, b.offsets):
                 if p.grad is not None:
                     flat_grad[off : off + p.numel()].copy_(p.grad.reshape(-1))
-            if self.dp_size == 1:
+            op = "sum" if b.experts else "avg"  # experts: Σ over their replicas, then / DP (module docstring)
+            if b.comm is None:
                 b.shard.grad = flat_grad
-                continue
-            if self.full_gradients:  # the whole average, for the parameters' .grad; the shard reads its slice of it
-                work = self._dp.all_reduce(flat_grad, op="avg", stream=DP_STREAM, async_op=True)
-                assert work is not None  # async_op: always a Work
-                works.append(work)
-                lo = self.dp_rank * b.shard_size
+            elif self.full_gradients:  # the whole average, for the parameters' .grad; the shard reads its slice of it
+                works.append(b.comm.all_reduce(flat_grad, op=op, stream=DP_STREAM, async_op=True))
+                lo = b.rank * b.shard_size
                 b.shard.grad = flat_grad[lo : lo + b.shard_size]
-                continue
-            out = torch.empty(b.shard_size, dtype=dtype, device=b.flat.device)
-            works.append(self._dp.reduce_scatter(out, flat_grad, op="avg", stream=DP_STREAM, async_op=True))
-            b.shard.grad = out
+            else:
+                b.shard.grad = torch.empty(b.shard_size, dtype=dtype, device=b.flat.device)
+                works.append(b.comm.reduce_scatter(b.shard.grad, flat_grad, op=op, stream=DP_STREAM, async_op=True))
         for w in works:
-            w.wait()
+            w.wait()  # type: ignore[union-attr]
+        for b in self._buckets:
+            if b.experts:
+                (b.grad_flat if self.full_gradients or b.comm is None else b.shard.grad).div_(self.dp_size)  # type: ignore[union-attr]
         self._write_full_gradients()
         self._grads_reduced = True
 
@@ -438,20 +514,26 @@ class Zero1Optimizer(torch.optim.Optimizer):
                         p.grad.copy_(avg)
 
     def _check_unused(self) -> None:
-        """Count, over DP, the ranks holding a gradient for each bucket parameter (one all-reduce); refuse or record
-        the parameters some rank lacks one for (module docstring)."""
-        params = [p for b in self._buckets for p in b.params]
-        used = torch.tensor([float(p.grad is not None) for p in params])
+        """Count the ranks holding a gradient for each bucket parameter — over DP, an expert's over its replicas (one
+        all-reduce each); refuse or record the parameters some rank lacks one for (module docstring). An expert no
+        replica has a gradient for got no token of the whole batch: untouched by the step, as one process skips it."""
+        dense = [p for b in self._buckets if not b.experts for p in b.params]
+        used = torch.tensor([float(p.grad is not None) for p in dense])
         if self.dp_size > 1:
             self._dp.all_reduce(used, op="sum")
-        lacking = [i for i, p in enumerate(params) if used[i] < self.dp_size and not is_expert_parameter(p)]
+        lacking = [i for i in range(len(dense)) if used[i] < self.dp_size]
         if lacking and not self.find_unused_parameters:
-            names = [self._names.get(id(params[i]), f"param {i} (shape {tuple(params[i].shape)})") for i in lacking]
+            names = [self._names.get(id(dense[i]), f"param {i} (shape {tuple(dense[i].shape)})") for i in lacking]
             raise ValueError(unused_parameters_message(names))
-        nowhere = self._nowhere = {id(params[i]) for i in lacking if used[i] == 0}
-        self._untouched = [
-            (b, a, e) for b in self._buckets for i, a, e in b.owned_segments(self.dp_rank) if id(b.params[i]) in nowhere
-        ]
+        nowhere = {id(dense[i]) for i in lacking if used[i] == 0}
+        experts = [p for b in self._buckets if b.experts for p in b.params]
+        if experts:
+            routed = torch.tensor([float(p.grad is not None) for p in experts])
+            if self._edp_group is not None:
+                self._edp_group.all_reduce(routed, op="sum")
+            nowhere |= {id(p) for p, n in zip(experts, routed.tolist()) if n == 0}
+        self._nowhere = nowhere
+        self._untouched = [(b, a, e) for b in self._buckets for i, a, e in b.owned_segments() if id(b.params[i]) in nowhere]
 
     @torch.no_grad()
     def clip_grad_norm_(
@@ -485,7 +567,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         local = torch.zeros((), dtype=torch.float64, device=self._buckets[0].shard.device if self._buckets else None)
         for b in self._buckets:
             g = b.shard.grad
-            for i, a, e in b.owned_segments(self.dp_rank):
+            for i, a, e in b.owned_segments():
                 if replicated is not None and not count_replicated and replicated(b.params[i]):
                     continue
                 if norm_type == math.inf:
@@ -527,10 +609,10 @@ class Zero1Optimizer(torch.optim.Optimizer):
             src = b.shard.detach()
             if src.dtype != b.flat.dtype:
                 src = src.to(b.flat.dtype)  # master fp32 → compute dtype, once per element
-            if self.dp_size == 1:
+            if b.comm is None:
                 b.flat.copy_(src)
             else:
-                works.append((self._dp.all_gather(b.flat, src, stream=DP_STREAM, async_op=True), src))
+                works.append((b.comm.all_gather(b.flat, src, stream=DP_STREAM, async_op=True), src))
         for w, _ in works:
             w.wait()
 
@@ -583,16 +665,17 @@ class Zero1Optimizer(torch.optim.Optimizer):
 
     def _all_gather_flat(self, shard: torch.Tensor, b: _Bucket) -> torch.Tensor:
         full = torch.empty(b.padded, dtype=shard.dtype, device=shard.device)
-        if self.dp_size == 1:
+        if b.comm is None:
             full.copy_(shard)
         else:
-            self._dp.all_gather(full, shard.contiguous(), stream=DP_STREAM)
+            b.comm.all_gather(full, shard.contiguous(), stream=DP_STREAM)
         return full
 
     @torch.no_grad()
     def consolidated_master_weights(self, root: int | None = 0) -> dict[int, torch.Tensor] | None:
         """{state-dict index: full tensor} of the weights the optimizer updates (the fp32 masters with
         master_weights). Collective over DP; the result on ``root`` (every rank when None)."""
+        self._refuse_experts("consolidated_master_weights")
         out = {}
         for b in self._buckets:
             full = self._all_gather_flat(b.shard.detach(), b)
@@ -612,6 +695,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
             "param_groups": self._hyperparameters(),
             "inner": self.inner.state_dict(),
             "shards": [b.shard.detach().clone() for b in self._buckets],
+            # which shard of its experts this rank holds (consolidate_shard_states' experts=)
+            **({"expert_dp_rank": self._edp_rank, "expert_dp_size": self._edp_size} if self._has_experts else {}),
         }
 
     @torch.no_grad()
@@ -667,6 +752,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
     def consolidated_state_dict(self, root: int | None = 0) -> dict[str, Any] | None:
         """The full state, in the format (and with the values) of an unsharded ``optimizer_class.state_dict()``.
         Collective over DP; returned on group-rank ``root`` (on every rank when None), None elsewhere."""
+        self._refuse_experts("consolidated_state_dict")
         state: dict[int, dict[str, Any]] = {}
         for b in self._buckets:
             per_param: list[dict[str, Any]] = [{} for _ in b.params]
@@ -689,6 +775,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
     def load_consolidated_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a torch-format (unsharded) state dict on any DP size: each rank keeps its slice. The master
         shards are taken from the current parameters (restore the model's weights first). Collective over DP."""
+        self._refuse_experts("load_consolidated_state_dict")
         self._load_hyperparameters(state_dict["param_groups"])
         saved = state_dict["state"]
         shapes = {idx: tuple(p.shape) for b in self._buckets for idx, p in zip(b.indices, b.params)}
@@ -700,9 +787,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
                         f"shape {tuple(val.shape)}, the parameter {shapes[idx]}"
                     )
         self.inner.state.clear()
-        lo = self.dp_rank
         for b in self._buckets:
-            lo = self.dp_rank * b.shard_size
+            lo = b.rank * b.shard_size
             present = [saved[i] for i in b.indices if i in saved]
             if not present:
                 continue
@@ -718,7 +804,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
                     new[key] = val.clone() if isinstance(val, torch.Tensor) else val
             self.inner.state[b.shard] = new
         for b in self._buckets:
-            lo = self.dp_rank * b.shard_size
+            lo = b.rank * b.shard_size
             b.shard.copy_(b.flat[lo : lo + b.shard_size])
         self._sync_hyperparameters()
 
@@ -733,10 +819,11 @@ def unused_parameters_message(names: Sequence[str]) -> str:
     )
 
 
-def consolidate_shard_states(shards: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def consolidate_shard_states(shards: Sequence[dict[str, Any]], experts: Sequence[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The torch-format (unsharded) state dict from the ``state_dict()`` of every DP rank (any order), without
-    collectives — what ``consolidated_state_dict`` returns in the live world. ValueError when the set is not
-    one complete, consistent DP group."""
+    collectives — what ``consolidated_state_dict`` returns in the live world. Under expert parallelism ``experts``
+    names whose experts: the shards of one expert-parallel rank's replicas (its expert-DP group, any order); the dense
+    state still comes from every DP rank's. ValueError when the set is not one complete, consistent DP group."""
     if not shards or any(not isinstance(s, dict) or s.get("format") != STATE_FORMAT for s in shards):
         raise ValueError(f"consolidate_shard_states: expected '{STATE_FORMAT}' shards (Zero1Optimizer.state_dict())")
     by_rank = {int(s["dp_rank"]): s for s in shards}
@@ -747,12 +834,14 @@ def consolidate_shard_states(shards: Sequence[dict[str, Any]]) -> dict[str, Any]
     layout = [tuple(b) for b in first["layout"]]
     if any([tuple(b) for b in s["layout"]] != layout for s in shards):
         raise ValueError("consolidate_shard_states: the shards were saved with different layouts (param groups, shapes)")
+    dense = [by_rank[r] for r in range(size)]
+    replicas = _expert_replicas(experts, layout)
     state: dict[int, dict[str, Any]] = {}
-    for b, (_, _, indices, shapes, shard_size) in enumerate(layout):
-        inner = [by_rank[r]["inner"]["state"].get(b, {}) for r in range(size)]
+    for b, (_, _, indices, shapes, shard_size, *kind) in enumerate(layout):
+        inner = [s["inner"]["state"].get(b, {}) for s in (replicas if kind else dense)]
         for key, val in inner[0].items():
             if isinstance(val, torch.Tensor) and val.dim() == 1 and val.numel() == shard_size:
-                full = torch.cat([inner[r][key] for r in range(size)])
+                full = torch.cat([part[key] for part in inner])
                 offset = 0
                 for idx, shape in zip(indices, shapes):
                     n = math.prod(shape)
@@ -762,3 +851,22 @@ def consolidate_shard_states(shards: Sequence[dict[str, Any]]) -> dict[str, Any]
                 for idx in indices:
                     state.setdefault(idx, {})[key] = val.clone() if isinstance(val, torch.Tensor) else val
     return {"state": dict(sorted(state.items())), "param_groups": [dict(g) for g in first["param_groups"]]}
+
+
+def _expert_replicas(experts: Sequence[dict[str, Any]] | None, layout: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
+    """One expert-parallel rank's replicas' shards in expert-DP order (checked complete); [] for a layout without experts."""
+    if not any(len(b) > 5 for b in layout):
+        return []
+    if not experts:
+        raise ValueError(
+            "consolidate_shard_states: the shards hold expert-parallel buckets (each expert-parallel rank's own experts, "
+            "sharded over their replicas); pass experts= the shards of one expert-parallel rank's replicas"
+        )
+    by_rank = {int(s.get("expert_dp_rank", -1)): s for s in experts}
+    size = int(experts[0].get("expert_dp_size", 0))
+    if sorted(by_rank) != list(range(size)) or any([tuple(b) for b in s["layout"]] != layout for s in experts):
+        raise ValueError(
+            f"consolidate_shard_states: the experts' shards (expert-DP ranks {sorted(by_rank)}) do not make one "
+            f"expert-data-parallel group of {size} with the DP shards' layout"
+        )
+    return [by_rank[r] for r in range(size)]

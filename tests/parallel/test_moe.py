@@ -221,13 +221,16 @@ def test_expert_parallel_matches_single_process():
     assert reports[0]["train_losses"] == pytest.approx(reports[1]["train_losses"], rel=1e-6)
 
 
-def _ep_dp_worker(world) -> list:
+def _ep_dp_worker(world) -> dict:
     """DP = 4 = EP 2 × expert-DP 2: EP groups {0,1}, {2,3}; expert-DP groups {0,2}, {1,3}."""
+    from nxdt.parallel.zero1 import Zero1Optimizer, consolidate_shard_states
+
     rank, size = world.rank, world.world_size
     dp = world.new_communicator(list(range(size)), "dp")
     eps = [world.new_communicator([0, 1], "ep0"), world.new_communicator([2, 3], "ep1")]
     edps = [world.new_communicator([0, 2], "edp0"), world.new_communicator([1, 3], "edp1")]
     ep, edp = eps[rank // 2], edps[rank % 2]
+    report: dict = {}
     reference = _model()
     for r in range(size):  # gradient of the mean of the four ranks' losses
         ids_r, labels_r = _tokens(r, 7)
@@ -240,14 +243,125 @@ def _ep_dp_worker(world) -> list:
         dp.all_reduce(p.grad, "avg")
     reduce_expert_gradients(model, data_parallel_size=dp.size, expert_dp_comm=edp)
     want = dict(reference.named_parameters())
-    return [
+    report["reduced"] = [
         (n, _maxdiff(p.grad, want[n].grad)) for n, p in model.named_parameters() if not _close(p.grad, want[n].grad, 1e-5, 1e-7)
     ]
 
+    # ---- ZeRO-1 over DP 4: dense state in 4 shards, each rank's experts in 2 (over expert-DP); 3 clipped SGD steps
+    # (SGD: see _ep_tp_worker; momentum: a state to consolidate) with decay / no-decay groups = one process on the
+    # mean of the four ranks' losses
+    def groups(m: torch.nn.Module) -> list[dict]:
+        named = list(m.named_parameters())
+        return [
+            {"params": [p for _, p in named if p.dim() > 1], "weight_decay": 0.1},
+            {"params": [p for _, p in named if p.dim() <= 1], "weight_decay": 0.0},
+        ]
+
+    model, reference = apply_expert_parallel(_model(), ep), _model()
+    opt = Zero1Optimizer(
+        groups(model), torch.optim.SGD, dp, model=model, expert_parallel_size=2, expert_dp_comm=edp, lr=SGD_LR, momentum=0.5
+    )
+    ref_opt = torch.optim.SGD(groups(reference), lr=SGD_LR, momentum=0.5)
+    norms, ref_norms = [], []
+    for step in range(1, 4):
+        opt.zero_grad()
+        ids, labels = _tokens(rank, step)
+        model.loss_fn(model(ids), labels).backward()
+        norms.append(float(opt.clip_grad_norm_(0.05)))  # below the gradients' norm: every step is clipped
+        opt.step()
+        ref_opt.zero_grad()
+        for r in range(size):
+            ids_r, labels_r = _tokens(r, step)
+            (reference.loss_fn(reference(ids_r), labels_r) / size).backward()
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)))
+        ref_opt.step()
+    want = dict(reference.named_parameters())
+    report["zero1_norms"], report["ref_norms"] = norms, ref_norms
+    report["zero1_mismatch"] = [
+        (n, _maxdiff(p.detach(), want[n].detach()))
+        for n, p in model.named_parameters()
+        if not _close(p.detach(), want[n].detach(), 1e-5, 2e-6)
+    ]
+    report["zero1_moved"] = max(_maxdiff(p.detach(), _model().state_dict()[n]) for n, p in model.named_parameters())
+    report["expert_shard"] = [(b.size, b.shard.numel() * 2 == b.flat.numel()) for b in opt._buckets if b.experts]
+    # the saved shards joined as a checkpoint reader does: dense from every DP rank, experts from this EP rank's replicas
+    shards = dp.all_gather_object(opt.state_dict())
+    joined = consolidate_shard_states(shards, experts=shards[rank % 2 :: 2])["state"]
+    order = [n for n, p in model.named_parameters() if p.dim() > 1] + [n for n, p in model.named_parameters() if p.dim() <= 1]
+    ref_order = [n for n, p in reference.named_parameters() if p.dim() > 1] + [
+        n for n, p in reference.named_parameters() if p.dim() <= 1
+    ]
+    ref_state = ref_opt.state_dict()["state"]
+    report["momentum_mismatch"] = [
+        n
+        for i, n in enumerate(order)
+        if not _close(joined[i]["momentum_buffer"], ref_state[ref_order.index(n)]["momentum_buffer"], 1e-5, 1e-7)
+    ]
+    refused = []  # no one rank holds every expert's state
+    for consolidate in (opt.consolidated_state_dict, lambda: consolidate_shard_states(shards)):
+        try:
+            consolidate()
+        except ValueError as exc:
+            refused.append(str(exc))
+    report["consolidation_refused"] = refused
+
+    # ---- an expert some replicas route nothing to, and one no rank routes anything to (AdamW, weight decay):
+    # the first steps with Σ of the replicas' gradients / DP, the second stays put, as one process skips it
+    def holder() -> torch.nn.Module:
+        m = torch.nn.Module()
+        m.dense, m.used, m.unused = (torch.nn.Parameter(torch.full((n,), 1.0 + k)) for k, n in enumerate((3, 5, 2)))
+        m.used.expert_parallel = m.unused.expert_parallel = True
+        return m
+
+    def local_grads(m: torch.nn.Module) -> None:
+        m.dense.grad = torch.full((3,), rank + 1.0)
+        m.used.grad = None if rank == 3 else torch.full((5,), rank + 1.0)
+        m.unused.grad = None
+
+    wanted = {"dense": torch.full((3,), 2.5), "used": torch.full((5,), (1.0 + 3.0) / 4 if rank % 2 == 0 else 2.0 / 4)}
+    ref = holder()
+    for n, g in wanted.items():
+        getattr(ref, n).grad = g.clone()
+    torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.1).step()
+    m = holder()
+    z = Zero1Optimizer(
+        list(m.parameters()), torch.optim.AdamW, dp, expert_parallel_size=2, expert_dp_comm=edp, lr=0.1, weight_decay=0.1
+    )
+    local_grads(m)
+    z.step()
+    report["unused_expert"] = [(n, _maxdiff(p.detach(), getattr(ref, n).detach())) for n, p in m.named_parameters()]
+    full = holder()  # full_gradients: every .grad the reduced one, the unused expert's None
+    z = Zero1Optimizer(list(full.parameters()), torch.optim.AdamW, dp, expert_parallel_size=2, expert_dp_comm=edp, lr=0.1)
+    z.full_gradients = True
+    local_grads(full)
+    z.reduce_gradients()
+    report["full_gradients"] = [
+        _maxdiff(full.dense.grad, wanted["dense"]),
+        _maxdiff(full.used.grad, wanted["used"]),
+        full.unused.grad,
+    ]
+    plain = holder()  # the replicated path's reduction: the same
+    local_grads(plain)
+    reduce_expert_gradients(plain, data_parallel_size=4, expert_dp_comm=edp)
+    report["replicated"] = [_maxdiff(plain.used.grad, wanted["used"]), plain.unused.grad]
+    return report
+
 
 @pytest.mark.timeout(120)
-def test_expert_gradients_with_expert_data_parallel_replicas():
-    assert run_local(_ep_dp_worker, 4, timeout_s=110) == [[], [], [], []]
+def test_expert_data_parallel_replicas_reduce_and_shard_zero1_as_one_process():
+    for rank, report in enumerate(run_local(_ep_dp_worker, 4, timeout_s=110)):
+        assert report["reduced"] == [], rank
+        assert report["zero1_norms"] == pytest.approx(report["ref_norms"], rel=1e-5), rank
+        assert not report["zero1_mismatch"], (rank, report["zero1_mismatch"])
+        assert report["zero1_moved"] > 1e-3, rank  # the steps moved weights far beyond the tolerance
+        assert report["expert_shard"] == [(2, True)], rank  # one expert bucket (decay group), in 2 shards (expert-DP)
+        assert report["momentum_mismatch"] == [], rank
+        assert len(report["consolidation_refused"]) == 2 and all(
+            "per rank" in m or "pass experts=" in m for m in report["consolidation_refused"]
+        ), report["consolidation_refused"]
+        assert dict(report["unused_expert"]) == pytest.approx({"dense": 0.0, "used": 0.0, "unused": 0.0}, abs=1e-7), rank
+        assert report["full_gradients"] == [0.0, 0.0, None], rank
+        assert report["replicated"] == [0.0, None], rank
 
 
 def test_expert_parallel_bad_input():

@@ -419,6 +419,12 @@ def test_bad_input_single_process():
         opt.clip_grad_norm_(1.0, norm_type=1.0)
     with pytest.raises(ValueError, match="not a 'nxdt.zero1/v1' shard"):
         opt.load_state_dict({"foo": 1})
+    expert = torch.nn.Parameter(torch.zeros(4))
+    expert.expert_parallel = True  # what apply_expert_parallel flags
+    with pytest.raises(ValueError, match="flagged as expert-parallel .* expert_parallel_size is 1"):
+        Zero1Optimizer([expert], torch.optim.AdamW, None)
+    with pytest.raises(ValueError, match="expert_parallel_size=2 × expert_dp_comm size 1 must equal the data-parallel size 1"):
+        Zero1Optimizer([expert], torch.optim.AdamW, None, expert_parallel_size=2)
     other = Zero1Optimizer(_model().parameters(), torch.optim.AdamW, None, master_weights=True)
     with pytest.raises(ValueError, match="master_weights"):
         opt.load_state_dict(other.state_dict())
@@ -490,7 +496,7 @@ def _gradient_paths(world) -> dict:
     owned = [
         (b, a, e)
         for b in opt._buckets
-        for i, a, e in b.owned_segments(rank)
+        for i, a, e in b.owned_segments()
         if id(b.params[i]) in {id(q) for q in model[1].parameters()}
     ]
     out["moments_zero"] = all(float(m[a:e].abs().sum()) == 0.0 for m in moments for _, a, e in owned)
