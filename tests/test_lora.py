@@ -384,10 +384,6 @@ def test_the_lora_recipe_composes_and_its_model_keys_reach_apply_peft():
             "model_alignment_strategy.peft.save_lora_config_adapter=True: the PEFT "
             "adapter export has no trainable biases (lora_bias=all)",
         ),
-        (
-            ["trainer.devices=2", "distributed_strategy.pipeline_model_parallel_size=2"],
-            "model_alignment_strategy.peft.save_lora_config_adapter=True: the PEFT adapter is not gathered across pipeline stages",
-        ),
     ],
 )
 def test_peft_keys_this_version_does_not_do_are_refused_by_name(overrides, message):

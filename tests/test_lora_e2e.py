@@ -1,6 +1,6 @@
 """The LoRA SFT example in NxD Training's config format (tests/nxdt_configs/hf_llama3_8B_SFT_lora_config.yaml), shrunk by the
-overrides of tests/test_sft_e2e.py, trained through `nxdt train --config-path ... --config-name ...` on two CPU
-processes (DP2), its peft block as it is (rank 16, qkv_proj, save_lora_base and save_lora_config_adapter true,
+overrides of tests/test_sft_e2e.py, trained through `nxdt train --config-path ... --config-name ...` on four CPU
+processes (DP2 × PP2: each stage one layer), its peft block as it is (rank 16, qkv_proj, save_lora_base and save_lora_config_adapter true,
 autocast precision, weight_init_only) and the base weights from a Hugging Face directory (model.hf_checkpoint)
 written by transformers. One launch, checked for:
 
@@ -8,8 +8,9 @@ written by transformers. One launch, checked for:
 * learning: the loss falls; only the adapters moved — the checkpoint's base weights equal the Hugging Face ones bit
   for bit, every lora_B left zero;
 * the checkpoint is a Hugging Face PEFT adapter directory too (adapter_config.json, adapter_model.safetensors, under
-  its checksums): the real ``peft`` library loads it onto the transformers Llama and gives the logits of the base with
-  nxdt's merged adapters (merge_lora_state) — two independent ways of applying the same adapter.
+  its checksums; the adapters gathered over the pipeline stages): the real ``peft`` library loads it onto the
+  transformers Llama and gives the logits of the base with nxdt's merged adapters (merge_lora_state, from the stages'
+  own model files) — two independent ways of applying the same adapter.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def run(tmp_path_factory):
     lines = SAMPLE_INSTRUCTIONS.read_text().splitlines()
     (root / "validation.jsonl").write_text("\n".join(lines[-20:]) + "\n")
     overrides = [
-        "trainer.devices=2",
+        "trainer.devices=4",
+        "distributed_strategy.pipeline_model_parallel_size=2",
         "exp_manager.resume_from_checkpoint=null",
         f"model.hf_checkpoint={root / 'base'}",
         # the file's model_config (Llama 3 8B's config.json) states head_dim 128; the shrunk base's is hidden/heads
@@ -73,9 +75,12 @@ def run(tmp_path_factory):
 
 
 def _checkpoint_state(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The model's tensors from every pipeline stage's file (each stage's layers under their global names)."""
     from safetensors.torch import load_file
 
-    return {k[len("model.") :]: v for k, v in load_file(str(ckpt / "model.safetensors")).items()}
+    stages = sorted(ckpt.glob("model-mp*.safetensors"))
+    assert len(stages) == 2, stages
+    return {k[len("model.") :]: v for f in stages for k, v in load_file(str(f)).items()}
 
 
 def test_the_nxdt_lora_config_trains_the_adapters_alone(run):

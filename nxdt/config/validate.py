@@ -1014,13 +1014,6 @@ def _check_peft(cfg: Any) -> None:
             True,
             "loads the adapters of exp_manager.resume_from_checkpoint: name a checkpoint of a LoRA run there",
         )
-    if peft.save_lora_config_adapter and ds.pipeline_model_parallel_size > 1:
-        raise NotYetSupported(
-            "model_alignment_strategy.peft.save_lora_config_adapter",
-            True,
-            "the PEFT adapter is not "
-            "gathered across pipeline stages yet; set false, or distributed_strategy.pipeline_model_parallel_size=1",
-        )
     if peft.save_lora_config_adapter and peft.lora_bias in ("all", "lora_only"):  # other values: check_peft names them
         raise NotYetSupported(
             "model_alignment_strategy.peft.save_lora_config_adapter",

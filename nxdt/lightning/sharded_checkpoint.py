@@ -76,6 +76,7 @@ class RankGroups:
     rank: int
     world: Communicator
     tp: Communicator | None  # TP > 1 only
+    pp: Communicator | None  # PP > 1 only
     tp_layout: dict[str, list[int]] | None  # this stage's TP-sharded parameters, recorded before FSDP flattens them
     trainable: frozenset[str]  # state-dict names of the trainable parameters, recorded before FSDP
 
@@ -89,7 +90,8 @@ class RankGroups:
         trainable: frozenset[str],
     ) -> RankGroups:
         """From the strategy's communicators by dimension (``"world"``, ``"tp"``, ...)."""
-        return cls(plan, rank, comms["world"], comms.get(Dim.TP) if plan.tp > 1 else None, tp_layout, trainable)
+        tp, pp = (comms.get(dim) if plan.degree(dim) > 1 else None for dim in (Dim.TP, Dim.PP))
+        return cls(plan, rank, comms["world"], tp, pp, tp_layout, trainable)
 
 
 class ShardedCheckpointer:
@@ -275,15 +277,10 @@ class ShardedCheckpointer:
         return {ADAPTER_WEIGHTS: state, ADAPTER_CONFIG: json.dumps(peft_adapter_config(config, base_path), indent=2).encode()}
 
     def trainable_state_dict(self, module: nn.Module) -> dict[str, Tensor]:
-        """The trainable tensors (LoRA: the adapters) unsharded — gathered over FSDP's DP shards and the TP shards —
-        by their names in the hub model (no ``model.`` prefix), on every rank. Not with pipeline parallelism (each
-        stage holds other layers)."""
+        """The trainable tensors (LoRA: the adapters) unsharded — gathered over FSDP's DP shards, the TP shards and the
+        pipeline stages (each holds its own layers, under their global names) — by their names in the hub model (no
+        ``model.`` prefix), on every rank."""
         g = self.groups
-        if g.plan.pp > 1:
-            raise NotImplementedError(
-                "NxDStrategy.trainable_state_dict: not with pipeline parallelism yet (each stage holds "
-                "other layers); export from a checkpoint (nxdt checkpoint consolidate) instead"
-            )
         state = self._dp.model_state_dict(module)
         layout = g.tp_layout or {}
         out = {}
@@ -293,6 +290,8 @@ class ShardedCheckpointer:
             out[short] = (
                 gather_shards(state[name], g.tp, *spec) if g.tp is not None and spec is not None else state[name].detach().clone()
             )
+        if g.pp is not None:  # tensors travel as tensors (nxdt.comm.objects), never pickled
+            out = dict(sorted((name, t) for stage in g.pp.all_gather_object(out) for name, t in stage.items()))
         return out
 
     # ----------------------------------------------------------------------------- load
