@@ -984,7 +984,7 @@ def _check_preference_recipe(cfg: Any) -> None:
 
 def _check_peft(cfg: Any) -> None:
     """NxDT's peft keys this version does not do, refused by name (the model-shaping keys: ``check_peft`` on the model)."""
-    peft, ds = cfg.model_alignment_strategy.peft, cfg.distributed_strategy
+    peft = cfg.model_alignment_strategy.peft
     if peft is None:
         return
     if peft.merge_lora and not peft.save_lora_base:
