@@ -34,7 +34,9 @@ router logits of *all* layers stacked as rows (T = tokens × layers rows, E expe
 
 The rows are every token of the micro-batch, padding included, as NxD's ``load_balancing_loss_func`` takes them;
 transformers' leaves out the positions its ``attention_mask`` masks (the same where nothing is padded: pretraining,
-packed records). NxD's scales by E/k where this (and transformers') scales by E: an NxDT config's weight is divided
+packed records). ``aux_loss(padding_masked=True)`` is transformers' (what TRL's DPO and GRPO add): each block keeps,
+with its router logits, which rows are real tokens (``segment_ids != 0`` of the forward; under sequence parallelism
+gathered as the logits are), and only those rows count. NxD's scales by E/k where this (and transformers') scales by E: an NxDT config's weight is divided
 by k when it is translated (``nxdt.config.nxdt_compat``), so the loss is NxDT's.
 
 **Where the aux loss goes:** ``loss_fn(logits, labels)`` called on the model returns
@@ -140,9 +142,15 @@ class LoadBalancing:
         self._staged = _Transient()
         self.taken = False
 
-    def statistics(self, router_logits: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the float64 statistics vector, S [E] fp32 with gradient) of these router logits (each [rows, E])."""
-        probs = torch.softmax(torch.cat([r.reshape(-1, self.num_experts) for r in router_logits]).float(), dim=-1)
+    def statistics(
+        self, router_logits: list[torch.Tensor], masks: list[torch.Tensor | None] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the float64 statistics vector, S [E] fp32 with gradient) of these router logits (each [rows, E]);
+        ``masks``: per logits tensor, which rows count (bool [rows]; None: all)."""
+        rows_of = [r.reshape(-1, self.num_experts) for r in router_logits]
+        if masks is not None:
+            rows_of = [r if m is None else r[m] for r, m in zip(rows_of, masks)]
+        probs = torch.softmax(torch.cat(rows_of).float(), dim=-1)
         chosen = torch.topk(probs, self.top_k, dim=-1).indices
         # integer counts are not differentiable (as in HF): only S carries gradient, into the router
         counts = torch.bincount(chosen.reshape(-1), minlength=self.num_experts).to(torch.float64)
@@ -180,10 +188,16 @@ class LoadBalancing:
         return value
 
 
-def load_balancing_loss(router_logits: list[torch.Tensor] | torch.Tensor, num_experts: int, top_k: int) -> torch.Tensor:
-    """HF's Switch-Transformer auxiliary loss over the rows of all layers' router logits (module docstring)."""
+def load_balancing_loss(
+    router_logits: list[torch.Tensor] | torch.Tensor,
+    num_experts: int,
+    top_k: int,
+    masks: list[torch.Tensor | None] | None = None,
+) -> torch.Tensor:
+    """HF's Switch-Transformer auxiliary loss over the rows of all layers' router logits (module docstring); ``masks``:
+    per layer, the rows that count (transformers' ``attention_mask``; None: every row)."""
     balance = LoadBalancing(num_experts, top_k)
-    totals, sums = balance.statistics(list(router_logits) if isinstance(router_logits, (list, tuple)) else [router_logits])
+    totals, sums = balance.statistics(list(router_logits) if isinstance(router_logits, (list, tuple)) else [router_logits], masks)
     return balance.loss(sums, totals)
 
 
@@ -229,6 +243,8 @@ class SparseMoeBlock(nn.Module):
         # enter and leave the sharded experts; None runs everything here
         self.tensor_parallel_region: Any = None
         self._last_router_logits = _Transient()
+        self.tokens = _Transient()  # the forward's real tokens, bool [B, S] (set by the model; None: all are)
+        self._last_router_mask = _Transient()
 
     @property
     def router_logits(self) -> torch.Tensor | None:
@@ -238,6 +254,26 @@ class SparseMoeBlock(nn.Module):
     @router_logits.setter
     def router_logits(self, value: torch.Tensor | None) -> None:
         self._last_router_logits.value = value
+
+    @property
+    def router_mask(self) -> torch.Tensor | None:
+        """Which rows of ``router_logits`` are real tokens (bool [tokens]); None: all of them (nothing was said)."""
+        return self._last_router_mask.value
+
+    def _real_rows(self, x_shape: torch.Size, region: Any) -> torch.Tensor | None:
+        """The forward's token mask in the order of this block's router-logit rows: [B, S] row-major, or under
+        sequence parallelism each rank's sequence shard in turn (as ``region.replicated`` gathers the logits)."""
+        mask = self.tokens.value
+        if mask is None:
+            return None
+        local = x_shape[-2]
+        sharded = region is not None and region.sequence_parallel
+        if tuple(mask.shape) != (x_shape[0], local * (region.comm.size if sharded else 1)):
+            raise ValueError(f"SparseMoeBlock: a token mask of shape {tuple(mask.shape)} for an input of {tuple(x_shape)}")
+        if not sharded:
+            return mask.reshape(-1)
+        mine = mask[:, region.comm.rank * local : (region.comm.rank + 1) * local]
+        return region.gather_ids(mine.reshape(-1).to(torch.int64).contiguous()) != 0
 
     @property
     def expert_ids(self) -> list[int]:
@@ -258,6 +294,7 @@ class SparseMoeBlock(nn.Module):
         logits = self.gate(flat)
         region = self.tensor_parallel_region
         self.router_logits = region.replicated(logits) if region is not None else logits
+        self._last_router_mask.value = self._real_rows(shape, region)
         weights, experts = route(logits, self.top_k, self.router_activation, self.normalize)
         if region is not None:  # the router stays outside: experts see every token, their outputs are partial sums
             flat, weights, experts = region.enter(flat), region.enter(weights), region.gather_ids(experts)
@@ -320,10 +357,17 @@ class MixtralForCausalLM(LlamaForCausalLM):
         segment_ids: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """input_ids [B, S] → logits [B, S, vocab] (router logits kept on each block for the aux loss)."""
+        """input_ids [B, S] → logits [B, S, vocab] (router logits kept on each block for the aux loss, with which rows
+        are real tokens: ``segment_ids != 0``)."""
+        tokens = None if segment_ids is None else segment_ids != 0
         for block in self.moe_blocks():
             block.router_logits = None  # a layer that does not run (another pipeline stage) adds nothing
-        return super().forward(input_ids, position_ids, segment_ids, kv_cache)
+            block.tokens.value = tokens
+        try:
+            return super().forward(input_ids, position_ids, segment_ids, kv_cache)
+        finally:  # a later forward that bypasses this one (a pipeline chunk's) must not find this batch's mask
+            for block in self.moe_blocks():
+                block.tokens.value = None
 
     def router_logits(self) -> list[torch.Tensor]:
         """Router logits [tokens, experts] of every layer that ran in the last forward, in layer order."""
@@ -333,16 +377,18 @@ class MixtralForCausalLM(LlamaForCausalLM):
         """What a pipeline needs to add the aux loss across stages (module docstring); None when its weight is 0."""
         return self.balance if self.router_aux_loss_coef != 0 else None
 
-    def aux_loss(self) -> torch.Tensor:
+    def aux_loss(self, padding_masked: bool = False) -> torch.Tensor:
         """HF's load-balancing loss over the last forward's router logits (0 if none were recorded); in a pipeline's
-        last chunk the whole term over every stage's layers, which the pipeline staged."""
+        last chunk the whole term over every stage's layers, which the pipeline staged. ``padding_masked``: over the
+        real tokens only (transformers' with an ``attention_mask``; module docstring)."""
         staged = self.balance.take_staged()
         if staged is not None:
             return staged
-        logits = self.router_logits()
-        if not logits:
+        blocks = [b for b in self.moe_blocks() if b.router_logits is not None]
+        if not blocks:
             return torch.zeros(())
-        return load_balancing_loss(logits, self.num_experts, self.top_k)
+        masks = [b.router_mask for b in blocks] if padding_masked else None
+        return load_balancing_loss([b.router_logits for b in blocks], self.num_experts, self.top_k, masks)
 
     @_instance_or_static
     def loss_fn(self: "MixtralForCausalLM | None", logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

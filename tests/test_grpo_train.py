@@ -303,6 +303,94 @@ def test_a_bad_reward_function_or_layout_stops_the_launcher_with_one_line_and_ex
     assert not (tmp_path / "nxdt_runs").exists() or not any((tmp_path / "nxdt_runs").rglob("metrics.csv"))
 
 
+IDS_LOGGER = '''
+import json
+from pathlib import Path
+
+def logged(prompts, completions, completion_ids, **kwargs):
+    """0 for every completion (no advantage: the policy term is 0); logs the prompts and the sampled ids."""
+    with open(Path(__file__).with_name("ids.jsonl"), "a") as fh:
+        fh.write(json.dumps({"prompts": prompts, "completion_ids": completion_ids}) + "\\n")
+    return [0.0] * len(completions)
+'''
+
+
+def _transformers_aux(run: Path, overrides: list[str], calls: Path) -> float:
+    """The run's micro-batches rebuilt from what its reward function saw, through the starting weights (lr 0), and
+    scored by transformers' load_balancing_loss_func with the batch's attention mask: their mean."""
+    modeling = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
+    import torch
+
+    from nxdt.data.instructions import build_chat_tokenizer
+    from nxdt.lightning.datamodule import chat_tokenizer_dir
+    from nxdt.lightning.grpo import encode_prompts
+    from nxdt.lightning.module import import_architecture
+    from nxdt.lightning.reshard import read_full_state
+    from nxdt.models.generate import completion_batch
+
+    cfg = _cfg(*overrides)
+    seen = [json.loads(line) for line in calls.read_text().splitlines()]
+    texts = [p for call in seen for p in call["prompts"]]
+    completions = [c for call in seen for c in call["completion_ids"]]
+    tokenizer = build_chat_tokenizer(chat_tokenizer_dir(cfg.data.tokenizer))
+    grpo = cfg.model_alignment_strategy.grpo
+    prompts = encode_prompts([{"prompt": t} for t in texts], tokenizer, grpo.max_prompt_length, cfg.model.vocab_size)
+    model = import_architecture(cfg.model.architecture)(cfg.model)
+    state = read_full_state(run / "checkpoints" / "step-1", optimizer=False).model
+    model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
+    b, losses = cfg.data.micro_batch_size, []
+    with torch.no_grad():
+        for start in range(0, len(prompts), b):
+            batch = completion_batch(prompts[start : start + b], completions[start : start + b])
+            model(batch["input_ids"], batch["position_ids"], batch["segment_ids"])
+            mask = (batch["segment_ids"] != 0).long()
+            losses.append(float(modeling.load_balancing_loss_func(tuple(model.router_logits()), 4, 2, attention_mask=mask)))
+    return sum(losses) / len(losses)
+
+
+def test_a_mixture_of_experts_policy_adds_trls_load_balancing_term_also_under_sequence_parallelism(tmp_path):
+    """Mixtral (router_aux_loss_coef 0.02), one step at lr 0 with zero rewards: no advantage, so the surrogate is 0 and
+    the logged loss is TRL's aux term alone, 0.02 · the mean over micro-batches of the policy forward's load-balancing
+    loss over its real tokens — which equals transformers' load_balancing_loss_func with the attention mask on the
+    same rows (rebuilt here from the sampled ids). TP2 with SP samples what one rank samples and widens the scoring
+    batch with padding columns for SP, whose router rows the mask leaves out: its aux_loss is one rank's. Tolerance
+    rel 1e-5: fp32 sums over a few hundred rows in another order (~1e-7); counting the padding moves it by ~1e-3."""
+    user = _user_code(tmp_path / "user")
+    (user / "ids_logger.py").write_text(IDS_LOGGER)
+    common = [
+        "model=mixtral_tiny",
+        "trainer.max_steps=1",
+        "model.optim.lr=0",
+        "model_alignment_strategy.grpo.beta=0.0",
+        "model_alignment_strategy.grpo.reward_funcs=[ids_logger:logged]",
+        "model_alignment_strategy.grpo.reward_weights=[1.0]",
+    ]
+    rows = {}
+    for name, layout in (
+        ("one", ["trainer.devices=1"]),
+        (
+            "tp2-sp",
+            [
+                "trainer.devices=2",
+                "distributed_strategy.tensor_model_parallel_size=2",
+                "distributed_strategy.sequence_parallel=true",
+            ],
+        ),
+    ):
+        calls = user / "ids.jsonl"
+        calls.unlink(missing_ok=True)
+        run = tmp_path / name
+        result = _nxdt(tmp_path, *common, *layout, f"exp_manager.explicit_log_dir={run}", pythonpath=user)
+        assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+        rows[name] = next(csv.DictReader(open(run / "metrics.csv")))
+        assert float(rows[name]["loss"]) == pytest.approx(0.02 * float(rows[name]["aux_loss"]), rel=1e-5), rows[name]
+        if name == "one":
+            want = _transformers_aux(run, common, calls)
+            assert float(rows[name]["aux_loss"]) == pytest.approx(want, rel=1e-5)
+    assert rows["tp2-sp"]["completions/mean_length"] == rows["one"]["completions/mean_length"]
+    assert float(rows["tp2-sp"]["aux_loss"]) == pytest.approx(float(rows["one"]["aux_loss"]), rel=1e-5)
+
+
 def test_expert_parallelism_is_refused_by_name():
     with pytest.raises(GRPOConfigError) as info:
         check(_cfg("model=mixtral_tiny", "distributed_strategy.expert_model_parallel_size=2"), 1)

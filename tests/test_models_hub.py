@@ -178,6 +178,30 @@ def test_aux_loss_formula_and_loss_fn():
     assert model0.loss_fn(logits0, labels).item() == MixtralForCausalLM.loss_fn(logits0, labels).item()
 
 
+def test_the_padding_masked_aux_loss_is_transformers_with_an_attention_mask():
+    """``aux_loss(padding_masked=True)`` (what DPO and GRPO add, as TRL) equals transformers' load_balancing_loss_func
+    given the batch's attention mask — rows left-padded, right-padded, and whole — and unmasked, its loss without one.
+    fp32 both sides over the same logits: equal to ~1e-6; leaving the padding in moves it by ~1e-2 here."""
+    modeling = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
+    torch.manual_seed(5)
+    model = MixtralForCausalLM(mixtral_cfg())
+    for block in model.moe_blocks():
+        torch.nn.init.normal_(block.gate.weight, std=0.5)
+    ids, _ = _batch(64, b=3)
+    segments = torch.ones_like(ids)
+    segments[0, :5] = 0  # a left-padded prompt
+    segments[1, -6:] = 0  # a completion that ended early
+    model(ids, segment_ids=segments)
+    logits = tuple(r.detach() for r in model.router_logits())
+    masked = model.aux_loss(padding_masked=True).detach()
+    want = modeling.load_balancing_loss_func(logits, 4, 2, attention_mask=segments)
+    assert float(masked) == pytest.approx(float(want), rel=1e-5)
+    assert float(model.aux_loss().detach()) == pytest.approx(float(modeling.load_balancing_loss_func(logits, 4, 2)), rel=1e-5)
+    assert abs(float(masked) - float(model.aux_loss().detach())) > 1e-3  # the padding mattered
+    model(ids)  # a forward without segment ids: every row is a token, masked or not
+    assert float(model.aux_loss(padding_masked=True).detach()) == float(model.aux_loss().detach())
+
+
 def test_mixtral_full_checkpointing_is_identical():
     ids, labels = _batch(64)
     results = []

@@ -11,7 +11,10 @@ with every reward function, gathers the rewards of all ranks for the advantages 
 then runs forward and backward over its completions in ``micro_batch_size`` rows at a time with the clipped surrogate
 and, when ``beta`` != 0, the k3 KL to the reference (the starting weights, kept as a frozen copy). Each micro-batch's
 loss is scaled so the rank's sum is TRL's per-process loss, and the data-parallel mean of the gradients is TRL's.
-The logits the loss scores are divided by ``temperature``, as TRL does.
+The logits the loss scores are divided by ``temperature``, as TRL does. A mixture-of-experts policy with a non-zero
+``model.moe.router_aux_loss_coef`` adds, as TRL's GRPOTrainer, that weight times the load-balancing loss of each
+micro-batch's forward over its real tokens (prompt and completion; padding left out, as transformers' attention mask
+does) divided by the number of micro-batches (TRL's gradient-accumulation steps); logged as ``aux_loss``.
 
 **Reward functions are your own code**, named in your own config as ``module:function`` (importable from the
 launching environment: installed, or on ``PYTHONPATH``), like a training script; they run in every worker.
@@ -69,6 +72,7 @@ BASE_METRICS = (
     "clip_ratio/region_mean",
     "completions/mean_length",
     "completions/max_length",
+    "aux_loss",  # a mixture-of-experts policy's load-balancing loss (TRL's name); empty for a dense model
 )
 
 
@@ -482,6 +486,8 @@ class GRPOModule(CausalLMModule):
         total = torch.zeros((), dtype=torch.float64)
         sums = torch.zeros(5, dtype=torch.float64)  # kl, clip low, high, region (token sums), tokens
         b = self.micro_batch_size
+        aux_coef = float(getattr(self.model, "router_aux_loss_coef", 0.0))  # a MoE model's; 0: no term (TRL's rule)
+        micro_batches, aux_sum = math.ceil(n / b), torch.zeros((), dtype=torch.float64)
         for start in range(0, n, b):
             rows = slice(start, min(start + b, n))
             mb = {k: v[rows] for k, v in full.items()}
@@ -495,8 +501,11 @@ class GRPOModule(CausalLMModule):
                 loss_type, items, scale = "dapo", local_tokens, 1.0
             elif g.loss_type == "dapo":  # TRL: the global token count / processes, the DP mean finishing it
                 items, processes, scale = global_tokens, dp, 1.0
+            logps = self._logps(self.model, mb)
+            # TRL: the policy forward's load-balancing loss (attention-masked), / the gradient-accumulation steps
+            aux = self.model.aux_loss(padding_masked=True) if aux_coef else None
             loss, metrics = grpo_loss(
-                self._logps(self.model, mb),
+                logps,
                 mb_mask,
                 advantages[rows],
                 ref_per_token_logps=ref,
@@ -509,6 +518,9 @@ class GRPOModule(CausalLMModule):
                 num_processes=processes,
             )
             loss = loss * scale
+            if aux is not None:
+                loss = loss + aux_coef * aux / micro_batches
+                aux_sum += aux.detach().double()
             self.manual_backward(loss)
             total += loss.detach().double()
             tokens = float(mb_mask.sum())
@@ -553,6 +565,8 @@ class GRPOModule(CausalLMModule):
         }
         if g.beta != 0.0:
             self.step_metrics["kl"] = float(sums[0]) / tokens
+        if aux_coef:  # the mean over this step's micro-batches and the data-parallel ranks
+            self.step_metrics["aux_loss"] = float(self._data_parallel_sum(aux_sum.reshape(1))[0]) / (micro_batches * dp)
         for j, name in enumerate(self.reward_names):
             self.step_metrics[f"rewards/{name}/mean"] = float(torch.nanmean(everyone[:, j]))
             self.step_metrics[f"rewards/{name}/std"] = float(nanstd(everyone[:, j]))
