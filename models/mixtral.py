@@ -53,7 +53,8 @@ chunk's statistics ride forward with its activations, the last chunk stages the 
 differentiable, the earlier stages' as numbers) for ``loss_fn`` to add, and the totals ride back with the gradients
 so each earlier chunk backpropagates its own share ``coef · E/T² · Σ_e C_e S_e``
 (``nxdt.parallel.pipeline.PipelineExecutor``): loss and gradients equal the unsharded model's, with any objective
-(one that does not call ``loss_fn``, DPO's, has no aux term at any stage, as unsharded).
+(one that does not call ``loss_fn`` has no aux term at any stage, as unsharded; DPO's, ORPO's and GRPO's own
+padding-masked term is not built under PP, and refused there).
 
 Config: the ``model`` schema's keys (as Llama; ``ffn_hidden_size`` is one expert's inner width) plus a
 ``moe`` sub-config: ``num_experts`` (8), ``top_k`` (2), ``router_aux_loss_coef`` (0.02; HF's MixtralConfig

@@ -86,7 +86,16 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
             ],
             "pipeline_model_parallel_size",
         ),
-        (["train", "+recipe=dpo", "model=mixtral_tiny"], "does not add the load-balancing loss yet"),
+        (
+            [
+                "train",
+                "+recipe=dpo",
+                "model=mixtral_tiny",
+                "trainer.devices=2",
+                "distributed_strategy.pipeline_model_parallel_size=2",
+            ],
+            "not yet with distributed_strategy.pipeline_model_parallel_size > 1",
+        ),
         (
             [
                 "train",

@@ -280,17 +280,30 @@ def test_orpo_loss_equals_the_formula_on_the_first_batch(tmp_path, tokenizer, la
     assert [int(r["step"]) for r in rows] == [1, 2, 3] and all(math.isfinite(float(r["loss"])) for r in rows)
 
 
-def test_dpo_on_a_mixture_of_experts_model_with_expert_parallelism_equals_one_process(tmp_path):
-    """DPO on mixtral_tiny without the load-balancing term (TRL's default: a model without output_router_logits has
-    none; nxdt's refusal names the weight otherwise): EP2 (each rank holds 2 of the 4 experts, tokens exchanged by
-    all-to-all, the reference scored the same way) against one rank, fp32, the pipeline-free path of the objective."""
+def test_dpo_on_a_mixture_of_experts_model_adds_trls_load_balancing_term_and_ep2_equals_one_process(tmp_path):
+    """DPO on mixtral_tiny with its load-balancing weight (0.02): as TRL's DPOTrainer, each micro-batch's loss is DPO's
+    plus 0.02 · transformers' load_balancing_loss_func over the chosen and rejected rows' real tokens (attention mask).
+    At step 1 the policy is the reference, so the loss is log 2 + 0.02 · the mean of that term over the first global
+    batch's micro-batches, computed here from the same initial weights and rows (fp32 both sides: ~1e-7; the term is
+    ~0.04 of the loss, counting the padding moves it by ~1e-3 relative); validation after step 3 is TRL's eval loss,
+    DPO's mean over the validation pairs plus the term (from the step-3 checkpoint and the starting weights).
+    EP2 (each rank holds 2 of the 4 experts, tokens exchanged by all-to-all, the reference scored the same way) equals
+    one rank, fp32, through 3 steps."""
+    import lightning.pytorch as pl
+    import transformers.models.mixtral.modeling_mixtral as modeling
+
+    from nxdt.config import load_run_config
+    from nxdt.data.preferences import pair_rows
+    from nxdt.data.sampler import GlobalBatchSampler
+    from nxdt.lightning.datamodule import build_preference_dataset
+    from nxdt.lightning.module import import_architecture
+    from nxdt.lightning.reshard import read_full_state
     from test_train_e2e import assert_ok, nxdt
 
     common = [
         "train",
         "+recipe=dpo",
         "model=mixtral_tiny",
-        "model.moe.router_aux_loss_coef=0",
         "precision.type=fp32",
         "trainer.max_steps=3",
         "trainer.log_every_n_steps=1",
@@ -301,16 +314,55 @@ def test_dpo_on_a_mixture_of_experts_model_with_expert_parallelism_equals_one_pr
         "exp_manager.create_tensorboard_logger=false",
         "trainer.gradient_clip_val=0",  # a wrongly scaled expert gradient must not be clipped back
     ]
+    validation = tmp_path / "validation.jsonl"  # 4 pairs of their own: the training set stays the first 16
+    validation.write_text("\n".join(SAMPLE_PREFERENCES.read_text().splitlines()[-4:]) + "\n")
     runs = {}
     for name, layout in (
-        ("one", ["trainer.devices=1"]),
+        (
+            "one",
+            ["trainer.devices=1", f"data.val_dir={validation}", "trainer.val_check_interval=3", "exp_manager.save_last=true"],
+        ),
         ("ep2", ["trainer.devices=2", "distributed_strategy.expert_model_parallel_size=2"]),
     ):
         runs[name] = tmp_path / name
         assert_ok(nxdt(*common, *layout, f"exp_manager.explicit_log_dir={runs[name]}", cwd=tmp_path))
     got, want = _rows(runs["ep2"]), _rows(runs["one"])
-    _at_initialisation(want)
-    assert abs(float(want[-1]["loss"]) - math.log(2)) > 1e-4  # the policy moved: not the trivial comparison
+
+    cfg = load_run_config(runs["one"] / "config.yaml")
+    pl.seed_everything(cfg.seed, verbose=False)  # what the worker does right before it builds the model
+    model = import_architecture(cfg.model.architecture)(cfg.model).eval()
+    data, dpo = cfg.data, cfg.model_alignment_strategy.dpo
+    dataset = build_preference_dataset(data, dpo, data.train_dir, cfg.model.vocab_size, limit=data.dev_choose_samples)
+    first = next(iter(GlobalBatchSampler(len(dataset), data.global_batch_size, data.global_batch_size, seed=cfg.seed)))
+    terms = []
+    with torch.no_grad():
+        for k in range(0, len(first), data.micro_batch_size):
+            mb = pair_rows(torch.utils.data.default_collate([dataset[i] for i in first[k : k + data.micro_batch_size]]))
+            model(mb["input_ids"], mb["position_ids"], mb["segment_ids"])
+            mask = (mb["segment_ids"] != 0).long()
+            terms.append(float(modeling.load_balancing_loss_func(tuple(model.router_logits()), 4, 2, attention_mask=mask)))
+    assert float(want[0]["loss"]) == pytest.approx(math.log(2) + 0.02 * sum(terms) / len(terms), rel=1e-5)
+    assert abs(float(want[-1]["loss"]) - float(want[0]["loss"])) > 1e-4  # the policy moved: not the trivial comparison
+    # validation after step 3: the mean over the 4 pairs of −log σ(β·(Δ log π − Δ log π_ref)) plus 0.02 · the mean term
+    trained = import_architecture(cfg.model.architecture)(cfg.model).eval()
+    state = read_full_state(runs["one"] / "checkpoints" / "step-3", optimizer=False).model
+    trained.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
+    pairs = build_preference_dataset(data, dpo, str(validation), cfg.model.vocab_size)
+    losses, terms = [], []
+    with torch.no_grad():
+        for i in range(len(pairs)):
+            mb = pair_rows(torch.utils.data.default_collate([pairs[i]]))
+            mask = mb["labels"] != -100
+            logps = []
+            for m in (model, trained):  # the reference (the starting weights), then the policy
+                logp = torch.log_softmax(m(mb["input_ids"], mb["position_ids"], mb["segment_ids"]).double(), -1)
+                logps.append((logp.gather(-1, mb["labels"].clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask).sum(-1))
+            margin = (logps[1][0] - logps[0][0]) - (logps[1][1] - logps[0][1])
+            losses.append(float(-F.logsigmoid(dpo.kl_beta * margin)))
+            attention = (mb["segment_ids"] != 0).long()
+            terms.append(float(modeling.load_balancing_loss_func(tuple(trained.router_logits()), 4, 2, attention_mask=attention)))
+    validated = float(next(r for r in want if r.get("val_loss"))["val_loss"])
+    assert validated == pytest.approx(sum(losses) / len(losses) + 0.02 * sum(terms) / len(terms), rel=1e-5)
     for g, w in zip(got, want, strict=True):
         assert float(g["loss"]) == pytest.approx(float(w["loss"]), rel=1e-5), (got, want)
         for name in REWARDS:

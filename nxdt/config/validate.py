@@ -1218,11 +1218,14 @@ def _check_preference_training(cfg: Any) -> None:
             "before training (by the same model, sharded like the policy); computing them every step would "
             "need a second, frozen copy of the model on every rank; set true (NxDT supports only true too)",
         )
-    if cfg.model.moe.num_experts and cfg.model.moe.router_aux_loss_coef:
-        # TRL adds the term only for a model whose config says output_router_logits (false by default)
+    ds = cfg.distributed_strategy
+    split = [k for k in ("pipeline_model_parallel_size", "context_parallel_size") if getattr(ds, k) > 1]
+    if cfg.model.moe.num_experts and cfg.model.moe.router_aux_loss_coef and split:
+        # the term (TRL's) runs over every row's routing of the micro-batch: no rank holds it under PP or CP
         raise NotYetSupported(
             "model.moe.router_aux_loss_coef",
             cfg.model.moe.router_aux_loss_coef,
-            f"{name.upper()} on a mixture-of-experts model does not add the load-balancing loss yet; set "
-            "model.moe.router_aux_loss_coef=0 (TRL's default: a model without output_router_logits has no such term)",
+            f"{name.upper()} adds a mixture-of-experts model's load-balancing loss (as TRL) on data, tensor and expert "
+            f"parallelism, ZeRO-1 and FSDP, not yet with distributed_strategy.{split[0]} > 1; set "
+            "model.moe.router_aux_loss_coef=0 to train without the term, or that degree to 1",
         )

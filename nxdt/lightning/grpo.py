@@ -58,6 +58,7 @@ from nxdt.data import SAMPLE_ARITHMETIC
 from nxdt.data.instructions import build_chat_tokenizer, is_message_list, read_instruction_records, render_generation_prompt
 from nxdt.lightning.datamodule import chat_tokenizer_dir
 from nxdt.lightning.module import CausalLMModule
+from nxdt.lightning.objective import router_aux_weight
 from nxdt.models.generate import PAD_ID, completion_batch, generate
 from nxdt.parallel.tensor_parallel import gather_from_tensor_parallel_region, sequence_parallel_paused
 from nxdt.models.objectives import GRPO_LOSS_TYPES, SCALE_REWARDS, grpo_advantages, grpo_loss, nanstd
@@ -486,7 +487,7 @@ class GRPOModule(CausalLMModule):
         total = torch.zeros((), dtype=torch.float64)
         sums = torch.zeros(5, dtype=torch.float64)  # kl, clip low, high, region (token sums), tokens
         b = self.micro_batch_size
-        aux_coef = float(getattr(self.model, "router_aux_loss_coef", 0.0))  # a MoE model's; 0: no term (TRL's rule)
+        aux_coef = router_aux_weight(self.model)  # a MoE model's; 0: no term
         micro_batches, aux_sum = math.ceil(n / b), torch.zeros((), dtype=torch.float64)
         for start in range(0, n, b):
             rows = slice(start, min(start + b, n))

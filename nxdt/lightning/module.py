@@ -30,7 +30,7 @@ from nxdt.lightning.objective import (
     chosen_sequence_tokens,
     label_count,
     pair_means,
-    pair_scores,
+    pair_scores_and_aux,
     pair_sums,
     sequence_log_prob_sums,
     token_weights,
@@ -460,11 +460,11 @@ class CausalLMModule(pl.LightningModule):
         scores and every stage gets the values), then the objective of each micro-batch's real pairs (the
         padding pairs of the last batch left out), added up as sums over pairs."""
         micro_batches = self._lay_out(split_micro_batches(batch, self.micro_batch_size))
-        scores = self.sequence_scores(micro_batches, pair_scores, per_row=2)
+        scores = self.sequence_scores(micro_batches, pair_scores_and_aux, per_row=3)
         objective = self.objective
         assert objective.pair_loss is not None  # every pair objective has one
         for mb, row in zip(micro_batches, scores):
-            self._val_sums += pair_sums(objective.pair_loss, objective.metrics, objective.token_metric, row.reshape(2, -1), mb)
+            self._val_sums += pair_sums(objective.pair_loss, objective.metrics, objective.token_metric, row.reshape(3, -1), mb)
 
     def on_validation_epoch_end(self) -> None:
         """val_loss: the token-weighted mean over every validation token of every data-parallel rank; DPO/ORPO: the

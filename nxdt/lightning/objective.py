@@ -21,6 +21,12 @@ not). Each micro-batch's NLL sum is scaled by ``nll_scale`` (micro-batches × DP
 the reference model's per-sequence log-probabilities from the micro-batch (``ref_logps`` [pairs, 2], precomputed once
 before training: ``CausalLMModule.precompute_reference``). Each preference loss records the sums of its metrics (TRL's
 names, and the pair count last) in ``micro_batch["metric_sums"]``, which the module sums over the global batch.
+
+A mixture-of-experts policy with a non-zero ``router_aux_loss_coef`` adds, as TRL's DPOTrainer (and its ORPOTrainer)
+do, that weight times the load-balancing loss of the micro-batch's forward — chosen and rejected rows together, over
+their real tokens (:func:`router_aux_weight`; ``aux_loss(padding_masked=True)``) — to each micro-batch's loss, in
+training and validation (TRL's eval loss has it too). Not under pipeline or context parallelism, where no rank holds
+every row's routing (refused before launch).
 """
 
 from __future__ import annotations
@@ -87,6 +93,19 @@ def sequence_log_prob_sums(model: Any, logits: torch.Tensor, micro_batch: dict[s
     return sequence_total(model, model.token_log_probs(logits, micro_batch["labels"]).sum(-1))
 
 
+def router_aux_weight(model: Any) -> float:
+    """The weight of a mixture-of-experts model's load-balancing loss in TRL's preference and GRPO losses: its
+    ``router_aux_loss_coef`` (0 for a dense model: no term)."""
+    return float(getattr(model, "router_aux_loss_coef", 0.0) or 0.0)
+
+
+def weighted_router_aux(model: Any) -> torch.Tensor | None:
+    """``router_aux_weight · aux_loss(padding_masked=True)`` of the model's last forward (transformers' loss with the
+    attention mask, TRL's term); None without one."""
+    weight = router_aux_weight(model)
+    return weight * model.aux_loss(padding_masked=True) if weight else None
+
+
 def pair_scores(model: Any, logits: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """[2, rows]: every row's summed log-probability over its response tokens (row 0: log π(y|x), the labelled tokens)
     and over its whole sequence (row 1: prompt and response, the NLL of ORPO), from one log-softmax."""
@@ -94,6 +113,15 @@ def pair_scores(model: Any, logits: torch.Tensor, micro_batch: dict[str, torch.T
     logp = model.token_log_probs(logits, full)  # 0 where full is -100
     response = micro_batch["labels"] != IGNORE_INDEX
     return sequence_total(model, torch.stack([torch.where(response, logp, torch.zeros_like(logp)).sum(-1), logp.sum(-1)]))
+
+
+def pair_scores_and_aux(model: Any, logits: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Validation's [3, rows]: :func:`pair_scores` and, in every column of row 2, the micro-batch's weighted
+    load-balancing term (:func:`weighted_router_aux`; 0 for a dense model)."""
+    scores = pair_scores(model, logits, micro_batch)
+    aux = weighted_router_aux(model)
+    extra = torch.zeros_like(scores[:1]) if aux is None else aux.detach().to(scores.dtype).expand(1, scores.shape[1])
+    return torch.cat([scores, extra])
 
 
 def pair_counts(micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -175,6 +203,9 @@ def pair_objective_loss(
     counts = sequence_total(model, pair_counts(micro_batch).to(logits.dtype))  # whole sequences' under CP
     terms = pair_loss(sums, counts, micro_batch.get("ref_logps"))
     loss, metrics = terms.pair_mean, dict(terms.metrics)
+    aux = weighted_router_aux(model)  # a MoE policy's load-balancing term, as TRL adds it
+    if aux is not None:
+        loss = loss + aux
     if token_metric is not None:
         if "nll_scale" not in micro_batch:
             raise ValueError("a token-mean loss term needs micro_batch['nll_scale'] (CausalLMModule sets it per global batch)")
@@ -192,7 +223,8 @@ def pair_sums(
     micro_batch: dict[str, torch.Tensor],
 ) -> torch.Tensor:
     """Validation: (per-pair part · pairs, each pair metric · pairs, NLL sum, NLL tokens, pairs) of one laid-out
-    micro-batch from its rows' :func:`pair_scores` ``scores`` [2, 2b] (forward only), in float64; summed over the set,
+    micro-batch from its rows' :func:`pair_scores` ``scores`` [2, 2b] (forward only; [3, 2b] from
+    :func:`pair_scores_and_aux`: the micro-batch's load-balancing term joins the per-pair part), in float64; summed over the set,
     :func:`pair_means` makes the means. A padding pair (:class:`~nxdt.data.sampler.PadRows`: no label; a real pair has at
     least one response token in each row) is left out, so the last value counts every real pair once."""
     counts = pair_counts(micro_batch).to(torch.float64)
@@ -202,8 +234,9 @@ def pair_sums(
     if pairs:
         rows = torch.cat([real, real])
         ref = micro_batch.get("ref_logps")
-        terms = pair_loss(scores.double()[:, rows], counts[:, rows], None if ref is None else ref[real])
-        per_pair = [terms.pair_mean] + [terms.metrics[n] if n != token_metric else torch.zeros(()) for n in names]
+        terms = pair_loss(scores.double()[:2, rows], counts[:, rows], None if ref is None else ref[real])
+        aux = scores.double()[2, 0] if scores.shape[0] > 2 else torch.zeros((), dtype=torch.float64)
+        per_pair = [terms.pair_mean + aux] + [terms.metrics[n] if n != token_metric else torch.zeros(()) for n in names]
         out[: len(names) + 1] = torch.stack([v.detach().double().reshape(()) for v in per_pair]) * pairs
         out[-3:] = torch.stack([terms.nll_sum.detach().double(), terms.nll_tokens.double(), torch.tensor(float(pairs))])
     return out
