@@ -1,6 +1,6 @@
 """The LoRA SFT example in NxD Training's config format (tests/nxdt_configs/hf_llama3_8B_SFT_lora_config.yaml), shrunk by the
-overrides of tests/test_sft_e2e.py, trained through `nxdt train --config-path ... --config-name ...` on four CPU
-processes (DP2 × PP2: each stage one layer), its peft block as it is (rank 16, qkv_proj, save_lora_base and save_lora_config_adapter true,
+overrides of tests/test_sft_e2e.py, trained through `nxdt train --config-path ... --config-name ...` on two CPU
+processes (PP2: each stage one layer; LoRA under DP, TP and FSDP: tests/parallel/test_lora_parallel.py), its peft block as it is (rank 16, qkv_proj, save_lora_base and save_lora_config_adapter true,
 autocast precision, weight_init_only) and the base weights from a Hugging Face directory (model.hf_checkpoint)
 written by transformers. One launch, checked for:
 
@@ -54,7 +54,7 @@ def run(tmp_path_factory):
     lines = SAMPLE_INSTRUCTIONS.read_text().splitlines()
     (root / "validation.jsonl").write_text("\n".join(lines[-20:]) + "\n")
     overrides = [
-        "trainer.devices=4",
+        "trainer.devices=2",
         "distributed_strategy.pipeline_model_parallel_size=2",
         "exp_manager.resume_from_checkpoint=null",
         f"model.hf_checkpoint={root / 'base'}",

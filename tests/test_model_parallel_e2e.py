@@ -111,8 +111,9 @@ def test_parallel_losses_equal_single_process(tmp_path, single, layout, files):
 @pytest.mark.timeout(300)
 def test_mixtral_expert_parallel_with_pipeline_and_zero1_equals_single_process(tmp_path):
     """EP2 × PP2 on 4 ranks (DP2 = EP2: each rank of a stage holds half the experts), ZeRO-1 by default (dense state in
-    2 shards, each rank's experts whole), rank 1 killed at step 3 and the job restarted from step 2: the load-balancing
-    statistics cross the stages, the tokens cross the EP ranks, and the losses are one process's."""
+    2 shards, each rank's experts whole): the load-balancing statistics cross the stages, the tokens cross the EP ranks,
+    and the losses are one process's; the checkpoint consolidates to one process's state. (Its optimizer shards saved
+    and loaded again: tests/parallel/test_moe.py.)"""
     common = [*COMMON, "model=mixtral_tiny"]
     one, two = tmp_path / "one", tmp_path / "ep2"
     assert_ok(nxdt("train", *common, "trainer.devices=1", f"exp_manager.explicit_log_dir={one}", cwd=tmp_path))
@@ -122,13 +123,11 @@ def test_mixtral_expert_parallel_with_pipeline_and_zero1_equals_single_process(t
         "trainer.devices=4",
         "distributed_strategy.expert_model_parallel_size=2",
         "distributed_strategy.pipeline_model_parallel_size=2",
-        *KILL_AT_STEP_3,
         f"exp_manager.explicit_log_dir={two}",
         cwd=tmp_path,
     )
     assert_ok(result)
     assert "TP1 PP2 DP2 CP1 EP2 · FSDP off · ZeRO-1" in result.stdout + result.stderr
-    assert "checkpoints/step-2" in result.stdout + result.stderr  # restarted, resumed
     _assert_same_losses(losses(two), losses(one))
     files = {p.name for p in (two / "checkpoints/step-4").iterdir()}
     assert {f"model-mp{s}-ep{e}.safetensors" for s in (0, 1) for e in (0, 1)} <= files

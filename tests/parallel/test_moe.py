@@ -269,12 +269,28 @@ def _ep_dp_worker(world) -> dict:
         model.loss_fn(model(ids), labels).backward()
         norms.append(float(opt.clip_grad_norm_(0.05)))  # below the gradients' norm: every step is clipped
         opt.step()
+        if step == 2:
+            state_after_two = copy.deepcopy(opt.state_dict())
+            weights_after_two = {n: p.detach().clone() for n, p in model.named_parameters()}
         ref_opt.zero_grad()
         for r in range(size):
             ids_r, labels_r = _tokens(r, step)
             (reference.loss_fn(reference(ids_r), labels_r) / size).backward()
         ref_norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)))
         ref_opt.step()
+    # a resume: the shards saved after step 2 and loaded into a new optimizer of a model at step 2's weights take
+    # step 3 to the same bits as the uninterrupted one
+    twin = apply_expert_parallel(_model(), ep)
+    twin.load_state_dict(weights_after_two)
+    twin_opt = Zero1Optimizer(
+        groups(twin), torch.optim.SGD, dp, model=twin, expert_parallel_size=2, expert_dp_comm=edp, lr=SGD_LR, momentum=0.5
+    )
+    twin_opt.load_state_dict(state_after_two)
+    ids, labels = _tokens(rank, 3)
+    twin.loss_fn(twin(ids), labels).backward()
+    twin_opt.clip_grad_norm_(0.05)
+    twin_opt.step()
+    report["resumed_equal"] = all(torch.equal(p, dict(model.named_parameters())[n]) for n, p in twin.named_parameters())
     want = dict(reference.named_parameters())
     report["zero1_norms"], report["ref_norms"] = norms, ref_norms
     report["zero1_mismatch"] = [
@@ -356,6 +372,7 @@ def test_expert_data_parallel_replicas_reduce_and_shard_zero1_as_one_process():
         assert report["zero1_moved"] > 1e-3, rank  # the steps moved weights far beyond the tolerance
         assert report["expert_shard"] == [(2, True)], rank  # one expert bucket (decay group), in 2 shards (expert-DP)
         assert report["momentum_mismatch"] == [], rank
+        assert report["resumed_equal"], rank
         assert len(report["consolidation_refused"]) == 2 and all(
             "per rank" in m or "pass experts=" in m for m in report["consolidation_refused"]
         ), report["consolidation_refused"]
