@@ -256,8 +256,8 @@ def _cfg(*overrides: str):
             "must accept f(prompts",
         ),
         (["model_alignment_strategy.grpo.num_generations=5"], "data.global_batch_size", "multiple of"),
-        (["distributed_strategy.pipeline_model_parallel_size=2"], "pipeline_model_parallel_size", "PP, CP, EP not built"),
-        (["distributed_strategy.context_parallel_size=2"], "context_parallel_size", "PP, CP, EP not built"),
+        (["distributed_strategy.pipeline_model_parallel_size=2"], "pipeline_model_parallel_size", "PP and CP not built"),
+        (["distributed_strategy.context_parallel_size=2"], "context_parallel_size", "PP and CP not built"),
         (["model_alignment_strategy.grpo.reward_weights=[1.0]"], "reward_weights", "one weight per reward function"),
     ],
 )
@@ -290,7 +290,7 @@ def monkeypatch_free_path(held_out):
         (
             ["distributed_strategy.pipeline_model_parallel_size=2"],
             "distributed_strategy.pipeline_model_parallel_size=2",
-            "PP, CP, EP not built",
+            "PP and CP not built",
         ),
     ],
 )
@@ -304,89 +304,93 @@ def test_a_bad_reward_function_or_layout_stops_the_launcher_with_one_line_and_ex
 
 
 IDS_LOGGER = '''
-import json
+import json, os
 from pathlib import Path
 
 def logged(prompts, completions, completion_ids, **kwargs):
     """0 for every completion (no advantage: the policy term is 0); logs the prompts and the sampled ids."""
     with open(Path(__file__).with_name("ids.jsonl"), "a") as fh:
-        fh.write(json.dumps({"prompts": prompts, "completion_ids": completion_ids}) + "\\n")
+        fh.write(json.dumps({"pid": os.getpid(), "prompts": prompts, "completion_ids": completion_ids}) + "\\n")
     return [0.0] * len(completions)
 '''
 
 
-def _transformers_aux(run: Path, overrides: list[str], calls: Path) -> float:
-    """The run's micro-batches rebuilt from what its reward function saw, through the starting weights (lr 0), and
-    scored by transformers' load_balancing_loss_func with the batch's attention mask: their mean."""
+def _transformers_aux(overrides: list[str], calls: Path) -> float:
+    """Step 1's micro-batches of every rank rebuilt from what its reward function saw (each process's first call),
+    through the starting weights (built as the worker builds them), and scored by transformers'
+    load_balancing_loss_func with the batch's attention mask: their mean."""
     modeling = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
+    import lightning.pytorch as pl
     import torch
 
     from nxdt.data.instructions import build_chat_tokenizer
     from nxdt.lightning.datamodule import chat_tokenizer_dir
     from nxdt.lightning.grpo import encode_prompts
     from nxdt.lightning.module import import_architecture
-    from nxdt.lightning.reshard import read_full_state
     from nxdt.models.generate import completion_batch
 
     cfg = _cfg(*overrides)
-    seen = [json.loads(line) for line in calls.read_text().splitlines()]
-    half = len(seen) // cfg.distributed_strategy.tensor_model_parallel_size
-    if half < len(seen):  # each rank of the TP pair scored the same completions
-        assert sorted(map(json.dumps, seen[:half])) == sorted(map(json.dumps, seen[half:]))
-        seen = seen[:half]
-    texts = [p for call in seen for p in call["prompts"]]
-    completions = [c for call in seen for c in call["completion_ids"]]
+    firsts: dict[int, dict] = {}
+    for line in calls.read_text().splitlines():
+        call = json.loads(line)
+        firsts.setdefault(call["pid"], call)
     tokenizer = build_chat_tokenizer(chat_tokenizer_dir(cfg.data.tokenizer))
     grpo = cfg.model_alignment_strategy.grpo
-    prompts = encode_prompts([{"prompt": t} for t in texts], tokenizer, grpo.max_prompt_length, cfg.model.vocab_size)
+    pl.seed_everything(cfg.seed, verbose=False)  # what the worker does right before it builds the model
     model = import_architecture(cfg.model.architecture)(cfg.model)
-    state = read_full_state(run / "checkpoints" / "step-1", optimizer=False).model
-    model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
     b, losses = cfg.data.micro_batch_size, []
     with torch.no_grad():
-        for start in range(0, len(prompts), b):
-            batch = completion_batch(prompts[start : start + b], completions[start : start + b])
-            model(batch["input_ids"], batch["position_ids"], batch["segment_ids"])
-            mask = (batch["segment_ids"] != 0).long()
-            losses.append(float(modeling.load_balancing_loss_func(tuple(model.router_logits()), 4, 2, attention_mask=mask)))
+        for call in firsts.values():
+            prompts = encode_prompts(
+                [{"prompt": t} for t in call["prompts"]], tokenizer, grpo.max_prompt_length, cfg.model.vocab_size
+            )
+            completions = call["completion_ids"]
+            for start in range(0, len(prompts), b):
+                batch = completion_batch(prompts[start : start + b], completions[start : start + b])
+                model(batch["input_ids"], batch["position_ids"], batch["segment_ids"])
+                mask = (batch["segment_ids"] != 0).long()
+                losses.append(float(modeling.load_balancing_loss_func(tuple(model.router_logits()), 4, 2, attention_mask=mask)))
     return sum(losses) / len(losses)
 
 
-def test_a_mixture_of_experts_policy_adds_trls_load_balancing_term_also_under_sequence_parallelism(tmp_path):
-    """Mixtral (router_aux_loss_coef 0.02) on TP2 with SP, one step at lr 0 with zero rewards: no advantage, so the
-    surrogate is 0 and the logged loss is TRL's aux term alone, 0.02 · the mean over micro-batches of the policy
-    forward's load-balancing loss over its real tokens — which equals transformers' load_balancing_loss_func with the
-    attention mask on the same rows, rebuilt here from the sampled ids (TP ranks sample alike) through one unsharded
-    model. SP widens the scoring batch with padding columns and routes each rank's sequence shard: the rows are
-    gathered with their mask. Tolerance rel 1e-5: fp32 sums over a few hundred rows in another order (~1e-7); counting
-    the padding moves it by ~1e-3."""
-    user = _user_code(tmp_path / "user")
-    (user / "ids_logger.py").write_text(IDS_LOGGER)
-    overrides = [
+def test_a_mixture_of_experts_policy_adds_trls_load_balancing_term_and_trains_on_expert_parallelism(tmp_path):
+    """Mixtral (router_aux_loss_coef 0.02), zero rewards (no advantage: the surrogate is 0), beta 0.04, two steps on
+    plain DP2 and on EP2 (each rank 2 of the 4 experts, tokens exchanged by all-to-all in every decoding step — the
+    ranks decode in lockstep — and in scoring, the reference a copy of the sliced model). TRL's term: at step 1 the
+    policy is the reference (KL 0), so the logged loss is 0.02 · aux_loss, the mean over micro-batches of the policy
+    forward's load-balancing loss over its real tokens — equal to transformers' load_balancing_loss_func with the
+    attention mask on the same rows, rebuilt here from the sampled ids (counting the padding moves it by ~1e-3). EP2
+    samples what DP2 samples and trains to the same step-2 numbers (the router learns from the term). Tolerance rel
+    1e-5: fp32 sums in another order (~1e-7); under SP the masked rows are gathered as the logits are
+    (tests/parallel/test_moe.py)."""
+    common = [
         "model=mixtral_tiny",
-        "trainer.max_steps=1",
-        "model.optim.lr=0",
-        "model_alignment_strategy.grpo.beta=0.0",
+        "trainer.max_steps=2",
+        "trainer.devices=2",
+        "model_alignment_strategy.grpo.beta=0.04",
         "model_alignment_strategy.grpo.reward_funcs=[ids_logger:logged]",
         "model_alignment_strategy.grpo.reward_weights=[1.0]",
-        "trainer.devices=2",
-        "distributed_strategy.tensor_model_parallel_size=2",
-        "distributed_strategy.sequence_parallel=true",
     ]
-    run = tmp_path / "run"
-    result = _nxdt(tmp_path, *overrides, f"exp_manager.explicit_log_dir={run}", pythonpath=user)
-    assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
-    row = next(csv.DictReader(open(run / "metrics.csv")))
-    aux = float(row["aux_loss"])
-    assert 1.9 < aux < 3.0  # top-2 of 4 experts: 2 when perfectly balanced
-    assert float(row["loss"]) == pytest.approx(0.02 * aux, rel=1e-5), row
-    assert aux == pytest.approx(_transformers_aux(run, overrides, user / "ids.jsonl"), rel=1e-5)
-
-
-def test_expert_parallelism_is_refused_by_name():
-    with pytest.raises(GRPOConfigError) as info:
-        check(_cfg("model=mixtral_tiny", "distributed_strategy.expert_model_parallel_size=2"), 1)
-    assert info.value.key == "distributed_strategy.expert_model_parallel_size" and "PP, CP, EP not built" in info.value.fix
+    rows = {}
+    for name, layout in (("dp2", []), ("ep2", ["distributed_strategy.expert_model_parallel_size=2"])):
+        user = _user_code(tmp_path / f"user_{name}")
+        (user / "ids_logger.py").write_text(IDS_LOGGER)
+        run = tmp_path / name
+        result = _nxdt(tmp_path, *common, *layout, f"exp_manager.explicit_log_dir={run}", pythonpath=user)
+        assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+        rows[name] = list(csv.DictReader(open(run / "metrics.csv")))
+        first = rows[name][0]
+        aux = float(first["aux_loss"])
+        assert 1.9 < aux < 3.0  # top-2 of 4 experts: 2 when perfectly balanced
+        assert float(first["loss"]) == pytest.approx(0.02 * aux, rel=1e-5), first
+        if name == "dp2":
+            assert aux == pytest.approx(_transformers_aux([*common, *layout], user / "ids.jsonl"), rel=1e-5)
+    assert [r["step"] for r in rows["ep2"]] == [r["step"] for r in rows["dp2"]] == ["1", "2"]
+    for got, want in zip(rows["ep2"], rows["dp2"]):
+        assert got["completions/mean_length"] == want["completions/mean_length"]
+        for key in ("loss", "aux_loss", "kl"):
+            assert float(got[key]) == pytest.approx(float(want[key]), rel=1e-4, abs=1e-7), (key, got, want)
+    assert float(rows["dp2"][1]["kl"]) > 0  # step 1 moved the policy
 
 
 def test_wrong_count_and_non_finite_rewards_name_the_function(held_out, monkeypatch_free_path):

@@ -24,10 +24,11 @@ arrive as keyword lists, one value per completion; ``None`` = not scored by this
 each and checks it can be called so before any worker starts; a wrong count or a non-finite value stops the step
 with the function's name.
 
-**Layouts:** data parallelism (any number of ranks), tensor parallelism with or without sequence parallelism, ZeRO-1
-and FSDP; PP, CP and EP are refused by name (sampling under them is not built). Under FSDP every decoding step's
-forward gathers each unit's weights (its all-gathers chained in the same order on every rank), so the DP ranks decode
-the same number of steps: after each, one all-reduce says whether any rank still has a row decoding, and a rank whose
+**Layouts:** data parallelism (any number of ranks), tensor parallelism with or without sequence parallelism, expert
+parallelism, ZeRO-1 and FSDP; PP and CP are refused by name (sampling under them is not built). Under FSDP every
+decoding step's forward gathers each unit's weights (its all-gathers chained in the same order on every rank), and
+under EP every decoding step's MoE layers exchange the ranks' tokens by all-to-all, so the DP ranks decode the same
+number of steps: after each, one all-reduce says whether any rank still has a row decoding, and a rank whose
 rows have ended runs a one-token idle forward (no random draw) until none has; the reference is a frozen copy taken
 before FSDP flattens the policy and sharded in FSDP units of its own (``NxDStrategy.shard_frozen``). An FSDP run
 samples what plain DP samples. Under TP every rank of a TP group
@@ -188,13 +189,12 @@ def completion_values(texts: Sequence[str], conversational: bool) -> list[Any]:
 
 
 # what sampling is not built on yet: a pipeline (every stage would take part in each decoding step), context parallelism
-# (the KV cache holds whole sequences), expert parallelism (every decoding step would exchange tokens across ranks)
+# (the KV cache holds whole sequences)
 REFUSED_LAYOUTS = (
     ("distributed_strategy.pipeline_model_parallel_size", lambda ds: ds.pipeline_model_parallel_size > 1),
     ("distributed_strategy.context_parallel_size", lambda ds: ds.context_parallel_size > 1),
-    ("distributed_strategy.expert_model_parallel_size", lambda ds: ds.expert_model_parallel_size > 1),
 )
-LAYOUTS = "GRPO samples on data parallelism, tensor parallelism (with or without SP), ZeRO-1 and FSDP (PP, CP, EP not built)"
+LAYOUTS = "GRPO samples on data, tensor (with or without SP) and expert parallelism, ZeRO-1 and FSDP (PP and CP not built)"
 
 
 def check(cfg: Any, data_parallel_size: int) -> list[Callable[..., Any]]:

@@ -449,8 +449,18 @@ def _ep_tp_worker(world) -> dict:
                 total += ref_loss.item()
             ref_opt.step()
             ref_losses.append(total)
+        # the load-balancing loss over real tokens (DPO's, GRPO's): under SP each rank routes its sequence shard and the
+        # rows are gathered with their mask, in the order the logits are
+        ids, _ = _tokens(dp_rank, 9)
+        segments = torch.ones_like(ids)
+        segments[0, -2:], segments[-1, :3] = 0, 0  # a right-padded row, a left-padded one
+        with torch.no_grad():
+            model(ids, segment_ids=segments)
+            reference(ids, segment_ids=segments)
+        masked = (float(model.aux_loss(padding_masked=True)), float(reference.aux_loss(padding_masked=True)))
         full, want = gather_full_state_dict(model, tp), reference.state_dict()
         report[sequence_parallel] = {
+            "masked_aux": masked,
             "experts": [b.expert_ids for b in model.moe_blocks()],
             "losses": losses,
             "ref_losses": ref_losses,
@@ -470,6 +480,7 @@ def test_expert_parallel_with_tensor_parallel_matches_single_process():
             assert rep["losses"] == pytest.approx(rep["ref_losses"], rel=1e-4), where
             assert not rep["param_mismatch"], (where, rep["param_mismatch"])
             assert rep["moved"] > 1e-3, (where, rep["moved"])  # the steps moved weights far beyond the tolerance
+            assert rep["masked_aux"][0] == pytest.approx(rep["masked_aux"][1], rel=1e-5), where
 
 
 def test_a_rank_that_receives_no_rows_returns_the_experts_dtype_under_autocast():
