@@ -54,7 +54,9 @@ differentiable, the earlier stages' as numbers) for ``loss_fn`` to add, and the 
 so each earlier chunk backpropagates its own share ``coef · E/T² · Σ_e C_e S_e``
 (``nxdt.parallel.pipeline.PipelineExecutor``): loss and gradients equal the unsharded model's, with any objective
 (one that does not call ``loss_fn`` has no aux term at any stage, as unsharded; DPO's, ORPO's and GRPO's own
-padding-masked term is not built under PP, and refused there).
+padding-masked term is not built under PP, and refused there). Under context parallelism each rank routes part of every
+sequence: ``LoadBalancing.sequence_group`` adds the statistics up over the CP ranks, so the term is the whole
+sequence's on each of them.
 
 Config: the ``model`` schema's keys (as Llama; ``ffn_hidden_size`` is one expert's inner width) plus a
 ``moe`` sub-config: ``num_experts`` (8), ``top_k`` (2), ``router_aux_loss_coef`` (0.02; HF's MixtralConfig
@@ -126,6 +128,24 @@ def route(
     return (weights / weights.sum(dim=-1, keepdim=True) if normalize else weights), experts
 
 
+class _SumOverGroup(torch.autograd.Function):
+    """Sum over a group of ranks (duck-typed: ``group.all_reduce(tensor, op="sum")``) whose backward sums the upstream
+    gradients over the group too: each rank's loss term, whatever its weight, reaches every rank's statistics."""
+
+    @staticmethod
+    def forward(ctx: Any, values: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        total = values.detach().clone()
+        group.all_reduce(total, op="sum")
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        total = grad.contiguous().clone()
+        ctx.group.all_reduce(total, op="sum")
+        return total, None
+
+
 class LoadBalancing:
     """HF's load-balancing loss (module docstring) over rows that may sit on several pipeline stages. A group of
     rows (one chunk's layers) is summarised by ``statistics``: a float64 vector [counts C (E), probability sums S (E),
@@ -135,13 +155,19 @@ class LoadBalancing:
 
     A pipeline's last chunk ``stage``s the whole term before its loss is computed; the model's ``aux_loss`` takes it
     from there (``taken`` then says the objective included it, as the unsharded model's ``loss_fn`` does, and an
-    objective that leaves it out, DPO's, leaves it out at every stage)."""
+    objective that leaves it out, DPO's, leaves it out at every stage).
+
+    ``sequence_group``: the ranks holding the other tokens of the same sequences (context parallelism; set by
+    ``nxdt.parallel.context_parallel.apply_context_parallel``). The statistics add up over it — the counts and rows as
+    numbers, S through a sum whose backward sums the gradients too — so every CP rank computes the whole sequence's
+    term, and the DP×CP gradient average of the ranks' (token-share weighted) losses is its gradient."""
 
     def __init__(self, num_experts: int, top_k: int, coef: float = 1.0) -> None:
         self.num_experts, self.top_k, self.coef = num_experts, top_k, coef
         self.width = 2 * num_experts + 1  # the statistics vector: C, S, T
         self._staged = _Transient()
         self.taken = False
+        self.sequence_group: Any = None
 
     def statistics(
         self, router_logits: list[torch.Tensor], masks: list[torch.Tensor | None] | None = None
@@ -157,6 +183,12 @@ class LoadBalancing:
         counts = torch.bincount(chosen.reshape(-1), minlength=self.num_experts).to(torch.float64)
         sums = probs.sum(dim=0)
         rows = torch.tensor([probs.shape[0]], dtype=torch.float64, device=counts.device)
+        group = self.sequence_group
+        if group is not None and group.size > 1:  # the whole sequences' statistics on every CP rank
+            sums = _SumOverGroup.apply(sums, group)
+            numbers = torch.cat([counts, rows])
+            group.all_reduce(numbers, op="sum")
+            counts, rows = numbers[:-1], numbers[-1:]
         return torch.cat([counts, sums.detach().double(), rows]), sums
 
     def loss(self, sums: torch.Tensor, totals: torch.Tensor) -> torch.Tensor:
@@ -389,7 +421,8 @@ class MixtralForCausalLM(LlamaForCausalLM):
         if not blocks:
             return torch.zeros(())
         masks = [b.router_mask for b in blocks] if padding_masked else None
-        return load_balancing_loss([b.router_logits for b in blocks], self.num_experts, self.top_k, masks)
+        totals, sums = self.balance.statistics([b.router_logits for b in blocks], masks)  # over its sequence group
+        return self.balance.loss(sums, totals)
 
     @_instance_or_static
     def loss_fn(self: "MixtralForCausalLM | None", logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

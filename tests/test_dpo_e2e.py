@@ -287,8 +287,9 @@ def test_dpo_on_a_mixture_of_experts_model_adds_trls_load_balancing_term_and_ep2
     batch's micro-batches, computed here from the same initial weights and rows (fp32 both sides: ~1e-7; the term is
     ~0.04 of the loss, counting the padding moves it by ~1e-3 relative); validation after step 3 is TRL's eval loss,
     DPO's mean over the validation pairs plus the term (from the step-3 checkpoint and the starting weights).
-    EP2 (each rank holds 2 of the 4 experts, tokens exchanged by all-to-all, the reference scored the same way) equals
-    one rank, fp32, through 3 steps."""
+    EP2 (each rank holds 2 of the 4 experts, tokens exchanged by all-to-all, the reference scored the same way) and CP2
+    (each rank half of every sequence: the routing statistics added up over the two) equal one rank, fp32, through 3
+    steps."""
     import lightning.pytorch as pl
     import transformers.models.mixtral.modeling_mixtral as modeling
 
@@ -323,10 +324,11 @@ def test_dpo_on_a_mixture_of_experts_model_adds_trls_load_balancing_term_and_ep2
             ["trainer.devices=1", f"data.val_dir={validation}", "trainer.val_check_interval=3", "exp_manager.save_last=true"],
         ),
         ("ep2", ["trainer.devices=2", "distributed_strategy.expert_model_parallel_size=2"]),
+        ("cp2", ["trainer.devices=2", "distributed_strategy.context_parallel_size=2"]),
     ):
         runs[name] = tmp_path / name
         assert_ok(nxdt(*common, *layout, f"exp_manager.explicit_log_dir={runs[name]}", cwd=tmp_path))
-    got, want = _rows(runs["ep2"]), _rows(runs["one"])
+    want = _rows(runs["one"])
 
     cfg = load_run_config(runs["one"] / "config.yaml")
     pl.seed_everything(cfg.seed, verbose=False)  # what the worker does right before it builds the model
@@ -363,7 +365,8 @@ def test_dpo_on_a_mixture_of_experts_model_adds_trls_load_balancing_term_and_ep2
             terms.append(float(modeling.load_balancing_loss_func(tuple(trained.router_logits()), 4, 2, attention_mask=attention)))
     validated = float(next(r for r in want if r.get("val_loss"))["val_loss"])
     assert validated == pytest.approx(sum(losses) / len(losses) + 0.02 * sum(terms) / len(terms), rel=1e-5)
-    for g, w in zip(got, want, strict=True):
-        assert float(g["loss"]) == pytest.approx(float(w["loss"]), rel=1e-5), (got, want)
-        for name in REWARDS:
-            assert float(g[name]) == pytest.approx(float(w[name]), rel=1e-4, abs=1e-5), (name, got, want)
+    for got in (_rows(runs["ep2"]), _rows(runs["cp2"])):
+        for g, w in zip(got, want, strict=True):
+            assert float(g["loss"]) == pytest.approx(float(w["loss"]), rel=1e-5), (got, want)
+            for name in REWARDS:
+                assert float(g[name]) == pytest.approx(float(w[name]), rel=1e-4, abs=1e-5), (name, got, want)

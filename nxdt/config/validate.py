@@ -1219,13 +1219,13 @@ def _check_preference_training(cfg: Any) -> None:
             "need a second, frozen copy of the model on every rank; set true (NxDT supports only true too)",
         )
     ds = cfg.distributed_strategy
-    split = [k for k in ("pipeline_model_parallel_size", "context_parallel_size") if getattr(ds, k) > 1]
-    if cfg.model.moe.num_experts and cfg.model.moe.router_aux_loss_coef and split:
-        # the term (TRL's) runs over every row's routing of the micro-batch: no rank holds it under PP or CP
+    if cfg.model.moe.num_experts and cfg.model.moe.router_aux_loss_coef and ds.pipeline_model_parallel_size > 1:
+        # the term (TRL's) runs over the real tokens of every layer: a pipeline's stages do not mark them yet
         raise NotYetSupported(
             "model.moe.router_aux_loss_coef",
             cfg.model.moe.router_aux_loss_coef,
-            f"{name.upper()} adds a mixture-of-experts model's load-balancing loss (as TRL) on data, tensor and expert "
-            f"parallelism, ZeRO-1 and FSDP, not yet with distributed_strategy.{split[0]} > 1; set "
-            "model.moe.router_aux_loss_coef=0 to train without the term, or that degree to 1",
+            f"{name.upper()} adds a mixture-of-experts model's load-balancing loss over real tokens (as TRL) on data, "
+            "tensor, expert and context parallelism, ZeRO-1 and FSDP, not yet with "
+            "distributed_strategy.pipeline_model_parallel_size > 1; set model.moe.router_aux_loss_coef=0 to train "
+            "without the term, or that degree to 1",
         )

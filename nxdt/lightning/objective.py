@@ -25,8 +25,9 @@ names, and the pair count last) in ``micro_batch["metric_sums"]``, which the mod
 A mixture-of-experts policy with a non-zero ``router_aux_loss_coef`` adds, as TRL's DPOTrainer (and its ORPOTrainer)
 do, that weight times the load-balancing loss of the micro-batch's forward — chosen and rejected rows together, over
 their real tokens (:func:`router_aux_weight`; ``aux_loss(padding_masked=True)``) — to each micro-batch's loss, in
-training and validation (TRL's eval loss has it too). Not under pipeline or context parallelism, where no rank holds
-every row's routing (refused before launch).
+training and validation (TRL's eval loss has it too); under context parallelism the routing statistics add up over the
+CP ranks (``LoadBalancing.sequence_group``). Not under pipeline parallelism, whose stages do not mark the real tokens
+(refused before launch).
 """
 
 from __future__ import annotations

@@ -389,7 +389,8 @@ class RingAttention(nn.Module):
 
 def apply_context_parallel(model: nn.Module, comm: Communicator) -> int:
     """Swap every :class:`~nxdt.models.attention.CoreAttention` of ``model`` for a :class:`RingAttention` over
-    ``comm`` (the rank's CP group), and record ``comm`` on the model for :func:`sequence_total`; returns how many
+    ``comm`` (the rank's CP group), and record ``comm`` on the model for :func:`sequence_total` (and on a MoE model's
+    load-balancing statistics, which then run over whole sequences: ``models/mixtral.py``); returns how many
     were swapped. The model's weights are untouched: CP ranks hold full replicas, whose gradients the data-parallel
     runtime averages over DP×CP."""
     swapped = 0
@@ -401,4 +402,8 @@ def apply_context_parallel(model: nn.Module, comm: Communicator) -> int:
     if not swapped:
         raise ValueError(f"context parallelism: {type(model).__name__} has no CoreAttention module to run as ring attention")
     setattr(model, SEQUENCE_GROUP, comm)  # what sequence_total adds whole sequences up over
+    hook = getattr(model, "load_balancing", None)  # a MoE model's load-balancing statistics: over whole sequences too
+    balance = hook() if callable(hook) else None
+    if balance is not None:
+        balance.sequence_group = comm
     return swapped

@@ -54,8 +54,8 @@ def _qkv(seq: int, dtype=torch.float64):
     return q, k, v, grad
 
 
-def _tiny_llama():
-    cfg = SimpleNamespace(
+def _tiny_llama_cfg() -> SimpleNamespace:
+    return SimpleNamespace(
         vocab_size=64,
         hidden_size=32,
         num_layers=2,
@@ -69,8 +69,11 @@ def _tiny_llama():
         init_method_std=0.02,
         activations_checkpoint_granularity=None,
     )
+
+
+def _tiny_llama():
     torch.manual_seed(3)
-    return LlamaForCausalLM(cfg).double()
+    return LlamaForCausalLM(_tiny_llama_cfg()).double()
 
 
 def _packed(seq: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,6 +188,62 @@ def test_a_rank_without_counted_tokens_adds_zero_loss_and_finite_gradients():
     weighted.backward()
     assert weighted.item() == 0.0 and torch.isfinite(logits.grad).all() and not logits.grad.any()
     assert weight_by_token_share(loss, (None, labels)) is loss  # a plain (ids, labels) pair: no context parallelism
+
+
+def _mixtral_through_the_ring(world, seq: int) -> dict:
+    """A tiny Mixtral (router_aux_loss_coef 0.1, routers initialised unevenly) over CP2 against the unsplit model: the
+    load-balancing statistics add up over the CP group, so each rank's loss carries the whole sequence's term, and the
+    token-share weighted losses' gradients, averaged over CP, are the unsplit model's (labels masked unevenly: the two
+    ranks' shares differ, which a backward of ×CP instead of a sum would get wrong); with segment ids marking padding,
+    the padding-masked term (DPO's, GRPO's) is the unsplit one too."""
+    from nxdt.models.mixtral import MixtralForCausalLM
+
+    comm = world.new_communicator(list(range(world.world_size)), "cp")
+    cfg = SimpleNamespace(**vars(_tiny_llama_cfg()), moe=SimpleNamespace(num_experts=4, top_k=2, router_aux_loss_coef=0.1))
+
+    def build() -> MixtralForCausalLM:
+        torch.manual_seed(3)
+        model = MixtralForCausalLM(cfg)
+        for block in model.moe_blocks():
+            torch.nn.init.normal_(block.gate.weight, std=0.5)
+        return model
+
+    reference, model = build(), build()
+    apply_context_parallel(model, comm)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 64, (B, seq), generator=g)
+    labels = torch.randint(0, 64, (B, seq), generator=g)
+    labels[0, : seq // 3] = -100
+    full = reference.loss_fn(reference(ids), labels)
+    full.backward()
+    [part] = shard_micro_batches([{"input_ids": ids, "labels": labels}], comm)
+    loss = weight_by_token_share(model.loss_fn(model(part["input_ids"], part["position_ids"]), part["labels"]), part)
+    loss.backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    comm.all_reduce(grads, op="avg")  # what the DP×CP gradient average does
+    want = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+    mean = loss.detach().reshape(1).clone()
+    comm.all_reduce(mean, op="avg")
+    segments = torch.ones_like(ids)
+    segments[1, -seq // 4 :] = 0  # a right-padded row
+    with torch.no_grad():
+        reference(ids, None, segments)
+        [part] = shard_micro_batches([{"input_ids": ids, "labels": labels, "segment_ids": segments}], comm)
+        model(part["input_ids"], part["position_ids"], part["segment_ids"])
+    return {
+        "loss": abs(mean.item() - full.item()),
+        "param_grads": ((grads - want).abs().max() / want.abs().max()).item(),
+        "router_grads": max(float(b.gate.weight.grad.abs().max()) for b in model.moe_blocks()),
+        "masked_aux": (float(model.aux_loss(padding_masked=True)), float(reference.aux_loss(padding_masked=True))),
+    }
+
+
+def test_a_mixture_of_experts_models_load_balancing_term_runs_over_whole_sequences():
+    for rank, got in enumerate(run_local(_mixtral_through_the_ring, 2, 16, timeout_s=90)):
+        # fp32 model: the loss to ~1e-7 relative; the term's weight is 0.1 of a loss of ~4, a per-rank term moves it ~1e-3
+        assert got["loss"] < 1e-5, (rank, got)
+        assert got["param_grads"] < 1e-5 and got["router_grads"] > 0, (rank, got)
+        assert got["masked_aux"][0] == pytest.approx(got["masked_aux"][1], rel=1e-5), (rank, got)
 
 
 def _pipeline_and_ring(world, seq: int) -> dict:
