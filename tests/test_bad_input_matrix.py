@@ -218,8 +218,8 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["checkpoint", "inspect", str(tmp / "nowhere")], "does not exist"),
         # resuming on another layout where resharding cannot help
         (
-            ["train", f"exp_manager.resume_from_checkpoint={_checkpoint(tmp, 'e', degrees={'ep': 2})}"],
-            "resharding expert-parallel",
+            ["train", f"exp_manager.resume_from_checkpoint={_checkpoint(tmp, 'e', degrees={'tp': 2, 'dp': 1})}"],
+            "records no tensor-parallel layout",
         ),
         (
             [

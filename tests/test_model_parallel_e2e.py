@@ -1,6 +1,6 @@
 """Model parallelism through `nxdt train`: the same per-step losses as one process (fp32), sharded
 checkpoints that a restarted job resumes from exactly (resuming on another layout: test_reshard.py), and
-an expert-parallel checkpoint, which cannot be resharded, refused on another layout with one line.
+an expert-parallel checkpoint (EP × PP, ZeRO-1) consolidated and resumed on one process.
 
 Runs are expensive (each is a launcher plus workers), so each one checks several things: the killed
 runs prove parity, sharded checkpoint files, automatic restart and exact resume at once."""
@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from nxdt.lightning.checkpoint import CheckpointError, check_layout
+from nxdt.lightning.checkpoint import check_layout
 from nxdt.lightning.reshard import read_full_state
 from test_train_e2e import TINY, assert_ok, losses, nxdt
 
@@ -112,8 +112,8 @@ def test_parallel_losses_equal_single_process(tmp_path, single, layout, files):
 def test_mixtral_expert_parallel_with_pipeline_and_zero1_equals_single_process(tmp_path):
     """EP2 × PP2 on 4 ranks (DP2 = EP2: each rank of a stage holds half the experts), ZeRO-1 by default (dense state in
     2 shards, each rank's experts whole): the load-balancing statistics cross the stages, the tokens cross the EP ranks,
-    and the losses are one process's; the checkpoint consolidates to one process's state. (Its optimizer shards saved
-    and loaded again: tests/parallel/test_moe.py.)"""
+    and the losses are one process's; the checkpoint consolidates to one process's state, and one process resumed from
+    it continues the uninterrupted losses. (Its optimizer shards saved and loaded again: tests/parallel/test_moe.py.)"""
     common = [*COMMON, "model=mixtral_tiny"]
     one, two = tmp_path / "one", tmp_path / "ep2"
     assert_ok(nxdt("train", *common, "trainer.devices=1", f"exp_manager.explicit_log_dir={one}", cwd=tmp_path))
@@ -132,8 +132,21 @@ def test_mixtral_expert_parallel_with_pipeline_and_zero1_equals_single_process(t
     files = {p.name for p in (two / "checkpoints/step-4").iterdir()}
     assert {f"model-mp{s}-ep{e}.safetensors" for s in (0, 1) for e in (0, 1)} <= files
     assert {f"trainer_state-mp{s}-ep{e}-dp{e}.pt" for s in (0, 1) for e in (0, 1)} <= files  # a ZeRO-1 shard per rank
-    with pytest.raises(CheckpointError, match="resharding expert-parallel checkpoints is not supported"):
-        check_layout(two / "checkpoints/step-4", {"tp": 1, "cp": 1, "ep": 1, "dp": 1, "pp": 1}, False)
+    # resumed on one process (resharded: each rank takes its experts and their ZeRO-1 state by name), steps 3-4 are the
+    # uninterrupted run's
+    resumed = tmp_path / "resumed"
+    assert check_layout(two / "checkpoints/step-2", {"tp": 1, "cp": 1, "ep": 1, "dp": 1, "pp": 1}, False)
+    assert_ok(
+        nxdt(
+            "train",
+            *common,
+            "trainer.devices=1",
+            f"exp_manager.resume_from_checkpoint={two / 'checkpoints/step-2'}",
+            f"exp_manager.explicit_log_dir={resumed}",
+            cwd=tmp_path,
+        )
+    )
+    _assert_same_losses(losses(resumed), {s: v for s, v in losses(one).items() if s > 2})
     # consolidated (what `nxdt checkpoint consolidate` and export-hf read): one process's tensors and optimizer state.
     # Per tensor ‖a − b‖ / ‖b‖ < 0.05: 4 AdamW steps round differently (an element whose gradient is at rounding level
     # can move by up to 2·lr the other way, lr ≤ 2e-3, against tensors of norm ≳ 0.1), a wrong expert or a shard out of

@@ -119,11 +119,12 @@ def test_tp_shards_round_trip_through_the_full_state_bitwise(tmp_path):
 
 
 def test_an_unsupported_reshard_is_one_line_naming_it(tmp_path):
-    meta = {"format_version": 2, "degrees": {"tp": 1, "pp": 1, "cp": 1, "ep": 2, "dp": 2}, "zero1": False}
+    meta = {"format_version": 2, "degrees": {"tp": 2, "pp": 1, "cp": 1, "ep": 1, "dp": 1}, "zero1": False}
     (tmp_path / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(ckpt_io.CheckpointError, match="resharding expert-parallel checkpoints is not supported"):
-        ckpt_io.check_layout(tmp_path, {"tp": 2, "pp": 1, "cp": 1, "ep": 1, "dp": 1}, False)
-    (tmp_path / "meta.json").write_text(json.dumps({**meta, "format_version": 1, "degrees": {**meta["degrees"], "ep": 1}}))
+    with pytest.raises(ckpt_io.CheckpointError, match="records no tensor-parallel layout"):
+        ckpt_io.check_layout(tmp_path, {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "dp": 2}, False)
+    degrees = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "dp": 2}
+    (tmp_path / "meta.json").write_text(json.dumps({**meta, "format_version": 1, "degrees": degrees}))
     with pytest.raises(ckpt_io.CheckpointError, match="older nxdt"):
         ckpt_io.check_layout(tmp_path, {"tp": 2, "pp": 1, "cp": 1, "ep": 1, "dp": 1}, False)
     # the data-parallel degree alone may change without resharding (each rank reads its own shard files)

@@ -295,12 +295,6 @@ def check_reshardable(path: str | os.PathLike, meta: dict[str, Any], degrees: di
     saved = meta.get("degrees", {})
     here = _layout_name(meta)
     there = _layout_name({"degrees": degrees, "zero1": zero1})
-    if saved.get(Dim.EP, 1) > 1 or degrees.get(Dim.EP, 1) > 1:
-        raise CheckpointError(
-            f"checkpoint {path} was saved at {here}, this run is {there} — resharding expert-parallel checkpoints is not "
-            f"supported: resume with TP{saved.get(Dim.TP, 1)}, PP{saved.get(Dim.PP, 1)}, EP{saved.get(Dim.EP, 1)} and the same ZeRO-1 "
-            "setting (without ZeRO-1 the data-parallel degree may change)"
-        )
     if meta.get("format_version", 1) < 2:
         raise CheckpointError(
             f"checkpoint {path} was saved at {here} by an older nxdt (format {meta.get('format_version', 1)}) that did not record "

@@ -32,7 +32,8 @@ Semantics worth knowing:
   EP group's losses (``nxdt.parallel.expert_parallel``): summed over that group and divided by DP, as
   ``reduce_expert_gradients`` does. Every element of every expert still lies in exactly one DP rank's shard, so the
   gradient norm is one all-reduce over DP as before. No one rank holds every expert's state, so the live
-  ``consolidated_*`` methods refuse; ``consolidate_shard_states`` joins saved shards given one EP rank's replicas'.
+  ``consolidated_*`` methods refuse; ``consolidate_shard_states`` joins saved shards given one EP rank's replicas', and
+  ``load_consolidated_state_dict`` takes this rank's part of a full state (its own experts).
 * A trainable parameter whose ``.grad`` is None on some DP rank is refused by name (``reduce_gradients`` raises
   on every rank; the used/unused count is one small all-reduce per reduction), as DDP refuses it by default. With
   ``find_unused_parameters=True`` (DDP's name) a gradient missing on some ranks counts as zero there, and a
@@ -774,8 +775,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def load_consolidated_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a torch-format (unsharded) state dict on any DP size: each rank keeps its slice. The master
-        shards are taken from the current parameters (restore the model's weights first). Collective over DP."""
-        self._refuse_experts("load_consolidated_state_dict")
+        shards are taken from the current parameters (restore the model's weights first). Collective over DP. Under
+        expert parallelism the dict is this rank's optimizer's (its own experts, by its parameter indices: what a
+        reshard cuts from the full state by name)."""
         self._load_hyperparameters(state_dict["param_groups"])
         saved = state_dict["state"]
         shapes = {idx: tuple(p.shape) for b in self._buckets for idx, p in zip(b.indices, b.params)}

@@ -302,7 +302,19 @@ def _ep_dp_worker(world) -> dict:
     report["expert_shard"] = [(b.size, b.shard.numel() * 2 == b.flat.numel()) for b in opt._buckets if b.experts]
     # the saved shards joined as a checkpoint reader does: dense from every DP rank, experts from this EP rank's replicas
     shards = dp.all_gather_object(opt.state_dict())
-    joined = consolidate_shard_states(shards, experts=shards[rank % 2 :: 2])["state"]
+    joined_state = consolidate_shard_states(shards, experts=shards[rank % 2 :: 2])
+    joined = joined_state["state"]
+    # and cut again (what a reshard onto this layout does: each rank's part of its optimizer's full state): the shards
+    twin = apply_expert_parallel(_model(), ep)
+    twin.load_state_dict({n: p.detach() for n, p in model.named_parameters()})
+    again = Zero1Optimizer(
+        groups(twin), torch.optim.SGD, dp, model=twin, expert_parallel_size=2, expert_dp_comm=edp, lr=SGD_LR, momentum=0.5
+    )
+    again.load_state_dict(joined_state)
+    mine, cut = opt.state_dict()["inner"]["state"], again.state_dict()["inner"]["state"]
+    report["recut_equal"] = sorted(mine) == sorted(cut) and all(
+        torch.equal(mine[b]["momentum_buffer"], cut[b]["momentum_buffer"]) for b in mine
+    )
     order = [n for n, p in model.named_parameters() if p.dim() > 1] + [n for n, p in model.named_parameters() if p.dim() <= 1]
     ref_order = [n for n, p in reference.named_parameters() if p.dim() > 1] + [
         n for n, p in reference.named_parameters() if p.dim() <= 1
@@ -372,7 +384,7 @@ def test_expert_data_parallel_replicas_reduce_and_shard_zero1_as_one_process():
         assert report["zero1_moved"] > 1e-3, rank  # the steps moved weights far beyond the tolerance
         assert report["expert_shard"] == [(2, True)], rank  # one expert bucket (decay group), in 2 shards (expert-DP)
         assert report["momentum_mismatch"] == [], rank
-        assert report["resumed_equal"], rank
+        assert report["resumed_equal"] and report["recut_equal"], rank
         assert len(report["consolidation_refused"]) == 2 and all(
             "per rank" in m or "pass experts=" in m for m in report["consolidation_refused"]
         ), report["consolidation_refused"]
