@@ -108,18 +108,39 @@ def test_parallel_losses_equal_single_process(tmp_path, single, layout, files):
         assert "SIGKILL on rank 1 at step 3" in (run / "logs/rank1.log").read_text() and "checkpoints/step-2" in out
 
 
+MIXTRAL = [*COMMON, "model=mixtral_tiny"]
+
+
+@pytest.fixture(scope="module")
+def single_mixtral(tmp_path_factory):
+    run = tmp_path_factory.mktemp("single_mixtral") / "run"
+    assert_ok(nxdt("train", *MIXTRAL, "trainer.devices=1", f"exp_manager.explicit_log_dir={run}", cwd=run.parent))
+    return run
+
+
+def _assert_consolidates_to(run, single) -> None:
+    """The checkpoint consolidated (what `nxdt checkpoint consolidate` and export-hf read) holds one process's tensors and
+    optimizer state. Per tensor ‖a − b‖ / ‖b‖ < 0.05: 4 AdamW steps round differently (an element whose gradient is at
+    rounding level can move by up to 2·lr the other way, lr ≤ 2e-3, against tensors of norm ≳ 0.1), a wrong expert or a
+    shard out of place is ~1 (different weights, moments of other elements)."""
+    got, want = read_full_state(run / "checkpoints/step-4"), read_full_state(single / "checkpoints/step-4")
+    assert list(got.model) == list(want.model) and got.optimizers[0]["param_groups"] == want.optimizers[0]["param_groups"]
+    pairs = [(got.model[n], t) for n, t in want.model.items()]
+    moments, want_moments = got.optimizers[0]["state"], want.optimizers[0]["state"]
+    pairs += [(moments[i][k], t) for i, state in want_moments.items() for k, t in state.items() if t.dim()]
+    assert all(float((a - b).norm() / b.norm()) < 0.05 for a, b in pairs if b.norm() > 0)
+
+
 @pytest.mark.timeout(300)
-def test_mixtral_expert_parallel_with_pipeline_and_zero1_equals_single_process(tmp_path):
+def test_mixtral_expert_parallel_with_pipeline_and_zero1_equals_single_process(tmp_path, single_mixtral):
     """EP2 × PP2 on 4 ranks (DP2 = EP2: each rank of a stage holds half the experts), ZeRO-1 by default (dense state in
     2 shards, each rank's experts whole): the load-balancing statistics cross the stages, the tokens cross the EP ranks,
     and the losses are one process's; the checkpoint consolidates to one process's state, and one process resumed from
     it continues the uninterrupted losses. (Its optimizer shards saved and loaded again: tests/parallel/test_moe.py.)"""
-    common = [*COMMON, "model=mixtral_tiny"]
-    one, two = tmp_path / "one", tmp_path / "ep2"
-    assert_ok(nxdt("train", *common, "trainer.devices=1", f"exp_manager.explicit_log_dir={one}", cwd=tmp_path))
+    two = tmp_path / "ep2"
     result = nxdt(
         "train",
-        *common,
+        *MIXTRAL,
         "trainer.devices=4",
         "distributed_strategy.expert_model_parallel_size=2",
         "distributed_strategy.pipeline_model_parallel_size=2",
@@ -128,10 +149,11 @@ def test_mixtral_expert_parallel_with_pipeline_and_zero1_equals_single_process(t
     )
     assert_ok(result)
     assert "TP1 PP2 DP2 CP1 EP2 · FSDP off · ZeRO-1" in result.stdout + result.stderr
-    _assert_same_losses(losses(two), losses(one))
+    _assert_same_losses(losses(two), losses(single_mixtral))
     files = {p.name for p in (two / "checkpoints/step-4").iterdir()}
     assert {f"model-mp{s}-ep{e}.safetensors" for s in (0, 1) for e in (0, 1)} <= files
     assert {f"trainer_state-mp{s}-ep{e}-dp{e}.pt" for s in (0, 1) for e in (0, 1)} <= files  # a ZeRO-1 shard per rank
+    _assert_consolidates_to(two, single_mixtral)
     # resumed on one process (resharded: each rank takes its experts and their ZeRO-1 state by name), steps 3-4 are the
     # uninterrupted run's
     resumed = tmp_path / "resumed"
@@ -139,21 +161,36 @@ def test_mixtral_expert_parallel_with_pipeline_and_zero1_equals_single_process(t
     assert_ok(
         nxdt(
             "train",
-            *common,
+            *MIXTRAL,
             "trainer.devices=1",
             f"exp_manager.resume_from_checkpoint={two / 'checkpoints/step-2'}",
             f"exp_manager.explicit_log_dir={resumed}",
             cwd=tmp_path,
         )
     )
-    _assert_same_losses(losses(resumed), {s: v for s, v in losses(one).items() if s > 2})
-    # consolidated (what `nxdt checkpoint consolidate` and export-hf read): one process's tensors and optimizer state.
-    # Per tensor ‖a − b‖ / ‖b‖ < 0.05: 4 AdamW steps round differently (an element whose gradient is at rounding level
-    # can move by up to 2·lr the other way, lr ≤ 2e-3, against tensors of norm ≳ 0.1), a wrong expert or a shard out of
-    # place is ~1 (different weights, moments of other elements)
-    got, want = read_full_state(two / "checkpoints/step-4"), read_full_state(one / "checkpoints/step-4")
-    assert list(got.model) == list(want.model) and got.optimizers[0]["param_groups"] == want.optimizers[0]["param_groups"]
-    pairs = [(got.model[n], t) for n, t in want.model.items()]
-    moments, want_moments = got.optimizers[0]["state"], want.optimizers[0]["state"]
-    pairs += [(moments[i][k], t) for i, state in want_moments.items() for k, t in state.items() if t.dim()]
-    assert all(float((a - b).norm() / b.norm()) < 0.05 for a, b in pairs if b.norm() > 0)
+    _assert_same_losses(losses(resumed), {s: v for s, v in losses(single_mixtral).items() if s > 2})
+
+
+@pytest.mark.timeout(300)
+def test_mixtral_context_with_expert_parallelism_equals_single_process(tmp_path, single_mixtral):
+    """CP2 × EP2 on 4 ranks (DP2): each rank half of every sequence (ring attention), its half of the experts (the
+    tokens of the two ranks of an EP group exchanged), the load-balancing statistics added up over the CP pair, an
+    expert's gradients summed over its replicas in both DP and CP (``edp_cp``) and its ZeRO-1 state sharded there; the
+    losses are one process's and the checkpoint (one model file per EP rank, a ZeRO-1 shard per rank) consolidates to
+    one process's state."""
+    run = tmp_path / "cp2-ep2"
+    result = nxdt(
+        "train",
+        *MIXTRAL,
+        "trainer.devices=4",
+        "distributed_strategy.context_parallel_size=2",
+        "distributed_strategy.expert_model_parallel_size=2",
+        f"exp_manager.explicit_log_dir={run}",
+        cwd=tmp_path,
+    )
+    assert_ok(result)
+    assert "TP1 PP1 DP2 CP2 EP2 · FSDP off · ZeRO-1" in result.stdout + result.stderr
+    _assert_same_losses(losses(run), losses(single_mixtral))
+    files = {p.name for p in (run / "checkpoints/step-4").iterdir()}
+    assert {"model-ep0.safetensors", "model-ep1.safetensors"} | {f"trainer_state-ep{d // 2}-dp{d}.pt" for d in range(4)} <= files
+    _assert_consolidates_to(run, single_mixtral)

@@ -12,12 +12,29 @@ def test_docstring_example_tp2_pp2():
     assert p.groups["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert p.groups["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert p.groups["mp"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
-    assert p.coords(5).as_dict() == {"tp": 1, "cp": 0, "ep": 0, "dp": 0, "edp": 0, "dp_cp": 0, "pp": 1, "mp": 3, "world": 5}
+    assert p.coords(5).as_dict() == {
+        "tp": 1,
+        "cp": 0,
+        "ep": 0,
+        "dp": 0,
+        "edp": 0,
+        "dp_cp": 0,
+        "pp": 1,
+        "mp": 3,
+        "world": 5,
+        "edp_cp": 0,
+    }
 
 
 @pytest.mark.parametrize(
     "world,kw",
-    [(16, dict(tp=2, pp=2, cp=2)), (16, dict(tp=4, ep=2)), (12, dict(tp=3, pp=2)), (8, dict(tp=2, order="dp-tp-cp-ep-pp"))],
+    [
+        (16, dict(tp=2, pp=2, cp=2)),
+        (16, dict(tp=4, ep=2)),
+        (12, dict(tp=3, pp=2)),
+        (8, dict(tp=2, order="dp-tp-cp-ep-pp")),
+        (16, dict(tp=2, cp=2, ep=2)),
+    ],
 )
 def test_every_dimension_partitions_the_world(world, kw):
     p = plan_layout(world, **kw)
@@ -25,6 +42,16 @@ def test_every_dimension_partitions_the_world(world, kw):
         members = sorted(r for g in groups for r in g)
         assert members == list(range(world)), dim
         assert all(len(g) == p.degrees.get(dim, len(g)) for g in groups) or dim in ("mp", "world")
+
+
+def test_the_replicas_of_an_experts_weights_span_cp_too():
+    """EP with CP: an expert's replicas are the ranks with its EP coordinate in every EP group and every CP position
+    (``edp_cp``, cp fastest: its gradients are summed and its ZeRO-1 state sharded there); planned only then."""
+    p = plan_layout(8, cp=2, ep=2)
+    assert p.groups["ep"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert p.groups["edp_cp"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert p.degree("edp_cp") == 4 and p.coords(5).edp_cp == 3
+    assert "edp_cp" not in plan_layout(8, ep=2).groups and "edp_cp" not in plan_layout(8, cp=2).groups
 
 
 def test_ep_subdivides_dp():

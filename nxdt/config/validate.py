@@ -49,6 +49,7 @@ class Dim(str, Enum):
     PP = "pp"
     EDP = "edp"  # expert data parallelism: the DP ranks holding the same experts (derived: DP / EP)
     DP_CP = "dp_cp"  # the replicas of one model-parallel shard: DP × CP (derived; gradients and ZeRO-1/FSDP shards)
+    EDP_CP = "edp_cp"  # the replicas of the same experts under context parallelism: EDP × CP (derived; EP with CP only)
     MP = "mp"  # the model-parallel replica, TP × PP (derived)
 
     def __str__(self) -> str:
@@ -1168,8 +1169,7 @@ class NotYetSupported(ConfigError):
 def check_trainable(cfg: Any) -> None:
     """Refuse, before any worker starts, what would otherwise train silently wrong."""
     ds = cfg.distributed_strategy
-    cp = ds.context_parallel_size
-    unsupported = [("context_parallel_size", cp)] if cp > 1 and ds.expert_model_parallel_size > 1 else []
+    unsupported: list[tuple[str, Any]] = []
     if ds.expert_model_parallel_size > 1 and ds.fsdp.enabled:
         unsupported.append(("expert_model_parallel_size", ds.expert_model_parallel_size))
     if ds.fsdp.enabled and ds.pipeline_model_parallel_size > 1:
@@ -1180,7 +1180,6 @@ def check_trainable(cfg: Any) -> None:
         combined = {
             "expert_model_parallel_size": " together with FSDP",
             "fsdp.enabled": " together with pipeline parallelism",
-            "context_parallel_size": " together with expert parallelism",
         }.get(key, "")
         raise NotYetSupported(
             shown,

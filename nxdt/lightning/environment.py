@@ -80,11 +80,6 @@ def run_plan(
             f"the plan is for {plan.world_size} ranks but Lightning started {world_size} (devices={ranks_per_node}, "
             f"num_nodes={num_nodes}); make trainer.devices × num_nodes match the plan"
         )
-    if plan.cp > 1 and plan.ep > 1:
-        raise NotImplementedError(
-            f"NxDStrategy: degrees {plan.degrees} — context parallelism together with expert parallelism is "
-            f"not implemented yet; context parallelism trains with data, tensor and pipeline parallelism, ZeRO-1 and FSDP"
-        )
     return plan
 
 
@@ -149,6 +144,7 @@ def open_groups(world: World, plan: Plan, *, links: dict[str, EmulatedLink], cho
     ``links``: emulated link per dimension; ``choice``: ``comm.transport`` / ``comm.algorithm``."""
     comms = {"world": world.world}
     dims = DIMENSIONS + ((Dim.EDP,) if plan.ep > 1 else ()) + ((Dim.DP_CP,) if plan.cp > 1 else ())
+    dims += (Dim.EDP_CP,) if plan.ep > 1 and plan.cp > 1 else ()
     for dim in dims:
         for index, ranks in enumerate(plan.groups[dim]):
             comm = world.new_communicator(

@@ -194,11 +194,13 @@ def _read_zero1(root: Path, meta: dict[str, Any], mp: int, optimizer: bool, ep: 
         return PositionShard(model, [], {})
     deg = meta["degrees"]
     eps = deg.get(Dim.EP, 1)
-    # DP rank d holds EP rank d % EP's experts (the plan orders a DP group ep fastest: planner._position_groups), so
-    # its file carries that EP suffix; the dense state is sharded over every DP rank, the experts over their replicas
-    states = [_state(root / _files(meta, mp, d % eps)[1](d)) for d in range(deg.get(Dim.DP, 1))]
-    replicas = states[ep::eps]
-    names = _take_names(states[ep], root / _files(meta, mp, ep)[1](ep))
+    # each DP rank's file carries the EP suffix of the experts it holds: the dense state is sharded over every DP rank
+    # (context parallelism's replicas folded in), the experts over the replicas of the same experts (its EP rank's files)
+    owner = [next((e for e in range(eps) if (root / _files(meta, mp, e)[1](d)).is_file()), 0) for d in range(deg.get(Dim.DP, 1))]
+    states = [_state(root / _files(meta, mp, e)[1](d)) for d, e in enumerate(owner)]
+    replicas = [s for s, e in zip(states, owner) if e == ep]
+    first = owner.index(ep) if ep in owner else 0
+    names = _take_names(states[first], root / _files(meta, mp, ep)[1](first))
     opts = []
     for i, n in enumerate(names):
         shards = [s["optimizer_states"][i] for s in states]
@@ -212,7 +214,7 @@ def _read_zero1(root: Path, meta: dict[str, Any], mp: int, optimizer: bool, ep: 
             opts.append(by_name(consolidate_shard_states(shards, experts), n))
         except ValueError as exc:
             raise CheckpointError(f"checkpoint {root}: {exc}") from None
-    trainer = states[ep]  # this EP rank's own (its experts' names in the module's order)
+    trainer = states[first]  # this EP rank's own (its experts' names in the module's order)
     trainer.pop("optimizer_states", None)
     return PositionShard(model, opts, trainer)
 

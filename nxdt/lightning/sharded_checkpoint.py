@@ -58,7 +58,7 @@ def shard_files(plan: Plan, rank: int, shards_optimizer_state: bool) -> ShardFil
     mp = "" if plan.mp == 1 else f"-mp{coords.mp}"
     mp += f"-ep{coords.ep}" if plan.ep > 1 else ""  # each EP rank holds its own experts
     dp = f"-dp{coords.dp_cp}" if shards_optimizer_state and plan.dp_cp > 1 else ""
-    first = coords.dp_cp < plan.ep  # the first replica of each EP position (CP > 1 only without EP)
+    first = coords.edp == 0 and coords.cp == 0  # the first replica of each EP position (over DP and CP)
     return ShardFiles(f"model{mp}.safetensors", f"trainer_state{mp}{dp}.pt", first, first or bool(dp))
 
 

@@ -91,13 +91,13 @@ def model_parallel(
 ) -> ModelParallel:
     """This rank's groups as the data-parallel runtime composes with them (TP/PP/EP only where the degree > 1).
     Under context parallelism the replicas of the weights are DP × CP: gradients are averaged, and ZeRO-1/FSDP
-    shard, over that group (CP ranks hold the same weights, as DP ranks do)."""
+    shard, over that group (CP ranks hold the same weights, as DP ranks do); an expert's replicas likewise EDP × CP."""
     split = {dim: comms[dim] if degree(comms, dim) > 1 else None for dim in ("tp", "pp", "ep")}
     replicas = comms["dp_cp"] if degree(comms, "cp") > 1 else comms["dp"]
     return ModelParallel(
         dp=replicas,
         dp_size=replicas.size,
-        edp=comms.get("edp"),
+        edp=comms.get("edp_cp", comms.get("edp")),  # the replicas of this rank's experts: over CP too
         **split,
         sequence_parallel=sequence_parallel,
         norm_weights=parallelized.norm_weights,

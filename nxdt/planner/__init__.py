@@ -23,6 +23,8 @@ data parallelism) join the ranks that hold the same experts: dp [0,1,2,3] → ep
 Context parallelism splits the sequence, not the weights: the ranks of a CP group hold the same weights, so
 gradients are averaged (and ZeRO-1/FSDP shard) over ``dp_cp`` groups, DP × CP with the cp coordinate fastest.
 TP=2, CP=2 on 8 ranks (DP=2): cp [0,2] [1,3] [4,6] [5,7], dp [0,4] [1,5] [2,6] [3,7], dp_cp [0,2,4,6] [1,3,5,7].
+With expert parallelism too, the replicas of the same experts are ``edp_cp`` groups, EDP × CP with cp fastest (planned
+only where EP and CP are both > 1): CP=2, EP=2 on 8 ranks (DP=4): ep [0,2] [1,3] [4,6] [5,7], edp_cp [0,1,4,5] [2,3,6,7].
 
 On a torus the grid is laid over *positions* and a device order maps positions to cores (see
 ``placement``): trn1.32xlarge TP=4 gives TP groups [0,8,16,24], [1,9,17,25], ... (torus columns).
@@ -63,6 +65,7 @@ class Coords(NamedTuple):
     pp: int
     mp: int
     world: int
+    edp_cp: int = 0  # planned only with EP and CP both > 1
 
     def __getitem__(self, key: Any) -> int:  # type: ignore[override]
         return getattr(self, str(key)) if isinstance(key, str) else tuple.__getitem__(self, key)
@@ -104,9 +107,11 @@ class Plan:
         raise KeyError(f"rank {rank} is in no {dim} group")
 
     def degree(self, dim: Dim | str) -> int:
-        """The size of dimension ``dim`` (EDP = DP / EP; MP = TP × PP; DP_CP = DP × CP)."""
+        """The size of dimension ``dim`` (EDP = DP / EP; MP = TP × PP; DP_CP = DP × CP; EDP_CP = EDP × CP)."""
         if dim == Dim.EDP:
             return self.degrees[Dim.DP] // self.degrees[Dim.EP]
+        if dim == Dim.EDP_CP:
+            return self.degrees[Dim.DP] // self.degrees[Dim.EP] * self.degrees[Dim.CP]
         if dim == Dim.DP_CP:
             return self.degrees[Dim.DP] * self.degrees[Dim.CP]
         if dim == Dim.MP:
@@ -184,6 +189,10 @@ def _position_groups(world_size: int, degrees: dict[str, int], order: str) -> di
     groups["dp"] = np.moveaxis(grid, [axis[Dim.EP], axis[Dim.DP]], [-1, -2]).reshape(-1, degrees[Dim.DP])
     # expert-data-parallel: the ranks holding the same experts (same ep coordinate, different ep groups)
     groups["edp"] = np.moveaxis(grid, axis[Dim.DP], -1).reshape(-1, degrees[Dim.DP] // degrees[Dim.EP])
+    if degrees[Dim.EP] > 1 and degrees[Dim.CP] > 1:  # the same experts over context parallelism's replicas too
+        groups["edp_cp"] = np.moveaxis(grid, [axis[Dim.DP], axis[Dim.CP]], [-2, -1]).reshape(
+            -1, degrees[Dim.DP] // degrees[Dim.EP] * degrees[Dim.CP]
+        )
     # the replicas of the weights: data and context parallelism together (cp fastest, then ep, then dp)
     groups["dp_cp"] = np.moveaxis(grid, [axis[Dim.DP], axis[Dim.EP], axis[Dim.CP]], [-3, -2, -1]).reshape(
         -1, degrees[Dim.DP] * degrees[Dim.CP]

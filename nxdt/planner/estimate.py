@@ -361,7 +361,7 @@ def memory_per_rank(cfg: Any, degrees: dict[str, int]) -> dict[str, float]:
     n = model_numbers(model)
     dense = (n["total"] - n["expert_params"]) / (tp * pp)  # per rank, before any DP sharding
     experts = n["expert_params"] / (tp * pp * ep)
-    edp = max(1, dp // ep)  # ranks holding the same experts
+    edp = max(1, dp // ep) * degrees.get("cp", 1)  # ranks holding the same experts (over DP and CP: edp_cp)
     per = bytes_per_parameter(cfg)
     fsdp = ds.fsdp.enabled
     lora = lora_trainable_per_rank(cfg, tp, pp)
