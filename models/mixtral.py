@@ -392,7 +392,8 @@ class MixtralForCausalLM(LlamaForCausalLM):
     ) -> torch.Tensor:
         """input_ids [B, S] → logits [B, S, vocab] (router logits kept on each block for the aux loss, with which rows
         are real tokens: ``segment_ids != 0``)."""
-        tokens = None if segment_ids is None else segment_ids != 0
+        # which rows are real tokens, for a padding-masked term (none to compute without a load-balancing weight)
+        tokens = None if segment_ids is None or self.router_aux_loss_coef == 0 else segment_ids != 0
         for block in self.moe_blocks():
             block.router_logits = None  # a layer that does not run (another pipeline stage) adds nothing
             block.tokens.value = tokens
