@@ -41,7 +41,8 @@ Semantics worth knowing:
   optimizer's state are restored after the flat update, as torch's optimizers skip a parameter whose grad is None
   (the inner optimizer's step counter is per bucket, so a parameter that is used again later is bias-corrected
   with the bucket's count). Expert parameters (``nxdt.parallel.expert_parallel``) are exempt: routing decides per
-  step which experts get tokens; a missing expert gradient counts as zero. Frozen parameters
+  step which experts get tokens; a missing expert gradient counts as zero, and an expert none of its replicas has a
+  gradient for (no token of the whole batch) is left untouched, as one process skips it. Frozen parameters
   (``requires_grad=False``) are not placed in buckets and never change, as with torch's optimizers.
 * ``clip_grad_norm_`` clips the reduced shard gradients that ``step`` uses; the model's ``.grad``
   tensors keep the local, unreduced values — unless ``full_gradients`` is set: then the reduction is one
