@@ -118,6 +118,14 @@ def single_mixtral(tmp_path_factory):
     return run
 
 
+def _mixtral_on_four_ranks(tmp_path, name: str, *layout: str):
+    """A 4-rank Mixtral launch of ``layout`` (ZeRO-1 by default): its run directory and console output."""
+    run = tmp_path / name
+    result = nxdt("train", *MIXTRAL, "trainer.devices=4", *layout, f"exp_manager.explicit_log_dir={run}", cwd=tmp_path)
+    assert_ok(result)
+    return run, result.stdout + result.stderr
+
+
 def _assert_consolidates_to(run, single) -> None:
     """The checkpoint consolidated (what `nxdt checkpoint consolidate` and export-hf read) holds one process's tensors and
     optimizer state. Per tensor ‖a − b‖ / ‖b‖ < 0.05: 4 AdamW steps round differently (an element whose gradient is at
@@ -137,18 +145,13 @@ def test_mixtral_expert_parallel_with_pipeline_and_zero1_equals_single_process(t
     2 shards, each rank's experts whole): the load-balancing statistics cross the stages, the tokens cross the EP ranks,
     and the losses are one process's; the checkpoint consolidates to one process's state, and one process resumed from
     it continues the uninterrupted losses. (Its optimizer shards saved and loaded again: tests/parallel/test_moe.py.)"""
-    two = tmp_path / "ep2"
-    result = nxdt(
-        "train",
-        *MIXTRAL,
-        "trainer.devices=4",
+    two, said = _mixtral_on_four_ranks(
+        tmp_path,
+        "ep2",
         "distributed_strategy.expert_model_parallel_size=2",
         "distributed_strategy.pipeline_model_parallel_size=2",
-        f"exp_manager.explicit_log_dir={two}",
-        cwd=tmp_path,
     )
-    assert_ok(result)
-    assert "TP1 PP2 DP2 CP1 EP2 · FSDP off · ZeRO-1" in result.stdout + result.stderr
+    assert "TP1 PP2 DP2 CP1 EP2 · FSDP off · ZeRO-1" in said
     _assert_same_losses(losses(two), losses(single_mixtral))
     files = {p.name for p in (two / "checkpoints/step-4").iterdir()}
     assert {f"model-mp{s}-ep{e}.safetensors" for s in (0, 1) for e in (0, 1)} <= files
@@ -178,18 +181,10 @@ def test_mixtral_context_with_expert_parallelism_equals_single_process(tmp_path,
     expert's gradients summed over its replicas in both DP and CP (``edp_cp``) and its ZeRO-1 state sharded there; the
     losses are one process's and the checkpoint (one model file per EP rank, a ZeRO-1 shard per rank) consolidates to
     one process's state."""
-    run = tmp_path / "cp2-ep2"
-    result = nxdt(
-        "train",
-        *MIXTRAL,
-        "trainer.devices=4",
-        "distributed_strategy.context_parallel_size=2",
-        "distributed_strategy.expert_model_parallel_size=2",
-        f"exp_manager.explicit_log_dir={run}",
-        cwd=tmp_path,
+    run, said = _mixtral_on_four_ranks(
+        tmp_path, "cp2-ep2", "distributed_strategy.context_parallel_size=2", "distributed_strategy.expert_model_parallel_size=2"
     )
-    assert_ok(result)
-    assert "TP1 PP1 DP2 CP2 EP2 · FSDP off · ZeRO-1" in result.stdout + result.stderr
+    assert "TP1 PP1 DP2 CP2 EP2 · FSDP off · ZeRO-1" in said
     _assert_same_losses(losses(run), losses(single_mixtral))
     files = {p.name for p in (run / "checkpoints/step-4").iterdir()}
     assert {"model-ep0.safetensors", "model-ep1.safetensors"} | {f"trainer_state-ep{d // 2}-dp{d}.pt" for d in range(4)} <= files
