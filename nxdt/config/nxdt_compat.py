@@ -364,8 +364,8 @@ RULES: dict[str, Rule] = {
     "model_alignment_strategy.peft.save_lora_config_adapter": _map(
         "true: every checkpoint directory is also a Hugging Face "
         "PEFT adapter (adapter_config.json, adapter_model."
-        "safetensors, under its checksums); not with PP or "
-        "lora_bias other than none (refused by name)"
+        "safetensors, under its checksums; under PP gathered over the "
+        "stages); not with lora_bias other than none (refused by name)"
     ),
     "model_alignment_strategy.peft.merge_sharded_lora": _map(
         "accepted, either value: the PEFT adapter is always gathered "
