@@ -109,15 +109,6 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
             "num_experts",
         ),
         (["train", "data.global_batch_size=6"], "data.global_batch_size"),
-        (
-            [
-                "train",
-                "trainer.devices=2",
-                "distributed_strategy.fsdp.enabled=true",
-                "distributed_strategy.pipeline_model_parallel_size=2",
-            ],
-            "fsdp",
-        ),
         (["train", "distributed_strategy.fsdp.enabled=true", "distributed_strategy.zero1=true"], "zero1"),
         (
             [

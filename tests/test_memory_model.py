@@ -233,7 +233,33 @@ def test_fsdp_shards_everything_and_holds_prefetch_distance_plus_one_units():
     assert fp32["gathered_parameters"] == 2 * LAYER * 4  # fp32 units
 
 
-def test_expert_state_is_sharded_over_the_ranks_holding_the_same_experts():
+def test_fsdp_under_pipeline_parallelism_holds_the_stage_and_its_summed_gradients():
+    """PP2 × FSDP: a stage gathers each of its units once per step and keeps them (micro-batches' forwards and backwards
+    interleave), and sums its gradients unsharded in fp32 until the step's one reduce-scatter."""
+    dp, pp = 2, 2
+    cfg = tiny("precision.type=mixed_precision", "distributed_strategy.fsdp.enabled=true")
+    mem = memory_per_rank(cfg, degrees(dp=dp, pp=pp))
+    stage = max(V * h + L // pp * LAYER, L // pp * LAYER + V * h + h)  # the last stage: its layers, the norm and head
+    assert mem["gathered_parameters"] == stage * 2  # bf16 gathers
+    assert mem["accumulated_gradients"] == N / pp * 4
+    assert (mem["parameters"], mem["gradients"], mem["optimizer"]) == (4 * N / pp / dp, 4 * N / pp / dp, 8 * N / pp / dp)
+    assert "accumulated_gradients" not in memory_per_rank(cfg, degrees(dp=dp))
+
+
+def test_fsdp_under_pipeline_parallelism_gathers_and_reduces_each_unit_once_per_step():
+    from nxdt.planner.estimate import step_collectives
+
+    def fsdp_counts(*layout: str) -> tuple[int, dict[str, int]]:
+        cfg = tiny("distributed_strategy.fsdp.enabled=true", "trainer.devices=4", *layout)
+        p = plan(cfg)
+        return p.micro_batches, {r["what"]: r["count"] for r in step_collectives(cfg, p) if r["what"].startswith("FSDP ")}
+
+    m, flat = fsdp_counts()  # DP4: every micro-batch gathers each of L + 2 units twice, reduce-scatters each once
+    assert (flat["FSDP first gather of a pass"], flat["FSDP gradient reduce-scatter"]) == (2 * m, (L + 2) * m)
+    m, staged = fsdp_counts("distributed_strategy.pipeline_model_parallel_size=2")  # a stage: L/2 layers and one end
+    assert m > 1 and staged["FSDP first gather of a pass"] == 1
+    assert staged["FSDP parameter gathers (prefetched)"] == L // 2 and staged["FSDP gradient reduce-scatter"] == L // 2 + 1
+
     # 4 experts of 3·h·f = 24576 each per layer, EP 2 (each rank holds 2 experts), DP 4: expert-DP = 4/2 = 2
     cfg = tiny(
         "model=mixtral_tiny",

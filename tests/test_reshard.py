@@ -169,7 +169,7 @@ def assert_eval_perplexity_equals_transformers(checkpoint: Path, tmp_path: Path)
 
 @pytest.mark.slow
 @pytest.mark.timeout(360)
-def test_tp2_dp2_resumes_as_dp4_zero1_then_as_tp1_pp2_and_fsdp4_with_the_uninterrupted_losses(tmp_path, capsys):
+def test_tp2_dp2_resumes_as_dp4_zero1_then_as_tp1_pp2_and_pp2_fsdp2_with_the_uninterrupted_losses(tmp_path, capsys):
     from test_train_e2e import assert_ok, losses, nxdt
     from nxdt.cli import main
 
@@ -228,22 +228,28 @@ def test_tp2_dp2_resumes_as_dp4_zero1_then_as_tp1_pp2_and_fsdp4_with_the_uninter
     assert_continues(pp2, 7)
     assert_eval_perplexity_equals_transformers(pp2 / "checkpoints/step-9", tmp_path)  # PP2 stages
 
-    # the same ZeRO-1 shards resumed under FSDP over 4 ranks (moments cut into FSDP's flat shards); FSDP's own
-    # shards then consolidate (unflattened by the recorded layout) into the uninterrupted run's weights
-    fsdp4, fsdp_full = tmp_path / "fsdp4", tmp_path / "fsdp-full"
+    # the same ZeRO-1 shards resumed as PP2 × FSDP2 (each stage's moments cut into its FSDP flat shards; the step's
+    # micro-batches interleave over the stages, each unit gathered once per step, the clip norm summed over both
+    # stages); its FSDP shards then consolidate (each stage's unflattened by its recorded layout) into the
+    # uninterrupted run's weights
+    fsdp, fsdp_full = tmp_path / "pp2-fsdp2", tmp_path / "fsdp-full"
     assert_ok(
         nxdt(
             "train",
             *E2E,
             "trainer.devices=4",
+            "distributed_strategy.pipeline_model_parallel_size=2",
             "distributed_strategy.fsdp.enabled=true",
             f"exp_manager.resume_from_checkpoint={dp4 / 'checkpoints/step-6'}",
-            f"exp_manager.explicit_log_dir={fsdp4}",
+            f"exp_manager.explicit_log_dir={fsdp}",
             cwd=tmp_path,
         )
     )
-    assert_continues(fsdp4, 7)
-    assert main(["checkpoint", "consolidate", str(fsdp4 / "checkpoints/step-9"), str(fsdp_full)]) == 0
+    assert_continues(fsdp, 7)
+    assert {f"trainer_state-mp{s}-dp{d}.pt" for s in (0, 1) for d in (0, 1)} <= {
+        p.name for p in (fsdp / "checkpoints/step-9").iterdir()
+    }
+    assert main(["checkpoint", "consolidate", str(fsdp / "checkpoints/step-9"), str(fsdp_full)]) == 0
     got, want_state = reshard.read_full_state(fsdp_full), reshard.read_full_state(ref / "checkpoints/step-9")
     assert sorted(got.model) == sorted(want_state.model)
     for name, tensor in want_state.model.items():

@@ -1169,23 +1169,13 @@ class NotYetSupported(ConfigError):
 def check_trainable(cfg: Any) -> None:
     """Refuse, before any worker starts, what would otherwise train silently wrong."""
     ds = cfg.distributed_strategy
-    unsupported: list[tuple[str, Any]] = []
     if ds.expert_model_parallel_size > 1 and ds.fsdp.enabled:
-        unsupported.append(("expert_model_parallel_size", ds.expert_model_parallel_size))
-    if ds.fsdp.enabled and ds.pipeline_model_parallel_size > 1:
-        unsupported.append(("fsdp.enabled", True))
-    if unsupported:
-        key, value = unsupported[0]
-        shown = key if key.startswith("comm.") else f"distributed_strategy.{key}"
-        combined = {
-            "expert_model_parallel_size": " together with FSDP",
-            "fsdp.enabled": " together with pipeline parallelism",
-        }.get(key, "")
         raise NotYetSupported(
-            shown,
-            value,
-            f"training with it{combined} is not implemented yet in this version "
-            "(`nxdt plan` accepts it); data, tensor, pipeline, expert, context parallelism, ZeRO-1 and FSDP train now",
+            "distributed_strategy.expert_model_parallel_size",
+            ds.expert_model_parallel_size,
+            "training with it together with FSDP is not implemented yet in this version (`nxdt plan` accepts it); "
+            "use distributed_strategy.zero1=true (optimizer state sharded over the replicas) with expert parallelism, "
+            "or FSDP with data, tensor, pipeline and context parallelism",
         )
     if ds.fsdp.enabled and ds.zero1:
         raise ConfigError(

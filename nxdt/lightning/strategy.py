@@ -375,6 +375,8 @@ class NxDStrategy(ParallelStrategy):
             self._dp.shard_model(
                 self.lightning_module, self.optimizers, precision=self.precision_plugin.precision, tracer=self._tracer
             )
+            if self._parallel.pipeline is not None and self._dp.compute_dtype is not None:
+                self._parallel.pipeline.dtype = self._dp.compute_dtype  # what the stages send each other
             hooks = [self.lightning_module, *trainer.callbacks]
             if any(is_overridden("on_before_optimizer_step", h) for h in hooks):
                 # a hook reads p.grad after the reduction (gradient-norm logging): it must see the DP average, as under DDP

@@ -135,6 +135,9 @@ class DataParallelRuntime(Protocol):
 
     dp_format: str  # a checkpoint's meta "dp_format": "replicated" | "zero1" | "fsdp"
     shards_optimizer_state: bool  # each DP rank writes its own trainer-state file
+    # the dtype the model computes its activations in when the runtime sets it (FSDP's bf16 gathers: the embedding's
+    # output and so the residual stream are bf16), what a pipeline stage receives; None: the model's own
+    compute_dtype: torch.dtype | None
 
     def bind(self, mp: ModelParallel) -> None:
         """Attach the rank's groups (after TP/EP/PP have been applied)."""
@@ -257,6 +260,7 @@ class ReplicatedRuntime:
 
     dp_format = "replicated"
     shards_optimizer_state = False
+    compute_dtype: torch.dtype | None = None
     _reduction_ops: tuple[str, ...] = ("all_reduce",)  # the after-backward path's and the buckets' collectives
 
     def __init__(
@@ -678,18 +682,21 @@ class FSDPRuntime(ReplicatedRuntime):
     def shard_model(
         self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], *, precision: str = "32-true", tracer: Any = None
     ) -> None:
-        if self.mp.pp is not None or self.mp.ep is not None:
+        if self.mp.ep is not None:
             raise NotImplementedError(
-                "NxDStrategy: FSDP together with pipeline or expert parallelism is not implemented yet; "
-                "use FSDP with data and tensor parallelism"
+                "NxDStrategy: FSDP together with expert parallelism is not implemented yet; "
+                "use FSDP with data, tensor and pipeline parallelism, or ZeRO-1 with expert parallelism"
             )
         model = getattr(module, "model", None)
         owner = model if hasattr(model, "fsdp_units") else module  # a hub model (its fsdp_units) or the module itself
         options = dict(self.options)
+        if self.mp.pp is not None:  # micro-batches' forwards and backwards interleave: gathered once per step
+            options["gather_per_step"] = True
         if precision == "bf16-mixed":  # gather bf16 copies of the fp32 shards
             options.setdefault("param_dtype", torch.bfloat16)
         original = OriginalStateDict(module)  # each module's own order, before FSDP moves its parameters
         self.fsdp = apply_fsdp(owner, self.mp.dp, optimizers, tracer=tracer, **options)
+        self.compute_dtype = self.fsdp.param_dtype
         self.optimizers = list(optimizers)
         self.prefix = "" if owner is module else next(name for name, m in module.named_modules() if m is owner) + "."
         # every module's own state_dict() / load_state_dict() keep DDP's names and full tensors (a collective, as
@@ -735,6 +742,11 @@ class FSDPRuntime(ReplicatedRuntime):
             raise ValueError("FSDP: this optimizer is not one the model was sharded for (NxDStrategy's optimizers)")
         return found[0]
 
+    def before_backward(self, last: bool) -> None:
+        if self.fsdp is None:
+            return super().before_backward(last)
+        self.fsdp.before_backward(last)  # under PP its step's gradients are reduced from the last backward on
+
     def finish_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         if self.fsdp is None:
             return super().finish_gradients(module, optimizer)
@@ -774,9 +786,12 @@ class FSDPRuntime(ReplicatedRuntime):
     def clip_grad_norm_(self, module: nn.Module, max_norm: float, optimizer: torch.optim.Optimizer | None = None) -> Tensor:
         if self.fsdp is None:
             return super().clip_grad_norm_(module, max_norm, optimizer)
-        # each DP rank holds a different part of every gradient
-        tp = [self.mp.tp] if self.mp.tp is not None else []
-        return self.fsdp.clip_grad_norm_(max_norm, tp, self.mp.norm_weights, self._index(optimizer))
+        # each DP rank holds a different part of every gradient, each TP rank and PP stage other parameters
+        return self.fsdp.clip_grad_norm_(max_norm, self._model_comms(), self.mp.norm_weights, self._index(optimizer))
+
+    def _model_comms(self) -> list[Communicator]:
+        """The groups whose ranks hold other parts of one model replica (TP shards, PP stages): a norm sums over them."""
+        return [c for c in (self.mp.tp, self.mp.pp) if c is not None]
 
     def shard_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[Tensor]:
         if self.fsdp is None:
@@ -786,8 +801,8 @@ class FSDPRuntime(ReplicatedRuntime):
     def _sharded_norm(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[Tensor, set[int]]:
         if self.fsdp is None:
             return super()._sharded_norm(module, optimizer)
-        tp = [self.mp.tp] if self.mp.tp is not None else []  # max_norm inf: nothing is scaled
-        return self.fsdp.clip_grad_norm_(math.inf, tp, self.mp.norm_weights, self._index(optimizer)), set()
+        # max_norm inf: nothing is scaled
+        return self.fsdp.clip_grad_norm_(math.inf, self._model_comms(), self.mp.norm_weights, self._index(optimizer)), set()
 
     @torch.no_grad()
     def parameter_norm(self, module: nn.Module) -> Tensor:
@@ -801,7 +816,7 @@ class FSDPRuntime(ReplicatedRuntime):
                 continue
             for entry, a, b in flat.counted_segments(self.fsdp.dp_rank):
                 squares += weights.get(entry.name, 1.0) * squared_norm(flat.shard[a:b])
-        for comm in (self.fsdp.comm, self.mp.tp):
+        for comm in (self.fsdp.comm, *self._model_comms()):
             if comm is not None and comm.size > 1:
                 comm.all_reduce(squares, op="sum")
         return squares.sqrt().reshape(()).float()

@@ -31,6 +31,17 @@ holding sharded frozen flats is freed in backward only once its input's gradient
 (an identity on the unit's first input that reports its backward) — or, when that input needs no
 gradient, once its trainable flats' gradients arrived (every frozen weight's backward then feeds one).
 
+Under pipeline parallelism (``gather_per_step``) the micro-batches' forwards and backwards interleave (1F1B: a
+stage runs micro-batch m+1's forward before m's backward), so a unit cannot be freed after its forward or its gradient
+reduced per backward. There each unit stays gathered from its first use in a step to :meth:`finish_gradients`, with one
+autograd leaf per flat for the whole step: the micro-batches' gradients accumulate unsharded in it and are
+reduce-scattered once, during the backward the strategy arms as the step's last for this stage
+(:meth:`FullyShardedDataParallel.before_backward`; with virtual pipeline chunks none is, and they go in
+:meth:`~FullyShardedDataParallel.finish_gradients`). torch's FSDP2 does the same under ``torch.distributed.pipelining``
+(``reshard_after_forward=False``, gradient sync on the last backward only): a stage holds its own layers whole for the
+step (1/PP of the model) and gathers each once per step instead of twice per micro-batch. A forward-only pass outside
+a step (validation, scoring) frees each unit after its use.
+
 Prefetch policies (``prefetch``):
 
 * ``none``: gather(i) is issued when unit i starts and waited for at once; reduce-scatters are waited
@@ -110,6 +121,7 @@ class FlatShard:
     replicated: bool = False  # kept whole on every rank (below the persistence threshold): never gathered or freed
     parts: int = 1  # shards the flat buffer is cut into: the DP size, 1 when replicated
     local_grad: torch.Tensor | None = None  # replicated: this rank's gradient summed over the step's micro-batches
+    pending: torch.Tensor | None = None  # per step, sharded: the full gradient summed over the micro-batches so far
 
     @property
     def trainable(self) -> bool:
@@ -168,6 +180,7 @@ class FullyShardedDataParallel:
         prefetch_distance: int = 1,
         reduce_scatter_delay: int = 1,
         reshard_after_forward: bool = True,
+        gather_per_step: bool = False,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype = torch.float32,
         param_persistence_threshold: int = 32768,
@@ -189,6 +202,9 @@ class FullyShardedDataParallel:
         self.dp_size, self.dp_rank = dp_comm.size, dp_comm.rank
         self.policy, self.distance, self.delay = prefetch, prefetch_distance, reduce_scatter_delay
         self.reshard_after_forward = reshard_after_forward and prefetch != "eager"
+        self.per_step = gather_per_step  # pipeline parallelism: gathered and accumulated per step (module docstring)
+        self._step_open = False  # per_step: a forward with gradients ran since the last finish_gradients
+        self._last_backward = False  # per_step: the backward running now is the step's last for this stage
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.tracer = tracer
         self.stream = TP_STREAM if prefetch == "eager" else FSDP_STREAM
@@ -394,8 +410,9 @@ class FullyShardedDataParallel:
                 leaf.requires_grad_(True)
                 leaf.register_post_accumulate_grad_hook(lambda t, u=unit, fl=f: self._on_grad(u, fl))
                 f.leaf = leaf
-                unit.grads_pending += 1
-                self._grads_expected += 1
+                if not self.per_step:  # per step: one leaf takes every micro-batch's gradient, nothing is counted
+                    unit.grads_pending += 1
+                    self._grads_expected += 1
             # one split into every entry (and the shard padding): its backward concatenates the pieces' gradients
             # once, where a slice per entry would each return a zero-filled full-size gradient for autograd to add
             # into the leaf (O(entries × flat size) per unit per backward; the same sums, so the same bits)
@@ -419,6 +436,9 @@ class FullyShardedDataParallel:
                 self._gather(self.units[j])
 
     def _pre_forward(self, unit: FSDPUnit, args: tuple) -> tuple | None:
+        if self.per_step:
+            self._pre_forward_per_step(unit)
+            return None
         if self._in_backward:  # activation-checkpoint recompute: the views exist, the storage must be filled
             self._wait_gathered(unit)
             return None
@@ -434,6 +454,19 @@ class FullyShardedDataParallel:
         if self.tracer is not None:
             self._unit_start = time.perf_counter()
         return self._watch_input(unit, args)
+
+    def _pre_forward_per_step(self, unit: FSDPUnit) -> None:
+        """Gathered once per step; the leaves of a step's first forward with gradients serve every micro-batch."""
+        self._gather(unit)
+        self._prefetch_forward(unit)
+        self._wait_gathered(unit)
+        grad = torch.is_grad_enabled()
+        self._step_open = self._step_open or grad
+        if not any(f.leaf is not None for f in unit.flats):
+            self._set_views(unit, need_grad=grad)
+        if self.tracer is not None:
+            self._unit_start = time.perf_counter()
+        return None
 
     def _watch_input(self, unit: FSDPUnit, args: tuple) -> tuple | None:
         """A unit with sharded frozen flats: its first input passes an identity whose backward reports that the
@@ -451,6 +484,12 @@ class FullyShardedDataParallel:
         return (_ReportBackward.apply(args[0], lambda: self._on_input_grad(unit)), *args[1:])
 
     def _post_forward(self, unit: FSDPUnit, out: Any) -> Any:
+        if self.per_step:
+            if self.tracer is not None:
+                self.tracer.add("forward", "compute", self._unit_start, time.perf_counter(), unit=unit.index, module=unit.name)
+            if not self._step_open and not unit.resident:  # a forward-only pass outside a step: nothing kept for it
+                self._free(unit)
+            return out
         if self._in_backward:
             return out
         if self.tracer is not None:
@@ -495,18 +534,46 @@ class FullyShardedDataParallel:
         if self.tracer is not None:
             self._unit_start = time.perf_counter()
 
+    def before_backward(self, last: bool) -> None:
+        """Per step (pipeline parallelism): whether the backward about to run is the step's last for this stage's units
+        (their gradients are then complete as it reaches them, and reduced while the rest of it runs)."""
+        self._last_backward = last
+
     def _on_grad(self, unit: FSDPUnit, flat: FlatShard) -> None:
         leaf = flat.leaf
         assert leaf is not None, "FSDP: a gradient hook fired for a flat that is not gathered"  # registered on the live leaf
+        if self.per_step:  # summed over the step's micro-batches here; reduced once, from the step's last backward on
+            grad, leaf.grad = leaf.grad, None
+            if grad is not None and flat.replicated:
+                self._queue_grad(flat, grad)
+            elif grad is not None:  # in the reduce dtype, as torch's FSDP2 accumulates without a gradient sync
+                if flat.pending is None:
+                    flat.pending = grad if grad.dtype == self.reduce_dtype else grad.to(self.reduce_dtype)
+                else:
+                    flat.pending.add_(grad)
+            if self._last_backward:
+                self._release_pending(flat)
+                self._issue_reduce_scatters()
+            return
         grad, leaf.grad, flat.leaf = leaf.grad, None, None
-        if grad is not None and flat.replicated:  # summed here over micro-batches, averaged over DP once per step
+        if grad is not None:
+            self._queue_grad(flat, grad)
+        self._unit_grad_arrived(unit)
+
+    def _release_pending(self, flat: FlatShard) -> None:
+        """Per step: the gradient ``flat`` summed over the step's micro-batches, queued for its reduce-scatter."""
+        if flat.pending is not None:
+            self._rs_queue.append((self._backward_started, flat, flat.pending))
+            flat.pending = None
+
+    def _queue_grad(self, flat: FlatShard, grad: torch.Tensor) -> None:
+        if flat.replicated:  # summed here over micro-batches, averaged over DP once per step
             if flat.local_grad is None:
                 flat.local_grad = grad.to(self.reduce_dtype, copy=True)
             else:
                 flat.local_grad.add_(grad)
-        elif grad is not None:
+        else:
             self._rs_queue.append((self._backward_started, flat, grad))
-        self._unit_grad_arrived(unit)
 
     def _on_input_grad(self, unit: FSDPUnit) -> None:
         """The gradient of a unit's input is computed: every backward op of the unit (its frozen weights') ran."""
@@ -628,6 +695,9 @@ class FullyShardedDataParallel:
 
     def finish_gradients(self) -> None:
         """After the last backward of a step: every gradient reduced into its shard, every unit resharded."""
+        if self.per_step:  # what no armed backward took (virtual pipeline chunks: none is the last of every chunk)
+            for f in self.flats():
+                self._release_pending(f)
         self._drop_cleared()
         self._issue_reduce_scatters()
         self._drain_reduce_scatters()
@@ -642,6 +712,7 @@ class FullyShardedDataParallel:
         self._grads_expected = 0
         self._last_gather = None
         self._eager_issued = False
+        self._step_open = self._last_backward = False
 
     def unused_entries(self, optimizer_index: int | None = None) -> tuple[list[str], list[tuple[FlatShard, int, int]]]:
         """The parameters of optimizer ``optimizer_index``'s flats (every trainable flat when None) that got no gradient
@@ -1014,8 +1085,9 @@ class _ReportBackward(torch.autograd.Function):
 def default_units(model: nn.Module) -> list[list[nn.Module]]:
     """``model.fsdp_units()`` (the model hub's: embedding, layers, head), else each child module that holds
     parameters (a user's module; parameters held by ``model`` itself could not be gathered before use)."""
-    if hasattr(model, "fsdp_units"):
-        return model.fsdp_units()
+    if hasattr(model, "fsdp_units"):  # a pipeline stage's shell lacks the other stages' modules: no units for them
+        units = [[m for m in unit if m is not None and any(True for _ in m.parameters())] for unit in model.fsdp_units()]
+        return [unit for unit in units if unit]
     if any(True for _ in model.parameters(recurse=False)):
         raise ValueError(
             f"FSDP: {type(model).__name__} holds parameters directly; put them in child modules (each child "

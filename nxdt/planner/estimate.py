@@ -327,8 +327,9 @@ def naive_score_bytes(s: float, b: int, heads: float, autocast: bool) -> dict[st
 def _fsdp_gathered(cfg: Any, n: dict[str, float], tp: int, pp: int, gather_bytes: int) -> float:
     """Bytes of gathered (unsharded) FSDP units one rank holds at the peak: ``prefetch_distance + 1`` consecutive
     units (the running one and the prefetched ones), the largest such window of the stage's unit sequence
-    (embedding, layers, final norm + head); ``eager`` or ``reshard_after_forward: false`` keep every unit of the
-    stage gathered; a tied embedding/head is one resident unit that stays gathered for the whole step."""
+    (embedding, layers, final norm + head); ``eager``, ``reshard_after_forward: false`` or pipeline parallelism (each
+    unit gathered once per step: nxdt.parallel.fsdp) keep every unit of the stage gathered; a tied embedding/head is
+    one resident unit that stays gathered for the whole step."""
     model, fsdp = cfg.model, cfg.distributed_strategy.fsdp
     layers = math.ceil(model.num_layers / pp)
     layer = n["per_layer"]
@@ -338,7 +339,7 @@ def _fsdp_gathered(cfg: Any, n: dict[str, float], tp: int, pp: int, gather_bytes
         resident, ends = 0.0, (n["embedding"], n["head"] + model.hidden_size)
     # the fullest stage: the first (embedding + layers) or the last (layers + head); with PP 1 both ends
     stages = [[ends[0], *[layer] * layers, ends[1]]] if pp == 1 else [[ends[0], *[layer] * layers], [*[layer] * layers, ends[1]]]
-    if fsdp.prefetch == "eager" or not fsdp.reshard_after_forward:
+    if fsdp.prefetch == "eager" or not fsdp.reshard_after_forward or pp > 1:
         held = max(sum(units) for units in stages)
     else:
         window = 1 + fsdp.prefetch_distance
@@ -376,6 +377,8 @@ def memory_per_rank(cfg: Any, degrees: dict[str, int]) -> dict[str, float]:
             "optimizer": trained * state,
             "gathered_parameters": _fsdp_gathered(cfg, n, tp, pp, per["params"]),
         }
+        if pp > 1:  # the stage's gradients summed unsharded over the step's micro-batches, in fp32 (the reduce dtype)
+            mem["accumulated_gradients"] = (dense + experts if lora is None else lora) * 4
     else:
         state = per["moments"] + per["master"]
         trained = dense + experts if lora is None else lora  # LoRA: the adapters only
@@ -529,11 +532,13 @@ def step_collectives(cfg: Any, plan: Any) -> list[dict[str, Any]]:
         if ds.fsdp.enabled:
             # units: the embedding, each layer, the head (merged with the embedding when tied); every micro-batch
             # gathers each unit for forward and again for backward (eager: once per step, all held) and
-            # reduce-scatters its gradient. Behind compute except the first gather of each pass (nothing to hide it)
-            units = layers + (1 if model.tie_word_embeddings else 2)
+            # reduce-scatters its gradient. Behind compute except the first gather of each pass (nothing to hide it).
+            # Under PP a stage (its layers and one end) gathers each unit once per step and reduce-scatters once
+            per_step = plan.pp > 1
+            units = layers + (1 if per_step or model.tie_word_embeddings else 2)
             unit = params / units
             policy = ds.fsdp.prefetch
-            passes = 1 if policy == "eager" else 2 * microbatches
+            passes = 1 if policy == "eager" or per_step else 2 * microbatches
             hidden = policy != "none"
             rows.append(dict(dim=dp_dim, op="all_gather", bytes=unit * act, count=passes, what="FSDP first gather of a pass"))
             rows += [
@@ -549,7 +554,7 @@ def step_collectives(cfg: Any, plan: Any) -> list[dict[str, Any]]:
                     dim=dp_dim,
                     op="reduce_scatter",
                     bytes=trained / units * grad_bytes,
-                    count=units * microbatches,
+                    count=units * (1 if per_step else microbatches),
                     what="FSDP gradient reduce-scatter",
                     overlap=hidden,
                 ),
