@@ -55,7 +55,7 @@ from torch import Tensor, nn
 from nxdt.comm.stream import Work
 from nxdt.comm.world import Communicator
 from nxdt.parallel import foreach_squared_norm, scale_, squared_norm
-from nxdt.parallel.expert_parallel import is_expert_parameter, reduce_expert_gradients
+from nxdt.parallel.expert_parallel import is_expert_parameter, reduce_expert_gradients, routed_parameters
 from nxdt.parallel.fsdp import FullyShardedDataParallel, OriginalStateDict, apply_fsdp
 from nxdt.parallel.overlap import DP_STREAM, BackwardReduction, cap_elements, order_free, plan_buckets
 from nxdt.parallel.tensor_parallel import partial_grad_names, shard_spec, sync_replicated_grads
@@ -277,6 +277,7 @@ class ReplicatedRuntime:
         self._after: list[tuple[str, nn.Parameter]] = []  # overlapped: the TP-partial ones, reduced after their TP sum
         self._buckets: list[tuple[list[tuple[str, nn.Parameter]], Tensor]] = []  # replicated: (params, flat) each
         self._order: dict[int, int] = {}  # parameter id -> its place in the module (error messages list in that order)
+        self._routed: set[int] = set()  # MoE experts' parameters: a rank may lack their gradient (never refused)
 
     def bind(self, mp: ModelParallel) -> None:
         self._mp = mp
@@ -312,6 +313,7 @@ class ReplicatedRuntime:
         self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], *, precision: str = "32-true", tracer: Any = None
     ) -> None:
         self.optimizers = list(optimizers)
+        self._routed = routed_parameters(module)
         for r in self._reductions:  # set up again (a second fit): the earlier hooks go
             r.remove()
         self._reductions, self._buckets, self._after = [], [], []
@@ -467,7 +469,11 @@ class ReplicatedRuntime:
         for params, flat in reduced:
             numel = flat.numel() - len(params)
             # the share of ranks with a gradient: exactly 1.0 (k/k) where all have one
-            lacking += [(self._order.get(id(p), 0), n) for (n, p), u in zip(params, flat[numel:].tolist()) if u < 1.0]
+            lacking += [
+                (self._order.get(id(p), 0), n)
+                for (n, p), u in zip(params, flat[numel:].tolist())
+                if u < 1.0 and id(p) not in self._routed  # a MoE expert: a rank may have routed it no token
+            ]
         if lacking and not self.find_unused_parameters:
             raise ValueError(f"NxDStrategy: {unused_parameters_message([n for _, n in sorted(lacking, key=lambda x: x[0])])}")
         for params, flat in reduced:
@@ -675,6 +681,7 @@ class FSDPRuntime(ReplicatedRuntime):
         self.fsdp: FullyShardedDataParallel | None = None
         self.frozen: list[FullyShardedDataParallel] = []  # shard_frozen's models (their stats are reset with the step's)
         self.prefix = ""  # FSDP names parameters relative to the units' owner; checkpoints from the module
+        self._routed_names: set[str] = set()  # MoE experts' parameters (FSDP entry names): never refused as unused
         self._original: OriginalStateDict | None = None  # every module's own state_dict(), as before FSDP
         # (optimizer, shard, first, end, values, moments) of parameters no rank had a gradient for: put back after the step
         self._untouched: list[tuple[torch.optim.Optimizer, Tensor, int, int, Tensor, dict[str, Tensor]]] = []
@@ -688,13 +695,15 @@ class FSDPRuntime(ReplicatedRuntime):
                 "use FSDP with data, tensor and pipeline parallelism, or ZeRO-1 with expert parallelism"
             )
         model = getattr(module, "model", None)
-        owner = model if hasattr(model, "fsdp_units") else module  # a hub model (its fsdp_units) or the module itself
+        owner: nn.Module = model if hasattr(model, "fsdp_units") else module  # a hub model (its fsdp_units) or the module
         options = dict(self.options)
         if self.mp.pp is not None:  # micro-batches' forwards and backwards interleave: gathered once per step
             options["gather_per_step"] = True
         if precision == "bf16-mixed":  # gather bf16 copies of the fp32 shards
             options.setdefault("param_dtype", torch.bfloat16)
         original = OriginalStateDict(module)  # each module's own order, before FSDP moves its parameters
+        routed = routed_parameters(module)  # MoE experts, by the names FSDP's entries keep
+        self._routed_names = {n for n, p in owner.named_parameters() if id(p) in routed}
         self.fsdp = apply_fsdp(owner, self.mp.dp, optimizers, tracer=tracer, **options)
         self.compute_dtype = self.fsdp.param_dtype
         self.optimizers = list(optimizers)
@@ -757,6 +766,7 @@ class FSDPRuntime(ReplicatedRuntime):
                 self.fsdp.sum_replicated_grads(self.mp.tp, lambda name: name not in partial)
         index = self._index(optimizer)
         lacking, nowhere = self.fsdp.unused_entries(index)
+        lacking = [n for n in lacking if n not in self._routed_names]  # a MoE expert a rank routed no token to
         if lacking and not self.find_unused_parameters:
             raise ValueError(f"NxDStrategy: {unused_parameters_message([self.prefix + n for n in lacking])}")
         owner = {id(p): o for o in self.optimizers for g in o.param_groups for p in g["params"]}

@@ -69,6 +69,7 @@ __all__ = [
     "is_expert_parameter",
     "reduce_expert_gradients",
     "moe_blocks",
+    "routed_parameters",
 ]
 
 
@@ -133,6 +134,15 @@ def _is_moe_block(module: nn.Module) -> bool:
 
 def moe_blocks(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if _is_moe_block(m)]
+
+
+def routed_parameters(model: nn.Module) -> set[int]:
+    """Ids of the parameters of every MoE block's experts (sliced by EP or not): a token reaches an expert only where
+    the router sends it, so an expert may get no gradient on a data-parallel rank — or on any — in a step as a matter of
+    course. Data-parallel runtimes never refuse them as unused: a missing gradient counts as zero in the average, and
+    an expert no rank has one for got no token of the whole batch and is left untouched, as one process's optimizer
+    skips a parameter whose gradient is None."""
+    return {id(p) for block in moe_blocks(model) for p in block.experts.parameters()}
 
 
 def apply_expert_parallel(

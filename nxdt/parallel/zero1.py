@@ -40,7 +40,7 @@ Semantics worth knowing:
   parameter no rank has a gradient for is left untouched by the step — its weights and its part of the inner
   optimizer's state are restored after the flat update, as torch's optimizers skip a parameter whose grad is None
   (the inner optimizer's step counter is per bucket, so a parameter that is used again later is bias-corrected
-  with the bucket's count). Expert parameters (``nxdt.parallel.expert_parallel``) are exempt: routing decides per
+  with the bucket's count). MoE experts (``nxdt.parallel.expert_parallel.routed_parameters``, sliced by EP or not) are exempt: routing decides per
   step which experts get tokens; a missing expert gradient counts as zero, and an expert none of its replicas has a
   gradient for (no token of the whole batch) is left untouched, as one process skips it. Frozen parameters
   (``requires_grad=False``) are not placed in buckets and never change, as with torch's optimizers.
@@ -71,7 +71,7 @@ from torch import nn
 from nxdt.comm.stream import Work
 from nxdt.comm.world import Communicator
 from nxdt.parallel import squared_norm
-from nxdt.parallel.expert_parallel import is_expert_parameter
+from nxdt.parallel.expert_parallel import is_expert_parameter, routed_parameters
 from nxdt.parallel.overlap import DP_STREAM, BackwardReduction, cap_elements, order_free, plan_buckets
 
 __all__ = ["Zero1Optimizer", "STATE_FORMAT", "consolidate_shard_states", "unused_parameters_message"]
@@ -174,6 +174,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self.master_dtype = master_dtype
         self.find_unused_parameters = bool(find_unused_parameters)
         self._names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        self._routed = routed_parameters(model) if model is not None else set()  # MoE experts: never refused as unused
 
         groups = self._normalise_groups(params, model)
         experts = [p for g in groups for p in g["params"] if p.requires_grad and is_expert_parameter(p)]
@@ -524,8 +525,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
         if self.dp_size > 1:
             self._dp.all_reduce(used, op="sum")
         lacking = [i for i in range(len(dense)) if used[i] < self.dp_size]
-        if lacking and not self.find_unused_parameters:
-            names = [self._names.get(id(dense[i]), f"param {i} (shape {tuple(dense[i].shape)})") for i in lacking]
+        refused = [i for i in lacking if id(dense[i]) not in self._routed]
+        if refused and not self.find_unused_parameters:
+            names = [self._names.get(id(dense[i]), f"param {i} (shape {tuple(dense[i].shape)})") for i in refused]
             raise ValueError(unused_parameters_message(names))
         nowhere = {id(dense[i]) for i in lacking if used[i] == 0}
         experts = [p for b in self._buckets if b.experts for p in b.params]

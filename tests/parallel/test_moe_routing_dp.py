@@ -1,0 +1,137 @@
+"""A mixture-of-experts model on plain data parallelism (no expert parallelism): the router leaves some experts without
+a token on one rank, and some without a token anywhere in the batch. Every data-parallel runtime — replicated, ZeRO-1,
+FSDP — trains it as one process does (no "unused parameters" refusal: routing, not the user, decides who gets a
+gradient): a missing expert gradient counts as zero in the average, and an expert no rank routed a token to is left
+untouched (torch's SGD skips a parameter whose gradient is None; the sharded runtimes restore its slice of the flat and
+of the momentum). Dense parameters without a gradient are still refused by name.
+
+Two ranks, one sequence each of 8 tokens, 16 experts, top-1: 16 routed rows for 16 experts.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+
+from nxdt.comm.spawn import run_local
+from nxdt.models.mixtral import MixtralForCausalLM
+from nxdt.parallel.data_parallel import ModelParallel, data_parallel_runtime
+
+CFG = types.SimpleNamespace(
+    vocab_size=64,
+    hidden_size=16,
+    num_layers=2,
+    num_attention_heads=2,
+    num_kv_heads=2,
+    ffn_hidden_size=16,
+    max_position_embeddings=32,
+    rope_theta=10000.0,
+    norm_eps=1e-5,
+    tie_word_embeddings=False,
+    init_method_std=0.02,
+    activations_checkpoint_granularity=None,
+    moe=types.SimpleNamespace(num_experts=16, top_k=1, router_aux_loss_coef=0.0),
+)
+KINDS = {"replicated": {}, "zero1": {"zero1": True}, "fsdp": {"fsdp": {"param_persistence_threshold": 0}}}
+SEQ, STEPS, LR, MOMENTUM, DECAY = 8, 3, 0.5, 0.9, 0.1
+
+
+def _model() -> MixtralForCausalLM:
+    torch.manual_seed(0)
+    return MixtralForCausalLM(CFG)
+
+
+def _tokens(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    ids = torch.randint(0, CFG.vocab_size, (1, SEQ + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _sgd(model: torch.nn.Module) -> torch.optim.SGD:
+    # momentum and decay: a step taken on an expert that should have been skipped moves it (a step counter, as
+    # AdamW's, is per flat under ZeRO-1/FSDP: docs/lightning-conformance.md names that difference)
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=DECAY)
+
+
+def _experts(model: torch.nn.Module) -> list[str]:
+    return [n for n, _ in model.named_parameters() if ".experts." in n]
+
+
+def _worker(world) -> dict:
+    rank, size = world.rank, world.world_size
+    report: dict = {}
+    # one process on both ranks' tokens: which experts get a gradient on this rank, anywhere, and the weights
+    ref = _model()
+    ref_opt = _sgd(ref)
+    routing = {"mine": [], "anywhere": []}
+    for step in range(STEPS):
+        ref_opt.zero_grad()
+        probe = copy.deepcopy(ref)  # this rank's tokens alone
+        probe.loss_fn(probe(_tokens(rank, step)[0]), _tokens(rank, step)[1]).backward()
+        routing["mine"].append({n for n, p in probe.named_parameters() if p.grad is not None})
+        for r in range(size):
+            ids, labels = _tokens(r, step)
+            (ref.loss_fn(ref(ids), labels) / size).backward()
+        routing["anywhere"].append({n for n, p in ref.named_parameters() if p.grad is not None})
+        ref_opt.step()
+    experts = set(_experts(ref))
+    report["partly"] = [len(experts & (anywhere - mine)) for mine, anywhere in zip(routing["mine"], routing["anywhere"])]
+    report["nowhere"] = [len(experts - anywhere) for anywhere in routing["anywhere"]]
+    want = {k: v.clone() for k, v in ref.state_dict().items()}
+    for kind, options in KINDS.items():
+        model = _model()
+        rt = data_parallel_runtime(**options)
+        rt.bind(ModelParallel(dp=world.world, dp_size=size))
+        opt = rt.shard_optimizer(_sgd(model), model)
+        rt.shard_model(model, [opt])
+        for step in range(STEPS):
+            ids, labels = _tokens(rank, step)
+            model.loss_fn(model(ids), labels).backward()
+            rt.finish_gradients(model)
+            opt.step()
+            rt.after_step(opt)
+            opt.zero_grad()
+        state = rt.model_state_dict(model)
+        report[kind] = sorted(n for n, v in want.items() if n in state and not torch.allclose(state[n], v, rtol=1e-5, atol=1e-6))
+    # a dense parameter without gradient (the last layer's MLP-free path: its norm unused here) is still refused
+    model = _model()
+    rt = data_parallel_runtime()
+    rt.bind(ModelParallel(dp=world.world, dp_size=size))
+    opt = rt.shard_optimizer(_sgd(model), model)
+    rt.shard_model(model, [opt])
+    ids, labels = _tokens(rank, 0)
+    model.loss_fn(model(ids), labels).backward()
+    model.norm.weight.grad = None
+    try:
+        rt.finish_gradients(model)
+        report["dense_unused"] = "no error"
+    except ValueError as exc:
+        report["dense_unused"] = str(exc)
+    return report
+
+
+@pytest.fixture(scope="module")
+def reports() -> list[dict]:
+    return run_local(_worker, 2, timeout_s=120)
+
+
+@pytest.mark.timeout(180)
+def test_the_router_left_experts_without_tokens_on_one_rank_and_everywhere(reports):
+    for rank, report in enumerate(reports):  # the scenario the next test needs, on both ranks
+        assert sum(report["partly"]) > 0 and sum(report["nowhere"]) > 0, (rank, report["partly"], report["nowhere"])
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_every_runtime_trains_routed_experts_as_one_process(reports, kind):
+    for rank, report in enumerate(reports):
+        assert report[kind] == [], (rank, kind)
+
+
+@pytest.mark.timeout(180)
+def test_a_dense_parameter_without_gradient_is_still_refused_by_name(reports):
+    for report in reports:
+        assert "norm.weight" in report["dense_unused"] and "find_unused_parameters=True" in report["dense_unused"]
