@@ -261,7 +261,7 @@ def test_fsdp_under_pipeline_parallelism_gathers_and_reduces_each_unit_once_per_
     assert staged["FSDP parameter gathers (prefetched)"] == L // 2 and staged["FSDP gradient reduce-scatter"] == L // 2 + 1
 
     # 4 experts of 3·h·f = 24576 each per layer, EP 2 (each rank holds 2 experts), DP 4: expert-DP = 4/2 = 2
-    cfg = tiny(
+    cfg_overrides = [
         "model=mixtral_tiny",
         f"model.hidden_size={h}",
         f"model.num_layers={L}",
@@ -272,12 +272,20 @@ def test_fsdp_under_pipeline_parallelism_gathers_and_reduces_each_unit_once_per_
         "model.moe.num_experts=4",
         "precision.type=fp32",
         "distributed_strategy.zero1=true",
-    )
-    m = memory_per_rank(cfg, degrees(dp=4, ep=2))
+    ]
+    m = memory_per_rank(tiny(*cfg_overrides), degrees(dp=4, ep=2))
     experts = L * 4 * 3 * h * f  # 786432
     dense = N - L * 3 * h * f + L * 4 * h  # the single MLP out, the routers (h·experts per layer) in: 165888
     assert m["parameters"] == (dense + experts / 2) * 4
     assert m["optimizer"] == (dense / 4 + experts / 2 / 2) * 8  # fp32 moments, dense over DP 4, experts over 2
+    # FSDP: everything sharded the same way; a layer's gathered unit holds the rank's 2 experts, not all 4
+    fsdp = memory_per_rank(
+        tiny(*[o for o in cfg_overrides if o != "distributed_strategy.zero1=true"], "distributed_strategy.fsdp.enabled=true"),
+        degrees(dp=4, ep=2),
+    )
+    assert (fsdp["parameters"], fsdp["optimizer"]) == ((dense / 4 + experts / 4) * 4, (dense / 4 + experts / 4) * 8)
+    layer = LAYER - 3 * h * f + 4 * h + 2 * 3 * h * f  # attention, norms, router, two experts
+    assert fsdp["gathered_parameters"] == 2 * layer * 4  # two consecutive layers, fp32
 
 
 # ------------------------------------------------------------------------- 4. bytes per parameter

@@ -189,3 +189,27 @@ def test_mixtral_context_with_expert_parallelism_equals_single_process(tmp_path,
     files = {p.name for p in (run / "checkpoints/step-4").iterdir()}
     assert {"model-ep0.safetensors", "model-ep1.safetensors"} | {f"trainer_state-ep{d // 2}-dp{d}.pt" for d in range(4)} <= files
     _assert_consolidates_to(run, single_mixtral)
+
+
+@pytest.mark.timeout(300)
+def test_mixtral_expert_parallel_with_fsdp_equals_single_process(tmp_path, single_mixtral):
+    """EP2 × FSDP on 4 ranks (DP4: each rank half the experts, its dense flats sharded over the 4, its expert flats over
+    the 2 replicas of the same experts): the losses are one process's and the checkpoint (a model file per EP rank, a
+    flat-shard file per rank) consolidates to one process's state; one process's step-2 checkpoint resumed as EP2 × FSDP
+    (each rank's experts and their moments cut into its expert flats) continues the uninterrupted losses."""
+    run, said = _mixtral_on_four_ranks(
+        tmp_path, "ep2-fsdp", "distributed_strategy.expert_model_parallel_size=2", "distributed_strategy.fsdp.enabled=true"
+    )
+    assert "TP1 PP1 DP4 CP1 EP2 · FSDP token_threaded" in said
+    _assert_same_losses(losses(run), losses(single_mixtral))
+    files = {p.name for p in (run / "checkpoints/step-4").iterdir()}
+    assert {"model-ep0.safetensors", "model-ep1.safetensors"} | {f"trainer_state-ep{d % 2}-dp{d}.pt" for d in range(4)} <= files
+    _assert_consolidates_to(run, single_mixtral)
+    resumed, _ = _mixtral_on_four_ranks(
+        tmp_path,
+        "resumed",
+        "distributed_strategy.expert_model_parallel_size=2",
+        "distributed_strategy.fsdp.enabled=true",
+        f"exp_manager.resume_from_checkpoint={single_mixtral / 'checkpoints/step-2'}",
+    )
+    _assert_same_losses(losses(resumed), {s: v for s, v in losses(single_mixtral).items() if s > 2})

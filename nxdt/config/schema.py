@@ -161,7 +161,8 @@ class DistributedStrategyConfig:
     zero1: Optional[bool] = doc(
         None,
         "shard optimizer state across data-parallel ranks; null (the default) = on wherever it trains as plain data "
-        "parallelism does: data-parallel degree > 1, without FSDP, expert parallelism or bf16SR (NxDT's default: true)",
+        "parallelism does: data-parallel degree > 1, without FSDP or bf16SR; with expert parallelism each rank's experts "
+        "are sharded over their replicas (NxDT's default: true)",
     )
     overlap_grad_reduce: bool = doc(
         True,

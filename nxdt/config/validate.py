@@ -1169,14 +1169,6 @@ class NotYetSupported(ConfigError):
 def check_trainable(cfg: Any) -> None:
     """Refuse, before any worker starts, what would otherwise train silently wrong."""
     ds = cfg.distributed_strategy
-    if ds.expert_model_parallel_size > 1 and ds.fsdp.enabled:
-        raise NotYetSupported(
-            "distributed_strategy.expert_model_parallel_size",
-            ds.expert_model_parallel_size,
-            "training with it together with FSDP is not implemented yet in this version (`nxdt plan` accepts it); "
-            "use distributed_strategy.zero1=true (optimizer state sharded over the replicas) with expert parallelism, "
-            "or FSDP with data, tensor, pipeline and context parallelism",
-        )
     if ds.fsdp.enabled and ds.zero1:
         raise ConfigError(
             "distributed_strategy.zero1", True, "FSDP already shards the optimizer state; set zero1=false (or fsdp.enabled=false)"

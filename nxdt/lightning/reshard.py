@@ -229,25 +229,33 @@ STATE_ORDER_KEY = "nxdt_state_dict_order"
 
 def _read_fsdp(root: Path, meta: dict[str, Any], mp: int, optimizer: bool, ep: int = 0) -> PositionShard:
     """FSDP: the model file is already unsharded over DP (gathered at save); each optimizer state index is one
-    flat shard — joined over the DP ranks and cut back into parameters by the recorded flat layout."""
-    model_file, state_file = _files(meta, mp, ep)
+    flat shard — joined over the DP ranks (an expert flat: over the replicas of expert-parallel rank ``ep``'s experts,
+    in the shard order each file records) and cut back into parameters by the recorded flat layout."""
+    model_file, _ = _files(meta, mp, ep)
     model = _tensors(root / model_file)
     if not optimizer:
         return PositionShard(model, [], {})
-    dp = meta["degrees"].get(Dim.DP, 1)
-    states = [_state(root / state_file(d)) for d in range(dp)]
-    layouts = states[0].get(FSDP_LAYOUT_KEY)
-    orders = states[0].get(PARAM_ORDER_KEY)
+    deg = meta["degrees"]
+    eps = deg.get(Dim.EP, 1)
+    # each DP rank's file carries the EP suffix of the experts it holds (as under ZeRO-1)
+    owner = [next((e for e in range(eps) if (root / _files(meta, mp, e)[1](d)).is_file()), 0) for d in range(deg.get(Dim.DP, 1))]
+    states = [_state(root / _files(meta, mp, e)[1](d)) for d, e in enumerate(owner)]
+    first = owner.index(ep) if ep in owner else 0
+    replicas = [s for s, e in zip(states, owner) if e == ep]
+    layouts = states[first].get(FSDP_LAYOUT_KEY)  # this EP rank's: its experts' names
+    orders = states[first].get(PARAM_ORDER_KEY)
     if layouts is None:
         raise CheckpointError(
-            f"checkpoint {root}: {state_file(0)} records no FSDP flat layout — resume it on its original layout"
+            f"checkpoint {root}: {_files(meta, mp, ep)[1](first)} records no FSDP flat layout — resume it on its original layout"
         )
     opts = []
     for i, flats in enumerate(layouts):
-        shards = [s["optimizer_states"][i] for s in states]
         named: dict[str, Any] = {}
         for j, flat in enumerate(flats):
-            entries = [sh["state"].get(j) for sh in shards][: flat.get("dp", dp)]  # a replicated flat: every rank holds all of it
+            holders = states
+            if flat.get("expert"):  # sharded over the replicas of these experts, in their recorded shard order
+                holders = sorted(replicas, key=lambda st: st[FSDP_LAYOUT_KEY][i][j]["rank"])
+            entries = [st["optimizer_states"][i]["state"].get(j) for st in holders][: flat.get("dp", len(holders))]
             if any(e is None for e in entries):
                 continue  # never stepped
             for key, value in entries[0].items():
@@ -267,10 +275,10 @@ def _read_fsdp(root: Path, meta: dict[str, Any], mp: int, optimizer: bool, ep: i
                     (name for j in g["params"] for name, *_ in flats[j]["entries"]), key=lambda n: position.get(n, len(position))
                 ),
             }
-            for g in shards[0]["param_groups"]
+            for g in states[first]["optimizer_states"][i]["param_groups"]
         ]
         opts.append({"state": named, "param_groups": groups})
-    trainer = states[0]
+    trainer = states[first]
     for key in ("optimizer_states", FSDP_LAYOUT_KEY, NAMES_KEY, PARAM_ORDER_KEY):
         trainer.pop(key, None)
     return PositionShard(model, opts, trainer)
@@ -335,9 +343,12 @@ def check_consolidatable(root: Path, meta: dict[str, Any]) -> None:
     checks it before any worker starts: ``model.weight_init_only``)."""
     if dp_format(meta) not in DP_FORMATS:
         raise CheckpointError(f"checkpoint {root} holds {dp_format(meta)} shards, which cannot be consolidated yet")
-    ep = meta.get("degrees", {}).get(Dim.EP, 1)
-    if ep > 1 and dp_format(meta) == "fsdp":  # FSDP does not train with EP: no such checkpoint is written
-        raise CheckpointError(f"checkpoint {root} is expert-parallel (EP{ep}) with FSDP shards, which cannot be consolidated")
+    deg = meta.get("degrees", {})
+    for mp in range(deg.get(Dim.TP, 1) * deg.get(Dim.PP, 1)):  # every model file the reader will open
+        for ep in range(deg.get(Dim.EP, 1)):
+            name = _files(meta, mp, ep)[0]
+            if not (root / name).is_file():
+                raise CheckpointError(f"checkpoint {root}: shard {name} is missing — the checkpoint is incomplete")
 
 
 def read_full_state(path: str | os.PathLike, *, optimizer: bool = True, expect_model: dict[str, Any] | None = None) -> FullState:

@@ -689,11 +689,6 @@ class FSDPRuntime(ReplicatedRuntime):
     def shard_model(
         self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], *, precision: str = "32-true", tracer: Any = None
     ) -> None:
-        if self.mp.ep is not None:
-            raise NotImplementedError(
-                "NxDStrategy: FSDP together with expert parallelism is not implemented yet; "
-                "use FSDP with data, tensor and pipeline parallelism, or ZeRO-1 with expert parallelism"
-            )
         model = getattr(module, "model", None)
         owner: nn.Module = model if hasattr(model, "fsdp_units") else module  # a hub model (its fsdp_units) or the module
         options = dict(self.options)
@@ -704,7 +699,7 @@ class FSDPRuntime(ReplicatedRuntime):
         original = OriginalStateDict(module)  # each module's own order, before FSDP moves its parameters
         routed = routed_parameters(module)  # MoE experts, by the names FSDP's entries keep
         self._routed_names = {n for n, p in owner.named_parameters() if id(p) in routed}
-        self.fsdp = apply_fsdp(owner, self.mp.dp, optimizers, tracer=tracer, **options)
+        self.fsdp = apply_fsdp(owner, self.mp.dp, optimizers, tracer=tracer, **self._expert_option(), **options)
         self.compute_dtype = self.fsdp.param_dtype
         self.optimizers = list(optimizers)
         self.prefix = "" if owner is module else next(name for name, m in module.named_modules() if m is owner) + "."
@@ -722,8 +717,12 @@ class FSDPRuntime(ReplicatedRuntime):
         if precision == "bf16-mixed":  # the same gathered dtype as the trained model's forward
             options.setdefault("param_dtype", torch.bfloat16)
         # no optimizer: every parameter in frozen flats
-        self.frozen.append(apply_fsdp(model, self.mp.dp, [], **options))
+        self.frozen.append(apply_fsdp(model, self.mp.dp, [], **self._expert_option(), **options))
         return model
+
+    def _expert_option(self) -> dict[str, Any]:
+        """Under expert parallelism each rank's experts are sharded over their replicas (``edp``), not over DP."""
+        return {"expert_comm": self.mp.edp} if self.mp.ep is not None else {}
 
     def broadcast_parameters(self, module: nn.Module) -> None:
         if self.fsdp is None:
@@ -824,7 +823,7 @@ class FSDPRuntime(ReplicatedRuntime):
         for flat in flats:
             if not flat.trainable:  # as the replicated runtime: the norm of what training updates
                 continue
-            for entry, a, b in flat.counted_segments(self.fsdp.dp_rank):
+            for entry, a, b in flat.counted_segments():
                 squares += weights.get(entry.name, 1.0) * squared_norm(flat.shard[a:b])
         for comm in (self.fsdp.comm, *self._model_comms()):
             if comm is not None and comm.size > 1:

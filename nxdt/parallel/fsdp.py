@@ -83,6 +83,7 @@ from torch import nn
 
 from nxdt.comm.stream import Work
 from nxdt.parallel import scale_, squared_norm
+from nxdt.parallel.expert_parallel import is_expert_parameter
 
 __all__ = ["FSDP_STREAM", "POLICIES", "FlatShard", "FSDPUnit", "FullyShardedDataParallel", "OriginalStateDict", "apply_fsdp"]
 
@@ -121,6 +122,9 @@ class FlatShard:
     replicated: bool = False  # kept whole on every rank (below the persistence threshold): never gathered or freed
     parts: int = 1  # shards the flat buffer is cut into: the DP size, 1 when replicated
     local_grad: torch.Tensor | None = None  # replicated: this rank's gradient summed over the step's micro-batches
+    comm: Any = None  # the group its shards span: the DP group, or for experts the replicas of the same experts
+    rank: int = 0  # this rank's shard of it (its rank in ``comm``)
+    expert: bool = False  # expert-parallel parameters: gradients summed over ``comm`` and divided by DP
     pending: torch.Tensor | None = None  # per step, sharded: the full gradient summed over the micro-batches so far
 
     @property
@@ -140,9 +144,15 @@ class FlatShard:
             if a < b:
                 yield e, a - lo, b - lo
 
-    def counted_segments(self, dp_rank: int) -> Iterable[tuple[_Entry, int, int]]:
-        """The segments rank ``dp_rank`` counts in a sum over the DP group (a norm): a replicated flat once, on rank 0."""
-        return self.segments(dp_rank) if not self.replicated or dp_rank == 0 else ()
+    def counted_segments(self) -> Iterable[tuple[_Entry, int, int]]:
+        """This rank's segments as a sum over the DP group (a norm) counts them: a replicated flat once, on its group's
+        rank 0 (every element of every flat then lies in exactly one DP rank's count: an expert flat's group holds the
+        replicas of one EP rank's experts, and the DP group every EP rank once per replica)."""
+        return self.segments(self.rank) if not self.replicated or self.rank == 0 else ()
+
+    def mine(self) -> Iterable[tuple[_Entry, int, int]]:
+        """The segments of this rank's own shard."""
+        return self.segments(self.rank)
 
 
 @dataclass
@@ -184,6 +194,7 @@ class FullyShardedDataParallel:
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype = torch.float32,
         param_persistence_threshold: int = 32768,
+        expert_comm: Any = None,
         tracer: Any = None,
     ) -> None:
         if prefetch not in POLICIES:
@@ -200,6 +211,7 @@ class FullyShardedDataParallel:
         self.persistence_threshold = param_persistence_threshold
         self.model, self.comm = model, dp_comm
         self.dp_size, self.dp_rank = dp_comm.size, dp_comm.rank
+        self.expert_comm = expert_comm  # expert parallelism: the replicas of this rank's experts (DP / EP, over CP too)
         self.policy, self.distance, self.delay = prefetch, prefetch_distance, reduce_scatter_delay
         self.reshard_after_forward = reshard_after_forward and prefetch != "eager"
         self.per_step = gather_per_step  # pipeline parallelism: gathered and accumulated per step (module docstring)
@@ -291,16 +303,27 @@ class FullyShardedDataParallel:
                         seen[id(p)][1].append(qual)
                         continue
                     owners, quals = seen[id(p)] = ([(m, attr)], [qual])
-                    by_key.setdefault((group_of.get(id(p), FROZEN), p.dtype), []).append((p, owners, quals))
+                    key = (group_of.get(id(p), FROZEN), p.dtype, is_expert_parameter(p))
+                    by_key.setdefault(key, []).append((p, owners, quals))
         flats = []
         gather_dtype = self.param_dtype
         sizes = {key: sum(p.numel() for p, _, _ in params) for key, params in by_key.items()}
-        largest = max(sizes, key=lambda key: sizes[key]) if sizes else None
-        for (group, dtype), params in by_key.items():
-            numel = sizes[(group, dtype)]
+        # per group the shards span (DP; the experts' replicas): its largest flat is sharded
+        largest = {
+            expert: max((k for k in sizes if k[2] == expert), key=lambda k: sizes[k], default=None) for expert in (False, True)
+        }
+        for (group, dtype, expert), params in by_key.items():
+            numel = sizes[(group, dtype, expert)]
+            comm = self.expert_comm if expert else self.comm
+            if comm is None:
+                raise ValueError(
+                    "FSDP: the model has expert-parallel parameters (apply_expert_parallel); pass expert_comm= the "
+                    "communicator of the replicas of this rank's experts"
+                )
+            size, rank = comm.size, comm.rank
             # small flats riding along the unit's sharded one: kept whole, so the unit costs one collective per pass
-            replicated = self.dp_size > 1 and (group, dtype) != largest and numel < self.persistence_threshold
-            parts = 1 if replicated else self.dp_size
+            replicated = size > 1 and (group, dtype, expert) != largest[expert] and numel < self.persistence_threshold
+            parts = 1 if replicated else size
             shard_size = -(-numel // parts)
             flat = torch.zeros(shard_size * parts, dtype=dtype, device=params[0][0].device)  # where the model is
             entries, offset = [], 0
@@ -308,13 +331,26 @@ class FullyShardedDataParallel:
                 flat[offset : offset + p.numel()].copy_(p.reshape(-1))
                 entries.append(_Entry(quals[0], owners, quals, p.shape, offset, p.numel()))
                 offset += p.numel()
-            lo = 0 if replicated else self.dp_rank * shard_size
-            shard = nn.Parameter(self._shard_buffer(flat[lo : lo + shard_size]), requires_grad=group is not FROZEN)
+            lo = 0 if replicated else rank * shard_size
+            shard = nn.Parameter(self._shard_buffer(comm, flat[lo : lo + shard_size]), requires_grad=group is not FROZEN)
             full = torch.empty(flat.numel(), dtype=gather_dtype or dtype, device=flat.device)
             if not replicated:
                 full.untyped_storage().resize_(0)  # resharded until first gathered
             flats.append(
-                FlatShard(unit.index, group, entries, numel, shard_size, shard, full, replicated=replicated, parts=parts)
+                FlatShard(
+                    unit.index,
+                    group,
+                    entries,
+                    numel,
+                    shard_size,
+                    shard,
+                    full,
+                    replicated=replicated,
+                    parts=parts,
+                    comm=comm,
+                    rank=rank,
+                    expert=expert,
+                )
             )
         for f in flats:  # the modules lose their parameters: the shard is what they own now
             for e in f.entries:
@@ -324,10 +360,11 @@ class FullyShardedDataParallel:
             modules[0].register_parameter(f"fsdp_shard_{k}", f.shard)
         return flats
 
-    def _shard_buffer(self, values: torch.Tensor) -> torch.Tensor:
-        """A copy of ``values`` to own as a shard, kept where peers read it in place when gathering
+    @staticmethod
+    def _shard_buffer(comm: Any, values: torch.Tensor) -> torch.Tensor:
+        """A copy of ``values`` to own as a shard, kept where ``comm``'s peers read it in place when gathering
         (``Communicator.empty``); the optimizer updates it in place."""
-        return self.comm.empty(values.numel(), values.dtype, values.device).copy_(values)
+        return comm.empty(values.numel(), values.dtype, values.device).copy_(values)
 
     def _rewire_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Each param group now updates the shards of its parameters (same group dicts: schedulers that
@@ -359,7 +396,7 @@ class FullyShardedDataParallel:
                 f.send = src.to(f.full.dtype)
                 src = f.send
             after = self._last_gather if self.policy == "token_threaded" and self._last_gather is not None else None
-            work = self.comm.all_gather(f.full, src, stream=self.stream, async_op=True, after=after)
+            work = f.comm.all_gather(f.full, src, stream=self.stream, async_op=True, after=after)
             self._last_gather = unit.gather_work = work
             self._step_comm_works.append(work)
             tokens.append(work.id)
@@ -642,7 +679,9 @@ class FullyShardedDataParallel:
         for _, flat, grad in ready:
             grad = grad.to(self.reduce_dtype) if grad.dtype != self.reduce_dtype else grad
             out = torch.empty(flat.shard_size, dtype=self.reduce_dtype, device=grad.device)
-            work = self.comm.reduce_scatter(out, grad, "avg", stream=self.stream, async_op=True)
+            # an expert's gradient is its EP group's sum: summed over its replicas, divided by DP when it lands
+            op = "sum" if flat.expert else "avg"
+            work = flat.comm.reduce_scatter(out, grad, op, stream=self.stream, async_op=True)
             self._step_comm_works.append(work)
             self._rs_inflight.append((flat, out, work))
 
@@ -653,6 +692,8 @@ class FullyShardedDataParallel:
         start = time.perf_counter()
         for flat, out, work in self._rs_inflight:
             work.wait()
+            if flat.expert:
+                out.div_(self.dp_size)
             shard = flat.shard
             g = out.to(shard.dtype) if out.dtype != shard.dtype else out
             if shard.grad is None:
@@ -666,21 +707,24 @@ class FullyShardedDataParallel:
             self.tracer.add("wait reduce_scatter", "compute", start, end)
 
     def _reduce_replicated(self) -> None:
-        """Average the replicated flats' summed gradients over DP: one all-reduce per dtype (exposed time)."""
+        """Average the replicated flats' summed gradients over DP: one all-reduce per group and dtype (an expert flat's:
+        summed over the replicas of its experts, divided by DP), exposed time."""
         replicated = [f for f in self.flats() if f.replicated]
         if not any(f.local_grad is not None for f in replicated):
             return
         start = time.perf_counter()
-        by_dtype: dict[torch.dtype, list[FlatShard]] = {}
+        by_group: dict[tuple[bool, torch.dtype], list[FlatShard]] = {}
         for f in replicated:  # every rank sends the same flats (a parameter without gradient contributes zeros)
             if f.local_grad is None:
                 f.local_grad = torch.zeros(f.numel, dtype=self.reduce_dtype, device=f.shard.device)
-            by_dtype.setdefault(f.local_grad.dtype, []).append(f)
-        for flats in by_dtype.values():
+            by_group.setdefault((f.expert, f.local_grad.dtype), []).append(f)
+        for (expert, _), flats in by_group.items():
             summed = torch.cat([f.local_grad for f in flats])
-            work = self.comm.all_reduce(summed, "avg", stream=self.stream, async_op=True)
+            work = flats[0].comm.all_reduce(summed, "sum" if expert else "avg", stream=self.stream, async_op=True)
             self._step_comm_works.append(work)
             work.wait()
+            if expert:
+                summed.div_(self.dp_size)
             for f, g in zip(flats, summed.split([f.numel for f in flats])):
                 g = g.to(f.shard.dtype) if g.dtype != f.shard.dtype else g
                 if f.shard.grad is None:
@@ -716,20 +760,26 @@ class FullyShardedDataParallel:
 
     def unused_entries(self, optimizer_index: int | None = None) -> tuple[list[str], list[tuple[FlatShard, int, int]]]:
         """The parameters of optimizer ``optimizer_index``'s flats (every trainable flat when None) that got no gradient
-        since they were last checked, counted over DP (one all-reduce): (names lacking one on some rank, this rank's
-        shard segments of those lacking one on every rank). Collective; every rank checks the same flats."""
+        since they were last checked, counted over the group holding them (DP; an expert's replicas), one all-reduce
+        each: (names lacking one on some rank, this rank's shard segments of those lacking one on every rank).
+        Collective; every rank checks the same flats."""
         flats = [f for f in self._of(optimizer_index) if f.trainable]
-        entries = [(f, e) for f in flats for e in f.entries]
-        used = torch.tensor([float(id(e) in self._used) for _, e in entries])
-        self._used -= {id(e) for _, e in entries}
-        if self.dp_size > 1 and entries:
-            self.comm.all_reduce(used, op="sum")
-        lacking = [e.name for (_, e), u in zip(entries, used.tolist()) if u < self.dp_size]
-        nowhere = {id(e) for (_, e), u in zip(entries, used.tolist()) if u == 0}
-        segments = [(f, a, b) for f in flats for e, a, b in f.segments(self.dp_rank) if id(e) in nowhere]
+        lacking: list[str] = []
+        nowhere: set[int] = set()
+        for expert in (False, True):
+            entries = [e for f in flats if f.expert == expert for e in f.entries]
+            if not entries:
+                continue
+            comm = self.expert_comm if expert else self.comm
+            used = torch.tensor([float(id(e) in self._used) for e in entries])
+            if comm.size > 1:
+                comm.all_reduce(used, op="sum")
+            lacking += [e.name for e, u in zip(entries, used.tolist()) if u < comm.size]
+            nowhere |= {id(e) for e, u in zip(entries, used.tolist()) if u == 0}
+        self._used -= {id(e) for f in flats for e in f.entries}
+        segments = [(f, a, b) for f in flats for e, a, b in f.mine() if id(e) in nowhere]
         return lacking, segments
 
-    # ------------------------------------------------------------------------------------ stats
     def reset_stats(self) -> None:
         self.exposed_comm_s = 0.0
         self.peak_gathered_bytes = self._gathered_bytes
@@ -766,15 +816,15 @@ class FullyShardedDataParallel:
         """The whole flat buffer of ``f`` in its shards' dtype (a collective over the DP group unless replicated)."""
         if f.replicated:
             return f.shard.detach()
-        full = torch.empty(f.shard_size * self.dp_size, dtype=f.shard.dtype, device=f.shard.device)
-        self.comm.all_gather(full, f.shard.detach(), stream=FSDP_STREAM)
+        full = torch.empty(f.shard_size * f.parts, dtype=f.shard.dtype, device=f.shard.device)
+        f.comm.all_gather(full, f.shard.detach(), stream=FSDP_STREAM)
         return full
 
     @torch.no_grad()
     def load_entry(self, f: FlatShard, e: _Entry, value: torch.Tensor) -> None:
         """Copy this rank's part of one parameter (``e`` of ``f``) from its full tensor ``value``."""
-        lo = f.offset(self.dp_rank)
-        for entry, a, b in f.segments(self.dp_rank):
+        lo = f.offset(f.rank)
+        for entry, a, b in f.mine():
             if entry is e:
                 start = lo + a - e.offset
                 f.shard.detach()[a:b].copy_(value.reshape(-1)[start : start + b - a])  # bumps the shard's version
@@ -799,8 +849,8 @@ class FullyShardedDataParallel:
         ValueError naming a missing or misshapen tensor."""
         used: set[str] = set()
         for f in self.flats():
-            lo = f.offset(self.dp_rank)
-            for e, a, b in f.segments(self.dp_rank):
+            lo = f.offset(f.rank)
+            for e, a, b in f.mine():
                 key = prefix + e.name
                 if key not in state:
                     raise KeyError(f"FSDP: the state dict has no tensor {key!r}")
@@ -821,7 +871,9 @@ class FullyShardedDataParallel:
             [
                 {
                     "shard_size": owner[id(p)].shard_size,
-                    "dp": owner[id(p)].parts,
+                    "dp": owner[id(p)].parts,  # the shards it is cut into (1: whole on every rank)
+                    "expert": owner[id(p)].expert,  # sharded over the replicas of the same experts, not over DP
+                    "rank": owner[id(p)].rank,  # which of them this rank's file holds
                     "entries": [[prefix + e.names[0], e.offset, e.numel, list(e.shape)] for e in owner[id(p)].entries],
                 }
                 for g in opt.param_groups
@@ -847,7 +899,7 @@ class FullyShardedDataParallel:
             indices = []
             for p in group["params"]:
                 f = owner[id(p)]
-                lo = f.offset(self.dp_rank)
+                lo = f.offset(f.rank)
                 entry_states = []
                 for e in f.entries:
                     name = prefix + e.names[0]
@@ -889,12 +941,12 @@ class FullyShardedDataParallel:
         total = torch.zeros((), dtype=torch.float64, device=flats[0].shard.device if flats else None)
         for f in flats:
             g = f.shard.grad
-            if g is None or (f.replicated and self.dp_rank != 0):  # a replicated flat counts once over DP
+            if g is None or (f.replicated and f.rank != 0):  # a replicated flat counts once over DP
                 continue
             if not weights:
                 total += squared_norm(g)
                 continue
-            for e, a, b in f.segments(self.dp_rank):
+            for e, a, b in f.mine():
                 total += weights.get(e.name, 1.0) * squared_norm(g[a:b])
         return total
 
@@ -932,7 +984,7 @@ class FullyShardedDataParallel:
             f.shard.grad[a:b]
             for f in self.flats()
             if f.shard.grad is not None
-            for e, a, b in f.segments(self.dp_rank)
+            for e, a, b in f.mine()
             if not is_tp_sharded(e.name)
         ]
         if parts:

@@ -324,7 +324,7 @@ def naive_score_bytes(s: float, b: int, heads: float, autocast: bool) -> dict[st
     return {"kept": square * (heads * (6 if autocast else 4) + 1), "transient": 8 * heads * square}
 
 
-def _fsdp_gathered(cfg: Any, n: dict[str, float], tp: int, pp: int, gather_bytes: int) -> float:
+def _fsdp_gathered(cfg: Any, n: dict[str, float], tp: int, pp: int, gather_bytes: int, ep: int = 1) -> float:
     """Bytes of gathered (unsharded) FSDP units one rank holds at the peak: ``prefetch_distance + 1`` consecutive
     units (the running one and the prefetched ones), the largest such window of the stage's unit sequence
     (embedding, layers, final norm + head); ``eager``, ``reshard_after_forward: false`` or pipeline parallelism (each
@@ -332,7 +332,7 @@ def _fsdp_gathered(cfg: Any, n: dict[str, float], tp: int, pp: int, gather_bytes
     one resident unit that stays gathered for the whole step."""
     model, fsdp = cfg.model, cfg.distributed_strategy.fsdp
     layers = math.ceil(model.num_layers / pp)
-    layer = n["per_layer"]
+    layer = n["per_layer"] - n["expert_params"] / model.num_layers * (1 - 1 / ep)  # a layer's unit holds its E/EP experts
     if model.tie_word_embeddings:
         resident, ends = n["embedding"] + model.hidden_size, (0.0, 0.0)
     else:
@@ -375,7 +375,7 @@ def memory_per_rank(cfg: Any, degrees: dict[str, int]) -> dict[str, float]:
             "parameters": (held + (lora or 0.0) / replicas) * p_bytes,
             "gradients": trained * per["grads"],
             "optimizer": trained * state,
-            "gathered_parameters": _fsdp_gathered(cfg, n, tp, pp, per["params"]),
+            "gathered_parameters": _fsdp_gathered(cfg, n, tp, pp, per["params"], ep),
         }
         if pp > 1:  # the stage's gradients summed unsharded over the step's micro-batches, in fp32 (the reduce dtype)
             mem["accumulated_gradients"] = (dense + experts if lora is None else lora) * 4
