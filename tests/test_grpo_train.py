@@ -355,8 +355,10 @@ def _transformers_aux(overrides: list[str], calls: Path) -> float:
 
 def test_a_mixture_of_experts_policy_adds_trls_load_balancing_term_and_trains_on_expert_parallelism(tmp_path):
     """Mixtral (router_aux_loss_coef 0.02), zero rewards (no advantage: the surrogate is 0), beta 0.04, two steps on
-    plain DP2 and on EP2 (each rank 2 of the 4 experts, tokens exchanged by all-to-all in every decoding step — the
-    ranks decode in lockstep — and in scoring, the reference a copy of the sliced model). TRL's term: at step 1 the
+    plain DP2 and on EP2 with FSDP (each rank 2 of the 4 experts, tokens exchanged by all-to-all in every decoding step
+    — the ranks decode in lockstep — and in scoring; the reference a copy of the sliced model, its experts kept whole
+    per rank by FSDP and its dense weights sharded: a copy that lost its experts' marks would shard different experts
+    as one and score other log-probabilities, a KL ≠ 0 at step 1). TRL's term: at step 1 the
     policy is the reference (KL 0), so the logged loss is 0.02 · aux_loss, the mean over micro-batches of the policy
     forward's load-balancing loss over its real tokens — equal to transformers' load_balancing_loss_func with the
     attention mask on the same rows, rebuilt here from the sampled ids (counting the padding moves it by ~1e-3). EP2
@@ -372,7 +374,8 @@ def test_a_mixture_of_experts_policy_adds_trls_load_balancing_term_and_trains_on
         "model_alignment_strategy.grpo.reward_weights=[1.0]",
     ]
     rows = {}
-    for name, layout in (("dp2", []), ("ep2", ["distributed_strategy.expert_model_parallel_size=2"])):
+    ep2_fsdp = ["distributed_strategy.expert_model_parallel_size=2", "distributed_strategy.fsdp.enabled=true"]
+    for name, layout in (("dp2", []), ("ep2", ep2_fsdp)):
         user = _user_code(tmp_path / f"user_{name}")
         (user / "ids_logger.py").write_text(IDS_LOGGER)
         run = tmp_path / name

@@ -61,6 +61,7 @@ from nxdt.lightning.datamodule import chat_tokenizer_dir
 from nxdt.lightning.module import CausalLMModule
 from nxdt.lightning.objective import router_aux_weight
 from nxdt.models.generate import PAD_ID, completion_batch, generate
+from nxdt.parallel.expert_parallel import copy_expert_marks
 from nxdt.parallel.tensor_parallel import gather_from_tensor_parallel_region, sequence_parallel_paused
 from nxdt.models.objectives import GRPO_LOSS_TYPES, SCALE_REWARDS, grpo_advantages, grpo_loss, nanstd
 
@@ -403,7 +404,8 @@ class GRPOModule(CausalLMModule):
 
             # the communicators (TP layers and hooks hold theirs) are shared with the copy, not copied
             shared = {id(c): c for c in getattr(self.trainer.strategy, "communicators", {}).values()}
-            self._reference.append(copy.deepcopy(self.model, memo=shared).eval().requires_grad_(False))
+            frozen = copy_expert_marks(self.model, copy.deepcopy(self.model, memo=shared))  # EP: its experts stay marked
+            self._reference.append(frozen.eval().requires_grad_(False))
         return super().configure_optimizers()
 
     def on_fit_start(self) -> None:

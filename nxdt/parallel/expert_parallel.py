@@ -70,6 +70,7 @@ __all__ = [
     "reduce_expert_gradients",
     "moe_blocks",
     "routed_parameters",
+    "copy_expert_marks",
 ]
 
 
@@ -191,6 +192,18 @@ def apply_expert_parallel(
 
 def is_expert_parameter(param: torch.Tensor) -> bool:
     return bool(getattr(param, "expert_parallel", False))
+
+
+def copy_expert_marks(source: nn.Module, copy: nn.Module) -> nn.Module:
+    """Flag ``copy``'s expert parameters as ``source``'s are (a ``copy.deepcopy`` of a model drops the flag, a tensor
+    attribute: a frozen reference model sharded by FSDP must still shard its experts over their replicas). Returns
+    ``copy``."""
+    for (name, p), (other, q) in zip(source.named_parameters(), copy.named_parameters(), strict=True):
+        if name != other:
+            raise ValueError(f"copy_expert_marks: {other} where the source has {name}; pass a copy of the same model")
+        if is_expert_parameter(p):
+            q.expert_parallel = True  # type: ignore[attr-defined]
+    return copy
 
 
 def split_expert_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
