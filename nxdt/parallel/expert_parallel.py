@@ -202,7 +202,7 @@ def copy_expert_marks(source: nn.Module, copy: nn.Module) -> nn.Module:
         if name != other:
             raise ValueError(f"copy_expert_marks: {other} where the source has {name}; pass a copy of the same model")
         if is_expert_parameter(p):
-            q.expert_parallel = True  # type: ignore[attr-defined]
+            q.expert_parallel = True
     return copy
 
 
