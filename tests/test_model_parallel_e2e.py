@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import csv
 import json
+from unittest import mock
 
 import pytest
+import torch
 
 from nxdt.lightning.checkpoint import check_layout
 from nxdt.lightning.reshard import read_full_state
@@ -205,6 +207,9 @@ def test_mixtral_expert_parallel_with_fsdp_equals_single_process(tmp_path, singl
     files = {p.name for p in (run / "checkpoints/step-4").iterdir()}
     assert {"model-ep0.safetensors", "model-ep1.safetensors"} | {f"trainer_state-ep{d % 2}-dp{d}.pt" for d in range(4)} <= files
     _assert_consolidates_to(run, single_mixtral)
+    with mock.patch("torch.load", wraps=torch.load) as load:  # each rank's trainer state read once, not once per EP rank
+        read_full_state(run / "checkpoints/step-4")
+    assert load.call_count == 4
     resumed, _ = _mixtral_on_four_ranks(
         tmp_path,
         "resumed",

@@ -152,7 +152,13 @@ def _tensors(file: Path) -> dict[str, torch.Tensor]:
         ) from None
 
 
-def _state(file: Path) -> dict[str, Any]:
+def _state(file: Path, loaded: dict[Path, Any] | None = None) -> dict[str, Any]:
+    """A trainer-state file's dict; ``loaded``: the files read so far by this consolidation (each read once; callers
+    copy a dict before changing it)."""
+    if loaded is not None:
+        if file not in loaded:
+            loaded[file] = _state(file)
+        return loaded[file]
     if not file.is_file():
         raise CheckpointError(f"checkpoint {file.parent}: shard {file.name} is missing — the checkpoint is incomplete")
     try:
@@ -176,18 +182,22 @@ def _take_names(state: dict[str, Any], file: Path) -> list[list[str]]:
     return names or []
 
 
-def _read_replicated(root: Path, meta: dict[str, Any], mp: int, optimizer: bool, ep: int = 0) -> PositionShard:
+def _read_replicated(
+    root: Path, meta: dict[str, Any], mp: int, optimizer: bool, ep: int = 0, loaded: dict[Path, Any] | None = None
+) -> PositionShard:
     model_file, state_file = _files(meta, mp, ep)
     model = _tensors(root / model_file)
     if not optimizer:
         return PositionShard(model, [], {})
-    state = _state(root / state_file(0))
+    state = dict(_state(root / state_file(0), loaded))
     names = _take_names(state, root / state_file(0))
     opts = [by_name(s, n) for s, n in zip(state.pop("optimizer_states", []), names)]
     return PositionShard(model, opts, state)
 
 
-def _read_zero1(root: Path, meta: dict[str, Any], mp: int, optimizer: bool, ep: int = 0) -> PositionShard:
+def _read_zero1(
+    root: Path, meta: dict[str, Any], mp: int, optimizer: bool, ep: int = 0, loaded: dict[Path, Any] | None = None
+) -> PositionShard:
     model_file, _ = _files(meta, mp, ep)
     model = _tensors(root / model_file)
     if not optimizer:
@@ -197,10 +207,10 @@ def _read_zero1(root: Path, meta: dict[str, Any], mp: int, optimizer: bool, ep: 
     # each DP rank's file carries the EP suffix of the experts it holds: the dense state is sharded over every DP rank
     # (context parallelism's replicas folded in), the experts over the replicas of the same experts (its EP rank's files)
     owner = [next((e for e in range(eps) if (root / _files(meta, mp, e)[1](d)).is_file()), 0) for d in range(deg.get(Dim.DP, 1))]
-    states = [_state(root / _files(meta, mp, e)[1](d)) for d, e in enumerate(owner)]
+    states = [_state(root / _files(meta, mp, e)[1](d), loaded) for d, e in enumerate(owner)]
     replicas = [s for s, e in zip(states, owner) if e == ep]
     first = owner.index(ep) if ep in owner else 0
-    names = _take_names(states[first], root / _files(meta, mp, ep)[1](first))
+    names = _take_names(dict(states[first]), root / _files(meta, mp, ep)[1](first))
     opts = []
     for i, n in enumerate(names):
         shards = [s["optimizer_states"][i] for s in states]
@@ -214,8 +224,9 @@ def _read_zero1(root: Path, meta: dict[str, Any], mp: int, optimizer: bool, ep: 
             opts.append(by_name(consolidate_shard_states(shards, experts), n))
         except ValueError as exc:
             raise CheckpointError(f"checkpoint {root}: {exc}") from None
-    trainer = states[first]  # this EP rank's own (its experts' names in the module's order)
+    trainer = dict(states[first])  # this EP rank's own (its experts' names in the module's order)
     trainer.pop("optimizer_states", None)
+    trainer.pop(NAMES_KEY, None)
     return PositionShard(model, opts, trainer)
 
 
@@ -227,7 +238,9 @@ PARAM_ORDER_KEY = "nxdt_optimizer_param_order"
 STATE_ORDER_KEY = "nxdt_state_dict_order"
 
 
-def _read_fsdp(root: Path, meta: dict[str, Any], mp: int, optimizer: bool, ep: int = 0) -> PositionShard:
+def _read_fsdp(
+    root: Path, meta: dict[str, Any], mp: int, optimizer: bool, ep: int = 0, loaded: dict[Path, Any] | None = None
+) -> PositionShard:
     """FSDP: the model file is already unsharded over DP (gathered at save); each optimizer state index is one
     flat shard — joined over the DP ranks (an expert flat: over the replicas of expert-parallel rank ``ep``'s experts,
     in the shard order each file records) and cut back into parameters by the recorded flat layout."""
@@ -239,7 +252,7 @@ def _read_fsdp(root: Path, meta: dict[str, Any], mp: int, optimizer: bool, ep: i
     eps = deg.get(Dim.EP, 1)
     # each DP rank's file carries the EP suffix of the experts it holds (as under ZeRO-1)
     owner = [next((e for e in range(eps) if (root / _files(meta, mp, e)[1](d)).is_file()), 0) for d in range(deg.get(Dim.DP, 1))]
-    states = [_state(root / _files(meta, mp, e)[1](d)) for d, e in enumerate(owner)]
+    states = [_state(root / _files(meta, mp, e)[1](d), loaded) for d, e in enumerate(owner)]
     first = owner.index(ep) if ep in owner else 0
     replicas = [s for s, e in zip(states, owner) if e == ep]
     layouts = states[first].get(FSDP_LAYOUT_KEY)  # this EP rank's: its experts' names
@@ -278,14 +291,14 @@ def _read_fsdp(root: Path, meta: dict[str, Any], mp: int, optimizer: bool, ep: i
             for g in states[first]["optimizer_states"][i]["param_groups"]
         ]
         opts.append({"state": named, "param_groups": groups})
-    trainer = states[first]
+    trainer = dict(states[first])
     for key in ("optimizer_states", FSDP_LAYOUT_KEY, NAMES_KEY, PARAM_ORDER_KEY):
         trainer.pop(key, None)
     return PositionShard(model, opts, trainer)
 
 
 # How the state of one model-parallel position is stored over data parallelism → its reader.
-DP_FORMATS: dict[str, Callable[[Path, dict[str, Any], int, bool, int], PositionShard]] = {
+DP_FORMATS: dict[str, Callable[..., PositionShard]] = {
     "replicated": _read_replicated,
     "zero1": _read_zero1,
     "fsdp": _read_fsdp,
@@ -363,7 +376,10 @@ def read_full_state(path: str | os.PathLike, *, optimizer: bool = True, expect_m
     reader = DP_FORMATS[dp_format(meta)]
     layout = meta.get("tensor_parallel", {})
     # every (TP × PP position, EP rank): EP ranks hold the same dense tensors and each its own experts (global names)
-    positions = [(k, reader(root, meta, k, optimizer, e)) for k in range(tp * pp) for e in range(ep)]
+    # each EP rank's read needs every DP rank's trainer state of its position: each file loaded once (left unchanged)
+    loaded: dict[Path, Any] = {}
+    positions = [(k, reader(root, meta, k, optimizer, e, loaded)) for k in range(tp * pp) for e in range(ep)]
+    del loaded
 
     pieces: dict[str, dict[int, torch.Tensor]] = {}
     for k, pos in positions:
