@@ -288,6 +288,37 @@ def test_fsdp_under_pipeline_parallelism_gathers_and_reduces_each_unit_once_per_
     assert fsdp["gathered_parameters"] == 2 * layer * 4  # two consecutive layers, fp32
 
 
+def test_expert_gradients_are_priced_over_the_replicas_of_the_same_experts():
+    """EP2 on DP8: each rank's experts have 4 replicas (``edp``), over which every runtime moves their gradients —
+    the replicated all-reduce, ZeRO-1's reduce-scatter + gather, FSDP's gathers and reduce-scatters per layer — with
+    this rank's experts' bytes (a layer's, under FSDP); none when DP = EP (no replicas)."""
+    from nxdt.planner.estimate import step_collectives
+
+    experts = L * 4 * 3 * h * f / 2  # this rank's: 2 of each layer's 4 experts
+
+    def expert_rows(*layout: str, devices: int = 8) -> tuple[int, list[tuple[str, str, int, float]]]:
+        cfg = tiny(
+            "model=mixtral_tiny",
+            f"model.num_layers={L}",
+            "model.moe.num_experts=4",
+            "precision.type=fp32",
+            f"trainer.devices={devices}",
+            "distributed_strategy.expert_model_parallel_size=2",
+            *layout,
+        )
+        p = plan(cfg)
+        rows = [(r["dim"], r["op"], r["count"], r["bytes"]) for r in step_collectives(cfg, p) if "expert" in r["what"]]
+        return p.micro_batches, rows
+
+    _, plain = expert_rows("distributed_strategy.zero1=false")
+    assert plain == [("edp", "all_reduce", 1, experts * 4)]
+    _, zero1 = expert_rows("distributed_strategy.zero1=true")
+    assert zero1 == [("edp", "reduce_scatter", 1, experts * 4), ("edp", "all_gather", 1, experts * 4)]
+    m, fsdp = expert_rows("distributed_strategy.zero1=false", "distributed_strategy.fsdp.enabled=true")
+    assert fsdp == [("edp", "all_gather", 2 * m * L, experts / L * 4), ("edp", "reduce_scatter", m * L, experts / L * 4)]
+    assert expert_rows("distributed_strategy.zero1=true", devices=2)[1] == []  # DP2 = EP2: no replicas
+
+
 # ------------------------------------------------------------------------- 4. bytes per parameter
 @pytest.mark.parametrize(
     "kind,optimizer,per_param",

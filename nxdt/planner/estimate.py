@@ -592,7 +592,44 @@ def step_collectives(cfg: Any, plan: Any) -> list[dict[str, Any]]:
                     **_behind_backward(cfg, plan, dp_dim),
                 )
             )
+    rows += _expert_replica_rows(cfg, plan, n, layers, microbatches, act)
     return rows
+
+
+def _expert_replica_rows(cfg: Any, plan: Any, n: dict[str, float], layers: int, microbatches: int, act: int) -> list[dict]:
+    """Expert parallelism with more data-parallel ranks than EP: each rank's experts have replicas (``edp``, over CP
+    too: ``edp_cp``), over which their gradients are summed — after backward (``reduce_expert_gradients``), in
+    ZeRO-1's expert buckets (reduce-scatter, then the updated shards gathered) or in FSDP's expert flats (gathered per
+    pass like their units, reduce-scattered per micro-batch; once per step under PP). LoRA trains no expert."""
+    ds = cfg.distributed_strategy
+    replicas = plan.dp // plan.ep * plan.cp
+    if plan.ep == 1 or replicas == 1 or not n["experts"] or lora_trainable_per_rank(cfg, plan.tp, plan.pp) is not None:
+        return []
+    dim = "edp_cp" if plan.cp > 1 else "edp"
+    experts = n["expert_params"] / (plan.tp * plan.pp * plan.ep)  # this rank's
+    grad_bytes = 4 if _kind(cfg) in ("fp32", "mixed_precision") else 2
+    if ds.fsdp.enabled:
+        per_step = plan.pp > 1
+        passes = 1 if ds.fsdp.prefetch == "eager" or per_step else 2 * microbatches
+        hidden = ds.fsdp.prefetch != "none"
+        unit = experts / layers
+        return [
+            dict(dim=dim, op="all_gather", bytes=unit * act, count=passes * layers, what="FSDP expert gathers", overlap=hidden),
+            dict(
+                dim=dim,
+                op="reduce_scatter",
+                bytes=unit * grad_bytes,
+                count=layers * (1 if per_step else microbatches),
+                what="FSDP expert gradient reduce-scatter",
+                overlap=hidden,
+            ),
+        ]
+    if ds.zero1:
+        return [
+            dict(dim=dim, op="reduce_scatter", bytes=experts * grad_bytes, count=1, what="ZeRO-1 expert gradients"),
+            dict(dim=dim, op="all_gather", bytes=experts * act, count=1, what="ZeRO-1 updated experts"),
+        ]
+    return [dict(dim=dim, op="all_reduce", bytes=experts * grad_bytes, count=1, what="expert gradients over their replicas")]
 
 
 DDP_BUCKET_BYTES = 25 << 20  # torch DDP's default bucket_cap_mb, which nxdt.parallel.overlap's buckets follow
