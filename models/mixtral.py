@@ -82,7 +82,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nxdt.models.attention import KVCache
+from nxdt.models.attention import KVCache, SequenceLayout, layout_fields
 from nxdt.models.llama import DecoderLayer, LlamaForCausalLM, _instance_or_static, _opt, check_config, next_token_loss
 
 MOE_DEFAULTS = {
@@ -168,6 +168,9 @@ class LoadBalancing:
         self._staged = _Transient()
         self.taken = False
         self.sequence_group: Any = None
+        # a pipeline's statistics over real tokens only (set when the objective's term is transformers' with an
+        # attention mask: TRL's DPO and ORPO); the unsharded model's aux_loss(padding_masked=) says it per call
+        self.padding_masked = False
 
     def statistics(
         self, router_logits: list[torch.Tensor], masks: list[torch.Tensor | None] | None = None
@@ -202,10 +205,12 @@ class LoadBalancing:
         """The statistics of the MoE blocks in ``layers`` (modules) from their last forward, which they then forget
         (the model's ``loss_fn`` must not count them a second time); None when none of them recorded logits."""
         blocks = [m for layer in layers for m in layer.modules() if isinstance(m, SparseMoeBlock)]
-        logits = [b.router_logits for b in blocks if b.router_logits is not None]
+        ran = [b for b in blocks if b.router_logits is not None]
+        logits = [b.router_logits for b in ran]
+        masks = [b.router_mask for b in ran] if self.padding_masked else None
         for block in blocks:
             block.router_logits = None
-        return self.statistics(logits) if logits else None
+        return self.statistics(logits, masks) if logits else None
 
     def stage(self, value: torch.Tensor | None) -> None:
         """The whole aux term of the micro-batch whose loss is computed next (None: clear it)."""
@@ -391,16 +396,25 @@ class MixtralForCausalLM(LlamaForCausalLM):
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """input_ids [B, S] → logits [B, S, vocab] (router logits kept on each block for the aux loss, with which rows
-        are real tokens: ``segment_ids != 0``)."""
-        # which rows are real tokens, for a padding-masked term (none to compute without a load-balancing weight)
-        tokens = None if segment_ids is None or self.router_aux_loss_coef == 0 else segment_ids != 0
+        are real tokens: ``segment_ids != 0``, :meth:`run_layer`)."""
         for block in self.moe_blocks():
             block.router_logits = None  # a layer that does not run (another pipeline stage) adds nothing
-            block.tokens.value = tokens
+        return super().forward(input_ids, position_ids, segment_ids, kv_cache)
+
+    def run_layer(self, layer: nn.Module, x: torch.Tensor, layout: SequenceLayout | None = None) -> torch.Tensor:
+        """Llama's, with the layer's MoE block told which rows are real tokens (``segment_ids != 0``) for a
+        padding-masked term while it runs — here, not in :meth:`forward`, because a pipeline chunk runs layers
+        without the model's forward (none to tell without a load-balancing weight)."""
+        segments = layout_fields(layout)[1]
+        if self.router_aux_loss_coef == 0 or segments is None:
+            return super().run_layer(layer, x, layout)
+        blocks = [m for m in layer.modules() if isinstance(m, SparseMoeBlock)]
+        for block in blocks:
+            block.tokens.value = segments != 0
         try:
-            return super().forward(input_ids, position_ids, segment_ids, kv_cache)
-        finally:  # a later forward that bypasses this one (a pipeline chunk's) must not find this batch's mask
-            for block in self.moe_blocks():
+            return super().run_layer(layer, x, layout)
+        finally:  # an activation-checkpoint recompute runs after this: its statistics were taken already
+            for block in blocks:
                 block.tokens.value = None
 
     def router_logits(self) -> list[torch.Tensor]:

@@ -89,16 +89,6 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (
             [
                 "train",
-                "+recipe=dpo",
-                "model=mixtral_tiny",
-                "trainer.devices=2",
-                "distributed_strategy.pipeline_model_parallel_size=2",
-            ],
-            "not yet with distributed_strategy.pipeline_model_parallel_size > 1",
-        ),
-        (
-            [
-                "train",
                 "model=mixtral_tiny",
                 "trainer.devices=4",
                 "distributed_strategy.expert_model_parallel_size=4",

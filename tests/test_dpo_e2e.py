@@ -287,9 +287,10 @@ def test_dpo_on_a_mixture_of_experts_model_adds_trls_load_balancing_term_and_ep2
     batch's micro-batches, computed here from the same initial weights and rows (fp32 both sides: ~1e-7; the term is
     ~0.04 of the loss, counting the padding moves it by ~1e-3 relative); validation after step 3 is TRL's eval loss,
     DPO's mean over the validation pairs plus the term (from the step-3 checkpoint and the starting weights).
-    EP2 (each rank holds 2 of the 4 experts, tokens exchanged by all-to-all, the reference scored the same way) and CP2
-    (each rank half of every sequence: the routing statistics added up over the two) equal one rank, fp32, through 3
-    steps."""
+    EP2 (each rank holds 2 of the 4 experts, tokens exchanged by all-to-all, the reference scored the same way), CP2
+    (each rank half of every sequence: the routing statistics added up over the two) and PP2 (each stage two of the four
+    layers: their real-token statistics travel with the activations, in training and in validation) equal one rank,
+    fp32, through 3 steps."""
     import lightning.pytorch as pl
     import transformers.models.mixtral.modeling_mixtral as modeling
 
@@ -325,6 +326,15 @@ def test_dpo_on_a_mixture_of_experts_model_adds_trls_load_balancing_term_and_ep2
         ),
         ("ep2", ["trainer.devices=2", "distributed_strategy.expert_model_parallel_size=2"]),
         ("cp2", ["trainer.devices=2", "distributed_strategy.context_parallel_size=2"]),
+        (
+            "pp2",
+            [
+                "trainer.devices=2",
+                "distributed_strategy.pipeline_model_parallel_size=2",
+                f"data.val_dir={validation}",
+                "trainer.val_check_interval=3",
+            ],
+        ),
     ):
         runs[name] = tmp_path / name
         assert_ok(nxdt(*common, *layout, f"exp_manager.explicit_log_dir={runs[name]}", cwd=tmp_path))
@@ -365,8 +375,10 @@ def test_dpo_on_a_mixture_of_experts_model_adds_trls_load_balancing_term_and_ep2
             terms.append(float(modeling.load_balancing_loss_func(tuple(trained.router_logits()), 4, 2, attention_mask=attention)))
     validated = float(next(r for r in want if r.get("val_loss"))["val_loss"])
     assert validated == pytest.approx(sum(losses) / len(losses) + 0.02 * sum(terms) / len(terms), rel=1e-5)
-    for got in (_rows(runs["ep2"]), _rows(runs["cp2"])):
+    for got in (_rows(runs["ep2"]), _rows(runs["cp2"]), _rows(runs["pp2"])):
         for g, w in zip(got, want, strict=True):
             assert float(g["loss"]) == pytest.approx(float(w["loss"]), rel=1e-5), (got, want)
+            if w.get("val_loss") and "val_loss" in g:  # PP2's validation: the term's statistics cross the stages too
+                assert float(g["val_loss"]) == pytest.approx(float(w["val_loss"]), rel=1e-5), (got, want)
             for name in REWARDS:
                 assert float(g[name]) == pytest.approx(float(w[name]), rel=1e-4, abs=1e-5), (name, got, want)

@@ -1199,14 +1199,3 @@ def _check_preference_training(cfg: Any) -> None:
             "before training (by the same model, sharded like the policy); computing them every step would "
             "need a second, frozen copy of the model on every rank; set true (NxDT supports only true too)",
         )
-    ds = cfg.distributed_strategy
-    if cfg.model.moe.num_experts and cfg.model.moe.router_aux_loss_coef and ds.pipeline_model_parallel_size > 1:
-        # the term (TRL's) runs over the real tokens of every layer: a pipeline's stages do not mark them yet
-        raise NotYetSupported(
-            "model.moe.router_aux_loss_coef",
-            cfg.model.moe.router_aux_loss_coef,
-            f"{name.upper()} adds a mixture-of-experts model's load-balancing loss over real tokens (as TRL) on data, "
-            "tensor, expert and context parallelism, ZeRO-1 and FSDP, not yet with "
-            "distributed_strategy.pipeline_model_parallel_size > 1; set model.moe.router_aux_loss_coef=0 to train "
-            "without the term, or that degree to 1",
-        )

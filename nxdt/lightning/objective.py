@@ -79,6 +79,9 @@ class Objective:
     pair_loss: Callable[..., "PairTerms"] | None = None
     # the metric of a token-mean NLL term (ORPO with nll_mean=tokens): each micro-batch then needs ``nll_scale``
     token_metric: str | None = None
+    # a MoE model's load-balancing term over real tokens only (TRL's: transformers' loss with the attention mask), where
+    # pretraining and SFT count every row as NxD does; a pipeline needs to know before the last stage's loss runs
+    aux_real_tokens: bool = False
 
 
 CAUSAL_LM = Objective("causal_lm", causal_lm_loss)
@@ -270,6 +273,7 @@ def dpo_objective(dpo: Any) -> Objective:
         reference=True,
         metrics=REWARD_METRICS,
         pair_loss=pair_loss,
+        aux_real_tokens=True,
     )
 
 
@@ -288,4 +292,5 @@ def orpo_objective(orpo: Any) -> Objective:
         metrics=ORPO_METRICS,
         pair_loss=pair_loss,
         token_metric=token_metric,
+        aux_real_tokens=True,
     )

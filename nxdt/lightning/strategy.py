@@ -427,6 +427,9 @@ class NxDStrategy(ParallelStrategy):
             tensor_parallel_plan=tp_plan,
             expert_blocks=None if family is None else family.parallel.experts,
         )
+        balance = getattr(self._parallel.pipeline, "balance", None)  # a MoE model's term across the stages
+        if balance is not None and getattr(objective, "aux_real_tokens", False):
+            balance.padding_masked = True
         self._parallelized = model
 
     def forward_backward(self, module: pl.LightningModule, micro_batches: list[dict[str, Tensor]]) -> Tensor:

@@ -37,7 +37,10 @@ known. Each chunk's router statistics (counts, probability sums, rows) travel fo
 kind ``moe``); the last chunk stages the whole term, which the model's ``loss_fn`` adds as it does unsharded; the
 totals travel back with the gradient (``moe_grad``; zero counts when the objective left the term out) and every
 earlier chunk backpropagates its own share, scaled as the loss is (token share, ``loss_weight``, 1/m). Loss and
-gradients equal the single-process model's.
+gradients equal the single-process model's. An objective whose term counts real tokens only (TRL's DPO and ORPO:
+``LoadBalancing.padding_masked``, set by the strategy from the objective) has every chunk's statistics taken over the
+rows its layers marked real (the model's ``run_layer`` tells each MoE block); scoring (validation) stages the term
+for the objective's score function as training does.
 
 Tied word embeddings across stages are not supported: :func:`build_chunks` raises
 "tie_word_embeddings with PP>1 is not supported" (with one stage the tied weight is one Parameter).
@@ -632,19 +635,20 @@ class PipelineExecutor:
         x = ids if self._global(t.chunk) == 0 else self.inputs[key]
         out = chunk(x, layout)
         aux = self._router_statistics(key, chunk)
-        if getattr(chunk, "is_last", False) and self._score is not None:
+        last = getattr(chunk, "is_last", False)
+        if last and aux is not None:  # the whole load-balancing term: this chunk's sums with gradient, earlier ones as numbers
+            totals, received, sums = aux
+            e = self.balance.num_experts
+            parts = [
+                self.balance.loss(p, totals) for p in (None if received is None else received[e : 2 * e], sums) if p is not None
+            ]
+            self.balance.stage(torch.stack(parts).sum())
+        if last and self._score is not None:  # scoring (validation's) may take the term as the training loss does
             self.scores[t.microbatch] = self._score(out, self.microbatches[t.microbatch]).detach().double().reshape(-1)
-        elif getattr(chunk, "is_last", False):
+            if aux is not None:
+                self.balance.stage(None)
+        elif last:
             mb = self.microbatches[t.microbatch]
-            if aux is not None:  # the whole load-balancing term: this chunk's sums with gradient, earlier ones as numbers
-                totals, received, sums = aux
-                e = self.balance.num_experts
-                parts = [
-                    self.balance.loss(p, totals)
-                    for p in (None if received is None else received[e : 2 * e], sums)
-                    if p is not None
-                ]
-                self.balance.stage(torch.stack(parts).sum())
             loss = (
                 self.batch_loss(out, mb) if self.batch_loss is not None and isinstance(mb, Mapping) else self.loss_fn(out, labels)
             )
