@@ -128,6 +128,19 @@ def _mixtral_on_four_ranks(tmp_path, name: str, *layout: str):
     return run, result.stdout + result.stderr
 
 
+def _mixtral_equals_one_process(tmp_path, single, name: str, banner: str, states: set[str], *layout: str):
+    """A 4-rank EP2 Mixtral launch of ``layout`` whose banner says ``banner``: its losses are one process's, its
+    checkpoint holds a model file per EP rank and the trainer-state files ``states``, and it consolidates to one
+    process's state. Returns its run directory."""
+    run, said = _mixtral_on_four_ranks(tmp_path, name, *layout)
+    assert banner in said
+    _assert_same_losses(losses(run), losses(single))
+    files = {p.name for p in (run / "checkpoints/step-4").iterdir()}
+    assert {"model-ep0.safetensors", "model-ep1.safetensors"} | states <= files
+    _assert_consolidates_to(run, single)
+    return run
+
+
 def _assert_consolidates_to(run, single) -> None:
     """The checkpoint consolidated (what `nxdt checkpoint consolidate` and export-hf read) holds one process's tensors and
     optimizer state. Per tensor ‖a − b‖ / ‖b‖ < 0.05: 4 AdamW steps round differently (an element whose gradient is at
@@ -183,14 +196,15 @@ def test_mixtral_context_with_expert_parallelism_equals_single_process(tmp_path,
     expert's gradients summed over its replicas in both DP and CP (``edp_cp``) and its ZeRO-1 state sharded there; the
     losses are one process's and the checkpoint (one model file per EP rank, a ZeRO-1 shard per rank) consolidates to
     one process's state."""
-    run, said = _mixtral_on_four_ranks(
-        tmp_path, "cp2-ep2", "distributed_strategy.context_parallel_size=2", "distributed_strategy.expert_model_parallel_size=2"
+    _mixtral_equals_one_process(
+        tmp_path,
+        single_mixtral,
+        "cp2-ep2",
+        "TP1 PP1 DP2 CP2 EP2 · FSDP off · ZeRO-1",
+        {f"trainer_state-ep{d // 2}-dp{d}.pt" for d in range(4)},
+        "distributed_strategy.context_parallel_size=2",
+        "distributed_strategy.expert_model_parallel_size=2",
     )
-    assert "TP1 PP1 DP2 CP2 EP2 · FSDP off · ZeRO-1" in said
-    _assert_same_losses(losses(run), losses(single_mixtral))
-    files = {p.name for p in (run / "checkpoints/step-4").iterdir()}
-    assert {"model-ep0.safetensors", "model-ep1.safetensors"} | {f"trainer_state-ep{d // 2}-dp{d}.pt" for d in range(4)} <= files
-    _assert_consolidates_to(run, single_mixtral)
 
 
 @pytest.mark.timeout(300)
@@ -199,14 +213,15 @@ def test_mixtral_expert_parallel_with_fsdp_equals_single_process(tmp_path, singl
     the 2 replicas of the same experts): the losses are one process's and the checkpoint (a model file per EP rank, a
     flat-shard file per rank) consolidates to one process's state; one process's step-2 checkpoint resumed as EP2 × FSDP
     (each rank's experts and their moments cut into its expert flats) continues the uninterrupted losses."""
-    run, said = _mixtral_on_four_ranks(
-        tmp_path, "ep2-fsdp", "distributed_strategy.expert_model_parallel_size=2", "distributed_strategy.fsdp.enabled=true"
+    run = _mixtral_equals_one_process(
+        tmp_path,
+        single_mixtral,
+        "ep2-fsdp",
+        "TP1 PP1 DP4 CP1 EP2 · FSDP token_threaded",
+        {f"trainer_state-ep{d % 2}-dp{d}.pt" for d in range(4)},
+        "distributed_strategy.expert_model_parallel_size=2",
+        "distributed_strategy.fsdp.enabled=true",
     )
-    assert "TP1 PP1 DP4 CP1 EP2 · FSDP token_threaded" in said
-    _assert_same_losses(losses(run), losses(single_mixtral))
-    files = {p.name for p in (run / "checkpoints/step-4").iterdir()}
-    assert {"model-ep0.safetensors", "model-ep1.safetensors"} | {f"trainer_state-ep{d % 2}-dp{d}.pt" for d in range(4)} <= files
-    _assert_consolidates_to(run, single_mixtral)
     with mock.patch("torch.load", wraps=torch.load) as load:  # each rank's trainer state read once, not once per EP rank
         read_full_state(run / "checkpoints/step-4")
     assert load.call_count == 4

@@ -14,44 +14,16 @@ NxD Core's layout [DP = EP × EDP]: EP groups {0, 1}, {2, 3}; EDP groups {0, 2},
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
+from test_moe_routing_dp import CFG, _model, _tokens  # its sparse Mixtral (16 experts, top-1) and per-rank tokens
 
 from nxdt.comm.spawn import run_local
-from nxdt.models.mixtral import MixtralForCausalLM
 from nxdt.parallel.data_parallel import ModelParallel, data_parallel_runtime
 from nxdt.parallel.expert_parallel import apply_expert_parallel
 
-CFG = types.SimpleNamespace(
-    vocab_size=64,
-    hidden_size=16,
-    num_layers=2,
-    num_attention_heads=2,
-    num_kv_heads=2,
-    ffn_hidden_size=16,
-    max_position_embeddings=32,
-    rope_theta=10000.0,
-    norm_eps=1e-5,
-    tie_word_embeddings=False,
-    init_method_std=0.02,
-    activations_checkpoint_granularity=None,
-    moe=types.SimpleNamespace(num_experts=16, top_k=1, router_aux_loss_coef=0.0),
-)
 SEQ, STEPS, LR, MOMENTUM, DECAY, MAX_NORM = 8, 3, 0.5, 0.9, 0.1, 0.5
 WORLD = 4
-
-
-def _model() -> MixtralForCausalLM:
-    torch.manual_seed(0)
-    return MixtralForCausalLM(CFG)
-
-
-def _tokens(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 * step + rank)
-    ids = torch.randint(0, CFG.vocab_size, (1, SEQ + 1), generator=g)
-    return ids[:, :-1], ids[:, 1:]
 
 
 def _sgd(model: torch.nn.Module) -> torch.optim.SGD:

@@ -9,81 +9,32 @@ NxD Core's rank layout [PP, DP]: PP groups {0, 2}, {1, 3}; DP groups {0, 1}, {2,
 
 from __future__ import annotations
 
-import types
-
 import pytest
+import test_fsdp as fsdp_case
 import torch
+from test_fsdp import GLOBAL_BATCH, MAX_NORM, MICRO, STEPS, _optimizer
 
 from nxdt.comm.spawn import run_local
 from nxdt.models.llama import LlamaForCausalLM
 from nxdt.parallel.fsdp import apply_fsdp
 from nxdt.parallel.pipeline import PipelineExecutor, build_chunks, interleaved_one_f_one_b, one_f_one_b
 
-CFG = dict(
-    vocab_size=64,
-    hidden_size=32,
-    num_layers=4,
-    num_attention_heads=4,
-    num_kv_heads=2,
-    ffn_hidden_size=64,
-    max_position_embeddings=64,
-    rope_theta=10000.0,
-    norm_eps=1e-5,
-    tie_word_embeddings=False,
-    init_method_std=0.02,
-)
-# 4 micro-batches of 1 per DP rank: 1F1B on 2 stages runs micro-batch 1's forward before micro-batch 0's backward
-GLOBAL_BATCH, MICRO, SEQ, STEPS, LR, MAX_NORM = 8, 1, 8, 3, 3e-3, 0.3
-PP = DP = 2
+PP = DP = 2  # test_fsdp's batch: 8 sequences, micro-batches of 1 (4 per DP rank: 1F1B runs micro-batch 1's forward
+# before micro-batch 0's backward), its tiny Llama (4 layers: 2 per stage), two AdamW groups, clip 0.3, 3 steps
 
 
 def _model(**overrides) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(types.SimpleNamespace(**{**CFG, **overrides}))
-
-
-def _optimizer(named: list[tuple[str, torch.nn.Parameter]]) -> torch.optim.AdamW:
-    return torch.optim.AdamW(
-        [
-            {"params": [p for _, p in named if p.dim() > 1], "weight_decay": 0.1},
-            {"params": [p for _, p in named if p.dim() <= 1], "weight_decay": 0.0},
-        ],
-        lr=LR,
-        foreach=False,
-    )
+    return fsdp_case._model(fsdp_case._cfg(**overrides))
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    ids = torch.randint(0, CFG["vocab_size"], (GLOBAL_BATCH, SEQ + 1), generator=g)
-    return ids[:, :-1], ids[:, 1:]
-
-
-def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, the whole global batch, the mean of the micro-batch means."""
-    model = _model()
-    opt = _optimizer(list(model.named_parameters()))
-    losses = []
-    n = GLOBAL_BATCH // MICRO
-    for step in range(STEPS):
-        ids, labels = _batch(step)
-        opt.zero_grad()
-        total = 0.0
-        for i in range(n):
-            part = slice(i * MICRO, (i + 1) * MICRO)
-            loss = LlamaForCausalLM.loss_fn(model(ids[part]), labels[part]) / n
-            loss.backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        opt.step()
-        losses.append(total)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return fsdp_case._batch(step, fsdp_case._cfg())
 
 
 def _train(pp, dp, virtual: int, policy: str, checkpointing: bool, ref_state: dict[str, torch.Tensor]) -> dict:
     model = _model(activations_checkpoint_granularity="full" if checkpointing else None)
     chunks = build_chunks(model, pp.rank, pp.size, virtual=virtual)
-    opt = _optimizer([(n, p) for n, p in model.named_parameters()])  # this stage's parameters
+    opt = _optimizer(model)  # this stage's parameters
     fsdp = apply_fsdp(model, dp, [opt], prefetch=policy, gather_per_step=True)
     executor = PipelineExecutor(chunks, pp, LlamaForCausalLM.loss_fn)
     per = GLOBAL_BATCH // dp.size
@@ -141,7 +92,7 @@ def _train(pp, dp, virtual: int, policy: str, checkpointing: bool, ref_state: di
 
 
 def _worker(world) -> dict:
-    reference = _reference() if world.rank == 0 else None
+    reference = fsdp_case._reference(fsdp_case._cfg()) if world.rank == 0 else None
     reference = world.world.all_gather_object(reference)[0]
     report = {"ref_losses": reference[0], "ref_names": sorted(reference[1])}
     pp_rank, dp_rank = divmod(world.rank, DP)  # every rank creates every group
@@ -212,7 +163,7 @@ def _mixed_precision_gradients(pp, dp) -> list[tuple[str, float]]:
     for stages in (1, pp.size):
         model = _model()
         chunks = build_chunks(model, pp.rank, pp.size) if stages > 1 else None
-        opt = _optimizer(list(model.named_parameters()))
+        opt = _optimizer(model)
         fsdp = apply_fsdp(model, dp, [opt], gather_per_step=stages > 1, param_dtype=torch.bfloat16)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             if chunks is None:
