@@ -18,6 +18,8 @@ LAYOUTS = {
     "fsdp": ["distributed_strategy.fsdp.enabled=true"],
     "tp2_sp": ["distributed_strategy.tensor_model_parallel_size=2", "distributed_strategy.sequence_parallel=true"],
     "pp2": ["distributed_strategy.pipeline_model_parallel_size=2"],
+    # FSDP's units gathered once per step and the micro-batches' gradients summed across the interleaved 1F1B passes
+    "pp2_fsdp": ["distributed_strategy.pipeline_model_parallel_size=2", "distributed_strategy.fsdp.enabled=true"],
     "cp2": ["distributed_strategy.context_parallel_size=2"],
 }
 
