@@ -503,7 +503,6 @@ class FullyShardedDataParallel:
             self._set_views(unit, need_grad=grad)
         if self.tracer is not None:
             self._unit_start = time.perf_counter()
-        return None
 
     def _watch_input(self, unit: FSDPUnit, args: tuple) -> tuple | None:
         """A unit with sharded frozen flats: its first input passes an identity whose backward reports that the
@@ -752,6 +751,7 @@ class FullyShardedDataParallel:
             for f in unit.flats:
                 f.leaf = None
                 f.local_grad = None
+                f.pending = None
         self._in_backward = False
         self._grads_expected = 0
         self._last_gather = None
@@ -780,6 +780,7 @@ class FullyShardedDataParallel:
         segments = [(f, a, b) for f in flats for e, a, b in f.mine() if id(e) in nowhere]
         return lacking, segments
 
+    # ------------------------------------------------------------------------------------ stats
     def reset_stats(self) -> None:
         self.exposed_comm_s = 0.0
         self.peak_gathered_bytes = self._gathered_bytes
