@@ -283,6 +283,9 @@ class SparseMoeBlock(nn.Module):
         self._last_router_logits = _Transient()
         self.tokens = _Transient()  # the forward's real tokens, bool [B, S] (set by the model; None: all are)
         self._last_router_mask = _Transient()
+        # rows each held expert ran on in forwards with gradients since a data-parallel runtime last took them
+        # (nxdt.parallel.expert_parallel.take_touched_experts): the empty-rows run below counts none
+        self.rows_seen: dict[int, int] = {}
 
     @property
     def router_logits(self) -> torch.Tensor | None:
@@ -320,6 +323,9 @@ class SparseMoeBlock(nn.Module):
 
     def run_experts(self, rows: torch.Tensor, counts: list[int], expert_ids: list[int]) -> torch.Tensor:
         """rows grouped by expert (``counts[i]`` rows for ``expert_ids[i]``) → expert outputs, same order."""
+        if torch.is_grad_enabled():  # not sampling, scoring or validation: which experts this step trains
+            for e, n in zip(expert_ids, counts):
+                self.rows_seen[e] = self.rows_seen.get(e, 0) + n
         outs = [self.experts[str(e)](chunk) for e, chunk in zip(expert_ids, rows.split(counts)) if chunk.shape[0]]
         if not outs:  # nothing came: an expert still runs on the empty rows, so the output has the dtype experts
             # produce (bf16 under autocast; the peers' all-to-all checks it) and rows stay in the graph

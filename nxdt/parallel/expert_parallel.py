@@ -71,6 +71,8 @@ __all__ = [
     "moe_blocks",
     "routed_parameters",
     "copy_expert_marks",
+    "take_touched_experts",
+    "expert_of",
 ]
 
 
@@ -194,6 +196,33 @@ def is_expert_parameter(param: torch.Tensor) -> bool:
     return bool(getattr(param, "expert_parallel", False))
 
 
+def take_touched_experts(model: nn.Module) -> dict[str, bool]:
+    """Whether each expert this rank holds ran on any token row in a forward with gradients since the last call, by
+    its module's name prefix in ``model`` (``layers.0.block_sparse_moe.experts.5.``); the counts start again. What a
+    data-parallel runtime asks instead of gradient presence: an EP rank whose experts received no row runs one of them
+    on the empty rows (the all-to-all's backward needs the path), which gives that expert a zero gradient where one
+    process, whose every token reaches some expert here, gives it none. Blocks without counts (``rows_seen``) are
+    left out (gradient presence decides for them)."""
+    touched: dict[str, bool] = {}
+    for name, block in model.named_modules():
+        seen = getattr(block, "rows_seen", None)
+        if not _is_moe_block(block) or seen is None:
+            continue
+        for e in block.expert_ids:
+            touched[f"{name}.experts.{e}." if name else f"experts.{e}."] = seen.get(e, 0) > 0
+        seen.clear()
+    return touched
+
+
+def expert_of(name: str) -> str | None:
+    """The expert module prefix of a parameter name (``...experts.5.w1.weight`` → ``...experts.5.``), None if none."""
+    head, sep, tail = name.rpartition("experts.")
+    if not sep or (head and not head.endswith(".")):
+        return None
+    number = tail.split(".", 1)[0]
+    return f"{head}{sep}{number}." if number.isdigit() else None
+
+
 def copy_expert_marks(source: nn.Module, copy: nn.Module) -> nn.Module:
     """Flag ``copy``'s expert parameters as ``source``'s are (a ``copy.deepcopy`` of a model drops the flag, a tensor
     attribute: a frozen reference model sharded by FSDP must still shard its experts over their replicas). Returns
@@ -232,14 +261,23 @@ def reduce_expert_gradients(
     if data_parallel_size < 1:
         raise ValueError(f"reduce_expert_gradients: data_parallel_size={data_parallel_size} must be >= 1")
     experts = [p for p in split_expert_parameters(model)[1] if id(p) not in skip]
-    if expert_dp_comm is not None and expert_dp_comm.size > 1 and experts:
+    if not experts:
+        return
+    touched = take_touched_experts(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    # 1 where this rank's tokens reached the expert (its routing counts; without them, a gradient present)
+    routed_here = [
+        float(touched.get(expert_of(names[id(p)]) or "", p.grad is not None)) if id(p) in names else float(p.grad is not None)
+        for p in experts
+    ]
+    if expert_dp_comm is not None and expert_dp_comm.size > 1:
         # the gradients, then one 1/0 per parameter: the same all-reduce tells which no replica has
         flat = torch.cat(
             [
                 p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
                 for p in experts
             ]
-            + [torch.tensor([float(p.grad is not None) for p in experts], dtype=experts[0].dtype, device=experts[0].device)]
+            + [torch.tensor(routed_here, dtype=experts[0].dtype, device=experts[0].device)]
         )
         expert_dp_comm.all_reduce(flat, "sum")
         offset, routed = 0, flat[-len(experts) :].tolist()
@@ -251,6 +289,10 @@ def reduce_expert_gradients(
             else:
                 p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
+    else:
+        for p, n in zip(experts, routed_here):
+            if n == 0:  # no token here and no replica: untouched, as one process skips it
+                p.grad = None
     for p in experts:
         if p.grad is not None:
             p.grad.div_(data_parallel_size)

@@ -83,7 +83,7 @@ from torch import nn
 
 from nxdt.comm.stream import Work
 from nxdt.parallel import scale_, squared_norm
-from nxdt.parallel.expert_parallel import is_expert_parameter
+from nxdt.parallel.expert_parallel import expert_of, is_expert_parameter, take_touched_experts
 
 __all__ = ["FSDP_STREAM", "POLICIES", "FlatShard", "FSDPUnit", "FullyShardedDataParallel", "OriginalStateDict", "apply_fsdp"]
 
@@ -771,7 +771,10 @@ class FullyShardedDataParallel:
             if not entries:
                 continue
             comm = self.expert_comm if expert else self.comm
-            used = torch.tensor([float(id(e) in self._used) for e in entries])
+            # an expert: whether this rank's tokens reached it (its block's routing counts, where kept: an EP rank whose
+            # experts got no row runs one on empty rows, a gradient without a token), else whether it got a gradient
+            touched = take_touched_experts(self.model) if expert else {}
+            used = torch.tensor([float(touched.get(expert_of(e.name) or "", id(e) in self._used)) for e in entries])
             if comm.size > 1:
                 comm.all_reduce(used, op="sum")
             lacking += [e.name for e, u in zip(entries, used.tolist()) if u < comm.size]

@@ -71,7 +71,7 @@ from torch import nn
 from nxdt.comm.stream import Work
 from nxdt.comm.world import Communicator
 from nxdt.parallel import squared_norm
-from nxdt.parallel.expert_parallel import is_expert_parameter, routed_parameters
+from nxdt.parallel.expert_parallel import expert_of, is_expert_parameter, routed_parameters, take_touched_experts
 from nxdt.parallel.overlap import DP_STREAM, BackwardReduction, cap_elements, order_free, plan_buckets
 
 __all__ = ["Zero1Optimizer", "STATE_FORMAT", "consolidate_shard_states", "unused_parameters_message"]
@@ -175,6 +175,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self.find_unused_parameters = bool(find_unused_parameters)
         self._names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         self._routed = routed_parameters(model) if model is not None else set()  # MoE experts: never refused as unused
+        self._model = model  # its MoE blocks say which experts a step's tokens reached
 
         groups = self._normalise_groups(params, model)
         experts = [p for g in groups for p in g["params"] if p.requires_grad and is_expert_parameter(p)]
@@ -532,7 +533,12 @@ class Zero1Optimizer(torch.optim.Optimizer):
         nowhere = {id(dense[i]) for i in lacking if used[i] == 0}
         experts = [p for b in self._buckets if b.experts for p in b.params]
         if experts:
-            routed = torch.tensor([float(p.grad is not None) for p in experts])
+            # reached by this rank's tokens: the routing counts where the blocks keep them (an EP rank whose experts got
+            # no row runs one on empty rows: a zero gradient that is no token), else a gradient present
+            touched = take_touched_experts(self._model) if self._model is not None else {}
+            routed = torch.tensor(
+                [float(touched.get(expert_of(self._names.get(id(p), "")) or "", p.grad is not None)) for p in experts]
+            )
             if self._edp_group is not None:
                 self._edp_group.all_reduce(routed, op="sum")
             nowhere |= {id(p) for p, n in zip(experts, routed.tolist()) if n == 0}

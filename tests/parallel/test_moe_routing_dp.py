@@ -135,3 +135,69 @@ def test_every_runtime_trains_routed_experts_as_one_process(reports, kind):
 def test_a_dense_parameter_without_gradient_is_still_refused_by_name(reports):
     for report in reports:
         assert "norm.weight" in report["dense_unused"] and "find_unused_parameters=True" in report["dense_unused"]
+
+
+def _tied_router_worker(world) -> dict:
+    """EP2 on DP2 with every router weight zero: each token's scores tie and top-1 takes the same expert, which EP rank 1
+    holds; EP rank 0's experts receive no row, and one of them runs on the empty rows (the all-to-all's backward needs
+    the path), a zero gradient where one process has none. Every runtime must leave those experts untouched."""
+    rank, size = world.rank, world.world_size
+    ep = world.new_communicator([0, 1], "ep")
+    edp = [world.new_communicator([r], f"edp{r}") for r in range(size)][rank]
+    tied = types.SimpleNamespace(**{**vars(CFG), "moe": types.SimpleNamespace(num_experts=4, top_k=1, router_aux_loss_coef=0.0)})
+
+    def build() -> MixtralForCausalLM:
+        torch.manual_seed(0)
+        m = MixtralForCausalLM(tied)
+        with torch.no_grad():
+            for block in m.moe_blocks():
+                block.gate.weight.zero_()
+        return m
+
+    ref = build()
+    ref_opt = _sgd(ref)
+    for step in range(2):
+        ref_opt.zero_grad()
+        for r in range(size):
+            ids, labels = _tokens(r, step)
+            (ref.loss_fn(ref(ids), labels) / size).backward()
+        ref_opt.step()
+    want = {k: v.clone() for k, v in ref.state_dict().items()}
+    report = {
+        "reached": sorted(
+            {n.split(".experts.")[1].split(".")[0] for n, p in ref.named_parameters() if ".experts." in n and p.grad is not None}
+        )
+    }
+    from nxdt.parallel.expert_parallel import apply_expert_parallel
+
+    for kind, options in KINDS.items():
+        module = torch.nn.Module()  # as NxDStrategy holds it: a module whose ``model`` is the hub model
+        module.model = model = build()
+        apply_expert_parallel(model, ep)
+        rt = data_parallel_runtime(**options)
+        rt.bind(ModelParallel(dp=world.world, dp_size=size, ep=ep, edp=edp))
+        opt = rt.shard_optimizer(_sgd(model), module)
+        rt.shard_model(module, [opt])
+        for step in range(2):
+            ids, labels = _tokens(rank, step)
+            model.loss_fn(model(ids), labels).backward()
+            rt.finish_gradients(module)
+            opt.step()
+            rt.after_step(opt)
+            opt.zero_grad()
+        state = {k.removeprefix("model."): v for k, v in rt.model_state_dict(module).items()}
+        report[kind] = sorted(n for n, v in state.items() if n in want and not torch.allclose(v, want[n], rtol=1e-5, atol=1e-6))
+    return report
+
+
+@pytest.fixture(scope="module")
+def tied_reports() -> list[dict]:
+    return run_local(_tied_router_worker, 2, timeout_s=120)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_an_expert_run_on_no_token_is_left_untouched_under_expert_parallelism(tied_reports, kind):
+    assert tied_reports[0]["reached"] == ["2"]  # one expert, on EP rank 1: EP rank 0's got no row
+    for rank, report in enumerate(tied_reports):
+        assert report[kind] == [], (rank, kind)
