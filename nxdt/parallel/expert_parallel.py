@@ -255,7 +255,8 @@ def reduce_expert_gradients(
     """Turn each expert parameter's local gradient (Σ over its EP group's per-rank losses) into the gradient
     of the data-parallel *mean* loss: all-reduce sum over ``expert_dp_comm`` (the D/EP replicas of the
     same experts; None when D = EP), then divide by ``data_parallel_size`` D. A None gradient counts as
-    zero when other replicas have one; an expert no replica has a gradient for got no token of the whole batch and
+    zero when other replicas have one; an expert no replica's tokens reached (its block's routing counts,
+    :func:`take_touched_experts`; a gradient present where a block keeps none) got no token of the whole batch and
     keeps None (the optimizer skips it, as it would in one process). ``skip``: ids of expert parameters reduced
     elsewhere (a ZeRO-1 optimizer's buckets)."""
     if data_parallel_size < 1:
