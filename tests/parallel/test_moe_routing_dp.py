@@ -5,7 +5,10 @@ gradient): a missing expert gradient counts as zero in the average, and an exper
 untouched (torch's SGD skips a parameter whose gradient is None; the sharded runtimes restore its slice of the flat and
 of the momentum). Dense parameters without a gradient are still refused by name.
 
-Two ranks, one sequence each of 8 tokens, 16 experts, top-1: 16 routed rows for 16 experts.
+Two ranks, one sequence each of 8 tokens, 16 experts, top-1: 16 routed rows for 16 experts. Then the same on
+expert parallelism with a router whose every score ties, so one EP rank's experts receive no row at all and one of them
+runs on the empty rows (what the all-to-all's backward needs): a zero gradient that is no token, left untouched too
+(the runtimes read the blocks' routing counts, not gradient presence).
 """
 
 from __future__ import annotations
