@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_moe_routing_dp import CFG, _model, _tokens  # its sparse Mixtral (16 experts, top-1) and per-rank tokens
+from test_moe_routing_dp import CFG, _model, _tokens, mismatches, train_with_runtime  # its sparse Mixtral (16, top-1)
 
 from nxdt.comm.spawn import run_local
-from nxdt.parallel.data_parallel import ModelParallel, data_parallel_runtime
+from nxdt.parallel.data_parallel import ModelParallel
 from nxdt.parallel.expert_parallel import apply_expert_parallel
 
 SEQ, STEPS, LR, MOMENTUM, DECAY, MAX_NORM = 8, 3, 0.5, 0.9, 0.1, 0.5
@@ -55,28 +55,18 @@ def _reference() -> tuple[dict[str, torch.Tensor], dict[str, int]]:
 
 
 def _train(world, dp, ep, edp, policy: str) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-    """NxDStrategy's FSDP runtime: finish_gradients (reduce-scatters, untouched experts noted), clip, step, after_step
-    (those experts' slices and momentum put back)."""
-    model = _model()
-    apply_expert_parallel(model, ep)
-    rt = data_parallel_runtime(fsdp={"prefetch": policy, "param_persistence_threshold": 4096})
-    rt.bind(ModelParallel(dp=dp, dp_size=dp.size, ep=ep, edp=edp))
-    opt = rt.shard_optimizer(_sgd(model), model)
-    rt.shard_model(model, [opt])
+    """NxDStrategy's FSDP runtime (``train_with_runtime``: the experts a step left untouched noted in finish_gradients
+    and put back after it, the clip over the whole model): the state, and the kinds of expert flats it built."""
+    model = apply_expert_parallel(_model(), ep)
+    options = {"fsdp": {"prefetch": policy, "param_persistence_threshold": 4096}}
+    mp = ModelParallel(dp=dp, dp_size=dp.size, ep=ep, edp=edp)
+    state, rt = train_with_runtime(model, world.rank, options, mp, _sgd, STEPS, MAX_NORM)
     flats = rt.fsdp.flats()
     kinds = {
         "expert_sharded": sum(1 for f in flats if f.expert and not f.replicated),
         "expert_replicated": sum(1 for f in flats if f.expert and f.replicated),
     }
-    for step in range(STEPS):
-        ids, labels = _tokens(world.rank, step)
-        model.loss_fn(model(ids), labels).backward()
-        rt.finish_gradients(model)
-        rt.clip_grad_norm_(model, MAX_NORM)
-        opt.step()
-        rt.after_step(opt)
-        opt.zero_grad()
-    return rt.model_state_dict(model), kinds
+    return state, kinds
 
 
 def _worker(world) -> dict:
@@ -95,11 +85,7 @@ def _worker(world) -> dict:
             "experts_held": len(experts),
             "missing": sorted(set(want) - set(state) - {"rope_cos", "rope_sin"} - {n for n in want if ".experts." in n}),
             # 1e-5: only the order of fp32 additions differs (local experts' sums, then over replicas and DP)
-            "mismatch": [
-                (n, float((v - want[n]).abs().max()))
-                for n, v in state.items()
-                if not torch.allclose(v, want[n], rtol=1e-5, atol=1e-5)
-            ],
+            "mismatch": mismatches(state, want, atol=1e-5),
         }
     return report
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import types
+from typing import Any
 
 import pytest
 import torch
@@ -59,6 +60,35 @@ def _sgd(model: torch.nn.Module) -> torch.optim.SGD:
     return torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=DECAY)
 
 
+def train_with_runtime(
+    model: torch.nn.Module, rank: int, options: dict, mp: ModelParallel, optimizer: Any, steps: int, max_norm: float | None = None
+) -> tuple[dict[str, torch.Tensor], Any]:
+    """``model`` trained ``steps`` steps on this rank's tokens through the data-parallel runtime of ``options``, as
+    NxDStrategy drives it (finish_gradients, clip, step, after_step): its full state by the model's own names, and the
+    runtime."""
+    module = torch.nn.Module()  # as NxDStrategy holds it: a module whose ``model`` is the hub model
+    module.model = model
+    rt = data_parallel_runtime(**options)
+    rt.bind(mp)
+    opt = rt.shard_optimizer(optimizer(model), module)
+    rt.shard_model(module, [opt])
+    for step in range(steps):
+        ids, labels = _tokens(rank, step)
+        model.loss_fn(model(ids), labels).backward()
+        rt.finish_gradients(module)
+        if max_norm is not None:
+            rt.clip_grad_norm_(module, max_norm)
+        opt.step()
+        rt.after_step(opt)
+        opt.zero_grad()
+    return {k.removeprefix("model."): v for k, v in rt.model_state_dict(module).items()}, rt
+
+
+def mismatches(state: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float = 1e-6) -> list[str]:
+    """The tensors of ``state`` that differ from one process's (``want``) beyond fp32 reordering."""
+    return sorted(n for n, v in state.items() if n in want and not torch.allclose(v, want[n], rtol=1e-5, atol=atol))
+
+
 def _experts(model: torch.nn.Module) -> list[str]:
     return [n for n, _ in model.named_parameters() if ".experts." in n]
 
@@ -85,20 +115,8 @@ def _worker(world) -> dict:
     report["nowhere"] = [len(experts - anywhere) for anywhere in routing["anywhere"]]
     want = {k: v.clone() for k, v in ref.state_dict().items()}
     for kind, options in KINDS.items():
-        model = _model()
-        rt = data_parallel_runtime(**options)
-        rt.bind(ModelParallel(dp=world.world, dp_size=size))
-        opt = rt.shard_optimizer(_sgd(model), model)
-        rt.shard_model(model, [opt])
-        for step in range(STEPS):
-            ids, labels = _tokens(rank, step)
-            model.loss_fn(model(ids), labels).backward()
-            rt.finish_gradients(model)
-            opt.step()
-            rt.after_step(opt)
-            opt.zero_grad()
-        state = rt.model_state_dict(model)
-        report[kind] = sorted(n for n, v in want.items() if n in state and not torch.allclose(state[n], v, rtol=1e-5, atol=1e-6))
+        state, _ = train_with_runtime(_model(), rank, options, ModelParallel(dp=world.world, dp_size=size), _sgd, STEPS)
+        report[kind] = mismatches(state, want)
     # a dense parameter without gradient (the last layer's MLP-free path: its norm unused here) is still refused
     model = _model()
     rt = data_parallel_runtime()
@@ -174,22 +192,9 @@ def _tied_router_worker(world) -> dict:
     from nxdt.parallel.expert_parallel import apply_expert_parallel
 
     for kind, options in KINDS.items():
-        module = torch.nn.Module()  # as NxDStrategy holds it: a module whose ``model`` is the hub model
-        module.model = model = build()
-        apply_expert_parallel(model, ep)
-        rt = data_parallel_runtime(**options)
-        rt.bind(ModelParallel(dp=world.world, dp_size=size, ep=ep, edp=edp))
-        opt = rt.shard_optimizer(_sgd(model), module)
-        rt.shard_model(module, [opt])
-        for step in range(2):
-            ids, labels = _tokens(rank, step)
-            model.loss_fn(model(ids), labels).backward()
-            rt.finish_gradients(module)
-            opt.step()
-            rt.after_step(opt)
-            opt.zero_grad()
-        state = {k.removeprefix("model."): v for k, v in rt.model_state_dict(module).items()}
-        report[kind] = sorted(n for n, v in state.items() if n in want and not torch.allclose(v, want[n], rtol=1e-5, atol=1e-6))
+        model = apply_expert_parallel(build(), ep)
+        state, _ = train_with_runtime(model, rank, options, ModelParallel(dp=world.world, dp_size=size, ep=ep, edp=edp), _sgd, 2)
+        report[kind] = mismatches(state, want)
     return report
 
 
