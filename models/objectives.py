@@ -18,6 +18,9 @@ Imports only torch (the model-hub layer rule of docs/architecture.md §2).
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -29,10 +32,15 @@ __all__ = [
     "sequence_log_probs",
     "causal_lm_loss",
     "dpo_loss",
+    "DPOLoss",
+    "f_divergence_scores",
     "orpo_loss",
     "odds_ratio_terms",
     "log1mexp",
     "DPO_LOSS_TYPES",
+    "DPO_BATCH_SORTED_LOSS_TYPES",
+    "F_DIVERGENCES",
+    "F_DIVERGENCE_LOSS_TYPES",
     "GRPO_LOSS_TYPES",
     "SCALE_REWARDS",
     "nanstd",
@@ -90,7 +98,28 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
     return -logp.sum() / count.clamp(min=1).to(logp.dtype)
 
 
-DPO_LOSS_TYPES = ("sigmoid",)
+# TRL's DPOConfig.loss_type values (trl/trainer/dpo_trainer.py, ``_compute_loss``), each a mean over pairs of a loss per
+# pair, but "sft": a token mean over the chosen responses. Not here: TRL's "aot" and "aot_unpaired", which sort the log
+# ratios over the batch, so a pair's loss depends on which pairs share its micro-batch (refused by name).
+DPO_LOSS_TYPES = (
+    "sigmoid",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "nca_pair",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "sigmoid_norm",
+    "sft",
+)
+DPO_BATCH_SORTED_LOSS_TYPES = ("aot", "aot_unpaired")
+# TRL's f-DPO regularisers (Wang et al. 2023), and the losses built on the chosen − rejected score that admit them
+F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+F_DIVERGENCE_LOSS_TYPES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
 
 
 def reward_metrics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -103,6 +132,153 @@ def reward_metrics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor)
         "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
         "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
     }
+
+
+def f_divergence_scores(log_ratios: torch.Tensor, f_divergence_type: str, alpha: float) -> torch.Tensor:
+    """f'(u) of the policy-to-reference ratio u = π/π_ref, from log u (f-DPO, Wang et al. 2023; TRL's forms):
+    reverse KL log u (standard DPO), forward KL 1 − 1/u, Jensen–Shannon log 2 + log σ(log u), α-divergence
+    (u^(α−1) − 1)/(α − 1) with the exponent clamped at 80 (α = 1 is reverse KL's limit)."""
+    if f_divergence_type == "reverse_kl" or (f_divergence_type == "alpha_divergence" and abs(alpha - 1.0) < 1e-6):
+        return log_ratios
+    if f_divergence_type == "forward_kl":
+        return 1 - torch.exp(-log_ratios)
+    if f_divergence_type == "js_divergence":
+        return math.log(2) + F.logsigmoid(log_ratios)
+    if f_divergence_type == "alpha_divergence":
+        return torch.expm1(((alpha - 1.0) * log_ratios).clamp(max=80.0)) / (alpha - 1.0)
+    raise ValueError(f"dpo.f_divergence_type={f_divergence_type!r}: use one of {', '.join(F_DIVERGENCES)}")
+
+
+@dataclass(frozen=True)
+class DPOLoss:
+    """Direct Preference Optimization's loss (Rafailov et al. 2023) and TRL's variants of it, as TRL's DPOTrainer
+    computes them; ``beta`` is NxDT's ``dpo.kl_beta``. With log-ratios c = log π(y_c|x) − log π_ref(y_c|x), r likewise
+    for the rejected answer, their f-divergence scores s_c, s_r (:func:`f_divergence_scores`; reverse KL: s = the log
+    ratio) and Δ = s_c − s_r, each pair's loss by ``loss_type``:
+
+    * ``sigmoid``  −log σ(βΔ) (the paper's eq. 7)
+    * ``hinge``    max(0, 1 − βΔ) (SLiC, Zhao et al. 2023)
+    * ``ipo``      (s_c/|y_c| − s_r/|y_r| − 1/(2β))² (Azar et al. 2023, eq. 17; TRL normalises by the response
+      lengths, as the IPO authors confirmed)
+    * ``sigmoid_norm`` −log σ(β(s_c/|y_c| − s_r/|y_r|))
+    * ``robust``   (−(1 − ε) log σ(βΔ) + ε log σ(−βΔ)) / (1 − 2ε), ε = ``label_smoothing`` (Chowdhury et al. 2024)
+    * ``exo_pair`` σ(βΔ)(log σ(βΔ) − log(1 − ε)) + σ(−βΔ)(log σ(−βΔ) − log ε) (EXO, Ji et al. 2024, eq. 16)
+    * ``nca_pair`` −log σ(βc) − ½ log σ(−βc) − ½ log σ(−βr) (NCA, Chen et al. 2024)
+    * ``bco_pair`` −log σ(βc) − log σ(−βr)
+    * ``sppo_hard`` (c − 1/(2β))² + (r + 1/(2β))² (SPPO, Wu et al. 2024, hard labels)
+    * ``apo_zero`` 1 − σ(βc) + σ(βr);  ``apo_down`` σ(βc) + 1 − σ(β(c − r)) (APO, D'Oosterlinck et al. 2024)
+    * ``discopop`` (1 − m)·(−log σ(βΔ)) + m·exp(−βΔ), m = σ(βΔ/τ), τ = ``discopop_tau`` (Chris Lu et al. 2024)
+
+    and ``sft``, not a per-pair loss: the chosen responses' token-mean negative log-likelihood −Σ log π(y_c|x) / Σ |y_c|.
+    Several types add up weighted by ``loss_weights`` (default 1 each): TRL's combinations, e.g. MPO's
+    ``[sigmoid, bco_pair, sft]``. Everything in fp32."""
+
+    beta: float
+    loss_type: tuple[str, ...] = ("sigmoid",)
+    loss_weights: tuple[float, ...] | None = None
+    label_smoothing: float = 0.0
+    f_divergence_type: str = "reverse_kl"
+    f_alpha_divergence_coef: float = 0.5
+    discopop_tau: float = 0.05
+
+    def __post_init__(self) -> None:
+        # the settings' full checks, with their config keys, run before launch (nxdt.config.validate)
+        unknown = [name for name in self.loss_type if name not in DPO_LOSS_TYPES]
+        if unknown or not self.loss_type:
+            raise ValueError(f"dpo.loss_type {list(self.loss_type)}: each must be one of {', '.join(DPO_LOSS_TYPES)}")
+        if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
+            raise ValueError(f"dpo.loss_weights {list(self.loss_weights)}: give one weight per loss_type {list(self.loss_type)}")
+        if self.f_divergence_type not in F_DIVERGENCES:
+            raise ValueError(f"dpo.f_divergence_type={self.f_divergence_type!r}: use one of {', '.join(F_DIVERGENCES)}")
+
+    @property
+    def weighted(self) -> list[tuple[str, float]]:
+        """(loss type, its weight) in ``loss_type``'s order."""
+        return list(zip(self.loss_type, self.loss_weights or (1.0,) * len(self.loss_type)))
+
+    @property
+    def sft_weight(self) -> float:
+        """The weight of the ``sft`` term (0 without one)."""
+        return sum(weight for name, weight in self.weighted if name == "sft")
+
+    def pair_losses(
+        self,
+        policy_chosen_logps: torch.Tensor,
+        policy_rejected_logps: torch.Tensor,
+        ref_chosen_logps: torch.Tensor,
+        ref_rejected_logps: torch.Tensor,
+        chosen_tokens: torch.Tensor | None = None,
+        rejected_tokens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Every pair's weighted sum of the per-pair losses [B] (the ``sft`` term left out: :meth:`__call__` adds it)
+        from the summed response log-probabilities [B] and, for ``ipo`` and ``sigmoid_norm``, the response token
+        counts [B]; and TRL's reward metrics (β × the log ratios, whatever the loss)."""
+        chosen = policy_chosen_logps.float() - ref_chosen_logps.float()
+        rejected = policy_rejected_logps.float() - ref_rejected_logps.float()
+        chosen_scores = f_divergence_scores(chosen, self.f_divergence_type, self.f_alpha_divergence_coef)
+        rejected_scores = f_divergence_scores(rejected, self.f_divergence_type, self.f_alpha_divergence_coef)
+        beta, eps = self.beta, self.label_smoothing
+        z = beta * (chosen_scores - rejected_scores)
+        total = torch.zeros_like(chosen)
+        for loss_type, weight in self.weighted:
+            if loss_type in ("ipo", "sigmoid_norm"):
+                if chosen_tokens is None or rejected_tokens is None:
+                    raise ValueError(f"dpo.loss_type {loss_type} needs each response's token count")
+                normalised = chosen_scores / chosen_tokens.float().clamp(min=1) - rejected_scores / rejected_tokens.float().clamp(
+                    min=1
+                )
+            if loss_type == "sigmoid":
+                losses = -F.logsigmoid(z)
+            elif loss_type == "hinge":
+                losses = torch.relu(1 - z)
+            elif loss_type == "ipo":
+                losses = (normalised - 1 / (2 * beta)) ** 2
+            elif loss_type == "sigmoid_norm":
+                losses = -F.logsigmoid(beta * normalised)
+            elif loss_type == "robust":
+                losses = (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
+            elif loss_type == "exo_pair":
+                losses = torch.sigmoid(z) * (F.logsigmoid(z) - math.log1p(-eps)) + torch.sigmoid(-z) * (
+                    F.logsigmoid(-z) - math.log(eps)
+                )
+            elif loss_type == "nca_pair":
+                losses = -F.logsigmoid(beta * chosen) - 0.5 * F.logsigmoid(-beta * chosen) - 0.5 * F.logsigmoid(-beta * rejected)
+            elif loss_type == "bco_pair":
+                losses = -F.logsigmoid(beta * chosen) - F.logsigmoid(-beta * rejected)
+            elif loss_type == "sppo_hard":
+                losses = (chosen - 0.5 / beta) ** 2 + (rejected + 0.5 / beta) ** 2
+            elif loss_type == "apo_zero":
+                losses = 1 - torch.sigmoid(beta * chosen) + torch.sigmoid(beta * rejected)
+            elif loss_type == "apo_down":
+                losses = torch.sigmoid(beta * chosen) + 1 - torch.sigmoid(beta * (chosen - rejected))
+            elif loss_type == "discopop":
+                mix = torch.sigmoid(z / self.discopop_tau)
+                losses = -F.logsigmoid(z) * (1 - mix) + torch.exp(-z) * mix
+            else:  # sft: a token mean, not per pair
+                continue
+            total = total + weight * losses
+        return total, reward_metrics(beta * chosen, beta * rejected)
+
+    def __call__(
+        self,
+        policy_chosen_logps: torch.Tensor,
+        policy_rejected_logps: torch.Tensor,
+        ref_chosen_logps: torch.Tensor,
+        ref_rejected_logps: torch.Tensor,
+        chosen_tokens: torch.Tensor | None = None,
+        rejected_tokens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of a batch of B pairs (the per-pair losses' mean, plus the weighted ``sft`` token mean) and the
+        metrics (detached means over the pairs)."""
+        losses, metrics = self.pair_losses(
+            policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_tokens, rejected_tokens
+        )
+        loss = losses.mean()
+        if self.sft_weight:
+            if chosen_tokens is None:
+                raise ValueError("dpo.loss_type sft needs each chosen response's token count")
+            loss = loss - self.sft_weight * policy_chosen_logps.float().sum() / chosen_tokens.float().sum().clamp(min=1)
+        return loss, metrics
 
 
 def dpo_loss(
@@ -127,15 +303,10 @@ def dpo_loss(
     * ``rewards/accuracies`` = fraction of pairs with rewards/chosen > rewards/rejected
     * ``rewards/margins``  = rewards/chosen − rewards/rejected
 
-    Only ``"sigmoid"`` (the paper's loss) is implemented; any other ``loss_type`` (TRL's hinge, ipo, …) is
-    refused by name.
+    Other ``loss_type`` values that need no token counts (TRL's hinge, robust, …): :class:`DPOLoss`, which also
+    takes the counts ``ipo``, ``sigmoid_norm`` and ``sft`` need, several types at once, and the f-divergences.
     """
-    if loss_type not in DPO_LOSS_TYPES:
-        raise ValueError(f"dpo.loss_type={loss_type!r} is not supported: only 'sigmoid' (Rafailov et al. 2023) is implemented")
-    chosen = policy_chosen_logps.float() - ref_chosen_logps.float()
-    rejected = policy_rejected_logps.float() - ref_rejected_logps.float()
-    losses = -F.logsigmoid(beta * (chosen - rejected))
-    return losses.mean(), reward_metrics(beta * chosen, beta * rejected)
+    return DPOLoss(beta, (loss_type,))(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps)
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:

@@ -131,7 +131,42 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
             ["train", "+recipe=orpo", f"data.train_dir={_jsonl(tmp, 'no_rejected.jsonl', NO_REJECTED)}"],
             "record 0: a preference record needs 'prompt', 'chosen' and 'rejected'; missing ['rejected']",
         ),
-        (["train", "+recipe=dpo", "model_alignment_strategy.dpo.loss_type=hinge"], "model_alignment_strategy.dpo.loss_type"),
+        (
+            ["train", "+recipe=dpo", "model_alignment_strategy.dpo.loss_type=hinj"],
+            "model_alignment_strategy.dpo.loss_type='hinj'",
+        ),
+        (["train", "+recipe=dpo", "model_alignment_strategy.dpo.loss_type=[sigmoid,aot]"], "dpo.loss_type='aot': it sorts"),
+        (
+            [
+                "train",
+                "+recipe=dpo",
+                "model_alignment_strategy.dpo.loss_type=[sigmoid,sft]",
+                "model_alignment_strategy.dpo.loss_weights=[1.0]",
+            ],
+            "model_alignment_strategy.dpo.loss_weights=[1.0]: has 1 weight(s) for loss_type ['sigmoid', 'sft']",
+        ),
+        (
+            [
+                "train",
+                "+recipe=dpo",
+                "model_alignment_strategy.dpo.loss_type=robust",
+                "model_alignment_strategy.dpo.label_smoothing=0.5",
+            ],
+            "model_alignment_strategy.dpo.label_smoothing=0.5: must lie in [0, 0.5) for robust",
+        ),
+        (
+            ["train", "+recipe=dpo", "model_alignment_strategy.dpo.loss_type=exo_pair"],
+            "label_smoothing=0.0: must lie in (0, 1) for exo_pair",
+        ),
+        (
+            [
+                "train",
+                "+recipe=dpo",
+                "model_alignment_strategy.dpo.loss_type=nca_pair",
+                "model_alignment_strategy.dpo.f_divergence_type=js_divergence",
+            ],
+            "f_divergence_type='js_divergence': is defined only for losses of the chosen − rejected score",
+        ),
         (
             ["train", "+recipe=orpo", "model_alignment_strategy.orpo.nll_mean=mean"],
             "model_alignment_strategy.orpo.nll_mean='mean'",

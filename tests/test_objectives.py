@@ -138,10 +138,12 @@ def test_dpo_gradient_raises_chosen_and_lowers_rejected():
     assert float(loss) == pytest.approx(math.log(2)) and float(metrics["rewards/margins"]) == 0
 
 
-def test_dpo_other_loss_types_are_refused_by_name():
+def test_dpo_loss_refuses_an_unknown_type_and_asks_for_the_token_counts_a_normalised_type_needs():
     x = torch.zeros(2)
-    with pytest.raises(ValueError, match="'hinge' is not supported: only 'sigmoid'"):
-        dpo_loss(x, x, x, x, 0.1, loss_type="hinge")
+    with pytest.raises(ValueError, match="each must be one of sigmoid, hinge"):
+        dpo_loss(x, x, x, x, 0.1, loss_type="hinj")
+    with pytest.raises(ValueError, match="ipo needs each response's token count"):
+        dpo_loss(x, x, x, x, 0.1, loss_type="ipo")
 
 
 def _orpo_reference(chosen_mean, rejected_mean, nll, beta):

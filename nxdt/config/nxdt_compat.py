@@ -377,7 +377,10 @@ RULES: dict[str, Rule] = {
         "β of the DPO loss −log σ(β·[(log π − log π_ref)(chosen) − (…)(rejected)]); "
         "rewards/* in metrics.csv are β·(log π − log π_ref)"
     ),
-    "model_alignment_strategy.dpo.loss_type": _map("sigmoid (the paper's loss); any other value is refused by name"),
+    "model_alignment_strategy.dpo.loss_type": _map(
+        "sigmoid (the paper's loss, NxDT's only), or TRL's DPOTrainer losses by name or as a weighted list "
+        "(loss_weights); aot / aot_unpaired are refused by name"
+    ),
     "model_alignment_strategy.dpo.max_prompt_length": _map(
         "a longer prompt keeps max_prompt_length tokens (truncation_mode says which end); counted before launch"
     ),

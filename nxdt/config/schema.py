@@ -407,7 +407,19 @@ class DPOConfig:
     """Direct Preference Optimization (NxDT's keys and defaults)."""
 
     kl_beta: float = doc(0.01, "beta: how far the policy may move from the reference model")
-    loss_type: str = doc("sigmoid", "sigmoid (the paper's loss)")
+    # a name or a list of names (TRL's DPOConfig.loss_type): Any, as OmegaConf has no str-or-list type
+    loss_type: Any = doc(
+        "sigmoid",
+        "sigmoid (the paper's) | hinge | ipo | sigmoid_norm | robust | exo_pair | nca_pair | bco_pair | sppo_hard | "
+        "apo_zero | apo_down | discopop | sft, or a list of them added up (TRL's loss types)",
+    )
+    loss_weights: Optional[List[float]] = doc(None, "one weight per loss_type when it is a list; null = all 1 (TRL's)")
+    label_smoothing: float = doc(0.0, "robust: the label-flip probability, in [0, 0.5); exo_pair: its epsilon, in (0, 1)")
+    f_divergence_type: str = doc(
+        "reverse_kl", "reverse_kl (DPO) | forward_kl | js_divergence | alpha_divergence: f-DPO's regulariser (TRL's)"
+    )
+    f_alpha_divergence_coef: float = doc(0.5, "alpha of f_divergence_type=alpha_divergence")
+    discopop_tau: float = doc(0.05, "temperature of loss_type discopop")
     max_prompt_length: int = doc(2048, "longest prompt, in tokens")
     precompute_ref_log_probs: bool = doc(True, "compute the reference model's log-probabilities once, before training")
     truncation_mode: str = doc("keep_start", "keep_start | keep_end: which end of a too-long prompt is kept")

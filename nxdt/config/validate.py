@@ -8,6 +8,7 @@ import importlib.util
 import math
 import re
 from enum import Enum
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -862,8 +863,75 @@ TOKEN_SOURCES = ("synthetic", "text", "hf_dataset", "megatron")
 SFT_TRUNCATION = ("truncate", "drop")  # nxdt.data.instructions.TRUNCATION_MODES (config sits below data)
 SFT_PACKING_STYLES = ("per_record", "concat")  # nxdt.data.instructions.PACKING_STYLES
 PREFERENCE_TRUNCATION = ("keep_start", "keep_end")  # nxdt.data.preferences.TRUNCATION_MODES
-DPO_LOSS_TYPES = ("sigmoid",)  # nxdt.models.objectives.DPO_LOSS_TYPES
+# nxdt.models.objectives' DPO_LOSS_TYPES, DPO_BATCH_SORTED_LOSS_TYPES, F_DIVERGENCES and F_DIVERGENCE_LOSS_TYPES (the
+# config layer imports no torch; tests/test_dpo_losses.py holds them equal)
+DPO_LOSS_TYPES = (
+    "sigmoid",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "nca_pair",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "sigmoid_norm",
+    "sft",
+)
+DPO_BATCH_SORTED_LOSS_TYPES = ("aot", "aot_unpaired")
+F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+F_DIVERGENCE_LOSS_TYPES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
 ORPO_NLL_MEANS = ("tokens", "sequences")  # nxdt.lightning.objective.ORPO_NLL_MEANS
+
+
+def dpo_loss_types(value: Any) -> list[str]:
+    """``dpo.loss_type`` as a list of names: one name, or a list of them (TRL's ``loss_type``)."""
+    if isinstance(value, str):
+        return [value]
+    return [str(v) for v in value] if isinstance(value, Sequence) else []
+
+
+def _check_dpo_loss(key: str, block: Any) -> None:
+    """The DPO loss's settings: known loss types (TRL's, less the two that sort over the batch), one weight per type,
+    and the ranges each type's parameter needs."""
+    value = block.loss_type
+    names = dpo_loss_types(value)
+    if not names:
+        raise ConfigError(f"{key}.loss_type", value, "give a loss name (sigmoid is the paper's) or a list of names")
+    for name in names:
+        if name not in DPO_LOSS_TYPES + DPO_BATCH_SORTED_LOSS_TYPES:  # the latter: known, refused by check_trainable
+            raise ConfigError(f"{key}.loss_type", name, f"must be one of {', '.join(DPO_LOSS_TYPES)} (TRL's loss types)")
+    weights = block.loss_weights
+    if weights is not None:
+        if len(weights) != len(names):
+            raise ConfigError(
+                f"{key}.loss_weights", list(weights), f"has {len(weights)} weight(s) for loss_type {names}: give one per loss"
+            )
+        for i, weight in enumerate(weights):
+            _number(f"{key}.loss_weights[{i}]", weight, what=" (weight of a DPO loss)")
+    eps = block.label_smoothing
+    if "robust" in names and not 0.0 <= eps < 0.5:
+        raise ConfigError(
+            f"{key}.label_smoothing", eps, "must lie in [0, 0.5) for robust: the probability a preference is flipped"
+        )
+    if "exo_pair" in names and not 0.0 < eps < 1.0:
+        raise ConfigError(f"{key}.label_smoothing", eps, "must lie in (0, 1) for exo_pair: its epsilon (the EXO paper's: 1e-3)")
+    if block.f_divergence_type not in F_DIVERGENCES:
+        raise ConfigError(f"{key}.f_divergence_type", block.f_divergence_type, f"must be one of {', '.join(F_DIVERGENCES)}")
+    other = [name for name in names if name not in F_DIVERGENCE_LOSS_TYPES]
+    if block.f_divergence_type != "reverse_kl" and other:
+        raise ConfigError(
+            f"{key}.f_divergence_type",
+            block.f_divergence_type,
+            f"is defined only for losses of the chosen − rejected score ({', '.join(F_DIVERGENCE_LOSS_TYPES)}), not for "
+            f"{', '.join(other)} (as in TRL): use reverse_kl with those",
+        )
+    if block.f_divergence_type == "alpha_divergence":
+        _number(f"{key}.f_alpha_divergence_coef", block.f_alpha_divergence_coef, what=" (alpha of the alpha-divergence)")
+    if "discopop" in names:
+        _number(f"{key}.discopop_tau", block.discopop_tau, 0, lo_open=True, what=" (DiscoPOP's temperature)")
 
 
 def alignment_recipes(cfg: Any) -> list[str]:
@@ -965,12 +1033,7 @@ def _check_preference_recipe(cfg: Any) -> None:
             f"give at most {cfg.data.seq_length - 1} (or a longer data.seq_length)",
         )
     if name == "dpo":
-        if block.loss_type not in DPO_LOSS_TYPES:
-            raise ConfigError(
-                f"{key}.loss_type",
-                block.loss_type,
-                f"only {', '.join(DPO_LOSS_TYPES)} (the DPO paper's loss) is implemented; other losses (hinge, ipo, ...) are not",
-            )
+        _check_dpo_loss(key, block)
         _number(f"{key}.kl_beta", block.kl_beta, 0, lo_open=True, what=" (β of the DPO loss)")
     else:
         _number(f"{key}.beta", block.beta, 0, what=" (weight of the odds-ratio term)")
@@ -1191,6 +1254,14 @@ def _check_preference_training(cfg: Any) -> None:
     if name is None:
         return
     key = f"model_alignment_strategy.{name}"
+    sorted_losses = [n for n in dpo_loss_types(mas.dpo.loss_type) if n in DPO_BATCH_SORTED_LOSS_TYPES] if name == "dpo" else []
+    if sorted_losses:
+        raise NotYetSupported(
+            f"{key}.loss_type",
+            sorted_losses[0],
+            "it sorts the log-ratios over the batch, so a pair's loss would depend on which pairs share its micro-batch "
+            f"(micro_batch_size, data parallelism); use one of {', '.join(DPO_LOSS_TYPES)}",
+        )
     if name == "dpo" and not mas.dpo.precompute_ref_log_probs:
         raise NotYetSupported(
             f"{key}.precompute_ref_log_probs",

@@ -27,7 +27,6 @@ from nxdt.data.preferences import pair_rows
 from nxdt.lightning.objective import (
     CAUSAL_LM,
     Objective,
-    chosen_sequence_tokens,
     label_count,
     pair_means,
     pair_scores_and_aux,
@@ -408,11 +407,12 @@ class CausalLMModule(pl.LightningModule):
         """Give every micro-batch its ``loss_weight`` (a 0-d tensor): its share of the global batch's labelled
         tokens, so the step's loss is the token mean over the whole global batch (nxdt.lightning.objective).
         ``model.loss_averaging: micro_batches`` leaves them unweighted: the plain mean of the micro-batches' token
-        means over micro-batches and DP ranks, NxD Training's loss. ORPO: its ``nll_scale`` (micro-batches × DP
-        ranks / the global batch's chosen tokens) for the NLL term."""
-        if self.objective.token_metric is not None:  # ORPO's NLL: a token mean over every chosen token of the global batch
-            chosen = sum(chosen_sequence_tokens(mb) for mb in micro_batches)
-            total = int(self._data_parallel_sum(torch.tensor([chosen], dtype=torch.int64))[0])
+        means over micro-batches and DP ranks, NxD Training's loss. A token-mean term of a preference objective (ORPO's
+        NLL, DPO's sft): its ``nll_scale`` (micro-batches × DP ranks / the global batch's tokens of that term)."""
+        count = self.objective.token_count
+        if count is not None:  # ORPO's NLL, DPO's sft: token means over the global batch
+            tokens = sum(count(mb) for mb in micro_batches)
+            total = int(self._data_parallel_sum(torch.tensor([tokens], dtype=torch.int64))[0])
             scale = len(micro_batches) * self._data_parallel_size() / max(total, 1)
             for mb in micro_batches:
                 mb["nll_scale"] = torch.tensor(scale, dtype=torch.float64)

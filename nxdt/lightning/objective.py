@@ -11,9 +11,10 @@ micro-batch is and so depend on micro_batch_size and the data-parallel degree. E
 mean, identical for any layout. With every position labelled (pretraining on text) every weight is exactly 1.
 
 DPO and ORPO train on preference pairs (``pairs``: each sample a chosen and a rejected sequence, laid out by
-:func:`~nxdt.data.preferences.pair_rows` so a pair's loss is computed in one micro-batch on one rank). DPO's loss, and
-ORPO's odds-ratio term, are means over pairs, every micro-batch holding ``micro_batch_size`` pairs, so the plain mean
-over micro-batches and data-parallel ranks is the global mean (no token weights). ORPO's NLL term is, as in TRL's
+:func:`~nxdt.data.preferences.pair_rows` so a pair's loss is computed in one micro-batch on one rank). DPO's loss (but
+its ``sft`` loss type), and ORPO's odds-ratio term, are means over pairs, every micro-batch holding ``micro_batch_size``
+pairs, so the plain mean over micro-batches and data-parallel ranks is the global mean (no token weights). DPO's
+``sft`` type is a token mean over the global batch's chosen responses, scaled as ORPO's NLL below. ORPO's NLL term is, as in TRL's
 ORPOTrainer (``concatenated_forward``: one ``CrossEntropyLoss`` over the chosen sequences, prompt and response), a
 token mean: over every chosen token of the **global** batch — what TRL computes when a step is one batch, and
 independent of micro_batch_size and data parallelism (a per-micro-batch mean, TRL's under gradient accumulation, is
@@ -40,7 +41,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 
 from nxdt.data.preferences import sequence_labels, split_chosen_rejected
-from nxdt.models.objectives import DPO_LOSS_TYPES, dpo_loss, odds_ratio_terms
+from nxdt.models.objectives import DPOLoss, odds_ratio_terms
 from nxdt.parallel.context_parallel import sequence_total
 
 IGNORE_INDEX = -100
@@ -77,11 +78,17 @@ class Objective:
     metrics: tuple[str, ...] = ()  # what micro_batch["metric_sums"] holds (then the pair count)
     # pairs: (rows' pair_scores, pair_counts, ref_logps or None) → PairTerms; validation reuses it
     pair_loss: Callable[..., "PairTerms"] | None = None
-    # the metric of a token-mean NLL term (ORPO with nll_mean=tokens): each micro-batch then needs ``nll_scale``
+    # the metric of a token-mean NLL term (ORPO with nll_mean=tokens, DPO with sft): each micro-batch then needs
+    # ``nll_scale``, from the global batch's count of that term's tokens (``token_count`` of each micro-batch)
     token_metric: str | None = None
+    token_count: Callable[[dict[str, torch.Tensor]], int] | None = None
     # a MoE model's load-balancing term over real tokens only (TRL's: transformers' loss with the attention mask), where
     # pretraining and SFT count every row as NxD does; a pipeline needs to know before the last stage's loss runs
     aux_real_tokens: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.token_metric is None) != (self.token_count is None):
+            raise ValueError(f"objective {self.name}: a token-mean term needs both its metric and its token count")
 
 
 CAUSAL_LM = Objective("causal_lm", causal_lm_loss)
@@ -138,6 +145,11 @@ def chosen_sequence_tokens(micro_batch: dict[str, torch.Tensor]) -> int:
     return int(split_chosen_rejected(pair_counts(micro_batch)[1])[0].sum())
 
 
+def chosen_response_tokens(micro_batch: dict[str, torch.Tensor]) -> int:
+    """Response tokens of a laid-out micro-batch's chosen rows: the denominator of DPO's sft loss type."""
+    return int(split_chosen_rejected(pair_counts(micro_batch)[0])[0].sum())
+
+
 class PairTerms(NamedTuple):
     """A preference loss on some pairs, split by how it averages: ``pair_mean`` (0-d) is the mean over the pairs of the
     per-pair part (DPO's whole loss; ORPO's odds-ratio term); ``nll_sum`` / ``nll_tokens`` (0-d) the summed NLL and
@@ -151,6 +163,7 @@ class PairTerms(NamedTuple):
 
 
 NLL_METRIC = "nll_loss"  # ORPO's NLL term; under nll_mean=tokens a token mean, not a mean over pairs
+SFT_METRIC = "sft_loss"  # DPO's sft loss type, weighted: a token mean over the chosen responses
 ORPO_NLL_MEANS = ("tokens", "sequences")
 
 
@@ -160,15 +173,19 @@ def _record(micro_batch: dict[str, torch.Tensor], metrics: dict[str, torch.Tenso
     micro_batch["metric_sums"] = torch.cat([means * pairs, torch.tensor([float(pairs)], dtype=torch.float64)])
 
 
-def dpo_pair_loss(beta: float, loss_type: str, sums: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None) -> PairTerms:
-    """DPO (Rafailov et al. 2023) of pairs from their rows' summed response log-probabilities (``sums[0]``: chosen rows,
-    then rejected rows) and the reference's ``ref`` [pairs, 2]; ``counts`` are not needed. No token-mean term."""
+def dpo_pair_loss(dpo: DPOLoss, sums: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None) -> PairTerms:
+    """DPO (Rafailov et al. 2023) or TRL's variants of it (:class:`~nxdt.models.objectives.DPOLoss`) of pairs from their
+    rows' summed response log-probabilities (``sums[0]``: chosen rows, then rejected rows), response token counts
+    (``counts[0]``: ipo and sigmoid_norm normalise by them) and the reference's ``ref`` [pairs, 2]. The ``sft`` type's
+    weighted NLL of the chosen responses is the token-mean term (its sum and tokens: a mean over the global batch)."""
     if ref is None:
         raise ValueError("DPO needs the reference log-probabilities of every pair (precompute_ref_log_probs)")
-    chosen, rejected = split_chosen_rejected(sums[0])
-    loss, metrics = dpo_loss(chosen, rejected, ref[:, 0], ref[:, 1], beta, loss_type)
+    (chosen, rejected), (chosen_tokens, rejected_tokens) = split_chosen_rejected(sums[0]), split_chosen_rejected(counts[0])
+    losses, metrics = dpo.pair_losses(chosen, rejected, ref[:, 0], ref[:, 1], chosen_tokens, rejected_tokens)
+    if dpo.sft_weight:
+        return PairTerms(losses.mean(), -dpo.sft_weight * chosen.sum(), chosen_tokens.sum().to(chosen.dtype), metrics)
     zero = torch.zeros((), dtype=torch.float64)
-    return PairTerms(loss, zero, zero, metrics)
+    return PairTerms(losses.mean(), zero, zero, metrics)
 
 
 def orpo_pair_loss(beta: float, nll_mean: str, sums: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None) -> PairTerms:
@@ -258,21 +275,39 @@ def pair_means(names: tuple[str, ...], token_metric: str | None, sums: Sequence[
     return out
 
 
+def dpo_loss_of(dpo: Any) -> DPOLoss:
+    """The DPO loss ``model_alignment_strategy.dpo`` describes (``kl_beta``, ``loss_type`` — one name or a list —,
+    ``loss_weights``, ``label_smoothing``, ``f_divergence_type``, ``f_alpha_divergence_coef``, ``discopop_tau``)."""
+    names = (dpo.loss_type,) if isinstance(dpo.loss_type, str) else tuple(str(n) for n in dpo.loss_type)
+    return DPOLoss(
+        beta=float(dpo.kl_beta),
+        loss_type=names,
+        loss_weights=None if dpo.loss_weights is None else tuple(float(w) for w in dpo.loss_weights),
+        label_smoothing=float(dpo.label_smoothing),
+        f_divergence_type=str(dpo.f_divergence_type),
+        f_alpha_divergence_coef=float(dpo.f_alpha_divergence_coef),
+        discopop_tau=float(dpo.discopop_tau),
+    )
+
+
 def dpo_objective(dpo: Any) -> Objective:
-    """DPO's loss from ``model_alignment_strategy.dpo`` (``kl_beta``, ``loss_type``); the registry's DPO spec builds it."""
-    if dpo.loss_type not in DPO_LOSS_TYPES:
-        raise ValueError(
-            f"model_alignment_strategy.dpo.loss_type={dpo.loss_type!r}: only {', '.join(DPO_LOSS_TYPES)} is implemented"
-        )
-    pair_loss: PairLoss = functools.partial(dpo_pair_loss, float(dpo.kl_beta), dpo.loss_type)
+    """DPO's loss from ``model_alignment_strategy.dpo`` (:func:`dpo_loss_of`); the registry's DPO spec builds it. With
+    an ``sft`` loss type its term is a token mean over the global batch's chosen responses, logged as ``sft_loss``
+    (weighted as it enters the loss)."""
+    loss = dpo_loss_of(dpo)
+    token_metric = SFT_METRIC if loss.sft_weight else None
+    metrics = REWARD_METRICS + ((SFT_METRIC,) if token_metric else ())
+    pair_loss: PairLoss = functools.partial(dpo_pair_loss, loss)
     return Objective(
         "dpo",
-        functools.partial(pair_objective_loss, pair_loss, REWARD_METRICS, None),
+        functools.partial(pair_objective_loss, pair_loss, metrics, token_metric),
         token_weighted=False,
         pairs=True,
         reference=True,
-        metrics=REWARD_METRICS,
+        metrics=metrics,
         pair_loss=pair_loss,
+        token_metric=token_metric,
+        token_count=chosen_response_tokens if token_metric else None,
         aux_real_tokens=True,
     )
 
@@ -292,5 +327,6 @@ def orpo_objective(orpo: Any) -> Objective:
         metrics=ORPO_METRICS,
         pair_loss=pair_loss,
         token_metric=token_metric,
+        token_count=chosen_sequence_tokens if token_metric else None,
         aux_real_tokens=True,
     )

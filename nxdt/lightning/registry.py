@@ -30,7 +30,7 @@ from nxdt.lightning import grpo
 from nxdt.lightning.checkpoint import CheckpointError, read_meta
 from nxdt.lightning.datamodule import NxDDataModule, build_preference_dataset, build_sft_dataset, chat_tokenizer_dir
 from nxdt.lightning.module import CausalLMModule
-from nxdt.lightning.objective import CAUSAL_LM, ORPO_METRICS, REWARD_METRICS, Objective, dpo_objective, orpo_objective
+from nxdt.lightning.objective import CAUSAL_LM, Objective, dpo_objective, orpo_objective
 
 ALIGNMENT = "model_alignment_strategy"
 
@@ -264,7 +264,7 @@ DPO = ObjectiveSpec(
     recipe="dpo",
     data_sources=("preferences",),
     objective=dpo_objective,
-    metrics=lambda block: REWARD_METRICS,
+    metrics=lambda block: dpo_objective(block).metrics,
     console=_pair_console,
     check=_check_preferences("dpo"),
     datamodule=functools.partial(_token_datamodule, dataset=_preference_records),
@@ -277,7 +277,7 @@ ORPO = ObjectiveSpec(
     recipe="orpo",
     data_sources=("preferences",),
     objective=orpo_objective,
-    metrics=lambda block: ORPO_METRICS,
+    metrics=lambda block: orpo_objective(block).metrics,
     console=_pair_console,
     check=_check_preferences("orpo"),
     datamodule=functools.partial(_token_datamodule, dataset=_preference_records),
