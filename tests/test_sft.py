@@ -160,8 +160,10 @@ def test_objectives_by_recipe():
     assert nxdt_orpo.token_metric is None  # NxD Training's: a mean over pairs
     with pytest.raises(ValueError, match="nll_mean='mean'"):
         spec(orpo=SimpleNamespace(beta=0.1, nll_mean="mean"))
-    with pytest.raises(ValueError, match="loss_type='hinge'"):
-        spec(dpo=SimpleNamespace(kl_beta=0.1, loss_type="hinge"))
+    with pytest.raises(ValueError, match=r"loss_type \['hinj'\]: each must be one of sigmoid, hinge"):
+        spec(dpo=SimpleNamespace(kl_beta=0.1, loss_type="hinj"))
+    ipo = spec(dpo=SimpleNamespace(kl_beta=0.1, loss_type=["ipo", "sft"]))  # TRL's types; sft: a token mean
+    assert ipo.token_metric == "sft_loss" and ipo.metrics[-1] == "sft_loss"
 
 
 @pytest.mark.parametrize("n, dp", [(10, 1), (10, 2), (7, 2), (12, 4)])

@@ -279,14 +279,15 @@ def dpo_loss_of(dpo: Any) -> DPOLoss:
     """The DPO loss ``model_alignment_strategy.dpo`` describes (``kl_beta``, ``loss_type`` — one name or a list —,
     ``loss_weights``, ``label_smoothing``, ``f_divergence_type``, ``f_alpha_divergence_coef``, ``discopop_tau``)."""
     names = (dpo.loss_type,) if isinstance(dpo.loss_type, str) else tuple(str(n) for n in dpo.loss_type)
+    weights = getattr(dpo, "loss_weights", None)  # the keys after loss_type may be absent from a block built by hand
     return DPOLoss(
         beta=float(dpo.kl_beta),
         loss_type=names,
-        loss_weights=None if dpo.loss_weights is None else tuple(float(w) for w in dpo.loss_weights),
-        label_smoothing=float(dpo.label_smoothing),
-        f_divergence_type=str(dpo.f_divergence_type),
-        f_alpha_divergence_coef=float(dpo.f_alpha_divergence_coef),
-        discopop_tau=float(dpo.discopop_tau),
+        loss_weights=None if weights is None else tuple(float(w) for w in weights),
+        label_smoothing=float(getattr(dpo, "label_smoothing", 0.0)),
+        f_divergence_type=str(getattr(dpo, "f_divergence_type", "reverse_kl")),
+        f_alpha_divergence_coef=float(getattr(dpo, "f_alpha_divergence_coef", 0.5)),
+        discopop_tau=float(getattr(dpo, "discopop_tau", 0.05)),
     )
 
 
