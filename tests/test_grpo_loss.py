@@ -168,28 +168,48 @@ def test_advantages_equal_trl():
 
 
 @pytest.mark.parametrize(
-    "loss_type, beta",
-    [("grpo", 0.0), ("grpo", 0.04), ("dapo", 0.0), ("dapo", 0.04), ("bnpo", 0.04), ("dr_grpo", 0.04)],
+    "loss_type, beta, off_policy",
+    [
+        ("grpo", 0.0, False),
+        ("grpo", 0.04, False),
+        ("dapo", 0.0, False),
+        ("dapo", 0.04, False),
+        ("bnpo", 0.04, False),
+        ("dr_grpo", 0.04, False),
+        # num_iterations > 1: the later steps' ratios to the log-probabilities of the policy that sampled (TRL's
+        # inputs["old_per_token_logps"]), here the reference model's, ~0.05 away: ratios off 1, clipping active
+        ("grpo", 0.0, True),
+        ("dapo", 0.04, True),
+    ],
 )
-def test_loss_and_gradients_equal_trls_compute_loss(loss_type, beta):
+def test_loss_and_gradients_equal_trls_compute_loss(loss_type, beta, off_policy):
     policy, reference, hf = models()
     advantages = torch.tensor([1.2, -0.3, -0.9, 0.7, 0.0, -0.7])
     epsilon, epsilon_high = 0.2, 0.28
     fake = trl_trainer(loss_type, beta, epsilon, epsilon_high)
-    expected = trl_grpo()[0]._compute_loss(fake, hf["policy"], trl_inputs(hf["reference"], advantages, beta))
+    inputs = trl_inputs(hf["reference"], advantages, beta)
+    if off_policy:
+        width = inputs["completion_ids"].shape[1]
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        with torch.no_grad():
+            inputs["old_per_token_logps"] = trl_logps(None, hf["reference"], ids, mask, width)[0]
+    expected = trl_grpo()[0]._compute_loss(fake, hf["policy"], inputs)
     expected.backward()
 
     prompts = [p for p in PROMPTS for _ in range(NUM_GENERATIONS)]
     batch = completion_batch(prompts, COMPLETIONS)
     mask = batch["labels"] != -100
-    ref = None
-    if beta != 0.0:
+    ref = old = None
+    if beta != 0.0 or off_policy:
         with torch.no_grad():
             ref = nxdt_logps(reference, batch)
+        old, ref = (ref, ref if beta != 0.0 else None) if off_policy else (None, ref)
     loss, metrics = grpo_loss(
         nxdt_logps(policy, batch),
         mask,
         advantages,
+        old_per_token_logps=old,
         ref_per_token_logps=ref,
         beta=beta,
         epsilon=epsilon,
@@ -212,6 +232,8 @@ def test_loss_and_gradients_equal_trls_compute_loss(loss_type, beta):
         assert metrics["kl"].item() == pytest.approx(metrics_trl["kl"][0], rel=1e-5)
     for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
         assert metrics[key].item() == pytest.approx(metrics_trl[key][0], abs=1e-7)
+    if off_policy:
+        assert metrics["clip_ratio/region_mean"].item() > 0  # the ratios moved past the clipping range
 
 
 def test_beta_zero_needs_no_reference_and_bad_types_are_refused():

@@ -259,6 +259,7 @@ def _cfg(*overrides: str):
         (["distributed_strategy.pipeline_model_parallel_size=2"], "pipeline_model_parallel_size", "PP and CP not built"),
         (["distributed_strategy.context_parallel_size=2"], "context_parallel_size", "PP and CP not built"),
         (["model_alignment_strategy.grpo.reward_weights=[1.0]"], "reward_weights", "one weight per reward function"),
+        (["model_alignment_strategy.grpo.num_iterations=0"], "num_iterations", "must be an integer >= 1"),
     ],
 )
 def test_bad_settings_are_refused_by_name(held_out, monkeypatch_free_path, overrides, key, message):
@@ -457,6 +458,13 @@ def test_prompt_stream_resumes_where_it_was_and_splits_each_step_over_ranks():
     assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:20]) == list(range(10))  # one epoch = a permutation
     assert flat[:10] != flat[10:20]  # each epoch its own order
 
+    def take_every(rank, start, steps, iterations):  # num_iterations: a generation's prompts serve that many steps
+        stream = PromptSteps(10, 4, seed=7, rank=rank, dp_size=2, start=lambda: start, iterations=iterations)
+        return [b["indices"].tolist() for b in islice(iter(stream), steps)]
+
+    assert take_every(0, 0, 6, 3) == [take(0, 0, 2)[0]] * 3 + [take(0, 0, 2)[1]] * 3  # generation g = step g's prompts
+    assert take_every(1, 4, 2, 3) == take_every(1, 0, 6, 3)[4:]  # resumed inside a generation: its prompts again
+
 
 def test_shipped_arithmetic_prompts_are_the_generator_output_and_the_rewards_score_them():
     from nxdt.data import SAMPLE_ARITHMETIC
@@ -573,3 +581,42 @@ def test_chat_prompts_get_the_chat_template_and_reward_functions_get_message_com
         assert len(completion) == 1 and completion[0]["role"] == "assistant" and isinstance(completion[0]["content"], str)
     rewards = [float(sum(ch in a for ch in c[0]["content"])) for c, a in zip(call["completions"], call["answer"])]
     assert module.step_metrics["reward"] == pytest.approx(sum(rewards) / 8, rel=1e-6)  # fp32 mean of these values
+
+
+@pytest.mark.timeout(300)
+def test_num_iterations_trains_each_generation_twice_against_the_policy_that_sampled_it(tmp_path):
+    """num_iterations=2 (TRL's μ) on one rank, 4 steps: two generations, each scored by the reward function once and
+    trained on at two steps, the prompt stream advancing once per generation. A generation's first step sees the
+    probability ratio 1 (its own forward is the sampling policy: nothing clipped, whatever epsilon); its second step
+    scores the same completions with the updated policy against the kept log-probabilities, so with epsilon 1e-6 every
+    token whose ratio moved by more than that and whose advantage pushes it further is clipped (the surrogate's
+    arithmetic against TRL's, old log-probabilities given: tests/test_grpo_loss.py)."""
+    user = _user_code(tmp_path / "user")
+    out = tmp_path / "run"
+    result = _nxdt(
+        tmp_path,
+        "trainer.devices=1",
+        "trainer.max_steps=4",
+        "data.global_batch_size=8",
+        "model_alignment_strategy.grpo.num_generations=4",
+        "model_alignment_strategy.grpo.num_iterations=2",
+        "model_alignment_strategy.grpo.epsilon=1e-6",
+        "model_alignment_strategy.grpo.beta=0.04",
+        "model_alignment_strategy.grpo.reward_funcs=[heldout_rewards:length_reward]",
+        "model_alignment_strategy.grpo.reward_weights=null",
+        "model.optim.lr=0.01",
+        f"exp_manager.explicit_log_dir={out}",
+        pythonpath=user,
+    )
+    assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+    calls = [json.loads(line) for line in (user / "calls.jsonl").read_text().splitlines()]
+    assert len(calls) == 2  # one scoring per generation
+    assert calls[0]["answer"] != calls[1]["answer"]  # the second generation's prompts are the stream's next
+    rows = list(csv.DictReader(open(out / "metrics.csv")))
+    assert [r["step"] for r in rows] == ["1", "2", "3", "4"]
+    for first, second in ((rows[0], rows[1]), (rows[2], rows[3])):
+        for key in ("reward", "reward_std", "completions/mean_length"):
+            assert first[key] == second[key], key  # the same completions and rewards
+        assert float(first["clip_ratio/region_mean"]) == 0.0
+        assert float(second["clip_ratio/region_mean"]) > 0.1, second  # measured: ~0.5 of the tokens
+        assert float(second["loss"]) != float(first["loss"])

@@ -125,6 +125,7 @@ _TRAINING_KEYS = (
     "model_alignment_strategy.grpo.epsilon_high",
     "model_alignment_strategy.grpo.loss_type",
     "model_alignment_strategy.grpo.scale_rewards",
+    "model_alignment_strategy.grpo.num_iterations",
 )
 
 _NOTED_KEYS = {

@@ -458,6 +458,9 @@ class GRPOConfig:
     epsilon_high: Optional[float] = doc(None, "clipping range above 1; null = epsilon (DAPO: 0.28)")
     loss_type: str = doc("dapo", "grpo | bnpo | dr_grpo | dapo: how token losses are averaged (TRL's)")
     scale_rewards: str = doc("group", "group | batch | none: what the advantages are divided by (TRL's)")
+    num_iterations: int = doc(
+        1, "optimizer steps on each generation (TRL's mu): its completions reused, ratios to the policy that sampled them"
+    )
 
 
 @dataclass

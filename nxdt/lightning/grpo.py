@@ -11,7 +11,12 @@ with every reward function, gathers the rewards of all ranks for the advantages 
 then runs forward and backward over its completions in ``micro_batch_size`` rows at a time with the clipped surrogate
 and, when ``beta`` != 0, the k3 KL to the reference (the starting weights, kept as a frozen copy). Each micro-batch's
 loss is scaled so the rank's sum is TRL's per-process loss, and the data-parallel mean of the gradients is TRL's.
-The logits the loss scores are divided by ``temperature``, as TRL does. A mixture-of-experts policy with a non-zero
+The logits the loss scores are divided by ``temperature``, as TRL does. With ``num_iterations`` = μ > 1 (TRL's), a
+generation serves μ steps (the prompt stream advances every μ steps): its first step is as above and keeps each
+micro-batch's log-probabilities, the next μ − 1 train on the same completions and advantages with the probability
+ratio to those (the policy that sampled them; TRL takes them from a separate forward before its first step: the same
+values up to the forward's rounding), so the clipping acts. A run resumed inside a generation's steps samples anew, as
+TRL's does. A mixture-of-experts policy with a non-zero
 ``model.moe.router_aux_loss_coef`` adds, as TRL's GRPOTrainer, that weight times the load-balancing loss of each
 micro-batch's forward over its real tokens (prompt and completion; padding left out, as transformers' attention mask
 does) divided by the number of micro-batches (TRL's gradient-accumulation steps); logged as ``aux_loss``.
@@ -49,6 +54,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import lightning.pytorch as pl
@@ -213,6 +219,10 @@ def check(cfg: Any, data_parallel_size: int) -> list[Callable[..., Any]]:
         raise GRPOConfigError(f"{KEY}.scale_rewards", grpo.scale_rewards, f"use one of {', '.join(SCALE_REWARDS)}")
     if grpo.num_generations < 2:
         raise GRPOConfigError(f"{KEY}.num_generations", grpo.num_generations, "needs >= 2 completions per prompt (a group)")
+    if isinstance(grpo.num_iterations, bool) or not isinstance(grpo.num_iterations, int) or grpo.num_iterations < 1:
+        raise GRPOConfigError(
+            f"{KEY}.num_iterations", grpo.num_iterations, "must be an integer >= 1 (1: a fresh generation every step)"
+        )
     batch = data.global_batch_size
     if batch is None or batch % grpo.num_generations:
         raise GRPOConfigError(
@@ -293,12 +303,16 @@ def score(
 
 class PromptSteps(IterableDataset):
     """This rank's prompt indices for each step, from the step the run is at (``start()``, read when iteration
-    starts: 0, or the restored checkpoint's step): step k takes prompts [k·P, (k+1)·P) of an endless stream of
-    seeded permutations of the records, rank r the r-th of ``dp_size`` equal slices. A function of (seed, step),
-    so a resumed run reads what the uninterrupted one did."""
+    starts: 0, or the restored checkpoint's step): step k belongs to generation g = k // ``iterations`` (TRL's
+    num_iterations: each generation's prompts serve that many steps), which takes prompts [g·P, (g+1)·P) of an
+    endless stream of seeded permutations of the records, rank r the r-th of ``dp_size`` equal slices. A function of
+    (seed, step), so a resumed run reads what the uninterrupted one did."""
 
-    def __init__(self, count: int, per_step: int, seed: int, rank: int, dp_size: int, start: Callable[[], int]) -> None:
+    def __init__(
+        self, count: int, per_step: int, seed: int, rank: int, dp_size: int, start: Callable[[], int], iterations: int = 1
+    ) -> None:
         self.count, self.per_step, self.seed, self.rank, self.dp_size, self.start = count, per_step, seed, rank, dp_size, start
+        self.iterations = iterations
 
     def _order(self, epoch: int) -> list[int]:
         return torch.randperm(self.count, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
@@ -307,7 +321,7 @@ class PromptSteps(IterableDataset):
         step, share = self.start(), self.per_step // self.dp_size
         orders: dict[int, list[int]] = {}
         while True:
-            first = step * self.per_step + self.rank * share
+            first = (step // self.iterations) * self.per_step + self.rank * share
             picked = []
             for position in range(first, first + share):
                 epoch = position // self.count
@@ -326,6 +340,7 @@ class PromptDataModule(pl.LightningDataModule):
         self.records = prompt_records(data)
         self.per_step = data.global_batch_size // grpo.num_generations
         self.seed = seed
+        self.iterations = grpo.num_iterations
 
     def train_dataloader(self) -> DataLoader:
         kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {"rank": 0, "num_replicas": 1}
@@ -337,6 +352,7 @@ class PromptDataModule(pl.LightningDataModule):
             int(kwargs["rank"]),
             int(kwargs["num_replicas"]),
             lambda: trainer.global_step,
+            self.iterations,
         )
         return DataLoader(steps, batch_size=None)
 
@@ -370,6 +386,25 @@ def pad_columns(batch: dict[str, torch.Tensor], multiple: int) -> dict[str, torc
     return {k: torch.cat([v, v.new_full((v.shape[0], extra), fill[k])], dim=1) for k, v in batch.items()}
 
 
+@dataclass
+class Generation:
+    """One generation's completions on this rank and what the steps trained on it share: the DP group's rewards
+    (``everyone`` per function, ``rewards`` weighted), this rank's advantages, the scoring batch and its token counts;
+    with num_iterations > 1 also each micro-batch's log-probabilities under the policy that sampled it (``old``) and
+    the reference's (``ref``), recorded by its first step."""
+
+    index: int  # global_step // num_iterations
+    completions: list[list[int]]
+    everyone: torch.Tensor
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    full: dict[str, torch.Tensor]
+    local_tokens: int
+    global_tokens: int
+    old: list[torch.Tensor] = field(default_factory=list)
+    ref: list[torch.Tensor | None] = field(default_factory=list)
+
+
 class GRPOModule(CausalLMModule):
     """:class:`CausalLMModule` (model, optimizer, schedule, gradient finishing, NaN policy) with GRPO's step."""
 
@@ -390,6 +425,7 @@ class GRPOModule(CausalLMModule):
         # no state_dict and no optimizer: a resume takes it from the starting weights again (registry.Reference)
         self._reference: list[torch.nn.Module] = []
         self.metric_names = metric_names(grpo)
+        self._generation: Generation | None = None  # the generation the current steps train on (num_iterations)
 
     @property
     def reference(self) -> torch.nn.Module | None:
@@ -462,10 +498,11 @@ class GRPOModule(CausalLMModule):
         logits = model(mb["input_ids"], mb["position_ids"], mb["segment_ids"])
         return model.token_log_probs(logits.float() / self.grpo.temperature, mb["labels"])
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def _generate(self, batch: dict[str, torch.Tensor]) -> Generation:
+        """Sample this rank's completions of its prompts, score them and take their advantages (the DP group's rewards
+        gathered, groups whole); the scoring batch padded for SP."""
         g, strategy = self.grpo, self.trainer.strategy
-        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-        dp, rank = self._data_parallel_size(), self._data_parallel_rank()
+        rank = self._data_parallel_rank()
         indices = [i for i in batch["indices"].tolist() for _ in range(g.num_generations)]
         records = [self.records[i] for i in indices]
         prompt_rows = [self.prompt_ids[i] for i in indices]
@@ -477,13 +514,38 @@ class GRPOModule(CausalLMModule):
         local = score(self.reward_funcs, self.reward_names, records, values, completions)
         # over the data-parallel group, in its rank order (TP ranks hold the same rewards): groups stay whole
         everyone = strategy.all_gather(local, group=self._group("dp")).reshape(-1, len(self.reward_funcs))
-        advantages_all, rewards_all, std_all = grpo_advantages(everyone, self.reward_weights, g.num_generations, g.scale_rewards)
+        advantages_all, rewards_all, _ = grpo_advantages(everyone, self.reward_weights, g.num_generations, g.scale_rewards)
         n = len(completions)
-        advantages = advantages_all[rank * n : (rank + 1) * n]
         full = pad_columns(completion_batch(prompt_rows, completions), self._group_size("tp"))
-        mask = full["labels"] != -100
-        local_tokens = int(mask.sum())
+        local_tokens = int((full["labels"] != -100).sum())
         global_tokens = int(self._data_parallel_sum(torch.tensor([local_tokens], dtype=torch.int64))[0])
+        step = self.trainer.global_step
+        return Generation(
+            step // g.num_iterations,
+            completions,
+            everyone,
+            rewards_all,
+            advantages_all[rank * n : (rank + 1) * n],
+            full,
+            local_tokens,
+            global_tokens,
+        )
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        g, strategy = self.grpo, self.trainer.strategy
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        dp = self._data_parallel_size()
+        # TRL's num_iterations: a generation serves that many steps; its later steps score it against the policy that
+        # sampled it (old log-probabilities, kept from its first step). A run resumed inside a generation's steps
+        # samples anew, as TRL's does (its buffered generation is not in the checkpoint either).
+        generation = self._generation
+        if generation is None or generation.index != self.trainer.global_step // g.num_iterations:
+            generation = self._generation = self._generate(batch)
+        reuse = bool(generation.old)
+        completions, everyone, rewards_all = generation.completions, generation.everyone, generation.rewards
+        advantages, full = generation.advantages, generation.full
+        local_tokens, global_tokens = generation.local_tokens, generation.global_tokens
+        n = len(completions)
 
         optimizer.zero_grad()
         total = torch.zeros((), dtype=torch.float64)
@@ -495,8 +557,9 @@ class GRPOModule(CausalLMModule):
             rows = slice(start, min(start + b, n))
             mb = {k: v[rows] for k, v in full.items()}
             mb_mask = mb["labels"] != -100
-            ref = None
-            if self.reference is not None:
+            index = start // b
+            ref = generation.ref[index] if reuse else None
+            if self.reference is not None and ref is None:
                 with torch.no_grad():
                     ref = self._logps(self.reference, mb)
             loss_type, items, processes, scale = g.loss_type, None, 1, (rows.stop - rows.start) / n
@@ -505,12 +568,16 @@ class GRPOModule(CausalLMModule):
             elif g.loss_type == "dapo":  # TRL: the global token count / processes, the DP mean finishing it
                 items, processes, scale = global_tokens, dp, 1.0
             logps = self._logps(self.model, mb)
+            if g.num_iterations > 1 and not reuse:  # the sampling policy's log-probabilities, for the later steps
+                generation.ref.append(ref)
+                generation.old.append(logps.detach())
             # TRL: the policy forward's load-balancing loss (attention-masked), / the gradient-accumulation steps
             aux = self.model.aux_loss(padding_masked=True) if aux_coef else None
             loss, metrics = grpo_loss(
                 logps,
                 mb_mask,
                 advantages[rows],
+                old_per_token_logps=generation.old[index] if reuse else None,
                 ref_per_token_logps=ref,
                 beta=g.beta,
                 epsilon=g.epsilon,
