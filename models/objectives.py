@@ -433,6 +433,7 @@ def grpo_loss(
     max_completion_length: int | None = None,
     num_items_in_batch: torch.Tensor | float | None = None,
     num_processes: int = 1,
+    row_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO policy loss of a batch of completions, as TRL's ``GRPOTrainer._compute_loss`` computes it (token-level
     importance sampling, no entropy mask, no vLLM correction; one gradient-accumulation step per generation):
@@ -448,7 +449,9 @@ def grpo_loss(
     so that averaging the ranks' gradients gives the global token mean.
 
     ``per_token_logps`` [B, T] (any T: only ``mask`` — 1 on completion tokens — says which count), ``advantages``
-    [B]. Returns ``(loss, metrics)``, metrics detached masked means over this batch's tokens (TRL's names): ``kl``
+    [B]. ``row_tokens`` [B]: each completion's token count when ``mask`` covers only some of its positions (a context-
+    parallel rank's part of the sequence: the loss is then that part's share of the whole, which the ranks add up);
+    default ``mask.sum(-1)``. Returns ``(loss, metrics)``, metrics detached masked means over this batch's tokens (TRL's names): ``kl``
     (when beta != 0), ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``."""
     if loss_type not in GRPO_LOSS_TYPES:
         raise ValueError(f"grpo.loss_type={loss_type!r} is not supported: use one of {', '.join(GRPO_LOSS_TYPES)}")
@@ -472,7 +475,8 @@ def grpo_loss(
         per_token_loss = per_token_loss + beta * per_token_kl
         metrics["kl"] = ((per_token_kl * mask).sum() / tokens).detach()
     if loss_type == "grpo":
-        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+        counts = mask.sum(-1) if row_tokens is None else row_tokens.to(logps.dtype)
+        loss = ((per_token_loss * mask).sum(-1) / counts.clamp(min=1.0)).mean()
     elif loss_type == "bnpo":
         loss = (per_token_loss * mask).sum() / tokens
     elif loss_type == "dr_grpo":

@@ -244,3 +244,40 @@ def test_beta_zero_needs_no_reference_and_bad_types_are_refused():
         grpo_loss(logps, mask, adv, beta=0.1)
     with pytest.raises(ValueError, match="grpo.loss_type='sapo' is not supported"):
         grpo_loss(logps, mask, adv, loss_type="sapo")
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_a_context_parallel_ranks_part_of_each_row_gives_its_share_of_the_loss(loss_type):
+    """Under CP a rank scores only its chunks of every row: the loss of each part (its mask; each row's whole token
+    count ``row_tokens``; bnpo's and dapo's batch counts the whole batch's) adds up over the parts to the whole batch's
+    loss, gradients included — which the CP ranks' gradient sum (×CP, then DP×CP average) relies on. Two parts of
+    float sums in a different order: rtol 1e-6."""
+    torch.manual_seed(1)
+    logps = (-torch.rand(4, 8)).requires_grad_(True)
+    old = logps.detach() + 0.1 * torch.randn(4, 8)
+    mask = torch.tensor([[1] * 8, [1] * 5 + [0] * 3, [0] * 2 + [1] * 6, [1] * 3 + [0] * 5], dtype=torch.float32)
+    advantages = torch.tensor([0.5, -1.0, 1.5, -0.2])
+    kwargs = dict(
+        old_per_token_logps=old,
+        loss_type=loss_type,
+        max_completion_length=8,
+        num_items_in_batch=mask.sum(),
+        ref_per_token_logps=old,
+        beta=0.04,
+    )
+    whole, _ = grpo_loss(logps, mask, advantages, **kwargs)
+    (want,) = torch.autograd.grad(whole, logps)
+    part = torch.zeros(8, dtype=torch.bool)
+    part[[0, 1, 6, 7]] = True  # CP2's load-balanced chunks of rank 0: positions 0-1 and 6-7
+    total = 0
+    for keep in (part, ~part):
+        kw = dict(kwargs)
+        kw["old_per_token_logps"] = old[:, keep]
+        kw["ref_per_token_logps"] = old[:, keep]
+        if loss_type == "bnpo":  # a token mean over the whole batch: nxdt passes that count (the dapo path)
+            kw.update(loss_type="dapo", num_items_in_batch=mask.sum())
+        loss, _ = grpo_loss(logps[:, keep], mask[:, keep], advantages, row_tokens=mask.sum(-1), **kw)
+        total = total + loss
+    (got,) = torch.autograd.grad(total, logps)
+    torch.testing.assert_close(total, whole, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-8)

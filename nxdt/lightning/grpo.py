@@ -29,8 +29,13 @@ arrive as keyword lists, one value per completion; ``None`` = not scored by this
 each and checks it can be called so before any worker starts; a wrong count or a non-finite value stops the step
 with the function's name.
 
-**Layouts:** data parallelism (any number of ranks), tensor parallelism with or without sequence parallelism, expert
-parallelism, ZeRO-1 and FSDP; PP and CP are refused by name (sampling under them is not built). Under FSDP every
+**Layouts:** data parallelism (any number of ranks), tensor parallelism with or without sequence parallelism, context
+and expert parallelism, ZeRO-1 and FSDP; PP is refused by name (sampling through the stages is not built). Under CP
+every rank of a CP group samples the whole completions (the KV-cache path attends over the cache locally, not through
+the ring; the generator is the data-parallel rank's, so the group draws the same tokens), then scores its two
+load-balanced chunks of every row through the ring: its loss is its tokens' share of the rows' (``grpo_loss``'s
+``row_tokens``: each row's whole count), × CP so that the DP×CP gradient average adds the shares up; the clip and KL
+token sums add up over the group. A CP2 run samples and trains as one rank (``tests/test_grpo_train.py``). Under FSDP every
 decoding step's forward gathers each unit's weights (its all-gathers chained in the same order on every rank), and
 under EP every decoding step's MoE layers exchange the ranks' tokens by all-to-all, so the DP ranks decode the same
 number of steps: after each, one all-reduce says whether any rank still has a row decoding, and a rank whose
@@ -64,6 +69,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from nxdt.data import SAMPLE_ARITHMETIC
 from nxdt.data.instructions import build_chat_tokenizer, is_message_list, read_instruction_records, render_generation_prompt
 from nxdt.lightning.datamodule import chat_tokenizer_dir
+from nxdt.parallel.context_parallel import shard_micro_batches
 from nxdt.lightning.module import CausalLMModule
 from nxdt.lightning.objective import router_aux_weight
 from nxdt.models.generate import PAD_ID, completion_batch, generate
@@ -195,13 +201,9 @@ def completion_values(texts: Sequence[str], conversational: bool) -> list[Any]:
     return [[{"role": "assistant", "content": t}] for t in texts] if conversational else list(texts)
 
 
-# what sampling is not built on yet: a pipeline (every stage would take part in each decoding step), context parallelism
-# (the KV cache holds whole sequences)
-REFUSED_LAYOUTS = (
-    ("distributed_strategy.pipeline_model_parallel_size", lambda ds: ds.pipeline_model_parallel_size > 1),
-    ("distributed_strategy.context_parallel_size", lambda ds: ds.context_parallel_size > 1),
-)
-LAYOUTS = "GRPO samples on data, tensor (with or without SP) and expert parallelism, ZeRO-1 and FSDP (PP and CP not built)"
+# what sampling is not built on yet: a pipeline (every stage would take part in each decoding step)
+REFUSED_LAYOUTS = (("distributed_strategy.pipeline_model_parallel_size", lambda ds: ds.pipeline_model_parallel_size > 1),)
+LAYOUTS = "GRPO samples on data, tensor (with or without SP), context and expert parallelism, ZeRO-1 and FSDP (PP not built)"
 
 
 def check(cfg: Any, data_parallel_size: int) -> list[Callable[..., Any]]:
@@ -516,7 +518,9 @@ class GRPOModule(CausalLMModule):
         everyone = strategy.all_gather(local, group=self._group("dp")).reshape(-1, len(self.reward_funcs))
         advantages_all, rewards_all, _ = grpo_advantages(everyone, self.reward_weights, g.num_generations, g.scale_rewards)
         n = len(completions)
-        full = pad_columns(completion_batch(prompt_rows, completions), self._group_size("tp"))
+        # SP splits the width over TP; CP cuts it into 2·CP chunks, each rank's two then split over TP
+        cp = self._group_size("cp")
+        full = pad_columns(completion_batch(prompt_rows, completions), self._group_size("tp") * (2 * cp if cp > 1 else 1))
         local_tokens = int((full["labels"] != -100).sum())
         global_tokens = int(self._data_parallel_sum(torch.tensor([local_tokens], dtype=torch.int64))[0])
         step = self.trainer.global_step
@@ -546,6 +550,8 @@ class GRPOModule(CausalLMModule):
         advantages, full = generation.advantages, generation.full
         local_tokens, global_tokens = generation.local_tokens, generation.global_tokens
         n = len(completions)
+        cp = self._group("cp")
+        cp_size = 1 if cp is None else int(cp.size)
 
         optimizer.zero_grad()
         total = torch.zeros((), dtype=torch.float64)
@@ -556,6 +562,9 @@ class GRPOModule(CausalLMModule):
         for start in range(0, n, b):
             rows = slice(start, min(start + b, n))
             mb = {k: v[rows] for k, v in full.items()}
+            row_tokens = (mb["labels"] != -100).sum(-1)
+            if cp_size > 1:  # this rank's two chunks of every row (global positions): the ring attends over the rest
+                mb = shard_micro_batches([mb], cp, token_share=False)[0]
             mb_mask = mb["labels"] != -100
             index = start // b
             ref = generation.ref[index] if reuse else None
@@ -586,8 +595,10 @@ class GRPOModule(CausalLMModule):
                 max_completion_length=g.max_completion_length,
                 num_items_in_batch=items,
                 num_processes=processes,
+                row_tokens=row_tokens,
             )
-            loss = loss * scale
+            # under CP: this rank's tokens' share of the loss, × CP so that the DP×CP gradient average adds the shares
+            loss = loss * scale * cp_size
             if aux is not None:
                 loss = loss + aux_coef * aux / micro_batches
                 aux_sum += aux.detach().double()
@@ -614,6 +625,8 @@ class GRPOModule(CausalLMModule):
         optimizer.step()
         scheduler.step()
         sums = self._data_parallel_sum(sums)
+        if cp_size > 1:  # each CP rank counted its own tokens
+            cp.all_reduce(sums, op="sum")
         lengths = torch.tensor([float(len(c)) for c in completions])
         length_stats = self._data_parallel_sum(torch.tensor([float(lengths.sum()), float(n)], dtype=torch.float64))
         longest = strategy.all_gather(lengths.max()).max()
