@@ -172,8 +172,13 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
             "model_alignment_strategy.orpo.nll_mean='mean'",
         ),
         (
-            ["train", "+recipe=dpo", "model_alignment_strategy.dpo.precompute_ref_log_probs=false"],
-            "model_alignment_strategy.dpo.precompute_ref_log_probs=False",
+            [
+                "train",
+                "+recipe=dpo",
+                "model_alignment_strategy.dpo.precompute_ref_log_probs=false",
+                "distributed_strategy.pipeline_model_parallel_size=2",
+            ],
+            "model_alignment_strategy.dpo.precompute_ref_log_probs=False: with pipeline parallelism",
         ),
         (["train", "+recipe=dpo", "data.source=instructions"], "model_alignment_strategy.dpo trains on preference records"),
         (["train", "data.source=preferences"], "add model_alignment_strategy.dpo or .orpo"),

@@ -118,9 +118,20 @@ DP2_X_PP2 = ["trainer.devices=4", "distributed_strategy.pipeline_model_parallel_
 # CP2 × PP2: every sequence split over two ranks, its log-probabilities added up over them (the reference's too, scored
 # by the last stage), ZeRO-1 over the DP×CP replicas
 CP2_X_PP2 = [*DP2_X_PP2, "distributed_strategy.context_parallel_size=2"]
+# the reference scored each step instead (precompute_ref_log_probs: false, TRL's default) by a frozen copy of the starting
+# weights — sharded in FSDP units of its own, its ring over the CP pair — on DP2 × CP2 with FSDP: the same numbers
+ONLINE_REFERENCE = [
+    "trainer.devices=4",
+    "distributed_strategy.context_parallel_size=2",
+    "distributed_strategy.zero1=false",
+    "distributed_strategy.fsdp.enabled=true",
+    "model_alignment_strategy.dpo.precompute_ref_log_probs=false",
+]
 
 
-@pytest.mark.parametrize("layout", [DP2_X_PP2, CP2_X_PP2], ids=["dp2-x-pp2", "cp2-x-pp2"])
+@pytest.mark.parametrize(
+    "layout", [DP2_X_PP2, CP2_X_PP2, ONLINE_REFERENCE], ids=["dp2-x-pp2", "cp2-x-pp2", "dp2-x-cp2-fsdp-online-reference"]
+)
 def test_parallel_dpo_equals_one_process(tmp_path, reference, tokenizer, layout):
     got, _, _ = _dpo(tmp_path, tokenizer, *layout)
     want, _, _ = reference

@@ -189,6 +189,20 @@ def test_zero1_shards_optimizer_state_and_master_weights_only():
     assert "gathered_parameters" not in zero1
 
 
+def test_a_frozen_reference_copy_is_priced_as_the_policys_parameters():
+    """DPO scoring its reference each step (precompute_ref_log_probs: false) and GRPO's KL (beta != 0) hold a frozen
+    copy of the starting weights laid out as the policy: fp32 N·4 on one rank, an FSDP shard N·4/DP; DPO's
+    precomputed table and GRPO without KL hold none."""
+    dpo, online = "+recipe=dpo", "model_alignment_strategy.dpo.precompute_ref_log_probs=false"
+    assert memory_per_rank(tiny(dpo, online), degrees())["reference_model"] == 4 * N
+    fsdp = memory_per_rank(tiny(dpo, online, "distributed_strategy.fsdp.enabled=true"), degrees(dp=4))
+    assert fsdp["reference_model"] == fsdp["parameters"] == 4 * N / 4
+    assert "reference_model" not in memory_per_rank(tiny(dpo), degrees())
+    grpo = "+recipe=grpo"
+    assert memory_per_rank(tiny(grpo, "model_alignment_strategy.grpo.beta=0.04"), degrees())["reference_model"] == 4 * N
+    assert "reference_model" not in memory_per_rank(tiny(grpo, "model_alignment_strategy.grpo.beta=0"), degrees())
+
+
 def test_fsdp_shards_everything_and_holds_prefetch_distance_plus_one_units():
     dp = 4
     fsdp = memory_per_rank(tiny("precision.type=mixed_precision", "distributed_strategy.fsdp.enabled=true"), degrees(dp=dp))

@@ -318,10 +318,18 @@ def test_nxdts_fine_tuning_configs_read_every_key_and_train(name):
     assert (data.source, data.train_dir) == ("preferences", f"/home/ubuntu/data_{key}.jsonl")
     check_trainable(cfg)  # DPO / ORPO train (tests/test_dpo_e2e.py), with validation too (test_dpo_validation_e2e.py)
     check_trainable(nxdt_config(name, "instance=trn1.32xlarge", "data.val_dir=/v.jsonl")[0])
-    if key == "dpo":
-        with pytest.raises(NotYetSupported, match="model_alignment_strategy.dpo.precompute_ref_log_probs=False: "):
+    if key == "dpo":  # TRL's default, scored each step by a frozen copy; not through a pipeline
+        online = "model_alignment_strategy.dpo.precompute_ref_log_probs=false"
+        check_trainable(nxdt_config(name, "instance=trn1.32xlarge", online)[0])
+        with pytest.raises(NotYetSupported, match="precompute_ref_log_probs=False: with pipeline parallelism"):
             check_trainable(
-                nxdt_config(name, "instance=trn1.32xlarge", "model_alignment_strategy.dpo.precompute_ref_log_probs=false")[0]
+                nxdt_config(
+                    name,
+                    "instance=trn1.32xlarge",
+                    online,
+                    "distributed_strategy.pipeline_model_parallel_size=2",
+                    "distributed_strategy.tensor_model_parallel_size=8",
+                )[0]
             )
 
 

@@ -282,3 +282,16 @@ def test_dpo_loss_is_the_same_at_micro_batch_1_and_8(tmp_path):
     for step in (0, 1):
         for name in names:
             assert runs[1][step][name] == pytest.approx(runs[8][step][name], rel=1e-6, abs=1e-7), (step, name)
+
+
+def test_dpo_reference_scored_each_step_equals_the_precomputed_one(tmp_path):
+    """``precompute_ref_log_probs: false`` (TRL's default): a frozen copy of the starting weights scores each step's
+    pairs instead of the table computed before training — the same forward on the same weights in eval mode, so the
+    same numbers (measured: bit for bit); after step 1 the policy has moved, so a reference taken from the current
+    weights would give rewards of 0 again at step 2."""
+    precomputed = _two_steps("dpo", 2, tmp_path / "pre")[0]
+    online = _two_steps("dpo", 2, tmp_path / "online", "model_alignment_strategy.dpo.precompute_ref_log_probs=false")[0]
+    assert abs(online[1]["rewards/margins"]) > 1e-3  # step 2 scores against the starting weights, not the current ones
+    for step in (0, 1):
+        for name in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins"):
+            assert online[step][name] == pytest.approx(precomputed[step][name], rel=1e-6, abs=1e-9), (step, name)

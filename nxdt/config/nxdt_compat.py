@@ -385,9 +385,9 @@ RULES: dict[str, Rule] = {
         "a longer prompt keeps max_prompt_length tokens (truncation_mode says which end); counted before launch"
     ),
     "model_alignment_strategy.dpo.precompute_ref_log_probs": _map(
-        "true: the reference log-probabilities are computed once "
-        "before training by the same model, sharded like the "
-        "policy; false is refused by name (as in NxDT)"
+        "true: the reference log-probabilities are computed once before training by the same model, sharded like the "
+        "policy; false (TRL's default): each step by a frozen copy of the starting weights, the same numbers (refused "
+        "with PP)"
     ),
     "model_alignment_strategy.dpo.truncation_mode": _map("keep_start | keep_end: which end of a too-long prompt is kept"),
     "model_alignment_strategy.orpo.beta": _map(

@@ -421,7 +421,11 @@ class DPOConfig:
     f_alpha_divergence_coef: float = doc(0.5, "alpha of f_divergence_type=alpha_divergence")
     discopop_tau: float = doc(0.05, "temperature of loss_type discopop")
     max_prompt_length: int = doc(2048, "longest prompt, in tokens")
-    precompute_ref_log_probs: bool = doc(True, "compute the reference model's log-probabilities once, before training")
+    precompute_ref_log_probs: bool = doc(
+        True,
+        "true: the reference log-probabilities computed once, before training; false (TRL's default): each step, by a "
+        "frozen copy of the starting weights (a second copy of the model in memory; not with PP)",
+    )
     truncation_mode: str = doc("keep_start", "keep_start | keep_end: which end of a too-long prompt is kept")
 
 

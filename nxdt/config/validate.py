@@ -1262,11 +1262,11 @@ def _check_preference_training(cfg: Any) -> None:
             "it sorts the log-ratios over the batch, so a pair's loss would depend on which pairs share its micro-batch "
             f"(micro_batch_size, data parallelism); use one of {', '.join(DPO_LOSS_TYPES)}",
         )
-    if name == "dpo" and not mas.dpo.precompute_ref_log_probs:
+    if name == "dpo" and not mas.dpo.precompute_ref_log_probs and cfg.distributed_strategy.pipeline_model_parallel_size > 1:
         raise NotYetSupported(
             f"{key}.precompute_ref_log_probs",
             False,
-            "the reference log-probabilities are computed once "
-            "before training (by the same model, sharded like the policy); computing them every step would "
-            "need a second, frozen copy of the model on every rank; set true (NxDT supports only true too)",
+            "with pipeline parallelism the reference log-probabilities are computed once before training (by the policy's "
+            "own pipeline, with the starting weights): scoring each step with a frozen copy would need a pipeline of "
+            "its own; set true (the same numbers: the reference is frozen) or pipeline_model_parallel_size=1",
         )

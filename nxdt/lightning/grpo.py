@@ -73,7 +73,6 @@ from nxdt.parallel.context_parallel import shard_micro_batches
 from nxdt.lightning.module import CausalLMModule
 from nxdt.lightning.objective import router_aux_weight
 from nxdt.models.generate import PAD_ID, completion_batch, generate
-from nxdt.parallel.expert_parallel import copy_expert_marks
 from nxdt.parallel.tensor_parallel import gather_from_tensor_parallel_region, sequence_parallel_paused
 from nxdt.models.objectives import GRPO_LOSS_TYPES, SCALE_REWARDS, grpo_advantages, grpo_loss, nanstd
 
@@ -423,34 +422,12 @@ class GRPOModule(CausalLMModule):
         self.reward_names = [reward_name(s) for s in grpo.reward_funcs]
         weights = grpo.reward_weights if grpo.reward_weights is not None else [1.0] * len(self.reward_funcs)
         self.reward_weights = torch.tensor([float(w) for w in weights])
-        # beta != 0: the frozen reference model, held outside the module tree (a list) so that it is in no checkpoint,
-        # no state_dict and no optimizer: a resume takes it from the starting weights again (registry.Reference)
-        self._reference: list[torch.nn.Module] = []
         self.metric_names = metric_names(grpo)
         self._generation: Generation | None = None  # the generation the current steps train on (num_iterations)
 
-    @property
-    def reference(self) -> torch.nn.Module | None:
-        return self._reference[0] if self._reference else None
-
-    def configure_optimizers(self) -> dict[str, Any]:
-        """beta != 0: the reference is a frozen copy of the starting weights, taken here — NxDStrategy calls this after
-        laying the model out over TP (the copy's TP shards are this rank's) and before FSDP flattens it, and before
-        any checkpoint is restored (``on_fit_start`` lays the copy out over DP)."""
-        if self.grpo.beta != 0.0 and not self._reference:
-            import copy
-
-            # the communicators (TP layers and hooks hold theirs) are shared with the copy, not copied
-            shared = {id(c): c for c in getattr(self.trainer.strategy, "communicators", {}).values()}
-            frozen = copy_expert_marks(self.model, copy.deepcopy(self.model, memo=shared))  # EP: its experts stay marked
-            self._reference.append(frozen.eval().requires_grad_(False))
-        return super().configure_optimizers()
-
-    def on_fit_start(self) -> None:
-        """The reference laid out over data parallelism as the policy is (FSDP: sharded in units of its own)."""
-        shard = getattr(self.trainer.strategy, "shard_frozen", None)
-        if self._reference and shard is not None:
-            self._reference[0] = shard(self._reference[0])
+    def wants_frozen_reference(self) -> bool:
+        """beta != 0: the k3 KL to a frozen copy of the starting weights (CausalLMModule takes and lays it out)."""
+        return self.grpo.beta != 0.0
 
     def configure_callbacks(self) -> list[pl.Callback]:
         return []  # trainer.max_steps ends a GRPO run (its prompt stream is endless)

@@ -11,6 +11,7 @@ over its pairs, with the objective's metrics as ``val_<name>``).
 
 from __future__ import annotations
 
+import copy
 import importlib
 import functools
 import math
@@ -37,7 +38,8 @@ from nxdt.lightning.objective import (
 from nxdt.lightning.optim import build_optimizer, build_scheduler
 from nxdt.models.lora import apply_peft
 from nxdt.parallel import squared_norm
-from nxdt.parallel.context_parallel import weight_by_token_share
+from nxdt.parallel.context_parallel import shard_micro_batches, weight_by_token_share
+from nxdt.parallel.expert_parallel import copy_expert_marks
 
 
 def import_architecture(path: str) -> type:
@@ -163,6 +165,19 @@ class CausalLMModule(pl.LightningModule):
         self.val_metrics: dict[str, float] = {}  # after each validation: val_loss (token-weighted over data.val_dir)
         self._val_sums = self._no_val_sums()  # this rank's validation sums (:meth:`_no_val_sums`)
         self._host_label_counts: list[int] | None = None  # the next training batch's, per micro-batch (host memory)
+        # a frozen copy of the starting weights (DPO without precomputed reference log-probabilities, GRPO with beta),
+        # held outside the module tree (a list): in no checkpoint, no state_dict, no optimizer; a resume takes it from
+        # the starting weights again (registry.Reference)
+        self._reference: list[torch.nn.Module] = []
+
+    @property
+    def reference(self) -> torch.nn.Module | None:
+        return self._reference[0] if self._reference else None
+
+    def wants_frozen_reference(self) -> bool:
+        """Whether the objective scores with a frozen copy of the starting weights during training (DPO with
+        ``precompute_ref_log_probs: false``; GRPO's own rule in its module)."""
+        return self.objective.online_reference
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
@@ -276,12 +291,31 @@ class CausalLMModule(pl.LightningModule):
         """Preference pairs as the model reads them (chosen rows, then rejected rows); other data unchanged."""
         if not self.objective.pairs:
             return micro_batches
-        if self.objective.reference and any("ref_logps" not in mb for mb in micro_batches):
-            raise RuntimeError(
-                f"the {self.objective.name.upper()} objective needs the reference model's log-probabilities "
-                "in every batch: fit with NxDDataModule on preference data (on_fit_start precomputes them)"
-            )
-        return [pair_rows(mb) for mb in micro_batches]
+        laid_out = [pair_rows(mb) for mb in micro_batches]
+        if self.objective.reference and any("ref_logps" not in mb for mb in laid_out):
+            if self.reference is None:
+                raise RuntimeError(
+                    f"the {self.objective.name.upper()} objective needs the reference model's log-probabilities "
+                    "in every batch: fit with NxDDataModule on preference data (on_fit_start precomputes them)"
+                )
+            for mb in laid_out:
+                mb["ref_logps"] = self._reference_log_probs(mb)
+        return laid_out
+
+    def _reference_log_probs(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[pairs, 2]: each pair's chosen and rejected log π_ref(y|x) under the frozen starting weights, forward only —
+        what :meth:`precompute_reference` stores, computed for this micro-batch (``precompute_ref_log_probs: false``).
+        Under CP the copy's attention is the ring: it scores this rank's chunks and the sums add up over the group."""
+        part = micro_batch
+        cp = getattr(self.trainer.strategy, "communicators", {}).get("cp")
+        if cp is not None and cp.size > 1:
+            part = shard_micro_batches([micro_batch], cp, token_share=False)[0]
+        reference = self._reference[0]
+        with torch.no_grad(), self.trainer.precision_plugin.val_step_context():
+            logits = reference(part["input_ids"], part.get("position_ids"), part.get("segment_ids"))
+            sums = sequence_log_prob_sums(reference, logits, part).double()
+        pairs = sums.shape[0] // 2
+        return torch.stack([sums[:pairs], sums[pairs:]], dim=1)
 
     def _objective_metrics(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """The objective's metrics (DPO/ORPO: rewards/...) as means over every pair of the global batch: the micro-batches'
@@ -298,7 +332,10 @@ class CausalLMModule(pl.LightningModule):
         return {name: float(value) / pairs for name, value in zip(names, sums[:-1])} if pairs else {}
 
     def on_fit_start(self) -> None:
-        if self.objective.reference:
+        shard = getattr(self.trainer.strategy, "shard_frozen", None)
+        if self._reference and shard is not None:  # the frozen copy laid out over DP as the policy (FSDP: its own units)
+            self._reference[0] = shard(self._reference[0])
+        if self.objective.reference and not self.objective.online_reference:
             self.precompute_reference()
 
     def precompute_reference(self) -> None:
@@ -496,6 +533,13 @@ class CausalLMModule(pl.LightningModule):
         return [EpochLimit()]
 
     def configure_optimizers(self) -> dict[str, Any]:
+        if self.wants_frozen_reference() and not self._reference:
+            # taken here: NxDStrategy calls this after laying the model out over TP (the copy's TP shards are this
+            # rank's) and before FSDP flattens it, and before any checkpoint is restored (on_fit_start lays the copy out
+            # over DP); the communicators (TP layers and hooks hold theirs) are shared with the copy, not copied
+            shared = {id(c): c for c in getattr(self.trainer.strategy, "communicators", {}).values()}
+            frozen = copy_expert_marks(self.model, copy.deepcopy(self.model, memo=shared))  # EP: its experts stay marked
+            self._reference.append(frozen.eval().requires_grad_(False))
         optimizer = build_optimizer(self.model, self.model_cfg.optim, precision=self.precision_type, seed=self.seed)
         shard = getattr(self.trainer.strategy, "shard_optimizer", None) if self._trainer is not None else None
         if shard:

@@ -75,6 +75,9 @@ class Objective:
     token_weighted: bool = True  # micro-batch losses scaled by token_weights
     pairs: bool = False  # samples are preference pairs (pair_rows lays out each micro-batch)
     reference: bool = False  # reads the reference model's log-probabilities (micro_batch["ref_logps"])
+    # ... computed per micro-batch by a frozen copy of the starting weights (DPO's precompute_ref_log_probs: false),
+    # not precomputed once before training
+    online_reference: bool = False
     metrics: tuple[str, ...] = ()  # what micro_batch["metric_sums"] holds (then the pair count)
     # pairs: (rows' pair_scores, pair_counts, ref_logps or None) → PairTerms; validation reuses it
     pair_loss: Callable[..., "PairTerms"] | None = None
@@ -305,6 +308,7 @@ def dpo_objective(dpo: Any) -> Objective:
         token_weighted=False,
         pairs=True,
         reference=True,
+        online_reference=not getattr(dpo, "precompute_ref_log_probs", True),
         metrics=metrics,
         pair_loss=pair_loss,
         token_metric=token_metric,

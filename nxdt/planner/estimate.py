@@ -416,7 +416,17 @@ def memory_per_rank(cfg: Any, degrees: dict[str, int]) -> dict[str, float]:
         mem["activations"] += naive_score_bytes(s_local, b, a, autocast)["transient"] / tp
     # the last stage's final norm, fp32 log-probabilities and, at the start of backward, the loss's gradients
     mem["logits"] = sum(head_saved_bytes(model, s_local, b, tp, sp, act_bytes).values())
+    if keeps_frozen_reference(cfg):  # a frozen copy of the starting weights, laid out as the policy's parameters
+        mem["reference_model"] = mem["parameters"]
     return mem
+
+
+def keeps_frozen_reference(cfg: Any) -> bool:
+    """Whether training holds a frozen copy of the starting weights: DPO scoring its reference each step
+    (``precompute_ref_log_probs: false``) or GRPO's KL (``beta`` != 0)."""
+    mas = getattr(cfg, "model_alignment_strategy", None)
+    dpo, grpo = getattr(mas, "dpo", None), getattr(mas, "grpo", None)
+    return (dpo is not None and not dpo.precompute_ref_log_probs) or (grpo is not None and grpo.beta != 0)
 
 
 def ring_attention_flops(b: int, chunk: int, heads: float, head_dim: int) -> dict[str, float]:
