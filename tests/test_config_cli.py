@@ -270,3 +270,17 @@ def test_plan_command_prints_a_loadable_plan():
     assert result.returncode == 0, result.stderr
     plan = Plan.from_json(result.stdout)
     assert plan.degrees["dp"] == 4 and plan.groups["tp"][0] == [0, 1]
+
+
+def test_a_key_inside_a_null_section_opens_it_with_its_defaults():
+    """``model_alignment_strategy.peft`` is null until a recipe or file sets it: a key inside it on the command line (or
+    the section as a mapping) opens it with its schema's defaults, as a YAML file naming the section does — before, the
+    compose failed with OmegaConf's "'NoneType' object has no attribute 'get'", naming no key. ``=null`` closes it."""
+    from nxdt.config.schema import PEFTConfig
+
+    for override in ("model_alignment_strategy.peft.lora_rank=4", "model_alignment_strategy.peft={lora_rank: 4}"):
+        peft = compose_config(["+recipe=dpo", override]).model_alignment_strategy.peft
+        assert peft == PEFTConfig(lora_rank=4), override
+    assert compose_config(["+recipe=lora", "model_alignment_strategy.peft=null"]).model_alignment_strategy.peft is None
+    dpo = compose_config(["model_alignment_strategy.dpo.kl_beta=0.2"], check=False).model_alignment_strategy.dpo
+    assert dpo is not None and dpo.kl_beta == 0.2 and dpo.loss_type == "sigmoid"

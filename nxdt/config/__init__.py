@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import functools
 import importlib
@@ -293,8 +294,26 @@ def _hydra_compose(config_name: str, overrides: list[str] | tuple[str, ...]) -> 
         else:
             values.append(override)
     cfg = pickle.loads(_composed_defaults(config_name, tuple(choices)))
+    for override in values:
+        _open_unset_sections(cfg, override.key_or_group)
     ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
     return cfg
+
+
+def _open_unset_sections(cfg: DictConfig, key: str) -> None:
+    """A section that is null by default (``model_alignment_strategy.peft``, ``.dpo``, ...) filled with its schema's
+    defaults when an override sets something inside it (``model_alignment_strategy.peft.lora_rank=8``, or the section
+    as a mapping: ``model_alignment_strategy.peft={lora_rank: 8}``), as a YAML file that names the section does;
+    OmegaConf cannot merge into a null node (its errors named no key). ``...peft=null`` still turns a section off."""
+    node: Any = cfg
+    for part in key.split("."):
+        if not isinstance(node, DictConfig) or part not in node:
+            return
+        child = node._get_node(part)
+        schema = child._metadata.ref_type if isinstance(child, DictConfig) else None
+        if isinstance(schema, type) and dataclasses.is_dataclass(schema) and child._is_none():
+            node[part] = schema()
+        node = node[part]
 
 
 def _resolved_name(cfg: DictConfig) -> Any:
