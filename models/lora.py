@@ -41,8 +41,9 @@ the adapter state work on this rank's shards.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -91,6 +92,7 @@ class LoRALinear(nn.Module):
         self.lora_B = nn.Linear(rank, base.out_features, bias=False, **factory)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.rank, self.alpha, self.scaling = rank, alpha, alpha / rank
+        self.adapter_enabled = True  # False: the base layer alone (adapters_disabled)
         self.reset_lora_parameters()
 
     @property
@@ -113,10 +115,27 @@ class LoRALinear(nn.Module):
         return (delta * self.scaling).to(self.base_layer.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.adapter_enabled:
+            return self.base_layer(x)
         return self.base_layer(x) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
     def extra_repr(self) -> str:
         return f"rank={self.rank}, alpha={self.alpha}, scaling={self.scaling:g}"
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """Every LoRA layer of ``model`` (any with an ``adapter_enabled`` switch: this module's and the tensor-parallel
+    ones) computes its base layer alone inside the block — PEFT's ``disable_adapter()``: with fresh adapters (B = 0) the
+    model's starting weights, what DPO's reference is (TRL scores its reference so for a PEFT model)."""
+    layers = [m for m in model.modules() if getattr(m, "adapter_enabled", None) is True]
+    for layer in layers:
+        layer.adapter_enabled = False
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.adapter_enabled = True
 
 
 class LoRAArgumentError(ValueError):

@@ -192,12 +192,14 @@ def test_zero1_shards_optimizer_state_and_master_weights_only():
 def test_a_frozen_reference_copy_is_priced_as_the_policys_parameters():
     """DPO scoring its reference each step (precompute_ref_log_probs: false) and GRPO's KL (beta != 0) hold a frozen
     copy of the starting weights laid out as the policy: fp32 N·4 on one rank, an FSDP shard N·4/DP; DPO's
-    precomputed table and GRPO without KL hold none."""
+    precomputed table, DPO with fresh LoRA adapters and GRPO without KL hold none."""
     dpo, online = "+recipe=dpo", "model_alignment_strategy.dpo.precompute_ref_log_probs=false"
     assert memory_per_rank(tiny(dpo, online), degrees())["reference_model"] == 4 * N
     fsdp = memory_per_rank(tiny(dpo, online, "distributed_strategy.fsdp.enabled=true"), degrees(dp=4))
     assert fsdp["reference_model"] == fsdp["parameters"] == 4 * N / 4
     assert "reference_model" not in memory_per_rank(tiny(dpo), degrees())
+    # fresh LoRA adapters: the policy with its adapters off is the reference, no copy
+    assert "reference_model" not in memory_per_rank(tiny(dpo, online, "model_alignment_strategy.peft.lora_rank=8"), degrees())
     grpo = "+recipe=grpo"
     assert memory_per_rank(tiny(grpo, "model_alignment_strategy.grpo.beta=0.04"), degrees())["reference_model"] == 4 * N
     assert "reference_model" not in memory_per_rank(tiny(grpo, "model_alignment_strategy.grpo.beta=0"), degrees())

@@ -103,7 +103,12 @@ def _two_steps(recipe: str, micro: int, tmp_path, *overrides: str):
     pl.seed_everything(cfg.seed, verbose=False)
     spec = objective_spec(cfg)  # the recipe's objective: its loss and its preference-pair data module
     module = CausalLMModule(
-        cfg.model, cfg.data.global_batch_size, cfg.data.seq_length, micro, objective=spec.objective(spec.block(cfg))
+        cfg.model,
+        cfg.data.global_batch_size,
+        cfg.data.seq_length,
+        micro,
+        objective=spec.objective(spec.block(cfg)),
+        peft=cfg.model_alignment_strategy.peft,  # LoRA, when the overrides ask for it
     )
     initial = copy.deepcopy(module.model).eval()
     data = spec.build_datamodule(cfg)
@@ -295,3 +300,33 @@ def test_dpo_reference_scored_each_step_equals_the_precomputed_one(tmp_path):
     for step in (0, 1):
         for name in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins"):
             assert online[step][name] == pytest.approx(precomputed[step][name], rel=1e-6, abs=1e-9), (step, name)
+
+
+def test_dpo_with_fresh_lora_adapters_scores_its_reference_with_the_adapters_off(tmp_path):
+    """LoRA with ``precompute_ref_log_probs: false``: fresh adapters (B = 0) make the starting weights the base alone,
+    so the policy with its adapters switched off is the reference (PEFT's disable_adapter, what TRL scores a PEFT
+    model's reference with) — no frozen copy of the base — and the numbers are the precomputed reference's (measured: bit
+    for bit); with the adapters left on, step 2's rewards would be 0."""
+    from nxdt.config import compose_config
+    from nxdt.lightning.module import CausalLMModule
+    from nxdt.lightning.registry import objective_spec
+
+    lora = ["model_alignment_strategy.peft.lora_rank=8", "model_alignment_strategy.peft.lora_dropout=0.0", "model.optim.lr=5.0"]
+    online = "model_alignment_strategy.dpo.precompute_ref_log_probs=false"
+    cfg = compose_config(["+recipe=dpo", *SHAPE, *lora, online])
+    spec = objective_spec(cfg)
+    module = CausalLMModule(
+        cfg.model,
+        PAIRS,
+        cfg.data.seq_length,
+        2,
+        objective=spec.objective(spec.block(cfg)),
+        peft=cfg.model_alignment_strategy.peft,
+    )
+    assert not module.wants_frozen_reference()  # no copy of the base is taken
+    precomputed = _two_steps("dpo", 2, tmp_path / "pre", *lora)[0]
+    adapters_off = _two_steps("dpo", 2, tmp_path / "online", *lora, online)[0]
+    assert abs(adapters_off[1]["rewards/margins"]) > 1e-4
+    for step in (0, 1):
+        for name in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins"):
+            assert adapters_off[step][name] == pytest.approx(precomputed[step][name], rel=1e-6, abs=1e-9), (step, name)

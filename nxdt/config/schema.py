@@ -424,7 +424,7 @@ class DPOConfig:
     precompute_ref_log_probs: bool = doc(
         True,
         "true: the reference log-probabilities computed once, before training; false (TRL's default): each step, by a "
-        "frozen copy of the starting weights (a second copy of the model in memory; not with PP)",
+        "frozen copy of the starting weights (fresh LoRA adapters: the policy with its adapters off; not with PP)",
     )
     truncation_mode: str = doc("keep_start", "keep_start | keep_end: which end of a too-long prompt is kept")
 

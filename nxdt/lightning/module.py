@@ -11,6 +11,7 @@ over its pairs, with the objective's metrics as ``val_<name>``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import functools
@@ -36,7 +37,7 @@ from nxdt.lightning.objective import (
     token_weights,
 )
 from nxdt.lightning.optim import build_optimizer, build_scheduler
-from nxdt.models.lora import apply_peft
+from nxdt.models.lora import adapters_disabled, apply_peft
 from nxdt.parallel import squared_norm
 from nxdt.parallel.context_parallel import shard_micro_batches, weight_by_token_share
 from nxdt.parallel.expert_parallel import copy_expert_marks
@@ -141,6 +142,9 @@ class CausalLMModule(pl.LightningModule):
             load_checkpoint_weights(self.model, init_checkpoint, state=init_state)
         if peft is not None:  # LoRA (NxDT's peft keys: nxdt.models.lora.PeftConfig) on the full model, before any parallelism
             apply_peft(self.model, peft)
+        # fresh adapters (B = 0): the starting weights are the base alone, which the policy computes with its adapters
+        # switched off — DPO's reference without a frozen copy (TRL's for a PEFT model)
+        self._fresh_adapters = peft is not None and not has_adapters
         if init_checkpoint is not None and has_adapters:  # load_lora_from_ckpt: a LoRA run's adapters (and base, unless
             if peft is None:  # it saved the adapters alone)
                 raise ValueError(
@@ -176,8 +180,9 @@ class CausalLMModule(pl.LightningModule):
 
     def wants_frozen_reference(self) -> bool:
         """Whether the objective scores with a frozen copy of the starting weights during training (DPO with
-        ``precompute_ref_log_probs: false``; GRPO's own rule in its module)."""
-        return self.objective.online_reference
+        ``precompute_ref_log_probs: false``, unless fresh LoRA adapters make the policy with its adapters off that
+        reference; GRPO's own rule in its module)."""
+        return self.objective.online_reference and not self._fresh_adapters
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
@@ -293,7 +298,7 @@ class CausalLMModule(pl.LightningModule):
             return micro_batches
         laid_out = [pair_rows(mb) for mb in micro_batches]
         if self.objective.reference and any("ref_logps" not in mb for mb in laid_out):
-            if self.reference is None:
+            if self.reference is None and not (self.objective.online_reference and self._fresh_adapters):
                 raise RuntimeError(
                     f"the {self.objective.name.upper()} objective needs the reference model's log-probabilities "
                     "in every batch: fit with NxDDataModule on preference data (on_fit_start precomputes them)"
@@ -303,17 +308,24 @@ class CausalLMModule(pl.LightningModule):
         return laid_out
 
     def _reference_log_probs(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """[pairs, 2]: each pair's chosen and rejected log π_ref(y|x) under the frozen starting weights, forward only —
-        what :meth:`precompute_reference` stores, computed for this micro-batch (``precompute_ref_log_probs: false``).
-        Under CP the copy's attention is the ring: it scores this rank's chunks and the sums add up over the group."""
+        """[pairs, 2]: each pair's chosen and rejected log π_ref(y|x) under the starting weights, forward only — what
+        :meth:`precompute_reference` stores, computed for this micro-batch (``precompute_ref_log_probs: false``): by
+        the frozen copy, or with fresh LoRA adapters by the policy with its adapters off, in eval mode. Under CP the
+        attention is the ring: this rank's chunks are scored and the sums add up over the group."""
         part = micro_batch
         cp = getattr(self.trainer.strategy, "communicators", {}).get("cp")
         if cp is not None and cp.size > 1:
             part = shard_micro_batches([micro_batch], cp, token_share=False)[0]
-        reference = self._reference[0]
-        with torch.no_grad(), self.trainer.precision_plugin.val_step_context():
+        reference = self.reference
+        scope: Any = contextlib.nullcontext()
+        if reference is None:
+            reference, scope = self.model, adapters_disabled(self.model)
+        training = reference.training
+        reference.eval()
+        with scope, torch.no_grad(), self.trainer.precision_plugin.val_step_context():
             logits = reference(part["input_ids"], part.get("position_ids"), part.get("segment_ids"))
             sums = sequence_log_prob_sums(reference, logits, part).double()
+        reference.train(training)
         pairs = sums.shape[0] // 2
         return torch.stack([sums[:pairs], sums[pairs:]], dim=1)
 

@@ -727,6 +727,7 @@ class LoRAParallelLinear(TensorParallelModule):
         self.scaling, self.lora_dropout = adapter.scaling, adapter.lora_dropout
         self.rank, self.alpha = getattr(adapter, "rank", adapter.lora_A.out_features), getattr(adapter, "alpha", None)
         self.input_in_region = False  # column: set when the enclosing block entered the region already
+        self.adapter_enabled = True  # False: the base layer alone (models.lora.adapters_disabled)
         if mode == "column":
             self.base_layer = ColumnParallelLinear.from_full(
                 base, comm, sequence_parallel=sequence_parallel, block=block, replicate=replicate, input_in_region=True, what=what
@@ -757,9 +758,13 @@ class LoRAParallelLinear(TensorParallelModule):
         if self.mode == "column":
             if not self.input_in_region:
                 x = enter_region(x, self.comm, self.sequence_parallel)
+            if not self.adapter_enabled:
+                return self.base_layer(x)
             return self.base_layer(x) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
         base = self.base_layer
-        partial = F.linear(x, base.weight) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        partial = F.linear(x, base.weight)
+        if self.adapter_enabled:
+            partial = partial + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial, self.comm)
         else:
