@@ -203,6 +203,8 @@ def test_a_frozen_reference_copy_is_priced_as_the_policys_parameters():
     grpo = "+recipe=grpo"
     assert memory_per_rank(tiny(grpo, "model_alignment_strategy.grpo.beta=0.04"), degrees())["reference_model"] == 4 * N
     assert "reference_model" not in memory_per_rank(tiny(grpo, "model_alignment_strategy.grpo.beta=0"), degrees())
+    lora_kl = tiny(grpo, "model_alignment_strategy.grpo.beta=0.04", "model_alignment_strategy.peft.lora_rank=8")
+    assert "reference_model" not in memory_per_rank(lora_kl, degrees())
 
 
 def test_fsdp_shards_everything_and_holds_prefetch_distance_plus_one_units():

@@ -9,7 +9,8 @@ with the KV cache (``temperature``, ``top_p``, ``top_k``, at most ``max_completi
 from a generator seeded by (seed, step, rank) — so a resumed run samples what the uninterrupted one did — scores them
 with every reward function, gathers the rewards of all ranks for the advantages (group-normalised, ``scale_rewards``),
 then runs forward and backward over its completions in ``micro_batch_size`` rows at a time with the clipped surrogate
-and, when ``beta`` != 0, the k3 KL to the reference (the starting weights, kept as a frozen copy). Each micro-batch's
+and, when ``beta`` != 0, the k3 KL to the reference (the starting weights: a frozen copy, or with fresh LoRA adapters
+the policy with its adapters off; scored once per generation). Each micro-batch's
 loss is scaled so the rank's sum is TRL's per-process loss, and the data-parallel mean of the gradients is TRL's.
 The logits the loss scores are divided by ``temperature``, as TRL does. With ``num_iterations`` = μ > 1 (TRL's), a
 generation serves μ steps (the prompt stream advances every μ steps): its first step is as above and keeps each
@@ -390,20 +391,21 @@ def pad_columns(batch: dict[str, torch.Tensor], multiple: int) -> dict[str, torc
 @dataclass
 class Generation:
     """One generation's completions on this rank and what the steps trained on it share: the DP group's rewards
-    (``everyone`` per function, ``rewards`` weighted), this rank's advantages, the scoring batch and its token counts;
-    with num_iterations > 1 also each micro-batch's log-probabilities under the policy that sampled it (``old``) and
-    the reference's (``ref``), recorded by its first step."""
+    (``everyone`` per function, ``rewards`` weighted), this rank's advantages, the scoring batch in micro-batches
+    (``parts``: :meth:`GRPOModule._scoring_parts`) and its token counts, each micro-batch's reference log-probabilities
+    (``ref``; None without KL); with num_iterations > 1 also its log-probabilities under the policy that sampled it
+    (``old``), recorded by the generation's first step."""
 
     index: int  # global_step // num_iterations
     completions: list[list[int]]
     everyone: torch.Tensor
     rewards: torch.Tensor
     advantages: torch.Tensor
-    full: dict[str, torch.Tensor]
+    parts: list[tuple[slice, dict[str, torch.Tensor], torch.Tensor]]
     local_tokens: int
     global_tokens: int
+    ref: list[torch.Tensor | None]
     old: list[torch.Tensor] = field(default_factory=list)
-    ref: list[torch.Tensor | None] = field(default_factory=list)
 
 
 class GRPOModule(CausalLMModule):
@@ -426,8 +428,9 @@ class GRPOModule(CausalLMModule):
         self._generation: Generation | None = None  # the generation the current steps train on (num_iterations)
 
     def wants_frozen_reference(self) -> bool:
-        """beta != 0: the k3 KL to a frozen copy of the starting weights (CausalLMModule takes and lays it out)."""
-        return self.grpo.beta != 0.0
+        """beta != 0: the k3 KL to a frozen copy of the starting weights (CausalLMModule takes and lays it out), unless
+        fresh LoRA adapters make the policy with its adapters off that reference."""
+        return self.grpo.beta != 0.0 and not self._fresh_adapters
 
     def configure_callbacks(self) -> list[pl.Callback]:
         return []  # trainer.max_steps ends a GRPO run (its prompt stream is endless)
@@ -500,17 +503,36 @@ class GRPOModule(CausalLMModule):
         full = pad_columns(completion_batch(prompt_rows, completions), self._group_size("tp") * (2 * cp if cp > 1 else 1))
         local_tokens = int((full["labels"] != -100).sum())
         global_tokens = int(self._data_parallel_sum(torch.tensor([local_tokens], dtype=torch.int64))[0])
-        step = self.trainer.global_step
+        parts = self._scoring_parts(full, n)
+        ref: list[torch.Tensor | None] = [None] * len(parts)
+        if g.beta != 0.0:  # the reference is frozen: scored once per generation, before any update
+            with self.reference_scope() as reference:
+                ref = [self._logps(reference, mb) for _, mb, _ in parts]
         return Generation(
-            step // g.num_iterations,
+            self.trainer.global_step // g.num_iterations,
             completions,
             everyone,
             rewards_all,
             advantages_all[rank * n : (rank + 1) * n],
-            full,
+            parts,
             local_tokens,
             global_tokens,
+            ref,
         )
+
+    def _scoring_parts(self, full: dict[str, torch.Tensor], n: int) -> list[tuple[slice, dict[str, torch.Tensor], torch.Tensor]]:
+        """The scoring batch ``micro_batch_size`` rows at a time: each micro-batch's rows, what this rank scores of them
+        (under CP its two load-balanced chunks of every row, global positions: the ring attends over the rest) and each
+        row's whole token count."""
+        cp, parts = self._group("cp"), []
+        for start in range(0, n, self.micro_batch_size):
+            rows = slice(start, min(start + self.micro_batch_size, n))
+            mb = {k: v[rows] for k, v in full.items()}
+            row_tokens = (mb["labels"] != -100).sum(-1)
+            if cp is not None and cp.size > 1:
+                mb = shard_micro_batches([mb], cp, token_share=False)[0]
+            parts.append((rows, mb, row_tokens))
+        return parts
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         g, strategy = self.grpo, self.trainer.strategy
@@ -524,7 +546,7 @@ class GRPOModule(CausalLMModule):
             generation = self._generation = self._generate(batch)
         reuse = bool(generation.old)
         completions, everyone, rewards_all = generation.completions, generation.everyone, generation.rewards
-        advantages, full = generation.advantages, generation.full
+        advantages = generation.advantages
         local_tokens, global_tokens = generation.local_tokens, generation.global_tokens
         n = len(completions)
         cp = self._group("cp")
@@ -533,21 +555,11 @@ class GRPOModule(CausalLMModule):
         optimizer.zero_grad()
         total = torch.zeros((), dtype=torch.float64)
         sums = torch.zeros(5, dtype=torch.float64)  # kl, clip low, high, region (token sums), tokens
-        b = self.micro_batch_size
         aux_coef = router_aux_weight(self.model)  # a MoE model's; 0: no term
-        micro_batches, aux_sum = math.ceil(n / b), torch.zeros((), dtype=torch.float64)
-        for start in range(0, n, b):
-            rows = slice(start, min(start + b, n))
-            mb = {k: v[rows] for k, v in full.items()}
-            row_tokens = (mb["labels"] != -100).sum(-1)
-            if cp_size > 1:  # this rank's two chunks of every row (global positions): the ring attends over the rest
-                mb = shard_micro_batches([mb], cp, token_share=False)[0]
+        micro_batches, aux_sum = len(generation.parts), torch.zeros((), dtype=torch.float64)
+        for index, (rows, mb, row_tokens) in enumerate(generation.parts):
             mb_mask = mb["labels"] != -100
-            index = start // b
-            ref = generation.ref[index] if reuse else None
-            if self.reference is not None and ref is None:
-                with torch.no_grad():
-                    ref = self._logps(self.reference, mb)
+            ref = generation.ref[index]
             loss_type, items, processes, scale = g.loss_type, None, 1, (rows.stop - rows.start) / n
             if g.loss_type == "bnpo":  # TRL: a token mean over this rank's whole batch
                 loss_type, items, scale = "dapo", local_tokens, 1.0
@@ -555,7 +567,6 @@ class GRPOModule(CausalLMModule):
                 items, processes, scale = global_tokens, dp, 1.0
             logps = self._logps(self.model, mb)
             if g.num_iterations > 1 and not reuse:  # the sampling policy's log-probabilities, for the later steps
-                generation.ref.append(ref)
                 generation.old.append(logps.detach())
             # TRL: the policy forward's load-balancing loss (attention-masked), / the gradient-accumulation steps
             aux = self.model.aux_loss(padding_masked=True) if aux_coef else None

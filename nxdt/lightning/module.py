@@ -16,7 +16,7 @@ import copy
 import importlib
 import functools
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import lightning.pytorch as pl
@@ -178,6 +178,22 @@ class CausalLMModule(pl.LightningModule):
     def reference(self) -> torch.nn.Module | None:
         return self._reference[0] if self._reference else None
 
+    @contextlib.contextmanager
+    def reference_scope(self) -> Iterator[torch.nn.Module]:
+        """The model that scores as the starting weights, in eval mode and without gradients: the frozen copy, or with
+        fresh LoRA adapters the policy with its adapters off."""
+        model = self.reference
+        scope: Any = contextlib.nullcontext()
+        if model is None:
+            model, scope = self.model, adapters_disabled(self.model)
+        training = model.training
+        model.eval()
+        try:
+            with scope, torch.no_grad():
+                yield model
+        finally:
+            model.train(training)
+
     def wants_frozen_reference(self) -> bool:
         """Whether the objective scores with a frozen copy of the starting weights during training (DPO with
         ``precompute_ref_log_probs: false``, unless fresh LoRA adapters make the policy with its adapters off that
@@ -316,16 +332,9 @@ class CausalLMModule(pl.LightningModule):
         cp = getattr(self.trainer.strategy, "communicators", {}).get("cp")
         if cp is not None and cp.size > 1:
             part = shard_micro_batches([micro_batch], cp, token_share=False)[0]
-        reference = self.reference
-        scope: Any = contextlib.nullcontext()
-        if reference is None:
-            reference, scope = self.model, adapters_disabled(self.model)
-        training = reference.training
-        reference.eval()
-        with scope, torch.no_grad(), self.trainer.precision_plugin.val_step_context():
+        with self.reference_scope() as reference, self.trainer.precision_plugin.val_step_context():
             logits = reference(part["input_ids"], part.get("position_ids"), part.get("segment_ids"))
             sums = sequence_log_prob_sums(reference, logits, part).double()
-        reference.train(training)
         pairs = sums.shape[0] // 2
         return torch.stack([sums[:pairs], sums[pairs:]], dim=1)
 

@@ -423,12 +423,13 @@ def memory_per_rank(cfg: Any, degrees: dict[str, int]) -> dict[str, float]:
 
 def keeps_frozen_reference(cfg: Any) -> bool:
     """Whether training holds a frozen copy of the starting weights: DPO scoring its reference each step
-    (``precompute_ref_log_probs: false``; with fresh LoRA adapters the policy with its adapters off is that reference,
-    no copy) or GRPO's KL (``beta`` != 0)."""
+    (``precompute_ref_log_probs: false``) or GRPO's KL (``beta`` != 0); with fresh LoRA adapters the policy with its
+    adapters off is that reference, no copy."""
     mas = getattr(cfg, "model_alignment_strategy", None)
     dpo, grpo, peft = getattr(mas, "dpo", None), getattr(mas, "grpo", None), getattr(mas, "peft", None)
     fresh_adapters = peft is not None and not peft.load_lora_from_ckpt
-    return (dpo is not None and not dpo.precompute_ref_log_probs and not fresh_adapters) or (grpo is not None and grpo.beta != 0)
+    online_dpo = dpo is not None and not dpo.precompute_ref_log_probs
+    return (online_dpo or (grpo is not None and grpo.beta != 0)) and not fresh_adapters
 
 
 def ring_attention_flops(b: int, chunk: int, heads: float, head_dim: int) -> dict[str, float]:
