@@ -259,25 +259,16 @@ class DPOLoss:
             total = total + weight * losses
         return total, reward_metrics(beta * chosen, beta * rejected)
 
-    def __call__(
-        self,
-        policy_chosen_logps: torch.Tensor,
-        policy_rejected_logps: torch.Tensor,
-        ref_chosen_logps: torch.Tensor,
-        ref_rejected_logps: torch.Tensor,
-        chosen_tokens: torch.Tensor | None = None,
-        rejected_tokens: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The loss of a batch of B pairs (the per-pair losses' mean, plus the weighted ``sft`` token mean) and the
-        metrics (detached means over the pairs)."""
-        losses, metrics = self.pair_losses(
-            policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_tokens, rejected_tokens
-        )
+    def __call__(self, *inputs: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of a batch of B pairs from :meth:`pair_losses`'s inputs (the per-pair losses' mean, plus the
+        weighted ``sft`` token mean) and the metrics (detached means over the pairs)."""
+        losses, metrics = self.pair_losses(*inputs)  # type: ignore[arg-type]
         loss = losses.mean()
         if self.sft_weight:
-            if chosen_tokens is None:
+            chosen, chosen_tokens = inputs[0], inputs[4] if len(inputs) > 4 else None
+            if chosen is None or chosen_tokens is None:
                 raise ValueError("dpo.loss_type sft needs each chosen response's token count")
-            loss = loss - self.sft_weight * policy_chosen_logps.float().sum() / chosen_tokens.float().sum().clamp(min=1)
+            loss = loss - self.sft_weight * chosen.float().sum() / chosen_tokens.float().sum().clamp(min=1)
         return loss, metrics
 
 

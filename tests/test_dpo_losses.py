@@ -20,18 +20,14 @@ from nxdt.data.instructions import IGNORE_INDEX, read_jsonl, write_jsonl
 from nxdt.data.preferences import pair_rows
 
 from hf_reference import llama_config
+from test_orpo import PAIRS
+from test_orpo import SHAPE as PAIR_SHAPE
 
 pytestmark = pytest.mark.timeout(240)
 
-PAIRS = 8
 BETA = 0.5
-SHAPE = [
-    "trainer.devices=1",
-    "model.num_layers=1",
-    "model.hidden_size=32",
-    "model.ffn_hidden_size=64",
-    f"data.global_batch_size={PAIRS}",
-    f"data.dev_choose_samples={PAIRS}",
+SHAPE = [  # test_orpo's tiny model and batch of 8 pairs, here in one micro-batch
+    *PAIR_SHAPE,
     f"data.micro_batch_size={PAIRS}",
     "precision.type=fp32",
     f"model_alignment_strategy.dpo.kl_beta={BETA}",
