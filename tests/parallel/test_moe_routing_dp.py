@@ -23,20 +23,10 @@ import torch
 from nxdt.comm.spawn import run_local
 from nxdt.models.mixtral import MixtralForCausalLM
 from nxdt.parallel.data_parallel import ModelParallel, data_parallel_runtime
+from hf_reference import TINY_LLAMA
 
-CFG = types.SimpleNamespace(
-    vocab_size=64,
-    hidden_size=16,
-    num_layers=2,
-    num_attention_heads=2,
-    num_kv_heads=2,
-    ffn_hidden_size=16,
-    max_position_embeddings=32,
-    rope_theta=10000.0,
-    norm_eps=1e-5,
-    tie_word_embeddings=False,
-    init_method_std=0.02,
-    activations_checkpoint_granularity=None,
+CFG = types.SimpleNamespace(  # the parity tests' tiny Llama, narrower, with 16 single-choice experts
+    **{**TINY_LLAMA, "hidden_size": 16, "num_attention_heads": 2, "ffn_hidden_size": 16, "max_position_embeddings": 32},
     moe=types.SimpleNamespace(num_experts=16, top_k=1, router_aux_loss_coef=0.0),
 )
 KINDS = {"replicated": {}, "zero1": {"zero1": True}, "fsdp": {"fsdp": {"param_persistence_threshold": 0}}}
