@@ -500,7 +500,8 @@ class GRPOModule(CausalLMModule):
         n = len(completions)
         # SP splits the width over TP; CP cuts it into 2·CP chunks, each rank's two then split over TP
         cp = self._group_size("cp")
-        full = pad_columns(completion_batch(prompt_rows, completions), self._group_size("tp") * (2 * cp if cp > 1 else 1))
+        width = self._group_size("tp") * (2 * cp if cp > 1 else 1)
+        full = pad_columns(completion_batch(prompt_rows, completions, self.device), width)
         local_tokens = int((full["labels"] != -100).sum())
         global_tokens = int(self._data_parallel_sum(torch.tensor([local_tokens], dtype=torch.int64))[0])
         parts = self._scoring_parts(full, n)
@@ -513,7 +514,7 @@ class GRPOModule(CausalLMModule):
             completions,
             everyone,
             rewards_all,
-            advantages_all[rank * n : (rank + 1) * n],
+            advantages_all[rank * n : (rank + 1) * n].to(self.device),
             parts,
             local_tokens,
             global_tokens,
@@ -553,10 +554,10 @@ class GRPOModule(CausalLMModule):
         cp_size = 1 if cp is None else int(cp.size)
 
         optimizer.zero_grad()
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)  # where the losses are
         sums = torch.zeros(5, dtype=torch.float64)  # kl, clip low, high, region (token sums), tokens
         aux_coef = router_aux_weight(self.model)  # a MoE model's; 0: no term
-        micro_batches, aux_sum = len(generation.parts), torch.zeros((), dtype=torch.float64)
+        micro_batches, aux_sum = len(generation.parts), torch.zeros((), dtype=torch.float64, device=self.device)
         for index, (rows, mb, row_tokens) in enumerate(generation.parts):
             mb_mask = mb["labels"] != -100
             ref = generation.ref[index]

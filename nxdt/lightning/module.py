@@ -344,7 +344,7 @@ class CausalLMModule(pl.LightningModule):
         names = self.objective.metrics
         if not names:
             return {}
-        sums = torch.zeros(len(names) + 1, dtype=torch.float64)
+        sums = torch.zeros(len(names) + 1, dtype=torch.float64, device=self.device)  # where metric_sums are
         for mb in micro_batches:
             if "metric_sums" in mb:  # only where the loss was computed (PP: the last stage)
                 sums += mb["metric_sums"]
@@ -389,13 +389,18 @@ class CausalLMModule(pl.LightningModule):
         per_rank = -(-(-(-n // size)) // b) * b  # ceil(n / size), rounded up to whole micro-batches
         indices = list(range(rank * per_rank, (rank + 1) * per_rank))
         micro_batches = [
-            pair_rows(default_collate([dataset[i if i < n else 0] for i in indices[k : k + b]])) for k in range(0, per_rank, b)
+            {
+                k: v.to(self.device)
+                for k, v in pair_rows(default_collate([dataset[i if i < n else 0] for i in indices[k : k + b]])).items()
+            }
+            for k in range(0, per_rank, b)
         ]
         training = self.model.training
         self.model.eval()
         with torch.no_grad(), self.trainer.precision_plugin.val_step_context():
             scores = self.sequence_scores(micro_batches)  # [micro-batches, 2b]: chosen rows then rejected rows
         self.model.train(training)
+        scores = scores.cpu()  # the table lives with the dataset, in host memory: one copy from the device
         table = torch.zeros(n, 2, dtype=torch.float64)
         for k, row in enumerate(scores):
             for j, i in enumerate(indices[k * b : (k + 1) * b]):

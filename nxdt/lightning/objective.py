@@ -173,7 +173,7 @@ ORPO_NLL_MEANS = ("tokens", "sequences")
 def _record(micro_batch: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor], names: tuple[str, ...], pairs: int) -> None:
     """The micro-batch's metric sums (means × pairs) and its pair count, for the global-batch means."""
     means = torch.stack([metrics[n].detach().double().reshape(()) for n in names])
-    micro_batch["metric_sums"] = torch.cat([means * pairs, torch.tensor([float(pairs)], dtype=torch.float64)])
+    micro_batch["metric_sums"] = torch.cat([means * pairs, means.new_tensor([float(pairs)])])
 
 
 def dpo_pair_loss(dpo: DPOLoss, sums: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None) -> PairTerms:
@@ -187,7 +187,7 @@ def dpo_pair_loss(dpo: DPOLoss, sums: torch.Tensor, counts: torch.Tensor, ref: t
     losses, metrics = dpo.pair_losses(chosen, rejected, ref[:, 0], ref[:, 1], chosen_tokens, rejected_tokens)
     if dpo.sft_weight:
         return PairTerms(losses.mean(), -dpo.sft_weight * chosen.sum(), chosen_tokens.sum().to(chosen.dtype), metrics)
-    zero = torch.zeros((), dtype=torch.float64)
+    zero = torch.zeros((), dtype=torch.float64, device=chosen.device)
     return PairTerms(losses.mean(), zero, zero, metrics)
 
 
@@ -202,7 +202,7 @@ def orpo_pair_loss(beta: float, nll_mean: str, sums: torch.Tensor, counts: torch
     losses, metrics = odds_ratio_terms(chosen_mean, rejected_sum / rejected_count.clamp(min=1), beta)
     if nll_mean == "sequences":
         nll = -chosen_mean.float().mean()
-        zero = torch.zeros((), dtype=torch.float64)
+        zero = torch.zeros((), dtype=torch.float64, device=nll.device)
         return PairTerms(losses.mean() + nll, zero, zero, {**metrics, NLL_METRIC: nll.detach()})
     nll_sum, nll_tokens = -split_chosen_rejected(sums[1])[0].sum(), split_chosen_rejected(counts[1])[0].sum()
     return PairTerms(losses.mean(), nll_sum, nll_tokens.to(nll_sum.dtype), metrics)
@@ -259,10 +259,11 @@ def pair_sums(
         rows = torch.cat([real, real])
         ref = micro_batch.get("ref_logps")
         terms = pair_loss(scores.double()[:2, rows], counts[:, rows], None if ref is None else ref[real])
-        aux = scores.double()[2, 0] if scores.shape[0] > 2 else torch.zeros((), dtype=torch.float64)
-        per_pair = [terms.pair_mean + aux] + [terms.metrics[n] if n != token_metric else torch.zeros(()) for n in names]
+        zero = scores.new_zeros((), dtype=torch.float64)  # on the scores' device (a GPU's)
+        aux = scores.double()[2, 0] if scores.shape[0] > 2 else zero
+        per_pair = [terms.pair_mean + aux] + [terms.metrics[n] if n != token_metric else zero for n in names]
         out[: len(names) + 1] = torch.stack([v.detach().double().reshape(()) for v in per_pair]) * pairs
-        out[-3:] = torch.stack([terms.nll_sum.detach().double(), terms.nll_tokens.double(), torch.tensor(float(pairs))])
+        out[-3:] = torch.stack([terms.nll_sum.detach().double(), terms.nll_tokens.double(), zero + pairs])
     return out
 
 

@@ -240,7 +240,8 @@ class NxDStrategy(ParallelStrategy):
         # CUDA parallel_devices (Lightning's accelerator="cuda", or nxdt train's device policy, which may give two
         # ranks one GPU) place each rank on its own entry, as DDPStrategy does; anything else computes on the CPU
         devices = self.parallel_devices
-        if devices and devices[0].type == "cuda":
+        # (a CPU device with an index is kept as given: the tests' emulated accelerator, tests/accelerator_emulation.py)
+        if devices and (devices[0].type == "cuda" or devices[0].index is not None):
             return devices[self.local_rank]
         return torch.device("cpu")
 

@@ -48,7 +48,17 @@ def rank_devices(cfg: Any, plan: Plan, gpus: int) -> list[torch.device] | None:
     return [torch.device(d) for d in node_devices(cfg.instance.accelerator, plan.ranks_per_node, gpus)]
 
 
-def build_trainer(cfg: Any, plan: Plan, run_dir: Path, tokens_per_step: int, *, show_progress: bool = True) -> pl.Trainer:
+def build_trainer(
+    cfg: Any,
+    plan: Plan,
+    run_dir: Path,
+    tokens_per_step: int,
+    *,
+    show_progress: bool = True,
+    devices: list[torch.device] | None = None,
+) -> pl.Trainer:
+    """The run's Trainer and NxDStrategy; ``devices``: this node's ranks' devices in place of the device policy's (the
+    tests' emulated accelerator)."""
     model_shape = {k: getattr(cfg.model, k) for k in MODEL_SHAPE_FIELDS}
     ds, peft = cfg.distributed_strategy, cfg.model_alignment_strategy.peft
     fsdp = {
@@ -84,7 +94,7 @@ def build_trainer(cfg: Any, plan: Plan, run_dir: Path, tokens_per_step: int, *, 
     # what a resume checks: the same reference model (registry.check_resume_reference)
     reference = reference_meta(cfg)
     # instance.devices: the GPUs the launcher checked this host has (instance=gpu: the number it found)
-    devices = rank_devices(cfg, plan, cfg.instance.devices)
+    devices = devices or rank_devices(cfg, plan, cfg.instance.devices)
     strategy = NxDStrategy(
         plan=plan,
         timeout_s=cfg.comm.timeout_s,
@@ -164,17 +174,13 @@ def lora_summary(model: Any) -> str:
     )
 
 
-def run_training(cfg: Any, plan: Plan, run_dir: str | Path) -> None:
-    check_trainable(cfg)
-    run_dir = Path(run_dir)
-    export_worker_environment(cfg.instance.env, os.environ)  # NCCL / EFA settings, before the first NCCL group
-    pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    ckpt_path = agreed_resume_checkpoint(cfg, run_dir)
+def build_module(cfg: Any, data_parallel_size: int, init_checkpoint: str | None = None) -> pl.LightningModule:
+    """The run's LightningModule as ``cfg`` describes it: its objective's module class (pretraining, SFT, DPO, ORPO or
+    GRPO) over the model, with the optimizer, precision and LoRA settings (``init_checkpoint``: weights to start from)."""
     mas = cfg.model_alignment_strategy
-    spec = objective_spec(cfg)  # pretraining, SFT, DPO, ORPO or GRPO: its module class, loss and data module
-    module = spec.build_module(
+    return objective_spec(cfg).build_module(
         cfg,
-        plan.dp,
+        data_parallel_size,
         cfg.model,
         cfg.data.global_batch_size,
         cfg.data.seq_length,
@@ -185,11 +191,24 @@ def run_training(cfg: Any, plan: Plan, run_dir: str | Path) -> None:
         nan_policy=cfg.exp_manager.nan_policy,
         precision=cfg.precision.type,
         seed=cfg.seed,
-        init_checkpoint=initial_weights_checkpoint(cfg, ckpt_path),
+        init_checkpoint=init_checkpoint,
         peft=PeftConfig.pick(mas.peft) if mas.peft is not None else None,
     )
+
+
+def run_training(cfg: Any, plan: Plan, run_dir: str | Path, devices: list[torch.device] | None = None) -> pl.LightningModule:
+    """One worker's run (``nxdt train``'s workers call it; in one process it is a one-rank run); the trained module.
+    ``devices``: as :func:`build_trainer`'s."""
+    check_trainable(cfg)
+    run_dir = Path(run_dir)
+    export_worker_environment(cfg.instance.env, os.environ)  # NCCL / EFA settings, before the first NCCL group
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    ckpt_path = agreed_resume_checkpoint(cfg, run_dir)
+    mas = cfg.model_alignment_strategy
+    spec = objective_spec(cfg)  # pretraining, SFT, DPO, ORPO or GRPO: its module class, loss and data module
+    module = build_module(cfg, plan.dp, initial_weights_checkpoint(cfg, ckpt_path))
     datamodule = spec.build_datamodule(cfg)
-    trainer = build_trainer(cfg, plan, run_dir, module.tokens_per_step)
+    trainer = build_trainer(cfg, plan, run_dir, module.tokens_per_step, devices=devices)
     em = cfg.exp_manager
     if trainer.is_global_zero and (em.create_wandb_logger or em.create_mlflow_logger or em.create_clearml_logger):
         from nxdt.lightning.trackers import tracker_loggers  # rank 0 only, imported only when asked for
@@ -208,3 +227,4 @@ def run_training(cfg: Any, plan: Plan, run_dir: str | Path) -> None:
         print(f"nxdt: resuming from {ckpt_path}", flush=True)
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)
     trainer.strategy.close()  # the worker is forked: no atexit handler would do it
+    return module

@@ -32,7 +32,7 @@ def squared_norm(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if t.device.type != "cpu":
         return torch.linalg.vector_norm(t, dtype=torch.float64).square()
-    total = torch.zeros((), dtype=torch.float64)
+    total = t.new_zeros((), dtype=torch.float64)
     for chunk in t.reshape(-1).split(NORM_CHUNK):
         block = chunk.to(torch.float64)
         total += torch.dot(block, block)
