@@ -11,7 +11,10 @@ device, or ``.cpu()``), or unknown (made outside the mode, or by autograd: mixes
 device: NxDStrategy(parallel_devices=[EMULATED]) puts the module there as it puts a rank on its GPU.
 
 It sees the calls Python makes into torch (composite functions such as ``F.cross_entropy`` once, at their entry) and
-not those inside C++; copies (``copy_``, slice assignment) cross devices as on a GPU."""
+not those inside C++; copies (``copy_``, slice assignment) cross devices as on a GPU. ``EMULATED.type`` is "cpu", so
+code that branches on the device type takes its CPU branch here: ZeRO-1's and FSDP's flat buffers are nxdt.comm's
+shared host memory (FSDP's optimizer state then reads as the host's: a false alarm, so FSDP is not among the cases),
+and what only a GPU branch does is the GPU tests' (tests/gpu/)."""
 
 from __future__ import annotations
 
@@ -70,17 +73,22 @@ class EmulatedAccelerator(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.places: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.storages: dict[int, str] = {}  # the newest place of each memory block a placed tensor used
         self.checked = 0  # ops that met both places legally (a host scalar in a device op): the checks ran
         self.device_ops = 0  # ops with a device tensor among their inputs
 
     def place(self, t: torch.Tensor) -> str | None:
-        return self.places.get(t)
+        place = self.places.get(t)
+        if place is None and isinstance(t, torch.nn.Parameter):  # nn.Parameter(x) wraps x's memory unseen: x's place
+            place = self.storages.get(t.untyped_storage().data_ptr())
+        return place
 
     def put(self, out: Any, place: str | None) -> Any:
         if place is not None:
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     self.places[t] = place
+                    self.storages[t.untyped_storage().data_ptr()] = place
         return out
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -118,7 +126,7 @@ class EmulatedAccelerator(TorchFunctionMode):
         if name == "__set__":  # p.data = x, p.grad = g: the tensor is where its new data is
             func(*args)
             if what in {"data"} and isinstance(args[1], torch.Tensor) and self.place(args[1]) is not None:
-                self.places[tensor] = self.place(args[1])
+                self.put(tensor, self.place(args[1]))
             return None
         if what == "device" and self.place(tensor) == DEVICE:
             return EMULATED
@@ -126,7 +134,7 @@ class EmulatedAccelerator(TorchFunctionMode):
         if isinstance(out, torch.Tensor) and what in {"data", "grad", "T", "mT", "H", "real", "imag"}:
             place = self.place(tensor)
             if place is not None and out is not None:
-                self.places[out] = place
+                self.put(out, place)
         return out
 
     def _target(self, func: Any, name: str, args: tuple, kwargs: dict, tensors: list) -> str | None:
