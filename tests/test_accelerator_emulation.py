@@ -2,10 +2,15 @@
 under :class:`~accelerator_emulation.EmulatedAccelerator`, which refuses what CUDA refuses — a host batch into a device
 model, a host vector in a device op, a device value added into a host accumulator, ``cat`` of both. These are the
 mistakes only a GPU run showed before (DPO's reference pass and GRPO's scoring batch were built in host memory: the
-H200 check of 2026-11-30 failed on them, this test fails the same way without their fixes). The rules themselves are
-checked first, against what CUDA does."""
+H200 check of 2026-11-30 failed on them, this test fails the same way without their fixes); then two ranks under
+torchrun (``emulated_ranks.py``) for the layouts' own device code. The rules themselves are checked first, against
+what CUDA does."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,3 +106,43 @@ def test_every_objective_keeps_its_tensors_on_the_device(case, tmp_path):
     assert mode.device_ops > 1000  # the model computed on the emulated device (a forward is hundreds of ops)
     if cfg.data.val_split:
         assert module.val_metrics["step"] == cfg.trainer.max_steps
+
+
+# layouts whose GPU code only ranks on separate devices run: a pipeline's scores (DPO's validation), a tensor-parallel
+# LoRA layer's replicated adapter half, GRPO's sampling and scoring under TP with SP and a LoRA reference
+LAYOUT_CASES = [
+    "+recipe=dpo data.dev_choose_samples=16 data.global_batch_size=4 data.micro_batch_size=1 data.val_split=0.25 "
+    "distributed_strategy.pipeline_model_parallel_size=2",
+    "+recipe=lora data.global_batch_size=4 data.micro_batch_size=1 distributed_strategy.tensor_model_parallel_size=2",
+    "+recipe=grpo data.global_batch_size=8 data.micro_batch_size=4 distributed_strategy.tensor_model_parallel_size=2 "
+    "distributed_strategy.sequence_parallel=true model_alignment_strategy.grpo.beta=0.04 model_alignment_strategy.peft.lora_rank=4",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_parallel_layouts_keep_their_tensors_on_each_ranks_device(tmp_path):
+    """Two ranks under torchrun, each on the emulated accelerator: the layouts' own device code (before these ran,
+    DPO's validation under PP indexed the pipeline's host scores with device masks, and TP's LoRA built its
+    replicated adapter half on the host)."""
+    from test_lightning_api import shell_environment
+
+    cases = tmp_path / "cases.txt"
+    common = "model.num_layers=2 trainer.max_steps=2 exp_manager.save_last=false"
+    cases.write_text("".join(f"{common} {case}\n" for case in LAYOUT_CASES))
+    script = Path(__file__).resolve().parent / "emulated_ranks.py"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(script),
+        str(cases),
+        str(tmp_path),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=220, env=shell_environment(), cwd=tmp_path)
+    mixes = [line for line in done.stdout.splitlines() if line.startswith("DEVICE-MIX")]
+    assert not mixes and done.returncode == 0, (mixes, done.stdout[-2000:], done.stderr[-3000:])
+    assert [line for line in done.stdout.splitlines() if line.startswith("ok ")] == [f"ok {n}" for n in range(1, 4)]

@@ -604,7 +604,7 @@ class PipelineExecutor:
             self._forward_only(microbatches)
         finally:
             self._score = None
-        out = torch.zeros(len(self.microbatches), width, dtype=torch.float64)
+        out = torch.zeros(len(self.microbatches), width, dtype=torch.float64, device=self.device)  # where the scores are
         for i, values in self.scores.items():
             out[i] = values
         if self.num_stages > 1:
