@@ -775,7 +775,9 @@ class LoRAParallelLinear(TensorParallelModule):
 def _replicated_copy(linear: nn.Linear) -> nn.Linear:
     """A separate ``nn.Linear`` with the same weights (every TP rank holds all of it)."""
     weight = linear.weight
-    copy = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, dtype=weight.dtype, device=weight.device)
+    copy = nn.Linear(
+        linear.in_features, linear.out_features, bias=linear.bias is not None, dtype=weight.dtype, device=weight.device
+    )
     copy.load_state_dict(linear.state_dict())
     copy.requires_grad_(linear.weight.requires_grad)
     return copy
