@@ -102,3 +102,26 @@ def test_a_rank_lightning_never_started_is_named_not_waited_for_silently(monkeyp
     message = str(failure.value)
     assert "rank(s) [1] never joined the run (2 ranks at 127.0.0.1:" in message
     assert "LOCAL_RANK=0 is set in this process's environment" in message and "\n" not in message
+
+
+def test_a_joining_rank_whose_wait_ends_as_the_store_closes_says_so_in_one_line():
+    """A race seen under load (two nodes started, one never came): this rank's wait ran out just as the rank serving
+    the store gave up and closed it, so asking which ranks were missing reset its connection. It says the store's
+    server stopped (that rank's own error names the absent ones), not "DistNetworkError: Connection reset by peer"."""
+    import torch.distributed as dist
+
+    from nxdt.comm import CommError, CommTimeoutError
+    from nxdt.comm.world import _joined
+
+    class ClosingStore:
+        def check(self, keys):
+            raise dist.DistNetworkError("Connection reset by peer")
+
+    class Keys:
+        store = ClosingStore()
+
+        def get(self, name):
+            raise CommTimeoutError("wait timeout after 1000ms, keys: host/1")
+
+    with pytest.raises(CommError, match=r"the rank serving the rendezvous store stopped while this rank was joining"):
+        _joined(Keys(), ["host/1"], [1], "2 ranks at 127.0.0.1:29500")

@@ -827,15 +827,19 @@ def _joined(keys: SignedKeys, names: list[str], ranks: list[int], where: str) ->
     """The values of ``names`` (``ranks[i]`` writes ``names[i]`` when it joins), or one error naming the ranks that
     never joined — rather than the store's "wait timeout … keys: host/1". Only values signed with the run's secret
     are read (``SignedKeys``): a forged one is refused."""
+    store_gone = (
+        f"nxdt.comm: the rank serving the rendezvous store stopped while this rank was joining the run ({where}): "
+        f"its own error names the ranks that never joined"
+    )
     try:
         return [keys.get(name).decode() for name in names]
     except dist.DistNetworkError as exc:  # the serving rank gave up first (it started first) and its store closed
-        raise CommError(
-            f"nxdt.comm: the rank serving the rendezvous store stopped while this rank was joining the run ({where}): "
-            f"its own error names the ranks that never joined"
-        ) from exc
+        raise CommError(store_gone) from exc
     except CommTimeoutError as exc:
-        absent = [rank for rank, name in zip(ranks, names) if not keys.store.check([name])]
+        try:
+            absent = [rank for rank, name in zip(ranks, names) if not keys.store.check([name])]
+        except dist.DistNetworkError as gone:  # ... as this rank's own wait ran out: its connection is reset
+            raise CommError(store_gone) from gone
         raise CommTimeoutError(
             f"nxdt.comm: rank(s) {absent} never joined the run ({where}): check that they were started, "
             f"with the same MASTER_ADDR and MASTER_PORT",
