@@ -104,6 +104,7 @@ def _at_initialisation(rows):
 def test_the_nxdt_dpo_config_trains_and_starts_at_log_2(reference):
     rows, stdout, run = reference
     assert [int(r["step"]) for r in rows] == [1, 2, 3]
+    assert all(r["aux_loss"] == "" for r in rows)  # a dense model: TRL's column, with no load-balancing loss to log
     _at_initialisation(rows)
     # it learns: the chosen answers gain on the rejected ones, and the loss falls below log 2
     assert float(rows[-1]["rewards/margins"]) > 0 and float(rows[-1]["loss"]) < math.log(2), rows
@@ -365,6 +366,8 @@ def test_dpo_on_a_mixture_of_experts_model_adds_trls_load_balancing_term_and_ep2
             mask = (mb["segment_ids"] != 0).long()
             terms.append(float(modeling.load_balancing_loss_func(tuple(model.router_logits()), 4, 2, attention_mask=mask)))
     assert float(want[0]["loss"]) == pytest.approx(math.log(2) + 0.02 * sum(terms) / len(terms), rel=1e-5)
+    # logged as TRL logs it: aux_loss, the term unweighted, its mean over the step's micro-batches
+    assert float(want[0]["aux_loss"]) == pytest.approx(sum(terms) / len(terms), rel=1e-5)
     assert abs(float(want[-1]["loss"]) - float(want[0]["loss"])) > 1e-4  # the policy moved: not the trivial comparison
     # validation after step 3: the mean over the 4 pairs of −log σ(β·(Δ log π − Δ log π_ref)) plus 0.02 · the mean term
     trained = import_architecture(cfg.model.architecture)(cfg.model).eval()
@@ -386,10 +389,12 @@ def test_dpo_on_a_mixture_of_experts_model_adds_trls_load_balancing_term_and_ep2
             terms.append(float(modeling.load_balancing_loss_func(tuple(trained.router_logits()), 4, 2, attention_mask=attention)))
     validated = float(next(r for r in want if r.get("val_loss"))["val_loss"])
     assert validated == pytest.approx(sum(losses) / len(losses) + 0.02 * sum(terms) / len(terms), rel=1e-5)
+    val_aux = float(next(r for r in want if r.get("val_loss"))["val_aux_loss"])
+    assert val_aux == pytest.approx(sum(terms) / len(terms), rel=1e-5)
     for got in (_rows(runs["ep2"]), _rows(runs["cp2"]), _rows(runs["pp2"])):
         for g, w in zip(got, want, strict=True):
             assert float(g["loss"]) == pytest.approx(float(w["loss"]), rel=1e-5), (got, want)
             if w.get("val_loss") and "val_loss" in g:  # PP2's validation: the term's statistics cross the stages too
                 assert float(g["val_loss"]) == pytest.approx(float(w["val_loss"]), rel=1e-5), (got, want)
-            for name in REWARDS:
+            for name in (*REWARDS, "aux_loss"):
                 assert float(g[name]) == pytest.approx(float(w[name]), rel=1e-4, abs=1e-5), (name, got, want)

@@ -350,7 +350,9 @@ class CausalLMModule(pl.LightningModule):
                 sums += mb["metric_sums"]
         sums = self.trainer.strategy.reduce(sums, reduce_op="sum").double()
         pairs = float(sums[-1])
-        return {name: float(value) / pairs for name, value in zip(names, sums[:-1])} if pairs else {}
+        # a NaN metric has no value on this model (aux_loss of a dense one): an empty column, as GRPO's
+        means = {name: float(value) / pairs for name, value in zip(names, sums[:-1])} if pairs else {}
+        return {name: value for name, value in means.items() if not math.isnan(value)}
 
     def on_fit_start(self) -> None:
         shard = getattr(self.trainer.strategy, "shard_frozen", None)
@@ -523,11 +525,11 @@ class CausalLMModule(pl.LightningModule):
         scores and every stage gets the values), then the objective of each micro-batch's real pairs (the
         padding pairs of the last batch left out), added up as sums over pairs."""
         micro_batches = self._lay_out(split_micro_batches(batch, self.micro_batch_size))
-        scores = self.sequence_scores(micro_batches, pair_scores_and_aux, per_row=3)
+        scores = self.sequence_scores(micro_batches, pair_scores_and_aux, per_row=4)
         objective = self.objective
         assert objective.pair_loss is not None  # every pair objective has one
         for mb, row in zip(micro_batches, scores):
-            self._val_sums += pair_sums(objective.pair_loss, objective.metrics, objective.token_metric, row.reshape(3, -1), mb)
+            self._val_sums += pair_sums(objective.pair_loss, objective.metrics, objective.token_metric, row.reshape(4, -1), mb)
 
     def on_validation_epoch_end(self) -> None:
         """val_loss: the token-weighted mean over every validation token of every data-parallel rank; DPO/ORPO: the

@@ -27,8 +27,8 @@ A mixture-of-experts policy with a non-zero ``router_aux_loss_coef`` adds, as TR
 do, that weight times the load-balancing loss of the micro-batch's forward — chosen and rejected rows together, over
 their real tokens (:func:`router_aux_weight`; ``aux_loss(padding_masked=True)``) — to each micro-batch's loss, in
 training and validation (TRL's eval loss has it too); under context parallelism the routing statistics add up over the
-CP ranks (``LoadBalancing.sequence_group``). Not under pipeline parallelism, whose stages do not mark the real tokens
-(refused before launch).
+CP ranks (``LoadBalancing.sequence_group``), and under pipeline parallelism the stages' real-token statistics travel
+with the activations. It is logged unweighted as ``aux_loss`` (TRL's name; no value for a dense model).
 """
 
 from __future__ import annotations
@@ -97,7 +97,8 @@ class Objective:
 CAUSAL_LM = Objective("causal_lm", causal_lm_loss)
 
 REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
-ORPO_METRICS = REWARD_METRICS + ("log_odds_ratio", "log_odds_chosen", "nll_loss")
+AUX_METRIC = "aux_loss"  # a MoE policy's load-balancing loss, unweighted (TRL's name); no value for a dense model
+ORPO_METRICS = REWARD_METRICS + ("log_odds_ratio", "log_odds_chosen", "nll_loss", AUX_METRIC)
 
 
 def sequence_log_prob_sums(model: Any, logits: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -113,11 +114,10 @@ def router_aux_weight(model: Any) -> float:
     return float(getattr(model, "router_aux_loss_coef", 0.0) or 0.0)
 
 
-def weighted_router_aux(model: Any) -> torch.Tensor | None:
-    """``router_aux_weight · aux_loss(padding_masked=True)`` of the model's last forward (transformers' loss with the
-    attention mask, TRL's term); None without one."""
-    weight = router_aux_weight(model)
-    return weight * model.aux_loss(padding_masked=True) if weight else None
+def router_aux(model: Any) -> torch.Tensor | None:
+    """The model's last forward's load-balancing loss over real tokens, unweighted (TRL's logged ``aux_loss``); None
+    where no term is added (a dense model, or a zero weight)."""
+    return model.aux_loss(padding_masked=True) if router_aux_weight(model) else None
 
 
 def pair_scores(model: Any, logits: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -130,12 +130,14 @@ def pair_scores(model: Any, logits: torch.Tensor, micro_batch: dict[str, torch.T
 
 
 def pair_scores_and_aux(model: Any, logits: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Validation's [3, rows]: :func:`pair_scores` and, in every column of row 2, the micro-batch's weighted
-    load-balancing term (:func:`weighted_router_aux`; 0 for a dense model)."""
+    """Validation's [4, rows]: :func:`pair_scores` and, in every column of row 2, the micro-batch's weighted
+    load-balancing term (:func:`router_aux_weight` · :func:`router_aux`; 0 for a dense model), of row 3 the term unweighted (the
+    ``aux_loss`` metric; NaN for a dense model: no column)."""
     scores = pair_scores(model, logits, micro_batch)
-    aux = weighted_router_aux(model)
-    extra = torch.zeros_like(scores[:1]) if aux is None else aux.detach().to(scores.dtype).expand(1, scores.shape[1])
-    return torch.cat([scores, extra])
+    raw = router_aux(model)
+    weighted = scores.new_zeros(()) if raw is None else router_aux_weight(model) * raw.detach().to(scores.dtype)
+    unweighted = scores.new_full((), math.nan) if raw is None else raw.detach().to(scores.dtype)
+    return torch.cat([scores, torch.stack([weighted, unweighted]).reshape(2, 1).expand(2, scores.shape[1])])
 
 
 def pair_counts(micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -227,9 +229,10 @@ def pair_objective_loss(
     counts = sequence_total(model, pair_counts(micro_batch).to(logits.dtype))  # whole sequences' under CP
     terms = pair_loss(sums, counts, micro_batch.get("ref_logps"))
     loss, metrics = terms.pair_mean, dict(terms.metrics)
-    aux = weighted_router_aux(model)  # a MoE policy's load-balancing term, as TRL adds it
+    aux = router_aux(model)  # a MoE policy's load-balancing term, as TRL adds it and logs it
     if aux is not None:
-        loss = loss + aux
+        loss = loss + router_aux_weight(model) * aux
+    metrics[AUX_METRIC] = sums.new_full((), math.nan) if aux is None else aux.detach()
     if token_metric is not None:
         if "nll_scale" not in micro_batch:
             raise ValueError("a token-mean loss term needs micro_batch['nll_scale'] (CausalLMModule sets it per global batch)")
@@ -254,6 +257,7 @@ def pair_sums(
     counts = pair_counts(micro_batch).to(torch.float64)
     real = split_chosen_rejected(counts[0])[0] > 0
     out = torch.zeros(len(names) + 4, dtype=torch.float64)
+    nan = scores.new_full((), math.nan, dtype=torch.float64)
     pairs = int(real.sum())
     if pairs:
         rows = torch.cat([real, real])
@@ -261,7 +265,8 @@ def pair_sums(
         terms = pair_loss(scores.double()[:2, rows], counts[:, rows], None if ref is None else ref[real])
         zero = scores.new_zeros((), dtype=torch.float64)  # on the scores' device (a GPU's)
         aux = scores.double()[2, 0] if scores.shape[0] > 2 else zero
-        per_pair = [terms.pair_mean + aux] + [terms.metrics[n] if n != token_metric else zero for n in names]
+        extra = {AUX_METRIC: scores.double()[3, 0] if scores.shape[0] > 3 else nan, **terms.metrics}
+        per_pair = [terms.pair_mean + aux] + [extra[n] if n != token_metric else zero for n in names]
         out[: len(names) + 1] = torch.stack([v.detach().double().reshape(()) for v in per_pair]) * pairs
         out[-3:] = torch.stack([terms.nll_sum.detach().double(), terms.nll_tokens.double(), zero + pairs])
     return out
@@ -275,6 +280,8 @@ def pair_means(names: tuple[str, ...], token_metric: str | None, sums: Sequence[
     nll = nll_sum / nll_tokens if nll_tokens else 0.0
     out = {"val_loss": pair_part / pairs + nll if pairs else math.nan}
     for name, value in zip(names, metric_sums):
+        if name == AUX_METRIC and math.isnan(value):  # a dense model: no load-balancing loss, an empty column
+            continue
         out[f"val_{name}"] = nll if name == token_metric else (value / pairs if pairs else math.nan)
     return out
 
@@ -301,7 +308,7 @@ def dpo_objective(dpo: Any) -> Objective:
     (weighted as it enters the loss)."""
     loss = dpo_loss_of(dpo)
     token_metric = SFT_METRIC if loss.sft_weight else None
-    metrics = REWARD_METRICS + ((SFT_METRIC,) if token_metric else ())
+    metrics = REWARD_METRICS + ((SFT_METRIC,) if token_metric else ()) + (AUX_METRIC,)
     pair_loss: PairLoss = functools.partial(dpo_pair_loss, loss)
     return Objective(
         "dpo",
