@@ -70,9 +70,9 @@ def test_each_objective_brings_its_loss_metrics_module_and_reference():
     by_name = {s.name: s for s in OBJECTIVES}
     assert by_name["pretraining"].objective(None) is CAUSAL_LM and by_name["sft"].objective(object()) is CAUSAL_LM
     dpo, orpo = _cfg("dpo").model_alignment_strategy.dpo, _cfg("orpo").model_alignment_strategy.orpo
-    assert by_name["dpo"].metrics(dpo) == REWARD_METRICS and by_name["orpo"].metrics(orpo) == ORPO_METRICS
+    assert by_name["dpo"].metrics(dpo) == (*REWARD_METRICS, "aux_loss") and by_name["orpo"].metrics(orpo) == ORPO_METRICS
     dpo.loss_type = ["sigmoid", "sft"]  # DPO's sft loss type: its token-mean term logged too
-    assert by_name["dpo"].metrics(dpo) == (*REWARD_METRICS, "sft_loss")
+    assert by_name["dpo"].metrics(dpo) == (*REWARD_METRICS, "sft_loss", "aux_loss")
     cfg = _cfg("grpo")
     assert by_name["grpo"].metrics(cfg.model_alignment_strategy.grpo) == grpo.metric_names(cfg.model_alignment_strategy.grpo)
     assert by_name["grpo"].module is grpo.GRPOModule

@@ -163,7 +163,7 @@ def test_objectives_by_recipe():
     with pytest.raises(ValueError, match=r"loss_type \['hinj'\]: each must be one of sigmoid, hinge"):
         spec(dpo=SimpleNamespace(kl_beta=0.1, loss_type="hinj"))
     ipo = spec(dpo=SimpleNamespace(kl_beta=0.1, loss_type=["ipo", "sft"]))  # TRL's types; sft: a token mean
-    assert ipo.token_metric == "sft_loss" and ipo.metrics[-1] == "sft_loss"
+    assert ipo.token_metric == "sft_loss" and ipo.metrics[-2:] == ("sft_loss", "aux_loss")
 
 
 @pytest.mark.parametrize("n, dp", [(10, 1), (10, 2), (7, 2), (12, 4)])
